@@ -1,0 +1,563 @@
+//! The TLV extension block and the typed values it carries.
+//!
+//! ```text
+//! ext_len u16 LE  (bytes of entries that follow, at most 1024)
+//! entry*: [type u8][len u8][value: len bytes]
+//! ```
+//! Known types are validated (length and range) and may appear once each; unknown types are
+//! skipped so older receivers accept newer senders. The table of types is in `docs/protocol.md`.
+
+use bytes::{BufMut, Bytes};
+
+use crate::error::ProtoError;
+use crate::topic::TopicName;
+
+/// Largest extension block (`ext_len`), in bytes.
+pub const MAX_EXT_LEN: usize = 1024;
+
+/// Extension type codes. 0x01..=0x03 come from the seed.
+pub mod types {
+    /// Trace context: trace id (16) + span id (8) + flags (1).
+    pub const TRACE: u8 = 0x01;
+    /// Compression: algorithm u8 (1 = zstd) + uncompressed length u32 LE.
+    pub const COMPRESSION: u8 = 0x02;
+    /// Priority: one byte, 0 (highest) ..= 3 (lowest); default 2.
+    pub const PRIORITY: u8 = 0x03;
+    /// Topic name, 1..=255 bytes UTF-8.
+    pub const TOPIC: u8 = 0x04;
+    /// Time to live in milliseconds, u32 LE (0 = no expiry).
+    pub const TTL: u8 = 0x05;
+    /// Per-topic message offset, u64 LE.
+    pub const OFFSET: u8 = 0x06;
+    /// Delivery attempt number, u32 LE, starting at 1.
+    pub const ATTEMPT: u8 = 0x07;
+    /// Publish confirmation requested (empty value).
+    pub const CONFIRM: u8 = 0x08;
+    /// Subscription acknowledgement mode, one byte (0 = none, 1 = explicit ACK).
+    pub const ACK_MODE: u8 = 0x09;
+    /// Subscription overflow policy, one byte (0 drop_oldest, 1 drop_newest, 2 disconnect).
+    pub const OVERFLOW: u8 = 0x0A;
+    /// Dead letter: the topic the message was first published to.
+    pub const ORIGINAL_TOPIC: u8 = 0x0B;
+    /// Dead letter: the message's offset in its original topic, u64 LE.
+    pub const ORIGINAL_OFFSET: u8 = 0x0C;
+    /// Human-readable reason (NACK, dead letter), 0..=255 bytes UTF-8.
+    pub const REASON: u8 = 0x0D;
+    /// Dead letter: how many delivery attempts were made, u32 LE.
+    pub const ATTEMPTS_MADE: u8 = 0x0E;
+}
+
+/// Message priority: 0 is the highest, 3 the lowest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Priority(u8);
+
+impl Priority {
+    pub const HIGHEST: Priority = Priority(0);
+    pub const DEFAULT: Priority = Priority(2);
+    pub const LOWEST: Priority = Priority(3);
+    /// Number of levels.
+    pub const LEVELS: usize = 4;
+
+    /// `Some` for 0..=3.
+    pub fn new(level: u8) -> Option<Priority> {
+        (usize::from(level) < Self::LEVELS).then_some(Priority(level))
+    }
+
+    /// The level, 0..=3.
+    pub fn level(self) -> u8 {
+        self.0
+    }
+
+    /// The level as an index into per-priority arrays.
+    pub fn index(self) -> usize {
+        usize::from(self.0)
+    }
+}
+
+impl Default for Priority {
+    fn default() -> Self {
+        Priority::DEFAULT
+    }
+}
+
+impl TryFrom<u8> for Priority {
+    type Error = ProtoError;
+    fn try_from(v: u8) -> Result<Self, ProtoError> {
+        Priority::new(v).ok_or(ProtoError::BadExtension {
+            ext_type: types::PRIORITY,
+            problem: "priority must be 0..=3",
+        })
+    }
+}
+
+/// W3C-style trace context carried opaquely from publisher to subscriber.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceContext {
+    pub trace_id: [u8; 16],
+    pub span_id: [u8; 8],
+    pub flags: u8,
+}
+
+/// Body compression, applied by the publisher and undone by the subscriber; the broker does not
+/// look inside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Compression {
+    /// 1 = zstd. Other values are passed through untouched.
+    pub algorithm: u8,
+    pub uncompressed_len: u32,
+}
+
+impl Compression {
+    pub const ZSTD: u8 = 1;
+}
+
+/// Whether a subscription's deliveries wait for an ACK.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AckMode {
+    /// Delivered means done (plain subscriptions' default).
+    #[default]
+    None,
+    /// Each delivery must be ACKed or NACKed (always so for consumer groups).
+    Explicit,
+}
+
+/// What a full subscriber queue does with one more message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum OverflowPolicy {
+    /// Evict the oldest queued message of the same priority.
+    #[default]
+    DropOldest,
+    /// Discard the incoming message.
+    DropNewest,
+    /// Close the subscription with SLOW_CONSUMER.
+    Disconnect,
+}
+
+impl OverflowPolicy {
+    pub const ALL: [OverflowPolicy; 3] = [
+        OverflowPolicy::DropOldest,
+        OverflowPolicy::DropNewest,
+        OverflowPolicy::Disconnect,
+    ];
+
+    /// The config / metrics spelling: `drop_oldest`, `drop_newest`, `disconnect`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OverflowPolicy::DropOldest => "drop_oldest",
+            OverflowPolicy::DropNewest => "drop_newest",
+            OverflowPolicy::Disconnect => "disconnect",
+        }
+    }
+
+    /// Index into per-policy arrays.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    fn from_wire(v: u8) -> Option<OverflowPolicy> {
+        OverflowPolicy::ALL.get(usize::from(v)).copied()
+    }
+}
+
+impl std::str::FromStr for OverflowPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        OverflowPolicy::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| {
+                format!("unknown backpressure policy {s:?} (expected drop_oldest, drop_newest or disconnect)")
+            })
+    }
+}
+
+/// The decoded extension block. Every field is `None`/`false` when its entry is absent.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Extensions {
+    pub trace: Option<TraceContext>,
+    pub compression: Option<Compression>,
+    pub priority: Option<Priority>,
+    pub topic: Option<TopicName>,
+    pub ttl_ms: Option<u32>,
+    pub offset: Option<u64>,
+    pub attempt: Option<u32>,
+    pub confirm: bool,
+    pub ack_mode: Option<AckMode>,
+    pub overflow: Option<OverflowPolicy>,
+    pub original_topic: Option<TopicName>,
+    pub original_offset: Option<u64>,
+    pub reason: Option<String>,
+    pub attempts_made: Option<u32>,
+}
+
+fn bad(ext_type: u8, problem: &'static str) -> ProtoError {
+    ProtoError::BadExtension { ext_type, problem }
+}
+
+fn fixed<const N: usize>(ext_type: u8, value: &[u8]) -> Result<[u8; N], ProtoError> {
+    value.try_into().map_err(|_| {
+        bad(
+            ext_type,
+            match N {
+                1 => "value must be 1 byte",
+                4 => "value must be 4 bytes",
+                5 => "value must be 5 bytes",
+                8 => "value must be 8 bytes",
+                25 => "value must be 25 bytes",
+                _ => "value has the wrong length",
+            },
+        )
+    })
+}
+
+fn set<T>(slot: &mut Option<T>, ext_type: u8, value: T) -> Result<(), ProtoError> {
+    if slot.is_some() {
+        return Err(ProtoError::DuplicateExtension { ext_type });
+    }
+    *slot = Some(value);
+    Ok(())
+}
+
+fn topic_value(block: &Bytes, start: usize, end: usize) -> Result<TopicName, ProtoError> {
+    TopicName::from_bytes(block.slice(start..end)).map_err(|source| ProtoError::InvalidTopic {
+        what: TopicName::WHAT,
+        source,
+    })
+}
+
+impl Extensions {
+    /// Parse the entries of an extension block (the bytes after `ext_len`). Topic values borrow
+    /// `block`'s buffer.
+    pub fn parse(block: &Bytes) -> Result<Extensions, ProtoError> {
+        if block.len() > MAX_EXT_LEN {
+            return Err(ProtoError::ExtensionBlockTooLarge {
+                len: block.len(),
+                max: MAX_EXT_LEN,
+            });
+        }
+        let mut ext = Extensions::default();
+        let mut at = 0;
+        while at < block.len() {
+            let Some(&[ty, len]) = block.get(at..at + 2).and_then(|s| s.first_chunk::<2>()) else {
+                return Err(ProtoError::TruncatedExtension {
+                    offset: at,
+                    need: 2,
+                    have: block.len() - at,
+                });
+            };
+            let start = at + 2;
+            let end = start + usize::from(len);
+            let Some(value) = block.get(start..end) else {
+                return Err(ProtoError::TruncatedExtension {
+                    offset: at,
+                    need: 2 + usize::from(len),
+                    have: block.len() - at,
+                });
+            };
+            ext.apply(block, ty, value, start, end)?;
+            at = end;
+        }
+        Ok(ext)
+    }
+
+    fn apply(
+        &mut self,
+        block: &Bytes,
+        ty: u8,
+        value: &[u8],
+        start: usize,
+        end: usize,
+    ) -> Result<(), ProtoError> {
+        match ty {
+            types::TRACE => {
+                let v: [u8; 25] = fixed(ty, value)?;
+                let mut trace_id = [0u8; 16];
+                let mut span_id = [0u8; 8];
+                trace_id.copy_from_slice(&v[..16]);
+                span_id.copy_from_slice(&v[16..24]);
+                set(
+                    &mut self.trace,
+                    ty,
+                    TraceContext {
+                        trace_id,
+                        span_id,
+                        flags: v[24],
+                    },
+                )
+            }
+            types::COMPRESSION => {
+                let v: [u8; 5] = fixed(ty, value)?;
+                let c = Compression {
+                    algorithm: v[0],
+                    uncompressed_len: u32::from_le_bytes([v[1], v[2], v[3], v[4]]),
+                };
+                set(&mut self.compression, ty, c)
+            }
+            types::PRIORITY => {
+                let [v] = fixed::<1>(ty, value)?;
+                set(&mut self.priority, ty, Priority::try_from(v)?)
+            }
+            types::TOPIC => {
+                if self.topic.is_some() {
+                    return Err(ProtoError::DuplicateExtension { ext_type: ty });
+                }
+                self.topic = Some(topic_value(block, start, end)?);
+                Ok(())
+            }
+            types::TTL => set(&mut self.ttl_ms, ty, u32::from_le_bytes(fixed(ty, value)?)),
+            types::OFFSET => set(&mut self.offset, ty, u64::from_le_bytes(fixed(ty, value)?)),
+            types::ATTEMPT => {
+                let attempt = u32::from_le_bytes(fixed(ty, value)?);
+                if attempt == 0 {
+                    return Err(bad(ty, "attempt numbers start at 1"));
+                }
+                set(&mut self.attempt, ty, attempt)
+            }
+            types::CONFIRM => {
+                if !value.is_empty() {
+                    return Err(bad(ty, "value must be empty"));
+                }
+                if self.confirm {
+                    return Err(ProtoError::DuplicateExtension { ext_type: ty });
+                }
+                self.confirm = true;
+                Ok(())
+            }
+            types::ACK_MODE => {
+                let mode = match fixed::<1>(ty, value)? {
+                    [0] => AckMode::None,
+                    [1] => AckMode::Explicit,
+                    _ => return Err(bad(ty, "ack mode must be 0 or 1")),
+                };
+                set(&mut self.ack_mode, ty, mode)
+            }
+            types::OVERFLOW => {
+                let [v] = fixed::<1>(ty, value)?;
+                let policy =
+                    OverflowPolicy::from_wire(v).ok_or(bad(ty, "overflow policy must be 0..=2"))?;
+                set(&mut self.overflow, ty, policy)
+            }
+            types::ORIGINAL_TOPIC => {
+                if self.original_topic.is_some() {
+                    return Err(ProtoError::DuplicateExtension { ext_type: ty });
+                }
+                self.original_topic = Some(topic_value(block, start, end)?);
+                Ok(())
+            }
+            types::ORIGINAL_OFFSET => set(
+                &mut self.original_offset,
+                ty,
+                u64::from_le_bytes(fixed(ty, value)?),
+            ),
+            types::REASON => {
+                let text = std::str::from_utf8(value).map_err(|_| bad(ty, "reason must be UTF-8"))?;
+                set(&mut self.reason, ty, text.to_owned())
+            }
+            types::ATTEMPTS_MADE => set(
+                &mut self.attempts_made,
+                ty,
+                u32::from_le_bytes(fixed(ty, value)?),
+            ),
+            // Unknown types are skipped: forward compatibility.
+            _ => Ok(()),
+        }
+    }
+
+    /// True when no entry would be written.
+    pub fn is_empty(&self) -> bool {
+        self.encoded_len() == 0
+    }
+
+    /// Bytes of entries [`encode`](Self::encode) writes (excluding the `ext_len` prefix).
+    pub fn encoded_len(&self) -> usize {
+        let entry = |present: bool, len: usize| if present { 2 + len } else { 0 };
+        entry(self.trace.is_some(), 25)
+            + entry(self.compression.is_some(), 5)
+            + entry(self.priority.is_some(), 1)
+            + self.topic.as_ref().map_or(0, |t| 2 + t.len())
+            + entry(self.ttl_ms.is_some(), 4)
+            + entry(self.offset.is_some(), 8)
+            + entry(self.attempt.is_some(), 4)
+            + entry(self.confirm, 0)
+            + entry(self.ack_mode.is_some(), 1)
+            + entry(self.overflow.is_some(), 1)
+            + self.original_topic.as_ref().map_or(0, |t| 2 + t.len())
+            + entry(self.original_offset.is_some(), 8)
+            + self.reason.as_ref().map_or(0, |r| 2 + reason_len(r))
+            + entry(self.attempts_made.is_some(), 4)
+    }
+
+    /// Append the entries (not the `ext_len` prefix), in type order.
+    pub fn encode<B: BufMut>(&self, out: &mut B) {
+        if let Some(t) = &self.trace {
+            out.put_slice(&[types::TRACE, 25]);
+            out.put_slice(&t.trace_id);
+            out.put_slice(&t.span_id);
+            out.put_u8(t.flags);
+        }
+        if let Some(c) = &self.compression {
+            out.put_slice(&[types::COMPRESSION, 5, c.algorithm]);
+            out.put_u32_le(c.uncompressed_len);
+        }
+        if let Some(p) = self.priority {
+            out.put_slice(&[types::PRIORITY, 1, p.level()]);
+        }
+        if let Some(t) = &self.topic {
+            put_name(out, types::TOPIC, t);
+        }
+        if let Some(ttl) = self.ttl_ms {
+            out.put_slice(&[types::TTL, 4]);
+            out.put_u32_le(ttl);
+        }
+        if let Some(o) = self.offset {
+            out.put_slice(&[types::OFFSET, 8]);
+            out.put_u64_le(o);
+        }
+        if let Some(a) = self.attempt {
+            out.put_slice(&[types::ATTEMPT, 4]);
+            out.put_u32_le(a);
+        }
+        if self.confirm {
+            out.put_slice(&[types::CONFIRM, 0]);
+        }
+        if let Some(m) = self.ack_mode {
+            out.put_slice(&[types::ACK_MODE, 1, u8::from(m == AckMode::Explicit)]);
+        }
+        if let Some(p) = self.overflow {
+            out.put_slice(&[types::OVERFLOW, 1, p as u8]);
+        }
+        if let Some(t) = &self.original_topic {
+            put_name(out, types::ORIGINAL_TOPIC, t);
+        }
+        if let Some(o) = self.original_offset {
+            out.put_slice(&[types::ORIGINAL_OFFSET, 8]);
+            out.put_u64_le(o);
+        }
+        if let Some(r) = &self.reason {
+            let len = reason_len(r);
+            out.put_slice(&[types::REASON, len as u8]);
+            out.put_slice(&r.as_bytes()[..len]);
+        }
+        if let Some(a) = self.attempts_made {
+            out.put_slice(&[types::ATTEMPTS_MADE, 4]);
+            out.put_u32_le(a);
+        }
+    }
+}
+
+/// Reasons longer than 255 bytes are cut at the last character boundary that fits.
+fn reason_len(reason: &str) -> usize {
+    let mut len = reason.len().min(255);
+    while !reason.is_char_boundary(len) {
+        len -= 1;
+    }
+    len
+}
+
+fn put_name<B: BufMut>(out: &mut B, ty: u8, name: &TopicName) {
+    // TopicName guarantees 1..=255 bytes, so the length fits in u8.
+    out.put_slice(&[ty, name.len() as u8]);
+    out.put_slice(name.as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(bytes: &[u8]) -> Result<Extensions, ProtoError> {
+        Extensions::parse(&Bytes::copy_from_slice(bytes))
+    }
+
+    #[test]
+    fn seed_extensions() {
+        let mut block = vec![0x03, 1, 0];
+        block.extend_from_slice(&[0x02, 5, 1, 0x00, 0x10, 0, 0]);
+        block.extend_from_slice(&[0x01, 25]);
+        block.extend((0..25).map(|i| i as u8));
+        let ext = parse(&block).expect("valid");
+        assert_eq!(ext.priority, Some(Priority::HIGHEST));
+        assert_eq!(
+            ext.compression,
+            Some(Compression {
+                algorithm: 1,
+                uncompressed_len: 4096
+            })
+        );
+        let trace = ext.trace.expect("trace");
+        assert_eq!(trace.span_id, [16, 17, 18, 19, 20, 21, 22, 23]);
+        assert_eq!(trace.flags, 24);
+    }
+
+    #[test]
+    fn unknown_types_are_skipped() {
+        let ext = parse(&[0x7F, 3, 1, 2, 3, 0x03, 1, 3]).expect("valid");
+        assert_eq!(ext.priority, Some(Priority::LOWEST));
+    }
+
+    #[test]
+    fn invalid_blocks() {
+        assert_eq!(
+            parse(&[0x03]),
+            Err(ProtoError::TruncatedExtension {
+                offset: 0,
+                need: 2,
+                have: 1
+            })
+        );
+        assert_eq!(
+            parse(&[0x03, 1, 0, 0x04, 5, b'a']),
+            Err(ProtoError::TruncatedExtension {
+                offset: 3,
+                need: 7,
+                have: 3
+            })
+        );
+        assert_eq!(
+            parse(&[0x03, 1, 4]),
+            Err(bad(0x03, "priority must be 0..=3"))
+        );
+        assert_eq!(parse(&[0x03, 2, 0, 0]), Err(bad(0x03, "value must be 1 byte")));
+        assert_eq!(
+            parse(&[0x03, 1, 0, 0x03, 1, 1]),
+            Err(ProtoError::DuplicateExtension { ext_type: 3 })
+        );
+        assert!(matches!(
+            parse(&[0x04, 3, b'a', b'+', b'b']),
+            Err(ProtoError::InvalidTopic { .. })
+        ));
+        assert!(matches!(parse(&[0x04, 0]), Err(ProtoError::InvalidTopic { .. })));
+        assert_eq!(
+            parse(&[0x07, 4, 0, 0, 0, 0]),
+            Err(bad(0x07, "attempt numbers start at 1"))
+        );
+        assert_eq!(
+            parse(&vec![0x7F; MAX_EXT_LEN + 1]),
+            Err(ProtoError::ExtensionBlockTooLarge {
+                len: 1025,
+                max: 1024
+            })
+        );
+    }
+
+    #[test]
+    fn long_reason_is_cut_on_a_char_boundary() {
+        let ext = Extensions {
+            reason: Some("é".repeat(200)),
+            ..Extensions::default()
+        };
+        let mut out = Vec::new();
+        ext.encode(&mut out);
+        assert_eq!(out.len(), ext.encoded_len());
+        assert_eq!(out[1], 254);
+        let back = parse(&out).expect("valid");
+        assert_eq!(back.reason.map(|r| r.chars().count()), Some(127));
+    }
+
+    #[test]
+    fn policy_names() {
+        for p in OverflowPolicy::ALL {
+            assert_eq!(p.as_str().parse::<OverflowPolicy>(), Ok(p));
+        }
+        assert!("drop_all".parse::<OverflowPolicy>().is_err());
+    }
+}

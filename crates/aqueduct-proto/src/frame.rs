@@ -1,0 +1,699 @@
+//! Typed frames: decode from bytes, encode to bytes.
+//!
+//! A [`Frame`] is the header's routing fields (`stream_id`, MeshForwarded) plus a [`Message`], one
+//! variant per opcode. Decoding borrows the input buffer: topics and bodies are `Bytes::slice`s,
+//! never copies. Encoding is exact: `decode(encode(f)) == f` for every frame (proptest-checked).
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use crate::batch::{split_data, BatchIter};
+use crate::error::{DecodeError, ErrorCode, ProtoError};
+use crate::ext::{AckMode, Extensions, OverflowPolicy, Priority};
+use crate::header::{write_header, FrameHeader, Opcode, RawHeader, HEADER_LEN};
+use crate::subscribe::{parse_unsubscribe, SubscribeSpec};
+use crate::topic::{TopicFilter, TopicName};
+
+/// Receiver limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest accepted `data_len`. Default 1 MiB.
+    pub max_data_len: u32,
+}
+
+impl Limits {
+    pub const DEFAULT_MAX_DATA_LEN: u32 = 1024 * 1024;
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_data_len: Self::DEFAULT_MAX_DATA_LEN,
+        }
+    }
+}
+
+/// A decoded frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// Chosen by the client; echoed by the broker in replies (CONFIRM, ERROR) and in deliveries
+    /// (the stream id of the SUBSCRIBE that created the subscription).
+    pub stream_id: u32,
+    /// Set on frames one broker forwards to another.
+    pub mesh_forwarded: bool,
+    pub message: Message,
+}
+
+/// One variant per opcode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Message {
+    Publish(Publish),
+    Subscribe(Subscribe),
+    Unsubscribe(Unsubscribe),
+    PublishBatch(PublishBatch),
+    Nack(Nack),
+    Ack(Ack),
+    Confirm(Confirm),
+    Error(ErrorFrame),
+}
+
+/// PUBLISH: a message for a topic (client → broker), or a delivery (broker → client).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Publish {
+    /// Extensions as on the wire.
+    pub ext: Extensions,
+    /// The payload as on the wire: the opaque body (for legacy frames, the topic text itself).
+    pub body: Bytes,
+    topic: TopicName,
+    legacy_ttl_ms: Option<u32>,
+}
+
+/// SUBSCRIBE: the seed's grammar plus options carried as extensions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subscribe {
+    pub spec: SubscribeSpec,
+    pub ext: Extensions,
+}
+
+/// UNSUBSCRIBE `topic:<filter>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unsubscribe {
+    pub filter: TopicFilter,
+    pub ext: Extensions,
+}
+
+/// PUBLISH_BATCH: validated sub-frames, kept as the raw payload and decoded on iteration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublishBatch {
+    pub ext: Extensions,
+    payload: Bytes,
+    count: usize,
+}
+
+/// ACK: settle the delivery at `offset` (topic extension required for wildcard subscriptions).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ack {
+    pub offset: u64,
+    pub ext: Extensions,
+}
+
+/// NACK (seed): reject the delivery at `offset`; the broker redelivers or dead-letters it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Nack {
+    pub offset: u64,
+    pub ext: Extensions,
+}
+
+/// CONFIRM: the offsets assigned to a confirmed PUBLISH (one) or PUBLISH_BATCH (one per message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Confirm {
+    pub offsets: Vec<u64>,
+}
+
+/// ERROR: a request failed. `stream_id` of the frame is that of the offending frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorFrame {
+    pub code: ErrorCode,
+    pub reason: String,
+}
+
+impl Publish {
+    /// A publish with the topic in an extension and an opaque body.
+    pub fn new(topic: TopicName, body: Bytes) -> Publish {
+        Publish {
+            ext: Extensions {
+                topic: Some(topic.clone()),
+                ..Extensions::default()
+            },
+            body,
+            topic,
+            legacy_ttl_ms: None,
+        }
+    }
+
+    /// Build from wire parts, resolving the topic (extension, or the legacy payload form).
+    pub fn from_parts(ext: Extensions, body: Bytes) -> Result<Publish, ProtoError> {
+        let (topic, legacy_ttl_ms) = match &ext.topic {
+            Some(topic) => (topic.clone(), None),
+            None => parse_legacy(&body)?,
+        };
+        Ok(Publish {
+            ext,
+            body,
+            topic,
+            legacy_ttl_ms,
+        })
+    }
+
+    /// The destination topic.
+    pub fn topic(&self) -> &TopicName {
+        &self.topic
+    }
+
+    /// True when the topic came from the payload (the seed's reference clients).
+    pub fn is_legacy(&self) -> bool {
+        self.ext.topic.is_none()
+    }
+
+    /// Time to live in ms: the TTL extension, else a legacy `ttl:<ms>:` prefix. 0 or absent = none.
+    pub fn ttl_ms(&self) -> Option<u32> {
+        self.ext.ttl_ms.or(self.legacy_ttl_ms).filter(|&t| t > 0)
+    }
+
+    /// The priority extension, or the default (2).
+    pub fn priority(&self) -> Priority {
+        self.ext.priority.unwrap_or_default()
+    }
+
+    /// Set the priority (builder style).
+    pub fn with_priority(mut self, p: Priority) -> Publish {
+        self.ext.priority = Some(p);
+        self
+    }
+
+    /// Set the TTL (builder style).
+    pub fn with_ttl_ms(mut self, ttl: u32) -> Publish {
+        self.ext.ttl_ms = Some(ttl);
+        self
+    }
+
+    /// Request a CONFIRM (builder style).
+    pub fn with_confirm(mut self) -> Publish {
+        self.ext.confirm = true;
+        self
+    }
+}
+
+/// The seed's reference clients send the topic as the payload: `[ttl:<ms>:][topic:]<name>`.
+fn parse_legacy(payload: &Bytes) -> Result<(TopicName, Option<u32>), ProtoError> {
+    let mut start = 0;
+    let mut ttl = None;
+    if let Some(rest) = payload.strip_prefix(b"ttl:") {
+        let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+        if digits == 0 || rest.get(digits) != Some(&b':') {
+            return Err(ProtoError::BadPayload {
+                opcode: "PUBLISH",
+                problem: "legacy \"ttl:\" prefix must be \"ttl:<ms>:\"",
+                len: payload.len(),
+            });
+        }
+        let ms = rest[..digits].iter().try_fold(0u32, |acc, &d| {
+            acc.checked_mul(10)?.checked_add(u32::from(d - b'0'))
+        });
+        ttl = Some(ms.ok_or(ProtoError::BadPayload {
+            opcode: "PUBLISH",
+            problem: "legacy ttl does not fit in 32 bits of milliseconds",
+            len: payload.len(),
+        })?);
+        start = 4 + digits + 1;
+    }
+    if payload[start..].starts_with(b"topic:") {
+        start += 6;
+    }
+    let topic =
+        TopicName::from_bytes(payload.slice(start..)).map_err(|source| ProtoError::InvalidTopic {
+            what: "legacy topic payload",
+            source,
+        })?;
+    Ok((topic, ttl))
+}
+
+impl Subscribe {
+    pub fn new(spec: SubscribeSpec) -> Subscribe {
+        Subscribe {
+            spec,
+            ext: Extensions::default(),
+        }
+    }
+
+    /// Explicit ACK requested (consumer groups always use it, whatever this says).
+    pub fn ack_mode(&self) -> AckMode {
+        self.ext.ack_mode.unwrap_or_default()
+    }
+
+    /// Overflow policy override for this subscription, if any.
+    pub fn overflow(&self) -> Option<OverflowPolicy> {
+        self.ext.overflow
+    }
+}
+
+impl PublishBatch {
+    /// Encode `publishes` as sub-frames (stream id 0).
+    pub fn from_publishes(publishes: &[Publish]) -> PublishBatch {
+        let mut buf = BytesMut::new();
+        for p in publishes {
+            Message::Publish(p.clone()).encode_frame(&mut buf, 0, false);
+        }
+        PublishBatch {
+            ext: Extensions::default(),
+            payload: buf.freeze(),
+            count: publishes.len(),
+        }
+    }
+
+    /// Validate a batch payload.
+    pub fn from_parts(ext: Extensions, payload: Bytes) -> Result<PublishBatch, ProtoError> {
+        let mut count = 0;
+        for sub in BatchIter::new(&payload) {
+            let sub = sub?;
+            // Full validation now, so that a broker can reject the whole batch before routing any of it.
+            if let Err(source) = publish_from_ref(&payload, &sub) {
+                return Err(ProtoError::BadBatchEntry {
+                    index: count,
+                    offset: sub.offset,
+                    source: Box::new(source),
+                });
+            }
+            count += 1;
+        }
+        Ok(PublishBatch {
+            ext,
+            payload,
+            count,
+        })
+    }
+
+    /// Number of sub-frames.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// The raw payload (concatenated sub-frames).
+    pub fn payload(&self) -> &Bytes {
+        &self.payload
+    }
+
+    /// The sub-frames as publishes, each borrowing the batch buffer. The batch was validated
+    /// when decoded, so the items are `Ok` for a decoded batch.
+    pub fn publishes(&self) -> impl Iterator<Item = Result<Publish, ProtoError>> + '_ {
+        BatchIter::new(&self.payload).map(|sub| publish_from_ref(&self.payload, &sub?))
+    }
+}
+
+fn publish_from_ref(buf: &Bytes, sub: &crate::batch::RawFrameRef<'_>) -> Result<Publish, ProtoError> {
+    let ext = if sub.header.has_extensions {
+        Extensions::parse(&buf.slice(sub.ext_offset..sub.ext_offset + sub.ext_block.len()))?
+    } else {
+        Extensions::default()
+    };
+    Publish::from_parts(
+        ext,
+        buf.slice(sub.payload_offset..sub.payload_offset + sub.payload.len()),
+    )
+}
+
+impl Ack {
+    pub fn new(offset: u64) -> Ack {
+        Ack {
+            offset,
+            ext: Extensions::default(),
+        }
+    }
+}
+
+impl Nack {
+    pub fn new(offset: u64) -> Nack {
+        Nack {
+            offset,
+            ext: Extensions::default(),
+        }
+    }
+}
+
+fn offset_payload(opcode: &'static str, payload: &[u8]) -> Result<u64, ProtoError> {
+    let bytes: [u8; 8] = payload.try_into().map_err(|_| ProtoError::BadPayload {
+        opcode,
+        problem: "payload must be the 8-byte little-endian offset",
+        len: payload.len(),
+    })?;
+    Ok(u64::from_le_bytes(bytes))
+}
+
+impl Message {
+    /// The opcode of this message.
+    pub fn opcode(&self) -> Opcode {
+        match self {
+            Message::Publish(_) => Opcode::Publish,
+            Message::Subscribe(_) => Opcode::Subscribe,
+            Message::Unsubscribe(_) => Opcode::Unsubscribe,
+            Message::PublishBatch(_) => Opcode::PublishBatch,
+            Message::Nack(_) => Opcode::Nack,
+            Message::Ack(_) => Opcode::Ack,
+            Message::Confirm(_) => Opcode::Confirm,
+            Message::Error(_) => Opcode::Error,
+        }
+    }
+
+    fn ext(&self) -> Option<&Extensions> {
+        match self {
+            Message::Publish(m) => Some(&m.ext),
+            Message::Subscribe(m) => Some(&m.ext),
+            Message::Unsubscribe(m) => Some(&m.ext),
+            Message::PublishBatch(m) => Some(&m.ext),
+            Message::Nack(m) => Some(&m.ext),
+            Message::Ack(m) => Some(&m.ext),
+            Message::Confirm(_) | Message::Error(_) => None,
+        }
+    }
+
+    /// Decode the data of a frame (the bytes after the header; exactly `header.data_len` long).
+    pub fn decode(header: &FrameHeader, data: Bytes) -> Result<Message, ProtoError> {
+        let (ext_start, ext_end) = split_data(header, &data)?;
+        let ext = if ext_end > ext_start {
+            Extensions::parse(&data.slice(ext_start..ext_end))?
+        } else {
+            Extensions::default()
+        };
+        let payload = data.slice(ext_end..);
+        let no_ext = |opcode: &'static str| {
+            if ext.is_empty() {
+                Ok(())
+            } else {
+                Err(ProtoError::BadPayload {
+                    opcode,
+                    problem: "this opcode takes no extensions",
+                    len: payload.len(),
+                })
+            }
+        };
+        Ok(match header.opcode {
+            Opcode::Publish => Message::Publish(Publish::from_parts(ext, payload)?),
+            Opcode::Subscribe => Message::Subscribe(Subscribe {
+                spec: SubscribeSpec::parse(&payload)?,
+                ext,
+            }),
+            Opcode::Unsubscribe => Message::Unsubscribe(Unsubscribe {
+                filter: parse_unsubscribe(&payload)?,
+                ext,
+            }),
+            Opcode::PublishBatch => Message::PublishBatch(PublishBatch::from_parts(ext, payload)?),
+            Opcode::Nack => Message::Nack(Nack {
+                offset: offset_payload("NACK", &payload)?,
+                ext,
+            }),
+            Opcode::Ack => Message::Ack(Ack {
+                offset: offset_payload("ACK", &payload)?,
+                ext,
+            }),
+            Opcode::Confirm => {
+                no_ext("CONFIRM")?;
+                if payload.is_empty() || payload.len() % 8 != 0 {
+                    return Err(ProtoError::BadPayload {
+                        opcode: "CONFIRM",
+                        problem: "payload must be one or more 8-byte offsets",
+                        len: payload.len(),
+                    });
+                }
+                let offsets = payload
+                    .chunks_exact(8)
+                    .map(|c| {
+                        let mut b = [0u8; 8];
+                        b.copy_from_slice(c);
+                        u64::from_le_bytes(b)
+                    })
+                    .collect();
+                Message::Confirm(Confirm { offsets })
+            }
+            Opcode::Error => {
+                no_ext("ERROR")?;
+                let Some((code, reason)) = payload.split_first_chunk::<2>() else {
+                    return Err(ProtoError::BadPayload {
+                        opcode: "ERROR",
+                        problem: "payload must start with a 2-byte code",
+                        len: payload.len(),
+                    });
+                };
+                let reason = std::str::from_utf8(reason).map_err(|_| ProtoError::BadPayload {
+                    opcode: "ERROR",
+                    problem: "reason must be UTF-8",
+                    len: payload.len(),
+                })?;
+                Message::Error(ErrorFrame {
+                    code: ErrorCode(u16::from_le_bytes(*code)),
+                    reason: reason.to_owned(),
+                })
+            }
+        })
+    }
+
+    fn payload_len(&self) -> usize {
+        match self {
+            Message::Publish(m) => m.body.len(),
+            Message::Subscribe(m) => m.spec.encode().len(),
+            Message::Unsubscribe(m) => 6 + m.filter.len(),
+            Message::PublishBatch(m) => m.payload.len(),
+            Message::Nack(_) | Message::Ack(_) => 8,
+            Message::Confirm(m) => 8 * m.offsets.len(),
+            Message::Error(m) => 2 + m.reason.len(),
+        }
+    }
+
+    fn write_payload<B: BufMut>(&self, out: &mut B) {
+        match self {
+            Message::Publish(m) => out.put_slice(&m.body),
+            Message::Subscribe(m) => out.put_slice(m.spec.encode().as_bytes()),
+            Message::Unsubscribe(m) => {
+                out.put_slice(b"topic:");
+                out.put_slice(m.filter.as_bytes());
+            }
+            Message::PublishBatch(m) => out.put_slice(&m.payload),
+            Message::Nack(Nack { offset, .. }) | Message::Ack(Ack { offset, .. }) => {
+                out.put_u64_le(*offset)
+            }
+            Message::Confirm(m) => m.offsets.iter().for_each(|o| out.put_u64_le(*o)),
+            Message::Error(m) => {
+                out.put_u16_le(m.code.0);
+                out.put_slice(m.reason.as_bytes());
+            }
+        }
+    }
+
+    /// Length of the whole frame, header included.
+    pub fn frame_len(&self) -> usize {
+        let ext_len = self.ext().map_or(0, Extensions::encoded_len);
+        let ext_block = if ext_len > 0 { 2 + ext_len } else { 0 };
+        HEADER_LEN + ext_block + self.payload_len()
+    }
+
+    /// Append the complete frame to `out`.
+    pub fn encode_frame<B: BufMut>(&self, out: &mut B, stream_id: u32, mesh_forwarded: bool) {
+        let ext_len = self.ext().map_or(0, Extensions::encoded_len);
+        let mut command = self.opcode() as u8;
+        if mesh_forwarded {
+            command |= crate::header::FLAG_MESH_FORWARDED;
+        }
+        let ext_block = if ext_len > 0 {
+            command |= crate::header::FLAG_HAS_EXTENSIONS;
+            2 + ext_len
+        } else {
+            0
+        };
+        let data_len = ext_block + self.payload_len();
+        write_header(out, command, stream_id, data_len as u32);
+        if let Some(ext) = self.ext().filter(|_| ext_len > 0) {
+            out.put_u16_le(ext_len as u16);
+            ext.encode(out);
+        }
+        self.write_payload(out);
+    }
+}
+
+impl Frame {
+    pub fn new(stream_id: u32, message: Message) -> Frame {
+        Frame {
+            stream_id,
+            mesh_forwarded: false,
+            message,
+        }
+    }
+
+    /// Append the encoded frame to `out`.
+    pub fn encode<B: BufMut>(&self, out: &mut B) {
+        self.message
+            .encode_frame(out, self.stream_id, self.mesh_forwarded);
+    }
+
+    /// The encoded frame as a new buffer.
+    pub fn to_bytes(&self) -> Bytes {
+        let mut out = BytesMut::with_capacity(self.message.frame_len());
+        self.encode(&mut out);
+        out.freeze()
+    }
+
+    /// Decode one complete frame given its header and data.
+    pub fn decode(header: &FrameHeader, data: Bytes) -> Result<Frame, ProtoError> {
+        Ok(Frame {
+            stream_id: header.stream_id,
+            mesh_forwarded: header.mesh_forwarded,
+            message: Message::decode(header, data)?,
+        })
+    }
+}
+
+/// Check that `buf` starts with a complete frame within `limits`, returning its raw header.
+///
+/// `Incomplete` means read more; `Invalid(BadMagic | FrameTooLarge)` means the frame boundary is
+/// lost or the frame is refused: the receiver must reset the stream. Anything else wrong with the
+/// frame is reported by [`Frame::decode`] after the frame has been split off, so the receiver can
+/// skip exactly that frame and go on.
+pub fn split_frame(buf: &[u8], limits: &Limits) -> Result<RawHeader, DecodeError> {
+    let raw = RawHeader::parse(buf)?;
+    if raw.data_len > limits.max_data_len {
+        return Err(ProtoError::FrameTooLarge {
+            len: raw.data_len,
+            max: limits.max_data_len,
+        }
+        .into());
+    }
+    if buf.len() < raw.frame_len() {
+        return Err(DecodeError::Incomplete {
+            need: raw.frame_len(),
+            have: buf.len(),
+        });
+    }
+    Ok(raw)
+}
+
+/// Decode the first frame in `buf`, returning it and the number of bytes it used.
+pub fn decode_frame(buf: &Bytes, limits: &Limits) -> Result<(Frame, usize), DecodeError> {
+    let raw = split_frame(buf, limits)?;
+    let header = raw.validate()?;
+    let frame = Frame::decode(&header, buf.slice(HEADER_LEN..raw.frame_len()))?;
+    Ok((frame, raw.frame_len()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn topic(s: &str) -> TopicName {
+        TopicName::try_from(s).expect("valid topic")
+    }
+
+    fn round_trip(frame: Frame) {
+        let bytes = frame.to_bytes();
+        assert_eq!(bytes.len(), frame.message.frame_len());
+        let (back, used) = decode_frame(&bytes, &Limits::default()).expect("decodes");
+        assert_eq!(used, bytes.len());
+        assert_eq!(back, frame);
+    }
+
+    #[test]
+    fn round_trips() {
+        round_trip(Frame::new(
+            7,
+            Message::Publish(
+                Publish::new(topic("a/b"), Bytes::from_static(b"hi"))
+                    .with_priority(Priority::HIGHEST)
+                    .with_ttl_ms(500)
+                    .with_confirm(),
+            ),
+        ));
+        round_trip(Frame::new(
+            1,
+            Message::Subscribe(Subscribe::new(
+                SubscribeSpec::parse(&Bytes::from_static(b"topic:a/+:group:g")).expect("ok"),
+            )),
+        ));
+        round_trip(Frame::new(
+            2,
+            Message::Confirm(Confirm {
+                offsets: vec![1, 2, u64::MAX],
+            }),
+        ));
+        round_trip(Frame::new(
+            3,
+            Message::Error(ErrorFrame {
+                code: ErrorCode::INVALID_TOPIC,
+                reason: "nope".into(),
+            }),
+        ));
+        let batch = PublishBatch::from_publishes(&[
+            Publish::new(topic("x"), Bytes::from_static(b"1")),
+            Publish::new(topic("y"), Bytes::from_static(b"22")),
+        ]);
+        assert_eq!(batch.len(), 2);
+        round_trip(Frame::new(4, Message::PublishBatch(batch)));
+    }
+
+    #[test]
+    fn legacy_publish() {
+        let cases: [(&[u8], &str, Option<u32>); 4] = [
+            (b"orders", "orders", None),
+            (b"topic:orders", "orders", None),
+            (b"ttl:1500:orders", "orders", Some(1500)),
+            (b"ttl:1500:topic:a/b", "a/b", Some(1500)),
+        ];
+        for (payload, want_topic, want_ttl) in cases {
+            let p = Publish::from_parts(Extensions::default(), Bytes::copy_from_slice(payload))
+                .expect("legacy parses");
+            assert!(p.is_legacy());
+            assert_eq!(p.topic().as_str(), want_topic);
+            assert_eq!(p.ttl_ms(), want_ttl);
+            assert_eq!(&p.body[..], payload, "delivered with the original payload");
+        }
+        for bad in [&b"ttl:x:orders"[..], b"ttl:5", b"a+b", b"", b"ttl:99999999999:a"] {
+            assert!(
+                Publish::from_parts(Extensions::default(), Bytes::copy_from_slice(bad)).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn incomplete_vs_invalid() {
+        let frame = Frame::new(
+            9,
+            Message::Publish(Publish::new(topic("t"), Bytes::from_static(b"body"))),
+        )
+        .to_bytes();
+        for cut in 0..frame.len() {
+            match decode_frame(&frame.slice(..cut), &Limits::default()) {
+                Err(DecodeError::Incomplete { need, have }) => {
+                    assert_eq!(have, cut);
+                    assert!(need > cut);
+                }
+                other => panic!("cut at {cut}: {other:?}"),
+            }
+        }
+        let limits = Limits { max_data_len: 4 };
+        assert_eq!(
+            decode_frame(&frame, &limits),
+            Err(DecodeError::Invalid(ProtoError::FrameTooLarge {
+                len: frame.len() as u32 - 10,
+                max: 4
+            }))
+        );
+    }
+
+    #[test]
+    fn bad_payloads() {
+        let mut out = BytesMut::new();
+        write_header(&mut out, 0x06, 1, 3);
+        out.put_slice(&[1, 2, 3]);
+        assert!(matches!(
+            decode_frame(&out.freeze(), &Limits::default()),
+            Err(DecodeError::Invalid(ProtoError::BadPayload { opcode: "ACK", .. }))
+        ));
+        let mut out = BytesMut::new();
+        write_header(&mut out, 0x41, 1, 1);
+        out.put_u8(0);
+        assert_eq!(
+            decode_frame(&out.freeze(), &Limits::default()),
+            Err(DecodeError::Invalid(ProtoError::MissingExtLen { data_len: 1 }))
+        );
+        let mut out = BytesMut::new();
+        write_header(&mut out, 0x41, 1, 4);
+        out.put_slice(&[10, 0, 0, 0]);
+        assert_eq!(
+            decode_frame(&out.freeze(), &Limits::default()),
+            Err(DecodeError::Invalid(ProtoError::ExtensionBlockOverrun {
+                ext_len: 10,
+                available: 2
+            }))
+        );
+    }
+}

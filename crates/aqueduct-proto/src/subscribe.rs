@@ -1,0 +1,213 @@
+//! The seed's SUBSCRIBE / UNSUBSCRIBE payload grammar, parsed once into types:
+//!
+//! ```text
+//! subscribe   = "topic:" filter [ ":group:" group_id ] [ ":durable:" consumer_id ":" offset ]
+//! unsubscribe = "topic:" filter
+//! offset      = 1*DIGIT            ; decimal u64
+//! ```
+//! `:` cannot occur inside a filter, group id or consumer id, so the payload splits on `:`
+//! unambiguously. The two options may appear in either order, each at most once; encoding writes
+//! them in the order above.
+
+use std::fmt::Write as _;
+
+use bytes::Bytes;
+
+use crate::error::ProtoError;
+use crate::topic::{ConsumerId, GroupId, TopicError, TopicFilter};
+
+/// A durable consumer: its name and the offset it asks to resume from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Durable {
+    pub consumer: ConsumerId,
+    pub offset: u64,
+}
+
+/// A parsed SUBSCRIBE payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubscribeSpec {
+    pub filter: TopicFilter,
+    pub group: Option<GroupId>,
+    pub durable: Option<Durable>,
+}
+
+fn bad(problem: &'static str) -> ProtoError {
+    ProtoError::BadSubscribe { problem }
+}
+
+fn invalid(what: &'static str) -> impl Fn(TopicError) -> ProtoError {
+    move |source| ProtoError::InvalidTopic { what, source }
+}
+
+/// Split `topic:<filter>` off the payload, returning the filter's byte range end.
+fn filter_part(payload: &Bytes) -> Result<(TopicFilter, usize), ProtoError> {
+    let rest = payload
+        .strip_prefix(b"topic:")
+        .ok_or(bad("payload must start with \"topic:\""))?;
+    let end = 6 + rest.iter().position(|&b| b == b':').unwrap_or(rest.len());
+    let filter =
+        TopicFilter::from_bytes(payload.slice(6..end)).map_err(invalid(TopicFilter::WHAT))?;
+    Ok((filter, end))
+}
+
+impl SubscribeSpec {
+    /// A spec for a plain subscription.
+    pub fn new(filter: TopicFilter) -> Self {
+        SubscribeSpec {
+            filter,
+            group: None,
+            durable: None,
+        }
+    }
+
+    /// Parse a SUBSCRIBE payload. Names borrow `payload`'s buffer.
+    pub fn parse(payload: &Bytes) -> Result<SubscribeSpec, ProtoError> {
+        let (filter, mut at) = filter_part(payload)?;
+        let mut spec = SubscribeSpec::new(filter);
+        // Each token is the bytes between two ':' separators.
+        let next_token = |at: &mut usize| -> Result<Bytes, ProtoError> {
+            if *at >= payload.len() {
+                return Err(bad("option is missing its value"));
+            }
+            let start = *at + 1; // skip ':'
+            let len = payload[start..]
+                .iter()
+                .position(|&b| b == b':')
+                .unwrap_or(payload.len() - start);
+            *at = start + len;
+            Ok(payload.slice(start..start + len))
+        };
+        while at < payload.len() {
+            let key = next_token(&mut at)?;
+            match &key[..] {
+                b"group" => {
+                    if spec.group.is_some() {
+                        return Err(bad("\"group\" given twice"));
+                    }
+                    let id = next_token(&mut at)?;
+                    spec.group = Some(GroupId::from_bytes(id).map_err(invalid(GroupId::WHAT))?);
+                }
+                b"durable" => {
+                    if spec.durable.is_some() {
+                        return Err(bad("\"durable\" given twice"));
+                    }
+                    let id = next_token(&mut at)?;
+                    let consumer = ConsumerId::from_bytes(id).map_err(invalid(ConsumerId::WHAT))?;
+                    let offset = parse_offset(&next_token(&mut at)?)?;
+                    spec.durable = Some(Durable { consumer, offset });
+                }
+                _ => return Err(bad("unknown option (expected \"group\" or \"durable\")")),
+            }
+        }
+        Ok(spec)
+    }
+
+    /// The payload text.
+    pub fn encode(&self) -> String {
+        let mut s = format!("topic:{}", self.filter);
+        if let Some(g) = &self.group {
+            let _ = write!(s, ":group:{g}");
+        }
+        if let Some(d) = &self.durable {
+            let _ = write!(s, ":durable:{}:{}", d.consumer, d.offset);
+        }
+        s
+    }
+}
+
+fn parse_offset(token: &[u8]) -> Result<u64, ProtoError> {
+    if token.is_empty() || token.len() > 20 || !token.iter().all(u8::is_ascii_digit) {
+        return Err(bad("durable offset must be a decimal number"));
+    }
+    token.iter().try_fold(0u64, |acc, &d| {
+        acc.checked_mul(10)
+            .and_then(|v| v.checked_add(u64::from(d - b'0')))
+            .ok_or(bad("durable offset does not fit in 64 bits"))
+    })
+}
+
+/// Parse an UNSUBSCRIBE payload: `topic:<filter>` and nothing else.
+pub fn parse_unsubscribe(payload: &Bytes) -> Result<TopicFilter, ProtoError> {
+    let (filter, end) = filter_part(payload)?;
+    if end != payload.len() {
+        return Err(bad("UNSUBSCRIBE takes only \"topic:<filter>\""));
+    }
+    Ok(filter)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<SubscribeSpec, ProtoError> {
+        SubscribeSpec::parse(&Bytes::copy_from_slice(s.as_bytes()))
+    }
+
+    #[test]
+    fn grammar() {
+        let s = parse("topic:orders").expect("plain");
+        assert_eq!(s.filter.as_str(), "orders");
+        assert_eq!((s.group, s.durable), (None, None));
+
+        let s = parse("topic:orders/+:group:billing").expect("group");
+        assert_eq!(s.group.expect("g").as_str(), "billing");
+
+        let s = parse("topic:a/#:group:g:durable:c1:42").expect("durable");
+        let d = s.durable.clone().expect("d");
+        assert_eq!((d.consumer.as_str(), d.offset), ("c1", 42));
+        assert_eq!(s.encode(), "topic:a/#:group:g:durable:c1:42");
+
+        let swapped = parse("topic:a/#:durable:c1:42:group:g").expect("either order");
+        assert_eq!(swapped, s);
+        assert_eq!(
+            parse(&format!("topic:x:durable:c:{}", u64::MAX))
+                .expect("max")
+                .durable
+                .map(|d| d.offset),
+            Some(u64::MAX)
+        );
+    }
+
+    #[test]
+    fn errors() {
+        for (input, want) in [
+            ("orders", "payload must start with \"topic:\""),
+            ("topic:a:group", "option is missing its value"),
+            ("topic:a:", "unknown option (expected \"group\" or \"durable\")"),
+            ("topic:a:queue:x", "unknown option (expected \"group\" or \"durable\")"),
+            ("topic:a:group:g:group:h", "\"group\" given twice"),
+            ("topic:a:durable:c", "option is missing its value"),
+            ("topic:a:durable:c:x1", "durable offset must be a decimal number"),
+            ("topic:a:durable:c:-1", "durable offset must be a decimal number"),
+            (
+                "topic:a:durable:c:18446744073709551616",
+                "durable offset does not fit in 64 bits",
+            ),
+        ] {
+            assert_eq!(parse(input), Err(bad(want)), "{input}");
+        }
+        assert!(matches!(
+            parse("topic:a+b"),
+            Err(ProtoError::InvalidTopic { .. })
+        ));
+        assert!(matches!(
+            parse("topic:"),
+            Err(ProtoError::InvalidTopic { .. })
+        ));
+        assert!(matches!(
+            parse("topic:a:group:"),
+            Err(ProtoError::InvalidTopic {
+                what: "group id",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn unsubscribe() {
+        let p = |s: &str| parse_unsubscribe(&Bytes::copy_from_slice(s.as_bytes()));
+        assert_eq!(p("topic:a/+").expect("ok").as_str(), "a/+");
+        assert!(p("topic:a:group:g").is_err());
+        assert!(p("a").is_err());
+    }
+}
