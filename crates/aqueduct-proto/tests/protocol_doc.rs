@@ -1,0 +1,286 @@
+//! `docs/protocol.md` is normative: every hex example in it must decode to the frame this file
+//! says it is, and re-encode to the same bytes. Run with `PRINT_PROTOCOL_EXAMPLES=1` to print the
+//! hex of every example (used to write the doc).
+
+use aqueduct_proto::delivery::{DeadLetter, DeliveryFields};
+use aqueduct_proto::frame::Message;
+use aqueduct_proto::*;
+use bytes::{Bytes, BytesMut};
+
+fn topic(s: &str) -> TopicName {
+    TopicName::try_from(s).expect("valid topic")
+}
+
+fn spec(s: &str) -> SubscribeSpec {
+    SubscribeSpec::parse(&Bytes::copy_from_slice(s.as_bytes())).expect("valid spec")
+}
+
+fn delivery(fields: &DeliveryFields<'_>, stream_id: u32, attempt: u32) -> Bytes {
+    let mut arena = BytesMut::new();
+    let shared = SharedDelivery::encode(&mut arena, fields);
+    let mut out = BytesMut::new();
+    shared.write_frame(&mut out, stream_id, attempt);
+    out.freeze()
+}
+
+/// (name in the doc, the frame's bytes as built by the library)
+fn examples() -> Vec<(&'static str, Bytes)> {
+    let orders = topic("orders");
+    let mut v = vec![];
+    let f = |stream_id, m| Frame::new(stream_id, m).to_bytes();
+
+    v.push((
+        "publish",
+        f(1, Message::Publish(Publish::new(orders.clone(), Bytes::from_static(b"hello")))),
+    ));
+    v.push((
+        "publish-ttl-confirm",
+        f(
+            2,
+            Message::Publish(
+                Publish::new(topic("sensors/t1"), Bytes::from_static(b"21.5"))
+                    .with_priority(Priority::HIGHEST)
+                    .with_ttl_ms(5000)
+                    .with_confirm(),
+            ),
+        ),
+    ));
+    let mut traced = Publish::new(topic("logs"), Bytes::from_static(b"\x28\xb5\x2f\xfd"));
+    traced.ext.trace = Some(TraceContext {
+        trace_id: [0x11; 16],
+        span_id: [0x22; 8],
+        flags: 1,
+    });
+    traced.ext.compression = Some(Compression {
+        algorithm: Compression::ZSTD,
+        uncompressed_len: 1000,
+    });
+    v.push(("publish-trace-compression", f(3, Message::Publish(traced))));
+    v.push((
+        "legacy-publish",
+        f(
+            3,
+            Message::Publish(
+                Publish::from_parts(Extensions::default(), Bytes::from_static(b"orders"))
+                    .expect("legacy"),
+            ),
+        ),
+    ));
+    v.push((
+        "legacy-publish-ttl",
+        f(
+            3,
+            Message::Publish(
+                Publish::from_parts(
+                    Extensions::default(),
+                    Bytes::from_static(b"ttl:1500:topic:orders"),
+                )
+                .expect("legacy"),
+            ),
+        ),
+    ));
+    v.push((
+        "subscribe",
+        f(1, Message::Subscribe(Subscribe::new(spec("topic:orders")))),
+    ));
+    let mut group_sub = Subscribe::new(spec("topic:sensors/+:group:ingest"));
+    group_sub.ext.ack_mode = Some(AckMode::Explicit);
+    group_sub.ext.overflow = Some(OverflowPolicy::DropNewest);
+    v.push(("subscribe-group", f(5, Message::Subscribe(group_sub))));
+    v.push((
+        "subscribe-durable",
+        f(
+            7,
+            Message::Subscribe(Subscribe::new(spec(
+                "topic:orders:group:billing:durable:c1:100",
+            ))),
+        ),
+    ));
+    v.push((
+        "unsubscribe",
+        f(
+            1,
+            Message::Unsubscribe(Unsubscribe {
+                filter: TopicFilter::try_from("orders").expect("valid"),
+                ext: Extensions::default(),
+            }),
+        ),
+    ));
+    v.push((
+        "publish-batch",
+        f(
+            9,
+            Message::PublishBatch(PublishBatch::from_publishes(&[
+                Publish::new(topic("a"), Bytes::from_static(b"1")),
+                Publish::new(topic("b"), Bytes::from_static(b"2")),
+            ])),
+        ),
+    ));
+    v.push((
+        "delivery",
+        delivery(
+            &DeliveryFields {
+                topic: &orders,
+                offset: 42,
+                priority: Priority::DEFAULT,
+                trace: None,
+                compression: None,
+                dead_letter: None,
+                body: b"hello",
+            },
+            1,
+            1,
+        ),
+    ));
+    v.push((
+        "delivery-dead-letter",
+        delivery(
+            &DeliveryFields {
+                topic: &topic("__dlq__orders"),
+                offset: 0,
+                priority: Priority::DEFAULT,
+                trace: None,
+                compression: None,
+                dead_letter: Some(DeadLetter {
+                    original_topic: &orders,
+                    original_offset: 42,
+                    attempts_made: 4,
+                    reason: "nacked",
+                }),
+                body: b"hello",
+            },
+            4,
+            1,
+        ),
+    ));
+    v.push(("ack", f(1, Message::Ack(Ack::new(42)))));
+    let mut wild_ack = Ack::new(7);
+    wild_ack.ext.topic = Some(topic("sensors/t1"));
+    wild_ack.ext.attempt = Some(2);
+    v.push(("ack-wildcard", f(5, Message::Ack(wild_ack))));
+    v.push(("nack", f(1, Message::Nack(Nack::new(42)))));
+    let mut nack = Nack::new(42);
+    nack.ext.reason = Some("bad json".into());
+    v.push(("nack-reason", f(1, Message::Nack(nack))));
+    v.push((
+        "confirm",
+        f(2, Message::Confirm(Confirm { offsets: vec![42] })),
+    ));
+    v.push((
+        "confirm-batch",
+        f(
+            9,
+            Message::Confirm(Confirm {
+                offsets: vec![0, 7],
+            }),
+        ),
+    ));
+    v.push((
+        "error",
+        f(
+            5,
+            Message::Error(ErrorFrame {
+                code: ErrorCode::INVALID_TOPIC,
+                reason: "bad topic".into(),
+            }),
+        ),
+    ));
+    v
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes
+        .chunks(16)
+        .map(|line| {
+            line.iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Every ```hex block in the doc, keyed by its `example=NAME` tag. `#` starts a comment.
+fn doc_examples() -> Vec<(String, Vec<u8>)> {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/protocol.md"))
+        .expect("docs/protocol.md is readable");
+    let mut out = vec![];
+    let mut lines = doc.lines();
+    while let Some(line) = lines.next() {
+        let Some(tag) = line.trim().strip_prefix("```hex example=") else {
+            continue;
+        };
+        let mut bytes = vec![];
+        for body in lines.by_ref() {
+            if body.trim() == "```" {
+                break;
+            }
+            let code = body.split('#').next().unwrap_or("");
+            for tok in code.split_whitespace() {
+                bytes.push(u8::from_str_radix(tok, 16).unwrap_or_else(|_| {
+                    panic!("example {tag}: {tok:?} is not a hex byte")
+                }));
+            }
+        }
+        out.push((tag.trim().to_string(), bytes));
+    }
+    out
+}
+
+#[test]
+fn every_doc_example_decodes_and_re_encodes() {
+    let want = examples();
+    if std::env::var_os("PRINT_PROTOCOL_EXAMPLES").is_some() {
+        for (name, bytes) in &want {
+            println!("```hex example={name}\n{}\n```\n", hex(bytes));
+        }
+    }
+    let doc = doc_examples();
+    for (name, bytes) in &want {
+        let found = doc
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("docs/protocol.md lacks example {name}"));
+        assert_eq!(
+            hex(&found.1),
+            hex(bytes),
+            "docs/protocol.md example {name} differs from what the library encodes"
+        );
+        let buf = Bytes::copy_from_slice(&found.1);
+        let (frame, used) = decode_frame(&buf, &Limits::default())
+            .unwrap_or_else(|e| panic!("example {name} does not decode: {e}"));
+        assert_eq!(used, buf.len(), "example {name} has trailing bytes");
+        assert_eq!(frame.to_bytes(), buf, "example {name} does not re-encode identically");
+    }
+    for (name, _) in &doc {
+        assert!(
+            want.iter().any(|(n, _)| n == name),
+            "docs/protocol.md example {name} is not checked by this test"
+        );
+    }
+}
+
+#[test]
+fn doc_examples_mean_what_the_doc_says() {
+    let get = |name: &str| {
+        let (_, bytes) = examples()
+            .into_iter()
+            .find(|(n, _)| *n == name)
+            .expect("example exists");
+        decode_frame(&bytes, &Limits::default()).expect("decodes").0
+    };
+    let Message::Publish(p) = get("legacy-publish-ttl").message else {
+        panic!("not a publish")
+    };
+    assert_eq!((p.topic().as_str(), p.ttl_ms()), ("orders", Some(1500)));
+    let Message::Publish(p) = get("delivery-dead-letter").message else {
+        panic!("not a publish")
+    };
+    assert_eq!(p.ext.original_topic.as_ref().map(|t| t.as_str()), Some("orders"));
+    assert_eq!(p.ext.attempts_made, Some(4));
+    let Message::Error(e) = get("error").message else {
+        panic!("not an error")
+    };
+    assert_eq!(e.code, ErrorCode::INVALID_TOPIC);
+}
