@@ -1,1 +1,34 @@
-//! placeholder
+//! The Aqueduct broker without sockets.
+//!
+//! Everything here is synchronous and takes the current time as an argument, so every rule is
+//! tested deterministically with a fake clock:
+//! - [`matching`]: MQTT filter semantics (`+`, `#`, system topics);
+//! - [`index`]: the subscription index (hash map for exact filters, trie for wildcards);
+//! - [`queue`]: per-subscriber bounded priority queues and overflow policies;
+//! - [`subscriber`]: a subscription's queues, in-flight deliveries and drain;
+//! - [`group`]: consumer-group watermarks (committed offsets);
+//! - [`broker`]: publish/fan-out, groups, ACK/NACK, redelivery, ack-wait timeouts, dead letters;
+//! - [`topic`]: per-topic offsets and counters read by the metrics layer.
+//!
+//! The server crate owns sockets and tasks; it calls [`Broker::publish`] from each connection's
+//! reader and [`Broker::drain`] from each subscription's writer. See `docs/architecture.md` for the
+//! concurrency model.
+
+pub mod broker;
+pub mod config;
+pub mod group;
+pub mod index;
+pub mod matching;
+pub mod queue;
+pub mod subscriber;
+pub mod topic;
+
+pub use broker::{
+    dlq_topic, Broker, Publication, PublishContext, PublishOutcome, SubscribeOptions, DLQ_PREFIX,
+};
+pub use config::BrokerConfig;
+pub use group::GroupShared;
+pub use subscriber::{
+    CloseReason, Delivery, Drained, SettleError, Subscriber, SubscriberId, Waker,
+};
+pub use topic::{DropReason, TopicState, TopicStats, TopicStatsSnapshot};

@@ -153,7 +153,9 @@ mod tests {
     fn walks_sub_frames() {
         let mut batch = sub(b"a");
         batch.extend(sub(b"bc"));
-        let frames: Vec<_> = BatchIter::new(&batch).collect::<Result<_, _>>().expect("ok");
+        let frames: Vec<_> = BatchIter::new(&batch)
+            .collect::<Result<_, _>>()
+            .expect("ok");
         assert_eq!(frames.len(), 2);
         assert_eq!(frames[0].payload, b"a");
         assert_eq!(frames[1].payload, b"bc");

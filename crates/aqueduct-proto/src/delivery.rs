@@ -70,7 +70,10 @@ impl SharedDelivery {
     /// capacity runs out, and `BytesMut::reserve` reuses the old block once every delivery cut
     /// from it has been dropped.
     pub fn encode(arena: &mut BytesMut, fields: &DeliveryFields<'_>) -> SharedDelivery {
-        let pre_len = 3 + 2 + fields.topic.len() + 10
+        let pre_len = 3
+            + 2
+            + fields.topic.len()
+            + 10
             + fields.trace.map_or(0, |_| 27)
             + fields.compression.map_or(0, |_| 7);
         let post_len = fields.dead_letter.as_ref().map_or(0, |d| {

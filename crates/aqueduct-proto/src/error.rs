@@ -39,11 +39,17 @@ pub enum ProtoError {
     #[error("extension block of {len} bytes exceeds the limit of {max} bytes")]
     ExtensionBlockTooLarge { len: usize, max: usize },
     /// `ext_len` runs past the end of the frame data.
-    #[error("extension block of {ext_len} bytes overruns the frame data ({available} bytes available)")]
+    #[error(
+        "extension block of {ext_len} bytes overruns the frame data ({available} bytes available)"
+    )]
     ExtensionBlockOverrun { ext_len: usize, available: usize },
     /// An extension entry is cut short inside the block.
     #[error("extension entry at block offset {offset} truncated: need {need} bytes, have {have}")]
-    TruncatedExtension { offset: usize, need: usize, have: usize },
+    TruncatedExtension {
+        offset: usize,
+        need: usize,
+        have: usize,
+    },
     /// A known extension has the wrong length or a value out of range.
     #[error("extension 0x{ext_type:02x} is invalid: {problem}")]
     BadExtension { ext_type: u8, problem: &'static str },

@@ -350,7 +350,8 @@ impl Extensions {
                 u64::from_le_bytes(fixed(ty, value)?),
             ),
             types::REASON => {
-                let text = std::str::from_utf8(value).map_err(|_| bad(ty, "reason must be UTF-8"))?;
+                let text =
+                    std::str::from_utf8(value).map_err(|_| bad(ty, "reason must be UTF-8"))?;
                 set(&mut self.reason, ty, text.to_owned())
             }
             types::ATTEMPTS_MADE => set(
@@ -516,7 +517,10 @@ mod tests {
             parse(&[0x03, 1, 4]),
             Err(bad(0x03, "priority must be 0..=3"))
         );
-        assert_eq!(parse(&[0x03, 2, 0, 0]), Err(bad(0x03, "value must be 1 byte")));
+        assert_eq!(
+            parse(&[0x03, 2, 0, 0]),
+            Err(bad(0x03, "value must be 1 byte"))
+        );
         assert_eq!(
             parse(&[0x03, 1, 0, 0x03, 1, 1]),
             Err(ProtoError::DuplicateExtension { ext_type: 3 })
@@ -525,7 +529,10 @@ mod tests {
             parse(&[0x04, 3, b'a', b'+', b'b']),
             Err(ProtoError::InvalidTopic { .. })
         ));
-        assert!(matches!(parse(&[0x04, 0]), Err(ProtoError::InvalidTopic { .. })));
+        assert!(matches!(
+            parse(&[0x04, 0]),
+            Err(ProtoError::InvalidTopic { .. })
+        ));
         assert_eq!(
             parse(&[0x07, 4, 0, 0, 0, 0]),
             Err(bad(0x07, "attempt numbers start at 1"))

@@ -209,11 +209,12 @@ fn parse_legacy(payload: &Bytes) -> Result<(TopicName, Option<u32>), ProtoError>
     if payload[start..].starts_with(b"topic:") {
         start += 6;
     }
-    let topic =
-        TopicName::from_bytes(payload.slice(start..)).map_err(|source| ProtoError::InvalidTopic {
+    let topic = TopicName::from_bytes(payload.slice(start..)).map_err(|source| {
+        ProtoError::InvalidTopic {
             what: "legacy topic payload",
             source,
-        })?;
+        }
+    })?;
     Ok((topic, ttl))
 }
 
@@ -293,7 +294,10 @@ impl PublishBatch {
     }
 }
 
-fn publish_from_ref(buf: &Bytes, sub: &crate::batch::RawFrameRef<'_>) -> Result<Publish, ProtoError> {
+fn publish_from_ref(
+    buf: &Bytes,
+    sub: &crate::batch::RawFrameRef<'_>,
+) -> Result<Publish, ProtoError> {
     let ext = if sub.header.has_extensions {
         Extensions::parse(&buf.slice(sub.ext_offset..sub.ext_offset + sub.ext_block.len()))?
     } else {
@@ -635,7 +639,13 @@ mod tests {
             assert_eq!(p.ttl_ms(), want_ttl);
             assert_eq!(&p.body[..], payload, "delivered with the original payload");
         }
-        for bad in [&b"ttl:x:orders"[..], b"ttl:5", b"a+b", b"", b"ttl:99999999999:a"] {
+        for bad in [
+            &b"ttl:x:orders"[..],
+            b"ttl:5",
+            b"a+b",
+            b"",
+            b"ttl:99999999999:a",
+        ] {
             assert!(
                 Publish::from_parts(Extensions::default(), Bytes::copy_from_slice(bad)).is_err(),
                 "{bad:?}"
@@ -676,14 +686,19 @@ mod tests {
         out.put_slice(&[1, 2, 3]);
         assert!(matches!(
             decode_frame(&out.freeze(), &Limits::default()),
-            Err(DecodeError::Invalid(ProtoError::BadPayload { opcode: "ACK", .. }))
+            Err(DecodeError::Invalid(ProtoError::BadPayload {
+                opcode: "ACK",
+                ..
+            }))
         ));
         let mut out = BytesMut::new();
         write_header(&mut out, 0x41, 1, 1);
         out.put_u8(0);
         assert_eq!(
             decode_frame(&out.freeze(), &Limits::default()),
-            Err(DecodeError::Invalid(ProtoError::MissingExtLen { data_len: 1 }))
+            Err(DecodeError::Invalid(ProtoError::MissingExtLen {
+                data_len: 1
+            }))
         );
         let mut out = BytesMut::new();
         write_header(&mut out, 0x41, 1, 4);

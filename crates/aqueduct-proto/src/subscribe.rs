@@ -173,12 +173,24 @@ mod tests {
         for (input, want) in [
             ("orders", "payload must start with \"topic:\""),
             ("topic:a:group", "option is missing its value"),
-            ("topic:a:", "unknown option (expected \"group\" or \"durable\")"),
-            ("topic:a:queue:x", "unknown option (expected \"group\" or \"durable\")"),
+            (
+                "topic:a:",
+                "unknown option (expected \"group\" or \"durable\")",
+            ),
+            (
+                "topic:a:queue:x",
+                "unknown option (expected \"group\" or \"durable\")",
+            ),
             ("topic:a:group:g:group:h", "\"group\" given twice"),
             ("topic:a:durable:c", "option is missing its value"),
-            ("topic:a:durable:c:x1", "durable offset must be a decimal number"),
-            ("topic:a:durable:c:-1", "durable offset must be a decimal number"),
+            (
+                "topic:a:durable:c:x1",
+                "durable offset must be a decimal number",
+            ),
+            (
+                "topic:a:durable:c:-1",
+                "durable offset must be a decimal number",
+            ),
             (
                 "topic:a:durable:c:18446744073709551616",
                 "durable offset does not fit in 64 bits",

@@ -172,8 +172,8 @@ fn check_filter(bytes: &[u8]) -> Result<(), TopicError> {
             b'/' => level_start = at + 1,
             b'+' | b'#' => {
                 let level_end = at + 1;
-                let whole = at == level_start
-                    && (level_end == bytes.len() || bytes[level_end] == b'/');
+                let whole =
+                    at == level_start && (level_end == bytes.len() || bytes[level_end] == b'/');
                 if !whole {
                     return Err(TopicError::PartialWildcard {
                         ch: char::from(b),
@@ -250,7 +250,16 @@ mod tests {
 
     #[test]
     fn names() {
-        for ok in ["a", "a/b", "a//b", "/", "sport/tennis", "é/ü", "__dlq__orders", "$SYS/x"] {
+        for ok in [
+            "a",
+            "a/b",
+            "a//b",
+            "/",
+            "sport/tennis",
+            "é/ü",
+            "__dlq__orders",
+            "$SYS/x",
+        ] {
             assert!(TopicName::try_from(ok).is_ok(), "{ok}");
         }
         assert_eq!(TopicName::try_from(""), Err(TopicError::Empty));
@@ -282,7 +291,10 @@ mod tests {
             assert!(f.is_wildcard());
             assert!(f.as_topic().is_none());
         }
-        assert!(TopicFilter::try_from("a/b").expect("plain").as_topic().is_some());
+        assert!(TopicFilter::try_from("a/b")
+            .expect("plain")
+            .as_topic()
+            .is_some());
         assert_eq!(
             TopicFilter::try_from("a+"),
             Err(TopicError::PartialWildcard { ch: '+', at: 1 })

@@ -85,12 +85,15 @@ fn extensions() -> impl Strategy<Value = Extensions> {
 }
 
 fn publish() -> impl Strategy<Value = Publish> {
-    (extensions(), topic_name(), prop::collection::vec(any::<u8>(), 0..200)).prop_map(
-        |(mut ext, topic, body)| {
+    (
+        extensions(),
+        topic_name(),
+        prop::collection::vec(any::<u8>(), 0..200),
+    )
+        .prop_map(|(mut ext, topic, body)| {
             ext.topic = Some(topic);
             Publish::from_parts(ext, Bytes::from(body)).expect("topic extension present")
-        },
-    )
+        })
 }
 
 fn message() -> impl Strategy<Value = Message> {

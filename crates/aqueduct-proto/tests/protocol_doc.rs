@@ -31,7 +31,10 @@ fn examples() -> Vec<(&'static str, Bytes)> {
 
     v.push((
         "publish",
-        f(1, Message::Publish(Publish::new(orders.clone(), Bytes::from_static(b"hello")))),
+        f(
+            1,
+            Message::Publish(Publish::new(orders.clone(), Bytes::from_static(b"hello"))),
+        ),
     ));
     v.push((
         "publish-ttl-confirm",
@@ -203,8 +206,11 @@ fn hex(bytes: &[u8]) -> String {
 
 /// Every ```hex block in the doc, keyed by its `example=NAME` tag. `#` starts a comment.
 fn doc_examples() -> Vec<(String, Vec<u8>)> {
-    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/protocol.md"))
-        .expect("docs/protocol.md is readable");
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/protocol.md"
+    ))
+    .expect("docs/protocol.md is readable");
     let mut out = vec![];
     let mut lines = doc.lines();
     while let Some(line) = lines.next() {
@@ -218,9 +224,10 @@ fn doc_examples() -> Vec<(String, Vec<u8>)> {
             }
             let code = body.split('#').next().unwrap_or("");
             for tok in code.split_whitespace() {
-                bytes.push(u8::from_str_radix(tok, 16).unwrap_or_else(|_| {
-                    panic!("example {tag}: {tok:?} is not a hex byte")
-                }));
+                bytes.push(
+                    u8::from_str_radix(tok, 16)
+                        .unwrap_or_else(|_| panic!("example {tag}: {tok:?} is not a hex byte")),
+                );
             }
         }
         out.push((tag.trim().to_string(), bytes));
@@ -251,7 +258,11 @@ fn every_doc_example_decodes_and_re_encodes() {
         let (frame, used) = decode_frame(&buf, &Limits::default())
             .unwrap_or_else(|e| panic!("example {name} does not decode: {e}"));
         assert_eq!(used, buf.len(), "example {name} has trailing bytes");
-        assert_eq!(frame.to_bytes(), buf, "example {name} does not re-encode identically");
+        assert_eq!(
+            frame.to_bytes(),
+            buf,
+            "example {name} does not re-encode identically"
+        );
     }
     for (name, _) in &doc {
         assert!(
@@ -277,7 +288,10 @@ fn doc_examples_mean_what_the_doc_says() {
     let Message::Publish(p) = get("delivery-dead-letter").message else {
         panic!("not a publish")
     };
-    assert_eq!(p.ext.original_topic.as_ref().map(|t| t.as_str()), Some("orders"));
+    assert_eq!(
+        p.ext.original_topic.as_ref().map(|t| t.as_str()),
+        Some("orders")
+    );
     assert_eq!(p.ext.attempts_made, Some(4));
     let Message::Error(e) = get("error").message else {
         panic!("not an error")

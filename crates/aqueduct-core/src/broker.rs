@@ -1,0 +1,659 @@
+//! The broker: routing, fan-out, consumer groups, settlement, redelivery and dead letters.
+//!
+//! # Concurrency model
+//! - `routes` (RwLock): the subscription index and, inside it, each consumer group's members and
+//!   round-robin cursor. Publishers take the read lock only long enough to collect their targets
+//!   into a reusable buffer (no allocation, no enqueueing under the lock); subscribe and
+//!   unsubscribe take the write lock.
+//! - `topics` (RwLock): topic name → [`TopicState`] (offset sequence, counters). Read-locked for a
+//!   lookup, write-locked only the first time a topic is seen. A [`PublishContext`] caches the
+//!   last topic, so a batch to one topic looks it up once.
+//! - each [`Subscriber`] has its own mutex over its queues and in-flight set.
+//! - each group has a mutex over its watermarks ([`GroupShared`]).
+//!
+//! No lock is held while taking another, except `routes` → nothing, `topics` → nothing, so
+//! there is no lock order to get wrong. Publishes from different connections proceed in parallel;
+//! they meet only on the subscribers they share.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
+
+use aqueduct_proto::delivery::{DeadLetter, DeliveryFields};
+use aqueduct_proto::{
+    AckMode, Compression, GroupId, OverflowPolicy, Priority, Publish, SharedDelivery,
+    SubscribeSpec, TopicName, TraceContext,
+};
+use bytes::{BufMut, BytesMut};
+use foldhash::fast::RandomState;
+
+use crate::config::BrokerConfig;
+use crate::group::GroupShared;
+use crate::index::SubscriptionIndex;
+use crate::queue::Pushed;
+use crate::subscriber::{
+    CloseReason, Delivery, Drained, SettleError, Subscriber, SubscriberId, SubscriberInit, Waker,
+};
+use crate::topic::{DropReason, TopicState};
+
+/// Prefix of dead-letter topics.
+pub const DLQ_PREFIX: &str = "__dlq__";
+
+/// A message to publish, borrowed from wherever it was decoded.
+#[derive(Debug, Clone, Copy)]
+pub struct Publication<'a> {
+    pub topic: &'a TopicName,
+    pub body: &'a [u8],
+    pub priority: Priority,
+    /// The message's own TTL (a priority TTL from the config overrides it).
+    pub ttl: Option<Duration>,
+    pub trace: Option<&'a TraceContext>,
+    pub compression: Option<&'a Compression>,
+}
+
+impl<'a> Publication<'a> {
+    /// Default priority, no TTL.
+    pub fn new(topic: &'a TopicName, body: &'a [u8]) -> Self {
+        Publication {
+            topic,
+            body,
+            priority: Priority::DEFAULT,
+            ttl: None,
+            trace: None,
+            compression: None,
+        }
+    }
+
+    /// Everything a decoded PUBLISH frame says.
+    pub fn from_publish(p: &'a Publish) -> Self {
+        Publication {
+            topic: p.topic(),
+            body: &p.body,
+            priority: p.priority(),
+            ttl: p.ttl_ms().map(|ms| Duration::from_millis(u64::from(ms))),
+            trace: p.ext.trace.as_ref(),
+            compression: p.ext.compression.as_ref(),
+        }
+    }
+}
+
+/// What a publish did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublishOutcome {
+    /// The offset assigned in the topic.
+    pub offset: u64,
+    /// Subscriptions it was handed to (one per matching plain subscription, one per group).
+    pub routed: usize,
+}
+
+/// Per-caller scratch space: reuse one per connection (or thread) so publishing allocates nothing
+/// in steady state.
+#[derive(Debug, Default)]
+pub struct PublishContext {
+    arena: BytesMut,
+    targets: Vec<Arc<Subscriber>>,
+    last_topic: Option<Arc<TopicState>>,
+}
+
+/// How a subscription is made (besides its SUBSCRIBE payload).
+pub struct SubscribeOptions {
+    /// The SUBSCRIBE frame's stream id; deliveries carry it.
+    pub stream_id: u32,
+    /// Explicit ACKs for a plain subscription (group members always ack).
+    pub ack_mode: AckMode,
+    /// Overrides the broker's default overflow policy.
+    pub overflow: Option<OverflowPolicy>,
+    /// Called when the subscriber has something for its writer.
+    pub waker: Option<Waker>,
+}
+
+impl std::fmt::Debug for SubscribeOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SubscribeOptions")
+            .field("stream_id", &self.stream_id)
+            .field("ack_mode", &self.ack_mode)
+            .field("overflow", &self.overflow)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for SubscribeOptions {
+    fn default() -> Self {
+        SubscribeOptions {
+            stream_id: 0,
+            ack_mode: AckMode::None,
+            overflow: None,
+            waker: None,
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Route {
+    Plain(Arc<Subscriber>),
+    Group(GroupEntry),
+}
+
+#[derive(Debug)]
+struct GroupEntry {
+    shared: Arc<GroupShared>,
+    members: Vec<Arc<Subscriber>>,
+    cursor: AtomicUsize,
+}
+
+impl GroupEntry {
+    /// The next member in round-robin order, skipping closed ones and `exclude`.
+    fn pick(&self, exclude: Option<SubscriberId>) -> Option<&Arc<Subscriber>> {
+        let n = self.members.len();
+        for _ in 0..n {
+            let m = &self.members[self.cursor.fetch_add(1, Relaxed) % n];
+            if !m.is_closed() && Some(m.id()) != exclude {
+                return Some(m);
+            }
+        }
+        None
+    }
+}
+
+#[derive(Debug, Default)]
+struct Routes {
+    index: SubscriptionIndex<Route>,
+    subscribers: HashMap<SubscriberId, Arc<Subscriber>, RandomState>,
+}
+
+impl Routes {
+    fn group(&self, shared: &Arc<GroupShared>) -> Option<&GroupEntry> {
+        self.index
+            .entries(shared.filter())
+            .iter()
+            .find_map(|r| match r {
+                Route::Group(g) if Arc::ptr_eq(&g.shared, shared) => Some(g),
+                _ => None,
+            })
+    }
+}
+
+/// The broker core. Share it by `Arc`; every method takes `&self`.
+#[derive(Debug, Default)]
+pub struct Broker {
+    config: BrokerConfig,
+    routes: RwLock<Routes>,
+    topics: RwLock<HashMap<TopicName, Arc<TopicState>, RandomState>>,
+    next_id: AtomicU64,
+}
+
+/// The dead-letter topic of `topic`: `__dlq__<topic>`, cut at a character boundary to 255 bytes.
+pub fn dlq_topic(topic: &TopicName) -> TopicName {
+    let room = aqueduct_proto::topic::MAX_NAME_LEN - DLQ_PREFIX.len();
+    let name = topic.as_str();
+    let mut cut = name.len().min(room);
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut s = String::with_capacity(DLQ_PREFIX.len() + cut);
+    s.push_str(DLQ_PREFIX);
+    s.push_str(&name[..cut]);
+    // A valid name with a valid prefix and at most 255 bytes is valid.
+    TopicName::try_from(s.as_str()).unwrap_or_else(|_| topic.clone())
+}
+
+impl Broker {
+    pub fn new(config: BrokerConfig) -> Broker {
+        Broker {
+            config,
+            ..Broker::default()
+        }
+    }
+
+    pub fn config(&self) -> &BrokerConfig {
+        &self.config
+    }
+
+    fn read_routes(&self) -> RwLockReadGuard<'_, Routes> {
+        self.routes.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn write_routes(&self) -> RwLockWriteGuard<'_, Routes> {
+        self.routes.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    // ----- subscriptions -----
+
+    /// Create a subscription. Group subscriptions (`:group:`, or `:durable:` alone, which forms a
+    /// group named after the consumer) join the group with the same id and filter.
+    pub fn subscribe(&self, spec: &SubscribeSpec, opts: SubscribeOptions) -> Arc<Subscriber> {
+        let id = SubscriberId(self.next_id.fetch_add(1, Relaxed));
+        let group_id: Option<GroupId> = spec.group.clone().or_else(|| {
+            spec.durable
+                .as_ref()
+                .and_then(|d| GroupId::from_bytes(d.consumer.to_bytes()).ok())
+        });
+        let mut routes = self.write_routes();
+        let group = group_id.map(|gid| {
+            let existing = routes
+                .index
+                .entries(&spec.filter)
+                .iter()
+                .find_map(|r| match r {
+                    Route::Group(g) if g.shared.id() == &gid => Some(g.shared.clone()),
+                    _ => None,
+                });
+            existing.unwrap_or_else(|| {
+                let durable = spec
+                    .durable
+                    .as_ref()
+                    .map(|d| (d.consumer.clone(), d.offset));
+                let shared = Arc::new(GroupShared::new(gid, spec.filter.clone(), durable));
+                routes.index.insert(
+                    &spec.filter,
+                    Route::Group(GroupEntry {
+                        shared: shared.clone(),
+                        members: Vec::new(),
+                        cursor: AtomicUsize::new(0),
+                    }),
+                );
+                shared
+            })
+        });
+        let sub = Arc::new(Subscriber::new(SubscriberInit {
+            id,
+            stream_id: opts.stream_id,
+            filter: spec.filter.clone(),
+            group: group.clone(),
+            ack_mode: opts.ack_mode,
+            policy: opts.overflow.unwrap_or(self.config.backpressure_policy),
+            waker: opts.waker,
+        }));
+        match &group {
+            Some(shared) => {
+                let entries = routes.index.entries_mut(&spec.filter);
+                if let Some(Route::Group(g)) = entries.and_then(|list| {
+                    list.iter_mut()
+                        .find(|r| matches!(r, Route::Group(g) if Arc::ptr_eq(&g.shared, shared)))
+                }) {
+                    g.members.push(sub.clone());
+                }
+            }
+            None => routes.index.insert(&spec.filter, Route::Plain(sub.clone())),
+        }
+        routes.subscribers.insert(id, sub.clone());
+        sub
+    }
+
+    /// Remove a subscription. A group member's queued and unsettled messages go to the remaining
+    /// members (unsettled ones as a new attempt); a plain subscription's are dropped and counted.
+    pub fn unsubscribe(&self, ctx: &mut PublishContext, sub: &Arc<Subscriber>, now: Instant) {
+        self.remove_subscriber(ctx, sub, CloseReason::Unsubscribed, None, now);
+    }
+
+    fn remove_subscriber(
+        &self,
+        ctx: &mut PublishContext,
+        sub: &Arc<Subscriber>,
+        reason: CloseReason,
+        overflowed: Option<Delivery>,
+        now: Instant,
+    ) {
+        {
+            let mut routes = self.write_routes();
+            if routes.subscribers.remove(&sub.id()).is_none() {
+                return; // already removed
+            }
+            match sub.group() {
+                Some(shared) => {
+                    let mut empty = false;
+                    if let Some(list) = routes.index.entries_mut(sub.filter()) {
+                        for r in list.iter_mut() {
+                            if let Route::Group(g) = r {
+                                if Arc::ptr_eq(&g.shared, shared) {
+                                    g.members.retain(|m| m.id() != sub.id());
+                                    empty = g.members.is_empty();
+                                }
+                            }
+                        }
+                    }
+                    if empty {
+                        routes.index.remove_where(
+                            sub.filter(),
+                            |r| matches!(r, Route::Group(g) if Arc::ptr_eq(&g.shared, shared)),
+                        );
+                    }
+                }
+                None => {
+                    routes.index.remove_where(
+                        sub.filter(),
+                        |r| matches!(r, Route::Plain(s) if s.id() == sub.id()),
+                    );
+                }
+            }
+        }
+        let (queued, in_flight) = sub.close(reason);
+        let drop_reason = match reason {
+            CloseReason::SlowConsumer => DropReason::Policy(OverflowPolicy::Disconnect),
+            CloseReason::Unsubscribed => DropReason::Unsubscribed,
+        };
+        match sub.group() {
+            Some(shared) => {
+                for d in queued.into_iter().chain(overflowed) {
+                    self.hand_to_group(ctx, shared, d, Some(sub.id()), now);
+                }
+                for d in in_flight {
+                    self.retry(ctx, sub, d, "consumer left the group", now);
+                }
+            }
+            None => {
+                for d in queued.iter().chain(&in_flight).chain(&overflowed) {
+                    d.topic.stats().dropped(drop_reason);
+                }
+            }
+        }
+    }
+
+    /// Every live subscription.
+    pub fn subscribers(&self) -> Vec<Arc<Subscriber>> {
+        self.read_routes().subscribers.values().cloned().collect()
+    }
+
+    /// Number of live subscriptions.
+    pub fn subscriber_count(&self) -> usize {
+        self.read_routes().subscribers.len()
+    }
+
+    // ----- publishing -----
+
+    fn topic_state(&self, ctx: &mut PublishContext, name: &TopicName) -> Arc<TopicState> {
+        if let Some(t) = &ctx.last_topic {
+            if t.name().as_bytes() == name.as_bytes() {
+                return t.clone();
+            }
+        }
+        let found = self
+            .topics
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name.as_bytes())
+            .cloned();
+        let state = found.unwrap_or_else(|| {
+            let mut topics = self.topics.write().unwrap_or_else(PoisonError::into_inner);
+            topics
+                .entry(name.detached())
+                .or_insert_with(|| Arc::new(TopicState::new(name)))
+                .clone()
+        });
+        ctx.last_topic = Some(state.clone());
+        state
+    }
+
+    /// The state of a topic that has been published to.
+    pub fn topic(&self, name: &TopicName) -> Option<Arc<TopicState>> {
+        self.topics
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name.as_bytes())
+            .cloned()
+    }
+
+    /// Every topic published to so far.
+    pub fn topics(&self) -> Vec<Arc<TopicState>> {
+        self.topics
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// Publish one message: assign its offset, encode it once, and hand it to every matching
+    /// plain subscription and to one member of every matching group.
+    pub fn publish(
+        &self,
+        ctx: &mut PublishContext,
+        p: &Publication<'_>,
+        now: Instant,
+    ) -> PublishOutcome {
+        self.publish_inner(ctx, p, None, now)
+    }
+
+    fn publish_inner(
+        &self,
+        ctx: &mut PublishContext,
+        p: &Publication<'_>,
+        dead_letter: Option<DeadLetter<'_>>,
+        now: Instant,
+    ) -> PublishOutcome {
+        let topic = self.topic_state(ctx, p.topic);
+        let offset = topic.assign_offset();
+        topic.stats().published();
+        let shared = SharedDelivery::encode(
+            &mut ctx.arena,
+            &DeliveryFields {
+                topic: topic.name(),
+                offset,
+                priority: p.priority,
+                trace: p.trace,
+                compression: p.compression,
+                dead_letter,
+                body: p.body,
+            },
+        );
+        let expires_at = self.config.lifetime(p.priority, p.ttl).map(|ttl| now + ttl);
+        let mut targets = std::mem::take(&mut ctx.targets);
+        {
+            let routes = self.read_routes();
+            routes
+                .index
+                .for_each_match(topic.name(), |route| match route {
+                    Route::Plain(s) => targets.push(s.clone()),
+                    Route::Group(g) => {
+                        if let Some(m) = g.pick(None) {
+                            targets.push(m.clone());
+                        }
+                    }
+                });
+        }
+        let routed = targets.len();
+        for sub in targets.drain(..) {
+            let d = Delivery {
+                topic: topic.clone(),
+                shared: shared.clone(),
+                offset,
+                priority: p.priority,
+                attempt: 1,
+                expires_at,
+            };
+            self.deliver(ctx, &sub, d, now);
+        }
+        ctx.targets = targets;
+        PublishOutcome { offset, routed }
+    }
+
+    /// Queue `d` for `sub`, applying its overflow policy.
+    fn deliver(&self, ctx: &mut PublishContext, sub: &Arc<Subscriber>, d: Delivery, now: Instant) {
+        if let Some(g) = sub.group() {
+            g.note_delivered(d.topic.name(), d.offset);
+        }
+        match sub.enqueue(d, self.config.queue_size) {
+            Ok(Pushed::Queued { .. }) => {}
+            Ok(Pushed::Evicted(lost) | Pushed::Rejected(lost)) => {
+                lost.topic.stats().dropped(DropReason::Policy(sub.policy()));
+                if let Some(g) = sub.group() {
+                    g.note_settled(lost.topic.name(), lost.offset);
+                }
+            }
+            Ok(Pushed::Overflow(d)) => {
+                self.remove_subscriber(ctx, sub, CloseReason::SlowConsumer, Some(d), now)
+            }
+            // Closed between routing and enqueueing: a group gives it to another member.
+            Err(d) => match sub.group() {
+                Some(g) => self.hand_to_group(ctx, g, d, Some(sub.id()), now),
+                None => d.topic.stats().dropped(DropReason::Unsubscribed),
+            },
+        }
+    }
+
+    /// Give `d` to a member of the group other than `exclude` (or `exclude` itself if it is the
+    /// only live member); dropped and counted if the group has no live member.
+    fn hand_to_group(
+        &self,
+        ctx: &mut PublishContext,
+        shared: &Arc<GroupShared>,
+        d: Delivery,
+        exclude: Option<SubscriberId>,
+        now: Instant,
+    ) {
+        let member = {
+            let routes = self.read_routes();
+            routes
+                .group(shared)
+                .and_then(|g| g.pick(exclude).or_else(|| g.pick(None)))
+                .cloned()
+        };
+        match member {
+            Some(m) => self.deliver(ctx, &m, d, now),
+            None => {
+                shared.note_settled(d.topic.name(), d.offset);
+                d.topic.stats().dropped(DropReason::Unsubscribed);
+            }
+        }
+    }
+
+    // ----- delivery -----
+
+    /// Write `sub`'s next deliveries to `out`, highest priority first, up to about `max_bytes`
+    /// (at least one frame when one is ready). Expired messages are dropped and counted;
+    /// deliveries that need settling are recorded in flight with the ack-wait deadline.
+    pub fn drain<B: BufMut>(
+        &self,
+        sub: &Subscriber,
+        out: &mut B,
+        max_bytes: usize,
+        now: Instant,
+    ) -> Drained {
+        sub.drain(
+            out,
+            max_bytes,
+            now,
+            self.config.ack_wait,
+            self.config.max_in_flight,
+        )
+    }
+
+    // ----- settlement -----
+
+    /// Settle a delivery. `topic` may be omitted for a subscription without wildcards;
+    /// `attempt`, when given, must be the current attempt.
+    pub fn ack(
+        &self,
+        sub: &Subscriber,
+        topic: Option<&TopicName>,
+        offset: u64,
+        attempt: Option<u32>,
+    ) -> Result<(), SettleError> {
+        let d = sub.settle(topic, offset, attempt)?;
+        if let Some(g) = sub.group() {
+            g.note_settled(d.topic.name(), d.offset);
+        }
+        Ok(())
+    }
+
+    /// Reject a delivery: it is redelivered with the next attempt number (to another group member
+    /// when there is one), or dead-lettered once `max_retries` redeliveries are used up.
+    #[allow(clippy::too_many_arguments)]
+    pub fn nack(
+        &self,
+        ctx: &mut PublishContext,
+        sub: &Arc<Subscriber>,
+        topic: Option<&TopicName>,
+        offset: u64,
+        attempt: Option<u32>,
+        reason: Option<&str>,
+        now: Instant,
+    ) -> Result<(), SettleError> {
+        let d = sub.settle(topic, offset, attempt)?;
+        d.topic.stats().nacked();
+        self.retry(ctx, sub, d, reason.unwrap_or("nacked"), now);
+        Ok(())
+    }
+
+    /// Redeliver every delivery of `sub` whose ack-wait deadline has passed. Returns how many.
+    pub fn expire_in_flight(
+        &self,
+        ctx: &mut PublishContext,
+        sub: &Arc<Subscriber>,
+        now: Instant,
+    ) -> usize {
+        let overdue = sub.take_overdue(now);
+        let n = overdue.len();
+        for d in overdue {
+            self.retry(ctx, sub, d, "ack timeout", now);
+        }
+        n
+    }
+
+    /// [`expire_in_flight`](Self::expire_in_flight) for every subscription.
+    pub fn tick(&self, ctx: &mut PublishContext, now: Instant) -> usize {
+        self.subscribers()
+            .iter()
+            .map(|s| self.expire_in_flight(ctx, s, now))
+            .sum()
+    }
+
+    fn retry(
+        &self,
+        ctx: &mut PublishContext,
+        from: &Arc<Subscriber>,
+        mut d: Delivery,
+        reason: &str,
+        now: Instant,
+    ) {
+        if d.attempt > self.config.max_retries {
+            self.dead_letter(ctx, from, d, reason, now);
+            return;
+        }
+        d.attempt += 1;
+        d.topic.stats().redelivered();
+        match from.group() {
+            Some(g) => self.hand_to_group(ctx, g, d, Some(from.id()), now),
+            None if !from.is_closed() => self.deliver(ctx, from, d, now),
+            None => d.topic.stats().dropped(DropReason::Unsubscribed),
+        }
+    }
+
+    fn dead_letter(
+        &self,
+        ctx: &mut PublishContext,
+        from: &Subscriber,
+        d: Delivery,
+        reason: &str,
+        now: Instant,
+    ) {
+        if let Some(g) = from.group() {
+            g.note_settled(d.topic.name(), d.offset);
+        }
+        if d.topic.name().as_str().starts_with(DLQ_PREFIX) {
+            d.topic.stats().dropped(DropReason::RetriesExhausted);
+            return;
+        }
+        d.topic.stats().dead_lettered();
+        // Our own encoding: parsing cannot fail; without it the dead letter only loses trace/compression.
+        let ext = d.shared.extensions().unwrap_or_default();
+        let dlq = dlq_topic(d.topic.name());
+        let body = d.shared.body();
+        let publication = Publication {
+            topic: &dlq,
+            body: &body,
+            priority: d.priority,
+            ttl: None,
+            trace: ext.trace.as_ref(),
+            compression: ext.compression.as_ref(),
+        };
+        let info = DeadLetter {
+            original_topic: d.topic.name(),
+            original_offset: d.offset,
+            attempts_made: d.attempt,
+            reason,
+        };
+        self.publish_inner(ctx, &publication, Some(info), now);
+    }
+}

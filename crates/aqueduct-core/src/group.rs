@@ -1,0 +1,141 @@
+//! Consumer-group state that outlives a single routing decision: the committed-offset watermark.
+//!
+//! Membership and the round-robin cursor live in the routing table (`broker.rs`), next to the
+//! filter they belong to, so picking a member happens under the routing read lock with one atomic
+//! increment and no extra lock. What is here is touched only by deliveries to the group and by
+//! settlements, under this group's own mutex.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Mutex, PoisonError};
+
+use aqueduct_proto::{ConsumerId, GroupId, TopicFilter, TopicName};
+use foldhash::fast::RandomState;
+
+/// Per topic: which offsets were handed to the group and not yet settled.
+#[derive(Debug, Default)]
+struct Watermark {
+    /// One past the highest offset handed out.
+    next: u64,
+    /// Offsets handed out and not settled (acked, dead-lettered, expired or dropped).
+    outstanding: BTreeSet<u64>,
+}
+
+impl Watermark {
+    /// The highest offset below which every message handed to the group is settled.
+    fn committed(&self) -> u64 {
+        self.outstanding.first().copied().unwrap_or(self.next)
+    }
+}
+
+/// A consumer group: the subscriptions sharing a group id and a filter.
+#[derive(Debug)]
+pub struct GroupShared {
+    id: GroupId,
+    filter: TopicFilter,
+    durable: Option<(ConsumerId, u64)>,
+    watermarks: Mutex<HashMap<TopicName, Watermark, RandomState>>,
+}
+
+impl GroupShared {
+    pub(crate) fn new(
+        id: GroupId,
+        filter: TopicFilter,
+        durable: Option<(ConsumerId, u64)>,
+    ) -> Self {
+        GroupShared {
+            id,
+            filter,
+            durable,
+            watermarks: Mutex::default(),
+        }
+    }
+
+    pub fn id(&self) -> &GroupId {
+        &self.id
+    }
+
+    pub fn filter(&self) -> &TopicFilter {
+        &self.filter
+    }
+
+    /// The durable consumer name and the offset it asked to start from, if durable.
+    pub fn durable(&self) -> Option<&(ConsumerId, u64)> {
+        self.durable.as_ref()
+    }
+
+    pub(crate) fn note_delivered(&self, topic: &TopicName, offset: u64) {
+        let mut marks = self
+            .watermarks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mark = match marks.get_mut(topic.as_bytes()) {
+            Some(mark) => mark,
+            None => marks.entry(topic.clone()).or_insert(Watermark {
+                next: offset,
+                outstanding: BTreeSet::new(),
+            }),
+        };
+        mark.outstanding.insert(offset);
+        mark.next = mark.next.max(offset + 1);
+    }
+
+    pub(crate) fn note_settled(&self, topic: &TopicName, offset: u64) {
+        let mut marks = self
+            .watermarks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(mark) = marks.get_mut(topic.as_bytes()) {
+            mark.outstanding.remove(&offset);
+        }
+    }
+
+    /// The committed offset for `topic`: every message of the group below it is settled.
+    pub fn committed_offset(&self, topic: &TopicName) -> Option<u64> {
+        let marks = self
+            .watermarks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        marks.get(topic.as_bytes()).map(Watermark::committed)
+    }
+
+    /// Committed offsets of every topic the group has received.
+    pub fn committed_offsets(&self) -> Vec<(TopicName, u64)> {
+        let marks = self
+            .watermarks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        marks
+            .iter()
+            .map(|(t, m)| (t.clone(), m.committed()))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watermark_is_the_lowest_unsettled_offset() {
+        let g = GroupShared::new(
+            GroupId::try_from("g").expect("valid"),
+            TopicFilter::try_from("t").expect("valid"),
+            None,
+        );
+        let t = TopicName::try_from("t").expect("valid");
+        assert_eq!(g.committed_offset(&t), None);
+        for o in 10..15 {
+            g.note_delivered(&t, o);
+        }
+        assert_eq!(g.committed_offset(&t), Some(10));
+        g.note_settled(&t, 11);
+        g.note_settled(&t, 12);
+        assert_eq!(g.committed_offset(&t), Some(10));
+        g.note_settled(&t, 10);
+        assert_eq!(g.committed_offset(&t), Some(13));
+        g.note_settled(&t, 14);
+        g.note_settled(&t, 13);
+        assert_eq!(g.committed_offset(&t), Some(15));
+        assert_eq!(g.committed_offsets(), vec![(t, 15)]);
+    }
+}

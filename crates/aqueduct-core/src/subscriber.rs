@@ -1,0 +1,390 @@
+//! One subscription: its queues, its unsettled deliveries, and how it is drained.
+//!
+//! A [`Subscriber`] owns all of its mutable state behind one short-held mutex: publishers take it
+//! to enqueue, the connection's writer takes it to drain, the reader takes it to settle. It is
+//! never held across another lock or an `.await`.
+
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use aqueduct_proto::{
+    AckMode, ErrorCode, OverflowPolicy, Priority, SharedDelivery, TopicFilter, TopicName,
+};
+use bytes::BufMut;
+use foldhash::fast::RandomState;
+
+use crate::group::GroupShared;
+use crate::queue::{PriorityQueues, Pushed};
+use crate::topic::TopicState;
+
+/// Identifies a subscriber within one broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SubscriberId(pub u64);
+
+/// Called when a subscriber has something new for its writer (see [`Subscriber`] docs).
+pub type Waker = Box<dyn Fn() + Send + Sync>;
+
+/// One message queued for, or in flight to, one subscriber. Cloning bumps reference counts only.
+#[derive(Clone)]
+pub struct Delivery {
+    pub(crate) topic: Arc<TopicState>,
+    pub(crate) shared: SharedDelivery,
+    pub(crate) offset: u64,
+    pub(crate) priority: Priority,
+    pub(crate) attempt: u32,
+    pub(crate) expires_at: Option<Instant>,
+}
+
+impl fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Delivery")
+            .field("topic", self.topic.name())
+            .field("offset", &self.offset)
+            .field("priority", &self.priority)
+            .field("attempt", &self.attempt)
+            .finish()
+    }
+}
+
+impl Delivery {
+    pub fn topic(&self) -> &TopicName {
+        self.topic.name()
+    }
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+    pub fn priority(&self) -> Priority {
+        self.priority
+    }
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+}
+
+/// Why a subscriber stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloseReason {
+    /// Its queue overflowed under the disconnect policy (ERROR `SLOW_CONSUMER`).
+    SlowConsumer,
+    /// Unsubscribed, or its stream or connection closed.
+    Unsubscribed,
+}
+
+/// Why an ACK or NACK was refused. Nothing changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SettleError {
+    #[error("no delivery of {topic} offset {offset} is awaiting settlement on this subscription")]
+    NotInFlight { topic: TopicName, offset: u64 },
+    #[error(
+        "attempt {given} of {topic} offset {offset} is stale: the current attempt is {current}"
+    )]
+    StaleAttempt {
+        topic: TopicName,
+        offset: u64,
+        given: u32,
+        current: u32,
+    },
+    #[error("the subscription's filter has wildcards: the ACK/NACK must name the topic")]
+    TopicRequired,
+}
+
+impl SettleError {
+    /// The ERROR-frame code for this refusal.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            SettleError::NotInFlight { .. } => ErrorCode::NOT_IN_FLIGHT,
+            SettleError::StaleAttempt { .. } => ErrorCode::STALE_ATTEMPT,
+            SettleError::TopicRequired => ErrorCode::TOPIC_REQUIRED,
+        }
+    }
+}
+
+/// What one [`crate::Broker::drain`] call did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Drained {
+    /// Frames written.
+    pub frames: usize,
+    /// Bytes written.
+    pub bytes: usize,
+    /// Messages found expired and dropped.
+    pub expired: usize,
+    /// True if sending stopped because `max_in_flight` deliveries await settlement.
+    pub blocked: bool,
+}
+
+struct InFlight {
+    delivery: Delivery,
+    deadline: Instant,
+}
+
+#[derive(Default)]
+struct State {
+    queue: PriorityQueues<Delivery>,
+    in_flight: HashMap<(TopicName, u64), InFlight, RandomState>,
+    closed: Option<CloseReason>,
+}
+
+/// A subscription.
+///
+/// Contract with the writer that serves it: the waker is called when the queue goes from empty to
+/// non-empty, when settlements make room under `max_in_flight`, and when the subscriber is closed.
+/// A writer drains until `drain` writes nothing (or reports `blocked`) before it waits again.
+pub struct Subscriber {
+    id: SubscriberId,
+    stream_id: u32,
+    filter: TopicFilter,
+    group: Option<Arc<GroupShared>>,
+    ack_mode: AckMode,
+    policy: OverflowPolicy,
+    waker: Option<Waker>,
+    closed: AtomicBool,
+    state: Mutex<State>,
+}
+
+impl fmt::Debug for Subscriber {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Subscriber")
+            .field("id", &self.id)
+            .field("stream_id", &self.stream_id)
+            .field("filter", &self.filter)
+            .field("group", &self.group.as_ref().map(|g| g.id()))
+            .finish()
+    }
+}
+
+/// Fields fixed when a subscriber is created.
+pub(crate) struct SubscriberInit {
+    pub id: SubscriberId,
+    pub stream_id: u32,
+    pub filter: TopicFilter,
+    pub group: Option<Arc<GroupShared>>,
+    pub ack_mode: AckMode,
+    pub policy: OverflowPolicy,
+    pub waker: Option<Waker>,
+}
+
+impl Subscriber {
+    pub(crate) fn new(init: SubscriberInit) -> Subscriber {
+        Subscriber {
+            id: init.id,
+            stream_id: init.stream_id,
+            filter: init.filter,
+            // Group members always settle explicitly: that is how a group knows what to redeliver.
+            ack_mode: if init.group.is_some() {
+                AckMode::Explicit
+            } else {
+                init.ack_mode
+            },
+            group: init.group,
+            policy: init.policy,
+            waker: init.waker,
+            closed: AtomicBool::new(false),
+            state: Mutex::default(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave State half-updated in a way that matters
+        // more than losing the subscriber; keep serving rather than cascade the panic.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn wake(&self) {
+        if let Some(w) = &self.waker {
+            w();
+        }
+    }
+
+    pub fn id(&self) -> SubscriberId {
+        self.id
+    }
+
+    /// The `stream_id` of the SUBSCRIBE frame; deliveries carry it.
+    pub fn stream_id(&self) -> u32 {
+        self.stream_id
+    }
+
+    pub fn filter(&self) -> &TopicFilter {
+        &self.filter
+    }
+
+    pub fn group(&self) -> Option<&Arc<GroupShared>> {
+        self.group.as_ref()
+    }
+
+    pub fn ack_mode(&self) -> AckMode {
+        self.ack_mode
+    }
+
+    pub fn policy(&self) -> OverflowPolicy {
+        self.policy
+    }
+
+    /// Why the subscriber was closed, if it was.
+    pub fn close_reason(&self) -> Option<CloseReason> {
+        self.lock().closed
+    }
+
+    /// Cheap check, no lock.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Messages waiting to be sent.
+    pub fn queued(&self) -> usize {
+        self.lock().queue.len()
+    }
+
+    /// Deliveries awaiting ACK/NACK.
+    pub fn in_flight(&self) -> usize {
+        self.lock().in_flight.len()
+    }
+
+    /// Queue `d`; `Err(d)` if the subscriber is closed.
+    pub(crate) fn enqueue(
+        &self,
+        d: Delivery,
+        capacity: usize,
+    ) -> Result<Pushed<Delivery>, Delivery> {
+        let pushed = {
+            let mut st = self.lock();
+            if st.closed.is_some() {
+                return Err(d);
+            }
+            st.queue.push(d.priority, d, capacity, self.policy)
+        };
+        if let Pushed::Queued { was_empty: true } = pushed {
+            self.wake();
+        }
+        Ok(pushed)
+    }
+
+    /// Write deliveries to `out`, highest priority first, until about `max_bytes` are written
+    /// (always at least one frame if any is ready).
+    pub(crate) fn drain<B: BufMut>(
+        &self,
+        out: &mut B,
+        max_bytes: usize,
+        now: Instant,
+        ack_wait: Duration,
+        max_in_flight: usize,
+    ) -> Drained {
+        let mut done = Drained::default();
+        let mut st = self.lock();
+        let explicit = self.ack_mode == AckMode::Explicit;
+        while done.bytes < max_bytes || done.frames == 0 {
+            if explicit && st.in_flight.len() >= max_in_flight {
+                done.blocked = true;
+                break;
+            }
+            let Some(d) = st.queue.pop() else { break };
+            if d.expires_at.is_some_and(|at| at <= now) {
+                d.topic.stats().expired(d.priority);
+                if let Some(g) = &self.group {
+                    g.note_settled(d.topic.name(), d.offset);
+                }
+                done.expired += 1;
+                continue;
+            }
+            d.shared.write_frame(out, self.stream_id, d.attempt);
+            done.frames += 1;
+            done.bytes += d.shared.frame_len();
+            d.topic.stats().delivered(1);
+            if explicit {
+                let key = (d.topic.name().clone(), d.offset);
+                st.in_flight.insert(
+                    key,
+                    InFlight {
+                        delivery: d,
+                        deadline: now + ack_wait,
+                    },
+                );
+            }
+        }
+        done
+    }
+
+    /// Remove a delivery from the in-flight set after checking the ACK/NACK names it.
+    pub(crate) fn settle(
+        &self,
+        topic: Option<&TopicName>,
+        offset: u64,
+        attempt: Option<u32>,
+    ) -> Result<Delivery, SettleError> {
+        let topic = match topic {
+            Some(t) => t.clone(),
+            None => self.filter.as_topic().ok_or(SettleError::TopicRequired)?,
+        };
+        let (delivery, wake) = {
+            let mut st = self.lock();
+            let delivery = match st.in_flight.entry((topic, offset)) {
+                Entry::Vacant(v) => {
+                    let (topic, offset) = v.into_key();
+                    return Err(SettleError::NotInFlight { topic, offset });
+                }
+                Entry::Occupied(e) => {
+                    let current = e.get().delivery.attempt;
+                    match attempt {
+                        Some(given) if given != current => {
+                            let (topic, offset) = e.key().clone();
+                            return Err(SettleError::StaleAttempt {
+                                topic,
+                                offset,
+                                given,
+                                current,
+                            });
+                        }
+                        _ => e.remove().delivery,
+                    }
+                }
+            };
+            (delivery, !st.queue.is_empty())
+        };
+        if wake {
+            self.wake();
+        }
+        Ok(delivery)
+    }
+
+    /// Take the in-flight deliveries whose ack-wait deadline has passed.
+    pub(crate) fn take_overdue(&self, now: Instant) -> Vec<Delivery> {
+        let mut st = self.lock();
+        if st.in_flight.is_empty() {
+            return Vec::new();
+        }
+        let overdue: Vec<(TopicName, u64)> = st
+            .in_flight
+            .iter()
+            .filter(|(_, f)| f.deadline <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut out: Vec<Delivery> = overdue
+            .iter()
+            .filter_map(|k| st.in_flight.remove(k).map(|f| f.delivery))
+            .collect();
+        out.sort_by_key(|d| (d.priority, d.offset));
+        out
+    }
+
+    /// Close and take everything still queued and in flight.
+    pub(crate) fn close(&self, reason: CloseReason) -> (Vec<Delivery>, Vec<Delivery>) {
+        let taken = {
+            let mut st = self.lock();
+            if st.closed.is_none() {
+                st.closed = Some(reason);
+            }
+            self.closed.store(true, Ordering::Release);
+            let queued = st.queue.take_all();
+            let mut in_flight: Vec<Delivery> =
+                st.in_flight.drain().map(|(_, f)| f.delivery).collect();
+            in_flight.sort_by_key(|d| (d.priority, d.offset));
+            (queued, in_flight)
+        };
+        self.wake();
+        taken
+    }
+}

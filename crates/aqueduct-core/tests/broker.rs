@@ -1,0 +1,708 @@
+//! The broker's rules, end to end through `aqueduct-core` alone, with a fake clock
+//! (`t0 + offsets`): routing, fan-out, groups, priorities, backpressure, TTL, ACK/NACK,
+//! redelivery, ack-wait timeouts and dead letters.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aqueduct_core::*;
+use aqueduct_proto::frame::Message;
+use aqueduct_proto::*;
+use bytes::{Bytes, BytesMut};
+
+fn t(s: &str) -> TopicName {
+    TopicName::try_from(s).expect("valid topic")
+}
+
+fn spec(s: &str) -> SubscribeSpec {
+    SubscribeSpec::parse(&Bytes::copy_from_slice(s.as_bytes())).expect("valid spec")
+}
+
+fn sub(b: &Broker, s: &str) -> Arc<Subscriber> {
+    b.subscribe(&spec(s), SubscribeOptions::default())
+}
+
+fn sub_with(b: &Broker, s: &str, opts: SubscribeOptions) -> Arc<Subscriber> {
+    b.subscribe(&spec(s), opts)
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Got {
+    topic: String,
+    offset: u64,
+    priority: u8,
+    attempt: u32,
+    body: Vec<u8>,
+    stream_id: u32,
+    ext: Extensions,
+}
+
+/// Drain everything ready and decode it.
+fn drain_all(b: &Broker, s: &Subscriber, now: Instant) -> Vec<Got> {
+    let mut out = BytesMut::new();
+    loop {
+        let d = b.drain(s, &mut out, 64 * 1024, now);
+        if d.frames == 0 && d.expired == 0 {
+            break;
+        }
+    }
+    decode_all(out.freeze())
+}
+
+fn decode_all(mut buf: Bytes) -> Vec<Got> {
+    let mut got = vec![];
+    while !buf.is_empty() {
+        let (frame, used) = decode_frame(&buf, &Limits::default()).expect("broker output decodes");
+        let Message::Publish(p) = frame.message else {
+            panic!("not a delivery: {frame:?}")
+        };
+        got.push(Got {
+            topic: p.topic().to_string(),
+            offset: p.ext.offset.expect("offset"),
+            priority: p.priority().level(),
+            attempt: p.ext.attempt.expect("attempt"),
+            body: p.body.to_vec(),
+            stream_id: frame.stream_id,
+            ext: p.ext.clone(),
+        });
+        let _ = buf.split_to(used);
+    }
+    got
+}
+
+fn publish(
+    b: &Broker,
+    ctx: &mut PublishContext,
+    topic: &str,
+    body: &str,
+    now: Instant,
+) -> PublishOutcome {
+    b.publish(ctx, &Publication::new(&t(topic), body.as_bytes()), now)
+}
+
+fn publish_p(
+    b: &Broker,
+    ctx: &mut PublishContext,
+    topic: &str,
+    body: &str,
+    prio: u8,
+    now: Instant,
+) {
+    let topic = t(topic);
+    let mut p = Publication::new(&topic, body.as_bytes());
+    p.priority = Priority::new(prio).expect("valid priority");
+    b.publish(ctx, &p, now);
+}
+
+fn bodies(got: &[Got]) -> Vec<String> {
+    got.iter()
+        .map(|g| String::from_utf8_lossy(&g.body).into_owned())
+        .collect()
+}
+
+#[test]
+fn fan_out_to_exact_and_wildcard_subscribers() {
+    let b = Broker::default();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let exact = sub_with(
+        &b,
+        "topic:sport/tennis",
+        SubscribeOptions {
+            stream_id: 11,
+            ..Default::default()
+        },
+    );
+    let plus = sub(&b, "topic:sport/+");
+    let hash = sub(&b, "topic:#");
+    let other = sub(&b, "topic:news");
+    let out = publish(&b, &mut ctx, "sport/tennis", "ace", now);
+    assert_eq!(
+        out,
+        PublishOutcome {
+            offset: 0,
+            routed: 3
+        }
+    );
+    for s in [&exact, &plus, &hash] {
+        let got = drain_all(&b, s, now);
+        assert_eq!(bodies(&got), ["ace"]);
+        assert_eq!(got[0].topic, "sport/tennis");
+        assert_eq!((got[0].offset, got[0].attempt, got[0].priority), (0, 1, 2));
+    }
+    assert_eq!(drain_all(&b, &exact, now), vec![]);
+    assert!(drain_all(&b, &other, now).is_empty());
+    // Deliveries carry the SUBSCRIBE's stream id.
+    publish(&b, &mut ctx, "sport/tennis", "again", now);
+    assert_eq!(drain_all(&b, &exact, now)[0].stream_id, 11);
+}
+
+#[test]
+fn offsets_are_per_topic_and_monotonic() {
+    let b = Broker::default();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let s = sub(&b, "topic:+");
+    for (topic, want) in [("a", 0), ("a", 1), ("b", 0), ("a", 2), ("b", 1)] {
+        assert_eq!(publish(&b, &mut ctx, topic, "x", now).offset, want);
+    }
+    let got = drain_all(&b, &s, now);
+    let offsets: Vec<_> = got.iter().map(|g| (g.topic.as_str(), g.offset)).collect();
+    assert_eq!(offsets, [("a", 0), ("a", 1), ("b", 0), ("a", 2), ("b", 1)]);
+    assert_eq!(b.topic(&t("a")).expect("known").next_offset(), 3);
+    // Unrouted messages still take an offset.
+    assert_eq!(publish(&b, &mut ctx, "no/body", "x", now).routed, 0);
+    assert_eq!(publish(&b, &mut ctx, "no/body", "x", now).offset, 1);
+}
+
+#[test]
+fn system_topics_are_not_matched_by_leading_wildcards() {
+    let b = Broker::default();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let all = sub(&b, "topic:#");
+    let dlq = sub(&b, "topic:__dlq__orders");
+    publish(&b, &mut ctx, "__dlq__orders", "x", now);
+    assert!(drain_all(&b, &all, now).is_empty());
+    assert_eq!(drain_all(&b, &dlq, now).len(), 1);
+}
+
+#[test]
+fn group_round_robin_exactly_once() {
+    let b = Broker::new(BrokerConfig {
+        queue_size: 4096,
+        ..Default::default()
+    });
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let members: Vec<_> = (0..3)
+        .map(|_| sub(&b, "topic:jobs/+:group:workers"))
+        .collect();
+    let plain = sub(&b, "topic:jobs/#");
+    for i in 0..3000 {
+        let out = publish(&b, &mut ctx, "jobs/a", &i.to_string(), now);
+        assert_eq!(
+            out.routed, 2,
+            "one copy for the group, one for the plain subscriber"
+        );
+    }
+    let mut seen = BTreeSet::new();
+    for m in &members {
+        let got = drain_all(&b, m, now);
+        assert_eq!(got.len(), 1000);
+        for g in got {
+            assert!(seen.insert(g.offset), "offset {} delivered twice", g.offset);
+        }
+    }
+    assert_eq!(seen.len(), 3000);
+    assert_eq!(drain_all(&b, &plain, now).len(), 3000);
+    // Same group id on a different filter is a different group.
+    let other = sub(&b, "topic:jobs/a:group:workers");
+    publish(&b, &mut ctx, "jobs/a", "x", now);
+    assert_eq!(drain_all(&b, &other, now).len(), 1);
+}
+
+#[test]
+fn a_leaving_member_hands_its_messages_to_the_others() {
+    let b = Broker::default();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let m1 = sub(&b, "topic:jobs:group:g");
+    let m2 = sub(&b, "topic:jobs:group:g");
+    for i in 0..4 {
+        publish(&b, &mut ctx, "jobs", &i.to_string(), now);
+    }
+    // m1 got 0 and 2; it receives 0 (in flight) and never reads 2 (queued).
+    let mut out = BytesMut::new();
+    b.drain(&m1, &mut out, 1, now);
+    let first = decode_all(out.freeze());
+    assert_eq!(bodies(&first), ["0"]);
+    assert_eq!(m1.in_flight(), 1);
+    assert_eq!(m1.queued(), 1);
+    b.unsubscribe(&mut ctx, &m1, now);
+    assert_eq!(m1.close_reason(), Some(CloseReason::Unsubscribed));
+    let got = drain_all(&b, &m2, now);
+    let mut by_body: BTreeMap<String, u32> = BTreeMap::new();
+    for g in &got {
+        by_body.insert(String::from_utf8_lossy(&g.body).into(), g.attempt);
+    }
+    // 1 and 3 were m2's; 2 was queued at m1 (first attempt); 0 was in flight at m1 (second attempt).
+    assert_eq!(
+        by_body,
+        BTreeMap::from([
+            ("0".into(), 2),
+            ("1".into(), 1),
+            ("2".into(), 1),
+            ("3".into(), 1)
+        ])
+    );
+    // The last member leaving drops (and counts) what it still holds.
+    b.unsubscribe(&mut ctx, &m2, now);
+    publish(&b, &mut ctx, "jobs", "nobody", now);
+    let stats = b.topic(&t("jobs")).expect("known").stats().snapshot();
+    assert_eq!(
+        stats.dropped(DropReason::Unsubscribed),
+        4,
+        "m2's four in-flight messages"
+    );
+    assert_eq!(b.subscriber_count(), 0);
+}
+
+#[test]
+fn durable_group_tracks_the_committed_offset() {
+    let b = Broker::default();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let m = sub(&b, "topic:orders:group:billing:durable:c1:0");
+    let g = m.group().expect("group").clone();
+    assert_eq!(g.durable().map(|(c, o)| (c.as_str(), *o)), Some(("c1", 0)));
+    for i in 0..5 {
+        publish(&b, &mut ctx, "orders", &i.to_string(), now);
+    }
+    let got = drain_all(&b, &m, now);
+    assert_eq!(got.len(), 5);
+    assert_eq!(g.committed_offset(&t("orders")), Some(0));
+    b.ack(&m, None, 1, None).expect("in flight");
+    assert_eq!(g.committed_offset(&t("orders")), Some(0));
+    b.ack(&m, None, 0, None).expect("in flight");
+    assert_eq!(g.committed_offset(&t("orders")), Some(2));
+    for o in 2..5 {
+        b.ack(&m, None, o, Some(1)).expect("in flight");
+    }
+    assert_eq!(g.committed_offset(&t("orders")), Some(5));
+    // `:durable:` without `:group:` forms a group named after the consumer.
+    let solo = sub(&b, "topic:orders:durable:c9:0");
+    assert_eq!(
+        solo.group().map(|g| g.id().as_str().to_owned()),
+        Some("c9".into())
+    );
+}
+
+#[test]
+fn strict_priority_order() {
+    let b = Broker::default();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let s = sub(&b, "topic:p");
+    for (prio, body) in [
+        (3, "low1"),
+        (2, "mid1"),
+        (0, "top1"),
+        (1, "hi1"),
+        (3, "low2"),
+        (0, "top2"),
+    ] {
+        publish_p(&b, &mut ctx, "p", body, prio, now);
+    }
+    let got = drain_all(&b, &s, now);
+    assert_eq!(
+        bodies(&got),
+        ["top1", "top2", "hi1", "mid1", "low1", "low2"]
+    );
+    assert_eq!(
+        got.iter().map(|g| g.priority).collect::<Vec<_>>(),
+        [0, 0, 1, 2, 3, 3]
+    );
+}
+
+#[test]
+fn drain_respects_the_byte_budget() {
+    let b = Broker::default();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let s = sub(&b, "topic:x");
+    for _ in 0..10 {
+        publish(&b, &mut ctx, "x", &"y".repeat(100), now);
+    }
+    let mut out = BytesMut::new();
+    let d = b.drain(&s, &mut out, 300, now);
+    // Each frame is 10 + 2 + 6 + (3 + 3 + 10) + 100 = 134 bytes: three fit the budget, reaching it.
+    assert_eq!((d.frames, d.bytes, out.len()), (3, 402, 402));
+    // A budget smaller than one frame still sends one.
+    let d = b.drain(&s, &mut BytesMut::new(), 1, now);
+    assert_eq!(d.frames, 1);
+    assert_eq!(s.queued(), 6);
+}
+
+fn policy_broker(policy: OverflowPolicy) -> (Broker, Arc<Subscriber>, Arc<Subscriber>) {
+    let b = Broker::new(BrokerConfig {
+        queue_size: 4,
+        backpressure_policy: policy,
+        ..Default::default()
+    });
+    let slow = sub(&b, "topic:t");
+    // A normal subscriber on the same topic with room for everything.
+    let fast = sub_with(
+        &b,
+        "topic:t",
+        SubscribeOptions {
+            overflow: Some(OverflowPolicy::DropNewest),
+            ..Default::default()
+        },
+    );
+    (b, slow, fast)
+}
+
+#[test]
+fn drop_oldest_keeps_the_newest() {
+    let (b, slow, fast) = policy_broker(OverflowPolicy::DropOldest);
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let mut fast_got = vec![];
+    for i in 0..10 {
+        publish(&b, &mut ctx, "t", &i.to_string(), now);
+        fast_got.extend(bodies(&drain_all(&b, &fast, now)));
+    }
+    assert_eq!(bodies(&drain_all(&b, &slow, now)), ["6", "7", "8", "9"]);
+    assert_eq!(fast_got.len(), 10, "the normal subscriber gets everything");
+    let stats = b.topic(&t("t")).expect("known").stats().snapshot();
+    assert_eq!(
+        stats.dropped(DropReason::Policy(OverflowPolicy::DropOldest)),
+        6
+    );
+    assert_eq!(
+        stats.dropped(DropReason::Policy(OverflowPolicy::DropNewest)),
+        0
+    );
+}
+
+#[test]
+fn drop_newest_keeps_the_oldest() {
+    let (b, slow, fast) = policy_broker(OverflowPolicy::DropNewest);
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let mut fast_got = 0;
+    for i in 0..10 {
+        publish(&b, &mut ctx, "t", &i.to_string(), now);
+        fast_got += drain_all(&b, &fast, now).len();
+    }
+    assert_eq!(bodies(&drain_all(&b, &slow, now)), ["0", "1", "2", "3"]);
+    assert_eq!(fast_got, 10);
+    let stats = b.topic(&t("t")).expect("known").stats().snapshot();
+    assert_eq!(
+        stats.dropped(DropReason::Policy(OverflowPolicy::DropNewest)),
+        6
+    );
+}
+
+#[test]
+fn disconnect_closes_the_slow_subscriber_only() {
+    let (b, slow, fast) = policy_broker(OverflowPolicy::Disconnect);
+    let woken = Arc::new(AtomicUsize::new(0));
+    let w = woken.clone();
+    let watched = sub_with(
+        &b,
+        "topic:t",
+        SubscribeOptions {
+            waker: Some(Box::new(move || {
+                w.fetch_add(1, Ordering::SeqCst);
+            })),
+            ..Default::default()
+        },
+    );
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let mut fast_got = 0;
+    for i in 0..10 {
+        publish(&b, &mut ctx, "t", &i.to_string(), now);
+        fast_got += drain_all(&b, &fast, now).len();
+    }
+    assert_eq!(fast_got, 10);
+    assert_eq!(slow.close_reason(), Some(CloseReason::SlowConsumer));
+    assert_eq!(watched.close_reason(), Some(CloseReason::SlowConsumer));
+    assert!(
+        woken.load(Ordering::SeqCst) >= 2,
+        "woken for the first message and for the close"
+    );
+    assert!(drain_all(&b, &slow, now).is_empty());
+    // Closed subscribers are out of the routing table.
+    assert_eq!(b.subscriber_count(), 1);
+    let stats = b.topic(&t("t")).expect("known").stats().snapshot();
+    // Each slow subscriber: 4 queued + the overflowing 5th.
+    assert_eq!(
+        stats.dropped(DropReason::Policy(OverflowPolicy::Disconnect)),
+        10
+    );
+}
+
+#[test]
+fn ttl_priority_override_and_message_ttl() {
+    let mut cfg = BrokerConfig::default();
+    cfg.priority_ttls[0] = Duration::from_millis(100);
+    let b = Broker::new(cfg);
+    let mut ctx = PublishContext::default();
+    let t0 = Instant::now();
+    let s = sub(&b, "topic:t");
+    let topic = t("t");
+    let mut p = Publication::new(&topic, b"short-own-ttl");
+    p.ttl = Some(Duration::from_millis(10));
+    b.publish(&mut ctx, &p, t0);
+    let mut p0 = Publication::new(&topic, b"prio0-own-ttl-ignored");
+    p0.priority = Priority::HIGHEST;
+    p0.ttl = Some(Duration::from_secs(3600));
+    b.publish(&mut ctx, &p0, t0);
+    b.publish(&mut ctx, &Publication::new(&topic, b"forever"), t0);
+    // At +50ms the 10ms message is gone; priority 0 lives 100ms whatever its own TTL says.
+    let got = drain_all(&b, &s, t0 + Duration::from_millis(50));
+    assert_eq!(bodies(&got), ["prio0-own-ttl-ignored", "forever"]);
+    let stats = b.topic(&topic).expect("known").stats().snapshot();
+    assert_eq!(stats.expired(Priority::DEFAULT), 1);
+
+    b.publish(&mut ctx, &p0, t0);
+    let got = drain_all(&b, &s, t0 + Duration::from_millis(100));
+    assert!(got.is_empty(), "expiry is inclusive of the deadline");
+    let stats = b.topic(&topic).expect("known").stats().snapshot();
+    assert_eq!(stats.expired(Priority::HIGHEST), 1);
+    assert_eq!(stats.delivered, 2);
+}
+
+fn ack_sub(b: &Broker, s: &str) -> Arc<Subscriber> {
+    sub_with(
+        b,
+        s,
+        SubscribeOptions {
+            ack_mode: AckMode::Explicit,
+            ..Default::default()
+        },
+    )
+}
+
+#[test]
+fn nack_redelivers_then_dead_letters() {
+    let b = Broker::default(); // max_retries 3
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let s = ack_sub(&b, "topic:orders");
+    let dlq = sub(&b, "topic:__dlq__orders");
+    let orders = t("orders");
+    let mut trace_pub = Publication::new(&orders, b"payload");
+    let trace = TraceContext {
+        trace_id: [1; 16],
+        span_id: [2; 8],
+        flags: 1,
+    };
+    trace_pub.trace = Some(&trace);
+    b.publish(&mut ctx, &trace_pub, now);
+    for attempt in 1..=4 {
+        let got = drain_all(&b, &s, now);
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].attempt, attempt);
+        b.nack(
+            &mut ctx,
+            &s,
+            None,
+            0,
+            Some(attempt),
+            Some("cannot parse"),
+            now,
+        )
+        .expect("in flight");
+    }
+    assert!(drain_all(&b, &s, now).is_empty());
+    let dead = drain_all(&b, &dlq, now);
+    assert_eq!(dead.len(), 1);
+    let d = &dead[0];
+    assert_eq!(
+        (d.topic.as_str(), d.offset, d.body.as_slice()),
+        ("__dlq__orders", 0, &b"payload"[..])
+    );
+    assert_eq!(d.ext.original_topic, Some(t("orders")));
+    assert_eq!(d.ext.original_offset, Some(0));
+    assert_eq!(d.ext.attempts_made, Some(4));
+    assert_eq!(d.ext.reason.as_deref(), Some("cannot parse"));
+    assert_eq!(d.ext.trace, Some(trace));
+    let stats = b.topic(&t("orders")).expect("known").stats().snapshot();
+    assert_eq!(
+        (stats.nacked, stats.redelivered, stats.dead_lettered),
+        (4, 3, 1)
+    );
+}
+
+#[test]
+fn settlement_errors_change_nothing() {
+    let b = Broker::default();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let s = ack_sub(&b, "topic:orders");
+    let w = ack_sub(&b, "topic:orders/#");
+    assert!(matches!(
+        b.ack(&s, None, 0, None),
+        Err(SettleError::NotInFlight { offset: 0, .. })
+    ));
+    publish(&b, &mut ctx, "orders", "x", now);
+    drain_all(&b, &s, now);
+    drain_all(&b, &w, now);
+    b.nack(&mut ctx, &s, None, 0, None, None, now)
+        .expect("in flight");
+    drain_all(&b, &s, now); // attempt 2 now in flight
+    let err = b.ack(&s, None, 0, Some(1)).expect_err("stale");
+    assert_eq!(err.code(), ErrorCode::STALE_ATTEMPT);
+    assert_eq!(s.in_flight(), 1);
+    assert_eq!(b.ack(&w, None, 0, None), Err(SettleError::TopicRequired));
+    assert_eq!(SettleError::TopicRequired.code(), ErrorCode::TOPIC_REQUIRED);
+    assert!(b.ack(&w, Some(&t("orders/x")), 0, None).is_err());
+    b.ack(&w, Some(&t("orders")), 0, Some(1))
+        .expect("wildcard ack with topic");
+    b.ack(&s, None, 0, Some(2)).expect("current attempt");
+    assert!(b.ack(&s, None, 0, Some(2)).is_err(), "settled only once");
+    // Plain subscriptions without explicit acks have nothing in flight.
+    let auto = sub(&b, "topic:orders");
+    publish(&b, &mut ctx, "orders", "y", now);
+    assert_eq!(drain_all(&b, &auto, now).len(), 1);
+    assert_eq!(auto.in_flight(), 0);
+}
+
+#[test]
+fn ack_wait_timeout_redelivers() {
+    let b = Broker::new(BrokerConfig {
+        ack_wait: Duration::from_secs(30),
+        max_retries: 1,
+        ..Default::default()
+    });
+    let mut ctx = PublishContext::default();
+    let t0 = Instant::now();
+    let s = ack_sub(&b, "topic:t");
+    publish(&b, &mut ctx, "t", "x", t0);
+    assert_eq!(drain_all(&b, &s, t0)[0].attempt, 1);
+    assert_eq!(b.tick(&mut ctx, t0 + Duration::from_secs(29)), 0);
+    assert_eq!(b.tick(&mut ctx, t0 + Duration::from_secs(30)), 1);
+    let t1 = t0 + Duration::from_secs(31);
+    assert_eq!(drain_all(&b, &s, t1)[0].attempt, 2);
+    // max_retries 1: the second timeout dead-letters it with reason "ack timeout".
+    let dlq = sub(&b, "topic:__dlq__t");
+    assert_eq!(
+        b.expire_in_flight(&mut ctx, &s, t1 + Duration::from_secs(30)),
+        1
+    );
+    let dead = drain_all(&b, &dlq, t1);
+    assert_eq!(dead[0].ext.reason.as_deref(), Some("ack timeout"));
+    assert_eq!(dead[0].ext.attempts_made, Some(2));
+}
+
+#[test]
+fn group_nack_goes_to_another_member() {
+    let b = Broker::default();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let m1 = sub(&b, "topic:jobs:group:g");
+    let m2 = sub(&b, "topic:jobs:group:g");
+    publish(&b, &mut ctx, "jobs", "x", now);
+    let (first, second) = if drain_all(&b, &m1, now).len() == 1 {
+        (&m1, &m2)
+    } else {
+        (&m2, &m1)
+    };
+    assert_eq!(first.in_flight(), 1);
+    b.nack(&mut ctx, first, None, 0, Some(1), None, now)
+        .expect("in flight");
+    let got = drain_all(&b, second, now);
+    assert_eq!((got.len(), got[0].attempt), (1, 2));
+    assert!(drain_all(&b, first, now).is_empty());
+}
+
+#[test]
+fn dead_letters_are_not_dead_lettered_again() {
+    let b = Broker::new(BrokerConfig {
+        max_retries: 0,
+        ..Default::default()
+    });
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let s = ack_sub(&b, "topic:t");
+    let dlq = ack_sub(&b, "topic:__dlq__t");
+    publish(&b, &mut ctx, "t", "x", now);
+    drain_all(&b, &s, now);
+    b.nack(&mut ctx, &s, None, 0, None, None, now)
+        .expect("in flight");
+    assert_eq!(drain_all(&b, &dlq, now).len(), 1);
+    b.nack(&mut ctx, &dlq, None, 0, None, None, now)
+        .expect("in flight");
+    assert!(b.topic(&t("__dlq____dlq__t")).is_none());
+    let stats = b.topic(&t("__dlq__t")).expect("known").stats().snapshot();
+    assert_eq!(stats.dropped(DropReason::RetriesExhausted), 1);
+}
+
+#[test]
+fn dlq_topic_names_stay_within_255_bytes() {
+    let long = "é".repeat(127); // 254 bytes
+    let d = dlq_topic(&t(&long));
+    assert!(d.len() <= 255);
+    assert!(d.as_str().starts_with("__dlq__é"));
+    assert_eq!(dlq_topic(&t("orders")).as_str(), "__dlq__orders");
+}
+
+#[test]
+fn max_in_flight_bounds_unsettled_deliveries() {
+    let b = Broker::new(BrokerConfig {
+        max_in_flight: 2,
+        ..Default::default()
+    });
+    let woken = Arc::new(AtomicUsize::new(0));
+    let w = woken.clone();
+    let s = sub_with(
+        &b,
+        "topic:t",
+        SubscribeOptions {
+            ack_mode: AckMode::Explicit,
+            waker: Some(Box::new(move || {
+                w.fetch_add(1, Ordering::SeqCst);
+            })),
+            ..Default::default()
+        },
+    );
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    for i in 0..5 {
+        publish(&b, &mut ctx, "t", &i.to_string(), now);
+    }
+    assert_eq!(
+        woken.load(Ordering::SeqCst),
+        1,
+        "woken once: empty to non-empty"
+    );
+    let mut out = BytesMut::new();
+    let d = b.drain(&s, &mut out, 1 << 20, now);
+    assert_eq!((d.frames, d.blocked), (2, true));
+    b.ack(&s, None, 0, None).expect("in flight");
+    assert_eq!(woken.load(Ordering::SeqCst), 2, "woken when room opened");
+    let d = b.drain(&s, &mut out, 1 << 20, now);
+    assert_eq!((d.frames, d.blocked), (1, true));
+}
+
+#[test]
+fn parallel_publishers_lose_nothing() {
+    let b = Arc::new(Broker::new(BrokerConfig {
+        queue_size: 100_000,
+        ..Default::default()
+    }));
+    let s = sub(&b, "topic:load/+");
+    let now = Instant::now();
+    let threads: Vec<_> = (0..4)
+        .map(|i| {
+            let b = b.clone();
+            std::thread::spawn(move || {
+                let mut ctx = PublishContext::default();
+                let topic = t(&format!("load/{i}"));
+                for n in 0..5000u32 {
+                    b.publish(&mut ctx, &Publication::new(&topic, &n.to_le_bytes()), now);
+                }
+            })
+        })
+        .collect();
+    for th in threads {
+        th.join().expect("publisher thread");
+    }
+    let got = drain_all(&b, &s, now);
+    assert_eq!(got.len(), 20_000);
+    let per_topic: BTreeMap<String, BTreeSet<u64>> =
+        got.iter().fold(BTreeMap::new(), |mut m, g| {
+            m.entry(g.topic.clone()).or_default().insert(g.offset);
+            m
+        });
+    for offsets in per_topic.values() {
+        assert_eq!(offsets.len(), 5000);
+        assert_eq!(offsets.iter().next_back(), Some(&4999));
+    }
+}
