@@ -16,7 +16,7 @@
 //! they meet only on the subscribers they share.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
@@ -29,7 +29,7 @@ use bytes::{BufMut, BytesMut};
 use foldhash::fast::RandomState;
 
 use crate::config::BrokerConfig;
-use crate::group::GroupShared;
+use crate::group::{GroupShared, RoundRobin};
 use crate::index::SubscriptionIndex;
 use crate::queue::Pushed;
 use crate::subscriber::{
@@ -139,20 +139,14 @@ enum Route {
 struct GroupEntry {
     shared: Arc<GroupShared>,
     members: Vec<Arc<Subscriber>>,
-    cursor: AtomicUsize,
+    turn: RoundRobin,
 }
 
 impl GroupEntry {
     /// The next member in round-robin order, skipping closed ones and `exclude`.
     fn pick(&self, exclude: Option<SubscriberId>) -> Option<&Arc<Subscriber>> {
-        let n = self.members.len();
-        for _ in 0..n {
-            let m = &self.members[self.cursor.fetch_add(1, Relaxed) % n];
-            if !m.is_closed() && Some(m.id()) != exclude {
-                return Some(m);
-            }
-        }
-        None
+        self.turn
+            .pick(&self.members, |m| !m.is_closed() && Some(m.id()) != exclude)
     }
 }
 
@@ -250,7 +244,7 @@ impl Broker {
                     Route::Group(GroupEntry {
                         shared: shared.clone(),
                         members: Vec::new(),
-                        cursor: AtomicUsize::new(0),
+                        turn: RoundRobin::default(),
                     }),
                 );
                 shared

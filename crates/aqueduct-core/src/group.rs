@@ -6,10 +6,28 @@
 //! settlements, under this group's own mutex.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Mutex, PoisonError};
 
 use aqueduct_proto::{ConsumerId, GroupId, TopicFilter, TopicName};
 use foldhash::fast::RandomState;
+
+/// Round-robin choice among a group's members: one relaxed atomic increment per pick, so
+/// concurrent publishers spread messages evenly without a lock.
+#[derive(Debug, Default)]
+pub struct RoundRobin {
+    cursor: AtomicUsize,
+}
+
+impl RoundRobin {
+    /// The next member in turn for which `eligible` holds; `None` if no member is eligible.
+    pub fn pick<'a, T>(&self, members: &'a [T], eligible: impl Fn(&T) -> bool) -> Option<&'a T> {
+        let n = members.len();
+        (0..n)
+            .map(|_| &members[self.cursor.fetch_add(1, Relaxed) % n])
+            .find(|m| eligible(m))
+    }
+}
 
 /// Per topic: which offsets were handed to the group and not yet settled.
 #[derive(Debug, Default)]
@@ -114,6 +132,18 @@ impl GroupShared {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn round_robin_is_even_and_skips_ineligible() {
+        let rr = RoundRobin::default();
+        let members = [1, 2, 3];
+        let picks: Vec<i32> = (0..6).filter_map(|_| rr.pick(&members, |_| true)).copied().collect();
+        assert_eq!(picks, [1, 2, 3, 1, 2, 3]);
+        let picks: Vec<i32> = (0..4).filter_map(|_| rr.pick(&members, |m| *m != 2)).copied().collect();
+        assert_eq!(picks, [1, 3, 1, 3]);
+        assert_eq!(rr.pick(&members, |_| false), None);
+        assert_eq!(rr.pick(&[] as &[i32], |_| true), None);
+    }
 
     #[test]
     fn watermark_is_the_lowest_unsettled_offset() {

@@ -27,7 +27,7 @@ pub use broker::{
     dlq_topic, Broker, Publication, PublishContext, PublishOutcome, SubscribeOptions, DLQ_PREFIX,
 };
 pub use config::BrokerConfig;
-pub use group::GroupShared;
+pub use group::{GroupShared, RoundRobin};
 pub use subscriber::{
     CloseReason, Delivery, Drained, SettleError, Subscriber, SubscriberId, Waker,
 };

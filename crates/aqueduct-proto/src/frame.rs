@@ -404,7 +404,7 @@ impl Message {
             }),
             Opcode::Confirm => {
                 no_ext("CONFIRM")?;
-                if payload.is_empty() || payload.len() % 8 != 0 {
+                if payload.is_empty() || !payload.len().is_multiple_of(8) {
                     return Err(ProtoError::BadPayload {
                         opcode: "CONFIRM",
                         problem: "payload must be one or more 8-byte offsets",

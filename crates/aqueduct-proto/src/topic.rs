@@ -61,10 +61,7 @@ fn check_common(bytes: &[u8]) -> Result<(), TopicError> {
 
 /// View validated bytes as `&str`. The constructors guarantee UTF-8; the fallback is unreachable.
 fn as_str(bytes: &Bytes) -> &str {
-    match std::str::from_utf8(bytes) {
-        Ok(s) => s,
-        Err(_) => "",
-    }
+    std::str::from_utf8(bytes).unwrap_or_default()
 }
 
 macro_rules! name_type {
