@@ -1,1 +1,120 @@
-fn main() {}
+//! Core benchmarks: wildcard match, group pick, route lookup vs subscription count, batch
+//! publish → enqueue → drain throughput, and fan-out cost per delivery.
+//! Figures and the exact command are in docs/benchmarks.md.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use aqueduct_core::index::SubscriptionIndex;
+use aqueduct_core::matching::matches;
+use aqueduct_core::{Broker, BrokerConfig, Publication, PublishContext, RoundRobin, SubscribeOptions};
+use aqueduct_proto::{SubscribeSpec, TopicFilter, TopicName};
+use bytes::BytesMut;
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+
+fn wildcard_match(c: &mut Criterion) {
+    let filter = TopicFilter::try_from("sport/+/player1/#").expect("valid");
+    let topic = TopicName::try_from("sport/tennis/player1/ranking").expect("valid");
+    let miss = TopicName::try_from("sport/tennis/player2/ranking").expect("valid");
+    c.bench_function("wildcard_match_hit", |b| b.iter(|| matches(black_box(&filter), black_box(&topic))));
+    c.bench_function("wildcard_match_miss", |b| b.iter(|| matches(black_box(&filter), black_box(&miss))));
+}
+
+fn group_pick(c: &mut Criterion) {
+    let rr = RoundRobin::default();
+    let members = [1u64, 2, 3];
+    c.bench_function("group_pick_3_members", |b| b.iter(|| rr.pick(black_box(&members), |_| true).copied()));
+}
+
+/// `n` subscriptions, 10% wildcard filters, none matching the probe topic except one exact and one
+/// wildcard subscription.
+fn index_with(n: usize) -> SubscriptionIndex<u32> {
+    let mut idx = SubscriptionIndex::new();
+    for i in 0..n as u32 {
+        let f = if i % 10 == 0 {
+            format!("tenant{}/+/events/#", i)
+        } else {
+            format!("tenant{}/region{}/events/{}", i % 1000, i % 7, i)
+        };
+        idx.insert(&TopicFilter::try_from(f.as_str()).expect("valid"), i);
+    }
+    idx.insert(&TopicFilter::try_from("probe/eu/events/42").expect("valid"), u32::MAX);
+    idx.insert(&TopicFilter::try_from("probe/+/events/#").expect("valid"), u32::MAX - 1);
+    idx
+}
+
+fn route_lookup(c: &mut Criterion) {
+    let topic = TopicName::try_from("probe/eu/events/42").expect("valid");
+    let mut g = c.benchmark_group("route_lookup_4_levels");
+    for n in [1_000usize, 10_000, 100_000] {
+        let idx = index_with(n);
+        g.bench_with_input(BenchmarkId::from_parameter(n), &idx, |b, idx| {
+            b.iter(|| {
+                let mut hits = 0u32;
+                idx.for_each_match(black_box(&topic), |_| hits += 1);
+                hits
+            })
+        });
+    }
+    g.finish();
+}
+
+fn batch_publish_drain(c: &mut Criterion) {
+    let broker = Broker::new(BrokerConfig::default());
+    let topic = TopicName::try_from("orders/eu").expect("valid");
+    let sub = broker.subscribe(
+        &SubscribeSpec::new(TopicFilter::from(topic.clone())),
+        SubscribeOptions::default(),
+    );
+    let body = [0xABu8; 128];
+    let mut ctx = PublishContext::default();
+    let mut out = BytesMut::with_capacity(64 * 1024);
+    let now = Instant::now();
+    let mut g = c.benchmark_group("publish_enqueue_drain");
+    g.throughput(Throughput::Elements(100));
+    g.bench_function("batch_100x128B_1_subscriber", |b| {
+        b.iter(|| {
+            for _ in 0..100 {
+                broker.publish(&mut ctx, &Publication::new(&topic, black_box(&body)), now);
+            }
+            let d = broker.drain(&sub, &mut out, 64 * 1024, now);
+            out.clear();
+            d.frames
+        })
+    });
+    g.finish();
+}
+
+fn fan_out(c: &mut Criterion) {
+    let mut g = c.benchmark_group("fan_out_128B");
+    for n in [1usize, 10, 100] {
+        let broker = Broker::new(BrokerConfig::default());
+        let topic = TopicName::try_from("news/world").expect("valid");
+        let subs: Vec<_> = (0..n)
+            .map(|_| {
+                broker.subscribe(
+                    &SubscribeSpec::new(TopicFilter::from(topic.clone())),
+                    SubscribeOptions::default(),
+                )
+            })
+            .collect();
+        let body = [0xABu8; 128];
+        let mut ctx = PublishContext::default();
+        let mut out = BytesMut::with_capacity(64 * 1024);
+        let now = Instant::now();
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_function(BenchmarkId::new("subscribers", n), |b| {
+            b.iter(|| {
+                broker.publish(&mut ctx, &Publication::new(&topic, black_box(&body)), now);
+                for s in &subs {
+                    broker.drain(s, &mut out, 64 * 1024, now);
+                }
+                out.clear();
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, wildcard_match, group_pick, route_lookup, batch_publish_drain, fan_out);
+criterion_main!(benches);
