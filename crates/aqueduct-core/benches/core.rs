@@ -7,7 +7,9 @@ use std::time::Instant;
 
 use aqueduct_core::index::SubscriptionIndex;
 use aqueduct_core::matching::matches;
-use aqueduct_core::{Broker, BrokerConfig, Publication, PublishContext, RoundRobin, SubscribeOptions};
+use aqueduct_core::{
+    Broker, BrokerConfig, Publication, PublishContext, RoundRobin, SubscribeOptions,
+};
 use aqueduct_proto::{SubscribeSpec, TopicFilter, TopicName};
 use bytes::BytesMut;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -16,14 +18,20 @@ fn wildcard_match(c: &mut Criterion) {
     let filter = TopicFilter::try_from("sport/+/player1/#").expect("valid");
     let topic = TopicName::try_from("sport/tennis/player1/ranking").expect("valid");
     let miss = TopicName::try_from("sport/tennis/player2/ranking").expect("valid");
-    c.bench_function("wildcard_match_hit", |b| b.iter(|| matches(black_box(&filter), black_box(&topic))));
-    c.bench_function("wildcard_match_miss", |b| b.iter(|| matches(black_box(&filter), black_box(&miss))));
+    c.bench_function("wildcard_match_hit", |b| {
+        b.iter(|| matches(black_box(&filter), black_box(&topic)))
+    });
+    c.bench_function("wildcard_match_miss", |b| {
+        b.iter(|| matches(black_box(&filter), black_box(&miss)))
+    });
 }
 
 fn group_pick(c: &mut Criterion) {
     let rr = RoundRobin::default();
     let members = [1u64, 2, 3];
-    c.bench_function("group_pick_3_members", |b| b.iter(|| rr.pick(black_box(&members), |_| true).copied()));
+    c.bench_function("group_pick_3_members", |b| {
+        b.iter(|| rr.pick(black_box(&members), |_| true).copied())
+    });
 }
 
 /// `n` subscriptions, 10% wildcard filters, none matching the probe topic except one exact and one
@@ -38,8 +46,14 @@ fn index_with(n: usize) -> SubscriptionIndex<u32> {
         };
         idx.insert(&TopicFilter::try_from(f.as_str()).expect("valid"), i);
     }
-    idx.insert(&TopicFilter::try_from("probe/eu/events/42").expect("valid"), u32::MAX);
-    idx.insert(&TopicFilter::try_from("probe/+/events/#").expect("valid"), u32::MAX - 1);
+    idx.insert(
+        &TopicFilter::try_from("probe/eu/events/42").expect("valid"),
+        u32::MAX,
+    );
+    idx.insert(
+        &TopicFilter::try_from("probe/+/events/#").expect("valid"),
+        u32::MAX - 1,
+    );
     idx
 }
 
@@ -72,7 +86,20 @@ fn batch_publish_drain(c: &mut Criterion) {
     let now = Instant::now();
     let mut g = c.benchmark_group("publish_enqueue_drain");
     g.throughput(Throughput::Elements(100));
+    // What the server does with one PUBLISH_BATCH frame of 100 messages, then one writer flush.
     g.bench_function("batch_100x128B_1_subscriber", |b| {
+        b.iter(|| {
+            let publications = (0..100).map(|_| Publication::new(&topic, black_box(&body)));
+            broker.publish_batch(&mut ctx, publications, now, |o| {
+                black_box(o);
+            });
+            let d = broker.drain(&sub, &mut out, 64 * 1024, now);
+            out.clear();
+            d.frames
+        })
+    });
+    // The same 100 messages as 100 single PUBLISH frames.
+    g.bench_function("single_100x128B_1_subscriber", |b| {
         b.iter(|| {
             for _ in 0..100 {
                 broker.publish(&mut ctx, &Publication::new(&topic, black_box(&body)), now);
@@ -116,5 +143,12 @@ fn fan_out(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, wildcard_match, group_pick, route_lookup, batch_publish_drain, fan_out);
+criterion_group!(
+    benches,
+    wildcard_match,
+    group_pick,
+    route_lookup,
+    batch_publish_drain,
+    fan_out
+);
 criterion_main!(benches);

@@ -20,20 +20,20 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
-use aqueduct_proto::delivery::{DeadLetter, DeliveryFields};
+use aqueduct_proto::delivery::{Arena, DeadLetter, DeliveryFields};
 use aqueduct_proto::{
     AckMode, Compression, GroupId, OverflowPolicy, Priority, Publish, SharedDelivery,
     SubscribeSpec, TopicName, TraceContext,
 };
-use bytes::{BufMut, BytesMut};
+use bytes::BufMut;
 use foldhash::fast::RandomState;
 
 use crate::config::BrokerConfig;
 use crate::group::{GroupShared, RoundRobin};
 use crate::index::SubscriptionIndex;
-use crate::queue::Pushed;
 use crate::subscriber::{
-    CloseReason, Delivery, Drained, SettleError, Subscriber, SubscriberId, SubscriberInit, Waker,
+    CloseReason, Delivery, Drained, Refused, SettleError, Subscriber, SubscriberId, SubscriberInit,
+    Waker,
 };
 use crate::topic::{DropReason, TopicState};
 
@@ -50,6 +50,8 @@ pub struct Publication<'a> {
     pub ttl: Option<Duration>,
     pub trace: Option<&'a TraceContext>,
     pub compression: Option<&'a Compression>,
+    /// Set only when the broker dead-letters a message.
+    pub(crate) dead_letter: Option<&'a DeadLetter<'a>>,
 }
 
 impl<'a> Publication<'a> {
@@ -62,6 +64,7 @@ impl<'a> Publication<'a> {
             ttl: None,
             trace: None,
             compression: None,
+            dead_letter: None,
         }
     }
 
@@ -74,6 +77,7 @@ impl<'a> Publication<'a> {
             ttl: p.ttl_ms().map(|ms| Duration::from_millis(u64::from(ms))),
             trace: p.ext.trace.as_ref(),
             compression: p.ext.compression.as_ref(),
+            dead_letter: None,
         }
     }
 }
@@ -91,8 +95,10 @@ pub struct PublishOutcome {
 /// in steady state.
 #[derive(Debug, Default)]
 pub struct PublishContext {
-    arena: BytesMut,
+    arena: Arena,
     targets: Vec<Arc<Subscriber>>,
+    pending: Vec<Delivery>,
+    refused: Vec<Delivery>,
     last_topic: Option<Arc<TopicState>>,
 }
 
@@ -278,7 +284,7 @@ impl Broker {
     /// Remove a subscription. A group member's queued and unsettled messages go to the remaining
     /// members (unsettled ones as a new attempt); a plain subscription's are dropped and counted.
     pub fn unsubscribe(&self, ctx: &mut PublishContext, sub: &Arc<Subscriber>, now: Instant) {
-        self.remove_subscriber(ctx, sub, CloseReason::Unsubscribed, None, now);
+        self.remove_subscriber(ctx, sub, CloseReason::Unsubscribed, &mut Vec::new(), now);
     }
 
     fn remove_subscriber(
@@ -286,7 +292,7 @@ impl Broker {
         ctx: &mut PublishContext,
         sub: &Arc<Subscriber>,
         reason: CloseReason,
-        overflowed: Option<Delivery>,
+        overflowed: &mut Vec<Delivery>,
         now: Instant,
     ) {
         {
@@ -329,7 +335,7 @@ impl Broker {
         };
         match sub.group() {
             Some(shared) => {
-                for d in queued.into_iter().chain(overflowed) {
+                for d in queued.into_iter().chain(overflowed.drain(..)) {
                     self.hand_to_group(ctx, shared, d, Some(sub.id()), now);
                 }
                 for d in in_flight {
@@ -337,7 +343,11 @@ impl Broker {
                 }
             }
             None => {
-                for d in queued.iter().chain(&in_flight).chain(&overflowed) {
+                for d in queued
+                    .iter()
+                    .chain(&in_flight)
+                    .chain(overflowed.drain(..).as_slice())
+                {
                     d.topic.stats().dropped(drop_reason);
                 }
             }
@@ -406,84 +416,181 @@ impl Broker {
         p: &Publication<'_>,
         now: Instant,
     ) -> PublishOutcome {
-        self.publish_inner(ctx, p, None, now)
+        let mut offset = 0;
+        let routed = self.publish_batch(ctx, std::iter::once(*p), now, |o| offset = o);
+        PublishOutcome { offset, routed }
     }
 
-    fn publish_inner(
+    /// Publish a sequence of messages in order; `offset` is called with each assigned offset.
+    /// Returns how many subscriptions the messages were handed to in total.
+    ///
+    /// Consecutive messages to one topic form a run: the topic and its routes are looked up once
+    /// per run and each subscriber's lock is taken once per run, unless a consumer group matches,
+    /// in which case every message is routed on its own so the group's round-robin sees it.
+    pub fn publish_batch<'a, I>(
         &self,
         ctx: &mut PublishContext,
-        p: &Publication<'_>,
-        dead_letter: Option<DeadLetter<'_>>,
+        publications: I,
         now: Instant,
-    ) -> PublishOutcome {
-        let topic = self.topic_state(ctx, p.topic);
-        let offset = topic.assign_offset();
-        topic.stats().published();
+        mut offset: impl FnMut(u64),
+    ) -> usize
+    where
+        I: IntoIterator<Item = Publication<'a>>,
+        I::IntoIter: Clone,
+    {
+        let mut targets = std::mem::take(&mut ctx.targets);
+        let mut pending = std::mem::take(&mut ctx.pending);
+        let mut routed = 0;
+        let mut iter = publications.into_iter();
+        while let Some(first) = iter.clone().next() {
+            // A run: consecutive messages to one topic. Look ahead on a copy of the iterator.
+            let run_len = iter
+                .clone()
+                .take_while(|p| p.topic.as_bytes() == first.topic.as_bytes())
+                .count();
+            let topic = self.topic_state(ctx, first.topic);
+            let has_groups = self.route(&topic, &mut targets);
+            // With a group, route message by message so the round-robin sees each one.
+            let run_len = if has_groups { 1 } else { run_len };
+            let base = topic.assign_offsets(run_len as u64);
+            topic.stats().published(run_len as u64);
+            routed += targets.len() * run_len;
+            let run = iter.by_ref().take(run_len).enumerate().map(|(i, p)| {
+                let o = base + i as u64;
+                offset(o);
+                (o, p)
+            });
+            match targets.len() {
+                // Nobody listens: the offsets are taken, nothing is encoded.
+                0 => run.for_each(drop),
+                // One subscriber (the common case): encode straight into its queue under one
+                // lock, without staging the run. The arena is moved out of `ctx` so that the
+                // lazy iterator and `deliver` can both borrow what they need.
+                1 => {
+                    let mut arena = std::mem::take(&mut ctx.arena);
+                    let deliveries =
+                        run.map(|(o, p)| self.delivery(&mut arena, &topic, o, &p, now));
+                    self.deliver(ctx, &targets[0], deliveries, now);
+                    ctx.arena = arena;
+                    targets.clear();
+                }
+                _ => {
+                    for (o, p) in run {
+                        let d = self.delivery(&mut ctx.arena, &topic, o, &p, now);
+                        pending.push(d);
+                    }
+                    self.flush_run(ctx, &mut targets, &mut pending, now);
+                }
+            }
+        }
+        ctx.targets = targets;
+        ctx.pending = pending;
+        routed
+    }
+
+    /// Encode one message (once, for all its subscribers).
+    fn delivery(
+        &self,
+        arena: &mut Arena,
+        topic: &Arc<TopicState>,
+        offset: u64,
+        p: &Publication<'_>,
+        now: Instant,
+    ) -> Delivery {
         let shared = SharedDelivery::encode(
-            &mut ctx.arena,
+            arena,
             &DeliveryFields {
                 topic: topic.name(),
                 offset,
                 priority: p.priority,
                 trace: p.trace,
                 compression: p.compression,
-                dead_letter,
+                dead_letter: p.dead_letter.copied(),
                 body: p.body,
             },
         );
-        let expires_at = self.config.lifetime(p.priority, p.ttl).map(|ttl| now + ttl);
-        let mut targets = std::mem::take(&mut ctx.targets);
-        {
-            let routes = self.read_routes();
-            routes
-                .index
-                .for_each_match(topic.name(), |route| match route {
-                    Route::Plain(s) => targets.push(s.clone()),
-                    Route::Group(g) => {
-                        if let Some(m) = g.pick(None) {
-                            targets.push(m.clone());
-                        }
-                    }
-                });
+        Delivery {
+            topic: topic.clone(),
+            shared,
+            offset,
+            priority: p.priority,
+            attempt: 1,
+            expires_at: self.config.lifetime(p.priority, p.ttl).map(|ttl| now + ttl),
         }
-        let routed = targets.len();
-        for sub in targets.drain(..) {
-            let d = Delivery {
-                topic: topic.clone(),
-                shared: shared.clone(),
-                offset,
-                priority: p.priority,
-                attempt: 1,
-                expires_at,
-            };
-            self.deliver(ctx, &sub, d, now);
-        }
-        ctx.targets = targets;
-        PublishOutcome { offset, routed }
     }
 
-    /// Queue `d` for `sub`, applying its overflow policy.
-    fn deliver(&self, ctx: &mut PublishContext, sub: &Arc<Subscriber>, d: Delivery, now: Instant) {
-        if let Some(g) = sub.group() {
-            g.note_delivered(d.topic.name(), d.offset);
+    /// Collect the subscriptions that get a message on `topic` into `targets`: every matching
+    /// plain subscription and one member of each matching group. Returns true if a group matched.
+    fn route(&self, topic: &TopicState, targets: &mut Vec<Arc<Subscriber>>) -> bool {
+        let mut has_groups = false;
+        let routes = self.read_routes();
+        routes
+            .index
+            .for_each_match(topic.name(), |route| match route {
+                Route::Plain(s) => targets.push(s.clone()),
+                Route::Group(g) => {
+                    has_groups = true;
+                    if let Some(m) = g.pick(None) {
+                        targets.push(m.clone());
+                    }
+                }
+            });
+        has_groups
+    }
+
+    /// Hand the run's messages to its targets (the last target takes them without cloning).
+    fn flush_run(
+        &self,
+        ctx: &mut PublishContext,
+        targets: &mut Vec<Arc<Subscriber>>,
+        pending: &mut Vec<Delivery>,
+        now: Instant,
+    ) {
+        let last = targets.len().saturating_sub(1);
+        for (i, sub) in targets.iter().enumerate() {
+            if i == last {
+                self.deliver(ctx, sub, pending.drain(..), now);
+            } else {
+                self.deliver(ctx, sub, pending.iter().cloned(), now);
+            }
         }
-        match sub.enqueue(d, self.config.queue_size) {
-            Ok(Pushed::Queued { .. }) => {}
-            Ok(Pushed::Evicted(lost) | Pushed::Rejected(lost)) => {
-                lost.topic.stats().dropped(DropReason::Policy(sub.policy()));
-                if let Some(g) = sub.group() {
-                    g.note_settled(lost.topic.name(), lost.offset);
+        pending.clear();
+        targets.clear();
+    }
+
+    /// Queue deliveries for `sub`, applying its overflow policy.
+    fn deliver(
+        &self,
+        ctx: &mut PublishContext,
+        sub: &Arc<Subscriber>,
+        items: impl Iterator<Item = Delivery>,
+        now: Instant,
+    ) {
+        let mut refused = std::mem::take(&mut ctx.refused);
+        let outcome = match sub.group() {
+            Some(g) => {
+                let noted = items.inspect(|d| g.note_delivered(d.topic.name(), d.offset));
+                sub.enqueue_many(noted, self.config.queue_size, &mut refused)
+            }
+            None => sub.enqueue_many(items, self.config.queue_size, &mut refused),
+        };
+        match outcome {
+            None => {}
+            Some(Refused::Overflow) => {
+                self.remove_subscriber(ctx, sub, CloseReason::SlowConsumer, &mut refused, now)
+            }
+            // Closed between routing and enqueueing: a group gives them to another member.
+            Some(Refused::Closed) => {
+                for d in refused.drain(..) {
+                    match sub.group() {
+                        Some(g) => self.hand_to_group(ctx, g, d, Some(sub.id()), now),
+                        None => d.topic.stats().dropped(DropReason::Unsubscribed),
+                    }
                 }
             }
-            Ok(Pushed::Overflow(d)) => {
-                self.remove_subscriber(ctx, sub, CloseReason::SlowConsumer, Some(d), now)
-            }
-            // Closed between routing and enqueueing: a group gives it to another member.
-            Err(d) => match sub.group() {
-                Some(g) => self.hand_to_group(ctx, g, d, Some(sub.id()), now),
-                None => d.topic.stats().dropped(DropReason::Unsubscribed),
-            },
         }
+        refused.clear();
+        ctx.refused = refused;
     }
 
     /// Give `d` to a member of the group other than `exclude` (or `exclude` itself if it is the
@@ -504,7 +611,7 @@ impl Broker {
                 .cloned()
         };
         match member {
-            Some(m) => self.deliver(ctx, &m, d, now),
+            Some(m) => self.deliver(ctx, &m, std::iter::once(d), now),
             None => {
                 shared.note_settled(d.topic.name(), d.offset);
                 d.topic.stats().dropped(DropReason::Unsubscribed);
@@ -609,7 +716,7 @@ impl Broker {
         d.topic.stats().redelivered();
         match from.group() {
             Some(g) => self.hand_to_group(ctx, g, d, Some(from.id()), now),
-            None if !from.is_closed() => self.deliver(ctx, from, d, now),
+            None if !from.is_closed() => self.deliver(ctx, from, std::iter::once(d), now),
             None => d.topic.stats().dropped(DropReason::Unsubscribed),
         }
     }
@@ -634,6 +741,12 @@ impl Broker {
         let ext = d.shared.extensions().unwrap_or_default();
         let dlq = dlq_topic(d.topic.name());
         let body = d.shared.body();
+        let info = DeadLetter {
+            original_topic: d.topic.name(),
+            original_offset: d.offset,
+            attempts_made: d.attempt,
+            reason,
+        };
         let publication = Publication {
             topic: &dlq,
             body: &body,
@@ -641,13 +754,8 @@ impl Broker {
             ttl: None,
             trace: ext.trace.as_ref(),
             compression: ext.compression.as_ref(),
+            dead_letter: Some(&info),
         };
-        let info = DeadLetter {
-            original_topic: d.topic.name(),
-            original_offset: d.offset,
-            attempts_made: d.attempt,
-            reason,
-        };
-        self.publish_inner(ctx, &publication, Some(info), now);
+        self.publish(ctx, &publication, now);
     }
 }

@@ -137,9 +137,15 @@ mod tests {
     fn round_robin_is_even_and_skips_ineligible() {
         let rr = RoundRobin::default();
         let members = [1, 2, 3];
-        let picks: Vec<i32> = (0..6).filter_map(|_| rr.pick(&members, |_| true)).copied().collect();
+        let picks: Vec<i32> = (0..6)
+            .filter_map(|_| rr.pick(&members, |_| true))
+            .copied()
+            .collect();
         assert_eq!(picks, [1, 2, 3, 1, 2, 3]);
-        let picks: Vec<i32> = (0..4).filter_map(|_| rr.pick(&members, |m| *m != 2)).copied().collect();
+        let picks: Vec<i32> = (0..4)
+            .filter_map(|_| rr.pick(&members, |m| *m != 2))
+            .copied()
+            .collect();
         assert_eq!(picks, [1, 3, 1, 3]);
         assert_eq!(rr.pick(&members, |_| false), None);
         assert_eq!(rr.pick(&[] as &[i32], |_| true), None);

@@ -9,22 +9,47 @@
 
 use aqueduct_proto::{TopicFilter, TopicName};
 
-/// Does `filter` match `topic`? Allocation-free.
+/// Does `filter` match `topic`? Allocation-free, one pass over both.
 pub fn matches(filter: &TopicFilter, topic: &TopicName) -> bool {
     let f = filter.as_bytes();
     let t = topic.as_bytes();
     if topic.is_system() && starts_with_wildcard(f) {
         return false;
     }
-    let mut fl = f.split(|&b| b == b'/');
-    let mut tl = t.split(|&b| b == b'/');
+    // `i` and `j` are at the start of a level in the filter and the topic.
+    let (mut i, mut j) = (0, 0);
     loop {
-        match (fl.next(), tl.next()) {
-            (Some(b"#"), _) => return true,
-            (Some(b"+"), Some(_)) => {}
-            (Some(a), Some(b)) if a == b => {}
-            (None, None) => return true,
-            _ => return false,
+        if &f[i..] == b"#" {
+            return true;
+        }
+        if f.get(i) == Some(&b'+') && f.get(i + 1).is_none_or(|&b| b == b'/') {
+            i += 1;
+            j += t[j..]
+                .iter()
+                .position(|&b| b == b'/')
+                .unwrap_or(t.len() - j);
+        } else {
+            while i < f.len() && f[i] != b'/' {
+                if t.get(j) != Some(&f[i]) {
+                    return false;
+                }
+                i += 1;
+                j += 1;
+            }
+            if j < t.len() && t[j] != b'/' {
+                return false;
+            }
+        }
+        // Both are at the end of a level.
+        match (i == f.len(), j == t.len()) {
+            (true, true) => return true,
+            (true, false) => return false,
+            // The topic has no more levels: only a trailing `/#` still matches (zero levels).
+            (false, true) => return &f[i..] == b"/#",
+            (false, false) => {
+                i += 1;
+                j += 1;
+            }
         }
     }
 }

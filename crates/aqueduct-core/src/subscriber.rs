@@ -19,7 +19,7 @@ use foldhash::fast::RandomState;
 
 use crate::group::GroupShared;
 use crate::queue::{PriorityQueues, Pushed};
-use crate::topic::TopicState;
+use crate::topic::{DropReason, TopicState};
 
 /// Identifies a subscriber within one broker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -63,6 +63,15 @@ impl Delivery {
     pub fn attempt(&self) -> u32 {
         self.attempt
     }
+}
+
+/// Why [`Subscriber::enqueue_many`] could not queue some items.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// The subscriber was closed before.
+    Closed,
+    /// A queue overflowed under the disconnect policy.
+    Overflow,
 }
 
 /// Why a subscriber stopped.
@@ -244,23 +253,49 @@ impl Subscriber {
         self.lock().in_flight.len()
     }
 
-    /// Queue `d`; `Err(d)` if the subscriber is closed.
-    pub(crate) fn enqueue(
+    /// Queue `items` under one lock, applying the overflow policy; messages it evicts or rejects
+    /// are counted as dropped here. Items that cannot be queued at all go to `refused`, and the
+    /// return value says why: the subscriber was already closed, or a queue overflowed under the
+    /// disconnect policy (the caller then closes it).
+    pub(crate) fn enqueue_many(
         &self,
-        d: Delivery,
+        items: impl Iterator<Item = Delivery>,
         capacity: usize,
-    ) -> Result<Pushed<Delivery>, Delivery> {
-        let pushed = {
+        refused: &mut Vec<Delivery>,
+    ) -> Option<Refused> {
+        let mut items = items;
+        let mut outcome = None;
+        let mut wake = false;
+        {
             let mut st = self.lock();
             if st.closed.is_some() {
-                return Err(d);
+                refused.extend(items);
+                return Some(Refused::Closed);
             }
-            st.queue.push(d.priority, d, capacity, self.policy)
-        };
-        if let Pushed::Queued { was_empty: true } = pushed {
+            for d in items.by_ref() {
+                match st.queue.push(d.priority, d, capacity, self.policy) {
+                    Pushed::Queued { was_empty } => wake |= was_empty,
+                    Pushed::Evicted(lost) | Pushed::Rejected(lost) => {
+                        lost.topic.stats().dropped(DropReason::Policy(self.policy));
+                        if let Some(g) = &self.group {
+                            g.note_settled(lost.topic.name(), lost.offset);
+                        }
+                    }
+                    Pushed::Overflow(d) => {
+                        refused.push(d);
+                        outcome = Some(Refused::Overflow);
+                        break;
+                    }
+                }
+            }
+        }
+        if outcome.is_some() {
+            refused.extend(items);
+        }
+        if wake {
             self.wake();
         }
-        Ok(pushed)
+        outcome
     }
 
     /// Write deliveries to `out`, highest priority first, until about `max_bytes` are written
@@ -274,6 +309,8 @@ impl Subscriber {
         max_in_flight: usize,
     ) -> Drained {
         let mut done = Drained::default();
+        // Count deliveries per run of one topic: one atomic add per run, not per message.
+        let mut run: Option<(Arc<TopicState>, u64)> = None;
         let mut st = self.lock();
         let explicit = self.ack_mode == AckMode::Explicit;
         while done.bytes < max_bytes || done.frames == 0 {
@@ -293,7 +330,14 @@ impl Subscriber {
             d.shared.write_frame(out, self.stream_id, d.attempt);
             done.frames += 1;
             done.bytes += d.shared.frame_len();
-            d.topic.stats().delivered(1);
+            match &mut run {
+                Some((topic, n)) if Arc::ptr_eq(topic, &d.topic) => *n += 1,
+                _ => {
+                    if let Some((topic, n)) = run.replace((d.topic.clone(), 1)) {
+                        topic.stats().delivered(n);
+                    }
+                }
+            }
             if explicit {
                 let key = (d.topic.name().clone(), d.offset);
                 st.in_flight.insert(
@@ -304,6 +348,10 @@ impl Subscriber {
                     },
                 );
             }
+        }
+        drop(st);
+        if let Some((topic, n)) = run {
+            topic.stats().delivered(n);
         }
         done
     }

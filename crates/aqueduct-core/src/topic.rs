@@ -83,8 +83,8 @@ impl TopicStatsSnapshot {
 }
 
 impl TopicStats {
-    pub(crate) fn published(&self) {
-        self.published.fetch_add(1, Relaxed);
+    pub(crate) fn published(&self, n: u64) {
+        self.published.fetch_add(n, Relaxed);
     }
     pub(crate) fn delivered(&self, n: u64) {
         self.delivered.fetch_add(n, Relaxed);
@@ -150,7 +150,8 @@ impl TopicState {
         self.next_offset.load(Relaxed)
     }
 
-    pub(crate) fn assign_offset(&self) -> u64 {
-        self.next_offset.fetch_add(1, Relaxed)
+    /// Reserve `n` consecutive offsets; returns the first.
+    pub(crate) fn assign_offsets(&self, n: u64) -> u64 {
+        self.next_offset.fetch_add(n, Relaxed)
     }
 }

@@ -54,7 +54,7 @@ fn count<R>(f: impl FnOnce() -> R) -> (R, u64) {
     (r, ALLOCATIONS.load(Ordering::Relaxed))
 }
 
-fn run(subscribers: usize, messages: usize) -> u64 {
+fn run(subscribers: usize, messages: usize, batch: usize) -> u64 {
     let broker = Broker::new(BrokerConfig::default());
     let filter = TopicFilter::try_from("orders/eu").expect("valid");
     let subs: Vec<_> = (0..subscribers)
@@ -74,19 +74,25 @@ fn run(subscribers: usize, messages: usize) -> u64 {
     let mut out = BytesMut::with_capacity(64 * 1024);
     let now = Instant::now();
     let step = |ctx: &mut PublishContext, out: &mut BytesMut| {
-        broker.publish(ctx, &Publication::new(&topic, &body), now);
+        if batch == 1 {
+            broker.publish(ctx, &Publication::new(&topic, &body), now);
+        } else {
+            let publications = (0..batch).map(|_| Publication::new(&topic, &body));
+            broker.publish_batch(ctx, publications, now, |_| {});
+        }
         for s in &subs {
             let d = broker.drain(s, out, 64 * 1024, now);
-            assert_eq!(d.frames, 1);
+            assert_eq!(d.frames, batch);
             out.clear();
         }
     };
     // Warm-up: queues, scratch vectors, the encoding arena and the topic table reach steady size.
-    for _ in 0..10_000 {
+    let steps = messages / batch;
+    for _ in 0..10_000 / batch {
         step(&mut ctx, &mut out);
     }
     let ((), allocations) = count(|| {
-        for _ in 0..messages {
+        for _ in 0..steps {
             step(&mut ctx, &mut out);
         }
     });
@@ -96,14 +102,35 @@ fn run(subscribers: usize, messages: usize) -> u64 {
         .stats()
         .snapshot()
         .delivered;
-    assert_eq!(delivered as usize, (10_000 + messages) * subscribers);
+    assert_eq!(
+        delivered as usize,
+        (10_000 / batch + steps) * batch * subscribers
+    );
     allocations
 }
 
 #[test]
 fn steady_state_publish_enqueue_drain_allocates_nothing() {
-    assert_eq!(run(1, 100_000), 0, "allocations for 100k messages to one subscriber");
-    assert_eq!(run(100, 10_000), 0, "allocations for 10k messages fanned out to 100 subscribers");
+    assert_eq!(
+        run(1, 100_000, 1),
+        0,
+        "allocations for 100k messages to one subscriber"
+    );
+    assert_eq!(
+        run(1, 100_000, 100),
+        0,
+        "allocations for 100k messages in batches of 100"
+    );
+    assert_eq!(
+        run(100, 10_000, 1),
+        0,
+        "allocations for 10k messages fanned out to 100 subscribers"
+    );
+    assert_eq!(
+        run(10, 10_000, 100),
+        0,
+        "allocations for batches of 100 fanned out to 10 subscribers"
+    );
 }
 
 #[test]

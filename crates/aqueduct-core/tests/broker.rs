@@ -706,3 +706,39 @@ fn parallel_publishers_lose_nothing() {
         assert_eq!(offsets.iter().next_back(), Some(&4999));
     }
 }
+
+#[test]
+fn publish_batch_keeps_order_offsets_and_group_round_robin() {
+    let b = Broker::default();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let all = sub(&b, "topic:#");
+    let a_only = sub(&b, "topic:a");
+    let g1 = sub(&b, "topic:g:group:w");
+    let g2 = sub(&b, "topic:g:group:w");
+    let (ta, tb, tg, tn) = (t("a"), t("b"), t("g"), t("nobody/x/y"));
+    let seq = [&ta, &ta, &tb, &ta, &tg, &tg, &tg, &tg, &tn, &ta];
+    let bodies_in: Vec<String> = (0..seq.len()).map(|i| i.to_string()).collect();
+    let publications: Vec<Publication<'_>> = seq
+        .iter()
+        .zip(&bodies_in)
+        .map(|(topic, body)| Publication::new(topic, body.as_bytes()))
+        .collect();
+    let mut offsets = vec![];
+    let routed = b.publish_batch(&mut ctx, publications.iter().copied(), now, |o| {
+        offsets.push(o)
+    });
+    assert_eq!(offsets, [0, 1, 0, 2, 0, 1, 2, 3, 0, 3]);
+    // a: 4 messages x 2 subscribers; b: 1 x 1; g: 4 x (plain # + one group member); nobody/x/y: 1 x 1.
+    assert_eq!(routed, 8 + 1 + 8 + 1);
+    assert_eq!(bodies(&drain_all(&b, &all, now)), bodies_in);
+    assert_eq!(bodies(&drain_all(&b, &a_only, now)), ["0", "1", "3", "9"]);
+    let (n1, n2) = (drain_all(&b, &g1, now).len(), drain_all(&b, &g2, now).len());
+    assert_eq!(
+        (n1, n2),
+        (2, 2),
+        "a batch still round-robins over the group"
+    );
+    let stats = b.topic(&ta).expect("known").stats().snapshot();
+    assert_eq!((stats.published, stats.delivered), (4, 8));
+}

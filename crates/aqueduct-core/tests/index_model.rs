@@ -25,13 +25,14 @@ fn topic() -> impl Strategy<Value = String> {
 
 fn filter() -> impl Strategy<Value = String> {
     let level = prop_oneof![4 => prop::sample::select(LEVELS).prop_map(String::from), 2 => Just("+".to_string())];
-    (prop::collection::vec(level, 1..5), any::<bool>()).prop_map(|(mut l, hash)| {
-        if hash {
-            l.push("#".into());
-        }
-        l.join("/")
-    })
-    .prop_filter("non-empty", |f| !f.is_empty())
+    (prop::collection::vec(level, 1..5), any::<bool>())
+        .prop_map(|(mut l, hash)| {
+            if hash {
+                l.push("#".into());
+            }
+            l.join("/")
+        })
+        .prop_filter("non-empty", |f| !f.is_empty())
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -80,5 +81,36 @@ proptest! {
         index.for_each(|v| { all.insert(*v); });
         let model_ids: BTreeSet<u32> = model.iter().map(|(_, id)| *id).collect();
         prop_assert_eq!(all, model_ids);
+    }
+}
+
+/// The obvious split-based statement of the MQTT rules, to check the optimised matcher against.
+fn reference_matches(filter: &str, topic: &str) -> bool {
+    let system = topic.starts_with('$') || topic.starts_with("__");
+    let first = filter.split('/').next().unwrap_or("");
+    if system && (first == "+" || first == "#") {
+        return false;
+    }
+    let mut f = filter.split('/');
+    let mut t = topic.split('/');
+    loop {
+        match (f.next(), t.next()) {
+            (Some("#"), _) => return true,
+            (Some("+"), Some(_)) => {}
+            (Some(a), Some(b)) if a == b => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(5000))]
+
+    #[test]
+    fn matcher_agrees_with_reference(f in filter(), t in topic()) {
+        let filter = TopicFilter::try_from(f.as_str()).expect("valid");
+        let name = TopicName::try_from(t.as_str()).expect("valid");
+        prop_assert_eq!(matches(&filter, &name), reference_matches(&f, &t), "{} vs {}", f, t);
     }
 }

@@ -3,7 +3,7 @@
 
 use std::hint::black_box;
 
-use aqueduct_proto::delivery::DeliveryFields;
+use aqueduct_proto::delivery::{Arena, DeliveryFields};
 use aqueduct_proto::*;
 use bytes::{Bytes, BytesMut};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -46,7 +46,10 @@ fn batch_decode(c: &mut Criterion) {
     });
     // Validation of a whole received batch (what the broker does before routing any of it).
     g.bench_function("validate_100x128B", |b| {
-        b.iter(|| PublishBatch::from_parts(Extensions::default(), black_box(payload.clone())).map(|b| b.len()))
+        b.iter(|| {
+            PublishBatch::from_parts(Extensions::default(), black_box(payload.clone()))
+                .map(|b| b.len())
+        })
     });
     g.finish();
 }
@@ -55,14 +58,17 @@ fn frame_decode(c: &mut Criterion) {
     let topic = TopicName::try_from("orders/eu/de/42").expect("valid");
     let frame = Frame::new(
         1,
-        frame::Message::Publish(Publish::new(topic.clone(), Bytes::from(vec![0xAB; 128])).with_priority(Priority::HIGHEST)),
+        frame::Message::Publish(
+            Publish::new(topic.clone(), Bytes::from(vec![0xAB; 128]))
+                .with_priority(Priority::HIGHEST),
+        ),
     )
     .to_bytes();
     c.bench_function("frame_decode_publish_128B", |b| {
         b.iter(|| decode_frame(black_box(&frame), &Limits::default()).map(|(_, n)| n))
     });
     let body = [0xABu8; 128];
-    let mut arena = BytesMut::new();
+    let mut arena = Arena::default();
     let mut out = BytesMut::with_capacity(1 << 16);
     c.bench_function("delivery_encode_and_write_128B", |b| {
         b.iter(|| {

@@ -4,8 +4,9 @@
 //! concrete topic, the per-topic offset, the priority and the attempt number. Everything but the
 //! header (whose `stream_id` names the subscription) and the attempt entry is the same for every
 //! subscriber, so the broker encodes it once into a [`SharedDelivery`] — a reference-counted
-//! buffer — and each subscriber's writer adds its own 10-byte header and 6-byte attempt entry
-//! while copying into its coalescing buffer ([`SharedDelivery::write_frame`]).
+//! buffer — and each subscriber's writer adds its own 18-byte prefix (header, `ext_len`, and the
+//! ATTEMPT entry, which the canonical order puts first) while copying into its coalescing buffer
+//! ([`SharedDelivery::write_frame`]).
 //!
 //! The bytes written are exactly what [`crate::Frame::encode`] produces for the same delivery.
 
@@ -13,14 +14,40 @@ use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::error::ProtoError;
 use crate::ext::{types, Compression, Extensions, Priority, TraceContext};
-use crate::header::{write_header, FLAG_HAS_EXTENSIONS, HEADER_LEN};
+use crate::header::{Opcode, FLAG_HAS_EXTENSIONS, HEADER_LEN, MAGIC};
 use crate::topic::TopicName;
 
-/// How much a publisher's encoding arena grows at a time.
+/// Size of an encoding arena block.
 pub const ARENA_CHUNK: usize = 64 * 1024;
 
+/// Where a publisher encodes deliveries: two blocks used in turn.
+///
+/// Each delivery is cut from the current block (`BytesMut::split`, a reference count, no copy,
+/// no allocation). When the current block is full it is reused if every delivery cut from it has
+/// been dropped; otherwise the publisher switches to the spare block, which was filled before the
+/// current one and so has most likely been drained by then. A new block is allocated only when
+/// both are still referenced, i.e. when subscribers hold more than a block's worth of this
+/// publisher's messages.
+#[derive(Debug, Default)]
+pub struct Arena {
+    current: BytesMut,
+    spare: BytesMut,
+}
+
+impl Arena {
+    fn make_room(&mut self, need: usize) -> &mut BytesMut {
+        if self.current.capacity() - self.current.len() < need && !self.current.try_reclaim(need) {
+            std::mem::swap(&mut self.current, &mut self.spare);
+            if !self.current.try_reclaim(need) {
+                self.current.reserve(need.max(ARENA_CHUNK));
+            }
+        }
+        &mut self.current
+    }
+}
+
 /// Where a dead-lettered message came from (carried on `__dlq__<topic>` deliveries).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeadLetter<'a> {
     pub original_topic: &'a TopicName,
     pub original_offset: u64,
@@ -43,16 +70,16 @@ pub struct DeliveryFields<'a> {
 /// The subscriber-independent part of a delivery frame: extension entries and body.
 #[derive(Clone, PartialEq, Eq)]
 pub struct SharedDelivery {
-    /// `[entries before ATTEMPT][entries after ATTEMPT][body]`
+    /// `[extension entries except ATTEMPT][body]`
     bytes: Bytes,
-    /// Length of the entries that sort before the ATTEMPT entry.
-    pre_len: u16,
-    /// Length of all shared entries.
+    /// Length of the shared extension entries.
     ext_len: u16,
 }
 
 /// Size of the per-subscriber ATTEMPT entry.
 const ATTEMPT_ENTRY: usize = 6;
+/// Header + `ext_len` + ATTEMPT entry: what [`SharedDelivery::write_frame`] writes per subscriber.
+const PREFIX_LEN: usize = HEADER_LEN + 2 + ATTEMPT_ENTRY;
 
 impl std::fmt::Debug for SharedDelivery {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -64,40 +91,44 @@ impl std::fmt::Debug for SharedDelivery {
 }
 
 impl SharedDelivery {
-    /// Encode `fields` into `arena` and split the result off as a shared buffer.
-    ///
-    /// No allocation in steady state: the arena grows by [`ARENA_CHUNK`] only when its spare
-    /// capacity runs out, and `BytesMut::reserve` reuses the old block once every delivery cut
-    /// from it has been dropped.
-    pub fn encode(arena: &mut BytesMut, fields: &DeliveryFields<'_>) -> SharedDelivery {
-        let pre_len = 3
-            + 2
+    /// Encode `fields` into `arena` and split the result off as a shared buffer. No allocation
+    /// in steady state (see [`Arena`]).
+    pub fn encode(arena: &mut Arena, fields: &DeliveryFields<'_>) -> SharedDelivery {
+        let fixed = fields.trace.map_or(0, |_| 27)
+            + fields.compression.map_or(0, |_| 7)
+            + 5
             + fields.topic.len()
-            + 10
-            + fields.trace.map_or(0, |_| 27)
-            + fields.compression.map_or(0, |_| 7);
+            + 10;
         let post_len = fields.dead_letter.as_ref().map_or(0, |d| {
             2 + d.original_topic.len() + 10 + 2 + reason_len(d.reason) + 6
         });
-        let need = pre_len + post_len + fields.body.len();
-        if arena.capacity() - arena.len() < need {
-            arena.reserve(need.max(ARENA_CHUNK));
-        }
+        let arena = arena.make_room(fixed + post_len + fields.body.len());
         if let Some(t) = fields.trace {
-            arena.put_slice(&[types::TRACE, 25]);
-            arena.put_slice(&t.trace_id);
-            arena.put_slice(&t.span_id);
-            arena.put_u8(t.flags);
+            let mut e = [0u8; 27];
+            e[0] = types::TRACE;
+            e[1] = 25;
+            e[2..18].copy_from_slice(&t.trace_id);
+            e[18..26].copy_from_slice(&t.span_id);
+            e[26] = t.flags;
+            arena.put_slice(&e);
         }
         if let Some(c) = fields.compression {
-            arena.put_slice(&[types::COMPRESSION, 5, c.algorithm]);
-            arena.put_u32_le(c.uncompressed_len);
+            let mut e = [types::COMPRESSION, 5, c.algorithm, 0, 0, 0, 0];
+            e[3..].copy_from_slice(&c.uncompressed_len.to_le_bytes());
+            arena.put_slice(&e);
         }
-        arena.put_slice(&[types::PRIORITY, 1, fields.priority.level()]);
-        arena.put_slice(&[types::TOPIC, fields.topic.len() as u8]);
+        // TopicName guarantees 1..=255 bytes, so the length fits in u8.
+        arena.put_slice(&[
+            types::PRIORITY,
+            1,
+            fields.priority.level(),
+            types::TOPIC,
+            fields.topic.len() as u8,
+        ]);
         arena.put_slice(fields.topic.as_bytes());
-        arena.put_slice(&[types::OFFSET, 8]);
-        arena.put_u64_le(fields.offset);
+        let mut e = [types::OFFSET, 8, 0, 0, 0, 0, 0, 0, 0, 0];
+        e[2..].copy_from_slice(&fields.offset.to_le_bytes());
+        arena.put_slice(&e);
         if let Some(d) = &fields.dead_letter {
             arena.put_slice(&[types::ORIGINAL_TOPIC, d.original_topic.len() as u8]);
             arena.put_slice(d.original_topic.as_bytes());
@@ -112,31 +143,31 @@ impl SharedDelivery {
         arena.put_slice(fields.body);
         SharedDelivery {
             bytes: arena.split().freeze(),
-            pre_len: pre_len as u16,
-            ext_len: (pre_len + post_len) as u16,
+            ext_len: (fixed + post_len) as u16,
         }
     }
 
     /// Length of the frame [`write_frame`](Self::write_frame) writes.
     pub fn frame_len(&self) -> usize {
-        HEADER_LEN + 2 + ATTEMPT_ENTRY + self.bytes.len()
+        PREFIX_LEN + self.bytes.len()
     }
 
-    /// Append the full delivery frame for one subscriber.
+    /// Append the full delivery frame for one subscriber: an 18-byte prefix (header, `ext_len`,
+    /// ATTEMPT entry) and the shared bytes.
     pub fn write_frame<B: BufMut>(&self, out: &mut B, stream_id: u32, attempt: u32) {
-        let data_len = 2 + ATTEMPT_ENTRY + self.bytes.len();
-        write_header(
-            out,
-            crate::header::Opcode::Publish as u8 | FLAG_HAS_EXTENSIONS,
-            stream_id,
-            data_len as u32,
-        );
-        out.put_u16_le(self.ext_len + ATTEMPT_ENTRY as u16);
-        let pre = usize::from(self.pre_len);
-        out.put_slice(&self.bytes[..pre]);
-        out.put_slice(&[types::ATTEMPT, 4]);
-        out.put_u32_le(attempt);
-        out.put_slice(&self.bytes[pre..]);
+        let data_len = (2 + ATTEMPT_ENTRY + self.bytes.len()) as u32;
+        let ext_len = self.ext_len + ATTEMPT_ENTRY as u16;
+        let mut p = [0u8; PREFIX_LEN];
+        p[0] = MAGIC;
+        p[1] = Opcode::Publish as u8 | FLAG_HAS_EXTENSIONS;
+        p[2..6].copy_from_slice(&stream_id.to_le_bytes());
+        p[6..10].copy_from_slice(&data_len.to_le_bytes());
+        p[10..12].copy_from_slice(&ext_len.to_le_bytes());
+        p[12] = types::ATTEMPT;
+        p[13] = 4;
+        p[14..18].copy_from_slice(&attempt.to_le_bytes());
+        out.put_slice(&p);
+        out.put_slice(&self.bytes);
     }
 
     /// The message body (shares the buffer).
@@ -177,7 +208,7 @@ mod tests {
             span_id: [8; 8],
             flags: 1,
         };
-        let mut arena = BytesMut::new();
+        let mut arena = Arena::default();
         for dead_letter in [
             None,
             Some(DeadLetter {

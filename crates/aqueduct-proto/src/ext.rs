@@ -388,8 +388,13 @@ impl Extensions {
             + entry(self.attempts_made.is_some(), 4)
     }
 
-    /// Append the entries (not the `ext_len` prefix), in type order.
+    /// Append the entries (not the `ext_len` prefix) in canonical order: ATTEMPT first (so a
+    /// broker can prepend it to a block shared by all subscribers), then ascending type.
     pub fn encode<B: BufMut>(&self, out: &mut B) {
+        if let Some(a) = self.attempt {
+            out.put_slice(&[types::ATTEMPT, 4]);
+            out.put_u32_le(a);
+        }
         if let Some(t) = &self.trace {
             out.put_slice(&[types::TRACE, 25]);
             out.put_slice(&t.trace_id);
@@ -413,10 +418,6 @@ impl Extensions {
         if let Some(o) = self.offset {
             out.put_slice(&[types::OFFSET, 8]);
             out.put_u64_le(o);
-        }
-        if let Some(a) = self.attempt {
-            out.put_slice(&[types::ATTEMPT, 4]);
-            out.put_u32_le(a);
         }
         if self.confirm {
             out.put_slice(&[types::CONFIRM, 0]);

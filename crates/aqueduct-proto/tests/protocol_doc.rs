@@ -2,7 +2,7 @@
 //! says it is, and re-encode to the same bytes. Run with `PRINT_PROTOCOL_EXAMPLES=1` to print the
 //! hex of every example (used to write the doc).
 
-use aqueduct_proto::delivery::{DeadLetter, DeliveryFields};
+use aqueduct_proto::delivery::{Arena, DeadLetter, DeliveryFields};
 use aqueduct_proto::frame::Message;
 use aqueduct_proto::*;
 use bytes::{Bytes, BytesMut};
@@ -16,7 +16,7 @@ fn spec(s: &str) -> SubscribeSpec {
 }
 
 fn delivery(fields: &DeliveryFields<'_>, stream_id: u32, attempt: u32) -> Bytes {
-    let mut arena = BytesMut::new();
+    let mut arena = Arena::default();
     let shared = SharedDelivery::encode(&mut arena, fields);
     let mut out = BytesMut::new();
     shared.write_frame(&mut out, stream_id, attempt);
