@@ -26,6 +26,7 @@ pub struct RawFrameRef<'a> {
 
 /// Split a frame's data (the bytes after the header) into extension block and payload, returning
 /// their offsets within `data`: `(ext_start, ext_end)`; the payload is `data[ext_end..]`.
+#[inline]
 pub(crate) fn split_data(header: &FrameHeader, data: &[u8]) -> Result<(usize, usize), ProtoError> {
     if !header.has_extensions {
         return Ok((0, 0));
@@ -70,6 +71,7 @@ impl<'a> BatchIter<'a> {
         }
     }
 
+    #[inline]
     fn next_frame(&mut self) -> Result<RawFrameRef<'a>, ProtoError> {
         let offset = self.at;
         let rest = &self.buf[offset..];
@@ -116,6 +118,7 @@ impl<'a> BatchIter<'a> {
 impl<'a> Iterator for BatchIter<'a> {
     type Item = Result<RawFrameRef<'a>, ProtoError>;
 
+    #[inline]
     fn next(&mut self) -> Option<Self::Item> {
         if self.failed || self.at >= self.buf.len() {
             return None;

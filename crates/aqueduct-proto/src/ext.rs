@@ -83,7 +83,7 @@ impl Default for Priority {
 impl TryFrom<u8> for Priority {
     type Error = ProtoError;
     fn try_from(v: u8) -> Result<Self, ProtoError> {
-        Priority::new(v).ok_or(ProtoError::BadExtension {
+        Priority::new(v).ok_or_else(|| ProtoError::BadExtension {
             ext_type: types::PRIORITY,
             problem: "priority must be 0..=3",
         })
@@ -229,33 +229,44 @@ impl Extensions {
     /// Parse the entries of an extension block (the bytes after `ext_len`). Topic values borrow
     /// `block`'s buffer.
     pub fn parse(block: &Bytes) -> Result<Extensions, ProtoError> {
-        if block.len() > MAX_EXT_LEN {
+        Self::parse_in(block, 0, block.len())
+    }
+
+    /// Parse the block at `buf[start..end]` without slicing `buf` first (one reference count
+    /// fewer on the hot path).
+    pub(crate) fn parse_in(
+        buf: &Bytes,
+        start: usize,
+        end: usize,
+    ) -> Result<Extensions, ProtoError> {
+        let len = end.saturating_sub(start);
+        if len > MAX_EXT_LEN {
             return Err(ProtoError::ExtensionBlockTooLarge {
-                len: block.len(),
+                len,
                 max: MAX_EXT_LEN,
             });
         }
         let mut ext = Extensions::default();
-        let mut at = 0;
-        while at < block.len() {
-            let Some(&[ty, len]) = block.get(at..at + 2).and_then(|s| s.first_chunk::<2>()) else {
+        let mut at = start;
+        while at < end {
+            let Some(&[ty, vlen]) = buf.get(at..end).and_then(|s| s.first_chunk::<2>()) else {
                 return Err(ProtoError::TruncatedExtension {
-                    offset: at,
+                    offset: at - start,
                     need: 2,
-                    have: block.len() - at,
+                    have: end - at,
                 });
             };
-            let start = at + 2;
-            let end = start + usize::from(len);
-            let Some(value) = block.get(start..end) else {
+            let vstart = at + 2;
+            let vend = vstart + usize::from(vlen);
+            let Some(value) = buf.get(vstart..vend).filter(|_| vend <= end) else {
                 return Err(ProtoError::TruncatedExtension {
-                    offset: at,
-                    need: 2 + usize::from(len),
-                    have: block.len() - at,
+                    offset: at - start,
+                    need: 2 + usize::from(vlen),
+                    have: end - at,
                 });
             };
-            ext.apply(block, ty, value, start, end)?;
-            at = end;
+            ext.apply(buf, ty, value, vstart, vend)?;
+            at = vend;
         }
         Ok(ext)
     }
@@ -333,8 +344,8 @@ impl Extensions {
             }
             types::OVERFLOW => {
                 let [v] = fixed::<1>(ty, value)?;
-                let policy =
-                    OverflowPolicy::from_wire(v).ok_or(bad(ty, "overflow policy must be 0..=2"))?;
+                let policy = OverflowPolicy::from_wire(v)
+                    .ok_or_else(|| bad(ty, "overflow policy must be 0..=2"))?;
                 set(&mut self.overflow, ty, policy)
             }
             types::ORIGINAL_TOPIC => {

@@ -199,7 +199,7 @@ fn parse_legacy(payload: &Bytes) -> Result<(TopicName, Option<u32>), ProtoError>
         let ms = rest[..digits].iter().try_fold(0u32, |acc, &d| {
             acc.checked_mul(10)?.checked_add(u32::from(d - b'0'))
         });
-        ttl = Some(ms.ok_or(ProtoError::BadPayload {
+        ttl = Some(ms.ok_or_else(|| ProtoError::BadPayload {
             opcode: "PUBLISH",
             problem: "legacy ttl does not fit in 32 bits of milliseconds",
             len: payload.len(),
@@ -299,7 +299,7 @@ fn publish_from_ref(
     sub: &crate::batch::RawFrameRef<'_>,
 ) -> Result<Publish, ProtoError> {
     let ext = if sub.header.has_extensions {
-        Extensions::parse(&buf.slice(sub.ext_offset..sub.ext_offset + sub.ext_block.len()))?
+        Extensions::parse_in(buf, sub.ext_offset, sub.ext_offset + sub.ext_block.len())?
     } else {
         Extensions::default()
     };
@@ -367,7 +367,7 @@ impl Message {
     pub fn decode(header: &FrameHeader, data: Bytes) -> Result<Message, ProtoError> {
         let (ext_start, ext_end) = split_data(header, &data)?;
         let ext = if ext_end > ext_start {
-            Extensions::parse(&data.slice(ext_start..ext_end))?
+            Extensions::parse_in(&data, ext_start, ext_end)?
         } else {
             Extensions::default()
         };

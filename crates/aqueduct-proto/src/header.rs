@@ -60,6 +60,7 @@ impl Opcode {
     ];
 
     /// Parse the low 6 bits of a command byte.
+    #[inline]
     pub fn from_u8(value: u8) -> Option<Opcode> {
         Opcode::ALL.get(usize::from(value).wrapping_sub(1)).copied()
     }
@@ -100,6 +101,7 @@ pub struct RawHeader {
 
 impl RawHeader {
     /// Read the first [`HEADER_LEN`] bytes of `buf`.
+    #[inline]
     pub fn parse(buf: &[u8]) -> Result<RawHeader, DecodeError> {
         let Some(h) = buf.first_chunk::<HEADER_LEN>() else {
             if let Some(&found) = buf.first() {
@@ -128,10 +130,11 @@ impl RawHeader {
     }
 
     /// Interpret the command byte.
+    #[inline]
     pub fn validate(&self) -> Result<FrameHeader, ProtoError> {
         let raw_opcode = self.command & OPCODE_MASK;
-        let opcode =
-            Opcode::from_u8(raw_opcode).ok_or(ProtoError::UnknownOpcode { opcode: raw_opcode })?;
+        let opcode = Opcode::from_u8(raw_opcode)
+            .ok_or_else(|| ProtoError::UnknownOpcode { opcode: raw_opcode })?;
         Ok(FrameHeader {
             opcode,
             mesh_forwarded: self.command & FLAG_MESH_FORWARDED != 0,

@@ -43,7 +43,7 @@ fn invalid(what: &'static str) -> impl Fn(TopicError) -> ProtoError {
 fn filter_part(payload: &Bytes) -> Result<(TopicFilter, usize), ProtoError> {
     let rest = payload
         .strip_prefix(b"topic:")
-        .ok_or(bad("payload must start with \"topic:\""))?;
+        .ok_or_else(|| bad("payload must start with \"topic:\""))?;
     let end = 6 + rest.iter().position(|&b| b == b':').unwrap_or(rest.len());
     let filter =
         TopicFilter::from_bytes(payload.slice(6..end)).map_err(invalid(TopicFilter::WHAT))?;
@@ -122,7 +122,7 @@ fn parse_offset(token: &[u8]) -> Result<u64, ProtoError> {
     token.iter().try_fold(0u64, |acc, &d| {
         acc.checked_mul(10)
             .and_then(|v| v.checked_add(u64::from(d - b'0')))
-            .ok_or(bad("durable offset does not fit in 64 bits"))
+            .ok_or_else(|| bad("durable offset does not fit in 64 bits"))
     })
 }
 

@@ -53,7 +53,8 @@ fn check_common(bytes: &[u8]) -> Result<(), TopicError> {
             });
         }
     }
-    if std::str::from_utf8(bytes).is_err() {
+    // Most names are ASCII: a cheap check first, the full UTF-8 validation only when needed.
+    if !bytes.is_ascii() && std::str::from_utf8(bytes).is_err() {
         return Err(TopicError::NotUtf8);
     }
     Ok(())
