@@ -83,10 +83,13 @@ impl Default for Priority {
 impl TryFrom<u8> for Priority {
     type Error = ProtoError;
     fn try_from(v: u8) -> Result<Self, ProtoError> {
-        Priority::new(v).ok_or_else(|| ProtoError::BadExtension {
-            ext_type: types::PRIORITY,
-            problem: "priority must be 0..=3",
-        })
+        match Priority::new(v) {
+            Some(p) => Ok(p),
+            None => Err(ProtoError::BadExtension {
+                ext_type: types::PRIORITY,
+                problem: "priority must be 0..=3",
+            }),
+        }
     }
 }
 

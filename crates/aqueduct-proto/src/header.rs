@@ -133,8 +133,10 @@ impl RawHeader {
     #[inline]
     pub fn validate(&self) -> Result<FrameHeader, ProtoError> {
         let raw_opcode = self.command & OPCODE_MASK;
-        let opcode = Opcode::from_u8(raw_opcode)
-            .ok_or_else(|| ProtoError::UnknownOpcode { opcode: raw_opcode })?;
+        // Not `ok_or(..)`: that would build (and drop) an error value on every valid frame.
+        let Some(opcode) = Opcode::from_u8(raw_opcode) else {
+            return Err(ProtoError::UnknownOpcode { opcode: raw_opcode });
+        };
         Ok(FrameHeader {
             opcode,
             mesh_forwarded: self.command & FLAG_MESH_FORWARDED != 0,
