@@ -1,1 +1,33 @@
-//! stub
+//! Rust client for the Aqueduct broker.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use aqueduct_client::{Client, ConnectOptions};
+//! use futures_util::StreamExt;
+//!
+//! let client = Client::connect(ConnectOptions::new("localhost:4242")).await?;
+//! let mut orders = client.subscribe("orders/#").await?;
+//! client.publish("orders/eu", "hello").await?;
+//! if let Some(Ok(msg)) = orders.next().await {
+//!     println!("{} #{}: {:?}", msg.topic(), msg.offset(), msg.body());
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! [`Client`] is a cheap `Clone` handle over one QUIC connection. Publishes share one stream;
+//! each subscription has its own stream and is a [`futures_core::Stream`] of [`Message`]s.
+//! Dropping a [`Subscription`] unsubscribes. Broker refusals are [`ClientError::Broker`] with
+//! the ERROR code and reason.
+
+mod client;
+mod error;
+mod options;
+mod reader;
+mod subscription;
+mod tls;
+
+pub use aqueduct_proto::{ErrorCode, OverflowPolicy, Priority};
+pub use client::{Client, PublishOptions, SubscribeOptions};
+pub use error::{ClientError, ConnectError};
+pub use options::{default_dev_cert_file, ConnectOptions, Trust};
+pub use subscription::{Message, Subscription};

@@ -103,7 +103,8 @@ pub struct Nack {
     pub ext: Extensions,
 }
 
-/// CONFIRM: the offsets assigned to a confirmed PUBLISH (one) or PUBLISH_BATCH (one per message).
+/// CONFIRM: the offsets assigned to a confirmed PUBLISH (one) or PUBLISH_BATCH (one per message);
+/// empty for a confirmed SUBSCRIBE (the subscription is active).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Confirm {
     pub offsets: Vec<u64>,
@@ -404,10 +405,10 @@ impl Message {
             }),
             Opcode::Confirm => {
                 no_ext("CONFIRM")?;
-                if payload.is_empty() || !payload.len().is_multiple_of(8) {
+                if !payload.len().is_multiple_of(8) {
                     return Err(ProtoError::BadPayload {
                         opcode: "CONFIRM",
-                        problem: "payload must be one or more 8-byte offsets",
+                        problem: "payload must be a sequence of 8-byte offsets",
                         len: payload.len(),
                     });
                 }

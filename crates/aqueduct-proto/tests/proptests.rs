@@ -130,7 +130,7 @@ fn message() -> impl Strategy<Value = Message> {
             .prop_map(|ps| Message::PublishBatch(PublishBatch::from_publishes(&ps))),
         (any::<u64>(), extensions()).prop_map(|(offset, ext)| Message::Nack(Nack { offset, ext })),
         (any::<u64>(), extensions()).prop_map(|(offset, ext)| Message::Ack(Ack { offset, ext })),
-        prop::collection::vec(any::<u64>(), 1..20)
+        prop::collection::vec(any::<u64>(), 0..20)
             .prop_map(|offsets| Message::Confirm(Confirm { offsets })),
         (any::<u16>(), "[ -~é]{0,60}").prop_map(|(code, reason)| Message::Error(ErrorFrame {
             code: ErrorCode(code),

@@ -170,6 +170,13 @@ fn examples() -> Vec<(&'static str, Bytes)> {
         f(2, Message::Confirm(Confirm { offsets: vec![42] })),
     ));
     v.push((
+        "confirm-subscribe",
+        f(1, Message::Confirm(Confirm { offsets: vec![] })),
+    ));
+    let mut confirmed_sub = Subscribe::new(spec("topic:orders"));
+    confirmed_sub.ext.confirm = true;
+    v.push(("subscribe-confirm", f(1, Message::Subscribe(confirmed_sub))));
+    v.push((
         "confirm-batch",
         f(
             9,

@@ -1,1 +1,22 @@
-//! stub
+//! The Aqueduct broker on the network.
+//!
+//! [`Server::bind`] sets up TLS 1.3 (ALPN `aqueduct-v1`) and a quinn endpoint from a validated
+//! [`Config`]; [`Server::serve`] accepts connections until a shutdown signal, then stops
+//! accepting, flushes queued deliveries and closes every connection with a reason. [`run`] does
+//! both. Routing, queueing and settlement are `aqueduct-core`'s; this crate is the I/O around it:
+//!
+//! - [`config`]: YAML + `AQUEDUCT_*` env + flags, validated once;
+//! - [`tls`]: certificates (files or generated dev certificate), mTLS, client ids;
+//! - `connection`: handshake, 0-RTT gating, per-connection subscription table;
+//! - `stream`: frame reader and coalescing writer for one QUIC stream.
+
+pub mod config;
+mod connection;
+mod server;
+pub mod stats;
+mod stream;
+pub mod tls;
+
+pub use config::{Config, ConfigError, Overrides, Sources};
+pub use server::{run, Server, ServerError};
+pub use stats::ServerStats;

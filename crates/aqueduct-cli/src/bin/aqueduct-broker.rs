@@ -1,1 +1,130 @@
-fn main() {}
+//! `aqueduct-broker`: run the Aqueduct broker.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use aqueduct_server::{Config, Overrides, Server, Sources};
+use clap::Parser;
+use tracing::{error, info};
+
+/// The Aqueduct message broker: publish/subscribe over QUIC with priorities, TTLs, consumer
+/// groups, acknowledgements and dead-letter topics.
+///
+/// With no options it listens on UDP :4242 with a self-signed development certificate, which it
+/// writes to ~/.aqueduct/dev-cert.pem (or $AQUEDUCT_HOME/dev-cert.pem) so that `aqueduct pub`
+/// and `aqueduct sub` on this machine can verify it without any setup.
+///
+/// Settings come from, in increasing precedence: built-in defaults, the YAML file (--config),
+/// AQUEDUCT_* environment variables (AQUEDUCT_BROKER_QUEUE_SIZE for broker.queue_size, …),
+/// and these flags. See config.example.yaml for every key.
+#[derive(Debug, Parser)]
+#[command(name = "aqueduct-broker", version)]
+struct Args {
+    /// YAML configuration file.
+    #[arg(long, short = 'c', env = "AQUEDUCT_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Address to listen on (UDP), e.g. ":4242" or "127.0.0.1:4242" (key: listen_addr).
+    #[arg(long, value_name = "HOST:PORT")]
+    addr: Option<String>,
+    /// Address of the metrics endpoint (key: metrics_addr).
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics_addr: Option<String>,
+    /// TLS certificate chain, PEM (key: tls.cert_file). Needs --key.
+    #[arg(long, value_name = "FILE")]
+    cert: Option<String>,
+    /// TLS private key, PEM (key: tls.key_file). Needs --cert.
+    #[arg(long, value_name = "FILE")]
+    key: Option<String>,
+    /// Enable the append-only log (key: aal.enabled). Not implemented yet: refuses to start.
+    #[arg(long)]
+    aal: bool,
+    /// Log filter, e.g. "info", "debug", "aqueduct_server=debug".
+    #[arg(
+        long,
+        env = "AQUEDUCT_LOG",
+        default_value = "info",
+        value_name = "FILTER"
+    )]
+    log: String,
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => info!("Ctrl-C received"),
+                    _ = term.recv() => info!("SIGTERM received"),
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+        info!("Ctrl-C received");
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&args.log)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let overrides = Overrides {
+        listen_addr: args.addr.clone(),
+        metrics_addr: args.metrics_addr.clone(),
+        cert_file: args.cert.clone(),
+        key_file: args.key.clone(),
+        aal: args.aal,
+    };
+    let config = match Config::load(&Sources::from_process(args.config.clone(), overrides)) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("aqueduct-broker: configuration error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("aqueduct-broker: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    runtime.block_on(async move {
+        let server = match Server::bind(config).await {
+            Ok(s) => s,
+            Err(e) => {
+                error!("cannot start: {e}");
+                eprintln!("aqueduct-broker: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        if let Some(path) = server.dev_cert_file() {
+            info!(
+                path = %path.display(),
+                "using a generated self-signed certificate; local `aqueduct` commands trust it automatically"
+            );
+        }
+        match server.serve(shutdown_signal()).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("aqueduct-broker: {e}");
+                ExitCode::from(1)
+            }
+        }
+    })
+}

@@ -1,0 +1,125 @@
+//! How to reach and trust a broker.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The default location of the development certificate a local broker writes (and that the CLI
+/// trusts for localhost): `$AQUEDUCT_HOME/dev-cert.pem`, else `$HOME/.aqueduct/dev-cert.pem`.
+pub fn default_dev_cert_file() -> PathBuf {
+    if let Some(home) = std::env::var_os("AQUEDUCT_HOME").filter(|h| !h.is_empty()) {
+        return Path::new(&home).join("dev-cert.pem");
+    }
+    match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+        Some(home) => Path::new(&home).join(".aqueduct").join("dev-cert.pem"),
+        None => std::env::temp_dir().join("aqueduct-dev-cert.pem"),
+    }
+}
+
+/// How the broker's certificate is verified.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Trust {
+    /// CA certificates (PEM file).
+    CaFile(PathBuf),
+    /// CA certificates (PEM text).
+    CaPem(Vec<u8>),
+    /// Accept exactly the certificate with this SHA-256 fingerprint (of its DER bytes).
+    Fingerprint([u8; 32]),
+    /// For localhost only: the development certificate the broker wrote at this path.
+    /// For any other host: refuse to connect without a CA or a pin.
+    Auto(PathBuf),
+}
+
+/// Connection settings (builder).
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    pub(crate) addr: String,
+    pub(crate) server_name: Option<String>,
+    pub(crate) trust: Trust,
+    pub(crate) client_cert: Option<(PathBuf, PathBuf)>,
+    pub(crate) timeout: Duration,
+}
+
+impl ConnectOptions {
+    /// `addr` is `host:port` (`localhost:4242`, `127.0.0.1:4242`, `broker.example:4242`).
+    pub fn new(addr: impl Into<String>) -> Self {
+        ConnectOptions {
+            addr: addr.into(),
+            server_name: None,
+            trust: Trust::Auto(default_dev_cert_file()),
+            client_cert: None,
+            timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// The name to verify in the broker's certificate (default: the host part of `addr`).
+    pub fn server_name(mut self, name: impl Into<String>) -> Self {
+        self.server_name = Some(name.into());
+        self
+    }
+
+    /// Trust the CA certificates in this PEM file.
+    pub fn ca_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.trust = Trust::CaFile(path.into());
+        self
+    }
+
+    /// Trust the CA certificates in this PEM text.
+    pub fn ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.trust = Trust::CaPem(pem.into());
+        self
+    }
+
+    /// Accept only the certificate with this SHA-256 fingerprint.
+    pub fn pin_sha256(mut self, fingerprint: [u8; 32]) -> Self {
+        self.trust = Trust::Fingerprint(fingerprint);
+        self
+    }
+
+    /// For localhost: trust the development certificate at `path` (default
+    /// [`default_dev_cert_file`]).
+    pub fn dev_cert_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.trust = Trust::Auto(path.into());
+        self
+    }
+
+    /// Present this client certificate and key (PEM files) for mTLS.
+    pub fn client_cert(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
+        self.client_cert = Some((cert.into(), key.into()));
+        self
+    }
+
+    /// Give up connecting after this long (default 10 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+/// Split `host:port`, accepting `[::1]:4242`.
+pub(crate) fn host_of(addr: &str) -> &str {
+    let host = match addr.rfind(':') {
+        Some(i) if !addr[..i].ends_with(']') && addr[..i].contains(':') => addr, // bare IPv6, no port
+        Some(i) => &addr[..i],
+        None => addr,
+    };
+    host.trim_start_matches('[').trim_end_matches(']')
+}
+
+/// Hosts for which the development certificate is trusted.
+pub(crate) fn is_local(host: &str) -> bool {
+    matches!(host, "localhost" | "127.0.0.1" | "::1") || host.starts_with("127.")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts() {
+        assert_eq!(host_of("localhost:4242"), "localhost");
+        assert_eq!(host_of("[::1]:4242"), "::1");
+        assert_eq!(host_of("10.0.0.1:1"), "10.0.0.1");
+        assert!(is_local("127.0.0.1") && is_local("::1") && is_local("localhost"));
+        assert!(!is_local("broker.example"));
+    }
+}

@@ -1,0 +1,650 @@
+//! Broker configuration: the seed's YAML sections and keys, `AQUEDUCT_*` environment variables
+//! and command-line overrides, merged with precedence flag > env > file > default and validated
+//! once into typed values.
+//!
+//! Unknown keys (in the file or as `AQUEDUCT_*` variables), malformed values ("50xs", a negative
+//! size, an unknown policy) and missing files are errors that name the key and the problem. A
+//! section for a feature that is not built yet (`aal`, `acl`, `quotas`, `cluster`) may be present
+//! but must not be enabled: `enabled: true` stops startup with "not implemented yet".
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use aqueduct_core::BrokerConfig;
+use aqueduct_proto::{OverflowPolicy, Priority};
+use figment::providers::{Format, Serialized};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+/// Why the configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {path}: not found")]
+    FileNotFound { path: PathBuf },
+    #[error("{0}")]
+    Parse(String),
+    #[error("{key}: {problem}")]
+    Invalid { key: &'static str, problem: String },
+    #[error("unknown environment variable {name} (no config key maps to it)")]
+    UnknownEnv { name: String },
+    #[error("{section}.enabled is true, but {feature} is not implemented yet in this version")]
+    NotImplemented {
+        section: &'static str,
+        feature: &'static str,
+    },
+}
+
+fn invalid(key: &'static str, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key,
+        problem: problem.into(),
+    }
+}
+
+/// `tls.*`
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsSection {
+    /// Create a self-signed certificate at startup when no `cert_file` is given.
+    pub generate: bool,
+    pub cert_file: String,
+    pub key_file: String,
+    /// mTLS: refuse clients without a certificate signed by `client_ca_file`.
+    pub require_client_cert: bool,
+    pub client_ca_file: String,
+    /// Where the generated development certificate is written for local clients to trust.
+    /// Empty: `$AQUEDUCT_HOME/dev-cert.pem`, else `$HOME/.aqueduct/dev-cert.pem`.
+    pub dev_cert_file: String,
+}
+
+impl Default for TlsSection {
+    fn default() -> Self {
+        TlsSection {
+            generate: true,
+            cert_file: String::new(),
+            key_file: String::new(),
+            require_client_cert: false,
+            client_ca_file: String::new(),
+            dev_cert_file: String::new(),
+        }
+    }
+}
+
+/// `broker.*`
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BrokerSection {
+    pub queue_size: u64,
+    pub backpressure_policy: String,
+    pub batch_size: u64,
+    pub flush_interval: String,
+    pub max_retries: u32,
+    pub ack_wait: String,
+    pub max_in_flight: u64,
+    /// One duration per priority 0..=3; "0s" means "use the message's own TTL".
+    pub priority_ttls: Vec<String>,
+}
+
+impl Default for BrokerSection {
+    fn default() -> Self {
+        BrokerSection {
+            queue_size: 1024,
+            backpressure_policy: "drop_oldest".into(),
+            batch_size: 64 * 1024,
+            flush_interval: "50us".into(),
+            max_retries: 3,
+            ack_wait: "30s".into(),
+            max_in_flight: 1024,
+            priority_ttls: vec!["0s".into(); Priority::LEVELS],
+        }
+    }
+}
+
+/// `transport.*`
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TransportSection {
+    /// Largest frame data a client may send, in bytes (the seed's default: 65536).
+    pub max_buf_size: u64,
+    pub max_streams_per_connection: u64,
+    pub max_connections: u64,
+    pub idle_timeout: String,
+    pub handshake_timeout: String,
+    pub keep_alive_interval: String,
+    /// Per-stream receive window, bytes.
+    pub stream_receive_window: u64,
+    /// Per-connection receive window, bytes.
+    pub receive_window: u64,
+    /// Per-connection send window, bytes.
+    pub send_window: u64,
+    /// UDP socket send and receive buffer, bytes (the kernel may clamp it).
+    pub socket_buffer: u64,
+    /// Initial path MTU guess, bytes (1200..=65527).
+    pub initial_mtu: u64,
+}
+
+impl Default for TransportSection {
+    fn default() -> Self {
+        TransportSection {
+            max_buf_size: 65536,
+            max_streams_per_connection: 256,
+            max_connections: 10_000,
+            idle_timeout: "30s".into(),
+            handshake_timeout: "10s".into(),
+            keep_alive_interval: "10s".into(),
+            stream_receive_window: 4 << 20,
+            receive_window: 16 << 20,
+            send_window: 16 << 20,
+            socket_buffer: 4 << 20,
+            initial_mtu: 1452,
+        }
+    }
+}
+
+/// A section for a feature that later versions implement. Its other keys are accepted (so a
+/// seed configuration loads) and ignored while it is disabled.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FutureSection {
+    pub enabled: bool,
+    #[serde(flatten)]
+    pub other: BTreeMap<String, figment::value::Value>,
+}
+
+/// The whole file, as written by users.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RawConfig {
+    pub listen_addr: String,
+    pub metrics_addr: String,
+    pub tls: TlsSection,
+    pub broker: BrokerSection,
+    pub transport: TransportSection,
+    /// Append-only log (persistence): later.
+    pub aal: FutureSection,
+    pub acl: FutureSection,
+    pub quotas: FutureSection,
+    pub cluster: FutureSection,
+}
+
+impl Default for RawConfig {
+    fn default() -> Self {
+        RawConfig {
+            listen_addr: ":4242".into(),
+            metrics_addr: "127.0.0.1:9090".into(),
+            tls: TlsSection::default(),
+            broker: BrokerSection::default(),
+            transport: TransportSection::default(),
+            aal: FutureSection::default(),
+            acl: FutureSection::default(),
+            quotas: FutureSection::default(),
+            cluster: FutureSection::default(),
+        }
+    }
+}
+
+/// Every scalar key, as `section.key`; `AQUEDUCT_<SECTION>_<KEY>` maps to it.
+const ENV_KEYS: &[&str] = &[
+    "listen_addr",
+    "metrics_addr",
+    "tls.generate",
+    "tls.cert_file",
+    "tls.key_file",
+    "tls.require_client_cert",
+    "tls.client_ca_file",
+    "tls.dev_cert_file",
+    "broker.queue_size",
+    "broker.backpressure_policy",
+    "broker.batch_size",
+    "broker.flush_interval",
+    "broker.max_retries",
+    "broker.ack_wait",
+    "broker.max_in_flight",
+    "transport.max_buf_size",
+    "transport.max_streams_per_connection",
+    "transport.max_connections",
+    "transport.idle_timeout",
+    "transport.handshake_timeout",
+    "transport.keep_alive_interval",
+    "transport.stream_receive_window",
+    "transport.receive_window",
+    "transport.send_window",
+    "transport.socket_buffer",
+    "transport.initial_mtu",
+    "aal.enabled",
+    "acl.enabled",
+    "quotas.enabled",
+    "cluster.enabled",
+];
+
+/// `AQUEDUCT_*` variables that are not config keys but are used by the tools.
+const ENV_OTHER: &[&str] = &["AQUEDUCT_CONFIG", "AQUEDUCT_HOME", "AQUEDUCT_LOG"];
+
+/// The environment variable for a config key: `broker.queue_size` → `AQUEDUCT_BROKER_QUEUE_SIZE`.
+pub fn env_name(key: &str) -> String {
+    format!("AQUEDUCT_{}", key.replace('.', "_").to_uppercase())
+}
+
+/// Values given on the command line; `None` means "not given".
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub listen_addr: Option<String>,
+    pub metrics_addr: Option<String>,
+    pub cert_file: Option<String>,
+    pub key_file: Option<String>,
+    pub aal: bool,
+}
+
+/// Where the configuration comes from.
+#[derive(Debug, Clone, Default)]
+pub struct Sources {
+    /// YAML file; `None` means none (defaults + env + flags).
+    pub file: Option<PathBuf>,
+    /// Environment variables to consider (normally `std::env::vars()`).
+    pub env: Vec<(String, String)>,
+    pub overrides: Overrides,
+}
+
+impl Sources {
+    /// Use the process environment.
+    pub fn from_process(file: Option<PathBuf>, overrides: Overrides) -> Sources {
+        Sources {
+            file,
+            env: std::env::vars().collect(),
+            overrides,
+        }
+    }
+}
+
+/// Transport settings, typed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransportConfig {
+    pub max_frame_data: u32,
+    pub max_streams_per_connection: u32,
+    pub max_connections: usize,
+    pub idle_timeout: Duration,
+    pub handshake_timeout: Duration,
+    pub keep_alive_interval: Duration,
+    pub stream_receive_window: u32,
+    pub receive_window: u32,
+    pub send_window: u64,
+    pub socket_buffer: usize,
+    pub initial_mtu: u16,
+}
+
+/// TLS settings, typed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsConfig {
+    pub generate: bool,
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+    pub require_client_cert: bool,
+    pub client_ca_file: Option<PathBuf>,
+    pub dev_cert_file: PathBuf,
+}
+
+/// The validated configuration the server runs with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub listen_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
+    pub tls: TlsConfig,
+    pub broker: BrokerConfig,
+    /// Coalescing writer: flush when this many bytes are pending.
+    pub batch_size: usize,
+    /// Coalescing writer: or this long after the first pending frame.
+    pub flush_interval: Duration,
+    pub transport: TransportConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        // The defaults are valid by construction; the test `defaults_are_valid` holds us to it.
+        RawConfig::default()
+            .validate(&[])
+            .unwrap_or_else(|e| panic!("built-in defaults are invalid: {e}"))
+    }
+}
+
+impl Config {
+    /// Load and validate from `sources`.
+    pub fn load(sources: &Sources) -> Result<Config, ConfigError> {
+        raw_figment(sources)?
+            .extract::<RawConfig>()
+            .map_err(|e| ConfigError::Parse(describe(e)))?
+            .validate(&sources.env)
+    }
+
+    /// A configuration for tests: loopback, port 0 (any free port), a generated certificate kept
+    /// in `dev_cert_file`.
+    pub fn for_tests(dev_cert_file: PathBuf) -> Config {
+        let mut c = Config::default();
+        c.listen_addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
+        c.tls.dev_cert_file = dev_cert_file;
+        c
+    }
+}
+
+fn raw_figment(sources: &Sources) -> Result<Figment, ConfigError> {
+    let mut fig = Figment::from(Serialized::defaults(RawConfig::default()));
+    if let Some(path) = &sources.file {
+        if !path.is_file() {
+            return Err(ConfigError::FileNotFound { path: path.clone() });
+        }
+        fig = fig.merge(serde_saphyr::figment::Yaml::file_exact(path));
+    }
+    // Environment: only names that map to a key; anything else starting with AQUEDUCT_ is a typo.
+    let mut env_pairs = Vec::new();
+    for (name, value) in &sources.env {
+        let Some(_) = name.strip_prefix("AQUEDUCT_") else {
+            continue;
+        };
+        if ENV_OTHER.contains(&name.as_str()) {
+            continue;
+        }
+        let Some(key) = ENV_KEYS.iter().find(|k| env_name(k) == *name) else {
+            return Err(ConfigError::UnknownEnv { name: name.clone() });
+        };
+        env_pairs.push((*key, value.clone()));
+    }
+    for (key, value) in env_pairs {
+        fig = fig.merge(Serialized::default(key, parse_env_value(&value)));
+    }
+    let o = &sources.overrides;
+    let flags: [(&str, &Option<String>); 4] = [
+        ("listen_addr", &o.listen_addr),
+        ("metrics_addr", &o.metrics_addr),
+        ("tls.cert_file", &o.cert_file),
+        ("tls.key_file", &o.key_file),
+    ];
+    for (key, value) in flags {
+        if let Some(v) = value {
+            fig = fig.merge(Serialized::default(key, v.clone()));
+        }
+    }
+    if o.aal {
+        fig = fig.merge(Serialized::default("aal.enabled", true));
+    }
+    Ok(fig)
+}
+
+/// Environment values are text; give figment the natural type so `true` and `1024` work.
+fn parse_env_value(v: &str) -> figment::value::Value {
+    use figment::value::Value;
+    if let Ok(b) = v.parse::<bool>() {
+        return Value::from(b);
+    }
+    if let Ok(n) = v.parse::<u64>() {
+        return Value::from(n);
+    }
+    if let Ok(n) = v.parse::<i64>() {
+        return Value::from(n);
+    }
+    Value::from(v.to_string())
+}
+
+/// figment errors name the key and the source; keep all of them, one per line.
+fn describe(e: figment::Error) -> String {
+    e.into_iter()
+        .map(|e| {
+            let key = if e.path.is_empty() {
+                String::new()
+            } else {
+                format!("{}: ", e.path.join("."))
+            };
+            let source = e
+                .metadata
+                .as_ref()
+                .map(|m| match &m.source {
+                    Some(src) => format!(" (from {} {src})", m.name),
+                    None => format!(" (from {})", m.name),
+                })
+                .unwrap_or_default();
+            format!("{key}{}{source}", e.kind)
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Go-style addresses: ":4242" means every interface.
+fn parse_addr(key: &'static str, s: &str) -> Result<SocketAddr, ConfigError> {
+    let full = if s.starts_with(':') {
+        format!("0.0.0.0{s}")
+    } else {
+        s.to_string()
+    };
+    full.to_socket_addrs()
+        .map_err(|e| invalid(key, format!("{s:?} is not a host:port address ({e})")))?
+        .next()
+        .ok_or_else(|| invalid(key, format!("{s:?} resolves to no address")))
+}
+
+fn parse_duration(key: &'static str, s: &str) -> Result<Duration, ConfigError> {
+    let s = s.trim();
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
+    humantime::parse_duration(s).map_err(|e| {
+        invalid(
+            key,
+            format!("{s:?} is not a duration like \"50us\", \"10s\" or \"5m\" ({e})"),
+        )
+    })
+}
+
+fn range<T: PartialOrd + std::fmt::Display + Copy>(
+    key: &'static str,
+    v: T,
+    min: T,
+    max: T,
+) -> Result<T, ConfigError> {
+    if v < min || v > max {
+        return Err(invalid(key, format!("{v} is out of range {min}..={max}")));
+    }
+    Ok(v)
+}
+
+fn opt_path(s: &str) -> Option<PathBuf> {
+    (!s.trim().is_empty()).then(|| PathBuf::from(s))
+}
+
+/// Where the development certificate goes when not configured.
+pub fn default_dev_cert_file(env: &[(String, String)]) -> PathBuf {
+    let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    if let Some(home) = get("AQUEDUCT_HOME").filter(|h| !h.is_empty()) {
+        return Path::new(&home).join("dev-cert.pem");
+    }
+    match get("HOME").filter(|h| !h.is_empty()) {
+        Some(home) => Path::new(&home).join(".aqueduct").join("dev-cert.pem"),
+        None => std::env::temp_dir().join("aqueduct-dev-cert.pem"),
+    }
+}
+
+impl RawConfig {
+    /// Check every value and convert to typed configuration.
+    pub fn validate(&self, env: &[(String, String)]) -> Result<Config, ConfigError> {
+        for (section, feature, s) in [
+            ("aal", "the append-only log (persistence)", &self.aal),
+            ("acl", "access control", &self.acl),
+            ("quotas", "publish quotas", &self.quotas),
+            ("cluster", "clustering", &self.cluster),
+        ] {
+            if s.enabled {
+                return Err(ConfigError::NotImplemented { section, feature });
+            }
+        }
+        let b = &self.broker;
+        let policy: OverflowPolicy = b
+            .backpressure_policy
+            .parse()
+            .map_err(|e: String| invalid("broker.backpressure_policy", e))?;
+        if b.priority_ttls.len() != Priority::LEVELS {
+            return Err(invalid(
+                "broker.priority_ttls",
+                format!(
+                    "needs exactly {} durations (one per priority 0..=3), got {}",
+                    Priority::LEVELS,
+                    b.priority_ttls.len()
+                ),
+            ));
+        }
+        let mut priority_ttls = [Duration::ZERO; Priority::LEVELS];
+        for (slot, s) in priority_ttls.iter_mut().zip(&b.priority_ttls) {
+            *slot = parse_duration("broker.priority_ttls", s)?;
+        }
+        let broker = BrokerConfig {
+            queue_size: range("broker.queue_size", b.queue_size, 1, 1 << 24)? as usize,
+            backpressure_policy: policy,
+            max_retries: range("broker.max_retries", b.max_retries, 0, 1000)?,
+            ack_wait: parse_duration("broker.ack_wait", &b.ack_wait)?,
+            priority_ttls,
+            max_in_flight: range("broker.max_in_flight", b.max_in_flight, 1, 1 << 24)? as usize,
+        };
+        if broker.ack_wait.is_zero() {
+            return Err(invalid("broker.ack_wait", "must be greater than zero"));
+        }
+        let t = &self.transport;
+        let transport = TransportConfig {
+            max_frame_data: range("transport.max_buf_size", t.max_buf_size, 64, 64 << 20)? as u32,
+            max_streams_per_connection: range(
+                "transport.max_streams_per_connection",
+                t.max_streams_per_connection,
+                1,
+                1 << 16,
+            )? as u32,
+            max_connections: range("transport.max_connections", t.max_connections, 1, 1 << 20)?
+                as usize,
+            idle_timeout: parse_duration("transport.idle_timeout", &t.idle_timeout)?,
+            handshake_timeout: parse_duration("transport.handshake_timeout", &t.handshake_timeout)?,
+            keep_alive_interval: parse_duration(
+                "transport.keep_alive_interval",
+                &t.keep_alive_interval,
+            )?,
+            stream_receive_window: range(
+                "transport.stream_receive_window",
+                t.stream_receive_window,
+                16 << 10,
+                1 << 30,
+            )? as u32,
+            receive_window: range(
+                "transport.receive_window",
+                t.receive_window,
+                16 << 10,
+                1 << 30,
+            )? as u32,
+            send_window: range("transport.send_window", t.send_window, 16 << 10, 1 << 32)?,
+            socket_buffer: range("transport.socket_buffer", t.socket_buffer, 0, 1 << 30)? as usize,
+            initial_mtu: range("transport.initial_mtu", t.initial_mtu, 1200, 65527)? as u16,
+        };
+        if transport.handshake_timeout.is_zero() {
+            return Err(invalid(
+                "transport.handshake_timeout",
+                "must be greater than zero",
+            ));
+        }
+        let tls = TlsConfig {
+            generate: self.tls.generate,
+            cert_file: opt_path(&self.tls.cert_file),
+            key_file: opt_path(&self.tls.key_file),
+            require_client_cert: self.tls.require_client_cert,
+            client_ca_file: opt_path(&self.tls.client_ca_file),
+            dev_cert_file: opt_path(&self.tls.dev_cert_file)
+                .unwrap_or_else(|| default_dev_cert_file(env)),
+        };
+        match (&tls.cert_file, &tls.key_file) {
+            (Some(_), None) => {
+                return Err(invalid(
+                    "tls.key_file",
+                    "required when tls.cert_file is set",
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "tls.cert_file",
+                    "required when tls.key_file is set",
+                ))
+            }
+            (None, None) if !tls.generate => {
+                return Err(invalid(
+                    "tls.cert_file",
+                    "no certificate: set tls.cert_file and tls.key_file, or tls.generate: true",
+                ))
+            }
+            _ => {}
+        }
+        for (key, path) in [
+            ("tls.cert_file", &tls.cert_file),
+            ("tls.key_file", &tls.key_file),
+            ("tls.client_ca_file", &tls.client_ca_file),
+        ] {
+            if let Some(p) = path {
+                if !p.is_file() {
+                    return Err(invalid(
+                        key,
+                        format!("{} does not exist or is not a file", p.display()),
+                    ));
+                }
+            }
+        }
+        if tls.require_client_cert && tls.client_ca_file.is_none() {
+            return Err(invalid(
+                "tls.client_ca_file",
+                "required when tls.require_client_cert is true",
+            ));
+        }
+        let batch_size = range("broker.batch_size", b.batch_size, 1, 16 << 20)? as usize;
+        Ok(Config {
+            listen_addr: parse_addr("listen_addr", &self.listen_addr)?,
+            metrics_addr: parse_addr("metrics_addr", &self.metrics_addr)?,
+            tls,
+            broker,
+            batch_size,
+            flush_interval: parse_duration("broker.flush_interval", &b.flush_interval)?,
+            transport,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        let c = RawConfig::default()
+            .validate(&[])
+            .expect("defaults validate");
+        assert_eq!(c.listen_addr.port(), 4242);
+        assert_eq!(c.broker.queue_size, 1024);
+        assert_eq!(c.flush_interval, Duration::from_micros(50));
+        assert_eq!(c.transport.max_frame_data, 65536);
+    }
+
+    #[test]
+    fn env_names() {
+        assert_eq!(env_name("broker.queue_size"), "AQUEDUCT_BROKER_QUEUE_SIZE");
+        assert_eq!(env_name("listen_addr"), "AQUEDUCT_LISTEN_ADDR");
+        for key in ENV_KEYS {
+            assert!(!ENV_OTHER.contains(&env_name(key).as_str()));
+        }
+    }
+
+    #[test]
+    fn durations_and_addresses() {
+        assert_eq!(
+            parse_duration("k", "50us").expect("ok"),
+            Duration::from_micros(50)
+        );
+        assert_eq!(parse_duration("k", "0").expect("ok"), Duration::ZERO);
+        let err = parse_duration("broker.flush_interval", "50xs").expect_err("bad unit");
+        assert!(
+            err.to_string()
+                .starts_with("broker.flush_interval: \"50xs\" is not a duration"),
+            "{err}"
+        );
+        assert_eq!(parse_addr("k", ":4242").expect("ok").port(), 4242);
+        assert!(parse_addr("listen_addr", "nope").is_err());
+    }
+}

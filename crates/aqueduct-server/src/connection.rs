@@ -1,0 +1,244 @@
+//! One client connection: handshake (with a timeout), 0-RTT gating, the client id from mTLS, the
+//! table of its subscriptions by `stream_id`, and one task per stream.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use aqueduct_core::{PublishContext, Subscriber};
+use aqueduct_proto::ErrorCode;
+use tokio::sync::{watch, Notify};
+use tokio::task::JoinSet;
+use tracing::{debug, info};
+
+use crate::server::Shared;
+use crate::stream::{self, StreamOut};
+use crate::tls;
+
+/// How long the broker waits, on shutdown, for a connection's streams to flush.
+const SHUTDOWN_FLUSH: Duration = Duration::from_secs(5);
+
+/// A subscription as the connection knows it: the subscriber and the writer that serves it.
+#[derive(Debug, Clone)]
+pub(crate) struct SubEntry {
+    pub sub: Arc<Subscriber>,
+    pub out: Arc<StreamOut>,
+}
+
+/// State shared by the streams of one connection.
+#[derive(Debug)]
+pub(crate) struct ConnState {
+    pub remote: SocketAddr,
+    pub client_id: OnceLock<String>,
+    /// Subscriptions by the `stream_id` of their SUBSCRIBE frame: ACK, NACK and UNSUBSCRIBE name
+    /// them that way, on any stream. Locked briefly by the streams of this connection only.
+    subs: Mutex<HashMap<u32, SubEntry>>,
+    confirmed: AtomicBool,
+    confirmed_notify: Notify,
+}
+
+impl ConnState {
+    fn lock(&self) -> MutexGuard<'_, HashMap<u32, SubEntry>> {
+        self.subs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn has_sub(&self, stream_id: u32) -> bool {
+        self.lock().contains_key(&stream_id)
+    }
+
+    pub(crate) fn sub(&self, stream_id: u32) -> Option<SubEntry> {
+        self.lock().get(&stream_id).cloned()
+    }
+
+    pub(crate) fn add_sub(&self, stream_id: u32, entry: SubEntry) {
+        self.lock().insert(stream_id, entry);
+    }
+
+    /// Forget `sub` (only if it is still the one registered under `stream_id`).
+    pub(crate) fn remove_sub(&self, stream_id: u32, sub: &Arc<Subscriber>) {
+        let mut subs = self.lock();
+        if subs
+            .get(&stream_id)
+            .is_some_and(|e| Arc::ptr_eq(&e.sub, sub))
+        {
+            subs.remove(&stream_id);
+        }
+    }
+
+    fn take_subs(&self) -> Vec<SubEntry> {
+        self.lock().drain().map(|(_, e)| e).collect()
+    }
+
+    fn confirm(&self) {
+        self.confirmed.store(true, Ordering::Release);
+        self.confirmed_notify.notify_waiters();
+    }
+
+    /// Wait until the TLS handshake is confirmed (immediately, unless the client used 0-RTT).
+    pub(crate) async fn wait_confirmed(&self) {
+        loop {
+            let notified = self.confirmed_notify.notified();
+            if self.confirmed.load(Ordering::Acquire) {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// `client-id@address` for logs.
+    pub(crate) fn describe(&self) -> String {
+        match self.client_id.get() {
+            Some(id) => format!("{id}@{}", self.remote),
+            None => self.remote.to_string(),
+        }
+    }
+}
+
+/// Decrements the live-connection count however the task ends.
+struct LiveGuard(Arc<Shared>);
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Serve one incoming connection to the end.
+pub(crate) async fn handle(
+    incoming: quinn::Incoming,
+    shared: Arc<Shared>,
+    shutdown: watch::Receiver<bool>,
+) {
+    let _live = LiveGuard(shared.clone());
+    let remote = incoming.remote_address();
+    let connecting = match incoming.accept() {
+        Ok(c) => c,
+        Err(e) => {
+            debug!(%remote, "connection refused during accept: {e}");
+            shared
+                .stats
+                .handshakes_failed
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+    };
+    let handshake_timeout = shared.config.transport.handshake_timeout;
+    let state = Arc::new(ConnState {
+        remote,
+        client_id: OnceLock::new(),
+        subs: Mutex::default(),
+        confirmed: AtomicBool::new(false),
+        confirmed_notify: Notify::new(),
+    });
+    // With mTLS the client is unknown until the handshake completes: no early data then.
+    let early = !shared.config.tls.require_client_cert;
+    let conn = match connecting.into_0rtt() {
+        Ok((conn, accepted)) if early => {
+            let (state, conn2, shared2) = (state.clone(), conn.clone(), shared.clone());
+            tokio::spawn(async move {
+                match tokio::time::timeout(handshake_timeout, accepted).await {
+                    Ok(_) => {
+                        identify(&conn2, &state);
+                        state.confirm();
+                    }
+                    Err(_) => {
+                        shared2
+                            .stats
+                            .handshakes_failed
+                            .fetch_add(1, Ordering::Relaxed);
+                        conn2.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
+                    }
+                }
+            });
+            conn
+        }
+        Ok((conn, accepted)) => {
+            if tokio::time::timeout(handshake_timeout, accepted)
+                .await
+                .is_err()
+            {
+                shared
+                    .stats
+                    .handshakes_failed
+                    .fetch_add(1, Ordering::Relaxed);
+                conn.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
+                return;
+            }
+            identify(&conn, &state);
+            state.confirm();
+            conn
+        }
+        Err(connecting) => match tokio::time::timeout(handshake_timeout, connecting).await {
+            Ok(Ok(conn)) => {
+                identify(&conn, &state);
+                state.confirm();
+                conn
+            }
+            Ok(Err(e)) => {
+                debug!(%remote, "handshake failed: {e}");
+                shared
+                    .stats
+                    .handshakes_failed
+                    .fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            Err(_) => {
+                debug!(%remote, "handshake timed out");
+                shared
+                    .stats
+                    .handshakes_failed
+                    .fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        },
+    };
+    shared
+        .stats
+        .connections_total
+        .fetch_add(1, Ordering::Relaxed);
+    serve_streams(conn, state, shared, shutdown).await;
+}
+
+fn identify(conn: &quinn::Connection, state: &ConnState) {
+    if let Some(cn) = tls::client_common_name(conn) {
+        let _ = state.client_id.set(cn);
+    }
+    info!(client = %state.describe(), "connected");
+}
+
+async fn serve_streams(
+    conn: quinn::Connection,
+    state: Arc<ConnState>,
+    shared: Arc<Shared>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut streams = JoinSet::new();
+    let reason = loop {
+        tokio::select! {
+            accepted = conn.accept_bi() => match accepted {
+                Ok((send, recv)) => {
+                    streams.spawn(stream::serve(send, recv, shared.clone(), state.clone(), shutdown.clone()));
+                }
+                Err(e) => break e.to_string(),
+            },
+            Some(_) = streams.join_next(), if !streams.is_empty() => {}
+            _ = shutdown.changed() => {
+                // Writers see the same signal: they flush what is queued and finish.
+                let flush = async { while streams.join_next().await.is_some() {} };
+                let _ = tokio::time::timeout(SHUTDOWN_FLUSH, flush).await;
+                conn.close(ErrorCode::SHUTTING_DOWN.0.into(), b"broker shutting down");
+                break "broker shutting down".to_string();
+            }
+        }
+    };
+    streams.shutdown().await;
+    // Whatever is left subscribed ends with the connection.
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    for entry in state.take_subs() {
+        shared.broker.unsubscribe(&mut ctx, &entry.sub, now);
+    }
+    info!(client = %state.describe(), "disconnected: {reason}");
+}

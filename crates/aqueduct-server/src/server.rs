@@ -1,0 +1,225 @@
+//! The broker process: binds the QUIC endpoint, accepts connections, runs the ack-wait ticker,
+//! and shuts down gracefully (stop accepting, flush deliveries, close connections with a reason).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aqueduct_core::{Broker, PublishContext};
+use aqueduct_proto::ErrorCode;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tracing::{info, warn};
+
+use crate::config::{Config, TransportConfig};
+use crate::stats::ServerStats;
+use crate::tls::{self, TlsError};
+
+/// How often unsettled deliveries are checked against `broker.ack_wait`.
+const ACK_TICK: Duration = Duration::from_millis(100);
+/// How long shutdown waits for connections to flush and close.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Why the server could not start or run.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("listen_addr {addr}: {reason}")]
+    Bind { addr: SocketAddr, reason: String },
+    #[error("transport settings rejected: {0}")]
+    Transport(String),
+}
+
+/// What every connection task shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub config: Config,
+    pub broker: Arc<Broker>,
+    pub stats: Arc<ServerStats>,
+    pub connections: AtomicUsize,
+}
+
+/// A bound, not yet serving, broker.
+#[derive(Debug)]
+pub struct Server {
+    endpoint: quinn::Endpoint,
+    shared: Arc<Shared>,
+    dev_cert: Option<PathBuf>,
+}
+
+fn transport_config(t: &TransportConfig) -> Result<quinn::TransportConfig, ServerError> {
+    let mut c = quinn::TransportConfig::default();
+    c.max_concurrent_bidi_streams(t.max_streams_per_connection.into());
+    c.max_concurrent_uni_streams(0u32.into());
+    c.max_idle_timeout(if t.idle_timeout.is_zero() {
+        None
+    } else {
+        Some(
+            quinn::IdleTimeout::try_from(t.idle_timeout)
+                .map_err(|e| ServerError::Transport(format!("transport.idle_timeout: {e}")))?,
+        )
+    });
+    c.keep_alive_interval((!t.keep_alive_interval.is_zero()).then_some(t.keep_alive_interval));
+    c.stream_receive_window(t.stream_receive_window.into());
+    c.receive_window(t.receive_window.into());
+    c.send_window(t.send_window);
+    c.initial_mtu(t.initial_mtu);
+    Ok(c)
+}
+
+/// A UDP socket with the configured buffer sizes (the kernel may clamp them to its maximum).
+fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket, ServerError> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let err = |e: std::io::Error| ServerError::Bind {
+        addr,
+        reason: e.to_string(),
+    };
+    let socket =
+        Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP)).map_err(err)?;
+    if addr.is_ipv6() {
+        let _ = socket.set_only_v6(false);
+    }
+    if buffer > 0 {
+        if let Err(e) = socket.set_recv_buffer_size(buffer) {
+            warn!("cannot set UDP receive buffer to {buffer} bytes: {e}");
+        }
+        if let Err(e) = socket.set_send_buffer_size(buffer) {
+            warn!("cannot set UDP send buffer to {buffer} bytes: {e}");
+        }
+    }
+    socket.bind(&addr.into()).map_err(err)?;
+    Ok(socket.into())
+}
+
+impl Server {
+    /// Set up TLS and bind the UDP socket. Must run inside a tokio runtime.
+    pub async fn bind(config: Config) -> Result<Server, ServerError> {
+        let (crypto, dev_cert) = tls::server_crypto(&config.tls)?;
+        let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+        server_config.transport_config(Arc::new(transport_config(&config.transport)?));
+        let socket = udp_socket(config.listen_addr, config.transport.socket_buffer)?;
+        let runtime = quinn::default_runtime().ok_or_else(|| ServerError::Bind {
+            addr: config.listen_addr,
+            reason: "no async runtime".into(),
+        })?;
+        let endpoint = quinn::Endpoint::new(
+            quinn::EndpointConfig::default(),
+            Some(server_config),
+            socket,
+            runtime,
+        )
+        .map_err(|e| ServerError::Bind {
+            addr: config.listen_addr,
+            reason: e.to_string(),
+        })?;
+        let broker = Arc::new(Broker::new(config.broker.clone()));
+        Ok(Server {
+            endpoint,
+            shared: Arc::new(Shared {
+                config,
+                broker,
+                stats: Arc::new(ServerStats::default()),
+                connections: AtomicUsize::new(0),
+            }),
+            dev_cert,
+        })
+    }
+
+    /// The address actually bound (useful with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.endpoint
+            .local_addr()
+            .unwrap_or(self.shared.config.listen_addr)
+    }
+
+    /// Where the generated development certificate was written, if one was generated.
+    pub fn dev_cert_file(&self) -> Option<&PathBuf> {
+        self.dev_cert.as_ref()
+    }
+
+    /// The routing core (for inspection and tests).
+    pub fn broker(&self) -> Arc<Broker> {
+        self.shared.broker.clone()
+    }
+
+    /// Server counters.
+    pub fn stats(&self) -> Arc<ServerStats> {
+        self.shared.stats.clone()
+    }
+
+    /// Serve until `shutdown` completes, then shut down gracefully.
+    pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
+        let Server {
+            endpoint, shared, ..
+        } = self;
+        info!(
+            addr = %endpoint.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+            alpn = "aqueduct-v1",
+            "broker listening (QUIC/UDP, TLS 1.3)"
+        );
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let ticker = tokio::spawn(ack_ticker(shared.broker.clone(), stop_rx.clone()));
+        let mut connections = JoinSet::new();
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                incoming = endpoint.accept() => {
+                    let Some(incoming) = incoming else { break };
+                    let live = shared.connections.fetch_add(1, Ordering::AcqRel);
+                    if live >= shared.config.transport.max_connections {
+                        shared.connections.fetch_sub(1, Ordering::AcqRel);
+                        shared.stats.connections_refused.fetch_add(1, Ordering::Relaxed);
+                        warn!(remote = %incoming.remote_address(), live, "connection refused: transport.max_connections reached");
+                        incoming.refuse();
+                        continue;
+                    }
+                    connections.spawn(crate::connection::handle(incoming, shared.clone(), stop_rx.clone()));
+                }
+                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            }
+        }
+        info!(
+            connections = shared.connections.load(Ordering::Acquire),
+            "shutting down: no new connections; flushing queued deliveries"
+        );
+        endpoint.set_server_config(None);
+        let _ = stop_tx.send(true);
+        let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+            while connections.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            warn!("connections did not close within {SHUTDOWN_GRACE:?}; closing them now");
+        }
+        endpoint.close(ErrorCode::SHUTTING_DOWN.0.into(), b"broker shutting down");
+        let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
+        ticker.abort();
+        info!("broker stopped");
+        Ok(())
+    }
+}
+
+/// Redeliver deliveries whose ack-wait deadline passed.
+async fn ack_ticker(broker: Arc<Broker>, mut stop: watch::Receiver<bool>) {
+    let mut ctx = PublishContext::default();
+    let mut tick = tokio::time::interval(ACK_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                broker.tick(&mut ctx, Instant::now());
+            }
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+/// Bind and serve until `shutdown` completes.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
+    Server::bind(config).await?.serve(shutdown).await
+}

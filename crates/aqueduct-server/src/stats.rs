@@ -1,0 +1,58 @@
+//! Server-level counters (connections, rejected frames, ERROR frames sent, bytes). Atomics on the
+//! hot path; maps only on error paths. The metrics endpoint (a later issue) reads them.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+
+use aqueduct_proto::ErrorCode;
+
+/// Counters shared by every connection.
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    pub connections_total: AtomicU64,
+    pub connections_refused: AtomicU64,
+    pub handshakes_failed: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+    /// Frames rejected, by reason label (`bad_magic`, `frame_too_large`, …).
+    rejected: Mutex<BTreeMap<&'static str, u64>>,
+    /// ERROR frames sent, by code.
+    errors: Mutex<BTreeMap<u16, u64>>,
+}
+
+impl ServerStats {
+    pub(crate) fn rejected(&self, reason: &'static str) {
+        let mut m = self.rejected.lock().unwrap_or_else(|e| e.into_inner());
+        *m.entry(reason).or_default() += 1;
+    }
+
+    pub(crate) fn error_sent(&self, code: ErrorCode) {
+        let mut m = self.errors.lock().unwrap_or_else(|e| e.into_inner());
+        *m.entry(code.0).or_default() += 1;
+    }
+
+    pub(crate) fn add_in(&self, n: usize) {
+        self.bytes_in.fetch_add(n as u64, Relaxed);
+    }
+
+    pub(crate) fn add_out(&self, n: usize) {
+        self.bytes_out.fetch_add(n as u64, Relaxed);
+    }
+
+    /// Frames rejected so far, by reason.
+    pub fn rejected_frames(&self) -> BTreeMap<&'static str, u64> {
+        self.rejected
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// ERROR frames sent so far, by code.
+    pub fn errors_sent(&self) -> BTreeMap<u16, u64> {
+        self.errors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}

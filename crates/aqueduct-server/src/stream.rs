@@ -1,0 +1,466 @@
+//! One QUIC bidirectional stream: a reader that decodes and handles the client's frames, and a
+//! coalescing writer that sends replies (CONFIRM, ERROR) and the deliveries of every subscription
+//! whose SUBSCRIBE arrived on this stream.
+//!
+//! The writer flushes when `broker.batch_size` bytes are pending, or `broker.flush_interval`
+//! after it started gathering, always taking the highest priority first (the core's drain order).
+//! Tokio timers cannot wait 50 µs, so the flush window is spent yielding to other tasks (which
+//! lets publishers add to the batch) and re-draining, never sleeping.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use aqueduct_core::{CloseReason, Publication, PublishContext, SubscribeOptions, Subscriber};
+use aqueduct_proto::frame::{split_frame, Message};
+use aqueduct_proto::{
+    Confirm, DecodeError, ErrorCode, ErrorFrame, Frame, ProtoError, Publish, HEADER_LEN,
+};
+use bytes::{Buf, BytesMut};
+use tokio::io::AsyncReadExt;
+use tokio::sync::{watch, Notify};
+use tracing::{debug, info, warn};
+
+use crate::connection::{ConnState, SubEntry};
+use crate::server::Shared;
+
+/// Reply bytes a client may leave unread before the broker stops reading its stream.
+const MAX_PENDING_CONTROL: usize = 1 << 20;
+/// Read granularity: publishers' frames are read in chunks of up to this many bytes.
+const READ_CHUNK: usize = 64 * 1024;
+
+/// What the reader shares with the writer of the same stream.
+#[derive(Debug, Default)]
+pub(crate) struct StreamOut {
+    /// Encoded reply frames waiting for the writer.
+    control: Mutex<BytesMut>,
+    /// Subscriptions delivered on this stream. Locked by the reader to add, by the writer to
+    /// drain; the writer takes each subscriber's own lock while holding it (never the reverse).
+    subs: Mutex<Vec<Arc<Subscriber>>>,
+    /// Wakes the writer: new replies, new deliveries, state changes.
+    pub(crate) notify: Notify,
+    /// Wakes the reader when the writer has flushed replies (backpressure on unread replies).
+    flushed: Notify,
+    /// The reader is done (client finished its side, or a fatal framing error).
+    reader_done: AtomicBool,
+    /// The stream is over: the writer must stop (peer stopped reading, connection closed).
+    aborted: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl StreamOut {
+    fn push_frame(&self, frame: &Frame) {
+        frame.encode(&mut *lock(&self.control));
+        self.notify.notify_one();
+    }
+
+    fn control_len(&self) -> usize {
+        lock(&self.control).len()
+    }
+
+    pub(crate) fn abort(&self) {
+        self.aborted.store(true, Ordering::Release);
+        self.notify.notify_one();
+    }
+}
+
+/// How the reader ended.
+enum ReadEnd {
+    /// The client finished its sending side.
+    Finished,
+    /// The stream was reset or the connection closed.
+    Gone,
+    /// A frame boundary was lost (bad magic, oversized frame): ERROR sent, stream closed.
+    Fatal,
+}
+
+/// Serve one stream until both directions are done.
+pub(crate) async fn serve(
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+    shared: Arc<Shared>,
+    conn: Arc<ConnState>,
+    shutdown: watch::Receiver<bool>,
+) {
+    let out = Arc::new(StreamOut::default());
+    let writer = tokio::spawn(write_loop(send, out.clone(), shared.clone(), shutdown));
+    let mut reader = Reader {
+        shared: &shared,
+        conn: &conn,
+        out: &out,
+        ctx: PublishContext::default(),
+        scratch: Vec::new(),
+    };
+    let end = reader.run(recv).await;
+    match end {
+        ReadEnd::Finished | ReadEnd::Fatal => {
+            out.reader_done.store(true, Ordering::Release);
+            out.notify.notify_one();
+        }
+        ReadEnd::Gone => out.abort(),
+    }
+    let _ = writer.await;
+    // The stream is over: its subscriptions end with it.
+    let subs: Vec<_> = std::mem::take(&mut *lock(&out.subs));
+    let now = Instant::now();
+    for sub in subs {
+        conn.remove_sub(sub.stream_id(), &sub);
+        shared.broker.unsubscribe(&mut reader.ctx, &sub, now);
+    }
+}
+
+struct Reader<'a> {
+    shared: &'a Arc<Shared>,
+    conn: &'a Arc<ConnState>,
+    out: &'a Arc<StreamOut>,
+    ctx: PublishContext,
+    /// Reused for decoding PUBLISH_BATCH sub-frames.
+    scratch: Vec<Publish>,
+}
+
+impl Reader<'_> {
+    async fn run(&mut self, mut recv: quinn::RecvStream) -> ReadEnd {
+        let limits = aqueduct_proto::Limits {
+            max_data_len: self.shared.config.transport.max_frame_data,
+        };
+        let mut buf = BytesMut::with_capacity(READ_CHUNK);
+        loop {
+            // Backpressure: a client that does not read its replies stops being read.
+            while self.out.control_len() > MAX_PENDING_CONTROL {
+                if self.out.aborted.load(Ordering::Acquire) {
+                    return ReadEnd::Gone;
+                }
+                self.out.flushed.notified().await;
+            }
+            if buf.capacity() - buf.len() < READ_CHUNK / 4 {
+                buf.reserve(READ_CHUNK);
+            }
+            match recv.read_buf(&mut buf).await {
+                Ok(0) => {
+                    if !buf.is_empty() {
+                        // A frame cut off by the end of the stream.
+                        let stream_id = stream_id_of(&buf);
+                        self.reject(
+                            stream_id,
+                            ErrorCode::MALFORMED_FRAME,
+                            "malformed",
+                            format!(
+                                "stream ended inside a frame ({} bytes left over)",
+                                buf.len()
+                            ),
+                        );
+                    }
+                    return ReadEnd::Finished;
+                }
+                Ok(n) => self.shared.stats.add_in(n),
+                Err(e) => {
+                    debug!("stream read ended: {e}");
+                    return ReadEnd::Gone;
+                }
+            }
+            loop {
+                match split_frame(&buf, &limits) {
+                    Ok(raw) => {
+                        let mut frame = buf.split_to(raw.frame_len()).freeze();
+                        frame.advance(HEADER_LEN);
+                        self.handle_raw(raw, frame).await;
+                    }
+                    Err(DecodeError::Incomplete { .. }) => break,
+                    Err(DecodeError::Invalid(e)) => {
+                        // The frame boundary is lost or the frame is refused outright: say why,
+                        // then close this stream. The connection's other streams go on.
+                        let stream_id = stream_id_of(&buf);
+                        self.reject(stream_id, e.code(), e.reason_label(), e.to_string());
+                        return ReadEnd::Fatal;
+                    }
+                }
+            }
+        }
+    }
+
+    fn reject(&self, stream_id: u32, code: ErrorCode, label: &'static str, reason: String) {
+        self.shared.stats.rejected(label);
+        self.send_error(stream_id, code, reason);
+    }
+
+    fn send_error(&self, stream_id: u32, code: ErrorCode, reason: String) {
+        debug!(stream_id, %code, %reason, "ERROR to {}", self.conn.remote);
+        self.shared.stats.error_sent(code);
+        self.out.push_frame(&Frame::new(
+            stream_id,
+            Message::Error(ErrorFrame { code, reason }),
+        ));
+    }
+
+    async fn handle_raw(&mut self, raw: aqueduct_proto::header::RawHeader, data: bytes::Bytes) {
+        let header = match raw.validate() {
+            Ok(h) => h,
+            Err(e) => return self.reject(raw.stream_id, e.code(), e.reason_label(), e.to_string()),
+        };
+        let frame = match Frame::decode(&header, data) {
+            Ok(f) => f,
+            Err(e) => return self.reject(raw.stream_id, e.code(), e.reason_label(), e.to_string()),
+        };
+        // 0-RTT data can be replayed by an attacker: only SUBSCRIBE/UNSUBSCRIBE run before the
+        // handshake is confirmed; everything else waits for it.
+        if !matches!(
+            frame.message,
+            Message::Subscribe(_) | Message::Unsubscribe(_)
+        ) {
+            self.conn.wait_confirmed().await;
+        }
+        self.handle(frame);
+    }
+
+    fn handle(&mut self, frame: Frame) {
+        let stream_id = frame.stream_id;
+        let now = Instant::now();
+        let broker = &self.shared.broker;
+        match frame.message {
+            Message::Publish(p) => {
+                let outcome = broker.publish(&mut self.ctx, &Publication::from_publish(&p), now);
+                if p.ext.confirm {
+                    self.confirm(stream_id, vec![outcome.offset]);
+                }
+            }
+            Message::PublishBatch(batch) => {
+                self.scratch.clear();
+                // Validated in full when decoded, so every sub-frame is Ok.
+                self.scratch
+                    .extend(batch.publishes().filter_map(Result::ok));
+                let mut offsets = Vec::new();
+                let confirm = batch.ext.confirm;
+                broker.publish_batch(
+                    &mut self.ctx,
+                    self.scratch.iter().map(Publication::from_publish),
+                    now,
+                    |o| {
+                        if confirm {
+                            offsets.push(o);
+                        }
+                    },
+                );
+                if confirm {
+                    self.confirm(stream_id, offsets);
+                }
+            }
+            Message::Subscribe(s) => {
+                if self.conn.has_sub(stream_id) {
+                    return self.send_error(
+                        stream_id,
+                        ErrorCode::BAD_SUBSCRIBE,
+                        format!(
+                            "stream id {stream_id} already has a subscription on this connection"
+                        ),
+                    );
+                }
+                let out = self.out.clone();
+                let sub = broker.subscribe(
+                    &s.spec,
+                    SubscribeOptions {
+                        stream_id,
+                        ack_mode: s.ack_mode(),
+                        overflow: s.overflow(),
+                        waker: Some(Box::new(move || out.notify.notify_one())),
+                    },
+                );
+                info!(
+                    client = %self.conn.describe(),
+                    filter = %s.spec.filter,
+                    group = ?s.spec.group.as_ref().map(|g| g.as_str()),
+                    stream_id,
+                    "subscribed"
+                );
+                self.conn.add_sub(
+                    stream_id,
+                    SubEntry {
+                        sub: sub.clone(),
+                        out: self.out.clone(),
+                    },
+                );
+                lock(&self.out.subs).push(sub);
+                if s.ext.confirm {
+                    self.confirm(stream_id, Vec::new());
+                }
+            }
+            Message::Unsubscribe(u) => match self.conn.sub(stream_id) {
+                Some(entry) if entry.sub.filter() == &u.filter => {
+                    self.conn.remove_sub(stream_id, &entry.sub);
+                    broker.unsubscribe(&mut self.ctx, &entry.sub, now);
+                    entry.out.notify.notify_one();
+                    debug!(client = %self.conn.describe(), filter = %u.filter, "unsubscribed");
+                }
+                _ => self.send_error(
+                    stream_id,
+                    ErrorCode::NOT_SUBSCRIBED,
+                    format!("no subscription to {} with stream id {stream_id}", u.filter),
+                ),
+            },
+            Message::Ack(a) => {
+                let Some(entry) = self.sub_or_error(stream_id) else {
+                    return;
+                };
+                if let Err(e) =
+                    broker.ack(&entry.sub, a.ext.topic.as_ref(), a.offset, a.ext.attempt)
+                {
+                    self.send_error(stream_id, e.code(), e.to_string());
+                }
+            }
+            Message::Nack(n) => {
+                let Some(entry) = self.sub_or_error(stream_id) else {
+                    return;
+                };
+                let result = broker.nack(
+                    &mut self.ctx,
+                    &entry.sub,
+                    n.ext.topic.as_ref(),
+                    n.offset,
+                    n.ext.attempt,
+                    n.ext.reason.as_deref(),
+                    now,
+                );
+                if let Err(e) = result {
+                    self.send_error(stream_id, e.code(), e.to_string());
+                }
+            }
+            Message::Confirm(_) | Message::Error(_) => {
+                let e = ProtoError::BadPayload {
+                    opcode: "CONFIRM/ERROR",
+                    problem: "broker-to-client frames cannot be sent to the broker",
+                    len: 0,
+                };
+                self.shared.stats.rejected("client_sent_broker_frame");
+                self.send_error(stream_id, ErrorCode::UNSUPPORTED, e.to_string());
+            }
+        }
+    }
+
+    fn sub_or_error(&self, stream_id: u32) -> Option<SubEntry> {
+        let entry = self.conn.sub(stream_id);
+        if entry.is_none() {
+            self.send_error(
+                stream_id,
+                ErrorCode::NOT_SUBSCRIBED,
+                format!("no subscription with stream id {stream_id} on this connection"),
+            );
+        }
+        entry
+    }
+
+    fn confirm(&self, stream_id: u32, offsets: Vec<u64>) {
+        self.out.push_frame(&Frame::new(
+            stream_id,
+            Message::Confirm(Confirm { offsets }),
+        ));
+    }
+}
+
+/// The stream id of a frame whose header may be incomplete or invalid (0 if unknown).
+fn stream_id_of(buf: &[u8]) -> u32 {
+    match buf.get(2..6) {
+        Some(&[a, b, c, d]) => u32::from_le_bytes([a, b, c, d]),
+        _ => 0,
+    }
+}
+
+/// Collect pending replies and deliveries into `buf`, up to about `budget` bytes. Closed
+/// subscriptions are removed; a slow-consumer close gets its ERROR frame.
+fn fill(out: &StreamOut, shared: &Shared, buf: &mut BytesMut, budget: usize) {
+    {
+        let mut control = lock(&out.control);
+        if !control.is_empty() {
+            buf.extend_from_slice(&control);
+            control.clear();
+            out.flushed.notify_waiters();
+        }
+    }
+    let now = Instant::now();
+    let mut subs = lock(&out.subs);
+    subs.retain(|sub| {
+        if !sub.is_closed() {
+            return true;
+        }
+        if sub.close_reason() == Some(CloseReason::SlowConsumer) {
+            warn!(filter = %sub.filter(), stream_id = sub.stream_id(), "slow consumer disconnected");
+            shared.stats.error_sent(ErrorCode::SLOW_CONSUMER);
+            Frame::new(
+                sub.stream_id(),
+                Message::Error(ErrorFrame {
+                    code: ErrorCode::SLOW_CONSUMER,
+                    reason: format!(
+                        "subscription to {} closed: its queue overflowed (policy disconnect)",
+                        sub.filter()
+                    ),
+                }),
+            )
+            .encode(buf);
+        }
+        false
+    });
+    for sub in subs.iter() {
+        if buf.len() >= budget {
+            break;
+        }
+        shared.broker.drain(sub, buf, budget - buf.len(), now);
+    }
+}
+
+fn has_subs(out: &StreamOut) -> bool {
+    !lock(&out.subs).is_empty()
+}
+
+async fn write_loop(
+    mut send: quinn::SendStream,
+    out: Arc<StreamOut>,
+    shared: Arc<Shared>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let batch = shared.config.batch_size;
+    let window = shared.config.flush_interval;
+    let mut buf = BytesMut::with_capacity(batch + 4096);
+    loop {
+        if out.aborted.load(Ordering::Acquire) {
+            return;
+        }
+        fill(&out, &shared, &mut buf, batch);
+        if buf.is_empty() {
+            let reader_done = out.reader_done.load(Ordering::Acquire);
+            if (reader_done && !has_subs(&out)) || *shutdown.borrow() {
+                break;
+            }
+            tokio::select! {
+                _ = out.notify.notified() => {}
+                _ = shutdown.changed() => {}
+            }
+            continue;
+        }
+        // Coalesce: give publishers until the flush interval to add to this write.
+        if buf.len() < batch && !window.is_zero() {
+            let deadline = Instant::now() + window;
+            while buf.len() < batch && Instant::now() < deadline {
+                tokio::task::yield_now().await;
+                fill(&out, &shared, &mut buf, batch);
+            }
+        }
+        if let Err(e) = send.write_all(&buf).await {
+            debug!("stream write ended: {e}");
+            out.abort();
+            return;
+        }
+        shared.stats.add_out(buf.len());
+        buf.clear();
+    }
+    // Final flush (shutdown, or the client finished and nothing is subscribed here).
+    loop {
+        fill(&out, &shared, &mut buf, batch);
+        if buf.is_empty() || send.write_all(&buf).await.is_err() {
+            break;
+        }
+        shared.stats.add_out(buf.len());
+        buf.clear();
+    }
+    let _ = send.finish();
+}

@@ -1,0 +1,165 @@
+//! TLS for the broker: TLS 1.3 only, ALPN `aqueduct-v1`, one crypto provider (ring).
+//!
+//! Certificates come from `tls.cert_file`/`tls.key_file`, or — with `tls.generate` and no files —
+//! a self-signed certificate made at startup for `localhost`, `127.0.0.1` and `::1`. Its public
+//! half is written to `tls.dev_cert_file`, which the `aqueduct` CLI trusts for local addresses,
+//! so a developer never handles certificates; connections to other hosts verify as usual.
+//! With `tls.require_client_cert` the broker verifies client certificates against
+//! `tls.client_ca_file` and uses the certificate's Common Name as the client id.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustls::crypto::CryptoProvider;
+use rustls::server::WebPkiClientVerifier;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+use crate::config::TlsConfig;
+
+/// The ALPN protocol id.
+pub const ALPN: &[u8] = b"aqueduct-v1";
+
+/// Why TLS could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("{key}: cannot read {path}: {reason}")]
+    Pem {
+        key: &'static str,
+        path: PathBuf,
+        reason: String,
+    },
+    #[error("{key}: {path} holds no certificate")]
+    NoCertificate { key: &'static str, path: PathBuf },
+    #[error("generating the development certificate failed: {0}")]
+    Generate(String),
+    #[error("cannot write the development certificate to {path}: {reason}")]
+    WriteDevCert { path: PathBuf, reason: String },
+    #[error("TLS configuration rejected: {0}")]
+    Rustls(String),
+}
+
+/// The process-wide crypto provider. Installing it as the default keeps any library that asks
+/// for "the default provider" on ring too (there must never be two).
+pub fn provider() -> Arc<CryptoProvider> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn read_certs(key: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| TlsError::Pem {
+            key,
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate {
+            key,
+            path: path.to_owned(),
+        });
+    }
+    Ok(certs)
+}
+
+/// The certificate chain and key the broker presents, plus where a generated dev cert went.
+struct Identity {
+    certs: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+    dev_cert: Option<PathBuf>,
+}
+
+fn identity(cfg: &TlsConfig) -> Result<Identity, TlsError> {
+    if let (Some(cert), Some(key)) = (&cfg.cert_file, &cfg.key_file) {
+        let certs = read_certs("tls.cert_file", cert)?;
+        let key = PrivateKeyDer::from_pem_file(key).map_err(|e| TlsError::Pem {
+            key: "tls.key_file",
+            path: key.clone(),
+            reason: e.to_string(),
+        })?;
+        return Ok(Identity {
+            certs,
+            key,
+            dev_cert: None,
+        });
+    }
+    let names = vec![
+        "localhost".to_string(),
+        "127.0.0.1".to_string(),
+        "::1".to_string(),
+    ];
+    let generated =
+        rcgen::generate_simple_self_signed(names).map_err(|e| TlsError::Generate(e.to_string()))?;
+    write_dev_cert(&cfg.dev_cert_file, &generated.cert.pem())?;
+    let key = PrivateKeyDer::try_from(generated.signing_key.serialize_der())
+        .map_err(|e| TlsError::Generate(e.to_string()))?;
+    Ok(Identity {
+        certs: vec![generated.cert.der().clone()],
+        key,
+        dev_cert: Some(cfg.dev_cert_file.clone()),
+    })
+}
+
+/// Write atomically (temp file + rename) so a client never reads half a certificate.
+fn write_dev_cert(path: &Path, pem: &str) -> Result<(), TlsError> {
+    let err = |e: std::io::Error| TlsError::WriteDevCert {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    std::fs::write(&tmp, pem).map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)
+}
+
+/// The broker's QUIC crypto configuration and, if generated, the dev certificate path.
+pub fn server_crypto(
+    cfg: &TlsConfig,
+) -> Result<(quinn::crypto::rustls::QuicServerConfig, Option<PathBuf>), TlsError> {
+    let provider = provider();
+    let id = identity(cfg)?;
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| TlsError::Rustls(e.to_string()))?;
+    let builder = match &cfg.client_ca_file {
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for cert in read_certs("tls.client_ca_file", ca)? {
+                roots
+                    .add(cert)
+                    .map_err(|e| TlsError::Rustls(e.to_string()))?;
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider);
+            let verifier = if cfg.require_client_cert {
+                verifier.build()
+            } else {
+                verifier.allow_unauthenticated().build()
+            }
+            .map_err(|e| TlsError::Rustls(e.to_string()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut tls = builder
+        .with_single_cert(id.certs, id.key)
+        .map_err(|e| TlsError::Rustls(e.to_string()))?;
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    // 0-RTT is accepted; the connection layer holds back everything but replay-safe frames
+    // until the handshake is confirmed (see connection.rs).
+    tls.max_early_data_size = u32::MAX;
+    let quic = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
+        .map_err(|e| TlsError::Rustls(e.to_string()))?;
+    Ok((quic, id.dev_cert))
+}
+
+/// The Common Name of the client's certificate, if it presented one.
+pub fn client_common_name(conn: &quinn::Connection) -> Option<String> {
+    let identity = conn.peer_identity()?;
+    let certs = identity.downcast::<Vec<CertificateDer<'static>>>().ok()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(certs.first()?).ok()?;
+    let cn = cert.subject().iter_common_name().next()?;
+    cn.as_str().ok().map(str::to_owned)
+}
