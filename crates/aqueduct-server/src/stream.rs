@@ -26,6 +26,8 @@ use crate::server::Shared;
 
 /// Reply bytes a client may leave unread before the broker stops reading its stream.
 const MAX_PENDING_CONTROL: usize = 1 << 20;
+/// How long a finished stream waits for the client to read what is left.
+const FINISH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Read granularity: publishers' frames are read in chunks of up to this many bytes.
 const READ_CHUNK: usize = 64 * 1024;
 
@@ -86,6 +88,7 @@ pub(crate) async fn serve(
     shutdown: watch::Receiver<bool>,
 ) {
     let out = Arc::new(StreamOut::default());
+    let mut stop = shutdown.clone();
     let writer = tokio::spawn(write_loop(send, out.clone(), shared.clone(), shutdown));
     let mut reader = Reader {
         shared: &shared,
@@ -94,7 +97,11 @@ pub(crate) async fn serve(
         ctx: PublishContext::default(),
         scratch: Vec::new(),
     };
-    let end = reader.run(recv).await;
+    // On shutdown stop reading at once; the writer flushes what is queued and finishes.
+    let end = tokio::select! {
+        end = reader.run(recv) => end,
+        _ = stop.wait_for(|stopping| *stopping) => ReadEnd::Finished,
+    };
     match end {
         ReadEnd::Finished | ReadEnd::Fatal => {
             out.reader_done.store(true, Ordering::Release);
@@ -463,4 +470,7 @@ async fn write_loop(
         buf.clear();
     }
     let _ = send.finish();
+    // Closing the connection abandons data the client has not acknowledged yet: wait (bounded)
+    // until it has read the stream to the end.
+    let _ = tokio::time::timeout(FINISH_WAIT, send.stopped()).await;
 }

@@ -1,0 +1,204 @@
+//! Shared helpers for the end-to-end tests: a real broker on 127.0.0.1 port 0 with a generated
+//! certificate in a temporary directory, the real client, and a raw QUIC client for sending
+//! hand-made frames. Every wait is on a condition, bounded by a timeout.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aqueduct_client::{Client, ConnectOptions, Message, Subscription};
+use aqueduct_core::Broker;
+use aqueduct_proto::{decode_frame, DecodeError, Frame, Limits};
+use aqueduct_server::{Config, Server, ServerError, ServerStats};
+use bytes::{Buf, BytesMut};
+use futures_util::StreamExt;
+use tokio::io::AsyncReadExt;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// Generous: CI machines are shared and tests run in debug builds.
+pub const WAIT: Duration = Duration::from_secs(20);
+
+pub async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(WAIT, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("timed out after {WAIT:?} waiting for {what}"),
+    }
+}
+
+/// Poll `cond` until it holds (every 5 ms), or fail after [`WAIT`].
+pub async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+    within(what, async {
+        while !cond() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+}
+
+pub struct TestBroker {
+    pub addr: SocketAddr,
+    pub dev_cert: PathBuf,
+    pub broker: Arc<Broker>,
+    pub stats: Arc<ServerStats>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), ServerError>>>,
+    _dir: tempfile::TempDir,
+}
+
+impl TestBroker {
+    pub async fn start() -> TestBroker {
+        Self::start_with(|_| {}).await
+    }
+
+    pub async fn start_with(adjust: impl FnOnce(&mut Config)) -> TestBroker {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut config = Config::for_tests(dir.path().join("dev-cert.pem"));
+        adjust(&mut config);
+        let server = Server::bind(config).await.expect("broker binds");
+        let addr = server.local_addr();
+        let dev_cert = server
+            .dev_cert_file()
+            .cloned()
+            .unwrap_or_else(|| dir.path().join("dev-cert.pem"));
+        let broker = server.broker();
+        let stats = server.stats();
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(server.serve(async move {
+            let _ = rx.await;
+        }));
+        TestBroker {
+            addr,
+            dev_cert,
+            broker,
+            stats,
+            stop: Some(tx),
+            task: Some(task),
+            _dir: dir,
+        }
+    }
+
+    pub fn options(&self) -> ConnectOptions {
+        ConnectOptions::new(self.addr.to_string()).dev_cert_file(&self.dev_cert)
+    }
+
+    pub async fn client(&self) -> Client {
+        within("client connect", Client::connect(self.options()))
+            .await
+            .expect("client connects")
+    }
+
+    /// Graceful shutdown; returns what `serve` returned.
+    pub async fn stop(mut self) -> Result<(), ServerError> {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        let task = self.task.take().expect("running");
+        within("broker shutdown", task).await.expect("serve task")
+    }
+}
+
+/// The next message, or panic.
+pub async fn next(sub: &mut Subscription) -> Message {
+    within("a message", sub.next())
+        .await
+        .expect("subscription still open")
+        .expect("a message, not an error")
+}
+
+/// A raw QUIC connection speaking hand-made frames.
+pub struct Raw {
+    pub conn: quinn::Connection,
+    _endpoint: quinn::Endpoint,
+}
+
+pub struct RawStream {
+    pub send: quinn::SendStream,
+    recv: quinn::RecvStream,
+    buf: BytesMut,
+}
+
+impl Raw {
+    /// Connect trusting the broker's dev certificate; `stream_window` limits how much the broker
+    /// may send on a stream before we read (small values make a stalled subscriber).
+    pub async fn connect(b: &TestBroker, stream_window: u32) -> Raw {
+        let pem = std::fs::read(&b.dev_cert).expect("dev cert");
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in rustls_pki_types::CertificateDer::pem_slice_iter(&pem) {
+            roots.add(cert.expect("pem")).expect("root");
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut crypto = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .expect("tls13")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        crypto.alpn_protocols = vec![b"aqueduct-v1".to_vec()];
+        let mut transport = quinn::TransportConfig::default();
+        transport.stream_receive_window(stream_window.into());
+        let mut config = quinn::ClientConfig::new(Arc::new(
+            quinn::crypto::rustls::QuicClientConfig::try_from(crypto).expect("quic crypto"),
+        ));
+        config.transport_config(Arc::new(transport));
+        let mut endpoint =
+            quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("endpoint");
+        endpoint.set_default_client_config(config);
+        let conn = within(
+            "raw connect",
+            endpoint.connect(b.addr, "localhost").expect("connect"),
+        )
+        .await
+        .expect("handshake");
+        Raw {
+            conn,
+            _endpoint: endpoint,
+        }
+    }
+
+    pub async fn stream(&self) -> RawStream {
+        let (send, recv) = self.conn.open_bi().await.expect("open stream");
+        RawStream {
+            send,
+            recv,
+            buf: BytesMut::new(),
+        }
+    }
+}
+
+use rustls_pki_types::pem::PemObject;
+
+impl RawStream {
+    pub async fn write(&mut self, bytes: &[u8]) {
+        self.send.write_all(bytes).await.expect("write");
+    }
+
+    pub async fn write_frame(&mut self, frame: &Frame) {
+        self.write(&frame.to_bytes()).await;
+    }
+
+    /// The next frame from the broker, `None` when the broker finished the stream.
+    pub async fn read_frame(&mut self) -> Option<Frame> {
+        within("a frame from the broker", async {
+            loop {
+                let bytes = self.buf.clone().freeze();
+                match decode_frame(&bytes, &Limits::default()) {
+                    Ok((frame, used)) => {
+                        self.buf.advance(used);
+                        return Some(frame);
+                    }
+                    Err(DecodeError::Incomplete { .. }) => {}
+                    Err(DecodeError::Invalid(e)) => panic!("broker sent an invalid frame: {e}"),
+                }
+                match self.recv.read_buf(&mut self.buf).await {
+                    Ok(0) => return None,
+                    Ok(_) => {}
+                    Err(_) => return None,
+                }
+            }
+        })
+        .await
+    }
+}

@@ -1,0 +1,397 @@
+//! End to end over QUIC with the real client: pub/sub, wildcards, groups, settlement, dead
+//! letters, priorities, TTL, confirmations, shutdown, many connections.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use aqueduct_client::{ErrorCode, OverflowPolicy, Priority, PublishOptions, SubscribeOptions};
+use aqueduct_proto::TopicName;
+use bytes::Bytes;
+use common::*;
+use futures_util::StreamExt;
+
+fn confirm() -> PublishOptions {
+    PublishOptions {
+        confirm: true,
+        ..PublishOptions::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_and_wildcard_subscriptions() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let mut exact = client.subscribe("sport/tennis").await.expect("subscribe");
+    let mut plus = client.subscribe("sport/+").await.expect("subscribe");
+    let mut hash = client.subscribe("#").await.expect("subscribe");
+    let publisher = b.client().await;
+    let offset = publisher
+        .publish_with("sport/tennis", "ace", &confirm())
+        .await
+        .expect("publish");
+    assert_eq!(offset, Some(0));
+    for sub in [&mut exact, &mut plus, &mut hash] {
+        let m = next(sub).await;
+        assert_eq!(
+            (m.topic().as_str(), m.body().as_ref(), m.offset()),
+            ("sport/tennis", &b"ace"[..], 0)
+        );
+        assert_eq!((m.priority(), m.attempt()), (Priority::DEFAULT, 1));
+    }
+    publisher
+        .publish_with("news", "x", &confirm())
+        .await
+        .expect("publish");
+    assert_eq!(next(&mut hash).await.topic().as_str(), "news");
+    // `exact` and `plus` must not get "news": the next thing they see is the next sport message.
+    publisher
+        .publish_with("sport/golf", "birdie", &confirm())
+        .await
+        .expect("publish");
+    assert_eq!(next(&mut plus).await.body().as_ref(), b"birdie");
+    publisher
+        .publish_with("sport/tennis", "let", &confirm())
+        .await
+        .expect("publish");
+    assert_eq!(next(&mut exact).await.body().as_ref(), b"let");
+    // Binary bodies pass through untouched.
+    let body: Vec<u8> = (0..=255u8).collect();
+    publisher
+        .publish_with("bin", body.clone(), &confirm())
+        .await
+        .expect("publish");
+    loop {
+        let m = next(&mut hash).await;
+        if m.topic().as_str() == "bin" {
+            assert_eq!(m.body().as_ref(), body.as_slice());
+            break;
+        }
+    }
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_publish_with_confirmation() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let mut sub = client.subscribe("b/+").await.expect("subscribe");
+    let messages = (0..50).map(|i| {
+        (
+            if i % 2 == 0 { "b/even" } else { "b/odd" },
+            Bytes::from(i.to_string()),
+        )
+    });
+    let offsets = client
+        .publish_batch(messages, &confirm())
+        .await
+        .expect("batch")
+        .expect("confirmed");
+    let want: Vec<u64> = (0..50).map(|i| i / 2).collect();
+    assert_eq!(offsets, want);
+    for i in 0..50 {
+        assert_eq!(
+            next(&mut sub).await.body().as_ref(),
+            i.to_string().as_bytes()
+        );
+    }
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_group_round_robin_and_failover() {
+    let b = TestBroker::start().await;
+    let clients = [b.client().await, b.client().await, b.client().await];
+    let mut members = Vec::new();
+    for c in &clients {
+        members.push(c.subscribe_group("jobs/+", "workers").await.expect("join"));
+    }
+    let publisher = b.client().await;
+    for i in 0..300 {
+        publisher
+            .publish_with("jobs/a", i.to_string(), &confirm())
+            .await
+            .expect("publish");
+    }
+    let mut seen = BTreeSet::new();
+    for m in &mut members {
+        for _ in 0..100 {
+            let msg = next(m).await;
+            assert!(
+                seen.insert(msg.offset()),
+                "offset {} delivered twice",
+                msg.offset()
+            );
+            msg.ack().await.expect("ack");
+        }
+    }
+    assert_eq!(seen.len(), 300);
+
+    // Failover: member 0 takes messages without settling them, then its connection goes away.
+    for i in 0..6 {
+        publisher
+            .publish_with("jobs/a", format!("f{i}"), &confirm())
+            .await
+            .expect("publish");
+    }
+    let unsettled: Vec<_> = vec![next(&mut members[0]).await, next(&mut members[0]).await];
+    let lost: BTreeSet<u64> = unsettled.iter().map(|m| m.offset()).collect();
+    let gone = members.remove(0);
+    drop(gone);
+    clients[0].close().await;
+    let mut redelivered = BTreeMap::new();
+    let mut all = BTreeSet::new();
+    // The other two get their own 4 plus the 2 that member 0 held (as attempt 2).
+    while all.len() < 6 {
+        for m in members.iter_mut() {
+            if let Ok(Some(Ok(msg))) =
+                tokio::time::timeout(Duration::from_millis(200), m.next()).await
+            {
+                all.insert(msg.offset());
+                if msg.attempt() > 1 {
+                    redelivered.insert(msg.offset(), msg.attempt());
+                }
+                msg.ack().await.expect("ack");
+            }
+        }
+    }
+    assert_eq!(redelivered.keys().copied().collect::<BTreeSet<_>>(), lost);
+    assert!(redelivered.values().all(|a| *a == 2));
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nack_redelivers_then_dead_letters() {
+    let b = TestBroker::start().await; // max_retries 3
+    let client = b.client().await;
+    let opts = SubscribeOptions {
+        ack: true,
+        ..SubscribeOptions::default()
+    };
+    let mut jobs = client
+        .subscribe_with("jobs", &opts)
+        .await
+        .expect("subscribe");
+    let mut dlq = client
+        .subscribe("__dlq__jobs")
+        .await
+        .expect("subscribe dlq");
+    client
+        .publish_with("jobs", "payload", &confirm())
+        .await
+        .expect("publish");
+    for attempt in 1..=4 {
+        let m = next(&mut jobs).await;
+        assert_eq!((m.attempt(), m.body().as_ref()), (attempt, &b"payload"[..]));
+        m.nack(Some("cannot parse")).await.expect("nack");
+    }
+    let dead = next(&mut dlq).await;
+    assert_eq!(dead.topic().as_str(), "__dlq__jobs");
+    assert_eq!(dead.body().as_ref(), b"payload");
+    let ext = dead.extensions();
+    assert_eq!(
+        ext.original_topic,
+        Some(TopicName::try_from("jobs").expect("valid"))
+    );
+    assert_eq!(ext.original_offset, Some(0));
+    assert_eq!(ext.attempts_made, Some(4));
+    assert_eq!(ext.reason.as_deref(), Some("cannot parse"));
+
+    // Settling something that is not in flight is refused with an ERROR on the subscription.
+    client
+        .publish_with("jobs", "again", &confirm())
+        .await
+        .expect("publish");
+    let m = next(&mut jobs).await;
+    m.ack().await.expect("ack");
+    m.ack().await.expect("second ack is sent");
+    let err = within("the refusal", jobs.next())
+        .await
+        .expect("open")
+        .expect_err("an error");
+    assert_eq!(err.code(), Some(ErrorCode::NOT_IN_FLIGHT));
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_priority_order_under_load() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let mut sub = client.subscribe("prio").await.expect("subscribe");
+    // One batch frame is enqueued under one subscriber lock before the writer drains it, so the
+    // subscriber must see every priority-0 message before any priority-1 one, and so on.
+    let mut batch = Vec::new();
+    for i in 0..1500u32 {
+        batch.push((i % 4, i));
+    }
+    let publisher = b.client().await;
+    let mut frames = Vec::new();
+    for (prio, i) in &batch {
+        let p = aqueduct_proto::Publish::new(
+            TopicName::try_from("prio").expect("valid"),
+            Bytes::from(i.to_string()),
+        )
+        .with_priority(Priority::new(3 - *prio as u8).expect("valid"));
+        frames.push(p);
+    }
+    let batch_frame = aqueduct_proto::PublishBatch::from_publishes(&frames);
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut s = raw.stream().await;
+    s.write_frame(&aqueduct_proto::Frame::new(
+        0,
+        aqueduct_proto::frame::Message::PublishBatch(batch_frame),
+    ))
+    .await;
+    let mut got = Vec::new();
+    for _ in 0..1500 {
+        let m = next(&mut sub).await;
+        got.push((m.priority().level(), m.offset()));
+    }
+    let mut sorted = got.clone();
+    sorted.sort();
+    assert_eq!(got, sorted, "strict priority order, FIFO within a priority");
+    drop(publisher);
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_messages_are_dropped_and_counted() {
+    let b = TestBroker::start_with(|c| c.broker.max_in_flight = 1).await;
+    let client = b.client().await;
+    let opts = SubscribeOptions {
+        ack: true,
+        ..SubscribeOptions::default()
+    };
+    let mut sub = client
+        .subscribe_with("ttl", &opts)
+        .await
+        .expect("subscribe");
+    client
+        .publish_with("ttl", "first", &confirm())
+        .await
+        .expect("publish");
+    let first = next(&mut sub).await; // now in flight: nothing else is sent until it is settled
+    let short = PublishOptions {
+        ttl: Some(Duration::from_millis(30)),
+        confirm: true,
+        ..PublishOptions::default()
+    };
+    client
+        .publish_with("ttl", "short-lived", &short)
+        .await
+        .expect("publish");
+    client
+        .publish_with("ttl", "last", &confirm())
+        .await
+        .expect("publish");
+    // Let the short-lived message's TTL pass while it waits in the queue.
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    first.ack().await.expect("ack");
+    let m = next(&mut sub).await;
+    assert_eq!(
+        m.body().as_ref(),
+        b"last",
+        "the expired message is never delivered"
+    );
+    let stats = b
+        .broker
+        .topic(&TopicName::try_from("ttl").expect("valid"))
+        .expect("known")
+        .stats()
+        .snapshot();
+    assert_eq!(stats.expired(Priority::DEFAULT), 1);
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_flushes_queued_deliveries() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let mut sub = client.subscribe("flush").await.expect("subscribe");
+    let batch = (0..500).map(|i| ("flush", Bytes::from(i.to_string())));
+    client
+        .publish_batch(batch, &confirm())
+        .await
+        .expect("batch");
+    b.stop().await.expect("clean shutdown");
+    let mut n = 0;
+    while let Some(Ok(m)) = within("flushed messages", sub.next()).await {
+        assert_eq!(m.body().as_ref(), n.to_string().as_bytes());
+        n += 1;
+    }
+    assert_eq!(
+        n, 500,
+        "every queued delivery was flushed before the connection closed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_connections_publish_and_subscribe() {
+    let b = TestBroker::start().await;
+    const N: usize = 200;
+    let mut clients = Vec::new();
+    for _ in 0..N {
+        clients.push(b.client().await);
+    }
+    let mut subs = Vec::new();
+    for (i, c) in clients.iter().enumerate() {
+        subs.push(c.subscribe(&format!("load/{i}")).await.expect("subscribe"));
+    }
+    let mut tasks = Vec::new();
+    for (i, c) in clients.iter().enumerate() {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            for k in 0..5 {
+                c.publish_with(
+                    &format!("load/{}", (i + 1) % N),
+                    format!("{i}:{k}"),
+                    &confirm(),
+                )
+                .await
+                .expect("publish");
+            }
+        }));
+    }
+    for t in tasks {
+        within("publishers", t).await.expect("publisher task");
+    }
+    for (i, sub) in subs.iter_mut().enumerate() {
+        let from = (i + N - 1) % N;
+        for k in 0..5 {
+            assert_eq!(
+                next(sub).await.body().as_ref(),
+                format!("{from}:{k}").as_bytes()
+            );
+        }
+    }
+    assert_eq!(b.broker.subscriber_count(), N);
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_subscription_unsubscribes() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let sub = client.subscribe("gone").await.expect("subscribe");
+    assert_eq!(b.broker.subscriber_count(), 1);
+    drop(sub);
+    until("the broker to drop the subscription", || {
+        b.broker.subscriber_count() == 0
+    })
+    .await;
+    let policy = SubscribeOptions {
+        overflow: Some(OverflowPolicy::DropNewest),
+        ..SubscribeOptions::default()
+    };
+    let sub = client
+        .subscribe_with("gone", &policy)
+        .await
+        .expect("subscribe");
+    sub.unsubscribe().await.expect("unsubscribe");
+    until("the broker to drop the subscription", || {
+        b.broker.subscriber_count() == 0
+    })
+    .await;
+    b.stop().await.expect("clean shutdown");
+}
