@@ -13,6 +13,8 @@ pub struct ServerStats {
     pub connections_total: AtomicU64,
     pub connections_refused: AtomicU64,
     pub handshakes_failed: AtomicU64,
+    /// Delivery streams reset because a slow consumer blocked them (disconnect policy).
+    pub slow_consumer_resets: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
     /// Frames rejected, by reason label (`bad_magic`, `frame_too_large`, …).

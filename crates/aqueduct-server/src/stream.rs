@@ -415,6 +415,20 @@ fn fill(out: &StreamOut, shared: &Shared, buf: &mut BytesMut, budget: usize) {
     }
 }
 
+/// Completes when a subscription on this stream has been closed as a slow consumer.
+async fn slow_consumer_closed(out: &StreamOut) {
+    loop {
+        let notified = out.notify.notified();
+        let slow = lock(&out.subs)
+            .iter()
+            .any(|s| s.is_closed() && s.close_reason() == Some(CloseReason::SlowConsumer));
+        if slow {
+            return;
+        }
+        notified.await;
+    }
+}
+
 fn has_subs(out: &StreamOut) -> bool {
     !lock(&out.subs).is_empty()
 }
@@ -452,7 +466,20 @@ async fn write_loop(
                 fill(&out, &shared, &mut buf, batch);
             }
         }
-        if let Err(e) = send.write_all(&buf).await {
+        // A subscriber that stops reading blocks this write on flow control; if the core then
+        // closes it (disconnect policy) the ERROR frame could never get through, so the stream is
+        // reset with the SLOW_CONSUMER code instead.
+        let written = tokio::select! {
+            r = send.write_all(&buf) => r,
+            _ = slow_consumer_closed(&out) => {
+                warn!("slow consumer: resetting its blocked delivery stream");
+                shared.stats.slow_consumer_resets.fetch_add(1, Ordering::Relaxed);
+                let _ = send.reset(ErrorCode::SLOW_CONSUMER.0.into());
+                out.abort();
+                return;
+            }
+        };
+        if let Err(e) = written {
             debug!("stream write ended: {e}");
             out.abort();
             return;

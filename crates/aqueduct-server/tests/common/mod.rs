@@ -179,6 +179,21 @@ impl RawStream {
         self.write(&frame.to_bytes()).await;
     }
 
+    /// Read until the broker resets the stream; its reset code (`None` if it finished instead).
+    pub async fn reset_code(&mut self) -> Option<u64> {
+        within("the stream to end", async {
+            loop {
+                match self.recv.read_chunk(64 * 1024, true).await {
+                    Ok(Some(_)) => {}
+                    Ok(None) => return None,
+                    Err(quinn::ReadError::Reset(code)) => return Some(code.into_inner()),
+                    Err(_) => return None,
+                }
+            }
+        })
+        .await
+    }
+
     /// The next frame from the broker, `None` when the broker finished the stream.
     pub async fn read_frame(&mut self) -> Option<Frame> {
         within("a frame from the broker", async {

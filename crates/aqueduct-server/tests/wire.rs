@@ -1,0 +1,275 @@
+//! End to end with hand-made frames: the seed's legacy frames, every malformed-input case (ERROR
+//! and the connection keeps serving), and backpressure with a subscriber that stops reading.
+
+mod common;
+
+use aqueduct_client::{ErrorCode, PublishOptions};
+use aqueduct_core::DropReason;
+use aqueduct_proto::frame::Message;
+use aqueduct_proto::header::write_header;
+use aqueduct_proto::{Frame, OverflowPolicy, Publish, TopicName};
+use bytes::Bytes;
+use common::*;
+
+fn error_code(frame: &Frame) -> ErrorCode {
+    match &frame.message {
+        Message::Error(e) => e.code,
+        other => panic!("expected an ERROR, got {other:?}"),
+    }
+}
+
+fn raw_frame(command: u8, stream_id: u32, data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    write_header(&mut out, command, stream_id, data.len() as u32);
+    out.extend_from_slice(data);
+    out
+}
+
+fn confirmed_publish(stream_id: u32, topic: &str, body: &str) -> Frame {
+    Frame::new(
+        stream_id,
+        Message::Publish(
+            Publish::new(
+                TopicName::try_from(topic).expect("valid"),
+                Bytes::from(body.to_string()),
+            )
+            .with_confirm(),
+        ),
+    )
+}
+
+async fn expect_confirm(s: &mut RawStream, stream_id: u32) -> Vec<u64> {
+    let frame = s.read_frame().await.expect("a reply");
+    assert_eq!(frame.stream_id, stream_id);
+    match frame.message {
+        Message::Confirm(c) => c.offsets,
+        other => panic!("expected CONFIRM, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn legacy_frames_as_the_seed_reference_client_sends_them() {
+    let b = TestBroker::start().await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    // Stream A: SUBSCRIBE "topic:orders", no extensions (exactly the seed's bytes).
+    let mut a = raw.stream().await;
+    a.write(&raw_frame(0x02, 7, b"topic:orders")).await;
+    until("the subscription to be active", || {
+        b.broker.subscriber_count() == 1
+    })
+    .await;
+    // Stream B: PUBLISH whose payload is the topic, no extensions.
+    let mut pubs = raw.stream().await;
+    pubs.write(&raw_frame(0x01, 9, b"orders")).await;
+    let frame = a
+        .read_frame()
+        .await
+        .expect("a delivery on the subscribing stream");
+    assert_eq!(
+        frame.stream_id, 7,
+        "deliveries carry the SUBSCRIBE's stream id"
+    );
+    let Message::Publish(p) = frame.message else {
+        panic!("expected PUBLISH")
+    };
+    assert_eq!(p.topic().as_str(), "orders");
+    assert_eq!(
+        p.body.as_ref(),
+        b"orders",
+        "delivered with the legacy payload"
+    );
+    // The legacy ttl and topic prefixes.
+    pubs.write(&raw_frame(0x01, 9, b"ttl:60000:topic:orders"))
+        .await;
+    let Message::Publish(p) = a.read_frame().await.expect("delivery").message else {
+        panic!("PUBLISH")
+    };
+    assert_eq!((p.topic().as_str(), p.ext.offset), ("orders", Some(1)));
+    // The seed's NACK: the bare offset, on the subscription's stream id.
+    pubs.write(&raw_frame(0x05, 7, &5u64.to_le_bytes())).await;
+    let err = pubs.read_frame().await.expect("refusal");
+    assert_eq!(err.stream_id, 7);
+    assert_eq!(error_code(&err), ErrorCode::NOT_IN_FLIGHT);
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_input_gets_an_error_and_the_connection_keeps_serving() {
+    let b = TestBroker::start().await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+
+    // Frame-level problems on one stream: each is answered, the stream goes on.
+    let mut s = raw.stream().await;
+    let cases: Vec<(Vec<u8>, ErrorCode)> = vec![
+        (raw_frame(0x3F, 11, b"abc"), ErrorCode::UNKNOWN_OPCODE),
+        // HasExtensions with ext_len 5 but only 2 bytes of block.
+        (
+            raw_frame(0x41, 12, &[5, 0, 0x03, 1]),
+            ErrorCode::BAD_EXTENSION,
+        ),
+        // Priority extension out of range.
+        (
+            raw_frame(0x41, 13, &[3, 0, 0x03, 1, 9, b'x']),
+            ErrorCode::BAD_EXTENSION,
+        ),
+        // Topic with a wildcard, and a topic with ':'.
+        (
+            raw_frame(0x41, 14, &[4, 0, 0x04, 2, b'a', b'#']),
+            ErrorCode::INVALID_TOPIC,
+        ),
+        (raw_frame(0x01, 15, b"a:b"), ErrorCode::INVALID_TOPIC),
+        (raw_frame(0x02, 16, b"orders"), ErrorCode::BAD_SUBSCRIBE),
+        (
+            raw_frame(0x02, 17, b"topic:a:group"),
+            ErrorCode::BAD_SUBSCRIBE,
+        ),
+        (
+            raw_frame(0x03, 18, b"topic:never"),
+            ErrorCode::NOT_SUBSCRIBED,
+        ),
+        (raw_frame(0x06, 19, &[1, 2, 3]), ErrorCode::BAD_PAYLOAD),
+        (
+            raw_frame(0x06, 20, &7u64.to_le_bytes()),
+            ErrorCode::NOT_SUBSCRIBED,
+        ),
+        (
+            raw_frame(0x04, 21, &raw_frame(0x02, 0, b"topic:x")),
+            ErrorCode::BAD_BATCH,
+        ),
+        (raw_frame(0x08, 22, &[1, 0]), ErrorCode::UNSUPPORTED),
+    ];
+    for (bytes, want) in &cases {
+        s.write(bytes).await;
+        let reply = s.read_frame().await.expect("an ERROR");
+        assert_eq!(error_code(&reply), *want, "for frame {bytes:02x?}");
+        assert_eq!(
+            reply.stream_id,
+            u32::from_le_bytes([bytes[2], bytes[3], bytes[4], bytes[5]])
+        );
+    }
+    // The same stream still works.
+    s.write_frame(&confirmed_publish(30, "ok", "1")).await;
+    assert_eq!(expect_confirm(&mut s, 30).await, vec![0]);
+
+    // A frame above transport.max_buf_size (65536): ERROR, then the stream is closed.
+    let mut big = raw.stream().await;
+    let mut header = Vec::new();
+    write_header(&mut header, 0x01, 40, 70_000);
+    big.write(&header).await;
+    let reply = big.read_frame().await.expect("an ERROR");
+    assert_eq!(error_code(&reply), ErrorCode::FRAME_TOO_LARGE);
+    assert!(
+        big.read_frame().await.is_none(),
+        "stream closed after a lost frame boundary"
+    );
+
+    // Wrong magic: same.
+    let mut bad = raw.stream().await;
+    bad.write(&[0x20, 0x01, 0, 0, 0, 0, 0, 0, 0, 0]).await;
+    assert_eq!(
+        error_code(&bad.read_frame().await.expect("ERROR")),
+        ErrorCode::BAD_MAGIC
+    );
+    assert!(bad.read_frame().await.is_none());
+
+    // The connection still serves new streams.
+    let mut fresh = raw.stream().await;
+    fresh.write_frame(&confirmed_publish(50, "ok", "2")).await;
+    assert_eq!(expect_confirm(&mut fresh, 50).await, vec![1]);
+    let rejected = b.stats.rejected_frames();
+    assert_eq!(rejected.get("bad_magic"), Some(&1));
+    assert_eq!(rejected.get("frame_too_large"), Some(&1));
+    assert!(b
+        .stats
+        .errors_sent()
+        .get(&ErrorCode::BAD_EXTENSION.0)
+        .is_some_and(|n| *n >= 2));
+    b.stop().await.expect("clean shutdown");
+}
+
+/// A subscriber that never reads (tiny receive window) and a normal one on the same topic.
+async fn backpressure(policy: OverflowPolicy) -> (TestBroker, u64, Raw, RawStream) {
+    let b = TestBroker::start_with(|c| {
+        c.broker.queue_size = 32;
+        c.broker.backpressure_policy = policy;
+    })
+    .await;
+    let stalled = Raw::connect(&b, 4096).await;
+    let mut s = stalled.stream().await;
+    s.write(&raw_frame(0x02, 1, b"topic:bp")).await;
+    until("the stalled subscription", || {
+        b.broker.subscriber_count() == 1
+    })
+    .await;
+    let normal_client = b.client().await;
+    let mut normal = normal_client.subscribe("bp").await.expect("subscribe");
+    let publisher = b.client().await;
+    let confirm = PublishOptions {
+        confirm: true,
+        ..PublishOptions::default()
+    };
+    const N: u64 = 400;
+    let body = "x".repeat(200);
+    for i in 0..N {
+        publisher
+            .publish_with("bp", body.clone(), &confirm)
+            .await
+            .expect("publish");
+        // The normal subscriber keeps up and receives everything, in order.
+        assert_eq!(next(&mut normal).await.offset(), i);
+    }
+    let stats = b
+        .broker
+        .topic(&TopicName::try_from("bp").expect("valid"))
+        .expect("known")
+        .stats()
+        .snapshot();
+    (b, stats.dropped(DropReason::Policy(policy)), stalled, s)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drop_oldest_with_a_stalled_subscriber() {
+    let (b, dropped, _raw, _stream) = backpressure(OverflowPolicy::DropOldest).await;
+    assert!(
+        dropped > 300,
+        "the stalled subscriber's overflow is dropped and counted: {dropped}"
+    );
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drop_newest_with_a_stalled_subscriber() {
+    let (b, dropped, _raw, _stream) = backpressure(OverflowPolicy::DropNewest).await;
+    assert!(
+        dropped > 300,
+        "the stalled subscriber's overflow is dropped and counted: {dropped}"
+    );
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnect_closes_the_stalled_subscriber() {
+    let (b, dropped, _raw, mut stream) = backpressure(OverflowPolicy::Disconnect).await;
+    assert!(
+        dropped >= 33,
+        "the queue and the overflowing message are counted: {dropped}"
+    );
+    assert_eq!(
+        b.broker.subscriber_count(),
+        1,
+        "only the normal subscriber is left"
+    );
+    // Its stream was blocked on flow control, so it is reset with the SLOW_CONSUMER code.
+    until("the slow-consumer reset", || {
+        b.stats
+            .slow_consumer_resets
+            .load(std::sync::atomic::Ordering::Relaxed)
+            == 1
+    })
+    .await;
+    assert_eq!(
+        stream.reset_code().await,
+        Some(u64::from(ErrorCode::SLOW_CONSUMER.0))
+    );
+    b.stop().await.expect("clean shutdown");
+}
