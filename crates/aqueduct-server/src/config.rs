@@ -186,7 +186,7 @@ impl Default for RawConfig {
 }
 
 /// Every scalar key, as `section.key`; `AQUEDUCT_<SECTION>_<KEY>` maps to it.
-const ENV_KEYS: &[&str] = &[
+pub const ENV_KEYS: &[&str] = &[
     "listen_addr",
     "metrics_addr",
     "tls.generate",
@@ -320,8 +320,10 @@ impl Config {
     /// A configuration for tests: loopback, port 0 (any free port), a generated certificate kept
     /// in `dev_cert_file`.
     pub fn for_tests(dev_cert_file: PathBuf) -> Config {
-        let mut c = Config::default();
-        c.listen_addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
+        let mut c = Config {
+            listen_addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            ..Config::default()
+        };
         c.tls.dev_cert_file = dev_cert_file;
         c
     }
