@@ -90,6 +90,25 @@ enum Command {
         #[arg(long)]
         overflow: Option<OverflowPolicy>,
     },
+    /// Measure throughput: one publisher sends MESSAGES messages in batches to SUBSCRIBERS
+    /// subscribers on a fresh topic; reports publish and delivered rates and losses.
+    Bench {
+        /// Messages to publish.
+        #[arg(long, default_value_t = 1_000_000)]
+        messages: u64,
+        /// Payload bytes per message.
+        #[arg(long, default_value_t = 128)]
+        payload_size: usize,
+        /// Messages per PUBLISH_BATCH frame (1 = single PUBLISH frames).
+        #[arg(long, default_value_t = 100)]
+        batch: usize,
+        /// Subscribers (each on its own connection).
+        #[arg(long, default_value_t = 1)]
+        subscribers: usize,
+        /// Give up waiting for deliveries after this long without progress.
+        #[arg(long, default_value = "5s", value_parser = humantime_duration)]
+        idle: Duration,
+    },
 }
 
 fn humantime_duration(s: &str) -> Result<Duration, String> {
@@ -237,6 +256,104 @@ async fn run(cli: Cli) -> Result<()> {
                 }
             }
         }
+        Command::Bench {
+            messages,
+            payload_size,
+            batch,
+            subscribers,
+            idle,
+        } => bench(&cli, &client, *messages, *payload_size, (*batch).max(1), *subscribers, *idle).await?,
+    }
+    Ok(())
+}
+
+/// One publisher → N subscribers on a fresh topic.
+async fn bench(
+    cli: &Cli,
+    publisher: &Client,
+    messages: u64,
+    size: usize,
+    batch: usize,
+    subscribers: usize,
+    idle: Duration,
+) -> Result<()> {
+    use std::time::Instant;
+    let topic = format!("bench/{}", std::process::id());
+    let mut tasks = Vec::new();
+    let start = std::sync::Arc::new(tokio::sync::OnceCell::<Instant>::new());
+    for _ in 0..subscribers {
+        let client = connect(cli).await?;
+        let mut sub = client.subscribe(&topic).await?;
+        let start = start.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut received = 0u64;
+            let mut last = Instant::now();
+            // A timer per message would cost more than the message: re-arm it every 4096.
+            let idle_timer = tokio::time::sleep(idle);
+            tokio::pin!(idle_timer);
+            while received < messages {
+                tokio::select! {
+                    biased;
+                    item = sub.next() => match item {
+                        Some(Ok(_)) => {
+                            received += 1;
+                            if received % 4096 == 0 || received == messages {
+                                last = Instant::now();
+                                idle_timer.as_mut().reset(tokio::time::Instant::now() + idle);
+                            }
+                        }
+                        _ => break,
+                    },
+                    _ = &mut idle_timer => break,
+                }
+            }
+            let elapsed = start.get().map(|s| last.duration_since(*s)).unwrap_or_default();
+            drop(client);
+            (received, elapsed)
+        }));
+    }
+    let body = Bytes::from(vec![0xA5u8; size]);
+    let begin = Instant::now();
+    let _ = start.set(begin);
+    let mut sent = 0u64;
+    let opts = PublishOptions::default();
+    while sent < messages {
+        let n = (messages - sent).min(batch as u64);
+        if batch == 1 {
+            publisher.publish_with(&topic, body.clone(), &opts).await?;
+        } else {
+            let items = (0..n).map(|_| (topic.as_str(), body.clone()));
+            publisher.publish_batch(items, &opts).await?;
+        }
+        sent += n;
+    }
+    publisher.flush().await?;
+    let publish_secs = begin.elapsed().as_secs_f64();
+    let mut total = 0u64;
+    let mut slowest = Duration::ZERO;
+    let mut per_sub = Vec::new();
+    for t in tasks {
+        let (received, elapsed) = t.await?;
+        total += received;
+        slowest = slowest.max(elapsed);
+        per_sub.push(received as f64 / elapsed.as_secs_f64().max(1e-9));
+    }
+    let lost = messages * subscribers as u64 - total;
+    let aggregate = total as f64 / slowest.as_secs_f64().max(1e-9);
+    println!("messages {messages} x {size} B, batch {batch}, subscribers {subscribers}");
+    println!("publish   {:>12.0} msg/s  {:>8.1} MB/s", messages as f64 / publish_secs, messages as f64 * size as f64 / publish_secs / 1e6);
+    for (i, rate) in per_sub.iter().enumerate() {
+        println!("sub {i:<5} {rate:>12.0} msg/s");
+    }
+    println!("delivered {aggregate:>12.0} msg/s  {:>8.1} MB/s (aggregate)", aggregate * size as f64 / 1e6);
+    println!("lost      {lost}");
+    println!(
+        "RESULT {{\"pub_msgs_per_s\":{:.0},\"agg_delivered_msgs_per_s\":{aggregate:.0},\"sub_min_msgs_per_s\":{:.0},\"lost_total\":{lost}}}",
+        messages as f64 / publish_secs,
+        per_sub.iter().copied().fold(f64::INFINITY, f64::min)
+    );
+    if lost > 0 {
+        bail!("{lost} message(s) were not delivered: the run is not a success (see the broker's drop counters)");
     }
     Ok(())
 }
