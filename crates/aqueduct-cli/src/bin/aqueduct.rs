@@ -262,7 +262,18 @@ async fn run(cli: Cli) -> Result<()> {
             batch,
             subscribers,
             idle,
-        } => bench(&cli, &client, *messages, *payload_size, (*batch).max(1), *subscribers, *idle).await?,
+        } => {
+            bench(
+                &cli,
+                &client,
+                *messages,
+                *payload_size,
+                (*batch).max(1),
+                *subscribers,
+                *idle,
+            )
+            .await?
+        }
     }
     Ok(())
 }
@@ -307,7 +318,10 @@ async fn bench(
                     _ = &mut idle_timer => break,
                 }
             }
-            let elapsed = start.get().map(|s| last.duration_since(*s)).unwrap_or_default();
+            let elapsed = start
+                .get()
+                .map(|s| last.duration_since(*s))
+                .unwrap_or_default();
             drop(client);
             (received, elapsed)
         }));
@@ -341,11 +355,18 @@ async fn bench(
     let lost = messages * subscribers as u64 - total;
     let aggregate = total as f64 / slowest.as_secs_f64().max(1e-9);
     println!("messages {messages} x {size} B, batch {batch}, subscribers {subscribers}");
-    println!("publish   {:>12.0} msg/s  {:>8.1} MB/s", messages as f64 / publish_secs, messages as f64 * size as f64 / publish_secs / 1e6);
+    println!(
+        "publish   {:>12.0} msg/s  {:>8.1} MB/s",
+        messages as f64 / publish_secs,
+        messages as f64 * size as f64 / publish_secs / 1e6
+    );
     for (i, rate) in per_sub.iter().enumerate() {
         println!("sub {i:<5} {rate:>12.0} msg/s");
     }
-    println!("delivered {aggregate:>12.0} msg/s  {:>8.1} MB/s (aggregate)", aggregate * size as f64 / 1e6);
+    println!(
+        "delivered {aggregate:>12.0} msg/s  {:>8.1} MB/s (aggregate)",
+        aggregate * size as f64 / 1e6
+    );
     println!("lost      {lost}");
     println!(
         "RESULT {{\"pub_msgs_per_s\":{:.0},\"agg_delivered_msgs_per_s\":{aggregate:.0},\"sub_min_msgs_per_s\":{:.0},\"lost_total\":{lost}}}",

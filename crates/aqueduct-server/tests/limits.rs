@@ -1,0 +1,127 @@
+//! Connection-level limits and 0-RTT.
+
+mod common;
+
+use std::sync::Arc;
+
+use aqueduct_client::{Client, PublishOptions};
+use aqueduct_proto::frame::Message;
+use aqueduct_proto::{Frame, Publish, TopicName};
+use bytes::Bytes;
+use common::*;
+use rustls_pki_types::pem::PemObject;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_cap_are_refused() {
+    let b = TestBroker::start_with(|c| c.transport.max_connections = 2).await;
+    let first = b.client().await;
+    let _second = b.client().await;
+    let third = Client::connect(b.options()).await;
+    assert!(third.is_err(), "a third connection must be refused");
+    assert_eq!(
+        b.stats
+            .connections_refused
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    // The admitted ones are unaffected.
+    let confirm = PublishOptions {
+        confirm: true,
+        ..PublishOptions::default()
+    };
+    first
+        .publish_with("t", "x", &confirm)
+        .await
+        .expect("still served");
+    b.stop().await.expect("clean shutdown");
+}
+
+fn zero_rtt_client(b: &TestBroker) -> quinn::Endpoint {
+    let pem = std::fs::read(&b.dev_cert).expect("dev cert");
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pki_types::CertificateDer::pem_slice_iter(&pem) {
+        roots.add(cert.expect("pem")).expect("root");
+    }
+    let mut crypto = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS13])
+    .expect("tls13")
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    crypto.alpn_protocols = vec![b"aqueduct-v1".to_vec()];
+    crypto.enable_early_data = true;
+    let config = quinn::ClientConfig::new(Arc::new(
+        quinn::crypto::rustls::QuicClientConfig::try_from(crypto).expect("quic crypto"),
+    ));
+    let mut endpoint =
+        quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("endpoint");
+    endpoint.set_default_client_config(config);
+    endpoint
+}
+
+/// A returning client publishes in its first flight (0-RTT). The broker takes it, but applies the
+/// PUBLISH only once the handshake is confirmed; the publish then succeeds normally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_rtt_publish_is_applied_after_the_handshake() {
+    let b = TestBroker::start().await;
+    let endpoint = zero_rtt_client(&b);
+    // First connection: full handshake, receives a session ticket.
+    let conn = within(
+        "first connect",
+        endpoint.connect(b.addr, "localhost").expect("connect"),
+    )
+    .await
+    .expect("handshake");
+    let (mut send, mut recv) = conn.open_bi().await.expect("stream");
+    let probe = Frame::new(
+        1,
+        Message::Publish(
+            Publish::new(
+                TopicName::try_from("zr").expect("valid"),
+                Bytes::from_static(b"a"),
+            )
+            .with_confirm(),
+        ),
+    );
+    send.write_all(&probe.to_bytes()).await.expect("write");
+    let mut buf = vec![0u8; 18];
+    within("confirm", recv.read_exact(&mut buf))
+        .await
+        .expect("confirm");
+    conn.close(0u32.into(), b"bye");
+    // Second connection: 0-RTT.
+    let connecting = endpoint.connect(b.addr, "localhost").expect("connect");
+    let (conn, accepted) = connecting
+        .into_0rtt()
+        .unwrap_or_else(|_| panic!("0-RTT should be offered with a ticket"));
+    let (mut send, mut recv) = conn.open_bi().await.expect("stream");
+    let frame = Frame::new(
+        2,
+        Message::Publish(
+            Publish::new(
+                TopicName::try_from("zr").expect("valid"),
+                Bytes::from_static(b"b"),
+            )
+            .with_confirm(),
+        ),
+    );
+    send.write_all(&frame.to_bytes())
+        .await
+        .expect("write in 0-RTT");
+    let mut buf = vec![0u8; 18];
+    within("confirm", recv.read_exact(&mut buf))
+        .await
+        .expect("confirm");
+    assert_eq!(&buf[..2], &[0x1F, 0x07], "a CONFIRM");
+    assert_eq!(
+        u64::from_le_bytes(buf[10..18].try_into().expect("8 bytes")),
+        1,
+        "offset 1 of zr"
+    );
+    assert!(
+        within("0-RTT verdict", accepted).await,
+        "the broker accepted 0-RTT"
+    );
+    b.stop().await.expect("clean shutdown");
+}
