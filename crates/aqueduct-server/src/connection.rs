@@ -113,16 +113,16 @@ pub(crate) async fn handle(
 ) {
     let _live = LiveGuard(shared.clone());
     let remote = incoming.remote_address();
+    let failed = |why: String| {
+        debug!(%remote, "handshake failed: {why}");
+        shared
+            .stats
+            .handshakes_failed
+            .fetch_add(1, Ordering::Relaxed);
+    };
     let connecting = match incoming.accept() {
         Ok(c) => c,
-        Err(e) => {
-            debug!(%remote, "connection refused during accept: {e}");
-            shared
-                .stats
-                .handshakes_failed
-                .fetch_add(1, Ordering::Relaxed);
-            return;
-        }
+        Err(e) => return failed(e.to_string()),
     };
     let handshake_timeout = shared.config.transport.handshake_timeout;
     let state = Arc::new(ConnState {
@@ -132,24 +132,25 @@ pub(crate) async fn handle(
         confirmed: AtomicBool::new(false),
         confirmed_notify: Notify::new(),
     });
-    // With mTLS the client is unknown until the handshake completes: no early data then.
-    let early = !shared.config.tls.require_client_cert;
     let conn = match connecting.into_0rtt() {
-        Ok((conn, accepted)) if early => {
+        // With mTLS the client is unknown until the handshake completes: no early data then.
+        Ok((conn, accepted)) if !shared.config.tls.require_client_cert => {
+            // Early data is read now; the stream readers hold back what is unsafe to replay
+            // until `confirm` runs.
             let (state, conn2, shared2) = (state.clone(), conn.clone(), shared.clone());
             tokio::spawn(async move {
-                match tokio::time::timeout(handshake_timeout, accepted).await {
-                    Ok(_) => {
-                        identify(&conn2, &state);
-                        state.confirm();
-                    }
-                    Err(_) => {
-                        shared2
-                            .stats
-                            .handshakes_failed
-                            .fetch_add(1, Ordering::Relaxed);
-                        conn2.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
-                    }
+                if tokio::time::timeout(handshake_timeout, accepted)
+                    .await
+                    .is_ok()
+                {
+                    identify(&conn2, &state);
+                    state.confirm();
+                } else {
+                    shared2
+                        .stats
+                        .handshakes_failed
+                        .fetch_add(1, Ordering::Relaxed);
+                    conn2.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
                 }
             });
             conn
@@ -159,12 +160,8 @@ pub(crate) async fn handle(
                 .await
                 .is_err()
             {
-                shared
-                    .stats
-                    .handshakes_failed
-                    .fetch_add(1, Ordering::Relaxed);
                 conn.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
-                return;
+                return failed("timed out".into());
             }
             identify(&conn, &state);
             state.confirm();
@@ -176,22 +173,8 @@ pub(crate) async fn handle(
                 state.confirm();
                 conn
             }
-            Ok(Err(e)) => {
-                debug!(%remote, "handshake failed: {e}");
-                shared
-                    .stats
-                    .handshakes_failed
-                    .fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-            Err(_) => {
-                debug!(%remote, "handshake timed out");
-                shared
-                    .stats
-                    .handshakes_failed
-                    .fetch_add(1, Ordering::Relaxed);
-                return;
-            }
+            Ok(Err(e)) => return failed(e.to_string()),
+            Err(_) => return failed("timed out".into()),
         },
     };
     shared

@@ -308,7 +308,7 @@ async fn bench(
                     item = sub.next() => match item {
                         Some(Ok(_)) => {
                             received += 1;
-                            if received % 4096 == 0 || received == messages {
+                            if received.is_multiple_of(4096) || received == messages {
                                 last = Instant::now();
                                 idle_timer.as_mut().reset(tokio::time::Instant::now() + idle);
                             }
