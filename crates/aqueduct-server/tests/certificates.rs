@@ -1,0 +1,100 @@
+//! The broker with certificate files (`tls.cert_file` / `tls.key_file`), and the client's trust
+//! modes: a CA file, a pinned fingerprint (right and wrong), and the refusal to use the dev
+//! certificate for a non-local name.
+
+mod common;
+
+use aqueduct_client::{Client, ConnectOptions, PublishOptions};
+use common::*;
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificate_files_ca_trust_and_pinning() {
+    let dir = tempfile::tempdir().expect("dir");
+    let ca_key = KeyPair::generate().expect("key");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "Aqueduct test CA");
+    let ca = ca_params.self_signed(&ca_key).expect("ca");
+    let issuer = Issuer::new(ca_params, ca_key);
+    let broker_key = KeyPair::generate().expect("key");
+    let broker_cert =
+        CertificateParams::new(vec!["broker.test".to_string(), "127.0.0.1".to_string()])
+            .expect("params")
+            .signed_by(&broker_key, &issuer)
+            .expect("signed");
+    let (ca_file, cert_file, key_file) = (
+        dir.path().join("ca.pem"),
+        dir.path().join("broker.pem"),
+        dir.path().join("broker.key"),
+    );
+    std::fs::write(&ca_file, ca.pem()).expect("write");
+    std::fs::write(&cert_file, broker_cert.pem()).expect("write");
+    std::fs::write(&key_file, broker_key.serialize_pem()).expect("write");
+
+    let b = TestBroker::start_with(|c| {
+        c.tls.generate = false;
+        c.tls.cert_file = Some(cert_file.clone());
+        c.tls.key_file = Some(key_file.clone());
+    })
+    .await;
+    let confirm = PublishOptions {
+        confirm: true,
+        ..PublishOptions::default()
+    };
+    let addr = b.addr.to_string();
+
+    // CA file, verifying the name in the certificate.
+    let client = within(
+        "connect",
+        Client::connect(
+            ConnectOptions::new(&addr)
+                .server_name("broker.test")
+                .ca_file(&ca_file),
+        ),
+    )
+    .await
+    .expect("verified by the CA");
+    client
+        .publish_with("t", "x", &confirm)
+        .await
+        .expect("served");
+
+    // The wrong name is refused even with the right CA.
+    let wrong_name = Client::connect(
+        ConnectOptions::new(&addr)
+            .server_name("other.test")
+            .ca_file(&ca_file),
+    )
+    .await;
+    assert!(wrong_name.is_err());
+
+    // A pinned fingerprint: the right one connects, any other is refused.
+    let digest = ring::digest::digest(&ring::digest::SHA256, broker_cert.der());
+    let mut pin = [0u8; 32];
+    pin.copy_from_slice(digest.as_ref());
+    let pinned = within(
+        "connect",
+        Client::connect(ConnectOptions::new(&addr).pin_sha256(pin)),
+    )
+    .await
+    .expect("pinned certificate accepted");
+    pinned
+        .publish_with("t", "y", &confirm)
+        .await
+        .expect("served");
+    pin[0] ^= 0xFF;
+    assert!(Client::connect(ConnectOptions::new(&addr).pin_sha256(pin))
+        .await
+        .is_err());
+
+    // No dev certificate was generated, and the default trust finds none.
+    assert!(
+        Client::connect(ConnectOptions::new(&addr).dev_cert_file(dir.path().join("none.pem")))
+            .await
+            .is_err()
+    );
+    b.stop().await.expect("clean shutdown");
+}
