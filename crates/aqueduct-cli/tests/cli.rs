@@ -77,7 +77,14 @@ fn configuration_errors_stop_startup_naming_the_key() {
 #[allow(clippy::zombie_processes)]
 fn start_broker(home: &std::path::Path) -> (Child, String, mpsc::Receiver<String>) {
     let mut child = Command::new(BROKER)
-        .args(["--addr", "127.0.0.1:0", "--log", "info"])
+        .args([
+            "--addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--log",
+            "info",
+        ])
         .env("AQUEDUCT_HOME", home)
         .env("NO_COLOR", "1")
         .stderr(Stdio::piped())

@@ -31,6 +31,7 @@ use foldhash::fast::RandomState;
 use crate::config::BrokerConfig;
 use crate::group::{GroupShared, RoundRobin};
 use crate::index::SubscriptionIndex;
+use crate::latency::{LatencyHistogram, LatencySnapshot};
 use crate::subscriber::{
     CloseReason, Delivery, Drained, Refused, SettleError, Subscriber, SubscriberId, SubscriberInit,
     Waker,
@@ -181,6 +182,10 @@ pub struct Broker {
     routes: RwLock<Routes>,
     topics: RwLock<HashMap<TopicName, Arc<TopicState>, RandomState>>,
     next_id: AtomicU64,
+    /// Publish → write latency of every delivery.
+    latency: LatencyHistogram,
+    /// Subscriptions closed by the disconnect policy.
+    slow_consumers: AtomicU64,
 }
 
 /// The dead-letter topic of `topic`: `__dlq__<topic>`, cut at a character boundary to 255 bytes.
@@ -359,6 +364,27 @@ impl Broker {
         self.read_routes().subscribers.values().cloned().collect()
     }
 
+    /// Publish → delivery latency of every delivery written so far.
+    pub fn latency(&self) -> LatencySnapshot {
+        self.latency.snapshot()
+    }
+
+    /// Subscriptions closed so far by the disconnect policy.
+    pub fn slow_consumers_disconnected(&self) -> u64 {
+        self.slow_consumers.load(Relaxed)
+    }
+
+    /// Every consumer group that has at least one member.
+    pub fn groups(&self) -> Vec<Arc<GroupShared>> {
+        let mut groups = Vec::new();
+        self.read_routes().index.for_each(|r| {
+            if let Route::Group(g) = r {
+                groups.push(g.shared.clone());
+            }
+        });
+        groups
+    }
+
     /// Number of live subscriptions.
     pub fn subscriber_count(&self) -> usize {
         self.read_routes().subscribers.len()
@@ -516,6 +542,7 @@ impl Broker {
             priority: p.priority,
             attempt: 1,
             expires_at: self.config.lifetime(p.priority, p.ttl).map(|ttl| now + ttl),
+            published_at: now,
         }
     }
 
@@ -577,6 +604,7 @@ impl Broker {
         match outcome {
             None => {}
             Some(Refused::Overflow) => {
+                self.slow_consumers.fetch_add(1, Relaxed);
                 self.remove_subscriber(ctx, sub, CloseReason::SlowConsumer, &mut refused, now)
             }
             // Closed between routing and enqueueing: a group gives them to another member.
@@ -637,6 +665,7 @@ impl Broker {
             now,
             self.config.ack_wait,
             self.config.max_in_flight,
+            &self.latency,
         )
     }
 

@@ -18,6 +18,7 @@ pub mod broker;
 pub mod config;
 pub mod group;
 pub mod index;
+pub mod latency;
 pub mod matching;
 pub mod queue;
 pub mod subscriber;
@@ -28,6 +29,7 @@ pub use broker::{
 };
 pub use config::BrokerConfig;
 pub use group::{GroupShared, RoundRobin};
+pub use latency::{LatencyHistogram, LatencySnapshot};
 pub use subscriber::{
     CloseReason, Delivery, Drained, SettleError, Subscriber, SubscriberId, Waker,
 };

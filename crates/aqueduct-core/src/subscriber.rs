@@ -18,6 +18,7 @@ use bytes::BufMut;
 use foldhash::fast::RandomState;
 
 use crate::group::GroupShared;
+use crate::latency::LatencyHistogram;
 use crate::queue::{PriorityQueues, Pushed};
 use crate::topic::{DropReason, TopicState};
 
@@ -37,6 +38,8 @@ pub struct Delivery {
     pub(crate) priority: Priority,
     pub(crate) attempt: u32,
     pub(crate) expires_at: Option<Instant>,
+    /// When the broker accepted the message (for the publish → delivery latency histogram).
+    pub(crate) published_at: Instant,
 }
 
 impl fmt::Debug for Delivery {
@@ -307,6 +310,7 @@ impl Subscriber {
         now: Instant,
         ack_wait: Duration,
         max_in_flight: usize,
+        latency: &LatencyHistogram,
     ) -> Drained {
         let mut done = Drained::default();
         // Count deliveries per run of one topic: one atomic add per run, not per message.
@@ -328,6 +332,7 @@ impl Subscriber {
                 continue;
             }
             d.shared.write_frame(out, self.stream_id, d.attempt);
+            latency.observe(now.saturating_duration_since(d.published_at));
             done.frames += 1;
             done.bytes += d.shared.frame_len();
             match &mut run {

@@ -143,6 +143,28 @@ impl Default for TransportSection {
     }
 }
 
+/// `metrics.*`
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsSection {
+    /// Distinct `topic` label values; later topics are counted under `topic="__other__"`.
+    pub max_topic_labels: u64,
+    /// Concurrent HTTP connections to the metrics endpoint.
+    pub max_connections: u64,
+    /// Time allowed for an HTTP request head to arrive.
+    pub header_timeout: String,
+}
+
+impl Default for MetricsSection {
+    fn default() -> Self {
+        MetricsSection {
+            max_topic_labels: 1000,
+            max_connections: 16,
+            header_timeout: "5s".into(),
+        }
+    }
+}
+
 /// A section for a feature that later versions implement. Its other keys are accepted (so a
 /// seed configuration loads) and ignored while it is disabled.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -162,6 +184,7 @@ pub struct RawConfig {
     pub tls: TlsSection,
     pub broker: BrokerSection,
     pub transport: TransportSection,
+    pub metrics: MetricsSection,
     /// Append-only log (persistence): later.
     pub aal: FutureSection,
     pub acl: FutureSection,
@@ -177,6 +200,7 @@ impl Default for RawConfig {
             tls: TlsSection::default(),
             broker: BrokerSection::default(),
             transport: TransportSection::default(),
+            metrics: MetricsSection::default(),
             aal: FutureSection::default(),
             acl: FutureSection::default(),
             quotas: FutureSection::default(),
@@ -213,6 +237,9 @@ pub const ENV_KEYS: &[&str] = &[
     "transport.send_window",
     "transport.socket_buffer",
     "transport.initial_mtu",
+    "metrics.max_topic_labels",
+    "metrics.max_connections",
+    "metrics.header_timeout",
     "aal.enabled",
     "acl.enabled",
     "quotas.enabled",
@@ -274,6 +301,14 @@ pub struct TransportConfig {
     pub initial_mtu: u16,
 }
 
+/// Metrics endpoint settings, typed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricsConfig {
+    pub max_topic_labels: usize,
+    pub max_connections: usize,
+    pub header_timeout: Duration,
+}
+
 /// TLS settings, typed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsConfig {
@@ -297,6 +332,7 @@ pub struct Config {
     /// Coalescing writer: or this long after the first pending frame.
     pub flush_interval: Duration,
     pub transport: TransportConfig,
+    pub metrics: MetricsConfig,
 }
 
 impl Default for Config {
@@ -322,6 +358,7 @@ impl Config {
     pub fn for_tests(dev_cert_file: PathBuf) -> Config {
         let mut c = Config {
             listen_addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            metrics_addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
             ..Config::default()
         };
         c.tls.dev_cert_file = dev_cert_file;
@@ -597,6 +634,19 @@ impl RawConfig {
             ));
         }
         let batch_size = range("broker.batch_size", b.batch_size, 1, 16 << 20)? as usize;
+        let m = &self.metrics;
+        let metrics = MetricsConfig {
+            max_topic_labels: range("metrics.max_topic_labels", m.max_topic_labels, 0, 1 << 20)?
+                as usize,
+            max_connections: range("metrics.max_connections", m.max_connections, 1, 4096)? as usize,
+            header_timeout: parse_duration("metrics.header_timeout", &m.header_timeout)?,
+        };
+        if metrics.header_timeout.is_zero() {
+            return Err(invalid(
+                "metrics.header_timeout",
+                "must be greater than zero",
+            ));
+        }
         Ok(Config {
             listen_addr: parse_addr("listen_addr", &self.listen_addr)?,
             metrics_addr: parse_addr("metrics_addr", &self.metrics_addr)?,
@@ -605,6 +655,7 @@ impl RawConfig {
             batch_size,
             flush_interval: parse_duration("broker.flush_interval", &b.flush_interval)?,
             transport,
+            metrics,
         })
     }
 }

@@ -12,6 +12,8 @@
 
 pub mod config;
 mod connection;
+mod http;
+pub mod metrics;
 mod server;
 pub mod stats;
 mod stream;

@@ -47,6 +47,7 @@ pub(crate) struct Shared {
 #[derive(Debug)]
 pub struct Server {
     endpoint: quinn::Endpoint,
+    metrics: tokio::net::TcpListener,
     shared: Arc<Shared>,
     dev_cert: Option<PathBuf>,
 }
@@ -116,9 +117,16 @@ impl Server {
             addr: config.listen_addr,
             reason: e.to_string(),
         })?;
+        let metrics = tokio::net::TcpListener::bind(config.metrics_addr)
+            .await
+            .map_err(|e| ServerError::Bind {
+                addr: config.metrics_addr,
+                reason: format!("metrics_addr: {e}"),
+            })?;
         let broker = Arc::new(Broker::new(config.broker.clone()));
         Ok(Server {
             endpoint,
+            metrics,
             shared: Arc::new(Shared {
                 config,
                 broker,
@@ -134,6 +142,13 @@ impl Server {
         self.endpoint
             .local_addr()
             .unwrap_or(self.shared.config.listen_addr)
+    }
+
+    /// The address of the metrics and health endpoint.
+    pub fn metrics_addr(&self) -> SocketAddr {
+        self.metrics
+            .local_addr()
+            .unwrap_or(self.shared.config.metrics_addr)
     }
 
     /// Where the generated development certificate was written, if one was generated.
@@ -154,7 +169,10 @@ impl Server {
     /// Serve until `shutdown` completes, then shut down gracefully.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
         let Server {
-            endpoint, shared, ..
+            endpoint,
+            metrics,
+            shared,
+            ..
         } = self;
         info!(
             addr = %endpoint.local_addr().map(|a| a.to_string()).unwrap_or_default(),
@@ -163,6 +181,15 @@ impl Server {
         );
         let (stop_tx, stop_rx) = watch::channel(false);
         let ticker = tokio::spawn(ack_ticker(shared.broker.clone(), stop_rx.clone()));
+        let http = Arc::new(crate::http::Endpoint {
+            shared: shared.clone(),
+            labels: crate::metrics::TopicLabels::default(),
+            ready: std::sync::atomic::AtomicBool::new(true),
+        });
+        info!(addr = %metrics.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics on http://ADDR/metrics, health on /healthz and /readyz");
+        // The endpoint outlives the QUIC side's shutdown, so /readyz reports it.
+        let (http_stop, http_stop_rx) = watch::channel(false);
+        let metrics_task = tokio::spawn(crate::http::serve(metrics, http.clone(), http_stop_rx));
         let mut connections = JoinSet::new();
         tokio::pin!(shutdown);
         loop {
@@ -187,6 +214,7 @@ impl Server {
             connections = shared.connections.load(Ordering::Acquire),
             "shutting down: no new connections; flushing queued deliveries"
         );
+        http.ready.store(false, Ordering::Release);
         endpoint.set_server_config(None);
         let _ = stop_tx.send(true);
         let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
@@ -199,6 +227,8 @@ impl Server {
         endpoint.close(ErrorCode::SHUTTING_DOWN.0.into(), b"broker shutting down");
         let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
         ticker.abort();
+        let _ = http_stop.send(true);
+        let _ = tokio::time::timeout(Duration::from_secs(1), metrics_task).await;
         info!("broker stopped");
         Ok(())
     }

@@ -41,6 +41,7 @@ pub async fn until(what: &str, mut cond: impl FnMut() -> bool) {
 
 pub struct TestBroker {
     pub addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
     pub dev_cert: PathBuf,
     pub broker: Arc<Broker>,
     pub stats: Arc<ServerStats>,
@@ -60,6 +61,7 @@ impl TestBroker {
         adjust(&mut config);
         let server = Server::bind(config).await.expect("broker binds");
         let addr = server.local_addr();
+        let metrics_addr = server.metrics_addr();
         let dev_cert = server
             .dev_cert_file()
             .cloned()
@@ -72,6 +74,7 @@ impl TestBroker {
         }));
         TestBroker {
             addr,
+            metrics_addr,
             dev_cert,
             broker,
             stats,

@@ -1,0 +1,14 @@
+# Multi-stage build: compile in the Rust image, run from a small Debian image as a non-root user.
+FROM rust:1.95-slim-bookworm AS build
+WORKDIR /src
+COPY . .
+RUN cargo build --release --locked -p aqueduct-cli \
+ && strip target/release/aqueduct-broker target/release/aqueduct
+
+FROM debian:bookworm-slim
+RUN useradd --system --uid 10001 --home /var/lib/aqueduct --create-home aqueduct
+COPY --from=build /src/target/release/aqueduct-broker /src/target/release/aqueduct /usr/local/bin/
+USER aqueduct
+ENV AQUEDUCT_HOME=/var/lib/aqueduct
+EXPOSE 4242/udp 9090/tcp
+ENTRYPOINT ["aqueduct-broker"]

@@ -1,0 +1,355 @@
+//! Prometheus exposition of the broker's counters, gathered at scrape time.
+//!
+//! Nothing here runs per message: the core counts into per-topic atomics it already holds
+//! (`TopicStats`), the server into `ServerStats`; a scrape walks them and renders text format
+//! 0.0.4. Topic label values are bounded: the first `metrics.max_topic_labels` topics seen by a
+//! scrape keep their own label forever, every later topic is counted under
+//! `topic="__other__"` — so a client cannot grow the metrics without bound, and every series
+//! stays monotonic.
+
+use std::collections::HashSet;
+use std::fmt::Write as _;
+use std::sync::atomic::Ordering;
+use std::sync::Mutex;
+
+use aqueduct_core::latency::BOUNDS_US;
+use aqueduct_core::{DropReason, TopicStatsSnapshot};
+use aqueduct_proto::{ErrorCode, Priority, TopicName};
+
+use crate::server::Shared;
+
+/// Label value for topics beyond the cardinality bound.
+pub const OTHER_TOPIC: &str = "__other__";
+
+/// Upper bounds for the queue-depth distribution of subscribers.
+const DEPTH_BOUNDS: [usize; 6] = [0, 10, 100, 1_000, 10_000, 100_000];
+
+/// Reads one counter out of a topic's snapshot.
+type Getter = fn(&TopicStatsSnapshot) -> u64;
+
+/// Which topics have their own label (decided once per topic, never revoked).
+#[derive(Debug, Default)]
+pub(crate) struct TopicLabels {
+    labelled: Mutex<HashSet<TopicName>>,
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+struct Out(String);
+
+impl Out {
+    fn header(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.0, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: impl std::fmt::Display) {
+        self.0.push_str(name);
+        if !labels.is_empty() {
+            self.0.push('{');
+            for (i, (k, v)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.0.push(',');
+                }
+                let _ = write!(self.0, "{k}=\"{}\"", escape(v));
+            }
+            self.0.push('}');
+        }
+        let _ = writeln!(self.0, " {value}");
+    }
+}
+
+/// Render every metric.
+pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
+    let broker = &shared.broker;
+    let max = shared.config.metrics.max_topic_labels;
+    // Per topic, with the cardinality bound applied.
+    let mut topics: Vec<_> = broker.topics();
+    topics.sort_by(|a, b| a.name().cmp(b.name()));
+    let mut named: Vec<(String, TopicStatsSnapshot)> = Vec::new();
+    let mut other = TopicStatsSnapshot::default();
+    let mut other_seen = false;
+    let labelled_set = {
+        let mut set = labels.labelled.lock().unwrap_or_else(|e| e.into_inner());
+        for t in &topics {
+            if !set.contains(t.name()) && set.len() < max {
+                set.insert(t.name().clone());
+            }
+        }
+        set.clone()
+    };
+    for t in &topics {
+        let snap = t.stats().snapshot();
+        if labelled_set.contains(t.name()) {
+            named.push((t.name().as_str().to_owned(), snap));
+        } else {
+            other_seen = true;
+            add(&mut other, &snap);
+        }
+    }
+    if other_seen {
+        named.push((OTHER_TOPIC.to_owned(), other));
+    }
+
+    let mut out = Out(String::with_capacity(16 * 1024 + named.len() * 1024));
+    let per_topic: [(&str, &str, Getter); 5] = [
+        (
+            "aqueduct_messages_published_total",
+            "Messages accepted for a topic.",
+            |s| s.published,
+        ),
+        (
+            "aqueduct_messages_delivered_total",
+            "Deliveries written to subscribers.",
+            |s| s.delivered,
+        ),
+        (
+            "aqueduct_messages_nacked_total",
+            "Deliveries rejected by a NACK.",
+            |s| s.nacked,
+        ),
+        (
+            "aqueduct_messages_redelivered_total",
+            "Redeliveries (NACK, ack timeout, member left).",
+            |s| s.redelivered,
+        ),
+        (
+            "aqueduct_messages_dead_lettered_total",
+            "Messages moved to __dlq__<topic>.",
+            |s| s.dead_lettered,
+        ),
+    ];
+    for (name, help, get) in per_topic {
+        out.header(name, "counter", help);
+        for (topic, s) in &named {
+            out.sample(name, &[("topic", topic)], get(s));
+        }
+    }
+    out.header(
+        "aqueduct_messages_expired_total",
+        "counter",
+        "Messages dropped because their TTL passed before delivery.",
+    );
+    for (topic, s) in &named {
+        for level in 0..Priority::LEVELS as u8 {
+            let p = Priority::new(level).unwrap_or_default();
+            out.sample(
+                "aqueduct_messages_expired_total",
+                &[("topic", topic), ("priority", &level.to_string())],
+                s.expired(p),
+            );
+        }
+    }
+    out.header(
+        "aqueduct_messages_dropped_total",
+        "counter",
+        "Messages dropped without delivery, by policy (drop_oldest, drop_newest, disconnect) or reason (unsubscribed, retries_exhausted).",
+    );
+    for (topic, s) in &named {
+        for reason in DropReason::ALL {
+            out.sample(
+                "aqueduct_messages_dropped_total",
+                &[("topic", topic), ("policy", reason.label())],
+                s.dropped(reason),
+            );
+        }
+    }
+
+    out.header(
+        "aqueduct_active_subscribers",
+        "gauge",
+        "Live subscriptions.",
+    );
+    let subscribers = broker.subscribers();
+    out.sample("aqueduct_active_subscribers", &[], subscribers.len());
+    out.header(
+        "aqueduct_topics",
+        "gauge",
+        "Topics published to since start.",
+    );
+    out.sample("aqueduct_topics", &[], topics.len());
+
+    out.header(
+        "aqueduct_consumer_offset",
+        "gauge",
+        "Committed offset of a consumer group per topic: every message below it is settled.",
+    );
+    let mut groups = broker.groups();
+    groups.sort_by(|a, b| a.id().cmp(b.id()));
+    for g in groups {
+        let mut offsets = g.committed_offsets();
+        offsets.sort();
+        for (topic, offset) in offsets {
+            // Offsets do not add up; topics beyond the label bound are left out.
+            if labelled_set.contains(&topic) {
+                out.sample(
+                    "aqueduct_consumer_offset",
+                    &[("consumer", g.id().as_str()), ("topic", topic.as_str())],
+                    offset,
+                );
+            }
+        }
+    }
+
+    out.header(
+        "aqueduct_slow_consumers_disconnected_total",
+        "counter",
+        "Subscriptions closed because their queue overflowed under the disconnect policy.",
+    );
+    out.sample(
+        "aqueduct_slow_consumers_disconnected_total",
+        &[],
+        broker.slow_consumers_disconnected(),
+    );
+
+    // Queue depth distribution: how many subscribers have at most N messages queued.
+    let depths: Vec<usize> = subscribers.iter().map(|s| s.queued()).collect();
+    out.header(
+        "aqueduct_subscribers_by_queue_depth",
+        "gauge",
+        "Subscribers whose queue holds at most `le` messages (a snapshot distribution).",
+    );
+    for bound in DEPTH_BOUNDS {
+        let n = depths.iter().filter(|d| **d <= bound).count();
+        out.sample(
+            "aqueduct_subscribers_by_queue_depth",
+            &[("le", &bound.to_string())],
+            n,
+        );
+    }
+    out.sample(
+        "aqueduct_subscribers_by_queue_depth",
+        &[("le", "+Inf")],
+        depths.len(),
+    );
+    out.header(
+        "aqueduct_subscriber_queue_depth_max",
+        "gauge",
+        "The deepest subscriber queue, in messages.",
+    );
+    out.sample(
+        "aqueduct_subscriber_queue_depth_max",
+        &[],
+        depths.iter().max().copied().unwrap_or(0),
+    );
+
+    let lat = broker.latency();
+    out.header(
+        "aqueduct_delivery_latency_seconds",
+        "histogram",
+        "Time from the broker accepting a message to writing it to a subscriber.",
+    );
+    for (i, bound) in BOUNDS_US.iter().enumerate() {
+        let le = format!("{}", *bound as f64 / 1e6);
+        out.sample(
+            "aqueduct_delivery_latency_seconds_bucket",
+            &[("le", &le)],
+            lat.cumulative[i],
+        );
+    }
+    out.sample(
+        "aqueduct_delivery_latency_seconds_bucket",
+        &[("le", "+Inf")],
+        lat.count,
+    );
+    out.sample(
+        "aqueduct_delivery_latency_seconds_sum",
+        &[],
+        lat.sum.as_secs_f64(),
+    );
+    out.sample("aqueduct_delivery_latency_seconds_count", &[], lat.count);
+
+    let st = &shared.stats;
+    out.header("aqueduct_connections", "gauge", "Open client connections.");
+    out.sample(
+        "aqueduct_connections",
+        &[],
+        shared.connections.load(Ordering::Acquire),
+    );
+    let counters: [(&str, &str, u64); 6] = [
+        (
+            "aqueduct_connections_total",
+            "Connections accepted since start.",
+            st.connections_total.load(Ordering::Relaxed),
+        ),
+        (
+            "aqueduct_connections_refused_total",
+            "Connections refused (transport.max_connections).",
+            st.connections_refused.load(Ordering::Relaxed),
+        ),
+        (
+            "aqueduct_handshakes_failed_total",
+            "TLS handshakes that failed or timed out.",
+            st.handshakes_failed.load(Ordering::Relaxed),
+        ),
+        (
+            "aqueduct_bytes_received_total",
+            "Bytes read from client streams.",
+            st.bytes_in.load(Ordering::Relaxed),
+        ),
+        (
+            "aqueduct_bytes_sent_total",
+            "Bytes written to client streams.",
+            st.bytes_out.load(Ordering::Relaxed),
+        ),
+        (
+            "aqueduct_slow_consumer_stream_resets_total",
+            "Delivery streams reset because a slow consumer blocked them.",
+            st.slow_consumer_resets.load(Ordering::Relaxed),
+        ),
+    ];
+    for (name, help, v) in counters {
+        out.header(name, "counter", help);
+        out.sample(name, &[], v);
+    }
+    out.header(
+        "aqueduct_frames_rejected_total",
+        "counter",
+        "Client frames rejected, by reason.",
+    );
+    for (reason, n) in st.rejected_frames() {
+        out.sample("aqueduct_frames_rejected_total", &[("reason", reason)], n);
+    }
+    out.header(
+        "aqueduct_error_frames_sent_total",
+        "counter",
+        "ERROR frames sent to clients, by code.",
+    );
+    for (code, n) in st.errors_sent() {
+        let name = ErrorCode(code).name().unwrap_or("UNKNOWN");
+        out.sample(
+            "aqueduct_error_frames_sent_total",
+            &[("code", &code.to_string()), ("name", name)],
+            n,
+        );
+    }
+    out.0
+}
+
+fn add(acc: &mut TopicStatsSnapshot, s: &TopicStatsSnapshot) {
+    acc.published += s.published;
+    acc.delivered += s.delivered;
+    acc.nacked += s.nacked;
+    acc.redelivered += s.redelivered;
+    acc.dead_lettered += s.dead_lettered;
+    for (a, b) in acc.dropped.iter_mut().zip(s.dropped) {
+        *a += b;
+    }
+    for (a, b) in acc.expired.iter_mut().zip(s.expired) {
+        *a += b;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_values_are_escaped() {
+        let mut out = Out(String::new());
+        out.sample("m", &[("topic", "a\"b\\c")], 1);
+        assert_eq!(out.0, "m{topic=\"a\\\"b\\\\c\"} 1\n");
+    }
+}

@@ -1,0 +1,338 @@
+//! The metrics and health endpoint end to end: every seed metric is exported and live, topic
+//! cardinality is bounded, health and readiness answer, hostile HTTP clients are cut off, and the
+//! deployment files (Grafana dashboard, Prometheus, docker-compose) parse and only query metrics
+//! the broker exports.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use aqueduct_client::{OverflowPolicy, PublishOptions, SubscribeOptions};
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+async fn http(addr: SocketAddr, request: &str) -> (u16, String) {
+    within("an HTTP response", async {
+        let mut s = TcpStream::connect(addr).await.expect("connect");
+        s.write_all(request.as_bytes()).await.expect("write");
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.expect("read");
+        let status = out
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = out
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        (status, body)
+    })
+    .await
+}
+
+async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    http(addr, &format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n")).await
+}
+
+/// The value of the sample with exactly this name and label set, e.g. `m{a="b"}`.
+fn value(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Every metric family name the endpoint exports (from `# TYPE` lines).
+fn families(metrics: &str) -> BTreeSet<String> {
+    metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split(' ').next())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_seed_metric_is_exported_and_live() {
+    let b = TestBroker::start_with(|c| {
+        c.broker.max_retries = 0;
+        c.broker.queue_size = 2;
+        c.broker.max_in_flight = 1;
+        c.metrics.max_topic_labels = 6;
+    })
+    .await;
+    let client = b.client().await;
+    let confirm = PublishOptions {
+        confirm: true,
+        ..PublishOptions::default()
+    };
+    // delivered + nacked + dead-lettered + (max_retries 0) no redelivery; a group for offsets.
+    let mut group = client
+        .subscribe_group("jobs", "workers")
+        .await
+        .expect("join");
+    let mut dlq = client.subscribe("__dlq__jobs").await.expect("dlq");
+    client
+        .publish_with("jobs", "a", &confirm)
+        .await
+        .expect("publish");
+    next(&mut group)
+        .await
+        .nack(Some("bad"))
+        .await
+        .expect("nack");
+    next(&mut dlq).await;
+    client
+        .publish_with("jobs", "b", &confirm)
+        .await
+        .expect("publish");
+    next(&mut group).await.ack().await.expect("ack");
+    // Redelivery: a second group member and an ack timeout are not needed; NACK with retries.
+    // Drops and expiry: an explicit-ack subscriber holding one message in flight (max_in_flight
+    // 1) with a queue of 2 per priority.
+    let opts = SubscribeOptions {
+        ack: true,
+        overflow: Some(OverflowPolicy::DropNewest),
+        ..SubscribeOptions::default()
+    };
+    let mut slow = client
+        .subscribe_with("slow", &opts)
+        .await
+        .expect("subscribe");
+    client
+        .publish_with("slow", "1", &confirm)
+        .await
+        .expect("publish");
+    let held = next(&mut slow).await;
+    let short = PublishOptions {
+        ttl: Some(Duration::from_millis(1)),
+        confirm: true,
+        ..PublishOptions::default()
+    };
+    client
+        .publish_with("slow", "expires", &short)
+        .await
+        .expect("publish");
+    for i in 0..3 {
+        client
+            .publish_with("slow", format!("q{i}"), &confirm)
+            .await
+            .expect("publish");
+    }
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    held.ack().await.expect("ack");
+    next(&mut slow).await;
+    // A scrape now gives the three topics so far their labels for good; then ten more topics:
+    // only 6 labels in total, the rest under __other__.
+    assert_eq!(get(b.metrics_addr, "/metrics").await.0, 200);
+    for i in 0..10 {
+        client
+            .publish_with(&format!("many/{i}"), "x", &confirm)
+            .await
+            .expect("publish");
+    }
+    // A rejected frame and an ERROR frame.
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut s = raw.stream().await;
+    s.write(&[0x1F, 0x3F, 1, 0, 0, 0, 0, 0, 0, 0]).await;
+    s.read_frame().await.expect("ERROR");
+
+    let addr = b.metrics_addr;
+    let (status, m) = get(addr, "/metrics").await;
+    assert_eq!(status, 200);
+    for family in [
+        "aqueduct_messages_published_total",
+        "aqueduct_messages_delivered_total",
+        "aqueduct_messages_expired_total",
+        "aqueduct_messages_dropped_total",
+        "aqueduct_messages_nacked_total",
+        "aqueduct_messages_dead_lettered_total",
+        "aqueduct_messages_redelivered_total",
+        "aqueduct_active_subscribers",
+        "aqueduct_consumer_offset",
+        "aqueduct_slow_consumers_disconnected_total",
+        "aqueduct_connections",
+        "aqueduct_connections_total",
+        "aqueduct_bytes_received_total",
+        "aqueduct_bytes_sent_total",
+        "aqueduct_frames_rejected_total",
+        "aqueduct_error_frames_sent_total",
+        "aqueduct_subscribers_by_queue_depth",
+        "aqueduct_delivery_latency_seconds",
+    ] {
+        assert!(
+            families(&m).contains(family),
+            "{family} missing from /metrics"
+        );
+    }
+    let v =
+        |series: &str| value(&m, series).unwrap_or_else(|| panic!("no sample {series} in\n{m}"));
+    assert_eq!(v("aqueduct_messages_published_total{topic=\"jobs\"}"), 2.0);
+    assert!(v("aqueduct_messages_delivered_total{topic=\"jobs\"}") >= 2.0);
+    assert_eq!(v("aqueduct_messages_nacked_total{topic=\"jobs\"}"), 1.0);
+    assert_eq!(
+        v("aqueduct_messages_dead_lettered_total{topic=\"jobs\"}"),
+        1.0
+    );
+    assert_eq!(
+        v("aqueduct_messages_published_total{topic=\"__dlq__jobs\"}"),
+        1.0
+    );
+    assert_eq!(
+        v("aqueduct_messages_expired_total{topic=\"slow\",priority=\"2\"}"),
+        1.0
+    );
+    assert!(v("aqueduct_messages_dropped_total{topic=\"slow\",policy=\"drop_newest\"}") >= 1.0);
+    assert_eq!(
+        v("aqueduct_consumer_offset{consumer=\"workers\",topic=\"jobs\"}"),
+        2.0
+    );
+    assert_eq!(v("aqueduct_active_subscribers"), 3.0);
+    assert!(v("aqueduct_connections") >= 2.0);
+    assert_eq!(
+        v("aqueduct_frames_rejected_total{reason=\"unknown_opcode\"}"),
+        1.0
+    );
+    assert_eq!(
+        v("aqueduct_error_frames_sent_total{code=\"102\",name=\"UNKNOWN_OPCODE\"}"),
+        1.0
+    );
+    assert!(v("aqueduct_delivery_latency_seconds_count") >= 4.0);
+    assert!(v("aqueduct_bytes_received_total") > 0.0 && v("aqueduct_bytes_sent_total") > 0.0);
+    // Cardinality: at most 6 topic labels plus __other__, which holds the rest.
+    let topics: BTreeSet<&str> = m
+        .lines()
+        .filter(|l| l.starts_with("aqueduct_messages_published_total{"))
+        .filter_map(|l| l.split('"').nth(1))
+        .collect();
+    assert_eq!(topics.len(), 7, "{topics:?}");
+    assert!(topics.contains("__other__"));
+    let published: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("aqueduct_messages_published_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(
+        published,
+        2.0 + 1.0 + 5.0 + 10.0,
+        "nothing is lost by folding into __other__"
+    );
+    drop(s);
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_readiness_and_hostile_http_clients() {
+    let b = TestBroker::start_with(|c| {
+        c.metrics.header_timeout = Duration::from_millis(300);
+        c.metrics.max_connections = 2;
+    })
+    .await;
+    let addr = b.metrics_addr;
+    assert_eq!(get(addr, "/healthz").await, (200, "ok\n".to_string()));
+    assert_eq!(get(addr, "/readyz").await.0, 200);
+    assert_eq!(get(addr, "/nope").await.0, 404);
+    assert_eq!(http(addr, "POST /metrics HTTP/1.1\r\n\r\n").await.0, 405);
+    // Two clients that never send a request hold both slots; they are cut off by the header
+    // timeout and a real request is then served.
+    let idle1 = TcpStream::connect(addr).await.expect("connect");
+    let idle2 = TcpStream::connect(addr).await.expect("connect");
+    let (status, body) = get(addr, "/metrics").await;
+    assert_eq!(status, 200);
+    assert!(body.contains("aqueduct_active_subscribers"));
+    for mut idle in [idle1, idle2] {
+        let mut out = String::new();
+        within(
+            "the slow client to be answered",
+            idle.read_to_string(&mut out),
+        )
+        .await
+        .expect("read");
+        assert!(out.starts_with("HTTP/1.1 408"), "{out}");
+    }
+    // An oversized request head is refused.
+    let huge = format!("GET /metrics HTTP/1.1\r\nX: {}\r\n\r\n", "a".repeat(20_000));
+    assert_eq!(http(addr, &huge).await.0, 431);
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_only_queries_exported_metrics_and_deploy_files_parse() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{root}/deploy/grafana/dashboards/aqueduct.json"))
+            .expect("dashboard"),
+    )
+    .expect("dashboard is JSON");
+    let mut queried = BTreeSet::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().expect("targets") {
+            let expr = target["expr"].as_str().expect("expr");
+            let mut rest = expr;
+            while let Some(i) = rest.find("aqueduct_") {
+                let name: String = rest[i..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                rest = &rest[i + name.len()..];
+                let family = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|suffix| name.strip_suffix(suffix))
+                    .unwrap_or(&name)
+                    .to_string();
+                queried.insert(family);
+            }
+        }
+    }
+    assert!(
+        queried.len() >= 15,
+        "the dashboard covers the broker: {queried:?}"
+    );
+    let b = TestBroker::start().await;
+    let (_, m) = get(b.metrics_addr, "/metrics").await;
+    let exported = families(&m);
+    for family in &queried {
+        assert!(
+            exported.contains(family),
+            "the dashboard queries {family}, which the broker does not export"
+        );
+    }
+    b.stop().await.expect("clean shutdown");
+
+    for file in [
+        "docker-compose.yml",
+        "deploy/prometheus/prometheus.yml",
+        "deploy/grafana/provisioning/datasources/prometheus.yml",
+        "deploy/grafana/provisioning/dashboards/aqueduct.yml",
+    ] {
+        let text = std::fs::read_to_string(format!("{root}/{file}")).expect("deploy file");
+        let _: serde_json::Value = serde_saphyr::from_str(&text)
+            .unwrap_or_else(|e| panic!("{file} is not valid YAML: {e}"));
+    }
+    let compose: serde_json::Value = serde_saphyr::from_str(
+        &std::fs::read_to_string(format!("{root}/docker-compose.yml")).expect("compose"),
+    )
+    .expect("yaml");
+    for service in ["broker", "prometheus", "grafana"] {
+        assert!(
+            compose["services"][service].is_object(),
+            "docker-compose.yml lacks {service}"
+        );
+    }
+    assert!(compose["services"]["broker"]["ports"]
+        .to_string()
+        .contains("4242:4242/udp"));
+    let prom: serde_json::Value = serde_saphyr::from_str(
+        &std::fs::read_to_string(format!("{root}/deploy/prometheus/prometheus.yml")).expect("prom"),
+    )
+    .expect("yaml");
+    assert_eq!(
+        prom["scrape_configs"][0]["static_configs"][0]["targets"][0],
+        "broker:9090"
+    );
+}
