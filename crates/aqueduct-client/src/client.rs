@@ -1,26 +1,23 @@
 //! The connection handle: connect, publish (single, batch, confirmed), subscribe.
 
-use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use aqueduct_proto::frame::Message as Wire;
 use aqueduct_proto::{
-    AckMode, ConsumerId, Durable, Frame, GroupId, OverflowPolicy, Priority, Publish, PublishBatch,
-    Subscribe, SubscribeSpec, TopicFilter, TopicName,
+    AckMode, ConsumerId, Durable, Frame, GroupId, OverflowPolicy, Priority,
+    Subscribe, SubscribeSpec, TopicFilter,
 };
-use bytes::{Bytes, BytesMut};
-use tokio::sync::oneshot;
-use tracing::warn;
+use bytes::Bytes;
 
 use crate::error::{ClientError, ConnectError};
 use crate::options::{host_of, ConnectOptions};
 use crate::reader::FrameReader;
+use crate::publisher::Publisher;
 use crate::subscription::{SubHandle, Subscription};
 
-type Pending = Arc<Mutex<HashMap<u32, oneshot::Sender<Result<Vec<u64>, ClientError>>>>>;
 
 /// A connection to a broker. Cheap to clone; all clones share the connection.
 #[derive(Debug, Clone)]
@@ -32,11 +29,9 @@ pub struct Client {
 pub(crate) struct Inner {
     endpoint: quinn::Endpoint,
     pub(crate) conn: quinn::Connection,
-    next_id: AtomicU32,
-    /// The stream publishes go out on, opened on first use. A tokio mutex: writes await.
-    publisher: tokio::sync::Mutex<Option<quinn::SendStream>>,
-    /// Confirmations awaited, by the `stream_id` of the request.
-    pending: Pending,
+    next_id: Arc<AtomicU32>,
+    /// The default publish stream.
+    publisher: Publisher,
 }
 
 /// How to publish.
@@ -63,12 +58,6 @@ pub struct SubscribeOptions {
     pub overflow: Option<OverflowPolicy>,
 }
 
-fn topic(name: &str) -> Result<TopicName, ClientError> {
-    TopicName::try_from(name).map_err(|source| ClientError::InvalidName {
-        what: "topic name",
-        source,
-    })
-}
 
 fn transport() -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
@@ -134,13 +123,13 @@ impl Client {
             }
             Err(_) => return Err(ConnectError::Timeout { addr: opts.addr }),
         };
+        let next_id = Arc::new(AtomicU32::new(1));
         Ok(Client {
             inner: Arc::new(Inner {
                 endpoint,
+                publisher: Publisher::new(conn.clone(), next_id.clone()),
                 conn,
-                next_id: AtomicU32::new(1),
-                publisher: tokio::sync::Mutex::new(None),
-                pending: Arc::default(),
+                next_id,
             }),
         })
     }
@@ -155,14 +144,8 @@ impl Client {
     }
 
     /// Publish `body` to `topic` (priority 2, no TTL, no confirmation).
-    pub async fn publish(
-        &self,
-        topic_name: &str,
-        body: impl Into<Bytes>,
-    ) -> Result<(), ClientError> {
-        self.publish_with(topic_name, body, &PublishOptions::default())
-            .await
-            .map(|_| ())
+    pub async fn publish(&self, topic_name: &str, body: impl Into<Bytes>) -> Result<(), ClientError> {
+        self.inner.publisher.publish(topic_name, body).await
     }
 
     /// Publish with options; with `confirm`, returns the offset the broker assigned.
@@ -172,14 +155,7 @@ impl Client {
         body: impl Into<Bytes>,
         opts: &PublishOptions,
     ) -> Result<Option<u64>, ClientError> {
-        let mut p = Publish::new(topic(topic_name)?, body.into());
-        p.ext.priority = opts.priority;
-        p.ext.ttl_ms = opts
-            .ttl
-            .map(|t| t.as_millis().min(u128::from(u32::MAX)) as u32);
-        p.ext.confirm = opts.confirm;
-        let offsets = self.send_publish(Wire::Publish(p), opts.confirm).await?;
-        Ok(offsets.and_then(|o| o.first().copied()))
+        self.inner.publisher.publish_with(topic_name, body, opts).await
     }
 
     /// Publish several messages in one PUBLISH_BATCH frame (all or nothing). With `confirm`,
@@ -189,70 +165,12 @@ impl Client {
         messages: impl IntoIterator<Item = (&'a str, Bytes)>,
         opts: &PublishOptions,
     ) -> Result<Option<Vec<u64>>, ClientError> {
-        let mut publishes = Vec::new();
-        for (t, body) in messages {
-            let mut p = Publish::new(topic(t)?, body);
-            p.ext.priority = opts.priority;
-            p.ext.ttl_ms = opts
-                .ttl
-                .map(|t| t.as_millis().min(u128::from(u32::MAX)) as u32);
-            publishes.push(p);
-        }
-        let mut batch = PublishBatch::from_publishes(&publishes);
-        batch.ext.confirm = opts.confirm;
-        self.send_publish(Wire::PublishBatch(batch), opts.confirm)
-            .await
+        self.inner.publisher.publish_batch(messages, opts).await
     }
 
-    async fn send_publish(
-        &self,
-        message: Wire,
-        confirm: bool,
-    ) -> Result<Option<Vec<u64>>, ClientError> {
-        let (id, rx) = if confirm {
-            let id = self.next_id();
-            let (tx, rx) = oneshot::channel();
-            self.inner
-                .pending
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, tx);
-            (id, Some(rx))
-        } else {
-            (0, None)
-        };
-        let mut bytes = BytesMut::with_capacity(message.frame_len());
-        Frame::new(id, message).encode(&mut bytes);
-        {
-            let mut publisher = self.inner.publisher.lock().await;
-            if publisher.is_none() {
-                *publisher = Some(self.open_publisher().await?);
-            }
-            if let Some(send) = publisher.as_mut() {
-                send.write_all(&bytes)
-                    .await
-                    .map_err(|e| ClientError::Connection(e.to_string()))?;
-            }
-        }
-        match rx {
-            None => Ok(None),
-            Some(rx) => match rx.await {
-                Ok(result) => result.map(Some),
-                Err(_) => Err(ClientError::Closed),
-            },
-        }
-    }
-
-    async fn open_publisher(&self) -> Result<quinn::SendStream, ClientError> {
-        let (send, recv) = self
-            .inner
-            .conn
-            .open_bi()
-            .await
-            .map_err(|e| ClientError::Connection(e.to_string()))?;
-        let pending = self.inner.pending.clone();
-        tokio::spawn(publisher_replies(FrameReader::new(recv), pending));
-        Ok(send)
+    /// A new publish stream on this connection (the `publish*` methods use a default one).
+    pub fn publisher(&self) -> Publisher {
+        Publisher::new(self.inner.conn.clone(), self.inner.next_id.clone())
     }
 
     /// Subscribe to every message matching `filter`.
@@ -351,21 +269,10 @@ impl Client {
         Ok(Subscription::start(handle, reader, self.inner.clone()))
     }
 
-    /// Wait until the broker has read everything published so far (up to 10 s). The next
-    /// publish opens a new publish stream.
+    /// Wait until the broker has read everything published so far on the default publish
+    /// stream (up to 10 s).
     pub async fn flush(&self) -> Result<(), ClientError> {
-        let Some(mut send) = self.inner.publisher.lock().await.take() else {
-            return Ok(());
-        };
-        send.finish()
-            .map_err(|e| ClientError::Connection(e.to_string()))?;
-        match tokio::time::timeout(Duration::from_secs(10), send.stopped()).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(ClientError::Connection(e.to_string())),
-            Err(_) => Err(ClientError::Connection(
-                "the broker did not read the publish stream within 10 s".into(),
-            )),
-        }
+        self.inner.publisher.flush().await
     }
 
     /// Flush, close the connection, and wait for the broker to acknowledge the close.
@@ -373,47 +280,5 @@ impl Client {
         let _ = self.flush().await;
         self.inner.conn.close(0u32.into(), b"client closed");
         let _ = tokio::time::timeout(Duration::from_secs(2), self.inner.endpoint.wait_idle()).await;
-    }
-}
-
-/// Route CONFIRM and ERROR replies on the publish stream to the waiting publishers.
-async fn publisher_replies(mut reader: FrameReader, pending: Pending) {
-    let take = |id: u32| {
-        pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id)
-    };
-    loop {
-        let frame = match reader.next().await {
-            Ok(Some(frame)) => frame,
-            Ok(None) | Err(_) => break,
-        };
-        match frame.message {
-            Wire::Confirm(c) => {
-                if let Some(tx) = take(frame.stream_id) {
-                    let _ = tx.send(Ok(c.offsets));
-                }
-            }
-            Wire::Error(e) => match take(frame.stream_id) {
-                Some(tx) => {
-                    let _ = tx.send(Err(ClientError::Broker {
-                        code: e.code,
-                        reason: e.reason,
-                    }));
-                }
-                None => warn!(code = %e.code, reason = %e.reason, "broker refused a publish"),
-            },
-            other => warn!(opcode = ?other.opcode(), "unexpected frame on the publish stream"),
-        }
-    }
-    // The stream is gone: fail whoever still waits.
-    let waiting: Vec<_> = pending
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .drain()
-        .collect();
-    for (_, tx) in waiting {
-        let _ = tx.send(Err(ClientError::Connection("publish stream closed".into())));
     }
 }

@@ -22,6 +22,7 @@
 mod client;
 mod error;
 mod options;
+mod publisher;
 mod reader;
 mod subscription;
 mod tls;
@@ -30,4 +31,5 @@ pub use aqueduct_proto::{ErrorCode, OverflowPolicy, Priority};
 pub use client::{Client, PublishOptions, SubscribeOptions};
 pub use error::{ClientError, ConnectError};
 pub use options::{default_dev_cert_file, ConnectOptions, Trust};
+pub use publisher::Publisher;
 pub use subscription::{Message, Subscription};

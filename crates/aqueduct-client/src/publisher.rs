@@ -1,0 +1,200 @@
+//! A publish stream: publishes, batches and confirmations on one QUIC stream, in order.
+//!
+//! Every [`crate::Client`] has a default one (used by `Client::publish*`); `Client::publisher()`
+//! opens another, so independent publishers on one connection do not queue behind each other.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use aqueduct_proto::frame::Message as Wire;
+use aqueduct_proto::{Frame, Publish, PublishBatch, TopicName};
+use bytes::{Bytes, BytesMut};
+use tokio::sync::oneshot;
+use tracing::warn;
+
+use crate::client::PublishOptions;
+use crate::error::ClientError;
+use crate::reader::FrameReader;
+
+type Pending = Arc<Mutex<HashMap<u32, oneshot::Sender<Result<Vec<u64>, ClientError>>>>>;
+
+/// A publish stream. Cheap to clone; clones share the stream.
+#[derive(Debug, Clone)]
+pub struct Publisher {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    conn: quinn::Connection,
+    /// Request ids (`stream_id` of confirmed frames), unique per connection.
+    next_id: Arc<AtomicU32>,
+    /// Opened on first use. A tokio mutex: writes await.
+    send: tokio::sync::Mutex<Option<quinn::SendStream>>,
+    /// Confirmations awaited, by request id.
+    pending: Pending,
+}
+
+pub(crate) fn topic(name: &str) -> Result<TopicName, ClientError> {
+    TopicName::try_from(name).map_err(|source| ClientError::InvalidName {
+        what: "topic name",
+        source,
+    })
+}
+
+fn ttl_ms(opts: &PublishOptions) -> Option<u32> {
+    opts.ttl
+        .map(|t| t.as_millis().min(u128::from(u32::MAX)) as u32)
+}
+
+impl Publisher {
+    pub(crate) fn new(conn: quinn::Connection, next_id: Arc<AtomicU32>) -> Publisher {
+        Publisher {
+            inner: Arc::new(Inner {
+                conn,
+                next_id,
+                send: tokio::sync::Mutex::new(None),
+                pending: Arc::default(),
+            }),
+        }
+    }
+
+    /// Publish `body` to `topic` (priority 2, no TTL, no confirmation).
+    pub async fn publish(&self, topic_name: &str, body: impl Into<Bytes>) -> Result<(), ClientError> {
+        self.publish_with(topic_name, body, &PublishOptions::default())
+            .await
+            .map(|_| ())
+    }
+
+    /// Publish with options; with `confirm`, returns the offset the broker assigned.
+    pub async fn publish_with(
+        &self,
+        topic_name: &str,
+        body: impl Into<Bytes>,
+        opts: &PublishOptions,
+    ) -> Result<Option<u64>, ClientError> {
+        let mut p = Publish::new(topic(topic_name)?, body.into());
+        p.ext.priority = opts.priority;
+        p.ext.ttl_ms = ttl_ms(opts);
+        p.ext.confirm = opts.confirm;
+        let offsets = self.send(Wire::Publish(p), opts.confirm).await?;
+        Ok(offsets.and_then(|o| o.first().copied()))
+    }
+
+    /// Publish several messages in one PUBLISH_BATCH frame (all or nothing). With `confirm`,
+    /// returns one offset per message, in order.
+    pub async fn publish_batch<'a>(
+        &self,
+        messages: impl IntoIterator<Item = (&'a str, Bytes)>,
+        opts: &PublishOptions,
+    ) -> Result<Option<Vec<u64>>, ClientError> {
+        let mut publishes = Vec::new();
+        for (t, body) in messages {
+            let mut p = Publish::new(topic(t)?, body);
+            p.ext.priority = opts.priority;
+            p.ext.ttl_ms = ttl_ms(opts);
+            publishes.push(p);
+        }
+        let mut batch = PublishBatch::from_publishes(&publishes);
+        batch.ext.confirm = opts.confirm;
+        self.send(Wire::PublishBatch(batch), opts.confirm).await
+    }
+
+    async fn send(&self, message: Wire, confirm: bool) -> Result<Option<Vec<u64>>, ClientError> {
+        let (id, rx) = if confirm {
+            let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+            let (tx, rx) = oneshot::channel();
+            self.inner
+                .pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, tx);
+            (id, Some(rx))
+        } else {
+            (0, None)
+        };
+        let mut bytes = BytesMut::with_capacity(message.frame_len());
+        Frame::new(id, message).encode(&mut bytes);
+        {
+            let mut send = self.inner.send.lock().await;
+            if send.is_none() {
+                *send = Some(self.open().await?);
+            }
+            if let Some(send) = send.as_mut() {
+                send.write_all(&bytes)
+                    .await
+                    .map_err(|e| ClientError::Connection(e.to_string()))?;
+            }
+        }
+        match rx {
+            None => Ok(None),
+            Some(rx) => match rx.await {
+                Ok(result) => result.map(Some),
+                Err(_) => Err(ClientError::Closed),
+            },
+        }
+    }
+
+    async fn open(&self) -> Result<quinn::SendStream, ClientError> {
+        let (send, recv) = self
+            .inner
+            .conn
+            .open_bi()
+            .await
+            .map_err(|e| ClientError::Connection(e.to_string()))?;
+        tokio::spawn(replies(FrameReader::new(recv), self.inner.pending.clone()));
+        Ok(send)
+    }
+
+    /// Wait until the broker has read everything published on this stream so far (up to 10 s).
+    /// The next publish opens a new stream.
+    pub async fn flush(&self) -> Result<(), ClientError> {
+        let Some(mut send) = self.inner.send.lock().await.take() else {
+            return Ok(());
+        };
+        send.finish()
+            .map_err(|e| ClientError::Connection(e.to_string()))?;
+        match tokio::time::timeout(Duration::from_secs(10), send.stopped()).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(ClientError::Connection(e.to_string())),
+            Err(_) => Err(ClientError::Connection(
+                "the broker did not read the publish stream within 10 s".into(),
+            )),
+        }
+    }
+}
+
+/// Route CONFIRM and ERROR replies on a publish stream to the waiting publishers.
+async fn replies(mut reader: FrameReader, pending: Pending) {
+    let take = |id: u32| pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+    loop {
+        let frame = match reader.next().await {
+            Ok(Some(frame)) => frame,
+            Ok(None) | Err(_) => break,
+        };
+        match frame.message {
+            Wire::Confirm(c) => {
+                if let Some(tx) = take(frame.stream_id) {
+                    let _ = tx.send(Ok(c.offsets));
+                }
+            }
+            Wire::Error(e) => match take(frame.stream_id) {
+                Some(tx) => {
+                    let _ = tx.send(Err(ClientError::Broker {
+                        code: e.code,
+                        reason: e.reason,
+                    }));
+                }
+                None => warn!(code = %e.code, reason = %e.reason, "broker refused a publish"),
+            },
+            other => warn!(opcode = ?other.opcode(), "unexpected frame on the publish stream"),
+        }
+    }
+    // The stream is gone: fail whoever still waits.
+    let waiting: Vec<_> = pending.lock().unwrap_or_else(|e| e.into_inner()).drain().collect();
+    for (_, tx) in waiting {
+        let _ = tx.send(Err(ClientError::Connection("publish stream closed".into())));
+    }
+}
