@@ -7,17 +7,16 @@ use std::time::Duration;
 
 use aqueduct_proto::frame::Message as Wire;
 use aqueduct_proto::{
-    AckMode, ConsumerId, Durable, Frame, GroupId, OverflowPolicy, Priority,
-    Subscribe, SubscribeSpec, TopicFilter,
+    AckMode, ConsumerId, Durable, Frame, GroupId, OverflowPolicy, Priority, Subscribe,
+    SubscribeSpec, TopicFilter,
 };
 use bytes::Bytes;
 
 use crate::error::{ClientError, ConnectError};
 use crate::options::{host_of, ConnectOptions};
-use crate::reader::FrameReader;
 use crate::publisher::Publisher;
+use crate::reader::FrameReader;
 use crate::subscription::{SubHandle, Subscription};
-
 
 /// A connection to a broker. Cheap to clone; all clones share the connection.
 #[derive(Debug, Clone)]
@@ -57,7 +56,6 @@ pub struct SubscribeOptions {
     /// This subscription's backpressure policy instead of the broker's default.
     pub overflow: Option<OverflowPolicy>,
 }
-
 
 fn transport() -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
@@ -144,7 +142,11 @@ impl Client {
     }
 
     /// Publish `body` to `topic` (priority 2, no TTL, no confirmation).
-    pub async fn publish(&self, topic_name: &str, body: impl Into<Bytes>) -> Result<(), ClientError> {
+    pub async fn publish(
+        &self,
+        topic_name: &str,
+        body: impl Into<Bytes>,
+    ) -> Result<(), ClientError> {
         self.inner.publisher.publish(topic_name, body).await
     }
 
@@ -155,7 +157,10 @@ impl Client {
         body: impl Into<Bytes>,
         opts: &PublishOptions,
     ) -> Result<Option<u64>, ClientError> {
-        self.inner.publisher.publish_with(topic_name, body, opts).await
+        self.inner
+            .publisher
+            .publish_with(topic_name, body, opts)
+            .await
     }
 
     /// Publish several messages in one PUBLISH_BATCH frame (all or nothing). With `confirm`,

@@ -62,7 +62,11 @@ impl Publisher {
     }
 
     /// Publish `body` to `topic` (priority 2, no TTL, no confirmation).
-    pub async fn publish(&self, topic_name: &str, body: impl Into<Bytes>) -> Result<(), ClientError> {
+    pub async fn publish(
+        &self,
+        topic_name: &str,
+        body: impl Into<Bytes>,
+    ) -> Result<(), ClientError> {
         self.publish_with(topic_name, body, &PublishOptions::default())
             .await
             .map(|_| ())
@@ -168,7 +172,12 @@ impl Publisher {
 
 /// Route CONFIRM and ERROR replies on a publish stream to the waiting publishers.
 async fn replies(mut reader: FrameReader, pending: Pending) {
-    let take = |id: u32| pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+    let take = |id: u32| {
+        pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id)
+    };
     loop {
         let frame = match reader.next().await {
             Ok(Some(frame)) => frame,
@@ -193,7 +202,11 @@ async fn replies(mut reader: FrameReader, pending: Pending) {
         }
     }
     // The stream is gone: fail whoever still waits.
-    let waiting: Vec<_> = pending.lock().unwrap_or_else(|e| e.into_inner()).drain().collect();
+    let waiting: Vec<_> = pending
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .drain()
+        .collect();
     for (_, tx) in waiting {
         let _ = tx.send(Err(ClientError::Connection("publish stream closed".into())));
     }

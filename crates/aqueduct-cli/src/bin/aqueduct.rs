@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
+use aqueduct_cli::bench::{self, BenchConfig};
 use aqueduct_client::{
     Client, ConnectOptions, OverflowPolicy, Priority, PublishOptions, SubscribeOptions,
 };
@@ -90,24 +91,65 @@ enum Command {
         #[arg(long)]
         overflow: Option<OverflowPolicy>,
     },
-    /// Measure throughput: one publisher sends MESSAGES messages in batches to SUBSCRIBERS
-    /// subscribers on a fresh topic; reports publish and delivered rates and losses.
+    /// Open idle connections (and subscriptions) and hold them, to measure a broker's memory
+    /// per connection and per subscription.
+    Hold {
+        /// Connections to open.
+        #[arg(long, default_value_t = 1000)]
+        connections: usize,
+        /// Subscriptions per connection (each on its own stream, to hold/<n>).
+        #[arg(long, default_value_t = 0)]
+        subscriptions: usize,
+        /// How long to hold them.
+        #[arg(long, default_value = "10s", value_parser = humantime_duration)]
+        seconds: Duration,
+    },
+    /// Load test (the seed's aqueduct-bench): publishers → subscribers on a fresh topic;
+    /// reports publish and delivery rates, MB/s, losses, duplicates and one-way latency
+    /// percentiles. Exits non-zero, saying why, if any message was lost or duplicated.
     Bench {
-        /// Messages to publish.
+        /// Messages to publish (ignored with --duration).
         #[arg(long, default_value_t = 1_000_000)]
         messages: u64,
-        /// Payload bytes per message.
+        /// Publish for this long instead (e.g. 10s).
+        #[arg(long, value_parser = humantime_duration)]
+        duration: Option<Duration>,
+        /// Payload bytes per message (at least 16: timestamp and sequence number).
         #[arg(long, default_value_t = 128)]
         payload_size: usize,
+        /// Publisher connections.
+        #[arg(long, default_value_t = 1)]
+        publishers: usize,
+        /// Publish streams per publisher connection.
+        #[arg(long, default_value_t = 1)]
+        streams: usize,
+        /// Subscriber connections.
+        #[arg(long, default_value_t = 1)]
+        subscribers: usize,
+        /// Subscribers form one consumer group (each message goes to one, which acks it).
+        #[arg(long)]
+        group: bool,
         /// Messages per PUBLISH_BATCH frame (1 = single PUBLISH frames).
         #[arg(long, default_value_t = 100)]
         batch: usize,
-        /// Subscribers (each on its own connection).
-        #[arg(long, default_value_t = 1)]
-        subscribers: usize,
-        /// Give up waiting for deliveries after this long without progress.
+        /// Total publish rate in msg/s, open loop (0 = as fast as possible). Use for latency.
+        #[arg(long, default_value_t = 0.0)]
+        rate: f64,
+        /// Priority mix as PRIORITY:WEIGHT pairs, e.g. 0:1,2:9 (default: all priority 2).
+        #[arg(long, default_value = "")]
+        priority_mix: String,
+        /// Topic (default: bench/<process id>).
+        #[arg(long)]
+        topic: Option<String>,
+        /// Stop waiting for deliveries after this long without progress.
         #[arg(long, default_value = "5s", value_parser = humantime_duration)]
         idle: Duration,
+        /// The broker's metrics endpoint, to explain losses (default: 127.0.0.1:9090 for a local broker).
+        #[arg(long)]
+        metrics_addr: Option<String>,
+        /// Print one JSON object instead of text (no progress bar).
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -146,7 +188,8 @@ fn parse_pin(hex: &str) -> Result<[u8; 32]> {
     Ok(out)
 }
 
-async fn connect(cli: &Cli) -> Result<Client> {
+/// The connection settings the global flags describe.
+fn connect_options(cli: &Cli) -> Result<ConnectOptions> {
     let mut opts = ConnectOptions::new(cli.addr.clone());
     if let Some(name) = &cli.server_name {
         opts = opts.server_name(name);
@@ -165,7 +208,13 @@ async fn connect(cli: &Cli) -> Result<Client> {
         (None, None) => {}
         _ => bail!("--cert and --key go together"),
     }
-    Client::connect(opts).await.map_err(|e| anyhow!(e))
+    Ok(opts)
+}
+
+async fn connect(cli: &Cli) -> Result<Client> {
+    Client::connect(connect_options(cli)?)
+        .await
+        .map_err(|e| anyhow!(e))
 }
 
 async fn run(cli: Cli) -> Result<()> {
@@ -256,125 +305,83 @@ async fn run(cli: Cli) -> Result<()> {
                 }
             }
         }
+        Command::Hold {
+            connections,
+            subscriptions,
+            seconds,
+        } => {
+            let opts = connect_options(&cli)?;
+            let mut held = Vec::new();
+            for i in 0..*connections {
+                let c = Client::connect(opts.clone()).await?;
+                let mut subs = Vec::new();
+                for j in 0..*subscriptions {
+                    subs.push(c.subscribe(&format!("hold/{i}/{j}")).await?);
+                }
+                held.push((c, subs));
+            }
+            eprintln!(
+                "holding {} connection(s) with {} subscription(s) each",
+                held.len(),
+                subscriptions
+            );
+            println!("ready");
+            tokio::time::sleep(*seconds).await;
+        }
         Command::Bench {
             messages,
+            duration,
             payload_size,
-            batch,
+            publishers,
+            streams,
             subscribers,
+            group,
+            batch,
+            rate,
+            priority_mix,
+            topic,
             idle,
+            metrics_addr,
+            json,
         } => {
-            bench(
-                &cli,
-                &client,
-                *messages,
-                *payload_size,
-                (*batch).max(1),
-                *subscribers,
-                *idle,
-            )
-            .await?
-        }
-    }
-    Ok(())
-}
-
-/// One publisher → N subscribers on a fresh topic.
-async fn bench(
-    cli: &Cli,
-    publisher: &Client,
-    messages: u64,
-    size: usize,
-    batch: usize,
-    subscribers: usize,
-    idle: Duration,
-) -> Result<()> {
-    use std::time::Instant;
-    let topic = format!("bench/{}", std::process::id());
-    let mut tasks = Vec::new();
-    let start = std::sync::Arc::new(tokio::sync::OnceCell::<Instant>::new());
-    for _ in 0..subscribers {
-        let client = connect(cli).await?;
-        let mut sub = client.subscribe(&topic).await?;
-        let start = start.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut received = 0u64;
-            let mut last = Instant::now();
-            // A timer per message would cost more than the message: re-arm it every 4096.
-            let idle_timer = tokio::time::sleep(idle);
-            tokio::pin!(idle_timer);
-            while received < messages {
-                tokio::select! {
-                    biased;
-                    item = sub.next() => match item {
-                        Some(Ok(_)) => {
-                            received += 1;
-                            if received.is_multiple_of(4096) || received == messages {
-                                last = Instant::now();
-                                idle_timer.as_mut().reset(tokio::time::Instant::now() + idle);
-                            }
-                        }
-                        _ => break,
-                    },
-                    _ = &mut idle_timer => break,
-                }
+            use std::io::IsTerminal;
+            let cfg = BenchConfig {
+                publishers: (*publishers).max(1),
+                streams: (*streams).max(1),
+                subscribers: (*subscribers).max(1),
+                group: *group,
+                messages: *messages,
+                duration: *duration,
+                payload_size: *payload_size,
+                batch: (*batch).max(1),
+                rate: *rate,
+                priority_mix: bench::parse_priority_mix(priority_mix)
+                    .map_err(|e| anyhow!("--priority-mix: {e}"))?,
+                idle: *idle,
+                topic: topic
+                    .clone()
+                    .unwrap_or_else(|| format!("bench/{}", std::process::id())),
+                progress: !*json && std::io::stderr().is_terminal(),
+            };
+            let opts = connect_options(&cli)?;
+            let report = bench::run(cfg.clone(), || Client::connect(opts.clone())).await?;
+            if *json {
+                println!("{}", report.json());
+            } else {
+                print!("{}", report.text());
             }
-            let elapsed = start
-                .get()
-                .map(|s| last.duration_since(*s))
-                .unwrap_or_default();
-            drop(client);
-            (received, elapsed)
-        }));
-    }
-    let body = Bytes::from(vec![0xA5u8; size]);
-    let begin = Instant::now();
-    let _ = start.set(begin);
-    let mut sent = 0u64;
-    let opts = PublishOptions::default();
-    while sent < messages {
-        let n = (messages - sent).min(batch as u64);
-        if batch == 1 {
-            publisher.publish_with(&topic, body.clone(), &opts).await?;
-        } else {
-            let items = (0..n).map(|_| (topic.as_str(), body.clone()));
-            publisher.publish_batch(items, &opts).await?;
+            if report.lost > 0 || report.duplicates > 0 {
+                let addr = metrics_addr
+                    .clone()
+                    .unwrap_or_else(|| "127.0.0.1:9090".to_string());
+                let why = bench::explain_losses(&addr, &cfg.topic).await;
+                bail!(
+                    "not a successful run: {} lost, {} duplicated; {why}",
+                    report.lost,
+                    report.duplicates
+                );
+            }
         }
-        sent += n;
-    }
-    publisher.flush().await?;
-    let publish_secs = begin.elapsed().as_secs_f64();
-    let mut total = 0u64;
-    let mut slowest = Duration::ZERO;
-    let mut per_sub = Vec::new();
-    for t in tasks {
-        let (received, elapsed) = t.await?;
-        total += received;
-        slowest = slowest.max(elapsed);
-        per_sub.push(received as f64 / elapsed.as_secs_f64().max(1e-9));
-    }
-    let lost = messages * subscribers as u64 - total;
-    let aggregate = total as f64 / slowest.as_secs_f64().max(1e-9);
-    println!("messages {messages} x {size} B, batch {batch}, subscribers {subscribers}");
-    println!(
-        "publish   {:>12.0} msg/s  {:>8.1} MB/s",
-        messages as f64 / publish_secs,
-        messages as f64 * size as f64 / publish_secs / 1e6
-    );
-    for (i, rate) in per_sub.iter().enumerate() {
-        println!("sub {i:<5} {rate:>12.0} msg/s");
-    }
-    println!(
-        "delivered {aggregate:>12.0} msg/s  {:>8.1} MB/s (aggregate)",
-        aggregate * size as f64 / 1e6
-    );
-    println!("lost      {lost}");
-    println!(
-        "RESULT {{\"pub_msgs_per_s\":{:.0},\"agg_delivered_msgs_per_s\":{aggregate:.0},\"sub_min_msgs_per_s\":{:.0},\"lost_total\":{lost}}}",
-        messages as f64 / publish_secs,
-        per_sub.iter().copied().fold(f64::INFINITY, f64::min)
-    );
-    if lost > 0 {
-        bail!("{lost} message(s) were not delivered: the run is not a success (see the broker's drop counters)");
     }
     Ok(())
 }

@@ -1,0 +1,727 @@
+//! `aqueduct bench`: the load tool (the seed's `aqueduct-bench`).
+//!
+//! Publishers send messages whose first 16 payload bytes are a send timestamp (nanoseconds since
+//! the run's start, on this process's monotonic clock) and a message index; subscribers in the
+//! same process record one-way latency into an HdrHistogram and mark each index in a bitmap, so
+//! losses and duplicates are counted exactly. Closed loop by default (as fast as the broker
+//! takes them); with `--rate` an open loop paced on OS threads (timestamps are taken at the
+//! actual send, so a late pacer is not counted as latency — no coordinated-omission correction,
+//! the same convention as `shared/peerbench`).
+//!
+//! A run that lost or duplicated messages is reported as a failure, with the broker's drop and
+//! expiry counters for the topic when its metrics endpoint is reachable.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aqueduct_client::{
+    Client, Priority, PublishOptions, Publisher, SubscribeOptions, Subscription,
+};
+use bytes::{BufMut, Bytes, BytesMut};
+use futures_util::StreamExt;
+use hdrhistogram::Histogram;
+
+/// Bytes at the start of every payload: timestamp (8) and index (8).
+pub const HEADER: usize = 16;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    pub publishers: usize,
+    /// Publish streams per publisher connection.
+    pub streams: usize,
+    pub subscribers: usize,
+    /// Subscribers form one consumer group (each message to one of them, acknowledged).
+    pub group: bool,
+    /// Messages to publish (ignored when `duration` is set).
+    pub messages: u64,
+    /// Publish for this long instead of a fixed count.
+    pub duration: Option<Duration>,
+    pub payload_size: usize,
+    /// Messages per PUBLISH_BATCH frame (1 = single PUBLISH frames).
+    pub batch: usize,
+    /// Total publish rate in msg/s (0 = as fast as possible).
+    pub rate: f64,
+    /// Priority weights, e.g. [(0, 1), (2, 9)]: 10% priority 0, 90% priority 2.
+    pub priority_mix: Vec<(Priority, u32)>,
+    /// Stop waiting for deliveries after this long without progress.
+    pub idle: Duration,
+    pub topic: String,
+    /// Show a progress bar on stderr.
+    pub progress: bool,
+}
+
+/// One subscriber's results.
+#[derive(Debug, Clone)]
+pub struct SubscriberReport {
+    pub received: u64,
+    pub duplicates: u64,
+    pub msgs_per_s: f64,
+    pub secs: f64,
+}
+
+/// The whole run's results.
+#[derive(Debug, Clone)]
+pub struct BenchReport {
+    pub config: BenchConfig,
+    pub sent: u64,
+    pub publish_secs: f64,
+    pub subscribers: Vec<SubscriberReport>,
+    /// Messages no subscriber (group) / some subscriber (fan-out) received.
+    pub lost: u64,
+    pub duplicates: u64,
+    pub delivered_msgs_per_s: f64,
+    pub latency: Histogram<u64>,
+}
+
+/// Why a bench could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("--payload-size must be at least {HEADER} bytes (timestamp and sequence number)")]
+    PayloadTooSmall,
+    #[error("{0}")]
+    Client(#[from] aqueduct_client::ClientError),
+    #[error("{0}")]
+    Connect(#[from] aqueduct_client::ConnectError),
+    #[error("a bench task failed: {0}")]
+    Task(String),
+}
+
+fn priority_of(index: u64, mix: &[(Priority, u32)]) -> Option<Priority> {
+    let total: u32 = mix.iter().map(|(_, w)| *w).sum();
+    if total == 0 {
+        return None;
+    }
+    let mut slot = (index % u64::from(total)) as u32;
+    for (p, w) in mix {
+        if slot < *w {
+            return Some(*p);
+        }
+        slot -= w;
+    }
+    None
+}
+
+/// Parse "0:1,2:9" into weights per priority.
+pub fn parse_priority_mix(s: &str) -> Result<Vec<(Priority, u32)>, String> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|part| {
+            let (p, w) = part
+                .split_once(':')
+                .ok_or_else(|| format!("{part:?}: expected PRIORITY:WEIGHT, e.g. 0:1,2:9"))?;
+            let p = p
+                .trim()
+                .parse::<u8>()
+                .ok()
+                .and_then(Priority::new)
+                .ok_or_else(|| format!("{p:?}: priority must be 0..=3"))?;
+            let w = w
+                .trim()
+                .parse::<u32>()
+                .map_err(|_| format!("{w:?}: weight must be a whole number"))?;
+            Ok((p, w))
+        })
+        .collect()
+}
+
+fn payload(buf: &mut BytesMut, epoch: Instant, index: u64, size: usize) -> Bytes {
+    buf.reserve(size);
+    buf.put_u64_le(epoch.elapsed().as_nanos() as u64);
+    buf.put_u64_le(index);
+    buf.put_bytes(0xA5, size - HEADER);
+    buf.split().freeze()
+}
+
+/// Tracks what one subscriber received.
+struct Recorder {
+    seen: Vec<u64>,
+    received: u64,
+    duplicates: u64,
+    latency: Histogram<u64>,
+    last: Instant,
+}
+
+impl Recorder {
+    fn new(capacity: u64) -> Recorder {
+        Recorder {
+            seen: vec![0; capacity.div_ceil(64) as usize],
+            received: 0,
+            duplicates: 0,
+            latency: new_histogram(),
+            last: Instant::now(),
+        }
+    }
+
+    fn record(&mut self, epoch: Instant, body: &[u8]) {
+        let now_ns = epoch.elapsed().as_nanos() as u64;
+        self.last = Instant::now();
+        self.received += 1;
+        let (Some(ts), Some(index)) = (read_u64(body, 0), read_u64(body, 8)) else {
+            return;
+        };
+        let _ = self.latency.record(now_ns.saturating_sub(ts).max(1));
+        let (word, bit) = ((index / 64) as usize, index % 64);
+        if word >= self.seen.len() {
+            self.seen.resize(word + 1, 0);
+        }
+        if self.seen[word] & (1 << bit) != 0 {
+            self.duplicates += 1;
+        }
+        self.seen[word] |= 1 << bit;
+    }
+}
+
+/// 1 ns .. 60 s at 3 significant digits.
+fn new_histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("constant bounds are valid")
+    // ok: constants
+}
+
+fn read_u64(body: &[u8], at: usize) -> Option<u64> {
+    body.get(at..at + 8)
+        .and_then(|b| b.try_into().ok())
+        .map(u64::from_le_bytes)
+}
+
+/// Run the bench against a broker reached with `connect`.
+pub async fn run<F, Fut>(cfg: BenchConfig, connect: F) -> Result<BenchReport, BenchError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<Client, aqueduct_client::ConnectError>>,
+{
+    if cfg.payload_size < HEADER {
+        return Err(BenchError::PayloadTooSmall);
+    }
+    let epoch = Instant::now();
+    // How many messages will have been sent; u64::MAX while unknown (duration mode).
+    let target = Arc::new(AtomicU64::new(if cfg.duration.is_some() {
+        u64::MAX
+    } else {
+        cfg.messages
+    }));
+    let delivered = Arc::new(AtomicU64::new(0));
+    let capacity = if cfg.duration.is_some() {
+        1 << 20
+    } else {
+        cfg.messages
+    };
+
+    // Subscribers first, each on its own connection; `subscribe` returns once active.
+    let mut sub_tasks = Vec::new();
+    let mut sub_clients = Vec::new();
+    for _ in 0..cfg.subscribers {
+        let client = connect().await?;
+        let opts = SubscribeOptions {
+            group: cfg.group.then(|| "bench".to_string()),
+            ack: cfg.group,
+            ..SubscribeOptions::default()
+        };
+        let sub = client.subscribe_with(&cfg.topic, &opts).await?;
+        sub_clients.push(client);
+        sub_tasks.push(tokio::spawn(subscriber(
+            sub,
+            epoch,
+            capacity,
+            cfg.clone(),
+            target.clone(),
+            delivered.clone(),
+        )));
+    }
+
+    let progress = progress_bar(&cfg);
+    let started = Instant::now();
+    let sent = Arc::new(AtomicU64::new(0));
+    let workers = (cfg.publishers * cfg.streams).max(1);
+    let mut pub_clients = Vec::new();
+    for _ in 0..cfg.publishers.max(1) {
+        pub_clients.push(connect().await?);
+    }
+    let mut pub_tasks = Vec::new();
+    for w in 0..workers {
+        let publisher = pub_clients[w / cfg.streams.max(1) % pub_clients.len()].publisher();
+        let cfg = cfg.clone();
+        let sent = sent.clone();
+        let progress = progress.clone();
+        if cfg.rate > 0.0 {
+            let handle = tokio::runtime::Handle::current();
+            pub_tasks.push(tokio::task::spawn_blocking(move || {
+                paced_worker(
+                    handle,
+                    publisher,
+                    cfg,
+                    w as u64,
+                    workers as u64,
+                    epoch,
+                    started,
+                    sent,
+                    progress,
+                )
+            }));
+        } else {
+            pub_tasks.push(tokio::spawn(async move {
+                worker(
+                    publisher.clone(),
+                    cfg,
+                    w as u64,
+                    workers as u64,
+                    epoch,
+                    started,
+                    sent,
+                    progress,
+                )
+                .await?;
+                publisher.flush().await
+            }));
+        }
+    }
+    for t in pub_tasks {
+        t.await.map_err(|e| BenchError::Task(e.to_string()))??;
+    }
+    let publish_secs = started.elapsed().as_secs_f64();
+    let sent = sent.load(Ordering::Acquire);
+    target.store(sent, Ordering::Release);
+    if let Some(p) = &progress {
+        p.set_length(sent * if cfg.group { 1 } else { cfg.subscribers as u64 });
+        p.set_message("waiting for deliveries");
+    }
+
+    let mut reports = Vec::new();
+    let mut latency = new_histogram();
+    let mut union = vec![0u64; sent.div_ceil(64) as usize];
+    let mut total_received = 0;
+    let mut last = started;
+    let mut dups_within = 0;
+    for t in sub_tasks {
+        let rec = t.await.map_err(|e| BenchError::Task(e.to_string()))?;
+        let secs = rec.last.duration_since(started).as_secs_f64().max(1e-9);
+        reports.push(SubscriberReport {
+            received: rec.received,
+            duplicates: rec.duplicates,
+            msgs_per_s: rec.received as f64 / secs,
+            secs,
+        });
+        total_received += rec.received;
+        dups_within += rec.duplicates;
+        last = last.max(rec.last);
+        let _ = latency.add(&rec.latency);
+        for (u, s) in union.iter_mut().zip(&rec.seen) {
+            *u |= s;
+        }
+    }
+    if let Some(p) = &progress {
+        p.finish_and_clear();
+    }
+    let unique: u64 = union.iter().map(|w| u64::from(w.count_ones())).sum();
+    let (lost, duplicates) = if cfg.group {
+        (
+            sent.saturating_sub(unique),
+            total_received.saturating_sub(unique),
+        )
+    } else {
+        (
+            sent * cfg.subscribers as u64 - (total_received - dups_within),
+            dups_within,
+        )
+    };
+    let secs = last.duration_since(started).as_secs_f64().max(1e-9);
+    drop(sub_clients);
+    Ok(BenchReport {
+        config: cfg,
+        sent,
+        publish_secs,
+        subscribers: reports,
+        lost,
+        duplicates,
+        delivered_msgs_per_s: total_received as f64 / secs,
+        latency,
+    })
+}
+
+fn progress_bar(cfg: &BenchConfig) -> Option<indicatif::ProgressBar> {
+    if !cfg.progress {
+        return None;
+    }
+    let bar = match cfg.duration {
+        Some(d) => indicatif::ProgressBar::new(d.as_secs().max(1)),
+        None => indicatif::ProgressBar::new(cfg.messages),
+    };
+    bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} {msg}",
+    ) {
+        bar.set_style(style);
+    }
+    bar.set_message("publishing");
+    Some(bar)
+}
+
+/// The index sequence of worker `w` of `n`: w, w + n, w + 2n, …
+struct Plan {
+    next: u64,
+    step: u64,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn worker(
+    publisher: Publisher,
+    cfg: BenchConfig,
+    w: u64,
+    n: u64,
+    epoch: Instant,
+    started: Instant,
+    sent: Arc<AtomicU64>,
+    progress: Option<indicatif::ProgressBar>,
+) -> Result<(), aqueduct_client::ClientError> {
+    let mut plan = Plan { next: w, step: n };
+    let mut buf = BytesMut::new();
+    loop {
+        let Some(batch) = next_batch(&cfg, &mut plan, started) else {
+            return Ok(());
+        };
+        send_batch(&publisher, &cfg, &batch, &mut buf, epoch).await?;
+        let count = batch.len() as u64;
+        sent.fetch_add(count, Ordering::AcqRel);
+        if let Some(p) = &progress {
+            match cfg.duration {
+                Some(_) => p.set_position(started.elapsed().as_secs()),
+                None => p.inc(count),
+            }
+        }
+    }
+}
+
+/// The indices of the next batch, or `None` when the run is over.
+fn next_batch(cfg: &BenchConfig, plan: &mut Plan, started: Instant) -> Option<Vec<u64>> {
+    let mut batch = Vec::with_capacity(cfg.batch);
+    while batch.len() < cfg.batch.max(1) {
+        let done = match cfg.duration {
+            Some(d) => started.elapsed() >= d || plan.next >= (1 << 40),
+            None => plan.next >= cfg.messages,
+        };
+        if done {
+            break;
+        }
+        batch.push(plan.next);
+        plan.next += plan.step;
+    }
+    (!batch.is_empty()).then_some(batch)
+}
+
+async fn send_batch(
+    publisher: &Publisher,
+    cfg: &BenchConfig,
+    batch: &[u64],
+    buf: &mut BytesMut,
+    epoch: Instant,
+) -> Result<(), aqueduct_client::ClientError> {
+    if let [index] = batch {
+        let opts = PublishOptions {
+            priority: priority_of(*index, &cfg.priority_mix),
+            ..PublishOptions::default()
+        };
+        publisher
+            .publish_with(
+                &cfg.topic,
+                payload(buf, epoch, *index, cfg.payload_size),
+                &opts,
+            )
+            .await
+            .map(|_| ())
+    } else {
+        // One priority per batch frame: the first message's.
+        let opts = PublishOptions {
+            priority: priority_of(batch[0], &cfg.priority_mix),
+            ..PublishOptions::default()
+        };
+        let items: Vec<(&str, Bytes)> = batch
+            .iter()
+            .map(|i| {
+                (
+                    cfg.topic.as_str(),
+                    payload(buf, epoch, *i, cfg.payload_size),
+                )
+            })
+            .collect();
+        publisher.publish_batch(items, &opts).await.map(|_| ())
+    }
+}
+
+/// Open loop: send at `rate / n` msg/s on an OS thread (sub-millisecond sleeps, unlike tokio's
+/// timer), timestamping each message when it is actually sent.
+#[allow(clippy::too_many_arguments)]
+fn paced_worker(
+    handle: tokio::runtime::Handle,
+    publisher: Publisher,
+    cfg: BenchConfig,
+    w: u64,
+    n: u64,
+    epoch: Instant,
+    started: Instant,
+    sent: Arc<AtomicU64>,
+    progress: Option<indicatif::ProgressBar>,
+) -> Result<(), aqueduct_client::ClientError> {
+    let interval = Duration::from_secs_f64(cfg.batch.max(1) as f64 * n as f64 / cfg.rate);
+    let mut plan = Plan { next: w, step: n };
+    let mut buf = BytesMut::new();
+    let mut due = Instant::now();
+    while let Some(batch) = next_batch(&cfg, &mut plan, started) {
+        let now = Instant::now();
+        if due > now {
+            std::thread::sleep(due - now);
+        }
+        due += interval;
+        handle.block_on(send_batch(&publisher, &cfg, &batch, &mut buf, epoch))?;
+        sent.fetch_add(batch.len() as u64, Ordering::AcqRel);
+        if let Some(p) = &progress {
+            match cfg.duration {
+                Some(_) => p.set_position(started.elapsed().as_secs()),
+                None => p.inc(batch.len() as u64),
+            }
+        }
+    }
+    handle.block_on(publisher.flush())
+}
+
+async fn subscriber(
+    mut sub: Subscription,
+    epoch: Instant,
+    capacity: u64,
+    cfg: BenchConfig,
+    target: Arc<AtomicU64>,
+    delivered: Arc<AtomicU64>,
+) -> Recorder {
+    let mut rec = Recorder::new(capacity);
+    let idle = tokio::time::sleep(cfg.idle);
+    tokio::pin!(idle);
+    loop {
+        // In a group the subscribers share the target; otherwise each must see all of it.
+        let goal = target.load(Ordering::Acquire);
+        let have = if cfg.group {
+            delivered.load(Ordering::Acquire)
+        } else {
+            rec.received
+        };
+        if have >= goal {
+            break;
+        }
+        tokio::select! {
+            biased;
+            item = sub.next() => match item {
+                Some(Ok(msg)) => {
+                    rec.record(epoch, msg.body());
+                    delivered.fetch_add(1, Ordering::AcqRel);
+                    if cfg.group {
+                        let _ = msg.ack().await;
+                    }
+                    if rec.received.is_multiple_of(1024) {
+                        idle.as_mut().reset(tokio::time::Instant::now() + cfg.idle);
+                    }
+                }
+                _ => break,
+            },
+            _ = &mut idle => {
+                // Idle: give up only once publishing is over and nothing arrives any more.
+                if target.load(Ordering::Acquire) != u64::MAX {
+                    break;
+                }
+                idle.as_mut().reset(tokio::time::Instant::now() + cfg.idle);
+            }
+        }
+    }
+    rec
+}
+
+impl BenchReport {
+    fn percentile_us(&self, q: f64) -> f64 {
+        self.latency.value_at_quantile(q) as f64 / 1e3
+    }
+
+    /// Human-readable summary.
+    pub fn text(&self) -> String {
+        let c = &self.config;
+        let mut s = String::new();
+        let mode = if c.rate > 0.0 {
+            format!("open loop at {} msg/s", c.rate)
+        } else {
+            "closed loop".into()
+        };
+        let _ = writeln!(
+            s,
+            "{} publisher(s) x {} stream(s) -> {} subscriber(s){} on {}, {} B messages, batch {}, {mode}",
+            c.publishers, c.streams, c.subscribers, if c.group { " (one group)" } else { "" }, c.topic, c.payload_size, c.batch
+        );
+        let pub_rate = self.sent as f64 / self.publish_secs.max(1e-9);
+        let _ = writeln!(
+            s,
+            "published {:>12} msgs  {:>12.0} msg/s  {:>8.1} MB/s",
+            self.sent,
+            pub_rate,
+            pub_rate * c.payload_size as f64 / 1e6
+        );
+        for (i, r) in self.subscribers.iter().enumerate() {
+            let _ = writeln!(
+                s,
+                "sub {i:<5} {:>12} msgs  {:>12.0} msg/s  {:>8.1} MB/s  dup {}",
+                r.received,
+                r.msgs_per_s,
+                r.msgs_per_s * c.payload_size as f64 / 1e6,
+                r.duplicates
+            );
+        }
+        let _ = writeln!(
+            s,
+            "delivered {:>12.0} msg/s aggregate  {:>8.1} MB/s",
+            self.delivered_msgs_per_s,
+            self.delivered_msgs_per_s * c.payload_size as f64 / 1e6
+        );
+        let _ = writeln!(
+            s,
+            "latency   p50 {:.1} us  p90 {:.1} us  p99 {:.1} us  p99.9 {:.1} us  max {:.1} us  ({} samples)",
+            self.percentile_us(0.5),
+            self.percentile_us(0.9),
+            self.percentile_us(0.99),
+            self.percentile_us(0.999),
+            self.latency.max() as f64 / 1e3,
+            self.latency.len()
+        );
+        let _ = writeln!(s, "lost      {}  duplicated {}", self.lost, self.duplicates);
+        s
+    }
+
+    /// Machine-readable summary (keys follow `shared/peerbench`'s RESULT lines).
+    pub fn json(&self) -> serde_json::Value {
+        let c = &self.config;
+        let pub_rate = self.sent as f64 / self.publish_secs.max(1e-9);
+        serde_json::json!({
+            "mode": if c.rate > 0.0 { "aqueduct-latency" } else { "aqueduct-throughput" },
+            "msgs": self.sent,
+            "size": c.payload_size,
+            "batch": c.batch,
+            "pubs": c.publishers,
+            "streams": c.streams,
+            "subs": c.subscribers,
+            "group": c.group,
+            "rate": c.rate,
+            "pub_msgs_per_s": pub_rate,
+            "pub_mb_per_s": pub_rate * c.payload_size as f64 / 1e6,
+            "delivered_msgs_per_s": self.delivered_msgs_per_s,
+            "sub_min_msgs_per_s": self.subscribers.iter().map(|r| r.msgs_per_s).fold(f64::INFINITY, f64::min),
+            "lost_total": self.lost,
+            "duplicates_total": self.duplicates,
+            "subscribers": self.subscribers.iter().map(|r| serde_json::json!({
+                "received": r.received, "duplicates": r.duplicates, "msgs_per_s": r.msgs_per_s, "secs": r.secs,
+            })).collect::<Vec<_>>(),
+            "latency": {
+                "p50_us": self.percentile_us(0.5),
+                "p90_us": self.percentile_us(0.9),
+                "p99_us": self.percentile_us(0.99),
+                "p999_us": self.percentile_us(0.999),
+                "max_us": self.latency.max() as f64 / 1e3,
+                "samples": self.latency.len(),
+            },
+        })
+    }
+}
+
+/// Explain losses from the broker's counters for `topic`, read from its metrics endpoint.
+pub async fn explain_losses(metrics_addr: &str, topic: &str) -> String {
+    let text =
+        match fetch_metrics(metrics_addr).await {
+            Ok(t) => t,
+            Err(e) => return format!(
+                "the broker's metrics at {metrics_addr} are not reachable ({e}); cannot say why"
+            ),
+        };
+    let mut reasons = Vec::new();
+    for line in text.lines() {
+        let is_topic = line.contains(&format!("topic=\"{topic}\""));
+        if !is_topic {
+            continue;
+        }
+        let value = line
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if value <= 0.0 {
+            continue;
+        }
+        if line.starts_with("aqueduct_messages_dropped_total") {
+            let policy = line
+                .split("policy=\"")
+                .nth(1)
+                .and_then(|s| s.split('"').next())
+                .unwrap_or("?");
+            reasons.push(format!("{value} dropped by policy {policy} (a subscriber's queue was full: slow subscriber)"));
+        } else if line.starts_with("aqueduct_messages_expired_total") {
+            let p = line
+                .split("priority=\"")
+                .nth(1)
+                .and_then(|s| s.split('"').next())
+                .unwrap_or("?");
+            reasons.push(format!(
+                "{value} expired at priority {p} (TTL passed before delivery)"
+            ));
+        }
+    }
+    if reasons.is_empty() {
+        "the broker counted no drops or expiries for the topic: messages were lost in transit or the subscribers stopped waiting (try a longer --idle)".to_string()
+    } else {
+        format!("broker counters for {topic}: {}", reasons.join("; "))
+    }
+}
+
+async fn fetch_metrics(addr: &str) -> std::io::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fetch = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: aqueduct\r\n\r\n")
+            .await?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await?;
+        Ok(out)
+    };
+    tokio::time::timeout(Duration::from_secs(5), fetch)
+        .await
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "timed out",
+            ))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn priority_mix() {
+        let mix = parse_priority_mix("0:1,2:3").expect("valid");
+        let ps: Vec<u8> = (0..8)
+            .filter_map(|i| priority_of(i, &mix))
+            .map(|p| p.level())
+            .collect();
+        assert_eq!(ps, [0, 2, 2, 2, 0, 2, 2, 2]);
+        assert!(parse_priority_mix("4:1").is_err());
+        assert!(parse_priority_mix("0").is_err());
+        assert_eq!(priority_of(3, &[]), None);
+    }
+
+    #[test]
+    fn recorder_counts_duplicates_and_latency() {
+        let epoch = Instant::now();
+        let mut buf = BytesMut::new();
+        let mut rec = Recorder::new(10);
+        let a = payload(&mut buf, epoch, 3, 32);
+        rec.record(epoch, &a);
+        rec.record(epoch, &a);
+        rec.record(epoch, &payload(&mut buf, epoch, 70, 32));
+        assert_eq!((rec.received, rec.duplicates), (3, 1));
+        assert_eq!(rec.latency.len(), 3);
+        assert_eq!(a.len(), 32);
+    }
+}
