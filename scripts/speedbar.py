@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""The speed bar: Aqueduct and nats-server measured in the same run on this machine.
+
+Starts nats-server (Debian package) and release builds of aqueduct-broker on 127.0.0.1, runs
+each configuration for --rounds rounds, alternating the two brokers, and prints a markdown
+summary (min / median / max) plus CPU and memory figures. Every load loop is bounded.
+
+    cargo build --release -p aqueduct-cli
+    cargo build --release --manifest-path ../shared/peerbench/Cargo.toml --target-dir target/peerbench
+    python3 scripts/speedbar.py --rounds 3 --out target/speedbar.jsonl
+"""
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BROKER = os.path.join(ROOT, "target/release/aqueduct-broker")
+CLIENT = os.path.join(ROOT, "target/release/aqueduct")
+PEERBENCH = os.path.join(ROOT, "target/peerbench/release/peerbench")
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def result_line(text):
+    for line in text.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError("no result in output:\n" + text[-2000:])
+
+
+def run(cmd, env=None, timeout=300):
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        sys.stderr.write(f"command failed ({out.returncode}): {' '.join(cmd)}\n{out.stdout[-1500:]}\n{out.stderr[-1500:]}\n")
+    return result_line(out.stdout)
+
+
+class Brokers:
+    def __init__(self, home):
+        self.home = home
+        self.env = dict(os.environ, AQUEDUCT_HOME=home, AQUEDUCT_LOG="warn")
+        self.procs = []
+
+    def start_aqueduct(self, port, metrics_port, extra_env=None):
+        env = dict(self.env, **(extra_env or {}))
+        p = subprocess.Popen([BROKER, "--addr", f"127.0.0.1:{port}", "--metrics-addr", f"127.0.0.1:{metrics_port}"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(p)
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        return p
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("aqueduct-broker did not become ready")
+
+    def start_nats(self, port):
+        p = subprocess.Popen(["nats-server", "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(p)
+        time.sleep(0.5)
+        return p
+
+    def stop(self):
+        for p in self.procs:
+            p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def aq(addr, *args, env=None):
+    return run([CLIENT, "--addr", addr, "bench", "--json", *args], env=env)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(ROOT, "target/speedbar.jsonl"))
+    args = ap.parse_args()
+    home = tempfile.mkdtemp(prefix="aqueduct-speedbar-")
+    b = Brokers(home)
+    rows = []
+
+    def record(name, broker, res, **extra):
+        res = dict(res, config=name, broker=broker, **extra)
+        rows.append(res)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(res) + "\n")
+        print(f"{name:<14} {broker:<9} delivered {res.get('delivered_msgs_per_s', 0):>12,.0f} msg/s  lost {res.get('lost_total', 0)}"
+              + (f"  p99 {res['latency']['p99_us']:.0f} us" if 'latency' in res and res['latency'].get('p99_us') else ""), flush=True)
+
+    try:
+        nats = b.start_nats(4222)
+        # Throughput broker: queues big enough to absorb a burst (NATS allows 64 MiB pending).
+        big = b.start_aqueduct(14301, 19301, {"AQUEDUCT_BROKER_QUEUE_SIZE": "4000000"})
+        addr = "127.0.0.1:14301"
+        for r in range(args.rounds):
+            for name, nats_args, aq_args, subs in [
+                ("tput_1x1", ["--msgs", "2000000", "--subs", "1"], ["--messages", "2000000", "--subscribers", "1"], 1),
+                ("fanout_1x4", ["--msgs", "1000000", "--subs", "4"], ["--messages", "1000000", "--subscribers", "4"], 4),
+            ]:
+                c0 = cpu_seconds(nats.pid)
+                res = run([PEERBENCH, "nats-throughput", "--url", "nats://127.0.0.1:4222", "--size", "128", "--pubs", "1", *nats_args])
+                res["delivered_msgs_per_s"] = res.get("delivered_msgs_per_s") or res.get("agg_delivered_msgs_per_s", 0)
+                record(name, "nats", res, server_cpu_s=cpu_seconds(nats.pid) - c0)
+                c0 = cpu_seconds(big.pid)
+                res = aq(addr, "--payload-size", "128", "--batch", "100", *aq_args, env=b.env)
+                record(name, "aqueduct", res, server_cpu_s=cpu_seconds(big.pid) - c0)
+            res = run([PEERBENCH, "nats-latency", "--url", "nats://127.0.0.1:4222", "--rate", "10000", "--secs", "5", "--size", "128"])
+            record("latency_10k", "nats", res)
+            res = aq(addr, "--rate", "10000", "--duration", "5s", "--batch", "1", "--payload-size", "128", env=b.env)
+            record("latency_10k", "aqueduct", res)
+
+        # A slow subscriber (stopped with SIGSTOP) next to two fast ones, at a fixed offered
+        # load, on a broker with the default policy (drop_oldest) and a 64k queue.
+        slow_broker = b.start_aqueduct(14302, 19302, {"AQUEDUCT_BROKER_QUEUE_SIZE": "65536"})
+        addr2 = "127.0.0.1:14302"
+        for r in range(args.rounds):
+            base = aq(addr2, "--topic", "slowtest", "--subscribers", "2", "--rate", "300000", "--duration", "5s", "--batch", "100", env=b.env)
+            record("slow_baseline", "aqueduct", base)
+            slow = subprocess.Popen([CLIENT, "--addr", addr2, "sub", "slowtest"], env=b.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)
+            slow.send_signal(signal.SIGSTOP)
+            with_slow = aq(addr2, "--topic", "slowtest", "--subscribers", "2", "--rate", "300000", "--duration", "5s", "--batch", "100", env=b.env)
+            record("slow_present", "aqueduct", with_slow)
+            slow.send_signal(signal.SIGCONT)
+            slow.kill()
+            slow.wait()
+
+        # Memory: 1,000 idle connections, then 1,000 idle subscriptions on 10 connections.
+        mem = b.start_aqueduct(14303, 19303)
+        addr3 = "127.0.0.1:14303"
+        for what, hold_args, n in [("connection", ["--connections", "1000"], 1000), ("subscription", ["--connections", "10", "--subscriptions", "100"], 1000)]:
+            before = rss_kib(mem.pid)
+            h = subprocess.Popen([CLIENT, "--addr", addr3, "hold", *hold_args, "--seconds", "60"], env=b.env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            line = h.stdout.readline()
+            assert line.strip() == "ready", line
+            time.sleep(1.0)
+            after = rss_kib(mem.pid)
+            h.kill()
+            h.wait()
+            per = (after - before) * 1024 / n
+            if what == "subscription":
+                # 10 connections are part of the difference; remove their share.
+                per -= 10 * rows[-1]["bytes_per"] / n
+            rec = {"config": f"rss_per_{what}", "broker": "aqueduct", "rss_before_kib": before, "rss_after_kib": after, "bytes_per": per}
+            rows.append(rec)
+            with open(args.out, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            print(f"rss per idle {what}: {per:,.0f} bytes (RSS {before} -> {after} KiB)", flush=True)
+            time.sleep(2.0)
+    finally:
+        b.stop()
+
+    print("\n| configuration | broker | min | median | max | lost (total) |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name in ["tput_1x1", "fanout_1x4", "slow_baseline", "slow_present"]:
+        for broker in ["nats", "aqueduct"]:
+            vals = [r["delivered_msgs_per_s"] for r in rows if r["config"] == name and r["broker"] == broker]
+            if vals:
+                lost = sum(r.get("lost_total", 0) for r in rows if r["config"] == name and r["broker"] == broker)
+                print(f"| {name} delivered msg/s | {broker} | {min(vals):,.0f} | {statistics.median(vals):,.0f} | {max(vals):,.0f} | {lost} |")
+    for broker in ["nats", "aqueduct"]:
+        lat = [r["latency"] for r in rows if r["config"] == "latency_10k" and r["broker"] == broker]
+        for key in ["p50_us", "p99_us", "p999_us", "max_us"]:
+            vals = [l[key] for l in lat if key in l]
+            if vals:
+                print(f"| latency 10k/s {key} | {broker} | {min(vals):,.0f} | {statistics.median(vals):,.0f} | {max(vals):,.0f} | |")
+    for broker in ["nats", "aqueduct"]:
+        per_m = []
+        for r in rows:
+            if r["config"] in ("tput_1x1", "fanout_1x4") and r["broker"] == broker and r.get("server_cpu_s"):
+                delivered = sum(s.get("received", 0) for s in r.get("subscribers", []))
+                if delivered:
+                    per_m.append(r["server_cpu_s"] / delivered * 1e6)
+        if per_m:
+            print(f"| broker CPU s per million delivered | {broker} | {min(per_m):.2f} | {statistics.median(per_m):.2f} | {max(per_m):.2f} | |")
+
+
+if __name__ == "__main__":
+    main()
