@@ -628,13 +628,14 @@ impl BenchReport {
 
 /// Explain losses from the broker's counters for `topic`, read from its metrics endpoint.
 pub async fn explain_losses(metrics_addr: &str, topic: &str) -> String {
-    let text =
-        match fetch_metrics(metrics_addr).await {
-            Ok(t) => t,
-            Err(e) => return format!(
+    let text = match fetch_metrics(metrics_addr).await {
+        Ok(t) => t,
+        Err(e) => {
+            return format!(
                 "the broker's metrics at {metrics_addr} are not reachable ({e}); cannot say why"
-            ),
-        };
+            )
+        }
+    };
     let mut reasons = Vec::new();
     for line in text.lines() {
         let is_topic = line.contains(&format!("topic=\"{topic}\""));

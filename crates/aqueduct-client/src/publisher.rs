@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use aqueduct_proto::frame::Message as Wire;
-use aqueduct_proto::{Frame, Publish, PublishBatch, TopicName};
+use aqueduct_proto::{BatchBuilder, Extensions, Frame, Publish, TopicName};
 use bytes::{Bytes, BytesMut};
 use tokio::sync::oneshot;
 use tracing::warn;
@@ -94,15 +94,22 @@ impl Publisher {
         messages: impl IntoIterator<Item = (&'a str, Bytes)>,
         opts: &PublishOptions,
     ) -> Result<Option<Vec<u64>>, ClientError> {
-        let mut publishes = Vec::new();
+        let mut builder = BatchBuilder::new();
+        let mut last: Option<TopicName> = None;
+        let ttl = ttl_ms(opts);
         for (t, body) in messages {
-            let mut p = Publish::new(topic(t)?, body);
-            p.ext.priority = opts.priority;
-            p.ext.ttl_ms = ttl_ms(opts);
-            publishes.push(p);
+            // Validate each distinct topic once, not once per message.
+            let name = match last.take() {
+                Some(n) if n.as_str() == t => n,
+                _ => topic(t)?,
+            };
+            builder.push(&name, &body, opts.priority, ttl);
+            last = Some(name);
         }
-        let mut batch = PublishBatch::from_publishes(&publishes);
-        batch.ext.confirm = opts.confirm;
+        let batch = builder.finish(Extensions {
+            confirm: opts.confirm,
+            ..Extensions::default()
+        });
         self.send(Wire::PublishBatch(batch), opts.confirm).await
     }
 

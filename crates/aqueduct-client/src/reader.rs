@@ -23,21 +23,28 @@ impl FrameReader {
         }
     }
 
-    /// The next frame; `Ok(None)` when the broker finished the stream.
-    pub(crate) async fn next(&mut self) -> Result<Option<Frame>, ClientError> {
+    /// A frame already buffered, without reading; `Ok(None)` if none is complete.
+    pub(crate) fn try_next(&mut self) -> Result<Option<Frame>, ClientError> {
         let limits = Limits {
             max_data_len: MAX_FRAME,
         };
+        match split_frame(&self.buf, &limits) {
+            Ok(raw) => {
+                let mut data = self.buf.split_to(raw.frame_len()).freeze();
+                data.advance(HEADER_LEN);
+                let header = raw.validate()?;
+                Ok(Some(Frame::decode(&header, data)?))
+            }
+            Err(DecodeError::Incomplete { .. }) => Ok(None),
+            Err(DecodeError::Invalid(e)) => Err(ClientError::Protocol(e)),
+        }
+    }
+
+    /// The next frame; `Ok(None)` when the broker finished the stream.
+    pub(crate) async fn next(&mut self) -> Result<Option<Frame>, ClientError> {
         loop {
-            match split_frame(&self.buf, &limits) {
-                Ok(raw) => {
-                    let mut data = self.buf.split_to(raw.frame_len()).freeze();
-                    data.advance(HEADER_LEN);
-                    let header = raw.validate()?;
-                    return Ok(Some(Frame::decode(&header, data)?));
-                }
-                Err(DecodeError::Incomplete { .. }) => {}
-                Err(DecodeError::Invalid(e)) => return Err(ClientError::Protocol(e)),
+            if let Some(frame) = self.try_next()? {
+                return Ok(Some(frame));
             }
             if self.buf.capacity() - self.buf.len() < 16 * 1024 {
                 self.buf.reserve(64 * 1024);

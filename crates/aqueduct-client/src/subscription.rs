@@ -1,5 +1,6 @@
 //! A subscription as a `futures::Stream` of messages, and settling them.
 
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -16,9 +17,13 @@ use crate::client::Inner;
 use crate::error::ClientError;
 use crate::reader::FrameReader;
 
-/// Messages buffered between the network and the application before the client stops reading
+/// Batches buffered between the network and the application before the client stops reading
 /// (the broker's backpressure policy then applies).
-const BUFFER: usize = 1024;
+const BUFFER: usize = 16;
+/// Most messages in one batch.
+const MAX_BATCH: usize = 1024;
+
+type Batch = Vec<Result<Message, ClientError>>;
 
 /// The subscription's identity and its stream's sending half (for ACK, NACK, UNSUBSCRIBE).
 #[derive(Debug)]
@@ -113,7 +118,9 @@ impl Message {
 /// A live subscription. Dropping it unsubscribes.
 #[derive(Debug)]
 pub struct Subscription {
-    rx: mpsc::Receiver<Result<Message, ClientError>>,
+    rx: mpsc::Receiver<Batch>,
+    /// Received from the reader task, not yet handed out.
+    ready: VecDeque<Result<Message, ClientError>>,
     handle: Arc<SubHandle>,
     unsubscribed: bool,
 }
@@ -128,6 +135,7 @@ impl Subscription {
         tokio::spawn(forward(reader, handle.clone(), tx));
         Subscription {
             rx,
+            ready: VecDeque::new(),
             handle,
             unsubscribed: false,
         }
@@ -140,7 +148,20 @@ impl Subscription {
 
     /// The next message (`None` once the subscription has ended).
     pub async fn next_message(&mut self) -> Option<Result<Message, ClientError>> {
-        self.rx.recv().await
+        std::future::poll_fn(|cx| self.poll_item(cx)).await
+    }
+
+    fn poll_item(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message, ClientError>>> {
+        loop {
+            if let Some(item) = self.ready.pop_front() {
+                return Poll::Ready(Some(item));
+            }
+            match self.rx.poll_recv(cx) {
+                Poll::Ready(Some(batch)) => self.ready.extend(batch),
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
     }
 
     /// Unsubscribe and wait until the request is sent.
@@ -178,52 +199,62 @@ impl Stream for Subscription {
     type Item = Result<Message, ClientError>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.rx.poll_recv(cx)
+        self.poll_item(cx)
     }
 }
 
-/// Turn frames from the subscription stream into messages and errors.
-async fn forward(
-    mut reader: FrameReader,
-    handle: Arc<SubHandle>,
-    tx: mpsc::Sender<Result<Message, ClientError>>,
-) {
+/// What one frame means to the application; `None` for frames it does not see.
+fn item(frame: Frame, handle: &Arc<SubHandle>) -> Option<Result<Message, ClientError>> {
+    match frame.message {
+        Wire::Publish(p) => Some(Ok(Message {
+            topic: p.topic().clone(),
+            offset: p.ext.offset.unwrap_or_default(),
+            priority: p.priority(),
+            attempt: p.ext.attempt.unwrap_or(1),
+            body: p.body.clone(),
+            ext: p.ext,
+            handle: handle.clone(),
+        })),
+        Wire::Error(e) => Some(Err(ClientError::Broker {
+            code: e.code,
+            reason: e.reason,
+        })),
+        _ => None,
+    }
+}
+
+/// Turn frames from the subscription stream into messages and errors, handing them to the
+/// application in batches (everything decoded from one read) to keep channel traffic low.
+async fn forward(mut reader: FrameReader, handle: Arc<SubHandle>, tx: mpsc::Sender<Batch>) {
     loop {
-        let item = match reader.next().await {
-            Ok(Some(Frame {
-                message: Wire::Publish(p),
-                ..
-            })) => Ok(Message {
-                topic: p.topic().clone(),
-                offset: p.ext.offset.unwrap_or_default(),
-                priority: p.priority(),
-                attempt: p.ext.attempt.unwrap_or(1),
-                body: p.body.clone(),
-                ext: p.ext,
-                handle: handle.clone(),
-            }),
-            Ok(Some(Frame {
-                message: Wire::Error(e),
-                ..
-            })) => {
-                let end = e.code == ErrorCode::SLOW_CONSUMER;
-                let sent = tx
-                    .send(Err(ClientError::Broker {
-                        code: e.code,
-                        reason: e.reason,
-                    }))
-                    .await;
-                if end || sent.is_err() {
-                    return;
+        let mut batch = Vec::new();
+        let mut end = false;
+        let first = reader.next().await;
+        let push = |frame: Result<Option<Frame>, ClientError>, batch: &mut Batch| match frame {
+            Ok(Some(frame)) => {
+                if let Some(it) = item(frame, &handle) {
+                    // The broker closes a slow consumer's subscription after this error.
+                    let fatal = matches!(&it, Err(e) if e.code() == Some(ErrorCode::SLOW_CONSUMER));
+                    batch.push(it);
+                    fatal
+                } else {
+                    false
                 }
-                continue;
             }
-            Ok(Some(_)) => continue,
-            Ok(None) => return,
-            Err(e) => Err(e),
+            Ok(None) => true,
+            Err(e) => {
+                batch.push(Err(e));
+                true
+            }
         };
-        let failed = item.is_err();
-        if tx.send(item).await.is_err() || failed {
+        end |= push(first, &mut batch);
+        while !end && batch.len() < MAX_BATCH {
+            match reader.try_next() {
+                Ok(None) => break,
+                other => end |= push(other, &mut batch),
+            }
+        }
+        if (!batch.is_empty() && tx.send(batch).await.is_err()) || end {
             return;
         }
     }
