@@ -19,7 +19,7 @@ impl FrameReader {
     pub(crate) fn new(recv: quinn::RecvStream) -> Self {
         FrameReader {
             recv,
-            buf: BytesMut::with_capacity(64 * 1024),
+            buf: BytesMut::new(),
         }
     }
 
@@ -46,8 +46,10 @@ impl FrameReader {
             if let Some(frame) = self.try_next()? {
                 return Ok(Some(frame));
             }
-            if self.buf.capacity() - self.buf.len() < 16 * 1024 {
-                self.buf.reserve(64 * 1024);
+            // Small while idle; reserve grows the buffer as data comes in.
+            if self.buf.capacity() - self.buf.len() < 4 * 1024 {
+                self.buf
+                    .reserve((self.buf.capacity() * 2).clamp(8 * 1024, 64 * 1024));
             }
             match self.recv.read_buf(&mut self.buf).await {
                 Ok(0) if self.buf.is_empty() => return Ok(None),

@@ -28,6 +28,8 @@ use crate::server::Shared;
 const MAX_PENDING_CONTROL: usize = 1 << 20;
 /// How long a finished stream waits for the client to read what is left.
 const FINISH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+/// First read buffer of a stream; it doubles up to `READ_CHUNK` while reads fill it.
+const MIN_READ_CHUNK: usize = 4 * 1024;
 /// Read granularity: publishers' frames are read in chunks of up to this many bytes.
 const READ_CHUNK: usize = 64 * 1024;
 
@@ -133,7 +135,9 @@ impl Reader<'_> {
         let limits = aqueduct_proto::Limits {
             max_data_len: self.shared.config.transport.max_frame_data,
         };
-        let mut buf = BytesMut::with_capacity(READ_CHUNK);
+        // Start small (an idle stream costs little) and grow while reads fill the buffer.
+        let mut buf = BytesMut::new();
+        let mut chunk = MIN_READ_CHUNK;
         loop {
             // Backpressure: a client that does not read its replies stops being read.
             while self.out.control_len() > MAX_PENDING_CONTROL {
@@ -142,9 +146,10 @@ impl Reader<'_> {
                 }
                 self.out.flushed.notified().await;
             }
-            if buf.capacity() - buf.len() < READ_CHUNK / 4 {
-                buf.reserve(READ_CHUNK);
+            if buf.capacity() - buf.len() < chunk / 4 {
+                buf.reserve(chunk);
             }
+            let spare = buf.capacity() - buf.len();
             match recv.read_buf(&mut buf).await {
                 Ok(0) => {
                     if !buf.is_empty() {
@@ -162,7 +167,12 @@ impl Reader<'_> {
                     }
                     return ReadEnd::Finished;
                 }
-                Ok(n) => self.shared.stats.add_in(n),
+                Ok(n) => {
+                    self.shared.stats.add_in(n);
+                    if n == spare {
+                        chunk = (chunk * 2).min(READ_CHUNK);
+                    }
+                }
                 Err(e) => {
                     debug!("stream read ended: {e}");
                     return ReadEnd::Gone;
@@ -441,7 +451,8 @@ async fn write_loop(
 ) {
     let batch = shared.config.batch_size;
     let window = shared.config.flush_interval;
-    let mut buf = BytesMut::with_capacity(batch + 4096);
+    // Grows to about `batch` bytes on first use; an idle stream allocates nothing.
+    let mut buf = BytesMut::new();
     loop {
         if out.aborted.load(Ordering::Acquire) {
             return;
