@@ -73,9 +73,18 @@ fn configuration_errors_stop_startup_naming_the_key() {
 }
 
 /// Start the broker on a free port; returns it and its address, read from its log.
-// The caller waits for the child (after SIGTERM).
-#[allow(clippy::zombie_processes)]
 fn start_broker(home: &std::path::Path) -> (Child, String, mpsc::Receiver<String>) {
+    let (child, addr, _metrics, logs) = start_broker_with(home, &[]);
+    (child, addr, logs)
+}
+
+/// Like `start_broker`, with extra environment; also returns the metrics address.
+// The caller waits for the child (after SIGTERM), in `stop`.
+#[allow(clippy::zombie_processes)]
+fn start_broker_with(
+    home: &std::path::Path,
+    env: &[(&str, &str)],
+) -> (Child, String, String, mpsc::Receiver<String>) {
     let mut child = Command::new(BROKER)
         .args([
             "--addr",
@@ -85,6 +94,7 @@ fn start_broker(home: &std::path::Path) -> (Child, String, mpsc::Receiver<String
             "--log",
             "info",
         ])
+        .envs(env.iter().copied())
         .env("AQUEDUCT_HOME", home)
         .env("NO_COLOR", "1")
         .stderr(Stdio::piped())
@@ -100,24 +110,185 @@ fn start_broker(home: &std::path::Path) -> (Child, String, mpsc::Receiver<String
             }
         }
     });
-    loop {
+    let field = |line: &str| {
+        line.split("addr=")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .expect("address in the log line")
+            .to_string()
+    };
+    let (mut addr, mut metrics) = (None, None);
+    while addr.is_none() || metrics.is_none() {
         let line = rx.recv_timeout(WAIT).expect("broker log line");
         if line.contains("broker listening") {
-            let addr = line
-                .split("addr=")
-                .nth(1)
-                .and_then(|s| s.split_whitespace().next())
-                .expect("address in the log line")
-                .to_string();
-            return (child, addr, rx);
+            addr = Some(field(&line));
+        } else if line.contains("metrics on") {
+            metrics = Some(field(&line));
         }
     }
+    (
+        child,
+        addr.unwrap_or_default(),
+        metrics.unwrap_or_default(),
+        rx,
+    )
+}
+
+fn stop(mut broker: Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &broker.id().to_string()])
+        .status();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(broker.wait());
+    });
+    let exit = rx.recv_timeout(WAIT).expect("broker exits").expect("wait");
+    assert!(exit.success(), "exit status {exit:?}");
+}
+
+fn bench(home: &std::path::Path, addr: &str, args: &[&str]) -> std::process::Output {
+    Command::new(CLIENT)
+        .args(["--addr", addr, "bench", "--json", "--idle", "3s"])
+        .args(args)
+        .env("AQUEDUCT_HOME", home)
+        .output()
+        .expect("bench runs")
+}
+
+#[test]
+fn bench_counts_every_message_and_reports_json() {
+    let home = tempfile::tempdir().expect("dir");
+    // Queues deep enough for a closed-loop burst in a debug build: nothing may be dropped here.
+    let (broker, addr, _metrics, _logs) =
+        start_broker_with(home.path(), &[("AQUEDUCT_BROKER_QUEUE_SIZE", "100000")]);
+    let out = bench(
+        home.path(),
+        &addr,
+        &[
+            "--messages",
+            "5000",
+            "--subscribers",
+            "2",
+            "--batch",
+            "50",
+            "--priority-mix",
+            "0:1,3:1",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(r["msgs"], 5000);
+    assert_eq!(
+        (r["lost_total"].as_u64(), r["duplicates_total"].as_u64()),
+        (Some(0), Some(0))
+    );
+    for sub in r["subscribers"].as_array().expect("subscribers") {
+        assert_eq!(sub["received"], 5000);
+    }
+    assert_eq!(r["latency"]["samples"], 10_000);
+    assert!(r["latency"]["p50_us"].as_f64().is_some_and(|v| v > 0.0));
+    assert!(r["latency"]["p99_us"].as_f64() >= r["latency"]["p50_us"].as_f64());
+
+    // A consumer group: each message to exactly one member.
+    let out = bench(
+        home.path(),
+        &addr,
+        &[
+            "--messages",
+            "3000",
+            "--subscribers",
+            "3",
+            "--group",
+            "--batch",
+            "10",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let total: u64 = r["subscribers"]
+        .as_array()
+        .expect("subs")
+        .iter()
+        .filter_map(|s| s["received"].as_u64())
+        .sum();
+    assert_eq!((total, r["lost_total"].as_u64()), (3000, Some(0)));
+
+    // Open loop at a fixed rate, single frames, several publishers and streams.
+    let out = bench(
+        home.path(),
+        &addr,
+        &[
+            "--rate",
+            "2000",
+            "--duration",
+            "1s",
+            "--batch",
+            "1",
+            "--publishers",
+            "2",
+            "--streams",
+            "2",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(r["mode"], "aqueduct-latency");
+    let sent = r["msgs"].as_u64().expect("msgs");
+    assert!(
+        (1000..=3000).contains(&sent),
+        "about 2000 messages in 1 s at 2000/s: {sent}"
+    );
+    stop(broker);
+}
+
+#[test]
+fn bench_refuses_to_call_a_lossy_run_a_success_and_says_why() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, metrics, _logs) = start_broker_with(
+        home.path(),
+        &[
+            ("AQUEDUCT_BROKER_QUEUE_SIZE", "1"),
+            ("AQUEDUCT_BROKER_BACKPRESSURE_POLICY", "drop_newest"),
+        ],
+    );
+    let out = bench(
+        home.path(),
+        &addr,
+        &[
+            "--messages",
+            "20000",
+            "--batch",
+            "100",
+            "--metrics-addr",
+            &metrics,
+        ],
+    );
+    assert!(
+        !out.status.success(),
+        "a run with a 1-message queue must lose messages"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a successful run"), "{err}");
+    assert!(err.contains("dropped by policy drop_newest"), "{err}");
+    stop(broker);
 }
 
 #[test]
 fn pub_and_sub_against_a_real_broker_then_sigterm() {
     let home = tempfile::tempdir().expect("dir");
-    let (mut broker, addr, logs) = start_broker(home.path());
+    let (broker, addr, logs) = start_broker(home.path());
     assert!(
         home.path().join("dev-cert.pem").is_file(),
         "the dev certificate was written"
@@ -185,15 +356,5 @@ fn pub_and_sub_against_a_real_broker_then_sigterm() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no way to verify the broker"));
 
     // Graceful shutdown on SIGTERM, exit status 0.
-    let status = Command::new("kill")
-        .args(["-TERM", &broker.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success());
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(broker.wait());
-    });
-    let exit = rx.recv_timeout(WAIT).expect("broker exits").expect("wait");
-    assert!(exit.success(), "exit status {exit:?}");
+    stop(broker);
 }
