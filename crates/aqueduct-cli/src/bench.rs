@@ -383,12 +383,23 @@ async fn worker(
         };
         send_batch(&publisher, &cfg, &batch, &mut buf, epoch).await?;
         let count = batch.len() as u64;
-        sent.fetch_add(count, Ordering::AcqRel);
-        if let Some(p) = &progress {
-            match cfg.duration {
-                Some(_) => p.set_position(started.elapsed().as_secs()),
-                None => p.inc(count),
-            }
+        advance(&sent, progress.as_ref(), &cfg, started, count);
+    }
+}
+
+/// Count `count` sent messages and move the progress bar.
+fn advance(
+    sent: &AtomicU64,
+    progress: Option<&indicatif::ProgressBar>,
+    cfg: &BenchConfig,
+    started: Instant,
+    count: u64,
+) {
+    sent.fetch_add(count, Ordering::AcqRel);
+    if let Some(p) = progress {
+        match cfg.duration {
+            Some(_) => p.set_position(started.elapsed().as_secs()),
+            None => p.inc(count),
         }
     }
 }
@@ -474,13 +485,7 @@ fn paced_worker(
         }
         due += interval;
         handle.block_on(send_batch(&publisher, &cfg, &batch, &mut buf, epoch))?;
-        sent.fetch_add(batch.len() as u64, Ordering::AcqRel);
-        if let Some(p) = &progress {
-            match cfg.duration {
-                Some(_) => p.set_position(started.elapsed().as_secs()),
-                None => p.inc(batch.len() as u64),
-            }
-        }
+        advance(&sent, progress.as_ref(), &cfg, started, batch.len() as u64);
     }
     handle.block_on(publisher.flush())
 }

@@ -6,19 +6,15 @@ mod common;
 
 use aqueduct_client::{Client, ConnectOptions, PublishOptions};
 use common::*;
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+use rcgen::{CertificateParams, KeyPair};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn certificate_files_ca_trust_and_pinning() {
     let dir = tempfile::tempdir().expect("dir");
-    let ca_key = KeyPair::generate().expect("key");
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "Aqueduct test CA");
-    let ca = ca_params.self_signed(&ca_key).expect("ca");
-    let issuer = Issuer::new(ca_params, ca_key);
+    let TestCa {
+        pem: ca_pem,
+        issuer,
+    } = test_ca();
     let broker_key = KeyPair::generate().expect("key");
     let broker_cert =
         CertificateParams::new(vec!["broker.test".to_string(), "127.0.0.1".to_string()])
@@ -30,7 +26,7 @@ async fn certificate_files_ca_trust_and_pinning() {
         dir.path().join("broker.pem"),
         dir.path().join("broker.key"),
     );
-    std::fs::write(&ca_file, ca.pem()).expect("write");
+    std::fs::write(&ca_file, ca_pem).expect("write");
     std::fs::write(&cert_file, broker_cert.pem()).expect("write");
     std::fs::write(&key_file, broker_key.serialize_pem()).expect("write");
 

@@ -9,9 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use aqueduct_client::{Client, PublishOptions};
 use common::*;
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-};
+use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair};
 
 /// Collects the broker's log lines (this test binary has one test, so a global subscriber is ok).
 #[derive(Clone, Default)]
@@ -48,14 +46,10 @@ async fn client_certificates_are_required_and_name_the_client() {
 
     let dir = tempfile::tempdir().expect("temp dir");
     // A CA, and a client certificate for "alice" signed by it.
-    let ca_key = KeyPair::generate().expect("key");
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "Aqueduct test CA");
-    let ca_cert = ca_params.self_signed(&ca_key).expect("ca");
-    let issuer = Issuer::new(ca_params, ca_key);
+    let TestCa {
+        pem: ca_pem,
+        issuer,
+    } = test_ca();
     let alice_key = KeyPair::generate().expect("key");
     let mut alice_params = CertificateParams::new(Vec::<String>::new()).expect("params");
     alice_params
@@ -66,7 +60,7 @@ async fn client_certificates_are_required_and_name_the_client() {
     let ca_file = dir.path().join("ca.pem");
     let cert_file = dir.path().join("alice.pem");
     let key_file = dir.path().join("alice.key");
-    std::fs::write(&ca_file, ca_cert.pem()).expect("write");
+    std::fs::write(&ca_file, ca_pem).expect("write");
     std::fs::write(&cert_file, alice.pem()).expect("write");
     std::fs::write(&key_file, alice_key.serialize_pem()).expect("write");
 

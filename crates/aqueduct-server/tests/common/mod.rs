@@ -220,3 +220,24 @@ impl RawStream {
         .await
     }
 }
+
+/// A test certificate authority: its PEM file and an issuer to sign leaf certificates with.
+pub struct TestCa {
+    pub pem: String,
+    pub issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+}
+
+pub fn test_ca() -> TestCa {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+    let key = KeyPair::generate().expect("key");
+    let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "Aqueduct test CA");
+    let cert = params.self_signed(&key).expect("ca");
+    TestCa {
+        pem: cert.pem(),
+        issuer: rcgen::Issuer::new(params, key),
+    }
+}
