@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use aqueduct_proto::delivery::{Arena, DeadLetter, DeliveryFields};
 use aqueduct_proto::{
-    AckMode, Compression, GroupId, OverflowPolicy, Priority, Publish, SharedDelivery,
-    SubscribeSpec, TopicName, TraceContext,
+    AckMode, Compression, GroupId, OverflowPolicy, Priority, Publish, PublishRef, SharedDelivery,
+    SubscribeSpec, TopicName, TopicRef, TraceContext,
 };
 use bytes::BufMut;
 use foldhash::fast::RandomState;
@@ -44,13 +44,13 @@ pub const DLQ_PREFIX: &str = "__dlq__";
 /// A message to publish, borrowed from wherever it was decoded.
 #[derive(Debug, Clone, Copy)]
 pub struct Publication<'a> {
-    pub topic: &'a TopicName,
+    pub topic: TopicRef<'a>,
     pub body: &'a [u8],
     pub priority: Priority,
     /// The message's own TTL (a priority TTL from the config overrides it).
     pub ttl: Option<Duration>,
-    pub trace: Option<&'a TraceContext>,
-    pub compression: Option<&'a Compression>,
+    pub trace: Option<TraceContext>,
+    pub compression: Option<Compression>,
     /// Set only when the broker dead-letters a message.
     pub(crate) dead_letter: Option<&'a DeadLetter<'a>>,
 }
@@ -59,7 +59,7 @@ impl<'a> Publication<'a> {
     /// Default priority, no TTL.
     pub fn new(topic: &'a TopicName, body: &'a [u8]) -> Self {
         Publication {
-            topic,
+            topic: topic.borrowed(),
             body,
             priority: Priority::DEFAULT,
             ttl: None,
@@ -69,15 +69,28 @@ impl<'a> Publication<'a> {
         }
     }
 
+    /// A sub-frame of a PUBLISH_BATCH, decoded without copies.
+    pub fn from_ref(p: &PublishRef<'a>) -> Self {
+        Publication {
+            topic: p.topic,
+            body: p.body,
+            priority: p.priority,
+            ttl: p.ttl_ms.map(|ms| Duration::from_millis(u64::from(ms))),
+            trace: p.trace,
+            compression: p.compression,
+            dead_letter: None,
+        }
+    }
+
     /// Everything a decoded PUBLISH frame says.
     pub fn from_publish(p: &'a Publish) -> Self {
         Publication {
-            topic: p.topic(),
+            topic: p.topic().borrowed(),
             body: &p.body,
             priority: p.priority(),
             ttl: p.ttl_ms().map(|ms| Duration::from_millis(u64::from(ms))),
-            trace: p.ext.trace.as_ref(),
-            compression: p.ext.compression.as_ref(),
+            trace: p.ext.trace,
+            compression: p.ext.compression,
             dead_letter: None,
         }
     }
@@ -392,7 +405,7 @@ impl Broker {
 
     // ----- publishing -----
 
-    fn topic_state(&self, ctx: &mut PublishContext, name: &TopicName) -> Arc<TopicState> {
+    fn topic_state(&self, ctx: &mut PublishContext, name: TopicRef<'_>) -> Arc<TopicState> {
         if let Some(t) = &ctx.last_topic {
             if t.name().as_bytes() == name.as_bytes() {
                 return t.clone();
@@ -406,9 +419,10 @@ impl Broker {
             .cloned();
         let state = found.unwrap_or_else(|| {
             let mut topics = self.topics.write().unwrap_or_else(PoisonError::into_inner);
+            let owned = name.to_name();
             topics
-                .entry(name.detached())
-                .or_insert_with(|| Arc::new(TopicState::new(name)))
+                .entry(owned.clone())
+                .or_insert_with(|| Arc::new(TopicState::new(&owned)))
                 .clone()
         });
         ctx.last_topic = Some(state.clone());
@@ -529,8 +543,8 @@ impl Broker {
                 topic: topic.name(),
                 offset,
                 priority: p.priority,
-                trace: p.trace,
-                compression: p.compression,
+                trace: p.trace.as_ref(),
+                compression: p.compression.as_ref(),
                 dead_letter: p.dead_letter.copied(),
                 body: p.body,
             },
@@ -777,12 +791,12 @@ impl Broker {
             reason,
         };
         let publication = Publication {
-            topic: &dlq,
+            topic: dlq.borrowed(),
             body: &body,
             priority: d.priority,
             ttl: None,
-            trace: ext.trace.as_ref(),
-            compression: ext.compression.as_ref(),
+            trace: ext.trace,
+            compression: ext.compression,
             dead_letter: Some(&info),
         };
         self.publish(ctx, &publication, now);

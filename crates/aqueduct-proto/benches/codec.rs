@@ -44,6 +44,16 @@ fn batch_decode(c: &mut Criterion) {
                 .sum::<usize>()
         })
     });
+    // Borrowed decode: what the broker routes from (no reference counts, no allocation).
+    g.bench_function("refs_100x128B", |b| {
+        b.iter(|| {
+            black_box(&batch)
+                .iter_refs()
+                .filter_map(Result::ok)
+                .map(|p| p.body.len())
+                .sum::<usize>()
+        })
+    });
     // Validation of a whole received batch (what the broker does before routing any of it).
     g.bench_function("validate_100x128B", |b| {
         b.iter(|| {

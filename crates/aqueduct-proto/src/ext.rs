@@ -10,7 +10,7 @@
 use bytes::{BufMut, Bytes};
 
 use crate::error::ProtoError;
-use crate::topic::TopicName;
+use crate::topic::{TopicName, TopicRef};
 
 /// Largest extension block (`ext_len`), in bytes.
 pub const MAX_EXT_LEN: usize = 1024;
@@ -174,6 +174,146 @@ impl std::str::FromStr for OverflowPolicy {
     }
 }
 
+/// One known entry of an extension block, validated, borrowing its value.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Entry<'a> {
+    Trace(TraceContext),
+    Compression(Compression),
+    Priority(Priority),
+    /// The topic and the offset of its value in the walked buffer.
+    Topic(TopicRef<'a>, usize),
+    Ttl(u32),
+    Offset(u64),
+    Attempt(u32),
+    Confirm,
+    AckMode(AckMode),
+    Overflow(OverflowPolicy),
+    OriginalTopic(TopicRef<'a>, usize),
+    OriginalOffset(u64),
+    Reason(&'a str),
+    AttemptsMade(u32),
+}
+
+/// Decode and validate one entry; `None` for a type this version does not know (skipped).
+/// Every validation rule for known types lives here.
+fn decode_entry(ty: u8, value: &[u8], at: usize) -> Result<Option<Entry<'_>>, ProtoError> {
+    let topic = |v| {
+        TopicRef::new(v).map_err(|source| ProtoError::InvalidTopic {
+            what: TopicName::WHAT,
+            source,
+        })
+    };
+    Ok(Some(match ty {
+        types::TRACE => {
+            let v: [u8; 25] = fixed(ty, value)?;
+            let mut trace_id = [0u8; 16];
+            let mut span_id = [0u8; 8];
+            trace_id.copy_from_slice(&v[..16]);
+            span_id.copy_from_slice(&v[16..24]);
+            Entry::Trace(TraceContext {
+                trace_id,
+                span_id,
+                flags: v[24],
+            })
+        }
+        types::COMPRESSION => {
+            let v: [u8; 5] = fixed(ty, value)?;
+            Entry::Compression(Compression {
+                algorithm: v[0],
+                uncompressed_len: u32::from_le_bytes([v[1], v[2], v[3], v[4]]),
+            })
+        }
+        types::PRIORITY => {
+            let [v] = fixed::<1>(ty, value)?;
+            Entry::Priority(Priority::try_from(v)?)
+        }
+        types::TOPIC => Entry::Topic(topic(value)?, at),
+        types::TTL => Entry::Ttl(u32::from_le_bytes(fixed(ty, value)?)),
+        types::OFFSET => Entry::Offset(u64::from_le_bytes(fixed(ty, value)?)),
+        types::ATTEMPT => {
+            let attempt = u32::from_le_bytes(fixed(ty, value)?);
+            if attempt == 0 {
+                return Err(bad(ty, "attempt numbers start at 1"));
+            }
+            Entry::Attempt(attempt)
+        }
+        types::CONFIRM => {
+            if !value.is_empty() {
+                return Err(bad(ty, "value must be empty"));
+            }
+            Entry::Confirm
+        }
+        types::ACK_MODE => Entry::AckMode(match fixed::<1>(ty, value)? {
+            [0] => AckMode::None,
+            [1] => AckMode::Explicit,
+            _ => return Err(bad(ty, "ack mode must be 0 or 1")),
+        }),
+        types::OVERFLOW => {
+            let [v] = fixed::<1>(ty, value)?;
+            match OverflowPolicy::from_wire(v) {
+                Some(p) => Entry::Overflow(p),
+                None => return Err(bad(ty, "overflow policy must be 0..=2")),
+            }
+        }
+        types::ORIGINAL_TOPIC => Entry::OriginalTopic(topic(value)?, at),
+        types::ORIGINAL_OFFSET => Entry::OriginalOffset(u64::from_le_bytes(fixed(ty, value)?)),
+        types::REASON => {
+            Entry::Reason(std::str::from_utf8(value).map_err(|_| bad(ty, "reason must be UTF-8"))?)
+        }
+        types::ATTEMPTS_MADE => Entry::AttemptsMade(u32::from_le_bytes(fixed(ty, value)?)),
+        // Unknown types are skipped: forward compatibility.
+        _ => return Ok(None),
+    }))
+}
+
+/// Walk the extension block at `buf[start..end]`: every known entry is validated and handed to
+/// `f`; a known type given twice, or an entry cut short, is an error. Allocation-free.
+pub(crate) fn walk<'a>(
+    buf: &'a [u8],
+    start: usize,
+    end: usize,
+    mut f: impl FnMut(Entry<'a>),
+) -> Result<(), ProtoError> {
+    let len = end.saturating_sub(start);
+    if len > MAX_EXT_LEN {
+        return Err(ProtoError::ExtensionBlockTooLarge {
+            len,
+            max: MAX_EXT_LEN,
+        });
+    }
+    let mut seen = 0u32;
+    let mut at = start;
+    while at < end {
+        let Some(&[ty, vlen]) = buf.get(at..end).and_then(|s| s.first_chunk::<2>()) else {
+            return Err(ProtoError::TruncatedExtension {
+                offset: at - start,
+                need: 2,
+                have: end - at,
+            });
+        };
+        let vstart = at + 2;
+        let vend = vstart + usize::from(vlen);
+        let Some(value) = buf.get(vstart..vend).filter(|_| vend <= end) else {
+            return Err(ProtoError::TruncatedExtension {
+                offset: at - start,
+                need: 2 + usize::from(vlen),
+                have: end - at,
+            });
+        };
+        if let Some(entry) = decode_entry(ty, value, vstart)? {
+            // Known types are 0x01..=0x0E: one bit each.
+            let bit = 1u32 << (ty & 31);
+            if seen & bit != 0 {
+                return Err(ProtoError::DuplicateExtension { ext_type: ty });
+            }
+            seen |= bit;
+            f(entry);
+        }
+        at = vend;
+    }
+    Ok(())
+}
+
 /// The decoded extension block. Every field is `None`/`false` when its entry is absent.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Extensions {
@@ -213,21 +353,6 @@ fn fixed<const N: usize>(ext_type: u8, value: &[u8]) -> Result<[u8; N], ProtoErr
     })
 }
 
-fn set<T>(slot: &mut Option<T>, ext_type: u8, value: T) -> Result<(), ProtoError> {
-    if slot.is_some() {
-        return Err(ProtoError::DuplicateExtension { ext_type });
-    }
-    *slot = Some(value);
-    Ok(())
-}
-
-fn topic_value(block: &Bytes, start: usize, end: usize) -> Result<TopicName, ProtoError> {
-    TopicName::from_bytes(block.slice(start..end)).map_err(|source| ProtoError::InvalidTopic {
-        what: TopicName::WHAT,
-        source,
-    })
-}
-
 impl Extensions {
     /// Parse the entries of an extension block (the bytes after `ext_len`). Topic values borrow
     /// `block`'s buffer.
@@ -242,140 +367,26 @@ impl Extensions {
         start: usize,
         end: usize,
     ) -> Result<Extensions, ProtoError> {
-        let len = end.saturating_sub(start);
-        if len > MAX_EXT_LEN {
-            return Err(ProtoError::ExtensionBlockTooLarge {
-                len,
-                max: MAX_EXT_LEN,
-            });
-        }
         let mut ext = Extensions::default();
-        let mut at = start;
-        while at < end {
-            let Some(&[ty, vlen]) = buf.get(at..end).and_then(|s| s.first_chunk::<2>()) else {
-                return Err(ProtoError::TruncatedExtension {
-                    offset: at - start,
-                    need: 2,
-                    have: end - at,
-                });
-            };
-            let vstart = at + 2;
-            let vend = vstart + usize::from(vlen);
-            let Some(value) = buf.get(vstart..vend).filter(|_| vend <= end) else {
-                return Err(ProtoError::TruncatedExtension {
-                    offset: at - start,
-                    need: 2 + usize::from(vlen),
-                    have: end - at,
-                });
-            };
-            ext.apply(buf, ty, value, vstart, vend)?;
-            at = vend;
-        }
+        let name =
+            |at: usize, t: TopicRef<'_>| TopicName::from_validated(buf.slice(at..at + t.len()));
+        walk(buf, start, end, |entry| match entry {
+            Entry::Trace(t) => ext.trace = Some(t),
+            Entry::Compression(c) => ext.compression = Some(c),
+            Entry::Priority(p) => ext.priority = Some(p),
+            Entry::Topic(t, at) => ext.topic = Some(name(at, t)),
+            Entry::Ttl(ms) => ext.ttl_ms = Some(ms),
+            Entry::Offset(o) => ext.offset = Some(o),
+            Entry::Attempt(a) => ext.attempt = Some(a),
+            Entry::Confirm => ext.confirm = true,
+            Entry::AckMode(m) => ext.ack_mode = Some(m),
+            Entry::Overflow(p) => ext.overflow = Some(p),
+            Entry::OriginalTopic(t, at) => ext.original_topic = Some(name(at, t)),
+            Entry::OriginalOffset(o) => ext.original_offset = Some(o),
+            Entry::Reason(r) => ext.reason = Some(r.to_owned()),
+            Entry::AttemptsMade(n) => ext.attempts_made = Some(n),
+        })?;
         Ok(ext)
-    }
-
-    fn apply(
-        &mut self,
-        block: &Bytes,
-        ty: u8,
-        value: &[u8],
-        start: usize,
-        end: usize,
-    ) -> Result<(), ProtoError> {
-        match ty {
-            types::TRACE => {
-                let v: [u8; 25] = fixed(ty, value)?;
-                let mut trace_id = [0u8; 16];
-                let mut span_id = [0u8; 8];
-                trace_id.copy_from_slice(&v[..16]);
-                span_id.copy_from_slice(&v[16..24]);
-                set(
-                    &mut self.trace,
-                    ty,
-                    TraceContext {
-                        trace_id,
-                        span_id,
-                        flags: v[24],
-                    },
-                )
-            }
-            types::COMPRESSION => {
-                let v: [u8; 5] = fixed(ty, value)?;
-                let c = Compression {
-                    algorithm: v[0],
-                    uncompressed_len: u32::from_le_bytes([v[1], v[2], v[3], v[4]]),
-                };
-                set(&mut self.compression, ty, c)
-            }
-            types::PRIORITY => {
-                let [v] = fixed::<1>(ty, value)?;
-                set(&mut self.priority, ty, Priority::try_from(v)?)
-            }
-            types::TOPIC => {
-                if self.topic.is_some() {
-                    return Err(ProtoError::DuplicateExtension { ext_type: ty });
-                }
-                self.topic = Some(topic_value(block, start, end)?);
-                Ok(())
-            }
-            types::TTL => set(&mut self.ttl_ms, ty, u32::from_le_bytes(fixed(ty, value)?)),
-            types::OFFSET => set(&mut self.offset, ty, u64::from_le_bytes(fixed(ty, value)?)),
-            types::ATTEMPT => {
-                let attempt = u32::from_le_bytes(fixed(ty, value)?);
-                if attempt == 0 {
-                    return Err(bad(ty, "attempt numbers start at 1"));
-                }
-                set(&mut self.attempt, ty, attempt)
-            }
-            types::CONFIRM => {
-                if !value.is_empty() {
-                    return Err(bad(ty, "value must be empty"));
-                }
-                if self.confirm {
-                    return Err(ProtoError::DuplicateExtension { ext_type: ty });
-                }
-                self.confirm = true;
-                Ok(())
-            }
-            types::ACK_MODE => {
-                let mode = match fixed::<1>(ty, value)? {
-                    [0] => AckMode::None,
-                    [1] => AckMode::Explicit,
-                    _ => return Err(bad(ty, "ack mode must be 0 or 1")),
-                };
-                set(&mut self.ack_mode, ty, mode)
-            }
-            types::OVERFLOW => {
-                let [v] = fixed::<1>(ty, value)?;
-                let policy = OverflowPolicy::from_wire(v)
-                    .ok_or_else(|| bad(ty, "overflow policy must be 0..=2"))?;
-                set(&mut self.overflow, ty, policy)
-            }
-            types::ORIGINAL_TOPIC => {
-                if self.original_topic.is_some() {
-                    return Err(ProtoError::DuplicateExtension { ext_type: ty });
-                }
-                self.original_topic = Some(topic_value(block, start, end)?);
-                Ok(())
-            }
-            types::ORIGINAL_OFFSET => set(
-                &mut self.original_offset,
-                ty,
-                u64::from_le_bytes(fixed(ty, value)?),
-            ),
-            types::REASON => {
-                let text =
-                    std::str::from_utf8(value).map_err(|_| bad(ty, "reason must be UTF-8"))?;
-                set(&mut self.reason, ty, text.to_owned())
-            }
-            types::ATTEMPTS_MADE => set(
-                &mut self.attempts_made,
-                ty,
-                u32::from_le_bytes(fixed(ty, value)?),
-            ),
-            // Unknown types are skipped: forward compatibility.
-            _ => Ok(()),
-        }
     }
 
     /// True when no entry would be written.

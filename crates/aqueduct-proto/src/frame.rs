@@ -6,12 +6,14 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::batch::{split_data, BatchIter};
+use crate::batch::{split_data, BatchIter, RawFrameRef};
 use crate::error::{DecodeError, ErrorCode, ProtoError};
-use crate::ext::{AckMode, Extensions, OverflowPolicy, Priority};
+use crate::ext::{
+    walk, AckMode, Compression, Entry, Extensions, OverflowPolicy, Priority, TraceContext,
+};
 use crate::header::{write_header, FrameHeader, Opcode, RawHeader, HEADER_LEN};
 use crate::subscribe::{parse_unsubscribe, SubscribeSpec};
-use crate::topic::{TopicFilter, TopicName};
+use crate::topic::{TopicFilter, TopicName, TopicRef};
 
 /// Receiver limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -186,6 +188,15 @@ impl Publish {
 
 /// The seed's reference clients send the topic as the payload: `[ttl:<ms>:][topic:]<name>`.
 fn parse_legacy(payload: &Bytes) -> Result<(TopicName, Option<u32>), ProtoError> {
+    let (topic, at, ttl) = legacy_target(payload)?;
+    Ok((
+        TopicName::from_validated(payload.slice(at..at + topic.len())),
+        ttl,
+    ))
+}
+
+/// The seed's payload form `[ttl:<ms>:][topic:]<name>`: the topic, where it starts, the TTL.
+fn legacy_target(payload: &[u8]) -> Result<(TopicRef<'_>, usize, Option<u32>), ProtoError> {
     let mut start = 0;
     let mut ttl = None;
     if let Some(rest) = payload.strip_prefix(b"ttl:") {
@@ -200,23 +211,69 @@ fn parse_legacy(payload: &Bytes) -> Result<(TopicName, Option<u32>), ProtoError>
         let ms = rest[..digits].iter().try_fold(0u32, |acc, &d| {
             acc.checked_mul(10)?.checked_add(u32::from(d - b'0'))
         });
-        ttl = Some(ms.ok_or_else(|| ProtoError::BadPayload {
-            opcode: "PUBLISH",
-            problem: "legacy ttl does not fit in 32 bits of milliseconds",
-            len: payload.len(),
-        })?);
+        let Some(ms) = ms else {
+            return Err(ProtoError::BadPayload {
+                opcode: "PUBLISH",
+                problem: "legacy ttl does not fit in 32 bits of milliseconds",
+                len: payload.len(),
+            });
+        };
+        ttl = Some(ms);
         start = 4 + digits + 1;
     }
     if payload[start..].starts_with(b"topic:") {
         start += 6;
     }
-    let topic = TopicName::from_bytes(payload.slice(start..)).map_err(|source| {
-        ProtoError::InvalidTopic {
-            what: "legacy topic payload",
-            source,
-        }
+    let topic = TopicRef::new(&payload[start..]).map_err(|source| ProtoError::InvalidTopic {
+        what: "legacy topic payload",
+        source,
     })?;
-    Ok((topic, ttl))
+    Ok((topic, start, ttl))
+}
+
+/// A PUBLISH sub-frame of a batch, decoded without copying or counting references: what a
+/// broker needs to route it. Extensions other than those below are validated and ignored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublishRef<'a> {
+    pub topic: TopicRef<'a>,
+    pub body: &'a [u8],
+    pub priority: Priority,
+    /// The TTL extension, else a legacy `ttl:<ms>:` prefix; 0 means none.
+    pub ttl_ms: Option<u32>,
+    pub trace: Option<TraceContext>,
+    pub compression: Option<Compression>,
+}
+
+impl<'a> PublishRef<'a> {
+    /// Decode and fully validate a sub-frame (the same rules as [`Publish`]).
+    pub fn parse(sub: &RawFrameRef<'a>) -> Result<PublishRef<'a>, ProtoError> {
+        let (mut topic, mut priority, mut ttl_ms, mut trace, mut compression) =
+            (None, None, None, None, None);
+        walk(sub.ext_block, 0, sub.ext_block.len(), |e| match e {
+            Entry::Topic(t, _) => topic = Some(t),
+            Entry::Priority(p) => priority = Some(p),
+            Entry::Ttl(ms) => ttl_ms = Some(ms),
+            Entry::Trace(t) => trace = Some(t),
+            Entry::Compression(c) => compression = Some(c),
+            _ => {}
+        })?;
+        let topic = match topic {
+            Some(t) => t,
+            None => {
+                let (t, _, legacy_ttl) = legacy_target(sub.payload)?;
+                ttl_ms = ttl_ms.or(legacy_ttl);
+                t
+            }
+        };
+        Ok(PublishRef {
+            topic,
+            body: sub.payload,
+            priority: priority.unwrap_or_default(),
+            ttl_ms: ttl_ms.filter(|&t| t > 0),
+            trace,
+            compression,
+        })
+    }
 }
 
 impl Subscribe {
@@ -257,8 +314,9 @@ impl PublishBatch {
         let mut count = 0;
         for sub in BatchIter::new(&payload) {
             let sub = sub?;
-            // Full validation now, so that a broker can reject the whole batch before routing any of it.
-            if let Err(source) = publish_from_ref(&payload, &sub) {
+            // Full validation now, so that a broker can reject the whole batch before routing any
+            // of it (borrowed: no allocation, no reference counts).
+            if let Err(source) = PublishRef::parse(&sub) {
                 return Err(ProtoError::BadBatchEntry {
                     index: count,
                     offset: sub.offset,
@@ -286,6 +344,14 @@ impl PublishBatch {
     /// The raw payload (concatenated sub-frames).
     pub fn payload(&self) -> &Bytes {
         &self.payload
+    }
+
+    /// The sub-frames as borrowed [`PublishRef`]s (cheapest). A decoded batch was validated, so
+    /// the items are `Ok`.
+    pub fn iter_refs(
+        &self,
+    ) -> impl Iterator<Item = Result<PublishRef<'_>, ProtoError>> + Clone + '_ {
+        BatchIter::new(&self.payload).map(|sub| PublishRef::parse(&sub?))
     }
 
     /// The sub-frames as publishes, each borrowing the batch buffer. The batch was validated

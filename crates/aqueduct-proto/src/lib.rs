@@ -24,8 +24,8 @@ pub use error::{DecodeError, ErrorCode, ProtoError};
 pub use ext::{AckMode, Compression, Extensions, OverflowPolicy, Priority, TraceContext};
 pub use frame::{
     decode_frame, Ack, BatchBuilder, Confirm, ErrorFrame, Frame, Limits, Nack, Publish,
-    PublishBatch, Subscribe, Unsubscribe,
+    PublishBatch, PublishRef, Subscribe, Unsubscribe,
 };
 pub use header::{FrameHeader, Opcode, HEADER_LEN, MAGIC};
 pub use subscribe::{Durable, SubscribeSpec};
-pub use topic::{ConsumerId, GroupId, TopicError, TopicFilter, TopicName};
+pub use topic::{ConsumerId, GroupId, TopicError, TopicFilter, TopicName, TopicRef};

@@ -213,7 +213,71 @@ name_type!(
     check_common
 );
 
+/// A borrowed, validated topic name: what a decoder hands out without copying or counting
+/// references. [`TopicRef::to_name`] makes an owned [`TopicName`].
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TopicRef<'a>(&'a str);
+
+impl<'a> TopicRef<'a> {
+    /// Validate `bytes` as a topic name.
+    pub fn new(bytes: &'a [u8]) -> Result<TopicRef<'a>, TopicError> {
+        check_name(bytes)?;
+        std::str::from_utf8(bytes)
+            .map(TopicRef)
+            .map_err(|_| TopicError::NotUtf8)
+    }
+
+    pub fn as_str(&self) -> &'a str {
+        self.0
+    }
+
+    pub fn as_bytes(&self) -> &'a [u8] {
+        self.0.as_bytes()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Always false: names are never empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// True for system topics (`$…`, `__…`).
+    pub fn is_system(&self) -> bool {
+        self.0.starts_with('$') || self.0.starts_with("__")
+    }
+
+    /// An owned copy.
+    pub fn to_name(&self) -> TopicName {
+        TopicName(Bytes::copy_from_slice(self.0.as_bytes()))
+    }
+}
+
+impl fmt::Display for TopicRef<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl fmt::Debug for TopicRef<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "TopicRef({:?})", self.0)
+    }
+}
+
 impl TopicName {
+    /// Borrow as a [`TopicRef`].
+    pub fn borrowed(&self) -> TopicRef<'_> {
+        TopicRef(self.as_str())
+    }
+
+    /// Wrap bytes already validated as a topic name (by [`TopicRef::new`]).
+    pub(crate) fn from_validated(bytes: Bytes) -> TopicName {
+        TopicName(bytes)
+    }
+
     /// True for system topics (`$…`, `__…`), which filters starting with a wildcard never match.
     pub fn is_system(&self) -> bool {
         self.0.first() == Some(&b'$') || self.0.starts_with(b"__")

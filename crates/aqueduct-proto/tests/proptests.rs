@@ -158,6 +158,17 @@ proptest! {
     fn batch_sub_frames_decode_in_order(ps in prop::collection::vec(publish(), 0..16)) {
         let batch = PublishBatch::from_publishes(&ps);
         let back: Vec<Publish> = batch.publishes().collect::<Result<_, _>>().expect("valid");
+        // The borrowed decoder agrees with the owned one on everything a router uses.
+        let refs: Vec<PublishRef<'_>> = batch.iter_refs().collect::<Result<_, _>>().expect("valid");
+        prop_assert_eq!(refs.len(), back.len());
+        for (r, p) in refs.iter().zip(&back) {
+            prop_assert_eq!(r.topic, p.topic().borrowed());
+            prop_assert_eq!(r.body, &p.body[..]);
+            prop_assert_eq!(r.priority, p.priority());
+            prop_assert_eq!(r.ttl_ms, p.ttl_ms());
+            prop_assert_eq!(r.trace, p.ext.trace);
+            prop_assert_eq!(r.compression, p.ext.compression);
+        }
         prop_assert_eq!(back, ps);
     }
 

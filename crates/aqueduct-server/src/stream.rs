@@ -13,9 +13,7 @@ use std::time::Instant;
 
 use aqueduct_core::{CloseReason, Publication, PublishContext, SubscribeOptions, Subscriber};
 use aqueduct_proto::frame::{split_frame, Message};
-use aqueduct_proto::{
-    Confirm, DecodeError, ErrorCode, ErrorFrame, Frame, ProtoError, Publish, HEADER_LEN,
-};
+use aqueduct_proto::{Confirm, DecodeError, ErrorCode, ErrorFrame, Frame, ProtoError, HEADER_LEN};
 use bytes::{Buf, BytesMut};
 use tokio::io::AsyncReadExt;
 use tokio::sync::{watch, Notify};
@@ -97,7 +95,6 @@ pub(crate) async fn serve(
         conn: &conn,
         out: &out,
         ctx: PublishContext::default(),
-        scratch: Vec::new(),
     };
     // On shutdown stop reading at once; the writer flushes what is queued and finishes.
     let end = tokio::select! {
@@ -126,8 +123,6 @@ struct Reader<'a> {
     conn: &'a Arc<ConnState>,
     out: &'a Arc<StreamOut>,
     ctx: PublishContext,
-    /// Reused for decoding PUBLISH_BATCH sub-frames.
-    scratch: Vec<Publish>,
 }
 
 impl Reader<'_> {
@@ -244,15 +239,15 @@ impl Reader<'_> {
                 }
             }
             Message::PublishBatch(batch) => {
-                self.scratch.clear();
-                // Validated in full when decoded, so every sub-frame is Ok.
-                self.scratch
-                    .extend(batch.publishes().filter_map(Result::ok));
                 let mut offsets = Vec::new();
                 let confirm = batch.ext.confirm;
+                // Validated in full when decoded, so every sub-frame is Ok; borrowed, no copies.
                 broker.publish_batch(
                     &mut self.ctx,
-                    self.scratch.iter().map(Publication::from_publish),
+                    batch
+                        .iter_refs()
+                        .filter_map(Result::ok)
+                        .map(|p| Publication::from_ref(&p)),
                     now,
                     |o| {
                         if confirm {
