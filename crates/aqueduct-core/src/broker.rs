@@ -49,8 +49,8 @@ pub struct Publication<'a> {
     pub priority: Priority,
     /// The message's own TTL (a priority TTL from the config overrides it).
     pub ttl: Option<Duration>,
-    pub trace: Option<TraceContext>,
-    pub compression: Option<Compression>,
+    pub trace: Option<&'a TraceContext>,
+    pub compression: Option<&'a Compression>,
     /// Set only when the broker dead-letters a message.
     pub(crate) dead_letter: Option<&'a DeadLetter<'a>>,
 }
@@ -70,14 +70,14 @@ impl<'a> Publication<'a> {
     }
 
     /// A sub-frame of a PUBLISH_BATCH, decoded without copies.
-    pub fn from_ref(p: &PublishRef<'a>) -> Self {
+    pub fn from_ref(p: &'a PublishRef<'a>) -> Self {
         Publication {
             topic: p.topic,
             body: p.body,
             priority: p.priority,
             ttl: p.ttl_ms.map(|ms| Duration::from_millis(u64::from(ms))),
-            trace: p.trace,
-            compression: p.compression,
+            trace: p.trace.as_ref(),
+            compression: p.compression.as_ref(),
             dead_letter: None,
         }
     }
@@ -89,8 +89,8 @@ impl<'a> Publication<'a> {
             body: &p.body,
             priority: p.priority(),
             ttl: p.ttl_ms().map(|ms| Duration::from_millis(u64::from(ms))),
-            trace: p.ext.trace,
-            compression: p.ext.compression,
+            trace: p.ext.trace.as_ref(),
+            compression: p.ext.compression.as_ref(),
             dead_letter: None,
         }
     }
@@ -543,8 +543,8 @@ impl Broker {
                 topic: topic.name(),
                 offset,
                 priority: p.priority,
-                trace: p.trace.as_ref(),
-                compression: p.compression.as_ref(),
+                trace: p.trace,
+                compression: p.compression,
                 dead_letter: p.dead_letter.copied(),
                 body: p.body,
             },
@@ -795,8 +795,8 @@ impl Broker {
             body: &body,
             priority: d.priority,
             ttl: None,
-            trace: ext.trace,
-            compression: ext.compression,
+            trace: ext.trace.as_ref(),
+            compression: ext.compression.as_ref(),
             dead_letter: Some(&info),
         };
         self.publish(ctx, &publication, now);

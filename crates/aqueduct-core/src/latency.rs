@@ -28,16 +28,71 @@ pub struct LatencySnapshot {
     pub count: u64,
 }
 
+/// Observations gathered locally (no atomics) and added to a [`LatencyHistogram`] in one go:
+/// a writer draining a hundred deliveries pays a handful of atomic adds, not three per message.
+#[derive(Debug)]
+pub struct LocalLatency {
+    buckets: [u32; BOUNDS_US.len() + 1],
+    sum_ns: u64,
+    count: u32,
+}
+
+impl Default for LocalLatency {
+    fn default() -> Self {
+        LocalLatency {
+            buckets: [0; BOUNDS_US.len() + 1],
+            sum_ns: 0,
+            count: 0,
+        }
+    }
+}
+
+/// Nanoseconds in u64 arithmetic (no u128 on the hot path; saturates after 584 years).
+fn nanos(d: Duration) -> u64 {
+    d.as_secs()
+        .saturating_mul(1_000_000_000)
+        .saturating_add(u64::from(d.subsec_nanos()))
+}
+
+/// The bucket of a latency: a linear scan, which ends after a step or two for the common
+/// sub-millisecond latencies.
+fn bucket(ns: u64) -> usize {
+    let us = ns / 1_000;
+    BOUNDS_US
+        .iter()
+        .position(|&b| us <= b)
+        .unwrap_or(BOUNDS_US.len())
+}
+
+impl LocalLatency {
+    pub fn observe(&mut self, latency: Duration) {
+        let ns = nanos(latency);
+        self.buckets[bucket(ns)] += 1;
+        self.sum_ns = self.sum_ns.saturating_add(ns);
+        self.count += 1;
+    }
+
+    /// Add everything to `into`.
+    pub fn flush(&self, into: &LatencyHistogram) {
+        if self.count == 0 {
+            return;
+        }
+        for (shared, &n) in into.buckets.iter().zip(&self.buckets) {
+            if n > 0 {
+                shared.fetch_add(u64::from(n), Relaxed);
+            }
+        }
+        into.sum_ns.fetch_add(self.sum_ns, Relaxed);
+        into.count.fetch_add(u64::from(self.count), Relaxed);
+    }
+}
+
 impl LatencyHistogram {
     /// Record one observation.
     pub fn observe(&self, latency: Duration) {
-        let us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
-        let i = BOUNDS_US.partition_point(|&b| b < us);
-        self.buckets[i].fetch_add(1, Relaxed);
-        self.sum_ns.fetch_add(
-            u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX),
-            Relaxed,
-        );
+        let ns = nanos(latency);
+        self.buckets[bucket(ns)].fetch_add(1, Relaxed);
+        self.sum_ns.fetch_add(ns, Relaxed);
         self.count.fetch_add(1, Relaxed);
     }
 
@@ -62,6 +117,19 @@ impl LatencyHistogram {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn local_batches_add_up_to_the_same() {
+        let direct = LatencyHistogram::default();
+        let batched = LatencyHistogram::default();
+        let mut local = LocalLatency::default();
+        for us in [1, 10, 11, 400, 2_000_000, 99_000_000] {
+            direct.observe(Duration::from_micros(us));
+            local.observe(Duration::from_micros(us));
+        }
+        local.flush(&batched);
+        assert_eq!(direct.snapshot(), batched.snapshot());
+    }
 
     #[test]
     fn buckets_are_upper_bounds_and_cumulative() {

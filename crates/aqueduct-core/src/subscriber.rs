@@ -18,7 +18,7 @@ use bytes::BufMut;
 use foldhash::fast::RandomState;
 
 use crate::group::GroupShared;
-use crate::latency::LatencyHistogram;
+use crate::latency::{LatencyHistogram, LocalLatency};
 use crate::queue::{PriorityQueues, Pushed};
 use crate::topic::{DropReason, TopicState};
 
@@ -315,6 +315,7 @@ impl Subscriber {
         let mut done = Drained::default();
         // Count deliveries per run of one topic: one atomic add per run, not per message.
         let mut run: Option<(Arc<TopicState>, u64)> = None;
+        let mut local = LocalLatency::default();
         let mut st = self.lock();
         let explicit = self.ack_mode == AckMode::Explicit;
         while done.bytes < max_bytes || done.frames == 0 {
@@ -332,7 +333,7 @@ impl Subscriber {
                 continue;
             }
             d.shared.write_frame(out, self.stream_id, d.attempt);
-            latency.observe(now.saturating_duration_since(d.published_at));
+            local.observe(now.saturating_duration_since(d.published_at));
             done.frames += 1;
             done.bytes += d.shared.frame_len();
             match &mut run {
@@ -358,6 +359,7 @@ impl Subscriber {
         if let Some((topic, n)) = run {
             topic.stats().delivered(n);
         }
+        local.flush(latency);
         done
     }
 

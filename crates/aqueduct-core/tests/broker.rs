@@ -483,7 +483,7 @@ fn nack_redelivers_then_dead_letters() {
         span_id: [2; 8],
         flags: 1,
     };
-    trace_pub.trace = Some(trace);
+    trace_pub.trace = Some(&trace);
     b.publish(&mut ctx, &trace_pub, now);
     for attempt in 1..=4 {
         let got = drain_all(&b, &s, now);

@@ -214,25 +214,25 @@ name_type!(
 );
 
 /// A borrowed, validated topic name: what a decoder hands out without copying or counting
-/// references. [`TopicRef::to_name`] makes an owned [`TopicName`].
+/// references. [`TopicRef::to_name`] makes an owned [`TopicName`]. Holds bytes (valid UTF-8 by
+/// construction) so that borrowing a [`TopicName`] costs nothing.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct TopicRef<'a>(&'a str);
+pub struct TopicRef<'a>(&'a [u8]);
 
 impl<'a> TopicRef<'a> {
     /// Validate `bytes` as a topic name.
     pub fn new(bytes: &'a [u8]) -> Result<TopicRef<'a>, TopicError> {
         check_name(bytes)?;
-        std::str::from_utf8(bytes)
-            .map(TopicRef)
-            .map_err(|_| TopicError::NotUtf8)
+        Ok(TopicRef(bytes))
     }
 
+    /// The name as text (validated at construction; re-checked here, off the hot path).
     pub fn as_str(&self) -> &'a str {
-        self.0
+        std::str::from_utf8(self.0).unwrap_or_default()
     }
 
     pub fn as_bytes(&self) -> &'a [u8] {
-        self.0.as_bytes()
+        self.0
     }
 
     pub fn len(&self) -> usize {
@@ -246,31 +246,31 @@ impl<'a> TopicRef<'a> {
 
     /// True for system topics (`$…`, `__…`).
     pub fn is_system(&self) -> bool {
-        self.0.starts_with('$') || self.0.starts_with("__")
+        self.0.first() == Some(&b'$') || self.0.starts_with(b"__")
     }
 
     /// An owned copy.
     pub fn to_name(&self) -> TopicName {
-        TopicName(Bytes::copy_from_slice(self.0.as_bytes()))
+        TopicName(Bytes::copy_from_slice(self.0))
     }
 }
 
 impl fmt::Display for TopicRef<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.0)
+        f.write_str(self.as_str())
     }
 }
 
 impl fmt::Debug for TopicRef<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "TopicRef({:?})", self.0)
+        write!(f, "TopicRef({:?})", self.as_str())
     }
 }
 
 impl TopicName {
     /// Borrow as a [`TopicRef`].
     pub fn borrowed(&self) -> TopicRef<'_> {
-        TopicRef(self.as_str())
+        TopicRef(&self.0)
     }
 
     /// Wrap bytes already validated as a topic name (by [`TopicRef::new`]).

@@ -241,13 +241,12 @@ impl Reader<'_> {
             Message::PublishBatch(batch) => {
                 let mut offsets = Vec::new();
                 let confirm = batch.ext.confirm;
-                // Validated in full when decoded, so every sub-frame is Ok; borrowed, no copies.
+                // Validated in full when decoded, so every sub-frame is Ok. Borrowed views, decoded
+                // once into one vector per batch frame (the core looks ahead along it for runs).
+                let refs: Vec<_> = batch.iter_refs().filter_map(Result::ok).collect();
                 broker.publish_batch(
                     &mut self.ctx,
-                    batch
-                        .iter_refs()
-                        .filter_map(Result::ok)
-                        .map(|p| Publication::from_ref(&p)),
+                    refs.iter().map(Publication::from_ref),
                     now,
                     |o| {
                         if confirm {
