@@ -122,7 +122,7 @@ fn start_broker_with(
         let line = rx.recv_timeout(WAIT).expect("broker log line");
         if line.contains("broker listening") {
             addr = Some(field(&line));
-        } else if line.contains("metrics on") {
+        } else if line.contains("metrics endpoint listening") {
             metrics = Some(field(&line));
         }
     }

@@ -186,7 +186,7 @@ impl Server {
             labels: crate::metrics::TopicLabels::default(),
             ready: std::sync::atomic::AtomicBool::new(true),
         });
-        info!(addr = %metrics.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics on http://ADDR/metrics, health on /healthz and /readyz");
+        info!(addr = %metrics.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics endpoint listening (GET /metrics, /healthz, /readyz)");
         // The endpoint outlives the QUIC side's shutdown, so /readyz reports it.
         let (http_stop, http_stop_rx) = watch::channel(false);
         let metrics_task = tokio::spawn(crate::http::serve(metrics, http.clone(), http_stop_rx));
