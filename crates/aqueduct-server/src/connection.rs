@@ -44,16 +44,23 @@ impl ConnState {
         self.subs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// True if a live subscription uses `stream_id`.
     pub(crate) fn has_sub(&self, stream_id: u32) -> bool {
-        self.lock().contains_key(&stream_id)
+        self.lock()
+            .get(&stream_id)
+            .is_some_and(|e| !e.sub.is_closed())
     }
 
     pub(crate) fn sub(&self, stream_id: u32) -> Option<SubEntry> {
         self.lock().get(&stream_id).cloned()
     }
 
+    /// Register a subscription, forgetting those the broker has closed meanwhile (slow
+    /// consumers), so the table cannot grow with dead entries.
     pub(crate) fn add_sub(&self, stream_id: u32, entry: SubEntry) {
-        self.lock().insert(stream_id, entry);
+        let mut subs = self.lock();
+        subs.retain(|_, e| !e.sub.is_closed());
+        subs.insert(stream_id, entry);
     }
 
     /// Forget `sub` (only if it is still the one registered under `stream_id`).
