@@ -389,7 +389,7 @@ fn raw_figment(sources: &Sources) -> Result<Figment, ConfigError> {
         env_pairs.push((*key, value.clone()));
     }
     for (key, value) in env_pairs {
-        fig = fig.merge(Serialized::default(key, parse_env_value(&value)));
+        fig = fig.merge(Serialized::default(key, parse_env_value(key, &value)));
     }
     let o = &sources.overrides;
     let flags: [(&str, &Option<String>); 4] = [
@@ -409,9 +409,31 @@ fn raw_figment(sources: &Sources) -> Result<Figment, ConfigError> {
     Ok(fig)
 }
 
-/// Environment values are text; give figment the natural type so `true` and `1024` work.
-fn parse_env_value(v: &str) -> figment::value::Value {
+/// Keys whose value is text (addresses, paths, policies, durations): an environment value for
+/// them stays a string even when it looks like a number (`AQUEDUCT_BROKER_FLUSH_INTERVAL=0`).
+const TEXT_KEYS: &[&str] = &[
+    "listen_addr",
+    "metrics_addr",
+    "tls.cert_file",
+    "tls.key_file",
+    "tls.client_ca_file",
+    "tls.dev_cert_file",
+    "broker.backpressure_policy",
+    "broker.flush_interval",
+    "broker.ack_wait",
+    "transport.idle_timeout",
+    "transport.handshake_timeout",
+    "transport.keep_alive_interval",
+    "metrics.header_timeout",
+];
+
+/// Environment values are text; give figment the type the key expects, so `true` and `1024`
+/// work for flags and sizes while `0` stays a duration.
+fn parse_env_value(key: &str, v: &str) -> figment::value::Value {
     use figment::value::Value;
+    if TEXT_KEYS.contains(&key) {
+        return Value::from(v.to_string());
+    }
     if let Ok(b) = v.parse::<bool>() {
         return Value::from(b);
     }
@@ -437,6 +459,10 @@ fn describe(e: figment::Error) -> String {
                 .metadata
                 .as_ref()
                 .map(|m| match &m.source {
+                    // Values merged with `Serialized` are the AQUEDUCT_* variables and the flags.
+                    _ if m.name.contains("Value") => {
+                        " (from an AQUEDUCT_* environment variable or a flag)".to_string()
+                    }
                     Some(src) => format!(" (from {} {src})", m.name),
                     None => format!(" (from {})", m.name),
                 })

@@ -75,6 +75,24 @@ fn precedence_flag_over_env_over_file_over_default() {
         ("PATH", "/usr/bin"),
     ]);
     let c = load(Some(path.clone()), e.clone(), Overrides::default()).expect("env");
+    // Text keys stay text even when the value looks like a number.
+    let zeros = env(&[
+        ("AQUEDUCT_BROKER_FLUSH_INTERVAL", "0"),
+        ("AQUEDUCT_TRANSPORT_IDLE_TIMEOUT", "0"),
+        ("AQUEDUCT_TLS_GENERATE", "false"),
+        ("AQUEDUCT_TLS_CERT_FILE", "1234"),
+        ("AQUEDUCT_TLS_KEY_FILE", "5678"),
+    ]);
+    let err =
+        load(None, zeros.clone()[..2].to_vec(), Overrides::default()).expect("zero durations");
+    assert_eq!(
+        (err.flush_interval, err.transport.idle_timeout),
+        (Duration::ZERO, Duration::ZERO)
+    );
+    let msg = load(None, zeros, Overrides::default())
+        .expect_err("no such file")
+        .to_string();
+    assert!(msg.contains("tls.cert_file: 1234 does not exist"), "{msg}");
     assert_eq!(
         (
             c.listen_addr.port(),
