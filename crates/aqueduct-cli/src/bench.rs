@@ -241,40 +241,23 @@ where
     }
     let mut pub_tasks = Vec::new();
     for w in 0..workers {
-        let publisher = pub_clients[w / cfg.streams.max(1) % pub_clients.len()].publisher();
-        let cfg = cfg.clone();
-        let sent = sent.clone();
-        let progress = progress.clone();
+        let worker = Worker {
+            publisher: pub_clients[w / cfg.streams.max(1) % pub_clients.len()].publisher(),
+            cfg: cfg.clone(),
+            plan: Plan {
+                next: w as u64,
+                step: workers as u64,
+            },
+            epoch,
+            started,
+            sent: sent.clone(),
+            progress: progress.clone(),
+        };
         if cfg.rate > 0.0 {
             let handle = tokio::runtime::Handle::current();
-            pub_tasks.push(tokio::task::spawn_blocking(move || {
-                paced_worker(
-                    handle,
-                    publisher,
-                    cfg,
-                    w as u64,
-                    workers as u64,
-                    epoch,
-                    started,
-                    sent,
-                    progress,
-                )
-            }));
+            pub_tasks.push(tokio::task::spawn_blocking(move || worker.paced(handle)));
         } else {
-            pub_tasks.push(tokio::spawn(async move {
-                worker(
-                    publisher.clone(),
-                    cfg,
-                    w as u64,
-                    workers as u64,
-                    epoch,
-                    started,
-                    sent,
-                    progress,
-                )
-                .await?;
-                publisher.flush().await
-            }));
+            pub_tasks.push(tokio::spawn(worker.closed_loop()));
         }
     }
     for t in pub_tasks {
@@ -364,42 +347,62 @@ struct Plan {
     step: u64,
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn worker(
+/// One publishing task: its publish stream and its share of the message indices.
+struct Worker {
     publisher: Publisher,
     cfg: BenchConfig,
-    w: u64,
-    n: u64,
+    plan: Plan,
     epoch: Instant,
     started: Instant,
     sent: Arc<AtomicU64>,
     progress: Option<indicatif::ProgressBar>,
-) -> Result<(), aqueduct_client::ClientError> {
-    let mut plan = Plan { next: w, step: n };
-    let mut buf = BytesMut::new();
-    loop {
-        let Some(batch) = next_batch(&cfg, &mut plan, started) else {
-            return Ok(());
-        };
-        send_batch(&publisher, &cfg, &batch, &mut buf, epoch).await?;
-        let count = batch.len() as u64;
-        advance(&sent, progress.as_ref(), &cfg, started, count);
-    }
 }
 
-/// Count `count` sent messages and move the progress bar.
-fn advance(
-    sent: &AtomicU64,
-    progress: Option<&indicatif::ProgressBar>,
-    cfg: &BenchConfig,
-    started: Instant,
-    count: u64,
-) {
-    sent.fetch_add(count, Ordering::AcqRel);
-    if let Some(p) = progress {
-        match cfg.duration {
-            Some(_) => p.set_position(started.elapsed().as_secs()),
-            None => p.inc(count),
+impl Worker {
+    /// Closed loop: publish as fast as the broker takes it.
+    async fn closed_loop(mut self) -> Result<(), aqueduct_client::ClientError> {
+        let mut buf = BytesMut::new();
+        while let Some(batch) = next_batch(&self.cfg, &mut self.plan, self.started) {
+            send_batch(&self.publisher, &self.cfg, &batch, &mut buf, self.epoch).await?;
+            self.advance(batch.len() as u64);
+        }
+        self.publisher.flush().await
+    }
+
+    /// Open loop: send at `rate / workers` msg/s on an OS thread (sub-millisecond sleeps, unlike
+    /// tokio's timer), timestamping each message when it is actually sent.
+    fn paced(mut self, handle: tokio::runtime::Handle) -> Result<(), aqueduct_client::ClientError> {
+        let interval = Duration::from_secs_f64(
+            self.cfg.batch.max(1) as f64 * self.plan.step as f64 / self.cfg.rate,
+        );
+        let mut buf = BytesMut::new();
+        let mut due = Instant::now();
+        while let Some(batch) = next_batch(&self.cfg, &mut self.plan, self.started) {
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+            due += interval;
+            handle.block_on(send_batch(
+                &self.publisher,
+                &self.cfg,
+                &batch,
+                &mut buf,
+                self.epoch,
+            ))?;
+            self.advance(batch.len() as u64);
+        }
+        handle.block_on(self.publisher.flush())
+    }
+
+    /// Count `count` sent messages and move the progress bar.
+    fn advance(&self, count: u64) {
+        self.sent.fetch_add(count, Ordering::AcqRel);
+        if let Some(p) = &self.progress {
+            match self.cfg.duration {
+                Some(_) => p.set_position(self.started.elapsed().as_secs()),
+                None => p.inc(count),
+            }
         }
     }
 }
@@ -458,36 +461,6 @@ async fn send_batch(
             .collect();
         publisher.publish_batch(items, &opts).await.map(|_| ())
     }
-}
-
-/// Open loop: send at `rate / n` msg/s on an OS thread (sub-millisecond sleeps, unlike tokio's
-/// timer), timestamping each message when it is actually sent.
-#[allow(clippy::too_many_arguments)]
-fn paced_worker(
-    handle: tokio::runtime::Handle,
-    publisher: Publisher,
-    cfg: BenchConfig,
-    w: u64,
-    n: u64,
-    epoch: Instant,
-    started: Instant,
-    sent: Arc<AtomicU64>,
-    progress: Option<indicatif::ProgressBar>,
-) -> Result<(), aqueduct_client::ClientError> {
-    let interval = Duration::from_secs_f64(cfg.batch.max(1) as f64 * n as f64 / cfg.rate);
-    let mut plan = Plan { next: w, step: n };
-    let mut buf = BytesMut::new();
-    let mut due = Instant::now();
-    while let Some(batch) = next_batch(&cfg, &mut plan, started) {
-        let now = Instant::now();
-        if due > now {
-            std::thread::sleep(due - now);
-        }
-        due += interval;
-        handle.block_on(send_batch(&publisher, &cfg, &batch, &mut buf, epoch))?;
-        advance(&sent, progress.as_ref(), &cfg, started, batch.len() as u64);
-    }
-    handle.block_on(publisher.flush())
 }
 
 async fn subscriber(
