@@ -2,10 +2,12 @@
 //! coalescing writer that sends replies (CONFIRM, ERROR) and the deliveries of every subscription
 //! whose SUBSCRIBE arrived on this stream.
 //!
-//! The writer flushes when `broker.batch_size` bytes are pending, or `broker.flush_interval`
-//! after it started gathering, always taking the highest priority first (the core's drain order).
-//! Tokio timers cannot wait 50 µs, so the flush window is spent yielding to other tasks (which
-//! lets publishers add to the batch) and re-draining, never sleeping.
+//! The writer flushes when `broker.batch_size` bytes are pending, or at most
+//! `broker.flush_interval` after it started gathering, always taking the highest priority first
+//! (the core's drain order). It only waits while the stream is busy (its last write was less than
+//! a window ago); on a quiet stream a message is written at once. Tokio timers cannot wait 50 µs,
+//! so the window is spent yielding to other tasks (which lets publishers add to the batch) and
+//! re-draining, never sleeping.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -447,6 +449,7 @@ async fn write_loop(
     let window = shared.config.flush_interval;
     // Grows to about `batch` bytes on first use; an idle stream allocates nothing.
     let mut buf = BytesMut::new();
+    let mut last_write: Option<Instant> = None;
     loop {
         if out.aborted.load(Ordering::Acquire) {
             return;
@@ -463,9 +466,14 @@ async fn write_loop(
             }
             continue;
         }
-        // Coalesce: give publishers until the flush interval to add to this write.
-        if buf.len() < batch && !window.is_zero() {
-            let deadline = Instant::now() + window;
+        // Coalesce: give publishers until the flush interval to add to this write — but only
+        // while the stream is busy (the previous write was less than a window ago). A message on
+        // a quiet stream goes out at once: waiting would add the window to its latency and
+        // gather nothing.
+        let now = Instant::now();
+        let busy = last_write.is_some_and(|t| now.duration_since(t) < window);
+        if busy && buf.len() < batch {
+            let deadline = now + window;
             while buf.len() < batch && Instant::now() < deadline {
                 tokio::task::yield_now().await;
                 fill(&out, &shared, &mut buf, batch);
@@ -491,6 +499,7 @@ async fn write_loop(
         }
         shared.stats.add_out(buf.len());
         buf.clear();
+        last_write = Some(Instant::now());
     }
     // Final flush (shutdown, or the client finished and nothing is subscribed here).
     loop {
