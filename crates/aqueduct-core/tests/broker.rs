@@ -24,6 +24,16 @@ fn sub(b: &Broker, s: &str) -> Arc<Subscriber> {
     b.subscribe(&spec(s), SubscribeOptions::default())
 }
 
+/// A waker that counts its calls.
+fn counting_waker() -> (Arc<AtomicUsize>, Waker) {
+    let woken = Arc::new(AtomicUsize::new(0));
+    let w = woken.clone();
+    let waker: Waker = Box::new(move || {
+        w.fetch_add(1, Ordering::SeqCst);
+    });
+    (woken, waker)
+}
+
 fn sub_with(b: &Broker, s: &str, opts: SubscribeOptions) -> Arc<Subscriber> {
     b.subscribe(&spec(s), opts)
 }
@@ -390,15 +400,12 @@ fn drop_newest_keeps_the_oldest() {
 #[test]
 fn disconnect_closes_the_slow_subscriber_only() {
     let (b, slow, fast) = policy_broker(OverflowPolicy::Disconnect);
-    let woken = Arc::new(AtomicUsize::new(0));
-    let w = woken.clone();
+    let (woken, waker) = counting_waker();
     let watched = sub_with(
         &b,
         "topic:t",
         SubscribeOptions {
-            waker: Some(Box::new(move || {
-                w.fetch_add(1, Ordering::SeqCst);
-            })),
+            waker: Some(waker),
             ..Default::default()
         },
     );
@@ -639,16 +646,13 @@ fn max_in_flight_bounds_unsettled_deliveries() {
         max_in_flight: 2,
         ..Default::default()
     });
-    let woken = Arc::new(AtomicUsize::new(0));
-    let w = woken.clone();
+    let (woken, waker) = counting_waker();
     let s = sub_with(
         &b,
         "topic:t",
         SubscribeOptions {
             ack_mode: AckMode::Explicit,
-            waker: Some(Box::new(move || {
-                w.fetch_add(1, Ordering::SeqCst);
-            })),
+            waker: Some(waker),
             ..Default::default()
         },
     );

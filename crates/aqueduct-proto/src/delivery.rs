@@ -13,7 +13,7 @@
 use bytes::{BufMut, Bytes, BytesMut};
 
 use crate::error::ProtoError;
-use crate::ext::{types, Compression, Extensions, Priority, TraceContext};
+use crate::ext::{reason_len, types, Compression, Extensions, Priority, TraceContext};
 use crate::header::{Opcode, FLAG_HAS_EXTENSIONS, HEADER_LEN, MAGIC};
 use crate::topic::TopicName;
 
@@ -184,14 +184,6 @@ impl SharedDelivery {
     pub fn extensions(&self) -> Result<Extensions, ProtoError> {
         Extensions::parse(&self.bytes.slice(..usize::from(self.ext_len)))
     }
-}
-
-fn reason_len(reason: &str) -> usize {
-    let mut len = reason.len().min(255);
-    while !reason.is_char_boundary(len) {
-        len -= 1;
-    }
-    len
 }
 
 #[cfg(test)]

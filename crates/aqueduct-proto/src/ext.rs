@@ -473,7 +473,7 @@ impl Extensions {
 }
 
 /// Reasons longer than 255 bytes are cut at the last character boundary that fits.
-fn reason_len(reason: &str) -> usize {
+pub(crate) fn reason_len(reason: &str) -> usize {
     let mut len = reason.len().min(255);
     while !reason.is_char_boundary(len) {
         len -= 1;

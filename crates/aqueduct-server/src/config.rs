@@ -386,27 +386,60 @@ fn raw_figment(sources: &Sources) -> Result<Figment, ConfigError> {
         let Some(key) = ENV_KEYS.iter().find(|k| env_name(k) == *name) else {
             return Err(ConfigError::UnknownEnv { name: name.clone() });
         };
-        env_pairs.push((*key, value.clone()));
+        env_pairs.push((*key, name.clone(), value.clone()));
     }
-    for (key, value) in env_pairs {
-        fig = fig.merge(Serialized::default(key, parse_env_value(key, &value)));
+    for (key, name, value) in env_pairs {
+        let value = parse_env_value(key, &value);
+        fig = fig.merge(Named::new(
+            format!("environment variable {name}"),
+            key,
+            value,
+        ));
     }
     let o = &sources.overrides;
-    let flags: [(&str, &Option<String>); 4] = [
-        ("listen_addr", &o.listen_addr),
-        ("metrics_addr", &o.metrics_addr),
-        ("tls.cert_file", &o.cert_file),
-        ("tls.key_file", &o.key_file),
+    let flags: [(&str, &str, &Option<String>); 4] = [
+        ("listen_addr", "--addr", &o.listen_addr),
+        ("metrics_addr", "--metrics-addr", &o.metrics_addr),
+        ("tls.cert_file", "--cert", &o.cert_file),
+        ("tls.key_file", "--key", &o.key_file),
     ];
-    for (key, value) in flags {
+    for (key, flag, value) in flags {
         if let Some(v) = value {
-            fig = fig.merge(Serialized::default(key, v.clone()));
+            fig = fig.merge(Named::new(format!("flag {flag}"), key, v.clone()));
         }
     }
     if o.aal {
-        fig = fig.merge(Serialized::default("aal.enabled", true));
+        fig = fig.merge(Named::new("flag --aal".into(), "aal.enabled", true));
     }
     Ok(fig)
+}
+
+/// One value for one key, with the name of where it came from (an environment variable or a
+/// flag), so that an error about it can say so.
+struct Named {
+    name: String,
+    inner: Serialized<figment::value::Value>,
+}
+
+impl Named {
+    fn new(name: String, key: &str, value: impl Into<figment::value::Value>) -> Named {
+        Named {
+            name,
+            inner: Serialized::default(key, value.into()),
+        }
+    }
+}
+
+impl figment::Provider for Named {
+    fn metadata(&self) -> figment::Metadata {
+        figment::Metadata::named(self.name.clone())
+    }
+
+    fn data(
+        &self,
+    ) -> Result<figment::value::Map<figment::Profile, figment::value::Dict>, figment::Error> {
+        self.inner.data()
+    }
 }
 
 /// Keys whose value is text (addresses, paths, policies, durations): an environment value for
@@ -459,10 +492,6 @@ fn describe(e: figment::Error) -> String {
                 .metadata
                 .as_ref()
                 .map(|m| match &m.source {
-                    // Values merged with `Serialized` are the AQUEDUCT_* variables and the flags.
-                    _ if m.name.contains("Value") => {
-                        " (from an AQUEDUCT_* environment variable or a flag)".to_string()
-                    }
                     Some(src) => format!(" (from {} {src})", m.name),
                     None => format!(" (from {})", m.name),
                 })
