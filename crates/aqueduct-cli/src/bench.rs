@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aqueduct_client::{
-    Client, Priority, PublishOptions, Publisher, SubscribeOptions, Subscription,
+    Client, OverflowPolicy, Priority, PublishOptions, Publisher, SubscribeOptions, Subscription,
 };
 use bytes::{BufMut, Bytes, BytesMut};
 use futures_util::StreamExt;
@@ -35,6 +35,8 @@ pub struct BenchConfig {
     pub subscribers: usize,
     /// Subscribers form one consumer group (each message to one of them, acknowledged).
     pub group: bool,
+    /// The subscriptions' backpressure policy (default: the broker's).
+    pub overflow: Option<OverflowPolicy>,
     /// Messages to publish (ignored when `duration` is set).
     pub messages: u64,
     /// Publish for this long instead of a fixed count.
@@ -127,9 +129,15 @@ pub fn parse_priority_mix(s: &str) -> Result<Vec<(Priority, u32)>, String> {
         .collect()
 }
 
-fn payload(buf: &mut BytesMut, epoch: Instant, index: u64, size: usize) -> Bytes {
+/// Nanoseconds since `epoch`: the send timestamp in a payload.
+fn stamp(epoch: Instant) -> u64 {
+    epoch.elapsed().as_nanos() as u64
+}
+
+/// A bench payload: send time (ns since the run's epoch), message index, filler.
+fn payload(buf: &mut BytesMut, sent_ns: u64, index: u64, size: usize) -> Bytes {
     buf.reserve(size);
-    buf.put_u64_le(epoch.elapsed().as_nanos() as u64);
+    buf.put_u64_le(sent_ns);
     buf.put_u64_le(index);
     buf.put_bytes(0xA5, size - HEADER);
     buf.split().freeze()
@@ -156,8 +164,9 @@ impl Recorder {
     }
 
     fn record(&mut self, epoch: Instant, body: &[u8]) {
-        let now_ns = epoch.elapsed().as_nanos() as u64;
-        self.last = Instant::now();
+        let now = Instant::now();
+        let now_ns = now.duration_since(epoch).as_nanos() as u64;
+        self.last = now;
         self.received += 1;
         let (Some(ts), Some(index)) = (read_u64(body, 0), read_u64(body, 8)) else {
             return;
@@ -217,6 +226,7 @@ where
         let opts = SubscribeOptions {
             group: cfg.group.then(|| "bench".to_string()),
             ack: cfg.group,
+            overflow: cfg.overflow,
             ..SubscribeOptions::default()
         };
         let sub = client.subscribe_with(&cfg.topic, &opts).await?;
@@ -439,7 +449,7 @@ async fn send_batch(
         publisher
             .publish_with(
                 &cfg.topic,
-                payload(buf, epoch, *index, cfg.payload_size),
+                payload(buf, stamp(epoch), *index, cfg.payload_size),
                 &opts,
             )
             .await
@@ -450,12 +460,14 @@ async fn send_batch(
             priority: priority_of(batch[0], &cfg.priority_mix),
             ..PublishOptions::default()
         };
+        // The messages of a batch leave together: one timestamp for all of them.
+        let sent_ns = stamp(epoch);
         let items: Vec<(&str, Bytes)> = batch
             .iter()
             .map(|i| {
                 (
                     cfg.topic.as_str(),
-                    payload(buf, epoch, *i, cfg.payload_size),
+                    payload(buf, sent_ns, *i, cfg.payload_size),
                 )
             })
             .collect();
@@ -487,19 +499,36 @@ async fn subscriber(
         }
         tokio::select! {
             biased;
-            item = sub.next() => match item {
-                Some(Ok(msg)) => {
-                    rec.record(epoch, msg.body());
-                    delivered.fetch_add(1, Ordering::AcqRel);
-                    if cfg.group {
-                        let _ = msg.ack().await;
+            first = sub.next() => {
+                // This message, then whatever else has already arrived (bounded), without a
+                // select! per message.
+                let mut item = first;
+                let mut count = 0;
+                let ended = loop {
+                    match item {
+                        Some(Ok(msg)) => {
+                            rec.record(epoch, msg.body());
+                            count += 1;
+                            if cfg.group {
+                                let _ = msg.ack().await;
+                            }
+                        }
+                        _ => break true,
                     }
-                    if rec.received.is_multiple_of(1024) {
-                        idle.as_mut().reset(tokio::time::Instant::now() + cfg.idle);
+                    if count >= 1024 {
+                        break false;
                     }
+                    match sub.try_next_message() {
+                        Some(next) => item = Some(next),
+                        None => break false,
+                    }
+                };
+                delivered.fetch_add(count, Ordering::AcqRel);
+                if ended {
+                    break;
                 }
-                _ => break,
-            },
+                idle.as_mut().reset(tokio::time::Instant::now() + cfg.idle);
+            }
             _ = &mut idle => {
                 // Idle: give up only once publishing is over and nothing arrives any more.
                 if target.load(Ordering::Acquire) != u64::MAX {
@@ -582,6 +611,7 @@ impl BenchReport {
             "streams": c.streams,
             "subs": c.subscribers,
             "group": c.group,
+            "overflow": c.overflow.map(OverflowPolicy::as_str),
             "rate": c.rate,
             "pub_msgs_per_s": pub_rate,
             "pub_mb_per_s": pub_rate * c.payload_size as f64 / 1e6,
@@ -695,10 +725,10 @@ mod tests {
         let epoch = Instant::now();
         let mut buf = BytesMut::new();
         let mut rec = Recorder::new(10);
-        let a = payload(&mut buf, epoch, 3, 32);
+        let a = payload(&mut buf, stamp(epoch), 3, 32);
         rec.record(epoch, &a);
         rec.record(epoch, &a);
-        rec.record(epoch, &payload(&mut buf, epoch, 70, 32));
+        rec.record(epoch, &payload(&mut buf, stamp(epoch), 70, 32));
         assert_eq!((rec.received, rec.duplicates), (3, 1));
         assert_eq!(rec.latency.len(), 3);
         assert_eq!(a.len(), 32);

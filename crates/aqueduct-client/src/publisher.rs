@@ -134,7 +134,7 @@ impl Publisher {
                 *send = Some(self.open().await?);
             }
             if let Some(send) = send.as_mut() {
-                send.write_all(&bytes)
+                send.write_chunk(bytes.freeze())
                     .await
                     .map_err(|e| ClientError::Connection(e.to_string()))?;
             }

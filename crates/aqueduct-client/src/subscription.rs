@@ -1,13 +1,12 @@
 //! A subscription as a `futures::Stream` of messages, and settling them.
 
-use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use aqueduct_proto::frame::Message as Wire;
 use aqueduct_proto::{
-    Ack, ErrorCode, Extensions, Frame, Nack, Priority, TopicFilter, TopicName, Unsubscribe,
+    Ack, ErrorCode, Extensions, Frame, Nack, Priority, Publish, TopicFilter, TopicName, Unsubscribe,
 };
 use bytes::Bytes;
 use futures_core::Stream;
@@ -54,14 +53,21 @@ impl SubHandle {
 }
 
 /// One delivered message.
+///
+/// Kept small (it is moved several times between the network and the application): the
+/// extensions every delivery carries are fields, anything rarer (trace context, dead-letter
+/// origin, …) is boxed, and only when present.
 #[derive(Debug, Clone)]
 pub struct Message {
     topic: TopicName,
     body: Bytes,
-    offset: u64,
-    priority: Priority,
-    attempt: u32,
-    ext: Extensions,
+    offset: Option<u64>,
+    attempt: Option<u32>,
+    priority: Option<Priority>,
+    /// Whether the topic came as an extension (not the seed's legacy topic-as-body form).
+    topic_ext: bool,
+    /// The other extensions, if the broker sent any.
+    rare: Option<Box<Extensions>>,
     handle: Arc<SubHandle>,
 }
 
@@ -75,25 +81,49 @@ impl Message {
     }
     /// The message's offset in its topic.
     pub fn offset(&self) -> u64 {
-        self.offset
+        self.offset.unwrap_or_default()
     }
     pub fn priority(&self) -> Priority {
-        self.priority
+        self.priority.unwrap_or_default()
     }
     /// 1 for the first delivery, +1 for each redelivery.
     pub fn attempt(&self) -> u32 {
-        self.attempt
+        self.attempt.unwrap_or(1)
     }
-    /// Every extension the broker sent (trace, compression, dead-letter origin, …).
-    pub fn extensions(&self) -> &Extensions {
-        &self.ext
+    /// Every extension the broker sent (trace, compression, dead-letter origin, …), as on the
+    /// wire.
+    pub fn extensions(&self) -> Extensions {
+        let mut ext = self.rare.as_deref().cloned().unwrap_or_default();
+        ext.topic = self.topic_ext.then(|| self.topic.clone());
+        ext.offset = self.offset;
+        ext.attempt = self.attempt;
+        ext.priority = self.priority;
+        ext
+    }
+
+    fn from_wire(p: Publish, handle: &Arc<SubHandle>) -> Message {
+        let topic = p.topic().clone();
+        let mut ext = p.ext;
+        let (offset, attempt, priority) =
+            (ext.offset.take(), ext.attempt.take(), ext.priority.take());
+        let topic_ext = ext.topic.take().is_some();
+        Message {
+            topic,
+            body: p.body,
+            offset,
+            attempt,
+            priority,
+            topic_ext,
+            rare: (ext != Extensions::default()).then(|| Box::new(ext)),
+            handle: handle.clone(),
+        }
     }
 
     fn settle_ext(&self) -> Extensions {
         Extensions {
             // Offsets are per topic: a wildcard subscription must say which topic.
             topic: self.handle.filter.is_wildcard().then(|| self.topic.clone()),
-            attempt: Some(self.attempt),
+            attempt: Some(self.attempt()),
             ..Extensions::default()
         }
     }
@@ -101,14 +131,14 @@ impl Message {
     /// Settle this delivery. Refusals (e.g. already redelivered) arrive on the subscription
     /// stream as `Err` items.
     pub async fn ack(&self) -> Result<(), ClientError> {
-        let mut ack = Ack::new(self.offset);
+        let mut ack = Ack::new(self.offset());
         ack.ext = self.settle_ext();
         self.handle.send(Wire::Ack(ack)).await
     }
 
     /// Reject this delivery: the broker redelivers it, or dead-letters it after its retries.
     pub async fn nack(&self, reason: Option<&str>) -> Result<(), ClientError> {
-        let mut nack = Nack::new(self.offset);
+        let mut nack = Nack::new(self.offset());
         nack.ext = self.settle_ext();
         nack.ext.reason = reason.map(str::to_owned);
         self.handle.send(Wire::Nack(nack)).await
@@ -120,7 +150,7 @@ impl Message {
 pub struct Subscription {
     rx: mpsc::Receiver<Batch>,
     /// Received from the reader task, not yet handed out.
-    ready: VecDeque<Result<Message, ClientError>>,
+    ready: std::vec::IntoIter<Result<Message, ClientError>>,
     handle: Arc<SubHandle>,
     unsubscribed: bool,
 }
@@ -135,7 +165,7 @@ impl Subscription {
         tokio::spawn(forward(reader, handle.clone(), tx));
         Subscription {
             rx,
-            ready: VecDeque::new(),
+            ready: Vec::new().into_iter(),
             handle,
             unsubscribed: false,
         }
@@ -151,13 +181,24 @@ impl Subscription {
         std::future::poll_fn(|cx| self.poll_item(cx)).await
     }
 
+    /// A message already received, without waiting; `None` if there is none right now (which
+    /// does not mean the subscription has ended). Cheaper than [`Self::next_message`] when
+    /// draining a burst.
+    pub fn try_next_message(&mut self) -> Option<Result<Message, ClientError>> {
+        if let Some(item) = self.ready.next() {
+            return Some(item);
+        }
+        self.ready = self.rx.try_recv().ok()?.into_iter();
+        self.ready.next()
+    }
+
     fn poll_item(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message, ClientError>>> {
         loop {
-            if let Some(item) = self.ready.pop_front() {
+            if let Some(item) = self.ready.next() {
                 return Poll::Ready(Some(item));
             }
             match self.rx.poll_recv(cx) {
-                Poll::Ready(Some(batch)) => self.ready.extend(batch),
+                Poll::Ready(Some(batch)) => self.ready = batch.into_iter(),
                 Poll::Ready(None) => return Poll::Ready(None),
                 Poll::Pending => return Poll::Pending,
             }
@@ -206,15 +247,7 @@ impl Stream for Subscription {
 /// What one frame means to the application; `None` for frames it does not see.
 fn item(frame: Frame, handle: &Arc<SubHandle>) -> Option<Result<Message, ClientError>> {
     match frame.message {
-        Wire::Publish(p) => Some(Ok(Message {
-            topic: p.topic().clone(),
-            offset: p.ext.offset.unwrap_or_default(),
-            priority: p.priority(),
-            attempt: p.ext.attempt.unwrap_or(1),
-            body: p.body.clone(),
-            ext: p.ext,
-            handle: handle.clone(),
-        })),
+        Wire::Publish(p) => Some(Ok(Message::from_wire(p, handle))),
         Wire::Error(e) => Some(Err(ClientError::Broker {
             code: e.code,
             reason: e.reason,
@@ -226,8 +259,10 @@ fn item(frame: Frame, handle: &Arc<SubHandle>) -> Option<Result<Message, ClientE
 /// Turn frames from the subscription stream into messages and errors, handing them to the
 /// application in batches (everything decoded from one read) to keep channel traffic low.
 async fn forward(mut reader: FrameReader, handle: Arc<SubHandle>, tx: mpsc::Sender<Batch>) {
+    // Sized like the previous batch: bursts stay bursts, a trickle stays small.
+    let mut capacity = 1;
     loop {
-        let mut batch = Vec::new();
+        let mut batch = Vec::with_capacity(capacity);
         let mut end = false;
         let first = reader.next().await;
         let push = |frame: Result<Option<Frame>, ClientError>, batch: &mut Batch| match frame {
@@ -254,6 +289,7 @@ async fn forward(mut reader: FrameReader, handle: Arc<SubHandle>, tx: mpsc::Send
                 other => end |= push(other, &mut batch),
             }
         }
+        capacity = batch.len().max(1);
         if (!batch.is_empty() && tx.send(batch).await.is_err()) || end {
             return;
         }

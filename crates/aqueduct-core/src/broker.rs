@@ -33,8 +33,8 @@ use crate::group::{GroupShared, RoundRobin};
 use crate::index::SubscriptionIndex;
 use crate::latency::{LatencyHistogram, LatencySnapshot};
 use crate::subscriber::{
-    CloseReason, Delivery, Drained, Refused, SettleError, Subscriber, SubscriberId, SubscriberInit,
-    Waker,
+    CloseReason, Delivery, Drained, Enqueued, Refused, SettleError, Subscriber, SubscriberId,
+    SubscriberInit, Waker,
 };
 use crate::topic::{DropReason, TopicState};
 
@@ -114,6 +114,23 @@ pub struct PublishContext {
     pending: Vec<Delivery>,
     refused: Vec<Delivery>,
     last_topic: Option<Arc<TopicState>>,
+    /// Subscribers whose queue filled up under the block policy since the last `take_held`.
+    held: Vec<Arc<Subscriber>>,
+}
+
+impl PublishContext {
+    /// A subscriber that a publish through this context left with a full queue under the block
+    /// policy: the caller should stop taking publications from this source until
+    /// [`Subscriber::poll_room`] is ready (and call this again until it returns `None`).
+    pub fn take_held(&mut self) -> Option<Arc<Subscriber>> {
+        self.held.pop()
+    }
+
+    /// Forget held subscribers: for callers that are not publishers (redelivery, settlement)
+    /// and so have nothing to hold back.
+    pub fn clear_held(&mut self) {
+        self.held.clear();
+    }
 }
 
 /// How a subscription is made (besides its SUBSCRIBE payload).
@@ -616,13 +633,18 @@ impl Broker {
             None => sub.enqueue_many(items, self.config.queue_size, &mut refused),
         };
         match outcome {
-            None => {}
-            Some(Refused::Overflow) => {
+            Enqueued::Queued => {}
+            Enqueued::Full => {
+                if !ctx.held.iter().any(|s| Arc::ptr_eq(s, sub)) {
+                    ctx.held.push(sub.clone());
+                }
+            }
+            Enqueued::Refused(Refused::Overflow) => {
                 self.slow_consumers.fetch_add(1, Relaxed);
                 self.remove_subscriber(ctx, sub, CloseReason::SlowConsumer, &mut refused, now)
             }
             // Closed between routing and enqueueing: a group gives them to another member.
-            Some(Refused::Closed) => {
+            Enqueued::Refused(Refused::Closed) => {
                 for d in refused.drain(..) {
                     match sub.group() {
                         Some(g) => self.hand_to_group(ctx, g, d, Some(sub.id()), now),

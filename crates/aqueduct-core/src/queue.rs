@@ -13,6 +13,8 @@ use aqueduct_proto::{OverflowPolicy, Priority};
 pub enum Pushed<T> {
     /// Queued; `was_empty` is true if every level was empty before (time to wake the writer).
     Queued { was_empty: bool },
+    /// Queued although the level was full (block): the publisher must now wait for room.
+    QueuedFull { was_empty: bool },
     /// Queued after evicting the oldest item of the same level (drop_oldest).
     Evicted(T),
     /// Not queued: the level is full (drop_newest).
@@ -60,6 +62,11 @@ impl<T> PriorityQueues<T> {
                 },
                 OverflowPolicy::DropNewest => Pushed::Rejected(item),
                 OverflowPolicy::Disconnect => Pushed::Overflow(item),
+                OverflowPolicy::Block => {
+                    level.push_back(item);
+                    self.len += 1;
+                    Pushed::QueuedFull { was_empty }
+                }
             };
         }
         level.push_back(item);
@@ -173,5 +180,21 @@ mod tests {
             q.push(p(0), 7, 0, OverflowPolicy::DropOldest),
             Pushed::Rejected(7)
         );
+    }
+
+    #[test]
+    fn block_queues_past_capacity_and_says_so() {
+        let mut q = PriorityQueues::default();
+        assert_eq!(
+            q.push(p(1), 1, 2, OverflowPolicy::Block),
+            Pushed::Queued { was_empty: true }
+        );
+        q.push(p(1), 2, 2, OverflowPolicy::Block);
+        assert_eq!(
+            q.push(p(1), 3, 2, OverflowPolicy::Block),
+            Pushed::QueuedFull { was_empty: false }
+        );
+        // Nothing is lost: the level holds more than its capacity.
+        assert_eq!(q.take_all(), vec![1, 2, 3]);
     }
 }

@@ -68,6 +68,18 @@ impl Delivery {
     }
 }
 
+/// What [`Subscriber::enqueue_many`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Enqueued {
+    /// Every item was queued (or dropped by a drop policy, counted).
+    Queued,
+    /// Every item was queued, and a queue is now full under the block policy: whoever published
+    /// must wait for [`Subscriber::poll_room`] before publishing more.
+    Full,
+    /// Some items were not queued (they are in `refused`).
+    Refused(Refused),
+}
+
 /// Why [`Subscriber::enqueue_many`] could not queue some items.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Refused {
@@ -138,6 +150,10 @@ struct State {
     queue: PriorityQueues<Delivery>,
     in_flight: HashMap<(TopicName, u64), InFlight, RandomState>,
     closed: Option<CloseReason>,
+    /// Publishers held by a full queue under the block policy, woken once it has drained to
+    /// `resume_at` messages (half the capacity: they then have room for a good burst).
+    held: Vec<std::task::Waker>,
+    resume_at: usize,
 }
 
 /// A subscription.
@@ -265,19 +281,24 @@ impl Subscriber {
         items: impl Iterator<Item = Delivery>,
         capacity: usize,
         refused: &mut Vec<Delivery>,
-    ) -> Option<Refused> {
+    ) -> Enqueued {
         let mut items = items;
-        let mut outcome = None;
+        let mut outcome = Enqueued::Queued;
         let mut wake = false;
         {
             let mut st = self.lock();
             if st.closed.is_some() {
                 refused.extend(items);
-                return Some(Refused::Closed);
+                return Enqueued::Refused(Refused::Closed);
             }
             for d in items.by_ref() {
                 match st.queue.push(d.priority, d, capacity, self.policy) {
                     Pushed::Queued { was_empty } => wake |= was_empty,
+                    Pushed::QueuedFull { was_empty } => {
+                        wake |= was_empty;
+                        st.resume_at = capacity / 2;
+                        outcome = Enqueued::Full;
+                    }
                     Pushed::Evicted(lost) | Pushed::Rejected(lost) => {
                         lost.topic.stats().dropped(DropReason::Policy(self.policy));
                         if let Some(g) = &self.group {
@@ -286,13 +307,13 @@ impl Subscriber {
                     }
                     Pushed::Overflow(d) => {
                         refused.push(d);
-                        outcome = Some(Refused::Overflow);
+                        outcome = Enqueued::Refused(Refused::Overflow);
                         break;
                     }
                 }
             }
         }
-        if outcome.is_some() {
+        if let Enqueued::Refused(_) = outcome {
             refused.extend(items);
         }
         if wake {
@@ -355,12 +376,31 @@ impl Subscriber {
                 );
             }
         }
+        let held = if !st.held.is_empty() && st.queue.len() <= st.resume_at {
+            std::mem::take(&mut st.held)
+        } else {
+            Vec::new()
+        };
         drop(st);
+        held.into_iter().for_each(std::task::Waker::wake);
         if let Some((topic, n)) = run {
             topic.stats().delivered(n);
         }
         local.flush(latency);
         done
+    }
+
+    /// Ready once a publisher held by this subscriber's full queue (block policy) may go on: the
+    /// queue has drained to half its capacity, or the subscriber is closed.
+    pub fn poll_room(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        let mut st = self.lock();
+        if st.closed.is_some() || st.queue.len() <= st.resume_at {
+            return std::task::Poll::Ready(());
+        }
+        if !st.held.iter().any(|w| w.will_wake(cx.waker())) {
+            st.held.push(cx.waker().clone());
+        }
+        std::task::Poll::Pending
     }
 
     /// Remove a delivery from the in-flight set after checking the ACK/NACK names it.
@@ -433,6 +473,9 @@ impl Subscriber {
                 st.closed = Some(reason);
             }
             self.closed.store(true, Ordering::Release);
+            std::mem::take(&mut st.held)
+                .into_iter()
+                .for_each(std::task::Waker::wake);
             let queued = st.queue.take_all();
             let mut in_flight: Vec<Delivery> =
                 st.in_flight.drain().map(|(_, f)| f.delivery).collect();

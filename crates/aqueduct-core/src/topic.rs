@@ -39,9 +39,13 @@ impl DropReason {
 
     fn index(self) -> usize {
         match self {
-            DropReason::Policy(p) => p.index(),
+            DropReason::Policy(OverflowPolicy::DropOldest) => 0,
+            DropReason::Policy(OverflowPolicy::DropNewest) => 1,
+            DropReason::Policy(OverflowPolicy::Disconnect) => 2,
             DropReason::Unsubscribed => 3,
             DropReason::RetriesExhausted => 4,
+            // Block never drops; a slot of its own keeps the mapping total.
+            DropReason::Policy(OverflowPolicy::Block) => 5,
         }
     }
 }
@@ -51,7 +55,7 @@ impl DropReason {
 pub struct TopicStats {
     published: AtomicU64,
     delivered: AtomicU64,
-    dropped: [AtomicU64; 5],
+    dropped: [AtomicU64; 6],
     expired: [AtomicU64; Priority::LEVELS],
     nacked: AtomicU64,
     redelivered: AtomicU64,
@@ -64,7 +68,7 @@ pub struct TopicStatsSnapshot {
     pub published: u64,
     pub delivered: u64,
     /// Indexed like [`DropReason::ALL`].
-    pub dropped: [u64; 5],
+    pub dropped: [u64; 6],
     /// Indexed by priority level.
     pub expired: [u64; Priority::LEVELS],
     pub nacked: u64,

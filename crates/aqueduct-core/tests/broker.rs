@@ -434,6 +434,89 @@ fn disconnect_closes_the_slow_subscriber_only() {
     );
 }
 
+/// A task waker that counts its wakes (for `Subscriber::poll_room`).
+struct CountWake(AtomicUsize);
+
+impl std::task::Wake for CountWake {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn block_broker() -> (Broker, Arc<Subscriber>) {
+    let b = Broker::new(BrokerConfig {
+        queue_size: 4,
+        backpressure_policy: OverflowPolicy::Block,
+        ..Default::default()
+    });
+    let s = sub(&b, "topic:t");
+    (b, s)
+}
+
+#[test]
+fn block_loses_nothing_and_holds_the_publisher_until_half_drained() {
+    let (b, s) = block_broker();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    for i in 0..4 {
+        publish(&b, &mut ctx, "t", &i.to_string(), now);
+    }
+    assert!(ctx.take_held().is_none(), "room for queue_size messages");
+    publish(&b, &mut ctx, "t", "4", now);
+    let held = ctx.take_held().expect("held once the queue is full");
+    assert!(Arc::ptr_eq(&held, &s));
+    assert!(ctx.take_held().is_none(), "reported once");
+    // A publisher that goes on anyway loses nothing either; each full publish reports again.
+    for i in 5..8 {
+        publish(&b, &mut ctx, "t", &i.to_string(), now);
+    }
+    assert!(ctx.take_held().is_some());
+    assert!(ctx.take_held().is_none(), "one entry per subscriber");
+    assert_eq!(s.queued(), 8);
+
+    let count = Arc::new(CountWake(AtomicUsize::new(0)));
+    let waker = std::task::Waker::from(count.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    assert!(s.poll_room(&mut cx).is_pending());
+    let mut out = BytesMut::new();
+    // One frame per drain (budget 1): 8 -> 3 queued is not yet half of the capacity.
+    for _ in 0..5 {
+        b.drain(&s, &mut out, 1, now);
+        assert!(s.poll_room(&mut cx).is_pending());
+    }
+    assert_eq!(count.0.load(Ordering::SeqCst), 0, "not woken above half");
+    b.drain(&s, &mut out, 1, now);
+    assert_eq!(s.queued(), 2);
+    assert_eq!(count.0.load(Ordering::SeqCst), 1, "woken at half");
+    assert!(s.poll_room(&mut cx).is_ready());
+
+    while b.drain(&s, &mut out, 64 * 1024, now).frames > 0 {}
+    let all = bodies(&decode_all(out.freeze()));
+    assert_eq!(all, ["0", "1", "2", "3", "4", "5", "6", "7"]);
+    let stats = b.topic(&t("t")).expect("known").stats().snapshot();
+    for reason in DropReason::ALL {
+        assert_eq!(stats.dropped(reason), 0, "{reason:?}");
+    }
+}
+
+#[test]
+fn a_closing_blocking_subscriber_releases_its_publishers() {
+    let (b, s) = block_broker();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    for i in 0..6 {
+        publish(&b, &mut ctx, "t", &i.to_string(), now);
+    }
+    assert!(ctx.take_held().is_some());
+    let count = Arc::new(CountWake(AtomicUsize::new(0)));
+    let waker = std::task::Waker::from(count.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    assert!(s.poll_room(&mut cx).is_pending());
+    b.unsubscribe(&mut ctx, &s, now);
+    assert_eq!(count.0.load(Ordering::SeqCst), 1);
+    assert!(s.poll_room(&mut cx).is_ready());
+}
+
 #[test]
 fn ttl_priority_override_and_message_ttl() {
     let mut cfg = BrokerConfig::default();

@@ -134,21 +134,26 @@ pub enum OverflowPolicy {
     DropNewest,
     /// Close the subscription with SLOW_CONSUMER.
     Disconnect,
+    /// Lose nothing: queue the message, and hold the publishers of what this subscription
+    /// receives (stop reading their streams) until its queue has drained to half.
+    Block,
 }
 
 impl OverflowPolicy {
-    pub const ALL: [OverflowPolicy; 3] = [
+    pub const ALL: [OverflowPolicy; 4] = [
         OverflowPolicy::DropOldest,
         OverflowPolicy::DropNewest,
         OverflowPolicy::Disconnect,
+        OverflowPolicy::Block,
     ];
 
-    /// The config / metrics spelling: `drop_oldest`, `drop_newest`, `disconnect`.
+    /// The config / metrics spelling: `drop_oldest`, `drop_newest`, `disconnect`, `block`.
     pub fn as_str(self) -> &'static str {
         match self {
             OverflowPolicy::DropOldest => "drop_oldest",
             OverflowPolicy::DropNewest => "drop_newest",
             OverflowPolicy::Disconnect => "disconnect",
+            OverflowPolicy::Block => "block",
         }
     }
 
@@ -169,7 +174,7 @@ impl std::str::FromStr for OverflowPolicy {
             .into_iter()
             .find(|p| p.as_str() == s)
             .ok_or_else(|| {
-                format!("unknown backpressure policy {s:?} (expected drop_oldest, drop_newest or disconnect)")
+                format!("unknown backpressure policy {s:?} (expected drop_oldest, drop_newest, disconnect or block)")
             })
     }
 }
@@ -252,7 +257,7 @@ fn decode_entry(ty: u8, value: &[u8], at: usize) -> Result<Option<Entry<'_>>, Pr
             let [v] = fixed::<1>(ty, value)?;
             match OverflowPolicy::from_wire(v) {
                 Some(p) => Entry::Overflow(p),
-                None => return Err(bad(ty, "overflow policy must be 0..=2")),
+                None => return Err(bad(ty, "overflow policy must be 0..=3")),
             }
         }
         types::ORIGINAL_TOPIC => Entry::OriginalTopic(topic(value)?, at),

@@ -230,5 +230,17 @@ async fn serve_streams(
     for entry in state.take_subs() {
         shared.broker.unsubscribe(&mut ctx, &entry.sub, now);
     }
+    let st = conn.stats();
     info!(client = %state.describe(), "disconnected: {reason}");
+    debug!(
+        client = %state.describe(),
+        path_mtu = st.path.current_mtu,
+        rtt_us = st.path.rtt.as_micros() as u64,
+        lost_packets = st.path.lost_packets,
+        sent_packets = st.path.sent_packets,
+        black_holes = st.path.black_holes_detected,
+        udp_tx_datagrams = st.udp_tx.datagrams,
+        udp_rx_datagrams = st.udp_rx.datagrams,
+        "connection statistics"
+    );
 }

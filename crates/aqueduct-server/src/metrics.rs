@@ -268,7 +268,7 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         &[],
         shared.connections.load(Ordering::Acquire),
     );
-    let counters: [(&str, &str, u64); 6] = [
+    let counters: [(&str, &str, u64); 7] = [
         (
             "aqueduct_connections_total",
             "Connections accepted since start.",
@@ -299,11 +299,26 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
             "Delivery streams reset because a slow consumer blocked them.",
             st.slow_consumer_resets.load(Ordering::Relaxed),
         ),
+        (
+            "aqueduct_publish_holds_total",
+            "Times a publishing stream was held because a block-policy subscriber's queue was full.",
+            st.publish_holds.load(Ordering::Relaxed),
+        ),
     ];
     for (name, help, v) in counters {
         out.header(name, "counter", help);
         out.sample(name, &[], v);
     }
+    out.header(
+        "aqueduct_publish_held_seconds_total",
+        "counter",
+        "Time publishing streams spent held by full block-policy subscriber queues.",
+    );
+    out.sample(
+        "aqueduct_publish_held_seconds_total",
+        &[],
+        st.publish_held_us.load(Ordering::Relaxed) as f64 / 1e6,
+    );
     out.header(
         "aqueduct_frames_rejected_total",
         "counter",

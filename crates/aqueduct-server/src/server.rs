@@ -243,6 +243,7 @@ async fn ack_ticker(broker: Arc<Broker>, mut stop: watch::Receiver<bool>) {
         tokio::select! {
             _ = tick.tick() => {
                 broker.tick(&mut ctx, Instant::now());
+                ctx.clear_held();
             }
             _ = stop.changed() => return,
         }

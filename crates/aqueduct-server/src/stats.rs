@@ -15,6 +15,10 @@ pub struct ServerStats {
     pub handshakes_failed: AtomicU64,
     /// Delivery streams reset because a slow consumer blocked them (disconnect policy).
     pub slow_consumer_resets: AtomicU64,
+    /// Times a publishing stream was held by a full queue under the block policy, and the time
+    /// spent held (microseconds).
+    pub publish_holds: AtomicU64,
+    pub publish_held_us: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
     /// Frames rejected, by reason label (`bad_magic`, `frame_too_large`, …).

@@ -226,7 +226,40 @@ impl Reader<'_> {
         ) {
             self.conn.wait_confirmed().await;
         }
+        let publishes = matches!(
+            frame.message,
+            Message::Publish(_) | Message::PublishBatch(_)
+        );
         self.handle(frame);
+        if publishes {
+            self.wait_for_room().await;
+        } else {
+            // Settling can redeliver into a full queue; only publishers are held.
+            self.ctx.clear_held();
+        }
+    }
+
+    /// Block policy: while a subscriber this stream just published to has a full queue, stop
+    /// reading the stream (QUIC flow control then holds the publisher) until it has drained.
+    async fn wait_for_room(&mut self) {
+        while let Some(sub) = self.ctx.take_held() {
+            let started = Instant::now();
+            let mut waited = false;
+            std::future::poll_fn(|cx| {
+                let room = sub.poll_room(cx);
+                waited |= room.is_pending();
+                room
+            })
+            .await;
+            if !waited {
+                continue;
+            }
+            let stats = &self.shared.stats;
+            stats.publish_holds.fetch_add(1, Ordering::Relaxed);
+            stats
+                .publish_held_us
+                .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        }
     }
 
     fn handle(&mut self, frame: Frame) {
@@ -482,8 +515,12 @@ async fn write_loop(
         // A subscriber that stops reading blocks this write on flow control; if the core then
         // closes it (disconnect policy) the ERROR frame could never get through, so the stream is
         // reset with the SLOW_CONSUMER code instead.
+        // Handed to quinn without a copy; `buf` keeps the rest of its allocation for the next
+        // fill (or allocates anew once quinn still holds it).
+        let chunk = buf.split().freeze();
+        let len = chunk.len();
         let written = tokio::select! {
-            r = send.write_all(&buf) => r,
+            r = send.write_chunk(chunk) => r,
             _ = slow_consumer_closed(&out) => {
                 warn!("slow consumer: resetting its blocked delivery stream");
                 shared.stats.slow_consumer_resets.fetch_add(1, Ordering::Relaxed);
@@ -497,18 +534,18 @@ async fn write_loop(
             out.abort();
             return;
         }
-        shared.stats.add_out(buf.len());
-        buf.clear();
+        shared.stats.add_out(len);
         last_write = Some(Instant::now());
     }
     // Final flush (shutdown, or the client finished and nothing is subscribed here).
     loop {
         fill(&out, &shared, &mut buf, batch);
-        if buf.is_empty() || send.write_all(&buf).await.is_err() {
+        let chunk = buf.split().freeze();
+        let len = chunk.len();
+        if len == 0 || send.write_chunk(chunk).await.is_err() {
             break;
         }
-        shared.stats.add_out(buf.len());
-        buf.clear();
+        shared.stats.add_out(len);
     }
     let _ = send.finish();
     // Closing the connection abandons data the client has not acknowledged yet: wait (bounded)

@@ -87,7 +87,7 @@ enum Command {
         /// Exit after this many messages.
         #[arg(long, short = 'n')]
         count: Option<u64>,
-        /// Backpressure policy for this subscription: drop_oldest, drop_newest, disconnect.
+        /// Backpressure policy for this subscription: drop_oldest, drop_newest, disconnect, block.
         #[arg(long)]
         overflow: Option<OverflowPolicy>,
     },
@@ -129,6 +129,10 @@ enum Command {
         /// Subscribers form one consumer group (each message goes to one, which acks it).
         #[arg(long)]
         group: bool,
+        /// Backpressure policy of the bench's subscriptions (default: the broker's). `block`
+        /// holds the publishers instead of dropping when a subscriber falls behind.
+        #[arg(long)]
+        overflow: Option<OverflowPolicy>,
         /// Messages per PUBLISH_BATCH frame (1 = single PUBLISH frames).
         #[arg(long, default_value_t = 100)]
         batch: usize,
@@ -336,6 +340,7 @@ async fn run(cli: Cli) -> Result<()> {
             streams,
             subscribers,
             group,
+            overflow,
             batch,
             rate,
             priority_mix,
@@ -350,6 +355,7 @@ async fn run(cli: Cli) -> Result<()> {
                 streams: (*streams).max(1),
                 subscribers: (*subscribers).max(1),
                 group: *group,
+                overflow: *overflow,
                 messages: *messages,
                 duration: *duration,
                 payload_size: *payload_size,
