@@ -117,9 +117,14 @@ def main():
 
     try:
         nats = b.start_nats(4222)
-        # Throughput broker: queues big enough to absorb a burst (NATS allows 64 MiB pending).
-        big = b.start_aqueduct(14301, 19301, {"AQUEDUCT_BROKER_QUEUE_SIZE": "4000000"})
+        # Throughput broker on built-in defaults; the bench's subscriptions use the block policy,
+        # so the publisher is held to the subscribers' pace and nothing is dropped.
+        main_broker = b.start_aqueduct(14301, 19301)
         addr = "127.0.0.1:14301"
+        # For comparison, the same runs unpaced: the default drop_oldest policy with queues big
+        # enough to absorb the whole burst (NATS allows 64 MiB pending per subscriber).
+        big = b.start_aqueduct(14304, 19304, {"AQUEDUCT_BROKER_QUEUE_SIZE": "4000000"})
+        addr_big = "127.0.0.1:14304"
         for r in range(args.rounds):
             for name, nats_args, aq_args, subs in [
                 ("tput_1x1", ["--msgs", "2000000", "--subs", "1"], ["--messages", "2000000", "--subscribers", "1"], 1),
@@ -129,9 +134,12 @@ def main():
                 res = run([PEERBENCH, "nats-throughput", "--url", "nats://127.0.0.1:4222", "--size", "128", "--pubs", "1", *nats_args])
                 res["delivered_msgs_per_s"] = res.get("delivered_msgs_per_s") or res.get("agg_delivered_msgs_per_s", 0)
                 record(name, "nats", res, server_cpu_s=cpu_seconds(nats.pid) - c0)
+                c0 = cpu_seconds(main_broker.pid)
+                res = aq(addr, "--payload-size", "128", "--batch", "100", "--overflow", "block", *aq_args, env=b.env)
+                record(name, "aqueduct", res, server_cpu_s=cpu_seconds(main_broker.pid) - c0)
                 c0 = cpu_seconds(big.pid)
-                res = aq(addr, "--payload-size", "128", "--batch", "100", *aq_args, env=b.env)
-                record(name, "aqueduct", res, server_cpu_s=cpu_seconds(big.pid) - c0)
+                res = aq(addr_big, "--payload-size", "128", "--batch", "100", *aq_args, env=b.env)
+                record(name + "_unpaced", "aqueduct", res, server_cpu_s=cpu_seconds(big.pid) - c0)
             res = run([PEERBENCH, "nats-latency", "--url", "nats://127.0.0.1:4222", "--rate", "10000", "--secs", "5", "--size", "128"])
             record("latency_10k", "nats", res)
             res = aq(addr, "--rate", "10000", "--duration", "5s", "--batch", "1", "--payload-size", "128", env=b.env)
@@ -180,7 +188,7 @@ def main():
 
     print("\n| configuration | broker | min | median | max | lost (total) |")
     print("|---|---|---:|---:|---:|---:|")
-    for name in ["tput_1x1", "fanout_1x4", "slow_baseline", "slow_present"]:
+    for name in ["tput_1x1", "fanout_1x4", "tput_1x1_unpaced", "fanout_1x4_unpaced", "slow_baseline", "slow_present"]:
         for broker in ["nats", "aqueduct"]:
             vals = [r["delivered_msgs_per_s"] for r in rows if r["config"] == name and r["broker"] == broker]
             if vals:

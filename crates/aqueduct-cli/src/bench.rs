@@ -137,10 +137,14 @@ fn stamp(epoch: Instant) -> u64 {
 /// A bench payload: send time (ns since the run's epoch), message index, filler.
 fn payload(buf: &mut BytesMut, sent_ns: u64, index: u64, size: usize) -> Bytes {
     buf.reserve(size);
+    write_payload(buf, sent_ns, index, size);
+    buf.split().freeze()
+}
+
+fn write_payload(buf: &mut BytesMut, sent_ns: u64, index: u64, size: usize) {
     buf.put_u64_le(sent_ns);
     buf.put_u64_le(index);
     buf.put_bytes(0xA5, size - HEADER);
-    buf.split().freeze()
 }
 
 /// Tracks what one subscriber received.
@@ -163,8 +167,8 @@ impl Recorder {
         }
     }
 
-    fn record(&mut self, epoch: Instant, body: &[u8]) {
-        let now = Instant::now();
+    /// Record one message received at `now`.
+    fn record(&mut self, epoch: Instant, now: Instant, body: &[u8]) {
         let now_ns = now.duration_since(epoch).as_nanos() as u64;
         self.last = now;
         self.received += 1;
@@ -460,16 +464,17 @@ async fn send_batch(
             priority: priority_of(batch[0], &cfg.priority_mix),
             ..PublishOptions::default()
         };
-        // The messages of a batch leave together: one timestamp for all of them.
+        // The messages of a batch leave together: one timestamp for all of them, and one buffer
+        // (the bodies are slices of it).
         let sent_ns = stamp(epoch);
-        let items: Vec<(&str, Bytes)> = batch
-            .iter()
-            .map(|i| {
-                (
-                    cfg.topic.as_str(),
-                    payload(buf, sent_ns, *i, cfg.payload_size),
-                )
-            })
+        let size = cfg.payload_size;
+        buf.reserve(size * batch.len());
+        for i in batch {
+            write_payload(buf, sent_ns, *i, size);
+        }
+        let all = buf.split().freeze();
+        let items: Vec<(&str, Bytes)> = (0..batch.len())
+            .map(|k| (cfg.topic.as_str(), all.slice(k * size..(k + 1) * size)))
             .collect();
         publisher.publish_batch(items, &opts).await.map(|_| ())
     }
@@ -504,10 +509,12 @@ async fn subscriber(
                 // select! per message.
                 let mut item = first;
                 let mut count = 0;
+                // What arrived together is stamped together: one clock read per burst.
+                let now = Instant::now();
                 let ended = loop {
                     match item {
                         Some(Ok(msg)) => {
-                            rec.record(epoch, msg.body());
+                            rec.record(epoch, now, msg.body());
                             count += 1;
                             if cfg.group {
                                 let _ = msg.ack().await;
@@ -726,9 +733,13 @@ mod tests {
         let mut buf = BytesMut::new();
         let mut rec = Recorder::new(10);
         let a = payload(&mut buf, stamp(epoch), 3, 32);
-        rec.record(epoch, &a);
-        rec.record(epoch, &a);
-        rec.record(epoch, &payload(&mut buf, stamp(epoch), 70, 32));
+        rec.record(epoch, Instant::now(), &a);
+        rec.record(epoch, Instant::now(), &a);
+        rec.record(
+            epoch,
+            Instant::now(),
+            &payload(&mut buf, stamp(epoch), 70, 32),
+        );
         assert_eq!((rec.received, rec.duplicates), (3, 1));
         assert_eq!(rec.latency.len(), 3);
         assert_eq!(a.len(), 32);
