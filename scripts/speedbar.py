@@ -62,9 +62,15 @@ class Brokers:
         self.home = home
         self.env = dict(os.environ, AQUEDUCT_HOME=home, AQUEDUCT_LOG="warn")
         self.procs = []
+        self.client_env = {}
 
     def start_aqueduct(self, port, metrics_port, extra_env=None):
-        env = dict(self.env, **(extra_env or {}))
+        # Each broker gets its own home: a development broker writes its certificate there, and
+        # a second one in the same home would replace the first one's.
+        home = os.path.join(self.home, str(port))
+        os.makedirs(home, exist_ok=True)
+        env = dict(self.env, AQUEDUCT_HOME=home, **(extra_env or {}))
+        self.client_env[port] = dict(self.env, AQUEDUCT_HOME=home)
         p = subprocess.Popen([BROKER, "--addr", f"127.0.0.1:{port}", "--metrics-addr", f"127.0.0.1:{metrics_port}"],
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.procs.append(p)
@@ -135,14 +141,14 @@ def main():
                 res["delivered_msgs_per_s"] = res.get("delivered_msgs_per_s") or res.get("agg_delivered_msgs_per_s", 0)
                 record(name, "nats", res, server_cpu_s=cpu_seconds(nats.pid) - c0)
                 c0 = cpu_seconds(main_broker.pid)
-                res = aq(addr, "--payload-size", "128", "--batch", "100", "--overflow", "block", *aq_args, env=b.env)
+                res = aq(addr, "--payload-size", "128", "--batch", "100", "--overflow", "block", *aq_args, env=b.client_env[14301])
                 record(name, "aqueduct", res, server_cpu_s=cpu_seconds(main_broker.pid) - c0)
                 c0 = cpu_seconds(big.pid)
-                res = aq(addr_big, "--payload-size", "128", "--batch", "100", *aq_args, env=b.env)
+                res = aq(addr_big, "--payload-size", "128", "--batch", "100", *aq_args, env=b.client_env[14304])
                 record(name + "_unpaced", "aqueduct", res, server_cpu_s=cpu_seconds(big.pid) - c0)
             res = run([PEERBENCH, "nats-latency", "--url", "nats://127.0.0.1:4222", "--rate", "10000", "--secs", "5", "--size", "128"])
             record("latency_10k", "nats", res)
-            res = aq(addr, "--rate", "10000", "--duration", "5s", "--batch", "1", "--payload-size", "128", env=b.env)
+            res = aq(addr, "--rate", "10000", "--duration", "5s", "--batch", "1", "--payload-size", "128", env=b.client_env[14301])
             record("latency_10k", "aqueduct", res)
 
         # A slow subscriber (stopped with SIGSTOP) next to two fast ones, at a fixed offered
@@ -150,12 +156,12 @@ def main():
         slow_broker = b.start_aqueduct(14302, 19302, {"AQUEDUCT_BROKER_QUEUE_SIZE": "65536"})
         addr2 = "127.0.0.1:14302"
         for r in range(args.rounds):
-            base = aq(addr2, "--topic", "slowtest", "--subscribers", "2", "--rate", "300000", "--duration", "5s", "--batch", "100", env=b.env)
+            base = aq(addr2, "--topic", "slowtest", "--subscribers", "2", "--rate", "300000", "--duration", "5s", "--batch", "100", env=b.client_env[14302])
             record("slow_baseline", "aqueduct", base)
-            slow = subprocess.Popen([CLIENT, "--addr", addr2, "sub", "slowtest"], env=b.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            slow = subprocess.Popen([CLIENT, "--addr", addr2, "sub", "slowtest"], env=b.client_env[14302], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
             slow.send_signal(signal.SIGSTOP)
-            with_slow = aq(addr2, "--topic", "slowtest", "--subscribers", "2", "--rate", "300000", "--duration", "5s", "--batch", "100", env=b.env)
+            with_slow = aq(addr2, "--topic", "slowtest", "--subscribers", "2", "--rate", "300000", "--duration", "5s", "--batch", "100", env=b.client_env[14302])
             record("slow_present", "aqueduct", with_slow)
             slow.send_signal(signal.SIGCONT)
             slow.kill()
@@ -166,7 +172,7 @@ def main():
         addr3 = "127.0.0.1:14303"
         for what, hold_args, n in [("connection", ["--connections", "1000"], 1000), ("subscription", ["--connections", "10", "--subscriptions", "100"], 1000)]:
             before = rss_kib(mem.pid)
-            h = subprocess.Popen([CLIENT, "--addr", addr3, "hold", *hold_args, "--seconds", "60"], env=b.env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            h = subprocess.Popen([CLIENT, "--addr", addr3, "hold", *hold_args, "--seconds", "60"], env=b.client_env[14303], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             line = h.stdout.readline()
             assert line.strip() == "ready", line
             time.sleep(1.0)
