@@ -1,8 +1,8 @@
 //! Frames from a QUIC receive stream: read in chunks, decode with `aqueduct-proto`.
 
 use aqueduct_proto::frame::split_frame;
-use aqueduct_proto::{DecodeError, Frame, Limits, HEADER_LEN};
-use bytes::{Buf, BytesMut};
+use aqueduct_proto::{DecodeError, Frame, FrameHeader, Limits, HEADER_LEN};
+use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::AsyncReadExt;
 
 use crate::error::ClientError;
@@ -25,18 +25,64 @@ impl FrameReader {
 
     /// A frame already buffered, without reading; `Ok(None)` if none is complete.
     pub(crate) fn try_next(&mut self) -> Result<Option<Frame>, ClientError> {
+        match self.try_next_raw()? {
+            Some((header, data)) => Ok(Some(Frame::decode(&header, data)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The next buffered frame's validated header and data (not decoded); `Ok(None)` if none
+    /// is complete.
+    pub(crate) fn try_next_raw(&mut self) -> Result<Option<(FrameHeader, Bytes)>, ClientError> {
         let limits = Limits {
             max_data_len: MAX_FRAME,
         };
         match split_frame(&self.buf, &limits) {
             Ok(raw) => {
-                let mut data = self.buf.split_to(raw.frame_len()).freeze();
+                let mut data = self.buf.split_to(raw.frame_len());
                 data.advance(HEADER_LEN);
                 let header = raw.validate()?;
-                Ok(Some(Frame::decode(&header, data)?))
+                Ok(Some((header, data.freeze())))
             }
             Err(DecodeError::Incomplete { .. }) => Ok(None),
             Err(DecodeError::Invalid(e)) => Err(ClientError::Protocol(e)),
+        }
+    }
+
+    /// Wait until a frame is buffered (`Ok(false)` when the broker finished the stream).
+    pub(crate) async fn fill(&mut self) -> Result<bool, ClientError> {
+        loop {
+            if split_frame(
+                &self.buf,
+                &Limits {
+                    max_data_len: MAX_FRAME,
+                },
+            )
+            .map_or_else(|e| !matches!(e, DecodeError::Incomplete { .. }), |_| true)
+            {
+                return Ok(true);
+            }
+            if !self.read_more().await? {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// One read from the stream into the buffer; `Ok(false)` at a clean end of stream.
+    async fn read_more(&mut self) -> Result<bool, ClientError> {
+        // Small while idle; reserve grows the buffer as data comes in.
+        if self.buf.capacity() - self.buf.len() < 4 * 1024 {
+            self.buf
+                .reserve((self.buf.capacity() * 2).clamp(8 * 1024, 64 * 1024));
+        }
+        match self.recv.read_buf(&mut self.buf).await {
+            Ok(0) if self.buf.is_empty() => Ok(false),
+            Ok(0) => Err(ClientError::Connection(format!(
+                "stream ended inside a frame ({} bytes left)",
+                self.buf.len()
+            ))),
+            Ok(_) => Ok(true),
+            Err(e) => Err(ClientError::Connection(e.to_string())),
         }
     }
 
@@ -46,21 +92,8 @@ impl FrameReader {
             if let Some(frame) = self.try_next()? {
                 return Ok(Some(frame));
             }
-            // Small while idle; reserve grows the buffer as data comes in.
-            if self.buf.capacity() - self.buf.len() < 4 * 1024 {
-                self.buf
-                    .reserve((self.buf.capacity() * 2).clamp(8 * 1024, 64 * 1024));
-            }
-            match self.recv.read_buf(&mut self.buf).await {
-                Ok(0) if self.buf.is_empty() => return Ok(None),
-                Ok(0) => {
-                    return Err(ClientError::Connection(format!(
-                        "stream ended inside a frame ({} bytes left)",
-                        self.buf.len()
-                    )))
-                }
-                Ok(_) => {}
-                Err(e) => return Err(ClientError::Connection(e.to_string())),
+            if !self.read_more().await? {
+                return Ok(None);
             }
         }
     }

@@ -6,9 +6,10 @@ use std::task::{Context, Poll};
 
 use aqueduct_proto::frame::Message as Wire;
 use aqueduct_proto::{
-    Ack, ErrorCode, Extensions, Frame, Nack, Priority, Publish, TopicFilter, TopicName, Unsubscribe,
+    Ack, DeliveryRef, ErrorCode, Extensions, Frame, FrameHeader, Nack, Opcode, Priority, Publish,
+    TopicFilter, TopicName, Unsubscribe,
 };
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use futures_core::Stream;
 use tokio::sync::mpsc;
 
@@ -256,37 +257,83 @@ fn item(frame: Frame, handle: &Arc<SubHandle>) -> Option<Result<Message, ClientE
     }
 }
 
+/// A delivery read straight from its frame when it carries only the usual extensions (topic,
+/// offset, attempt, priority): no `Frame`, no `Extensions`, and the topic shared with the
+/// previous delivery's when it is the same. Anything else goes through the full decoder.
+fn fast_item(
+    header: &FrameHeader,
+    data: Bytes,
+    handle: &Arc<SubHandle>,
+    last_topic: &mut Option<TopicName>,
+) -> Option<Result<Message, ClientError>> {
+    let fast = if header.opcode == Opcode::Publish {
+        DeliveryRef::parse(header, &data).ok().and_then(|d| {
+            let t = d.topic.filter(|_| !d.more)?;
+            let topic = match last_topic {
+                Some(last) if last.as_bytes() == t.as_bytes() => last.clone(),
+                _ => {
+                    let name = d.topic_in(&data)?;
+                    *last_topic = Some(name.clone());
+                    name
+                }
+            };
+            Some((topic, d.offset, d.attempt, d.priority, d.body_start))
+        })
+    } else {
+        None
+    };
+    match fast {
+        Some((topic, offset, attempt, priority, body_start)) => {
+            let mut body = data;
+            body.advance(body_start);
+            Some(Ok(Message {
+                topic,
+                body,
+                offset,
+                attempt,
+                priority,
+                topic_ext: true,
+                rare: None,
+                handle: handle.clone(),
+            }))
+        }
+        // Everything else, errors included (with the full decoder's exact reason).
+        None => match Frame::decode(header, data) {
+            Ok(frame) => item(frame, handle),
+            Err(e) => Some(Err(e.into())),
+        },
+    }
+}
+
 /// Turn frames from the subscription stream into messages and errors, handing them to the
 /// application in batches (everything decoded from one read) to keep channel traffic low.
 async fn forward(mut reader: FrameReader, handle: Arc<SubHandle>, tx: mpsc::Sender<Batch>) {
     // Sized like the previous batch: bursts stay bursts, a trickle stays small.
     let mut capacity = 1;
+    let mut last_topic = None;
     loop {
         let mut batch = Vec::with_capacity(capacity);
-        let mut end = false;
-        let first = reader.next().await;
-        let push = |frame: Result<Option<Frame>, ClientError>, batch: &mut Batch| match frame {
-            Ok(Some(frame)) => {
-                if let Some(it) = item(frame, &handle) {
-                    // The broker closes a slow consumer's subscription after this error.
-                    let fatal = matches!(&it, Err(e) if e.code() == Some(ErrorCode::SLOW_CONSUMER));
-                    batch.push(it);
-                    fatal
-                } else {
-                    false
-                }
-            }
-            Ok(None) => true,
+        let mut end = match reader.fill().await {
+            Ok(more) => !more,
             Err(e) => {
                 batch.push(Err(e));
                 true
             }
         };
-        end |= push(first, &mut batch);
         while !end && batch.len() < MAX_BATCH {
-            match reader.try_next() {
+            match reader.try_next_raw() {
                 Ok(None) => break,
-                other => end |= push(other, &mut batch),
+                Ok(Some((header, data))) => {
+                    if let Some(it) = fast_item(&header, data, &handle, &mut last_topic) {
+                        // The broker closes a slow consumer's subscription after this error.
+                        end = matches!(&it, Err(e) if e.code() == Some(ErrorCode::SLOW_CONSUMER));
+                        batch.push(it);
+                    }
+                }
+                Err(e) => {
+                    batch.push(Err(e));
+                    end = true;
+                }
             }
         }
         capacity = batch.len().max(1);

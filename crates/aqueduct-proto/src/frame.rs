@@ -231,6 +231,55 @@ fn legacy_target(payload: &[u8]) -> Result<(TopicRef<'_>, usize, Option<u32>), P
     Ok((topic, start, ttl))
 }
 
+/// A PUBLISH frame as a subscriber receives it (a delivery), decoded without allocating or
+/// counting references: the extensions every delivery carries. `more` says whether the frame
+/// carries others too (trace context, dead-letter origin, …); [`Frame::decode`] reads those.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeliveryRef<'a> {
+    /// The TOPIC extension; `None` for a legacy frame (topic in the payload).
+    pub topic: Option<TopicRef<'a>>,
+    pub offset: Option<u64>,
+    pub attempt: Option<u32>,
+    pub priority: Option<Priority>,
+    /// Where the body (the payload after the extension block) starts in the frame's data.
+    pub body_start: usize,
+    /// Known extensions other than the four above are present.
+    pub more: bool,
+}
+
+impl<'a> DeliveryRef<'a> {
+    /// Decode and validate the data of a PUBLISH frame: it is an error exactly when
+    /// [`Frame::decode`] of a frame with a TOPIC extension is one.
+    pub fn parse(header: &FrameHeader, data: &'a [u8]) -> Result<DeliveryRef<'a>, ProtoError> {
+        let (ext_start, ext_end) = split_data(header, data)?;
+        let mut d = DeliveryRef {
+            topic: None,
+            offset: None,
+            attempt: None,
+            priority: None,
+            body_start: ext_end,
+            more: false,
+        };
+        walk(data, ext_start, ext_end, |e| match e {
+            Entry::Topic(t, _) => d.topic = Some(t),
+            Entry::Offset(o) => d.offset = Some(o),
+            Entry::Attempt(a) => d.attempt = Some(a),
+            Entry::Priority(p) => d.priority = Some(p),
+            _ => d.more = true,
+        })?;
+        Ok(d)
+    }
+
+    /// The topic as an owned name sharing `data`, which must be the buffer that was parsed
+    /// (`None` if it is not, or for a legacy frame).
+    pub fn topic_in(&self, data: &Bytes) -> Option<TopicName> {
+        let t = self.topic?.as_bytes();
+        let start = (t.as_ptr() as usize).checked_sub(data.as_ptr() as usize)?;
+        let end = start.checked_add(t.len())?;
+        (end <= data.len()).then(|| TopicName::from_validated(data.slice(start..end)))
+    }
+}
+
 /// A PUBLISH sub-frame of a batch, decoded without copying or counting references: what a
 /// broker needs to route it. Extensions other than those below are validated and ignored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -173,6 +173,50 @@ proptest! {
     }
 
     #[test]
+    fn delivery_ref_agrees_with_the_full_decoder(
+        p in publish(),
+        flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+    ) {
+        // Mutate only after the header: it stays a PUBLISH frame of the same length.
+        let mut data = Frame::new(1, Message::Publish(p)).to_bytes().to_vec();
+        for (idx, byte) in flips {
+            let i = HEADER_LEN + idx.index(data.len() - HEADER_LEN);
+            data[i] = byte;
+        }
+        let bytes = Bytes::from(data);
+        let raw = aqueduct_proto::frame::split_frame(&bytes, &Limits::default()).expect("header intact");
+        let header = raw.validate().expect("valid header");
+        let body = bytes.slice(HEADER_LEN..raw.frame_len());
+        let fast = DeliveryRef::parse(&header, &body);
+        match Frame::decode(&header, body.clone()) {
+            Ok(Frame { message: Message::Publish(full), .. }) if full.ext.topic.is_some() => {
+                let d = fast.expect("the fast path accepts what the full decoder accepts");
+                prop_assert_eq!(d.topic_in(&body), full.ext.topic.clone());
+                prop_assert_eq!(d.offset, full.ext.offset);
+                prop_assert_eq!(d.attempt, full.ext.attempt);
+                prop_assert_eq!(d.priority, full.ext.priority);
+                prop_assert_eq!(&body[d.body_start..], &full.body[..]);
+                let rest = Extensions {
+                    topic: None,
+                    offset: None,
+                    attempt: None,
+                    priority: None,
+                    ..full.ext.clone()
+                };
+                prop_assert_eq!(d.more, rest != Extensions::default());
+                // Not the parsed buffer: no name.
+                prop_assert_eq!(d.topic_in(&Bytes::copy_from_slice(&body)), None);
+            }
+            // Legacy frames (no TOPIC extension) and errors: the fast path either agrees that it
+            // is not a delivery it can read, or reports the error itself.
+            other => prop_assert!(
+                fast.is_err() || fast.is_ok_and(|d| d.topic.is_none()),
+                "decode said {:?}", other
+            ),
+        }
+    }
+
+    #[test]
     fn arbitrary_bytes_never_panic(data in prop::collection::vec(any::<u8>(), 0..300)) {
         let bytes = Bytes::from(data);
         let _ = decode_frame(&bytes, &Limits::default());
