@@ -342,3 +342,16 @@ async fn forward(mut reader: FrameReader, handle: Arc<SubHandle>, tx: mpsc::Send
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_stays_small() {
+        // It is moved several times per delivery; the rare extensions live behind a Box.
+        let size = std::mem::size_of::<Message>();
+        eprintln!("Message: {size} bytes");
+        assert!(size <= 128, "{size}");
+    }
+}
