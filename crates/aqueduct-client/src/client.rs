@@ -271,7 +271,7 @@ impl Client {
             None => return Err(ClientError::Closed),
         }
         let handle = Arc::new(SubHandle::new(id, filter, send));
-        Ok(Subscription::start(handle, reader, self.inner.clone()))
+        Ok(Subscription::start(handle, reader))
     }
 
     /// Wait until the broker has read everything published so far on the default publish

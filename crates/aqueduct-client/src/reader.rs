@@ -3,7 +3,6 @@
 use aqueduct_proto::frame::split_frame;
 use aqueduct_proto::{DecodeError, Frame, FrameHeader, Limits, HEADER_LEN};
 use bytes::{Buf, Bytes, BytesMut};
-use tokio::io::AsyncReadExt;
 
 use crate::error::ClientError;
 
@@ -49,33 +48,22 @@ impl FrameReader {
         }
     }
 
-    /// Wait until a frame is buffered (`Ok(false)` when the broker finished the stream).
-    pub(crate) async fn fill(&mut self) -> Result<bool, ClientError> {
-        loop {
-            if split_frame(
-                &self.buf,
-                &Limits {
-                    max_data_len: MAX_FRAME,
-                },
-            )
-            .map_or_else(|e| !matches!(e, DecodeError::Incomplete { .. }), |_| true)
-            {
-                return Ok(true);
-            }
-            if !self.read_more().await? {
-                return Ok(false);
-            }
-        }
-    }
-
     /// One read from the stream into the buffer; `Ok(false)` at a clean end of stream.
-    async fn read_more(&mut self) -> Result<bool, ClientError> {
+    pub(crate) fn poll_read_more(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<bool, ClientError>> {
         // Small while idle; reserve grows the buffer as data comes in.
         if self.buf.capacity() - self.buf.len() < 4 * 1024 {
             self.buf
                 .reserve((self.buf.capacity() * 2).clamp(8 * 1024, 64 * 1024));
         }
-        match self.recv.read_buf(&mut self.buf).await {
+        let read = std::task::ready!(tokio_util::io::poll_read_buf(
+            std::pin::Pin::new(&mut self.recv),
+            cx,
+            &mut self.buf
+        ));
+        std::task::Poll::Ready(match read {
             Ok(0) if self.buf.is_empty() => Ok(false),
             Ok(0) => Err(ClientError::Connection(format!(
                 "stream ended inside a frame ({} bytes left)",
@@ -83,7 +71,7 @@ impl FrameReader {
             ))),
             Ok(_) => Ok(true),
             Err(e) => Err(ClientError::Connection(e.to_string())),
-        }
+        })
     }
 
     /// The next frame; `Ok(None)` when the broker finished the stream.
@@ -92,7 +80,7 @@ impl FrameReader {
             if let Some(frame) = self.try_next()? {
                 return Ok(Some(frame));
             }
-            if !self.read_more().await? {
+            if !std::future::poll_fn(|cx| self.poll_read_more(cx)).await? {
                 return Ok(None);
             }
         }

@@ -11,19 +11,9 @@ use aqueduct_proto::{
 };
 use bytes::{Buf, Bytes};
 use futures_core::Stream;
-use tokio::sync::mpsc;
 
-use crate::client::Inner;
 use crate::error::ClientError;
 use crate::reader::FrameReader;
-
-/// Batches buffered between the network and the application before the client stops reading
-/// (the broker's backpressure policy then applies).
-const BUFFER: usize = 16;
-/// Most messages in one batch.
-const MAX_BATCH: usize = 1024;
-
-type Batch = Vec<Result<Message, ClientError>>;
 
 /// The subscription's identity and its stream's sending half (for ACK, NACK, UNSUBSCRIBE).
 #[derive(Debug)]
@@ -147,27 +137,37 @@ impl Message {
 }
 
 /// A live subscription. Dropping it unsubscribes.
-#[derive(Debug)]
+///
+/// Messages are read from the subscription's QUIC stream and decoded when the application asks
+/// for them, in the application's own task: no reader task, no channel in between. While the
+/// application does not ask, nothing is read, QUIC flow control holds the broker, and the
+/// subscription's backpressure policy applies there.
 pub struct Subscription {
-    rx: mpsc::Receiver<Batch>,
-    /// Received from the reader task, not yet handed out.
-    ready: std::vec::IntoIter<Result<Message, ClientError>>,
+    reader: FrameReader,
     handle: Arc<SubHandle>,
+    /// The previous delivery's topic, shared with the next one when it is the same.
+    last_topic: Option<TopicName>,
+    /// The stream ended (or failed): nothing more comes.
+    ended: bool,
     unsubscribed: bool,
 }
 
+impl std::fmt::Debug for Subscription {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscription")
+            .field("handle", &self.handle)
+            .field("ended", &self.ended)
+            .finish()
+    }
+}
+
 impl Subscription {
-    pub(crate) fn start(
-        handle: Arc<SubHandle>,
-        reader: FrameReader,
-        _client: Arc<Inner>,
-    ) -> Subscription {
-        let (tx, rx) = mpsc::channel(BUFFER);
-        tokio::spawn(forward(reader, handle.clone(), tx));
+    pub(crate) fn start(handle: Arc<SubHandle>, reader: FrameReader) -> Subscription {
         Subscription {
-            rx,
-            ready: Vec::new().into_iter(),
+            reader,
             handle,
+            last_topic: None,
+            ended: false,
             unsubscribed: false,
         }
     }
@@ -186,22 +186,41 @@ impl Subscription {
     /// does not mean the subscription has ended). Cheaper than [`Self::next_message`] when
     /// draining a burst.
     pub fn try_next_message(&mut self) -> Option<Result<Message, ClientError>> {
-        if let Some(item) = self.ready.next() {
-            return Some(item);
+        match self.poll_item(&mut Context::from_waker(std::task::Waker::noop())) {
+            Poll::Ready(item) => item,
+            Poll::Pending => None,
         }
-        self.ready = self.rx.try_recv().ok()?.into_iter();
-        self.ready.next()
     }
 
     fn poll_item(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message, ClientError>>> {
         loop {
-            if let Some(item) = self.ready.next() {
-                return Poll::Ready(Some(item));
+            if self.ended {
+                return Poll::Ready(None);
             }
-            match self.rx.poll_recv(cx) {
-                Poll::Ready(Some(batch)) => self.ready = batch.into_iter(),
-                Poll::Ready(None) => return Poll::Ready(None),
-                Poll::Pending => return Poll::Pending,
+            match self.reader.try_next_raw() {
+                Ok(Some((header, data))) => {
+                    let Some(it) = fast_item(&header, data, &self.handle, &mut self.last_topic)
+                    else {
+                        continue;
+                    };
+                    // The broker closes a slow consumer's subscription after this error.
+                    self.ended =
+                        matches!(&it, Err(e) if e.code() == Some(ErrorCode::SLOW_CONSUMER));
+                    return Poll::Ready(Some(it));
+                }
+                Ok(None) => match self.reader.poll_read_more(cx) {
+                    Poll::Ready(Ok(true)) => {}
+                    Poll::Ready(Ok(false)) => self.ended = true,
+                    Poll::Ready(Err(e)) => {
+                        self.ended = true;
+                        return Poll::Ready(Some(Err(e)));
+                    }
+                    Poll::Pending => return Poll::Pending,
+                },
+                Err(e) => {
+                    self.ended = true;
+                    return Poll::Ready(Some(Err(e)));
+                }
             }
         }
     }
@@ -302,44 +321,6 @@ fn fast_item(
             Ok(frame) => item(frame, handle),
             Err(e) => Some(Err(e.into())),
         },
-    }
-}
-
-/// Turn frames from the subscription stream into messages and errors, handing them to the
-/// application in batches (everything decoded from one read) to keep channel traffic low.
-async fn forward(mut reader: FrameReader, handle: Arc<SubHandle>, tx: mpsc::Sender<Batch>) {
-    // Sized like the previous batch: bursts stay bursts, a trickle stays small.
-    let mut capacity = 1;
-    let mut last_topic = None;
-    loop {
-        let mut batch = Vec::with_capacity(capacity);
-        let mut end = match reader.fill().await {
-            Ok(more) => !more,
-            Err(e) => {
-                batch.push(Err(e));
-                true
-            }
-        };
-        while !end && batch.len() < MAX_BATCH {
-            match reader.try_next_raw() {
-                Ok(None) => break,
-                Ok(Some((header, data))) => {
-                    if let Some(it) = fast_item(&header, data, &handle, &mut last_topic) {
-                        // The broker closes a slow consumer's subscription after this error.
-                        end = matches!(&it, Err(e) if e.code() == Some(ErrorCode::SLOW_CONSUMER));
-                        batch.push(it);
-                    }
-                }
-                Err(e) => {
-                    batch.push(Err(e));
-                    end = true;
-                }
-            }
-        }
-        capacity = batch.len().max(1);
-        if (!batch.is_empty() && tx.send(batch).await.is_err()) || end {
-            return;
-        }
     }
 }
 
