@@ -443,6 +443,11 @@ impl std::task::Wake for CountWake {
     }
 }
 
+fn room_waker() -> (Arc<CountWake>, std::task::Waker) {
+    let count = Arc::new(CountWake(AtomicUsize::new(0)));
+    (count.clone(), std::task::Waker::from(count))
+}
+
 fn block_broker() -> (Broker, Arc<Subscriber>) {
     let b = Broker::new(BrokerConfig {
         queue_size: 4,
@@ -474,8 +479,7 @@ fn block_loses_nothing_and_holds_the_publisher_until_half_drained() {
     assert!(ctx.take_held().is_none(), "one entry per subscriber");
     assert_eq!(s.queued(), 8);
 
-    let count = Arc::new(CountWake(AtomicUsize::new(0)));
-    let waker = std::task::Waker::from(count.clone());
+    let (count, waker) = room_waker();
     let mut cx = std::task::Context::from_waker(&waker);
     assert!(s.poll_room(&mut cx).is_pending());
     let mut out = BytesMut::new();
@@ -508,8 +512,7 @@ fn a_closing_blocking_subscriber_releases_its_publishers() {
         publish(&b, &mut ctx, "t", &i.to_string(), now);
     }
     assert!(ctx.take_held().is_some());
-    let count = Arc::new(CountWake(AtomicUsize::new(0)));
-    let waker = std::task::Waker::from(count.clone());
+    let (count, waker) = room_waker();
     let mut cx = std::task::Context::from_waker(&waker);
     assert!(s.poll_room(&mut cx).is_pending());
     b.unsubscribe(&mut ctx, &s, now);

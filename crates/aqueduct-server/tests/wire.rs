@@ -187,6 +187,18 @@ async fn malformed_input_gets_an_error_and_the_connection_keeps_serving() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// A raw subscriber to `bp` that reads nothing unless told to (a tiny receive window).
+async fn stalled_subscriber(b: &TestBroker) -> (Raw, RawStream) {
+    let stalled = Raw::connect(b, 4096).await;
+    let mut s = stalled.stream().await;
+    s.write(&raw_frame(0x02, 1, b"topic:bp")).await;
+    until("the stalled subscription", || {
+        b.broker.subscriber_count() == 1
+    })
+    .await;
+    (stalled, s)
+}
+
 /// A subscriber that never reads (tiny receive window) and a normal one on the same topic.
 async fn backpressure(policy: OverflowPolicy) -> (TestBroker, u64, Raw, RawStream) {
     let b = TestBroker::start_with(|c| {
@@ -194,13 +206,7 @@ async fn backpressure(policy: OverflowPolicy) -> (TestBroker, u64, Raw, RawStrea
         c.broker.backpressure_policy = policy;
     })
     .await;
-    let stalled = Raw::connect(&b, 4096).await;
-    let mut s = stalled.stream().await;
-    s.write(&raw_frame(0x02, 1, b"topic:bp")).await;
-    until("the stalled subscription", || {
-        b.broker.subscriber_count() == 1
-    })
-    .await;
+    let (stalled, s) = stalled_subscriber(&b).await;
     let normal_client = b.client().await;
     let mut normal = normal_client.subscribe("bp").await.expect("subscribe");
     let publisher = b.client().await;
@@ -281,14 +287,7 @@ async fn block_holds_the_publisher_and_loses_nothing() {
         c.broker.backpressure_policy = OverflowPolicy::Block;
     })
     .await;
-    // A subscriber that reads nothing until told to (tiny receive window).
-    let stalled = Raw::connect(&b, 4096).await;
-    let mut s = stalled.stream().await;
-    s.write(&raw_frame(0x02, 1, b"topic:bp")).await;
-    until("the stalled subscription", || {
-        b.broker.subscriber_count() == 1
-    })
-    .await;
+    let (_stalled, mut s) = stalled_subscriber(&b).await;
     let publisher = b.client().await;
     const N: u64 = 400;
     let body = "x".repeat(200);
