@@ -187,6 +187,14 @@ async fn malformed_input_gets_an_error_and_the_connection_keeps_serving() {
     b.stop().await.expect("clean shutdown");
 }
 
+fn bp_stats(b: &TestBroker) -> aqueduct_core::TopicStatsSnapshot {
+    b.broker
+        .topic(&TopicName::try_from("bp").expect("valid"))
+        .expect("known")
+        .stats()
+        .snapshot()
+}
+
 /// A raw subscriber to `bp` that reads nothing unless told to (a tiny receive window).
 async fn stalled_subscriber(b: &TestBroker) -> (Raw, RawStream) {
     let stalled = Raw::connect(b, 4096).await;
@@ -224,12 +232,7 @@ async fn backpressure(policy: OverflowPolicy) -> (TestBroker, u64, Raw, RawStrea
         // The normal subscriber keeps up and receives everything, in order.
         assert_eq!(next(&mut normal).await.offset(), i);
     }
-    let stats = b
-        .broker
-        .topic(&TopicName::try_from("bp").expect("valid"))
-        .expect("known")
-        .stats()
-        .snapshot();
+    let stats = bp_stats(&b);
     (b, stats.dropped(DropReason::Policy(policy)), stalled, s)
 }
 
@@ -315,12 +318,7 @@ async fn block_holds_the_publisher_and_loses_nothing() {
         assert_eq!(p.ext.offset, Some(i));
     }
     let _publisher = within("the publisher", sending).await.expect("joined");
-    let stats = b
-        .broker
-        .topic(&TopicName::try_from("bp").expect("valid"))
-        .expect("known")
-        .stats()
-        .snapshot();
+    let stats = bp_stats(&b);
     for reason in DropReason::ALL {
         assert_eq!(stats.dropped(reason), 0, "{reason:?}");
     }
