@@ -146,13 +146,35 @@ fn stop(mut broker: Child) {
     assert!(exit.success(), "exit status {exit:?}");
 }
 
+/// Wait for a child's output, at most `WAIT`: a hung client fails the test (and is killed)
+/// instead of hanging the suite.
+fn output_within(child: Child, what: &str) -> std::process::Output {
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(WAIT) {
+        Ok(out) => out.expect("wait"),
+        Err(_) => {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+            panic!("{what} did not exit within {WAIT:?}");
+        }
+    }
+}
+
 fn bench(home: &std::path::Path, addr: &str, args: &[&str]) -> std::process::Output {
-    Command::new(CLIENT)
+    let child = Command::new(CLIENT)
         .args(["--addr", addr, "bench", "--json", "--idle", "3s"])
         .args(args)
         .env("AQUEDUCT_HOME", home)
-        .output()
-        .expect("bench runs")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("bench runs");
+    output_within(child, "aqueduct bench")
 }
 
 #[test]
@@ -334,7 +356,7 @@ fn pub_and_sub_against_a_real_broker_then_sigterm() {
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("published to orders/us at offset 0"));
 
-    let out = sub.wait_with_output().expect("sub exits after 2 messages");
+    let out = output_within(sub, "aqueduct sub (after 2 messages)");
     assert!(
         out.status.success(),
         "{}",

@@ -32,9 +32,18 @@ struct Inner {
     /// Request ids (`stream_id` of confirmed frames), unique per connection.
     next_id: Arc<AtomicU32>,
     /// Opened on first use. A tokio mutex: writes await.
-    send: tokio::sync::Mutex<Option<quinn::SendStream>>,
+    send: tokio::sync::Mutex<Option<Stream>>,
     /// Confirmations awaited, by request id.
     pending: Pending,
+}
+
+/// An open publish stream: its sending half, and word from the task reading its replies that
+/// the broker finished the stream (`true`) — which it does only after handling every frame on
+/// it — or that it failed (`false`).
+#[derive(Debug)]
+struct Stream {
+    send: quinn::SendStream,
+    done: oneshot::Receiver<bool>,
 }
 
 pub(crate) fn topic(name: &str) -> Result<TopicName, ClientError> {
@@ -133,7 +142,7 @@ impl Publisher {
             if send.is_none() {
                 *send = Some(self.open().await?);
             }
-            if let Some(send) = send.as_mut() {
+            if let Some(Stream { send, .. }) = send.as_mut() {
                 send.write_chunk(bytes.freeze())
                     .await
                     .map_err(|e| ClientError::Connection(e.to_string()))?;
@@ -148,28 +157,40 @@ impl Publisher {
         }
     }
 
-    async fn open(&self) -> Result<quinn::SendStream, ClientError> {
+    async fn open(&self) -> Result<Stream, ClientError> {
         let (send, recv) = self
             .inner
             .conn
             .open_bi()
             .await
             .map_err(|e| ClientError::Connection(e.to_string()))?;
-        tokio::spawn(replies(FrameReader::new(recv), self.inner.pending.clone()));
-        Ok(send)
+        let (tx, done) = oneshot::channel();
+        tokio::spawn(replies(
+            FrameReader::new(recv),
+            self.inner.pending.clone(),
+            tx,
+        ));
+        Ok(Stream { send, done })
     }
 
-    /// Wait until the broker has read everything published on this stream so far (up to 10 s).
-    /// The next publish opens a new stream.
+    /// Wait until the broker has handled everything published on this stream so far (up to
+    /// 10 s). The next publish opens a new stream.
+    ///
+    /// QUIC's own acknowledgement of the data is not enough: it says the broker *received* it,
+    /// and a connection closed right after could still lose what the broker had not read yet.
+    /// So the stream is finished and the broker's end of it awaited: the broker finishes its
+    /// side only after handling every frame.
     pub async fn flush(&self) -> Result<(), ClientError> {
-        let Some(mut send) = self.inner.send.lock().await.take() else {
+        let Some(Stream { mut send, done }) = self.inner.send.lock().await.take() else {
             return Ok(());
         };
         send.finish()
             .map_err(|e| ClientError::Connection(e.to_string()))?;
-        match tokio::time::timeout(Duration::from_secs(10), send.stopped()).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(ClientError::Connection(e.to_string())),
+        match tokio::time::timeout(Duration::from_secs(10), done).await {
+            Ok(Ok(true)) => Ok(()),
+            Ok(_) => Err(ClientError::Connection(
+                "the publish stream failed before the broker had read all of it".into(),
+            )),
             Err(_) => Err(ClientError::Connection(
                 "the broker did not read the publish stream within 10 s".into(),
             )),
@@ -178,17 +199,18 @@ impl Publisher {
 }
 
 /// Route CONFIRM and ERROR replies on a publish stream to the waiting publishers.
-async fn replies(mut reader: FrameReader, pending: Pending) {
+async fn replies(mut reader: FrameReader, pending: Pending, done: oneshot::Sender<bool>) {
     let take = |id: u32| {
         pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&id)
     };
-    loop {
+    let finished = loop {
         let frame = match reader.next().await {
             Ok(Some(frame)) => frame,
-            Ok(None) | Err(_) => break,
+            Ok(None) => break true,
+            Err(_) => break false,
         };
         match frame.message {
             Wire::Confirm(c) => {
@@ -207,7 +229,8 @@ async fn replies(mut reader: FrameReader, pending: Pending) {
             },
             other => warn!(opcode = ?other.opcode(), "unexpected frame on the publish stream"),
         }
-    }
+    };
+    let _ = done.send(finished);
     // The stream is gone: fail whoever still waits.
     let waiting: Vec<_> = pending
         .lock()

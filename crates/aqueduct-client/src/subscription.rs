@@ -286,18 +286,20 @@ fn fast_item(
     last_topic: &mut Option<TopicName>,
 ) -> Option<Result<Message, ClientError>> {
     let fast = if header.opcode == Opcode::Publish {
-        DeliveryRef::parse(header, &data).ok().and_then(|d| {
-            let t = d.topic.filter(|_| !d.more)?;
-            let topic = match last_topic {
-                Some(last) if last.as_bytes() == t.as_bytes() => last.clone(),
-                _ => {
-                    let name = d.topic_in(&data)?;
-                    *last_topic = Some(name.clone());
-                    name
-                }
-            };
-            Some((topic, d.offset, d.attempt, d.priority, d.body_start))
-        })
+        DeliveryRef::parse_after(header, &data, last_topic.as_ref())
+            .ok()
+            .and_then(|d| {
+                let t = d.topic.filter(|_| !d.more)?;
+                let topic = match last_topic {
+                    Some(last) if last.as_bytes() == t.as_bytes() => last.clone(),
+                    _ => {
+                        let name = d.topic_in(&data)?;
+                        *last_topic = Some(name.clone());
+                        name
+                    }
+                };
+                Some((topic, d.offset, d.attempt, d.priority, d.body_start))
+            })
     } else {
         None
     };

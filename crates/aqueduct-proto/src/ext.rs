@@ -200,8 +200,15 @@ pub(crate) enum Entry<'a> {
 }
 
 /// Decode and validate one entry; `None` for a type this version does not know (skipped).
-/// Every validation rule for known types lives here.
-fn decode_entry(ty: u8, value: &[u8], at: usize) -> Result<Option<Entry<'_>>, ProtoError> {
+/// Every validation rule for known types lives here. `known_topic` is a name already validated
+/// (or empty): a TOPIC value equal to it needs no second check — consecutive messages usually
+/// share their topic, and comparing bytes is cheaper than checking a name.
+fn decode_entry<'a>(
+    ty: u8,
+    value: &'a [u8],
+    at: usize,
+    known_topic: &[u8],
+) -> Result<Option<Entry<'a>>, ProtoError> {
     let topic = |v| {
         TopicRef::new(v).map_err(|source| ProtoError::InvalidTopic {
             what: TopicName::WHAT,
@@ -231,6 +238,9 @@ fn decode_entry(ty: u8, value: &[u8], at: usize) -> Result<Option<Entry<'_>>, Pr
         types::PRIORITY => {
             let [v] = fixed::<1>(ty, value)?;
             Entry::Priority(Priority::try_from(v)?)
+        }
+        types::TOPIC if !known_topic.is_empty() && value == known_topic => {
+            Entry::Topic(TopicRef::validated(value), at)
         }
         types::TOPIC => Entry::Topic(topic(value)?, at),
         types::TTL => Entry::Ttl(u32::from_le_bytes(fixed(ty, value)?)),
@@ -277,8 +287,21 @@ pub(crate) fn walk<'a>(
     buf: &'a [u8],
     start: usize,
     end: usize,
+    f: impl FnMut(Entry<'a>),
+) -> Result<(), ProtoError> {
+    walk_after(buf, start, end, None, f)
+}
+
+/// [`walk`], with the topic of the previous message (already validated) as a hint: a TOPIC
+/// entry equal to it is not checked again.
+pub(crate) fn walk_after<'a>(
+    buf: &'a [u8],
+    start: usize,
+    end: usize,
+    previous: Option<TopicRef<'_>>,
     mut f: impl FnMut(Entry<'a>),
 ) -> Result<(), ProtoError> {
+    let known_topic = previous.map_or(&[][..], |t| t.as_bytes());
     let len = end.saturating_sub(start);
     if len > MAX_EXT_LEN {
         return Err(ProtoError::ExtensionBlockTooLarge {
@@ -305,7 +328,7 @@ pub(crate) fn walk<'a>(
                 have: end - at,
             });
         };
-        if let Some(entry) = decode_entry(ty, value, vstart)? {
+        if let Some(entry) = decode_entry(ty, value, vstart, known_topic)? {
             // Known types are 0x01..=0x0E: one bit each.
             let bit = 1u32 << (ty & 31);
             if seen & bit != 0 {

@@ -9,7 +9,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use crate::batch::{split_data, BatchIter, RawFrameRef};
 use crate::error::{DecodeError, ErrorCode, ProtoError};
 use crate::ext::{
-    walk, AckMode, Compression, Entry, Extensions, OverflowPolicy, Priority, TraceContext,
+    walk_after, AckMode, Compression, Entry, Extensions, OverflowPolicy, Priority, TraceContext,
 };
 use crate::header::{write_header, FrameHeader, Opcode, RawHeader, HEADER_LEN};
 use crate::subscribe::{parse_unsubscribe, SubscribeSpec};
@@ -251,6 +251,16 @@ impl<'a> DeliveryRef<'a> {
     /// Decode and validate the data of a PUBLISH frame: it is an error exactly when
     /// [`Frame::decode`] of a frame with a TOPIC extension is one.
     pub fn parse(header: &FrameHeader, data: &'a [u8]) -> Result<DeliveryRef<'a>, ProtoError> {
+        Self::parse_after(header, data, None)
+    }
+
+    /// [`parse`](Self::parse), given the previous delivery's topic: when this one has the same
+    /// topic it is compared, not checked again (the result is the same).
+    pub fn parse_after(
+        header: &FrameHeader,
+        data: &'a [u8],
+        previous: Option<&TopicName>,
+    ) -> Result<DeliveryRef<'a>, ProtoError> {
         let (ext_start, ext_end) = split_data(header, data)?;
         let mut d = DeliveryRef {
             topic: None,
@@ -260,7 +270,8 @@ impl<'a> DeliveryRef<'a> {
             body_start: ext_end,
             more: false,
         };
-        walk(data, ext_start, ext_end, |e| match e {
+        let previous = previous.map(TopicName::borrowed);
+        walk_after(data, ext_start, ext_end, previous, |e| match e {
             Entry::Topic(t, _) => d.topic = Some(t),
             Entry::Offset(o) => d.offset = Some(o),
             Entry::Attempt(a) => d.attempt = Some(a),
@@ -296,16 +307,31 @@ pub struct PublishRef<'a> {
 impl<'a> PublishRef<'a> {
     /// Decode and fully validate a sub-frame (the same rules as [`Publish`]).
     pub fn parse(sub: &RawFrameRef<'a>) -> Result<PublishRef<'a>, ProtoError> {
+        Self::parse_after(sub, None)
+    }
+
+    /// [`parse`](Self::parse), given the previous sub-frame's topic: when this one has the same
+    /// topic it is compared, not checked again (the result is the same).
+    pub fn parse_after(
+        sub: &RawFrameRef<'a>,
+        previous: Option<TopicRef<'_>>,
+    ) -> Result<PublishRef<'a>, ProtoError> {
         let (mut topic, mut priority, mut ttl_ms, mut trace, mut compression) =
             (None, None, None, None, None);
-        walk(sub.ext_block, 0, sub.ext_block.len(), |e| match e {
-            Entry::Topic(t, _) => topic = Some(t),
-            Entry::Priority(p) => priority = Some(p),
-            Entry::Ttl(ms) => ttl_ms = Some(ms),
-            Entry::Trace(t) => trace = Some(t),
-            Entry::Compression(c) => compression = Some(c),
-            _ => {}
-        })?;
+        walk_after(
+            sub.ext_block,
+            0,
+            sub.ext_block.len(),
+            previous,
+            |e| match e {
+                Entry::Topic(t, _) => topic = Some(t),
+                Entry::Priority(p) => priority = Some(p),
+                Entry::Ttl(ms) => ttl_ms = Some(ms),
+                Entry::Trace(t) => trace = Some(t),
+                Entry::Compression(c) => compression = Some(c),
+                _ => {}
+            },
+        )?;
         let topic = match topic {
             Some(t) => t,
             None => {
@@ -361,16 +387,20 @@ impl PublishBatch {
     /// Validate a batch payload.
     pub fn from_parts(ext: Extensions, payload: Bytes) -> Result<PublishBatch, ProtoError> {
         let mut count = 0;
+        let mut previous = None;
         for sub in BatchIter::new(&payload) {
             let sub = sub?;
             // Full validation now, so that a broker can reject the whole batch before routing any
             // of it (borrowed: no allocation, no reference counts).
-            if let Err(source) = PublishRef::parse(&sub) {
-                return Err(ProtoError::BadBatchEntry {
-                    index: count,
-                    offset: sub.offset,
-                    source: Box::new(source),
-                });
+            match PublishRef::parse_after(&sub, previous) {
+                Ok(p) => previous = Some(p.topic),
+                Err(source) => {
+                    return Err(ProtoError::BadBatchEntry {
+                        index: count,
+                        offset: sub.offset,
+                        source: Box::new(source),
+                    })
+                }
             }
             count += 1;
         }
@@ -400,7 +430,13 @@ impl PublishBatch {
     pub fn iter_refs(
         &self,
     ) -> impl Iterator<Item = Result<PublishRef<'_>, ProtoError>> + Clone + '_ {
-        BatchIter::new(&self.payload).map(|sub| PublishRef::parse(&sub?))
+        BatchIter::new(&self.payload).scan(None, |previous, sub| {
+            let parsed = sub.and_then(|sub| PublishRef::parse_after(&sub, *previous));
+            if let Ok(p) = &parsed {
+                *previous = Some(p.topic);
+            }
+            Some(parsed)
+        })
     }
 
     /// The sub-frames as publishes, each borrowing the batch buffer. The batch was validated

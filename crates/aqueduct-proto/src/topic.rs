@@ -226,6 +226,11 @@ impl<'a> TopicRef<'a> {
         Ok(TopicRef(bytes))
     }
 
+    /// Bytes equal to a name already validated.
+    pub(crate) fn validated(bytes: &'a [u8]) -> TopicRef<'a> {
+        TopicRef(bytes)
+    }
+
     /// The name as text (validated at construction; re-checked here, off the hot path).
     pub fn as_str(&self) -> &'a str {
         std::str::from_utf8(self.0).unwrap_or_default()

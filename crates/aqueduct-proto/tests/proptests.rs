@@ -206,6 +206,9 @@ proptest! {
                 prop_assert_eq!(d.more, rest != Extensions::default());
                 // Not the parsed buffer: no name.
                 prop_assert_eq!(d.topic_in(&Bytes::copy_from_slice(&body)), None);
+                // With the topic as a hint (compared, not checked): the same result.
+                let hinted = DeliveryRef::parse_after(&header, &body, full.ext.topic.as_ref());
+                prop_assert_eq!(hinted, Ok(d));
             }
             // Legacy frames (no TOPIC extension) and errors: the fast path either agrees that it
             // is not a delivery it can read, or reports the error itself.
@@ -213,6 +216,40 @@ proptest! {
                 fast.is_err() || fast.is_ok_and(|d| d.topic.is_none()),
                 "decode said {:?}", other
             ),
+        }
+    }
+
+    #[test]
+    fn topic_hints_change_no_verdict(
+        topic in topic_name(),
+        bodies in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..40), 1..8),
+        flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+    ) {
+        // A batch whose sub-frames share one topic (so every one after the first is compared to
+        // its predecessor's, not checked), then mutated.
+        let ext = Extensions { topic: Some(topic), ..Extensions::default() };
+        let ps: Vec<Publish> = bodies
+            .into_iter()
+            .map(|b| Publish::from_parts(ext.clone(), Bytes::from(b)).expect("valid"))
+            .collect();
+        let mut payload = PublishBatch::from_publishes(&ps).payload().to_vec();
+        for (idx, byte) in flips {
+            let i = idx.index(payload.len());
+            payload[i] = byte;
+        }
+        let payload = Bytes::from(payload);
+        // Checking every entry on its own must give the same verdict and the same fields.
+        let each: Result<Vec<PublishRef<'_>>, ProtoError> = BatchIter::new(&payload)
+            .map(|sub| sub.and_then(|sub| PublishRef::parse(&sub)))
+            .collect();
+        match PublishBatch::from_parts(Extensions::default(), payload.clone()) {
+            Ok(batch) => {
+                let each = each.expect("hinted validation accepted it, so must a full one");
+                let hinted: Vec<PublishRef<'_>> =
+                    batch.iter_refs().collect::<Result<_, _>>().expect("valid");
+                prop_assert_eq!(hinted, each);
+            }
+            Err(_) => prop_assert!(each.is_err()),
         }
     }
 

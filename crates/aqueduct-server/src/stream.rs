@@ -242,23 +242,25 @@ impl Reader<'_> {
     /// Block policy: while a subscriber this stream just published to has a full queue, stop
     /// reading the stream (QUIC flow control then holds the publisher) until it has drained.
     async fn wait_for_room(&mut self) {
+        let stats = &self.shared.stats;
         while let Some(sub) = self.ctx.take_held() {
             let started = Instant::now();
             let mut waited = false;
             std::future::poll_fn(|cx| {
                 let room = sub.poll_room(cx);
-                waited |= room.is_pending();
+                if room.is_pending() && !waited {
+                    // Counted when the hold starts, so that one in progress shows.
+                    waited = true;
+                    stats.publish_holds.fetch_add(1, Ordering::Relaxed);
+                }
                 room
             })
             .await;
-            if !waited {
-                continue;
+            if waited {
+                stats
+                    .publish_held_us
+                    .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
             }
-            let stats = &self.shared.stats;
-            stats.publish_holds.fetch_add(1, Ordering::Relaxed);
-            stats
-                .publish_held_us
-                .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
         }
     }
 

@@ -370,6 +370,32 @@ async fn two_hundred_connections_publish_and_subscribe() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_right_after_publishing_loses_nothing() {
+    // A publisher that closes at once must not race the broker: QUIC acknowledging the data
+    // is not the broker having read it, so `close` waits for the broker's end of the stream.
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let mut sub = client.subscribe("quick").await.expect("subscribe");
+    const N: u64 = 30;
+    for i in 0..N {
+        let publisher = b.client().await;
+        publisher
+            .publish("quick", i.to_string())
+            .await
+            .expect("publish");
+        publisher.close().await;
+    }
+    for i in 0..N {
+        let m = next(&mut sub).await;
+        assert_eq!(
+            (m.offset(), m.body().as_ref()),
+            (i, i.to_string().as_bytes())
+        );
+    }
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_a_subscription_unsubscribes() {
     let b = TestBroker::start().await;
     let client = b.client().await;

@@ -292,7 +292,8 @@ async fn block_holds_the_publisher_and_loses_nothing() {
     .await;
     let (_stalled, mut s) = stalled_subscriber(&b).await;
     let publisher = b.client().await;
-    const N: u64 = 400;
+    // More than the stalled stream's credit, one writer buffer (64 KiB) and the queue hold.
+    const N: u64 = 1000;
     let body = "x".repeat(200);
     let sending = tokio::spawn(async move {
         for _ in 0..N {
