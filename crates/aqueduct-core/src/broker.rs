@@ -322,6 +322,16 @@ impl Broker {
         self.remove_subscriber(ctx, sub, CloseReason::Unsubscribed, &mut Vec::new(), now);
     }
 
+    /// Close a subscription as a slow consumer, as the disconnect policy does on overflow: for a
+    /// `block` subscription that has held its publishers too long. Its queued messages are
+    /// dropped and counted under `disconnect` (a group member's go to the other members).
+    pub fn disconnect_slow(&self, ctx: &mut PublishContext, sub: &Arc<Subscriber>, now: Instant) {
+        if self.remove_subscriber(ctx, sub, CloseReason::SlowConsumer, &mut Vec::new(), now) {
+            self.slow_consumers.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Returns false if `sub` was already removed.
     fn remove_subscriber(
         &self,
         ctx: &mut PublishContext,
@@ -329,11 +339,11 @@ impl Broker {
         reason: CloseReason,
         overflowed: &mut Vec<Delivery>,
         now: Instant,
-    ) {
+    ) -> bool {
         {
             let mut routes = self.write_routes();
             if routes.subscribers.remove(&sub.id()).is_none() {
-                return; // already removed
+                return false; // already removed
             }
             match sub.group() {
                 Some(shared) => {
@@ -387,6 +397,7 @@ impl Broker {
                 }
             }
         }
+        true
     }
 
     /// Every live subscription.
@@ -640,8 +651,9 @@ impl Broker {
                 }
             }
             Enqueued::Refused(Refused::Overflow) => {
-                self.slow_consumers.fetch_add(1, Relaxed);
-                self.remove_subscriber(ctx, sub, CloseReason::SlowConsumer, &mut refused, now)
+                if self.remove_subscriber(ctx, sub, CloseReason::SlowConsumer, &mut refused, now) {
+                    self.slow_consumers.fetch_add(1, Relaxed);
+                }
             }
             // Closed between routing and enqueueing: a group gives them to another member.
             Enqueued::Refused(Refused::Closed) => {

@@ -85,6 +85,9 @@ pub struct BrokerSection {
     pub max_in_flight: u64,
     /// One duration per priority 0..=3; "0s" means "use the message's own TTL".
     pub priority_ttls: Vec<String>,
+    /// Block policy: a subscription that holds a publisher this long is closed as a slow
+    /// consumer ("0s": never).
+    pub block_timeout: String,
 }
 
 impl Default for BrokerSection {
@@ -98,6 +101,7 @@ impl Default for BrokerSection {
             ack_wait: "30s".into(),
             max_in_flight: 1024,
             priority_ttls: vec!["0s".into(); Priority::LEVELS],
+            block_timeout: "30s".into(),
         }
     }
 }
@@ -226,6 +230,7 @@ pub const ENV_KEYS: &[&str] = &[
     "broker.max_retries",
     "broker.ack_wait",
     "broker.max_in_flight",
+    "broker.block_timeout",
     "transport.max_buf_size",
     "transport.max_streams_per_connection",
     "transport.max_connections",
@@ -331,6 +336,9 @@ pub struct Config {
     pub batch_size: usize,
     /// Coalescing writer: or this long after the first pending frame.
     pub flush_interval: Duration,
+    /// Block policy: close a subscription that holds a publisher longer than this (`None`:
+    /// never).
+    pub block_timeout: Option<Duration>,
     pub transport: TransportConfig,
     pub metrics: MetricsConfig,
 }
@@ -454,6 +462,7 @@ const TEXT_KEYS: &[&str] = &[
     "broker.backpressure_policy",
     "broker.flush_interval",
     "broker.ack_wait",
+    "broker.block_timeout",
     "transport.idle_timeout",
     "transport.handshake_timeout",
     "transport.keep_alive_interval",
@@ -709,6 +718,8 @@ impl RawConfig {
             broker,
             batch_size,
             flush_interval: parse_duration("broker.flush_interval", &b.flush_interval)?,
+            block_timeout: Some(parse_duration("broker.block_timeout", &b.block_timeout)?)
+                .filter(|d| !d.is_zero()),
             transport,
             metrics,
         })

@@ -242,11 +242,12 @@ impl Reader<'_> {
     /// Block policy: while a subscriber this stream just published to has a full queue, stop
     /// reading the stream (QUIC flow control then holds the publisher) until it has drained.
     async fn wait_for_room(&mut self) {
-        let stats = &self.shared.stats;
+        let shared = self.shared;
+        let stats = &shared.stats;
         while let Some(sub) = self.ctx.take_held() {
             let started = Instant::now();
             let mut waited = false;
-            std::future::poll_fn(|cx| {
+            let room = std::future::poll_fn(|cx| {
                 let room = sub.poll_room(cx);
                 if room.is_pending() && !waited {
                     // Counted when the hold starts, so that one in progress shows.
@@ -254,8 +255,25 @@ impl Reader<'_> {
                     stats.publish_holds.fetch_add(1, Ordering::Relaxed);
                 }
                 room
-            })
-            .await;
+            });
+            let timed_out = match shared.config.block_timeout {
+                Some(limit) => tokio::time::timeout(limit, room).await.is_err(),
+                None => {
+                    room.await;
+                    false
+                }
+            };
+            if timed_out {
+                // One stuck consumer must not hold its publishers forever.
+                warn!(
+                    filter = %sub.filter(),
+                    "a block-policy subscription held its publishers for {:?}: closing it as a slow consumer",
+                    shared.config.block_timeout.unwrap_or_default()
+                );
+                shared
+                    .broker
+                    .disconnect_slow(&mut self.ctx, &sub, Instant::now());
+            }
             if waited {
                 stats
                     .publish_held_us

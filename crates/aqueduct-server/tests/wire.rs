@@ -331,3 +331,40 @@ async fn block_holds_the_publisher_and_loses_nothing() {
     );
     b.stop().await.expect("clean shutdown");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_block_subscriber_is_closed_after_block_timeout() {
+    let b = TestBroker::start_with(|c| {
+        c.broker.queue_size = 32;
+        c.broker.backpressure_policy = OverflowPolicy::Block;
+        c.block_timeout = Some(std::time::Duration::from_millis(300));
+    })
+    .await;
+    let (_stalled, mut s) = stalled_subscriber(&b).await;
+    let publisher = b.client().await;
+    let body = "x".repeat(200);
+    // Every publish is taken: the stuck subscriber is closed, and the publisher goes on.
+    for _ in 0..1000 {
+        within("a publish", publisher.publish("bp", body.clone()))
+            .await
+            .expect("publish");
+    }
+    within("the flush", publisher.flush())
+        .await
+        .expect("the broker read everything");
+    assert_eq!(b.broker.slow_consumers_disconnected(), 1);
+    assert_eq!(b.broker.subscriber_count(), 0);
+    assert!(bp_stats(&b).dropped(DropReason::Policy(OverflowPolicy::Disconnect)) > 0);
+    assert!(
+        b.stats
+            .publish_holds
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    );
+    // Its stream was blocked on flow control, so it is reset with the SLOW_CONSUMER code.
+    assert_eq!(
+        s.reset_code().await,
+        Some(u64::from(ErrorCode::SLOW_CONSUMER.0))
+    );
+    b.stop().await.expect("clean shutdown");
+}
