@@ -298,6 +298,7 @@ impl Broker {
             group: group.clone(),
             ack_mode: opts.ack_mode,
             policy: opts.overflow.unwrap_or(self.config.backpressure_policy),
+            capacity: self.config.queue_size,
             waker: opts.waker,
         }));
         match &group {
@@ -639,9 +640,9 @@ impl Broker {
         let outcome = match sub.group() {
             Some(g) => {
                 let noted = items.inspect(|d| g.note_delivered(d.topic.name(), d.offset));
-                sub.enqueue_many(noted, self.config.queue_size, &mut refused)
+                sub.enqueue_many(noted, &mut refused)
             }
-            None => sub.enqueue_many(items, self.config.queue_size, &mut refused),
+            None => sub.enqueue_many(items, &mut refused),
         };
         match outcome {
             Enqueued::Queued => {}

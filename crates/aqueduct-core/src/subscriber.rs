@@ -151,9 +151,8 @@ struct State {
     in_flight: HashMap<(TopicName, u64), InFlight, RandomState>,
     closed: Option<CloseReason>,
     /// Publishers held by a full queue under the block policy, woken once it has drained to
-    /// `resume_at` messages (half the capacity: they then have room for a good burst).
+    /// [`Subscriber::resume_at`].
     held: Vec<std::task::Waker>,
-    resume_at: usize,
 }
 
 /// A subscription.
@@ -168,6 +167,8 @@ pub struct Subscriber {
     group: Option<Arc<GroupShared>>,
     ack_mode: AckMode,
     policy: OverflowPolicy,
+    /// Bound of each priority queue (`queue_size`).
+    capacity: usize,
     waker: Option<Waker>,
     closed: AtomicBool,
     state: Mutex<State>,
@@ -192,6 +193,7 @@ pub(crate) struct SubscriberInit {
     pub group: Option<Arc<GroupShared>>,
     pub ack_mode: AckMode,
     pub policy: OverflowPolicy,
+    pub capacity: usize,
     pub waker: Option<Waker>,
 }
 
@@ -209,6 +211,7 @@ impl Subscriber {
             },
             group: init.group,
             policy: init.policy,
+            capacity: init.capacity,
             waker: init.waker,
             closed: AtomicBool::new(false),
             state: Mutex::default(),
@@ -279,7 +282,6 @@ impl Subscriber {
     pub(crate) fn enqueue_many(
         &self,
         items: impl Iterator<Item = Delivery>,
-        capacity: usize,
         refused: &mut Vec<Delivery>,
     ) -> Enqueued {
         let mut items = items;
@@ -292,11 +294,10 @@ impl Subscriber {
                 return Enqueued::Refused(Refused::Closed);
             }
             for d in items.by_ref() {
-                match st.queue.push(d.priority, d, capacity, self.policy) {
+                match st.queue.push(d.priority, d, self.capacity, self.policy) {
                     Pushed::Queued { was_empty } => wake |= was_empty,
                     Pushed::QueuedFull { was_empty } => {
                         wake |= was_empty;
-                        st.resume_at = capacity / 2;
                         outcome = Enqueued::Full;
                     }
                     Pushed::Evicted(lost) | Pushed::Rejected(lost) => {
@@ -376,7 +377,7 @@ impl Subscriber {
                 );
             }
         }
-        let held = if !st.held.is_empty() && st.queue.len() <= st.resume_at {
+        let held = if !st.held.is_empty() && st.queue.len() <= self.resume_at() {
             std::mem::take(&mut st.held)
         } else {
             Vec::new()
@@ -390,11 +391,17 @@ impl Subscriber {
         done
     }
 
+    /// Held publishers go on once the queue is down to half its capacity: they then have room
+    /// for a good burst rather than one message.
+    fn resume_at(&self) -> usize {
+        self.capacity / 2
+    }
+
     /// Ready once a publisher held by this subscriber's full queue (block policy) may go on: the
     /// queue has drained to half its capacity, or the subscriber is closed.
     pub fn poll_room(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
         let mut st = self.lock();
-        if st.closed.is_some() || st.queue.len() <= st.resume_at {
+        if st.closed.is_some() || st.queue.len() <= self.resume_at() {
             return std::task::Poll::Ready(());
         }
         if !st.held.iter().any(|w| w.will_wake(cx.waker())) {
