@@ -119,15 +119,16 @@ pub struct PublishContext {
 }
 
 impl PublishContext {
-    /// A subscriber that a publish through this context left with a full queue under the block
-    /// policy: the caller should stop taking publications from this source until
-    /// [`Subscriber::poll_room`] is ready (and call this again until it returns `None`).
+    /// A subscriber that work through this context (a publish, a redelivery, a dead letter) left
+    /// with a full queue under the block policy: the caller should stop taking work from its
+    /// source until [`Subscriber::poll_room`] is ready (and call this again until it returns
+    /// `None`).
     pub fn take_held(&mut self) -> Option<Arc<Subscriber>> {
         self.held.pop()
     }
 
-    /// Forget held subscribers: for callers that are not publishers (redelivery, settlement)
-    /// and so have nothing to hold back.
+    /// Forget held subscribers: for a caller that is not a client stream (the broker's own
+    /// ack-wait timer) and so has nothing to hold back.
     pub fn clear_held(&mut self) {
         self.held.clear();
     }

@@ -504,6 +504,42 @@ fn block_loses_nothing_and_holds_the_publisher_until_half_drained() {
 }
 
 #[test]
+fn a_dead_letter_into_a_full_block_queue_holds_the_nacking_source() {
+    // Without a hold, NACKs could grow a `block` dead-letter queue without bound.
+    let b = Broker::new(BrokerConfig {
+        queue_size: 2,
+        max_retries: 0,
+        ..Default::default()
+    });
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let s = ack_sub(&b, "topic:jobs");
+    let dlq = sub_with(
+        &b,
+        "topic:__dlq__jobs",
+        SubscribeOptions {
+            overflow: Some(OverflowPolicy::Block),
+            ..Default::default()
+        },
+    );
+    for i in 0..3 {
+        publish(&b, &mut ctx, "jobs", &i.to_string(), now);
+        assert_eq!(drain_all(&b, &s, now).len(), 1);
+    }
+    assert!(ctx.take_held().is_none());
+    for offset in 0..2 {
+        b.nack(&mut ctx, &s, None, offset, None, None, now)
+            .expect("in flight");
+        assert!(ctx.take_held().is_none(), "room in the dead-letter queue");
+    }
+    b.nack(&mut ctx, &s, None, 2, None, None, now)
+        .expect("in flight");
+    let held = ctx.take_held().expect("the third dead letter fills it");
+    assert!(Arc::ptr_eq(&held, &dlq));
+    assert_eq!(dlq.queued(), 3, "queued, not dropped");
+}
+
+#[test]
 fn a_closing_blocking_subscriber_releases_its_publishers() {
     let (b, s) = block_broker();
     let mut ctx = PublishContext::default();

@@ -226,21 +226,13 @@ impl Reader<'_> {
         ) {
             self.conn.wait_confirmed().await;
         }
-        let publishes = matches!(
-            frame.message,
-            Message::Publish(_) | Message::PublishBatch(_)
-        );
         self.handle(frame);
-        if publishes {
-            self.wait_for_room().await;
-        } else {
-            // Settling can redeliver into a full queue; only publishers are held.
-            self.ctx.clear_held();
-        }
+        self.wait_for_room().await;
     }
 
-    /// Block policy: while a subscriber this stream just published to has a full queue, stop
-    /// reading the stream (QUIC flow control then holds the publisher) until it has drained.
+    /// Block policy: while a subscriber that this frame queued into (a publish, or a NACK's
+    /// redelivery or dead letter) has a full queue, stop reading the stream (QUIC flow control
+    /// then holds the client) until it has drained.
     async fn wait_for_room(&mut self) {
         let shared = self.shared;
         let stats = &shared.stats;
