@@ -45,6 +45,11 @@ impl Out {
     fn header(&mut self, name: &str, kind: &str, help: &str) {
         let _ = writeln!(self.0, "# HELP {name} {help}\n# TYPE {name} {kind}");
     }
+    /// A metric with one unlabelled sample.
+    fn single(&mut self, name: &str, kind: &str, help: &str, value: impl std::fmt::Display) {
+        self.header(name, kind, help);
+        self.sample(name, &[], value);
+    }
     fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: impl std::fmt::Display) {
         self.0.push_str(name);
         if !labels.is_empty() {
@@ -157,19 +162,19 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         }
     }
 
-    out.header(
+    let subscribers = broker.subscribers();
+    out.single(
         "aqueduct_active_subscribers",
         "gauge",
         "Live subscriptions.",
+        subscribers.len(),
     );
-    let subscribers = broker.subscribers();
-    out.sample("aqueduct_active_subscribers", &[], subscribers.len());
-    out.header(
+    out.single(
         "aqueduct_topics",
         "gauge",
         "Topics published to since start.",
+        topics.len(),
     );
-    out.sample("aqueduct_topics", &[], topics.len());
 
     out.header(
         "aqueduct_consumer_offset",
@@ -193,14 +198,10 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         }
     }
 
-    out.header(
+    out.single(
         "aqueduct_slow_consumers_disconnected_total",
         "counter",
         "Subscriptions closed because their queue overflowed under the disconnect policy.",
-    );
-    out.sample(
-        "aqueduct_slow_consumers_disconnected_total",
-        &[],
         broker.slow_consumers_disconnected(),
     );
 
@@ -224,14 +225,10 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         &[("le", "+Inf")],
         depths.len(),
     );
-    out.header(
+    out.single(
         "aqueduct_subscriber_queue_depth_max",
         "gauge",
         "The deepest subscriber queue, in messages.",
-    );
-    out.sample(
-        "aqueduct_subscriber_queue_depth_max",
-        &[],
         depths.iter().max().copied().unwrap_or(0),
     );
 
@@ -262,10 +259,10 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
     out.sample("aqueduct_delivery_latency_seconds_count", &[], lat.count);
 
     let st = &shared.stats;
-    out.header("aqueduct_connections", "gauge", "Open client connections.");
-    out.sample(
+    out.single(
         "aqueduct_connections",
-        &[],
+        "gauge",
+        "Open client connections.",
         shared.connections.load(Ordering::Acquire),
     );
     let counters: [(&str, &str, u64); 7] = [
@@ -306,17 +303,12 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         ),
     ];
     for (name, help, v) in counters {
-        out.header(name, "counter", help);
-        out.sample(name, &[], v);
+        out.single(name, "counter", help, v);
     }
-    out.header(
+    out.single(
         "aqueduct_publish_held_seconds_total",
         "counter",
         "Time publishing streams spent held by full block-policy subscriber queues.",
-    );
-    out.sample(
-        "aqueduct_publish_held_seconds_total",
-        &[],
         st.publish_held_us.load(Ordering::Relaxed) as f64 / 1e6,
     );
     out.header(
