@@ -7,7 +7,6 @@
 //! section for a feature that is not built yet (`aal`, `acl`, `quotas`, `cluster`) may be present
 //! but must not be enabled: `enabled: true` stops startup with "not implemented yet".
 
-use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -88,6 +87,29 @@ pub struct BrokerSection {
     /// Block policy: a subscription that holds a publisher this long is closed as a slow
     /// consumer ("0s": never).
     pub block_timeout: String,
+    /// Publish quotas (the seed's `broker.quotas`): not implemented yet, so only a rate of 0
+    /// (unlimited) is accepted.
+    pub quotas: QuotasSection,
+}
+
+/// `broker.quotas.*` (seed keys). Publish quotas come with access control (a later version):
+/// `default_publish_rate: 0` means unlimited and is accepted; any other rate is refused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct QuotasSection {
+    /// Messages per second per client; 0 = unlimited.
+    pub default_publish_rate: u64,
+    /// Token-bucket burst, messages.
+    pub default_burst_size: u64,
+}
+
+impl Default for QuotasSection {
+    fn default() -> Self {
+        QuotasSection {
+            default_publish_rate: 0,
+            default_burst_size: 1000,
+        }
+    }
 }
 
 impl Default for BrokerSection {
@@ -102,6 +124,7 @@ impl Default for BrokerSection {
             max_in_flight: 1024,
             priority_ttls: vec!["0s".into(); Priority::LEVELS],
             block_timeout: "30s".into(),
+            quotas: QuotasSection::default(),
         }
     }
 }
@@ -127,6 +150,9 @@ pub struct TransportSection {
     pub socket_buffer: u64,
     /// Initial path MTU guess, bytes (1200..=65527).
     pub initial_mtu: u64,
+    /// First read buffer of a stream, bytes (the seed's key); it doubles while reads fill it,
+    /// up to 64 KiB, so an idle stream costs little and a busy one reads in large chunks.
+    pub read_buf_size: u64,
 }
 
 impl Default for TransportSection {
@@ -143,6 +169,7 @@ impl Default for TransportSection {
             send_window: 16 << 20,
             socket_buffer: 4 << 20,
             initial_mtu: 1452,
+            read_buf_size: 4096,
         }
     }
 }
@@ -169,14 +196,96 @@ impl Default for MetricsSection {
     }
 }
 
-/// A section for a feature that later versions implement. Its other keys are accepted (so a
-/// seed configuration loads) and ignored while it is disabled.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
-#[serde(default)]
-pub struct FutureSection {
+/// `aal.*`: the append-only log (a later version). The seed's keys are accepted while it is
+/// disabled; `enabled: true` stops startup.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AalSection {
     pub enabled: bool,
-    #[serde(flatten)]
-    pub other: BTreeMap<String, figment::value::Value>,
+    pub file_path: String,
+    /// Base64-encoded 32-byte AES-256-GCM key.
+    pub key: String,
+    /// Rotate after this many bytes.
+    pub max_aal_size: u64,
+}
+
+impl Default for AalSection {
+    fn default() -> Self {
+        AalSection {
+            enabled: false,
+            file_path: String::new(),
+            key: String::new(),
+            max_aal_size: 100 << 20,
+        }
+    }
+}
+
+/// One seed ACL rule.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AclRule {
+    pub client: String,
+    pub topic: String,
+    pub permission: String,
+}
+
+/// `acl.*`: access control (a later version). Accepted while disabled.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AclSection {
+    pub enabled: bool,
+    pub default: String,
+    pub rules: Vec<AclRule>,
+}
+
+impl Default for AclSection {
+    fn default() -> Self {
+        AclSection {
+            enabled: false,
+            default: "none".into(),
+            rules: Vec::new(),
+        }
+    }
+}
+
+/// A value the seed writes either as a number or as a string (`port: "4242"`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum NumberOrText {
+    Number(u64),
+    Text(String),
+}
+
+/// `cluster.discovery.*` (seed keys).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DiscoverySection {
+    pub enabled: bool,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub host: String,
+    pub port: NumberOrText,
+    pub interval: String,
+}
+
+impl Default for DiscoverySection {
+    fn default() -> Self {
+        DiscoverySection {
+            enabled: false,
+            kind: "dns".into(),
+            host: String::new(),
+            port: NumberOrText::Number(4242),
+            interval: "10s".into(),
+        }
+    }
+}
+
+/// `cluster.*`: the mesh (a later version). Accepted while disabled.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterSection {
+    pub enabled: bool,
+    pub discovery: DiscoverySection,
 }
 
 /// The whole file, as written by users.
@@ -190,10 +299,9 @@ pub struct RawConfig {
     pub transport: TransportSection,
     pub metrics: MetricsSection,
     /// Append-only log (persistence): later.
-    pub aal: FutureSection,
-    pub acl: FutureSection,
-    pub quotas: FutureSection,
-    pub cluster: FutureSection,
+    pub aal: AalSection,
+    pub acl: AclSection,
+    pub cluster: ClusterSection,
 }
 
 impl Default for RawConfig {
@@ -205,10 +313,9 @@ impl Default for RawConfig {
             broker: BrokerSection::default(),
             transport: TransportSection::default(),
             metrics: MetricsSection::default(),
-            aal: FutureSection::default(),
-            acl: FutureSection::default(),
-            quotas: FutureSection::default(),
-            cluster: FutureSection::default(),
+            aal: AalSection::default(),
+            acl: AclSection::default(),
+            cluster: ClusterSection::default(),
         }
     }
 }
@@ -231,6 +338,8 @@ pub const ENV_KEYS: &[&str] = &[
     "broker.ack_wait",
     "broker.max_in_flight",
     "broker.block_timeout",
+    "broker.quotas.default_publish_rate",
+    "broker.quotas.default_burst_size",
     "transport.max_buf_size",
     "transport.max_streams_per_connection",
     "transport.max_connections",
@@ -242,14 +351,46 @@ pub const ENV_KEYS: &[&str] = &[
     "transport.send_window",
     "transport.socket_buffer",
     "transport.initial_mtu",
+    "transport.read_buf_size",
     "metrics.max_topic_labels",
     "metrics.max_connections",
     "metrics.header_timeout",
     "aal.enabled",
+    "aal.file_path",
+    "aal.key",
+    "aal.max_aal_size",
     "acl.enabled",
-    "quotas.enabled",
+    "acl.default",
     "cluster.enabled",
+    "cluster.discovery.enabled",
+    "cluster.discovery.type",
+    "cluster.discovery.host",
+    "cluster.discovery.port",
+    "cluster.discovery.interval",
 ];
+
+/// The seed's environment variables whose names are not `AQUEDUCT_` + the key's path:
+/// (variable, key). The mechanical names work too.
+pub const ENV_ALIASES: &[(&str, &str)] = &[
+    ("AQUEDUCT_AAL_MAX_SIZE", "aal.max_aal_size"),
+    (
+        "AQUEDUCT_BROKER_DEFAULT_PUBLISH_RATE",
+        "broker.quotas.default_publish_rate",
+    ),
+    (
+        "AQUEDUCT_BROKER_DEFAULT_BURST_SIZE",
+        "broker.quotas.default_burst_size",
+    ),
+];
+
+/// The config key an `AQUEDUCT_*` variable sets, if any.
+pub fn env_key(name: &str) -> Option<&'static str> {
+    ENV_ALIASES
+        .iter()
+        .find(|(alias, _)| *alias == name)
+        .map(|(_, key)| *key)
+        .or_else(|| ENV_KEYS.iter().find(|k| env_name(k) == name).copied())
+}
 
 /// `AQUEDUCT_*` variables that are not config keys but are used by the tools.
 const ENV_OTHER: &[&str] = &["AQUEDUCT_CONFIG", "AQUEDUCT_HOME", "AQUEDUCT_LOG"];
@@ -304,6 +445,8 @@ pub struct TransportConfig {
     pub send_window: u64,
     pub socket_buffer: usize,
     pub initial_mtu: u16,
+    /// First read buffer of a stream, bytes.
+    pub read_buf_size: usize,
 }
 
 /// Metrics endpoint settings, typed.
@@ -374,6 +517,12 @@ impl Config {
     }
 }
 
+/// Every source merged, before extraction and validation: `find_value("broker.queue_size")`
+/// tells what a key was set to and by which source (for tests and diagnostics).
+pub fn layered(sources: &Sources) -> Result<Figment, ConfigError> {
+    raw_figment(sources)
+}
+
 fn raw_figment(sources: &Sources) -> Result<Figment, ConfigError> {
     let mut fig = Figment::from(Serialized::defaults(RawConfig::default()));
     if let Some(path) = &sources.file {
@@ -391,10 +540,10 @@ fn raw_figment(sources: &Sources) -> Result<Figment, ConfigError> {
         if ENV_OTHER.contains(&name.as_str()) {
             continue;
         }
-        let Some(key) = ENV_KEYS.iter().find(|k| env_name(k) == *name) else {
+        let Some(key) = env_key(name) else {
             return Err(ConfigError::UnknownEnv { name: name.clone() });
         };
-        env_pairs.push((*key, name.clone(), value.clone()));
+        env_pairs.push((key, name.clone(), value.clone()));
     }
     for (key, name, value) in env_pairs {
         let value = parse_env_value(key, &value);
@@ -467,6 +616,12 @@ const TEXT_KEYS: &[&str] = &[
     "transport.handshake_timeout",
     "transport.keep_alive_interval",
     "metrics.header_timeout",
+    "aal.file_path",
+    "aal.key",
+    "acl.default",
+    "cluster.discovery.type",
+    "cluster.discovery.host",
+    "cluster.discovery.interval",
 ];
 
 /// Environment values are text; give figment the type the key expects, so `true` and `1024`
@@ -537,6 +692,25 @@ fn parse_duration(key: &'static str, s: &str) -> Result<Duration, ConfigError> {
     })
 }
 
+/// The coalescing window: at most [`MAX_FLUSH_INTERVAL`], since every message on a busy stream
+/// may wait that long.
+fn parse_flush_interval(s: &str) -> Result<Duration, ConfigError> {
+    let d = parse_duration("broker.flush_interval", s)?;
+    if d > MAX_FLUSH_INTERVAL {
+        return Err(invalid(
+            "broker.flush_interval",
+            format!(
+                "{s:?} is above the maximum of {MAX_FLUSH_INTERVAL:?} (each message on a busy \
+                 stream may wait this long; the seed's default is 50us)"
+            ),
+        ));
+    }
+    Ok(d)
+}
+
+/// Upper bound of `broker.flush_interval`.
+pub const MAX_FLUSH_INTERVAL: Duration = Duration::from_millis(100);
+
 fn range<T: PartialOrd + std::fmt::Display + Copy>(
     key: &'static str,
     v: T,
@@ -568,16 +742,35 @@ pub fn default_dev_cert_file(env: &[(String, String)]) -> PathBuf {
 impl RawConfig {
     /// Check every value and convert to typed configuration.
     pub fn validate(&self, env: &[(String, String)]) -> Result<Config, ConfigError> {
-        for (section, feature, s) in [
-            ("aal", "the append-only log (persistence)", &self.aal),
-            ("acl", "access control", &self.acl),
-            ("quotas", "publish quotas", &self.quotas),
-            ("cluster", "clustering", &self.cluster),
+        for (section, feature, enabled) in [
+            ("aal", "the append-only log (persistence)", self.aal.enabled),
+            ("acl", "access control", self.acl.enabled),
+            ("cluster", "clustering", self.cluster.enabled),
+            (
+                "cluster.discovery",
+                "clustering",
+                self.cluster.discovery.enabled,
+            ),
         ] {
-            if s.enabled {
+            if enabled {
                 return Err(ConfigError::NotImplemented { section, feature });
             }
         }
+        if self.broker.quotas.default_publish_rate != 0 {
+            return Err(invalid(
+                "broker.quotas.default_publish_rate",
+                format!(
+                    "{} messages/s requested, but publish quotas are not implemented yet in this \
+                     version (0 = unlimited is accepted)",
+                    self.broker.quotas.default_publish_rate
+                ),
+            ));
+        }
+        // Checked although the cluster is off, so a typo shows before it is switched on.
+        parse_duration(
+            "cluster.discovery.interval",
+            &self.cluster.discovery.interval,
+        )?;
         let b = &self.broker;
         let policy: OverflowPolicy = b
             .backpressure_policy
@@ -640,7 +833,23 @@ impl RawConfig {
             send_window: range("transport.send_window", t.send_window, 16 << 10, 1 << 32)?,
             socket_buffer: range("transport.socket_buffer", t.socket_buffer, 0, 1 << 30)? as usize,
             initial_mtu: range("transport.initial_mtu", t.initial_mtu, 1200, 65527)? as u16,
+            read_buf_size: range("transport.read_buf_size", t.read_buf_size, 64, 64 << 10)?
+                as usize,
         };
+        if !transport.idle_timeout.is_zero()
+            && !transport.keep_alive_interval.is_zero()
+            && transport.keep_alive_interval >= transport.idle_timeout
+        {
+            return Err(invalid(
+                "transport.keep_alive_interval",
+                format!(
+                    "{:?} is not below transport.idle_timeout ({:?}): idle but healthy clients \
+                     would be dropped; make the keep-alive shorter (e.g. a third of the idle \
+                     timeout) or set it to \"0\" only together with idle_timeout \"0\"",
+                    transport.keep_alive_interval, transport.idle_timeout
+                ),
+            ));
+        }
         if transport.handshake_timeout.is_zero() {
             return Err(invalid(
                 "transport.handshake_timeout",
@@ -717,7 +926,7 @@ impl RawConfig {
             tls,
             broker,
             batch_size,
-            flush_interval: parse_duration("broker.flush_interval", &b.flush_interval)?,
+            flush_interval: parse_flush_interval(&b.flush_interval)?,
             block_timeout: Some(parse_duration("broker.block_timeout", &b.block_timeout)?)
                 .filter(|d| !d.is_zero()),
             transport,

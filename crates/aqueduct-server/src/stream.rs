@@ -6,8 +6,9 @@
 //! `broker.flush_interval` after it started gathering, always taking the highest priority first
 //! (the core's drain order). It only waits while the stream is busy (its last write was less than
 //! a window ago); on a quiet stream a message is written at once. Tokio timers cannot wait 50 µs,
-//! so the window is spent yielding to other tasks (which lets publishers add to the batch) and
-//! re-draining, never sleeping.
+//! so a window under 1 ms is spent yielding to other tasks (which lets publishers add to the
+//! batch) and re-draining; a window of 1 ms or more (at most 100 ms, see the config) sleeps on a
+//! timer instead, so a long window does not spin a core.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -28,8 +29,9 @@ use crate::server::Shared;
 const MAX_PENDING_CONTROL: usize = 1 << 20;
 /// How long a finished stream waits for the client to read what is left.
 const FINISH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
-/// First read buffer of a stream; it doubles up to `READ_CHUNK` while reads fill it.
-const MIN_READ_CHUNK: usize = 4 * 1024;
+/// Coalescing windows at least this long wait on a timer; shorter ones (tokio timers have a
+/// 1 ms resolution) are spent yielding to other tasks and re-draining.
+const TIMER_WINDOW: std::time::Duration = std::time::Duration::from_millis(1);
 /// Read granularity: publishers' frames are read in chunks of up to this many bytes.
 const READ_CHUNK: usize = 64 * 1024;
 
@@ -134,7 +136,7 @@ impl Reader<'_> {
         };
         // Start small (an idle stream costs little) and grow while reads fill the buffer.
         let mut buf = BytesMut::new();
-        let mut chunk = MIN_READ_CHUNK;
+        let mut chunk = self.shared.config.transport.read_buf_size.min(READ_CHUNK);
         loop {
             // Backpressure: a client that does not read its replies stops being read.
             while self.out.control_len() > MAX_PENDING_CONTROL {
@@ -519,9 +521,18 @@ async fn write_loop(
         let busy = last_write.is_some_and(|t| now.duration_since(t) < window);
         if busy && buf.len() < batch {
             let deadline = now + window;
-            while buf.len() < batch && Instant::now() < deadline {
-                tokio::task::yield_now().await;
+            if window >= TIMER_WINDOW {
+                // Long enough for a timer: sleep instead of spinning a core for the window.
+                tokio::select! {
+                    _ = tokio::time::sleep_until(deadline.into()) => {}
+                    _ = shutdown.changed() => {}
+                }
                 fill(&out, &shared, &mut buf, batch);
+            } else {
+                while buf.len() < batch && Instant::now() < deadline {
+                    tokio::task::yield_now().await;
+                    fill(&out, &shared, &mut buf, batch);
+                }
             }
         }
         // A subscriber that stops reading blocks this write on flow control; if the core then

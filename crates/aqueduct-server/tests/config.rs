@@ -156,7 +156,7 @@ fn errors_name_the_key_and_the_problem() {
             "broker.priority_ttls: needs exactly 4 durations",
         ),
         (
-            Some("aal:\n  enabled: true\n  dir: /var/lib/aqueduct\n"),
+            Some("aal:\n  enabled: true\n  file_path: /var/lib/aqueduct\n"),
             &[],
             "aal.enabled is true, but the append-only log (persistence) is not implemented yet",
         ),
@@ -233,7 +233,7 @@ fn disabled_future_sections_are_accepted_with_their_keys() {
     let dir = tempfile::tempdir().expect("dir");
     let path = file(
         &dir,
-        "aal:\n  enabled: false\n  dir: ./data\nacl:\n  enabled: false\n  rules: []\n",
+        "aal:\n  enabled: false\n  file_path: ./data\n  key: \"\"\nacl:\n  enabled: false\n  rules: []\ncluster:\n  discovery:\n    enabled: false\n    host: aqueduct-headless\n    port: \"4242\"\n",
     );
     load(Some(path), vec![], Overrides::default()).expect("disabled sections load");
 }
@@ -261,4 +261,156 @@ fn the_example_config_documents_every_key_and_loads() {
             aqueduct_server::config::env_name(key)
         );
     }
+}
+
+const SEED_CONFIG: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/seed-v1.13-config.yaml"
+);
+
+/// The seed's `config.yaml`, exactly as its README prints it, loads and means what it says.
+#[test]
+fn the_seed_config_loads_verbatim() {
+    let c = load(
+        Some(PathBuf::from(SEED_CONFIG)),
+        vec![],
+        Overrides::default(),
+    )
+    .expect("the seed's config.yaml loads");
+    assert_eq!(c.listen_addr.to_string(), "0.0.0.0:4242");
+    assert_eq!(c.metrics_addr.to_string(), "0.0.0.0:9090");
+    assert_eq!(c.broker.queue_size, 1024);
+    assert_eq!(c.broker.backpressure_policy, OverflowPolicy::DropOldest);
+    assert_eq!(c.batch_size, 65536);
+    assert_eq!(c.flush_interval, Duration::from_micros(50));
+    assert_eq!(c.transport.max_frame_data, 65536);
+    assert_eq!(c.transport.read_buf_size, 1024);
+    let fig = aqueduct_server::config::layered(&Sources {
+        file: Some(PathBuf::from(SEED_CONFIG)),
+        env: vec![],
+        overrides: Overrides::default(),
+    })
+    .expect("layered");
+    let burst: u64 = fig
+        .extract_inner("broker.quotas.default_burst_size")
+        .expect("burst");
+    assert_eq!(burst, 1000);
+    let rules: Vec<aqueduct_server::config::AclRule> =
+        fig.extract_inner("acl.rules").expect("acl rules");
+    assert_eq!(
+        rules,
+        [aqueduct_server::config::AclRule {
+            client: "service-a".into(),
+            topic: "orders".into(),
+            permission: "publish".into(),
+        }]
+    );
+}
+
+/// Every row of the seed's environment table (variable, key, example value) sets that key; the
+/// broker then starts, or refuses with a message that names the key (a file that does not
+/// exist, a feature of a later version switched on).
+#[test]
+fn every_seed_environment_variable_sets_its_key() {
+    let table = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/seed-v1.13-env.tsv"
+    ))
+    .expect("table");
+    let mut rows = 0;
+    for line in table.lines() {
+        let cols: Vec<&str> = line.split('\t').collect();
+        let [var, key, example] = cols[..] else {
+            panic!("bad row {line:?}");
+        };
+        rows += 1;
+        assert_eq!(
+            aqueduct_server::config::env_key(var),
+            Some(key),
+            "{var} must set {key}"
+        );
+        let sources = Sources {
+            file: None,
+            env: env(&[(var, example)]),
+            overrides: Overrides::default(),
+        };
+        let fig = aqueduct_server::config::layered(&sources).expect("known variable");
+        let value = fig.find_value(key).expect("the key is set");
+        let text = value
+            .as_str()
+            .map(str::to_string)
+            .or_else(|| value.to_u128().map(|n| n.to_string()))
+            .or_else(|| value.to_bool().map(|b| b.to_string()))
+            .expect("a scalar");
+        assert_eq!(text, example, "{var}={example} sets {key}");
+        if let Err(e) = Config::load(&sources) {
+            let msg = e.to_string();
+            let section = key.rsplit_once('.').map_or(key, |(s, _)| s);
+            assert!(
+                msg.contains(key) || msg.contains(&format!("{section}.enabled")),
+                "{var}={example}: the error must name {key}: {msg}"
+            );
+        }
+    }
+    assert_eq!(rows, 24, "the seed's table has 24 rows");
+}
+
+/// A keep-alive at or above the idle timeout would let idle but healthy clients be dropped.
+#[test]
+fn keep_alive_must_be_below_idle_timeout() {
+    let msg = error(
+        Some("transport:\n  idle_timeout: 3s\n"),
+        &[],
+        Overrides::default(),
+    );
+    assert!(
+        msg.contains("transport.keep_alive_interval") && msg.contains("transport.idle_timeout"),
+        "{msg}"
+    );
+    let dir = tempfile::tempdir().expect("dir");
+    let ok = file(
+        &dir,
+        "transport:\n  idle_timeout: 3s\n  keep_alive_interval: 1s\n",
+    );
+    load(Some(ok), vec![], Overrides::default()).expect("1s keep-alive under 3s idle");
+}
+
+#[test]
+fn flush_interval_is_bounded_and_quotas_are_not_silently_ignored() {
+    let msg = error(
+        Some("broker:\n  flush_interval: 10s\n"),
+        &[],
+        Overrides::default(),
+    );
+    assert!(
+        msg.contains("broker.flush_interval") && msg.contains("maximum"),
+        "{msg}"
+    );
+    let msg = error(
+        None,
+        &[("AQUEDUCT_BROKER_DEFAULT_PUBLISH_RATE", "100")],
+        Overrides::default(),
+    );
+    assert!(
+        msg.contains("broker.quotas.default_publish_rate") && msg.contains("not implemented"),
+        "{msg}"
+    );
+    let msg = error(
+        None,
+        &[("AQUEDUCT_CLUSTER_DISCOVERY_ENABLED", "true")],
+        Overrides::default(),
+    );
+    assert!(
+        msg.contains("cluster.discovery.enabled is true, but clustering is not implemented"),
+        "{msg}"
+    );
+    let msg = error(
+        Some("aal:\n  enabled: false\n  dir: ./data\n"),
+        &[],
+        Overrides::default(),
+    );
+    assert!(
+        msg.contains("dir"),
+        "a typo in a disabled section is named: {msg}"
+    );
 }
