@@ -16,8 +16,8 @@
 //! they meet only on the subscribers they share.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use aqueduct_proto::delivery::{Arena, DeadLetter, DeliveryFields};
@@ -36,7 +36,7 @@ use crate::subscriber::{
     CloseReason, Delivery, Drained, Enqueued, Refused, SettleError, Subscriber, SubscriberId,
     SubscriberInit, Waker,
 };
-use crate::topic::{DropReason, TopicState};
+use crate::topic::{DropReason, TopicState, TopicStatsSnapshot};
 
 /// Prefix of dead-letter topics.
 pub const DLQ_PREFIX: &str = "__dlq__";
@@ -144,6 +144,9 @@ pub struct SubscribeOptions {
     pub overflow: Option<OverflowPolicy>,
     /// Called when the subscriber has something for its writer.
     pub waker: Option<Waker>,
+    /// Deliver in the seed's form (a SUBSCRIBE sent without an extension block): see
+    /// `docs/protocol.md`, "Seed-style subscriptions".
+    pub seed_form: bool,
 }
 
 impl std::fmt::Debug for SubscribeOptions {
@@ -152,6 +155,7 @@ impl std::fmt::Debug for SubscribeOptions {
             .field("stream_id", &self.stream_id)
             .field("ack_mode", &self.ack_mode)
             .field("overflow", &self.overflow)
+            .field("seed_form", &self.seed_form)
             .finish_non_exhaustive()
     }
 }
@@ -163,6 +167,7 @@ impl Default for SubscribeOptions {
             ack_mode: AckMode::None,
             overflow: None,
             waker: None,
+            seed_form: false,
         }
     }
 }
@@ -181,10 +186,21 @@ struct GroupEntry {
 }
 
 impl GroupEntry {
-    /// The next member in round-robin order, skipping closed ones and `exclude`.
-    fn pick(&self, exclude: Option<SubscriberId>) -> Option<&Arc<Subscriber>> {
+    /// The next member in round-robin order that can take a message now (not stalled with a
+    /// full queue, not at `max_in_flight`), skipping `exclude`. Only when every member is full
+    /// does the turn fall back to any live member (whose policy then applies).
+    fn pick(
+        &self,
+        exclude: Option<SubscriberId>,
+        max_in_flight: usize,
+    ) -> Option<&Arc<Subscriber>> {
+        let other = |m: &Arc<Subscriber>| Some(m.id()) != exclude;
         self.turn
-            .pick(&self.members, |m| !m.is_closed() && Some(m.id()) != exclude)
+            .pick(&self.members, |m| other(m) && m.has_room(max_in_flight))
+            .or_else(|| {
+                self.turn
+                    .pick(&self.members, |m| other(m) && !m.is_closed())
+            })
     }
 }
 
@@ -217,7 +233,19 @@ pub struct Broker {
     latency: LatencyHistogram,
     /// Subscriptions closed by the disconnect policy.
     slow_consumers: AtomicU64,
+    /// Topic count at which the next idle-topic sweep runs (see [`Broker::sweep_idle_topics`]).
+    sweep_at: AtomicUsize,
+    /// A sweep is running (one at a time).
+    sweeping: AtomicBool,
+    topics_evicted: AtomicU64,
+    /// Counters of evicted topics, so that totals never go down. Locked only by sweeps and
+    /// metric scrapes.
+    evicted_stats: Mutex<TopicStatsSnapshot>,
 }
+
+/// Topics held before idle ones are swept; after a sweep the next one runs at twice the number
+/// left (at least this), so sweeping costs O(1) amortized per new topic.
+pub const IDLE_TOPIC_SWEEP_MIN: usize = 10_000;
 
 /// The dead-letter topic of `topic`: `__dlq__<topic>`, cut at a character boundary to 255 bytes.
 pub fn dlq_topic(topic: &TopicName) -> TopicName {
@@ -238,6 +266,7 @@ impl Broker {
     pub fn new(config: BrokerConfig) -> Broker {
         Broker {
             config,
+            sweep_at: AtomicUsize::new(IDLE_TOPIC_SWEEP_MIN),
             ..Broker::default()
         }
     }
@@ -301,6 +330,7 @@ impl Broker {
             policy: opts.overflow.unwrap_or(self.config.backpressure_policy),
             capacity: self.config.queue_size,
             waker: opts.waker,
+            seed_form: opts.seed_form,
         }));
         match &group {
             Some(shared) => {
@@ -447,16 +477,105 @@ impl Broker {
             .unwrap_or_else(PoisonError::into_inner)
             .get(name.as_bytes())
             .cloned();
-        let state = found.unwrap_or_else(|| {
-            let mut topics = self.topics.write().unwrap_or_else(PoisonError::into_inner);
-            let owned = name.to_name();
-            topics
-                .entry(owned.clone())
-                .or_insert_with(|| Arc::new(TopicState::new(&owned)))
-                .clone()
-        });
+        let state = match found {
+            Some(state) => state,
+            None => {
+                let (state, held) = {
+                    let mut topics = self.topics.write().unwrap_or_else(PoisonError::into_inner);
+                    let owned = name.to_name();
+                    let state = topics
+                        .entry(owned.clone())
+                        .or_insert_with(|| Arc::new(TopicState::new(&owned)))
+                        .clone();
+                    (state, topics.len())
+                };
+                if held >= self.sweep_at.load(Relaxed).max(IDLE_TOPIC_SWEEP_MIN) {
+                    self.sweep_idle_topics();
+                }
+                state
+            }
+        };
         ctx.last_topic = Some(state.clone());
         state
+    }
+
+    /// Free the state of idle topics: nothing queued or in flight refers to them (no other
+    /// reference to their state) and no subscription matches them. Their offsets restart at 0
+    /// if they are published to again (offsets are not durable in this version); their counters
+    /// are kept in [`Broker::evicted_topic_stats`]. Runs by itself once the number of topics
+    /// reaches twice what the previous sweep left (at least [`IDLE_TOPIC_SWEEP_MIN`]), so that
+    /// publishing to ever new topic names cannot grow memory without bound. Returns how many
+    /// topics were evicted.
+    pub fn sweep_idle_topics(&self) -> usize {
+        if self
+            .sweeping
+            .swap(true, std::sync::atomic::Ordering::Acquire)
+        {
+            return 0;
+        }
+        // Three short phases, never two locks at once: candidates (topics read lock), minus the
+        // topics a subscription matches (routes read lock), removed if still idle (write lock).
+        let mut idle: Vec<TopicName> = self
+            .topics
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .filter(|(_, t)| Arc::strong_count(t) == 1)
+            .map(|(n, _)| n.clone())
+            .collect();
+        {
+            let routes = self.read_routes();
+            idle.retain(|n| !routes.index.has_match(n));
+        }
+        let mut evicted = TopicStatsSnapshot::default();
+        let (removed, left) = {
+            let mut topics = self.topics.write().unwrap_or_else(PoisonError::into_inner);
+            let mut removed = 0;
+            for name in &idle {
+                if let Some(t) = topics.get(name.as_bytes()) {
+                    if Arc::strong_count(t) == 1 {
+                        evicted.add(&t.stats().snapshot());
+                        topics.remove(name.as_bytes());
+                        removed += 1;
+                    }
+                }
+            }
+            if removed > 0 {
+                topics.shrink_to_fit();
+            }
+            (removed, topics.len())
+        };
+        self.evicted_stats
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .add(&evicted);
+        self.topics_evicted.fetch_add(removed as u64, Relaxed);
+        self.sweep_at
+            .store((left * 2).max(IDLE_TOPIC_SWEEP_MIN), Relaxed);
+        self.sweeping
+            .store(false, std::sync::atomic::Ordering::Release);
+        removed
+    }
+
+    /// Idle topics evicted so far.
+    pub fn topics_evicted(&self) -> u64 {
+        self.topics_evicted.load(Relaxed)
+    }
+
+    /// The counters of every evicted topic, added up.
+    pub fn evicted_topic_stats(&self) -> TopicStatsSnapshot {
+        self.evicted_stats
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Number of topics the broker holds state for.
+    pub fn topic_count(&self) -> usize {
+        self.topics
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 
     /// The state of a topic that has been published to.
@@ -601,7 +720,7 @@ impl Broker {
                 Route::Plain(s) => targets.push(s.clone()),
                 Route::Group(g) => {
                     has_groups = true;
-                    if let Some(m) = g.pick(None) {
+                    if let Some(m) = g.pick(None, self.config.max_in_flight) {
                         targets.push(m.clone());
                     }
                 }
@@ -685,7 +804,10 @@ impl Broker {
             let routes = self.read_routes();
             routes
                 .group(shared)
-                .and_then(|g| g.pick(exclude).or_else(|| g.pick(None)))
+                .and_then(|g| {
+                    g.pick(exclude, self.config.max_in_flight)
+                        .or_else(|| g.pick(None, self.config.max_in_flight))
+                })
                 .cloned()
         };
         match member {

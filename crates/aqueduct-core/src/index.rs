@@ -181,6 +181,13 @@ impl<V> SubscriptionIndex<V> {
         );
     }
 
+    /// True if any entry's filter matches `topic`.
+    pub fn has_match(&self, topic: &TopicName) -> bool {
+        let mut found = false;
+        self.for_each_match(topic, |_| found = true);
+        found
+    }
+
     /// Every entry, in no particular order.
     pub fn for_each(&self, mut f: impl FnMut(&V)) {
         self.exact.values().flatten().for_each(&mut f);

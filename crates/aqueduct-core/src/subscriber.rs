@@ -7,7 +7,7 @@
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -170,7 +170,14 @@ pub struct Subscriber {
     /// Bound of each priority queue (`queue_size`).
     capacity: usize,
     waker: Option<Waker>,
+    /// Deliveries in the seed's form (see [`SubscriberInit::seed_form`]).
+    seed_form: bool,
     closed: AtomicBool,
+    /// Copies of the queue length and the in-flight count, written under `state`'s lock and read
+    /// without it by consumer-group picks (which run under the routing lock and so must not take
+    /// a subscriber's lock).
+    queued_len: AtomicUsize,
+    in_flight_len: AtomicUsize,
     state: Mutex<State>,
 }
 
@@ -195,6 +202,9 @@ pub(crate) struct SubscriberInit {
     pub policy: OverflowPolicy,
     pub capacity: usize,
     pub waker: Option<Waker>,
+    /// Deliver in the seed's form: PUBLISH with the body as the whole payload and only the
+    /// extensions the message carries end to end (no topic, offset or attempt).
+    pub seed_form: bool,
 }
 
 impl Subscriber {
@@ -213,7 +223,10 @@ impl Subscriber {
             policy: init.policy,
             capacity: init.capacity,
             waker: init.waker,
+            seed_form: init.seed_form,
             closed: AtomicBool::new(false),
+            queued_len: AtomicUsize::new(0),
+            in_flight_len: AtomicUsize::new(0),
             state: Mutex::default(),
         }
     }
@@ -222,6 +235,29 @@ impl Subscriber {
         // A panic while holding the lock cannot leave State half-updated in a way that matters
         // more than losing the subscriber; keep serving rather than cascade the panic.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Publish the lengths for lock-free readers; call under the lock after a change.
+    fn note_lengths(&self, st: &State) {
+        self.queued_len.store(st.queue.len(), Ordering::Relaxed);
+        self.in_flight_len
+            .store(st.in_flight.len(), Ordering::Relaxed);
+    }
+
+    /// True if a message given now would be queued without hitting the queue bound and sent
+    /// without waiting for settlements (`max_in_flight`). Lock-free and approximate (the
+    /// lengths may be a moment old): good enough to steer a consumer group's round-robin away
+    /// from members that are stalled or saturated.
+    pub fn has_room(&self, max_in_flight: usize) -> bool {
+        !self.is_closed()
+            && self.queued_len.load(Ordering::Relaxed) < self.capacity
+            && (self.ack_mode != AckMode::Explicit
+                || self.in_flight_len.load(Ordering::Relaxed) < max_in_flight)
+    }
+
+    /// True if deliveries use the seed's frame form.
+    pub fn seed_form(&self) -> bool {
+        self.seed_form
     }
 
     fn wake(&self) {
@@ -313,6 +349,7 @@ impl Subscriber {
                     }
                 }
             }
+            self.note_lengths(&st);
         }
         if let Enqueued::Refused(_) = outcome {
             refused.extend(items);
@@ -354,7 +391,11 @@ impl Subscriber {
                 done.expired += 1;
                 continue;
             }
-            d.shared.write_frame(out, self.stream_id, d.attempt);
+            if self.seed_form {
+                d.shared.write_seed_frame(out, self.stream_id);
+            } else {
+                d.shared.write_frame(out, self.stream_id, d.attempt);
+            }
             local.observe(now.saturating_duration_since(d.published_at));
             done.frames += 1;
             done.bytes += d.shared.frame_len();
@@ -377,6 +418,7 @@ impl Subscriber {
                 );
             }
         }
+        self.note_lengths(&st);
         let held = if !st.held.is_empty() && st.queue.len() <= self.resume_at() {
             std::mem::take(&mut st.held)
         } else {
@@ -444,6 +486,7 @@ impl Subscriber {
                     }
                 }
             };
+            self.note_lengths(&st);
             (delivery, !st.queue.is_empty())
         };
         if wake {
@@ -468,6 +511,7 @@ impl Subscriber {
             .iter()
             .filter_map(|k| st.in_flight.remove(k).map(|f| f.delivery))
             .collect();
+        self.note_lengths(&st);
         out.sort_by_key(|d| (d.priority, d.offset));
         out
     }
@@ -487,6 +531,7 @@ impl Subscriber {
             let mut in_flight: Vec<Delivery> =
                 st.in_flight.drain().map(|(_, f)| f.delivery).collect();
             in_flight.sort_by_key(|d| (d.priority, d.offset));
+            self.note_lengths(&st);
             (queued, in_flight)
         };
         self.wake();

@@ -77,6 +77,21 @@ pub struct TopicStatsSnapshot {
 }
 
 impl TopicStatsSnapshot {
+    /// Add `other`'s counts to these.
+    pub fn add(&mut self, other: &TopicStatsSnapshot) {
+        self.published += other.published;
+        self.delivered += other.delivered;
+        self.nacked += other.nacked;
+        self.redelivered += other.redelivered;
+        self.dead_lettered += other.dead_lettered;
+        for (a, b) in self.dropped.iter_mut().zip(other.dropped) {
+            *a += b;
+        }
+        for (a, b) in self.expired.iter_mut().zip(other.expired) {
+            *a += b;
+        }
+    }
+
     pub fn dropped(&self, reason: DropReason) -> u64 {
         self.dropped[reason.index()]
     }

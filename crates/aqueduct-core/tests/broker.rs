@@ -868,3 +868,108 @@ fn publish_batch_keeps_order_offsets_and_group_round_robin() {
     let stats = b.topic(&ta).expect("known").stats().snapshot();
     assert_eq!((stats.published, stats.delivered), (4, 8));
 }
+
+/// A stalled member (its writer drains nothing) fills its queue; the round-robin then skips it
+/// instead of dropping its share under drop_oldest while the other member is idle.
+#[test]
+fn a_group_skips_a_stalled_member_until_every_member_is_full() {
+    let b = Broker::new(BrokerConfig {
+        queue_size: 8,
+        backpressure_policy: OverflowPolicy::DropOldest,
+        ..Default::default()
+    });
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let stalled = sub(&b, "topic:jobs:group:w");
+    let live = sub(&b, "topic:jobs:group:w");
+    let mut delivered = 0;
+    for i in 0..200 {
+        publish(&b, &mut ctx, "jobs", &i.to_string(), now);
+        // The live member keeps up (and settles what it gets).
+        for g in drain_all(&b, &live, now) {
+            b.ack(&live, Some(&t("jobs")), g.offset, None).expect("ack");
+            delivered += 1;
+        }
+    }
+    assert_eq!(stalled.queued(), 8, "the stalled member holds a full queue");
+    assert_eq!(delivered, 192, "everything else went to the live member");
+    let stats = b.topic(&t("jobs")).expect("topic").stats().snapshot();
+    assert_eq!(
+        stats.dropped(DropReason::Policy(OverflowPolicy::DropOldest)),
+        0
+    );
+    // Once both are full, the turn falls back to any member and the policy applies.
+    for i in 0..40 {
+        publish(&b, &mut ctx, "jobs", &format!("late {i}"), now);
+    }
+    let stats = b.topic(&t("jobs")).expect("topic").stats().snapshot();
+    assert!(stats.dropped(DropReason::Policy(OverflowPolicy::DropOldest)) > 0);
+}
+
+/// A member at max_in_flight (it received but never settles) gets nothing more while another
+/// member can take messages.
+#[test]
+fn a_group_skips_a_member_at_max_in_flight() {
+    let b = Broker::new(BrokerConfig {
+        max_in_flight: 4,
+        ..Default::default()
+    });
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let hoarder = sub(&b, "topic:jobs:group:w");
+    let worker = sub(&b, "topic:jobs:group:w");
+    let mut hoarded = 0;
+    let mut worked = 0;
+    for i in 0..100 {
+        publish(&b, &mut ctx, "jobs", &i.to_string(), now);
+        hoarded += drain_all(&b, &hoarder, now).len();
+        for g in drain_all(&b, &worker, now) {
+            b.ack(&worker, Some(&t("jobs")), g.offset, None)
+                .expect("ack");
+            worked += 1;
+        }
+    }
+    assert_eq!(hoarder.in_flight(), 4);
+    assert_eq!((hoarded, worked), (4, 96));
+    assert_eq!(
+        hoarder.queued(),
+        0,
+        "nothing waits behind the hoarder's settlements"
+    );
+}
+
+/// Publishing to ever new topic names does not grow the broker's topic state without bound:
+/// idle topics without subscribers are evicted; a subscribed topic keeps its state and offsets;
+/// counters of evicted topics are kept in a total.
+#[test]
+fn idle_topics_are_evicted_and_subscribed_ones_kept() {
+    let b = Broker::new(BrokerConfig::default());
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let kept = sub(&b, "topic:kept");
+    let wild = sub(&b, "topic:watched/+");
+    publish(&b, &mut ctx, "kept", "a", now);
+    publish(&b, &mut ctx, "watched/x", "a", now);
+    let _ = drain_all(&b, &kept, now);
+    let _ = drain_all(&b, &wild, now);
+    const N: usize = 100_000;
+    for i in 0..N {
+        publish(&b, &mut ctx, &format!("random/{i}"), "x", now);
+    }
+    assert!(
+        b.topic_count() <= IDLE_TOPIC_SWEEP_MIN,
+        "topic state is bounded: {}",
+        b.topic_count()
+    );
+    assert!(b.topics_evicted() >= (N - IDLE_TOPIC_SWEEP_MIN) as u64);
+    // Subscribed topics keep their offsets.
+    assert_eq!(publish(&b, &mut ctx, "kept", "b", now).offset, 1);
+    assert_eq!(publish(&b, &mut ctx, "watched/x", "b", now).offset, 1);
+    // Every publish is still counted somewhere.
+    let live: u64 = b
+        .topics()
+        .iter()
+        .map(|t| t.stats().snapshot().published)
+        .sum();
+    assert_eq!(live + b.evicted_topic_stats().published, N as u64 + 4);
+}

@@ -170,6 +170,47 @@ impl SharedDelivery {
         out.put_slice(&self.bytes);
     }
 
+    /// Append the delivery in the seed's form, for subscriptions made the seed's way (a
+    /// SUBSCRIBE without an extension block): the body is the whole payload, and only the
+    /// extensions that travel end to end are kept — TRACE and COMPRESSION when the message has
+    /// them, PRIORITY when it is not the default (2). With none of those the frame is a bare
+    /// PUBLISH (command 0x01). No TOPIC, OFFSET, ATTEMPT or dead-letter entries.
+    pub fn write_seed_frame<B: BufMut>(&self, out: &mut B, stream_id: u32) {
+        let ext = &self.bytes[..usize::from(self.ext_len)];
+        // The canonical order puts TRACE, then COMPRESSION, then PRIORITY first.
+        let mut at = 0;
+        for (kind, len) in [(types::TRACE, 27), (types::COMPRESSION, 7)] {
+            if ext.get(at) == Some(&kind) {
+                at += len;
+            }
+        }
+        let carried = &ext[..at.min(ext.len())];
+        let priority = match ext.get(at..at + 3) {
+            Some([types::PRIORITY, 1, level]) if *level != Priority::DEFAULT.level() => {
+                Some([types::PRIORITY, 1, *level])
+            }
+            _ => None,
+        };
+        let body = &self.bytes[usize::from(self.ext_len)..];
+        let entries = carried.len() + priority.map_or(0, |p| p.len());
+        if entries == 0 {
+            crate::header::write_header(out, Opcode::Publish as u8, stream_id, body.len() as u32);
+        } else {
+            crate::header::write_header(
+                out,
+                Opcode::Publish as u8 | FLAG_HAS_EXTENSIONS,
+                stream_id,
+                (2 + entries + body.len()) as u32,
+            );
+            out.put_u16_le(entries as u16);
+            out.put_slice(carried);
+            if let Some(p) = priority {
+                out.put_slice(&p);
+            }
+        }
+        out.put_slice(body);
+    }
+
     /// The message body (shares the buffer).
     pub fn body(&self) -> Bytes {
         self.bytes.slice(usize::from(self.ext_len)..)
@@ -242,5 +283,54 @@ mod tests {
             assert_eq!(frame.to_bytes(), bytes);
             assert_eq!(shared.extensions().expect("valid").offset, Some(42));
         }
+    }
+
+    #[test]
+    fn seed_form_is_the_body_with_end_to_end_extensions_only() {
+        let topic = TopicName::try_from("orders").expect("valid");
+        let trace = TraceContext {
+            trace_id: [7; 16],
+            span_id: [8; 8],
+            flags: 1,
+        };
+        let mut arena = Arena::default();
+        let encode = |arena: &mut Arena, priority, trace| {
+            SharedDelivery::encode(
+                arena,
+                &DeliveryFields {
+                    topic: &topic,
+                    offset: 5,
+                    priority,
+                    trace,
+                    compression: None,
+                    dead_letter: None,
+                    body: b"orders",
+                },
+            )
+        };
+        // A plain message: exactly the seed's bare PUBLISH, body as the whole payload.
+        let mut out = BytesMut::new();
+        encode(&mut arena, Priority::DEFAULT, None).write_seed_frame(&mut out, 3);
+        assert_eq!(
+            &out[..],
+            &[0x1F, 0x01, 3, 0, 0, 0, 6, 0, 0, 0, b'o', b'r', b'd', b'e', b'r', b's']
+        );
+        // Priority 0 and a trace travel; topic, offset and attempt do not.
+        let mut out = BytesMut::new();
+        encode(&mut arena, Priority::HIGHEST, Some(&trace)).write_seed_frame(&mut out, 3);
+        let bytes = out.freeze();
+        let (frame, used) = decode_frame(&bytes, &Limits::default()).expect("decodes");
+        assert_eq!(used, bytes.len());
+        assert_eq!(bytes[1], 0x41);
+        let Message::Publish(p) = &frame.message else {
+            panic!("not a publish: {frame:?}");
+        };
+        assert_eq!(&p.body[..], b"orders");
+        assert_eq!(p.ext.priority, Some(Priority::HIGHEST));
+        assert_eq!(p.ext.trace, Some(trace));
+        assert_eq!(
+            (p.ext.topic.as_ref(), p.ext.offset, p.ext.attempt),
+            (None, None, None)
+        );
     }
 }

@@ -91,8 +91,14 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
             named.push((t.name().as_str().to_owned(), snap));
         } else {
             other_seen = true;
-            add(&mut other, &snap);
+            other.add(&snap);
         }
+    }
+    // Idle topics the broker evicted keep counting here, so the totals never go down.
+    let evicted = broker.evicted_topic_stats();
+    if evicted != TopicStatsSnapshot::default() {
+        other_seen = true;
+        other.add(&evicted);
     }
     if other_seen {
         named.push((OTHER_TOPIC.to_owned(), other));
@@ -172,8 +178,14 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
     out.single(
         "aqueduct_topics",
         "gauge",
-        "Topics published to since start.",
+        "Topics the broker holds state for (idle topics without subscribers are evicted).",
         topics.len(),
+    );
+    out.single(
+        "aqueduct_topics_evicted_total",
+        "counter",
+        "Idle topics without subscribers whose state was freed.",
+        broker.topics_evicted(),
     );
 
     out.header(
@@ -333,20 +345,6 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         );
     }
     out.0
-}
-
-fn add(acc: &mut TopicStatsSnapshot, s: &TopicStatsSnapshot) {
-    acc.published += s.published;
-    acc.delivered += s.delivered;
-    acc.nacked += s.nacked;
-    acc.redelivered += s.redelivered;
-    acc.dead_lettered += s.dead_lettered;
-    for (a, b) in acc.dropped.iter_mut().zip(s.dropped) {
-        *a += b;
-    }
-    for (a, b) in acc.expired.iter_mut().zip(s.expired) {
-        *a += b;
-    }
 }
 
 #[cfg(test)]
