@@ -114,10 +114,15 @@ impl Client {
         let conn = match tokio::time::timeout(opts.timeout, connecting).await {
             Ok(Ok(conn)) => conn,
             Ok(Err(e)) => {
+                let mut reason = crate::error::describe_connection_error(&e);
+                if reason.contains("certificate") || reason.contains("signature") {
+                    // Say what was trusted, so a stale or wrong file is easy to spot.
+                    reason = format!("{reason} (trusted: {})", opts.trust.describe());
+                }
                 return Err(ConnectError::Connect {
                     addr: opts.addr.clone(),
-                    reason: e.to_string(),
-                })
+                    reason,
+                });
             }
             Err(_) => return Err(ConnectError::Timeout { addr: opts.addr }),
         };
@@ -243,10 +248,10 @@ impl Client {
             .conn
             .open_bi()
             .await
-            .map_err(|e| ClientError::Connection(e.to_string()))?;
+            .map_err(|e| crate::error::connection_error(&e))?;
         send.write_all(&Frame::new(id, Wire::Subscribe(sub)).to_bytes())
             .await
-            .map_err(|e| ClientError::Connection(e.to_string()))?;
+            .map_err(|e| crate::error::write_error(&e))?;
         let mut reader = FrameReader::new(recv);
         match reader.next().await? {
             Some(Frame {

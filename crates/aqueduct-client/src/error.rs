@@ -22,7 +22,10 @@ pub enum ConnectError {
     Tls(String),
     #[error("connection to {addr} failed: {reason}")]
     Connect { addr: String, reason: String },
-    #[error("connection to {addr} timed out")]
+    #[error(
+        "connection to {addr} timed out: is a broker running on UDP {addr}? (QUIC runs over UDP; \
+         a firewall may drop it)"
+    )]
     Timeout { addr: String },
 }
 
@@ -54,4 +57,111 @@ impl ClientError {
             _ => None,
         }
     }
+}
+
+/// An application error code (stream reset, STOP_SENDING, connection close) in words.
+fn app_code(code: u64) -> String {
+    match u16::try_from(code) {
+        Ok(c) => ErrorCode(c).to_string(),
+        Err(_) => format!("code {code}"),
+    }
+}
+
+/// A TLS alert that ended a handshake, in plain words (RFC 8446 alert numbers; QUIC carries
+/// them as transport error 0x100 + alert).
+fn tls_alert(alert: u8) -> String {
+    let what = match alert {
+        116 => "the broker requires a client certificate (pass --cert and --key, or ConnectOptions::client_cert)",
+        48 => "unknown issuer: the broker does not trust the CA that signed the client certificate",
+        42 => "the broker rejected the client certificate (bad certificate)",
+        43 => "the broker does not support the client certificate (an X.509 v1 certificate, or one without the clientAuth extended key usage?)",
+        44 => "the client certificate was revoked",
+        45 => "the client certificate has expired (or is not valid yet)",
+        46 => "the broker could not verify the client certificate",
+        49 => "access denied by the broker",
+        40 => "the TLS handshake failed (no common parameters)",
+        120 => "the broker does not speak ALPN aqueduct-v1",
+        _ => return format!("the broker ended the TLS handshake with alert {alert}"),
+    };
+    what.to_string()
+}
+
+/// A QUIC connection error in plain words.
+pub(crate) fn describe_connection_error(e: &quinn::ConnectionError) -> String {
+    match e {
+        quinn::ConnectionError::ConnectionClosed(c) => {
+            let code = u64::from(c.error_code);
+            if (0x100..0x200).contains(&code) {
+                tls_alert((code - 0x100) as u8)
+            } else {
+                format!("the broker closed the connection: {c}")
+            }
+        }
+        quinn::ConnectionError::ApplicationClosed(a) => {
+            let code = a.error_code.into_inner();
+            let reason = String::from_utf8_lossy(&a.reason);
+            if code == u64::from(ErrorCode::SHUTTING_DOWN.0) {
+                format!("the broker is shutting down ({})", app_code(code))
+            } else {
+                format!(
+                    "the connection was closed with {}: {reason}",
+                    app_code(code)
+                )
+            }
+        }
+        quinn::ConnectionError::TransportError(t) => {
+            let code = u64::from(t.code);
+            if (0x100..0x200).contains(&code) {
+                format!("TLS: {}", t.reason)
+            } else {
+                t.to_string()
+            }
+        }
+        quinn::ConnectionError::TimedOut => {
+            "the broker stopped answering (idle timeout)".to_string()
+        }
+        other => other.to_string(),
+    }
+}
+
+/// A stream read failure as a client error.
+pub(crate) fn read_error(e: &quinn::ReadError) -> ClientError {
+    ClientError::Connection(match e {
+        quinn::ReadError::Reset(code) => {
+            format!(
+                "the broker reset the stream with {}",
+                app_code(code.into_inner())
+            )
+        }
+        quinn::ReadError::ConnectionLost(c) => describe_connection_error(c),
+        other => other.to_string(),
+    })
+}
+
+/// A stream write failure as a client error.
+pub(crate) fn write_error(e: &quinn::WriteError) -> ClientError {
+    ClientError::Connection(match e {
+        quinn::WriteError::Stopped(code) => format!(
+            "the broker stopped reading the stream with {}",
+            app_code(code.into_inner())
+        ),
+        quinn::WriteError::ConnectionLost(c) => describe_connection_error(c),
+        other => other.to_string(),
+    })
+}
+
+/// An I/O error from reading a stream: the QUIC error inside it, in words.
+pub(crate) fn io_read_error(e: &std::io::Error) -> ClientError {
+    match e
+        .get_ref()
+        .and_then(|i| i.downcast_ref::<quinn::ReadError>())
+    {
+        Some(r) => read_error(r),
+        None => ClientError::Connection(e.to_string()),
+    }
+}
+
+/// Failure to open a stream.
+pub(crate) fn connection_error(e: &quinn::ConnectionError) -> ClientError {
+    ClientError::Connection(describe_connection_error(e))
 }

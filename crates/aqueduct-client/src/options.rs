@@ -29,6 +29,22 @@ pub enum Trust {
     Auto(PathBuf),
 }
 
+impl Trust {
+    /// What is trusted, for error messages.
+    pub fn describe(&self) -> String {
+        match self {
+            Trust::CaFile(p) => format!("CA file {}", p.display()),
+            Trust::CaPem(_) => "the CA certificates given in memory".into(),
+            Trust::Fingerprint(_) => "a pinned certificate fingerprint".into(),
+            Trust::Auto(p) => format!(
+                "the development certificate {} (written by a local broker at startup; a broker \
+                 restarted elsewhere or another broker on this port has another one)",
+                p.display()
+            ),
+        }
+    }
+}
+
 /// Connection settings (builder).
 #[derive(Debug, Clone)]
 pub struct ConnectOptions {

@@ -43,7 +43,7 @@ struct Inner {
 #[derive(Debug)]
 struct Stream {
     send: quinn::SendStream,
-    done: oneshot::Receiver<bool>,
+    done: oneshot::Receiver<Result<(), ClientError>>,
 }
 
 pub(crate) fn topic(name: &str) -> Result<TopicName, ClientError> {
@@ -145,7 +145,7 @@ impl Publisher {
             if let Some(Stream { send, .. }) = send.as_mut() {
                 send.write_chunk(bytes.freeze())
                     .await
-                    .map_err(|e| ClientError::Connection(e.to_string()))?;
+                    .map_err(|e| crate::error::write_error(&e))?;
             }
         }
         match rx {
@@ -163,7 +163,7 @@ impl Publisher {
             .conn
             .open_bi()
             .await
-            .map_err(|e| ClientError::Connection(e.to_string()))?;
+            .map_err(|e| crate::error::connection_error(&e))?;
         let (tx, done) = oneshot::channel();
         tokio::spawn(replies(
             FrameReader::new(recv),
@@ -187,8 +187,15 @@ impl Publisher {
         send.finish()
             .map_err(|e| ClientError::Connection(e.to_string()))?;
         match tokio::time::timeout(Duration::from_secs(10), done).await {
-            Ok(Ok(true)) => Ok(()),
-            Ok(_) => Err(ClientError::Connection(
+            Ok(Ok(Ok(()))) => Ok(()),
+            Ok(Ok(Err(e))) => Err(ClientError::Connection(format!(
+                "the broker may not have read everything published: {}",
+                match e {
+                    ClientError::Connection(why) => why,
+                    other => other.to_string(),
+                }
+            ))),
+            Ok(Err(_)) => Err(ClientError::Connection(
                 "the publish stream failed before the broker had read all of it".into(),
             )),
             Err(_) => Err(ClientError::Connection(
@@ -199,7 +206,11 @@ impl Publisher {
 }
 
 /// Route CONFIRM and ERROR replies on a publish stream to the waiting publishers.
-async fn replies(mut reader: FrameReader, pending: Pending, done: oneshot::Sender<bool>) {
+async fn replies(
+    mut reader: FrameReader,
+    pending: Pending,
+    done: oneshot::Sender<Result<(), ClientError>>,
+) {
     let take = |id: u32| {
         pending
             .lock()
@@ -209,8 +220,8 @@ async fn replies(mut reader: FrameReader, pending: Pending, done: oneshot::Sende
     let finished = loop {
         let frame = match reader.next().await {
             Ok(Some(frame)) => frame,
-            Ok(None) => break true,
-            Err(_) => break false,
+            Ok(None) => break Ok(()),
+            Err(e) => break Err(e),
         };
         match frame.message {
             Wire::Confirm(c) => {

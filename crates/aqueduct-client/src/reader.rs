@@ -70,7 +70,7 @@ impl FrameReader {
                 self.buf.len()
             ))),
             Ok(_) => Ok(true),
-            Err(e) => Err(ClientError::Connection(e.to_string())),
+            Err(e) => Err(crate::error::io_read_error(&e)),
         })
     }
 

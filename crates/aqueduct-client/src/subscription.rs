@@ -39,7 +39,7 @@ impl SubHandle {
             .await
             .write_all(&bytes)
             .await
-            .map_err(|e| ClientError::Connection(e.to_string()))
+            .map_err(|e| crate::error::write_error(&e))
     }
 }
 

@@ -136,6 +136,8 @@ pub struct TransportSection {
     /// Largest frame data a client may send, in bytes (the seed's default: 65536).
     pub max_buf_size: u64,
     pub max_streams_per_connection: u64,
+    /// Live subscriptions one connection may hold (over all its streams).
+    pub max_subscriptions_per_connection: u64,
     pub max_connections: u64,
     pub idle_timeout: String,
     pub handshake_timeout: String,
@@ -160,6 +162,7 @@ impl Default for TransportSection {
         TransportSection {
             max_buf_size: 65536,
             max_streams_per_connection: 256,
+            max_subscriptions_per_connection: 10_000,
             max_connections: 10_000,
             idle_timeout: "30s".into(),
             handshake_timeout: "10s".into(),
@@ -342,6 +345,7 @@ pub const ENV_KEYS: &[&str] = &[
     "broker.quotas.default_burst_size",
     "transport.max_buf_size",
     "transport.max_streams_per_connection",
+    "transport.max_subscriptions_per_connection",
     "transport.max_connections",
     "transport.idle_timeout",
     "transport.handshake_timeout",
@@ -436,6 +440,7 @@ impl Sources {
 pub struct TransportConfig {
     pub max_frame_data: u32,
     pub max_streams_per_connection: u32,
+    pub max_subscriptions_per_connection: usize,
     pub max_connections: usize,
     pub idle_timeout: Duration,
     pub handshake_timeout: Duration,
@@ -810,6 +815,12 @@ impl RawConfig {
                 1,
                 1 << 16,
             )? as u32,
+            max_subscriptions_per_connection: range(
+                "transport.max_subscriptions_per_connection",
+                t.max_subscriptions_per_connection,
+                1,
+                1 << 24,
+            )? as usize,
             max_connections: range("transport.max_connections", t.max_connections, 1, 1 << 20)?
                 as usize,
             idle_timeout: parse_duration("transport.idle_timeout", &t.idle_timeout)?,

@@ -27,13 +27,24 @@ pub(crate) struct SubEntry {
     pub out: Arc<StreamOut>,
 }
 
+/// Why a subscription was not registered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AddSubError {
+    /// A live subscription already uses the stream id.
+    InUse,
+    /// `transport.max_subscriptions_per_connection` reached.
+    Limit,
+}
+
 /// State shared by the streams of one connection.
 #[derive(Debug)]
 pub(crate) struct ConnState {
     pub remote: SocketAddr,
     pub client_id: OnceLock<String>,
     /// Subscriptions by the `stream_id` of their SUBSCRIBE frame: ACK, NACK and UNSUBSCRIBE name
-    /// them that way, on any stream. Locked briefly by the streams of this connection only.
+    /// them that way, on any stream. Locked briefly by the streams of this connection only; a
+    /// SUBSCRIBE holds it while the broker registers the subscription (lock order: this, then
+    /// the broker's routing lock; nothing takes them the other way round).
     subs: Mutex<HashMap<u32, SubEntry>>,
     confirmed: AtomicBool,
     confirmed_notify: Notify,
@@ -44,23 +55,42 @@ impl ConnState {
         self.subs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// True if a live subscription uses `stream_id`.
-    pub(crate) fn has_sub(&self, stream_id: u32) -> bool {
-        self.lock()
-            .get(&stream_id)
-            .is_some_and(|e| !e.sub.is_closed())
-    }
-
+    /// The live subscription registered under `stream_id`. One the broker has closed (a slow
+    /// consumer) is forgotten here, so ACK, NACK and UNSUBSCRIBE naming it get NOT_SUBSCRIBED.
     pub(crate) fn sub(&self, stream_id: u32) -> Option<SubEntry> {
-        self.lock().get(&stream_id).cloned()
+        let mut subs = self.lock();
+        match subs.get(&stream_id) {
+            Some(e) if e.sub.is_closed() => {
+                subs.remove(&stream_id);
+                None
+            }
+            other => other.cloned(),
+        }
     }
 
-    /// Register a subscription, forgetting those the broker has closed meanwhile (slow
-    /// consumers), so the table cannot grow with dead entries.
-    pub(crate) fn add_sub(&self, stream_id: u32, entry: SubEntry) {
+    /// Register the subscription `make` creates, unless `stream_id` is already in use by a live
+    /// one or the connection has `max` subscriptions. Check and insert happen under one lock
+    /// (held while `make` runs), so two SUBSCRIBEs with the same id cannot both succeed.
+    /// Subscriptions the broker closed meanwhile (slow consumers) are forgotten first, so the
+    /// table cannot grow with dead entries.
+    pub(crate) fn add_sub_with(
+        &self,
+        stream_id: u32,
+        max: usize,
+        make: impl FnOnce() -> SubEntry,
+    ) -> Result<Arc<Subscriber>, AddSubError> {
         let mut subs = self.lock();
         subs.retain(|_, e| !e.sub.is_closed());
+        if subs.contains_key(&stream_id) {
+            return Err(AddSubError::InUse);
+        }
+        if subs.len() >= max {
+            return Err(AddSubError::Limit);
+        }
+        let entry = make();
+        let sub = entry.sub.clone();
         subs.insert(stream_id, entry);
+        Ok(sub)
     }
 
     /// Forget `sub` (only if it is still the one registered under `stream_id`).
@@ -139,13 +169,15 @@ pub(crate) async fn handle(
         confirmed: AtomicBool::new(false),
         confirmed_notify: Notify::new(),
     });
+    // The rest of a 0-RTT handshake, run by the connection's own task (not a detached one).
+    let mut confirming: Option<Confirming> = None;
     let conn = match connecting.into_0rtt() {
         // With mTLS the client is unknown until the handshake completes: no early data then.
         Ok((conn, accepted)) if !shared.config.tls.require_client_cert => {
             // Early data is read now; the stream readers hold back what is unsafe to replay
             // until `confirm` runs.
             let (state, conn2, shared2) = (state.clone(), conn.clone(), shared.clone());
-            tokio::spawn(async move {
+            confirming = Some(Box::pin(async move {
                 if tokio::time::timeout(handshake_timeout, accepted)
                     .await
                     .is_ok()
@@ -159,7 +191,7 @@ pub(crate) async fn handle(
                         .fetch_add(1, Ordering::Relaxed);
                     conn2.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
                 }
-            });
+            }));
             conn
         }
         Ok((conn, accepted)) => {
@@ -188,8 +220,11 @@ pub(crate) async fn handle(
         .stats
         .connections_total
         .fetch_add(1, Ordering::Relaxed);
-    serve_streams(conn, state, shared, shutdown).await;
+    serve_streams(conn, state, shared, shutdown, confirming).await;
 }
+
+/// The end of a 0-RTT handshake: identifies the client and releases held-back early data.
+type Confirming = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 fn identify(conn: &quinn::Connection, state: &ConnState) {
     if let Some(cn) = tls::client_common_name(conn) {
@@ -203,10 +238,14 @@ async fn serve_streams(
     state: Arc<ConnState>,
     shared: Arc<Shared>,
     mut shutdown: watch::Receiver<bool>,
+    mut confirming: Option<Confirming>,
 ) {
     let mut streams = JoinSet::new();
     let reason = loop {
         tokio::select! {
+            _ = async { confirming.as_mut().expect("guarded").await }, if confirming.is_some() => {
+                confirming = None;
+            }
             accepted = conn.accept_bi() => match accepted {
                 Ok((send, recv)) => {
                     streams.spawn(stream::serve(send, recv, shared.clone(), state.clone(), shutdown.clone()));

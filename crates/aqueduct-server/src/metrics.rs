@@ -277,7 +277,7 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "Open client connections.",
         shared.connections.load(Ordering::Acquire),
     );
-    let counters: [(&str, &str, u64); 7] = [
+    let counters: [(&str, &str, u64); 8] = [
         (
             "aqueduct_connections_total",
             "Connections accepted since start.",
@@ -313,7 +313,18 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
             "Times a publishing stream was held because a block-policy subscriber's queue was full.",
             st.publish_holds.load(Ordering::Relaxed),
         ),
+        (
+            "aqueduct_subscriptions_refused_total",
+            "SUBSCRIBEs refused by transport.max_subscriptions_per_connection.",
+            st.subscriptions_refused.load(Ordering::Relaxed),
+        ),
     ];
+    out.single(
+        "aqueduct_live_streams",
+        "gauge",
+        "QUIC streams being served now (each by one task).",
+        st.live_streams.load(Ordering::Relaxed),
+    );
     for (name, help, v) in counters {
         out.single(name, "counter", help, v);
     }

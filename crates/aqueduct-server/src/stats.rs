@@ -21,6 +21,11 @@ pub struct ServerStats {
     pub publish_held_us: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
+    /// Stream tasks alive now (each serves one QUIC stream: its reader and its writer). Back to
+    /// zero when every connection is gone, however it ended: no task outlives its connection.
+    pub live_streams: AtomicU64,
+    /// SUBSCRIBEs refused by `transport.max_subscriptions_per_connection`.
+    pub subscriptions_refused: AtomicU64,
     /// Frames rejected, by reason label (`bad_magic`, `frame_too_large`, …).
     rejected: Mutex<BTreeMap<&'static str, u64>>,
     /// ERROR frames sent, by code.

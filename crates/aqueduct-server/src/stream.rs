@@ -16,13 +16,13 @@ use std::time::Instant;
 
 use aqueduct_core::{CloseReason, Publication, PublishContext, SubscribeOptions, Subscriber};
 use aqueduct_proto::frame::{split_frame, Message};
-use aqueduct_proto::{Confirm, DecodeError, ErrorCode, ErrorFrame, Frame, ProtoError, HEADER_LEN};
+use aqueduct_proto::{AckMode, Confirm, DecodeError, ErrorCode, ErrorFrame, Frame, HEADER_LEN};
 use bytes::{Buf, BytesMut};
 use tokio::io::AsyncReadExt;
 use tokio::sync::{watch, Notify};
 use tracing::{debug, info, warn};
 
-use crate::connection::{ConnState, SubEntry};
+use crate::connection::{AddSubError, ConnState, SubEntry};
 use crate::server::Shared;
 
 /// Reply bytes a client may leave unread before the broker stops reading its stream.
@@ -51,6 +51,8 @@ pub(crate) struct StreamOut {
     reader_done: AtomicBool,
     /// The stream is over: the writer must stop (peer stopped reading, connection closed).
     aborted: AtomicBool,
+    /// The reader was stopped by shutdown before the client finished the stream.
+    interrupted: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -75,15 +77,74 @@ impl StreamOut {
 
 /// How the reader ended.
 enum ReadEnd {
-    /// The client finished its sending side.
+    /// The client finished its sending side (FIN), or the frame boundary was lost (bad magic,
+    /// oversized frame: ERROR sent): the client will send nothing more here.
     Finished,
     /// The stream was reset or the connection closed.
     Gone,
-    /// A frame boundary was lost (bad magic, oversized frame): ERROR sent, stream closed.
-    Fatal,
+    /// The broker is shutting down and stopped reading, perhaps before the client's last frames.
+    Interrupted,
 }
 
-/// Serve one stream until both directions are done.
+/// Ends the stream's subscriptions and counts the stream as gone, however the stream task ends
+/// (also when it is aborted with its connection).
+struct StreamGuard {
+    shared: Arc<Shared>,
+    conn: Arc<ConnState>,
+    out: Arc<StreamOut>,
+}
+
+impl StreamGuard {
+    fn new(shared: &Arc<Shared>, conn: &Arc<ConnState>, out: &Arc<StreamOut>) -> StreamGuard {
+        shared.stats.live_streams.fetch_add(1, Ordering::Relaxed);
+        StreamGuard {
+            shared: shared.clone(),
+            conn: conn.clone(),
+            out: out.clone(),
+        }
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        end_subscriptions(&self.shared, &self.conn, &self.out, |_| true);
+        self.shared
+            .stats
+            .live_streams
+            .fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Unsubscribe the subscriptions delivered on this stream for which `which` holds.
+fn end_subscriptions(
+    shared: &Shared,
+    conn: &ConnState,
+    out: &StreamOut,
+    which: impl Fn(&Subscriber) -> bool,
+) {
+    let ending: Vec<Arc<Subscriber>> = {
+        let mut subs = lock(&out.subs);
+        let (ending, keep) = std::mem::take(&mut *subs)
+            .into_iter()
+            .partition(|s| which(s));
+        *subs = keep;
+        ending
+    };
+    if ending.is_empty() {
+        return;
+    }
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    for sub in ending {
+        conn.remove_sub(sub.stream_id(), &sub);
+        shared.broker.unsubscribe(&mut ctx, &sub, now);
+    }
+    ctx.clear_held();
+}
+
+/// Serve one stream until both directions are done. The reader and the writer run in this one
+/// task (no detached writer), so aborting the task with its connection stops both, and the
+/// guard still ends the stream's subscriptions.
 pub(crate) async fn serve(
     send: quinn::SendStream,
     recv: quinn::RecvStream,
@@ -92,34 +153,40 @@ pub(crate) async fn serve(
     shutdown: watch::Receiver<bool>,
 ) {
     let out = Arc::new(StreamOut::default());
+    let _guard = StreamGuard::new(&shared, &conn, &out);
     let mut stop = shutdown.clone();
-    let writer = tokio::spawn(write_loop(send, out.clone(), shared.clone(), shutdown));
-    let mut reader = Reader {
-        shared: &shared,
-        conn: &conn,
-        out: &out,
-        ctx: PublishContext::default(),
-    };
-    // On shutdown stop reading at once; the writer flushes what is queued and finishes.
-    let end = tokio::select! {
-        end = reader.run(recv) => end,
-        _ = stop.wait_for(|stopping| *stopping) => ReadEnd::Finished,
-    };
-    match end {
-        ReadEnd::Finished | ReadEnd::Fatal => {
-            out.reader_done.store(true, Ordering::Release);
-            out.notify.notify_one();
+    let writer = write_loop(send, &out, &shared, &conn, shutdown);
+    let read = async {
+        let mut reader = Reader {
+            shared: &shared,
+            conn: &conn,
+            out: &out,
+            ctx: PublishContext::default(),
+        };
+        // On shutdown stop reading at once; the writer flushes what is queued and finishes.
+        let end = tokio::select! {
+            biased;
+            end = reader.run(recv) => end,
+            _ = stop.wait_for(|stopping| *stopping) => ReadEnd::Interrupted,
+        };
+        match end {
+            ReadEnd::Finished => {
+                // Closing the sending side ends the stream's subscriptions: acknowledged ones
+                // (group members, explicit ACK) at once, so their messages go to other members
+                // or are redelivered; plain ones after the writer has sent what is queued.
+                end_subscriptions(&shared, &conn, &out, |s| s.ack_mode() == AckMode::Explicit);
+                out.reader_done.store(true, Ordering::Release);
+                out.notify.notify_one();
+            }
+            ReadEnd::Interrupted => {
+                out.interrupted.store(true, Ordering::Release);
+                out.reader_done.store(true, Ordering::Release);
+                out.notify.notify_one();
+            }
+            ReadEnd::Gone => out.abort(),
         }
-        ReadEnd::Gone => out.abort(),
-    }
-    let _ = writer.await;
-    // The stream is over: its subscriptions end with it.
-    let subs: Vec<_> = std::mem::take(&mut *lock(&out.subs));
-    let now = Instant::now();
-    for sub in subs {
-        conn.remove_sub(sub.stream_id(), &sub);
-        shared.broker.unsubscribe(&mut reader.ctx, &sub, now);
-    }
+    };
+    tokio::join!(read, writer);
 }
 
 struct Reader<'a> {
@@ -138,12 +205,19 @@ impl Reader<'_> {
         let mut buf = BytesMut::new();
         let mut chunk = self.shared.config.transport.read_buf_size.min(READ_CHUNK);
         loop {
-            // Backpressure: a client that does not read its replies stops being read.
-            while self.out.control_len() > MAX_PENDING_CONTROL {
+            // Backpressure: a client that does not read its replies stops being read. The
+            // `Notified` is registered before the check, so a flush in between is not missed.
+            loop {
+                let flushed = self.out.flushed.notified();
+                tokio::pin!(flushed);
+                flushed.as_mut().enable();
+                if self.out.control_len() <= MAX_PENDING_CONTROL {
+                    break;
+                }
                 if self.out.aborted.load(Ordering::Acquire) {
                     return ReadEnd::Gone;
                 }
-                self.out.flushed.notified().await;
+                flushed.await;
             }
             if buf.capacity() - buf.len() < chunk / 4 {
                 buf.reserve(chunk);
@@ -190,7 +264,7 @@ impl Reader<'_> {
                         // then close this stream. The connection's other streams go on.
                         let stream_id = stream_id_of(&buf);
                         self.reject(stream_id, e.code(), e.reason_label(), e.to_string());
-                        return ReadEnd::Fatal;
+                        return ReadEnd::Finished;
                     }
                 }
             }
@@ -216,6 +290,17 @@ impl Reader<'_> {
             Ok(h) => h,
             Err(e) => return self.reject(raw.stream_id, e.code(), e.reason_label(), e.to_string()),
         };
+        if header.mesh_forwarded {
+            // Only cluster peers may mark a frame as forwarded; a client that could would make
+            // the broker skip its own checks and routing rules for it.
+            return self.reject(
+                raw.stream_id,
+                ErrorCode::UNSUPPORTED,
+                "mesh_forwarded",
+                "the MeshForwarded bit (0x80 in the command byte) may only be set by cluster peers"
+                    .into(),
+            );
+        }
         let frame = match Frame::decode(&header, data) {
             Ok(f) => f,
             Err(e) => return self.reject(raw.stream_id, e.code(), e.reason_label(), e.to_string()),
@@ -228,7 +313,7 @@ impl Reader<'_> {
         ) {
             self.conn.wait_confirmed().await;
         }
-        self.handle(frame);
+        self.handle(frame, header.has_extensions);
         self.wait_for_room().await;
     }
 
@@ -276,7 +361,9 @@ impl Reader<'_> {
         }
     }
 
-    fn handle(&mut self, frame: Frame) {
+    /// `has_extensions`: the frame carried an extension block (a SUBSCRIBE without one is a
+    /// seed-style subscription).
+    fn handle(&mut self, frame: Frame, has_extensions: bool) {
         let stream_id = frame.stream_id;
         let now = Instant::now();
         let broker = &self.shared.broker;
@@ -308,43 +395,67 @@ impl Reader<'_> {
                 }
             }
             Message::Subscribe(s) => {
-                if self.conn.has_sub(stream_id) {
-                    return self.send_error(
+                let max = self
+                    .shared
+                    .config
+                    .transport
+                    .max_subscriptions_per_connection;
+                let out = self.out.clone();
+                // Check and insert under the connection table's lock, so two SUBSCRIBEs with
+                // one id on two streams cannot both succeed.
+                let added = self.conn.add_sub_with(stream_id, max, || {
+                    let waker_out = out.clone();
+                    let sub = broker.subscribe(
+                        &s.spec,
+                        SubscribeOptions {
+                            stream_id,
+                            ack_mode: s.ack_mode(),
+                            overflow: s.overflow(),
+                            waker: Some(Box::new(move || waker_out.notify.notify_one())),
+                            seed_form: !has_extensions,
+                        },
+                    );
+                    SubEntry { sub, out }
+                });
+                let sub = match added {
+                    Ok(sub) => sub,
+                    Err(AddSubError::InUse) => return self.send_error(
                         stream_id,
                         ErrorCode::BAD_SUBSCRIBE,
                         format!(
                             "stream id {stream_id} already has a subscription on this connection"
                         ),
-                    );
-                }
-                let out = self.out.clone();
-                let sub = broker.subscribe(
-                    &s.spec,
-                    SubscribeOptions {
-                        stream_id,
-                        ack_mode: s.ack_mode(),
-                        overflow: s.overflow(),
-                        waker: Some(Box::new(move || out.notify.notify_one())),
-                    },
-                );
+                    ),
+                    Err(AddSubError::Limit) => {
+                        self.shared
+                            .stats
+                            .subscriptions_refused
+                            .fetch_add(1, Ordering::Relaxed);
+                        return self.send_error(
+                            stream_id,
+                            ErrorCode::BAD_SUBSCRIBE,
+                            format!(
+                                "this connection already has {max} subscriptions \
+                                 (transport.max_subscriptions_per_connection)"
+                            ),
+                        );
+                    }
+                };
                 info!(
                     client = %self.conn.describe(),
                     filter = %s.spec.filter,
                     group = ?s.spec.group.as_ref().map(|g| g.as_str()),
                     stream_id,
+                    seed_form = !has_extensions,
                     "subscribed"
                 );
-                self.conn.add_sub(
-                    stream_id,
-                    SubEntry {
-                        sub: sub.clone(),
-                        out: self.out.clone(),
-                    },
-                );
-                lock(&self.out.subs).push(sub);
+                // The subscription is routable now. Queue the CONFIRM before the writer may
+                // drain it, so the CONFIRM always precedes its first delivery.
                 if s.ext.confirm {
                     self.confirm(stream_id, Vec::new());
                 }
+                lock(&self.out.subs).push(sub);
+                self.out.notify.notify_one();
             }
             Message::Unsubscribe(u) => match self.conn.sub(stream_id) {
                 Some(entry) if entry.sub.filter() == &u.filter => {
@@ -387,13 +498,14 @@ impl Reader<'_> {
                 }
             }
             Message::Confirm(_) | Message::Error(_) => {
-                let e = ProtoError::BadPayload {
-                    opcode: "CONFIRM/ERROR",
-                    problem: "broker-to-client frames cannot be sent to the broker",
-                    len: 0,
-                };
                 self.shared.stats.rejected("client_sent_broker_frame");
-                self.send_error(stream_id, ErrorCode::UNSUPPORTED, e.to_string());
+                self.send_error(
+                    stream_id,
+                    ErrorCode::UNSUPPORTED,
+                    "CONFIRM and ERROR frames go from the broker to clients; the broker does not \
+                     accept them"
+                        .into(),
+                );
             }
         }
     }
@@ -488,8 +600,9 @@ fn has_subs(out: &StreamOut) -> bool {
 
 async fn write_loop(
     mut send: quinn::SendStream,
-    out: Arc<StreamOut>,
-    shared: Arc<Shared>,
+    out: &StreamOut,
+    shared: &Shared,
+    conn: &ConnState,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let batch = shared.config.batch_size;
@@ -499,17 +612,25 @@ async fn write_loop(
     let mut last_write: Option<Instant> = None;
     loop {
         if out.aborted.load(Ordering::Acquire) {
+            // The client stopped reading (STOP_SENDING) or the stream is gone: nothing more can
+            // be delivered here, so the stream's subscriptions end now.
+            end_subscriptions(shared, conn, out, |_| true);
             return;
         }
-        fill(&out, &shared, &mut buf, batch);
+        fill(out, shared, &mut buf, batch);
         if buf.is_empty() {
-            let reader_done = out.reader_done.load(Ordering::Acquire);
-            if (reader_done && !has_subs(&out)) || *shutdown.borrow() {
+            // On shutdown too, the reader says when it is done (it stops at once then): only
+            // it knows whether the client's frames were all read.
+            if out.reader_done.load(Ordering::Acquire) {
                 break;
             }
             tokio::select! {
                 _ = out.notify.notified() => {}
                 _ = shutdown.changed() => {}
+                stopped = send.stopped() => {
+                    debug!("the client stopped reading the stream: {stopped:?}");
+                    out.abort();
+                }
             }
             continue;
         }
@@ -527,11 +648,11 @@ async fn write_loop(
                     _ = tokio::time::sleep_until(deadline.into()) => {}
                     _ = shutdown.changed() => {}
                 }
-                fill(&out, &shared, &mut buf, batch);
+                fill(out, shared, &mut buf, batch);
             } else {
                 while buf.len() < batch && Instant::now() < deadline {
                     tokio::task::yield_now().await;
-                    fill(&out, &shared, &mut buf, batch);
+                    fill(out, shared, &mut buf, batch);
                 }
             }
         }
@@ -544,31 +665,42 @@ async fn write_loop(
         let len = chunk.len();
         let written = tokio::select! {
             r = send.write_chunk(chunk) => r,
-            _ = slow_consumer_closed(&out) => {
+            _ = slow_consumer_closed(out) => {
                 warn!("slow consumer: resetting its blocked delivery stream");
                 shared.stats.slow_consumer_resets.fetch_add(1, Ordering::Relaxed);
                 let _ = send.reset(ErrorCode::SLOW_CONSUMER.0.into());
                 out.abort();
-                return;
+                continue;
             }
         };
         if let Err(e) = written {
             debug!("stream write ended: {e}");
             out.abort();
-            return;
+            continue;
         }
         shared.stats.add_out(len);
         last_write = Some(Instant::now());
     }
-    // Final flush (shutdown, or the client finished and nothing is subscribed here).
+    // Final flush (shutdown, or the client finished the stream).
     loop {
-        fill(&out, &shared, &mut buf, batch);
+        fill(out, shared, &mut buf, batch);
         let chunk = buf.split().freeze();
         let len = chunk.len();
         if len == 0 || send.write_chunk(chunk).await.is_err() {
             break;
         }
         shared.stats.add_out(len);
+    }
+    // What is still subscribed here ends with the stream (after the flush above sent what was
+    // queued).
+    let had_subs = has_subs(out);
+    end_subscriptions(shared, conn, out, |_| true);
+    if out.interrupted.load(Ordering::Acquire) && !had_subs {
+        // Shutdown stopped the reader before the client finished this stream: frames it sent may
+        // never have been read. A clean FIN would tell it they were all handled; a reset with
+        // SHUTTING_DOWN tells it they may not have been.
+        let _ = send.reset(ErrorCode::SHUTTING_DOWN.0.into());
+        return;
     }
     let _ = send.finish();
     // Closing the connection abandons data the client has not acknowledged yet: wait (bounded)

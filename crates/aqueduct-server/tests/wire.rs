@@ -11,20 +11,6 @@ use aqueduct_proto::{Frame, OverflowPolicy, Publish, TopicName};
 use bytes::Bytes;
 use common::*;
 
-fn error_code(frame: &Frame) -> ErrorCode {
-    match &frame.message {
-        Message::Error(e) => e.code,
-        other => panic!("expected an ERROR, got {other:?}"),
-    }
-}
-
-fn raw_frame(command: u8, stream_id: u32, data: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    write_header(&mut out, command, stream_id, data.len() as u32);
-    out.extend_from_slice(data);
-    out
-}
-
 fn confirmed_publish(stream_id: u32, topic: &str, body: &str) -> Frame {
     Frame::new(
         stream_id,
@@ -69,7 +55,7 @@ async fn legacy_frames_as_the_seed_reference_client_sends_them() {
         frame.stream_id, 7,
         "deliveries carry the SUBSCRIBE's stream id"
     );
-    let Message::Publish(p) = frame.message else {
+    let Message::Publish(ref p) = frame.message else {
         panic!("expected PUBLISH")
     };
     assert_eq!(p.topic().as_str(), "orders");
@@ -78,13 +64,34 @@ async fn legacy_frames_as_the_seed_reference_client_sends_them() {
         b"orders",
         "delivered with the legacy payload"
     );
+    // A SUBSCRIBE without an extension block gets the seed's form: a bare PUBLISH (0x01) whose
+    // payload is the body, exactly what the seed's broker forwarded. (Aqueduct's form, 0x41
+    // with TOPIC/OFFSET/ATTEMPT entries, made the seed's own client print the extension block
+    // as part of the message.)
+    assert_eq!(frame.to_bytes(), raw_frame(0x01, 7, b"orders"));
     // The legacy ttl and topic prefixes.
     pubs.write(&raw_frame(0x01, 9, b"ttl:60000:topic:orders"))
         .await;
-    let Message::Publish(p) = a.read_frame().await.expect("delivery").message else {
+    let delivery = a.read_frame().await.expect("delivery");
+    assert_eq!(
+        delivery.to_bytes(),
+        raw_frame(0x01, 7, b"ttl:60000:topic:orders"),
+        "the seed's form: the publisher's payload as it was"
+    );
+    // A subscription with an extension block (here an empty one) gets Aqueduct's form.
+    let mut modern = raw.stream().await;
+    modern
+        .write(&raw_frame(0x42, 8, b"\x00\x00topic:orders"))
+        .await;
+    until("the second subscription", || {
+        b.broker.subscriber_count() == 2
+    })
+    .await;
+    pubs.write(&raw_frame(0x01, 9, b"orders")).await;
+    let Message::Publish(p) = modern.read_frame().await.expect("delivery").message else {
         panic!("PUBLISH")
     };
-    assert_eq!((p.topic().as_str(), p.ext.offset), ("orders", Some(1)));
+    assert_eq!((p.topic().as_str(), p.ext.offset), ("orders", Some(2)));
     // The seed's NACK: the bare offset, on the subscription's stream id.
     pubs.write(&raw_frame(0x05, 7, &5u64.to_le_bytes())).await;
     let err = pubs.read_frame().await.expect("refusal");
@@ -137,6 +144,8 @@ async fn malformed_input_gets_an_error_and_the_connection_keeps_serving() {
             ErrorCode::BAD_BATCH,
         ),
         (raw_frame(0x08, 22, &[1, 0]), ErrorCode::UNSUPPORTED),
+        // The MeshForwarded bit: only cluster peers may set it.
+        (raw_frame(0x81, 23, b"orders"), ErrorCode::UNSUPPORTED),
     ];
     for (bytes, want) in &cases {
         s.write(bytes).await;
@@ -179,6 +188,7 @@ async fn malformed_input_gets_an_error_and_the_connection_keeps_serving() {
     let rejected = b.stats.rejected_frames();
     assert_eq!(rejected.get("bad_magic"), Some(&1));
     assert_eq!(rejected.get("frame_too_large"), Some(&1));
+    assert_eq!(rejected.get("mesh_forwarded"), Some(&1));
     assert!(b
         .stats
         .errors_sent()
@@ -195,11 +205,12 @@ fn bp_stats(b: &TestBroker) -> aqueduct_core::TopicStatsSnapshot {
         .snapshot()
 }
 
-/// A raw subscriber to `bp` that reads nothing unless told to (a tiny receive window).
+/// A raw subscriber to `bp` that reads nothing unless told to (a tiny receive window). Its
+/// SUBSCRIBE carries an (empty) extension block, so deliveries come in Aqueduct's form.
 async fn stalled_subscriber(b: &TestBroker) -> (Raw, RawStream) {
     let stalled = Raw::connect(b, 4096).await;
     let mut s = stalled.stream().await;
-    s.write(&raw_frame(0x02, 1, b"topic:bp")).await;
+    s.write(&raw_frame(0x42, 1, b"\x00\x00topic:bp")).await;
     until("the stalled subscription", || {
         b.broker.subscriber_count() == 1
     })
@@ -279,6 +290,21 @@ async fn disconnect_closes_the_stalled_subscriber() {
     assert_eq!(
         stream.reset_code().await,
         Some(u64::from(ErrorCode::SLOW_CONSUMER.0))
+    );
+    // The closed subscription is no longer registered: UNSUBSCRIBE and ACK naming it are
+    // refused with NOT_SUBSCRIBED, as for any unknown subscription.
+    let mut other = _raw.stream().await;
+    other.write(&raw_frame(0x03, 1, b"topic:bp")).await;
+    let reply = other.read_frame().await.expect("an ERROR");
+    assert_eq!(
+        (reply.stream_id, error_code(&reply)),
+        (1, ErrorCode::NOT_SUBSCRIBED)
+    );
+    other.write(&raw_frame(0x06, 1, &0u64.to_le_bytes())).await;
+    let reply = other.read_frame().await.expect("an ERROR");
+    assert_eq!(
+        (reply.stream_id, error_code(&reply)),
+        (1, ErrorCode::NOT_SUBSCRIBED)
     );
     b.stop().await.expect("clean shutdown");
 }

@@ -112,6 +112,22 @@ pub async fn next(sub: &mut Subscription) -> Message {
         .expect("a message, not an error")
 }
 
+/// A hand-made frame: header and data as given.
+pub fn raw_frame(command: u8, stream_id: u32, data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    aqueduct_proto::header::write_header(&mut out, command, stream_id, data.len() as u32);
+    out.extend_from_slice(data);
+    out
+}
+
+/// The code of an ERROR frame, or panic.
+pub fn error_code(frame: &Frame) -> aqueduct_proto::ErrorCode {
+    match &frame.message {
+        aqueduct_proto::frame::Message::Error(e) => e.code,
+        other => panic!("expected an ERROR, got {other:?}"),
+    }
+}
+
 /// A raw QUIC connection speaking hand-made frames.
 pub struct Raw {
     pub conn: quinn::Connection,
@@ -161,6 +177,12 @@ impl Raw {
         }
     }
 
+    /// Vanish without closing: no CONNECTION_CLOSE is ever sent (the endpoint keeps running
+    /// until the test process ends), so the broker only notices at its idle timeout.
+    pub fn forget(self) {
+        std::mem::forget(self);
+    }
+
     pub async fn stream(&self) -> RawStream {
         let (send, recv) = self.conn.open_bi().await.expect("open stream");
         RawStream {
@@ -176,6 +198,16 @@ use rustls_pki_types::pem::PemObject;
 impl RawStream {
     pub async fn write(&mut self, bytes: &[u8]) {
         self.send.write_all(bytes).await.expect("write");
+    }
+
+    /// Finish our sending side (FIN) and keep reading.
+    pub fn finish(&mut self) {
+        self.send.finish().expect("finish");
+    }
+
+    /// Ask the broker to stop sending on this stream (STOP_SENDING) and keep writing.
+    pub fn stop_reading(&mut self) {
+        self.recv.stop(0u32.into()).expect("stop");
     }
 
     pub async fn write_frame(&mut self, frame: &Frame) {

@@ -1,0 +1,232 @@
+//! End to end: how subscriptions and streams end (FIN, STOP_SENDING, connection loss, shutdown),
+//! the order of a SUBSCRIBE's CONFIRM and its deliveries, and the per-connection limits.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use aqueduct_client::{ClientError, ErrorCode, OverflowPolicy, PublishOptions};
+use aqueduct_proto::frame::Message;
+use common::*;
+
+/// A raw SUBSCRIBE with an (empty) extension block: Aqueduct's delivery form.
+fn subscribe_frame(stream_id: u32, spec: &str) -> Vec<u8> {
+    let mut data = vec![0, 0];
+    data.extend_from_slice(spec.as_bytes());
+    raw_frame(0x42, stream_id, &data)
+}
+
+/// Two raw group members of `jobs`; returns the connection and both streams.
+async fn two_members(b: &TestBroker) -> (Raw, RawStream, RawStream) {
+    let raw = Raw::connect(b, 1 << 20).await;
+    let mut first = raw.stream().await;
+    first.write(&subscribe_frame(1, "topic:jobs:group:w")).await;
+    let mut second = raw.stream().await;
+    second
+        .write(&subscribe_frame(2, "topic:jobs:group:w"))
+        .await;
+    until("both members", || b.broker.subscriber_count() == 2).await;
+    (raw, first, second)
+}
+
+/// After one member closed its stream (however), every job goes to the other one.
+async fn the_other_member_gets_every_job(b: &TestBroker, member: &mut RawStream) {
+    until("the member to leave", || b.broker.subscriber_count() == 1).await;
+    let publisher = b.client().await;
+    for i in 0..10 {
+        publisher
+            .publish("jobs", format!("job {i}"))
+            .await
+            .expect("publish");
+    }
+    for _ in 0..10 {
+        let frame = member.read_frame().await.expect("a job");
+        assert!(matches!(frame.message, Message::Publish(_)), "{frame:?}");
+        assert_eq!(frame.stream_id, 2);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_member_that_finishes_its_stream_leaves_the_group() {
+    let b = TestBroker::start().await;
+    let (_raw, mut first, mut second) = two_members(&b).await;
+    first.finish();
+    the_other_member_gets_every_job(&b, &mut second).await;
+    assert!(
+        first.read_frame().await.is_none(),
+        "the broker finishes the stream"
+    );
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_member_that_stops_reading_leaves_the_group() {
+    let b = TestBroker::start().await;
+    let (_raw, mut first, mut second) = two_members(&b).await;
+    first.stop_reading();
+    the_other_member_gets_every_job(&b, &mut second).await;
+    b.stop().await.expect("clean shutdown");
+}
+
+/// No stream task outlives its connection, and the connection's subscriptions end with it,
+/// whether the client closes the connection or simply disappears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_tasks_and_subscriptions_end_with_the_connection() {
+    let b = TestBroker::start_with(|c| {
+        c.transport.idle_timeout = Duration::from_secs(1);
+        c.transport.keep_alive_interval = Duration::ZERO;
+    })
+    .await;
+    let live = || b.stats.live_streams.load(Ordering::Relaxed);
+    for vanish in [false, true] {
+        let raw = Raw::connect(&b, 1 << 20).await;
+        let mut streams = Vec::new();
+        for id in 1..=3 {
+            let mut s = raw.stream().await;
+            s.write(&subscribe_frame(id, &format!("topic:t/{id}")))
+                .await;
+            streams.push(s);
+        }
+        until("three subscriptions", || b.broker.subscriber_count() == 3).await;
+        assert_eq!(live(), 3);
+        if vanish {
+            // No CONNECTION_CLOSE: the broker notices at its idle timeout.
+            drop(streams);
+            raw.forget();
+        } else {
+            raw.conn.close(0u32.into(), b"bye");
+        }
+        until("every stream task to end", || live() == 0).await;
+        assert_eq!(b.broker.subscriber_count(), 0);
+    }
+    b.stop().await.expect("clean shutdown");
+}
+
+/// A subscription becomes routable before its CONFIRM is sent, and no delivery is written
+/// before the CONFIRM: under a flood of publishes, every `subscribe` sees its CONFIRM first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_confirm_of_a_subscribe_precedes_its_deliveries() {
+    let b = TestBroker::start().await;
+    let publisher = b.client().await;
+    let flood = tokio::spawn(async move {
+        for i in 0..200_000u32 {
+            if publisher.publish("flood", i.to_string()).await.is_err() {
+                break;
+            }
+        }
+    });
+    let client = b.client().await;
+    for _ in 0..50 {
+        let mut sub = client.subscribe("flood").await.expect("CONFIRM came first");
+        next(&mut sub).await;
+    }
+    flood.abort();
+    b.stop().await.expect("clean shutdown");
+}
+
+/// Two SUBSCRIBEs with one stream id, sent at the same moment on two streams: exactly one is
+/// confirmed, the other is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_subscribes_with_one_id_cannot_both_succeed() {
+    let b = TestBroker::start().await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut keep = Vec::new();
+    for id in 1..=20u32 {
+        let mut x = raw.stream().await;
+        let mut y = raw.stream().await;
+        // CONFIRM requested (extension 0x08 CONFIRM, empty).
+        let mut data = vec![2, 0, 0x08, 0];
+        data.extend_from_slice(b"topic:race");
+        let frame = raw_frame(0x42, id, &data);
+        tokio::join!(x.write(&frame), y.write(&frame));
+        let (rx, ry) = tokio::join!(x.read_frame(), y.read_frame());
+        let kinds = [rx.expect("reply"), ry.expect("reply")].map(|f| match f.message {
+            Message::Confirm(_) => "confirm",
+            Message::Error(e) if e.code == ErrorCode::BAD_SUBSCRIBE => "refused",
+            other => panic!("unexpected {other:?}"),
+        });
+        let mut sorted = kinds;
+        sorted.sort();
+        assert_eq!(sorted, ["confirm", "refused"], "id {id}");
+        keep.push((x, y));
+    }
+    assert_eq!(b.broker.subscriber_count(), 20);
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriptions_per_connection_are_limited() {
+    let b = TestBroker::start_with(|c| c.transport.max_subscriptions_per_connection = 3).await;
+    let client = b.client().await;
+    let mut subs = Vec::new();
+    for i in 0..3 {
+        subs.push(
+            client
+                .subscribe(&format!("s/{i}"))
+                .await
+                .expect("within the limit"),
+        );
+    }
+    let err = client.subscribe("s/3").await.expect_err("over the limit");
+    assert_eq!(err.code(), Some(ErrorCode::BAD_SUBSCRIBE), "{err}");
+    assert!(
+        err.to_string().contains("max_subscriptions_per_connection"),
+        "{err}"
+    );
+    assert_eq!(b.stats.subscriptions_refused.load(Ordering::Relaxed), 1);
+    // Another connection has its own budget; a freed slot can be reused.
+    let other = b.client().await;
+    let _other_sub = other.subscribe("s/3").await.expect("other connection");
+    subs.pop()
+        .expect("one")
+        .unsubscribe()
+        .await
+        .expect("unsubscribe");
+    until("the slot to be freed", || b.broker.subscriber_count() == 3).await;
+    client.subscribe("s/4").await.expect("a freed slot");
+    b.stop().await.expect("clean shutdown");
+}
+
+/// A broker that shuts down while a publisher's frames are still unread (here: held by a full
+/// `block` queue) must not tell the publisher they were all handled: its flush fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flush_fails_when_the_broker_stops_before_reading_everything() {
+    let b = TestBroker::start_with(|c| {
+        c.broker.queue_size = 16;
+        c.broker.backpressure_policy = OverflowPolicy::Block;
+        c.block_timeout = None;
+    })
+    .await;
+    // A subscriber that never reads: the publisher is held once its queue is full.
+    let stalled = Raw::connect(&b, 4096).await;
+    let mut s = stalled.stream().await;
+    s.write(&subscribe_frame(1, "topic:held")).await;
+    until("the subscription", || b.broker.subscriber_count() == 1).await;
+    let publisher = b.client().await;
+    let body = "x".repeat(200);
+    let opts = PublishOptions::default();
+    for _ in 0..2000 {
+        publisher
+            .publish_with("held", body.clone(), &opts)
+            .await
+            .expect("publish (not confirmed)");
+    }
+    until("the publisher to be held", || {
+        b.stats.publish_holds.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    let stopping = tokio::spawn(b.stop());
+    let err = within("the flush", publisher.flush())
+        .await
+        .expect_err("the broker did not read everything");
+    assert!(
+        matches!(err, ClientError::Connection(_)) && err.to_string().contains("SHUTTING_DOWN"),
+        "{err}"
+    );
+    within("the broker", stopping)
+        .await
+        .expect("joined")
+        .expect("clean shutdown");
+    drop(s);
+}
