@@ -83,9 +83,9 @@ pub struct BenchReport {
 pub enum BenchError {
     #[error("--payload-size must be at least {HEADER} bytes (timestamp and sequence number)")]
     PayloadTooSmall,
-    #[error("{0}")]
+    #[error(transparent)]
     Client(#[from] aqueduct_client::ClientError),
-    #[error("{0}")]
+    #[error(transparent)]
     Connect(#[from] aqueduct_client::ConnectError),
     #[error("a bench task failed: {0}")]
     Task(String),

@@ -1,3 +1,133 @@
-//! Shared code of the `aqueduct` command-line tools. The load tool lives in [`bench`].
+//! Shared code of the `aqueduct` command-line tools: the client command line ([`client_cmd`]),
+//! the load tool ([`bench`]), Go-style flags and signal handling.
 
 pub mod bench;
+pub mod client_cmd;
+
+use std::ffi::OsString;
+
+/// Accept the seed's Go-style flags: a single dash before a long flag name (`-config x`,
+/// `-metrics-addr=:9090`) is read as two (`--config x`). Only names that are long flags of
+/// `cmd` or one of its subcommands are rewritten, so short flags (`-c`, `-n 5`) and values that
+/// start with a dash are left alone; nothing after `--` is touched.
+pub fn go_style_args(args: Vec<OsString>, cmd: &clap::Command) -> Vec<OsString> {
+    let mut longs = Vec::new();
+    collect_longs(cmd, &mut longs);
+    let mut out = Vec::with_capacity(args.len());
+    let mut rest = false;
+    for (i, arg) in args.into_iter().enumerate() {
+        if i == 0 || rest {
+            out.push(arg);
+            continue;
+        }
+        let Some(text) = arg.to_str() else {
+            out.push(arg);
+            continue;
+        };
+        if text == "--" {
+            rest = true;
+            out.push(arg);
+            continue;
+        }
+        let go_style = text
+            .strip_prefix('-')
+            .filter(|t| !t.starts_with('-'))
+            .map(|t| t.split_once('=').map_or(t, |(name, _)| name))
+            .is_some_and(|name| name.len() > 1 && longs.iter().any(|l| l == name));
+        if go_style {
+            out.push(OsString::from(format!("-{text}")));
+        } else {
+            out.push(arg);
+        }
+    }
+    out
+}
+
+fn collect_longs(cmd: &clap::Command, out: &mut Vec<String>) {
+    for arg in cmd.get_arguments() {
+        if let Some(long) = arg.get_long() {
+            out.push(long.to_string());
+        }
+    }
+    for sub in cmd.get_subcommands() {
+        collect_longs(sub, out);
+    }
+    // clap's built-ins.
+    out.extend(["help".to_string(), "version".to_string()]);
+}
+
+/// Completes on Ctrl-C or SIGTERM; says which.
+pub async fn shutdown_signal() -> &'static str {
+    #[cfg(unix)]
+    {
+        if let Ok(mut term) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        {
+            return tokio::select! {
+                _ = tokio::signal::ctrl_c() => "Ctrl-C",
+                _ = term.recv() => "SIGTERM",
+            };
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+    "Ctrl-C"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Demo {
+        #[arg(long, short = 'c')]
+        config: Option<String>,
+        #[arg(long)]
+        metrics_addr: Option<String>,
+        #[arg(short = 'n')]
+        count: Option<i64>,
+    }
+
+    fn rewrite(args: &[&str]) -> Vec<String> {
+        use clap::CommandFactory;
+        go_style_args(args.iter().map(OsString::from).collect(), &Demo::command())
+            .into_iter()
+            .map(|a| a.into_string().expect("utf-8"))
+            .collect()
+    }
+
+    #[test]
+    fn single_dash_long_flags_become_double_dash() {
+        assert_eq!(
+            rewrite(&[
+                "x",
+                "-config",
+                "c.yaml",
+                "-metrics-addr=:9090",
+                "-c",
+                "y",
+                "-n",
+                "-5"
+            ]),
+            [
+                "x",
+                "--config",
+                "c.yaml",
+                "--metrics-addr=:9090",
+                "-c",
+                "y",
+                "-n",
+                "-5"
+            ]
+        );
+        assert_eq!(
+            rewrite(&["x", "--config", "a", "--", "-config"]),
+            ["x", "--config", "a", "--", "-config"]
+        );
+        let demo = Demo::parse_from(rewrite(&["x", "-config", "a", "-metrics-addr", ":1"]));
+        assert_eq!(demo.config.as_deref(), Some("a"));
+        assert_eq!(demo.metrics_addr.as_deref(), Some(":1"));
+        // Unknown names are left for clap to refuse.
+        assert_eq!(rewrite(&["x", "-bogus"]), ["x", "-bogus"]);
+    }
+}

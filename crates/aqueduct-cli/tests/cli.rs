@@ -85,15 +85,23 @@ fn start_broker_with(
     home: &std::path::Path,
     env: &[(&str, &str)],
 ) -> (Child, String, String, mpsc::Receiver<String>) {
+    start_broker_cmd(
+        home,
+        &["--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"],
+        env,
+    )
+}
+
+/// Start the broker with these arguments (plus `--log info`) and environment.
+#[allow(clippy::zombie_processes)]
+fn start_broker_cmd(
+    home: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (Child, String, String, mpsc::Receiver<String>) {
     let mut child = Command::new(BROKER)
-        .args([
-            "--addr",
-            "127.0.0.1:0",
-            "--metrics-addr",
-            "127.0.0.1:0",
-            "--log",
-            "info",
-        ])
+        .args(args)
+        .args(["--log", "info"])
         .envs(env.iter().copied())
         .env("AQUEDUCT_HOME", home)
         .env("NO_COLOR", "1")
@@ -378,5 +386,174 @@ fn pub_and_sub_against_a_real_broker_then_sigterm() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no way to verify the broker"));
 
     // Graceful shutdown on SIGTERM, exit status 0.
+    stop(broker);
+}
+
+const BENCH: &str = env!("CARGO_BIN_EXE_aqueduct-bench");
+
+/// The seed's command lines, as its README writes them (single-dash Go flags; the seed's own
+/// config.yaml), and the client's `:PORT` address form.
+#[test]
+fn the_seeds_command_lines_work_as_written() {
+    let home = tempfile::tempdir().expect("dir");
+    let seed_config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../aqueduct-server/tests/fixtures/seed-v1.13-config.yaml"
+    );
+    let (broker, addr, _metrics, _logs) = start_broker_cmd(
+        home.path(),
+        &[
+            "-config",
+            seed_config,
+            "-addr",
+            "127.0.0.1:0",
+            "-metrics-addr",
+            "127.0.0.1:0",
+        ],
+        &[],
+    );
+    let child = Command::new(BENCH)
+        .args([
+            "-addr",
+            &addr,
+            "-streams",
+            "10",
+            "-messages",
+            "2000",
+            "-payload-size",
+            "128",
+        ])
+        .env("AQUEDUCT_HOME", home.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("aqueduct-bench runs");
+    let out = output_within(child, "aqueduct-bench");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("2000"));
+    let port = addr.rsplit(':').next().expect("port");
+    let out = Command::new(CLIENT)
+        .args(["-addr", &format!(":{port}"), "pub", "t", "x", "--confirm"])
+        .env("AQUEDUCT_HOME", home.path())
+        .output()
+        .expect("pub runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stop(broker);
+}
+
+/// Read broker log lines until one contains `needle`.
+fn wait_for_log(logs: &mpsc::Receiver<String>, needle: &str) {
+    loop {
+        let line = logs
+            .recv_timeout(WAIT)
+            .unwrap_or_else(|_| panic!("no broker log line with {needle:?}"));
+        if line.contains(needle) {
+            return;
+        }
+    }
+}
+
+/// The README's dead-letter step: a worker that rejects everything (`--nack`) makes a dead
+/// letter, and `aqueduct sub` shows where it came from. A worker stopped with SIGTERM closes its
+/// connection at once (the broker logs the disconnect well before any idle timeout).
+#[test]
+fn nack_makes_a_dead_letter_and_sigterm_closes_the_worker() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, _metrics, logs) =
+        start_broker_with(home.path(), &[("AQUEDUCT_TRANSPORT_IDLE_TIMEOUT", "120s")]);
+    let spawn = |args: &[&str]| {
+        Command::new(CLIENT)
+            .args(["--addr", &addr])
+            .args(args)
+            .env("AQUEDUCT_HOME", home.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("client starts")
+    };
+    let dlq = spawn(&["sub", "__dlq__jobs", "--count", "1"]);
+    wait_for_log(&logs, "subscribed");
+    let worker = spawn(&["sub", "jobs", "--group", "workers", "--nack"]);
+    wait_for_log(&logs, "subscribed");
+    let out = Command::new(CLIENT)
+        .args(["--addr", &addr, "pub", "jobs", "poison"])
+        .env("AQUEDUCT_HOME", home.path())
+        .output()
+        .expect("pub runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = output_within(dlq, "the dead-letter subscriber");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("__dlq__jobs #0")
+            && text.contains(
+                "dead letter of jobs #0 after 4 attempts: rejected by aqueduct sub --nack"
+            )
+            && text.trim_end().ends_with(": poison"),
+        "{text}"
+    );
+    let _ = Command::new("kill")
+        .args(["-TERM", &worker.id().to_string()])
+        .status();
+    let out = output_within(worker, "the worker after SIGTERM");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("SIGTERM: closed the connection"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_for_log(&logs, "disconnected");
+    stop(broker);
+}
+
+/// Nothing is reported as published when the broker refused the TLS handshake, and the
+/// refusal is said in plain words.
+#[test]
+fn pub_to_a_broker_requiring_client_certificates_fails_clearly() {
+    let home = tempfile::tempdir().expect("dir");
+    let ca = {
+        use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+        let key = KeyPair::generate().expect("key");
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.self_signed(&key).expect("ca").pem()
+    };
+    let ca_file = home.path().join("ca.pem");
+    std::fs::write(&ca_file, ca).expect("write");
+    let ca_path = ca_file.to_string_lossy().into_owned();
+    let (broker, addr, _metrics, _logs) = start_broker_with(
+        home.path(),
+        &[
+            ("AQUEDUCT_TLS_REQUIRE_CLIENT_CERT", "true"),
+            ("AQUEDUCT_TLS_CLIENT_CA_FILE", &ca_path),
+        ],
+    );
+    for _ in 0..3 {
+        let out = Command::new(CLIENT)
+            .args(["--addr", &addr, "pub", "t", "x"])
+            .env("AQUEDUCT_HOME", home.path())
+            .output()
+            .expect("pub runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "reported success: {stdout}");
+        assert!(!stdout.contains("published"), "{stdout}");
+        assert!(stderr.contains("requires a client certificate"), "{stderr}");
+    }
     stop(broker);
 }

@@ -38,15 +38,22 @@ pub enum ClientError {
     #[error("invalid {what}: {source}")]
     InvalidName {
         what: &'static str,
-        #[source]
+        // Shown in the message above, so not also reported as a source (which would print it
+        // twice in an error chain).
         source: TopicError,
     },
     #[error("the broker sent an invalid frame: {0}")]
-    Protocol(#[from] ProtoError),
+    Protocol(ProtoError),
     #[error("connection lost: {0}")]
     Connection(String),
     #[error("the subscription or client is closed")]
     Closed,
+}
+
+impl From<ProtoError> for ClientError {
+    fn from(e: ProtoError) -> Self {
+        ClientError::Protocol(e)
+    }
 }
 
 impl ClientError {

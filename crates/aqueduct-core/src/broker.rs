@@ -211,6 +211,38 @@ struct Routes {
 }
 
 impl Routes {
+    /// Take `sub` out of the index (and out of its group, dropping the group when it was the
+    /// last member). Idempotent.
+    fn unroute(&mut self, sub: &Subscriber) {
+        match sub.group() {
+            Some(shared) => {
+                let mut empty = false;
+                if let Some(list) = self.index.entries_mut(sub.filter()) {
+                    for r in list.iter_mut() {
+                        if let Route::Group(g) = r {
+                            if Arc::ptr_eq(&g.shared, shared) {
+                                g.members.retain(|m| m.id() != sub.id());
+                                empty = g.members.is_empty();
+                            }
+                        }
+                    }
+                }
+                if empty {
+                    self.index.remove_where(
+                        sub.filter(),
+                        |r| matches!(r, Route::Group(g) if Arc::ptr_eq(&g.shared, shared)),
+                    );
+                }
+            }
+            None => {
+                self.index.remove_where(
+                    sub.filter(),
+                    |r| matches!(r, Route::Plain(s) if s.id() == sub.id()),
+                );
+            }
+        }
+    }
+
     fn group(&self, shared: &Arc<GroupShared>) -> Option<&GroupEntry> {
         self.index
             .entries(shared.filter())
@@ -354,6 +386,21 @@ impl Broker {
         self.remove_subscriber(ctx, sub, CloseReason::Unsubscribed, &mut Vec::new(), now);
     }
 
+    /// Stop routing to a subscription whose client stopped reading its deliveries (STOP_SENDING)
+    /// but may still settle what it received: new messages go elsewhere, its queued ones go to
+    /// the other members of its group (a plain subscription's are dropped and counted), and its
+    /// in-flight deliveries stay to be settled — by ACK/NACK, the ack-wait timer, or
+    /// [`unsubscribe`](Self::unsubscribe) when its stream ends.
+    pub fn detach(&self, ctx: &mut PublishContext, sub: &Arc<Subscriber>, now: Instant) {
+        self.write_routes().unroute(sub);
+        for d in sub.take_queued() {
+            match sub.group() {
+                Some(g) => self.hand_to_group(ctx, g, d, Some(sub.id()), now),
+                None => d.topic.stats().dropped(DropReason::Unsubscribed),
+            }
+        }
+    }
+
     /// Close a subscription as a slow consumer, as the disconnect policy does on overflow: for a
     /// `block` subscription that has held its publishers too long. Its queued messages are
     /// dropped and counted under `disconnect` (a group member's go to the other members).
@@ -377,33 +424,7 @@ impl Broker {
             if routes.subscribers.remove(&sub.id()).is_none() {
                 return false; // already removed
             }
-            match sub.group() {
-                Some(shared) => {
-                    let mut empty = false;
-                    if let Some(list) = routes.index.entries_mut(sub.filter()) {
-                        for r in list.iter_mut() {
-                            if let Route::Group(g) = r {
-                                if Arc::ptr_eq(&g.shared, shared) {
-                                    g.members.retain(|m| m.id() != sub.id());
-                                    empty = g.members.is_empty();
-                                }
-                            }
-                        }
-                    }
-                    if empty {
-                        routes.index.remove_where(
-                            sub.filter(),
-                            |r| matches!(r, Route::Group(g) if Arc::ptr_eq(&g.shared, shared)),
-                        );
-                    }
-                }
-                None => {
-                    routes.index.remove_where(
-                        sub.filter(),
-                        |r| matches!(r, Route::Plain(s) if s.id() == sub.id()),
-                    );
-                }
-            }
+            routes.unroute(sub);
         }
         let (queued, in_flight) = sub.close(reason);
         let drop_reason = match reason {

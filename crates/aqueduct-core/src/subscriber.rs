@@ -516,6 +516,17 @@ impl Subscriber {
         out
     }
 
+    /// Take everything queued (not in flight), leaving the subscriber open.
+    pub(crate) fn take_queued(&self) -> Vec<Delivery> {
+        let mut st = self.lock();
+        let queued = st.queue.take_all();
+        self.note_lengths(&st);
+        std::mem::take(&mut st.held)
+            .into_iter()
+            .for_each(std::task::Waker::wake);
+        queued
+    }
+
     /// Close and take everything still queued and in flight.
     pub(crate) fn close(&self, reason: CloseReason) -> (Vec<Delivery>, Vec<Delivery>) {
         let taken = {

@@ -973,3 +973,31 @@ fn idle_topics_are_evicted_and_subscribed_ones_kept() {
         .sum();
     assert_eq!(live + b.evicted_topic_stats().published, N as u64 + 4);
 }
+
+/// A detached member (its client stopped reading) gets nothing more; its queued messages go to
+/// the other member; what it has in flight can still be acknowledged.
+#[test]
+fn a_detached_member_keeps_its_in_flight_and_loses_its_queue() {
+    let b = Broker::new(BrokerConfig::default());
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let a = sub(&b, "topic:jobs:group:w");
+    let other = sub(&b, "topic:jobs:group:w");
+    for i in 0..4 {
+        publish(&b, &mut ctx, "jobs", &i.to_string(), now);
+    }
+    // `a` received one of its two (in flight), the other is still queued.
+    let mut out = BytesMut::new();
+    assert_eq!(b.drain(&a, &mut out, 1, now).frames, 1);
+    let sent = decode_all(out.freeze());
+    assert_eq!(a.queued(), 1);
+    b.detach(&mut ctx, &a, now);
+    assert_eq!((a.queued(), a.in_flight()), (0, 1));
+    for i in 4..8 {
+        publish(&b, &mut ctx, "jobs", &i.to_string(), now);
+    }
+    assert_eq!(a.queued(), 0, "nothing more is routed to it");
+    assert_eq!(drain_all(&b, &other, now).len(), 2 + 1 + 4);
+    b.ack(&a, Some(&t("jobs")), sent[0].offset, None)
+        .expect("its delivery in flight can still be settled");
+}

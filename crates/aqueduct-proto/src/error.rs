@@ -60,7 +60,8 @@ pub enum ProtoError {
     #[error("invalid {what}: {source}")]
     InvalidTopic {
         what: &'static str,
-        #[source]
+        // Shown in the message above, so not also reported as a source (which would print it
+        // twice in an error chain).
         source: TopicError,
     },
     /// A SUBSCRIBE / UNSUBSCRIBE payload does not follow the grammar.
@@ -78,7 +79,8 @@ pub enum ProtoError {
     BadBatchEntry {
         index: usize,
         offset: usize,
-        #[source]
+        // Shown in the message above, so not also reported as a source (which would print it
+        // twice in an error chain).
         source: Box<ProtoError>,
     },
 }

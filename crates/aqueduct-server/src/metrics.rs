@@ -277,7 +277,12 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "Open client connections.",
         shared.connections.load(Ordering::Acquire),
     );
-    let counters: [(&str, &str, u64); 8] = [
+    let counters: [(&str, &str, u64); 9] = [
+        (
+            "aqueduct_streams_stopped_total",
+            "Delivery streams whose client stopped reading (STOP_SENDING); their subscriptions get nothing more.",
+            st.streams_stopped.load(Ordering::Relaxed),
+        ),
         (
             "aqueduct_connections_total",
             "Connections accepted since start.",

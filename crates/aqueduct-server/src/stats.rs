@@ -24,6 +24,8 @@ pub struct ServerStats {
     /// Stream tasks alive now (each serves one QUIC stream: its reader and its writer). Back to
     /// zero when every connection is gone, however it ended: no task outlives its connection.
     pub live_streams: AtomicU64,
+    /// Streams whose client stopped reading (STOP_SENDING) while the broker still served them.
+    pub streams_stopped: AtomicU64,
     /// SUBSCRIBEs refused by `transport.max_subscriptions_per_connection`.
     pub subscriptions_refused: AtomicU64,
     /// Frames rejected, by reason label (`bad_magic`, `frame_too_large`, …).

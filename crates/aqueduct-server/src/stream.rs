@@ -142,6 +142,19 @@ fn end_subscriptions(
     ctx.clear_held();
 }
 
+/// Stop routing to the subscriptions delivered on this stream (see [`Broker::detach`]).
+///
+/// [`Broker::detach`]: aqueduct_core::Broker::detach
+fn detach_subscriptions(shared: &Shared, out: &StreamOut) {
+    let subs: Vec<Arc<Subscriber>> = lock(&out.subs).clone();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    for sub in &subs {
+        shared.broker.detach(&mut ctx, sub, now);
+    }
+    ctx.clear_held();
+}
+
 /// Serve one stream until both directions are done. The reader and the writer run in this one
 /// task (no detached writer), so aborting the task with its connection stops both, and the
 /// guard still ends the stream's subscriptions.
@@ -419,13 +432,15 @@ impl Reader<'_> {
                 });
                 let sub = match added {
                     Ok(sub) => sub,
-                    Err(AddSubError::InUse) => return self.send_error(
-                        stream_id,
-                        ErrorCode::BAD_SUBSCRIBE,
-                        format!(
+                    Err(AddSubError::InUse) => {
+                        return self.send_error(
+                            stream_id,
+                            ErrorCode::BAD_SUBSCRIBE,
+                            format!(
                             "stream id {stream_id} already has a subscription on this connection"
                         ),
-                    ),
+                        )
+                    }
                     Err(AddSubError::Limit) => {
                         self.shared
                             .stats
@@ -613,8 +628,10 @@ async fn write_loop(
     loop {
         if out.aborted.load(Ordering::Acquire) {
             // The client stopped reading (STOP_SENDING) or the stream is gone: nothing more can
-            // be delivered here, so the stream's subscriptions end now.
-            end_subscriptions(shared, conn, out, |_| true);
+            // be delivered here. Route nothing more to its subscriptions (a group member leaves
+            // its group, its queued messages go to the others) but let what is in flight still
+            // be settled by ACKs already on their way; the subscriptions end with the stream.
+            detach_subscriptions(shared, out);
             return;
         }
         fill(out, shared, &mut buf, batch);
@@ -629,6 +646,7 @@ async fn write_loop(
                 _ = shutdown.changed() => {}
                 stopped = send.stopped() => {
                     debug!("the client stopped reading the stream: {stopped:?}");
+                    shared.stats.streams_stopped.fetch_add(1, Ordering::Relaxed);
                     out.abort();
                 }
             }
@@ -675,6 +693,9 @@ async fn write_loop(
         };
         if let Err(e) = written {
             debug!("stream write ended: {e}");
+            if matches!(e, quinn::WriteError::Stopped(_)) {
+                shared.stats.streams_stopped.fetch_add(1, Ordering::Relaxed);
+            }
             out.abort();
             continue;
         }

@@ -32,7 +32,6 @@ async fn two_members(b: &TestBroker) -> (Raw, RawStream, RawStream) {
 
 /// After one member closed its stream (however), every job goes to the other one.
 async fn the_other_member_gets_every_job(b: &TestBroker, member: &mut RawStream) {
-    until("the member to leave", || b.broker.subscriber_count() == 1).await;
     let publisher = b.client().await;
     for i in 0..10 {
         publisher
@@ -52,6 +51,7 @@ async fn a_group_member_that_finishes_its_stream_leaves_the_group() {
     let b = TestBroker::start().await;
     let (_raw, mut first, mut second) = two_members(&b).await;
     first.finish();
+    until("the member to leave", || b.broker.subscriber_count() == 1).await;
     the_other_member_gets_every_job(&b, &mut second).await;
     assert!(
         first.read_frame().await.is_none(),
@@ -65,7 +65,15 @@ async fn a_group_member_that_stops_reading_leaves_the_group() {
     let b = TestBroker::start().await;
     let (_raw, mut first, mut second) = two_members(&b).await;
     first.stop_reading();
+    // It may still settle what it has, so it stays registered; but it gets nothing more.
+    until("the broker to see STOP_SENDING", || {
+        b.stats.streams_stopped.load(Ordering::Relaxed) == 1
+    })
+    .await;
     the_other_member_gets_every_job(&b, &mut second).await;
+    // Its stream's end (here, the client finishing its side) ends the subscription.
+    first.finish();
+    until("the member to be gone", || b.broker.subscriber_count() == 1).await;
     b.stop().await.expect("clean shutdown");
 }
 

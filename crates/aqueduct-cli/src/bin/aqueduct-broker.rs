@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use aqueduct_server::{Config, Overrides, Server, Sources};
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use tracing::{error, info};
 
 /// The Aqueduct message broker: publish/subscribe over QUIC with priorities, TTLs, consumer
@@ -21,6 +21,7 @@ use tracing::{error, info};
 #[command(name = "aqueduct-broker", version)]
 struct Args {
     /// YAML configuration file.
+    /// The seed's single-dash forms work too: -config, -addr, -metrics-addr.
     #[arg(long, short = 'c', env = "AQUEDUCT_CONFIG", value_name = "FILE")]
     config: Option<PathBuf>,
     /// Address to listen on (UDP), e.g. ":4242" or "127.0.0.1:4242" (key: listen_addr).
@@ -48,31 +49,12 @@ struct Args {
     log: String,
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => info!("Ctrl-C received"),
-                    _ = term.recv() => info!("SIGTERM received"),
-                }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-        info!("Ctrl-C received");
-    }
-}
-
 fn main() -> ExitCode {
-    let args = Args::parse();
+    // The seed's command line works as written: `-config config.yaml -addr :4242`.
+    let args = Args::parse_from(aqueduct_cli::go_style_args(
+        std::env::args_os().collect(),
+        &Args::command(),
+    ));
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&args.log)
@@ -108,8 +90,8 @@ fn main() -> ExitCode {
         let server = match Server::bind(config).await {
             Ok(s) => s,
             Err(e) => {
+                // Once, on standard error (the log goes there too).
                 error!("cannot start: {e}");
-                eprintln!("aqueduct-broker: {e}");
                 return ExitCode::from(1);
             }
         };
@@ -119,7 +101,11 @@ fn main() -> ExitCode {
                 "using a generated self-signed certificate; local `aqueduct` commands trust it automatically"
             );
         }
-        match server.serve(shutdown_signal()).await {
+        let signal = async {
+            let which = aqueduct_cli::shutdown_signal().await;
+            info!("{which} received");
+        };
+        match server.serve(signal).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("aqueduct-broker: {e}");

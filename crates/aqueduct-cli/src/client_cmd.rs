@@ -1,0 +1,476 @@
+//! `aqueduct`: command-line client for the Aqueduct broker (the `aqueduct` and `aqueduct-bench`
+//! binaries run [`main_with`]).
+
+use std::ffi::OsString;
+use std::io::BufRead;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use crate::bench::{self, BenchConfig};
+use anyhow::{anyhow, bail, Context, Result};
+use aqueduct_client::{
+    Client, ConnectOptions, OverflowPolicy, Priority, PublishOptions, SubscribeOptions,
+};
+use bytes::Bytes;
+use clap::{CommandFactory, Parser, Subcommand};
+use futures_util::StreamExt;
+
+/// Publish and subscribe to an Aqueduct broker.
+///
+/// On localhost the broker's generated development certificate (~/.aqueduct/dev-cert.pem) is
+/// trusted automatically. For any other host pass --ca (a CA certificate) or --pin (the SHA-256
+/// fingerprint of the broker's certificate); certificates are always verified.
+#[derive(Debug, Parser)]
+#[command(name = "aqueduct", version)]
+struct Cli {
+    /// Broker address.
+    #[arg(
+        long,
+        short = 'a',
+        global = true,
+        env = "AQUEDUCT_ADDR",
+        default_value = "localhost:4242"
+    )]
+    addr: String,
+    /// CA certificate (PEM) to verify the broker with.
+    #[arg(long, global = true, value_name = "FILE")]
+    ca: Option<PathBuf>,
+    /// Accept only the broker certificate with this SHA-256 fingerprint (64 hex digits).
+    #[arg(long, global = true, value_name = "HEX")]
+    pin: Option<String>,
+    /// Name to verify in the broker's certificate (default: the host of --addr).
+    #[arg(long, global = true)]
+    server_name: Option<String>,
+    /// Client certificate (PEM) for brokers that require mTLS. Needs --key.
+    #[arg(long, global = true, value_name = "FILE")]
+    cert: Option<PathBuf>,
+    /// Client private key (PEM). Needs --cert.
+    #[arg(long, global = true, value_name = "FILE")]
+    key: Option<PathBuf>,
+    /// The development certificate to trust on localhost.
+    #[arg(long, global = true, value_name = "FILE")]
+    dev_cert: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Publish a message (or, without MESSAGE, one message per line of standard input).
+    Pub {
+        /// Topic, e.g. orders/eu.
+        topic: String,
+        /// Message body.
+        message: Option<String>,
+        /// Publish the message this many times.
+        #[arg(long, short = 'n', default_value_t = 1)]
+        count: u64,
+        /// Priority: 0 (highest) to 3 (lowest).
+        #[arg(long, short = 'p', default_value_t = 2)]
+        priority: u8,
+        /// Time to live, e.g. 500ms, 10s.
+        #[arg(long, value_parser = humantime_duration)]
+        ttl: Option<Duration>,
+        /// Wait for the broker to confirm and print the offsets.
+        #[arg(long)]
+        confirm: bool,
+    },
+    /// Subscribe and print each message with its topic, offset and priority.
+    Sub {
+        /// Topic filter, e.g. orders/+ or sensors/#.
+        filter: String,
+        /// Join this consumer group (each message goes to one member).
+        #[arg(long, short = 'g')]
+        group: Option<String>,
+        /// Acknowledge each message after printing it (explicit-ack mode).
+        #[arg(long)]
+        ack: bool,
+        /// Reject (NACK) each message after printing it: the broker redelivers it and, after
+        /// broker.max_retries, moves it to __dlq__<topic>. For trying out dead letters.
+        #[arg(long, conflicts_with = "ack")]
+        nack: bool,
+        /// Exit after this many messages.
+        #[arg(long, short = 'n')]
+        count: Option<u64>,
+        /// Backpressure policy for this subscription: drop_oldest, drop_newest, disconnect, block.
+        #[arg(long)]
+        overflow: Option<OverflowPolicy>,
+    },
+    /// Open idle connections (and subscriptions) and hold them, to measure a broker's memory
+    /// per connection and per subscription.
+    Hold {
+        /// Connections to open.
+        #[arg(long, default_value_t = 1000)]
+        connections: usize,
+        /// Subscriptions per connection (each on its own stream, to hold/<n>).
+        #[arg(long, default_value_t = 0)]
+        subscriptions: usize,
+        /// How long to hold them.
+        #[arg(long, default_value = "10s", value_parser = humantime_duration)]
+        seconds: Duration,
+    },
+    /// Load test (the seed's aqueduct-bench): publishers → subscribers on a fresh topic;
+    /// reports publish and delivery rates, MB/s, losses, duplicates and one-way latency
+    /// percentiles. Exits non-zero, saying why, if any message was lost or duplicated.
+    Bench {
+        /// Messages to publish (ignored with --duration).
+        #[arg(long, default_value_t = 1_000_000)]
+        messages: u64,
+        /// Publish for this long instead (e.g. 10s).
+        #[arg(long, value_parser = humantime_duration)]
+        duration: Option<Duration>,
+        /// Payload bytes per message (at least 16: timestamp and sequence number).
+        #[arg(long, default_value_t = 128)]
+        payload_size: usize,
+        /// Publisher connections.
+        #[arg(long, default_value_t = 1)]
+        publishers: usize,
+        /// Publish streams per publisher connection.
+        #[arg(long, default_value_t = 1)]
+        streams: usize,
+        /// Subscriber connections.
+        #[arg(long, default_value_t = 1)]
+        subscribers: usize,
+        /// Subscribers form one consumer group (each message goes to one, which acks it).
+        #[arg(long)]
+        group: bool,
+        /// Backpressure policy of the bench's subscriptions (default: the broker's). `block`
+        /// holds the publishers instead of dropping when a subscriber falls behind.
+        #[arg(long)]
+        overflow: Option<OverflowPolicy>,
+        /// Messages per PUBLISH_BATCH frame (1 = single PUBLISH frames).
+        #[arg(long, default_value_t = 100)]
+        batch: usize,
+        /// Total publish rate in msg/s, open loop (0 = as fast as possible). Use for latency.
+        #[arg(long, default_value_t = 0.0)]
+        rate: f64,
+        /// Priority mix as PRIORITY:WEIGHT pairs, e.g. 0:1,2:9 (default: all priority 2).
+        #[arg(long, default_value = "")]
+        priority_mix: String,
+        /// Topic (default: bench/<process id>).
+        #[arg(long)]
+        topic: Option<String>,
+        /// Stop waiting for deliveries after this long without progress.
+        #[arg(long, default_value = "5s", value_parser = humantime_duration)]
+        idle: Duration,
+        /// The broker's metrics endpoint, to explain losses (default: 127.0.0.1:9090 for a local broker).
+        #[arg(long)]
+        metrics_addr: Option<String>,
+        /// Print one JSON object instead of text (no progress bar).
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn humantime_duration(s: &str) -> Result<Duration, String> {
+    parse_duration(s)
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration like 500ms or 10s"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" | "" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n * 60)),
+        "h" => Ok(Duration::from_secs(n * 3600)),
+        _ => Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
+    }
+}
+
+fn parse_pin(hex: &str) -> Result<[u8; 32]> {
+    let hex: String = hex.chars().filter(|c| *c != ':').collect();
+    if hex.len() != 64 {
+        bail!(
+            "--pin needs 64 hex digits (a SHA-256 fingerprint), got {}",
+            hex.len()
+        );
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte =
+            u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).context("--pin is not hexadecimal")?;
+    }
+    Ok(out)
+}
+
+/// The broker address as given, with Go's ":4242" form (every interface, as the broker's own
+/// `listen_addr` accepts it) read as this machine.
+fn broker_addr(addr: &str) -> String {
+    if addr.starts_with(':') {
+        format!("localhost{addr}")
+    } else {
+        addr.to_string()
+    }
+}
+
+/// The connection settings the global flags describe.
+fn connect_options(cli: &Cli) -> Result<ConnectOptions> {
+    let mut opts = ConnectOptions::new(broker_addr(&cli.addr));
+    if let Some(name) = &cli.server_name {
+        opts = opts.server_name(name);
+    }
+    if let Some(dev) = &cli.dev_cert {
+        opts = opts.dev_cert_file(dev);
+    }
+    if let Some(ca) = &cli.ca {
+        opts = opts.ca_file(ca);
+    }
+    if let Some(pin) = &cli.pin {
+        opts = opts.pin_sha256(parse_pin(pin)?);
+    }
+    match (&cli.cert, &cli.key) {
+        (Some(c), Some(k)) => opts = opts.client_cert(c, k),
+        (None, None) => {}
+        _ => bail!("--cert and --key go together"),
+    }
+    Ok(opts)
+}
+
+async fn connect(cli: &Cli) -> Result<Client> {
+    Client::connect(connect_options(cli)?)
+        .await
+        .map_err(|e| anyhow!(e))
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    let client = connect(&cli).await?;
+    match &cli.command {
+        Command::Pub {
+            topic,
+            message,
+            count,
+            priority,
+            ttl,
+            confirm,
+        } => {
+            let opts = PublishOptions {
+                priority: Some(
+                    Priority::new(*priority).ok_or_else(|| anyhow!("--priority must be 0..=3"))?,
+                ),
+                ttl: *ttl,
+                confirm: *confirm,
+            };
+            let bodies: Vec<Bytes> = match message {
+                Some(m) => vec![Bytes::from(m.clone())],
+                None => std::io::stdin()
+                    .lock()
+                    .lines()
+                    .map(|l| l.map(Bytes::from))
+                    .collect::<Result<_, _>>()
+                    .context("reading standard input")?,
+            };
+            let mut sent = 0u64;
+            for _ in 0..*count {
+                for body in &bodies {
+                    let offset = client.publish_with(topic, body.clone(), &opts).await?;
+                    if let Some(o) = offset {
+                        println!("published to {topic} at offset {o}");
+                    }
+                    sent += 1;
+                }
+            }
+            // Nothing counts as published until the broker has read it: a refused handshake
+            // or a broker that stopped reading is an error here, not a success.
+            client.flush().await?;
+            client.close().await;
+            if !*confirm {
+                println!("published {sent} message(s) to {topic}");
+            }
+        }
+        Command::Sub {
+            filter,
+            group,
+            ack,
+            nack,
+            count,
+            overflow,
+        } => {
+            let opts = SubscribeOptions {
+                group: group.clone(),
+                ack: *ack || *nack || group.is_some(),
+                overflow: *overflow,
+                ..SubscribeOptions::default()
+            };
+            let mut sub = client.subscribe_with(filter, &opts).await?;
+            eprintln!(
+                "subscribed to {filter}{}",
+                group
+                    .as_ref()
+                    .map(|g| format!(" (group {g})"))
+                    .unwrap_or_default()
+            );
+            let mut received = 0u64;
+            let interrupted = loop {
+                let item = tokio::select! {
+                    item = sub.next() => item,
+                    signal = crate::shutdown_signal() => break Some(signal),
+                };
+                let Some(item) = item else { break None };
+                let msg = item?;
+                println!("{}", describe(&msg));
+                if *nack {
+                    msg.nack(Some("rejected by aqueduct sub --nack")).await?;
+                } else if opts.ack {
+                    msg.ack().await?;
+                }
+                received += 1;
+                if count.is_some_and(|c| received >= c) {
+                    break None;
+                }
+            };
+            // Close cleanly, so that the broker ends the subscription at once (a group member
+            // leaves its group; its unacknowledged messages go to the other members) instead of
+            // waiting for the idle timeout.
+            client.close().await;
+            if let Some(signal) = interrupted {
+                eprintln!("{signal}: closed the connection after {received} message(s)");
+            }
+            return Ok(());
+        }
+        Command::Hold {
+            connections,
+            subscriptions,
+            seconds,
+        } => {
+            let opts = connect_options(&cli)?;
+            let mut held = Vec::new();
+            for i in 0..*connections {
+                let c = Client::connect(opts.clone()).await?;
+                let mut subs = Vec::new();
+                for j in 0..*subscriptions {
+                    subs.push(c.subscribe(&format!("hold/{i}/{j}")).await?);
+                }
+                held.push((c, subs));
+            }
+            eprintln!(
+                "holding {} connection(s) with {} subscription(s) each",
+                held.len(),
+                subscriptions
+            );
+            println!("ready");
+            tokio::time::sleep(*seconds).await;
+        }
+        Command::Bench {
+            messages,
+            duration,
+            payload_size,
+            publishers,
+            streams,
+            subscribers,
+            group,
+            overflow,
+            batch,
+            rate,
+            priority_mix,
+            topic,
+            idle,
+            metrics_addr,
+            json,
+        } => {
+            use std::io::IsTerminal;
+            let cfg = BenchConfig {
+                publishers: (*publishers).max(1),
+                streams: (*streams).max(1),
+                subscribers: (*subscribers).max(1),
+                group: *group,
+                overflow: *overflow,
+                messages: *messages,
+                duration: *duration,
+                payload_size: *payload_size,
+                batch: (*batch).max(1),
+                rate: *rate,
+                priority_mix: bench::parse_priority_mix(priority_mix)
+                    .map_err(|e| anyhow!("--priority-mix: {e}"))?,
+                idle: *idle,
+                topic: topic
+                    .clone()
+                    .unwrap_or_else(|| format!("bench/{}", std::process::id())),
+                progress: !*json && std::io::stderr().is_terminal(),
+            };
+            let opts = connect_options(&cli)?;
+            let report = bench::run(cfg.clone(), || Client::connect(opts.clone())).await?;
+            if *json {
+                println!("{}", report.json());
+            } else {
+                print!("{}", report.text());
+            }
+            if report.lost > 0 || report.duplicates > 0 {
+                let addr = metrics_addr
+                    .clone()
+                    .unwrap_or_else(|| "127.0.0.1:9090".to_string());
+                let why = bench::explain_losses(&addr, &cfg.topic).await;
+                bail!(
+                    "not a successful run: {} lost, {} duplicated; {why}",
+                    report.lost,
+                    report.duplicates
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One line per message: topic, offset, priority, attempt, where a dead letter came from, body.
+fn describe(msg: &aqueduct_client::Message) -> String {
+    let ext = msg.extensions();
+    let mut line = format!(
+        "{} #{} p{}",
+        msg.topic(),
+        msg.offset(),
+        msg.priority().level()
+    );
+    if msg.attempt() > 1 {
+        line.push_str(&format!(" (attempt {})", msg.attempt()));
+    }
+    if let Some(original) = &ext.original_topic {
+        line.push_str(&format!(" (dead letter of {original}"));
+        if let Some(o) = ext.original_offset {
+            line.push_str(&format!(" #{o}"));
+        }
+        if let Some(n) = ext.attempts_made {
+            line.push_str(&format!(" after {n} attempts"));
+        }
+        if let Some(r) = &ext.reason {
+            line.push_str(&format!(": {r}"));
+        }
+        line.push(')');
+    }
+    line.push_str(": ");
+    line.push_str(&String::from_utf8_lossy(msg.body()));
+    line
+}
+
+/// Run the `aqueduct` command line with these arguments (the first is the program name).
+/// Go-style single-dash long flags (`-addr`) are accepted as the seed's tools wrote them.
+pub fn main_with(args: Vec<OsString>) -> ExitCode {
+    let cli = Cli::parse_from(crate::go_style_args(args, &Cli::command()));
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("AQUEDUCT_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("aqueduct: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("aqueduct: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
