@@ -30,6 +30,8 @@ pub enum ServerError {
     Tls(#[from] TlsError),
     #[error("listen_addr {addr}: {reason}")]
     Bind { addr: SocketAddr, reason: String },
+    #[error("metrics_addr {addr}: {reason}")]
+    MetricsBind { addr: SocketAddr, reason: String },
     #[error("transport settings rejected: {0}")]
     Transport(String),
 }
@@ -119,10 +121,15 @@ impl Server {
         })?;
         let metrics = tokio::net::TcpListener::bind(config.metrics_addr)
             .await
-            .map_err(|e| ServerError::Bind {
+            .map_err(|e| ServerError::MetricsBind {
                 addr: config.metrics_addr,
-                reason: format!("metrics_addr: {e}"),
+                reason: e.to_string(),
             })?;
+        // Both sockets are ours: only now may the development certificate be replaced.
+        if let Some(cert) = &dev_cert {
+            cert.write()?;
+        }
+        let dev_cert = dev_cert.map(|c| c.path);
         let broker = Arc::new(Broker::new(config.broker.clone()));
         Ok(Server {
             endpoint,

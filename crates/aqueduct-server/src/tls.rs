@@ -63,11 +63,27 @@ fn read_certs(key: &'static str, path: &Path) -> Result<Vec<CertificateDer<'stat
     Ok(certs)
 }
 
-/// The certificate chain and key the broker presents, plus where a generated dev cert went.
+/// The certificate chain and key the broker presents, plus a generated dev cert to publish.
 struct Identity {
     certs: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
-    dev_cert: Option<PathBuf>,
+    dev_cert: Option<DevCert>,
+}
+
+/// A generated development certificate, to be written where local clients look for it — only
+/// once the broker has bound its sockets, so that a second broker started by mistake (which
+/// fails with "address in use") cannot replace the running broker's certificate.
+#[derive(Debug, Clone)]
+pub struct DevCert {
+    pub path: PathBuf,
+    pem: String,
+}
+
+impl DevCert {
+    /// Write it (atomically).
+    pub fn write(&self) -> Result<(), TlsError> {
+        write_dev_cert(&self.path, &self.pem)
+    }
 }
 
 fn identity(cfg: &TlsConfig) -> Result<Identity, TlsError> {
@@ -91,13 +107,16 @@ fn identity(cfg: &TlsConfig) -> Result<Identity, TlsError> {
     ];
     let generated =
         rcgen::generate_simple_self_signed(names).map_err(|e| TlsError::Generate(e.to_string()))?;
-    write_dev_cert(&cfg.dev_cert_file, &generated.cert.pem())?;
+    let dev_cert = DevCert {
+        path: cfg.dev_cert_file.clone(),
+        pem: generated.cert.pem(),
+    };
     let key = PrivateKeyDer::try_from(generated.signing_key.serialize_der())
         .map_err(|e| TlsError::Generate(e.to_string()))?;
     Ok(Identity {
         certs: vec![generated.cert.der().clone()],
         key,
-        dev_cert: Some(cfg.dev_cert_file.clone()),
+        dev_cert: Some(dev_cert),
     })
 }
 
@@ -115,10 +134,11 @@ fn write_dev_cert(path: &Path, pem: &str) -> Result<(), TlsError> {
     std::fs::rename(&tmp, path).map_err(err)
 }
 
-/// The broker's QUIC crypto configuration and, if generated, the dev certificate path.
+/// The broker's QUIC crypto configuration and, if generated, the dev certificate (not written
+/// yet: see [`DevCert`]).
 pub fn server_crypto(
     cfg: &TlsConfig,
-) -> Result<(quinn::crypto::rustls::QuicServerConfig, Option<PathBuf>), TlsError> {
+) -> Result<(quinn::crypto::rustls::QuicServerConfig, Option<DevCert>), TlsError> {
     let provider = provider();
     let id = identity(cfg)?;
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
