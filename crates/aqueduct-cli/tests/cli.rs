@@ -391,6 +391,24 @@ fn pub_and_sub_against_a_real_broker_then_sigterm() {
 
 const BENCH: &str = env!("CARGO_BIN_EXE_aqueduct-bench");
 
+/// Run `aqueduct ARGS` with the test's home; its output.
+fn run_client(home: &std::path::Path, args: &[&str]) -> std::process::Output {
+    Command::new(CLIENT)
+        .args(args)
+        .env("AQUEDUCT_HOME", home)
+        .output()
+        .expect("aqueduct runs")
+}
+
+/// Fail with the command's standard error unless it succeeded.
+fn assert_ok(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// The seed's command lines, as its README writes them (single-dash Go flags; the seed's own
 /// config.yaml), and the client's `:PORT` address form.
 #[test]
@@ -429,23 +447,14 @@ fn the_seeds_command_lines_work_as_written() {
         .spawn()
         .expect("aqueduct-bench runs");
     let out = output_within(child, "aqueduct-bench");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     assert!(String::from_utf8_lossy(&out.stdout).contains("2000"));
     let port = addr.rsplit(':').next().expect("port");
-    let out = Command::new(CLIENT)
-        .args(["-addr", &format!(":{port}"), "pub", "t", "x", "--confirm"])
-        .env("AQUEDUCT_HOME", home.path())
-        .output()
-        .expect("pub runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let addr = format!(":{port}");
+    assert_ok(&run_client(
+        home.path(),
+        &["-addr", &addr, "pub", "t", "x", "--confirm"],
+    ));
     stop(broker);
 }
 
@@ -544,11 +553,7 @@ fn pub_to_a_broker_requiring_client_certificates_fails_clearly() {
         ],
     );
     for _ in 0..3 {
-        let out = Command::new(CLIENT)
-            .args(["--addr", &addr, "pub", "t", "x"])
-            .env("AQUEDUCT_HOME", home.path())
-            .output()
-            .expect("pub runs");
+        let out = run_client(home.path(), &["--addr", &addr, "pub", "t", "x"]);
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "reported success: {stdout}");
