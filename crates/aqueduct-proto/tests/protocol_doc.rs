@@ -23,6 +23,15 @@ fn delivery(fields: &DeliveryFields<'_>, stream_id: u32, attempt: u32) -> Bytes 
     out.freeze()
 }
 
+/// A delivery in the seed's form (for a SUBSCRIBE sent without an extension block).
+fn seed_delivery(fields: &DeliveryFields<'_>, stream_id: u32) -> Bytes {
+    let mut arena = Arena::default();
+    let shared = SharedDelivery::encode(&mut arena, fields);
+    let mut out = BytesMut::new();
+    shared.write_seed_frame(&mut out, stream_id);
+    out.freeze()
+}
+
 /// (name in the doc, the frame's bytes as built by the library)
 fn examples() -> Vec<(&'static str, Bytes)> {
     let orders = topic("orders");
@@ -90,15 +99,9 @@ fn examples() -> Vec<(&'static str, Bytes)> {
     group_sub.ext.ack_mode = Some(AckMode::Explicit);
     group_sub.ext.overflow = Some(OverflowPolicy::DropNewest);
     v.push(("subscribe-group", f(5, Message::Subscribe(group_sub))));
-    v.push((
-        "subscribe-durable",
-        f(
-            7,
-            Message::Subscribe(Subscribe::new(spec(
-                "topic:orders:group:billing:durable:c1:100",
-            ))),
-        ),
-    ));
+    let mut durable = Subscribe::new(spec("topic:orders:group:billing:durable:c1:100"));
+    durable.ext.confirm = true;
+    v.push(("subscribe-durable", f(7, Message::Subscribe(durable))));
     v.push((
         "unsubscribe",
         f(
@@ -154,6 +157,40 @@ fn examples() -> Vec<(&'static str, Bytes)> {
             },
             4,
             1,
+        ),
+    ));
+    v.push((
+        "subscribe-seed",
+        f(7, Message::Subscribe(Subscribe::new(spec("topic:orders")))),
+    ));
+    v.push((
+        "delivery-seed",
+        seed_delivery(
+            &DeliveryFields {
+                topic: &orders,
+                offset: 42,
+                priority: Priority::DEFAULT,
+                trace: None,
+                compression: None,
+                dead_letter: None,
+                body: b"orders",
+            },
+            7,
+        ),
+    ));
+    v.push((
+        "delivery-seed-priority",
+        seed_delivery(
+            &DeliveryFields {
+                topic: &orders,
+                offset: 43,
+                priority: Priority::HIGHEST,
+                trace: None,
+                compression: None,
+                dead_letter: None,
+                body: b"orders",
+            },
+            7,
         ),
     ));
     v.push(("ack", f(1, Message::Ack(Ack::new(42)))));
@@ -304,4 +341,68 @@ fn doc_examples_mean_what_the_doc_says() {
         panic!("not an error")
     };
     assert_eq!(e.code, ErrorCode::INVALID_TOPIC);
+    // Seed-style deliveries: the body is the whole payload; no topic, offset or attempt.
+    for name in ["delivery-seed", "delivery-seed-priority"] {
+        let Message::Publish(p) = get(name).message else {
+            panic!("not a publish")
+        };
+        assert_eq!(&p.body[..], b"orders");
+        assert_eq!(
+            (p.ext.topic.as_ref(), p.ext.offset, p.ext.attempt),
+            (None, None, None)
+        );
+    }
+    let Message::Subscribe(s) = get("subscribe-durable").message else {
+        panic!("not a subscribe")
+    };
+    assert!(
+        s.ext.confirm,
+        "a group subscription with an extension block"
+    );
+}
+
+/// §6.5: a delivery's extension block is at most 808 bytes (TRACE and COMPRESSION aside, which
+/// the publisher's own frame carried too), so its `data_len` is at most `max_buf_size + 808`.
+#[test]
+fn largest_delivery_extension_block() {
+    let long = |prefix: &str| topic(&format!("{prefix}{}", "x".repeat(255 - prefix.len())));
+    let (dlq, original) = (long("__dlq__"), long(""));
+    // Longer than 255 bytes: cut to 255.
+    let reason = "r".repeat(300);
+    let trace = TraceContext {
+        trace_id: [1; 16],
+        span_id: [2; 8],
+        flags: 0,
+    };
+    let compression = Compression {
+        algorithm: Compression::ZSTD,
+        uncompressed_len: 1,
+    };
+    let overhead = |trace, compression| {
+        let dead_letter = DeadLetter {
+            original_topic: &original,
+            original_offset: u64::MAX,
+            attempts_made: u32::MAX,
+            reason: &reason,
+        };
+        let frame = delivery(
+            &DeliveryFields {
+                topic: &dlq,
+                offset: u64::MAX,
+                priority: Priority::LOWEST,
+                trace,
+                compression,
+                dead_letter: Some(dead_letter),
+                body: b"body",
+            },
+            1,
+            u32::MAX,
+        );
+        let data_len = u32::from_le_bytes(frame[6..10].try_into().expect("header")) as usize;
+        assert_eq!(frame.len(), 10 + data_len);
+        decode_frame(&frame, &Limits::default()).expect("decodes");
+        data_len - b"body".len()
+    };
+    assert_eq!(overhead(None, None), 808);
+    assert_eq!(overhead(Some(&trace), Some(&compression)), 808 + 27 + 7);
 }
