@@ -75,6 +75,10 @@ enum Command {
         /// Wait for the broker to confirm and print the offsets.
         #[arg(long)]
         confirm: bool,
+        /// Spread the messages over this many topics, TOPIC/0 .. TOPIC/<N-1>, in turn (e.g. to
+        /// see the broker free idle topics: --count 1000000 --topics 1000000).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+        topics: u64,
     },
     /// Subscribe and print each message with its topic, offset and priority.
     Sub {
@@ -247,6 +251,7 @@ async fn run(cli: Cli) -> Result<()> {
             priority,
             ttl,
             confirm,
+            topics,
         } => {
             let opts = PublishOptions {
                 priority: Some(
@@ -265,11 +270,20 @@ async fn run(cli: Cli) -> Result<()> {
                     .context("reading standard input")?,
             };
             let mut sent = 0u64;
+            let mut name = String::new();
             for _ in 0..*count {
                 for body in &bodies {
-                    let offset = client.publish_with(topic, body.clone(), &opts).await?;
+                    let to = if *topics > 1 {
+                        name.clear();
+                        use std::fmt::Write;
+                        let _ = write!(name, "{topic}/{}", sent % topics);
+                        name.as_str()
+                    } else {
+                        topic.as_str()
+                    };
+                    let offset = client.publish_with(to, body.clone(), &opts).await?;
                     if let Some(o) = offset {
-                        println!("published to {topic} at offset {o}");
+                        println!("published to {to} at offset {o}");
                     }
                     sent += 1;
                 }
@@ -279,7 +293,11 @@ async fn run(cli: Cli) -> Result<()> {
             client.flush().await?;
             client.close().await;
             if !*confirm {
-                println!("published {sent} message(s) to {topic}");
+                if *topics > 1 {
+                    println!("published {sent} message(s) to {topic}/0..{}", topics - 1);
+                } else {
+                    println!("published {sent} message(s) to {topic}");
+                }
             }
         }
         Command::Sub {

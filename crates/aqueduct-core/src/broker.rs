@@ -277,7 +277,7 @@ pub struct Broker {
 
 /// Topics held before idle ones are swept; after a sweep the next one runs at twice the number
 /// left (at least this), so sweeping costs O(1) amortized per new topic.
-pub const IDLE_TOPIC_SWEEP_MIN: usize = 10_000;
+pub const IDLE_TOPIC_SWEEP_MIN: usize = 4096;
 
 /// The dead-letter topic of `topic`: `__dlq__<topic>`, cut at a character boundary to 255 bytes.
 pub fn dlq_topic(topic: &TopicName) -> TopicName {

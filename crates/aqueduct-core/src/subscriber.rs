@@ -213,8 +213,12 @@ impl Subscriber {
             id: init.id,
             stream_id: init.stream_id,
             filter: init.filter,
-            // Group members always settle explicitly: that is how a group knows what to redeliver.
-            ack_mode: if init.group.is_some() {
+            // Group members settle explicitly: that is how a group knows what to redeliver.
+            // Seed-style subscriptions cannot (their deliveries carry no offset to name), so
+            // they are settled when written, group or not: at most once, as in the seed.
+            ack_mode: if init.seed_form {
+                AckMode::None
+            } else if init.group.is_some() {
                 AckMode::Explicit
             } else {
                 init.ack_mode
@@ -407,7 +411,12 @@ impl Subscriber {
                     }
                 }
             }
-            if explicit {
+            if !explicit {
+                // Settled as it is written (a group's committed offset moves on).
+                if let Some(g) = &self.group {
+                    g.note_settled(d.topic.name(), d.offset);
+                }
+            } else {
                 let key = (d.topic.name().clone(), d.offset);
                 st.in_flight.insert(
                     key,

@@ -1001,3 +1001,30 @@ fn a_detached_member_keeps_its_in_flight_and_loses_its_queue() {
     b.ack(&a, Some(&t("jobs")), sent[0].offset, None)
         .expect("its delivery in flight can still be settled");
 }
+
+/// A seed-style group member (its deliveries carry no offset to ACK) is settled as it is
+/// written: nothing waits in flight, the group's committed offset moves on.
+#[test]
+fn seed_style_group_members_settle_on_delivery() {
+    let b = Broker::new(BrokerConfig::default());
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let seed = sub_with(
+        &b,
+        "topic:jobs:group:w",
+        SubscribeOptions {
+            seed_form: true,
+            ..SubscribeOptions::default()
+        },
+    );
+    for i in 0..3 {
+        publish(&b, &mut ctx, "jobs", &i.to_string(), now);
+    }
+    let mut out = BytesMut::new();
+    assert_eq!(b.drain(&seed, &mut out, 64 * 1024, now).frames, 3);
+    assert_eq!(seed.in_flight(), 0);
+    let group = &b.groups()[0];
+    assert_eq!(group.committed_offset(&t("jobs")), Some(3));
+    // The frames are the seed's: bare PUBLISH, the body as the payload.
+    assert_eq!(&out[..11], &[0x1F, 0x01, 0, 0, 0, 0, 1, 0, 0, 0, b'0']);
+}

@@ -150,10 +150,10 @@ macro_rules! error_codes {
 }
 
 error_codes! {
-    MALFORMED_FRAME = 100, "The frame header or length is inconsistent.";
-    BAD_MAGIC = 101, "The first byte of a frame was not 0x1F; the stream is reset.";
+    MALFORMED_FRAME = 100, "The stream ended inside a frame (or a handshake timed out, as a close code).";
+    BAD_MAGIC = 101, "The first byte of a frame was not 0x1F; the broker stops reading the stream and finishes it.";
     UNKNOWN_OPCODE = 102, "The opcode is not defined; the frame was skipped.";
-    FRAME_TOO_LARGE = 103, "data_len exceeds the broker's limit; the stream is reset.";
+    FRAME_TOO_LARGE = 103, "data_len exceeds the broker's limit; the broker stops reading the stream and finishes it.";
     BAD_EXTENSION = 104, "The extension block is malformed or a known extension is invalid.";
     BAD_PAYLOAD = 105, "The payload has the wrong size or shape for its opcode.";
     BAD_BATCH = 106, "A PUBLISH_BATCH sub-frame is invalid; nothing in the batch was published.";

@@ -775,7 +775,8 @@ impl Frame {
 /// Check that `buf` starts with a complete frame within `limits`, returning its raw header.
 ///
 /// `Incomplete` means read more; `Invalid(BadMagic | FrameTooLarge)` means the frame boundary is
-/// lost or the frame is refused: the receiver must reset the stream. Anything else wrong with the
+/// lost or the frame is refused: the receiver must stop reading the stream (the broker sends an
+/// ERROR first, then finishes its side). Anything else wrong with the
 /// frame is reported by [`Frame::decode`] after the frame has been split off, so the receiver can
 /// skip exactly that frame and go on.
 pub fn split_frame(buf: &[u8], limits: &Limits) -> Result<RawHeader, DecodeError> {

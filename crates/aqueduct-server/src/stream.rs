@@ -185,8 +185,8 @@ pub(crate) async fn serve(
         match end {
             ReadEnd::Finished => {
                 // Closing the sending side ends the stream's subscriptions: acknowledged ones
-                // (group members, explicit ACK) at once, so their messages go to other members
-                // or are redelivered; plain ones after the writer has sent what is queued.
+                // (group members, explicit ACK) at once, as an UNSUBSCRIBE would (a group member's
+                // messages go to the other members); plain ones after the writer has sent what is queued.
                 end_subscriptions(&shared, &conn, &out, |s| s.ack_mode() == AckMode::Explicit);
                 out.reader_done.store(true, Ordering::Release);
                 out.notify.notify_one();
@@ -408,6 +408,12 @@ impl Reader<'_> {
                 }
             }
             Message::Subscribe(s) => {
+                if self.out.aborted.load(Ordering::Acquire) {
+                    // The client stopped reading this stream (or it was reset): nothing could
+                    // ever be delivered on it, nor an answer.
+                    self.shared.stats.rejected("subscribe_on_closed_stream");
+                    return;
+                }
                 let max = self
                     .shared
                     .config
