@@ -94,6 +94,14 @@ enum Command {
         /// broker.max_retries, moves it to __dlq__<topic>. For trying out dead letters.
         #[arg(long, conflicts_with = "ack")]
         nack: bool,
+        /// With --ack, --nack or --group: at most this many unacknowledged messages at a time
+        /// (1 = one at a time: what waits behind it stays in strict priority order).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        max_in_flight: Option<u32>,
+        /// Take this long to "process" each message before acknowledging it (a slow consumer,
+        /// for trying out priorities and backpressure), e.g. 500ms.
+        #[arg(long, value_parser = humantime_duration)]
+        work: Option<Duration>,
         /// Exit after this many messages.
         #[arg(long, short = 'n')]
         count: Option<u64>,
@@ -305,6 +313,8 @@ async fn run(cli: Cli) -> Result<()> {
             group,
             ack,
             nack,
+            max_in_flight,
+            work,
             count,
             overflow,
         } => {
@@ -312,6 +322,7 @@ async fn run(cli: Cli) -> Result<()> {
                 group: group.clone(),
                 ack: *ack || *nack || group.is_some(),
                 overflow: *overflow,
+                max_in_flight: *max_in_flight,
                 ..SubscribeOptions::default()
             };
             let mut sub = client.subscribe_with(filter, &opts).await?;
@@ -331,6 +342,9 @@ async fn run(cli: Cli) -> Result<()> {
                 let Some(item) = item else { break None };
                 let msg = item?;
                 println!("{}", describe(&msg));
+                if let Some(work) = work {
+                    tokio::time::sleep(*work).await;
+                }
                 if *nack {
                     msg.nack(Some("rejected by aqueduct sub --nack")).await?;
                 } else if opts.ack {

@@ -55,6 +55,10 @@ pub struct SubscribeOptions {
     pub ack: bool,
     /// This subscription's backpressure policy instead of the broker's default.
     pub overflow: Option<OverflowPolicy>,
+    /// With `ack` (or in a group): at most this many unacknowledged messages at a time (a
+    /// "prefetch"; the broker's `max_in_flight` if lower). 1 hands out one message at a time,
+    /// so what is queued behind it stays in strict priority order.
+    pub max_in_flight: Option<u32>,
 }
 
 fn transport() -> quinn::TransportConfig {
@@ -242,6 +246,7 @@ impl Client {
         sub.ext.confirm = true;
         sub.ext.ack_mode = opts.ack.then_some(AckMode::Explicit);
         sub.ext.overflow = opts.overflow;
+        sub.ext.max_in_flight = opts.max_in_flight;
         let id = self.next_id();
         let (mut send, recv) = self
             .inner

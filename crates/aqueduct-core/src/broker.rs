@@ -147,6 +147,9 @@ pub struct SubscribeOptions {
     /// Deliver in the seed's form (a SUBSCRIBE sent without an extension block): see
     /// `docs/protocol.md`, "Seed-style subscriptions".
     pub seed_form: bool,
+    /// At most this many unsettled deliveries at a time (a "prefetch"); the broker's
+    /// `max_in_flight` if lower.
+    pub max_in_flight: Option<usize>,
 }
 
 impl std::fmt::Debug for SubscribeOptions {
@@ -156,6 +159,7 @@ impl std::fmt::Debug for SubscribeOptions {
             .field("ack_mode", &self.ack_mode)
             .field("overflow", &self.overflow)
             .field("seed_form", &self.seed_form)
+            .field("max_in_flight", &self.max_in_flight)
             .finish_non_exhaustive()
     }
 }
@@ -168,6 +172,7 @@ impl Default for SubscribeOptions {
             overflow: None,
             waker: None,
             seed_form: false,
+            max_in_flight: None,
         }
     }
 }
@@ -363,6 +368,7 @@ impl Broker {
             capacity: self.config.queue_size,
             waker: opts.waker,
             seed_form: opts.seed_form,
+            max_in_flight: opts.max_in_flight.map(|n| n.max(1)),
         }));
         match &group {
             Some(shared) => {

@@ -172,6 +172,8 @@ pub struct Subscriber {
     waker: Option<Waker>,
     /// Deliveries in the seed's form (see [`SubscriberInit::seed_form`]).
     seed_form: bool,
+    /// The subscription's own bound on unsettled deliveries (below the broker's).
+    max_in_flight: Option<usize>,
     closed: AtomicBool,
     /// Copies of the queue length and the in-flight count, written under `state`'s lock and read
     /// without it by consumer-group picks (which run under the routing lock and so must not take
@@ -205,6 +207,8 @@ pub(crate) struct SubscriberInit {
     /// Deliver in the seed's form: PUBLISH with the body as the whole payload and only the
     /// extensions the message carries end to end (no topic, offset or attempt).
     pub seed_form: bool,
+    /// The subscription's own bound on unsettled deliveries, if it asked for one.
+    pub max_in_flight: Option<usize>,
 }
 
 impl Subscriber {
@@ -228,6 +232,7 @@ impl Subscriber {
             capacity: init.capacity,
             waker: init.waker,
             seed_form: init.seed_form,
+            max_in_flight: init.max_in_flight,
             closed: AtomicBool::new(false),
             queued_len: AtomicUsize::new(0),
             in_flight_len: AtomicUsize::new(0),
@@ -253,10 +258,16 @@ impl Subscriber {
     /// lengths may be a moment old): good enough to steer a consumer group's round-robin away
     /// from members that are stalled or saturated.
     pub fn has_room(&self, max_in_flight: usize) -> bool {
+        let max_in_flight = self.in_flight_limit(max_in_flight);
         !self.is_closed()
             && self.queued_len.load(Ordering::Relaxed) < self.capacity
             && (self.ack_mode != AckMode::Explicit
                 || self.in_flight_len.load(Ordering::Relaxed) < max_in_flight)
+    }
+
+    /// The bound on unsettled deliveries: the broker's, or the subscription's own if lower.
+    fn in_flight_limit(&self, broker: usize) -> usize {
+        self.max_in_flight.map_or(broker, |own| own.min(broker))
     }
 
     /// True if deliveries use the seed's frame form.
@@ -376,6 +387,7 @@ impl Subscriber {
         latency: &LatencyHistogram,
     ) -> Drained {
         let mut done = Drained::default();
+        let max_in_flight = self.in_flight_limit(max_in_flight);
         // Count deliveries per run of one topic: one atomic add per run, not per message.
         let mut run: Option<(Arc<TopicState>, u64)> = None;
         let mut local = LocalLatency::default();

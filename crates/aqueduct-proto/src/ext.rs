@@ -45,6 +45,9 @@ pub mod types {
     pub const REASON: u8 = 0x0D;
     /// Dead letter: how many delivery attempts were made, u32 LE.
     pub const ATTEMPTS_MADE: u8 = 0x0E;
+    /// SUBSCRIBE: at most this many unsettled deliveries at a time (u32, at least 1), below the
+    /// broker's `max_in_flight` (a "prefetch" limit).
+    pub const MAX_IN_FLIGHT: u8 = 0x0F;
 }
 
 /// Message priority: 0 is the highest, 3 the lowest.
@@ -197,6 +200,7 @@ pub(crate) enum Entry<'a> {
     OriginalOffset(u64),
     Reason(&'a str),
     AttemptsMade(u32),
+    MaxInFlight(u32),
 }
 
 /// Decode and validate one entry; `None` for a type this version does not know (skipped).
@@ -276,6 +280,13 @@ fn decode_entry<'a>(
             Entry::Reason(std::str::from_utf8(value).map_err(|_| bad(ty, "reason must be UTF-8"))?)
         }
         types::ATTEMPTS_MADE => Entry::AttemptsMade(u32::from_le_bytes(fixed(ty, value)?)),
+        types::MAX_IN_FLIGHT => {
+            let n = u32::from_le_bytes(fixed(ty, value)?);
+            if n == 0 {
+                return Err(bad(ty, "max in flight must be at least 1"));
+            }
+            Entry::MaxInFlight(n)
+        }
         // Unknown types are skipped: forward compatibility.
         _ => return Ok(None),
     }))
@@ -359,6 +370,8 @@ pub struct Extensions {
     pub original_offset: Option<u64>,
     pub reason: Option<String>,
     pub attempts_made: Option<u32>,
+    /// SUBSCRIBE: at most this many unsettled deliveries at a time.
+    pub max_in_flight: Option<u32>,
 }
 
 fn bad(ext_type: u8, problem: &'static str) -> ProtoError {
@@ -413,6 +426,7 @@ impl Extensions {
             Entry::OriginalOffset(o) => ext.original_offset = Some(o),
             Entry::Reason(r) => ext.reason = Some(r.to_owned()),
             Entry::AttemptsMade(n) => ext.attempts_made = Some(n),
+            Entry::MaxInFlight(n) => ext.max_in_flight = Some(n),
         })?;
         Ok(ext)
     }
@@ -439,6 +453,7 @@ impl Extensions {
             + entry(self.original_offset.is_some(), 8)
             + self.reason.as_ref().map_or(0, |r| 2 + reason_len(r))
             + entry(self.attempts_made.is_some(), 4)
+            + entry(self.max_in_flight.is_some(), 4)
     }
 
     /// Append the entries (not the `ext_len` prefix) in canonical order: ATTEMPT first (so a
@@ -496,6 +511,10 @@ impl Extensions {
         if let Some(a) = self.attempts_made {
             out.put_slice(&[types::ATTEMPTS_MADE, 4]);
             out.put_u32_le(a);
+        }
+        if let Some(n) = self.max_in_flight {
+            out.put_slice(&[types::MAX_IN_FLIGHT, 4]);
+            out.put_u32_le(n);
         }
     }
 }

@@ -33,7 +33,9 @@ fn ident() -> impl Strategy<Value = String> {
     "[a-zA-Z0-9_.-]{1,12}"
 }
 
-fn extensions() -> impl Strategy<Value = Extensions> {
+/// Boxed: the strategy's type (and value tree) is large, and unboxed it overflows a test
+/// thread's stack in debug builds once nested in `message()`.
+fn extensions() -> BoxedStrategy<Extensions> {
     (
         (
             prop::option::of((any::<[u8; 16]>(), any::<[u8; 8]>(), any::<u8>())),
@@ -52,12 +54,22 @@ fn extensions() -> impl Strategy<Value = Extensions> {
             prop::option::of(any::<u64>()),
             prop::option::of("[ -~é]{0,40}"),
             prop::option::of(any::<u32>()),
+            prop::option::of(1u32..),
         ),
     )
         .prop_map(
             |(
                 (trace, compression, priority, topic, ttl_ms, offset, attempt),
-                (confirm, ack, overflow, original_topic, original_offset, reason, attempts_made),
+                (
+                    confirm,
+                    ack,
+                    overflow,
+                    original_topic,
+                    original_offset,
+                    reason,
+                    attempts_made,
+                    max_in_flight,
+                ),
             )| Extensions {
                 trace: trace.map(|(trace_id, span_id, flags)| TraceContext {
                     trace_id,
@@ -80,11 +92,13 @@ fn extensions() -> impl Strategy<Value = Extensions> {
                 original_offset,
                 reason,
                 attempts_made,
+                max_in_flight,
             },
         )
+        .boxed()
 }
 
-fn publish() -> impl Strategy<Value = Publish> {
+fn publish() -> BoxedStrategy<Publish> {
     (
         extensions(),
         topic_name(),
@@ -94,6 +108,7 @@ fn publish() -> impl Strategy<Value = Publish> {
             ext.topic = Some(topic);
             Publish::from_parts(ext, Bytes::from(body)).expect("topic extension present")
         })
+        .boxed()
 }
 
 fn message() -> impl Strategy<Value = Message> {

@@ -432,6 +432,7 @@ impl Reader<'_> {
                             overflow: s.overflow(),
                             waker: Some(Box::new(move || waker_out.notify.notify_one())),
                             seed_form: !has_extensions,
+                            max_in_flight: s.ext.max_in_flight.map(|n| n as usize),
                         },
                     );
                     SubEntry { sub, out }

@@ -255,6 +255,58 @@ async fn strict_priority_order_under_load() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// A subscription that takes one message at a time (max_in_flight 1) sees what waits behind it
+/// in strict priority order: an urgent message published after five routine ones comes next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_at_a_time_subscription_gets_the_urgent_message_next() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let opts = SubscribeOptions {
+        ack: true,
+        max_in_flight: Some(1),
+        ..SubscribeOptions::default()
+    };
+    let mut sub = client
+        .subscribe_with("alerts", &opts)
+        .await
+        .expect("subscribe");
+    let publisher = b.client().await;
+    let at = |level: u8| PublishOptions {
+        priority: Priority::new(level),
+        confirm: true,
+        ..PublishOptions::default()
+    };
+    for i in 0..5 {
+        publisher
+            .publish_with("alerts", format!("routine {i}"), &at(3))
+            .await
+            .expect("publish");
+    }
+    publisher
+        .publish_with("alerts", "disk 99%", &at(0))
+        .await
+        .expect("publish");
+    let mut got = Vec::new();
+    for _ in 0..6 {
+        let m = next(&mut sub).await;
+        got.push(String::from_utf8_lossy(m.body()).into_owned());
+        // Until this ACK arrives the broker sends nothing more.
+        m.ack().await.expect("ack");
+    }
+    assert_eq!(
+        got,
+        [
+            "routine 0",
+            "disk 99%",
+            "routine 1",
+            "routine 2",
+            "routine 3",
+            "routine 4"
+        ]
+    );
+    b.stop().await.expect("clean shutdown");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_messages_are_dropped_and_counted() {
     let b = TestBroker::start_with(|c| c.broker.max_in_flight = 1).await;
