@@ -172,7 +172,7 @@ impl Default for TransportSection {
             send_window: 16 << 20,
             socket_buffer: 4 << 20,
             initial_mtu: 1452,
-            read_buf_size: 4096,
+            read_buf_size: 1024,
         }
     }
 }

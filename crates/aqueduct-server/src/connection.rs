@@ -241,6 +241,10 @@ async fn serve_streams(
     mut confirming: Option<Confirming>,
 ) {
     let mut streams = JoinSet::new();
+    // Streams the client may open at once: raised (doubled, up to the configured maximum) when
+    // half are in use, so an idle connection keeps little per-stream state (server.rs).
+    let max_streams = shared.config.transport.max_streams_per_connection;
+    let mut allowed = crate::server::initial_streams(&shared.config.transport);
     let reason = loop {
         tokio::select! {
             _ = async { confirming.as_mut().expect("guarded").await }, if confirming.is_some() => {
@@ -249,6 +253,10 @@ async fn serve_streams(
             accepted = conn.accept_bi() => match accepted {
                 Ok((send, recv)) => {
                     streams.spawn(stream::serve(send, recv, shared.clone(), state.clone(), shutdown.clone()));
+                    if allowed < max_streams && streams.len() as u32 * 2 >= allowed {
+                        allowed = allowed.saturating_mul(2).min(max_streams);
+                        conn.set_max_concurrent_bi_streams(allowed.into());
+                    }
                 }
                 Err(e) => break e.to_string(),
             },

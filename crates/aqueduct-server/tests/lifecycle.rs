@@ -238,3 +238,30 @@ async fn flush_fails_when_the_broker_stops_before_reading_everything() {
         .expect("clean shutdown");
     drop(s);
 }
+
+/// A connection starts with a small stream allowance that the broker raises as streams are
+/// used: one client can still hold far more subscriptions (one stream each) than the initial 16.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_allowance_grows_with_use() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let mut subs = Vec::new();
+    for i in 0..100 {
+        let sub = within("a subscription", client.subscribe(&format!("many/{i}")))
+            .await
+            .expect("subscribe");
+        subs.push(sub);
+    }
+    let publisher = b.client().await;
+    for i in 0..100 {
+        publisher
+            .publish(&format!("many/{i}"), "x")
+            .await
+            .expect("publish");
+    }
+    for (i, sub) in subs.iter_mut().enumerate() {
+        assert_eq!(next(sub).await.topic().as_str(), format!("many/{i}"));
+    }
+    assert_eq!(b.stats.live_streams.load(Ordering::Relaxed), 101);
+    b.stop().await.expect("clean shutdown");
+}
