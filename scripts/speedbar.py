@@ -243,7 +243,12 @@ def main():
         # Memory: 1,000 idle connections, then 1,000 idle subscriptions on 10 connections.
         mem = b.start_aqueduct(14303, 19303)
         addr3 = "127.0.0.1:14303"
-        for what, hold_args, n in [("connection", ["--connections", "1000"], 1000), ("subscription", ["--connections", "10", "--subscriptions", "100"], 1000)]:
+        # Subscriptions on their own streams (the Rust client's default) and sharing one stream
+        # per connection (Client::subscribe_many), as nats-server's are measured: 10 x 1,000.
+        per_conn = None
+        for what, hold_args, n in [("connection", ["--connections", "1000"], 1000),
+                                   ("subscription", ["--connections", "10", "--subscriptions", "100"], 1000),
+                                   ("subscription_shared_stream", ["--connections", "10", "--subscriptions", "1000", "--per-stream", "1000"], 10000)]:
             before = rss_kib(mem.pid)
             h = subprocess.Popen([CLIENT, "--addr", addr3, "hold", *hold_args, "--seconds", "60"], env=b.client_env[14303], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             line = h.stdout.readline()
@@ -253,9 +258,11 @@ def main():
             h.kill()
             h.wait()
             per = (after - before) * 1024 / n
-            if what == "subscription":
+            if what == "connection":
+                per_conn = per
+            else:
                 # 10 connections are part of the difference; remove their share.
-                per -= 10 * rows[-1]["bytes_per"] / n
+                per -= 10 * per_conn / n
             rec = {"config": f"rss_per_{what}", "broker": "aqueduct", "rss_before_kib": before, "rss_after_kib": after, "bytes_per": per}
             rows.append(rec)
             with open(args.out, "a") as f:

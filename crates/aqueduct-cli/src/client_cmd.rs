@@ -115,9 +115,12 @@ enum Command {
         /// Connections to open.
         #[arg(long, default_value_t = 1000)]
         connections: usize,
-        /// Subscriptions per connection (each on its own stream, to hold/<n>).
+        /// Subscriptions per connection, to hold/<connection>/<n>.
         #[arg(long, default_value_t = 0)]
         subscriptions: usize,
+        /// Subscriptions per stream (default 1: a stream each); more share a stream.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+        per_stream: u64,
         /// How long to hold them.
         #[arg(long, default_value = "10s", value_parser = humantime_duration)]
         seconds: Duration,
@@ -367,6 +370,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Hold {
             connections,
             subscriptions,
+            per_stream,
             seconds,
         } => {
             let opts = connect_options(&cli)?;
@@ -374,8 +378,15 @@ async fn run(cli: Cli) -> Result<()> {
             for i in 0..*connections {
                 let c = Client::connect(opts.clone()).await?;
                 let mut subs = Vec::new();
-                for j in 0..*subscriptions {
-                    subs.push(c.subscribe(&format!("hold/{i}/{j}")).await?);
+                let filters: Vec<String> = (0..*subscriptions)
+                    .map(|j| format!("hold/{i}/{j}"))
+                    .collect();
+                for chunk in filters.chunks(*per_stream as usize) {
+                    let chunk: Vec<&str> = chunk.iter().map(String::as_str).collect();
+                    subs.push(
+                        c.subscribe_many(&chunk, &SubscribeOptions::default())
+                            .await?,
+                    );
                 }
                 held.push((c, subs));
             }

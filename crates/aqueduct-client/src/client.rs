@@ -146,10 +146,6 @@ impl Client {
         self.inner.conn.remote_address()
     }
 
-    pub(crate) fn next_id(&self) -> u32 {
-        self.inner.next_id.fetch_add(1, Ordering::Relaxed)
-    }
-
     /// Publish `body` to `topic` (priority 2, no TTL, no confirmation).
     pub async fn publish(
         &self,
@@ -213,75 +209,140 @@ impl Client {
         filter: &str,
         opts: &SubscribeOptions,
     ) -> Result<Subscription, ClientError> {
-        let filter = TopicFilter::try_from(filter).map_err(|source| ClientError::InvalidName {
-            what: "topic filter",
-            source,
-        })?;
-        let group = opts
-            .group
-            .as_deref()
-            .map(GroupId::try_from)
-            .transpose()
-            .map_err(|source| ClientError::InvalidName {
-                what: "group id",
-                source,
-            })?;
-        let durable = match &opts.durable {
-            Some((name, offset)) => Some(Durable {
-                consumer: ConsumerId::try_from(name.as_str()).map_err(|source| {
-                    ClientError::InvalidName {
-                        what: "consumer id",
-                        source,
-                    }
-                })?,
-                offset: *offset,
-            }),
-            None => None,
+        self.subscribe_many(&[filter], opts).await
+    }
+
+    /// Subscribe to several filters on one QUIC stream: one [`Subscription`] yields the messages
+    /// of all of them (each [`crate::Message`] settles with its own subscription). Cheaper for
+    /// the broker than a stream per filter when a client holds very many subscriptions. Returns
+    /// once the broker has confirmed every one; if it refuses one, the error is returned and
+    /// none stays subscribed.
+    pub async fn subscribe_many(
+        &self,
+        filters: &[&str],
+        opts: &SubscribeOptions,
+    ) -> Result<Subscription, ClientError> {
+        let spec = |filter: &str| -> Result<Subscribe, ClientError> {
+            let filter =
+                TopicFilter::try_from(filter).map_err(|source| ClientError::InvalidName {
+                    what: "topic filter",
+                    source,
+                })?;
+            let group = opts
+                .group
+                .as_deref()
+                .map(GroupId::try_from)
+                .transpose()
+                .map_err(|source| ClientError::InvalidName {
+                    what: "group id",
+                    source,
+                })?;
+            let durable = match &opts.durable {
+                Some((name, offset)) => Some(Durable {
+                    consumer: ConsumerId::try_from(name.as_str()).map_err(|source| {
+                        ClientError::InvalidName {
+                            what: "consumer id",
+                            source,
+                        }
+                    })?,
+                    offset: *offset,
+                }),
+                None => None,
+            };
+            let mut sub = Subscribe::new(SubscribeSpec {
+                filter,
+                group,
+                durable,
+            });
+            sub.ext.confirm = true;
+            sub.ext.ack_mode = opts.ack.then_some(AckMode::Explicit);
+            sub.ext.overflow = opts.overflow;
+            sub.ext.max_in_flight = opts.max_in_flight;
+            Ok(sub)
         };
-        let mut sub = Subscribe::new(SubscribeSpec {
-            filter: filter.clone(),
-            group,
-            durable,
-        });
-        sub.ext.confirm = true;
-        sub.ext.ack_mode = opts.ack.then_some(AckMode::Explicit);
-        sub.ext.overflow = opts.overflow;
-        sub.ext.max_in_flight = opts.max_in_flight;
-        let id = self.next_id();
+        let subs = filters
+            .iter()
+            .map(|f| spec(f))
+            .collect::<Result<Vec<_>, _>>()?;
+        if subs.is_empty() {
+            return Err(ClientError::InvalidName {
+                what: "topic filter",
+                source: aqueduct_proto::TopicError::Empty,
+            });
+        }
+        // Consecutive ids: a delivery's stream id then tells its subscription by subtraction.
+        let first = self
+            .inner
+            .next_id
+            .fetch_add(subs.len() as u32, Ordering::Relaxed);
         let (mut send, recv) = self
             .inner
             .conn
             .open_bi()
             .await
             .map_err(|e| crate::error::connection_error(&e))?;
-        send.write_all(&Frame::new(id, Wire::Subscribe(sub)).to_bytes())
+        let mut bytes = bytes::BytesMut::new();
+        let mut specs = Vec::with_capacity(subs.len());
+        for (i, sub) in subs.into_iter().enumerate() {
+            specs.push(sub.spec.filter.clone());
+            Frame::new(first.wrapping_add(i as u32), Wire::Subscribe(sub)).encode(&mut bytes);
+        }
+        send.write_all(&bytes)
             .await
             .map_err(|e| crate::error::write_error(&e))?;
+        let send = Arc::new(tokio::sync::Mutex::new(send));
+        let handles: Vec<Arc<SubHandle>> = specs
+            .into_iter()
+            .enumerate()
+            .map(|(i, filter)| {
+                Arc::new(SubHandle::new(
+                    first.wrapping_add(i as u32),
+                    filter,
+                    send.clone(),
+                ))
+            })
+            .collect();
         let mut reader = FrameReader::new(recv);
-        match reader.next().await? {
-            Some(Frame {
-                message: Wire::Confirm(_),
-                ..
-            }) => {}
-            Some(Frame {
-                message: Wire::Error(e),
-                ..
-            }) => {
-                return Err(ClientError::Broker {
-                    code: e.code,
-                    reason: e.reason,
-                })
+        // One CONFIRM or ERROR per SUBSCRIBE, in order. A CONFIRM precedes its own
+        // subscription's deliveries, but with several subscriptions a delivery of one confirmed
+        // already may come before the next CONFIRM: it is kept for the application.
+        let mut confirmed = 0;
+        let mut early = std::collections::VecDeque::new();
+        while confirmed < handles.len() {
+            match reader.next().await? {
+                Some(Frame {
+                    message: Wire::Confirm(_),
+                    ..
+                }) => confirmed += 1,
+                Some(Frame {
+                    message: Wire::Error(e),
+                    ..
+                }) => {
+                    return Err(ClientError::Broker {
+                        code: e.code,
+                        reason: e.reason,
+                    })
+                }
+                Some(
+                    frame @ Frame {
+                        message: Wire::Publish(_),
+                        ..
+                    },
+                ) if confirmed > 0 => {
+                    let index = frame.stream_id.wrapping_sub(first) as usize;
+                    let handle = handles.get(index).unwrap_or(&handles[0]);
+                    early.extend(crate::subscription::item(frame, handle));
+                }
+                Some(other) => {
+                    return Err(ClientError::Connection(format!(
+                        "expected CONFIRM for SUBSCRIBE, got {:?}",
+                        other.message.opcode()
+                    )))
+                }
+                None => return Err(ClientError::Closed),
             }
-            Some(other) => {
-                return Err(ClientError::Connection(format!(
-                    "expected CONFIRM for SUBSCRIBE, got {:?}",
-                    other.message.opcode()
-                )))
-            }
-            None => return Err(ClientError::Closed),
         }
-        let handle = Arc::new(SubHandle::new(id, filter, send));
-        Ok(Subscription::start(handle, reader))
+        Subscription::start(handles, reader, early).ok_or(ClientError::Closed)
     }
 
     /// Wait until the broker has read everything published so far on the default publish

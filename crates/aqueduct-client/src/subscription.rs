@@ -20,16 +20,17 @@ use crate::reader::FrameReader;
 pub(crate) struct SubHandle {
     id: u32,
     filter: TopicFilter,
-    send: tokio::sync::Mutex<quinn::SendStream>,
+    /// Shared by every subscription made on the same stream.
+    send: Arc<tokio::sync::Mutex<quinn::SendStream>>,
 }
 
 impl SubHandle {
-    pub(crate) fn new(id: u32, filter: TopicFilter, send: quinn::SendStream) -> Self {
-        SubHandle {
-            id,
-            filter,
-            send: tokio::sync::Mutex::new(send),
-        }
+    pub(crate) fn new(
+        id: u32,
+        filter: TopicFilter,
+        send: Arc<tokio::sync::Mutex<quinn::SendStream>>,
+    ) -> Self {
+        SubHandle { id, filter, send }
     }
 
     async fn send(&self, message: Wire) -> Result<(), ClientError> {
@@ -144,7 +145,13 @@ impl Message {
 /// subscription's backpressure policy applies there.
 pub struct Subscription {
     reader: FrameReader,
+    /// The first (usually the only) subscription delivered on this stream.
     handle: Arc<SubHandle>,
+    /// Further subscriptions on the same stream ([`crate::Client::subscribe_many`]), with
+    /// consecutive ids after `handle`'s.
+    more: Vec<Arc<SubHandle>>,
+    /// Deliveries that arrived while later SUBSCRIBEs of the stream were being confirmed.
+    early: std::collections::VecDeque<Result<Message, ClientError>>,
     /// The previous delivery's topic, shared with the next one when it is the same.
     last_topic: Option<TopicName>,
     /// The stream ended (or failed): nothing more comes.
@@ -162,13 +169,30 @@ impl std::fmt::Debug for Subscription {
 }
 
 impl Subscription {
-    pub(crate) fn start(handle: Arc<SubHandle>, reader: FrameReader) -> Subscription {
-        Subscription {
+    pub(crate) fn start(
+        handles: Vec<Arc<SubHandle>>,
+        reader: FrameReader,
+        early: std::collections::VecDeque<Result<Message, ClientError>>,
+    ) -> Option<Subscription> {
+        let mut handles = handles.into_iter();
+        let handle = handles.next()?;
+        Some(Subscription {
             reader,
             handle,
+            more: handles.collect(),
+            early,
             last_topic: None,
             ended: false,
             unsubscribed: false,
+        })
+    }
+
+    /// The subscription a delivery with this `stream_id` belongs to.
+    fn handle_for(&self, stream_id: u32) -> &Arc<SubHandle> {
+        let index = stream_id.wrapping_sub(self.handle.id) as usize;
+        match index.checked_sub(1).and_then(|i| self.more.get(i)) {
+            Some(h) => h,
+            None => &self.handle,
         }
     }
 
@@ -193,19 +217,28 @@ impl Subscription {
     }
 
     fn poll_item(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message, ClientError>>> {
+        if let Some(early) = self.early.pop_front() {
+            return Poll::Ready(Some(early));
+        }
         loop {
             if self.ended {
                 return Poll::Ready(None);
             }
             match self.reader.try_next_raw() {
                 Ok(Some((header, data))) => {
-                    let Some(it) = fast_item(&header, data, &self.handle, &mut self.last_topic)
-                    else {
+                    let handle = if self.more.is_empty() {
+                        &self.handle
+                    } else {
+                        self.handle_for(header.stream_id)
+                    };
+                    let handle = handle.clone();
+                    let Some(it) = fast_item(&header, data, &handle, &mut self.last_topic) else {
                         continue;
                     };
-                    // The broker closes a slow consumer's subscription after this error.
-                    self.ended =
-                        matches!(&it, Err(e) if e.code() == Some(ErrorCode::SLOW_CONSUMER));
+                    // The broker closes a slow consumer's subscription after this error (the
+                    // stream's other subscriptions, if any, go on).
+                    self.ended = self.more.is_empty()
+                        && matches!(&it, Err(e) if e.code() == Some(ErrorCode::SLOW_CONSUMER));
                     return Poll::Ready(Some(it));
                 }
                 Ok(None) => match self.reader.poll_read_more(cx) {
@@ -228,17 +261,28 @@ impl Subscription {
     /// Unsubscribe and wait until the request is sent.
     pub async fn unsubscribe(mut self) -> Result<(), ClientError> {
         self.unsubscribed = true;
-        unsubscribe(&self.handle).await
+        unsubscribe(self.all_handles()).await
+    }
+
+    fn all_handles(&self) -> Vec<Arc<SubHandle>> {
+        std::iter::once(self.handle.clone())
+            .chain(self.more.iter().cloned())
+            .collect()
     }
 }
 
-async fn unsubscribe(handle: &SubHandle) -> Result<(), ClientError> {
-    let u = Unsubscribe {
-        filter: handle.filter.clone(),
-        ext: Extensions::default(),
-    };
-    handle.send(Wire::Unsubscribe(u)).await?;
-    let _ = handle.send.lock().await.finish();
+/// UNSUBSCRIBE every subscription of the stream, then finish it.
+async fn unsubscribe(handles: Vec<Arc<SubHandle>>) -> Result<(), ClientError> {
+    for handle in &handles {
+        let u = Unsubscribe {
+            filter: handle.filter.clone(),
+            ext: Extensions::default(),
+        };
+        handle.send(Wire::Unsubscribe(u)).await?;
+    }
+    if let Some(h) = handles.first() {
+        let _ = h.send.lock().await.finish();
+    }
     Ok(())
 }
 
@@ -247,10 +291,10 @@ impl Drop for Subscription {
         if self.unsubscribed {
             return;
         }
-        let handle = self.handle.clone();
+        let handles = self.all_handles();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let _ = unsubscribe(&handle).await;
+                let _ = unsubscribe(handles).await;
             });
         }
     }
@@ -265,7 +309,7 @@ impl Stream for Subscription {
 }
 
 /// What one frame means to the application; `None` for frames it does not see.
-fn item(frame: Frame, handle: &Arc<SubHandle>) -> Option<Result<Message, ClientError>> {
+pub(crate) fn item(frame: Frame, handle: &Arc<SubHandle>) -> Option<Result<Message, ClientError>> {
     match frame.message {
         Wire::Publish(p) => Some(Ok(Message::from_wire(p, handle))),
         Wire::Error(e) => Some(Err(ClientError::Broker {

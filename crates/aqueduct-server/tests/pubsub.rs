@@ -473,3 +473,54 @@ async fn dropping_a_subscription_unsubscribes() {
     .await;
     b.stop().await.expect("clean shutdown");
 }
+
+/// Several subscriptions on one stream: one `Subscription` yields the messages of all of them,
+/// and each message settles with its own subscription.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_subscriptions_share_one_stream() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let opts = SubscribeOptions {
+        ack: true,
+        ..SubscribeOptions::default()
+    };
+    let mut sub = client
+        .subscribe_many(&["a", "b/+", "c"], &opts)
+        .await
+        .expect("subscribe");
+    assert_eq!(b.broker.subscriber_count(), 3);
+    assert_eq!(
+        b.stats
+            .live_streams
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    let publisher = b.client().await;
+    for topic in ["c", "b/1", "a"] {
+        publisher
+            .publish_with(topic, topic, &confirm())
+            .await
+            .expect("publish");
+    }
+    let mut got = BTreeSet::new();
+    for _ in 0..3 {
+        let m = next(&mut sub).await;
+        assert_eq!(m.topic().as_str().as_bytes(), m.body().as_ref());
+        m.ack().await.expect("ack");
+        got.insert(m.topic().to_string());
+    }
+    assert_eq!(got, BTreeSet::from(["a".into(), "b/1".into(), "c".into()]));
+    until("every delivery settled", || {
+        b.broker.subscribers().iter().all(|s| s.in_flight() == 0)
+    })
+    .await;
+    // A refused filter refuses the whole call.
+    let err = client
+        .subscribe_many(&["ok", "bad/#/x"], &opts)
+        .await
+        .expect_err("invalid filter");
+    assert!(err.to_string().contains("filter"), "{err}");
+    sub.unsubscribe().await.expect("unsubscribe");
+    until("all gone", || b.broker.subscriber_count() == 0).await;
+    b.stop().await.expect("clean shutdown");
+}
