@@ -376,6 +376,12 @@ fn pub_and_sub_against_a_real_broker_then_sigterm() {
         ["orders/eu #0 p0: hello", "orders/us #0 p2: world"]
     );
 
+    // A refused name is explained once, not once per layer of the error chain.
+    let out = run_client(home.path(), &["--addr", &addr, "pub", "orders/#/x", "y"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.matches("'#'").count(), 1, "{err}");
+
     // A host that is not local is not trusted on the dev certificate.
     let out = Command::new(CLIENT)
         .args(["--addr", "192.0.2.1:4242", "pub", "t", "x"])

@@ -177,7 +177,7 @@ async fn errors(client: &Client) -> anyhow::Result<()> {
 
     // Refused by the client itself, before anything is sent: `#` must be the last level.
     match client.subscribe("orders/#/eu").await {
-        Err(ClientError::InvalidName { what, source }) => println!("invalid {what}: {source}"),
+        Err(ClientError::InvalidName { what, reason }) => println!("invalid {what}: {reason}"),
         other => anyhow::bail!("expected an invalid filter, got {other:?}"),
     }
 

@@ -226,7 +226,7 @@ impl Client {
             let filter =
                 TopicFilter::try_from(filter).map_err(|source| ClientError::InvalidName {
                     what: "topic filter",
-                    source,
+                    reason: source,
                 })?;
             let group = opts
                 .group
@@ -235,14 +235,14 @@ impl Client {
                 .transpose()
                 .map_err(|source| ClientError::InvalidName {
                     what: "group id",
-                    source,
+                    reason: source,
                 })?;
             let durable = match &opts.durable {
                 Some((name, offset)) => Some(Durable {
                     consumer: ConsumerId::try_from(name.as_str()).map_err(|source| {
                         ClientError::InvalidName {
                             what: "consumer id",
-                            source,
+                            reason: source,
                         }
                     })?,
                     offset: *offset,
@@ -267,7 +267,7 @@ impl Client {
         if subs.is_empty() {
             return Err(ClientError::InvalidName {
                 what: "topic filter",
-                source: aqueduct_proto::TopicError::Empty,
+                reason: aqueduct_proto::TopicError::Empty,
             });
         }
         // Consecutive ids: a delivery's stream id then tells its subscription by subtraction.

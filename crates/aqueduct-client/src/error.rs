@@ -35,12 +35,12 @@ pub enum ClientError {
     /// The broker answered with an ERROR frame.
     #[error("broker error {code}: {reason}")]
     Broker { code: ErrorCode, reason: String },
-    #[error("invalid {what}: {source}")]
+    #[error("invalid {what}: {reason}")]
     InvalidName {
         what: &'static str,
-        // Shown in the message above, so not also reported as a source (which would print it
-        // twice in an error chain).
-        source: TopicError,
+        // Not named `source`: it is shown in the message above, and as an error source too it
+        // would be printed twice in an error chain.
+        reason: TopicError,
     },
     #[error("the broker sent an invalid frame: {0}")]
     Protocol(ProtoError),

@@ -49,7 +49,7 @@ struct Stream {
 pub(crate) fn topic(name: &str) -> Result<TopicName, ClientError> {
     TopicName::try_from(name).map_err(|source| ClientError::InvalidName {
         what: "topic name",
-        source,
+        reason: source,
     })
 }
 

@@ -133,7 +133,7 @@ impl<'a> Iterator for BatchIter<'a> {
                 Some(Err(ProtoError::BadBatchEntry {
                     index,
                     offset,
-                    source: Box::new(source),
+                    reason: Box::new(source),
                 }))
             }
         }

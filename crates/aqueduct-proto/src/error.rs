@@ -57,12 +57,12 @@ pub enum ProtoError {
     #[error("extension 0x{ext_type:02x} appears more than once")]
     DuplicateExtension { ext_type: u8 },
     /// A topic name or filter (or group / consumer id) failed validation.
-    #[error("invalid {what}: {source}")]
+    #[error("invalid {what}: {reason}")]
     InvalidTopic {
         what: &'static str,
-        // Shown in the message above, so not also reported as a source (which would print it
-        // twice in an error chain).
-        source: TopicError,
+        // Not named `source`: it is shown in the message above, and as an error source too it
+        // would be printed twice in an error chain.
+        reason: TopicError,
     },
     /// A SUBSCRIBE / UNSUBSCRIBE payload does not follow the grammar.
     #[error("malformed subscribe payload: {problem}")]
@@ -75,13 +75,13 @@ pub enum ProtoError {
         len: usize,
     },
     /// A sub-frame inside a PUBLISH_BATCH is invalid.
-    #[error("batch sub-frame {index} at byte {offset}: {source}")]
+    #[error("batch sub-frame {index} at byte {offset}: {reason}")]
     BadBatchEntry {
         index: usize,
         offset: usize,
-        // Shown in the message above, so not also reported as a source (which would print it
-        // twice in an error chain).
-        source: Box<ProtoError>,
+        // Not named `source`: it is shown in the message above, and as an error source too it
+        // would be printed twice in an error chain.
+        reason: Box<ProtoError>,
     },
 }
 
@@ -206,7 +206,7 @@ mod tests {
         let err = ProtoError::BadBatchEntry {
             index: 3,
             offset: 40,
-            source: Box::new(ProtoError::BadMagic { found: 0 }),
+            reason: Box::new(ProtoError::BadMagic { found: 0 }),
         };
         assert_eq!(err.code(), ErrorCode::BAD_BATCH);
         assert!(ErrorCode::ALL.contains(&err.code()));

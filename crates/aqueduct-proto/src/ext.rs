@@ -216,7 +216,7 @@ fn decode_entry<'a>(
     let topic = |v| {
         TopicRef::new(v).map_err(|source| ProtoError::InvalidTopic {
             what: TopicName::WHAT,
-            source,
+            reason: source,
         })
     };
     Ok(Some(match ty {

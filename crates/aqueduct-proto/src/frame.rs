@@ -226,7 +226,7 @@ fn legacy_target(payload: &[u8]) -> Result<(TopicRef<'_>, usize, Option<u32>), P
     }
     let topic = TopicRef::new(&payload[start..]).map_err(|source| ProtoError::InvalidTopic {
         what: "legacy topic payload",
-        source,
+        reason: source,
     })?;
     Ok((topic, start, ttl))
 }
@@ -398,7 +398,7 @@ impl PublishBatch {
                     return Err(ProtoError::BadBatchEntry {
                         index: count,
                         offset: sub.offset,
-                        source: Box::new(source),
+                        reason: Box::new(source),
                     })
                 }
             }

@@ -36,7 +36,10 @@ fn bad(problem: &'static str) -> ProtoError {
 }
 
 fn invalid(what: &'static str) -> impl Fn(TopicError) -> ProtoError {
-    move |source| ProtoError::InvalidTopic { what, source }
+    move |source| ProtoError::InvalidTopic {
+        what,
+        reason: source,
+    }
 }
 
 /// Split `topic:<filter>` off the payload, returning the filter's byte range end.
