@@ -315,20 +315,17 @@ impl Client {
                     ..
                 }) => confirmed += 1,
                 Some(Frame {
+                    stream_id,
                     message: Wire::Error(e),
                     ..
-                }) => {
+                }) if (stream_id.wrapping_sub(first) as usize) >= confirmed => {
                     return Err(ClientError::Broker {
                         code: e.code,
                         reason: e.reason,
                     })
                 }
-                Some(
-                    frame @ Frame {
-                        message: Wire::Publish(_),
-                        ..
-                    },
-                ) if confirmed > 0 => {
+                // A delivery, or an ERROR, of a subscription confirmed already.
+                Some(frame) if confirmed > 0 && !matches!(frame.message, Wire::Confirm(_)) => {
                     let index = frame.stream_id.wrapping_sub(first) as usize;
                     let handle = handles.get(index).unwrap_or(&handles[0]);
                     early.extend(crate::subscription::item(frame, handle));

@@ -152,6 +152,8 @@ pub struct Subscription {
     more: Vec<Arc<SubHandle>>,
     /// Deliveries that arrived while later SUBSCRIBEs of the stream were being confirmed.
     early: std::collections::VecDeque<Result<Message, ClientError>>,
+    /// Subscriptions of this stream the broker closed (slow consumers).
+    closed_ids: Vec<u32>,
     /// The previous delivery's topic, shared with the next one when it is the same.
     last_topic: Option<TopicName>,
     /// The stream ended (or failed): nothing more comes.
@@ -181,6 +183,7 @@ impl Subscription {
             handle,
             more: handles.collect(),
             early,
+            closed_ids: Vec::new(),
             last_topic: None,
             ended: false,
             unsubscribed: false,
@@ -235,10 +238,14 @@ impl Subscription {
                     let Some(it) = fast_item(&header, data, &handle, &mut self.last_topic) else {
                         continue;
                     };
-                    // The broker closes a slow consumer's subscription after this error (the
-                    // stream's other subscriptions, if any, go on).
-                    self.ended = self.more.is_empty()
-                        && matches!(&it, Err(e) if e.code() == Some(ErrorCode::SLOW_CONSUMER));
+                    // The broker closes a slow consumer's subscription after this error; the
+                    // stream's other subscriptions, if any, go on until they are closed too.
+                    if matches!(&it, Err(e) if e.code() == Some(ErrorCode::SLOW_CONSUMER))
+                        && !self.closed_ids.contains(&header.stream_id)
+                    {
+                        self.closed_ids.push(header.stream_id);
+                        self.ended = self.closed_ids.len() > self.more.len();
+                    }
                     return Poll::Ready(Some(it));
                 }
                 Ok(None) => match self.reader.poll_read_more(cx) {

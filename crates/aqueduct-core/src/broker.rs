@@ -217,8 +217,8 @@ struct Routes {
 
 impl Routes {
     /// Take `sub` out of the index (and out of its group, dropping the group when it was the
-    /// last member). Idempotent.
-    fn unroute(&mut self, sub: &Subscriber) {
+    /// last member, unless `keep_group`). Idempotent.
+    fn unroute(&mut self, sub: &Subscriber, keep_group: bool) {
         match sub.group() {
             Some(shared) => {
                 let mut empty = false;
@@ -232,7 +232,7 @@ impl Routes {
                         }
                     }
                 }
-                if empty {
+                if empty && !keep_group {
                     self.index.remove_where(
                         sub.filter(),
                         |r| matches!(r, Route::Group(g) if Arc::ptr_eq(&g.shared, shared)),
@@ -397,14 +397,25 @@ impl Broker {
     /// the other members of its group (a plain subscription's are dropped and counted), and its
     /// in-flight deliveries stay to be settled — by ACK/NACK, the ack-wait timer, or
     /// [`unsubscribe`](Self::unsubscribe) when its stream ends.
+    ///
+    /// A group left without members keeps its entry (and its state: the committed offset), so a
+    /// member that joins meanwhile joins the same group and gets the detached member's
+    /// redeliveries; a group with no members takes no messages.
     pub fn detach(&self, ctx: &mut PublishContext, sub: &Arc<Subscriber>, now: Instant) {
-        self.write_routes().unroute(sub);
-        for d in sub.take_queued() {
+        self.write_routes().unroute(sub, true);
+        for d in sub.detach() {
             match sub.group() {
                 Some(g) => self.hand_to_group(ctx, g, d, Some(sub.id()), now),
                 None => d.topic.stats().dropped(DropReason::Unsubscribed),
             }
         }
+    }
+
+    /// Route nothing more to `sub`, leaving what is queued for it to be drained (a plain
+    /// subscription whose client finished its stream: the broker sends what was queued, then
+    /// ends it with [`unsubscribe`](Self::unsubscribe)).
+    pub fn stop_routing(&self, sub: &Subscriber) {
+        self.write_routes().unroute(sub, false);
     }
 
     /// Close a subscription as a slow consumer, as the disconnect policy does on overflow: for a
@@ -430,7 +441,7 @@ impl Broker {
             if routes.subscribers.remove(&sub.id()).is_none() {
                 return false; // already removed
             }
-            routes.unroute(sub);
+            routes.unroute(sub, false);
         }
         let (queued, in_flight) = sub.close(reason);
         let drop_reason = match reason {

@@ -153,6 +153,8 @@ struct State {
     /// Publishers held by a full queue under the block policy, woken once it has drained to
     /// [`Subscriber::resume_at`].
     held: Vec<std::task::Waker>,
+    /// Its client stopped reading: nothing more is queued (see [`crate::Broker::detach`]).
+    detached: bool,
 }
 
 /// A subscription.
@@ -340,7 +342,7 @@ impl Subscriber {
         let mut wake = false;
         {
             let mut st = self.lock();
-            if st.closed.is_some() {
+            if st.closed.is_some() || st.detached {
                 refused.extend(items);
                 return Enqueued::Refused(Refused::Closed);
             }
@@ -464,7 +466,7 @@ impl Subscriber {
     /// queue has drained to half its capacity, or the subscriber is closed.
     pub fn poll_room(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
         let mut st = self.lock();
-        if st.closed.is_some() || st.queue.len() <= self.resume_at() {
+        if st.closed.is_some() || st.detached || st.queue.len() <= self.resume_at() {
             return std::task::Poll::Ready(());
         }
         if !st.held.iter().any(|w| w.will_wake(cx.waker())) {
@@ -537,9 +539,11 @@ impl Subscriber {
         out
     }
 
-    /// Take everything queued (not in flight), leaving the subscriber open.
-    pub(crate) fn take_queued(&self) -> Vec<Delivery> {
+    /// Detach: take everything queued (not in flight) and refuse anything more, as if closed,
+    /// while in-flight deliveries can still be settled.
+    pub(crate) fn detach(&self) -> Vec<Delivery> {
         let mut st = self.lock();
+        st.detached = true;
         let queued = st.queue.take_all();
         self.note_lengths(&st);
         std::mem::take(&mut st.held)

@@ -1028,3 +1028,24 @@ fn seed_style_group_members_settle_on_delivery() {
     // The frames are the seed's: bare PUBLISH, the body as the payload.
     assert_eq!(&out[..11], &[0x1F, 0x01, 0, 0, 0, 0, 1, 0, 0, 0, b'0']);
 }
+
+/// Detaching the only member keeps its group: a member that joins meanwhile gets the detached
+/// member's redeliveries (not dropped), and nothing new is queued for the detached one.
+#[test]
+fn a_detached_only_member_hands_its_redeliveries_to_a_new_member() {
+    let b = Broker::new(BrokerConfig::default());
+    let mut ctx = PublishContext::default();
+    let t0 = Instant::now();
+    let a = sub(&b, "topic:jobs:group:w");
+    publish(&b, &mut ctx, "jobs", "job", t0);
+    assert_eq!(drain_all(&b, &a, t0).len(), 1);
+    b.detach(&mut ctx, &a, t0);
+    let newcomer = sub(&b, "topic:jobs:group:w");
+    assert_eq!(b.groups().len(), 1, "the same group");
+    // A's delivery times out: it goes to the newcomer, as attempt 2.
+    let later = t0 + BrokerConfig::default().ack_wait + Duration::from_millis(1);
+    assert_eq!(b.expire_in_flight(&mut ctx, &a, later), 1);
+    let got = drain_all(&b, &newcomer, later);
+    assert_eq!((got.len(), got[0].attempt), (1, 2));
+    assert_eq!(a.queued(), 0);
+}

@@ -141,7 +141,9 @@ pub struct TransportSection {
     pub max_connections: u64,
     pub idle_timeout: String,
     pub handshake_timeout: String,
-    pub keep_alive_interval: String,
+    /// Unset: 10 s, or a third of `idle_timeout` if that is shorter.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keep_alive_interval: Option<String>,
     /// Per-stream receive window, bytes.
     pub stream_receive_window: u64,
     /// Per-connection receive window, bytes.
@@ -166,7 +168,7 @@ impl Default for TransportSection {
             max_connections: 10_000,
             idle_timeout: "30s".into(),
             handshake_timeout: "10s".into(),
-            keep_alive_interval: "10s".into(),
+            keep_alive_interval: None,
             stream_receive_window: 4 << 20,
             receive_window: 16 << 20,
             send_window: 16 << 20,
@@ -697,6 +699,17 @@ fn parse_duration(key: &'static str, s: &str) -> Result<Duration, ConfigError> {
     })
 }
 
+/// The keep-alive when none is configured: 10 s, or a third of the idle timeout if that is
+/// shorter, so that an idle but healthy client is never dropped.
+fn default_keep_alive(idle: Duration) -> Duration {
+    const KEEP_ALIVE: Duration = Duration::from_secs(10);
+    if idle.is_zero() {
+        KEEP_ALIVE
+    } else {
+        KEEP_ALIVE.min(idle / 3)
+    }
+}
+
 /// The coalescing window: at most [`MAX_FLUSH_INTERVAL`], since every message on a busy stream
 /// may wait that long.
 fn parse_flush_interval(s: &str) -> Result<Duration, ConfigError> {
@@ -825,10 +838,12 @@ impl RawConfig {
                 as usize,
             idle_timeout: parse_duration("transport.idle_timeout", &t.idle_timeout)?,
             handshake_timeout: parse_duration("transport.handshake_timeout", &t.handshake_timeout)?,
-            keep_alive_interval: parse_duration(
-                "transport.keep_alive_interval",
-                &t.keep_alive_interval,
-            )?,
+            keep_alive_interval: match &t.keep_alive_interval {
+                Some(k) => parse_duration("transport.keep_alive_interval", k)?,
+                None => {
+                    default_keep_alive(parse_duration("transport.idle_timeout", &t.idle_timeout)?)
+                }
+            },
             stream_receive_window: range(
                 "transport.stream_receive_window",
                 t.stream_receive_window,
@@ -844,8 +859,8 @@ impl RawConfig {
             send_window: range("transport.send_window", t.send_window, 16 << 10, 1 << 32)?,
             socket_buffer: range("transport.socket_buffer", t.socket_buffer, 0, 1 << 30)? as usize,
             initial_mtu: range("transport.initial_mtu", t.initial_mtu, 1200, 65527)? as u16,
-            read_buf_size: range("transport.read_buf_size", t.read_buf_size, 64, 64 << 10)?
-                as usize,
+            // Above 64 KiB it is the same as 64 KiB (the largest read chunk).
+            read_buf_size: range("transport.read_buf_size", t.read_buf_size, 64, 1 << 30)? as usize,
         };
         if !transport.idle_timeout.is_zero()
             && !transport.keep_alive_interval.is_zero()

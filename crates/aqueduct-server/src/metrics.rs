@@ -3,9 +3,10 @@
 //! Nothing here runs per message: the core counts into per-topic atomics it already holds
 //! (`TopicStats`), the server into `ServerStats`; a scrape walks them and renders text format
 //! 0.0.4. Topic label values are bounded: the first `metrics.max_topic_labels` topics seen by a
-//! scrape keep their own label forever, every later topic is counted under
-//! `topic="__other__"` — so a client cannot grow the metrics without bound, and every series
-//! stays monotonic.
+//! scrape keep their own label, every later topic is counted under `topic="__other__"` — so a
+//! client cannot grow the metrics without bound. A topic the broker evicted (idle, no
+//! subscriber) loses its series and its counts continue under `__other__`, so the sum over all
+//! series never goes down; its label slot goes to a later topic once all slots are taken.
 
 use std::collections::HashSet;
 use std::fmt::Write as _;
@@ -78,6 +79,13 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
     let mut other_seen = false;
     let labelled_set = {
         let mut set = labels.labelled.lock().unwrap_or_else(|e| e.into_inner());
+        // Topics the broker evicted give their label back (their counts continue under
+        // `__other__`), so label slots are not held by names that no longer exist.
+        if set.len() >= max {
+            let live: std::collections::HashSet<&aqueduct_proto::TopicName> =
+                topics.iter().map(|t| t.name()).collect();
+            set.retain(|name| live.contains(name));
+        }
         for t in &topics {
             if !set.contains(t.name()) && set.len() < max {
                 set.insert(t.name().clone());

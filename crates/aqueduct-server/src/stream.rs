@@ -53,6 +53,9 @@ pub(crate) struct StreamOut {
     aborted: AtomicBool,
     /// The reader was stopped by shutdown before the client finished the stream.
     interrupted: AtomicBool,
+    /// A SLOW_CONSUMER ERROR is in the writer's buffer, not yet accepted by QUIC: if its write
+    /// blocks on flow control, the stream is reset with that code instead.
+    slow_error_pending: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -72,6 +75,9 @@ impl StreamOut {
     pub(crate) fn abort(&self) {
         self.aborted.store(true, Ordering::Release);
         self.notify.notify_one();
+        // A reader waiting for unread replies to be flushed must see it too: nothing will flush
+        // them any more.
+        self.flushed.notify_waiters();
     }
 }
 
@@ -155,6 +161,14 @@ fn detach_subscriptions(shared: &Shared, out: &StreamOut) {
     ctx.clear_held();
 }
 
+/// Route nothing more to the subscriptions delivered on this stream; what is queued for them
+/// stays, for the writer's final flush.
+fn stop_routing(shared: &Shared, out: &StreamOut) {
+    for sub in lock(&out.subs).iter() {
+        shared.broker.stop_routing(sub);
+    }
+}
+
 /// Serve one stream until both directions are done. The reader and the writer run in this one
 /// task (no detached writer), so aborting the task with its connection stops both, and the
 /// guard still ends the stream's subscriptions.
@@ -185,9 +199,11 @@ pub(crate) async fn serve(
         match end {
             ReadEnd::Finished => {
                 // Closing the sending side ends the stream's subscriptions: acknowledged ones
-                // (group members, explicit ACK) at once, as an UNSUBSCRIBE would (a group member's
-                // messages go to the other members); plain ones after the writer has sent what is queued.
+                // (group members, explicit ACK) at once, as an UNSUBSCRIBE would (a group
+                // member's messages go to the other members); plain ones get nothing new and
+                // end after the writer has sent what was queued.
                 end_subscriptions(&shared, &conn, &out, |s| s.ack_mode() == AckMode::Explicit);
+                stop_routing(&shared, &out);
                 out.reader_done.store(true, Ordering::Release);
                 out.notify.notify_one();
             }
@@ -580,6 +596,7 @@ fn fill(out: &StreamOut, shared: &Shared, buf: &mut BytesMut, budget: usize) {
         if sub.close_reason() == Some(CloseReason::SlowConsumer) {
             warn!(filter = %sub.filter(), stream_id = sub.stream_id(), "slow consumer disconnected");
             shared.stats.error_sent(ErrorCode::SLOW_CONSUMER);
+            out.slow_error_pending.store(true, Ordering::Release);
             Frame::new(
                 sub.stream_id(),
                 Message::Error(ErrorFrame {
@@ -603,12 +620,15 @@ fn fill(out: &StreamOut, shared: &Shared, buf: &mut BytesMut, budget: usize) {
 }
 
 /// Completes when a subscription on this stream has been closed as a slow consumer.
+/// Completes when a subscription on this stream has been closed as a slow consumer, or when
+/// the write in progress carries the ERROR of one closed earlier.
 async fn slow_consumer_closed(out: &StreamOut) {
     loop {
         let notified = out.notify.notified();
-        let slow = lock(&out.subs)
-            .iter()
-            .any(|s| s.is_closed() && s.close_reason() == Some(CloseReason::SlowConsumer));
+        let slow = out.slow_error_pending.load(Ordering::Acquire)
+            || lock(&out.subs)
+                .iter()
+                .any(|s| s.is_closed() && s.close_reason() == Some(CloseReason::SlowConsumer));
         if slow {
             return;
         }
@@ -689,6 +709,9 @@ async fn write_loop(
         let chunk = buf.split().freeze();
         let len = chunk.len();
         let written = tokio::select! {
+            // A write that QUIC takes at once goes through, even one carrying a SLOW_CONSUMER
+            // ERROR; only a blocked one is abandoned for the reset.
+            biased;
             r = send.write_chunk(chunk) => r,
             _ = slow_consumer_closed(out) => {
                 warn!("slow consumer: resetting its blocked delivery stream");
@@ -698,6 +721,7 @@ async fn write_loop(
                 continue;
             }
         };
+        out.slow_error_pending.store(false, Ordering::Release);
         if let Err(e) = written {
             debug!("stream write ended: {e}");
             if matches!(e, quinn::WriteError::Stopped(_)) {
@@ -709,15 +733,22 @@ async fn write_loop(
         shared.stats.add_out(len);
         last_write = Some(Instant::now());
     }
-    // Final flush (shutdown, or the client finished the stream).
-    loop {
-        fill(out, shared, &mut buf, batch);
-        let chunk = buf.split().freeze();
-        let len = chunk.len();
-        if len == 0 || send.write_chunk(chunk).await.is_err() {
-            break;
+    // Final flush (shutdown, or the client finished the stream), bounded: a client that does
+    // not read any more must not keep this task (and a held publisher) forever.
+    let flushed = tokio::time::timeout(FINISH_WAIT, async {
+        loop {
+            fill(out, shared, &mut buf, batch);
+            let chunk = buf.split().freeze();
+            let len = chunk.len();
+            if len == 0 || send.write_chunk(chunk).await.is_err() {
+                break;
+            }
+            shared.stats.add_out(len);
         }
-        shared.stats.add_out(len);
+    })
+    .await;
+    if flushed.is_err() {
+        debug!("the client did not read the end of the stream within {FINISH_WAIT:?}");
     }
     // What is still subscribed here ends with the stream (after the flush above sent what was
     // queued).

@@ -359,7 +359,7 @@ fn every_seed_environment_variable_sets_its_key() {
 #[test]
 fn keep_alive_must_be_below_idle_timeout() {
     let msg = error(
-        Some("transport:\n  idle_timeout: 3s\n"),
+        Some("transport:\n  idle_timeout: 3s\n  keep_alive_interval: 5s\n"),
         &[],
         Overrides::default(),
     );
@@ -373,6 +373,12 @@ fn keep_alive_must_be_below_idle_timeout() {
         "transport:\n  idle_timeout: 3s\n  keep_alive_interval: 1s\n",
     );
     load(Some(ok), vec![], Overrides::default()).expect("1s keep-alive under 3s idle");
+    // Only the idle timeout set: the keep-alive follows it (a third of it).
+    let only_idle = file(&dir, "transport:\n  idle_timeout: 3s\n");
+    let c = load(Some(only_idle), vec![], Overrides::default()).expect("derived keep-alive");
+    assert_eq!(c.transport.keep_alive_interval, Duration::from_secs(1));
+    let c = load(None, vec![], Overrides::default()).expect("defaults");
+    assert_eq!(c.transport.keep_alive_interval, Duration::from_secs(10));
 }
 
 #[test]

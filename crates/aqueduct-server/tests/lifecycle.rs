@@ -265,3 +265,29 @@ async fn the_stream_allowance_grows_with_use() {
     assert_eq!(b.stats.live_streams.load(Ordering::Relaxed), 101);
     b.stop().await.expect("clean shutdown");
 }
+
+/// A plain subscription whose client finishes its stream gets nothing new, ends, and its
+/// stream is finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_subscription_ends_when_its_client_finishes_the_stream() {
+    let b = TestBroker::start().await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut s = raw.stream().await;
+    s.write(&subscribe_frame(1, "topic:news")).await;
+    until("the subscription", || b.broker.subscriber_count() == 1).await;
+    let publisher = b.client().await;
+    publisher.publish("news", "before").await.expect("publish");
+    let frame = s.read_frame().await.expect("a delivery");
+    assert!(matches!(frame.message, Message::Publish(_)));
+    s.finish();
+    until("the subscription to end", || {
+        b.broker.subscriber_count() == 0
+    })
+    .await;
+    publisher.publish("news", "after").await.expect("publish");
+    assert!(
+        s.read_frame().await.is_none(),
+        "finished, nothing after the FIN"
+    );
+    b.stop().await.expect("clean shutdown");
+}

@@ -274,22 +274,15 @@ async fn disconnect_closes_the_stalled_subscriber() {
         dropped >= 33,
         "the queue and the overflowing message are counted: {dropped}"
     );
-    assert_eq!(
-        b.broker.subscriber_count(),
-        1,
-        "only the normal subscriber is left"
-    );
-    // Its stream was blocked on flow control, so it is reset with the SLOW_CONSUMER code.
-    until("the slow-consumer reset", || {
-        b.stats
-            .slow_consumer_resets
-            .load(std::sync::atomic::Ordering::Relaxed)
-            == 1
+    until("only the normal subscriber to be left", || {
+        b.broker.subscriber_count() == 1
     })
     .await;
+    // Its stream was blocked on flow control, so it is reset with the SLOW_CONSUMER code (or,
+    // if its writer had not run yet on a loaded machine, gets an ERROR with that code).
     assert_eq!(
-        stream.reset_code().await,
-        Some(u64::from(ErrorCode::SLOW_CONSUMER.0))
+        stream.slow_consumer_notice().await,
+        u64::from(ErrorCode::SLOW_CONSUMER.0)
     );
     // The closed subscription is no longer registered: UNSUBSCRIBE and ACK naming it are
     // refused with NOT_SUBSCRIBED, as for any unknown subscription.
@@ -387,10 +380,11 @@ async fn a_stuck_block_subscriber_is_closed_after_block_timeout() {
             .load(std::sync::atomic::Ordering::Relaxed)
             >= 1
     );
-    // Its stream was blocked on flow control, so it is reset with the SLOW_CONSUMER code.
+    // Closed as a slow consumer: a reset with SLOW_CONSUMER if its writer was blocked on flow
+    // control (the usual case), an ERROR frame if the writer had not run yet (a loaded machine).
     assert_eq!(
-        s.reset_code().await,
-        Some(u64::from(ErrorCode::SLOW_CONSUMER.0))
+        s.slow_consumer_notice().await,
+        u64::from(ErrorCode::SLOW_CONSUMER.0)
     );
     b.stop().await.expect("clean shutdown");
 }

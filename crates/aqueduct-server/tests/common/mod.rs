@@ -214,15 +214,34 @@ impl RawStream {
         self.write(&frame.to_bytes()).await;
     }
 
-    /// Read until the broker resets the stream; its reset code (`None` if it finished instead).
-    pub async fn reset_code(&mut self) -> Option<u64> {
-        within("the stream to end", async {
+    /// Read until the broker says this stream's subscription was closed as a slow consumer —
+    /// an ERROR frame with SLOW_CONSUMER if its writer was not blocked, or a reset with that
+    /// code if it was (`docs/protocol.md` §7.3); which one depends on timing. Returns the code.
+    pub async fn slow_consumer_notice(&mut self) -> u64 {
+        within("the slow-consumer notice", async {
             loop {
-                match self.recv.read_chunk(64 * 1024, true).await {
-                    Ok(Some(_)) => {}
-                    Ok(None) => return None,
-                    Err(quinn::ReadError::Reset(code)) => return Some(code.into_inner()),
-                    Err(_) => return None,
+                let bytes = self.buf.clone().freeze();
+                match decode_frame(&bytes, &Limits::default()) {
+                    Ok((frame, used)) => {
+                        self.buf.advance(used);
+                        if let aqueduct_proto::frame::Message::Error(e) = frame.message {
+                            return u64::from(e.code.0);
+                        }
+                        continue;
+                    }
+                    Err(DecodeError::Incomplete { .. }) => {}
+                    Err(DecodeError::Invalid(e)) => panic!("broker sent an invalid frame: {e}"),
+                }
+                match self.recv.read_buf(&mut self.buf).await {
+                    Ok(0) => panic!("the stream ended without a slow-consumer notice"),
+                    Ok(_) => {}
+                    Err(e) => match e
+                        .get_ref()
+                        .and_then(|i| i.downcast_ref::<quinn::ReadError>())
+                    {
+                        Some(quinn::ReadError::Reset(code)) => return code.into_inner(),
+                        _ => panic!("stream read failed: {e}"),
+                    },
                 }
             }
         })
