@@ -109,6 +109,16 @@ enum Command {
         #[arg(long)]
         overflow: Option<OverflowPolicy>,
     },
+    /// Make certificates for mutual TLS: a CA, a broker certificate, client certificates
+    /// (X.509 v3, ECDSA P-256, valid one year). Needs no broker.
+    ///
+    ///   aqueduct cert ca --out certs
+    ///   aqueduct cert server --out certs --name localhost --name 127.0.0.1
+    ///   aqueduct cert client alice --out certs
+    Cert {
+        #[command(subcommand)]
+        what: CertCommand,
+    },
     /// Open idle connections (and subscriptions) and hold them, to measure a broker's memory
     /// per connection and per subscription.
     Hold {
@@ -175,6 +185,37 @@ enum Command {
         /// Print one JSON object instead of text (no progress bar).
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum CertCommand {
+    /// A certificate authority: DIR/ca.pem (the broker's tls.client_ca_file, the clients'
+    /// --ca) and DIR/ca-key.pem (keep it private).
+    Ca {
+        /// Directory for the files (created if missing; existing files are never replaced).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// The CA's Common Name.
+        #[arg(long, default_value = "Aqueduct CA")]
+        cn: String,
+    },
+    /// A broker certificate signed by the CA in DIR: DIR/server.pem and DIR/server-key.pem
+    /// (tls.cert_file and tls.key_file).
+    Server {
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// A DNS name or IP address clients use to reach the broker (repeat for more).
+        #[arg(long = "name", default_values_t = ["localhost".to_string(), "127.0.0.1".to_string()])]
+        names: Vec<String>,
+    },
+    /// A client certificate signed by the CA in DIR, whose Common Name is the client id:
+    /// DIR/NAME.pem and DIR/NAME-key.pem (--cert and --key).
+    Client {
+        /// The client id.
+        name: String,
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
     },
 }
 
@@ -253,6 +294,17 @@ async fn connect(cli: &Cli) -> Result<Client> {
 }
 
 async fn run(cli: Cli) -> Result<()> {
+    if let Command::Cert { what } = &cli.command {
+        let written = match what {
+            CertCommand::Ca { out, cn } => crate::cert::make_ca(out, cn)?,
+            CertCommand::Server { out, names } => crate::cert::make_server(out, names)?,
+            CertCommand::Client { name, out } => crate::cert::make_client(out, name)?,
+        };
+        for path in written {
+            println!("wrote {}", path.display());
+        }
+        return Ok(());
+    }
     let client = connect(&cli).await?;
     match &cli.command {
         Command::Pub {
@@ -367,6 +419,8 @@ async fn run(cli: Cli) -> Result<()> {
             }
             return Ok(());
         }
+        // Handled above, before connecting.
+        Command::Cert { .. } => {}
         Command::Hold {
             connections,
             subscriptions,

@@ -2,6 +2,7 @@
 //! the load tool ([`bench`]), Go-style flags and signal handling.
 
 pub mod bench;
+pub mod cert;
 pub mod client_cmd;
 
 use std::ffi::OsString;

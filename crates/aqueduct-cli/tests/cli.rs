@@ -570,3 +570,69 @@ fn pub_to_a_broker_requiring_client_certificates_fails_clearly() {
     }
     stop(broker);
 }
+
+/// `aqueduct cert` makes a CA, a broker certificate and a client certificate that work together
+/// for mutual TLS as written in docs/howto-tls.md: the broker names the client by its
+/// certificate, and a client without one is refused.
+#[test]
+fn cert_makes_a_working_mutual_tls_setup() {
+    let home = tempfile::tempdir().expect("dir");
+    let certs = home.path().join("certs");
+    let dir = certs.to_string_lossy().into_owned();
+    for args in [
+        vec!["cert", "ca", "--out", &dir],
+        vec!["cert", "server", "--out", &dir],
+        vec!["cert", "client", "alice", "--out", &dir],
+    ] {
+        assert_ok(&run_client(home.path(), &args));
+    }
+    let file = |name: &str| certs.join(name).to_string_lossy().into_owned();
+    let (server, server_key, ca) = (file("server.pem"), file("server-key.pem"), file("ca.pem"));
+    let (broker, addr, _metrics, logs) = start_broker_cmd(
+        home.path(),
+        &[
+            "--addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--cert",
+            &server,
+            "--key",
+            &server_key,
+        ],
+        &[
+            ("AQUEDUCT_TLS_REQUIRE_CLIENT_CERT", "true"),
+            ("AQUEDUCT_TLS_CLIENT_CA_FILE", &ca),
+        ],
+    );
+    let (alice, alice_key) = (file("alice.pem"), file("alice-key.pem"));
+    assert_ok(&run_client(
+        home.path(),
+        &[
+            "--addr",
+            &addr,
+            "--ca",
+            &ca,
+            "--cert",
+            &alice,
+            "--key",
+            &alice_key,
+            "pub",
+            "t",
+            "x",
+            "--confirm",
+        ],
+    ));
+    wait_for_log(&logs, "client=alice@");
+    let out = run_client(
+        home.path(),
+        &["--addr", &addr, "--ca", &ca, "pub", "t", "x"],
+    );
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("requires a client certificate"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stop(broker);
+}
