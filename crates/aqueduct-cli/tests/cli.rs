@@ -500,16 +500,10 @@ fn nack_makes_a_dead_letter_and_sigterm_closes_the_worker() {
     wait_for_log(&logs, "subscribed");
     let worker = spawn(&["sub", "jobs", "--group", "workers", "--nack"]);
     wait_for_log(&logs, "subscribed");
-    let out = Command::new(CLIENT)
-        .args(["--addr", &addr, "pub", "jobs", "poison"])
-        .env("AQUEDUCT_HOME", home.path())
-        .output()
-        .expect("pub runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&run_client(
+        home.path(),
+        &["--addr", &addr, "pub", "jobs", "poison"],
+    ));
     let out = output_within(dlq, "the dead-letter subscriber");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -524,11 +518,7 @@ fn nack_makes_a_dead_letter_and_sigterm_closes_the_worker() {
         .args(["-TERM", &worker.id().to_string()])
         .status();
     let out = output_within(worker, "the worker after SIGTERM");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("SIGTERM: closed the connection"),
         "{}",
