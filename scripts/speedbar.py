@@ -217,7 +217,7 @@ def main():
                 res = aq(addr, "--payload-size", "128", "--batch", "100", "--overflow", "block", *aq_args, env=b.client_env[14301])
                 record(name, "aqueduct", res, server_cpu_s=cpu_seconds(main_broker.pid) - c0)
                 c0 = cpu_seconds(big.pid)
-                res = aq(addr_big, "--payload-size", "128", "--batch", "100", *aq_args, env=b.client_env[14304])
+                res = aq(addr_big, "--payload-size", "128", "--batch", "100", "--overflow", "broker", *aq_args, env=b.client_env[14304])
                 record(name + "_unpaced", "aqueduct", res, server_cpu_s=cpu_seconds(big.pid) - c0)
             res = run([PEERBENCH, "nats-latency", "--url", "nats://127.0.0.1:4222", "--rate", "10000", "--secs", "5", "--size", "128"])
             record("latency_10k", "nats", res)
@@ -229,12 +229,12 @@ def main():
         slow_broker = b.start_aqueduct(14302, 19302, {"AQUEDUCT_BROKER_QUEUE_SIZE": "65536"})
         addr2 = "127.0.0.1:14302"
         for r in range(args.rounds):
-            base = aq(addr2, "--topic", "slowtest", "--subscribers", "2", "--rate", "300000", "--duration", "5s", "--batch", "100", env=b.client_env[14302])
+            base = aq(addr2, "--topic", "slowtest", "--subscribers", "2", "--rate", "300000", "--duration", "5s", "--batch", "100", "--overflow", "broker", env=b.client_env[14302])
             record("slow_baseline", "aqueduct", base)
             slow = subprocess.Popen([CLIENT, "--addr", addr2, "sub", "slowtest"], env=b.client_env[14302], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
             slow.send_signal(signal.SIGSTOP)
-            with_slow = aq(addr2, "--topic", "slowtest", "--subscribers", "2", "--rate", "300000", "--duration", "5s", "--batch", "100", env=b.client_env[14302])
+            with_slow = aq(addr2, "--topic", "slowtest", "--subscribers", "2", "--rate", "300000", "--duration", "5s", "--batch", "100", "--overflow", "broker", env=b.client_env[14302])
             record("slow_present", "aqueduct", with_slow)
             slow.send_signal(signal.SIGCONT)
             slow.kill()

@@ -111,10 +111,9 @@ enum Command {
     },
     /// Make certificates for mutual TLS: a CA, a broker certificate, client certificates
     /// (X.509 v3, ECDSA P-256, valid one year). Needs no broker.
-    ///
-    ///   aqueduct cert ca --out certs
-    ///   aqueduct cert server --out certs --name localhost --name 127.0.0.1
-    ///   aqueduct cert client alice --out certs
+    #[command(
+        after_help = "Examples:\n  aqueduct cert ca --out certs\n  aqueduct cert server --out certs --name localhost --name 127.0.0.1\n  aqueduct cert client alice --out certs"
+    )]
     Cert {
         #[command(subcommand)]
         what: CertCommand,
@@ -160,10 +159,13 @@ enum Command {
         /// Subscribers form one consumer group (each message goes to one, which acks it).
         #[arg(long)]
         group: bool,
-        /// Backpressure policy of the bench's subscriptions (default: the broker's). `block`
-        /// holds the publishers instead of dropping when a subscriber falls behind.
-        #[arg(long)]
-        overflow: Option<OverflowPolicy>,
+        /// Backpressure policy of the bench's subscriptions: `block` (the default) holds the
+        /// publishers to the subscribers' pace, so nothing is dropped and the delivered rate is
+        /// what the broker sustains; `broker` uses the broker's own policy (drop_oldest by
+        /// default: a fast publisher then outruns the subscribers and messages are dropped);
+        /// or drop_oldest, drop_newest, disconnect.
+        #[arg(long, default_value = "block", value_parser = parse_bench_overflow)]
+        overflow: BenchOverflow,
         /// Messages per PUBLISH_BATCH frame (1 = single PUBLISH frames).
         #[arg(long, default_value_t = 100)]
         batch: usize,
@@ -203,6 +205,7 @@ enum CertCommand {
     /// A broker certificate signed by the CA in DIR: DIR/server.pem and DIR/server-key.pem
     /// (tls.cert_file and tls.key_file).
     Server {
+        /// Directory of the CA (made by `aqueduct cert ca`); the files are written there too.
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
         /// A DNS name or IP address clients use to reach the broker (repeat for more).
@@ -214,9 +217,21 @@ enum CertCommand {
     Client {
         /// The client id.
         name: String,
+        /// Directory of the CA (made by `aqueduct cert ca`); the files are written there too.
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
     },
+}
+
+/// The bench's `--overflow`: a policy, or `None` for the broker's own (`broker`).
+#[derive(Debug, Clone, Copy)]
+struct BenchOverflow(Option<OverflowPolicy>);
+
+fn parse_bench_overflow(s: &str) -> Result<BenchOverflow, String> {
+    if s == "broker" {
+        return Ok(BenchOverflow(None));
+    }
+    s.parse().map(|p| BenchOverflow(Some(p)))
 }
 
 fn humantime_duration(s: &str) -> Result<Duration, String> {
@@ -256,17 +271,19 @@ fn parse_pin(hex: &str) -> Result<[u8; 32]> {
 
 /// The broker address as given, with Go's ":4242" form (every interface, as the broker's own
 /// `listen_addr` accepts it) read as this machine.
-fn broker_addr(addr: &str) -> String {
+fn broker_addr(addr: &str) -> Result<String> {
     if addr.starts_with(':') {
-        format!("localhost{addr}")
-    } else {
-        addr.to_string()
+        return Ok(format!("localhost{addr}"));
     }
+    if !addr.contains(':') {
+        bail!("--addr {addr:?} has no port: write it as HOST:PORT, e.g. {addr}:4242");
+    }
+    Ok(addr.to_string())
 }
 
 /// The connection settings the global flags describe.
 fn connect_options(cli: &Cli) -> Result<ConnectOptions> {
-    let mut opts = ConnectOptions::new(broker_addr(&cli.addr));
+    let mut opts = ConnectOptions::new(broker_addr(&cli.addr)?);
     if let Some(name) = &cli.server_name {
         opts = opts.server_name(name);
     }
@@ -389,16 +406,31 @@ async fn run(cli: Cli) -> Result<()> {
                     .unwrap_or_default()
             );
             let mut received = 0u64;
+            // One listener for the whole loop, polled first: a Ctrl-C that arrives while a
+            // message is being handled (or --work sleeps) is not lost; the current message is
+            // finished, then the connection closes.
+            let signal = crate::shutdown_signal();
+            tokio::pin!(signal);
             let interrupted = loop {
                 let item = tokio::select! {
+                    biased;
+                    signal = &mut signal => break Some(signal),
                     item = sub.next() => item,
-                    signal = crate::shutdown_signal() => break Some(signal),
                 };
                 let Some(item) = item else { break None };
                 let msg = item?;
                 println!("{}", describe(&msg));
                 if let Some(work) = work {
-                    tokio::time::sleep(*work).await;
+                    tokio::select! {
+                        _ = tokio::time::sleep(*work) => {}
+                        signal = &mut signal => {
+                            // Interrupted while "working": this message is not settled (a group
+                            // gives it to another member).
+                            client.close().await;
+                            eprintln!("{signal}: closed the connection after {received} message(s)");
+                            return Ok(());
+                        }
+                    }
                 }
                 if *nack {
                     msg.nack(Some("rejected by aqueduct sub --nack")).await?;
@@ -475,7 +507,7 @@ async fn run(cli: Cli) -> Result<()> {
                 streams: (*streams).max(1),
                 subscribers: (*subscribers).max(1),
                 group: *group,
-                overflow: *overflow,
+                overflow: overflow.0,
                 messages: *messages,
                 duration: *duration,
                 payload_size: *payload_size,

@@ -301,6 +301,8 @@ fn bench_refuses_to_call_a_lossy_run_a_success_and_says_why() {
             "20000",
             "--batch",
             "100",
+            "--overflow",
+            "broker",
             "--metrics-addr",
             &metrics,
         ],
@@ -624,5 +626,45 @@ fn cert_makes_a_working_mutual_tls_setup() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    stop(broker);
+}
+
+/// A Ctrl-C/SIGTERM that arrives while `aqueduct sub` is busy with a message (`--work`) is not
+/// lost: the subscriber closes its connection at once.
+#[test]
+fn a_signal_during_work_stops_the_subscriber() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, logs) = start_broker(home.path());
+    let mut worker = Command::new(CLIENT)
+        .args(["--addr", &addr, "sub", "slow", "--ack", "--work", "60s"])
+        .env("AQUEDUCT_HOME", home.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("sub starts");
+    wait_for_log(&logs, "subscribed");
+    assert_ok(&run_client(
+        home.path(),
+        &["--addr", &addr, "pub", "slow", "job"],
+    ));
+    // Wait until it printed the message, i.e. it is "working" on it.
+    let stdout = worker.stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("a line");
+    assert!(line.contains("slow #0"), "{line}");
+    let _ = Command::new("kill")
+        .args(["-TERM", &worker.id().to_string()])
+        .status();
+    let out = output_within(worker, "the subscriber after SIGTERM during --work");
+    assert_ok(&out);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("SIGTERM: closed the connection"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // `aqueduct-bench` is `aqueduct bench`, and its help says how to run it.
+    let out = Command::new(BENCH).arg("--help").output().expect("runs");
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("Usage: aqueduct bench"), "{help}");
     stop(broker);
 }

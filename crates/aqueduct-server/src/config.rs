@@ -399,7 +399,13 @@ pub fn env_key(name: &str) -> Option<&'static str> {
 }
 
 /// `AQUEDUCT_*` variables that are not config keys but are used by the tools.
-const ENV_OTHER: &[&str] = &["AQUEDUCT_CONFIG", "AQUEDUCT_HOME", "AQUEDUCT_LOG"];
+const ENV_OTHER: &[&str] = &[
+    "AQUEDUCT_CONFIG",
+    "AQUEDUCT_HOME",
+    "AQUEDUCT_LOG",
+    // The `aqueduct` client's broker address: often exported in the same shell.
+    "AQUEDUCT_ADDR",
+];
 
 /// The environment variable for a config key: `broker.queue_size` → `AQUEDUCT_BROKER_QUEUE_SIZE`.
 pub fn env_name(key: &str) -> String {

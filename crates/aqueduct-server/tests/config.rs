@@ -419,4 +419,11 @@ fn flush_interval_is_bounded_and_quotas_are_not_silently_ignored() {
         msg.contains("dir"),
         "a typo in a disabled section is named: {msg}"
     );
+    // The client's own variable, often exported in the same shell, is not a broker typo.
+    load(
+        None,
+        env(&[("AQUEDUCT_ADDR", "localhost:4242")]),
+        Overrides::default(),
+    )
+    .expect("AQUEDUCT_ADDR is the client's");
 }

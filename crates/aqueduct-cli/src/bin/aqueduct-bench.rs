@@ -4,7 +4,11 @@
 
 fn main() -> std::process::ExitCode {
     let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    // `aqueduct-bench ARGS` is `aqueduct bench ARGS`.
-    args.insert(1.min(args.len()), "bench".into());
+    // `aqueduct-bench ARGS` is `aqueduct bench ARGS` (and its help and errors say so).
+    match args.first_mut() {
+        Some(name) => *name = "aqueduct".into(),
+        None => args.push("aqueduct".into()),
+    }
+    args.insert(1, "bench".into());
     aqueduct_cli::client_cmd::main_with(args)
 }
