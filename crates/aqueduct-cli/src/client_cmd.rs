@@ -423,13 +423,9 @@ async fn run(cli: Cli) -> Result<()> {
                 if let Some(work) = work {
                     tokio::select! {
                         _ = tokio::time::sleep(*work) => {}
-                        signal = &mut signal => {
-                            // Interrupted while "working": this message is not settled (a group
-                            // gives it to another member).
-                            client.close().await;
-                            eprintln!("{signal}: closed the connection after {received} message(s)");
-                            return Ok(());
-                        }
+                        // Interrupted while "working": this message is not settled (a group
+                        // gives it to another member).
+                        signal = &mut signal => break Some(signal),
                     }
                 }
                 if *nack {

@@ -154,6 +154,17 @@ fn stop(mut broker: Child) {
     assert!(exit.success(), "exit status {exit:?}");
 }
 
+/// SIGTERM an `aqueduct sub`: it must exit 0 at once, saying it closed its connection.
+fn sigterm_closes_cleanly(sub: Child, what: &str) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &sub.id().to_string()])
+        .status();
+    let out = output_within(sub, what);
+    assert_ok(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("SIGTERM: closed the connection"), "{err}");
+}
+
 /// Wait for a child's output, at most `WAIT`: a hung client fails the test (and is killed)
 /// instead of hanging the suite.
 fn output_within(child: Child, what: &str) -> std::process::Output {
@@ -516,16 +527,7 @@ fn nack_makes_a_dead_letter_and_sigterm_closes_the_worker() {
             && text.trim_end().ends_with(": poison"),
         "{text}"
     );
-    let _ = Command::new("kill")
-        .args(["-TERM", &worker.id().to_string()])
-        .status();
-    let out = output_within(worker, "the worker after SIGTERM");
-    assert_ok(&out);
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("SIGTERM: closed the connection"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    sigterm_closes_cleanly(worker, "the worker after SIGTERM");
     wait_for_log(&logs, "disconnected");
     stop(broker);
 }
@@ -652,16 +654,7 @@ fn a_signal_during_work_stops_the_subscriber() {
     let mut line = String::new();
     BufReader::new(stdout).read_line(&mut line).expect("a line");
     assert!(line.contains("slow #0"), "{line}");
-    let _ = Command::new("kill")
-        .args(["-TERM", &worker.id().to_string()])
-        .status();
-    let out = output_within(worker, "the subscriber after SIGTERM during --work");
-    assert_ok(&out);
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("SIGTERM: closed the connection"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    sigterm_closes_cleanly(worker, "the subscriber after SIGTERM during --work");
     // `aqueduct-bench` is `aqueduct bench`, and its help says how to run it.
     let out = Command::new(BENCH).arg("--help").output().expect("runs");
     let help = String::from_utf8_lossy(&out.stdout);

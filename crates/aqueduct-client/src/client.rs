@@ -119,8 +119,9 @@ impl Client {
             Ok(Ok(conn)) => conn,
             Ok(Err(e)) => {
                 let mut reason = crate::error::describe_connection_error(&e);
-                if reason.contains("certificate") || reason.contains("signature") {
-                    // Say what was trusted, so a stale or wrong file is easy to spot.
+                if crate::error::is_local_tls_failure(&e) {
+                    // Our side refused the broker's certificate: say what was trusted, so a
+                    // stale or wrong file is easy to spot.
                     reason = format!("{reason} (trusted: {})", opts.trust.describe());
                 }
                 return Err(ConnectError::Connect {
@@ -224,27 +225,17 @@ impl Client {
     ) -> Result<Subscription, ClientError> {
         let spec = |filter: &str| -> Result<Subscribe, ClientError> {
             let filter =
-                TopicFilter::try_from(filter).map_err(|source| ClientError::InvalidName {
-                    what: "topic filter",
-                    reason: source,
-                })?;
+                TopicFilter::try_from(filter).map_err(ClientError::invalid("topic filter"))?;
             let group = opts
                 .group
                 .as_deref()
                 .map(GroupId::try_from)
                 .transpose()
-                .map_err(|source| ClientError::InvalidName {
-                    what: "group id",
-                    reason: source,
-                })?;
+                .map_err(ClientError::invalid("group id"))?;
             let durable = match &opts.durable {
                 Some((name, offset)) => Some(Durable {
-                    consumer: ConsumerId::try_from(name.as_str()).map_err(|source| {
-                        ClientError::InvalidName {
-                            what: "consumer id",
-                            reason: source,
-                        }
-                    })?,
+                    consumer: ConsumerId::try_from(name.as_str())
+                        .map_err(ClientError::invalid("consumer id"))?,
                     offset: *offset,
                 }),
                 None => None,
@@ -265,10 +256,9 @@ impl Client {
             .map(|f| spec(f))
             .collect::<Result<Vec<_>, _>>()?;
         if subs.is_empty() {
-            return Err(ClientError::InvalidName {
-                what: "topic filter",
-                reason: aqueduct_proto::TopicError::Empty,
-            });
+            return Err(ClientError::invalid("topic filter")(
+                aqueduct_proto::TopicError::Empty,
+            ));
         }
         // Consecutive ids: a delivery's stream id then tells its subscription by subtraction.
         let first = self
@@ -327,8 +317,9 @@ impl Client {
                 // A delivery, or an ERROR, of a subscription confirmed already.
                 Some(frame) if confirmed > 0 && !matches!(frame.message, Wire::Confirm(_)) => {
                     let index = frame.stream_id.wrapping_sub(first) as usize;
-                    let handle = handles.get(index).unwrap_or(&handles[0]);
-                    early.extend(crate::subscription::item(frame, handle));
+                    if let Some(handle) = handles.get(index).or(handles.first()) {
+                        early.extend(crate::subscription::item(frame, handle));
+                    }
                 }
                 Some(other) => {
                     return Err(ClientError::Connection(format!(

@@ -57,6 +57,11 @@ impl From<ProtoError> for ClientError {
 }
 
 impl ClientError {
+    /// For `map_err`: a name (`what`: "topic filter", "group id", …) that failed validation.
+    pub(crate) fn invalid(what: &'static str) -> impl FnOnce(TopicError) -> ClientError {
+        move |reason| ClientError::InvalidName { what, reason }
+    }
+
     /// The broker's error code, if the broker refused the operation.
     pub fn code(&self) -> Option<ErrorCode> {
         match self {
@@ -93,12 +98,23 @@ fn tls_alert(alert: u8) -> String {
     what.to_string()
 }
 
+/// True if this side ended the TLS handshake (QUIC crypto error 0x100 + alert raised locally):
+/// on a client, it did not accept the broker's certificate.
+pub(crate) fn is_local_tls_failure(e: &quinn::ConnectionError) -> bool {
+    matches!(e, quinn::ConnectionError::TransportError(t) if is_tls_alert(u64::from(t.code)))
+}
+
+/// QUIC carries TLS alerts as transport errors 0x100 + alert.
+fn is_tls_alert(code: u64) -> bool {
+    (0x100..0x200).contains(&code)
+}
+
 /// A QUIC connection error in plain words.
 pub(crate) fn describe_connection_error(e: &quinn::ConnectionError) -> String {
     match e {
         quinn::ConnectionError::ConnectionClosed(c) => {
             let code = u64::from(c.error_code);
-            if (0x100..0x200).contains(&code) {
+            if is_tls_alert(code) {
                 tls_alert((code - 0x100) as u8)
             } else {
                 format!("the broker closed the connection: {c}")
@@ -117,8 +133,7 @@ pub(crate) fn describe_connection_error(e: &quinn::ConnectionError) -> String {
             }
         }
         quinn::ConnectionError::TransportError(t) => {
-            let code = u64::from(t.code);
-            if (0x100..0x200).contains(&code) {
+            if is_tls_alert(u64::from(t.code)) {
                 format!("TLS: {}", t.reason)
             } else {
                 t.to_string()

@@ -47,10 +47,7 @@ struct Stream {
 }
 
 pub(crate) fn topic(name: &str) -> Result<TopicName, ClientError> {
-    TopicName::try_from(name).map_err(|source| ClientError::InvalidName {
-        what: "topic name",
-        reason: source,
-    })
+    TopicName::try_from(name).map_err(ClientError::invalid("topic name"))
 }
 
 fn ttl_ms(opts: &PublishOptions) -> Option<u32> {

@@ -190,15 +190,6 @@ impl Subscription {
         })
     }
 
-    /// The subscription a delivery with this `stream_id` belongs to.
-    fn handle_for(&self, stream_id: u32) -> &Arc<SubHandle> {
-        let index = stream_id.wrapping_sub(self.handle.id) as usize;
-        match index.checked_sub(1).and_then(|i| self.more.get(i)) {
-            Some(h) => h,
-            None => &self.handle,
-        }
-    }
-
     /// The filter subscribed to.
     pub fn filter(&self) -> &TopicFilter {
         &self.handle.filter
@@ -229,13 +220,8 @@ impl Subscription {
             }
             match self.reader.try_next_raw() {
                 Ok(Some((header, data))) => {
-                    let handle = if self.more.is_empty() {
-                        &self.handle
-                    } else {
-                        self.handle_for(header.stream_id)
-                    };
-                    let handle = handle.clone();
-                    let Some(it) = fast_item(&header, data, &handle, &mut self.last_topic) else {
+                    let handle = handle_for(&self.handle, &self.more, header.stream_id);
+                    let Some(it) = fast_item(&header, data, handle, &mut self.last_topic) else {
                         continue;
                     };
                     // The broker closes a slow consumer's subscription after this error; the
@@ -312,6 +298,20 @@ impl Stream for Subscription {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         self.poll_item(cx)
+    }
+}
+
+/// The subscription of a stream a delivery with `stream_id` belongs to: `first`, or one of
+/// `more` (consecutive ids after `first`'s, see `Client::subscribe_many`).
+fn handle_for<'a>(
+    first: &'a Arc<SubHandle>,
+    more: &'a [Arc<SubHandle>],
+    stream_id: u32,
+) -> &'a Arc<SubHandle> {
+    let index = stream_id.wrapping_sub(first.id) as usize;
+    match index.checked_sub(1).and_then(|i| more.get(i)) {
+        Some(h) => h,
+        None => first,
     }
 }
 

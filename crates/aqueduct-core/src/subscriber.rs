@@ -272,11 +272,6 @@ impl Subscriber {
         self.max_in_flight.map_or(broker, |own| own.min(broker))
     }
 
-    /// True if deliveries use the seed's frame form.
-    pub fn seed_form(&self) -> bool {
-        self.seed_form
-    }
-
     fn wake(&self) {
         if let Some(w) = &self.waker {
             w();

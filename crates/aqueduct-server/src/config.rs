@@ -826,6 +826,7 @@ impl RawConfig {
             return Err(invalid("broker.ack_wait", "must be greater than zero"));
         }
         let t = &self.transport;
+        let idle_timeout = parse_duration("transport.idle_timeout", &t.idle_timeout)?;
         let transport = TransportConfig {
             max_frame_data: range("transport.max_buf_size", t.max_buf_size, 64, 64 << 20)? as u32,
             max_streams_per_connection: range(
@@ -842,13 +843,11 @@ impl RawConfig {
             )? as usize,
             max_connections: range("transport.max_connections", t.max_connections, 1, 1 << 20)?
                 as usize,
-            idle_timeout: parse_duration("transport.idle_timeout", &t.idle_timeout)?,
+            idle_timeout,
             handshake_timeout: parse_duration("transport.handshake_timeout", &t.handshake_timeout)?,
             keep_alive_interval: match &t.keep_alive_interval {
                 Some(k) => parse_duration("transport.keep_alive_interval", k)?,
-                None => {
-                    default_keep_alive(parse_duration("transport.idle_timeout", &t.idle_timeout)?)
-                }
+                None => default_keep_alive(idle_timeout),
             },
             stream_receive_window: range(
                 "transport.stream_receive_window",

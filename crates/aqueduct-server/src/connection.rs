@@ -252,7 +252,12 @@ async fn serve_streams(
     let mut allowed = crate::server::initial_streams(&shared.config.transport);
     let reason = loop {
         tokio::select! {
-            _ = async { confirming.as_mut().expect("guarded").await }, if confirming.is_some() => {
+            _ = async {
+                match confirming.as_mut() {
+                    Some(handshake) => handshake.await,
+                    None => std::future::pending().await,
+                }
+            }, if confirming.is_some() => {
                 confirming = None;
             }
             accepted = conn.accept_bi() => match accepted {

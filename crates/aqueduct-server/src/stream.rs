@@ -619,7 +619,6 @@ fn fill(out: &StreamOut, shared: &Shared, buf: &mut BytesMut, budget: usize) {
     }
 }
 
-/// Completes when a subscription on this stream has been closed as a slow consumer.
 /// Completes when a subscription on this stream has been closed as a slow consumer, or when
 /// the write in progress carries the ERROR of one closed earlier.
 async fn slow_consumer_closed(out: &StreamOut) {

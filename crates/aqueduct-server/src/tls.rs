@@ -52,7 +52,7 @@ pub fn provider() -> Arc<CryptoProvider> {
 /// connection is sealed with the negotiated suite, and AES-128 costs less per byte than AES-256
 /// for a security level no deployment of this broker lacks (Go's and BoringSSL's TLS 1.3 prefer
 /// it too); measured in docs/benchmarks.md.
-pub fn prefer_aes128(suites: &mut [rustls::SupportedCipherSuite]) {
+fn prefer_aes128(suites: &mut [rustls::SupportedCipherSuite]) {
     suites.sort_by_key(|s| match s.suite() {
         rustls::CipherSuite::TLS13_AES_128_GCM_SHA256 => 0,
         rustls::CipherSuite::TLS13_AES_256_GCM_SHA384 => 1,
