@@ -554,8 +554,12 @@ fn pub_to_a_broker_requiring_client_certificates_fails_clearly() {
             ("AQUEDUCT_TLS_CLIENT_CA_FILE", &ca_path),
         ],
     );
-    for _ in 0..3 {
-        let out = run_client(home.path(), &["--addr", &addr, "pub", "t", "x"]);
+    for confirm in [false, false, true, true] {
+        let mut args = vec!["--addr", &addr, "pub", "t", "x"];
+        if confirm {
+            args.push("--confirm");
+        }
+        let out = run_client(home.path(), &args);
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "reported success: {stdout}");

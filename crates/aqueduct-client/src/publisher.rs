@@ -238,14 +238,21 @@ async fn replies(
             other => warn!(opcode = ?other.opcode(), "unexpected frame on the publish stream"),
         }
     };
+    // The stream is gone: fail whoever still waits, with the reason it ended (e.g. "the broker
+    // requires a client certificate"), not a generic one.
+    let failure = match &finished {
+        Err(e) => e.clone(),
+        Ok(()) => ClientError::Connection(
+            "the broker finished the publish stream before answering".into(),
+        ),
+    };
     let _ = done.send(finished);
-    // The stream is gone: fail whoever still waits.
     let waiting: Vec<_> = pending
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .drain()
         .collect();
     for (_, tx) in waiting {
-        let _ = tx.send(Err(ClientError::Connection("publish stream closed".into())));
+        let _ = tx.send(Err(failure.clone()));
     }
 }
