@@ -1,0 +1,85 @@
+//! What can go wrong with the log, each with the context an operator needs.
+
+use std::path::PathBuf;
+
+/// A log error. Variants that stop the broker at startup name the file and say what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    /// Reading or writing a file failed (disk full, permissions, a failing disk).
+    #[error("{action} {}: {source}", path.display())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// An encrypted segment's key check does not match the key given: the wrong `aal.key`.
+    /// Nothing was changed on disk.
+    #[error(
+        "{}: this segment was sealed with a different key (aal.key is wrong, or the file was \
+         replaced); refusing to start, nothing was changed on disk",
+        path.display()
+    )]
+    WrongKey { path: PathBuf },
+    /// A record's checksum is right but its authentication tag is not: the bytes were written
+    /// whole, then changed (tampering), or sealed under another key. Never truncated.
+    #[error(
+        "{} at byte {position}: a record with a valid checksum fails authentication (tampered \
+         with, or sealed with another key); refusing to go on, nothing was changed on disk",
+        path.display()
+    )]
+    Tampered { path: PathBuf, position: u64 },
+    /// Encrypted segments exist but no key was given.
+    #[error(
+        "{} is encrypted but no key was given (set aal.key, or AQUEDUCT_AAL_KEY)",
+        path.display()
+    )]
+    KeyRequired { path: PathBuf },
+    /// A file in the log directory is not what its name says (bad magic or header checksum).
+    #[error("{}: {reason}", path.display())]
+    BadFile { path: PathBuf, reason: String },
+    /// An append that would re-use or go back on a topic's offsets.
+    #[error(
+        "offset {offset} of topic {topic:?} is not above the topic's last offset {last}: offsets \
+         are never re-used"
+    )]
+    OffsetNotIncreasing {
+        topic: String,
+        offset: u64,
+        last: u64,
+    },
+    /// An append the log cannot take (empty, a topic name too long, a batch too large).
+    #[error("invalid append: {0}")]
+    InvalidAppend(String),
+    /// An earlier `fsync` failed: what the operating system holds for the log can no longer be
+    /// trusted to reach the disk, so the log takes no more appends until it is reopened.
+    #[error("the log stopped taking appends after a failed fsync ({0}); restart the broker")]
+    Poisoned(String),
+    /// A batch a reader needed could not be read back (damaged since it was indexed).
+    #[error("{} at byte {position}: {reason}", path.display())]
+    Damaged {
+        path: PathBuf,
+        position: u64,
+        reason: String,
+    },
+}
+
+impl LogError {
+    pub(crate) fn io(
+        action: &'static str,
+        path: impl Into<PathBuf>,
+        source: std::io::Error,
+    ) -> Self {
+        LogError::Io {
+            action,
+            path: path.into(),
+            source,
+        }
+    }
+
+    /// True for errors that come from the disk or the operating system (full disk, failing
+    /// writes), as opposed to bad input or bad data.
+    pub fn is_io(&self) -> bool {
+        matches!(self, LogError::Io { .. } | LogError::Poisoned(_))
+    }
+}

@@ -1,0 +1,721 @@
+//! The log: opening (recovery), appending, syncing, rotation, retention and truncation.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::crypto::MasterKey;
+use crate::format::{
+    batch_aad, encode_record, finish_frame, record_len, start_frame, BodyHeader, Kind, BODY_HEADER,
+    FRAME_PREFIX, HEADER_LEN, MAX_BODY,
+};
+use crate::reader::Reader;
+use crate::segment::{self, index_path, segment_path, sync_dir, Segment};
+use crate::LogError;
+
+/// When appended batches are flushed to the disk (`aal.fsync`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsyncMode {
+    /// Every [`Log::commit`] syncs; the broker commits after every publish frame.
+    Always,
+    /// Every [`Log::commit`] syncs; the broker gathers what arrives meanwhile into one append
+    /// (a group commit), so one sync covers many publishers.
+    Batch,
+    /// [`Log::commit`] syncs when the last sync is at least this old.
+    Interval(Duration),
+    /// Never synced by the log; the operating system writes back when it likes.
+    Never,
+}
+
+/// How to open a log.
+#[derive(Debug, Clone)]
+pub struct LogOptions {
+    /// Seal batches with AES-256-GCM under keys derived from this one; `None`: plaintext.
+    pub key: Option<MasterKey>,
+    /// A segment is sealed and a new one started before it would grow past this many bytes
+    /// (`aal.max_aal_size`). A single batch larger than this gets a segment to itself.
+    pub max_segment_bytes: u64,
+    /// Delete the oldest sealed segments while all segments together are larger than this.
+    pub retention_bytes: Option<u64>,
+    /// Delete sealed segments whose newest batch is older than this.
+    pub retention_age: Option<Duration>,
+    pub fsync: FsyncMode,
+    /// After a crash, each topic's offsets go on this far past its last logged offset: the
+    /// broker promises that fewer offsets than this per topic are handed out and not yet
+    /// written, so none handed out before the crash is handed out again.
+    pub crash_offset_gap: u64,
+}
+
+impl Default for LogOptions {
+    fn default() -> Self {
+        LogOptions {
+            key: None,
+            max_segment_bytes: 100 * 1024 * 1024,
+            retention_bytes: None,
+            retention_age: None,
+            fsync: FsyncMode::Batch,
+            crash_offset_gap: 1 << 20,
+        }
+    }
+}
+
+/// One message to append.
+#[derive(Debug, Clone, Copy)]
+pub struct Entry<'a> {
+    pub topic: &'a [u8],
+    pub offset: u64,
+    pub data: &'a [u8],
+}
+
+/// A place in the log: the end of a batch (segment id, byte in that segment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Position {
+    pub segment: u64,
+    pub byte: u64,
+}
+
+/// What opening the log found and did, for the startup log line and metrics.
+#[derive(Debug, Clone, Default)]
+pub struct Recovery {
+    /// The previous run closed the log cleanly.
+    pub clean: bool,
+    pub segments: usize,
+    pub topics: usize,
+    pub bytes: u64,
+    /// Segments whose index was missing, stale or damaged, and were read through instead.
+    pub rebuilt_indexes: usize,
+    /// Bytes cut from the end of the last segment: a write torn by the crash.
+    pub truncated_bytes: u64,
+    /// Empty segment files left by a crash during their creation, removed.
+    pub removed_empty_segments: usize,
+    /// Damaged batches in the log (skipped by readers, kept on disk).
+    pub damaged_batches: usize,
+    /// Topics whose offsets jump across a damaged batch found by this open.
+    pub degraded_topics: Vec<String>,
+    /// Segment files that could not be read at all (bad header), left in place.
+    pub unreadable_segments: Vec<(PathBuf, String)>,
+    pub elapsed: Duration,
+}
+
+/// Counters for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LogStats {
+    pub segments: u64,
+    pub bytes: u64,
+    pub deleted_segments: u64,
+    pub truncated_bytes: u64,
+    pub damaged_batches: u64,
+    pub appended_batches: u64,
+    pub appended_records: u64,
+    pub syncs: u64,
+    pub write_errors: u64,
+}
+
+/// Where a topic's offsets stand.
+#[derive(Debug, Clone, Copy)]
+struct TopicState {
+    /// Highest offset logged (marks included).
+    high: u64,
+    /// The segment holding `high`.
+    high_segment: u64,
+    /// That segment's `unclean_before`.
+    unclean_at_high: u32,
+}
+
+/// The append-only log. One owner appends; [`Log::read`] hands out readers that own what they
+/// need and can move to other threads.
+#[derive(Debug)]
+pub struct Log {
+    dir: PathBuf,
+    opts: LogOptions,
+    /// Oldest first; the last one is the active segment.
+    segments: Vec<Segment>,
+    active: File,
+    topics: HashMap<Box<[u8]>, TopicState>,
+    /// Crashed generations before this run (this run's segments' `unclean_before`).
+    unclean_now: u32,
+    generation: u64,
+    buf: Vec<u8>,
+    dirty: bool,
+    last_sync: Instant,
+    poisoned: Option<String>,
+    stats: LogStats,
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The segment files in `dir`, by id (oldest first). Temporary index files are removed.
+fn list_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, LogError> {
+    let mut found = Vec::new();
+    let entries = std::fs::read_dir(dir).map_err(|e| LogError::io("listing", dir, e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| LogError::io("listing", dir, e))?;
+        let path = entry.path();
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.ends_with(".idx.tmp") {
+            let _ = std::fs::remove_file(&path);
+        } else if let Some(id) = name
+            .strip_suffix(".seg")
+            .and_then(|n| n.parse::<u64>().ok())
+        {
+            found.push((id, path));
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+impl Log {
+    /// Open (or create) the log in `dir`: load every segment (from its index, or by reading it
+    /// through after a crash), truncate a torn tail, and start a new active segment.
+    pub fn open(dir: impl Into<PathBuf>, opts: LogOptions) -> Result<(Log, Recovery), LogError> {
+        let started = Instant::now();
+        let dir = dir.into();
+        std::fs::create_dir_all(&dir).map_err(|e| LogError::io("creating", &dir, e))?;
+        let files = list_segments(&dir)?;
+        let mut rec = Recovery::default();
+        let mut segments: Vec<Segment> = Vec::new();
+        let mut next_id = 0;
+        for (i, (id, path)) in files.iter().enumerate() {
+            next_id = next_id.max(id + 1);
+            let last = i + 1 == files.len();
+            let (scanned, rebuilt) = match segment::load(&dir, path, opts.key.as_ref(), last) {
+                Ok(s) => s,
+                Err(LogError::BadFile { reason, .. }) if last && short_or_blank(path) => {
+                    // A crash while the segment was being created: nothing was ever in it.
+                    let _ = reason;
+                    std::fs::remove_file(path)
+                        .map_err(|e| LogError::io("removing empty segment", path, e))?;
+                    let _ = std::fs::remove_file(index_path(&dir, *id));
+                    rec.removed_empty_segments += 1;
+                    continue;
+                }
+                Err(LogError::BadFile { reason, .. }) => {
+                    rec.unreadable_segments.push((path.clone(), reason));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let mut seg = scanned.segment;
+            if scanned.torn_bytes > 0 {
+                let f = OpenOptions::new()
+                    .write(true)
+                    .open(path)
+                    .map_err(|e| LogError::io("opening segment", path, e))?;
+                f.set_len(seg.len)
+                    .and_then(|()| f.sync_all())
+                    .map_err(|e| LogError::io("truncating the torn tail of", path, e))?;
+                rec.truncated_bytes += scanned.torn_bytes;
+            }
+            if rebuilt {
+                rec.rebuilt_indexes += 1;
+                // Sealed normally only if it was not the last segment of the run that crashed.
+                seg.clean = !last;
+                seg.write_index(&dir)?;
+            }
+            rec.degraded_topics.extend(scanned.degraded);
+            segments.push(seg);
+        }
+        if rec.rebuilt_indexes > 0 || rec.removed_empty_segments > 0 || rec.truncated_bytes > 0 {
+            sync_dir(&dir)?;
+        }
+        let (generation, unclean_now, clean) = match segments.last() {
+            None => (1, 0, true),
+            Some(last) => {
+                let crashed = !last.clean;
+                (
+                    segments.iter().map(|s| s.generation).max().unwrap_or(0) + 1,
+                    last.unclean_before + crashed as u32,
+                    !crashed,
+                )
+            }
+        };
+        rec.clean = clean;
+        let (active_seg, active) = Segment::create(
+            &dir,
+            next_id,
+            generation,
+            unclean_now,
+            opts.key.as_ref(),
+            now_ms(),
+        )?;
+        segments.push(active_seg);
+        sync_dir(&dir)?;
+        let mut log = Log {
+            dir,
+            opts,
+            segments,
+            active,
+            topics: HashMap::new(),
+            unclean_now,
+            generation,
+            buf: Vec::new(),
+            dirty: false,
+            last_sync: Instant::now(),
+            poisoned: None,
+            stats: LogStats::default(),
+        };
+        log.rebuild_topics();
+        rec.segments = log.segments.len();
+        rec.topics = log.topics.len();
+        rec.bytes = log.bytes();
+        rec.damaged_batches = log.segments.iter().map(|s| s.damage.len()).sum();
+        log.stats.truncated_bytes = rec.truncated_bytes;
+        log.stats.damaged_batches = rec.damaged_batches as u64;
+        rec.elapsed = started.elapsed();
+        Ok((log, rec))
+    }
+
+    fn rebuild_topics(&mut self) {
+        self.topics.clear();
+        for seg in &self.segments {
+            for (name, span) in &seg.topics {
+                let state = TopicState {
+                    high: span.high,
+                    high_segment: seg.id,
+                    unclean_at_high: seg.unclean_before,
+                };
+                // Segments go oldest first: on a tie the newer segment holds the high.
+                match self.topics.get_mut(name) {
+                    Some(t) if t.high > span.high => {}
+                    Some(t) => *t = state,
+                    None => {
+                        self.topics.insert(name.clone(), state);
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn active_seg(&self) -> &Segment {
+        // `open` always pushes the active segment and nothing removes the last one.
+        &self.segments[self.segments.len() - 1]
+    }
+
+    fn bytes(&self) -> u64 {
+        self.segments.iter().map(|s| s.len).sum()
+    }
+
+    /// The offset the next message of `topic` must have at least: one past its highest logged
+    /// offset — plus `crash_offset_gap` for every crash since that offset was logged. A topic
+    /// never logged starts at 0 (or past the gaps of crashes before this run).
+    pub fn next_offset(&self, topic: &[u8]) -> u64 {
+        match self.topics.get(topic) {
+            Some(t) => t.high.saturating_add(1).saturating_add(
+                self.opts
+                    .crash_offset_gap
+                    .saturating_mul(u64::from(self.unclean_now - t.unclean_at_high)),
+            ),
+            None => self
+                .opts
+                .crash_offset_gap
+                .saturating_mul(u64::from(self.unclean_now)),
+        }
+    }
+
+    /// The highest offset of a message of `topic` still in the log.
+    pub fn last_offset(&self, topic: &[u8]) -> Option<u64> {
+        self.segments
+            .iter()
+            .rev()
+            .find_map(|s| s.topics.get(topic).and_then(|span| span.data))
+            .map(|(_, last)| last)
+    }
+
+    /// The lowest offset of a message of `topic` still in the log.
+    pub fn first_offset(&self, topic: &[u8]) -> Option<u64> {
+        self.segments
+            .iter()
+            .find_map(|s| s.topics.get(topic).and_then(|span| span.data))
+            .map(|(first, _)| first)
+    }
+
+    /// Every topic with state in the log.
+    pub fn topics(&self) -> impl Iterator<Item = &[u8]> {
+        self.topics.keys().map(|k| &**k)
+    }
+
+    pub fn stats(&self) -> LogStats {
+        LogStats {
+            segments: self.segments.len() as u64,
+            bytes: self.bytes(),
+            ..self.stats
+        }
+    }
+
+    /// Append one batch. The bytes reach the operating system before this returns; they are
+    /// durable after the [`commit`](Self::commit) (or [`sync`](Self::sync)) that follows.
+    /// Offsets must go up within each topic, from at least [`next_offset`](Self::next_offset).
+    /// On an error nothing of the batch stays in the log.
+    pub fn append(
+        &mut self,
+        entries: &[Entry<'_>],
+        timestamp_ms: u64,
+    ) -> Result<Position, LogError> {
+        self.append_kind(entries, Kind::Data, timestamp_ms)
+    }
+
+    fn append_kind(
+        &mut self,
+        entries: &[Entry<'_>],
+        kind: Kind,
+        timestamp_ms: u64,
+    ) -> Result<Position, LogError> {
+        if let Some(why) = &self.poisoned {
+            return Err(LogError::Poisoned(why.clone()));
+        }
+        if entries.is_empty() {
+            return Err(LogError::InvalidAppend("an empty batch".into()));
+        }
+        if kind == Kind::Data {
+            self.check_offsets(entries)?;
+        }
+        let mut payload = 0usize;
+        for e in entries {
+            payload = payload.saturating_add(record_len(e.topic, e.data));
+        }
+        let tag = if self.opts.key.is_some() { 16 } else { 0 };
+        let frame_len = FRAME_PREFIX + BODY_HEADER + payload + tag;
+        if frame_len - FRAME_PREFIX > MAX_BODY || entries.len() > u32::MAX as usize {
+            return Err(LogError::InvalidAppend(format!(
+                "a batch of {payload} bytes (the most is {} bytes)",
+                MAX_BODY - BODY_HEADER - tag
+            )));
+        }
+        let active = self.active_seg();
+        if active.len > HEADER_LEN as u64
+            && active.len + frame_len as u64 > self.opts.max_segment_bytes
+        {
+            self.rotate()?;
+        }
+        let seg = self.active_seg();
+        let (seg_id, pos, batch_no) = (seg.id, seg.len, seg.batches);
+        let cipher = seg.cipher.clone();
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
+        let header = BodyHeader {
+            batch_no,
+            count: entries.len() as u32,
+            timestamp_ms,
+        };
+        let start = start_frame(&mut buf, &header);
+        let payload_start = buf.len();
+        for e in entries {
+            encode_record(&mut buf, kind, e.topic, e.offset, e.data);
+        }
+        if let Some(c) = &cipher {
+            let aad = batch_aad(seg_id, &buf[start + FRAME_PREFIX..payload_start]);
+            c.seal(batch_no, &aad, &mut buf, payload_start);
+        }
+        finish_frame(&mut buf, start);
+        let written = self.active.write_all_at(&buf, pos);
+        self.buf = buf;
+        if let Err(e) = written {
+            self.stats.write_errors += 1;
+            let path = segment_path(&self.dir, seg_id);
+            // Cut what part of the frame got written, so the next batch starts clean.
+            if let Err(cut) = self.active.set_len(pos) {
+                self.poisoned = Some(format!(
+                    "a failed write to {} could not be undone: {cut}",
+                    path.display()
+                ));
+            }
+            return Err(LogError::io("appending to segment", path, e));
+        }
+        let end = pos + frame_len as u64;
+        let unclean = self.unclean_now;
+        let seg = self
+            .segments
+            .last_mut()
+            .ok_or_else(|| LogError::InvalidAppend("no active segment".into()))?;
+        for e in entries {
+            seg.note(kind, e.topic, e.offset, pos);
+            let state = TopicState {
+                high: e.offset,
+                high_segment: seg_id,
+                unclean_at_high: unclean,
+            };
+            match self.topics.get_mut(e.topic) {
+                Some(t) => *t = state,
+                None => {
+                    self.topics.insert(e.topic.into(), state);
+                }
+            }
+        }
+        seg.note_batch(timestamp_ms, end);
+        self.dirty = true;
+        self.stats.appended_batches += 1;
+        self.stats.appended_records += entries.len() as u64;
+        Ok(Position {
+            segment: seg_id,
+            byte: end,
+        })
+    }
+
+    /// Offsets go up within each topic, from `next_offset`.
+    fn check_offsets(&self, entries: &[Entry<'_>]) -> Result<(), LogError> {
+        let mut in_batch: HashMap<&[u8], u64> = HashMap::new();
+        for e in entries {
+            if e.topic.is_empty() || e.topic.len() > u16::MAX as usize {
+                return Err(LogError::InvalidAppend(format!(
+                    "a topic name of {} bytes (1 to {} allowed)",
+                    e.topic.len(),
+                    u16::MAX
+                )));
+            }
+            let floor = match in_batch.get(e.topic) {
+                Some(prev) => prev + 1,
+                None => self.next_offset(e.topic),
+            };
+            if e.offset < floor {
+                return Err(LogError::OffsetNotIncreasing {
+                    topic: String::from_utf8_lossy(e.topic).into_owned(),
+                    offset: e.offset,
+                    last: floor.saturating_sub(1),
+                });
+            }
+            in_batch.insert(e.topic, e.offset);
+        }
+        Ok(())
+    }
+
+    /// Make appended batches durable as the fsync mode says. Returns whether it synced.
+    pub fn commit(&mut self) -> Result<bool, LogError> {
+        let due = match self.opts.fsync {
+            FsyncMode::Always | FsyncMode::Batch => true,
+            FsyncMode::Interval(every) => self.last_sync.elapsed() >= every,
+            FsyncMode::Never => false,
+        };
+        if due && self.dirty {
+            self.sync()?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Flush everything appended so far to the disk (`fdatasync`). A failure poisons the log:
+    /// after a failed fsync the kernel may have dropped the dirty pages, so nothing can vouch
+    /// for what was appended since the last good sync.
+    pub fn sync(&mut self) -> Result<(), LogError> {
+        if let Some(why) = &self.poisoned {
+            return Err(LogError::Poisoned(why.clone()));
+        }
+        if let Err(e) = self.active.sync_data() {
+            let path = self.active_seg().path.clone();
+            self.poisoned = Some(format!("fsync of {} failed: {e}", path.display()));
+            return Err(LogError::io("syncing segment", path, e));
+        }
+        self.dirty = false;
+        self.last_sync = Instant::now();
+        self.stats.syncs += 1;
+        Ok(())
+    }
+
+    /// Seal the active segment (sync, index file) and start a new one.
+    fn rotate(&mut self) -> Result<(), LogError> {
+        self.sync()?;
+        let dir = self.dir.clone();
+        let (next_id, generation, unclean) = {
+            let seg = self
+                .segments
+                .last_mut()
+                .ok_or_else(|| LogError::InvalidAppend("no active segment".into()))?;
+            seg.clean = true;
+            seg.write_index(&dir)?;
+            (seg.id + 1, seg.generation, seg.unclean_before)
+        };
+        let (seg, file) = Segment::create(
+            &dir,
+            next_id,
+            generation,
+            unclean,
+            self.opts.key.as_ref(),
+            now_ms(),
+        )?;
+        sync_dir(&dir)?;
+        self.segments.push(seg);
+        self.active = file;
+        Ok(())
+    }
+
+    /// Close cleanly: sync, write the active segment's index marked clean. The next open then
+    /// reads no segment through and skips no offsets.
+    pub fn close(mut self) -> Result<(), LogError> {
+        self.sync()?;
+        let dir = self.dir.clone();
+        if let Some(seg) = self.segments.last_mut() {
+            seg.clean = true;
+            seg.write_index(&dir)?;
+        }
+        sync_dir(&dir)
+    }
+
+    /// Read `topic` from offset `from` on, in offset order: messages logged up to now.
+    pub fn read(&self, topic: &[u8], from: u64) -> Reader {
+        Reader::new(&self.segments, topic, from)
+    }
+
+    /// Delete sealed segments as retention says (never the active one). Topics whose highest
+    /// offset would go with them get a mark in the active segment first, synced before any file
+    /// is deleted, so their offsets are never handed out again. Returns the deleted segment ids.
+    pub fn enforce_retention(&mut self, now: std::time::SystemTime) -> Result<Vec<u64>, LogError> {
+        let now_ms = now
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let mut doomed = 0;
+        let mut total = self.bytes();
+        for seg in &self.segments[..self.segments.len() - 1] {
+            let over_bytes = self.opts.retention_bytes.is_some_and(|max| total > max);
+            let too_old = self.opts.retention_age.is_some_and(|age| {
+                seg.batches == 0 || seg.max_ts.saturating_add(age.as_millis() as u64) < now_ms
+            });
+            if !(over_bytes || too_old) {
+                break;
+            }
+            total -= seg.len;
+            doomed += 1;
+        }
+        self.delete_oldest(doomed)
+    }
+
+    /// Delete every sealed segment before `position`'s segment.
+    pub fn purge_before(&mut self, position: Position) -> Result<Vec<u64>, LogError> {
+        let n = self.segments[..self.segments.len() - 1]
+            .iter()
+            .take_while(|s| s.id < position.segment)
+            .count();
+        self.delete_oldest(n)
+    }
+
+    fn delete_oldest(&mut self, n: usize) -> Result<Vec<u64>, LogError> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<u64> = self.segments[..n].iter().map(|s| s.id).collect();
+        let last_doomed = ids[ids.len() - 1];
+        // Marks for the topics whose highest offset lives only in the doomed segments.
+        let marks: Vec<(Box<[u8]>, u64)> = self
+            .topics
+            .iter()
+            .filter(|(_, t)| t.high_segment <= last_doomed)
+            .map(|(name, _)| (name.clone(), self.next_offset(name) - 1))
+            .collect();
+        for chunk in marks.chunks(4096) {
+            let entries: Vec<Entry<'_>> = chunk
+                .iter()
+                .map(|(t, o)| Entry {
+                    topic: t,
+                    offset: *o,
+                    data: &[],
+                })
+                .collect();
+            self.append_marks(&entries)?;
+        }
+        if !marks.is_empty() {
+            self.sync()?;
+        }
+        for id in &ids {
+            let path = segment_path(&self.dir, *id);
+            std::fs::remove_file(&path).map_err(|e| LogError::io("deleting segment", &path, e))?;
+            let _ = std::fs::remove_file(index_path(&self.dir, *id));
+        }
+        sync_dir(&self.dir)?;
+        self.segments.drain(..n);
+        self.stats.deleted_segments += n as u64;
+        Ok(ids)
+    }
+
+    /// Marks restate where a topic's offsets stand (`next_offset - 1`, which may equal its
+    /// high), so they skip the increasing-offset check that data goes through.
+    fn append_marks(&mut self, entries: &[Entry<'_>]) -> Result<(), LogError> {
+        self.append_kind(entries, Kind::Mark, now_ms()).map(|_| ())
+    }
+
+    /// Remove every batch after `position` (for a replicated log's storage, or an operator
+    /// undoing a bad import). Later segments are deleted, `position`'s segment is cut there and
+    /// sealed, and a new active segment starts (never appending again to a segment under the
+    /// same nonces). Topic offsets fall back to what remains.
+    pub fn truncate_after(&mut self, position: Position) -> Result<(), LogError> {
+        let Some(i) = self.segments.iter().position(|s| s.id == position.segment) else {
+            return Err(LogError::InvalidAppend(format!(
+                "no segment {} in the log",
+                position.segment
+            )));
+        };
+        self.sync()?;
+        // Check that `position` is a batch boundary by reading the segment up to it.
+        let path = self.segments[i].path.clone();
+        let file = File::open(&path).map_err(|e| LogError::io("opening segment", &path, e))?;
+        let (header, cipher) = segment::open_header(&path, &file, self.opts.key.as_ref())?;
+        if position.byte > self.segments[i].len {
+            return Err(LogError::InvalidAppend(format!(
+                "byte {} is past the end of segment {}",
+                position.byte, position.segment
+            )));
+        }
+        let scanned = segment::scan(
+            &self.dir,
+            &file,
+            position.byte,
+            &header,
+            cipher,
+            false,
+            &mut |_| {},
+        )?;
+        if scanned.segment.len != position.byte || !scanned.segment.damage.is_empty() {
+            return Err(LogError::InvalidAppend(format!(
+                "byte {} of segment {} is not the end of a batch",
+                position.byte, position.segment
+            )));
+        }
+        for seg in self.segments.drain(i + 1..) {
+            std::fs::remove_file(&seg.path)
+                .map_err(|e| LogError::io("deleting segment", &seg.path, e))?;
+            let _ = std::fs::remove_file(index_path(&self.dir, seg.id));
+        }
+        let f = OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map_err(|e| LogError::io("opening segment", &path, e))?;
+        f.set_len(position.byte)
+            .and_then(|()| f.sync_all())
+            .map_err(|e| LogError::io("truncating segment", &path, e))?;
+        let mut seg = scanned.segment;
+        seg.clean = true;
+        seg.write_index(&self.dir)?;
+        let next_id = seg.id + 1;
+        self.segments[i] = seg;
+        let (active_seg, active) = Segment::create(
+            &self.dir,
+            next_id,
+            self.generation,
+            self.unclean_now,
+            self.opts.key.as_ref(),
+            now_ms(),
+        )?;
+        self.segments.push(active_seg);
+        self.active = active;
+        sync_dir(&self.dir)?;
+        self.rebuild_topics();
+        Ok(())
+    }
+}
+
+/// A segment file too short for a header, or whose header bytes are all zero.
+fn short_or_blank(path: &Path) -> bool {
+    match std::fs::read(path) {
+        Ok(b) => b.len() < HEADER_LEN || b[..HEADER_LEN].iter().all(|&x| x == 0),
+        Err(_) => false,
+    }
+}

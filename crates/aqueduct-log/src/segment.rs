@@ -1,0 +1,476 @@
+//! One segment file: creating it, reading it back whole (recovery, verify), and its index.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::crypto::{random_salt, MasterKey, SegmentCipher, TAG_LEN};
+use crate::format::{
+    self, batch_aad, check_frame, BodyHeader, FrameCheck, IndexFile, Kind, SegmentHeader,
+    TopicSpan, BODY_HEADER, FRAME_PREFIX, HEADER_LEN,
+};
+use crate::LogError;
+
+/// A topic gets a new index entry when its batch starts at least this far after the topic's
+/// previous entry: a reader never reads more than this (plus one batch) of other topics'
+/// batches per entry, and a dense topic costs one 16-byte entry per this many bytes.
+pub(crate) const STRIDE: u64 = 64 * 1024;
+
+pub(crate) fn segment_path(dir: &Path, id: u64) -> PathBuf {
+    dir.join(format!("{id:020}.seg"))
+}
+
+pub(crate) fn index_path(dir: &Path, id: u64) -> PathBuf {
+    dir.join(format!("{id:020}.idx"))
+}
+
+/// fsync a directory, so that files created, renamed or deleted in it stay so after a crash.
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), LogError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| LogError::io("syncing the log directory", dir, e))
+}
+
+/// What the log knows about one segment.
+#[derive(Debug)]
+pub(crate) struct Segment {
+    pub id: u64,
+    pub generation: u64,
+    /// Generations before this segment's that ended in a crash (from its header).
+    pub unclean_before: u32,
+    pub path: PathBuf,
+    /// Bytes of whole, checked frames (and the header): where the next batch goes.
+    pub len: u64,
+    pub batches: u64,
+    pub min_ts: u64,
+    pub max_ts: u64,
+    pub cipher: Option<Arc<SegmentCipher>>,
+    pub topics: HashMap<Box<[u8]>, TopicSpan>,
+    pub damage: Vec<(u64, u64)>,
+    /// Sealed normally (by rotation or a clean close), as its index file says.
+    pub clean: bool,
+}
+
+impl Segment {
+    fn empty(dir: &Path, header: &SegmentHeader, cipher: Option<Arc<SegmentCipher>>) -> Self {
+        Segment {
+            id: header.id,
+            generation: header.generation,
+            unclean_before: header.unclean_before,
+            path: segment_path(dir, header.id),
+            len: HEADER_LEN as u64,
+            batches: 0,
+            min_ts: u64::MAX,
+            max_ts: 0,
+            cipher,
+            topics: HashMap::new(),
+            damage: Vec::new(),
+            clean: false,
+        }
+    }
+
+    /// Create a new, empty segment file (header written and synced; the directory is synced by
+    /// the caller).
+    pub fn create(
+        dir: &Path,
+        id: u64,
+        generation: u64,
+        unclean_before: u32,
+        key: Option<&MasterKey>,
+        now_ms: u64,
+    ) -> Result<(Segment, File), LogError> {
+        let path = segment_path(dir, id);
+        let salt = random_salt().map_err(|_| {
+            LogError::io(
+                "drawing a random salt for",
+                &path,
+                std::io::Error::other("the system's random source failed"),
+            )
+        })?;
+        let mut header = SegmentHeader {
+            id,
+            generation,
+            unclean_before,
+            created_ms: now_ms,
+            encrypted: key.is_some(),
+            salt,
+            key_check: [0; TAG_LEN],
+        };
+        let cipher = match key {
+            Some(k) => {
+                let c = derive(k, &salt, &path)?;
+                let plain = header.encode();
+                header.key_check = c.key_check(SegmentHeader::check_aad(&plain));
+                Some(Arc::new(c))
+            }
+            None => None,
+        };
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| LogError::io("creating segment", &path, e))?;
+        file.write_all(&header.encode())
+            .and_then(|()| file.sync_all())
+            .map_err(|e| LogError::io("writing the header of segment", &path, e))?;
+        Ok((Segment::empty(dir, &header, cipher), file))
+    }
+
+    /// Note one record at batch position `pos`, keeping the sparse entries.
+    pub fn note(&mut self, kind: Kind, topic: &[u8], offset: u64, pos: u64) {
+        let span = match self.topics.get_mut(topic) {
+            Some(s) => s,
+            None => self.topics.entry(topic.into()).or_default(),
+        };
+        span.high = span.high.max(offset);
+        if kind == Kind::Mark {
+            return;
+        }
+        span.data = Some(match span.data {
+            Some((first, _)) => (first, offset),
+            None => (offset, offset),
+        });
+        let add = match span.entries.last() {
+            Some(&(_, last_pos)) => pos >= last_pos + STRIDE,
+            None => true,
+        };
+        if add {
+            span.entries.push((offset, pos));
+        }
+    }
+
+    pub fn note_batch(&mut self, timestamp_ms: u64, end: u64) {
+        self.batches += 1;
+        self.min_ts = self.min_ts.min(timestamp_ms);
+        self.max_ts = self.max_ts.max(timestamp_ms);
+        self.len = end;
+    }
+
+    pub fn index_file(&self) -> IndexFile {
+        let mut topics: Vec<(Vec<u8>, TopicSpan)> = self
+            .topics
+            .iter()
+            .map(|(k, v)| (k.to_vec(), v.clone()))
+            .collect();
+        topics.sort_by(|a, b| a.0.cmp(&b.0));
+        IndexFile {
+            segment_id: self.id,
+            covered_len: self.len,
+            generation: self.generation,
+            batches: self.batches,
+            min_ts: self.min_ts,
+            max_ts: self.max_ts,
+            clean: self.clean,
+            damage: self.damage.clone(),
+            topics,
+        }
+    }
+
+    /// Write the index file atomically (temporary file, fsync, rename; the caller syncs the
+    /// directory).
+    pub fn write_index(&self, dir: &Path) -> Result<(), LogError> {
+        let path = index_path(dir, self.id);
+        let tmp = path.with_extension("idx.tmp");
+        let bytes = self.index_file().encode();
+        let mut f = File::create(&tmp).map_err(|e| LogError::io("creating index file", &tmp, e))?;
+        f.write_all(&bytes)
+            .and_then(|()| f.sync_all())
+            .map_err(|e| LogError::io("writing index file", &tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| LogError::io("renaming index file", &path, e))
+    }
+
+    /// Take the index file's word for the segment's content.
+    fn from_index(
+        dir: &Path,
+        header: &SegmentHeader,
+        cipher: Option<Arc<SegmentCipher>>,
+        idx: IndexFile,
+    ) -> Segment {
+        let mut s = Segment::empty(dir, header, cipher);
+        s.len = idx.covered_len;
+        s.batches = idx.batches;
+        s.min_ts = idx.min_ts;
+        s.max_ts = idx.max_ts;
+        s.clean = idx.clean;
+        s.damage = idx.damage;
+        s.topics = idx
+            .topics
+            .into_iter()
+            .map(|(k, v)| (k.into_boxed_slice(), v))
+            .collect();
+        s
+    }
+}
+
+fn derive(key: &MasterKey, salt: &[u8; 32], path: &Path) -> Result<SegmentCipher, LogError> {
+    SegmentCipher::derive(key, salt).map_err(|_| LogError::BadFile {
+        path: path.to_path_buf(),
+        reason: "could not derive the segment's data key".into(),
+    })
+}
+
+/// How reading a segment from end to end went.
+#[derive(Debug)]
+pub(crate) struct Scanned {
+    pub segment: Segment,
+    /// Bytes after `segment.len` that are a torn write (no whole, checked frame follows).
+    pub torn_bytes: u64,
+    /// Topics whose offsets jump across a damaged batch.
+    pub degraded: Vec<String>,
+}
+
+/// Open a segment file's header and check the key against it.
+pub(crate) fn open_header(
+    path: &Path,
+    file: &File,
+    key: Option<&MasterKey>,
+) -> Result<(SegmentHeader, Option<Arc<SegmentCipher>>), LogError> {
+    let mut raw = [0u8; HEADER_LEN];
+    file.read_exact_at(&mut raw, 0)
+        .map_err(|e| LogError::BadFile {
+            path: path.to_path_buf(),
+            reason: format!("cannot read the segment header: {e}"),
+        })?;
+    let header = SegmentHeader::decode(&raw).map_err(|reason| LogError::BadFile {
+        path: path.to_path_buf(),
+        reason,
+    })?;
+    if !header.encrypted {
+        return Ok((header, None));
+    }
+    let key = key.ok_or_else(|| LogError::KeyRequired {
+        path: path.to_path_buf(),
+    })?;
+    let cipher = derive(key, &header.salt, path)?;
+    if !cipher.verify_key_check(SegmentHeader::check_aad(&raw), &header.key_check) {
+        return Err(LogError::WrongKey {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok((header, Some(Arc::new(cipher))))
+}
+
+/// Load a segment: from its index file if that is valid for the segment as it is on disk,
+/// else by reading it through (see [`scan`]). Returns whether the index was rebuilt.
+pub(crate) fn load(
+    dir: &Path,
+    path: &Path,
+    key: Option<&MasterKey>,
+    last: bool,
+) -> Result<(Scanned, bool), LogError> {
+    let file = File::open(path).map_err(|e| LogError::io("opening segment", path, e))?;
+    let (header, cipher) = open_header(path, &file, key)?;
+    let file_len = file
+        .metadata()
+        .map_err(|e| LogError::io("reading the size of segment", path, e))?
+        .len();
+    if let Ok(bytes) = std::fs::read(index_path(dir, header.id)) {
+        if let Ok(idx) = IndexFile::decode(&bytes) {
+            if idx.segment_id == header.id && idx.covered_len == file_len {
+                let segment = Segment::from_index(dir, &header, cipher, idx);
+                return Ok((
+                    Scanned {
+                        segment,
+                        torn_bytes: 0,
+                        degraded: Vec::new(),
+                    },
+                    false,
+                ));
+            }
+        }
+    }
+    let scanned = scan(dir, &file, file_len, &header, cipher, last, &mut |_| {})?;
+    Ok((scanned, true))
+}
+
+/// Read a whole segment, checking every frame, decrypting every batch and indexing its
+/// records. `progress` is called with the bytes read so far.
+///
+/// Damage is told apart from a torn tail by what follows it: a frame whose CRC fails (or whose
+/// length is impossible) is damage if a whole, checked frame with a later batch number follows
+/// somewhere after it — the reader skips it and goes on — and a torn tail if nothing checked
+/// follows; only a torn tail of the last segment is reported for truncation. A frame whose CRC
+/// is right but whose tag fails was written whole and changed since: that is an error
+/// ([`LogError::Tampered`]), never damage to skip.
+pub(crate) fn scan(
+    dir: &Path,
+    file: &File,
+    file_len: u64,
+    header: &SegmentHeader,
+    cipher: Option<Arc<SegmentCipher>>,
+    last: bool,
+    progress: &mut dyn FnMut(u64),
+) -> Result<Scanned, LogError> {
+    let mut seg = Segment::empty(dir, header, cipher);
+    let path = seg.path.clone();
+    let mut pos = HEADER_LEN as u64;
+    let mut buf = Vec::new();
+    // Per topic: last offset seen and the damage count then (to spot jumps across damage).
+    let mut seen: HashMap<Vec<u8>, (u64, usize)> = HashMap::new();
+    let mut degraded = Vec::new();
+    let mut torn_bytes = 0;
+    let mut next_batch = 0u64;
+    while pos < file_len {
+        let check = frame_at(file, pos, file_len, &mut buf)
+            .map_err(|e| LogError::io("reading segment", &path, e))?;
+        let len = match check {
+            FrameCheck::Good { len } => len as u64,
+            FrameCheck::Short | FrameCheck::BadLength | FrameCheck::BadCrc { .. } => {
+                // Damage or a torn tail: look for a checked frame further on.
+                match resync(file, pos + 1, file_len, next_batch, &mut buf)
+                    .map_err(|e| LogError::io("reading segment", &path, e))?
+                {
+                    Some(found) => {
+                        seg.damage.push((pos, found - pos));
+                        pos = found;
+                        continue;
+                    }
+                    None if last => {
+                        torn_bytes = file_len - pos;
+                        break;
+                    }
+                    None => {
+                        seg.damage.push((pos, file_len - pos));
+                        break;
+                    }
+                }
+            }
+        };
+        let body = &mut buf[FRAME_PREFIX..];
+        let bh = BodyHeader::decode(body).ok_or_else(|| LogError::BadFile {
+            path: path.clone(),
+            reason: format!("frame at byte {pos} is shorter than its header"),
+        })?;
+        if bh.batch_no < next_batch {
+            // A checked frame out of order: copied or moved within the file.
+            return Err(LogError::Tampered {
+                path: path.clone(),
+                position: pos,
+            });
+        }
+        next_batch = bh.batch_no + 1;
+        let payload_len = match &seg.cipher {
+            Some(c) => {
+                let aad = batch_aad(seg.id, &body[..BODY_HEADER]);
+                c.open(bh.batch_no, &aad, &mut body[BODY_HEADER..])
+                    .ok_or_else(|| LogError::Tampered {
+                        path: path.clone(),
+                        position: pos,
+                    })?
+            }
+            None => body.len() - BODY_HEADER,
+        };
+        let payload = &body[BODY_HEADER..BODY_HEADER + payload_len];
+        match format::decode_records(payload, bh.count) {
+            Ok(records) => {
+                let damage_now = seg.damage.len();
+                for r in records {
+                    if r.kind == Kind::Data {
+                        if let Some((last_off, damage_then)) = seen.get(r.topic) {
+                            if *damage_then != damage_now && r.offset != last_off + 1 {
+                                degraded.push(String::from_utf8_lossy(r.topic).into_owned());
+                            }
+                        }
+                        seen.insert(r.topic.to_vec(), (r.offset, damage_now));
+                    }
+                    seg.note(r.kind, r.topic, r.offset, pos);
+                }
+                seg.note_batch(bh.timestamp_ms, pos + len);
+            }
+            // Authenticated (or checksummed) but not records: not ours to guess at; skip it.
+            Err(_) => {
+                seg.damage.push((pos, len));
+                seg.len = pos + len;
+            }
+        }
+        pos += len;
+        progress(pos);
+    }
+    if seg.damage.last().is_some_and(|&(p, l)| p + l == file_len) {
+        // Damage up to the end of a sealed segment: the segment's length stays the file's, so
+        // nothing after the damage is ever overwritten or taken for free space.
+        seg.len = file_len;
+    }
+    degraded.sort();
+    degraded.dedup();
+    Ok(Scanned {
+        segment: seg,
+        torn_bytes,
+        degraded,
+    })
+}
+
+/// Read and check the frame at `pos` into `buf` (prefix and body).
+pub(crate) fn frame_at(
+    file: &File,
+    pos: u64,
+    file_len: u64,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<FrameCheck> {
+    let avail = file_len.saturating_sub(pos);
+    if avail < FRAME_PREFIX as u64 {
+        return Ok(FrameCheck::Short);
+    }
+    let mut prefix = [0u8; FRAME_PREFIX];
+    file.read_exact_at(&mut prefix, pos)?;
+    let body_len = u32::from_le_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]) as usize;
+    if !(BODY_HEADER..=format::MAX_BODY).contains(&body_len) {
+        return Ok(FrameCheck::BadLength);
+    }
+    if avail < (FRAME_PREFIX + body_len) as u64 {
+        return Ok(FrameCheck::Short);
+    }
+    buf.clear();
+    buf.resize(FRAME_PREFIX + body_len, 0);
+    file.read_exact_at(buf, pos)?;
+    Ok(check_frame(buf))
+}
+
+/// Batch numbers a resync accepts after damage: the damaged frame's own and a few more (a
+/// damaged region may swallow several frames).
+const RESYNC_BATCHES: u64 = 64;
+/// A resync reads the rest of the file in chunks of this size.
+const RESYNC_CHUNK: usize = 1 << 20;
+
+/// Find the next checked frame at or after `from` whose batch number is `next_batch` or a little
+/// more. A candidate must have a plausible length and batch number before its CRC is computed,
+/// so the search costs little more than reading the bytes.
+fn resync(
+    file: &File,
+    from: u64,
+    file_len: u64,
+    next_batch: u64,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<Option<u64>> {
+    let mut chunk = vec![0u8; RESYNC_CHUNK];
+    let mut base = from;
+    while base + (FRAME_PREFIX + BODY_HEADER) as u64 <= file_len {
+        let n = (file_len - base).min(RESYNC_CHUNK as u64) as usize;
+        file.read_exact_at(&mut chunk[..n], base)?;
+        let lookahead = FRAME_PREFIX + 8;
+        for i in 0..n.saturating_sub(lookahead - 1) {
+            let w = &chunk[i..i + lookahead];
+            let body_len = u32::from_le_bytes([w[0], w[1], w[2], w[3]]) as usize;
+            if !(BODY_HEADER..=format::MAX_BODY).contains(&body_len) {
+                continue;
+            }
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&w[8..16]);
+            let batch = u64::from_le_bytes(b);
+            if batch < next_batch || batch > next_batch + RESYNC_BATCHES {
+                continue;
+            }
+            let at = base + i as u64;
+            if let FrameCheck::Good { .. } = frame_at(file, at, file_len, buf)? {
+                return Ok(Some(at));
+            }
+        }
+        // Overlap so a candidate spanning two chunks is seen.
+        base += (n - (lookahead - 1).min(n)).max(1) as u64;
+    }
+    Ok(None)
+}
