@@ -90,7 +90,7 @@ fn batch_publish_drain(c: &mut Criterion) {
     g.bench_function("batch_100x128B_1_subscriber", |b| {
         b.iter(|| {
             let publications = (0..100).map(|_| Publication::new(&topic, black_box(&body)));
-            broker.publish_batch(&mut ctx, publications, now, |o| {
+            broker.publish_batch(&mut ctx, publications, now, |_, o| {
                 black_box(o);
             });
             let d = broker.drain(&sub, &mut out, 64 * 1024, now);

@@ -278,6 +278,27 @@ pub struct Broker {
     /// Counters of evicted topics, so that totals never go down. Locked only by sweeps and
     /// metric scrapes.
     evicted_stats: Mutex<TopicStatsSnapshot>,
+    /// Where a topic's first offset comes from when its state is created (see
+    /// [`Broker::set_offset_source`]); 0 without one.
+    offset_source: OffsetSourceCell,
+}
+
+/// Gives the offset a topic's next message gets when the broker creates the topic's state (first
+/// publish, or again after the topic was evicted while idle). The durable log's, so offsets go
+/// on across restarts and evictions instead of starting at 0.
+pub type OffsetSource = Box<dyn Fn(&TopicName) -> u64 + Send + Sync>;
+
+#[derive(Default)]
+struct OffsetSourceCell(std::sync::OnceLock<OffsetSource>);
+
+impl std::fmt::Debug for OffsetSourceCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "OffsetSource(set)"
+        } else {
+            "OffsetSource(none)"
+        })
+    }
 }
 
 /// Topics held before idle ones are swept; after a sweep the next one runs at twice the number
@@ -310,6 +331,17 @@ impl Broker {
 
     pub fn config(&self) -> &BrokerConfig {
         &self.config
+    }
+
+    /// Set where new topics' first offsets come from; once, before publishing starts. Returns
+    /// false (and changes nothing) if one was set already.
+    ///
+    /// A topic is evicted only when nothing else holds its state (see
+    /// [`sweep_idle_topics`](Self::sweep_idle_topics)), so a caller that keeps the
+    /// `Arc<TopicState>` of every message it has not yet recorded (the durable log's queue does)
+    /// can answer with its recorded offsets and never hand out an offset twice.
+    pub fn set_offset_source(&self, source: OffsetSource) -> bool {
+        self.offset_source.0.set(source).is_ok()
     }
 
     fn read_routes(&self) -> RwLockReadGuard<'_, Routes> {
@@ -523,7 +555,10 @@ impl Broker {
                     let owned = name.to_name();
                     let state = topics
                         .entry(owned.clone())
-                        .or_insert_with(|| Arc::new(TopicState::new(&owned)))
+                        .or_insert_with(|| {
+                            let next = self.offset_source.0.get().map_or(0, |f| f(&owned));
+                            Arc::new(TopicState::new(&owned, next))
+                        })
                         .clone();
                     (state, topics.len())
                 };
@@ -538,8 +573,9 @@ impl Broker {
     }
 
     /// Free the state of idle topics: nothing queued or in flight refers to them (no other
-    /// reference to their state) and no subscription matches them. Their offsets restart at 0
-    /// if they are published to again (offsets are not durable in this version); their counters
+    /// reference to their state) and no subscription matches them. If they are published to
+    /// again their offsets start where the offset source says (at 0 without one, see
+    /// [`set_offset_source`](Self::set_offset_source)); their counters
     /// are kept in [`Broker::evicted_topic_stats`]. Runs by itself once the number of topics
     /// reaches twice what the previous sweep left (at least [`IDLE_TOPIC_SWEEP_MIN`]), so that
     /// publishing to ever new topic names cannot grow memory without bound. Returns how many
@@ -644,11 +680,12 @@ impl Broker {
         now: Instant,
     ) -> PublishOutcome {
         let mut offset = 0;
-        let routed = self.publish_batch(ctx, std::iter::once(*p), now, |o| offset = o);
+        let routed = self.publish_batch(ctx, std::iter::once(*p), now, |_, o| offset = o);
         PublishOutcome { offset, routed }
     }
 
-    /// Publish a sequence of messages in order; `offset` is called with each assigned offset.
+    /// Publish a sequence of messages in order; `offset` is called with each message's topic and
+    /// assigned offset.
     /// Returns how many subscriptions the messages were handed to in total.
     ///
     /// Consecutive messages to one topic form a run: the topic and its routes are looked up once
@@ -659,7 +696,7 @@ impl Broker {
         ctx: &mut PublishContext,
         publications: I,
         now: Instant,
-        mut offset: impl FnMut(u64),
+        mut offset: impl FnMut(&Arc<TopicState>, u64),
     ) -> usize
     where
         I: IntoIterator<Item = Publication<'a>>,
@@ -684,7 +721,7 @@ impl Broker {
             routed += targets.len() * run_len;
             let run = iter.by_ref().take(run_len).enumerate().map(|(i, p)| {
                 let o = base + i as u64;
-                offset(o);
+                offset(&topic, o);
                 (o, p)
             });
             match targets.len() {

@@ -147,11 +147,11 @@ pub struct TopicState {
 }
 
 impl TopicState {
-    pub(crate) fn new(name: &TopicName) -> TopicState {
+    pub(crate) fn new(name: &TopicName, next_offset: u64) -> TopicState {
         TopicState {
             // Own copy: the caller's name may borrow a large frame buffer.
             name: name.detached(),
-            next_offset: AtomicU64::new(0),
+            next_offset: AtomicU64::new(next_offset),
             stats: TopicStats::default(),
         }
     }

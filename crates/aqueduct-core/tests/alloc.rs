@@ -78,7 +78,7 @@ fn run(subscribers: usize, messages: usize, batch: usize) -> u64 {
             broker.publish(ctx, &Publication::new(&topic, &body), now);
         } else {
             let publications = (0..batch).map(|_| Publication::new(&topic, &body));
-            broker.publish_batch(ctx, publications, now, |_| {});
+            broker.publish_batch(ctx, publications, now, |_, _| {});
         }
         for s in &subs {
             let d = broker.drain(s, out, 64 * 1024, now);

@@ -851,7 +851,7 @@ fn publish_batch_keeps_order_offsets_and_group_round_robin() {
         .map(|(topic, body)| Publication::new(topic, body.as_bytes()))
         .collect();
     let mut offsets = vec![];
-    let routed = b.publish_batch(&mut ctx, publications.iter().copied(), now, |o| {
+    let routed = b.publish_batch(&mut ctx, publications.iter().copied(), now, |_, o| {
         offsets.push(o)
     });
     assert_eq!(offsets, [0, 1, 0, 2, 0, 1, 2, 3, 0, 3]);
@@ -1048,4 +1048,34 @@ fn a_detached_only_member_hands_its_redeliveries_to_a_new_member() {
     let got = drain_all(&b, &newcomer, later);
     assert_eq!((got.len(), got[0].attempt), (1, 2));
     assert_eq!(a.queued(), 0);
+}
+
+#[test]
+fn new_topics_take_their_first_offset_from_the_offset_source() {
+    let b = Broker::new(BrokerConfig::default());
+    let asked = Arc::new(AtomicUsize::new(0));
+    let counter = asked.clone();
+    assert!(b.set_offset_source(Box::new(move |topic| {
+        counter.fetch_add(1, Ordering::Relaxed);
+        if topic.as_str() == "kept" {
+            500
+        } else {
+            7
+        }
+    })));
+    assert!(!b.set_offset_source(Box::new(|_| 0)), "set once");
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let first = b.publish(&mut ctx, &Publication::new(&t("kept"), b"x"), now);
+    let second = b.publish(&mut ctx, &Publication::new(&t("kept"), b"y"), now);
+    let other = b.publish(&mut ctx, &Publication::new(&t("other"), b"z"), now);
+    assert_eq!((first.offset, second.offset, other.offset), (500, 501, 7));
+    assert_eq!(asked.load(Ordering::Relaxed), 2, "asked once per topic created");
+    // Evicted while idle, then published to again: asked again.
+    drop(ctx);
+    assert_eq!(b.sweep_idle_topics(), 2);
+    let mut ctx = PublishContext::default();
+    let again = b.publish(&mut ctx, &Publication::new(&t("kept"), b"w"), now);
+    assert_eq!(again.offset, 500);
+    assert_eq!(asked.load(Ordering::Relaxed), 3);
 }

@@ -169,6 +169,7 @@ error_codes! {
     UNAUTHORIZED = 400, "The client's identity may not perform this operation.";
     INTERNAL = 500, "The broker failed internally; the request may be retried.";
     SHUTTING_DOWN = 501, "The broker is shutting down.";
+    STORAGE_FAILED = 502, "The durable log could not store the message (disk full, I/O error): it is not durable, though live subscribers may have received it.";
 }
 
 impl fmt::Debug for ErrorCode {
