@@ -1070,7 +1070,11 @@ fn new_topics_take_their_first_offset_from_the_offset_source() {
     let second = b.publish(&mut ctx, &Publication::new(&t("kept"), b"y"), now);
     let other = b.publish(&mut ctx, &Publication::new(&t("other"), b"z"), now);
     assert_eq!((first.offset, second.offset, other.offset), (500, 501, 7));
-    assert_eq!(asked.load(Ordering::Relaxed), 2, "asked once per topic created");
+    assert_eq!(
+        asked.load(Ordering::Relaxed),
+        2,
+        "asked once per topic created"
+    );
     // Evicted while idle, then published to again: asked again.
     drop(ctx);
     assert_eq!(b.sweep_idle_topics(), 2);

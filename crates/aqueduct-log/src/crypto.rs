@@ -22,7 +22,7 @@ const INFO: &[u8] = b"aqueduct-aal segment key v1";
 const CHECK_NONCE: [u8; NONCE_LEN] = [0xFF; NONCE_LEN];
 
 /// The log's master key (`aal.key`).
-#[derive(Clone)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct MasterKey([u8; 32]);
 
 impl std::fmt::Debug for MasterKey {

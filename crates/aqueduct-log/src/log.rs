@@ -317,11 +317,16 @@ impl Log {
                     .crash_offset_gap
                     .saturating_mul(u64::from(self.unclean_now - t.unclean_at_high)),
             ),
-            None => self
-                .opts
-                .crash_offset_gap
-                .saturating_mul(u64::from(self.unclean_now)),
+            None => self.new_topic_offset(),
         }
+    }
+
+    /// Where a topic the log has never seen starts: 0, or past the gaps of earlier crashes
+    /// (what [`next_offset`](Self::next_offset) answers for an unknown topic).
+    pub fn new_topic_offset(&self) -> u64 {
+        self.opts
+            .crash_offset_gap
+            .saturating_mul(u64::from(self.unclean_now))
     }
 
     /// The highest offset of a message of `topic` still in the log.

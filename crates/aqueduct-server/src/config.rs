@@ -4,8 +4,8 @@
 //!
 //! Unknown keys (in the file or as `AQUEDUCT_*` variables), malformed values ("50xs", a negative
 //! size, an unknown policy) and missing files are errors that name the key and the problem. A
-//! section for a feature that is not built yet (`aal`, `acl`, `quotas`, `cluster`) may be present
-//! but must not be enabled: `enabled: true` stops startup with "not implemented yet".
+//! section for a feature that is not built yet (`acl`, `quotas`, `cluster`) may be present but
+//! must not be enabled: `enabled: true` stops startup with "not implemented yet".
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
@@ -201,17 +201,28 @@ impl Default for MetricsSection {
     }
 }
 
-/// `aal.*`: the append-only log (a later version). The seed's keys are accepted while it is
-/// disabled; `enabled: true` stops startup.
+/// `aal.*`: the durable append-only log.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AalSection {
     pub enabled: bool,
+    /// The log's directory (the seed called it a file). Empty: `$AQUEDUCT_HOME/aal`, else
+    /// `$HOME/.aqueduct/aal`.
     pub file_path: String,
-    /// Base64-encoded 32-byte AES-256-GCM key.
+    /// Base64-encoded 32-byte AES-256-GCM master key.
     pub key: String,
-    /// Rotate after this many bytes.
+    /// Run the log unencrypted when `key` is empty (otherwise an empty key is an error).
+    pub allow_plaintext: bool,
+    /// Rotate segments before they grow past this many bytes.
     pub max_aal_size: u64,
+    /// `always` | `batch` | `interval` | `never`.
+    pub fsync: String,
+    /// For `fsync: interval`.
+    pub fsync_interval: String,
+    /// Delete the oldest sealed segments while the log is larger (0: no limit).
+    pub retention_bytes: u64,
+    /// Delete sealed segments older than this ("" or "0": keep).
+    pub retention_age: String,
 }
 
 impl Default for AalSection {
@@ -220,7 +231,12 @@ impl Default for AalSection {
             enabled: false,
             file_path: String::new(),
             key: String::new(),
+            allow_plaintext: false,
             max_aal_size: 100 << 20,
+            fsync: "batch".into(),
+            fsync_interval: "100ms".into(),
+            retention_bytes: 0,
+            retention_age: String::new(),
         }
     }
 }
@@ -364,7 +380,12 @@ pub const ENV_KEYS: &[&str] = &[
     "aal.enabled",
     "aal.file_path",
     "aal.key",
+    "aal.allow_plaintext",
     "aal.max_aal_size",
+    "aal.fsync",
+    "aal.fsync_interval",
+    "aal.retention_bytes",
+    "aal.retention_age",
     "acl.enabled",
     "acl.default",
     "cluster.enabled",
@@ -497,6 +518,34 @@ pub struct Config {
     pub block_timeout: Option<Duration>,
     pub transport: TransportConfig,
     pub metrics: MetricsConfig,
+    /// The durable log, if enabled.
+    pub aal: Option<AalConfig>,
+}
+
+/// The durable log's settings, typed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AalConfig {
+    pub dir: PathBuf,
+    /// `None`: plaintext (`aal.allow_plaintext`).
+    pub key: Option<aqueduct_log::MasterKey>,
+    pub max_segment_bytes: u64,
+    pub fsync: aqueduct_log::FsyncMode,
+    pub retention_bytes: Option<u64>,
+    pub retention_age: Option<Duration>,
+}
+
+impl AalConfig {
+    /// The log's options (the crash offset gap is the server's, see `log_writer`).
+    pub fn log_options(&self, crash_offset_gap: u64) -> aqueduct_log::LogOptions {
+        aqueduct_log::LogOptions {
+            key: self.key.clone(),
+            max_segment_bytes: self.max_segment_bytes,
+            retention_bytes: self.retention_bytes,
+            retention_age: self.retention_age,
+            fsync: self.fsync,
+            crash_offset_gap,
+        }
+    }
 }
 
 impl Default for Config {
@@ -631,6 +680,9 @@ const TEXT_KEYS: &[&str] = &[
     "metrics.header_timeout",
     "aal.file_path",
     "aal.key",
+    "aal.fsync",
+    "aal.fsync_interval",
+    "aal.retention_age",
     "acl.default",
     "cluster.discovery.type",
     "cluster.discovery.host",
@@ -767,7 +819,6 @@ impl RawConfig {
     /// Check every value and convert to typed configuration.
     pub fn validate(&self, env: &[(String, String)]) -> Result<Config, ConfigError> {
         for (section, feature, enabled) in [
-            ("aal", "the append-only log (persistence)", self.aal.enabled),
             ("acl", "access control", self.acl.enabled),
             ("cluster", "clustering", self.cluster.enabled),
             (
@@ -962,7 +1013,113 @@ impl RawConfig {
                 .filter(|d| !d.is_zero()),
             transport,
             metrics,
+            aal: self.aal.validate(env)?,
         })
+    }
+}
+
+impl AalSection {
+    /// Checked although the log is off, so a bad value shows before it is switched on; `None`
+    /// when off.
+    fn validate(&self, env: &[(String, String)]) -> Result<Option<AalConfig>, ConfigError> {
+        let key = parse_aal_key(&self.key)?;
+        let fsync = match self.fsync.trim() {
+            "always" => aqueduct_log::FsyncMode::Always,
+            "batch" => aqueduct_log::FsyncMode::Batch,
+            "never" => aqueduct_log::FsyncMode::Never,
+            "interval" => {
+                let every = parse_duration("aal.fsync_interval", &self.fsync_interval)?;
+                if every.is_zero() {
+                    return Err(invalid(
+                        "aal.fsync_interval",
+                        "must be greater than zero with fsync: interval (use fsync: batch to \
+                         sync every group commit)",
+                    ));
+                }
+                aqueduct_log::FsyncMode::Interval(every)
+            }
+            other => {
+                return Err(invalid(
+                    "aal.fsync",
+                    format!("{other:?} is not one of always, batch, interval, never"),
+                ))
+            }
+        };
+        let retention_age = match self.retention_age.trim() {
+            "" => None,
+            s => Some(parse_duration("aal.retention_age", s)?).filter(|d| !d.is_zero()),
+        };
+        let max_segment_bytes = range("aal.max_aal_size", self.max_aal_size, 1 << 20, 1 << 40)?;
+        if !self.enabled {
+            return Ok(None);
+        }
+        if key.is_none() && !self.allow_plaintext {
+            return Err(invalid(
+                "aal.key",
+                "is empty, but aal.enabled is true: give a base64-encoded 32-byte key (e.g. \
+                 `openssl rand -base64 32`), or set aal.allow_plaintext: true to keep the log \
+                 unencrypted",
+            ));
+        }
+        let dir = match opt_path(&self.file_path) {
+            Some(p) => p,
+            None => default_aal_dir(env),
+        };
+        if dir.is_file() {
+            return Err(invalid(
+                "aal.file_path",
+                format!(
+                    "{} is a file; aal.file_path is the log's directory (segments and indexes \
+                     go inside it). The seed's single-file log cannot be read by this version: \
+                     point aal.file_path at a new directory",
+                    dir.display()
+                ),
+            ));
+        }
+        Ok(Some(AalConfig {
+            dir,
+            key,
+            max_segment_bytes,
+            fsync,
+            retention_bytes: Some(self.retention_bytes).filter(|&b| b > 0),
+            retention_age,
+        }))
+    }
+}
+
+/// `aal.key`: empty, or base64 of exactly 32 bytes.
+fn parse_aal_key(s: &str) -> Result<Option<aqueduct_log::MasterKey>, ConfigError> {
+    use base64::Engine;
+    let s = s.trim();
+    if s.is_empty() {
+        return Ok(None);
+    }
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .map_err(|e| invalid("aal.key", format!("is not valid base64 ({e})")))?;
+    aqueduct_log::MasterKey::from_bytes(&bytes)
+        .map(Some)
+        .ok_or_else(|| {
+            invalid(
+                "aal.key",
+                format!(
+                    "decodes to {} bytes; AES-256-GCM needs exactly 32 (e.g. `openssl rand \
+                     -base64 32`)",
+                    bytes.len()
+                ),
+            )
+        })
+}
+
+/// Where the log goes when `aal.file_path` is empty.
+pub fn default_aal_dir(env: &[(String, String)]) -> PathBuf {
+    let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    if let Some(home) = get("AQUEDUCT_HOME").filter(|h| !h.is_empty()) {
+        return Path::new(&home).join("aal");
+    }
+    match get("HOME").filter(|h| !h.is_empty()) {
+        Some(home) => Path::new(&home).join(".aqueduct").join("aal"),
+        None => std::env::temp_dir().join("aqueduct-aal"),
     }
 }
 

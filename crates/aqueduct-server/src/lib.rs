@@ -12,6 +12,7 @@
 
 pub mod config;
 mod connection;
+pub mod durable;
 mod http;
 pub mod metrics;
 mod server;

@@ -14,9 +14,11 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tracing::{info, warn};
 
-use crate::config::{Config, TransportConfig};
+use crate::config::{AalConfig, Config, TransportConfig};
+use crate::durable::Durable;
 use crate::stats::ServerStats;
 use crate::tls::{self, TlsError};
+use aqueduct_log::Log;
 
 /// How often unsettled deliveries are checked against `broker.ack_wait`.
 const ACK_TICK: Duration = Duration::from_millis(100);
@@ -34,6 +36,8 @@ pub enum ServerError {
     MetricsBind { addr: SocketAddr, reason: String },
     #[error("transport settings rejected: {0}")]
     Transport(String),
+    #[error("aal (durable log): {0}")]
+    Log(#[from] aqueduct_log::LogError),
 }
 
 /// What every connection task shares.
@@ -43,6 +47,17 @@ pub(crate) struct Shared {
     pub broker: Arc<Broker>,
     pub stats: Arc<ServerStats>,
     pub connections: AtomicUsize,
+    /// The durable log, when `aal.enabled`.
+    pub durable: Option<Arc<Durable>>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // A server dropped without serving (or after) still closes its log cleanly.
+        if let Some(d) = &self.durable {
+            d.close();
+        }
+    }
 }
 
 /// A bound, not yet serving, broker.
@@ -141,6 +156,16 @@ impl Server {
         }
         let dev_cert = dev_cert.map(|c| c.path);
         let broker = Arc::new(Broker::new(config.broker.clone()));
+        let durable = match &config.aal {
+            Some(aal) => {
+                let durable = open_log(aal).await?;
+                let source = durable.clone();
+                broker
+                    .set_offset_source(Box::new(move |topic| source.next_offset(topic.as_bytes())));
+                Some(durable)
+            }
+            None => None,
+        };
         Ok(Server {
             endpoint,
             metrics,
@@ -149,6 +174,7 @@ impl Server {
                 broker,
                 stats: Arc::new(ServerStats::default()),
                 connections: AtomicUsize::new(0),
+                durable,
             }),
             dev_cert,
         })
@@ -244,11 +270,56 @@ impl Server {
         endpoint.close(ErrorCode::SHUTTING_DOWN.0.into(), b"broker shutting down");
         let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
         ticker.abort();
+        if let Some(d) = shared.durable.clone() {
+            // Write what is queued and close the log cleanly (blocking file I/O).
+            let _ = tokio::task::spawn_blocking(move || d.close()).await;
+        }
         let _ = http_stop.send(true);
         let _ = tokio::time::timeout(Duration::from_secs(1), metrics_task).await;
         info!("broker stopped");
         Ok(())
     }
+}
+
+/// Open (and recover) the durable log off the async workers, say what recovery found, and start
+/// its writer.
+async fn open_log(aal: &AalConfig) -> Result<Arc<Durable>, ServerError> {
+    let dir = aal.dir.clone();
+    let opts = aal.log_options(crate::durable::CRASH_OFFSET_GAP);
+    let fsync = aal.fsync;
+    let (log, rec) = tokio::task::spawn_blocking(move || Log::open(dir, opts))
+        .await
+        .map_err(|e| ServerError::Transport(format!("log recovery task failed: {e}")))??;
+    info!(
+        dir = %aal.dir.display(),
+        encrypted = aal.key.is_some(),
+        fsync = ?aal.fsync,
+        clean = rec.clean,
+        segments = rec.segments,
+        topics = rec.topics,
+        bytes = rec.bytes,
+        rebuilt_indexes = rec.rebuilt_indexes,
+        truncated_bytes = rec.truncated_bytes,
+        took = ?rec.elapsed,
+        "durable log recovered"
+    );
+    if !rec.clean {
+        warn!(
+            "durable log: the previous run did not close it (crash or kill); offsets go on past \
+             what it may have handed out unwritten"
+        );
+    }
+    if rec.damaged_batches > 0 {
+        warn!(
+            damaged_batches = rec.damaged_batches,
+            degraded_topics = ?rec.degraded_topics,
+            "durable log: damaged batches are skipped by readers and kept on disk; run `aqueduct log verify`"
+        );
+    }
+    for (path, why) in &rec.unreadable_segments {
+        warn!(path = %path.display(), "durable log: segment unreadable, left in place: {why}");
+    }
+    Ok(Durable::start(log, &rec, fsync))
 }
 
 /// Redeliver deliveries whose ack-wait deadline passed.

@@ -14,7 +14,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use aqueduct_core::{CloseReason, Publication, PublishContext, SubscribeOptions, Subscriber};
+use aqueduct_core::{
+    CloseReason, Publication, PublishContext, SubscribeOptions, Subscriber, TopicState,
+};
 use aqueduct_proto::frame::{split_frame, Message};
 use aqueduct_proto::{AckMode, Confirm, DecodeError, ErrorCode, ErrorFrame, Frame, HEADER_LEN};
 use bytes::{Buf, BytesMut};
@@ -23,6 +25,7 @@ use tokio::sync::{watch, Notify};
 use tracing::{debug, info, warn};
 
 use crate::connection::{AddSubError, ConnState, SubEntry};
+use crate::durable::{Durable, Waiter};
 use crate::server::Shared;
 
 /// Reply bytes a client may leave unread before the broker stops reading its stream.
@@ -63,7 +66,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl StreamOut {
-    fn push_frame(&self, frame: &Frame) {
+    pub(crate) fn push_frame(&self, frame: &Frame) {
         frame.encode(&mut *lock(&self.control));
         self.notify.notify_one();
     }
@@ -189,6 +192,7 @@ pub(crate) async fn serve(
             conn: &conn,
             out: &out,
             ctx: PublishContext::default(),
+            routed: Vec::new(),
         };
         // On shutdown stop reading at once; the writer flushes what is queued and finishes.
         let end = tokio::select! {
@@ -223,6 +227,8 @@ struct Reader<'a> {
     conn: &'a Arc<ConnState>,
     out: &'a Arc<StreamOut>,
     ctx: PublishContext,
+    /// With the durable log: each routed message's topic and offset, for the log's queue.
+    routed: Vec<(Arc<TopicState>, u64)>,
 }
 
 impl Reader<'_> {
@@ -342,6 +348,12 @@ impl Reader<'_> {
         ) {
             self.conn.wait_confirmed().await;
         }
+        if let (Some(d), Message::Publish(_) | Message::PublishBatch(_)) =
+            (&self.shared.durable, &frame.message)
+        {
+            // The log's queue is full: wait for the writer before routing more.
+            d.wait_room().await;
+        }
         self.handle(frame, header.has_extensions);
         self.wait_for_room().await;
     }
@@ -398,7 +410,12 @@ impl Reader<'_> {
         let broker = &self.shared.broker;
         match frame.message {
             Message::Publish(p) => {
-                let outcome = broker.publish(&mut self.ctx, &Publication::from_publish(&p), now);
+                let publication = Publication::from_publish(&p);
+                if let Some(d) = &self.shared.durable {
+                    let waiter = self.waiter(stream_id, p.ext.confirm);
+                    return self.publish_durable(d, &[publication], waiter, now);
+                }
+                let outcome = broker.publish(&mut self.ctx, &publication, now);
                 if p.ext.confirm {
                     self.confirm(stream_id, vec![outcome.offset]);
                 }
@@ -409,11 +426,17 @@ impl Reader<'_> {
                 // Validated in full when decoded, so every sub-frame is Ok. Borrowed views, decoded
                 // once into one vector per batch frame (the core looks ahead along it for runs).
                 let refs: Vec<_> = batch.iter_refs().filter_map(Result::ok).collect();
+                if let Some(d) = &self.shared.durable {
+                    let publications: Vec<Publication<'_>> =
+                        refs.iter().map(Publication::from_ref).collect();
+                    let waiter = self.waiter(stream_id, confirm);
+                    return self.publish_durable(d, &publications, waiter, now);
+                }
                 broker.publish_batch(
                     &mut self.ctx,
                     refs.iter().map(Publication::from_ref),
                     now,
-                    |o| {
+                    |_, o| {
                         if confirm {
                             offsets.push(o);
                         }
@@ -546,6 +569,35 @@ impl Reader<'_> {
                 );
             }
         }
+    }
+
+    fn waiter(&self, stream_id: u32, confirm: bool) -> Waiter {
+        Waiter {
+            out: self.out.clone(),
+            stream_id,
+            confirm,
+        }
+    }
+
+    /// Route a publish frame's messages (live delivery at once) and queue them for the durable
+    /// log, whose writer confirms them once they are durable. Routing and queueing happen under
+    /// the log's order lock, so each topic's offsets reach the log in order.
+    fn publish_durable(
+        &mut self,
+        d: &Durable,
+        publications: &[Publication<'_>],
+        waiter: Waiter,
+        now: Instant,
+    ) {
+        let _order = lock(&d.order);
+        let routed = &mut self.routed;
+        self.shared.broker.publish_batch(
+            &mut self.ctx,
+            publications.iter().copied(),
+            now,
+            |topic, o| routed.push((topic.clone(), o)),
+        );
+        d.queue_frame(routed.drain(..).zip(publications.iter().copied()), waiter);
     }
 
     fn sub_or_error(&self, stream_id: u32) -> Option<SubEntry> {

@@ -158,7 +158,37 @@ fn errors_name_the_key_and_the_problem() {
         (
             Some("aal:\n  enabled: true\n  file_path: /var/lib/aqueduct\n"),
             &[],
-            "aal.enabled is true, but the append-only log (persistence) is not implemented yet",
+            "aal.key: is empty, but aal.enabled is true",
+        ),
+        (
+            Some("aal:\n  key: \"not base64!\"\n"),
+            &[],
+            "aal.key: is not valid base64",
+        ),
+        (
+            Some("aal:\n  key: \"c2hvcnQ=\"\n"),
+            &[],
+            "aal.key: decodes to 5 bytes; AES-256-GCM needs exactly 32",
+        ),
+        (
+            Some("aal:\n  fsync: sometimes\n"),
+            &[],
+            "aal.fsync: \"sometimes\" is not one of always, batch, interval, never",
+        ),
+        (
+            Some("aal:\n  fsync: interval\n  fsync_interval: 0s\n"),
+            &[],
+            "aal.fsync_interval: must be greater than zero",
+        ),
+        (
+            None,
+            &[("AQUEDUCT_AAL_RETENTION_AGE", "7x")],
+            "aal.retention_age: \"7x\" is not a duration",
+        ),
+        (
+            Some("aal:\n  enabled: true\n  allow_plaintext: true\n  file_path: /etc/hostname\n"),
+            &[],
+            "aal.file_path: /etc/hostname is a file; aal.file_path is the log's directory",
         ),
         (
             Some("cluster:\n  enabled: true\n"),
@@ -211,7 +241,10 @@ fn errors_name_the_key_and_the_problem() {
             ..Overrides::default()
         },
     );
-    assert!(got.contains("aal.enabled is true"), "{got}");
+    assert!(
+        got.contains("aal.key: is empty, but aal.enabled is true"),
+        "{got}"
+    );
 }
 
 #[test]

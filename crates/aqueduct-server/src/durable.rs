@@ -1,0 +1,509 @@
+//! The broker's side of the durable log: a queue that publishing streams fill, and one writer
+//! thread that appends what gathered as one batch, syncs as `aal.fsync` says, and only then
+//! sends the CONFIRMs of the frames in it (a group commit).
+//!
+//! Publishing with the log on: a stream routes its frame (live delivery goes on at once) and
+//! queues the frame's messages with their offsets, both under [`Durable::order`], so each
+//! topic's offsets enter the queue in order. The queue is bounded ([`MAX_QUEUED`] messages,
+//! [`MAX_QUEUED_BYTES`]); a stream that finds it full waits before reading its next frame, so a
+//! slow disk slows publishers down through QUIC flow control. Far fewer offsets than the log's
+//! crash gap can be handed out and not yet written, which is what lets recovery skip them.
+//!
+//! The writer runs on its own thread: `pwrite` and `fdatasync` block, and must not stall the
+//! async workers. Queued messages hold their topic's state, so the core cannot evict a topic
+//! whose offsets are not written yet; the writer records each topic's next offset before it
+//! lets them go, and the core asks that table (its offset source) when it creates a topic.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime};
+
+use aqueduct_core::{Publication, TopicState};
+use aqueduct_log::{Entry, FsyncMode, Log, LogError, Recovery};
+use aqueduct_proto::frame::Message;
+use aqueduct_proto::{Compression, Confirm, ErrorCode, ErrorFrame, Frame, Priority, TraceContext};
+use tracing::{error, info, warn};
+
+use crate::stream::StreamOut;
+
+/// Messages queued for the writer before publishers wait.
+pub(crate) const MAX_QUEUED: usize = 65_536;
+/// Bytes queued for the writer before publishers wait.
+pub(crate) const MAX_QUEUED_BYTES: usize = 16 << 20;
+/// What the queue bound allows in flight to the log (queued plus being written), with room to
+/// spare: the log's crash offset gap.
+pub(crate) const CRASH_OFFSET_GAP: u64 = 1 << 20;
+/// How often the writer applies retention.
+const RETENTION_EVERY: Duration = Duration::from_secs(10);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A message as the log stores it: what a subscriber needs to receive it again.
+///
+/// ```text
+/// stored := flags:u8 priority:u8 [ttl_ms:u32] [trace_id:16 span_id:8 trace_flags:1]
+///           [algorithm:u8 uncompressed_len:u32] body
+/// flags  := bit 0 ttl, bit 1 trace, bit 2 compression
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredMessage {
+    pub priority: Priority,
+    pub ttl_ms: Option<u32>,
+    pub trace: Option<TraceContext>,
+    pub compression: Option<Compression>,
+    pub body: Vec<u8>,
+}
+
+impl StoredMessage {
+    pub(crate) fn encode(p: &Publication<'_>, out: &mut Vec<u8>) {
+        let ttl = p
+            .ttl
+            .map(|d| d.as_millis().min(u128::from(u32::MAX)) as u32);
+        let flags = ttl.is_some() as u8
+            | (p.trace.is_some() as u8) << 1
+            | (p.compression.is_some() as u8) << 2;
+        out.push(flags);
+        out.push(p.priority.level());
+        if let Some(ttl) = ttl {
+            out.extend_from_slice(&ttl.to_le_bytes());
+        }
+        if let Some(t) = p.trace {
+            out.extend_from_slice(&t.trace_id);
+            out.extend_from_slice(&t.span_id);
+            out.push(t.flags);
+        }
+        if let Some(c) = p.compression {
+            out.push(c.algorithm);
+            out.extend_from_slice(&c.uncompressed_len.to_le_bytes());
+        }
+        out.extend_from_slice(p.body);
+    }
+
+    /// Decode a stored message; `None` if the bytes are not one.
+    pub fn decode(b: &[u8]) -> Option<StoredMessage> {
+        let (&flags, rest) = b.split_first()?;
+        let (&prio, mut rest) = rest.split_first()?;
+        let mut take = |n: usize| -> Option<&[u8]> {
+            let (head, tail) = rest.split_at_checked(n)?;
+            rest = tail;
+            Some(head)
+        };
+        let ttl_ms = match flags & 1 {
+            0 => None,
+            _ => Some(u32::from_le_bytes(take(4)?.try_into().ok()?)),
+        };
+        let trace = match flags & 2 {
+            0 => None,
+            _ => {
+                let t = take(25)?;
+                Some(TraceContext {
+                    trace_id: t[..16].try_into().ok()?,
+                    span_id: t[16..24].try_into().ok()?,
+                    flags: t[24],
+                })
+            }
+        };
+        let compression = match flags & 4 {
+            0 => None,
+            _ => {
+                let c = take(5)?;
+                Some(Compression {
+                    algorithm: c[0],
+                    uncompressed_len: u32::from_le_bytes(c[1..5].try_into().ok()?),
+                })
+            }
+        };
+        Some(StoredMessage {
+            priority: Priority::new(prio)?,
+            ttl_ms,
+            trace,
+            compression,
+            body: rest.to_vec(),
+        })
+    }
+}
+
+/// Counters for metrics.
+#[derive(Debug, Default)]
+pub struct DurableStats {
+    pub segments: AtomicU64,
+    pub bytes: AtomicU64,
+    pub deleted_segments: AtomicU64,
+    pub truncated_bytes: AtomicU64,
+    pub damaged_batches: AtomicU64,
+    pub appended_records: AtomicU64,
+    pub group_commits: AtomicU64,
+    pub syncs: AtomicU64,
+    /// Publish frames refused with STORAGE_FAILED.
+    pub write_errors: AtomicU64,
+    /// Microseconds from a frame being queued to its batch being durable, summed.
+    pub commit_wait_us: AtomicU64,
+    pub queued: AtomicU64,
+}
+
+/// Who gets told how a frame's messages fared.
+#[derive(Debug)]
+pub(crate) struct Waiter {
+    pub out: Arc<StreamOut>,
+    pub stream_id: u32,
+    /// The publisher asked for a CONFIRM.
+    pub confirm: bool,
+}
+
+#[derive(Debug)]
+struct Rec {
+    topic: Arc<TopicState>,
+    offset: u64,
+    /// End of its stored bytes in `Queue::data` (the start is the previous record's end).
+    end: usize,
+}
+
+#[derive(Debug)]
+struct Group {
+    /// End of its records in `Queue::recs`.
+    recs_end: usize,
+    waiter: Waiter,
+    queued_at: Instant,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    data: Vec<u8>,
+    recs: Vec<Rec>,
+    groups: Vec<Group>,
+    closing: bool,
+}
+
+impl Queue {
+    fn full(&self) -> bool {
+        self.recs.len() >= MAX_QUEUED || self.data.len() >= MAX_QUEUED_BYTES
+    }
+}
+
+/// The durable log as the broker uses it.
+#[derive(Debug)]
+pub(crate) struct Durable {
+    queue: Mutex<Queue>,
+    ready: Condvar,
+    room: tokio::sync::Notify,
+    /// Held while a stream routes a publish frame and queues its messages.
+    pub order: Mutex<()>,
+    /// Each topic's next offset as written (and, at startup, as recovered).
+    next: Mutex<HashMap<Box<[u8]>, u64>>,
+    /// A topic the log has never seen starts here (past the gaps of earlier crashes).
+    floor: u64,
+    fsync: FsyncMode,
+    pub stats: DurableStats,
+    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Durable {
+    /// Take over an opened log: start the writer thread.
+    pub fn start(log: Log, recovery: &Recovery, fsync: FsyncMode) -> Arc<Durable> {
+        let next: HashMap<Box<[u8]>, u64> = log
+            .topics()
+            .map(|t| (Box::from(t), log.next_offset(t)))
+            .collect();
+        let stats = DurableStats::default();
+        stats
+            .truncated_bytes
+            .store(recovery.truncated_bytes, Ordering::Relaxed);
+        stats
+            .damaged_batches
+            .store(recovery.damaged_batches as u64, Ordering::Relaxed);
+        let durable = Arc::new(Durable {
+            queue: Mutex::default(),
+            ready: Condvar::new(),
+            room: tokio::sync::Notify::new(),
+            order: Mutex::new(()),
+            floor: log.new_topic_offset(),
+            next: Mutex::new(next),
+            fsync,
+            stats,
+            writer: Mutex::new(None),
+        });
+        durable.note_log(&log);
+        let d = durable.clone();
+        let handle = std::thread::Builder::new()
+            .name("aqueduct-log-writer".into())
+            .spawn(move || d.run(log));
+        match handle {
+            Ok(h) => *lock(&durable.writer) = Some(h),
+            Err(e) => error!("cannot start the log writer thread: {e}"),
+        }
+        durable
+    }
+
+    /// The offset a topic's next message gets when the core creates its state.
+    pub fn next_offset(&self, topic: &[u8]) -> u64 {
+        lock(&self.next).get(topic).copied().unwrap_or(self.floor)
+    }
+
+    /// Wait until the queue has room (before routing the next publish frame).
+    pub async fn wait_room(&self) {
+        loop {
+            let room = self.room.notified();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            if !lock(&self.queue).full() {
+                return;
+            }
+            room.await;
+        }
+    }
+
+    /// Queue the messages of one routed publish frame. `records` gives each message's topic
+    /// state and offset with the publication itself. Call under [`Durable::order`].
+    pub fn queue_frame<'a>(
+        &self,
+        records: impl Iterator<Item = ((Arc<TopicState>, u64), Publication<'a>)>,
+        waiter: Waiter,
+    ) {
+        let mut q = lock(&self.queue);
+        let mut n = 0;
+        for ((topic, offset), p) in records {
+            StoredMessage::encode(&p, &mut q.data);
+            let end = q.data.len();
+            q.recs.push(Rec { topic, offset, end });
+            n += 1;
+        }
+        if n == 0 {
+            return;
+        }
+        let recs_end = q.recs.len();
+        q.groups.push(Group {
+            recs_end,
+            waiter,
+            queued_at: Instant::now(),
+        });
+        self.stats
+            .queued
+            .store(q.recs.len() as u64, Ordering::Relaxed);
+        drop(q);
+        self.ready.notify_one();
+    }
+
+    /// Write what is queued, close the log cleanly and stop the writer.
+    pub fn close(&self) {
+        lock(&self.queue).closing = true;
+        self.ready.notify_one();
+        let handle = lock(&self.writer).take();
+        if let Some(h) = handle {
+            if h.join().is_err() {
+                error!("the log writer thread panicked");
+            }
+        }
+    }
+
+    fn note_log(&self, log: &Log) {
+        let s = log.stats();
+        let st = &self.stats;
+        st.segments.store(s.segments, Ordering::Relaxed);
+        st.bytes.store(s.bytes, Ordering::Relaxed);
+        st.deleted_segments
+            .store(s.deleted_segments, Ordering::Relaxed);
+        st.syncs.store(s.syncs, Ordering::Relaxed);
+    }
+
+    fn run(&self, mut log: Log) {
+        let mut work = Queue::default();
+        let mut last_retention = Instant::now();
+        let tick = match self.fsync {
+            FsyncMode::Interval(every) => every.min(RETENTION_EVERY),
+            _ => RETENTION_EVERY,
+        };
+        loop {
+            let closing = {
+                let mut q = lock(&self.queue);
+                while q.recs.is_empty() && !q.closing {
+                    let (g, timeout) = self
+                        .ready
+                        .wait_timeout(q, tick)
+                        .unwrap_or_else(|e| e.into_inner());
+                    q = g;
+                    if timeout.timed_out() && q.recs.is_empty() {
+                        break;
+                    }
+                }
+                std::mem::swap(&mut *q, &mut work);
+                q.closing = work.closing;
+                self.stats.queued.store(0, Ordering::Relaxed);
+                work.closing
+            };
+            self.room.notify_waiters();
+            if !work.recs.is_empty() {
+                self.write(&mut log, &work);
+                work.data.clear();
+                work.recs.clear();
+                work.groups.clear();
+            } else if let Err(e) = log.commit() {
+                // An interval sync with nothing new queued.
+                warn!("durable log: sync failed: {e}");
+            }
+            if last_retention.elapsed() >= RETENTION_EVERY {
+                last_retention = Instant::now();
+                match log.enforce_retention(SystemTime::now()) {
+                    Ok(deleted) if !deleted.is_empty() => {
+                        info!(segments = ?deleted, "durable log: retention deleted sealed segments")
+                    }
+                    Ok(_) => {}
+                    Err(e) => warn!("durable log: retention failed: {e}"),
+                }
+            }
+            self.note_log(&log);
+            if closing {
+                break;
+            }
+        }
+        match log.close() {
+            Ok(()) => info!("durable log closed cleanly"),
+            Err(e) => error!("durable log: closing failed ({e}); the next start recovers it"),
+        }
+    }
+
+    fn write(&self, log: &mut Log, work: &Queue) {
+        let mut entries = Vec::with_capacity(work.recs.len());
+        let mut start = 0;
+        for r in &work.recs {
+            entries.push(Entry {
+                topic: r.topic.name().as_bytes(),
+                offset: r.offset,
+                data: &work.data[start..r.end],
+            });
+            start = r.end;
+        }
+        let now_ms = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let mut first = 0;
+        if self.fsync == FsyncMode::Always {
+            // One append and one sync per publish frame.
+            for g in &work.groups {
+                let result = log
+                    .append(&entries[first..g.recs_end], now_ms)
+                    .and_then(|_| log.commit().map(|_| ()));
+                self.settle(std::slice::from_ref(g), first, work, &result);
+                first = g.recs_end;
+            }
+        } else {
+            let result = log
+                .append(&entries, now_ms)
+                .and_then(|_| log.commit().map(|_| ()));
+            self.settle(&work.groups, 0, work, &result);
+        }
+        self.stats.group_commits.fetch_add(1, Ordering::Relaxed);
+        // Written (or refused): record the topics' next offsets before their states go.
+        let mut next = lock(&self.next);
+        for r in &work.recs {
+            let n = r.offset + 1;
+            match next.get_mut(r.topic.name().as_bytes()) {
+                Some(v) => *v = (*v).max(n),
+                None => {
+                    next.insert(Box::from(r.topic.name().as_bytes()), n);
+                }
+            }
+        }
+    }
+
+    /// Tell the publishers of `groups` (whose records start at `first`) how their batch fared.
+    fn settle(
+        &self,
+        groups: &[Group],
+        mut first: usize,
+        work: &Queue,
+        result: &Result<(), LogError>,
+    ) {
+        match result {
+            Ok(()) => {
+                self.stats.appended_records.fetch_add(
+                    (groups.last().map_or(first, |g| g.recs_end) - first) as u64,
+                    Ordering::Relaxed,
+                );
+                for g in groups {
+                    self.stats
+                        .commit_wait_us
+                        .fetch_add(g.queued_at.elapsed().as_micros() as u64, Ordering::Relaxed);
+                    if g.waiter.confirm {
+                        let offsets = work.recs[first..g.recs_end]
+                            .iter()
+                            .map(|r| r.offset)
+                            .collect();
+                        g.waiter.out.push_frame(&Frame::new(
+                            g.waiter.stream_id,
+                            Message::Confirm(Confirm { offsets }),
+                        ));
+                    }
+                    first = g.recs_end;
+                }
+            }
+            Err(e) => {
+                if self
+                    .stats
+                    .write_errors
+                    .fetch_add(groups.len() as u64, Ordering::Relaxed)
+                    == 0
+                    || e.is_io()
+                {
+                    error!(
+                        "durable log: could not store {} publish frame(s): {e}",
+                        groups.len()
+                    );
+                }
+                for g in groups {
+                    g.waiter.out.push_frame(&Frame::new(
+                        g.waiter.stream_id,
+                        Message::Error(ErrorFrame {
+                            code: ErrorCode::STORAGE_FAILED,
+                            reason: format!("not stored in the durable log: {e}"),
+                        }),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aqueduct_proto::TopicName;
+
+    #[test]
+    fn stored_messages_round_trip() {
+        let topic = TopicName::try_from("a/b").expect("valid");
+        let trace = TraceContext {
+            trace_id: [1; 16],
+            span_id: [2; 8],
+            flags: 1,
+        };
+        let comp = Compression {
+            algorithm: 1,
+            uncompressed_len: 99,
+        };
+        let mut p = Publication::new(&topic, b"body");
+        for (ttl, tr, c) in [
+            (None, None, None),
+            (Some(Duration::from_millis(1500)), Some(&trace), Some(&comp)),
+            (None, Some(&trace), None),
+        ] {
+            p.ttl = ttl;
+            p.trace = tr;
+            p.compression = c;
+            p.priority = Priority::new(3).expect("valid");
+            let mut out = Vec::new();
+            StoredMessage::encode(&p, &mut out);
+            let m = StoredMessage::decode(&out).expect("decodes");
+            assert_eq!(m.body, b"body");
+            assert_eq!(m.ttl_ms, ttl.map(|d| d.as_millis() as u32));
+            assert_eq!(m.trace.as_ref(), tr);
+            assert_eq!(m.compression.as_ref(), c);
+            assert_eq!(m.priority.level(), 3);
+            for cut in 0..2 {
+                assert!(StoredMessage::decode(&out[..cut]).is_none());
+            }
+        }
+    }
+}
