@@ -25,6 +25,7 @@ use aqueduct_proto::frame::Message;
 use aqueduct_proto::{Compression, Confirm, ErrorCode, ErrorFrame, Frame, Priority, TraceContext};
 use tracing::{error, info, warn};
 
+use crate::stats::ServerStats;
 use crate::stream::StreamOut;
 
 /// Messages queued for the writer before publishers wait.
@@ -197,12 +198,19 @@ pub(crate) struct Durable {
     floor: u64,
     fsync: FsyncMode,
     pub stats: DurableStats,
+    /// The server's counters (ERROR frames sent).
+    server_stats: Arc<ServerStats>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl Durable {
     /// Take over an opened log: start the writer thread.
-    pub fn start(log: Log, recovery: &Recovery, fsync: FsyncMode) -> Arc<Durable> {
+    pub fn start(
+        log: Log,
+        recovery: &Recovery,
+        fsync: FsyncMode,
+        server_stats: Arc<ServerStats>,
+    ) -> Arc<Durable> {
         let next: HashMap<Box<[u8]>, u64> = log
             .topics()
             .map(|t| (Box::from(t), log.next_offset(t)))
@@ -223,6 +231,7 @@ impl Durable {
             next: Mutex::new(next),
             fsync,
             stats,
+            server_stats,
             writer: Mutex::new(None),
         });
         durable.note_log(&log);
@@ -453,6 +462,7 @@ impl Durable {
                     );
                 }
                 for g in groups {
+                    self.server_stats.error_sent(ErrorCode::STORAGE_FAILED);
                     g.waiter.out.push_frame(&Frame::new(
                         g.waiter.stream_id,
                         Message::Error(ErrorFrame {

@@ -347,6 +347,80 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "Time publishing streams spent held by full block-policy subscriber queues.",
         st.publish_held_us.load(Ordering::Relaxed) as f64 / 1e6,
     );
+    if let Some(d) = &shared.durable {
+        let ds = &d.stats;
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        for (name, kind, help, v) in [
+            (
+                "aqueduct_log_segments",
+                "gauge",
+                "Segment files of the durable log.",
+                load(&ds.segments),
+            ),
+            (
+                "aqueduct_log_bytes",
+                "gauge",
+                "Bytes in the durable log's segments.",
+                load(&ds.bytes),
+            ),
+            (
+                "aqueduct_log_queued_messages",
+                "gauge",
+                "Messages waiting for the log writer.",
+                load(&ds.queued),
+            ),
+            (
+                "aqueduct_log_damaged_batches",
+                "gauge",
+                "Damaged batches found in the log (skipped by readers, kept on disk).",
+                load(&ds.damaged_batches),
+            ),
+            (
+                "aqueduct_log_segments_deleted_total",
+                "counter",
+                "Sealed segments deleted by retention.",
+                load(&ds.deleted_segments),
+            ),
+            (
+                "aqueduct_log_truncated_bytes_total",
+                "counter",
+                "Bytes of torn writes cut from the log's tail at startup.",
+                load(&ds.truncated_bytes),
+            ),
+            (
+                "aqueduct_log_records_appended_total",
+                "counter",
+                "Messages written to the durable log.",
+                load(&ds.appended_records),
+            ),
+            (
+                "aqueduct_log_group_commits_total",
+                "counter",
+                "Group commits (appends of everything queued).",
+                load(&ds.group_commits),
+            ),
+            (
+                "aqueduct_log_syncs_total",
+                "counter",
+                "fdatasync calls on the log.",
+                load(&ds.syncs),
+            ),
+            (
+                "aqueduct_log_write_errors_total",
+                "counter",
+                "Publish frames answered STORAGE_FAILED (the log could not store them).",
+                load(&ds.write_errors),
+            ),
+        ] {
+            out.single(name, kind, help, v);
+        }
+        out.single(
+            "aqueduct_log_commit_wait_seconds_total",
+            "counter",
+            "Time publish frames waited from being queued to being durable, summed.",
+            load(&ds.commit_wait_us) as f64 / 1e6,
+        );
+    }
     out.header(
         "aqueduct_frames_rejected_total",
         "counter",

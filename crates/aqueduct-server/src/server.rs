@@ -156,9 +156,10 @@ impl Server {
         }
         let dev_cert = dev_cert.map(|c| c.path);
         let broker = Arc::new(Broker::new(config.broker.clone()));
+        let stats = Arc::new(ServerStats::default());
         let durable = match &config.aal {
             Some(aal) => {
-                let durable = open_log(aal).await?;
+                let durable = open_log(aal, stats.clone()).await?;
                 let source = durable.clone();
                 broker
                     .set_offset_source(Box::new(move |topic| source.next_offset(topic.as_bytes())));
@@ -172,7 +173,7 @@ impl Server {
             shared: Arc::new(Shared {
                 config,
                 broker,
-                stats: Arc::new(ServerStats::default()),
+                stats,
                 connections: AtomicUsize::new(0),
                 durable,
             }),
@@ -283,7 +284,7 @@ impl Server {
 
 /// Open (and recover) the durable log off the async workers, say what recovery found, and start
 /// its writer.
-async fn open_log(aal: &AalConfig) -> Result<Arc<Durable>, ServerError> {
+async fn open_log(aal: &AalConfig, stats: Arc<ServerStats>) -> Result<Arc<Durable>, ServerError> {
     let dir = aal.dir.clone();
     let opts = aal.log_options(crate::durable::CRASH_OFFSET_GAP);
     let fsync = aal.fsync;
@@ -319,7 +320,7 @@ async fn open_log(aal: &AalConfig) -> Result<Arc<Durable>, ServerError> {
     for (path, why) in &rec.unreadable_segments {
         warn!(path = %path.display(), "durable log: segment unreadable, left in place: {why}");
     }
-    Ok(Durable::start(log, &rec, fsync))
+    Ok(Durable::start(log, &rec, fsync, stats))
 }
 
 /// Redeliver deliveries whose ack-wait deadline passed.

@@ -6,46 +6,12 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use aqueduct_client::{OverflowPolicy, PublishOptions, SubscribeOptions};
 use common::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
-
-async fn http(addr: SocketAddr, request: &str) -> (u16, String) {
-    within("an HTTP response", async {
-        let mut s = TcpStream::connect(addr).await.expect("connect");
-        s.write_all(request.as_bytes()).await.expect("write");
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.expect("read");
-        let status = out
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let body = out
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default();
-        (status, body)
-    })
-    .await
-}
-
-async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    http(addr, &format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n")).await
-}
-
-/// The value of the sample with exactly this name and label set, e.g. `m{a="b"}`.
-fn value(metrics: &str, series: &str) -> Option<f64> {
-    metrics
-        .lines()
-        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}
 
 /// Every metric family name the endpoint exports (from `# TYPE` lines).
 fn families(metrics: &str) -> BTreeSet<String> {

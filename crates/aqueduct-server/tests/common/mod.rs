@@ -15,7 +15,8 @@ use aqueduct_proto::{decode_frame, DecodeError, Frame, Limits};
 use aqueduct_server::{Config, Server, ServerError, ServerStats};
 use bytes::{Buf, BytesMut};
 use futures_util::StreamExt;
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -292,3 +293,38 @@ pub fn test_ca() -> TestCa {
         issuer: rcgen::Issuer::new(params, key),
     }
 }
+
+/// One HTTP/1.1 exchange with the metrics endpoint: (status, body).
+pub async fn http(addr: SocketAddr, request: &str) -> (u16, String) {
+    within("an HTTP response", async {
+        let mut s = TcpStream::connect(addr).await.expect("connect");
+        s.write_all(request.as_bytes()).await.expect("write");
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.expect("read");
+        let status = out
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = out
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        (status, body)
+    })
+    .await
+}
+
+pub async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    http(addr, &format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n")).await
+}
+
+/// The value of the sample with exactly this name and label set, e.g. `m{a="b"}`.
+pub fn value(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
