@@ -118,6 +118,16 @@ enum Command {
         #[command(subcommand)]
         what: CertCommand,
     },
+    /// Inspect a durable log directory (aal.file_path) offline: check every record, or print a
+    /// topic's messages. Changes nothing on disk; needs no broker. The key comes from
+    /// --key-file or AQUEDUCT_AAL_KEY (base64, as aal.key).
+    #[command(
+        after_help = "Examples:\n  aqueduct log verify ~/.aqueduct/aal --key-file aal.key\n  aqueduct log dump ~/.aqueduct/aal --key-file aal.key --topic orders --from 0\n  aqueduct log dump ~/.aqueduct/aal --key-file aal.key        # list topics"
+    )]
+    Log {
+        #[command(subcommand)]
+        what: LogCommand,
+    },
     /// Open idle connections (and subscriptions) and hold them, to measure a broker's memory
     /// per connection and per subscription.
     Hold {
@@ -187,6 +197,38 @@ enum Command {
         /// Print one JSON object instead of text (no progress bar).
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum LogCommand {
+    /// Read every segment through, checking each record's checksum and seal. Exit status 1 if
+    /// anything is damaged or unreadable (a torn tail, which the broker cuts at startup, is
+    /// reported but not an error).
+    Verify {
+        /// The log's directory.
+        dir: PathBuf,
+        /// File holding the base64 key (default: AQUEDUCT_AAL_KEY; none for a plaintext log).
+        #[arg(long, value_name = "FILE")]
+        key_file: Option<PathBuf>,
+    },
+    /// Print a topic's messages (offset, priority, time in ms since the epoch, body), or list
+    /// the topics without --topic.
+    Dump {
+        /// The log's directory.
+        dir: PathBuf,
+        /// The topic to print.
+        #[arg(long)]
+        topic: Option<String>,
+        /// First offset to print.
+        #[arg(long, default_value_t = 0)]
+        from: u64,
+        /// Print at most this many messages.
+        #[arg(long, short = 'n')]
+        count: Option<u64>,
+        /// File holding the base64 key (default: AQUEDUCT_AAL_KEY; none for a plaintext log).
+        #[arg(long, value_name = "FILE")]
+        key_file: Option<PathBuf>,
     },
 }
 
@@ -322,6 +364,20 @@ async fn run(cli: Cli) -> Result<()> {
         }
         return Ok(());
     }
+    if let Command::Log { what } = &cli.command {
+        return match what {
+            LogCommand::Verify { dir, key_file } => {
+                crate::log_cmd::verify(dir, key_file.as_deref())
+            }
+            LogCommand::Dump {
+                dir,
+                topic,
+                from,
+                count,
+                key_file,
+            } => crate::log_cmd::dump(dir, topic.as_deref(), *from, *count, key_file.as_deref()),
+        };
+    }
     let client = connect(&cli).await?;
     match &cli.command {
         Command::Pub {
@@ -448,7 +504,7 @@ async fn run(cli: Cli) -> Result<()> {
             return Ok(());
         }
         // Handled above, before connecting.
-        Command::Cert { .. } => {}
+        Command::Cert { .. } | Command::Log { .. } => {}
         Command::Hold {
             connections,
             subscriptions,

@@ -1,14 +1,12 @@
 //! The binaries as a user runs them: help, config errors, and a real broker with `aqueduct pub`
 //! and `aqueduct sub` trusting the generated development certificate, then SIGTERM → exit 0.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+mod common;
 
-const BROKER: &str = env!("CARGO_BIN_EXE_aqueduct-broker");
-const CLIENT: &str = env!("CARGO_BIN_EXE_aqueduct");
-const WAIT: Duration = Duration::from_secs(30);
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+use common::*;
 
 #[test]
 fn help_explains_the_flags() {
@@ -70,118 +68,6 @@ fn configuration_errors_stop_startup_naming_the_key() {
         .expect("runs");
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("broker.backpressure_policy"));
-}
-
-/// Start the broker on a free port; returns it and its address, read from its log.
-fn start_broker(home: &std::path::Path) -> (Child, String, mpsc::Receiver<String>) {
-    let (child, addr, _metrics, logs) = start_broker_with(home, &[]);
-    (child, addr, logs)
-}
-
-/// Like `start_broker`, with extra environment; also returns the metrics address.
-// The caller waits for the child (after SIGTERM), in `stop`.
-#[allow(clippy::zombie_processes)]
-fn start_broker_with(
-    home: &std::path::Path,
-    env: &[(&str, &str)],
-) -> (Child, String, String, mpsc::Receiver<String>) {
-    start_broker_cmd(
-        home,
-        &["--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"],
-        env,
-    )
-}
-
-/// Start the broker with these arguments (plus `--log info`) and environment.
-#[allow(clippy::zombie_processes)]
-fn start_broker_cmd(
-    home: &std::path::Path,
-    args: &[&str],
-    env: &[(&str, &str)],
-) -> (Child, String, String, mpsc::Receiver<String>) {
-    let mut child = Command::new(BROKER)
-        .args(args)
-        .args(["--log", "info"])
-        .envs(env.iter().copied())
-        .env("AQUEDUCT_HOME", home)
-        .env("NO_COLOR", "1")
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("broker starts");
-    let stderr = child.stderr.take().expect("stderr");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let field = |line: &str| {
-        line.split("addr=")
-            .nth(1)
-            .and_then(|s| s.split_whitespace().next())
-            .expect("address in the log line")
-            .to_string()
-    };
-    let (mut addr, mut metrics) = (None, None);
-    while addr.is_none() || metrics.is_none() {
-        let line = rx.recv_timeout(WAIT).expect("broker log line");
-        if line.contains("broker listening") {
-            addr = Some(field(&line));
-        } else if line.contains("metrics endpoint listening") {
-            metrics = Some(field(&line));
-        }
-    }
-    (
-        child,
-        addr.unwrap_or_default(),
-        metrics.unwrap_or_default(),
-        rx,
-    )
-}
-
-fn stop(mut broker: Child) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &broker.id().to_string()])
-        .status();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(broker.wait());
-    });
-    let exit = rx.recv_timeout(WAIT).expect("broker exits").expect("wait");
-    assert!(exit.success(), "exit status {exit:?}");
-}
-
-/// SIGTERM an `aqueduct sub`: it must exit 0 at once, saying it closed its connection.
-fn sigterm_closes_cleanly(sub: Child, what: &str) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &sub.id().to_string()])
-        .status();
-    let out = output_within(sub, what);
-    assert_ok(&out);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("SIGTERM: closed the connection"), "{err}");
-}
-
-/// Wait for a child's output, at most `WAIT`: a hung client fails the test (and is killed)
-/// instead of hanging the suite.
-fn output_within(child: Child, what: &str) -> std::process::Output {
-    let pid = child.id();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(WAIT) {
-        Ok(out) => out.expect("wait"),
-        Err(_) => {
-            let _ = Command::new("kill")
-                .args(["-KILL", &pid.to_string()])
-                .status();
-            panic!("{what} did not exit within {WAIT:?}");
-        }
-    }
 }
 
 fn bench(home: &std::path::Path, addr: &str, args: &[&str]) -> std::process::Output {
@@ -410,24 +296,6 @@ fn pub_and_sub_against_a_real_broker_then_sigterm() {
 
 const BENCH: &str = env!("CARGO_BIN_EXE_aqueduct-bench");
 
-/// Run `aqueduct ARGS` with the test's home; its output.
-fn run_client(home: &std::path::Path, args: &[&str]) -> std::process::Output {
-    Command::new(CLIENT)
-        .args(args)
-        .env("AQUEDUCT_HOME", home)
-        .output()
-        .expect("aqueduct runs")
-}
-
-/// Fail with the command's standard error unless it succeeded.
-fn assert_ok(out: &std::process::Output) {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// The seed's command lines, as its README writes them (single-dash Go flags; the seed's own
 /// config.yaml), and the client's `:PORT` address form.
 #[test]
@@ -477,18 +345,6 @@ fn the_seeds_command_lines_work_as_written() {
         &["-addr", &addr, "pub", "t", "x", "--confirm"],
     ));
     stop(broker);
-}
-
-/// Read broker log lines until one contains `needle`.
-fn wait_for_log(logs: &mpsc::Receiver<String>, needle: &str) {
-    loop {
-        let line = logs
-            .recv_timeout(WAIT)
-            .unwrap_or_else(|_| panic!("no broker log line with {needle:?}"));
-        if line.contains(needle) {
-            return;
-        }
-    }
 }
 
 /// The README's dead-letter step: a worker that rejects everything (`--nack`) makes a dead

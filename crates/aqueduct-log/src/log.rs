@@ -150,26 +150,16 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// The segment files in `dir`, by id (oldest first). Temporary index files are removed.
+/// The segment files in `dir`, by id (oldest first). Temporary index files (left by a crash
+/// while one was written) are removed.
 fn list_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, LogError> {
-    let mut found = Vec::new();
     let entries = std::fs::read_dir(dir).map_err(|e| LogError::io("listing", dir, e))?;
-    for entry in entries {
-        let entry = entry.map_err(|e| LogError::io("listing", dir, e))?;
-        let path = entry.path();
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        if name.ends_with(".idx.tmp") {
-            let _ = std::fs::remove_file(&path);
-        } else if let Some(id) = name
-            .strip_suffix(".seg")
-            .and_then(|n| n.parse::<u64>().ok())
-        {
-            found.push((id, path));
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().ends_with(".idx.tmp") {
+            let _ = std::fs::remove_file(entry.path());
         }
     }
-    found.sort();
-    Ok(found)
+    list_segments_read_only(dir)
 }
 
 impl Log {
@@ -715,6 +705,80 @@ impl Log {
         self.rebuild_topics();
         Ok(())
     }
+}
+
+/// A log opened for reading only (`aqueduct log dump`): nothing on disk is changed — no torn
+/// tail is cut, no index written, no segment created — so it may be opened while a broker
+/// appends to it (it sees what was there when opened).
+#[derive(Debug)]
+pub struct LogView {
+    segments: Vec<Segment>,
+    /// Bytes of torn writes at the end of the last segment (left in place).
+    pub torn_bytes: u64,
+}
+
+impl LogView {
+    pub fn open(dir: &Path, key: Option<&MasterKey>) -> Result<LogView, LogError> {
+        let files = list_segments_read_only(dir)?;
+        let mut segments = Vec::new();
+        let mut torn_bytes = 0;
+        for (i, (_, path)) in files.iter().enumerate() {
+            let last = i + 1 == files.len();
+            match segment::load(dir, path, key, last) {
+                Ok((scanned, _)) => {
+                    torn_bytes += scanned.torn_bytes;
+                    segments.push(scanned.segment);
+                }
+                // A segment being created right now, or unreadable: skip it, as a broker would.
+                Err(LogError::BadFile { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(LogView {
+            segments,
+            torn_bytes,
+        })
+    }
+
+    /// Read `topic` from offset `from` on.
+    pub fn read(&self, topic: &[u8], from: u64) -> Reader {
+        Reader::new(&self.segments, topic, from)
+    }
+
+    /// Every topic with messages in the log, sorted.
+    pub fn topics(&self) -> Vec<Vec<u8>> {
+        let mut t: Vec<Vec<u8>> = self
+            .segments
+            .iter()
+            .flat_map(|s| {
+                s.topics
+                    .iter()
+                    .filter(|(_, span)| span.data.is_some())
+                    .map(|(k, _)| k.to_vec())
+            })
+            .collect();
+        t.sort();
+        t.dedup();
+        t
+    }
+}
+
+/// The segment files in `dir`, by id, changing nothing.
+fn list_segments_read_only(dir: &Path) -> Result<Vec<(u64, PathBuf)>, LogError> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| LogError::io("listing", dir, e))? {
+        let entry = entry.map_err(|e| LogError::io("listing", dir, e))?;
+        let name = entry.file_name();
+        if let Some(id) = name
+            .to_string_lossy()
+            .strip_suffix(".seg")
+            .and_then(|n| n.parse::<u64>().ok())
+        {
+            found.push((id, entry.path()));
+        }
+    }
+    found.sort();
+    Ok(found)
 }
 
 /// A segment file too short for a header, or whose header bytes are all zero.

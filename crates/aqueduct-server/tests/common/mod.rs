@@ -327,4 +327,3 @@ pub fn value(metrics: &str, series: &str) -> Option<f64> {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
 }
-

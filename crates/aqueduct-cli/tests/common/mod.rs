@@ -1,0 +1,167 @@
+//! Helpers shared by the binaries' tests: the real broker on a free port, read from its log;
+//! bounded waits for child processes.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+pub const BROKER: &str = env!("CARGO_BIN_EXE_aqueduct-broker");
+pub const CLIENT: &str = env!("CARGO_BIN_EXE_aqueduct");
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// Start the broker on a free port; returns it and its address, read from its log.
+pub fn start_broker(home: &std::path::Path) -> (Child, String, mpsc::Receiver<String>) {
+    let (child, addr, _metrics, logs) = start_broker_with(home, &[]);
+    (child, addr, logs)
+}
+
+/// Like `start_broker`, with extra environment; also returns the metrics address.
+// The caller waits for the child (after SIGTERM), in `stop`.
+#[allow(clippy::zombie_processes)]
+pub fn start_broker_with(
+    home: &std::path::Path,
+    env: &[(&str, &str)],
+) -> (Child, String, String, mpsc::Receiver<String>) {
+    start_broker_cmd(
+        home,
+        &["--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"],
+        env,
+    )
+}
+
+/// Start the broker with these arguments (plus `--log info`) and environment.
+#[allow(clippy::zombie_processes)]
+pub fn start_broker_cmd(
+    home: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (Child, String, String, mpsc::Receiver<String>) {
+    let mut cmd = Command::new(BROKER);
+    cmd.args(args);
+    start_broker_process(cmd, home, env)
+}
+
+/// Start a broker process (`cmd` runs it, perhaps through a shell that sets limits), with
+/// `--log info`, this home and environment; returns it, its address and metrics address (read
+/// from its log), and its further log lines.
+#[allow(clippy::zombie_processes)]
+pub fn start_broker_process(
+    mut cmd: Command,
+    home: &std::path::Path,
+    env: &[(&str, &str)],
+) -> (Child, String, String, mpsc::Receiver<String>) {
+    let mut child = cmd
+        .args(["--log", "info"])
+        .envs(env.iter().copied())
+        .env("AQUEDUCT_HOME", home)
+        .env("NO_COLOR", "1")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("broker starts");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let field = |line: &str| {
+        line.split("addr=")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .expect("address in the log line")
+            .to_string()
+    };
+    let (mut addr, mut metrics) = (None, None);
+    while addr.is_none() || metrics.is_none() {
+        let line = rx.recv_timeout(WAIT).expect("broker log line");
+        if line.contains("broker listening") {
+            addr = Some(field(&line));
+        } else if line.contains("metrics endpoint listening") {
+            metrics = Some(field(&line));
+        }
+    }
+    (
+        child,
+        addr.unwrap_or_default(),
+        metrics.unwrap_or_default(),
+        rx,
+    )
+}
+
+pub fn stop(mut broker: Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &broker.id().to_string()])
+        .status();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(broker.wait());
+    });
+    let exit = rx.recv_timeout(WAIT).expect("broker exits").expect("wait");
+    assert!(exit.success(), "exit status {exit:?}");
+}
+
+/// SIGTERM an `aqueduct sub`: it must exit 0 at once, saying it closed its connection.
+pub fn sigterm_closes_cleanly(sub: Child, what: &str) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &sub.id().to_string()])
+        .status();
+    let out = output_within(sub, what);
+    assert_ok(&out);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("SIGTERM: closed the connection"), "{err}");
+}
+
+/// Wait for a child's output, at most `WAIT`: a hung client fails the test (and is killed)
+/// instead of hanging the suite.
+pub fn output_within(child: Child, what: &str) -> std::process::Output {
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(WAIT) {
+        Ok(out) => out.expect("wait"),
+        Err(_) => {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+            panic!("{what} did not exit within {WAIT:?}");
+        }
+    }
+}
+
+/// Run `aqueduct ARGS` with the test's home; its output.
+pub fn run_client(home: &std::path::Path, args: &[&str]) -> std::process::Output {
+    Command::new(CLIENT)
+        .args(args)
+        .env("AQUEDUCT_HOME", home)
+        .output()
+        .expect("aqueduct runs")
+}
+
+/// Fail with the command's standard error unless it succeeded.
+pub fn assert_ok(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Read broker log lines until one contains `needle`.
+pub fn wait_for_log(logs: &mpsc::Receiver<String>, needle: &str) {
+    loop {
+        let line = logs
+            .recv_timeout(WAIT)
+            .unwrap_or_else(|_| panic!("no broker log line with {needle:?}"));
+        if line.contains(needle) {
+            return;
+        }
+    }
+}

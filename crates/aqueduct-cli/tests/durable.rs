@@ -1,0 +1,519 @@
+//! The durable log with the real broker binary: `kill -9` at random moments while publishers
+//! confirm at full speed, torn tails cut at random points, and a full disk.
+//!
+//! What must hold: every confirmed message is in the log exactly once, in offset order, with its
+//! bytes; each topic's offsets only go up, across every crash and restart; a write the disk
+//! refuses gets STORAGE_FAILED while subscribers go on receiving.
+//!
+//! The random moments come from a seed printed at the start (set AQUEDUCT_TEST_SEED to replay).
+
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use aqueduct_client::{Client, ClientError, ConnectOptions, ErrorCode, PublishOptions};
+use aqueduct_log::{LogView, MasterKey};
+use aqueduct_server::durable::StoredMessage;
+use bytes::Bytes;
+use common::*;
+use futures_util::StreamExt;
+
+const KEY_B64: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+const TOPICS: [&str; 3] = ["orders", "sensors/a", "sensors/b"];
+
+fn key() -> MasterKey {
+    MasterKey::from_bytes(&(0u8..32).collect::<Vec<u8>>()).expect("32 bytes")
+}
+
+fn env() -> Vec<(&'static str, &'static str)> {
+    vec![
+        ("AQUEDUCT_AAL_ENABLED", "true"),
+        ("AQUEDUCT_AAL_KEY", KEY_B64),
+    ]
+}
+
+/// A small xorshift generator: the test's randomness, reproducible from the printed seed.
+struct Rng(u64);
+
+impl Rng {
+    fn from_env() -> Rng {
+        let seed = std::env::var("AQUEDUCT_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(1, |d| d.as_nanos() as u64)
+                    | 1
+            });
+        println!("AQUEDUCT_TEST_SEED={seed}");
+        Rng(seed)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+fn confirm() -> PublishOptions {
+    PublishOptions {
+        confirm: true,
+        ..PublishOptions::default()
+    }
+}
+
+async fn connect(home: &Path, addr: &str) -> Client {
+    let opts = ConnectOptions::new(addr).dev_cert_file(home.join("dev-cert.pem"));
+    tokio::time::timeout(WAIT, Client::connect(opts))
+        .await
+        .expect("connect in time")
+        .expect("client connects")
+}
+
+/// Confirmed messages: topic → offset → body.
+type Confirmed = BTreeMap<String, BTreeMap<u64, Vec<u8>>>;
+
+/// Everything the log holds, checked: per topic, offsets strictly increasing (each message
+/// once, in order); returns topic → offset → body.
+fn read_log(dir: &Path) -> Confirmed {
+    let view = LogView::open(dir, Some(&key())).expect("the log opens");
+    let mut all = Confirmed::new();
+    for t in TOPICS {
+        let mut last = None;
+        let topic = all.entry(t.to_string()).or_default();
+        for r in view.read(t.as_bytes(), 0) {
+            let r = r.expect("every record reads back");
+            assert!(
+                last.is_none_or(|l| r.offset > l),
+                "{t}: offset {} after {last:?}",
+                r.offset
+            );
+            last = Some(r.offset);
+            let m = StoredMessage::decode(&r.data).expect("a stored message");
+            topic.insert(r.offset, m.body);
+        }
+    }
+    all
+}
+
+fn assert_contains(log: &Confirmed, confirmed: &Confirmed) {
+    for (topic, msgs) in confirmed {
+        for (offset, body) in msgs {
+            assert_eq!(
+                log.get(topic).and_then(|m| m.get(offset)),
+                Some(body),
+                "confirmed {topic}@{offset} is not in the log as confirmed"
+            );
+        }
+    }
+}
+
+fn assert_no_body_twice(log: &Confirmed) {
+    let mut seen = HashSet::new();
+    for msgs in log.values() {
+        for body in msgs.values() {
+            assert!(
+                seen.insert(body.clone()),
+                "stored twice: {:?}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+}
+
+/// Publish confirmed batches from `tasks` publishers until the broker goes away; records what
+/// was confirmed.
+async fn publish_until_gone(
+    client: &Client,
+    round: u32,
+    tasks: u32,
+    confirmed: Arc<Mutex<Confirmed>>,
+    progress: Arc<tokio::sync::Notify>,
+) {
+    let mut handles = Vec::new();
+    for task in 0..tasks {
+        let client = client.clone();
+        let confirmed = confirmed.clone();
+        let progress = progress.clone();
+        handles.push(tokio::spawn(async move {
+            let topic = TOPICS[task as usize % TOPICS.len()];
+            for seq in 0u64.. {
+                let bodies: Vec<Bytes> = (0..20)
+                    .map(|i| Bytes::from(format!("r{round}-p{task}-{seq}-{i}")))
+                    .collect();
+                let items = bodies.iter().map(|b| (topic, b.clone()));
+                match client.publish_batch(items, &confirm()).await {
+                    Ok(Some(offsets)) => {
+                        let mut c = confirmed.lock().expect("lock");
+                        let t = c.entry(topic.to_string()).or_default();
+                        for (o, b) in offsets.into_iter().zip(bodies) {
+                            assert!(
+                                t.insert(o, b.to_vec()).is_none(),
+                                "{topic}@{o} confirmed twice"
+                            );
+                        }
+                        drop(c);
+                        progress.notify_one();
+                    }
+                    Ok(None) => panic!("no offsets for a confirmed batch"),
+                    Err(_) => return,
+                }
+            }
+        }));
+    }
+    for h in handles {
+        h.await.expect("publisher task");
+    }
+}
+
+#[test]
+fn confirmed_messages_survive_kill_9_and_offsets_are_never_reused() {
+    let home = tempfile::tempdir().expect("dir");
+    let dir = home.path().join("aal");
+    let env = env();
+    let mut rng = Rng::from_env();
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let mut confirmed_total = Confirmed::new();
+    let mut high_before: BTreeMap<String, u64> = BTreeMap::new();
+    for round in 0..10u32 {
+        let (mut broker, addr, _metrics, _logs) = start_broker_with(home.path(), &env);
+        let confirmed = Arc::new(Mutex::new(Confirmed::new()));
+        let progress = Arc::new(tokio::sync::Notify::new());
+        rt.block_on(async {
+            let client = connect(home.path(), &addr).await;
+            let publishing = tokio::spawn({
+                let client = client.clone();
+                let confirmed = confirmed.clone();
+                let progress = progress.clone();
+                async move { publish_until_gone(&client, round, 4, confirmed, progress).await }
+            });
+            // Some confirmed first (waiting on the publishers' signal), then a random moment.
+            loop {
+                let more = progress.notified();
+                tokio::pin!(more);
+                more.as_mut().enable();
+                if confirmed
+                    .lock()
+                    .expect("lock")
+                    .values()
+                    .map(|m| m.len())
+                    .sum::<usize>()
+                    >= 20
+                {
+                    break;
+                }
+                tokio::time::timeout(WAIT, more)
+                    .await
+                    .expect("something confirmed in time");
+            }
+            tokio::time::sleep(Duration::from_millis(rng.below(300))).await;
+            broker.kill().expect("kill -9");
+            let _ = broker.wait();
+            // Publishers waiting for CONFIRMs from the dead broker would only learn of its death
+            // at the idle timeout; what was confirmed is recorded already.
+            publishing.abort();
+            let _ = publishing.await;
+        });
+        let confirmed = std::mem::take(&mut *confirmed.lock().expect("lock"));
+        // New offsets are above everything logged before this run.
+        for (topic, msgs) in &confirmed {
+            if let (Some(first), Some(high)) = (msgs.keys().next(), high_before.get(topic)) {
+                assert!(
+                    first > high,
+                    "{topic}: offset {first} re-used (log had up to {high})"
+                );
+            }
+        }
+        for (topic, msgs) in confirmed {
+            confirmed_total.entry(topic).or_default().extend(msgs);
+        }
+        let log = read_log(&dir);
+        assert_contains(&log, &confirmed_total);
+        assert_no_body_twice(&log);
+        for (topic, msgs) in &log {
+            if let Some((&high, _)) = msgs.last_key_value() {
+                high_before.insert(topic.clone(), high);
+            }
+        }
+        println!(
+            "round {round}: {} confirmed so far, {} in the log",
+            confirmed_total.values().map(|m| m.len()).sum::<usize>(),
+            log.values().map(|m| m.len()).sum::<usize>()
+        );
+    }
+
+    // Torn tails: cut the last segment at random points; the broker recovers, everything
+    // before the cut is intact, and offsets go on above what is left.
+    let before = read_log(&dir);
+    let last = last_segment(&dir);
+    let len = std::fs::metadata(&last).expect("segment").len();
+    for _ in 0..3 {
+        let copy = tempfile::tempdir().expect("dir");
+        let copy_dir = copy.path().join("aal");
+        copy_dir_all(&dir, &copy_dir);
+        let cut = 96 + rng.below(len.saturating_sub(96).max(1));
+        let seg = copy_dir.join(last.file_name().expect("name"));
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&seg)
+            .and_then(|f| f.set_len(cut))
+            .expect("truncate");
+        let _ = std::fs::remove_file(seg.with_extension("idx"));
+        let (broker, addr, _metrics, _logs) = start_broker_with(copy.path(), &env);
+        let offset = rt.block_on(async {
+            let client = connect(copy.path(), &addr).await;
+            let o = client
+                .publish_with("orders", "after the cut", &confirm())
+                .await
+                .expect("publish after recovery");
+            client.close().await;
+            o.expect("an offset")
+        });
+        stop(broker);
+        println!("cut the last segment at byte {cut} of {len}");
+        let after = read_log(&copy_dir);
+        for (topic, msgs) in &after {
+            for (o, body) in msgs {
+                if topic == "orders" && *o == offset {
+                    assert_eq!(body, b"after the cut");
+                } else {
+                    assert_eq!(before[topic].get(o), Some(body), "{topic}@{o} changed");
+                }
+            }
+        }
+        let high = before["orders"].keys().last().copied().unwrap_or(0);
+        assert!(
+            offset > high,
+            "offset {offset} re-used after a torn tail (had {high})"
+        );
+    }
+}
+
+fn last_segment(dir: &Path) -> PathBuf {
+    let mut segs: Vec<PathBuf> = std::fs::read_dir(dir)
+        .expect("log dir")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "seg"))
+        .filter(|p| std::fs::metadata(p).map(|m| m.len() > 96).unwrap_or(false))
+        .collect();
+    segs.sort();
+    segs.pop().expect("a segment with data")
+}
+
+fn copy_dir_all(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for e in std::fs::read_dir(from).expect("read dir") {
+        let p = e.expect("entry").path();
+        std::fs::copy(&p, to.join(p.file_name().expect("name"))).expect("copy");
+    }
+}
+
+/// A disk that refuses writes (the broker runs under `ulimit -f`: files may not grow past
+/// 2 MiB, and writes past that fail with EFBIG as they would with ENOSPC): confirmed publishes
+/// get STORAGE_FAILED, subscribers keep receiving, the metric counts it, and what was confirmed
+/// before is intact after a restart without the limit.
+#[test]
+fn a_full_disk_answers_storage_failed_and_subscribers_go_on() {
+    let home = tempfile::tempdir().expect("dir");
+    let env = env();
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg("trap '' XFSZ; ulimit -f 4096 && exec \"$0\" --addr 127.0.0.1:0 --metrics-addr 127.0.0.1:0 \"$@\"")
+        .arg(BROKER);
+    let (broker, addr, metrics, _logs) = start_broker_process(cmd, home.path(), &env);
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let mut confirmed = Confirmed::new();
+    rt.block_on(async {
+        let client = connect(home.path(), &addr).await;
+        let mut live = client.subscribe("big").await.expect("subscribe");
+        let body = Bytes::from(vec![b'x'; 32 * 1024]);
+        let mut refused = None;
+        for i in 0..400u64 {
+            match client.publish_with("big", body.clone(), &confirm()).await {
+                Ok(Some(o)) => {
+                    confirmed
+                        .entry("big".into())
+                        .or_default()
+                        .insert(o, body.to_vec());
+                }
+                Ok(None) => panic!("no offset"),
+                Err(ClientError::Broker { code, reason }) => {
+                    assert_eq!(code, ErrorCode::STORAGE_FAILED, "{reason}");
+                    assert!(
+                        reason.contains("File too large") || reason.contains("space"),
+                        "{reason}"
+                    );
+                    refused = Some(i);
+                    break;
+                }
+                Err(e) => panic!("unexpected error: {e}"),
+            }
+        }
+        let refused = refused.expect("the 2 MiB limit refused a write");
+        assert!(refused > 5, "refused after only {refused} messages");
+        // Live delivery goes on: the subscriber got every message, the refused one too (it was
+        // routed before the log refused it), and gets the next one.
+        for _ in 0..=refused {
+            let _ = tokio::time::timeout(WAIT, live.next())
+                .await
+                .expect("delivery")
+                .expect("a message");
+        }
+        let again = client.publish_with("big", "small", &confirm()).await;
+        let m = tokio::time::timeout(WAIT, live.next())
+            .await
+            .expect("delivery")
+            .expect("a message")
+            .expect("not an error");
+        assert_eq!(m.body().as_ref(), b"small");
+        // The small message may still fit; either way the answer is clear.
+        if let Ok(Some(o)) = again {
+            confirmed
+                .entry("big".into())
+                .or_default()
+                .insert(o, b"small".to_vec());
+        }
+        let text = http_get(&metrics, "/metrics");
+        let errors = text
+            .lines()
+            .find_map(|l| l.strip_prefix("aqueduct_log_write_errors_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .expect("the write error metric");
+        assert!(errors >= 1.0, "{errors}");
+        client.close().await;
+    });
+    stop(broker);
+    // Without the limit: everything confirmed is there.
+    let (broker, _addr, _metrics, _logs) = start_broker_with(home.path(), &env);
+    stop(broker);
+    let view = LogView::open(&home.path().join("aal"), Some(&key())).expect("opens");
+    let logged: BTreeMap<u64, Vec<u8>> = view
+        .read(b"big", 0)
+        .map(|r| {
+            let r = r.expect("readable");
+            (
+                r.offset,
+                StoredMessage::decode(&r.data).expect("stored").body,
+            )
+        })
+        .collect();
+    for (o, body) in &confirmed["big"] {
+        assert_eq!(logged.get(o), Some(body), "confirmed big@{o} lost");
+    }
+}
+
+/// GET a path from the metrics endpoint; the body.
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(WAIT)).expect("timeout");
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read");
+    out.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}
+
+/// `aqueduct log dump` prints what a broker logged; `aqueduct log verify` says ok, then finds a
+/// flipped byte (exit status 1); neither changes the log.
+#[test]
+fn log_verify_and_dump_work_offline() {
+    let home = tempfile::tempdir().expect("dir");
+    let env = env();
+    let (broker, addr, _metrics, _logs) = start_broker_with(home.path(), &env);
+    for body in ["one", "two", "three"] {
+        let out = Command::new(CLIENT)
+            .args(["--addr", &addr, "pub", "orders", body, "--confirm"])
+            .env("AQUEDUCT_HOME", home.path())
+            .output()
+            .expect("pub runs");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    stop(broker);
+    let dir = home.path().join("aal");
+    let key_file = home.path().join("aal.key");
+    std::fs::write(&key_file, format!("{KEY_B64}\n")).expect("key file");
+    let log = |args: &[&str]| {
+        Command::new(CLIENT)
+            .arg("log")
+            .args(args)
+            .env_remove("AQUEDUCT_AAL_KEY")
+            .output()
+            .expect("aqueduct log runs")
+    };
+    let d = dir.to_str().expect("utf-8 path");
+    let k = key_file.to_str().expect("utf-8 path");
+    let dump = log(&[
+        "dump",
+        d,
+        "--key-file",
+        k,
+        "--topic",
+        "orders",
+        "--from",
+        "1",
+    ]);
+    assert!(
+        dump.status.success(),
+        "{}",
+        String::from_utf8_lossy(&dump.stderr)
+    );
+    let text = String::from_utf8_lossy(&dump.stdout);
+    let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split('\t').collect()).collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    assert_eq!((lines[0][0], lines[0][3]), ("1", "two"));
+    assert_eq!((lines[1][0], lines[1][3]), ("2", "three"));
+    let topics = log(&["dump", d, "--key-file", k]);
+    assert_eq!(String::from_utf8_lossy(&topics.stdout).trim(), "orders");
+    let before: Vec<(PathBuf, Vec<u8>)> = snapshot(&dir);
+    let ok = log(&["verify", d, "--key-file", k]);
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stdout)
+    );
+    assert!(String::from_utf8_lossy(&ok.stdout)
+        .trim_end()
+        .ends_with("ok"));
+    let no_key = log(&["verify", d]);
+    assert_eq!(no_key.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&no_key.stdout).contains("no key was given"));
+    assert_eq!(snapshot(&dir), before, "verify and dump change nothing");
+    // Flip a byte inside the first batch of the segment holding the messages.
+    let seg = last_segment(&dir);
+    let mut bytes = std::fs::read(&seg).expect("segment");
+    bytes[96 + 40] ^= 0x10;
+    std::fs::write(&seg, &bytes).expect("write");
+    let damaged = log(&["verify", d, "--key-file", k]);
+    assert_eq!(damaged.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&damaged.stdout).contains("damaged: "),
+        "{}",
+        String::from_utf8_lossy(&damaged.stdout)
+    );
+}
+
+fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut v: Vec<(PathBuf, Vec<u8>)> = std::fs::read_dir(dir)
+        .expect("dir")
+        .map(|e| {
+            let p = e.expect("entry").path();
+            let b = std::fs::read(&p).expect("read");
+            (p, b)
+        })
+        .collect();
+    v.sort();
+    v
+}
