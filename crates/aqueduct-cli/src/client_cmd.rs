@@ -630,15 +630,10 @@ fn describe(msg: &aqueduct_client::Message) -> String {
 /// Go-style single-dash long flags (`-addr`) are accepted as the seed's tools wrote them.
 pub fn main_with(args: Vec<OsString>) -> ExitCode {
     let cli = Cli::parse_from(crate::go_style_args(args, &Cli::command()));
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("AQUEDUCT_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        // Colour only on a terminal: a log file or a pipe gets plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    crate::init_logging(
+        tracing_subscriber::EnvFilter::try_from_env("AQUEDUCT_LOG")
+            .unwrap_or_else(|_| "warn".into()),
+    );
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

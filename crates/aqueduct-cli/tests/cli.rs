@@ -521,3 +521,36 @@ fn a_signal_during_work_stops_the_subscriber() {
     assert!(help.contains("Usage: aqueduct bench"), "{help}");
     stop(broker);
 }
+
+/// A broker whose standard error goes away (a pipe whose reader exited, a closed terminal) loses
+/// its log lines but keeps serving and stops cleanly: tracing-subscriber used to report the failed
+/// write with `eprintln!`, which panicked on the same broken stream (exit status 101).
+#[test]
+fn a_broker_whose_stderr_is_closed_still_stops_cleanly() {
+    let home = tempfile::tempdir().expect("dir");
+    let mut child = Command::new(BROKER)
+        .args([
+            "--addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--log",
+            "info",
+        ])
+        .env("AQUEDUCT_HOME", home.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("broker starts");
+    let mut stderr = BufReader::new(child.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    while !line.contains("metrics endpoint listening") {
+        line.clear();
+        assert!(
+            stderr.read_line(&mut line).expect("a log line") > 0,
+            "broker exited early"
+        );
+    }
+    drop(stderr); // the reader goes away: the broker's next log line fails to write
+    stop(child);
+}

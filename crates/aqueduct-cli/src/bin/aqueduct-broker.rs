@@ -55,15 +55,10 @@ fn main() -> ExitCode {
         std::env::args_os().collect(),
         &Args::command(),
     ));
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&args.log)
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        // Colour only on a terminal: a log file or a pipe gets plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    aqueduct_cli::init_logging(
+        tracing_subscriber::EnvFilter::try_new(&args.log)
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+    );
     let overrides = Overrides {
         listen_addr: args.addr.clone(),
         metrics_addr: args.metrics_addr.clone(),
