@@ -142,6 +142,8 @@ pub struct DurableStats {
     pub write_errors: AtomicU64,
     /// Microseconds from a frame being queued to its batch being durable, summed.
     pub commit_wait_us: AtomicU64,
+    /// Publish frames made durable.
+    pub frames_committed: AtomicU64,
     pub queued: AtomicU64,
 }
 
