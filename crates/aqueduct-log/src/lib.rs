@@ -32,6 +32,6 @@ mod verify;
 
 pub use crypto::MasterKey;
 pub use error::LogError;
-pub use log::{Entry, FsyncMode, Log, LogOptions, LogStats, LogView, Position, Recovery};
+pub use log::{Entry, FsyncMode, Log, LogIndex, LogOptions, LogStats, LogView, Position, Recovery};
 pub use reader::{Reader, Record};
 pub use verify::{verify, VerifyReport};

@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use crate::crypto::MasterKey;
@@ -124,14 +125,74 @@ struct TopicState {
     unclean_at_high: u32,
 }
 
-/// The append-only log. One owner appends; [`Log::read`] hands out readers that own what they
-/// need and can move to other threads.
+/// What readers need of the log's segments, shared with the log's owner: readers on other
+/// threads take a snapshot of one topic's entry points under the read lock (see
+/// [`LogIndex::read`]); the owner takes the write lock to note each appended batch. Cheap to
+/// clone.
+#[derive(Debug, Clone, Default)]
+pub struct LogIndex(Arc<RwLock<Vec<Segment>>>);
+
+impl LogIndex {
+    fn get(&self) -> RwLockReadGuard<'_, Vec<Segment>> {
+        self.0.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn get_mut(&self) -> RwLockWriteGuard<'_, Vec<Segment>> {
+        self.0.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Read `topic` from offset `from` on: what the log holds now (a reader made later sees
+    /// more).
+    pub fn read(&self, topic: &[u8], from: u64) -> Reader {
+        Reader::new(&self.get(), topic, from)
+    }
+
+    /// Every topic with messages in the log, sorted.
+    pub fn topics(&self) -> Vec<Vec<u8>> {
+        topics_of(&self.get())
+    }
+
+    /// The highest offset of a message of `topic` still in the log.
+    pub fn last_offset(&self, topic: &[u8]) -> Option<u64> {
+        self.get()
+            .iter()
+            .rev()
+            .find_map(|s| s.topics.get(topic).and_then(|span| span.data))
+            .map(|(_, last)| last)
+    }
+
+    /// The lowest offset of a message of `topic` still in the log.
+    pub fn first_offset(&self, topic: &[u8]) -> Option<u64> {
+        self.get()
+            .iter()
+            .find_map(|s| s.topics.get(topic).and_then(|span| span.data))
+            .map(|(first, _)| first)
+    }
+}
+
+fn topics_of(segments: &[Segment]) -> Vec<Vec<u8>> {
+    let mut t: Vec<Vec<u8>> = segments
+        .iter()
+        .flat_map(|s| {
+            s.topics
+                .iter()
+                .filter(|(_, span)| span.data.is_some())
+                .map(|(k, _)| k.to_vec())
+        })
+        .collect();
+    t.sort();
+    t.dedup();
+    t
+}
+
+/// The append-only log. One owner appends; [`Log::read`] (or a [`LogIndex`] from
+/// [`Log::index`], on any thread) hands out readers that own what they need.
 #[derive(Debug)]
 pub struct Log {
     dir: PathBuf,
     opts: LogOptions,
     /// Oldest first; the last one is the active segment.
-    segments: Vec<Segment>,
+    segments: LogIndex,
     active: File,
     topics: HashMap<Box<[u8]>, TopicState>,
     /// Crashed generations before this run (this run's segments' `unclean_before`).
@@ -241,7 +302,7 @@ impl Log {
         let mut log = Log {
             dir,
             opts,
-            segments,
+            segments: LogIndex(Arc::new(RwLock::new(segments))),
             active,
             topics: HashMap::new(),
             unclean_now,
@@ -253,10 +314,10 @@ impl Log {
             stats: LogStats::default(),
         };
         log.rebuild_topics();
-        rec.segments = log.segments.len();
+        rec.segments = log.segments.get().len();
         rec.topics = log.topics.len();
         rec.bytes = log.bytes();
-        rec.damaged_batches = log.segments.iter().map(|s| s.damage.len()).sum();
+        rec.damaged_batches = log.segments.get().iter().map(|s| s.damage.len()).sum();
         log.stats.truncated_bytes = rec.truncated_bytes;
         log.stats.damaged_batches = rec.damaged_batches as u64;
         rec.elapsed = started.elapsed();
@@ -265,7 +326,8 @@ impl Log {
 
     fn rebuild_topics(&mut self) {
         self.topics.clear();
-        for seg in &self.segments {
+        let segments = self.segments.get();
+        for seg in segments.iter() {
             for (name, span) in &seg.topics {
                 let state = TopicState {
                     high: span.high,
@@ -288,13 +350,23 @@ impl Log {
         &self.dir
     }
 
-    fn active_seg(&self) -> &Segment {
-        // `open` always pushes the active segment and nothing removes the last one.
-        &self.segments[self.segments.len() - 1]
+    /// Something of the active segment (the last one; `open` always makes one and nothing
+    /// removes it).
+    fn active<T>(&self, f: impl FnOnce(&Segment) -> T) -> Result<T, LogError> {
+        self.segments
+            .get()
+            .last()
+            .map(f)
+            .ok_or_else(|| LogError::InvalidAppend("no active segment".into()))
+    }
+
+    /// The index readers on other threads use.
+    pub fn index(&self) -> LogIndex {
+        self.segments.clone()
     }
 
     fn bytes(&self) -> u64 {
-        self.segments.iter().map(|s| s.len).sum()
+        self.segments.get().iter().map(|s| s.len).sum()
     }
 
     /// The offset the next message of `topic` must have at least: one past its highest logged
@@ -321,19 +393,12 @@ impl Log {
 
     /// The highest offset of a message of `topic` still in the log.
     pub fn last_offset(&self, topic: &[u8]) -> Option<u64> {
-        self.segments
-            .iter()
-            .rev()
-            .find_map(|s| s.topics.get(topic).and_then(|span| span.data))
-            .map(|(_, last)| last)
+        self.segments.last_offset(topic)
     }
 
     /// The lowest offset of a message of `topic` still in the log.
     pub fn first_offset(&self, topic: &[u8]) -> Option<u64> {
-        self.segments
-            .iter()
-            .find_map(|s| s.topics.get(topic).and_then(|span| span.data))
-            .map(|(first, _)| first)
+        self.segments.first_offset(topic)
     }
 
     /// Every topic with state in the log.
@@ -343,7 +408,7 @@ impl Log {
 
     pub fn stats(&self) -> LogStats {
         LogStats {
-            segments: self.segments.len() as u64,
+            segments: self.segments.get().len() as u64,
             bytes: self.bytes(),
             ..self.stats
         }
@@ -388,15 +453,14 @@ impl Log {
                 MAX_BODY - BODY_HEADER - tag
             )));
         }
-        let active = self.active_seg();
-        if active.len > HEADER_LEN as u64
-            && active.len + frame_len as u64 > self.opts.max_segment_bytes
+        let active_len = self.active(|s| s.len)?;
+        if active_len > HEADER_LEN as u64
+            && active_len + frame_len as u64 > self.opts.max_segment_bytes
         {
             self.rotate()?;
         }
-        let seg = self.active_seg();
-        let (seg_id, pos, batch_no) = (seg.id, seg.len, seg.batches);
-        let cipher = seg.cipher.clone();
+        let (seg_id, pos, batch_no, cipher) =
+            self.active(|s| (s.id, s.len, s.batches, s.cipher.clone()))?;
         let mut buf = std::mem::take(&mut self.buf);
         buf.clear();
         let header = BodyHeader {
@@ -430,8 +494,8 @@ impl Log {
         }
         let end = pos + frame_len as u64;
         let unclean = self.unclean_now;
-        let seg = self
-            .segments
+        let mut segments = self.segments.get_mut();
+        let seg = segments
             .last_mut()
             .ok_or_else(|| LogError::InvalidAppend("no active segment".into()))?;
         for e in entries {
@@ -449,6 +513,7 @@ impl Log {
             }
         }
         seg.note_batch(timestamp_ms, end);
+        drop(segments);
         self.dirty = true;
         self.stats.appended_batches += 1;
         self.stats.appended_records += entries.len() as u64;
@@ -507,7 +572,7 @@ impl Log {
             return Err(LogError::Poisoned(why.clone()));
         }
         if let Err(e) = self.active.sync_data() {
-            let path = self.active_seg().path.clone();
+            let path = self.active(|s| s.path.clone())?;
             self.poisoned = Some(format!("fsync of {} failed: {e}", path.display()));
             return Err(LogError::io("syncing segment", path, e));
         }
@@ -522,8 +587,8 @@ impl Log {
         self.sync()?;
         let dir = self.dir.clone();
         let (next_id, generation, unclean) = {
-            let seg = self
-                .segments
+            let mut segments = self.segments.get_mut();
+            let seg = segments
                 .last_mut()
                 .ok_or_else(|| LogError::InvalidAppend("no active segment".into()))?;
             seg.clean = true;
@@ -539,7 +604,7 @@ impl Log {
             now_ms(),
         )?;
         sync_dir(&dir)?;
-        self.segments.push(seg);
+        self.segments.get_mut().push(seg);
         self.active = file;
         Ok(())
     }
@@ -549,7 +614,7 @@ impl Log {
     pub fn close(mut self) -> Result<(), LogError> {
         self.sync()?;
         let dir = self.dir.clone();
-        if let Some(seg) = self.segments.last_mut() {
+        if let Some(seg) = self.segments.get_mut().last_mut() {
             seg.clean = true;
             seg.write_index(&dir)?;
         }
@@ -558,7 +623,7 @@ impl Log {
 
     /// Read `topic` from offset `from` on, in offset order: messages logged up to now.
     pub fn read(&self, topic: &[u8], from: u64) -> Reader {
-        Reader::new(&self.segments, topic, from)
+        self.segments.read(topic, from)
     }
 
     /// Delete sealed segments as retention says (never the active one). Topics whose highest
@@ -570,7 +635,8 @@ impl Log {
             .map_or(0, |d| d.as_millis() as u64);
         let mut doomed = 0;
         let mut total = self.bytes();
-        for seg in &self.segments[..self.segments.len() - 1] {
+        let segments = self.segments.get();
+        for seg in &segments[..segments.len().saturating_sub(1)] {
             let over_bytes = self.opts.retention_bytes.is_some_and(|max| total > max);
             let too_old = self.opts.retention_age.is_some_and(|age| {
                 seg.batches == 0 || seg.max_ts.saturating_add(age.as_millis() as u64) < now_ms
@@ -581,15 +647,19 @@ impl Log {
             total -= seg.len;
             doomed += 1;
         }
+        drop(segments);
         self.delete_oldest(doomed)
     }
 
     /// Delete every sealed segment before `position`'s segment.
     pub fn purge_before(&mut self, position: Position) -> Result<Vec<u64>, LogError> {
-        let n = self.segments[..self.segments.len() - 1]
-            .iter()
-            .take_while(|s| s.id < position.segment)
-            .count();
+        let n = {
+            let segments = self.segments.get();
+            segments[..segments.len().saturating_sub(1)]
+                .iter()
+                .take_while(|s| s.id < position.segment)
+                .count()
+        };
         self.delete_oldest(n)
     }
 
@@ -597,7 +667,7 @@ impl Log {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let ids: Vec<u64> = self.segments[..n].iter().map(|s| s.id).collect();
+        let ids: Vec<u64> = self.segments.get()[..n].iter().map(|s| s.id).collect();
         let last_doomed = ids[ids.len() - 1];
         // Marks for the topics whose highest offset lives only in the doomed segments.
         let marks: Vec<(Box<[u8]>, u64)> = self
@@ -626,7 +696,7 @@ impl Log {
             let _ = std::fs::remove_file(index_path(&self.dir, *id));
         }
         sync_dir(&self.dir)?;
-        self.segments.drain(..n);
+        self.segments.get_mut().drain(..n);
         self.stats.deleted_segments += n as u64;
         Ok(ids)
     }
@@ -642,7 +712,14 @@ impl Log {
     /// sealed, and a new active segment starts (never appending again to a segment under the
     /// same nonces). Topic offsets fall back to what remains.
     pub fn truncate_after(&mut self, position: Position) -> Result<(), LogError> {
-        let Some(i) = self.segments.iter().position(|s| s.id == position.segment) else {
+        let found = {
+            let segments = self.segments.get();
+            segments
+                .iter()
+                .position(|s| s.id == position.segment)
+                .map(|i| (i, segments[i].path.clone(), segments[i].len))
+        };
+        let Some((i, path, seg_len)) = found else {
             return Err(LogError::InvalidAppend(format!(
                 "no segment {} in the log",
                 position.segment
@@ -650,10 +727,9 @@ impl Log {
         };
         self.sync()?;
         // Check that `position` is a batch boundary by reading the segment up to it.
-        let path = self.segments[i].path.clone();
         let file = File::open(&path).map_err(|e| LogError::io("opening segment", &path, e))?;
         let (header, cipher) = segment::open_header(&path, &file, self.opts.key.as_ref())?;
-        if position.byte > self.segments[i].len {
+        if position.byte > seg_len {
             return Err(LogError::InvalidAppend(format!(
                 "byte {} is past the end of segment {}",
                 position.byte, position.segment
@@ -674,7 +750,8 @@ impl Log {
                 position.byte, position.segment
             )));
         }
-        for seg in self.segments.drain(i + 1..) {
+        let later: Vec<Segment> = self.segments.get_mut().drain(i + 1..).collect();
+        for seg in later {
             std::fs::remove_file(&seg.path)
                 .map_err(|e| LogError::io("deleting segment", &seg.path, e))?;
             let _ = std::fs::remove_file(index_path(&self.dir, seg.id));
@@ -690,7 +767,7 @@ impl Log {
         seg.clean = true;
         seg.write_index(&self.dir)?;
         let next_id = seg.id + 1;
-        self.segments[i] = seg;
+        self.segments.get_mut()[i] = seg;
         let (active_seg, active) = Segment::create(
             &self.dir,
             next_id,
@@ -699,7 +776,7 @@ impl Log {
             self.opts.key.as_ref(),
             now_ms(),
         )?;
-        self.segments.push(active_seg);
+        self.segments.get_mut().push(active_seg);
         self.active = active;
         sync_dir(&self.dir)?;
         self.rebuild_topics();
@@ -747,19 +824,7 @@ impl LogView {
 
     /// Every topic with messages in the log, sorted.
     pub fn topics(&self) -> Vec<Vec<u8>> {
-        let mut t: Vec<Vec<u8>> = self
-            .segments
-            .iter()
-            .flat_map(|s| {
-                s.topics
-                    .iter()
-                    .filter(|(_, span)| span.data.is_some())
-                    .map(|(k, _)| k.to_vec())
-            })
-            .collect();
-        t.sort();
-        t.dedup();
-        t
+        topics_of(&self.segments)
     }
 }
 

@@ -555,3 +555,44 @@ fn a_rare_topic_in_a_busy_log_reads_through_the_index() -> R {
     assert_eq!(read_all(&log, "busy", 390)?.len(), 10);
     Ok(())
 }
+
+#[test]
+fn readers_on_another_thread_see_a_whole_prefix_while_the_log_grows() -> R {
+    let tmp = tempfile::tempdir()?;
+    let o = LogOptions {
+        max_segment_bytes: 4_000,
+        ..opts(Some(key(10)))
+    };
+    let (mut log, _) = Log::open(tmp.path(), o)?;
+    let index = log.index();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let done = done.clone();
+        std::thread::spawn(move || -> Result<usize, String> {
+            let mut reads = 0;
+            loop {
+                let finished = done.load(std::sync::atomic::Ordering::Acquire);
+                let got: Vec<Record> = index
+                    .read(b"t", 0)
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| e.to_string())?;
+                for (i, r) in got.iter().enumerate() {
+                    if r.offset != i as u64 || r.data != msg("t", r.offset) {
+                        return Err(format!("read {} at position {i}", r.offset));
+                    }
+                }
+                reads += 1;
+                if finished {
+                    return Ok(reads);
+                }
+            }
+        })
+    };
+    fill(&mut log, "t", 300, 3)?;
+    done.store(true, std::sync::atomic::Ordering::Release);
+    let reads = reader.join().map_err(|_| "reader panicked")??;
+    assert!(reads > 1);
+    assert_eq!(log.index().read(b"t", 0).count(), 900);
+    assert!(log.stats().segments > 3, "rotated while read");
+    Ok(())
+}
