@@ -58,21 +58,34 @@ fn collect_longs(cmd: &clap::Command, out: &mut Vec<String>) {
     out.extend(["help".to_string(), "version".to_string()]);
 }
 
-/// Completes on Ctrl-C or SIGTERM; says which.
-pub async fn shutdown_signal() -> &'static str {
+/// Start listening for Ctrl-C and SIGTERM now; the future completes on the first of them and
+/// says which. The listeners are registered when this is called, not when the future is first
+/// polled: a signal that arrives in between is kept, never left to its default action (which
+/// ends the process without a clean shutdown). Call it inside the runtime, early.
+pub fn shutdown_signal() -> impl std::future::Future<Output = &'static str> {
     #[cfg(unix)]
     {
-        if let Ok(mut term) =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        {
-            return tokio::select! {
-                _ = tokio::signal::ctrl_c() => "Ctrl-C",
-                _ = term.recv() => "SIGTERM",
-            };
+        use tokio::signal::unix::{signal, SignalKind};
+        let interrupt = signal(SignalKind::interrupt()).ok();
+        let terminate = signal(SignalKind::terminate()).ok();
+        async move {
+            match (interrupt, terminate) {
+                (Some(mut int), Some(mut term)) => tokio::select! {
+                    _ = int.recv() => "Ctrl-C",
+                    _ = term.recv() => "SIGTERM",
+                },
+                _ => {
+                    let _ = tokio::signal::ctrl_c().await;
+                    "Ctrl-C"
+                }
+            }
         }
     }
-    let _ = tokio::signal::ctrl_c().await;
-    "Ctrl-C"
+    #[cfg(not(unix))]
+    async {
+        let _ = tokio::signal::ctrl_c().await;
+        "Ctrl-C"
+    }
 }
 
 #[cfg(test)]

@@ -84,6 +84,8 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async move {
+        // Listen before binding: a SIGTERM from the moment the broker starts stops it cleanly.
+        let stop = aqueduct_cli::shutdown_signal();
         let server = match Server::bind(config).await {
             Ok(s) => s,
             Err(e) => {
@@ -99,7 +101,7 @@ fn main() -> ExitCode {
             );
         }
         let signal = async {
-            let which = aqueduct_cli::shutdown_signal().await;
+            let which = stop.await;
             info!("{which} received");
         };
         match server.serve(signal).await {
