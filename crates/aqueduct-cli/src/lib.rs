@@ -88,6 +88,19 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = &'static str> {
     }
 }
 
+/// Log to standard error, coloured only on a terminal (a log file or a pipe gets plain text).
+/// A standard error that cannot be written to (closed, a pipe whose reader left) loses the log
+/// lines but never stops the process: tracing-subscriber would otherwise report the failed write
+/// with `eprintln!`, which panics on the same broken stream.
+pub fn init_logging(filter: tracing_subscriber::EnvFilter) {
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .log_internal_errors(false)
+        .init();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,17 +158,4 @@ mod tests {
         // Unknown names are left for clap to refuse.
         assert_eq!(rewrite(&["x", "-bogus"]), ["x", "-bogus"]);
     }
-}
-
-/// Log to standard error, coloured only on a terminal (a log file or a pipe gets plain text).
-/// A standard error that cannot be written to (closed, a pipe whose reader left) loses the log
-/// lines but never stops the process: tracing-subscriber would otherwise report the failed write
-/// with `eprintln!`, which panics on the same broken stream.
-pub fn init_logging(filter: tracing_subscriber::EnvFilter) {
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .log_internal_errors(false)
-        .init();
 }
