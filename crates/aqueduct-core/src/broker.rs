@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use aqueduct_proto::delivery::{Arena, DeadLetter, DeliveryFields};
 use aqueduct_proto::{
     AckMode, Compression, GroupId, OverflowPolicy, Priority, Publish, PublishRef, SharedDelivery,
-    SubscribeSpec, TopicName, TopicRef, TraceContext,
+    SubscribeSpec, TopicFilter, TopicName, TopicRef, TraceContext,
 };
 use bytes::BufMut;
 use foldhash::fast::RandomState;
@@ -416,6 +416,63 @@ impl Broker {
         }
         routes.subscribers.insert(id, sub.clone());
         sub
+    }
+
+    /// Create a subscription that routing never feeds: a durable consumer's, fed from the durable
+    /// log with [`feed`](Self::feed). Settlement, redelivery, dead letters and removal work as
+    /// for any subscription. Its queue holds publishers (the feeder) when full, whatever the
+    /// broker's policy: nothing is dropped, the feeder waits on [`Subscriber::poll_room`].
+    pub fn subscribe_unrouted(
+        &self,
+        filter: &TopicFilter,
+        opts: SubscribeOptions,
+    ) -> Arc<Subscriber> {
+        let id = SubscriberId(self.next_id.fetch_add(1, Relaxed));
+        let sub = Arc::new(Subscriber::new(SubscriberInit {
+            id,
+            stream_id: opts.stream_id,
+            filter: filter.clone(),
+            group: None,
+            ack_mode: opts.ack_mode,
+            policy: OverflowPolicy::Block,
+            capacity: self.config.queue_size,
+            waker: opts.waker,
+            seed_form: opts.seed_form,
+            max_in_flight: opts.max_in_flight.map(|n| n.max(1)),
+        }));
+        self.write_routes().subscribers.insert(id, sub.clone());
+        sub
+    }
+
+    /// Queue one message that already has its offset (read back from the durable log) for `sub`.
+    /// `age` is how long ago it was published: its lifetime (priority TTL or its own TTL) counts
+    /// from then, so a message that has outlived it is counted as expired, not queued. Returns
+    /// false if `sub` is closed; a full queue takes it anyway (block policy) and the caller then
+    /// waits on [`Subscriber::poll_room`] before feeding more.
+    #[allow(clippy::too_many_arguments)]
+    pub fn feed(
+        &self,
+        ctx: &mut PublishContext,
+        sub: &Arc<Subscriber>,
+        topic: &TopicName,
+        offset: u64,
+        p: &Publication<'_>,
+        age: Duration,
+        now: Instant,
+    ) -> bool {
+        let state = self.topic_state(ctx, topic.borrowed());
+        let lifetime = self.config.lifetime(p.priority, p.ttl);
+        if lifetime.is_some_and(|l| l <= age) {
+            state.stats().expired(p.priority);
+            return !sub.is_closed();
+        }
+        let mut d = self.delivery(&mut ctx.arena, &state, offset, p, now);
+        d.expires_at = lifetime.map(|l| now + (l - age));
+        let mut refused = std::mem::take(&mut ctx.refused);
+        let outcome = sub.enqueue_many(std::iter::once(d), &mut refused);
+        refused.clear();
+        ctx.refused = refused;
+        !matches!(outcome, Enqueued::Refused(_))
     }
 
     /// Remove a subscription. A group member's queued and unsettled messages go to the remaining

@@ -82,6 +82,11 @@ impl<T> PriorityQueues<T> {
     }
 
     /// The next item in strict priority order.
+    /// Every queued item, level by level.
+    pub fn iter(&self) -> impl Iterator<Item = &T> {
+        self.levels.iter().flatten()
+    }
+
     pub fn pop(&mut self) -> Option<T> {
         let item = self.levels.iter_mut().find_map(VecDeque::pop_front)?;
         self.len -= 1;

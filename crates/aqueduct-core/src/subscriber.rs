@@ -451,6 +451,24 @@ impl Subscriber {
         done
     }
 
+    /// For each topic with messages queued or awaiting settlement, the lowest such offset: where
+    /// a durable consumer's position stands (everything below it is settled).
+    pub fn unsettled_floor(&self) -> Vec<(TopicName, u64)> {
+        let st = self.lock();
+        let mut floor: HashMap<TopicName, u64, RandomState> = HashMap::default();
+        let queued = st.queue.iter().map(|d| (d.topic.name(), d.offset));
+        let in_flight = st.in_flight.keys().map(|(t, o)| (t, *o));
+        for (topic, offset) in queued.chain(in_flight) {
+            match floor.get_mut(topic) {
+                Some(f) => *f = (*f).min(offset),
+                None => {
+                    floor.insert(topic.clone(), offset);
+                }
+            }
+        }
+        floor.into_iter().collect()
+    }
+
     /// Held publishers go on once the queue is down to half its capacity: they then have room
     /// for a good burst rather than one message.
     fn resume_at(&self) -> usize {

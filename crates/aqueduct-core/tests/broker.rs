@@ -1083,3 +1083,77 @@ fn new_topics_take_their_first_offset_from_the_offset_source() {
     assert_eq!(again.offset, 500);
     assert_eq!(asked.load(Ordering::Relaxed), 3);
 }
+
+#[test]
+fn an_unrouted_subscriber_gets_only_what_is_fed_with_its_offsets() {
+    let b = Broker::new(BrokerConfig::default());
+    let filter = TopicFilter::try_from("log/+").expect("filter");
+    let sub = b.subscribe_unrouted(
+        &filter,
+        SubscribeOptions {
+            ack_mode: AckMode::Explicit,
+            ..SubscribeOptions::default()
+        },
+    );
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    publish(&b, &mut ctx, "log/a", "live", now);
+    assert!(
+        drain_all(&b, &sub, now).is_empty(),
+        "routing never feeds it"
+    );
+    let topic = t("log/a");
+    for (o, body) in [(10u64, "x"), (11, "y"), (12, "z")] {
+        assert!(b.feed(
+            &mut ctx,
+            &sub,
+            &topic,
+            o,
+            &Publication::new(&topic, body.as_bytes()),
+            Duration::ZERO,
+            now
+        ));
+    }
+    // Published long ago with a 1 s TTL: expired, not queued.
+    let mut old = Publication::new(&topic, b"stale");
+    old.ttl = Some(Duration::from_secs(1));
+    assert!(b.feed(
+        &mut ctx,
+        &sub,
+        &topic,
+        13,
+        &old,
+        Duration::from_secs(5),
+        now
+    ));
+    let got = drain_all(&b, &sub, now);
+    assert_eq!(
+        got.iter()
+            .map(|g| (g.offset, g.body.clone()))
+            .collect::<Vec<_>>(),
+        vec![
+            (10, b"x".to_vec()),
+            (11, b"y".to_vec()),
+            (12, b"z".to_vec())
+        ]
+    );
+    assert_eq!(sub.unsettled_floor(), vec![(topic.clone(), 10)]);
+    b.ack(&sub, Some(&topic), 10, None).expect("ack");
+    b.ack(&sub, Some(&topic), 12, None).expect("ack");
+    assert_eq!(sub.unsettled_floor(), vec![(topic.clone(), 11)]);
+    b.ack(&sub, Some(&topic), 11, None).expect("ack");
+    assert!(sub.unsettled_floor().is_empty());
+    assert_eq!(b.subscriber_count(), 1);
+    b.unsubscribe(&mut ctx, &sub, now);
+    assert!(sub.is_closed());
+    assert!(!b.feed(
+        &mut ctx,
+        &sub,
+        &topic,
+        14,
+        &Publication::new(&topic, b"late"),
+        Duration::ZERO,
+        now
+    ));
+    assert_eq!(b.subscriber_count(), 0);
+}
