@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use aqueduct_proto::frame::Message as Wire;
 use aqueduct_proto::{
-    AckMode, ConsumerId, Durable, Frame, GroupId, OverflowPolicy, Priority, Subscribe,
-    SubscribeSpec, TopicFilter,
+    AckMode, ConsumerId, Durable, DurableStart, Frame, GroupId, OverflowPolicy, Priority,
+    Subscribe, SubscribeSpec, TopicFilter,
 };
 use bytes::Bytes;
 
@@ -49,8 +49,10 @@ pub struct PublishOptions {
 pub struct SubscribeOptions {
     /// Join this consumer group: each message goes to one member.
     pub group: Option<String>,
-    /// Durable consumer name and start offset.
-    pub durable: Option<(String, u64)>,
+    /// A durable consumer: its name and where to start when the broker has no position stored
+    /// for it (a broker with its durable log on stores one; it then resumes from there, whatever
+    /// start is given). Served from the log: messages arrive once they are durable.
+    pub durable: Option<(String, DurableStart)>,
     /// Settle each message explicitly with [`crate::Message::ack`] / `nack` (always so in a group).
     pub ack: bool,
     /// This subscription's backpressure policy instead of the broker's default.
@@ -233,10 +235,10 @@ impl Client {
                 .transpose()
                 .map_err(ClientError::invalid("group id"))?;
             let durable = match &opts.durable {
-                Some((name, offset)) => Some(Durable {
+                Some((name, start)) => Some(Durable {
                     consumer: ConsumerId::try_from(name.as_str())
                         .map_err(ClientError::invalid("consumer id"))?,
-                    offset: *offset,
+                    start: *start,
                 }),
                 None => None,
             };

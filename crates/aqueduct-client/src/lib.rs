@@ -27,7 +27,7 @@ mod reader;
 mod subscription;
 mod tls;
 
-pub use aqueduct_proto::{ErrorCode, OverflowPolicy, Priority};
+pub use aqueduct_proto::{DurableStart, ErrorCode, OverflowPolicy, Priority};
 pub use client::{Client, PublishOptions, SubscribeOptions};
 pub use error::{ClientError, ConnectError};
 pub use options::{default_dev_cert_file, ConnectOptions, Trust};

@@ -374,10 +374,7 @@ impl Broker {
                     _ => None,
                 });
             existing.unwrap_or_else(|| {
-                let durable = spec
-                    .durable
-                    .as_ref()
-                    .map(|d| (d.consumer.clone(), d.offset));
+                let durable = spec.durable.clone();
                 let shared = Arc::new(GroupShared::new(gid, spec.filter.clone(), durable));
                 routes.index.insert(
                     &spec.filter,

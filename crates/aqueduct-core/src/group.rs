@@ -9,7 +9,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Mutex, PoisonError};
 
-use aqueduct_proto::{ConsumerId, GroupId, TopicFilter, TopicName};
+use aqueduct_proto::{Durable, GroupId, TopicFilter, TopicName};
 use foldhash::fast::RandomState;
 
 /// Round-robin choice among a group's members: one relaxed atomic increment per pick, so
@@ -50,16 +50,12 @@ impl Watermark {
 pub struct GroupShared {
     id: GroupId,
     filter: TopicFilter,
-    durable: Option<(ConsumerId, u64)>,
+    durable: Option<Durable>,
     watermarks: Mutex<HashMap<TopicName, Watermark, RandomState>>,
 }
 
 impl GroupShared {
-    pub(crate) fn new(
-        id: GroupId,
-        filter: TopicFilter,
-        durable: Option<(ConsumerId, u64)>,
-    ) -> Self {
+    pub(crate) fn new(id: GroupId, filter: TopicFilter, durable: Option<Durable>) -> Self {
         GroupShared {
             id,
             filter,
@@ -76,8 +72,8 @@ impl GroupShared {
         &self.filter
     }
 
-    /// The durable consumer name and the offset it asked to start from, if durable.
-    pub fn durable(&self) -> Option<&(ConsumerId, u64)> {
+    /// The durable consumer name and where it asked to start, if durable.
+    pub fn durable(&self) -> Option<&Durable> {
         self.durable.as_ref()
     }
 

@@ -267,7 +267,10 @@ fn durable_group_tracks_the_committed_offset() {
     let now = Instant::now();
     let m = sub(&b, "topic:orders:group:billing:durable:c1:0");
     let g = m.group().expect("group").clone();
-    assert_eq!(g.durable().map(|(c, o)| (c.as_str(), *o)), Some(("c1", 0)));
+    assert_eq!(
+        g.durable().map(|d| (d.consumer.as_str(), d.start)),
+        Some(("c1", DurableStart::Offset(0)))
+    );
     for i in 0..5 {
         publish(&b, &mut ctx, "orders", &i.to_string(), now);
     }

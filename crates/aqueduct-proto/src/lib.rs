@@ -27,5 +27,5 @@ pub use frame::{
     Publish, PublishBatch, PublishRef, Subscribe, Unsubscribe,
 };
 pub use header::{FrameHeader, Opcode, HEADER_LEN, MAGIC};
-pub use subscribe::{Durable, SubscribeSpec};
+pub use subscribe::{Durable, DurableStart, SubscribeSpec};
 pub use topic::{ConsumerId, GroupId, TopicError, TopicFilter, TopicName, TopicRef};

@@ -1,8 +1,9 @@
 //! The seed's SUBSCRIBE / UNSUBSCRIBE payload grammar, parsed once into types:
 //!
 //! ```text
-//! subscribe   = "topic:" filter [ ":group:" group_id ] [ ":durable:" consumer_id ":" offset ]
+//! subscribe   = "topic:" filter [ ":group:" group_id ] [ ":durable:" consumer_id ":" start ]
 //! unsubscribe = "topic:" filter
+//! start       = offset / "earliest" / "latest"
 //! offset      = 1*DIGIT            ; decimal u64
 //! ```
 //! `:` cannot occur inside a filter, group id or consumer id, so the payload splits on `:`
@@ -16,11 +17,40 @@ use bytes::Bytes;
 use crate::error::ProtoError;
 use crate::topic::{ConsumerId, GroupId, TopicError, TopicFilter};
 
-/// A durable consumer: its name and the offset it asks to resume from.
+/// Where a durable consumer asks to start (used when the broker has no stored position for it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DurableStart {
+    /// From this offset of each matching topic (or its first message still in the log, if later).
+    Offset(u64),
+    /// From the first message still in the log.
+    Earliest,
+    /// From the next message published: nothing already in the log.
+    Latest,
+}
+
+impl std::fmt::Display for DurableStart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DurableStart::Offset(o) => write!(f, "{o}"),
+            DurableStart::Earliest => f.write_str("earliest"),
+            DurableStart::Latest => f.write_str("latest"),
+        }
+    }
+}
+
+impl std::str::FromStr for DurableStart {
+    type Err = ProtoError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        parse_start(s.as_bytes())
+    }
+}
+
+/// A durable consumer: its name and where it asks to start.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Durable {
     pub consumer: ConsumerId,
-    pub offset: u64,
+    pub start: DurableStart,
 }
 
 /// A parsed SUBSCRIBE payload.
@@ -96,8 +126,8 @@ impl SubscribeSpec {
                     }
                     let id = next_token(&mut at)?;
                     let consumer = ConsumerId::from_bytes(id).map_err(invalid(ConsumerId::WHAT))?;
-                    let offset = parse_offset(&next_token(&mut at)?)?;
-                    spec.durable = Some(Durable { consumer, offset });
+                    let start = parse_start(&next_token(&mut at)?)?;
+                    spec.durable = Some(Durable { consumer, start });
                 }
                 _ => return Err(bad("unknown option (expected \"group\" or \"durable\")")),
             }
@@ -112,21 +142,31 @@ impl SubscribeSpec {
             let _ = write!(s, ":group:{g}");
         }
         if let Some(d) = &self.durable {
-            let _ = write!(s, ":durable:{}:{}", d.consumer, d.offset);
+            let _ = write!(s, ":durable:{}:{}", d.consumer, d.start);
         }
         s
     }
 }
 
-fn parse_offset(token: &[u8]) -> Result<u64, ProtoError> {
-    if token.is_empty() || token.len() > 20 || !token.iter().all(u8::is_ascii_digit) {
-        return Err(bad("durable offset must be a decimal number"));
+fn parse_start(token: &[u8]) -> Result<DurableStart, ProtoError> {
+    match token {
+        b"earliest" => return Ok(DurableStart::Earliest),
+        b"latest" => return Ok(DurableStart::Latest),
+        _ => {}
     }
-    token.iter().try_fold(0u64, |acc, &d| {
-        acc.checked_mul(10)
-            .and_then(|v| v.checked_add(u64::from(d - b'0')))
-            .ok_or_else(|| bad("durable offset does not fit in 64 bits"))
-    })
+    if token.is_empty() || token.len() > 20 || !token.iter().all(u8::is_ascii_digit) {
+        return Err(bad(
+            "durable start must be a decimal offset, \"earliest\" or \"latest\"",
+        ));
+    }
+    token
+        .iter()
+        .try_fold(0u64, |acc, &d| {
+            acc.checked_mul(10)
+                .and_then(|v| v.checked_add(u64::from(d - b'0')))
+                .ok_or_else(|| bad("durable offset does not fit in 64 bits"))
+        })
+        .map(DurableStart::Offset)
 }
 
 /// Parse an UNSUBSCRIBE payload: `topic:<filter>` and nothing else.
@@ -157,7 +197,10 @@ mod tests {
 
         let s = parse("topic:a/#:group:g:durable:c1:42").expect("durable");
         let d = s.durable.clone().expect("d");
-        assert_eq!((d.consumer.as_str(), d.offset), ("c1", 42));
+        assert_eq!(
+            (d.consumer.as_str(), d.start),
+            ("c1", DurableStart::Offset(42))
+        );
         assert_eq!(s.encode(), "topic:a/#:group:g:durable:c1:42");
 
         let swapped = parse("topic:a/#:durable:c1:42:group:g").expect("either order");
@@ -166,9 +209,17 @@ mod tests {
             parse(&format!("topic:x:durable:c:{}", u64::MAX))
                 .expect("max")
                 .durable
-                .map(|d| d.offset),
-            Some(u64::MAX)
+                .map(|d| d.start),
+            Some(DurableStart::Offset(u64::MAX))
         );
+        for (text, start) in [
+            ("earliest", DurableStart::Earliest),
+            ("latest", DurableStart::Latest),
+        ] {
+            let s = parse(&format!("topic:a/+:durable:c:{text}")).expect("named start");
+            assert_eq!(s.durable.as_ref().map(|d| d.start), Some(start));
+            assert_eq!(s.encode(), format!("topic:a/+:durable:c:{text}"));
+        }
     }
 
     #[test]
@@ -188,11 +239,11 @@ mod tests {
             ("topic:a:durable:c", "option is missing its value"),
             (
                 "topic:a:durable:c:x1",
-                "durable offset must be a decimal number",
+                "durable start must be a decimal offset",
             ),
             (
                 "topic:a:durable:c:-1",
-                "durable offset must be a decimal number",
+                "durable start must be a decimal offset",
             ),
             (
                 "topic:a:durable:c:18446744073709551616",

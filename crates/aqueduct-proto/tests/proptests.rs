@@ -123,7 +123,14 @@ fn message() -> impl Strategy<Value = Message> {
         (
             topic_filter(),
             prop::option::of(ident()),
-            prop::option::of((ident(), any::<u64>())),
+            prop::option::of((
+                ident(),
+                prop_oneof![
+                    any::<u64>().prop_map(DurableStart::Offset),
+                    Just(DurableStart::Earliest),
+                    Just(DurableStart::Latest),
+                ]
+            )),
             extensions()
         )
             .prop_map(|(filter, group, durable, ext)| {
@@ -131,9 +138,9 @@ fn message() -> impl Strategy<Value = Message> {
                     spec: SubscribeSpec {
                         filter,
                         group: group.map(|g| GroupId::try_from(g.as_str()).expect("valid")),
-                        durable: durable.map(|(c, offset)| Durable {
+                        durable: durable.map(|(c, start)| Durable {
                             consumer: ConsumerId::try_from(c.as_str()).expect("valid"),
-                            offset,
+                            start,
                         }),
                     },
                     ext,
