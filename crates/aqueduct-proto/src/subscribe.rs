@@ -239,11 +239,11 @@ mod tests {
             ("topic:a:durable:c", "option is missing its value"),
             (
                 "topic:a:durable:c:x1",
-                "durable start must be a decimal offset",
+                "durable start must be a decimal offset, \"earliest\" or \"latest\"",
             ),
             (
                 "topic:a:durable:c:-1",
-                "durable start must be a decimal offset",
+                "durable start must be a decimal offset, \"earliest\" or \"latest\"",
             ),
             (
                 "topic:a:durable:c:18446744073709551616",
