@@ -196,6 +196,13 @@ pub(crate) struct Durable {
     pub order: Mutex<()>,
     /// Each topic's next offset as written (and, at startup, as recovered).
     next: Mutex<HashMap<Box<[u8]>, u64>>,
+    /// What readers of the log (durable consumers) read through.
+    pub index: aqueduct_log::LogIndex,
+    /// Woken after every write: durable consumers that have caught up wait on it.
+    pub progress: tokio::sync::Notify,
+    /// Bumped when a topic the log had not seen is written (durable consumers with wildcards
+    /// look for new matching topics then).
+    pub topics_generation: AtomicU64,
     /// A topic the log has never seen starts here (past the gaps of earlier crashes).
     floor: u64,
     fsync: FsyncMode,
@@ -231,6 +238,9 @@ impl Durable {
             order: Mutex::new(()),
             floor: log.new_topic_offset(),
             next: Mutex::new(next),
+            index: log.index(),
+            progress: tokio::sync::Notify::new(),
+            topics_generation: AtomicU64::new(0),
             fsync,
             stats,
             server_stats,
@@ -408,15 +418,22 @@ impl Durable {
         self.stats.group_commits.fetch_add(1, Ordering::Relaxed);
         // Written (or refused): record the topics' next offsets before their states go.
         let mut next = lock(&self.next);
+        let mut new_topic = false;
         for r in &work.recs {
             let n = r.offset + 1;
             match next.get_mut(r.topic.name().as_bytes()) {
                 Some(v) => *v = (*v).max(n),
                 None => {
                     next.insert(Box::from(r.topic.name().as_bytes()), n);
+                    new_topic = true;
                 }
             }
         }
+        drop(next);
+        if new_topic {
+            self.topics_generation.fetch_add(1, Ordering::Release);
+        }
+        self.progress.notify_waiters();
     }
 
     /// Tell the publishers of `groups` (whose records start at `first`) how their batch fared.

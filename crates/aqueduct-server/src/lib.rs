@@ -12,6 +12,7 @@
 
 pub mod config;
 mod connection;
+mod consumers;
 pub mod durable;
 mod http;
 pub mod metrics;

@@ -15,6 +15,7 @@ use tokio::task::JoinSet;
 use tracing::{info, warn};
 
 use crate::config::{AalConfig, Config, TransportConfig};
+use crate::consumers::Consumers;
 use crate::durable::Durable;
 use crate::stats::ServerStats;
 use crate::tls::{self, TlsError};
@@ -49,6 +50,8 @@ pub(crate) struct Shared {
     pub connections: AtomicUsize,
     /// The durable log, when `aal.enabled`.
     pub durable: Option<Arc<Durable>>,
+    /// Durable consumers' positions (with the durable log).
+    pub consumers: Option<Arc<Consumers>>,
 }
 
 impl Drop for Shared {
@@ -157,15 +160,16 @@ impl Server {
         let dev_cert = dev_cert.map(|c| c.path);
         let broker = Arc::new(Broker::new(config.broker.clone()));
         let stats = Arc::new(ServerStats::default());
-        let durable = match &config.aal {
+        let (durable, consumers) = match &config.aal {
             Some(aal) => {
                 let durable = open_log(aal, stats.clone()).await?;
+                let consumers = Arc::new(Consumers::open(&aal.dir)?);
                 let source = durable.clone();
                 broker
                     .set_offset_source(Box::new(move |topic| source.next_offset(topic.as_bytes())));
-                Some(durable)
+                (Some(durable), Some(consumers))
             }
-            None => None,
+            None => (None, None),
         };
         Ok(Server {
             endpoint,
@@ -176,6 +180,7 @@ impl Server {
                 stats,
                 connections: AtomicUsize::new(0),
                 durable,
+                consumers,
             }),
             dev_cert,
         })
@@ -225,6 +230,13 @@ impl Server {
         );
         let (stop_tx, stop_rx) = watch::channel(false);
         let ticker = tokio::spawn(ack_ticker(shared.broker.clone(), stop_rx.clone()));
+        // Saves durable consumers' positions; stopped (and a last save made) once the
+        // connections are closed, below.
+        let (checkpoint_stop, checkpoint_stop_rx) = watch::channel(false);
+        let checkpointer = shared
+            .consumers
+            .clone()
+            .map(|c| tokio::spawn(crate::consumers::checkpointer(c, checkpoint_stop_rx)));
         let http = Arc::new(crate::http::Endpoint {
             shared: shared.clone(),
             labels: crate::metrics::TopicLabels::default(),
@@ -271,6 +283,10 @@ impl Server {
         endpoint.close(ErrorCode::SHUTTING_DOWN.0.into(), b"broker shutting down");
         let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
         ticker.abort();
+        let _ = checkpoint_stop.send(true);
+        if let Some(task) = checkpointer {
+            let _ = task.await;
+        }
         if let Some(d) = shared.durable.clone() {
             // Write what is queued and close the log cleanly (blocking file I/O).
             let _ = tokio::task::spawn_blocking(move || d.close()).await;

@@ -10,12 +10,14 @@
 //! batch) and re-draining; a window of 1 ms or more (at most 100 ms, see the config) sleeps on a
 //! timer instead, so a long window does not spin a core.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use aqueduct_core::{
-    CloseReason, Publication, PublishContext, SubscribeOptions, Subscriber, TopicState,
+    CloseReason, Publication, PublishContext, SubscribeOptions, Subscriber, SubscriberId,
+    TopicState,
 };
 use aqueduct_proto::frame::{split_frame, Message};
 use aqueduct_proto::{AckMode, Confirm, DecodeError, ErrorCode, ErrorFrame, Frame, HEADER_LEN};
@@ -25,6 +27,7 @@ use tokio::sync::{watch, Notify};
 use tracing::{debug, info, warn};
 
 use crate::connection::{AddSubError, ConnState, SubEntry};
+use crate::consumers::{ClaimError, Consumers};
 use crate::durable::{Durable, Waiter};
 use crate::server::Shared;
 
@@ -46,6 +49,9 @@ pub(crate) struct StreamOut {
     /// Subscriptions delivered on this stream. Locked by the reader to add, by the writer to
     /// drain; the writer takes each subscriber's own lock while holding it (never the reverse).
     subs: Mutex<Vec<Arc<Subscriber>>>,
+    /// Durable consumers among them: subscriber → (consumer key, its feeder task). The feeder is
+    /// aborted when the subscription ends, so it never outlives the stream.
+    durables: Mutex<HashMap<SubscriberId, (String, tokio::task::AbortHandle)>>,
     /// Wakes the writer: new replies, new deliveries, state changes.
     pub(crate) notify: Notify,
     /// Wakes the reader when the writer has flushed replies (backpressure on unread replies).
@@ -146,9 +152,35 @@ fn end_subscriptions(
     let now = Instant::now();
     for sub in ending {
         conn.remove_sub(sub.stream_id(), &sub);
+        end_durable(shared, out, &sub);
         shared.broker.unsubscribe(&mut ctx, &sub, now);
     }
     ctx.clear_held();
+}
+
+/// A durable consumer's subscription ends: stop its feeder and keep its position — before the
+/// broker forgets what it had queued or unsettled, which the position must not skip.
+fn end_durable(shared: &Shared, out: &StreamOut, sub: &Subscriber) {
+    let ended = lock(&out.durables).remove(&sub.id());
+    if let Some((key, feeder)) = ended {
+        feeder.abort();
+        if let Some(consumers) = &shared.consumers {
+            consumers.end(&key);
+        }
+    }
+}
+
+/// A durable consumer whose client stopped reading: its feeder stops and its position is
+/// rewound to what it has not settled (the broker is about to drop its queue); it ends with its
+/// stream, after whatever acknowledgements are still on their way.
+fn stop_feeding(shared: &Shared, out: &StreamOut, sub: &Subscriber) {
+    let durables = lock(&out.durables);
+    if let Some((key, feeder)) = durables.get(&sub.id()) {
+        feeder.abort();
+        if let Some(consumers) = &shared.consumers {
+            consumers.rewind(key);
+        }
+    }
 }
 
 /// Stop routing to the subscriptions delivered on this stream (see [`Broker::detach`]).
@@ -159,6 +191,7 @@ fn detach_subscriptions(shared: &Shared, out: &StreamOut) {
     let mut ctx = PublishContext::default();
     let now = Instant::now();
     for sub in &subs {
+        stop_feeding(shared, out, sub);
         shared.broker.detach(&mut ctx, sub, now);
     }
     ctx.clear_held();
@@ -459,21 +492,33 @@ impl Reader<'_> {
                     .transport
                     .max_subscriptions_per_connection;
                 let out = self.out.clone();
+                // With the durable log, a durable consumer (without a group) is served from the
+                // log by a feeder, not by routing (see consumers.rs).
+                let durable_consumer =
+                    match (&self.shared.consumers, &s.spec.durable, &s.spec.group) {
+                        (Some(_), Some(d), None) => {
+                            Some((Consumers::key(d.consumer.as_str()), d.start))
+                        }
+                        _ => None,
+                    };
+                let unrouted = durable_consumer.is_some();
                 // Check and insert under the connection table's lock, so two SUBSCRIBEs with
                 // one id on two streams cannot both succeed.
                 let added = self.conn.add_sub_with(stream_id, max, || {
                     let waker_out = out.clone();
-                    let sub = broker.subscribe(
-                        &s.spec,
-                        SubscribeOptions {
-                            stream_id,
-                            ack_mode: s.ack_mode(),
-                            overflow: s.overflow(),
-                            waker: Some(Box::new(move || waker_out.notify.notify_one())),
-                            seed_form: !has_extensions,
-                            max_in_flight: s.ext.max_in_flight.map(|n| n as usize),
-                        },
-                    );
+                    let opts = SubscribeOptions {
+                        stream_id,
+                        ack_mode: s.ack_mode(),
+                        overflow: s.overflow(),
+                        waker: Some(Box::new(move || waker_out.notify.notify_one())),
+                        seed_form: !has_extensions,
+                        max_in_flight: s.ext.max_in_flight.map(|n| n as usize),
+                    };
+                    let sub = if unrouted {
+                        broker.subscribe_unrouted(&s.spec.filter, opts)
+                    } else {
+                        broker.subscribe(&s.spec, opts)
+                    };
                     SubEntry { sub, out }
                 });
                 let sub = match added {
@@ -502,10 +547,33 @@ impl Reader<'_> {
                         );
                     }
                 };
+                let feeder = match (&durable_consumer, &self.shared.consumers) {
+                    (Some((key, start)), Some(consumers)) => {
+                        match consumers.claim(key, &s.spec.filter, &sub) {
+                            Ok((fed, resumed)) => Some((key.clone(), *start, fed, resumed)),
+                            Err(ClaimError::InUse) => {
+                                self.conn.remove_sub(stream_id, &sub);
+                                broker.unsubscribe(&mut self.ctx, &sub, now);
+                                return self.send_error(
+                                    stream_id,
+                                    ErrorCode::BAD_SUBSCRIBE,
+                                    format!(
+                                        "durable consumer {key} is already subscribed (one \
+                                         subscription per durable consumer at a time)"
+                                    ),
+                                );
+                            }
+                        }
+                    }
+                    _ => None,
+                };
                 info!(
                     client = %self.conn.describe(),
                     filter = %s.spec.filter,
                     group = ?s.spec.group.as_ref().map(|g| g.as_str()),
+                    durable = ?feeder.as_ref().map(|(key, start, _, resumed)| {
+                        if *resumed { format!("{key}, resumed from its stored position") } else { format!("{key}, from {start}") }
+                    }),
                     stream_id,
                     seed_form = !has_extensions,
                     "subscribed"
@@ -515,12 +583,23 @@ impl Reader<'_> {
                 if s.ext.confirm {
                     self.confirm(stream_id, Vec::new());
                 }
-                lock(&self.out.subs).push(sub);
+                lock(&self.out.subs).push(sub.clone());
                 self.out.notify.notify_one();
+                if let (Some((key, start, fed, _)), Some(d)) = (feeder, &self.shared.durable) {
+                    let task = tokio::spawn(crate::consumers::feed(
+                        d.clone(),
+                        self.shared.broker.clone(),
+                        sub.clone(),
+                        fed,
+                        start,
+                    ));
+                    lock(&self.out.durables).insert(sub.id(), (key, task.abort_handle()));
+                }
             }
             Message::Unsubscribe(u) => match self.conn.sub(stream_id) {
                 Some(entry) if entry.sub.filter() == &u.filter => {
                     self.conn.remove_sub(stream_id, &entry.sub);
+                    end_durable(self.shared, &entry.out, &entry.sub);
                     broker.unsubscribe(&mut self.ctx, &entry.sub, now);
                     entry.out.notify.notify_one();
                     debug!(client = %self.conn.describe(), filter = %u.filter, "unsubscribed");

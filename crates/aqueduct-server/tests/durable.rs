@@ -129,3 +129,174 @@ async fn confirmed_publishes_are_logged_and_offsets_go_on_after_a_restart() {
         assert_eq!(logged(dir.path(), "orders").len(), 32);
     }
 }
+
+fn durable_opts(
+    consumer: &str,
+    start: aqueduct_client::DurableStart,
+) -> aqueduct_client::SubscribeOptions {
+    aqueduct_client::SubscribeOptions {
+        durable: Some((consumer.to_string(), start)),
+        ack: true,
+        ..aqueduct_client::SubscribeOptions::default()
+    }
+}
+
+/// Receive `n` messages, acknowledging each; their (offset, body).
+async fn take_acked(sub: &mut aqueduct_client::Subscription, n: usize) -> Vec<(u64, String)> {
+    let mut got = Vec::new();
+    for _ in 0..n {
+        let m = next(sub).await;
+        got.push((m.offset(), String::from_utf8_lossy(m.body()).into_owned()));
+        m.ack().await.expect("ack");
+    }
+    got
+}
+
+async fn publish_n(client: &aqueduct_client::Client, topic: &str, range: std::ops::Range<u64>) {
+    for i in range {
+        client
+            .publish_with(topic, format!("m{i}"), &confirm())
+            .await
+            .expect("publish");
+    }
+}
+
+fn expect(range: std::ops::Range<u64>) -> Vec<(u64, String)> {
+    range.map(|i| (i, format!("m{i}"))).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_consumer_backfills_then_goes_live_without_gap_or_duplicate() {
+    use aqueduct_client::DurableStart;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let client = b.client().await;
+    publish_n(&client, "orders", 0..50).await;
+    let mut sub = client
+        .subscribe_with("orders", &durable_opts("c1", DurableStart::Earliest))
+        .await
+        .expect("durable subscribe");
+    // Published while the backfill runs, and after it.
+    let publisher = b.client().await;
+    let more = tokio::spawn(async move {
+        publish_n(&publisher, "orders", 50..100).await;
+        publisher
+    });
+    assert_eq!(take_acked(&mut sub, 100).await, expect(0..100));
+    let publisher = more.await.expect("publisher");
+    // One subscription per consumer at a time.
+    let second = client
+        .subscribe_with("orders", &durable_opts("c1", DurableStart::Earliest))
+        .await;
+    assert!(
+        matches!(&second, Err(aqueduct_client::ClientError::Broker { code, .. }) if *code == aqueduct_client::ErrorCode::BAD_SUBSCRIBE),
+        "{second:?}"
+    );
+    // Another consumer from an offset; and one from latest sees only what comes next.
+    let mut from_90 = client
+        .subscribe_with("orders", &durable_opts("c2", DurableStart::Offset(90)))
+        .await
+        .expect("subscribe");
+    assert_eq!(take_acked(&mut from_90, 10).await, expect(90..100));
+    let mut latest = client
+        .subscribe_with("orders", &durable_opts("c3", DurableStart::Latest))
+        .await
+        .expect("subscribe");
+    publish_n(&publisher, "orders", 100..101).await;
+    assert_eq!(take_acked(&mut latest, 1).await, expect(100..101));
+    assert_eq!(take_acked(&mut sub, 1).await, expect(100..101));
+    client.close().await;
+    publisher.close().await;
+    b.stop().await.expect("clean shutdown");
+}
+
+/// Unsubscribe (after the ACKs, on the same stream), wait until the broker has handled it, then
+/// close: closing the connection at once could drop ACKs still on their way, and their messages
+/// would be delivered again (at least once).
+async fn leave(
+    b: &TestBroker,
+    sub: aqueduct_client::Subscription,
+    client: &aqueduct_client::Client,
+) {
+    sub.unsubscribe().await.expect("unsubscribe");
+    until("the broker ended the subscription", || {
+        b.broker.subscriber_count() == 0
+    })
+    .await;
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_consumer_resumes_after_reconnect_and_restart_with_unacked_redelivered() {
+    use aqueduct_client::DurableStart;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let client = b.client().await;
+    publish_n(&client, "jobs", 0..40).await;
+    let mut sub = client
+        .subscribe_with("jobs", &durable_opts("worker", DurableStart::Earliest))
+        .await
+        .expect("subscribe");
+    assert_eq!(take_acked(&mut sub, 10).await, expect(0..10));
+    // Received but not acknowledged: must come again.
+    let unacked = next(&mut sub).await;
+    assert_eq!(unacked.offset(), 10);
+    leave(&b, sub, &client).await;
+
+    // Reconnect: the stored position wins over the start asked for.
+    let client = b.client().await;
+    let mut sub = client
+        .subscribe_with("jobs", &durable_opts("worker", DurableStart::Latest))
+        .await
+        .expect("resubscribe");
+    assert_eq!(take_acked(&mut sub, 10).await, expect(10..20));
+    leave(&b, sub, &client).await;
+    b.stop().await.expect("clean shutdown");
+
+    // Restart the broker: the position was saved.
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let client = b.client().await;
+    let mut sub = client
+        .subscribe_with("jobs", &durable_opts("worker", DurableStart::Offset(0)))
+        .await
+        .expect("subscribe after restart");
+    assert_eq!(take_acked(&mut sub, 20).await, expect(20..40));
+    publish_n(&client, "jobs", 40..45).await;
+    assert_eq!(take_acked(&mut sub, 5).await, expect(40..45));
+    client.close().await;
+    b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wildcard_durable_consumer_picks_up_new_topics_from_their_first_message() {
+    use aqueduct_client::DurableStart;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let client = b.client().await;
+    publish_n(&client, "sensors/a", 0..3).await;
+    publish_n(&client, "other", 0..3).await;
+    let mut sub = client
+        .subscribe_with("sensors/+", &durable_opts("w", DurableStart::Latest))
+        .await
+        .expect("subscribe");
+    // Latest: nothing of sensors/a so far; a topic that appears later: all of it.
+    publish_n(&client, "sensors/b", 0..2).await;
+    publish_n(&client, "sensors/a", 3..4).await;
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        let m = next(&mut sub).await;
+        got.push((m.topic().as_str().to_string(), m.offset()));
+        m.ack().await.expect("ack");
+    }
+    got.sort();
+    assert_eq!(
+        got,
+        vec![
+            ("sensors/a".to_string(), 3),
+            ("sensors/b".to_string(), 0),
+            ("sensors/b".to_string(), 1)
+        ]
+    );
+    client.close().await;
+    b.stop().await.expect("clean shutdown");
+}

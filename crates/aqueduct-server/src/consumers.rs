@@ -1,0 +1,346 @@
+//! Durable consumers (`topic:<filter>:durable:<id>:<start>`) with the durable log on: served
+//! from the log, positions stored.
+//!
+//! A durable subscription is not fed by routing. A feeder task reads the log from the
+//! consumer's position, topic by topic, and queues each message for the subscription with the
+//! offset it has in the log; the stream's writer delivers it like any other, and ACK, NACK,
+//! redelivery and dead letters work as usual. When the feeder has caught up it waits for the log
+//! writer's next write. So there is no switch from backfill to live: every message comes from
+//! the log, in offset order per topic, once — and a durable consumer only ever sees messages that
+//! are durable.
+//!
+//! Positions: for each topic, the next offset to deliver — the lowest offset the subscription
+//! still has queued or unsettled, else the next one the feeder would read. They are saved to
+//! the log directory's `consumers` file every [`CHECKPOINT_EVERY`] while anything changed, when
+//! a subscription ends, and at shutdown. A consumer that comes back (after a reconnect or a
+//! restart) resumes from its stored position, whatever start it asks for; unacknowledged
+//! messages are delivered again (at least once). One subscription per consumer id at a time.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime};
+
+use aqueduct_core::{matching, Broker, Publication, PublishContext, Subscriber};
+use aqueduct_log::{ConsumerPosition, LogError, PositionStore, Positions};
+use aqueduct_proto::{DurableStart, TopicFilter, TopicName};
+use tracing::{debug, warn};
+
+use crate::durable::{Durable, StoredMessage};
+
+/// How often changed positions are saved.
+pub(crate) const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
+/// Messages a feeder reads from one topic before looking at the others.
+const READ_BATCH: usize = 512;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What a feeder shares with the consumer table.
+#[derive(Debug, Default)]
+pub(crate) struct Fed {
+    /// Per topic, the next offset the feeder will read.
+    next: BTreeMap<Vec<u8>, u64>,
+    /// The feeder must stop: set under this lock by [`Consumers::rewind`], checked under it by
+    /// the feeder before each message it queues, so no message is queued after a rewind.
+    stopped: bool,
+}
+
+pub(crate) type SharedFed = Arc<Mutex<Fed>>;
+
+/// A consumer with a live subscription.
+#[derive(Debug)]
+struct Live {
+    sub: Arc<Subscriber>,
+    fed: SharedFed,
+    filter: String,
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    /// Positions of consumers without a live subscription (as last saved or ended).
+    stored: Positions,
+    live: HashMap<String, Live>,
+}
+
+/// The durable consumers of a broker.
+#[derive(Debug)]
+pub(crate) struct Consumers {
+    store: PositionStore,
+    table: Mutex<Table>,
+    /// The table as last saved (nothing is written while it is unchanged).
+    saved: Mutex<Positions>,
+}
+
+/// Why a durable SUBSCRIBE was refused.
+#[derive(Debug)]
+pub(crate) enum ClaimError {
+    /// Another subscription is this consumer already.
+    InUse,
+}
+
+impl Consumers {
+    pub fn open(dir: &std::path::Path) -> Result<Consumers, LogError> {
+        let (store, stored) = PositionStore::open(dir)?;
+        Ok(Consumers {
+            store,
+            saved: Mutex::new(stored.clone()),
+            table: Mutex::new(Table {
+                stored,
+                live: HashMap::new(),
+            }),
+        })
+    }
+
+    /// The key a consumer's position is stored under.
+    pub fn key(consumer: &str) -> String {
+        format!("consumer:{consumer}")
+    }
+
+    /// Make `sub` the live subscription of consumer `key` (refused if it has one), and return
+    /// the feeder's starting positions: the stored ones, if any.
+    pub fn claim(
+        &self,
+        key: &str,
+        filter: &TopicFilter,
+        sub: &Arc<Subscriber>,
+    ) -> Result<(SharedFed, bool), ClaimError> {
+        let mut t = lock(&self.table);
+        if t.live.contains_key(key) {
+            return Err(ClaimError::InUse);
+        }
+        let stored = t.stored.get(key).cloned();
+        let resumed = stored.is_some();
+        let fed = Arc::new(Mutex::new(Fed {
+            next: stored.map(|c| c.next).unwrap_or_default(),
+            stopped: false,
+        }));
+        t.live.insert(
+            key.to_string(),
+            Live {
+                sub: sub.clone(),
+                fed: fed.clone(),
+                filter: filter.to_string(),
+            },
+        );
+        Ok((fed, resumed))
+    }
+
+    /// The consumer's subscription ends: keep its position (call before the subscription is
+    /// removed from the broker, while its unsettled messages are still known).
+    pub fn end(&self, key: &str) {
+        let mut t = lock(&self.table);
+        if let Some(live) = t.live.remove(key) {
+            let position = position_of(&live);
+            t.stored.insert(key.to_string(), position);
+        }
+    }
+
+    /// The consumer's feeder stops while its subscription lives on (its client stopped reading:
+    /// what is queued is about to be dropped, what is in flight may still be acknowledged).
+    /// Rewind the feeder's positions to the consumer's position now, so that the queued
+    /// messages are not skipped; acknowledgements that still come move it on.
+    pub fn rewind(&self, key: &str) {
+        let t = lock(&self.table);
+        if let Some(live) = t.live.get(key) {
+            let mut fed = lock(&live.fed);
+            fed.stopped = true;
+            // Back to the first queued message of each topic: the queue is about to be dropped.
+            // In-flight ones stay counted by the subscription until acknowledged.
+            fed.next = floor(&fed.next, live.sub.queued_floor());
+        }
+    }
+
+    /// Every consumer's position now.
+    fn snapshot(&self) -> Positions {
+        let t = lock(&self.table);
+        let mut all = t.stored.clone();
+        for (key, live) in &t.live {
+            all.insert(key.clone(), position_of(live));
+        }
+        all
+    }
+
+    /// Save the positions if they changed since the last save (blocking file I/O).
+    pub fn checkpoint(&self) -> Result<bool, LogError> {
+        let now = self.snapshot();
+        let mut saved = lock(&self.saved);
+        if *saved == now {
+            return Ok(false);
+        }
+        self.store.save(&now)?;
+        *saved = now;
+        Ok(true)
+    }
+}
+
+/// A live consumer's position: per topic, its lowest unsettled offset, else the feeder's next.
+fn position_of(live: &Live) -> ConsumerPosition {
+    let fed = lock(&live.fed);
+    ConsumerPosition {
+        filter: live.filter.clone(),
+        next: floor(&fed.next, live.sub.unsettled_floor()),
+    }
+}
+
+/// `fed`, lowered to `floors` where they are lower.
+fn floor(fed: &BTreeMap<Vec<u8>, u64>, floors: Vec<(TopicName, u64)>) -> BTreeMap<Vec<u8>, u64> {
+    let mut next = fed.clone();
+    for (topic, floor) in floors {
+        let entry = next.entry(topic.as_bytes().to_vec()).or_insert(floor);
+        *entry = (*entry).min(floor);
+    }
+    next
+}
+
+/// Save positions every [`CHECKPOINT_EVERY`] until `stop` (then once more).
+pub(crate) async fn checkpointer(
+    consumers: Arc<Consumers>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        let stopping = tokio::select! {
+            _ = tick.tick() => false,
+            _ = stop.wait_for(|s| *s) => true,
+        };
+        let c = consumers.clone();
+        match tokio::task::spawn_blocking(move || c.checkpoint()).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => warn!("durable consumers: saving positions failed: {e}"),
+            Err(e) => warn!("durable consumers: checkpoint task failed: {e}"),
+        }
+        if stopping {
+            return;
+        }
+    }
+}
+
+/// Where a consumer starts in a topic it has no position for.
+fn start_in(
+    durable: &Durable,
+    broker: &Broker,
+    topic: &[u8],
+    start: DurableStart,
+    discovered: bool,
+) -> u64 {
+    let first = durable.index.first_offset(topic).unwrap_or(0);
+    match start {
+        // A topic that appears after the consumer started: all of it.
+        _ if discovered => first,
+        DurableStart::Earliest => first,
+        DurableStart::Offset(n) => n.max(first),
+        DurableStart::Latest => TopicName::try_from(std::str::from_utf8(topic).unwrap_or(""))
+            .ok()
+            .and_then(|name| broker.topic(&name))
+            .map(|t| t.next_offset())
+            .or_else(|| durable.index.last_offset(topic).map(|o| o + 1))
+            .unwrap_or(first),
+    }
+}
+
+/// Feed a durable subscription from the log until it is closed (or the task is aborted with its
+/// stream).
+pub(crate) async fn feed(
+    durable: Arc<Durable>,
+    broker: Arc<Broker>,
+    sub: Arc<Subscriber>,
+    fed: SharedFed,
+    start: DurableStart,
+) {
+    let filter = sub.filter().clone();
+    let mut ctx = PublishContext::default();
+    let mut generation = None;
+    let mut first_pass = true;
+    loop {
+        let progress = durable.progress.notified();
+        tokio::pin!(progress);
+        progress.as_mut().enable();
+        if sub.is_closed() {
+            return;
+        }
+        // Topics matching the filter that the consumer has no position for yet.
+        let now_generation = durable.topics_generation.load(Ordering::Acquire);
+        if generation != Some(now_generation) {
+            generation = Some(now_generation);
+            let topics = durable.index.topics();
+            let mut fed_now = lock(&fed);
+            let fed_now = &mut fed_now.next;
+            for t in topics {
+                let matches = std::str::from_utf8(&t)
+                    .ok()
+                    .and_then(|s| TopicName::try_from(s).ok())
+                    .is_some_and(|name| matching::matches(&filter, &name));
+                if matches && !fed_now.contains_key(&t) {
+                    let at = start_in(&durable, &broker, &t, start, !first_pass);
+                    fed_now.insert(t, at);
+                }
+            }
+            first_pass = false;
+        }
+        let topics: Vec<(Vec<u8>, u64)> = lock(&fed)
+            .next
+            .iter()
+            .map(|(t, o)| (t.clone(), *o))
+            .collect();
+        let mut moved = false;
+        for (topic, from) in topics {
+            let index = durable.index.clone();
+            let t = topic.clone();
+            let read = tokio::task::spawn_blocking(move || {
+                index.read(&t, from).take(READ_BATCH).collect::<Vec<_>>()
+            })
+            .await
+            .unwrap_or_default();
+            let Ok(name) = TopicName::try_from(String::from_utf8_lossy(&topic).as_ref()) else {
+                continue;
+            };
+            for r in read {
+                let r = match r {
+                    Ok(r) => r,
+                    Err(e) => {
+                        warn!(topic = %name, "durable consumer: cannot read the log: {e}");
+                        break;
+                    }
+                };
+                let Some(m) = StoredMessage::decode(&r.data) else {
+                    warn!(topic = %name, offset = r.offset, "durable consumer: a record that is not a message; skipped");
+                    let mut f = lock(&fed);
+                    if f.stopped {
+                        return;
+                    }
+                    f.next.insert(topic.clone(), r.offset + 1);
+                    continue;
+                };
+                let mut p = Publication::new(&name, &m.body);
+                p.priority = m.priority;
+                p.ttl = m.ttl_ms.map(|ms| Duration::from_millis(u64::from(ms)));
+                p.trace = m.trace.as_ref();
+                p.compression = m.compression.as_ref();
+                let age = SystemTime::now()
+                    .duration_since(SystemTime::UNIX_EPOCH + Duration::from_millis(r.timestamp_ms))
+                    .unwrap_or_default();
+                {
+                    // Queue and advance under the lock a rewind takes: never one without the
+                    // other.
+                    let mut f = lock(&fed);
+                    if f.stopped
+                        || !broker.feed(&mut ctx, &sub, &name, r.offset, &p, age, Instant::now())
+                    {
+                        return; // stopped, or closed
+                    }
+                    f.next.insert(topic.clone(), r.offset + 1);
+                }
+                moved = true;
+                // Its queue is full: wait until it has drained (or is closed).
+                std::future::poll_fn(|cx| sub.poll_room(cx)).await;
+            }
+        }
+        if !moved {
+            debug!(filter = %filter, "durable consumer caught up; waiting for the log");
+            progress.await;
+        }
+    }
+}
