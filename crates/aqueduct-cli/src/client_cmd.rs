@@ -10,7 +10,8 @@ use std::time::Duration;
 use crate::bench::{self, BenchConfig};
 use anyhow::{anyhow, bail, Context, Result};
 use aqueduct_client::{
-    Client, ConnectOptions, OverflowPolicy, Priority, PublishOptions, SubscribeOptions,
+    Client, ConnectOptions, DurableStart, OverflowPolicy, Priority, PublishOptions,
+    SubscribeOptions,
 };
 use bytes::Bytes;
 use clap::{CommandFactory, Parser, Subcommand};
@@ -108,6 +109,20 @@ enum Command {
         /// Backpressure policy for this subscription: drop_oldest, drop_newest, disconnect, block.
         #[arg(long)]
         overflow: Option<OverflowPolicy>,
+        /// Be the durable consumer ID: with the broker's durable log on, messages come from the
+        /// log and the broker keeps ID's position (what was acknowledged), so the next
+        /// `aqueduct sub --durable ID` goes on from there. Acknowledges each message.
+        #[arg(long, value_name = "ID")]
+        durable: Option<String>,
+        /// With --durable, where to start the first time (later the stored position wins): an
+        /// offset, earliest (all the log holds) or latest (only new messages).
+        #[arg(
+            long,
+            value_name = "START",
+            default_value = "earliest",
+            requires = "durable"
+        )]
+        from: DurableStart,
     },
     /// Make certificates for mutual TLS: a CA, a broker certificate, client certificates
     /// (X.509 v3, ECDSA P-256, valid one year). Needs no broker.
@@ -445,20 +460,26 @@ async fn run(cli: Cli) -> Result<()> {
             work,
             count,
             overflow,
+            durable,
+            from,
         } => {
             let opts = SubscribeOptions {
                 group: group.clone(),
-                ack: *ack || *nack || group.is_some(),
+                durable: durable.as_ref().map(|id| (id.clone(), *from)),
+                ack: *ack || *nack || group.is_some() || durable.is_some(),
                 overflow: *overflow,
                 max_in_flight: *max_in_flight,
-                ..SubscribeOptions::default()
             };
             let mut sub = client.subscribe_with(filter, &opts).await?;
             eprintln!(
-                "subscribed to {filter}{}",
+                "subscribed to {filter}{}{}",
                 group
                     .as_ref()
                     .map(|g| format!(" (group {g})"))
+                    .unwrap_or_default(),
+                durable
+                    .as_ref()
+                    .map(|d| format!(" (durable consumer {d})"))
                     .unwrap_or_default()
             );
             let mut received = 0u64;
@@ -496,7 +517,9 @@ async fn run(cli: Cli) -> Result<()> {
             };
             // Close cleanly, so that the broker ends the subscription at once (a group member
             // leaves its group; its unacknowledged messages go to the other members) instead of
-            // waiting for the idle timeout.
+            // waiting for the idle timeout — after it has read our last ACKs (a durable
+            // consumer's position counts them).
+            let _ = sub.close().await;
             client.close().await;
             if let Some(signal) = interrupted {
                 eprintln!("{signal}: closed the connection after {received} message(s)");

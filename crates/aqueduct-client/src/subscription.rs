@@ -3,6 +3,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use aqueduct_proto::frame::Message as Wire;
 use aqueduct_proto::{
@@ -255,6 +256,33 @@ impl Subscription {
     pub async fn unsubscribe(mut self) -> Result<(), ClientError> {
         self.unsubscribed = true;
         unsubscribe(self.all_handles()).await
+    }
+
+    /// Unsubscribe and wait (up to 10 s) until the broker has handled everything sent on the
+    /// subscription's stream — the ACKs and NACKs before the UNSUBSCRIBE included — and finished
+    /// its side. Messages still arriving meanwhile are discarded (unacknowledged, a group or
+    /// durable consumer gets them again). Prefer it to dropping the subscription, or closing the
+    /// client, right after acknowledging: those may cut ACKs that are still on their way, and
+    /// their messages are then delivered again.
+    pub async fn close(mut self) -> Result<(), ClientError> {
+        self.unsubscribed = true;
+        unsubscribe(self.all_handles()).await?;
+        let drained = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match self.next_message().await {
+                    None => return Ok(()),
+                    Some(Err(e)) if e.code().is_none() => return Err(e),
+                    Some(_) => {}
+                }
+            }
+        })
+        .await;
+        match drained {
+            Ok(result) => result,
+            Err(_) => Err(ClientError::Connection(
+                "the broker did not finish the subscription's stream within 10 s".into(),
+            )),
+        }
     }
 
     fn all_handles(&self) -> Vec<Arc<SubHandle>> {
