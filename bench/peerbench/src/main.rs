@@ -9,6 +9,7 @@
 
 mod common;
 mod jitter;
+mod js;
 mod nats;
 mod quic;
 
@@ -39,6 +40,10 @@ enum Cmd {
     NatsThroughput(nats::ThroughputArgs),
     /// One publisher at a fixed rate, one subscriber; one-way latency histogram.
     NatsLatency(nats::LatencyArgs),
+    /// JetStream (file storage): publish with acks, a window of them outstanding.
+    JsPublish(js::PublishArgs),
+    /// JetStream: read a stream back with an ordered consumer.
+    JsReplay(js::ReplayArgs),
     /// One quinn connection, one bidirectional stream, length-prefixed frames.
     QuicCeiling(quic::CeilingArgs),
     /// Fixed-rate timestamped frames over one quinn stream; one-way latency.
@@ -61,6 +66,8 @@ fn main() -> anyhow::Result<()> {
         match cli.cmd {
             Cmd::NatsThroughput(a) => nats::throughput(a).await,
             Cmd::NatsLatency(a) => nats::latency(a).await,
+            Cmd::JsPublish(a) => js::publish(a).await,
+            Cmd::JsReplay(a) => js::replay(a).await,
             Cmd::QuicCeiling(a) => quic::ceiling(a).await,
             Cmd::QuicLatency(a) => quic::latency(a).await,
             Cmd::TimerJitter(a) => jitter::timer_jitter(a).await,

@@ -133,6 +133,28 @@ enum Command {
         #[command(subcommand)]
         what: CertCommand,
     },
+    /// Measure the durable log of a broker with aal.enabled: confirmed publish throughput, or a
+    /// durable consumer's replay rate.
+    #[command(
+        name = "bench-durable",
+        after_help = "Examples:\n  aqueduct bench-durable --messages 1000000 publish --batch 100 --window 8\n  aqueduct bench-durable --messages 1000000 replay --consumer r1"
+    )]
+    BenchDurable {
+        /// Messages to publish, or to read back.
+        #[arg(long, default_value_t = 1_000_000)]
+        messages: u64,
+        /// Bytes per message.
+        #[arg(long, default_value_t = 128)]
+        payload_size: usize,
+        /// The topic.
+        #[arg(long, default_value = "bench-durable")]
+        topic: String,
+        /// Print one JSON object instead of text (no progress bar).
+        #[arg(long)]
+        json: bool,
+        #[command(subcommand)]
+        mode: DurableBenchMode,
+    },
     /// Inspect a durable log directory (aal.file_path) offline: check every record, or print a
     /// topic's messages. Changes nothing on disk; needs no broker. The key comes from
     /// --key-file or AQUEDUCT_AAL_KEY (base64, as aal.key).
@@ -212,6 +234,25 @@ enum Command {
         /// Print one JSON object instead of text (no progress bar).
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum DurableBenchMode {
+    /// Publish with CONFIRM from one connection, keeping several batches awaiting their CONFIRM.
+    Publish {
+        /// Messages per PUBLISH_BATCH frame.
+        #[arg(long, default_value_t = 100)]
+        batch: usize,
+        /// Batches awaiting their CONFIRM at a time.
+        #[arg(long, default_value_t = 8)]
+        window: usize,
+    },
+    /// Read the topic back as a new durable consumer, from earliest.
+    Replay {
+        /// The durable consumer's id (a new one reads from the start).
+        #[arg(long, default_value = "bench-replay")]
+        consumer: String,
     },
 }
 
@@ -528,6 +569,36 @@ async fn run(cli: Cli) -> Result<()> {
         }
         // Handled above, before connecting.
         Command::Cert { .. } | Command::Log { .. } => {}
+        Command::BenchDurable {
+            messages,
+            payload_size,
+            topic,
+            json,
+            mode,
+        } => {
+            let mode = match mode {
+                DurableBenchMode::Publish { batch, window } => {
+                    crate::durable_bench::Mode::Publish {
+                        batch: (*batch).max(1),
+                        window: *window,
+                    }
+                }
+                DurableBenchMode::Replay { consumer } => crate::durable_bench::Mode::Replay {
+                    consumer: consumer.clone(),
+                },
+            };
+            let progress = (!*json && std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .then(|| indicatif::ProgressBar::new(*messages));
+            let report =
+                crate::durable_bench::run(client, mode, topic, *messages, *payload_size, progress)
+                    .await?;
+            if *json {
+                println!("{}", report.json());
+            } else {
+                println!("{}", report.text());
+            }
+            return Ok(());
+        }
         Command::Hold {
             connections,
             subscriptions,

@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod cert;
 pub mod client_cmd;
+pub mod durable_bench;
 pub mod log_cmd;
 
 use std::ffi::OsString;
