@@ -287,6 +287,10 @@ pub(crate) async fn feed(
             .collect();
         let mut moved = false;
         for (topic, from) in topics {
+            // Nothing new in the log for this topic: no read at all.
+            if durable.written_next(&topic).is_none_or(|next| next <= from) {
+                continue;
+            }
             let index = durable.index.clone();
             let t = topic.clone();
             let read = tokio::task::spawn_blocking(move || {

@@ -263,6 +263,11 @@ impl Durable {
         lock(&self.next).get(topic).copied().unwrap_or(self.floor)
     }
 
+    /// One past the highest offset of `topic` written to the log so far (`None`: none yet).
+    pub fn written_next(&self, topic: &[u8]) -> Option<u64> {
+        lock(&self.next).get(topic).copied()
+    }
+
     /// Wait until the queue has room (before routing the next publish frame).
     pub async fn wait_room(&self) {
         loop {
