@@ -169,7 +169,7 @@ async fn replay(
         match m {
             Some(Ok(_)) => {
                 got += 1;
-                if got % 4096 == 0 {
+                if got.is_multiple_of(4096) {
                     if let Some(p) = progress {
                         p.set_position(got);
                     }

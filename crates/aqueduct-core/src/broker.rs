@@ -82,6 +82,13 @@ impl<'a> Publication<'a> {
         }
     }
 
+    /// The same publication as the dead letter described by `info` (a dead letter read back from
+    /// the durable log).
+    pub fn with_dead_letter(mut self, info: &'a DeadLetter<'a>) -> Self {
+        self.dead_letter = Some(info);
+        self
+    }
+
     /// Everything a decoded PUBLISH frame says.
     pub fn from_publish(p: &'a Publish) -> Self {
         Publication {
@@ -116,9 +123,40 @@ pub struct PublishContext {
     last_topic: Option<Arc<TopicState>>,
     /// Subscribers whose queue filled up under the block policy since the last `take_held`.
     held: Vec<Arc<Subscriber>>,
+    /// Keep a record of every dead letter published through this context (for the durable log).
+    record_dead_letters: bool,
+    dead_letters: Vec<DeadLetterRecord>,
+}
+
+/// A dead letter the broker published, with its offset in the dead-letter topic: what the
+/// durable log stores of it.
+#[derive(Debug, Clone)]
+pub struct DeadLetterRecord {
+    /// The dead-letter topic's state.
+    pub topic: Arc<TopicState>,
+    pub offset: u64,
+    pub priority: Priority,
+    pub body: bytes::Bytes,
+    pub trace: Option<TraceContext>,
+    pub compression: Option<Compression>,
+    pub original_topic: TopicName,
+    pub original_offset: u64,
+    pub attempts_made: u32,
+    pub reason: String,
 }
 
 impl PublishContext {
+    /// From now on, keep a [`DeadLetterRecord`] of every dead letter published through this
+    /// context, to be taken with [`take_dead_letters`](Self::take_dead_letters).
+    pub fn record_dead_letters(&mut self) {
+        self.record_dead_letters = true;
+    }
+
+    /// The dead letters recorded since the last call.
+    pub fn take_dead_letters(&mut self) -> std::vec::Drain<'_, DeadLetterRecord> {
+        self.dead_letters.drain(..)
+    }
+
     /// A subscriber that work through this context (a publish, a redelivery, a dead letter) left
     /// with a full queue under the block policy: the caller should stop taking work from its
     /// source until [`Subscriber::poll_room`] is ready (and call this again until it returns
@@ -1086,6 +1124,26 @@ impl Broker {
             compression: ext.compression.as_ref(),
             dead_letter: Some(&info),
         };
-        self.publish(ctx, &publication, now);
+        let mut logged = None;
+        let record = ctx.record_dead_letters;
+        self.publish_batch(ctx, std::iter::once(publication), now, |topic, offset| {
+            if record {
+                logged = Some((topic.clone(), offset));
+            }
+        });
+        if let Some((topic, offset)) = logged {
+            ctx.dead_letters.push(DeadLetterRecord {
+                topic,
+                offset,
+                priority: d.priority,
+                body: body.clone(),
+                trace: ext.trace,
+                compression: ext.compression,
+                original_topic: d.topic.name().clone(),
+                original_offset: d.offset,
+                attempts_made: d.attempt,
+                reason: reason.to_string(),
+            });
+        }
     }
 }

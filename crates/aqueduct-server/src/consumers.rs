@@ -23,6 +23,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use aqueduct_core::{matching, Broker, Publication, PublishContext, Subscriber};
 use aqueduct_log::{ConsumerPosition, LogError, PositionStore, Positions};
+use aqueduct_proto::delivery::DeadLetter;
 use aqueduct_proto::{DurableStart, TopicFilter, TopicName};
 use tracing::{debug, warn};
 
@@ -318,7 +319,16 @@ pub(crate) async fn feed(
                     f.next.insert(topic.clone(), r.offset + 1);
                     continue;
                 };
+                let info = m.dead_letter.as_ref().map(|d| DeadLetter {
+                    original_topic: &d.original_topic,
+                    original_offset: d.original_offset,
+                    attempts_made: d.attempts_made,
+                    reason: &d.reason,
+                });
                 let mut p = Publication::new(&name, &m.body);
+                if let Some(info) = &info {
+                    p = p.with_dead_letter(info);
+                }
                 p.priority = m.priority;
                 p.ttl = m.ttl_ms.map(|ms| Duration::from_millis(u64::from(ms)));
                 p.trace = m.trace.as_ref();

@@ -19,10 +19,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
-use aqueduct_core::{Publication, TopicState};
+use aqueduct_core::{DeadLetterRecord, Publication, PublishContext, TopicState};
 use aqueduct_log::{Entry, FsyncMode, Log, LogError, Recovery};
 use aqueduct_proto::frame::Message;
-use aqueduct_proto::{Compression, Confirm, ErrorCode, ErrorFrame, Frame, Priority, TraceContext};
+use aqueduct_proto::{
+    Compression, Confirm, ErrorCode, ErrorFrame, Frame, Priority, TopicName, TraceContext,
+};
 use tracing::{error, info, warn};
 
 use crate::stats::ServerStats;
@@ -46,8 +48,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 ///
 /// ```text
 /// stored := flags:u8 priority:u8 [ttl_ms:u32] [trace_id:16 span_id:8 trace_flags:1]
-///           [algorithm:u8 uncompressed_len:u32] body
-/// flags  := bit 0 ttl, bit 1 trace, bit 2 compression
+///           [algorithm:u8 uncompressed_len:u32]
+///           [topic_len:u16 original_topic original_offset:u64 attempts:u32 reason_len:u16 reason]
+///           body
+/// flags  := bit 0 ttl, bit 1 trace, bit 2 compression, bit 3 dead letter
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredMessage {
@@ -55,32 +59,95 @@ pub struct StoredMessage {
     pub ttl_ms: Option<u32>,
     pub trace: Option<TraceContext>,
     pub compression: Option<Compression>,
+    /// Set for a dead letter: where it came from.
+    pub dead_letter: Option<StoredDeadLetter>,
     pub body: Vec<u8>,
 }
 
-impl StoredMessage {
-    pub(crate) fn encode(p: &Publication<'_>, out: &mut Vec<u8>) {
-        let ttl = p
+/// A dead letter's origin, as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredDeadLetter {
+    pub original_topic: TopicName,
+    pub original_offset: u64,
+    pub attempts_made: u32,
+    pub reason: String,
+}
+
+/// The parts of a message the log stores, borrowed.
+struct Parts<'a> {
+    priority: Priority,
+    ttl: Option<Duration>,
+    trace: Option<&'a TraceContext>,
+    compression: Option<&'a Compression>,
+    dead_letter: Option<(&'a TopicName, u64, u32, &'a str)>,
+    body: &'a [u8],
+}
+
+impl Parts<'_> {
+    fn encode(&self, out: &mut Vec<u8>) {
+        let ttl = self
             .ttl
             .map(|d| d.as_millis().min(u128::from(u32::MAX)) as u32);
         let flags = ttl.is_some() as u8
-            | (p.trace.is_some() as u8) << 1
-            | (p.compression.is_some() as u8) << 2;
+            | (self.trace.is_some() as u8) << 1
+            | (self.compression.is_some() as u8) << 2
+            | (self.dead_letter.is_some() as u8) << 3;
         out.push(flags);
-        out.push(p.priority.level());
+        out.push(self.priority.level());
         if let Some(ttl) = ttl {
             out.extend_from_slice(&ttl.to_le_bytes());
         }
-        if let Some(t) = p.trace {
+        if let Some(t) = self.trace {
             out.extend_from_slice(&t.trace_id);
             out.extend_from_slice(&t.span_id);
             out.push(t.flags);
         }
-        if let Some(c) = p.compression {
+        if let Some(c) = self.compression {
             out.push(c.algorithm);
             out.extend_from_slice(&c.uncompressed_len.to_le_bytes());
         }
-        out.extend_from_slice(p.body);
+        if let Some((topic, offset, attempts, reason)) = self.dead_letter {
+            let topic = topic.as_bytes();
+            out.extend_from_slice(&(topic.len() as u16).to_le_bytes());
+            out.extend_from_slice(topic);
+            out.extend_from_slice(&offset.to_le_bytes());
+            out.extend_from_slice(&attempts.to_le_bytes());
+            let reason = &reason.as_bytes()[..reason.len().min(u16::MAX as usize)];
+            out.extend_from_slice(&(reason.len() as u16).to_le_bytes());
+            out.extend_from_slice(reason);
+        }
+        out.extend_from_slice(self.body);
+    }
+}
+
+impl StoredMessage {
+    pub(crate) fn encode(p: &Publication<'_>, out: &mut Vec<u8>) {
+        Parts {
+            priority: p.priority,
+            ttl: p.ttl,
+            trace: p.trace,
+            compression: p.compression,
+            dead_letter: None,
+            body: p.body,
+        }
+        .encode(out);
+    }
+
+    fn encode_dead_letter(d: &DeadLetterRecord, out: &mut Vec<u8>) {
+        Parts {
+            priority: d.priority,
+            ttl: None,
+            trace: d.trace.as_ref(),
+            compression: d.compression.as_ref(),
+            dead_letter: Some((
+                &d.original_topic,
+                d.original_offset,
+                d.attempts_made,
+                &d.reason,
+            )),
+            body: &d.body,
+        }
+        .encode(out);
     }
 
     /// Decode a stored message; `None` if the bytes are not one.
@@ -117,11 +184,30 @@ impl StoredMessage {
                 })
             }
         };
+        let dead_letter = match flags & 8 {
+            0 => None,
+            _ => {
+                let n = u16::from_le_bytes(take(2)?.try_into().ok()?) as usize;
+                let topic = std::str::from_utf8(take(n)?).ok()?;
+                let original_topic = TopicName::try_from(topic).ok()?.detached();
+                let original_offset = u64::from_le_bytes(take(8)?.try_into().ok()?);
+                let attempts_made = u32::from_le_bytes(take(4)?.try_into().ok()?);
+                let n = u16::from_le_bytes(take(2)?.try_into().ok()?) as usize;
+                let reason = String::from_utf8_lossy(take(n)?).into_owned();
+                Some(StoredDeadLetter {
+                    original_topic,
+                    original_offset,
+                    attempts_made,
+                    reason,
+                })
+            }
+        };
         Some(StoredMessage {
             priority: Priority::new(prio)?,
             ttl_ms,
             trace,
             compression,
+            dead_letter,
             body: rest.to_vec(),
         })
     }
@@ -168,7 +254,8 @@ struct Rec {
 struct Group {
     /// End of its records in `Queue::recs`.
     recs_end: usize,
-    waiter: Waiter,
+    /// Who to tell; none for messages the broker published itself (dead letters).
+    waiter: Option<Waiter>,
     queued_at: Instant,
 }
 
@@ -302,7 +389,7 @@ impl Durable {
         let recs_end = q.recs.len();
         q.groups.push(Group {
             recs_end,
-            waiter,
+            waiter: Some(waiter),
             queued_at: Instant::now(),
         });
         self.stats
@@ -310,6 +397,51 @@ impl Durable {
             .store(q.recs.len() as u64, Ordering::Relaxed);
         drop(q);
         self.ready.notify_one();
+    }
+
+    /// Queue dead letters the broker published (no one to confirm them to). Call under
+    /// [`Durable::order`], like [`queue_frame`](Self::queue_frame).
+    pub fn queue_dead_letters(&self, records: impl Iterator<Item = DeadLetterRecord>) {
+        let mut q = lock(&self.queue);
+        let before = q.recs.len();
+        for d in records {
+            StoredMessage::encode_dead_letter(&d, &mut q.data);
+            let end = q.data.len();
+            q.recs.push(Rec {
+                topic: d.topic,
+                offset: d.offset,
+                end,
+            });
+        }
+        if q.recs.len() == before {
+            return;
+        }
+        let recs_end = q.recs.len();
+        q.groups.push(Group {
+            recs_end,
+            waiter: None,
+            queued_at: Instant::now(),
+        });
+        self.stats
+            .queued
+            .store(q.recs.len() as u64, Ordering::Relaxed);
+        drop(q);
+        self.ready.notify_one();
+    }
+
+    /// Run `f` (a broker call that may publish dead letters: a NACK, the ack-wait timer, a
+    /// subscription ending) so that its dead letters reach the log in order: under
+    /// [`Durable::order`], with the context recording them, queued right after.
+    pub fn with_order<T>(
+        &self,
+        ctx: &mut PublishContext,
+        f: impl FnOnce(&mut PublishContext) -> T,
+    ) -> T {
+        let _order = lock(&self.order);
+        ctx.record_dead_letters();
+        let result = f(ctx);
+        self.queue_dead_letters(ctx.take_dead_letters());
+        result
     }
 
     /// Write what is queued, close the log cleanly and stop the writer.
@@ -459,13 +591,13 @@ impl Durable {
                     self.stats
                         .commit_wait_us
                         .fetch_add(g.queued_at.elapsed().as_micros() as u64, Ordering::Relaxed);
-                    if g.waiter.confirm {
+                    if let Some(w) = g.waiter.as_ref().filter(|w| w.confirm) {
                         let offsets = work.recs[first..g.recs_end]
                             .iter()
                             .map(|r| r.offset)
                             .collect();
-                        g.waiter.out.push_frame(&Frame::new(
-                            g.waiter.stream_id,
+                        w.out.push_frame(&Frame::new(
+                            w.stream_id,
                             Message::Confirm(Confirm { offsets }),
                         ));
                     }
@@ -486,9 +618,12 @@ impl Durable {
                     );
                 }
                 for g in groups {
+                    let Some(w) = &g.waiter else {
+                        continue; // dead letters: counted and logged above
+                    };
                     self.server_stats.error_sent(ErrorCode::STORAGE_FAILED);
-                    g.waiter.out.push_frame(&Frame::new(
-                        g.waiter.stream_id,
+                    w.out.push_frame(&Frame::new(
+                        w.stream_id,
                         Message::Error(ErrorFrame {
                             code: ErrorCode::STORAGE_FAILED,
                             reason: format!("not stored in the durable log: {e}"),

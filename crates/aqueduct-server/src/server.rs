@@ -229,7 +229,11 @@ impl Server {
             "broker listening (QUIC/UDP, TLS 1.3)"
         );
         let (stop_tx, stop_rx) = watch::channel(false);
-        let ticker = tokio::spawn(ack_ticker(shared.broker.clone(), stop_rx.clone()));
+        let ticker = tokio::spawn(ack_ticker(
+            shared.broker.clone(),
+            shared.durable.clone(),
+            stop_rx.clone(),
+        ));
         // Saves durable consumers' positions; stopped (and a last save made) once the
         // connections are closed, below.
         let (checkpoint_stop, checkpoint_stop_rx) = watch::channel(false);
@@ -340,14 +344,22 @@ async fn open_log(aal: &AalConfig, stats: Arc<ServerStats>) -> Result<Arc<Durabl
 }
 
 /// Redeliver deliveries whose ack-wait deadline passed.
-async fn ack_ticker(broker: Arc<Broker>, mut stop: watch::Receiver<bool>) {
+async fn ack_ticker(
+    broker: Arc<Broker>,
+    durable: Option<Arc<Durable>>,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut ctx = PublishContext::default();
     let mut tick = tokio::time::interval(ACK_TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         tokio::select! {
             _ = tick.tick() => {
-                broker.tick(&mut ctx, Instant::now());
+                // Dead letters of messages that ran out of retries go to the log in order.
+                let _ = match &durable {
+                    Some(d) => d.with_order(&mut ctx, |ctx| broker.tick(ctx, Instant::now())),
+                    None => broker.tick(&mut ctx, Instant::now()),
+                };
                 ctx.clear_held();
             }
             _ = stop.changed() => return,

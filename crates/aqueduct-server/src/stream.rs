@@ -153,9 +153,25 @@ fn end_subscriptions(
     for sub in ending {
         conn.remove_sub(sub.stream_id(), &sub);
         end_durable(shared, out, &sub);
-        shared.broker.unsubscribe(&mut ctx, &sub, now);
+        logged(shared, &mut ctx, |ctx| {
+            shared.broker.unsubscribe(ctx, &sub, now)
+        });
     }
     ctx.clear_held();
+}
+
+/// Run a broker call that may publish dead letters (a NACK, a subscription ending, a slow
+/// consumer closed) so that, with the durable log, they are logged in order (see
+/// [`Durable::with_order`]).
+fn logged<T>(
+    shared: &Shared,
+    ctx: &mut PublishContext,
+    f: impl FnOnce(&mut PublishContext) -> T,
+) -> T {
+    match &shared.durable {
+        Some(d) => d.with_order(ctx, f),
+        None => f(ctx),
+    }
 }
 
 /// A durable consumer's subscription ends: stop its feeder and keep its position — before the
@@ -423,9 +439,9 @@ impl Reader<'_> {
                     "a block-policy subscription held its publishers for {:?}: closing it as a slow consumer",
                     shared.config.block_timeout.unwrap_or_default()
                 );
-                shared
-                    .broker
-                    .disconnect_slow(&mut self.ctx, &sub, Instant::now());
+                logged(shared, &mut self.ctx, |ctx| {
+                    shared.broker.disconnect_slow(ctx, &sub, Instant::now())
+                });
             }
             if waited {
                 stats
@@ -600,7 +616,9 @@ impl Reader<'_> {
                 Some(entry) if entry.sub.filter() == &u.filter => {
                     self.conn.remove_sub(stream_id, &entry.sub);
                     end_durable(self.shared, &entry.out, &entry.sub);
-                    broker.unsubscribe(&mut self.ctx, &entry.sub, now);
+                    logged(self.shared, &mut self.ctx, |ctx| {
+                        broker.unsubscribe(ctx, &entry.sub, now)
+                    });
                     entry.out.notify.notify_one();
                     debug!(client = %self.conn.describe(), filter = %u.filter, "unsubscribed");
                 }
@@ -624,15 +642,17 @@ impl Reader<'_> {
                 let Some(entry) = self.sub_or_error(stream_id) else {
                     return;
                 };
-                let result = broker.nack(
-                    &mut self.ctx,
-                    &entry.sub,
-                    n.ext.topic.as_ref(),
-                    n.offset,
-                    n.ext.attempt,
-                    n.ext.reason.as_deref(),
-                    now,
-                );
+                let result = logged(self.shared, &mut self.ctx, |ctx| {
+                    broker.nack(
+                        ctx,
+                        &entry.sub,
+                        n.ext.topic.as_ref(),
+                        n.offset,
+                        n.ext.attempt,
+                        n.ext.reason.as_deref(),
+                        now,
+                    )
+                });
                 if let Err(e) = result {
                     self.send_error(stream_id, e.code(), e.to_string());
                 }
@@ -669,6 +689,7 @@ impl Reader<'_> {
         now: Instant,
     ) {
         let _order = lock(&d.order);
+        self.ctx.record_dead_letters();
         let routed = &mut self.routed;
         self.shared.broker.publish_batch(
             &mut self.ctx,
@@ -677,6 +698,9 @@ impl Reader<'_> {
             |topic, o| routed.push((topic.clone(), o)),
         );
         d.queue_frame(routed.drain(..).zip(publications.iter().copied()), waiter);
+        // Dead letters this publish caused (a group member closed as a slow consumer whose
+        // messages ran out of retries), after the frame's own messages.
+        d.queue_dead_letters(self.ctx.take_dead_letters());
     }
 
     fn sub_or_error(&self, stream_id: u32) -> Option<SubEntry> {

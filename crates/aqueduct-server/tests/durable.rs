@@ -210,19 +210,21 @@ async fn a_durable_consumer_backfills_then_goes_live_without_gap_or_duplicate() 
     b.stop().await.expect("clean shutdown");
 }
 
-/// Unsubscribe (after the ACKs, on the same stream), wait until the broker has handled it, then
-/// close: closing the connection at once could drop ACKs still on their way, and their messages
-/// would be delivered again (at least once).
+/// Close the subscription (the broker has read the ACKs when it returns), then the client:
+/// closing the connection at once could drop ACKs still on their way, and their messages would
+/// be delivered again (at least once).
 async fn leave(
     b: &TestBroker,
     sub: aqueduct_client::Subscription,
     client: &aqueduct_client::Client,
 ) {
-    sub.unsubscribe().await.expect("unsubscribe");
-    until("the broker ended the subscription", || {
-        b.broker.subscriber_count() == 0
-    })
-    .await;
+    let before = b.broker.subscriber_count();
+    sub.close().await.expect("close the subscription");
+    assert_eq!(
+        b.broker.subscriber_count(),
+        before - 1,
+        "ended by the time close returns"
+    );
     client.close().await;
 }
 
@@ -299,4 +301,67 @@ async fn a_wildcard_durable_consumer_picks_up_new_topics_from_their_first_messag
     );
     client.close().await;
     b.stop().await.expect("clean shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_logged_and_replayed_with_their_origin() {
+    use aqueduct_client::DurableStart;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| {
+        c.aal = Some(aal(dir.path(), FsyncMode::Batch));
+        c.broker.max_retries = 1;
+    })
+    .await;
+    let client = b.client().await;
+    let opts = aqueduct_client::SubscribeOptions {
+        ack: true,
+        ..aqueduct_client::SubscribeOptions::default()
+    };
+    let mut worker = client
+        .subscribe_with("jobs", &opts)
+        .await
+        .expect("subscribe");
+    client
+        .publish_with("jobs", "poison", &confirm())
+        .await
+        .expect("publish");
+    // First attempt and one retry, both rejected: then a dead letter.
+    for _ in 0..2 {
+        let m = next(&mut worker).await;
+        m.nack(Some("cannot parse")).await.expect("nack");
+    }
+    let mut dlq = client
+        .subscribe_with(
+            "__dlq__jobs",
+            &durable_opts("dlq-reader", DurableStart::Earliest),
+        )
+        .await
+        .expect("durable subscribe to the dead letters");
+    let m = next(&mut dlq).await;
+    assert_eq!(
+        (m.topic().as_str(), m.offset(), m.body().as_ref()),
+        ("__dlq__jobs", 0, &b"poison"[..])
+    );
+    let ext = m.extensions();
+    assert_eq!(
+        ext.original_topic.as_ref().map(|t| t.as_str()),
+        Some("jobs")
+    );
+    assert_eq!(ext.original_offset, Some(0));
+    assert_eq!(ext.reason.as_deref(), Some("cannot parse"));
+    m.ack().await.expect("ack");
+    leave(&b, dlq, &client).await;
+    drop(worker);
+    b.stop().await.expect("clean shutdown");
+    let logged = logged(dir.path(), "__dlq__jobs");
+    assert_eq!(logged.len(), 1);
+    let dl = logged[0]
+        .1
+        .dead_letter
+        .clone()
+        .expect("stored as a dead letter");
+    assert_eq!(
+        (dl.original_topic.as_str(), dl.original_offset),
+        ("jobs", 0)
+    );
 }
