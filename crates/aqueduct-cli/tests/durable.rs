@@ -476,16 +476,10 @@ fn log_verify_and_dump_work_offline() {
     let env = env();
     let (broker, addr, _metrics, _logs) = start_broker_with(home.path(), &env);
     for body in ["one", "two", "three"] {
-        let out = Command::new(CLIENT)
-            .args(["--addr", &addr, "pub", "orders", body, "--confirm"])
-            .env("AQUEDUCT_HOME", home.path())
-            .output()
-            .expect("pub runs");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_ok(&run_client(
+            home.path(),
+            &["--addr", &addr, "pub", "orders", body, "--confirm"],
+        ));
     }
     stop(broker);
     let dir = home.path().join("aal");

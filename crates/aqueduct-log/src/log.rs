@@ -829,7 +829,7 @@ impl LogView {
 }
 
 /// The segment files in `dir`, by id, changing nothing.
-fn list_segments_read_only(dir: &Path) -> Result<Vec<(u64, PathBuf)>, LogError> {
+pub(crate) fn list_segments_read_only(dir: &Path) -> Result<Vec<(u64, PathBuf)>, LogError> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(|e| LogError::io("listing", dir, e))? {
         let entry = entry.map_err(|e| LogError::io("listing", dir, e))?;

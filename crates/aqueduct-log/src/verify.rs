@@ -37,19 +37,10 @@ pub fn verify(
     key: Option<&MasterKey>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<VerifyReport, LogError> {
-    let mut ids = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(|e| LogError::io("listing", dir, e))? {
-        let entry = entry.map_err(|e| LogError::io("listing", dir, e))?;
-        let name = entry.file_name();
-        if let Some(id) = name
-            .to_string_lossy()
-            .strip_suffix(".seg")
-            .and_then(|n| n.parse::<u64>().ok())
-        {
-            ids.push((id, entry.metadata().map(|m| m.len()).unwrap_or(0)));
-        }
-    }
-    ids.sort();
+    let ids: Vec<(u64, u64)> = crate::log::list_segments_read_only(dir)?
+        .into_iter()
+        .map(|(id, path)| (id, std::fs::metadata(path).map_or(0, |m| m.len())))
+        .collect();
     let total: u64 = ids.iter().map(|(_, len)| len).sum();
     let mut report = VerifyReport::default();
     let mut done = 0;

@@ -386,10 +386,15 @@ impl Durable {
         if n == 0 {
             return;
         }
+        self.close_group(q, Some(waiter));
+    }
+
+    /// End a group of records just queued (the caller added some) and wake the writer.
+    fn close_group(&self, mut q: MutexGuard<'_, Queue>, waiter: Option<Waiter>) {
         let recs_end = q.recs.len();
         q.groups.push(Group {
             recs_end,
-            waiter: Some(waiter),
+            waiter,
             queued_at: Instant::now(),
         });
         self.stats
@@ -416,17 +421,7 @@ impl Durable {
         if q.recs.len() == before {
             return;
         }
-        let recs_end = q.recs.len();
-        q.groups.push(Group {
-            recs_end,
-            waiter: None,
-            queued_at: Instant::now(),
-        });
-        self.stats
-            .queued
-            .store(q.recs.len() as u64, Ordering::Relaxed);
-        drop(q);
-        self.ready.notify_one();
+        self.close_group(q, None);
     }
 
     /// Run `f` (a broker call that may publish dead letters: a NACK, the ack-wait timer, a
