@@ -234,23 +234,42 @@ impl Log {
         let mut rec = Recovery::default();
         let mut segments: Vec<Segment> = Vec::new();
         let mut next_id = 0;
+        // The previous run ended without a clean close, whatever its last index file says.
+        let mut crash_evidence = false;
         for (i, (id, path)) in files.iter().enumerate() {
             next_id = next_id.max(id + 1);
             let last = i + 1 == files.len();
             let (scanned, rebuilt) = match segment::load(&dir, path, opts.key.as_ref(), last) {
                 Ok(s) => s,
-                Err(LogError::BadFile { reason, .. }) if last && short_or_blank(path) => {
-                    // A crash while the segment was being created: nothing was ever in it.
-                    let _ = reason;
+                Err(LogError::BadFile { .. }) if last && short_or_blank(path) => {
+                    // A crash while the segment was being created: nothing was ever in it. The
+                    // run that created it did not close cleanly.
                     std::fs::remove_file(path)
                         .map_err(|e| LogError::io("removing empty segment", path, e))?;
                     let _ = std::fs::remove_file(index_path(&dir, *id));
                     rec.removed_empty_segments += 1;
+                    crash_evidence = true;
                     continue;
                 }
-                Err(LogError::BadFile { reason, .. }) => {
+                Err(LogError::BadFile { reason, .. }) if last => {
+                    // The newest segment's header is damaged (a crash while writing it): keep
+                    // the file, and count the run as crashed.
                     rec.unreadable_segments.push((path.clone(), reason));
+                    crash_evidence = true;
                     continue;
+                }
+                Err(LogError::BadFile { path, reason }) => {
+                    // An older segment that cannot be read at all would take the highest offsets
+                    // of its topics with it, and they would be handed out again: refuse.
+                    return Err(LogError::BadFile {
+                        path,
+                        reason: format!(
+                            "{reason}; this segment cannot be read, and without it offsets it \
+                             holds could be handed out again. Restore it from a backup, or move it \
+                             out of the log directory to start without it (its messages are then \
+                             lost, and its topics' offsets may repeat)"
+                        ),
+                    });
                 }
                 Err(e) => return Err(e),
             };
@@ -280,7 +299,7 @@ impl Log {
         let (generation, unclean_now, clean) = match segments.last() {
             None => (1, 0, true),
             Some(last) => {
-                let crashed = !last.clean;
+                let crashed = !last.clean || crash_evidence;
                 (
                     segments.iter().map(|s| s.generation).max().unwrap_or(0) + 1,
                     last.unclean_before + crashed as u32,
@@ -374,11 +393,13 @@ impl Log {
     /// never logged starts at 0 (or past the gaps of crashes before this run).
     pub fn next_offset(&self, topic: &[u8]) -> u64 {
         match self.topics.get(topic) {
-            Some(t) => t.high.saturating_add(1).saturating_add(
-                self.opts
-                    .crash_offset_gap
-                    .saturating_mul(u64::from(self.unclean_now - t.unclean_at_high)),
-            ),
+            Some(t) => {
+                t.high
+                    .saturating_add(1)
+                    .saturating_add(self.opts.crash_offset_gap.saturating_mul(u64::from(
+                        self.unclean_now.saturating_sub(t.unclean_at_high),
+                    )))
+            }
             None => self.new_topic_offset(),
         }
     }
@@ -482,6 +503,11 @@ impl Log {
         self.buf = buf;
         if let Err(e) = written {
             self.stats.write_errors += 1;
+            // The batch number is used up: part of the sealed frame may have reached the disk,
+            // and a nonce must never seal two plaintexts (scans accept gaps in batch numbers).
+            if let Some(seg) = self.segments.get_mut().last_mut() {
+                seg.batches += 1;
+            }
             let path = segment_path(&self.dir, seg_id);
             // Cut what part of the frame got written, so the next batch starts clean.
             if let Err(cut) = self.active.set_len(pos) {
@@ -591,7 +617,9 @@ impl Log {
             let seg = segments
                 .last_mut()
                 .ok_or_else(|| LogError::InvalidAppend("no active segment".into()))?;
-            seg.clean = true;
+            // Sealed, but not a clean close: only `close` says that (a crash before the next
+            // segment exists must still count as one).
+            seg.clean = false;
             seg.write_index(&dir)?;
             (seg.id + 1, seg.generation, seg.unclean_before)
         };
@@ -691,13 +719,13 @@ impl Log {
             self.sync()?;
         }
         for id in &ids {
-            let path = segment_path(&self.dir, *id);
-            std::fs::remove_file(&path).map_err(|e| LogError::io("deleting segment", &path, e))?;
+            remove_if_present(&segment_path(&self.dir, *id))?;
             let _ = std::fs::remove_file(index_path(&self.dir, *id));
+            // Forgotten as soon as it is gone, so a failure part-way leaves the list true.
+            self.segments.get_mut().remove(0);
+            self.stats.deleted_segments += 1;
         }
         sync_dir(&self.dir)?;
-        self.segments.get_mut().drain(..n);
-        self.stats.deleted_segments += n as u64;
         Ok(ids)
     }
 
@@ -750,21 +778,43 @@ impl Log {
                 position.byte, position.segment
             )));
         }
+        // From here on the log changes on disk: any failure leaves it in no state to append
+        // to (the active segment may be gone, or cut under nonces already used), so it poisons
+        // the log until it is reopened, which recovers from what is on disk.
+        let result = self.cut_at(i, &path, position.byte, scanned.segment);
+        if let Err(e) = &result {
+            self.poisoned = Some(format!("truncate_after failed half-way: {e}"));
+        }
+        result?;
+        self.rebuild_topics();
+        Ok(())
+    }
+}
+
+impl Log {
+    /// The destructive part of [`truncate_after`](Self::truncate_after): delete the later
+    /// segments, cut segment `i` at `byte`, seal it, start a new active segment.
+    fn cut_at(
+        &mut self,
+        i: usize,
+        path: &Path,
+        byte: u64,
+        mut seg: Segment,
+    ) -> Result<(), LogError> {
         let later: Vec<Segment> = self.segments.get_mut().drain(i + 1..).collect();
-        for seg in later {
-            std::fs::remove_file(&seg.path)
-                .map_err(|e| LogError::io("deleting segment", &seg.path, e))?;
-            let _ = std::fs::remove_file(index_path(&self.dir, seg.id));
+        for old in later {
+            remove_if_present(&old.path)?;
+            let _ = std::fs::remove_file(index_path(&self.dir, old.id));
         }
         let f = OpenOptions::new()
             .write(true)
-            .open(&path)
-            .map_err(|e| LogError::io("opening segment", &path, e))?;
-        f.set_len(position.byte)
+            .open(path)
+            .map_err(|e| LogError::io("opening segment", path, e))?;
+        f.set_len(byte)
             .and_then(|()| f.sync_all())
-            .map_err(|e| LogError::io("truncating segment", &path, e))?;
-        let mut seg = scanned.segment;
-        seg.clean = true;
+            .map_err(|e| LogError::io("truncating segment", path, e))?;
+        // Not a clean close: a crash before the new active segment exists counts as one.
+        seg.clean = false;
         seg.write_index(&self.dir)?;
         let next_id = seg.id + 1;
         self.segments.get_mut()[i] = seg;
@@ -778,9 +828,16 @@ impl Log {
         )?;
         self.segments.get_mut().push(active_seg);
         self.active = active;
-        sync_dir(&self.dir)?;
-        self.rebuild_topics();
-        Ok(())
+        sync_dir(&self.dir)
+    }
+}
+
+/// Delete a file; one already gone counts as deleted.
+fn remove_if_present(path: &Path) -> Result<(), LogError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(LogError::io("deleting segment", path, e)),
     }
 }
 

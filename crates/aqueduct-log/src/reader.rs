@@ -68,7 +68,7 @@ impl Reader {
                 .enumerate()
                 .map(|(i, &(_, pos))| {
                     let next = entries.get(i + 1).map_or(seg.len, |&(_, p)| p);
-                    (pos, next.min(pos + STRIDE).min(seg.len))
+                    (pos, next.min(pos.saturating_add(STRIDE)).min(seg.len))
                 })
                 .collect();
             plans.push_back(Plan {
@@ -105,7 +105,7 @@ impl Reader {
             return Ok(true);
         }
         if let Some(&(_, len)) = plan.damage.iter().find(|&&(p, _)| p == pos) {
-            plan.windows[0].0 = pos + len;
+            plan.windows[0].0 = pos.saturating_add(len.max(1));
             return Ok(true);
         }
         if self.file.as_ref().is_none_or(|(id, _)| *id != plan.id) {
@@ -158,7 +158,7 @@ impl Reader {
             .map_err(|e| damaged(&e))?;
         for r in records {
             if r.kind == Kind::Data && r.topic == self.topic.as_slice() && r.offset >= self.next {
-                self.next = r.offset + 1;
+                self.next = r.offset.saturating_add(1);
                 self.ready.push_back(Record {
                     offset: r.offset,
                     timestamp_ms: header.timestamp_ms,

@@ -114,9 +114,14 @@ impl Segment {
             .create_new(true)
             .open(&path)
             .map_err(|e| LogError::io("creating segment", &path, e))?;
-        file.write_all(&header.encode())
+        if let Err(e) = file
+            .write_all(&header.encode())
             .and_then(|()| file.sync_all())
-            .map_err(|e| LogError::io("writing the header of segment", &path, e))?;
+        {
+            // Leave no half-made file behind: the next attempt uses the same name.
+            let _ = std::fs::remove_file(&path);
+            return Err(LogError::io("writing the header of segment", &path, e));
+        }
         Ok((Segment::empty(dir, &header, cipher), file))
     }
 
@@ -352,7 +357,7 @@ pub(crate) fn scan(
                 position: pos,
             });
         }
-        next_batch = bh.batch_no + 1;
+        next_batch = bh.batch_no.saturating_add(1);
         let payload_len = match &seg.cipher {
             Some(c) => {
                 let aad = batch_aad(seg.id, &body[..BODY_HEADER]);
@@ -371,7 +376,9 @@ pub(crate) fn scan(
                 for r in records {
                     if r.kind == Kind::Data {
                         if let Some((last_off, damage_then)) = seen.get(r.topic) {
-                            if *damage_then != damage_now && r.offset != last_off + 1 {
+                            if *damage_then != damage_now
+                                && Some(r.offset) != last_off.checked_add(1)
+                            {
                                 degraded.push(String::from_utf8_lossy(r.topic).into_owned());
                             }
                         }
@@ -430,15 +437,13 @@ pub(crate) fn frame_at(
     Ok(check_frame(buf))
 }
 
-/// Batch numbers a resync accepts after damage: the damaged frame's own and a few more (a
-/// damaged region may swallow several frames).
-const RESYNC_BATCHES: u64 = 64;
 /// A resync reads the rest of the file in chunks of this size.
 const RESYNC_CHUNK: usize = 1 << 20;
 
-/// Find the next checked frame at or after `from` whose batch number is `next_batch` or a little
-/// more. A candidate must have a plausible length and batch number before its CRC is computed,
-/// so the search costs little more than reading the bytes.
+/// Find the next checked frame at or after `from` whose batch number is `next_batch` or more —
+/// at most as many more as the rest of the file could hold frames (a damaged region may swallow
+/// any number of them). A candidate must have a plausible length and batch number before its CRC
+/// is computed, so the search costs little more than reading the bytes.
 fn resync(
     file: &File,
     from: u64,
@@ -461,7 +466,9 @@ fn resync(
             let mut b = [0u8; 8];
             b.copy_from_slice(&w[8..16]);
             let batch = u64::from_le_bytes(b);
-            if batch < next_batch || batch > next_batch + RESYNC_BATCHES {
+            let most =
+                next_batch.saturating_add((file_len - from) / (FRAME_PREFIX + BODY_HEADER) as u64);
+            if batch < next_batch || batch > most {
                 continue;
             }
             let at = base + i as u64;

@@ -596,3 +596,109 @@ fn readers_on_another_thread_see_a_whole_prefix_while_the_log_grows() -> R {
     assert!(log.stats().segments > 3, "rotated while read");
     Ok(())
 }
+
+/// Frame start positions of a segment file's whole frames.
+fn frame_starts(bytes: &[u8]) -> Vec<usize> {
+    let mut starts = Vec::new();
+    let mut pos = HEADER_LEN;
+    while let FrameCheck::Good { len } = check_frame(&bytes[pos..]) {
+        starts.push(pos);
+        pos += len;
+    }
+    starts
+}
+
+#[test]
+fn damage_over_many_batches_in_the_last_segment_is_kept_not_cut() -> R {
+    let tmp = tempfile::tempdir()?;
+    let (mut log, _) = Log::open(tmp.path(), opts(Some(key(11))))?;
+    fill(&mut log, "a", 150, 1)?;
+    drop(log); // crash: the last segment is read through at the next open
+    let seg = segments(tmp.path())
+        .into_iter()
+        .max_by_key(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+        .ok_or("no segment")?;
+    let mut b = std::fs::read(&seg)?;
+    let starts = frame_starts(&b);
+    assert_eq!(starts.len(), 150);
+    // Zero batches 5..=100: far more than a few frames of damage.
+    for x in &mut b[starts[5]..starts[101]] {
+        *x = 0;
+    }
+    std::fs::write(&seg, &b)?;
+    let _ = std::fs::remove_file(seg.with_extension("idx"));
+    let (log, rec) = Log::open(tmp.path(), opts(Some(key(11))))?;
+    assert_eq!(
+        rec.truncated_bytes, 0,
+        "checked batches follow: damage, not a torn tail"
+    );
+    assert_eq!(
+        std::fs::metadata(&seg)?.len() as usize,
+        b.len(),
+        "nothing cut"
+    );
+    let got = offsets(&read_all(&log, "a", 0)?);
+    let want: Vec<u64> = (0..5).chain(101..150).collect();
+    assert_eq!(got, want);
+    Ok(())
+}
+
+#[test]
+fn a_crash_right_after_rotation_still_counts_as_a_crash() -> R {
+    let tmp = tempfile::tempdir()?;
+    let gap = 1_000;
+    let o = || LogOptions {
+        max_segment_bytes: 400,
+        crash_offset_gap: gap,
+        ..opts(None)
+    };
+    let (mut log, _) = Log::open(tmp.path(), o())?;
+    fill(&mut log, "a", 4, 3)?;
+    drop(log);
+    // The newest segment (made by the last rotation) never reached the disk.
+    let newest = segments(tmp.path()).pop().ok_or("no segment")?;
+    std::fs::remove_file(&newest)?;
+    let (log, rec) = Log::open(tmp.path(), o())?;
+    assert!(!rec.clean, "a rotation-sealed segment is not a clean close");
+    let high = log.last_offset(b"a").ok_or("data")?;
+    assert_eq!(log.next_offset(b"a"), high + 1 + gap);
+    Ok(())
+}
+
+#[test]
+fn an_unreadable_older_segment_stops_the_open_and_a_damaged_newest_counts_as_a_crash() -> R {
+    let tmp = tempfile::tempdir()?;
+    let o = || LogOptions {
+        max_segment_bytes: 400,
+        ..opts(None)
+    };
+    let (mut log, _) = Log::open(tmp.path(), o())?;
+    fill(&mut log, "a", 12, 3)?;
+    log.close()?;
+    let segs = segments(tmp.path());
+    assert!(segs.len() >= 3, "{} segments", segs.len());
+    // The newest segment's header damaged (not blank): kept, and the run counts as crashed.
+    let newest = segs[segs.len() - 1].clone();
+    let mut b = std::fs::read(&newest)?;
+    b[20] ^= 0xFF;
+    std::fs::write(&newest, &b)?;
+    let (log, rec) = Log::open(tmp.path(), o())?;
+    assert!(!rec.clean);
+    assert_eq!(rec.unreadable_segments.len(), 1);
+    assert!(newest.exists());
+    drop(log);
+    // An older one: refused, naming it.
+    let older = segs[0].clone();
+    let mut b = std::fs::read(&older)?;
+    b[20] ^= 0xFF;
+    std::fs::write(&older, &b)?;
+    let e = Log::open(tmp.path(), o()).map(|_| ());
+    match e {
+        Err(LogError::BadFile { path, reason }) => {
+            assert_eq!(path, older);
+            assert!(reason.contains("handed out again"), "{reason}");
+        }
+        other => return Err(format!("expected BadFile, got {other:?}").into()),
+    }
+    Ok(())
+}
