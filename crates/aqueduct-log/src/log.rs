@@ -202,6 +202,10 @@ pub struct Log {
     dirty: bool,
     last_sync: Instant,
     poisoned: Option<String>,
+    /// Per topic, the highest offset of appends that failed after their offsets were checked:
+    /// the broker handed those offsets out (its subscribers may have them), so they are written
+    /// as marks before anything else (see [`Log::flush_burned`]).
+    burned: HashMap<Box<[u8]>, u64>,
     stats: LogStats,
 }
 
@@ -330,6 +334,7 @@ impl Log {
             dirty: false,
             last_sync: Instant::now(),
             poisoned: None,
+            burned: HashMap::new(),
             stats: LogStats::default(),
         };
         log.rebuild_topics();
@@ -459,9 +464,58 @@ impl Log {
         if entries.is_empty() {
             return Err(LogError::InvalidAppend("an empty batch".into()));
         }
-        if kind == Kind::Data {
-            self.check_offsets(entries)?;
+        if kind != Kind::Data {
+            return self.write_batch(entries, kind, timestamp_ms);
         }
+        self.check_offsets(entries)?;
+        // From here on the offsets count as used, written or not.
+        let result = self
+            .flush_burned()
+            .and_then(|_| self.write_batch(entries, kind, timestamp_ms));
+        if result.is_err() {
+            for e in entries {
+                let high = self.burned.entry(e.topic.into()).or_insert(e.offset);
+                *high = (*high).max(e.offset);
+            }
+        }
+        result
+    }
+
+    /// Offsets of appends that failed are still taken: write them as marks (one batch), so
+    /// that no later run hands them out again. Done before the next append and at `close`;
+    /// the broker also calls it to find out whether the log can write again. Returns whether
+    /// there was anything to write.
+    pub fn flush_burned(&mut self) -> Result<bool, LogError> {
+        if self.burned.is_empty() {
+            return Ok(false);
+        }
+        let burned: Vec<(Box<[u8]>, u64)> =
+            self.burned.iter().map(|(t, o)| (t.clone(), *o)).collect();
+        let marks: Vec<Entry<'_>> = burned
+            .iter()
+            .map(|(t, o)| Entry {
+                topic: t,
+                offset: *o,
+                data: &[],
+            })
+            .collect();
+        self.write_batch(&marks, Kind::Mark, now_ms())?;
+        self.burned.clear();
+        Ok(true)
+    }
+
+    /// Offsets some failed append took that are not written as marks yet.
+    pub fn has_burned(&self) -> bool {
+        !self.burned.is_empty()
+    }
+
+    /// Encode, seal and write one batch, and index it.
+    fn write_batch(
+        &mut self,
+        entries: &[Entry<'_>],
+        kind: Kind,
+        timestamp_ms: u64,
+    ) -> Result<Position, LogError> {
         let mut payload = 0usize;
         for e in entries {
             payload = payload.saturating_add(record_len(e.topic, e.data));
@@ -561,8 +615,11 @@ impl Log {
                 )));
             }
             let floor = match in_batch.get(e.topic) {
-                Some(prev) => prev + 1,
-                None => self.next_offset(e.topic),
+                Some(prev) => prev.saturating_add(1),
+                None => {
+                    let burned = self.burned.get(e.topic).map_or(0, |b| b.saturating_add(1));
+                    self.next_offset(e.topic).max(burned)
+                }
             };
             if e.offset < floor {
                 return Err(LogError::OffsetNotIncreasing {
@@ -640,6 +697,8 @@ impl Log {
     /// Close cleanly: sync, write the active segment's index marked clean. The next open then
     /// reads no segment through and skips no offsets.
     pub fn close(mut self) -> Result<(), LogError> {
+        // Offsets of failed appends must be on disk before the log may say it closed cleanly.
+        self.flush_burned()?;
         self.sync()?;
         let dir = self.dir.clone();
         if let Some(seg) = self.segments.get_mut().last_mut() {

@@ -58,16 +58,35 @@ fn child() {
     let read: Vec<_> = log.read(b"t", 0).collect::<Result<_, _>>().expect("read");
     assert_eq!(read.len() as u64, acked);
     assert!(read.iter().all(|r| r.data == body));
-    // A small append still fits and goes on from the same offset.
-    log.append(
+    // The refused offset stays taken.
+    let reuse = log.append(
         &[Entry {
             topic: b"t",
             offset: acked,
             data: b"small",
         }],
         0,
+    );
+    assert!(
+        matches!(
+            reuse,
+            Err(aqueduct_log::LogError::OffsetNotIncreasing { .. })
+        ),
+        "{reuse:?}"
+    );
+    // A small append still fits and goes on after it; the refused offset is written as a mark
+    // first, so no later run hands it out again.
+    assert!(log.has_burned());
+    log.append(
+        &[Entry {
+            topic: b"t",
+            offset: acked + 1,
+            data: b"small",
+        }],
+        0,
     )
     .expect("a small append after the failure");
+    assert!(!log.has_burned());
     drop(log); // crash
     let (log, rec) = Log::open(tmp.path(), LogOptions::default()).expect("reopen");
     assert_eq!(
