@@ -436,6 +436,7 @@ impl Broker {
             waker: opts.waker,
             seed_form: opts.seed_form,
             max_in_flight: opts.max_in_flight.map(|n| n.max(1)),
+            unrouted: false,
         }));
         match &group {
             Some(shared) => {
@@ -474,6 +475,7 @@ impl Broker {
             waker: opts.waker,
             seed_form: opts.seed_form,
             max_in_flight: opts.max_in_flight.map(|n| n.max(1)),
+            unrouted: true,
         }));
         self.write_routes().subscribers.insert(id, sub.clone());
         sub

@@ -176,6 +176,7 @@ pub struct Subscriber {
     seed_form: bool,
     /// The subscription's own bound on unsettled deliveries (below the broker's).
     max_in_flight: Option<usize>,
+    unrouted: bool,
     closed: AtomicBool,
     /// Copies of the queue length and the in-flight count, written under `state`'s lock and read
     /// without it by consumer-group picks (which run under the routing lock and so must not take
@@ -211,6 +212,8 @@ pub(crate) struct SubscriberInit {
     pub seed_form: bool,
     /// The subscription's own bound on unsettled deliveries, if it asked for one.
     pub max_in_flight: Option<usize>,
+    /// Fed from the durable log, not by routing (see `Broker::subscribe_unrouted`).
+    pub unrouted: bool,
 }
 
 impl Subscriber {
@@ -235,6 +238,7 @@ impl Subscriber {
             waker: init.waker,
             seed_form: init.seed_form,
             max_in_flight: init.max_in_flight,
+            unrouted: init.unrouted,
             closed: AtomicBool::new(false),
             queued_len: AtomicUsize::new(0),
             in_flight_len: AtomicUsize::new(0),
@@ -297,6 +301,12 @@ impl Subscriber {
 
     pub fn ack_mode(&self) -> AckMode {
         self.ack_mode
+    }
+
+    /// Fed from the durable log rather than by routing: its queue's producer waits for room,
+    /// so it is never closed as a slow consumer for being full.
+    pub fn is_unrouted(&self) -> bool {
+        self.unrouted
     }
 
     pub fn policy(&self) -> OverflowPolicy {

@@ -285,7 +285,9 @@ async fn serve_streams(
     let mut ctx = PublishContext::default();
     let now = Instant::now();
     for entry in state.take_subs() {
-        shared.broker.unsubscribe(&mut ctx, &entry.sub, now);
+        crate::stream::logged(&shared, &mut ctx, |ctx| {
+            shared.broker.unsubscribe(ctx, &entry.sub, now)
+        });
     }
     let st = conn.stats();
     info!(client = %state.describe(), "disconnected: {reason}");

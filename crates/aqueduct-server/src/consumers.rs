@@ -242,14 +242,22 @@ fn start_in(
     }
 }
 
+fn topic_matches(filter: &TopicFilter, topic: &[u8]) -> bool {
+    std::str::from_utf8(topic)
+        .ok()
+        .and_then(|s| TopicName::try_from(s).ok())
+        .is_some_and(|name| matching::matches(filter, &name))
+}
+
 /// Feed a durable subscription from the log until it is closed (or the task is aborted with its
-/// stream).
+/// stream). `resumed`: the consumer has a stored position.
 pub(crate) async fn feed(
     durable: Arc<Durable>,
     broker: Arc<Broker>,
     sub: Arc<Subscriber>,
     fed: SharedFed,
     start: DurableStart,
+    resumed: bool,
 ) {
     let filter = sub.filter().clone();
     let mut ctx = PublishContext::default();
@@ -266,36 +274,45 @@ pub(crate) async fn feed(
         let now_generation = durable.topics_generation.load(Ordering::Acquire);
         if generation != Some(now_generation) {
             generation = Some(now_generation);
-            let topics = durable.index.topics();
+            // Every topic the log has had (a topic whose data retention deleted, or whose first
+            // writes were refused, is one too: its next messages must not be missed).
+            let topics = durable.topics();
             let mut fed_now = lock(&fed);
             let fed_now = &mut fed_now.next;
             for t in topics {
-                let matches = std::str::from_utf8(&t)
-                    .ok()
-                    .and_then(|s| TopicName::try_from(s).ok())
-                    .is_some_and(|name| matching::matches(&filter, &name));
-                if matches && !fed_now.contains_key(&t) {
-                    let at = start_in(&durable, &broker, &t, start, !first_pass);
+                if topic_matches(&filter, &t) && !fed_now.contains_key(&t) {
+                    // A consumer that resumes reads topics it has no position for from their
+                    // start: they appeared after it started.
+                    let discovered = resumed || !first_pass;
+                    let at = start_in(&durable, &broker, &t, start, discovered);
                     fed_now.insert(t, at);
                 }
             }
             first_pass = false;
         }
+        // Only topics the filter matches: a stored position may hold others (the consumer
+        // subscribed with another filter before); they stay stored, unread.
         let topics: Vec<(Vec<u8>, u64)> = lock(&fed)
             .next
             .iter()
+            .filter(|(t, _)| topic_matches(&filter, t))
             .map(|(t, o)| (t.clone(), *o))
             .collect();
         let mut moved = false;
         for (topic, from) in topics {
-            // Nothing new in the log for this topic: no read at all.
-            if durable.written_next(&topic).is_none_or(|next| next <= from) {
+            // Nothing new and durable in the log for this topic: no read at all.
+            let Some(bound) = durable.durable_next(&topic).filter(|next| *next > from) else {
                 continue;
-            }
+            };
             let index = durable.index.clone();
             let t = topic.clone();
+            // Up to what is durable: a batch written but not yet synced is not the consumer's yet.
             let read = tokio::task::spawn_blocking(move || {
-                index.read(&t, from).take(READ_BATCH).collect::<Vec<_>>()
+                index
+                    .read(&t, from)
+                    .take_while(|r| r.as_ref().map_or(true, |r| r.offset < bound))
+                    .take(READ_BATCH)
+                    .collect::<Vec<_>>()
             })
             .await
             .unwrap_or_default();
@@ -306,8 +323,10 @@ pub(crate) async fn feed(
                 let r = match r {
                     Ok(r) => r,
                     Err(e) => {
-                        warn!(topic = %name, "durable consumer: cannot read the log: {e}");
-                        break;
+                        // Damage since it was indexed (or a segment deleted meanwhile): skipped,
+                        // the reader goes on with what follows it.
+                        warn!(topic = %name, "durable consumer: cannot read part of the log, skipping it: {e}");
+                        continue;
                     }
                 };
                 let Some(m) = StoredMessage::decode(&r.data) else {

@@ -25,7 +25,7 @@ use aqueduct_proto::frame::Message;
 use aqueduct_proto::{
     Compression, Confirm, ErrorCode, ErrorFrame, Frame, Priority, TopicName, TraceContext,
 };
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::stats::ServerStats;
 use crate::stream::StreamOut;
@@ -37,11 +37,28 @@ pub(crate) const MAX_QUEUED_BYTES: usize = 16 << 20;
 /// What the queue bound allows in flight to the log (queued plus being written), with room to
 /// spare: the log's crash offset gap.
 pub(crate) const CRASH_OFFSET_GAP: u64 = 1 << 20;
+/// The most bytes of queued messages one log batch takes (a batch's limit is 64 MiB).
+const MAX_CHUNK_BYTES: usize = 32 << 20;
 /// How often the writer applies retention.
 const RETENTION_EVERY: Duration = Duration::from_secs(10);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Raise `map[topic]` to at least `n`.
+fn raise(map: &mut HashMap<Box<[u8]>, u64>, topic: &[u8], n: u64) {
+    match map.get_mut(topic) {
+        Some(v) => *v = (*v).max(n),
+        None => {
+            map.insert(Box::from(topic), n);
+        }
+    }
+}
+
+/// Where the stored bytes of the first `recs` records end.
+fn data_end(work: &Queue, recs: usize) -> usize {
+    recs.checked_sub(1).map_or(0, |i| work.recs[i].end)
 }
 
 /// A message as the log stores it: what a subscriber needs to receive it again.
@@ -242,6 +259,10 @@ pub(crate) struct Waiter {
     pub confirm: bool,
 }
 
+/// Why a frame is answered STORAGE_FAILED without being published.
+const REFUSED: &str = "the durable log cannot write (see the broker's log); nothing of this \
+                       frame was published";
+
 #[derive(Debug)]
 struct Rec {
     topic: Arc<TopicState>,
@@ -264,6 +285,8 @@ struct Queue {
     data: Vec<u8>,
     recs: Vec<Rec>,
     groups: Vec<Group>,
+    /// Groups (by index) refused without being published: answered STORAGE_FAILED.
+    refused: Vec<usize>,
     closing: bool,
 }
 
@@ -281,8 +304,15 @@ pub(crate) struct Durable {
     room: tokio::sync::Notify,
     /// Held while a stream routes a publish frame and queues its messages.
     pub order: Mutex<()>,
-    /// Each topic's next offset as written (and, at startup, as recovered).
+    /// Each topic's next offset as handed out to the log (written or refused; at startup, as
+    /// recovered): where a topic the core creates again starts.
     next: Mutex<HashMap<Box<[u8]>, u64>>,
+    /// Each topic's next offset past what is durable (written and, as the fsync mode says,
+    /// synced): durable consumers read no further.
+    durable_next: Mutex<HashMap<Box<[u8]>, u64>>,
+    /// The last write failed: publishes are refused (STORAGE_FAILED) without being routed until
+    /// the log writes again, so the offsets the log owes as marks stay few.
+    failing: std::sync::atomic::AtomicBool,
     /// What readers of the log (durable consumers) read through.
     pub index: aqueduct_log::LogIndex,
     /// Woken after every write: durable consumers that have caught up wait on it.
@@ -324,7 +354,9 @@ impl Durable {
             room: tokio::sync::Notify::new(),
             order: Mutex::new(()),
             floor: log.new_topic_offset(),
+            durable_next: Mutex::new(next.clone()),
             next: Mutex::new(next),
+            failing: std::sync::atomic::AtomicBool::new(false),
             index: log.index(),
             progress: tokio::sync::Notify::new(),
             topics_generation: AtomicU64::new(0),
@@ -350,9 +382,20 @@ impl Durable {
         lock(&self.next).get(topic).copied().unwrap_or(self.floor)
     }
 
-    /// One past the highest offset of `topic` written to the log so far (`None`: none yet).
-    pub fn written_next(&self, topic: &[u8]) -> Option<u64> {
-        lock(&self.next).get(topic).copied()
+    /// One past the highest durable offset of `topic` (`None`: none yet). Durable consumers
+    /// read no further: a message written but not yet synced is not theirs yet.
+    pub fn durable_next(&self, topic: &[u8]) -> Option<u64> {
+        lock(&self.durable_next).get(topic).copied()
+    }
+
+    /// Every topic the log has had (for durable consumers' wildcard filters).
+    pub fn topics(&self) -> Vec<Vec<u8>> {
+        lock(&self.next).keys().map(|k| k.to_vec()).collect()
+    }
+
+    /// The last write failed and nothing has been written since.
+    pub fn is_failing(&self) -> bool {
+        self.failing.load(Ordering::Acquire)
     }
 
     /// Wait until the queue has room (before routing the next publish frame).
@@ -383,9 +426,8 @@ impl Durable {
             q.recs.push(Rec { topic, offset, end });
             n += 1;
         }
-        if n == 0 {
-            return;
-        }
+        // Even with no messages (an empty PUBLISH_BATCH): its CONFIRM comes in order.
+        let _ = n;
         self.close_group(q, Some(waiter));
     }
 
@@ -402,6 +444,15 @@ impl Durable {
             .store(q.recs.len() as u64, Ordering::Relaxed);
         drop(q);
         self.ready.notify_one();
+    }
+
+    /// Answer a publish frame STORAGE_FAILED, in order with the answers to earlier frames,
+    /// without publishing it (the log is failing).
+    pub fn queue_refusal(&self, waiter: Waiter) {
+        let mut q = lock(&self.queue);
+        let index = q.groups.len();
+        q.refused.push(index);
+        self.close_group(q, Some(waiter));
     }
 
     /// Queue dead letters the broker published (no one to confirm them to). Call under
@@ -471,13 +522,13 @@ impl Durable {
         loop {
             let closing = {
                 let mut q = lock(&self.queue);
-                while q.recs.is_empty() && !q.closing {
+                while q.groups.is_empty() && !q.closing {
                     let (g, timeout) = self
                         .ready
                         .wait_timeout(q, tick)
                         .unwrap_or_else(|e| e.into_inner());
                     q = g;
-                    if timeout.timed_out() && q.recs.is_empty() {
+                    if timeout.timed_out() && q.groups.is_empty() {
                         break;
                     }
                 }
@@ -487,14 +538,18 @@ impl Durable {
                 work.closing
             };
             self.room.notify_waiters();
-            if !work.recs.is_empty() {
+            if !work.groups.is_empty() {
                 self.write(&mut log, &work);
                 work.data.clear();
                 work.recs.clear();
                 work.groups.clear();
-            } else if let Err(e) = log.commit() {
-                // An interval sync with nothing new queued.
-                warn!("durable log: sync failed: {e}");
+                work.refused.clear();
+            } else {
+                self.retry_after_failure(&mut log);
+                if let Err(e) = log.commit() {
+                    // An interval sync with nothing new queued.
+                    warn!("durable log: sync failed: {e}");
+                }
             }
             if last_retention.elapsed() >= RETENTION_EVERY {
                 last_retention = Instant::now();
@@ -531,41 +586,103 @@ impl Durable {
         let now_ms = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
-        let mut first = 0;
-        if self.fsync == FsyncMode::Always {
-            // One append and one sync per publish frame.
-            for g in &work.groups {
-                let result = log
-                    .append(&entries[first..g.recs_end], now_ms)
-                    .and_then(|_| log.commit().map(|_| ()));
-                self.settle(std::slice::from_ref(g), first, work, &result);
-                first = g.recs_end;
+        // Chunks of whole groups: each group alone with `always` (one sync per publish frame),
+        // else as many as fit in one log batch (a batch has a size limit).
+        let always = self.fsync == FsyncMode::Always;
+        let mut chunks: Vec<(std::ops::Range<usize>, std::ops::Range<usize>)> = Vec::new();
+        let (mut g0, mut r0, mut bytes) = (0, 0, 0usize);
+        for (gi, g) in work.groups.iter().enumerate() {
+            let g_first = if gi == 0 {
+                0
+            } else {
+                work.groups[gi - 1].recs_end
+            };
+            let g_bytes = data_end(work, g.recs_end) - data_end(work, g_first);
+            if gi > g0 && (always || bytes + g_bytes > MAX_CHUNK_BYTES) {
+                chunks.push((g0..gi, r0..g_first));
+                (g0, r0, bytes) = (gi, g_first, 0);
             }
-        } else {
-            let result = log
-                .append(&entries, now_ms)
-                .and_then(|_| log.commit().map(|_| ()));
-            self.settle(&work.groups, 0, work, &result);
+            bytes += g_bytes;
         }
-        self.stats.group_commits.fetch_add(1, Ordering::Relaxed);
-        // Written (or refused): record the topics' next offsets before their states go.
-        let mut next = lock(&self.next);
-        let mut new_topic = false;
-        for r in &work.recs {
-            let n = r.offset + 1;
-            match next.get_mut(r.topic.name().as_bytes()) {
-                Some(v) => *v = (*v).max(n),
-                None => {
-                    next.insert(Box::from(r.topic.name().as_bytes()), n);
-                    new_topic = true;
+        chunks.push((g0..work.groups.len(), r0..work.recs.len()));
+        let mut results = Vec::with_capacity(chunks.len());
+        for (_, recs) in &chunks {
+            let appended = if recs.is_empty() {
+                Ok(())
+            } else {
+                log.append(&entries[recs.clone()], now_ms).map(|_| ())
+            };
+            let result = if always {
+                appended.and_then(|()| log.commit().map(|_| ()))
+            } else {
+                appended
+            };
+            results.push(result);
+        }
+        if !always {
+            // One sync for everything appended: the group commit.
+            if let Err(e) = log.commit() {
+                let failed = e.to_string();
+                for r in results.iter_mut().filter(|r| r.is_ok()) {
+                    *r = Err(LogError::Poisoned(failed.clone()));
                 }
             }
         }
-        drop(next);
+        let ok = results.iter().all(Result::is_ok);
+        self.failing.store(!ok, Ordering::Release);
+        for ((groups, recs), result) in chunks.iter().zip(&results) {
+            let mut first = recs.start;
+            for gi in groups.clone() {
+                let g = &work.groups[gi];
+                if work.refused.contains(&gi) {
+                    // Not an I/O error of its own: the failure was logged when it happened.
+                    let refused = Err(LogError::InvalidAppend(REFUSED.into()));
+                    self.settle(std::slice::from_ref(g), first, work, &refused);
+                } else {
+                    self.settle(std::slice::from_ref(g), first, work, result);
+                }
+                first = g.recs_end;
+            }
+        }
+        self.stats.group_commits.fetch_add(1, Ordering::Relaxed);
+        // Record the topics' next offsets before their states go: every offset handed out
+        // (written or refused, for new topics' first offsets), and what is durable (for durable
+        // consumers, who read no further).
+        let mut next = lock(&self.next);
+        let mut durable = lock(&self.durable_next);
+        let mut new_topic = false;
+        for ((_, recs), result) in chunks.iter().zip(&results) {
+            for r in &work.recs[recs.clone()] {
+                let name = r.topic.name().as_bytes();
+                let n = r.offset.saturating_add(1);
+                raise(&mut next, name, n);
+                if result.is_ok() {
+                    new_topic |= !durable.contains_key(name);
+                    raise(&mut durable, name, n);
+                }
+            }
+        }
+        drop((next, durable));
         if new_topic {
             self.topics_generation.fetch_add(1, Ordering::Release);
         }
         self.progress.notify_waiters();
+    }
+
+    /// The log could not write: try the offsets it owes as marks (they are the first thing it
+    /// writes anyway); once that works, publishing goes on.
+    fn retry_after_failure(&self, log: &mut Log) {
+        if !self.failing.load(Ordering::Acquire) && !log.has_burned() {
+            return;
+        }
+        match log.flush_burned().and_then(|_| log.commit()) {
+            Ok(_) => {
+                if self.failing.swap(false, Ordering::AcqRel) {
+                    info!("durable log: writing again");
+                }
+            }
+            Err(e) => debug!("durable log: still failing: {e}"),
+        }
     }
 
     /// Tell the publishers of `groups` (whose records start at `first`) how their batch fared.

@@ -163,7 +163,7 @@ fn end_subscriptions(
 /// Run a broker call that may publish dead letters (a NACK, a subscription ending, a slow
 /// consumer closed) so that, with the durable log, they are logged in order (see
 /// [`Durable::with_order`]).
-fn logged<T>(
+pub(crate) fn logged<T>(
     shared: &Shared,
     ctx: &mut PublishContext,
     f: impl FnOnce(&mut PublishContext) -> T,
@@ -208,7 +208,7 @@ fn detach_subscriptions(shared: &Shared, out: &StreamOut) {
     let now = Instant::now();
     for sub in &subs {
         stop_feeding(shared, out, sub);
-        shared.broker.detach(&mut ctx, sub, now);
+        logged(shared, &mut ctx, |ctx| shared.broker.detach(ctx, sub, now));
     }
     ctx.clear_held();
 }
@@ -257,6 +257,10 @@ pub(crate) async fn serve(
                 // end after the writer has sent what was queued.
                 end_subscriptions(&shared, &conn, &out, |s| s.ack_mode() == AckMode::Explicit);
                 stop_routing(&shared, &out);
+                // Durable consumers without ACKs get nothing new either: their feeders stop.
+                for (_, feeder) in lock(&out.durables).values() {
+                    feeder.abort();
+                }
                 out.reader_done.store(true, Ordering::Release);
                 out.notify.notify_one();
             }
@@ -432,6 +436,12 @@ impl Reader<'_> {
                     false
                 }
             };
+            if timed_out && sub.is_unrouted() {
+                // A durable consumer's queue is filled by its own feeder (which waits for room)
+                // and by redeliveries: stop holding this stream, but do not close it — it would
+                // lose its place in the log.
+                continue;
+            }
             if timed_out {
                 // One stuck consumer must not hold its publishers forever.
                 warn!(
@@ -601,13 +611,15 @@ impl Reader<'_> {
                 }
                 lock(&self.out.subs).push(sub.clone());
                 self.out.notify.notify_one();
-                if let (Some((key, start, fed, _)), Some(d)) = (feeder, &self.shared.durable) {
+                if let (Some((key, start, fed, resumed)), Some(d)) = (feeder, &self.shared.durable)
+                {
                     let task = tokio::spawn(crate::consumers::feed(
                         d.clone(),
                         self.shared.broker.clone(),
                         sub.clone(),
                         fed,
                         start,
+                        resumed,
                     ));
                     lock(&self.out.durables).insert(sub.id(), (key, task.abort_handle()));
                 }
@@ -689,6 +701,13 @@ impl Reader<'_> {
         now: Instant,
     ) {
         let _order = lock(&d.order);
+        if d.is_failing() {
+            // The log cannot write: refuse the frame before it is routed, so that no offset is
+            // handed out that the log cannot record (it owes few enough as it is). The ERROR
+            // goes through the writer's queue, behind the answers to earlier frames.
+            d.queue_refusal(waiter);
+            return;
+        }
         self.ctx.record_dead_letters();
         let routed = &mut self.routed;
         self.shared.broker.publish_batch(

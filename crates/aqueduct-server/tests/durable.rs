@@ -365,3 +365,100 @@ async fn dead_letters_are_logged_and_replayed_with_their_origin() {
         ("jobs", 0)
     );
 }
+
+/// An empty PUBLISH_BATCH asking for CONFIRM gets its (empty) CONFIRM, in order with the
+/// answers to the frames around it, with the log on as without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_confirmed_batch_is_answered_in_order() {
+    use aqueduct_proto::frame::Message as Wire;
+    use aqueduct_proto::{Frame, Publish, PublishBatch, TopicName};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut s = raw.stream().await;
+    let mut empty = PublishBatch::from_publishes(&[]);
+    empty.ext.confirm = true;
+    let one = Publish::new(
+        TopicName::try_from("t").expect("topic"),
+        Bytes::from_static(b"x"),
+    )
+    .with_confirm();
+    s.write_frame(&Frame::new(1, Wire::Publish(one.clone())))
+        .await;
+    s.write_frame(&Frame::new(2, Wire::PublishBatch(empty)))
+        .await;
+    s.write_frame(&Frame::new(3, Wire::Publish(one))).await;
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        let f = s.read_frame().await.expect("an answer");
+        match f.message {
+            Wire::Confirm(c) => answers.push((f.stream_id, c.offsets)),
+            other => panic!("expected CONFIRM, got {other:?}"),
+        }
+    }
+    assert_eq!(answers, vec![(1, vec![0]), (2, vec![]), (3, vec![1])]);
+    raw.forget();
+    b.stop().await.expect("clean shutdown");
+}
+
+/// A consumer that comes back reads topics it has no position for (they appeared while it was
+/// away) from their first message, whatever start it asks for; and only topics its filter
+/// matches now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_consumer_reads_new_topics_from_the_start_and_only_what_it_matches() {
+    use aqueduct_client::DurableStart;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let client = b.client().await;
+    publish_n(&client, "a/1", 0..2).await;
+    let mut sub = client
+        .subscribe_with("a/+", &durable_opts("r", DurableStart::Earliest))
+        .await
+        .expect("subscribe");
+    assert_eq!(take_acked(&mut sub, 2).await, expect(0..2));
+    leave(&b, sub, &client).await;
+    // While it is away: a new topic it matches, one it does not.
+    let client = b.client().await;
+    publish_n(&client, "a/2", 0..3).await;
+    publish_n(&client, "b/1", 0..3).await;
+    let mut sub = client
+        .subscribe_with("a/+", &durable_opts("r", DurableStart::Latest))
+        .await
+        .expect("resubscribe");
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        let m = next(&mut sub).await;
+        got.push((m.topic().as_str().to_string(), m.offset()));
+        m.ack().await.expect("ack");
+    }
+    assert_eq!(
+        got,
+        vec![("a/2".into(), 0), ("a/2".into(), 1), ("a/2".into(), 2)],
+        "a topic created while it was away: all of it"
+    );
+    leave(&b, sub, &client).await;
+    // The same consumer with another filter: the old topics' positions stay, unread.
+    let client = b.client().await;
+    let mut sub = client
+        .subscribe_with("b/+", &durable_opts("r", DurableStart::Latest))
+        .await
+        .expect("resubscribe with another filter");
+    publish_n(&client, "a/1", 2..3).await;
+    publish_n(&client, "b/1", 3..4).await;
+    let m = next(&mut sub).await;
+    assert_eq!(
+        (m.topic().as_str(), m.offset()),
+        ("b/1", 0),
+        "b/1 from its first message"
+    );
+    let mut seen = vec![m.topic().as_str().to_string()];
+    m.ack().await.expect("ack");
+    for _ in 0..3 {
+        let m = next(&mut sub).await;
+        seen.push(m.topic().as_str().to_string());
+        m.ack().await.expect("ack");
+    }
+    assert!(seen.iter().all(|t| t == "b/1"), "nothing of a/+: {seen:?}");
+    leave(&b, sub, &client).await;
+    b.stop().await.expect("clean shutdown");
+}
