@@ -260,8 +260,9 @@ impl Subscription {
 
     /// Unsubscribe and wait (up to 10 s) until the broker has handled everything sent on the
     /// subscription's stream — the ACKs and NACKs before the UNSUBSCRIBE included — and finished
-    /// its side. Messages still arriving meanwhile are discarded (unacknowledged, a group or
-    /// durable consumer gets them again). Prefer it to dropping the subscription, or closing the
+    /// its side. Messages still arriving meanwhile are discarded: with explicit ACKs (always so
+    /// in a group) they were not acknowledged, and a group or durable consumer gets them again;
+    /// without, they count as settled when the broker wrote them. Prefer it to dropping the subscription, or closing the
     /// client, right after acknowledging: those may cut ACKs that are still on their way, and
     /// their messages are then delivered again.
     pub async fn close(mut self) -> Result<(), ClientError> {

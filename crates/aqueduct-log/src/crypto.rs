@@ -17,6 +17,9 @@ pub const TAG_LEN: usize = 16;
 /// Bytes of a segment's salt.
 pub const SALT_LEN: usize = 32;
 const INFO: &[u8] = b"aqueduct-aal segment key v1";
+const INDEX_INFO: &[u8] = b"aqueduct-aal index mac v1";
+/// Bytes of an index file's MAC (HMAC-SHA256).
+pub const INDEX_MAC_LEN: usize = 32;
 /// The key check's nonce: all ones, a value the batch counter (whose first four bytes are
 /// zero) never takes.
 const CHECK_NONCE: [u8; NONCE_LEN] = [0xFF; NONCE_LEN];
@@ -53,9 +56,10 @@ impl hkdf::KeyType for KeyLen {
     }
 }
 
-/// One segment's data key.
+/// One segment's data key, and the key that authenticates its index file.
 pub(crate) struct SegmentCipher {
     key: LessSafeKey,
+    index_mac: ring::hmac::Key,
 }
 
 impl std::fmt::Debug for SegmentCipher {
@@ -80,9 +84,12 @@ impl SegmentCipher {
         let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, salt).extract(&master.0);
         let mut data_key = [0u8; 32];
         prk.expand(&[INFO], KeyLen)?.fill(&mut data_key)?;
+        let mut mac_key = [0u8; 32];
+        prk.expand(&[INDEX_INFO], KeyLen)?.fill(&mut mac_key)?;
         let unbound = UnboundKey::new(&AES_256_GCM, &data_key)?;
         Ok(SegmentCipher {
             key: LessSafeKey::new(unbound),
+            index_mac: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &mac_key),
         })
     }
 
@@ -111,6 +118,19 @@ impl SegmentCipher {
                 &mut buf,
             )
             .is_ok()
+    }
+
+    /// The MAC of an index file's bytes: without the master key nobody can change an index
+    /// (to hide data or lower a topic's offsets) unnoticed.
+    pub(crate) fn index_mac(&self, bytes: &[u8]) -> [u8; INDEX_MAC_LEN] {
+        let tag = ring::hmac::sign(&self.index_mac, bytes);
+        let mut out = [0u8; INDEX_MAC_LEN];
+        out.copy_from_slice(tag.as_ref());
+        out
+    }
+
+    pub(crate) fn verify_index_mac(&self, bytes: &[u8], mac: &[u8]) -> bool {
+        ring::hmac::verify(&self.index_mac, bytes, mac).is_ok()
     }
 
     /// Encrypt `data` in place and append the tag.

@@ -14,8 +14,9 @@
 //!   being written when the broker crashed) is read through. A torn tail is cut; a checked
 //!   batch that fails authentication stops the open ([`LogError::Tampered`]); damage in the
 //!   middle is recorded, skipped by readers and never deleted.
-//! - **Offsets** belong to the broker (per topic); the log refuses to take one twice and, after
-//!   a crash, moves every topic past what may have been handed out unwritten
+//! - **Offsets** belong to the broker (per topic); the log refuses to take one twice (only the
+//!   explicit [`Log::truncate_after`] rolls a topic back), keeps the offsets of failed appends
+//!   as taken, and, after a crash, moves every topic past what may have been handed out unwritten
 //!   ([`LogOptions::crash_offset_gap`]).
 //!
 //! The API is narrow — [`Log::append`], [`Log::read`], [`Log::truncate_after`],

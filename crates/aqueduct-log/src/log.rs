@@ -35,6 +35,9 @@ pub enum FsyncMode {
 pub struct LogOptions {
     /// Seal batches with AES-256-GCM under keys derived from this one; `None`: plaintext.
     pub key: Option<MasterKey>,
+    /// With a key, still read plaintext segments (a log that was plaintext before the key was
+    /// set); otherwise one is refused, as anyone who can write to the directory could add it.
+    pub allow_plaintext: bool,
     /// A segment is sealed and a new one started before it would grow past this many bytes
     /// (`aal.max_aal_size`). A single batch larger than this gets a segment to itself.
     pub max_segment_bytes: u64,
@@ -53,6 +56,7 @@ impl Default for LogOptions {
     fn default() -> Self {
         LogOptions {
             key: None,
+            allow_plaintext: false,
             max_segment_bytes: 100 * 1024 * 1024,
             retention_bytes: None,
             retention_age: None,
@@ -243,7 +247,8 @@ impl Log {
         for (i, (id, path)) in files.iter().enumerate() {
             next_id = next_id.max(id + 1);
             let last = i + 1 == files.len();
-            let (scanned, rebuilt) = match segment::load(&dir, path, opts.key.as_ref(), last) {
+            let loaded = segment::load(&dir, path, opts.key.as_ref(), opts.allow_plaintext, last);
+            let (scanned, rebuilt) = match loaded {
                 Ok(s) => s,
                 Err(LogError::BadFile { .. }) if last && short_or_blank(path) => {
                     // A crash while the segment was being created: nothing was ever in it. The
@@ -815,7 +820,12 @@ impl Log {
         self.sync()?;
         // Check that `position` is a batch boundary by reading the segment up to it.
         let file = File::open(&path).map_err(|e| LogError::io("opening segment", &path, e))?;
-        let (header, cipher) = segment::open_header(&path, &file, self.opts.key.as_ref())?;
+        let (header, cipher) = segment::open_header(
+            &path,
+            &file,
+            self.opts.key.as_ref(),
+            self.opts.allow_plaintext,
+        )?;
         if position.byte > seg_len {
             return Err(LogError::InvalidAppend(format!(
                 "byte {} is past the end of segment {}",
@@ -917,7 +927,8 @@ impl LogView {
         let mut torn_bytes = 0;
         for (i, (_, path)) in files.iter().enumerate() {
             let last = i + 1 == files.len();
-            match segment::load(dir, path, key, last) {
+            // Read-only, for inspection: plaintext segments are shown too.
+            match segment::load(dir, path, key, true, last) {
                 Ok((scanned, _)) => {
                     torn_bytes += scanned.torn_bytes;
                     segments.push(scanned.segment);

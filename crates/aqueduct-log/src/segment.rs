@@ -180,7 +180,11 @@ impl Segment {
     pub fn write_index(&self, dir: &Path) -> Result<(), LogError> {
         let path = index_path(dir, self.id);
         let tmp = path.with_extension("idx.tmp");
-        let bytes = self.index_file().encode();
+        let mut bytes = self.index_file().encode();
+        if let Some(c) = &self.cipher {
+            let mac = c.index_mac(&bytes);
+            bytes.extend_from_slice(&mac);
+        }
         let mut f = File::create(&tmp).map_err(|e| LogError::io("creating index file", &tmp, e))?;
         f.write_all(&bytes)
             .and_then(|()| f.sync_all())
@@ -233,6 +237,7 @@ pub(crate) fn open_header(
     path: &Path,
     file: &File,
     key: Option<&MasterKey>,
+    allow_plaintext: bool,
 ) -> Result<(SegmentHeader, Option<Arc<SegmentCipher>>), LogError> {
     let mut raw = [0u8; HEADER_LEN];
     file.read_exact_at(&mut raw, 0)
@@ -245,6 +250,15 @@ pub(crate) fn open_header(
         reason,
     })?;
     if !header.encrypted {
+        if key.is_some() && !allow_plaintext {
+            return Err(LogError::BadFile {
+                path: path.to_path_buf(),
+                reason: "a plaintext segment in a log that has a key: anyone who can write to the \
+                         directory could have put it there. If the log was plaintext before the \
+                         key was set, allow it with aal.allow_plaintext: true"
+                    .into(),
+            });
+        }
         return Ok((header, None));
     }
     let key = key.ok_or_else(|| LogError::KeyRequired {
@@ -265,16 +279,26 @@ pub(crate) fn load(
     dir: &Path,
     path: &Path,
     key: Option<&MasterKey>,
+    allow_plaintext: bool,
     last: bool,
 ) -> Result<(Scanned, bool), LogError> {
     let file = File::open(path).map_err(|e| LogError::io("opening segment", path, e))?;
-    let (header, cipher) = open_header(path, &file, key)?;
+    let (header, cipher) = open_header(path, &file, key, allow_plaintext)?;
     let file_len = file
         .metadata()
         .map_err(|e| LogError::io("reading the size of segment", path, e))?
         .len();
     if let Ok(bytes) = std::fs::read(index_path(dir, header.id)) {
-        if let Ok(idx) = IndexFile::decode(&bytes) {
+        // With a key, an index must carry a valid MAC; one that does not is read through
+        // instead (the batches themselves are authenticated).
+        let body = match &cipher {
+            Some(c) => bytes
+                .split_last_chunk::<{ crate::crypto::INDEX_MAC_LEN }>()
+                .filter(|(body, mac)| c.verify_index_mac(body, &mac[..]))
+                .map(|(body, _)| body),
+            None => Some(&bytes[..]),
+        };
+        if let Some(idx) = body.and_then(|b| IndexFile::decode(b).ok()) {
             if idx.segment_id == header.id && idx.covered_len == file_len {
                 let segment = Segment::from_index(dir, &header, cipher, idx);
                 return Ok((

@@ -702,3 +702,53 @@ fn an_unreadable_older_segment_stops_the_open_and_a_damaged_newest_counts_as_a_c
     }
     Ok(())
 }
+
+#[test]
+fn with_a_key_index_files_are_authenticated_and_plaintext_segments_refused() -> R {
+    // An index changed without the key is not trusted: the segment is read through instead.
+    let tmp = tempfile::tempdir()?;
+    let (mut log, _) = Log::open(tmp.path(), opts(Some(key(12))))?;
+    fill(&mut log, "a", 3, 2)?;
+    log.close()?;
+    let seg = segments(tmp.path()).pop().ok_or("no segment")?;
+    let idx_path = seg.with_extension("idx");
+    let mut idx = std::fs::read(&idx_path)?;
+    // Flip a byte of the index body and fix its CRC (the MAC after it stays as it was).
+    let body_len = idx.len() - 32 - 4;
+    // The last byte of the body: inside the last entry's position, so the index still decodes
+    // and still covers the segment's length; only the MAC tells.
+    idx[body_len - 1] ^= 1;
+    let crc = crc32c(&idx[..body_len]);
+    idx[body_len..body_len + 4].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(&idx_path, &idx)?;
+    let (log, rec) = Log::open(tmp.path(), opts(Some(key(12))))?;
+    assert_eq!(rec.rebuilt_indexes, 1, "a tampered index is read through");
+    assert_eq!(
+        offsets(&read_all(&log, "a", 0)?),
+        (0..6).collect::<Vec<_>>()
+    );
+    drop(log);
+
+    // A plaintext log gets a key: its older plaintext segments are refused unless allowed.
+    let tmp = tempfile::tempdir()?;
+    let small = |key, allow| LogOptions {
+        max_segment_bytes: 400,
+        allow_plaintext: allow,
+        ..opts(key)
+    };
+    let (mut log, _) = Log::open(tmp.path(), small(None, false))?;
+    fill(&mut log, "p", 8, 3)?;
+    log.close()?;
+    let e = Log::open(tmp.path(), small(Some(key(13)), false)).map(|_| ());
+    match e {
+        Err(LogError::BadFile { reason, .. }) => {
+            assert!(reason.contains("aal.allow_plaintext"), "{reason}")
+        }
+        other => return Err(format!("expected BadFile, got {other:?}").into()),
+    }
+    let (mut log, _) = Log::open(tmp.path(), small(Some(key(13)), true))?;
+    assert_eq!(read_all(&log, "p", 0)?.len(), 24);
+    fill(&mut log, "p", 1, 1)?;
+    assert_eq!(read_all(&log, "p", 0)?.len(), 25);
+    Ok(())
+}

@@ -528,6 +528,8 @@ pub struct AalConfig {
     pub dir: PathBuf,
     /// `None`: plaintext (`aal.allow_plaintext`).
     pub key: Option<aqueduct_log::MasterKey>,
+    /// `aal.allow_plaintext`: also, with a key, read plaintext segments of before.
+    pub allow_plaintext: bool,
     pub max_segment_bytes: u64,
     pub fsync: aqueduct_log::FsyncMode,
     pub retention_bytes: Option<u64>,
@@ -539,6 +541,7 @@ impl AalConfig {
     pub fn log_options(&self, crash_offset_gap: u64) -> aqueduct_log::LogOptions {
         aqueduct_log::LogOptions {
             key: self.key.clone(),
+            allow_plaintext: self.allow_plaintext,
             max_segment_bytes: self.max_segment_bytes,
             retention_bytes: self.retention_bytes,
             retention_age: self.retention_age,
@@ -1079,6 +1082,7 @@ impl AalSection {
         Ok(Some(AalConfig {
             dir,
             key,
+            allow_plaintext: self.allow_plaintext,
             max_segment_bytes,
             fsync,
             retention_bytes: Some(self.retention_bytes).filter(|&b| b > 0),

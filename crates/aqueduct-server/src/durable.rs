@@ -336,7 +336,7 @@ impl Durable {
         recovery: &Recovery,
         fsync: FsyncMode,
         server_stats: Arc<ServerStats>,
-    ) -> Arc<Durable> {
+    ) -> std::io::Result<Arc<Durable>> {
         let next: HashMap<Box<[u8]>, u64> = log
             .topics()
             .map(|t| (Box::from(t), log.next_offset(t)))
@@ -367,14 +367,13 @@ impl Durable {
         });
         durable.note_log(&log);
         let d = durable.clone();
+        // Without its writer nothing would ever be stored or confirmed: a failure to start it
+        // stops the broker's start.
         let handle = std::thread::Builder::new()
             .name("aqueduct-log-writer".into())
-            .spawn(move || d.run(log));
-        match handle {
-            Ok(h) => *lock(&durable.writer) = Some(h),
-            Err(e) => error!("cannot start the log writer thread: {e}"),
-        }
-        durable
+            .spawn(move || d.run(log))?;
+        *lock(&durable.writer) = Some(handle);
+        Ok(durable)
     }
 
     /// The offset a topic's next message gets when the core creates its state.

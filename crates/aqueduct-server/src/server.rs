@@ -39,6 +39,8 @@ pub enum ServerError {
     Transport(String),
     #[error("aal (durable log): {0}")]
     Log(#[from] aqueduct_log::LogError),
+    #[error("{0}")]
+    Startup(String),
 }
 
 /// What every connection task shares.
@@ -310,7 +312,7 @@ async fn open_log(aal: &AalConfig, stats: Arc<ServerStats>) -> Result<Arc<Durabl
     let fsync = aal.fsync;
     let (log, rec) = tokio::task::spawn_blocking(move || Log::open(dir, opts))
         .await
-        .map_err(|e| ServerError::Transport(format!("log recovery task failed: {e}")))??;
+        .map_err(|e| ServerError::Startup(format!("the log recovery task failed: {e}")))??;
     info!(
         dir = %aal.dir.display(),
         encrypted = aal.key.is_some(),
@@ -340,7 +342,9 @@ async fn open_log(aal: &AalConfig, stats: Arc<ServerStats>) -> Result<Arc<Durabl
     for (path, why) in &rec.unreadable_segments {
         warn!(path = %path.display(), "durable log: segment unreadable, left in place: {why}");
     }
-    Ok(Durable::start(log, &rec, fsync, stats))
+    Durable::start(log, &rec, fsync, stats).map_err(|e| {
+        ServerError::Startup(format!("cannot start the durable log's writer thread: {e}"))
+    })
 }
 
 /// Redeliver deliveries whose ack-wait deadline passed.

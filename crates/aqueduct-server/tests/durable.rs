@@ -20,6 +20,7 @@ fn aal(dir: &Path, fsync: FsyncMode) -> AalConfig {
     AalConfig {
         dir: dir.to_path_buf(),
         key: Some(key()),
+        allow_plaintext: false,
         max_segment_bytes: 1 << 20,
         fsync,
         retention_bytes: None,
