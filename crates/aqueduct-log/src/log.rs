@@ -674,7 +674,7 @@ impl Log {
     fn rotate(&mut self) -> Result<(), LogError> {
         self.sync()?;
         let dir = self.dir.clone();
-        let (next_id, generation, unclean) = {
+        let (next_id, generation, unclean, idx, cipher) = {
             let mut segments = self.segments.get_mut();
             let seg = segments
                 .last_mut()
@@ -682,9 +682,16 @@ impl Log {
             // Sealed, but not a clean close: only `close` says that (a crash before the next
             // segment exists must still count as one).
             seg.clean = false;
-            seg.write_index(&dir)?;
-            (seg.id + 1, seg.generation, seg.unclean_before)
+            (
+                seg.id + 1,
+                seg.generation,
+                seg.unclean_before,
+                seg.index_file(),
+                seg.cipher.clone(),
+            )
         };
+        // Written without holding the index's lock: readers on other threads go on meanwhile.
+        segment::write_index_file(&dir, next_id - 1, &idx, cipher.as_deref())?;
         let (seg, file) = Segment::create(
             &dir,
             next_id,

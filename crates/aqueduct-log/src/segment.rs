@@ -27,6 +27,28 @@ pub(crate) fn index_path(dir: &Path, id: u64) -> PathBuf {
     dir.join(format!("{id:020}.idx"))
 }
 
+/// Write a segment's index file atomically (temporary file, fsync, rename; the caller syncs the
+/// directory), with its MAC when the segment is encrypted.
+pub(crate) fn write_index_file(
+    dir: &Path,
+    id: u64,
+    idx: &IndexFile,
+    cipher: Option<&SegmentCipher>,
+) -> Result<(), LogError> {
+    let path = index_path(dir, id);
+    let tmp = path.with_extension("idx.tmp");
+    let mut bytes = idx.encode();
+    if let Some(c) = cipher {
+        let mac = c.index_mac(&bytes);
+        bytes.extend_from_slice(&mac);
+    }
+    let mut f = File::create(&tmp).map_err(|e| LogError::io("creating index file", &tmp, e))?;
+    f.write_all(&bytes)
+        .and_then(|()| f.sync_all())
+        .map_err(|e| LogError::io("writing index file", &tmp, e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| LogError::io("renaming index file", &path, e))
+}
+
 /// fsync a directory, so that files created, renamed or deleted in it stay so after a crash.
 pub(crate) fn sync_dir(dir: &Path) -> Result<(), LogError> {
     File::open(dir)
@@ -178,18 +200,7 @@ impl Segment {
     /// Write the index file atomically (temporary file, fsync, rename; the caller syncs the
     /// directory).
     pub fn write_index(&self, dir: &Path) -> Result<(), LogError> {
-        let path = index_path(dir, self.id);
-        let tmp = path.with_extension("idx.tmp");
-        let mut bytes = self.index_file().encode();
-        if let Some(c) = &self.cipher {
-            let mac = c.index_mac(&bytes);
-            bytes.extend_from_slice(&mac);
-        }
-        let mut f = File::create(&tmp).map_err(|e| LogError::io("creating index file", &tmp, e))?;
-        f.write_all(&bytes)
-            .and_then(|()| f.sync_all())
-            .map_err(|e| LogError::io("writing index file", &tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| LogError::io("renaming index file", &path, e))
+        write_index_file(dir, self.id, &self.index_file(), self.cipher.as_deref())
     }
 
     /// Take the index file's word for the segment's content.

@@ -313,6 +313,8 @@ pub(crate) struct Durable {
     /// The last write failed: publishes are refused (STORAGE_FAILED) without being routed until
     /// the log writes again, so the offsets the log owes as marks stay few.
     failing: std::sync::atomic::AtomicBool,
+    /// [`Durable::close`] was called.
+    closed: std::sync::atomic::AtomicBool,
     /// What readers of the log (durable consumers) read through.
     pub index: aqueduct_log::LogIndex,
     /// Woken after every write: durable consumers that have caught up wait on it.
@@ -357,6 +359,7 @@ impl Durable {
             durable_next: Mutex::new(next.clone()),
             next: Mutex::new(next),
             failing: std::sync::atomic::AtomicBool::new(false),
+            closed: std::sync::atomic::AtomicBool::new(false),
             index: log.index(),
             progress: tokio::sync::Notify::new(),
             topics_generation: AtomicU64::new(0),
@@ -392,9 +395,15 @@ impl Durable {
         lock(&self.next).keys().map(|k| k.to_vec()).collect()
     }
 
-    /// The last write failed and nothing has been written since.
-    pub fn is_failing(&self) -> bool {
-        self.failing.load(Ordering::Acquire)
+    /// The last write failed and nothing has been written since, or the log is closed: a
+    /// publish now must be refused before it is routed. Check under [`Durable::order`].
+    pub fn refuses_publishes(&self) -> bool {
+        self.failing.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire)
+    }
+
+    /// Closed (at shutdown): nothing more is written.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
     /// Wait until the queue has room (before routing the next publish frame).
@@ -491,7 +500,13 @@ impl Durable {
 
     /// Write what is queued, close the log cleanly and stop the writer.
     pub fn close(&self) {
-        lock(&self.queue).closing = true;
+        {
+            // Under the order lock: a publish that comes after this is refused before it is
+            // routed (it would hand out offsets the closed log never records).
+            let _order = lock(&self.order);
+            self.closed.store(true, Ordering::Release);
+            lock(&self.queue).closing = true;
+        }
         self.ready.notify_one();
         let handle = lock(&self.writer).take();
         if let Some(h) = handle {

@@ -701,7 +701,21 @@ impl Reader<'_> {
         now: Instant,
     ) {
         let _order = lock(&d.order);
-        if d.is_failing() {
+        if d.is_closed() {
+            // Shutting down: the log writes nothing more.
+            self.shared.stats.error_sent(ErrorCode::STORAGE_FAILED);
+            self.out.push_frame(&Frame::new(
+                waiter.stream_id,
+                Message::Error(ErrorFrame {
+                    code: ErrorCode::STORAGE_FAILED,
+                    reason: "not stored: the broker is shutting down and its durable log is \
+                             closed; nothing of this frame was published"
+                        .into(),
+                }),
+            ));
+            return;
+        }
+        if d.refuses_publishes() {
             // The log cannot write: refuse the frame before it is routed, so that no offset is
             // handed out that the log cannot record (it owes few enough as it is). The ERROR
             // goes through the writer's queue, behind the answers to earlier frames.
