@@ -496,15 +496,7 @@ impl Log {
         }
         let burned: Vec<(Box<[u8]>, u64)> =
             self.burned.iter().map(|(t, o)| (t.clone(), *o)).collect();
-        let marks: Vec<Entry<'_>> = burned
-            .iter()
-            .map(|(t, o)| Entry {
-                topic: t,
-                offset: *o,
-                data: &[],
-            })
-            .collect();
-        self.write_batch(&marks, Kind::Mark, now_ms())?;
+        self.write_batch(&mark_entries(&burned), Kind::Mark, now_ms())?;
         self.burned.clear();
         Ok(true)
     }
@@ -776,15 +768,7 @@ impl Log {
             .map(|(name, _)| (name.clone(), self.next_offset(name) - 1))
             .collect();
         for chunk in marks.chunks(4096) {
-            let entries: Vec<Entry<'_>> = chunk
-                .iter()
-                .map(|(t, o)| Entry {
-                    topic: t,
-                    offset: *o,
-                    data: &[],
-                })
-                .collect();
-            self.append_marks(&entries)?;
+            self.append_marks(&mark_entries(chunk))?;
         }
         if !marks.is_empty() {
             self.sync()?;
@@ -906,6 +890,18 @@ impl Log {
         self.active = active;
         sync_dir(&self.dir)
     }
+}
+
+/// Mark records (no data) for (topic, offset) pairs.
+fn mark_entries(marks: &[(Box<[u8]>, u64)]) -> Vec<Entry<'_>> {
+    marks
+        .iter()
+        .map(|(topic, offset)| Entry {
+            topic,
+            offset: *offset,
+            data: &[],
+        })
+        .collect()
 }
 
 /// Delete a file; one already gone counts as deleted.
