@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use aqueduct_proto::delivery::{Arena, DeadLetter, DeliveryFields};
 use aqueduct_proto::{
     AckMode, Compression, GroupId, OverflowPolicy, Priority, Publish, PublishRef, SharedDelivery,
-    SubscribeSpec, TopicFilter, TopicName, TopicRef, TraceContext,
+    SubscribeSpec, TopicName, TopicRef, TraceContext,
 };
 use bytes::BufMut;
 use foldhash::fast::RandomState;
@@ -251,6 +251,10 @@ impl GroupEntry {
 struct Routes {
     index: SubscriptionIndex<Route>,
     subscribers: HashMap<SubscriberId, Arc<Subscriber>, RandomState>,
+    /// Consumer groups that routing never feeds: durable groups, fed from the durable log (see
+    /// [`Broker::subscribe_unrouted`]). Their members leave, redeliver and hand over messages as
+    /// any group's do.
+    unrouted_groups: Vec<GroupEntry>,
 }
 
 impl Routes {
@@ -258,6 +262,19 @@ impl Routes {
     /// last member, unless `keep_group`). Idempotent.
     fn unroute(&mut self, sub: &Subscriber, keep_group: bool) {
         match sub.group() {
+            Some(shared) if sub.is_unrouted() => {
+                if let Some(i) = self
+                    .unrouted_groups
+                    .iter()
+                    .position(|g| Arc::ptr_eq(&g.shared, shared))
+                {
+                    let g = &mut self.unrouted_groups[i];
+                    g.members.retain(|m| m.id() != sub.id());
+                    if g.members.is_empty() && !keep_group {
+                        self.unrouted_groups.swap_remove(i);
+                    }
+                }
+            }
             Some(shared) => {
                 let mut empty = false;
                 if let Some(list) = self.index.entries_mut(sub.filter()) {
@@ -293,6 +310,11 @@ impl Routes {
             .find_map(|r| match r {
                 Route::Group(g) if Arc::ptr_eq(&g.shared, shared) => Some(g),
                 _ => None,
+            })
+            .or_else(|| {
+                self.unrouted_groups
+                    .iter()
+                    .find(|g| Arc::ptr_eq(&g.shared, shared))
             })
     }
 }
@@ -460,15 +482,37 @@ impl Broker {
     /// broker's policy: nothing is dropped, the feeder waits on [`Subscriber::poll_room`].
     pub fn subscribe_unrouted(
         &self,
-        filter: &TopicFilter,
+        spec: &SubscribeSpec,
         opts: SubscribeOptions,
     ) -> Arc<Subscriber> {
         let id = SubscriberId(self.next_id.fetch_add(1, Relaxed));
+        let mut routes = self.write_routes();
+        // With `:group:`, a durable group: members join the unrouted group of that id and filter.
+        let group = spec.group.as_ref().map(|gid| {
+            let existing = routes
+                .unrouted_groups
+                .iter()
+                .find(|g| g.shared.id() == gid && g.shared.filter() == &spec.filter)
+                .map(|g| g.shared.clone());
+            existing.unwrap_or_else(|| {
+                let shared = Arc::new(GroupShared::new(
+                    gid.clone(),
+                    spec.filter.clone(),
+                    spec.durable.clone(),
+                ));
+                routes.unrouted_groups.push(GroupEntry {
+                    shared: shared.clone(),
+                    members: Vec::new(),
+                    turn: RoundRobin::default(),
+                });
+                shared
+            })
+        });
         let sub = Arc::new(Subscriber::new(SubscriberInit {
             id,
             stream_id: opts.stream_id,
-            filter: filter.clone(),
-            group: None,
+            filter: spec.filter.clone(),
+            group: group.clone(),
             ack_mode: opts.ack_mode,
             policy: OverflowPolicy::Block,
             capacity: self.config.queue_size,
@@ -477,8 +521,27 @@ impl Broker {
             max_in_flight: opts.max_in_flight.map(|n| n.max(1)),
             unrouted: true,
         }));
-        self.write_routes().subscribers.insert(id, sub.clone());
+        if let Some(shared) = &group {
+            if let Some(g) = routes
+                .unrouted_groups
+                .iter_mut()
+                .find(|g| Arc::ptr_eq(&g.shared, shared))
+            {
+                g.members.push(sub.clone());
+            }
+        }
+        routes.subscribers.insert(id, sub.clone());
         sub
+    }
+
+    /// The member of an unrouted (durable) group that should take the next message: the next in
+    /// round-robin order that has room, else any live one; `None` when the group has no member.
+    pub fn group_member(&self, shared: &Arc<GroupShared>) -> Option<Arc<Subscriber>> {
+        let routes = self.read_routes();
+        routes
+            .group(shared)
+            .and_then(|g| g.pick(None, self.config.max_in_flight))
+            .cloned()
     }
 
     /// Queue one message that already has its offset (read back from the durable log) for `sub`.

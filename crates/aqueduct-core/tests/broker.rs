@@ -1090,9 +1090,8 @@ fn new_topics_take_their_first_offset_from_the_offset_source() {
 #[test]
 fn an_unrouted_subscriber_gets_only_what_is_fed_with_its_offsets() {
     let b = Broker::new(BrokerConfig::default());
-    let filter = TopicFilter::try_from("log/+").expect("filter");
     let sub = b.subscribe_unrouted(
-        &filter,
+        &spec("topic:log/+"),
         SubscribeOptions {
             ack_mode: AckMode::Explicit,
             ..SubscribeOptions::default()
@@ -1159,4 +1158,53 @@ fn an_unrouted_subscriber_gets_only_what_is_fed_with_its_offsets() {
         now
     ));
     assert_eq!(b.subscriber_count(), 0);
+}
+
+#[test]
+fn an_unrouted_group_hands_a_leaving_members_messages_to_the_others() {
+    let b = Broker::new(BrokerConfig::default());
+    let group = spec("topic:jobs:group:g:durable:g:earliest");
+    let opts = || SubscribeOptions {
+        ack_mode: AckMode::Explicit,
+        ..SubscribeOptions::default()
+    };
+    let m1 = b.subscribe_unrouted(&group, opts());
+    let m2 = b.subscribe_unrouted(&group, opts());
+    let shared = m1.group().cloned().expect("a group");
+    assert!(Arc::ptr_eq(&shared, m2.group().expect("same group")));
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    publish(&b, &mut ctx, "jobs", "live", now);
+    assert!(
+        drain_all(&b, &m1, now).is_empty() && drain_all(&b, &m2, now).is_empty(),
+        "not routed"
+    );
+    let topic = t("jobs");
+    // Round-robin over the members.
+    let mut picked = Vec::new();
+    for o in 0..4u64 {
+        let m = b.group_member(&shared).expect("a member");
+        picked.push(m.id());
+        assert!(b.feed(
+            &mut ctx,
+            &m,
+            &topic,
+            o,
+            &Publication::new(&topic, b"x"),
+            Duration::ZERO,
+            now
+        ));
+    }
+    assert_ne!(picked[0], picked[1]);
+    let got1 = drain_all(&b, &m1, now);
+    let got2 = drain_all(&b, &m2, now);
+    assert_eq!(got1.len() + got2.len(), 4);
+    // m1 leaves without acknowledging: its in-flight messages go to m2.
+    b.unsubscribe(&mut ctx, &m1, now);
+    let again = drain_all(&b, &m2, now);
+    assert_eq!(again.len(), got1.len());
+    assert!(again.iter().all(|g| g.attempt == 2));
+    // The last member leaves: the group is gone.
+    b.unsubscribe(&mut ctx, &m2, now);
+    assert!(b.group_member(&shared).is_none());
 }

@@ -21,6 +21,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
+use aqueduct_core::group::GroupShared;
 use aqueduct_core::{matching, Broker, Publication, PublishContext, Subscriber};
 use aqueduct_log::{ConsumerPosition, LogError, PositionStore, Positions};
 use aqueduct_proto::delivery::DeadLetter;
@@ -50,12 +51,43 @@ pub(crate) struct Fed {
 
 pub(crate) type SharedFed = Arc<Mutex<Fed>>;
 
-/// A consumer with a live subscription.
+/// A consumer (or a durable group) with live subscriptions.
 #[derive(Debug)]
 struct Live {
-    sub: Arc<Subscriber>,
+    /// Its subscriptions: one for a consumer, the members for a group.
+    members: Vec<Arc<Subscriber>>,
     fed: SharedFed,
     filter: String,
+    /// The feeder task: it serves the consumer or group and ends with its last subscription.
+    feeder: Feeder,
+}
+
+#[derive(Debug)]
+enum Feeder {
+    /// Claimed by the first subscription, which is starting it.
+    Starting,
+    Running(tokio::task::AbortHandle),
+    Stopped,
+}
+
+impl Live {
+    /// Stop the feeder: nothing is queued after this returns.
+    fn stop_feeder(&mut self) {
+        lock(&self.fed).stopped = true;
+        if let Feeder::Running(f) = std::mem::replace(&mut self.feeder, Feeder::Stopped) {
+            f.abort();
+        }
+    }
+
+    /// No feeder runs (stopped, or it ended because the group had no member to feed for a
+    /// moment): the next subscription to join starts one.
+    fn needs_feeder(&self) -> bool {
+        match &self.feeder {
+            Feeder::Starting => false,
+            Feeder::Running(f) => f.is_finished(),
+            Feeder::Stopped => true,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -81,6 +113,16 @@ pub(crate) enum ClaimError {
     InUse,
 }
 
+/// What a durable SUBSCRIBE joined.
+#[derive(Debug)]
+pub(crate) struct Claim {
+    pub fed: SharedFed,
+    /// The consumer or group has a stored position.
+    pub resumed: bool,
+    /// The first live subscription: the caller starts the feeder ([`Consumers::set_feeder`]).
+    pub first: bool,
+}
+
 impl Consumers {
     pub fn open(dir: &std::path::Path) -> Result<Consumers, LogError> {
         let (store, stored) = PositionStore::open(dir)?;
@@ -99,20 +141,40 @@ impl Consumers {
         format!("consumer:{consumer}")
     }
 
-    /// Make `sub` the live subscription of consumer `key` (refused if it has one), and return
-    /// the feeder's starting positions: the stored ones, if any.
+    /// The key a durable group's one position is stored under.
+    pub fn group_key(group: &str) -> String {
+        format!("group:{group}")
+    }
+
+    /// Make `sub` a live subscription of `key`: the only one of a consumer (refused if it has
+    /// one), or one more member of a durable group. Returns the feeder's positions: the stored
+    /// ones, if any.
     pub fn claim(
         &self,
         key: &str,
         filter: &TopicFilter,
         sub: &Arc<Subscriber>,
-    ) -> Result<(SharedFed, bool), ClaimError> {
+        group: bool,
+    ) -> Result<Claim, ClaimError> {
         let mut t = lock(&self.table);
-        if t.live.contains_key(key) {
-            return Err(ClaimError::InUse);
+        let resumed = t.stored.contains_key(key);
+        if let Some(live) = t.live.get_mut(key) {
+            if !group {
+                return Err(ClaimError::InUse);
+            }
+            live.members.push(sub.clone());
+            let restart = live.needs_feeder();
+            if restart {
+                lock(&live.fed).stopped = false;
+                live.feeder = Feeder::Starting;
+            }
+            return Ok(Claim {
+                fed: live.fed.clone(),
+                resumed,
+                first: restart,
+            });
         }
         let stored = t.stored.get(key).cloned();
-        let resumed = stored.is_some();
         let fed = Arc::new(Mutex::new(Fed {
             next: stored.map(|c| c.next).unwrap_or_default(),
             stopped: false,
@@ -120,36 +182,81 @@ impl Consumers {
         t.live.insert(
             key.to_string(),
             Live {
-                sub: sub.clone(),
+                members: vec![sub.clone()],
                 fed: fed.clone(),
                 filter: filter.to_string(),
+                feeder: Feeder::Starting,
             },
         );
-        Ok((fed, resumed))
+        Ok(Claim {
+            fed,
+            resumed,
+            first: true,
+        })
     }
 
-    /// The consumer's subscription ends: keep its position (call before the subscription is
-    /// removed from the broker, while its unsettled messages are still known).
-    pub fn end(&self, key: &str) {
+    /// The feeder started for `key` by its first subscription.
+    pub fn set_feeder(&self, key: &str, feeder: tokio::task::AbortHandle) {
+        match lock(&self.table).live.get_mut(key) {
+            Some(live) if matches!(live.feeder, Feeder::Starting) => {
+                live.feeder = Feeder::Running(feeder)
+            }
+            // Ended (or stopped) meanwhile.
+            _ => feeder.abort(),
+        }
+    }
+
+    /// `sub` (of `key`) ends: call before it is removed from the broker, while its unsettled
+    /// messages are still known. The last one stops the feeder and keeps the position. Another
+    /// group member stays counted (its unsettled messages hold the position) until
+    /// [`left`](Self::left), after the broker has handed its messages to the other members.
+    pub fn end(&self, key: &str, sub: &Subscriber) {
         let mut t = lock(&self.table);
-        if let Some(live) = t.live.remove(key) {
+        let last = t
+            .live
+            .get(key)
+            .is_some_and(|live| live.members.iter().all(|m| m.id() == sub.id()));
+        if !last {
+            return;
+        }
+        if let Some(mut live) = t.live.remove(key) {
+            live.stop_feeder();
             let position = position_of(&live);
             t.stored.insert(key.to_string(), position);
         }
     }
 
-    /// The consumer's feeder stops while its subscription lives on (its client stopped reading:
-    /// what is queued is about to be dropped, what is in flight may still be acknowledged).
-    /// Rewind the feeder's positions to the consumer's position now, so that the queued
-    /// messages are not skipped; acknowledgements that still come move it on.
-    pub fn rewind(&self, key: &str) {
-        let t = lock(&self.table);
-        if let Some(live) = t.live.get(key) {
+    /// `sub` is gone from the broker (after [`end`](Self::end)): its messages are with the other
+    /// members now, counted there.
+    pub fn left(&self, key: &str, sub: &Subscriber) {
+        if let Some(live) = lock(&self.table).live.get_mut(key) {
+            live.members.retain(|m| m.id() != sub.id());
+        }
+    }
+
+    /// `sub`'s client stopped reading (its subscription lives on until its stream ends). A
+    /// consumer's (or a group's last member's) queued messages are about to be dropped: the
+    /// feeder stops and its positions go back to them, so none is skipped. Another group
+    /// member's queued messages go to the other members: nothing to do.
+    pub fn rewind(&self, key: &str, sub: &Subscriber) {
+        let mut t = lock(&self.table);
+        if let Some(live) = t.live.get_mut(key) {
+            if live.members.len() > 1 {
+                return;
+            }
+            live.stop_feeder();
             let mut fed = lock(&live.fed);
-            fed.stopped = true;
-            // Back to the first queued message of each topic: the queue is about to be dropped.
-            // In-flight ones stay counted by the subscription until acknowledged.
-            fed.next = floor(&fed.next, live.sub.queued_floor());
+            fed.next = floor(&fed.next, sub.queued_floor());
+        }
+    }
+
+    /// A consumer's client finished its stream without acknowledging (written is settled): no
+    /// more messages for it; what is queued is still written.
+    pub fn pause(&self, key: &str) {
+        if let Some(live) = lock(&self.table).live.get_mut(key) {
+            if live.members.len() <= 1 {
+                live.stop_feeder();
+            }
         }
     }
 
@@ -176,12 +283,17 @@ impl Consumers {
     }
 }
 
-/// A live consumer's position: per topic, its lowest unsettled offset, else the feeder's next.
+/// A live consumer's position: per topic, the lowest offset any of its subscriptions has
+/// queued or unsettled, else the feeder's next.
 fn position_of(live: &Live) -> ConsumerPosition {
     let fed = lock(&live.fed);
+    let mut next = fed.next.clone();
+    for m in &live.members {
+        next = floor(&next, m.unsettled_floor());
+    }
     ConsumerPosition {
         filter: live.filter.clone(),
-        next: floor(&fed.next, live.sub.unsettled_floor()),
+        next,
     }
 }
 
@@ -249,17 +361,29 @@ fn topic_matches(filter: &TopicFilter, topic: &[u8]) -> bool {
         .is_some_and(|name| matching::matches(filter, &name))
 }
 
-/// Feed a durable subscription from the log until it is closed (or the task is aborted with its
-/// stream). `resumed`: the consumer has a stored position.
+/// Who a feeder feeds.
+#[derive(Debug, Clone)]
+pub(crate) enum Target {
+    /// A durable consumer's one subscription.
+    One(Arc<Subscriber>),
+    /// A durable group: each message to one member, round-robin among those with room.
+    Group(Arc<GroupShared>),
+}
+
+/// Feed a durable consumer or group from the log until it is stopped (its last subscription
+/// ended). `resumed`: it has a stored position.
 pub(crate) async fn feed(
     durable: Arc<Durable>,
     broker: Arc<Broker>,
-    sub: Arc<Subscriber>,
+    target: Target,
     fed: SharedFed,
     start: DurableStart,
     resumed: bool,
 ) {
-    let filter = sub.filter().clone();
+    let filter = match &target {
+        Target::One(sub) => sub.filter().clone(),
+        Target::Group(g) => g.filter().clone(),
+    };
     let mut ctx = PublishContext::default();
     let mut generation = None;
     let mut first_pass = true;
@@ -267,7 +391,7 @@ pub(crate) async fn feed(
         let progress = durable.progress.notified();
         tokio::pin!(progress);
         progress.as_mut().enable();
-        if sub.is_closed() {
+        if lock(&fed).stopped || matches!(&target, Target::One(sub) if sub.is_closed()) {
             return;
         }
         // Topics matching the filter that the consumer has no position for yet.
@@ -355,20 +479,33 @@ pub(crate) async fn feed(
                 let age = SystemTime::now()
                     .duration_since(SystemTime::UNIX_EPOCH + Duration::from_millis(r.timestamp_ms))
                     .unwrap_or_default();
+                let member = match &target {
+                    Target::One(sub) => sub.clone(),
+                    Target::Group(g) => match broker.group_member(g) {
+                        Some(m) => m,
+                        None => return, // no member left: the group's end stops this feeder
+                    },
+                };
                 {
                     // Queue and advance under the lock a rewind takes: never one without the
                     // other.
                     let mut f = lock(&fed);
-                    if f.stopped
-                        || !broker.feed(&mut ctx, &sub, &name, r.offset, &p, age, Instant::now())
-                    {
-                        return; // stopped, or closed
+                    if f.stopped {
+                        return;
                     }
-                    f.next.insert(topic.clone(), r.offset + 1);
+                    if !broker.feed(&mut ctx, &member, &name, r.offset, &p, age, Instant::now()) {
+                        match &target {
+                            Target::One(_) => return, // closed
+                            // The member left meanwhile: this message goes to another one,
+                            // from the same position, on the next round.
+                            Target::Group(_) => break,
+                        }
+                    }
+                    f.next.insert(topic.clone(), r.offset.saturating_add(1));
                 }
                 moved = true;
                 // Its queue is full: wait until it has drained (or is closed).
-                std::future::poll_fn(|cx| sub.poll_room(cx)).await;
+                std::future::poll_fn(|cx| member.poll_room(cx)).await;
             }
         }
         if !moved {

@@ -49,9 +49,10 @@ pub(crate) struct StreamOut {
     /// Subscriptions delivered on this stream. Locked by the reader to add, by the writer to
     /// drain; the writer takes each subscriber's own lock while holding it (never the reverse).
     subs: Mutex<Vec<Arc<Subscriber>>>,
-    /// Durable consumers among them: subscriber → (consumer key, its feeder task). The feeder is
-    /// aborted when the subscription ends, so it never outlives the stream.
-    durables: Mutex<HashMap<SubscriberId, (String, tokio::task::AbortHandle)>>,
+    /// Durable consumers (and durable group members) among them: subscriber → the key of its
+    /// consumer or group. Ending the subscription ends it there too (the last one stops the
+    /// feeder, so no feeder outlives its consumer's subscriptions).
+    durables: Mutex<HashMap<SubscriberId, String>>,
     /// Wakes the writer: new replies, new deliveries, state changes.
     pub(crate) notify: Notify,
     /// Wakes the reader when the writer has flushed replies (backpressure on unread replies).
@@ -176,13 +177,18 @@ pub(crate) fn logged<T>(
 
 /// A durable consumer's subscription ends: stop its feeder and keep its position — before the
 /// broker forgets what it had queued or unsettled, which the position must not skip.
-fn end_durable(shared: &Shared, out: &StreamOut, sub: &Subscriber) {
+fn end_durable(shared: &Shared, out: &StreamOut, sub: &Subscriber) -> Option<String> {
     let ended = lock(&out.durables).remove(&sub.id());
-    if let Some((key, feeder)) = ended {
-        feeder.abort();
-        if let Some(consumers) = &shared.consumers {
-            consumers.end(&key);
-        }
+    if let (Some(key), Some(consumers)) = (&ended, &shared.consumers) {
+        consumers.end(key, sub);
+    }
+    ended
+}
+
+/// After a durable subscription is gone from the broker (see [`end_durable`]).
+fn left_durable(shared: &Shared, key: Option<String>, sub: &Subscriber) {
+    if let (Some(key), Some(consumers)) = (key, &shared.consumers) {
+        consumers.left(&key, sub);
     }
 }
 
@@ -190,12 +196,9 @@ fn end_durable(shared: &Shared, out: &StreamOut, sub: &Subscriber) {
 /// rewound to what it has not settled (the broker is about to drop its queue); it ends with its
 /// stream, after whatever acknowledgements are still on their way.
 fn stop_feeding(shared: &Shared, out: &StreamOut, sub: &Subscriber) {
-    let durables = lock(&out.durables);
-    if let Some((key, feeder)) = durables.get(&sub.id()) {
-        feeder.abort();
-        if let Some(consumers) = &shared.consumers {
-            consumers.rewind(key);
-        }
+    let key = lock(&out.durables).get(&sub.id()).cloned();
+    if let (Some(key), Some(consumers)) = (key, &shared.consumers) {
+        consumers.rewind(&key, sub);
     }
 }
 
@@ -258,8 +261,10 @@ pub(crate) async fn serve(
                 end_subscriptions(&shared, &conn, &out, |s| s.ack_mode() == AckMode::Explicit);
                 stop_routing(&shared, &out);
                 // Durable consumers without ACKs get nothing new either: their feeders stop.
-                for (_, feeder) in lock(&out.durables).values() {
-                    feeder.abort();
+                if let Some(consumers) = &shared.consumers {
+                    for key in lock(&out.durables).values() {
+                        consumers.pause(key);
+                    }
                 }
                 out.reader_done.store(true, Ordering::Release);
                 out.notify.notify_one();
@@ -518,12 +523,16 @@ impl Reader<'_> {
                     .transport
                     .max_subscriptions_per_connection;
                 let out = self.out.clone();
-                // With the durable log, a durable consumer (without a group) is served from the
-                // log by a feeder, not by routing (see consumers.rs).
+                // With the durable log, a durable consumer (or durable group: `:group:` with
+                // `:durable:`) is served from the log by a feeder, not by routing (see
+                // consumers.rs).
                 let durable_consumer =
                     match (&self.shared.consumers, &s.spec.durable, &s.spec.group) {
                         (Some(_), Some(d), None) => {
                             Some((Consumers::key(d.consumer.as_str()), d.start))
+                        }
+                        (Some(_), Some(d), Some(g)) => {
+                            Some((Consumers::group_key(g.as_str()), d.start))
                         }
                         _ => None,
                     };
@@ -541,7 +550,7 @@ impl Reader<'_> {
                         max_in_flight: s.ext.max_in_flight.map(|n| n as usize),
                     };
                     let sub = if unrouted {
-                        broker.subscribe_unrouted(&s.spec.filter, opts)
+                        broker.subscribe_unrouted(&s.spec, opts)
                     } else {
                         broker.subscribe(&s.spec, opts)
                     };
@@ -575,8 +584,8 @@ impl Reader<'_> {
                 };
                 let feeder = match (&durable_consumer, &self.shared.consumers) {
                     (Some((key, start)), Some(consumers)) => {
-                        match consumers.claim(key, &s.spec.filter, &sub) {
-                            Ok((fed, resumed)) => Some((key.clone(), *start, fed, resumed)),
+                        match consumers.claim(key, &s.spec.filter, &sub, s.spec.group.is_some()) {
+                            Ok(claim) => Some((key.clone(), *start, claim)),
                             Err(ClaimError::InUse) => {
                                 self.conn.remove_sub(stream_id, &sub);
                                 broker.unsubscribe(&mut self.ctx, &sub, now);
@@ -597,8 +606,8 @@ impl Reader<'_> {
                     client = %self.conn.describe(),
                     filter = %s.spec.filter,
                     group = ?s.spec.group.as_ref().map(|g| g.as_str()),
-                    durable = ?feeder.as_ref().map(|(key, start, _, resumed)| {
-                        if *resumed { format!("{key}, resumed from its stored position") } else { format!("{key}, from {start}") }
+                    durable = ?feeder.as_ref().map(|(key, start, claim)| {
+                        if claim.resumed { format!("{key}, resumed from its stored position") } else { format!("{key}, from {start}") }
                     }),
                     stream_id,
                     seed_form = !has_extensions,
@@ -611,26 +620,35 @@ impl Reader<'_> {
                 }
                 lock(&self.out.subs).push(sub.clone());
                 self.out.notify.notify_one();
-                if let (Some((key, start, fed, resumed)), Some(d)) = (feeder, &self.shared.durable)
+                if let (Some((key, start, claim)), Some(d), Some(consumers)) =
+                    (feeder, &self.shared.durable, &self.shared.consumers)
                 {
-                    let task = tokio::spawn(crate::consumers::feed(
-                        d.clone(),
-                        self.shared.broker.clone(),
-                        sub.clone(),
-                        fed,
-                        start,
-                        resumed,
-                    ));
-                    lock(&self.out.durables).insert(sub.id(), (key, task.abort_handle()));
+                    lock(&self.out.durables).insert(sub.id(), key.clone());
+                    if claim.first {
+                        let target = match sub.group() {
+                            Some(g) => crate::consumers::Target::Group(g.clone()),
+                            None => crate::consumers::Target::One(sub.clone()),
+                        };
+                        let task = tokio::spawn(crate::consumers::feed(
+                            d.clone(),
+                            self.shared.broker.clone(),
+                            target,
+                            claim.fed,
+                            start,
+                            claim.resumed,
+                        ));
+                        consumers.set_feeder(&key, task.abort_handle());
+                    }
                 }
             }
             Message::Unsubscribe(u) => match self.conn.sub(stream_id) {
                 Some(entry) if entry.sub.filter() == &u.filter => {
                     self.conn.remove_sub(stream_id, &entry.sub);
-                    end_durable(self.shared, &entry.out, &entry.sub);
+                    let durable = end_durable(self.shared, &entry.out, &entry.sub);
                     logged(self.shared, &mut self.ctx, |ctx| {
                         broker.unsubscribe(ctx, &entry.sub, now)
                     });
+                    left_durable(self.shared, durable, &entry.sub);
                     entry.out.notify.notify_one();
                     debug!(client = %self.conn.describe(), filter = %u.filter, "unsubscribed");
                 }
