@@ -752,3 +752,44 @@ fn with_a_key_index_files_are_authenticated_and_plaintext_segments_refused() -> 
     assert_eq!(read_all(&log, "p", 0)?.len(), 25);
     Ok(())
 }
+
+/// Files of this process open inside `dir` (other tests run at the same time: only this
+/// test's directory counts).
+fn open_files_in(dir: &Path) -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| {
+        d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|target| target.starts_with(dir))
+            .count()
+    })
+}
+
+#[test]
+fn many_topics_share_few_files() -> R {
+    let tmp = tempfile::tempdir()?;
+    let (mut log, _) = Log::open(tmp.path(), opts(Some(key(14))))?;
+    let names: Vec<String> = (0..20_000).map(|i| format!("t/{i}")).collect();
+    for chunk in names.chunks(1_000) {
+        let entries: Vec<Entry<'_>> = chunk
+            .iter()
+            .map(|t| Entry {
+                topic: t.as_bytes(),
+                offset: 0,
+                data: b"x",
+            })
+            .collect();
+        log.append(&entries, 0)?;
+    }
+    log.commit()?;
+    assert_eq!(log.topics().count(), 20_000);
+    let open = open_files_in(tmp.path());
+    assert_eq!(
+        open, 1,
+        "{open} files open for 20,000 topics: the active segment only"
+    );
+    assert_eq!(offsets(&read_all(&log, "t/12345", 0)?), vec![0]);
+    log.close()?;
+    let (log, rec) = Log::open(tmp.path(), opts(Some(key(14))))?;
+    assert_eq!(rec.topics, 20_000);
+    assert_eq!(log.next_offset(b"t/19999"), 1);
+    Ok(())
+}
