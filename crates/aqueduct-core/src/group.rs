@@ -90,7 +90,7 @@ impl GroupShared {
             }),
         };
         mark.outstanding.insert(offset);
-        mark.next = mark.next.max(offset + 1);
+        mark.next = mark.next.max(offset.saturating_add(1));
     }
 
     pub(crate) fn note_settled(&self, topic: &TopicName, offset: u64) {

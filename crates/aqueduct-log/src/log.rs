@@ -260,9 +260,13 @@ impl Log {
                     crash_evidence = true;
                     continue;
                 }
-                Err(LogError::BadFile { reason, .. }) if last => {
-                    // The newest segment's header is damaged (a crash while writing it): keep
-                    // the file, and count the run as crashed.
+                Err(LogError::BadFile { reason, .. })
+                    if last
+                        && std::fs::metadata(path).is_ok_and(|m| m.len() <= HEADER_LEN as u64) =>
+                {
+                    // The newest segment holds a damaged header and nothing else (a crash while
+                    // writing it): keep the file, and count the run as crashed. One with batches
+                    // after a bad header is damage, refused below like an older one.
                     rec.unreadable_segments.push((path.clone(), reason));
                     crash_evidence = true;
                     continue;
@@ -494,10 +498,18 @@ impl Log {
         if self.burned.is_empty() {
             return Ok(false);
         }
+        if let Some(why) = &self.poisoned {
+            return Err(LogError::Poisoned(why.clone()));
+        }
         let burned: Vec<(Box<[u8]>, u64)> =
             self.burned.iter().map(|(t, o)| (t.clone(), *o)).collect();
-        self.write_batch(&mark_entries(&burned), Kind::Mark, now_ms())?;
-        self.burned.clear();
+        // In batches of bounded size (many topics could exceed one batch's limit).
+        for chunk in burned.chunks(4096) {
+            self.write_batch(&mark_entries(chunk), Kind::Mark, now_ms())?;
+            for (topic, _) in chunk {
+                self.burned.remove(topic);
+            }
+        }
         Ok(true)
     }
 
@@ -632,6 +644,9 @@ impl Log {
 
     /// Make appended batches durable as the fsync mode says. Returns whether it synced.
     pub fn commit(&mut self) -> Result<bool, LogError> {
+        if let Some(why) = &self.poisoned {
+            return Err(LogError::Poisoned(why.clone()));
+        }
         let due = match self.opts.fsync {
             FsyncMode::Always | FsyncMode::Batch => true,
             FsyncMode::Interval(every) => self.last_sync.elapsed() >= every,

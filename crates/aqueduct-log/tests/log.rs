@@ -675,11 +675,15 @@ fn an_unreadable_older_segment_stops_the_open_and_a_damaged_newest_counts_as_a_c
     let (mut log, _) = Log::open(tmp.path(), o())?;
     fill(&mut log, "a", 12, 3)?;
     log.close()?;
+    // Opened and closed once more: the newest segment is an empty one.
+    Log::open(tmp.path(), o())?.0.close()?;
     let segs = segments(tmp.path());
     assert!(segs.len() >= 3, "{} segments", segs.len());
-    // The newest segment's header damaged (not blank): kept, and the run counts as crashed.
+    // The newest segment (only a header: the active one of a closed log) damaged, not blank:
+    // kept, and the run counts as crashed.
     let newest = segs[segs.len() - 1].clone();
     let mut b = std::fs::read(&newest)?;
+    assert_eq!(b.len(), HEADER_LEN);
     b[20] ^= 0xFF;
     std::fs::write(&newest, &b)?;
     let (log, rec) = Log::open(tmp.path(), o())?;

@@ -21,7 +21,6 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
-use aqueduct_core::group::GroupShared;
 use aqueduct_core::{matching, Broker, Publication, PublishContext, Subscriber};
 use aqueduct_log::{ConsumerPosition, LogError, PositionStore, Positions};
 use aqueduct_proto::delivery::DeadLetter;
@@ -51,7 +50,8 @@ pub(crate) struct Fed {
 
 pub(crate) type SharedFed = Arc<Mutex<Fed>>;
 
-/// A consumer (or a durable group) with live subscriptions.
+/// A consumer with a live subscription. (`members` holds one; the table is shaped for durable
+/// groups, which are not served from the log yet: see docs/howto-log.md.)
 #[derive(Debug)]
 struct Live {
     /// Its subscriptions: one for a consumer, the members for a group.
@@ -76,16 +76,6 @@ impl Live {
         lock(&self.fed).stopped = true;
         if let Feeder::Running(f) = std::mem::replace(&mut self.feeder, Feeder::Stopped) {
             f.abort();
-        }
-    }
-
-    /// No feeder runs (stopped, or it ended because the group had no member to feed for a
-    /// moment): the next subscription to join starts one.
-    fn needs_feeder(&self) -> bool {
-        match &self.feeder {
-            Feeder::Starting => false,
-            Feeder::Running(f) => f.is_finished(),
-            Feeder::Stopped => true,
         }
     }
 }
@@ -141,38 +131,18 @@ impl Consumers {
         format!("consumer:{consumer}")
     }
 
-    /// The key a durable group's one position is stored under.
-    pub fn group_key(group: &str) -> String {
-        format!("group:{group}")
-    }
-
-    /// Make `sub` a live subscription of `key`: the only one of a consumer (refused if it has
-    /// one), or one more member of a durable group. Returns the feeder's positions: the stored
-    /// ones, if any.
+    /// Make `sub` the live subscription of consumer `key` (refused if it has one). Returns the
+    /// feeder's positions: the stored ones, if any.
     pub fn claim(
         &self,
         key: &str,
         filter: &TopicFilter,
         sub: &Arc<Subscriber>,
-        group: bool,
     ) -> Result<Claim, ClaimError> {
         let mut t = lock(&self.table);
         let resumed = t.stored.contains_key(key);
-        if let Some(live) = t.live.get_mut(key) {
-            if !group {
-                return Err(ClaimError::InUse);
-            }
-            live.members.push(sub.clone());
-            let restart = live.needs_feeder();
-            if restart {
-                lock(&live.fed).stopped = false;
-                live.feeder = Feeder::Starting;
-            }
-            return Ok(Claim {
-                fed: live.fed.clone(),
-                resumed,
-                first: restart,
-            });
+        if t.live.contains_key(key) {
+            return Err(ClaimError::InUse);
         }
         let stored = t.stored.get(key).cloned();
         let fed = Arc::new(Mutex::new(Fed {
@@ -349,7 +319,12 @@ fn start_in(
             .ok()
             .and_then(|name| broker.topic(&name))
             .map(|t| t.next_offset())
-            .or_else(|| durable.index.last_offset(topic).map(|o| o + 1))
+            .or_else(|| {
+                durable
+                    .index
+                    .last_offset(topic)
+                    .map(|o| o.saturating_add(1))
+            })
             .unwrap_or(first),
     }
 }
@@ -361,29 +336,17 @@ fn topic_matches(filter: &TopicFilter, topic: &[u8]) -> bool {
         .is_some_and(|name| matching::matches(filter, &name))
 }
 
-/// Who a feeder feeds.
-#[derive(Debug, Clone)]
-pub(crate) enum Target {
-    /// A durable consumer's one subscription.
-    One(Arc<Subscriber>),
-    /// A durable group: each message to one member, round-robin among those with room.
-    Group(Arc<GroupShared>),
-}
-
-/// Feed a durable consumer or group from the log until it is stopped (its last subscription
-/// ended). `resumed`: it has a stored position.
+/// Feed a durable consumer's subscription from the log until it is stopped (its subscription
+/// ended) or closed. `resumed`: it has a stored position.
 pub(crate) async fn feed(
     durable: Arc<Durable>,
     broker: Arc<Broker>,
-    target: Target,
+    sub: Arc<Subscriber>,
     fed: SharedFed,
     start: DurableStart,
     resumed: bool,
 ) {
-    let filter = match &target {
-        Target::One(sub) => sub.filter().clone(),
-        Target::Group(g) => g.filter().clone(),
-    };
+    let filter = sub.filter().clone();
     let mut ctx = PublishContext::default();
     let mut generation = None;
     let mut first_pass = true;
@@ -391,7 +354,7 @@ pub(crate) async fn feed(
         let progress = durable.progress.notified();
         tokio::pin!(progress);
         progress.as_mut().enable();
-        if lock(&fed).stopped || matches!(&target, Target::One(sub) if sub.is_closed()) {
+        if lock(&fed).stopped || sub.is_closed() {
             return;
         }
         // Topics matching the filter that the consumer has no position for yet.
@@ -459,7 +422,7 @@ pub(crate) async fn feed(
                     if f.stopped {
                         return;
                     }
-                    f.next.insert(topic.clone(), r.offset + 1);
+                    f.next.insert(topic.clone(), r.offset.saturating_add(1));
                     continue;
                 };
                 let info = m.dead_letter.as_ref().map(|d| DeadLetter {
@@ -479,33 +442,20 @@ pub(crate) async fn feed(
                 let age = SystemTime::now()
                     .duration_since(SystemTime::UNIX_EPOCH + Duration::from_millis(r.timestamp_ms))
                     .unwrap_or_default();
-                let member = match &target {
-                    Target::One(sub) => sub.clone(),
-                    Target::Group(g) => match broker.group_member(g) {
-                        Some(m) => m,
-                        None => return, // no member left: the group's end stops this feeder
-                    },
-                };
                 {
                     // Queue and advance under the lock a rewind takes: never one without the
                     // other.
                     let mut f = lock(&fed);
-                    if f.stopped {
-                        return;
-                    }
-                    if !broker.feed(&mut ctx, &member, &name, r.offset, &p, age, Instant::now()) {
-                        match &target {
-                            Target::One(_) => return, // closed
-                            // The member left meanwhile: this message goes to another one,
-                            // from the same position, on the next round.
-                            Target::Group(_) => break,
-                        }
+                    if f.stopped
+                        || !broker.feed(&mut ctx, &sub, &name, r.offset, &p, age, Instant::now())
+                    {
+                        return; // stopped, or closed
                     }
                     f.next.insert(topic.clone(), r.offset.saturating_add(1));
                 }
                 moved = true;
                 // Its queue is full: wait until it has drained (or is closed).
-                std::future::poll_fn(|cx| member.poll_room(cx)).await;
+                std::future::poll_fn(|cx| sub.poll_room(cx)).await;
             }
         }
         if !moved {

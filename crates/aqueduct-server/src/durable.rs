@@ -560,9 +560,13 @@ impl Durable {
                 work.refused.clear();
             } else {
                 self.retry_after_failure(&mut log);
-                if let Err(e) = log.commit() {
+                match log.commit() {
                     // An interval sync with nothing new queued.
-                    warn!("durable log: sync failed: {e}");
+                    Err(e) if !matches!(e, LogError::Poisoned(_)) => {
+                        warn!("durable log: sync failed: {e}")
+                    }
+                    // A poisoned log was reported when it happened.
+                    _ => {}
                 }
             }
             if last_retention.elapsed() >= RETENTION_EVERY {
@@ -587,6 +591,8 @@ impl Durable {
     }
 
     fn write(&self, log: &mut Log, work: &Queue) {
+        // Under steady refused traffic the queue is never empty at a swap: try here too.
+        self.retry_after_failure(log);
         let mut entries = Vec::with_capacity(work.recs.len());
         let mut start = 0;
         for r in &work.recs {
@@ -611,7 +617,12 @@ impl Durable {
             } else {
                 work.groups[gi - 1].recs_end
             };
-            let g_bytes = data_end(work, g.recs_end) - data_end(work, g_first);
+            // Stored data plus each record's framing (kind, lengths, offset, topic).
+            let g_bytes = data_end(work, g.recs_end) - data_end(work, g_first)
+                + work.recs[g_first..g.recs_end]
+                    .iter()
+                    .map(|r| 15 + r.topic.name().as_bytes().len())
+                    .sum::<usize>();
             if gi > g0 && (always || bytes + g_bytes > MAX_CHUNK_BYTES) {
                 chunks.push((g0..gi, r0..g_first));
                 (g0, r0, bytes) = (gi, g_first, 0);
@@ -642,8 +653,18 @@ impl Durable {
                 }
             }
         }
-        let ok = results.iter().all(Result::is_ok);
-        self.failing.store(!ok, Ordering::Release);
+        // Only chunks that wrote something tell whether the log can write: a write of nothing
+        // but refusals or empty frames says nothing (and must not end the refusals).
+        let wrote: Vec<&Result<(), LogError>> = chunks
+            .iter()
+            .zip(&results)
+            .filter(|((_, recs), _)| !recs.is_empty())
+            .map(|(_, r)| r)
+            .collect();
+        if !wrote.is_empty() {
+            let ok = wrote.iter().all(|r| r.is_ok());
+            self.failing.store(!ok, Ordering::Release);
+        }
         for ((groups, recs), result) in chunks.iter().zip(&results) {
             let mut first = recs.start;
             for gi in groups.clone() {

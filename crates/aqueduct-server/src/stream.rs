@@ -523,16 +523,14 @@ impl Reader<'_> {
                     .transport
                     .max_subscriptions_per_connection;
                 let out = self.out.clone();
-                // With the durable log, a durable consumer (or durable group: `:group:` with
-                // `:durable:`) is served from the log by a feeder, not by routing (see
-                // consumers.rs).
+                // With the durable log, a durable consumer (without `:group:`) is served from the
+                // log by a feeder, not by routing (see consumers.rs). A durable *group* is still
+                // a routed group whose committed offset is kept in memory: serving groups from
+                // the log has open races (see docs/howto-log.md).
                 let durable_consumer =
                     match (&self.shared.consumers, &s.spec.durable, &s.spec.group) {
                         (Some(_), Some(d), None) => {
                             Some((Consumers::key(d.consumer.as_str()), d.start))
-                        }
-                        (Some(_), Some(d), Some(g)) => {
-                            Some((Consumers::group_key(g.as_str()), d.start))
                         }
                         _ => None,
                     };
@@ -584,7 +582,7 @@ impl Reader<'_> {
                 };
                 let feeder = match (&durable_consumer, &self.shared.consumers) {
                     (Some((key, start)), Some(consumers)) => {
-                        match consumers.claim(key, &s.spec.filter, &sub, s.spec.group.is_some()) {
+                        match consumers.claim(key, &s.spec.filter, &sub) {
                             Ok(claim) => Some((key.clone(), *start, claim)),
                             Err(ClaimError::InUse) => {
                                 self.conn.remove_sub(stream_id, &sub);
@@ -625,14 +623,10 @@ impl Reader<'_> {
                 {
                     lock(&self.out.durables).insert(sub.id(), key.clone());
                     if claim.first {
-                        let target = match sub.group() {
-                            Some(g) => crate::consumers::Target::Group(g.clone()),
-                            None => crate::consumers::Target::One(sub.clone()),
-                        };
                         let task = tokio::spawn(crate::consumers::feed(
                             d.clone(),
                             self.shared.broker.clone(),
-                            target,
+                            sub.clone(),
                             claim.fed,
                             start,
                             claim.resumed,
