@@ -123,17 +123,35 @@ impl Reader {
         let Some((_, file)) = &self.file else {
             return Ok(true);
         };
-        let check = frame_at(file, pos, plan.len, &mut self.buf)
-            .map_err(|e| LogError::io("reading segment", &plan.path, e))?;
-        let FrameCheck::Good { len } = check else {
-            let path = plan.path.clone();
-            // Unreadable from here on in this segment: go on with the next one.
-            self.plans.pop_front();
-            return Err(LogError::Damaged {
-                path,
-                position: pos,
-                reason: "the batch's checksum fails (damaged since it was indexed)".into(),
-            });
+        let check = match frame_at(file, pos, plan.len, &mut self.buf) {
+            Ok(c) => c,
+            Err(e) => {
+                // Not again and again: this window is given up.
+                let path = plan.path.clone();
+                plan.windows.pop_front();
+                return Err(LogError::io("reading segment", path, e));
+            }
+        };
+        let len = match check {
+            FrameCheck::Good { len } => len,
+            bad => {
+                let path = plan.path.clone();
+                match bad {
+                    // Its length still reads: skip just this batch.
+                    FrameCheck::BadCrc { len } => {
+                        plan.windows[0].0 = pos.saturating_add(len as u64)
+                    }
+                    // The frame boundary is lost: give up this window, go on with the next.
+                    _ => {
+                        plan.windows.pop_front();
+                    }
+                }
+                return Err(LogError::Damaged {
+                    path,
+                    position: pos,
+                    reason: "the batch's checksum fails (damaged since it was indexed)".into(),
+                });
+            }
         };
         plan.windows[0].0 = pos + len as u64;
         let body = &mut self.buf[FRAME_PREFIX..];

@@ -797,3 +797,34 @@ fn many_topics_share_few_files() -> R {
     assert_eq!(log.next_offset(b"t/19999"), 1);
     Ok(())
 }
+
+#[test]
+fn a_reader_skips_a_batch_damaged_after_indexing_and_goes_on() -> R {
+    let tmp = tempfile::tempdir()?;
+    let (mut log, _) = Log::open(tmp.path(), opts(None))?;
+    fill(&mut log, "a", 3, 2)?;
+    log.close()?;
+    // Damage the middle batch after the index was written: the index is still trusted.
+    let seg = segments(tmp.path())
+        .into_iter()
+        .find(|p| std::fs::metadata(p).map(|m| m.len() > 96).unwrap_or(false))
+        .ok_or("no segment")?;
+    let mut b = std::fs::read(&seg)?;
+    let starts = frame_starts(&b);
+    b[starts[1] + FRAME_PREFIX + BODY_HEADER + 3] ^= 0xFF;
+    std::fs::write(&seg, &b)?;
+    let (log, rec) = Log::open(tmp.path(), opts(None))?;
+    assert_eq!(rec.rebuilt_indexes, 0);
+    let items: Vec<Result<Record, LogError>> = log.read(b"a", 0).collect();
+    let ok: Vec<u64> = items
+        .iter()
+        .filter_map(|r| r.as_ref().ok().map(|r| r.offset))
+        .collect();
+    assert_eq!(
+        ok,
+        vec![0, 1, 4, 5],
+        "the batches after the damage still read"
+    );
+    assert_eq!(items.iter().filter(|r| r.is_err()).count(), 1);
+    Ok(())
+}
