@@ -111,8 +111,9 @@ enum Command {
         overflow: Option<OverflowPolicy>,
         /// Be the durable consumer ID: with the broker's durable log on, messages come from the
         /// log and the broker keeps ID's position (what was acknowledged), so the next
-        /// `aqueduct sub --durable ID` goes on from there (not with --group yet: a group's
-        /// position is kept in memory only). Acknowledges each message.
+        /// `aqueduct sub --durable ID` goes on from there. With --group G (the same filter on
+        /// every worker), the workers of the durable group G share one position. Acknowledges
+        /// each message.
         #[arg(long, value_name = "ID")]
         durable: Option<String>,
         /// With --durable, where to start the first time (later the stored position wins): an

@@ -262,17 +262,15 @@ impl Routes {
     /// last member, unless `keep_group`). Idempotent.
     fn unroute(&mut self, sub: &Subscriber, keep_group: bool) {
         match sub.group() {
+            // An unrouted group stays, members or not, until `forget_unrouted_group`: what it
+            // has parked must wait for the next member (its owner decides when it is over).
             Some(shared) if sub.is_unrouted() => {
-                if let Some(i) = self
+                if let Some(g) = self
                     .unrouted_groups
-                    .iter()
-                    .position(|g| Arc::ptr_eq(&g.shared, shared))
+                    .iter_mut()
+                    .find(|g| Arc::ptr_eq(&g.shared, shared))
                 {
-                    let g = &mut self.unrouted_groups[i];
                     g.members.retain(|m| m.id() != sub.id());
-                    if g.members.is_empty() && !keep_group {
-                        self.unrouted_groups.swap_remove(i);
-                    }
                 }
             }
             Some(shared) => {
@@ -495,7 +493,7 @@ impl Broker {
                 .find(|g| g.shared.id() == gid && g.shared.filter() == &spec.filter)
                 .map(|g| g.shared.clone());
             existing.unwrap_or_else(|| {
-                let shared = Arc::new(GroupShared::new(
+                let shared = Arc::new(GroupShared::new_unrouted(
                     gid.clone(),
                     spec.filter.clone(),
                     spec.durable.clone(),
@@ -531,7 +529,25 @@ impl Broker {
             }
         }
         routes.subscribers.insert(id, sub.clone());
+        drop(routes);
+        // Messages the group parked while it had no member: this one takes them.
+        if let Some(shared) = &group {
+            let parked = shared.take_parked();
+            if !parked.is_empty() {
+                let mut ctx = PublishContext::default();
+                self.deliver(&mut ctx, &sub, parked.into_iter(), Instant::now());
+            }
+        }
         sub
+    }
+
+    /// Forget an unrouted group (its owner has stored its position and it has no member): what
+    /// it parked is dropped with it.
+    pub fn forget_unrouted_group(&self, shared: &Arc<GroupShared>) {
+        self.write_routes()
+            .unrouted_groups
+            .retain(|g| !Arc::ptr_eq(&g.shared, shared));
+        shared.take_parked();
     }
 
     /// The member of an unrouted (durable) group that should take the next message: the next in
@@ -1044,6 +1060,8 @@ impl Broker {
         };
         match member {
             Some(m) => self.deliver(ctx, &m, std::iter::once(d), now),
+            // A durable group's messages wait for its next member (they are in its position).
+            None if shared.is_unrouted() => shared.park(d),
             None => {
                 shared.note_settled(d.topic.name(), d.offset);
                 d.topic.stats().dropped(DropReason::Unsubscribed);

@@ -52,6 +52,11 @@ pub struct GroupShared {
     filter: TopicFilter,
     durable: Option<Durable>,
     watermarks: Mutex<HashMap<TopicName, Watermark, RandomState>>,
+    /// Fed from the durable log, not by routing (see `Broker::subscribe_unrouted`).
+    unrouted: bool,
+    /// An unrouted group's messages that had no member to go to (every member had left):
+    /// kept for the next member instead of dropped, and counted in the group's position.
+    parked: Mutex<Vec<crate::subscriber::Delivery>>,
 }
 
 impl GroupShared {
@@ -61,7 +66,43 @@ impl GroupShared {
             filter,
             durable,
             watermarks: Mutex::default(),
+            unrouted: false,
+            parked: Mutex::default(),
         }
+    }
+
+    /// A group fed from the durable log (see `Broker::subscribe_unrouted`).
+    pub(crate) fn new_unrouted(id: GroupId, filter: TopicFilter, durable: Option<Durable>) -> Self {
+        GroupShared {
+            unrouted: true,
+            ..GroupShared::new(id, filter, durable)
+        }
+    }
+
+    pub fn is_unrouted(&self) -> bool {
+        self.unrouted
+    }
+
+    pub(crate) fn park(&self, d: crate::subscriber::Delivery) {
+        self.parked
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(d);
+    }
+
+    pub(crate) fn take_parked(&self) -> Vec<crate::subscriber::Delivery> {
+        std::mem::take(&mut *self.parked.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// For each topic with parked messages, the lowest parked offset.
+    pub fn parked_floor(&self) -> Vec<(TopicName, u64)> {
+        let parked = self.parked.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut floor: HashMap<TopicName, u64, RandomState> = HashMap::default();
+        for d in parked.iter() {
+            let f = floor.entry(d.topic.name().clone()).or_insert(d.offset);
+            *f = (*f).min(d.offset);
+        }
+        floor.into_iter().collect()
     }
 
     pub fn id(&self) -> &GroupId {

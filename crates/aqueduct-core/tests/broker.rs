@@ -1204,7 +1204,28 @@ fn an_unrouted_group_hands_a_leaving_members_messages_to_the_others() {
     let again = drain_all(&b, &m2, now);
     assert_eq!(again.len(), got1.len());
     assert!(again.iter().all(|g| g.attempt == 2));
-    // The last member leaves: the group is gone.
+    // The last member leaves with its messages unacknowledged: they are parked, not dropped,
+    // counted in the group's floor, and the next member takes them.
     b.unsubscribe(&mut ctx, &m2, now);
     assert!(b.group_member(&shared).is_none());
+    let floor = shared.parked_floor();
+    assert_eq!(floor.len(), 1);
+    assert_eq!(floor[0].1, 0);
+    let m3 = b.subscribe_unrouted(&group, opts());
+    assert!(
+        Arc::ptr_eq(m3.group().expect("group"), &shared),
+        "the same group"
+    );
+    assert_eq!(
+        drain_all(&b, &m3, now).len(),
+        4,
+        "every unacknowledged message"
+    );
+    assert!(shared.parked_floor().is_empty());
+    // Forgotten by its owner: a later member starts a new group.
+    b.unsubscribe(&mut ctx, &m3, now);
+    b.forget_unrouted_group(&shared);
+    let m4 = b.subscribe_unrouted(&group, opts());
+    assert!(!Arc::ptr_eq(m4.group().expect("group"), &shared));
+    assert!(drain_all(&b, &m4, now).is_empty());
 }

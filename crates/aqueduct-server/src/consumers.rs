@@ -15,12 +15,18 @@
 //! a subscription ends, and at shutdown. A consumer that comes back (after a reconnect or a
 //! restart) resumes from its stored position, whatever start it asks for; unacknowledged
 //! messages are delivered again (at least once). One subscription per consumer id at a time.
+//!
+//! Durable groups (`:group:` with `:durable:`): one feeder and one position for the group, its
+//! members an unrouted group in the core (each message to one member with room; a leaving
+//! member's messages to the others, or parked for the next member when it was the last). A
+//! member is made, and the group ended, under the table's lock, so the two never interleave.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
+use aqueduct_core::group::GroupShared;
 use aqueduct_core::{matching, Broker, Publication, PublishContext, Subscriber};
 use aqueduct_log::{ConsumerPosition, LogError, PositionStore, Positions};
 use aqueduct_proto::delivery::DeadLetter;
@@ -50,12 +56,15 @@ pub(crate) struct Fed {
 
 pub(crate) type SharedFed = Arc<Mutex<Fed>>;
 
-/// A consumer with a live subscription. (`members` holds one; the table is shaped for durable
-/// groups, which are not served from the log yet: see docs/howto-log.md.)
+/// A consumer (or a durable group) with live subscriptions.
 #[derive(Debug)]
 struct Live {
     /// Its subscriptions: one for a consumer, the members for a group.
     members: Vec<Arc<Subscriber>>,
+    /// A durable group's core state (unrouted group): its parked messages count in its position.
+    group: Option<Arc<GroupShared>>,
+    /// Wakes a group's feeder when a member joins (it waits while the group has none).
+    joined: Arc<tokio::sync::Notify>,
     fed: SharedFed,
     filter: String,
     /// The feeder task: it serves the consumer or group and ends with its last subscription.
@@ -101,12 +110,16 @@ pub(crate) struct Consumers {
 pub(crate) enum ClaimError {
     /// Another subscription is this consumer already.
     InUse,
+    /// The durable group exists with another filter.
+    OtherFilter(String),
 }
 
 /// What a durable SUBSCRIBE joined.
 #[derive(Debug)]
 pub(crate) struct Claim {
+    pub sub: Arc<Subscriber>,
     pub fed: SharedFed,
+    pub joined: Arc<tokio::sync::Notify>,
     /// The consumer or group has a stored position.
     pub resumed: bool,
     /// The first live subscription: the caller starts the feeder ([`Consumers::set_feeder`]).
@@ -131,35 +144,64 @@ impl Consumers {
         format!("consumer:{consumer}")
     }
 
-    /// Make `sub` the live subscription of consumer `key` (refused if it has one). Returns the
+    /// The key a durable group's one position is stored under.
+    pub fn group_key(group: &str) -> String {
+        format!("group:{group}")
+    }
+
+    /// Make a live subscription of `key` — the only one of a consumer (refused if it has one),
+    /// or one more member of a durable group (`group`) — created by `make` under the table's
+    /// lock, so that joining a group and the group's end never interleave. Returns it with the
     /// feeder's positions: the stored ones, if any.
     pub fn claim(
         &self,
         key: &str,
         filter: &TopicFilter,
-        sub: &Arc<Subscriber>,
+        group: bool,
+        make: impl FnOnce() -> Arc<Subscriber>,
     ) -> Result<Claim, ClaimError> {
         let mut t = lock(&self.table);
         let resumed = t.stored.contains_key(key);
-        if t.live.contains_key(key) {
-            return Err(ClaimError::InUse);
+        if let Some(live) = t.live.get_mut(key) {
+            if !group {
+                return Err(ClaimError::InUse);
+            }
+            if live.filter != filter.as_str() {
+                return Err(ClaimError::OtherFilter(live.filter.clone()));
+            }
+            let sub = make();
+            live.members.push(sub.clone());
+            live.joined.notify_one();
+            return Ok(Claim {
+                sub,
+                fed: live.fed.clone(),
+                joined: live.joined.clone(),
+                resumed,
+                first: false,
+            });
         }
+        let sub = make();
         let stored = t.stored.get(key).cloned();
         let fed = Arc::new(Mutex::new(Fed {
             next: stored.map(|c| c.next).unwrap_or_default(),
             stopped: false,
         }));
+        let joined = Arc::new(tokio::sync::Notify::new());
         t.live.insert(
             key.to_string(),
             Live {
                 members: vec![sub.clone()],
+                group: sub.group().cloned(),
+                joined: joined.clone(),
                 fed: fed.clone(),
                 filter: filter.to_string(),
                 feeder: Feeder::Starting,
             },
         );
         Ok(Claim {
+            sub,
             fed,
+            joined,
             resumed,
             first: true,
         })
@@ -177,16 +219,13 @@ impl Consumers {
     }
 
     /// `sub` (of `key`) ends: call before it is removed from the broker, while its unsettled
-    /// messages are still known. The last one stops the feeder and keeps the position. Another
-    /// group member stays counted (its unsettled messages hold the position) until
-    /// [`left`](Self::left), after the broker has handed its messages to the other members.
+    /// messages are still known. A consumer's feeder stops and its position is kept. A group
+    /// member stays counted until [`left`](Self::left): the broker hands its messages to the
+    /// other members, or parks them in the group when it was the last.
     pub fn end(&self, key: &str, sub: &Subscriber) {
         let mut t = lock(&self.table);
-        let last = t
-            .live
-            .get(key)
-            .is_some_and(|live| live.members.iter().all(|m| m.id() == sub.id()));
-        if !last {
+        let single = t.live.get(key).is_some_and(|live| live.group.is_none());
+        if !single {
             return;
         }
         if let Some(mut live) = t.live.remove(key) {
@@ -194,24 +233,39 @@ impl Consumers {
             let position = position_of(&live);
             t.stored.insert(key.to_string(), position);
         }
+        let _ = sub;
     }
 
-    /// `sub` is gone from the broker (after [`end`](Self::end)): its messages are with the other
-    /// members now, counted there.
-    pub fn left(&self, key: &str, sub: &Subscriber) {
-        if let Some(live) = lock(&self.table).live.get_mut(key) {
-            live.members.retain(|m| m.id() != sub.id());
+    /// `sub` is gone from the broker (after [`end`](Self::end)). A durable group whose last
+    /// member this was ends: its position (the feeder's, lowered to what the group parked) is
+    /// kept, its feeder stops, and the broker forgets the group.
+    pub fn left(&self, key: &str, sub: &Subscriber, broker: &Broker) {
+        let mut t = lock(&self.table);
+        let Some(live) = t.live.get_mut(key) else {
+            return;
+        };
+        live.members.retain(|m| m.id() != sub.id());
+        if !live.members.is_empty() || live.group.is_none() {
+            return;
+        }
+        if let Some(mut live) = t.live.remove(key) {
+            live.stop_feeder();
+            let position = position_of(&live);
+            t.stored.insert(key.to_string(), position);
+            if let Some(g) = &live.group {
+                broker.forget_unrouted_group(g);
+            }
         }
     }
 
     /// `sub`'s client stopped reading (its subscription lives on until its stream ends). A
-    /// consumer's (or a group's last member's) queued messages are about to be dropped: the
-    /// feeder stops and its positions go back to them, so none is skipped. Another group
-    /// member's queued messages go to the other members: nothing to do.
+    /// consumer's queued messages are about to be dropped: its feeder stops and its positions go
+    /// back to them, so none is skipped. A group member's go to the other members (or are
+    /// parked in the group): nothing to do.
     pub fn rewind(&self, key: &str, sub: &Subscriber) {
         let mut t = lock(&self.table);
         if let Some(live) = t.live.get_mut(key) {
-            if live.members.len() > 1 {
+            if live.group.is_some() {
                 return;
             }
             live.stop_feeder();
@@ -224,7 +278,7 @@ impl Consumers {
     /// more messages for it; what is queued is still written.
     pub fn pause(&self, key: &str) {
         if let Some(live) = lock(&self.table).live.get_mut(key) {
-            if live.members.len() <= 1 {
+            if live.group.is_none() {
                 live.stop_feeder();
             }
         }
@@ -260,6 +314,9 @@ fn position_of(live: &Live) -> ConsumerPosition {
     let mut next = fed.next.clone();
     for m in &live.members {
         next = floor(&next, m.unsettled_floor());
+    }
+    if let Some(g) = &live.group {
+        next = floor(&next, g.parked_floor());
     }
     ConsumerPosition {
         filter: live.filter.clone(),
@@ -336,17 +393,30 @@ fn topic_matches(filter: &TopicFilter, topic: &[u8]) -> bool {
         .is_some_and(|name| matching::matches(filter, &name))
 }
 
-/// Feed a durable consumer's subscription from the log until it is stopped (its subscription
-/// ended) or closed. `resumed`: it has a stored position.
+/// Who a feeder feeds.
+#[derive(Debug, Clone)]
+pub(crate) enum Target {
+    /// A durable consumer's one subscription.
+    One(Arc<Subscriber>),
+    /// A durable group: each message to one member (the next with room), waiting while it has
+    /// none; woken by `joined`.
+    Group(Arc<GroupShared>, Arc<tokio::sync::Notify>),
+}
+
+/// Feed a durable consumer or group from the log until it is stopped (its last subscription
+/// ended). `resumed`: it has a stored position.
 pub(crate) async fn feed(
     durable: Arc<Durable>,
     broker: Arc<Broker>,
-    sub: Arc<Subscriber>,
+    target: Target,
     fed: SharedFed,
     start: DurableStart,
     resumed: bool,
 ) {
-    let filter = sub.filter().clone();
+    let filter = match &target {
+        Target::One(sub) => sub.filter().clone(),
+        Target::Group(g, _) => g.filter().clone(),
+    };
     let mut ctx = PublishContext::default();
     let mut generation = None;
     let mut first_pass = true;
@@ -354,7 +424,7 @@ pub(crate) async fn feed(
         let progress = durable.progress.notified();
         tokio::pin!(progress);
         progress.as_mut().enable();
-        if lock(&fed).stopped || sub.is_closed() {
+        if lock(&fed).stopped || matches!(&target, Target::One(sub) if sub.is_closed()) {
             return;
         }
         // Topics matching the filter that the consumer has no position for yet.
@@ -442,20 +512,56 @@ pub(crate) async fn feed(
                 let age = SystemTime::now()
                     .duration_since(SystemTime::UNIX_EPOCH + Duration::from_millis(r.timestamp_ms))
                     .unwrap_or_default();
+                let member = match &target {
+                    Target::One(sub) => sub.clone(),
+                    Target::Group(g, joined) => match broker.group_member(g) {
+                        Some(m) => {
+                            // The pick prefers members with room: if this one has none, none
+                            // has; wait for it.
+                            if !m.has_room(broker.config().max_in_flight) {
+                                std::future::poll_fn(|cx| m.poll_room(cx)).await;
+                            }
+                            m
+                        }
+                        None => {
+                            // No member right now: wait for one (or to be stopped), then read
+                            // on from the same position.
+                            let woken = joined.notified();
+                            tokio::pin!(woken);
+                            woken.as_mut().enable();
+                            if broker.group_member(g).is_none() && !lock(&fed).stopped {
+                                woken.await;
+                            }
+                            moved = true;
+                            break;
+                        }
+                    },
+                };
                 {
                     // Queue and advance under the lock a rewind takes: never one without the
                     // other.
                     let mut f = lock(&fed);
-                    if f.stopped
-                        || !broker.feed(&mut ctx, &sub, &name, r.offset, &p, age, Instant::now())
-                    {
-                        return; // stopped, or closed
+                    if f.stopped {
+                        return;
+                    }
+                    if !broker.feed(&mut ctx, &member, &name, r.offset, &p, age, Instant::now()) {
+                        match &target {
+                            Target::One(_) => return, // closed
+                            // The member left between the pick and the feed: this message goes
+                            // to another one, from the same position, right away.
+                            Target::Group(..) => {
+                                moved = true;
+                                break;
+                            }
+                        }
                     }
                     f.next.insert(topic.clone(), r.offset.saturating_add(1));
                 }
                 moved = true;
-                // Its queue is full: wait until it has drained (or is closed).
-                std::future::poll_fn(|cx| sub.poll_room(cx)).await;
+                if let Target::One(sub) = &target {
+                    // Its queue is full: wait until it has drained (or is closed).
+                    std::future::poll_fn(|cx| sub.poll_room(cx)).await;
+                }
             }
         }
         if !moved {

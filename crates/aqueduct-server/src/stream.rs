@@ -188,7 +188,7 @@ fn end_durable(shared: &Shared, out: &StreamOut, sub: &Subscriber) -> Option<Str
 /// After a durable subscription is gone from the broker (see [`end_durable`]).
 fn left_durable(shared: &Shared, key: Option<String>, sub: &Subscriber) {
     if let (Some(key), Some(consumers)) = (key, &shared.consumers) {
-        consumers.left(&key, sub);
+        consumers.left(&key, sub, &shared.broker);
     }
 }
 
@@ -523,83 +523,103 @@ impl Reader<'_> {
                     .transport
                     .max_subscriptions_per_connection;
                 let out = self.out.clone();
-                // With the durable log, a durable consumer (without `:group:`) is served from the
-                // log by a feeder, not by routing (see consumers.rs). A durable *group* is still
-                // a routed group whose committed offset is kept in memory: serving groups from
-                // the log has open races (see docs/howto-log.md).
+                // With the durable log, a durable consumer (or a durable group: `:group:` with
+                // `:durable:`) is served from the log by a feeder, not by routing (see
+                // consumers.rs).
                 let durable_consumer =
                     match (&self.shared.consumers, &s.spec.durable, &s.spec.group) {
-                        (Some(_), Some(d), None) => {
-                            Some((Consumers::key(d.consumer.as_str()), d.start))
+                        (Some(c), Some(d), None) => {
+                            Some((c, Consumers::key(d.consumer.as_str()), d.start))
+                        }
+                        (Some(c), Some(d), Some(g)) => {
+                            Some((c, Consumers::group_key(g.as_str()), d.start))
                         }
                         _ => None,
                     };
-                let unrouted = durable_consumer.is_some();
+                let waker_out = out.clone();
+                let opts = SubscribeOptions {
+                    stream_id,
+                    ack_mode: s.ack_mode(),
+                    overflow: s.overflow(),
+                    waker: Some(Box::new(move || waker_out.notify.notify_one())),
+                    seed_form: !has_extensions,
+                    max_in_flight: s.ext.max_in_flight.map(|n| n as usize),
+                };
+                // A durable one is made under the consumer table's lock (joining a group never
+                // interleaves with its end), then registered on the connection.
+                let mut opts = Some(opts);
+                let claimed = match &durable_consumer {
+                    Some((consumers, key, _)) => {
+                        let group = s.spec.group.is_some();
+                        let claim = consumers.claim(key, &s.spec.filter, group, || {
+                            let opts = opts.take().unwrap_or_default();
+                            broker.subscribe_unrouted(&s.spec, opts)
+                        });
+                        match claim {
+                            Ok(claim) => Some(claim),
+                            Err(e) => {
+                                let why = match e {
+                                    ClaimError::InUse => format!(
+                                        "durable consumer {key} is already subscribed (one \
+                                         subscription per durable consumer at a time)"
+                                    ),
+                                    ClaimError::OtherFilter(f) => format!(
+                                        "durable group {key} reads {f}; all its members must \
+                                         subscribe with that filter"
+                                    ),
+                                };
+                                return self.send_error(stream_id, ErrorCode::BAD_SUBSCRIBE, why);
+                            }
+                        }
+                    }
+                    None => None,
+                };
                 // Check and insert under the connection table's lock, so two SUBSCRIBEs with
                 // one id on two streams cannot both succeed.
                 let added = self.conn.add_sub_with(stream_id, max, || {
-                    let waker_out = out.clone();
-                    let opts = SubscribeOptions {
-                        stream_id,
-                        ack_mode: s.ack_mode(),
-                        overflow: s.overflow(),
-                        waker: Some(Box::new(move || waker_out.notify.notify_one())),
-                        seed_form: !has_extensions,
-                        max_in_flight: s.ext.max_in_flight.map(|n| n as usize),
-                    };
-                    let sub = if unrouted {
-                        broker.subscribe_unrouted(&s.spec, opts)
-                    } else {
-                        broker.subscribe(&s.spec, opts)
+                    let sub = match &claimed {
+                        Some(claim) => claim.sub.clone(),
+                        None => broker.subscribe(&s.spec, opts.take().unwrap_or_default()),
                     };
                     SubEntry { sub, out }
                 });
-                let sub = match added {
-                    Ok(sub) => sub,
-                    Err(AddSubError::InUse) => {
-                        return self.send_error(
-                            stream_id,
-                            ErrorCode::BAD_SUBSCRIBE,
-                            format!(
-                            "stream id {stream_id} already has a subscription on this connection"
-                        ),
-                        )
-                    }
+                let refused = match added {
+                    Ok(_) => None,
+                    Err(AddSubError::InUse) => Some(format!(
+                        "stream id {stream_id} already has a subscription on this connection"
+                    )),
                     Err(AddSubError::Limit) => {
                         self.shared
                             .stats
                             .subscriptions_refused
                             .fetch_add(1, Ordering::Relaxed);
-                        return self.send_error(
-                            stream_id,
-                            ErrorCode::BAD_SUBSCRIBE,
-                            format!(
-                                "this connection already has {max} subscriptions \
-                                 (transport.max_subscriptions_per_connection)"
-                            ),
-                        );
+                        Some(format!(
+                            "this connection already has {max} subscriptions \
+                             (transport.max_subscriptions_per_connection)"
+                        ))
                     }
                 };
-                let feeder = match (&durable_consumer, &self.shared.consumers) {
-                    (Some((key, start)), Some(consumers)) => {
-                        match consumers.claim(key, &s.spec.filter, &sub) {
-                            Ok(claim) => Some((key.clone(), *start, claim)),
-                            Err(ClaimError::InUse) => {
-                                self.conn.remove_sub(stream_id, &sub);
-                                broker.unsubscribe(&mut self.ctx, &sub, now);
-                                return self.send_error(
-                                    stream_id,
-                                    ErrorCode::BAD_SUBSCRIBE,
-                                    format!(
-                                        "durable consumer {key} is already subscribed (one \
-                                         subscription per durable consumer at a time)"
-                                    ),
-                                );
-                            }
-                        }
+                if let Some(why) = refused {
+                    // A durable subscription made for nothing is taken back.
+                    if let (Some(claim), Some((consumers, key, _))) = (&claimed, &durable_consumer)
+                    {
+                        consumers.end(key, &claim.sub);
+                        logged(self.shared, &mut self.ctx, |ctx| {
+                            broker.unsubscribe(ctx, &claim.sub, now)
+                        });
+                        consumers.left(key, &claim.sub, broker);
                     }
-                    _ => None,
+                    return self.send_error(stream_id, ErrorCode::BAD_SUBSCRIBE, why);
+                }
+                let sub = match (&claimed, added) {
+                    (Some(claim), _) => claim.sub.clone(),
+                    (None, Ok(sub)) => sub,
+                    (None, Err(_)) => return,
                 };
+                let feeder = durable_consumer
+                    .as_ref()
+                    .zip(claimed)
+                    .map(|((_, key, start), claim)| (key.clone(), *start, claim));
                 info!(
                     client = %self.conn.describe(),
                     filter = %s.spec.filter,
@@ -623,10 +643,14 @@ impl Reader<'_> {
                 {
                     lock(&self.out.durables).insert(sub.id(), key.clone());
                     if claim.first {
+                        let target = match sub.group() {
+                            Some(g) => crate::consumers::Target::Group(g.clone(), claim.joined),
+                            None => crate::consumers::Target::One(sub.clone()),
+                        };
                         let task = tokio::spawn(crate::consumers::feed(
                             d.clone(),
                             self.shared.broker.clone(),
-                            sub.clone(),
+                            target,
                             claim.fed,
                             start,
                             claim.resumed,

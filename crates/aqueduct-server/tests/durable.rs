@@ -463,3 +463,196 @@ async fn a_resumed_consumer_reads_new_topics_from_the_start_and_only_what_it_mat
     leave(&b, sub, &client).await;
     b.stop().await.expect("clean shutdown");
 }
+fn group_opts(
+    group: &str,
+    start: aqueduct_client::DurableStart,
+) -> aqueduct_client::SubscribeOptions {
+    aqueduct_client::SubscribeOptions {
+        group: Some(group.to_string()),
+        durable: Some((group.to_string(), start)),
+        ack: true,
+        ..aqueduct_client::SubscribeOptions::default()
+    }
+}
+
+/// A durable group has one position: its members share the log (each message to one of them at
+/// a time), a member that leaves hands its unacknowledged messages to the others, and after
+/// every member left and the broker restarted, the group resumes from that position with what
+/// was unacknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_group_shares_the_log_and_resumes_after_failover_and_restart() {
+    use aqueduct_client::DurableStart;
+    use std::collections::BTreeSet;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let client = b.client().await;
+    let c1 = b.client().await;
+    let c2 = b.client().await;
+    let mut w1 = c1
+        .subscribe_with("orders", &group_opts("billing", DurableStart::Earliest))
+        .await
+        .expect("worker 1");
+    let mut w2 = c2
+        .subscribe_with("orders", &group_opts("billing", DurableStart::Earliest))
+        .await
+        .expect("worker 2");
+    publish_n(&client, "orders", 0..20).await;
+    // Worker 1 acknowledges what it gets; worker 2 holds what it gets, unacknowledged.
+    let mut seen: Vec<u64> = Vec::new();
+    let mut held = Vec::new();
+    while seen.len() < 20 {
+        tokio::select! {
+            m = next(&mut w1) => { seen.push(m.offset()); m.ack().await.expect("ack"); }
+            m = next(&mut w2) => { seen.push(m.offset()); held.push(m.offset()); }
+        }
+    }
+    let distinct: BTreeSet<u64> = seen.iter().copied().collect();
+    assert_eq!(
+        distinct,
+        (0..20).collect(),
+        "each message once, to one member"
+    );
+    assert!(!held.is_empty(), "both members got messages: {held:?}");
+    // Worker 2 leaves without acknowledging: worker 1 gets its messages.
+    leave(&b, w2, &c2).await;
+    let mut again = Vec::new();
+    for _ in 0..held.len() {
+        let m = next(&mut w1).await;
+        again.push(m.offset());
+        m.ack().await.expect("ack");
+    }
+    again.sort();
+    held.sort();
+    assert_eq!(
+        again, held,
+        "the leaving member's messages went to the other"
+    );
+    // Worker 1 takes two more and does not acknowledge them; then everyone leaves.
+    publish_n(&client, "orders", 20..25).await;
+    let mut unacked = Vec::new();
+    for i in 0..5 {
+        let m = next(&mut w1).await;
+        if i < 3 {
+            m.ack().await.expect("ack");
+        } else {
+            unacked.push(m.offset());
+        }
+    }
+    leave(&b, w1, &c1).await;
+    client.close().await;
+    b.stop().await.expect("clean shutdown");
+
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let client = b.client().await;
+    publish_n(&client, "orders", 25..27).await;
+    let mut w3 = client
+        .subscribe_with("orders", &group_opts("billing", DurableStart::Latest))
+        .await
+        .expect("a new worker after the restart");
+    let mut got = Vec::new();
+    for _ in 0..unacked.len() + 2 {
+        let m = next(&mut w3).await;
+        got.push(m.offset());
+        m.ack().await.expect("ack");
+    }
+    got.sort();
+    let mut want = unacked.clone();
+    want.extend([25, 26]);
+    want.sort();
+    assert_eq!(
+        got, want,
+        "resumed from the group's position, unacknowledged ones again"
+    );
+    leave(&b, w3, &client).await;
+    b.stop().await.expect("clean shutdown");
+}
+
+/// Every member of a durable group goes away at once (their connections close, no UNSUBSCRIBE)
+/// with messages unacknowledged: nothing is lost — after a restart the next member gets them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_group_whose_members_all_vanish_at_once_loses_nothing() {
+    use aqueduct_client::DurableStart;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let publisher = b.client().await;
+    let c1 = b.client().await;
+    let c2 = b.client().await;
+    let mut w1 = c1
+        .subscribe_with("jobs", &group_opts("crew", DurableStart::Earliest))
+        .await
+        .expect("worker 1");
+    let mut w2 = c2
+        .subscribe_with("jobs", &group_opts("crew", DurableStart::Earliest))
+        .await
+        .expect("worker 2");
+    publish_n(&publisher, "jobs", 0..10).await;
+    // Each takes what it gets, acknowledging nothing, until all ten are out.
+    let mut out = 0;
+    while out < 10 {
+        tokio::select! {
+            _ = next(&mut w1) => out += 1,
+            _ = next(&mut w2) => out += 1,
+        }
+    }
+    // Both connections close at once, without UNSUBSCRIBE.
+    drop((w1, w2));
+    tokio::join!(c1.close(), c2.close());
+    until("both members are gone", || b.broker.subscriber_count() == 0).await;
+    publisher.close().await;
+    b.stop().await.expect("clean shutdown");
+
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let client = b.client().await;
+    let mut w3 = client
+        .subscribe_with("jobs", &group_opts("crew", DurableStart::Latest))
+        .await
+        .expect("a member after the restart");
+    let mut got = Vec::new();
+    for _ in 0..10 {
+        let m = next(&mut w3).await;
+        got.push(m.offset());
+        m.ack().await.expect("ack");
+    }
+    got.sort();
+    assert_eq!(
+        got,
+        (0..10).collect::<Vec<u64>>(),
+        "every unacknowledged message"
+    );
+    leave(&b, w3, &client).await;
+    b.stop().await.expect("clean shutdown");
+}
+
+/// A member that stops taking messages (at its prefetch limit, nothing acknowledged) does not
+/// stall its durable group: the feeder goes on with the members that have room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_member_does_not_stall_its_durable_group() {
+    use aqueduct_client::DurableStart;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let publisher = b.client().await;
+    let c1 = b.client().await;
+    let c2 = b.client().await;
+    let stuck_opts = aqueduct_client::SubscribeOptions {
+        max_in_flight: Some(3),
+        ..group_opts("pool", DurableStart::Earliest)
+    };
+    let _stuck = c1
+        .subscribe_with("work", &stuck_opts)
+        .await
+        .expect("a member that never reads");
+    let mut busy = c2
+        .subscribe_with("work", &group_opts("pool", DurableStart::Earliest))
+        .await
+        .expect("a member that works");
+    publish_n(&publisher, "work", 0..50).await;
+    let mut got = std::collections::BTreeSet::new();
+    for _ in 0..47 {
+        let m = next(&mut busy).await;
+        assert!(got.insert(m.offset()), "offset {} twice", m.offset());
+        m.ack().await.expect("ack");
+    }
+    assert_eq!(got.len(), 47, "all but the stuck member's three");
+    publisher.close().await;
+    b.stop().await.expect("clean shutdown");
+}
