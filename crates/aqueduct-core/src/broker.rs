@@ -529,10 +529,11 @@ impl Broker {
             }
         }
         routes.subscribers.insert(id, sub.clone());
+        // Messages the group parked while it had no member: this one takes them (taken under
+        // the routes lock, so none is parked in between and left behind).
+        let parked = group.as_ref().map(|g| g.take_parked()).unwrap_or_default();
         drop(routes);
-        // Messages the group parked while it had no member: this one takes them.
-        if let Some(shared) = &group {
-            let parked = shared.take_parked();
+        {
             if !parked.is_empty() {
                 let mut ctx = PublishContext::default();
                 self.deliver(&mut ctx, &sub, parked.into_iter(), Instant::now());
@@ -558,6 +559,27 @@ impl Broker {
             .group(shared)
             .and_then(|g| g.pick(None, self.config.max_in_flight))
             .cloned()
+    }
+
+    /// For a feeder that keeps members' queues short: the next member, round-robin, with room
+    /// under `max_in_flight` and fewer than `queued_below` queued — or `Err` with every member
+    /// (to wait for room in any of them; empty when the group has no member).
+    pub fn group_member_with_room(
+        &self,
+        shared: &Arc<GroupShared>,
+        queued_below: usize,
+    ) -> Result<Arc<Subscriber>, Vec<Arc<Subscriber>>> {
+        let routes = self.read_routes();
+        let Some(g) = routes.group(shared) else {
+            return Err(Vec::new());
+        };
+        let max = self.config.max_in_flight;
+        g.turn
+            .pick(&g.members, |m| {
+                m.has_room(max) && m.queued_approx() < queued_below
+            })
+            .cloned()
+            .ok_or_else(|| g.members.clone())
     }
 
     /// Queue one message that already has its offset (read back from the durable log) for `sub`.
@@ -1048,20 +1070,26 @@ impl Broker {
         exclude: Option<SubscriberId>,
         now: Instant,
     ) {
-        let member = {
+        let (member, d) = {
             let routes = self.read_routes();
-            routes
+            let member = routes
                 .group(shared)
                 .and_then(|g| {
                     g.pick(exclude, self.config.max_in_flight)
                         .or_else(|| g.pick(None, self.config.max_in_flight))
                 })
-                .cloned()
+                .cloned();
+            if member.is_none() && shared.is_unrouted() {
+                // A durable group's messages wait for its next member (they are in its
+                // position). Parked under the routes lock a joining member takes for writing,
+                // so it either sees this message parked or is the member found here.
+                shared.park(d);
+                return;
+            }
+            (member, d)
         };
         match member {
             Some(m) => self.deliver(ctx, &m, std::iter::once(d), now),
-            // A durable group's messages wait for its next member (they are in its position).
-            None if shared.is_unrouted() => shared.park(d),
             None => {
                 shared.note_settled(d.topic.name(), d.offset);
                 d.topic.stats().dropped(DropReason::Unsubscribed);

@@ -323,6 +323,12 @@ impl Subscriber {
         self.closed.load(Ordering::Acquire)
     }
 
+    /// Messages waiting to be sent, as of the last change (lock-free, may be a moment old: for
+    /// picks made under the routing lock, which must not take a subscriber's lock).
+    pub fn queued_approx(&self) -> usize {
+        self.queued_len.load(Ordering::Relaxed)
+    }
+
     /// Messages waiting to be sent.
     pub fn queued(&self) -> usize {
         self.lock().queue.len()
@@ -499,6 +505,31 @@ impl Subscriber {
         self.capacity / 2
     }
 
+    /// Ready once this subscriber can take a message now: fewer than `queued_below` queued and
+    /// (when it acknowledges) room under `max_in_flight`; never for a closed or detached one.
+    /// For a feeder that keeps each member's queue short.
+    pub fn poll_can_take(
+        &self,
+        cx: &mut std::task::Context<'_>,
+        max_in_flight: usize,
+        queued_below: usize,
+    ) -> std::task::Poll<()> {
+        let mut st = self.lock();
+        let limit = self.in_flight_limit(max_in_flight);
+        let in_flight_room = self.ack_mode != AckMode::Explicit || st.in_flight.len() < limit;
+        if st.closed.is_some() || st.detached {
+            // Never again: the caller's other members (or a new one) must wake it.
+            return std::task::Poll::Pending;
+        }
+        if st.queue.len() < queued_below && in_flight_room {
+            return std::task::Poll::Ready(());
+        }
+        if !st.held.iter().any(|w| w.will_wake(cx.waker())) {
+            st.held.push(cx.waker().clone());
+        }
+        std::task::Poll::Pending
+    }
+
     /// Ready once a publisher held by this subscriber's full queue (block policy) may go on: the
     /// queue has drained to half its capacity, or the subscriber is closed.
     pub fn poll_room(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
@@ -525,7 +556,7 @@ impl Subscriber {
         };
         let (delivery, wake) = {
             let mut st = self.lock();
-            let delivery = match st.in_flight.entry((topic, offset)) {
+            let delivery: Delivery = match st.in_flight.entry((topic, offset)) {
                 Entry::Vacant(v) => {
                     let (topic, offset) = v.into_key();
                     return Err(SettleError::NotInFlight { topic, offset });
@@ -547,8 +578,13 @@ impl Subscriber {
                 }
             };
             self.note_lengths(&st);
-            (delivery, !st.queue.is_empty())
+            // Room under max_in_flight: whoever waits to give this subscriber more (a durable
+            // group's feeder) may go on.
+            let held = std::mem::take(&mut st.held);
+            (delivery, (!st.queue.is_empty(), held))
         };
+        let (wake, held) = wake;
+        held.into_iter().for_each(std::task::Waker::wake);
         if wake {
             self.wake();
         }

@@ -37,6 +37,10 @@ use crate::durable::{Durable, StoredMessage};
 
 /// How often changed positions are saved.
 pub(crate) const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
+/// A durable group's feeder gives a member a message only while it has fewer than this many
+/// queued: a member whose client stops reading then holds few (and its unacknowledged ones time
+/// out to the others), and one stuck member never stalls the group.
+const FEED_AHEAD: usize = 16;
 /// Messages a feeder reads from one topic before looking at the others.
 const READ_BATCH: usize = 512;
 
@@ -230,8 +234,7 @@ impl Consumers {
         }
         if let Some(mut live) = t.live.remove(key) {
             live.stop_feeder();
-            let position = position_of(&live);
-            t.stored.insert(key.to_string(), position);
+            keep(&mut t.stored, key, position_of(&live));
         }
         let _ = sub;
     }
@@ -250,8 +253,7 @@ impl Consumers {
         }
         if let Some(mut live) = t.live.remove(key) {
             live.stop_feeder();
-            let position = position_of(&live);
-            t.stored.insert(key.to_string(), position);
+            keep(&mut t.stored, key, position_of(&live));
             if let Some(g) = &live.group {
                 broker.forget_unrouted_group(g);
             }
@@ -305,6 +307,15 @@ impl Consumers {
         *saved = now;
         Ok(true)
     }
+}
+
+/// Store `position` for `key` — unless it says nothing and nothing was stored before (a
+/// subscription taken back before it read anything must not make the consumer "resumed").
+fn keep(stored: &mut Positions, key: &str, position: ConsumerPosition) {
+    if position.next.is_empty() && !stored.contains_key(key) {
+        return;
+    }
+    stored.insert(key.to_string(), position);
 }
 
 /// A live consumer's position: per topic, the lowest offset any of its subscriptions has
@@ -514,28 +525,40 @@ pub(crate) async fn feed(
                     .unwrap_or_default();
                 let member = match &target {
                     Target::One(sub) => sub.clone(),
-                    Target::Group(g, joined) => match broker.group_member(g) {
-                        Some(m) => {
-                            // The pick prefers members with room: if this one has none, none
-                            // has; wait for it.
-                            if !m.has_room(broker.config().max_in_flight) {
-                                std::future::poll_fn(|cx| m.poll_room(cx)).await;
+                    Target::Group(g, joined) => {
+                        match broker.group_member_with_room(g, FEED_AHEAD) {
+                            Ok(m) => m,
+                            Err(members) => {
+                                // No member can take a message now (or there is none): wait until
+                                // any one can, or a member joins, or this feeder is stopped; then read
+                                // on from the same position.
+                                let woken = joined.notified();
+                                tokio::pin!(woken);
+                                woken.as_mut().enable();
+                                let max = broker.config().max_in_flight;
+                                let room = std::future::poll_fn(|cx| {
+                                    // Registers with every member, so room in any of them wakes us.
+                                    let mut ready = false;
+                                    for m in &members {
+                                        ready |= m.poll_can_take(cx, max, FEED_AHEAD).is_ready();
+                                    }
+                                    if ready {
+                                        std::task::Poll::Ready(())
+                                    } else {
+                                        std::task::Poll::Pending
+                                    }
+                                });
+                                if !lock(&fed).stopped {
+                                    tokio::select! {
+                                        _ = room, if !members.is_empty() => {}
+                                        _ = woken => {}
+                                    }
+                                }
+                                moved = true;
+                                break;
                             }
-                            m
                         }
-                        None => {
-                            // No member right now: wait for one (or to be stopped), then read
-                            // on from the same position.
-                            let woken = joined.notified();
-                            tokio::pin!(woken);
-                            woken.as_mut().enable();
-                            if broker.group_member(g).is_none() && !lock(&fed).stopped {
-                                woken.await;
-                            }
-                            moved = true;
-                            break;
-                        }
-                    },
+                    }
                 };
                 {
                     // Queue and advance under the lock a rewind takes: never one without the

@@ -153,10 +153,11 @@ fn end_subscriptions(
     let now = Instant::now();
     for sub in ending {
         conn.remove_sub(sub.stream_id(), &sub);
-        end_durable(shared, out, &sub);
+        let durable = end_durable(shared, out, &sub);
         logged(shared, &mut ctx, |ctx| {
             shared.broker.unsubscribe(ctx, &sub, now)
         });
+        left_durable(shared, durable, &sub);
     }
     ctx.clear_held();
 }
@@ -600,9 +601,27 @@ impl Reader<'_> {
                     }
                 };
                 if let Some(why) = refused {
-                    // A durable subscription made for nothing is taken back.
-                    if let (Some(claim), Some((consumers, key, _))) = (&claimed, &durable_consumer)
+                    // A durable subscription made for nothing is taken back. If it was the first
+                    // of a group, members that joined meanwhile still need the feeder.
+                    if let (Some(claim), Some((consumers, key, start)), Some(d)) =
+                        (&claimed, &durable_consumer, &self.shared.durable)
                     {
+                        if claim.first {
+                            if let Some(g) = claim.sub.group() {
+                                let task = tokio::spawn(crate::consumers::feed(
+                                    d.clone(),
+                                    self.shared.broker.clone(),
+                                    crate::consumers::Target::Group(
+                                        g.clone(),
+                                        claim.joined.clone(),
+                                    ),
+                                    claim.fed.clone(),
+                                    *start,
+                                    claim.resumed,
+                                ));
+                                consumers.set_feeder(key, task.abort_handle());
+                            }
+                        }
                         consumers.end(key, &claim.sub);
                         logged(self.shared, &mut self.ctx, |ctx| {
                             broker.unsubscribe(ctx, &claim.sub, now)
