@@ -229,6 +229,14 @@ struct GroupEntry {
 }
 
 impl GroupEntry {
+    fn new(shared: &Arc<GroupShared>) -> GroupEntry {
+        GroupEntry {
+            shared: shared.clone(),
+            members: Vec::new(),
+            turn: RoundRobin::default(),
+        }
+    }
+
     /// The next member in round-robin order that can take a message now (not stalled with a
     /// full queue, not at `max_in_flight`), skipping `exclude`. Only when every member is full
     /// does the turn fall back to any live member (whose policy then applies).
@@ -434,30 +442,14 @@ impl Broker {
             existing.unwrap_or_else(|| {
                 let durable = spec.durable.clone();
                 let shared = Arc::new(GroupShared::new(gid, spec.filter.clone(), durable));
-                routes.index.insert(
-                    &spec.filter,
-                    Route::Group(GroupEntry {
-                        shared: shared.clone(),
-                        members: Vec::new(),
-                        turn: RoundRobin::default(),
-                    }),
-                );
+                routes
+                    .index
+                    .insert(&spec.filter, Route::Group(GroupEntry::new(&shared)));
                 shared
             })
         });
-        let sub = Arc::new(Subscriber::new(SubscriberInit {
-            id,
-            stream_id: opts.stream_id,
-            filter: spec.filter.clone(),
-            group: group.clone(),
-            ack_mode: opts.ack_mode,
-            policy: opts.overflow.unwrap_or(self.config.backpressure_policy),
-            capacity: self.config.queue_size,
-            waker: opts.waker,
-            seed_form: opts.seed_form,
-            max_in_flight: opts.max_in_flight.map(|n| n.max(1)),
-            unrouted: false,
-        }));
+        let policy = opts.overflow.unwrap_or(self.config.backpressure_policy);
+        let sub = self.new_subscriber(id, spec, opts, group.clone(), policy, false);
         match &group {
             Some(shared) => {
                 let entries = routes.index.entries_mut(&spec.filter);
@@ -472,6 +464,30 @@ impl Broker {
         }
         routes.subscribers.insert(id, sub.clone());
         sub
+    }
+
+    fn new_subscriber(
+        &self,
+        id: SubscriberId,
+        spec: &SubscribeSpec,
+        opts: SubscribeOptions,
+        group: Option<Arc<GroupShared>>,
+        policy: OverflowPolicy,
+        unrouted: bool,
+    ) -> Arc<Subscriber> {
+        Arc::new(Subscriber::new(SubscriberInit {
+            id,
+            stream_id: opts.stream_id,
+            filter: spec.filter.clone(),
+            group,
+            ack_mode: opts.ack_mode,
+            policy,
+            capacity: self.config.queue_size,
+            waker: opts.waker,
+            seed_form: opts.seed_form,
+            max_in_flight: opts.max_in_flight.map(|n| n.max(1)),
+            unrouted,
+        }))
     }
 
     /// Create a subscription that routing never feeds: a durable consumer's, fed from the durable
@@ -498,27 +514,11 @@ impl Broker {
                     spec.filter.clone(),
                     spec.durable.clone(),
                 ));
-                routes.unrouted_groups.push(GroupEntry {
-                    shared: shared.clone(),
-                    members: Vec::new(),
-                    turn: RoundRobin::default(),
-                });
+                routes.unrouted_groups.push(GroupEntry::new(&shared));
                 shared
             })
         });
-        let sub = Arc::new(Subscriber::new(SubscriberInit {
-            id,
-            stream_id: opts.stream_id,
-            filter: spec.filter.clone(),
-            group: group.clone(),
-            ack_mode: opts.ack_mode,
-            policy: OverflowPolicy::Block,
-            capacity: self.config.queue_size,
-            waker: opts.waker,
-            seed_form: opts.seed_form,
-            max_in_flight: opts.max_in_flight.map(|n| n.max(1)),
-            unrouted: true,
-        }));
+        let sub = self.new_subscriber(id, spec, opts, group.clone(), OverflowPolicy::Block, true);
         if let Some(shared) = &group {
             if let Some(g) = routes
                 .unrouted_groups
