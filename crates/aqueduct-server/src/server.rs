@@ -12,7 +12,7 @@ use aqueduct_core::{Broker, PublishContext};
 use aqueduct_proto::ErrorCode;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::config::{AalConfig, Config, TransportConfig};
 use crate::consumers::Consumers;
@@ -326,6 +326,26 @@ async fn open_log(aal: &AalConfig, stats: Arc<ServerStats>) -> Result<Arc<Durabl
         took = ?rec.elapsed,
         "durable log recovered"
     );
+    // Where each topic's offsets go on (the first few at info, all at debug).
+    const SHOWN: usize = 10;
+    let mut topics: Vec<&[u8]> = log.topics().collect();
+    topics.sort_unstable();
+    for (i, t) in topics.iter().enumerate() {
+        let topic = String::from_utf8_lossy(t);
+        let next_offset = log.next_offset(t);
+        let last_offset = log.last_offset(t);
+        if i < SHOWN {
+            info!(%topic, ?last_offset, next_offset, "durable log: topic recovered");
+        } else {
+            debug!(%topic, ?last_offset, next_offset, "durable log: topic recovered");
+        }
+    }
+    if topics.len() > SHOWN {
+        info!(
+            "durable log: {} more topics recovered (AQUEDUCT_LOG=debug lists them)",
+            topics.len() - SHOWN
+        );
+    }
     if !rec.clean {
         warn!(
             "durable log: the previous run did not close it (crash or kill); offsets go on past \
