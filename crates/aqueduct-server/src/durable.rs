@@ -46,12 +46,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Raise `map[topic]` to at least `n`.
-fn raise(map: &mut HashMap<Box<[u8]>, u64>, topic: &[u8], n: u64) {
+/// Raise `map[topic]` to at least `n`; true if the topic was not in the map.
+fn raise(map: &mut HashMap<Box<[u8]>, u64>, topic: &[u8], n: u64) -> bool {
     match map.get_mut(topic) {
-        Some(v) => *v = (*v).max(n),
+        Some(v) => {
+            *v = (*v).max(n);
+            false
+        }
         None => {
             map.insert(Box::from(topic), n);
+            true
         }
     }
 }
@@ -395,10 +399,10 @@ impl Durable {
         lock(&self.next).keys().map(|k| k.to_vec()).collect()
     }
 
-    /// The last write failed and nothing has been written since, or the log is closed: a
-    /// publish now must be refused before it is routed. Check under [`Durable::order`].
-    pub fn refuses_publishes(&self) -> bool {
-        self.failing.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire)
+    /// The last write failed and nothing has been written since: a publish now must be
+    /// refused before it is routed. Check under [`Durable::order`].
+    pub fn is_failing(&self) -> bool {
+        self.failing.load(Ordering::Acquire)
     }
 
     /// Closed (at shutdown): nothing more is written.
@@ -687,13 +691,21 @@ impl Durable {
         let mut durable = lock(&self.durable_next);
         let mut new_topic = false;
         for ((_, recs), result) in chunks.iter().zip(&results) {
-            for r in &work.recs[recs.clone()] {
+            let recs = &work.recs[recs.clone()];
+            // Offsets go up within a topic in queue order: the last record of each run of one
+            // topic is all the maps need.
+            for (i, r) in recs.iter().enumerate() {
+                if recs
+                    .get(i + 1)
+                    .is_some_and(|next| Arc::ptr_eq(&next.topic, &r.topic))
+                {
+                    continue;
+                }
                 let name = r.topic.name().as_bytes();
                 let n = r.offset.saturating_add(1);
                 raise(&mut next, name, n);
                 if result.is_ok() {
-                    new_topic |= !durable.contains_key(name);
-                    raise(&mut durable, name, n);
+                    new_topic |= raise(&mut durable, name, n);
                 }
             }
         }

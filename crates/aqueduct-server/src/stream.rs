@@ -478,7 +478,7 @@ impl Reader<'_> {
                 let publication = Publication::from_publish(&p);
                 if let Some(d) = &self.shared.durable {
                     let waiter = self.waiter(stream_id, p.ext.confirm);
-                    return self.publish_durable(d, &[publication], waiter, now);
+                    return self.publish_durable(d, std::iter::once(publication), waiter, now);
                 }
                 let outcome = broker.publish(&mut self.ctx, &publication, now);
                 if p.ext.confirm {
@@ -492,10 +492,9 @@ impl Reader<'_> {
                 // once into one vector per batch frame (the core looks ahead along it for runs).
                 let refs: Vec<_> = batch.iter_refs().filter_map(Result::ok).collect();
                 if let Some(d) = &self.shared.durable {
-                    let publications: Vec<Publication<'_>> =
-                        refs.iter().map(Publication::from_ref).collect();
                     let waiter = self.waiter(stream_id, confirm);
-                    return self.publish_durable(d, &publications, waiter, now);
+                    let publications = refs.iter().map(Publication::from_ref);
+                    return self.publish_durable(d, publications, waiter, now);
                 }
                 broker.publish_batch(
                     &mut self.ctx,
@@ -748,10 +747,10 @@ impl Reader<'_> {
     /// Route a publish frame's messages (live delivery at once) and queue them for the durable
     /// log, whose writer confirms them once they are durable. Routing and queueing happen under
     /// the log's order lock, so each topic's offsets reach the log in order.
-    fn publish_durable(
+    fn publish_durable<'p>(
         &mut self,
         d: &Durable,
-        publications: &[Publication<'_>],
+        publications: impl Iterator<Item = Publication<'p>> + Clone,
         waiter: Waiter,
         now: Instant,
     ) {
@@ -770,7 +769,7 @@ impl Reader<'_> {
             ));
             return;
         }
-        if d.refuses_publishes() {
+        if d.is_failing() {
             // The log cannot write: refuse the frame before it is routed, so that no offset is
             // handed out that the log cannot record (it owes few enough as it is). The ERROR
             // goes through the writer's queue, behind the answers to earlier frames.
@@ -779,13 +778,13 @@ impl Reader<'_> {
         }
         self.ctx.record_dead_letters();
         let routed = &mut self.routed;
-        self.shared.broker.publish_batch(
-            &mut self.ctx,
-            publications.iter().copied(),
-            now,
-            |topic, o| routed.push((topic.clone(), o)),
-        );
-        d.queue_frame(routed.drain(..).zip(publications.iter().copied()), waiter);
+        // Walked twice without a copy: to route, then to queue for the log.
+        self.shared
+            .broker
+            .publish_batch(&mut self.ctx, publications.clone(), now, |topic, o| {
+                routed.push((topic.clone(), o))
+            });
+        d.queue_frame(routed.drain(..).zip(publications), waiter);
         // Dead letters this publish caused (a group member closed as a slow consumer whose
         // messages ran out of retries), after the frame's own messages.
         d.queue_dead_letters(self.ctx.take_dead_letters());
