@@ -648,10 +648,23 @@ impl Broker {
     /// Close a subscription as a slow consumer, as the disconnect policy does on overflow: for a
     /// `block` subscription that has held its publishers too long. Its queued messages are
     /// dropped and counted under `disconnect` (a group member's go to the other members).
-    pub fn disconnect_slow(&self, ctx: &mut PublishContext, sub: &Arc<Subscriber>, now: Instant) {
-        if self.remove_subscriber(ctx, sub, CloseReason::SlowConsumer, &mut Vec::new(), now) {
+    /// An unrouted (durable) subscription is never closed this way: its queue's producer waits
+    /// for room, and closing it would lose its place in the log. Returns whether it was closed.
+    pub fn disconnect_slow(
+        &self,
+        ctx: &mut PublishContext,
+        sub: &Arc<Subscriber>,
+        now: Instant,
+    ) -> bool {
+        if sub.is_unrouted() {
+            return false;
+        }
+        let closed =
+            self.remove_subscriber(ctx, sub, CloseReason::SlowConsumer, &mut Vec::new(), now);
+        if closed {
             self.slow_consumers.fetch_add(1, Relaxed);
         }
+        closed
     }
 
     /// Returns false if `sub` was already removed.

@@ -153,11 +153,8 @@ fn end_subscriptions(
     let now = Instant::now();
     for sub in ending {
         conn.remove_sub(sub.stream_id(), &sub);
-        let durable = end_durable(shared, out, &sub);
-        logged(shared, &mut ctx, |ctx| {
-            shared.broker.unsubscribe(ctx, &sub, now)
-        });
-        left_durable(shared, durable, &sub);
+        let key = lock(&out.durables).remove(&sub.id());
+        unsubscribe(shared, &mut ctx, &sub, key.as_deref(), now);
     }
     ctx.clear_held();
 }
@@ -176,20 +173,23 @@ pub(crate) fn logged<T>(
     }
 }
 
-/// A durable consumer's subscription ends: stop its feeder and keep its position — before the
-/// broker forgets what it had queued or unsettled, which the position must not skip.
-fn end_durable(shared: &Shared, out: &StreamOut, sub: &Subscriber) -> Option<String> {
-    let ended = lock(&out.durables).remove(&sub.id());
-    if let (Some(key), Some(consumers)) = (&ended, &shared.consumers) {
+/// Remove a subscription from the broker (its dead letters logged in order). A durable one
+/// (`key`: its consumer or group) ends there too: told before, while its unsettled messages are
+/// still known (a position must not skip them), and after, once the broker has handed them on.
+fn unsubscribe(
+    shared: &Shared,
+    ctx: &mut PublishContext,
+    sub: &Arc<Subscriber>,
+    key: Option<&str>,
+    now: Instant,
+) {
+    let consumers = shared.consumers.as_ref().zip(key);
+    if let Some((consumers, key)) = consumers {
         consumers.end(key, sub);
     }
-    ended
-}
-
-/// After a durable subscription is gone from the broker (see [`end_durable`]).
-fn left_durable(shared: &Shared, key: Option<String>, sub: &Subscriber) {
-    if let (Some(key), Some(consumers)) = (key, &shared.consumers) {
-        consumers.left(&key, sub, &shared.broker);
+    logged(shared, ctx, |ctx| shared.broker.unsubscribe(ctx, sub, now));
+    if let Some((consumers, key)) = consumers {
+        consumers.left(key, sub, &shared.broker);
     }
 }
 
@@ -442,22 +442,18 @@ impl Reader<'_> {
                     false
                 }
             };
-            if timed_out && sub.is_unrouted() {
-                // A durable consumer's queue is filled by its own feeder (which waits for room)
-                // and by redeliveries: stop holding this stream, but do not close it — it would
-                // lose its place in the log.
-                continue;
-            }
-            if timed_out {
-                // One stuck consumer must not hold its publishers forever.
+            // One stuck consumer must not hold its publishers forever (a durable one is only
+            // let go of: the broker does not close it, see `Broker::disconnect_slow`).
+            if timed_out
+                && logged(shared, &mut self.ctx, |ctx| {
+                    shared.broker.disconnect_slow(ctx, &sub, Instant::now())
+                })
+            {
                 warn!(
                     filter = %sub.filter(),
-                    "a block-policy subscription held its publishers for {:?}: closing it as a slow consumer",
+                    "a block-policy subscription held its publishers for {:?}: closed it as a slow consumer",
                     shared.config.block_timeout.unwrap_or_default()
                 );
-                logged(shared, &mut self.ctx, |ctx| {
-                    shared.broker.disconnect_slow(ctx, &sub, Instant::now())
-                });
             }
             if waited {
                 stats
@@ -621,11 +617,7 @@ impl Reader<'_> {
                                 consumers.set_feeder(key, task.abort_handle());
                             }
                         }
-                        consumers.end(key, &claim.sub);
-                        logged(self.shared, &mut self.ctx, |ctx| {
-                            broker.unsubscribe(ctx, &claim.sub, now)
-                        });
-                        consumers.left(key, &claim.sub, broker);
+                        unsubscribe(self.shared, &mut self.ctx, &claim.sub, Some(key), now);
                     }
                     return self.send_error(stream_id, ErrorCode::BAD_SUBSCRIBE, why);
                 }
@@ -680,11 +672,8 @@ impl Reader<'_> {
             Message::Unsubscribe(u) => match self.conn.sub(stream_id) {
                 Some(entry) if entry.sub.filter() == &u.filter => {
                     self.conn.remove_sub(stream_id, &entry.sub);
-                    let durable = end_durable(self.shared, &entry.out, &entry.sub);
-                    logged(self.shared, &mut self.ctx, |ctx| {
-                        broker.unsubscribe(ctx, &entry.sub, now)
-                    });
-                    left_durable(self.shared, durable, &entry.sub);
+                    let key = lock(&entry.out.durables).remove(&entry.sub.id());
+                    unsubscribe(self.shared, &mut self.ctx, &entry.sub, key.as_deref(), now);
                     entry.out.notify.notify_one();
                     debug!(client = %self.conn.describe(), filter = %u.filter, "unsubscribed");
                 }
