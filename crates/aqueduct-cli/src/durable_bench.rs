@@ -108,7 +108,8 @@ async fn publish(
         confirm: true,
         ..PublishOptions::default()
     };
-    let mut tasks = Vec::new();
+    // A JoinSet: the first failure returns, and dropping the set stops the other publishers.
+    let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..window.max(1) {
         let (client, next, body, topic, confirm, progress) = (
             client.clone(),
@@ -118,7 +119,7 @@ async fn publish(
             confirm.clone(),
             progress.clone(),
         );
-        tasks.push(tokio::spawn(async move {
+        tasks.spawn(async move {
             loop {
                 let first = next.fetch_add(batch as u64, Ordering::Relaxed);
                 if first >= messages {
@@ -136,11 +137,10 @@ async fn publish(
                     p.inc(n as u64);
                 }
             }
-        }));
+        });
     }
-    for t in tasks {
-        t.await
-            .map_err(|e| ClientError::Connection(format!("publisher task: {e}")))??;
+    while let Some(t) = tasks.join_next().await {
+        t.map_err(|e| ClientError::Connection(format!("publisher task: {e}")))??;
     }
     Ok(())
 }

@@ -126,8 +126,17 @@ pub(crate) struct Claim {
     pub joined: Arc<tokio::sync::Notify>,
     /// The consumer or group has a stored position.
     pub resumed: bool,
-    /// The first live subscription: the caller starts the feeder ([`Consumers::set_feeder`]).
+    /// The first live subscription: the caller starts the feeder ([`Consumers::start_feeder`]).
     pub first: bool,
+}
+
+impl Drop for Consumers {
+    /// No feeder outlives the broker's consumers (connections end theirs; this is the backstop).
+    fn drop(&mut self) {
+        for live in lock(&self.table).live.values_mut() {
+            live.stop_feeder();
+        }
+    }
 }
 
 impl Consumers {
@@ -211,8 +220,14 @@ impl Consumers {
         })
     }
 
-    /// The feeder started for `key` by its first subscription.
-    pub fn set_feeder(&self, key: &str, feeder: tokio::task::AbortHandle) {
+    /// Start the feeder of `key` (its first subscription does, see [`Claim::first`]). The task
+    /// ends with the consumer's or group's last subscription, or with these consumers.
+    pub fn start_feeder(
+        &self,
+        key: &str,
+        feed: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        let feeder = tokio::spawn(feed).abort_handle();
         match lock(&self.table).live.get_mut(key) {
             Some(live) if matches!(live.feeder, Feeder::Starting) => {
                 live.feeder = Feeder::Running(feeder)
@@ -591,5 +606,43 @@ pub(crate) async fn feed(
             debug!(filter = %filter, "durable consumer caught up; waiting for the log");
             progress.await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aqueduct_core::{BrokerConfig, SubscribeOptions};
+    use aqueduct_proto::SubscribeSpec;
+
+    /// A feeder still running when the broker's consumers go away (no connection ended it)
+    /// does not outlive them.
+    #[tokio::test]
+    async fn dropping_the_consumers_stops_their_feeders() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let consumers = Consumers::open(dir.path()).expect("open");
+        let broker = Broker::new(BrokerConfig::default());
+        let filter = TopicFilter::try_from("jobs").expect("valid filter");
+        let key = Consumers::key("billing");
+        let claim = consumers
+            .claim(&key, &filter, false, || {
+                broker.subscribe_unrouted(
+                    &SubscribeSpec::new(filter.clone()),
+                    SubscribeOptions::default(),
+                )
+            })
+            .unwrap_or_else(|e| panic!("claim: {e:?}"));
+        assert!(claim.first);
+        let (held, gone) = tokio::sync::oneshot::channel::<()>();
+        consumers.start_feeder(&key, async move {
+            let _held = held;
+            std::future::pending::<()>().await
+        });
+        drop(consumers);
+        // The task is aborted: its future (holding the sender) is dropped.
+        tokio::time::timeout(Duration::from_secs(10), gone)
+            .await
+            .expect("the feeder ended with its consumers")
+            .expect_err("nothing was sent, the sender was dropped");
     }
 }

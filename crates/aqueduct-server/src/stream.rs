@@ -603,18 +603,20 @@ impl Reader<'_> {
                     {
                         if claim.first {
                             if let Some(g) = claim.sub.group() {
-                                let task = tokio::spawn(crate::consumers::feed(
-                                    d.clone(),
-                                    self.shared.broker.clone(),
-                                    crate::consumers::Target::Group(
-                                        g.clone(),
-                                        claim.joined.clone(),
+                                consumers.start_feeder(
+                                    key,
+                                    crate::consumers::feed(
+                                        d.clone(),
+                                        self.shared.broker.clone(),
+                                        crate::consumers::Target::Group(
+                                            g.clone(),
+                                            claim.joined.clone(),
+                                        ),
+                                        claim.fed.clone(),
+                                        *start,
+                                        claim.resumed,
                                     ),
-                                    claim.fed.clone(),
-                                    *start,
-                                    claim.resumed,
-                                ));
-                                consumers.set_feeder(key, task.abort_handle());
+                                );
                             }
                         }
                         unsubscribe(self.shared, &mut self.ctx, &claim.sub, Some(key), now);
@@ -657,15 +659,17 @@ impl Reader<'_> {
                             Some(g) => crate::consumers::Target::Group(g.clone(), claim.joined),
                             None => crate::consumers::Target::One(sub.clone()),
                         };
-                        let task = tokio::spawn(crate::consumers::feed(
-                            d.clone(),
-                            self.shared.broker.clone(),
-                            target,
-                            claim.fed,
-                            start,
-                            claim.resumed,
-                        ));
-                        consumers.set_feeder(&key, task.abort_handle());
+                        consumers.start_feeder(
+                            &key,
+                            crate::consumers::feed(
+                                d.clone(),
+                                self.shared.broker.clone(),
+                                target,
+                                claim.fed,
+                                start,
+                                claim.resumed,
+                            ),
+                        );
                     }
                 }
             }
