@@ -161,7 +161,7 @@ enum Command {
     /// topic's messages. Changes nothing on disk; needs no broker. The key comes from
     /// --key-file or AQUEDUCT_AAL_KEY (base64, as aal.key).
     #[command(
-        after_help = "Examples:\n  aqueduct log verify ~/.aqueduct/aal --key-file aal.key\n  aqueduct log dump ~/.aqueduct/aal --key-file aal.key --topic orders --from 0\n  aqueduct log dump ~/.aqueduct/aal --key-file aal.key        # list topics"
+        after_help = "Examples:\n  aqueduct log verify --key-file aal.key                 # the broker's default directory\n  aqueduct log dump --key-file aal.key --topic orders --from 0\n  aqueduct log dump /var/lib/aqueduct/aal --key-file aal.key   # another directory: list topics"
     )]
     Log {
         #[command(subcommand)]
@@ -264,8 +264,9 @@ enum LogCommand {
     /// anything is damaged or unreadable (a torn tail, which the broker cuts at startup, is
     /// reported but not an error).
     Verify {
-        /// The log's directory.
-        dir: PathBuf,
+        /// The log's directory (default: as the broker's on its defaults: AQUEDUCT_AAL_FILE_PATH,
+        /// else $AQUEDUCT_HOME/aal, else ~/.aqueduct/aal).
+        dir: Option<PathBuf>,
         /// File holding the base64 key (default: AQUEDUCT_AAL_KEY; none for a plaintext log).
         #[arg(long, value_name = "FILE")]
         key_file: Option<PathBuf>,
@@ -273,8 +274,9 @@ enum LogCommand {
     /// Print a topic's messages (offset, priority, time in ms since the epoch, body), or list
     /// the topics without --topic.
     Dump {
-        /// The log's directory.
-        dir: PathBuf,
+        /// The log's directory (default: as the broker's on its defaults: AQUEDUCT_AAL_FILE_PATH,
+        /// else $AQUEDUCT_HOME/aal, else ~/.aqueduct/aal).
+        dir: Option<PathBuf>,
         /// The topic to print.
         #[arg(long)]
         topic: Option<String>,
@@ -326,6 +328,18 @@ enum CertCommand {
 /// The bench's `--overflow`: a policy, or `None` for the broker's own (`broker`).
 #[derive(Debug, Clone, Copy)]
 struct BenchOverflow(Option<OverflowPolicy>);
+
+/// `aqueduct log`'s directory: the one given, else where the broker puts its log on its
+/// defaults (AQUEDUCT_AAL_FILE_PATH, else $AQUEDUCT_HOME/aal, else ~/.aqueduct/aal).
+fn log_dir(given: &Option<PathBuf>) -> PathBuf {
+    if let Some(dir) = given {
+        return dir.clone();
+    }
+    match std::env::var("AQUEDUCT_AAL_FILE_PATH") {
+        Ok(p) if !p.is_empty() => PathBuf::from(p),
+        _ => aqueduct_server::config::default_aal_dir(&std::env::vars().collect::<Vec<_>>()),
+    }
+}
 
 fn parse_bench_overflow(s: &str) -> Result<BenchOverflow, String> {
     if s == "broker" {
@@ -425,7 +439,7 @@ async fn run(cli: Cli) -> Result<()> {
     if let Command::Log { what } = &cli.command {
         return match what {
             LogCommand::Verify { dir, key_file } => {
-                crate::log_cmd::verify(dir, key_file.as_deref())
+                crate::log_cmd::verify(&log_dir(dir), key_file.as_deref())
             }
             LogCommand::Dump {
                 dir,
@@ -433,7 +447,13 @@ async fn run(cli: Cli) -> Result<()> {
                 from,
                 count,
                 key_file,
-            } => crate::log_cmd::dump(dir, topic.as_deref(), *from, *count, key_file.as_deref()),
+            } => crate::log_cmd::dump(
+                &log_dir(dir),
+                topic.as_deref(),
+                *from,
+                *count,
+                key_file.as_deref(),
+            ),
         };
     }
     let client = connect(&cli).await?;
