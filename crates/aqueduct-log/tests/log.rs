@@ -250,12 +250,9 @@ fn a_torn_tail_is_cut_at_any_point() -> R {
     let seg = segments(tmp.path()).pop().ok_or("no segment")?;
     let whole = std::fs::read(&seg)?;
     // Frame ends: where a cut leaves only whole batches.
-    let mut ends = vec![HEADER_LEN];
-    let mut pos = HEADER_LEN;
-    while let FrameCheck::Good { len } = check_frame(&whole[pos..]) {
-        pos += len;
-        ends.push(pos);
-    }
+    let ends: Vec<usize> = std::iter::once(HEADER_LEN)
+        .chain(frames(&whole).into_iter().map(|(pos, len)| pos + len))
+        .collect();
     assert_eq!(ends.len(), 6);
     for cut in (HEADER_LEN..whole.len())
         .step_by(13)
@@ -414,12 +411,10 @@ fn nonces_never_repeat_across_reopen_and_rotation() -> R {
         let h = SegmentHeader::decode(&b)?;
         assert!(h.encrypted);
         assert!(salts.insert(h.salt), "salt reused in {}", seg.display());
-        let mut pos = HEADER_LEN;
-        while let FrameCheck::Good { len } = check_frame(&b[pos..]) {
+        for (pos, _) in frames(&b) {
             let batch_no = u64::from_le_bytes(b[pos + 8..pos + 16].try_into()?);
             assert!(pairs.insert((h.salt, batch_no)), "nonce reused");
             batches += 1;
-            pos += len;
         }
     }
     assert_eq!(batches, 40);
@@ -598,14 +593,19 @@ fn readers_on_another_thread_see_a_whole_prefix_while_the_log_grows() -> R {
 }
 
 /// Frame start positions of a segment file's whole frames.
-fn frame_starts(bytes: &[u8]) -> Vec<usize> {
-    let mut starts = Vec::new();
+/// Where each whole frame of a segment starts, and its length, up to the first that is not.
+fn frames(bytes: &[u8]) -> Vec<(usize, usize)> {
+    let mut frames = Vec::new();
     let mut pos = HEADER_LEN;
     while let FrameCheck::Good { len } = check_frame(&bytes[pos..]) {
-        starts.push(pos);
+        frames.push((pos, len));
         pos += len;
     }
-    starts
+    frames
+}
+
+fn frame_starts(bytes: &[u8]) -> Vec<usize> {
+    frames(bytes).into_iter().map(|(pos, _)| pos).collect()
 }
 
 #[test]
