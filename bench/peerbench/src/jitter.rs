@@ -24,16 +24,7 @@ pub async fn timer_jitter(a: JitterArgs) -> anyhow::Result<Value> {
     let total = (a.rate * a.secs).round() as u64;
     let rate = a.rate;
     let h = tokio::task::spawn_blocking(move || {
-        // SAFETY: prctl(PR_SET_TIMERSLACK) only affects the calling thread.
-        unsafe {
-            libc::prctl(
-                libc::PR_SET_TIMERSLACK,
-                1 as libc::c_ulong,
-                0 as libc::c_ulong,
-                0 as libc::c_ulong,
-                0 as libc::c_ulong,
-            )
-        };
+        crate::common::tight_timer_slack();
         let mut h = common::new_hist();
         let period_ns = 1e9 / rate;
         let start = Instant::now();
