@@ -335,10 +335,9 @@ fn log_dir(given: &Option<PathBuf>) -> PathBuf {
     if let Some(dir) = given {
         return dir.clone();
     }
-    match std::env::var("AQUEDUCT_AAL_FILE_PATH") {
-        Ok(p) if !p.is_empty() => PathBuf::from(p),
-        _ => aqueduct_server::config::default_aal_dir(&std::env::vars().collect::<Vec<_>>()),
-    }
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    let file_path = std::env::var("AQUEDUCT_AAL_FILE_PATH").unwrap_or_default();
+    aqueduct_server::config::aal_dir(&file_path, &env)
 }
 
 fn parse_bench_overflow(s: &str) -> Result<BenchOverflow, String> {

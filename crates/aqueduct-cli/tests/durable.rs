@@ -537,22 +537,27 @@ fn log_verify_and_dump_work_offline() {
     assert_eq!((lines[1][0], lines[1][3]), ("2", "three"));
     let topics = log(&["dump", d, "--key-file", k]);
     assert_eq!(String::from_utf8_lossy(&topics.stdout).trim(), "orders");
-    // Without a directory: the broker's default one, $AQUEDUCT_HOME/aal here.
-    let default_dir = Command::new(CLIENT)
-        .args(["log", "dump", "--key-file", k, "--topic", "orders"])
-        .env("AQUEDUCT_HOME", home.path())
-        .env_remove("AQUEDUCT_AAL_FILE_PATH")
-        .output()
-        .expect("aqueduct log runs");
-    assert!(
-        default_dir.status.success(),
-        "{}",
-        String::from_utf8_lossy(&default_dir.stderr)
-    );
-    assert_eq!(
-        String::from_utf8_lossy(&default_dir.stdout).lines().count(),
-        3
-    );
+    // Without a directory: the broker's default one, $AQUEDUCT_HOME/aal here (a blank
+    // AQUEDUCT_AAL_FILE_PATH means the default, as for the broker).
+    for file_path in [None, Some(" ")] {
+        let mut cmd = Command::new(CLIENT);
+        cmd.args(["log", "dump", "--key-file", k, "--topic", "orders"])
+            .env("AQUEDUCT_HOME", home.path())
+            .env_remove("AQUEDUCT_AAL_FILE_PATH");
+        if let Some(p) = file_path {
+            cmd.env("AQUEDUCT_AAL_FILE_PATH", p);
+        }
+        let default_dir = cmd.output().expect("aqueduct log runs");
+        assert!(
+            default_dir.status.success(),
+            "{file_path:?}: {}",
+            String::from_utf8_lossy(&default_dir.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&default_dir.stdout).lines().count(),
+            3
+        );
+    }
     let before: Vec<(PathBuf, Vec<u8>)> = snapshot(&dir);
     let ok = log(&["verify", d, "--key-file", k]);
     assert!(

@@ -1064,10 +1064,7 @@ impl AalSection {
                  unencrypted",
             ));
         }
-        let dir = match opt_path(&self.file_path) {
-            Some(p) => p,
-            None => default_aal_dir(env),
-        };
+        let dir = aal_dir(&self.file_path, env);
         if dir.is_file() {
             return Err(invalid(
                 "aal.file_path",
@@ -1115,8 +1112,14 @@ fn parse_aal_key(s: &str) -> Result<Option<aqueduct_log::MasterKey>, ConfigError
         })
 }
 
+/// The log's directory for an `aal.file_path` value: the value, or when it is blank
+/// `$AQUEDUCT_HOME/aal`, else `$HOME/.aqueduct/aal`.
+pub fn aal_dir(file_path: &str, env: &[(String, String)]) -> PathBuf {
+    opt_path(file_path).unwrap_or_else(|| default_aal_dir(env))
+}
+
 /// Where the log goes when `aal.file_path` is empty.
-pub fn default_aal_dir(env: &[(String, String)]) -> PathBuf {
+fn default_aal_dir(env: &[(String, String)]) -> PathBuf {
     let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
     if let Some(home) = get("AQUEDUCT_HOME").filter(|h| !h.is_empty()) {
         return Path::new(&home).join("aal");
