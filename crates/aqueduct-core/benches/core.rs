@@ -5,8 +5,10 @@
 use std::hint::black_box;
 use std::time::Instant;
 
+use aqueduct_core::acl::{Acl, AclCache, AclPolicy, AclRule, Permission};
 use aqueduct_core::index::SubscriptionIndex;
 use aqueduct_core::matching::matches;
+use aqueduct_core::quota::{Bucket, QuotaSpec};
 use aqueduct_core::{
     Broker, BrokerConfig, Publication, PublishContext, RoundRobin, SubscribeOptions,
 };
@@ -172,8 +174,61 @@ fn metrics_cost(c: &mut Criterion) {
     g.finish();
 }
 
+/// A policy of `n` rules: one per client `svc-<i>` on `orders/<i>/#`, plus a few patterns.
+pub fn big_policy(n: usize) -> AclPolicy {
+    let mut rules: Vec<AclRule> = (0..n.saturating_sub(3))
+        .map(|i| {
+            AclRule::parse(&format!("svc-{i}"), &format!("orders/{i}/#"), "all").expect("rule")
+        })
+        .collect();
+    rules.push(AclRule::parse("svc-*", "metrics/#", "publish").expect("rule"));
+    rules.push(AclRule::parse("bench", "orders/eu", "publish").expect("rule"));
+    rules.push(AclRule::parse("*", "orders/#", "subscribe").expect("rule"));
+    AclPolicy {
+        enabled: true,
+        default: Permission::None,
+        rules,
+    }
+}
+
+/// The publish path's ACL check (cached, 10,000 rules) and quota check (a limited bucket that
+/// is not binding, and an unlimited one).
+fn access_checks(c: &mut Criterion) {
+    let acl = Acl::new(big_policy(10_000));
+    let mut cache = AclCache::default();
+    let topic = b"orders/eu".as_slice();
+    assert!(cache.may_publish(&acl, "bench", topic));
+    c.bench_function("acl_check_cached_10000_rules", |b| {
+        b.iter(|| cache.may_publish(black_box(&acl), black_box("bench"), black_box(topic)))
+    });
+    let policy = acl.policy();
+    c.bench_function("acl_check_uncached_10000_rules", |b| {
+        b.iter(|| {
+            policy
+                .for_client(black_box("bench"))
+                .may_publish(black_box(topic))
+        })
+    });
+    let limited = Bucket::new(QuotaSpec {
+        rate: u64::MAX / 2,
+        burst: u64::MAX / 2,
+    });
+    let mut now = 0u64;
+    c.bench_function("quota_check_limited", |b| {
+        b.iter(|| {
+            now += 1;
+            limited.take(black_box(1), now)
+        })
+    });
+    let unlimited = Bucket::new(QuotaSpec::UNLIMITED);
+    c.bench_function("quota_check_unlimited", |b| {
+        b.iter(|| unlimited.take(black_box(1), black_box(0)))
+    });
+}
+
 criterion_group!(
     benches,
+    access_checks,
     wildcard_match,
     group_pick,
     route_lookup,

@@ -8,12 +8,15 @@
 //! - [`subscriber`]: a subscription's queues, in-flight deliveries and drain;
 //! - [`group`]: consumer-group watermarks (committed offsets);
 //! - [`broker`]: publish/fan-out, groups, ACK/NACK, redelivery, ack-wait timeouts, dead letters;
-//! - [`topic`]: per-topic offsets and counters read by the metrics layer.
+//! - [`topic`]: per-topic offsets and counters read by the metrics layer;
+//! - [`acl`]: who may publish or subscribe to what (rules, precedence, per-stream cache);
+//! - [`quota`]: per-client publish token buckets.
 //!
 //! The server crate owns sockets and tasks; it calls [`Broker::publish`] from each connection's
 //! reader and [`Broker::drain`] from each subscription's writer. See `docs/architecture.md` for the
 //! concurrency model.
 
+pub mod acl;
 pub mod broker;
 pub mod config;
 pub mod group;
@@ -21,6 +24,7 @@ pub mod index;
 pub mod latency;
 pub mod matching;
 pub mod queue;
+pub mod quota;
 pub mod subscriber;
 pub mod topic;
 

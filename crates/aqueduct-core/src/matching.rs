@@ -11,9 +11,12 @@ use aqueduct_proto::{TopicFilter, TopicName};
 
 /// Does `filter` match `topic`? Allocation-free, one pass over both.
 pub fn matches(filter: &TopicFilter, topic: &TopicName) -> bool {
-    let f = filter.as_bytes();
-    let t = topic.as_bytes();
-    if topic.is_system() && starts_with_wildcard(f) {
+    matches_bytes(filter.as_bytes(), topic.as_bytes())
+}
+
+/// [`matches`] on raw bytes: `filter` a valid filter, `topic` a valid topic name.
+pub fn matches_bytes(f: &[u8], t: &[u8]) -> bool {
+    if is_system(t) && starts_with_wildcard(f) {
         return false;
     }
     // `i` and `j` are at the start of a level in the filter and the topic.
@@ -50,6 +53,54 @@ pub fn matches(filter: &TopicFilter, topic: &TopicName) -> bool {
                 i += 1;
                 j += 1;
             }
+        }
+    }
+}
+
+/// A system topic (`$…`, `__…`), or a filter whose first level names system topics.
+fn is_system(name: &[u8]) -> bool {
+    name.first() == Some(&b'$') || name.starts_with(b"__")
+}
+
+/// Does filter `outer` match every topic that filter `inner` matches? (ACL rules: a rule covers
+/// a subscription.) Exact for the MQTT semantics above, including system topics.
+pub fn covers(outer: &TopicFilter, inner: &TopicFilter) -> bool {
+    let (o, i) = (outer.as_bytes(), inner.as_bytes());
+    if starts_with_wildcard(o) && is_system(i) {
+        // Every topic `inner` matches is a system topic, which `outer` never matches.
+        return false;
+    }
+    let mut o = o.split(|&b| b == b'/');
+    let mut i = i.split(|&b| b == b'/');
+    loop {
+        match (o.next(), i.next()) {
+            (Some(b"#"), _) => return true,
+            (None, None) => return true,
+            // `inner` matches longer topics than `outer` does, or shorter ones (`inner` ended:
+            // `outer` needs more levels, none of which is `#`).
+            (None, Some(_)) | (Some(_), None) => return false,
+            (Some(b"+"), Some(level)) if level != b"#" => {}
+            (Some(lit), Some(level)) if lit == level && lit != b"+" => {}
+            _ => return false,
+        }
+    }
+}
+
+/// Is there a topic that both filters match?
+pub fn overlaps(a: &TopicFilter, b: &TopicFilter) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if (starts_with_wildcard(a) && is_system(b)) || (starts_with_wildcard(b) && is_system(a)) {
+        return false;
+    }
+    let mut a = a.split(|&c| c == b'/');
+    let mut b = b.split(|&c| c == b'/');
+    loop {
+        match (a.next(), b.next()) {
+            (Some(b"#"), _) | (_, Some(b"#")) => return true,
+            (None, None) => return true,
+            (None, Some(_)) | (Some(_), None) => return false,
+            (Some(x), Some(y)) if x == b"+" || y == b"+" || x == y => {}
+            _ => return false,
         }
     }
 }
@@ -112,6 +163,57 @@ mod tests {
         ];
         for (filter, topic, want) in cases {
             assert_eq!(m(filter, topic), want, "{filter} vs {topic}");
+        }
+    }
+
+    fn f(s: &str) -> TopicFilter {
+        TopicFilter::try_from(s).expect("valid filter")
+    }
+
+    #[test]
+    fn covers_vectors() {
+        let cases = [
+            ("#", "a/b", true),
+            ("#", "a/#", true),
+            ("a/#", "a", true),
+            ("a/#", "a/+/c", true),
+            ("a/+", "a/b", true),
+            ("a/+", "a/+", true),
+            ("a/+", "a/#", false),
+            ("a/b", "a/+", false),
+            ("a/b", "a/b", true),
+            ("a/b", "a/b/c", false),
+            ("a/+/#", "a", false),
+            ("a/+/#", "a/b", true),
+            ("+", "a/b", false),
+            ("#", "$SYS/x", false),
+            ("+/x", "__dlq__a/x", false),
+            ("$SYS/#", "$SYS/+", true),
+            ("__dlq__a", "__dlq__a", true),
+        ];
+        for (outer, inner, want) in cases {
+            assert_eq!(covers(&f(outer), &f(inner)), want, "{outer} covers {inner}");
+        }
+    }
+
+    #[test]
+    fn overlaps_vectors() {
+        let cases = [
+            ("a/#", "a", true),
+            ("a", "a/#", true),
+            ("a/+", "a", false),
+            ("a/+", "+/b", true),
+            ("a/b", "a/c", false),
+            ("a/+/c", "a/b/+", true),
+            ("#", "$SYS/x", false),
+            ("$SYS/#", "$SYS/+", true),
+            ("+", "__x", false),
+            ("a/b/c", "a/#", true),
+            ("a/b/c", "a/+", false),
+        ];
+        for (a, b, want) in cases {
+            assert_eq!(overlaps(&f(a), &f(b)), want, "{a} overlaps {b}");
+            assert_eq!(overlaps(&f(b), &f(a)), want, "{b} overlaps {a}");
         }
     }
 

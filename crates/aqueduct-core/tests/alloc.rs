@@ -4,7 +4,6 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use aqueduct_core::{Broker, BrokerConfig, Publication, PublishContext, SubscribeOptions};
@@ -13,11 +12,11 @@ use bytes::BytesMut;
 
 struct Counting;
 
-static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
-
 thread_local! {
-    // Count only on the measuring thread: the test harness allocates on its own threads.
+    // Count only on the measuring thread: the test harness, and the other tests running at the
+    // same time, allocate on their own threads.
     static COUNTING: Cell<bool> = const { Cell::new(false) };
+    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
 }
 
 // SAFETY: delegates every call to the system allocator unchanged; only counts.
@@ -25,7 +24,7 @@ thread_local! {
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if COUNTING.with(Cell::get) {
-            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+            ALLOCATIONS.with(|n| n.set(n.get() + 1));
         }
         // SAFETY: same contract as the caller's.
         unsafe { System.alloc(layout) }
@@ -36,7 +35,7 @@ unsafe impl GlobalAlloc for Counting {
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         if COUNTING.with(Cell::get) {
-            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+            ALLOCATIONS.with(|n| n.set(n.get() + 1));
         }
         // SAFETY: same contract as the caller's.
         unsafe { System.realloc(ptr, layout, new_size) }
@@ -47,11 +46,11 @@ unsafe impl GlobalAlloc for Counting {
 static GLOBAL: Counting = Counting;
 
 fn count<R>(f: impl FnOnce() -> R) -> (R, u64) {
-    ALLOCATIONS.store(0, Ordering::Relaxed);
+    ALLOCATIONS.with(|n| n.set(0));
     COUNTING.with(|c| c.set(true));
     let r = f();
     COUNTING.with(|c| c.set(false));
-    (r, ALLOCATIONS.load(Ordering::Relaxed))
+    (r, ALLOCATIONS.with(Cell::get))
 }
 
 fn run(subscribers: usize, messages: usize, batch: usize) -> u64 {
@@ -130,6 +129,46 @@ fn steady_state_publish_enqueue_drain_allocates_nothing() {
         run(10, 10_000, 100),
         0,
         "allocations for batches of 100 fanned out to 10 subscribers"
+    );
+}
+
+/// The publish path's access checks (a cached ACL decision among 10,000 rules, a quota take)
+/// allocate nothing once the topic has been seen.
+#[test]
+fn cached_acl_and_quota_checks_allocate_nothing() {
+    use aqueduct_core::acl::{Acl, AclCache, AclPolicy, AclRule, Permission};
+    use aqueduct_core::quota::{Bucket, QuotaSpec};
+    let mut rules: Vec<AclRule> = (0..10_000)
+        .map(|i| {
+            AclRule::parse(&format!("svc-{i}"), &format!("orders/{i}/#"), "all").expect("rule")
+        })
+        .collect();
+    rules.push(AclRule::parse("bench", "orders/eu", "publish").expect("rule"));
+    let acl = Acl::new(AclPolicy {
+        enabled: true,
+        default: Permission::None,
+        rules,
+    });
+    let mut cache = AclCache::default();
+    assert!(cache.may_publish(&acl, "bench", b"orders/eu"));
+    assert!(!cache.may_publish(&acl, "bench", b"orders/us"));
+    let bucket = Bucket::new(QuotaSpec {
+        rate: 1_000_000,
+        burst: 1_000_000,
+    });
+    let (allowed, n) = count(|| {
+        let mut allowed = 0;
+        for i in 0..100_000u64 {
+            allowed += usize::from(cache.may_publish(&acl, "bench", b"orders/eu"));
+            allowed += usize::from(cache.may_publish(&acl, "bench", b"orders/us"));
+            assert!(bucket.take(1, i * 1000).is_zero());
+        }
+        allowed
+    });
+    assert_eq!(allowed, 100_000);
+    assert_eq!(
+        n, 0,
+        "allocations for 200k cached ACL checks and 100k quota takes"
     );
 }
 

@@ -1,0 +1,316 @@
+//! Publish quotas: a token bucket per client id (the seed's `broker.quotas`).
+//!
+//! A bucket holds `burst` tokens and refills at `rate` tokens per second; each published message
+//! takes one (a batch takes one per message). It is kept as a GCRA "theoretical arrival time"
+//! in one atomic, so a check is one load and one compare-and-swap, shared by every connection of
+//! the client without a lock. Time is passed in as nanoseconds since any fixed origin.
+//!
+//! Two ways to use it: [`Bucket::take`] always takes the tokens, running into debt, and says how
+//! long the caller should stop reading (the broker's `throttle` action: nothing is lost);
+//! [`Bucket::try_take`] takes them only if they are there (the `reject` action).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// A rate and a burst. `rate == 0` is unlimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct QuotaSpec {
+    /// Messages per second; 0 = unlimited.
+    pub rate: u64,
+    /// Messages that may be published at once after a quiet time (at least 1).
+    pub burst: u64,
+}
+
+impl QuotaSpec {
+    pub const UNLIMITED: QuotaSpec = QuotaSpec { rate: 0, burst: 1 };
+
+    fn interval_ns(self) -> u64 {
+        1_000_000_000u64
+            .checked_div(self.rate)
+            .map_or(0, |interval| interval.max(1))
+    }
+}
+
+/// One client's bucket.
+#[derive(Debug)]
+pub struct Bucket {
+    /// Nanoseconds per token; 0 = unlimited.
+    interval: AtomicU64,
+    burst: AtomicU64,
+    /// When the bucket will be full again (GCRA's theoretical arrival time), in ns.
+    tat: AtomicU64,
+}
+
+impl Bucket {
+    pub fn new(spec: QuotaSpec) -> Bucket {
+        Bucket {
+            interval: AtomicU64::new(spec.interval_ns()),
+            burst: AtomicU64::new(spec.burst.max(1)),
+            tat: AtomicU64::new(0),
+        }
+    }
+
+    /// Change the rate and burst, at once for every holder. Debt run up under the old rate is
+    /// forgiven, so a raised quota is felt immediately.
+    pub fn set(&self, spec: QuotaSpec) {
+        self.interval.store(spec.interval_ns(), Ordering::Relaxed);
+        self.burst.store(spec.burst.max(1), Ordering::Relaxed);
+        self.tat.store(0, Ordering::Relaxed);
+    }
+
+    /// The current rate and burst.
+    pub fn spec(&self) -> QuotaSpec {
+        let interval = self.interval.load(Ordering::Relaxed);
+        QuotaSpec {
+            rate: 1_000_000_000u64.checked_div(interval).unwrap_or(0),
+            burst: self.burst.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Is the bucket unlimited?
+    pub fn unlimited(&self) -> bool {
+        self.interval.load(Ordering::Relaxed) == 0
+    }
+
+    /// Take `n` tokens, into debt if need be; returns how long the caller should wait before
+    /// taking more (zero: none).
+    pub fn take(&self, n: u64, now_ns: u64) -> Duration {
+        let interval = self.interval.load(Ordering::Relaxed);
+        if interval == 0 {
+            return Duration::ZERO;
+        }
+        let cost = interval.saturating_mul(n);
+        let prev = self
+            .tat
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
+                Some(tat.max(now_ns).saturating_add(cost))
+            })
+            .unwrap_or_else(|tat| tat);
+        let tat = prev.max(now_ns).saturating_add(cost);
+        self.debt(tat, interval, now_ns)
+    }
+
+    /// Take `n` tokens if the bucket has them; otherwise take nothing and return how long until
+    /// it would.
+    pub fn try_take(&self, n: u64, now_ns: u64) -> Result<(), Duration> {
+        let interval = self.interval.load(Ordering::Relaxed);
+        if interval == 0 {
+            return Ok(());
+        }
+        let cost = interval.saturating_mul(n);
+        let allowance = interval.saturating_mul(self.burst.load(Ordering::Relaxed));
+        self.tat
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
+                let next = tat.max(now_ns).saturating_add(cost);
+                (next - now_ns <= allowance).then_some(next)
+            })
+            .map(|_| ())
+            .map_err(|tat| {
+                let next = tat.max(now_ns).saturating_add(cost);
+                Duration::from_nanos(next - now_ns - allowance)
+            })
+    }
+
+    /// How long until the debt is paid (zero: none).
+    pub fn wait(&self, now_ns: u64) -> Duration {
+        let interval = self.interval.load(Ordering::Relaxed);
+        if interval == 0 {
+            return Duration::ZERO;
+        }
+        self.debt(self.tat.load(Ordering::Acquire), interval, now_ns)
+    }
+
+    fn debt(&self, tat: u64, interval: u64, now_ns: u64) -> Duration {
+        let allowance = interval.saturating_mul(self.burst.load(Ordering::Relaxed));
+        Duration::from_nanos(tat.saturating_sub(now_ns).saturating_sub(allowance))
+    }
+}
+
+/// The quota configuration: a default and per-client overrides.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct QuotaPolicy {
+    pub default: QuotaSpec,
+    pub clients: HashMap<String, QuotaSpec>,
+}
+
+impl Default for QuotaSpec {
+    fn default() -> Self {
+        QuotaSpec::UNLIMITED
+    }
+}
+
+impl QuotaPolicy {
+    /// The quota that applies to `client`.
+    pub fn spec_for(&self, client: &str) -> QuotaSpec {
+        self.clients.get(client).copied().unwrap_or(self.default)
+    }
+}
+
+/// Every client's bucket and the policy they follow. Buckets are shared by all connections of
+/// one client id and kept for the life of the broker (client ids come from certificates, a set
+/// the operator controls), so their counters stay monotonic. Locked only on connect and on a
+/// policy change, never per message.
+#[derive(Debug, Default)]
+pub struct Quotas {
+    inner: Mutex<QuotasInner>,
+}
+
+#[derive(Debug, Default)]
+struct QuotasInner {
+    policy: QuotaPolicy,
+    buckets: HashMap<String, Arc<Bucket>>,
+}
+
+impl Quotas {
+    pub fn new(policy: QuotaPolicy) -> Quotas {
+        Quotas {
+            inner: Mutex::new(QuotasInner {
+                policy,
+                buckets: HashMap::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, QuotasInner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The bucket of `client` (shared with its other connections).
+    pub fn bucket(&self, client: &str) -> Arc<Bucket> {
+        let mut inner = self.lock();
+        let spec = inner.policy.spec_for(client);
+        inner
+            .buckets
+            .entry(client.to_string())
+            .or_insert_with(|| Arc::new(Bucket::new(spec)))
+            .clone()
+    }
+
+    /// A bucket of its own for a connection that is not one known client (anonymous ones).
+    pub fn private_bucket(&self, client: &str) -> Arc<Bucket> {
+        Arc::new(Bucket::new(self.lock().policy.spec_for(client)))
+    }
+
+    /// The current policy.
+    pub fn policy(&self) -> QuotaPolicy {
+        self.lock().policy.clone()
+    }
+
+    /// Install a new policy; every existing bucket takes its new spec at once.
+    pub fn replace(&self, policy: QuotaPolicy) {
+        let mut inner = self.lock();
+        for (client, bucket) in &inner.buckets {
+            let spec = policy.spec_for(client);
+            if bucket.spec() != spec {
+                bucket.set(spec);
+            }
+        }
+        inner.policy = policy;
+    }
+
+    /// Change the policy with `f`, then apply it like [`replace`](Self::replace).
+    pub fn update<T>(&self, f: impl FnOnce(&mut QuotaPolicy) -> T) -> T {
+        let mut policy = self.policy();
+        let out = f(&mut policy);
+        self.replace(policy);
+        out
+    }
+
+    /// Known clients and their buckets, sorted by id.
+    pub fn buckets(&self) -> Vec<(String, Arc<Bucket>)> {
+        let mut v: Vec<_> = self
+            .lock()
+            .buckets
+            .iter()
+            .map(|(k, b)| (k.clone(), b.clone()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn burst_then_rate() {
+        let b = Bucket::new(QuotaSpec { rate: 10, burst: 5 });
+        for _ in 0..5 {
+            assert_eq!(b.take(1, 0), Duration::ZERO);
+        }
+        // The sixth is in debt by one interval (100 ms).
+        assert_eq!(b.take(1, 0), Duration::from_millis(100));
+        assert_eq!(b.wait(S / 20), Duration::from_millis(50));
+        assert_eq!(b.wait(S / 10), Duration::ZERO);
+    }
+
+    #[test]
+    fn long_run_rate_is_the_rate() {
+        let b = Bucket::new(QuotaSpec {
+            rate: 1000,
+            burst: 10,
+        });
+        // A publisher that takes one token and then waits as told.
+        let mut now = 0u64;
+        let mut sent = 0u64;
+        while now < 5 * S {
+            let wait = b.take(1, now);
+            sent += 1;
+            now += wait.as_nanos() as u64;
+        }
+        assert!((5000..=5011).contains(&sent), "{sent}");
+    }
+
+    #[test]
+    fn try_take_refuses_without_taking() {
+        let b = Bucket::new(QuotaSpec { rate: 10, burst: 3 });
+        assert!(b.try_take(3, 0).is_ok());
+        assert_eq!(b.try_take(1, 0), Err(Duration::from_millis(100)));
+        assert_eq!(b.try_take(1, S / 10), Ok(()));
+        // A batch bigger than the burst can never pass.
+        assert!(b.try_take(4, 100 * S).is_err());
+    }
+
+    #[test]
+    fn unlimited_is_free() {
+        let b = Bucket::new(QuotaSpec::UNLIMITED);
+        assert!(b.unlimited());
+        assert_eq!(b.take(1_000_000, 0), Duration::ZERO);
+        assert!(b.try_take(u64::MAX, 0).is_ok());
+    }
+
+    #[test]
+    fn policy_change_reaches_live_buckets() {
+        let q = Quotas::new(QuotaPolicy {
+            default: QuotaSpec { rate: 1, burst: 1 },
+            clients: HashMap::new(),
+        });
+        let a = q.bucket("a");
+        assert!(Arc::ptr_eq(&a, &q.bucket("a")));
+        assert!(a.take(1, 0).is_zero());
+        assert!(!a.take(1, 0).is_zero());
+        q.update(|p| {
+            p.clients.insert(
+                "a".into(),
+                QuotaSpec {
+                    rate: 1000,
+                    burst: 100,
+                },
+            );
+        });
+        assert_eq!(
+            a.spec(),
+            QuotaSpec {
+                rate: 1000,
+                burst: 100
+            }
+        );
+        assert!(a.take(50, 0).is_zero());
+        assert_eq!(q.bucket("b").spec(), QuotaSpec { rate: 1, burst: 1 });
+    }
+}
