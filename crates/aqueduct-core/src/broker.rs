@@ -645,6 +645,13 @@ impl Broker {
         self.write_routes().unroute(sub, false);
     }
 
+    /// Close a subscription whose client lost the permission to subscribe: as
+    /// [`unsubscribe`](Self::unsubscribe), with the reason [`CloseReason::Revoked`]. Returns
+    /// whether it was still open.
+    pub fn revoke(&self, ctx: &mut PublishContext, sub: &Arc<Subscriber>, now: Instant) -> bool {
+        self.remove_subscriber(ctx, sub, CloseReason::Revoked, &mut Vec::new(), now)
+    }
+
     /// Close a subscription as a slow consumer, as the disconnect policy does on overflow: for a
     /// `block` subscription that has held its publishers too long. Its queued messages are
     /// dropped and counted under `disconnect` (a group member's go to the other members).
@@ -686,7 +693,7 @@ impl Broker {
         let (queued, in_flight) = sub.close(reason);
         let drop_reason = match reason {
             CloseReason::SlowConsumer => DropReason::Policy(OverflowPolicy::Disconnect),
-            CloseReason::Unsubscribed => DropReason::Unsubscribed,
+            CloseReason::Unsubscribed | CloseReason::Revoked => DropReason::Unsubscribed,
         };
         match sub.group() {
             Some(shared) => {

@@ -41,6 +41,9 @@ pub struct Bucket {
     burst: AtomicU64,
     /// When the bucket will be full again (GCRA's theoretical arrival time), in ns.
     tat: AtomicU64,
+    /// Time publishers spent held back (throttle), ns; messages refused (reject).
+    throttled_ns: AtomicU64,
+    rejected: AtomicU64,
 }
 
 impl Bucket {
@@ -49,7 +52,28 @@ impl Bucket {
             interval: AtomicU64::new(spec.interval_ns()),
             burst: AtomicU64::new(spec.burst.max(1)),
             tat: AtomicU64::new(0),
+            throttled_ns: AtomicU64::new(0),
+            rejected: AtomicU64::new(0),
         }
+    }
+
+    /// Count time a publisher of this client was held back.
+    pub fn record_throttled(&self, held: Duration) {
+        self.throttled_ns
+            .fetch_add(held.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Count messages refused.
+    pub fn record_rejected(&self, n: u64) {
+        self.rejected.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// (time held back, messages refused) so far.
+    pub fn counters(&self) -> (Duration, u64) {
+        (
+            Duration::from_nanos(self.throttled_ns.load(Ordering::Relaxed)),
+            self.rejected.load(Ordering::Relaxed),
+        )
     }
 
     /// Change the rate and burst, at once for every holder. Debt run up under the old rate is
@@ -186,11 +210,6 @@ impl Quotas {
             .entry(client.to_string())
             .or_insert_with(|| Arc::new(Bucket::new(spec)))
             .clone()
-    }
-
-    /// A bucket of its own for a connection that is not one known client (anonymous ones).
-    pub fn private_bucket(&self, client: &str) -> Arc<Bucket> {
-        Arc::new(Bucket::new(self.lock().policy.spec_for(client)))
     }
 
     /// The current policy.

@@ -96,6 +96,9 @@ pub enum CloseReason {
     SlowConsumer,
     /// Unsubscribed, or its stream or connection closed.
     Unsubscribed,
+    /// Its client lost the permission to subscribe when the ACL changed (ERROR
+    /// `NOT_AUTHORIZED`).
+    Revoked,
 }
 
 /// Why an ACK or NACK was refused. Nothing changed.

@@ -165,8 +165,8 @@ error_codes! {
     TOPIC_REQUIRED = 205, "An ACK/NACK on a wildcard subscription must carry the topic extension.";
     UNSUPPORTED = 206, "The request uses a feature this broker does not support.";
     SLOW_CONSUMER = 300, "The subscriber's queue overflowed under the disconnect policy.";
-    QUOTA_EXCEEDED = 301, "A publish quota was exceeded.";
-    UNAUTHORIZED = 400, "The client's identity may not perform this operation.";
+    RATE_LIMITED = 301, "The client is over its publish quota (`broker.quotas.action: reject`): the frame was not published.";
+    NOT_AUTHORIZED = 400, "The ACL does not allow this client to publish to or subscribe to the topic named in the reason; nothing was done.";
     INTERNAL = 500, "The broker failed internally; the request may be retried.";
     SHUTTING_DOWN = 501, "The broker is shutting down.";
     STORAGE_FAILED = 502, "The durable log could not store the message (disk full, I/O error): it is not durable, though live subscribers may have received it.";

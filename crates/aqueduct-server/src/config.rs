@@ -4,13 +4,18 @@
 //!
 //! Unknown keys (in the file or as `AQUEDUCT_*` variables), malformed values ("50xs", a negative
 //! size, an unknown policy) and missing files are errors that name the key and the problem. A
-//! section for a feature that is not built yet (`acl`, `quotas`, `cluster`) may be present but
-//! must not be enabled: `enabled: true` stops startup with "not implemented yet".
+//! section for a feature that is not built yet (`cluster`) may be present but must not be
+//! enabled: `enabled: true` stops startup with "not implemented yet". The access-control
+//! sections (`acl`, `broker.quotas`, `admin`) are typed in `access.rs`.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+pub use crate::access::{
+    AccessConfig, AclRuleSection, AclSection, AdminConfig, AdminSection, ClientQuotaSection,
+    QuotaAction, QuotasSection,
+};
 use aqueduct_core::BrokerConfig;
 use aqueduct_proto::{OverflowPolicy, Priority};
 use figment::providers::{Format, Serialized};
@@ -87,29 +92,8 @@ pub struct BrokerSection {
     /// Block policy: a subscription that holds a publisher this long is closed as a slow
     /// consumer ("0s": never).
     pub block_timeout: String,
-    /// Publish quotas (the seed's `broker.quotas`): not implemented yet, so only a rate of 0
-    /// (unlimited) is accepted.
+    /// Publish quotas (the seed's `broker.quotas`), see `access.rs`.
     pub quotas: QuotasSection,
-}
-
-/// `broker.quotas.*` (seed keys). Publish quotas come with access control (a later version):
-/// `default_publish_rate: 0` means unlimited and is accepted; any other rate is refused.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct QuotasSection {
-    /// Messages per second per client; 0 = unlimited.
-    pub default_publish_rate: u64,
-    /// Token-bucket burst, messages.
-    pub default_burst_size: u64,
-}
-
-impl Default for QuotasSection {
-    fn default() -> Self {
-        QuotasSection {
-            default_publish_rate: 0,
-            default_burst_size: 1000,
-        }
-    }
 }
 
 impl Default for BrokerSection {
@@ -241,34 +225,6 @@ impl Default for AalSection {
     }
 }
 
-/// One seed ACL rule.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct AclRule {
-    pub client: String,
-    pub topic: String,
-    pub permission: String,
-}
-
-/// `acl.*`: access control (a later version). Accepted while disabled.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct AclSection {
-    pub enabled: bool,
-    pub default: String,
-    pub rules: Vec<AclRule>,
-}
-
-impl Default for AclSection {
-    fn default() -> Self {
-        AclSection {
-            enabled: false,
-            default: "none".into(),
-            rules: Vec::new(),
-        }
-    }
-}
-
 /// A value the seed writes either as a number or as a string (`port: "4242"`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -322,6 +278,7 @@ pub struct RawConfig {
     /// Append-only log (persistence): later.
     pub aal: AalSection,
     pub acl: AclSection,
+    pub admin: AdminSection,
     pub cluster: ClusterSection,
 }
 
@@ -336,6 +293,7 @@ impl Default for RawConfig {
             metrics: MetricsSection::default(),
             aal: AalSection::default(),
             acl: AclSection::default(),
+            admin: AdminSection::default(),
             cluster: ClusterSection::default(),
         }
     }
@@ -361,6 +319,7 @@ pub const ENV_KEYS: &[&str] = &[
     "broker.block_timeout",
     "broker.quotas.default_publish_rate",
     "broker.quotas.default_burst_size",
+    "broker.quotas.action",
     "transport.max_buf_size",
     "transport.max_streams_per_connection",
     "transport.max_subscriptions_per_connection",
@@ -388,6 +347,11 @@ pub const ENV_KEYS: &[&str] = &[
     "aal.retention_age",
     "acl.enabled",
     "acl.default",
+    "admin.enabled",
+    "admin.listen_addr",
+    "admin.allowed_cn",
+    "admin.client_ca_file",
+    "admin.state_file",
     "cluster.enabled",
     "cluster.discovery.enabled",
     "cluster.discovery.type",
@@ -520,6 +484,10 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// The durable log, if enabled.
     pub aal: Option<AalConfig>,
+    /// ACL and publish quotas.
+    pub access: AccessConfig,
+    /// The gRPC admin API, if enabled.
+    pub admin: Option<AdminConfig>,
 }
 
 /// The durable log's settings, typed.
@@ -687,6 +655,11 @@ const TEXT_KEYS: &[&str] = &[
     "aal.fsync_interval",
     "aal.retention_age",
     "acl.default",
+    "broker.quotas.action",
+    "admin.listen_addr",
+    "admin.allowed_cn",
+    "admin.client_ca_file",
+    "admin.state_file",
     "cluster.discovery.type",
     "cluster.discovery.host",
     "cluster.discovery.interval",
@@ -735,7 +708,7 @@ fn describe(e: figment::Error) -> String {
 }
 
 /// Go-style addresses: ":4242" means every interface.
-fn parse_addr(key: &'static str, s: &str) -> Result<SocketAddr, ConfigError> {
+pub(crate) fn parse_addr(key: &'static str, s: &str) -> Result<SocketAddr, ConfigError> {
     let full = if s.starts_with(':') {
         format!("0.0.0.0{s}")
     } else {
@@ -806,23 +779,28 @@ fn opt_path(s: &str) -> Option<PathBuf> {
     (!s.trim().is_empty()).then(|| PathBuf::from(s))
 }
 
-/// Where the development certificate goes when not configured.
-pub fn default_dev_cert_file(env: &[(String, String)]) -> PathBuf {
+/// The broker's own directory: `$AQUEDUCT_HOME`, else `$HOME/.aqueduct`, else a temporary
+/// directory's `aqueduct` (development certificate, default log and state file).
+pub fn aqueduct_home(env: &[(String, String)]) -> PathBuf {
     let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
     if let Some(home) = get("AQUEDUCT_HOME").filter(|h| !h.is_empty()) {
-        return Path::new(&home).join("dev-cert.pem");
+        return PathBuf::from(home);
     }
     match get("HOME").filter(|h| !h.is_empty()) {
-        Some(home) => Path::new(&home).join(".aqueduct").join("dev-cert.pem"),
-        None => std::env::temp_dir().join("aqueduct-dev-cert.pem"),
+        Some(home) => Path::new(&home).join(".aqueduct"),
+        None => std::env::temp_dir().join("aqueduct"),
     }
+}
+
+/// Where the development certificate goes when not configured.
+pub fn default_dev_cert_file(env: &[(String, String)]) -> PathBuf {
+    aqueduct_home(env).join("dev-cert.pem")
 }
 
 impl RawConfig {
     /// Check every value and convert to typed configuration.
     pub fn validate(&self, env: &[(String, String)]) -> Result<Config, ConfigError> {
         for (section, feature, enabled) in [
-            ("acl", "access control", self.acl.enabled),
             ("cluster", "clustering", self.cluster.enabled),
             (
                 "cluster.discovery",
@@ -833,16 +811,6 @@ impl RawConfig {
             if enabled {
                 return Err(ConfigError::NotImplemented { section, feature });
             }
-        }
-        if self.broker.quotas.default_publish_rate != 0 {
-            return Err(invalid(
-                "broker.quotas.default_publish_rate",
-                format!(
-                    "{} messages/s requested, but publish quotas are not implemented yet in this \
-                     version (0 = unlimited is accepted)",
-                    self.broker.quotas.default_publish_rate
-                ),
-            ));
         }
         // Checked although the cluster is off, so a typo shows before it is switched on.
         parse_duration(
@@ -1017,6 +985,10 @@ impl RawConfig {
             transport,
             metrics,
             aal: self.aal.validate(env)?,
+            access: crate::access::validate(&self.acl, &self.broker.quotas)?,
+            admin: self
+                .admin
+                .validate(opt_path(&self.tls.client_ca_file).as_deref(), env)?,
         })
     }
 }
@@ -1120,14 +1092,7 @@ pub fn aal_dir(file_path: &str, env: &[(String, String)]) -> PathBuf {
 
 /// Where the log goes when `aal.file_path` is empty.
 fn default_aal_dir(env: &[(String, String)]) -> PathBuf {
-    let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
-    if let Some(home) = get("AQUEDUCT_HOME").filter(|h| !h.is_empty()) {
-        return Path::new(&home).join("aal");
-    }
-    match get("HOME").filter(|h| !h.is_empty()) {
-        Some(home) => Path::new(&home).join(".aqueduct").join("aal"),
-        None => std::env::temp_dir().join("aqueduct-aal"),
-    }
+    aqueduct_home(env).join("aal")
 }
 
 #[cfg(test)]

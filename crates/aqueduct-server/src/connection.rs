@@ -3,10 +3,11 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
+use aqueduct_core::quota::Bucket;
 use aqueduct_core::{PublishContext, Subscriber};
 use aqueduct_proto::ErrorCode;
 use tokio::sync::{watch, Notify};
@@ -39,8 +40,18 @@ pub(crate) enum AddSubError {
 /// State shared by the streams of one connection.
 #[derive(Debug)]
 pub(crate) struct ConnState {
+    /// Unique for the broker's life (admin API: list, disconnect).
+    pub id: u64,
     pub remote: SocketAddr,
     pub client_id: OnceLock<String>,
+    pub connected_at: SystemTime,
+    /// Messages published and deliveries written, for the admin API.
+    pub published: AtomicU64,
+    pub delivered: AtomicU64,
+    /// The client's publish quota bucket (shared by its connections), once identified.
+    pub bucket: OnceLock<Arc<Bucket>>,
+    /// The connection itself, once established (the admin API closes it).
+    pub conn: OnceLock<quinn::Connection>,
     /// Subscriptions by the `stream_id` of their SUBSCRIBE frame: ACK, NACK and UNSUBSCRIBE name
     /// them that way, on any stream. Locked briefly by the streams of this connection only; a
     /// SUBSCRIBE holds it while the broker registers the subscription (lock order: this, then
@@ -109,6 +120,20 @@ impl ConnState {
         }
     }
 
+    /// The live subscriptions (admin API, ACL re-checks).
+    pub(crate) fn subs(&self) -> Vec<SubEntry> {
+        self.lock()
+            .values()
+            .filter(|e| !e.sub.is_closed())
+            .cloned()
+            .collect()
+    }
+
+    /// The ACL identity: the certificate's CN, or `anonymous`.
+    pub(crate) fn identity(&self) -> &str {
+        crate::access::identity(self.client_id.get().map(String::as_str))
+    }
+
     fn take_subs(&self) -> Vec<SubEntry> {
         self.lock().drain().map(|(_, e)| e).collect()
     }
@@ -138,12 +163,17 @@ impl ConnState {
     }
 }
 
-/// Decrements the live-connection count however the task ends.
-struct LiveGuard(Arc<Shared>);
+/// Decrements the live-connection count, and leaves the registry, however the task ends.
+struct LiveGuard(Arc<Shared>, u64);
 
 impl Drop for LiveGuard {
     fn drop(&mut self) {
         self.0.connections.fetch_sub(1, Ordering::AcqRel);
+        self.0
+            .clients
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.1);
     }
 }
 
@@ -153,7 +183,8 @@ pub(crate) async fn handle(
     shared: Arc<Shared>,
     shutdown: watch::Receiver<bool>,
 ) {
-    let _live = LiveGuard(shared.clone());
+    let conn_id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
+    let _live = LiveGuard(shared.clone(), conn_id);
     let remote = incoming.remote_address();
     let failed = |why: String| {
         debug!(%remote, "handshake failed: {why}");
@@ -168,8 +199,14 @@ pub(crate) async fn handle(
     };
     let handshake_timeout = shared.config.transport.handshake_timeout;
     let state = Arc::new(ConnState {
+        id: conn_id,
         remote,
         client_id: OnceLock::new(),
+        connected_at: SystemTime::now(),
+        published: AtomicU64::new(0),
+        delivered: AtomicU64::new(0),
+        bucket: OnceLock::new(),
+        conn: OnceLock::new(),
         subs: Mutex::default(),
         confirmed: AtomicBool::new(false),
         confirmed_notify: Notify::new(),
@@ -187,7 +224,7 @@ pub(crate) async fn handle(
                     .await
                     .is_ok()
                 {
-                    identify(&conn2, &state);
+                    identify(&conn2, &state, &shared2);
                     state.confirm();
                 } else {
                     shared2
@@ -207,13 +244,13 @@ pub(crate) async fn handle(
                 conn.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
                 return failed("timed out".into());
             }
-            identify(&conn, &state);
+            identify(&conn, &state, &shared);
             state.confirm();
             conn
         }
         Err(connecting) => match tokio::time::timeout(handshake_timeout, connecting).await {
             Ok(Ok(conn)) => {
-                identify(&conn, &state);
+                identify(&conn, &state, &shared);
                 state.confirm();
                 conn
             }
@@ -231,10 +268,20 @@ pub(crate) async fn handle(
 /// The end of a 0-RTT handshake: identifies the client and releases held-back early data.
 type Confirming = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
-fn identify(conn: &quinn::Connection, state: &ConnState) {
+/// Learn who the client is (its certificate's CN), give it its quota bucket and list it.
+fn identify(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Shared) {
     if let Some(cn) = tls::client_common_name(conn) {
         let _ = state.client_id.set(cn);
     }
+    let _ = state
+        .bucket
+        .set(shared.access.quotas.bucket(state.identity()));
+    let _ = state.conn.set(conn.clone());
+    shared
+        .clients
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(state.id, state.clone());
     info!(client = %state.describe(), "connected");
 }
 

@@ -6,10 +6,13 @@
 //! both. Routing, queueing and settlement are `aqueduct-core`'s; this crate is the I/O around it:
 //!
 //! - [`config`]: YAML + `AQUEDUCT_*` env + flags, validated once;
+//! - [`access`]: ACL, publish quotas, the admin state file;
 //! - [`tls`]: certificates (files or generated dev certificate), mTLS, client ids;
 //! - `connection`: handshake, 0-RTT gating, per-connection subscription table;
 //! - `stream`: frame reader and coalescing writer for one QUIC stream.
 
+pub mod access;
+pub mod admin;
 pub mod config;
 mod connection;
 mod consumers;
@@ -22,5 +25,5 @@ mod stream;
 pub mod tls;
 
 pub use config::{Config, ConfigError, Overrides, Sources};
-pub use server::{run, Server, ServerError};
+pub use server::{run, Control, Server, ServerError};
 pub use stats::ServerStats;

@@ -67,6 +67,100 @@ impl Out {
     }
 }
 
+/// Client ids that get a label of their own in the quota metrics; the rest add up under
+/// `client="__other__"`.
+pub const MAX_CLIENT_LABELS: usize = 1000;
+
+/// ACL, quota and admin API metrics.
+fn access_metrics(out: &mut Out, shared: &Shared) {
+    let stats = &shared.stats;
+    out.header(
+        "aqueduct_acl_denied_total",
+        "counter",
+        "Requests the ACL refused (publish frames; subscriptions, including live ones closed when the rules changed).",
+    );
+    for (action, n) in [
+        ("publish", &stats.acl_denied_publish),
+        ("subscribe", &stats.acl_denied_subscribe),
+    ] {
+        out.sample(
+            "aqueduct_acl_denied_total",
+            &[("action", action)],
+            n.load(Ordering::Relaxed),
+        );
+    }
+    let acl = shared.access.acl.policy();
+    out.single(
+        "aqueduct_acl_enabled",
+        "gauge",
+        "1 if access control is on.",
+        u8::from(acl.enabled),
+    );
+    out.single(
+        "aqueduct_acl_rules",
+        "gauge",
+        "ACL rules in force.",
+        acl.rules.len(),
+    );
+    out.single(
+        "aqueduct_access_policy_changes_total",
+        "counter",
+        "ACL and quota changes applied (admin API calls and SIGHUP reloads).",
+        shared.access.changes.load(Ordering::Relaxed),
+    );
+    // Per client, bounded: the first MAX_CLIENT_LABELS ids in order, the rest summed.
+    let buckets = shared.access.quotas.buckets();
+    let mut rows: Vec<(String, f64, u64)> = Vec::new();
+    let mut other = (0.0, 0u64, false);
+    for (i, (id, bucket)) in buckets.iter().enumerate() {
+        let (held, rejected) = bucket.counters();
+        if i < MAX_CLIENT_LABELS {
+            rows.push((id.clone(), held.as_secs_f64(), rejected));
+        } else {
+            other = (other.0 + held.as_secs_f64(), other.1 + rejected, true);
+        }
+    }
+    if other.2 {
+        rows.push((OTHER_TOPIC.to_owned(), other.0, other.1));
+    }
+    out.header(
+        "aqueduct_quota_throttled_seconds_total",
+        "counter",
+        "Time a client's publishing streams were not read because it was over its quota (broker.quotas.action: throttle).",
+    );
+    for (id, held, _) in &rows {
+        out.sample(
+            "aqueduct_quota_throttled_seconds_total",
+            &[("client", id)],
+            held,
+        );
+    }
+    out.header(
+        "aqueduct_quota_rejected_messages_total",
+        "counter",
+        "Messages refused with RATE_LIMITED because the client was over its quota (broker.quotas.action: reject).",
+    );
+    for (id, _, rejected) in &rows {
+        out.sample(
+            "aqueduct_quota_rejected_messages_total",
+            &[("client", id)],
+            rejected,
+        );
+    }
+    out.single(
+        "aqueduct_admin_handshakes_failed_total",
+        "counter",
+        "Admin API TLS handshakes refused (no or untrusted client certificate, timeout).",
+        stats.admin_handshakes_failed.load(Ordering::Relaxed),
+    );
+    out.single(
+        "aqueduct_admin_calls_denied_total",
+        "counter",
+        "Admin API calls refused because the certificate CN does not match admin.allowed_cn.",
+        stats.admin_denied.load(Ordering::Relaxed),
+    );
+}
+
 /// Render every metric.
 pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
     let broker = &shared.broker;
@@ -230,19 +324,19 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
     out.header(
         "aqueduct_subscribers_by_queue_depth",
         "gauge",
-        "Subscribers whose queue holds at most `le` messages (a snapshot distribution).",
+        "Subscribers whose queue holds at most `max_depth` messages (a snapshot distribution).",
     );
     for bound in DEPTH_BOUNDS {
         let n = depths.iter().filter(|d| **d <= bound).count();
         out.sample(
             "aqueduct_subscribers_by_queue_depth",
-            &[("le", &bound.to_string())],
+            &[("max_depth", &bound.to_string())],
             n,
         );
     }
     out.sample(
         "aqueduct_subscribers_by_queue_depth",
-        &[("le", "+Inf")],
+        &[("max_depth", "+Inf")],
         depths.len(),
     );
     out.single(
@@ -251,6 +345,8 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "The deepest subscriber queue, in messages.",
         depths.iter().max().copied().unwrap_or(0),
     );
+
+    access_metrics(&mut out, shared);
 
     let lat = broker.latency();
     out.header(

@@ -1,11 +1,12 @@
 //! The broker process: binds the QUIC endpoint, accepts connections, runs the ack-wait ticker,
 //! and shuts down gracefully (stop accepting, flush deliveries, close connections with a reason).
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use aqueduct_core::{Broker, PublishContext};
@@ -14,7 +15,9 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
+use crate::access::Access;
 use crate::config::{AalConfig, Config, TransportConfig};
+use crate::connection::ConnState;
 use crate::consumers::Consumers;
 use crate::durable::Durable;
 use crate::stats::ServerStats;
@@ -35,6 +38,8 @@ pub enum ServerError {
     Bind { addr: SocketAddr, reason: String },
     #[error("metrics_addr {addr}: {reason}")]
     MetricsBind { addr: SocketAddr, reason: String },
+    #[error("admin.listen_addr {addr}: {reason}")]
+    AdminBind { addr: SocketAddr, reason: String },
     #[error("transport settings rejected: {0}")]
     Transport(String),
     #[error("aal (durable log): {0}")]
@@ -54,6 +59,35 @@ pub(crate) struct Shared {
     pub durable: Option<Arc<Durable>>,
     /// Durable consumers' positions (with the durable log).
     pub consumers: Option<Arc<Consumers>>,
+    /// ACL and quotas (changed by the admin API and SIGHUP).
+    pub access: Arc<Access>,
+    /// Live connections, for the admin API (list, disconnect) and for re-checking subscriptions
+    /// when the ACL changes. Locked on connect, disconnect and admin calls only.
+    pub clients: Mutex<HashMap<u64, Arc<ConnState>>>,
+    pub next_conn_id: AtomicU64,
+    /// Origin of the quota clock.
+    pub epoch: Instant,
+    /// The QUIC address actually bound.
+    pub local_addr: SocketAddr,
+}
+
+impl Shared {
+    /// Nanoseconds since the broker started (the quota buckets' clock).
+    pub fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    pub fn live_clients(&self) -> Vec<Arc<ConnState>> {
+        let mut v: Vec<_> = self
+            .clients
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        v.sort_by_key(|c| c.id);
+        v
+    }
 }
 
 impl Drop for Shared {
@@ -70,6 +104,8 @@ impl Drop for Shared {
 pub struct Server {
     endpoint: quinn::Endpoint,
     metrics: tokio::net::TcpListener,
+    /// The admin API's listener and TLS, when `admin.enabled`.
+    admin: Option<(tokio::net::TcpListener, Arc<rustls::ServerConfig>)>,
     shared: Arc<Shared>,
     dev_cert: Option<PathBuf>,
 }
@@ -131,7 +167,8 @@ fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket, Se
 impl Server {
     /// Set up TLS and bind the UDP socket. Must run inside a tokio runtime.
     pub async fn bind(config: Config) -> Result<Server, ServerError> {
-        let (crypto, dev_cert) = tls::server_crypto(&config.tls)?;
+        let identity = tls::identity(&config.tls)?;
+        let (crypto, dev_cert) = tls::server_crypto(&config.tls, &identity)?;
         let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
         server_config.transport_config(Arc::new(transport_config(&config.transport)?));
         let socket = udp_socket(config.listen_addr, config.transport.socket_buffer)?;
@@ -155,7 +192,20 @@ impl Server {
                 addr: config.metrics_addr,
                 reason: e.to_string(),
             })?;
-        // Both sockets are ours: only now may the development certificate be replaced.
+        let admin = match &config.admin {
+            Some(a) => {
+                let crypto = tls::admin_crypto(&identity, &a.client_ca_file)?;
+                let listener = tokio::net::TcpListener::bind(a.listen_addr)
+                    .await
+                    .map_err(|e| ServerError::AdminBind {
+                        addr: a.listen_addr,
+                        reason: e.to_string(),
+                    })?;
+                Some((listener, Arc::new(crypto)))
+            }
+            None => None,
+        };
+        // Every socket is ours: only now may the development certificate be replaced.
         if let Some(cert) = &dev_cert {
             cert.write()?;
         }
@@ -173,9 +223,20 @@ impl Server {
             }
             None => (None, None),
         };
+        let access = Access::start(
+            &config.access,
+            config.admin.as_ref().map(|a| a.state_file.clone()),
+        )
+        .map_err(|e| ServerError::Startup(e.to_string()))?;
+        if config.access.acl.enabled {
+            let p = access.acl.policy();
+            info!(default = %p.default, rules = p.rules.len(), "access control on");
+        }
+        let local_addr = endpoint.local_addr().unwrap_or(config.listen_addr);
         Ok(Server {
             endpoint,
             metrics,
+            admin,
             shared: Arc::new(Shared {
                 config,
                 broker,
@@ -183,6 +244,11 @@ impl Server {
                 connections: AtomicUsize::new(0),
                 durable,
                 consumers,
+                access: Arc::new(access),
+                clients: Mutex::new(HashMap::new()),
+                next_conn_id: AtomicU64::new(1),
+                epoch: Instant::now(),
+                local_addr,
             }),
             dev_cert,
         })
@@ -217,11 +283,24 @@ impl Server {
         self.shared.stats.clone()
     }
 
+    /// The admin API's address, when it is enabled.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin.as_ref().and_then(|(l, _)| l.local_addr().ok())
+    }
+
+    /// A handle to change the running broker's access policy (SIGHUP).
+    pub fn control(&self) -> Control {
+        Control {
+            shared: self.shared.clone(),
+        }
+    }
+
     /// Serve until `shutdown` completes, then shut down gracefully.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
         let Server {
             endpoint,
             metrics,
+            admin,
             shared,
             ..
         } = self;
@@ -252,6 +331,19 @@ impl Server {
         // The endpoint outlives the QUIC side's shutdown, so /readyz reports it.
         let (http_stop, http_stop_rx) = watch::channel(false);
         let metrics_task = tokio::spawn(crate::http::serve(metrics, http.clone(), http_stop_rx));
+        let (admin_stop, admin_stop_rx) = watch::channel(false);
+        let admin_task = admin.map(|(listener, tls)| {
+            info!(
+                addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+                "admin API listening (gRPC over TLS 1.3, client certificate required)"
+            );
+            tokio::spawn(crate::admin::serve(
+                listener,
+                tls,
+                shared.clone(),
+                admin_stop_rx,
+            ))
+        });
         let mut connections = JoinSet::new();
         tokio::pin!(shutdown);
         loop {
@@ -297,10 +389,37 @@ impl Server {
             // Write what is queued and close the log cleanly (blocking file I/O).
             let _ = tokio::task::spawn_blocking(move || d.close()).await;
         }
+        let _ = admin_stop.send(true);
+        if let Some(task) = admin_task {
+            let _ = tokio::time::timeout(Duration::from_secs(1), task).await;
+        }
         let _ = http_stop.send(true);
         let _ = tokio::time::timeout(Duration::from_secs(1), metrics_task).await;
         info!("broker stopped");
         Ok(())
+    }
+}
+
+/// Changes a running broker's access policy: what `SIGHUP` does.
+#[derive(Debug, Clone)]
+pub struct Control {
+    shared: Arc<Shared>,
+}
+
+impl Control {
+    /// Make `access` (the config file's `acl` and `broker.quotas` sections, just re-read) the
+    /// live policy, persist it, and close the live subscriptions it refuses. Returns how many
+    /// were closed.
+    pub fn reload_access(&self, access: &crate::access::AccessConfig) -> Result<usize, String> {
+        let saved = self.shared.access.reload(access);
+        let closed = crate::admin::recheck_subscriptions(&self.shared);
+        saved.map_err(|e| e.to_string())?;
+        Ok(closed)
+    }
+
+    /// The live ACL policy.
+    pub fn acl(&self) -> Arc<aqueduct_core::acl::AclPolicy> {
+        self.shared.access.acl.policy()
     }
 }
 

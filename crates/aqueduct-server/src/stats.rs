@@ -28,6 +28,14 @@ pub struct ServerStats {
     pub streams_stopped: AtomicU64,
     /// SUBSCRIBEs refused by `transport.max_subscriptions_per_connection`.
     pub subscriptions_refused: AtomicU64,
+    /// Requests the ACL refused: publish frames, subscriptions (including live ones closed
+    /// when the rules changed).
+    pub acl_denied_publish: AtomicU64,
+    pub acl_denied_subscribe: AtomicU64,
+    /// Admin API: TLS handshakes refused (no or untrusted client certificate, timeouts), and
+    /// calls refused because the CN does not match `admin.allowed_cn`.
+    pub admin_handshakes_failed: AtomicU64,
+    pub admin_denied: AtomicU64,
     /// Frames rejected, by reason label (`bad_magic`, `frame_too_large`, …).
     rejected: Mutex<BTreeMap<&'static str, u64>>,
     /// ERROR frames sent, by code.
@@ -43,6 +51,14 @@ impl ServerStats {
     pub(crate) fn error_sent(&self, code: ErrorCode) {
         let mut m = self.errors.lock().unwrap_or_else(|e| e.into_inner());
         *m.entry(code.0).or_default() += 1;
+    }
+
+    pub(crate) fn acl_denied(&self, action: aqueduct_core::acl::Action) {
+        match action {
+            aqueduct_core::acl::Action::Publish => &self.acl_denied_publish,
+            aqueduct_core::acl::Action::Subscribe => &self.acl_denied_subscribe,
+        }
+        .fetch_add(1, Relaxed);
     }
 
     pub(crate) fn add_in(&self, n: usize) {

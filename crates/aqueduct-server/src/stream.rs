@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use aqueduct_core::acl::AclCache;
 use aqueduct_core::{
     CloseReason, Publication, PublishContext, SubscribeOptions, Subscriber, SubscriberId,
     TopicState,
@@ -26,6 +27,7 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::{watch, Notify};
 use tracing::{debug, info, warn};
 
+use crate::access::QuotaAction;
 use crate::connection::{AddSubError, ConnState, SubEntry};
 use crate::consumers::{ClaimError, Consumers};
 use crate::durable::{Durable, Waiter};
@@ -40,6 +42,8 @@ const FINISH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 const TIMER_WINDOW: std::time::Duration = std::time::Duration::from_millis(1);
 /// Read granularity: publishers' frames are read in chunks of up to this many bytes.
 const READ_CHUNK: usize = 64 * 1024;
+/// A throttled reader re-checks its quota at least this often.
+const QUOTA_RECHECK: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// What the reader shares with the writer of the same stream.
 #[derive(Debug, Default)]
@@ -183,11 +187,45 @@ fn unsubscribe(
     key: Option<&str>,
     now: Instant,
 ) {
+    close(shared, ctx, sub, key, CloseReason::Unsubscribed, now)
+}
+
+/// Close a live subscription whose client lost the permission to subscribe (the ACL changed):
+/// as an UNSUBSCRIBE, and its writer sends ERROR NOT_AUTHORIZED with its stream id.
+pub(crate) fn revoke(shared: &Shared, conn: &ConnState, entry: &SubEntry) {
+    conn.remove_sub(entry.sub.stream_id(), &entry.sub);
+    let key = lock(&entry.out.durables).remove(&entry.sub.id());
+    let mut ctx = PublishContext::default();
+    close(
+        shared,
+        &mut ctx,
+        &entry.sub,
+        key.as_deref(),
+        CloseReason::Revoked,
+        Instant::now(),
+    );
+    ctx.clear_held();
+    entry.out.notify.notify_one();
+}
+
+fn close(
+    shared: &Shared,
+    ctx: &mut PublishContext,
+    sub: &Arc<Subscriber>,
+    key: Option<&str>,
+    reason: CloseReason,
+    now: Instant,
+) {
     let consumers = shared.consumers.as_ref().zip(key);
     if let Some((consumers, key)) = consumers {
         consumers.end(key, sub);
     }
-    logged(shared, ctx, |ctx| shared.broker.unsubscribe(ctx, sub, now));
+    logged(shared, ctx, |ctx| match reason {
+        CloseReason::Revoked => {
+            shared.broker.revoke(ctx, sub, now);
+        }
+        _ => shared.broker.unsubscribe(ctx, sub, now),
+    });
     if let Some((consumers, key)) = consumers {
         consumers.left(key, sub, &shared.broker);
     }
@@ -246,6 +284,8 @@ pub(crate) async fn serve(
             out: &out,
             ctx: PublishContext::default(),
             routed: Vec::new(),
+            acl: AclCache::default(),
+            throttled: false,
         };
         // On shutdown stop reading at once; the writer flushes what is queued and finishes.
         let end = tokio::select! {
@@ -288,6 +328,10 @@ struct Reader<'a> {
     ctx: PublishContext,
     /// With the durable log: each routed message's topic and offset, for the log's queue.
     routed: Vec<(Arc<TopicState>, u64)>,
+    /// This stream's cached ACL decisions.
+    acl: AclCache,
+    /// The last frame ran the client's quota bucket into debt: wait before reading more.
+    throttled: bool,
 }
 
 impl Reader<'_> {
@@ -400,11 +444,13 @@ impl Reader<'_> {
             Err(e) => return self.reject(raw.stream_id, e.code(), e.reason_label(), e.to_string()),
         };
         // 0-RTT data can be replayed by an attacker: only SUBSCRIBE/UNSUBSCRIBE run before the
-        // handshake is confirmed; everything else waits for it.
+        // handshake is confirmed; everything else waits for it. With access control on, those
+        // wait too: the client's identity is only known then.
         if !matches!(
             frame.message,
             Message::Subscribe(_) | Message::Unsubscribe(_)
-        ) {
+        ) || self.shared.access.acl.enabled()
+        {
             self.conn.wait_confirmed().await;
         }
         if let (Some(d), Message::Publish(_) | Message::PublishBatch(_)) =
@@ -415,6 +461,96 @@ impl Reader<'_> {
         }
         self.handle(frame, header.has_extensions);
         self.wait_for_room().await;
+        self.wait_for_quota().await;
+    }
+
+    /// Throttle action: while the client's quota bucket is in debt, stop reading this stream
+    /// (QUIC flow control then holds the client; nothing is lost). Re-checked at least every
+    /// 50 ms, so a quota raised meanwhile applies at once.
+    async fn wait_for_quota(&mut self) {
+        if !std::mem::take(&mut self.throttled) {
+            return;
+        }
+        let Some(bucket) = self.conn.bucket.get() else {
+            return;
+        };
+        let started = Instant::now();
+        loop {
+            let wait = bucket.wait(self.shared.now_ns());
+            if wait.is_zero() {
+                break;
+            }
+            tokio::time::sleep(wait.min(QUOTA_RECHECK)).await;
+        }
+        bucket.record_throttled(started.elapsed());
+    }
+
+    /// May this client publish to every topic of the frame? If not, ERROR NOT_AUTHORIZED naming
+    /// the first refused topic, and nothing of the frame is published.
+    fn authorize_publish<'t>(
+        &mut self,
+        stream_id: u32,
+        mut topics: impl Iterator<Item = &'t [u8]>,
+    ) -> bool {
+        let client = self.conn.identity();
+        let acl = &self.shared.access.acl;
+        let Some(refused) = topics.find(|t| !self.acl.may_publish(acl, client, t)) else {
+            return true;
+        };
+        self.shared
+            .stats
+            .acl_denied(aqueduct_core::acl::Action::Publish);
+        let reason = format!(
+            "client {client} may not publish to {}: refused by the ACL (nothing of this frame              was published)",
+            String::from_utf8_lossy(refused)
+        );
+        debug!(client = %self.conn.describe(), "{reason}");
+        self.send_error(stream_id, ErrorCode::NOT_AUTHORIZED, reason);
+        false
+    }
+
+    /// Take `n` messages from the client's quota. Throttle: always (the reader waits after the
+    /// frame); reject: only if the tokens are there, else ERROR RATE_LIMITED.
+    fn take_quota(&mut self, stream_id: u32, n: usize) -> bool {
+        let Some(bucket) = self.conn.bucket.get() else {
+            return true;
+        };
+        if bucket.unlimited() {
+            return true;
+        }
+        let now = self.shared.now_ns();
+        match self.shared.access.action {
+            QuotaAction::Throttle => {
+                self.throttled = !bucket.take(n as u64, now).is_zero();
+                true
+            }
+            QuotaAction::Reject => match bucket.try_take(n as u64, now) {
+                Ok(()) => true,
+                Err(wait) => {
+                    bucket.record_rejected(n as u64);
+                    let spec = bucket.spec();
+                    let hint = if n as u64 > spec.burst {
+                        format!(
+                            "a frame of {n} messages can never pass a burst of {}: send                              smaller batches",
+                            spec.burst
+                        )
+                    } else {
+                        format!("it would pass in {wait:?}")
+                    };
+                    self.send_error(
+                        stream_id,
+                        ErrorCode::RATE_LIMITED,
+                        format!(
+                            "client {} is over its publish quota of {} messages/s (burst {}):                              {n} message(s) not published; {hint}",
+                            self.conn.identity(),
+                            spec.rate,
+                            spec.burst
+                        ),
+                    );
+                    false
+                }
+            },
+        }
     }
 
     /// Block policy: while a subscriber that this frame queued into (a publish, or a NACK's
@@ -471,6 +607,12 @@ impl Reader<'_> {
         let broker = &self.shared.broker;
         match frame.message {
             Message::Publish(p) => {
+                if !self.authorize_publish(stream_id, std::iter::once(p.topic().as_bytes()))
+                    || !self.take_quota(stream_id, 1)
+                {
+                    return;
+                }
+                self.conn.published.fetch_add(1, Ordering::Relaxed);
                 let publication = Publication::from_publish(&p);
                 if let Some(d) = &self.shared.durable {
                     let waiter = self.waiter(stream_id, p.ext.confirm);
@@ -487,6 +629,14 @@ impl Reader<'_> {
                 // Validated in full when decoded, so every sub-frame is Ok. Borrowed views, decoded
                 // once into one vector per batch frame (the core looks ahead along it for runs).
                 let refs: Vec<_> = batch.iter_refs().filter_map(Result::ok).collect();
+                if !self.authorize_publish(stream_id, refs.iter().map(|r| r.topic.as_bytes()))
+                    || !self.take_quota(stream_id, refs.len())
+                {
+                    return;
+                }
+                self.conn
+                    .published
+                    .fetch_add(refs.len() as u64, Ordering::Relaxed);
                 if let Some(d) = &self.shared.durable {
                     let waiter = self.waiter(stream_id, confirm);
                     let publications = refs.iter().map(Publication::from_ref);
@@ -507,6 +657,24 @@ impl Reader<'_> {
                 }
             }
             Message::Subscribe(s) => {
+                let client = self.conn.identity();
+                // If the rules change between this check and the registration below, the
+                // admin side's re-check may not see this subscription yet: check again then.
+                let checked = self.shared.access.acl.generation();
+                if !self
+                    .acl
+                    .may_subscribe(&self.shared.access.acl, client, &s.spec.filter)
+                {
+                    self.shared
+                        .stats
+                        .acl_denied(aqueduct_core::acl::Action::Subscribe);
+                    let reason = format!(
+                        "client {client} may not subscribe to {}: refused by the ACL",
+                        s.spec.filter
+                    );
+                    debug!(client = %self.conn.describe(), "{reason}");
+                    return self.send_error(stream_id, ErrorCode::NOT_AUTHORIZED, reason);
+                }
                 if self.out.aborted.load(Ordering::Acquire) {
                     // The client stopped reading this stream (or it was reset): nothing could
                     // ever be delivered on it, nor an answer.
@@ -650,6 +818,18 @@ impl Reader<'_> {
                 }
                 lock(&self.out.subs).push(sub.clone());
                 self.out.notify.notify_one();
+                if self.shared.access.acl.generation() != checked
+                    && !self
+                        .acl
+                        .may_subscribe(&self.shared.access.acl, client, &s.spec.filter)
+                {
+                    let entry = SubEntry {
+                        sub: sub.clone(),
+                        out: self.out.clone(),
+                    };
+                    revoke(self.shared, self.conn, &entry);
+                    return;
+                }
                 if let (Some((key, start, claim)), Some(d), Some(consumers)) =
                     (feeder, &self.shared.durable, &self.shared.consumers)
                 {
@@ -813,7 +993,7 @@ fn stream_id_of(buf: &[u8]) -> u32 {
 
 /// Collect pending replies and deliveries into `buf`, up to about `budget` bytes. Closed
 /// subscriptions are removed; a slow-consumer close gets its ERROR frame.
-fn fill(out: &StreamOut, shared: &Shared, buf: &mut BytesMut, budget: usize) {
+fn fill(out: &StreamOut, shared: &Shared, conn: &ConnState, buf: &mut BytesMut, budget: usize) {
     {
         let mut control = lock(&out.control);
         if !control.is_empty() {
@@ -827,6 +1007,22 @@ fn fill(out: &StreamOut, shared: &Shared, buf: &mut BytesMut, budget: usize) {
     subs.retain(|sub| {
         if !sub.is_closed() {
             return true;
+        }
+        if sub.close_reason() == Some(CloseReason::Revoked) {
+            info!(client = %conn.describe(), filter = %sub.filter(), stream_id = sub.stream_id(), "subscription closed: the ACL no longer allows it");
+            shared.stats.error_sent(ErrorCode::NOT_AUTHORIZED);
+            Frame::new(
+                sub.stream_id(),
+                Message::Error(ErrorFrame {
+                    code: ErrorCode::NOT_AUTHORIZED,
+                    reason: format!(
+                        "subscription to {} closed: the ACL changed and client {} may no longer                          subscribe to it",
+                        sub.filter(),
+                        conn.identity()
+                    ),
+                }),
+            )
+            .encode(buf);
         }
         if sub.close_reason() == Some(CloseReason::SlowConsumer) {
             warn!(filter = %sub.filter(), stream_id = sub.stream_id(), "slow consumer disconnected");
@@ -850,7 +1046,9 @@ fn fill(out: &StreamOut, shared: &Shared, buf: &mut BytesMut, budget: usize) {
         if buf.len() >= budget {
             break;
         }
-        shared.broker.drain(sub, buf, budget - buf.len(), now);
+        let drained = shared.broker.drain(sub, buf, budget - buf.len(), now);
+        conn.delivered
+            .fetch_add(drained.frames as u64, Ordering::Relaxed);
     }
 }
 
@@ -895,7 +1093,7 @@ async fn write_loop(
             detach_subscriptions(shared, out);
             return;
         }
-        fill(out, shared, &mut buf, batch);
+        fill(out, shared, conn, &mut buf, batch);
         if buf.is_empty() {
             // On shutdown too, the reader says when it is done (it stops at once then): only
             // it knows whether the client's frames were all read.
@@ -927,11 +1125,11 @@ async fn write_loop(
                     _ = tokio::time::sleep_until(deadline.into()) => {}
                     _ = shutdown.changed() => {}
                 }
-                fill(out, shared, &mut buf, batch);
+                fill(out, shared, conn, &mut buf, batch);
             } else {
                 while buf.len() < batch && Instant::now() < deadline {
                     tokio::task::yield_now().await;
-                    fill(out, shared, &mut buf, batch);
+                    fill(out, shared, conn, &mut buf, batch);
                 }
             }
         }
@@ -971,7 +1169,7 @@ async fn write_loop(
     // not read any more must not keep this task (and a held publisher) forever.
     let flushed = tokio::time::timeout(FINISH_WAIT, async {
         loop {
-            fill(out, shared, &mut buf, batch);
+            fill(out, shared, conn, &mut buf, batch);
             let chunk = buf.split().freeze();
             let len = chunk.len();
             if len == 0 || send.write_chunk(chunk).await.is_err() {

@@ -77,8 +77,10 @@ fn read_certs(key: &'static str, path: &Path) -> Result<Vec<CertificateDer<'stat
     Ok(certs)
 }
 
-/// The certificate chain and key the broker presents, plus a generated dev cert to publish.
-struct Identity {
+/// The certificate chain and key the broker presents (QUIC and the admin API), plus a generated
+/// dev cert to publish.
+#[derive(Debug)]
+pub struct Identity {
     certs: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
     dev_cert: Option<DevCert>,
@@ -100,7 +102,8 @@ impl DevCert {
     }
 }
 
-fn identity(cfg: &TlsConfig) -> Result<Identity, TlsError> {
+/// The broker's certificate: from the files, or generated once per process start.
+pub fn identity(cfg: &TlsConfig) -> Result<Identity, TlsError> {
     if let (Some(cert), Some(key)) = (&cfg.cert_file, &cfg.key_file) {
         let certs = read_certs("tls.cert_file", cert)?;
         let key = PrivateKeyDer::from_pem_file(key).map_err(|e| TlsError::Pem {
@@ -152,9 +155,9 @@ fn write_dev_cert(path: &Path, pem: &str) -> Result<(), TlsError> {
 /// yet: see [`DevCert`]).
 pub fn server_crypto(
     cfg: &TlsConfig,
+    id: &Identity,
 ) -> Result<(quinn::crypto::rustls::QuicServerConfig, Option<DevCert>), TlsError> {
     let provider = provider();
-    let id = identity(cfg)?;
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| TlsError::Rustls(e.to_string()))?;
@@ -178,7 +181,7 @@ pub fn server_crypto(
         None => builder.with_no_client_auth(),
     };
     let mut tls = builder
-        .with_single_cert(id.certs, id.key)
+        .with_single_cert(id.certs.clone(), id.key.clone_key())
         .map_err(|e| TlsError::Rustls(e.to_string()))?;
     tls.alpn_protocols = vec![ALPN.to_vec()];
     // The broker's order (AES-128-GCM first) decides, whatever a client prefers.
@@ -188,14 +191,42 @@ pub fn server_crypto(
     tls.max_early_data_size = u32::MAX;
     let quic = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
         .map_err(|e| TlsError::Rustls(e.to_string()))?;
-    Ok((quic, id.dev_cert))
+    Ok((quic, id.dev_cert.clone()))
+}
+
+/// The admin API's TLS: TLS 1.3, HTTP/2, the broker's certificate, and a client certificate
+/// signed by `ca_file` required (no certificate: the handshake fails).
+pub fn admin_crypto(id: &Identity, ca_file: &Path) -> Result<rustls::ServerConfig, TlsError> {
+    let provider = provider();
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in read_certs("admin.client_ca_file", ca_file)? {
+        roots
+            .add(cert)
+            .map_err(|e| TlsError::Rustls(e.to_string()))?;
+    }
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .build()
+        .map_err(|e| TlsError::Rustls(e.to_string()))?;
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| TlsError::Rustls(e.to_string()))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(id.certs.clone(), id.key.clone_key())
+        .map_err(|e| TlsError::Rustls(e.to_string()))?;
+    tls.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(tls)
+}
+
+/// The Common Name of a certificate.
+pub fn common_name(cert: &CertificateDer<'_>) -> Option<String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(cert).ok()?;
+    let cn = cert.subject().iter_common_name().next()?;
+    cn.as_str().ok().map(str::to_owned)
 }
 
 /// The Common Name of the client's certificate, if it presented one.
 pub fn client_common_name(conn: &quinn::Connection) -> Option<String> {
     let identity = conn.peer_identity()?;
     let certs = identity.downcast::<Vec<CertificateDer<'static>>>().ok()?;
-    let (_, cert) = x509_parser::parse_x509_certificate(certs.first()?).ok()?;
-    let cn = cert.subject().iter_common_name().next()?;
-    cn.as_str().ok().map(str::to_owned)
+    common_name(certs.first()?)
 }

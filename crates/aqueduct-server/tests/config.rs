@@ -328,11 +328,11 @@ fn the_seed_config_loads_verbatim() {
         .extract_inner("broker.quotas.default_burst_size")
         .expect("burst");
     assert_eq!(burst, 1000);
-    let rules: Vec<aqueduct_server::config::AclRule> =
+    let rules: Vec<aqueduct_server::config::AclRuleSection> =
         fig.extract_inner("acl.rules").expect("acl rules");
     assert_eq!(
         rules,
-        [aqueduct_server::config::AclRule {
+        [aqueduct_server::config::AclRuleSection {
             client: "service-a".into(),
             topic: "orders".into(),
             permission: "publish".into(),
@@ -415,7 +415,7 @@ fn keep_alive_must_be_below_idle_timeout() {
 }
 
 #[test]
-fn flush_interval_is_bounded_and_quotas_are_not_silently_ignored() {
+fn flush_interval_is_bounded_and_access_keys_take_effect() {
     let msg = error(
         Some("broker:\n  flush_interval: 10s\n"),
         &[],
@@ -425,13 +425,37 @@ fn flush_interval_is_bounded_and_quotas_are_not_silently_ignored() {
         msg.contains("broker.flush_interval") && msg.contains("maximum"),
         "{msg}"
     );
-    let msg = error(
+    // The seed's quota and ACL variables set the live policy.
+    let c = load(
         None,
-        &[("AQUEDUCT_BROKER_DEFAULT_PUBLISH_RATE", "100")],
+        env(&[
+            ("AQUEDUCT_BROKER_DEFAULT_PUBLISH_RATE", "100"),
+            ("AQUEDUCT_BROKER_DEFAULT_BURST_SIZE", "10"),
+            ("AQUEDUCT_ACL_ENABLED", "true"),
+            ("AQUEDUCT_ACL_DEFAULT", "subscribe"),
+            ("AQUEDUCT_BROKER_QUOTAS_ACTION", "reject"),
+        ]),
+        Overrides::default(),
+    )
+    .expect("quotas and acl");
+    assert_eq!(c.access.quotas.default.rate, 100);
+    assert_eq!(c.access.quotas.default.burst, 10);
+    assert!(c.access.acl.enabled);
+    assert_eq!(
+        c.access.acl.default,
+        aqueduct_core::acl::Permission::Subscribe
+    );
+    assert_eq!(
+        c.access.action,
+        aqueduct_server::config::QuotaAction::Reject
+    );
+    let msg = error(
+        Some("acl:\n  enabled: true\n  rules:\n    - client: \"a*b\"\n      topic: x\n      permission: all\n"),
+        &[],
         Overrides::default(),
     );
     assert!(
-        msg.contains("broker.quotas.default_publish_rate") && msg.contains("not implemented"),
+        msg.contains("acl.rules[].client") && msg.contains("rule 0"),
         "{msg}"
     );
     let msg = error(

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use aqueduct_server::{Config, Overrides, Server, Sources};
 use clap::{CommandFactory, Parser};
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 /// The Aqueduct message broker: publish/subscribe over QUIC with priorities, TTLs, consumer
 /// groups, acknowledgements and dead-letter topics.
@@ -17,6 +17,9 @@ use tracing::{error, info};
 /// Settings come from, in increasing precedence: built-in defaults, the YAML file (--config),
 /// AQUEDUCT_* environment variables (AQUEDUCT_BROKER_QUEUE_SIZE for broker.queue_size, …),
 /// and these flags. See config.example.yaml for every key.
+///
+/// SIGHUP re-reads the config file's `acl` and `broker.quotas` sections and applies them at once
+/// (replacing changes made through the admin API); SIGTERM or Ctrl-C stops the broker gracefully.
 #[derive(Debug, Parser)]
 #[command(name = "aqueduct-broker", version)]
 struct Args {
@@ -36,7 +39,7 @@ struct Args {
     /// TLS private key, PEM (key: tls.key_file). Needs --cert.
     #[arg(long, value_name = "FILE")]
     key: Option<String>,
-    /// Enable the append-only log (key: aal.enabled). Not implemented yet: refuses to start.
+    /// Enable the durable, encrypted append-only log (key: aal.enabled).
     #[arg(long)]
     aal: bool,
     /// Log filter, e.g. "info", "debug", "aqueduct_server=debug".
@@ -66,7 +69,8 @@ fn main() -> ExitCode {
         key_file: args.key.clone(),
         aal: args.aal,
     };
-    let config = match Config::load(&Sources::from_process(args.config.clone(), overrides)) {
+    let sources = Sources::from_process(args.config.clone(), overrides);
+    let config = match Config::load(&sources) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("aqueduct-broker: configuration error: {e}");
@@ -100,9 +104,12 @@ fn main() -> ExitCode {
                 "using a generated self-signed certificate; local `aqueduct` commands trust it automatically"
             );
         }
+        let reload = reload_on_sighup(server.control(), sources);
         let signal = async {
-            let which = stop.await;
-            info!("{which} received");
+            tokio::select! {
+                which = stop => info!("{which} received"),
+                () = reload => {}
+            }
         };
         match server.serve(signal).await {
             Ok(()) => ExitCode::SUCCESS,
@@ -112,4 +119,35 @@ fn main() -> ExitCode {
             }
         }
     })
+}
+
+/// SIGHUP: re-read the configuration and make its `acl` and `broker.quotas` sections the live
+/// policy. A configuration that does not validate changes nothing (and says why). Never returns.
+async fn reload_on_sighup(control: aqueduct_server::Control, sources: Sources) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut hup) = signal(SignalKind::hangup()) {
+            while hup.recv().await.is_some() {
+                match Config::load(&sources) {
+                    Ok(config) => match control.reload_access(&config.access) {
+                        Ok(closed) => {
+                            let acl = control.acl();
+                            info!(
+                                acl_enabled = acl.enabled,
+                                rules = acl.rules.len(),
+                                closed_subscriptions = closed,
+                                "SIGHUP: acl and broker.quotas reloaded from the configuration"
+                            );
+                        }
+                        Err(e) => warn!("SIGHUP: the new policy is live but was not saved: {e}"),
+                    },
+                    Err(e) => {
+                        error!("SIGHUP: configuration not reloaded, the running policy stays: {e}")
+                    }
+                }
+            }
+        }
+    }
+    std::future::pending::<()>().await
 }

@@ -1,0 +1,647 @@
+//! The gRPC admin API (`proto/aqueduct/admin/v1/admin.proto`): quotas, ACL rules, clients,
+//! topics and broker info, for clients whose certificate CN matches `admin.allowed_cn`.
+//!
+//! Transport: TCP + TLS 1.3 (rustls, ring) with a *required* client certificate signed by
+//! `admin.client_ca_file`, so a client without one fails the handshake; the CN is then checked on
+//! every call (PERMISSION_DENIED otherwise) and logged with it. TLS handshakes run in the admin
+//! server's own task (at most [`MAX_HANDSHAKES`] at once, each bounded by [`HANDSHAKE_TIMEOUT`]).
+//!
+//! Changes go through `Access` (atomic swaps; the publish path never locks) and are persisted
+//! to the state file before the call returns; live subscriptions the new rules refuse are closed
+//! with ERROR NOT_AUTHORIZED ([`recheck_subscriptions`]).
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use aqueduct_core::acl::{AclRule, Action, ClientPattern};
+use aqueduct_core::quota::QuotaSpec;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+use tonic::transport::server::Connected;
+use tonic::{Request, Response, Status};
+use tracing::{debug, info, warn};
+
+use crate::server::Shared;
+
+/// Generated code and the descriptor set (for reflection).
+#[allow(missing_docs, clippy::all, missing_debug_implementations)]
+pub mod proto {
+    tonic::include_proto!("aqueduct.admin.v1");
+    /// The encoded `FileDescriptorSet` of admin.proto.
+    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("admin_descriptor");
+}
+
+use proto::admin_service_server::{AdminService, AdminServiceServer};
+
+/// TLS handshakes in progress at once; more connections wait in the kernel's backlog.
+pub const MAX_HANDSHAKES: usize = 64;
+/// A TLS handshake that takes longer is dropped.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Who is calling: the client certificate's CN and the address.
+#[derive(Debug, Clone)]
+pub struct AdminPeer {
+    pub cn: Option<String>,
+    pub remote: SocketAddr,
+}
+
+/// A TLS connection with its peer's identity, for tonic.
+struct TlsConn {
+    io: tokio_rustls::server::TlsStream<TcpStream>,
+    peer: AdminPeer,
+}
+
+impl Connected for TlsConn {
+    type ConnectInfo = AdminPeer;
+    fn connect_info(&self) -> AdminPeer {
+        self.peer.clone()
+    }
+}
+
+impl AsyncRead for TlsConn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TlsConn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+/// Serve the admin API on `listener` until `stop` turns true.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let (tx, mut rx) = mpsc::channel::<TlsConn>(MAX_HANDSHAKES);
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let stats = shared.stats.clone();
+    let accept = async move {
+        let mut handshakes = JoinSet::new();
+        loop {
+            tokio::select! {
+                accepted = listener.accept(), if handshakes.len() < MAX_HANDSHAKES => {
+                    let (tcp, remote) = match accepted {
+                        Ok(a) => a,
+                        Err(e) => {
+                            warn!("admin API: accept failed: {e}");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    };
+                    let (acceptor, tx, stats) = (acceptor.clone(), tx.clone(), stats.clone());
+                    handshakes.spawn(async move {
+                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                            Ok(Ok(io)) => {
+                                let cn = io
+                                    .get_ref()
+                                    .1
+                                    .peer_certificates()
+                                    .and_then(|c| crate::tls::common_name(c.first()?));
+                                let _ = tx.send(TlsConn { io, peer: AdminPeer { cn, remote } }).await;
+                            }
+                            Ok(Err(e)) => {
+                                stats.admin_handshakes_failed.fetch_add(1, Ordering::Relaxed);
+                                info!(%remote, "admin API: TLS handshake refused: {e}");
+                            }
+                            Err(_) => {
+                                stats.admin_handshakes_failed.fetch_add(1, Ordering::Relaxed);
+                                debug!(%remote, "admin API: TLS handshake timed out");
+                            }
+                        }
+                    });
+                }
+                Some(_) = handshakes.join_next(), if !handshakes.is_empty() => {}
+            }
+        }
+    };
+    let incoming = async_stream(&mut rx);
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .build_v1();
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .build_v1alpha();
+    let mut builder = tonic::transport::Server::builder();
+    let router = match (reflection_v1, reflection_v1alpha) {
+        (Ok(v1), Ok(v1alpha)) => builder
+            .add_service(AdminServiceServer::new(AdminApi {
+                shared: shared.clone(),
+            }))
+            .add_service(v1)
+            .add_service(v1alpha),
+        (Err(e), _) | (_, Err(e)) => {
+            warn!("admin API: server reflection is off: {e}");
+            builder.add_service(AdminServiceServer::new(AdminApi {
+                shared: shared.clone(),
+            }))
+        }
+    };
+    let server = router.serve_with_incoming_shutdown(incoming, async move {
+        let _ = stop.wait_for(|s| *s).await;
+    });
+    tokio::select! {
+        r = server => if let Err(e) = r {
+            warn!("admin API stopped: {e}");
+        },
+        _ = accept => {}
+    }
+}
+
+/// The accepted connections as a stream, for tonic.
+fn async_stream(
+    rx: &mut mpsc::Receiver<TlsConn>,
+) -> impl futures_util::Stream<Item = Result<TlsConn, std::io::Error>> + '_ {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|c| c.map(Ok)))
+}
+
+/// Close, with ERROR NOT_AUTHORIZED, every live subscription the current ACL refuses. Returns
+/// how many were closed.
+pub(crate) fn recheck_subscriptions(shared: &Shared) -> usize {
+    let policy = shared.access.acl.policy();
+    if !policy.enabled {
+        return 0;
+    }
+    let mut closed = 0;
+    for conn in shared.live_clients() {
+        let rules = policy.for_client(conn.identity());
+        for entry in conn.subs() {
+            if !rules.may_subscribe(entry.sub.filter()) {
+                crate::stream::revoke(shared, &conn, &entry);
+                shared.stats.acl_denied(Action::Subscribe);
+                closed += 1;
+            }
+        }
+    }
+    closed
+}
+
+struct AdminApi {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for AdminApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminApi")
+    }
+}
+
+fn now_ms(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+impl AdminApi {
+    /// The caller's CN if it may call the API; PERMISSION_DENIED otherwise. Logs the call.
+    fn authorize<T: std::fmt::Debug>(&self, req: &Request<T>, rpc: &str) -> Result<String, Status> {
+        let peer = req.extensions().get::<AdminPeer>().cloned();
+        let allowed: Option<&ClientPattern> =
+            self.shared.config.admin.as_ref().map(|a| &a.allowed_cn);
+        let cn = peer.as_ref().and_then(|p| p.cn.clone());
+        let remote = peer.map(|p| p.remote.to_string()).unwrap_or_default();
+        match (cn, allowed) {
+            (Some(cn), Some(pattern)) if pattern.matches(&cn) => {
+                info!(caller = %cn, %remote, rpc, request = ?req.get_ref(), "admin call");
+                Ok(cn)
+            }
+            (cn, pattern) => {
+                self.shared
+                    .stats
+                    .admin_denied
+                    .fetch_add(1, Ordering::Relaxed);
+                let cn = cn.unwrap_or_else(|| "(none)".into());
+                let pattern = pattern.map(|p| p.to_string()).unwrap_or_default();
+                warn!(caller = %cn, %remote, rpc, "admin call refused: CN does not match admin.allowed_cn {pattern}");
+                Err(Status::permission_denied(format!(
+                    "certificate CN {cn} does not match admin.allowed_cn ({pattern})"
+                )))
+            }
+        }
+    }
+
+    /// After a change: persist it; say so if it could not be saved.
+    fn persist(&self) -> Result<(), Status> {
+        self.shared.access.changed().map_err(|e| {
+            warn!("admin change applied but not saved: {e}");
+            Status::internal(format!(
+                "the change is live but could not be saved, so a restart would undo it: {e}"
+            ))
+        })
+    }
+
+    fn acl(&self) -> proto::Acl {
+        let p = self.shared.access.acl.policy();
+        proto::Acl {
+            enabled: p.enabled,
+            default_permission: p.default.to_string(),
+            rules: p.rules.iter().map(rule_to_proto).collect(),
+        }
+    }
+
+    fn acl_changed(&self, caller: &str) -> Result<Response<proto::Acl>, Status> {
+        let closed = recheck_subscriptions(&self.shared);
+        let acl = self.acl();
+        info!(caller, rules = acl.rules.len(), default = %acl.default_permission, closed_subscriptions = closed, "ACL changed");
+        self.persist()?;
+        Ok(Response::new(acl))
+    }
+
+    fn quota(&self, client_id: &str) -> proto::ClientQuota {
+        let policy = self.shared.access.quotas.policy();
+        let spec = policy.spec_for(client_id);
+        let counters = self
+            .shared
+            .access
+            .quotas
+            .buckets()
+            .into_iter()
+            .find(|(id, _)| id == client_id)
+            .map(|(_, b)| b.counters());
+        let (throttled, rejected) = counters.unwrap_or_default();
+        proto::ClientQuota {
+            client_id: client_id.to_string(),
+            rate: spec.rate,
+            burst: spec.burst,
+            is_override: policy.clients.contains_key(client_id),
+            throttled_seconds: throttled.as_secs_f64(),
+            rejected_messages: rejected,
+        }
+    }
+}
+
+fn rule_to_proto(r: &AclRule) -> proto::AclRule {
+    proto::AclRule {
+        client_id: r.client.to_string(),
+        topic: r.topic.to_string(),
+        permission: r.permission.to_string(),
+    }
+}
+
+fn rule_from_proto(i: usize, r: &proto::AclRule) -> Result<AclRule, Status> {
+    AclRule::parse(&r.client_id, &r.topic, &r.permission)
+        .map_err(|e| Status::invalid_argument(format!("rule {i}: {e}")))
+}
+
+fn client_id(id: &str) -> Result<&str, Status> {
+    let id = id.trim();
+    if id.is_empty() {
+        return Err(Status::invalid_argument("client_id is empty"));
+    }
+    Ok(id)
+}
+
+#[tonic::async_trait]
+impl AdminService for AdminApi {
+    async fn set_client_quota(
+        &self,
+        req: Request<proto::SetClientQuotaRequest>,
+    ) -> Result<Response<proto::ClientQuota>, Status> {
+        let caller = self.authorize(&req, "SetClientQuota")?;
+        let r = req.into_inner();
+        let id = client_id(&r.client_id)?.to_string();
+        if r.burst == Some(0) {
+            return Err(Status::invalid_argument("burst must be at least 1"));
+        }
+        let spec = self.shared.access.quotas.update(|p| {
+            let burst = r.burst.unwrap_or_else(|| p.spec_for(&id).burst);
+            let spec = QuotaSpec {
+                rate: r.rate,
+                burst,
+            };
+            p.clients.insert(id.clone(), spec);
+            spec
+        });
+        info!(caller, client = %id, rate = spec.rate, burst = spec.burst, "quota set");
+        self.persist()?;
+        Ok(Response::new(self.quota(&id)))
+    }
+
+    async fn get_client_quota(
+        &self,
+        req: Request<proto::GetClientQuotaRequest>,
+    ) -> Result<Response<proto::ClientQuota>, Status> {
+        self.authorize(&req, "GetClientQuota")?;
+        let id = client_id(&req.get_ref().client_id)?;
+        Ok(Response::new(self.quota(id)))
+    }
+
+    async fn remove_client_quota(
+        &self,
+        req: Request<proto::RemoveClientQuotaRequest>,
+    ) -> Result<Response<proto::ClientQuota>, Status> {
+        let caller = self.authorize(&req, "RemoveClientQuota")?;
+        let id = client_id(&req.get_ref().client_id)?.to_string();
+        let removed = self
+            .shared
+            .access
+            .quotas
+            .update(|p| p.clients.remove(&id).is_some());
+        if !removed {
+            return Err(Status::not_found(format!(
+                "client {id} has no quota of its own (it follows the default)"
+            )));
+        }
+        info!(caller, client = %id, "quota override removed");
+        self.persist()?;
+        Ok(Response::new(self.quota(&id)))
+    }
+
+    async fn list_client_quotas(
+        &self,
+        req: Request<proto::ListClientQuotasRequest>,
+    ) -> Result<Response<proto::ListClientQuotasResponse>, Status> {
+        self.authorize(&req, "ListClientQuotas")?;
+        let policy = self.shared.access.quotas.policy();
+        let mut ids: Vec<&String> = policy.clients.keys().collect();
+        ids.sort();
+        Ok(Response::new(proto::ListClientQuotasResponse {
+            default_quota: Some(proto::ClientQuota {
+                client_id: String::new(),
+                rate: policy.default.rate,
+                burst: policy.default.burst,
+                is_override: false,
+                throttled_seconds: 0.0,
+                rejected_messages: 0,
+            }),
+            clients: ids.into_iter().map(|id| self.quota(id)).collect(),
+            action: match self.shared.access.action {
+                crate::access::QuotaAction::Throttle => "throttle".into(),
+                crate::access::QuotaAction::Reject => "reject".into(),
+            },
+        }))
+    }
+
+    async fn update_acl(
+        &self,
+        req: Request<proto::UpdateAclRequest>,
+    ) -> Result<Response<proto::Acl>, Status> {
+        let caller = self.authorize(&req, "UpdateACL")?;
+        let r = req.into_inner();
+        let rules = r
+            .rules
+            .iter()
+            .enumerate()
+            .map(|(i, rule)| rule_from_proto(i, rule))
+            .collect::<Result<Vec<_>, _>>()?;
+        let default = match &r.default_permission {
+            Some(d) => Some(d.parse().map_err(|e: String| {
+                Status::invalid_argument(format!("default_permission: {e}"))
+            })?),
+            None => None,
+        };
+        self.shared.access.acl.update(|p| {
+            p.rules = rules.clone();
+            if let Some(d) = default {
+                p.default = d;
+            }
+        });
+        self.acl_changed(&caller)
+    }
+
+    async fn list_acl(
+        &self,
+        req: Request<proto::ListAclRequest>,
+    ) -> Result<Response<proto::Acl>, Status> {
+        self.authorize(&req, "ListACL")?;
+        Ok(Response::new(self.acl()))
+    }
+
+    async fn add_acl_rule(
+        &self,
+        req: Request<proto::AclRule>,
+    ) -> Result<Response<proto::Acl>, Status> {
+        let caller = self.authorize(&req, "AddACLRule")?;
+        let rule = rule_from_proto(0, req.get_ref())?;
+        let added = self.shared.access.acl.update(|p| {
+            if p.rules.contains(&rule) {
+                false
+            } else {
+                p.rules.push(rule.clone());
+                true
+            }
+        });
+        if !added {
+            return Err(Status::already_exists(format!(
+                "the rule {rule} is already there"
+            )));
+        }
+        self.acl_changed(&caller)
+    }
+
+    async fn remove_acl_rule(
+        &self,
+        req: Request<proto::AclRule>,
+    ) -> Result<Response<proto::Acl>, Status> {
+        let caller = self.authorize(&req, "RemoveACLRule")?;
+        let rule = rule_from_proto(0, req.get_ref())?;
+        let removed = self.shared.access.acl.update(|p| {
+            let before = p.rules.len();
+            p.rules.retain(|r| r != &rule);
+            before != p.rules.len()
+        });
+        if !removed {
+            return Err(Status::not_found(format!("no rule {rule}")));
+        }
+        self.acl_changed(&caller)
+    }
+
+    async fn list_clients(
+        &self,
+        req: Request<proto::ListClientsRequest>,
+    ) -> Result<Response<proto::ListClientsResponse>, Status> {
+        self.authorize(&req, "ListClients")?;
+        let clients = self
+            .shared
+            .live_clients()
+            .iter()
+            .map(|c| proto::Client {
+                connection_id: c.id,
+                client_id: c.identity().to_string(),
+                address: c.remote.to_string(),
+                connected_since_unix_ms: now_ms(c.connected_at),
+                subscriptions: c
+                    .subs()
+                    .iter()
+                    .map(|e| proto::Subscription {
+                        stream_id: e.sub.stream_id(),
+                        filter: e.sub.filter().to_string(),
+                        group: e
+                            .sub
+                            .group()
+                            .map(|g| g.id().as_str().to_string())
+                            .unwrap_or_default(),
+                        queued: e.sub.queued_approx() as u64,
+                        in_flight: e.sub.in_flight() as u64,
+                    })
+                    .collect(),
+                published: c.published.load(Ordering::Relaxed),
+                delivered: c.delivered.load(Ordering::Relaxed),
+            })
+            .collect();
+        Ok(Response::new(proto::ListClientsResponse { clients }))
+    }
+
+    async fn disconnect_client(
+        &self,
+        req: Request<proto::DisconnectClientRequest>,
+    ) -> Result<Response<proto::DisconnectClientResponse>, Status> {
+        use proto::disconnect_client_request::Target;
+        let caller = self.authorize(&req, "DisconnectClient")?;
+        let r = req.into_inner();
+        let Some(target) = r.target else {
+            return Err(Status::invalid_argument("give connection_id or client_id"));
+        };
+        let reason = if r.reason.trim().is_empty() {
+            format!("disconnected by an administrator ({caller})")
+        } else {
+            format!(
+                "disconnected by an administrator ({caller}): {}",
+                r.reason.trim()
+            )
+        };
+        let mut disconnected = 0u32;
+        for c in self.shared.live_clients() {
+            let hit = match &target {
+                Target::ConnectionId(id) => c.id == *id,
+                Target::ClientId(id) => c.identity() == id,
+            };
+            if let (true, Some(conn)) = (hit, c.conn.get()) {
+                // Application close code 0: not an error of the client's.
+                let mut bytes = reason.clone().into_bytes();
+                bytes.truncate(512);
+                conn.close(0u32.into(), &bytes);
+                info!(caller, client = %c.describe(), "disconnected by the admin API");
+                disconnected += 1;
+            }
+        }
+        if disconnected == 0 {
+            return Err(Status::not_found("no connection matched"));
+        }
+        Ok(Response::new(proto::DisconnectClientResponse {
+            disconnected,
+        }))
+    }
+
+    async fn list_topics(
+        &self,
+        req: Request<proto::ListTopicsRequest>,
+    ) -> Result<Response<proto::ListTopicsResponse>, Status> {
+        self.authorize(&req, "ListTopics")?;
+        let subs = self.shared.broker.subscribers();
+        let mut topics: Vec<proto::Topic> = self
+            .shared
+            .broker
+            .topics()
+            .iter()
+            .map(|t| {
+                let s = t.stats().snapshot();
+                proto::Topic {
+                    name: t.name().to_string(),
+                    published: s.published,
+                    delivered: s.delivered,
+                    dropped: s.dropped.iter().sum(),
+                    expired: s.expired.iter().sum(),
+                    dead_lettered: s.dead_lettered,
+                    subscribers: subs
+                        .iter()
+                        .filter(|sub| aqueduct_core::matching::matches(sub.filter(), t.name()))
+                        .count() as u64,
+                }
+            })
+            .collect();
+        topics.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(Response::new(proto::ListTopicsResponse { topics }))
+    }
+
+    async fn get_broker_info(
+        &self,
+        req: Request<proto::GetBrokerInfoRequest>,
+    ) -> Result<Response<proto::BrokerInfo>, Status> {
+        self.authorize(&req, "GetBrokerInfo")?;
+        let sh = &self.shared;
+        let c = &sh.config;
+        let acl = sh.access.acl.policy();
+        let quotas = sh.access.quotas.policy();
+        let mut config = std::collections::HashMap::new();
+        let mut put = |k: &str, v: String| {
+            config.insert(k.to_string(), v);
+        };
+        put("broker.queue_size", c.broker.queue_size.to_string());
+        put(
+            "broker.backpressure_policy",
+            format!("{:?}", c.broker.backpressure_policy).to_lowercase(),
+        );
+        put("broker.max_retries", c.broker.max_retries.to_string());
+        put("broker.ack_wait", format!("{:?}", c.broker.ack_wait));
+        put("broker.flush_interval", format!("{:?}", c.flush_interval));
+        put(
+            "broker.quotas.default_publish_rate",
+            quotas.default.rate.to_string(),
+        );
+        put(
+            "broker.quotas.default_burst_size",
+            quotas.default.burst.to_string(),
+        );
+        put(
+            "tls.require_client_cert",
+            c.tls.require_client_cert.to_string(),
+        );
+        put("aal.enabled", c.aal.is_some().to_string());
+        put("acl.default", acl.default.to_string());
+        put(
+            "transport.max_buf_size",
+            c.transport.max_frame_data.to_string(),
+        );
+        put(
+            "transport.max_connections",
+            c.transport.max_connections.to_string(),
+        );
+        Ok(Response::new(proto::BrokerInfo {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            uptime_seconds: sh.epoch.elapsed().as_secs_f64(),
+            listen_addr: sh.local_addr.to_string(),
+            metrics_addr: c.metrics_addr.to_string(),
+            connections: sh.connections.load(Ordering::Relaxed) as u32,
+            subscriptions: sh.broker.subscriber_count() as u32,
+            topics: sh.broker.topic_count() as u32,
+            acl_enabled: acl.enabled,
+            acl_rules: acl.rules.len() as u32,
+            config,
+        }))
+    }
+}
