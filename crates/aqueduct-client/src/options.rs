@@ -104,6 +104,34 @@ impl ConnectOptions {
         self
     }
 
+    /// The address as given (`host:port`).
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The name the broker's certificate must carry: [`server_name`](Self::server_name), or the
+    /// host part of the address.
+    pub fn verified_name(&self) -> String {
+        self.server_name
+            .clone()
+            .unwrap_or_else(|| host_of(&self.addr).to_string())
+    }
+
+    /// The TLS 1.3 client configuration these options describe (trust, client certificate),
+    /// offering `alpn`: for other connections to the broker (the admin API speaks `h2`).
+    pub fn tls_config(&self, alpn: &[u8]) -> Result<rustls::ClientConfig, crate::ConnectError> {
+        let mut config =
+            crate::tls::client_crypto(&self.trust, host_of(&self.addr), self.client_cert.as_ref())?;
+        config.alpn_protocols = vec![alpn.to_vec()];
+        config.enable_early_data = false;
+        Ok(config)
+    }
+
+    /// The connect timeout.
+    pub fn connect_timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Give up connecting after this long (default 10 s).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;

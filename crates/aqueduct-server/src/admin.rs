@@ -645,3 +645,58 @@ impl AdminService for AdminApi {
         }))
     }
 }
+
+/// Why the admin API could not be reached.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminConnectError {
+    #[error("invalid server name {0:?} for TLS")]
+    ServerName(String),
+    #[error("cannot connect to the admin API at {addr}: {reason}")]
+    Connect { addr: String, reason: String },
+}
+
+/// A client of the admin API at `addr` over TLS (`tls` must offer ALPN `h2` and present an admin
+/// client certificate), verifying the broker's certificate for `server_name`.
+pub async fn connect(
+    addr: String,
+    tls: rustls::ClientConfig,
+    server_name: &str,
+    timeout: Duration,
+) -> Result<
+    proto::admin_service_client::AdminServiceClient<tonic::transport::Channel>,
+    AdminConnectError,
+> {
+    let name = rustls_pki_types::ServerName::try_from(server_name.to_string())
+        .map_err(|_| AdminConnectError::ServerName(server_name.to_string()))?;
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(tls));
+    let target = addr.clone();
+    let connect = tower::service_fn(move |_: tonic::transport::Uri| {
+        let (connector, name, target) = (connector.clone(), name.clone(), target.clone());
+        async move {
+            let tcp = TcpStream::connect(&target).await?;
+            let tls = connector.connect(name, tcp).await?;
+            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
+        }
+    });
+    let err = |reason: String| AdminConnectError::Connect {
+        addr: addr.clone(),
+        reason,
+    };
+    // The URI only names the service; the connector above makes the connection.
+    let channel = tonic::transport::Endpoint::from_static("http://aqueduct-admin")
+        .connect_timeout(timeout)
+        .connect_with_connector(connect)
+        .await
+        .map_err(|e| {
+            let mut reason = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                reason = format!("{reason}: {s}");
+                source = s.source();
+            }
+            err(reason)
+        })?;
+    Ok(proto::admin_service_client::AdminServiceClient::new(
+        channel,
+    ))
+}

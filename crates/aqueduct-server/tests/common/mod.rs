@@ -46,6 +46,9 @@ pub struct TestBroker {
     pub dev_cert: PathBuf,
     pub broker: Arc<Broker>,
     pub stats: Arc<ServerStats>,
+    /// The admin API's address, when enabled.
+    pub admin_addr: Option<SocketAddr>,
+    pub control: aqueduct_server::Control,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<(), ServerError>>>,
     _dir: tempfile::TempDir,
@@ -69,6 +72,8 @@ impl TestBroker {
             .unwrap_or_else(|| dir.path().join("dev-cert.pem"));
         let broker = server.broker();
         let stats = server.stats();
+        let admin_addr = server.admin_addr();
+        let control = server.control();
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(server.serve(async move {
             let _ = rx.await;
@@ -79,6 +84,8 @@ impl TestBroker {
             dev_cert,
             broker,
             stats,
+            admin_addr,
+            control,
             stop: Some(tx),
             task: Some(task),
             _dir: dir,
@@ -291,6 +298,29 @@ pub fn test_ca() -> TestCa {
     TestCa {
         pem: cert.pem(),
         issuer: rcgen::Issuer::new(params, key),
+    }
+}
+
+impl TestCa {
+    /// A client certificate for `cn`, written to `dir` as `<cn>.pem` and `<cn>.key`.
+    pub fn client(&self, dir: &std::path::Path, cn: &str) -> (PathBuf, PathBuf) {
+        use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair};
+        let key = KeyPair::generate().expect("key");
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.distinguished_name.push(DnType::CommonName, cn);
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let cert = params.signed_by(&key, &self.issuer).expect("signed");
+        let (c, k) = (dir.join(format!("{cn}.pem")), dir.join(format!("{cn}.key")));
+        std::fs::write(&c, cert.pem()).expect("write cert");
+        std::fs::write(&k, key.serialize_pem()).expect("write key");
+        (c, k)
+    }
+
+    /// Write the CA certificate to `dir/ca.pem`.
+    pub fn write(&self, dir: &std::path::Path) -> PathBuf {
+        let path = dir.join("ca.pem");
+        std::fs::write(&path, &self.pem).expect("write CA");
+        path
     }
 }
 
