@@ -157,6 +157,23 @@ enum Command {
         #[command(subcommand)]
         mode: DurableBenchMode,
     },
+    /// Manage a running broker through its gRPC admin API (admin.enabled): quotas, ACL rules,
+    /// clients, topics. Needs an admin client certificate (--cert/--key, CN matching the
+    /// broker's admin.allowed_cn, default admin-*) and, for a broker with a CA-signed
+    /// certificate, --ca.
+    #[command(
+        after_help = "Examples:\n  aqueduct admin --cert admin-alice.pem --key admin-alice-key.pem info\n  aqueduct admin --cert ... --key ... quota set service-a 500 --burst 100\n  aqueduct admin --cert ... --key ... acl add 'service-*' 'orders/#' publish\n  aqueduct admin --cert ... --key ... acl replace rules.yaml\n  aqueduct admin --cert ... --key ... --json clients"
+    )]
+    Admin {
+        /// The admin API's address (the broker's admin.listen_addr).
+        #[arg(long, env = "AQUEDUCT_ADMIN_ADDR", default_value = "localhost:9091")]
+        admin_addr: String,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        #[command(subcommand)]
+        what: crate::admin_cmd::AdminCommand,
+    },
     /// Inspect a durable log directory (aal.file_path) offline: check every record, or print a
     /// topic's messages. Changes nothing on disk; needs no broker. The key comes from
     /// --key-file or AQUEDUCT_AAL_KEY (base64, as aal.key).
@@ -396,7 +413,12 @@ fn broker_addr(addr: &str) -> Result<String> {
 
 /// The connection settings the global flags describe.
 fn connect_options(cli: &Cli) -> Result<ConnectOptions> {
-    let mut opts = ConnectOptions::new(broker_addr(&cli.addr)?);
+    connect_options_to(cli, &cli.addr)
+}
+
+/// The global flags' trust and client certificate, for the broker at `addr`.
+fn connect_options_to(cli: &Cli, addr: &str) -> Result<ConnectOptions> {
+    let mut opts = ConnectOptions::new(broker_addr(addr)?);
     if let Some(name) = &cli.server_name {
         opts = opts.server_name(name);
     }
@@ -434,6 +456,19 @@ async fn run(cli: Cli) -> Result<()> {
             println!("wrote {}", path.display());
         }
         return Ok(());
+    }
+    if let Command::Admin {
+        admin_addr,
+        json,
+        what,
+    } = &cli.command
+    {
+        let target = crate::admin_cmd::AdminTarget {
+            addr: broker_addr(admin_addr)?,
+            opts: connect_options_to(&cli, admin_addr)?,
+            json: *json,
+        };
+        return crate::admin_cmd::run(&target, what).await;
     }
     if let Command::Log { what } = &cli.command {
         return match what {
@@ -589,7 +624,7 @@ async fn run(cli: Cli) -> Result<()> {
             return Ok(());
         }
         // Handled above, before connecting.
-        Command::Cert { .. } | Command::Log { .. } => {}
+        Command::Cert { .. } | Command::Log { .. } | Command::Admin { .. } => {}
         Command::BenchDurable {
             messages,
             payload_size,

@@ -1,6 +1,7 @@
 //! Shared code of the `aqueduct` command-line tools: the client command line ([`client_cmd`]),
 //! the load tool ([`bench`]), Go-style flags and signal handling.
 
+pub mod admin_cmd;
 pub mod bench;
 pub mod cert;
 pub mod client_cmd;

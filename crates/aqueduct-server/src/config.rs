@@ -388,8 +388,9 @@ const ENV_OTHER: &[&str] = &[
     "AQUEDUCT_CONFIG",
     "AQUEDUCT_HOME",
     "AQUEDUCT_LOG",
-    // The `aqueduct` client's broker address: often exported in the same shell.
+    // The `aqueduct` client's broker and admin API addresses: often exported in the same shell.
     "AQUEDUCT_ADDR",
+    "AQUEDUCT_ADMIN_ADDR",
 ];
 
 /// The environment variable for a config key: `broker.queue_size` → `AQUEDUCT_BROKER_QUEUE_SIZE`.

@@ -1,0 +1,614 @@
+//! `aqueduct admin`: the gRPC admin API from the command line (quotas, ACL rules, clients,
+//! topics, broker info). Output is a table by default, JSON with `--json`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use aqueduct_client::ConnectOptions;
+use aqueduct_server::admin::proto;
+use clap::Subcommand;
+use serde_json::{json, Value};
+
+type AdminClient = proto::admin_service_client::AdminServiceClient<tonic::transport::Channel>;
+
+#[derive(Debug, Subcommand)]
+pub enum AdminCommand {
+    /// Publish quotas: get, set or remove one client's, or list them.
+    Quota {
+        #[command(subcommand)]
+        what: QuotaCommand,
+    },
+    /// ACL rules: list, add, remove, or replace them all.
+    Acl {
+        #[command(subcommand)]
+        what: AclCommand,
+    },
+    /// Connected clients: connection id, client id, address, since, subscriptions, counts.
+    Clients,
+    /// Disconnect a client: every connection of CLIENT, or one with --connection.
+    Kick {
+        /// The client id (certificate CN, or `anonymous`).
+        #[arg(required_unless_present = "connection")]
+        client: Option<String>,
+        /// One connection, by the id `aqueduct admin clients` shows.
+        #[arg(long, conflicts_with = "client")]
+        connection: Option<u64>,
+        /// Told to the client in the connection close.
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Topics with their counters.
+    Topics,
+    /// Version, uptime and configuration summary.
+    Info,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum QuotaCommand {
+    /// A client's quota (its own, or the default it follows).
+    Get { client: String },
+    /// Set a client's quota: RATE messages/s (0 = unlimited), and the burst.
+    Set {
+        client: String,
+        rate: u64,
+        /// Messages it may publish at once (default: its current burst).
+        #[arg(long)]
+        burst: Option<u64>,
+    },
+    /// Remove a client's own quota: it follows the default again.
+    Rm { client: String },
+    /// Every client with its own quota, and the default.
+    List,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AclCommand {
+    /// The rules, the default and whether access control is on.
+    List,
+    /// Add a rule: CLIENT (id or prefix*), TOPIC (filter), PERMISSION (publish, subscribe, all,
+    /// none).
+    Add {
+        client: String,
+        topic: String,
+        permission: String,
+    },
+    /// Remove the rule with exactly these fields.
+    Rm {
+        client: String,
+        topic: String,
+        permission: String,
+    },
+    /// Replace every rule with those in FILE (YAML or JSON: a list of {client, topic,
+    /// permission}, or the config file's acl section with `rules:` and `default:`; `-` reads
+    /// standard input).
+    Replace {
+        file: PathBuf,
+        /// Also set the default permission.
+        #[arg(long)]
+        default: Option<String>,
+    },
+}
+
+/// Where the admin API is and how to trust it.
+#[derive(Debug)]
+pub struct AdminTarget {
+    pub addr: String,
+    pub opts: ConnectOptions,
+    pub json: bool,
+}
+
+async fn connect(target: &AdminTarget) -> Result<AdminClient> {
+    let tls = target
+        .opts
+        .tls_config(b"h2")
+        .context("admin API TLS settings")?;
+    aqueduct_server::admin::connect(
+        target.addr.clone(),
+        tls,
+        &target.opts.verified_name(),
+        Duration::from_secs(10),
+    )
+    .await
+    .map_err(|e| anyhow!("{e} (is admin.enabled on, and --cert/--key an admin certificate?)"))
+}
+
+fn status(e: tonic::Status) -> anyhow::Error {
+    let hint = match e.code() {
+        tonic::Code::PermissionDenied => {
+            " (the certificate's CN must match the broker's admin.allowed_cn, default admin-*)"
+        }
+        tonic::Code::Unavailable => {
+            " (no TLS session: is --cert/--key a certificate signed by admin.client_ca_file?)"
+        }
+        _ => "",
+    };
+    anyhow!("{:?}: {}{hint}", e.code(), e.message())
+}
+
+/// Run one admin command, printing its result.
+pub async fn run(target: &AdminTarget, cmd: &AdminCommand) -> Result<()> {
+    let mut c = connect(target).await?;
+    let out = match cmd {
+        AdminCommand::Quota { what } => quota(&mut c, what).await?,
+        AdminCommand::Acl { what } => acl(&mut c, what).await?,
+        AdminCommand::Clients => {
+            let r = c
+                .list_clients(proto::ListClientsRequest {})
+                .await
+                .map_err(status)?
+                .into_inner();
+            clients(&r)
+        }
+        AdminCommand::Kick {
+            client,
+            connection,
+            reason,
+        } => {
+            use proto::disconnect_client_request::Target;
+            let target = match (client, connection) {
+                (_, Some(id)) => Target::ConnectionId(*id),
+                (Some(id), None) => Target::ClientId(id.clone()),
+                (None, None) => bail!("give a client id or --connection"),
+            };
+            let r = c
+                .disconnect_client(proto::DisconnectClientRequest {
+                    target: Some(target),
+                    reason: reason.clone(),
+                })
+                .await
+                .map_err(status)?
+                .into_inner();
+            Output {
+                json: json!({ "disconnected": r.disconnected }),
+                text: format!("disconnected {} connection(s)", r.disconnected),
+            }
+        }
+        AdminCommand::Topics => {
+            let r = c
+                .list_topics(proto::ListTopicsRequest {})
+                .await
+                .map_err(status)?
+                .into_inner();
+            topics(&r)
+        }
+        AdminCommand::Info => {
+            let r = c
+                .get_broker_info(proto::GetBrokerInfoRequest {})
+                .await
+                .map_err(status)?
+                .into_inner();
+            info(&r)
+        }
+    };
+    if target.json {
+        println!("{}", out.json);
+    } else {
+        println!("{}", out.text);
+    }
+    Ok(())
+}
+
+/// What a command prints, both ways.
+struct Output {
+    json: Value,
+    text: String,
+}
+
+/// Columns padded to their widest cell.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in rows {
+        for (w, cell) in widths.iter_mut().zip(r) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join("  ")
+            .trim_end()
+            .to_string()
+    };
+    let mut out = vec![line(header.iter().map(|h| h.to_string()).collect())];
+    out.extend(rows.iter().map(|r| line(r.clone())));
+    out.join("\n")
+}
+
+fn quota_json(q: &proto::ClientQuota) -> Value {
+    json!({
+        "client_id": q.client_id,
+        "rate": q.rate,
+        "burst": q.burst,
+        "override": q.is_override,
+        "throttled_seconds": q.throttled_seconds,
+        "rejected_messages": q.rejected_messages,
+    })
+}
+
+fn rate(r: u64) -> String {
+    if r == 0 {
+        "unlimited".into()
+    } else {
+        format!("{r}/s")
+    }
+}
+
+fn quota_rows(qs: &[&proto::ClientQuota]) -> String {
+    table(
+        &["CLIENT", "RATE", "BURST", "OWN", "THROTTLED", "REJECTED"],
+        &qs.iter()
+            .map(|q| {
+                vec![
+                    if q.client_id.is_empty() {
+                        "(default)".into()
+                    } else {
+                        q.client_id.clone()
+                    },
+                    rate(q.rate),
+                    q.burst.to_string(),
+                    if q.is_override { "yes" } else { "no" }.into(),
+                    format!("{:.1}s", q.throttled_seconds),
+                    q.rejected_messages.to_string(),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    )
+}
+
+async fn quota(c: &mut AdminClient, what: &QuotaCommand) -> Result<Output> {
+    let one = |q: proto::ClientQuota| Output {
+        json: quota_json(&q),
+        text: quota_rows(&[&q]),
+    };
+    Ok(match what {
+        QuotaCommand::Get { client } => one(c
+            .get_client_quota(proto::GetClientQuotaRequest {
+                client_id: client.clone(),
+            })
+            .await
+            .map_err(status)?
+            .into_inner()),
+        QuotaCommand::Set {
+            client,
+            rate,
+            burst,
+        } => one(c
+            .set_client_quota(proto::SetClientQuotaRequest {
+                client_id: client.clone(),
+                rate: *rate,
+                burst: *burst,
+            })
+            .await
+            .map_err(status)?
+            .into_inner()),
+        QuotaCommand::Rm { client } => one(c
+            .remove_client_quota(proto::RemoveClientQuotaRequest {
+                client_id: client.clone(),
+            })
+            .await
+            .map_err(status)?
+            .into_inner()),
+        QuotaCommand::List => {
+            let r = c
+                .list_client_quotas(proto::ListClientQuotasRequest {})
+                .await
+                .map_err(status)?
+                .into_inner();
+            let mut all: Vec<&proto::ClientQuota> = r.default_quota.iter().collect();
+            all.extend(r.clients.iter());
+            Output {
+                json: json!({
+                    "action": r.action,
+                    "default": r.default_quota.as_ref().map(quota_json),
+                    "clients": r.clients.iter().map(quota_json).collect::<Vec<_>>(),
+                }),
+                text: format!("{}\n(over quota: {})", quota_rows(&all), r.action),
+            }
+        }
+    })
+}
+
+fn acl_output(a: &proto::Acl) -> Output {
+    let rules: Vec<Value> = a
+        .rules
+        .iter()
+        .map(|r| json!({"client": r.client_id, "topic": r.topic, "permission": r.permission}))
+        .collect();
+    let rows: Vec<Vec<String>> = a
+        .rules
+        .iter()
+        .map(|r| vec![r.client_id.clone(), r.topic.clone(), r.permission.clone()])
+        .collect();
+    Output {
+        json: json!({"enabled": a.enabled, "default": a.default_permission, "rules": rules}),
+        text: format!(
+            "access control {}; default {}; {} rule(s)\n{}",
+            if a.enabled {
+                "on"
+            } else {
+                "OFF (acl.enabled: false)"
+            },
+            a.default_permission,
+            a.rules.len(),
+            table(&["CLIENT", "TOPIC", "PERMISSION"], &rows)
+        ),
+    }
+}
+
+/// Rules from a file: a list, or a mapping with `rules` (and `default`).
+fn read_rules(file: &Path) -> Result<(Vec<proto::AclRule>, Option<String>)> {
+    let text = if file == Path::new("-") {
+        std::io::read_to_string(std::io::stdin()).context("reading standard input")?
+    } else {
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?
+    };
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Rule {
+        client: String,
+        topic: String,
+        permission: String,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Doc {
+        List(Vec<Rule>),
+        Section {
+            #[serde(default)]
+            default: Option<String>,
+            rules: Vec<Rule>,
+            #[serde(default)]
+            #[allow(dead_code)]
+            enabled: Option<bool>,
+        },
+    }
+    let doc: Doc = serde_saphyr::from_str(&text).map_err(|e| {
+        anyhow!(
+            "{}: not a list of rules ({{client, topic, permission}}) nor a mapping with `rules:`: {e}",
+            file.display()
+        )
+    })?;
+    let (rules, default) = match doc {
+        Doc::List(r) => (r, None),
+        Doc::Section { default, rules, .. } => (rules, default),
+    };
+    Ok((
+        rules
+            .into_iter()
+            .map(|r| proto::AclRule {
+                client_id: r.client,
+                topic: r.topic,
+                permission: r.permission,
+            })
+            .collect(),
+        default,
+    ))
+}
+
+async fn acl(c: &mut AdminClient, what: &AclCommand) -> Result<Output> {
+    let r = match what {
+        AclCommand::List => c.list_acl(proto::ListAclRequest {}).await,
+        AclCommand::Add {
+            client,
+            topic,
+            permission,
+        } => {
+            c.add_acl_rule(proto::AclRule {
+                client_id: client.clone(),
+                topic: topic.clone(),
+                permission: permission.clone(),
+            })
+            .await
+        }
+        AclCommand::Rm {
+            client,
+            topic,
+            permission,
+        } => {
+            c.remove_acl_rule(proto::AclRule {
+                client_id: client.clone(),
+                topic: topic.clone(),
+                permission: permission.clone(),
+            })
+            .await
+        }
+        AclCommand::Replace { file, default } => {
+            let (rules, file_default) = read_rules(file)?;
+            c.update_acl(proto::UpdateAclRequest {
+                rules,
+                default_permission: default.clone().or(file_default),
+            })
+            .await
+        }
+    };
+    Ok(acl_output(&r.map_err(status)?.into_inner()))
+}
+
+fn since(ms: i64) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(ms);
+    let secs = ((now - ms).max(0) / 1000) as u64;
+    match secs {
+        0..=119 => format!("{secs}s"),
+        120..=7199 => format!("{}m", secs / 60),
+        _ => format!("{}h", secs / 3600),
+    }
+}
+
+fn clients(r: &proto::ListClientsResponse) -> Output {
+    let rows: Vec<Vec<String>> = r
+        .clients
+        .iter()
+        .map(|c| {
+            vec![
+                c.connection_id.to_string(),
+                c.client_id.clone(),
+                c.address.clone(),
+                since(c.connected_since_unix_ms),
+                c.subscriptions
+                    .iter()
+                    .map(|s| {
+                        if s.group.is_empty() {
+                            s.filter.clone()
+                        } else {
+                            format!("{} (group {})", s.filter, s.group)
+                        }
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                c.published.to_string(),
+                c.delivered.to_string(),
+            ]
+        })
+        .collect();
+    let json: Vec<Value> = r
+        .clients
+        .iter()
+        .map(|c| {
+            json!({
+                "connection_id": c.connection_id,
+                "client_id": c.client_id,
+                "address": c.address,
+                "connected_since_unix_ms": c.connected_since_unix_ms,
+                "subscriptions": c.subscriptions.iter().map(|s| json!({
+                    "stream_id": s.stream_id, "filter": s.filter, "group": s.group,
+                    "queued": s.queued, "in_flight": s.in_flight,
+                })).collect::<Vec<_>>(),
+                "published": c.published,
+                "delivered": c.delivered,
+            })
+        })
+        .collect();
+    Output {
+        json: Value::Array(json),
+        text: table(
+            &[
+                "CONN",
+                "CLIENT",
+                "ADDRESS",
+                "SINCE",
+                "SUBSCRIPTIONS",
+                "PUBLISHED",
+                "DELIVERED",
+            ],
+            &rows,
+        ),
+    }
+}
+
+fn topics(r: &proto::ListTopicsResponse) -> Output {
+    let rows: Vec<Vec<String>> = r
+        .topics
+        .iter()
+        .map(|t| {
+            vec![
+                t.name.clone(),
+                t.subscribers.to_string(),
+                t.published.to_string(),
+                t.delivered.to_string(),
+                t.dropped.to_string(),
+                t.expired.to_string(),
+                t.dead_lettered.to_string(),
+            ]
+        })
+        .collect();
+    let json: Vec<Value> = r
+        .topics
+        .iter()
+        .map(|t| {
+            json!({
+                "name": t.name, "subscribers": t.subscribers, "published": t.published,
+                "delivered": t.delivered, "dropped": t.dropped, "expired": t.expired,
+                "dead_lettered": t.dead_lettered,
+            })
+        })
+        .collect();
+    Output {
+        json: Value::Array(json),
+        text: table(
+            &[
+                "TOPIC",
+                "SUBSCRIBERS",
+                "PUBLISHED",
+                "DELIVERED",
+                "DROPPED",
+                "EXPIRED",
+                "DEAD-LETTERED",
+            ],
+            &rows,
+        ),
+    }
+}
+
+fn info(r: &proto::BrokerInfo) -> Output {
+    let mut config: Vec<(&String, &String)> = r.config.iter().collect();
+    config.sort();
+    let mut text = format!(
+        "aqueduct-broker {}, up {:.0}s\nlisten {}  metrics {}\nconnections {}  subscriptions {}  topics {}\naccess control {} ({} rules)\n",
+        r.version,
+        r.uptime_seconds,
+        r.listen_addr,
+        r.metrics_addr,
+        r.connections,
+        r.subscriptions,
+        r.topics,
+        if r.acl_enabled { "on" } else { "off" },
+        r.acl_rules
+    );
+    text.push_str(&table(
+        &["KEY", "VALUE"],
+        &config
+            .iter()
+            .map(|(k, v)| vec![k.to_string(), v.to_string()])
+            .collect::<Vec<_>>(),
+    ));
+    Output {
+        json: json!({
+            "version": r.version, "uptime_seconds": r.uptime_seconds,
+            "listen_addr": r.listen_addr, "metrics_addr": r.metrics_addr,
+            "connections": r.connections, "subscriptions": r.subscriptions, "topics": r.topics,
+            "acl_enabled": r.acl_enabled, "acl_rules": r.acl_rules, "config": r.config,
+        }),
+        text,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_pad_columns() {
+        let t = table(
+            &["A", "BB"],
+            &[vec!["xxx".into(), "y".into()], vec!["z".into(), "".into()]],
+        );
+        assert_eq!(t, "A    BB\nxxx  y\nz");
+    }
+
+    #[test]
+    fn rules_files_in_both_shapes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let list = dir.path().join("list.yaml");
+        std::fs::write(&list, "- client: a\n  topic: x/#\n  permission: publish\n").expect("write");
+        let (rules, default) = read_rules(&list).expect("list");
+        assert_eq!((rules.len(), default), (1, None));
+        let section = dir.path().join("section.yaml");
+        std::fs::write(
+            &section,
+            "default: subscribe\nrules:\n  - {client: b, topic: y, permission: all}\n",
+        )
+        .expect("write");
+        let (rules, default) = read_rules(&section).expect("section");
+        assert_eq!(rules[0].client_id, "b");
+        assert_eq!(default.as_deref(), Some("subscribe"));
+        std::fs::write(&section, "nope: 1\n").expect("write");
+        assert!(read_rules(&section).is_err());
+    }
+}

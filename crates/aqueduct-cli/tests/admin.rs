@@ -1,0 +1,270 @@
+//! `aqueduct admin` against the real broker binary with certificates made by `aqueduct cert`:
+//! every subcommand, table and JSON output, a non-admin certificate refused, SIGHUP reloading
+//! the config file's sections, and API changes surviving a restart until the file is edited.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+
+use common::*;
+use serde_json::Value;
+
+/// Read broker log lines until one contains `needle`; that line.
+fn log_line(logs: &mpsc::Receiver<String>, needle: &str) -> String {
+    let mut seen = Vec::new();
+    loop {
+        let line = logs.recv_timeout(WAIT).unwrap_or_else(|_| {
+            panic!(
+                "no broker log line with {needle:?} in:\n{}",
+                seen.join("\n")
+            )
+        });
+        if line.contains(needle) {
+            return line;
+        }
+        seen.push(line);
+    }
+}
+
+fn config(dir: &Path, rules: &str) -> String {
+    let certs = dir.join("certs");
+    format!(
+        "tls:\n  client_ca_file: {ca}\nacl:\n  enabled: true\n  default: none\n  rules:\n{rules}admin:\n  enabled: true\n  listen_addr: 127.0.0.1:0\n  state_file: {state}\n",
+        ca = certs.join("ca.pem").display(),
+        state = dir.join("admin-state.json").display(),
+    )
+}
+
+struct Broker {
+    child: Child,
+    addr: String,
+    admin: String,
+    logs: mpsc::Receiver<String>,
+}
+
+fn start(home: &Path, config_file: &Path) -> Broker {
+    let (child, addr, _metrics, logs) = start_broker_cmd(
+        home,
+        &[
+            "--config",
+            &config_file.display().to_string(),
+            "--addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+        &[],
+    );
+    let line = log_line(&logs, "admin API listening");
+    let admin = line
+        .split("addr=")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .expect("admin address")
+        .to_string();
+    Broker {
+        child,
+        addr,
+        admin,
+        logs,
+    }
+}
+
+/// `aqueduct admin` with the certificate of `cn`; its output.
+fn admin(home: &Path, b: &Broker, cn: &str, args: &[&str]) -> std::process::Output {
+    let certs = home.join("certs");
+    let cert = certs.join(format!("{cn}.pem")).display().to_string();
+    let key = certs.join(format!("{cn}-key.pem")).display().to_string();
+    let mut all = vec![
+        "admin",
+        "--admin-addr",
+        &b.admin,
+        "--cert",
+        &cert,
+        "--key",
+        &key,
+    ];
+    all.extend_from_slice(args);
+    run_client(home, &all)
+}
+
+fn admin_json(home: &Path, b: &Broker, args: &[&str]) -> Value {
+    let mut all = vec!["--json"];
+    all.extend_from_slice(args);
+    let out = admin(home, b, "admin-alice", &all);
+    assert_ok(&out);
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: not JSON: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+fn rule_count(home: &Path, b: &Broker) -> usize {
+    admin_json(home, b, &["acl", "list"])["rules"]
+        .as_array()
+        .map(Vec::len)
+        .unwrap_or(0)
+}
+
+#[test]
+fn admin_commands_manage_a_running_broker() {
+    let home = tempfile::tempdir().expect("tempdir");
+    let h = home.path();
+    let certs = h.join("certs").display().to_string();
+    for args in [
+        vec!["cert", "ca", "--out", &certs],
+        vec!["cert", "client", "admin-alice", "--out", &certs],
+        vec!["cert", "client", "service-a", "--out", &certs],
+    ] {
+        assert_ok(&run_client(h, &args));
+    }
+    let config_file = h.join("config.yaml");
+    std::fs::write(
+        &config_file,
+        config(
+            h,
+            "    - {client: service-a, topic: \"orders/#\", permission: all}\n",
+        ),
+    )
+    .expect("write config");
+    let b = start(h, &config_file);
+
+    // A certificate that is not admin-*: refused, saying why.
+    let out = admin(h, &b, "service-a", &["info"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("PermissionDenied") && err.contains("admin-*"),
+        "{err}"
+    );
+
+    // info, as a table and as JSON.
+    let out = admin(h, &b, "admin-alice", &["info"]);
+    assert_ok(&out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("access control on (1 rules)"), "{text}");
+    assert_eq!(admin_json(h, &b, &["info"])["acl_enabled"], true);
+
+    // ACL: add, remove, replace from a file.
+    let acl = admin_json(
+        h,
+        &b,
+        &["acl", "add", "ops-*", "__dlq__orders", "subscribe"],
+    );
+    assert_eq!(acl["rules"].as_array().map(Vec::len), Some(2));
+    let out = admin(h, &b, "admin-alice", &["acl", "list"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("CLIENT     TOPIC          PERMISSION") && text.contains("ops-*"),
+        "{text}"
+    );
+    admin_json(h, &b, &["acl", "rm", "ops-*", "__dlq__orders", "subscribe"]);
+    assert_eq!(rule_count(h, &b), 1);
+    let out = admin(h, &b, "admin-alice", &["acl", "rm", "nobody", "x", "all"]);
+    assert!(!out.status.success(), "removing a missing rule fails");
+    let rules_file = h.join("rules.yaml");
+    std::fs::write(
+        &rules_file,
+        "default: none\nrules:\n  - {client: service-a, topic: \"orders/#\", permission: all}\n  - {client: \"*\", topic: \"public/#\", permission: subscribe}\n",
+    )
+    .expect("write rules");
+    let acl = admin_json(
+        h,
+        &b,
+        &["acl", "replace", &rules_file.display().to_string()],
+    );
+    assert_eq!(acl["rules"].as_array().map(Vec::len), Some(2));
+
+    // Quotas: set, get, list, remove.
+    let q = admin_json(
+        h,
+        &b,
+        &["quota", "set", "service-a", "500", "--burst", "50"],
+    );
+    assert_eq!(
+        (q["rate"].as_u64(), q["burst"].as_u64()),
+        (Some(500), Some(50))
+    );
+    let q = admin_json(h, &b, &["quota", "get", "service-a"]);
+    assert_eq!(q["override"], true);
+    let list = admin_json(h, &b, &["quota", "list"]);
+    assert_eq!(list["clients"].as_array().map(Vec::len), Some(1));
+    assert_eq!(list["action"], "throttle");
+    let q = admin_json(h, &b, &["quota", "rm", "service-a"]);
+    assert_eq!(q["override"], false);
+
+    // A connected client shows up, with its subscription; it can be kicked.
+    let (sub_cert, sub_key) = (
+        h.join("certs/service-a.pem").display().to_string(),
+        h.join("certs/service-a-key.pem").display().to_string(),
+    );
+    let sub = Command::new(CLIENT)
+        .args([
+            "--cert", &sub_cert, "--key", &sub_key, "--addr", &b.addr, "sub", "orders/#",
+        ])
+        .env("AQUEDUCT_HOME", h)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("aqueduct sub");
+    let clients = wait_for(|| {
+        let c = admin_json(h, &b, &["clients"]);
+        let found = c.as_array().is_some_and(|a| {
+            a.iter().any(|c| {
+                c["client_id"] == "service-a" && c["subscriptions"][0]["filter"] == "orders/#"
+            })
+        });
+        found.then_some(c)
+    });
+    assert!(clients.is_array());
+    let kicked = admin_json(h, &b, &["kick", "service-a", "--reason", "maintenance"]);
+    assert_eq!(kicked["disconnected"], 1);
+    let out = output_within(sub, "the kicked subscriber");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("maintenance"), "the client is told why: {err}");
+    let topics = admin_json(h, &b, &["topics"]);
+    assert!(topics.is_array());
+
+    // SIGHUP: the file's sections become the policy again (the API's changes go).
+    std::fs::write(
+        &config_file,
+        config(
+            h,
+            "    - {client: a, topic: t1, permission: all}\n    - {client: b, topic: t2, permission: all}\n    - {client: c, topic: t3, permission: all}\n",
+        ),
+    )
+    .expect("rewrite config");
+    let _ = Command::new("kill")
+        .args(["-HUP", &b.child.id().to_string()])
+        .status();
+    log_line(&b.logs, "SIGHUP: acl and broker.quotas reloaded");
+    assert_eq!(rule_count(h, &b), 3);
+
+    // An API change survives a restart...
+    admin_json(h, &b, &["acl", "add", "d", "t4", "all"]);
+    stop(b.child);
+    let b = start(h, &config_file);
+    assert_eq!(rule_count(h, &b), 4, "the state file's rules");
+    // ... until the config file's sections are edited: then the file wins.
+    std::fs::write(
+        &config_file,
+        config(h, "    - {client: e, topic: t5, permission: all}\n"),
+    )
+    .expect("rewrite config");
+    stop(b.child);
+    let b = start(h, &config_file);
+    assert_eq!(rule_count(h, &b), 1, "the edited config file's rules");
+    stop(b.child);
+}
+
+/// Poll `f` (every 50 ms) until it returns something, for at most `WAIT`.
+fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> T {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(start.elapsed() < WAIT, "condition not met within {WAIT:?}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
