@@ -58,12 +58,10 @@ fn ensure_prometheus() {
     *done = true;
 }
 
-fn metrics_text(addr: SocketAddr) -> impl std::future::Future<Output = String> {
-    async move {
-        let (status, body) = get(addr, "/metrics").await;
-        assert_eq!(status, 200);
-        body
-    }
+async fn metrics_text(addr: SocketAddr) -> String {
+    let (status, body) = get(addr, "/metrics").await;
+    assert_eq!(status, 200);
+    body
 }
 
 /// Traffic that makes every dashboard series exist: publishes and deliveries, a consumer
