@@ -501,7 +501,7 @@ impl Reader<'_> {
             .stats
             .acl_denied(aqueduct_core::acl::Action::Publish);
         let reason = format!(
-            "client {client} may not publish to {}: refused by the ACL (nothing of this frame              was published)",
+            "client {client} may not publish to {}: refused by the ACL (nothing of this frame was published)",
             String::from_utf8_lossy(refused)
         );
         debug!(client = %self.conn.describe(), "{reason}");
@@ -531,7 +531,7 @@ impl Reader<'_> {
                     let spec = bucket.spec();
                     let hint = if n as u64 > spec.burst {
                         format!(
-                            "a frame of {n} messages can never pass a burst of {}: send                              smaller batches",
+                            "a frame of {n} messages can never pass a burst of {}: send smaller batches",
                             spec.burst
                         )
                     } else {
@@ -1016,7 +1016,7 @@ fn fill(out: &StreamOut, shared: &Shared, conn: &ConnState, buf: &mut BytesMut, 
                 Message::Error(ErrorFrame {
                     code: ErrorCode::NOT_AUTHORIZED,
                     reason: format!(
-                        "subscription to {} closed: the ACL changed and client {} may no longer                          subscribe to it",
+                        "subscription to {} closed: the ACL changed and client {} may no longer subscribe to it",
                         sub.filter(),
                         conn.identity()
                     ),

@@ -2,6 +2,8 @@
 //! bounded waits for child processes.
 #![allow(dead_code)]
 
+pub mod howto;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
