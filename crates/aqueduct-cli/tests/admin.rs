@@ -57,13 +57,7 @@ fn start(home: &Path, config_file: &Path) -> Broker {
         ],
         &[],
     );
-    let line = log_line(&logs, "admin API listening");
-    let admin = line
-        .split("addr=")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .expect("admin address")
-        .to_string();
+    let admin = admin_addr(&logs);
     Broker {
         child,
         addr,

@@ -95,17 +95,7 @@ fn a_python_grpc_client_calls_every_rpc() {
         ],
         &[],
     );
-    let admin = loop {
-        let line = logs.recv_timeout(WAIT).expect("admin API log line");
-        if line.contains("admin API listening") {
-            break line
-                .split("addr=")
-                .nth(1)
-                .and_then(|s| s.split_whitespace().next())
-                .expect("address")
-                .to_string();
-        }
-    };
+    let admin = admin_addr(&logs);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/admin_grpc.py");
     let proto_root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
     let mut cmd = Command::new(python());

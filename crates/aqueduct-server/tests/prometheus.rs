@@ -236,17 +236,7 @@ async fn prometheus_scrapes_the_broker_and_every_dashboard_query_has_data() {
     })
     .await;
     // Every dashboard query returns data (rates need two scrapes, so wait for them).
-    let dashboard: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(format!("{root}/deploy/grafana/dashboards/aqueduct.json"))
-            .expect("dashboard"),
-    )
-    .expect("dashboard JSON");
-    let mut queries = Vec::new();
-    for panel in dashboard["panels"].as_array().expect("panels") {
-        for target in panel["targets"].as_array().expect("targets") {
-            queries.push(target["expr"].as_str().expect("expr").to_string());
-        }
-    }
+    let queries = dashboard_queries();
     assert!(queries.len() >= 20);
     for q in &queries {
         within(&format!("data for {q}"), async {

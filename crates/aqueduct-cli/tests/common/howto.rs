@@ -100,19 +100,7 @@ pub fn run_howto(doc: &str, name: &str, min_blocks: usize, admin: bool) -> Vec<S
                     start_broker_process(cmd, dir.path(), if admin { &extra } else { &[] });
                 env = vec![("AQUEDUCT_ADDR", a)];
                 if admin {
-                    let line = loop {
-                        let line = logs.recv_timeout(WAIT).expect("the admin API's log line");
-                        if line.contains("admin API listening") {
-                            break line;
-                        }
-                    };
-                    let addr = line
-                        .split("addr=")
-                        .nth(1)
-                        .and_then(|s| s.split_whitespace().next())
-                        .expect("admin address")
-                        .to_string();
-                    env.push(("AQUEDUCT_ADMIN_ADDR", addr));
+                    env.push(("AQUEDUCT_ADMIN_ADDR", admin_addr(&logs)));
                 }
                 broker = Some(child);
             }

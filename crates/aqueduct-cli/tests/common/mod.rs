@@ -167,3 +167,22 @@ pub fn wait_for_log(logs: &mpsc::Receiver<String>, needle: &str) {
         }
     }
 }
+
+/// Read broker log lines until the admin API's `admin API listening addr=...`; that address.
+pub fn admin_addr(logs: &mpsc::Receiver<String>) -> String {
+    let mut seen = Vec::new();
+    loop {
+        let line = logs.recv_timeout(WAIT).unwrap_or_else(|_| {
+            panic!("no `admin API listening` log line in:\n{}", seen.join("\n"))
+        });
+        if line.contains("admin API listening") {
+            return line
+                .split("addr=")
+                .nth(1)
+                .and_then(|s| s.split_whitespace().next())
+                .expect("admin address")
+                .to_string();
+        }
+        seen.push(line);
+    }
+}

@@ -357,3 +357,20 @@ pub fn value(metrics: &str, series: &str) -> Option<f64> {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
 }
+
+/// Every query (`expr`) of the repository's Grafana dashboard.
+pub fn dashboard_queries() -> Vec<String> {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{root}/deploy/grafana/dashboards/aqueduct.json"))
+            .expect("dashboard"),
+    )
+    .expect("dashboard is JSON");
+    let mut queries = Vec::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().expect("targets") {
+            queries.push(target["expr"].as_str().expect("expr").to_string());
+        }
+    }
+    queries
+}
