@@ -449,6 +449,17 @@ fn flush_interval_is_bounded_and_access_keys_take_effect() {
         c.access.action,
         aqueduct_server::config::QuotaAction::Reject
     );
+    // Per-client overrides in the file; a missing burst is the default burst.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let overrides = file(
+        &dir,
+        "broker:\n  quotas:\n    default_burst_size: 7\n    clients:\n      svc: { publish_rate: 5 }\n      big: { publish_rate: 0, burst_size: 9 }\n",
+    );
+    let c = load(Some(overrides), vec![], Overrides::default()).expect("overrides");
+    let spec = |id: &str| c.access.quotas.spec_for(id);
+    assert_eq!((spec("svc").rate, spec("svc").burst), (5, 7));
+    assert_eq!((spec("big").rate, spec("big").burst), (0, 9));
+    assert_eq!(spec("other").rate, 0);
     let msg = error(
         Some("acl:\n  enabled: true\n  rules:\n    - client: \"a*b\"\n      topic: x\n      permission: all\n"),
         &[],
