@@ -38,6 +38,8 @@ impl QuotaSpec {
 pub struct Bucket {
     /// Nanoseconds per token; 0 = unlimited.
     interval: AtomicU64,
+    /// The rate as set (the interval does not give it back exactly above ~31k/s).
+    rate: AtomicU64,
     burst: AtomicU64,
     /// When the bucket will be full again (GCRA's theoretical arrival time), in ns.
     tat: AtomicU64,
@@ -50,6 +52,7 @@ impl Bucket {
     pub fn new(spec: QuotaSpec) -> Bucket {
         Bucket {
             interval: AtomicU64::new(spec.interval_ns()),
+            rate: AtomicU64::new(spec.rate),
             burst: AtomicU64::new(spec.burst.max(1)),
             tat: AtomicU64::new(0),
             throttled_ns: AtomicU64::new(0),
@@ -80,15 +83,15 @@ impl Bucket {
     /// forgiven, so a raised quota is felt immediately.
     pub fn set(&self, spec: QuotaSpec) {
         self.interval.store(spec.interval_ns(), Ordering::Relaxed);
+        self.rate.store(spec.rate, Ordering::Relaxed);
         self.burst.store(spec.burst.max(1), Ordering::Relaxed);
         self.tat.store(0, Ordering::Relaxed);
     }
 
     /// The current rate and burst.
     pub fn spec(&self) -> QuotaSpec {
-        let interval = self.interval.load(Ordering::Relaxed);
         QuotaSpec {
-            rate: 1_000_000_000u64.checked_div(interval).unwrap_or(0),
+            rate: self.rate.load(Ordering::Relaxed),
             burst: self.burst.load(Ordering::Relaxed),
         }
     }
@@ -185,6 +188,20 @@ pub struct Quotas {
 struct QuotasInner {
     policy: QuotaPolicy,
     buckets: HashMap<String, Arc<Bucket>>,
+    /// Client ids in the order their buckets were made (metric labels stay stable).
+    order: Vec<String>,
+}
+
+impl QuotasInner {
+    /// Give every bucket the spec `policy` assigns it (debt kept where nothing changed).
+    fn apply(&mut self) {
+        for (client, bucket) in &self.buckets {
+            let spec = self.policy.spec_for(client);
+            if bucket.spec() != spec {
+                bucket.set(spec);
+            }
+        }
+    }
 }
 
 impl Quotas {
@@ -193,6 +210,7 @@ impl Quotas {
             inner: Mutex::new(QuotasInner {
                 policy,
                 buckets: HashMap::new(),
+                order: Vec::new(),
             }),
         }
     }
@@ -204,12 +222,13 @@ impl Quotas {
     /// The bucket of `client` (shared with its other connections).
     pub fn bucket(&self, client: &str) -> Arc<Bucket> {
         let mut inner = self.lock();
-        let spec = inner.policy.spec_for(client);
-        inner
-            .buckets
-            .entry(client.to_string())
-            .or_insert_with(|| Arc::new(Bucket::new(spec)))
-            .clone()
+        if let Some(b) = inner.buckets.get(client) {
+            return b.clone();
+        }
+        let bucket = Arc::new(Bucket::new(inner.policy.spec_for(client)));
+        inner.buckets.insert(client.to_string(), bucket.clone());
+        inner.order.push(client.to_string());
+        bucket
     }
 
     /// The current policy.
@@ -220,33 +239,27 @@ impl Quotas {
     /// Install a new policy; every existing bucket takes its new spec at once.
     pub fn replace(&self, policy: QuotaPolicy) {
         let mut inner = self.lock();
-        for (client, bucket) in &inner.buckets {
-            let spec = policy.spec_for(client);
-            if bucket.spec() != spec {
-                bucket.set(spec);
-            }
-        }
         inner.policy = policy;
+        inner.apply();
     }
 
-    /// Change the policy with `f`, then apply it like [`replace`](Self::replace).
+    /// Change the policy with `f` and apply it, all under the lock: concurrent updates are
+    /// applied one after the other, none lost.
     pub fn update<T>(&self, f: impl FnOnce(&mut QuotaPolicy) -> T) -> T {
-        let mut policy = self.policy();
-        let out = f(&mut policy);
-        self.replace(policy);
+        let mut inner = self.lock();
+        let out = f(&mut inner.policy);
+        inner.apply();
         out
     }
 
-    /// Known clients and their buckets, sorted by id.
+    /// Known clients and their buckets, in the order the buckets were made.
     pub fn buckets(&self) -> Vec<(String, Arc<Bucket>)> {
-        let mut v: Vec<_> = self
-            .lock()
-            .buckets
+        let inner = self.lock();
+        inner
+            .order
             .iter()
-            .map(|(k, b)| (k.clone(), b.clone()))
-            .collect();
-        v.sort_by(|a, b| a.0.cmp(&b.0));
-        v
+            .filter_map(|id| inner.buckets.get(id).map(|b| (id.clone(), b.clone())))
+            .collect()
     }
 }
 
@@ -293,6 +306,60 @@ mod tests {
         assert_eq!(b.try_take(1, S / 10), Ok(()));
         // A batch bigger than the burst can never pass.
         assert!(b.try_take(4, 100 * S).is_err());
+    }
+
+    #[test]
+    fn concurrent_updates_are_all_kept() {
+        let q = Arc::new(Quotas::default());
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let q = q.clone();
+                std::thread::spawn(move || {
+                    for i in 0..200 {
+                        q.update(|p| {
+                            p.clients
+                                .insert(format!("c{t}-{i}"), QuotaSpec { rate: i, burst: 1 });
+                        });
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("thread");
+        }
+        assert_eq!(q.policy().clients.len(), 800);
+    }
+
+    #[test]
+    fn specs_round_trip_so_unrelated_changes_keep_debt() {
+        let q = Quotas::new(QuotaPolicy {
+            default: QuotaSpec {
+                rate: 60_000,
+                burst: 1,
+            },
+            clients: HashMap::new(),
+        });
+        let b = q.bucket("fast");
+        assert_eq!(b.spec().rate, 60_000);
+        b.take(1000, 0);
+        let debt = b.wait(0);
+        assert!(!debt.is_zero());
+        q.update(|p| {
+            p.clients
+                .insert("other".into(), QuotaSpec { rate: 1, burst: 1 });
+        });
+        assert_eq!(
+            b.wait(0),
+            debt,
+            "a change for another client forgave the debt"
+        );
+        assert_eq!(
+            q.buckets()
+                .into_iter()
+                .map(|(id, _)| id)
+                .collect::<Vec<_>>(),
+            ["fast"]
+        );
     }
 
     #[test]

@@ -181,15 +181,18 @@ proptest! {
                         .collect();
                     let covering: Vec<&&AclRule> =
                         mine.iter().filter(|r| covers(&r.topic, &filter)).collect();
-                    let whole = match covering.iter().map(|r| key(r)).max() {
+                    let best = covering.iter().map(|r| key(r)).max();
+                    let whole = match best {
                         Some(best) => covering
                             .iter()
                             .filter(|r| key(r) == best)
                             .all(|r| bits(r.permission, Action::Subscribe)),
                         None => bits(policy.default, Action::Subscribe),
                     };
+                    // Only partial refusals at least as specific as the covering rules count.
                     let partial_refusal = mine.iter().any(|r| {
-                        !bits(r.permission, Action::Subscribe)
+                        best.is_none_or(|b| key(r) >= b)
+                            && !bits(r.permission, Action::Subscribe)
                             && overlaps(&r.topic, &filter)
                             && !covers(&r.topic, &filter)
                     });

@@ -172,6 +172,15 @@ error_codes! {
     STORAGE_FAILED = 502, "The durable log could not store the message (disk full, I/O error): it is not durable, though live subscribers may have received it.";
 }
 
+impl ErrorCode {
+    /// The earlier name of [`ErrorCode::RATE_LIMITED`] (same value, 301).
+    #[deprecated(note = "renamed RATE_LIMITED (same value, 301)")]
+    pub const QUOTA_EXCEEDED: ErrorCode = ErrorCode::RATE_LIMITED;
+    /// The earlier name of [`ErrorCode::NOT_AUTHORIZED`] (same value, 400).
+    #[deprecated(note = "renamed NOT_AUTHORIZED (same value, 400)")]
+    pub const UNAUTHORIZED: ErrorCode = ErrorCode::NOT_AUTHORIZED;
+}
+
 impl fmt::Debug for ErrorCode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.name() {

@@ -10,14 +10,15 @@
 //! state file wins when that fingerprint still matches — the API's changes survive a restart —
 //! and the config file wins when its sections were edited since (the broker logs which). `SIGHUP`
 //! makes the config file's sections the live policy again, replacing changes made through the
-//! API, and rewrites the state file to match. `acl.enabled` and `broker.quotas.action` always come
-//! from the config file.
+//! API, and rewrites the state file to match (so does a start at which the config file won, so
+//! that reverting the config file later does not bring old API changes back). `acl.enabled` and
+//! `broker.quotas.action` always come from the config file.
 
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use aqueduct_core::acl::{Acl, AclPolicy, AclRule, ClientPattern, Permission};
@@ -296,7 +297,15 @@ impl AdminSection {
             ));
         }
         let state_file = match self.state_file.trim() {
-            "" => crate::config::aqueduct_home(env).join("admin-state.json"),
+            "" => crate::config::aqueduct_home(env)
+                .map(|h| h.join("admin-state.json"))
+                .ok_or_else(|| {
+                    invalid(
+                        "admin.state_file",
+                        "required when neither AQUEDUCT_HOME nor HOME is set (the state file \
+                         grants permissions, so it is not put in a shared temporary directory)",
+                    )
+                })?,
             p => PathBuf::from(p),
         };
         Ok(Some(AdminConfig {
@@ -361,7 +370,8 @@ pub enum StateError {
 pub struct Access {
     pub acl: Acl,
     pub quotas: Quotas,
-    pub action: QuotaAction,
+    /// `broker.quotas.action` is `reject` (reloaded by SIGHUP like the rest).
+    reject: AtomicBool,
     /// Where changes are persisted (the admin API is on).
     state_file: Option<PathBuf>,
     /// The config sections' fingerprint the live policy derives from.
@@ -378,6 +388,7 @@ impl Access {
     pub fn start(config: &AccessConfig, state_file: Option<PathBuf>) -> Result<Access, StateError> {
         let mut acl = config.acl.clone();
         let mut quotas = config.quotas.clone();
+        let mut config_won = false;
         if let Some(path) = &state_file {
             match read_state(path)? {
                 Some(state) if state.config_fingerprint == config.fingerprint => {
@@ -391,24 +402,41 @@ impl Access {
                     acl = a;
                     quotas = q;
                 }
-                Some(_) => warn!(
-                    path = %path.display(),
-                    "access policy: the config file's acl/broker.quotas sections changed since the \
-                     state file was written; using the config file (admin API changes of before \
-                     are replaced at the next change)"
-                ),
+                Some(_) => {
+                    warn!(
+                        path = %path.display(),
+                        "access policy: the config file's acl/broker.quotas sections changed since \
+                         the state file was written; using the config file and rewriting the \
+                         state file (the admin API changes of before are dropped)"
+                    );
+                    config_won = true;
+                }
                 None => {}
             }
         }
-        Ok(Access {
+        let access = Access {
             acl: Acl::new(acl),
             quotas: Quotas::new(quotas),
-            action: config.action,
+            reject: AtomicBool::new(config.action == QuotaAction::Reject),
             state_file,
             fingerprint: Mutex::new(config.fingerprint.clone()),
             persist: Mutex::new(()),
             changes: AtomicU64::new(0),
-        })
+        };
+        if config_won {
+            // Otherwise reverting the config file later would bring the old changes back.
+            access.persist()?;
+        }
+        Ok(access)
+    }
+
+    /// What an over-quota publisher gets now.
+    pub fn action(&self) -> QuotaAction {
+        if self.reject.load(Ordering::Relaxed) {
+            QuotaAction::Reject
+        } else {
+            QuotaAction::Throttle
+        }
     }
 
     /// `SIGHUP`: the config file's sections become the live policy (and the state file's).
@@ -416,12 +444,19 @@ impl Access {
         *self.fingerprint.lock().unwrap_or_else(|e| e.into_inner()) = config.fingerprint.clone();
         self.acl.replace(config.acl.clone());
         self.quotas.replace(config.quotas.clone());
+        self.reject
+            .store(config.action == QuotaAction::Reject, Ordering::Relaxed);
         self.changed()
     }
 
-    /// After a change: count it and persist the live policy.
+    /// After a change: count it and persist the live policy (blocking file I/O: call it off the
+    /// async workers).
     pub fn changed(&self) -> Result<(), StateError> {
         self.changes.fetch_add(1, Ordering::Relaxed);
+        self.persist()
+    }
+
+    fn persist(&self) -> Result<(), StateError> {
         let Some(path) = &self.state_file else {
             return Ok(());
         };
@@ -615,6 +650,9 @@ mod tests {
         let edited = validate(&acl2, &q2).expect("valid");
         let fresh = Access::start(&edited, Some(path.clone())).expect("restart");
         assert_eq!(fresh.acl.policy().rules, edited.acl.rules);
+        // Reverting the config file does not bring the dropped API changes back.
+        let reverted = Access::start(&config, Some(path.clone())).expect("restart");
+        assert_eq!(reverted.acl.policy().rules, config.acl.rules);
         // A reload rewrites the state file for the new sections.
         fresh.reload(&edited).expect("reload");
         let after = Access::start(&edited, Some(path)).expect("restart");

@@ -41,6 +41,10 @@ use proto::admin_service_server::{AdminService, AdminServiceServer};
 
 /// TLS handshakes in progress at once; more connections wait in the kernel's backlog.
 pub const MAX_HANDSHAKES: usize = 64;
+/// Admin connections open at once (handshaking or established); more wait in the backlog.
+pub const MAX_CONNECTIONS: usize = 64;
+/// An admin call that takes longer is cancelled.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// A TLS handshake that takes longer is dropped.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -55,6 +59,8 @@ pub struct AdminPeer {
 struct TlsConn {
     io: tokio_rustls::server::TlsStream<TcpStream>,
     peer: AdminPeer,
+    /// Held for the connection's life (`MAX_CONNECTIONS`).
+    _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl Connected for TlsConn {
@@ -110,12 +116,14 @@ pub(crate) async fn serve(
     let (tx, mut rx) = mpsc::channel::<TlsConn>(MAX_HANDSHAKES);
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let stats = shared.stats.clone();
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let accept = async move {
         let mut handshakes = JoinSet::new();
         loop {
             tokio::select! {
-                accepted = listener.accept(), if handshakes.len() < MAX_HANDSHAKES => {
-                    let (tcp, remote) = match accepted {
+                slot = slots.clone().acquire_owned(), if handshakes.len() < MAX_HANDSHAKES => {
+                    let Ok(slot) = slot else { return };
+                    let (tcp, remote) = match listener.accept().await {
                         Ok(a) => a,
                         Err(e) => {
                             warn!("admin API: accept failed: {e}");
@@ -132,7 +140,8 @@ pub(crate) async fn serve(
                                     .1
                                     .peer_certificates()
                                     .and_then(|c| crate::tls::common_name(c.first()?));
-                                let _ = tx.send(TlsConn { io, peer: AdminPeer { cn, remote } }).await;
+                                let peer = AdminPeer { cn, remote };
+                                let _ = tx.send(TlsConn { io, peer, _slot: slot }).await;
                             }
                             Ok(Err(e)) => {
                                 stats.admin_handshakes_failed.fetch_add(1, Ordering::Relaxed);
@@ -156,7 +165,11 @@ pub(crate) async fn serve(
     let reflection_v1alpha = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
         .build_v1alpha();
-    let mut builder = tonic::transport::Server::builder();
+    let mut builder = tonic::transport::Server::builder()
+        .timeout(CALL_TIMEOUT)
+        // Find dead peers; live idle ones are bounded by MAX_CONNECTIONS.
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)));
     let router = match (reflection_v1, reflection_v1alpha) {
         (Ok(v1), Ok(v1alpha)) => builder
             .add_service(AdminServiceServer::new(AdminApi {
@@ -189,8 +202,9 @@ fn async_stream(
     futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx).map(|c| c.map(Ok)))
 }
 
-/// Close, with ERROR NOT_AUTHORIZED, every live subscription the current ACL refuses. Returns
-/// how many were closed.
+/// Close, with ERROR NOT_AUTHORIZED, every live subscription the current ACL refuses: routing to
+/// them stops now, and each one's stream task finishes closing it right after (see
+/// `stream::request_revoke`). Returns how many.
 pub(crate) fn recheck_subscriptions(shared: &Shared) -> usize {
     let policy = shared.access.acl.policy();
     if !policy.enabled {
@@ -200,8 +214,9 @@ pub(crate) fn recheck_subscriptions(shared: &Shared) -> usize {
     for conn in shared.live_clients() {
         let rules = policy.for_client(conn.identity());
         for entry in conn.subs() {
-            if !rules.may_subscribe(entry.sub.filter()) {
-                crate::stream::revoke(shared, &conn, &entry);
+            if !rules.may_subscribe(entry.sub.filter())
+                && crate::stream::request_revoke(shared, &entry)
+            {
                 shared.stats.acl_denied(Action::Subscribe);
                 closed += 1;
             }
@@ -254,9 +269,14 @@ impl AdminApi {
         }
     }
 
-    /// After a change: persist it; say so if it could not be saved.
-    fn persist(&self) -> Result<(), Status> {
-        self.shared.access.changed().map_err(|e| {
+    /// After a change: persist it (file I/O off the async workers, awaited: the call returns
+    /// once it is saved); say so if it could not be saved.
+    async fn persist(&self) -> Result<(), Status> {
+        let access = self.shared.access.clone();
+        let saved = tokio::task::spawn_blocking(move || access.changed())
+            .await
+            .map_err(|e| Status::internal(format!("saving the change failed: {e}")))?;
+        saved.map_err(|e| {
             warn!("admin change applied but not saved: {e}");
             Status::internal(format!(
                 "the change is live but could not be saved, so a restart would undo it: {e}"
@@ -273,11 +293,11 @@ impl AdminApi {
         }
     }
 
-    fn acl_changed(&self, caller: &str) -> Result<Response<proto::Acl>, Status> {
-        let closed = recheck_subscriptions(&self.shared);
+    async fn acl_changed(&self, caller: &str) -> Result<Response<proto::Acl>, Status> {
+        let closing = recheck_subscriptions(&self.shared);
         let acl = self.acl();
-        info!(caller, rules = acl.rules.len(), default = %acl.default_permission, closed_subscriptions = closed, "ACL changed");
-        self.persist()?;
+        info!(caller, rules = acl.rules.len(), default = %acl.default_permission, closing_subscriptions = closing, "ACL changed");
+        self.persist().await?;
         Ok(Response::new(acl))
     }
 
@@ -347,7 +367,7 @@ impl AdminService for AdminApi {
             spec
         });
         info!(caller, client = %id, rate = spec.rate, burst = spec.burst, "quota set");
-        self.persist()?;
+        self.persist().await?;
         Ok(Response::new(self.quota(&id)))
     }
 
@@ -377,7 +397,7 @@ impl AdminService for AdminApi {
             )));
         }
         info!(caller, client = %id, "quota override removed");
-        self.persist()?;
+        self.persist().await?;
         Ok(Response::new(self.quota(&id)))
     }
 
@@ -399,7 +419,7 @@ impl AdminService for AdminApi {
                 rejected_messages: 0,
             }),
             clients: ids.into_iter().map(|id| self.quota(id)).collect(),
-            action: match self.shared.access.action {
+            action: match self.shared.access.action() {
                 crate::access::QuotaAction::Throttle => "throttle".into(),
                 crate::access::QuotaAction::Reject => "reject".into(),
             },
@@ -430,7 +450,7 @@ impl AdminService for AdminApi {
                 p.default = d;
             }
         });
-        self.acl_changed(&caller)
+        self.acl_changed(&caller).await
     }
 
     async fn list_acl(
@@ -460,7 +480,7 @@ impl AdminService for AdminApi {
                 "the rule {rule} is already there"
             )));
         }
-        self.acl_changed(&caller)
+        self.acl_changed(&caller).await
     }
 
     async fn remove_acl_rule(
@@ -477,7 +497,7 @@ impl AdminService for AdminApi {
         if !removed {
             return Err(Status::not_found(format!("no rule {rule}")));
         }
-        self.acl_changed(&caller)
+        self.acl_changed(&caller).await
     }
 
     async fn list_clients(

@@ -780,22 +780,24 @@ fn opt_path(s: &str) -> Option<PathBuf> {
     (!s.trim().is_empty()).then(|| PathBuf::from(s))
 }
 
-/// The broker's own directory: `$AQUEDUCT_HOME`, else `$HOME/.aqueduct`, else a temporary
-/// directory's `aqueduct` (development certificate, default log and state file).
-pub fn aqueduct_home(env: &[(String, String)]) -> PathBuf {
+/// The broker's own directory: `$AQUEDUCT_HOME`, else `$HOME/.aqueduct`; `None` without either
+/// (callers then fall back to a name of their own in the temporary directory, or, for files
+/// whose content must be trusted, insist on an explicit path).
+pub fn aqueduct_home(env: &[(String, String)]) -> Option<PathBuf> {
     let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
     if let Some(home) = get("AQUEDUCT_HOME").filter(|h| !h.is_empty()) {
-        return PathBuf::from(home);
+        return Some(PathBuf::from(home));
     }
-    match get("HOME").filter(|h| !h.is_empty()) {
-        Some(home) => Path::new(&home).join(".aqueduct"),
-        None => std::env::temp_dir().join("aqueduct"),
-    }
+    get("HOME")
+        .filter(|h| !h.is_empty())
+        .map(|home| Path::new(&home).join(".aqueduct"))
 }
 
 /// Where the development certificate goes when not configured.
 pub fn default_dev_cert_file(env: &[(String, String)]) -> PathBuf {
-    aqueduct_home(env).join("dev-cert.pem")
+    aqueduct_home(env)
+        .map(|h| h.join("dev-cert.pem"))
+        .unwrap_or_else(|| std::env::temp_dir().join("aqueduct-dev-cert.pem"))
 }
 
 impl RawConfig {
@@ -1093,7 +1095,9 @@ pub fn aal_dir(file_path: &str, env: &[(String, String)]) -> PathBuf {
 
 /// Where the log goes when `aal.file_path` is empty.
 fn default_aal_dir(env: &[(String, String)]) -> PathBuf {
-    aqueduct_home(env).join("aal")
+    aqueduct_home(env)
+        .map(|h| h.join("aal"))
+        .unwrap_or_else(|| std::env::temp_dir().join("aqueduct-aal"))
 }
 
 #[cfg(test)]

@@ -109,15 +109,24 @@ impl ConnState {
         Ok(sub)
     }
 
-    /// Forget `sub` (only if it is still the one registered under `stream_id`).
-    pub(crate) fn remove_sub(&self, stream_id: u32, sub: &Arc<Subscriber>) {
+    /// Forget `sub` (only if it is still the one registered under `stream_id`). Returns whether
+    /// this call removed it: with several paths that may end a subscription at once (an
+    /// UNSUBSCRIBE on any stream, a revocation on its own), the one that removed it ends it.
+    pub(crate) fn remove_sub(&self, stream_id: u32, sub: &Arc<Subscriber>) -> bool {
         let mut subs = self.lock();
         if subs
             .get(&stream_id)
             .is_some_and(|e| Arc::ptr_eq(&e.sub, sub))
         {
             subs.remove(&stream_id);
+            return true;
         }
+        false
+    }
+
+    /// Is the TLS handshake confirmed (the client's identity final)?
+    pub(crate) fn is_confirmed(&self) -> bool {
+        self.confirmed.load(Ordering::Acquire)
     }
 
     /// The live subscriptions (admin API, ACL re-checks).

@@ -391,12 +391,21 @@ impl Server {
         }
         let _ = admin_stop.send(true);
         if let Some(task) = admin_task {
-            let _ = tokio::time::timeout(Duration::from_secs(1), task).await;
+            stop_within(task, Duration::from_secs(1)).await;
         }
         let _ = http_stop.send(true);
-        let _ = tokio::time::timeout(Duration::from_secs(1), metrics_task).await;
+        stop_within(metrics_task, Duration::from_secs(1)).await;
         info!("broker stopped");
         Ok(())
+    }
+}
+
+/// Wait for `task` to finish on its own, at most `limit`; then abort it, so that it never
+/// outlives the server (it holds the shared state).
+async fn stop_within(mut task: tokio::task::JoinHandle<()>, limit: Duration) {
+    if tokio::time::timeout(limit, &mut task).await.is_err() {
+        task.abort();
+        let _ = task.await;
     }
 }
 
@@ -410,8 +419,15 @@ impl Control {
     /// Make `access` (the config file's `acl` and `broker.quotas` sections, just re-read) the
     /// live policy, persist it, and close the live subscriptions it refuses. Returns how many
     /// were closed.
-    pub fn reload_access(&self, access: &crate::access::AccessConfig) -> Result<usize, String> {
-        let saved = self.shared.access.reload(access);
+    pub async fn reload_access(
+        &self,
+        access: &crate::access::AccessConfig,
+    ) -> Result<usize, String> {
+        let (live, config) = (self.shared.access.clone(), access.clone());
+        // File I/O (the state file) off the async workers.
+        let saved = tokio::task::spawn_blocking(move || live.reload(&config))
+            .await
+            .map_err(|e| e.to_string())?;
         let closed = crate::admin::recheck_subscriptions(&self.shared);
         saved.map_err(|e| e.to_string())?;
         Ok(closed)

@@ -53,6 +53,8 @@ pub(crate) struct StreamOut {
     /// Subscriptions delivered on this stream. Locked by the reader to add, by the writer to
     /// drain; the writer takes each subscriber's own lock while holding it (never the reverse).
     subs: Mutex<Vec<Arc<Subscriber>>>,
+    /// Subscriptions to close because the ACL no longer allows them (see [`request_revoke`]).
+    revoking: Mutex<Vec<Arc<Subscriber>>>,
     /// Durable consumers (and durable group members) among them: subscriber → the key of its
     /// consumer or group. Ending the subscription ends it there too (the last one stops the
     /// feeder, so no feeder outlives its consumer's subscriptions).
@@ -190,22 +192,43 @@ fn unsubscribe(
     close(shared, ctx, sub, key, CloseReason::Unsubscribed, now)
 }
 
-/// Close a live subscription whose client lost the permission to subscribe (the ACL changed):
-/// as an UNSUBSCRIBE, and its writer sends ERROR NOT_AUTHORIZED with its stream id.
-pub(crate) fn revoke(shared: &Shared, conn: &ConnState, entry: &SubEntry) {
-    conn.remove_sub(entry.sub.stream_id(), &entry.sub);
-    let key = lock(&entry.out.durables).remove(&entry.sub.id());
+/// Ask the stream that delivers `entry` to close it because its client lost the permission to
+/// subscribe (the ACL changed). Routing to it stops at once; the rest (the connection's table,
+/// a durable consumer's bookkeeping, the ERROR NOT_AUTHORIZED) is done by that stream's own task
+/// (`fill`), which cannot interleave with its reader making a subscription.
+/// Returns false if it was already asked.
+pub(crate) fn request_revoke(shared: &Shared, entry: &SubEntry) -> bool {
+    {
+        let mut revoking = lock(&entry.out.revoking);
+        if revoking.iter().any(|s| Arc::ptr_eq(s, &entry.sub)) {
+            return false;
+        }
+        revoking.push(entry.sub.clone());
+    }
+    shared.broker.stop_routing(&entry.sub);
+    entry.out.notify.notify_one();
+    true
+}
+
+/// Close `sub`, delivered on `out`, with [`CloseReason::Revoked`]: as an UNSUBSCRIBE, and the
+/// writer then sends ERROR NOT_AUTHORIZED with its stream id. Runs on the stream's own task.
+fn revoke(shared: &Shared, conn: &ConnState, out: &StreamOut, sub: &Arc<Subscriber>) {
+    // An UNSUBSCRIBE on another stream may have taken it first: it ends it then.
+    if !conn.remove_sub(sub.stream_id(), sub) {
+        return;
+    }
+    let key = lock(&out.durables).remove(&sub.id());
     let mut ctx = PublishContext::default();
     close(
         shared,
         &mut ctx,
-        &entry.sub,
+        sub,
         key.as_deref(),
         CloseReason::Revoked,
         Instant::now(),
     );
     ctx.clear_held();
-    entry.out.notify.notify_one();
+    out.notify.notify_one();
 }
 
 fn close(
@@ -285,7 +308,6 @@ pub(crate) async fn serve(
             ctx: PublishContext::default(),
             routed: Vec::new(),
             acl: AclCache::default(),
-            throttled: false,
         };
         // On shutdown stop reading at once; the writer flushes what is queued and finishes.
         let end = tokio::select! {
@@ -328,10 +350,8 @@ struct Reader<'a> {
     ctx: PublishContext,
     /// With the durable log: each routed message's topic and offset, for the log's queue.
     routed: Vec<(Arc<TopicState>, u64)>,
-    /// This stream's cached ACL decisions.
+    /// This stream's cached ACL decisions (filled only once the client's identity is known).
     acl: AclCache,
-    /// The last frame ran the client's quota bucket into debt: wait before reading more.
-    throttled: bool,
 }
 
 impl Reader<'_> {
@@ -453,6 +473,29 @@ impl Reader<'_> {
         {
             self.conn.wait_confirmed().await;
         }
+        // Access control and the publish quota, before anything of a publish frame is routed.
+        let stream_id = frame.stream_id;
+        let publishes = match &frame.message {
+            Message::Publish(p) => Some(
+                self.authorize_publish(stream_id, std::iter::once(p.topic().as_bytes()))
+                    .then_some(1),
+            ),
+            Message::PublishBatch(b) => Some(
+                self.authorize_publish(
+                    stream_id,
+                    b.iter_refs()
+                        .filter_map(Result::ok)
+                        .map(|r| r.topic.as_bytes()),
+                )
+                .then(|| b.len()),
+            ),
+            _ => None,
+        };
+        match publishes {
+            Some(None) => return,
+            Some(Some(n)) if !self.take_quota(stream_id, n).await => return,
+            _ => {}
+        }
         if let (Some(d), Message::Publish(_) | Message::PublishBatch(_)) =
             (&self.shared.durable, &frame.message)
         {
@@ -461,28 +504,6 @@ impl Reader<'_> {
         }
         self.handle(frame, header.has_extensions);
         self.wait_for_room().await;
-        self.wait_for_quota().await;
-    }
-
-    /// Throttle action: while the client's quota bucket is in debt, stop reading this stream
-    /// (QUIC flow control then holds the client; nothing is lost). Re-checked at least every
-    /// 50 ms, so a quota raised meanwhile applies at once.
-    async fn wait_for_quota(&mut self) {
-        if !std::mem::take(&mut self.throttled) {
-            return;
-        }
-        let Some(bucket) = self.conn.bucket.get() else {
-            return;
-        };
-        let started = Instant::now();
-        loop {
-            let wait = bucket.wait(self.shared.now_ns());
-            if wait.is_zero() {
-                break;
-            }
-            tokio::time::sleep(wait.min(QUOTA_RECHECK)).await;
-        }
-        bucket.record_throttled(started.elapsed());
     }
 
     /// May this client publish to every topic of the frame? If not, ERROR NOT_AUTHORIZED naming
@@ -509,9 +530,12 @@ impl Reader<'_> {
         false
     }
 
-    /// Take `n` messages from the client's quota. Throttle: always (the reader waits after the
-    /// frame); reject: only if the tokens are there, else ERROR RATE_LIMITED.
-    fn take_quota(&mut self, stream_id: u32, n: usize) -> bool {
+    /// Take `n` messages from the client's quota, before the frame is routed. Throttle: the
+    /// tokens are taken (into debt if need be) and, while the bucket is in debt, this stream is
+    /// not read and the frame waits (QUIC flow control then holds the client; nothing is lost);
+    /// re-checked at least every 50 ms, so a quota raised meanwhile applies at once. Reject:
+    /// taken only if they are there, else ERROR RATE_LIMITED and the frame is dropped.
+    async fn take_quota(&mut self, stream_id: u32, n: usize) -> bool {
         let Some(bucket) = self.conn.bucket.get() else {
             return true;
         };
@@ -519,9 +543,19 @@ impl Reader<'_> {
             return true;
         }
         let now = self.shared.now_ns();
-        match self.shared.access.action {
+        match self.shared.access.action() {
             QuotaAction::Throttle => {
-                self.throttled = !bucket.take(n as u64, now).is_zero();
+                if !bucket.take(n as u64, now).is_zero() {
+                    let started = Instant::now();
+                    loop {
+                        let wait = bucket.wait(self.shared.now_ns());
+                        if wait.is_zero() {
+                            break;
+                        }
+                        tokio::time::sleep(wait.min(QUOTA_RECHECK)).await;
+                    }
+                    bucket.record_throttled(started.elapsed());
+                }
                 true
             }
             QuotaAction::Reject => match bucket.try_take(n as u64, now) {
@@ -531,22 +565,21 @@ impl Reader<'_> {
                     let spec = bucket.spec();
                     let hint = if n as u64 > spec.burst {
                         format!(
-                            "a frame of {n} messages can never pass a burst of {}: send smaller batches",
+                            "a frame of {n} messages can never pass a burst of {}: send \
+                             smaller batches",
                             spec.burst
                         )
                     } else {
                         format!("it would pass in {wait:?}")
                     };
-                    self.send_error(
-                        stream_id,
-                        ErrorCode::RATE_LIMITED,
-                        format!(
-                            "client {} is over its publish quota of {} messages/s (burst {}):                              {n} message(s) not published; {hint}",
-                            self.conn.identity(),
-                            spec.rate,
-                            spec.burst
-                        ),
+                    let reason = format!(
+                        "client {} is over its publish quota of {} messages/s (burst {}): {n} \
+                         message(s) not published; {hint}",
+                        self.conn.identity(),
+                        spec.rate,
+                        spec.burst
                     );
+                    self.send_error(stream_id, ErrorCode::RATE_LIMITED, reason);
                     false
                 }
             },
@@ -607,11 +640,7 @@ impl Reader<'_> {
         let broker = &self.shared.broker;
         match frame.message {
             Message::Publish(p) => {
-                if !self.authorize_publish(stream_id, std::iter::once(p.topic().as_bytes()))
-                    || !self.take_quota(stream_id, 1)
-                {
-                    return;
-                }
+                // Access control and quota were applied by `handle_raw`.
                 self.conn.published.fetch_add(1, Ordering::Relaxed);
                 let publication = Publication::from_publish(&p);
                 if let Some(d) = &self.shared.durable {
@@ -629,11 +658,6 @@ impl Reader<'_> {
                 // Validated in full when decoded, so every sub-frame is Ok. Borrowed views, decoded
                 // once into one vector per batch frame (the core looks ahead along it for runs).
                 let refs: Vec<_> = batch.iter_refs().filter_map(Result::ok).collect();
-                if !self.authorize_publish(stream_id, refs.iter().map(|r| r.topic.as_bytes()))
-                    || !self.take_quota(stream_id, refs.len())
-                {
-                    return;
-                }
                 self.conn
                     .published
                     .fetch_add(refs.len() as u64, Ordering::Relaxed);
@@ -661,10 +685,7 @@ impl Reader<'_> {
                 // If the rules change between this check and the registration below, the
                 // admin side's re-check may not see this subscription yet: check again then.
                 let checked = self.shared.access.acl.generation();
-                if !self
-                    .acl
-                    .may_subscribe(&self.shared.access.acl, client, &s.spec.filter)
-                {
+                if !self.may_subscribe(&s.spec.filter) {
                     self.shared
                         .stats
                         .acl_denied(aqueduct_core::acl::Action::Subscribe);
@@ -818,18 +839,6 @@ impl Reader<'_> {
                 }
                 lock(&self.out.subs).push(sub.clone());
                 self.out.notify.notify_one();
-                if self.shared.access.acl.generation() != checked
-                    && !self
-                        .acl
-                        .may_subscribe(&self.shared.access.acl, client, &s.spec.filter)
-                {
-                    let entry = SubEntry {
-                        sub: sub.clone(),
-                        out: self.out.clone(),
-                    };
-                    revoke(self.shared, self.conn, &entry);
-                    return;
-                }
                 if let (Some((key, start, claim)), Some(d), Some(consumers)) =
                     (feeder, &self.shared.durable, &self.shared.consumers)
                 {
@@ -852,10 +861,21 @@ impl Reader<'_> {
                         );
                     }
                 }
+                // The rules changed while this subscription was being made: check it again,
+                // after its durable bookkeeping, so that a revocation ends it completely.
+                if self.shared.access.acl.generation() != checked
+                    && !self.may_subscribe(&s.spec.filter)
+                {
+                    revoke(self.shared, self.conn, self.out, &sub);
+                }
             }
             Message::Unsubscribe(u) => match self.conn.sub(stream_id) {
-                Some(entry) if entry.sub.filter() == &u.filter => {
-                    self.conn.remove_sub(stream_id, &entry.sub);
+                // Whoever takes it out of the connection's table ends it (a revocation may be
+                // ending it on its own stream right now).
+                Some(entry)
+                    if entry.sub.filter() == &u.filter
+                        && self.conn.remove_sub(stream_id, &entry.sub) =>
+                {
                     let key = lock(&entry.out.durables).remove(&entry.sub.id());
                     unsubscribe(self.shared, &mut self.ctx, &entry.sub, key.as_deref(), now);
                     entry.out.notify.notify_one();
@@ -906,6 +926,18 @@ impl Reader<'_> {
                         .into(),
                 );
             }
+        }
+    }
+
+    /// May this client subscribe to `filter`? Before the handshake is confirmed (0-RTT) the
+    /// identity is not final: decide without filling this stream's cache.
+    fn may_subscribe(&mut self, filter: &aqueduct_proto::TopicFilter) -> bool {
+        let acl = &self.shared.access.acl;
+        let client = self.conn.identity();
+        if self.conn.is_confirmed() {
+            self.acl.may_subscribe(acl, client, filter)
+        } else {
+            AclCache::default().may_subscribe(acl, client, filter)
         }
     }
 
@@ -994,6 +1026,10 @@ fn stream_id_of(buf: &[u8]) -> u32 {
 /// Collect pending replies and deliveries into `buf`, up to about `budget` bytes. Closed
 /// subscriptions are removed; a slow-consumer close gets its ERROR frame.
 fn fill(out: &StreamOut, shared: &Shared, conn: &ConnState, buf: &mut BytesMut, budget: usize) {
+    let revoking = std::mem::take(&mut *lock(&out.revoking));
+    for sub in &revoking {
+        revoke(shared, conn, out, sub);
+    }
     {
         let mut control = lock(&out.control);
         if !control.is_empty() {

@@ -372,17 +372,63 @@ async fn a_quota_holds_a_publisher_to_its_rate_and_loses_nothing() {
     .await;
     let sub_client = s.client(Some("reader")).await;
     let mut sub = sub_client.subscribe("q").await.expect("subscribe");
+    // One client on two streams, one sending single messages and one batches of 10: they
+    // share the client's bucket, and a batch counts per message.
     let publisher = s.client(Some("writer")).await;
     let n = BURST + RATE * SECONDS;
+    let half = n / 2;
     let started = Instant::now();
-    let sending = tokio::spawn(flood(publisher, "q", n));
-    for i in 0..n {
+    let singles = publisher.publisher();
+    let batches = publisher.publisher();
+    let sending = tokio::spawn(async move {
+        let one = async {
+            for i in 0..half {
+                let body = [0u8]
+                    .into_iter()
+                    .chain(i.to_le_bytes())
+                    .collect::<Vec<u8>>();
+                singles.publish("q", body).await.expect("publish");
+            }
+            singles.flush().await.expect("flush");
+        };
+        let many = async {
+            let mut i = 0u64;
+            while i < n - half {
+                let batch: Vec<(&str, bytes::Bytes)> = (i..(i + 10).min(n - half))
+                    .map(|j| {
+                        let body = [1u8]
+                            .into_iter()
+                            .chain(j.to_le_bytes())
+                            .collect::<Vec<u8>>();
+                        ("q", bytes::Bytes::from(body))
+                    })
+                    .collect();
+                i += batch.len() as u64;
+                batches
+                    .publish_batch(batch, &PublishOptions::default())
+                    .await
+                    .expect("batch");
+            }
+            batches.flush().await.expect("flush");
+        };
+        tokio::join!(one, many);
+        publisher
+    });
+    let mut next_of = [0u64; 2];
+    for _ in 0..n {
         let m = within("a message", sub.next_message())
             .await
             .expect("open")
             .expect("message");
-        assert_eq!(m.body()[..], i.to_le_bytes(), "in order, none lost");
+        let (stream, seq) = (m.body()[0] as usize, &m.body()[1..]);
+        assert_eq!(
+            seq,
+            next_of[stream].to_le_bytes(),
+            "in order per stream, none lost"
+        );
+        next_of[stream] += 1;
     }
+    assert_eq!(next_of, [half, n - half]);
     let elapsed = started.elapsed().as_secs_f64();
     let rate = (n - BURST) as f64 / elapsed;
     assert!(
@@ -424,7 +470,13 @@ async fn reject_mode_answers_rate_limited_and_overrides_apply_at_once() {
         .await
         .expect_err("over quota");
     assert_eq!(e.code(), Some(ErrorCode::RATE_LIMITED), "{e}");
-    assert!(e.to_string().contains("1 messages/s"), "{e}");
+    assert!(
+        e.to_string().contains(
+            "client svc is over its publish quota of 1 messages/s (burst 3): 1 message(s) not \
+             published; it would pass in"
+        ),
+        "{e}"
+    );
     // A batch counts per message: 2 messages do not fit in what is left.
     assert_eq!(
         code(
@@ -599,4 +651,77 @@ async fn hot_reload_under_load_is_exact_and_loses_nothing() {
     assert_eq!(*count_rx.borrow(), sent, "nothing extra either");
     s.b.stop().await.expect("clean shutdown");
     within("the reader", reading).await.expect("reader ok");
+}
+
+/// A durable consumer whose permission is taken away ends completely: once the permission is
+/// back, the same consumer id can subscribe again and resumes from its position (its name is
+/// not left claimed by the revoked subscription).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_durable_consumer_can_come_back() {
+    let log = tempfile::tempdir().expect("log dir");
+    let s = Setup::start_with(
+        "none",
+        &[
+            ("reader", "jobs", "subscribe"),
+            ("writer", "jobs", "publish"),
+        ],
+        QuotasSection::default(),
+        |c| {
+            c.aal = Some(aqueduct_server::config::AalConfig {
+                dir: log.path().to_path_buf(),
+                key: None,
+                allow_plaintext: true,
+                max_segment_bytes: 1 << 20,
+                fsync: aqueduct_log::FsyncMode::Batch,
+                retention_bytes: None,
+                retention_age: None,
+            })
+        },
+    )
+    .await;
+    let writer = s.client(Some("writer")).await;
+    let reader = s.client(Some("reader")).await;
+    let durable = aqueduct_client::SubscribeOptions {
+        durable: Some(("d1".into(), aqueduct_client::DurableStart::Earliest)),
+        ack: true,
+        ..aqueduct_client::SubscribeOptions::default()
+    };
+    let mut sub = reader
+        .subscribe_with("jobs", &durable)
+        .await
+        .expect("durable");
+    writer
+        .publish_with("jobs", "one", &CONFIRM)
+        .await
+        .expect("publish");
+    let m = next(&mut sub).await;
+    assert_eq!(&m.body()[..], b"one");
+    m.ack().await.expect("ack");
+    let mut admin = s.admin(Some("admin-ops")).await.expect("admin");
+    admin
+        .remove_acl_rule(rule("reader", "jobs", "subscribe"))
+        .await
+        .expect("removed");
+    match within("the revoked subscription to end", sub.next_message()).await {
+        Some(Err(e)) => assert_eq!(e.code(), Some(ErrorCode::NOT_AUTHORIZED), "{e}"),
+        other => panic!("expected NOT_AUTHORIZED, got {other:?}"),
+    }
+    assert_eq!(
+        code(reader.subscribe_with("jobs", &durable).await),
+        Some(ErrorCode::NOT_AUTHORIZED)
+    );
+    writer
+        .publish_with("jobs", "two", &CONFIRM)
+        .await
+        .expect("publish");
+    admin
+        .add_acl_rule(rule("reader", "jobs", "subscribe"))
+        .await
+        .expect("added");
+    // The same consumer id again: not "already subscribed", and it goes on after "one".
+    let mut again = within("resubscribe", reader.subscribe_with("jobs", &durable))
+        .await
+        .expect("the consumer id is free again");
+    assert_eq!(&next(&mut again).await.body()[..], b"two");
+    s.b.stop().await.expect("clean shutdown");
 }

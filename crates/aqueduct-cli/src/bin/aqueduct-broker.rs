@@ -130,7 +130,7 @@ async fn reload_on_sighup(control: aqueduct_server::Control, sources: Sources) {
         if let Ok(mut hup) = signal(SignalKind::hangup()) {
             while hup.recv().await.is_some() {
                 match Config::load(&sources) {
-                    Ok(config) => match control.reload_access(&config.access) {
+                    Ok(config) => match control.reload_access(&config.access).await {
                         Ok(closed) => {
                             let acl = control.acl();
                             info!(
