@@ -602,7 +602,7 @@ mod tests {
         let section = dir.path().join("section.yaml");
         std::fs::write(
             &section,
-            "default: subscribe\nrules:\n  - {client: b, topic: y, permission: all}\n",
+            "default: subscribe\nrules:\n  - {client: b, topic: t2, permission: all}\n",
         )
         .expect("write");
         let (rules, default) = read_rules(&section).expect("section");
