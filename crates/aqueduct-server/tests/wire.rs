@@ -3,7 +3,7 @@
 
 mod common;
 
-use aqueduct_client::{ErrorCode, PublishOptions};
+use aqueduct_client::{Client, ErrorCode, PublishOptions, Subscription};
 use aqueduct_core::DropReason;
 use aqueduct_proto::frame::Message;
 use aqueduct_proto::header::write_header;
@@ -218,8 +218,11 @@ async fn stalled_subscriber(b: &TestBroker) -> (Raw, RawStream) {
     (stalled, s)
 }
 
-/// A subscriber that never reads (tiny receive window) and a normal one on the same topic.
-async fn backpressure(policy: OverflowPolicy) -> (TestBroker, u64, Raw, RawStream) {
+/// A subscriber that never reads (tiny receive window) and a normal one on the same topic. The
+/// normal one is returned too: dropping it would unsubscribe it (asynchronously).
+async fn backpressure(
+    policy: OverflowPolicy,
+) -> (TestBroker, u64, Raw, RawStream, (Client, Subscription)) {
     let b = TestBroker::start_with(|c| {
         c.broker.queue_size = 32;
         c.broker.backpressure_policy = policy;
@@ -244,12 +247,13 @@ async fn backpressure(policy: OverflowPolicy) -> (TestBroker, u64, Raw, RawStrea
         assert_eq!(next(&mut normal).await.offset(), i);
     }
     let stats = bp_stats(&b);
-    (b, stats.dropped(DropReason::Policy(policy)), stalled, s)
+    let dropped = stats.dropped(DropReason::Policy(policy));
+    (b, dropped, stalled, s, (normal_client, normal))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drop_oldest_with_a_stalled_subscriber() {
-    let (b, dropped, _raw, _stream) = backpressure(OverflowPolicy::DropOldest).await;
+    let (b, dropped, _raw, _stream, _normal) = backpressure(OverflowPolicy::DropOldest).await;
     assert!(
         dropped > 300,
         "the stalled subscriber's overflow is dropped and counted: {dropped}"
@@ -259,7 +263,7 @@ async fn drop_oldest_with_a_stalled_subscriber() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drop_newest_with_a_stalled_subscriber() {
-    let (b, dropped, _raw, _stream) = backpressure(OverflowPolicy::DropNewest).await;
+    let (b, dropped, _raw, _stream, _normal) = backpressure(OverflowPolicy::DropNewest).await;
     assert!(
         dropped > 300,
         "the stalled subscriber's overflow is dropped and counted: {dropped}"
@@ -269,7 +273,7 @@ async fn drop_newest_with_a_stalled_subscriber() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnect_closes_the_stalled_subscriber() {
-    let (b, dropped, _raw, mut stream) = backpressure(OverflowPolicy::Disconnect).await;
+    let (b, dropped, _raw, mut stream, _normal) = backpressure(OverflowPolicy::Disconnect).await;
     assert!(
         dropped >= 33,
         "the queue and the overflowing message are counted: {dropped}"
