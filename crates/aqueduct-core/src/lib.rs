@@ -10,7 +10,8 @@
 //! - [`broker`]: publish/fan-out, groups, ACK/NACK, redelivery, ack-wait timeouts, dead letters;
 //! - [`topic`]: per-topic offsets and counters read by the metrics layer;
 //! - [`acl`]: who may publish or subscribe to what (rules, precedence, per-stream cache);
-//! - [`quota`]: per-client publish token buckets.
+//! - [`quota`]: per-client publish token buckets;
+//! - [`mesh`]: the cluster mesh's decisions (peers, interest, forwarding), sans-IO.
 //!
 //! The server crate owns sockets and tasks; it calls [`Broker::publish`] from each connection's
 //! reader and [`Broker::drain`] from each subscription's writer. See `docs/architecture.md` for the
@@ -23,6 +24,7 @@ pub mod group;
 pub mod index;
 pub mod latency;
 pub mod matching;
+pub mod mesh;
 pub mod queue;
 pub mod quota;
 pub mod subscriber;

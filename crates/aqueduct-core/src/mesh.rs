@@ -1,0 +1,828 @@
+//! The cluster mesh's decisions, without sockets: which peers to dial and when, which of two
+//! connections between the same pair to keep, what each peer wants (its *interest*), and where a
+//! message goes. The server feeds it events (a peer set from config or DNS, connections made and
+//! lost, control messages received, local subscriptions changing, the clock) and carries out
+//! what it returns ([`Output`]); `tests/mesh_sim.rs` drives several nodes through joins, leaves,
+//! restarts, reorderings and partitions over an in-memory network.
+//!
+//! ## Interest
+//! Each node tells every peer what it wants: plain filters, and consumer groups (a group is its
+//! filter and id, as in the core) with how many members it has there. It sends a full snapshot
+//! when a connection starts, then updates, each the absolute count of one key (idempotent). A
+//! connection's messages arrive in order (one QUIC stream); each new connection starts a new
+//! *session* with a higher number, so anything late from an older one is ignored.
+//!
+//! ## Forwarding, and why there are no loops or duplicates
+//! A message published on node N is forwarded by N only, to each peer at most once, as one copy
+//! that says what it is for: `plain` (the peer has a plain filter matching the topic) and the
+//! groups N picked that peer for. The receiver delivers it to its local subscribers only and
+//! never forwards it again (the MeshForwarded bit), so a message crosses at most one hop and no
+//! subscriber sees it twice. The one exception is a group re-pick: if the member a copy was
+//! sent for is gone when it arrives, the receiver picks again among the nodes the copy has not
+//! been to yet (the copy carries that list) — a chain that visits each node at most once.
+//!
+//! ## Groups, cluster-wide
+//! For each group matching the topic, N counts its members across the cluster (its own and each
+//! peer's, as advertised) and takes the next one round-robin (one counter per group on N); the
+//! copy goes to the node where that member is connected, which gives it to one of its members.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use aqueduct_proto::{GroupId, TopicFilter, TopicName};
+
+use crate::matching::matches;
+
+/// A node's name in the mesh: the Common Name of its peer certificate.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(String);
+
+impl NodeId {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl TryFrom<&str> for NodeId {
+    type Error = String;
+    fn try_from(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s.is_empty() || s.len() > 255 {
+            return Err(format!("node id {s:?} must be 1 to 255 bytes"));
+        }
+        Ok(NodeId(s.to_string()))
+    }
+}
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A consumer group: its filter and id (as the core keys groups).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GroupKey {
+    pub filter: TopicFilter,
+    pub group: GroupId,
+}
+
+/// One interest key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Key {
+    /// Plain subscriptions to a filter.
+    Plain(TopicFilter),
+    /// Members of a group.
+    Group(GroupKey),
+}
+
+/// The absolute count of one key (0: gone).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Update {
+    pub key: Key,
+    pub count: u32,
+}
+
+/// What one node wants.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Interest {
+    counts: BTreeMap<Key, u32>,
+}
+
+impl Interest {
+    /// Set one key's count.
+    pub fn apply(&mut self, u: &Update) {
+        if u.count == 0 {
+            self.counts.remove(&u.key);
+        } else {
+            self.counts.insert(u.key.clone(), u.count);
+        }
+    }
+
+    /// The count of `key` (0 if absent).
+    pub fn count(&self, key: &Key) -> u32 {
+        self.counts.get(key).copied().unwrap_or(0)
+    }
+
+    /// Add `delta` (±) to a key's count; returns the update to send.
+    pub fn add(&mut self, key: Key, delta: i64) -> Update {
+        let count = (i64::from(self.count(&key)) + delta).clamp(0, i64::from(u32::MAX)) as u32;
+        let u = Update { key, count };
+        self.apply(&u);
+        u
+    }
+
+    /// Does a plain filter match `topic`?
+    pub fn wants_plain(&self, topic: &TopicName) -> bool {
+        self.counts
+            .keys()
+            .any(|k| matches!(k, Key::Plain(f) if matches(f, topic)))
+    }
+
+    /// Groups whose filter matches `topic`, with their member counts here.
+    pub fn groups_for<'a>(
+        &'a self,
+        topic: &'a TopicName,
+    ) -> impl Iterator<Item = (&'a GroupKey, u32)> + 'a {
+        self.counts.iter().filter_map(move |(k, n)| match k {
+            Key::Group(g) if matches(&g.filter, topic) => Some((g, *n)),
+            _ => None,
+        })
+    }
+
+    /// Every key and count.
+    pub fn updates(&self) -> Vec<Update> {
+        self.counts
+            .iter()
+            .map(|(key, &count)| Update {
+                key: key.clone(),
+                count,
+            })
+            .collect()
+    }
+}
+
+/// Control messages between two nodes (one ordered stream per connection).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Control {
+    /// Everything the sender wants; starts a session.
+    Snapshot {
+        session: u64,
+        seq: u64,
+        interest: Interest,
+    },
+    /// Changes since the previous message of the session.
+    Delta {
+        session: u64,
+        seq: u64,
+        updates: Vec<Update>,
+    },
+}
+
+/// A connection, as the transport numbers them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(pub u64);
+
+/// What the transport must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Output {
+    /// Open a mesh connection to this address.
+    Dial(SocketAddr),
+    /// Close this connection.
+    Close { conn: ConnId, reason: &'static str },
+    /// Send on this connection's control stream.
+    Send { conn: ConnId, control: Control },
+}
+
+/// What a copy of a message forwarded to a peer is for.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Forward {
+    /// Deliver to the peer's plain subscribers.
+    pub plain: bool,
+    /// Give it to one member of each of these groups there.
+    pub groups: Vec<GroupKey>,
+    /// Nodes this copy has been to (a group re-pick skips them).
+    pub visited: Vec<NodeId>,
+}
+
+/// Where a message goes from this node.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Routing {
+    /// Groups whose picked member is connected here.
+    pub local_groups: Vec<GroupKey>,
+    /// One copy per peer, at most.
+    pub forward: Vec<(NodeId, Forward)>,
+    /// Groups with no member anywhere reachable (the message is dropped for them, counted).
+    pub unplaced: Vec<GroupKey>,
+}
+
+/// Timing of reconnects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MeshConfig {
+    /// Backoff bounds: the n-th retry waits a random time in `[0, min(max, min * 2^n)]`.
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+}
+
+impl Default for MeshConfig {
+    fn default() -> Self {
+        MeshConfig {
+            backoff_min: Duration::from_millis(250),
+            backoff_max: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Target {
+    /// Failed dials in a row.
+    attempts: u32,
+    /// When to dial next (`None`: dialing now, or connected).
+    next_dial: Option<Instant>,
+    /// The node reached at this address, while connected.
+    node: Option<NodeId>,
+}
+
+#[derive(Debug)]
+struct Peer {
+    conn: ConnId,
+    /// This node dialed the connection.
+    outbound: bool,
+    addr: Option<SocketAddr>,
+    /// The session this node sends on.
+    out_session: u64,
+    /// What the peer sent last: its session and sequence number.
+    in_session: Option<(u64, u64)>,
+    interest: Interest,
+}
+
+/// One node's view of the mesh.
+#[derive(Debug)]
+pub struct Mesh {
+    me: NodeId,
+    config: MeshConfig,
+    local: Interest,
+    out_seq: u64,
+    next_session: u64,
+    /// Addresses to stay connected to (config or DNS), minus this node's own.
+    targets: BTreeMap<SocketAddr, Target>,
+    /// Addresses found to be this node (never dialed again).
+    own: BTreeSet<SocketAddr>,
+    peers: BTreeMap<NodeId, Peer>,
+    /// Round-robin position per group.
+    rr: BTreeMap<GroupKey, u64>,
+    rng: u64,
+    out: VecDeque<Output>,
+}
+
+impl Mesh {
+    /// `seed` makes the backoff jitter reproducible (tests); `session_base` must grow from one
+    /// run of the node to the next (e.g. the start time in ms), so that a restarted node's
+    /// sessions outrank those of its previous life.
+    pub fn new(me: NodeId, config: MeshConfig, seed: u64, session_base: u64) -> Mesh {
+        Mesh {
+            me,
+            config,
+            local: Interest::default(),
+            out_seq: 0,
+            next_session: session_base << 20,
+            targets: BTreeMap::new(),
+            own: BTreeSet::new(),
+            peers: BTreeMap::new(),
+            rr: BTreeMap::new(),
+            rng: seed | 1,
+            out: VecDeque::new(),
+        }
+    }
+
+    pub fn me(&self) -> &NodeId {
+        &self.me
+    }
+
+    /// The next thing to do, if any.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.out.pop_front()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) must run next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.targets.values().filter_map(|t| t.next_dial).min()
+    }
+
+    /// Dial what is due.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        for (addr, t) in &mut self.targets {
+            if t.next_dial.is_some_and(|at| at <= now) {
+                t.next_dial = None;
+                self.out.push_back(Output::Dial(*addr));
+            }
+        }
+    }
+
+    /// The addresses to be connected to (from `cluster.peers` or DNS), this node's own among
+    /// them or not. New ones are dialed now; connections to ones that left are closed.
+    pub fn handle_peer_set(&mut self, now: Instant, addrs: impl IntoIterator<Item = SocketAddr>) {
+        let wanted: BTreeSet<SocketAddr> = addrs
+            .into_iter()
+            .filter(|a| !self.own.contains(a))
+            .collect();
+        let gone: Vec<SocketAddr> = self
+            .targets
+            .keys()
+            .filter(|a| !wanted.contains(a))
+            .copied()
+            .collect();
+        for addr in gone {
+            if let Some(node) = self.targets.remove(&addr).and_then(|t| t.node) {
+                if let Some(p) = self.peers.remove(&node) {
+                    self.out.push_back(Output::Close {
+                        conn: p.conn,
+                        reason: "no longer a peer",
+                    });
+                }
+            }
+        }
+        for addr in wanted {
+            self.targets.entry(addr).or_insert_with(|| Target {
+                attempts: 0,
+                next_dial: Some(now),
+                node: None,
+            });
+        }
+        self.handle_timeout(now);
+    }
+
+    /// A dial failed: try again after a backoff with full jitter.
+    pub fn handle_dial_failed(&mut self, now: Instant, addr: SocketAddr) {
+        let delay = self.backoff(addr);
+        if let Some(t) = self.targets.get_mut(&addr) {
+            t.attempts = t.attempts.saturating_add(1);
+            t.next_dial = Some(now + delay);
+        }
+    }
+
+    fn backoff(&mut self, addr: SocketAddr) -> Duration {
+        let attempts = self.targets.get(&addr).map_or(0, |t| t.attempts);
+        let cap = self
+            .config
+            .backoff_min
+            .saturating_mul(1u32 << attempts.min(16))
+            .min(self.config.backoff_max);
+        // xorshift64*: enough for jitter, reproducible from the seed.
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        let r = self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        let nanos = cap.as_nanos() as u64;
+        Duration::from_nanos(if nanos == 0 { 0 } else { r % (nanos + 1) })
+    }
+
+    /// A mesh connection is up (its TLS handshake named the peer `node`). `outbound`: this
+    /// node dialed it (then `addr` is the address dialed). Returns whether it is kept; if not,
+    /// the transport closes it (an [`Output::Close`] is queued too).
+    pub fn handle_connected(
+        &mut self,
+        now: Instant,
+        conn: ConnId,
+        node: NodeId,
+        addr: Option<SocketAddr>,
+        outbound: bool,
+    ) -> bool {
+        let _ = now;
+        if node == self.me {
+            // DNS returned this node's own address: never dial it again.
+            if let Some(a) = addr.filter(|_| outbound) {
+                self.targets.remove(&a);
+                self.own.insert(a);
+            }
+            self.out.push_back(Output::Close {
+                conn,
+                reason: "a node does not connect to itself",
+            });
+            return false;
+        }
+        if let Some(existing) = self.peers.get(&node) {
+            // Both dialed: keep the connection dialed by the node with the smaller id, on both
+            // sides alike.
+            let dialer_of = |outbound: bool| if outbound { &self.me } else { &node };
+            let keep_new = dialer_of(outbound) < dialer_of(existing.outbound);
+            let (close, keep) = if keep_new {
+                (existing.conn, true)
+            } else {
+                (conn, false)
+            };
+            self.out.push_back(Output::Close {
+                conn: close,
+                reason: "duplicate mesh connection",
+            });
+            if !keep {
+                if let Some(a) = addr.filter(|_| outbound) {
+                    if let Some(t) = self.targets.get_mut(&a) {
+                        t.attempts = 0;
+                        t.node = Some(node);
+                    }
+                }
+                return false;
+            }
+        }
+        if let Some(a) = addr.filter(|_| outbound) {
+            if let Some(t) = self.targets.get_mut(&a) {
+                t.attempts = 0;
+                t.next_dial = None;
+                t.node = Some(node.clone());
+            }
+        }
+        self.next_session += 1;
+        let session = self.next_session;
+        self.out.push_back(Output::Send {
+            conn,
+            control: Control::Snapshot {
+                session,
+                seq: self.out_seq,
+                interest: self.local.clone(),
+            },
+        });
+        self.peers.insert(
+            node,
+            Peer {
+                conn,
+                outbound,
+                addr: addr.filter(|_| outbound),
+                out_session: session,
+                in_session: None,
+                interest: Interest::default(),
+            },
+        );
+        true
+    }
+
+    /// A connection ended. If it was a peer's, its interest is forgotten and, if this node
+    /// dials it, a reconnect is scheduled.
+    pub fn handle_disconnected(&mut self, now: Instant, conn: ConnId) {
+        let Some(node) = self
+            .peers
+            .iter()
+            .find(|(_, p)| p.conn == conn)
+            .map(|(n, _)| n.clone())
+        else {
+            return;
+        };
+        let Some(peer) = self.peers.remove(&node) else {
+            return;
+        };
+        // Reconnect to every target whose node this was (dialed or not: the other side may be
+        // the one that went away, and only one of us may have it as a target).
+        let addrs: Vec<SocketAddr> = self
+            .targets
+            .iter()
+            .filter(|(a, t)| t.node.as_ref() == Some(&node) || peer.addr == Some(**a))
+            .map(|(a, _)| *a)
+            .collect();
+        for addr in addrs {
+            let delay = self.backoff(addr);
+            if let Some(t) = self.targets.get_mut(&addr) {
+                t.node = None;
+                t.next_dial = Some(now + delay);
+            }
+        }
+    }
+
+    /// A control message from the peer on `conn`. Returns false if it breaks the protocol (the
+    /// connection is then closed; the reconnect starts a fresh session).
+    pub fn handle_control(&mut self, conn: ConnId, control: Control) -> bool {
+        let Some(peer) = self.peers.values_mut().find(|p| p.conn == conn) else {
+            return true; // a connection being replaced: ignore
+        };
+        match control {
+            Control::Snapshot {
+                session,
+                seq,
+                interest,
+            } => {
+                if peer.in_session.is_some_and(|(s, _)| session < s) {
+                    return true; // late, from an older session
+                }
+                peer.in_session = Some((session, seq));
+                peer.interest = interest;
+                true
+            }
+            Control::Delta {
+                session,
+                seq,
+                updates,
+            } => match peer.in_session {
+                Some((s, _)) if session < s => true,
+                Some((s, last)) if session == s && seq == last + 1 => {
+                    for u in &updates {
+                        peer.interest.apply(u);
+                    }
+                    peer.in_session = Some((s, seq));
+                    true
+                }
+                _ => {
+                    self.out.push_back(Output::Close {
+                        conn,
+                        reason: "interest update out of order",
+                    });
+                    false
+                }
+            },
+        }
+    }
+
+    /// A local subscription came or went: `delta` is +1 or -1 for `key`. Every peer is told.
+    pub fn handle_local(&mut self, key: Key, delta: i64) {
+        let update = self.local.add(key, delta);
+        self.out_seq += 1;
+        for p in self.peers.values() {
+            self.out.push_back(Output::Send {
+                conn: p.conn,
+                control: Control::Delta {
+                    session: p.out_session,
+                    seq: self.out_seq,
+                    updates: vec![update.clone()],
+                },
+            });
+        }
+    }
+
+    /// This node's own interest.
+    pub fn local(&self) -> &Interest {
+        &self.local
+    }
+
+    /// What `node` is known to want (while connected).
+    pub fn peer_interest(&self, node: &NodeId) -> Option<&Interest> {
+        self.peers.get(node).map(|p| &p.interest)
+    }
+
+    /// Connected peers.
+    pub fn peers(&self) -> impl Iterator<Item = (&NodeId, ConnId)> {
+        self.peers.iter().map(|(n, p)| (n, p.conn))
+    }
+
+    /// Where a message published on this node goes.
+    pub fn route(&mut self, topic: &TopicName) -> Routing {
+        let mut routing = Routing::default();
+        let mut copies: BTreeMap<NodeId, Forward> = BTreeMap::new();
+        for (node, peer) in &self.peers {
+            if peer.interest.wants_plain(topic) {
+                copies.entry(node.clone()).or_default().plain = true;
+            }
+        }
+        for g in self.groups_for(topic) {
+            match self.pick(&g, &[]) {
+                Some(node) if node == self.me => routing.local_groups.push(g),
+                Some(node) => copies.entry(node).or_default().groups.push(g),
+                None => routing.unplaced.push(g),
+            }
+        }
+        for (node, mut f) in copies {
+            f.visited = vec![self.me.clone()];
+            routing.forward.push((node, f));
+        }
+        routing
+    }
+
+    /// Where a copy forwarded by `from` goes from here: its plain part to the local plain
+    /// subscribers, its groups to a local member, or — if none is left here — re-picked among
+    /// the nodes it has not been to. Never to a plain subscriber elsewhere.
+    pub fn route_forwarded(&mut self, forward: &Forward) -> Routing {
+        let mut routing = Routing::default();
+        let mut visited = forward.visited.clone();
+        if !visited.contains(&self.me) {
+            visited.push(self.me.clone());
+        }
+        let mut copies: BTreeMap<NodeId, Forward> = BTreeMap::new();
+        for g in &forward.groups {
+            if self.local.count(&Key::Group(g.clone())) > 0 {
+                routing.local_groups.push(g.clone());
+                continue;
+            }
+            match self.pick(g, &visited) {
+                Some(node) if node != self.me => {
+                    copies.entry(node).or_default().groups.push(g.clone())
+                }
+                _ => routing.unplaced.push(g.clone()),
+            }
+        }
+        for (node, mut f) in copies {
+            f.visited = visited.clone();
+            routing.forward.push((node, f));
+        }
+        routing
+    }
+
+    /// Groups (here or at any peer) whose filter matches `topic`.
+    fn groups_for(&self, topic: &TopicName) -> BTreeSet<GroupKey> {
+        let mut all: BTreeSet<GroupKey> = self
+            .local
+            .groups_for(topic)
+            .map(|(g, _)| g.clone())
+            .collect();
+        for p in self.peers.values() {
+            all.extend(p.interest.groups_for(topic).map(|(g, _)| g.clone()));
+        }
+        all
+    }
+
+    /// The node of the next member of `g` round-robin, over the members of every node not in
+    /// `skip` (this node and its peers, in id order).
+    fn pick(&mut self, g: &GroupKey, skip: &[NodeId]) -> Option<NodeId> {
+        let key = Key::Group(g.clone());
+        let mut nodes: Vec<(&NodeId, u32)> = Vec::with_capacity(self.peers.len() + 1);
+        nodes.push((&self.me, self.local.count(&key)));
+        nodes.extend(self.peers.iter().map(|(n, p)| (n, p.interest.count(&key))));
+        nodes.retain(|(n, c)| *c > 0 && !skip.contains(n));
+        nodes.sort();
+        let total: u64 = nodes.iter().map(|(_, c)| u64::from(*c)).sum();
+        if total == 0 {
+            return None;
+        }
+        let counter = self.rr.entry(g.clone()).or_insert(0);
+        let mut k = *counter % total;
+        *counter = counter.wrapping_add(1);
+        for (n, c) in nodes {
+            if k < u64::from(c) {
+                return Some(n.clone());
+            }
+            k -= u64::from(c);
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(s: &str) -> NodeId {
+        NodeId::try_from(s).expect("node id")
+    }
+
+    fn plain(f: &str) -> Key {
+        Key::Plain(TopicFilter::try_from(f).expect("filter"))
+    }
+
+    fn group(f: &str, g: &str) -> GroupKey {
+        GroupKey {
+            filter: TopicFilter::try_from(f).expect("filter"),
+            group: GroupId::try_from(g).expect("group"),
+        }
+    }
+
+    fn topic(t: &str) -> TopicName {
+        TopicName::try_from(t).expect("topic")
+    }
+
+    fn connected(m: &mut Mesh, conn: u64, peer: &str, interest: &[(Key, u32)]) {
+        assert!(m.handle_connected(Instant::now(), ConnId(conn), node(peer), None, false));
+        let mut i = Interest::default();
+        for (k, n) in interest {
+            i.apply(&Update {
+                key: k.clone(),
+                count: *n,
+            });
+        }
+        assert!(m.handle_control(
+            ConnId(conn),
+            Control::Snapshot {
+                session: 1,
+                seq: 0,
+                interest: i
+            }
+        ));
+    }
+
+    #[test]
+    fn forwards_once_to_interested_peers_only() {
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        connected(
+            &mut a,
+            1,
+            "b",
+            &[(plain("orders/#"), 1), (plain("orders/eu"), 2)],
+        );
+        connected(&mut a, 2, "c", &[(plain("stock/#"), 1)]);
+        let r = a.route(&topic("orders/eu"));
+        assert_eq!(r.forward.len(), 1);
+        assert_eq!(r.forward[0].0, node("b"));
+        assert!(r.forward[0].1.plain);
+        assert!(a.route(&topic("other")).forward.is_empty());
+    }
+
+    #[test]
+    fn groups_round_robin_over_members_wherever_they_are() {
+        let g = group("jobs", "workers");
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        a.handle_local(Key::Group(g.clone()), 1);
+        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), 2)]);
+        let mut counts: BTreeMap<String, u32> = BTreeMap::new();
+        for _ in 0..30 {
+            let r = a.route(&topic("jobs"));
+            let place = match (r.local_groups.len(), r.forward.len()) {
+                (1, 0) => "a".to_string(),
+                (0, 1) => r.forward[0].0.to_string(),
+                other => panic!("one place per message: {other:?}"),
+            };
+            *counts.entry(place).or_default() += 1;
+        }
+        assert_eq!(counts.get("a"), Some(&10));
+        assert_eq!(counts.get("b"), Some(&20));
+    }
+
+    #[test]
+    fn a_gone_member_is_re_picked_elsewhere_never_twice_at_a_node() {
+        let g = group("jobs", "w");
+        let mut b = Mesh::new(node("b"), MeshConfig::default(), 1, 1);
+        connected(&mut b, 1, "a", &[]);
+        connected(&mut b, 2, "c", &[(Key::Group(g.clone()), 1)]);
+        let f = Forward {
+            plain: false,
+            groups: vec![g.clone()],
+            visited: vec![node("a")],
+        };
+        let r = b.route_forwarded(&f);
+        assert_eq!(r.forward.len(), 1);
+        assert_eq!(r.forward[0].0, node("c"));
+        assert_eq!(r.forward[0].1.visited, vec![node("a"), node("b")]);
+        // At c, gone too, and nowhere else to go: unplaced, not sent back.
+        let mut c = Mesh::new(node("c"), MeshConfig::default(), 1, 1);
+        connected(&mut c, 1, "a", &[]);
+        connected(&mut c, 2, "b", &[]);
+        let r = c.route_forwarded(&r.forward[0].1);
+        assert!(r.forward.is_empty());
+        assert_eq!(r.unplaced, vec![g]);
+    }
+
+    #[test]
+    fn duplicate_connections_keep_the_smaller_dialer_on_both_sides() {
+        let now = Instant::now();
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        let mut b = Mesh::new(node("b"), MeshConfig::default(), 2, 1);
+        // a dialed (conn 1), b dialed (conn 2); each side sees both.
+        assert!(a.handle_connected(now, ConnId(1), node("b"), None, true));
+        assert!(!a.handle_connected(now, ConnId(2), node("b"), None, false));
+        assert!(b.handle_connected(now, ConnId(2), node("a"), None, true));
+        assert!(b.handle_connected(now, ConnId(1), node("a"), None, false));
+        assert_eq!(a.peers().next().map(|(_, c)| c), Some(ConnId(1)));
+        assert_eq!(b.peers().next().map(|(_, c)| c), Some(ConnId(1)));
+    }
+
+    #[test]
+    fn backoff_is_bounded_with_full_jitter() {
+        let cfg = MeshConfig::default();
+        let mut a = Mesh::new(node("a"), cfg, 7, 1);
+        let addr: SocketAddr = "10.0.0.2:4242".parse().expect("addr");
+        let now = Instant::now();
+        a.handle_peer_set(now, [addr]);
+        assert_eq!(a.poll_output(), Some(Output::Dial(addr)));
+        let mut waits = Vec::new();
+        for _ in 0..20 {
+            a.handle_dial_failed(now, addr);
+            let at = a.poll_timeout().expect("scheduled");
+            waits.push(at - now);
+            a.handle_timeout(at);
+            assert_eq!(a.poll_output(), Some(Output::Dial(addr)));
+        }
+        assert!(waits.iter().all(|w| *w <= cfg.backoff_max));
+        assert!(waits[0] <= cfg.backoff_min);
+        assert!(
+            waits.iter().any(|w| *w > Duration::from_secs(5)),
+            "{waits:?}"
+        );
+    }
+
+    #[test]
+    fn a_node_never_dials_itself_again() {
+        let now = Instant::now();
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        let own: SocketAddr = "10.0.0.1:4242".parse().expect("addr");
+        a.handle_peer_set(now, [own]);
+        assert_eq!(a.poll_output(), Some(Output::Dial(own)));
+        assert!(!a.handle_connected(now, ConnId(1), node("a"), Some(own), true));
+        a.handle_peer_set(now, [own]);
+        while let Some(o) = a.poll_output() {
+            assert!(!matches!(o, Output::Dial(_)), "{o:?}");
+        }
+        assert_eq!(a.poll_timeout(), None);
+    }
+
+    #[test]
+    fn late_messages_of_an_old_session_are_ignored_and_gaps_close() {
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        connected(&mut a, 1, "b", &[(plain("x"), 1)]);
+        assert!(a.handle_control(
+            ConnId(1),
+            Control::Snapshot {
+                session: 5,
+                seq: 0,
+                interest: Interest::default()
+            }
+        ));
+        // Late delta of session 1: ignored.
+        assert!(a.handle_control(
+            ConnId(1),
+            Control::Delta {
+                session: 1,
+                seq: 1,
+                updates: vec![Update {
+                    key: plain("y"),
+                    count: 1
+                }]
+            }
+        ));
+        assert_eq!(a.peer_interest(&node("b")), Some(&Interest::default()));
+        // A gap in the current session: closed.
+        assert!(!a.handle_control(
+            ConnId(1),
+            Control::Delta {
+                session: 5,
+                seq: 3,
+                updates: vec![]
+            }
+        ));
+    }
+}
