@@ -10,6 +10,8 @@
 //! and re-encode every hex example in it.
 
 pub mod batch;
+#[cfg(feature = "zstd")]
+pub mod compress;
 pub mod delivery;
 pub mod error;
 pub mod ext;
