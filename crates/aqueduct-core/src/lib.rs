@@ -11,7 +11,8 @@
 //! - [`topic`]: per-topic offsets and counters read by the metrics layer;
 //! - [`acl`]: who may publish or subscribe to what (rules, precedence, per-stream cache);
 //! - [`quota`]: per-client publish token buckets;
-//! - [`mesh`]: the cluster mesh's decisions (peers, interest, forwarding), sans-IO.
+//! - [`mesh`]: the cluster mesh's decisions (peers, interest, forwarding), sans-IO;
+//! - [`discovery`]: when to look peers up in DNS and what an answer changes.
 //!
 //! The server crate owns sockets and tasks; it calls [`Broker::publish`] from each connection's
 //! reader and [`Broker::drain`] from each subscription's writer. See `docs/architecture.md` for the
@@ -20,6 +21,7 @@
 pub mod acl;
 pub mod broker;
 pub mod config;
+pub mod discovery;
 pub mod group;
 pub mod index;
 pub mod latency;

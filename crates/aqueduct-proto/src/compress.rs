@@ -116,10 +116,16 @@ mod tests {
 
     #[test]
     fn round_trip_and_ratio() {
-        let data: Vec<u8> = (0..10_000u32).flat_map(|i| (i % 97).to_le_bytes()).collect();
+        let data: Vec<u8> = (0..10_000u32)
+            .flat_map(|i| (i % 97).to_le_bytes())
+            .collect();
         let (ext, packed) = compress(&data, 3).expect("compresses");
         assert_eq!(ext.uncompressed_len as usize, data.len());
-        assert!(packed.len() * 4 < data.len(), "ratio {}", data.len() / packed.len());
+        assert!(
+            packed.len() * 4 < data.len(),
+            "ratio {}",
+            data.len() / packed.len()
+        );
         let back = decompress(&packed, &ext, &Limits::default()).expect("decompresses");
         assert_eq!(&back[..], &data[..]);
         // Random bytes do not shrink: sent as they are.

@@ -16,6 +16,9 @@ pub use crate::access::{
     AccessConfig, AclRuleSection, AclSection, AdminConfig, AdminSection, ClientQuotaSection,
     QuotaAction, QuotasSection,
 };
+pub use crate::cluster::{
+    ClusterConfig, ClusterSection, ClusterTlsSection, Compression, DiscoverySection, NumberOrText,
+};
 use aqueduct_core::BrokerConfig;
 use aqueduct_proto::{OverflowPolicy, Priority};
 use figment::providers::{Format, Serialized};
@@ -225,46 +228,6 @@ impl Default for AalSection {
     }
 }
 
-/// A value the seed writes either as a number or as a string (`port: "4242"`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum NumberOrText {
-    Number(u64),
-    Text(String),
-}
-
-/// `cluster.discovery.*` (seed keys).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct DiscoverySection {
-    pub enabled: bool,
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub host: String,
-    pub port: NumberOrText,
-    pub interval: String,
-}
-
-impl Default for DiscoverySection {
-    fn default() -> Self {
-        DiscoverySection {
-            enabled: false,
-            kind: "dns".into(),
-            host: String::new(),
-            port: NumberOrText::Number(4242),
-            interval: "10s".into(),
-        }
-    }
-}
-
-/// `cluster.*`: the mesh (a later version). Accepted while disabled.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ClusterSection {
-    pub enabled: bool,
-    pub discovery: DiscoverySection,
-}
-
 /// The whole file, as written by users.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -353,6 +316,13 @@ pub const ENV_KEYS: &[&str] = &[
     "admin.client_ca_file",
     "admin.state_file",
     "cluster.enabled",
+    "cluster.tls.ca_file",
+    "cluster.tls.cert_file",
+    "cluster.tls.key_file",
+    "cluster.compression",
+    "cluster.compression_level",
+    "cluster.compression_threshold",
+    "cluster.peer_queue_size",
     "cluster.discovery.enabled",
     "cluster.discovery.type",
     "cluster.discovery.host",
@@ -489,6 +459,8 @@ pub struct Config {
     pub access: AccessConfig,
     /// The gRPC admin API, if enabled.
     pub admin: Option<AdminConfig>,
+    /// The cluster's settings (checked; the mesh itself is not built yet).
+    pub cluster: ClusterConfig,
 }
 
 /// The durable log's settings, typed.
@@ -661,6 +633,10 @@ const TEXT_KEYS: &[&str] = &[
     "admin.allowed_cn",
     "admin.client_ca_file",
     "admin.state_file",
+    "cluster.tls.ca_file",
+    "cluster.tls.cert_file",
+    "cluster.tls.key_file",
+    "cluster.compression",
     "cluster.discovery.type",
     "cluster.discovery.host",
     "cluster.discovery.interval",
@@ -721,7 +697,7 @@ pub(crate) fn parse_addr(key: &'static str, s: &str) -> Result<SocketAddr, Confi
         .ok_or_else(|| invalid(key, format!("{s:?} resolves to no address")))
 }
 
-fn parse_duration(key: &'static str, s: &str) -> Result<Duration, ConfigError> {
+pub(crate) fn parse_duration(key: &'static str, s: &str) -> Result<Duration, ConfigError> {
     let s = s.trim();
     if s == "0" {
         return Ok(Duration::ZERO);
@@ -764,7 +740,7 @@ fn parse_flush_interval(s: &str) -> Result<Duration, ConfigError> {
 /// Upper bound of `broker.flush_interval`.
 pub const MAX_FLUSH_INTERVAL: Duration = Duration::from_millis(100);
 
-fn range<T: PartialOrd + std::fmt::Display + Copy>(
+pub(crate) fn range<T: PartialOrd + std::fmt::Display + Copy>(
     key: &'static str,
     v: T,
     min: T,
@@ -816,10 +792,7 @@ impl RawConfig {
             }
         }
         // Checked although the cluster is off, so a typo shows before it is switched on.
-        parse_duration(
-            "cluster.discovery.interval",
-            &self.cluster.discovery.interval,
-        )?;
+        let cluster = self.cluster.validate()?;
         let b = &self.broker;
         let policy: OverflowPolicy = b
             .backpressure_policy
@@ -992,6 +965,7 @@ impl RawConfig {
             admin: self
                 .admin
                 .validate(opt_path(&self.tls.client_ca_file).as_deref(), env)?,
+            cluster,
         })
     }
 }

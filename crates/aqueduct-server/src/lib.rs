@@ -13,6 +13,7 @@
 
 pub mod access;
 pub mod admin;
+pub mod cluster;
 pub mod config;
 mod connection;
 mod consumers;

@@ -1,0 +1,237 @@
+//! The cluster's configuration (`cluster.*`, the seed's keys and the mesh's own), checked at
+//! startup even while the cluster is off so that a typo shows before it is switched on. The mesh
+//! decisions are `aqueduct_core::mesh`; the transport that carries them out is not built yet, so
+//! `cluster.enabled: true` still stops startup, saying so.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{parse_duration, range, ConfigError};
+
+fn invalid(key: &'static str, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key,
+        problem: problem.into(),
+    }
+}
+
+/// A value the seed writes either as a number or as a string (`port: "4242"`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum NumberOrText {
+    Number(u64),
+    Text(String),
+}
+
+/// `cluster.discovery.*` (seed keys).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DiscoverySection {
+    pub enabled: bool,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub host: String,
+    pub port: NumberOrText,
+    pub interval: String,
+}
+
+impl Default for DiscoverySection {
+    fn default() -> Self {
+        DiscoverySection {
+            enabled: false,
+            kind: "dns".into(),
+            host: String::new(),
+            port: NumberOrText::Number(4242),
+            interval: "10s".into(),
+        }
+    }
+}
+
+/// `cluster.tls.*`: how peers authenticate each other.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterTlsSection {
+    /// CA that signs every node's peer certificate.
+    pub ca_file: String,
+    /// This node's peer certificate ("" = `tls.cert_file`); its CN is the node's id.
+    pub cert_file: String,
+    pub key_file: String,
+}
+
+/// `cluster.*`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterSection {
+    pub enabled: bool,
+    /// Static peers, `host:port` (with or besides discovery).
+    pub peers: Vec<String>,
+    pub tls: ClusterTlsSection,
+    /// Batches to peers: `zstd` or `none`.
+    pub compression: String,
+    pub compression_level: i64,
+    /// Batches smaller than this many bytes go uncompressed.
+    pub compression_threshold: u64,
+    /// Messages queued per peer before the oldest are dropped (counted).
+    pub peer_queue_size: u64,
+    pub discovery: DiscoverySection,
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        ClusterSection {
+            enabled: false,
+            peers: Vec::new(),
+            tls: ClusterTlsSection::default(),
+            compression: "zstd".into(),
+            compression_level: 3,
+            compression_threshold: 4096,
+            peer_queue_size: 65_536,
+            discovery: DiscoverySection::default(),
+        }
+    }
+}
+
+/// How batches to peers are compressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    None,
+    Zstd { level: i32, threshold: usize },
+}
+
+/// The cluster's settings, typed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterConfig {
+    pub enabled: bool,
+    pub peers: Vec<String>,
+    pub ca_file: Option<PathBuf>,
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+    pub compression: Compression,
+    pub peer_queue_size: usize,
+    /// DNS discovery: host, port, interval.
+    pub discovery: Option<(String, u16, Duration)>,
+}
+
+impl ClusterSection {
+    /// Check every key (also while off).
+    pub fn validate(&self) -> Result<ClusterConfig, ConfigError> {
+        for p in &self.peers {
+            let ok = p
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+            if !ok {
+                return Err(invalid(
+                    "cluster.peers",
+                    format!("{p:?} is not host:port (e.g. \"aqueduct-1.internal:4242\")"),
+                ));
+            }
+        }
+        let compression = match self.compression.trim() {
+            "none" => Compression::None,
+            "zstd" | "" => Compression::Zstd {
+                level: range("cluster.compression_level", self.compression_level, 1, 19)? as i32,
+                threshold: range(
+                    "cluster.compression_threshold",
+                    self.compression_threshold,
+                    0,
+                    16 << 20,
+                )? as usize,
+            },
+            other => {
+                return Err(invalid(
+                    "cluster.compression",
+                    format!("{other:?} is not one of zstd, none"),
+                ))
+            }
+        };
+        let peer_queue_size =
+            range("cluster.peer_queue_size", self.peer_queue_size, 1, 1 << 24)? as usize;
+        let d = &self.discovery;
+        let interval = parse_duration("cluster.discovery.interval", &d.interval)?;
+        if interval.is_zero() {
+            return Err(invalid(
+                "cluster.discovery.interval",
+                "must be greater than zero",
+            ));
+        }
+        let port = match &d.port {
+            NumberOrText::Number(n) => u16::try_from(*n).ok(),
+            NumberOrText::Text(t) => t.trim().parse().ok(),
+        }
+        .filter(|p| *p > 0)
+        .ok_or_else(|| invalid("cluster.discovery.port", "is not a port number (1-65535)"))?;
+        if d.kind.trim() != "dns" {
+            return Err(invalid(
+                "cluster.discovery.type",
+                format!("{:?} is not supported (dns)", d.kind),
+            ));
+        }
+        if d.enabled && d.host.trim().is_empty() {
+            return Err(invalid(
+                "cluster.discovery.host",
+                "required when cluster.discovery.enabled is true (e.g. the headless Service's \
+                 name)",
+            ));
+        }
+        let path = |s: &str| (!s.trim().is_empty()).then(|| PathBuf::from(s.trim()));
+        // `enabled: true` is refused before this, in `RawConfig::validate`: no transport yet.
+        Ok(ClusterConfig {
+            enabled: self.enabled,
+            peers: self.peers.clone(),
+            ca_file: path(&self.tls.ca_file),
+            cert_file: path(&self.tls.cert_file),
+            key_file: path(&self.tls.key_file),
+            compression,
+            peer_queue_size,
+            discovery: d
+                .enabled
+                .then(|| (d.host.trim().to_string(), port, interval)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_values_name_the_key() {
+        let key = |s: ClusterSection| match s.validate() {
+            Err(ConfigError::Invalid { key, .. }) => key,
+            other => panic!("{other:?}"),
+        };
+        let mut s = ClusterSection::default();
+        s.peers = vec!["nohost".into()];
+        assert_eq!(key(s), "cluster.peers");
+        let mut s = ClusterSection::default();
+        s.compression = "lz4".into();
+        assert_eq!(key(s), "cluster.compression");
+        let mut s = ClusterSection::default();
+        s.compression_level = 40;
+        assert_eq!(key(s), "cluster.compression_level");
+        let mut s = ClusterSection::default();
+        s.discovery.port = NumberOrText::Text("http".into());
+        assert_eq!(key(s), "cluster.discovery.port");
+        let mut s = ClusterSection::default();
+        s.discovery.kind = "srv".into();
+        assert_eq!(key(s), "cluster.discovery.type");
+    }
+
+    #[test]
+    fn defaults_validate_and_the_seed_port_may_be_text() {
+        let mut s = ClusterSection::default();
+        s.discovery.port = NumberOrText::Text("4242".into());
+        s.peers = vec!["aqueduct-1:4242".into(), "[::1]:4242".into()];
+        let c = s.validate().expect("valid");
+        assert_eq!(
+            c.compression,
+            Compression::Zstd {
+                level: 3,
+                threshold: 4096
+            }
+        );
+        assert!(!c.enabled);
+    }
+}
