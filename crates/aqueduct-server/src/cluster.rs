@@ -202,28 +202,37 @@ mod tests {
             Err(ConfigError::Invalid { key, .. }) => key,
             other => panic!("{other:?}"),
         };
-        let mut s = ClusterSection::default();
-        s.peers = vec!["nohost".into()];
-        assert_eq!(key(s), "cluster.peers");
-        let mut s = ClusterSection::default();
-        s.compression = "lz4".into();
-        assert_eq!(key(s), "cluster.compression");
-        let mut s = ClusterSection::default();
-        s.compression_level = 40;
-        assert_eq!(key(s), "cluster.compression_level");
-        let mut s = ClusterSection::default();
-        s.discovery.port = NumberOrText::Text("http".into());
-        assert_eq!(key(s), "cluster.discovery.port");
-        let mut s = ClusterSection::default();
-        s.discovery.kind = "srv".into();
-        assert_eq!(key(s), "cluster.discovery.type");
+        let d = ClusterSection::default;
+        let peers = ClusterSection {
+            peers: vec!["nohost".into()],
+            ..d()
+        };
+        assert_eq!(key(peers), "cluster.peers");
+        let algo = ClusterSection {
+            compression: "lz4".into(),
+            ..d()
+        };
+        assert_eq!(key(algo), "cluster.compression");
+        let level = ClusterSection {
+            compression_level: 40,
+            ..d()
+        };
+        assert_eq!(key(level), "cluster.compression_level");
+        let mut port = d();
+        port.discovery.port = NumberOrText::Text("http".into());
+        assert_eq!(key(port), "cluster.discovery.port");
+        let mut kind = d();
+        kind.discovery.kind = "srv".into();
+        assert_eq!(key(kind), "cluster.discovery.type");
     }
 
     #[test]
     fn defaults_validate_and_the_seed_port_may_be_text() {
-        let mut s = ClusterSection::default();
+        let mut s = ClusterSection {
+            peers: vec!["aqueduct-1:4242".into(), "[::1]:4242".into()],
+            ..ClusterSection::default()
+        };
         s.discovery.port = NumberOrText::Text("4242".into());
-        s.peers = vec!["aqueduct-1:4242".into(), "[::1]:4242".into()];
         let c = s.validate().expect("valid");
         assert_eq!(
             c.compression,
