@@ -29,6 +29,8 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aqueduct_proto::{GroupId, TopicFilter, TopicName};
@@ -251,8 +253,8 @@ pub struct Mesh {
     /// Addresses found to be this node (never dialed again).
     own: BTreeSet<SocketAddr>,
     peers: BTreeMap<NodeId, Peer>,
-    /// Round-robin position per group.
-    rr: BTreeMap<GroupKey, u64>,
+    /// Round-robin position per group (shared with the route tables made from this mesh).
+    rr: BTreeMap<GroupKey, Arc<AtomicU64>>,
     rng: u64,
     out: VecDeque<Output>,
 }
@@ -543,12 +545,64 @@ impl Mesh {
         self.peers.iter().map(|(n, p)| (n, p.conn))
     }
 
-    /// Where a message published on this node goes.
+    /// An immutable snapshot of what routing needs (this node's and its peers' interest, and
+    /// the round-robin counters, which snapshots share): the server publishes one behind an
+    /// atomic pointer after every change, so the publish path routes with no lock.
+    pub fn table(&mut self) -> RouteTable {
+        let mut nodes: Vec<(NodeId, Interest)> = Vec::with_capacity(self.peers.len() + 1);
+        nodes.push((self.me.clone(), self.local.clone()));
+        nodes.extend(
+            self.peers
+                .iter()
+                .map(|(n, p)| (n.clone(), p.interest.clone())),
+        );
+        nodes.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut counters = BTreeMap::new();
+        for (_, interest) in &nodes {
+            for key in interest.counts.keys() {
+                if let Key::Group(g) = key {
+                    let c = self.rr.entry(g.clone()).or_default().clone();
+                    counters.insert(g.clone(), c);
+                }
+            }
+        }
+        RouteTable {
+            me: self.me.clone(),
+            nodes,
+            counters,
+        }
+    }
+
+    /// Where a message published on this node goes (see [`RouteTable::route`]).
     pub fn route(&mut self, topic: &TopicName) -> Routing {
+        self.table().route(topic)
+    }
+
+    /// Where a forwarded copy goes from here (see [`RouteTable::route_forwarded`]).
+    pub fn route_forwarded(&mut self, forward: &Forward) -> Routing {
+        self.table().route_forwarded(forward)
+    }
+}
+
+/// What routing needs, frozen: every node's interest (this one's and its connected peers', in
+/// id order) and shared round-robin counters. `&self` only: safe to use from many publishing
+/// tasks at once without a lock.
+#[derive(Debug, Clone)]
+pub struct RouteTable {
+    me: NodeId,
+    nodes: Vec<(NodeId, Interest)>,
+    counters: BTreeMap<GroupKey, Arc<AtomicU64>>,
+}
+
+impl RouteTable {
+    /// Where a message published on this node goes: one copy per peer at most (plain interest,
+    /// and the groups whose picked member is there), the groups picked here, and the groups
+    /// with no member anywhere.
+    pub fn route(&self, topic: &TopicName) -> Routing {
         let mut routing = Routing::default();
         let mut copies: BTreeMap<NodeId, Forward> = BTreeMap::new();
-        for (node, peer) in &self.peers {
-            if peer.interest.wants_plain(topic) {
+        for (node, interest) in &self.nodes {
+            if *node != self.me && interest.wants_plain(topic) {
                 copies.entry(node.clone()).or_default().plain = true;
             }
         }
@@ -566,10 +620,10 @@ impl Mesh {
         routing
     }
 
-    /// Where a copy forwarded by `from` goes from here: its plain part to the local plain
-    /// subscribers, its groups to a local member, or — if none is left here — re-picked among
-    /// the nodes it has not been to. Never to a plain subscriber elsewhere.
-    pub fn route_forwarded(&mut self, forward: &Forward) -> Routing {
+    /// Where a copy forwarded to this node goes: its plain part to the local plain subscribers
+    /// (the caller's), its groups to a local member, or — if none is left here — re-picked
+    /// among the nodes it has not been to. Never to a plain subscriber elsewhere.
+    pub fn route_forwarded(&self, forward: &Forward) -> Routing {
         let mut routing = Routing::default();
         let mut visited = forward.visited.clone();
         if !visited.contains(&self.me) {
@@ -577,7 +631,7 @@ impl Mesh {
         }
         let mut copies: BTreeMap<NodeId, Forward> = BTreeMap::new();
         for g in &forward.groups {
-            if self.local.count(&Key::Group(g.clone())) > 0 {
+            if self.members(&self.me, g) > 0 {
                 routing.local_groups.push(g.clone());
                 continue;
             }
@@ -595,40 +649,45 @@ impl Mesh {
         routing
     }
 
-    /// Groups (here or at any peer) whose filter matches `topic`.
+    fn members(&self, node: &NodeId, g: &GroupKey) -> u32 {
+        self.nodes
+            .iter()
+            .find(|(n, _)| n == node)
+            .map_or(0, |(_, i)| i.count(&Key::Group(g.clone())))
+    }
+
+    /// Groups (anywhere) whose filter matches `topic`.
     fn groups_for(&self, topic: &TopicName) -> BTreeSet<GroupKey> {
-        let mut all: BTreeSet<GroupKey> = self
-            .local
-            .groups_for(topic)
-            .map(|(g, _)| g.clone())
-            .collect();
-        for p in self.peers.values() {
-            all.extend(p.interest.groups_for(topic).map(|(g, _)| g.clone()));
-        }
-        all
+        self.nodes
+            .iter()
+            .flat_map(|(_, i)| i.groups_for(topic).map(|(g, _)| g.clone()))
+            .collect()
     }
 
     /// The node of the next member of `g` round-robin, over the members of every node not in
-    /// `skip` (this node and its peers, in id order).
-    fn pick(&mut self, g: &GroupKey, skip: &[NodeId]) -> Option<NodeId> {
+    /// `skip` (in id order).
+    fn pick(&self, g: &GroupKey, skip: &[NodeId]) -> Option<NodeId> {
         let key = Key::Group(g.clone());
-        let mut nodes: Vec<(&NodeId, u32)> = Vec::with_capacity(self.peers.len() + 1);
-        nodes.push((&self.me, self.local.count(&key)));
-        nodes.extend(self.peers.iter().map(|(n, p)| (n, p.interest.count(&key))));
-        nodes.retain(|(n, c)| *c > 0 && !skip.contains(n));
-        nodes.sort();
-        let total: u64 = nodes.iter().map(|(_, c)| u64::from(*c)).sum();
+        let nodes: Vec<(&NodeId, u64)> = self
+            .nodes
+            .iter()
+            .map(|(n, i)| (n, u64::from(i.count(&key))))
+            .filter(|(n, c)| *c > 0 && !skip.contains(n))
+            .collect();
+        let total: u64 = nodes.iter().map(|(_, c)| c).sum();
         if total == 0 {
             return None;
         }
-        let counter = self.rr.entry(g.clone()).or_insert(0);
-        let mut k = *counter % total;
-        *counter = counter.wrapping_add(1);
+        let turn = self
+            .counters
+            .get(g)
+            .map_or(0, |c| c.fetch_add(1, Ordering::Relaxed));
+        let mut k = turn % total;
         for (n, c) in nodes {
-            if k < u64::from(c) {
+            if k < c {
                 return Some(n.clone());
             }
-            k -= u64::from(c);
+            k -= c;
         }
         None
     }
@@ -711,6 +770,48 @@ mod tests {
         }
         assert_eq!(counts.get("a"), Some(&10));
         assert_eq!(counts.get("b"), Some(&20));
+    }
+
+    /// Publishing tasks share one table without a lock: the round-robin stays exact.
+    #[test]
+    fn a_route_table_is_shared_by_threads_and_keeps_the_round_robin() {
+        fn shareable<T: Send + Sync>(_: &T) {}
+        let g = group("jobs", "workers");
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        a.handle_local(Key::Group(g.clone()), 1);
+        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), 1)]);
+        connected(&mut a, 2, "c", &[(Key::Group(g.clone()), 1)]);
+        let table = std::sync::Arc::new(a.table());
+        shareable(&*table);
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let table = table.clone();
+                std::thread::spawn(move || {
+                    let mut here = [0u32; 3];
+                    for _ in 0..300 {
+                        let r = table.route(&topic("jobs"));
+                        let i = match r.forward.first() {
+                            None => 0,
+                            Some((n, _)) if n.as_str() == "b" => 1,
+                            Some(_) => 2,
+                        };
+                        here[i] += 1;
+                    }
+                    here
+                })
+            })
+            .collect();
+        let mut total = [0u32; 3];
+        for t in threads {
+            let here = t.join().expect("thread");
+            for (t, h) in total.iter_mut().zip(here) {
+                *t += h;
+            }
+        }
+        assert_eq!(total, [400, 400, 400]);
+        // A later table goes on from where this one stopped.
+        let r = a.route(&topic("jobs"));
+        assert!(r.forward.is_empty() && r.local_groups == vec![g]);
     }
 
     #[test]
