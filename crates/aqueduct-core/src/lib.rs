@@ -12,7 +12,8 @@
 //! - [`acl`]: who may publish or subscribe to what (rules, precedence, per-stream cache);
 //! - [`quota`]: per-client publish token buckets;
 //! - [`mesh`]: the cluster mesh's decisions (peers, interest, forwarding), sans-IO;
-//! - [`discovery`]: when to look peers up in DNS and what an answer changes.
+//! - [`discovery`]: when to look peers up in DNS and what an answer changes;
+//! - [`mesh_codec`]: the bytes of the mesh's control messages and forwarded copies' routing.
 //!
 //! The server crate owns sockets and tasks; it calls [`Broker::publish`] from each connection's
 //! reader and [`Broker::drain`] from each subscription's writer. See `docs/architecture.md` for the
@@ -27,6 +28,7 @@ pub mod index;
 pub mod latency;
 pub mod matching;
 pub mod mesh;
+pub mod mesh_codec;
 pub mod queue;
 pub mod quota;
 pub mod subscriber;
