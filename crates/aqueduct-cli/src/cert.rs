@@ -126,7 +126,7 @@ fn make_leaf(
     stem: &str,
     common_name: &str,
     names: &[String],
-    usage: ExtendedKeyUsagePurpose,
+    usages: &[ExtendedKeyUsagePurpose],
 ) -> Result<Vec<PathBuf>> {
     let issuer = load_ca(dir)?;
     let mut params = CertificateParams::new(names.to_vec())
@@ -138,7 +138,7 @@ fn make_leaf(
         KeyUsagePurpose::DigitalSignature,
         KeyUsagePurpose::KeyEncipherment,
     ];
-    params.extended_key_usages = vec![usage];
+    params.extended_key_usages = usages.to_vec();
     params.use_authority_key_identifier_extension = true;
     validity(&mut params);
     let key = KeyPair::generate().context("generating a key")?;
@@ -160,20 +160,48 @@ pub fn make_server(dir: &Path, names: &[String]) -> Result<Vec<PathBuf>> {
         "server",
         first,
         names,
-        ExtendedKeyUsagePurpose::ServerAuth,
+        &[ExtendedKeyUsagePurpose::ServerAuth],
     )
 }
 
-/// A client certificate whose Common Name is the client id `name`, signed by the CA in `dir`.
-pub fn make_client(dir: &Path, name: &str) -> Result<Vec<PathBuf>> {
+fn check_name(what: &str, name: &str) -> Result<()> {
     if name.is_empty()
         || !name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_.@".contains(c))
     {
-        bail!("client name {name:?}: use letters, digits and - _ . @ (it is also a file name)");
+        bail!("{what} name {name:?}: use letters, digits and - _ . @ (it is also a file name)");
     }
-    make_leaf(dir, name, name, &[], ExtendedKeyUsagePurpose::ClientAuth)
+    Ok(())
+}
+
+/// A client certificate whose Common Name is the client id `name`, signed by the CA in `dir`.
+pub fn make_client(dir: &Path, name: &str) -> Result<Vec<PathBuf>> {
+    check_name("client", name)?;
+    make_leaf(dir, name, name, &[], &[ExtendedKeyUsagePurpose::ClientAuth])
+}
+
+/// The DNS name every cluster node verifies in its peers' certificates (so that addresses need
+/// not be in them): `aqueduct-mesh`.
+pub const MESH_NAME: &str = "aqueduct-mesh";
+
+/// A cluster node's certificate: Common Name the node id `node`, DNS names `aqueduct-mesh` (what
+/// peers verify) and `names` (what clients use to reach this node), good for both ends of a
+/// TLS connection (a node dials its peers and serves clients and peers).
+pub fn make_peer(dir: &Path, node: &str, names: &[String]) -> Result<Vec<PathBuf>> {
+    check_name("node", node)?;
+    let mut all = vec![MESH_NAME.to_string()];
+    all.extend(names.iter().cloned());
+    make_leaf(
+        dir,
+        node,
+        node,
+        &all,
+        &[
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ],
+    )
 }
 
 #[cfg(test)]
@@ -188,6 +216,12 @@ mod tests {
         make_server(dir.path(), &["localhost".into(), "127.0.0.1".into()]).expect("server");
         make_client(dir.path(), "alice").expect("client");
         assert!(make_client(dir.path(), "../x").is_err());
+        make_peer(
+            dir.path(),
+            "aqueduct-0",
+            &["aqueduct-0.aqueduct-headless".into()],
+        )
+        .expect("peer");
         let read = |f: &str| std::fs::read(dir.path().join(f)).expect("file");
         let der = |f: &str| {
             rustls_pki_types::CertificateDer::pem_slice_iter(&read(f))
@@ -205,6 +239,30 @@ mod tests {
             .expect("ok")
             .expect("present");
         assert!(eku.value.client_auth);
+        let peer = der("aqueduct-0.pem");
+        let (_, peer_cert) = x509_parser::parse_x509_certificate(&peer).expect("parses");
+        let eku = peer_cert
+            .extended_key_usage()
+            .expect("ok")
+            .expect("present");
+        assert!(eku.value.client_auth && eku.value.server_auth);
+        let san = peer_cert
+            .subject_alternative_name()
+            .expect("ok")
+            .expect("present");
+        let names: Vec<String> = san
+            .value
+            .general_names
+            .iter()
+            .map(|n| n.to_string())
+            .collect();
+        assert!(
+            names.iter().any(|n| n.contains(MESH_NAME))
+                && names
+                    .iter()
+                    .any(|n| n.contains("aqueduct-0.aqueduct-headless")),
+            "{names:?}"
+        );
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;

@@ -129,7 +129,7 @@ enum Command {
     /// Make certificates for mutual TLS: a CA, a broker certificate, client certificates
     /// (X.509 v3, ECDSA P-256, valid one year). Needs no broker.
     #[command(
-        after_help = "Examples:\n  aqueduct cert ca --out certs\n  aqueduct cert server --out certs --name localhost --name 127.0.0.1\n  aqueduct cert client alice --out certs"
+        after_help = "Examples:\n  aqueduct cert ca --out certs\n  aqueduct cert server --out certs --name localhost --name 127.0.0.1\n  aqueduct cert client alice --out certs\n  aqueduct cert peer aqueduct-0 --out certs --name aqueduct-0.aqueduct-headless.default.svc.cluster.local"
     )]
     Cert {
         #[command(subcommand)]
@@ -331,6 +331,20 @@ enum CertCommand {
         #[arg(long = "name", default_values_t = ["localhost".to_string(), "127.0.0.1".to_string()])]
         names: Vec<String>,
     },
+    /// A cluster node's certificate signed by the CA in DIR: DIR/NODE.pem and DIR/NODE-key.pem
+    /// (cluster.tls.cert_file and key_file). Its Common Name is the node id; it names
+    /// `aqueduct-mesh` (what peers verify) and each --name (what clients use); good for serving
+    /// and for dialing.
+    Peer {
+        /// The node id (e.g. the pod name, aqueduct-0).
+        node: String,
+        /// Directory of the CA (made by `aqueduct cert ca`); the files are written there too.
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// A DNS name or IP address clients use to reach this node (repeat for more).
+        #[arg(long = "name")]
+        names: Vec<String>,
+    },
     /// A client certificate signed by the CA in DIR, whose Common Name is the client id:
     /// DIR/NAME.pem and DIR/NAME-key.pem (--cert and --key).
     Client {
@@ -451,6 +465,7 @@ async fn run(cli: Cli) -> Result<()> {
             CertCommand::Ca { out, cn } => crate::cert::make_ca(out, cn)?,
             CertCommand::Server { out, names } => crate::cert::make_server(out, names)?,
             CertCommand::Client { name, out } => crate::cert::make_client(out, name)?,
+            CertCommand::Peer { node, out, names } => crate::cert::make_peer(out, node, names)?,
         };
         for path in written {
             println!("wrote {}", path.display());
