@@ -27,11 +27,14 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::{watch, Notify};
 use tracing::{debug, info, warn};
 
-use crate::access::QuotaAction;
 use crate::connection::{AddSubError, ConnState, SubEntry};
+
+mod access;
 use crate::consumers::{ClaimError, Consumers};
 use crate::durable::{Durable, Waiter};
 use crate::server::Shared;
+pub(crate) use access::request_revoke;
+use access::revoke;
 
 /// Reply bytes a client may leave unread before the broker stops reading its stream.
 const MAX_PENDING_CONTROL: usize = 1 << 20;
@@ -190,45 +193,6 @@ fn unsubscribe(
     now: Instant,
 ) {
     close(shared, ctx, sub, key, CloseReason::Unsubscribed, now)
-}
-
-/// Ask the stream that delivers `entry` to close it because its client lost the permission to
-/// subscribe (the ACL changed). Routing to it stops at once; the rest (the connection's table,
-/// a durable consumer's bookkeeping, the ERROR NOT_AUTHORIZED) is done by that stream's own task
-/// (`fill`), which cannot interleave with its reader making a subscription.
-/// Returns false if it was already asked.
-pub(crate) fn request_revoke(shared: &Shared, entry: &SubEntry) -> bool {
-    {
-        let mut revoking = lock(&entry.out.revoking);
-        if revoking.iter().any(|s| Arc::ptr_eq(s, &entry.sub)) {
-            return false;
-        }
-        revoking.push(entry.sub.clone());
-    }
-    shared.broker.stop_routing(&entry.sub);
-    entry.out.notify.notify_one();
-    true
-}
-
-/// Close `sub`, delivered on `out`, with [`CloseReason::Revoked`]: as an UNSUBSCRIBE, and the
-/// writer then sends ERROR NOT_AUTHORIZED with its stream id. Runs on the stream's own task.
-fn revoke(shared: &Shared, conn: &ConnState, out: &StreamOut, sub: &Arc<Subscriber>) {
-    // An UNSUBSCRIBE on another stream may have taken it first: it ends it then.
-    if !conn.remove_sub(sub.stream_id(), sub) {
-        return;
-    }
-    let key = lock(&out.durables).remove(&sub.id());
-    let mut ctx = PublishContext::default();
-    close(
-        shared,
-        &mut ctx,
-        sub,
-        key.as_deref(),
-        CloseReason::Revoked,
-        Instant::now(),
-    );
-    ctx.clear_held();
-    out.notify.notify_one();
 }
 
 fn close(
@@ -504,86 +468,6 @@ impl Reader<'_> {
         }
         self.handle(frame, header.has_extensions);
         self.wait_for_room().await;
-    }
-
-    /// May this client publish to every topic of the frame? If not, ERROR NOT_AUTHORIZED naming
-    /// the first refused topic, and nothing of the frame is published.
-    fn authorize_publish<'t>(
-        &mut self,
-        stream_id: u32,
-        mut topics: impl Iterator<Item = &'t [u8]>,
-    ) -> bool {
-        let client = self.conn.identity();
-        let acl = &self.shared.access.acl;
-        let Some(refused) = topics.find(|t| !self.acl.may_publish(acl, client, t)) else {
-            return true;
-        };
-        self.shared
-            .stats
-            .acl_denied(aqueduct_core::acl::Action::Publish);
-        let reason = format!(
-            "client {client} may not publish to {}: refused by the ACL (nothing of this frame was published)",
-            String::from_utf8_lossy(refused)
-        );
-        debug!(client = %self.conn.describe(), "{reason}");
-        self.send_error(stream_id, ErrorCode::NOT_AUTHORIZED, reason);
-        false
-    }
-
-    /// Take `n` messages from the client's quota, before the frame is routed. Throttle: the
-    /// tokens are taken (into debt if need be) and, while the bucket is in debt, this stream is
-    /// not read and the frame waits (QUIC flow control then holds the client; nothing is lost);
-    /// re-checked at least every 50 ms, so a quota raised meanwhile applies at once. Reject:
-    /// taken only if they are there, else ERROR RATE_LIMITED and the frame is dropped.
-    async fn take_quota(&mut self, stream_id: u32, n: usize) -> bool {
-        let Some(bucket) = self.conn.bucket.get() else {
-            return true;
-        };
-        if bucket.unlimited() {
-            return true;
-        }
-        let now = self.shared.now_ns();
-        match self.shared.access.action() {
-            QuotaAction::Throttle => {
-                if !bucket.take(n as u64, now).is_zero() {
-                    let started = Instant::now();
-                    loop {
-                        let wait = bucket.wait(self.shared.now_ns());
-                        if wait.is_zero() {
-                            break;
-                        }
-                        tokio::time::sleep(wait.min(QUOTA_RECHECK)).await;
-                    }
-                    bucket.record_throttled(started.elapsed());
-                }
-                true
-            }
-            QuotaAction::Reject => match bucket.try_take(n as u64, now) {
-                Ok(()) => true,
-                Err(wait) => {
-                    bucket.record_rejected(n as u64);
-                    let spec = bucket.spec();
-                    let hint = if n as u64 > spec.burst {
-                        format!(
-                            "a frame of {n} messages can never pass a burst of {}: send \
-                             smaller batches",
-                            spec.burst
-                        )
-                    } else {
-                        format!("it would pass in {wait:?}")
-                    };
-                    let reason = format!(
-                        "client {} is over its publish quota of {} messages/s (burst {}): {n} \
-                         message(s) not published; {hint}",
-                        self.conn.identity(),
-                        spec.rate,
-                        spec.burst
-                    );
-                    self.send_error(stream_id, ErrorCode::RATE_LIMITED, reason);
-                    false
-                }
-            },
-        }
     }
 
     /// Block policy: while a subscriber that this frame queued into (a publish, or a NACK's
@@ -926,18 +810,6 @@ impl Reader<'_> {
                         .into(),
                 );
             }
-        }
-    }
-
-    /// May this client subscribe to `filter`? Before the handshake is confirmed (0-RTT) the
-    /// identity is not final: decide without filling this stream's cache.
-    fn may_subscribe(&mut self, filter: &aqueduct_proto::TopicFilter) -> bool {
-        let acl = &self.shared.access.acl;
-        let client = self.conn.identity();
-        if self.conn.is_confirmed() {
-            self.acl.may_subscribe(acl, client, filter)
-        } else {
-            AclCache::default().may_subscribe(acl, client, filter)
         }
     }
 
