@@ -347,6 +347,32 @@ pub struct Broker {
     /// Where a topic's first offset comes from when its state is created (see
     /// [`Broker::set_offset_source`]); 0 without one.
     offset_source: OffsetSourceCell,
+    /// Told of every routed subscription made or removed (the cluster mesh's interest).
+    interest: InterestCell,
+}
+
+/// Called with a subscription's interest key and +1 when it is made, -1 when it is removed
+/// (routed subscriptions only; under the routing lock, so it must be quick and not call back).
+pub type InterestListener = Box<dyn Fn(crate::mesh::Key, i64) + Send + Sync>;
+
+#[derive(Default)]
+struct InterestCell(std::sync::OnceLock<InterestListener>);
+
+impl std::fmt::Debug for InterestCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("InterestListener")
+    }
+}
+
+/// The mesh interest key of a routed subscription.
+fn interest_key(sub: &Subscriber) -> crate::mesh::Key {
+    match sub.group() {
+        Some(g) => crate::mesh::Key::Group(crate::mesh::GroupKey {
+            filter: sub.filter().clone(),
+            group: g.id().clone(),
+        }),
+        None => crate::mesh::Key::Plain(sub.filter().clone()),
+    }
 }
 
 /// Gives the offset a topic's next message gets when the broker creates the topic's state (first
@@ -397,6 +423,20 @@ impl Broker {
 
     pub fn config(&self) -> &BrokerConfig {
         &self.config
+    }
+
+    /// Be told of routed subscriptions made and removed (once; later calls are ignored and
+    /// return false). Subscriptions made before are not reported: set it before serving.
+    pub fn set_interest_listener(&self, listener: InterestListener) -> bool {
+        self.interest.0.set(listener).is_ok()
+    }
+
+    fn tell_interest(&self, sub: &Subscriber, delta: i64) {
+        if let Some(l) = self.interest.0.get() {
+            if !sub.is_unrouted() {
+                l(interest_key(sub), delta);
+            }
+        }
     }
 
     /// Set where new topics' first offsets come from; once, before publishing starts. Returns
@@ -463,6 +503,7 @@ impl Broker {
             None => routes.index.insert(&spec.filter, Route::Plain(sub.clone())),
         }
         routes.subscribers.insert(id, sub.clone());
+        self.tell_interest(&sub, 1);
         sub
     }
 
@@ -688,6 +729,7 @@ impl Broker {
             if routes.subscribers.remove(&sub.id()).is_none() {
                 return false; // already removed
             }
+            self.tell_interest(sub, -1);
             routes.unroute(sub, false);
         }
         let (queued, in_flight) = sub.close(reason);

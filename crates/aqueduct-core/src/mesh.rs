@@ -595,6 +595,11 @@ pub struct RouteTable {
 }
 
 impl RouteTable {
+    /// Every node's interest, this one's included, in id order.
+    pub fn nodes(&self) -> &[(NodeId, Interest)] {
+        &self.nodes
+    }
+
     /// Where a message published on this node goes: one copy per peer at most (plain interest,
     /// and the groups whose picked member is there), the groups picked here, and the groups
     /// with no member anywhere.

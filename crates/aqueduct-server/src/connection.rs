@@ -12,7 +12,7 @@ use aqueduct_core::{PublishContext, Subscriber};
 use aqueduct_proto::ErrorCode;
 use tokio::sync::{watch, Notify};
 use tokio::task::JoinSet;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use crate::server::Shared;
 use crate::stream::{self, StreamOut};
@@ -223,8 +223,9 @@ pub(crate) async fn handle(
     // The rest of a 0-RTT handshake, run by the connection's own task (not a detached one).
     let mut confirming: Option<Confirming> = None;
     let conn = match connecting.into_0rtt() {
-        // With mTLS the client is unknown until the handshake completes: no early data then.
-        Ok((conn, accepted)) if !shared.config.tls.require_client_cert => {
+        // With mTLS the client is unknown until the handshake completes: no early data then;
+        // nor with the cluster on (a mesh connection is only known once it completes).
+        Ok((conn, accepted)) if !shared.config.tls.require_client_cert && shared.mesh.is_none() => {
             // Early data is read now; the stream readers hold back what is unsafe to replay
             // until `confirm` runs.
             let (state, conn2, shared2) = (state.clone(), conn.clone(), shared.clone());
@@ -253,12 +254,18 @@ pub(crate) async fn handle(
                 conn.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
                 return failed("timed out".into());
             }
+            if divert(&conn, &shared) {
+                return;
+            }
             identify(&conn, &state, &shared);
             state.confirm();
             conn
         }
         Err(connecting) => match tokio::time::timeout(handshake_timeout, connecting).await {
             Ok(Ok(conn)) => {
+                if divert(&conn, &shared) {
+                    return;
+                }
                 identify(&conn, &state, &shared);
                 state.confirm();
                 conn
@@ -272,6 +279,39 @@ pub(crate) async fn handle(
         .connections_total
         .fetch_add(1, Ordering::Relaxed);
     serve_streams(conn, state, shared, shutdown, confirming).await;
+}
+
+/// With the cluster on: hand a mesh connection (ALPN `aqueduct-mesh`, a certificate of the
+/// cluster CA) to the mesh, or close a connection that may not be served; true if it is not a
+/// client connection to serve.
+fn divert(conn: &quinn::Connection, shared: &Shared) -> bool {
+    let (Some(mesh), Some(tls)) = (&shared.mesh, &shared.mesh_tls) else {
+        return false;
+    };
+    let refuse = |why: &str| {
+        warn!(remote = %conn.remote_address(), "connection refused: {why}");
+        conn.close(ErrorCode::NOT_AUTHORIZED.0.into(), why.as_bytes());
+    };
+    if crate::mesh_tls::alpn(conn).as_deref() == Some(crate::mesh_tls::MESH_ALPN) {
+        match tls.peer_of(conn) {
+            Ok(node) => {
+                conn.set_max_concurrent_uni_streams(crate::mesh::MESH_UNI_STREAMS.into());
+                mesh.send(crate::mesh::Event::Accepted {
+                    conn: conn.clone(),
+                    node,
+                });
+            }
+            Err(why) => refuse(&why),
+        }
+        return true;
+    }
+    match tls.check_client(conn) {
+        Ok(()) => false,
+        Err(why) => {
+            refuse(&why);
+            true
+        }
+    }
 }
 
 /// The end of a 0-RTT handshake: identifies the client and releases held-back early data.

@@ -19,6 +19,8 @@ mod connection;
 mod consumers;
 pub mod durable;
 mod http;
+pub mod mesh;
+pub mod mesh_tls;
 pub mod metrics;
 mod server;
 pub mod stats;

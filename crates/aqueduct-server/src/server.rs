@@ -69,6 +69,9 @@ pub(crate) struct Shared {
     pub epoch: Instant,
     /// The QUIC address actually bound.
     pub local_addr: SocketAddr,
+    /// The cluster mesh, when `cluster.enabled`.
+    pub mesh: Option<crate::mesh::MeshHandle>,
+    pub mesh_tls: Option<Arc<crate::mesh_tls::MeshTls>>,
 }
 
 impl Shared {
@@ -106,6 +109,8 @@ pub struct Server {
     metrics: tokio::net::TcpListener,
     /// The admin API's listener and TLS, when `admin.enabled`.
     admin: Option<(tokio::net::TcpListener, Arc<rustls::ServerConfig>)>,
+    /// The cluster mesh's driver, when `cluster.enabled` (runs in `serve`).
+    mesh_driver: Option<crate::mesh::Driver>,
     shared: Arc<Shared>,
     dev_cert: Option<PathBuf>,
 }
@@ -168,7 +173,14 @@ impl Server {
     /// Set up TLS and bind the UDP socket. Must run inside a tokio runtime.
     pub async fn bind(config: Config) -> Result<Server, ServerError> {
         let identity = tls::identity(&config.tls)?;
-        let (crypto, dev_cert) = tls::server_crypto(&config.tls, &identity)?;
+        let mesh_tls = match config.cluster.enabled {
+            true => Some(Arc::new(crate::mesh_tls::MeshTls::load(
+                &config.cluster,
+                &config.tls,
+            )?)),
+            false => None,
+        };
+        let (crypto, dev_cert) = tls::server_crypto(&config.tls, &identity, mesh_tls.as_deref())?;
         let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
         server_config.transport_config(Arc::new(transport_config(&config.transport)?));
         let socket = udp_socket(config.listen_addr, config.transport.socket_buffer)?;
@@ -233,10 +245,22 @@ impl Server {
             info!(default = %p.default, rules = p.rules.len(), "access control on");
         }
         let local_addr = endpoint.local_addr().unwrap_or(config.listen_addr);
+        let (mesh_driver, mesh) = match mesh_tls.clone() {
+            Some(t) => {
+                let (driver, handle) = crate::mesh::new(t);
+                let h = handle.clone();
+                broker.set_interest_listener(Box::new(move |key, delta| {
+                    h.send(crate::mesh::Event::Local { key, delta })
+                }));
+                (Some(driver), Some(handle))
+            }
+            None => (None, None),
+        };
         Ok(Server {
             endpoint,
             metrics,
             admin,
+            mesh_driver,
             shared: Arc::new(Shared {
                 config,
                 broker,
@@ -249,6 +273,8 @@ impl Server {
                 next_conn_id: AtomicU64::new(1),
                 epoch: Instant::now(),
                 local_addr,
+                mesh,
+                mesh_tls,
             }),
             dev_cert,
         })
@@ -301,6 +327,7 @@ impl Server {
             endpoint,
             metrics,
             admin,
+            mesh_driver,
             shared,
             ..
         } = self;
@@ -343,6 +370,28 @@ impl Server {
                 shared.clone(),
                 admin_stop_rx,
             ))
+        });
+        let (mesh_stop, mesh_stop_rx) = watch::channel(false);
+        let mesh_task = mesh_driver.map(|driver| {
+            let peers = shared.config.cluster.peers.clone();
+            let handle = shared.mesh.clone();
+            let endpoint = endpoint.clone();
+            tokio::spawn(async move {
+                // The static peers, resolved once (DNS discovery polls instead).
+                if let Some(handle) = handle {
+                    let mut addrs = Vec::new();
+                    for p in &peers {
+                        match tokio::net::lookup_host(p.as_str()).await {
+                            Ok(found) => addrs.extend(found),
+                            Err(e) => warn!(peer = %p, "cluster.peers: cannot resolve: {e}"),
+                        }
+                    }
+                    if !addrs.is_empty() {
+                        handle.send(crate::mesh::Event::Peers(addrs));
+                    }
+                }
+                driver.run(endpoint, mesh_stop_rx).await
+            })
         });
         let mut connections = JoinSet::new();
         tokio::pin!(shutdown);
@@ -388,6 +437,10 @@ impl Server {
         if let Some(d) = shared.durable.clone() {
             // Write what is queued and close the log cleanly (blocking file I/O).
             let _ = tokio::task::spawn_blocking(move || d.close()).await;
+        }
+        let _ = mesh_stop.send(true);
+        if let Some(task) = mesh_task {
+            stop_within(task, Duration::from_secs(2)).await;
         }
         let _ = admin_stop.send(true);
         if let Some(task) = admin_task {
@@ -436,6 +489,18 @@ impl Control {
     /// The live ACL policy.
     pub fn acl(&self) -> Arc<aqueduct_core::acl::AclPolicy> {
         self.shared.access.acl.policy()
+    }
+
+    /// The cluster mesh, when `cluster.enabled`.
+    pub fn mesh(&self) -> Option<&crate::mesh::MeshHandle> {
+        self.shared.mesh.as_ref()
+    }
+
+    /// Replace the set of peer addresses (what DNS discovery does; tests use it directly).
+    pub fn set_cluster_peers(&self, addrs: Vec<SocketAddr>) {
+        if let Some(m) = &self.shared.mesh {
+            m.send(crate::mesh::Event::Peers(addrs));
+        }
     }
 }
 

@@ -60,7 +60,10 @@ fn prefer_aes128(suites: &mut [rustls::SupportedCipherSuite]) {
     });
 }
 
-fn read_certs(key: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+pub(crate) fn read_certs(
+    key: &'static str,
+    path: &Path,
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let certs = CertificateDer::pem_file_iter(path)
         .and_then(|it| it.collect::<Result<Vec<_>, _>>())
         .map_err(|e| TlsError::Pem {
@@ -81,8 +84,8 @@ fn read_certs(key: &'static str, path: &Path) -> Result<Vec<CertificateDer<'stat
 /// dev cert to publish.
 #[derive(Debug)]
 pub struct Identity {
-    certs: Vec<CertificateDer<'static>>,
-    key: PrivateKeyDer<'static>,
+    pub(crate) certs: Vec<CertificateDer<'static>>,
+    pub(crate) key: PrivateKeyDer<'static>,
     dev_cert: Option<DevCert>,
 }
 
@@ -156,7 +159,25 @@ fn write_dev_cert(path: &Path, pem: &str) -> Result<(), TlsError> {
 pub fn server_crypto(
     cfg: &TlsConfig,
     id: &Identity,
+    mesh: Option<&crate::mesh_tls::MeshTls>,
 ) -> Result<(quinn::crypto::rustls::QuicServerConfig, Option<DevCert>), TlsError> {
+    let mut tls = match mesh {
+        // With the cluster on: the mesh's ALPN and certificates next to the clients' (mesh_tls.rs).
+        Some(mesh) => mesh.server_config(cfg, id)?,
+        None => client_server_config(cfg, id)?,
+    };
+    // The broker's order (AES-128-GCM first) decides, whatever a client prefers.
+    tls.ignore_client_order = true;
+    // 0-RTT is accepted; the connection layer holds back everything but replay-safe frames
+    // until the handshake is confirmed (see connection.rs).
+    tls.max_early_data_size = u32::MAX;
+    let quic = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
+        .map_err(|e| TlsError::Rustls(e.to_string()))?;
+    Ok((quic, id.dev_cert.clone()))
+}
+
+/// The QUIC TLS for clients only (no cluster).
+fn client_server_config(cfg: &TlsConfig, id: &Identity) -> Result<rustls::ServerConfig, TlsError> {
     let provider = provider();
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -184,14 +205,7 @@ pub fn server_crypto(
         .with_single_cert(id.certs.clone(), id.key.clone_key())
         .map_err(|e| TlsError::Rustls(e.to_string()))?;
     tls.alpn_protocols = vec![ALPN.to_vec()];
-    // The broker's order (AES-128-GCM first) decides, whatever a client prefers.
-    tls.ignore_client_order = true;
-    // 0-RTT is accepted; the connection layer holds back everything but replay-safe frames
-    // until the handshake is confirmed (see connection.rs).
-    tls.max_early_data_size = u32::MAX;
-    let quic = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
-        .map_err(|e| TlsError::Rustls(e.to_string()))?;
-    Ok((quic, id.dev_cert.clone()))
+    Ok(tls)
 }
 
 /// The admin API's TLS: TLS 1.3, HTTP/2, the broker's certificate, and a client certificate

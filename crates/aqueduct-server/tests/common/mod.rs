@@ -316,6 +316,29 @@ impl TestCa {
         (c, k)
     }
 
+    /// A cluster node's certificate for `node` (CN = node id, DNS names aqueduct-mesh and
+    /// localhost, server and client auth), written to `dir` as `<node>.pem` and `<node>.key`.
+    pub fn peer(&self, dir: &std::path::Path, node: &str) -> (PathBuf, PathBuf) {
+        use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair};
+        let key = KeyPair::generate().expect("key");
+        let mut params =
+            CertificateParams::new(vec!["aqueduct-mesh".to_string(), "localhost".to_string()])
+                .expect("params");
+        params.distinguished_name.push(DnType::CommonName, node);
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let cert = params.signed_by(&key, &self.issuer).expect("signed");
+        let (c, k) = (
+            dir.join(format!("{node}.pem")),
+            dir.join(format!("{node}.key")),
+        );
+        std::fs::write(&c, cert.pem()).expect("write cert");
+        std::fs::write(&k, key.serialize_pem()).expect("write key");
+        (c, k)
+    }
+
     /// Write the CA certificate to `dir/ca.pem`.
     pub fn write(&self, dir: &std::path::Path) -> PathBuf {
         let path = dir.join("ca.pem");

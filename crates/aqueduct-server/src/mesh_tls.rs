@@ -1,0 +1,292 @@
+//! TLS between cluster nodes, on the broker's own QUIC port: ALPN `aqueduct-mesh` next to
+//! `aqueduct-v1`.
+//!
+//! - A node presents its peer certificate (`cluster.tls.cert_file`, CN = node id, DNS name
+//!   `aqueduct-mesh`) to peers and its client-facing certificate to clients, chosen by the ALPN
+//!   the client offers.
+//! - Peers dial with their peer certificate and verify the DNS name `aqueduct-mesh` against
+//!   `cluster.tls.ca_file`, so node addresses need not be in certificates.
+//! - One QUIC server config accepts a client certificate from either CA (the clients' and the
+//!   cluster's); after the handshake, the negotiated ALPN decides which one it had to be: a mesh
+//!   connection needs a certificate of the cluster CA ([`MeshTls::peer_of`]), and a client
+//!   connection's certificate, if any, must come from the clients' CA
+//!   ([`MeshTls::check_client`]). A client certificate cannot open a mesh connection.
+
+use std::sync::Arc;
+
+use aqueduct_core::mesh::NodeId;
+use rustls::client::danger::HandshakeSignatureValid;
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::sign::CertifiedKey;
+use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
+
+use crate::cluster::ClusterConfig;
+use crate::config::TlsConfig;
+use crate::tls::{common_name, provider, read_certs, Identity, TlsError};
+
+/// The mesh's ALPN.
+pub const MESH_ALPN: &[u8] = b"aqueduct-mesh";
+/// The DNS name every node verifies in its peers' certificates.
+pub const MESH_NAME: &str = "aqueduct-mesh";
+
+fn rustls_err(e: impl std::fmt::Display) -> TlsError {
+    TlsError::Rustls(e.to_string())
+}
+
+/// A node's TLS for the mesh.
+#[derive(Debug)]
+pub struct MeshTls {
+    /// This node's id: its peer certificate's CN.
+    pub node: NodeId,
+    key: Arc<CertifiedKey>,
+    client: Arc<rustls::ClientConfig>,
+    /// Verifies peer certificates (cluster CA), mandatory.
+    peers: Arc<dyn ClientCertVerifier>,
+    /// Verifies client certificates (`tls.client_ca_file`), if configured.
+    clients: Option<Arc<dyn ClientCertVerifier>>,
+}
+
+fn roots(key: &'static str, path: &std::path::Path) -> Result<rustls::RootCertStore, TlsError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in read_certs(key, path)? {
+        roots.add(cert).map_err(rustls_err)?;
+    }
+    Ok(roots)
+}
+
+impl MeshTls {
+    /// Load the node's peer certificate and the cluster CA (`cluster.tls.*`; the certificate
+    /// defaults to the broker's `tls.cert_file`).
+    pub fn load(cluster: &ClusterConfig, tls: &TlsConfig) -> Result<MeshTls, TlsError> {
+        let provider = provider();
+        let ca = cluster.ca_file.as_deref().ok_or_else(|| {
+            TlsError::Rustls("cluster.tls.ca_file is required for the mesh".into())
+        })?;
+        let (cert_key, cert_path, key_path) =
+            match (&cluster.cert_file, &cluster.key_file) {
+                (Some(c), Some(k)) => ("cluster.tls.cert_file", c, k),
+                _ => match (&tls.cert_file, &tls.key_file) {
+                    (Some(c), Some(k)) => ("tls.cert_file", c, k),
+                    _ => return Err(TlsError::Rustls(
+                        "the mesh needs a peer certificate: cluster.tls.cert_file and key_file \
+                         (made by `aqueduct cert peer`)"
+                            .into(),
+                    )),
+                },
+            };
+        let certs = read_certs(cert_key, cert_path)?;
+        let key = PrivateKeyDer::from_pem_file(key_path).map_err(|e| TlsError::Pem {
+            key: "cluster.tls.key_file",
+            path: key_path.clone(),
+            reason: e.to_string(),
+        })?;
+        let node = certs
+            .first()
+            .and_then(common_name)
+            .and_then(|cn| NodeId::try_from(cn.as_str()).ok())
+            .ok_or_else(|| {
+                TlsError::Rustls(format!(
+                    "{cert_key}: {} has no Common Name to serve as the node id",
+                    cert_path.display()
+                ))
+            })?;
+        let certified = Arc::new(
+            CertifiedKey::from_der(certs.clone(), key.clone_key(), &provider)
+                .map_err(rustls_err)?,
+        );
+        let peer_roots = Arc::new(roots("cluster.tls.ca_file", ca)?);
+        let mut client = rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(rustls_err)?
+            .with_root_certificates(peer_roots.clone())
+            .with_client_auth_cert(certs, key)
+            .map_err(rustls_err)?;
+        client.alpn_protocols = vec![MESH_ALPN.to_vec()];
+        let peers = WebPkiClientVerifier::builder_with_provider(peer_roots, provider.clone())
+            .build()
+            .map_err(rustls_err)?;
+        let clients = match &tls.client_ca_file {
+            Some(path) => Some(
+                WebPkiClientVerifier::builder_with_provider(
+                    Arc::new(roots("tls.client_ca_file", path)?),
+                    provider,
+                )
+                .allow_unauthenticated()
+                .build()
+                .map_err(rustls_err)?,
+            ),
+            None => None,
+        };
+        Ok(MeshTls {
+            node,
+            key: certified,
+            client: Arc::new(client),
+            peers,
+            clients,
+        })
+    }
+
+    /// The TLS configuration for dialing peers (verify the name [`MESH_NAME`]).
+    pub fn client_config(&self) -> Arc<rustls::ClientConfig> {
+        self.client.clone()
+    }
+
+    /// The server side: the broker's QUIC TLS with the mesh added (ALPNs, certificate by ALPN,
+    /// client certificates from either CA).
+    pub(crate) fn server_config(
+        &self,
+        tls: &TlsConfig,
+        id: &Identity,
+    ) -> Result<rustls::ServerConfig, TlsError> {
+        let provider = provider();
+        let mut hints: Vec<DistinguishedName> = self.peers.root_hint_subjects().to_vec();
+        if let Some(c) = &self.clients {
+            hints.extend(c.root_hint_subjects().iter().cloned());
+        }
+        let verifier = Arc::new(EitherCa {
+            peers: self.peers.clone(),
+            clients: self.clients.clone(),
+            hints,
+            mandatory: tls.require_client_cert,
+        });
+        let client_key = Arc::new(
+            CertifiedKey::from_der(id.certs.clone(), id.key.clone_key(), &provider)
+                .map_err(rustls_err)?,
+        );
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(rustls_err)?
+            .with_client_cert_verifier(verifier)
+            .with_cert_resolver(Arc::new(ByAlpn {
+                clients: client_key,
+                peers: self.key.clone(),
+            }));
+        config.alpn_protocols = vec![crate::tls::ALPN.to_vec(), MESH_ALPN.to_vec()];
+        Ok(config)
+    }
+
+    /// The node id of a mesh connection's peer: its certificate must chain to the cluster CA.
+    pub fn peer_of(&self, conn: &quinn::Connection) -> Result<NodeId, String> {
+        let certs = peer_certs(conn).ok_or("a mesh connection needs a peer certificate")?;
+        let (end, rest) = certs.split_first().ok_or("an empty certificate chain")?;
+        self.peers
+            .verify_client_cert(end, rest, UnixTime::now())
+            .map_err(|e| format!("the peer certificate is not from cluster.tls.ca_file: {e}"))?;
+        let cn = common_name(end).ok_or("the peer certificate has no Common Name")?;
+        NodeId::try_from(cn.as_str())
+    }
+
+    /// A client connection's certificate, if it presented one, must come from the clients' CA
+    /// (a peer certificate is not a client identity).
+    pub fn check_client(&self, conn: &quinn::Connection) -> Result<(), String> {
+        let Some(certs) = peer_certs(conn) else {
+            return Ok(());
+        };
+        let Some((end, rest)) = certs.split_first() else {
+            return Ok(());
+        };
+        match &self.clients {
+            Some(v) => v
+                .verify_client_cert(end, rest, UnixTime::now())
+                .map(|_| ())
+                .map_err(|e| format!("the client certificate is not from tls.client_ca_file: {e}")),
+            None => Err("client certificates need tls.client_ca_file".into()),
+        }
+    }
+}
+
+fn peer_certs(conn: &quinn::Connection) -> Option<Vec<CertificateDer<'static>>> {
+    conn.peer_identity()?
+        .downcast::<Vec<CertificateDer<'static>>>()
+        .ok()
+        .map(|b| *b)
+}
+
+/// The negotiated ALPN of a connection.
+pub fn alpn(conn: &quinn::Connection) -> Option<Vec<u8>> {
+    conn.handshake_data()?
+        .downcast::<quinn::crypto::rustls::HandshakeData>()
+        .ok()?
+        .protocol
+}
+
+/// The client-facing certificate for clients, the peer certificate for peers.
+#[derive(Debug)]
+struct ByAlpn {
+    clients: Arc<CertifiedKey>,
+    peers: Arc<CertifiedKey>,
+}
+
+impl ResolvesServerCert for ByAlpn {
+    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        let mesh = hello.alpn().is_some_and(|mut a| a.any(|p| p == MESH_ALPN));
+        Some(if mesh {
+            self.peers.clone()
+        } else {
+            self.clients.clone()
+        })
+    }
+}
+
+/// Accepts a client certificate from either CA during the handshake; the connection's ALPN
+/// decides afterwards which one it had to be.
+#[derive(Debug)]
+struct EitherCa {
+    peers: Arc<dyn ClientCertVerifier>,
+    clients: Option<Arc<dyn ClientCertVerifier>>,
+    hints: Vec<DistinguishedName>,
+    mandatory: bool,
+}
+
+impl ClientCertVerifier for EitherCa {
+    fn client_auth_mandatory(&self) -> bool {
+        self.mandatory
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &self.hints
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        match self
+            .peers
+            .verify_client_cert(end_entity, intermediates, now)
+        {
+            Ok(v) => Ok(v),
+            Err(e) => match &self.clients {
+                Some(c) => c.verify_client_cert(end_entity, intermediates, now),
+                None => Err(e),
+            },
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.peers.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.peers.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.peers.supported_verify_schemes()
+    }
+}
