@@ -125,6 +125,8 @@ pub struct PublishContext {
     held: Vec<Arc<Subscriber>>,
     /// Keep a record of every dead letter published through this context (for the durable log).
     record_dead_letters: bool,
+    /// Route to plain subscriptions only (a copy a cluster peer forwarded for them).
+    plain_only: bool,
     dead_letters: Vec<DeadLetterRecord>,
 }
 
@@ -150,6 +152,13 @@ impl PublishContext {
     /// context, to be taken with [`take_dead_letters`](Self::take_dead_letters).
     pub fn record_dead_letters(&mut self) {
         self.record_dead_letters = true;
+    }
+
+    /// From now on, route what is published through this context to plain subscriptions only,
+    /// not to consumer groups (copies a cluster peer forwarded to this node's plain
+    /// subscribers: the groups' picks are the publishing node's).
+    pub fn plain_only(&mut self) {
+        self.plain_only = true;
     }
 
     /// The dead letters recorded since the last call.
@@ -970,7 +979,7 @@ impl Broker {
                 .take_while(|p| p.topic.as_bytes() == first.topic.as_bytes())
                 .count();
             let topic = self.topic_state(ctx, first.topic);
-            let has_groups = self.route(&topic, &mut targets);
+            let has_groups = self.route(&topic, &mut targets, ctx.plain_only);
             // With a group, route message by message so the round-robin sees each one.
             let run_len = if has_groups { 1 } else { run_len };
             let base = topic.assign_offsets(run_len as u64);
@@ -1043,13 +1052,19 @@ impl Broker {
 
     /// Collect the subscriptions that get a message on `topic` into `targets`: every matching
     /// plain subscription and one member of each matching group. Returns true if a group matched.
-    fn route(&self, topic: &TopicState, targets: &mut Vec<Arc<Subscriber>>) -> bool {
+    fn route(
+        &self,
+        topic: &TopicState,
+        targets: &mut Vec<Arc<Subscriber>>,
+        plain_only: bool,
+    ) -> bool {
         let mut has_groups = false;
         let routes = self.read_routes();
         routes
             .index
             .for_each_match(topic.name(), |route| match route {
                 Route::Plain(s) => targets.push(s.clone()),
+                Route::Group(_) if plain_only => {}
                 Route::Group(g) => {
                     has_groups = true;
                     if let Some(m) = g.pick(None, self.config.max_in_flight) {

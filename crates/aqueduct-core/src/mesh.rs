@@ -118,9 +118,14 @@ impl Interest {
 
     /// Does a plain filter match `topic`?
     pub fn wants_plain(&self, topic: &TopicName) -> bool {
-        self.counts
-            .keys()
-            .any(|k| matches!(k, Key::Plain(f) if matches(f, topic)))
+        self.wants_plain_bytes(topic.as_bytes())
+    }
+
+    /// [`wants_plain`](Self::wants_plain) on a topic's bytes (no allocation).
+    pub fn wants_plain_bytes(&self, topic: &[u8]) -> bool {
+        self.counts.keys().any(
+            |k| matches!(k, Key::Plain(f) if crate::matching::matches_bytes(f.as_bytes(), topic)),
+        )
     }
 
     /// Groups whose filter matches `topic`, with their member counts here.
@@ -598,6 +603,15 @@ impl RouteTable {
     /// Every node's interest, this one's included, in id order.
     pub fn nodes(&self) -> &[(NodeId, Interest)] {
         &self.nodes
+    }
+
+    /// The peers with a plain filter matching `topic` (each gets one copy for its plain
+    /// subscribers).
+    pub fn plain_peers<'a>(&'a self, topic: &'a [u8]) -> impl Iterator<Item = &'a NodeId> + 'a {
+        self.nodes
+            .iter()
+            .filter(move |(n, i)| *n != self.me && i.wants_plain_bytes(topic))
+            .map(|(n, _)| n)
     }
 
     /// Where a message published on this node goes: one copy per peer at most (plain interest,

@@ -4,28 +4,43 @@
 //! stream each way — and publishes the routing snapshot ([`RouteTable`]) behind an atomic
 //! pointer after every change, for the publish path to read without a lock.
 //!
+//! A message published here goes, as one copy per peer with matching plain interest (a PUBLISH
+//! with the MeshForwarded bit), into that peer's bounded queue; the peer's connection task
+//! writes the queue on a data stream, and the receiving node publishes the copy to its own plain
+//! subscribers only, never forwarding it again. Not built yet: consumer groups across nodes,
+//! compression of the copies, peer metrics (see docs/architecture.md, "The cluster").
+//!
 //! Every connection's task lives in the driver's `JoinSet`, so none outlives the driver, and the
-//! driver stops with the server. Not built yet: forwarding messages over the mesh (see
-//! docs/architecture.md, "The cluster").
+//! driver stops with the server.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
 use aqueduct_core::mesh::{
     ConnId, Control, Interest, Key, Mesh, MeshConfig, NodeId, Output, RouteTable,
 };
 use aqueduct_core::mesh_codec::{decode_control, encode_control, MeshCodecError};
+use aqueduct_core::{Broker, Publication, PublishContext};
+use aqueduct_proto::frame::{split_frame, Message};
+use aqueduct_proto::{DecodeError, Frame, Publish, HEADER_LEN};
 use arc_swap::ArcSwap;
+use bytes::Bytes;
 use bytes::{Buf, BytesMut};
 use tokio::io::AsyncReadExt;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, watch, Notify};
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
 use crate::mesh_tls::{MeshTls, MESH_NAME};
 
+/// The MeshForwarded bit of the command byte.
+const MESH_FORWARDED: u8 = 0x80;
 /// A dial that takes longer fails (and is retried after the backoff).
 const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Control streams each mesh connection may open (one is used).
@@ -65,11 +80,83 @@ pub enum Event {
     Peers(Vec<SocketAddr>),
 }
 
+/// Copies waiting for one peer, bounded: when full, the oldest is dropped (counted), so a slow
+/// peer never holds up local delivery, and it is not disconnected for being slow. The lock is
+/// held only to push or to take what is queued.
+#[derive(Debug)]
+pub struct PeerQueue {
+    queue: Mutex<VecDeque<Bytes>>,
+    notify: Notify,
+    capacity: usize,
+    /// Copies queued, dropped (queue full), and bytes written to the peer.
+    pub forwarded: AtomicU64,
+    pub dropped: AtomicU64,
+    pub bytes: AtomicU64,
+}
+
+impl PeerQueue {
+    fn new(capacity: usize) -> PeerQueue {
+        PeerQueue {
+            queue: Mutex::new(VecDeque::new()),
+            notify: Notify::new(),
+            capacity: capacity.max(1),
+            forwarded: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+        }
+    }
+
+    fn push(&self, frame: Bytes) {
+        {
+            let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+            if q.len() >= self.capacity {
+                q.pop_front();
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+            q.push_back(frame);
+        }
+        self.forwarded.fetch_add(1, Ordering::Relaxed);
+        self.notify.notify_one();
+    }
+
+    /// Move what is queued into `out`, up to about `budget` bytes.
+    fn take(&self, out: &mut BytesMut, budget: usize) {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(f) = q.front() {
+            if !out.is_empty() && out.len() + f.len() > budget {
+                break;
+            }
+            out.extend_from_slice(f);
+            q.pop_front();
+        }
+    }
+}
+
+/// The frame a peer receives for a message published here: a PUBLISH with the MeshForwarded
+/// bit, the message's priority, TTL, trace and compression extensions, and its body.
+fn forwarded_frame(p: &Publication<'_>) -> Option<Bytes> {
+    let topic = p.topic.to_name();
+    let mut publish = Publish::new(topic, Bytes::copy_from_slice(p.body)).with_priority(p.priority);
+    if let Some(ttl) = p.ttl {
+        publish = publish.with_ttl_ms(u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX));
+    }
+    publish.ext.trace = p.trace.copied();
+    publish.ext.compression = p.compression.copied();
+    let mut out = BytesMut::new();
+    Frame::new(0, Message::Publish(publish)).encode(&mut out);
+    // The command byte: mark it forwarded, so that the peer never forwards it again.
+    let command = out.get_mut(1)?;
+    *command |= MESH_FORWARDED;
+    Some(out.freeze())
+}
+
 /// How the rest of the server reaches the mesh.
 #[derive(Debug, Clone)]
 pub struct MeshHandle {
     tx: mpsc::UnboundedSender<Event>,
     table: Arc<ArcSwap<RouteTable>>,
+    /// Each connected peer's queue, swapped with the peer set.
+    queues: Arc<ArcSwap<HashMap<NodeId, Arc<PeerQueue>>>>,
     node: NodeId,
 }
 
@@ -87,6 +174,42 @@ impl MeshHandle {
     /// The current routing snapshot.
     pub fn table(&self) -> Arc<RouteTable> {
         self.table.load_full()
+    }
+
+    /// A message published on this node: a copy to each peer with matching plain interest (one
+    /// per peer, whatever how many of its filters match). Two atomic loads and no lock but the
+    /// chosen peers' queue pushes.
+    pub fn forward(&self, p: &Publication<'_>) {
+        let table = self.table.load();
+        let queues = self.queues.load();
+        let mut frame: Option<Bytes> = None;
+        for node in table.plain_peers(p.topic.as_bytes()) {
+            let Some(q) = queues.get(node) else { continue };
+            if frame.is_none() {
+                frame = forwarded_frame(p);
+            }
+            if let Some(f) = &frame {
+                q.push(f.clone());
+            }
+        }
+    }
+
+    /// Each connected peer's queue counters (forwarded, dropped, bytes written), by node.
+    pub fn peer_counters(&self) -> Vec<(NodeId, u64, u64, u64)> {
+        let queues = self.queues.load();
+        let mut v: Vec<_> = queues
+            .iter()
+            .map(|(n, q)| {
+                (
+                    n.clone(),
+                    q.forwarded.load(Ordering::Relaxed),
+                    q.dropped.load(Ordering::Relaxed),
+                    q.bytes.load(Ordering::Relaxed),
+                )
+            })
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
     }
 
     /// Each connected peer and what it wants, as the latest snapshot has it.
@@ -108,11 +231,14 @@ pub struct Driver {
     rx: mpsc::UnboundedReceiver<Event>,
     tx: mpsc::UnboundedSender<Event>,
     table: Arc<ArcSwap<RouteTable>>,
+    queues: Arc<ArcSwap<HashMap<NodeId, Arc<PeerQueue>>>>,
     tls: Arc<MeshTls>,
+    broker: Arc<Broker>,
+    queue_size: usize,
 }
 
 /// Make the driver and its handle.
-pub fn new(tls: Arc<MeshTls>) -> (Driver, MeshHandle) {
+pub fn new(tls: Arc<MeshTls>, broker: Arc<Broker>, queue_size: usize) -> (Driver, MeshHandle) {
     let (tx, rx) = mpsc::unbounded_channel();
     let session_base = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -125,9 +251,11 @@ pub fn new(tls: Arc<MeshTls>) -> (Driver, MeshHandle) {
         session_base,
     );
     let table = Arc::new(ArcSwap::from_pointee(mesh.table()));
+    let queues = Arc::new(ArcSwap::from_pointee(HashMap::new()));
     let handle = MeshHandle {
         tx: tx.clone(),
         table: table.clone(),
+        queues: queues.clone(),
         node: tls.node.clone(),
     };
     (
@@ -136,7 +264,10 @@ pub fn new(tls: Arc<MeshTls>) -> (Driver, MeshHandle) {
             rx,
             tx,
             table,
+            queues,
             tls,
+            broker,
+            queue_size,
         },
         handle,
     )
@@ -145,8 +276,7 @@ pub fn new(tls: Arc<MeshTls>) -> (Driver, MeshHandle) {
 impl Driver {
     /// Run until `stop`; then close every mesh connection.
     pub async fn run(mut self, endpoint: quinn::Endpoint, mut stop: watch::Receiver<bool>) {
-        let mut conns: HashMap<ConnId, (quinn::Connection, mpsc::UnboundedSender<Vec<u8>>)> =
-            HashMap::new();
+        let mut conns: HashMap<ConnId, Link> = HashMap::new();
         let mut tasks = JoinSet::new();
         let mut next_conn = 1u64;
         info!(node = %self.mesh.me(), "cluster mesh started");
@@ -167,15 +297,31 @@ impl Driver {
                 _ = stop.wait_for(|s| *s) => break,
             };
             let now = Instant::now();
-            let mut adopt =
-                |conn: quinn::Connection, conns: &mut HashMap<_, _>, tasks: &mut JoinSet<()>| {
-                    let id = ConnId(next_conn);
-                    next_conn += 1;
-                    let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
-                    conns.insert(id, (conn.clone(), ctl_tx));
-                    tasks.spawn(serve_peer(conn, id, ctl_rx, self.tx.clone()));
-                    id
-                };
+            let mut adopt = |conn: quinn::Connection,
+                             conns: &mut HashMap<ConnId, Link>,
+                             tasks: &mut JoinSet<()>| {
+                let id = ConnId(next_conn);
+                next_conn += 1;
+                let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
+                let queue = Arc::new(PeerQueue::new(self.queue_size));
+                conns.insert(
+                    id,
+                    Link {
+                        conn: conn.clone(),
+                        ctl: ctl_tx,
+                        queue: queue.clone(),
+                    },
+                );
+                tasks.spawn(serve_peer(
+                    conn,
+                    id,
+                    ctl_rx,
+                    queue,
+                    self.broker.clone(),
+                    self.tx.clone(),
+                ));
+                id
+            };
             match event {
                 None => {}
                 Some(Event::Accepted { conn, node }) => {
@@ -201,8 +347,8 @@ impl Driver {
                 }
                 Some(Event::Broken { conn, why }) => {
                     warn!(conn = conn.0, "mesh control stream broken: {why}");
-                    if let Some((c, _)) = conns.remove(&conn) {
-                        c.close(0u32.into(), b"mesh protocol error");
+                    if let Some(link) = conns.remove(&conn) {
+                        link.conn.close(0u32.into(), b"mesh protocol error");
                     }
                     self.mesh.handle_disconnected(now, conn);
                 }
@@ -224,28 +370,43 @@ impl Driver {
                         });
                     }
                     Output::Close { conn, reason } => {
-                        if let Some((c, _)) = conns.remove(&conn) {
+                        if let Some(link) = conns.remove(&conn) {
                             debug!(conn = conn.0, reason, "closing a mesh connection");
-                            c.close(0u32.into(), reason.as_bytes());
+                            link.conn.close(0u32.into(), reason.as_bytes());
                         }
                     }
                     Output::Send { conn, control } => {
-                        if let Some((_, ctl)) = conns.get(&conn) {
+                        if let Some(link) = conns.get(&conn) {
                             let mut bytes = Vec::new();
                             encode_control(&control, &mut bytes);
-                            let _ = ctl.send(bytes);
+                            let _ = link.ctl.send(bytes);
                         }
                     }
                 }
             }
             self.table.store(Arc::new(self.mesh.table()));
+            let queues: HashMap<NodeId, Arc<PeerQueue>> = self
+                .mesh
+                .peers()
+                .filter_map(|(n, c)| conns.get(&c).map(|l| (n.clone(), l.queue.clone())))
+                .collect();
+            self.queues.store(Arc::new(queues));
         }
-        for (c, _) in conns.values() {
-            c.close(0u32.into(), b"broker shutting down");
+        for link in conns.values() {
+            link.conn.close(0u32.into(), b"broker shutting down");
         }
         tasks.shutdown().await;
         info!("cluster mesh stopped");
     }
+}
+
+/// A mesh connection as the driver holds it.
+struct Link {
+    conn: quinn::Connection,
+    /// Encoded control messages for its writer.
+    ctl: mpsc::UnboundedSender<Vec<u8>>,
+    /// Copies for the peer.
+    queue: Arc<PeerQueue>,
 }
 
 /// Dial `addr` as a mesh peer: the peer certificate must name `aqueduct-mesh` and chain to the
@@ -273,25 +434,37 @@ async fn dial(
     Ok((conn, node))
 }
 
-/// One mesh connection: write this node's control messages on a unidirectional stream of its
-/// own, read the peer's from the first one it opens, until either side ends.
+/// The first byte of each unidirectional stream says what it carries.
+const CONTROL_STREAM: u8 = 1;
+const DATA_STREAM: u8 = 2;
+/// A data write gathers up to this many bytes of queued copies.
+const DATA_WRITE: usize = 64 * 1024;
+
+/// One mesh connection, both ways: this node's control messages and copies on two
+/// unidirectional streams of its own, the peer's read from the two it opens (control messages
+/// to the driver, copies published here to the local plain subscribers), until either ends.
 async fn serve_peer(
     conn: quinn::Connection,
     id: ConnId,
     mut ctl: mpsc::UnboundedReceiver<Vec<u8>>,
+    queue: Arc<PeerQueue>,
+    broker: Arc<Broker>,
     events: mpsc::UnboundedSender<Event>,
 ) {
     /// How the connection's streams ended.
     enum End {
         /// Closed, reset or gone: the connection is over.
         Gone,
-        /// The peer broke the control protocol.
+        /// The peer broke the mesh protocol.
         Broken(String),
     }
-    let writer = async {
+    let control_out = async {
         let Ok(mut send) = conn.open_uni().await else {
             return End::Gone;
         };
+        if send.write_all(&[CONTROL_STREAM]).await.is_err() {
+            return End::Gone;
+        }
         while let Some(bytes) = ctl.recv().await {
             if send.write_all(&bytes).await.is_err() {
                 return End::Gone;
@@ -299,10 +472,63 @@ async fn serve_peer(
         }
         End::Gone
     };
-    let reader = async {
-        let Ok(mut recv) = conn.accept_uni().await else {
+    let data_out = async {
+        let Ok(mut send) = conn.open_uni().await else {
             return End::Gone;
         };
+        if send.write_all(&[DATA_STREAM]).await.is_err() {
+            return End::Gone;
+        }
+        let mut buf = BytesMut::new();
+        loop {
+            let notified = queue.notify.notified();
+            queue.take(&mut buf, DATA_WRITE);
+            if buf.is_empty() {
+                notified.await;
+                continue;
+            }
+            let chunk = buf.split().freeze();
+            let len = chunk.len() as u64;
+            if send.write_chunk(chunk).await.is_err() {
+                return End::Gone;
+            }
+            queue.bytes.fetch_add(len, Ordering::Relaxed);
+        }
+    };
+    let inbound = async {
+        let mut streams = Vec::new();
+        for _ in 0..2 {
+            let Ok(mut recv) = conn.accept_uni().await else {
+                return End::Gone;
+            };
+            let mut kind = [0u8];
+            if recv.read_exact(&mut kind).await.is_err() {
+                return End::Gone;
+            }
+            streams.push((kind[0], recv));
+        }
+        let mut control = None;
+        let mut data = None;
+        for (kind, recv) in streams {
+            match kind {
+                CONTROL_STREAM if control.is_none() => control = Some(recv),
+                DATA_STREAM if data.is_none() => data = Some(recv),
+                k => return End::Broken(format!("unexpected stream kind {k}")),
+            }
+        }
+        let (Some(control), Some(data)) = (control, data) else {
+            return End::Broken("a control and a data stream are needed".into());
+        };
+        tokio::select! {
+            e = read_control(control, id, &events) => e,
+            e = read_data(data, &broker) => e,
+        }
+    };
+    async fn read_control(
+        mut recv: quinn::RecvStream,
+        id: ConnId,
+        events: &mpsc::UnboundedSender<Event>,
+    ) -> End {
         let mut buf = BytesMut::with_capacity(4096);
         loop {
             let Ok(n) = recv.read_buf(&mut buf).await else {
@@ -326,10 +552,64 @@ async fn serve_peer(
                 };
             }
         }
-    };
+    }
+    async fn read_data(mut recv: quinn::RecvStream, broker: &Broker) -> End {
+        let limits = aqueduct_proto::Limits {
+            max_data_len: 16 << 20,
+        };
+        let mut ctx = PublishContext::default();
+        ctx.plain_only();
+        let mut buf = BytesMut::with_capacity(64 * 1024);
+        loop {
+            let Ok(n) = recv.read_buf(&mut buf).await else {
+                return End::Gone;
+            };
+            loop {
+                match split_frame(&buf, &limits) {
+                    Ok(raw) => {
+                        let mut data = buf.split_to(raw.frame_len()).freeze();
+                        data.advance(HEADER_LEN);
+                        let header = match raw.validate() {
+                            Ok(h) if h.mesh_forwarded => h,
+                            Ok(_) => {
+                                return End::Broken("a copy without the MeshForwarded bit".into())
+                            }
+                            Err(e) => return End::Broken(e.to_string()),
+                        };
+                        match Frame::decode(&header, data) {
+                            Ok(Frame {
+                                message: Message::Publish(p),
+                                ..
+                            }) => {
+                                broker.publish(
+                                    &mut ctx,
+                                    &Publication::from_publish(&p),
+                                    Instant::now(),
+                                );
+                                // A held subscriber (block policy) holds the peer's copies too.
+                                while let Some(sub) = ctx.take_held() {
+                                    std::future::poll_fn(|cx| sub.poll_room(cx)).await;
+                                }
+                            }
+                            Ok(_) => {
+                                return End::Broken("only PUBLISH copies are forwarded".into())
+                            }
+                            Err(e) => return End::Broken(e.to_string()),
+                        }
+                    }
+                    Err(DecodeError::Incomplete { .. }) => break,
+                    Err(DecodeError::Invalid(e)) => return End::Broken(e.to_string()),
+                }
+            }
+            if n == 0 {
+                return End::Gone;
+            }
+        }
+    }
     let end = tokio::select! {
-        e = writer => e,
-        e = reader => e,
+        e = control_out => e,
+        e = data_out => e,
+        e = inbound => e,
         _ = conn.closed() => End::Gone,
     };
     let _ = events.send(match end {

@@ -1,6 +1,6 @@
-//! The cluster mesh between in-process brokers on 127.0.0.1 (the transport so far: connections
-//! and interest; forwarding is not built yet). `cluster.enabled` is set in the typed config:
-//! the config file still refuses it until forwarding works.
+//! The cluster mesh between in-process brokers on 127.0.0.1: connections, interest, and
+//! forwarding to plain subscribers. `cluster.enabled` is set in the typed config: the config
+//! file still refuses it until consumer groups work across nodes.
 
 mod common;
 
@@ -110,6 +110,79 @@ async fn three_nodes_form_a_full_mesh_and_share_interest() {
         .await;
     }
     for b in nodes {
+        b.stop().await.expect("clean shutdown");
+    }
+}
+
+async fn formed(c: &Cluster) {
+    let n = c.nodes.len();
+    for (i, b) in c.nodes.iter().enumerate() {
+        until_async(&format!("node-{i} to see its peers"), || {
+            peers_of(b).len() == n - 1
+        })
+        .await;
+    }
+}
+
+/// Publish on node 0; exact and wildcard subscribers on nodes 1 and 2 each get every message
+/// once, in order, with its priority; a node without interest is sent nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_published_on_one_node_reach_subscribers_on_the_others_once() {
+    let c = cluster(3).await;
+    formed(&c).await;
+    let (b, cc) = (c.nodes[1].client().await, c.nodes[2].client().await);
+    let mut exact = b.subscribe("orders/eu").await.expect("exact on node 1");
+    let mut wild = cc.subscribe("orders/#").await.expect("wildcard on node 2");
+    let mut also = cc
+        .subscribe("orders/+")
+        .await
+        .expect("second filter on node 2");
+    until_async("node 0 to learn both nodes' interest", || {
+        wants(&c.nodes[0], "node-1", "orders/eu") && wants(&c.nodes[0], "node-2", "orders/+")
+    })
+    .await;
+    let publisher = c.nodes[0].client().await;
+    let opts = aqueduct_client::PublishOptions {
+        confirm: true,
+        priority: Some(aqueduct_client::Priority::new(1).expect("priority")),
+        ..Default::default()
+    };
+    const N: usize = 200;
+    for i in 0..N {
+        publisher
+            .publish_with("orders/eu", format!("m{i}"), &opts)
+            .await
+            .expect("publish");
+    }
+    publisher
+        .publish_with("stock/x", "not for them", &opts)
+        .await
+        .expect("publish");
+    for sub in [&mut exact, &mut wild, &mut also] {
+        for i in 0..N {
+            let m = next(sub).await;
+            assert_eq!(&m.body()[..], format!("m{i}").as_bytes(), "in order, once");
+            assert_eq!(m.priority().level(), 1);
+        }
+    }
+    // Nothing more arrives (no duplicates, nothing without interest).
+    let (b2, c2) = (c.nodes[1].broker.clone(), c.nodes[2].broker.clone());
+    let published = |b: &aqueduct_core::Broker, t: &str| {
+        b.topic(&aqueduct_proto::TopicName::try_from(t).expect("topic"))
+            .map_or(0, |s| s.stats().snapshot().published)
+    };
+    assert_eq!(published(&b2, "orders/eu"), N as u64, "one copy to node 1");
+    assert_eq!(
+        published(&c2, "orders/eu"),
+        N as u64,
+        "one copy to node 2 for two filters"
+    );
+    assert_eq!(published(&b2, "stock/x") + published(&c2, "stock/x"), 0);
+    let counters = c.nodes[0].control.mesh().expect("on").peer_counters();
+    for (node, forwarded, dropped, _) in &counters {
+        assert_eq!((*forwarded, *dropped), (N as u64, 0), "to {node}");
+    }
+    for b in c.nodes {
         b.stop().await.expect("clean shutdown");
     }
 }

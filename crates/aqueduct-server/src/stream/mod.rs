@@ -532,6 +532,9 @@ impl Reader<'_> {
                     return self.publish_durable(d, std::iter::once(publication), waiter, now);
                 }
                 let outcome = broker.publish(&mut self.ctx, &publication, now);
+                if let Some(mesh) = &self.shared.mesh {
+                    mesh.forward(&publication);
+                }
                 if p.ext.confirm {
                     self.confirm(stream_id, vec![outcome.offset]);
                 }
@@ -560,6 +563,11 @@ impl Reader<'_> {
                         }
                     },
                 );
+                if let Some(mesh) = &self.shared.mesh {
+                    for r in &refs {
+                        mesh.forward(&Publication::from_ref(r));
+                    }
+                }
                 if confirm {
                     self.confirm(stream_id, offsets);
                 }
@@ -861,6 +869,11 @@ impl Reader<'_> {
             .publish_batch(&mut self.ctx, publications.clone(), now, |topic, o| {
                 routed.push((topic.clone(), o))
             });
+        if let Some(mesh) = &self.shared.mesh {
+            for p in publications.clone() {
+                mesh.forward(&p);
+            }
+        }
         d.queue_frame(routed.drain(..).zip(publications), waiter);
         // Dead letters this publish caused (a group member closed as a slow consumer whose
         // messages ran out of retries), after the frame's own messages.
