@@ -125,9 +125,28 @@ pub struct PublishContext {
     held: Vec<Arc<Subscriber>>,
     /// Keep a record of every dead letter published through this context (for the durable log).
     record_dead_letters: bool,
-    /// Route to plain subscriptions only (a copy a cluster peer forwarded for them).
-    plain_only: bool,
+    /// Which subscriptions routing may pick (the cluster mesh narrows it); `None`: all.
+    scope: Option<Scope>,
     dead_letters: Vec<DeadLetterRecord>,
+}
+
+/// Which subscriptions a publish may be routed to.
+#[derive(Debug, Default)]
+struct Scope {
+    plain: bool,
+    groups: Vec<crate::mesh::GroupKey>,
+    /// `groups` are the groups *not* to route to (else the only ones).
+    except: bool,
+}
+
+impl Scope {
+    fn allows_group(&self, g: &GroupShared) -> bool {
+        let listed = self
+            .groups
+            .iter()
+            .any(|k| k.group == *g.id() && k.filter == *g.filter());
+        listed != self.except
+    }
 }
 
 /// A dead letter the broker published, with its offset in the dead-letter topic: what the
@@ -154,11 +173,31 @@ impl PublishContext {
         self.record_dead_letters = true;
     }
 
-    /// From now on, route what is published through this context to plain subscriptions only,
-    /// not to consumer groups (copies a cluster peer forwarded to this node's plain
-    /// subscribers: the groups' picks are the publishing node's).
-    pub fn plain_only(&mut self) {
-        self.plain_only = true;
+    /// Route what is published through this context next to plain subscriptions only if
+    /// `plain`, and to consumer groups only if `groups` lists them (a copy a cluster peer sent
+    /// this node for its plain subscribers and the groups it picked here).
+    /// [`clear_scope`](Self::clear_scope) goes back to routing to all.
+    pub fn scope_only(&mut self, plain: bool, groups: &[crate::mesh::GroupKey]) {
+        self.set_scope(plain, groups, false);
+    }
+
+    /// Route what is published through this context next to every matching subscription but the
+    /// consumer groups in `groups` (the cluster mesh picked members on other nodes for them).
+    pub fn scope_except(&mut self, groups: &[crate::mesh::GroupKey]) {
+        self.set_scope(true, groups, true);
+    }
+
+    fn set_scope(&mut self, plain: bool, groups: &[crate::mesh::GroupKey], except: bool) {
+        let scope = self.scope.get_or_insert_with(Scope::default);
+        scope.plain = plain;
+        scope.except = except;
+        scope.groups.clear();
+        scope.groups.extend_from_slice(groups);
+    }
+
+    /// Route to every matching subscription again.
+    pub fn clear_scope(&mut self) {
+        self.scope = None;
     }
 
     /// The dead letters recorded since the last call.
@@ -979,7 +1018,7 @@ impl Broker {
                 .take_while(|p| p.topic.as_bytes() == first.topic.as_bytes())
                 .count();
             let topic = self.topic_state(ctx, first.topic);
-            let has_groups = self.route(&topic, &mut targets, ctx.plain_only);
+            let has_groups = self.route(&topic, &mut targets, ctx.scope.as_ref());
             // With a group, route message by message so the round-robin sees each one.
             let run_len = if has_groups { 1 } else { run_len };
             let base = topic.assign_offsets(run_len as u64);
@@ -1056,15 +1095,16 @@ impl Broker {
         &self,
         topic: &TopicState,
         targets: &mut Vec<Arc<Subscriber>>,
-        plain_only: bool,
+        scope: Option<&Scope>,
     ) -> bool {
         let mut has_groups = false;
         let routes = self.read_routes();
         routes
             .index
             .for_each_match(topic.name(), |route| match route {
+                Route::Plain(_) if scope.is_some_and(|s| !s.plain) => {}
                 Route::Plain(s) => targets.push(s.clone()),
-                Route::Group(_) if plain_only => {}
+                Route::Group(g) if scope.is_some_and(|s| !s.allows_group(&g.shared)) => {}
                 Route::Group(g) => {
                     has_groups = true;
                     if let Some(m) = g.pick(None, self.config.max_in_flight) {

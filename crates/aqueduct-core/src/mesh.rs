@@ -35,8 +35,6 @@ use std::time::{Duration, Instant};
 
 use aqueduct_proto::{GroupId, TopicFilter, TopicName};
 
-use crate::matching::matches;
-
 /// A node's name in the mesh: the Common Name of its peer certificate.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NodeId(String);
@@ -133,8 +131,18 @@ impl Interest {
         &'a self,
         topic: &'a TopicName,
     ) -> impl Iterator<Item = (&'a GroupKey, u32)> + 'a {
+        self.groups_for_bytes(topic.as_bytes())
+    }
+
+    /// [`groups_for`](Self::groups_for) on a topic's bytes.
+    pub fn groups_for_bytes<'a>(
+        &'a self,
+        topic: &'a [u8],
+    ) -> impl Iterator<Item = (&'a GroupKey, u32)> + 'a {
         self.counts.iter().filter_map(move |(k, n)| match k {
-            Key::Group(g) if matches(&g.filter, topic) => Some((g, *n)),
+            Key::Group(g) if crate::matching::matches_bytes(g.filter.as_bytes(), topic) => {
+                Some((g, *n))
+            }
             _ => None,
         })
     }
@@ -618,10 +626,15 @@ impl RouteTable {
     /// and the groups whose picked member is there), the groups picked here, and the groups
     /// with no member anywhere.
     pub fn route(&self, topic: &TopicName) -> Routing {
+        self.route_bytes(topic.as_bytes())
+    }
+
+    /// [`route`](Self::route) on a topic's bytes.
+    pub fn route_bytes(&self, topic: &[u8]) -> Routing {
         let mut routing = Routing::default();
         let mut copies: BTreeMap<NodeId, Forward> = BTreeMap::new();
         for (node, interest) in &self.nodes {
-            if *node != self.me && interest.wants_plain(topic) {
+            if *node != self.me && interest.wants_plain_bytes(topic) {
                 copies.entry(node.clone()).or_default().plain = true;
             }
         }
@@ -676,11 +689,16 @@ impl RouteTable {
     }
 
     /// Groups (anywhere) whose filter matches `topic`.
-    fn groups_for(&self, topic: &TopicName) -> BTreeSet<GroupKey> {
+    fn groups_for(&self, topic: &[u8]) -> BTreeSet<GroupKey> {
         self.nodes
             .iter()
-            .flat_map(|(_, i)| i.groups_for(topic).map(|(g, _)| g.clone()))
+            .flat_map(|(_, i)| i.groups_for_bytes(topic).map(|(g, _)| g.clone()))
             .collect()
+    }
+
+    /// Are there groups anywhere (else routing is plain only, and cheaper)?
+    pub fn has_groups(&self) -> bool {
+        self.counters.values().next().is_some()
     }
 
     /// The node of the next member of `g` round-robin, over the members of every node not in

@@ -25,13 +25,16 @@ use std::sync::Mutex;
 use aqueduct_core::mesh::{
     ConnId, Control, Interest, Key, Mesh, MeshConfig, NodeId, Output, RouteTable,
 };
-use aqueduct_core::mesh_codec::{decode_control, encode_control, MeshCodecError};
+use aqueduct_core::mesh::{Forward, GroupKey};
+use aqueduct_core::mesh_codec::{
+    decode_control, decode_forward, encode_control, encode_forward, MeshCodecError,
+};
 use aqueduct_core::{Broker, Publication, PublishContext};
 use aqueduct_proto::frame::{split_frame, Message};
 use aqueduct_proto::{DecodeError, Frame, Publish, HEADER_LEN};
 use arc_swap::ArcSwap;
 use bytes::Bytes;
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, BufMut, BytesMut};
 use tokio::io::AsyncReadExt;
 use tokio::sync::{mpsc, watch, Notify};
 use tokio::task::JoinSet;
@@ -176,21 +179,53 @@ impl MeshHandle {
         self.table.load_full()
     }
 
-    /// A message published on this node: a copy to each peer with matching plain interest (one
-    /// per peer, whatever how many of its filters match). Two atomic loads and no lock but the
-    /// chosen peers' queue pushes.
-    pub fn forward(&self, p: &Publication<'_>) {
+    /// Publish a message on this node: `local` publishes it here (on `ctx`, scoped so that the
+    /// consumer groups the mesh picked members of on other nodes for are left out), then a copy
+    /// goes to each peer that wants it (its plain subscribers, the groups picked there): one per
+    /// peer. Atomic loads and the chosen peers' queue pushes; no other lock.
+    pub fn publish<T>(
+        &self,
+        ctx: &mut PublishContext,
+        p: &Publication<'_>,
+        local: impl FnOnce(&mut PublishContext) -> T,
+    ) -> T {
         let table = self.table.load();
+        let routing = table.route_bytes(p.topic.as_bytes());
+        let elsewhere: Vec<GroupKey> = routing
+            .forward
+            .iter()
+            .flat_map(|(_, f)| f.groups.iter().cloned())
+            .collect();
+        let out = if elsewhere.is_empty() {
+            local(ctx)
+        } else {
+            ctx.scope_except(&elsewhere);
+            let out = local(ctx);
+            ctx.clear_scope();
+            out
+        };
+        self.send_copies(p, &routing.forward);
+        out
+    }
+
+    /// Queue a copy of `p` for each of `copies`.
+    fn send_copies(&self, p: &Publication<'_>, copies: &[(NodeId, Forward)]) {
+        if copies.is_empty() {
+            return;
+        }
         let queues = self.queues.load();
-        let mut frame: Option<Bytes> = None;
-        for node in table.plain_peers(p.topic.as_bytes()) {
+        let Some(frame) = forwarded_frame(p) else {
+            return;
+        };
+        for (node, f) in copies {
             let Some(q) = queues.get(node) else { continue };
-            if frame.is_none() {
-                frame = forwarded_frame(p);
-            }
-            if let Some(f) = &frame {
-                q.push(f.clone());
-            }
+            let mut routing = Vec::new();
+            encode_forward(f, &mut routing);
+            let mut record = BytesMut::with_capacity(2 + routing.len() + frame.len());
+            record.put_u16_le(routing.len() as u16);
+            record.extend_from_slice(&routing);
+            record.extend_from_slice(&frame);
+            q.push(record.freeze());
         }
     }
 
@@ -235,6 +270,7 @@ pub struct Driver {
     tls: Arc<MeshTls>,
     broker: Arc<Broker>,
     queue_size: usize,
+    handle: MeshHandle,
 }
 
 /// Make the driver and its handle.
@@ -268,6 +304,7 @@ pub fn new(tls: Arc<MeshTls>, broker: Arc<Broker>, queue_size: usize) -> (Driver
             tls,
             broker,
             queue_size,
+            handle: handle.clone(),
         },
         handle,
     )
@@ -318,6 +355,7 @@ impl Driver {
                     ctl_rx,
                     queue,
                     self.broker.clone(),
+                    self.handle.clone(),
                     self.tx.clone(),
                 ));
                 id
@@ -449,6 +487,7 @@ async fn serve_peer(
     mut ctl: mpsc::UnboundedReceiver<Vec<u8>>,
     queue: Arc<PeerQueue>,
     broker: Arc<Broker>,
+    mesh: MeshHandle,
     events: mpsc::UnboundedSender<Event>,
 ) {
     /// How the connection's streams ended.
@@ -521,7 +560,7 @@ async fn serve_peer(
         };
         tokio::select! {
             e = read_control(control, id, &events) => e,
-            e = read_data(data, &broker) => e,
+            e = read_data(data, &broker, &mesh) => e,
         }
     };
     async fn read_control(
@@ -553,52 +592,62 @@ async fn serve_peer(
             }
         }
     }
-    async fn read_data(mut recv: quinn::RecvStream, broker: &Broker) -> End {
+    async fn read_data(mut recv: quinn::RecvStream, broker: &Broker, mesh: &MeshHandle) -> End {
         let limits = aqueduct_proto::Limits {
             max_data_len: 16 << 20,
         };
         let mut ctx = PublishContext::default();
-        ctx.plain_only();
         let mut buf = BytesMut::with_capacity(64 * 1024);
         loop {
             let Ok(n) = recv.read_buf(&mut buf).await else {
                 return End::Gone;
             };
             loop {
-                match split_frame(&buf, &limits) {
-                    Ok(raw) => {
-                        let mut data = buf.split_to(raw.frame_len()).freeze();
-                        data.advance(HEADER_LEN);
-                        let header = match raw.validate() {
-                            Ok(h) if h.mesh_forwarded => h,
-                            Ok(_) => {
-                                return End::Broken("a copy without the MeshForwarded bit".into())
-                            }
-                            Err(e) => return End::Broken(e.to_string()),
-                        };
-                        match Frame::decode(&header, data) {
-                            Ok(Frame {
-                                message: Message::Publish(p),
-                                ..
-                            }) => {
-                                broker.publish(
-                                    &mut ctx,
-                                    &Publication::from_publish(&p),
-                                    Instant::now(),
-                                );
-                                // A held subscriber (block policy) holds the peer's copies too.
-                                while let Some(sub) = ctx.take_held() {
-                                    std::future::poll_fn(|cx| sub.poll_room(cx)).await;
-                                }
-                            }
-                            Ok(_) => {
-                                return End::Broken("only PUBLISH copies are forwarded".into())
-                            }
-                            Err(e) => return End::Broken(e.to_string()),
-                        }
-                    }
+                // A record: routing length u16, routing, then the PUBLISH frame.
+                if buf.len() < 2 {
+                    break;
+                }
+                let routing_len = u16::from_le_bytes([buf[0], buf[1]]) as usize;
+                if buf.len() < 2 + routing_len {
+                    break;
+                }
+                let raw = match split_frame(&buf[2 + routing_len..], &limits) {
+                    Ok(raw) => raw,
                     Err(DecodeError::Incomplete { .. }) => break,
                     Err(DecodeError::Invalid(e)) => return End::Broken(e.to_string()),
+                };
+                let mut record = buf.split_to(2 + routing_len + raw.frame_len()).freeze();
+                let forward = match decode_forward(&record[2..2 + routing_len]) {
+                    Ok(f) => f,
+                    Err(e) => return End::Broken(e.to_string()),
+                };
+                record.advance(2 + routing_len + HEADER_LEN);
+                let header = match raw.validate() {
+                    Ok(h) if h.mesh_forwarded => h,
+                    Ok(_) => return End::Broken("a copy without the MeshForwarded bit".into()),
+                    Err(e) => return End::Broken(e.to_string()),
+                };
+                let p = match Frame::decode(&header, record) {
+                    Ok(Frame {
+                        message: Message::Publish(p),
+                        ..
+                    }) => p,
+                    Ok(_) => return End::Broken("only PUBLISH copies are forwarded".into()),
+                    Err(e) => return End::Broken(e.to_string()),
+                };
+                let publication = Publication::from_publish(&p);
+                // Its plain part and the groups with a member here; groups whose member left
+                // are picked again among the nodes the copy has not been to.
+                let routing = mesh.table().route_forwarded(&forward);
+                if forward.plain || !routing.local_groups.is_empty() {
+                    ctx.scope_only(forward.plain, &routing.local_groups);
+                    broker.publish(&mut ctx, &publication, Instant::now());
+                    ctx.clear_scope();
+                }
+                mesh.send_copies(&publication, &routing.forward);
+                // A held subscriber (block policy) holds the peer's copies too.
+                while let Some(sub) = ctx.take_held() {
+                    std::future::poll_fn(|cx| sub.poll_room(cx)).await;
                 }
             }
             if n == 0 {

@@ -1,6 +1,5 @@
-//! The cluster mesh between in-process brokers on 127.0.0.1: connections, interest, and
-//! forwarding to plain subscribers. `cluster.enabled` is set in the typed config: the config
-//! file still refuses it until consumer groups work across nodes.
+//! The cluster mesh between in-process brokers on 127.0.0.1: connections, interest, forwarding
+//! to plain subscribers and to consumer groups with members on several nodes.
 
 mod common;
 
@@ -182,6 +181,92 @@ async fn messages_published_on_one_node_reach_subscribers_on_the_others_once() {
     for (node, forwarded, dropped, _) in &counters {
         assert_eq!((*forwarded, *dropped), (N as u64, 0), "to {node}");
     }
+    for b in c.nodes {
+        b.stop().await.expect("clean shutdown");
+    }
+}
+
+fn group_wanted(b: &TestBroker, peer: &str) -> bool {
+    let key = Key::Group(aqueduct_core::mesh::GroupKey {
+        filter: TopicFilter::try_from("jobs").expect("filter"),
+        group: aqueduct_proto::GroupId::try_from("workers").expect("group"),
+    });
+    b.control
+        .mesh()
+        .expect("cluster on")
+        .view()
+        .into_iter()
+        .any(|(n, i)| n.as_str() == peer && i.count(&key) > 0)
+}
+
+/// A group with a member on each of three nodes gets each message published on one of them
+/// exactly once, spread round-robin over the members; a plain subscriber still gets them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_across_nodes_gets_each_message_once_round_robin() {
+    use std::sync::{Arc, Mutex};
+    let c = cluster(3).await;
+    formed(&c).await;
+    let got: Arc<Mutex<Vec<(usize, String)>>> = Arc::default();
+    let mut readers = Vec::new();
+    let mut clients = Vec::new();
+    for (i, node) in c.nodes.iter().enumerate() {
+        let client = node.client().await;
+        let mut member = client
+            .subscribe_group("jobs", "workers")
+            .await
+            .expect("member");
+        clients.push(client);
+        let got = got.clone();
+        readers.push(tokio::spawn(async move {
+            while let Some(Ok(m)) = member.next_message().await {
+                got.lock()
+                    .expect("lock")
+                    .push((i, String::from_utf8_lossy(m.body()).into_owned()));
+                let _ = m.ack().await;
+            }
+        }));
+    }
+    let watcher = c.nodes[1].client().await;
+    let mut plain = watcher.subscribe("jobs").await.expect("plain");
+    until_async("node 0 to learn the other members", || {
+        group_wanted(&c.nodes[0], "node-1") && group_wanted(&c.nodes[0], "node-2")
+    })
+    .await;
+    let publisher = c.nodes[0].client().await;
+    let opts = aqueduct_client::PublishOptions {
+        confirm: true,
+        ..Default::default()
+    };
+    const N: usize = 300;
+    for i in 0..N {
+        publisher
+            .publish_with("jobs", format!("j{i}"), &opts)
+            .await
+            .expect("publish");
+    }
+    for i in 0..N {
+        assert_eq!(
+            &next(&mut plain).await.body()[..],
+            format!("j{i}").as_bytes()
+        );
+    }
+    until_async("every job to reach a member", || {
+        got.lock().expect("lock").len() >= N
+    })
+    .await;
+    let got = got.lock().expect("lock").clone();
+    assert_eq!(got.len(), N, "no job twice");
+    let unique: BTreeSet<&String> = got.iter().map(|(_, b)| b).collect();
+    assert_eq!(unique.len(), N, "every job once");
+    let mut per_node = [0usize; 3];
+    for (i, _) in &got {
+        per_node[*i] += 1;
+    }
+    assert_eq!(per_node, [100, 100, 100], "round-robin over the members");
+    for r in readers {
+        r.abort();
+    }
+    drop(clients);
     for b in c.nodes {
         b.stop().await.expect("clean shutdown");
     }

@@ -531,10 +531,12 @@ impl Reader<'_> {
                     let waiter = self.waiter(stream_id, p.ext.confirm);
                     return self.publish_durable(d, std::iter::once(publication), waiter, now);
                 }
-                let outcome = broker.publish(&mut self.ctx, &publication, now);
-                if let Some(mesh) = &self.shared.mesh {
-                    mesh.forward(&publication);
-                }
+                let outcome = match &self.shared.mesh {
+                    Some(mesh) => mesh.publish(&mut self.ctx, &publication, |ctx| {
+                        broker.publish(ctx, &publication, now)
+                    }),
+                    None => broker.publish(&mut self.ctx, &publication, now),
+                };
                 if p.ext.confirm {
                     self.confirm(stream_id, vec![outcome.offset]);
                 }
@@ -553,19 +555,30 @@ impl Reader<'_> {
                     let publications = refs.iter().map(Publication::from_ref);
                     return self.publish_durable(d, publications, waiter, now);
                 }
-                broker.publish_batch(
-                    &mut self.ctx,
-                    refs.iter().map(Publication::from_ref),
-                    now,
-                    |_, o| {
-                        if confirm {
-                            offsets.push(o);
+                match &self.shared.mesh {
+                    // In a cluster each message is routed on its own: its groups' members may
+                    // be on other nodes.
+                    Some(mesh) => {
+                        for r in &refs {
+                            let p = Publication::from_ref(r);
+                            let outcome =
+                                mesh.publish(&mut self.ctx, &p, |ctx| broker.publish(ctx, &p, now));
+                            if confirm {
+                                offsets.push(outcome.offset);
+                            }
                         }
-                    },
-                );
-                if let Some(mesh) = &self.shared.mesh {
-                    for r in &refs {
-                        mesh.forward(&Publication::from_ref(r));
+                    }
+                    None => {
+                        broker.publish_batch(
+                            &mut self.ctx,
+                            refs.iter().map(Publication::from_ref),
+                            now,
+                            |_, o| {
+                                if confirm {
+                                    offsets.push(o);
+                                }
+                            },
+                        );
                     }
                 }
                 if confirm {
@@ -864,14 +877,21 @@ impl Reader<'_> {
         self.ctx.record_dead_letters();
         let routed = &mut self.routed;
         // Walked twice without a copy: to route, then to queue for the log.
-        self.shared
-            .broker
-            .publish_batch(&mut self.ctx, publications.clone(), now, |topic, o| {
-                routed.push((topic.clone(), o))
-            });
-        if let Some(mesh) = &self.shared.mesh {
-            for p in publications.clone() {
-                mesh.forward(&p);
+        let broker = &self.shared.broker;
+        match &self.shared.mesh {
+            Some(mesh) => {
+                for p in publications.clone() {
+                    mesh.publish(&mut self.ctx, &p, |ctx| {
+                        broker.publish_batch(ctx, std::iter::once(p), now, |topic, o| {
+                            routed.push((topic.clone(), o))
+                        })
+                    });
+                }
+            }
+            None => {
+                broker.publish_batch(&mut self.ctx, publications.clone(), now, |topic, o| {
+                    routed.push((topic.clone(), o))
+                });
             }
         }
         d.queue_frame(routed.drain(..).zip(publications), waiter);
