@@ -71,6 +71,46 @@ impl Out {
 /// `client="__other__"`.
 pub const MAX_CLIENT_LABELS: usize = 1000;
 
+/// Cluster mesh metrics (with the cluster on): peers, and per peer what was forwarded.
+fn mesh_metrics(out: &mut Out, shared: &Shared) {
+    let Some(mesh) = &shared.mesh else {
+        return;
+    };
+    let counters = mesh.peer_counters();
+    out.single(
+        "aqueduct_mesh_peers",
+        "gauge",
+        "Cluster peers connected now.",
+        counters.len(),
+    );
+    let families: [(&str, &str, &str, fn(&(aqueduct_core::mesh::NodeId, u64, u64, u64)) -> u64); 3] = [
+        (
+            "aqueduct_mesh_forwarded_total",
+            "counter",
+            "Copies of messages queued for a peer (its plain subscribers, groups picked there).",
+            |c| c.1,
+        ),
+        (
+            "aqueduct_mesh_dropped_total",
+            "counter",
+            "Copies dropped because a peer's queue was full (cluster.peer_queue_size; oldest first).",
+            |c| c.2,
+        ),
+        (
+            "aqueduct_mesh_bytes_sent_total",
+            "counter",
+            "Bytes of copies written to a peer.",
+            |c| c.3,
+        ),
+    ];
+    for (name, kind, help, get) in families {
+        out.header(name, kind, help);
+        for c in &counters {
+            out.sample(name, &[("peer", c.0.as_str())], get(c));
+        }
+    }
+}
+
 /// ACL, quota and admin API metrics.
 fn access_metrics(out: &mut Out, shared: &Shared) {
     let stats = &shared.stats;
@@ -347,6 +387,7 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
     );
 
     access_metrics(&mut out, shared);
+    mesh_metrics(&mut out, shared);
 
     let lat = broker.latency();
     out.header(

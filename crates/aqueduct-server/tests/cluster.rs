@@ -181,6 +181,20 @@ async fn messages_published_on_one_node_reach_subscribers_on_the_others_once() {
     for (node, forwarded, dropped, _) in &counters {
         assert_eq!((*forwarded, *dropped), (N as u64, 0), "to {node}");
     }
+    // The same in the metrics, per peer.
+    let m = get(c.nodes[0].metrics_addr, "/metrics").await.1;
+    assert_eq!(value(&m, "aqueduct_mesh_peers"), Some(2.0));
+    for peer in ["node-1", "node-2"] {
+        let series = format!("aqueduct_mesh_forwarded_total{{peer=\"{peer}\"}}");
+        assert_eq!(value(&m, &series), Some(N as f64), "{series}");
+    }
+    // A node with no interest in stock/x was sent nothing of it: node 1's only copies are the
+    // orders (checked above), and its own metrics show it forwarded nothing.
+    let m1 = get(c.nodes[1].metrics_addr, "/metrics").await.1;
+    assert_eq!(
+        value(&m1, "aqueduct_mesh_forwarded_total{peer=\"node-0\"}"),
+        Some(0.0)
+    );
     for b in c.nodes {
         b.stop().await.expect("clean shutdown");
     }
