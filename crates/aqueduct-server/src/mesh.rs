@@ -153,6 +153,18 @@ fn forwarded_frame(p: &Publication<'_>) -> Option<Bytes> {
     Some(out.freeze())
 }
 
+/// What was sent to one peer (on its current connection).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerCounters {
+    pub node: NodeId,
+    /// Copies queued for it.
+    pub forwarded: u64,
+    /// Copies dropped because its queue was full.
+    pub dropped: u64,
+    /// Bytes written to it.
+    pub bytes: u64,
+}
+
 /// How the rest of the server reaches the mesh.
 #[derive(Debug, Clone)]
 pub struct MeshHandle {
@@ -229,21 +241,19 @@ impl MeshHandle {
         }
     }
 
-    /// Each connected peer's queue counters (forwarded, dropped, bytes written), by node.
-    pub fn peer_counters(&self) -> Vec<(NodeId, u64, u64, u64)> {
+    /// Each connected peer's queue counters, by node id.
+    pub fn peer_counters(&self) -> Vec<PeerCounters> {
         let queues = self.queues.load();
         let mut v: Vec<_> = queues
             .iter()
-            .map(|(n, q)| {
-                (
-                    n.clone(),
-                    q.forwarded.load(Ordering::Relaxed),
-                    q.dropped.load(Ordering::Relaxed),
-                    q.bytes.load(Ordering::Relaxed),
-                )
+            .map(|(n, q)| PeerCounters {
+                node: n.clone(),
+                forwarded: q.forwarded.load(Ordering::Relaxed),
+                dropped: q.dropped.load(Ordering::Relaxed),
+                bytes: q.bytes.load(Ordering::Relaxed),
             })
             .collect();
-        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v.sort_by(|a, b| a.node.cmp(&b.node));
         v
     }
 

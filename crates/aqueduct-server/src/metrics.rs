@@ -83,30 +83,31 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
         "Cluster peers connected now.",
         counters.len(),
     );
-    let families: [(&str, &str, &str, fn(&(aqueduct_core::mesh::NodeId, u64, u64, u64)) -> u64); 3] = [
+    type Get = fn(&crate::mesh::PeerCounters) -> u64;
+    let families: [(&str, &str, &str, Get); 3] = [
         (
             "aqueduct_mesh_forwarded_total",
             "counter",
             "Copies of messages queued for a peer (its plain subscribers, groups picked there).",
-            |c| c.1,
+            |c| c.forwarded,
         ),
         (
             "aqueduct_mesh_dropped_total",
             "counter",
             "Copies dropped because a peer's queue was full (cluster.peer_queue_size; oldest first).",
-            |c| c.2,
+            |c| c.dropped,
         ),
         (
             "aqueduct_mesh_bytes_sent_total",
             "counter",
             "Bytes of copies written to a peer.",
-            |c| c.3,
+            |c| c.bytes,
         ),
     ];
     for (name, kind, help, get) in families {
         out.header(name, kind, help);
         for c in &counters {
-            out.sample(name, &[("peer", c.0.as_str())], get(c));
+            out.sample(name, &[("peer", c.node.as_str())], get(c));
         }
     }
 }

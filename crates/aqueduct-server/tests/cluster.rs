@@ -178,8 +178,8 @@ async fn messages_published_on_one_node_reach_subscribers_on_the_others_once() {
     );
     assert_eq!(published(&b2, "stock/x") + published(&c2, "stock/x"), 0);
     let counters = c.nodes[0].control.mesh().expect("on").peer_counters();
-    for (node, forwarded, dropped, _) in &counters {
-        assert_eq!((*forwarded, *dropped), (N as u64, 0), "to {node}");
+    for p in &counters {
+        assert_eq!((p.forwarded, p.dropped), (N as u64, 0), "to {}", p.node);
     }
     // The same in the metrics, per peer.
     let m = get(c.nodes[0].metrics_addr, "/metrics").await.1;
