@@ -17,6 +17,7 @@ pub mod cluster;
 pub mod config;
 mod connection;
 mod consumers;
+pub mod discovery;
 pub mod durable;
 mod http;
 pub mod mesh;

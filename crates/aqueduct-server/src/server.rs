@@ -111,6 +111,8 @@ pub struct Server {
     admin: Option<(tokio::net::TcpListener, Arc<rustls::ServerConfig>)>,
     /// The cluster mesh's driver, when `cluster.enabled` (runs in `serve`).
     mesh_driver: Option<crate::mesh::Driver>,
+    /// How `cluster.discovery` looks peers up.
+    resolver: Arc<dyn crate::discovery::Resolver>,
     shared: Arc<Shared>,
     dev_cert: Option<PathBuf>,
 }
@@ -262,6 +264,7 @@ impl Server {
             metrics,
             admin,
             mesh_driver,
+            resolver: Arc::new(crate::discovery::SystemResolver),
             shared: Arc::new(Shared {
                 config,
                 broker,
@@ -315,6 +318,11 @@ impl Server {
         self.admin.as_ref().and_then(|(l, _)| l.local_addr().ok())
     }
 
+    /// Look cluster peers up with `resolver` instead of the system's (tests).
+    pub fn set_resolver(&mut self, resolver: Arc<dyn crate::discovery::Resolver>) {
+        self.resolver = resolver;
+    }
+
     /// A handle to change the running broker's access policy (SIGHUP).
     pub fn control(&self) -> Control {
         Control {
@@ -329,6 +337,7 @@ impl Server {
             metrics,
             admin,
             mesh_driver,
+            resolver,
             shared,
             ..
         } = self;
@@ -374,24 +383,42 @@ impl Server {
         });
         let (mesh_stop, mesh_stop_rx) = watch::channel(false);
         let mesh_task = mesh_driver.map(|driver| {
-            let peers = shared.config.cluster.peers.clone();
+            let cluster = shared.config.cluster.clone();
             let handle = shared.mesh.clone();
             let endpoint = endpoint.clone();
+            let stop = mesh_stop_rx;
             tokio::spawn(async move {
-                // The static peers, resolved once (DNS discovery polls instead).
-                if let Some(handle) = handle {
-                    let mut addrs = Vec::new();
-                    for p in &peers {
-                        match tokio::net::lookup_host(p.as_str()).await {
-                            Ok(found) => addrs.extend(found),
-                            Err(e) => warn!(peer = %p, "cluster.peers: cannot resolve: {e}"),
-                        }
-                    }
-                    if !addrs.is_empty() {
-                        handle.send(crate::mesh::Event::Peers(addrs));
+                // The static peers, resolved once; DNS discovery adds what it finds.
+                let mut fixed = Vec::new();
+                for p in &cluster.peers {
+                    match tokio::net::lookup_host(p.as_str()).await {
+                        Ok(found) => fixed.extend(found),
+                        Err(e) => warn!(peer = %p, "cluster.peers: cannot resolve: {e}"),
                     }
                 }
-                driver.run(endpoint, mesh_stop_rx).await
+                let Some(handle) = handle else {
+                    return driver.run(endpoint, stop).await;
+                };
+                match cluster.discovery {
+                    Some((host, port, interval)) => {
+                        let discovery = crate::discovery::run(
+                            resolver,
+                            host,
+                            port,
+                            interval,
+                            fixed,
+                            handle,
+                            stop.clone(),
+                        );
+                        tokio::join!(driver.run(endpoint, stop), discovery);
+                    }
+                    None => {
+                        if !fixed.is_empty() {
+                            handle.send(crate::mesh::Event::Peers(fixed));
+                        }
+                        driver.run(endpoint, stop).await
+                    }
+                }
             })
         });
         let mut connections = JoinSet::new();

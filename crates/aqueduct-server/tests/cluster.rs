@@ -17,6 +17,102 @@ struct Cluster {
     _dir: tempfile::TempDir,
 }
 
+/// A resolver whose answer the test sets.
+#[derive(Debug, Default)]
+struct FakeDns(std::sync::Mutex<Vec<SocketAddr>>);
+
+impl aqueduct_server::discovery::Resolver for FakeDns {
+    fn resolve<'a>(&'a self, _host: &'a str, _port: u16) -> aqueduct_server::discovery::Lookup<'a> {
+        let answer = self.0.lock().expect("lock").clone();
+        Box::pin(async move { Ok(answer) })
+    }
+}
+
+fn node_config(
+    ca: &TestCa,
+    ca_file: &std::path::Path,
+    dir: &std::path::Path,
+    node: &str,
+    discovery: Option<(String, u16, Duration)>,
+) -> ClusterConfig {
+    let (cert, key) = ca.peer(dir, node);
+    ClusterConfig {
+        enabled: true,
+        peers: Vec::new(),
+        ca_file: Some(ca_file.to_path_buf()),
+        cert_file: Some(cert),
+        key_file: Some(key),
+        compression: Compression::None,
+        peer_queue_size: 1024,
+        discovery,
+    }
+}
+
+/// DNS discovery with a fake resolver: the service scales 3 → 5 → 2 and every node's peer set
+/// follows within about one interval (the wait allows a few, for a loaded machine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discovery_follows_the_service_as_it_scales() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let dns = std::sync::Arc::new(FakeDns::default());
+    let interval = Duration::from_millis(200);
+    let start = |i: usize| {
+        let cfg = node_config(
+            &ca,
+            &ca_file,
+            dir.path(),
+            &format!("node-{i}"),
+            Some(("aqueduct-headless".into(), 4242, interval)),
+        );
+        let resolver = dns.clone();
+        async move { TestBroker::start_custom(|c| c.cluster = cfg, |s| s.set_resolver(resolver)).await }
+    };
+    let others = |i: usize, n: usize| -> BTreeSet<String> {
+        (0..n)
+            .filter(|j| *j != i)
+            .map(|j| format!("node-{j}"))
+            .collect()
+    };
+    // Three pods; the headless Service lists them (each node finds itself in it too).
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        nodes.push(start(i).await);
+    }
+    *dns.0.lock().expect("lock") = nodes.iter().map(|b| b.addr).collect();
+    for (i, b) in nodes.iter().enumerate() {
+        until_async(&format!("node-{i} to see 3 nodes"), || {
+            peers_of(b) == others(i, 3)
+        })
+        .await;
+    }
+    // Scale to 5.
+    for i in 3..5 {
+        nodes.push(start(i).await);
+    }
+    *dns.0.lock().expect("lock") = nodes.iter().map(|b| b.addr).collect();
+    for (i, b) in nodes.iter().enumerate() {
+        until_async(&format!("node-{i} to see 5 nodes"), || {
+            peers_of(b) == others(i, 5)
+        })
+        .await;
+    }
+    // Scale to 2: the Service lists two, the other pods stop.
+    *dns.0.lock().expect("lock") = nodes[..2].iter().map(|b| b.addr).collect();
+    for b in nodes.drain(2..) {
+        b.stop().await.expect("clean shutdown");
+    }
+    for (i, b) in nodes.iter().enumerate() {
+        until_async(&format!("node-{i} to see 2 nodes"), || {
+            peers_of(b) == others(i, 2)
+        })
+        .await;
+    }
+    for b in nodes {
+        b.stop().await.expect("clean shutdown");
+    }
+}
+
 async fn cluster(n: usize) -> Cluster {
     let dir = tempfile::tempdir().expect("tempdir");
     let ca = test_ca();

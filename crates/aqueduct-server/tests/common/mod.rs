@@ -60,10 +60,19 @@ impl TestBroker {
     }
 
     pub async fn start_with(adjust: impl FnOnce(&mut Config)) -> TestBroker {
+        Self::start_custom(adjust, |_| {}).await
+    }
+
+    /// Like `start_with`, and `before` may change the bound server before it serves.
+    pub async fn start_custom(
+        adjust: impl FnOnce(&mut Config),
+        before: impl FnOnce(&mut Server),
+    ) -> TestBroker {
         let dir = tempfile::tempdir().expect("temp dir");
         let mut config = Config::for_tests(dir.path().join("dev-cert.pem"));
         adjust(&mut config);
-        let server = Server::bind(config).await.expect("broker binds");
+        let mut server = Server::bind(config).await.expect("broker binds");
+        before(&mut server);
         let addr = server.local_addr();
         let metrics_addr = server.metrics_addr();
         let dev_cert = server
