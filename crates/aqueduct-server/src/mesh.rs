@@ -7,8 +7,9 @@
 //! A message published here goes, as one copy per peer with matching plain interest (a PUBLISH
 //! with the MeshForwarded bit), into that peer's bounded queue; the peer's connection task
 //! writes the queue on a data stream, and the receiving node publishes the copy to its own plain
-//! subscribers only, never forwarding it again. Not built yet: consumer groups across nodes,
-//! compression of the copies, peer metrics (see docs/architecture.md, "The cluster").
+//! subscribers (and the groups whose member it picked there) only, never forwarding it again
+//! (but for a group re-pick). A peer's copies travel in blocks, ZSTD-compressed above
+//! `cluster.compression_threshold`. Not built yet: see docs/architecture.md, "The cluster".
 //!
 //! Every connection's task lives in the driver's `JoinSet`, so none outlives the driver, and the
 //! driver stops with the server.
@@ -31,7 +32,7 @@ use aqueduct_core::mesh_codec::{
 };
 use aqueduct_core::{Broker, Publication, PublishContext};
 use aqueduct_proto::frame::{split_frame, Message};
-use aqueduct_proto::{DecodeError, Frame, Publish, HEADER_LEN};
+use aqueduct_proto::{Frame, Publish, HEADER_LEN};
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use bytes::{Buf, BufMut, BytesMut};
@@ -40,6 +41,7 @@ use tokio::sync::{mpsc, watch, Notify};
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
+use crate::cluster::Compression;
 use crate::mesh_tls::{MeshTls, MESH_NAME};
 
 /// The MeshForwarded bit of the command byte.
@@ -95,6 +97,8 @@ pub struct PeerQueue {
     pub forwarded: AtomicU64,
     pub dropped: AtomicU64,
     pub bytes: AtomicU64,
+    /// Bytes of records before compression (`bytes` after): their ratio is the compression's.
+    pub raw_bytes: AtomicU64,
 }
 
 impl PeerQueue {
@@ -106,6 +110,7 @@ impl PeerQueue {
             forwarded: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
+            raw_bytes: AtomicU64::new(0),
         }
     }
 
@@ -161,8 +166,9 @@ pub struct PeerCounters {
     pub forwarded: u64,
     /// Copies dropped because its queue was full.
     pub dropped: u64,
-    /// Bytes written to it.
+    /// Bytes written to it, and the same before compression.
     pub bytes: u64,
+    pub raw_bytes: u64,
 }
 
 /// How the rest of the server reaches the mesh.
@@ -173,6 +179,8 @@ pub struct MeshHandle {
     /// Each connected peer's queue, swapped with the peer set.
     queues: Arc<ArcSwap<HashMap<NodeId, Arc<PeerQueue>>>>,
     node: NodeId,
+    /// Data blocks refused from peers (a compression bomb, a malformed block).
+    pub refused_blocks: Arc<AtomicU64>,
 }
 
 impl MeshHandle {
@@ -251,6 +259,7 @@ impl MeshHandle {
                 forwarded: q.forwarded.load(Ordering::Relaxed),
                 dropped: q.dropped.load(Ordering::Relaxed),
                 bytes: q.bytes.load(Ordering::Relaxed),
+                raw_bytes: q.raw_bytes.load(Ordering::Relaxed),
             })
             .collect();
         v.sort_by(|a, b| a.node.cmp(&b.node));
@@ -280,11 +289,17 @@ pub struct Driver {
     tls: Arc<MeshTls>,
     broker: Arc<Broker>,
     queue_size: usize,
+    compression: Compression,
     handle: MeshHandle,
 }
 
 /// Make the driver and its handle.
-pub fn new(tls: Arc<MeshTls>, broker: Arc<Broker>, queue_size: usize) -> (Driver, MeshHandle) {
+pub fn new(
+    tls: Arc<MeshTls>,
+    broker: Arc<Broker>,
+    queue_size: usize,
+    compression: Compression,
+) -> (Driver, MeshHandle) {
     let (tx, rx) = mpsc::unbounded_channel();
     let session_base = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -303,6 +318,7 @@ pub fn new(tls: Arc<MeshTls>, broker: Arc<Broker>, queue_size: usize) -> (Driver
         table: table.clone(),
         queues: queues.clone(),
         node: tls.node.clone(),
+        refused_blocks: Arc::new(AtomicU64::new(0)),
     };
     (
         Driver {
@@ -314,6 +330,7 @@ pub fn new(tls: Arc<MeshTls>, broker: Arc<Broker>, queue_size: usize) -> (Driver
             tls,
             broker,
             queue_size,
+            compression,
             handle: handle.clone(),
         },
         handle,
@@ -359,15 +376,16 @@ impl Driver {
                         queue: queue.clone(),
                     },
                 );
-                tasks.spawn(serve_peer(
+                tasks.spawn(serve_peer(PeerTask {
                     conn,
                     id,
-                    ctl_rx,
+                    ctl: ctl_rx,
                     queue,
-                    self.broker.clone(),
-                    self.handle.clone(),
-                    self.tx.clone(),
-                ));
+                    broker: self.broker.clone(),
+                    mesh: self.handle.clone(),
+                    compression: self.compression,
+                    events: self.tx.clone(),
+                }));
                 id
             };
             match event {
@@ -482,24 +500,145 @@ async fn dial(
     Ok((conn, node))
 }
 
+/// Block kinds on a data stream: `kind u8 | len u32 LE | payload`; the payload of a plain block
+/// is records (`routing_len u16 LE | routing | PUBLISH frame`, see `mesh_codec`), that of a zstd
+/// block `uncompressed_len u32 LE | zstd(records)` (the seed's COMPRESSION extension: algorithm
+/// 1 and the uncompressed length), opened within `aqueduct_proto::compress`'s limits.
+const PLAIN_BLOCK: u8 = 1;
+const ZSTD_BLOCK: u8 = 2;
+/// Largest block on the wire.
+const MAX_BLOCK: usize = 16 << 20;
+
+/// A block of `records`, compressed when it is large enough and shrinks.
+fn seal_block(records: &[u8], compression: Compression) -> Bytes {
+    let mut out = BytesMut::with_capacity(records.len() + 9);
+    if let Compression::Zstd { level, threshold } = compression {
+        if records.len() >= threshold {
+            if let Some((ext, packed)) = aqueduct_proto::compress::compress(records, level) {
+                out.put_u8(ZSTD_BLOCK);
+                out.put_u32_le(packed.len() as u32 + 4);
+                out.put_u32_le(ext.uncompressed_len);
+                out.extend_from_slice(&packed);
+                return out.freeze();
+            }
+        }
+    }
+    out.put_u8(PLAIN_BLOCK);
+    out.put_u32_le(records.len() as u32);
+    out.extend_from_slice(records);
+    out.freeze()
+}
+
+/// The next complete block's records from the front of `buf` (`None`: need more bytes).
+fn next_block(buf: &mut BytesMut) -> Result<Option<Bytes>, String> {
+    if buf.len() < 5 {
+        return Ok(None);
+    }
+    let kind = buf[0];
+    let len = u32::from_le_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+    if len > MAX_BLOCK {
+        return Err(format!(
+            "a block of {len} bytes, above the {MAX_BLOCK}-byte limit"
+        ));
+    }
+    if buf.len() < 5 + len {
+        return Ok(None);
+    }
+    let mut block = buf.split_to(5 + len).freeze();
+    block.advance(5);
+    match kind {
+        PLAIN_BLOCK => Ok(Some(block)),
+        ZSTD_BLOCK => {
+            if block.len() < 4 {
+                return Err("a zstd block without its length".into());
+            }
+            let claimed = block.get_u32_le();
+            let ext = aqueduct_proto::Compression {
+                algorithm: aqueduct_proto::Compression::ZSTD,
+                uncompressed_len: claimed,
+            };
+            aqueduct_proto::compress::decompress(
+                &block,
+                &ext,
+                &aqueduct_proto::compress::Limits::default(),
+            )
+            .map(Some)
+            .map_err(|e| format!("compressed block refused: {e}"))
+        }
+        k => Err(format!("unknown block kind {k}")),
+    }
+}
+
+/// The copies in a block's records (all complete).
+fn records(mut block: Bytes) -> Result<Vec<(Forward, Publish)>, String> {
+    let limits = aqueduct_proto::Limits {
+        max_data_len: MAX_BLOCK as u32,
+    };
+    let mut out = Vec::new();
+    while !block.is_empty() {
+        if block.len() < 2 {
+            return Err("a record cut short".into());
+        }
+        let routing_len = u16::from_le_bytes([block[0], block[1]]) as usize;
+        if block.len() < 2 + routing_len {
+            return Err("a record's routing cut short".into());
+        }
+        let forward = decode_forward(&block[2..2 + routing_len]).map_err(|e| e.to_string())?;
+        let raw = split_frame(&block[2 + routing_len..], &limits).map_err(|e| e.to_string())?;
+        let mut frame = block.split_to(2 + routing_len + raw.frame_len());
+        frame.advance(2 + routing_len + HEADER_LEN);
+        let header = match raw.validate() {
+            Ok(h) if h.mesh_forwarded => h,
+            Ok(_) => return Err("a copy without the MeshForwarded bit".into()),
+            Err(e) => return Err(e.to_string()),
+        };
+        match Frame::decode(&header, frame) {
+            Ok(Frame {
+                message: Message::Publish(p),
+                ..
+            }) => out.push((forward, p)),
+            Ok(_) => return Err("only PUBLISH copies are forwarded".into()),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Ok(out)
+}
+
 /// The first byte of each unidirectional stream says what it carries.
 const CONTROL_STREAM: u8 = 1;
 const DATA_STREAM: u8 = 2;
 /// A data write gathers up to this many bytes of queued copies.
 const DATA_WRITE: usize = 64 * 1024;
 
-/// One mesh connection, both ways: this node's control messages and copies on two
-/// unidirectional streams of its own, the peer's read from the two it opens (control messages
-/// to the driver, copies published here to the local plain subscribers), until either ends.
-async fn serve_peer(
+/// What a mesh connection's task needs.
+struct PeerTask {
     conn: quinn::Connection,
     id: ConnId,
-    mut ctl: mpsc::UnboundedReceiver<Vec<u8>>,
+    /// Encoded control messages to write.
+    ctl: mpsc::UnboundedReceiver<Vec<u8>>,
+    /// Copies to write.
     queue: Arc<PeerQueue>,
     broker: Arc<Broker>,
     mesh: MeshHandle,
+    compression: Compression,
+    /// To the driver.
     events: mpsc::UnboundedSender<Event>,
-) {
+}
+
+/// One mesh connection, both ways: this node's control messages and copies on two
+/// unidirectional streams of its own, the peer's read from the two it opens (control messages
+/// to the driver, copies published here to the local plain subscribers), until either ends.
+async fn serve_peer(link: PeerTask) {
+    let PeerTask {
+        conn,
+        id,
+        mut ctl,
+        queue,
+        broker,
+        mesh,
+        compression,
+        events,
+    } = link;
     /// How the connection's streams ended.
     enum End {
         /// Closed, reset or gone: the connection is over.
@@ -536,12 +675,15 @@ async fn serve_peer(
                 notified.await;
                 continue;
             }
-            let chunk = buf.split().freeze();
-            let len = chunk.len() as u64;
-            if send.write_chunk(chunk).await.is_err() {
+            let records = buf.split().freeze();
+            let raw = records.len() as u64;
+            let block = seal_block(&records, compression);
+            let len = block.len() as u64;
+            if send.write_chunk(block).await.is_err() {
                 return End::Gone;
             }
             queue.bytes.fetch_add(len, Ordering::Relaxed);
+            queue.raw_bytes.fetch_add(raw, Ordering::Relaxed);
         }
     };
     let inbound = async {
@@ -603,9 +745,6 @@ async fn serve_peer(
         }
     }
     async fn read_data(mut recv: quinn::RecvStream, broker: &Broker, mesh: &MeshHandle) -> End {
-        let limits = aqueduct_proto::Limits {
-            max_data_len: 16 << 20,
-        };
         let mut ctx = PublishContext::default();
         let mut buf = BytesMut::with_capacity(64 * 1024);
         loop {
@@ -613,51 +752,33 @@ async fn serve_peer(
                 return End::Gone;
             };
             loop {
-                // A record: routing length u16, routing, then the PUBLISH frame.
-                if buf.len() < 2 {
-                    break;
-                }
-                let routing_len = u16::from_le_bytes([buf[0], buf[1]]) as usize;
-                if buf.len() < 2 + routing_len {
-                    break;
-                }
-                let raw = match split_frame(&buf[2 + routing_len..], &limits) {
-                    Ok(raw) => raw,
-                    Err(DecodeError::Incomplete { .. }) => break,
-                    Err(DecodeError::Invalid(e)) => return End::Broken(e.to_string()),
+                let payload = match next_block(&mut buf) {
+                    Ok(Some(p)) => p,
+                    Ok(None) => break,
+                    Err(why) => {
+                        mesh.refused_blocks.fetch_add(1, Ordering::Relaxed);
+                        return End::Broken(why);
+                    }
                 };
-                let mut record = buf.split_to(2 + routing_len + raw.frame_len()).freeze();
-                let forward = match decode_forward(&record[2..2 + routing_len]) {
-                    Ok(f) => f,
-                    Err(e) => return End::Broken(e.to_string()),
+                let copies = match records(payload) {
+                    Ok(c) => c,
+                    Err(why) => return End::Broken(why),
                 };
-                record.advance(2 + routing_len + HEADER_LEN);
-                let header = match raw.validate() {
-                    Ok(h) if h.mesh_forwarded => h,
-                    Ok(_) => return End::Broken("a copy without the MeshForwarded bit".into()),
-                    Err(e) => return End::Broken(e.to_string()),
-                };
-                let p = match Frame::decode(&header, record) {
-                    Ok(Frame {
-                        message: Message::Publish(p),
-                        ..
-                    }) => p,
-                    Ok(_) => return End::Broken("only PUBLISH copies are forwarded".into()),
-                    Err(e) => return End::Broken(e.to_string()),
-                };
-                let publication = Publication::from_publish(&p);
-                // Its plain part and the groups with a member here; groups whose member left
-                // are picked again among the nodes the copy has not been to.
-                let routing = mesh.table().route_forwarded(&forward);
-                if forward.plain || !routing.local_groups.is_empty() {
-                    ctx.scope_only(forward.plain, &routing.local_groups);
-                    broker.publish(&mut ctx, &publication, Instant::now());
-                    ctx.clear_scope();
-                }
-                mesh.send_copies(&publication, &routing.forward);
-                // A held subscriber (block policy) holds the peer's copies too.
-                while let Some(sub) = ctx.take_held() {
-                    std::future::poll_fn(|cx| sub.poll_room(cx)).await;
+                for (forward, p) in copies {
+                    let publication = Publication::from_publish(&p);
+                    // Its plain part and the groups with a member here; groups whose member
+                    // left are picked again among the nodes the copy has not been to.
+                    let routing = mesh.table().route_forwarded(&forward);
+                    if forward.plain || !routing.local_groups.is_empty() {
+                        ctx.scope_only(forward.plain, &routing.local_groups);
+                        broker.publish(&mut ctx, &publication, Instant::now());
+                        ctx.clear_scope();
+                    }
+                    mesh.send_copies(&publication, &routing.forward);
+                    // A held subscriber (block policy) holds the peer's copies too.
+                    while let Some(sub) = ctx.take_held() {
+                        std::future::poll_fn(|cx| sub.poll_room(cx)).await;
+                    }
                 }
             }
             if n == 0 {
@@ -675,4 +796,78 @@ async fn serve_peer(
         End::Gone => Event::Closed { conn: id },
         End::Broken(why) => Event::Broken { conn: id, why },
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> Vec<u8> {
+        let topic = aqueduct_proto::TopicName::try_from("orders").expect("topic");
+        let p = Publication::new(&topic, b"a body that repeats, a body that repeats");
+        let frame = forwarded_frame(&p).expect("frame");
+        let mut routing = Vec::new();
+        encode_forward(
+            &Forward {
+                plain: true,
+                groups: Vec::new(),
+                visited: Vec::new(),
+            },
+            &mut routing,
+        );
+        let mut r = Vec::new();
+        r.extend_from_slice(&(routing.len() as u16).to_le_bytes());
+        r.extend_from_slice(&routing);
+        r.extend_from_slice(&frame);
+        r
+    }
+
+    #[test]
+    fn blocks_round_trip_compressed_or_not() {
+        let records: Vec<u8> = (0..200).flat_map(|_| record()).collect();
+        for compression in [
+            Compression::None,
+            Compression::Zstd {
+                level: 3,
+                threshold: 0,
+            },
+        ] {
+            let block = seal_block(&records, compression);
+            if matches!(compression, Compression::Zstd { .. }) {
+                assert_eq!(block[0], ZSTD_BLOCK);
+                assert!(block.len() * 5 < records.len(), "compresses");
+            }
+            let mut buf = BytesMut::from(&block[..]);
+            let opened = next_block(&mut buf).expect("valid").expect("complete");
+            assert!(buf.is_empty());
+            let copies = records_of(opened);
+            assert_eq!(copies, 200);
+        }
+    }
+
+    fn records_of(block: Bytes) -> usize {
+        records(block).expect("records").len()
+    }
+
+    #[test]
+    fn a_compressed_bomb_or_a_lie_is_refused() {
+        // A block claiming 1 GiB uncompressed.
+        let packed = aqueduct_proto::compress::compress(&vec![0u8; 1 << 20], 3)
+            .expect("compresses")
+            .1;
+        let mut buf = BytesMut::new();
+        buf.put_u8(ZSTD_BLOCK);
+        buf.put_u32_le(packed.len() as u32 + 4);
+        buf.put_u32_le(1 << 30);
+        buf.extend_from_slice(&packed);
+        let e = next_block(&mut buf).expect_err("a bomb");
+        assert!(e.contains("refused"), "{e}");
+        // A block longer than the limit is refused before it is read.
+        let mut buf = BytesMut::new();
+        buf.put_u8(PLAIN_BLOCK);
+        buf.put_u32_le(MAX_BLOCK as u32 + 1);
+        assert!(next_block(&mut buf).is_err());
+        // Garbage records.
+        assert!(records(Bytes::from_static(&[5, 0, 1, 2])).is_err());
+    }
 }

@@ -84,7 +84,7 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
         counters.len(),
     );
     type Get = fn(&crate::mesh::PeerCounters) -> u64;
-    let families: [(&str, &str, &str, Get); 3] = [
+    let families: [(&str, &str, &str, Get); 4] = [
         (
             "aqueduct_mesh_forwarded_total",
             "counter",
@@ -100,8 +100,14 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
         (
             "aqueduct_mesh_bytes_sent_total",
             "counter",
-            "Bytes of copies written to a peer.",
+            "Bytes of copies written to a peer (after compression).",
             |c| c.bytes,
+        ),
+        (
+            "aqueduct_mesh_bytes_uncompressed_total",
+            "counter",
+            "Bytes of copies for a peer before compression (divided by bytes sent: the ratio).",
+            |c| c.raw_bytes,
         ),
     ];
     for (name, kind, help, get) in families {
@@ -110,6 +116,12 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
             out.sample(name, &[("peer", c.node.as_str())], get(c));
         }
     }
+    out.single(
+        "aqueduct_mesh_blocks_refused_total",
+        "counter",
+        "Blocks of copies refused from peers (a compression bomb, a malformed block); the connection is closed.",
+        mesh.refused_blocks.load(std::sync::atomic::Ordering::Relaxed),
+    );
 }
 
 /// ACL, quota and admin API metrics.

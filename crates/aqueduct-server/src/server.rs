@@ -249,8 +249,12 @@ impl Server {
         let local_addr = endpoint.local_addr().unwrap_or(config.listen_addr);
         let (mesh_driver, mesh) = match mesh_tls.clone() {
             Some(t) => {
-                let (driver, handle) =
-                    crate::mesh::new(t, broker.clone(), config.cluster.peer_queue_size);
+                let (driver, handle) = crate::mesh::new(
+                    t,
+                    broker.clone(),
+                    config.cluster.peer_queue_size,
+                    config.cluster.compression,
+                );
                 let h = handle.clone();
                 broker.set_interest_listener(Box::new(move |key, delta| {
                     h.send(crate::mesh::Event::Local { key, delta })

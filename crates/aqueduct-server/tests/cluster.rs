@@ -114,6 +114,10 @@ async fn discovery_follows_the_service_as_it_scales() {
 }
 
 async fn cluster(n: usize) -> Cluster {
+    cluster_with(n, Compression::None).await
+}
+
+async fn cluster_with(n: usize, compression: Compression) -> Cluster {
     let dir = tempfile::tempdir().expect("tempdir");
     let ca = test_ca();
     let ca_file = ca.write(dir.path());
@@ -126,7 +130,7 @@ async fn cluster(n: usize) -> Cluster {
             ca_file: Some(ca_file.clone()),
             cert_file: Some(cert),
             key_file: Some(key),
-            compression: Compression::None,
+            compression,
             peer_queue_size: 1024,
             discovery: None,
         };
@@ -223,7 +227,15 @@ async fn formed(c: &Cluster) {
 /// once, in order, with its priority; a node without interest is sent nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_published_on_one_node_reach_subscribers_on_the_others_once() {
-    let c = cluster(3).await;
+    // Copies travel compressed (every block: threshold 0).
+    let c = cluster_with(
+        3,
+        Compression::Zstd {
+            level: 3,
+            threshold: 0,
+        },
+    )
+    .await;
     formed(&c).await;
     let (b, cc) = (c.nodes[1].client().await, c.nodes[2].client().await);
     let mut exact = b.subscribe("orders/eu").await.expect("exact on node 1");
@@ -242,10 +254,14 @@ async fn messages_published_on_one_node_reach_subscribers_on_the_others_once() {
         priority: Some(aqueduct_client::Priority::new(1).expect("priority")),
         ..Default::default()
     };
+    // In batches of 50: a peer's copies then leave in blocks of many, which compress.
     const N: usize = 200;
-    for i in 0..N {
+    for chunk in 0..N / 50 {
+        let batch: Vec<(&str, bytes::Bytes)> = (chunk * 50..(chunk + 1) * 50)
+            .map(|i| ("orders/eu", bytes::Bytes::from(format!("m{i}"))))
+            .collect();
         publisher
-            .publish_with("orders/eu", format!("m{i}"), &opts)
+            .publish_batch(batch, &opts)
             .await
             .expect("publish");
     }
@@ -283,6 +299,20 @@ async fn messages_published_on_one_node_reach_subscribers_on_the_others_once() {
     for peer in ["node-1", "node-2"] {
         let series = format!("aqueduct_mesh_forwarded_total{{peer=\"{peer}\"}}");
         assert_eq!(value(&m, &series), Some(N as f64), "{series}");
+        let sent = value(
+            &m,
+            &format!("aqueduct_mesh_bytes_sent_total{{peer=\"{peer}\"}}"),
+        );
+        let raw = value(
+            &m,
+            &format!("aqueduct_mesh_bytes_uncompressed_total{{peer=\"{peer}\"}}"),
+        );
+        let (sent, raw) = (sent.expect("sent"), raw.expect("raw"));
+        assert!(
+            sent > 0.0 && raw > sent,
+            "compressed: {raw} bytes sent as {sent}"
+        );
+        println!("compression ratio to {peer}: {:.2}", raw / sent);
     }
     // A node with no interest in stock/x was sent nothing of it: node 1's only copies are the
     // orders (checked above), and its own metrics show it forwarded nothing.
