@@ -1,7 +1,6 @@
 //! The cluster's configuration (`cluster.*`, the seed's keys and the mesh's own), checked at
 //! startup even while the cluster is off so that a typo shows before it is switched on. The mesh
-//! decisions are `aqueduct_core::mesh`; the transport that carries them out is not built yet, so
-//! `cluster.enabled: true` still stops startup, saying so.
+//! decisions are `aqueduct_core::mesh`; `mesh.rs` and `mesh_tls.rs` carry them out.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -116,7 +115,7 @@ pub struct ClusterConfig {
 
 impl ClusterSection {
     /// Check every key (also while off).
-    pub fn validate(&self) -> Result<ClusterConfig, ConfigError> {
+    pub fn validate(&self, tls: &crate::config::TlsSection) -> Result<ClusterConfig, ConfigError> {
         for p in &self.peers {
             let ok = p
                 .rsplit_once(':')
@@ -168,6 +167,12 @@ impl ClusterSection {
                 format!("{:?} is not supported (dns)", d.kind),
             ));
         }
+        if d.enabled && !self.enabled {
+            return Err(invalid(
+                "cluster.discovery.enabled",
+                "needs cluster.enabled: true (discovery finds the peers of a cluster)",
+            ));
+        }
         if d.enabled && d.host.trim().is_empty() {
             return Err(invalid(
                 "cluster.discovery.host",
@@ -176,7 +181,50 @@ impl ClusterSection {
             ));
         }
         let path = |s: &str| (!s.trim().is_empty()).then(|| PathBuf::from(s.trim()));
-        // `enabled: true` is refused before this, in `RawConfig::validate`: no transport yet.
+        if self.enabled {
+            let exists = |key: &'static str, p: &str| match path(p) {
+                Some(f) if f.is_file() => Ok(()),
+                Some(f) => Err(invalid(
+                    key,
+                    format!("{} does not exist or is not a file", f.display()),
+                )),
+                None => Err(invalid(key, "required when cluster.enabled is true")),
+            };
+            exists("cluster.tls.ca_file", &self.tls.ca_file).map_err(|e| match e {
+                ConfigError::Invalid { key, problem } => ConfigError::Invalid {
+                    key,
+                    problem: format!(
+                        "{problem} (the CA that signs every node's peer certificate, e.g. made \
+                         with `aqueduct cert ca`)"
+                    ),
+                },
+                other => other,
+            })?;
+            let own = !self.tls.cert_file.trim().is_empty();
+            let (cert_key, cert, key_key, key) = if own {
+                (
+                    "cluster.tls.cert_file",
+                    &self.tls.cert_file,
+                    "cluster.tls.key_file",
+                    &self.tls.key_file,
+                )
+            } else {
+                (
+                    "cluster.tls.cert_file",
+                    &tls.cert_file,
+                    "cluster.tls.key_file",
+                    &tls.key_file,
+                )
+            };
+            exists(cert_key, cert).map_err(|_| {
+                invalid(
+                    "cluster.tls.cert_file",
+                    "required when cluster.enabled is true (this node's peer certificate, made \
+                     by `aqueduct cert peer NODE`; its CN is the node id), or tls.cert_file",
+                )
+            })?;
+            exists(key_key, key)?;
+        }
         Ok(ClusterConfig {
             enabled: self.enabled,
             peers: self.peers.clone(),
@@ -198,7 +246,7 @@ mod tests {
 
     #[test]
     fn bad_values_name_the_key() {
-        let key = |s: ClusterSection| match s.validate() {
+        let key = |s: ClusterSection| match s.validate(&Default::default()) {
             Err(ConfigError::Invalid { key, .. }) => key,
             other => panic!("{other:?}"),
         };
@@ -224,6 +272,15 @@ mod tests {
         let mut kind = d();
         kind.discovery.kind = "srv".into();
         assert_eq!(key(kind), "cluster.discovery.type");
+        let mut alone = d();
+        alone.discovery.enabled = true;
+        alone.discovery.host = "aqueduct-headless".into();
+        assert_eq!(key(alone), "cluster.discovery.enabled");
+        let on = ClusterSection {
+            enabled: true,
+            ..d()
+        };
+        assert_eq!(key(on), "cluster.tls.ca_file");
     }
 
     #[test]
@@ -233,7 +290,7 @@ mod tests {
             ..ClusterSection::default()
         };
         s.discovery.port = NumberOrText::Text("4242".into());
-        let c = s.validate().expect("valid");
+        let c = s.validate(&Default::default()).expect("valid");
         assert_eq!(
             c.compression,
             Compression::Zstd {

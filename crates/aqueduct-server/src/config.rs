@@ -3,10 +3,9 @@
 //! once into typed values.
 //!
 //! Unknown keys (in the file or as `AQUEDUCT_*` variables), malformed values ("50xs", a negative
-//! size, an unknown policy) and missing files are errors that name the key and the problem. A
-//! section for a feature that is not built yet (`cluster`) may be present but must not be
-//! enabled: `enabled: true` stops startup with "not implemented yet". The access-control
-//! sections (`acl`, `broker.quotas`, `admin`) are typed in `access.rs`.
+//! size, an unknown policy) and missing files are errors that name the key and the problem. The
+//! access-control sections (`acl`, `broker.quotas`, `admin`) are typed in `access.rs`, the
+//! cluster's in `cluster.rs`.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
@@ -779,20 +778,8 @@ pub fn default_dev_cert_file(env: &[(String, String)]) -> PathBuf {
 impl RawConfig {
     /// Check every value and convert to typed configuration.
     pub fn validate(&self, env: &[(String, String)]) -> Result<Config, ConfigError> {
-        for (section, feature, enabled) in [
-            ("cluster", "clustering", self.cluster.enabled),
-            (
-                "cluster.discovery",
-                "clustering",
-                self.cluster.discovery.enabled,
-            ),
-        ] {
-            if enabled {
-                return Err(ConfigError::NotImplemented { section, feature });
-            }
-        }
         // Checked although the cluster is off, so a typo shows before it is switched on.
-        let cluster = self.cluster.validate()?;
+        let cluster = self.cluster.validate(&self.tls)?;
         let b = &self.broker;
         let policy: OverflowPolicy = b
             .backpressure_policy

@@ -48,6 +48,9 @@ use crate::mesh_tls::{MeshTls, MESH_NAME};
 const MESH_FORWARDED: u8 = 0x80;
 /// A dial that takes longer fails (and is retried after the backoff).
 const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Mesh connections: keep-alive, and how long silence means the peer is gone.
+const MESH_KEEP_ALIVE: Duration = Duration::from_secs(2);
+const MESH_IDLE: Duration = Duration::from_secs(8);
 /// Control streams each mesh connection may open (one is used).
 pub(crate) const MESH_UNI_STREAMS: u32 = 4;
 
@@ -487,7 +490,12 @@ async fn dial(
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
     let mut transport = quinn::TransportConfig::default();
     transport.max_concurrent_uni_streams(MESH_UNI_STREAMS.into());
-    transport.keep_alive_interval(Some(Duration::from_secs(5)));
+    // A peer that vanishes (SIGKILL, a partition) is noticed within MESH_IDLE (the smaller of
+    // the two ends' idle timeouts applies), and reconnecting starts then.
+    transport.keep_alive_interval(Some(MESH_KEEP_ALIVE));
+    if let Ok(idle) = quinn::IdleTimeout::try_from(MESH_IDLE) {
+        transport.max_idle_timeout(Some(idle));
+    }
     config.transport_config(Arc::new(transport));
     let connecting = endpoint
         .connect_with(config, addr, MESH_NAME)

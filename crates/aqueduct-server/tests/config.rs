@@ -193,7 +193,7 @@ fn errors_name_the_key_and_the_problem() {
         (
             Some("cluster:\n  enabled: true\n"),
             &[],
-            "cluster.enabled is true, but clustering is not implemented yet",
+            "cluster.tls.ca_file: required when cluster.enabled is true",
         ),
         (
             Some("tls:\n  cert_file: /nonexistent/cert.pem\n  key_file: /nonexistent/key.pem\n"),
@@ -475,7 +475,7 @@ fn flush_interval_is_bounded_and_access_keys_take_effect() {
         Overrides::default(),
     );
     assert!(
-        msg.contains("cluster.discovery.enabled is true, but clustering is not implemented"),
+        msg.contains("cluster.discovery.enabled: needs cluster.enabled: true"),
         "{msg}"
     );
     let msg = error(
