@@ -44,6 +44,8 @@ use tracing::{debug, info, warn};
 use crate::cluster::Compression;
 use crate::mesh_tls::{MeshTls, MESH_NAME};
 
+/// Groups named in one record (255-byte names: its routing stays well under 64 KiB).
+const GROUPS_PER_RECORD: usize = 32;
 /// The MeshForwarded bit of the command byte.
 const MESH_FORWARDED: u8 = 0x80;
 /// A dial that takes longer fails (and is retried after the backoff).
@@ -51,7 +53,7 @@ const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Mesh connections: keep-alive, and how long silence means the peer is gone.
 const MESH_KEEP_ALIVE: Duration = Duration::from_secs(2);
 const MESH_IDLE: Duration = Duration::from_secs(8);
-/// Control streams each mesh connection may open (one is used).
+/// Unidirectional streams each mesh connection may open (two are used: control and data).
 pub(crate) const MESH_UNI_STREAMS: u32 = 4;
 
 /// What the driver is told.
@@ -88,12 +90,12 @@ pub enum Event {
     Peers(Vec<SocketAddr>),
 }
 
-/// Copies waiting for one peer, bounded: when full, the oldest is dropped (counted), so a slow
-/// peer never holds up local delivery, and it is not disconnected for being slow. The lock is
-/// held only to push or to take what is queued.
+/// Copies waiting for one peer, bounded in count and bytes: when full, the oldest are dropped
+/// (counted), so a slow peer never holds up local delivery, and it is not disconnected for being
+/// slow. The lock is held only to push or to take what is queued.
 #[derive(Debug)]
 pub struct PeerQueue {
-    queue: Mutex<VecDeque<Bytes>>,
+    queue: Mutex<(VecDeque<Bytes>, usize)>,
     notify: Notify,
     capacity: usize,
     /// Copies queued, dropped (queue full), and bytes written to the peer.
@@ -104,10 +106,13 @@ pub struct PeerQueue {
     pub raw_bytes: AtomicU64,
 }
 
+/// Bytes a peer's queue may hold.
+const PEER_QUEUE_BYTES: usize = 64 << 20;
+
 impl PeerQueue {
     fn new(capacity: usize) -> PeerQueue {
         PeerQueue {
-            queue: Mutex::new(VecDeque::new()),
+            queue: Mutex::new((VecDeque::new(), 0)),
             notify: Notify::new(),
             capacity: capacity.max(1),
             forwarded: AtomicU64::new(0),
@@ -117,14 +122,20 @@ impl PeerQueue {
         }
     }
 
-    fn push(&self, frame: Bytes) {
+    fn push(&self, record: Bytes) {
         {
-            let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-            if q.len() >= self.capacity {
-                q.pop_front();
+            let mut guard = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+            let (q, bytes) = &mut *guard;
+            while !q.is_empty()
+                && (q.len() >= self.capacity || *bytes + record.len() > PEER_QUEUE_BYTES)
+            {
+                if let Some(old) = q.pop_front() {
+                    *bytes -= old.len();
+                }
                 self.dropped.fetch_add(1, Ordering::Relaxed);
             }
-            q.push_back(frame);
+            *bytes += record.len();
+            q.push_back(record);
         }
         self.forwarded.fetch_add(1, Ordering::Relaxed);
         self.notify.notify_one();
@@ -132,12 +143,14 @@ impl PeerQueue {
 
     /// Move what is queued into `out`, up to about `budget` bytes.
     fn take(&self, out: &mut BytesMut, budget: usize) {
-        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let (q, bytes) = &mut *guard;
         while let Some(f) = q.front() {
             if !out.is_empty() && out.len() + f.len() > budget {
                 break;
             }
             out.extend_from_slice(f);
+            *bytes -= f.len();
             q.pop_front();
         }
     }
@@ -213,7 +226,13 @@ impl MeshHandle {
         local: impl FnOnce(&mut PublishContext) -> T,
     ) -> T {
         let table = self.table.load();
-        let routing = table.route_bytes(p.topic.as_bytes());
+        let mut routing = table.route_bytes(p.topic.as_bytes());
+        // A peer the table names but whose queue is gone (its connection just ended): its
+        // groups are served here instead of being lost.
+        let queues = self.queues.load();
+        routing
+            .forward
+            .retain(|(node, _)| queues.contains_key(node));
         let elsewhere: Vec<GroupKey> = routing
             .forward
             .iter()
@@ -242,13 +261,30 @@ impl MeshHandle {
         };
         for (node, f) in copies {
             let Some(q) = queues.get(node) else { continue };
-            let mut routing = Vec::new();
-            encode_forward(f, &mut routing);
-            let mut record = BytesMut::with_capacity(2 + routing.len() + frame.len());
-            record.put_u16_le(routing.len() as u16);
-            record.extend_from_slice(&routing);
-            record.extend_from_slice(&frame);
-            q.push(record.freeze());
+            // At most GROUPS_PER_RECORD groups a record (its routing fits its length field);
+            // the first carries the plain part.
+            let chunks: Vec<&[GroupKey]> = if f.groups.is_empty() {
+                vec![&[]]
+            } else {
+                f.groups.chunks(GROUPS_PER_RECORD).collect()
+            };
+            for (i, groups) in chunks.into_iter().enumerate() {
+                let part = Forward {
+                    plain: f.plain && i == 0,
+                    groups: groups.to_vec(),
+                    visited: f.visited.clone(),
+                };
+                let mut routing = Vec::new();
+                encode_forward(&part, &mut routing);
+                let Ok(len) = u16::try_from(routing.len()) else {
+                    continue;
+                };
+                let mut record = BytesMut::with_capacity(2 + routing.len() + frame.len());
+                record.put_u16_le(len);
+                record.extend_from_slice(&routing);
+                record.extend_from_slice(&frame);
+                q.push(record.freeze());
+            }
         }
     }
 

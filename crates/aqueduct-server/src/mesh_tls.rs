@@ -168,19 +168,26 @@ impl MeshTls {
         Ok(config)
     }
 
-    /// The node id of a mesh connection's peer: its certificate must chain to the cluster CA.
+    /// The node id of a mesh connection's peer: its certificate must chain to the cluster CA
+    /// *and* name `aqueduct-mesh` (so that a client certificate of the same CA is no peer).
     pub fn peer_of(&self, conn: &quinn::Connection) -> Result<NodeId, String> {
         let certs = peer_certs(conn).ok_or("a mesh connection needs a peer certificate")?;
         let (end, rest) = certs.split_first().ok_or("an empty certificate chain")?;
         self.peers
             .verify_client_cert(end, rest, UnixTime::now())
             .map_err(|e| format!("the peer certificate is not from cluster.tls.ca_file: {e}"))?;
+        if !names_mesh(end) {
+            return Err(format!(
+                "the certificate does not name {MESH_NAME}: not a peer certificate (make one with \
+                 `aqueduct cert peer`)"
+            ));
+        }
         let cn = common_name(end).ok_or("the peer certificate has no Common Name")?;
         NodeId::try_from(cn.as_str())
     }
 
-    /// A client connection's certificate, if it presented one, must come from the clients' CA
-    /// (a peer certificate is not a client identity).
+    /// A client connection's certificate, if it presented one, must come from the clients' CA,
+    /// and must not be a peer certificate (a node is not a client identity).
     pub fn check_client(&self, conn: &quinn::Connection) -> Result<(), String> {
         let Some(certs) = peer_certs(conn) else {
             return Ok(());
@@ -188,6 +195,11 @@ impl MeshTls {
         let Some((end, rest)) = certs.split_first() else {
             return Ok(());
         };
+        if names_mesh(end) {
+            return Err(format!(
+                "a peer certificate (it names {MESH_NAME}) is not a client identity"
+            ));
+        }
         match &self.clients {
             Some(v) => v
                 .verify_client_cert(end, rest, UnixTime::now())
@@ -196,6 +208,20 @@ impl MeshTls {
             None => Err("client certificates need tls.client_ca_file".into()),
         }
     }
+}
+
+/// Does the certificate name `aqueduct-mesh` (a peer certificate)?
+pub fn names_mesh(cert: &CertificateDer<'_>) -> bool {
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(cert) else {
+        return false;
+    };
+    let Ok(Some(san)) = cert.subject_alternative_name() else {
+        return false;
+    };
+    san.value
+        .general_names
+        .iter()
+        .any(|n| matches!(n, x509_parser::extensions::GeneralName::DNSName(d) if *d == MESH_NAME))
 }
 
 fn peer_certs(conn: &quinn::Connection) -> Option<Vec<CertificateDer<'static>>> {

@@ -446,3 +446,34 @@ async fn a_node_with_a_certificate_of_another_ca_is_not_a_peer() {
         b.stop().await.expect("clean shutdown");
     }
 }
+
+/// A client certificate of the cluster's own CA (no `aqueduct-mesh` name) is no peer either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_certificate_of_the_same_ca_is_not_a_peer() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let node = TestBroker::start_with(|c| {
+        c.cluster = node_config(&ca, &ca_file, dir.path(), "node-0", None)
+    })
+    .await;
+    let (cert, key) = ca.client(dir.path(), "alice");
+    let intruder = TestBroker::start_with(|c| {
+        c.cluster = ClusterConfig {
+            cert_file: Some(cert),
+            key_file: Some(key),
+            ..node_config(&ca, &ca_file, dir.path(), "unused", None)
+        }
+    })
+    .await;
+    intruder.control.set_cluster_peers(vec![node.addr]);
+    node.control.set_cluster_peers(vec![intruder.addr]);
+    // The real node never takes it as a peer (the intruder may see the node for a moment, as
+    // its own dial verifies the node's genuine certificate, until the node closes it).
+    for _ in 0..50 {
+        assert!(peers_of(&node).is_empty());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    intruder.stop().await.expect("clean shutdown");
+    node.stop().await.expect("clean shutdown");
+}

@@ -140,17 +140,22 @@ fn encode(q: &str) -> String {
 }
 
 async fn query(prom: SocketAddr, q: &str) -> serde_json::Value {
+    let (status, body) = try_query(prom, q).await;
+    assert_eq!(status, 200, "{q}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{q}: {e}: {body}"))
+}
+
+/// (status, body) of a query. Prometheus answers 503 until its storage is ready.
+async fn try_query(prom: SocketAddr, q: &str) -> (u16, String) {
     // HTTP/1.0: Prometheus then closes the connection after a plain (not chunked) body.
-    let (status, body) = http(
+    http(
         prom,
         &format!(
             "GET /api/v1/query?query={} HTTP/1.0\r\nHost: x\r\n\r\n",
             encode(q)
         ),
     )
-    .await;
-    assert_eq!(status, 200, "{q}: {body}");
-    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{q}: {e}: {body}"))
+    .await
 }
 
 struct Prometheus(Child);
@@ -226,9 +231,11 @@ async fn prometheus_scrapes_the_broker_and_every_dashboard_query_has_data() {
     within("Prometheus to scrape the broker", async {
         loop {
             if tokio::net::TcpStream::connect(prom).await.is_ok() {
-                let v = query(prom, "up").await;
-                if v["data"]["result"][0]["value"][1] == "1" {
-                    break;
+                if let (200, body) = try_query(prom, "up").await {
+                    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+                    if v["data"]["result"][0]["value"][1] == "1" {
+                        break;
+                    }
                 }
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
