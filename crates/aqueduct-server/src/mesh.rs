@@ -429,18 +429,16 @@ impl Driver {
             };
             match event {
                 None => {}
+                // A connection the mesh does not keep (a duplicate, itself) is closed by the
+                // `Output::Close` it queues, below: both ends then end it.
                 Some(Event::Accepted { conn, node }) => {
-                    let id = adopt(conn.clone(), &mut conns, &mut tasks);
-                    if !self.mesh.handle_connected(now, id, node, None, false) {
-                        conns.remove(&id);
-                    }
+                    let id = adopt(conn, &mut conns, &mut tasks);
+                    self.mesh.handle_connected(now, id, node, None, false);
                 }
                 Some(Event::Dialed { addr, result }) => match result {
                     Ok((conn, node)) => {
-                        let id = adopt(conn.clone(), &mut conns, &mut tasks);
-                        if !self.mesh.handle_connected(now, id, node, Some(addr), true) {
-                            conns.remove(&id);
-                        }
+                        let id = adopt(conn, &mut conns, &mut tasks);
+                        self.mesh.handle_connected(now, id, node, Some(addr), true);
                     }
                     Err(why) => {
                         debug!(%addr, "mesh dial failed: {why}");

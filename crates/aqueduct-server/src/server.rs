@@ -71,6 +71,8 @@ pub(crate) struct Shared {
     pub local_addr: SocketAddr,
     /// The cluster mesh, when `cluster.enabled`.
     pub mesh: Option<crate::mesh::MeshHandle>,
+    /// The QUIC endpoint (a handle), for its connection count.
+    pub endpoint: quinn::Endpoint,
     pub mesh_tls: Option<Arc<crate::mesh_tls::MeshTls>>,
 }
 
@@ -263,6 +265,7 @@ impl Server {
             }
             None => (None, None),
         };
+        let endpoint_handle = endpoint.clone();
         Ok(Server {
             endpoint,
             metrics,
@@ -283,6 +286,7 @@ impl Server {
                 local_addr,
                 mesh,
                 mesh_tls,
+                endpoint: endpoint_handle,
             }),
             dev_cert,
         })
@@ -521,6 +525,11 @@ impl Control {
     /// The live ACL policy.
     pub fn acl(&self) -> Arc<aqueduct_core::acl::AclPolicy> {
         self.shared.access.acl.policy()
+    }
+
+    /// QUIC connections open on the broker's endpoint now (clients and cluster peers).
+    pub fn open_connections(&self) -> usize {
+        self.shared.endpoint.open_connections()
     }
 
     /// The cluster mesh, when `cluster.enabled`.

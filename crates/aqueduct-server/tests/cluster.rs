@@ -186,6 +186,15 @@ async fn three_nodes_form_a_full_mesh_and_share_interest() {
         })
         .await;
     }
+    // When both ends of a pair dialed, the connection neither keeps is closed, not left open:
+    // each node ends with exactly its two peers' connections.
+    for (i, b) in c.nodes.iter().enumerate() {
+        until_async(
+            &format!("node-{i}'s duplicate connections to close"),
+            || b.control.open_connections() == 2,
+        )
+        .await;
+    }
     // A subscription on node 1 becomes interest that nodes 0 and 2 know of, and goes again.
     let client = c.nodes[1].client().await;
     let sub = client.subscribe("orders/#").await.expect("subscribe");
