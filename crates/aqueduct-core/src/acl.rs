@@ -406,14 +406,18 @@ impl Acl {
     /// Change the policy with `f` (copy-on-write; concurrent updates are applied one after the
     /// other, none lost). Returns what `f` returned for the policy that was installed.
     pub fn update<T>(&self, mut f: impl FnMut(&mut AclPolicy) -> T) -> T {
-        let mut out = None;
-        self.policy.rcu(|cur| {
-            let mut next = AclPolicy::clone(cur);
-            out = Some(f(&mut next));
-            next
-        });
-        self.generation.fetch_add(1, Ordering::AcqRel);
-        out.expect("rcu runs the closure at least once")
+        let mut current = self.policy.load_full();
+        loop {
+            let mut next = AclPolicy::clone(&current);
+            let out = f(&mut next);
+            let prev = self.policy.compare_and_swap(&current, Arc::new(next));
+            if Arc::ptr_eq(&prev, &current) {
+                self.generation.fetch_add(1, Ordering::AcqRel);
+                return out;
+            }
+            // Another update came first: apply `f` again on top of it.
+            current = arc_swap::Guard::into_inner(prev);
+        }
     }
 
     /// Changes so far (for caches).
@@ -595,6 +599,27 @@ mod tests {
         });
         assert_eq!(added, 2);
         assert!(cache.may_publish(&acl, "c", b"a"));
+    }
+
+    #[test]
+    fn concurrent_updates_are_all_kept() {
+        let acl = Arc::new(Acl::new(policy("none", &[])));
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let acl = acl.clone();
+                std::thread::spawn(move || {
+                    for i in 0..100 {
+                        let rule = AclRule::parse(&format!("c{t}-{i}"), "x", "all").expect("rule");
+                        acl.update(|p| p.rules.push(rule.clone()));
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("thread");
+        }
+        assert_eq!(acl.policy().rules.len(), 400);
+        assert!(acl.generation() >= 401);
     }
 
     #[test]

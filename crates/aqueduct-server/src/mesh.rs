@@ -377,6 +377,45 @@ pub fn new(
 }
 
 impl Driver {
+    /// Resolve the static `cluster.peers`, then run the driver (and DNS discovery if configured,
+    /// which adds what it finds) until `stop`.
+    pub async fn run_with_peers(
+        self,
+        cluster: crate::cluster::ClusterConfig,
+        resolver: Arc<dyn crate::discovery::Resolver>,
+        endpoint: quinn::Endpoint,
+        stop: watch::Receiver<bool>,
+    ) {
+        let mut fixed = Vec::new();
+        for p in &cluster.peers {
+            match tokio::net::lookup_host(p.as_str()).await {
+                Ok(found) => fixed.extend(found),
+                Err(e) => warn!(peer = %p, "cluster.peers: cannot resolve: {e}"),
+            }
+        }
+        let handle = self.handle.clone();
+        match cluster.discovery {
+            Some((host, port, interval)) => {
+                let discovery = crate::discovery::run(
+                    resolver,
+                    host,
+                    port,
+                    interval,
+                    fixed,
+                    handle,
+                    stop.clone(),
+                );
+                tokio::join!(self.run(endpoint, stop), discovery);
+            }
+            None => {
+                if !fixed.is_empty() {
+                    handle.send(Event::Peers(fixed));
+                }
+                self.run(endpoint, stop).await
+            }
+        }
+    }
+
     /// Run until `stop`; then close every mesh connection.
     pub async fn run(mut self, endpoint: quinn::Endpoint, mut stop: watch::Receiver<bool>) {
         let mut conns: HashMap<ConnId, Link> = HashMap::new();

@@ -355,7 +355,7 @@ impl Server {
             "broker listening (QUIC/UDP, TLS 1.3)"
         );
         let (stop_tx, stop_rx) = watch::channel(false);
-        let ticker = tokio::spawn(ack_ticker(
+        let ticker = Owned::spawn(ack_ticker(
             shared.broker.clone(),
             shared.durable.clone(),
             stop_rx.clone(),
@@ -366,7 +366,7 @@ impl Server {
         let checkpointer = shared
             .consumers
             .clone()
-            .map(|c| tokio::spawn(crate::consumers::checkpointer(c, checkpoint_stop_rx)));
+            .map(|c| Owned::spawn(crate::consumers::checkpointer(c, checkpoint_stop_rx)));
         let http = Arc::new(crate::http::Endpoint {
             shared: shared.clone(),
             labels: crate::metrics::TopicLabels::default(),
@@ -375,14 +375,14 @@ impl Server {
         info!(addr = %metrics.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics endpoint listening (GET /metrics, /healthz, /readyz)");
         // The endpoint outlives the QUIC side's shutdown, so /readyz reports it.
         let (http_stop, http_stop_rx) = watch::channel(false);
-        let metrics_task = tokio::spawn(crate::http::serve(metrics, http.clone(), http_stop_rx));
+        let metrics_task = Owned::spawn(crate::http::serve(metrics, http.clone(), http_stop_rx));
         let (admin_stop, admin_stop_rx) = watch::channel(false);
         let admin_task = admin.map(|(listener, tls)| {
             info!(
                 addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(),
                 "admin API listening (gRPC over TLS 1.3, client certificate required)"
             );
-            tokio::spawn(crate::admin::serve(
+            Owned::spawn(crate::admin::serve(
                 listener,
                 tls,
                 shared.clone(),
@@ -391,43 +391,12 @@ impl Server {
         });
         let (mesh_stop, mesh_stop_rx) = watch::channel(false);
         let mesh_task = mesh_driver.map(|driver| {
-            let cluster = shared.config.cluster.clone();
-            let handle = shared.mesh.clone();
-            let endpoint = endpoint.clone();
-            let stop = mesh_stop_rx;
-            tokio::spawn(async move {
-                // The static peers, resolved once; DNS discovery adds what it finds.
-                let mut fixed = Vec::new();
-                for p in &cluster.peers {
-                    match tokio::net::lookup_host(p.as_str()).await {
-                        Ok(found) => fixed.extend(found),
-                        Err(e) => warn!(peer = %p, "cluster.peers: cannot resolve: {e}"),
-                    }
-                }
-                let Some(handle) = handle else {
-                    return driver.run(endpoint, stop).await;
-                };
-                match cluster.discovery {
-                    Some((host, port, interval)) => {
-                        let discovery = crate::discovery::run(
-                            resolver,
-                            host,
-                            port,
-                            interval,
-                            fixed,
-                            handle,
-                            stop.clone(),
-                        );
-                        tokio::join!(driver.run(endpoint, stop), discovery);
-                    }
-                    None => {
-                        if !fixed.is_empty() {
-                            handle.send(crate::mesh::Event::Peers(fixed));
-                        }
-                        driver.run(endpoint, stop).await
-                    }
-                }
-            })
+            Owned::spawn(driver.run_with_peers(
+                shared.config.cluster.clone(),
+                resolver,
+                endpoint.clone(),
+                mesh_stop_rx,
+            ))
         });
         let mut connections = JoinSet::new();
         tokio::pin!(shutdown);
@@ -465,10 +434,11 @@ impl Server {
         }
         endpoint.close(ErrorCode::SHUTTING_DOWN.0.into(), b"broker shutting down");
         let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
-        ticker.abort();
+        drop(ticker);
         let _ = checkpoint_stop.send(true);
         if let Some(task) = checkpointer {
-            let _ = task.await;
+            // Its last save must finish.
+            task.stop_within(None).await;
         }
         if let Some(d) = shared.durable.clone() {
             // Write what is queued and close the log cleanly (blocking file I/O).
@@ -476,25 +446,53 @@ impl Server {
         }
         let _ = mesh_stop.send(true);
         if let Some(task) = mesh_task {
-            stop_within(task, Duration::from_secs(2)).await;
+            task.stop_within(Some(Duration::from_secs(2))).await;
         }
         let _ = admin_stop.send(true);
         if let Some(task) = admin_task {
-            stop_within(task, Duration::from_secs(1)).await;
+            task.stop_within(Some(Duration::from_secs(1))).await;
         }
         let _ = http_stop.send(true);
-        stop_within(metrics_task, Duration::from_secs(1)).await;
+        metrics_task.stop_within(Some(Duration::from_secs(1))).await;
         info!("broker stopped");
         Ok(())
     }
 }
 
-/// Wait for `task` to finish on its own, at most `limit`; then abort it, so that it never
-/// outlives the server (it holds the shared state).
-async fn stop_within(mut task: tokio::task::JoinHandle<()>, limit: Duration) {
-    if tokio::time::timeout(limit, &mut task).await.is_err() {
-        task.abort();
-        let _ = task.await;
+/// A task the server owns: aborted when dropped (also when `serve` itself is dropped midway),
+/// so it never outlives the server whose state it holds.
+struct Owned(Option<tokio::task::JoinHandle<()>>);
+
+impl Owned {
+    fn spawn(task: impl Future<Output = ()> + Send + 'static) -> Owned {
+        Owned(Some(tokio::spawn(task)))
+    }
+
+    /// Wait for it to end on its own, at most `limit` (`None`: as long as it takes); then
+    /// abort it.
+    async fn stop_within(mut self, limit: Option<Duration>) {
+        let Some(mut task) = self.0.take() else {
+            return;
+        };
+        let ended = match limit {
+            Some(limit) => tokio::time::timeout(limit, &mut task).await.is_ok(),
+            None => {
+                let _ = (&mut task).await;
+                true
+            }
+        };
+        if !ended {
+            task.abort();
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
     }
 }
 
