@@ -454,6 +454,13 @@ impl AclCache {
         }
     }
 
+    /// Is access control on for `client` under the current policy (one atomic load in steady
+    /// state)? When it is off, callers can skip walking the topics of a frame at all.
+    pub fn enabled(&mut self, acl: &Acl, client: &str) -> bool {
+        self.refresh(acl, client);
+        self.rules.enabled
+    }
+
     /// May `client` publish to `topic` under the current policy? In steady state one atomic
     /// load and one hash lookup; no allocation.
     pub fn may_publish(&mut self, acl: &Acl, client: &str, topic: &[u8]) -> bool {

@@ -226,6 +226,10 @@ impl MeshHandle {
         local: impl FnOnce(&mut PublishContext) -> T,
     ) -> T {
         let table = self.table.load();
+        if table.nodes().len() < 2 {
+            // No peer connected: nothing to decide.
+            return local(ctx);
+        }
         let mut routing = table.route_bytes(p.topic.as_bytes());
         // A peer the table names but whose queue is gone (its connection just ended): its
         // groups are served here instead of being lost.

@@ -26,6 +26,10 @@ pub(crate) fn request_revoke(shared: &Shared, entry: &SubEntry) -> bool {
             return false;
         }
         revoking.push(entry.sub.clone());
+        entry
+            .out
+            .revoke_pending
+            .store(true, std::sync::atomic::Ordering::Release);
     }
     shared.broker.stop_routing(&entry.sub);
     entry.out.notify.notify_one();
@@ -63,6 +67,10 @@ impl Reader<'_> {
     ) -> bool {
         let client = self.conn.identity();
         let acl = &self.shared.access.acl;
+        if !self.acl.enabled(acl, client) {
+            // Off: a batch's sub-frames are not walked.
+            return true;
+        }
         let Some(refused) = topics.find(|t| !self.acl.may_publish(acl, client, t)) else {
             return true;
         };

@@ -58,6 +58,8 @@ pub(crate) struct StreamOut {
     subs: Mutex<Vec<Arc<Subscriber>>>,
     /// Subscriptions to close because the ACL no longer allows them (see [`request_revoke`]).
     revoking: Mutex<Vec<Arc<Subscriber>>>,
+    /// `revoking` is not empty (checked first, so the writer takes no lock for it normally).
+    revoke_pending: AtomicBool,
     /// Durable consumers (and durable group members) among them: subscriber → the key of its
     /// consumer or group. Ending the subscription ends it there too (the last one stops the
     /// feeder, so no feeder outlives its consumer's subscriptions).
@@ -931,7 +933,11 @@ fn stream_id_of(buf: &[u8]) -> u32 {
 /// Collect pending replies and deliveries into `buf`, up to about `budget` bytes. Closed
 /// subscriptions are removed; a slow-consumer close gets its ERROR frame.
 fn fill(out: &StreamOut, shared: &Shared, conn: &ConnState, buf: &mut BytesMut, budget: usize) {
-    let revoking = std::mem::take(&mut *lock(&out.revoking));
+    let revoking = if out.revoke_pending.swap(false, Ordering::AcqRel) {
+        std::mem::take(&mut *lock(&out.revoking))
+    } else {
+        Vec::new()
+    };
     for sub in &revoking {
         revoke(shared, conn, out, sub);
     }
