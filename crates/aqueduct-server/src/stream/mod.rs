@@ -440,21 +440,15 @@ impl Reader<'_> {
             self.conn.wait_confirmed().await;
         }
         // Access control and the publish quota, before anything of a publish frame is routed.
+        // A batch's topics are checked where its sub-frames are decoded (`handle`), once; its
+        // quota is taken here, so a refused batch still counts against it.
         let stream_id = frame.stream_id;
         let publishes = match &frame.message {
             Message::Publish(p) => Some(
                 self.authorize_publish(stream_id, std::iter::once(p.topic().as_bytes()))
                     .then_some(1),
             ),
-            Message::PublishBatch(b) => Some(
-                self.authorize_publish(
-                    stream_id,
-                    b.iter_refs()
-                        .filter_map(Result::ok)
-                        .map(|r| r.topic.as_bytes()),
-                )
-                .then(|| b.len()),
-            ),
+            Message::PublishBatch(b) => Some(Some(b.len())),
             _ => None,
         };
         match publishes {
@@ -549,6 +543,9 @@ impl Reader<'_> {
                 // Validated in full when decoded, so every sub-frame is Ok. Borrowed views, decoded
                 // once into one vector per batch frame (the core looks ahead along it for runs).
                 let refs: Vec<_> = batch.iter_refs().filter_map(Result::ok).collect();
+                if !self.authorize_publish(stream_id, refs.iter().map(|r| r.topic.as_bytes())) {
+                    return;
+                }
                 self.conn
                     .published
                     .fetch_add(refs.len() as u64, Ordering::Relaxed);
