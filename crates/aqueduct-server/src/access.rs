@@ -26,14 +26,7 @@ use aqueduct_core::quota::{QuotaPolicy, QuotaSpec, Quotas};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use crate::config::ConfigError;
-
-fn invalid(key: &'static str, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        key,
-        problem: problem.into(),
-    }
-}
+use crate::config::{invalid, ConfigError};
 
 /// One ACL rule as the config file (and the state file) writes it.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]

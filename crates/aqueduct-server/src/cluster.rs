@@ -7,14 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{parse_duration, range, ConfigError};
-
-fn invalid(key: &'static str, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        key,
-        problem: problem.into(),
-    }
-}
+use crate::config::{invalid, parse_duration, range, ConfigError};
 
 /// A value the seed writes either as a number or as a string (`port: "4242"`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -42,7 +42,7 @@ pub enum ConfigError {
     },
 }
 
-fn invalid(key: &'static str, problem: impl Into<String>) -> ConfigError {
+pub(crate) fn invalid(key: &'static str, problem: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         key,
         problem: problem.into(),

@@ -81,7 +81,7 @@ async fn discovery_follows_the_service_as_it_scales() {
     }
     *dns.0.lock().expect("lock") = nodes.iter().map(|b| b.addr).collect();
     for (i, b) in nodes.iter().enumerate() {
-        until_async(&format!("node-{i} to see 3 nodes"), || {
+        until(&format!("node-{i} to see 3 nodes"), || {
             peers_of(b) == others(i, 3)
         })
         .await;
@@ -92,7 +92,7 @@ async fn discovery_follows_the_service_as_it_scales() {
     }
     *dns.0.lock().expect("lock") = nodes.iter().map(|b| b.addr).collect();
     for (i, b) in nodes.iter().enumerate() {
-        until_async(&format!("node-{i} to see 5 nodes"), || {
+        until(&format!("node-{i} to see 5 nodes"), || {
             peers_of(b) == others(i, 5)
         })
         .await;
@@ -103,7 +103,7 @@ async fn discovery_follows_the_service_as_it_scales() {
         b.stop().await.expect("clean shutdown");
     }
     for (i, b) in nodes.iter().enumerate() {
-        until_async(&format!("node-{i} to see 2 nodes"), || {
+        until(&format!("node-{i} to see 2 nodes"), || {
             peers_of(b) == others(i, 2)
         })
         .await;
@@ -164,15 +164,6 @@ fn wants(b: &TestBroker, peer: &str, filter: &str) -> bool {
         .any(|(n, i)| n.as_str() == peer && i.count(&key) > 0)
 }
 
-async fn until_async(what: &str, mut cond: impl FnMut() -> bool) {
-    within(what, async {
-        while !cond() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_form_a_full_mesh_and_share_interest() {
     let c = cluster(3).await;
@@ -181,7 +172,7 @@ async fn three_nodes_form_a_full_mesh_and_share_interest() {
             .filter(|j| *j != i)
             .map(|j| format!("node-{j}"))
             .collect();
-        until_async(&format!("node-{i} to see its two peers"), || {
+        until(&format!("node-{i} to see its two peers"), || {
             peers_of(b) == want
         })
         .await;
@@ -189,7 +180,7 @@ async fn three_nodes_form_a_full_mesh_and_share_interest() {
     // When both ends of a pair dialed, the connection neither keeps is closed, not left open:
     // each node ends with exactly its two peers' connections.
     for (i, b) in c.nodes.iter().enumerate() {
-        until_async(
+        until(
             &format!("node-{i}'s duplicate connections to close"),
             || b.control.open_connections() == 2,
         )
@@ -198,12 +189,12 @@ async fn three_nodes_form_a_full_mesh_and_share_interest() {
     // A subscription on node 1 becomes interest that nodes 0 and 2 know of, and goes again.
     let client = c.nodes[1].client().await;
     let sub = client.subscribe("orders/#").await.expect("subscribe");
-    until_async("nodes 0 and 2 to learn node-1's interest", || {
+    until("nodes 0 and 2 to learn node-1's interest", || {
         wants(&c.nodes[0], "node-1", "orders/#") && wants(&c.nodes[2], "node-1", "orders/#")
     })
     .await;
     sub.unsubscribe().await.expect("unsubscribe");
-    until_async("the interest to go", || {
+    until("the interest to go", || {
         !wants(&c.nodes[0], "node-1", "orders/#") && !wants(&c.nodes[2], "node-1", "orders/#")
     })
     .await;
@@ -212,7 +203,7 @@ async fn three_nodes_form_a_full_mesh_and_share_interest() {
     let gone = nodes.pop().expect("node 2");
     gone.stop().await.expect("clean shutdown");
     for (i, b) in nodes.iter().enumerate() {
-        until_async(&format!("node-{i} to drop node-2"), || {
+        until(&format!("node-{i} to drop node-2"), || {
             !peers_of(b).contains("node-2")
         })
         .await;
@@ -225,7 +216,7 @@ async fn three_nodes_form_a_full_mesh_and_share_interest() {
 async fn formed(c: &Cluster) {
     let n = c.nodes.len();
     for (i, b) in c.nodes.iter().enumerate() {
-        until_async(&format!("node-{i} to see its peers"), || {
+        until(&format!("node-{i} to see its peers"), || {
             peers_of(b).len() == n - 1
         })
         .await;
@@ -253,7 +244,7 @@ async fn messages_published_on_one_node_reach_subscribers_on_the_others_once() {
         .subscribe("orders/+")
         .await
         .expect("second filter on node 2");
-    until_async("node 0 to learn both nodes' interest", || {
+    until("node 0 to learn both nodes' interest", || {
         wants(&c.nodes[0], "node-1", "orders/eu") && wants(&c.nodes[0], "node-2", "orders/+")
     })
     .await;
@@ -377,7 +368,7 @@ async fn a_group_across_nodes_gets_each_message_once_round_robin() {
     }
     let watcher = c.nodes[1].client().await;
     let mut plain = watcher.subscribe("jobs").await.expect("plain");
-    until_async("node 0 to learn the other members", || {
+    until("node 0 to learn the other members", || {
         group_wanted(&c.nodes[0], "node-1") && group_wanted(&c.nodes[0], "node-2")
     })
     .await;
@@ -399,7 +390,7 @@ async fn a_group_across_nodes_gets_each_message_once_round_robin() {
             format!("j{i}").as_bytes()
         );
     }
-    until_async("every job to reach a member", || {
+    until("every job to reach a member", || {
         got.lock().expect("lock").len() >= N
     })
     .await;
