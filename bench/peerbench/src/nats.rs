@@ -18,6 +18,11 @@ use crate::common::{self, CpuMeter};
 pub struct ThroughputArgs {
     #[arg(long, default_value = "nats://127.0.0.1:4222")]
     url: String,
+    /// Connect the subscribers to this server instead of --url (another node of a cluster).
+    /// The run then starts with probes (empty messages, not counted) until every subscriber
+    /// has seen one: the publishers' server learns of the subscriptions over the route.
+    #[arg(long)]
+    sub_url: Option<String>,
     /// Total messages published (split evenly across publishers).
     #[arg(long, default_value_t = 1_000_000)]
     msgs: u64,
@@ -48,6 +53,9 @@ pub struct ThroughputArgs {
 pub struct LatencyArgs {
     #[arg(long, default_value = "nats://127.0.0.1:4222")]
     url: String,
+    /// Connect the subscriber to this server instead of --url (as for nats-throughput).
+    #[arg(long)]
+    sub_url: Option<String>,
     /// Messages per second (single publisher).
     #[arg(long, default_value_t = 10_000.0)]
     rate: f64,
@@ -86,6 +94,31 @@ async fn connect(url: &str, sub_capacity: usize, slow: Arc<AtomicU64>) -> anyhow
     Ok(client)
 }
 
+/// How long probes may take to reach every subscriber.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Publish empty messages on `subject` with `client` until `probed` reaches `want`.
+async fn probe(
+    client: &Client,
+    subject: &Subject,
+    probed: &AtomicU64,
+    want: u64,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + PROBE_TIMEOUT;
+    while probed.load(Ordering::Acquire) < want {
+        if Instant::now() > deadline {
+            bail!(
+                "only {} of {want} subscribers saw a probe within {PROBE_TIMEOUT:?}: is the route up?",
+                probed.load(Ordering::Acquire)
+            );
+        }
+        client.publish(subject.clone(), Bytes::new()).await?;
+        client.flush().await?;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
 struct SubResult {
     count: u64,
     bytes: u64,
@@ -112,13 +145,16 @@ pub async fn throughput(a: ThroughputArgs) -> anyhow::Result<Value> {
     let mut sub_clients = Vec::new();
     let mut progress = Vec::new();
     let mut stops = Vec::new();
+    let sub_url = a.sub_url.clone().unwrap_or_else(|| a.url.clone());
+    let probed = Arc::new(AtomicU64::new(0));
     for _ in 0..a.subs {
-        let client = connect(&a.url, a.sub_capacity, slow.clone()).await?;
+        let client = connect(&sub_url, a.sub_capacity, slow.clone()).await?;
         let mut sub = client.subscribe(subject.clone()).await?;
         client.flush().await?;
         let counter = Arc::new(AtomicU64::new(0));
         let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
         let c2 = counter.clone();
+        let probed = probed.clone();
         subs.push(tokio::spawn(async move {
             let mut r = SubResult {
                 count: 0,
@@ -126,10 +162,18 @@ pub async fn throughput(a: ThroughputArgs) -> anyhow::Result<Value> {
                 first: None,
                 last: None,
             };
+            let mut seen_probe = false;
             loop {
                 tokio::select! {
                     biased;
                     m = sub.next() => match m {
+                        // A probe (the measured payloads are never empty): not counted.
+                        Some(m) if m.payload.is_empty() => {
+                            if !seen_probe {
+                                seen_probe = true;
+                                probed.fetch_add(1, Ordering::AcqRel);
+                            }
+                        }
                         Some(m) => {
                             let now = Instant::now();
                             if r.first.is_none() { r.first = Some(now); }
@@ -149,6 +193,12 @@ pub async fn throughput(a: ThroughputArgs) -> anyhow::Result<Value> {
         sub_clients.push(client);
         progress.push(counter);
         stops.push(stop_tx);
+    }
+
+    if a.sub_url.is_some() {
+        let client = connect(&a.url, a.sub_capacity, slow.clone()).await?;
+        probe(&client, &subject, &probed, a.subs as u64).await?;
+        drop(client);
     }
 
     // Publishers: connect, then start together.
@@ -227,8 +277,8 @@ pub async fn throughput(a: ThroughputArgs) -> anyhow::Result<Value> {
 
     let pub_rate = total as f64 / pub_secs;
     println!(
-        "config: pubs={} subs={} msgs={} size={}B url={}",
-        a.pubs, a.subs, total, a.size, a.url
+        "config: pubs={} subs={} msgs={} size={}B url={} sub_url={}",
+        a.pubs, a.subs, total, a.size, a.url, sub_url
     );
     println!(
         "publish: {:.0} msgs/s, {:.1} MB/s over {:.3}s (per publisher: {})",
@@ -289,6 +339,7 @@ pub async fn throughput(a: ThroughputArgs) -> anyhow::Result<Value> {
     drop(pub_clients);
     Ok(json!({
         "mode": "nats-throughput",
+        "url": a.url, "sub_url": a.sub_url,
         "pubs": a.pubs, "subs": a.subs, "msgs": total, "size": a.size,
         "pub_msgs_per_s": pub_rate,
         "pub_mb_per_s": common::mb_per_s(total, a.size, pub_secs),
@@ -313,14 +364,17 @@ pub async fn latency(a: LatencyArgs) -> anyhow::Result<Value> {
         std::process::id(),
         common::now_ns()
     ));
-    let sub_client = connect(&a.url, 65_536, slow.clone()).await?;
+    let sub_url = a.sub_url.clone().unwrap_or_else(|| a.url.clone());
+    let sub_client = connect(&sub_url, 65_536, slow.clone()).await?;
     let mut sub = sub_client.subscribe(subject.clone()).await?;
     sub_client.flush().await?;
     let pub_client = connect(&a.url, 65_536, slow.clone()).await?;
 
     let received = Arc::new(AtomicU64::new(0));
+    let probed = Arc::new(AtomicU64::new(0));
     let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
     let rcv = received.clone();
+    let probed2 = probed.clone();
     let warmup = a.warmup_msgs;
     let sub_task = tokio::spawn(async move {
         let mut h = common::new_hist();
@@ -329,6 +383,10 @@ pub async fn latency(a: LatencyArgs) -> anyhow::Result<Value> {
             tokio::select! {
                 biased;
                 m = sub.next() => match m {
+                    // A probe: not counted.
+                    Some(m) if m.payload.is_empty() => {
+                        probed2.store(1, Ordering::Release);
+                    }
                     Some(m) => {
                         let now = common::now_ns();
                         let ts = u64::from_le_bytes(m.payload[..8].try_into().unwrap());
@@ -345,6 +403,9 @@ pub async fn latency(a: LatencyArgs) -> anyhow::Result<Value> {
         (n, h)
     });
 
+    if a.sub_url.is_some() {
+        probe(&pub_client, &subject, &probed, 1).await?;
+    }
     let cpu = CpuMeter::start(a.server_pid);
     let handle = tokio::runtime::Handle::current();
     let pc = pub_client.clone();
@@ -387,10 +448,11 @@ pub async fn latency(a: LatencyArgs) -> anyhow::Result<Value> {
     let cpu_v = cpu.stop();
     let achieved = stats.sent as f64 / stats.elapsed.as_secs_f64();
     println!(
-        "config: rate={} msg/s secs={} size={}B; sent {} in {:.3}s ({achieved:.0} msg/s, worst pacing lateness {:.0}us); received {} (lost {})",
+        "config: rate={} msg/s secs={} size={}B url={} sub_url={sub_url}; sent {} in {:.3}s ({achieved:.0} msg/s, worst pacing lateness {:.0}us); received {} (lost {})",
         a.rate,
         a.secs,
         size,
+        a.url,
         stats.sent,
         stats.elapsed.as_secs_f64(),
         stats.max_late.as_secs_f64() * 1e6,
@@ -399,7 +461,7 @@ pub async fn latency(a: LatencyArgs) -> anyhow::Result<Value> {
     );
     let lat = common::latency_report("nats one-way latency", &h);
     Ok(json!({
-        "mode": "nats-latency", "rate": a.rate, "secs": a.secs, "size": size,
+        "mode": "nats-latency", "url": a.url, "sub_url": a.sub_url, "rate": a.rate, "secs": a.secs, "size": size,
         "sent": stats.sent, "received": n, "lost": stats.sent.saturating_sub(n),
         "achieved_rate": achieved, "warmup_msgs": warmup,
         "latency": lat, "cpu": cpu_v,

@@ -10,9 +10,15 @@
 //!
 //! A run that lost or duplicated messages is reported as a failure, with the broker's drop and
 //! expiry counters for the topic when its metrics endpoint is reachable.
+//!
+//! Subscribers may connect to another broker than the publishers ([`run_split`], `aqueduct
+//! bench --sub-addr`), e.g. another node of a cluster. The publishers' broker then learns of the
+//! subscriptions some time after they are active, so the run starts with probes: empty messages
+//! on the topic, published until every subscriber has seen one (a group: one member). Probes
+//! are not counted (a bench payload is never empty).
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -53,7 +59,17 @@ pub struct BenchConfig {
     pub topic: String,
     /// Show a progress bar on stderr.
     pub progress: bool,
+    /// Where the subscribers connect when it is not the publishers' broker (reported only).
+    pub sub_addr: Option<String>,
+    /// Publish probes until every subscriber has seen one before the measured run (needed when
+    /// the subscribers are on another broker than the publishers).
+    pub probe: bool,
+    /// How long the probes may take to reach the subscribers.
+    pub probe_timeout: Duration,
 }
+
+/// Time between probes.
+const PROBE_EVERY: Duration = Duration::from_millis(20);
 
 /// One subscriber's results.
 #[derive(Debug, Clone)]
@@ -89,6 +105,11 @@ pub enum BenchError {
     Connect(#[from] aqueduct_client::ConnectError),
     #[error("a bench task failed: {0}")]
     Task(String),
+    #[error(
+        "not every subscriber saw a probe within {0:?}: the publishers' broker does not forward \
+         to the subscribers' (two brokers that are not one cluster?)"
+    )]
+    NoProbe(Duration),
 }
 
 fn priority_of(index: u64, mix: &[(Priority, u32)]) -> Option<Priority> {
@@ -205,6 +226,22 @@ where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = Result<Client, aqueduct_client::ConnectError>>,
 {
+    run_split(cfg, &connect, &connect).await
+}
+
+/// Run the bench with the publishers connected by `connect_pub` and the subscribers by
+/// `connect_sub` (another broker, e.g. another node of a cluster; set `cfg.probe` then).
+pub async fn run_split<P, PFut, S, SFut>(
+    cfg: BenchConfig,
+    connect_pub: P,
+    connect_sub: S,
+) -> Result<BenchReport, BenchError>
+where
+    P: Fn() -> PFut,
+    PFut: std::future::Future<Output = Result<Client, aqueduct_client::ConnectError>>,
+    S: Fn() -> SFut,
+    SFut: std::future::Future<Output = Result<Client, aqueduct_client::ConnectError>>,
+{
     if cfg.payload_size < HEADER {
         return Err(BenchError::PayloadTooSmall);
     }
@@ -216,6 +253,9 @@ where
         cfg.messages
     }));
     let delivered = Arc::new(AtomicU64::new(0));
+    // Subscribers that have seen a probe; whether the measured run has started.
+    let probed = Arc::new(AtomicU64::new(0));
+    let go = Arc::new(AtomicBool::new(false));
     let capacity = if cfg.duration.is_some() {
         1 << 20
     } else {
@@ -226,7 +266,7 @@ where
     let mut sub_tasks = Vec::new();
     let mut sub_clients = Vec::new();
     for _ in 0..cfg.subscribers {
-        let client = connect().await?;
+        let client = connect_sub().await?;
         let opts = SubscribeOptions {
             group: cfg.group.then(|| "bench".to_string()),
             ack: cfg.group,
@@ -240,19 +280,35 @@ where
             epoch,
             capacity,
             cfg.clone(),
-            target.clone(),
-            delivered.clone(),
+            Shared {
+                target: target.clone(),
+                delivered: delivered.clone(),
+                probed: probed.clone(),
+                go: go.clone(),
+            },
         )));
     }
 
-    let progress = progress_bar(&cfg);
-    let started = Instant::now();
     let sent = Arc::new(AtomicU64::new(0));
     let workers = (cfg.publishers * cfg.streams).max(1);
     let mut pub_clients = Vec::new();
     for _ in 0..cfg.publishers.max(1) {
-        pub_clients.push(connect().await?);
+        pub_clients.push(connect_pub().await?);
     }
+    if cfg.probe {
+        let want = if cfg.group { 1 } else { cfg.subscribers as u64 };
+        probe(
+            &pub_clients[0].publisher(),
+            &cfg.topic,
+            &probed,
+            want,
+            cfg.probe_timeout,
+        )
+        .await?;
+    }
+    let progress = progress_bar(&cfg);
+    let started = Instant::now();
+    go.store(true, Ordering::Release);
     let mut pub_tasks = Vec::new();
     for w in 0..workers {
         let worker = Worker {
@@ -335,6 +391,27 @@ where
         delivered_msgs_per_s: total_received as f64 / secs,
         latency,
     })
+}
+
+/// Publish empty messages on `topic` until `want` subscribers have seen one (at most for
+/// `timeout`).
+async fn probe(
+    publisher: &Publisher,
+    topic: &str,
+    probed: &AtomicU64,
+    want: u64,
+    timeout: Duration,
+) -> Result<(), BenchError> {
+    let deadline = Instant::now() + timeout;
+    while probed.load(Ordering::Acquire) < want {
+        if Instant::now() >= deadline {
+            return Err(BenchError::NoProbe(timeout));
+        }
+        publisher.publish(topic, Bytes::new()).await?;
+        publisher.flush().await?;
+        tokio::time::sleep(PROBE_EVERY).await;
+    }
+    Ok(())
 }
 
 fn progress_bar(cfg: &BenchConfig) -> Option<indicatif::ProgressBar> {
@@ -480,15 +557,33 @@ async fn send_batch(
     }
 }
 
+/// What the subscribers share with the run.
+struct Shared {
+    /// How many messages will have been sent (u64::MAX while unknown).
+    target: Arc<AtomicU64>,
+    /// Messages received by all (for a group).
+    delivered: Arc<AtomicU64>,
+    /// Subscribers that have seen a probe.
+    probed: Arc<AtomicU64>,
+    /// The measured run has started.
+    go: Arc<AtomicBool>,
+}
+
 async fn subscriber(
     mut sub: Subscription,
     epoch: Instant,
     capacity: u64,
     cfg: BenchConfig,
-    target: Arc<AtomicU64>,
-    delivered: Arc<AtomicU64>,
+    shared: Shared,
 ) -> Recorder {
+    let Shared {
+        target,
+        delivered,
+        probed,
+        go,
+    } = shared;
     let mut rec = Recorder::new(capacity);
+    let mut seen_probe = false;
     let idle = tokio::time::sleep(cfg.idle);
     tokio::pin!(idle);
     loop {
@@ -513,6 +608,16 @@ async fn subscriber(
                 let now = Instant::now();
                 let ended = loop {
                     match item {
+                        // A probe (bench payloads are never empty): not counted.
+                        Some(Ok(msg)) if msg.body().is_empty() => {
+                            if !seen_probe {
+                                seen_probe = true;
+                                probed.fetch_add(1, Ordering::AcqRel);
+                            }
+                            if cfg.group {
+                                let _ = msg.ack().await;
+                            }
+                        }
                         Some(Ok(msg)) => {
                             rec.record(epoch, now, msg.body());
                             count += 1;
@@ -537,8 +642,9 @@ async fn subscriber(
                 idle.as_mut().reset(tokio::time::Instant::now() + cfg.idle);
             }
             _ = &mut idle => {
-                // Idle: give up only once publishing is over and nothing arrives any more.
-                if target.load(Ordering::Acquire) != u64::MAX {
+                // Idle: give up only once publishing has started, the count is known, and
+                // nothing arrives any more.
+                if go.load(Ordering::Acquire) && target.load(Ordering::Acquire) != u64::MAX {
                     break;
                 }
                 idle.as_mut().reset(tokio::time::Instant::now() + cfg.idle);
@@ -567,6 +673,12 @@ impl BenchReport {
             "{} publisher(s) x {} stream(s) -> {} subscriber(s){} on {}, {} B messages, batch {}, {mode}",
             c.publishers, c.streams, c.subscribers, if c.group { " (one group)" } else { "" }, c.topic, c.payload_size, c.batch
         );
+        if let Some(addr) = &c.sub_addr {
+            let _ = writeln!(
+                s,
+                "subscribers connected to {addr} (another broker than the publishers')"
+            );
+        }
         let pub_rate = self.sent as f64 / self.publish_secs.max(1e-9);
         let _ = writeln!(
             s,
@@ -620,6 +732,7 @@ impl BenchReport {
             "group": c.group,
             "overflow": c.overflow.map(OverflowPolicy::as_str),
             "rate": c.rate,
+            "sub_addr": c.sub_addr,
             "pub_msgs_per_s": pub_rate,
             "pub_mb_per_s": pub_rate * c.payload_size as f64 / 1e6,
             "delivered_msgs_per_s": self.delivered_msgs_per_s,

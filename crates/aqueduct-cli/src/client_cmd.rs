@@ -250,6 +250,21 @@ enum Command {
         /// The broker's metrics endpoint, to explain losses (default: 127.0.0.1:9090 for a local broker).
         #[arg(long)]
         metrics_addr: Option<String>,
+        /// Connect the subscribers to this broker instead of --addr (e.g. another node of a
+        /// cluster: publishers on one node, subscribers on another). The run then starts with
+        /// probes (empty messages, not counted) until every subscriber has seen one, as the
+        /// publishers' node learns of the subscriptions only after they are active. The same
+        /// trust flags apply (--ca, --pin, --server-name, --cert/--key).
+        #[arg(long, value_name = "ADDR")]
+        sub_addr: Option<String>,
+        /// The development certificate to trust for --sub-addr on localhost (default: the one
+        /// --dev-cert or AQUEDUCT_HOME names; two local brokers have one each).
+        #[arg(long, value_name = "FILE", requires = "sub_addr")]
+        sub_dev_cert: Option<PathBuf>,
+        /// With --sub-addr: give up (and fail) if the probes have not reached every subscriber
+        /// after this long.
+        #[arg(long, default_value = "15s", value_parser = humantime_duration)]
+        probe_timeout: Duration,
         /// Print one JSON object instead of text (no progress bar).
         #[arg(long)]
         json: bool,
@@ -716,6 +731,9 @@ async fn run(cli: Cli) -> Result<()> {
             topic,
             idle,
             metrics_addr,
+            sub_addr,
+            sub_dev_cert,
+            probe_timeout,
             json,
         } => {
             use std::io::IsTerminal;
@@ -737,9 +755,27 @@ async fn run(cli: Cli) -> Result<()> {
                     .clone()
                     .unwrap_or_else(|| format!("bench/{}", std::process::id())),
                 progress: !*json && std::io::stderr().is_terminal(),
+                sub_addr: sub_addr.clone(),
+                probe: sub_addr.is_some(),
+                probe_timeout: *probe_timeout,
             };
             let opts = connect_options(&cli)?;
-            let report = bench::run(cfg.clone(), || Client::connect(opts.clone())).await?;
+            let sub_opts = match sub_addr {
+                Some(addr) => {
+                    let o = connect_options_to(&cli, addr)?;
+                    match sub_dev_cert {
+                        Some(dev) => o.dev_cert_file(dev),
+                        None => o,
+                    }
+                }
+                None => opts.clone(),
+            };
+            let report = bench::run_split(
+                cfg.clone(),
+                || Client::connect(opts.clone()),
+                || Client::connect(sub_opts.clone()),
+            )
+            .await?;
             if *json {
                 println!("{}", report.json());
             } else {
