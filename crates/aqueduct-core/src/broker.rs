@@ -25,7 +25,7 @@ use aqueduct_proto::{
     AckMode, Compression, GroupId, OverflowPolicy, Priority, Publish, PublishRef, SharedDelivery,
     SubscribeSpec, TopicName, TopicRef, TraceContext,
 };
-use bytes::BufMut;
+use bytes::{BufMut, Bytes};
 use foldhash::fast::RandomState;
 
 use crate::config::BrokerConfig;
@@ -397,6 +397,39 @@ pub struct Broker {
     offset_source: OffsetSourceCell,
     /// Told of every routed subscription made or removed (the cluster mesh's interest).
     interest: InterestCell,
+    /// Given the messages of a consumer group that no member here can take (the cluster mesh
+    /// gives them to a member on another node).
+    orphans: OrphanCell,
+}
+
+/// A message of a routed consumer group that has no live member on this node any more (its
+/// last one left with the message queued or unsettled). An [`OrphanListener`] can give it to a
+/// member elsewhere (the cluster mesh); without one it is dropped and counted.
+#[derive(Debug, Clone)]
+pub struct Orphan {
+    pub group: crate::mesh::GroupKey,
+    pub topic: TopicName,
+    pub body: Bytes,
+    pub priority: Priority,
+    /// What is left of its lifetime (`None`: no TTL).
+    pub ttl: Option<Duration>,
+    pub trace: Option<aqueduct_proto::TraceContext>,
+    pub compression: Option<aqueduct_proto::Compression>,
+    /// Delivery attempts made so far.
+    pub attempts: u32,
+}
+
+/// Takes an [`Orphan`] (returns true) or declines it (false: it is dropped and counted). Called
+/// without the broker's locks held; it must not call back into the broker.
+pub type OrphanListener = Box<dyn Fn(Orphan) -> bool + Send + Sync>;
+
+#[derive(Default)]
+struct OrphanCell(std::sync::OnceLock<OrphanListener>);
+
+impl std::fmt::Debug for OrphanCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OrphanListener")
+    }
 }
 
 /// Called with a subscription's interest key and +1 when it is made, -1 when it is removed
@@ -477,6 +510,12 @@ impl Broker {
     /// return false). Subscriptions made before are not reported: set it before serving.
     pub fn set_interest_listener(&self, listener: InterestListener) -> bool {
         self.interest.0.set(listener).is_ok()
+    }
+
+    /// Be given the messages of consumer groups left without a member here (once; later calls
+    /// are ignored and return false).
+    pub fn set_orphan_listener(&self, listener: OrphanListener) -> bool {
+        self.orphans.0.set(listener).is_ok()
     }
 
     fn tell_interest(&self, sub: &Subscriber, delta: i64) {
@@ -1209,9 +1248,41 @@ impl Broker {
             Some(m) => self.deliver(ctx, &m, std::iter::once(d), now),
             None => {
                 shared.note_settled(d.topic.name(), d.offset);
-                d.topic.stats().dropped(DropReason::Unsubscribed);
+                if !self.hand_to_cluster(shared, &d, now) {
+                    d.topic.stats().dropped(DropReason::Unsubscribed);
+                }
             }
         }
+    }
+
+    /// Offer the orphan listener (the cluster) a group's message no member here can take.
+    fn hand_to_cluster(&self, shared: &GroupShared, d: &Delivery, now: Instant) -> bool {
+        let Some(listener) = self.orphans.0.get() else {
+            return false;
+        };
+        let ttl = match d.expires_at {
+            Some(at) if at <= now => {
+                d.topic.stats().expired(d.priority);
+                return true;
+            }
+            Some(at) => Some(at - now),
+            None => None,
+        };
+        // Our own encoding: it parses; without it the copy only loses trace and compression.
+        let ext = d.shared.extensions().unwrap_or_default();
+        listener(Orphan {
+            group: crate::mesh::GroupKey {
+                filter: shared.filter().clone(),
+                group: shared.id().clone(),
+            },
+            topic: d.topic.name().clone(),
+            body: d.shared.body(),
+            priority: d.priority,
+            ttl,
+            trace: ext.trace,
+            compression: ext.compression,
+            attempts: d.attempt,
+        })
     }
 
     // ----- delivery -----

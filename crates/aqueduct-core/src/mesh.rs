@@ -681,6 +681,23 @@ impl RouteTable {
         routing
     }
 
+    /// Where a message of group `g` goes that no member on this node can take any more (its
+    /// last member here left with it queued or unsettled): the next member round-robin on the
+    /// other nodes, as a copy for that group only that has been here. `None`: no member
+    /// elsewhere either. This node's own count is skipped, whatever it says (the snapshot may
+    /// not have seen the member leave yet).
+    pub fn repick_elsewhere(&self, g: &GroupKey) -> Option<(NodeId, Forward)> {
+        let node = self.pick(g, std::slice::from_ref(&self.me))?;
+        Some((
+            node,
+            Forward {
+                plain: false,
+                groups: vec![g.clone()],
+                visited: vec![self.me.clone()],
+            },
+        ))
+    }
+
     fn members(&self, node: &NodeId, g: &GroupKey) -> u32 {
         self.nodes
             .iter()
@@ -873,6 +890,43 @@ mod tests {
         let r = c.route_forwarded(&r.forward[0].1);
         assert!(r.forward.is_empty());
         assert_eq!(r.unplaced, vec![g]);
+    }
+
+    #[test]
+    fn an_orphaned_group_message_is_re_picked_on_another_node_never_here() {
+        let g = group("jobs", "w");
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        // a's own count still says 1 (the snapshot has not seen its member leave).
+        a.handle_local(Key::Group(g.clone()), 1);
+        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), 1)]);
+        connected(&mut a, 2, "c", &[(Key::Group(g.clone()), 1)]);
+        let table = a.table();
+        let mut seen = BTreeSet::new();
+        for _ in 0..4 {
+            let (to, f) = table.repick_elsewhere(&g).expect("a member elsewhere");
+            assert_ne!(to, node("a"));
+            assert_eq!(
+                (f.plain, &f.groups, &f.visited),
+                (false, &vec![g.clone()], &vec![node("a")])
+            );
+            seen.insert(to);
+        }
+        assert_eq!(seen.len(), 2, "round-robin over b and c");
+        // At b (its member gone too), the copy may go on to c but never back to a.
+        let mut b = Mesh::new(node("b"), MeshConfig::default(), 1, 1);
+        connected(&mut b, 1, "a", &[(Key::Group(g.clone()), 1)]);
+        connected(&mut b, 2, "c", &[(Key::Group(g.clone()), 1)]);
+        let f = table.repick_elsewhere(&g).expect("picked").1;
+        for _ in 0..4 {
+            let r = b.route_forwarded(&f);
+            assert_eq!(r.forward.len(), 1);
+            assert_eq!(r.forward[0].0, node("c"));
+        }
+        // No member anywhere else: nothing.
+        let mut lone = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        lone.handle_local(Key::Group(g.clone()), 1);
+        connected(&mut lone, 1, "b", &[]);
+        assert!(lone.table().repick_elsewhere(&g).is_none());
     }
 
     #[test]

@@ -42,7 +42,7 @@ const MAX_CHUNK_BYTES: usize = 32 << 20;
 /// How often the writer applies retention.
 const RETENTION_EVERY: Duration = Duration::from_secs(10);
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -431,6 +431,28 @@ impl Durable {
         waiter: Waiter,
     ) {
         let mut q = lock(&self.queue);
+        Self::push_records(&mut q, records);
+        // Even with no messages (an empty PUBLISH_BATCH): its CONFIRM comes in order.
+        self.close_group(q, Some(waiter));
+    }
+
+    /// Queue copies a cluster peer forwarded (published here with these offsets; no one to
+    /// confirm them to). Call under [`Durable::order`], like [`queue_frame`](Self::queue_frame).
+    pub fn queue_copies<'a>(
+        &self,
+        records: impl Iterator<Item = ((Arc<TopicState>, u64), Publication<'a>)>,
+    ) {
+        let mut q = lock(&self.queue);
+        if Self::push_records(&mut q, records) > 0 {
+            self.close_group(q, None);
+        }
+    }
+
+    /// Encode `records` into the queue; returns how many.
+    fn push_records<'a>(
+        q: &mut Queue,
+        records: impl Iterator<Item = ((Arc<TopicState>, u64), Publication<'a>)>,
+    ) -> usize {
         let mut n = 0;
         for ((topic, offset), p) in records {
             StoredMessage::encode(&p, &mut q.data);
@@ -438,9 +460,7 @@ impl Durable {
             q.recs.push(Rec { topic, offset, end });
             n += 1;
         }
-        // Even with no messages (an empty PUBLISH_BATCH): its CONFIRM comes in order.
-        let _ = n;
-        self.close_group(q, Some(waiter));
+        n
     }
 
     /// End a group of records just queued (the caller added some) and wake the writer.

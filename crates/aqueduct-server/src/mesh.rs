@@ -42,6 +42,7 @@ use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
 use crate::cluster::Compression;
+use crate::durable::Durable;
 use crate::mesh_tls::{MeshTls, MESH_NAME};
 
 /// Groups named in one record (255-byte names: its routing stays well under 64 KiB).
@@ -90,12 +91,30 @@ pub enum Event {
     Peers(Vec<SocketAddr>),
 }
 
-/// Copies waiting for one peer, bounded in count and bytes: when full, the oldest are dropped
-/// (counted), so a slow peer never holds up local delivery, and it is not disconnected for being
-/// slow. The lock is held only to push or to take what is queued.
+/// A copy waiting in a peer's queue. A copy with a TTL remembers when it was queued and where
+/// its TTL value sits in the record, so that the time it waited here is taken off when it is
+/// written (and a copy whose TTL ran out while it waited is dropped, counted, not sent).
+#[derive(Debug)]
+struct Queued {
+    record: Bytes,
+    ttl: Option<QueuedTtl>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct QueuedTtl {
+    /// Offset of the TTL extension's u32 value in the record.
+    at: usize,
+    ms: u32,
+    queued: Instant,
+}
+
+/// The state of one mesh connection: the copies waiting for the peer, bounded in count and
+/// bytes (when full, the oldest are dropped, counted, so a slow peer never holds up local
+/// delivery, and it is not disconnected for being slow), and what went each way on it. The lock
+/// is held only to push or to take what is queued.
 #[derive(Debug)]
 pub struct PeerQueue {
-    queue: Mutex<(VecDeque<Bytes>, usize)>,
+    queue: Mutex<(VecDeque<Queued>, usize)>,
     notify: Notify,
     capacity: usize,
     /// Copies queued, dropped (queue full), and bytes written to the peer.
@@ -104,6 +123,16 @@ pub struct PeerQueue {
     pub bytes: AtomicU64,
     /// Bytes of records before compression (`bytes` after): their ratio is the compression's.
     pub raw_bytes: AtomicU64,
+    /// Copies whose TTL ran out while they waited in the queue (not sent).
+    pub expired: AtomicU64,
+    /// Copies received from the peer, and the bytes of the blocks they came in.
+    pub received: AtomicU64,
+    pub received_bytes: AtomicU64,
+    /// Times the peer came back after being disconnected (set by the driver).
+    pub reconnects: AtomicU64,
+    /// Copies received but neither published nor logged because this node's durable log was
+    /// failing or closed (a client's publish would be refused then too).
+    pub not_stored: AtomicU64,
 }
 
 /// Bytes a peer's queue may hold.
@@ -119,10 +148,21 @@ impl PeerQueue {
             dropped: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
             raw_bytes: AtomicU64::new(0),
+            expired: AtomicU64::new(0),
+            received: AtomicU64::new(0),
+            received_bytes: AtomicU64::new(0),
+            reconnects: AtomicU64::new(0),
+            not_stored: AtomicU64::new(0),
         }
     }
 
-    fn push(&self, record: Bytes) {
+    /// Queue `record`; `ttl`: where its TTL value is and what it says (`None`: no TTL).
+    fn push(&self, record: Bytes, ttl: Option<(usize, u32)>) {
+        let ttl = ttl.map(|(at, ms)| QueuedTtl {
+            at,
+            ms,
+            queued: Instant::now(),
+        });
         {
             let mut guard = self.queue.lock().unwrap_or_else(|e| e.into_inner());
             let (q, bytes) = &mut *guard;
@@ -130,30 +170,73 @@ impl PeerQueue {
                 && (q.len() >= self.capacity || *bytes + record.len() > PEER_QUEUE_BYTES)
             {
                 if let Some(old) = q.pop_front() {
-                    *bytes -= old.len();
+                    *bytes -= old.record.len();
                 }
                 self.dropped.fetch_add(1, Ordering::Relaxed);
             }
             *bytes += record.len();
-            q.push_back(record);
+            q.push_back(Queued { record, ttl });
         }
         self.forwarded.fetch_add(1, Ordering::Relaxed);
         self.notify.notify_one();
     }
 
-    /// Move what is queued into `out`, up to about `budget` bytes.
-    fn take(&self, out: &mut BytesMut, budget: usize) {
+    /// Copies waiting now.
+    fn depth(&self) -> usize {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).0.len()
+    }
+
+    /// Move what is queued into `out`, up to about `budget` bytes, each TTL reduced by the time
+    /// its copy waited (at least 1 ms left; a copy with none left is dropped and counted).
+    fn take(&self, out: &mut BytesMut, budget: usize, now: Instant) {
         let mut guard = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         let (q, bytes) = &mut *guard;
         while let Some(f) = q.front() {
-            if !out.is_empty() && out.len() + f.len() > budget {
+            if !out.is_empty() && out.len() + f.record.len() > budget {
                 break;
             }
-            out.extend_from_slice(f);
-            *bytes -= f.len();
-            q.pop_front();
+            let Some(f) = q.pop_front() else { break };
+            *bytes -= f.record.len();
+            let start = out.len();
+            match f.ttl {
+                None => out.extend_from_slice(&f.record),
+                Some(t) => {
+                    let waited = now.saturating_duration_since(t.queued).as_millis();
+                    let left = u128::from(t.ms).saturating_sub(waited);
+                    if left == 0 {
+                        self.expired.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                    out.extend_from_slice(&f.record);
+                    let value = start + t.at;
+                    if let Some(slot) = out.get_mut(value..value + 4) {
+                        slot.copy_from_slice(&(left as u32).to_le_bytes());
+                    }
+                }
+            }
         }
     }
+}
+
+/// Where the TTL extension's u32 value is in an encoded frame with extensions, if it has one.
+fn ttl_value_at(frame: &[u8]) -> Option<usize> {
+    if frame.get(1)? & aqueduct_proto::header::FLAG_HAS_EXTENSIONS == 0 {
+        return None;
+    }
+    let ext_len = usize::from(u16::from_le_bytes([
+        *frame.get(HEADER_LEN)?,
+        *frame.get(HEADER_LEN + 1)?,
+    ]));
+    let end = HEADER_LEN + 2 + ext_len;
+    let mut at = HEADER_LEN + 2;
+    while at + 2 <= end {
+        let (kind, len) = (*frame.get(at)?, usize::from(*frame.get(at + 1)?));
+        if kind == aqueduct_proto::ext::types::TTL && len == 4 {
+            return (at + 6 <= frame.len()).then_some(at + 2);
+        }
+        at += 2 + len;
+    }
+    None
 }
 
 /// The frame a peer receives for a message published here: a PUBLISH with the MeshForwarded
@@ -185,6 +268,17 @@ pub struct PeerCounters {
     /// Bytes written to it, and the same before compression.
     pub bytes: u64,
     pub raw_bytes: u64,
+    /// Copies whose TTL ran out while they waited for it (not sent).
+    pub expired: u64,
+    /// Copies waiting for it now.
+    pub queued: u64,
+    /// Copies received from it, and the bytes of the blocks they came in (as sent).
+    pub received: u64,
+    pub received_bytes: u64,
+    /// Times it was connected again after being disconnected.
+    pub reconnects: u64,
+    /// Copies from it dropped because the durable log here could not take them.
+    pub not_stored: u64,
 }
 
 /// How the rest of the server reaches the mesh.
@@ -197,6 +291,8 @@ pub struct MeshHandle {
     node: NodeId,
     /// Data blocks refused from peers (a compression bomb, a malformed block).
     pub refused_blocks: Arc<AtomicU64>,
+    /// Group messages handed to a member on another node because none was left here.
+    pub handed_over: Arc<AtomicU64>,
 }
 
 impl MeshHandle {
@@ -263,6 +359,11 @@ impl MeshHandle {
         let Some(frame) = forwarded_frame(p) else {
             return;
         };
+        // The TTL's place in the frame and its value: the queue takes off the time it waits.
+        let ttl = ttl_value_at(&frame).and_then(|at| {
+            let v = frame.get(at..at + 4)?;
+            Some((at, u32::from_le_bytes([v[0], v[1], v[2], v[3]])))
+        });
         for (node, f) in copies {
             let Some(q) = queues.get(node) else { continue };
             // At most GROUPS_PER_RECORD groups a record (its routing fits its length field);
@@ -287,9 +388,34 @@ impl MeshHandle {
                 record.put_u16_le(len);
                 record.extend_from_slice(&routing);
                 record.extend_from_slice(&frame);
-                q.push(record.freeze());
+                let ttl = ttl.map(|(at, ms)| (2 + routing.len() + at, ms));
+                q.push(record.freeze(), ttl);
             }
         }
+    }
+
+    /// Give a consumer group's message that no member here can take any more (see
+    /// [`Broker::set_orphan_listener`]) to the next member round-robin on another node, as a
+    /// copy for that group only (what is left of its TTL with it). False if no other connected
+    /// node has a member: the broker then drops and counts it.
+    ///
+    /// The delivery attempts made here are not carried: the receiving node counts from 1.
+    pub fn hand_over(&self, o: &aqueduct_core::Orphan) -> bool {
+        let table = self.table.load();
+        let Some((node, forward)) = table.repick_elsewhere(&o.group) else {
+            return false;
+        };
+        if !self.queues.load().contains_key(&node) {
+            return false;
+        }
+        let mut p = Publication::new(&o.topic, &o.body);
+        p.priority = o.priority;
+        p.ttl = o.ttl;
+        p.trace = o.trace.as_ref();
+        p.compression = o.compression.as_ref();
+        self.send_copies(&p, &[(node, forward)]);
+        self.handed_over.fetch_add(1, Ordering::Relaxed);
+        true
     }
 
     /// Each connected peer's queue counters, by node id.
@@ -303,6 +429,12 @@ impl MeshHandle {
                 dropped: q.dropped.load(Ordering::Relaxed),
                 bytes: q.bytes.load(Ordering::Relaxed),
                 raw_bytes: q.raw_bytes.load(Ordering::Relaxed),
+                expired: q.expired.load(Ordering::Relaxed),
+                queued: q.depth() as u64,
+                received: q.received.load(Ordering::Relaxed),
+                received_bytes: q.received_bytes.load(Ordering::Relaxed),
+                reconnects: q.reconnects.load(Ordering::Relaxed),
+                not_stored: q.not_stored.load(Ordering::Relaxed),
             })
             .collect();
         v.sort_by(|a, b| a.node.cmp(&b.node));
@@ -334,12 +466,16 @@ pub struct Driver {
     queue_size: usize,
     compression: Compression,
     handle: MeshHandle,
+    /// The durable log, when on: copies received are logged too.
+    durable: Option<Arc<Durable>>,
 }
 
-/// Make the driver and its handle.
-pub fn new(
+/// Make the driver and its handle. With a durable log, this node wants every message (it logs
+/// what is published anywhere in the cluster, so a durable subscription here reads it all).
+pub(crate) fn new(
     tls: Arc<MeshTls>,
     broker: Arc<Broker>,
+    durable: Option<Arc<Durable>>,
     queue_size: usize,
     compression: Compression,
 ) -> (Driver, MeshHandle) {
@@ -362,8 +498,9 @@ pub fn new(
         queues: queues.clone(),
         node: tls.node.clone(),
         refused_blocks: Arc::new(AtomicU64::new(0)),
+        handed_over: Arc::new(AtomicU64::new(0)),
     };
-    (
+    let out = (
         Driver {
             mesh,
             rx,
@@ -375,9 +512,19 @@ pub fn new(
             queue_size,
             compression,
             handle: handle.clone(),
+            durable: durable.clone(),
         },
-        handle,
-    )
+        handle.clone(),
+    );
+    if durable.is_some() {
+        if let Ok(everything) = aqueduct_proto::TopicFilter::try_from("#") {
+            handle.send(Event::Local {
+                key: Key::Plain(everything),
+                delta: 1,
+            });
+        }
+    }
+    out
 }
 
 impl Driver {
@@ -425,6 +572,9 @@ impl Driver {
         let mut conns: HashMap<ConnId, Link> = HashMap::new();
         let mut tasks = JoinSet::new();
         let mut next_conn = 1u64;
+        // Per peer ever connected: how often it came back after being disconnected (a
+        // duplicate connection replaced while connected is no reconnect).
+        let mut reconnects: HashMap<NodeId, u64> = HashMap::new();
         info!(node = %self.mesh.me(), "cluster mesh started");
         loop {
             let timeout = self.mesh.poll_timeout();
@@ -467,6 +617,7 @@ impl Driver {
                     mesh: self.handle.clone(),
                     compression: self.compression,
                     events: self.tx.clone(),
+                    durable: self.durable.clone(),
                 }));
                 id
             };
@@ -531,10 +682,21 @@ impl Driver {
                 }
             }
             self.table.store(Arc::new(self.mesh.table()));
+            let before = self.queues.load();
             let queues: HashMap<NodeId, Arc<PeerQueue>> = self
                 .mesh
                 .peers()
-                .filter_map(|(n, c)| conns.get(&c).map(|l| (n.clone(), l.queue.clone())))
+                .filter_map(|(n, c)| {
+                    let link = conns.get(&c)?;
+                    let known = reconnects.contains_key(n);
+                    let count = reconnects.entry(n.clone()).or_insert(0);
+                    if known && !before.contains_key(n) {
+                        *count += 1;
+                        info!(peer = %n, reconnects = *count, "cluster peer reconnected");
+                    }
+                    link.queue.reconnects.store(*count, Ordering::Relaxed);
+                    Some((n.clone(), link.queue.clone()))
+                })
                 .collect();
             self.queues.store(Arc::new(queues));
         }
@@ -708,6 +870,7 @@ struct PeerTask {
     compression: Compression,
     /// To the driver.
     events: mpsc::UnboundedSender<Event>,
+    durable: Option<Arc<Durable>>,
 }
 
 /// One mesh connection, both ways: this node's control messages and copies on two
@@ -723,6 +886,7 @@ async fn serve_peer(link: PeerTask) {
         mesh,
         compression,
         events,
+        durable,
     } = link;
     /// How the connection's streams ended.
     enum End {
@@ -755,7 +919,7 @@ async fn serve_peer(link: PeerTask) {
         let mut buf = BytesMut::new();
         loop {
             let notified = queue.notify.notified();
-            queue.take(&mut buf, DATA_WRITE);
+            queue.take(&mut buf, DATA_WRITE, Instant::now());
             if buf.is_empty() {
                 notified.await;
                 continue;
@@ -797,7 +961,7 @@ async fn serve_peer(link: PeerTask) {
         };
         tokio::select! {
             e = read_control(control, id, &events) => e,
-            e = read_data(data, &broker, &mesh) => e,
+            e = read_data(data, &broker, &mesh, &queue, durable.as_deref()) => e,
         }
     };
     async fn read_control(
@@ -829,13 +993,23 @@ async fn serve_peer(link: PeerTask) {
             }
         }
     }
-    async fn read_data(mut recv: quinn::RecvStream, broker: &Broker, mesh: &MeshHandle) -> End {
+    async fn read_data(
+        mut recv: quinn::RecvStream,
+        broker: &Broker,
+        mesh: &MeshHandle,
+        counters: &PeerQueue,
+        durable: Option<&Durable>,
+    ) -> End {
         let mut ctx = PublishContext::default();
+        let mut routed = Vec::new();
         let mut buf = BytesMut::with_capacity(64 * 1024);
         loop {
             let Ok(n) = recv.read_buf(&mut buf).await else {
                 return End::Gone;
             };
+            counters
+                .received_bytes
+                .fetch_add(n as u64, Ordering::Relaxed);
             loop {
                 let payload = match next_block(&mut buf) {
                     Ok(Some(p)) => p,
@@ -849,14 +1023,42 @@ async fn serve_peer(link: PeerTask) {
                     Ok(c) => c,
                     Err(why) => return End::Broken(why),
                 };
+                counters
+                    .received
+                    .fetch_add(copies.len() as u64, Ordering::Relaxed);
                 for (forward, p) in copies {
                     let publication = Publication::from_publish(&p);
                     // Its plain part and the groups with a member here; groups whose member
                     // left are picked again among the nodes the copy has not been to.
                     let routing = mesh.table().route_forwarded(&forward);
                     if forward.plain || !routing.local_groups.is_empty() {
+                        if let Some(d) = durable {
+                            d.wait_room().await;
+                        }
                         ctx.scope_only(forward.plain, &routing.local_groups);
-                        broker.publish(&mut ctx, &publication, Instant::now());
+                        match durable {
+                            None => {
+                                broker.publish(&mut ctx, &publication, Instant::now());
+                            }
+                            Some(d) => {
+                                // Logged with the offsets it gets here, in order with what
+                                // this node's clients publish (under the log's order lock).
+                                let _order = crate::durable::lock(&d.order);
+                                if d.is_closed() || d.is_failing() {
+                                    counters.not_stored.fetch_add(1, Ordering::Relaxed);
+                                } else {
+                                    ctx.record_dead_letters();
+                                    let one = std::iter::once(publication);
+                                    broker.publish_batch(&mut ctx, one, Instant::now(), |t, o| {
+                                        routed.push((t.clone(), o))
+                                    });
+                                    d.queue_copies(
+                                        routed.drain(..).zip(std::iter::once(publication)),
+                                    );
+                                    d.queue_dead_letters(ctx.take_dead_letters());
+                                }
+                            }
+                        }
                         ctx.clear_scope();
                     }
                     mesh.send_copies(&publication, &routing.forward);
@@ -932,6 +1134,67 @@ mod tests {
 
     fn records_of(block: Bytes) -> usize {
         records(block).expect("records").len()
+    }
+
+    /// A record for `p` as `send_copies` queues it, with its TTL's place.
+    fn queued(p: &Publication<'_>) -> (Bytes, Option<(usize, u32)>) {
+        let frame = forwarded_frame(p).expect("frame");
+        let ttl = ttl_value_at(&frame).map(|at| {
+            let v = &frame[at..at + 4];
+            (at, u32::from_le_bytes([v[0], v[1], v[2], v[3]]))
+        });
+        (frame, ttl)
+    }
+
+    fn ttl_of(frame: &[u8]) -> Option<u32> {
+        let header = aqueduct_proto::frame::split_frame(frame, &aqueduct_proto::Limits::default())
+            .expect("frame")
+            .validate()
+            .expect("header");
+        match Frame::decode(&header, Bytes::copy_from_slice(&frame[HEADER_LEN..])) {
+            Ok(Frame {
+                message: Message::Publish(p),
+                ..
+            }) => p.ext.ttl_ms,
+            other => panic!("not a PUBLISH: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_copy_s_ttl_loses_the_time_it_waited_in_the_queue() {
+        let topic = aqueduct_proto::TopicName::try_from("orders").expect("topic");
+        let mut p = Publication::new(&topic, b"body");
+        p.ttl = Some(Duration::from_millis(5_000));
+        p.priority = aqueduct_proto::Priority::new(0).expect("priority");
+        let (record, ttl) = queued(&p);
+        assert_eq!(
+            ttl.map(|t| t.1),
+            Some(5_000),
+            "the TTL is found in the frame"
+        );
+        let q = PeerQueue::new(16);
+        q.push(record.clone(), ttl);
+        q.push(record.clone(), ttl);
+        let queued_at = |i: usize| q.queue.lock().expect("lock").0[i].ttl.expect("ttl").queued;
+        let (t0, t1) = (queued_at(0), queued_at(1));
+        // Taken 1.2 s after it was queued: 3.8 s left, the rest of the frame unchanged.
+        let mut out = BytesMut::new();
+        q.take(&mut out, record.len(), t0 + Duration::from_millis(1_200));
+        assert_eq!(out.len(), record.len(), "one record within the budget");
+        assert_eq!(ttl_of(&out), Some(3_800));
+        // Taken after its TTL ran out: dropped and counted.
+        let mut out = BytesMut::new();
+        q.take(&mut out, usize::MAX, t1 + Duration::from_millis(5_000));
+        assert!(out.is_empty());
+        assert_eq!(q.expired.load(Ordering::Relaxed), 1);
+        assert_eq!(q.depth(), 0);
+        // Without a TTL nothing is looked for or changed.
+        let (plain, none) = queued(&Publication::new(&topic, b"body"));
+        assert_eq!(none, None);
+        q.push(plain.clone(), none);
+        let mut out = BytesMut::new();
+        q.take(&mut out, usize::MAX, t0 + Duration::from_secs(3_600));
+        assert_eq!(&out[..], &plain[..]);
     }
 
     #[test]

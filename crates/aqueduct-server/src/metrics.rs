@@ -84,7 +84,7 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
         counters.len(),
     );
     type Get = fn(&crate::mesh::PeerCounters) -> u64;
-    let families: [(&str, &str, &str, Get); 4] = [
+    let families: [(&str, &str, &str, Get); 10] = [
         (
             "aqueduct_mesh_forwarded_total",
             "counter",
@@ -109,6 +109,42 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
             "Bytes of copies for a peer before compression (divided by bytes sent: the ratio).",
             |c| c.raw_bytes,
         ),
+        (
+            "aqueduct_mesh_expired_total",
+            "counter",
+            "Copies whose TTL ran out while they waited in a peer's queue (not sent).",
+            |c| c.expired,
+        ),
+        (
+            "aqueduct_mesh_queue_depth",
+            "gauge",
+            "Copies waiting in a peer's queue now.",
+            |c| c.queued,
+        ),
+        (
+            "aqueduct_mesh_received_total",
+            "counter",
+            "Copies of messages received from a peer.",
+            |c| c.received,
+        ),
+        (
+            "aqueduct_mesh_bytes_received_total",
+            "counter",
+            "Bytes of copies received from a peer (as sent, compressed or not).",
+            |c| c.received_bytes,
+        ),
+        (
+            "aqueduct_mesh_reconnects_total",
+            "counter",
+            "Times a peer was connected again after being disconnected.",
+            |c| c.reconnects,
+        ),
+        (
+            "aqueduct_mesh_not_stored_total",
+            "counter",
+            "Copies from a peer dropped because the durable log here was failing or closed.",
+            |c| c.not_stored,
+        ),
     ];
     for (name, kind, help, get) in families {
         out.header(name, kind, help);
@@ -116,6 +152,12 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
             out.sample(name, &[("peer", c.node.as_str())], get(c));
         }
     }
+    out.single(
+        "aqueduct_mesh_group_handovers_total",
+        "counter",
+        "Consumer-group messages given to a member on another node because no member was left here.",
+        mesh.handed_over.load(std::sync::atomic::Ordering::Relaxed),
+    );
     out.single(
         "aqueduct_mesh_blocks_refused_total",
         "counter",

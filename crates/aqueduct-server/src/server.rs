@@ -254,6 +254,7 @@ impl Server {
                 let (driver, handle) = crate::mesh::new(
                     t,
                     broker.clone(),
+                    durable.clone(),
                     config.cluster.peer_queue_size,
                     config.cluster.compression,
                 );
@@ -261,6 +262,9 @@ impl Server {
                 broker.set_interest_listener(Box::new(move |key, delta| {
                     h.send(crate::mesh::Event::Local { key, delta })
                 }));
+                // A group's message whose last member here left goes to a member elsewhere.
+                let h = handle.clone();
+                broker.set_orphan_listener(Box::new(move |orphan| h.hand_over(&orphan)));
                 (Some(driver), Some(handle))
             }
             None => (None, None),

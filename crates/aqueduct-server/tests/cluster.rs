@@ -314,12 +314,103 @@ async fn messages_published_on_one_node_reach_subscribers_on_the_others_once() {
         );
         println!("compression ratio to {peer}: {:.2}", raw / sent);
     }
+    // Each receiver counted what it received from node 0.
+    for (i, node) in [(1, &c.nodes[1]), (2, &c.nodes[2])] {
+        let m = get(node.metrics_addr, "/metrics").await.1;
+        assert_eq!(
+            value(&m, "aqueduct_mesh_received_total{peer=\"node-0\"}"),
+            Some(N as f64),
+            "node-{i} received"
+        );
+        assert!(
+            value(&m, "aqueduct_mesh_bytes_received_total{peer=\"node-0\"}").unwrap_or(0.0) > 0.0
+        );
+        assert!(value(&m, "aqueduct_mesh_reconnects_total{peer=\"node-0\"}").is_some());
+    }
     // A node with no interest in stock/x was sent nothing of it: node 1's only copies are the
     // orders (checked above), and its own metrics show it forwarded nothing.
     let m1 = get(c.nodes[1].metrics_addr, "/metrics").await.1;
     assert_eq!(
         value(&m1, "aqueduct_mesh_forwarded_total{peer=\"node-0\"}"),
         Some(0.0)
+    );
+    for b in c.nodes {
+        b.stop().await.expect("clean shutdown");
+    }
+}
+
+/// Published on node 0 for a subscriber on node 1 that holds one unsettled message: what waits
+/// on node 1 comes out highest priority first, and a message whose TTL runs out meanwhile is
+/// dropped there and counted as expired, never delivered (the copy carried its TTL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn priorities_and_ttl_hold_across_a_hop() {
+    let c = cluster(2).await;
+    formed(&c).await;
+    let client = c.nodes[1].client().await;
+    let opts = aqueduct_client::SubscribeOptions {
+        ack: true,
+        max_in_flight: Some(1),
+        ..Default::default()
+    };
+    let mut sub = client
+        .subscribe_with("alerts", &opts)
+        .await
+        .expect("subscribe on node 1");
+    until("node 0 to learn node-1's interest", || {
+        wants(&c.nodes[0], "node-1", "alerts")
+    })
+    .await;
+    let publisher = c.nodes[0].client().await;
+    let with = |priority: u8, ttl: Option<Duration>| aqueduct_client::PublishOptions {
+        confirm: true,
+        priority: Some(aqueduct_client::Priority::new(priority).expect("priority")),
+        ttl,
+    };
+    publisher
+        .publish_with("alerts", "first", &with(2, None))
+        .await
+        .expect("publish");
+    let first = next(&mut sub).await;
+    assert_eq!(&first.body()[..], b"first");
+    for i in 0..3 {
+        publisher
+            .publish_with("alerts", format!("routine {i}"), &with(3, None))
+            .await
+            .expect("publish");
+    }
+    let ttl = Duration::from_millis(300);
+    publisher
+        .publish_with("alerts", "short-lived", &with(2, Some(ttl)))
+        .await
+        .expect("publish");
+    publisher
+        .publish_with("alerts", "urgent", &with(0, None))
+        .await
+        .expect("publish");
+    let stats = |b: &TestBroker| {
+        b.broker
+            .topic(&aqueduct_proto::TopicName::try_from("alerts").expect("topic"))
+            .map(|t| t.stats().snapshot())
+    };
+    until("the six copies to reach node 1", || {
+        stats(&c.nodes[1]).is_some_and(|s| s.published == 6)
+    })
+    .await;
+    // Let the short-lived message's TTL pass while it waits on node 1.
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    first.ack().await.expect("ack");
+    let mut order = Vec::new();
+    for _ in 0..4 {
+        let m = next(&mut sub).await;
+        order.push(String::from_utf8_lossy(m.body()).into_owned());
+        m.ack().await.expect("ack");
+    }
+    assert_eq!(order, ["urgent", "routine 0", "routine 1", "routine 2"]);
+    let s = stats(&c.nodes[1]).expect("known on node 1");
+    assert_eq!(
+        s.expired(aqueduct_proto::Priority::new(2).expect("priority")),
+        1,
+        "the short-lived copy expired on node 1"
     );
     for b in c.nodes {
         b.stop().await.expect("clean shutdown");
@@ -412,6 +503,80 @@ async fn a_group_across_nodes_gets_each_message_once_round_robin() {
     }
 }
 
+/// A group member on node 1 takes its share of the jobs and leaves without settling them; node 1
+/// has no other member, so they go to the member on node 0 (once each), not dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leaving_member_s_unsettled_jobs_go_to_a_member_on_another_node() {
+    let c = cluster(2).await;
+    formed(&c).await;
+    let opts = aqueduct_client::SubscribeOptions {
+        group: Some("workers".into()),
+        ack: true,
+        ..Default::default()
+    };
+    let (a, b) = (c.nodes[0].client().await, c.nodes[1].client().await);
+    let mut m0 = a
+        .subscribe_with("jobs", &opts)
+        .await
+        .expect("member on node 0");
+    let mut m1 = b
+        .subscribe_with("jobs", &opts)
+        .await
+        .expect("member on node 1");
+    until("each node to learn the other's member", || {
+        group_wanted(&c.nodes[0], "node-1") && group_wanted(&c.nodes[1], "node-0")
+    })
+    .await;
+    let confirm = aqueduct_client::PublishOptions {
+        confirm: true,
+        ..Default::default()
+    };
+    const N: usize = 10;
+    for i in 0..N {
+        a.publish_with("jobs", format!("j{i}"), &confirm)
+            .await
+            .expect("publish");
+    }
+    let mut done = BTreeSet::new();
+    for _ in 0..N / 2 {
+        let m = next(&mut m0).await;
+        done.insert(String::from_utf8_lossy(m.body()).into_owned());
+        m.ack().await.expect("ack");
+    }
+    let mut held = BTreeSet::new();
+    for _ in 0..N / 2 {
+        held.insert(String::from_utf8_lossy(next(&mut m1).await.body()).into_owned());
+    }
+    assert!(
+        done.is_disjoint(&held),
+        "round-robin: each job to one member"
+    );
+    // Node 1's only member goes away with its five jobs unsettled.
+    drop(m1);
+    b.close().await;
+    for _ in 0..N / 2 {
+        let m = next(&mut m0).await;
+        let body = String::from_utf8_lossy(m.body()).into_owned();
+        assert!(held.contains(&body), "{body} was node 1's");
+        assert!(done.insert(body), "once");
+        m.ack().await.expect("ack");
+    }
+    assert_eq!(done.len(), N);
+    let m = get(c.nodes[1].metrics_addr, "/metrics").await.1;
+    assert_eq!(
+        value(&m, "aqueduct_mesh_group_handovers_total"),
+        Some((N / 2) as f64)
+    );
+    let dropped = c.nodes[1]
+        .broker
+        .topic(&aqueduct_proto::TopicName::try_from("jobs").expect("topic"))
+        .map(|t| t.stats().snapshot().dropped.iter().sum::<u64>());
+    assert_eq!(dropped, Some(0), "nothing dropped on node 1");
+    for b in c.nodes {
+        b.stop().await.expect("clean shutdown");
+    }
+}
+
 /// A client certificate cannot open a mesh connection: only a certificate of the cluster CA.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_with_a_certificate_of_another_ca_is_not_a_peer() {
@@ -476,4 +641,251 @@ async fn a_client_certificate_of_the_same_ca_is_not_a_peer() {
     }
     intruder.stop().await.expect("clean shutdown");
     node.stop().await.expect("clean shutdown");
+}
+
+/// A UDP relay in the test process: datagrams to its front address go to `target`, the answers
+/// back to whoever sent the last one; while `cut`, everything is dropped both ways (a network
+/// partition without root or network namespaces).
+struct Relay {
+    front: SocketAddr,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Relay {
+    async fn start(target: SocketAddr) -> Relay {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::{Arc, Mutex};
+        let front = Arc::new(
+            tokio::net::UdpSocket::bind("127.0.0.1:0")
+                .await
+                .expect("front socket"),
+        );
+        let back = Arc::new(
+            tokio::net::UdpSocket::bind("127.0.0.1:0")
+                .await
+                .expect("back socket"),
+        );
+        let cut = Arc::new(AtomicBool::new(false));
+        let client: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+        let outbound = {
+            let (front, back, cut, client) =
+                (front.clone(), back.clone(), cut.clone(), client.clone());
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65_536];
+                while let Ok((n, from)) = front.recv_from(&mut buf).await {
+                    *client.lock().expect("lock") = Some(from);
+                    if !cut.load(Ordering::Relaxed) {
+                        let _ = back.send_to(&buf[..n], target).await;
+                    }
+                }
+            })
+        };
+        let inbound = {
+            let (front, back, cut) = (front.clone(), back.clone(), cut.clone());
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65_536];
+                while let Ok((n, _)) = back.recv_from(&mut buf).await {
+                    let to = *client.lock().expect("lock");
+                    if let (Some(to), false) = (to, cut.load(Ordering::Relaxed)) {
+                        let _ = front.send_to(&buf[..n], to).await;
+                    }
+                }
+            })
+        };
+        Relay {
+            front: front.local_addr().expect("addr"),
+            cut,
+            tasks: vec![outbound, inbound],
+        }
+    }
+
+    fn cut(&self, cut: bool) {
+        self.cut.store(cut, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Two nodes that reach each other only through relays. While the relays drop everything, each
+/// node notices the peer is gone and keeps serving its own clients; once they pass traffic
+/// again, the mesh reconnects within the backoff bound (at most 30 s between dials, plus a
+/// dial's 10 s timeout) and messages published on one node reach the other's subscribers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_heals_and_forwarding_resumes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let mut nodes = Vec::new();
+    for i in 0..2 {
+        let cfg = node_config(&ca, &ca_file, dir.path(), &format!("node-{i}"), None);
+        nodes.push(TestBroker::start_with(|c| c.cluster = cfg).await);
+    }
+    // Each node's only way to the other is a relay.
+    let to_1 = Relay::start(nodes[1].addr).await;
+    let to_0 = Relay::start(nodes[0].addr).await;
+    nodes[0].control.set_cluster_peers(vec![to_1.front]);
+    nodes[1].control.set_cluster_peers(vec![to_0.front]);
+    for (i, b) in nodes.iter().enumerate() {
+        until(&format!("node-{i} to see its peer"), || {
+            peers_of(b).len() == 1
+        })
+        .await;
+    }
+    let (a, b) = (nodes[0].client().await, nodes[1].client().await);
+    let mut remote = b.subscribe("news").await.expect("subscribe on node 1");
+    let mut local = a.subscribe("news").await.expect("subscribe on node 0");
+    until("node 0 to learn node-1's interest", || {
+        wants(&nodes[0], "node-1", "news")
+    })
+    .await;
+    let confirm = aqueduct_client::PublishOptions {
+        confirm: true,
+        ..Default::default()
+    };
+    a.publish_with("news", "before", &confirm)
+        .await
+        .expect("publish");
+    assert_eq!(&next(&mut local).await.body()[..], b"before");
+    assert_eq!(&next(&mut remote).await.body()[..], b"before");
+
+    let reconnects = |m: &str| value(m, "aqueduct_mesh_reconnects_total{peer=\"node-1\"}");
+    let before = reconnects(&get(nodes[0].metrics_addr, "/metrics").await.1).expect("series");
+    // The partition: within the mesh's idle timeout (8 s) both nodes see the other gone.
+    to_1.cut(true);
+    to_0.cut(true);
+    for (i, b) in nodes.iter().enumerate() {
+        until(&format!("node-{i} to notice the partition"), || {
+            peers_of(b).is_empty()
+        })
+        .await;
+    }
+    // Each side still serves its own clients.
+    let mut on_1 = b.subscribe("local/1").await.expect("subscribe on node 1");
+    b.publish_with("local/1", "node 1 alone", &confirm)
+        .await
+        .expect("publish on node 1");
+    assert_eq!(&next(&mut on_1).await.body()[..], b"node 1 alone");
+    a.publish_with("news", "during", &confirm)
+        .await
+        .expect("publish on node 0");
+    assert_eq!(&next(&mut local).await.body()[..], b"during");
+
+    // Healed: reconnected within the backoff bound, interest exchanged again, forwarding back.
+    to_1.cut(false);
+    to_0.cut(false);
+    let bound = Duration::from_secs(30 + 10 + 5);
+    tokio::time::timeout(bound, async {
+        while !(wants(&nodes[0], "node-1", "news") && peers_of(&nodes[1]).len() == 1) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the mesh to reconnect within the backoff bound");
+    a.publish_with("news", "after", &confirm)
+        .await
+        .expect("publish");
+    assert_eq!(&next(&mut local).await.body()[..], b"after");
+    // Node 1's subscriber missed "during" (copies are not kept across a partition: at most
+    // once across the mesh) and gets "after".
+    assert_eq!(&next(&mut remote).await.body()[..], b"after");
+    let after = reconnects(&get(nodes[0].metrics_addr, "/metrics").await.1).expect("series");
+    assert!(
+        after > before,
+        "the reconnect is counted ({before} -> {after})"
+    );
+    for b in nodes {
+        b.stop().await.expect("clean shutdown");
+    }
+}
+
+/// A node with the durable log wants every message and logs the copies it gets with its own
+/// offsets: a durable subscription there reads what was published on another node, from the
+/// log, and the log holds it after the node stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_with_the_log_logs_what_other_nodes_publish() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log_dir = tempfile::tempdir().expect("log dir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let plain = node_config(&ca, &ca_file, dir.path(), "node-0", None);
+    let logging = node_config(&ca, &ca_file, dir.path(), "node-1", None);
+    let nodes = vec![
+        TestBroker::start_with(|c| c.cluster = plain).await,
+        TestBroker::start_with(|c| {
+            c.cluster = logging;
+            c.aal = Some(aal(log_dir.path(), aqueduct_log::FsyncMode::Batch));
+        })
+        .await,
+    ];
+    let addrs: Vec<SocketAddr> = nodes.iter().map(|b| b.addr).collect();
+    for b in &nodes {
+        b.control.set_cluster_peers(addrs.clone());
+    }
+    // Without a subscriber on node 1, node 0 learns that it wants everything.
+    until("node 0 to learn that node-1 logs everything", || {
+        wants(&nodes[0], "node-1", "#")
+    })
+    .await;
+    let publisher = nodes[0].client().await;
+    let confirm = aqueduct_client::PublishOptions {
+        confirm: true,
+        ..Default::default()
+    };
+    for i in 0..20 {
+        publisher
+            .publish_with("orders", format!("o{i}"), &confirm)
+            .await
+            .expect("publish");
+    }
+    for i in 0..5 {
+        publisher
+            .publish_with("stock/x", format!("s{i}"), &confirm)
+            .await
+            .expect("publish");
+    }
+    // A durable subscription on node 1 started afterwards reads them all from node 1's log.
+    let reader = nodes[1].client().await;
+    let opts = aqueduct_client::SubscribeOptions {
+        durable: Some(("audit".into(), aqueduct_client::DurableStart::Earliest)),
+        ack: true,
+        ..Default::default()
+    };
+    let mut durable = reader
+        .subscribe_with("orders", &opts)
+        .await
+        .expect("durable subscription on node 1");
+    for i in 0..20u64 {
+        let m = next(&mut durable).await;
+        assert_eq!((m.offset(), &m.body()[..]), (i, format!("o{i}").as_bytes()));
+        m.ack().await.expect("ack");
+    }
+    until("the five stock copies to reach node 1", || {
+        nodes[1]
+            .broker
+            .topic(&aqueduct_proto::TopicName::try_from("stock/x").expect("topic"))
+            .is_some_and(|t| t.stats().snapshot().published == 5)
+    })
+    .await;
+    drop(durable);
+    reader.close().await;
+    let mut nodes = nodes;
+    let logging = nodes.pop().expect("node 1");
+    logging.stop().await.expect("clean shutdown");
+    let orders = logged(log_dir.path(), "orders");
+    let bodies: Vec<String> = orders
+        .iter()
+        .map(|(_, m)| String::from_utf8_lossy(&m.body).into_owned())
+        .collect();
+    assert_eq!(bodies, (0..20).map(|i| format!("o{i}")).collect::<Vec<_>>());
+    assert_eq!(logged(log_dir.path(), "stock/x").len(), 5);
+    for b in nodes {
+        b.stop().await.expect("clean shutdown");
+    }
 }

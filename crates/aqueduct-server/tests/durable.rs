@@ -2,62 +2,16 @@
 //! goes on, offsets continue across a restart, a new topic starts at 0.
 
 mod common;
-
-use std::path::Path;
-
 use aqueduct_client::{Priority, PublishOptions};
-use aqueduct_log::{FsyncMode, Log, LogOptions, MasterKey};
-use aqueduct_server::config::AalConfig;
-use aqueduct_server::durable::StoredMessage;
+use aqueduct_log::FsyncMode;
 use bytes::Bytes;
 use common::*;
-
-fn key() -> MasterKey {
-    MasterKey::from_bytes(&[0x5A; 32]).expect("32 bytes")
-}
-
-fn aal(dir: &Path, fsync: FsyncMode) -> AalConfig {
-    AalConfig {
-        dir: dir.to_path_buf(),
-        key: Some(key()),
-        allow_plaintext: false,
-        max_segment_bytes: 1 << 20,
-        fsync,
-        retention_bytes: None,
-        retention_age: None,
-    }
-}
 
 fn confirm() -> PublishOptions {
     PublishOptions {
         confirm: true,
         ..PublishOptions::default()
     }
-}
-
-/// What the log holds for `topic`, read offline (and closed cleanly again).
-fn logged(dir: &Path, topic: &str) -> Vec<(u64, StoredMessage)> {
-    let (log, rec) = Log::open(
-        dir,
-        LogOptions {
-            key: Some(key()),
-            ..LogOptions::default()
-        },
-    )
-    .expect("log opens");
-    assert!(rec.clean, "the broker closed its log cleanly");
-    let got = log
-        .read(topic.as_bytes(), 0)
-        .map(|r| {
-            let r = r.expect("readable");
-            (
-                r.offset,
-                StoredMessage::decode(&r.data).expect("a stored message"),
-            )
-        })
-        .collect();
-    log.close().expect("close");
-    got
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

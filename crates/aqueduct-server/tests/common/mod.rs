@@ -406,3 +406,54 @@ pub fn dashboard_queries() -> Vec<String> {
     }
     queries
 }
+
+// ----- the durable log -----
+
+/// The master key the tests' logs use.
+pub fn key() -> aqueduct_log::MasterKey {
+    aqueduct_log::MasterKey::from_bytes(&[0x5A; 32]).expect("32 bytes")
+}
+
+/// A durable log in `dir` with the tests' key.
+pub fn aal(
+    dir: &std::path::Path,
+    fsync: aqueduct_log::FsyncMode,
+) -> aqueduct_server::config::AalConfig {
+    aqueduct_server::config::AalConfig {
+        dir: dir.to_path_buf(),
+        key: Some(key()),
+        allow_plaintext: false,
+        max_segment_bytes: 1 << 20,
+        fsync,
+        retention_bytes: None,
+        retention_age: None,
+    }
+}
+
+/// What the log in `dir` holds for `topic`, read offline (and closed cleanly again).
+pub fn logged(
+    dir: &std::path::Path,
+    topic: &str,
+) -> Vec<(u64, aqueduct_server::durable::StoredMessage)> {
+    let (log, rec) = aqueduct_log::Log::open(
+        dir,
+        aqueduct_log::LogOptions {
+            key: Some(key()),
+            ..aqueduct_log::LogOptions::default()
+        },
+    )
+    .expect("log opens");
+    assert!(rec.clean, "the broker closed its log cleanly");
+    let got = log
+        .read(topic.as_bytes(), 0)
+        .map(|r| {
+            let r = r.expect("readable");
+            (
+                r.offset,
+                aqueduct_server::durable::StoredMessage::decode(&r.data).expect("a stored message"),
+            )
+        })
+        .collect();
+    log.close().expect("close");
+    got
+}
