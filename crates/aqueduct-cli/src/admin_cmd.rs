@@ -1,5 +1,5 @@
 //! `aqueduct admin`: the gRPC admin API from the command line (quotas, ACL rules, clients,
-//! topics, broker info). Output is a table by default, JSON with `--json`.
+//! topics, broker info, the cluster). Output is a table by default, JSON with `--json`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -42,6 +42,9 @@ pub enum AdminCommand {
     Topics,
     /// Version, uptime and configuration summary.
     Info,
+    /// This node's view of the cluster: its id, and per connected peer what it advertised
+    /// wanting (filters, groups) and what the mesh sent it and got from it.
+    Cluster,
 }
 
 #[derive(Debug, Subcommand)]
@@ -179,6 +182,14 @@ pub async fn run(target: &AdminTarget, cmd: &AdminCommand) -> Result<()> {
                 .map_err(status)?
                 .into_inner();
             info(&r)
+        }
+        AdminCommand::Cluster => {
+            let r = c
+                .get_cluster(proto::GetClusterRequest {})
+                .await
+                .map_err(status)?
+                .into_inner();
+            cluster(&r)
         }
     };
     if target.json {
@@ -576,6 +587,99 @@ fn info(r: &proto::BrokerInfo) -> Output {
             "acl_enabled": r.acl_enabled, "acl_rules": r.acl_rules, "config": r.config,
         }),
         text,
+    }
+}
+
+fn counters_json(c: &proto::PeerCounters) -> Value {
+    json!({
+        "forwarded": c.forwarded, "dropped": c.dropped, "bytes": c.bytes,
+        "raw_bytes": c.raw_bytes, "expired": c.expired, "queued": c.queued,
+        "received": c.received, "received_bytes": c.received_bytes,
+        "reconnects": c.reconnects,
+    })
+}
+
+fn cluster(r: &proto::ClusterInfo) -> Output {
+    if !r.cluster_enabled {
+        return Output {
+            json: json!({ "cluster_enabled": false, "node_id": r.node_id, "peers": [] }),
+            text: "cluster off (cluster.enabled: false)".into(),
+        };
+    }
+    let interest = |p: &proto::ClusterPeer| p.interest.unwrap_or_default();
+    let rows: Vec<Vec<String>> = r
+        .peers
+        .iter()
+        .map(|p| {
+            let i = interest(p);
+            let mut row = vec![
+                p.node_id.clone(),
+                format!("{} ({} subs)", i.filters, i.subscriptions),
+                format!("{} ({} members)", i.groups, i.group_members),
+            ];
+            match &p.counters {
+                Some(c) => row.extend(
+                    [
+                        c.forwarded,
+                        c.dropped,
+                        c.expired,
+                        c.queued,
+                        c.received,
+                        c.bytes,
+                        c.raw_bytes,
+                        c.received_bytes,
+                        c.reconnects,
+                    ]
+                    .map(|v| v.to_string()),
+                ),
+                None => row.extend(std::iter::repeat_n("-".to_string(), 9)),
+            }
+            row
+        })
+        .collect();
+    let peers: Vec<Value> = r
+        .peers
+        .iter()
+        .map(|p| {
+            let i = interest(p);
+            json!({
+                "node_id": p.node_id,
+                "interest": {
+                    "filters": i.filters, "subscriptions": i.subscriptions,
+                    "groups": i.groups, "group_members": i.group_members,
+                },
+                "counters": p.counters.as_ref().map(counters_json),
+            })
+        })
+        .collect();
+    Output {
+        json: json!({
+            "cluster_enabled": true, "node_id": r.node_id,
+            "refused_blocks": r.refused_blocks, "peers": peers,
+        }),
+        text: format!(
+            "node {}: cluster on, {} peer(s) connected, {} block(s) refused\n{}",
+            r.node_id,
+            r.peers.len(),
+            r.refused_blocks,
+            table(
+                &[
+                    "PEER",
+                    "FILTERS",
+                    "GROUPS",
+                    "FORWARDED",
+                    "DROPPED",
+                    "EXPIRED",
+                    "QUEUED",
+                    "RECEIVED",
+                    "BYTES-OUT",
+                    "RAW-BYTES-OUT",
+                    "BYTES-IN",
+                    "RECONNECTS",
+                ],
+                &rows,
+            )
+        ),
     }
 }
 

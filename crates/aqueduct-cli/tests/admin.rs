@@ -1,6 +1,7 @@
 //! `aqueduct admin` against the real broker binary with certificates made by `aqueduct cert`:
 //! every subcommand, table and JSON output, a non-admin certificate refused, SIGHUP reloading
-//! the config file's sections, and API changes surviving a restart until the file is edited.
+//! the config file's sections, and API changes surviving a restart until the file is edited;
+//! `aqueduct admin cluster` on a 2-node cluster of real processes (peers, interest, counters).
 
 mod common;
 
@@ -139,6 +140,18 @@ fn admin_commands_manage_a_running_broker() {
     assert!(text.contains("access control on (1 rules)"), "{text}");
     assert_eq!(admin_json(h, &b, &["info"])["acl_enabled"], true);
 
+    // cluster, with the cluster off: an answer, not an error.
+    let out = admin(h, &b, "admin-alice", &["cluster"]);
+    assert_ok(&out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("cluster off (cluster.enabled: false)"),
+        "{text}"
+    );
+    let c = admin_json(h, &b, &["cluster"]);
+    assert_eq!(c["cluster_enabled"], false, "{c}");
+    assert_eq!(c["peers"].as_array().map(Vec::len), Some(0), "{c}");
+
     // ACL: add, remove, replace from a file.
     let acl = admin_json(
         h,
@@ -261,4 +274,219 @@ fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> T {
         assert!(start.elapsed() < WAIT, "condition not met within {WAIT:?}");
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
+}
+
+/// A cluster node with the admin API: its addresses and log.
+struct Node {
+    child: Child,
+    addr: String,
+    admin: String,
+    _logs: mpsc::Receiver<String>,
+}
+
+fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn start_node(home: &Path, name: &str, port: u16, peers: &[String]) -> Node {
+    let certs = home.join("certs");
+    let file = |f: &str| certs.join(f).display().to_string();
+    let config = home.join(format!("{name}.yaml"));
+    std::fs::write(
+        &config,
+        format!(
+            "tls:\n  generate: false\n  cert_file: {cert}\n  key_file: {key}\ncluster:\n  enabled: true\n  peers: [{peers}]\n  tls:\n    ca_file: {ca}\n    cert_file: {cert}\n    key_file: {key}\nadmin:\n  enabled: true\n  listen_addr: 127.0.0.1:0\n  client_ca_file: {ca}\n  state_file: {state}\n",
+            cert = file(&format!("{name}.pem")),
+            key = file(&format!("{name}-key.pem")),
+            ca = file("ca.pem"),
+            peers = peers.iter().map(|p| format!("\"{p}\"")).collect::<Vec<_>>().join(", "),
+            state = home.join(format!("{name}-admin-state.json")).display(),
+        ),
+    )
+    .expect("config");
+    let (child, addr, _metrics, logs) = start_broker_cmd(
+        home,
+        &[
+            "--config",
+            &config.display().to_string(),
+            "--addr",
+            &format!("127.0.0.1:{port}"),
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+        &[],
+    );
+    let admin = admin_addr(&logs);
+    Node {
+        child,
+        addr,
+        admin,
+        _logs: logs,
+    }
+}
+
+/// `aqueduct admin [--json] cluster` on `node`, with the admin certificate.
+fn cluster_of(home: &Path, node: &Node, json: bool) -> std::process::Output {
+    let certs = home.join("certs");
+    let file = |f: &str| certs.join(f).display().to_string();
+    let mut args = vec![
+        "--ca".to_string(),
+        file("ca.pem"),
+        "--cert".into(),
+        file("admin-alice.pem"),
+        "--key".into(),
+        file("admin-alice-key.pem"),
+        "admin".into(),
+        "--admin-addr".into(),
+        node.admin.clone(),
+    ];
+    if json {
+        args.push("--json".into());
+    }
+    args.push("cluster".into());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run_client(home, &args)
+}
+
+fn cluster_json(home: &Path, node: &Node) -> Value {
+    let out = cluster_of(home, node, true);
+    assert_ok(&out);
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: not JSON: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+/// The entry of `peer` in a `--json cluster` answer.
+fn peer_of<'a>(c: &'a Value, peer: &str) -> Option<&'a Value> {
+    c["peers"].as_array()?.iter().find(|p| p["node_id"] == peer)
+}
+
+fn sub_on(home: &Path, node: &Node, args: &[&str]) -> Child {
+    let ca = home.join("certs/ca.pem").display().to_string();
+    Command::new(CLIENT)
+        .args(["--ca", &ca, "--addr", &node.addr, "sub"])
+        .args(args)
+        .env("AQUEDUCT_HOME", home)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("aqueduct sub")
+}
+
+fn pub_on(home: &Path, node: &Node, topic: &str, body: &str) {
+    let ca = home.join("certs/ca.pem").display().to_string();
+    assert_ok(&run_client(
+        home,
+        &[
+            "--ca",
+            &ca,
+            "--addr",
+            &node.addr,
+            "pub",
+            topic,
+            body,
+            "--confirm",
+        ],
+    ));
+}
+
+/// Two real nodes: `aqueduct admin cluster` shows each one's peer, the interest it advertised
+/// (a plain filter, a group member) and the counters of what went between them.
+#[test]
+fn admin_cluster_shows_the_peers_interest_and_counters() {
+    let home = tempfile::tempdir().expect("tempdir");
+    let h = home.path();
+    let certs = h.join("certs").display().to_string();
+    assert_ok(&run_client(h, &["cert", "ca", "--out", &certs]));
+    assert_ok(&run_client(
+        h,
+        &["cert", "client", "admin-alice", "--out", &certs],
+    ));
+    for name in ["node-a", "node-b"] {
+        assert_ok(&run_client(
+            h,
+            &[
+                "cert",
+                "peer",
+                name,
+                "--out",
+                &certs,
+                "--name",
+                "localhost",
+                "--name",
+                "127.0.0.1",
+            ],
+        ));
+    }
+    let ports = [free_udp_port(), free_udp_port()];
+    let peers: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let a = start_node(h, "node-a", ports[0], &peers);
+    let b = start_node(h, "node-b", ports[1], &peers);
+    for (node, me, other) in [(&a, "node-a", "node-b"), (&b, "node-b", "node-a")] {
+        let c = wait_for(|| {
+            let c = cluster_json(h, node);
+            peer_of(&c, other).is_some().then_some(c)
+        });
+        assert_eq!(c["cluster_enabled"], true, "{c}");
+        assert_eq!(c["node_id"], me, "{c}");
+        assert_eq!(
+            c["peers"].as_array().map(Vec::len),
+            Some(1),
+            "only the other node: {c}"
+        );
+    }
+
+    // Interest on node b (a plain filter, a group member) shows on node a.
+    let plain = sub_on(h, &b, &["orders/#", "--count", "3"]);
+    let member = sub_on(h, &b, &["jobs", "--group", "workers", "--count", "1"]);
+    wait_for(|| {
+        let c = cluster_json(h, &a);
+        let i = &peer_of(&c, "node-b")?["interest"];
+        (i["filters"] == 1
+            && i["subscriptions"] == 1
+            && i["groups"] == 1
+            && i["group_members"] == 1)
+            .then_some(())
+    });
+    let text = String::from_utf8_lossy(&cluster_of(h, &a, false).stdout).to_string();
+    assert!(
+        text.starts_with("node node-a: cluster on, 1 peer(s) connected, 0 block(s) refused"),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("node-b") && l.contains("1 (1 subs)  1 (1 members)")),
+        "{text}"
+    );
+
+    // Three orders and a job published on node a: four copies for node b, all received there.
+    for i in 0..3 {
+        pub_on(h, &a, "orders/eu", &format!("order {i}"));
+    }
+    pub_on(h, &a, "jobs", "job 0");
+    let out = output_within(plain, "the subscriber on node b");
+    assert_ok(&out);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 3);
+    assert_ok(&output_within(member, "the group member on node b"));
+    let to_b = cluster_json(h, &a);
+    let sent = &peer_of(&to_b, "node-b").expect("node-b")["counters"];
+    assert_eq!(sent["forwarded"], 4, "{to_b}");
+    assert_eq!(sent["dropped"], 0, "{to_b}");
+    assert_eq!(sent["expired"], 0, "{to_b}");
+    assert_eq!(sent["received"], 0, "node b published nothing: {to_b}");
+    let bytes = sent["bytes"].as_u64().expect("bytes");
+    assert!(bytes > 0 && sent["raw_bytes"].as_u64() > Some(0), "{to_b}");
+    let from_a = cluster_json(h, &b);
+    let got = &peer_of(&from_a, "node-a").expect("node-a")["counters"];
+    assert_eq!(got["received"], 4, "{from_a}");
+    assert_eq!(
+        got["received_bytes"].as_u64(),
+        Some(bytes),
+        "as sent: {from_a}"
+    );
+    assert_eq!(got["forwarded"], 0, "node a wants nothing: {from_a}");
+    stop(a.child);
+    stop(b.child);
 }

@@ -133,6 +133,7 @@ fn a_python_grpc_client_calls_every_rpc() {
         "ListClients",
         "ListTopics",
         "GetBrokerInfo",
+        "GetCluster",
         "DisconnectClient",
         "PERMISSION_DENIED",
         "no certificate",

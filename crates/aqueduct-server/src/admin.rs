@@ -1,5 +1,6 @@
 //! The gRPC admin API (`proto/aqueduct/admin/v1/admin.proto`): quotas, ACL rules, clients,
-//! topics and broker info, for clients whose certificate CN matches `admin.allowed_cn`.
+//! topics, broker info and the cluster view, for clients whose certificate CN matches
+//! `admin.allowed_cn`.
 //!
 //! Transport: TCP + TLS 1.3 (rustls, ring) with a *required* client certificate signed by
 //! `admin.client_ca_file`, so a client without one fails the handshake; the CN is then checked on
@@ -663,6 +664,77 @@ impl AdminService for AdminApi {
             acl_rules: acl.rules.len() as u32,
             config,
         }))
+    }
+
+    async fn get_cluster(
+        &self,
+        req: Request<proto::GetClusterRequest>,
+    ) -> Result<Response<proto::ClusterInfo>, Status> {
+        self.authorize(&req, "GetCluster")?;
+        Ok(Response::new(cluster_info(self.shared.mesh.as_ref())))
+    }
+}
+
+/// The cluster as this node sees it: its id, and per peer (the routing snapshot's and the
+/// queues', by node id) the queue's counters and a summary of the interest it advertised.
+fn cluster_info(mesh: Option<&crate::mesh::MeshHandle>) -> proto::ClusterInfo {
+    use aqueduct_core::mesh::Key;
+    use std::collections::BTreeMap;
+    let Some(mesh) = mesh else {
+        return proto::ClusterInfo {
+            cluster_enabled: false,
+            node_id: String::new(),
+            peers: Vec::new(),
+            refused_blocks: 0,
+        };
+    };
+    let mut peers: BTreeMap<String, proto::ClusterPeer> = BTreeMap::new();
+    fn entry(
+        peers: &mut BTreeMap<String, proto::ClusterPeer>,
+        node: String,
+    ) -> &mut proto::ClusterPeer {
+        peers
+            .entry(node.clone())
+            .or_insert_with(|| proto::ClusterPeer {
+                node_id: node,
+                counters: None,
+                interest: Some(proto::PeerInterest::default()),
+            })
+    }
+    for (node, interest) in mesh.view() {
+        let mut sum = proto::PeerInterest::default();
+        for u in interest.updates() {
+            match u.key {
+                Key::Plain(_) => {
+                    sum.filters += 1;
+                    sum.subscriptions += u64::from(u.count);
+                }
+                Key::Group(_) => {
+                    sum.groups += 1;
+                    sum.group_members += u64::from(u.count);
+                }
+            }
+        }
+        entry(&mut peers, node.to_string()).interest = Some(sum);
+    }
+    for c in mesh.peer_counters() {
+        entry(&mut peers, c.node.to_string()).counters = Some(proto::PeerCounters {
+            forwarded: c.forwarded,
+            dropped: c.dropped,
+            bytes: c.bytes,
+            raw_bytes: c.raw_bytes,
+            expired: c.expired,
+            queued: c.queued,
+            received: c.received,
+            received_bytes: c.received_bytes,
+            reconnects: c.reconnects,
+        });
+    }
+    proto::ClusterInfo {
+        cluster_enabled: true,
+        node_id: mesh.node().to_string(),
+        peers: peers.into_values().collect(),
+        refused_blocks: mesh.refused_blocks.load(Ordering::Relaxed),
     }
 }
 

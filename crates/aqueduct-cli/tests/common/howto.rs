@@ -4,14 +4,24 @@
 //! - `run`: the block runs in bash (after the `env` blocks so far) and must succeed;
 //! - `env`: its `export` lines apply to every later block;
 //! - `broker`: the block starts the broker in the background (the previous one is stopped with
-//!   SIGTERM first, as Ctrl-C would), and the runner waits for it to listen.
+//!   SIGTERM first, as Ctrl-C would), and the runner waits for it to listen;
+//! - `node`: the block starts a broker in the background exactly as written (its own ports, from
+//!   its config file), besides the ones already running (a cluster node each); the runner waits
+//!   for it to listen, and stops every node with SIGTERM at the end (each must exit cleanly);
+//! - `background`: the block runs in bash in the background (another terminal); it must end by
+//!   itself, successfully, by the next `after` step or the end of the page;
+//! - `poll` (or `poll "TEXT"`): the block runs again, every 100 ms, until it succeeds (and its
+//!   standard output contains TEXT), at most `WAIT`: a step that shows something the cluster
+//!   takes a moment to reach;
+//! - `after`: waits for the `background` steps to end (at most `WAIT` each), then runs like `run`.
 //!
-//! The broker listens on free ports rather than 4242/9091 (tests run side by side); the runner
-//! points the `aqueduct` commands at it through `AQUEDUCT_ADDR` and `AQUEDUCT_ADMIN_ADDR`,
-//! which the tool reads.
+//! The `broker` kind listens on free ports rather than 4242/9091 (tests run side by side); the
+//! runner points the `aqueduct` commands at it through `AQUEDUCT_ADDR` and
+//! `AQUEDUCT_ADMIN_ADDR`, which the tool reads. `node` steps keep the ports they name.
 
 use std::path::Path;
-use std::process::{Child, Command};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use super::*;
 
@@ -20,6 +30,11 @@ enum Kind {
     Run,
     Env,
     Broker,
+    Node,
+    Background,
+    /// Until it succeeds and, if given, its standard output contains the text.
+    Poll(Option<String>),
+    After,
 }
 
 fn blocks(doc: &str, name: &str) -> Vec<(Kind, String)> {
@@ -30,6 +45,14 @@ fn blocks(doc: &str, name: &str) -> Vec<(Kind, String)> {
             Some("run -->") => Kind::Run,
             Some("env -->") => Kind::Env,
             Some("broker -->") => Kind::Broker,
+            Some("node -->") => Kind::Node,
+            Some("background -->") => Kind::Background,
+            Some("poll -->") => Kind::Poll(None),
+            Some(other) if other.starts_with("poll \"") && other.ends_with("\" -->") => {
+                let text = &other["poll \"".len()..other.len() - "\" -->".len()];
+                Kind::Poll(Some(text.to_string()))
+            }
+            Some("after -->") => Kind::After,
             _ => continue,
         };
         assert_eq!(
@@ -65,8 +88,55 @@ fn bash(dir: &Path, prelude: &str, script: &str, env: &[(&str, String)]) -> Comm
     cmd
 }
 
-/// Run the page's steps; returns each `run` step's standard output (and standard error, after
-/// it). `admin`: the page's broker serves the admin API (its address is read from the log).
+/// Cluster nodes started by `node` steps, with their log lines (kept, so that their stderr stays
+/// read). If the run fails midway, they are killed rather than left holding their ports.
+struct Nodes(Vec<(Child, std::sync::mpsc::Receiver<String>)>);
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        for (node, _) in &mut self.0 {
+            let _ = node.kill();
+            let _ = node.wait();
+        }
+    }
+}
+
+/// Run one `run`-like step: whether it succeeded, its standard output and standard error.
+fn run_step(
+    dir: &Path,
+    prelude: &str,
+    script: &str,
+    env: &[(&str, String)],
+) -> (bool, String, String) {
+    let out = bash(dir, prelude, script, env).output().expect("bash runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+/// Wait for the background steps to end (each must succeed); their outputs.
+fn join_background(background: &mut Vec<(Child, String)>) -> Vec<String> {
+    background
+        .drain(..)
+        .map(|(child, script)| {
+            let out = output_within(child, &format!("the background step {script:?}"));
+            let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+            let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+            assert!(
+                out.status.success(),
+                "background step failed:\n{script}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+            );
+            println!("$ {script} (in the background)\n{stdout}{stderr}");
+            format!("{stdout}{stderr}")
+        })
+        .collect()
+}
+
+/// Run the page's steps; returns each `run`, `poll` and `after` step's standard output (and
+/// standard error, after it), and each `background` step's when it ended. `admin`: the page's
+/// broker serves the admin API (its address is read from the log).
 pub fn run_howto(doc: &str, name: &str, min_blocks: usize, admin: bool) -> Vec<String> {
     let blocks = blocks(doc, name);
     assert!(
@@ -76,6 +146,8 @@ pub fn run_howto(doc: &str, name: &str, min_blocks: usize, admin: bool) -> Vec<S
     let dir = tempfile::tempdir().expect("dir");
     let mut prelude = String::new();
     let mut broker: Option<Child> = None;
+    let mut nodes = Nodes(Vec::new());
+    let mut background: Vec<(Child, String)> = Vec::new();
     let mut env: Vec<(&str, String)> = Vec::new();
     let mut outputs = Vec::new();
     for (kind, script) in &blocks {
@@ -104,23 +176,57 @@ pub fn run_howto(doc: &str, name: &str, min_blocks: usize, admin: bool) -> Vec<S
                 }
                 broker = Some(child);
             }
-            Kind::Run => {
-                let out = bash(dir.path(), &prelude, script, &env)
-                    .output()
+            Kind::Node => {
+                let mut cmd = bash(dir.path(), &prelude, &format!("exec {script} \"$@\""), &[]);
+                cmd.arg("node");
+                let (child, _addr, _metrics, logs) = start_broker_process(cmd, dir.path(), &[]);
+                nodes.0.push((child, logs));
+            }
+            Kind::Background => {
+                let child = bash(dir.path(), &prelude, script, &env)
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
                     .expect("bash runs");
-                let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-                let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-                assert!(
-                    out.status.success(),
-                    "step failed:\n{script}\nstdout:\n{stdout}\nstderr:\n{stderr}"
-                );
+                background.push((child, script.clone()));
+            }
+            Kind::Run | Kind::Poll(_) | Kind::After => {
+                if *kind == Kind::After {
+                    outputs.extend(join_background(&mut background));
+                }
+                let start = Instant::now();
+                let (stdout, stderr) = loop {
+                    let (ok, stdout, stderr) = run_step(dir.path(), &prelude, script, &env);
+                    let shows = match kind {
+                        Kind::Poll(Some(text)) => stdout.contains(text.as_str()),
+                        _ => true,
+                    };
+                    if ok && shows {
+                        break (stdout, stderr);
+                    }
+                    let polling = matches!(kind, Kind::Poll(_));
+                    assert!(
+                        polling && start.elapsed() < WAIT,
+                        "step failed{}:\n{script}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+                        match kind {
+                            Kind::Poll(Some(text)) => format!(" to show {text:?} within {WAIT:?}"),
+                            Kind::Poll(None) => format!(" for {WAIT:?}"),
+                            _ => String::new(),
+                        }
+                    );
+                    std::thread::sleep(Duration::from_millis(100));
+                };
                 println!("$ {script}\n{stdout}{stderr}");
                 outputs.push(format!("{stdout}{stderr}"));
             }
         }
     }
+    outputs.extend(join_background(&mut background));
     if let Some(b) = broker.take() {
         stop(b);
+    }
+    for (node, _logs) in nodes.0.drain(..) {
+        stop(node);
     }
     outputs
 }

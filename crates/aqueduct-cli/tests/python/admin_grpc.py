@@ -111,6 +111,9 @@ def main():
     check("ListTopics", topics is not None)
     info = admin.GetBrokerInfo(pb.GetBrokerInfoRequest(), timeout=T)
     check("GetBrokerInfo", info.version and info.acl_enabled and "broker.queue_size" in info.config)
+    cluster = admin.GetCluster(pb.GetClusterRequest(), timeout=T)
+    check("GetCluster (cluster off: an answer, not an error)",
+          not cluster.cluster_enabled and cluster.node_id == "" and len(cluster.peers) == 0)
     try:
         admin.DisconnectClient(pb.DisconnectClientRequest(client_id="nobody"), timeout=T)
         check("DisconnectClient of nobody is NOT_FOUND", False)
