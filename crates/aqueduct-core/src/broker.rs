@@ -83,7 +83,7 @@ impl<'a> Publication<'a> {
     }
 
     /// The same publication as the dead letter described by `info` (a dead letter read back from
-    /// the durable log).
+    /// the durable log, or forwarded by a cluster peer).
     pub fn with_dead_letter(mut self, info: &'a DeadLetter<'a>) -> Self {
         self.dead_letter = Some(info);
         self
@@ -100,6 +100,11 @@ impl<'a> Publication<'a> {
             compression: p.ext.compression.as_ref(),
             dead_letter: None,
         }
+    }
+
+    /// What it is a dead letter of, if it is one.
+    pub fn dead_letter(&self) -> Option<&'a DeadLetter<'a>> {
+        self.dead_letter
     }
 }
 
@@ -400,6 +405,8 @@ pub struct Broker {
     /// Given the messages of a consumer group that no member here can take (the cluster mesh
     /// gives them to a member on another node).
     orphans: OrphanCell,
+    /// Publishes dead letters across the cluster.
+    dead_letter_router: DeadLetterCell,
 }
 
 /// A message of a routed consumer group that has no live member on this node any more (its
@@ -417,6 +424,25 @@ pub struct Orphan {
     pub compression: Option<aqueduct_proto::Compression>,
     /// Delivery attempts made so far.
     pub attempts: u32,
+}
+
+/// Publishes a dead letter the broker made: given the context, the dead letter and the local
+/// publish to run. The cluster mesh runs the local publish (leaving out groups whose member it
+/// picked on another node) and sends copies to the peers that want the dead-letter topic.
+/// Called without the broker's locks held.
+pub type DeadLetterRouter = Box<
+    dyn Fn(&mut PublishContext, &Publication<'_>, &mut dyn FnMut(&mut PublishContext))
+        + Send
+        + Sync,
+>;
+
+#[derive(Default)]
+struct DeadLetterCell(std::sync::OnceLock<DeadLetterRouter>);
+
+impl std::fmt::Debug for DeadLetterCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DeadLetterRouter")
+    }
 }
 
 /// Takes an [`Orphan`] (returns true) or declines it (false: it is dropped and counted). Called
@@ -516,6 +542,12 @@ impl Broker {
     /// are ignored and return false).
     pub fn set_orphan_listener(&self, listener: OrphanListener) -> bool {
         self.orphans.0.set(listener).is_ok()
+    }
+
+    /// Have dead letters published through `router` (once; later calls are ignored and return
+    /// false).
+    pub fn set_dead_letter_router(&self, router: DeadLetterRouter) -> bool {
+        self.dead_letter_router.0.set(router).is_ok()
     }
 
     fn tell_interest(&self, sub: &Subscriber, delta: i64) {
@@ -1425,11 +1457,19 @@ impl Broker {
         };
         let mut logged = None;
         let record = ctx.record_dead_letters;
-        self.publish_batch(ctx, std::iter::once(publication), now, |topic, offset| {
-            if record {
-                logged = Some((topic.clone(), offset));
+        {
+            let mut publish_here = |ctx: &mut PublishContext| {
+                self.publish_batch(ctx, std::iter::once(publication), now, |topic, offset| {
+                    if record {
+                        logged = Some((topic.clone(), offset));
+                    }
+                });
+            };
+            match self.dead_letter_router.0.get() {
+                Some(router) => router(ctx, &publication, &mut publish_here),
+                None => publish_here(ctx),
             }
-        });
+        }
         if let Some((topic, offset)) = logged {
             ctx.dead_letters.push(DeadLetterRecord {
                 topic,

@@ -35,8 +35,9 @@ pub mod subscriber;
 pub mod topic;
 
 pub use broker::{
-    dlq_topic, Broker, DeadLetterRecord, OffsetSource, Orphan, OrphanListener, Publication,
-    PublishContext, PublishOutcome, SubscribeOptions, DLQ_PREFIX, IDLE_TOPIC_SWEEP_MIN,
+    dlq_topic, Broker, DeadLetterRecord, DeadLetterRouter, OffsetSource, Orphan, OrphanListener,
+    Publication, PublishContext, PublishOutcome, SubscribeOptions, DLQ_PREFIX,
+    IDLE_TOPIC_SWEEP_MIN,
 };
 pub use config::BrokerConfig;
 pub use group::{GroupShared, RoundRobin};

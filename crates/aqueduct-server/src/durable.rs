@@ -148,7 +148,15 @@ impl StoredMessage {
             ttl: p.ttl,
             trace: p.trace,
             compression: p.compression,
-            dead_letter: None,
+            // A dead letter made on a cluster peer and forwarded here.
+            dead_letter: p.dead_letter().map(|d| {
+                (
+                    d.original_topic,
+                    d.original_offset,
+                    d.attempts_made,
+                    d.reason,
+                )
+            }),
             body: p.body,
         }
         .encode(out);

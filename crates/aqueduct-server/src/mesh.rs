@@ -240,7 +240,8 @@ fn ttl_value_at(frame: &[u8]) -> Option<usize> {
 }
 
 /// The frame a peer receives for a message published here: a PUBLISH with the MeshForwarded
-/// bit, the message's priority, TTL, trace and compression extensions, and its body.
+/// bit, the message's priority, TTL, trace and compression extensions, and its body; a dead
+/// letter also with ORIGINAL_TOPIC, ORIGINAL_OFFSET, ATTEMPTS_MADE and REASON.
 fn forwarded_frame(p: &Publication<'_>) -> Option<Bytes> {
     let topic = p.topic.to_name();
     let mut publish = Publish::new(topic, Bytes::copy_from_slice(p.body)).with_priority(p.priority);
@@ -249,6 +250,12 @@ fn forwarded_frame(p: &Publication<'_>) -> Option<Bytes> {
     }
     publish.ext.trace = p.trace.copied();
     publish.ext.compression = p.compression.copied();
+    if let Some(dl) = p.dead_letter() {
+        publish.ext.original_topic = Some(dl.original_topic.clone());
+        publish.ext.original_offset = Some(dl.original_offset);
+        publish.ext.attempts_made = Some(dl.attempts_made);
+        publish.ext.reason = Some(dl.reason.to_string());
+    }
     let mut out = BytesMut::new();
     Frame::new(0, Message::Publish(publish)).encode(&mut out);
     // The command byte: mark it forwarded, so that the peer never forwards it again.
@@ -851,6 +858,17 @@ fn records(mut block: Bytes) -> Result<Vec<(Forward, Publish)>, String> {
     Ok(out)
 }
 
+/// A forwarded copy's dead-letter fields (a dead letter made on the sending node): original
+/// topic, original offset, attempts made, reason.
+fn dead_letter_of(p: &Publish) -> Option<aqueduct_proto::delivery::DeadLetter<'_>> {
+    Some(aqueduct_proto::delivery::DeadLetter {
+        original_topic: p.ext.original_topic.as_ref()?,
+        original_offset: p.ext.original_offset.unwrap_or(0),
+        attempts_made: p.ext.attempts_made.unwrap_or(0),
+        reason: p.ext.reason.as_deref().unwrap_or(""),
+    })
+}
+
 /// The first byte of each unidirectional stream says what it carries.
 const CONTROL_STREAM: u8 = 1;
 const DATA_STREAM: u8 = 2;
@@ -1027,7 +1045,11 @@ async fn serve_peer(link: PeerTask) {
                     .received
                     .fetch_add(copies.len() as u64, Ordering::Relaxed);
                 for (forward, p) in copies {
-                    let publication = Publication::from_publish(&p);
+                    let info = dead_letter_of(&p);
+                    let mut publication = Publication::from_publish(&p);
+                    if let Some(dl) = &info {
+                        publication = publication.with_dead_letter(dl);
+                    }
                     // Its plain part and the groups with a member here; groups whose member
                     // left are picked again among the nodes the copy has not been to.
                     let routing = mesh.table().route_forwarded(&forward);

@@ -265,6 +265,11 @@ impl Server {
                 // A group's message whose last member here left goes to a member elsewhere.
                 let h = handle.clone();
                 broker.set_orphan_listener(Box::new(move |orphan| h.hand_over(&orphan)));
+                // Dead letters made here reach the dead-letter topic's subscribers on every node.
+                let h = handle.clone();
+                broker.set_dead_letter_router(Box::new(move |ctx, p, local| {
+                    h.publish(ctx, p, |ctx| local(ctx))
+                }));
                 (Some(driver), Some(handle))
             }
             None => (None, None),

@@ -577,6 +577,57 @@ async fn a_leaving_member_s_unsettled_jobs_go_to_a_member_on_another_node() {
     }
 }
 
+/// A job published on node 0 and rejected by its worker on node 1 until it runs out of retries
+/// becomes a dead letter on node 1 (which owns the delivery) that reaches the dead-letter
+/// subscriber on node 0, with its original topic, offset, attempts and reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_made_on_one_node_reaches_subscribers_on_another() {
+    let c = cluster(2).await;
+    formed(&c).await;
+    let (a, b) = (c.nodes[0].client().await, c.nodes[1].client().await);
+    let mut dlq = a.subscribe("__dlq__jobs").await.expect("dlq on node 0");
+    let opts = aqueduct_client::SubscribeOptions {
+        group: Some("workers".into()),
+        ack: true,
+        ..Default::default()
+    };
+    let mut worker = b
+        .subscribe_with("jobs", &opts)
+        .await
+        .expect("worker on node 1");
+    until("each node to learn the other's interest", || {
+        group_wanted(&c.nodes[0], "node-1") && wants(&c.nodes[1], "node-0", "__dlq__jobs")
+    })
+    .await;
+    let confirm = aqueduct_client::PublishOptions {
+        confirm: true,
+        ..Default::default()
+    };
+    a.publish_with("jobs", "poison", &confirm)
+        .await
+        .expect("publish");
+    // max_retries 3: four attempts, then the dead letter.
+    for attempt in 1..=4 {
+        let m = next(&mut worker).await;
+        assert_eq!((m.attempt(), &m.body()[..]), (attempt, &b"poison"[..]));
+        m.nack(Some("cannot parse")).await.expect("nack");
+    }
+    let dead = next(&mut dlq).await;
+    assert_eq!(dead.topic().as_str(), "__dlq__jobs");
+    assert_eq!(&dead.body()[..], b"poison");
+    let ext = dead.extensions();
+    assert_eq!(
+        ext.original_topic.as_ref().map(|t| t.as_str()),
+        Some("jobs")
+    );
+    assert_eq!(ext.original_offset, Some(0), "node 1's offset of the job");
+    assert_eq!(ext.attempts_made, Some(4));
+    assert_eq!(ext.reason.as_deref(), Some("cannot parse"));
+    for b in c.nodes {
+        b.stop().await.expect("clean shutdown");
+    }
+}
+
 /// A client certificate cannot open a mesh connection: only a certificate of the cluster CA.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_with_a_certificate_of_another_ca_is_not_a_peer() {
