@@ -595,7 +595,7 @@ fn counters_json(c: &proto::PeerCounters) -> Value {
         "forwarded": c.forwarded, "dropped": c.dropped, "bytes": c.bytes,
         "raw_bytes": c.raw_bytes, "expired": c.expired, "queued": c.queued,
         "received": c.received, "received_bytes": c.received_bytes,
-        "reconnects": c.reconnects,
+        "reconnects": c.reconnects, "not_stored": c.not_stored,
     })
 }
 
@@ -629,10 +629,11 @@ fn cluster(r: &proto::ClusterInfo) -> Output {
                         c.raw_bytes,
                         c.received_bytes,
                         c.reconnects,
+                        c.not_stored,
                     ]
                     .map(|v| v.to_string()),
                 ),
-                None => row.extend(std::iter::repeat_n("-".to_string(), 9)),
+                None => row.extend(std::iter::repeat_n("-".to_string(), 10)),
             }
             row
         })
@@ -676,6 +677,7 @@ fn cluster(r: &proto::ClusterInfo) -> Output {
                     "RAW-BYTES-OUT",
                     "BYTES-IN",
                     "RECONNECTS",
+                    "NOT-STORED",
                 ],
                 &rows,
             )

@@ -487,6 +487,7 @@ fn admin_cluster_shows_the_peers_interest_and_counters() {
         "as sent: {from_a}"
     );
     assert_eq!(got["forwarded"], 0, "node a wants nothing: {from_a}");
+    assert_eq!(got["not_stored"], 0, "no durable log to fail: {from_a}");
     stop(a.child);
     stop(b.child);
 }

@@ -35,6 +35,7 @@ fn column(row: &[&str], name: &str) -> u64 {
         "RAW-BYTES-OUT",
         "BYTES-IN",
         "RECONNECTS",
+        "NOT-STORED",
     ];
     let i = headers.iter().position(|h| *h == name).expect("a column");
     row[7 + i].parse().expect("a number")

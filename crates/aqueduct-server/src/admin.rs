@@ -728,6 +728,7 @@ fn cluster_info(mesh: Option<&crate::mesh::MeshHandle>) -> proto::ClusterInfo {
             received: c.received,
             received_bytes: c.received_bytes,
             reconnects: c.reconnects,
+            not_stored: c.not_stored,
         });
     }
     proto::ClusterInfo {
