@@ -550,9 +550,12 @@ impl Broker {
         self.dead_letter_router.0.set(router).is_ok()
     }
 
+    /// Tell the interest listener that `sub` is routed (+1) or no longer is (-1), once each way:
+    /// a subscription that stops being routed before it is removed (detached, draining) is
+    /// withdrawn then, and not again at its removal.
     fn tell_interest(&self, sub: &Subscriber, delta: i64) {
         if let Some(l) = self.interest.0.get() {
-            if !sub.is_unrouted() {
+            if !sub.is_unrouted() && sub.set_advertised(delta > 0) {
                 l(interest_key(sub), delta);
             }
         }
@@ -789,7 +792,11 @@ impl Broker {
     /// member that joins meanwhile joins the same group and gets the detached member's
     /// redeliveries; a group with no members takes no messages.
     pub fn detach(&self, ctx: &mut PublishContext, sub: &Arc<Subscriber>, now: Instant) {
-        self.write_routes().unroute(sub, true);
+        {
+            let mut routes = self.write_routes();
+            self.tell_interest(sub, -1);
+            routes.unroute(sub, true);
+        }
         for d in sub.detach() {
             match sub.group() {
                 Some(g) => self.hand_to_group(ctx, g, d, Some(sub.id()), now),
@@ -802,7 +809,9 @@ impl Broker {
     /// subscription whose client finished its stream: the broker sends what was queued, then
     /// ends it with [`unsubscribe`](Self::unsubscribe)).
     pub fn stop_routing(&self, sub: &Subscriber) {
-        self.write_routes().unroute(sub, false);
+        let mut routes = self.write_routes();
+        self.tell_interest(sub, -1);
+        routes.unroute(sub, false);
     }
 
     /// Close a subscription whose client lost the permission to subscribe: as

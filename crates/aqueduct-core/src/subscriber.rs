@@ -181,6 +181,9 @@ pub struct Subscriber {
     max_in_flight: Option<usize>,
     unrouted: bool,
     closed: AtomicBool,
+    /// Its interest is told to the cluster mesh (from when it is made until it stops being
+    /// routed: detached, draining, or removed), so it is withdrawn exactly once.
+    advertised: AtomicBool,
     /// Copies of the queue length and the in-flight count, written under `state`'s lock and read
     /// without it by consumer-group picks (which run under the routing lock and so must not take
     /// a subscriber's lock).
@@ -243,6 +246,7 @@ impl Subscriber {
             max_in_flight: init.max_in_flight,
             unrouted: init.unrouted,
             closed: AtomicBool::new(false),
+            advertised: AtomicBool::new(false),
             queued_len: AtomicUsize::new(0),
             in_flight_len: AtomicUsize::new(0),
             state: Mutex::default(),
@@ -617,6 +621,11 @@ impl Subscriber {
 
     /// Detach: take everything queued (not in flight) and refuse anything more, as if closed,
     /// while in-flight deliveries can still be settled.
+    /// Mark its interest told (`true`) or withdrawn (`false`); returns whether that changed it.
+    pub(crate) fn set_advertised(&self, on: bool) -> bool {
+        self.advertised.swap(on, Ordering::AcqRel) != on
+    }
+
     pub(crate) fn detach(&self) -> Vec<Delivery> {
         let mut st = self.lock();
         st.detached = true;

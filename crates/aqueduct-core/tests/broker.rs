@@ -1229,3 +1229,98 @@ fn an_unrouted_group_hands_a_leaving_members_messages_to_the_others() {
     assert!(!Arc::ptr_eq(m4.group().expect("group"), &shared));
     assert!(drain_all(&b, &m4, now).is_empty());
 }
+
+/// The cluster's view of a subscription: told once when it is made and withdrawn once when it
+/// stops being routed — at a detach (STOP_SENDING) or when it starts draining, not only at its
+/// removal, so that peers stop sending to a member that takes nothing more.
+#[test]
+fn interest_is_withdrawn_once_when_a_subscription_stops_being_routed() {
+    use std::sync::Mutex;
+    let b = Broker::default();
+    let told: Arc<Mutex<Vec<(String, i64)>>> = Arc::default();
+    let t2 = told.clone();
+    assert!(b.set_interest_listener(Box::new(move |key, delta| {
+        t2.lock().expect("lock").push((format!("{key:?}"), delta));
+    })));
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let member = sub(&b, "topic:jobs:group:g");
+    let plain = sub(&b, "topic:news");
+    let sums = |told: &[(String, i64)]| {
+        let mut m: BTreeMap<String, i64> = BTreeMap::new();
+        for (k, d) in told {
+            *m.entry(k.clone()).or_default() += d;
+        }
+        m
+    };
+    assert_eq!(told.lock().expect("lock").len(), 2);
+    b.detach(&mut ctx, &member, now);
+    b.stop_routing(&plain);
+    assert!(
+        sums(&told.lock().expect("lock")).values().all(|v| *v == 0),
+        "withdrawn when they stopped being routed: {:?}",
+        told.lock().expect("lock")
+    );
+    // Their removal later withdraws nothing more.
+    b.unsubscribe(&mut ctx, &member, now);
+    b.unsubscribe(&mut ctx, &plain, now);
+    let told = told.lock().expect("lock").clone();
+    assert_eq!(told.len(), 4, "{told:?}");
+    assert!(sums(&told).values().all(|v| *v == 0));
+}
+
+/// The last member of a group leaving with messages in flight and queued: with an orphan
+/// listener (the cluster) they are offered to it, with their attempts and what is left of their
+/// TTL, instead of being dropped; one it declines is dropped and counted as before.
+#[test]
+fn the_last_member_s_messages_are_offered_to_the_orphan_listener() {
+    use std::sync::Mutex;
+    let b = Broker::default();
+    let offered: Arc<Mutex<Vec<Orphan>>> = Arc::default();
+    let o2 = offered.clone();
+    assert!(b.set_orphan_listener(Box::new(move |o| {
+        let take = &o.body[..] != b"declined";
+        o2.lock().expect("lock").push(o);
+        take
+    })));
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let m = sub(&b, "topic:jobs:group:g");
+    publish(&b, &mut ctx, "jobs", "in flight", now);
+    let jobs = t("jobs");
+    let mut p = Publication::new(&jobs, b"queued");
+    p.ttl = Some(Duration::from_secs(10));
+    b.publish(&mut ctx, &p, now);
+    publish(&b, &mut ctx, "jobs", "declined", now);
+    let mut out = BytesMut::new();
+    b.drain(&m, &mut out, 1, now);
+    assert_eq!(bodies(&decode_all(out.freeze())), ["in flight"]);
+    b.unsubscribe(&mut ctx, &m, now + Duration::from_secs(4));
+    let offered = offered.lock().expect("lock").clone();
+    let mut got: Vec<(String, u32, Option<Duration>)> = offered
+        .iter()
+        .map(|o| {
+            (
+                String::from_utf8_lossy(&o.body).into_owned(),
+                o.attempts,
+                o.ttl,
+            )
+        })
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            ("declined".into(), 1, None),
+            ("in flight".into(), 2, None),
+            ("queued".into(), 1, Some(Duration::from_secs(6))),
+        ]
+    );
+    assert!(offered.iter().all(|o| o.group.group.as_str() == "g"));
+    let stats = b.topic(&t("jobs")).expect("known").stats().snapshot();
+    assert_eq!(
+        stats.dropped(DropReason::Unsubscribed),
+        1,
+        "the declined one"
+    );
+}
