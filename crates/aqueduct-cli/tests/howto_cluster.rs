@@ -73,9 +73,9 @@ fn the_cluster_howto_runs_as_written() {
     let from_1 = row(&outputs, "node-2", "node-1");
     assert_eq!(column(&from_1, "RECEIVED"), 2, "{from_1:?}");
     assert!(column(&from_1, "BYTES-IN") > 0, "{from_1:?}");
-    // The group: four jobs, each printed once, by the two workers (two each).
+    // The group: six jobs, each printed once, by the three workers (one per node, two each).
     let workers: Vec<&String> = outputs.iter().filter(|o| o.contains("jobs #")).collect();
-    assert_eq!(workers.len(), 2, "two workers: {outputs:#?}");
+    assert_eq!(workers.len(), 3, "three workers: {outputs:#?}");
     let mut jobs = std::collections::BTreeSet::new();
     for worker in &workers {
         let lines: Vec<&str> = worker.lines().filter(|l| l.starts_with("jobs #")).collect();
@@ -85,6 +85,6 @@ fn the_cluster_howto_runs_as_written() {
             assert!(jobs.insert(body.to_string()), "{body} twice: {workers:#?}");
         }
     }
-    let want: std::collections::BTreeSet<String> = (1..=4).map(|i| format!("job {i}")).collect();
+    let want: std::collections::BTreeSet<String> = (1..=6).map(|i| format!("job {i}")).collect();
     assert_eq!(jobs, want);
 }
