@@ -475,6 +475,8 @@ pub struct Driver {
     handle: MeshHandle,
     /// The durable log, when on: copies received are logged too.
     durable: Option<Arc<Durable>>,
+    /// `block_timeout`: how long a block-policy subscriber may hold a peer's copies.
+    block_timeout: Option<Duration>,
 }
 
 /// Make the driver and its handle. With a durable log, this node wants every message (it logs
@@ -485,6 +487,7 @@ pub(crate) fn new(
     durable: Option<Arc<Durable>>,
     queue_size: usize,
     compression: Compression,
+    block_timeout: Option<Duration>,
 ) -> (Driver, MeshHandle) {
     let (tx, rx) = mpsc::unbounded_channel();
     let session_base = std::time::SystemTime::now()
@@ -520,6 +523,7 @@ pub(crate) fn new(
             compression,
             handle: handle.clone(),
             durable: durable.clone(),
+            block_timeout,
         },
         handle.clone(),
     );
@@ -625,6 +629,7 @@ impl Driver {
                     compression: self.compression,
                     events: self.tx.clone(),
                     durable: self.durable.clone(),
+                    block_timeout: self.block_timeout,
                 }));
                 id
             };
@@ -889,6 +894,7 @@ struct PeerTask {
     /// To the driver.
     events: mpsc::UnboundedSender<Event>,
     durable: Option<Arc<Durable>>,
+    block_timeout: Option<Duration>,
 }
 
 /// One mesh connection, both ways: this node's control messages and copies on two
@@ -905,6 +911,7 @@ async fn serve_peer(link: PeerTask) {
         compression,
         events,
         durable,
+        block_timeout,
     } = link;
     /// How the connection's streams ended.
     enum End {
@@ -979,7 +986,7 @@ async fn serve_peer(link: PeerTask) {
         };
         tokio::select! {
             e = read_control(control, id, &events) => e,
-            e = read_data(data, &broker, &mesh, &queue, durable.as_deref()) => e,
+            e = read_data(data, &broker, &mesh, &queue, durable.as_deref(), block_timeout) => e,
         }
     };
     async fn read_control(
@@ -1017,6 +1024,7 @@ async fn serve_peer(link: PeerTask) {
         mesh: &MeshHandle,
         counters: &PeerQueue,
         durable: Option<&Durable>,
+        block_timeout: Option<Duration>,
     ) -> End {
         let mut ctx = PublishContext::default();
         let mut routed = Vec::new();
@@ -1084,9 +1092,35 @@ async fn serve_peer(link: PeerTask) {
                         ctx.clear_scope();
                     }
                     mesh.send_copies(&publication, &routing.forward);
-                    // A held subscriber (block policy) holds the peer's copies too.
+                    // A held subscriber (block policy) holds the peer's copies too, as it
+                    // holds a client's publishes: for at most `block_timeout`, then it is
+                    // closed as a slow consumer, so that one stuck subscriber here cannot stop
+                    // every copy from this peer.
                     while let Some(sub) = ctx.take_held() {
-                        std::future::poll_fn(|cx| sub.poll_room(cx)).await;
+                        let room = std::future::poll_fn(|cx| sub.poll_room(cx));
+                        let timed_out = match block_timeout {
+                            Some(limit) => tokio::time::timeout(limit, room).await.is_err(),
+                            None => {
+                                room.await;
+                                false
+                            }
+                        };
+                        if timed_out {
+                            let now = Instant::now();
+                            let closed = match durable {
+                                Some(d) => d.with_order(&mut ctx, |ctx| {
+                                    broker.disconnect_slow(ctx, &sub, now)
+                                }),
+                                None => broker.disconnect_slow(&mut ctx, &sub, now),
+                            };
+                            if closed {
+                                warn!(
+                                    filter = %sub.filter(),
+                                    "a block-policy subscription held a cluster peer's copies for {:?}: closed it as a slow consumer",
+                                    block_timeout.unwrap_or_default()
+                                );
+                            }
+                        }
                     }
                 }
             }

@@ -257,6 +257,7 @@ impl Server {
                     durable.clone(),
                     config.cluster.peer_queue_size,
                     config.cluster.compression,
+                    config.block_timeout,
                 );
                 let h = handle.clone();
                 broker.set_interest_listener(Box::new(move |key, delta| {

@@ -940,3 +940,62 @@ async fn a_node_with_the_log_logs_what_other_nodes_publish() {
         b.stop().await.expect("clean shutdown");
     }
 }
+
+/// A block-policy subscriber on node 1 that reads nothing holds node 0's copies for at most
+/// `block_timeout`, as it would hold a client's publishes; then it is closed as a slow consumer
+/// and the other subscriber on node 1 gets every copy, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_block_subscriber_holds_a_peer_s_copies_for_block_timeout_only() {
+    use aqueduct_client::OverflowPolicy;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let cfg0 = node_config(&ca, &ca_file, dir.path(), "node-0", None);
+    let cfg1 = node_config(&ca, &ca_file, dir.path(), "node-1", None);
+    let nodes = [
+        TestBroker::start_with(|c| c.cluster = cfg0).await,
+        TestBroker::start_with(|c| {
+            c.cluster = cfg1;
+            c.broker.queue_size = 32;
+            c.broker.backpressure_policy = OverflowPolicy::Block;
+            c.block_timeout = Some(Duration::from_millis(300));
+        })
+        .await,
+    ];
+    let addrs: Vec<SocketAddr> = nodes.iter().map(|b| b.addr).collect();
+    for b in &nodes {
+        b.control.set_cluster_peers(addrs.clone());
+    }
+    // A raw subscriber with a tiny receive window: it reads nothing.
+    let stalled = Raw::connect(&nodes[1], 4096).await;
+    let mut s = stalled.stream().await;
+    s.write(&raw_frame(0x42, 1, b"\x00\x00topic:bp")).await;
+    until("the stalled subscription", || {
+        nodes[1].broker.subscriber_count() == 1
+    })
+    .await;
+    let reader = nodes[1].client().await;
+    let mut normal = reader.subscribe("bp").await.expect("subscribe on node 1");
+    until("node 0 to learn node-1's interest", || {
+        wants(&nodes[0], "node-1", "bp")
+    })
+    .await;
+    let publisher = nodes[0].client().await;
+    const N: u64 = 600;
+    let body = "x".repeat(200);
+    for _ in 0..N {
+        publisher
+            .publish("bp", body.clone())
+            .await
+            .expect("publish");
+    }
+    publisher.flush().await.expect("flush");
+    for i in 0..N {
+        assert_eq!(next(&mut normal).await.offset(), i, "every copy, in order");
+    }
+    assert_eq!(nodes[1].broker.slow_consumers_disconnected(), 1);
+    drop(stalled);
+    for b in nodes {
+        b.stop().await.expect("clean shutdown");
+    }
+}
