@@ -147,6 +147,16 @@ impl Interest {
         })
     }
 
+    /// Keys with a count.
+    pub fn len(&self) -> usize {
+        self.counts.len()
+    }
+
+    /// No key has a count.
+    pub fn is_empty(&self) -> bool {
+        self.counts.is_empty()
+    }
+
     /// Every key and count.
     pub fn updates(&self) -> Vec<Update> {
         self.counts
@@ -168,6 +178,13 @@ pub enum Control {
         seq: u64,
         interest: Interest,
     },
+    /// More of the snapshot with the same session and seq (a snapshot too large for one
+    /// message is sent as a `Snapshot` and parts): its entries add to it.
+    SnapshotPart {
+        session: u64,
+        seq: u64,
+        updates: Vec<Update>,
+    },
     /// Changes since the previous message of the session.
     Delta {
         session: u64,
@@ -175,6 +192,10 @@ pub enum Control {
         updates: Vec<Update>,
     },
 }
+
+/// Entries in one control message at most: an entry takes at most 517 bytes (two 255-byte
+/// names), so a message stays well under the codec's 16 MiB limit.
+pub const ENTRIES_PER_MESSAGE: usize = 16_384;
 
 /// A connection, as the transport numbers them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -431,14 +452,43 @@ impl Mesh {
         }
         self.next_session += 1;
         let session = self.next_session;
-        self.out.push_back(Output::Send {
-            conn,
-            control: Control::Snapshot {
-                session,
-                seq: self.out_seq,
-                interest: self.local.clone(),
-            },
-        });
+        let seq = self.out_seq;
+        if self.local.len() <= ENTRIES_PER_MESSAGE {
+            self.out.push_back(Output::Send {
+                conn,
+                control: Control::Snapshot {
+                    session,
+                    seq,
+                    interest: self.local.clone(),
+                },
+            });
+        } else {
+            // Too large for one message: the first part as the snapshot, the rest as parts.
+            let all = self.local.updates();
+            let mut chunks = all.chunks(ENTRIES_PER_MESSAGE);
+            let mut first = Interest::default();
+            for u in chunks.next().unwrap_or_default() {
+                first.apply(u);
+            }
+            self.out.push_back(Output::Send {
+                conn,
+                control: Control::Snapshot {
+                    session,
+                    seq,
+                    interest: first,
+                },
+            });
+            for part in chunks {
+                self.out.push_back(Output::Send {
+                    conn,
+                    control: Control::SnapshotPart {
+                        session,
+                        seq,
+                        updates: part.to_vec(),
+                    },
+                });
+            }
+        }
         self.peers.insert(
             node,
             Peer {
@@ -503,6 +553,26 @@ impl Mesh {
                 peer.interest = interest;
                 true
             }
+            Control::SnapshotPart {
+                session,
+                seq,
+                updates,
+            } => match peer.in_session {
+                Some((s, _)) if session < s => true,
+                Some((s, at)) if session == s && seq == at => {
+                    for u in &updates {
+                        peer.interest.apply(u);
+                    }
+                    true
+                }
+                _ => {
+                    self.out.push_back(Output::Close {
+                        conn,
+                        reason: "snapshot part out of order",
+                    });
+                    false
+                }
+            },
             Control::Delta {
                 session,
                 seq,
@@ -927,6 +997,55 @@ mod tests {
         lone.handle_local(Key::Group(g.clone()), 1);
         connected(&mut lone, 1, "b", &[]);
         assert!(lone.table().repick_elsewhere(&g).is_none());
+    }
+
+    #[test]
+    fn a_snapshot_too_large_for_one_message_goes_in_parts_and_arrives_whole() {
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        let n = ENTRIES_PER_MESSAGE * 2 + 10;
+        for i in 0..n {
+            a.handle_local(plain(&format!("t/{i}")), 1);
+        }
+        while a.poll_output().is_some() {}
+        assert!(a.handle_connected(Instant::now(), ConnId(1), node("b"), None, false));
+        let mut sent = Vec::new();
+        while let Some(out) = a.poll_output() {
+            if let Output::Send { control, .. } = out {
+                sent.push(control);
+            }
+        }
+        assert_eq!(sent.len(), 3, "a snapshot and two parts");
+        let mut b = Mesh::new(node("b"), MeshConfig::default(), 2, 1);
+        assert!(b.handle_connected(Instant::now(), ConnId(1), node("a"), None, true));
+        for control in sent {
+            // Each fits the codec's limit, and decodes to itself.
+            let mut bytes = Vec::new();
+            crate::mesh_codec::encode_control(&control, &mut bytes);
+            assert!(bytes.len() < crate::mesh_codec::MAX_CONTROL);
+            let (decoded, used) = crate::mesh_codec::decode_control(&bytes).expect("decodes");
+            assert_eq!((used, &decoded), (bytes.len(), &control));
+            assert!(b.handle_control(ConnId(1), decoded));
+        }
+        assert_eq!(b.peer_interest(&node("a")).map(Interest::len), Some(n));
+        // A later delta follows on.
+        a.handle_local(plain("t/new"), 1);
+        let delta = std::iter::from_fn(|| a.poll_output())
+            .find_map(|o| match o {
+                Output::Send { control, .. } => Some(control),
+                _ => None,
+            })
+            .expect("a delta");
+        assert!(b.handle_control(ConnId(1), delta));
+        assert_eq!(b.peer_interest(&node("a")).map(Interest::len), Some(n + 1));
+        // A part that follows no snapshot of its session and seq is refused.
+        assert!(!b.handle_control(
+            ConnId(1),
+            Control::SnapshotPart {
+                session: u64::MAX,
+                seq: 99,
+                updates: Vec::new()
+            }
+        ));
     }
 
     #[test]

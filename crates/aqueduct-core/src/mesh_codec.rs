@@ -68,6 +68,11 @@ pub fn encode_control(control: &Control, out: &mut Vec<u8>) {
             seq,
             updates,
         } => (2u8, *session, *seq, updates.clone()),
+        Control::SnapshotPart {
+            session,
+            seq,
+            updates,
+        } => (3u8, *session, *seq, updates.clone()),
     };
     out.put_u8(kind);
     out.put_u64_le(session);
@@ -204,6 +209,11 @@ pub fn decode_control(buf: &[u8]) -> Result<(Control, usize), MeshCodecError> {
             }
         }
         2 => Control::Delta {
+            session,
+            seq,
+            updates,
+        },
+        3 => Control::SnapshotPart {
             session,
             seq,
             updates,
