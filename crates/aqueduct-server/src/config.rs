@@ -242,6 +242,7 @@ pub struct RawConfig {
     pub acl: AclSection,
     pub admin: AdminSection,
     pub cluster: ClusterSection,
+    pub webtransport: crate::webtransport::WebTransportSection,
 }
 
 impl Default for RawConfig {
@@ -257,6 +258,7 @@ impl Default for RawConfig {
             acl: AclSection::default(),
             admin: AdminSection::default(),
             cluster: ClusterSection::default(),
+            webtransport: crate::webtransport::WebTransportSection::default(),
         }
     }
 }
@@ -327,6 +329,9 @@ pub const ENV_KEYS: &[&str] = &[
     "cluster.discovery.host",
     "cluster.discovery.port",
     "cluster.discovery.interval",
+    "webtransport.enabled",
+    "webtransport.listen_addr",
+    "webtransport.path_prefix",
 ];
 
 /// The seed's environment variables whose names are not `AQUEDUCT_` + the key's path:
@@ -458,8 +463,10 @@ pub struct Config {
     pub access: AccessConfig,
     /// The gRPC admin API, if enabled.
     pub admin: Option<AdminConfig>,
-    /// The cluster's settings (checked; the mesh itself is not built yet).
+    /// The cluster's settings.
     pub cluster: ClusterConfig,
+    /// WebTransport for browsers on the broker's port.
+    pub webtransport: crate::webtransport::WebTransportConfig,
 }
 
 /// The durable log's settings, typed.
@@ -953,6 +960,7 @@ impl RawConfig {
                 .admin
                 .validate(opt_path(&self.tls.client_ca_file).as_deref(), env)?,
             cluster,
+            webtransport: self.webtransport.validate()?,
         })
     }
 }

@@ -225,6 +225,17 @@ pub(crate) async fn handle(
     let conn = match connecting.into_0rtt() {
         // With mTLS the client is unknown until the handshake completes: no early data then;
         // nor with the cluster on (a mesh connection is only known once it completes).
+        Ok((conn, accepted)) if is_h3(&conn, &shared) => {
+            // A WebTransport session starts with HTTP/3 requests: nothing to take early.
+            if tokio::time::timeout(handshake_timeout, accepted)
+                .await
+                .is_err()
+            {
+                conn.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
+                return failed("timed out".into());
+            }
+            return crate::webtransport::serve(conn, shared, state, shutdown).await;
+        }
         Ok((conn, accepted)) if !shared.config.tls.require_client_cert && shared.mesh.is_none() => {
             // Early data is read now; the stream readers hold back what is unsafe to replay
             // until `confirm` runs.
@@ -257,6 +268,9 @@ pub(crate) async fn handle(
             if divert(&conn, &shared) {
                 return;
             }
+            if is_h3(&conn, &shared) {
+                return crate::webtransport::serve(conn, shared, state, shutdown).await;
+            }
             identify(&conn, &state, &shared);
             state.confirm();
             conn
@@ -265,6 +279,9 @@ pub(crate) async fn handle(
             Ok(Ok(conn)) => {
                 if divert(&conn, &shared) {
                     return;
+                }
+                if is_h3(&conn, &shared) {
+                    return crate::webtransport::serve(conn, shared, state, shutdown).await;
                 }
                 identify(&conn, &state, &shared);
                 state.confirm();
@@ -278,7 +295,91 @@ pub(crate) async fn handle(
         .stats
         .connections_total
         .fetch_add(1, Ordering::Relaxed);
-    serve_streams(conn, state, shared, shutdown, confirming).await;
+    serve_streams(Session::Quic(conn), state, shared, shutdown, confirming).await;
+}
+
+/// With WebTransport on: a connection that negotiated HTTP/3 (a browser's).
+fn is_h3(conn: &quinn::Connection, shared: &Shared) -> bool {
+    shared.config.webtransport.enabled
+        && crate::mesh_tls::alpn(conn).as_deref() == Some(crate::webtransport::H3_ALPN)
+}
+
+/// A WebTransport session that was admitted (webtransport.rs): `client` is the id its token
+/// names (`None`: anonymous, or its certificate's CN if it presented one). Served like a native
+/// connection, stream by stream.
+pub(crate) async fn serve_webtransport(
+    session: web_transport_quinn::Session,
+    conn: quinn::Connection,
+    client: Option<String>,
+    state: Arc<ConnState>,
+    shared: Arc<Shared>,
+    shutdown: watch::Receiver<bool>,
+) {
+    if let Some(id) = client {
+        let _ = state.client_id.set(id);
+    }
+    identify(&conn, &state, &shared);
+    state.confirm();
+    shared
+        .stats
+        .connections_total
+        .fetch_add(1, Ordering::Relaxed);
+    serve_streams(
+        Session::WebTransport(Box::new(session), conn),
+        state,
+        shared,
+        shutdown,
+        None,
+    )
+    .await;
+}
+
+/// A stream a client opened.
+enum Accepted {
+    Quic(quinn::SendStream, quinn::RecvStream),
+    WebTransport(
+        web_transport_quinn::SendStream,
+        web_transport_quinn::RecvStream,
+    ),
+}
+
+/// The next stream the client opens; `Err`: the connection or session ended (why).
+async fn accept_bi(session: &Session) -> Result<Accepted, String> {
+    match session {
+        Session::Quic(c) => c
+            .accept_bi()
+            .await
+            .map(|(s, r)| Accepted::Quic(s, r))
+            .map_err(|e| e.to_string()),
+        Session::WebTransport(s, _) => s
+            .accept_bi()
+            .await
+            .map(|(s, r)| Accepted::WebTransport(s, r))
+            .map_err(|e| e.to_string()),
+    }
+}
+
+/// What a connection's streams come from.
+enum Session {
+    /// An `aqueduct-v1` connection.
+    Quic(quinn::Connection),
+    /// A WebTransport session, and its QUIC connection (stream allowance, statistics).
+    WebTransport(Box<web_transport_quinn::Session>, quinn::Connection),
+}
+
+impl Session {
+    fn quic(&self) -> &quinn::Connection {
+        match self {
+            Session::Quic(c) | Session::WebTransport(_, c) => c,
+        }
+    }
+
+    fn close(&self, code: ErrorCode, reason: &[u8]) {
+        match self {
+            Session::Quic(c) => c.close(code.0.into(), reason),
+            Session::WebTransport(s, _) => s.close(u32::from(code.0), reason),
+        }
+    }
 }
 
 /// With the cluster on: hand a mesh connection (ALPN `aqueduct-mesh`, a certificate of the
@@ -335,7 +436,7 @@ fn identify(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Shared) {
 }
 
 async fn serve_streams(
-    conn: quinn::Connection,
+    session: Session,
     state: Arc<ConnState>,
     shared: Arc<Shared>,
     mut shutdown: watch::Receiver<bool>,
@@ -356,22 +457,27 @@ async fn serve_streams(
             }, if confirming.is_some() => {
                 confirming = None;
             }
-            accepted = conn.accept_bi() => match accepted {
-                Ok((send, recv)) => {
-                    streams.spawn(stream::serve(send, recv, shared.clone(), state.clone(), shutdown.clone()));
-                    if allowed < max_streams && streams.len() as u32 * 2 >= allowed {
-                        allowed = allowed.saturating_mul(2).min(max_streams);
-                        conn.set_max_concurrent_bi_streams(allowed.into());
+            accepted = accept_bi(&session) => {
+                match accepted {
+                    Ok(Accepted::Quic(send, recv)) => {
+                        streams.spawn(stream::serve(send, recv, shared.clone(), state.clone(), shutdown.clone()));
                     }
+                    Ok(Accepted::WebTransport(send, recv)) => {
+                        streams.spawn(stream::serve(send, recv, shared.clone(), state.clone(), shutdown.clone()));
+                    }
+                    Err(e) => break e,
                 }
-                Err(e) => break e.to_string(),
-            },
+                if allowed < max_streams && streams.len() as u32 * 2 >= allowed {
+                    allowed = allowed.saturating_mul(2).min(max_streams);
+                    session.quic().set_max_concurrent_bi_streams(allowed.into());
+                }
+            }
             Some(_) = streams.join_next(), if !streams.is_empty() => {}
             _ = shutdown.changed() => {
                 // Writers see the same signal: they flush what is queued and finish.
                 let flush = async { while streams.join_next().await.is_some() {} };
                 let _ = tokio::time::timeout(SHUTDOWN_FLUSH, flush).await;
-                conn.close(ErrorCode::SHUTTING_DOWN.0.into(), b"broker shutting down");
+                session.close(ErrorCode::SHUTTING_DOWN, b"broker shutting down");
                 break "broker shutting down".to_string();
             }
         }
@@ -385,7 +491,7 @@ async fn serve_streams(
             shared.broker.unsubscribe(ctx, &entry.sub, now)
         });
     }
-    let st = conn.stats();
+    let st = session.quic().stats();
     info!(client = %state.describe(), "disconnected: {reason}");
     debug!(
         client = %state.describe(),

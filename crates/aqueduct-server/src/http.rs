@@ -3,7 +3,9 @@
 //!
 //! - `GET /metrics` — Prometheus text format 0.0.4;
 //! - `GET /healthz` — 200 while the process runs;
-//! - `GET /readyz` — 200 while the QUIC listener is serving, 503 once shutdown began.
+//! - `GET /readyz` — 200 while the QUIC listener is serving, 503 once shutdown began;
+//! - `GET /webtransport/cert-hash` — the SHA-256 of the certificate browsers get (WebTransport
+//!   with a generated certificate), as JSON for `serverCertificateHashes`; 404 without one.
 //!
 //! It must survive slow and hostile clients: at most `metrics.max_connections` connections at
 //! once (more wait in the kernel's accept queue), the request head must arrive within
@@ -45,10 +47,11 @@ fn router(endpoint: Arc<Endpoint>) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        .route("/webtransport/cert-hash", get(cert_hash))
         .fallback(|| async {
             (
                 StatusCode::NOT_FOUND,
-                "not found: try /metrics, /healthz or /readyz\n",
+                "not found: try /metrics, /healthz, /readyz or /webtransport/cert-hash\n",
             )
         })
         .with_state(endpoint)
@@ -70,6 +73,42 @@ async fn readyz(State(e): State<Arc<Endpoint>>) -> impl IntoResponse {
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
     }
+}
+
+/// `{"algorithm":"sha-256","value":"<hex>","not_after":<unix seconds>,"path":"/aqueduct/wt"}`:
+/// a page passes the value (as bytes) in `serverCertificateHashes`. Any origin may read it (a
+/// certificate is public; which pages may *connect* is `webtransport.allowed_origins`).
+async fn cert_hash(State(e): State<Arc<Endpoint>>) -> axum::response::Response {
+    let cert = e.shared.browser_certs.as_ref().and_then(|c| c.current());
+    let Some(cert) = cert else {
+        let why = if e.shared.config.webtransport.enabled {
+            "no generated certificate: browsers verify the broker's own (tls.cert_file)\n"
+        } else {
+            "WebTransport is off (webtransport.enabled)\n"
+        };
+        return (StatusCode::NOT_FOUND, why).into_response();
+    };
+    let not_after = cert
+        .not_after
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let body = serde_json::json!({
+        "algorithm": "sha-256",
+        "value": cert.sha256_hex(),
+        "not_after": not_after,
+        "path": e.shared.config.webtransport.path_prefix,
+    })
+    .to_string();
+    (
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (header::ACCESS_CONTROL_ALLOW_ORIGIN, "*"),
+            (header::CACHE_CONTROL, "no-store"),
+        ],
+        body,
+    )
+        .into_response()
 }
 
 /// Serve until `stop` turns true.

@@ -27,6 +27,7 @@ mod server;
 pub mod stats;
 mod stream;
 pub mod tls;
+pub mod webtransport;
 
 pub use config::{Config, ConfigError, Overrides, Sources};
 pub use server::{run, Control, Server, ServerError};

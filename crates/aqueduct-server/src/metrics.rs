@@ -477,7 +477,7 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "Open client connections.",
         shared.connections.load(Ordering::Acquire),
     );
-    let counters: [(&str, &str, u64); 9] = [
+    let counters: [(&str, &str, u64); 11] = [
         (
             "aqueduct_streams_stopped_total",
             "Delivery streams whose client stopped reading (STOP_SENDING); their subscriptions get nothing more.",
@@ -497,6 +497,16 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
             "aqueduct_handshakes_failed_total",
             "TLS handshakes that failed or timed out.",
             st.handshakes_failed.load(Ordering::Relaxed),
+        ),
+        (
+            "aqueduct_webtransport_sessions_total",
+            "WebTransport sessions established (browsers, native WebTransport clients).",
+            st.webtransport_sessions.load(Ordering::Relaxed),
+        ),
+        (
+            "aqueduct_webtransport_refused_total",
+            "WebTransport sessions refused (path, origin or token).",
+            st.webtransport_refused.load(Ordering::Relaxed),
         ),
         (
             "aqueduct_bytes_received_total",

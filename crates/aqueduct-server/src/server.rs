@@ -74,6 +74,8 @@ pub(crate) struct Shared {
     /// The QUIC endpoint (a handle), for its connection count.
     pub endpoint: quinn::Endpoint,
     pub mesh_tls: Option<Arc<crate::mesh_tls::MeshTls>>,
+    /// The certificate browsers get (WebTransport with a generated certificate).
+    pub browser_certs: Option<Arc<crate::webtransport::BrowserCerts>>,
 }
 
 impl Shared {
@@ -184,7 +186,26 @@ impl Server {
             )?)),
             false => None,
         };
-        let (crypto, dev_cert) = tls::server_crypto(&config.tls, &identity, mesh_tls.as_deref())?;
+        // Browsers get a short-lived certificate of their own while the broker's is generated.
+        let browser_certs = match config.webtransport.enabled && identity.is_generated() {
+            true => {
+                let certs = Arc::new(crate::webtransport::BrowserCerts::default());
+                certs.renew().map_err(|e| {
+                    ServerError::Startup(format!(
+                        "webtransport: cannot generate the browsers' certificate: {e}"
+                    ))
+                })?;
+                Some(certs)
+            }
+            false => None,
+        };
+        let (crypto, dev_cert) = tls::server_crypto(
+            &config.tls,
+            &identity,
+            mesh_tls.as_deref(),
+            config.webtransport.enabled,
+            browser_certs.as_ref(),
+        )?;
         let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
         server_config.transport_config(Arc::new(transport_config(&config.transport)?));
         let socket = udp_socket(config.listen_addr, config.transport.socket_buffer)?;
@@ -296,6 +317,7 @@ impl Server {
                 local_addr,
                 mesh,
                 mesh_tls,
+                browser_certs,
                 endpoint: endpoint_handle,
             }),
             dev_cert,
@@ -372,6 +394,17 @@ impl Server {
         ));
         // Saves durable consumers' positions; stopped (and a last save made) once the
         // connections are closed, below.
+        // Renews the browsers' certificate (aborted with the server).
+        let _renewer = shared
+            .browser_certs
+            .clone()
+            .map(|c| Owned::spawn(c.keep_renewed()));
+        if shared.config.webtransport.enabled {
+            info!(
+                path = %shared.config.webtransport.path_prefix,
+                "WebTransport for browsers on the same UDP port (ALPN h3)"
+            );
+        }
         let (checkpoint_stop, checkpoint_stop_rx) = watch::channel(false);
         let checkpointer = shared
             .consumers
@@ -533,6 +566,15 @@ impl Control {
     /// The live ACL policy.
     pub fn acl(&self) -> Arc<aqueduct_core::acl::AclPolicy> {
         self.shared.access.acl.policy()
+    }
+
+    /// The client id of each connected client (`anonymous` without a certificate or token).
+    pub fn client_ids(&self) -> Vec<String> {
+        self.shared
+            .live_clients()
+            .iter()
+            .map(|c| c.identity().to_string())
+            .collect()
     }
 
     /// QUIC connections open on the broker's endpoint now (clients and cluster peers).

@@ -13,6 +13,9 @@ pub struct ServerStats {
     pub connections_total: AtomicU64,
     pub connections_refused: AtomicU64,
     pub handshakes_failed: AtomicU64,
+    /// WebTransport sessions established, and refused (path, origin or token).
+    pub webtransport_sessions: AtomicU64,
+    pub webtransport_refused: AtomicU64,
     /// Delivery streams reset because a slow consumer blocked them (disconnect policy).
     pub slow_consumer_resets: AtomicU64,
     /// Times a publishing stream was held by a full queue under the block policy, and the time

@@ -89,6 +89,13 @@ pub struct Identity {
     dev_cert: Option<DevCert>,
 }
 
+impl Identity {
+    /// A certificate generated at startup (no `tls.cert_file`).
+    pub fn is_generated(&self) -> bool {
+        self.dev_cert.is_some()
+    }
+}
+
 /// A generated development certificate, to be written where local clients look for it — only
 /// once the broker has bound its sockets, so that a second broker started by mistake (which
 /// fails with "address in use") cannot replace the running broker's certificate.
@@ -156,16 +163,31 @@ fn write_dev_cert(path: &Path, pem: &str) -> Result<(), TlsError> {
 
 /// The broker's QUIC crypto configuration and, if generated, the dev certificate (not written
 /// yet: see [`DevCert`]).
+///
+/// With WebTransport on, the broker also offers ALPN `h3`, and `browser` (with a generated
+/// development certificate) is what connections offering `h3` are shown (webtransport.rs).
 pub fn server_crypto(
     cfg: &TlsConfig,
     id: &Identity,
     mesh: Option<&crate::mesh_tls::MeshTls>,
+    webtransport: bool,
+    browser: Option<&Arc<crate::webtransport::BrowserCerts>>,
 ) -> Result<(quinn::crypto::rustls::QuicServerConfig, Option<DevCert>), TlsError> {
     let mut tls = match mesh {
         // With the cluster on: the mesh's ALPN and certificates next to the clients' (mesh_tls.rs).
         Some(mesh) => mesh.server_config(cfg, id)?,
         None => client_server_config(cfg, id)?,
     };
+    if webtransport {
+        tls.alpn_protocols
+            .push(crate::webtransport::H3_ALPN.to_vec());
+        if let Some(certs) = browser {
+            tls.cert_resolver = Arc::new(crate::webtransport::ForBrowsers {
+                inner: tls.cert_resolver.clone(),
+                certs: certs.clone(),
+            });
+        }
+    }
     // The broker's order (AES-128-GCM first) decides, whatever a client prefers.
     tls.ignore_client_order = true;
     // 0-RTT is accepted; the connection layer holds back everything but replay-safe frames

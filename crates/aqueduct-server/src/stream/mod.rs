@@ -30,11 +30,13 @@ use tracing::{debug, info, warn};
 use crate::connection::{AddSubError, ConnState, SubEntry};
 
 mod access;
+mod io;
 use crate::consumers::{ClaimError, Consumers};
 use crate::durable::{Durable, Waiter};
 use crate::server::Shared;
 pub(crate) use access::request_revoke;
 use access::revoke;
+pub(crate) use io::{RecvHalf, SendHalf, WriteFailure};
 
 /// Reply bytes a client may leave unread before the broker stops reading its stream.
 const MAX_PENDING_CONTROL: usize = 1 << 20;
@@ -255,9 +257,9 @@ fn stop_routing(shared: &Shared, out: &StreamOut) {
 /// Serve one stream until both directions are done. The reader and the writer run in this one
 /// task (no detached writer), so aborting the task with its connection stops both, and the
 /// guard still ends the stream's subscriptions.
-pub(crate) async fn serve(
-    send: quinn::SendStream,
-    recv: quinn::RecvStream,
+pub(crate) async fn serve<S: SendHalf, R: RecvHalf>(
+    send: S,
+    recv: R,
     shared: Arc<Shared>,
     conn: Arc<ConnState>,
     shutdown: watch::Receiver<bool>,
@@ -321,7 +323,7 @@ struct Reader<'a> {
 }
 
 impl Reader<'_> {
-    async fn run(&mut self, mut recv: quinn::RecvStream) -> ReadEnd {
+    async fn run<R: RecvHalf>(&mut self, mut recv: R) -> ReadEnd {
         let limits = aqueduct_proto::Limits {
             max_data_len: self.shared.config.transport.max_frame_data,
         };
@@ -1016,8 +1018,8 @@ fn has_subs(out: &StreamOut) -> bool {
     !lock(&out.subs).is_empty()
 }
 
-async fn write_loop(
-    mut send: quinn::SendStream,
+async fn write_loop<S: SendHalf>(
+    mut send: S,
     out: &StreamOut,
     shared: &Shared,
     conn: &ConnState,
@@ -1092,7 +1094,7 @@ async fn write_loop(
             _ = slow_consumer_closed(out) => {
                 warn!("slow consumer: resetting its blocked delivery stream");
                 shared.stats.slow_consumer_resets.fetch_add(1, Ordering::Relaxed);
-                let _ = send.reset(ErrorCode::SLOW_CONSUMER.0.into());
+                send.reset(u32::from(ErrorCode::SLOW_CONSUMER.0));
                 out.abort();
                 continue;
             }
@@ -1100,7 +1102,7 @@ async fn write_loop(
         out.slow_error_pending.store(false, Ordering::Release);
         if let Err(e) = written {
             debug!("stream write ended: {e}");
-            if matches!(e, quinn::WriteError::Stopped(_)) {
+            if matches!(e, WriteFailure::Stopped) {
                 shared.stats.streams_stopped.fetch_add(1, Ordering::Relaxed);
             }
             out.abort();
@@ -1134,10 +1136,10 @@ async fn write_loop(
         // Shutdown stopped the reader before the client finished this stream: frames it sent may
         // never have been read. A clean FIN would tell it they were all handled; a reset with
         // SHUTTING_DOWN tells it they may not have been.
-        let _ = send.reset(ErrorCode::SHUTTING_DOWN.0.into());
+        send.reset(u32::from(ErrorCode::SHUTTING_DOWN.0));
         return;
     }
-    let _ = send.finish();
+    send.finish();
     // Closing the connection abandons data the client has not acknowledged yet: wait (bounded)
     // until it has read the stream to the end.
     let _ = tokio::time::timeout(FINISH_WAIT, send.stopped()).await;

@@ -1,0 +1,69 @@
+//! The two halves of a client stream as the stream task uses them. A stream is a QUIC stream of
+//! an `aqueduct-v1` connection, or a WebTransport stream of a browser's session (whose stream
+//! error codes HTTP/3 maps into a space of its own, so it has its own types): the task is
+//! written once, over these traits.
+
+use std::future::Future;
+
+use bytes::Bytes;
+
+/// Why a write did not go through.
+#[derive(Debug)]
+pub(crate) enum WriteFailure {
+    /// The client stopped reading the stream (STOP_SENDING).
+    Stopped,
+    /// The stream or the connection is gone.
+    Gone(String),
+}
+
+impl std::fmt::Display for WriteFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WriteFailure::Stopped => f.write_str("the client stopped reading"),
+            WriteFailure::Gone(why) => f.write_str(why),
+        }
+    }
+}
+
+/// The sending half: deliveries and replies go out here.
+pub(crate) trait SendHalf: Send {
+    /// Write all of `chunk` (without a copy).
+    fn write_chunk(
+        &mut self,
+        chunk: Bytes,
+    ) -> impl Future<Output = Result<(), WriteFailure>> + Send;
+    /// Resolves when the client stopped reading or the stream ended; says how.
+    fn stopped(&mut self) -> impl Future<Output = String> + Send;
+    /// Abandon the stream with an application error code.
+    fn reset(&mut self, code: u32);
+    /// End the stream cleanly (FIN) after what was written.
+    fn finish(&mut self);
+}
+
+/// The receiving half: the client's frames come in here.
+pub(crate) trait RecvHalf: tokio::io::AsyncRead + Unpin + Send {}
+
+impl SendHalf for quinn::SendStream {
+    async fn write_chunk(&mut self, chunk: Bytes) -> Result<(), WriteFailure> {
+        quinn::SendStream::write_chunk(self, chunk)
+            .await
+            .map_err(|e| match e {
+                quinn::WriteError::Stopped(_) => WriteFailure::Stopped,
+                e => WriteFailure::Gone(e.to_string()),
+            })
+    }
+
+    async fn stopped(&mut self) -> String {
+        format!("{:?}", quinn::SendStream::stopped(self).await)
+    }
+
+    fn reset(&mut self, code: u32) {
+        let _ = quinn::SendStream::reset(self, code.into());
+    }
+
+    fn finish(&mut self) {
+        let _ = quinn::SendStream::finish(self);
+    }
+}
+
+impl RecvHalf for quinn::RecvStream {}

@@ -1,0 +1,532 @@
+//! WebTransport on the broker's own QUIC port, for browsers: a connection that negotiates ALPN
+//! `h3` is an HTTP/3 connection carrying a WebTransport session (`web-transport-quinn` does the
+//! HTTP/3 part); every bidirectional stream of the session carries exactly the frames of
+//! `docs/protocol.md` and is served by the same stream task as a native stream, with the same
+//! limits, metrics and ERROR frames.
+//!
+//! The session's URL path must start with `webtransport.path_prefix`; its `Origin` must be allowed
+//! (`webtransport.allowed_origins`; by default only pages on this machine: `localhost`,
+//! `127.0.0.1`, `[::1]`); its `token` query parameter, if any, must be one of
+//! `webtransport.tokens` and names the client (its ACL and quota identity), else the client is
+//! `anonymous`. A refused session gets an HTTP status (404, 403, 401) and a log line.
+//!
+//! Certificates: with a generated development certificate, browsers get their own — ECDSA P-256,
+//! valid 13 days (what `serverCertificateHashes` accepts), renewed every 6 days — whose SHA-256
+//! the metrics endpoint serves at `GET /webtransport/cert-hash`. With `tls.cert_file` browsers get
+//! that certificate and verify it as for any site.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwapOption;
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use serde::{Deserialize, Serialize};
+use tracing::{debug, info, warn};
+
+use crate::config::{invalid, ConfigError};
+
+/// The ALPN of HTTP/3, which WebTransport runs on.
+pub const H3_ALPN: &[u8] = b"h3";
+/// The WebTransport subprotocol a session may ask for.
+pub const SUBPROTOCOL: &str = "aqueduct-v1";
+/// Unidirectional streams an HTTP/3 connection needs (control, QPACK encoder and decoder).
+pub const H3_UNI_STREAMS: u32 = 3;
+/// How long a browser certificate is valid (`serverCertificateHashes` allows at most 14 days).
+const BROWSER_CERT_VALID: Duration = Duration::from_secs(13 * 24 * 3600);
+/// How often it is renewed: a page that fetched the hash keeps working for a week at least.
+pub const BROWSER_CERT_RENEW: Duration = Duration::from_secs(6 * 24 * 3600);
+
+/// `webtransport.*` as written.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WebTransportSection {
+    pub enabled: bool,
+    /// "" = the broker's own UDP port.
+    pub listen_addr: String,
+    pub path_prefix: String,
+    /// Exact origins (`https://app.example.com`), or `*` for any; empty: this machine's only.
+    pub allowed_origins: Vec<String>,
+    /// Token → client id.
+    pub tokens: HashMap<String, String>,
+}
+
+impl Default for WebTransportSection {
+    fn default() -> Self {
+        WebTransportSection {
+            enabled: true,
+            listen_addr: String::new(),
+            path_prefix: "/aqueduct/wt".into(),
+            allowed_origins: Vec::new(),
+            tokens: HashMap::new(),
+        }
+    }
+}
+
+/// `webtransport.*`, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WebTransportConfig {
+    pub enabled: bool,
+    pub path_prefix: String,
+    pub allowed_origins: Vec<String>,
+    pub tokens: HashMap<String, String>,
+}
+
+impl Default for WebTransportConfig {
+    fn default() -> Self {
+        WebTransportConfig {
+            enabled: true,
+            path_prefix: "/aqueduct/wt".into(),
+            allowed_origins: Vec::new(),
+            tokens: HashMap::new(),
+        }
+    }
+}
+
+impl WebTransportSection {
+    pub fn validate(&self) -> Result<WebTransportConfig, ConfigError> {
+        if !self.listen_addr.trim().is_empty() {
+            return Err(invalid(
+                "webtransport.listen_addr",
+                "a UDP port of its own for WebTransport is not supported yet: leave it empty, and \
+                 browsers connect to the broker's own port (listen_addr)",
+            ));
+        }
+        if !self.path_prefix.starts_with('/') {
+            return Err(invalid(
+                "webtransport.path_prefix",
+                format!("{:?} must start with '/'", self.path_prefix),
+            ));
+        }
+        for o in &self.allowed_origins {
+            let ok = o == "*" || o.starts_with("http://") || o.starts_with("https://");
+            if !ok || o.ends_with('/') {
+                return Err(invalid(
+                    "webtransport.allowed_origins",
+                    format!(
+                        "{o:?} is not an origin: scheme://host[:port] without a path, or \"*\""
+                    ),
+                ));
+            }
+        }
+        for (token, client) in &self.tokens {
+            if token.len() < 16 {
+                return Err(invalid(
+                    "webtransport.tokens",
+                    format!(
+                        "the token for {client:?} is shorter than 16 characters: too easy to guess"
+                    ),
+                ));
+            }
+            if client.trim().is_empty() {
+                return Err(invalid(
+                    "webtransport.tokens",
+                    "a token with an empty client id",
+                ));
+            }
+        }
+        Ok(WebTransportConfig {
+            enabled: self.enabled,
+            path_prefix: self.path_prefix.trim_end_matches('/').to_string(),
+            allowed_origins: self.allowed_origins.clone(),
+            tokens: self.tokens.clone(),
+        })
+    }
+}
+
+impl WebTransportConfig {
+    /// Is a page of `origin` (the `Origin` header; `None`: not a browser) allowed?
+    pub fn origin_allowed(&self, origin: Option<&str>) -> bool {
+        let Some(origin) = origin else {
+            // Native WebTransport clients send no Origin: they are not pages another site
+            // could make a visitor's browser open.
+            return true;
+        };
+        if self.allowed_origins.is_empty() {
+            return is_local_origin(origin);
+        }
+        self.allowed_origins
+            .iter()
+            .any(|o| o == "*" || o.eq_ignore_ascii_case(origin))
+    }
+}
+
+/// `http(s)://localhost[:port]`, `127.0.0.1`, `[::1]`.
+fn is_local_origin(origin: &str) -> bool {
+    let Some(rest) = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"))
+    else {
+        return false;
+    };
+    let host = match rest.strip_prefix("[::1]") {
+        Some(port) => return port.is_empty() || is_port(port),
+        None => rest.split(':').next().unwrap_or(""),
+    };
+    let port = &rest[host.len()..];
+    matches!(host, "localhost" | "127.0.0.1") && (port.is_empty() || is_port(port))
+}
+
+fn is_port(s: &str) -> bool {
+    s.strip_prefix(':')
+        .is_some_and(|p| !p.is_empty() && p.parse::<u16>().is_ok())
+}
+
+/// The certificate browsers get while the broker runs on a generated development certificate.
+#[derive(Debug)]
+pub struct BrowserCert {
+    pub key: Arc<CertifiedKey>,
+    /// SHA-256 of the certificate (DER): what a page passes as `serverCertificateHashes`.
+    pub sha256: [u8; 32],
+    pub not_after: std::time::SystemTime,
+}
+
+impl BrowserCert {
+    /// A new ECDSA P-256 certificate for this machine's names, valid 13 days from now.
+    pub fn generate() -> Result<BrowserCert, String> {
+        let mut params = rcgen::CertificateParams::new(vec![
+            "localhost".to_string(),
+            "127.0.0.1".to_string(),
+            "::1".to_string(),
+        ])
+        .map_err(|e| e.to_string())?;
+        let now = std::time::SystemTime::now();
+        // A minute back: a browser whose clock is a little behind accepts it at once.
+        params.not_before = (now - Duration::from_secs(60)).into();
+        let not_after = now + BROWSER_CERT_VALID;
+        params.not_after = not_after.into();
+        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
+            .map_err(|e| e.to_string())?;
+        let cert = params.self_signed(&key).map_err(|e| e.to_string())?;
+        let der = cert.der().clone();
+        let digest = ring::digest::digest(&ring::digest::SHA256, &der);
+        let mut sha256 = [0u8; 32];
+        sha256.copy_from_slice(digest.as_ref());
+        let private = rustls_pki_types::PrivateKeyDer::try_from(key.serialize_der())
+            .map_err(|e| e.to_string())?;
+        let key = CertifiedKey::from_der(vec![der], private, &crate::tls::provider())
+            .map_err(|e| e.to_string())?;
+        Ok(BrowserCert {
+            key: Arc::new(key),
+            sha256,
+            not_after,
+        })
+    }
+
+    /// The hash as lowercase hex.
+    pub fn sha256_hex(&self) -> String {
+        self.sha256.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// The current browser certificate (none with a certificate from files), swapped on renewal.
+#[derive(Debug, Default)]
+pub struct BrowserCerts {
+    current: ArcSwapOption<BrowserCert>,
+}
+
+impl BrowserCerts {
+    pub fn current(&self) -> Option<Arc<BrowserCert>> {
+        self.current.load_full()
+    }
+
+    /// Make and install a new one.
+    pub fn renew(&self) -> Result<(), String> {
+        let cert = BrowserCert::generate()?;
+        info!(
+            sha256 = %cert.sha256_hex(),
+            "WebTransport: a new certificate for browsers (GET /webtransport/cert-hash)"
+        );
+        self.current.store(Some(Arc::new(cert)));
+        Ok(())
+    }
+
+    /// Renew every [`BROWSER_CERT_RENEW`] (runs until dropped).
+    pub async fn keep_renewed(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(BROWSER_CERT_RENEW).await;
+            if let Err(e) = self.renew() {
+                warn!("WebTransport: renewing the browsers' certificate failed: {e}");
+            }
+        }
+    }
+}
+
+/// Presents the browser certificate to connections that offer `h3` (when there is one), and
+/// otherwise what `inner` would.
+#[derive(Debug)]
+pub struct ForBrowsers {
+    pub inner: Arc<dyn ResolvesServerCert>,
+    pub certs: Arc<BrowserCerts>,
+}
+
+impl ResolvesServerCert for ForBrowsers {
+    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        let h3 = hello.alpn().is_some_and(|mut a| a.any(|p| p == H3_ALPN));
+        if h3 {
+            if let Some(c) = self.certs.current() {
+                return Some(c.key.clone());
+            }
+        }
+        self.inner.resolve(hello)
+    }
+}
+
+/// Why a session request is refused: the HTTP status and what the log says.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Refusal {
+    pub status: u16,
+    pub why: String,
+}
+
+/// Decide a session request: its path, origin and token. `Ok(client id)` (`None`: anonymous).
+pub fn admit(
+    config: &WebTransportConfig,
+    url: &url::Url,
+    origin: Option<&str>,
+) -> Result<Option<String>, Refusal> {
+    let path = url.path();
+    let prefix = &config.path_prefix;
+    let under = path == prefix
+        || path
+            .strip_prefix(prefix.as_str())
+            .is_some_and(|rest| rest.starts_with('/'))
+        || prefix.is_empty();
+    if !under {
+        return Err(Refusal {
+            status: 404,
+            why: format!("path {path:?} is not under webtransport.path_prefix {prefix:?}"),
+        });
+    }
+    if !config.origin_allowed(origin) {
+        return Err(Refusal {
+            status: 403,
+            why: format!(
+                "origin {:?} is not in webtransport.allowed_origins",
+                origin.unwrap_or("")
+            ),
+        });
+    }
+    let token = url
+        .query_pairs()
+        .find(|(k, _)| k == "token")
+        .map(|(_, v)| v.into_owned());
+    match token {
+        None => Ok(None),
+        Some(t) => match config.tokens.get(&t) {
+            Some(client) => Ok(Some(client.clone())),
+            None => Err(Refusal {
+                status: 401,
+                why: "unknown token (webtransport.tokens)".into(),
+            }),
+        },
+    }
+}
+
+/// One browser's (or native WebTransport client's) session: the HTTP/3 handshake, the checks,
+/// then each bidirectional stream to the stream task, until the session ends.
+pub(crate) async fn serve(
+    conn: quinn::Connection,
+    shared: Arc<crate::server::Shared>,
+    state: Arc<crate::connection::ConnState>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    let remote = conn.remote_address();
+    conn.set_max_concurrent_uni_streams(H3_UNI_STREAMS.into());
+    let timeout = shared.config.transport.handshake_timeout;
+    let request =
+        match tokio::time::timeout(timeout, web_transport_quinn::Request::accept(conn.clone()))
+            .await
+        {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                debug!(%remote, "WebTransport handshake failed: {e}");
+                shared
+                    .stats
+                    .handshakes_failed
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                return;
+            }
+            Err(_) => {
+                debug!(%remote, "WebTransport handshake timed out");
+                shared
+                    .stats
+                    .handshakes_failed
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                conn.close(0u32.into(), b"WebTransport handshake timed out");
+                return;
+            }
+        };
+    let origin = request
+        .headers
+        .get("origin")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let client = match admit(&shared.config.webtransport, &request.url, origin.as_deref()) {
+        Ok(c) => c,
+        Err(refusal) => {
+            warn!(%remote, status = refusal.status, "WebTransport session refused: {}", refusal.why);
+            shared
+                .stats
+                .webtransport_refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let status = web_transport_quinn::http::StatusCode::from_u16(refusal.status)
+                .unwrap_or(web_transport_quinn::http::StatusCode::FORBIDDEN);
+            let _ = request.reject(status).await;
+            return;
+        }
+    };
+    let wants_ours = request.protocols.iter().any(|p| p == SUBPROTOCOL);
+    let mut response = web_transport_quinn::proto::ConnectResponse::OK;
+    if wants_ours {
+        response = response.with_protocol(SUBPROTOCOL);
+    }
+    let session = match request.respond(response).await {
+        Ok(s) => s,
+        Err(e) => {
+            debug!(%remote, "WebTransport session not established: {e}");
+            return;
+        }
+    };
+    shared
+        .stats
+        .webtransport_sessions
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    crate::connection::serve_webtransport(session, conn, client, state, shared, shutdown).await;
+}
+
+impl crate::stream::SendHalf for web_transport_quinn::SendStream {
+    async fn write_chunk(
+        &mut self,
+        chunk: bytes::Bytes,
+    ) -> Result<(), crate::stream::WriteFailure> {
+        web_transport_quinn::SendStream::write_chunk(self, chunk)
+            .await
+            .map_err(|e| match e {
+                web_transport_quinn::WriteError::Stopped(_) => crate::stream::WriteFailure::Stopped,
+                e => crate::stream::WriteFailure::Gone(e.to_string()),
+            })
+    }
+
+    async fn stopped(&mut self) -> String {
+        format!("{:?}", web_transport_quinn::SendStream::stopped(self).await)
+    }
+
+    fn reset(&mut self, code: u32) {
+        let _ = web_transport_quinn::SendStream::reset(self, code);
+    }
+
+    fn finish(&mut self) {
+        let _ = web_transport_quinn::SendStream::finish(self);
+    }
+}
+
+impl crate::stream::RecvHalf for web_transport_quinn::RecvStream {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn url(s: &str) -> url::Url {
+        url::Url::parse(s).expect("url")
+    }
+
+    #[test]
+    fn sessions_are_admitted_by_path_origin_and_token() {
+        let mut cfg = WebTransportConfig::default();
+        let base = "https://127.0.0.1:4242/aqueduct/wt";
+        assert_eq!(admit(&cfg, &url(base), None), Ok(None));
+        assert_eq!(admit(&cfg, &url(&format!("{base}/x")), None), Ok(None));
+        assert_eq!(
+            admit(&cfg, &url("https://127.0.0.1:4242/aqueduct/wtx"), None).map_err(|r| r.status),
+            Err(404)
+        );
+        assert_eq!(
+            admit(&cfg, &url(base), Some("http://localhost:8080")),
+            Ok(None)
+        );
+        assert_eq!(admit(&cfg, &url(base), Some("https://[::1]")), Ok(None));
+        for bad in [
+            "https://evil.example",
+            "http://localhost.evil.example",
+            "null",
+        ] {
+            assert_eq!(
+                admit(&cfg, &url(base), Some(bad)).map_err(|r| r.status),
+                Err(403),
+                "{bad}"
+            );
+        }
+        cfg.allowed_origins = vec!["https://app.example.com".into()];
+        assert_eq!(
+            admit(&cfg, &url(base), Some("https://app.example.com")),
+            Ok(None)
+        );
+        assert!(admit(&cfg, &url(base), Some("http://localhost:8080")).is_err());
+        cfg.tokens
+            .insert("0123456789abcdef-browser".into(), "dashboard".into());
+        assert_eq!(
+            admit(
+                &cfg,
+                &url(&format!("{base}?token=0123456789abcdef-browser")),
+                None
+            ),
+            Ok(Some("dashboard".into()))
+        );
+        assert_eq!(
+            admit(&cfg, &url(&format!("{base}?token=guess")), None).map_err(|r| r.status),
+            Err(401)
+        );
+    }
+
+    #[test]
+    fn bad_settings_name_their_key() {
+        let mut s = WebTransportSection {
+            listen_addr: ":4443".into(),
+            ..Default::default()
+        };
+        assert!(s
+            .validate()
+            .expect_err("refused")
+            .to_string()
+            .contains("webtransport.listen_addr"));
+        s.listen_addr.clear();
+        s.allowed_origins = vec!["app.example.com".into()];
+        assert!(s
+            .validate()
+            .expect_err("refused")
+            .to_string()
+            .contains("allowed_origins"));
+        s.allowed_origins = vec!["*".into()];
+        s.tokens.insert("short".into(), "x".into());
+        assert!(s
+            .validate()
+            .expect_err("refused")
+            .to_string()
+            .contains("webtransport.tokens"));
+        s.tokens.clear();
+        s.path_prefix = "wt".into();
+        assert!(s
+            .validate()
+            .expect_err("refused")
+            .to_string()
+            .contains("path_prefix"));
+    }
+
+    #[test]
+    fn a_browser_certificate_is_short_lived_ecdsa() {
+        let c = BrowserCert::generate().expect("generates");
+        let der = &c.key.cert[0];
+        let (_, x509) = x509_parser::parse_x509_certificate(der).expect("parses");
+        let v = x509.validity();
+        let days = (v.not_after.timestamp() - v.not_before.timestamp()) / 86_400;
+        assert!(days < 14, "valid {days} days");
+        assert_eq!(
+            x509.public_key().algorithm.algorithm.to_id_string(),
+            "1.2.840.10045.2.1",
+            "an EC key"
+        );
+        assert_eq!(c.sha256_hex().len(), 64);
+    }
+}

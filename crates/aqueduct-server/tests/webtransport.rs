@@ -1,0 +1,270 @@
+//! WebTransport on the broker's own UDP port, with a native WebTransport client
+//! (`web-transport-quinn`, as a browser would do it: HTTP/3, `serverCertificateHashes` from
+//! `GET /webtransport/cert-hash`): each stream of a session carries the frames of
+//! docs/protocol.md. The same port serves a native `aqueduct-v1` client in the same test.
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use aqueduct_proto::frame::{Message, Subscribe};
+use aqueduct_proto::{
+    decode_frame, DecodeError, Extensions, Frame, Limits, Publish, SubscribeSpec,
+};
+use bytes::{Buf, Bytes, BytesMut};
+use common::*;
+use tokio::io::AsyncReadExt;
+
+/// The browser certificate's hash, as a page fetches it.
+async fn cert_hash(b: &TestBroker) -> Vec<u8> {
+    let (status, body) = get(b.metrics_addr, "/webtransport/cert-hash").await;
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(body.trim()).expect("JSON");
+    assert_eq!(v["algorithm"], "sha-256");
+    assert_eq!(v["path"], "/aqueduct/wt");
+    let hex = v["value"].as_str().expect("value");
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
+        .collect()
+}
+
+async fn wt_connect(
+    b: &TestBroker,
+    path: &str,
+    origin: Option<&str>,
+) -> Result<web_transport_quinn::Session, web_transport_quinn::ClientError> {
+    let client = web_transport_quinn::ClientBuilder::new()
+        .with_server_certificate_hashes(vec![cert_hash(b).await])
+        .expect("client");
+    let url = url::Url::parse(&format!("https://127.0.0.1:{}{path}", b.addr.port())).expect("url");
+    let mut request = web_transport_quinn::proto::ConnectRequest::new(url);
+    request.protocols.push("aqueduct-v1".into());
+    if let Some(o) = origin {
+        request
+            .headers
+            .insert("origin", o.parse().expect("header value"));
+    }
+    within("a WebTransport session", client.connect(request)).await
+}
+
+/// One bidirectional stream of a session, framed.
+struct WtStream {
+    send: web_transport_quinn::SendStream,
+    recv: web_transport_quinn::RecvStream,
+    buf: BytesMut,
+}
+
+impl WtStream {
+    async fn open(s: &web_transport_quinn::Session) -> WtStream {
+        let (send, recv) = within("a stream", s.open_bi()).await.expect("open_bi");
+        WtStream {
+            send,
+            recv,
+            buf: BytesMut::new(),
+        }
+    }
+
+    async fn send(&mut self, frame: Frame) {
+        let mut out = BytesMut::new();
+        frame.encode(&mut out);
+        self.send.write_all(&out).await.expect("write");
+    }
+
+    async fn next(&mut self) -> Frame {
+        within("a frame over WebTransport", async {
+            loop {
+                let bytes = self.buf.clone().freeze();
+                match decode_frame(&bytes, &Limits::default()) {
+                    Ok((frame, used)) => {
+                        self.buf.advance(used);
+                        return frame;
+                    }
+                    Err(DecodeError::Incomplete { .. }) => {}
+                    Err(DecodeError::Invalid(e)) => panic!("an invalid frame: {e}"),
+                }
+                let n = self.recv.read_buf(&mut self.buf).await.expect("read");
+                assert!(n > 0, "the stream ended");
+            }
+        })
+        .await
+    }
+
+    /// SUBSCRIBE with CONFIRM, and its CONFIRM.
+    async fn subscribe(&mut self, stream_id: u32, spec: &str) {
+        let spec = SubscribeSpec::parse(&Bytes::copy_from_slice(spec.as_bytes())).expect("spec");
+        self.send(Frame::new(
+            stream_id,
+            Message::Subscribe(Subscribe {
+                spec,
+                ext: Extensions {
+                    confirm: true,
+                    ..Extensions::default()
+                },
+            }),
+        ))
+        .await;
+        match self.next().await.message {
+            Message::Confirm(_) => {}
+            other => panic!("expected the SUBSCRIBE's CONFIRM, got {other:?}"),
+        }
+    }
+
+    async fn delivery(&mut self) -> Publish {
+        match self.next().await.message {
+            Message::Publish(p) => p,
+            other => panic!("expected a delivery, got {other:?}"),
+        }
+    }
+}
+
+fn publish_frame(topic: &str, body: &str, confirm: bool) -> Frame {
+    let mut p = Publish::new(
+        aqueduct_proto::TopicName::try_from(topic).expect("topic"),
+        Bytes::copy_from_slice(body.as_bytes()),
+    );
+    p.ext.confirm = confirm;
+    Frame::new(7, Message::Publish(p))
+}
+
+/// One UDP port: a WebTransport session and a native client publish to and subscribe from
+/// each other (bytes intact, priorities in order), and share a consumer group (each job to
+/// exactly one of them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webtransport_session_and_a_native_client_share_one_port() {
+    let b = TestBroker::start_with(|c| c.broker.max_in_flight = 64).await;
+    let session = wt_connect(&b, "/aqueduct/wt", Some("http://localhost:8080"))
+        .await
+        .expect("session admitted");
+    assert_eq!(session.protocol(), Some("aqueduct-v1"));
+    let native = b.client().await;
+
+    // Native → WebTransport, wildcard, binary body, priorities in order.
+    let mut wt = WtStream::open(&session).await;
+    wt.subscribe(1, "topic:sensors/#").await;
+    let body = Bytes::from((0u8..=255).collect::<Vec<u8>>());
+    native
+        .publish_with(
+            "sensors/hall/t1",
+            body.clone(),
+            &aqueduct_client::PublishOptions {
+                confirm: true,
+                priority: Some(aqueduct_client::Priority::new(1).expect("priority")),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("publish");
+    let d = wt.delivery().await;
+    assert_eq!(d.topic().as_str(), "sensors/hall/t1");
+    assert_eq!(d.body, body, "bytes intact");
+    assert_eq!(d.priority().level(), 1);
+
+    // WebTransport → native, confirmed with its offset.
+    let mut sub = native.subscribe("from/browser").await.expect("subscribe");
+    let mut pubs = WtStream::open(&session).await;
+    pubs.send(publish_frame("from/browser", "hello from a page", true))
+        .await;
+    match pubs.next().await.message {
+        Message::Confirm(c) => assert_eq!(c.offsets, vec![0]),
+        other => panic!("expected a CONFIRM, got {other:?}"),
+    }
+    let m = next(&mut sub).await;
+    assert_eq!(&m.body()[..], b"hello from a page");
+
+    // A group with one member on each side: each job once, alternating.
+    let mut member = WtStream::open(&session).await;
+    member.subscribe(3, "topic:jobs:group:workers").await;
+    let mut native_member = native
+        .subscribe_group("jobs", "workers")
+        .await
+        .expect("member");
+    for i in 0..10 {
+        native
+            .publish_with(
+                "jobs",
+                format!("j{i}"),
+                &aqueduct_client::PublishOptions {
+                    confirm: true,
+                    ..Default::default()
+                },
+            )
+            .await
+            .expect("publish");
+    }
+    let mut seen = BTreeSet::new();
+    for _ in 0..5 {
+        let d = member.delivery().await;
+        let offset = d.ext.offset.expect("offset");
+        assert!(seen.insert(String::from_utf8_lossy(&d.body).into_owned()));
+        // Settle it, as the spec says: ACK with the delivery's offset.
+        member
+            .send(Frame::new(
+                3,
+                Message::Ack(aqueduct_proto::frame::Ack {
+                    offset,
+                    ext: Extensions {
+                        topic: Some(d.topic().clone()),
+                        ..Extensions::default()
+                    },
+                }),
+            ))
+            .await;
+    }
+    for _ in 0..5 {
+        let m = next(&mut native_member).await;
+        assert!(
+            seen.insert(String::from_utf8_lossy(m.body()).into_owned()),
+            "once"
+        );
+        m.ack().await.expect("ack");
+    }
+    assert_eq!(seen.len(), 10);
+    let metrics = get(b.metrics_addr, "/metrics").await.1;
+    assert_eq!(
+        value(&metrics, "aqueduct_webtransport_sessions_total"),
+        Some(1.0)
+    );
+    session.close(0, b"done");
+    b.stop().await.expect("clean shutdown");
+}
+
+/// A session on another path, from a page of another origin, or with an unknown token is
+/// refused (and counted); a token the config names is admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_are_refused_by_path_origin_and_token() {
+    let b = TestBroker::start_with(|c| {
+        c.webtransport
+            .tokens
+            .insert("a-long-enough-browser-token".into(), "dashboard".into());
+    })
+    .await;
+    assert!(wt_connect(&b, "/elsewhere", None).await.is_err(), "path");
+    assert!(
+        wt_connect(&b, "/aqueduct/wt", Some("https://evil.example"))
+            .await
+            .is_err(),
+        "origin"
+    );
+    assert!(
+        wt_connect(&b, "/aqueduct/wt?token=guessed", None)
+            .await
+            .is_err(),
+        "token"
+    );
+    let ok = wt_connect(&b, "/aqueduct/wt?token=a-long-enough-browser-token", None)
+        .await
+        .expect("a known token");
+    // The token names the client: the admin API's client list says so.
+    until("the session to be listed as dashboard", || {
+        b.control.client_ids().iter().any(|c| c == "dashboard")
+    })
+    .await;
+    let metrics = get(b.metrics_addr, "/metrics").await.1;
+    assert_eq!(
+        value(&metrics, "aqueduct_webtransport_refused_total"),
+        Some(3.0)
+    );
+    ok.close(0, b"done");
+    b.stop().await.expect("clean shutdown");
+}
