@@ -1,0 +1,125 @@
+// Types of client.js: the Aqueduct client over WebTransport. Written by hand.
+
+import type { Bytes, ErrorCategory, ErrorCodeName, Extensions, OverflowName, PriorityLevel } from './codec.js';
+
+/** An error from the broker (ERROR frame, stream reset, connection close) or the client. */
+export declare class AqueductError extends Error {
+  constructor(code: number | null, reason: string, options?: { streamId?: number; cause?: unknown });
+  readonly name: 'AqueductError';
+  /** The spec's code (§9), or `null` when there is none (connection closed, protocol violation). */
+  readonly code: number | null;
+  readonly reason: string;
+  /** The `stream_id` of the ERROR frame, if it came from one. */
+  readonly streamId: number | undefined;
+  readonly codeName: ErrorCodeName | undefined;
+  readonly category: ErrorCategory | null;
+}
+
+/** One bidirectional stream, as `WebTransport.createBidirectionalStream()` gives it. */
+export interface BidirectionalStream {
+  readable: ReadableStream<Uint8Array>;
+  writable: WritableStream<Uint8Array>;
+}
+
+export type CertificateHash =
+  | string
+  | { algorithm?: string; value: BufferSource | string };
+
+export interface ConnectOptions {
+  /** Hashes of the broker's certificate (a short-lived ECDSA one), e.g. from `GET /webtransport/cert-hash`. */
+  serverCertificateHashes?: CertificateHash[];
+  /** Sent as the URL query parameter `token`: the planned browser identity (not checked by a broker yet). */
+  token?: string;
+  /** WebTransport subprotocols to offer, e.g. `['aqueduct-v1']`. */
+  protocols?: string[];
+  /** The WebTransport constructor (default `globalThis.WebTransport`). */
+  WebTransport?: new (url: string, init?: object) => {
+    ready: Promise<unknown>;
+    closed: Promise<{ closeCode?: number; reason?: string }>;
+    createBidirectionalStream(): Promise<BidirectionalStream>;
+    close(info?: { closeCode?: number; reason?: string }): void;
+  };
+  /** Another transport: opens one bidirectional stream per call (then `url` is not used). */
+  openStream?: () => BidirectionalStream | Promise<BidirectionalStream>;
+  /** With `openStream`: called by `client.close()`. */
+  close?: () => void | Promise<void>;
+  /** With `openStream`: settles when the connection ends. */
+  closed?: Promise<{ closeCode?: number; reason?: string } | void>;
+  /** Largest `data_len` accepted from the broker; default 1 MiB + 1024. */
+  maxDataLen?: number;
+  /** Largest `data_len` sent; default 65536 (the broker's default `transport.max_buf_size`). */
+  maxSendDataLen?: number;
+  /** ERRORs no call waits for; default `console.warn`. */
+  onError?: (err: AqueductError) => void;
+}
+
+export interface PublishOptions {
+  priority?: PriorityLevel;
+  /** Drop the message if not delivered within this many ms (0 = none). */
+  ttlMs?: number;
+  confirm?: boolean;
+}
+
+export interface BatchItem {
+  topic: string;
+  body: Bytes;
+  priority?: PriorityLevel;
+  ttlMs?: number;
+}
+
+export interface SubscribeOptions {
+  group?: string;
+  durable?: { consumer: string; start: bigint | number | 'earliest' | 'latest' };
+  /** Settle each message with `ack()` / `nack()` (always so in a group). */
+  ack?: boolean;
+  maxInFlight?: number;
+  overflow?: OverflowName;
+  /** ERRORs about this subscription that do not end it (e.g. a refused ACK). */
+  onError?: (err: AqueductError) => void;
+  /** Deliveries read ahead of the application; default 256. */
+  buffer?: number;
+}
+
+export declare function connect(url: string, options?: ConnectOptions): Promise<Client>;
+export declare function webTransportUrl(url: string, token?: string | null): string;
+export declare function certificateHashes(hashes: CertificateHash[]): Array<{ algorithm: string; value: BufferSource }>;
+
+export declare class Client {
+  private constructor(options: ConnectOptions);
+  readonly closed: boolean;
+  publish(topic: string, body: Bytes, opts: PublishOptions & { confirm: true }): Promise<bigint>;
+  publish(topic: string, body: Bytes, opts?: PublishOptions): Promise<bigint | undefined>;
+  publishBatch(items: BatchItem[], opts: Omit<PublishOptions, 'confirm'> & { confirm: true }): Promise<bigint[]>;
+  publishBatch(items: BatchItem[], opts?: PublishOptions): Promise<bigint[] | undefined>;
+  subscribe(filter: string, opts?: SubscribeOptions): Promise<Subscription>;
+  close(): Promise<void>;
+}
+
+export declare class Subscription implements AsyncIterableIterator<Message> {
+  private constructor();
+  /** The SUBSCRIBE's stream id. */
+  readonly id: number;
+  readonly filter: string;
+  readonly group: string | undefined;
+  readonly wildcard: boolean;
+  readonly ended: boolean;
+  next(): Promise<IteratorResult<Message, undefined>>;
+  return(): Promise<IteratorResult<Message, undefined>>;
+  [Symbol.asyncIterator](): Subscription;
+  unsubscribe(options?: { timeoutMs?: number }): Promise<void>;
+}
+
+export declare class Message {
+  private constructor();
+  readonly topic: string;
+  readonly body: Uint8Array;
+  /** The body as UTF-8 text. */
+  readonly text: string;
+  readonly priority: PriorityLevel;
+  readonly offset: bigint | undefined;
+  readonly attempt: number | undefined;
+  readonly extensions: Extensions;
+  readonly streamId: number;
+  ack(): Promise<void>;
+  nack(reason?: string): Promise<void>;
+}

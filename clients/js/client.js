@@ -1,0 +1,759 @@
+// An Aqueduct client over WebTransport (or any transport that opens bidirectional streams of
+// ReadableStream/WritableStream): each bidirectional stream carries exactly the frames of
+// docs/protocol.md.
+//
+// Streams used: one publish stream (opened on the first publish, opened again if the broker
+// ends it), and one stream per subscription (its delivery stream, §1), on which its ACK, NACK
+// and UNSUBSCRIBE are sent too. Stream ids (the frame header's `stream_id`, §2): every
+// confirmed request and every subscription gets an id unique among the connection's live ones
+// (1, 2, 3, …), so that each CONFIRM or ERROR names the request it answers; publishes without
+// confirmation use 0.
+
+import {
+  AckMode,
+  BROKER_DEFAULT_MAX_BUF_SIZE,
+  DEFAULT_MAX_DATA_LEN,
+  ErrorCode,
+  FrameDecoder,
+  FrameError,
+  MAX_EXT_LEN,
+  Opcode,
+  encodeFrame,
+  errorCategory,
+  errorCodeName,
+  isWildcardFilter,
+  opcodeName,
+  overflowValue,
+  toBytes,
+} from './codec.js';
+
+/**
+ * An error from the broker (an ERROR frame, a stream reset or a connection close with an
+ * application code) or from the client. `code` is the spec's code (§9) — also for a request
+ * the client refused to send because the broker would refuse it (e.g. INVALID_TOPIC) — or
+ * `null` when there is none (the connection or stream closed, a protocol violation by the peer).
+ */
+export class AqueductError extends Error {
+  constructor(code, reason, { streamId, cause } = {}) {
+    const name = code === null || code === undefined ? undefined : errorCodeName(code);
+    const label = code === null || code === undefined ? '' : name ? `${name} (${code}): ` : `code ${code}: `;
+    super(`${label}${reason}`, cause === undefined ? undefined : { cause });
+    this.name = 'AqueductError';
+    this.code = code ?? null;
+    this.reason = reason;
+    this.streamId = streamId;
+  }
+
+  /** The code's name (`"NOT_AUTHORIZED"`), or `undefined` for a code this version does not know. */
+  get codeName() {
+    return this.code === null ? undefined : errorCodeName(this.code);
+  }
+
+  /** The code's range (§9): framing, request, flow-control, authorization, broker; `null` without a code. */
+  get category() {
+    return this.code === null ? null : errorCategory(this.code);
+  }
+}
+
+/** ERRORs that end the stream (§1.1, §10) or the subscription they name (§7.3, §11). */
+const FATAL_FOR_STREAM = new Set([ErrorCode.MALFORMED_FRAME, ErrorCode.BAD_MAGIC, ErrorCode.FRAME_TOO_LARGE]);
+const FATAL_FOR_SUBSCRIPTION = new Set([ErrorCode.SLOW_CONSUMER, ErrorCode.NOT_AUTHORIZED]);
+
+function toAqueductError(e, what) {
+  if (e instanceof AqueductError) return e;
+  if (e instanceof FrameError) return new AqueductError(e.code, e.message, { streamId: e.streamId, cause: e });
+  if (e && typeof e.streamErrorCode === 'number') {
+    return new AqueductError(e.streamErrorCode, `${what}: the stream was reset with code ${e.streamErrorCode}`, { cause: e });
+  }
+  return new AqueductError(null, `${what}: ${e?.message ?? String(e)}`, { cause: e });
+}
+
+/** Build the WebTransport URL: `url` with the `token` query parameter set (when given). */
+export function webTransportUrl(url, token) {
+  const u = new URL(url);
+  if (token !== undefined && token !== null) u.searchParams.set('token', String(token));
+  return u.toString();
+}
+
+/**
+ * Normalize `serverCertificateHashes` for `new WebTransport()`: each item may be
+ * `{ algorithm: 'sha-256', value: BufferSource }`, `{ algorithm, value: 'hex' }` or a hex string
+ * (colons and spaces allowed, as `openssl x509 -fingerprint -sha256` prints it).
+ */
+export function certificateHashes(hashes) {
+  return hashes.map((h) => {
+    const item = typeof h === 'string' ? { algorithm: 'sha-256', value: h } : h;
+    let value = item.value;
+    if (typeof value === 'string') {
+      const hex = value.replace(/[\s:]/g, '');
+      if (!/^([0-9a-fA-F]{2})+$/.test(hex)) throw new TypeError(`certificate hash ${JSON.stringify(value)} is not hex`);
+      value = Uint8Array.from(hex.match(/../g), (b) => parseInt(b, 16));
+    }
+    const algorithm = item.algorithm ?? 'sha-256';
+    if (algorithm === 'sha-256' && toBytes(value).length !== 32) {
+      throw new TypeError(`a sha-256 certificate hash is 32 bytes, got ${toBytes(value).length}`);
+    }
+    return { algorithm, value };
+  });
+}
+
+/**
+ * Connect to a broker.
+ *
+ * With WebTransport (the default): `url` is the broker's WebTransport URL
+ * (`https://host:4242/aqueduct/wt`); options `serverCertificateHashes` (for a short-lived
+ * self-signed certificate, see README), `token` (sent as the URL query parameter `token`; the
+ * planned browser identity, not checked by any broker yet), `protocols` (WebTransport
+ * subprotocols to offer, e.g. `['aqueduct-v1']`), `WebTransport` (the constructor to use).
+ *
+ * Any transport: `openStream` — a function returning (a promise of) `{ readable, writable }`,
+ * one new bidirectional stream per call; then `url` is not used. `close` — called by
+ * `client.close()`. `closed` — a promise that settles when the connection ends.
+ *
+ * Limits: `maxDataLen` — the largest `data_len` accepted from the broker (default 1 MiB + 1024,
+ * §6.5, §10); `maxSendDataLen` — the largest `data_len` sent (default 65536, the broker's default
+ * `transport.max_buf_size`: a larger frame gets FRAME_TOO_LARGE, which ends the stream, so the
+ * client refuses it before sending). `onError(err)` — ERRORs no call is waiting for (e.g. for a
+ * publish sent without confirmation); default `console.warn`.
+ */
+export async function connect(url, options = {}) {
+  let { openStream, close, closed } = options;
+  let session = null;
+  if (!openStream) {
+    const WT = options.WebTransport ?? globalThis.WebTransport;
+    if (typeof WT !== 'function') {
+      throw new AqueductError(null, 'WebTransport is not available here (pass options.openStream to use another transport)');
+    }
+    const init = {};
+    if (options.serverCertificateHashes) init.serverCertificateHashes = certificateHashes(options.serverCertificateHashes);
+    if (options.protocols) init.protocols = options.protocols;
+    try {
+      session = new WT(webTransportUrl(url, options.token), init);
+      await session.ready;
+    } catch (e) {
+      throw toAqueductError(e, `could not open a WebTransport session to ${url}`);
+    }
+    openStream = () => session.createBidirectionalStream();
+    close = () => session.close({ closeCode: 0, reason: 'client closed' });
+    closed = session.closed;
+  }
+  return new Client({ ...options, openStream, close, closed });
+}
+
+/** A connection to a broker. Make one with `connect()`. */
+export class Client {
+  #openStream;
+  #closeTransport;
+  #options;
+  #nextId = 1;
+  #inUse = new Set();
+  #publish = null; // Promise<Channel>
+  #channels = new Set();
+  #subscriptions = new Set();
+  #closed = false;
+  #chain = Promise.resolve();
+
+  constructor(options) {
+    this.#openStream = options.openStream;
+    this.#closeTransport = options.close;
+    this.#options = {
+      maxDataLen: options.maxDataLen ?? DEFAULT_MAX_DATA_LEN + MAX_EXT_LEN,
+      maxSendDataLen: options.maxSendDataLen ?? BROKER_DEFAULT_MAX_BUF_SIZE,
+      onError: options.onError ?? ((err) => console.warn('aqueduct:', err.message)),
+    };
+    if (options.closed && typeof options.closed.then === 'function') {
+      options.closed.then(
+        (info) => this.#lost(new AqueductError(info?.closeCode ?? null, `the connection closed${info?.reason ? `: ${info.reason}` : ''}`)),
+        (e) => this.#lost(toAqueductError(e, 'the connection failed')),
+      );
+    }
+  }
+
+  /** True once `close()` was called or the connection ended. */
+  get closed() {
+    return this.#closed;
+  }
+
+  /**
+   * Publish `body` (bytes or a string, sent as UTF-8) to `topic`. Options: `priority` (0 highest
+   * … 3 lowest; the broker's default is 2), `ttlMs` (drop it if not delivered in time; 0 = none),
+   * `confirm` (wait for the broker). Resolves to the message's offset (a bigint) with `confirm`,
+   * else to `undefined` once the frame is written.
+   */
+  async publish(topic, body, opts = {}) {
+    const confirm = opts.confirm === true;
+    const offsets = await this.#send(
+      (streamId) => ({
+        opcode: Opcode.PUBLISH,
+        streamId,
+        ext: publishExt(topic, opts, confirm),
+        body: toBytes(body),
+      }),
+      confirm,
+    );
+    if (!confirm) return undefined;
+    if (offsets.length !== 1) {
+      throw new AqueductError(null, `the CONFIRM of a PUBLISH carries ${offsets.length} offsets (expected 1)`);
+    }
+    return offsets[0];
+  }
+
+  /**
+   * Publish several messages in one PUBLISH_BATCH frame: all or nothing (§6.3). `items`:
+   * `{ topic, body, priority?, ttlMs? }`; `opts.priority` and `opts.ttlMs` apply to items that do
+   * not set their own. With `opts.confirm`, resolves to one offset per message, in order.
+   */
+  async publishBatch(items, opts = {}) {
+    const confirm = opts.confirm === true;
+    const frames = items.map((item) => ({
+      opcode: Opcode.PUBLISH,
+      streamId: 0,
+      ext: publishExt(item.topic, { priority: item.priority ?? opts.priority, ttlMs: item.ttlMs ?? opts.ttlMs }, false),
+      body: toBytes(item.body),
+    }));
+    const offsets = await this.#send(
+      (streamId) => ({ opcode: Opcode.PUBLISH_BATCH, streamId, ext: confirm ? { confirm: true } : {}, frames }),
+      confirm,
+    );
+    if (!confirm) return undefined;
+    if (offsets.length !== items.length) {
+      throw new AqueductError(null, `the CONFIRM of a batch of ${items.length} carries ${offsets.length} offsets`);
+    }
+    return offsets;
+  }
+
+  async #send(build, confirm) {
+    this.#checkOpen();
+    const streamId = confirm ? this.#allocId() : 0;
+    try {
+      const bytes = this.#encode(build(streamId));
+      // Frames go out in call order: each is handed to the stream (WritableStream queues
+      // writes in order) inside one chain; the write itself and the answer are awaited outside.
+      const sent = await this.#inOrder(async () => {
+        const channel = await this.#publishChannel();
+        return { answer: confirm ? channel.request(streamId, bytes) : channel.write(bytes) };
+      });
+      const answer = await sent.answer;
+      return confirm ? answer : undefined;
+    } finally {
+      if (confirm) this.#inUse.delete(streamId);
+    }
+  }
+
+  #inOrder(fn) {
+    const run = this.#chain.then(fn);
+    this.#chain = run.catch(() => {});
+    return run;
+  }
+
+  #encode(frame) {
+    try {
+      return encodeFrame(frame, { maxDataLen: this.#options.maxSendDataLen });
+    } catch (e) {
+      if (e instanceof FrameError) throw new AqueductError(e.code, e.problem, { cause: e });
+      throw e;
+    }
+  }
+
+  /**
+   * Subscribe to `filter` (a topic name, or with `+` / `#` wildcards). Options: `group` (join a
+   * consumer group: each message to one member), `durable: { consumer, start }` (`start`: an
+   * offset, `'earliest'` or `'latest'`), `ack` (settle each message with `ack()`/`nack()`; always
+   * so in a group), `maxInFlight` (at most this many unsettled at a time), `overflow`
+   * (`'drop_oldest'`, `'drop_newest'`, `'disconnect'`, `'block'`), `onError(err)` (ERRORs about
+   * this subscription that do not end it, e.g. a refused ACK), `buffer` (deliveries read ahead of
+   * the application, default 256; beyond it the stream is not read and QUIC flow control holds
+   * the broker).
+   *
+   * The SUBSCRIBE carries the CONFIRM extension: the promise resolves once the broker has made
+   * the subscription active (§7.1) — anything published after that is delivered — and rejects
+   * with the broker's ERROR otherwise.
+   */
+  async subscribe(filter, opts = {}) {
+    this.#checkOpen();
+    const ext = { confirm: true };
+    if (opts.ack === true) ext.ackMode = AckMode.EXPLICIT;
+    if (opts.maxInFlight !== undefined) ext.maxInFlight = opts.maxInFlight;
+    if (opts.overflow !== undefined) ext.overflow = overflowValue(opts.overflow);
+    const spec = { filter };
+    if (opts.group !== undefined) spec.group = opts.group;
+    if (opts.durable !== undefined) spec.durable = opts.durable;
+    const id = this.#allocId();
+    let sub;
+    try {
+      const bytes = this.#encode({ opcode: Opcode.SUBSCRIBE, streamId: id, ext, spec });
+      sub = new Subscription(this, id, filter, opts, this.#options.onError);
+      const channel = await this.#openChannel({
+        onDelivery: (frame) => sub._deliver(frame),
+        onError: (err) => sub._error(err),
+        onEnd: (err) => sub._streamEnded(err),
+        room: () => sub._room(),
+      });
+      sub._attach(channel);
+      await channel.request(id, bytes);
+    } catch (e) {
+      this.#inUse.delete(id);
+      sub?._abandon();
+      throw e;
+    }
+    this.#subscriptions.add(sub);
+    return sub;
+  }
+
+  /** Close every stream and the connection. Pending calls reject; subscriptions end. */
+  async close() {
+    if (this.#closed) return;
+    this.#lost(new AqueductError(null, 'the client was closed'), { byUser: true });
+    try {
+      await this.#closeTransport?.();
+    } catch {
+      // Already closed.
+    }
+  }
+
+  #lost(err, { byUser = false } = {}) {
+    if (this.#closed) return;
+    this.#closed = true;
+    // Closed by the application: iterators end (done); the connection lost: they throw.
+    for (const sub of this.#subscriptions) sub._end(byUser ? null : err);
+    for (const ch of this.#channels) ch.shut(err);
+    this.#channels.clear();
+    this.#subscriptions.clear();
+  }
+
+  #checkOpen() {
+    if (this.#closed) throw new AqueductError(null, 'the client is closed');
+  }
+
+  #allocId() {
+    for (;;) {
+      const id = this.#nextId;
+      this.#nextId = id >= 0xffffffff ? 1 : id + 1;
+      if (!this.#inUse.has(id)) {
+        this.#inUse.add(id);
+        return id;
+      }
+    }
+  }
+
+  async #publishChannel() {
+    for (;;) {
+      const opening = this.#publish;
+      if (!opening) break;
+      const ch = await opening.catch(() => null);
+      if (ch && ch.usable) return ch;
+      if (this.#publish === opening) break; // not replaced meanwhile: open a new one
+    }
+    this.#publish = this.#openChannel({});
+    return this.#publish;
+  }
+
+  async #openChannel(handlers) {
+    let stream;
+    try {
+      stream = await this.#openStream();
+    } catch (e) {
+      throw toAqueductError(e, 'could not open a stream');
+    }
+    this.#checkOpen();
+    const ch = new Channel(stream, {
+      maxDataLen: this.#options.maxDataLen,
+      report: this.#options.onError,
+      ...handlers,
+      onEnd: (err) => {
+        this.#channels.delete(ch);
+        handlers.onEnd?.(err);
+      },
+    });
+    this.#channels.add(ch);
+    return ch;
+  }
+
+  /** @internal */
+  _release(sub) {
+    this.#subscriptions.delete(sub);
+    this.#inUse.delete(sub.id);
+  }
+}
+
+function publishExt(topic, opts, confirm) {
+  const ext = { topic };
+  if (opts.priority !== undefined) ext.priority = opts.priority;
+  if (opts.ttlMs !== undefined) ext.ttlMs = opts.ttlMs;
+  if (confirm) ext.confirm = true;
+  return ext;
+}
+
+/** One bidirectional stream: writes frames, reads and dispatches the broker's. */
+class Channel {
+  constructor(stream, { maxDataLen, report, onDelivery, onError, onEnd, room }) {
+    this.writer = stream.writable.getWriter();
+    this.reader = stream.readable.getReader();
+    this.decoder = new FrameDecoder({ maxDataLen });
+    this.report = report;
+    this.onDelivery = onDelivery;
+    this.onError = onError;
+    this.onEnd = onEnd;
+    this.room = room;
+    this.pending = new Map(); // stream id -> { resolve, reject }, in the order sent
+    this.ended = false;
+    this.broken = false; // a stream-fatal ERROR arrived: the broker reads nothing more
+    this.finished = false; // our sending side is finished
+    this.pump();
+  }
+
+  get usable() {
+    return !this.ended && !this.broken && !this.finished;
+  }
+
+  async write(bytes) {
+    if (!this.usable) throw new AqueductError(null, 'the stream is closed');
+    try {
+      await this.writer.write(bytes);
+    } catch (e) {
+      throw toAqueductError(e, 'could not write to the stream');
+    }
+  }
+
+  /** Send a frame that the broker answers with CONFIRM or ERROR carrying `id`; resolves to the offsets. */
+  request(id, bytes) {
+    const answer = new Promise((resolve, reject) => {
+      this.pending.set(id, { resolve, reject });
+    });
+    this.write(bytes).catch((e) => this.answer(id, 'reject', e));
+    return answer;
+  }
+
+  answer(id, how, value) {
+    const p = this.pending.get(id);
+    if (!p) return false;
+    // Matched by stream id, not by position: CONFIRMs on one stream come in request order
+    // (§6.4), but an ERROR may overtake them (with the durable log on, a CONFIRM waits for the
+    // log while an ERROR for a later frame is sent at once).
+    this.pending.delete(id);
+    p[how](value);
+    return true;
+  }
+
+  async pump() {
+    let failure = null;
+    try {
+      for (;;) {
+        if (this.room) await this.room();
+        const { value, done } = await this.reader.read();
+        if (done) {
+          this.decoder.finish();
+          break;
+        }
+        this.decoder.push(value);
+        for (;;) {
+          let frame;
+          try {
+            frame = this.decoder.next();
+          } catch (e) {
+            if (e instanceof FrameError && !e.fatal) {
+              // One bad frame: skipped (§10 step 4), the stream goes on.
+              this.report(new AqueductError(e.code, `the broker sent an invalid frame: ${e.message}`, { cause: e }));
+              continue;
+            }
+            throw e;
+          }
+          if (frame === null) break;
+          this.dispatch(frame);
+        }
+      }
+    } catch (e) {
+      if (!this.ended) {
+        failure =
+          e instanceof FrameError
+            ? new AqueductError(e.code, `the broker sent an invalid frame: ${e.message}`, { cause: e })
+            : toAqueductError(e, 'the stream failed');
+        this.reader.cancel().catch(() => {});
+        this.writer.abort().catch(() => {});
+      }
+    }
+    this.end(failure);
+  }
+
+  dispatch(frame) {
+    switch (frame.opcode) {
+      case Opcode.CONFIRM:
+        if (!this.answer(frame.streamId, 'resolve', frame.offsets)) {
+          this.report(new AqueductError(null, `unexpected CONFIRM for stream id ${frame.streamId}`));
+        }
+        return;
+      case Opcode.ERROR: {
+        const err = new AqueductError(frame.code, frame.reason, { streamId: frame.streamId });
+        if (FATAL_FOR_STREAM.has(frame.code)) this.broken = true;
+        if (this.answer(frame.streamId, 'reject', err)) return;
+        if (this.onError) this.onError(err);
+        else this.report(err);
+        return;
+      }
+      case Opcode.PUBLISH:
+        if (this.onDelivery) this.onDelivery(frame);
+        else this.report(new AqueductError(null, `unexpected delivery (stream id ${frame.streamId}) on a publish stream`));
+        return;
+      default:
+        this.report(new AqueductError(null, `unexpected ${opcodeName(frame.opcode)} frame from the broker`));
+    }
+  }
+
+  end(failure) {
+    if (this.ended) return;
+    this.ended = true;
+    const err = failure ?? new AqueductError(null, 'the broker finished the stream before answering');
+    for (const p of this.pending.values()) p.reject(err);
+    this.pending.clear();
+    this.onEnd?.(failure);
+  }
+
+  /** Finish our sending side (FIN): the broker handles what came before and finishes its side. */
+  finish() {
+    if (this.finished || this.ended) return;
+    this.finished = true;
+    this.writer.close().catch(() => {});
+  }
+
+  /** Close both directions at once (client closed, connection lost). */
+  shut(err) {
+    if (!this.ended) {
+      this.end(err);
+      this.reader.cancel().catch(() => {});
+      if (!this.finished) this.writer.close().catch(() => {});
+    }
+  }
+}
+
+/**
+ * A live subscription: an async iterator of `Message`s (`for await (const m of sub)`). Breaking
+ * out of the loop unsubscribes. The iterator ends (done) when the subscription ends normally,
+ * and throws an `AqueductError` when the broker closed it (SLOW_CONSUMER, NOT_AUTHORIZED, a
+ * stream reset, a stream-fatal error) — after the messages that arrived before.
+ */
+export class Subscription {
+  #client;
+  #channel = null;
+  #queue = [];
+  #waiters = [];
+  #roomWaiters = [];
+  #ended = false;
+  #error = null;
+  #buffer;
+  #onError;
+  #unsubscribing = null;
+  #streamEnd;
+  #resolveStreamEnd;
+
+  constructor(client, id, filter, opts, fallbackOnError) {
+    this.#client = client;
+    /** The SUBSCRIBE's stream id: deliveries carry it, ACK/NACK/UNSUBSCRIBE name it. */
+    this.id = id;
+    this.filter = filter;
+    this.group = opts.group;
+    this.#buffer = opts.buffer ?? 256;
+    this.#onError = opts.onError ?? fallbackOnError;
+    this.wildcard = isWildcardFilter(filter);
+    this.#streamEnd = new Promise((resolve) => {
+      this.#resolveStreamEnd = resolve;
+    });
+  }
+
+  /** True once the subscription has ended. */
+  get ended() {
+    return this.#ended;
+  }
+
+  _attach(channel) {
+    this.#channel = channel;
+  }
+
+  _abandon() {
+    this.#ended = true;
+    this.#channel?.finish();
+  }
+
+  _deliver(frame) {
+    if (this.#ended) return; // written before the broker handled our UNSUBSCRIBE (§7.2)
+    if (frame.streamId !== this.id) {
+      this.#onError(new AqueductError(null, `delivery for unknown subscription (stream id ${frame.streamId})`));
+      return;
+    }
+    this.#push(new Message(this, frame));
+  }
+
+  _error(err) {
+    if (err.streamId === this.id && FATAL_FOR_SUBSCRIPTION.has(err.code)) {
+      this.#client._release(this);
+      this._end(err);
+      this.#channel?.finish();
+      return;
+    }
+    if (FATAL_FOR_STREAM.has(err.code)) {
+      // The broker stops reading the stream and finishes it (§1.1): the subscription ends.
+      this.#client._release(this);
+      this._end(err);
+      return;
+    }
+    if (this.#unsubscribing && err.code === ErrorCode.NOT_SUBSCRIBED) {
+      this.#unsubscribing.error = err;
+      return;
+    }
+    this.#onError(err);
+  }
+
+  _streamEnded(err) {
+    this.#client._release(this);
+    this._end(err);
+    this.#resolveStreamEnd(err);
+  }
+
+  _room() {
+    if (this.#queue.length < this.#buffer || this.#ended) return undefined;
+    return new Promise((resolve) => this.#roomWaiters.push(resolve));
+  }
+
+  #push(message) {
+    const w = this.#waiters.shift();
+    if (w) w.resolve({ value: message, done: false });
+    else this.#queue.push(message);
+  }
+
+  _end(err, { discard = false } = {}) {
+    if (this.#ended) return;
+    this.#ended = true;
+    this.#error = err ?? null;
+    if (discard) this.#queue = [];
+    for (const w of this.#waiters.splice(0)) {
+      if (this.#error) {
+        w.reject(this.#error);
+        this.#error = null;
+      } else w.resolve({ value: undefined, done: true });
+    }
+    for (const r of this.#roomWaiters.splice(0)) r();
+  }
+
+  /** The next message: `{ value, done }`. */
+  next() {
+    if (this.#queue.length > 0) {
+      const value = this.#queue.shift();
+      if (this.#queue.length < this.#buffer) for (const r of this.#roomWaiters.splice(0)) r();
+      return Promise.resolve({ value, done: false });
+    }
+    if (this.#ended) {
+      if (this.#error) {
+        const err = this.#error;
+        this.#error = null;
+        return Promise.reject(err);
+      }
+      return Promise.resolve({ value: undefined, done: true });
+    }
+    return new Promise((resolve, reject) => this.#waiters.push({ resolve, reject }));
+  }
+
+  /** Called when a `for await` loop is left early: unsubscribes. */
+  async return() {
+    await this.unsubscribe().catch(() => {});
+    return { value: undefined, done: true };
+  }
+
+  [Symbol.asyncIterator]() {
+    return this;
+  }
+
+  /**
+   * Send an ACK or NACK for a delivery on this subscription's stream (§8). The broker answers
+   * nothing on success; its refusals (NOT_IN_FLIGHT, STALE_ATTEMPT, …) go to `onError`.
+   */
+  async _settle(opcode, message, reason) {
+    if (this.#ended) throw new AqueductError(null, 'the subscription has ended: the broker would answer NOT_SUBSCRIBED');
+    if (message.offset === undefined) throw new AqueductError(null, 'the delivery has no OFFSET: it cannot be settled');
+    const ext = {};
+    if (message.attempt !== undefined) ext.attempt = message.attempt;
+    // Offsets are per topic: a wildcard subscription must say which topic (§8).
+    if (this.wildcard) ext.topic = message.topic;
+    if (reason !== undefined) ext.reason = reason;
+    const bytes = encodeFrame({ opcode, streamId: this.id, ext, offset: message.offset });
+    await this.#channel.write(bytes);
+  }
+
+  /**
+   * Cancel the subscription: UNSUBSCRIBE, then finish the stream. Resolves once the broker has
+   * finished its side too (it then has handled the UNSUBSCRIBE, §1.1); rejects with the
+   * broker's ERROR (e.g. NOT_SUBSCRIBED), or after `timeoutMs` (default 10 s) without an answer.
+   * Messages not yet taken from the iterator are discarded.
+   */
+  async unsubscribe({ timeoutMs = 10000 } = {}) {
+    if (this.#unsubscribing) return this.#unsubscribing.done;
+    const state = { error: null, done: null };
+    this.#unsubscribing = state;
+    state.done = (async () => {
+      if (this.#ended) return;
+      const ch = this.#channel;
+      this._end(null, { discard: true });
+      const bytes = encodeFrame({ opcode: Opcode.UNSUBSCRIBE, streamId: this.id, filter: this.filter });
+      await ch.write(bytes);
+      ch.finish();
+      let timer;
+      const timeout = new Promise((resolve) => {
+        timer = setTimeout(() => resolve('timeout'), timeoutMs);
+      });
+      const end = await Promise.race([this.#streamEnd, timeout]);
+      clearTimeout(timer);
+      this.#client._release(this);
+      if (state.error) throw state.error;
+      if (end === 'timeout') throw new AqueductError(null, `the broker did not finish the stream within ${timeoutMs} ms of the UNSUBSCRIBE`);
+      if (end) throw end;
+    })();
+    return state.done;
+  }
+}
+
+const text = new TextDecoder();
+
+/** One delivered message. */
+export class Message {
+  #sub;
+  #settled = false;
+
+  constructor(sub, frame) {
+    this.#sub = sub;
+    const ext = frame.ext;
+    /** The concrete topic (also for wildcard subscriptions). */
+    this.topic = ext.topic ?? sub.filter;
+    /** The body, as sent. */
+    this.body = frame.body;
+    /** 0 highest … 3 lowest (2 when the delivery carries no PRIORITY). */
+    this.priority = ext.priority ?? 2;
+    /** The per-topic offset (a bigint). */
+    this.offset = ext.offset;
+    /** 1 for the first delivery, +1 for each redelivery. */
+    this.attempt = ext.attempt;
+    /** Every extension of the delivery, decoded (trace, compression, dead-letter origin, …). */
+    this.extensions = ext;
+    /** The stream id of the subscription's SUBSCRIBE. */
+    this.streamId = frame.streamId;
+  }
+
+  /** The body decoded as UTF-8 (invalid bytes become U+FFFD). */
+  get text() {
+    return text.decode(this.body);
+  }
+
+  /** Acknowledge: the message is done (for subscriptions with `ack: true`, and group members). */
+  async ack() {
+    this.#once();
+    await this.#sub._settle(Opcode.ACK, this);
+  }
+
+  /** Reject: the broker redelivers it, or dead-letters it after its retries with `reason`. */
+  async nack(reason) {
+    this.#once();
+    await this.#sub._settle(Opcode.NACK, this, reason);
+  }
+
+  #once() {
+    if (this.#settled) throw new AqueductError(null, 'this delivery was already settled');
+    this.#settled = true;
+  }
+}

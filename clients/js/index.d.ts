@@ -1,0 +1,3 @@
+// Types of index.js. Written by hand.
+export * from './codec.js';
+export * from './client.js';

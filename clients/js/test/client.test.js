@@ -1,0 +1,411 @@
+// The client's logic against an in-memory fake of the broker's streams (test-support/).
+
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+
+import { AqueductError, connect } from '../client.js';
+import { ErrorCode, Opcode, encodeFrame } from '../codec.js';
+import { fakeTransport } from '../test-support/fake-broker.js';
+
+const te = new TextEncoder();
+const b = (s) => te.encode(s);
+const hex = (u8) => Array.from(u8, (x) => x.toString(16).padStart(2, '0')).join(' ');
+const fromHex = (s) => Uint8Array.from(s.trim().split(/\s+/), (x) => parseInt(x, 16));
+
+async function setup(options = {}) {
+  const fake = fakeTransport();
+  const errors = [];
+  const client = await connect('https://broker.invalid/aqueduct/wt', {
+    openStream: fake.openStream,
+    onError: (e) => errors.push(e),
+    ...options,
+  });
+  return { fake, client, errors };
+}
+
+/** Whether `promise` has settled after the event loop has run a little. */
+async function settled(promise) {
+  let done = false;
+  promise.then(
+    () => (done = true),
+    () => (done = true),
+  );
+  await new Promise((r) => setTimeout(r, 20));
+  return done;
+}
+
+test('publish with confirm: the PUBLISH frame on the wire, resolved with the CONFIRM offset', async () => {
+  const { fake, client } = await setup();
+  const result = client.publish('sensors/t1', '21.5', { priority: 0, ttlMs: 5000, confirm: true });
+  const broker = await fake.stream(0);
+  const { frame, bytes } = await broker.next();
+  // docs/protocol.md example publish-ttl-confirm, with the client's first request id (1).
+  assert.equal(
+    hex(bytes),
+    '1f 41 01 00 00 00 1d 00 00 00 17 00 03 01 00 04 0a 73 65 6e 73 6f 72 73 2f 74 31 05 04 88 13 00 00 08 00 32 31 2e 35',
+  );
+  assert.equal(await settled(result), false, 'resolved before the CONFIRM');
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [42n] });
+  assert.equal(await result, 42n);
+  await client.close();
+});
+
+test('confirmed publishes get distinct stream ids, are written in call order, and match their CONFIRMs', async () => {
+  const { fake, client } = await setup();
+  const a = client.publish('a', 'first', { confirm: true });
+  const nowait = client.publish('b', 'second');
+  const c = client.publish('c', 'third', { confirm: true });
+  const broker = await fake.stream(0);
+  const frames = [];
+  for (let i = 0; i < 3; i++) frames.push((await broker.next()).frame);
+  assert.deepEqual(
+    frames.map((f) => [f.ext.topic, f.streamId, f.ext.confirm ?? false]),
+    [
+      ['a', 1, true],
+      ['b', 0, false],
+      ['c', 2, true],
+    ],
+  );
+  assert.equal(await nowait, undefined);
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [7n] });
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: 2, offsets: [0n] });
+  assert.deepEqual(await Promise.all([a, c]), [7n, 0n]);
+  assert.equal(fake.streams.length, 1, 'all on the one publish stream');
+  await client.close();
+});
+
+test('answers are matched by stream id: an ERROR for a later request may overtake an earlier CONFIRM', async () => {
+  // With the durable log on, the broker sends a CONFIRM once the log has the message, but an
+  // ERROR for a later frame at once (§6.4 orders only the confirmations).
+  const { fake, client } = await setup();
+  const first = client.publish('a', '1', { confirm: true });
+  const second = client.publish('a/+', '2', { confirm: true }).catch((e) => e); // refused locally
+  const third = client.publish('b', '3', { confirm: true });
+  const broker = await fake.stream(0);
+  const ids = [(await broker.next()).frame.streamId, (await broker.next()).frame.streamId];
+  assert.deepEqual(ids, [1, 3]);
+  assert.equal((await second).code, ErrorCode.INVALID_TOPIC);
+  await broker.send({ opcode: Opcode.ERROR, streamId: 3, code: ErrorCode.RATE_LIMITED, reason: 'over quota: retry in 20 ms' });
+  await assert.rejects(third, (e) => e instanceof AqueductError && e.code === ErrorCode.RATE_LIMITED);
+  assert.equal(await settled(first), false, 'the earlier request still waits for its answer');
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [5n] });
+  assert.equal(await first, 5n);
+  await client.close();
+});
+
+test('an ERROR frame rejects the pending call with an AqueductError carrying the code and reason', async () => {
+  const { fake, client, errors } = await setup();
+  const result = client.publish('secret/x', 'body', { confirm: true });
+  const broker = await fake.stream(0);
+  const { frame } = await broker.next();
+  await broker.send({ opcode: Opcode.ERROR, streamId: frame.streamId, code: 400, reason: 'may not publish to secret/x' });
+  await assert.rejects(result, (e) => {
+    assert.ok(e instanceof AqueductError);
+    assert.equal(e.code, ErrorCode.NOT_AUTHORIZED);
+    assert.equal(e.codeName, 'NOT_AUTHORIZED');
+    assert.equal(e.category, 'authorization');
+    assert.equal(e.reason, 'may not publish to secret/x');
+    assert.equal(e.streamId, frame.streamId);
+    return true;
+  });
+  // An ERROR for a publish sent without confirmation (stream id 0) goes to onError; a code
+  // this version does not know is kept and classified by its range (§9).
+  const unconfirmed = client.publish('t', 'x');
+  assert.equal((await broker.next()).frame.streamId, 0);
+  assert.equal(await unconfirmed, undefined);
+  await broker.send({ opcode: Opcode.ERROR, streamId: 0, code: 399, reason: 'new flow control' });
+  await new Promise((r) => setTimeout(r, 10));
+  assert.equal(errors.length, 1);
+  assert.equal(errors[0].code, 399);
+  assert.equal(errors[0].codeName, undefined);
+  assert.equal(errors[0].category, 'flow-control');
+  await client.close();
+});
+
+test('publishBatch: one PUBLISH_BATCH with CONFIRM, resolved with one offset per message', async () => {
+  const { fake, client } = await setup();
+  const result = client.publishBatch(
+    [
+      { topic: 'a', body: '1' },
+      { topic: 'b', body: '2', priority: 0 },
+    ],
+    { confirm: true, ttlMs: 100 },
+  );
+  const broker = await fake.stream(0);
+  const { frame, bytes } = await broker.next();
+  assert.equal(frame.opcode, Opcode.PUBLISH_BATCH);
+  assert.deepEqual(frame.ext, { confirm: true });
+  assert.deepEqual(
+    frame.frames.map((f) => f.ext),
+    [
+      { topic: 'a', ttlMs: 100 },
+      { priority: 0, topic: 'b', ttlMs: 100 },
+    ],
+  );
+  assert.equal(bytes[1], 0x44);
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [0n, 7n] });
+  assert.deepEqual(await result, [0n, 7n]);
+  await client.close();
+});
+
+test('requests the broker would refuse are refused before sending, with the spec code', async () => {
+  const { fake, client } = await setup({ maxSendDataLen: 100 });
+  await assert.rejects(client.publish('a/+', 'x'), (e) => e instanceof AqueductError && e.code === ErrorCode.INVALID_TOPIC);
+  await assert.rejects(
+    client.publish('a', new Uint8Array(200), { confirm: true }),
+    (e) => e instanceof AqueductError && e.code === ErrorCode.FRAME_TOO_LARGE,
+  );
+  await assert.rejects(client.subscribe('a/#/b'), (e) => e.code === ErrorCode.INVALID_TOPIC);
+  await assert.rejects(client.subscribe('a', { group: 'g:1' }), (e) => e.code === ErrorCode.INVALID_TOPIC);
+  assert.equal(fake.streams.length, 0, 'nothing was sent');
+  await client.close();
+});
+
+test('subscribe: SUBSCRIBE with CONFIRM resolves when active; deliveries iterate; ack sends the right ACK bytes', async () => {
+  const { fake, client } = await setup();
+  const subscribing = client.subscribe('sensors/+', { group: 'ingest', ack: true, maxInFlight: 4, overflow: 'drop_newest' });
+  const broker = await fake.stream(0);
+  const { frame, bytes } = await broker.next();
+  assert.equal(frame.opcode, Opcode.SUBSCRIBE);
+  assert.deepEqual(frame.spec, { filter: 'sensors/+', group: 'ingest' });
+  assert.deepEqual(frame.ext, { confirm: true, ackMode: 1, overflow: 1, maxInFlight: 4 });
+  assert.equal(
+    hex(bytes),
+    hex(
+      fromHex(`1f 42 01 00 00 00 2c 00 00 00 0e 00 08 00 09 01 01 0a 01 01 0f 04 04 00 00 00
+        ${hex(b('topic:sensors/+:group:ingest'))}`),
+    ),
+  );
+  assert.equal(await settled(subscribing), false, 'resolved before the CONFIRM');
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
+  const sub = await subscribing;
+  assert.equal(sub.id, 1);
+
+  await broker.send({ opcode: Opcode.PUBLISH, streamId: 1, ext: { attempt: 2, priority: 0, topic: 'sensors/t1', offset: 7n }, body: b('21.5') });
+  await broker.send({
+    opcode: Opcode.PUBLISH,
+    streamId: 1,
+    ext: { attempt: 1, priority: 3, topic: 'sensors/t2', offset: 0n, trace: { traceId: new Uint8Array(16).fill(1), spanId: new Uint8Array(8).fill(2), flags: 1 } },
+    body: b('x'),
+  });
+  const it = sub[Symbol.asyncIterator]();
+  const m1 = (await it.next()).value;
+  assert.deepEqual(
+    [m1.topic, m1.text, m1.priority, m1.offset, m1.attempt],
+    ['sensors/t1', '21.5', 0, 7n, 2],
+  );
+  await m1.ack();
+  // docs/protocol.md example ack-wildcard, with this subscription's stream id (1) in place of 5.
+  const ack = await broker.next();
+  assert.equal(hex(ack.bytes), '1f 46 01 00 00 00 1c 00 00 00 12 00 07 04 02 00 00 00 04 0a 73 65 6e 73 6f 72 73 2f 74 31 07 00 00 00 00 00 00 00');
+  await assert.rejects(m1.ack(), /already settled/);
+
+  const m2 = (await it.next()).value;
+  assert.equal(m2.extensions.trace.flags, 1);
+  assert.equal(m2.priority, 3);
+  await m2.nack('bad json');
+  const nack = await broker.next();
+  assert.equal(nack.frame.opcode, Opcode.NACK);
+  assert.deepEqual(nack.frame.ext, { attempt: 1, topic: 'sensors/t2', reason: 'bad json' });
+  assert.equal(nack.frame.offset, 0n);
+  assert.equal(nack.frame.streamId, 1);
+  await client.close();
+});
+
+test('ack on a subscription without wildcards: ATTEMPT but no TOPIC; refusals go to onError', async () => {
+  const { fake, client } = await setup();
+  const refusals = [];
+  const subscribing = client.subscribe('orders', { ack: true, onError: (e) => refusals.push(e) });
+  const broker = await fake.stream(0);
+  await broker.next();
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
+  const sub = await subscribing;
+  await broker.send({ opcode: Opcode.PUBLISH, streamId: 1, ext: { attempt: 1, priority: 2, topic: 'orders', offset: 42n }, body: b('hello') });
+  const { value: m } = await sub.next();
+  await m.ack();
+  const { bytes } = await broker.next();
+  assert.equal(hex(bytes), '1f 46 01 00 00 00 10 00 00 00 06 00 07 04 01 00 00 00 2a 00 00 00 00 00 00 00');
+  await broker.send({ opcode: Opcode.ERROR, streamId: 1, code: ErrorCode.STALE_ATTEMPT, reason: 'attempt 1 is not current' });
+  await new Promise((r) => setTimeout(r, 10));
+  assert.deepEqual(refusals.map((e) => e.code), [ErrorCode.STALE_ATTEMPT]);
+  assert.equal(sub.ended, false, 'a refused ACK does not end the subscription');
+  await client.close();
+});
+
+test('a refused SUBSCRIBE rejects with the ERROR, and the client finishes that stream', async () => {
+  const { fake, client } = await setup();
+  const subscribing = client.subscribe('secret/#');
+  const broker = await fake.stream(0);
+  await broker.next();
+  await broker.send({ opcode: Opcode.ERROR, streamId: 1, code: 400, reason: 'may not subscribe to secret/#' });
+  await assert.rejects(subscribing, (e) => e instanceof AqueductError && e.code === 400 && e.reason === 'may not subscribe to secret/#');
+  assert.equal(await broker.next(), null, 'the client finished its sending side');
+  await client.close();
+});
+
+test('SLOW_CONSUMER ends the iterator with the AqueductError after the messages that came before', async () => {
+  const { fake, client } = await setup();
+  const subscribing = client.subscribe('jobs');
+  const broker = await fake.stream(0);
+  await broker.next();
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
+  const sub = await subscribing;
+  await broker.send({ opcode: Opcode.PUBLISH, streamId: 1, ext: { attempt: 1, priority: 2, topic: 'jobs', offset: 0n }, body: b('a') });
+  await broker.send({ opcode: Opcode.ERROR, streamId: 1, code: 300, reason: 'slow consumer' });
+  const seen = [];
+  await assert.rejects(
+    (async () => {
+      for await (const m of sub) seen.push(m.text);
+    })(),
+    (e) => e instanceof AqueductError && e.code === ErrorCode.SLOW_CONSUMER,
+  );
+  assert.deepEqual(seen, ['a']);
+  assert.equal(sub.ended, true);
+  await client.close();
+});
+
+test('a delivery stream reset by the broker ends the iterator with the reset code', async () => {
+  const { fake, client } = await setup();
+  const subscribing = client.subscribe('jobs');
+  const broker = await fake.stream(0);
+  await broker.next();
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
+  const sub = await subscribing;
+  await broker.reset(300);
+  await assert.rejects(sub.next(), (e) => e instanceof AqueductError && e.code === 300);
+  assert.deepEqual(await sub.next(), { value: undefined, done: true });
+  await client.close();
+});
+
+test('unsubscribe: UNSUBSCRIBE with the filter and stream id, FIN, resolved when the broker finishes', async () => {
+  const { fake, client } = await setup();
+  const subscribing = client.subscribe('orders');
+  const broker = await fake.stream(0);
+  await broker.next();
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
+  const sub = await subscribing;
+  const waiting = sub.next();
+  const done = sub.unsubscribe();
+  assert.deepEqual(await waiting, { value: undefined, done: true });
+  const { bytes } = await broker.next();
+  // docs/protocol.md example unsubscribe.
+  assert.equal(hex(bytes), '1f 03 01 00 00 00 0c 00 00 00 74 6f 70 69 63 3a 6f 72 64 65 72 73');
+  assert.equal(await broker.next(), null, 'then FIN');
+  assert.equal(await settled(done), false, 'resolved before the broker finished');
+  // A delivery the broker wrote before handling the UNSUBSCRIBE is dropped (§7.2).
+  await broker.send({ opcode: Opcode.PUBLISH, streamId: 1, ext: { attempt: 1, priority: 2, topic: 'orders', offset: 5n }, body: b('late') });
+  await broker.finish();
+  await done;
+  assert.deepEqual(await sub.next(), { value: undefined, done: true });
+  await client.close();
+});
+
+test('an invalid frame from the broker fails the stream with its code; the next publish uses a new stream', async () => {
+  const { fake, client } = await setup();
+  const result = client.publish('a', '1', { confirm: true });
+  const broker = await fake.stream(0);
+  await broker.next();
+  await broker.send(Uint8Array.of(0x2a, 0, 0, 0));
+  await assert.rejects(result, (e) => e instanceof AqueductError && e.code === ErrorCode.BAD_MAGIC && /at byte 0/.test(e.message));
+  const again = client.publish('a', '2', { confirm: true });
+  const second = await fake.stream(1);
+  const { frame } = await second.next();
+  await second.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [1n] });
+  assert.equal(await again, 1n);
+  await client.close();
+});
+
+test('a stream-fatal ERROR (FRAME_TOO_LARGE) rejects its request and later ones, and retires the stream', async () => {
+  const { fake, client } = await setup();
+  const big = client.publish('a', '1', { confirm: true });
+  const after = client.publish('a', '2', { confirm: true });
+  const broker = await fake.stream(0);
+  const { frame } = await broker.next();
+  await broker.next();
+  await broker.send({ opcode: Opcode.ERROR, streamId: frame.streamId, code: ErrorCode.FRAME_TOO_LARGE, reason: 'too large' });
+  await assert.rejects(big, (e) => e.code === ErrorCode.FRAME_TOO_LARGE);
+  await broker.finish();
+  await assert.rejects(after, (e) => e instanceof AqueductError && /finished the stream before answering/.test(e.message));
+  const next = client.publish('a', '3');
+  const second = await fake.stream(1);
+  assert.equal((await second.next()).frame.ext.topic, 'a');
+  await next;
+  await client.close();
+});
+
+test('close(): pending calls reject, iterators end, nothing more can be sent', async () => {
+  const { fake, client } = await setup();
+  const subscribing = client.subscribe('b');
+  const s0 = await fake.stream(0);
+  await s0.next();
+  await s0.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
+  const sub = await subscribing;
+  const pending = client.publish('a', '1', { confirm: true });
+  await (await fake.stream(1)).next();
+  const waiting = sub.next();
+  await client.close();
+  await assert.rejects(pending, (e) => e instanceof AqueductError && /closed/.test(e.message));
+  assert.deepEqual(await waiting, { value: undefined, done: true });
+  await assert.rejects(client.publish('a', '2'), /closed/);
+  assert.equal(client.closed, true);
+});
+
+test('connect over WebTransport: URL with the token, certificate hashes, session closing fails pending calls', async () => {
+  const seen = {};
+  const fake = fakeTransport();
+  let closeSession;
+  class FakeWebTransport {
+    constructor(url, init) {
+      seen.url = url;
+      seen.init = init;
+      this.ready = Promise.resolve();
+      this.closed = new Promise((resolve) => {
+        closeSession = resolve;
+      });
+    }
+    createBidirectionalStream() {
+      return fake.openStream();
+    }
+    close(info) {
+      seen.closedWith = info;
+    }
+  }
+  const hash = 'AB:'.repeat(31) + 'AB';
+  const client = await connect('https://localhost:4242/aqueduct/wt', {
+    WebTransport: FakeWebTransport,
+    token: 'tok en&1',
+    serverCertificateHashes: [hash],
+    protocols: ['aqueduct-v1'],
+  });
+  assert.equal(seen.url, 'https://localhost:4242/aqueduct/wt?token=tok+en%261');
+  assert.equal(new URL(seen.url).searchParams.get('token'), 'tok en&1');
+  assert.equal(seen.init.serverCertificateHashes[0].algorithm, 'sha-256');
+  assert.deepEqual(seen.init.serverCertificateHashes[0].value, new Uint8Array(32).fill(0xab));
+  assert.deepEqual(seen.init.protocols, ['aqueduct-v1']);
+  const pending = client.publish('a', '1', { confirm: true });
+  await (await fake.stream(0)).next();
+  closeSession({ closeCode: 501, reason: 'broker shutting down' });
+  await assert.rejects(pending, (e) => e instanceof AqueductError && e.code === ErrorCode.SHUTTING_DOWN && /broker shutting down/.test(e.message));
+  assert.equal(client.closed, true);
+  await assert.rejects(
+    connect('https://localhost/', { WebTransport: FakeWebTransport, serverCertificateHashes: ['abcd'] }),
+    /32 bytes/,
+  );
+  await assert.rejects(connect('https://localhost/', { WebTransport: undefined }), (e) => e instanceof AqueductError && /WebTransport is not available/.test(e.message));
+});
+
+test('a frame the client does not expect is reported, the stream goes on', async () => {
+  const { fake, client, errors } = await setup();
+  const result = client.publish('a', '1', { confirm: true });
+  const broker = await fake.stream(0);
+  const { frame } = await broker.next();
+  await broker.send(encodeFrame({ opcode: Opcode.PUBLISH, streamId: 9, ext: { topic: 'x' }, body: b('?') }));
+  await broker.send(Uint8Array.of(0x1f, 0x09, 0, 0, 0, 0, 1, 0, 0, 0, 0)); // unknown opcode: skipped
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [3n] });
+  assert.equal(await result, 3n);
+  assert.deepEqual(
+    errors.map((e) => e.code),
+    [null, ErrorCode.UNKNOWN_OPCODE],
+  );
+  await client.close();
+});
