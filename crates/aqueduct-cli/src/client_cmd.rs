@@ -52,6 +52,19 @@ struct Cli {
     /// The development certificate to trust on localhost.
     #[arg(long, global = true, value_name = "FILE")]
     dev_cert: Option<PathBuf>,
+    /// How to reach the broker: quic (ALPN aqueduct-v1) or webtransport (HTTP/3 on the same
+    /// UDP port, as browsers connect).
+    #[arg(long, global = true, value_enum, default_value_t = TransportArg::Quic)]
+    transport: TransportArg,
+    /// With --transport webtransport: the session's path (the broker's
+    /// webtransport.path_prefix).
+    #[arg(
+        long,
+        global = true,
+        default_value = "/aqueduct/wt",
+        value_name = "PATH"
+    )]
+    wt_path: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -465,7 +478,22 @@ fn connect_options_to(cli: &Cli, addr: &str) -> Result<ConnectOptions> {
         (None, None) => {}
         _ => bail!("--cert and --key go together"),
     }
+    if cli.transport == TransportArg::Webtransport {
+        if !cli.wt_path.starts_with('/') {
+            bail!("--wt-path {:?} must start with '/'", cli.wt_path);
+        }
+        opts = opts.transport(aqueduct_client::Transport::WebTransport {
+            path: cli.wt_path.clone(),
+        });
+    }
     Ok(opts)
+}
+
+/// `--transport`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum TransportArg {
+    Quic,
+    Webtransport,
 }
 
 async fn connect(cli: &Cli) -> Result<Client> {

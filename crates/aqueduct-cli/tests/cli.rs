@@ -294,6 +294,69 @@ fn pub_and_sub_against_a_real_broker_then_sigterm() {
     stop(broker);
 }
 
+/// `--transport webtransport`: the CLI over WebTransport (HTTP/3 on the broker's port, as a
+/// browser connects), trusting the same development certificate file; a subscriber over
+/// WebTransport gets what a publisher over QUIC sends and the other way round, and the bench
+/// tool runs over it too.
+#[test]
+fn the_cli_works_over_webtransport() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, logs) = start_broker(home.path());
+    let wt = ["--addr", addr.as_str(), "--transport", "webtransport"];
+    let sub = Command::new(CLIENT)
+        .args(wt)
+        .args(["sub", "news/+", "--count", "2"])
+        .env("AQUEDUCT_HOME", home.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("sub starts");
+    loop {
+        let line = logs.recv_timeout(WAIT).expect("broker log line");
+        if line.contains("subscribed") {
+            break;
+        }
+    }
+    assert_ok(&run_client(
+        home.path(),
+        &["--addr", &addr, "pub", "news/a", "over QUIC", "--confirm"],
+    ));
+    let mut args = wt.to_vec();
+    args.extend(["pub", "news/b", "over WebTransport", "--confirm"]);
+    let out = run_client(home.path(), &args);
+    assert_ok(&out);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("published to news/b at offset 0"));
+    let out = output_within(sub, "aqueduct sub over WebTransport");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .collect::<Vec<_>>(),
+        ["news/a #0 p2: over QUIC", "news/b #0 p2: over WebTransport"]
+    );
+    let mut args = wt.to_vec();
+    args.extend([
+        "bench",
+        "--json",
+        "--messages",
+        "2000",
+        "--payload-size",
+        "64",
+    ]);
+    let out = run_client(home.path(), &args);
+    assert_ok(&out);
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        report.contains("\"lost_total\":0,") && report.contains("\"received\":2000,"),
+        "{report}"
+    );
+    stop(broker);
+}
+
 const BENCH: &str = env!("CARGO_BIN_EXE_aqueduct-bench");
 
 /// The seed's command lines, as its README writes them (single-dash Go flags; the seed's own

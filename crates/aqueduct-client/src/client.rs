@@ -27,7 +27,7 @@ pub struct Client {
 #[derive(Debug)]
 pub(crate) struct Inner {
     endpoint: quinn::Endpoint,
-    pub(crate) conn: quinn::Connection,
+    pub(crate) conn: Arc<crate::link::Link>,
     next_id: Arc<AtomicU32>,
     /// The default publish stream.
     publisher: Publisher,
@@ -90,7 +90,11 @@ impl Client {
                 addr: opts.addr.clone(),
                 reason: "no address".into(),
             })?;
-        let crypto = crate::tls::client_crypto(&opts.trust, &host, opts.client_cert.as_ref())?;
+        let mut crypto = crate::tls::client_crypto(&opts.trust, &host, opts.client_cert.as_ref())?;
+        if let crate::link::Transport::WebTransport { .. } = &opts.transport {
+            crypto.alpn_protocols = vec![web_transport_quinn::ALPN.as_bytes().to_vec()];
+            crypto.enable_early_data = false;
+        }
         let quic = quinn::crypto::rustls::QuicClientConfig::try_from(crypto)
             .map_err(|e| ConnectError::Tls(e.to_string()))?;
         let mut config = quinn::ClientConfig::new(Arc::new(quic));
@@ -133,6 +137,34 @@ impl Client {
             }
             Err(_) => return Err(ConnectError::Timeout { addr: opts.addr }),
         };
+        let conn = match &opts.transport {
+            crate::link::Transport::Quic => crate::link::Link::Quic(conn),
+            crate::link::Transport::WebTransport { path } => {
+                let url =
+                    url::Url::parse(&format!("https://{}{path}", opts.addr)).map_err(|e| {
+                        ConnectError::Connect {
+                            addr: opts.addr.clone(),
+                            reason: format!("WebTransport URL https://{}{path}: {e}", opts.addr),
+                        }
+                    })?;
+                let mut request = web_transport_quinn::proto::ConnectRequest::new(url);
+                request.protocols.push("aqueduct-v1".into());
+                let session = tokio::time::timeout(
+                    opts.timeout,
+                    web_transport_quinn::Session::connect(conn, request),
+                )
+                .await
+                .map_err(|_| ConnectError::Timeout {
+                    addr: opts.addr.clone(),
+                })?
+                .map_err(|e| ConnectError::Connect {
+                    addr: opts.addr.clone(),
+                    reason: format!("the WebTransport session was not accepted: {e}"),
+                })?;
+                crate::link::Link::WebTransport(Box::new(session))
+            }
+        };
+        let conn = Arc::new(conn);
         let next_id = Arc::new(AtomicU32::new(1));
         Ok(Client {
             inner: Arc::new(Inner {
@@ -267,21 +299,14 @@ impl Client {
             .inner
             .next_id
             .fetch_add(subs.len() as u32, Ordering::Relaxed);
-        let (mut send, recv) = self
-            .inner
-            .conn
-            .open_bi()
-            .await
-            .map_err(|e| crate::error::connection_error(&e))?;
+        let (mut send, recv) = self.inner.conn.open_bi().await?;
         let mut bytes = bytes::BytesMut::new();
         let mut specs = Vec::with_capacity(subs.len());
         for (i, sub) in subs.into_iter().enumerate() {
             specs.push(sub.spec.filter.clone());
             Frame::new(first.wrapping_add(i as u32), Wire::Subscribe(sub)).encode(&mut bytes);
         }
-        send.write_all(&bytes)
-            .await
-            .map_err(|e| crate::error::write_error(&e))?;
+        send.write_all(&bytes).await?;
         let send = Arc::new(tokio::sync::Mutex::new(send));
         let handles: Vec<Arc<SubHandle>> = specs
             .into_iter()
@@ -344,7 +369,7 @@ impl Client {
     /// Flush, close the connection, and wait for the broker to acknowledge the close.
     pub async fn close(&self) {
         let _ = self.flush().await;
-        self.inner.conn.close(0u32.into(), b"client closed");
+        self.inner.conn.close(b"client closed");
         let _ = tokio::time::timeout(Duration::from_secs(2), self.inner.endpoint.wait_idle()).await;
     }
 }

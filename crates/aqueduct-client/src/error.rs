@@ -71,8 +71,14 @@ impl ClientError {
     }
 }
 
-/// An application error code (stream reset, STOP_SENDING, connection close) in words.
-fn app_code(code: u64) -> String {
+/// An application error code (stream reset, STOP_SENDING, connection close) in words. A WebTransport stream's code arrives mapped into HTTP/3's
+/// code space (protocol.md §12): it is mapped back first.
+pub(crate) fn app_code(code: u64) -> String {
+    let code = match web_transport_quinn::proto::error_from_http3(code) {
+        // Over WebTransport a stream code is one byte (protocol.md §12).
+        Some(wt) => u64::from(aqueduct_proto::ErrorCode::from_webtransport_stream(wt).0),
+        None => code,
+    };
     match u16::try_from(code) {
         Ok(c) => ErrorCode(c).to_string(),
         Err(_) => format!("code {code}"),

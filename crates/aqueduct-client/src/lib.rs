@@ -14,13 +14,15 @@
 //! # Ok(()) }
 //! ```
 //!
-//! [`Client`] is a cheap `Clone` handle over one QUIC connection. Publishes share one stream;
+//! [`Client`] is a cheap `Clone` handle over one QUIC connection (or, with
+//! [`ConnectOptions::transport`], one WebTransport session, as browsers connect). Publishes share one stream;
 //! each subscription has its own stream and is a [`futures_core::Stream`] of [`Message`]s.
 //! Dropping a [`Subscription`] unsubscribes. Broker refusals are [`ClientError::Broker`] with
 //! the ERROR code and reason.
 
 mod client;
 mod error;
+mod link;
 mod options;
 mod publisher;
 mod reader;
@@ -30,6 +32,7 @@ mod tls;
 pub use aqueduct_proto::{DurableStart, ErrorCode, OverflowPolicy, Priority};
 pub use client::{Client, PublishOptions, SubscribeOptions};
 pub use error::{ClientError, ConnectError};
+pub use link::Transport;
 pub use options::{default_dev_cert_file, ConnectOptions, Trust};
 pub use publisher::Publisher;
 pub use subscription::{Message, Subscription};

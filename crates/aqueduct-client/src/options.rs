@@ -53,6 +53,7 @@ pub struct ConnectOptions {
     pub(crate) trust: Trust,
     pub(crate) client_cert: Option<(PathBuf, PathBuf)>,
     pub(crate) timeout: Duration,
+    pub(crate) transport: crate::link::Transport,
 }
 
 impl ConnectOptions {
@@ -64,7 +65,17 @@ impl ConnectOptions {
             trust: Trust::Auto(default_dev_cert_file()),
             client_cert: None,
             timeout: Duration::from_secs(10),
+            transport: crate::link::Transport::Quic,
         }
+    }
+
+    /// Connect over QUIC with ALPN `aqueduct-v1` (the default) or over WebTransport, as a
+    /// browser does (`docs/protocol.md` §12). With the development certificate, the broker
+    /// writes the certificate it shows WebTransport clients into the same file, so the default
+    /// trust works for both.
+    pub fn transport(mut self, transport: crate::link::Transport) -> Self {
+        self.transport = transport;
+        self
     }
 
     /// The name to verify in the broker's certificate (default: the host part of `addr`).

@@ -28,7 +28,7 @@ pub struct Publisher {
 
 #[derive(Debug)]
 struct Inner {
-    conn: quinn::Connection,
+    conn: Arc<crate::link::Link>,
     /// Request ids (`stream_id` of confirmed frames), unique per connection.
     next_id: Arc<AtomicU32>,
     /// Opened on first use. A tokio mutex: writes await.
@@ -42,7 +42,7 @@ struct Inner {
 /// it — or that it failed (`false`).
 #[derive(Debug)]
 struct Stream {
-    send: quinn::SendStream,
+    send: crate::link::SendHalf,
     done: oneshot::Receiver<Result<(), ClientError>>,
 }
 
@@ -56,7 +56,7 @@ fn ttl_ms(opts: &PublishOptions) -> Option<u32> {
 }
 
 impl Publisher {
-    pub(crate) fn new(conn: quinn::Connection, next_id: Arc<AtomicU32>) -> Publisher {
+    pub(crate) fn new(conn: Arc<crate::link::Link>, next_id: Arc<AtomicU32>) -> Publisher {
         Publisher {
             inner: Arc::new(Inner {
                 conn,
@@ -140,9 +140,7 @@ impl Publisher {
                 *send = Some(self.open().await?);
             }
             if let Some(Stream { send, .. }) = send.as_mut() {
-                send.write_chunk(bytes.freeze())
-                    .await
-                    .map_err(|e| crate::error::write_error(&e))?;
+                send.write_chunk(bytes.freeze()).await?;
             }
         }
         match rx {
@@ -155,12 +153,7 @@ impl Publisher {
     }
 
     async fn open(&self) -> Result<Stream, ClientError> {
-        let (send, recv) = self
-            .inner
-            .conn
-            .open_bi()
-            .await
-            .map_err(|e| crate::error::connection_error(&e))?;
+        let (send, recv) = self.inner.conn.open_bi().await?;
         let (tx, done) = oneshot::channel();
         tokio::spawn(replies(
             FrameReader::new(recv),
@@ -181,8 +174,7 @@ impl Publisher {
         let Some(Stream { mut send, done }) = self.inner.send.lock().await.take() else {
             return Ok(());
         };
-        send.finish()
-            .map_err(|e| ClientError::Connection(e.to_string()))?;
+        send.finish()?;
         match tokio::time::timeout(Duration::from_secs(10), done).await {
             Ok(Ok(Ok(()))) => Ok(()),
             Ok(Ok(Err(e))) => Err(ClientError::Connection(format!(

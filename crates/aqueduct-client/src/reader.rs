@@ -1,4 +1,4 @@
-//! Frames from a QUIC receive stream: read in chunks, decode with `aqueduct-proto`.
+//! Frames from a receive stream (QUIC or WebTransport): read in chunks, decode with `aqueduct-proto`.
 
 use aqueduct_proto::frame::split_frame;
 use aqueduct_proto::{DecodeError, Frame, FrameHeader, Limits, HEADER_LEN};
@@ -10,12 +10,12 @@ use crate::error::ClientError;
 const MAX_FRAME: u32 = 16 << 20;
 
 pub(crate) struct FrameReader {
-    recv: quinn::RecvStream,
+    recv: crate::link::RecvHalf,
     buf: BytesMut,
 }
 
 impl FrameReader {
-    pub(crate) fn new(recv: quinn::RecvStream) -> Self {
+    pub(crate) fn new(recv: crate::link::RecvHalf) -> Self {
         FrameReader {
             recv,
             buf: BytesMut::new(),

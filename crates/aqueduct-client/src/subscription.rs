@@ -22,26 +22,21 @@ pub(crate) struct SubHandle {
     id: u32,
     filter: TopicFilter,
     /// Shared by every subscription made on the same stream.
-    send: Arc<tokio::sync::Mutex<quinn::SendStream>>,
+    send: Arc<tokio::sync::Mutex<crate::link::SendHalf>>,
 }
 
 impl SubHandle {
     pub(crate) fn new(
         id: u32,
         filter: TopicFilter,
-        send: Arc<tokio::sync::Mutex<quinn::SendStream>>,
+        send: Arc<tokio::sync::Mutex<crate::link::SendHalf>>,
     ) -> Self {
         SubHandle { id, filter, send }
     }
 
     async fn send(&self, message: Wire) -> Result<(), ClientError> {
         let bytes = Frame::new(self.id, message).to_bytes();
-        self.send
-            .lock()
-            .await
-            .write_all(&bytes)
-            .await
-            .map_err(|e| crate::error::write_error(&e))
+        self.send.lock().await.write_all(&bytes).await
     }
 }
 

@@ -179,6 +179,28 @@ impl ErrorCode {
     /// The earlier name of [`ErrorCode::NOT_AUTHORIZED`] (same value, 400).
     #[deprecated(note = "renamed NOT_AUTHORIZED (same value, 400)")]
     pub const UNAUTHORIZED: ErrorCode = ErrorCode::NOT_AUTHORIZED;
+
+    /// The one-byte stream error code (RESET_STREAM, STOP_SENDING) that stands for this code on
+    /// a WebTransport stream: browsers' `WebTransportError.streamErrorCode` is one byte
+    /// (protocol.md §12). `SLOW_CONSUMER` (300) is 30, `SHUTTING_DOWN` (501) is 51; a code
+    /// under 256 is itself; any other is 0.
+    pub fn to_webtransport_stream(self) -> u8 {
+        match self {
+            ErrorCode::SLOW_CONSUMER => 30,
+            ErrorCode::SHUTTING_DOWN => 51,
+            ErrorCode(c) => u8::try_from(c).unwrap_or(0),
+        }
+    }
+
+    /// The code a one-byte WebTransport stream error code stands for (the inverse of
+    /// [`to_webtransport_stream`](Self::to_webtransport_stream)).
+    pub fn from_webtransport_stream(code: u32) -> ErrorCode {
+        match code {
+            30 => ErrorCode::SLOW_CONSUMER,
+            51 => ErrorCode::SHUTTING_DOWN,
+            c => ErrorCode(u16::try_from(c).unwrap_or(0)),
+        }
+    }
 }
 
 impl fmt::Debug for ErrorCode {
@@ -198,6 +220,21 @@ impl fmt::Display for ErrorCode {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn webtransport_stream_codes_fit_a_byte_and_map_back() {
+        use super::ErrorCode;
+        for code in [
+            ErrorCode::SLOW_CONSUMER,
+            ErrorCode::SHUTTING_DOWN,
+            ErrorCode(0),
+        ] {
+            let wt = code.to_webtransport_stream();
+            assert_eq!(ErrorCode::from_webtransport_stream(u32::from(wt)), code);
+        }
+        assert_eq!(ErrorCode::SLOW_CONSUMER.to_webtransport_stream(), 30);
+        assert_eq!(ErrorCode::SHUTTING_DOWN.to_webtransport_stream(), 51);
+    }
+
     use super::*;
 
     #[test]

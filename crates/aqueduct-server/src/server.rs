@@ -244,7 +244,10 @@ impl Server {
         };
         // Every socket is ours: only now may the development certificate be replaced.
         if let Some(cert) = &dev_cert {
-            cert.write()?;
+            match &browser_certs {
+                Some(browser) => browser.publish_with(cert.clone())?,
+                None => cert.write()?,
+            }
         }
         let dev_cert = dev_cert.map(|c| c.path);
         let broker = Arc::new(Broker::new(config.broker.clone()));

@@ -110,6 +110,12 @@ impl DevCert {
     pub fn write(&self) -> Result<(), TlsError> {
         write_dev_cert(&self.path, &self.pem)
     }
+
+    /// Write it followed by `also` (the certificate WebTransport clients are shown), so that a
+    /// local client trusting the file trusts either.
+    pub fn write_with(&self, also: &str) -> Result<(), TlsError> {
+        write_dev_cert(&self.path, &format!("{}{also}", self.pem))
+    }
 }
 
 /// The broker's certificate: from the files, or generated once per process start.

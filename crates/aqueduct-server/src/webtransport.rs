@@ -180,6 +180,8 @@ pub struct BrowserCert {
     /// SHA-256 of the certificate (DER): what a page passes as `serverCertificateHashes`.
     pub sha256: [u8; 32],
     pub not_after: std::time::SystemTime,
+    /// The certificate, PEM.
+    pub pem: String,
 }
 
 impl BrowserCert {
@@ -200,6 +202,7 @@ impl BrowserCert {
             .map_err(|e| e.to_string())?;
         let cert = params.self_signed(&key).map_err(|e| e.to_string())?;
         let der = cert.der().clone();
+        let pem = cert.pem();
         let digest = ring::digest::digest(&ring::digest::SHA256, &der);
         let mut sha256 = [0u8; 32];
         sha256.copy_from_slice(digest.as_ref());
@@ -211,6 +214,7 @@ impl BrowserCert {
             key: Arc::new(key),
             sha256,
             not_after,
+            pem,
         })
     }
 
@@ -224,6 +228,10 @@ impl BrowserCert {
 #[derive(Debug, Default)]
 pub struct BrowserCerts {
     current: ArcSwapOption<BrowserCert>,
+    /// The development certificate file, once written: it also holds the current browser
+    /// certificate (so the Rust client's default trust works over WebTransport too), and is
+    /// rewritten at each renewal.
+    dev_cert: std::sync::Mutex<Option<crate::tls::DevCert>>,
 }
 
 impl BrowserCerts {
@@ -238,7 +246,25 @@ impl BrowserCerts {
             sha256 = %cert.sha256_hex(),
             "WebTransport: a new certificate for browsers (GET /webtransport/cert-hash)"
         );
+        let pem = cert.pem.clone();
         self.current.store(Some(Arc::new(cert)));
+        let dev = self
+            .dev_cert
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Some(dev) = dev {
+            dev.write_with(&pem).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Write the development certificate file with the browser certificate after it; again at
+    /// every renewal.
+    pub fn publish_with(&self, dev: crate::tls::DevCert) -> Result<(), crate::tls::TlsError> {
+        let pem = self.current().map(|c| c.pem.clone()).unwrap_or_default();
+        dev.write_with(&pem)?;
+        *self.dev_cert.lock().unwrap_or_else(|e| e.into_inner()) = Some(dev);
         Ok(())
     }
 
@@ -414,7 +440,10 @@ impl crate::stream::SendHalf for web_transport_quinn::SendStream {
     }
 
     fn reset(&mut self, code: u32) {
-        let _ = web_transport_quinn::SendStream::reset(self, code);
+        // Browsers see one byte of a stream's code (protocol.md §12).
+        let code = aqueduct_proto::ErrorCode(u16::try_from(code).unwrap_or(0));
+        let _ =
+            web_transport_quinn::SendStream::reset(self, u32::from(code.to_webtransport_stream()));
     }
 
     fn finish(&mut self) {

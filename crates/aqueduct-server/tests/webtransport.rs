@@ -268,3 +268,74 @@ async fn sessions_are_refused_by_path_origin_and_token() {
     ok.close(0, b"done");
     b.stop().await.expect("clean shutdown");
 }
+
+/// The Rust client over WebTransport (what `aqueduct --transport webtransport` uses), trusting
+/// the development certificate file as over QUIC: subscribe with a wildcard, publish singles
+/// and a batch with confirmation, and a consumer group shared with a native QUIC member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rust_client_works_over_webtransport() {
+    let b = TestBroker::start().await;
+    let wt = within(
+        "a WebTransport client",
+        aqueduct_client::Client::connect(b.options().transport(
+            aqueduct_client::Transport::WebTransport {
+                path: "/aqueduct/wt".into(),
+            },
+        )),
+    )
+    .await
+    .expect("connects over WebTransport");
+    let native = b.client().await;
+    let confirm = aqueduct_client::PublishOptions {
+        confirm: true,
+        ..Default::default()
+    };
+    let mut on_wt = wt
+        .subscribe("orders/+")
+        .await
+        .expect("subscribe over WebTransport");
+    let mut on_quic = native
+        .subscribe("orders/+")
+        .await
+        .expect("subscribe over QUIC");
+    assert_eq!(
+        native
+            .publish_with("orders/eu", "from QUIC", &confirm)
+            .await
+            .expect("publish"),
+        Some(0)
+    );
+    let batch = vec![
+        ("orders/us", Bytes::from_static(b"from WT 1")),
+        ("orders/us", Bytes::from_static(b"from WT 2")),
+    ];
+    assert_eq!(
+        wt.publish_batch(batch, &confirm).await.expect("batch"),
+        Some(vec![0, 1])
+    );
+    for sub in [&mut on_wt, &mut on_quic] {
+        let got: Vec<String> = [next(sub).await, next(sub).await, next(sub).await]
+            .iter()
+            .map(|m| String::from_utf8_lossy(m.body()).into_owned())
+            .collect();
+        assert_eq!(got, ["from QUIC", "from WT 1", "from WT 2"]);
+    }
+    let mut g_wt = wt.subscribe_group("jobs", "w").await.expect("member");
+    let mut g_quic = native.subscribe_group("jobs", "w").await.expect("member");
+    for i in 0..6 {
+        wt.publish_with("jobs", format!("j{i}"), &confirm)
+            .await
+            .expect("publish");
+    }
+    let mut seen = BTreeSet::new();
+    for sub in [&mut g_wt, &mut g_quic] {
+        for _ in 0..3 {
+            let m = next(sub).await;
+            assert!(seen.insert(String::from_utf8_lossy(m.body()).into_owned()));
+            m.ack().await.expect("ack");
+        }
+    }
+    assert_eq!(seen.len(), 6, "each job once");
+    wt.close().await;
+    b.stop().await.expect("clean shutdown");
+}
