@@ -197,6 +197,11 @@ pub enum Control {
 /// names), so a message stays well under the codec's 16 MiB limit.
 pub const ENTRIES_PER_MESSAGE: usize = 16_384;
 
+/// The reason of an [`Output::Close`] for the connection of a pair that is not kept (both ends
+/// dialed): the transport retires it gracefully (finishes its data stream and reads the peer's
+/// to the end before closing), so no copy already written on it is lost.
+pub const DUPLICATE: &str = "duplicate mesh connection";
+
 /// A connection, as the transport numbers them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ConnId(pub u64);
@@ -419,6 +424,13 @@ impl Mesh {
             });
             return false;
         }
+        // What the peer is known to want carries over to the connection that replaces the one
+        // in use, until the new session's snapshot arrives: routing to it never pauses.
+        let carried = self
+            .peers
+            .get(&node)
+            .map(|p| p.interest.clone())
+            .unwrap_or_default();
         if let Some(existing) = self.peers.get(&node) {
             // Both dialed: keep the connection dialed by the node with the smaller id, on both
             // sides alike.
@@ -431,7 +443,7 @@ impl Mesh {
             };
             self.out.push_back(Output::Close {
                 conn: close,
-                reason: "duplicate mesh connection",
+                reason: DUPLICATE,
             });
             if !keep {
                 if let Some(a) = addr.filter(|_| outbound) {
@@ -497,7 +509,7 @@ impl Mesh {
                 addr: addr.filter(|_| outbound),
                 out_session: session,
                 in_session: None,
-                interest: Interest::default(),
+                interest: carried,
             },
         );
         true

@@ -108,10 +108,12 @@ struct QueuedTtl {
     queued: Instant,
 }
 
-/// The state of one mesh connection: the copies waiting for the peer, bounded in count and
-/// bytes (when full, the oldest are dropped, counted, so a slow peer never holds up local
-/// delivery, and it is not disconnected for being slow), and what went each way on it. The lock
-/// is held only to push or to take what is queued.
+/// The copies waiting for one peer node, bounded in count and bytes (when full, the oldest are
+/// dropped, counted, so a slow peer never holds up local delivery, and it is not disconnected
+/// for being slow), and what went each way. One per node, kept while the node has a connection:
+/// when the connection in use is replaced by another (both ends dialed), the copies waiting stay
+/// and go out on the new one. Only the connection the mesh keeps (`owner`) takes from it. The
+/// lock is held only to push or to take what is queued.
 #[derive(Debug)]
 pub struct PeerQueue {
     queue: Mutex<(VecDeque<Queued>, usize)>,
@@ -130,6 +132,8 @@ pub struct PeerQueue {
     pub received_bytes: AtomicU64,
     /// Times the peer came back after being disconnected (set by the driver).
     pub reconnects: AtomicU64,
+    /// The connection that writes the copies (set by the driver; 0: none yet).
+    owner: AtomicU64,
     /// Copies received but neither published nor logged because this node's durable log was
     /// failing or closed (a client's publish would be refused then too).
     pub not_stored: AtomicU64,
@@ -152,6 +156,7 @@ impl PeerQueue {
             received: AtomicU64::new(0),
             received_bytes: AtomicU64::new(0),
             reconnects: AtomicU64::new(0),
+            owner: AtomicU64::new(0),
             not_stored: AtomicU64::new(0),
         }
     }
@@ -178,7 +183,19 @@ impl PeerQueue {
             q.push_back(Queued { record, ttl });
         }
         self.forwarded.fetch_add(1, Ordering::Relaxed);
-        self.notify.notify_one();
+        // Every connection's writer waits on it; the owner takes.
+        self.notify.notify_waiters();
+    }
+
+    /// Make `conn` the connection that writes the copies (and wake the writers to see it).
+    fn set_owner(&self, conn: ConnId) {
+        if self.owner.swap(conn.0, Ordering::AcqRel) != conn.0 {
+            self.notify.notify_waiters();
+        }
+    }
+
+    fn owned_by(&self, conn: ConnId) -> bool {
+        self.owner.load(Ordering::Acquire) == conn.0
     }
 
     /// Copies waiting now.
@@ -300,6 +317,8 @@ pub struct MeshHandle {
     pub refused_blocks: Arc<AtomicU64>,
     /// Group messages handed to a member on another node because none was left here.
     pub handed_over: Arc<AtomicU64>,
+    /// Duplicate connections retired (finished and read to the end, then closed).
+    pub retired: Arc<AtomicU64>,
 }
 
 impl MeshHandle {
@@ -509,6 +528,7 @@ pub(crate) fn new(
         node: tls.node.clone(),
         refused_blocks: Arc::new(AtomicU64::new(0)),
         handed_over: Arc::new(AtomicU64::new(0)),
+        retired: Arc::new(AtomicU64::new(0)),
     };
     let out = (
         Driver {
@@ -586,6 +606,8 @@ impl Driver {
         // Per peer ever connected: how often it came back after being disconnected (a
         // duplicate connection replaced while connected is no reconnect).
         let mut reconnects: HashMap<NodeId, u64> = HashMap::new();
+        // Each node's copies, shared by its connections (only the kept one writes them).
+        let mut node_queues: HashMap<NodeId, Arc<PeerQueue>> = HashMap::new();
         info!(node = %self.mesh.me(), "cluster mesh started");
         loop {
             let timeout = self.mesh.poll_timeout();
@@ -605,24 +627,32 @@ impl Driver {
             };
             let now = Instant::now();
             let mut adopt = |conn: quinn::Connection,
+                             node: &NodeId,
                              conns: &mut HashMap<ConnId, Link>,
                              tasks: &mut JoinSet<()>| {
                 let id = ConnId(next_conn);
                 next_conn += 1;
                 let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
-                let queue = Arc::new(PeerQueue::new(self.queue_size));
+                let (retire_tx, retire_rx) = watch::channel(false);
+                let queue = node_queues
+                    .entry(node.clone())
+                    .or_insert_with(|| Arc::new(PeerQueue::new(self.queue_size)))
+                    .clone();
                 conns.insert(
                     id,
                     Link {
                         conn: conn.clone(),
+                        node: node.clone(),
                         ctl: ctl_tx,
                         queue: queue.clone(),
+                        retire: retire_tx,
                     },
                 );
                 tasks.spawn(serve_peer(PeerTask {
                     conn,
                     id,
                     ctl: ctl_rx,
+                    retire: retire_rx,
                     queue,
                     broker: self.broker.clone(),
                     mesh: self.handle.clone(),
@@ -638,12 +668,12 @@ impl Driver {
                 // A connection the mesh does not keep (a duplicate, itself) is closed by the
                 // `Output::Close` it queues, below: both ends then end it.
                 Some(Event::Accepted { conn, node }) => {
-                    let id = adopt(conn, &mut conns, &mut tasks);
+                    let id = adopt(conn, &node, &mut conns, &mut tasks);
                     self.mesh.handle_connected(now, id, node, None, false);
                 }
                 Some(Event::Dialed { addr, result }) => match result {
                     Ok((conn, node)) => {
-                        let id = adopt(conn, &mut conns, &mut tasks);
+                        let id = adopt(conn, &node, &mut conns, &mut tasks);
                         self.mesh.handle_connected(now, id, node, Some(addr), true);
                     }
                     Err(why) => {
@@ -680,8 +710,15 @@ impl Driver {
                     }
                     Output::Close { conn, reason } => {
                         if let Some(link) = conns.remove(&conn) {
-                            debug!(conn = conn.0, reason, "closing a mesh connection");
-                            link.conn.close(0u32.into(), reason.as_bytes());
+                            if reason == aqueduct_core::mesh::DUPLICATE {
+                                // Retired, not cut: what was written on it is still read.
+                                debug!(conn = conn.0, "retiring a duplicate mesh connection");
+                                self.handle.retired.fetch_add(1, Ordering::Relaxed);
+                                let _ = link.retire.send(true);
+                            } else {
+                                debug!(conn = conn.0, reason, "closing a mesh connection");
+                                link.conn.close(0u32.into(), reason.as_bytes());
+                            }
                         }
                     }
                     Output::Send { conn, control } => {
@@ -707,9 +744,13 @@ impl Driver {
                         info!(peer = %n, reconnects = *count, "cluster peer reconnected");
                     }
                     link.queue.reconnects.store(*count, Ordering::Relaxed);
+                    link.queue.set_owner(c);
                     Some((n.clone(), link.queue.clone()))
                 })
                 .collect();
+            // A node's queue lives while it is a peer or a connection to it is being set up.
+            node_queues
+                .retain(|n, _| queues.contains_key(n) || conns.values().any(|l| &l.node == n));
             self.queues.store(Arc::new(queues));
         }
         for link in conns.values() {
@@ -723,11 +764,17 @@ impl Driver {
 /// A mesh connection as the driver holds it.
 struct Link {
     conn: quinn::Connection,
+    node: NodeId,
     /// Encoded control messages for its writer.
     ctl: mpsc::UnboundedSender<Vec<u8>>,
-    /// Copies for the peer.
+    /// Copies for the peer (its node's queue).
     queue: Arc<PeerQueue>,
+    /// Set when the mesh keeps the pair's other connection: finish and close gracefully.
+    retire: watch::Sender<bool>,
 }
+
+/// How long a retired duplicate connection waits for the peer to finish its side.
+const RETIRE_WAIT: Duration = Duration::from_secs(5);
 
 /// Dial `addr` as a mesh peer: the peer certificate must name `aqueduct-mesh` and chain to the
 /// cluster CA; its CN is the peer's node id.
@@ -886,7 +933,9 @@ struct PeerTask {
     id: ConnId,
     /// Encoded control messages to write.
     ctl: mpsc::UnboundedReceiver<Vec<u8>>,
-    /// Copies to write.
+    /// Turns true when this connection is a duplicate to retire.
+    retire: watch::Receiver<bool>,
+    /// Copies to write (when this connection owns its node's queue).
     queue: Arc<PeerQueue>,
     broker: Arc<Broker>,
     mesh: MeshHandle,
@@ -905,6 +954,7 @@ async fn serve_peer(link: PeerTask) {
         conn,
         id,
         mut ctl,
+        retire,
         queue,
         broker,
         mesh,
@@ -917,6 +967,8 @@ async fn serve_peer(link: PeerTask) {
     enum End {
         /// Closed, reset or gone: the connection is over.
         Gone,
+        /// The peer finished its data stream: it retired this connection as a duplicate.
+        PeerRetired,
         /// The peer broke the mesh protocol.
         Broken(String),
     }
@@ -932,7 +984,8 @@ async fn serve_peer(link: PeerTask) {
                 return End::Gone;
             }
         }
-        End::Gone
+        // The driver let go of this connection (retired or closed): the data side decides.
+        std::future::pending::<End>().await
     };
     let data_out = async {
         let Ok(mut send) = conn.open_uni().await else {
@@ -942,11 +995,24 @@ async fn serve_peer(link: PeerTask) {
             return End::Gone;
         }
         let mut buf = BytesMut::new();
+        let mut retire = retire.clone();
         loop {
             let notified = queue.notify.notified();
-            queue.take(&mut buf, DATA_WRITE, Instant::now());
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if *retire.borrow() {
+                // Retired: what it wrote is all it writes; the peer reads it to the end.
+                let _ = send.finish();
+                return std::future::pending::<End>().await;
+            }
+            if queue.owned_by(id) {
+                queue.take(&mut buf, DATA_WRITE, Instant::now());
+            }
             if buf.is_empty() {
-                notified.await;
+                tokio::select! {
+                    _ = notified => {}
+                    _ = retire.changed() => {}
+                }
                 continue;
             }
             let records = buf.split().freeze();
@@ -1125,18 +1191,37 @@ async fn serve_peer(link: PeerTask) {
                 }
             }
             if n == 0 {
-                return End::Gone;
+                // Only a retired connection's data stream is ever finished.
+                return End::PeerRetired;
             }
         }
     }
-    let end = tokio::select! {
+    let mut retired = retire.clone();
+    let retired_for_long = async move {
+        if retired.wait_for(|r| *r).await.is_err() {
+            return std::future::pending().await;
+        }
+        tokio::time::sleep(RETIRE_WAIT).await;
+    };
+    let mut end = tokio::select! {
         e = control_out => e,
         e = data_out => e,
         e = inbound => e,
         _ = conn.closed() => End::Gone,
+        _ = retired_for_long => End::Gone,
     };
+    if let End::PeerRetired = end {
+        // The peer retired it (both ends keep the same connection of a pair): this end will
+        // too, once its mesh sees the other connection; then it is over.
+        let mut retired = retire.clone();
+        let _ = tokio::time::timeout(RETIRE_WAIT, retired.wait_for(|r| *r)).await;
+        end = End::Gone;
+    }
+    if *retire.borrow() {
+        conn.close(0u32.into(), aqueduct_core::mesh::DUPLICATE.as_bytes());
+    }
     let _ = events.send(match end {
-        End::Gone => Event::Closed { conn: id },
+        End::Gone | End::PeerRetired => Event::Closed { conn: id },
         End::Broken(why) => Event::Broken { conn: id, why },
     });
 }

@@ -153,6 +153,12 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
         }
     }
     out.single(
+        "aqueduct_mesh_duplicates_retired_total",
+        "counter",
+        "Duplicate mesh connections (both ends dialed) retired: finished, read to the end, closed.",
+        mesh.retired.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    out.single(
         "aqueduct_mesh_group_handovers_total",
         "counter",
         "Consumer-group messages given to a member on another node because no member was left here.",

@@ -999,3 +999,90 @@ async fn a_stuck_block_subscriber_holds_a_peer_s_copies_for_block_timeout_only()
         b.stop().await.expect("clean shutdown");
     }
 }
+
+/// Both nodes dial: node 1 first (its connection carries the copies), then node 0, whose
+/// connection both ends keep (the smaller id's dial). The switch happens while node 0 publishes
+/// to a subscriber on node 1: the copies waiting in node 0's queue go out on the kept
+/// connection, and those written on the retired one are read to its end — none is lost (before,
+/// the queue went with the connection and the retired one was cut at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_copy_is_lost_when_a_duplicate_connection_replaces_the_one_in_use() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let mut nodes = Vec::new();
+    for i in 0..2 {
+        let cfg = node_config(&ca, &ca_file, dir.path(), &format!("node-{i}"), None);
+        nodes.push(TestBroker::start_with(|c| c.cluster = cfg).await);
+    }
+    // Node 1 dials first: the pair's connection in use is node 1's.
+    nodes[1].control.set_cluster_peers(vec![nodes[0].addr]);
+    for (i, b) in nodes.iter().enumerate() {
+        until(&format!("node-{i} to see its peer"), || {
+            peers_of(b).len() == 1
+        })
+        .await;
+    }
+    let reader = nodes[1].client().await;
+    let mut sub = reader.subscribe("sw/#").await.expect("subscribe on node 1");
+    until("node 0 to learn node-1's interest", || {
+        wants(&nodes[0], "node-1", "sw/#")
+    })
+    .await;
+    let publisher = nodes[0].client().await;
+    let confirm = aqueduct_client::PublishOptions {
+        confirm: true,
+        ..Default::default()
+    };
+    const BATCHES: usize = 60;
+    const PER: usize = 100;
+    let retired = |b: &TestBroker| {
+        b.control
+            .mesh()
+            .expect("on")
+            .retired
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let mut dialed = false;
+    for n in 0..BATCHES {
+        let batch: Vec<(String, bytes::Bytes)> = (0..PER)
+            .map(|i| {
+                (
+                    format!("sw/{}", i % 4),
+                    bytes::Bytes::from(format!("m{}", n * PER + i)),
+                )
+            })
+            .collect();
+        publisher
+            .publish_batch(batch.iter().map(|(t, b)| (t.as_str(), b.clone())), &confirm)
+            .await
+            .expect("publish");
+        if n == 5 && !dialed {
+            // Now node 0 dials too: its connection replaces node 1's mid-stream.
+            nodes[0].control.set_cluster_peers(vec![nodes[1].addr]);
+            dialed = true;
+        }
+    }
+    let mut got = BTreeSet::new();
+    for _ in 0..BATCHES * PER {
+        let m = next(&mut sub).await;
+        assert!(
+            got.insert(String::from_utf8_lossy(m.body()).into_owned()),
+            "a copy twice"
+        );
+    }
+    assert_eq!(got.len(), BATCHES * PER, "every copy once");
+    until("the duplicate to be retired", || {
+        retired(&nodes[0]) + retired(&nodes[1]) >= 1
+    })
+    .await;
+    for (i, b) in nodes.iter().enumerate() {
+        until(&format!("node-{i} to keep one connection"), || {
+            b.control.open_connections() == 2
+        })
+        .await;
+    }
+    for b in nodes {
+        b.stop().await.expect("clean shutdown");
+    }
+}
