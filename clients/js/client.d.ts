@@ -82,6 +82,10 @@ export interface SubscribeOptions {
 
 export declare function connect(url: string, options?: ConnectOptions): Promise<Client>;
 export declare function webTransportUrl(url: string, token?: string | null): string;
+/** WebTransport's one-byte stream reset codes → the spec's codes: 30 → 300 (SLOW_CONSUMER), 51 → 501 (SHUTTING_DOWN). */
+export declare const WEBTRANSPORT_STREAM_CODES: Readonly<Record<number, number>>;
+/** The spec's code for a stream error code as WebTransport reports it (30 → 300, 51 → 501; others as they are). */
+export declare function streamResetCode(code: number): number;
 export declare function certificateHashes(hashes: CertificateHash[]): Array<{ algorithm: string; value: BufferSource }>;
 
 export declare class Client {

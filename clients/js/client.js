@@ -59,11 +59,26 @@ export class AqueductError extends Error {
 const FATAL_FOR_STREAM = new Set([ErrorCode.MALFORMED_FRAME, ErrorCode.BAD_MAGIC, ErrorCode.FRAME_TOO_LARGE]);
 const FATAL_FOR_SUBSCRIPTION = new Set([ErrorCode.SLOW_CONSUMER, ErrorCode.NOT_AUTHORIZED]);
 
+/**
+ * Stream reset codes as a browser reports them: `WebTransportError.streamErrorCode` is one byte,
+ * so over WebTransport the broker resets streams with 30 for SLOW_CONSUMER (300) and 51 for
+ * SHUTTING_DOWN (501) (docs/protocol.md §12). Other codes (0, or a full code from a transport
+ * that carries them, see `openStream`) are passed on as they are.
+ */
+export const WEBTRANSPORT_STREAM_CODES = Object.freeze({ 30: ErrorCode.SLOW_CONSUMER, 51: ErrorCode.SHUTTING_DOWN });
+
+/** The spec's code (§1.1, §9) for a stream error code as WebTransport reports it. */
+export function streamResetCode(code) {
+  return WEBTRANSPORT_STREAM_CODES[code] ?? code;
+}
+
 function toAqueductError(e, what) {
   if (e instanceof AqueductError) return e;
   if (e instanceof FrameError) return new AqueductError(e.code, e.message, { streamId: e.streamId, cause: e });
   if (e && typeof e.streamErrorCode === 'number') {
-    return new AqueductError(e.streamErrorCode, `${what}: the stream was reset with code ${e.streamErrorCode}`, { cause: e });
+    const code = streamResetCode(e.streamErrorCode);
+    const seen = code === e.streamErrorCode ? '' : ` (${e.streamErrorCode} on WebTransport)`;
+    return new AqueductError(code, `${what}: the stream was reset with code ${code}${seen}`, { cause: e });
   }
   return new AqueductError(null, `${what}: ${e?.message ?? String(e)}`, { cause: e });
 }

@@ -3,7 +3,7 @@
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
 
-import { AqueductError, connect } from '../client.js';
+import { AqueductError, connect, streamResetCode } from '../client.js';
 import { ErrorCode, Opcode, encodeFrame } from '../codec.js';
 import { fakeTransport } from '../test-support/fake-broker.js';
 
@@ -275,6 +275,31 @@ test('a delivery stream reset by the broker ends the iterator with the reset cod
   await assert.rejects(sub.next(), (e) => e instanceof AqueductError && e.code === 300);
   assert.deepEqual(await sub.next(), { value: undefined, done: true });
   await client.close();
+});
+
+test('over WebTransport, one-byte reset codes are the spec codes: 30 is SLOW_CONSUMER (300), 51 is SHUTTING_DOWN (501)', async () => {
+  assert.equal(streamResetCode(30), ErrorCode.SLOW_CONSUMER);
+  assert.equal(streamResetCode(51), ErrorCode.SHUTTING_DOWN);
+  assert.equal(streamResetCode(0), 0);
+  assert.equal(streamResetCode(300), 300);
+  for (const [wire, code, name] of [
+    [30, 300, 'SLOW_CONSUMER'],
+    [51, 501, 'SHUTTING_DOWN'],
+  ]) {
+    const { fake, client } = await setup();
+    const subscribing = client.subscribe('jobs');
+    const broker = await fake.stream(0);
+    await broker.next();
+    await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
+    const sub = await subscribing;
+    await broker.reset(wire);
+    await assert.rejects(
+      sub.next(),
+      (e) => e instanceof AqueductError && e.code === code && e.codeName === name && e.message.includes(`${wire} on WebTransport`),
+    );
+    assert.deepEqual(await sub.next(), { value: undefined, done: true });
+    await client.close();
+  }
 });
 
 test('unsubscribe: UNSUBSCRIBE with the filter and stream id, FIN, resolved when the broker finishes', async () => {

@@ -5,7 +5,12 @@
 //! - `GET /healthz` — 200 while the process runs;
 //! - `GET /readyz` — 200 while the QUIC listener is serving, 503 once shutdown began;
 //! - `GET /webtransport/cert-hash` — the SHA-256 of the certificate browsers get (WebTransport
-//!   with a generated certificate), as JSON for `serverCertificateHashes`; 404 without one.
+//!   with a generated certificate), as JSON for `serverCertificateHashes`, with the QUIC port
+//!   browsers connect to; 404 without one;
+//! - `GET /` and `GET /web/` — the live web view (`web/index.html`, `web/app.js`), a page that
+//!   connects over WebTransport, subscribes, shows messages as they arrive and publishes;
+//! - `GET /web/aqueduct/{index,codec,client}.js` — the JavaScript client (`clients/js`), embedded
+//!   at compile time, which the page imports.
 //!
 //! It must survive slow and hostile clients: at most `metrics.max_connections` connections at
 //! once (more wait in the kernel's accept queue), the request head must arrive within
@@ -48,10 +53,30 @@ fn router(endpoint: Arc<Endpoint>) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/webtransport/cert-hash", get(cert_hash))
+        .route("/", get(web_page))
+        .route(
+            "/web",
+            get(|| async { axum::response::Redirect::permanent("/web/") }),
+        )
+        .route("/web/", get(web_page))
+        .route("/web/app.js", get(|| async { javascript(WEB_APP_JS) }))
+        .route(
+            "/web/aqueduct/index.js",
+            get(|| async { javascript(JS_INDEX) }),
+        )
+        .route(
+            "/web/aqueduct/codec.js",
+            get(|| async { javascript(JS_CODEC) }),
+        )
+        .route(
+            "/web/aqueduct/client.js",
+            get(|| async { javascript(JS_CLIENT) }),
+        )
         .fallback(|| async {
             (
                 StatusCode::NOT_FOUND,
-                "not found: try /metrics, /healthz, /readyz or /webtransport/cert-hash\n",
+                "not found: try / (the live web view), /metrics, /healthz, /readyz or \
+                 /webtransport/cert-hash\n",
             )
         })
         .with_state(endpoint)
@@ -75,8 +100,56 @@ async fn readyz(State(e): State<Arc<Endpoint>>) -> impl IntoResponse {
     }
 }
 
-/// `{"algorithm":"sha-256","value":"<hex>","not_after":<unix seconds>,"path":"/aqueduct/wt"}`:
-/// a page passes the value (as bytes) in `serverCertificateHashes`. Any origin may read it (a
+/// The live web view and the JavaScript client it imports, built into the binary.
+const WEB_INDEX_HTML: &str = include_str!("../web/index.html");
+const WEB_APP_JS: &str = include_str!("../web/app.js");
+const JS_INDEX: &str = include_str!("../../../clients/js/index.js");
+const JS_CODEC: &str = include_str!("../../../clients/js/codec.js");
+const JS_CLIENT: &str = include_str!("../../../clients/js/client.js");
+
+/// Headers of every file of the web view: no caching (a new broker build serves new files),
+/// no sniffing, and a policy that loads nothing from elsewhere (WebTransport is `connect-src`).
+fn web_headers(content_type: &'static str) -> [(header::HeaderName, &'static str); 4] {
+    [
+        (header::CONTENT_TYPE, content_type),
+        (header::CACHE_CONTROL, "no-cache"),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (
+            header::CONTENT_SECURITY_POLICY,
+            "default-src 'none'; script-src 'self'; style-src 'unsafe-inline'; \
+             img-src 'self' data:; connect-src 'self' https:; base-uri 'none'; \
+             form-action 'none'; frame-ancestors 'none'",
+        ),
+    ]
+}
+
+fn javascript(body: &'static str) -> impl IntoResponse {
+    (web_headers("text/javascript; charset=utf-8"), body)
+}
+
+/// The page, told the broker's QUIC port and WebTransport path (it still fetches the
+/// certificate hash before each connect: the certificate is renewed).
+async fn web_page(State(e): State<Arc<Endpoint>>) -> impl IntoResponse {
+    let page = WEB_INDEX_HTML
+        .replace("{{WT_PORT}}", &e.shared.local_addr.port().to_string())
+        .replace(
+            "{{WT_PATH}}",
+            &html_attr(&e.shared.config.webtransport.path_prefix),
+        );
+    (web_headers("text/html; charset=utf-8"), page)
+}
+
+/// Escape for an HTML attribute value in double quotes.
+fn html_attr(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('"', "&quot;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// `{"algorithm":"sha-256","value":"<hex>","not_after":<unix seconds>,"path":"/aqueduct/wt",
+/// "port":4242}`: a page passes the value (as bytes) in `serverCertificateHashes` and connects to
+/// `https://<its host>:<port><path>` (`port`: the broker's QUIC port, which WebTransport shares). Any origin may read it (a
 /// certificate is public; which pages may *connect* is `webtransport.allowed_origins`).
 async fn cert_hash(State(e): State<Arc<Endpoint>>) -> axum::response::Response {
     let cert = e.shared.browser_certs.as_ref().and_then(|c| c.current());
@@ -98,6 +171,7 @@ async fn cert_hash(State(e): State<Arc<Endpoint>>) -> axum::response::Response {
         "value": cert.sha256_hex(),
         "not_after": not_after,
         "path": e.shared.config.webtransport.path_prefix,
+        "port": e.shared.local_addr.port(),
     })
     .to_string();
     (

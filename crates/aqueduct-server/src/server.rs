@@ -121,13 +121,26 @@ pub struct Server {
     dev_cert: Option<PathBuf>,
 }
 
-fn transport_config(t: &TransportConfig) -> Result<quinn::TransportConfig, ServerError> {
+fn transport_config(
+    t: &TransportConfig,
+    webtransport: bool,
+) -> Result<quinn::TransportConfig, ServerError> {
     let mut c = quinn::TransportConfig::default();
     // Start small and let each connection raise its own allowance as its client opens streams
     // (connection.rs): quinn keeps state for every stream a peer may open, ~90 bytes each, so an
     // idle connection costs ~20 KB less than with all 256 allowed up front.
     c.max_concurrent_bidi_streams(initial_streams(t).into());
-    c.max_concurrent_uni_streams(0u32.into());
+    // HTTP/3 needs 3 unidirectional streams (control, QPACK encoder and decoder), and Chromium
+    // wants them in the handshake's transport parameters: raised after the handshake, it closes
+    // the connection (QUIC_ZERO_RTT_RESUMPTION_LIMIT_REDUCED, "new unidirectional limit 0
+    // decreases the current limit: 3"). Native clients open none (a stream they opened would
+    // only hold the connection's own flow-control window, `receive_window`).
+    let uni = if webtransport {
+        crate::webtransport::H3_UNI_STREAMS
+    } else {
+        0
+    };
+    c.max_concurrent_uni_streams(uni.into());
     c.max_idle_timeout(if t.idle_timeout.is_zero() {
         None
     } else {
@@ -207,7 +220,10 @@ impl Server {
             browser_certs.as_ref(),
         )?;
         let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-        server_config.transport_config(Arc::new(transport_config(&config.transport)?));
+        server_config.transport_config(Arc::new(transport_config(
+            &config.transport,
+            config.webtransport.enabled,
+        )?));
         let socket = udp_socket(config.listen_addr, config.transport.socket_buffer)?;
         let runtime = quinn::default_runtime().ok_or_else(|| ServerError::Bind {
             addr: config.listen_addr,

@@ -22,6 +22,9 @@ async fn cert_hash(b: &TestBroker) -> Vec<u8> {
     let v: serde_json::Value = serde_json::from_str(body.trim()).expect("JSON");
     assert_eq!(v["algorithm"], "sha-256");
     assert_eq!(v["path"], "/aqueduct/wt");
+    // The QUIC port, which WebTransport shares: a page served elsewhere (the live view on the
+    // metrics port) learns where to connect.
+    assert_eq!(v["port"], b.addr.port());
     let hex = v["value"].as_str().expect("value");
     (0..hex.len())
         .step_by(2)
