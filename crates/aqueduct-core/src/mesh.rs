@@ -661,10 +661,14 @@ impl Mesh {
                 }
             }
         }
+        let peers_want_nothing = nodes
+            .iter()
+            .all(|(n, interest)| *n == self.me || interest.is_empty());
         RouteTable {
             me: self.me.clone(),
             nodes,
             counters,
+            peers_want_nothing,
         }
     }
 
@@ -687,9 +691,17 @@ pub struct RouteTable {
     me: NodeId,
     nodes: Vec<(NodeId, Interest)>,
     counters: BTreeMap<GroupKey, Arc<AtomicU64>>,
+    /// No peer (connected or not) wants anything: every message is this node's alone.
+    peers_want_nothing: bool,
 }
 
 impl RouteTable {
+    /// No peer wants any message (none connected, or none has a subscription): publishing is
+    /// then exactly as without a cluster — nothing is forwarded and every group is picked here.
+    pub fn peers_want_nothing(&self) -> bool {
+        self.peers_want_nothing
+    }
+
     /// Every node's interest, this one's included, in id order.
     pub fn nodes(&self) -> &[(NodeId, Interest)] {
         &self.nodes
@@ -869,6 +881,17 @@ mod tests {
                 interest: i
             }
         ));
+    }
+
+    #[test]
+    fn a_table_knows_when_no_peer_wants_anything() {
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        a.handle_local(plain("orders/#"), 1);
+        assert!(a.table().peers_want_nothing(), "alone");
+        connected(&mut a, 1, "b", &[]);
+        assert!(a.table().peers_want_nothing(), "an idle peer");
+        connected(&mut a, 2, "c", &[(plain("x"), 1)]);
+        assert!(!a.table().peers_want_nothing());
     }
 
     #[test]

@@ -348,8 +348,8 @@ impl MeshHandle {
         local: impl FnOnce(&mut PublishContext) -> T,
     ) -> T {
         let table = self.table.load();
-        if table.nodes().len() < 2 {
-            // No peer connected: nothing to decide.
+        if table.peers_want_nothing() {
+            // No peer connected, or none wants anything: nothing to decide.
             return local(ctx);
         }
         let mut routing = table.route_bytes(p.topic.as_bytes());
@@ -442,6 +442,11 @@ impl MeshHandle {
         self.send_copies(&p, &[(node, forward)]);
         self.handed_over.fetch_add(1, Ordering::Relaxed);
         true
+    }
+
+    /// No peer wants anything now: a batch can be published as without a cluster.
+    pub fn peers_want_nothing(&self) -> bool {
+        self.table.load().peers_want_nothing()
     }
 
     /// Each connected peer's queue counters, by node id.

@@ -558,8 +558,8 @@ impl Reader<'_> {
                 }
                 match &self.shared.mesh {
                     // In a cluster each message is routed on its own: its groups' members may
-                    // be on other nodes.
-                    Some(mesh) => {
+                    // be on other nodes — unless no peer wants anything.
+                    Some(mesh) if !mesh.peers_want_nothing() => {
                         for r in &refs {
                             let p = Publication::from_ref(r);
                             let outcome =
@@ -569,7 +569,7 @@ impl Reader<'_> {
                             }
                         }
                     }
-                    None => {
+                    _ => {
                         broker.publish_batch(
                             &mut self.ctx,
                             refs.iter().map(Publication::from_ref),
@@ -880,7 +880,7 @@ impl Reader<'_> {
         // Walked twice without a copy: to route, then to queue for the log.
         let broker = &self.shared.broker;
         match &self.shared.mesh {
-            Some(mesh) => {
+            Some(mesh) if !mesh.peers_want_nothing() => {
                 for p in publications.clone() {
                     mesh.publish(&mut self.ctx, &p, |ctx| {
                         broker.publish_batch(ctx, std::iter::once(p), now, |topic, o| {
@@ -889,7 +889,7 @@ impl Reader<'_> {
                     });
                 }
             }
-            None => {
+            _ => {
                 broker.publish_batch(&mut self.ctx, publications.clone(), now, |topic, o| {
                     routed.push((topic.clone(), o))
                 });
