@@ -28,7 +28,7 @@ export type CertificateHash =
 export interface ConnectOptions {
   /** Hashes of the broker's certificate (a short-lived ECDSA one), e.g. from `GET /webtransport/cert-hash`. */
   serverCertificateHashes?: CertificateHash[];
-  /** Sent as the URL query parameter `token`: the planned browser identity (not checked by a broker yet). */
+  /** Sent as the URL query parameter `token`; the broker (`webtransport.tokens`) maps it to a client id. */
   token?: string;
   /** WebTransport subprotocols to offer, e.g. `['aqueduct-v1']`. */
   protocols?: string[];

@@ -118,7 +118,7 @@ export function certificateHashes(hashes) {
  * With WebTransport (the default): `url` is the broker's WebTransport URL
  * (`https://host:4242/aqueduct/wt`); options `serverCertificateHashes` (for a short-lived
  * self-signed certificate, see README), `token` (sent as the URL query parameter `token`; the
- * planned browser identity, not checked by any broker yet), `protocols` (WebTransport
+ * broker's `webtransport.tokens` maps it to a client id), `protocols` (WebTransport
  * subprotocols to offer, e.g. `['aqueduct-v1']`), `WebTransport` (the constructor to use).
  *
  * Any transport: `openStream` — a function returning (a promise of) `{ readable, writable }`,

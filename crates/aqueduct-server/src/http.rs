@@ -123,8 +123,14 @@ fn web_headers(content_type: &'static str) -> [(header::HeaderName, &'static str
     ]
 }
 
+/// A module of the page or of the client; other sites' pages may import the client from here
+/// (module scripts are fetched with CORS), as they may read the certificate hash.
 fn javascript(body: &'static str) -> impl IntoResponse {
-    (web_headers("text/javascript; charset=utf-8"), body)
+    (
+        web_headers("text/javascript; charset=utf-8"),
+        [(header::ACCESS_CONTROL_ALLOW_ORIGIN, "*")],
+        body,
+    )
 }
 
 /// The page, told the broker's QUIC port and WebTransport path (it still fetches the
