@@ -267,15 +267,18 @@ impl Subscriber {
     }
 
     /// True if a message given now would be queued without hitting the queue bound and sent
-    /// without waiting for settlements (`max_in_flight`). Lock-free and approximate (the
-    /// lengths may be a moment old): good enough to steer a consumer group's round-robin away
-    /// from members that are stalled or saturated.
+    /// without waiting for settlements (`max_in_flight`): what is queued counts against the
+    /// limit too, since every queued message becomes unsettled once written — else a member
+    /// whose writer lags takes more than it can ever have unsettled, and the rest waits behind
+    /// a stalled one. Lock-free and approximate (the lengths may be a moment old): good enough
+    /// to steer a consumer group's round-robin away from members that are stalled or saturated.
     pub fn has_room(&self, max_in_flight: usize) -> bool {
         let max_in_flight = self.in_flight_limit(max_in_flight);
+        let queued = self.queued_len.load(Ordering::Relaxed);
         !self.is_closed()
-            && self.queued_len.load(Ordering::Relaxed) < self.capacity
+            && queued < self.capacity
             && (self.ack_mode != AckMode::Explicit
-                || self.in_flight_len.load(Ordering::Relaxed) < max_in_flight)
+                || queued + self.in_flight_len.load(Ordering::Relaxed) < max_in_flight)
     }
 
     /// The bound on unsettled deliveries: the broker's, or the subscription's own if lower.
@@ -523,7 +526,9 @@ impl Subscriber {
     ) -> std::task::Poll<()> {
         let mut st = self.lock();
         let limit = self.in_flight_limit(max_in_flight);
-        let in_flight_room = self.ack_mode != AckMode::Explicit || st.in_flight.len() < limit;
+        // Queued ones count: each becomes unsettled once written (see `has_room`).
+        let in_flight_room =
+            self.ack_mode != AckMode::Explicit || st.in_flight.len() + st.queue.len() < limit;
         if st.closed.is_some() || st.detached {
             // Never again: the caller's other members (or a new one) must wake it.
             return std::task::Poll::Pending;

@@ -1324,3 +1324,30 @@ fn the_last_member_s_messages_are_offered_to_the_orphan_listener() {
         "the declined one"
     );
 }
+
+/// A member's queued messages count against its `max_in_flight`: each becomes unsettled once
+/// written. A member with room for one unsettled message whose writer has not run yet takes
+/// one, not every other message (which would then wait behind it while the other member idles);
+/// under load this left a durable group's stuck member holding messages for good.
+#[test]
+fn a_member_takes_no_more_than_it_may_have_unsettled_even_before_its_writer_runs() {
+    let b = Broker::default();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let narrow = sub_with(
+        &b,
+        "topic:jobs:group:g",
+        SubscribeOptions {
+            max_in_flight: Some(1),
+            ..SubscribeOptions::default()
+        },
+    );
+    let wide = sub(&b, "topic:jobs:group:g");
+    for i in 0..10 {
+        publish(&b, &mut ctx, "jobs", &i.to_string(), now);
+    }
+    assert_eq!(narrow.queued(), 1, "one for the narrow member");
+    assert_eq!(wide.queued(), 9, "the rest for the other");
+    assert_eq!(drain_all(&b, &narrow, now).len(), 1);
+    assert_eq!(drain_all(&b, &wide, now).len(), 9);
+}
