@@ -457,6 +457,16 @@ async fn serve_streams(
             }, if confirming.is_some() => {
                 confirming = None;
             }
+            // The protocol uses bidirectional streams only; with WebTransport on, a native
+            // client may open the few unidirectional ones HTTP/3 needs: refused unread.
+            uni = session.quic().accept_uni(), if matches!(session, Session::Quic(_)) => {
+                match uni {
+                    Ok(mut recv) => {
+                        let _ = recv.stop(0u32.into());
+                    }
+                    Err(e) => break e.to_string(),
+                }
+            }
             accepted = accept_bi(&session) => {
                 match accepted {
                     Ok(Accepted::Quic(send, recv)) => {

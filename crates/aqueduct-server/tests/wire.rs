@@ -392,3 +392,27 @@ async fn a_stuck_block_subscriber_is_closed_after_block_timeout() {
     );
     b.stop().await.expect("clean shutdown");
 }
+
+/// With WebTransport on, the broker lets clients open the three unidirectional streams HTTP/3
+/// needs; a native client that opens one gets it refused unread (STOP_SENDING 0), and its
+/// connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_native_client_s_unidirectional_stream_is_refused_unread() {
+    let b = TestBroker::start().await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut uni = within("a unidirectional stream", raw.conn.open_uni())
+        .await
+        .expect("allowed (WebTransport is on)");
+    uni.write_all(b"not a protocol stream")
+        .await
+        .expect("write");
+    let stopped = within("STOP_SENDING", uni.stopped()).await;
+    assert_eq!(stopped.ok().flatten(), Some(0u32.into()));
+    let mut s = raw.stream().await;
+    s.write(&raw_frame(0x42, 1, b"\x00\x00topic:still")).await;
+    until("the connection to still work", || {
+        b.broker.subscriber_count() == 1
+    })
+    .await;
+    b.stop().await.expect("clean shutdown");
+}
