@@ -234,6 +234,11 @@ pub(crate) async fn handle(
                 conn.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
                 return failed("timed out".into());
             }
+            // With the cluster on: a peer certificate is no client identity, here as for
+            // aqueduct-v1 (the handshake accepts either CA).
+            if divert(&conn, &shared) {
+                return;
+            }
             return crate::webtransport::serve(conn, shared, state, shutdown).await;
         }
         Ok((conn, accepted)) if !shared.config.tls.require_client_cert && shared.mesh.is_none() => {

@@ -694,6 +694,34 @@ async fn a_client_certificate_of_the_same_ca_is_not_a_peer() {
     node.stop().await.expect("clean shutdown");
 }
 
+/// A peer certificate is no client identity over WebTransport either: a session presenting one
+/// is refused (the handshake accepts the cluster CA for mesh connections).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_certificate_cannot_open_a_webtransport_session() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let node = TestBroker::start_with(|c| {
+        c.cluster = node_config(&ca, &ca_file, dir.path(), "node-0", None)
+    })
+    .await;
+    let wt = aqueduct_client::Transport::WebTransport {
+        path: "/aqueduct/wt".into(),
+    };
+    // Without a certificate: a client as any other.
+    let anonymous = aqueduct_client::Client::connect(node.options().transport(wt.clone()))
+        .await
+        .expect("an anonymous WebTransport client");
+    anonymous.close().await;
+    let (cert, key) = ca.peer(dir.path(), "node-x");
+    let refused = aqueduct_client::Client::connect(
+        node.options().client_cert(&cert, &key).transport(wt),
+    )
+    .await;
+    assert!(refused.is_err(), "a peer certificate opened a session");
+    node.stop().await.expect("clean shutdown");
+}
+
 /// A UDP relay in the test process: datagrams to its front address go to `target`, the answers
 /// back to whoever sent the last one; while `cut`, everything is dropped both ways (a network
 /// partition without root or network namespaces).
