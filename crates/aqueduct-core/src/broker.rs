@@ -53,6 +53,9 @@ pub struct Publication<'a> {
     pub compression: Option<&'a Compression>,
     /// Set only when the broker dead-letters a message.
     pub(crate) dead_letter: Option<&'a DeadLetter<'a>>,
+    /// Delivery attempts already made elsewhere (a group message handed over by a cluster
+    /// peer): its first delivery here is attempt `attempts + 1`.
+    pub(crate) attempts: u32,
 }
 
 impl<'a> Publication<'a> {
@@ -66,6 +69,7 @@ impl<'a> Publication<'a> {
             trace: None,
             compression: None,
             dead_letter: None,
+            attempts: 0,
         }
     }
 
@@ -79,6 +83,7 @@ impl<'a> Publication<'a> {
             trace: p.trace.as_ref(),
             compression: p.compression.as_ref(),
             dead_letter: None,
+            attempts: 0,
         }
     }
 
@@ -99,12 +104,25 @@ impl<'a> Publication<'a> {
             trace: p.ext.trace.as_ref(),
             compression: p.ext.compression.as_ref(),
             dead_letter: None,
+            attempts: 0,
         }
     }
 
     /// What it is a dead letter of, if it is one.
     pub fn dead_letter(&self) -> Option<&'a DeadLetter<'a>> {
         self.dead_letter
+    }
+
+    /// Delivery attempts already made on another node (see [`Orphan`]): this node's first
+    /// delivery is attempt `attempts + 1`, so `max_retries` holds across a hand-over.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// The same message with `attempts` delivery attempts already made elsewhere.
+    pub fn with_attempts(mut self, attempts: u32) -> Self {
+        self.attempts = attempts;
+        self
     }
 }
 
@@ -422,7 +440,7 @@ pub struct Orphan {
     pub ttl: Option<Duration>,
     pub trace: Option<aqueduct_proto::TraceContext>,
     pub compression: Option<aqueduct_proto::Compression>,
-    /// Delivery attempts made so far.
+    /// The attempt number its next delivery has (1: never delivered; a redelivery counts on).
     pub attempts: u32,
 }
 
@@ -1163,7 +1181,7 @@ impl Broker {
             shared,
             offset,
             priority: p.priority,
-            attempt: 1,
+            attempt: p.attempts.saturating_add(1),
             expires_at: self.config.lifetime(p.priority, p.ttl).map(|ttl| now + ttl),
             published_at: now,
         }
@@ -1463,6 +1481,7 @@ impl Broker {
             trace: ext.trace.as_ref(),
             compression: ext.compression.as_ref(),
             dead_letter: Some(&info),
+            attempts: 0,
         };
         let mut logged = None;
         let record = ctx.record_dead_letters;

@@ -267,6 +267,10 @@ fn forwarded_frame(p: &Publication<'_>) -> Option<Bytes> {
     }
     publish.ext.trace = p.trace.copied();
     publish.ext.compression = p.compression.copied();
+    if p.attempts() > 0 {
+        // A group message handed over with the attempts made so far.
+        publish.ext.attempt = Some(p.attempts());
+    }
     if let Some(dl) = p.dead_letter() {
         publish.ext.original_topic = Some(dl.original_topic.clone());
         publish.ext.original_offset = Some(dl.original_offset);
@@ -425,7 +429,8 @@ impl MeshHandle {
     /// copy for that group only (what is left of its TTL with it). False if no other connected
     /// node has a member: the broker then drops and counts it.
     ///
-    /// The delivery attempts made here are not carried: the receiving node counts from 1.
+    /// The delivery attempts made here go with it (ATTEMPT extension): the receiving node counts
+    /// on, so `broker.max_retries` holds across nodes and a poison message ends as a dead letter.
     pub fn hand_over(&self, o: &aqueduct_core::Orphan) -> bool {
         let table = self.table.load();
         let Some((node, forward)) = table.repick_elsewhere(&o.group) else {
@@ -434,7 +439,7 @@ impl MeshHandle {
         if !self.queues.load().contains_key(&node) {
             return false;
         }
-        let mut p = Publication::new(&o.topic, &o.body);
+        let mut p = Publication::new(&o.topic, &o.body).with_attempts(o.attempts.saturating_sub(1));
         p.priority = o.priority;
         p.ttl = o.ttl;
         p.trace = o.trace.as_ref();
@@ -1128,6 +1133,10 @@ async fn serve_peer(link: PeerTask) {
                     let mut publication = Publication::from_publish(&p);
                     if let Some(dl) = &info {
                         publication = publication.with_dead_letter(dl);
+                    }
+                    if let Some(made) = p.ext.attempt.filter(|_| !forward.groups.is_empty()) {
+                        // Handed over: its attempts count on here.
+                        publication = publication.with_attempts(made);
                     }
                     // Its plain part and the groups with a member here; groups whose member
                     // left are picked again among the nodes the copy has not been to.

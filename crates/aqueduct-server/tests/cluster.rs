@@ -558,6 +558,8 @@ async fn a_leaving_member_s_unsettled_jobs_go_to_a_member_on_another_node() {
         let m = next(&mut m0).await;
         let body = String::from_utf8_lossy(m.body()).into_owned();
         assert!(held.contains(&body), "{body} was node 1's");
+        // Delivered once on node 1: this is its second attempt, counted on across nodes.
+        assert_eq!(m.attempt(), 2, "{body}");
         assert!(done.insert(body), "once");
         m.ack().await.expect("ack");
     }
@@ -714,10 +716,9 @@ async fn a_peer_certificate_cannot_open_a_webtransport_session() {
         .expect("an anonymous WebTransport client");
     anonymous.close().await;
     let (cert, key) = ca.peer(dir.path(), "node-x");
-    let refused = aqueduct_client::Client::connect(
-        node.options().client_cert(&cert, &key).transport(wt),
-    )
-    .await;
+    let refused =
+        aqueduct_client::Client::connect(node.options().client_cert(&cert, &key).transport(wt))
+            .await;
     assert!(refused.is_err(), "a peer certificate opened a session");
     node.stop().await.expect("clean shutdown");
 }
