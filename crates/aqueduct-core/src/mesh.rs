@@ -277,6 +277,9 @@ struct Peer {
     /// What the peer sent last: its session and sequence number.
     in_session: Option<(u64, u64)>,
     interest: Interest,
+    /// Parts of a snapshot still to come (session, seq, entries so far): the interest in force
+    /// is swapped for it whole when its snapshot arrives.
+    pending: Option<(u64, u64, Interest)>,
 }
 
 /// One node's view of the mesh.
@@ -475,22 +478,15 @@ impl Mesh {
                 },
             });
         } else {
-            // Too large for one message: the first part as the snapshot, the rest as parts.
+            // Too large for one message: parts first, then the snapshot with the last entries,
+            // which completes it (the receiver swaps the whole in at once).
             let all = self.local.updates();
-            let mut chunks = all.chunks(ENTRIES_PER_MESSAGE);
-            let mut first = Interest::default();
-            for u in chunks.next().unwrap_or_default() {
-                first.apply(u);
-            }
-            self.out.push_back(Output::Send {
-                conn,
-                control: Control::Snapshot {
-                    session,
-                    seq,
-                    interest: first,
-                },
-            });
-            for part in chunks {
+            let chunks: Vec<&[Update]> = all.chunks(ENTRIES_PER_MESSAGE).collect();
+            let (last, parts): (&[Update], &[&[Update]]) = match chunks.split_last() {
+                Some((last, parts)) => (last, parts),
+                None => (&[], &[]),
+            };
+            for part in parts {
                 self.out.push_back(Output::Send {
                     conn,
                     control: Control::SnapshotPart {
@@ -500,6 +496,18 @@ impl Mesh {
                     },
                 });
             }
+            let mut rest = Interest::default();
+            for u in last {
+                rest.apply(u);
+            }
+            self.out.push_back(Output::Send {
+                conn,
+                control: Control::Snapshot {
+                    session,
+                    seq,
+                    interest: rest,
+                },
+            });
         }
         self.peers.insert(
             node,
@@ -510,6 +518,7 @@ impl Mesh {
                 out_session: session,
                 in_session: None,
                 interest: carried,
+                pending: None,
             },
         );
         true
@@ -561,30 +570,43 @@ impl Mesh {
                 if peer.in_session.is_some_and(|(s, _)| session < s) {
                     return true; // late, from an older session
                 }
+                let mut whole = interest;
+                if let Some((s, q, parts)) = peer.pending.take() {
+                    if (s, q) == (session, seq) {
+                        for u in parts.updates() {
+                            whole.apply(&u);
+                        }
+                    }
+                }
                 peer.in_session = Some((session, seq));
-                peer.interest = interest;
+                peer.interest = whole;
                 true
             }
             Control::SnapshotPart {
                 session,
                 seq,
                 updates,
-            } => match peer.in_session {
-                Some((s, _)) if session < s => true,
-                Some((s, at)) if session == s && seq == at => {
-                    for u in &updates {
-                        peer.interest.apply(u);
+            } => {
+                if peer.in_session.is_some_and(|(s, _)| session <= s) {
+                    return true; // late, from an older session (or this one's, complete)
+                }
+                match &mut peer.pending {
+                    Some((s, q, parts)) if (*s, *q) == (session, seq) => {
+                        for u in &updates {
+                            parts.apply(u);
+                        }
                     }
-                    true
+                    // The first part of a new snapshot (one in progress is forgotten).
+                    pending => {
+                        let mut parts = Interest::default();
+                        for u in &updates {
+                            parts.apply(u);
+                        }
+                        *pending = Some((session, seq, parts));
+                    }
                 }
-                _ => {
-                    self.out.push_back(Output::Close {
-                        conn,
-                        reason: "snapshot part out of order",
-                    });
-                    false
-                }
-            },
+                true
+            }
             Control::Delta {
                 session,
                 seq,
@@ -1049,10 +1071,15 @@ mod tests {
                 sent.push(control);
             }
         }
-        assert_eq!(sent.len(), 3, "a snapshot and two parts");
+        assert_eq!(sent.len(), 3, "two parts and the snapshot");
+        assert!(
+            matches!(sent.last(), Some(Control::Snapshot { .. })),
+            "the snapshot last"
+        );
         let mut b = Mesh::new(node("b"), MeshConfig::default(), 2, 1);
         assert!(b.handle_connected(Instant::now(), ConnId(1), node("a"), None, true));
-        for control in sent {
+        let last = sent.len() - 1;
+        for (i, control) in sent.into_iter().enumerate() {
             // Each fits the codec's limit, and decodes to itself.
             let mut bytes = Vec::new();
             crate::mesh_codec::encode_control(&control, &mut bytes);
@@ -1060,6 +1087,10 @@ mod tests {
             let (decoded, used) = crate::mesh_codec::decode_control(&bytes).expect("decodes");
             assert_eq!((used, &decoded), (bytes.len(), &control));
             assert!(b.handle_control(ConnId(1), decoded));
+            if i < last {
+                // Parts do not replace what is in force: the whole is swapped in at the end.
+                assert_eq!(b.peer_interest(&node("a")).map(Interest::len), Some(0));
+            }
         }
         assert_eq!(b.peer_interest(&node("a")).map(Interest::len), Some(n));
         // A later delta follows on.
@@ -1072,15 +1103,19 @@ mod tests {
             .expect("a delta");
         assert!(b.handle_control(ConnId(1), delta));
         assert_eq!(b.peer_interest(&node("a")).map(Interest::len), Some(n + 1));
-        // A part that follows no snapshot of its session and seq is refused.
-        assert!(!b.handle_control(
+        // A part of a newer session waits for its snapshot; one of the session in force is late.
+        assert!(b.handle_control(
             ConnId(1),
             Control::SnapshotPart {
                 session: u64::MAX,
                 seq: 99,
-                updates: Vec::new()
+                updates: vec![Update {
+                    key: plain("later"),
+                    count: 1
+                }]
             }
         ));
+        assert_eq!(b.peer_interest(&node("a")).map(Interest::len), Some(n + 1));
     }
 
     #[test]
