@@ -323,6 +323,8 @@ pub struct MeshHandle {
     pub handed_over: Arc<AtomicU64>,
     /// Duplicate connections retired (finished and read to the end, then closed).
     pub retired: Arc<AtomicU64>,
+    /// Copies still queued for a peer when it went away (its queue is let go of).
+    pub discarded: Arc<AtomicU64>,
 }
 
 impl MeshHandle {
@@ -539,6 +541,7 @@ pub(crate) fn new(
         refused_blocks: Arc::new(AtomicU64::new(0)),
         handed_over: Arc::new(AtomicU64::new(0)),
         retired: Arc::new(AtomicU64::new(0)),
+        discarded: Arc::new(AtomicU64::new(0)),
     };
     let out = (
         Driver {
@@ -759,8 +762,14 @@ impl Driver {
                 })
                 .collect();
             // A node's queue lives while it is a peer or a connection to it is being set up.
-            node_queues
-                .retain(|n, _| queues.contains_key(n) || conns.values().any(|l| &l.node == n));
+            let discarded = &self.handle.discarded;
+            node_queues.retain(|n, q| {
+                let keep = queues.contains_key(n) || conns.values().any(|l| &l.node == n);
+                if !keep {
+                    discarded.fetch_add(q.depth() as u64, Ordering::Relaxed);
+                }
+                keep
+            });
             self.queues.store(Arc::new(queues));
         }
         for link in conns.values() {
@@ -979,6 +988,8 @@ async fn serve_peer(link: PeerTask) {
         Gone,
         /// The peer finished its data stream: it retired this connection as a duplicate.
         PeerRetired,
+        /// This end, retired, wrote its last copy and the peer has read them all.
+        SentAll,
         /// The peer broke the mesh protocol.
         Broken(String),
     }
@@ -1011,9 +1022,11 @@ async fn serve_peer(link: PeerTask) {
             tokio::pin!(notified);
             notified.as_mut().enable();
             if *retire.borrow() {
-                // Retired: what it wrote is all it writes; the peer reads it to the end.
+                // Retired: what it wrote is all it writes. Finish, and wait until the peer has
+                // read it all (`stopped` resolves once the finished stream is acknowledged).
                 let _ = send.finish();
-                return std::future::pending::<End>().await;
+                let _ = send.stopped().await;
+                return End::SentAll;
             }
             if queue.owned_by(id) {
                 queue.take(&mut buf, DATA_WRITE, Instant::now());
@@ -1210,6 +1223,11 @@ async fn serve_peer(link: PeerTask) {
             }
         }
     }
+    // A retired duplicate ends when both sides are done: this end's data stream read to its
+    // end by the peer, and the peer's read here to its end (what it carries is delivered).
+    // Neither writer nor reader is cut short for the other; bounded by RETIRE_WAIT.
+    tokio::pin!(control_out, data_out, inbound);
+    let (mut sent_all, mut peer_done) = (false, false);
     let mut retired = retire.clone();
     let retired_for_long = async move {
         if retired.wait_for(|r| *r).await.is_err() {
@@ -1217,25 +1235,45 @@ async fn serve_peer(link: PeerTask) {
         }
         tokio::time::sleep(RETIRE_WAIT).await;
     };
-    let mut end = tokio::select! {
-        e = control_out => e,
-        e = data_out => e,
-        e = inbound => e,
-        _ = conn.closed() => End::Gone,
-        _ = retired_for_long => End::Gone,
+    tokio::pin!(retired_for_long);
+    let peer_retired_for_long = tokio::time::sleep(Duration::from_secs(u64::MAX >> 8));
+    tokio::pin!(peer_retired_for_long);
+    let end = loop {
+        tokio::select! {
+            e = &mut control_out => break e,
+            e = &mut data_out, if !sent_all => match e {
+                End::SentAll if peer_done => break End::Gone,
+                End::SentAll => sent_all = true,
+                e => break e,
+            },
+            e = &mut inbound, if !peer_done => match e {
+                End::PeerRetired if sent_all => break End::Gone,
+                End::PeerRetired => {
+                    // The peer retired it; this end will too once its mesh sees the other
+                    // connection of the pair (both keep the same one).
+                    peer_done = true;
+                    peer_retired_for_long
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + RETIRE_WAIT);
+                }
+                e => break e,
+            },
+            _ = conn.closed() => break End::Gone,
+            _ = &mut retired_for_long => {
+                warn!(conn = id.0, "a retired mesh connection did not finish within {RETIRE_WAIT:?}: closed; copies on it may be lost");
+                break End::Gone;
+            }
+            _ = &mut peer_retired_for_long, if !*retire.borrow() => {
+                warn!(conn = id.0, "the peer retired a mesh connection this node kept: closed");
+                break End::Gone;
+            }
+        }
     };
-    if let End::PeerRetired = end {
-        // The peer retired it (both ends keep the same connection of a pair): this end will
-        // too, once its mesh sees the other connection; then it is over.
-        let mut retired = retire.clone();
-        let _ = tokio::time::timeout(RETIRE_WAIT, retired.wait_for(|r| *r)).await;
-        end = End::Gone;
-    }
     if *retire.borrow() {
         conn.close(0u32.into(), aqueduct_core::mesh::DUPLICATE.as_bytes());
     }
     let _ = events.send(match end {
-        End::Gone | End::PeerRetired => Event::Closed { conn: id },
+        End::Gone | End::PeerRetired | End::SentAll => Event::Closed { conn: id },
         End::Broken(why) => Event::Broken { conn: id, why },
     });
 }

@@ -153,6 +153,12 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
         }
     }
     out.single(
+        "aqueduct_mesh_discarded_total",
+        "counter",
+        "Copies still queued for a peer when it went away (not sent).",
+        mesh.discarded.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    out.single(
         "aqueduct_mesh_duplicates_retired_total",
         "counter",
         "Duplicate mesh connections (both ends dialed) retired: finished, read to the end, closed.",
