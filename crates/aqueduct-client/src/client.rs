@@ -140,6 +140,11 @@ impl Client {
         let conn = match &opts.transport {
             crate::link::Transport::Quic => crate::link::Link::Quic(conn),
             crate::link::Transport::WebTransport { path } => {
+                let path = if path.starts_with('/') {
+                    path.clone()
+                } else {
+                    format!("/{path}")
+                };
                 let url =
                     url::Url::parse(&format!("https://{}{path}", opts.addr)).map_err(|e| {
                         ConnectError::Connect {

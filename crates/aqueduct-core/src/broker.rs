@@ -1493,10 +1493,14 @@ impl Broker {
                     }
                 });
             };
+            // A dead letter is a message of its own: not bound by the scope of the publish that
+            // caused it (a cluster copy for one group), which is restored after.
+            let outer = ctx.scope.take();
             match self.dead_letter_router.0.get() {
                 Some(router) => router(ctx, &publication, &mut publish_here),
                 None => publish_here(ctx),
             }
+            ctx.scope = outer;
         }
         if let Some((topic, offset)) = logged {
             ctx.dead_letters.push(DeadLetterRecord {

@@ -624,13 +624,13 @@ impl Subscriber {
         out
     }
 
-    /// Detach: take everything queued (not in flight) and refuse anything more, as if closed,
-    /// while in-flight deliveries can still be settled.
     /// Mark its interest told (`true`) or withdrawn (`false`); returns whether that changed it.
     pub(crate) fn set_advertised(&self, on: bool) -> bool {
         self.advertised.swap(on, Ordering::AcqRel) != on
     }
 
+    /// Detach: take everything queued (not in flight) and refuse anything more, as if closed,
+    /// while in-flight deliveries can still be settled.
     pub(crate) fn detach(&self) -> Vec<Delivery> {
         let mut st = self.lock();
         st.detached = true;

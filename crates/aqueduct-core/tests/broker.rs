@@ -1351,3 +1351,45 @@ fn a_member_takes_no_more_than_it_may_have_unsettled_even_before_its_writer_runs
     assert_eq!(drain_all(&b, &narrow, now).len(), 1);
     assert_eq!(drain_all(&b, &wide, now).len(), 9);
 }
+
+/// A dead letter caused by a publish scoped to one group (a cluster copy for that group) is a
+/// message of its own: the dead-letter topic's plain subscribers get it, and the scope holds
+/// again after it.
+#[test]
+fn a_dead_letter_made_during_a_scoped_publish_reaches_plain_subscribers() {
+    let b = Broker::new(BrokerConfig {
+        queue_size: 1,
+        backpressure_policy: OverflowPolicy::Disconnect,
+        max_retries: 0,
+        ..BrokerConfig::default()
+    });
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let member = sub(&b, "topic:jobs:group:g");
+    let dlq = sub(&b, "topic:__dlq__jobs");
+    let plain = sub(&b, "topic:jobs");
+    publish(&b, &mut ctx, "jobs", "first", now);
+    let mut out = BytesMut::new();
+    b.drain(&member, &mut out, 1, now);
+    assert_eq!(member.in_flight(), 1);
+    drain_all(&b, &plain, now);
+    let g = aqueduct_core::mesh::GroupKey {
+        filter: TopicFilter::try_from("jobs").expect("filter"),
+        group: GroupId::try_from("g").expect("group"),
+    };
+    ctx.scope_only(false, std::slice::from_ref(&g));
+    // The member's queue (1) overflows: it is closed as a slow consumer, and its in-flight
+    // message, out of retries, becomes a dead letter.
+    publish(&b, &mut ctx, "jobs", "second", now);
+    publish(&b, &mut ctx, "jobs", "third", now);
+    assert_eq!(member.close_reason(), Some(CloseReason::SlowConsumer));
+    let dead = drain_all(&b, &dlq, now);
+    assert_eq!(
+        bodies(&dead),
+        ["first"],
+        "the dead letter reached its plain subscriber"
+    );
+    // The scope still holds: the plain subscriber of jobs got nothing of the scoped publishes.
+    assert!(drain_all(&b, &plain, now).is_empty());
+    ctx.clear_scope();
+}

@@ -133,8 +133,7 @@ fn transport_config(
     // HTTP/3 needs 3 unidirectional streams (control, QPACK encoder and decoder), and Chromium
     // wants them in the handshake's transport parameters: raised after the handshake, it closes
     // the connection (QUIC_ZERO_RTT_RESUMPTION_LIMIT_REDUCED, "new unidirectional limit 0
-    // decreases the current limit: 3"). Native clients open none (a stream they opened would
-    // only hold the connection's own flow-control window, `receive_window`).
+    // decreases the current limit: 3"). A native client's are refused unread (connection.rs).
     let uni = if webtransport {
         crate::webtransport::H3_UNI_STREAMS
     } else {
@@ -411,8 +410,6 @@ impl Server {
             shared.durable.clone(),
             stop_rx.clone(),
         ));
-        // Saves durable consumers' positions; stopped (and a last save made) once the
-        // connections are closed, below.
         // Renews the browsers' certificate (aborted with the server).
         let _renewer = shared
             .browser_certs
@@ -424,6 +421,8 @@ impl Server {
                 "WebTransport for browsers on the same UDP port (ALPN h3)"
             );
         }
+        // Saves durable consumers' positions; stopped (and a last save made) once the
+        // connections are closed, below.
         let (checkpoint_stop, checkpoint_stop_rx) = watch::channel(false);
         let checkpointer = shared
             .consumers

@@ -35,7 +35,8 @@ pub const SUBPROTOCOL: &str = "aqueduct-v1";
 pub const H3_UNI_STREAMS: u32 = 3;
 /// How long a browser certificate is valid (`serverCertificateHashes` allows at most 14 days).
 const BROWSER_CERT_VALID: Duration = Duration::from_secs(13 * 24 * 3600);
-/// How often it is renewed: a page that fetched the hash keeps working for a week at least.
+/// How often it is renewed. Only the current certificate is shown: a page fetches the hash
+/// before each connect (a hash fetched before a renewal no longer matches after it).
 pub const BROWSER_CERT_RENEW: Duration = Duration::from_secs(6 * 24 * 3600);
 
 /// `webtransport.*` as written.
