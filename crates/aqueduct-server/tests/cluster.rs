@@ -118,28 +118,31 @@ async fn cluster(n: usize) -> Cluster {
 }
 
 async fn cluster_with(n: usize, compression: Compression) -> Cluster {
+    let c = unjoined(n, |_, c| c.cluster.compression = compression).await;
+    // Every node gets every address, its own included (as DNS would answer).
+    let addrs: Vec<SocketAddr> = c.nodes.iter().map(|b| b.addr).collect();
+    for b in &c.nodes {
+        b.control.set_cluster_peers(addrs.clone());
+    }
+    c
+}
+
+/// `n` nodes `node-0`.. of one cluster CA, not told of each other yet; `adjust(i, config)`
+/// configures node `i` further.
+async fn unjoined(n: usize, adjust: impl Fn(usize, &mut aqueduct_server::Config)) -> Cluster {
     let dir = tempfile::tempdir().expect("tempdir");
     let ca = test_ca();
     let ca_file = ca.write(dir.path());
     let mut nodes = Vec::new();
     for i in 0..n {
-        let (cert, key) = ca.peer(dir.path(), &format!("node-{i}"));
-        let cfg = ClusterConfig {
-            enabled: true,
-            peers: Vec::new(),
-            ca_file: Some(ca_file.clone()),
-            cert_file: Some(cert),
-            key_file: Some(key),
-            compression,
-            peer_queue_size: 1024,
-            discovery: None,
-        };
-        nodes.push(TestBroker::start_with(|c| c.cluster = cfg).await);
-    }
-    // Every node gets every address, its own included (as DNS would answer).
-    let addrs: Vec<SocketAddr> = nodes.iter().map(|b| b.addr).collect();
-    for b in &nodes {
-        b.control.set_cluster_peers(addrs.clone());
+        let cfg = node_config(&ca, &ca_file, dir.path(), &format!("node-{i}"), None);
+        nodes.push(
+            TestBroker::start_with(|c| {
+                c.cluster = cfg;
+                adjust(i, c);
+            })
+            .await,
+        );
     }
     Cluster { nodes, _dir: dir }
 }
@@ -799,14 +802,7 @@ impl Drop for Relay {
 /// dial's 10 s timeout) and messages published on one node reach the other's subscribers again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_heals_and_forwarding_resumes() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let ca = test_ca();
-    let ca_file = ca.write(dir.path());
-    let mut nodes = Vec::new();
-    for i in 0..2 {
-        let cfg = node_config(&ca, &ca_file, dir.path(), &format!("node-{i}"), None);
-        nodes.push(TestBroker::start_with(|c| c.cluster = cfg).await);
-    }
+    let Cluster { nodes, _dir } = unjoined(2, |_, _| {}).await;
     // Each node's only way to the other is a relay.
     let to_1 = Relay::start(nodes[1].addr).await;
     let to_0 = Relay::start(nodes[0].addr).await;
@@ -890,20 +886,13 @@ async fn a_partition_heals_and_forwarding_resumes() {
 /// log, and the log holds it after the node stops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_with_the_log_logs_what_other_nodes_publish() {
-    let dir = tempfile::tempdir().expect("tempdir");
     let log_dir = tempfile::tempdir().expect("log dir");
-    let ca = test_ca();
-    let ca_file = ca.write(dir.path());
-    let plain = node_config(&ca, &ca_file, dir.path(), "node-0", None);
-    let logging = node_config(&ca, &ca_file, dir.path(), "node-1", None);
-    let nodes = vec![
-        TestBroker::start_with(|c| c.cluster = plain).await,
-        TestBroker::start_with(|c| {
-            c.cluster = logging;
+    let Cluster { nodes, _dir } = unjoined(2, |i, c| {
+        if i == 1 {
             c.aal = Some(aal(log_dir.path(), aqueduct_log::FsyncMode::Batch));
-        })
-        .await,
-    ];
+        }
+    })
+    .await;
     let addrs: Vec<SocketAddr> = nodes.iter().map(|b| b.addr).collect();
     for b in &nodes {
         b.control.set_cluster_peers(addrs.clone());
@@ -976,21 +965,14 @@ async fn a_node_with_the_log_logs_what_other_nodes_publish() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stuck_block_subscriber_holds_a_peer_s_copies_for_block_timeout_only() {
     use aqueduct_client::OverflowPolicy;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let ca = test_ca();
-    let ca_file = ca.write(dir.path());
-    let cfg0 = node_config(&ca, &ca_file, dir.path(), "node-0", None);
-    let cfg1 = node_config(&ca, &ca_file, dir.path(), "node-1", None);
-    let nodes = [
-        TestBroker::start_with(|c| c.cluster = cfg0).await,
-        TestBroker::start_with(|c| {
-            c.cluster = cfg1;
+    let Cluster { nodes, _dir } = unjoined(2, |i, c| {
+        if i == 1 {
             c.broker.queue_size = 32;
             c.broker.backpressure_policy = OverflowPolicy::Block;
             c.block_timeout = Some(Duration::from_millis(300));
-        })
-        .await,
-    ];
+        }
+    })
+    .await;
     let addrs: Vec<SocketAddr> = nodes.iter().map(|b| b.addr).collect();
     for b in &nodes {
         b.control.set_cluster_peers(addrs.clone());
@@ -1036,14 +1018,7 @@ async fn a_stuck_block_subscriber_holds_a_peer_s_copies_for_block_timeout_only()
 /// the queue went with the connection and the retired one was cut at once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_copy_is_lost_when_a_duplicate_connection_replaces_the_one_in_use() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let ca = test_ca();
-    let ca_file = ca.write(dir.path());
-    let mut nodes = Vec::new();
-    for i in 0..2 {
-        let cfg = node_config(&ca, &ca_file, dir.path(), &format!("node-{i}"), None);
-        nodes.push(TestBroker::start_with(|c| c.cluster = cfg).await);
-    }
+    let Cluster { nodes, _dir } = unjoined(2, |_, _| {}).await;
     // Node 1 dials first: the pair's connection in use is node 1's.
     nodes[1].control.set_cluster_peers(vec![nodes[0].addr]);
     for (i, b) in nodes.iter().enumerate() {
