@@ -224,24 +224,14 @@ pub(crate) async fn handle(
     let mut confirming: Option<Confirming> = None;
     let conn = match connecting.into_0rtt() {
         // With mTLS the client is unknown until the handshake completes: no early data then;
-        // nor with the cluster on (a mesh connection is only known once it completes).
-        Ok((conn, accepted)) if is_h3(&conn, &shared) => {
-            // A WebTransport session starts with HTTP/3 requests: nothing to take early.
-            if tokio::time::timeout(handshake_timeout, accepted)
-                .await
-                .is_err()
-            {
-                conn.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
-                return failed("timed out".into());
-            }
-            // With the cluster on: a peer certificate is no client identity, here as for
-            // aqueduct-v1 (the handshake accepts either CA).
-            if divert(&conn, &shared) {
-                return;
-            }
-            return crate::webtransport::serve(conn, shared, state, shutdown).await;
-        }
-        Ok((conn, accepted)) if !shared.config.tls.require_client_cert && shared.mesh.is_none() => {
+        // nor with the cluster on (a mesh connection is only known once it completes); nor for
+        // WebTransport (a session starts with HTTP/3 requests, and is checked like any client
+        // connection below: a peer certificate is no client identity).
+        Ok((conn, accepted))
+            if !shared.config.tls.require_client_cert
+                && shared.mesh.is_none()
+                && !is_h3(&conn, &shared) =>
+        {
             // Early data is read now; the stream readers hold back what is unsafe to replay
             // until `confirm` runs.
             let (state, conn2, shared2) = (state.clone(), conn.clone(), shared.clone());
