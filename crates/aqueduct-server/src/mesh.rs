@@ -940,6 +940,41 @@ fn dead_letter_of(p: &Publish) -> Option<aqueduct_proto::delivery::DeadLetter<'_
     })
 }
 
+/// Wait while a block-policy subscriber that a copy was published to has no room, as a client's
+/// publish waits: for at most `block_timeout`, then that subscriber is closed as a slow consumer,
+/// so that one stuck subscriber here cannot stop every copy from a peer.
+async fn wait_held(
+    ctx: &mut PublishContext,
+    broker: &Broker,
+    durable: Option<&Durable>,
+    block_timeout: Option<Duration>,
+) {
+    while let Some(sub) = ctx.take_held() {
+        let room = std::future::poll_fn(|cx| sub.poll_room(cx));
+        let timed_out = match block_timeout {
+            Some(limit) => tokio::time::timeout(limit, room).await.is_err(),
+            None => {
+                room.await;
+                false
+            }
+        };
+        if timed_out {
+            let now = Instant::now();
+            let closed = match durable {
+                Some(d) => d.with_order(ctx, |ctx| broker.disconnect_slow(ctx, &sub, now)),
+                None => broker.disconnect_slow(ctx, &sub, now),
+            };
+            if closed {
+                warn!(
+                    filter = %sub.filter(),
+                    "a block-policy subscription held a cluster peer's copies for {:?}: closed it as a slow consumer",
+                    block_timeout.unwrap_or_default()
+                );
+            }
+        }
+    }
+}
+
 /// The first byte of each unidirectional stream says what it carries.
 const CONTROL_STREAM: u8 = 1;
 const DATA_STREAM: u8 = 2;
@@ -1141,6 +1176,25 @@ async fn serve_peer(link: PeerTask) {
                 counters
                     .received
                     .fetch_add(copies.len() as u64, Ordering::Relaxed);
+                let now = Instant::now();
+                // Without the log, a block's copies for plain subscribers only (no group, not
+                // a dead letter) are published as one batch, as a client's PUBLISH_BATCH is:
+                // one lookup and one subscriber lock per run of a topic.
+                let plain_only = |(f, p): &(Forward, Publish)| {
+                    f.plain && f.groups.is_empty() && p.ext.original_topic.is_none()
+                };
+                if durable.is_none() && copies.iter().all(plain_only) {
+                    ctx.scope_only(true, &[]);
+                    broker.publish_batch(
+                        &mut ctx,
+                        copies.iter().map(|(_, p)| Publication::from_publish(p)),
+                        now,
+                        |_, _| {},
+                    );
+                    ctx.clear_scope();
+                    wait_held(&mut ctx, broker, durable, block_timeout).await;
+                    continue;
+                }
                 for (forward, p) in copies {
                     let info = dead_letter_of(&p);
                     let mut publication = Publication::from_publish(&p);
@@ -1152,8 +1206,13 @@ async fn serve_peer(link: PeerTask) {
                         publication = publication.with_attempts(made);
                     }
                     // Its plain part and the groups with a member here; groups whose member
-                    // left are picked again among the nodes the copy has not been to.
-                    let routing = mesh.table().route_forwarded(&forward);
+                    // left are picked again among the nodes the copy has not been to (a copy
+                    // without groups only goes to the plain subscribers here).
+                    let routing = if forward.groups.is_empty() {
+                        aqueduct_core::mesh::Routing::default()
+                    } else {
+                        mesh.table().route_forwarded(&forward)
+                    };
                     if forward.plain || !routing.local_groups.is_empty() {
                         if let Some(d) = durable {
                             d.wait_room().await;
@@ -1161,7 +1220,7 @@ async fn serve_peer(link: PeerTask) {
                         ctx.scope_only(forward.plain, &routing.local_groups);
                         match durable {
                             None => {
-                                broker.publish(&mut ctx, &publication, Instant::now());
+                                broker.publish(&mut ctx, &publication, now);
                             }
                             Some(d) => {
                                 // Logged with the offsets it gets here, in order with what
@@ -1172,7 +1231,7 @@ async fn serve_peer(link: PeerTask) {
                                 } else {
                                     ctx.record_dead_letters();
                                     let one = std::iter::once(publication);
-                                    broker.publish_batch(&mut ctx, one, Instant::now(), |t, o| {
+                                    broker.publish_batch(&mut ctx, one, now, |t, o| {
                                         routed.push((t.clone(), o))
                                     });
                                     d.queue_copies(
@@ -1189,32 +1248,7 @@ async fn serve_peer(link: PeerTask) {
                     // holds a client's publishes: for at most `block_timeout`, then it is
                     // closed as a slow consumer, so that one stuck subscriber here cannot stop
                     // every copy from this peer.
-                    while let Some(sub) = ctx.take_held() {
-                        let room = std::future::poll_fn(|cx| sub.poll_room(cx));
-                        let timed_out = match block_timeout {
-                            Some(limit) => tokio::time::timeout(limit, room).await.is_err(),
-                            None => {
-                                room.await;
-                                false
-                            }
-                        };
-                        if timed_out {
-                            let now = Instant::now();
-                            let closed = match durable {
-                                Some(d) => d.with_order(&mut ctx, |ctx| {
-                                    broker.disconnect_slow(ctx, &sub, now)
-                                }),
-                                None => broker.disconnect_slow(&mut ctx, &sub, now),
-                            };
-                            if closed {
-                                warn!(
-                                    filter = %sub.filter(),
-                                    "a block-policy subscription held a cluster peer's copies for {:?}: closed it as a slow consumer",
-                                    block_timeout.unwrap_or_default()
-                                );
-                            }
-                        }
-                    }
+                    wait_held(&mut ctx, broker, durable, block_timeout).await;
                 }
             }
             if n == 0 {
