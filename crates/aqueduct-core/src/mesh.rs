@@ -228,6 +228,17 @@ pub struct Forward {
     pub visited: Vec<NodeId>,
 }
 
+impl Forward {
+    /// A copy for the plain subscribers only.
+    pub fn plain() -> Forward {
+        Forward {
+            plain: true,
+            groups: Vec::new(),
+            visited: Vec::new(),
+        }
+    }
+}
+
 /// Where a message goes from this node.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Routing {

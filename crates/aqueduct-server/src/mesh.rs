@@ -47,8 +47,6 @@ use crate::mesh_tls::{MeshTls, MESH_NAME};
 
 /// Groups named in one record (255-byte names: its routing stays well under 64 KiB).
 const GROUPS_PER_RECORD: usize = 32;
-/// The MeshForwarded bit of the command byte.
-const MESH_FORWARDED: u8 = 0x80;
 /// A dial that takes longer fails (and is retried after the backoff).
 const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Mesh connections: keep-alive, and how long silence means the peer is gone.
@@ -256,10 +254,11 @@ fn ttl_value_at(frame: &[u8]) -> Option<usize> {
     None
 }
 
-/// The frame a peer receives for a message published here: a PUBLISH with the MeshForwarded
-/// bit, the message's priority, TTL, trace and compression extensions, and its body; a dead
-/// letter also with ORIGINAL_TOPIC, ORIGINAL_OFFSET, ATTEMPTS_MADE and REASON.
-fn forwarded_frame(p: &Publication<'_>) -> Option<Bytes> {
+/// The PUBLISH a peer receives for a message published here (encoded with the MeshForwarded
+/// bit, so that the peer never forwards it again): the message's priority, TTL, trace and
+/// compression extensions and its body; a dead letter also with ORIGINAL_TOPIC,
+/// ORIGINAL_OFFSET, ATTEMPTS_MADE and REASON; a handed-over group message with ATTEMPT.
+fn forwarded_message(p: &Publication<'_>) -> Message {
     let topic = p.topic.to_name();
     let mut publish = Publish::new(topic, Bytes::copy_from_slice(p.body)).with_priority(p.priority);
     if let Some(ttl) = p.ttl {
@@ -277,12 +276,15 @@ fn forwarded_frame(p: &Publication<'_>) -> Option<Bytes> {
         publish.ext.attempts_made = Some(dl.attempts_made);
         publish.ext.reason = Some(dl.reason.to_string());
     }
-    let mut out = BytesMut::new();
-    Frame::new(0, Message::Publish(publish)).encode(&mut out);
-    // The command byte: mark it forwarded, so that the peer never forwards it again.
-    let command = out.get_mut(1)?;
-    *command |= MESH_FORWARDED;
-    Some(out.freeze())
+    Message::Publish(publish)
+}
+
+/// A copy's TTL: where its u32 value is in `record` (from `skip` on) and what it says.
+fn ttl_in(record: &[u8], skip: usize) -> Option<(usize, u32)> {
+    let frame = record.get(skip..)?;
+    let at = ttl_value_at(frame)?;
+    let v = frame.get(at..at + 4)?;
+    Some((skip + at, u32::from_le_bytes([v[0], v[1], v[2], v[3]])))
 }
 
 /// What was sent to one peer (on its current connection).
@@ -388,14 +390,35 @@ impl MeshHandle {
             return;
         }
         let queues = self.queues.load();
-        let Some(frame) = forwarded_frame(p) else {
+        let message = forwarded_message(p);
+        if copies
+            .iter()
+            .all(|(_, f)| f.plain && f.groups.is_empty() && f.visited.is_empty())
+        {
+            // The common case: copies for the peers' plain subscribers only, all alike. One
+            // record (routing, then the frame encoded in place), shared by every peer's queue.
+            let mut routing = Vec::with_capacity(3);
+            encode_forward(&Forward::plain(), &mut routing);
+            let skip = 2 + routing.len();
+            let mut record = BytesMut::with_capacity(skip + message.frame_len());
+            record.put_u16_le(routing.len() as u16);
+            record.extend_from_slice(&routing);
+            message.encode_frame(&mut record, 0, true);
+            let record = record.freeze();
+            // The TTL's place in the record and its value: the queue takes off the time it waits.
+            let ttl = ttl_in(&record, skip);
+            for (node, _) in copies {
+                if let Some(q) = queues.get(node) {
+                    q.push(record.clone(), ttl);
+                }
+            }
             return;
-        };
+        }
+        let mut frame = BytesMut::with_capacity(message.frame_len());
+        message.encode_frame(&mut frame, 0, true);
+        let frame = frame.freeze();
         // The TTL's place in the frame and its value: the queue takes off the time it waits.
-        let ttl = ttl_value_at(&frame).and_then(|at| {
-            let v = frame.get(at..at + 4)?;
-            Some((at, u32::from_le_bytes([v[0], v[1], v[2], v[3]])))
-        });
+        let ttl = ttl_in(&frame, 0);
         for (node, f) in copies {
             let Some(q) = queues.get(node) else { continue };
             // At most GROUPS_PER_RECORD groups a record (its routing fits its length field);
@@ -1315,6 +1338,14 @@ async fn serve_peer(link: PeerTask) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A copy's frame, as `send_copies` encodes it.
+    fn forwarded_frame(p: &Publication<'_>) -> Option<Bytes> {
+        let message = forwarded_message(p);
+        let mut out = BytesMut::with_capacity(message.frame_len());
+        message.encode_frame(&mut out, 0, true);
+        Some(out.freeze())
+    }
 
     fn record() -> Vec<u8> {
         let topic = aqueduct_proto::TopicName::try_from("orders").expect("topic");
