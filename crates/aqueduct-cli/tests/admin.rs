@@ -284,13 +284,6 @@ struct Node {
     _logs: mpsc::Receiver<String>,
 }
 
-fn free_udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .and_then(|s| s.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
 fn start_node(home: &Path, name: &str, port: u16, peers: &[String]) -> Node {
     let certs = home.join("certs");
     let file = |f: &str| certs.join(f).display().to_string();

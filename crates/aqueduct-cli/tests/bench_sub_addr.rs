@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::io::{Read, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -102,64 +101,15 @@ fn sub_addr_of_a_broker_outside_the_cluster_never_sees_the_probes() {
     stop(b);
 }
 
-/// The sum of a metric's samples (every label set), if it has any.
-fn metric(addr: &str, name: &str) -> Option<f64> {
-    let mut s = std::net::TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    let values: Vec<f64> = text
-        .lines()
-        .filter_map(|l| {
-            let rest = l.strip_prefix(name)?;
-            if !(rest.starts_with(' ') || rest.starts_with('{')) {
-                return None;
-            }
-            rest.rsplit(' ').next()?.trim().parse().ok()
-        })
-        .collect();
-    (!values.is_empty()).then(|| values.iter().sum())
-}
-
-fn free_udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .and_then(|s| s.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-/// Node `i` of a cluster of `peers`, certificates in `home/certs`.
+/// Node `i` of a cluster of `peers` (a large queue: the bench's publisher is not held).
 fn node(home: &Path, i: usize, port: u16, peers: &[String]) -> (Child, String, String) {
-    let certs = home.join("certs");
-    let config = home.join(format!("node-{i}.yaml"));
-    std::fs::write(
-        &config,
-        format!(
-            "cluster:\n  enabled: true\n  peers: [{}]\n  tls:\n    ca_file: {ca}\n    cert_file: {cert}\n    key_file: {key}\n",
-            peers.iter().map(|p| format!("\"{p}\"")).collect::<Vec<_>>().join(", "),
-            ca = certs.join("ca.pem").display(),
-            cert = certs.join(format!("node-{i}.pem")).display(),
-            key = certs.join(format!("node-{i}-key.pem")).display(),
-        ),
-    )
-    .expect("config");
-    let node_home = home.join(format!("home-{i}"));
-    std::fs::create_dir_all(&node_home).expect("home");
-    let (child, addr, metrics, _logs) = start_broker_cmd(
-        &node_home,
-        &[
-            "--config",
-            &config.display().to_string(),
-            "--addr",
-            &format!("127.0.0.1:{port}"),
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
+    cluster_node(
+        home,
+        i,
+        port,
+        peers,
         &[("AQUEDUCT_BROKER_QUEUE_SIZE", "100000")],
-    );
-    (child, addr, metrics)
+    )
 }
 
 #[test]

@@ -4,30 +4,12 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-
-fn free_udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .and_then(|s| s.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-fn metric(addr: &str, name: &str) -> Option<f64> {
-    let mut s = std::net::TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-}
 
 fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();
@@ -44,33 +26,7 @@ struct Node {
 }
 
 fn start(home: &Path, i: usize, port: u16, peers: &[String]) -> Node {
-    let certs = home.join("certs");
-    let config = home.join(format!("node-{i}.yaml"));
-    std::fs::write(
-        &config,
-        format!(
-            "cluster:\n  enabled: true\n  peers: [{}]\n  tls:\n    ca_file: {ca}\n    cert_file: {cert}\n    key_file: {key}\n",
-            peers.iter().map(|p| format!("\"{p}\"")).collect::<Vec<_>>().join(", "),
-            ca = certs.join("ca.pem").display(),
-            cert = certs.join(format!("node-{i}.pem")).display(),
-            key = certs.join(format!("node-{i}-key.pem")).display(),
-        ),
-    )
-    .expect("config");
-    let node_home = home.join(format!("home-{i}"));
-    std::fs::create_dir_all(&node_home).expect("home");
-    let (child, addr, metrics, _logs) = start_broker_cmd(
-        &node_home,
-        &[
-            "--config",
-            &config.display().to_string(),
-            "--addr",
-            &format!("127.0.0.1:{port}"),
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
-        &[],
-    );
+    let (child, addr, metrics) = cluster_node(home, i, port, peers, &[]);
     Node {
         child,
         addr,

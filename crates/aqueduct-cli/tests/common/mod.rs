@@ -186,3 +186,75 @@ pub fn admin_addr(logs: &mpsc::Receiver<String>) -> String {
         seen.push(line);
     }
 }
+
+// ----- clusters of real processes -----
+
+/// A UDP port free now (for a node that must be named in the others' `cluster.peers`).
+pub fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// The sum of a metric's samples (every label set) on a metrics endpoint, if it has any.
+pub fn metric(addr: &str, name: &str) -> Option<f64> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let values: Vec<f64> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            if !(rest.starts_with(' ') || rest.starts_with('{')) {
+                return None;
+            }
+            rest.rsplit(' ').next()?.trim().parse().ok()
+        })
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
+}
+
+/// Start `aqueduct-broker` as node `i` of a cluster of `peers` on UDP `port` (certificates
+/// `node-i.pem` / `node-i-key.pem` and `ca.pem` in `home/certs`, its own home `home/home-i`),
+/// with extra environment `env`; returns it, its address and its metrics address.
+pub fn cluster_node(
+    home: &std::path::Path,
+    i: usize,
+    port: u16,
+    peers: &[String],
+    env: &[(&str, &str)],
+) -> (Child, String, String) {
+    let certs = home.join("certs");
+    let config = home.join(format!("node-{i}.yaml"));
+    std::fs::write(
+        &config,
+        format!(
+            "cluster:\n  enabled: true\n  peers: [{}]\n  tls:\n    ca_file: {ca}\n    cert_file: {cert}\n    key_file: {key}\n",
+            peers.iter().map(|p| format!("\"{p}\"")).collect::<Vec<_>>().join(", "),
+            ca = certs.join("ca.pem").display(),
+            cert = certs.join(format!("node-{i}.pem")).display(),
+            key = certs.join(format!("node-{i}-key.pem")).display(),
+        ),
+    )
+    .expect("config");
+    let node_home = home.join(format!("home-{i}"));
+    std::fs::create_dir_all(&node_home).expect("home");
+    let (child, addr, metrics, _logs) = start_broker_cmd(
+        &node_home,
+        &[
+            "--config",
+            &config.display().to_string(),
+            "--addr",
+            &format!("127.0.0.1:{port}"),
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+        env,
+    );
+    (child, addr, metrics)
+}
