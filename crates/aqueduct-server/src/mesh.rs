@@ -9,7 +9,9 @@
 //! writes the queue on a data stream, and the receiving node publishes the copy to its own plain
 //! subscribers (and the groups whose member it picked there) only, never forwarding it again
 //! (but for a group re-pick). A peer's copies travel in blocks, ZSTD-compressed above
-//! `cluster.compression_threshold`. Not built yet: see docs/architecture.md, "The cluster".
+//! `cluster.compression_threshold`. A node's queue of copies belongs to the peer node, written by
+//! the connection the mesh keeps; a duplicate connection is retired, not cut. The decisions and
+//! guarantees: docs/architecture.md, "The cluster"; the wire format: docs/mesh-protocol.md.
 //!
 //! Every connection's task lives in the driver's `JoinSet`, so none outlives the driver, and the
 //! driver stops with the server.
@@ -1340,17 +1342,17 @@ mod tests {
     use super::*;
 
     /// A copy's frame, as `send_copies` encodes it.
-    fn forwarded_frame(p: &Publication<'_>) -> Option<Bytes> {
+    fn forwarded_frame(p: &Publication<'_>) -> Bytes {
         let message = forwarded_message(p);
         let mut out = BytesMut::with_capacity(message.frame_len());
         message.encode_frame(&mut out, 0, true);
-        Some(out.freeze())
+        out.freeze()
     }
 
     fn record() -> Vec<u8> {
         let topic = aqueduct_proto::TopicName::try_from("orders").expect("topic");
         let p = Publication::new(&topic, b"a body that repeats, a body that repeats");
-        let frame = forwarded_frame(&p).expect("frame");
+        let frame = forwarded_frame(&p);
         let mut routing = Vec::new();
         encode_forward(
             &Forward {
@@ -1396,7 +1398,7 @@ mod tests {
 
     /// A record for `p` as `send_copies` queues it, with its TTL's place.
     fn queued(p: &Publication<'_>) -> (Bytes, Option<(usize, u32)>) {
-        let frame = forwarded_frame(p).expect("frame");
+        let frame = forwarded_frame(p);
         let ttl = ttl_value_at(&frame).map(|at| {
             let v = &frame[at..at + 4];
             (at, u32::from_le_bytes([v[0], v[1], v[2], v[3]]))
