@@ -94,7 +94,16 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = &'static str> {
 /// A standard error that cannot be written to (closed, a pipe whose reader left) loses the log
 /// lines but never stops the process: tracing-subscriber would otherwise report the failed write
 /// with `eprintln!`, which panics on the same broken stream.
-pub fn init_logging(filter: tracing_subscriber::EnvFilter) {
+///
+/// web-transport-quinn warns whenever a session ends without its closing capsule (a browser tab
+/// closed, a client that closed its connection): the broker logs the disconnection itself, so
+/// unless the filter names it, that crate logs errors only.
+pub fn init_logging(mut filter: tracing_subscriber::EnvFilter) {
+    if !filter.to_string().contains("web_transport") {
+        if let Ok(quiet) = "web_transport_quinn=error".parse() {
+            filter = filter.add_directive(quiet);
+        }
+    }
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
