@@ -93,6 +93,14 @@ enum Command {
         /// see the broker free idle topics: --count 1000000 --topics 1000000).
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
         topics: u64,
+        /// Start a trace: the message carries a new W3C trace context (sampled), printed on
+        /// stderr as `trace <traceparent>`; a broker with tracing.otlp_endpoint set records
+        /// its publish, route and deliver spans.
+        #[arg(long, conflicts_with = "traceparent")]
+        trace: bool,
+        /// Continue this trace (a W3C traceparent, 00-<trace id>-<span id>-<flags>).
+        #[arg(long, value_name = "TRACEPARENT", value_parser = parse_traceparent)]
+        traceparent: Option<aqueduct_client::TraceContext>,
     },
     /// Subscribe and print each message with its topic, offset and priority.
     Sub {
@@ -558,13 +566,23 @@ async fn run(cli: Cli) -> Result<()> {
             ttl,
             confirm,
             topics,
+            trace,
+            traceparent,
         } => {
+            let trace = match (trace, traceparent) {
+                (true, _) => Some(aqueduct_client::new_trace()),
+                (false, t) => *t,
+            };
+            if let Some(t) = &trace {
+                eprintln!("trace {}", t.to_traceparent());
+            }
             let opts = PublishOptions {
                 priority: Some(
                     Priority::new(*priority).ok_or_else(|| anyhow!("--priority must be 0..=3"))?,
                 ),
                 ttl: *ttl,
                 confirm: *confirm,
+                trace,
             };
             let bodies: Vec<Bytes> = match message {
                 Some(m) => vec![Bytes::from(m.clone())],
@@ -850,9 +868,16 @@ fn describe(msg: &aqueduct_client::Message) -> String {
         }
         line.push(')');
     }
+    if let Some(t) = msg.trace() {
+        line.push_str(&format!(" (trace {})", t.to_traceparent()));
+    }
     line.push_str(": ");
     line.push_str(&String::from_utf8_lossy(msg.body()));
     line
+}
+
+fn parse_traceparent(s: &str) -> Result<aqueduct_client::TraceContext, String> {
+    aqueduct_client::TraceContext::from_traceparent(s)
 }
 
 /// Run the `aqueduct` command line with these arguments (the first is the program name).

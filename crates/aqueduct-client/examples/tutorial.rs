@@ -64,6 +64,7 @@ async fn publish_options(client: &Client) -> anyhow::Result<()> {
         priority: Some(Priority::HIGHEST), // 0; the default is 2, the lowest 3
         ttl: Some(Duration::from_secs(10)),
         confirm: true,
+        ..Default::default() // also `trace`: see docs/howto-tracing.md
     };
     let offset = client.publish_with("alerts", "disk 99%", &urgent).await?; // Some(offset)
     println!("alerts #{}", offset.unwrap_or_default());

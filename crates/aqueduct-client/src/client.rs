@@ -42,6 +42,9 @@ pub struct PublishOptions {
     pub ttl: Option<Duration>,
     /// Wait for the broker to assign offsets (returned) or refuse (error).
     pub confirm: bool,
+    /// Trace context to carry (TRACE extension): the application's current span, or
+    /// [`crate::new_trace`] to start a trace. In a batch, every message carries it.
+    pub trace: Option<crate::TraceContext>,
 }
 
 /// How to subscribe.

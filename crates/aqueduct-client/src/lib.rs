@@ -28,6 +28,7 @@ mod publisher;
 mod reader;
 mod subscription;
 mod tls;
+pub mod trace;
 
 pub use aqueduct_proto::{DurableStart, ErrorCode, OverflowPolicy, Priority};
 pub use client::{Client, PublishOptions, SubscribeOptions};
@@ -36,3 +37,4 @@ pub use link::Transport;
 pub use options::{default_dev_cert_file, ConnectOptions, Trust};
 pub use publisher::Publisher;
 pub use subscription::{Message, Subscription};
+pub use trace::{new_trace, TraceContext};

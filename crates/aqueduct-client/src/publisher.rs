@@ -89,6 +89,7 @@ impl Publisher {
         p.ext.priority = opts.priority;
         p.ext.ttl_ms = ttl_ms(opts);
         p.ext.confirm = opts.confirm;
+        p.ext.trace = opts.trace;
         let offsets = self.send(Wire::Publish(p), opts.confirm).await?;
         Ok(offsets.and_then(|o| o.first().copied()))
     }
@@ -109,7 +110,7 @@ impl Publisher {
                 Some(n) if n.as_str() == t => n,
                 _ => topic(t)?,
             };
-            builder.push(&name, &body, opts.priority, ttl);
+            builder.push_traced(&name, &body, opts.priority, ttl, opts.trace.as_ref());
             last = Some(name);
         }
         let batch = builder.finish(Extensions {

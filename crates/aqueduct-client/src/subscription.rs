@@ -78,6 +78,18 @@ impl Message {
     pub fn attempt(&self) -> u32 {
         self.attempt.unwrap_or(1)
     }
+    /// The message's trace context, if its publisher sent one. With a broker that exports
+    /// traces, its span id is the broker's `publish` span: make the processing span its child.
+    pub fn trace(&self) -> Option<crate::TraceContext> {
+        self.rare.as_ref().and_then(|e| e.trace)
+    }
+
+    /// [`trace`](Self::trace) as an OpenTelemetry span context (remote), to parent a span on.
+    #[cfg(feature = "opentelemetry")]
+    pub fn span_context(&self) -> Option<opentelemetry::trace::SpanContext> {
+        self.trace().map(|t| crate::trace::span_context(&t))
+    }
+
     /// Every extension the broker sent (trace, compression, dead-letter origin, …), as on the
     /// wire.
     pub fn extensions(&self) -> Extensions {

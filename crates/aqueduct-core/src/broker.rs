@@ -1356,13 +1356,26 @@ impl Broker {
         max_bytes: usize,
         now: Instant,
     ) -> Drained {
+        self.drain_observed(sub, out, max_bytes, now, None)
+    }
+
+    /// [`drain`](Self::drain), calling `written` with each delivery as its frame is written
+    /// (for tracing).
+    pub fn drain_observed<B: BufMut>(
+        &self,
+        sub: &Subscriber,
+        out: &mut B,
+        max_bytes: usize,
+        now: Instant,
+        written: Option<&mut dyn FnMut(&Delivery)>,
+    ) -> Drained {
         sub.drain(
             out,
             max_bytes,
             now,
-            self.config.ack_wait,
-            self.config.max_in_flight,
+            (self.config.ack_wait, self.config.max_in_flight),
             &self.latency,
+            written,
         )
     }
 

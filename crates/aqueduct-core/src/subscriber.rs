@@ -66,6 +66,17 @@ impl Delivery {
     pub fn attempt(&self) -> u32 {
         self.attempt
     }
+    /// When the broker accepted the message.
+    pub fn published_at(&self) -> Instant {
+        self.published_at
+    }
+    pub fn body_len(&self) -> usize {
+        self.shared.body_len()
+    }
+    /// The trace context the message carries, if any.
+    pub fn trace(&self) -> Option<aqueduct_proto::TraceContext> {
+        self.shared.trace()
+    }
 }
 
 /// What [`Subscriber::enqueue_many`] did.
@@ -405,9 +416,9 @@ impl Subscriber {
         out: &mut B,
         max_bytes: usize,
         now: Instant,
-        ack_wait: Duration,
-        max_in_flight: usize,
+        (ack_wait, max_in_flight): (Duration, usize),
         latency: &LatencyHistogram,
+        mut written: Option<&mut dyn FnMut(&Delivery)>,
     ) -> Drained {
         let mut done = Drained::default();
         let max_in_flight = self.in_flight_limit(max_in_flight);
@@ -434,6 +445,9 @@ impl Subscriber {
                 d.shared.write_seed_frame(out, self.stream_id);
             } else {
                 d.shared.write_frame(out, self.stream_id, d.attempt);
+            }
+            if let Some(f) = written.as_mut() {
+                f(&d);
             }
             local.observe(now.saturating_duration_since(d.published_at));
             done.frames += 1;

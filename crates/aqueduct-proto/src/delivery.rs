@@ -147,6 +147,23 @@ impl SharedDelivery {
         }
     }
 
+    /// The message's trace context, if it carries one (read from the shared bytes, where its
+    /// entry comes first).
+    pub fn trace(&self) -> Option<TraceContext> {
+        let e = self.bytes.get(..27)?;
+        if usize::from(self.ext_len) < 27 || e[0] != types::TRACE || e[1] != 25 {
+            return None;
+        }
+        let mut t = TraceContext {
+            trace_id: [0; 16],
+            span_id: [0; 8],
+            flags: e[26],
+        };
+        t.trace_id.copy_from_slice(&e[2..18]);
+        t.span_id.copy_from_slice(&e[18..26]);
+        Some(t)
+    }
+
     /// Length of the frame [`write_frame`](Self::write_frame) writes.
     pub fn frame_len(&self) -> usize {
         PREFIX_LEN + self.bytes.len()
@@ -282,7 +299,24 @@ mod tests {
             // Byte-identical to the generic encoder.
             assert_eq!(frame.to_bytes(), bytes);
             assert_eq!(shared.extensions().expect("valid").offset, Some(42));
+            assert_eq!(shared.trace(), Some(trace));
         }
+        // Without a TRACE entry there is none to read, even when the body looks like one.
+        let mut body = vec![types::TRACE, 25];
+        body.extend_from_slice(&[9; 25]);
+        let untraced = SharedDelivery::encode(
+            &mut arena,
+            &DeliveryFields {
+                topic: &topic,
+                offset: 1,
+                priority: Priority::DEFAULT,
+                trace: None,
+                compression: None,
+                dead_letter: None,
+                body: &body,
+            },
+        );
+        assert_eq!(untraced.trace(), None);
     }
 
     #[test]

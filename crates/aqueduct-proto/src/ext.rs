@@ -104,6 +104,68 @@ pub struct TraceContext {
     pub flags: u8,
 }
 
+impl TraceContext {
+    /// The W3C `sampled` flag (bit 0 of `flags`).
+    pub const SAMPLED: u8 = 0x01;
+
+    /// The publisher recorded this trace (W3C `sampled` flag).
+    pub fn is_sampled(&self) -> bool {
+        self.flags & Self::SAMPLED != 0
+    }
+
+    /// The W3C `traceparent` header value: `00-<trace id>-<span id>-<flags>` in lowercase hex.
+    pub fn to_traceparent(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::with_capacity(55);
+        s.push_str("00-");
+        self.trace_id.iter().for_each(|b| {
+            let _ = write!(s, "{b:02x}");
+        });
+        s.push('-');
+        self.span_id.iter().for_each(|b| {
+            let _ = write!(s, "{b:02x}");
+        });
+        let _ = write!(s, "-{:02x}", self.flags);
+        s
+    }
+
+    /// Parse a W3C `traceparent` (version 00; later versions are read by their first four
+    /// fields, as the W3C spec says). All-zero trace or span ids are invalid there and here.
+    pub fn from_traceparent(s: &str) -> Result<TraceContext, String> {
+        let bad = |why: &str| format!("invalid traceparent {s:?}: {why}");
+        let mut parts = s.trim().split('-');
+        let (Some(version), Some(trace), Some(span), Some(flags)) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(bad("expected 00-<32 hex>-<16 hex>-<2 hex>"));
+        };
+        if version.len() != 2 || version == "ff" || (version == "00" && parts.next().is_some()) {
+            return Err(bad("unsupported version"));
+        }
+        fn hex<const N: usize>(s: &str) -> Option<[u8; N]> {
+            if s.len() != 2 * N || !s.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')) {
+                return None;
+            }
+            let mut out = [0u8; N];
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+            }
+            Some(out)
+        }
+        let trace_id = hex::<16>(trace).ok_or_else(|| bad("trace id: 32 lowercase hex digits"))?;
+        let span_id = hex::<8>(span).ok_or_else(|| bad("span id: 16 lowercase hex digits"))?;
+        let [flags] = hex::<1>(flags).ok_or_else(|| bad("flags: 2 lowercase hex digits"))?;
+        if trace_id == [0; 16] || span_id == [0; 8] {
+            return Err(bad("all-zero ids are invalid"));
+        }
+        Ok(TraceContext {
+            trace_id,
+            span_id,
+            flags,
+        })
+    }
+}
+
 /// Body compression, applied by the publisher and undone by the subscriber; the broker does not
 /// look inside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -639,5 +701,32 @@ mod tests {
             assert_eq!(p.as_str().parse::<OverflowPolicy>(), Ok(p));
         }
         assert!("drop_all".parse::<OverflowPolicy>().is_err());
+    }
+
+    #[test]
+    fn traceparent_round_trips_and_rejects_bad_values() {
+        let s = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let t = TraceContext::from_traceparent(s).expect("valid");
+        assert_eq!(t.trace_id[0], 0x4b);
+        assert_eq!(t.span_id[7], 0xb7);
+        assert!(t.is_sampled());
+        assert_eq!(t.to_traceparent(), s);
+        for bad in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            "00-4bf92f3577b34da6a3ce929d0e0e47-00f067aa0ba902b7-01",
+        ] {
+            assert!(TraceContext::from_traceparent(bad).is_err(), "{bad}");
+        }
+        // A later version may add fields.
+        let later = "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-more";
+        assert!(!TraceContext::from_traceparent(later)
+            .expect("v01")
+            .is_sampled());
     }
 }

@@ -501,7 +501,23 @@ impl BatchBuilder {
         priority: Option<Priority>,
         ttl_ms: Option<u32>,
     ) {
-        let entries = 2 + topic.len() + priority.map_or(0, |_| 3) + ttl_ms.map_or(0, |_| 6);
+        self.push_traced(topic, body, priority, ttl_ms, None);
+    }
+
+    /// Append a message to `topic` carrying a trace context.
+    pub fn push_traced(
+        &mut self,
+        topic: &TopicName,
+        body: &[u8],
+        priority: Option<Priority>,
+        ttl_ms: Option<u32>,
+        trace: Option<&crate::ext::TraceContext>,
+    ) {
+        let entries = 2
+            + topic.len()
+            + trace.map_or(0, |_| 27)
+            + priority.map_or(0, |_| 3)
+            + ttl_ms.map_or(0, |_| 6);
         write_header(
             &mut self.buf,
             Opcode::Publish as u8 | crate::header::FLAG_HAS_EXTENSIONS,
@@ -509,6 +525,12 @@ impl BatchBuilder {
             (2 + entries + body.len()) as u32,
         );
         self.buf.put_u16_le(entries as u16);
+        if let Some(t) = trace {
+            self.buf.put_slice(&[crate::ext::types::TRACE, 25]);
+            self.buf.put_slice(&t.trace_id);
+            self.buf.put_slice(&t.span_id);
+            self.buf.put_u8(t.flags);
+        }
         if let Some(p) = priority {
             self.buf
                 .put_slice(&[crate::ext::types::PRIORITY, 1, p.level()]);
@@ -861,12 +883,28 @@ mod tests {
         let mut b = BatchBuilder::new();
         b.push(&topic("x"), b"1", Some(Priority::HIGHEST), Some(5));
         b.push(&topic("y"), b"22", None, None);
+        let trace = crate::TraceContext {
+            trace_id: [7; 16],
+            span_id: [8; 8],
+            flags: 1,
+        };
+        b.push_traced(
+            &topic("z"),
+            b"3",
+            Some(Priority::LOWEST),
+            None,
+            Some(&trace),
+        );
         let built = b.finish(Extensions::default());
+        let mut traced =
+            Publish::new(topic("z"), Bytes::from_static(b"3")).with_priority(Priority::LOWEST);
+        traced.ext.trace = Some(trace);
         let generic = PublishBatch::from_publishes(&[
             Publish::new(topic("x"), Bytes::from_static(b"1"))
                 .with_priority(Priority::HIGHEST)
                 .with_ttl_ms(5),
             Publish::new(topic("y"), Bytes::from_static(b"22")),
+            traced,
         ]);
         assert_eq!(built, generic);
         assert_eq!(

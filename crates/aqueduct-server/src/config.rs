@@ -243,6 +243,7 @@ pub struct RawConfig {
     pub admin: AdminSection,
     pub cluster: ClusterSection,
     pub webtransport: crate::webtransport::WebTransportSection,
+    pub tracing: crate::otel::TracingSection,
 }
 
 impl Default for RawConfig {
@@ -259,6 +260,7 @@ impl Default for RawConfig {
             admin: AdminSection::default(),
             cluster: ClusterSection::default(),
             webtransport: crate::webtransport::WebTransportSection::default(),
+            tracing: crate::otel::TracingSection::default(),
         }
     }
 }
@@ -332,6 +334,9 @@ pub const ENV_KEYS: &[&str] = &[
     "webtransport.enabled",
     "webtransport.listen_addr",
     "webtransport.path_prefix",
+    "tracing.otlp_endpoint",
+    "tracing.sample_ratio",
+    "tracing.service_name",
 ];
 
 /// The seed's environment variables whose names are not `AQUEDUCT_` + the key's path:
@@ -467,6 +472,8 @@ pub struct Config {
     pub cluster: ClusterConfig,
     /// WebTransport for browsers on the broker's port.
     pub webtransport: crate::webtransport::WebTransportConfig,
+    /// OpenTelemetry export, when `tracing.otlp_endpoint` is set.
+    pub tracing: Option<crate::otel::TracingConfig>,
 }
 
 /// The durable log's settings, typed.
@@ -961,6 +968,7 @@ impl RawConfig {
                 .validate(opt_path(&self.tls.client_ca_file).as_deref(), env)?,
             cluster,
             webtransport: self.webtransport.validate()?,
+            tracing: self.tracing.validate()?,
         })
     }
 }

@@ -23,6 +23,7 @@ mod http;
 pub mod mesh;
 pub mod mesh_tls;
 pub mod metrics;
+pub mod otel;
 mod server;
 pub mod stats;
 mod stream;

@@ -561,6 +561,33 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "Time publishing streams spent held by full block-policy subscriber queues.",
         st.publish_held_us.load(Ordering::Relaxed) as f64 / 1e6,
     );
+    if let Some(t) = &shared.tracer {
+        let ts = &t.stats;
+        for (name, help, v) in [
+            (
+                "aqueduct_trace_spans_recorded_total",
+                "Trace spans made (tracing.otlp_endpoint set: publish, route and deliver spans of sampled messages).",
+                &ts.recorded,
+            ),
+            (
+                "aqueduct_trace_spans_exported_total",
+                "Trace spans the collector accepted.",
+                &ts.exported,
+            ),
+            (
+                "aqueduct_trace_spans_dropped_total",
+                "Trace spans lost: the export queue was full, or the collector refused or could not be reached.",
+                &ts.dropped,
+            ),
+            (
+                "aqueduct_trace_export_failures_total",
+                "Export requests to the collector that failed.",
+                &ts.export_failures,
+            ),
+        ] {
+            out.single(name, "counter", help, v.load(Ordering::Relaxed));
+        }
+    }
     if let Some(d) = &shared.durable {
         let ds = &d.stats;
         let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);

@@ -76,6 +76,8 @@ pub(crate) struct Shared {
     pub mesh_tls: Option<Arc<crate::mesh_tls::MeshTls>>,
     /// The certificate browsers get (WebTransport with a generated certificate).
     pub browser_certs: Option<Arc<crate::webtransport::BrowserCerts>>,
+    /// Trace export, when `tracing.otlp_endpoint` is set.
+    pub tracer: Option<Arc<crate::otel::Tracer>>,
 }
 
 impl Shared {
@@ -119,6 +121,8 @@ pub struct Server {
     resolver: Arc<dyn crate::discovery::Resolver>,
     shared: Arc<Shared>,
     dev_cert: Option<PathBuf>,
+    /// Sends the spans to the collector (runs in `serve`).
+    trace_export: Option<crate::otel::Export>,
 }
 
 fn transport_config(
@@ -314,8 +318,17 @@ impl Server {
             }
             None => (None, None),
         };
+        let (tracer, trace_export) = match &config.tracing {
+            Some(t) => {
+                let (tracer, export) =
+                    crate::otel::Tracer::start(t).map_err(ServerError::Startup)?;
+                (Some(tracer), Some(export))
+            }
+            None => (None, None),
+        };
         let endpoint_handle = endpoint.clone();
         Ok(Server {
+            trace_export,
             endpoint,
             metrics,
             admin,
@@ -337,6 +350,7 @@ impl Server {
                 mesh_tls,
                 browser_certs,
                 endpoint: endpoint_handle,
+                tracer,
             }),
             dev_cert,
         })
@@ -397,6 +411,7 @@ impl Server {
             mesh_driver,
             resolver,
             shared,
+            trace_export,
             ..
         } = self;
         info!(
@@ -450,6 +465,9 @@ impl Server {
                 admin_stop_rx,
             ))
         });
+        // Stopped last, once nothing can make spans any more, so the last ones are exported.
+        let (trace_stop, trace_stop_rx) = watch::channel(false);
+        let trace_task = trace_export.map(|e| Owned::spawn(e.run(trace_stop_rx)));
         let (mesh_stop, mesh_stop_rx) = watch::channel(false);
         let mesh_task = mesh_driver.map(|driver| {
             Owned::spawn(driver.run_with_peers(
@@ -515,6 +533,10 @@ impl Server {
         }
         let _ = http_stop.send(true);
         metrics_task.stop_within(Some(Duration::from_secs(1))).await;
+        let _ = trace_stop.send(true);
+        if let Some(task) = trace_task {
+            task.stop_within(Some(Duration::from_secs(12))).await;
+        }
         info!("broker stopped");
         Ok(())
     }

@@ -19,6 +19,7 @@ const CONFIRM: PublishOptions = PublishOptions {
     priority: None,
     ttl: None,
     confirm: true,
+    trace: None,
 };
 
 fn rules(list: &[(&str, &str, &str)]) -> Vec<AclRuleSection> {

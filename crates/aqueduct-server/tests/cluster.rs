@@ -368,6 +368,7 @@ async fn priorities_and_ttl_hold_across_a_hop() {
         confirm: true,
         priority: Some(aqueduct_client::Priority::new(priority).expect("priority")),
         ttl,
+        trace: None,
     };
     publisher
         .publish_with("alerts", "first", &with(2, None))
@@ -1089,4 +1090,69 @@ async fn no_copy_is_lost_when_a_duplicate_connection_replaces_the_one_in_use() {
     for b in nodes {
         b.stop().await.expect("clean shutdown");
     }
+}
+
+/// A traced message published on node 0 and delivered on node 1 is one trace: node 1's
+/// `deliver` span is a child of node 0's `publish` span (the forwarded copy carries the
+/// broker's context), and the subscriber there sees that span as its parent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trace_follows_a_message_across_nodes() {
+    use common::otlp::*;
+    let (received, endpoint, _receiver) = receiver().await;
+    let c = unjoined(2, |i, cfg| {
+        cfg.tracing = Some(aqueduct_server::otel::TracingConfig {
+            service_name: format!("node-{i}"),
+            ..tracing_to(&endpoint, 1.0)
+        })
+    })
+    .await;
+    let addrs: Vec<SocketAddr> = c.nodes.iter().map(|b| b.addr).collect();
+    for b in &c.nodes {
+        b.control.set_cluster_peers(addrs.clone());
+    }
+    formed(&c).await;
+    let far = c.nodes[1].client().await;
+    let mut sub = far.subscribe("audit/#").await.expect("subscribe on node 1");
+    until("node 0 to learn node 1's interest", || {
+        wants(&c.nodes[0], "node-1", "audit/#")
+    })
+    .await;
+    let publisher = c.nodes[0].client().await;
+    let parent = aqueduct_client::new_trace();
+    publisher
+        .publish_with(
+            "audit/login",
+            "alice",
+            &aqueduct_client::PublishOptions {
+                trace: Some(parent),
+                confirm: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("publish");
+    let delivered = next(&mut sub).await.trace().expect("traced");
+    assert_eq!(delivered.trace_id, parent.trace_id);
+    until("publish, route and deliver spans of both nodes", || {
+        received.of_trace(&parent.trace_id).len() >= 3
+    })
+    .await;
+    let spans = received.spans();
+    let of = |name: &str| {
+        spans
+            .iter()
+            .filter(|(_, s)| s.trace_id == parent.trace_id && s.name == name)
+            .collect::<Vec<_>>()
+    };
+    let [(publish_node, publish)] = &of("publish")[..] else {
+        panic!("one publish span: {spans:#?}")
+    };
+    assert_eq!(publish_node, "node-0");
+    assert_eq!(publish.parent_span_id, parent.span_id);
+    assert_eq!(publish.span_id, delivered.span_id);
+    let [(deliver_node, deliver)] = &of("deliver")[..] else {
+        panic!("one deliver span: {spans:#?}")
+    };
+    assert_eq!(deliver_node, "node-1");
+    assert_eq!(deliver.parent_span_id, publish.span_id, "across the hop");
 }

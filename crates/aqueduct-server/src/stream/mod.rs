@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use aqueduct_core::acl::AclCache;
 use aqueduct_core::{
@@ -33,6 +33,7 @@ mod access;
 mod io;
 use crate::consumers::{ClaimError, Consumers};
 use crate::durable::{Durable, Waiter};
+use crate::otel;
 use crate::server::Shared;
 pub(crate) use access::request_revoke;
 use access::revoke;
@@ -412,6 +413,8 @@ impl Reader<'_> {
     }
 
     async fn handle_raw(&mut self, raw: aqueduct_proto::header::RawHeader, data: bytes::Bytes) {
+        // When the frame came off the stream (a traced message's `publish` span starts here).
+        let received = self.shared.tracer.is_some().then(SystemTime::now);
         let header = match raw.validate() {
             Ok(h) => h,
             Err(e) => return self.reject(raw.stream_id, e.code(), e.reason_label(), e.to_string()),
@@ -464,7 +467,7 @@ impl Reader<'_> {
             // The log's queue is full: wait for the writer before routing more.
             d.wait_room().await;
         }
-        self.handle(frame, header.has_extensions);
+        self.handle(frame, header.has_extensions, received);
         self.wait_for_room().await;
     }
 
@@ -516,7 +519,9 @@ impl Reader<'_> {
 
     /// `has_extensions`: the frame carried an extension block (a SUBSCRIBE without one is a
     /// seed-style subscription).
-    fn handle(&mut self, frame: Frame, has_extensions: bool) {
+    ///
+    /// `received`: when the frame came off the stream, if trace export is on.
+    fn handle(&mut self, frame: Frame, has_extensions: bool, received: Option<SystemTime>) {
         let stream_id = frame.stream_id;
         let now = Instant::now();
         let broker = &self.shared.broker;
@@ -524,19 +529,39 @@ impl Reader<'_> {
             Message::Publish(p) => {
                 // Access control and quota were applied by `handle_raw`.
                 self.conn.published.fetch_add(1, Ordering::Relaxed);
-                let publication = Publication::from_publish(&p);
+                let mut publication = Publication::from_publish(&p);
+                // A traced message the broker records: its deliveries name the broker's span.
+                let recording = self.begin_trace(p.ext.trace.as_ref(), received);
+                let traced = recording.as_ref().map(otel::Recording::context);
+                if traced.is_some() {
+                    publication.trace = traced.as_ref();
+                }
+                let route_start = recording.map(|_| SystemTime::now());
+                let mut outcome = None;
                 if let Some(d) = &self.shared.durable {
                     let waiter = self.waiter(stream_id, p.ext.confirm);
-                    return self.publish_durable(d, std::iter::once(publication), waiter, now);
+                    self.publish_durable(d, std::iter::once(publication), waiter, now);
+                } else {
+                    let o = match &self.shared.mesh {
+                        Some(mesh) => mesh.publish(&mut self.ctx, &publication, |ctx| {
+                            broker.publish(ctx, &publication, now)
+                        }),
+                        None => broker.publish(&mut self.ctx, &publication, now),
+                    };
+                    if p.ext.confirm {
+                        self.confirm(stream_id, vec![o.offset]);
+                    }
+                    outcome = Some(o);
                 }
-                let outcome = match &self.shared.mesh {
-                    Some(mesh) => mesh.publish(&mut self.ctx, &publication, |ctx| {
-                        broker.publish(ctx, &publication, now)
-                    }),
-                    None => broker.publish(&mut self.ctx, &publication, now),
-                };
-                if p.ext.confirm {
-                    self.confirm(stream_id, vec![outcome.offset]);
+                if let (Some(r), Some(start)) = (&recording, route_start) {
+                    self.end_trace(
+                        r,
+                        start,
+                        &publication,
+                        outcome.map(|o| o.offset),
+                        outcome.map(|o| o.routed),
+                        1,
+                    );
                 }
             }
             Message::PublishBatch(batch) => {
@@ -544,45 +569,64 @@ impl Reader<'_> {
                 let confirm = batch.ext.confirm;
                 // Validated in full when decoded, so every sub-frame is Ok. Borrowed views, decoded
                 // once into one vector per batch frame (the core looks ahead along it for runs).
-                let refs: Vec<_> = batch.iter_refs().filter_map(Result::ok).collect();
+                let mut refs: Vec<_> = batch.iter_refs().filter_map(Result::ok).collect();
                 if !self.authorize_publish(stream_id, refs.iter().map(|r| r.topic.as_bytes())) {
                     return;
                 }
                 self.conn
                     .published
                     .fetch_add(refs.len() as u64, Ordering::Relaxed);
+                // Traced messages the broker records (by index): their deliveries name the
+                // broker's span.
+                let mut recordings = Vec::new();
+                if self.shared.tracer.is_some() {
+                    for (i, r) in refs.iter_mut().enumerate() {
+                        if let Some(rec) = self.begin_trace(r.trace.as_ref(), received) {
+                            r.trace = Some(rec.context());
+                            recordings.push((i, rec));
+                        }
+                    }
+                }
+                let route_start = SystemTime::now();
+                let want_offsets = confirm || !recordings.is_empty();
                 if let Some(d) = &self.shared.durable {
                     let waiter = self.waiter(stream_id, confirm);
                     let publications = refs.iter().map(Publication::from_ref);
-                    return self.publish_durable(d, publications, waiter, now);
-                }
-                match &self.shared.mesh {
-                    // In a cluster each message is routed on its own: its groups' members may
-                    // be on other nodes — unless no peer wants anything.
-                    Some(mesh) if !mesh.peers_want_nothing() => {
-                        for r in &refs {
-                            let p = Publication::from_ref(r);
-                            let outcome =
-                                mesh.publish(&mut self.ctx, &p, |ctx| broker.publish(ctx, &p, now));
-                            if confirm {
-                                offsets.push(outcome.offset);
+                    self.publish_durable(d, publications, waiter, now);
+                } else {
+                    match &self.shared.mesh {
+                        // In a cluster each message is routed on its own: its groups' members
+                        // may be on other nodes — unless no peer wants anything.
+                        Some(mesh) if !mesh.peers_want_nothing() => {
+                            for r in &refs {
+                                let p = Publication::from_ref(r);
+                                let outcome = mesh
+                                    .publish(&mut self.ctx, &p, |ctx| broker.publish(ctx, &p, now));
+                                if want_offsets {
+                                    offsets.push(outcome.offset);
+                                }
                             }
                         }
-                    }
-                    _ => {
-                        broker.publish_batch(
-                            &mut self.ctx,
-                            refs.iter().map(Publication::from_ref),
-                            now,
-                            |_, o| {
-                                if confirm {
-                                    offsets.push(o);
-                                }
-                            },
-                        );
+                        _ => {
+                            broker.publish_batch(
+                                &mut self.ctx,
+                                refs.iter().map(Publication::from_ref),
+                                now,
+                                |_, o| {
+                                    if want_offsets {
+                                        offsets.push(o);
+                                    }
+                                },
+                            );
+                        }
                     }
                 }
-                if confirm {
+                for (i, rec) in &recordings {
+                    let p = Publication::from_ref(&refs[*i]);
+                    let offset = offsets.get(*i).copied();
+                    self.end_trace(rec, route_start, &p, offset, None, refs.len());
+                }
+                if confirm && self.shared.durable.is_none() {
                     self.confirm(stream_id, offsets);
                 }
             }
@@ -835,6 +879,44 @@ impl Reader<'_> {
         }
     }
 
+    /// Start recording a message with trace context `trace`, if trace export is on and its
+    /// trace is sampled.
+    fn begin_trace(
+        &self,
+        trace: Option<&aqueduct_proto::TraceContext>,
+        received: Option<SystemTime>,
+    ) -> Option<otel::Recording> {
+        let tracer = self.shared.tracer.as_ref()?;
+        tracer.begin(trace?, received.unwrap_or_else(SystemTime::now))
+    }
+
+    /// The `publish` and `route` spans of a recorded message, routed since `route_start`.
+    fn end_trace(
+        &self,
+        r: &otel::Recording,
+        route_start: SystemTime,
+        p: &Publication<'_>,
+        offset: Option<u64>,
+        routed: Option<usize>,
+        batch: usize,
+    ) {
+        if let Some(tracer) = &self.shared.tracer {
+            tracer.published(
+                r,
+                (route_start, SystemTime::now()),
+                &otel::Published {
+                    topic: p.topic.as_bytes(),
+                    priority: p.priority,
+                    body_len: p.body.len(),
+                    offset,
+                    routed,
+                    client: self.conn.identity(),
+                    batch,
+                },
+            );
+        }
+    }
+
     fn waiter(&self, stream_id: u32, confirm: bool) -> Waiter {
         Waiter {
             out: self.out.clone(),
@@ -992,7 +1074,21 @@ fn fill(out: &StreamOut, shared: &Shared, conn: &ConnState, buf: &mut BytesMut, 
         if buf.len() >= budget {
             break;
         }
-        let drained = shared.broker.drain(sub, buf, budget - buf.len(), now);
+        let max = budget - buf.len();
+        let drained = match &shared.tracer {
+            None => shared.broker.drain(sub, buf, max, now),
+            Some(tracer) => {
+                let now_sys = SystemTime::now();
+                let mut written = |d: &aqueduct_core::Delivery| {
+                    if let Some(t) = d.trace().filter(|t| tracer.samples(t)) {
+                        tracer.delivered(d, &t, sub, conn.identity(), now, now_sys);
+                    }
+                };
+                shared
+                    .broker
+                    .drain_observed(sub, buf, max, now, Some(&mut written))
+            }
+        };
         conn.delivered
             .fetch_add(drained.frames as u64, Ordering::Relaxed);
     }

@@ -3,6 +3,8 @@
 //! hand-made frames. Every wait is on a condition, bounded by a timeout.
 #![allow(dead_code)]
 
+pub mod otlp;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -1,0 +1,636 @@
+//! OpenTelemetry export (`tracing.otlp_endpoint`): spans for a traced message's receipt,
+//! routing and each delivery, sent over OTLP/gRPC.
+//!
+//! The broker continues traces, it does not start them: only a message whose publisher sent a
+//! TRACE extension with the W3C `sampled` flag set can be recorded, and of those the fraction
+//! `tracing.sample_ratio`, decided on the trace id (the rule of OpenTelemetry's
+//! `TraceIdRatioBased` sampler, so every node and every service with the same ratio keeps or
+//! drops the same traces).
+//!
+//! For a recorded message the broker makes three kinds of spans:
+//! - `publish` (kind server), child of the publisher's span: from the frame read off the
+//!   stream until it was routed (quota, durable-log room and routing included);
+//! - `route` (internal), child of `publish`: the routing itself;
+//! - `deliver` (producer), child of `publish`, one per subscription the message is written
+//!   to: from the publish until its frame was handed to QUIC.
+//!
+//! The delivered TRACE extension then names the broker's `publish` span (trace id and flags
+//! unchanged), so a subscriber that continues the trace makes its span a child of the
+//! broker's: publisher → broker → subscriber, one trace. Spans are built here as plain data and
+//! exported by one task in batches; nothing of this runs when export is off (`Shared::tracer`
+//! is `None`, one branch per frame and per written delivery batch).
+
+use std::borrow::Cow;
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use aqueduct_core::{Delivery, Subscriber};
+use aqueduct_proto::{Priority, TopicName, TraceContext};
+use opentelemetry::trace::{
+    SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState,
+};
+use opentelemetry::{InstrumentationScope, KeyValue};
+use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanExporter as _, SpanLinks};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, watch};
+use tracing::{debug, info, warn};
+
+use crate::config::{invalid, ConfigError};
+
+/// Spans waiting for the exporter; beyond this they are dropped and counted.
+const QUEUE: usize = 16 * 1024;
+/// Spans per export request.
+const MAX_BATCH: usize = 512;
+/// How long a span may wait for others to fill its batch.
+const BATCH_WAIT: Duration = Duration::from_millis(500);
+/// How long one export request may take.
+const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `tracing.*` as written.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TracingSection {
+    /// The OTLP/gRPC collector, e.g. `http://127.0.0.1:4317`; empty: no export.
+    pub otlp_endpoint: String,
+    /// Fraction of sampled traces the broker records (0.0 ..= 1.0).
+    pub sample_ratio: f64,
+    /// The `service.name` resource attribute.
+    pub service_name: String,
+}
+
+impl Default for TracingSection {
+    fn default() -> Self {
+        TracingSection {
+            otlp_endpoint: String::new(),
+            sample_ratio: 1.0,
+            service_name: "aqueduct".into(),
+        }
+    }
+}
+
+/// Export settings, checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TracingConfig {
+    pub otlp_endpoint: String,
+    pub sample_ratio: f64,
+    pub service_name: String,
+}
+
+// The ratio is checked to be within 0.0..=1.0, never NaN.
+impl Eq for TracingConfig {}
+
+impl TracingSection {
+    /// `None` when export is off. The ratio is checked either way.
+    pub fn validate(&self) -> Result<Option<TracingConfig>, ConfigError> {
+        if !(0.0..=1.0).contains(&self.sample_ratio) {
+            return Err(invalid(
+                "tracing.sample_ratio",
+                format!(
+                    "must be between 0.0 and 1.0 (a fraction of traces), got {}",
+                    self.sample_ratio
+                ),
+            ));
+        }
+        if self.service_name.trim().is_empty() {
+            return Err(invalid("tracing.service_name", "must not be empty"));
+        }
+        let endpoint = self.otlp_endpoint.trim();
+        if endpoint.is_empty() {
+            return Ok(None);
+        }
+        let Some(rest) = endpoint.strip_prefix("http://") else {
+            let problem = if endpoint.starts_with("https://") {
+                format!(
+                    "{endpoint:?}: TLS to the collector is not supported yet; export to a \
+                     collector on this host or network over http:// (e.g. an OpenTelemetry \
+                     Collector agent on 127.0.0.1:4317)"
+                )
+            } else {
+                format!("{endpoint:?}: expected http://HOST:PORT, e.g. http://127.0.0.1:4317")
+            };
+            return Err(invalid("tracing.otlp_endpoint", problem));
+        };
+        let authority = rest.split('/').next().unwrap_or_default();
+        let parsed = url::Url::parse(endpoint);
+        if authority.is_empty()
+            || !parsed.is_ok_and(|u| u.host_str().is_some_and(|h| !h.is_empty()))
+        {
+            return Err(invalid(
+                "tracing.otlp_endpoint",
+                format!("{endpoint:?}: expected http://HOST:PORT, e.g. http://127.0.0.1:4317"),
+            ));
+        }
+        Ok(Some(TracingConfig {
+            otlp_endpoint: endpoint.to_string(),
+            sample_ratio: self.sample_ratio,
+            service_name: self.service_name.trim().to_string(),
+        }))
+    }
+}
+
+/// Counters for `/metrics`.
+#[derive(Debug, Default)]
+pub struct TracerStats {
+    /// Spans made.
+    pub recorded: AtomicU64,
+    /// Spans the collector accepted.
+    pub exported: AtomicU64,
+    /// Spans lost: the queue was full, or the collector refused or could not be reached.
+    pub dropped: AtomicU64,
+    /// Export requests that failed.
+    pub export_failures: AtomicU64,
+}
+
+/// Makes the broker's spans and queues them for the exporter.
+#[derive(Debug)]
+pub struct Tracer {
+    /// Records a sampled trace iff `(lower 64 bits of its trace id) >> 1 < bound`.
+    bound: u64,
+    tx: mpsc::Sender<SpanData>,
+    scope: InstrumentationScope,
+    pub stats: TracerStats,
+}
+
+/// A message being recorded: its trace and the broker's `publish` span.
+#[derive(Debug, Clone, Copy)]
+pub struct Recording {
+    trace_id: [u8; 16],
+    /// The publisher's span.
+    parent: [u8; 8],
+    flags: u8,
+    /// The broker's `publish` span.
+    span_id: [u8; 8],
+    received: SystemTime,
+}
+
+impl Recording {
+    /// The trace context deliveries carry: the broker's `publish` span.
+    pub fn context(&self) -> TraceContext {
+        TraceContext {
+            trace_id: self.trace_id,
+            span_id: self.span_id,
+            flags: self.flags,
+        }
+    }
+}
+
+/// A span's place in its trace.
+struct Ids {
+    trace_id: [u8; 16],
+    flags: u8,
+    span_id: [u8; 8],
+    parent: [u8; 8],
+    remote_parent: bool,
+}
+
+/// What a `publish` span says about its message.
+#[derive(Debug)]
+pub struct Published<'a> {
+    pub topic: &'a [u8],
+    pub priority: Priority,
+    pub body_len: usize,
+    /// Its offset in the topic, when known here.
+    pub offset: Option<u64>,
+    /// Subscriptions it was handed to, when known (a batch's messages are routed together).
+    pub routed: Option<usize>,
+    /// The publishing client's id.
+    pub client: &'a str,
+    /// Messages in the frame (1, or a batch's size).
+    pub batch: usize,
+}
+
+thread_local! {
+    static RNG: Cell<u64> = Cell::new(seed());
+}
+
+fn seed() -> u64 {
+    use ring::rand::SecureRandom;
+    let mut b = [0u8; 8];
+    // A failing system RNG leaves a time-based seed: span ids need only be unique.
+    if ring::rand::SystemRandom::new().fill(&mut b).is_err() {
+        let t = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        b = (t.as_nanos() as u64).to_le_bytes();
+    }
+    u64::from_le_bytes(b) | 1
+}
+
+/// A random non-zero span id (splitmix64 on a per-thread state).
+fn span_id() -> [u8; 8] {
+    RNG.with(|s| {
+        let mut z = s.get().wrapping_add(0x9e37_79b9_7f4a_7c15);
+        s.set(z);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        z.max(1).to_be_bytes()
+    })
+}
+
+/// The sampling bound for `ratio`, as OpenTelemetry's `TraceIdRatioBased` computes it.
+fn bound(ratio: f64) -> u64 {
+    if ratio >= 1.0 {
+        u64::MAX
+    } else {
+        (ratio.max(0.0) * (1u64 << 63) as f64) as u64
+    }
+}
+
+fn to_system(at: Instant, now: Instant, now_sys: SystemTime) -> SystemTime {
+    now_sys
+        .checked_sub(now.saturating_duration_since(at))
+        .unwrap_or(now_sys)
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+impl Tracer {
+    /// The tracer and its export task (run it with [`Export::run`]). Must be called inside a
+    /// tokio runtime (the gRPC channel is set up lazily on it).
+    pub fn start(config: &TracingConfig) -> Result<(Arc<Tracer>, Export), String> {
+        use opentelemetry_otlp::WithExportConfig;
+        let mut exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(config.otlp_endpoint.clone())
+            .with_timeout(EXPORT_TIMEOUT)
+            .build()
+            .map_err(|e| format!("tracing.otlp_endpoint {:?}: {e}", config.otlp_endpoint))?;
+        exporter.set_resource(
+            &opentelemetry_sdk::Resource::builder_empty()
+                .with_service_name(config.service_name.clone())
+                .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+                .build(),
+        );
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let tracer = Arc::new(Tracer {
+            bound: bound(config.sample_ratio),
+            tx,
+            scope: InstrumentationScope::builder("aqueduct-broker")
+                .with_version(env!("CARGO_PKG_VERSION"))
+                .build(),
+            stats: TracerStats::default(),
+        });
+        let export = Export {
+            exporter,
+            rx,
+            tracer: tracer.clone(),
+            endpoint: config.otlp_endpoint.clone(),
+        };
+        Ok((tracer, export))
+    }
+
+    /// Does the broker record this trace?
+    pub fn samples(&self, t: &TraceContext) -> bool {
+        if !t.is_sampled() {
+            return false;
+        }
+        let mut low = [0u8; 8];
+        low.copy_from_slice(&t.trace_id[8..]);
+        (u64::from_be_bytes(low) >> 1) < self.bound
+    }
+
+    /// Start recording a message received at `received`, if its trace is sampled.
+    pub fn begin(&self, t: &TraceContext, received: SystemTime) -> Option<Recording> {
+        self.samples(t).then(|| Recording {
+            trace_id: t.trace_id,
+            parent: t.span_id,
+            flags: t.flags,
+            span_id: span_id(),
+            received,
+        })
+    }
+
+    fn span(
+        &self,
+        ids: Ids,
+        kind: SpanKind,
+        name: &'static str,
+        (start, end): (SystemTime, SystemTime),
+        attributes: Vec<KeyValue>,
+    ) {
+        let span = SpanData {
+            span_context: SpanContext::new(
+                TraceId::from_bytes(ids.trace_id),
+                SpanId::from_bytes(ids.span_id),
+                TraceFlags::new(ids.flags),
+                false,
+                TraceState::default(),
+            ),
+            parent_span_id: SpanId::from_bytes(ids.parent),
+            parent_span_is_remote: ids.remote_parent,
+            span_kind: kind,
+            name: Cow::Borrowed(name),
+            start_time: start,
+            end_time: end.max(start),
+            attributes,
+            dropped_attributes_count: 0,
+            events: SpanEvents::default(),
+            links: SpanLinks::default(),
+            status: Status::Unset,
+            instrumentation_scope: self.scope.clone(),
+        };
+        self.stats.recorded.fetch_add(1, Ordering::Relaxed);
+        if self.tx.try_send(span).is_err() {
+            self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The `publish` and `route` spans of a recorded message: routed from `route.0` to
+    /// `route.1`, done (its answer queued) now.
+    pub fn published(&self, r: &Recording, route: (SystemTime, SystemTime), p: &Published<'_>) {
+        let mut attrs = vec![
+            KeyValue::new("messaging.system", "aqueduct"),
+            KeyValue::new("messaging.operation.name", "publish"),
+            KeyValue::new("messaging.destination.name", text(p.topic)),
+            KeyValue::new("messaging.message.body.size", p.body_len as i64),
+            KeyValue::new("messaging.client.id", p.client.to_string()),
+            KeyValue::new("aqueduct.priority", i64::from(p.priority.level())),
+        ];
+        if let Some(o) = p.offset {
+            attrs.push(KeyValue::new("aqueduct.offset", o as i64));
+        }
+        if p.batch > 1 {
+            attrs.push(KeyValue::new(
+                "messaging.batch.message_count",
+                p.batch as i64,
+            ));
+        }
+        let mut route_attrs = vec![KeyValue::new("messaging.destination.name", text(p.topic))];
+        if let Some(n) = p.routed {
+            route_attrs.push(KeyValue::new("aqueduct.routed", n as i64));
+        }
+        let done = SystemTime::now();
+        self.span(
+            Ids {
+                trace_id: r.trace_id,
+                flags: r.flags,
+                span_id: r.span_id,
+                parent: r.parent,
+                remote_parent: true,
+            },
+            SpanKind::Server,
+            "publish",
+            (r.received, done),
+            attrs,
+        );
+        self.span(
+            Ids {
+                trace_id: r.trace_id,
+                flags: r.flags,
+                span_id: span_id(),
+                parent: r.span_id,
+                remote_parent: false,
+            },
+            SpanKind::Internal,
+            "route",
+            route,
+            route_attrs,
+        );
+    }
+
+    /// The `deliver` span of a recorded message `d` (trace context `t`, which names the
+    /// broker's `publish` span), just written to `sub`'s stream for `client`.
+    pub fn delivered(
+        &self,
+        d: &Delivery,
+        t: &TraceContext,
+        sub: &Subscriber,
+        client: &str,
+        now: Instant,
+        now_sys: SystemTime,
+    ) {
+        let topic: &TopicName = d.topic();
+        let mut attrs = vec![
+            KeyValue::new("messaging.system", "aqueduct"),
+            KeyValue::new("messaging.operation.name", "deliver"),
+            KeyValue::new("messaging.destination.name", topic.as_str().to_string()),
+            KeyValue::new(
+                "messaging.destination.subscription.name",
+                sub.filter().to_string(),
+            ),
+            KeyValue::new("messaging.client.id", client.to_string()),
+            KeyValue::new("messaging.message.body.size", d.body_len() as i64),
+            KeyValue::new("aqueduct.priority", i64::from(d.priority().level())),
+            KeyValue::new("aqueduct.offset", d.offset() as i64),
+            KeyValue::new("aqueduct.attempt", i64::from(d.attempt())),
+            KeyValue::new("aqueduct.stream_id", i64::from(sub.stream_id())),
+        ];
+        if let Some(g) = sub.group() {
+            attrs.push(KeyValue::new(
+                "messaging.consumer.group.name",
+                g.id().to_string(),
+            ));
+        }
+        self.span(
+            Ids {
+                trace_id: t.trace_id,
+                flags: t.flags,
+                span_id: span_id(),
+                parent: t.span_id,
+                // The broker's own publish span, possibly made by another node.
+                remote_parent: false,
+            },
+            SpanKind::Producer,
+            "deliver",
+            (to_system(d.published_at(), now, now_sys), now_sys),
+            attrs,
+        );
+    }
+}
+
+/// Sends the queued spans to the collector in batches.
+#[derive(Debug)]
+pub struct Export {
+    exporter: opentelemetry_otlp::SpanExporter,
+    rx: mpsc::Receiver<SpanData>,
+    tracer: Arc<Tracer>,
+    endpoint: String,
+}
+
+impl Export {
+    /// Export until `stop`, then export what is queued (within `EXPORT_TIMEOUT`) and end.
+    pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
+        info!(endpoint = %self.endpoint, "exporting trace spans (OTLP/gRPC)");
+        let mut batch = Vec::with_capacity(MAX_BATCH);
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                biased;
+                _ = stop.changed() => break,
+                n = self.rx.recv_many(&mut batch, MAX_BATCH) => {
+                    if n == 0 {
+                        break;
+                    }
+                }
+            }
+            // Let a batch fill for a while, unless stopping.
+            let deadline = tokio::time::Instant::now() + BATCH_WAIT;
+            while batch.len() < MAX_BATCH {
+                let room = MAX_BATCH - batch.len();
+                tokio::select! {
+                    biased;
+                    _ = stop.changed() => break,
+                    r = tokio::time::timeout_at(deadline, self.rx.recv_many(&mut batch, room)) => {
+                        if !matches!(r, Ok(n) if n > 0) {
+                            break;
+                        }
+                    }
+                }
+            }
+            failing = self.send(&mut batch, failing).await;
+            if *stop.borrow() {
+                break;
+            }
+        }
+        // Stopping: what is queued still goes out.
+        while let Ok(span) = self.rx.try_recv() {
+            batch.push(span);
+            if batch.len() == MAX_BATCH {
+                failing = self.send(&mut batch, failing).await;
+            }
+        }
+        self.send(&mut batch, failing).await;
+        if let Err(e) = self.exporter.shutdown() {
+            debug!("trace exporter shutdown: {e}");
+        }
+    }
+
+    /// Export `batch` (emptied); returns whether it failed. A failure is logged when the
+    /// export starts failing and when it recovers, not for every request.
+    async fn send(&mut self, batch: &mut Vec<SpanData>, failing: bool) -> bool {
+        if batch.is_empty() {
+            return failing;
+        }
+        let n = batch.len() as u64;
+        let stats = &self.tracer.stats;
+        match self.exporter.export(std::mem::take(batch)).await {
+            Ok(()) => {
+                stats.exported.fetch_add(n, Ordering::Relaxed);
+                if failing {
+                    info!(endpoint = %self.endpoint, "trace export works again");
+                }
+                false
+            }
+            Err(e) => {
+                stats.dropped.fetch_add(n, Ordering::Relaxed);
+                stats.export_failures.fetch_add(1, Ordering::Relaxed);
+                if !failing {
+                    warn!(endpoint = %self.endpoint, "trace export failed, {n} spans lost (aqueduct_trace_spans_dropped_total counts them; logged again when it works): {e}");
+                }
+                true
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trace(low: u64, flags: u8) -> TraceContext {
+        let mut trace_id = [1u8; 16];
+        trace_id[8..].copy_from_slice(&low.to_be_bytes());
+        TraceContext {
+            trace_id,
+            span_id: [2; 8],
+            flags,
+        }
+    }
+
+    /// A tracer whose queue holds one span (kept while the receiver lives).
+    fn tracer_with_queue(ratio: f64) -> (Tracer, mpsc::Receiver<SpanData>) {
+        let (tx, rx) = mpsc::channel(1);
+        let t = Tracer {
+            bound: bound(ratio),
+            tx,
+            scope: InstrumentationScope::builder("t").build(),
+            stats: TracerStats::default(),
+        };
+        (t, rx)
+    }
+
+    fn tracer(ratio: f64) -> Tracer {
+        tracer_with_queue(ratio).0
+    }
+
+    #[test]
+    fn sampling_follows_the_flag_and_the_trace_id_ratio() {
+        let all = tracer(1.0);
+        assert!(all.samples(&trace(u64::MAX, 1)));
+        assert!(!all.samples(&trace(0, 0)), "unsampled by the publisher");
+        assert!(!tracer(0.0).samples(&trace(0, 1)));
+        let tenth = tracer(0.1);
+        // The ratio applies to the trace id's lower 64 bits (>> 1) against ratio * 2^63.
+        assert!(tenth.samples(&trace((u64::MAX / 10) - 1024, 1)));
+        assert!(!tenth.samples(&trace((u64::MAX / 10) + 1024, 1)));
+        // Over many random trace ids, about the ratio.
+        let kept = (0..100_000u64)
+            .filter(|_| tenth.samples(&trace(u64::from_be_bytes(span_id()), 1)))
+            .count();
+        assert!((9_000..11_000).contains(&kept), "{kept}");
+    }
+
+    #[test]
+    fn a_full_queue_drops_and_counts() {
+        let (t, mut rx) = tracer_with_queue(1.0);
+        let r = t.begin(&trace(1, 1), SystemTime::now()).expect("sampled");
+        assert_ne!(r.context().span_id, [2; 8], "the broker's own span");
+        let now = SystemTime::now();
+        let p = Published {
+            topic: b"t",
+            priority: Priority::DEFAULT,
+            body_len: 1,
+            offset: Some(0),
+            routed: Some(1),
+            client: "c",
+            batch: 1,
+        };
+        t.published(&r, (now, now), &p);
+        // publish and route: the queue holds one, the other is dropped.
+        assert_eq!(t.stats.recorded.load(Ordering::Relaxed), 2);
+        assert_eq!(t.stats.dropped.load(Ordering::Relaxed), 1);
+        let publish = rx.try_recv().expect("queued");
+        assert_eq!(publish.name, "publish");
+        assert_eq!(
+            publish.span_context.span_id().to_bytes(),
+            r.context().span_id
+        );
+        assert_eq!(publish.parent_span_id.to_bytes(), [2; 8]);
+    }
+
+    #[test]
+    fn endpoint_and_ratio_are_checked() {
+        let ok = |e: &str| TracingSection {
+            otlp_endpoint: e.into(),
+            ..TracingSection::default()
+        };
+        assert!(matches!(ok("").validate(), Ok(None)));
+        assert!(ok("http://127.0.0.1:4317")
+            .validate()
+            .expect("ok")
+            .is_some());
+        for bad in [
+            "127.0.0.1:4317",
+            "https://collector:4317",
+            "http://",
+            "http://a b",
+        ] {
+            let e = ok(bad).validate().expect_err(bad).to_string();
+            assert!(e.contains("tracing.otlp_endpoint"), "{e}");
+        }
+        let ratio = TracingSection {
+            sample_ratio: 1.5,
+            ..TracingSection::default()
+        };
+        assert!(ratio
+            .validate()
+            .expect_err("ratio")
+            .to_string()
+            .contains("tracing.sample_ratio"));
+    }
+}

@@ -1,0 +1,252 @@
+//! OpenTelemetry export against an in-process OTLP/gRPC receiver: a traced publish produces
+//! `publish`, `route` and `deliver` spans in the publisher's trace, linked parent to child, and
+//! the delivered trace context names the broker's `publish` span.
+
+mod common;
+
+use aqueduct_client::{PublishOptions, SubscribeOptions, TraceContext};
+use common::otlp::*;
+use common::*;
+use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
+
+#[tokio::test]
+async fn a_traced_publish_is_followed_through_routing_and_each_delivery() {
+    let (received, endpoint, _receiver) = receiver().await;
+    let b = TestBroker::start_with(|c| c.tracing = Some(tracing_to(&endpoint, 1.0))).await;
+    let subscriber = b.client().await;
+    let mut plain = subscriber.subscribe("orders/+").await.expect("subscribe");
+    let worker = b.client().await;
+    let mut member = worker
+        .subscribe_with(
+            "orders/#",
+            &SubscribeOptions {
+                group: Some("billing".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("join group");
+    let publisher = b.client().await;
+    let parent =
+        TraceContext::from_traceparent("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+            .expect("valid");
+    let traced = PublishOptions {
+        trace: Some(parent),
+        confirm: true,
+        ..Default::default()
+    };
+    let offset = publisher
+        .publish_with("orders/eu", "traced", &traced)
+        .await
+        .expect("publish")
+        .expect("confirmed");
+    // Not recorded: no trace context, and a trace its publisher did not sample.
+    publisher
+        .publish("orders/eu", "untraced")
+        .await
+        .expect("publish");
+    let unsampled = TraceContext {
+        flags: 0,
+        trace_id: [0x33; 16],
+        ..parent
+    };
+    publisher
+        .publish_with(
+            "orders/eu",
+            "unsampled",
+            &PublishOptions {
+                trace: Some(unsampled),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("publish");
+
+    // The subscribers get the trace id unchanged and the broker's publish span as parent.
+    let got = next(&mut plain).await;
+    assert_eq!(&got.body()[..], b"traced");
+    let delivered = got.trace().expect("trace context delivered");
+    assert_eq!(delivered.trace_id, parent.trace_id);
+    assert_eq!(delivered.flags, parent.flags);
+    assert_ne!(delivered.span_id, parent.span_id, "names the broker's span");
+    let job = next(&mut member).await;
+    assert_eq!(job.trace(), Some(delivered));
+    job.ack().await.expect("ack");
+    // The others arrive untouched.
+    assert_eq!(next(&mut plain).await.trace(), None);
+    assert_eq!(next(&mut plain).await.trace(), Some(unsampled));
+
+    until("publish, route and two deliver spans exported", || {
+        received.of_trace(&parent.trace_id).len() >= 4
+    })
+    .await;
+    let spans = received.of_trace(&parent.trace_id);
+    assert_eq!(spans.len(), 4, "{spans:#?}");
+    let publish = named(&spans, "publish");
+    let [publish] = publish[..] else {
+        panic!("one publish span: {spans:#?}")
+    };
+    assert_eq!(
+        publish.parent_span_id, parent.span_id,
+        "child of the publisher's span"
+    );
+    assert_eq!(publish.span_id, delivered.span_id, "the delivered context");
+    assert_eq!(publish.kind, SpanKind::Server as i32);
+    assert_eq!(
+        str_attr(publish, "messaging.destination.name").as_deref(),
+        Some("orders/eu")
+    );
+    assert_eq!(int_attr(publish, "aqueduct.offset"), Some(offset as i64));
+    assert_eq!(int_attr(publish, "aqueduct.priority"), Some(2));
+    assert_eq!(int_attr(publish, "messaging.message.body.size"), Some(6));
+    let route = named(&spans, "route");
+    let [route] = route[..] else {
+        panic!("one route span: {spans:#?}")
+    };
+    assert_eq!(route.parent_span_id, publish.span_id);
+    assert_eq!(int_attr(route, "aqueduct.routed"), Some(2), "plain + group");
+    let deliveries = named(&spans, "deliver");
+    assert_eq!(deliveries.len(), 2, "one per subscription: {spans:#?}");
+    for d in &deliveries {
+        assert_eq!(d.parent_span_id, publish.span_id);
+        assert_eq!(d.kind, SpanKind::Producer as i32);
+        assert_eq!(int_attr(d, "aqueduct.offset"), Some(offset as i64));
+        assert!(d.end_time_unix_nano >= d.start_time_unix_nano);
+    }
+    let mut filters: Vec<_> = deliveries
+        .iter()
+        .map(|d| str_attr(d, "messaging.destination.subscription.name"))
+        .collect();
+    filters.sort();
+    assert_eq!(
+        filters,
+        [Some("orders/#".to_string()), Some("orders/+".to_string())]
+    );
+    assert!(deliveries
+        .iter()
+        .any(|d| str_attr(d, "messaging.consumer.group.name").as_deref() == Some("billing")));
+    // Distinct span ids, all under the publisher's span.
+    let mut ids: Vec<_> = spans.iter().map(|s| s.span_id.clone()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 4);
+
+    // A batch: each message its own publish span, each delivery under its message's.
+    let batch_parent = aqueduct_client::new_trace();
+    let offsets = publisher
+        .publish_batch(
+            [
+                ("orders/us", bytes::Bytes::from_static(b"b1")),
+                ("orders/us", bytes::Bytes::from_static(b"b2")),
+            ],
+            &PublishOptions {
+                trace: Some(batch_parent),
+                confirm: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("batch")
+        .expect("confirmed");
+    let first = next(&mut plain).await.trace().expect("traced");
+    let second = next(&mut plain).await.trace().expect("traced");
+    assert_ne!(first.span_id, second.span_id);
+    for _ in 0..2 {
+        next(&mut member).await.ack().await.expect("ack");
+    }
+    // 2 × (publish, route, 2 deliveries).
+    until("the batch's spans exported", || {
+        received.of_trace(&batch_parent.trace_id).len() >= 8
+    })
+    .await;
+    let spans = received.of_trace(&batch_parent.trace_id);
+    let publishes = named(&spans, "publish");
+    assert_eq!(publishes.len(), 2);
+    for (p, (ctx, offset)) in publishes
+        .iter()
+        .zip([(first, offsets[0]), (second, offsets[1])])
+    {
+        assert_eq!(p.parent_span_id, batch_parent.span_id);
+        assert_eq!(p.span_id, ctx.span_id);
+        assert_eq!(int_attr(p, "aqueduct.offset"), Some(offset as i64));
+        assert_eq!(int_attr(p, "messaging.batch.message_count"), Some(2));
+        let children = spans
+            .iter()
+            .filter(|s| s.parent_span_id == p.span_id)
+            .count();
+        assert_eq!(children, 3, "route and two deliveries under each publish");
+    }
+
+    b.stop().await.expect("stops");
+    // Nothing else was recorded: the untraced and unsampled messages made no spans.
+    let all = received.spans();
+    assert_eq!(all.len(), 12, "{all:#?}");
+    assert!(all.iter().all(|(service, _)| service == "aqueduct-test"));
+}
+
+#[tokio::test]
+async fn an_unreachable_collector_is_counted_and_delivery_goes_on() {
+    // A port nothing listens on: bound, then closed.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let endpoint = format!("http://{}", closed.local_addr().expect("addr"));
+    drop(closed);
+    let b = TestBroker::start_with(|c| c.tracing = Some(tracing_to(&endpoint, 1.0))).await;
+    let client = b.client().await;
+    let mut sub = client.subscribe("t").await.expect("subscribe");
+    client
+        .publish_with(
+            "t",
+            "x",
+            &PublishOptions {
+                trace: Some(aqueduct_client::new_trace()),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("publish");
+    assert_eq!(&next(&mut sub).await.body()[..], b"x");
+    let mut metrics = String::new();
+    within("the lost spans counted", async {
+        loop {
+            metrics = get(b.metrics_addr, "/metrics").await.1;
+            if value(&metrics, "aqueduct_trace_spans_dropped_total") == Some(3.0) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(
+        value(&metrics, "aqueduct_trace_spans_recorded_total"),
+        Some(3.0)
+    );
+    assert!(value(&metrics, "aqueduct_trace_export_failures_total") >= Some(1.0));
+    assert_eq!(
+        value(&metrics, "aqueduct_trace_spans_exported_total"),
+        Some(0.0)
+    );
+    b.stop().await.expect("stops");
+}
+
+#[tokio::test]
+async fn export_off_makes_no_trace_metrics_and_passes_contexts_unchanged() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let mut sub = client.subscribe("t").await.expect("subscribe");
+    let t = aqueduct_client::new_trace();
+    client
+        .publish_with(
+            "t",
+            "x",
+            &PublishOptions {
+                trace: Some(t),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("publish");
+    assert_eq!(next(&mut sub).await.trace(), Some(t), "passed unchanged");
+    let metrics = get(b.metrics_addr, "/metrics").await.1;
+    assert_eq!(value(&metrics, "aqueduct_trace_spans_recorded_total"), None);
+    b.stop().await.expect("stops");
+}
