@@ -66,6 +66,9 @@ pub struct BenchConfig {
     pub probe: bool,
     /// How long the probes may take to reach the subscribers.
     pub probe_timeout: Duration,
+    /// Every publish frame starts a trace (a new sampled W3C trace context; a batch's messages
+    /// share it): what a broker exporting traces (tracing.otlp_endpoint) records.
+    pub trace: bool,
 }
 
 /// Time between probes.
@@ -525,6 +528,7 @@ async fn send_batch(
     if let [index] = batch {
         let opts = PublishOptions {
             priority: priority_of(*index, &cfg.priority_mix),
+            trace: cfg.trace.then(aqueduct_client::new_trace),
             ..PublishOptions::default()
         };
         publisher
@@ -539,6 +543,7 @@ async fn send_batch(
         // One priority per batch frame: the first message's.
         let opts = PublishOptions {
             priority: priority_of(batch[0], &cfg.priority_mix),
+            trace: cfg.trace.then(aqueduct_client::new_trace),
             ..PublishOptions::default()
         };
         // The messages of a batch leave together: one timestamp for all of them, and one buffer

@@ -221,6 +221,24 @@ enum Command {
         #[arg(long, default_value = "10s", value_parser = humantime_duration)]
         seconds: Duration,
     },
+    /// Receive trace spans over OTLP/gRPC and print them: see what a broker with
+    /// tracing.otlp_endpoint exports without installing a collector. Ends on Ctrl-C, SIGTERM or
+    /// after --spans spans, printing the counts as JSON.
+    #[command(
+        name = "trace-sink",
+        after_help = "Example:\n  aqueduct trace-sink --listen 127.0.0.1:4317 --print\n  AQUEDUCT_TRACING_OTLP_ENDPOINT=http://127.0.0.1:4317 aqueduct-broker"
+    )]
+    TraceSink {
+        /// Address to listen on (TCP).
+        #[arg(long, default_value = "127.0.0.1:4317")]
+        listen: String,
+        /// Print one line per span: service, name, topic, trace, span and parent ids, duration.
+        #[arg(long)]
+        print: bool,
+        /// Stop after receiving this many spans.
+        #[arg(long)]
+        spans: Option<u64>,
+    },
     /// Load test (the seed's aqueduct-bench): publishers → subscribers on a fresh topic;
     /// reports publish and delivery rates, MB/s, losses, duplicates and one-way latency
     /// percentiles. Exits non-zero, saying why, if any message was lost or duplicated.
@@ -286,6 +304,11 @@ enum Command {
         /// after this long.
         #[arg(long, default_value = "15s", value_parser = humantime_duration)]
         probe_timeout: Duration,
+        /// Every publish frame starts a trace (a new sampled W3C trace context, shared by a
+        /// batch's messages), for measuring a broker that exports traces
+        /// (tracing.otlp_endpoint, tracing.sample_ratio).
+        #[arg(long)]
+        trace: bool,
         /// Print one JSON object instead of text (no progress bar).
         #[arg(long)]
         json: bool,
@@ -556,6 +579,19 @@ async fn run(cli: Cli) -> Result<()> {
             ),
         };
     }
+    if let Command::TraceSink {
+        listen,
+        print,
+        spans,
+    } = &cli.command
+    {
+        return crate::trace_sink::run(&crate::trace_sink::SinkOptions {
+            listen: listen.clone(),
+            print: *print,
+            spans: *spans,
+        })
+        .await;
+    }
     let client = connect(&cli).await?;
     match &cli.command {
         Command::Pub {
@@ -700,7 +736,10 @@ async fn run(cli: Cli) -> Result<()> {
             return Ok(());
         }
         // Handled above, before connecting.
-        Command::Cert { .. } | Command::Log { .. } | Command::Admin { .. } => {}
+        Command::Cert { .. }
+        | Command::Log { .. }
+        | Command::Admin { .. }
+        | Command::TraceSink { .. } => {}
         Command::BenchDurable {
             messages,
             payload_size,
@@ -780,6 +819,7 @@ async fn run(cli: Cli) -> Result<()> {
             sub_addr,
             sub_dev_cert,
             probe_timeout,
+            trace,
             json,
         } => {
             use std::io::IsTerminal;
@@ -804,6 +844,7 @@ async fn run(cli: Cli) -> Result<()> {
                 sub_addr: sub_addr.clone(),
                 probe: sub_addr.is_some(),
                 probe_timeout: *probe_timeout,
+                trace: *trace,
             };
             let opts = connect_options(&cli)?;
             let sub_opts = match sub_addr {

@@ -7,6 +7,7 @@ pub mod cert;
 pub mod client_cmd;
 pub mod durable_bench;
 pub mod log_cmd;
+pub mod trace_sink;
 
 use std::ffi::OsString;
 
