@@ -653,6 +653,8 @@ const TEXT_KEYS: &[&str] = &[
     "cluster.discovery.type",
     "cluster.discovery.host",
     "cluster.discovery.interval",
+    "tracing.otlp_endpoint",
+    "tracing.service_name",
 ];
 
 /// Environment values are text; give figment the type the key expects, so `true` and `1024`
@@ -670,6 +672,12 @@ fn parse_env_value(key: &str, v: &str) -> figment::value::Value {
     }
     if let Ok(n) = v.parse::<i64>() {
         return Value::from(n);
+    }
+    // A fraction (tracing.sample_ratio).
+    if let Ok(x) = v.parse::<f64>() {
+        if x.is_finite() {
+            return Value::from(x);
+        }
     }
     Value::from(v.to_string())
 }

@@ -129,6 +129,16 @@ type ErrorCase = (
 fn errors_name_the_key_and_the_problem() {
     let cases: Vec<ErrorCase> = vec![
         (
+            None,
+            &[("AQUEDUCT_TRACING_SAMPLE_RATIO", "2")],
+            "tracing.sample_ratio: must be between 0.0 and 1.0",
+        ),
+        (
+            Some("tracing:\n  otlp_endpoint: https://collector:4317\n"),
+            &[],
+            "tracing.otlp_endpoint: \"https://collector:4317\": TLS to the collector is not supported yet",
+        ),
+        (
             Some("broker:\n  flush_interval: 50xs\n"),
             &[],
             "broker.flush_interval: \"50xs\" is not a duration",
@@ -494,4 +504,45 @@ fn flush_interval_is_bounded_and_access_keys_take_effect() {
         Overrides::default(),
     )
     .expect("AQUEDUCT_ADDR is the client's");
+}
+
+#[test]
+fn tracing_keys_from_the_environment() {
+    let c = load(
+        None,
+        vec![
+            (
+                "AQUEDUCT_TRACING_OTLP_ENDPOINT".into(),
+                "http://127.0.0.1:4317".into(),
+            ),
+            ("AQUEDUCT_TRACING_SAMPLE_RATIO".into(), "0.01".into()),
+            ("AQUEDUCT_TRACING_SERVICE_NAME".into(), "42".into()),
+        ],
+        Overrides::default(),
+    )
+    .expect("loads");
+    let t = c.tracing.expect("export on");
+    assert_eq!(t.otlp_endpoint, "http://127.0.0.1:4317");
+    assert_eq!(t.sample_ratio, 0.01);
+    assert_eq!(t.service_name, "42");
+    let whole = load(
+        None,
+        vec![
+            (
+                "AQUEDUCT_TRACING_OTLP_ENDPOINT".into(),
+                "http://127.0.0.1:4317".into(),
+            ),
+            ("AQUEDUCT_TRACING_SAMPLE_RATIO".into(), "1".into()),
+        ],
+        Overrides::default(),
+    )
+    .expect("loads");
+    assert_eq!(whole.tracing.expect("on").sample_ratio, 1.0);
+    assert_eq!(
+        load(None, vec![], Overrides::default())
+            .expect("defaults")
+            .tracing,
+        None,
+        "off by default"
+    );
 }
