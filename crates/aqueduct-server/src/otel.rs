@@ -14,6 +14,12 @@
 //! - `deliver` (producer), child of `publish`, one per subscription the message is written
 //!   to: from the publish until its frame was handed to QUIC.
 //!
+//! A batch frame's consecutive messages with one trace context and one topic (what a client
+//! sends when it traces the batch as one operation) share one `publish` and one `route` span
+//! (`messaging.batch.message_count`), and the messages of such a run that one writer sends to
+//! one subscription in one go share one `deliver` span: a traced batch of 100 is a handful of
+//! spans, not 300.
+//!
 //! The delivered TRACE extension then names the broker's `publish` span (trace id and flags
 //! unchanged), so a subscriber that continues the trace makes its span a child of the
 //! broker's: publisher → broker → subscriber, one trace. Spans are built here as plain data and
@@ -27,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use aqueduct_core::{Delivery, Subscriber};
-use aqueduct_proto::{Priority, TopicName, TraceContext};
+use aqueduct_proto::{Priority, PublishRef, TopicName, TraceContext};
 use opentelemetry::trace::{
     SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState,
 };
@@ -197,8 +203,74 @@ pub struct Published<'a> {
     pub routed: Option<usize>,
     /// The publishing client's id.
     pub client: &'a str,
-    /// Messages in the frame (1, or a batch's size).
-    pub batch: usize,
+    /// Messages the span covers (a run of a batch frame with one trace context and topic).
+    pub messages: usize,
+    /// The last one's offset, when `messages` > 1 and known.
+    pub last_offset: Option<u64>,
+}
+
+/// The runs of a batch frame's messages that are one `publish` span: consecutive messages with
+/// the same trace context and topic, as (first index, length, context).
+pub fn trace_runs(refs: &[PublishRef<'_>]) -> Vec<(usize, usize, TraceContext)> {
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < refs.len() {
+        let Some(t) = refs[i].trace else {
+            i += 1;
+            continue;
+        };
+        let mut j = i + 1;
+        while j < refs.len() && refs[j].trace == Some(t) && refs[j].topic == refs[i].topic {
+            j += 1;
+        }
+        runs.push((i, j - i, t));
+        i = j;
+    }
+    runs
+}
+
+/// Deliveries that are one `deliver` span: consecutive messages of one recorded trace context
+/// (one `publish` span), topic and attempt, written to one subscription in one go.
+#[derive(Debug)]
+pub struct Delivered {
+    trace: TraceContext,
+    topic: TopicName,
+    attempt: u32,
+    priority: Priority,
+    first_offset: u64,
+    last_offset: u64,
+    messages: usize,
+    bytes: usize,
+    /// When the earliest was published.
+    since: Instant,
+}
+
+impl Delivered {
+    pub fn new(d: &Delivery, trace: TraceContext) -> Delivered {
+        Delivered {
+            trace,
+            topic: d.topic().clone(),
+            attempt: d.attempt(),
+            priority: d.priority(),
+            first_offset: d.offset(),
+            last_offset: d.offset(),
+            messages: 1,
+            bytes: d.body_len(),
+            since: d.published_at(),
+        }
+    }
+
+    /// Take `d` (with context `trace`) into this span if it belongs there.
+    pub fn absorb(&mut self, d: &Delivery, trace: &TraceContext) -> bool {
+        if *trace != self.trace || d.attempt() != self.attempt || d.topic() != &self.topic {
+            return false;
+        }
+        self.last_offset = d.offset();
+        self.messages += 1;
+        self.bytes += d.body_len();
+        self.since = self.since.min(d.published_at());
+        true
+    }
 }
 
 thread_local! {
@@ -354,11 +426,14 @@ impl Tracer {
         if let Some(o) = p.offset {
             attrs.push(KeyValue::new("aqueduct.offset", o as i64));
         }
-        if p.batch > 1 {
+        if p.messages > 1 {
             attrs.push(KeyValue::new(
                 "messaging.batch.message_count",
-                p.batch as i64,
+                p.messages as i64,
             ));
+            if let Some(o) = p.last_offset {
+                attrs.push(KeyValue::new("aqueduct.offset.last", o as i64));
+            }
         }
         let mut route_attrs = vec![KeyValue::new("messaging.destination.name", text(p.topic))];
         if let Some(n) = p.routed {
@@ -393,39 +468,45 @@ impl Tracer {
         );
     }
 
-    /// The `deliver` span of a recorded message `d` (trace context `t`, which names the
+    /// The `deliver` span of the recorded deliveries `g` (their trace context names the
     /// broker's `publish` span), just written to `sub`'s stream for `client`.
     pub fn delivered(
         &self,
-        d: &Delivery,
-        t: &TraceContext,
+        g: &Delivered,
         sub: &Subscriber,
         client: &str,
         now: Instant,
         now_sys: SystemTime,
     ) {
-        let topic: &TopicName = d.topic();
         let mut attrs = vec![
             KeyValue::new("messaging.system", "aqueduct"),
             KeyValue::new("messaging.operation.name", "deliver"),
-            KeyValue::new("messaging.destination.name", topic.as_str().to_string()),
+            KeyValue::new("messaging.destination.name", g.topic.as_str().to_string()),
             KeyValue::new(
                 "messaging.destination.subscription.name",
                 sub.filter().to_string(),
             ),
             KeyValue::new("messaging.client.id", client.to_string()),
-            KeyValue::new("messaging.message.body.size", d.body_len() as i64),
-            KeyValue::new("aqueduct.priority", i64::from(d.priority().level())),
-            KeyValue::new("aqueduct.offset", d.offset() as i64),
-            KeyValue::new("aqueduct.attempt", i64::from(d.attempt())),
+            KeyValue::new("messaging.message.body.size", g.bytes as i64),
+            KeyValue::new("aqueduct.priority", i64::from(g.priority.level())),
+            KeyValue::new("aqueduct.offset", g.first_offset as i64),
+            KeyValue::new("aqueduct.attempt", i64::from(g.attempt)),
             KeyValue::new("aqueduct.stream_id", i64::from(sub.stream_id())),
         ];
-        if let Some(g) = sub.group() {
+        if g.messages > 1 {
+            attrs.push(KeyValue::new(
+                "messaging.batch.message_count",
+                g.messages as i64,
+            ));
+            attrs.push(KeyValue::new("aqueduct.offset.last", g.last_offset as i64));
+        }
+        if let Some(group) = sub.group() {
             attrs.push(KeyValue::new(
                 "messaging.consumer.group.name",
-                g.id().to_string(),
+                group.id().to_string(),
             ));
         }
+        let t = &g.trace;
         self.span(
             Ids {
                 trace_id: t.trace_id,
@@ -437,7 +518,7 @@ impl Tracer {
             },
             SpanKind::Producer,
             "deliver",
-            (to_system(d.published_at(), now, now_sys), now_sys),
+            (to_system(g.since, now, now_sys), now_sys),
             attrs,
         );
     }
@@ -588,7 +669,8 @@ mod tests {
             offset: Some(0),
             routed: Some(1),
             client: "c",
-            batch: 1,
+            messages: 1,
+            last_offset: None,
         };
         t.published(&r, (now, now), &p);
         // publish and route: the queue holds one, the other is dropped.
@@ -632,5 +714,33 @@ mod tests {
             .expect_err("ratio")
             .to_string()
             .contains("tracing.sample_ratio"));
+    }
+
+    #[test]
+    fn a_batch_is_one_publish_span_per_run_of_one_context_and_topic() {
+        let topic = |t: &'static str| aqueduct_proto::TopicRef::new(t.as_bytes()).expect("valid");
+        let (a, b) = (trace(1, 1), trace(2, 1));
+        let msg = |t: &'static str, trace: Option<TraceContext>| PublishRef {
+            topic: topic(t),
+            body: b"",
+            priority: Priority::DEFAULT,
+            ttl_ms: None,
+            trace,
+            compression: None,
+        };
+        let refs = [
+            msg("x", Some(a)),
+            msg("x", Some(a)),
+            msg("y", Some(a)),
+            msg("y", None),
+            msg("y", Some(b)),
+            msg("y", Some(b)),
+            msg("y", Some(a)),
+        ];
+        assert_eq!(
+            trace_runs(&refs),
+            [(0, 2, a), (2, 1, a), (4, 2, b), (6, 1, a)],
+            "split by topic and by context; untraced messages are in none"
+        );
     }
 }

@@ -75,6 +75,11 @@ async fn a_traced_publish_is_followed_through_routing_and_each_delivery() {
     // The others arrive untouched.
     assert_eq!(next(&mut plain).await.trace(), None);
     assert_eq!(next(&mut plain).await.trace(), Some(unsampled));
+    for want in [None, Some(unsampled)] {
+        let m = next(&mut member).await;
+        assert_eq!(m.trace(), want);
+        m.ack().await.expect("ack");
+    }
 
     until("publish, route and two deliver spans exported", || {
         received.of_trace(&parent.trace_id).len() >= 4
@@ -131,7 +136,8 @@ async fn a_traced_publish_is_followed_through_routing_and_each_delivery() {
     ids.dedup();
     assert_eq!(ids.len(), 4);
 
-    // A batch: each message its own publish span, each delivery under its message's.
+    // A batch traced as one operation: one publish and one route span for its messages, which
+    // all name that publish span; deliver spans cover what one writer sent at once.
     let batch_parent = aqueduct_client::new_trace();
     let offsets = publisher
         .publish_batch(
@@ -150,37 +156,52 @@ async fn a_traced_publish_is_followed_through_routing_and_each_delivery() {
         .expect("confirmed");
     let first = next(&mut plain).await.trace().expect("traced");
     let second = next(&mut plain).await.trace().expect("traced");
-    assert_ne!(first.span_id, second.span_id);
+    assert_eq!(first, second, "one publish span for the run");
     for _ in 0..2 {
-        next(&mut member).await.ack().await.expect("ack");
+        let m = next(&mut member).await;
+        assert_eq!(m.trace(), Some(first));
+        m.ack().await.expect("ack");
     }
-    // 2 × (publish, route, 2 deliveries).
+    let covered = |spans: &[Span], filter: &str| -> i64 {
+        named(spans, "deliver")
+            .iter()
+            .filter(|d| {
+                str_attr(d, "messaging.destination.subscription.name").as_deref() == Some(filter)
+            })
+            .map(|d| int_attr(d, "messaging.batch.message_count").unwrap_or(1))
+            .sum()
+    };
     until("the batch's spans exported", || {
-        received.of_trace(&batch_parent.trace_id).len() >= 8
+        let spans = received.of_trace(&batch_parent.trace_id);
+        covered(&spans, "orders/+") == 2 && covered(&spans, "orders/#") == 2
     })
     .await;
     let spans = received.of_trace(&batch_parent.trace_id);
-    let publishes = named(&spans, "publish");
-    assert_eq!(publishes.len(), 2);
-    for (p, (ctx, offset)) in publishes
-        .iter()
-        .zip([(first, offsets[0]), (second, offsets[1])])
-    {
-        assert_eq!(p.parent_span_id, batch_parent.span_id);
-        assert_eq!(p.span_id, ctx.span_id);
-        assert_eq!(int_attr(p, "aqueduct.offset"), Some(offset as i64));
-        assert_eq!(int_attr(p, "messaging.batch.message_count"), Some(2));
-        let children = spans
-            .iter()
-            .filter(|s| s.parent_span_id == p.span_id)
-            .count();
-        assert_eq!(children, 3, "route and two deliveries under each publish");
+    let publish = named(&spans, "publish");
+    let [publish] = publish[..] else {
+        panic!("one publish span for the batch: {spans:#?}")
+    };
+    assert_eq!(publish.parent_span_id, batch_parent.span_id);
+    assert_eq!(publish.span_id, first.span_id);
+    assert_eq!(int_attr(publish, "messaging.batch.message_count"), Some(2));
+    assert_eq!(
+        int_attr(publish, "aqueduct.offset"),
+        Some(offsets[0] as i64)
+    );
+    assert_eq!(
+        int_attr(publish, "aqueduct.offset.last"),
+        Some(offsets[1] as i64)
+    );
+    assert_eq!(named(&spans, "route").len(), 1);
+    for s in spans.iter().filter(|s| s.name != "publish") {
+        assert_eq!(s.parent_span_id, publish.span_id, "{s:#?}");
     }
+    let batch_spans = spans.len();
 
     b.stop().await.expect("stops");
     // Nothing else was recorded: the untraced and unsampled messages made no spans.
     let all = received.spans();
-    assert_eq!(all.len(), 12, "{all:#?}");
+    assert_eq!(all.len(), 4 + batch_spans, "{all:#?}");
     assert!(all.iter().all(|(service, _)| service == "aqueduct-test"));
 }
 

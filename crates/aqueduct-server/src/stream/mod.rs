@@ -554,11 +554,12 @@ impl Reader<'_> {
                     outcome = Some(o);
                 }
                 if let (Some(r), Some(start)) = (&recording, route_start) {
+                    let offset = outcome.map(|o| o.offset);
                     self.end_trace(
                         r,
                         start,
                         &publication,
-                        outcome.map(|o| o.offset),
+                        (offset, offset),
                         outcome.map(|o| o.routed),
                         1,
                     );
@@ -576,14 +577,17 @@ impl Reader<'_> {
                 self.conn
                     .published
                     .fetch_add(refs.len() as u64, Ordering::Relaxed);
-                // Traced messages the broker records (by index): their deliveries name the
-                // broker's span.
+                // Traced runs the broker records (first index, length): one publish span each,
+                // which their deliveries name.
                 let mut recordings = Vec::new();
                 if self.shared.tracer.is_some() {
-                    for (i, r) in refs.iter_mut().enumerate() {
-                        if let Some(rec) = self.begin_trace(r.trace.as_ref(), received) {
-                            r.trace = Some(rec.context());
-                            recordings.push((i, rec));
+                    for (first, len, t) in otel::trace_runs(&refs) {
+                        if let Some(rec) = self.begin_trace(Some(&t), received) {
+                            let ctx = rec.context();
+                            refs[first..first + len]
+                                .iter_mut()
+                                .for_each(|r| r.trace = Some(ctx));
+                            recordings.push((first, len, rec));
                         }
                     }
                 }
@@ -621,10 +625,13 @@ impl Reader<'_> {
                         }
                     }
                 }
-                for (i, rec) in &recordings {
-                    let p = Publication::from_ref(&refs[*i]);
-                    let offset = offsets.get(*i).copied();
-                    self.end_trace(rec, route_start, &p, offset, None, refs.len());
+                for (first, len, rec) in &recordings {
+                    let p = Publication::from_ref(&refs[*first]);
+                    let offsets = (
+                        offsets.get(*first).copied(),
+                        offsets.get(first + len - 1).copied(),
+                    );
+                    self.end_trace(rec, route_start, &p, offsets, None, *len);
                 }
                 if confirm && self.shared.durable.is_none() {
                     self.confirm(stream_id, offsets);
@@ -890,15 +897,16 @@ impl Reader<'_> {
         tracer.begin(trace?, received.unwrap_or_else(SystemTime::now))
     }
 
-    /// The `publish` and `route` spans of a recorded message, routed since `route_start`.
+    /// The `publish` and `route` spans of recorded messages (`messages` of them, the first
+    /// `p`, with the first and last offsets when known), routed since `route_start`.
     fn end_trace(
         &self,
         r: &otel::Recording,
         route_start: SystemTime,
         p: &Publication<'_>,
-        offset: Option<u64>,
+        (offset, last_offset): (Option<u64>, Option<u64>),
         routed: Option<usize>,
-        batch: usize,
+        messages: usize,
     ) {
         if let Some(tracer) = &self.shared.tracer {
             tracer.published(
@@ -911,7 +919,8 @@ impl Reader<'_> {
                     offset,
                     routed,
                     client: self.conn.identity(),
-                    batch,
+                    messages,
+                    last_offset,
                 },
             );
         }
@@ -1079,14 +1088,28 @@ fn fill(out: &StreamOut, shared: &Shared, conn: &ConnState, buf: &mut BytesMut, 
             None => shared.broker.drain(sub, buf, max, now),
             Some(tracer) => {
                 let now_sys = SystemTime::now();
-                let mut written = |d: &aqueduct_core::Delivery| {
-                    if let Some(t) = d.trace().filter(|t| tracer.samples(t)) {
-                        tracer.delivered(d, &t, sub, conn.identity(), now, now_sys);
-                    }
+                // Consecutive deliveries of one recorded run are one deliver span.
+                let mut span: Option<otel::Delivered> = None;
+                let drained = {
+                    let mut written = |d: &aqueduct_core::Delivery| {
+                        let Some(t) = d.trace().filter(|t| tracer.samples(t)) else {
+                            return;
+                        };
+                        if span.as_mut().is_some_and(|g| g.absorb(d, &t)) {
+                            return;
+                        }
+                        if let Some(done) = span.replace(otel::Delivered::new(d, t)) {
+                            tracer.delivered(&done, sub, conn.identity(), now, now_sys);
+                        }
+                    };
+                    shared
+                        .broker
+                        .drain_observed(sub, buf, max, now, Some(&mut written))
                 };
-                shared
-                    .broker
-                    .drain_observed(sub, buf, max, now, Some(&mut written))
+                if let Some(done) = span {
+                    tracer.delivered(&done, sub, conn.identity(), now, now_sys);
+                }
+                drained
             }
         };
         conn.delivered
