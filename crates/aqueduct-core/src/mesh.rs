@@ -840,6 +840,14 @@ impl RouteTable {
             .collect()
     }
 
+    /// Does a consumer group of any node match `topic` (then each message is routed on its
+    /// own: the groups' round-robin picks per message)?
+    pub fn groups_match(&self, topic: &[u8]) -> bool {
+        self.nodes
+            .iter()
+            .any(|(_, i)| i.groups_for_bytes(topic).next().is_some())
+    }
+
     /// Are there groups anywhere (else routing is plain only, and cheaper)?
     pub fn has_groups(&self) -> bool {
         self.counters.values().next().is_some()

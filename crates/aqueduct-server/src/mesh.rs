@@ -187,6 +187,37 @@ impl PeerQueue {
         self.notify.notify_waiters();
     }
 
+    /// Queue `records` (each with its TTL's place and value), in order: one lock and one wake
+    /// for all of them.
+    fn push_many(&self, records: &[(Bytes, Option<(usize, u32)>)]) {
+        if records.is_empty() {
+            return;
+        }
+        let queued = Instant::now();
+        {
+            let mut guard = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+            let (q, bytes) = &mut *guard;
+            for (record, ttl) in records {
+                while !q.is_empty()
+                    && (q.len() >= self.capacity || *bytes + record.len() > PEER_QUEUE_BYTES)
+                {
+                    if let Some(old) = q.pop_front() {
+                        *bytes -= old.record.len();
+                    }
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                *bytes += record.len();
+                q.push_back(Queued {
+                    record: record.clone(),
+                    ttl: ttl.map(|(at, ms)| QueuedTtl { at, ms, queued }),
+                });
+            }
+        }
+        self.forwarded
+            .fetch_add(records.len() as u64, Ordering::Relaxed);
+        self.notify.notify_waiters();
+    }
+
     /// Make `conn` the connection that writes the copies (and wake the writers to see it).
     fn set_owner(&self, conn: ConnId) {
         if self.owner.swap(conn.0, Ordering::AcqRel) != conn.0 {
@@ -281,12 +312,95 @@ fn forwarded_message(p: &Publication<'_>) -> Message {
     Message::Publish(publish)
 }
 
+/// [`forwarded_message`] encoded as a frame (with the MeshForwarded bit), written straight from
+/// the borrowed publication into `out`: the same bytes, without the owned `Publish` (a copy of
+/// the topic and the body). Dead letters and handed-over messages, rare, go the long way.
+fn encode_forwarded(p: &Publication<'_>, out: &mut BytesMut) {
+    use aqueduct_proto::ext::types;
+    use aqueduct_proto::header::{FLAG_HAS_EXTENSIONS, FLAG_MESH_FORWARDED};
+    if p.attempts() > 0 || p.dead_letter().is_some() {
+        forwarded_message(p).encode_frame(out, 0, true);
+        return;
+    }
+    let topic = p.topic.as_bytes();
+    let ttl = p
+        .ttl
+        .map(|t| u32::try_from(t.as_millis()).unwrap_or(u32::MAX));
+    let ext_len = p.trace.map_or(0, |_| 27)
+        + p.compression.map_or(0, |_| 7)
+        + 3
+        + 2
+        + topic.len()
+        + ttl.map_or(0, |_| 6);
+    let data_len = 2 + ext_len + p.body.len();
+    out.reserve(HEADER_LEN + data_len);
+    out.put_u8(aqueduct_proto::MAGIC);
+    out.put_u8(aqueduct_proto::Opcode::Publish as u8 | FLAG_HAS_EXTENSIONS | FLAG_MESH_FORWARDED);
+    out.put_u32_le(0);
+    out.put_u32_le(data_len as u32);
+    out.put_u16_le(ext_len as u16);
+    if let Some(t) = p.trace {
+        out.put_slice(&[types::TRACE, 25]);
+        out.put_slice(&t.trace_id);
+        out.put_slice(&t.span_id);
+        out.put_u8(t.flags);
+    }
+    if let Some(c) = p.compression {
+        out.put_slice(&[types::COMPRESSION, 5, c.algorithm]);
+        out.put_u32_le(c.uncompressed_len);
+    }
+    // TopicName guarantees 1..=255 bytes.
+    out.put_slice(&[
+        types::PRIORITY,
+        1,
+        p.priority.level(),
+        types::TOPIC,
+        topic.len() as u8,
+    ]);
+    out.put_slice(topic);
+    if let Some(ms) = ttl {
+        out.put_slice(&[types::TTL, 4]);
+        out.put_u32_le(ms);
+    }
+    out.put_slice(p.body);
+}
+
 /// A copy's TTL: where its u32 value is in `record` (from `skip` on) and what it says.
 fn ttl_in(record: &[u8], skip: usize) -> Option<(usize, u32)> {
     let frame = record.get(skip..)?;
     let at = ttl_value_at(frame)?;
     let v = frame.get(at..at + 4)?;
     Some((skip + at, u32::from_le_bytes([v[0], v[1], v[2], v[3]])))
+}
+
+/// Are `copies` for the peers' plain subscribers only (then they are all alike)? Which nodes a
+/// copy has been to does not count: only a group's re-pick reads it.
+fn plain_only(copies: &[(NodeId, Forward)]) -> bool {
+    copies.iter().all(|(_, f)| f.plain && f.groups.is_empty())
+}
+
+/// The records of copies of `run` for the peers' plain subscribers (the same for every peer):
+/// encoded one after the other into one buffer, each with its TTL's place and value (the queue
+/// takes off the time a copy waits).
+fn plain_records(run: &[Publication<'_>]) -> Vec<(Bytes, Option<(usize, u32)>)> {
+    let mut routing = Vec::with_capacity(3);
+    encode_forward(&Forward::plain(), &mut routing);
+    let skip = 2 + routing.len();
+    let size: usize = run
+        .iter()
+        .map(|p| skip + HEADER_LEN + 48 + p.topic.as_bytes().len() + p.body.len())
+        .sum();
+    let mut buf = BytesMut::with_capacity(size);
+    run.iter()
+        .map(|p| {
+            buf.put_u16_le(routing.len() as u16);
+            buf.put_slice(&routing);
+            encode_forwarded(p, &mut buf);
+            let record = buf.split().freeze();
+            let ttl = ttl_in(&record, skip);
+            (record, ttl)
+        })
+        .collect()
 }
 
 /// What was sent to one peer (on its current connection).
@@ -386,38 +500,72 @@ impl MeshHandle {
         out
     }
 
+    /// Publish a publish frame's messages, in order: like [`publish`](Self::publish) for each,
+    /// but a run of messages to one topic that no consumer group matches anywhere is routed
+    /// once, published here with one `local` call (so the core routes it as a run), and its
+    /// copies are encoded into one buffer and queued for each peer with one lock and one wake.
+    /// Messages of a topic a group matches go one by one (the round-robin picks per message).
+    pub fn publish_batch<'p>(
+        &self,
+        ctx: &mut PublishContext,
+        pubs: &[Publication<'p>],
+        mut local: impl FnMut(&mut PublishContext, &[Publication<'p>]),
+    ) {
+        let table = self.table.load();
+        if table.peers_want_nothing() {
+            return local(ctx, pubs);
+        }
+        let mut i = 0;
+        while i < pubs.len() {
+            let topic = pubs[i].topic;
+            let len = pubs[i..].iter().take_while(|p| p.topic == topic).count();
+            let run = &pubs[i..i + len];
+            i += len;
+            if table.groups_match(topic.as_bytes())
+                || run
+                    .iter()
+                    .any(|p| p.attempts() > 0 || p.dead_letter().is_some())
+            {
+                for p in run {
+                    self.publish(ctx, p, |ctx| local(ctx, std::slice::from_ref(p)));
+                }
+                continue;
+            }
+            local(ctx, run);
+            let queues = self.queues.load();
+            let peers: Vec<&Arc<PeerQueue>> = table
+                .plain_peers(topic.as_bytes())
+                .filter_map(|n| queues.get(n))
+                .collect();
+            if peers.is_empty() {
+                continue;
+            }
+            let records = plain_records(run);
+            for q in peers {
+                q.push_many(&records);
+            }
+        }
+    }
+
     /// Queue a copy of `p` for each of `copies`.
     fn send_copies(&self, p: &Publication<'_>, copies: &[(NodeId, Forward)]) {
         if copies.is_empty() {
             return;
         }
         let queues = self.queues.load();
-        let message = forwarded_message(p);
-        if copies
-            .iter()
-            .all(|(_, f)| f.plain && f.groups.is_empty() && f.visited.is_empty())
-        {
-            // The common case: copies for the peers' plain subscribers only, all alike. One
-            // record (routing, then the frame encoded in place), shared by every peer's queue.
-            let mut routing = Vec::with_capacity(3);
-            encode_forward(&Forward::plain(), &mut routing);
-            let skip = 2 + routing.len();
-            let mut record = BytesMut::with_capacity(skip + message.frame_len());
-            record.put_u16_le(routing.len() as u16);
-            record.extend_from_slice(&routing);
-            message.encode_frame(&mut record, 0, true);
-            let record = record.freeze();
-            // The TTL's place in the record and its value: the queue takes off the time it waits.
-            let ttl = ttl_in(&record, skip);
+        // The common case: copies for the peers' plain subscribers only, all alike. One
+        // record, shared by every peer's queue.
+        if plain_only(copies) {
+            let records = plain_records(std::slice::from_ref(p));
             for (node, _) in copies {
                 if let Some(q) = queues.get(node) {
-                    q.push(record.clone(), ttl);
+                    q.push_many(&records);
                 }
             }
             return;
         }
-        let mut frame = BytesMut::with_capacity(message.frame_len());
-        message.encode_frame(&mut frame, 0, true);
+        let mut frame = BytesMut::new();
+        encode_forwarded(p, &mut frame);
         let frame = frame.freeze();
         // The TTL's place in the frame and its value: the queue takes off the time it waits.
         let ttl = ttl_in(&frame, 0);
@@ -1367,6 +1515,81 @@ mod tests {
         r.extend_from_slice(&routing);
         r.extend_from_slice(&frame);
         r
+    }
+
+    #[test]
+    fn copies_are_encoded_in_place_as_the_generic_encoder_would() {
+        let topic = aqueduct_proto::TopicName::try_from("orders/eu").expect("topic");
+        let original = aqueduct_proto::TopicName::try_from("orders").expect("topic");
+        let trace = aqueduct_proto::TraceContext {
+            trace_id: [3; 16],
+            span_id: [4; 8],
+            flags: 1,
+        };
+        let zstd = aqueduct_proto::Compression {
+            algorithm: 1,
+            uncompressed_len: 99,
+        };
+        let dl = aqueduct_proto::delivery::DeadLetter {
+            original_topic: &original,
+            original_offset: 7,
+            attempts_made: 3,
+            reason: "nacked",
+        };
+        let base = Publication::new(&topic, b"body");
+        let mut cases = vec![base, base.with_attempts(2), base.with_dead_letter(&dl)];
+        for priority in [0u8, 3] {
+            for ttl in [
+                None,
+                Some(Duration::from_millis(1500)),
+                Some(Duration::ZERO),
+            ] {
+                for (t, c) in [(None, None), (Some(&trace), Some(&zstd))] {
+                    let mut p = base;
+                    p.priority = aqueduct_proto::Priority::new(priority).expect("priority");
+                    p.ttl = ttl;
+                    p.trace = t;
+                    p.compression = c;
+                    cases.push(p);
+                }
+            }
+        }
+        for p in &cases {
+            let mut direct = BytesMut::new();
+            encode_forwarded(p, &mut direct);
+            assert_eq!(direct.freeze(), forwarded_frame(p), "{p:?}");
+        }
+        // A run's records: one buffer, each record the plain routing and the frame.
+        let records = plain_records(&cases[3..6]);
+        assert_eq!(records.len(), 3);
+        for ((record, ttl), p) in records.iter().zip(&cases[3..6]) {
+            let skip = record.len() - forwarded_frame(p).len();
+            assert_eq!(record[skip..], forwarded_frame(p)[..]);
+            assert_eq!(ttl.map(|(_, ms)| ms), p.ttl.map(|t| t.as_millis() as u32));
+        }
+    }
+
+    #[test]
+    fn copies_from_routing_for_plain_subscribers_take_the_shared_path() {
+        // What RouteTable::route_bytes returns for a peer with a plain filter: the copy names
+        // this node as visited. (The shared path used to require no visited node, so routing's
+        // own copies never took it.)
+        let me = NodeId::try_from("node-0").expect("node id");
+        let copy = Forward {
+            plain: true,
+            groups: Vec::new(),
+            visited: vec![me],
+        };
+        let peer = NodeId::try_from("node-1").expect("node id");
+        assert!(plain_only(&[(peer.clone(), copy.clone())]));
+        let group = Forward {
+            groups: vec![GroupKey {
+                group: aqueduct_proto::GroupId::try_from("g").expect("group"),
+                filter: aqueduct_proto::TopicFilter::try_from("t").expect("filter"),
+            }],
+            ..copy
+        };
+        assert!(!plain_only(&[(peer, group)]));
     }
 
     #[test]

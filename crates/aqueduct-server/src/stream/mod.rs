@@ -599,17 +599,17 @@ impl Reader<'_> {
                     self.publish_durable(d, publications, waiter, now);
                 } else {
                     match &self.shared.mesh {
-                        // In a cluster each message is routed on its own: its groups' members
-                        // may be on other nodes — unless no peer wants anything.
+                        // In a cluster, runs of one topic go through the mesh (copies for the
+                        // peers that want them) — unless no peer wants anything.
                         Some(mesh) if !mesh.peers_want_nothing() => {
-                            for r in &refs {
-                                let p = Publication::from_ref(r);
-                                let outcome = mesh
-                                    .publish(&mut self.ctx, &p, |ctx| broker.publish(ctx, &p, now));
-                                if want_offsets {
-                                    offsets.push(outcome.offset);
-                                }
-                            }
+                            let pubs: Vec<_> = refs.iter().map(Publication::from_ref).collect();
+                            mesh.publish_batch(&mut self.ctx, &pubs, |ctx, run| {
+                                broker.publish_batch(ctx, run.iter().copied(), now, |_, o| {
+                                    if want_offsets {
+                                        offsets.push(o);
+                                    }
+                                });
+                            });
                         }
                         _ => {
                             broker.publish_batch(
@@ -972,13 +972,12 @@ impl Reader<'_> {
         let broker = &self.shared.broker;
         match &self.shared.mesh {
             Some(mesh) if !mesh.peers_want_nothing() => {
-                for p in publications.clone() {
-                    mesh.publish(&mut self.ctx, &p, |ctx| {
-                        broker.publish_batch(ctx, std::iter::once(p), now, |topic, o| {
-                            routed.push((topic.clone(), o))
-                        })
+                let pubs: Vec<_> = publications.clone().collect();
+                mesh.publish_batch(&mut self.ctx, &pubs, |ctx, run| {
+                    broker.publish_batch(ctx, run.iter().copied(), now, |topic, o| {
+                        routed.push((topic.clone(), o))
                     });
-                }
+                });
             }
             _ => {
                 broker.publish_batch(&mut self.ctx, publications.clone(), now, |topic, o| {
