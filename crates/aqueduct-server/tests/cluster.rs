@@ -1156,3 +1156,85 @@ async fn a_trace_follows_a_message_across_nodes() {
     assert_eq!(deliver_node, "node-1");
     assert_eq!(deliver.parent_span_id, publish.span_id, "across the hop");
 }
+
+/// A batch mixing a topic a cross-node group consumes with a plain topic: the plain runs go as
+/// runs, the group's messages one by one; every subscriber sees its messages once, in order,
+/// and the group's are spread round-robin over its members on both nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_mixing_group_and_plain_topics_keeps_order_and_round_robin() {
+    let c = cluster(2).await;
+    formed(&c).await;
+    let (near, far) = (c.nodes[0].client().await, c.nodes[1].client().await);
+    let mut members = Vec::new();
+    for client in [&near, &far] {
+        members.push(
+            client
+                .subscribe_group("jobs", "workers")
+                .await
+                .expect("member"),
+        );
+    }
+    let mut plain = far.subscribe("logs/#").await.expect("plain on node 1");
+    let mut watcher = far.subscribe("jobs").await.expect("plain on jobs");
+    until("node 0 to learn node 1's interest", || {
+        group_wanted(&c.nodes[0], "node-1") && wants(&c.nodes[0], "node-1", "logs/#")
+    })
+    .await;
+    let publisher = c.nodes[0].client().await;
+    // 3 logs, 2 jobs, 3 logs, 2 jobs, ... in one batch frame, 5 times over.
+    let mut batch: Vec<(String, bytes::Bytes)> = Vec::new();
+    for round in 0..5 {
+        for i in 0..3 {
+            batch.push(("logs/app".into(), format!("log{round}.{i}").into()));
+        }
+        for i in 0..2 {
+            batch.push(("jobs".into(), format!("job{round}.{i}").into()));
+        }
+    }
+    publisher
+        .publish_batch(
+            batch.iter().map(|(t, b)| (t.as_str(), b.clone())),
+            &aqueduct_client::PublishOptions {
+                confirm: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("batch")
+        .expect("confirmed");
+    let want = |prefix: &str| -> Vec<String> {
+        batch
+            .iter()
+            .map(|(_, b)| String::from_utf8_lossy(b).into_owned())
+            .filter(|b| b.starts_with(prefix))
+            .collect()
+    };
+    for w in want("log") {
+        assert_eq!(String::from_utf8_lossy(next(&mut plain).await.body()), w);
+    }
+    for w in want("job") {
+        assert_eq!(String::from_utf8_lossy(next(&mut watcher).await.body()), w);
+    }
+    // 10 jobs over 2 members, round-robin: 5 each, each job once, each member's in order.
+    let mut seen = Vec::new();
+    for m in &mut members {
+        let mut mine = Vec::new();
+        for _ in 0..5 {
+            let msg = next(m).await;
+            mine.push(String::from_utf8_lossy(msg.body()).into_owned());
+            msg.ack().await.expect("ack");
+        }
+        let mut sorted = mine.clone();
+        sorted.sort();
+        assert_eq!(mine, sorted, "in order");
+        seen.extend(mine);
+    }
+    seen.sort();
+    let mut jobs = want("job");
+    jobs.sort();
+    assert_eq!(seen, jobs, "every job once");
+    drop((near, far, publisher));
+    for b in c.nodes {
+        b.stop().await.expect("clean shutdown");
+    }
+}
