@@ -36,7 +36,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from speedbar import BROKER, CLIENT, ROOT, git_describe, result_line  # noqa: E402
+from speedbar import BROKER, CLIENT, cpu_seconds, git_describe, result_line  # noqa: E402
 
 SINK = [CLIENT, "trace-sink", "--listen"]
 
@@ -102,6 +102,7 @@ def main():
                         "AQUEDUCT_TRACING_SAMPLE_RATIO": str(a.ratio)}),
     }
     rates = {k: [] for k in configs}
+    cpu = {k: [] for k in configs}  # broker CPU seconds per million messages delivered
     exported = []
     order = list(configs)
     try:
@@ -112,7 +113,9 @@ def main():
                 with tempfile.TemporaryDirectory(prefix="aqueduct-tracebench-") as home:
                     proc, addr, metrics = start(binary, home, env_extra)
                     try:
+                        cpu0 = cpu_seconds(proc.pid)
                         rate = bench(home, addr, a.messages)
+                        cpu[name].append((cpu_seconds(proc.pid) - cpu0) / (a.messages / 1e6))
                         if name == "on":
                             # The exporter sends within about half a second.
                             deadline = time.time() + 10
@@ -128,7 +131,7 @@ def main():
                         proc.send_signal(signal.SIGTERM)
                         proc.wait(timeout=30)
                     rates[name].append(rate)
-                    print(f"round {r + 1} {name}: {rate:,.0f} msg/s", flush=True)
+                    print(f"round {r + 1} {name}: {rate:,.0f} msg/s, broker CPU {cpu[name][-1]:.3f} s per M", flush=True)
     finally:
         sink.send_signal(signal.SIGTERM)
         counts = json.loads(sink.stdout.read().strip().splitlines()[-1])
@@ -144,6 +147,14 @@ def main():
     per = lambda x, y: ", ".join(f"{p / q:.3f}" for p, q in zip(rates[x], rates[y]))  # noqa: E731
     print(f"| **off / baseline** | **{med['off'] / med['baseline']:.3f}** | {per('off', 'baseline')} |")
     print(f"| **on / off** | **{med['on'] / med['off']:.3f}** | {per('on', 'off')} |")
+    print()
+    cmed = {k: statistics.median(v) for k, v in cpu.items()}
+    print("| broker | broker CPU s per million messages (median) | rounds |")
+    print("|---|---:|---|")
+    for k in configs:
+        print(f"| {k} | {cmed[k]:.3f} | {', '.join(f'{x:.3f}' for x in cpu[k])} |")
+    print(f"| **off / baseline** | **{cmed['off'] / cmed['baseline']:.3f}** | |")
+    print(f"| **on / off** | **{cmed['on'] / cmed['off']:.3f}** | |")
     print()
     print("on: spans recorded / exported / dropped per run: "
           + "; ".join(f"{s:,.0f} / {e:,.0f} / {d:,.0f}" for s, e, d in exported))
