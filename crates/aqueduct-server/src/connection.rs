@@ -202,11 +202,20 @@ pub(crate) async fn handle(
             .handshakes_failed
             .fetch_add(1, Ordering::Relaxed);
     };
-    let connecting = match incoming.accept() {
+    let mut connecting = match incoming.accept() {
         Ok(c) => c,
         Err(e) => return failed(e.to_string()),
     };
     let handshake_timeout = shared.config.transport.handshake_timeout;
+    // The negotiated ALPN says what the connection is (a client's, a browser's HTTP/3, a
+    // peer's), and it is known only once the whole ClientHello is in: a large one spans two
+    // packets (Chromium's does, with its post-quantum key share), and before the second arrives
+    // a browser's connection would be taken for a native one.
+    match tokio::time::timeout(handshake_timeout, connecting.handshake_data()).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return failed(e.to_string()),
+        Err(_) => return failed("timed out".into()),
+    }
     let state = Arc::new(ConnState {
         id: conn_id,
         remote,

@@ -6,6 +6,8 @@
 mod common;
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
 
 use aqueduct_proto::frame::{Message, Subscribe};
 use aqueduct_proto::{
@@ -341,4 +343,152 @@ async fn the_rust_client_works_over_webtransport() {
     assert_eq!(seen.len(), 6, "each job once");
     wt.close().await;
     b.stop().await.expect("clean shutdown");
+}
+
+/// Accepts any server certificate: what this test checks is which protocol the broker speaks.
+#[derive(Debug)]
+struct AnyServer(Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for AnyServer {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &rustls_pki_types::CertificateDer<'_>,
+        _intermediates: &[rustls_pki_types::CertificateDer<'_>],
+        _server_name: &rustls_pki_types::ServerName<'_>,
+        _ocsp: &[u8],
+        _now: rustls_pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls_pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls_pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// A UDP relay in front of the broker that holds the client's second datagram back for a while
+/// (as a network may, or a client that paces its first flight): the broker then has the first
+/// part of a ClientHello long before the rest. Its tasks end with the test.
+async fn relay_delaying_the_second_datagram(target: std::net::SocketAddr) -> std::net::SocketAddr {
+    let front = Arc::new(
+        tokio::net::UdpSocket::bind("127.0.0.1:0")
+            .await
+            .expect("front"),
+    );
+    let back = Arc::new(
+        tokio::net::UdpSocket::bind("127.0.0.1:0")
+            .await
+            .expect("back"),
+    );
+    let addr = front.local_addr().expect("addr");
+    let client = Arc::new(std::sync::Mutex::new(None));
+    {
+        let (front, back, client) = (front.clone(), back.clone(), client.clone());
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 65_536];
+            let mut n_seen = 0usize;
+            while let Ok((n, from)) = front.recv_from(&mut buf).await {
+                *client.lock().expect("lock") = Some(from);
+                n_seen += 1;
+                let datagram = buf[..n].to_vec();
+                if n_seen == 2 {
+                    let back = back.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        let _ = back.send_to(&datagram, target).await;
+                    });
+                } else {
+                    let _ = back.send_to(&datagram, target).await;
+                }
+            }
+        });
+    }
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65_536];
+        while let Ok((n, _)) = back.recv_from(&mut buf).await {
+            let to = *client.lock().expect("lock");
+            if let Some(to) = to {
+                let _ = front.send_to(&buf[..n], to).await;
+            }
+        }
+    });
+    addr
+}
+
+/// A ClientHello too large for one packet (Chromium's often is: its post-quantum key share
+/// alone is over 1 KB) offering HTTP/3: the broker must read the negotiated protocol only once
+/// all of it is in. It used to decide on the first packet, took about one browser session in
+/// four for a native connection, and stopped the browser's HTTP/3 control stream.
+#[tokio::test]
+async fn a_client_hello_in_two_packets_still_gets_http3() {
+    let b = TestBroker::start().await;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut crypto = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls13")
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyServer(provider)))
+        .with_no_client_auth();
+    // ~1.7 KB of protocol names the broker does not speak, then HTTP/3.
+    crypto.alpn_protocols = (0..120)
+        .map(|i| format!("x-padding-{i:03}").into_bytes())
+        .chain([b"h3".to_vec()])
+        .collect();
+    let config = quinn::ClientConfig::new(Arc::new(
+        quinn::crypto::rustls::QuicClientConfig::try_from(crypto).expect("quic crypto"),
+    ));
+    let mut endpoint =
+        quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("endpoint");
+    endpoint.set_default_client_config(config);
+    for _ in 0..3 {
+        // Each connection through a relay of its own: its second datagram comes late.
+        let relay = relay_delaying_the_second_datagram(b.addr).await;
+        let conn = within(
+            "the handshake",
+            endpoint.connect(relay, "localhost").expect("connect"),
+        )
+        .await
+        .expect("handshake");
+        let alpn = conn
+            .handshake_data()
+            .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+            .and_then(|d| d.protocol);
+        assert_eq!(alpn.as_deref(), Some(&b"h3"[..]));
+        // An HTTP/3 server opens its control stream (type 0x00) at once; the broker's native
+        // protocol never opens a unidirectional stream.
+        let mut control = tokio::time::timeout(Duration::from_secs(5), conn.accept_uni())
+            .await
+            .expect("the broker opens its HTTP/3 control stream: it took the connection for HTTP/3")
+            .expect("a stream");
+        let mut kind = [0u8; 1];
+        control.read_exact(&mut kind).await.expect("stream type");
+        assert_eq!(kind, [0x00], "an HTTP/3 control stream");
+        conn.close(0u32.into(), b"done");
+    }
+    b.stop().await.expect("stops");
 }
