@@ -78,14 +78,10 @@ FLAGS = [
     "--disable-backgrounding-occluded-windows",
 ]
 START_WAIT = 30  # seconds: the broker, the page, a subscription, an unsubscription
-# Attempts at opening a WebTransport session per round. With this broker some of Chromium's
-# sessions fail at once ("Opening handshake failed"; the broker logs `connected` without the
-# HTTP/3 SETTINGS exchange, then `closed by peer: 156:STOP_SENDING received for send control
-# stream`): the broker served the connection as a native `aqueduct-v1` one and stopped
-# Chromium's HTTP/3 control stream as an unexpected unidirectional stream. Likely cause: in
-# connection.rs the 0-RTT arm's `!is_h3(..)` guard reads the ALPN before the whole ClientHello
-# has arrived (Chromium's spans two Initial packets). The failed attempts are counted and
-# printed.
+# Attempts at opening a WebTransport session per round. Before 4c4e27f about one of Chromium's
+# sessions in four failed at once ("Opening handshake failed"): the broker read the ALPN before
+# the whole ClientHello had arrived (Chromium's spans two Initial packets) and served the
+# connection as a native `aqueduct-v1` one. Fixed; failed attempts are still counted and printed.
 RETRIES = 10
 CONFIG = "broker:\n  backpressure_policy: block\n"
 
