@@ -411,14 +411,14 @@ impl Subscriber {
 
     /// Write deliveries to `out`, highest priority first, until about `max_bytes` are written
     /// (always at least one frame if any is ready).
-    pub(crate) fn drain<B: BufMut>(
+    pub(crate) fn drain<B: BufMut, W: FnMut(&Delivery)>(
         &self,
         out: &mut B,
         max_bytes: usize,
         now: Instant,
         (ack_wait, max_in_flight): (Duration, usize),
         latency: &LatencyHistogram,
-        mut written: Option<&mut dyn FnMut(&Delivery)>,
+        mut written: W,
     ) -> Drained {
         let mut done = Drained::default();
         let max_in_flight = self.in_flight_limit(max_in_flight);
@@ -446,9 +446,7 @@ impl Subscriber {
             } else {
                 d.shared.write_frame(out, self.stream_id, d.attempt);
             }
-            if let Some(f) = written.as_mut() {
-                f(&d);
-            }
+            written(&d);
             local.observe(now.saturating_duration_since(d.published_at));
             done.frames += 1;
             done.bytes += d.shared.frame_len();

@@ -1103,7 +1103,7 @@ fn fill(out: &StreamOut, shared: &Shared, conn: &ConnState, buf: &mut BytesMut, 
                     };
                     shared
                         .broker
-                        .drain_observed(sub, buf, max, now, Some(&mut written))
+                        .drain_observed(sub, buf, max, now, &mut written)
                 };
                 if let Some(done) = span {
                     tracer.delivered(&done, sub, conn.identity(), now, now_sys);
