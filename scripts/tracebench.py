@@ -41,8 +41,11 @@ from speedbar import BROKER, CLIENT, cpu_seconds, git_describe, result_line  # n
 SINK = [CLIENT, "trace-sink", "--listen"]
 
 
+PIN = {"broker": [], "client": []}
+
+
 def start(binary, home, env_extra):
-    args = [binary, "--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--log", "info"]
+    args = PIN["broker"] + [binary, "--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--log", "info"]
     env = dict(os.environ, AQUEDUCT_HOME=home, NO_COLOR="1", **env_extra)
     proc = subprocess.Popen(args, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     addr = metrics = None
@@ -73,7 +76,7 @@ def metric(metrics_addr, name):
 
 def bench(home, addr, messages):
     out = subprocess.run(
-        [CLIENT, "--addr", addr, "bench", "--trace", "--messages", str(messages), "--payload-size", "128", "--json"],
+        PIN["client"] + [CLIENT, "--addr", addr, "bench", "--trace", "--messages", str(messages), "--payload-size", "128", "--json"],
         env=dict(os.environ, AQUEDUCT_HOME=home), capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(out.stdout[-1500:] + out.stderr[-1500:])
@@ -89,7 +92,11 @@ def main():
     p.add_argument("--messages", type=int, default=2_000_000)
     p.add_argument("--ratio", type=float, default=0.01)
     p.add_argument("--baseline", required=True, help="aqueduct-broker built before trace export")
+    p.add_argument("--pin", action="store_true",
+                   help="run the broker on CPU 0 and the bench client on CPU 1 (taskset): less spread")
     a = p.parse_args()
+    if a.pin:
+        PIN["broker"], PIN["client"] = ["taskset", "-c", "0"], ["taskset", "-c", "1"]
     sink = subprocess.Popen(SINK + ["127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
     first = sink.stdout.readline()
     if not first.startswith("listening "):

@@ -49,8 +49,8 @@ use crate::config::{invalid, ConfigError};
 const QUEUE: usize = 16 * 1024;
 /// Spans per export request.
 const MAX_BATCH: usize = 512;
-/// How long a span may wait for others to fill its batch.
-const BATCH_WAIT: Duration = Duration::from_millis(500);
+/// How often the queued spans are exported.
+const EXPORT_EVERY: Duration = Duration::from_millis(250);
 /// How long one export request may take.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -539,34 +539,24 @@ impl Export {
         info!(endpoint = %self.endpoint, "exporting trace spans (OTLP/gRPC)");
         let mut batch = Vec::with_capacity(MAX_BATCH);
         let mut failing = false;
+        // Polled on a clock, not woken per span: a stream task queueing a span wakes no one
+        // (waking this task, and the worker thread it sleeps on, per span cost more than the
+        // span).
+        let mut tick = tokio::time::interval(EXPORT_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 biased;
                 _ = stop.changed() => break,
-                n = self.rx.recv_many(&mut batch, MAX_BATCH) => {
-                    if n == 0 {
-                        break;
-                    }
-                }
+                _ = tick.tick() => {}
             }
-            // Let a batch fill for a while, unless stopping.
-            let deadline = tokio::time::Instant::now() + BATCH_WAIT;
-            while batch.len() < MAX_BATCH {
-                let room = MAX_BATCH - batch.len();
-                tokio::select! {
-                    biased;
-                    _ = stop.changed() => break,
-                    r = tokio::time::timeout_at(deadline, self.rx.recv_many(&mut batch, room)) => {
-                        if !matches!(r, Ok(n) if n > 0) {
-                            break;
-                        }
-                    }
+            while let Ok(span) = self.rx.try_recv() {
+                batch.push(span);
+                if batch.len() == MAX_BATCH {
+                    failing = self.send(&mut batch, failing).await;
                 }
             }
             failing = self.send(&mut batch, failing).await;
-            if *stop.borrow() {
-                break;
-            }
         }
         // Stopping: what is queued still goes out.
         while let Ok(span) = self.rx.try_recv() {
