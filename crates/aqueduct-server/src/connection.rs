@@ -187,10 +187,13 @@ impl Drop for LiveGuard {
 }
 
 /// Serve one incoming connection to the end.
+///
+/// `webtransport_only`: it came in on `webtransport.listen_addr`, which serves browsers only.
 pub(crate) async fn handle(
     incoming: quinn::Incoming,
     shared: Arc<Shared>,
     shutdown: watch::Receiver<bool>,
+    webtransport_only: bool,
 ) {
     let conn_id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
     let _live = LiveGuard(shared.clone(), conn_id);
@@ -211,10 +214,27 @@ pub(crate) async fn handle(
     // peer's), and it is known only once the whole ClientHello is in: a large one spans two
     // packets (Chromium's does, with its post-quantum key share), and before the second arrives
     // a browser's connection would be taken for a native one.
-    match tokio::time::timeout(handshake_timeout, connecting.handshake_data()).await {
-        Ok(Ok(_)) => {}
+    // (The negotiated protocol only: the handshake data is not `Send`.)
+    let alpn = match tokio::time::timeout(handshake_timeout, connecting.handshake_data()).await {
+        Ok(Ok(h)) => h
+            .downcast_ref::<quinn::crypto::rustls::HandshakeData>()
+            .and_then(|h| h.protocol.clone()),
         Ok(Err(e)) => return failed(e.to_string()),
         Err(_) => return failed("timed out".into()),
+    };
+    if webtransport_only && alpn.as_deref() != Some(crate::webtransport::H3_ALPN) {
+        shared
+            .stats
+            .webtransport_refused
+            .fetch_add(1, Ordering::Relaxed);
+        debug!(%remote, "refused on webtransport.listen_addr: not HTTP/3");
+        if let Ok(Ok(conn)) = tokio::time::timeout(handshake_timeout, connecting).await {
+            conn.close(
+                ErrorCode::UNSUPPORTED.0.into(),
+                b"this port serves WebTransport (HTTP/3) only: native clients connect to the broker's listen_addr",
+            );
+        }
+        return;
     }
     let state = Arc::new(ConnState {
         id: conn_id,

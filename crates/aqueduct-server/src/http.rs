@@ -177,7 +177,7 @@ async fn cert_hash(State(e): State<Arc<Endpoint>>) -> axum::response::Response {
         "value": cert.sha256_hex(),
         "not_after": not_after,
         "path": e.shared.config.webtransport.path_prefix,
-        "port": e.shared.local_addr.port(),
+        "port": e.shared.webtransport_addr.port(),
     })
     .to_string();
     (

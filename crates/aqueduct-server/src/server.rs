@@ -78,6 +78,9 @@ pub(crate) struct Shared {
     pub browser_certs: Option<Arc<crate::webtransport::BrowserCerts>>,
     /// Trace export, when `tracing.otlp_endpoint` is set.
     pub tracer: Option<Arc<crate::otel::Tracer>>,
+    /// The UDP address browsers are told to connect to (`webtransport.listen_addr` as bound,
+    /// else the broker's own).
+    pub webtransport_addr: SocketAddr,
 }
 
 impl Shared {
@@ -112,6 +115,8 @@ impl Drop for Shared {
 #[derive(Debug)]
 pub struct Server {
     endpoint: quinn::Endpoint,
+    /// WebTransport's own endpoint, when `webtransport.listen_addr` is set.
+    wt_endpoint: Option<quinn::Endpoint>,
     metrics: tokio::net::TcpListener,
     /// The admin API's listener and TLS, when `admin.enabled`.
     admin: Option<(tokio::net::TcpListener, Arc<rustls::ServerConfig>)>,
@@ -227,21 +232,29 @@ impl Server {
             &config.transport,
             config.webtransport.enabled,
         )?));
-        let socket = udp_socket(config.listen_addr, config.transport.socket_buffer)?;
-        let runtime = quinn::default_runtime().ok_or_else(|| ServerError::Bind {
-            addr: config.listen_addr,
-            reason: "no async runtime".into(),
-        })?;
-        let endpoint = quinn::Endpoint::new(
-            quinn::EndpointConfig::default(),
-            Some(server_config),
-            socket,
-            runtime,
-        )
-        .map_err(|e| ServerError::Bind {
-            addr: config.listen_addr,
-            reason: e.to_string(),
-        })?;
+        let bind_endpoint = |addr: SocketAddr| {
+            let socket = udp_socket(addr, config.transport.socket_buffer)?;
+            let runtime = quinn::default_runtime().ok_or_else(|| ServerError::Bind {
+                addr,
+                reason: "no async runtime".into(),
+            })?;
+            quinn::Endpoint::new(
+                quinn::EndpointConfig::default(),
+                Some(server_config.clone()),
+                socket,
+                runtime,
+            )
+            .map_err(|e| ServerError::Bind {
+                addr,
+                reason: e.to_string(),
+            })
+        };
+        let endpoint = bind_endpoint(config.listen_addr)?;
+        // Browsers' own port, when set (the broker's port serves them too).
+        let wt_endpoint = match config.webtransport.listen_addr {
+            Some(addr) if config.webtransport.enabled => Some(bind_endpoint(addr)?),
+            _ => None,
+        };
         let metrics = tokio::net::TcpListener::bind(config.metrics_addr)
             .await
             .map_err(|e| ServerError::MetricsBind {
@@ -327,7 +340,12 @@ impl Server {
             None => (None, None),
         };
         let endpoint_handle = endpoint.clone();
+        let webtransport_addr = wt_endpoint
+            .as_ref()
+            .and_then(|e| e.local_addr().ok())
+            .unwrap_or(local_addr);
         Ok(Server {
+            wt_endpoint,
             trace_export,
             endpoint,
             metrics,
@@ -351,6 +369,7 @@ impl Server {
                 browser_certs,
                 endpoint: endpoint_handle,
                 tracer,
+                webtransport_addr,
             }),
             dev_cert,
         })
@@ -361,6 +380,12 @@ impl Server {
         self.endpoint
             .local_addr()
             .unwrap_or(self.shared.config.listen_addr)
+    }
+
+    /// The UDP address browsers connect to (`webtransport.listen_addr` as bound, else
+    /// [`local_addr`](Self::local_addr)).
+    pub fn webtransport_addr(&self) -> SocketAddr {
+        self.shared.webtransport_addr
     }
 
     /// The address of the metrics and health endpoint.
@@ -406,6 +431,7 @@ impl Server {
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
         let Server {
             endpoint,
+            wt_endpoint,
             metrics,
             admin,
             mesh_driver,
@@ -434,6 +460,13 @@ impl Server {
             info!(
                 path = %shared.config.webtransport.path_prefix,
                 "WebTransport for browsers on the same UDP port (ALPN h3)"
+            );
+        }
+        if let Some(wt) = &wt_endpoint {
+            info!(
+                addr = %wt.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+                path = %shared.config.webtransport.path_prefix,
+                "WebTransport for browsers on a UDP port of its own too (webtransport.listen_addr; ALPN h3 only)"
             );
         }
         // Saves durable consumers' positions; stopped (and a last save made) once the
@@ -480,22 +513,35 @@ impl Server {
         let mut connections = JoinSet::new();
         tokio::pin!(shutdown);
         loop {
-            tokio::select! {
+            let (incoming, webtransport_only) = tokio::select! {
                 _ = &mut shutdown => break,
-                incoming = endpoint.accept() => {
-                    let Some(incoming) = incoming else { break };
-                    let live = shared.connections.fetch_add(1, Ordering::AcqRel);
-                    if live >= shared.config.transport.max_connections {
-                        shared.connections.fetch_sub(1, Ordering::AcqRel);
-                        shared.stats.connections_refused.fetch_add(1, Ordering::Relaxed);
-                        warn!(remote = %incoming.remote_address(), live, "connection refused: transport.max_connections reached");
-                        incoming.refuse();
-                        continue;
-                    }
-                    connections.spawn(crate::connection::handle(incoming, shared.clone(), stop_rx.clone()));
-                }
-                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+                incoming = endpoint.accept() => match incoming {
+                    Some(i) => (i, false),
+                    None => break,
+                },
+                incoming = accept_on(wt_endpoint.as_ref()) => match incoming {
+                    Some(i) => (i, true),
+                    None => break,
+                },
+                Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+            };
+            let live = shared.connections.fetch_add(1, Ordering::AcqRel);
+            if live >= shared.config.transport.max_connections {
+                shared.connections.fetch_sub(1, Ordering::AcqRel);
+                shared
+                    .stats
+                    .connections_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                warn!(remote = %incoming.remote_address(), live, "connection refused: transport.max_connections reached");
+                incoming.refuse();
+                continue;
             }
+            connections.spawn(crate::connection::handle(
+                incoming,
+                shared.clone(),
+                stop_rx.clone(),
+                webtransport_only,
+            ));
         }
         info!(
             connections = shared.connections.load(Ordering::Acquire),
@@ -503,6 +549,9 @@ impl Server {
         );
         http.ready.store(false, Ordering::Release);
         endpoint.set_server_config(None);
+        if let Some(wt) = &wt_endpoint {
+            wt.set_server_config(None);
+        }
         let _ = stop_tx.send(true);
         let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
             while connections.join_next().await.is_some() {}
@@ -512,7 +561,16 @@ impl Server {
             warn!("connections did not close within {SHUTDOWN_GRACE:?}; closing them now");
         }
         endpoint.close(ErrorCode::SHUTTING_DOWN.0.into(), b"broker shutting down");
-        let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
+        if let Some(wt) = &wt_endpoint {
+            wt.close(ErrorCode::SHUTTING_DOWN.0.into(), b"broker shutting down");
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            endpoint.wait_idle().await;
+            if let Some(wt) = &wt_endpoint {
+                wt.wait_idle().await;
+            }
+        })
+        .await;
         drop(ticker);
         let _ = checkpoint_stop.send(true);
         if let Some(task) = checkpointer {
@@ -539,6 +597,14 @@ impl Server {
         }
         info!("broker stopped");
         Ok(())
+    }
+}
+
+/// The next connection on `endpoint`; never, without one.
+async fn accept_on(endpoint: Option<&quinn::Endpoint>) -> Option<quinn::Incoming> {
+    match endpoint {
+        Some(e) => e.accept().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -69,6 +69,9 @@ impl Default for WebTransportSection {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WebTransportConfig {
     pub enabled: bool,
+    /// A UDP port of its own for browsers (besides the broker's, which serves them too);
+    /// `None`: the broker's port only.
+    pub listen_addr: Option<std::net::SocketAddr>,
     pub path_prefix: String,
     pub allowed_origins: Vec<String>,
     pub tokens: HashMap<String, String>,
@@ -78,6 +81,7 @@ impl Default for WebTransportConfig {
     fn default() -> Self {
         WebTransportConfig {
             enabled: true,
+            listen_addr: None,
             path_prefix: "/aqueduct/wt".into(),
             allowed_origins: Vec::new(),
             tokens: HashMap::new(),
@@ -87,13 +91,10 @@ impl Default for WebTransportConfig {
 
 impl WebTransportSection {
     pub fn validate(&self) -> Result<WebTransportConfig, ConfigError> {
-        if !self.listen_addr.trim().is_empty() {
-            return Err(invalid(
-                "webtransport.listen_addr",
-                "a UDP port of its own for WebTransport is not supported yet: leave it empty, and \
-                 browsers connect to the broker's own port (listen_addr)",
-            ));
-        }
+        let listen_addr = match self.listen_addr.trim() {
+            "" => None,
+            a => Some(crate::config::parse_addr("webtransport.listen_addr", a)?),
+        };
         if !self.path_prefix.starts_with('/') {
             return Err(invalid(
                 "webtransport.path_prefix",
@@ -129,6 +130,7 @@ impl WebTransportSection {
         }
         Ok(WebTransportConfig {
             enabled: self.enabled,
+            listen_addr,
             path_prefix: self.path_prefix.trim_end_matches('/').to_string(),
             allowed_origins: self.allowed_origins.clone(),
             tokens: self.tokens.clone(),
@@ -513,7 +515,7 @@ mod tests {
     #[test]
     fn bad_settings_name_their_key() {
         let mut s = WebTransportSection {
-            listen_addr: ":4443".into(),
+            listen_addr: "not an address".into(),
             ..Default::default()
         };
         assert!(s
@@ -521,6 +523,11 @@ mod tests {
             .expect_err("refused")
             .to_string()
             .contains("webtransport.listen_addr"));
+        s.listen_addr = ":4443".into();
+        assert_eq!(
+            s.validate().expect("a port of its own").listen_addr,
+            Some("0.0.0.0:4443".parse().expect("addr"))
+        );
         s.listen_addr.clear();
         s.allowed_origins = vec!["app.example.com".into()];
         assert!(s

@@ -17,21 +17,29 @@ use bytes::{Buf, Bytes, BytesMut};
 use common::*;
 use tokio::io::AsyncReadExt;
 
-/// The browser certificate's hash, as a page fetches it.
-async fn cert_hash(b: &TestBroker) -> Vec<u8> {
+/// The browser certificate's hash and the UDP port to connect to, as a page fetches them.
+async fn cert_hash_and_port(b: &TestBroker) -> (Vec<u8>, u16) {
     let (status, body) = get(b.metrics_addr, "/webtransport/cert-hash").await;
     assert_eq!(status, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(body.trim()).expect("JSON");
     assert_eq!(v["algorithm"], "sha-256");
     assert_eq!(v["path"], "/aqueduct/wt");
-    // The QUIC port, which WebTransport shares: a page served elsewhere (the live view on the
-    // metrics port) learns where to connect.
-    assert_eq!(v["port"], b.addr.port());
     let hex = v["value"].as_str().expect("value");
-    (0..hex.len())
+    let hash = (0..hex.len())
         .step_by(2)
         .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
-        .collect()
+        .collect();
+    let port = v["port"].as_u64().expect("port") as u16;
+    (hash, port)
+}
+
+/// The browser certificate's hash, as a page fetches it.
+async fn cert_hash(b: &TestBroker) -> Vec<u8> {
+    let (hash, port) = cert_hash_and_port(b).await;
+    // The QUIC port, which WebTransport shares: a page served elsewhere (the live view on the
+    // metrics port) learns where to connect.
+    assert_eq!(port, b.addr.port());
+    hash
 }
 
 async fn wt_connect(
@@ -39,10 +47,19 @@ async fn wt_connect(
     path: &str,
     origin: Option<&str>,
 ) -> Result<web_transport_quinn::Session, web_transport_quinn::ClientError> {
+    wt_connect_to(b.addr.port(), cert_hash(b).await, path, origin).await
+}
+
+async fn wt_connect_to(
+    port: u16,
+    hash: Vec<u8>,
+    path: &str,
+    origin: Option<&str>,
+) -> Result<web_transport_quinn::Session, web_transport_quinn::ClientError> {
     let client = web_transport_quinn::ClientBuilder::new()
-        .with_server_certificate_hashes(vec![cert_hash(b).await])
+        .with_server_certificate_hashes(vec![hash])
         .expect("client");
-    let url = url::Url::parse(&format!("https://127.0.0.1:{}{path}", b.addr.port())).expect("url");
+    let url = url::Url::parse(&format!("https://127.0.0.1:{port}{path}")).expect("url");
     let mut request = web_transport_quinn::proto::ConnectRequest::new(url);
     request.protocols.push("aqueduct-v1".into());
     if let Some(o) = origin {
@@ -490,5 +507,66 @@ async fn a_client_hello_in_two_packets_still_gets_http3() {
         assert_eq!(kind, [0x00], "an HTTP/3 control stream");
         conn.close(0u32.into(), b"done");
     }
+    b.stop().await.expect("stops");
+}
+
+/// `webtransport.listen_addr`: browsers get a UDP port of their own (the one the certificate
+/// hash names), a native client is refused there with a reason, and the broker's own port
+/// still serves both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webtransport_on_a_port_of_its_own() {
+    let b = TestBroker::start_with(|c| {
+        c.webtransport.listen_addr = Some("127.0.0.1:0".parse().expect("addr"));
+    })
+    .await;
+    let (hash, port) = cert_hash_and_port(&b).await;
+    assert_ne!(port, b.addr.port(), "the page is told the port of its own");
+    let session = wt_connect_to(port, hash.clone(), "/aqueduct/wt", None)
+        .await
+        .expect("a session on the WebTransport port");
+    let mut sub = WtStream::open(&session).await;
+    sub.subscribe(3, "topic:news/#").await;
+    let native = b.client().await;
+    native
+        .publish("news/eu", "on its own port")
+        .await
+        .expect("publish");
+    let d = sub.delivery().await;
+    assert_eq!(&d.body[..], b"on its own port");
+    // The broker's own port serves browsers too.
+    wt_connect_to(b.addr.port(), hash, "/aqueduct/wt", None)
+        .await
+        .expect("a session on the broker's port");
+    // A native client on the WebTransport port: refused, saying where to go.
+    let refused = aqueduct_client::Client::connect(
+        aqueduct_client::ConnectOptions::new(format!("127.0.0.1:{port}"))
+            .dev_cert_file(&b.dev_cert),
+    )
+    .await;
+    let why = match refused {
+        Ok(c) => match c
+            .publish_with(
+                "x",
+                "y",
+                &aqueduct_client::PublishOptions {
+                    confirm: true,
+                    ..Default::default()
+                },
+            )
+            .await
+        {
+            Ok(_) => panic!("a native client was served on the WebTransport port"),
+            Err(e) => e.to_string(),
+        },
+        Err(e) => e.to_string(),
+    };
+    assert!(why.contains("WebTransport (HTTP/3) only"), "{why}");
+    until("the refusal counted", || {
+        b.stats
+            .webtransport_refused
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    })
+    .await;
     b.stop().await.expect("stops");
 }
