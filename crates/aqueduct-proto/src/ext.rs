@@ -139,7 +139,11 @@ impl TraceContext {
         else {
             return Err(bad("expected 00-<32 hex>-<16 hex>-<2 hex>"));
         };
-        if version.len() != 2 || version == "ff" || (version == "00" && parts.next().is_some()) {
+        let hex_version = version.len() == 2
+            && version
+                .bytes()
+                .all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f'));
+        if !hex_version || version == "ff" || (version == "00" && parts.next().is_some()) {
             return Err(bad("unsupported version"));
         }
         fn hex<const N: usize>(s: &str) -> Option<[u8; N]> {
@@ -720,6 +724,7 @@ mod tests {
             "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
             "00-4bf92f3577b34da6a3ce929d0e0e47-00f067aa0ba902b7-01",
+            "zz-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         ] {
             assert!(TraceContext::from_traceparent(bad).is_err(), "{bad}");
         }

@@ -655,6 +655,8 @@ const TEXT_KEYS: &[&str] = &[
     "cluster.discovery.interval",
     "tracing.otlp_endpoint",
     "tracing.service_name",
+    "webtransport.listen_addr",
+    "webtransport.path_prefix",
 ];
 
 /// Environment values are text; give figment the type the key expects, so `true` and `1024`

@@ -209,13 +209,14 @@ pub(crate) async fn handle(
         Ok(c) => c,
         Err(e) => return failed(e.to_string()),
     };
-    let handshake_timeout = shared.config.transport.handshake_timeout;
+    // One deadline for the whole handshake, however many steps wait on it.
+    let deadline = tokio::time::Instant::now() + shared.config.transport.handshake_timeout;
     // The negotiated ALPN says what the connection is (a client's, a browser's HTTP/3, a
     // peer's), and it is known only once the whole ClientHello is in: a large one spans two
     // packets (Chromium's does, with its post-quantum key share), and before the second arrives
     // a browser's connection would be taken for a native one.
     // (The negotiated protocol only: the handshake data is not `Send`.)
-    let alpn = match tokio::time::timeout(handshake_timeout, connecting.handshake_data()).await {
+    let alpn = match tokio::time::timeout_at(deadline, connecting.handshake_data()).await {
         Ok(Ok(h)) => h
             .downcast_ref::<quinn::crypto::rustls::HandshakeData>()
             .and_then(|h| h.protocol.clone()),
@@ -228,7 +229,7 @@ pub(crate) async fn handle(
             .webtransport_refused
             .fetch_add(1, Ordering::Relaxed);
         debug!(%remote, "refused on webtransport.listen_addr: not HTTP/3");
-        if let Ok(Ok(conn)) = tokio::time::timeout(handshake_timeout, connecting).await {
+        if let Ok(Ok(conn)) = tokio::time::timeout_at(deadline, connecting).await {
             conn.close(
                 ErrorCode::UNSUPPORTED.0.into(),
                 b"this port serves WebTransport (HTTP/3) only: native clients connect to the broker's listen_addr",
@@ -265,10 +266,7 @@ pub(crate) async fn handle(
             // until `confirm` runs.
             let (state, conn2, shared2) = (state.clone(), conn.clone(), shared.clone());
             confirming = Some(Box::pin(async move {
-                if tokio::time::timeout(handshake_timeout, accepted)
-                    .await
-                    .is_ok()
-                {
+                if tokio::time::timeout_at(deadline, accepted).await.is_ok() {
                     identify(&conn2, &state, &shared2);
                     state.confirm();
                 } else {
@@ -282,10 +280,7 @@ pub(crate) async fn handle(
             conn
         }
         Ok((conn, accepted)) => {
-            if tokio::time::timeout(handshake_timeout, accepted)
-                .await
-                .is_err()
-            {
+            if tokio::time::timeout_at(deadline, accepted).await.is_err() {
                 conn.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
                 return failed("timed out".into());
             }
@@ -299,7 +294,7 @@ pub(crate) async fn handle(
             state.confirm();
             conn
         }
-        Err(connecting) => match tokio::time::timeout(handshake_timeout, connecting).await {
+        Err(connecting) => match tokio::time::timeout_at(deadline, connecting).await {
             Ok(Ok(conn)) => {
                 if divert(&conn, &shared) {
                     return;

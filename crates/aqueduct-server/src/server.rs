@@ -253,7 +253,11 @@ impl Server {
         // Browsers' own port, when set (the broker's port serves them too).
         let wt_endpoint = match config.webtransport.listen_addr {
             Some(addr) if config.webtransport.enabled => Some(bind_endpoint(addr)?),
-            _ => None,
+            Some(addr) => {
+                warn!(%addr, "webtransport.listen_addr is set but webtransport.enabled is false: not listening there");
+                None
+            }
+            None => None,
         };
         let metrics = tokio::net::TcpListener::bind(config.metrics_addr)
             .await
@@ -512,6 +516,7 @@ impl Server {
         });
         let mut connections = JoinSet::new();
         tokio::pin!(shutdown);
+        let mut wt_open = wt_endpoint.is_some();
         loop {
             let (incoming, webtransport_only) = tokio::select! {
                 _ = &mut shutdown => break,
@@ -519,9 +524,14 @@ impl Server {
                     Some(i) => (i, false),
                     None => break,
                 },
-                incoming = accept_on(wt_endpoint.as_ref()) => match incoming {
+                incoming = accept_on(wt_endpoint.as_ref().filter(|_| wt_open)) => match incoming {
                     Some(i) => (i, true),
-                    None => break,
+                    None => {
+                        // Its socket failed: browsers keep the broker's own port.
+                        warn!("the WebTransport port (webtransport.listen_addr) stopped accepting; browsers can still use the broker's port");
+                        wt_open = false;
+                        continue;
+                    }
                 },
                 Some(_) = connections.join_next(), if !connections.is_empty() => continue,
             };

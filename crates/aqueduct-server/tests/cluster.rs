@@ -1157,9 +1157,9 @@ async fn a_trace_follows_a_message_across_nodes() {
     assert_eq!(deliver.parent_span_id, publish.span_id, "across the hop");
 }
 
-/// A batch mixing a topic a cross-node group consumes with a plain topic: the plain runs go as
-/// runs, the group's messages one by one; every subscriber sees its messages once, in order,
-/// and the group's are spread round-robin over its members on both nodes.
+/// A batch mixing a topic a cross-node group consumes with a plain topic (the plain runs are
+/// routed as runs, the group's messages one by one): every subscriber sees its messages once,
+/// in order, and the group's are spread round-robin over its members on both nodes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_mixing_group_and_plain_topics_keeps_order_and_round_robin() {
     let c = cluster(2).await;

@@ -271,3 +271,34 @@ async fn export_off_makes_no_trace_metrics_and_passes_contexts_unchanged() {
     assert_eq!(value(&metrics, "aqueduct_trace_spans_recorded_total"), None);
     b.stop().await.expect("stops");
 }
+
+#[tokio::test]
+async fn spans_still_queued_at_shutdown_are_exported() {
+    let (received, endpoint, _receiver) = receiver().await;
+    let b = TestBroker::start_with(|c| c.tracing = Some(tracing_to(&endpoint, 1.0))).await;
+    let client = b.client().await;
+    let mut sub = client.subscribe("t").await.expect("subscribe");
+    let t = aqueduct_client::new_trace();
+    client
+        .publish_with(
+            "t",
+            "last words",
+            &PublishOptions {
+                trace: Some(t),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("publish");
+    next(&mut sub).await;
+    drop((sub, client));
+    // At once: the exporter's next round (every 250 ms) has most likely not come yet.
+    b.stop().await.expect("stops");
+    let mut names: Vec<_> = received
+        .of_trace(&t.trace_id)
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    names.sort();
+    assert_eq!(names, ["deliver", "publish", "route"]);
+}

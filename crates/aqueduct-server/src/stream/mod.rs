@@ -538,9 +538,10 @@ impl Reader<'_> {
                 }
                 let route_start = recording.map(|_| SystemTime::now());
                 let mut outcome = None;
+                let mut published = true;
                 if let Some(d) = &self.shared.durable {
                     let waiter = self.waiter(stream_id, p.ext.confirm);
-                    self.publish_durable(d, std::iter::once(publication), waiter, now);
+                    published = self.publish_durable(d, std::iter::once(publication), waiter, now);
                 } else {
                     let o = match &self.shared.mesh {
                         Some(mesh) => mesh.publish(&mut self.ctx, &publication, |ctx| {
@@ -553,7 +554,8 @@ impl Reader<'_> {
                     }
                     outcome = Some(o);
                 }
-                if let (Some(r), Some(start)) = (&recording, route_start) {
+                // A frame the durable log refused was not published: no spans for it.
+                if let (Some(r), Some(start), true) = (&recording, route_start, published) {
                     let offset = outcome.map(|o| o.offset);
                     self.end_trace(
                         r,
@@ -561,7 +563,7 @@ impl Reader<'_> {
                         &publication,
                         (offset, offset),
                         outcome.map(|o| o.routed),
-                        1,
+                        (1, p.body.len()),
                     );
                 }
             }
@@ -591,12 +593,13 @@ impl Reader<'_> {
                         }
                     }
                 }
-                let route_start = SystemTime::now();
+                let route_start = (!recordings.is_empty()).then(SystemTime::now);
                 let want_offsets = confirm || !recordings.is_empty();
+                let mut published = true;
                 if let Some(d) = &self.shared.durable {
                     let waiter = self.waiter(stream_id, confirm);
                     let publications = refs.iter().map(Publication::from_ref);
-                    self.publish_durable(d, publications, waiter, now);
+                    published = self.publish_durable(d, publications, waiter, now);
                 } else {
                     match &self.shared.mesh {
                         // In a cluster, runs of one topic go through the mesh (copies for the
@@ -625,13 +628,18 @@ impl Reader<'_> {
                         }
                     }
                 }
-                for (first, len, rec) in &recordings {
-                    let p = Publication::from_ref(&refs[*first]);
-                    let offsets = (
-                        offsets.get(*first).copied(),
-                        offsets.get(first + len - 1).copied(),
-                    );
-                    self.end_trace(rec, route_start, &p, offsets, None, *len);
+                // (A frame the durable log refused was not published: no spans for it.)
+                if let (Some(start), true) = (route_start, published) {
+                    for (first, len, rec) in &recordings {
+                        let run = &refs[*first..first + len];
+                        let p = Publication::from_ref(&run[0]);
+                        let offsets = (
+                            offsets.get(*first).copied(),
+                            offsets.get(first + len - 1).copied(),
+                        );
+                        let bytes = run.iter().map(|r| r.body.len()).sum();
+                        self.end_trace(rec, start, &p, offsets, None, (*len, bytes));
+                    }
                 }
                 if confirm && self.shared.durable.is_none() {
                     self.confirm(stream_id, offsets);
@@ -897,8 +905,9 @@ impl Reader<'_> {
         tracer.begin(trace?, received.unwrap_or_else(SystemTime::now))
     }
 
-    /// The `publish` and `route` spans of recorded messages (`messages` of them, the first
-    /// `p`, with the first and last offsets when known), routed since `route_start`.
+    /// The `publish` and `route` spans of recorded messages (`messages` of them with `bytes`
+    /// of bodies, the first `p`, with the first and last offsets when known), routed since
+    /// `route_start`.
     fn end_trace(
         &self,
         r: &otel::Recording,
@@ -906,7 +915,7 @@ impl Reader<'_> {
         p: &Publication<'_>,
         (offset, last_offset): (Option<u64>, Option<u64>),
         routed: Option<usize>,
-        messages: usize,
+        (messages, bytes): (usize, usize),
     ) {
         if let Some(tracer) = &self.shared.tracer {
             tracer.published(
@@ -915,7 +924,7 @@ impl Reader<'_> {
                 &otel::Published {
                     topic: p.topic.as_bytes(),
                     priority: p.priority,
-                    body_len: p.body.len(),
+                    body_len: bytes,
                     offset,
                     routed,
                     client: self.conn.identity(),
@@ -936,14 +945,15 @@ impl Reader<'_> {
 
     /// Route a publish frame's messages (live delivery at once) and queue them for the durable
     /// log, whose writer confirms them once they are durable. Routing and queueing happen under
-    /// the log's order lock, so each topic's offsets reach the log in order.
+    /// the log's order lock, so each topic's offsets reach the log in order. False if the log
+    /// refused the frame (closed or failing): nothing of it was published.
     fn publish_durable<'p>(
         &mut self,
         d: &Durable,
         publications: impl Iterator<Item = Publication<'p>> + Clone,
         waiter: Waiter,
         now: Instant,
-    ) {
+    ) -> bool {
         let _order = lock(&d.order);
         if d.is_closed() {
             // Shutting down: the log writes nothing more.
@@ -957,14 +967,14 @@ impl Reader<'_> {
                         .into(),
                 }),
             ));
-            return;
+            return false;
         }
         if d.is_failing() {
             // The log cannot write: refuse the frame before it is routed, so that no offset is
             // handed out that the log cannot record (it owes few enough as it is). The ERROR
             // goes through the writer's queue, behind the answers to earlier frames.
             d.queue_refusal(waiter);
-            return;
+            return false;
         }
         self.ctx.record_dead_letters();
         let routed = &mut self.routed;
@@ -989,6 +999,7 @@ impl Reader<'_> {
         // Dead letters this publish caused (a group member closed as a slow consumer whose
         // messages ran out of retries), after the frame's own messages.
         d.queue_dead_letters(self.ctx.take_dead_letters());
+        true
     }
 
     fn sub_or_error(&self, stream_id: u32) -> Option<SubEntry> {
@@ -1086,27 +1097,26 @@ fn fill(out: &StreamOut, shared: &Shared, conn: &ConnState, buf: &mut BytesMut, 
         let drained = match &shared.tracer {
             None => shared.broker.drain(sub, buf, max, now),
             Some(tracer) => {
-                let now_sys = SystemTime::now();
-                // Consecutive deliveries of one recorded run are one deliver span.
+                // Consecutive deliveries of one recorded run are one deliver span. Spans are
+                // made after the drain: it holds the subscriber's lock, which publishers need.
                 let mut span: Option<otel::Delivered> = None;
-                let drained = {
-                    let mut written = |d: &aqueduct_core::Delivery| {
-                        let Some(t) = d.trace().filter(|t| tracer.samples(t)) else {
-                            return;
-                        };
-                        if span.as_mut().is_some_and(|g| g.absorb(d, &t)) {
-                            return;
-                        }
-                        if let Some(done) = span.replace(otel::Delivered::new(d, t)) {
-                            tracer.delivered(&done, sub, conn.identity(), now, now_sys);
-                        }
+                let mut done: Vec<otel::Delivered> = Vec::new();
+                let drained = shared.broker.drain_observed(sub, buf, max, now, |d| {
+                    let Some(t) = d.trace().filter(|t| tracer.samples(t)) else {
+                        return;
                     };
-                    shared
-                        .broker
-                        .drain_observed(sub, buf, max, now, &mut written)
-                };
-                if let Some(done) = span {
-                    tracer.delivered(&done, sub, conn.identity(), now, now_sys);
+                    if span.as_mut().is_some_and(|g| g.absorb(d, &t)) {
+                        return;
+                    }
+                    if let Some(g) = span.replace(otel::Delivered::new(d, t)) {
+                        done.push(g);
+                    }
+                });
+                done.extend(span);
+                // Written: handed to the stream's buffer, which goes to QUIC next.
+                let (at, at_sys) = (Instant::now(), SystemTime::now());
+                for g in &done {
+                    tracer.delivered(g, sub, conn.identity(), at, at_sys);
                 }
                 drained
             }
