@@ -9,6 +9,23 @@ use common::otlp::*;
 use common::*;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 
+/// Publish `body` to `topic` in a new trace; its context.
+async fn publish_traced(client: &aqueduct_client::Client, topic: &str, body: &str) -> TraceContext {
+    let t = aqueduct_client::new_trace();
+    client
+        .publish_with(
+            topic,
+            body.to_string(),
+            &PublishOptions {
+                trace: Some(t),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("publish");
+    t
+}
+
 #[tokio::test]
 async fn a_traced_publish_is_followed_through_routing_and_each_delivery() {
     let (received, endpoint, _receiver) = receiver().await;
@@ -214,17 +231,7 @@ async fn an_unreachable_collector_is_counted_and_delivery_goes_on() {
     let b = TestBroker::start_with(|c| c.tracing = Some(tracing_to(&endpoint, 1.0))).await;
     let client = b.client().await;
     let mut sub = client.subscribe("t").await.expect("subscribe");
-    client
-        .publish_with(
-            "t",
-            "x",
-            &PublishOptions {
-                trace: Some(aqueduct_client::new_trace()),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("publish");
+    publish_traced(&client, "t", "x").await;
     assert_eq!(&next(&mut sub).await.body()[..], b"x");
     let mut metrics = String::new();
     within("the lost spans counted", async {
@@ -254,18 +261,7 @@ async fn export_off_makes_no_trace_metrics_and_passes_contexts_unchanged() {
     let b = TestBroker::start().await;
     let client = b.client().await;
     let mut sub = client.subscribe("t").await.expect("subscribe");
-    let t = aqueduct_client::new_trace();
-    client
-        .publish_with(
-            "t",
-            "x",
-            &PublishOptions {
-                trace: Some(t),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("publish");
+    let t = publish_traced(&client, "t", "x").await;
     assert_eq!(next(&mut sub).await.trace(), Some(t), "passed unchanged");
     let metrics = get(b.metrics_addr, "/metrics").await.1;
     assert_eq!(value(&metrics, "aqueduct_trace_spans_recorded_total"), None);
@@ -278,18 +274,7 @@ async fn spans_still_queued_at_shutdown_are_exported() {
     let b = TestBroker::start_with(|c| c.tracing = Some(tracing_to(&endpoint, 1.0))).await;
     let client = b.client().await;
     let mut sub = client.subscribe("t").await.expect("subscribe");
-    let t = aqueduct_client::new_trace();
-    client
-        .publish_with(
-            "t",
-            "last words",
-            &PublishOptions {
-                trace: Some(t),
-                ..Default::default()
-            },
-        )
-        .await
-        .expect("publish");
+    let t = publish_traced(&client, "t", "last words").await;
     next(&mut sub).await;
     drop((sub, client));
     // At once: the exporter's next round (every 250 ms) has most likely not come yet.
