@@ -46,18 +46,7 @@ struct Broker {
 }
 
 fn start(home: &Path, config_file: &Path) -> Broker {
-    let (child, addr, _metrics, logs) = start_broker_cmd(
-        home,
-        &[
-            "--config",
-            &config_file.display().to_string(),
-            "--addr",
-            "127.0.0.1:0",
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
-        &[],
-    );
+    let (child, addr, _metrics, logs) = start_broker_config(home, config_file, "127.0.0.1:0", &[]);
     let admin = admin_addr(&logs);
     Broker {
         child,
@@ -300,18 +289,8 @@ fn start_node(home: &Path, name: &str, port: u16, peers: &[String]) -> Node {
         ),
     )
     .expect("config");
-    let (child, addr, _metrics, logs) = start_broker_cmd(
-        home,
-        &[
-            "--config",
-            &config.display().to_string(),
-            "--addr",
-            &format!("127.0.0.1:{port}"),
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
-        &[],
-    );
+    let (child, addr, _metrics, logs) =
+        start_broker_config(home, &config, &format!("127.0.0.1:{port}"), &[]);
     let admin = admin_addr(&logs);
     Node {
         child,

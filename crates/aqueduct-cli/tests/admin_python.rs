@@ -83,18 +83,7 @@ fn a_python_grpc_client_calls_every_rpc() {
         ),
     )
     .expect("config");
-    let (broker, _addr, _metrics, logs) = start_broker_cmd(
-        h,
-        &[
-            "--config",
-            &config.display().to_string(),
-            "--addr",
-            "127.0.0.1:0",
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
-        &[],
-    );
+    let (broker, _addr, _metrics, logs) = start_broker_config(h, &config, "127.0.0.1:0", &[]);
     let admin = admin_addr(&logs);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/admin_grpc.py");
     let proto_root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");

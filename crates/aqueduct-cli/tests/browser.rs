@@ -89,18 +89,7 @@ fn a_browser_uses_the_live_view_and_the_js_client_against_the_real_broker() {
         ),
     )
     .expect("config");
-    let (broker, addr, metrics, logs) = start_broker_cmd(
-        h,
-        &[
-            "--config",
-            &config.display().to_string(),
-            "--addr",
-            "127.0.0.1:0",
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
-        &[],
-    );
+    let (broker, addr, metrics, logs) = start_broker_config(h, &config, "127.0.0.1:0", &[]);
     let screenshot =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/browser-test/web-view.png");
     let _ = std::fs::remove_file(&screenshot);

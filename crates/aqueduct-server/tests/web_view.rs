@@ -12,7 +12,8 @@ use common::*;
 
 /// One GET: (status, lower-cased headers, body).
 async fn fetch(addr: SocketAddr, path: &str) -> (u16, Vec<(String, String)>, String) {
-    let (status, raw) = http_raw(addr, path).await;
+    let (status, raw) =
+        http_response(addr, &format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n")).await;
     let (head, body) = raw.split_once("\r\n\r\n").expect("a head");
     let headers = head
         .lines()
@@ -21,25 +22,6 @@ async fn fetch(addr: SocketAddr, path: &str) -> (u16, Vec<(String, String)>, Str
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
         .collect();
     (status, headers, body.to_string())
-}
-
-async fn http_raw(addr: SocketAddr, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    within("an HTTP response", async {
-        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
-            .await
-            .expect("write");
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.expect("read");
-        let status = out
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        (status, out)
-    })
-    .await
 }
 
 fn header<'a>(headers: &'a [(String, String)], name: &str) -> &'a str {

@@ -45,6 +45,28 @@ pub fn start_broker_cmd(
     start_broker_process(cmd, home, env)
 }
 
+/// Start the broker with this config file, on `addr` (QUIC) and a free metrics port.
+pub fn start_broker_config(
+    home: &std::path::Path,
+    config: &std::path::Path,
+    addr: &str,
+    env: &[(&str, &str)],
+) -> (Child, String, String, mpsc::Receiver<String>) {
+    let config = config.display().to_string();
+    start_broker_cmd(
+        home,
+        &[
+            "--config",
+            &config,
+            "--addr",
+            addr,
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+        env,
+    )
+}
+
 /// Start a broker process (`cmd` runs it, perhaps through a shell that sets limits), with
 /// `--log info`, this home and environment; returns it, its address and metrics address (read
 /// from its log), and its further log lines.
@@ -244,17 +266,7 @@ pub fn cluster_node(
     .expect("config");
     let node_home = home.join(format!("home-{i}"));
     std::fs::create_dir_all(&node_home).expect("home");
-    let (child, addr, metrics, _logs) = start_broker_cmd(
-        &node_home,
-        &[
-            "--config",
-            &config.display().to_string(),
-            "--addr",
-            &format!("127.0.0.1:{port}"),
-            "--metrics-addr",
-            "127.0.0.1:0",
-        ],
-        env,
-    );
+    let (child, addr, metrics, _logs) =
+        start_broker_config(&node_home, &config, &format!("127.0.0.1:{port}"), env);
     (child, addr, metrics)
 }

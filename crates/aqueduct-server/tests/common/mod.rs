@@ -358,8 +358,8 @@ impl TestCa {
     }
 }
 
-/// One HTTP/1.1 exchange with the metrics endpoint: (status, body).
-pub async fn http(addr: SocketAddr, request: &str) -> (u16, String) {
+/// One HTTP/1.1 exchange with the metrics endpoint: (status, the whole response).
+pub async fn http_response(addr: SocketAddr, request: &str) -> (u16, String) {
     within("an HTTP response", async {
         let mut s = TcpStream::connect(addr).await.expect("connect");
         s.write_all(request.as_bytes()).await.expect("write");
@@ -370,13 +370,19 @@ pub async fn http(addr: SocketAddr, request: &str) -> (u16, String) {
             .nth(1)
             .and_then(|c| c.parse().ok())
             .unwrap_or(0);
-        let body = out
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default();
-        (status, body)
+        (status, out)
     })
     .await
+}
+
+/// One HTTP/1.1 exchange with the metrics endpoint: (status, body).
+pub async fn http(addr: SocketAddr, request: &str) -> (u16, String) {
+    let (status, out) = http_response(addr, request).await;
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
 }
 
 pub async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
