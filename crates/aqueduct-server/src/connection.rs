@@ -223,7 +223,10 @@ pub(crate) async fn handle(
         Ok(Err(e)) => return failed(e.to_string()),
         Err(_) => return failed("timed out".into()),
     };
-    if webtransport_only && alpn.as_deref() != Some(crate::webtransport::H3_ALPN) {
+    // A browser's (with WebTransport on).
+    let h3 =
+        shared.config.webtransport.enabled && alpn.as_deref() == Some(crate::webtransport::H3_ALPN);
+    if webtransport_only && !h3 {
         shared
             .stats
             .webtransport_refused
@@ -250,18 +253,15 @@ pub(crate) async fn handle(
         confirmed: AtomicBool::new(false),
         confirmed_notify: Notify::new(),
     });
+    // With mTLS the client is unknown until the handshake completes: no early data then; nor
+    // with the cluster on (a mesh connection is only known once it completes); nor for
+    // WebTransport (a session starts with HTTP/3 requests, and is checked like any client
+    // connection below: a peer certificate is no client identity).
+    let early_data = !shared.config.tls.require_client_cert && shared.mesh.is_none() && !h3;
     // The rest of a 0-RTT handshake, run by the connection's own task (not a detached one).
     let mut confirming: Option<Confirming> = None;
     let conn = match connecting.into_0rtt() {
-        // With mTLS the client is unknown until the handshake completes: no early data then;
-        // nor with the cluster on (a mesh connection is only known once it completes); nor for
-        // WebTransport (a session starts with HTTP/3 requests, and is checked like any client
-        // connection below: a peer certificate is no client identity).
-        Ok((conn, accepted))
-            if !shared.config.tls.require_client_cert
-                && shared.mesh.is_none()
-                && !is_h3(&conn, &shared) =>
-        {
+        Ok((conn, accepted)) if early_data => {
             // Early data is read now; the stream readers hold back what is unsafe to replay
             // until `confirm` runs.
             let (state, conn2, shared2) = (state.clone(), conn.clone(), shared.clone());
@@ -284,43 +284,31 @@ pub(crate) async fn handle(
                 conn.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
                 return failed("timed out".into());
             }
-            if divert(&conn, &shared) {
-                return;
-            }
-            if is_h3(&conn, &shared) {
-                return crate::webtransport::serve(conn, shared, state, shutdown).await;
-            }
-            identify(&conn, &state, &shared);
-            state.confirm();
             conn
         }
         Err(connecting) => match tokio::time::timeout_at(deadline, connecting).await {
-            Ok(Ok(conn)) => {
-                if divert(&conn, &shared) {
-                    return;
-                }
-                if is_h3(&conn, &shared) {
-                    return crate::webtransport::serve(conn, shared, state, shutdown).await;
-                }
-                identify(&conn, &state, &shared);
-                state.confirm();
-                conn
-            }
+            Ok(Ok(conn)) => conn,
             Ok(Err(e)) => return failed(e.to_string()),
             Err(_) => return failed("timed out".into()),
         },
     };
+    if confirming.is_none() {
+        // The handshake is complete: a peer's connection goes to the mesh, a browser's to
+        // WebTransport; a client's is known by now.
+        if divert(&conn, &shared) {
+            return;
+        }
+        if h3 {
+            return crate::webtransport::serve(conn, shared, state, shutdown).await;
+        }
+        identify(&conn, &state, &shared);
+        state.confirm();
+    }
     shared
         .stats
         .connections_total
         .fetch_add(1, Ordering::Relaxed);
     serve_streams(Session::Quic(conn), state, shared, shutdown, confirming).await;
-}
-
-/// With WebTransport on: a connection that negotiated HTTP/3 (a browser's).
-fn is_h3(conn: &quinn::Connection, shared: &Shared) -> bool {
-    shared.config.webtransport.enabled
-        && crate::mesh_tls::alpn(conn).as_deref() == Some(crate::webtransport::H3_ALPN)
 }
 
 /// A WebTransport session that was admitted (webtransport.rs): `client` is the id its token
