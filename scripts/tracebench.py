@@ -15,7 +15,7 @@ ratios, and the spans the `on` broker exported (its aqueduct_trace_spans_exporte
 From the repository root:
 
     git worktree add /tmp/aq-base <commit before trace export>
-    (cd /tmp/aq-base && cargo build --release -p aqueduct-cli --target-dir $PWD/target/base)
+    cargo build --release -p aqueduct-cli --manifest-path /tmp/aq-base/Cargo.toml --target-dir target/base
     cargo build --release -p aqueduct-cli
     python3 scripts/tracebench.py --baseline target/base/release/aqueduct-broker --rounds 5
 
