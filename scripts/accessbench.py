@@ -16,13 +16,11 @@ import argparse
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from speedbar import BROKER, CLIENT, git_describe, result_line  # noqa: E402
+from speedbar import bench_1to1, git_describe, start_broker  # noqa: E402
 
 
 def acl_config(rules):
@@ -40,37 +38,6 @@ def acl_config(rules):
     return "\n".join(lines) + "\n"
 
 
-def start(home, config):
-    args = [BROKER, "--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--log", "info"]
-    if config:
-        path = os.path.join(home, "config.yaml")
-        with open(path, "w") as f:
-            f.write(config)
-        args += ["--config", path]
-    env = dict(os.environ, AQUEDUCT_HOME=home, NO_COLOR="1")
-    proc = subprocess.Popen(args, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        line = proc.stderr.readline()
-        if "broker listening" in line:
-            addr = line.split("addr=")[1].split()[0]
-            return proc, addr
-    proc.kill()
-    raise RuntimeError("broker did not start")
-
-
-def bench(home, addr, messages):
-    out = subprocess.run(
-        [CLIENT, "--addr", addr, "bench", "--messages", str(messages), "--payload-size", "128", "--json"],
-        env=dict(os.environ, AQUEDUCT_HOME=home), capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise RuntimeError(out.stdout[-1500:] + out.stderr[-1500:])
-    r = result_line(out.stdout)
-    if r["lost_total"] or r["duplicates_total"]:
-        raise RuntimeError(f"lost or duplicated messages: {r}")
-    return r["delivered_msgs_per_s"]
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
@@ -81,9 +48,9 @@ def main():
     for r in range(a.rounds):
         for name, config in (("off", None), ("on", acl_config(a.rules))):
             with tempfile.TemporaryDirectory(prefix="aqueduct-accessbench-") as home:
-                proc, addr = start(home, config)
+                proc, addr, _ = start_broker(home, config=config)
                 try:
-                    rate = bench(home, addr, a.messages)
+                    rate = bench_1to1(home, addr, a.messages)
                 finally:
                     proc.send_signal(signal.SIGTERM)
                     proc.wait(timeout=30)

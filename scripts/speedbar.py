@@ -160,6 +160,49 @@ class Brokers:
                 p.kill()
 
 
+def start_broker(home, binary=BROKER, config=None, env_extra=None):
+    """Start `binary` on 127.0.0.1 (free ports) with its own AQUEDUCT_HOME and, if given, a
+    config file with `config`; returns (process, QUIC address, metrics address), read from its
+    log. Its log keeps being read (a full pipe would block the broker)."""
+    args = [binary, "--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--log", "info"]
+    if config:
+        path = os.path.join(home, "config.yaml")
+        with open(path, "w") as f:
+            f.write(config)
+        args += ["--config", path]
+    env = dict(os.environ, AQUEDUCT_HOME=home, NO_COLOR="1", **(env_extra or {}))
+    proc = subprocess.Popen(args, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    addr = metrics = None
+    deadline = time.time() + 30
+    while time.time() < deadline and not (addr and metrics):
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+        if "broker listening" in line:
+            addr = line.split("addr=")[1].split()[0]
+        if "metrics endpoint listening" in line:
+            metrics = line.split("addr=")[1].split()[0]
+    if not (addr and metrics):
+        proc.kill()
+        raise RuntimeError(f"{binary} did not start")
+    subprocess.Popen(["cat"], stdin=proc.stderr, stdout=subprocess.DEVNULL)
+    return proc, addr, metrics
+
+
+def bench_1to1(home, addr, messages, *extra):
+    """`aqueduct bench` 1 -> 1, 128 B messages, batches of 100; the delivered rate (fails if
+    anything was lost or duplicated)."""
+    out = subprocess.run(
+        [CLIENT, "--addr", addr, "bench", *extra, "--messages", str(messages), "--payload-size", "128", "--json"],
+        env=dict(os.environ, AQUEDUCT_HOME=home), capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stdout[-1500:] + out.stderr[-1500:])
+    r = result_line(out.stdout)
+    if r["lost_total"] or r["duplicates_total"]:
+        raise RuntimeError(f"lost or duplicated messages: {r}")
+    return r["delivered_msgs_per_s"]
+
+
 def aq(addr, *args, env=None):
     return run([CLIENT, "--addr", addr, "bench", "--json", *args], env=env)
 

@@ -36,34 +36,9 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from speedbar import BROKER, CLIENT, cpu_seconds, git_describe, result_line  # noqa: E402
+from speedbar import BROKER, CLIENT, bench_1to1, cpu_seconds, git_describe, start_broker  # noqa: E402
 
 SINK = [CLIENT, "trace-sink", "--listen"]
-
-
-PIN = {"broker": [], "client": []}
-
-
-def start(binary, home, env_extra):
-    args = PIN["broker"] + [binary, "--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0", "--log", "info"]
-    env = dict(os.environ, AQUEDUCT_HOME=home, NO_COLOR="1", **env_extra)
-    proc = subprocess.Popen(args, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    addr = metrics = None
-    deadline = time.time() + 30
-    while time.time() < deadline and not (addr and metrics):
-        line = proc.stderr.readline()
-        if not line and proc.poll() is not None:
-            break
-        if "broker listening" in line:
-            addr = line.split("addr=")[1].split()[0]
-        if "metrics endpoint listening" in line:
-            metrics = line.split("addr=")[1].split()[0]
-    if not (addr and metrics):
-        proc.kill()
-        raise RuntimeError(f"{binary} did not start")
-    # Keep its log flowing (a full pipe would block it).
-    subprocess.Popen(["cat"], stdin=proc.stderr, stdout=subprocess.DEVNULL)
-    return proc, addr, metrics
 
 
 def metric(metrics_addr, name):
@@ -74,29 +49,13 @@ def metric(metrics_addr, name):
     return None
 
 
-def bench(home, addr, messages):
-    out = subprocess.run(
-        PIN["client"] + [CLIENT, "--addr", addr, "bench", "--trace", "--messages", str(messages), "--payload-size", "128", "--json"],
-        env=dict(os.environ, AQUEDUCT_HOME=home), capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise RuntimeError(out.stdout[-1500:] + out.stderr[-1500:])
-    r = result_line(out.stdout)
-    if r["lost_total"] or r["duplicates_total"]:
-        raise RuntimeError(f"lost or duplicated messages: {r}")
-    return r["delivered_msgs_per_s"]
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--messages", type=int, default=2_000_000)
     p.add_argument("--ratio", type=float, default=0.01)
     p.add_argument("--baseline", required=True, help="aqueduct-broker built before trace export")
-    p.add_argument("--pin", action="store_true",
-                   help="run the broker on CPU 0 and the bench client on CPU 1 (taskset): less spread")
     a = p.parse_args()
-    if a.pin:
-        PIN["broker"], PIN["client"] = ["taskset", "-c", "0"], ["taskset", "-c", "1"]
     sink = subprocess.Popen(SINK + ["127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
     first = sink.stdout.readline()
     if not first.startswith("listening "):
@@ -118,10 +77,10 @@ def main():
             for name in order:
                 binary, env_extra = configs[name]
                 with tempfile.TemporaryDirectory(prefix="aqueduct-tracebench-") as home:
-                    proc, addr, metrics = start(binary, home, env_extra)
+                    proc, addr, metrics = start_broker(home, binary, env_extra=env_extra)
                     try:
                         cpu0 = cpu_seconds(proc.pid)
-                        rate = bench(home, addr, a.messages)
+                        rate = bench_1to1(home, addr, a.messages, "--trace")
                         cpu[name].append((cpu_seconds(proc.pid) - cpu0) / (a.messages / 1e6))
                         if name == "on":
                             # The exporter sends within about half a second.
