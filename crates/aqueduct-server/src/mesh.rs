@@ -515,34 +515,27 @@ impl MeshHandle {
         if table.peers_want_nothing() {
             return local(ctx, pubs);
         }
+        let queues = self.queues.load();
         let mut i = 0;
         while i < pubs.len() {
             let topic = pubs[i].topic;
             let len = pubs[i..].iter().take_while(|p| p.topic == topic).count();
             let run = &pubs[i..i + len];
             i += len;
-            if table.groups_match(topic.as_bytes())
-                || run
-                    .iter()
-                    .any(|p| p.attempts() > 0 || p.dead_letter().is_some())
-            {
+            if table.groups_match(topic.as_bytes()) {
                 for p in run {
                     self.publish(ctx, p, |ctx| local(ctx, std::slice::from_ref(p)));
                 }
                 continue;
             }
             local(ctx, run);
-            let queues = self.queues.load();
-            let peers: Vec<&Arc<PeerQueue>> = table
+            // Encoded once, for the first peer that wants them.
+            let mut records = None;
+            for q in table
                 .plain_peers(topic.as_bytes())
                 .filter_map(|n| queues.get(n))
-                .collect();
-            if peers.is_empty() {
-                continue;
-            }
-            let records = plain_records(run);
-            for q in peers {
-                q.push_many(&records);
+            {
+                q.push_many(records.get_or_insert_with(|| plain_records(run)));
             }
         }
     }
