@@ -83,12 +83,67 @@ pub struct Unsubscribe {
     pub ext: Extensions,
 }
 
-/// PUBLISH_BATCH: validated sub-frames, kept as the raw payload and decoded on iteration.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// PUBLISH_BATCH: validated sub-frames, kept as the raw payload. A decoded batch also keeps what
+/// validating it found (where each sub-frame's topic and body lie, its extensions), so that
+/// iterating it parses nothing a second time; a batch built here is parsed on iteration.
+#[derive(Debug, Clone)]
 pub struct PublishBatch {
     pub ext: Extensions,
     payload: Bytes,
     count: usize,
+    /// One entry per sub-frame for a decoded batch; empty for a built one.
+    index: Vec<SubFrame>,
+}
+
+impl PartialEq for PublishBatch {
+    /// Two batches are equal when their frames are: the index is derived from the payload.
+    fn eq(&self, other: &Self) -> bool {
+        self.ext == other.ext && self.payload == other.payload && self.count == other.count
+    }
+}
+
+impl Eq for PublishBatch {}
+
+/// A validated sub-frame's [`PublishRef`] as plain data: its topic's and body's ranges in the batch
+/// payload and its decoded extensions.
+#[derive(Debug, Clone, Copy)]
+struct SubFrame {
+    topic: (u32, u32),
+    body: (u32, u32),
+    priority: Priority,
+    ttl_ms: Option<u32>,
+    trace: Option<TraceContext>,
+    compression: Option<Compression>,
+}
+
+impl SubFrame {
+    /// `p`'s parts as ranges of `payload`, which `p` borrows from.
+    fn of(p: &PublishRef<'_>, payload: &[u8]) -> SubFrame {
+        let range = |part: &[u8]| {
+            let start = part.as_ptr() as usize - payload.as_ptr() as usize;
+            (start as u32, (start + part.len()) as u32)
+        };
+        SubFrame {
+            topic: range(p.topic.as_bytes()),
+            body: range(p.body),
+            priority: p.priority,
+            ttl_ms: p.ttl_ms,
+            trace: p.trace,
+            compression: p.compression,
+        }
+    }
+
+    fn view<'a>(&self, payload: &'a [u8]) -> PublishRef<'a> {
+        let part = |(start, end): (u32, u32)| &payload[start as usize..end as usize];
+        PublishRef {
+            topic: TopicRef::validated(part(self.topic)),
+            body: part(self.body),
+            priority: self.priority,
+            ttl_ms: self.ttl_ms,
+            trace: self.trace,
+            compression: self.compression,
+        }
+    }
 }
 
 /// ACK: settle the delivery at `offset` (topic extension required for wildcard subscriptions).
@@ -381,6 +436,7 @@ impl PublishBatch {
             ext: Extensions::default(),
             payload: buf.freeze(),
             count: publishes.len(),
+            index: Vec::new(),
         }
     }
 
@@ -388,12 +444,20 @@ impl PublishBatch {
     pub fn from_parts(ext: Extensions, payload: Bytes) -> Result<PublishBatch, ProtoError> {
         let mut count = 0;
         let mut previous = None;
+        let mut index = Vec::new();
         for sub in BatchIter::new(&payload) {
             let sub = sub?;
             // Full validation now, so that a broker can reject the whole batch before routing any
-            // of it (borrowed: no allocation, no reference counts).
+            // of it (borrowed: no reference counts); what it found is kept for iterating.
             match PublishRef::parse_after(&sub, previous) {
-                Ok(p) => previous = Some(p.topic),
+                Ok(p) => {
+                    if index.is_empty() {
+                        // Most batches hold messages of one size: room for that many at once.
+                        index.reserve(payload.len() / (HEADER_LEN + sub.header.data_len as usize));
+                    }
+                    index.push(SubFrame::of(&p, &payload));
+                    previous = Some(p.topic);
+                }
                 Err(source) => {
                     return Err(ProtoError::BadBatchEntry {
                         index: count,
@@ -408,6 +472,7 @@ impl PublishBatch {
             ext,
             payload,
             count,
+            index,
         })
     }
 
@@ -426,17 +491,21 @@ impl PublishBatch {
     }
 
     /// The sub-frames as borrowed [`PublishRef`]s (cheapest). A decoded batch was validated, so
-    /// the items are `Ok`.
+    /// the items are `Ok`, and they come from what validation found (no second parse).
     pub fn iter_refs(
         &self,
     ) -> impl Iterator<Item = Result<PublishRef<'_>, ProtoError>> + Clone + '_ {
-        BatchIter::new(&self.payload).scan(None, |previous, sub| {
+        let payload = &self.payload[..];
+        let indexed = self.index.iter().map(move |s| Ok(s.view(payload)));
+        // A built batch has no index: parse it.
+        let unindexed = if self.index.is_empty() { payload } else { &[] };
+        indexed.chain(BatchIter::new(unindexed).scan(None, |previous, sub| {
             let parsed = sub.and_then(|sub| PublishRef::parse_after(&sub, *previous));
             if let Ok(p) = &parsed {
                 *previous = Some(p.topic);
             }
             Some(parsed)
-        })
+        }))
     }
 
     /// The sub-frames as publishes, each borrowing the batch buffer. The batch was validated
@@ -562,6 +631,7 @@ impl BatchBuilder {
             ext,
             payload: self.buf.freeze(),
             count: self.count,
+            index: Vec::new(),
         }
     }
 }

@@ -195,6 +195,33 @@ proptest! {
     }
 
     #[test]
+    fn a_decoded_batch_iterates_what_parsing_it_gives(
+        ps in prop::collection::vec(prop_oneof![
+            publish(),
+            // Legacy sub-frames: the topic (and a `ttl:` prefix) in the payload.
+            (topic_name(), prop::option::of(1u32..100_000)).prop_map(|(t, ttl)| {
+                let body = match ttl {
+                    Some(ms) => format!("ttl:{ms}:{t}"),
+                    None => t.to_string(),
+                };
+                Publish::from_parts(Extensions::default(), Bytes::from(body)).expect("legacy")
+            }),
+        ], 0..16),
+    ) {
+        // A decoded batch iterates from what its validation found; a built one parses each
+        // sub-frame on iteration. Both must give the same views.
+        let built = PublishBatch::from_publishes(&ps);
+        let decoded = PublishBatch::from_parts(Extensions::default(), built.payload().clone())
+            .expect("valid");
+        let parsed: Vec<PublishRef<'_>> = built.iter_refs().collect::<Result<_, _>>().expect("valid");
+        let indexed: Vec<PublishRef<'_>> =
+            decoded.iter_refs().collect::<Result<_, _>>().expect("valid");
+        prop_assert_eq!(indexed.len(), ps.len());
+        prop_assert_eq!(indexed, parsed);
+        prop_assert_eq!(decoded, built);
+    }
+
+    #[test]
     fn delivery_ref_agrees_with_the_full_decoder(
         p in publish(),
         flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),

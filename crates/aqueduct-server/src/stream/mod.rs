@@ -572,7 +572,8 @@ impl Reader<'_> {
                 let confirm = batch.ext.confirm;
                 // Validated in full when decoded, so every sub-frame is Ok. Borrowed views, decoded
                 // once into one vector per batch frame (the core looks ahead along it for runs).
-                let mut refs: Vec<_> = batch.iter_refs().filter_map(Result::ok).collect();
+                let mut refs = Vec::with_capacity(batch.len());
+                refs.extend(batch.iter_refs().filter_map(Result::ok));
                 if !self.authorize_publish(stream_id, refs.iter().map(|r| r.topic.as_bytes())) {
                     return;
                 }
@@ -1032,7 +1033,15 @@ fn stream_id_of(buf: &[u8]) -> u32 {
 
 /// Collect pending replies and deliveries into `buf`, up to about `budget` bytes. Closed
 /// subscriptions are removed; a slow-consumer close gets its ERROR frame.
-fn fill(out: &StreamOut, shared: &Shared, conn: &ConnState, buf: &mut BytesMut, budget: usize) {
+/// Move what is ready for the client into `buf`: replies first, then deliveries, up to about
+/// `budget` bytes. `hint` is how much room to make at once when deliveries are waiting.
+fn fill(
+    out: &StreamOut,
+    shared: &Shared,
+    conn: &ConnState,
+    buf: &mut BytesMut,
+    (budget, hint): (usize, usize),
+) {
     let revoking = if out.revoke_pending.swap(false, Ordering::AcqRel) {
         std::mem::take(&mut *lock(&out.revoking))
     } else {
@@ -1051,6 +1060,12 @@ fn fill(out: &StreamOut, shared: &Shared, conn: &ConnState, buf: &mut BytesMut, 
     }
     let now = Instant::now();
     let mut subs = lock(&out.subs);
+    // Deliveries are waiting: make room for them in one allocation. Each write hands the buffer
+    // to QUIC, so the next fill starts a new one, and growing that by doubling copies it at
+    // every step. A stream with nothing queued allocates nothing.
+    if hint > buf.capacity() - buf.len() && subs.iter().any(|s| s.queued_approx() > 0) {
+        buf.reserve(hint);
+    }
     subs.retain(|sub| {
         if !sub.is_closed() {
             return true;
@@ -1146,6 +1161,10 @@ fn has_subs(out: &StreamOut) -> bool {
     !lock(&out.subs).is_empty()
 }
 
+/// Room made in a write buffer beyond the flush budget: a drain stops after the frame that
+/// crosses the budget, so that frame must fit too (most deliveries are much smaller).
+const DRAIN_SLACK: usize = 4096;
+
 async fn write_loop<S: SendHalf>(
     mut send: S,
     out: &StreamOut,
@@ -1155,8 +1174,10 @@ async fn write_loop<S: SendHalf>(
 ) {
     let batch = shared.config.batch_size;
     let window = shared.config.flush_interval;
-    // Grows to about `batch` bytes on first use; an idle stream allocates nothing.
+    // Sized by `fill` when deliveries wait (see `sizes.1` below); an idle stream allocates
+    // nothing.
     let mut buf = BytesMut::new();
+    let mut sizes = (batch, 0);
     let mut last_write: Option<Instant> = None;
     loop {
         if out.aborted.load(Ordering::Acquire) {
@@ -1167,7 +1188,7 @@ async fn write_loop<S: SendHalf>(
             detach_subscriptions(shared, out);
             return;
         }
-        fill(out, shared, conn, &mut buf, batch);
+        fill(out, shared, conn, &mut buf, sizes);
         if buf.is_empty() {
             // On shutdown too, the reader says when it is done (it stops at once then): only
             // it knows whether the client's frames were all read.
@@ -1199,11 +1220,11 @@ async fn write_loop<S: SendHalf>(
                     _ = tokio::time::sleep_until(deadline.into()) => {}
                     _ = shutdown.changed() => {}
                 }
-                fill(out, shared, conn, &mut buf, batch);
+                fill(out, shared, conn, &mut buf, sizes);
             } else {
                 while buf.len() < batch && Instant::now() < deadline {
                     tokio::task::yield_now().await;
-                    fill(out, shared, conn, &mut buf, batch);
+                    fill(out, shared, conn, &mut buf, sizes);
                 }
             }
         }
@@ -1237,13 +1258,16 @@ async fn write_loop<S: SendHalf>(
             continue;
         }
         shared.stats.add_out(len);
+        // Room for twice this write, at most `batch` bytes, plus the frame a drain may write
+        // past the budget.
+        sizes.1 = (2 * len).min(batch) + DRAIN_SLACK;
         last_write = Some(Instant::now());
     }
     // Final flush (shutdown, or the client finished the stream), bounded: a client that does
     // not read any more must not keep this task (and a held publisher) forever.
     let flushed = tokio::time::timeout(FINISH_WAIT, async {
         loop {
-            fill(out, shared, conn, &mut buf, batch);
+            fill(out, shared, conn, &mut buf, sizes);
             let chunk = buf.split().freeze();
             let len = chunk.len();
             if len == 0 || send.write_chunk(chunk).await.is_err() {
