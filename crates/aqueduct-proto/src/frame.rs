@@ -317,6 +317,12 @@ impl<'a> DeliveryRef<'a> {
         previous: Option<&TopicName>,
     ) -> Result<DeliveryRef<'a>, ProtoError> {
         let (ext_start, ext_end) = split_data(header, data)?;
+        if let Some(d) = Self::broker_layout(&data[ext_start..ext_end], previous) {
+            return Ok(DeliveryRef {
+                body_start: ext_end,
+                ..d
+            });
+        }
         let mut d = DeliveryRef {
             topic: None,
             offset: None,
@@ -334,6 +340,39 @@ impl<'a> DeliveryRef<'a> {
             _ => d.more = true,
         })?;
         Ok(d)
+    }
+
+    /// The block every plain delivery of a broker carries, exactly: ATTEMPT, PRIORITY, TOPIC,
+    /// OFFSET in that order (see `SharedDelivery::write_frame`), read without the general walk.
+    /// `None` for any other block, or one with a value the general walk would refuse: the
+    /// caller then walks it, so the result is always the general walk's.
+    #[inline]
+    fn broker_layout(ext: &'a [u8], previous: Option<&TopicName>) -> Option<DeliveryRef<'a>> {
+        use crate::ext::types::{ATTEMPT, OFFSET, PRIORITY, TOPIC};
+        let [ATTEMPT, 4, a0, a1, a2, a3, PRIORITY, 1, level, TOPIC, n, rest @ ..] = ext else {
+            return None;
+        };
+        let (topic, rest) = rest.split_at_checked(usize::from(*n))?;
+        let [OFFSET, 8, offset @ ..] = rest else {
+            return None;
+        };
+        let offset = u64::from_le_bytes(offset.try_into().ok()?);
+        let attempt = u32::from_le_bytes([*a0, *a1, *a2, *a3]);
+        if attempt == 0 {
+            return None;
+        }
+        let topic = match previous {
+            Some(p) if !topic.is_empty() && p.as_bytes() == topic => TopicRef::validated(topic),
+            _ => TopicRef::new(topic).ok()?,
+        };
+        Some(DeliveryRef {
+            topic: Some(topic),
+            offset: Some(offset),
+            attempt: Some(attempt),
+            priority: Some(Priority::new(*level)?),
+            body_start: 0,
+            more: false,
+        })
     }
 
     /// The topic as an owned name sharing `data`, which must be the buffer that was parsed
@@ -371,6 +410,9 @@ impl<'a> PublishRef<'a> {
         sub: &RawFrameRef<'a>,
         previous: Option<TopicRef<'_>>,
     ) -> Result<PublishRef<'a>, ProtoError> {
+        if let Some(p) = Self::client_layout(sub, previous) {
+            return Ok(p);
+        }
         let (mut topic, mut priority, mut ttl_ms, mut trace, mut compression) =
             (None, None, None, None, None);
         walk_after(
@@ -402,6 +444,39 @@ impl<'a> PublishRef<'a> {
             ttl_ms: ttl_ms.filter(|&t| t > 0),
             trace,
             compression,
+        })
+    }
+}
+
+impl<'a> PublishRef<'a> {
+    /// The block most publishes carry, exactly: TOPIC, or PRIORITY then TOPIC (as
+    /// [`BatchBuilder`] writes them), read without the general walk. `None` for any other block,
+    /// or one with a value the general walk would refuse: the caller then walks it, so the
+    /// result is always the general walk's.
+    #[inline]
+    fn client_layout(sub: &RawFrameRef<'a>, previous: Option<TopicRef<'_>>) -> Option<Self> {
+        use crate::ext::types::{PRIORITY, TOPIC};
+        let (priority, rest) = match sub.ext_block {
+            [PRIORITY, 1, level, rest @ ..] => (Priority::new(*level)?, rest),
+            rest => (Priority::default(), rest),
+        };
+        let [TOPIC, n, topic @ ..] = rest else {
+            return None;
+        };
+        if topic.len() != usize::from(*n) {
+            return None;
+        }
+        let topic = match previous {
+            Some(p) if !topic.is_empty() && p.as_bytes() == topic => TopicRef::validated(topic),
+            _ => TopicRef::new(topic).ok()?,
+        };
+        Some(PublishRef {
+            topic,
+            body: sub.payload,
+            priority,
+            ttl_ms: None,
+            trace: None,
+            compression: None,
         })
     }
 }

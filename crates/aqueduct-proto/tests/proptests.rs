@@ -232,40 +232,45 @@ proptest! {
             let i = HEADER_LEN + idx.index(data.len() - HEADER_LEN);
             data[i] = byte;
         }
-        let bytes = Bytes::from(data);
-        let raw = aqueduct_proto::frame::split_frame(&bytes, &Limits::default()).expect("header intact");
-        let header = raw.validate().expect("valid header");
-        let body = bytes.slice(HEADER_LEN..raw.frame_len());
-        let fast = DeliveryRef::parse(&header, &body);
-        match Frame::decode(&header, body.clone()) {
-            Ok(Frame { message: Message::Publish(full), .. }) if full.ext.topic.is_some() => {
-                let d = fast.expect("the fast path accepts what the full decoder accepts");
-                prop_assert_eq!(d.topic_in(&body), full.ext.topic.clone());
-                prop_assert_eq!(d.offset, full.ext.offset);
-                prop_assert_eq!(d.attempt, full.ext.attempt);
-                prop_assert_eq!(d.priority, full.ext.priority);
-                prop_assert_eq!(&body[d.body_start..], &full.body[..]);
-                let rest = Extensions {
-                    topic: None,
-                    offset: None,
-                    attempt: None,
-                    priority: None,
-                    ..full.ext.clone()
-                };
-                prop_assert_eq!(d.more, rest != Extensions::default());
-                // Not the parsed buffer: no name.
-                prop_assert_eq!(d.topic_in(&Bytes::copy_from_slice(&body)), None);
-                // With the topic as a hint (compared, not checked): the same result.
-                let hinted = DeliveryRef::parse_after(&header, &body, full.ext.topic.as_ref());
-                prop_assert_eq!(hinted, Ok(d));
-            }
-            // Legacy frames (no TOPIC extension) and errors: the fast path either agrees that it
-            // is not a delivery it can read, or reports the error itself.
-            other => prop_assert!(
-                fast.is_err() || fast.is_ok_and(|d| d.topic.is_none()),
-                "decode said {:?}", other
-            ),
+        check_delivery_ref(Bytes::from(data))?;
+    }
+
+    #[test]
+    fn delivery_ref_agrees_with_the_full_decoder_on_broker_frames(
+        topic in topic_name(),
+        offset in any::<u64>(),
+        level in 0u8..4,
+        attempt in 0u32..4,
+        trace in prop::option::of(any::<[u8; 25]>()),
+        body in prop::collection::vec(any::<u8>(), 0..64),
+        flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..3),
+    ) {
+        // A delivery exactly as a broker writes it (the layout the fast path reads), then
+        // mutated after the header.
+        let trace = trace.map(|t| TraceContext {
+            trace_id: t[..16].try_into().expect("16"),
+            span_id: t[16..24].try_into().expect("8"),
+            flags: t[24],
+        });
+        let shared = SharedDelivery::encode(
+            &mut aqueduct_proto::delivery::Arena::default(),
+            &aqueduct_proto::delivery::DeliveryFields {
+                topic: &topic,
+                offset,
+                priority: Priority::new(level).expect("0..=3"),
+                trace: trace.as_ref(),
+                compression: None,
+                dead_letter: None,
+                body: &body,
+            },
+        );
+        let mut data = Vec::new();
+        shared.write_frame(&mut data, 1, attempt);
+        for (idx, byte) in flips {
+            let i = HEADER_LEN + idx.index(data.len() - HEADER_LEN);
+            data[i] = byte;
         }
+        check_delivery_ref(Bytes::from(data))?;
     }
 
     #[test]
@@ -291,6 +296,26 @@ proptest! {
         let each: Result<Vec<PublishRef<'_>>, ProtoError> = BatchIter::new(&payload)
             .map(|sub| sub.and_then(|sub| PublishRef::parse(&sub)))
             .collect();
+        // And each sub-frame read as a PUBLISH frame by the full decoder gives the same verdict
+        // and fields as the borrowed one.
+        for sub in BatchIter::new(&payload) {
+            let Ok(sub) = sub else { break };
+            let end = sub.payload_offset + sub.payload.len();
+            let data = payload.slice(sub.offset + HEADER_LEN..end);
+            let full = Frame::decode(&sub.header, data);
+            match (PublishRef::parse(&sub), full) {
+                (Ok(r), Ok(Frame { message: Message::Publish(p), .. })) => {
+                    prop_assert_eq!(r.topic, p.topic().borrowed());
+                    prop_assert_eq!(r.body, &p.body[..]);
+                    prop_assert_eq!(r.priority, p.priority());
+                    prop_assert_eq!(r.ttl_ms, p.ttl_ms());
+                    prop_assert_eq!(r.trace, p.ext.trace);
+                    prop_assert_eq!(r.compression, p.ext.compression);
+                }
+                (Err(_), Err(_)) => {}
+                (r, f) => prop_assert!(false, "borrowed {:?}, full {:?}", r, f),
+            }
+        }
         match PublishBatch::from_parts(Extensions::default(), payload.clone()) {
             Ok(batch) => {
                 let each = each.expect("hinted validation accepted it, so must a full one");
@@ -329,4 +354,47 @@ proptest! {
             Err(DecodeError::Invalid(e)) => prop_assert!(ErrorCode::ALL.contains(&e.code())),
         }
     }
+}
+
+/// [`DeliveryRef::parse`] of a PUBLISH frame (header intact) agrees with the full decoder.
+fn check_delivery_ref(bytes: Bytes) -> Result<(), TestCaseError> {
+    let raw =
+        aqueduct_proto::frame::split_frame(&bytes, &Limits::default()).expect("header intact");
+    let header = raw.validate().expect("valid header");
+    let body = bytes.slice(HEADER_LEN..raw.frame_len());
+    let fast = DeliveryRef::parse(&header, &body);
+    match Frame::decode(&header, body.clone()) {
+        Ok(Frame {
+            message: Message::Publish(full),
+            ..
+        }) if full.ext.topic.is_some() => {
+            let d = fast.expect("the fast path accepts what the full decoder accepts");
+            prop_assert_eq!(d.topic_in(&body), full.ext.topic.clone());
+            prop_assert_eq!(d.offset, full.ext.offset);
+            prop_assert_eq!(d.attempt, full.ext.attempt);
+            prop_assert_eq!(d.priority, full.ext.priority);
+            prop_assert_eq!(&body[d.body_start..], &full.body[..]);
+            let rest = Extensions {
+                topic: None,
+                offset: None,
+                attempt: None,
+                priority: None,
+                ..full.ext.clone()
+            };
+            prop_assert_eq!(d.more, rest != Extensions::default());
+            // Not the parsed buffer: no name.
+            prop_assert_eq!(d.topic_in(&Bytes::copy_from_slice(&body)), None);
+            // With the topic as a hint (compared, not checked): the same result.
+            let hinted = DeliveryRef::parse_after(&header, &body, full.ext.topic.as_ref());
+            prop_assert_eq!(hinted, Ok(d));
+        }
+        // Legacy frames (no TOPIC extension) and errors: the fast path either agrees that it
+        // is not a delivery it can read, or reports the error itself.
+        other => prop_assert!(
+            fast.is_err() || fast.is_ok_and(|d| d.topic.is_none()),
+            "decode said {:?}",
+            other
+        ),
+    }
+    Ok(())
 }
