@@ -104,6 +104,8 @@ impl Publisher {
         let mut builder = BatchBuilder::new();
         let mut last: Option<TopicName> = None;
         let ttl = ttl_ms(opts);
+        let messages = messages.into_iter();
+        let expected = messages.size_hint().0;
         for (t, body) in messages {
             // Validate each distinct topic once, not once per message.
             let name = match last.take() {
@@ -111,6 +113,10 @@ impl Publisher {
                 _ => topic(t)?,
             };
             builder.push_traced(&name, &body, opts.priority, ttl, opts.trace.as_ref());
+            if builder.len() == 1 {
+                // Room for the rest at once, taking them to be the size of the first.
+                builder.reserve(builder.encoded_len() * expected.saturating_sub(1));
+            }
             last = Some(name);
         }
         let batch = builder.finish(Extensions {
@@ -133,8 +139,13 @@ impl Publisher {
         } else {
             (0, None)
         };
-        let mut bytes = BytesMut::with_capacity(message.frame_len());
-        Frame::new(id, message).encode(&mut bytes);
+        // A batch's payload is sent as it was built, after its head: not copied again.
+        let frame = Frame::new(id, message);
+        let mut bytes = BytesMut::with_capacity(match &frame.message {
+            Wire::PublishBatch(_) => 64,
+            m => m.frame_len(),
+        });
+        let tail = frame.encode_split(&mut bytes);
         {
             let mut send = self.inner.send.lock().await;
             if send.is_none() {
@@ -142,6 +153,9 @@ impl Publisher {
             }
             if let Some(Stream { send, .. }) = send.as_mut() {
                 send.write_chunk(bytes.freeze()).await?;
+                if let Some(tail) = tail {
+                    send.write_chunk(tail).await?;
+                }
             }
         }
         match rx {

@@ -696,6 +696,17 @@ impl BatchBuilder {
         self.count
     }
 
+    /// Bytes of the payload so far.
+    pub fn encoded_len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Make room for `additional` more payload bytes at once (the payload otherwise grows by
+    /// doubling, copying what it holds each time).
+    pub fn reserve(&mut self, additional: usize) {
+        self.buf.reserve(additional);
+    }
+
     pub fn is_empty(&self) -> bool {
         self.count == 0
     }
@@ -886,6 +897,13 @@ impl Message {
 
     /// Append the complete frame to `out`.
     pub fn encode_frame<B: BufMut>(&self, out: &mut B, stream_id: u32, mesh_forwarded: bool) {
+        self.encode_head(out, stream_id, mesh_forwarded);
+        self.write_payload(out);
+    }
+
+    /// The frame's header and extension block: [`encode_frame`](Self::encode_frame) without the
+    /// payload.
+    fn encode_head<B: BufMut>(&self, out: &mut B, stream_id: u32, mesh_forwarded: bool) {
         let ext_len = self.ext().map_or(0, Extensions::encoded_len);
         let mut command = self.opcode() as u8;
         if mesh_forwarded {
@@ -903,7 +921,6 @@ impl Message {
             out.put_u16_le(ext_len as u16);
             ext.encode(out);
         }
-        self.write_payload(out);
     }
 }
 
@@ -920,6 +937,24 @@ impl Frame {
     pub fn encode<B: BufMut>(&self, out: &mut B) {
         self.message
             .encode_frame(out, self.stream_id, self.mesh_forwarded);
+    }
+
+    /// The encoded frame in two parts, to be sent one after the other: a PUBLISH_BATCH's head
+    /// (header and extension block) is written to `out` and its payload returned as it is,
+    /// shared rather than copied; any other frame is written whole to `out` (`None`). Together
+    /// the parts are exactly [`encode`](Self::encode)'s bytes.
+    pub fn encode_split<B: BufMut>(&self, out: &mut B) -> Option<Bytes> {
+        match &self.message {
+            Message::PublishBatch(b) => {
+                self.message
+                    .encode_head(out, self.stream_id, self.mesh_forwarded);
+                Some(b.payload.clone())
+            }
+            _ => {
+                self.encode(out);
+                None
+            }
+        }
     }
 
     /// The encoded frame as a new buffer.
@@ -1023,7 +1058,25 @@ mod tests {
             Publish::new(topic("y"), Bytes::from_static(b"22")),
         ]);
         assert_eq!(batch.len(), 2);
-        round_trip(Frame::new(4, Message::PublishBatch(batch)));
+        round_trip(Frame::new(4, Message::PublishBatch(batch.clone())));
+        // Sent in two parts, the batch's payload unchanged and not copied.
+        let confirmed = PublishBatch {
+            ext: Extensions {
+                confirm: true,
+                ..Extensions::default()
+            },
+            ..batch.clone()
+        };
+        let frame = Frame::new(4, Message::PublishBatch(confirmed));
+        let mut head = BytesMut::new();
+        let tail = frame.encode_split(&mut head).expect("a batch has a tail");
+        assert_eq!(tail.as_ptr(), batch.payload().as_ptr());
+        head.extend_from_slice(&tail);
+        assert_eq!(head.freeze(), frame.to_bytes());
+        let ack = Frame::new(4, Message::Ack(Ack::new(7)));
+        let mut whole = BytesMut::new();
+        assert_eq!(ack.encode_split(&mut whole), None);
+        assert_eq!(whole.freeze(), ack.to_bytes());
         // The builder writes the same bytes as the generic encoder.
         let mut b = BatchBuilder::new();
         b.push(&topic("x"), b"1", Some(Priority::HIGHEST), Some(5));
