@@ -46,6 +46,35 @@ struct Stream {
     done: oneshot::Receiver<Result<(), ClientError>>,
 }
 
+/// The PUBLISH_BATCH frame of `messages` (not async: nothing of the iterator is held across a
+/// wait).
+fn build_batch<'a>(
+    messages: impl Iterator<Item = (&'a str, Bytes)>,
+    opts: &PublishOptions,
+) -> Result<aqueduct_proto::PublishBatch, ClientError> {
+    let mut builder = BatchBuilder::new();
+    let mut last: Option<TopicName> = None;
+    let ttl = ttl_ms(opts);
+    let expected = messages.size_hint().0;
+    for (t, body) in messages {
+        // Validate each distinct topic once, not once per message.
+        let name = match last.take() {
+            Some(n) if n.as_str() == t => n,
+            _ => topic(t)?,
+        };
+        builder.push_traced(&name, &body, opts.priority, ttl, opts.trace.as_ref());
+        if builder.len() == 1 {
+            // Room for the rest at once, taking them to be the size of the first.
+            builder.reserve(builder.encoded_len() * expected.saturating_sub(1));
+        }
+        last = Some(name);
+    }
+    Ok(builder.finish(Extensions {
+        confirm: opts.confirm,
+        ..Extensions::default()
+    }))
+}
+
 pub(crate) fn topic(name: &str) -> Result<TopicName, ClientError> {
     TopicName::try_from(name).map_err(ClientError::invalid("topic name"))
 }
@@ -101,28 +130,7 @@ impl Publisher {
         messages: impl IntoIterator<Item = (&'a str, Bytes)>,
         opts: &PublishOptions,
     ) -> Result<Option<Vec<u64>>, ClientError> {
-        let mut builder = BatchBuilder::new();
-        let mut last: Option<TopicName> = None;
-        let ttl = ttl_ms(opts);
-        let messages = messages.into_iter();
-        let expected = messages.size_hint().0;
-        for (t, body) in messages {
-            // Validate each distinct topic once, not once per message.
-            let name = match last.take() {
-                Some(n) if n.as_str() == t => n,
-                _ => topic(t)?,
-            };
-            builder.push_traced(&name, &body, opts.priority, ttl, opts.trace.as_ref());
-            if builder.len() == 1 {
-                // Room for the rest at once, taking them to be the size of the first.
-                builder.reserve(builder.encoded_len() * expected.saturating_sub(1));
-            }
-            last = Some(name);
-        }
-        let batch = builder.finish(Extensions {
-            confirm: opts.confirm,
-            ..Extensions::default()
-        });
+        let batch = build_batch(messages.into_iter(), opts)?;
         self.send(Wire::PublishBatch(batch), opts.confirm).await
     }
 
