@@ -35,6 +35,9 @@ pub struct LocalLatency {
     buckets: [u32; BOUNDS_US.len() + 1],
     sum_ns: u64,
     count: u32,
+    /// The last latency seen and its bucket: deliveries of one publish frame drained together
+    /// share their latency, so most observations find their bucket here.
+    last: (u64, usize),
 }
 
 impl Default for LocalLatency {
@@ -43,6 +46,7 @@ impl Default for LocalLatency {
             buckets: [0; BOUNDS_US.len() + 1],
             sum_ns: 0,
             count: 0,
+            last: (0, bucket(0)),
         }
     }
 }
@@ -67,7 +71,10 @@ fn bucket(ns: u64) -> usize {
 impl LocalLatency {
     pub fn observe(&mut self, latency: Duration) {
         let ns = nanos(latency);
-        self.buckets[bucket(ns)] += 1;
+        if self.last.0 != ns {
+            self.last = (ns, bucket(ns));
+        }
+        self.buckets[self.last.1] += 1;
         self.sum_ns = self.sum_ns.saturating_add(ns);
         self.count += 1;
     }
@@ -123,7 +130,8 @@ mod tests {
         let direct = LatencyHistogram::default();
         let batched = LatencyHistogram::default();
         let mut local = LocalLatency::default();
-        for us in [1, 10, 11, 400, 2_000_000, 99_000_000] {
+        // Repeats too: a repeated latency takes its bucket from the last observation.
+        for us in [0, 0, 1, 10, 10, 11, 400, 400, 2_000_000, 99_000_000, 0, 400] {
             direct.observe(Duration::from_micros(us));
             local.observe(Duration::from_micros(us));
         }

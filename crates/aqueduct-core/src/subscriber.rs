@@ -425,6 +425,7 @@ impl Subscriber {
         // Count deliveries per run of one topic: one atomic add per run, not per message.
         let mut run: Option<(Arc<TopicState>, u64)> = None;
         let mut local = LocalLatency::default();
+        let mut published: Option<(Instant, Duration)> = None;
         let mut st = self.lock();
         let explicit = self.ack_mode == AckMode::Explicit;
         while done.bytes < max_bytes || done.frames == 0 {
@@ -447,7 +448,17 @@ impl Subscriber {
                 d.shared.write_frame(out, self.stream_id, d.attempt);
             }
             written(&d);
-            local.observe(now.saturating_duration_since(d.published_at));
+            // Deliveries of one publish frame share their publish instant: one subtraction each
+            // run of them.
+            let latency = match published {
+                Some((at, latency)) if at == d.published_at => latency,
+                _ => {
+                    let latency = now.saturating_duration_since(d.published_at);
+                    published = Some((d.published_at, latency));
+                    latency
+                }
+            };
+            local.observe(latency);
             done.frames += 1;
             done.bytes += d.shared.frame_len();
             match &mut run {
