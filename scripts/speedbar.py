@@ -14,6 +14,7 @@ From the repository root:
     cargo build --release -p aqueduct-cli
     cargo build --release --manifest-path bench/peerbench/Cargo.toml --target-dir target/peerbench
     python3 scripts/speedbar.py --rounds 3 --out target/speedbar.jsonl
+    python3 scripts/speedbar.py --summarize target/speedbar.jsonl   # per-round ratios again
 
 The exact `nats-server --version` output is printed at the start, written as the first record
 of the JSONL output (config "environment") and into every nats row, and printed above the
@@ -340,7 +341,47 @@ def main():
                     per_m.append(r["server_cpu_s"] / delivered * 1e6)
         if per_m:
             print(f"| broker CPU s per million delivered | {broker} | {min(per_m):.2f} | {statistics.median(per_m):.2f} | {max(per_m):.2f} | |")
+    print_ratios(rows)
+
+
+def cpu_per_million(r):
+    delivered = sum(s.get("received", 0) for s in r.get("subscribers", []))
+    return r["server_cpu_s"] / delivered * 1e6 if delivered and r.get("server_cpu_s") else None
+
+
+def print_ratios(rows):
+    """Aqueduct / nats-server per round (the two brokers of a round run back to back, so each
+    ratio is measured under the same machine conditions), and the median of those ratios: the
+    figures issue 8's targets are stated in."""
+    figures = [
+        ("1 -> 1 delivered msg/s", "tput_1x1", lambda r: r["delivered_msgs_per_s"]),
+        ("1 -> 4 delivered msg/s", "fanout_1x4", lambda r: r["delivered_msgs_per_s"]),
+        ("p50 at 10k msg/s", "latency_10k", lambda r: r["latency"].get("p50_us")),
+        ("p99 at 10k msg/s", "latency_10k", lambda r: r["latency"].get("p99_us")),
+        ("broker CPU per delivered (1 -> 1)", "tput_1x1", cpu_per_million),
+        ("broker CPU per delivered (1 -> 4)", "fanout_1x4", cpu_per_million),
+    ]
+    print("\n| figure | Aqueduct / nats-server per round | median |")
+    print("|---|---|---:|")
+    for label, config, value in figures:
+        pairs = zip([value(r) for r in rows if r.get("config") == config and r.get("broker") == "aqueduct"],
+                    [value(r) for r in rows if r.get("config") == config and r.get("broker") == "nats"])
+        ratios = [a / n for a, n in pairs if a is not None and n]
+        if ratios:
+            print(f"| {label} | {', '.join(f'{x:.2f}' for x in ratios)} | **{statistics.median(ratios):.2f}×** |")
+
+
+def summarize(path):
+    """The per-round ratios of an earlier run's JSONL output (--summarize)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    env = rows[0] if rows and rows[0].get("config") == "environment" else {}
+    print(f"{path}: nats-server `{env.get('nats_server_version')}`, aqueduct `{env.get('aqueduct_git')}`, {env.get('rounds')} rounds")
+    print_ratios(rows)
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--summarize":
+        summarize(sys.argv[2])
+    else:
+        main()
