@@ -177,6 +177,9 @@ struct Recorder {
     received: u64,
     duplicates: u64,
     latency: Histogram<u64>,
+    /// Latencies not yet in `latency`: (value, how many). A batch's messages carry one send
+    /// stamp and arrive together, so most have the latency of the one before.
+    run: (u64, u64),
     last: Instant,
 }
 
@@ -187,19 +190,24 @@ impl Recorder {
             received: 0,
             duplicates: 0,
             latency: new_histogram(),
+            run: (0, 0),
             last: Instant::now(),
         }
     }
 
-    /// Record one message received at `now`.
-    fn record(&mut self, epoch: Instant, now: Instant, body: &[u8]) {
-        let now_ns = now.duration_since(epoch).as_nanos() as u64;
+    /// Record one message received at `now`, `now_ns` after the run's epoch.
+    fn record(&mut self, (now, now_ns): (Instant, u64), body: &[u8]) {
         self.last = now;
         self.received += 1;
         let (Some(ts), Some(index)) = (read_u64(body, 0), read_u64(body, 8)) else {
             return;
         };
-        let _ = self.latency.record(now_ns.saturating_sub(ts).max(1));
+        let latency = now_ns.saturating_sub(ts).max(1);
+        if self.run.0 != latency {
+            self.flush();
+            self.run.0 = latency;
+        }
+        self.run.1 += 1;
         let (word, bit) = ((index / 64) as usize, index % 64);
         if word >= self.seen.len() {
             self.seen.resize(word + 1, 0);
@@ -208,6 +216,14 @@ impl Recorder {
             self.duplicates += 1;
         }
         self.seen[word] |= 1 << bit;
+    }
+
+    /// Move the pending latencies into the histogram.
+    fn flush(&mut self) {
+        if self.run.1 > 0 {
+            let _ = self.latency.record_n(self.run.0, self.run.1);
+            self.run.1 = 0;
+        }
     }
 }
 
@@ -611,6 +627,7 @@ async fn subscriber(
                 let mut count = 0;
                 // What arrived together is stamped together: one clock read per burst.
                 let now = Instant::now();
+                let now = (now, now.duration_since(epoch).as_nanos() as u64);
                 let ended = loop {
                     match item {
                         // A probe (bench payloads are never empty): not counted.
@@ -624,7 +641,7 @@ async fn subscriber(
                             }
                         }
                         Some(Ok(msg)) => {
-                            rec.record(epoch, now, msg.body());
+                            rec.record(now, msg.body());
                             count += 1;
                             if cfg.group {
                                 let _ = msg.ack().await;
@@ -656,6 +673,7 @@ async fn subscriber(
             }
         }
     }
+    rec.flush();
     rec
 }
 
@@ -850,15 +868,19 @@ mod tests {
         let epoch = Instant::now();
         let mut buf = BytesMut::new();
         let mut rec = Recorder::new(10);
-        let a = payload(&mut buf, stamp(epoch), 3, 32);
-        rec.record(epoch, Instant::now(), &a);
-        rec.record(epoch, Instant::now(), &a);
-        rec.record(
-            epoch,
-            Instant::now(),
-            &payload(&mut buf, stamp(epoch), 70, 32),
-        );
+        let at = |ns: u64| (epoch + Duration::from_nanos(ns), ns);
+        let a = payload(&mut buf, 1_000, 3, 32);
+        rec.record(at(6_000), &a);
+        rec.record(at(6_000), &a);
+        rec.record(at(9_000), &payload(&mut buf, 1_000, 70, 32));
+        rec.flush();
         assert_eq!((rec.received, rec.duplicates), (3, 1));
+        // Two of 5 µs (one run), one of 8 µs.
+        assert_eq!(rec.latency.len(), 3);
+        assert_eq!(rec.latency.count_at(5_000), 2);
+        assert_eq!(rec.latency.count_at(8_000), 1);
+        // Nothing is lost when the run is flushed twice.
+        rec.flush();
         assert_eq!(rec.latency.len(), 3);
         assert_eq!(a.len(), 32);
     }
