@@ -184,12 +184,7 @@ proptest! {
         let refs: Vec<PublishRef<'_>> = batch.iter_refs().collect::<Result<_, _>>().expect("valid");
         prop_assert_eq!(refs.len(), back.len());
         for (r, p) in refs.iter().zip(&back) {
-            prop_assert_eq!(r.topic, p.topic().borrowed());
-            prop_assert_eq!(r.body, &p.body[..]);
-            prop_assert_eq!(r.priority, p.priority());
-            prop_assert_eq!(r.ttl_ms, p.ttl_ms());
-            prop_assert_eq!(r.trace, p.ext.trace);
-            prop_assert_eq!(r.compression, p.ext.compression);
+            same_publish(r, p)?;
         }
         prop_assert_eq!(back, ps);
     }
@@ -305,12 +300,7 @@ proptest! {
             let full = Frame::decode(&sub.header, data);
             match (PublishRef::parse(&sub), full) {
                 (Ok(r), Ok(Frame { message: Message::Publish(p), .. })) => {
-                    prop_assert_eq!(r.topic, p.topic().borrowed());
-                    prop_assert_eq!(r.body, &p.body[..]);
-                    prop_assert_eq!(r.priority, p.priority());
-                    prop_assert_eq!(r.ttl_ms, p.ttl_ms());
-                    prop_assert_eq!(r.trace, p.ext.trace);
-                    prop_assert_eq!(r.compression, p.ext.compression);
+                    same_publish(&r, &p)?;
                 }
                 (Err(_), Err(_)) => {}
                 (r, f) => prop_assert!(false, "borrowed {:?}, full {:?}", r, f),
@@ -396,5 +386,16 @@ fn check_delivery_ref(bytes: Bytes) -> Result<(), TestCaseError> {
             other
         ),
     }
+    Ok(())
+}
+
+/// A borrowed sub-frame view and the full decoder's publish agree on everything a router uses.
+fn same_publish(r: &PublishRef<'_>, p: &Publish) -> Result<(), TestCaseError> {
+    prop_assert_eq!(r.topic, p.topic().borrowed());
+    prop_assert_eq!(r.body, &p.body[..]);
+    prop_assert_eq!(r.priority, p.priority());
+    prop_assert_eq!(r.ttl_ms, p.ttl_ms());
+    prop_assert_eq!(r.trace, p.ext.trace);
+    prop_assert_eq!(r.compression, p.ext.compression);
     Ok(())
 }
