@@ -1032,9 +1032,8 @@ fn stream_id_of(buf: &[u8]) -> u32 {
 }
 
 /// Collect pending replies and deliveries into `buf`, up to about `budget` bytes. Closed
-/// subscriptions are removed; a slow-consumer close gets its ERROR frame.
-/// Move what is ready for the client into `buf`: replies first, then deliveries, up to about
-/// `budget` bytes. `hint` is how much room to make at once when deliveries are waiting.
+/// subscriptions are removed; a slow-consumer close gets its ERROR frame. `hint` is how much
+/// room to make at once when deliveries are waiting.
 fn fill(
     out: &StreamOut,
     shared: &Shared,
@@ -1259,8 +1258,9 @@ async fn write_loop<S: SendHalf>(
         }
         shared.stats.add_out(len);
         // Room for twice this write, at most `batch` bytes, plus the frame a drain may write
-        // past the budget.
-        sizes.1 = (2 * len).min(batch) + DRAIN_SLACK;
+        // past the budget. A quiet stream's writes are small, and so is what it keeps between
+        // them (`buf` holds on to the rest of its allocation).
+        sizes.1 = (2 * len).min(batch) + DRAIN_SLACK.min(len);
         last_write = Some(Instant::now());
     }
     // Final flush (shutdown, or the client finished the stream), bounded: a client that does
