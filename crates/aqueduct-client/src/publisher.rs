@@ -46,6 +46,9 @@ struct Stream {
     done: oneshot::Receiver<Result<(), ClientError>>,
 }
 
+/// The most a batch's buffer makes room for before its messages are written.
+const MAX_BATCH_RESERVE: usize = 1 << 20;
+
 /// The PUBLISH_BATCH frame of `messages` (not async: nothing of the iterator is held across a
 /// wait).
 fn build_batch<'a>(
@@ -64,8 +67,12 @@ fn build_batch<'a>(
         };
         builder.push_traced(&name, &body, opts.priority, ttl, opts.trace.as_ref());
         if builder.len() == 1 {
-            // Room for the rest at once, taking them to be the size of the first.
-            builder.reserve(builder.encoded_len() * expected.saturating_sub(1));
+            // Room for the rest at once, taking them to be the size of the first (bounded: a
+            // large first message need not be followed by large ones).
+            let rest = builder
+                .encoded_len()
+                .saturating_mul(expected.saturating_sub(1));
+            builder.reserve(rest.min(MAX_BATCH_RESERVE));
         }
         last = Some(name);
     }

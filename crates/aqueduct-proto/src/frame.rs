@@ -104,6 +104,9 @@ impl PartialEq for PublishBatch {
 
 impl Eq for PublishBatch {}
 
+/// The most sub-frames a batch's index makes room for before it has seen them.
+const MAX_INDEX_RESERVE: usize = 1024;
+
 /// A validated sub-frame's [`PublishRef`] as plain data: its topic's and body's ranges in the batch
 /// payload and its decoded extensions.
 #[derive(Debug, Clone, Copy)]
@@ -119,6 +122,8 @@ struct SubFrame {
 impl SubFrame {
     /// `p`'s parts as ranges of `payload`, which `p` borrows from.
     fn of(p: &PublishRef<'_>, payload: &[u8]) -> SubFrame {
+        // A frame's data length is a u32, so a decoded payload's offsets fit one.
+        debug_assert!(u32::try_from(payload.len()).is_ok());
         let range = |part: &[u8]| {
             let start = part.as_ptr() as usize - payload.as_ptr() as usize;
             (start as u32, (start + part.len()) as u32)
@@ -527,8 +532,10 @@ impl PublishBatch {
             match PublishRef::parse_after(&sub, previous) {
                 Ok(p) => {
                     if index.is_empty() {
-                        // Most batches hold messages of one size: room for that many at once.
-                        index.reserve(payload.len() / (HEADER_LEN + sub.header.data_len as usize));
+                        // Most batches hold messages of one size: room for that many at once
+                        // (bounded: a tiny first sub-frame must not reserve for a huge batch).
+                        let frames = payload.len() / (HEADER_LEN + sub.header.data_len as usize);
+                        index.reserve(frames.min(MAX_INDEX_RESERVE));
                     }
                     index.push(SubFrame::of(&p, &payload));
                     previous = Some(p.topic);
@@ -1013,6 +1020,34 @@ mod tests {
 
     fn topic(s: &str) -> TopicName {
         TopicName::try_from(s).expect("valid topic")
+    }
+
+    #[test]
+    fn a_batch_index_reserves_a_bounded_room() {
+        // A tiny first sub-frame, then a large one: the index must not make room for the
+        // ~7,000 tiny frames the payload could have held.
+        let topic = TopicName::try_from("a").expect("valid");
+        let mut b = BatchBuilder::new();
+        b.push(&topic, b"", None, None);
+        b.push(&topic, &[7u8; 100_000], None, None);
+        let built = b.finish(Extensions::default());
+        let decoded = PublishBatch::from_parts(Extensions::default(), built.payload().clone())
+            .expect("valid");
+        assert_eq!(decoded.index.len(), 2);
+        assert!(
+            decoded.index.capacity() <= MAX_INDEX_RESERVE,
+            "{}",
+            decoded.index.capacity()
+        );
+        // Uniform batches get their room at once.
+        let mut b = BatchBuilder::new();
+        for _ in 0..100 {
+            b.push(&topic, &[1u8; 128], None, None);
+        }
+        let built = b.finish(Extensions::default());
+        let decoded = PublishBatch::from_parts(Extensions::default(), built.payload().clone())
+            .expect("valid");
+        assert!((100..200).contains(&decoded.index.capacity()));
     }
 
     fn round_trip(frame: Frame) {

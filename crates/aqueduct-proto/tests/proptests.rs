@@ -271,12 +271,18 @@ proptest! {
     #[test]
     fn topic_hints_change_no_verdict(
         topic in topic_name(),
+        level in prop::option::of(0u8..4),
         bodies in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..40), 1..8),
         flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
     ) {
         // A batch whose sub-frames share one topic (so every one after the first is compared to
         // its predecessor's, not checked), then mutated.
-        let ext = Extensions { topic: Some(topic), ..Extensions::default() };
+        // With or without a priority: the two layouts clients write ([PRIORITY,] TOPIC).
+        let ext = Extensions {
+            topic: Some(topic),
+            priority: level.map(|l| Priority::new(l).expect("0..=3")),
+            ..Extensions::default()
+        };
         let ps: Vec<Publish> = bodies
             .into_iter()
             .map(|b| Publish::from_parts(ext.clone(), Bytes::from(b)).expect("valid"))

@@ -1041,6 +1041,7 @@ fn fill(
     buf: &mut BytesMut,
     (budget, hint): (usize, usize),
 ) {
+    let starting = buf.is_empty();
     let revoking = if out.revoke_pending.swap(false, Ordering::AcqRel) {
         std::mem::take(&mut *lock(&out.revoking))
     } else {
@@ -1059,10 +1060,12 @@ fn fill(
     }
     let now = Instant::now();
     let mut subs = lock(&out.subs);
-    // Deliveries are waiting: make room for them in one allocation. Each write hands the buffer
-    // to QUIC, so the next fill starts a new one, and growing that by doubling copies it at
-    // every step. A stream with nothing queued allocates nothing.
-    if hint > buf.capacity() - buf.len() && subs.iter().any(|s| s.queued_approx() > 0) {
+    // Deliveries are waiting and a new write starts: make room for it in one allocation. Each
+    // write hands the buffer to QUIC, so the next one starts anew, and growing that by doubling
+    // copies it at every step. (Only when this fill starts the write: one that adds to a write
+    // being gathered must not reallocate what it holds.) A stream with nothing queued allocates
+    // nothing.
+    if starting && hint > buf.capacity() - buf.len() && subs.iter().any(|s| s.queued_approx() > 0) {
         buf.reserve(hint);
     }
     subs.retain(|sub| {
@@ -1261,6 +1264,11 @@ async fn write_loop<S: SendHalf>(
         // past the budget. A quiet stream's writes are small, and so is what it keeps between
         // them (`buf` holds on to the rest of its allocation).
         sizes.1 = (2 * len).min(batch) + DRAIN_SLACK.min(len);
+        if buf.capacity() > 2 * sizes.1 {
+            // Busy before, quiet now: let go of the large allocation (a buffer's later ones are
+            // at least as large as its first) and start small.
+            buf = BytesMut::new();
+        }
         last_write = Some(Instant::now());
     }
     // Final flush (shutdown, or the client finished the stream), bounded: a client that does
