@@ -35,9 +35,6 @@ pub struct LocalLatency {
     buckets: [u32; BOUNDS_US.len() + 1],
     sum_ns: u64,
     count: u32,
-    /// The last latency seen and its bucket: deliveries of one publish frame drained together
-    /// share their latency, so most observations find their bucket here.
-    last: (u64, usize),
 }
 
 impl Default for LocalLatency {
@@ -46,7 +43,6 @@ impl Default for LocalLatency {
             buckets: [0; BOUNDS_US.len() + 1],
             sum_ns: 0,
             count: 0,
-            last: (0, bucket(0)),
         }
     }
 }
@@ -70,13 +66,15 @@ fn bucket(ns: u64) -> usize {
 
 impl LocalLatency {
     pub fn observe(&mut self, latency: Duration) {
+        self.observe_n(latency, 1);
+    }
+
+    /// `n` observations of the same latency (deliveries of one publish frame drained together).
+    pub fn observe_n(&mut self, latency: Duration, n: u32) {
         let ns = nanos(latency);
-        if self.last.0 != ns {
-            self.last = (ns, bucket(ns));
-        }
-        self.buckets[self.last.1] += 1;
-        self.sum_ns = self.sum_ns.saturating_add(ns);
-        self.count += 1;
+        self.buckets[bucket(ns)] += n;
+        self.sum_ns = self.sum_ns.saturating_add(ns.saturating_mul(u64::from(n)));
+        self.count += n;
     }
 
     /// Add everything to `into`.
@@ -130,11 +128,15 @@ mod tests {
         let direct = LatencyHistogram::default();
         let batched = LatencyHistogram::default();
         let mut local = LocalLatency::default();
-        // Repeats too: a repeated latency takes its bucket from the last observation.
         for us in [0, 0, 1, 10, 10, 11, 400, 400, 2_000_000, 99_000_000, 0, 400] {
             direct.observe(Duration::from_micros(us));
             local.observe(Duration::from_micros(us));
         }
+        // A run of one latency at once.
+        for _ in 0..3 {
+            direct.observe(Duration::from_micros(30));
+        }
+        local.observe_n(Duration::from_micros(30), 3);
         local.flush(&batched);
         assert_eq!(direct.snapshot(), batched.snapshot());
     }

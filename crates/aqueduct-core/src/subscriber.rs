@@ -424,8 +424,9 @@ impl Subscriber {
         let max_in_flight = self.in_flight_limit(max_in_flight);
         // Count deliveries per run of one topic: one atomic add per run, not per message.
         let mut run: Option<(Arc<TopicState>, u64)> = None;
+        // Likewise per run of one publish instant (a publish frame's deliveries): one latency.
         let mut local = LocalLatency::default();
-        let mut published: Option<(Instant, Duration)> = None;
+        let mut published: Option<(Instant, u32)> = None;
         let mut st = self.lock();
         let explicit = self.ack_mode == AckMode::Explicit;
         while done.bytes < max_bytes || done.frames == 0 {
@@ -448,17 +449,14 @@ impl Subscriber {
                 d.shared.write_frame(out, self.stream_id, d.attempt);
             }
             written(&d);
-            // Deliveries of one publish frame share their publish instant: one subtraction each
-            // run of them.
-            let latency = match published {
-                Some((at, latency)) if at == d.published_at => latency,
+            match &mut published {
+                Some((at, n)) if *at == d.published_at => *n += 1,
                 _ => {
-                    let latency = now.saturating_duration_since(d.published_at);
-                    published = Some((d.published_at, latency));
-                    latency
+                    if let Some((at, n)) = published.replace((d.published_at, 1)) {
+                        local.observe_n(now.saturating_duration_since(at), n);
+                    }
                 }
-            };
-            local.observe(latency);
+            }
             done.frames += 1;
             done.bytes += d.shared.frame_len();
             match &mut run {
@@ -495,6 +493,9 @@ impl Subscriber {
         held.into_iter().for_each(std::task::Waker::wake);
         if let Some((topic, n)) = run {
             topic.stats().delivered(n);
+        }
+        if let Some((at, n)) = published {
+            local.observe_n(now.saturating_duration_since(at), n);
         }
         local.flush(latency);
         done

@@ -113,6 +113,23 @@ fn bodies(got: &[Got]) -> Vec<String> {
 }
 
 #[test]
+fn a_drain_records_each_delivery_s_latency_by_runs_of_one_publish_instant() {
+    let b = Broker::default();
+    let mut ctx = PublishContext::default();
+    let s = sub(&b, "topic:lat");
+    let t0 = Instant::now();
+    let t1 = t0 + Duration::from_millis(1);
+    // A run of three, a run of two, then one more at the first instant (not adjacent).
+    for at in [t0, t0, t0, t1, t1, t0] {
+        publish(&b, &mut ctx, "lat", "x", at);
+    }
+    assert_eq!(drain_all(&b, &s, t0 + Duration::from_millis(5)).len(), 6);
+    let l = b.latency();
+    assert_eq!(l.count, 6);
+    assert_eq!(l.sum, Duration::from_millis(3 * 5 + 2 * 4 + 5));
+}
+
+#[test]
 fn fan_out_to_exact_and_wildcard_subscribers() {
     let b = Broker::default();
     let mut ctx = PublishContext::default();
