@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use aqueduct_proto::frame::Message as Wire;
 use aqueduct_proto::{BatchBuilder, Extensions, Frame, Publish, TopicName};
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tokio::sync::oneshot;
 use tracing::warn;
 
@@ -155,19 +155,14 @@ impl Publisher {
             (0, None)
         };
         // A batch's payload is sent as it was built, after its head: not copied again.
-        let frame = Frame::new(id, message);
-        let mut bytes = BytesMut::with_capacity(match &frame.message {
-            Wire::PublishBatch(_) => 64,
-            m => m.frame_len(),
-        });
-        let tail = frame.encode_split(&mut bytes);
+        let (head, tail) = Frame::new(id, message).encode_split();
         {
             let mut send = self.inner.send.lock().await;
             if send.is_none() {
                 *send = Some(self.open().await?);
             }
             if let Some(Stream { send, .. }) = send.as_mut() {
-                send.write_chunk(bytes.freeze()).await?;
+                send.write_chunk(head).await?;
                 if let Some(tail) = tail {
                     send.write_chunk(tail).await?;
                 }

@@ -279,8 +279,8 @@ fn decode_entry<'a>(
     at: usize,
     known_topic: &[u8],
 ) -> Result<Option<Entry<'a>>, ProtoError> {
-    let topic = |v| {
-        TopicRef::new(v).map_err(|source| ProtoError::InvalidTopic {
+    let topic = |v, known| {
+        TopicRef::new_after(v, known).map_err(|source| ProtoError::InvalidTopic {
             what: TopicName::WHAT,
             reason: source,
         })
@@ -309,10 +309,7 @@ fn decode_entry<'a>(
             let [v] = fixed::<1>(ty, value)?;
             Entry::Priority(Priority::try_from(v)?)
         }
-        types::TOPIC if !known_topic.is_empty() && value == known_topic => {
-            Entry::Topic(TopicRef::validated(value), at)
-        }
-        types::TOPIC => Entry::Topic(topic(value)?, at),
+        types::TOPIC => Entry::Topic(topic(value, known_topic)?, at),
         types::TTL => Entry::Ttl(u32::from_le_bytes(fixed(ty, value)?)),
         types::OFFSET => Entry::Offset(u64::from_le_bytes(fixed(ty, value)?)),
         types::ATTEMPT => {
@@ -340,7 +337,7 @@ fn decode_entry<'a>(
                 None => return Err(bad(ty, "overflow policy must be 0..=3")),
             }
         }
-        types::ORIGINAL_TOPIC => Entry::OriginalTopic(topic(value)?, at),
+        types::ORIGINAL_TOPIC => Entry::OriginalTopic(topic(value, &[])?, at),
         types::ORIGINAL_OFFSET => Entry::OriginalOffset(u64::from_le_bytes(fixed(ty, value)?)),
         types::REASON => {
             Entry::Reason(std::str::from_utf8(value).map_err(|_| bad(ty, "reason must be UTF-8"))?)

@@ -366,10 +366,8 @@ impl<'a> DeliveryRef<'a> {
         if attempt == 0 {
             return None;
         }
-        let topic = match previous {
-            Some(p) if !topic.is_empty() && p.as_bytes() == topic => TopicRef::validated(topic),
-            _ => TopicRef::new(topic).ok()?,
-        };
+        let known = previous.map_or(&[][..], |p| p.as_bytes());
+        let topic = TopicRef::new_after(topic, known).ok()?;
         Some(DeliveryRef {
             topic: Some(topic),
             offset: Some(offset),
@@ -471,10 +469,8 @@ impl<'a> PublishRef<'a> {
         if topic.len() != usize::from(*n) {
             return None;
         }
-        let topic = match previous {
-            Some(p) if !topic.is_empty() && p.as_bytes() == topic => TopicRef::validated(topic),
-            _ => TopicRef::new(topic).ok()?,
-        };
+        let known = previous.map_or(&[][..], |p| p.as_bytes());
+        let topic = TopicRef::new_after(topic, known).ok()?;
         Some(PublishRef {
             topic,
             body: sub.payload,
@@ -947,20 +943,18 @@ impl Frame {
     }
 
     /// The encoded frame in two parts, to be sent one after the other: a PUBLISH_BATCH's head
-    /// (header and extension block) is written to `out` and its payload returned as it is,
-    /// shared rather than copied; any other frame is written whole to `out` (`None`). Together
-    /// the parts are exactly [`encode`](Self::encode)'s bytes.
-    pub fn encode_split<B: BufMut>(&self, out: &mut B) -> Option<Bytes> {
+    /// (header and extension block) in a new buffer, and its payload as it is, shared rather
+    /// than copied; any other frame whole, with no second part. Together the parts are exactly
+    /// [`to_bytes`](Self::to_bytes).
+    pub fn encode_split(&self) -> (Bytes, Option<Bytes>) {
         match &self.message {
             Message::PublishBatch(b) => {
+                let mut head = BytesMut::with_capacity(self.message.frame_len() - b.payload.len());
                 self.message
-                    .encode_head(out, self.stream_id, self.mesh_forwarded);
-                Some(b.payload.clone())
+                    .encode_head(&mut head, self.stream_id, self.mesh_forwarded);
+                (head.freeze(), Some(b.payload.clone()))
             }
-            _ => {
-                self.encode(out);
-                None
-            }
+            _ => (self.to_bytes(), None),
         }
     }
 
@@ -1103,15 +1097,12 @@ mod tests {
             ..batch.clone()
         };
         let frame = Frame::new(4, Message::PublishBatch(confirmed));
-        let mut head = BytesMut::new();
-        let tail = frame.encode_split(&mut head).expect("a batch has a tail");
+        let (head, tail) = frame.encode_split();
+        let tail = tail.expect("a batch has a tail");
         assert_eq!(tail.as_ptr(), batch.payload().as_ptr());
-        head.extend_from_slice(&tail);
-        assert_eq!(head.freeze(), frame.to_bytes());
+        assert_eq!([&head[..], &tail[..]].concat(), frame.to_bytes());
         let ack = Frame::new(4, Message::Ack(Ack::new(7)));
-        let mut whole = BytesMut::new();
-        assert_eq!(ack.encode_split(&mut whole), None);
-        assert_eq!(whole.freeze(), ack.to_bytes());
+        assert_eq!(ack.encode_split(), (ack.to_bytes(), None));
         // The builder writes the same bytes as the generic encoder.
         let mut b = BatchBuilder::new();
         b.push(&topic("x"), b"1", Some(Priority::HIGHEST), Some(5));

@@ -231,6 +231,16 @@ impl<'a> TopicRef<'a> {
         TopicRef(bytes)
     }
 
+    /// [`new`](Self::new), given `known`, a name already validated (or empty): bytes equal to
+    /// it are compared, not checked again (the result is the same).
+    pub(crate) fn new_after(bytes: &'a [u8], known: &[u8]) -> Result<TopicRef<'a>, TopicError> {
+        if !known.is_empty() && bytes == known {
+            Ok(TopicRef(bytes))
+        } else {
+            TopicRef::new(bytes)
+        }
+    }
+
     /// The name as text (validated at construction; re-checked here, off the hot path).
     pub fn as_str(&self) -> &'a str {
         std::str::from_utf8(self.0).unwrap_or_default()
