@@ -1039,7 +1039,8 @@ fn fill(
     shared: &Shared,
     conn: &ConnState,
     buf: &mut BytesMut,
-    (budget, hint): (usize, usize),
+    budget: usize,
+    hint: usize,
 ) {
     let starting = buf.is_empty();
     let revoking = if out.revoke_pending.swap(false, Ordering::AcqRel) {
@@ -1176,10 +1177,10 @@ async fn write_loop<S: SendHalf>(
 ) {
     let batch = shared.config.batch_size;
     let window = shared.config.flush_interval;
-    // Sized by `fill` when deliveries wait (see `sizes.1` below); an idle stream allocates
+    // Sized by `fill` when deliveries wait (see `hint` below); an idle stream allocates
     // nothing.
     let mut buf = BytesMut::new();
-    let mut sizes = (batch, 0);
+    let mut hint = 0;
     let mut last_write: Option<Instant> = None;
     loop {
         if out.aborted.load(Ordering::Acquire) {
@@ -1190,7 +1191,7 @@ async fn write_loop<S: SendHalf>(
             detach_subscriptions(shared, out);
             return;
         }
-        fill(out, shared, conn, &mut buf, sizes);
+        fill(out, shared, conn, &mut buf, batch, hint);
         if buf.is_empty() {
             // On shutdown too, the reader says when it is done (it stops at once then): only
             // it knows whether the client's frames were all read.
@@ -1222,11 +1223,11 @@ async fn write_loop<S: SendHalf>(
                     _ = tokio::time::sleep_until(deadline.into()) => {}
                     _ = shutdown.changed() => {}
                 }
-                fill(out, shared, conn, &mut buf, sizes);
+                fill(out, shared, conn, &mut buf, batch, hint);
             } else {
                 while buf.len() < batch && Instant::now() < deadline {
                     tokio::task::yield_now().await;
-                    fill(out, shared, conn, &mut buf, sizes);
+                    fill(out, shared, conn, &mut buf, batch, hint);
                 }
             }
         }
@@ -1263,8 +1264,8 @@ async fn write_loop<S: SendHalf>(
         // Room for twice this write, at most `batch` bytes, plus the frame a drain may write
         // past the budget. A quiet stream's writes are small, and so is what it keeps between
         // them (`buf` holds on to the rest of its allocation).
-        sizes.1 = (2 * len).min(batch) + DRAIN_SLACK.min(len);
-        if buf.capacity() > 2 * sizes.1 {
+        hint = (2 * len).min(batch) + DRAIN_SLACK.min(len);
+        if buf.capacity() > 2 * hint {
             // Busy before, quiet now: let go of the large allocation (a buffer's later ones are
             // at least as large as its first) and start small.
             buf = BytesMut::new();
@@ -1275,7 +1276,7 @@ async fn write_loop<S: SendHalf>(
     // not read any more must not keep this task (and a held publisher) forever.
     let flushed = tokio::time::timeout(FINISH_WAIT, async {
         loop {
-            fill(out, shared, conn, &mut buf, sizes);
+            fill(out, shared, conn, &mut buf, batch, hint);
             let chunk = buf.split().freeze();
             let len = chunk.len();
             if len == 0 || send.write_chunk(chunk).await.is_err() {
