@@ -10,6 +10,7 @@ use std::time::Duration;
 use aqueduct_core::mesh::Key;
 use aqueduct_proto::TopicFilter;
 use aqueduct_server::config::{ClusterConfig, Compression};
+use common::relay::Relay;
 use common::*;
 
 struct Cluster {
@@ -725,76 +726,6 @@ async fn a_peer_certificate_cannot_open_a_webtransport_session() {
             .await;
     assert!(refused.is_err(), "a peer certificate opened a session");
     node.stop().await.expect("clean shutdown");
-}
-
-/// A UDP relay in the test process: datagrams to its front address go to `target`, the answers
-/// back to whoever sent the last one; while `cut`, everything is dropped both ways (a network
-/// partition without root or network namespaces).
-struct Relay {
-    front: SocketAddr,
-    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Relay {
-    async fn start(target: SocketAddr) -> Relay {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        use std::sync::{Arc, Mutex};
-        let front = Arc::new(
-            tokio::net::UdpSocket::bind("127.0.0.1:0")
-                .await
-                .expect("front socket"),
-        );
-        let back = Arc::new(
-            tokio::net::UdpSocket::bind("127.0.0.1:0")
-                .await
-                .expect("back socket"),
-        );
-        let cut = Arc::new(AtomicBool::new(false));
-        let client: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
-        let outbound = {
-            let (front, back, cut, client) =
-                (front.clone(), back.clone(), cut.clone(), client.clone());
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 65_536];
-                while let Ok((n, from)) = front.recv_from(&mut buf).await {
-                    *client.lock().expect("lock") = Some(from);
-                    if !cut.load(Ordering::Relaxed) {
-                        let _ = back.send_to(&buf[..n], target).await;
-                    }
-                }
-            })
-        };
-        let inbound = {
-            let (front, back, cut) = (front.clone(), back.clone(), cut.clone());
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 65_536];
-                while let Ok((n, _)) = back.recv_from(&mut buf).await {
-                    let to = *client.lock().expect("lock");
-                    if let (Some(to), false) = (to, cut.load(Ordering::Relaxed)) {
-                        let _ = front.send_to(&buf[..n], to).await;
-                    }
-                }
-            })
-        };
-        Relay {
-            front: front.local_addr().expect("addr"),
-            cut,
-            tasks: vec![outbound, inbound],
-        }
-    }
-
-    fn cut(&self, cut: bool) {
-        self.cut.store(cut, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
 }
 
 /// Two nodes that reach each other only through relays. While the relays drop everything, each

@@ -14,6 +14,7 @@ use aqueduct_proto::{
     decode_frame, DecodeError, Extensions, Frame, Limits, Publish, SubscribeSpec,
 };
 use bytes::{Buf, Bytes, BytesMut};
+use common::relay::Relay;
 use common::*;
 use tokio::io::AsyncReadExt;
 
@@ -408,55 +409,6 @@ impl rustls::client::danger::ServerCertVerifier for AnyServer {
     }
 }
 
-/// A UDP relay in front of the broker that holds the client's second datagram back for a while
-/// (as a network may, or a client that paces its first flight): the broker then has the first
-/// part of a ClientHello long before the rest. Its tasks end with the test.
-async fn relay_delaying_the_second_datagram(target: std::net::SocketAddr) -> std::net::SocketAddr {
-    let front = Arc::new(
-        tokio::net::UdpSocket::bind("127.0.0.1:0")
-            .await
-            .expect("front"),
-    );
-    let back = Arc::new(
-        tokio::net::UdpSocket::bind("127.0.0.1:0")
-            .await
-            .expect("back"),
-    );
-    let addr = front.local_addr().expect("addr");
-    let client = Arc::new(std::sync::Mutex::new(None));
-    {
-        let (front, back, client) = (front.clone(), back.clone(), client.clone());
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 65_536];
-            let mut n_seen = 0usize;
-            while let Ok((n, from)) = front.recv_from(&mut buf).await {
-                *client.lock().expect("lock") = Some(from);
-                n_seen += 1;
-                let datagram = buf[..n].to_vec();
-                if n_seen == 2 {
-                    let back = back.clone();
-                    tokio::spawn(async move {
-                        tokio::time::sleep(Duration::from_millis(300)).await;
-                        let _ = back.send_to(&datagram, target).await;
-                    });
-                } else {
-                    let _ = back.send_to(&datagram, target).await;
-                }
-            }
-        });
-    }
-    tokio::spawn(async move {
-        let mut buf = vec![0u8; 65_536];
-        while let Ok((n, _)) = back.recv_from(&mut buf).await {
-            let to = *client.lock().expect("lock");
-            if let Some(to) = to {
-                let _ = front.send_to(&buf[..n], to).await;
-            }
-        }
-    });
-    addr
-}
-
 /// A ClientHello too large for one packet (Chromium's often is: its post-quantum key share
 /// alone is over 1 KB) offering HTTP/3: the broker must read the negotiated protocol only once
 /// all of it is in. It used to decide on the first packet, took about one browser session in
@@ -484,10 +436,10 @@ async fn a_client_hello_in_two_packets_still_gets_http3() {
     endpoint.set_default_client_config(config);
     for _ in 0..3 {
         // Each connection through a relay of its own: its second datagram comes late.
-        let relay = relay_delaying_the_second_datagram(b.addr).await;
+        let relay = Relay::start_delaying(b.addr, 2, Duration::from_millis(300)).await;
         let conn = within(
             "the handshake",
-            endpoint.connect(relay, "localhost").expect("connect"),
+            endpoint.connect(relay.front, "localhost").expect("connect"),
         )
         .await
         .expect("handshake");

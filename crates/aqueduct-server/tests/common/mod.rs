@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod otlp;
+pub mod relay;
 
 use std::future::Future;
 use std::net::SocketAddr;
