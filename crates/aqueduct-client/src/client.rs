@@ -307,14 +307,15 @@ impl Client {
             .inner
             .next_id
             .fetch_add(subs.len() as u32, Ordering::Relaxed);
-        let (mut send, recv) = self.inner.conn.open_bi().await?;
+        let (send, recv) = self.inner.conn.open_bi().await?;
+        let mut send = crate::link::FrameSink::new(send);
         let mut bytes = bytes::BytesMut::new();
         let mut specs = Vec::with_capacity(subs.len());
         for (i, sub) in subs.into_iter().enumerate() {
             specs.push(sub.spec.filter.clone());
             Frame::new(first.wrapping_add(i as u32), Wire::Subscribe(sub)).encode(&mut bytes);
         }
-        send.write_all(&bytes).await?;
+        send.send([bytes.freeze()]).await?;
         let send = Arc::new(tokio::sync::Mutex::new(send));
         let handles: Vec<Arc<SubHandle>> = specs
             .into_iter()

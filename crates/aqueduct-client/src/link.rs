@@ -3,6 +3,7 @@
 //! carry the same frames on bidirectional streams; only opening a stream, error codes and
 //! closing differ, and that is all this module hides.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -72,33 +73,105 @@ pub(crate) enum SendHalf {
 }
 
 impl SendHalf {
-    pub(crate) async fn write_all(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
+    /// Write as much of `chunks` as the stream takes now (waiting until it takes some). Fully
+    /// written chunks are left empty and a partly written one is advanced, in place.
+    /// Cancel-safe: if this does not resolve, nothing was written.
+    async fn write_chunks(&mut self, chunks: &mut [Bytes]) -> Result<usize, ClientError> {
         match self {
             SendHalf::Quic(s) => s
-                .write_all(bytes)
+                .write_chunks(chunks)
                 .await
+                .map(|w| w.chunks)
                 .map_err(|e| crate::error::write_error(&e)),
-            SendHalf::WebTransport(s) => s.write_all(bytes).await.map_err(|e| wt_write_error(&e)),
-        }
-    }
-
-    pub(crate) async fn write_chunk(&mut self, bytes: Bytes) -> Result<(), ClientError> {
-        match self {
-            SendHalf::Quic(s) => s
-                .write_chunk(bytes)
+            SendHalf::WebTransport(s) => s
+                .write_chunks(chunks)
                 .await
-                .map_err(|e| crate::error::write_error(&e)),
-            SendHalf::WebTransport(s) => s.write_chunk(bytes).await.map_err(|e| wt_write_error(&e)),
+                .map(|w| w.chunks)
+                .map_err(|e| wt_write_error(&e)),
         }
     }
 
     /// Finish the sending side (FIN).
-    pub(crate) fn finish(&mut self) -> Result<(), ClientError> {
+    fn finish(&mut self) -> Result<(), ClientError> {
         let done = match self {
             SendHalf::Quic(s) => s.finish().map_err(|e| e.to_string()),
             SendHalf::WebTransport(s) => s.finish().map_err(|e| e.to_string()),
         };
         done.map_err(ClientError::Connection)
+    }
+}
+
+/// A stream's sending half that never leaves part of a frame on the stream followed by another
+/// frame, even when the future writing it is dropped (a `select!`, a timeout).
+///
+/// QUIC writes are partial: a frame larger than the flow-control credit the broker has granted
+/// goes out in pieces, with waits between them. A write cancelled after its first piece would
+/// leave the stream inside a frame, and the next frame's bytes would be read as the rest of it
+/// (the broker then answers BAD_MAGIC or MALFORMED_FRAME and resets the stream). So what a call
+/// has not written yet stays queued here, and the next write (or `finish`) sends it first.
+/// A frame is queued whole before any of it is written, so a cancelled frame is either not sent
+/// at all or sent whole.
+#[derive(Debug)]
+pub(crate) struct FrameSink {
+    half: SendHalf,
+    /// Chunks of frames accepted by an earlier call but not written yet, in order.
+    unsent: Vec<Bytes>,
+}
+
+impl FrameSink {
+    pub(crate) fn new(half: SendHalf) -> FrameSink {
+        FrameSink {
+            half,
+            unsent: Vec::new(),
+        }
+    }
+
+    /// Queue `chunks` (whole frames) behind anything not written yet. Queued chunks are
+    /// written by the next `write_queued`, `send` or `finish`, whichever call gets there.
+    pub(crate) fn queue(&mut self, chunks: impl IntoIterator<Item = Bytes>) {
+        self.unsent
+            .extend(chunks.into_iter().filter(|c| !c.is_empty()));
+    }
+
+    /// Queue `chunks` and write everything queued.
+    pub(crate) async fn send(
+        &mut self,
+        chunks: impl IntoIterator<Item = Bytes>,
+    ) -> Result<(), ClientError> {
+        self.queue(chunks);
+        self.write_queued().await
+    }
+
+    /// Write everything queued. Cancel-safe: what a cancelled call did not write stays queued.
+    pub(crate) async fn write_queued(&mut self) -> Result<(), ClientError> {
+        while !self.unsent.is_empty() {
+            // Each call either writes something (and the queue is updated before any further
+            // wait) or nothing: the queue always holds exactly what is still to be written.
+            let done = self.half.write_chunks(&mut self.unsent).await?;
+            self.unsent.drain(..done);
+        }
+        Ok(())
+    }
+
+    /// Write whatever is still queued, then finish the sending side (FIN).
+    pub(crate) async fn finish(&mut self) -> Result<(), ClientError> {
+        self.write_queued().await?;
+        self.half.finish()
+    }
+}
+
+impl Drop for FrameSink {
+    fn drop(&mut self) {
+        if self.unsent.is_empty() {
+            return;
+        }
+        // Dropped with part of a cancelled frame still queued: write what the stream takes
+        // without waiting. If some is still left, the stream ends inside that frame (quinn
+        // finishes a dropped stream) and the broker reports the truncated frame; the whole
+        // frames before it were handled.
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let mut write = std::pin::pin!(self.write_queued());
+        let _ = write.as_mut().poll(&mut cx);
     }
 }
 

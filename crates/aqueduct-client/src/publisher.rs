@@ -21,6 +21,14 @@ use crate::reader::FrameReader;
 type Pending = Arc<Mutex<HashMap<u32, oneshot::Sender<Result<Vec<u64>, ClientError>>>>>;
 
 /// A publish stream. Cheap to clone; clones share the stream.
+///
+/// # Cancel safety
+///
+/// A publish whose future is dropped (a `select!`, a timeout) before it was first polled past
+/// waiting for the stream sends nothing. Once its frame is queued on the stream it is sent
+/// whole, even if the future is dropped while the broker's flow control holds it back: the
+/// next publish or `flush` on the stream writes the rest first. A stream never carries part of
+/// a frame followed by another.
 #[derive(Debug, Clone)]
 pub struct Publisher {
     inner: Arc<Inner>,
@@ -42,7 +50,7 @@ struct Inner {
 /// it — or that it failed (`false`).
 #[derive(Debug)]
 struct Stream {
-    send: crate::link::SendHalf,
+    send: crate::link::FrameSink,
     done: oneshot::Receiver<Result<(), ClientError>>,
 }
 
@@ -154,6 +162,12 @@ impl Publisher {
         } else {
             (0, None)
         };
+        // Until the frame is queued on the stream, a cancelled or failed call takes its
+        // confirmation slot back (nothing would ever answer it).
+        let mut slot = Slot {
+            pending: &self.inner.pending,
+            id: confirm.then_some(id),
+        };
         // A batch's payload is sent as it was built, after its head: not copied again.
         let (head, tail) = Frame::new(id, message).encode_split();
         {
@@ -162,10 +176,11 @@ impl Publisher {
                 *send = Some(self.open().await?);
             }
             if let Some(Stream { send, .. }) = send.as_mut() {
-                send.write_chunk(head).await?;
-                if let Some(tail) = tail {
-                    send.write_chunk(tail).await?;
-                }
+                // Queued whole: from here on the frame is sent even if this call is cancelled
+                // (the next write on the stream finishes it), and its confirmation may come.
+                send.queue([head].into_iter().chain(tail));
+                slot.id = None;
+                send.write_queued().await?;
             }
         }
         match rx {
@@ -185,7 +200,10 @@ impl Publisher {
             self.inner.pending.clone(),
             tx,
         ));
-        Ok(Stream { send, done })
+        Ok(Stream {
+            send: crate::link::FrameSink::new(send),
+            done,
+        })
     }
 
     /// Wait until the broker has handled everything published on this stream so far (up to
@@ -199,7 +217,7 @@ impl Publisher {
         let Some(Stream { mut send, done }) = self.inner.send.lock().await.take() else {
             return Ok(());
         };
-        send.finish()?;
+        send.finish().await?;
         match tokio::time::timeout(Duration::from_secs(10), done).await {
             Ok(Ok(Ok(()))) => Ok(()),
             Ok(Ok(Err(e))) => Err(ClientError::Connection(format!(
@@ -215,6 +233,24 @@ impl Publisher {
             Err(_) => Err(ClientError::Connection(
                 "the broker did not read the publish stream within 10 s".into(),
             )),
+        }
+    }
+}
+
+/// A confirmation awaited for a frame not yet queued on the stream: dropped with an `id`, it
+/// removes that entry from the pending map.
+struct Slot<'a> {
+    pending: &'a Pending,
+    id: Option<u32>,
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            self.pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
         }
     }
 }

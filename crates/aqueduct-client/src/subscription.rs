@@ -22,21 +22,21 @@ pub(crate) struct SubHandle {
     id: u32,
     filter: TopicFilter,
     /// Shared by every subscription made on the same stream.
-    send: Arc<tokio::sync::Mutex<crate::link::SendHalf>>,
+    send: Arc<tokio::sync::Mutex<crate::link::FrameSink>>,
 }
 
 impl SubHandle {
     pub(crate) fn new(
         id: u32,
         filter: TopicFilter,
-        send: Arc<tokio::sync::Mutex<crate::link::SendHalf>>,
+        send: Arc<tokio::sync::Mutex<crate::link::FrameSink>>,
     ) -> Self {
         SubHandle { id, filter, send }
     }
 
     async fn send(&self, message: Wire) -> Result<(), ClientError> {
         let bytes = Frame::new(self.id, message).to_bytes();
-        self.send.lock().await.write_all(&bytes).await
+        self.send.lock().await.send([bytes]).await
     }
 }
 
@@ -310,7 +310,7 @@ async fn unsubscribe(handles: Vec<Arc<SubHandle>>) -> Result<(), ClientError> {
         handle.send(Wire::Unsubscribe(u)).await?;
     }
     if let Some(h) = handles.first() {
-        let _ = h.send.lock().await.finish();
+        let _ = h.send.lock().await.finish().await;
     }
     Ok(())
 }

@@ -524,3 +524,47 @@ async fn many_subscriptions_share_one_stream() {
     until("all gone", || b.broker.subscriber_count() == 0).await;
     b.stop().await.expect("clean shutdown");
 }
+
+/// A publish cancelled halfway through its frame (a batch larger than the stream's
+/// flow-control credit, its future dropped after the first part went out) leaves no partial
+/// frame behind: the next publish on the same stream sends the rest first, and the broker
+/// reads both whole. Before the fix, the next frame's bytes were read as the rest of the batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_cancelled_mid_frame_is_sent_whole_by_the_next() {
+    use futures_util::FutureExt;
+    // The smallest stream window the broker accepts, so that a 50 KB batch needs several
+    // rounds of credit.
+    let b = TestBroker::start_with(|c| c.transport.stream_receive_window = 16 << 10).await;
+    let client = b.client().await;
+    let mut sub = client.subscribe("cancel/+").await.expect("subscribe");
+    client
+        .publish_with("cancel/first", "first", &confirm())
+        .await
+        .expect("the stream opens");
+    let body = Bytes::from(vec![b'x'; 150]);
+    let batch = (0..300).map(|_| ("cancel/batch", body.clone()));
+    let cancelled = client
+        .publish_batch(batch, &PublishOptions::default())
+        .now_or_never();
+    assert!(
+        cancelled.is_none(),
+        "the batch must not fit the broker's stream credit, or this test shows nothing"
+    );
+    let offset = within(
+        "the next publish is confirmed",
+        client.publish_with("cancel/after", "after", &confirm()),
+    )
+    .await
+    .expect("the next publish on the stream");
+    assert_eq!(offset, Some(0), "cancel/after's first message");
+    assert_eq!(next(&mut sub).await.body().as_ref(), b"first");
+    for i in 0..300 {
+        let m = next(&mut sub).await;
+        assert_eq!(
+            (i, m.topic().as_str(), m.body()),
+            (i, "cancel/batch", &body)
+        );
+    }
+    assert_eq!(next(&mut sub).await.body().as_ref(), b"after");
+    b.stop().await.expect("clean shutdown");
+}
