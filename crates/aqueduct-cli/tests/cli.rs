@@ -617,3 +617,44 @@ fn a_broker_whose_stderr_is_closed_still_stops_cleanly() {
     drop(stderr); // the reader goes away: the broker's next log line fails to write
     stop(child);
 }
+
+/// `broker.worker_threads` sizes the broker's runtime (shown by its gauge), and a broker on one
+/// thread serves a confirmed publish to a subscriber; unset, the runtime has a thread per CPU.
+#[test]
+fn worker_threads_sizes_the_runtime() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, metrics, logs) =
+        start_broker_with(home.path(), &[("AQUEDUCT_BROKER_WORKER_THREADS", "1")]);
+    assert_eq!(
+        metric(&metrics, "aqueduct_runtime_worker_threads"),
+        Some(1.0)
+    );
+    let sub = Command::new(CLIENT)
+        .args(["--addr", &addr, "sub", "one/thread", "--count", "1"])
+        .env("AQUEDUCT_HOME", home.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("sub starts");
+    wait_for_log(&logs, "subscribed");
+    let out = run_client(
+        home.path(),
+        &["--addr", &addr, "pub", "one/thread", "hi", "--confirm"],
+    );
+    assert_ok(&out);
+    let out = output_within(sub, "aqueduct sub (after 1 message)");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "one/thread #0 p2: hi"
+    );
+    stop(broker);
+
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, _addr, metrics, _logs) = start_broker_with(home.path(), &[]);
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert_eq!(
+        metric(&metrics, "aqueduct_runtime_worker_threads"),
+        Some(cpus as f64)
+    );
+    stop(broker);
+}

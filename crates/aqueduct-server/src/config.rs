@@ -96,6 +96,8 @@ pub struct BrokerSection {
     pub block_timeout: String,
     /// Publish quotas (the seed's `broker.quotas`), see `access.rs`.
     pub quotas: QuotasSection,
+    /// Threads of the broker's async runtime; 0 = one per CPU the process may use.
+    pub worker_threads: u64,
 }
 
 impl Default for BrokerSection {
@@ -111,6 +113,7 @@ impl Default for BrokerSection {
             priority_ttls: vec!["0s".into(); Priority::LEVELS],
             block_timeout: "30s".into(),
             quotas: QuotasSection::default(),
+            worker_threads: 0,
         }
     }
 }
@@ -286,6 +289,7 @@ pub const ENV_KEYS: &[&str] = &[
     "broker.quotas.default_publish_rate",
     "broker.quotas.default_burst_size",
     "broker.quotas.action",
+    "broker.worker_threads",
     "transport.max_buf_size",
     "transport.max_streams_per_connection",
     "transport.max_subscriptions_per_connection",
@@ -460,6 +464,9 @@ pub struct Config {
     /// Block policy: close a subscription that holds a publisher longer than this (`None`:
     /// never).
     pub block_timeout: Option<Duration>,
+    /// Threads of the async runtime (`None`: one per CPU). Read by whoever builds the runtime
+    /// (the `aqueduct-broker` binary), before the server starts.
+    pub worker_threads: Option<usize>,
     pub transport: TransportConfig,
     pub metrics: MetricsConfig,
     /// The durable log, if enabled.
@@ -969,6 +976,10 @@ impl RawConfig {
             flush_interval: parse_flush_interval(&b.flush_interval)?,
             block_timeout: Some(parse_duration("broker.block_timeout", &b.block_timeout)?)
                 .filter(|d| !d.is_zero()),
+            worker_threads: match range("broker.worker_threads", b.worker_threads, 0, 1024)? {
+                0 => None,
+                n => Some(n as usize),
+            },
             transport,
             metrics,
             aal: self.aal.validate(env)?,

@@ -489,6 +489,12 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "Open client connections.",
         shared.connections.load(Ordering::Acquire),
     );
+    out.single(
+        "aqueduct_runtime_worker_threads",
+        "gauge",
+        "Worker threads of the async runtime serving the broker (broker.worker_threads).",
+        tokio::runtime::Handle::current().metrics().num_workers(),
+    );
     let counters: [(&str, &str, u64); 11] = [
         (
             "aqueduct_streams_stopped_total",

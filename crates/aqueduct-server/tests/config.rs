@@ -43,6 +43,29 @@ fn defaults_without_any_source() {
     assert_eq!(c.broker.max_retries, 3);
     assert_eq!(c.transport.max_frame_data, 65536);
     assert!(c.tls.generate);
+    assert_eq!(c.worker_threads, None, "one runtime thread per CPU");
+}
+
+#[test]
+fn worker_threads_from_the_file_or_the_environment() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = file(&dir, "broker:\n  worker_threads: 3\n");
+    let c = load(Some(path.clone()), vec![], Overrides::default()).expect("file");
+    assert_eq!(c.worker_threads, Some(3));
+    let c = load(
+        Some(path),
+        env(&[("AQUEDUCT_BROKER_WORKER_THREADS", "1")]),
+        Overrides::default(),
+    )
+    .expect("env over file");
+    assert_eq!(c.worker_threads, Some(1));
+    let c = load(
+        None,
+        env(&[("AQUEDUCT_BROKER_WORKER_THREADS", "0")]),
+        Overrides::default(),
+    )
+    .expect("0");
+    assert_eq!(c.worker_threads, None, "0 means one per CPU");
 }
 
 #[test]
@@ -147,6 +170,11 @@ fn errors_name_the_key_and_the_problem() {
             Some("broker:\n  queue_size: -5\n"),
             &[],
             "broker.queue_size",
+        ),
+        (
+            None,
+            &[("AQUEDUCT_BROKER_WORKER_THREADS", "5000")],
+            "broker.worker_threads: 5000 is out of range 0..=1024",
         ),
         (
             Some("broker:\n  backpressure_policy: drop_all\n"),

@@ -77,16 +77,22 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = config.worker_threads {
+        builder.worker_threads(n);
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("aqueduct-broker: cannot start the runtime: {e}");
             return ExitCode::from(1);
         }
     };
+    info!(
+        worker_threads = runtime.metrics().num_workers(),
+        configured = config.worker_threads.is_some(),
+        "async runtime started (broker.worker_threads)"
+    );
     runtime.block_on(async move {
         // Listen before binding: a SIGTERM from the moment the broker starts stops it cleanly.
         let stop = aqueduct_cli::shutdown_signal();
