@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Latency A/B: nats-server and one or more Aqueduct broker variants, alternated in one run.
+
+Each round runs the speed bar's latency configuration (one publisher at 10,000 msg/s for 5 s,
+128-byte messages, one subscriber) once against nats-server and once against every variant,
+and prints p50 and p99 per round, their medians, and each variant's p50 ratio to nats-server
+per round. Rounds alternate the brokers so that the machine's drift hits them alike.
+
+A variant is NAME=[BROKER_BINARY][|ENV], ENV being comma-separated KEY=VALUE pairs for the
+broker (default binary: target/release/aqueduct-broker). From the repository root, with the
+speed bar's prerequisites (see scripts/speedbar.py):
+
+    ROUNDS=5 python3 scripts/latency-ab.py "default=" "one-thread=|AQUEDUCT_BROKER_WORKER_THREADS=1"
+    python3 scripts/latency-ab.py "old=target/exp/broker-old" "new=target/release/aqueduct-broker"
+"""
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import speedbar as sb  # noqa: E402
+
+
+def parse_variant(spec):
+    if "=" not in spec:
+        sys.exit(f"latency-ab: {spec!r} is not NAME=[BROKER][|KEY=VALUE,...]")
+    name, rest = spec.split("=", 1)
+    binary, _, env = rest.partition("|")
+    pairs = dict(kv.split("=", 1) for kv in env.split(",") if kv)
+    return name, binary or sb.BROKER, pairs
+
+
+def main():
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if len(sys.argv) >= 2 else 2
+    rounds = int(os.environ.get("ROUNDS", "3"))
+    variants = [parse_variant(s) for s in sys.argv[1:]]
+    sb.check_nats("nats-server", allow_old=False)
+    home = tempfile.mkdtemp(prefix="latency-ab-")
+    brokers = sb.Brokers(home)
+    results = {"nats": []}
+    targets = {}
+    try:
+        brokers.start_nats(4222)
+        for name, binary, env in variants:
+            h = os.path.join(home, name)
+            os.makedirs(h)
+            proc, addr, _metrics = sb.start_broker(h, binary=binary, env_extra=env)
+            brokers.procs.append(proc)
+            targets[name] = (addr, dict(os.environ, AQUEDUCT_HOME=h))
+            results[name] = []
+        for r in range(rounds):
+            x = sb.run([sb.PEERBENCH, "nats-latency", "--url", "nats://127.0.0.1:4222",
+                        "--rate", "10000", "--secs", "5", "--size", "128"])
+            results["nats"].append((x["latency"]["p50_us"], x["latency"]["p99_us"]))
+            for name, (addr, env) in targets.items():
+                x = sb.aq(addr, "--rate", "10000", "--duration", "5s", "--batch", "1",
+                          "--payload-size", "128", env=env)
+                results[name].append((x["latency"]["p50_us"], x["latency"]["p99_us"]))
+            print(f"round {r + 1}: " + ", ".join(f"{k} p50 {v[-1][0]:.0f} p99 {v[-1][1]:.0f} us"
+                                                 for k, v in results.items()), flush=True)
+    finally:
+        brokers.stop()
+    print()
+    for name, rows in results.items():
+        p50 = [a for a, _ in rows]
+        p99 = [b for _, b in rows]
+        print(f"{name:12} p50 {[round(v) for v in p50]} median {statistics.median(p50):.0f} us; "
+              f"p99 {[round(v) for v in p99]} median {statistics.median(p99):.0f} us")
+    for name, rows in results.items():
+        if name == "nats":
+            continue
+        ratios = [a / n for (a, _), (n, _) in zip(rows, results["nats"])]
+        print(f"{name:12} p50 / nats-server per round {[round(v, 2) for v in ratios]}, "
+              f"median {statistics.median(ratios):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
