@@ -94,6 +94,15 @@ impl<'a> BatchIter<'a> {
                 len: rest.len(),
             });
         }
+        if header.mesh_forwarded {
+            // A PUBLISH with this bit is refused on its own (only cluster peers set it), so it
+            // is no valid sub-frame either.
+            return Err(ProtoError::BadPayload {
+                opcode: "PUBLISH_BATCH",
+                problem: "sub-frames must not set the MeshForwarded bit (0x80)",
+                len: rest.len(),
+            });
+        }
         let Some(data) = rest.get(HEADER_LEN..raw.frame_len()) else {
             return Err(ProtoError::BadPayload {
                 opcode: "PUBLISH_BATCH",
@@ -185,6 +194,14 @@ mod tests {
         write_header(&mut nested, 0x04, 0, 0);
         let err = BatchIter::new(&nested).next().expect("one item");
         assert!(err.is_err());
+
+        let mut flagged = sub(b"a");
+        flagged[1] |= crate::header::FLAG_MESH_FORWARDED;
+        let err = BatchIter::new(&flagged).next().expect("one item");
+        assert!(
+            err.is_err_and(|e| e.to_string().contains("MeshForwarded")),
+            "a sub-frame with the MeshForwarded bit is refused"
+        );
 
         let mut overrun = Vec::new();
         write_header(&mut overrun, 0x01, 0, 50);

@@ -469,6 +469,8 @@ async fn serve_streams(
             uni = session.quic().accept_uni(), if matches!(session, Session::Quic(_)) => {
                 match uni {
                     Ok(mut recv) => {
+                        shared.stats.rejected("unidirectional_stream");
+                        debug!(remote = %state.remote, "refused a unidirectional stream (the protocol uses bidirectional streams only)");
                         let _ = recv.stop(0u32.into());
                     }
                     Err(e) => break e.to_string(),

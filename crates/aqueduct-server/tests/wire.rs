@@ -146,6 +146,15 @@ async fn malformed_input_gets_an_error_and_the_connection_keeps_serving() {
         (raw_frame(0x08, 22, &[1, 0]), ErrorCode::UNSUPPORTED),
         // The MeshForwarded bit: only cluster peers may set it.
         (raw_frame(0x81, 23, b"orders"), ErrorCode::UNSUPPORTED),
+        // ... nor on a batch's sub-frame, which must be valid on its own.
+        (
+            raw_frame(
+                0x04,
+                24,
+                &[raw_frame(0x01, 0, b"orders"), raw_frame(0x81, 0, b"orders")].concat(),
+            ),
+            ErrorCode::BAD_BATCH,
+        ),
     ];
     for (bytes, want) in &cases {
         s.write(bytes).await;
@@ -159,6 +168,9 @@ async fn malformed_input_gets_an_error_and_the_connection_keeps_serving() {
     // The same stream still works.
     s.write_frame(&confirmed_publish(30, "ok", "1")).await;
     assert_eq!(expect_confirm(&mut s, 30).await, vec![0]);
+    // Nothing of the refused frames was published: `orders` starts at offset 0.
+    s.write_frame(&confirmed_publish(31, "orders", "1")).await;
+    assert_eq!(expect_confirm(&mut s, 31).await, vec![0]);
 
     // A frame above transport.max_buf_size (65536): ERROR, then the stream is closed.
     let mut big = raw.stream().await;
@@ -414,5 +426,33 @@ async fn a_native_client_s_unidirectional_stream_is_refused_unread() {
         b.broker.subscriber_count() == 1
     })
     .await;
+    b.stop().await.expect("clean shutdown");
+}
+
+/// A client's unidirectional stream (the protocol uses bidirectional ones only) is stopped
+/// unread with code 0 and counted; nothing on it is published, and the connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unidirectional_stream_is_stopped_unread_and_counted() {
+    let b = TestBroker::start().await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut uni = within("open a unidirectional stream", raw.conn.open_uni())
+        .await
+        .expect("the broker allows a few (HTTP/3 needs them)");
+    uni.write_all(&confirmed_publish(1, "uni", "x").to_bytes())
+        .await
+        .expect("write");
+    let stopped = within("STOP_SENDING", uni.stopped()).await;
+    assert_eq!(stopped.expect("stream state"), Some(0u32.into()));
+    assert_eq!(
+        b.stats.rejected_frames().get("unidirectional_stream"),
+        Some(&1)
+    );
+    let mut s = raw.stream().await;
+    s.write_frame(&confirmed_publish(2, "uni", "y")).await;
+    assert_eq!(
+        expect_confirm(&mut s, 2).await,
+        vec![0],
+        "nothing on the unidirectional stream was published"
+    );
     b.stop().await.expect("clean shutdown");
 }
