@@ -593,6 +593,17 @@ async fn run(cli: Cli) -> Result<()> {
         .await;
     }
     let client = connect(&cli).await?;
+    let result = run_connected(&cli, &client).await;
+    // On every way out, errors included (a refused publish, an ACL that closed the
+    // subscription): close the connection, so that the broker forgets it now rather than at its
+    // idle timeout (admin `clients` would list it, a group would keep feeding it). Closing
+    // twice is harmless.
+    client.close().await;
+    result
+}
+
+/// The commands that need a connection to the broker.
+async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
     match &cli.command {
         Command::Pub {
             topic,
@@ -760,9 +771,15 @@ async fn run(cli: Cli) -> Result<()> {
             };
             let progress = (!*json && std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .then(|| indicatif::ProgressBar::new(*messages));
-            let report =
-                crate::durable_bench::run(client, mode, topic, *messages, *payload_size, progress)
-                    .await?;
+            let report = crate::durable_bench::run(
+                client.clone(),
+                mode,
+                topic,
+                *messages,
+                *payload_size,
+                progress,
+            )
+            .await?;
             if *json {
                 println!("{}", report.json());
             } else {

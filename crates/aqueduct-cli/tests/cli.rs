@@ -658,3 +658,39 @@ fn worker_threads_sizes_the_runtime() {
     );
     stop(broker);
 }
+
+/// A command that fails after connecting (here a publish the broker refuses as too large)
+/// still closes its connection: the broker logs the close at once, not an idle timeout later.
+#[test]
+fn a_failed_command_closes_its_connection() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, _metrics, logs) = start_broker_with(
+        home.path(),
+        &[
+            ("AQUEDUCT_TRANSPORT_MAX_BUF_SIZE", "1024"),
+            // Far beyond the wait below: a connection left open would only go at its timeout.
+            ("AQUEDUCT_TRANSPORT_IDLE_TIMEOUT", "120s"),
+        ],
+    );
+    let big = "x".repeat(2000);
+    let out = run_client(
+        home.path(),
+        &["--addr", &addr, "pub", "too/big", &big, "--confirm"],
+    );
+    assert!(!out.status.success(), "a refused publish is an error");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("FRAME_TOO_LARGE"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = loop {
+        let line = logs
+            .recv_timeout(WAIT)
+            .expect("the broker logs the client's disconnect without waiting for a timeout");
+        if line.contains("disconnected") {
+            break line;
+        }
+    };
+    assert!(!line.contains("timed out"), "{line}");
+    stop(broker);
+}
