@@ -793,7 +793,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             per_stream,
             seconds,
         } => {
-            let opts = connect_options(&cli)?;
+            let opts = connect_options(cli)?;
             let mut held = Vec::new();
             for i in 0..*connections {
                 let c = Client::connect(opts.clone()).await?;
@@ -863,10 +863,10 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 probe_timeout: *probe_timeout,
                 trace: *trace,
             };
-            let opts = connect_options(&cli)?;
+            let opts = connect_options(cli)?;
             let sub_opts = match sub_addr {
                 Some(addr) => {
-                    let o = connect_options_to(&cli, addr)?;
+                    let o = connect_options_to(cli, addr)?;
                     match sub_dev_cert {
                         Some(dev) => o.dev_cert_file(dev),
                         None => o,
