@@ -263,12 +263,34 @@ pub struct DurableStats {
 }
 
 /// Who gets told how a frame's messages fared.
+///
+/// While one lives, its stream counts it as unanswered ([`StreamOut::await_log`]) and does not
+/// finish: the client reads a FIN as "every frame before it was handled" (protocol.md §1.1), and
+/// this frame's CONFIRM or STORAGE_FAILED is still to come. The answer is queued on the stream
+/// before the waiter is dropped.
 #[derive(Debug)]
 pub(crate) struct Waiter {
     pub out: Arc<StreamOut>,
     pub stream_id: u32,
     /// The publisher asked for a CONFIRM.
     pub confirm: bool,
+}
+
+impl Waiter {
+    pub(crate) fn new(out: Arc<StreamOut>, stream_id: u32, confirm: bool) -> Waiter {
+        out.await_log();
+        Waiter {
+            out,
+            stream_id,
+            confirm,
+        }
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        self.out.log_answered();
+    }
 }
 
 /// Why a frame is answered STORAGE_FAILED without being published.
@@ -341,6 +363,9 @@ pub(crate) struct Durable {
     /// The server's counters (ERROR frames sent).
     server_stats: Arc<ServerStats>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Tests only ([`crate::Control::hold_log_writes`]): while true the writer writes nothing.
+    held: Mutex<bool>,
+    held_changed: Condvar,
 }
 
 impl Durable {
@@ -379,6 +404,8 @@ impl Durable {
             stats,
             server_stats,
             writer: Mutex::new(None),
+            held: Mutex::new(false),
+            held_changed: Condvar::new(),
         });
         durable.note_log(&log);
         let d = durable.clone();
@@ -389,6 +416,25 @@ impl Durable {
             .spawn(move || d.run(log))?;
         *lock(&durable.writer) = Some(handle);
         Ok(durable)
+    }
+
+    /// Tests only: while `hold` is true the writer writes (and answers) nothing; what is queued
+    /// waits. Shutdown releases it.
+    pub(crate) fn hold_writes(&self, hold: bool) {
+        *lock(&self.held) = hold;
+        self.held_changed.notify_all();
+    }
+
+    /// Wait while writes are held (tests), or until the log closes.
+    fn wait_while_held(&self) {
+        let mut held = lock(&self.held);
+        while *held && !self.is_closed() {
+            held = self
+                .held_changed
+                .wait_timeout(held, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 
     /// The offset a topic's next message gets when the core creates its state.
@@ -585,6 +631,7 @@ impl Durable {
             };
             self.room.notify_waiters();
             if !work.groups.is_empty() {
+                self.wait_while_held();
                 self.write(&mut log, &work);
                 work.data.clear();
                 work.recs.clear();

@@ -679,6 +679,15 @@ impl Control {
         Ok(closed)
     }
 
+    /// A testing aid: while `hold` is true the durable log's writer stores nothing, so the
+    /// publishes it was given wait in its queue, unanswered. No effect without the log.
+    #[doc(hidden)]
+    pub fn hold_log_writes(&self, hold: bool) {
+        if let Some(d) = &self.shared.durable {
+            d.hold_writes(hold);
+        }
+    }
+
     /// The live ACL policy.
     pub fn acl(&self) -> Arc<aqueduct_core::acl::AclPolicy> {
         self.shared.access.acl.policy()

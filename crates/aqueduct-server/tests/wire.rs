@@ -456,3 +456,34 @@ async fn a_unidirectional_stream_is_stopped_unread_and_counted() {
     );
     b.stop().await.expect("clean shutdown");
 }
+
+/// With the durable log, a stream the client finished is not finished by the broker before the
+/// log has answered every frame on it: a FIN says every frame before it was handled (§1.1).
+/// Before the fix the broker sent its FIN as soon as it had read the client's, and the CONFIRM
+/// that came later was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_finishes_a_stream_only_after_the_log_answered_its_frames() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b =
+        TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), aqueduct_log::FsyncMode::Batch)))
+            .await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    b.control.hold_log_writes(true);
+    let mut s = raw.stream().await;
+    s.write_frame(&confirmed_publish(7, "held", "x")).await;
+    s.finish();
+    // While the log holds the frame, nothing comes: neither its CONFIRM nor the FIN. (Without
+    // the fix the FIN arrived here at once; a slower broker would only make this check miss.)
+    let early = tokio::time::timeout(std::time::Duration::from_millis(300), s.read_frame()).await;
+    assert!(
+        early.is_err(),
+        "the broker answered or finished early: {early:?}"
+    );
+    b.control.hold_log_writes(false);
+    assert_eq!(expect_confirm(&mut s, 7).await, vec![0]);
+    assert!(
+        within("the broker's FIN", s.read_frame()).await.is_none(),
+        "then the stream ends"
+    );
+    b.stop().await.expect("clean shutdown");
+}

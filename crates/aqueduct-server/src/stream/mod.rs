@@ -11,7 +11,7 @@
 //! timer instead, so a long window does not spin a core.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime};
 
@@ -73,6 +73,9 @@ pub(crate) struct StreamOut {
     flushed: Notify,
     /// The reader is done (client finished its side, or a fatal framing error).
     reader_done: AtomicBool,
+    /// Publish frames of this stream whose answer (CONFIRM, or STORAGE_FAILED) the durable log
+    /// still owes: the stream does not finish before they are answered.
+    log_unanswered: AtomicUsize,
     /// The stream is over: the writer must stop (peer stopped reading, connection closed).
     aborted: AtomicBool,
     /// The reader was stopped by shutdown before the client finished the stream.
@@ -87,6 +90,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl StreamOut {
+    /// A publish frame went to the durable log, which will answer it on this stream.
+    pub(crate) fn await_log(&self) {
+        self.log_unanswered.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The log answered one (its answer is already queued here).
+    pub(crate) fn log_answered(&self) {
+        self.log_unanswered.fetch_sub(1, Ordering::AcqRel);
+        self.notify.notify_one();
+    }
+
     pub(crate) fn push_frame(&self, frame: &Frame) {
         frame.encode(&mut *lock(&self.control));
         self.notify.notify_one();
@@ -937,11 +951,7 @@ impl Reader<'_> {
     }
 
     fn waiter(&self, stream_id: u32, confirm: bool) -> Waiter {
-        Waiter {
-            out: self.out.clone(),
-            stream_id,
-            confirm,
-        }
+        Waiter::new(self.out.clone(), stream_id, confirm)
     }
 
     /// Route a publish frame's messages (live delivery at once) and queue them for the durable
@@ -1194,8 +1204,11 @@ async fn write_loop<S: SendHalf>(
         fill(out, shared, conn, &mut buf, batch, hint);
         if buf.is_empty() {
             // On shutdown too, the reader says when it is done (it stops at once then): only
-            // it knows whether the client's frames were all read.
-            if out.reader_done.load(Ordering::Acquire) {
+            // it knows whether the client's frames were all read. And the durable log must
+            // have answered every frame it took: a FIN says they were all handled.
+            if out.reader_done.load(Ordering::Acquire)
+                && out.log_unanswered.load(Ordering::Acquire) == 0
+            {
                 break;
             }
             tokio::select! {
