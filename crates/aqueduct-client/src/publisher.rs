@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use aqueduct_proto::frame::Message as Wire;
-use aqueduct_proto::{BatchBuilder, Extensions, Frame, Publish, TopicName};
+use aqueduct_proto::{BatchBuilder, ErrorCode, Extensions, Frame, Publish, TopicName};
 use bytes::Bytes;
 use tokio::sync::oneshot;
 use tracing::warn;
@@ -18,7 +18,9 @@ use crate::client::PublishOptions;
 use crate::error::ClientError;
 use crate::reader::FrameReader;
 
-type Pending = Arc<Mutex<HashMap<u32, oneshot::Sender<Result<Vec<u64>, ClientError>>>>>;
+/// The confirmations awaited on one stream, by request id; `None` once the stream's replies
+/// are over (each waiter then got its answer or the stream's failure).
+type Pending = Arc<Mutex<Option<HashMap<u32, oneshot::Sender<Result<Vec<u64>, ClientError>>>>>>;
 
 /// A publish stream. Cheap to clone; clones share the stream.
 ///
@@ -27,8 +29,11 @@ type Pending = Arc<Mutex<HashMap<u32, oneshot::Sender<Result<Vec<u64>, ClientErr
 /// A publish whose future is dropped (a `select!`, a timeout) before it was first polled past
 /// waiting for the stream sends nothing. Once its frame is queued on the stream it is sent
 /// whole, even if the future is dropped while the broker's flow control holds it back: the
-/// next publish or `flush` on the stream writes the rest first. A stream never carries part of
-/// a frame followed by another.
+/// next publish or `flush` on the stream writes the rest first (a cancelled `flush` leaves the
+/// stream in place, too). A stream never carries part of a frame followed by another.
+///
+/// When the broker stops reading a stream (a frame above its `transport.max_buf_size` gets
+/// FRAME_TOO_LARGE), or the stream fails, the next publish opens a new one.
 #[derive(Debug, Clone)]
 pub struct Publisher {
     inner: Arc<Inner>,
@@ -39,19 +44,29 @@ struct Inner {
     conn: Arc<crate::link::Link>,
     /// Request ids (`stream_id` of confirmed frames), unique per connection.
     next_id: Arc<AtomicU32>,
-    /// Opened on first use. A tokio mutex: writes await.
+    /// Opened on first use, and again after the broker ended it. A tokio mutex: writes await.
     send: tokio::sync::Mutex<Option<Stream>>,
-    /// Confirmations awaited, by request id.
-    pending: Pending,
 }
 
-/// An open publish stream: its sending half, and word from the task reading its replies that
-/// the broker finished the stream (`true`) — which it does only after handling every frame on
-/// it — or that it failed (`false`).
+/// An open publish stream: its sending half, the confirmations awaited on it (by request id),
+/// and word from the task reading its replies that the broker finished the stream (`Ok`) —
+/// which it does only after handling every frame on it — or that it failed.
 #[derive(Debug)]
 struct Stream {
     send: crate::link::FrameSink,
+    pending: Pending,
     done: oneshot::Receiver<Result<(), ClientError>>,
+}
+
+impl Stream {
+    /// The broker has ended the stream (it stops reading a stream after a framing error such
+    /// as FRAME_TOO_LARGE), or it failed: nothing written to it now would be read.
+    fn is_over(&mut self) -> bool {
+        !matches!(
+            self.done.try_recv(),
+            Err(oneshot::error::TryRecvError::Empty)
+        )
+    }
 }
 
 /// The most a batch's buffer makes room for before its messages are written.
@@ -106,7 +121,6 @@ impl Publisher {
                 conn,
                 next_id,
                 send: tokio::sync::Mutex::new(None),
-                pending: Arc::default(),
             }),
         }
     }
@@ -150,39 +164,58 @@ impl Publisher {
     }
 
     async fn send(&self, message: Wire, confirm: bool) -> Result<Option<Vec<u64>>, ClientError> {
-        let (id, rx) = if confirm {
-            let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-            let (tx, rx) = oneshot::channel();
-            self.inner
-                .pending
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id, tx);
-            (id, Some(rx))
-        } else {
-            (0, None)
-        };
-        // Until the frame is queued on the stream, a cancelled or failed call takes its
-        // confirmation slot back (nothing would ever answer it).
-        let mut slot = Slot {
-            pending: &self.inner.pending,
-            id: confirm.then_some(id),
-        };
-        // A batch's payload is sent as it was built, after its head: not copied again.
-        let (head, tail) = Frame::new(id, message).encode_split();
-        {
-            let mut send = self.inner.send.lock().await;
-            if send.is_none() {
-                *send = Some(self.open().await?);
+        let rx = {
+            let mut guard = self.inner.send.lock().await;
+            let mut fresh = false;
+            let (stream, id, rx) = loop {
+                if guard.as_mut().is_some_and(Stream::is_over) {
+                    // Publish on a new stream instead (the old one's replies are all in).
+                    *guard = None;
+                }
+                if guard.is_none() {
+                    *guard = Some(self.open().await?);
+                    fresh = true;
+                }
+                let Some(stream) = guard.as_mut() else {
+                    return Err(ClientError::Closed);
+                };
+                if !confirm {
+                    break (stream, 0, None);
+                }
+                let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+                let (tx, rx) = oneshot::channel();
+                let inserted = match lock(&stream.pending).as_mut() {
+                    Some(waiting) => {
+                        waiting.insert(id, tx);
+                        true
+                    }
+                    None => false,
+                };
+                if inserted {
+                    break (stream, id, Some(rx));
+                }
+                // Its replies ended just now: nothing was sent yet, so use a new stream (once;
+                // a new stream that ends at once is the connection failing).
+                if fresh {
+                    return Err(ClientError::Closed);
+                }
+                *guard = None;
+            };
+            // A batch's payload is sent as it was built, after its head: not copied again.
+            let (head, tail) = Frame::new(id, message).encode_split();
+            // Queued whole: from here on the frame is sent even if this call is cancelled (the
+            // next write on the stream finishes it), and its confirmation may come.
+            stream.send.queue([head].into_iter().chain(tail));
+            if let Err(e) = stream.send.write_queued().await {
+                // The stream is broken: the next publish opens another.
+                if let Some(waiting) = lock(&stream.pending).as_mut() {
+                    waiting.remove(&id);
+                }
+                *guard = None;
+                return Err(e);
             }
-            if let Some(Stream { send, .. }) = send.as_mut() {
-                // Queued whole: from here on the frame is sent even if this call is cancelled
-                // (the next write on the stream finishes it), and its confirmation may come.
-                send.queue([head].into_iter().chain(tail));
-                slot.id = None;
-                send.write_queued().await?;
-            }
-        }
+            rx
+        };
         match rx {
             None => Ok(None),
             Some(rx) => match rx.await {
@@ -195,13 +228,12 @@ impl Publisher {
     async fn open(&self) -> Result<Stream, ClientError> {
         let (send, recv) = self.inner.conn.open_bi().await?;
         let (tx, done) = oneshot::channel();
-        tokio::spawn(replies(
-            FrameReader::new(recv),
-            self.inner.pending.clone(),
-            tx,
-        ));
+        let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
+        // Ends with the stream (or the connection).
+        tokio::spawn(replies(FrameReader::new(recv), pending.clone(), tx));
         Ok(Stream {
             send: crate::link::FrameSink::new(send),
+            pending,
             done,
         })
     }
@@ -214,10 +246,20 @@ impl Publisher {
     /// So the stream is finished and the broker's end of it awaited: the broker finishes its
     /// side only after handling every frame.
     pub async fn flush(&self) -> Result<(), ClientError> {
-        let Some(Stream { mut send, done }) = self.inner.send.lock().await.take() else {
-            return Ok(());
+        let done = {
+            let mut guard = self.inner.send.lock().await;
+            let Some(stream) = guard.as_mut() else {
+                return Ok(());
+            };
+            // Finished in place: a flush cancelled while the rest of a frame is still being
+            // written leaves it queued on the stream, for the next publish or flush.
+            let finished = stream.send.finish().await;
+            let Some(Stream { done, .. }) = guard.take() else {
+                return Ok(());
+            };
+            finished?;
+            done
         };
-        send.finish().await?;
         match tokio::time::timeout(Duration::from_secs(10), done).await {
             Ok(Ok(Ok(()))) => Ok(()),
             Ok(Ok(Err(e))) => Err(ClientError::Connection(format!(
@@ -237,22 +279,8 @@ impl Publisher {
     }
 }
 
-/// A confirmation awaited for a frame not yet queued on the stream: dropped with an `id`, it
-/// removes that entry from the pending map.
-struct Slot<'a> {
-    pending: &'a Pending,
-    id: Option<u32>,
-}
-
-impl Drop for Slot<'_> {
-    fn drop(&mut self) {
-        if let Some(id) = self.id {
-            self.pending
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&id);
-        }
-    }
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Route CONFIRM and ERROR replies on a publish stream to the waiting publishers.
@@ -261,12 +289,10 @@ async fn replies(
     pending: Pending,
     done: oneshot::Sender<Result<(), ClientError>>,
 ) {
-    let take = |id: u32| {
-        pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id)
-    };
+    let take = |id: u32| lock(&pending).as_mut().and_then(|w| w.remove(&id));
+    // A stream-fatal ERROR (the broker lost the frame boundary and stopped reading the stream):
+    // the publisher it answers, and the ERROR.
+    let mut fatal = None;
     let finished = loop {
         let frame = match reader.next().await {
             Ok(Some(frame)) => frame,
@@ -278,6 +304,18 @@ async fn replies(
                 if let Some(tx) = take(frame.stream_id) {
                     let _ = tx.send(Ok(c.offsets));
                 }
+            }
+            Wire::Error(e)
+                if matches!(e.code, ErrorCode::BAD_MAGIC | ErrorCode::FRAME_TOO_LARGE) =>
+            {
+                // Nothing after the bad frame was read (protocol.md 1.1): the stream is over
+                // now, not at the broker's FIN, so that the next publish uses a new one.
+                let why = format!(
+                    "the broker stopped reading the publish stream after {}: {}",
+                    e.code, e.reason
+                );
+                fatal = Some((take(frame.stream_id), e));
+                break Err(ClientError::Connection(why));
             }
             Wire::Error(e) => match take(frame.stream_id) {
                 Some(tx) => {
@@ -300,12 +338,16 @@ async fn replies(
         ),
     };
     let _ = done.send(finished);
-    let waiting: Vec<_> = pending
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .drain()
-        .collect();
+    // Closed under the lock: a publish that comes later sees it and uses a new stream.
+    let waiting = lock(&pending).take().unwrap_or_default();
     for (_, tx) in waiting {
         let _ = tx.send(Err(failure.clone()));
+    }
+    // Answered last: once its publisher sees the ERROR, the stream already counts as over.
+    if let Some((Some(tx), e)) = fatal {
+        let _ = tx.send(Err(ClientError::Broker {
+            code: e.code,
+            reason: e.reason,
+        }));
     }
 }

@@ -568,3 +568,82 @@ async fn a_publish_cancelled_mid_frame_is_sent_whole_by_the_next() {
     assert_eq!(next(&mut sub).await.body().as_ref(), b"after");
     b.stop().await.expect("clean shutdown");
 }
+
+/// A flush cancelled while the rest of a frame waits for flow control leaves the stream in
+/// place with that rest queued: the next publish sends it first. Before the fix the flush took
+/// the stream out first, and dropping it cut the frame off (the broker lost the whole batch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flush_cancelled_mid_frame_leaves_the_frame_to_the_next_publish() {
+    use futures_util::FutureExt;
+    let b = TestBroker::start_with(|c| c.transport.stream_receive_window = 16 << 10).await;
+    let client = b.client().await;
+    let mut sub = client.subscribe("flush/+").await.expect("subscribe");
+    client
+        .publish_with("flush/first", "first", &confirm())
+        .await
+        .expect("the stream opens");
+    let body = Bytes::from(vec![b'y'; 150]);
+    let batch = (0..300).map(|_| ("flush/batch", body.clone()));
+    let cancelled = client
+        .publish_batch(batch, &PublishOptions::default())
+        .now_or_never();
+    assert!(cancelled.is_none(), "the batch must exceed the stream credit");
+    assert!(
+        client.flush().now_or_never().is_none(),
+        "the flush must wait for credit too, or this test shows nothing"
+    );
+    within(
+        "the next publish is confirmed",
+        client.publish_with("flush/after", "after", &confirm()),
+    )
+    .await
+    .expect("the next publish");
+    assert_eq!(next(&mut sub).await.body().as_ref(), b"first");
+    for i in 0..300 {
+        let m = next(&mut sub).await;
+        assert_eq!((i, m.topic().as_str()), (i, "flush/batch"));
+    }
+    assert_eq!(next(&mut sub).await.body().as_ref(), b"after");
+    within("flush", client.flush()).await.expect("flush");
+    b.stop().await.expect("clean shutdown");
+}
+
+/// After the broker stops reading a publish stream (a frame above `transport.max_buf_size`:
+/// FRAME_TOO_LARGE), the next publish goes out on a new stream. Before the fix every later
+/// publish on that publisher failed until someone called `flush`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_after_a_stream_fatal_error_uses_a_new_stream() {
+    let b = TestBroker::start_with(|c| c.transport.max_frame_data = 1024).await;
+    let client = b.client().await;
+    let mut sub = client.subscribe("fatal/+").await.expect("subscribe");
+    let err = client
+        .publish_with("fatal/big", vec![b'z'; 2000], &confirm())
+        .await
+        .expect_err("too large");
+    assert!(
+        matches!(
+            err,
+            aqueduct_client::ClientError::Broker {
+                code: ErrorCode::FRAME_TOO_LARGE,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    for i in 0..3u64 {
+        let offset = within(
+            "a publish after the error",
+            client.publish_with("fatal/small", format!("small {i}"), &confirm()),
+        )
+        .await
+        .expect("published on a new stream");
+        assert_eq!(offset, Some(i));
+    }
+    for i in 0..3 {
+        assert_eq!(
+            next(&mut sub).await.body().as_ref(),
+            format!("small {i}").as_bytes()
+        );
+    }
+    b.stop().await.expect("clean shutdown");
+}
