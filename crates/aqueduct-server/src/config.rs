@@ -732,13 +732,22 @@ pub(crate) fn parse_duration(key: &'static str, s: &str) -> Result<Duration, Con
     if s == "0" {
         return Ok(Duration::ZERO);
     }
-    humantime::parse_duration(s).map_err(|e| {
+    let d = humantime::parse_duration(s).map_err(|_| {
         invalid(
             key,
-            format!("{s:?} is not a duration like \"50us\", \"10s\" or \"5m\" ({e})"),
+            format!("{s:?} is not a duration like \"50us\", \"10s\" or \"5m\""),
         )
-    })
+    })?;
+    // Far beyond any sensible setting, and small enough that a deadline `now + d` can never
+    // overflow (humantime accepts up to ~584 billion years).
+    if d > MAX_DURATION {
+        return Err(invalid(key, format!("{s:?} is longer than 100 years")));
+    }
+    Ok(d)
 }
+
+/// The longest duration any key takes.
+const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// The keep-alive when none is configured: 10 s, or a third of the idle timeout if that is
 /// shorter, so that an idle but healthy client is never dropped.
@@ -844,7 +853,10 @@ impl RawConfig {
         let t = &self.transport;
         let idle_timeout = parse_duration("transport.idle_timeout", &t.idle_timeout)?;
         let transport = TransportConfig {
-            max_frame_data: range("transport.max_buf_size", t.max_buf_size, 64, 64 << 20)? as u32,
+            // At most 8 MiB: what carries a frame on is sized for 16 MiB (the client's reader,
+            // a cluster link's block, the durable log's batch) and a delivery or a re-encoded
+            // batch is larger than what was published.
+            max_frame_data: range("transport.max_buf_size", t.max_buf_size, 64, 8 << 20)? as u32,
             max_streams_per_connection: range(
                 "transport.max_streams_per_connection",
                 t.max_streams_per_connection,

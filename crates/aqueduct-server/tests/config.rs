@@ -173,8 +173,25 @@ fn errors_name_the_key_and_the_problem() {
         ),
         (
             None,
+            &[("AQUEDUCT_TRANSPORT_MAX_BUF_SIZE", "16777216")],
+            "transport.max_buf_size: 16777216 is out of range 64..=8388608",
+        ),
+        (
+            None,
             &[("AQUEDUCT_BROKER_WORKER_THREADS", "5000")],
             "broker.worker_threads: 5000 is out of range 0..=1024",
+        ),
+        // A deadline this far away would overflow the clock: refused at startup, not a panic
+        // when the first connection or delivery computes it.
+        (
+            None,
+            &[("AQUEDUCT_BROKER_ACK_WAIT", "500000000000y")],
+            "broker.ack_wait: \"500000000000y\" is longer than 100 years",
+        ),
+        (
+            None,
+            &[("AQUEDUCT_TRANSPORT_HANDSHAKE_TIMEOUT", "200years")],
+            "transport.handshake_timeout: \"200years\" is longer than 100 years",
         ),
         (
             Some("broker:\n  backpressure_policy: drop_all\n"),
