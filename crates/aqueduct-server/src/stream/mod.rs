@@ -739,6 +739,12 @@ impl Reader<'_> {
                     }
                     None => None,
                 };
+                // A durable subscription's key is recorded before it becomes visible in the
+                // connection's table: an UNSUBSCRIBE on another stream may end it at once, and
+                // must then end its consumer too.
+                if let (Some(claim), Some((_, key, _))) = (&claimed, &durable_consumer) {
+                    lock(&self.out.durables).insert(claim.sub.id(), key.clone());
+                }
                 // Check and insert under the connection table's lock, so two SUBSCRIBEs with
                 // one id on two streams cannot both succeed.
                 let added = self.conn.add_sub_with(stream_id, max, || {
@@ -788,6 +794,7 @@ impl Reader<'_> {
                                 );
                             }
                         }
+                        lock(&self.out.durables).remove(&claim.sub.id());
                         unsubscribe(self.shared, &mut self.ctx, &claim.sub, Some(key), now);
                     }
                     return self.send_error(stream_id, ErrorCode::BAD_SUBSCRIBE, why);
@@ -822,8 +829,9 @@ impl Reader<'_> {
                 if let (Some((key, start, claim)), Some(d), Some(consumers)) =
                     (feeder, &self.shared.durable, &self.shared.consumers)
                 {
-                    lock(&self.out.durables).insert(sub.id(), key.clone());
-                    if claim.first {
+                    // Not if an UNSUBSCRIBE on another stream ended it already (its consumer
+                    // was ended then; a group's feeder is started for the other members).
+                    if claim.first && (!sub.is_closed() || sub.group().is_some()) {
                         let target = match sub.group() {
                             Some(g) => crate::consumers::Target::Group(g.clone(), claim.joined),
                             None => crate::consumers::Target::One(sub.clone()),
