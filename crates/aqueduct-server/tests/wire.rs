@@ -487,3 +487,60 @@ async fn the_broker_finishes_a_stream_only_after_the_log_answered_its_frames() {
     );
     b.stop().await.expect("clean shutdown");
 }
+
+/// Subscriptions sharing a stream take turns at the stream's writes: a message for one of
+/// them is not held back until another's backlog has drained. Before the fix every write
+/// started with the first subscription, and one whose messages are larger than the write
+/// budget (`broker.batch_size`) took all of it at every write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriptions_sharing_a_stream_take_turns() {
+    let b = TestBroker::start_with(|c| {
+        c.broker.queue_size = 4096;
+        c.batch_size = 2048;
+    })
+    .await;
+    // A small stream window: the broker's writer stops until we read, and the backlog queues.
+    let raw = Raw::connect(&b, 16 << 10).await;
+    let mut s = raw.stream().await;
+    s.write(&raw_frame(0x42, 1, b"\x00\x00topic:fair/a")).await;
+    s.write(&raw_frame(0x42, 2, b"\x00\x00topic:fair/b")).await;
+    until("both subscriptions", || b.broker.subscriber_count() == 2).await;
+    let publisher = b.client().await;
+    const BACKLOG: usize = 200;
+    let confirm = PublishOptions {
+        confirm: true,
+        ..PublishOptions::default()
+    };
+    // Each larger than a write's budget (2048 bytes).
+    let body = Bytes::from(vec![b'a'; 3000]);
+    for _ in 0..BACKLOG / 20 {
+        let batch = (0..20).map(|_| ("fair/a", body.clone()));
+        publisher
+            .publish_batch(batch, &confirm)
+            .await
+            .expect("backlog");
+    }
+    publisher
+        .publish_with("fair/b", "b", &confirm)
+        .await
+        .expect("the other subscription's message");
+    let mut position = None;
+    for i in 0..=BACKLOG {
+        let frame = s.read_frame().await.expect("a delivery");
+        let Message::Publish(delivery) = frame.message else {
+            panic!("expected a delivery, got {:?}", frame.message);
+        };
+        if delivery.body.as_ref() == b"b" {
+            position = Some(i);
+            break;
+        }
+    }
+    let position = position.expect("fair/b's message arrives");
+    assert!(
+        position < BACKLOG / 2,
+        "fair/b's message came after {position} of fair/a's backlog of {BACKLOG}"
+    );
+    // The rest of the backlog is not read: close instead of letting shutdown wait for it.
+    raw.conn.close(0u32.into(), b"done");
+    b.stop().await.expect("clean shutdown");
+}

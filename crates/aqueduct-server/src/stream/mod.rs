@@ -76,6 +76,8 @@ pub(crate) struct StreamOut {
     /// Publish frames of this stream whose answer (CONFIRM, or STORAGE_FAILED) the durable log
     /// still owes: the stream does not finish before they are answered.
     log_unanswered: AtomicUsize,
+    /// Where in `subs` the next write starts draining (see `fill`).
+    drain_from: AtomicUsize,
     /// The stream is over: the writer must stop (peer stopped reading, connection closed).
     aborted: AtomicBool,
     /// The reader was stopped by shutdown before the client finished the stream.
@@ -1125,8 +1127,15 @@ fn fill(
         }
         false
     });
-    for sub in subs.iter() {
+    // Subscriptions sharing the stream take turns: when the budget runs out, the next write
+    // starts with the first one that got no turn, so a busy one cannot starve the others.
+    let n = subs.len();
+    let first = out.drain_from.load(Ordering::Relaxed) % n.max(1);
+    for k in 0..n {
+        let at = (first + k) % n;
+        let sub = &subs[at];
         if buf.len() >= budget {
+            out.drain_from.store(at, Ordering::Relaxed);
             break;
         }
         let max = budget - buf.len();
