@@ -116,30 +116,43 @@ async fn connect(target: &AdminTarget) -> Result<AdminClient> {
     .map_err(|e| anyhow!("{e} (is admin.enabled on, and --cert/--key an admin certificate?)"))
 }
 
-fn status(e: tonic::Status) -> anyhow::Error {
+fn status(e: tonic::Status, target: &AdminTarget) -> anyhow::Error {
     let hint = match e.code() {
+        // The broker refused the TLS handshake; tonic reports the dropped connection so.
+        tonic::Code::Unavailable | tonic::Code::Cancelled if !target.opts.has_client_cert() => {
+            return anyhow!(
+                "the admin API requires an admin client certificate: pass --cert FILE --key FILE \
+                 (signed by the broker's admin.client_ca_file, CN matching admin.allowed_cn)"
+            )
+        }
+        tonic::Code::Unavailable | tonic::Code::Cancelled => {
+            " (no TLS session: is --cert/--key a certificate signed by admin.client_ca_file?)"
+        }
         tonic::Code::PermissionDenied => {
             " (the certificate's CN must match the broker's admin.allowed_cn, default admin-*)"
         }
-        tonic::Code::Unavailable => {
-            " (no TLS session: is --cert/--key a certificate signed by admin.client_ca_file?)"
-        }
         _ => "",
     };
-    anyhow!("{:?}: {}{hint}", e.code(), e.message())
+    // The broker's message says what went wrong; the gRPC code's name adds nothing for a user.
+    let what = if e.message().is_empty() {
+        format!("{:?}", e.code())
+    } else {
+        e.message().to_string()
+    };
+    anyhow!("{what}{hint}")
 }
 
 /// Run one admin command, printing its result.
 pub async fn run(target: &AdminTarget, cmd: &AdminCommand) -> Result<()> {
     let mut c = connect(target).await?;
     let out = match cmd {
-        AdminCommand::Quota { what } => quota(&mut c, what).await?,
-        AdminCommand::Acl { what } => acl(&mut c, what).await?,
+        AdminCommand::Quota { what } => quota(&mut c, what, target).await?,
+        AdminCommand::Acl { what } => acl(&mut c, what, target).await?,
         AdminCommand::Clients => {
             let r = c
                 .list_clients(proto::ListClientsRequest {})
                 .await
-                .map_err(status)?
+                .map_err(|e| status(e, target))?
                 .into_inner();
             clients(&r)
         }
@@ -149,18 +162,18 @@ pub async fn run(target: &AdminTarget, cmd: &AdminCommand) -> Result<()> {
             reason,
         } => {
             use proto::disconnect_client_request::Target;
-            let target = match (client, connection) {
+            let who = match (client, connection) {
                 (_, Some(id)) => Target::ConnectionId(*id),
                 (Some(id), None) => Target::ClientId(id.clone()),
                 (None, None) => bail!("give a client id or --connection"),
             };
             let r = c
                 .disconnect_client(proto::DisconnectClientRequest {
-                    target: Some(target),
+                    target: Some(who),
                     reason: reason.clone(),
                 })
                 .await
-                .map_err(status)?
+                .map_err(|e| status(e, target))?
                 .into_inner();
             Output {
                 json: json!({ "disconnected": r.disconnected }),
@@ -171,7 +184,7 @@ pub async fn run(target: &AdminTarget, cmd: &AdminCommand) -> Result<()> {
             let r = c
                 .list_topics(proto::ListTopicsRequest {})
                 .await
-                .map_err(status)?
+                .map_err(|e| status(e, target))?
                 .into_inner();
             topics(&r)
         }
@@ -179,7 +192,7 @@ pub async fn run(target: &AdminTarget, cmd: &AdminCommand) -> Result<()> {
             let r = c
                 .get_broker_info(proto::GetBrokerInfoRequest {})
                 .await
-                .map_err(status)?
+                .map_err(|e| status(e, target))?
                 .into_inner();
             info(&r)
         }
@@ -187,7 +200,7 @@ pub async fn run(target: &AdminTarget, cmd: &AdminCommand) -> Result<()> {
             let r = c
                 .get_cluster(proto::GetClusterRequest {})
                 .await
-                .map_err(status)?
+                .map_err(|e| status(e, target))?
                 .into_inner();
             cluster(&r)
         }
@@ -270,7 +283,7 @@ fn quota_rows(qs: &[&proto::ClientQuota]) -> String {
     )
 }
 
-async fn quota(c: &mut AdminClient, what: &QuotaCommand) -> Result<Output> {
+async fn quota(c: &mut AdminClient, what: &QuotaCommand, target: &AdminTarget) -> Result<Output> {
     let one = |q: proto::ClientQuota| Output {
         json: quota_json(&q),
         text: quota_rows(&[&q]),
@@ -281,7 +294,7 @@ async fn quota(c: &mut AdminClient, what: &QuotaCommand) -> Result<Output> {
                 client_id: client.clone(),
             })
             .await
-            .map_err(status)?
+            .map_err(|e| status(e, target))?
             .into_inner()),
         QuotaCommand::Set {
             client,
@@ -294,20 +307,20 @@ async fn quota(c: &mut AdminClient, what: &QuotaCommand) -> Result<Output> {
                 burst: *burst,
             })
             .await
-            .map_err(status)?
+            .map_err(|e| status(e, target))?
             .into_inner()),
         QuotaCommand::Rm { client } => one(c
             .remove_client_quota(proto::RemoveClientQuotaRequest {
                 client_id: client.clone(),
             })
             .await
-            .map_err(status)?
+            .map_err(|e| status(e, target))?
             .into_inner()),
         QuotaCommand::List => {
             let r = c
                 .list_client_quotas(proto::ListClientQuotasRequest {})
                 .await
-                .map_err(status)?
+                .map_err(|e| status(e, target))?
                 .into_inner();
             let mut all: Vec<&proto::ClientQuota> = r.default_quota.iter().collect();
             all.extend(r.clients.iter());
@@ -400,7 +413,7 @@ fn read_rules(file: &Path) -> Result<(Vec<proto::AclRule>, Option<String>)> {
     ))
 }
 
-async fn acl(c: &mut AdminClient, what: &AclCommand) -> Result<Output> {
+async fn acl(c: &mut AdminClient, what: &AclCommand, target: &AdminTarget) -> Result<Output> {
     let r = match what {
         AclCommand::List => c.list_acl(proto::ListAclRequest {}).await,
         AclCommand::Add {
@@ -436,7 +449,7 @@ async fn acl(c: &mut AdminClient, what: &AclCommand) -> Result<Output> {
             .await
         }
     };
-    Ok(acl_output(&r.map_err(status)?.into_inner()))
+    Ok(acl_output(&r.map_err(|e| status(e, target))?.into_inner()))
 }
 
 fn since(ms: i64) -> String {

@@ -116,6 +116,11 @@ impl ConnectOptions {
     }
 
     /// The address as given (`host:port`).
+    /// Whether a client certificate is set (`client_cert`).
+    pub fn has_client_cert(&self) -> bool {
+        self.client_cert.is_some()
+    }
+
     pub fn addr(&self) -> &str {
         &self.addr
     }

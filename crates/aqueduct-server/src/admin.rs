@@ -623,13 +623,15 @@ impl AdminService for AdminApi {
             config.insert(k.to_string(), v);
         };
         put("broker.queue_size", c.broker.queue_size.to_string());
+        // Each value as the configuration writes it.
         put(
             "broker.backpressure_policy",
-            format!("{:?}", c.broker.backpressure_policy).to_lowercase(),
+            c.broker.backpressure_policy.as_str().to_string(),
         );
         put("broker.max_retries", c.broker.max_retries.to_string());
-        put("broker.ack_wait", format!("{:?}", c.broker.ack_wait));
-        put("broker.flush_interval", format!("{:?}", c.flush_interval));
+        let duration = |d: std::time::Duration| humantime::format_duration(d).to_string();
+        put("broker.ack_wait", duration(c.broker.ack_wait));
+        put("broker.flush_interval", duration(c.flush_interval));
         put(
             "broker.quotas.default_publish_rate",
             quotas.default.rate.to_string(),

@@ -111,6 +111,10 @@ def main():
     check("ListTopics", topics is not None)
     info = admin.GetBrokerInfo(pb.GetBrokerInfoRequest(), timeout=T)
     check("GetBrokerInfo", info.version and info.acl_enabled and "broker.queue_size" in info.config)
+    check("GetBrokerInfo values as the configuration writes them",
+          info.config.get("broker.backpressure_policy") == "drop_oldest"
+          and info.config.get("broker.flush_interval") == "50us"
+          and info.config.get("broker.ack_wait") == "30s")
     cluster = admin.GetCluster(pb.GetClusterRequest(), timeout=T)
     check("GetCluster (cluster off: an answer, not an error)",
           not cluster.cluster_enabled and cluster.node_id == "" and len(cluster.peers) == 0)
