@@ -83,7 +83,7 @@ enum Command {
         /// Priority: 0 (highest) to 3 (lowest).
         #[arg(long, short = 'p', default_value_t = 2)]
         priority: u8,
-        /// Time to live, e.g. 500ms, 10s.
+        /// Time to live, e.g. 500ms, 10s, 5m (a bare number is seconds).
         #[arg(long, value_parser = humantime_duration)]
         ttl: Option<Duration>,
         /// Wait for the broker to confirm and print the offsets.
@@ -447,11 +447,19 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     let n: u64 = num
         .parse()
         .map_err(|_| format!("{s:?} is not a duration like 500ms or 10s"))?;
+    let too_long = || format!("{s:?} is too long");
     match unit {
         "ms" => Ok(Duration::from_millis(n)),
+        // A bare number is seconds.
         "s" | "" => Ok(Duration::from_secs(n)),
-        "m" => Ok(Duration::from_secs(n * 60)),
-        "h" => Ok(Duration::from_secs(n * 3600)),
+        "m" => n
+            .checked_mul(60)
+            .map(Duration::from_secs)
+            .ok_or_else(too_long),
+        "h" => n
+            .checked_mul(3600)
+            .map(Duration::from_secs)
+            .ok_or_else(too_long),
         _ => Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
     }
 }
@@ -625,7 +633,8 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             }
             let opts = PublishOptions {
                 priority: Some(
-                    Priority::new(*priority).ok_or_else(|| anyhow!("--priority must be 0..=3"))?,
+                    Priority::new(*priority)
+                        .ok_or_else(|| anyhow!("--priority must be 0 (highest) to 3 (lowest)"))?,
                 ),
                 ttl: *ttl,
                 confirm: *confirm,
@@ -962,5 +971,23 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
             eprintln!("aqueduct: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_with_and_without_a_unit_and_never_an_overflow() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("10"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
+        // Multiplied out, these overflowed (a panic in a debug build).
+        assert!(parse_duration("18446744073709551615h").is_err_and(|e| e.contains("too long")));
+        assert!(parse_duration("18446744073709551615m").is_err());
+        assert!(parse_duration("5d").is_err_and(|e| e.contains("unknown unit")));
+        assert!(parse_duration("soon").is_err());
     }
 }

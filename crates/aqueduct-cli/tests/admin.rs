@@ -226,6 +226,10 @@ fn admin_commands_manage_a_running_broker() {
     let out = output_within(sub, "the kicked subscriber");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("maintenance"), "the client is told why: {err}");
+    assert!(
+        err.contains("the broker closed the connection: disconnected by an administrator"),
+        "in plain words, without a code: {err}"
+    );
     let topics = admin_json(h, &b, &["topics"]);
     assert!(topics.is_array());
 

@@ -131,6 +131,9 @@ pub(crate) fn describe_connection_error(e: &quinn::ConnectionError) -> String {
             let reason = String::from_utf8_lossy(&a.reason);
             if code == u64::from(ErrorCode::SHUTTING_DOWN.0) {
                 format!("the broker is shutting down ({})", app_code(code))
+            } else if code == 0 {
+                // No error code: the reason says it all (e.g. an administrator's disconnect).
+                format!("the broker closed the connection: {reason}")
             } else {
                 format!(
                     "the connection was closed with {}: {reason}",
@@ -140,7 +143,13 @@ pub(crate) fn describe_connection_error(e: &quinn::ConnectionError) -> String {
         }
         quinn::ConnectionError::TransportError(t) => {
             if is_tls_alert(u64::from(t.code)) {
-                format!("TLS: {}", t.reason)
+                // rustls words its catch-all error "unexpected error: ..."; ours are expected.
+                format!(
+                    "TLS: {}",
+                    t.reason
+                        .strip_prefix("unexpected error: ")
+                        .unwrap_or(&t.reason)
+                )
             } else {
                 t.to_string()
             }

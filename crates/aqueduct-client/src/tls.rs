@@ -65,9 +65,10 @@ impl ServerCertVerifier for Pinned {
         if digest.as_ref() == self.fingerprint {
             Ok(ServerCertVerified::assertion())
         } else {
-            Err(rustls::Error::General(
-                "the broker's certificate does not match the pinned fingerprint".into(),
-            ))
+            let actual: String = digest.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+            Err(rustls::Error::General(format!(
+                "the broker's certificate (SHA-256 {actual}) does not match the pinned fingerprint"
+            )))
         }
     }
 

@@ -17,7 +17,7 @@ pub enum LogError {
     /// Nothing was changed on disk.
     #[error(
         "{}: this segment was sealed with a different key (aal.key is wrong, or the file was \
-         replaced); refusing to start, nothing was changed on disk",
+         replaced); the log was not opened, nothing was changed on disk",
         path.display()
     )]
     WrongKey { path: PathBuf },

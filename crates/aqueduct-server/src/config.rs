@@ -708,10 +708,54 @@ fn describe(e: figment::Error) -> String {
                     None => format!(" (from {})", m.name),
                 })
                 .unwrap_or_default();
-            format!("{key}{}{source}", e.kind)
+            format!("{key}{}{source}", kind_text(&e.kind))
         })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// A figment error kind in plain words: an unknown key with the nearest known one, a number
+/// where a whole number was wanted.
+fn kind_text(kind: &figment::error::Kind) -> String {
+    use figment::error::Kind;
+    match kind {
+        // The error's path already ends with the unknown key.
+        Kind::UnknownField(field, known) => {
+            let near = known
+                .iter()
+                .map(|k| (edit_distance(k, field), *k))
+                .min()
+                .filter(|(d, _)| *d <= 2);
+            match near {
+                Some((_, k)) => format!("unknown key (did you mean `{k}`?)"),
+                None => format!("unknown key (known here: {})", known.join(", ")),
+            }
+        }
+        Kind::InvalidType(actual, expected)
+            if ["u8", "u16", "u32", "u64", "usize"].contains(&expected.as_str()) =>
+        {
+            format!("expected a whole number, found {actual}")
+        }
+        other => other.to_string(),
+    }
+}
+
+/// Levenshtein distance (keys are short).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let next = (row[j + 1] + 1)
+                .min(row[j] + 1)
+                .min(prev + usize::from(ca != *cb));
+            prev = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
 }
 
 /// Go-style addresses: ":4242" means every interface.

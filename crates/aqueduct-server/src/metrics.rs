@@ -365,7 +365,7 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
     out.header(
         "aqueduct_messages_dropped_total",
         "counter",
-        "Messages dropped without delivery, by policy (drop_oldest, drop_newest, disconnect) or reason (unsubscribed, retries_exhausted).",
+        "Messages dropped without delivery; label policy: drop_oldest, drop_newest, disconnect (queue overflow), unsubscribed or retries_exhausted.",
     );
     for (topic, s) in &named {
         for reason in DropReason::ALL {

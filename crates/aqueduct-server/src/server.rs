@@ -732,7 +732,7 @@ async fn open_log(aal: &AalConfig, stats: Arc<ServerStats>) -> Result<Arc<Durabl
     info!(
         dir = %aal.dir.display(),
         encrypted = aal.key.is_some(),
-        fsync = ?aal.fsync,
+        fsync = %format!("{:?}", aal.fsync).to_lowercase(),
         clean = rec.clean,
         segments = rec.segments,
         topics = rec.topics,
@@ -740,7 +740,7 @@ async fn open_log(aal: &AalConfig, stats: Arc<ServerStats>) -> Result<Arc<Durabl
         rebuilt_indexes = rec.rebuilt_indexes,
         truncated_bytes = rec.truncated_bytes,
         took = ?rec.elapsed,
-        "durable log recovered"
+        "durable log opened"
     );
     // Where each topic's offsets go on (the first few at info, all at debug).
     const SHOWN: usize = 10;

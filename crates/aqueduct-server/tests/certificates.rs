@@ -83,9 +83,17 @@ async fn certificate_files_ca_trust_and_pinning() {
         .await
         .expect("served");
     pin[0] ^= 0xFF;
-    assert!(Client::connect(ConnectOptions::new(&addr).pin_sha256(pin))
+    let refused = Client::connect(ConnectOptions::new(&addr).pin_sha256(pin))
         .await
-        .is_err());
+        .expect_err("another fingerprint is refused")
+        .to_string();
+    let actual: String = digest.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+    assert!(
+        refused.contains(&format!(
+            "the broker's certificate (SHA-256 {actual}) does not match the pinned fingerprint"
+        )) && !refused.contains("unexpected error"),
+        "{refused}"
+    );
 
     // No dev certificate was generated, and the default trust finds none.
     assert!(

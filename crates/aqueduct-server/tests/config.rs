@@ -198,7 +198,16 @@ fn errors_name_the_key_and_the_problem() {
             &[],
             "broker.backpressure_policy: unknown backpressure policy \"drop_all\"",
         ),
-        (Some("broker:\n  queue_sise: 5\n"), &[], "queue_sise"),
+        (
+            Some("broker:\n  queue_sise: 5\n"),
+            &[],
+            "broker.queue_sise: unknown key (did you mean `queue_size`?)",
+        ),
+        (
+            Some("broker:\n  queue_size: three\n"),
+            &[],
+            "broker.queue_size: expected a whole number, found string \"three\"",
+        ),
         (Some("listen_adr: \":1\"\n"), &[], "listen_adr"),
         (
             Some("broker:\n  queue_size: 0\n"),

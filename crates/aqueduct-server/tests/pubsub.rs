@@ -587,7 +587,10 @@ async fn a_flush_cancelled_mid_frame_leaves_the_frame_to_the_next_publish() {
     let cancelled = client
         .publish_batch(batch, &PublishOptions::default())
         .now_or_never();
-    assert!(cancelled.is_none(), "the batch must exceed the stream credit");
+    assert!(
+        cancelled.is_none(),
+        "the batch must exceed the stream credit"
+    );
     assert!(
         client.flush().now_or_never().is_none(),
         "the flush must wait for credit too, or this test shows nothing"

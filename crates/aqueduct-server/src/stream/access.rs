@@ -126,7 +126,11 @@ impl Reader<'_> {
                             spec.burst
                         )
                     } else {
-                        format!("it would pass in {wait:?}")
+                        // Whole milliseconds, rounded up: enough to decide when to retry.
+                        format!(
+                            "it would pass in {} ms",
+                            wait.as_micros().div_ceil(1000).max(1)
+                        )
                     };
                     let reason = format!(
                         "client {} is over its publish quota of {} messages/s (burst {}): {n} \

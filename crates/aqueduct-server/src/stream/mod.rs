@@ -813,8 +813,8 @@ impl Reader<'_> {
                 info!(
                     client = %self.conn.describe(),
                     filter = %s.spec.filter,
-                    group = ?s.spec.group.as_ref().map(|g| g.as_str()),
-                    durable = ?feeder.as_ref().map(|(key, start, claim)| {
+                    group = %s.spec.group.as_ref().map_or("none", |g| g.as_str()),
+                    durable = %feeder.as_ref().map_or_else(|| "no".to_string(), |(key, start, claim)| {
                         if claim.resumed { format!("{key}, resumed from its stored position") } else { format!("{key}, from {start}") }
                     }),
                     stream_id,
