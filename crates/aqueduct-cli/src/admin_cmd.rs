@@ -118,8 +118,11 @@ async fn connect(target: &AdminTarget) -> Result<AdminClient> {
 
 fn status(e: tonic::Status, target: &AdminTarget) -> anyhow::Error {
     let hint = match e.code() {
-        // The broker refused the TLS handshake; tonic reports the dropped connection so.
-        tonic::Code::Unavailable | tonic::Code::Cancelled if !target.opts.has_client_cert() => {
+        // The broker refused the TLS handshake; tonic reports the dropped connection as one of
+        // these, depending on when it noticed ("operation was canceled", "transport error").
+        tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::Unknown
+            if !target.opts.has_client_cert() =>
+        {
             return anyhow!(
                 "the admin API requires an admin client certificate: pass --cert FILE --key FILE \
                  (signed by the broker's admin.client_ca_file, CN matching admin.allowed_cn)"
