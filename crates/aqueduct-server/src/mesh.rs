@@ -443,6 +443,9 @@ pub struct MeshHandle {
     pub retired: Arc<AtomicU64>,
     /// Copies still queued for a peer when it went away (its queue is let go of).
     pub discarded: Arc<AtomicU64>,
+    /// Connections closed because their peer did not read its control stream
+    /// ([`CONTROL_QUEUE`] updates waiting).
+    pub control_overflows: Arc<AtomicU64>,
 }
 
 impl MeshHandle {
@@ -708,6 +711,7 @@ pub(crate) fn new(
         handed_over: Arc::new(AtomicU64::new(0)),
         retired: Arc::new(AtomicU64::new(0)),
         discarded: Arc::new(AtomicU64::new(0)),
+        control_overflows: Arc::new(AtomicU64::new(0)),
     };
     let out = (
         Driver {
@@ -811,7 +815,7 @@ impl Driver {
                              tasks: &mut JoinSet<()>| {
                 let id = ConnId(next_conn);
                 next_conn += 1;
-                let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
+                let (ctl_tx, ctl_rx) = mpsc::channel(CONTROL_QUEUE);
                 let (retire_tx, retire_rx) = watch::channel(false);
                 let queue = node_queues
                     .entry(node.clone())
@@ -904,7 +908,21 @@ impl Driver {
                         if let Some(link) = conns.get(&conn) {
                             let mut bytes = Vec::new();
                             encode_control(&control, &mut bytes);
-                            let _ = link.ctl.send(bytes);
+                            match link.ctl.try_send(bytes) {
+                                Ok(()) => {}
+                                Err(mpsc::error::TrySendError::Full(_)) => {
+                                    warn!(
+                                        peer = %link.node,
+                                        "a cluster peer is not reading its control stream ({CONTROL_QUEUE} updates waiting): closing the connection; the next one starts from a full snapshot"
+                                    );
+                                    self.handle
+                                        .control_overflows
+                                        .fetch_add(1, Ordering::Relaxed);
+                                    link.conn.close(0u32.into(), b"control queue full");
+                                }
+                                // Its writer ended: the connection is going away anyway.
+                                Err(mpsc::error::TrySendError::Closed(_)) => {}
+                            }
                         }
                     }
                 }
@@ -950,13 +968,19 @@ impl Driver {
 struct Link {
     conn: quinn::Connection,
     node: NodeId,
-    /// Encoded control messages for its writer.
-    ctl: mpsc::UnboundedSender<Vec<u8>>,
+    /// Encoded control messages for its writer (at most [`CONTROL_QUEUE`] waiting).
+    ctl: mpsc::Sender<Vec<u8>>,
     /// Copies for the peer (its node's queue).
     queue: Arc<PeerQueue>,
     /// Set when the mesh keeps the pair's other connection: finish and close gracefully.
     retire: watch::Sender<bool>,
 }
+
+/// Control messages (interest updates) that may wait for a peer's control stream. A peer that
+/// reads it so slowly that this many pile up (local clients churning through subscriptions
+/// faster than it takes the updates) has its connection closed instead of the queue growing
+/// without bound: the next connection starts with a full snapshot of the interest in force.
+const CONTROL_QUEUE: usize = 65_536;
 
 /// How long a retired duplicate connection waits for the peer to finish its side.
 const RETIRE_WAIT: Duration = Duration::from_secs(5);
@@ -1152,7 +1176,7 @@ struct PeerTask {
     conn: quinn::Connection,
     id: ConnId,
     /// Encoded control messages to write.
-    ctl: mpsc::UnboundedReceiver<Vec<u8>>,
+    ctl: mpsc::Receiver<Vec<u8>>,
     /// Turns true when this connection is a duplicate to retire.
     retire: watch::Receiver<bool>,
     /// Copies to write (when this connection owns its node's queue).

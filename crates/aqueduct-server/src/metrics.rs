@@ -165,6 +165,12 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
         mesh.retired.load(std::sync::atomic::Ordering::Relaxed),
     );
     out.single(
+        "aqueduct_mesh_control_overflows_total",
+        "counter",
+        "Mesh connections closed because the peer did not read its control stream (65,536 interest updates waiting).",
+        mesh.control_overflows.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    out.single(
         "aqueduct_mesh_group_handovers_total",
         "counter",
         "Consumer-group messages given to a member on another node because no member was left here.",
