@@ -46,6 +46,9 @@ struct Inner {
     next_id: Arc<AtomicU32>,
     /// Opened on first use, and again after the broker ended it. A tokio mutex: writes await.
     send: tokio::sync::Mutex<Option<Stream>>,
+    /// Why a replaced stream ended before the broker had read all of it (a stream-fatal ERROR,
+    /// a failure): the next `flush` reports it, since it cannot vouch for what was sent there.
+    lost: Mutex<Option<ClientError>>,
 }
 
 /// An open publish stream: its sending half, the confirmations awaited on it (by request id),
@@ -56,16 +59,27 @@ struct Stream {
     send: crate::link::FrameSink,
     pending: Pending,
     done: oneshot::Receiver<Result<(), ClientError>>,
+    /// Set by its replies task on a stream-fatal ERROR: the broker reads nothing more here.
+    fatal: Fatal,
 }
 
+/// A stream-fatal ERROR's reason, once one came.
+type Fatal = Arc<Mutex<Option<ClientError>>>;
+
 impl Stream {
-    /// The broker has ended the stream (it stops reading a stream after a framing error such
-    /// as FRAME_TOO_LARGE), or it failed: nothing written to it now would be read.
-    fn is_over(&mut self) -> bool {
-        !matches!(
-            self.done.try_recv(),
-            Err(oneshot::error::TryRecvError::Empty)
-        )
+    /// Nothing written to the stream now would be read: the broker stopped reading it after a
+    /// framing error (FRAME_TOO_LARGE, BAD_MAGIC), or it ended or failed. `Some(why)` when it
+    /// did not end cleanly.
+    fn over(&mut self) -> Option<Option<ClientError>> {
+        if let Some(why) = lock(&self.fatal).clone() {
+            return Some(Some(why));
+        }
+        match self.done.try_recv() {
+            Err(oneshot::error::TryRecvError::Empty) => None,
+            Ok(Ok(())) => Some(None),
+            Ok(Err(why)) => Some(Some(why)),
+            Err(oneshot::error::TryRecvError::Closed) => Some(Some(ClientError::Closed)),
+        }
     }
 }
 
@@ -121,6 +135,7 @@ impl Publisher {
                 conn,
                 next_id,
                 send: tokio::sync::Mutex::new(None),
+                lost: Mutex::new(None),
             }),
         }
     }
@@ -168,8 +183,11 @@ impl Publisher {
             let mut guard = self.inner.send.lock().await;
             let mut fresh = false;
             let (stream, id, rx) = loop {
-                if guard.as_mut().is_some_and(Stream::is_over) {
-                    // Publish on a new stream instead (the old one's replies are all in).
+                if let Some(ended) = guard.as_mut().and_then(Stream::over) {
+                    // Publish on a new stream instead; `flush` will say what the old one lost.
+                    if let Some(why) = ended {
+                        lock(&self.inner.lost).get_or_insert(why);
+                    }
                     *guard = None;
                 }
                 if guard.is_none() {
@@ -195,9 +213,9 @@ impl Publisher {
                     break (stream, id, Some(rx));
                 }
                 // Its replies ended just now: nothing was sent yet, so use a new stream (once;
-                // a new stream that ends at once is the connection failing).
+                // a new stream that ends at once is the connection failing, and says why).
                 if fresh {
-                    return Err(ClientError::Closed);
+                    return Err(stream.over().flatten().unwrap_or(ClientError::Closed));
                 }
                 *guard = None;
             };
@@ -208,10 +226,15 @@ impl Publisher {
             stream.send.queue([head].into_iter().chain(tail));
             if let Err(e) = stream.send.write_queued().await {
                 // The stream is broken: the next publish opens another.
-                if let Some(waiting) = lock(&stream.pending).as_mut() {
-                    waiting.remove(&id);
-                }
                 *guard = None;
+                drop(guard);
+                // The broker usually said why before it stopped reading (FRAME_TOO_LARGE for
+                // this very frame): its answer beats the bare write error.
+                if let Some(rx) = rx {
+                    if let Ok(Ok(Err(why))) = tokio::time::timeout(REASON_WAIT, rx).await {
+                        return Err(why);
+                    }
+                }
                 return Err(e);
             }
             rx
@@ -230,11 +253,18 @@ impl Publisher {
         let (tx, done) = oneshot::channel();
         let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
         // Ends with the stream (or the connection).
-        tokio::spawn(replies(FrameReader::new(recv), pending.clone(), tx));
+        let fatal = Fatal::default();
+        tokio::spawn(replies(
+            FrameReader::new(recv),
+            pending.clone(),
+            fatal.clone(),
+            tx,
+        ));
         Ok(Stream {
             send: crate::link::FrameSink::new(send),
             pending,
             done,
+            fatal,
         })
     }
 
@@ -248,6 +278,13 @@ impl Publisher {
     pub async fn flush(&self) -> Result<(), ClientError> {
         let done = {
             let mut guard = self.inner.send.lock().await;
+            // An earlier stream ended before the broker had read all of it.
+            if let Some(why) = lock(&self.inner.lost).take() {
+                return Err(ClientError::Connection(format!(
+                    "the broker may not have read everything published: {}",
+                    reason(why)
+                )));
+            }
             let Some(stream) = guard.as_mut() else {
                 return Ok(());
             };
@@ -264,10 +301,7 @@ impl Publisher {
             Ok(Ok(Ok(()))) => Ok(()),
             Ok(Ok(Err(e))) => Err(ClientError::Connection(format!(
                 "the broker may not have read everything published: {}",
-                match e {
-                    ClientError::Connection(why) => why,
-                    other => other.to_string(),
-                }
+                reason(e)
             ))),
             Ok(Err(_)) => Err(ClientError::Connection(
                 "the publish stream failed before the broker had read all of it".into(),
@@ -279,6 +313,16 @@ impl Publisher {
     }
 }
 
+/// How long a publish whose write failed waits for the broker's reason.
+const REASON_WAIT: Duration = Duration::from_secs(2);
+
+fn reason(e: ClientError) -> String {
+    match e {
+        ClientError::Connection(why) => why,
+        other => other.to_string(),
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -287,12 +331,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 async fn replies(
     mut reader: FrameReader,
     pending: Pending,
+    fatal: Fatal,
     done: oneshot::Sender<Result<(), ClientError>>,
 ) {
     let take = |id: u32| lock(&pending).as_mut().and_then(|w| w.remove(&id));
-    // A stream-fatal ERROR (the broker lost the frame boundary and stopped reading the stream):
-    // the publisher it answers, and the ERROR.
-    let mut fatal = None;
     let finished = loop {
         let frame = match reader.next().await {
             Ok(Some(frame)) => frame,
@@ -305,32 +347,36 @@ async fn replies(
                     let _ = tx.send(Ok(c.offsets));
                 }
             }
-            Wire::Error(e)
-                if matches!(e.code, ErrorCode::BAD_MAGIC | ErrorCode::FRAME_TOO_LARGE) =>
-            {
-                // Nothing after the bad frame was read (protocol.md 1.1): the stream is over
-                // now, not at the broker's FIN, so that the next publish uses a new one.
-                let why = format!(
-                    "the broker stopped reading the publish stream after {}: {}",
-                    e.code, e.reason
-                );
-                fatal = Some((take(frame.stream_id), e));
-                break Err(ClientError::Connection(why));
-            }
-            Wire::Error(e) => match take(frame.stream_id) {
-                Some(tx) => {
-                    let _ = tx.send(Err(ClientError::Broker {
-                        code: e.code,
-                        reason: e.reason,
-                    }));
+            Wire::Error(e) => {
+                if matches!(e.code, ErrorCode::BAD_MAGIC | ErrorCode::FRAME_TOO_LARGE) {
+                    // The broker lost the frame boundary: it reads nothing after the bad frame
+                    // (protocol.md 1.1). The stream counts as over from now on, so the next
+                    // publish uses a new one, but it is read to its end: answers to earlier
+                    // frames (the durable log's) may still come before the broker's FIN.
+                    *lock(&fatal) = Some(ClientError::Connection(format!(
+                        "the broker stopped reading the publish stream after {}: {}",
+                        e.code, e.reason
+                    )));
                 }
-                None => warn!(code = %e.code, reason = %e.reason, "broker refused a publish"),
-            },
+                match take(frame.stream_id) {
+                    Some(tx) => {
+                        let _ = tx.send(Err(ClientError::Broker {
+                            code: e.code,
+                            reason: e.reason,
+                        }));
+                    }
+                    None => warn!(code = %e.code, reason = %e.reason, "broker refused a publish"),
+                }
+            }
             other => warn!(opcode = ?other.opcode(), "unexpected frame on the publish stream"),
         }
     };
     // The stream is gone: fail whoever still waits, with the reason it ended (e.g. "the broker
-    // requires a client certificate"), not a generic one.
+    // requires a client certificate", or the stream-fatal ERROR), not a generic one.
+    let finished = match (finished, lock(&fatal).clone()) {
+        (Ok(()), Some(why)) => Err(why),
+        (other, _) => other,
+    };
     let failure = match &finished {
         Err(e) => e.clone(),
         Ok(()) => ClientError::Connection(
@@ -342,12 +388,5 @@ async fn replies(
     let waiting = lock(&pending).take().unwrap_or_default();
     for (_, tx) in waiting {
         let _ = tx.send(Err(failure.clone()));
-    }
-    // Answered last: once its publisher sees the ERROR, the stream already counts as over.
-    if let Some((Some(tx), e)) = fatal {
-        let _ = tx.send(Err(ClientError::Broker {
-            code: e.code,
-            reason: e.reason,
-        }));
     }
 }

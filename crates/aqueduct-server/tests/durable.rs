@@ -610,3 +610,59 @@ async fn a_stuck_member_does_not_stall_its_durable_group() {
     publisher.close().await;
     b.stop().await.expect("clean shutdown");
 }
+
+/// A stream-fatal ERROR (FRAME_TOO_LARGE) on a publish stream does not cost the frames before
+/// it their answers: with the durable log, their CONFIRM comes after the ERROR, and the client
+/// reads the stream to its end for it. Before the fix the client stopped reading at the ERROR
+/// and failed the earlier publish although the broker had stored it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_confirm_that_comes_after_a_stream_fatal_error_still_reaches_its_publisher() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| {
+        c.aal = Some(aal(dir.path(), FsyncMode::Batch));
+        c.transport.max_frame_data = 1024;
+    })
+    .await;
+    let client = b.client().await;
+    b.control.hold_log_writes(true);
+    let first = tokio::spawn({
+        let client = client.clone();
+        async move { client.publish_with("held/a", "stored", &confirm()).await }
+    });
+    let topic = aqueduct_proto::TopicName::try_from("held/a").expect("valid");
+    until("the first publish is read and handed to the log", || {
+        b.broker
+            .topic(&topic)
+            .is_some_and(|t| t.stats().snapshot().published == 1)
+    })
+    .await;
+    let err = client
+        .publish_with("held/b", vec![b'z'; 2000], &confirm())
+        .await
+        .expect_err("too large");
+    assert_eq!(
+        err.code(),
+        Some(aqueduct_client::ErrorCode::FRAME_TOO_LARGE),
+        "{err}"
+    );
+    b.control.hold_log_writes(false);
+    let offset = within("the held CONFIRM", first)
+        .await
+        .expect("task")
+        .expect("the first publish was stored and confirmed");
+    assert_eq!(offset, Some(0));
+    // The publisher goes on, on a new stream, and flush reports that the old one stopped
+    // being read (the broker read nothing after the oversized frame).
+    let next = client
+        .publish_with("held/a", "after", &confirm())
+        .await
+        .expect("a new stream");
+    assert_eq!(next, Some(1));
+    let lost = client
+        .flush()
+        .await
+        .expect_err("the old stream was cut short");
+    assert!(lost.to_string().contains("FRAME_TOO_LARGE"), "{lost}");
+    client.flush().await.expect("reported once");
+    b.stop().await.expect("clean shutdown");
+}
