@@ -525,48 +525,85 @@ async fn many_subscriptions_share_one_stream() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// What the cancellation tests share: a broker with the smallest stream window it accepts (so
+/// that a 50 KB batch needs several rounds of credit), a client subscribed to `prefix/+` whose
+/// publish stream is open (`prefix/first` published), and a 300-message batch to
+/// `prefix/batch` whose publish was dropped after its first poll, part of it written.
+struct Cancelled {
+    b: TestBroker,
+    client: aqueduct_client::Client,
+    sub: aqueduct_client::Subscription,
+    prefix: &'static str,
+    body: Bytes,
+}
+
+const CANCELLED_BATCH: usize = 300;
+
+async fn cancel_a_batch_mid_frame(prefix: &'static str) -> Cancelled {
+    use futures_util::FutureExt;
+    let b = TestBroker::start_with(|c| c.transport.stream_receive_window = 16 << 10).await;
+    let client = b.client().await;
+    let sub = client
+        .subscribe(&format!("{prefix}/+"))
+        .await
+        .expect("subscribe");
+    client
+        .publish_with(&format!("{prefix}/first"), "first", &confirm())
+        .await
+        .expect("the stream opens");
+    let body = Bytes::from(vec![b'x'; 150]);
+    let topic = format!("{prefix}/batch");
+    let batch = (0..CANCELLED_BATCH).map(|_| (topic.as_str(), body.clone()));
+    let cancelled = client
+        .publish_batch(batch, &PublishOptions::default())
+        .now_or_never();
+    assert!(
+        cancelled.is_none(),
+        "the batch must not fit the broker's stream credit, or the test shows nothing"
+    );
+    Cancelled {
+        b,
+        client,
+        sub,
+        prefix,
+        body,
+    }
+}
+
+impl Cancelled {
+    /// A confirmed publish to `prefix/after` on the same stream; then the subscriber gets
+    /// `first`, the whole batch and `after`, in order.
+    async fn publish_after_and_receive_everything(&mut self) {
+        let after = format!("{}/after", self.prefix);
+        let offset = within(
+            "the next publish is confirmed",
+            self.client.publish_with(&after, "after", &confirm()),
+        )
+        .await
+        .expect("the next publish on the stream");
+        assert_eq!(offset, Some(0), "{after}'s first message");
+        assert_eq!(next(&mut self.sub).await.body().as_ref(), b"first");
+        let topic = format!("{}/batch", self.prefix);
+        for i in 0..CANCELLED_BATCH {
+            let m = next(&mut self.sub).await;
+            assert_eq!(
+                (i, m.topic().as_str(), m.body()),
+                (i, topic.as_str(), &self.body)
+            );
+        }
+        assert_eq!(next(&mut self.sub).await.body().as_ref(), b"after");
+    }
+}
+
 /// A publish cancelled halfway through its frame (a batch larger than the stream's
 /// flow-control credit, its future dropped after the first part went out) leaves no partial
 /// frame behind: the next publish on the same stream sends the rest first, and the broker
 /// reads both whole. Before the fix, the next frame's bytes were read as the rest of the batch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publish_cancelled_mid_frame_is_sent_whole_by_the_next() {
-    use futures_util::FutureExt;
-    // The smallest stream window the broker accepts, so that a 50 KB batch needs several
-    // rounds of credit.
-    let b = TestBroker::start_with(|c| c.transport.stream_receive_window = 16 << 10).await;
-    let client = b.client().await;
-    let mut sub = client.subscribe("cancel/+").await.expect("subscribe");
-    client
-        .publish_with("cancel/first", "first", &confirm())
-        .await
-        .expect("the stream opens");
-    let body = Bytes::from(vec![b'x'; 150]);
-    let batch = (0..300).map(|_| ("cancel/batch", body.clone()));
-    let cancelled = client
-        .publish_batch(batch, &PublishOptions::default())
-        .now_or_never();
-    assert!(
-        cancelled.is_none(),
-        "the batch must not fit the broker's stream credit, or this test shows nothing"
-    );
-    let offset = within(
-        "the next publish is confirmed",
-        client.publish_with("cancel/after", "after", &confirm()),
-    )
-    .await
-    .expect("the next publish on the stream");
-    assert_eq!(offset, Some(0), "cancel/after's first message");
-    assert_eq!(next(&mut sub).await.body().as_ref(), b"first");
-    for i in 0..300 {
-        let m = next(&mut sub).await;
-        assert_eq!(
-            (i, m.topic().as_str(), m.body()),
-            (i, "cancel/batch", &body)
-        );
-    }
-    assert_eq!(next(&mut sub).await.body().as_ref(), b"after");
-    b.stop().await.expect("clean shutdown");
+    let mut c = cancel_a_batch_mid_frame("cancel").await;
+    c.publish_after_and_receive_everything().await;
+    c.b.stop().await.expect("clean shutdown");
 }
 
 /// A flush cancelled while the rest of a frame waits for flow control leaves the stream in
@@ -575,40 +612,14 @@ async fn a_publish_cancelled_mid_frame_is_sent_whole_by_the_next() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flush_cancelled_mid_frame_leaves_the_frame_to_the_next_publish() {
     use futures_util::FutureExt;
-    let b = TestBroker::start_with(|c| c.transport.stream_receive_window = 16 << 10).await;
-    let client = b.client().await;
-    let mut sub = client.subscribe("flush/+").await.expect("subscribe");
-    client
-        .publish_with("flush/first", "first", &confirm())
-        .await
-        .expect("the stream opens");
-    let body = Bytes::from(vec![b'y'; 150]);
-    let batch = (0..300).map(|_| ("flush/batch", body.clone()));
-    let cancelled = client
-        .publish_batch(batch, &PublishOptions::default())
-        .now_or_never();
+    let mut c = cancel_a_batch_mid_frame("flush").await;
     assert!(
-        cancelled.is_none(),
-        "the batch must exceed the stream credit"
-    );
-    assert!(
-        client.flush().now_or_never().is_none(),
+        c.client.flush().now_or_never().is_none(),
         "the flush must wait for credit too, or this test shows nothing"
     );
-    within(
-        "the next publish is confirmed",
-        client.publish_with("flush/after", "after", &confirm()),
-    )
-    .await
-    .expect("the next publish");
-    assert_eq!(next(&mut sub).await.body().as_ref(), b"first");
-    for i in 0..300 {
-        let m = next(&mut sub).await;
-        assert_eq!((i, m.topic().as_str()), (i, "flush/batch"));
-    }
-    assert_eq!(next(&mut sub).await.body().as_ref(), b"after");
-    within("flush", client.flush()).await.expect("flush");
-    b.stop().await.expect("clean shutdown");
+    c.publish_after_and_receive_everything().await;
+    within("flush", c.client.flush()).await.expect("flush");
+    c.b.stop().await.expect("clean shutdown");
 }
 
 /// After the broker stops reading a publish stream (a frame above `transport.max_buf_size`:
