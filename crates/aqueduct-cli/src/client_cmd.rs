@@ -447,8 +447,8 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     let n: u64 = num
         .parse()
         .map_err(|_| format!("{s:?} is not a duration like 500ms or 10s"))?;
-    let too_long = || format!("{s:?} is too long");
-    match unit {
+    let too_long = || format!("{s:?} is too long (at most 100 years)");
+    let d = match unit {
         "ms" => Ok(Duration::from_millis(n)),
         // A bare number is seconds.
         "s" | "" => Ok(Duration::from_secs(n)),
@@ -461,7 +461,12 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
             .map(Duration::from_secs)
             .ok_or_else(too_long),
         _ => Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
+    }?;
+    // A deadline `now + d` must not overflow the clock.
+    if d > Duration::from_secs(100 * 365 * 24 * 3600) {
+        return Err(too_long());
     }
+    Ok(d)
 }
 
 fn parse_pin(hex: &str) -> Result<[u8; 32]> {
@@ -987,6 +992,10 @@ mod tests {
         // Multiplied out, these overflowed (a panic in a debug build).
         assert!(parse_duration("18446744073709551615h").is_err_and(|e| e.contains("too long")));
         assert!(parse_duration("18446744073709551615m").is_err());
+        // Not multiplied, but still past any clock's range as a deadline.
+        assert!(parse_duration("18446744073709551615s").is_err_and(|e| e.contains("too long")));
+        assert!(parse_duration("18446744073709551615ms").is_err());
+        assert!(parse_duration("18446744073709551615").is_err());
         assert!(parse_duration("5d").is_err_and(|e| e.contains("unknown unit")));
         assert!(parse_duration("soon").is_err());
     }

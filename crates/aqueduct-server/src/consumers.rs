@@ -222,14 +222,20 @@ impl Consumers {
 
     /// Start the feeder of `key` (its first subscription does, see [`Claim::first`]). The task
     /// ends with the consumer's or group's last subscription, or with these consumers.
+    ///
+    /// `fed` is the claim's: only the consumer it claimed gets the feeder. If that one ended
+    /// meanwhile and another subscription claimed the id anew, the new claim starts its own.
     pub fn start_feeder(
         &self,
         key: &str,
+        fed: &SharedFed,
         feed: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
         let feeder = tokio::spawn(feed).abort_handle();
         match lock(&self.table).live.get_mut(key) {
-            Some(live) if matches!(live.feeder, Feeder::Starting) => {
+            Some(live)
+                if matches!(live.feeder, Feeder::Starting) && Arc::ptr_eq(&live.fed, fed) =>
+            {
                 live.feeder = Feeder::Running(feeder)
             }
             // Ended (or stopped) meanwhile.
@@ -634,7 +640,7 @@ mod tests {
             .unwrap_or_else(|e| panic!("claim: {e:?}"));
         assert!(claim.first);
         let (held, gone) = tokio::sync::oneshot::channel::<()>();
-        consumers.start_feeder(&key, async move {
+        consumers.start_feeder(&key, &claim.fed, async move {
             let _held = held;
             std::future::pending::<()>().await
         });

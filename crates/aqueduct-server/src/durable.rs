@@ -270,7 +270,8 @@ pub struct DurableStats {
 /// before the waiter is dropped.
 #[derive(Debug)]
 pub(crate) struct Waiter {
-    pub out: Arc<StreamOut>,
+    /// Private: a waiter is made by [`Waiter::new`] only, which counts it on its stream.
+    out: Arc<StreamOut>,
     pub stream_id: u32,
     /// The publisher asked for a CONFIRM.
     pub confirm: bool,

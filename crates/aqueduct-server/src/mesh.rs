@@ -905,24 +905,28 @@ impl Driver {
                         }
                     }
                     Output::Send { conn, control } => {
-                        if let Some(link) = conns.get(&conn) {
-                            let mut bytes = Vec::new();
-                            encode_control(&control, &mut bytes);
-                            match link.ctl.try_send(bytes) {
-                                Ok(()) => {}
-                                Err(mpsc::error::TrySendError::Full(_)) => {
-                                    warn!(
-                                        peer = %link.node,
-                                        "a cluster peer is not reading its control stream ({CONTROL_QUEUE} updates waiting): closing the connection; the next one starts from a full snapshot"
-                                    );
-                                    self.handle
-                                        .control_overflows
-                                        .fetch_add(1, Ordering::Relaxed);
-                                    link.conn.close(0u32.into(), b"control queue full");
-                                }
-                                // Its writer ended: the connection is going away anyway.
-                                Err(mpsc::error::TrySendError::Closed(_)) => {}
+                        let Some(link) = conns.get(&conn) else {
+                            continue;
+                        };
+                        let mut bytes = Vec::new();
+                        encode_control(&control, &mut bytes);
+                        match link.ctl.try_send(bytes) {
+                            Ok(()) => {}
+                            Err(mpsc::error::TrySendError::Full(_)) => {
+                                warn!(
+                                    peer = %link.node,
+                                    "a cluster peer is not reading its control stream ({CONTROL_QUEUE} updates waiting): closing the connection; the next one starts from a full snapshot"
+                                );
+                                self.handle
+                                    .control_overflows
+                                    .fetch_add(1, Ordering::Relaxed);
+                                link.conn.close(0u32.into(), b"control queue full");
+                                // Once: nothing more is queued for it (its close comes as an
+                                // event, as for any connection lost).
+                                conns.remove(&conn);
                             }
+                            // Its writer ended: the connection is going away anyway.
+                            Err(mpsc::error::TrySendError::Closed(_)) => {}
                         }
                     }
                 }

@@ -782,6 +782,7 @@ impl Reader<'_> {
                             if let Some(g) = claim.sub.group() {
                                 consumers.start_feeder(
                                     key,
+                                    &claim.fed,
                                     crate::consumers::feed(
                                         d.clone(),
                                         self.shared.broker.clone(),
@@ -840,6 +841,7 @@ impl Reader<'_> {
                         };
                         consumers.start_feeder(
                             &key,
+                            &claim.fed.clone(),
                             crate::consumers::feed(
                                 d.clone(),
                                 self.shared.broker.clone(),
