@@ -225,7 +225,9 @@ impl Publisher {
             // next write on the stream finishes it), and its confirmation may come.
             stream.send.queue([head].into_iter().chain(tail));
             if let Err(e) = stream.send.write_queued().await {
-                // The stream is broken: the next publish opens another.
+                // The stream is broken: the next publish opens another, and the next flush
+                // says that what went out on this one may not have been read.
+                lock(&self.inner.lost).get_or_insert(e.clone());
                 *guard = None;
                 drop(guard);
                 // The broker usually said why before it stopped reading (FRAME_TOO_LARGE for

@@ -659,5 +659,9 @@ async fn a_publish_after_a_stream_fatal_error_uses_a_new_stream() {
             format!("small {i}").as_bytes()
         );
     }
+    // The first stream was cut short: the next flush says so, once.
+    let lost = client.flush().await.expect_err("reported");
+    assert!(lost.to_string().contains("FRAME_TOO_LARGE"), "{lost}");
+    client.flush().await.expect("then flushed");
     b.stop().await.expect("clean shutdown");
 }
