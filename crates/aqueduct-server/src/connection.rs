@@ -266,26 +266,43 @@ pub(crate) async fn handle(
             // until `confirm` runs.
             let (state, conn2, shared2) = (state.clone(), conn.clone(), shared.clone());
             confirming = Some(Box::pin(async move {
-                if tokio::time::timeout_at(deadline, accepted).await.is_ok() {
-                    identify(&conn2, &state, &shared2);
-                    state.confirm();
-                } else {
-                    shared2
-                        .stats
-                        .handshakes_failed
-                        .fetch_add(1, Ordering::Relaxed);
-                    conn2.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
+                // `accepted` also resolves when the handshake failed: then the connection
+                // has a close reason (its bool only says whether 0-RTT data was taken).
+                match tokio::time::timeout_at(deadline, accepted).await {
+                    Ok(_) if conn2.close_reason().is_none() => {
+                        identify(&conn2, &state, &shared2);
+                        state.confirm();
+                    }
+                    Ok(_) => {
+                        shared2
+                            .stats
+                            .handshakes_failed
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => {
+                        shared2
+                            .stats
+                            .handshakes_failed
+                            .fetch_add(1, Ordering::Relaxed);
+                        conn2.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
+                    }
                 }
             }));
             conn
         }
-        Ok((conn, accepted)) => {
-            if tokio::time::timeout_at(deadline, accepted).await.is_err() {
+        Ok((conn, accepted)) => match tokio::time::timeout_at(deadline, accepted).await {
+            // `accepted` also resolves when the handshake failed (e.g. no client certificate
+            // where one is required): then the connection has a close reason, and it is not a
+            // client that ever connected.
+            Ok(_) => match conn.close_reason() {
+                None => conn,
+                Some(e) => return failed(e.to_string()),
+            },
+            Err(_) => {
                 conn.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
                 return failed("timed out".into());
             }
-            conn
-        }
+        },
         Err(connecting) => match tokio::time::timeout_at(deadline, connecting).await {
             Ok(Ok(conn)) => conn,
             Ok(Err(e)) => return failed(e.to_string()),

@@ -85,6 +85,15 @@ async fn client_certificates_are_required_and_name_the_client() {
         }
     };
     assert!(refused, "a client without a certificate must not be served");
+    // Counted as a failed handshake, and never logged as connected (before the fix it was:
+    // the handshake's failure read as its success).
+    until("the refused handshake is counted", || {
+        b.stats
+            .handshakes_failed
+            .load(std::sync::atomic::Ordering::Relaxed)
+            == 1
+    })
+    .await;
 
     // With alice's certificate: served, and known as "alice".
     let client = within(
@@ -113,6 +122,11 @@ async fn client_certificates_are_required_and_name_the_client() {
     assert!(
         logs.text().contains("subscribed client=alice@127.0.0.1"),
         "{}",
+        logs.text()
+    );
+    assert!(
+        !logs.text().contains("connected client=127.0.0.1"),
+        "the refused client was logged as connected: {}",
         logs.text()
     );
     b.stop().await.expect("clean shutdown");
