@@ -790,8 +790,8 @@ pub(crate) fn parse_duration(key: &'static str, s: &str) -> Result<Duration, Con
     Ok(d)
 }
 
-/// The longest duration any key takes.
-const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+/// The longest duration any key (or command-line option) takes.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// The keep-alive when none is configured: 10 s, or a third of the idle timeout if that is
 /// shorter, so that an idle but healthy client is never dropped.
