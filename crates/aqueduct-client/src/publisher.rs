@@ -67,18 +67,17 @@ struct Stream {
 type Fatal = Arc<Mutex<Option<ClientError>>>;
 
 impl Stream {
-    /// Nothing written to the stream now would be read: the broker stopped reading it after a
-    /// framing error (FRAME_TOO_LARGE, BAD_MAGIC), or it ended or failed. `Some(why)` when it
-    /// did not end cleanly.
-    fn over(&mut self) -> Option<Option<ClientError>> {
+    /// `None` while the stream is live. Otherwise nothing written to it now would be read: it
+    /// ended (`Ok`), or the broker stopped reading it after a framing error (FRAME_TOO_LARGE,
+    /// BAD_MAGIC) or it failed (`Err`, why).
+    fn over(&mut self) -> Option<Result<(), ClientError>> {
         if let Some(why) = lock(&self.fatal).clone() {
-            return Some(Some(why));
+            return Some(Err(why));
         }
         match self.done.try_recv() {
             Err(oneshot::error::TryRecvError::Empty) => None,
-            Ok(Ok(())) => Some(None),
-            Ok(Err(why)) => Some(Some(why)),
-            Err(oneshot::error::TryRecvError::Closed) => Some(Some(ClientError::Closed)),
+            Ok(ended) => Some(ended),
+            Err(oneshot::error::TryRecvError::Closed) => Some(Err(ClientError::Closed)),
         }
     }
 }
@@ -185,7 +184,7 @@ impl Publisher {
             let (stream, id, rx) = loop {
                 if let Some(ended) = guard.as_mut().and_then(Stream::over) {
                     // Publish on a new stream instead; `flush` will say what the old one lost.
-                    if let Some(why) = ended {
+                    if let Err(why) = ended {
                         lock(&self.inner.lost).get_or_insert(why);
                     }
                     *guard = None;
@@ -215,7 +214,10 @@ impl Publisher {
                 // Its replies ended just now: nothing was sent yet, so use a new stream (once;
                 // a new stream that ends at once is the connection failing, and says why).
                 if fresh {
-                    return Err(stream.over().flatten().unwrap_or(ClientError::Closed));
+                    return Err(match stream.over() {
+                        Some(Err(why)) => why,
+                        _ => ClientError::Closed,
+                    });
                 }
                 *guard = None;
             };

@@ -449,9 +449,7 @@ impl<'a> PublishRef<'a> {
             compression,
         })
     }
-}
 
-impl<'a> PublishRef<'a> {
     /// The block most publishes carry, exactly: TOPIC, or PRIORITY then TOPIC (as
     /// [`BatchBuilder`] writes them), read without the general walk. `None` for any other block,
     /// or one with a value the general walk would refuse: the caller then walks it, so the

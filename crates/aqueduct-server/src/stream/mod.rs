@@ -839,9 +839,10 @@ impl Reader<'_> {
                             Some(g) => crate::consumers::Target::Group(g.clone(), claim.joined),
                             None => crate::consumers::Target::One(sub.clone()),
                         };
+                        let fed = claim.fed.clone();
                         consumers.start_feeder(
                             &key,
-                            &claim.fed.clone(),
+                            &fed,
                             crate::consumers::feed(
                                 d.clone(),
                                 self.shared.broker.clone(),
