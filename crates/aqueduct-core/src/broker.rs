@@ -416,8 +416,12 @@ pub struct Broker {
     /// metric scrapes.
     evicted_stats: Mutex<TopicStatsSnapshot>,
     /// Where a topic's first offset comes from when its state is created (see
-    /// [`Broker::set_offset_source`]); 0 without one.
+    /// [`Broker::set_offset_source`]); without one, `offset_floor`.
     offset_source: OffsetSourceCell,
+    /// The highest next offset of any topic whose state was freed (0 before the first): without
+    /// an offset source a topic created later starts here, so that a topic freed and published
+    /// to again never hands out an offset twice. Changed only under the topic map's write lock.
+    offset_floor: AtomicU64,
     /// Told of every routed subscription made or removed (the cluster mesh's interest).
     interest: InterestCell,
     /// Given the messages of a consumer group that no member here can take (the cluster mesh
@@ -521,6 +525,13 @@ impl std::fmt::Debug for OffsetSourceCell {
 /// Topics held before idle ones are swept; after a sweep the next one runs at twice the number
 /// left (at least this), so sweeping costs O(1) amortized per new topic.
 pub const IDLE_TOPIC_SWEEP_MIN: usize = 4096;
+
+/// Idle topics that a subscription matches keep their state (their offsets go on one by one)
+/// while a sweep would leave at most this many topics; beyond it they are freed too, so that a
+/// wildcard subscriber (`#`) does not make publishing to ever new names grow memory without
+/// bound. A freed topic published to again resumes above every offset it used (see
+/// [`Broker::sweep_idle_topics`]).
+pub const MATCHED_TOPICS_KEPT: usize = 16_384;
 
 /// The dead-letter topic of `topic`: `__dlq__<topic>`, cut at a character boundary to 255 bytes.
 pub fn dlq_topic(topic: &TopicName) -> TopicName {
@@ -959,7 +970,10 @@ impl Broker {
                     let state = topics
                         .entry(owned.clone())
                         .or_insert_with(|| {
-                            let next = self.offset_source.0.get().map_or(0, |f| f(&owned));
+                            let next = match self.offset_source.0.get() {
+                                Some(source) => source(&owned),
+                                None => self.offset_floor.load(Relaxed),
+                            };
                             Arc::new(TopicState::new(&owned, next))
                         })
                         .clone();
@@ -976,13 +990,16 @@ impl Broker {
     }
 
     /// Free the state of idle topics: nothing queued or in flight refers to them (no other
-    /// reference to their state) and no subscription matches them. If they are published to
-    /// again their offsets start where the offset source says (at 0 without one, see
-    /// [`set_offset_source`](Self::set_offset_source)); their counters
-    /// are kept in [`Broker::evicted_topic_stats`]. Runs by itself once the number of topics
-    /// reaches twice what the previous sweep left (at least [`IDLE_TOPIC_SWEEP_MIN`]), so that
-    /// publishing to ever new topic names cannot grow memory without bound. Returns how many
-    /// topics were evicted.
+    /// reference to their state) and no subscription matches them — or, once keeping the matched
+    /// ones would leave more than [`MATCHED_TOPICS_KEPT`] topics, matched ones too. A topic
+    /// published to again starts where the offset source says (see
+    /// [`set_offset_source`](Self::set_offset_source)); without one, at the highest next offset
+    /// of any topic freed so far, so that its offsets only grow (with gaps) and an offset never
+    /// names two messages of one topic while the broker runs. Their counters are kept in
+    /// [`Broker::evicted_topic_stats`]. Runs by itself once the number of topics reaches twice
+    /// what the previous sweep left (at least [`IDLE_TOPIC_SWEEP_MIN`]), so that publishing to
+    /// ever new topic names cannot grow memory without bound. Returns how many topics were
+    /// evicted.
     pub fn sweep_idle_topics(&self) -> usize {
         if self
             .sweeping
@@ -992,17 +1009,23 @@ impl Broker {
         }
         // Three short phases, never two locks at once: candidates (topics read lock), minus the
         // topics a subscription matches (routes read lock), removed if still idle (write lock).
-        let mut idle: Vec<TopicName> = self
-            .topics
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .filter(|(_, t)| Arc::strong_count(t) == 1)
-            .map(|(n, _)| n.clone())
-            .collect();
+        let (mut idle, held): (Vec<TopicName>, usize) = {
+            let topics = self.topics.read().unwrap_or_else(PoisonError::into_inner);
+            let idle = topics
+                .iter()
+                .filter(|(_, t)| Arc::strong_count(t) == 1)
+                .map(|(n, _)| n.clone())
+                .collect();
+            (idle, topics.len())
+        };
         {
             let routes = self.read_routes();
-            idle.retain(|n| !routes.index.has_match(n));
+            let (unmatched, matched): (Vec<TopicName>, Vec<TopicName>) =
+                idle.into_iter().partition(|n| !routes.index.has_match(n));
+            idle = unmatched;
+            if held - idle.len() > MATCHED_TOPICS_KEPT {
+                idle.extend(matched);
+            }
         }
         let mut evicted = TopicStatsSnapshot::default();
         let (removed, left) = {
@@ -1012,6 +1035,7 @@ impl Broker {
                 if let Some(t) = topics.get(name.as_bytes()) {
                     if Arc::strong_count(t) == 1 {
                         evicted.add(&t.stats().snapshot());
+                        self.offset_floor.fetch_max(t.next_offset(), Relaxed);
                         topics.remove(name.as_bytes());
                         removed += 1;
                     }

@@ -994,6 +994,66 @@ fn idle_topics_are_evicted_and_subscribed_ones_kept() {
     assert_eq!(live + b.evicted_topic_stats().published, N as u64 + 4);
 }
 
+/// A wildcard subscriber matches every topic, so matched topics cannot all be kept: beyond
+/// `MATCHED_TOPICS_KEPT` idle ones are freed too. A freed topic published to again resumes above
+/// every offset it used, so an offset never names two messages of one topic.
+#[test]
+fn a_wildcard_subscriber_does_not_pin_every_topic() {
+    let b = Broker::new(BrokerConfig::default());
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let all = sub(&b, "topic:#");
+    let mut last = BTreeMap::new();
+    for name in ["kept", "random/0"] {
+        for body in ["a", "b", "c"] {
+            last.insert(name, publish(&b, &mut ctx, name, body, now).offset);
+        }
+    }
+    let _ = drain_all(&b, &all, now);
+    let n = 4 * MATCHED_TOPICS_KEPT;
+    let mut most = 0;
+    for i in 1..n {
+        publish(&b, &mut ctx, &format!("random/{i}"), "x", now);
+        most = most.max(b.topic_count());
+        if i % 1024 == 0 {
+            // A subscriber that keeps up (its queued messages hold their topics).
+            let _ = drain_all(&b, &all, now);
+        }
+    }
+    assert!(
+        most <= 2 * MATCHED_TOPICS_KEPT + 1024,
+        "topic state is bounded with a `#` subscriber: at most {most}"
+    );
+    assert!(b.topics_evicted() >= (n - 2 * MATCHED_TOPICS_KEPT) as u64);
+    let _ = drain_all(&b, &all, now);
+    for (name, before) in last {
+        let again = publish(&b, &mut ctx, name, "d", now).offset;
+        assert!(
+            again > before,
+            "{name}: offset {again} after {before}: offsets of a freed topic go on upwards"
+        );
+    }
+}
+
+/// Without an offset source, a topic freed while idle and published to again does not restart
+/// at 0: it starts at the highest next offset of any freed topic.
+#[test]
+fn a_freed_topic_resumes_above_its_offsets() {
+    let b = Broker::new(BrokerConfig::default());
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    for body in ["a", "b", "c"] {
+        publish(&b, &mut ctx, "a", body, now);
+    }
+    assert_eq!(publish(&b, &mut ctx, "b", "x", now).offset, 0);
+    drop(ctx);
+    assert_eq!(b.sweep_idle_topics(), 2);
+    let mut ctx = PublishContext::default();
+    assert_eq!(publish(&b, &mut ctx, "a", "d", now).offset, 3);
+    assert_eq!(publish(&b, &mut ctx, "b", "y", now).offset, 3);
+    assert_eq!(publish(&b, &mut ctx, "new", "z", now).offset, 3);
+}
+
 /// A detached member (its client stopped reading) gets nothing more; its queued messages go to
 /// the other member; what it has in flight can still be acknowledged.
 #[test]
