@@ -40,7 +40,7 @@ use aqueduct_proto::TopicFilter;
 use arc_swap::ArcSwap;
 use foldhash::fast::RandomState;
 
-use crate::matching::{covers, matches_bytes, overlaps};
+use crate::matching::{covers, is_system, matches_bytes, overlaps};
 
 /// The client id of a connection without a client certificate.
 pub const ANONYMOUS: &str = "anonymous";
@@ -318,9 +318,12 @@ impl Default for ClientRules {
 
 impl ClientRules {
     /// The permission on the topics `applies` selects: the most specific rules, intersected.
-    /// Returns the deciding specificity too (`None`: the default decided).
+    /// Returns the deciding specificity too (`None`: no rule applied). No rule applied: the
+    /// default, except on system topics (`system`: the topic, or the filter's first level,
+    /// starts with `$` or `__`), which only a rule naming them opens.
     fn decide(
         &self,
+        system: bool,
         mut applies: impl FnMut(&TopicFilter) -> bool,
     ) -> (Permission, Option<Specificity>) {
         let mut best: Option<(Specificity, u8)> = None;
@@ -339,6 +342,7 @@ impl ClientRules {
         }
         match best {
             Some((spec, bits)) => (Permission::from_bits(bits), Some(spec)),
+            None if system => (Permission::None, None),
             None => (self.default, None),
         }
     }
@@ -348,7 +352,7 @@ impl ClientRules {
         if !self.enabled {
             return true;
         }
-        let (perm, _) = self.decide(|f| matches_bytes(f.as_bytes(), topic));
+        let (perm, _) = self.decide(is_system(topic), |f| matches_bytes(f.as_bytes(), topic));
         perm.allows(Action::Publish)
     }
 
@@ -357,7 +361,7 @@ impl ClientRules {
         if !self.enabled {
             return true;
         }
-        let (perm, spec) = self.decide(|f| covers(f, filter));
+        let (perm, spec) = self.decide(is_system(filter.as_bytes()), |f| covers(f, filter));
         if !perm.allows(Action::Subscribe) {
             return false;
         }
@@ -504,6 +508,24 @@ mod tests {
 
     fn f(s: &str) -> TopicFilter {
         TopicFilter::try_from(s).expect("filter")
+    }
+
+    /// `acl.default` does not open system topics: a client may not forge dead letters or read
+    /// `$…` topics because the default is permissive; only a rule naming them opens them.
+    #[test]
+    fn the_default_does_not_open_system_topics() {
+        let p = policy("all", &[("ops", "__dlq__orders/#", "subscribe")]);
+        for action in [Action::Publish, Action::Subscribe] {
+            assert!(!p.allows("x", action, &f("__dlq__orders")), "{action:?}");
+            assert!(!p.allows("x", action, &f("$SYS/#")), "{action:?}");
+        }
+        assert!(p.allows("x", Action::Publish, &f("orders")));
+        assert!(
+            p.allows("x", Action::Subscribe, &f("#")),
+            "`#` never matches them"
+        );
+        assert!(p.allows("ops", Action::Subscribe, &f("__dlq__orders")));
+        assert!(!p.allows("ops", Action::Publish, &f("__dlq__orders")));
     }
 
     #[test]

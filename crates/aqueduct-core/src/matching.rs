@@ -58,7 +58,7 @@ pub fn matches_bytes(f: &[u8], t: &[u8]) -> bool {
 }
 
 /// A system topic (`$…`, `__…`), or a filter whose first level names system topics.
-fn is_system(name: &[u8]) -> bool {
+pub(crate) fn is_system(name: &[u8]) -> bool {
     name.first() == Some(&b'$') || name.starts_with(b"__")
 }
 

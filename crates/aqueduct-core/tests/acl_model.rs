@@ -124,6 +124,12 @@ fn bits(p: Permission, action: Action) -> bool {
     )
 }
 
+/// A filter whose first level names system topics (`$…`, `__…`).
+fn is_system_filter(filter: &TopicFilter) -> bool {
+    let b = filter.as_bytes();
+    b.first() == Some(&b'$') || b.starts_with(b"__")
+}
+
 /// The model: may `client` do `action` on the single topic `topic`?
 fn model(policy: &AclPolicy, client: &str, action: Action, topic: &TopicName) -> bool {
     let applicable: Vec<&AclRule> = policy
@@ -132,7 +138,8 @@ fn model(policy: &AclPolicy, client: &str, action: Action, topic: &TopicName) ->
         .filter(|r| client_matches(r.client.as_str(), client) && matches(&r.topic, topic))
         .collect();
     let Some(best) = applicable.iter().map(|r| key(r)).max() else {
-        return bits(policy.default, action);
+        // System topics are opened only by rules that name them, never by the default.
+        return !topic.is_system() && bits(policy.default, action);
     };
     applicable
         .iter()
@@ -187,7 +194,9 @@ proptest! {
                             .iter()
                             .filter(|r| key(r) == best)
                             .all(|r| bits(r.permission, Action::Subscribe)),
-                        None => bits(policy.default, Action::Subscribe),
+                        None => {
+                            !is_system_filter(&filter) && bits(policy.default, Action::Subscribe)
+                        }
                     };
                     // Only partial refusals at least as specific as the covering rules count.
                     let partial_refusal = mine.iter().any(|r| {
