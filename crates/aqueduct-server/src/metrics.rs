@@ -501,6 +501,12 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "Worker threads of the async runtime serving the broker (broker.worker_threads).",
         tokio::runtime::Handle::current().metrics().num_workers(),
     );
+    out.single(
+        "aqueduct_quota_throttled_frames",
+        "gauge",
+        "Publish frames waiting now for their client's quota (broker.quotas.action throttle); each holds its stream.",
+        st.quota_waiting.load(Ordering::Relaxed),
+    );
     let counters: [(&str, &str, u64); 11] = [
         (
             "aqueduct_streams_stopped_total",

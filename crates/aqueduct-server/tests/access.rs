@@ -733,3 +733,83 @@ async fn a_revoked_durable_consumer_can_come_back() {
     assert_eq!(&m.body()[..], b"two");
     s.b.stop().await.expect("clean shutdown");
 }
+
+/// The ACL is checked after a frame's quota wait, not before it: a rule removed while a
+/// throttled PUBLISH waited applies to it (as it always did to a PUBLISH_BATCH), so nothing is
+/// published after the admin call returns that the new rules refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_removed_while_a_publish_waits_for_its_quota_applies_to_it() {
+    let s = Setup::start(
+        "none",
+        &[
+            ("service-a", "orders/#", "publish"),
+            ("service-b", "orders/#", "subscribe"),
+        ],
+        QuotasSection {
+            default_publish_rate: 1,
+            default_burst_size: 1,
+            ..QuotasSection::default()
+        },
+    )
+    .await;
+    let a = s.client(Some("service-a")).await;
+    let b = s.client(Some("service-b")).await;
+    let mut sub = b.subscribe("orders/#").await.expect("subscribe");
+    let metrics = s.b.metrics_addr;
+    let waiting = |n: f64| async move {
+        within("publish frames to wait for their quota", async {
+            loop {
+                let m = get(metrics, "/metrics").await.1;
+                if value(&m, "aqueduct_quota_throttled_frames") == Some(n) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+    };
+    // A batch of 30 puts the shared bucket ~30 s in debt, and waits; so does a PUBLISH on a
+    // second stream after it.
+    let batch = a.publisher();
+    let batch = tokio::spawn(async move {
+        let items = (0..30).map(|_| ("orders/batch", bytes::Bytes::from_static(b"batch")));
+        batch.publish_batch(items, &CONFIRM).await
+    });
+    waiting(1.0).await;
+    let single = a.publisher();
+    let single = tokio::spawn(async move {
+        single
+            .publish_with("orders/single", "single", &CONFIRM)
+            .await
+    });
+    waiting(2.0).await;
+    let mut admin = s.admin(Some("admin-alice")).await.expect("admin connects");
+    admin
+        .remove_acl_rule(rule("service-a", "orders/#", "publish"))
+        .await
+        .expect("removed");
+    // End the waits at once.
+    admin
+        .set_client_quota(proto::SetClientQuotaRequest {
+            client_id: "service-a".into(),
+            rate: 0,
+            burst: None,
+        })
+        .await
+        .expect("unlimited");
+    let single = within("the waiting PUBLISH", single).await.expect("joined");
+    assert_eq!(code(single), Some(ErrorCode::NOT_AUTHORIZED));
+    let batch = within("the waiting batch", batch).await.expect("joined");
+    assert_eq!(code(batch), Some(ErrorCode::NOT_AUTHORIZED));
+    waiting(0.0).await;
+    // Allowed again: the first message the subscriber sees is the one published now.
+    admin
+        .add_acl_rule(rule("service-a", "orders/#", "publish"))
+        .await
+        .expect("added");
+    a.publish_with("orders/after", "after", &CONFIRM)
+        .await
+        .expect("publish");
+    assert_eq!(&next(&mut sub).await.body()[..], b"after");
+    s.b.stop().await.expect("clean shutdown");
+}

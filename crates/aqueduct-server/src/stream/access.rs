@@ -103,6 +103,7 @@ impl Reader<'_> {
             QuotaAction::Throttle => {
                 if !bucket.take(n as u64, now).is_zero() {
                     let started = Instant::now();
+                    let _waiting = Waiting::new(&self.shared.stats.quota_waiting);
                     loop {
                         let wait = bucket.wait(self.shared.now_ns());
                         if wait.is_zero() {
@@ -156,5 +157,22 @@ impl Reader<'_> {
         } else {
             AclCache::default().may_subscribe(acl, client, filter)
         }
+    }
+}
+
+/// Counts one frame waiting for its quota while it lives (also when the wait is cancelled, as
+/// the stream closes).
+struct Waiting<'a>(&'a std::sync::atomic::AtomicU64);
+
+impl<'a> Waiting<'a> {
+    fn new(count: &'a std::sync::atomic::AtomicU64) -> Self {
+        count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Waiting(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }

@@ -460,28 +460,30 @@ impl Reader<'_> {
         {
             self.conn.wait_confirmed().await;
         }
-        // Access control and the publish quota, before anything of a publish frame is routed.
-        // A batch's topics are checked where its sub-frames are decoded (`handle`), once; its
-        // quota is taken here, so a refused batch still counts against it.
+        // The publish quota, then access control, before anything of a publish frame is
+        // routed. The ACL is checked after every wait (a throttled client can wait long), so
+        // that a rule removed meanwhile applies: a PUBLISH's topic here, a batch's topics where
+        // its sub-frames are decoded (`handle`), once. A refused frame still counts against the
+        // quota.
         let stream_id = frame.stream_id;
         let publishes = match &frame.message {
-            Message::Publish(p) => Some(
-                self.authorize_publish(stream_id, std::iter::once(p.topic().as_bytes()))
-                    .then_some(1),
-            ),
-            Message::PublishBatch(b) => Some(Some(b.len())),
+            Message::Publish(_) => Some(1),
+            Message::PublishBatch(b) => Some(b.len()),
             _ => None,
         };
-        match publishes {
-            Some(None) => return,
-            Some(Some(n)) if !self.take_quota(stream_id, n).await => return,
-            _ => {}
+        if let Some(n) = publishes {
+            if !self.take_quota(stream_id, n).await {
+                return;
+            }
+            if let Some(d) = &self.shared.durable {
+                // The log's queue is full: wait for the writer before routing more.
+                d.wait_room().await;
+            }
         }
-        if let (Some(d), Message::Publish(_) | Message::PublishBatch(_)) =
-            (&self.shared.durable, &frame.message)
-        {
-            // The log's queue is full: wait for the writer before routing more.
-            d.wait_room().await;
+        if let Message::Publish(p) = &frame.message {
+            if !self.authorize_publish(stream_id, std::iter::once(p.topic().as_bytes())) {
+                return;
+            }
         }
         self.handle(frame, header.has_extensions, received);
         self.wait_for_room().await;
