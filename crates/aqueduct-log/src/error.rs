@@ -29,6 +29,14 @@ pub enum LogError {
         path.display()
     )]
     Tampered { path: PathBuf, position: u64 },
+    /// Another process (a second broker) has the log directory open. Nothing was read or
+    /// changed.
+    #[error(
+        "{} is in use by another process (another broker running with the same aal.file_path?); \
+         the log was not opened, nothing was changed on disk",
+        path.display()
+    )]
+    Locked { path: PathBuf },
     /// Encrypted segments exist but no key was given.
     #[error(
         "{} is encrypted but no key was given (set aal.key, or AQUEDUCT_AAL_KEY)",

@@ -34,7 +34,9 @@ mod verify;
 
 pub use crypto::MasterKey;
 pub use error::LogError;
-pub use log::{Entry, FsyncMode, Log, LogIndex, LogOptions, LogStats, LogView, Position, Recovery};
+pub use log::{
+    Entry, FsyncMode, Log, LogIndex, LogOptions, LogStats, LogView, Position, Recovery, LOCK_FILE,
+};
 pub use positions::{ConsumerPosition, PositionStore, Positions};
 pub use reader::{Reader, Record};
 pub use verify::{verify, VerifyReport};

@@ -211,6 +211,28 @@ pub struct Log {
     /// as marks before anything else (see [`Log::flush_burned`]).
     burned: HashMap<Box<[u8]>, u64>,
     stats: LogStats,
+    /// `LOCK` in the directory, locked while this log is open: a second broker on the same
+    /// directory is refused instead of truncating what this one writes.
+    _lock: File,
+}
+
+/// The lock file's name in the log directory.
+pub const LOCK_FILE: &str = "LOCK";
+
+/// Take the directory's lock (an advisory `flock`, released when the process ends, however).
+fn lock_dir(dir: &Path) -> Result<File, LogError> {
+    let path = dir.join(LOCK_FILE);
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| LogError::io("creating the lock file", &path, e))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(LogError::Locked { path }),
+        Err(std::fs::TryLockError::Error(e)) => Err(LogError::io("locking", &path, e)),
+    }
 }
 
 fn now_ms() -> u64 {
@@ -238,6 +260,7 @@ impl Log {
         let started = Instant::now();
         let dir = dir.into();
         std::fs::create_dir_all(&dir).map_err(|e| LogError::io("creating", &dir, e))?;
+        let lock = lock_dir(&dir)?;
         let files = list_segments(&dir)?;
         let mut rec = Recovery::default();
         let mut segments: Vec<Segment> = Vec::new();
@@ -345,6 +368,7 @@ impl Log {
             poisoned: None,
             burned: HashMap::new(),
             stats: LogStats::default(),
+            _lock: lock,
         };
         log.rebuild_topics();
         rec.segments = log.segments.get().len();

@@ -787,8 +787,8 @@ fn many_topics_share_few_files() -> R {
     assert_eq!(log.topics().count(), 20_000);
     let open = open_files_in(tmp.path());
     assert_eq!(
-        open, 1,
-        "{open} files open for 20,000 topics: the active segment only"
+        open, 2,
+        "{open} files open for 20,000 topics: the active segment and the directory's lock only"
     );
     assert_eq!(offsets(&read_all(&log, "t/12345", 0)?), vec![0]);
     log.close()?;
@@ -826,5 +826,32 @@ fn a_reader_skips_a_batch_damaged_after_indexing_and_goes_on() -> R {
         "the batches after the damage still read"
     );
     assert_eq!(items.iter().filter(|r| r.is_err()).count(), 1);
+    Ok(())
+}
+
+/// A second open of a directory in use (a second broker with the same aal.file_path) is
+/// refused before it reads or changes anything: it would cut the first one's batches as a torn
+/// tail and hand out the same offsets. Once the first closes, the directory opens again.
+#[test]
+fn a_directory_in_use_is_refused() -> R {
+    let dir = tempfile::tempdir()?;
+    let (mut first, _) = Log::open(dir.path(), opts(None))?;
+    fill(&mut first, "t", 2, 3)?;
+    let before = segments(dir.path());
+    match Log::open(dir.path(), opts(None)) {
+        Err(LogError::Locked { path }) => {
+            assert_eq!(path, dir.path().join(aqueduct_log::LOCK_FILE));
+        }
+        Err(e) => panic!("expected Locked, got {e}"),
+        Ok(_) => panic!("a directory in use was opened twice"),
+    }
+    assert_eq!(segments(dir.path()), before, "nothing changed on disk");
+    fill(&mut first, "t", 1, 1)?;
+    first.close()?;
+    let (again, _) = Log::open(dir.path(), opts(None))?;
+    assert_eq!(
+        offsets(&read_all(&again, "t", 0)?),
+        (0..7).collect::<Vec<_>>()
+    );
     Ok(())
 }
