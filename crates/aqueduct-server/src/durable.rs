@@ -4,10 +4,12 @@
 //!
 //! Publishing with the log on: a stream routes its frame (live delivery goes on at once) and
 //! queues the frame's messages with their offsets, both under [`Durable::order`], so each
-//! topic's offsets enter the queue in order. The queue is bounded ([`MAX_QUEUED`] messages,
-//! [`MAX_QUEUED_BYTES`]); a stream that finds it full waits before reading its next frame, so a
-//! slow disk slows publishers down through QUIC flow control. Far fewer offsets than the log's
-//! crash gap can be handed out and not yet written, which is what lets recovery skip them.
+//! topic's offsets enter the queue in order. What the log owes is bounded ([`MAX_OWED`]
+//! messages queued, being written or about to be queued; [`MAX_QUEUED_BYTES`] queued): a stream
+//! takes room for its frame's messages before routing it ([`Durable::wait_room`]), and waits
+//! while there is none, so a slow disk slows publishers down through QUIC flow control. Far
+//! fewer offsets than the log's crash gap can be handed out and not yet written, which is what
+//! lets recovery skip them.
 //!
 //! The writer runs on its own thread: `pwrite` and `fdatasync` block, and must not stall the
 //! async workers. Queued messages hold their topic's state, so the core cannot evict a topic
@@ -30,12 +32,18 @@ use tracing::{debug, error, info, warn};
 use crate::stats::ServerStats;
 use crate::stream::StreamOut;
 
-/// Messages queued for the writer before publishers wait.
+/// Half of [`MAX_OWED`]: about what one group commit takes while the next gathers.
 pub(crate) const MAX_QUEUED: usize = 65_536;
 /// Bytes queued for the writer before publishers wait.
 pub(crate) const MAX_QUEUED_BYTES: usize = 16 << 20;
-/// What the queue bound allows in flight to the log (queued plus being written), with room to
-/// spare: the log's crash offset gap.
+/// Messages admitted to the log and not yet written (queued, being written, or reserved by a
+/// stream about to route a frame) before publishers wait. A frame is admitted whole, also past
+/// this when nothing is owed (a batch of up to `transport.max_buf_size` / 15 bytes, under
+/// 560,000 messages at the 8 MiB cap); so fewer than [`CRASH_OFFSET_GAP`] offsets are ever
+/// handed out and not written.
+pub(crate) const MAX_OWED: usize = 2 * MAX_QUEUED;
+/// Offsets every topic skips after a crash: more than can be handed out and not yet written
+/// (see [`MAX_OWED`]).
 pub(crate) const CRASH_OFFSET_GAP: u64 = 1 << 20;
 /// The most bytes of queued messages one log batch takes (a batch's limit is 64 MiB).
 const MAX_CHUNK_BYTES: usize = 32 << 20;
@@ -325,9 +333,23 @@ struct Queue {
     closing: bool,
 }
 
-impl Queue {
-    fn full(&self) -> bool {
-        self.recs.len() >= MAX_QUEUED || self.data.len() >= MAX_QUEUED_BYTES
+/// Room for one frame's messages, taken by [`Durable::wait_room`] before the frame is routed;
+/// given back when dropped (the messages it queued count on until the writer has written them).
+#[must_use = "the room is given back when this is dropped: hold it while routing the frame"]
+pub(crate) struct Room<'a> {
+    durable: &'a Durable,
+    n: usize,
+}
+
+impl Drop for Room<'_> {
+    fn drop(&mut self) {
+        let _q = lock(&self.durable.queue);
+        let owed = self.durable.owed.load(Ordering::Relaxed);
+        self.durable
+            .owed
+            .store(owed.saturating_sub(self.n), Ordering::Relaxed);
+        drop(_q);
+        self.durable.room.notify_waiters();
     }
 }
 
@@ -339,6 +361,9 @@ pub(crate) struct Durable {
     room: tokio::sync::Notify,
     /// Held while a stream routes a publish frame and queues its messages.
     pub order: Mutex<()>,
+    /// Messages queued or being written, plus the rooms streams hold (see [`MAX_OWED`]).
+    /// Changed only under the `queue` lock.
+    owed: std::sync::atomic::AtomicUsize,
     /// Each topic's next offset as handed out to the log (written or refused; at startup, as
     /// recovered): where a topic the core creates again starts.
     next: Mutex<HashMap<Box<[u8]>, u64>>,
@@ -393,6 +418,7 @@ impl Durable {
             ready: Condvar::new(),
             room: tokio::sync::Notify::new(),
             order: Mutex::new(()),
+            owed: std::sync::atomic::AtomicUsize::new(0),
             floor: log.new_topic_offset(),
             durable_next: Mutex::new(next.clone()),
             next: Mutex::new(next),
@@ -465,17 +491,35 @@ impl Durable {
         self.closed.load(Ordering::Acquire)
     }
 
-    /// Wait until the queue has room (before routing the next publish frame).
-    pub async fn wait_room(&self) {
+    /// Wait until the log can take `n` more messages, and hold room for them (before routing a
+    /// publish frame of `n` messages; keep the room until it is queued). Room is taken under the
+    /// queue's lock, so streams woken together cannot all pass one check: what is owed to the
+    /// log stays at most [`MAX_OWED`], or one frame when nothing else is. Closed: at once (the
+    /// frame is refused then).
+    pub async fn wait_room(&self, n: usize) -> Room<'_> {
         loop {
             let room = self.room.notified();
             tokio::pin!(room);
             room.as_mut().enable();
-            if !lock(&self.queue).full() {
-                return;
+            {
+                let q = lock(&self.queue);
+                let owed = self.owed.load(Ordering::Relaxed);
+                let fits = owed == 0
+                    || (owed + n <= MAX_OWED && q.data.len() < MAX_QUEUED_BYTES)
+                    || self.is_closed();
+                if fits {
+                    self.owed.store(owed + n, Ordering::Relaxed);
+                    return Room { durable: self, n };
+                }
             }
             room.await;
         }
+    }
+
+    /// Count `n` records just pushed (under the queue lock).
+    fn owe(&self, n: usize) {
+        let owed = self.owed.load(Ordering::Relaxed);
+        self.owed.store(owed + n, Ordering::Relaxed);
     }
 
     /// Queue the messages of one routed publish frame. `records` gives each message's topic
@@ -486,7 +530,8 @@ impl Durable {
         waiter: Waiter,
     ) {
         let mut q = lock(&self.queue);
-        Self::push_records(&mut q, records);
+        let n = Self::push_records(&mut q, records);
+        self.owe(n);
         // Even with no messages (an empty PUBLISH_BATCH): its CONFIRM comes in order.
         self.close_group(q, Some(waiter));
     }
@@ -498,7 +543,9 @@ impl Durable {
         records: impl Iterator<Item = ((Arc<TopicState>, u64), Publication<'a>)>,
     ) {
         let mut q = lock(&self.queue);
-        if Self::push_records(&mut q, records) > 0 {
+        let n = Self::push_records(&mut q, records);
+        if n > 0 {
+            self.owe(n);
             self.close_group(q, None);
         }
     }
@@ -559,6 +606,7 @@ impl Durable {
         if q.recs.len() == before {
             return;
         }
+        self.owe(q.recs.len() - before);
         self.close_group(q, None);
     }
 
@@ -587,6 +635,8 @@ impl Durable {
             lock(&self.queue).closing = true;
         }
         self.ready.notify_one();
+        // Streams waiting for room go on (and are refused).
+        self.room.notify_waiters();
         let handle = lock(&self.writer).take();
         if let Some(h) = handle {
             if h.join().is_err() {
@@ -630,10 +680,17 @@ impl Durable {
                 self.stats.queued.store(0, Ordering::Relaxed);
                 work.closing
             };
-            self.room.notify_waiters();
             if !work.groups.is_empty() {
                 self.wait_while_held();
                 self.write(&mut log, &work);
+                {
+                    // Written (or answered STORAGE_FAILED): no longer owed.
+                    let _q = lock(&self.queue);
+                    let owed = self.owed.load(Ordering::Relaxed);
+                    self.owed
+                        .store(owed.saturating_sub(work.recs.len()), Ordering::Relaxed);
+                }
+                self.room.notify_waiters();
                 work.data.clear();
                 work.recs.clear();
                 work.groups.clear();
@@ -874,6 +931,83 @@ impl Durable {
 mod tests {
     use super::*;
     use aqueduct_proto::TopicName;
+
+    /// Streams woken together cannot all take room: what the log owes stays at most
+    /// `MAX_OWED` (or one frame, when nothing else is owed), and it is paid back as the writer
+    /// writes. Before, every stream woken at a swap found the queue empty and queued its whole
+    /// frame, and the offsets handed out and not written could pass the crash gap.
+    #[tokio::test]
+    async fn room_is_taken_under_the_lock_and_given_back_as_the_writer_writes() {
+        use futures_util::task::noop_waker_ref;
+        use futures_util::FutureExt;
+        use std::task::{Context, Poll};
+        let dir = tempfile::tempdir().expect("temp dir");
+        let opts = aqueduct_log::LogOptions {
+            allow_plaintext: true,
+            crash_offset_gap: CRASH_OFFSET_GAP,
+            ..aqueduct_log::LogOptions::default()
+        };
+        let (log, rec) = Log::open(dir.path(), opts).expect("log opens");
+        let d = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        let half = MAX_OWED / 2;
+        let big = d
+            .wait_room(half + 1)
+            .now_or_never()
+            .expect("nothing owed: a frame of any size gets room");
+        let mut waiting: Vec<_> = (0..3).map(|_| Some(Box::pin(d.wait_room(half)))).collect();
+        fn poll_all<'a, F: std::future::Future<Output = Room<'a>>>(
+            waiting: &mut [Option<std::pin::Pin<Box<F>>>],
+        ) -> Vec<Room<'a>> {
+            let mut cx = Context::from_waker(noop_waker_ref());
+            let mut rooms = Vec::new();
+            for w in waiting.iter_mut() {
+                if let Some(fut) = w {
+                    if let Poll::Ready(room) = fut.as_mut().poll(&mut cx) {
+                        rooms.push(room);
+                        *w = None;
+                    }
+                }
+            }
+            rooms
+        }
+        assert!(poll_all(&mut waiting).is_empty(), "over MAX_OWED: all wait");
+        drop(big);
+        let rooms = poll_all(&mut waiting);
+        assert_eq!(
+            rooms.len(),
+            2,
+            "two halves fit in MAX_OWED, the third waits"
+        );
+        assert_eq!(d.owed.load(Ordering::Relaxed), MAX_OWED);
+        // Messages queued under a room stay owed after it is given back, until written.
+        let broker = aqueduct_core::Broker::new(aqueduct_core::BrokerConfig::default());
+        let topic = TopicName::try_from("t").expect("valid");
+        let mut ctx = PublishContext::default();
+        broker.publish(&mut ctx, &Publication::new(&topic, b"x"), Instant::now());
+        let state = broker.topic(&topic).expect("created");
+        d.hold_writes(true);
+        {
+            let _order = lock(&d.order);
+            d.queue_copies((0..3).map(|o| ((state.clone(), o), Publication::new(&topic, b"x"))));
+        }
+        drop(rooms);
+        assert_eq!(d.owed.load(Ordering::Relaxed), 3, "queued, not yet written");
+        let third = poll_all(&mut waiting);
+        assert_eq!(third.len(), 1, "room again for the third");
+        assert_eq!(d.owed.load(Ordering::Relaxed), 3 + half);
+        d.hold_writes(false);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while d.owed.load(Ordering::Relaxed) != half {
+            assert!(
+                Instant::now() < deadline,
+                "the writer pays back what it wrote"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(third);
+        assert_eq!(d.owed.load(Ordering::Relaxed), 0);
+        d.close();
+    }
 
     #[test]
     fn stored_messages_round_trip() {

@@ -1408,9 +1408,10 @@ async fn serve_peer(link: PeerTask) {
                         mesh.table().route_forwarded(&forward)
                     };
                     if forward.plain || !routing.local_groups.is_empty() {
-                        if let Some(d) = durable {
-                            d.wait_room().await;
-                        }
+                        let _room = match durable {
+                            Some(d) => Some(d.wait_room(1).await),
+                            None => None,
+                        };
                         ctx.scope_only(forward.plain, &routing.local_groups);
                         match durable {
                             None => {

@@ -471,13 +471,15 @@ impl Reader<'_> {
             Message::PublishBatch(b) => Some(b.len()),
             _ => None,
         };
+        let mut room = None;
         if let Some(n) = publishes {
             if !self.take_quota(stream_id, n).await {
                 return;
             }
-            if let Some(d) = &self.shared.durable {
-                // The log's queue is full: wait for the writer before routing more.
-                d.wait_room().await;
+            if let Some(d) = self.shared.durable.as_deref() {
+                // Room in the log for the frame's messages, held until they are queued: the
+                // log owes at most so many offsets (its crash gap must cover them).
+                room = Some(d.wait_room(n).await);
             }
         }
         if let Message::Publish(p) = &frame.message {
@@ -486,6 +488,7 @@ impl Reader<'_> {
             }
         }
         self.handle(frame, header.has_extensions, received);
+        drop(room);
         self.wait_for_room().await;
     }
 
