@@ -591,7 +591,19 @@ impl Durable {
 
     /// Queue dead letters the broker published (no one to confirm them to). Call under
     /// [`Durable::order`], like [`queue_frame`](Self::queue_frame).
-    pub fn queue_dead_letters(&self, records: impl Iterator<Item = DeadLetterRecord>) {
+    pub fn queue_dead_letters(&self, mut records: impl Iterator<Item = DeadLetterRecord>) {
+        if self.is_closed() {
+            // The shutdown stops everything that makes dead letters before it closes the log;
+            // if one still comes, say so rather than lose it silently.
+            let late = records.by_ref().count();
+            if late > 0 {
+                error!(
+                    "durable log: {late} dead letter(s) made after the log closed were not \
+                     stored (live subscribers may have them)"
+                );
+            }
+            return;
+        }
         let mut q = lock(&self.queue);
         let before = q.recs.len();
         for d in records {

@@ -569,6 +569,9 @@ impl Server {
         .await;
         if drained.is_err() {
             warn!("connections did not close within {SHUTDOWN_GRACE:?}; closing them now");
+            // Ended here, before the log closes: a connection's cleanup (a group member leaving)
+            // can make dead letters, whose offsets only a log still open records.
+            connections.shutdown().await;
         }
         endpoint.close(ErrorCode::SHUTTING_DOWN.0.into(), b"broker shutting down");
         if let Some(wt) = &wt_endpoint {
@@ -581,19 +584,24 @@ impl Server {
             }
         })
         .await;
-        drop(ticker);
+        // Stopped, not just told to: it makes dead letters (expired ack waits) under the log's
+        // order, which must come before the log closes.
+        ticker.stop_within(Some(Duration::ZERO)).await;
         let _ = checkpoint_stop.send(true);
         if let Some(task) = checkpointer {
             // Its last save must finish.
             task.stop_within(None).await;
         }
-        if let Some(d) = shared.durable.clone() {
-            // Write what is queued and close the log cleanly (blocking file I/O).
-            let _ = tokio::task::spawn_blocking(move || d.close()).await;
-        }
+        // The mesh before the log: it logs the copies peers forward and the dead letters of its
+        // slow consumers, all of which must reach the log before it closes.
         let _ = mesh_stop.send(true);
         if let Some(task) = mesh_task {
             task.stop_within(Some(Duration::from_secs(2))).await;
+        }
+        if let Some(d) = shared.durable.clone() {
+            // Write what is queued and close the log cleanly (blocking file I/O). Nothing that
+            // hands out offsets runs any more.
+            let _ = tokio::task::spawn_blocking(move || d.close()).await;
         }
         let _ = admin_stop.send(true);
         if let Some(task) = admin_task {
