@@ -99,7 +99,8 @@ pub struct Recovery {
     pub damaged_batches: usize,
     /// Topics whose offsets jump across a damaged batch found by this open.
     pub degraded_topics: Vec<String>,
-    /// Segment files that could not be read at all (bad header), left in place.
+    /// The newest segment file, if it held only a header that could not be read (a crash while
+    /// it was created): moved aside to this path (`<id>.seg.unreadable`), with the reason.
     pub unreadable_segments: Vec<(PathBuf, String)>,
     pub elapsed: Duration,
 }
@@ -288,9 +289,16 @@ impl Log {
                         && std::fs::metadata(path).is_ok_and(|m| m.len() <= HEADER_LEN as u64) =>
                 {
                     // The newest segment holds a damaged header and nothing else (a crash while
-                    // writing it): keep the file, and count the run as crashed. One with batches
-                    // after a bad header is damage, refused below like an older one.
-                    rec.unreadable_segments.push((path.clone(), reason));
+                    // writing it): moved aside (`<id>.seg.unreadable`, kept for inspection; left
+                    // among the segments it would be an unreadable *older* one at the next
+                    // open, which refuses to start), and the run counts as crashed. One with
+                    // batches after a bad header is damage, refused below like an older one.
+                    let aside = path.with_extension("seg.unreadable");
+                    std::fs::rename(path, &aside).map_err(|e| {
+                        LogError::io("moving aside the unreadable segment", path, e)
+                    })?;
+                    let _ = std::fs::remove_file(index_path(&dir, *id));
+                    rec.unreadable_segments.push((aside, reason));
                     crash_evidence = true;
                     continue;
                 }

@@ -680,7 +680,7 @@ fn an_unreadable_older_segment_stops_the_open_and_a_damaged_newest_counts_as_a_c
     let segs = segments(tmp.path());
     assert!(segs.len() >= 3, "{} segments", segs.len());
     // The newest segment (only a header: the active one of a closed log) damaged, not blank:
-    // kept, and the run counts as crashed.
+    // moved aside, and the run counts as crashed.
     let newest = segs[segs.len() - 1].clone();
     let mut b = std::fs::read(&newest)?;
     assert_eq!(b.len(), HEADER_LEN);
@@ -688,8 +688,16 @@ fn an_unreadable_older_segment_stops_the_open_and_a_damaged_newest_counts_as_a_c
     std::fs::write(&newest, &b)?;
     let (log, rec) = Log::open(tmp.path(), o())?;
     assert!(!rec.clean);
+    let aside = newest.with_extension("seg.unreadable");
     assert_eq!(rec.unreadable_segments.len(), 1);
-    assert!(newest.exists());
+    assert_eq!(rec.unreadable_segments[0].0, aside);
+    assert!(!newest.exists() && aside.exists(), "moved aside, kept");
+    log.close()?;
+    // And the next start is not refused for it (left in place, it would be an unreadable
+    // older segment then).
+    let (log, rec) = Log::open(tmp.path(), o())?;
+    assert!(rec.clean && rec.unreadable_segments.is_empty());
+    assert_eq!(log.next_offset(b"a"), 36 + (1 << 20), "one crash's gap");
     drop(log);
     // An older one: refused, naming it.
     let older = segs[0].clone();

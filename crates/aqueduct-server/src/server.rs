@@ -784,7 +784,7 @@ async fn open_log(aal: &AalConfig, stats: Arc<ServerStats>) -> Result<Arc<Durabl
         );
     }
     for (path, why) in &rec.unreadable_segments {
-        warn!(path = %path.display(), "durable log: segment unreadable, left in place: {why}");
+        warn!(path = %path.display(), "durable log: the newest segment held only an unreadable header (a crash while it was created); moved aside: {why}");
     }
     Durable::start(log, &rec, fsync, stats).map_err(|e| {
         ServerError::Startup(format!("cannot start the durable log's writer thread: {e}"))
