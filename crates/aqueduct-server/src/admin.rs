@@ -48,6 +48,13 @@ pub const MAX_CONNECTIONS: usize = 64;
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// A TLS handshake that takes longer is dropped.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections whose certificate's CN does not match `admin.allowed_cn` open at once (each is
+/// told why on its calls); more are closed after their handshake. So ordinary clients, whose
+/// certificates the admin CA may also sign, cannot take the slots administrators need.
+pub const MAX_DENIED_CONNECTIONS: usize = 8;
+/// A connection whose CN does not match `admin.allowed_cn` is closed this long after its
+/// handshake: time enough for its calls to be refused with the reason.
+pub const DENIED_LIFETIME: Duration = Duration::from_secs(5);
 
 /// Who is calling: the client certificate's CN and the address.
 #[derive(Debug, Clone)]
@@ -62,6 +69,12 @@ struct TlsConn {
     peer: AdminPeer,
     /// Held for the connection's life (`MAX_CONNECTIONS`).
     _slot: tokio::sync::OwnedSemaphorePermit,
+    /// A caller `admin.allowed_cn` refuses: one of `MAX_DENIED_CONNECTIONS`, and the end of its
+    /// `DENIED_LIFETIME`.
+    denied: Option<(
+        tokio::sync::OwnedSemaphorePermit,
+        Pin<Box<tokio::time::Sleep>>,
+    )>,
 }
 
 impl Connected for TlsConn {
@@ -77,7 +90,16 @@ impl AsyncRead for TlsConn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+        let this = self.get_mut();
+        if let Some((_, end)) = &mut this.denied {
+            if std::future::Future::poll(end.as_mut(), cx).is_ready() {
+                return Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "closed: the caller's CN does not match admin.allowed_cn",
+                )));
+            }
+        }
+        Pin::new(&mut this.io).poll_read(cx, buf)
     }
 }
 
@@ -118,6 +140,8 @@ pub(crate) async fn serve(
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let stats = shared.stats.clone();
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let denied_slots = Arc::new(tokio::sync::Semaphore::new(MAX_DENIED_CONNECTIONS));
+    let allowed = shared.config.admin.as_ref().map(|a| a.allowed_cn.clone());
     let accept = async move {
         let mut handshakes = JoinSet::new();
         loop {
@@ -133,6 +157,7 @@ pub(crate) async fn serve(
                         }
                     };
                     let (acceptor, tx, stats) = (acceptor.clone(), tx.clone(), stats.clone());
+                    let (denied_slots, allowed) = (denied_slots.clone(), allowed.clone());
                     handshakes.spawn(async move {
                         match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                             Ok(Ok(io)) => {
@@ -141,8 +166,34 @@ pub(crate) async fn serve(
                                     .1
                                     .peer_certificates()
                                     .and_then(|c| crate::tls::common_name(c.first()?));
+                                let admin = match (&cn, &allowed) {
+                                    (Some(cn), Some(pattern)) => pattern.matches(cn),
+                                    _ => false,
+                                };
+                                let denied = if admin {
+                                    None
+                                } else {
+                                    let Ok(permit) = denied_slots.try_acquire_owned() else {
+                                        stats.admin_denied.fetch_add(1, Ordering::Relaxed);
+                                        info!(
+                                            %remote,
+                                            cn = cn.as_deref().unwrap_or("(none)"),
+                                            "admin API: connection closed: its CN does not match admin.allowed_cn, and {MAX_DENIED_CONNECTIONS} such connections are open"
+                                        );
+                                        return;
+                                    };
+                                    let end = Box::pin(tokio::time::sleep(DENIED_LIFETIME));
+                                    Some((permit, end))
+                                };
                                 let peer = AdminPeer { cn, remote };
-                                let _ = tx.send(TlsConn { io, peer, _slot: slot }).await;
+                                let _ = tx
+                                    .send(TlsConn {
+                                        io,
+                                        peer,
+                                        _slot: slot,
+                                        denied,
+                                    })
+                                    .await;
                             }
                             Ok(Err(e)) => {
                                 stats.admin_handshakes_failed.fetch_add(1, Ordering::Relaxed);

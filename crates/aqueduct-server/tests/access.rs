@@ -813,3 +813,45 @@ async fn a_rule_removed_while_a_publish_waits_for_its_quota_applies_to_it() {
     assert_eq!(&next(&mut sub).await.body()[..], b"after");
     s.b.stop().await.expect("clean shutdown");
 }
+
+/// Ordinary clients whose certificates the admin CA also signs cannot lock administrators out
+/// by holding every admin connection: at most `MAX_DENIED_CONNECTIONS` of theirs stay open (for
+/// `DENIED_LIFETIME`, told why on each call), the rest are closed after the handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_admin_certificates_cannot_hold_every_admin_connection() {
+    use aqueduct_server::admin::{MAX_CONNECTIONS, MAX_DENIED_CONNECTIONS};
+    let s = Setup::start("all", &[], QuotasSection::default()).await;
+    let mut held = Vec::new();
+    let mut denied = 0;
+    for _ in 0..MAX_CONNECTIONS {
+        let Ok(mut c) = s.admin(Some("dashboard")).await else {
+            continue;
+        };
+        let r = c.get_broker_info(proto::GetBrokerInfoRequest {}).await;
+        match r {
+            Err(e) if e.code() == tonic::Code::PermissionDenied => denied += 1,
+            // Closed after its handshake: nothing was answered.
+            Err(_) => {}
+            Ok(_) => panic!("a non-admin certificate was answered"),
+        }
+        held.push(c);
+    }
+    // At most MAX_DENIED_CONNECTIONS at a time (more over the loop only on a machine so slow
+    // that the first ones reached their DENIED_LIFETIME).
+    assert!(
+        denied >= 1 && denied < MAX_CONNECTIONS,
+        "{denied} non-admin connections were served (at most {MAX_DENIED_CONNECTIONS} at once)"
+    );
+    let mut admin = within("an admin connection", s.admin(Some("admin-alice")))
+        .await
+        .expect("connects");
+    let info = within(
+        "an admin call while non-admins hold connections",
+        admin.get_broker_info(proto::GetBrokerInfoRequest {}),
+    )
+    .await
+    .expect("answered");
+    assert!(info.into_inner().acl_enabled);
+    drop(held);
+    s.b.stop().await.expect("clean shutdown");
+}
