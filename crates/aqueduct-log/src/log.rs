@@ -217,6 +217,19 @@ pub struct Log {
     _lock: File,
 }
 
+/// Create `dir` (and its parents) if missing; one this creates is readable by its owner only
+/// (0700 on Unix), as the messages in a log without a key are plain text. An existing one is
+/// left as it is.
+fn create_private_dir(dir: &Path) -> Result<(), LogError> {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
+    builder
+        .create(dir)
+        .map_err(|e| LogError::io("creating", dir, e))
+}
+
 /// The lock file's name in the log directory.
 pub const LOCK_FILE: &str = "LOCK";
 
@@ -260,7 +273,7 @@ impl Log {
     pub fn open(dir: impl Into<PathBuf>, opts: LogOptions) -> Result<(Log, Recovery), LogError> {
         let started = Instant::now();
         let dir = dir.into();
-        std::fs::create_dir_all(&dir).map_err(|e| LogError::io("creating", &dir, e))?;
+        create_private_dir(&dir)?;
         let lock = lock_dir(&dir)?;
         let files = list_segments(&dir)?;
         let mut rec = Recovery::default();
@@ -269,7 +282,10 @@ impl Log {
         // The previous run ended without a clean close, whatever its last index file says.
         let mut crash_evidence = false;
         for (i, (id, path)) in files.iter().enumerate() {
-            next_id = next_id.max(id + 1);
+            next_id = next_id.max(id.checked_add(1).ok_or_else(|| LogError::BadFile {
+                path: path.clone(),
+                reason: "segment id too large: no segment can follow it".into(),
+            })?);
             let last = i + 1 == files.len();
             let loaded = segment::load(&dir, path, opts.key.as_ref(), opts.allow_plaintext, last);
             let (scanned, rebuilt) = match loaded {
@@ -739,7 +755,13 @@ impl Log {
             self.opts.key.as_ref(),
             now_ms(),
         )?;
-        sync_dir(&dir)?;
+        if let Err(e) = sync_dir(&dir) {
+            // Not adopted: leave no file behind, or the next rotation's `create_new` of the same
+            // name would fail until a restart.
+            drop(file);
+            let _ = std::fs::remove_file(segment_path(&dir, next_id));
+            return Err(e);
+        }
         self.segments.get_mut().push(seg);
         self.active = file;
         Ok(())

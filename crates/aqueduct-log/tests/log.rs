@@ -863,3 +863,38 @@ fn a_directory_in_use_is_refused() -> R {
     );
     Ok(())
 }
+
+/// A segment named with the largest id cannot be followed: refused with the file named, not a
+/// panic or a wrapped id that would sort before every other segment.
+#[test]
+fn a_segment_with_the_largest_id_is_refused() -> R {
+    let tmp = tempfile::tempdir()?;
+    let (log, _) = Log::open(tmp.path(), opts(None))?;
+    log.close()?;
+    let only = segments(tmp.path()).pop().ok_or("a segment")?;
+    let last = tmp.path().join(format!("{:020}.seg", u64::MAX));
+    std::fs::copy(&only, &last)?;
+    match Log::open(tmp.path(), opts(None)) {
+        Err(LogError::BadFile { path, reason }) => {
+            assert_eq!(path, last);
+            assert!(reason.contains("too large"), "{reason}");
+        }
+        Err(e) => return Err(format!("expected BadFile, got {e}").into()),
+        Ok(_) => return Err("opened".into()),
+    }
+    Ok(())
+}
+
+/// A log directory the log creates is its owner's only: without a key it holds messages in
+/// plain text.
+#[cfg(unix)]
+#[test]
+fn a_new_log_directory_is_private() -> R {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir()?;
+    let dir = tmp.path().join("aal");
+    let (log, _) = Log::open(&dir, opts(None))?;
+    assert_eq!(std::fs::metadata(&dir)?.permissions().mode() & 0o777, 0o700);
+    log.close()?;
+    Ok(())
+}

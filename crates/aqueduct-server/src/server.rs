@@ -291,7 +291,13 @@ impl Server {
         let (durable, consumers) = match &config.aal {
             Some(aal) => {
                 let durable = open_log(aal, stats.clone()).await?;
-                let consumers = Arc::new(Consumers::open(&aal.dir)?);
+                let consumers = match Consumers::open(&aal.dir) {
+                    Ok(c) => Arc::new(c),
+                    Err(e) => {
+                        durable.close();
+                        return Err(e.into());
+                    }
+                };
                 let source = durable.clone();
                 broker
                     .set_offset_source(Box::new(move |topic| source.next_offset(topic.as_bytes())));
@@ -299,6 +305,9 @@ impl Server {
             }
             None => (None, None),
         };
+        // A start that fails from here on closes the log (and stops its writer thread), so
+        // that the next try does not find it left open, as after a crash.
+        let mut close_log = CloseLogOnError(durable.clone());
         let access = Access::start(
             &config.access,
             config.admin.as_ref().map(|a| a.state_file.clone()),
@@ -348,6 +357,7 @@ impl Server {
             .as_ref()
             .and_then(|e| e.local_addr().ok())
             .unwrap_or(local_addr);
+        close_log.0 = None;
         Ok(Server {
             wt_endpoint,
             trace_export,
@@ -724,6 +734,18 @@ impl Control {
     pub fn set_cluster_peers(&self, addrs: Vec<SocketAddr>) {
         if let Some(m) = &self.shared.mesh {
             m.send(crate::mesh::Event::Peers(addrs));
+        }
+    }
+}
+
+/// Closes the durable log when dropped while it holds it: a start that failed after the log was
+/// opened.
+struct CloseLogOnError(Option<Arc<Durable>>);
+
+impl Drop for CloseLogOnError {
+    fn drop(&mut self) {
+        if let Some(d) = self.0.take() {
+            d.close();
         }
     }
 }

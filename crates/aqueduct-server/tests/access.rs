@@ -839,7 +839,7 @@ async fn non_admin_certificates_cannot_hold_every_admin_connection() {
     // At most MAX_DENIED_CONNECTIONS at a time (more over the loop only on a machine so slow
     // that the first ones reached their DENIED_LIFETIME).
     assert!(
-        denied >= 1 && denied < MAX_CONNECTIONS,
+        (1..MAX_CONNECTIONS).contains(&denied),
         "{denied} non-admin connections were served (at most {MAX_DENIED_CONNECTIONS} at once)"
     );
     let mut admin = within("an admin connection", s.admin(Some("admin-alice")))

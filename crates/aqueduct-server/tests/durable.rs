@@ -666,3 +666,54 @@ async fn a_confirm_that_comes_after_a_stream_fatal_error_still_reaches_its_publi
     client.flush().await.expect("reported once");
     b.stop().await.expect("clean shutdown");
 }
+
+/// A start that fails after the log was opened (here: a damaged admin state file) closes the
+/// log again: the next start, in the same process, opens it (the first one's writer no longer
+/// holds it) and finds a clean close, so offsets go on without a crash's gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_start_closes_the_log_it_opened() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let client = b.client().await;
+    assert_eq!(
+        client
+            .publish_with("t", "first", &confirm())
+            .await
+            .expect("stored"),
+        Some(0)
+    );
+    client.close().await;
+    b.stop().await.expect("clean shutdown");
+
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let state_file = dir.path().join("admin-state.json");
+    std::fs::write(&state_file, "not json").expect("write");
+    let mut config = aqueduct_server::Config::for_tests(dir.path().join("dev-cert.pem"));
+    config.aal = Some(aal(dir.path(), FsyncMode::Batch));
+    config.tls.client_ca_file = Some(ca_file.clone());
+    config.admin = Some(aqueduct_server::config::AdminConfig {
+        listen_addr: "127.0.0.1:0".parse().expect("addr"),
+        allowed_cn: "admin-*".parse().expect("pattern"),
+        client_ca_file: ca_file,
+        state_file,
+    });
+    let err = match aqueduct_server::Server::bind(config).await {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a damaged state file must stop the start"),
+    };
+    assert!(err.contains("admin-state.json"), "{err}");
+
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let client = b.client().await;
+    assert_eq!(
+        client
+            .publish_with("t", "second", &confirm())
+            .await
+            .expect("stored"),
+        Some(1),
+        "closed cleanly: no crash gap"
+    );
+    client.close().await;
+    b.stop().await.expect("clean shutdown");
+}
