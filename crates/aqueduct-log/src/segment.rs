@@ -360,8 +360,18 @@ pub(crate) fn scan(
         let len = match check {
             FrameCheck::Good { len } => len as u64,
             FrameCheck::Short | FrameCheck::BadLength | FrameCheck::BadCrc { .. } => {
-                // Damage or a torn tail: look for a checked frame further on.
-                match resync(file, pos + 1, file_len, next_batch, &mut buf)
+                // Damage or a torn tail: look for a checked frame further on. Without a key a
+                // frame's body holds message bodies as publishers sent them, which may look like
+                // a whole checked frame: never search inside a body whose length is known — past
+                // it for a bad CRC, nowhere for a frame cut short (the rest of the file is in
+                // it). With a key, bodies are ciphertext and the search starts at the next byte,
+                // which also finds frames after a damaged length.
+                let from = match (&seg.cipher, &check) {
+                    (None, FrameCheck::BadCrc { len }) => pos + *len as u64,
+                    (None, FrameCheck::Short) => file_len,
+                    _ => pos + 1,
+                };
+                match resync(file, from, file_len, next_batch, &mut buf)
                     .map_err(|e| LogError::io("reading segment", &path, e))?
                 {
                     Some(found) => {

@@ -898,3 +898,78 @@ fn a_new_log_directory_is_private() -> R {
     log.close()?;
     Ok(())
 }
+
+/// In a log without a key a message body is stored as it came, so a publisher can make it look
+/// like a whole checked frame. Recovery from a torn or damaged frame must not look inside that
+/// frame's body for the next one: the fake frame (another topic, any offset) would be taken as
+/// the log's own.
+#[test]
+fn a_frame_inside_a_plaintext_message_is_never_taken_for_the_logs_own() -> R {
+    fn frames(seg: &[u8]) -> Vec<std::ops::Range<usize>> {
+        let mut v = Vec::new();
+        let mut pos = HEADER_LEN;
+        while pos + FRAME_PREFIX <= seg.len() {
+            let body = u32::from_le_bytes(seg[pos..pos + 4].try_into().expect("4 bytes")) as usize;
+            v.push(pos..pos + FRAME_PREFIX + body);
+            pos += FRAME_PREFIX + body;
+        }
+        v
+    }
+    // The fake: the second frame (batch 1) of another plaintext log, naming topic "fake".
+    let other = tempfile::tempdir()?;
+    let (mut log, _) = Log::open(other.path(), opts(None))?;
+    fill(&mut log, "x", 1, 1)?;
+    let entries = [Entry {
+        topic: b"fake",
+        offset: 1 << 40,
+        data: b"forged",
+    }];
+    log.append(&entries, 0)?;
+    log.commit()?;
+    drop(log);
+    let seg = std::fs::read(segments(other.path()).pop().ok_or("segment")?)?;
+    let fake = seg[frames(&seg)[1].clone()].to_vec();
+    assert_eq!(check_frame(&fake), FrameCheck::Good { len: fake.len() });
+
+    for damage in ["torn", "flipped"] {
+        let tmp = tempfile::tempdir()?;
+        let (mut log, _) = Log::open(tmp.path(), opts(None))?;
+        fill(&mut log, "t", 1, 1)?;
+        let mut body = vec![b'-'; 64];
+        body.extend_from_slice(&fake);
+        body.extend_from_slice(&[b'-'; 64]);
+        let entries = [Entry {
+            topic: b"t",
+            offset: 1,
+            data: &body,
+        }];
+        log.append(&entries, 0)?;
+        log.commit()?;
+        drop(log); // not closed: the next open reads the segment through
+        let path = segments(tmp.path()).pop().ok_or("segment")?;
+        let mut bytes = std::fs::read(&path)?;
+        let outer = frames(&bytes)[1].clone();
+        let inner = outer.start
+            + bytes[outer.clone()]
+                .windows(fake.len())
+                .position(|w| w == &fake[..])
+                .ok_or("the fake is stored as it came")?;
+        match damage {
+            // Cut after the fake, inside the message: a torn tail.
+            "torn" => bytes.truncate(inner + fake.len() + 10),
+            // A byte of the message's padding changed: a frame whose CRC fails.
+            _ => bytes[inner - 10] ^= 0xFF,
+        }
+        std::fs::write(&path, &bytes)?;
+        let (log, _) = Log::open(tmp.path(), opts(None))?;
+        let mut topics: Vec<&[u8]> = log.topics().collect();
+        topics.sort();
+        assert_eq!(
+            topics,
+            vec![&b"t"[..]],
+            "{damage}: no topic from inside a message"
+        );
+        assert_eq!(log.next_offset(b"fake"), log.new_topic_offset(), "{damage}");
+    }
+    Ok(())
+}
