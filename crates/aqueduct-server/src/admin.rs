@@ -262,16 +262,29 @@ pub(crate) fn recheck_subscriptions(shared: &Shared) -> usize {
     if !policy.enabled {
         return 0;
     }
+    shared
+        .live_clients()
+        .iter()
+        .map(|conn| recheck_connection(shared, &policy, conn))
+        .sum()
+}
+
+/// [`recheck_subscriptions`] for one connection, under `policy`.
+pub(crate) fn recheck_connection(
+    shared: &Shared,
+    policy: &aqueduct_core::acl::AclPolicy,
+    conn: &crate::connection::ConnState,
+) -> usize {
+    if !policy.enabled {
+        return 0;
+    }
+    let rules = policy.for_client(conn.identity());
     let mut closed = 0;
-    for conn in shared.live_clients() {
-        let rules = policy.for_client(conn.identity());
-        for entry in conn.subs() {
-            if !rules.may_subscribe(entry.sub.filter())
-                && crate::stream::request_revoke(shared, &entry)
-            {
-                shared.stats.acl_denied(Action::Subscribe);
-                closed += 1;
-            }
+    for entry in conn.subs() {
+        if !rules.may_subscribe(entry.sub.filter()) && crate::stream::request_revoke(shared, &entry)
+        {
+            shared.stats.acl_denied(Action::Subscribe);
+            closed += 1;
         }
     }
     closed

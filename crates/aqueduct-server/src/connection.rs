@@ -457,6 +457,10 @@ fn identify(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Shared) {
         .unwrap_or_else(|e| e.into_inner())
         .insert(state.id, state.clone());
     info!(client = %state.describe(), "connected");
+    // SUBSCRIBEs in 0-RTT data run before this, unchecked while the ACL is off. If a reload
+    // turned it on meanwhile, its re-check did not see this connection (not listed yet): check
+    // them now. A change after the listing above re-checks this connection itself.
+    crate::admin::recheck_connection(shared, &shared.access.acl.policy(), state);
 }
 
 async fn serve_streams(
