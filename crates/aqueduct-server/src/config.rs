@@ -190,8 +190,8 @@ impl Default for MetricsSection {
     }
 }
 
-/// `aal.*`: the durable append-only log.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// `aal.*`: the durable append-only log. Its `Debug` form hides the key.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AalSection {
     pub enabled: bool,
@@ -481,6 +481,33 @@ pub struct Config {
     pub webtransport: crate::webtransport::WebTransportConfig,
     /// OpenTelemetry export, when `tracing.otlp_endpoint` is set.
     pub tracing: Option<crate::otel::TracingConfig>,
+}
+
+impl std::fmt::Debug for AalSection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let AalSection {
+            enabled,
+            file_path,
+            key,
+            allow_plaintext,
+            max_aal_size,
+            fsync,
+            fsync_interval,
+            retention_bytes,
+            retention_age,
+        } = self;
+        f.debug_struct("AalSection")
+            .field("enabled", enabled)
+            .field("file_path", file_path)
+            .field("key", &if key.is_empty() { "" } else { "(set, hidden)" })
+            .field("allow_plaintext", allow_plaintext)
+            .field("max_aal_size", max_aal_size)
+            .field("fsync", fsync)
+            .field("fsync_interval", fsync_interval)
+            .field("retention_bytes", retention_bytes)
+            .field("retention_age", retention_age)
+            .finish()
+    }
 }
 
 /// The durable log's settings, typed.
@@ -1157,6 +1184,17 @@ fn default_aal_dir(env: &[(String, String)]) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_log_key_is_not_in_debug_output() {
+        let a = AalSection {
+            key: "c2VjcmV0LWtleS1vZi0zMi1ieXRlcy1leGFjdGx5ISE=".into(),
+            ..AalSection::default()
+        };
+        let shown = format!("{a:?}");
+        assert!(!shown.contains("c2VjcmV0"), "{shown}");
+        assert!(shown.contains("(set, hidden)"), "{shown}");
+    }
 
     #[test]
     fn defaults_are_valid() {
