@@ -61,11 +61,14 @@ impl CompressionError {
 }
 
 /// Compress `data` at `level`; returns the extension to send with it and the compressed bytes.
-/// `None` if it does not get smaller (send it uncompressed then) or is too large to describe.
+/// `None` if it does not get smaller (send it uncompressed then), is too large to describe, or
+/// shrinks by more than a receiver with the default [`Limits`] accepts (long runs of one byte
+/// look like a bomb): what this returns, such a receiver always takes.
 pub fn compress(data: &[u8], level: i32) -> Option<(Compression, Bytes)> {
     let len = u32::try_from(data.len()).ok()?;
     let packed = zstd::bulk::compress(data, level).ok()?;
-    (packed.len() < data.len()).then(|| {
+    let ratio_ok = u64::from(len) <= packed.len() as u64 * u64::from(Limits::default().max_ratio);
+    (packed.len() < data.len() && ratio_ok).then(|| {
         (
             Compression {
                 algorithm: Compression::ZSTD,
@@ -143,9 +146,17 @@ mod tests {
 
     #[test]
     fn a_bomb_is_refused_before_any_allocation_of_its_claim() {
-        // 64 MiB of zeros compress to a few KiB.
+        // 64 MiB of zeros compress to a few KiB (`compress` itself would not send that).
         let zeros = vec![0u8; 64 << 20];
-        let (ext, packed) = compress(&zeros, 3).expect("compresses");
+        assert!(
+            compress(&zeros, 3).is_none(),
+            "past the ratio a receiver takes"
+        );
+        let packed = zstd::bulk::compress(&zeros, 3).expect("compresses");
+        let ext = Compression {
+            algorithm: Compression::ZSTD,
+            uncompressed_len: zeros.len() as u32,
+        };
         assert!(packed.len() < 64 << 10);
         let e = decompress(&packed, &ext, &Limits::default()).expect_err("too large");
         assert!(matches!(e, CompressionError::TooLarge { .. }), "{e}");
@@ -163,6 +174,26 @@ mod tests {
         let small = compress(&vec![7u8; 4000], 3).expect("compresses").1;
         let e = decompress(&small, &lying, &Limits::default()).expect_err("longer than claimed");
         assert!(matches!(e, CompressionError::Corrupt(_)), "{e}");
+    }
+
+    /// What `compress` makes, a receiver with the default limits takes, however compressible:
+    /// 64 KiB of one repeated small record shrinks ~1,900x, past the 1,024x limit, and used to
+    /// be sent compressed (a cluster peer then cut the link as if it were a bomb).
+    #[test]
+    fn what_is_compressed_is_always_accepted() {
+        let record = b"aqueduct:heartbeat:node-1:ok:000000\n";
+        for data in [
+            vec![0u8; 65_520],
+            record.repeat(65_520 / record.len()),
+            vec![7u8; 4000],
+            record.repeat(10),
+        ] {
+            if let Some((ext, packed)) = compress(&data, 3) {
+                let back = decompress(&packed, &ext, &Limits::default())
+                    .unwrap_or_else(|e| panic!("{} bytes: {e}", data.len()));
+                assert_eq!(back, data);
+            }
+        }
     }
 
     #[test]

@@ -1637,6 +1637,26 @@ mod tests {
         }
     }
 
+    /// A write of the largest size (`DATA_WRITE`) of one repeated record compresses past the
+    /// ratio a receiver accepts: sent as it is, not refused as a bomb (which cut the link).
+    #[test]
+    fn a_highly_compressible_block_is_still_opened() {
+        let one = record();
+        let records: Vec<u8> = (0..DATA_WRITE / one.len())
+            .flat_map(|_| one.clone())
+            .collect();
+        let block = seal_block(
+            &records,
+            Compression::Zstd {
+                level: 3,
+                threshold: 4096,
+            },
+        );
+        let mut buf = BytesMut::from(&block[..]);
+        let opened = next_block(&mut buf).expect("accepted").expect("complete");
+        assert_eq!(records_of(opened), DATA_WRITE / one.len());
+    }
+
     fn records_of(block: Bytes) -> usize {
         records(block).expect("records").len()
     }
