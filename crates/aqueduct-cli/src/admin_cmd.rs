@@ -113,7 +113,19 @@ async fn connect(target: &AdminTarget) -> Result<AdminClient> {
         Duration::from_secs(10),
     )
     .await
-    .map_err(|e| anyhow!("{e} (is admin.enabled on, and --cert/--key an admin certificate?)"))
+    .map_err(|e| {
+        let text = e.to_string();
+        if text.contains("UnknownIssuer") || text.contains("invalid peer certificate") {
+            // This side refused the broker's certificate.
+            anyhow!(
+                "{text} (the broker's certificate is not trusted: {}; pass --ca FILE, the CA \
+                 that signed it)",
+                target.opts.trust_description()
+            )
+        } else {
+            anyhow!("{text} (is admin.enabled on, and --cert/--key an admin certificate?)")
+        }
+    })
 }
 
 fn status(e: tonic::Status, target: &AdminTarget) -> anyhow::Error {
@@ -128,8 +140,13 @@ fn status(e: tonic::Status, target: &AdminTarget) -> anyhow::Error {
                  (signed by the broker's admin.client_ca_file, CN matching admin.allowed_cn)"
             )
         }
-        tonic::Code::Unavailable | tonic::Code::Cancelled => {
-            " (no TLS session: is --cert/--key a certificate signed by admin.client_ca_file?)"
+        tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::Unknown
+            if e.message().contains("transport error") || e.code() != tonic::Code::Unknown =>
+        {
+            // The broker ended the TLS session after its handshake: it did not accept the
+            // client certificate (TLS 1.3 checks it after the client thinks it is connected).
+            " (the broker did not accept the client certificate: is --cert/--key signed by its \
+             admin.client_ca_file?)"
         }
         tonic::Code::PermissionDenied => {
             " (the certificate's CN must match the broker's admin.allowed_cn, default admin-*)"

@@ -183,7 +183,7 @@ enum Command {
     /// broker's admin.allowed_cn, default admin-*) and, for a broker with a CA-signed
     /// certificate, --ca.
     #[command(
-        after_help = "Examples:\n  aqueduct admin --cert admin-alice.pem --key admin-alice-key.pem info\n  aqueduct admin --cert ... --key ... quota set service-a 500 --burst 100\n  aqueduct admin --cert ... --key ... acl add 'service-*' 'orders/#' publish\n  aqueduct admin --cert ... --key ... acl replace rules.yaml\n  aqueduct admin --cert ... --key ... --json clients"
+        after_help = "Examples (--ca: the CA that signed the broker's certificate, if not the development one):\n  aqueduct --ca certs/ca.pem --cert certs/admin-alice.pem --key certs/admin-alice-key.pem admin info\n  aqueduct --ca ... --cert ... --key ... admin quota set service-a 500 --burst 100\n  aqueduct --ca ... --cert ... --key ... admin acl add 'service-*' 'orders/#' publish\n  aqueduct --ca ... --cert ... --key ... admin acl replace rules.yaml\n  aqueduct --ca ... --cert ... --key ... admin --json clients\n  aqueduct --ca ... --cert ... --key ... admin --admin-addr 10.0.0.5:9091 info   # admin.listen_addr elsewhere"
     )]
     Admin {
         /// The admin API's address (the broker's admin.listen_addr).

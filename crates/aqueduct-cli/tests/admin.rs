@@ -130,6 +130,61 @@ fn admin_commands_manage_a_running_broker() {
         "{err}"
     );
 
+    // Certificates from a CA the broker does not trust: said in plain words, for a client
+    // (the broker's TLS alert 51) and for the admin API (a session ended after its handshake).
+    let other = h.join("other").display().to_string();
+    for args in [
+        vec!["cert", "ca", "--out", &other],
+        vec!["cert", "client", "admin-bob", "--out", &other],
+    ] {
+        assert_ok(&run_client(h, &args));
+    }
+    let (cert, key) = (
+        format!("{other}/admin-bob.pem"),
+        format!("{other}/admin-bob-key.pem"),
+    );
+    let out = run_client(
+        h,
+        &[
+            "--addr",
+            &b.addr,
+            "--cert",
+            &cert,
+            "--key",
+            &key,
+            "pub",
+            "orders/1",
+            "x",
+            "--confirm",
+        ],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("not signed by a CA the broker trusts"),
+        "{err}"
+    );
+    let out = run_client(
+        h,
+        &[
+            "admin",
+            "--admin-addr",
+            &b.admin,
+            "--cert",
+            &cert,
+            "--key",
+            &key,
+            "info",
+        ],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("did not accept the client certificate")
+            || err.contains("not signed by a CA the broker trusts"),
+        "{err}"
+    );
+
     // info, as a table and as JSON.
     let out = admin(h, &b, "admin-alice", &["info"]);
     assert_ok(&out);

@@ -96,6 +96,7 @@ fn tls_alert(alert: u8) -> String {
         44 => "the client certificate was revoked",
         45 => "the client certificate has expired (or is not valid yet)",
         46 => "the broker could not verify the client certificate",
+        51 => "the broker could not verify the client certificate's signature: it is not signed by a CA the broker trusts (its tls.client_ca_file)",
         49 => "access denied by the broker",
         40 => "the TLS handshake failed (no common parameters)",
         120 => "the broker does not speak ALPN aqueduct-v1",

@@ -38,7 +38,8 @@ impl Trust {
             Trust::Fingerprint(_) => "a pinned certificate fingerprint".into(),
             Trust::Auto(p) => format!(
                 "the development certificate {} (written by a local broker at startup; a broker \
-                 restarted elsewhere or another broker on this port has another one)",
+                 restarted elsewhere or another broker on this port has another one; a broker \
+                 with a CA-signed certificate needs --ca FILE, ConnectOptions::ca_file)",
                 p.display()
             ),
         }
@@ -115,12 +116,17 @@ impl ConnectOptions {
         self
     }
 
-    /// The address as given (`host:port`).
     /// Whether a client certificate is set (`client_cert`).
     pub fn has_client_cert(&self) -> bool {
         self.client_cert.is_some()
     }
 
+    /// What verifies the broker's certificate, in words (for error messages).
+    pub fn trust_description(&self) -> String {
+        self.trust.describe()
+    }
+
+    /// The address as given (`host:port`).
     pub fn addr(&self) -> &str {
         &self.addr
     }

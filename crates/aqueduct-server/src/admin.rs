@@ -850,7 +850,11 @@ pub async fn connect(
             let mut reason = e.to_string();
             let mut source = std::error::Error::source(&e);
             while let Some(s) = source {
-                reason = format!("{reason}: {s}");
+                // Errors that wrap another often repeat its text: say each part once.
+                let part = s.to_string();
+                if !reason.contains(&part) {
+                    reason = format!("{reason}: {part}");
+                }
                 source = s.source();
             }
             err(reason)
