@@ -21,16 +21,10 @@ pub fn load_key(key_file: Option<&Path>) -> Result<Option<MasterKey>> {
         ),
         None => std::env::var("AQUEDUCT_AAL_KEY").ok(),
     };
-    let Some(text) = text.filter(|t| !t.trim().is_empty()) else {
+    let Some(text) = text else {
         return Ok(None);
     };
-    use base64::Engine;
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(text.trim())
-        .map_err(|e| anyhow!("the key is not valid base64 ({e})"))?;
-    MasterKey::from_bytes(&bytes)
-        .map(Some)
-        .ok_or_else(|| anyhow!("the key decodes to {} bytes; it must be 32", bytes.len()))
+    aqueduct_server::config::decode_master_key(&text).map_err(|why| anyhow!("the key {why}"))
 }
 
 fn log_size(dir: &Path) -> u64 {
@@ -133,14 +127,7 @@ pub fn dump(
     for r in records.take(limit.map_or(usize::MAX, |l| l.min(usize::MAX as u64) as usize)) {
         let r = r?;
         match StoredMessage::decode(&r.data) {
-            Some(m) => writeln!(
-                out,
-                "{}\t{}\t{}\t{}",
-                r.offset,
-                m.priority.level(),
-                r.timestamp_ms,
-                String::from_utf8_lossy(&m.body).escape_debug()
-            )?,
+            Some(m) => writeln!(out, "{}", dump_line(r.offset, r.timestamp_ms, &m))?,
             None => writeln!(
                 out,
                 "{}\t?\t{}\t<not a stored message>",
@@ -150,4 +137,54 @@ pub fn dump(
     }
     out.flush()?;
     Ok(())
+}
+
+/// One message as `log dump` prints it: offset, priority, time (ms since the epoch) and body,
+/// tab-separated; a dead letter has a fifth column saying where it came from.
+fn dump_line(offset: u64, timestamp_ms: u64, m: &StoredMessage) -> String {
+    let mut line = format!(
+        "{offset}\t{}\t{timestamp_ms}\t{}",
+        m.priority.level(),
+        String::from_utf8_lossy(&m.body).escape_debug()
+    );
+    if let Some(d) = &m.dead_letter {
+        line.push_str(&format!(
+            "\tdead letter of {} #{} after {} attempt(s): {}",
+            d.original_topic,
+            d.original_offset,
+            d.attempts_made,
+            d.reason.escape_debug()
+        ));
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aqueduct_proto::{Priority, TopicName};
+    use aqueduct_server::durable::StoredDeadLetter;
+
+    #[test]
+    fn a_dead_letter_is_dumped_with_its_origin() {
+        let mut m = StoredMessage {
+            priority: Priority::new(2).expect("valid"),
+            ttl_ms: None,
+            trace: None,
+            compression: None,
+            dead_letter: None,
+            body: b"poison".to_vec(),
+        };
+        assert_eq!(dump_line(0, 17, &m), "0\t2\t17\tpoison");
+        m.dead_letter = Some(StoredDeadLetter {
+            original_topic: TopicName::try_from("jobs").expect("valid"),
+            original_offset: 10,
+            attempts_made: 4,
+            reason: "nacked".into(),
+        });
+        assert_eq!(
+            dump_line(0, 17, &m),
+            "0\t2\t17\tpoison\tdead letter of jobs #10 after 4 attempt(s): nacked"
+        );
+    }
 }

@@ -537,6 +537,11 @@ fn log_verify_and_dump_work_offline() {
     assert_eq!((lines[1][0], lines[1][3]), ("2", "three"));
     let topics = log(&["dump", d, "--key-file", k]);
     assert_eq!(String::from_utf8_lossy(&topics.stdout).trim(), "orders");
+    // Without the key: told how to give it.
+    let keyless = log(&["verify", d]);
+    assert!(!keyless.status.success());
+    let out = String::from_utf8_lossy(&keyless.stdout);
+    assert!(out.contains("pass --key-file FILE"), "{out}");
     // Without a directory: the broker's default one, $AQUEDUCT_HOME/aal here (a blank
     // AQUEDUCT_AAL_FILE_PATH means the default, as for the broker).
     for file_path in [None, Some(" ")] {

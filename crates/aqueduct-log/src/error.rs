@@ -39,7 +39,8 @@ pub enum LogError {
     Locked { path: PathBuf },
     /// Encrypted segments exist but no key was given.
     #[error(
-        "{} is encrypted but no key was given (set aal.key, or AQUEDUCT_AAL_KEY)",
+        "{} is encrypted but no key was given (the broker: set aal.key or AQUEDUCT_AAL_KEY; \
+         `aqueduct log`: pass --key-file FILE)",
         path.display()
     )]
     KeyRequired { path: PathBuf },

@@ -1146,6 +1146,13 @@ impl AalSection {
 
 /// `aal.key`: empty, or base64 of exactly 32 bytes.
 fn parse_aal_key(s: &str) -> Result<Option<aqueduct_log::MasterKey>, ConfigError> {
+    decode_master_key(s).map_err(|why| invalid("aal.key", why))
+}
+
+/// A durable log key as `aal.key` (or a key file) writes it: 32 bytes in base64, surrounding
+/// white space ignored; `None` when empty. The error says what is wrong without the key's name
+/// (the caller adds it) and shows no more of the key than one offending character.
+pub fn decode_master_key(s: &str) -> Result<Option<aqueduct_log::MasterKey>, String> {
     use base64::Engine;
     let s = s.trim();
     if s.is_empty() {
@@ -1153,17 +1160,21 @@ fn parse_aal_key(s: &str) -> Result<Option<aqueduct_log::MasterKey>, ConfigError
     }
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(s)
-        .map_err(|e| invalid("aal.key", format!("is not valid base64 ({e})")))?;
+        .map_err(|e| match e {
+            base64::DecodeError::InvalidByte(at, byte) => format!(
+                "is not valid base64: {:?} at position {at} is not a base64 character \
+                 (A-Z a-z 0-9 + /, = at the end)",
+                char::from(byte)
+            ),
+            other => format!("is not valid base64 ({other})"),
+        })?;
     aqueduct_log::MasterKey::from_bytes(&bytes)
         .map(Some)
         .ok_or_else(|| {
-            invalid(
-                "aal.key",
-                format!(
-                    "decodes to {} bytes; AES-256-GCM needs exactly 32 (e.g. `openssl rand \
-                     -base64 32`)",
-                    bytes.len()
-                ),
+            format!(
+                "decodes to {} bytes; AES-256-GCM needs exactly 32 (e.g. `openssl rand \
+                 -base64 32`)",
+                bytes.len()
             )
         })
 }

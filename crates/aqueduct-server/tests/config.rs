@@ -227,7 +227,7 @@ fn errors_name_the_key_and_the_problem() {
         (
             Some("aal:\n  key: \"not base64!\"\n"),
             &[],
-            "aal.key: is not valid base64",
+            "aal.key: is not valid base64: ' ' at position 3 is not a base64 character",
         ),
         (
             Some("aal:\n  key: \"c2hvcnQ=\"\n"),

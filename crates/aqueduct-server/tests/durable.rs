@@ -147,6 +147,11 @@ async fn a_durable_consumer_backfills_then_goes_live_without_gap_or_duplicate() 
         matches!(&second, Err(aqueduct_client::ClientError::Broker { code, .. }) if *code == aqueduct_client::ErrorCode::BAD_SUBSCRIBE),
         "{second:?}"
     );
+    let why = second.expect_err("refused").to_string();
+    assert!(
+        why.contains("durable consumer c1 is already subscribed"),
+        "the id as given: {why}"
+    );
     // Another consumer from an offset; and one from latest sees only what comes next.
     let mut from_90 = client
         .subscribe_with("orders", &durable_opts("c2", DurableStart::Offset(90)))

@@ -730,13 +730,15 @@ impl Reader<'_> {
                         match claim {
                             Ok(claim) => Some(claim),
                             Err(e) => {
+                                // The id as the client gave it, not the stored key's form.
+                                let id = key.split_once(':').map_or(key.as_str(), |(_, id)| id);
                                 let why = match e {
                                     ClaimError::InUse => format!(
-                                        "durable consumer {key} is already subscribed (one \
+                                        "durable consumer {id} is already subscribed (one \
                                          subscription per durable consumer at a time)"
                                     ),
                                     ClaimError::OtherFilter(f) => format!(
-                                        "durable group {key} reads {f}; all its members must \
+                                        "durable group {id} reads {f}; all its members must \
                                          subscribe with that filter"
                                     ),
                                 };
