@@ -40,19 +40,105 @@ impl Resolver for SystemResolver {
     }
 }
 
-/// Look up `host` every `interval` until `stop`; hand changed answers (plus `fixed`) to the
-/// mesh. A lookup is bounded by the interval itself.
+/// The static `cluster.peers`, looked up again at each refresh: a name that does not resolve
+/// yet (a container not started) is tried again, and one whose address changed (a container
+/// restarted) follows it. A name whose lookup fails keeps its last addresses.
+#[derive(Debug)]
+pub(crate) struct StaticPeers {
+    names: Vec<String>,
+    last: std::collections::HashMap<String, Vec<SocketAddr>>,
+    failing: std::collections::HashSet<String>,
+}
+
+/// How often the static peers are looked up again when DNS discovery is off.
+pub(crate) const STATIC_REFRESH: Duration = Duration::from_secs(10);
+
+impl StaticPeers {
+    pub(crate) fn new(names: Vec<String>) -> Self {
+        StaticPeers {
+            names,
+            last: Default::default(),
+            failing: Default::default(),
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
+    /// Every static peer's addresses, after looking each name up once more (bounded by
+    /// `limit` per name). A failure is logged when a name starts failing, not at every try.
+    pub(crate) async fn resolve(&mut self, limit: Duration) -> BTreeSet<SocketAddr> {
+        for name in &self.names {
+            let found =
+                match tokio::time::timeout(limit, tokio::net::lookup_host(name.as_str())).await {
+                    Ok(Ok(addrs)) => Ok(addrs.collect::<Vec<_>>()),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err(format!("no answer within {limit:?}")),
+                };
+            match found {
+                Ok(addrs) if !addrs.is_empty() => {
+                    if self.failing.remove(name) {
+                        info!(peer = %name, "cluster.peers: resolves again");
+                    }
+                    self.last.insert(name.clone(), addrs);
+                }
+                Ok(_) | Err(_) => {
+                    if self.failing.insert(name.clone()) {
+                        let why = found.err().unwrap_or_else(|| "no address".into());
+                        warn!(peer = %name, "cluster.peers: cannot resolve ({why}); trying again, keeping its last addresses");
+                    }
+                }
+            }
+        }
+        self.last.values().flatten().copied().collect()
+    }
+}
+
+/// Without DNS discovery: hand the static peers to the mesh, and again whenever their
+/// addresses change, until `stop`.
+pub(crate) async fn run_static(
+    mut statics: StaticPeers,
+    mesh: MeshHandle,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut sent: Option<BTreeSet<SocketAddr>> = None;
+    loop {
+        let all = statics.resolve(STATIC_REFRESH).await;
+        if sent.as_ref() != Some(&all) && !(sent.is_none() && all.is_empty()) {
+            mesh.send(Event::Peers(all.iter().copied().collect()));
+            sent = Some(all);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(STATIC_REFRESH) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+/// Look up `host` every `interval` until `stop`; hand the peer set — the last answer plus the
+/// static peers — to the mesh whenever it changes. The static peers are handed over at once,
+/// whatever the first lookup says: they are always kept.
 pub(crate) async fn run(
     resolver: Arc<dyn Resolver>,
     host: String,
     port: u16,
     interval: Duration,
-    fixed: Vec<SocketAddr>,
+    mut statics: StaticPeers,
     mesh: MeshHandle,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut d = Discovery::new(Instant::now(), interval);
+    let mut found: BTreeSet<SocketAddr> = BTreeSet::new();
+    let mut sent: Option<BTreeSet<SocketAddr>> = None;
+    let mut fixed = statics.resolve(interval).await;
     loop {
+        let all: BTreeSet<SocketAddr> = found.union(&fixed).copied().collect();
+        if sent.as_ref() != Some(&all) && !(sent.is_none() && all.is_empty()) {
+            info!(%host, peers = all.len(), "cluster discovery: the peer set changed");
+            mesh.send(Event::Peers(all.iter().copied().collect()));
+            sent = Some(all);
+        }
         tokio::select! {
             _ = tokio::time::sleep_until(d.poll_timeout().into()) => {}
             _ = stop.wait_for(|s| *s) => return,
@@ -62,16 +148,14 @@ pub(crate) async fn run(
             Err(_) => Err(format!("no answer within {interval:?}")),
         };
         match d.handle_answer(Instant::now(), answer) {
-            Answer::Changed(found) => {
-                let mut all: BTreeSet<SocketAddr> = found;
-                all.extend(fixed.iter().copied());
-                info!(%host, peers = all.len(), "cluster discovery: the peer set changed");
-                mesh.send(Event::Peers(all.into_iter().collect()));
-            }
+            Answer::Changed(now) => found = now,
             Answer::Unchanged => {}
             Answer::Failed { why, keeping } => {
                 warn!(%host, "cluster discovery: lookup failed ({why}); keeping the last {keeping} peers")
             }
+        }
+        if !statics.is_empty() {
+            fixed = statics.resolve(interval).await;
         }
     }
 }

@@ -742,8 +742,8 @@ pub(crate) fn new(
 }
 
 impl Driver {
-    /// Resolve the static `cluster.peers`, then run the driver (and DNS discovery if configured,
-    /// which adds what it finds) until `stop`.
+    /// Run the driver until `stop`, with the static `cluster.peers` (looked up again now and
+    /// then) and DNS discovery if configured, which adds what it finds.
     pub async fn run_with_peers(
         self,
         cluster: crate::cluster::ClusterConfig,
@@ -751,13 +751,7 @@ impl Driver {
         endpoint: quinn::Endpoint,
         stop: watch::Receiver<bool>,
     ) {
-        let mut fixed = Vec::new();
-        for p in &cluster.peers {
-            match tokio::net::lookup_host(p.as_str()).await {
-                Ok(found) => fixed.extend(found),
-                Err(e) => warn!(peer = %p, "cluster.peers: cannot resolve: {e}"),
-            }
-        }
+        let statics = crate::discovery::StaticPeers::new(cluster.peers.clone());
         let handle = self.handle.clone();
         match cluster.discovery {
             Some((host, port, interval)) => {
@@ -766,17 +760,16 @@ impl Driver {
                     host,
                     port,
                     interval,
-                    fixed,
+                    statics,
                     handle,
                     stop.clone(),
                 );
                 tokio::join!(self.run(endpoint, stop), discovery);
             }
+            None if statics.is_empty() => self.run(endpoint, stop).await,
             None => {
-                if !fixed.is_empty() {
-                    handle.send(Event::Peers(fixed));
-                }
-                self.run(endpoint, stop).await
+                let refresh = crate::discovery::run_static(statics, handle, stop.clone());
+                tokio::join!(self.run(endpoint, stop), refresh);
             }
         }
     }

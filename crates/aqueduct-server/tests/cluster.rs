@@ -1174,3 +1174,41 @@ async fn a_batch_mixing_group_and_plain_topics_keeps_order_and_round_robin() {
         b.stop().await.expect("clean shutdown");
     }
 }
+
+/// A resolver that never answers with an address.
+#[derive(Debug, Default)]
+struct FailingDns;
+
+impl aqueduct_server::discovery::Resolver for FailingDns {
+    fn resolve<'a>(&'a self, _host: &'a str, _port: u16) -> aqueduct_server::discovery::Lookup<'a> {
+        Box::pin(async move { Err("no such host".to_string()) })
+    }
+}
+
+/// With DNS discovery on, the static `cluster.peers` are used whatever the lookups say: they
+/// are always kept, also while the discovery name does not resolve (before, they were handed to
+/// the mesh only with a changed DNS answer, so never while every lookup failed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_peers_are_used_while_discovery_fails() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let b_cfg = node_config(&ca, &ca_file, dir.path(), "node-b", None);
+    let b = TestBroker::start_with(|c| c.cluster = b_cfg).await;
+    let mut a_cfg = node_config(
+        &ca,
+        &ca_file,
+        dir.path(),
+        "node-a",
+        Some(("aqueduct-headless".into(), 4242, Duration::from_millis(200))),
+    );
+    a_cfg.peers = vec![b.addr.to_string()];
+    let resolver = std::sync::Arc::new(FailingDns);
+    let a = TestBroker::start_custom(|c| c.cluster = a_cfg, |s| s.set_resolver(resolver)).await;
+    until("node-a to connect to its static peer", || {
+        peers_of(&a).contains("node-b")
+    })
+    .await;
+    a.stop().await.expect("clean shutdown");
+    b.stop().await.expect("clean shutdown");
+}
