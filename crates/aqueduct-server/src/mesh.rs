@@ -499,7 +499,8 @@ impl MeshHandle {
             ctx.clear_scope();
             out
         };
-        self.send_copies(p, &routing.forward);
+        // The same map that decided which groups go elsewhere: each of those gets its copy.
+        self.send_copies_to(&queues, p, &routing.forward);
         out
     }
 
@@ -548,7 +549,27 @@ impl MeshHandle {
         if copies.is_empty() {
             return;
         }
-        let queues = self.queues.load();
+        self.send_copies_to(&self.queues.load(), p, copies);
+    }
+
+    /// [`send_copies`](Self::send_copies) with the peers' queues as loaded by the caller. A
+    /// copy for a peer whose queue is gone (its connection just ended) is counted as discarded.
+    fn send_copies_to(
+        &self,
+        queues: &HashMap<NodeId, Arc<PeerQueue>>,
+        p: &Publication<'_>,
+        copies: &[(NodeId, Forward)],
+    ) {
+        if copies.is_empty() {
+            return;
+        }
+        let missing = copies
+            .iter()
+            .filter(|(node, _)| !queues.contains_key(node))
+            .count();
+        if missing > 0 {
+            self.discarded.fetch_add(missing as u64, Ordering::Relaxed);
+        }
         // The common case: copies for the peers' plain subscribers only, all alike. One
         // record, shared by every peer's queue.
         if plain_only(copies) {
@@ -566,7 +587,9 @@ impl MeshHandle {
         // The TTL's place in the frame and its value: the queue takes off the time it waits.
         let ttl = ttl_in(&frame, 0);
         for (node, f) in copies {
-            let Some(q) = queues.get(node) else { continue };
+            let Some(q) = queues.get(node) else {
+                continue; // counted above
+            };
             // At most GROUPS_PER_RECORD groups a record (its routing fits its length field);
             // the first carries the plain part.
             let chunks: Vec<&[GroupKey]> = if f.groups.is_empty() {
@@ -607,7 +630,8 @@ impl MeshHandle {
         let Some((node, forward)) = table.repick_elsewhere(&o.group) else {
             return false;
         };
-        if !self.queues.load().contains_key(&node) {
+        let queues = self.queues.load();
+        if !queues.contains_key(&node) {
             return false;
         }
         let mut p = Publication::new(&o.topic, &o.body).with_attempts(o.attempts.saturating_sub(1));
@@ -615,7 +639,7 @@ impl MeshHandle {
         p.ttl = o.ttl;
         p.trace = o.trace.as_ref();
         p.compression = o.compression.as_ref();
-        self.send_copies(&p, &[(node, forward)]);
+        self.send_copies_to(&queues, &p, &[(node, forward)]);
         self.handed_over.fetch_add(1, Ordering::Relaxed);
         true
     }
@@ -1440,6 +1464,14 @@ async fn serve_peer(link: PeerTask) {
                 }
             }
             if n == 0 {
+                if !buf.is_empty() {
+                    // Finished inside a block: its copies are lost, not silently dropped.
+                    mesh.refused_blocks.fetch_add(1, Ordering::Relaxed);
+                    return End::Broken(format!(
+                        "the data stream ended inside a block ({} bytes of it)",
+                        buf.len()
+                    ));
+                }
                 // Only a retired connection's data stream is ever finished.
                 return End::PeerRetired;
             }
@@ -1718,7 +1750,10 @@ mod tests {
     #[test]
     fn a_compressed_bomb_or_a_lie_is_refused() {
         // A block claiming 1 GiB uncompressed.
-        let packed = aqueduct_proto::compress::compress(&vec![0u8; 1 << 20], 3)
+        let data: Vec<u8> = (0..50_000)
+            .flat_map(|i| format!("message {i}\n").into_bytes())
+            .collect();
+        let packed = aqueduct_proto::compress::compress(&data, 3)
             .expect("compresses")
             .1;
         let mut buf = BytesMut::new();

@@ -155,7 +155,7 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
     out.single(
         "aqueduct_mesh_discarded_total",
         "counter",
-        "Copies still queued for a peer when it went away (not sent).",
+        "Copies not sent because their peer went away: still queued when it did, or routed to it just after.",
         mesh.discarded.load(std::sync::atomic::Ordering::Relaxed),
     );
     out.single(
