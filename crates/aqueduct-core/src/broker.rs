@@ -942,6 +942,16 @@ impl Broker {
         groups
     }
 
+    /// Is consumer group `group` with filter `filter` routed here now (it has a member that is
+    /// not detached)? A group leaves the routing index with its last member.
+    pub fn has_group(&self, filter: &aqueduct_proto::TopicFilter, group: &GroupId) -> bool {
+        self.read_routes()
+            .index
+            .entries(filter)
+            .iter()
+            .any(|r| matches!(r, Route::Group(g) if g.shared.id() == group))
+    }
+
     /// Number of live subscriptions.
     pub fn subscriber_count(&self) -> usize {
         self.read_routes().subscribers.len()

@@ -783,6 +783,18 @@ impl RouteTable {
     /// (the caller's), its groups to a local member, or — if none is left here — re-picked
     /// among the nodes it has not been to. Never to a plain subscriber elsewhere.
     pub fn route_forwarded(&self, forward: &Forward) -> Routing {
+        self.route_forwarded_where(forward, |_| true)
+    }
+
+    /// [`route_forwarded`](Self::route_forwarded), taking a group here only if `here` also says
+    /// it has a member now: the snapshot may still count a member that just left, and a copy
+    /// given to a group the broker no longer routes would reach no one. Such a group is picked
+    /// again among the nodes the copy has not been to (this one counts as visited).
+    pub fn route_forwarded_where(
+        &self,
+        forward: &Forward,
+        here: impl Fn(&GroupKey) -> bool,
+    ) -> Routing {
         let mut routing = Routing::default();
         let mut visited = forward.visited.clone();
         if !visited.contains(&self.me) {
@@ -790,7 +802,7 @@ impl RouteTable {
         }
         let mut copies: BTreeMap<NodeId, Forward> = BTreeMap::new();
         for g in &forward.groups {
-            if self.members(&self.me, g) > 0 {
+            if self.members(&self.me, g) > 0 && here(g) {
                 routing.local_groups.push(g.clone());
                 continue;
             }
@@ -1036,6 +1048,31 @@ mod tests {
         let r = c.route_forwarded(&r.forward[0].1);
         assert!(r.forward.is_empty());
         assert_eq!(r.unplaced, vec![g]);
+    }
+
+    /// The snapshot still counts a member here that the broker no longer routes to (it just
+    /// left): the copy is picked again among the nodes it has not been to, not given to a group
+    /// that would reach no one.
+    #[test]
+    fn a_group_copy_is_re_picked_when_its_member_here_just_left() {
+        let g = group("jobs", "w");
+        let mut b = Mesh::new(node("b"), MeshConfig::default(), 1, 1);
+        b.handle_local(Key::Group(g.clone()), 1);
+        connected(&mut b, 1, "a", &[(Key::Group(g.clone()), 1)]);
+        connected(&mut b, 2, "c", &[(Key::Group(g.clone()), 1)]);
+        let f = Forward {
+            plain: false,
+            groups: vec![g.clone()],
+            visited: vec![node("a")],
+        };
+        let table = b.table();
+        let r = table.route_forwarded(&f);
+        assert_eq!(r.local_groups, vec![g.clone()], "the snapshot says: here");
+        let r = table.route_forwarded_where(&f, |_| false);
+        assert!(r.local_groups.is_empty());
+        assert_eq!(r.forward.len(), 1);
+        assert_eq!(r.forward[0].0, node("c"), "on to c, never back to a");
+        assert_eq!(r.forward[0].1.visited, vec![node("a"), node("b")]);
     }
 
     #[test]

@@ -443,6 +443,9 @@ pub struct MeshHandle {
     pub retired: Arc<AtomicU64>,
     /// Copies still queued for a peer when it went away (its queue is let go of).
     pub discarded: Arc<AtomicU64>,
+    /// Group copies received for a group with no member left on any node they had not been to:
+    /// dropped.
+    pub unplaced: Arc<AtomicU64>,
     /// Connections closed because their peer did not read its control stream
     /// ([`CONTROL_QUEUE`] updates waiting).
     pub control_overflows: Arc<AtomicU64>,
@@ -735,6 +738,7 @@ pub(crate) fn new(
         handed_over: Arc::new(AtomicU64::new(0)),
         retired: Arc::new(AtomicU64::new(0)),
         discarded: Arc::new(AtomicU64::new(0)),
+        unplaced: Arc::new(AtomicU64::new(0)),
         control_overflows: Arc::new(AtomicU64::new(0)),
     };
     let out = (
@@ -1422,8 +1426,17 @@ async fn serve_peer(link: PeerTask) {
                     let routing = if forward.groups.is_empty() {
                         aqueduct_core::mesh::Routing::default()
                     } else {
-                        mesh.table().route_forwarded(&forward)
+                        // A group here only if the broker still routes it (its member may have
+                        // left since the table was made).
+                        mesh.table().route_forwarded_where(&forward, |g| {
+                            broker.has_group(&g.filter, &g.group)
+                        })
                     };
+                    if !routing.unplaced.is_empty() {
+                        // No member left on any node it has not been to: dropped, counted.
+                        mesh.unplaced
+                            .fetch_add(routing.unplaced.len() as u64, Ordering::Relaxed);
+                    }
                     if forward.plain || !routing.local_groups.is_empty() {
                         let _room = match durable {
                             Some(d) => Some(d.wait_room(1).await),

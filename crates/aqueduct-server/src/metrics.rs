@@ -159,6 +159,12 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
         mesh.discarded.load(std::sync::atomic::Ordering::Relaxed),
     );
     out.single(
+        "aqueduct_mesh_unplaced_total",
+        "counter",
+        "Consumer-group copies received from peers whose group had no member left here or on any node they had not been to: dropped.",
+        mesh.unplaced.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    out.single(
         "aqueduct_mesh_duplicates_retired_total",
         "counter",
         "Duplicate mesh connections (both ends dialed) retired: finished, read to the end, closed.",
