@@ -343,13 +343,7 @@ pub(crate) struct Room<'a> {
 
 impl Drop for Room<'_> {
     fn drop(&mut self) {
-        let _q = lock(&self.durable.queue);
-        let owed = self.durable.owed.load(Ordering::Relaxed);
-        self.durable
-            .owed
-            .store(owed.saturating_sub(self.n), Ordering::Relaxed);
-        drop(_q);
-        self.durable.room.notify_waiters();
+        self.durable.pay(self.n);
     }
 }
 
@@ -362,8 +356,12 @@ pub(crate) struct Durable {
     /// Held while a stream routes a publish frame and queues its messages.
     pub order: Mutex<()>,
     /// Messages queued or being written, plus the rooms streams hold (see [`MAX_OWED`]).
-    /// Changed only under the `queue` lock.
+    /// Taken (checked, then added) only under the `queue` lock; paid back without it, which
+    /// can only make a check under the lock more careful than it needs to be.
     owed: std::sync::atomic::AtomicUsize,
+    /// Streams waiting in [`Durable::wait_room`]: paying back wakes them only if there are any
+    /// (counted before they check, so none is missed).
+    room_waiters: std::sync::atomic::AtomicUsize,
     /// Each topic's next offset as handed out to the log (written or refused; at startup, as
     /// recovered): where a topic the core creates again starts.
     next: Mutex<HashMap<Box<[u8]>, u64>>,
@@ -419,6 +417,7 @@ impl Durable {
             room: tokio::sync::Notify::new(),
             order: Mutex::new(()),
             owed: std::sync::atomic::AtomicUsize::new(0),
+            room_waiters: std::sync::atomic::AtomicUsize::new(0),
             floor: log.new_topic_offset(),
             durable_next: Mutex::new(next.clone()),
             next: Mutex::new(next),
@@ -497,29 +496,48 @@ impl Durable {
     /// log stays at most [`MAX_OWED`], or one frame when nothing else is. Closed: at once (the
     /// frame is refused then).
     pub async fn wait_room(&self, n: usize) -> Room<'_> {
-        loop {
+        if let Some(room) = self.try_room(n) {
+            return room;
+        }
+        self.room_waiters.fetch_add(1, Ordering::SeqCst);
+        let room = loop {
             let room = self.room.notified();
             tokio::pin!(room);
             room.as_mut().enable();
-            {
-                let q = lock(&self.queue);
-                let owed = self.owed.load(Ordering::Relaxed);
-                let fits = owed == 0
-                    || (owed + n <= MAX_OWED && q.data.len() < MAX_QUEUED_BYTES)
-                    || self.is_closed();
-                if fits {
-                    self.owed.store(owed + n, Ordering::Relaxed);
-                    return Room { durable: self, n };
-                }
+            if let Some(got) = self.try_room(n) {
+                break got;
             }
             room.await;
-        }
+        };
+        self.room_waiters.fetch_sub(1, Ordering::SeqCst);
+        room
+    }
+
+    /// Room for `n` messages if there is some now.
+    fn try_room(&self, n: usize) -> Option<Room<'_>> {
+        let q = lock(&self.queue);
+        let owed = self.owed.load(Ordering::SeqCst);
+        let fits = owed == 0
+            || (owed + n <= MAX_OWED && q.data.len() < MAX_QUEUED_BYTES)
+            || self.is_closed();
+        fits.then(|| {
+            self.owed.fetch_add(n, Ordering::SeqCst);
+            Room { durable: self, n }
+        })
     }
 
     /// Count `n` records just pushed (under the queue lock).
     fn owe(&self, n: usize) {
-        let owed = self.owed.load(Ordering::Relaxed);
-        self.owed.store(owed + n, Ordering::Relaxed);
+        self.owed.fetch_add(n, Ordering::SeqCst);
+    }
+
+    /// `n` messages no longer owed (a room given back, or records written); wakes the streams
+    /// waiting for room, if any.
+    fn pay(&self, n: usize) {
+        self.owed.fetch_sub(n, Ordering::SeqCst);
+        if self.room_waiters.load(Ordering::SeqCst) > 0 {
+            self.room.notify_waiters();
+        }
     }
 
     /// Queue the messages of one routed publish frame. `records` gives each message's topic
@@ -695,14 +713,8 @@ impl Durable {
             if !work.groups.is_empty() {
                 self.wait_while_held();
                 self.write(&mut log, &work);
-                {
-                    // Written (or answered STORAGE_FAILED): no longer owed.
-                    let _q = lock(&self.queue);
-                    let owed = self.owed.load(Ordering::Relaxed);
-                    self.owed
-                        .store(owed.saturating_sub(work.recs.len()), Ordering::Relaxed);
-                }
-                self.room.notify_waiters();
+                // Written (or answered STORAGE_FAILED): no longer owed.
+                self.pay(work.recs.len());
                 work.data.clear();
                 work.recs.clear();
                 work.groups.clear();
