@@ -61,14 +61,19 @@ fn admin(home: &Path, b: &Broker, cn: &str, args: &[&str]) -> std::process::Outp
     let certs = home.join("certs");
     let cert = certs.join(format!("{cn}.pem")).display().to_string();
     let key = certs.join(format!("{cn}-key.pem")).display().to_string();
+    admin_as(home, b, &cert, &key, args)
+}
+
+/// `aqueduct admin` with the certificate `cert` and its key `key`; its output.
+fn admin_as(home: &Path, b: &Broker, cert: &str, key: &str, args: &[&str]) -> std::process::Output {
     let mut all = vec![
         "admin",
         "--admin-addr",
         &b.admin,
         "--cert",
-        &cert,
+        cert,
         "--key",
-        &key,
+        key,
     ];
     all.extend_from_slice(args);
     run_client(home, &all)
@@ -164,19 +169,7 @@ fn admin_commands_manage_a_running_broker() {
         err.contains("not signed by a CA the broker trusts"),
         "{err}"
     );
-    let out = run_client(
-        h,
-        &[
-            "admin",
-            "--admin-addr",
-            &b.admin,
-            "--cert",
-            &cert,
-            "--key",
-            &key,
-            "info",
-        ],
-    );
+    let out = admin_as(h, &b, &cert, &key, &["info"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
