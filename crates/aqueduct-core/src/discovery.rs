@@ -6,7 +6,10 @@
 //!
 //! A failed lookup keeps the last good set (and says so); so does an empty answer, since a
 //! headless Service always lists the asking pod itself: an empty list is a DNS problem, not a
-//! cluster of none.
+//! cluster of none. A new address is taken at once; one that an answer leaves out is dropped
+//! only when [`MISSING_ANSWERS`] answers in a row leave it out, so that one partial answer (a
+//! DNS server with a stale view, a pod briefly not ready) does not close a healthy peer's
+//! connection and discard its queued copies.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -23,12 +26,17 @@ pub enum Answer {
     Failed { why: String, keeping: usize },
 }
 
+/// Good answers in a row that must leave an address out before it is dropped from the set.
+pub const MISSING_ANSWERS: u32 = 2;
+
 /// The polling state.
 #[derive(Debug)]
 pub struct Discovery {
     interval: Duration,
     next: Instant,
     last_good: Option<BTreeSet<SocketAddr>>,
+    /// Addresses of the set that the latest good answers left out, with how many in a row.
+    missing: std::collections::BTreeMap<SocketAddr, u32>,
     failures: u64,
 }
 
@@ -39,6 +47,7 @@ impl Discovery {
             interval,
             next: now,
             last_good: None,
+            missing: Default::default(),
             failures: 0,
         }
     }
@@ -65,11 +74,23 @@ impl Discovery {
             Ok(_) => return self.failed("the name resolved to no address".into()),
             Err(why) => return self.failed(why),
         };
-        if self.last_good.as_ref() == Some(&addrs) {
+        // Keep what this answer leaves out until it has been left out MISSING_ANSWERS times.
+        let mut set = addrs.clone();
+        let before = self.last_good.clone().unwrap_or_default();
+        let mut missing = std::collections::BTreeMap::new();
+        for a in before.difference(&addrs) {
+            let times = self.missing.get(a).copied().unwrap_or(0) + 1;
+            if times < MISSING_ANSWERS {
+                missing.insert(*a, times);
+                set.insert(*a);
+            }
+        }
+        self.missing = missing;
+        if self.last_good.as_ref() == Some(&set) {
             return Answer::Unchanged;
         }
-        self.last_good = Some(addrs.clone());
-        Answer::Changed(addrs)
+        self.last_good = Some(set.clone());
+        Answer::Changed(set)
     }
 
     fn failed(&mut self, why: String) -> Answer {
@@ -92,9 +113,27 @@ mod tests {
             .collect()
     }
 
+    /// One answer that leaves a healthy peer out (a DNS server with a stale view) changes
+    /// nothing; two in a row drop it.
+    #[test]
+    fn one_partial_answer_does_not_drop_a_peer() {
+        let now = Instant::now();
+        let mut d = Discovery::new(now, Duration::from_secs(1));
+        let all: BTreeSet<SocketAddr> = addrs(1..=3).into_iter().collect();
+        assert_eq!(d.handle_answer(now, Ok(addrs(1..=3))), Answer::Changed(all));
+        assert_eq!(d.handle_answer(now, Ok(addrs(1..=2))), Answer::Unchanged);
+        assert_eq!(d.handle_answer(now, Ok(addrs(1..=3))), Answer::Unchanged);
+        assert_eq!(d.handle_answer(now, Ok(addrs(1..=2))), Answer::Unchanged);
+        assert_eq!(
+            d.handle_answer(now, Ok(addrs(1..=2))),
+            Answer::Changed(addrs(1..=2).into_iter().collect())
+        );
+    }
+
     /// A fake resolver scales the service 3 → 5 → 2; within one interval of each change the
-    /// node dials the new peers and closes the connections to those gone, and a DNS failure
-    /// in between changes nothing.
+    /// node dials the new peers, within two it closes the connections to those gone (left out
+    /// of two answers in a row), and a DNS failure or an empty answer in between changes
+    /// nothing.
     #[test]
     fn the_peer_set_follows_the_answers_within_one_interval() {
         let start = Instant::now();
@@ -107,6 +146,7 @@ mod tests {
             Err("SERVFAIL".into()),
             Ok(addrs(1..=5)),
             Ok(vec![]),
+            Ok(addrs([1, 4])),
             Ok(addrs([1, 4])),
         ];
         let mut connected: BTreeSet<SocketAddr> = BTreeSet::new();
@@ -149,7 +189,8 @@ mod tests {
             }
             let want: BTreeSet<SocketAddr> = match round {
                 0 | 1 => addrs(2..=3).into_iter().collect(),
-                2 | 3 => addrs(2..=5).into_iter().collect(),
+                // Left out once: kept (a partial answer must not cut healthy peers).
+                2..=4 => addrs(2..=5).into_iter().collect(),
                 _ => addrs([4]).into_iter().collect(),
             };
             assert_eq!(connected, want, "after round {round}");
