@@ -137,7 +137,10 @@ fn javascript(body: &'static str) -> impl IntoResponse {
 /// certificate hash before each connect: the certificate is renewed).
 async fn web_page(State(e): State<Arc<Endpoint>>) -> impl IntoResponse {
     let page = WEB_INDEX_HTML
-        .replace("{{WT_PORT}}", &e.shared.local_addr.port().to_string())
+        .replace(
+            "{{WT_PORT}}",
+            &e.shared.webtransport_addr.port().to_string(),
+        )
         .replace(
             "{{WT_PATH}}",
             &html_attr(&e.shared.config.webtransport.path_prefix),

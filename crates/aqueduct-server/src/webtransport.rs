@@ -39,6 +39,16 @@ const BROWSER_CERT_VALID: Duration = Duration::from_secs(13 * 24 * 3600);
 /// before each connect (a hash fetched before a renewal no longer matches after it).
 pub const BROWSER_CERT_RENEW: Duration = Duration::from_secs(6 * 24 * 3600);
 
+/// How often [`BrowserCerts::keep_renewed`] looks at the wall clock.
+const RENEW_CHECK: Duration = Duration::from_secs(600);
+
+/// Is `cert` due for renewal at wall-clock time `now` ([`BROWSER_CERT_RENEW`] after it was made,
+/// so that it is never presented in its last days)?
+fn renewal_due(cert: &BrowserCert, now: std::time::SystemTime) -> bool {
+    let renew_at = cert.not_after - (BROWSER_CERT_VALID - BROWSER_CERT_RENEW);
+    now >= renew_at
+}
+
 /// `webtransport.*` as written.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -271,12 +281,20 @@ impl BrowserCerts {
         Ok(())
     }
 
-    /// Renew every [`BROWSER_CERT_RENEW`] (runs until dropped).
+    /// Renew [`BROWSER_CERT_RENEW`] after each certificate was made (runs until dropped). The
+    /// wall clock decides, looked at every [`RENEW_CHECK`]: a runtime timer does not count the
+    /// time a machine sleeps (a laptop), while the certificate's validity does. A failed renewal
+    /// is tried again at the next look.
     pub async fn keep_renewed(self: Arc<Self>) {
         loop {
-            tokio::time::sleep(BROWSER_CERT_RENEW).await;
-            if let Err(e) = self.renew() {
-                warn!("WebTransport: renewing the browsers' certificate failed: {e}");
+            tokio::time::sleep(RENEW_CHECK).await;
+            let due = self
+                .current()
+                .is_none_or(|c| renewal_due(&c, std::time::SystemTime::now()));
+            if due {
+                if let Err(e) = self.renew() {
+                    warn!("WebTransport: renewing the browsers' certificate failed: {e}");
+                }
             }
         }
     }
@@ -353,6 +371,9 @@ pub fn admit(
     }
 }
 
+/// How long a refused session's connection stays open for the client to read the HTTP status.
+const REFUSAL_LINGER: Duration = Duration::from_secs(2);
+
 /// One browser's (or native WebTransport client's) session: the HTTP/3 handshake, the checks,
 /// then each bidirectional stream to the stream task, until the session ends.
 pub(crate) async fn serve(
@@ -402,7 +423,17 @@ pub(crate) async fn serve(
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let status = web_transport_quinn::http::StatusCode::from_u16(refusal.status)
                 .unwrap_or(web_transport_quinn::http::StatusCode::FORBIDDEN);
-            let _ = request.reject(status).await;
+            // Bounded: a client that gives the response no stream credit must not hold this
+            // task (and a connection slot) forever.
+            if tokio::time::timeout(timeout, request.reject(status))
+                .await
+                .is_ok()
+            {
+                // Dropping the connection now would close it before the response is sent:
+                // let the client read it and close (it does at once), within a bound.
+                let _ = tokio::time::timeout(REFUSAL_LINGER, conn.closed()).await;
+            }
+            conn.close(0u32.into(), b"WebTransport session refused");
             return;
         }
     };
@@ -411,10 +442,15 @@ pub(crate) async fn serve(
     if wants_ours {
         response = response.with_protocol(SUBPROTOCOL);
     }
-    let session = match request.respond(response).await {
-        Ok(s) => s,
-        Err(e) => {
+    let session = match tokio::time::timeout(timeout, request.respond(response)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
             debug!(%remote, "WebTransport session not established: {e}");
+            return;
+        }
+        Err(_) => {
+            debug!(%remote, "WebTransport session not established: the response was not taken in time");
+            conn.close(0u32.into(), b"WebTransport handshake timed out");
             return;
         }
     };
@@ -459,6 +495,27 @@ impl crate::stream::RecvHalf for web_transport_quinn::RecvStream {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Renewal follows the wall clock: a certificate made 6 days ago is due whatever the
+    /// runtime's timers counted (they stop while a machine sleeps), a fresh one is not.
+    #[test]
+    fn renewal_is_due_by_the_wall_clock() {
+        let cert = BrowserCert::generate().expect("a certificate");
+        let now = std::time::SystemTime::now();
+        assert!(!renewal_due(&cert, now), "fresh");
+        assert!(!renewal_due(
+            &cert,
+            now + BROWSER_CERT_RENEW - Duration::from_secs(60)
+        ));
+        assert!(renewal_due(
+            &cert,
+            now + BROWSER_CERT_RENEW + Duration::from_secs(60)
+        ));
+        assert!(
+            renewal_due(&cert, cert.not_after),
+            "never presented expired"
+        );
+    }
 
     fn url(s: &str) -> url::Url {
         url::Url::parse(s).expect("url")

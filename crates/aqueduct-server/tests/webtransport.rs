@@ -262,17 +262,32 @@ async fn sessions_are_refused_by_path_origin_and_token() {
             .insert("a-long-enough-browser-token".into(), "dashboard".into());
     })
     .await;
-    assert!(wt_connect(&b, "/elsewhere", None).await.is_err(), "path");
-    assert!(
-        wt_connect(&b, "/aqueduct/wt", Some("https://evil.example"))
-            .await
-            .is_err(),
+    // Each refusal reaches the client as its HTTP status (protocol.md §12), not as a
+    // connection error.
+    let status = |r: Result<web_transport_quinn::Session, web_transport_quinn::ClientError>| {
+        use web_transport_quinn::{proto, ClientError, ConnectError};
+        match r {
+            Err(ClientError::HttpError(ConnectError::ErrorStatus(s)))
+            | Err(ClientError::HttpError(ConnectError::ProtoError(
+                proto::ConnectError::WrongStatus(Some(s)),
+            ))) => s.as_u16(),
+            Err(e) => panic!("refused without a status: {e}"),
+            Ok(_) => panic!("admitted"),
+        }
+    };
+    assert_eq!(
+        status(wt_connect(&b, "/elsewhere", None).await),
+        404,
+        "path"
+    );
+    assert_eq!(
+        status(wt_connect(&b, "/aqueduct/wt", Some("https://evil.example")).await),
+        403,
         "origin"
     );
-    assert!(
-        wt_connect(&b, "/aqueduct/wt?token=guessed", None)
-            .await
-            .is_err(),
+    assert_eq!(
+        status(wt_connect(&b, "/aqueduct/wt?token=guessed", None).await),
+        401,
         "token"
     );
     let ok = wt_connect(&b, "/aqueduct/wt?token=a-long-enough-browser-token", None)
@@ -473,6 +488,13 @@ async fn webtransport_on_a_port_of_its_own() {
     .await;
     let (hash, port) = cert_hash_and_port(&b).await;
     assert_ne!(port, b.addr.port(), "the page is told the port of its own");
+    // The live view's page names the same port (it falls back on it when there is no hash
+    // to fetch, with a certificate of the broker's own).
+    let page = get(b.metrics_addr, "/").await.1;
+    assert!(
+        page.contains(&format!("name=\"aqueduct-wt-port\" content=\"{port}\"")),
+        "{page}"
+    );
     let session = wt_connect_to(port, hash.clone(), "/aqueduct/wt", None)
         .await
         .expect("a session on the WebTransport port");

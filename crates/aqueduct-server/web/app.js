@@ -99,7 +99,15 @@ async function doConnect(token) {
     onError: (e) => event(`broker: ${describeError(e)}`, true),
   };
   if (hash) options.serverCertificateHashes = [{ algorithm: hash.algorithm, value: hash.value }];
-  if (token) options.token = token;
+  if (token) {
+    // `?wt=` may name another host (a remote broker, see howto-browser.md), and anyone can make
+    // a link with it: a token goes to a host other than this page's only if the user says so.
+    const host = new URL(target).hostname.replace(/^\[|\]$/g, '');
+    if (host !== location.hostname && !window.confirm(`Send your token to ${host}? Only do so if that is your broker.`)) {
+      throw new Error(`not connected: the token was not sent to ${host}`);
+    }
+    options.token = token;
+  }
   const c = await connect(target, options);
   client = c;
   $('where').textContent = target;
