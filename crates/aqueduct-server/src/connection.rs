@@ -439,6 +439,9 @@ fn divert(conn: &quinn::Connection, shared: &Shared) -> bool {
     }
 }
 
+/// How long a closing WebTransport session waits for the peer to take the close message.
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The end of a 0-RTT handshake: identifies the client and releases held-back early data.
 type Confirming = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
@@ -518,6 +521,10 @@ async fn serve_streams(
                 let flush = async { while streams.join_next().await.is_some() {} };
                 let _ = tokio::time::timeout(SHUTDOWN_FLUSH, flush).await;
                 session.close(ErrorCode::SHUTTING_DOWN, b"broker shutting down");
+                // A WebTransport session's close is a message on its CONNECT stream: give the
+                // peer a moment to take it (it closes the connection then) before the endpoint
+                // closes every connection at once. A QUIC close has ended it already.
+                let _ = tokio::time::timeout(CLOSE_WAIT, session.quic().closed()).await;
                 break "broker shutting down".to_string();
             }
         }
