@@ -625,11 +625,8 @@ impl AdminService for AdminApi {
                 Target::ConnectionId(id) => c.id == *id,
                 Target::ClientId(id) => c.identity() == id,
             };
-            if let (true, Some(conn)) = (hit, c.conn.get()) {
-                // Application close code 0: not an error of the client's.
-                let mut bytes = reason.clone().into_bytes();
-                bytes.truncate(512);
-                conn.close(0u32.into(), &bytes);
+            if hit && c.conn.get().is_some() {
+                c.disconnect(reason.clone());
                 info!(caller, client = %c.describe(), "disconnected by the admin API");
                 disconnected += 1;
             }

@@ -59,9 +59,21 @@ pub(crate) struct ConnState {
     subs: Mutex<HashMap<u32, SubEntry>>,
     confirmed: AtomicBool,
     confirmed_notify: Notify,
+    /// [`ConnState::disconnect`]'s reason; the connection's task closes the session with it.
+    close_reason: Mutex<Option<String>>,
+    close_requested: Notify,
 }
 
 impl ConnState {
+    /// Close the connection with application code 0 and `reason` (an administrator's
+    /// disconnect): through the session, so that a WebTransport client gets the session's
+    /// close message (its code and reason), not a bare connection close.
+    pub(crate) fn disconnect(&self, reason: String) {
+        *self.close_reason.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+        // A stored permit if the task is not waiting right now.
+        self.close_requested.notify_one();
+    }
+
     fn lock(&self) -> MutexGuard<'_, HashMap<u32, SubEntry>> {
         self.subs.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -252,6 +264,8 @@ pub(crate) async fn handle(
         subs: Mutex::default(),
         confirmed: AtomicBool::new(false),
         confirmed_notify: Notify::new(),
+        close_reason: Mutex::new(None),
+        close_requested: Notify::new(),
     });
     // With mTLS the client is unknown until the handshake completes: no early data then; nor
     // with the cluster on (a mesh connection is only known once it completes); nor for
@@ -516,6 +530,20 @@ async fn serve_streams(
                 }
             }
             Some(_) = streams.join_next(), if !streams.is_empty() => {}
+            _ = state.close_requested.notified() => {
+                let reason = state
+                    .close_reason
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take()
+                    .unwrap_or_default();
+                let mut bytes = reason.clone().into_bytes();
+                bytes.truncate(512);
+                // Application code 0: not an error of the client's.
+                session.close(ErrorCode(0), &bytes);
+                let _ = tokio::time::timeout(CLOSE_WAIT, session.quic().closed()).await;
+                break reason;
+            }
             _ = shutdown.changed() => {
                 // Writers see the same signal: they flush what is queued and finish.
                 let flush = async { while streams.join_next().await.is_some() {} };

@@ -720,6 +720,20 @@ impl Control {
             .collect()
     }
 
+    /// Close every connection of `client_id` with `reason`, as the admin API's
+    /// `DisconnectClient` does; how many. Testing aid.
+    #[doc(hidden)]
+    pub fn disconnect_client(&self, client_id: &str, reason: &str) -> usize {
+        let mut n = 0;
+        for c in self.shared.live_clients() {
+            if c.identity() == client_id {
+                c.disconnect(reason.to_string());
+                n += 1;
+            }
+        }
+        n
+    }
+
     /// QUIC connections open on the broker's endpoint now (clients and cluster peers).
     pub fn open_connections(&self) -> usize {
         self.shared.endpoint.open_connections()

@@ -544,3 +544,38 @@ async fn webtransport_on_a_port_of_its_own() {
     .await;
     b.stop().await.expect("stops");
 }
+
+/// An administrator's disconnect closes a WebTransport session through the session (code 0,
+/// the reason), so a browser's `WebTransport.closed` resolves with them; a bare connection
+/// close made it reject as a failed connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disconnect_closes_a_webtransport_session_with_its_reason() {
+    let b = TestBroker::start_with(|c| {
+        c.webtransport
+            .tokens
+            .insert("a-long-enough-browser-token".into(), "dashboard".into());
+    })
+    .await;
+    let session = wt_connect(&b, "/aqueduct/wt?token=a-long-enough-browser-token", None)
+        .await
+        .expect("a session");
+    until("the session to be listed", || {
+        b.control.client_ids().iter().any(|c| c == "dashboard")
+    })
+    .await;
+    assert_eq!(
+        b.control
+            .disconnect_client("dashboard", "disconnected by an administrator (test)"),
+        1
+    );
+    match within("the session to close", session.closed()).await {
+        web_transport_quinn::SessionError::WebTransportError(
+            web_transport_quinn::WebTransportError::Closed(code, reason),
+        ) => {
+            assert_eq!(code, 0);
+            assert_eq!(reason, "disconnected by an administrator (test)");
+        }
+        other => panic!("closed without the session's close message: {other}"),
+    }
+    b.stop().await.expect("clean shutdown");
+}
