@@ -49,6 +49,9 @@ struct Inner {
     /// Why a replaced stream ended before the broker had read all of it (a stream-fatal ERROR,
     /// a failure): the next `flush` reports it, since it cannot vouch for what was sent there.
     lost: Mutex<Option<ClientError>>,
+    /// The tasks reading each stream's replies (a replaced stream's too, until the broker ends
+    /// it). Aborted when the publisher goes: nothing can await their answers then.
+    readers: Mutex<tokio::task::JoinSet<()>>,
 }
 
 /// An open publish stream: its sending half, the confirmations awaited on it (by request id),
@@ -135,6 +138,7 @@ impl Publisher {
                 next_id,
                 send: tokio::sync::Mutex::new(None),
                 lost: Mutex::new(None),
+                readers: Mutex::new(tokio::task::JoinSet::new()),
             }),
         }
     }
@@ -256,14 +260,17 @@ impl Publisher {
         let (send, recv) = self.inner.conn.open_bi().await?;
         let (tx, done) = oneshot::channel();
         let pending: Pending = Arc::new(Mutex::new(Some(HashMap::new())));
-        // Ends with the stream (or the connection).
+        // Ends with the stream (or the connection), at the latest with this publisher.
         let fatal = Fatal::default();
-        tokio::spawn(replies(
+        let mut readers = lock(&self.inner.readers);
+        while readers.try_join_next().is_some() {}
+        readers.spawn(replies(
             FrameReader::new(recv),
             pending.clone(),
             fatal.clone(),
             tx,
         ));
+        drop(readers);
         Ok(Stream {
             send: crate::link::FrameSink::new(send),
             pending,
