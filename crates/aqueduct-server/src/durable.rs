@@ -32,16 +32,15 @@ use tracing::{debug, error, info, warn};
 use crate::stats::ServerStats;
 use crate::stream::StreamOut;
 
-/// Half of [`MAX_OWED`]: about what one group commit takes while the next gathers.
-pub(crate) const MAX_QUEUED: usize = 65_536;
 /// Bytes queued for the writer before publishers wait.
 pub(crate) const MAX_QUEUED_BYTES: usize = 16 << 20;
 /// Messages admitted to the log and not yet written (queued, being written, or reserved by a
 /// stream about to route a frame) before publishers wait. A frame is admitted whole, also past
 /// this when nothing is owed (a batch of up to `transport.max_buf_size` / 15 bytes, under
 /// 560,000 messages at the 8 MiB cap); so fewer than [`CRASH_OFFSET_GAP`] offsets are ever
-/// handed out and not written.
-pub(crate) const MAX_OWED: usize = 2 * MAX_QUEUED;
+/// handed out and not written. Room for about two group commits of 65,536: one being written
+/// while the next gathers.
+pub(crate) const MAX_OWED: usize = 131_072;
 /// Offsets every topic skips after a crash: more than can be handed out and not yet written
 /// (see [`MAX_OWED`]).
 pub(crate) const CRASH_OFFSET_GAP: u64 = 1 << 20;
@@ -609,11 +608,11 @@ impl Durable {
 
     /// Queue dead letters the broker published (no one to confirm them to). Call under
     /// [`Durable::order`], like [`queue_frame`](Self::queue_frame).
-    pub fn queue_dead_letters(&self, mut records: impl Iterator<Item = DeadLetterRecord>) {
+    pub fn queue_dead_letters(&self, records: impl Iterator<Item = DeadLetterRecord>) {
         if self.is_closed() {
             // The shutdown stops everything that makes dead letters before it closes the log;
             // if one still comes, say so rather than lose it silently.
-            let late = records.by_ref().count();
+            let late = records.count();
             if late > 0 {
                 error!(
                     "durable log: {late} dead letter(s) made after the log closed were not \

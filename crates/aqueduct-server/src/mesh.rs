@@ -812,6 +812,8 @@ impl Driver {
         let mut reconnects: HashMap<NodeId, u64> = HashMap::new();
         // Each node's copies, shared by its connections (only the kept one writes them).
         let mut node_queues: HashMap<NodeId, Arc<PeerQueue>> = HashMap::new();
+        // Events handled since the route table was last rebuilt.
+        let mut unpublished = 0usize;
         info!(node = %self.mesh.me(), "cluster mesh started");
         loop {
             let timeout = self.mesh.poll_timeout();
@@ -867,103 +869,99 @@ impl Driver {
                 }));
                 id
             };
-            // Events already waiting are taken in this turn too, up to a bound, so that a burst
-            // (thousands of clients subscribing after a restart, a peer's snapshot) rebuilds
-            // the route table once, not once per event.
-            let mut events = vec![event];
-            while events.len() < EVENTS_PER_TURN {
-                match self.rx.try_recv() {
-                    Ok(e) => events.push(Some(e)),
-                    Err(_) => break,
+            match event {
+                None => {}
+                // A connection the mesh does not keep (a duplicate, itself) is closed by the
+                // `Output::Close` it queues, below: both ends then end it.
+                Some(Event::Accepted { conn, node }) => {
+                    let id = adopt(conn, &node, &mut conns, &mut tasks);
+                    self.mesh.handle_connected(now, id, node, None, false);
                 }
-            }
-            for event in events {
-                match event {
-                    None => {}
-                    // A connection the mesh does not keep (a duplicate, itself) is closed by the
-                    // `Output::Close` it queues, below: both ends then end it.
-                    Some(Event::Accepted { conn, node }) => {
+                Some(Event::Dialed { addr, result }) => match result {
+                    Ok((conn, node)) => {
                         let id = adopt(conn, &node, &mut conns, &mut tasks);
-                        self.mesh.handle_connected(now, id, node, None, false);
+                        self.mesh.handle_connected(now, id, node, Some(addr), true);
                     }
-                    Some(Event::Dialed { addr, result }) => match result {
-                        Ok((conn, node)) => {
-                            let id = adopt(conn, &node, &mut conns, &mut tasks);
-                            self.mesh.handle_connected(now, id, node, Some(addr), true);
-                        }
-                        Err(why) => {
-                            debug!(%addr, "mesh dial failed: {why}");
-                            self.mesh.handle_dial_failed(now, addr);
-                        }
-                    },
-                    Some(Event::Control { conn, control }) => {
-                        self.mesh.handle_control(conn, control);
+                    Err(why) => {
+                        debug!(%addr, "mesh dial failed: {why}");
+                        self.mesh.handle_dial_failed(now, addr);
                     }
-                    Some(Event::Broken { conn, why }) => {
-                        warn!(conn = conn.0, "mesh control stream broken: {why}");
-                        if let Some(link) = conns.remove(&conn) {
-                            link.conn.close(0u32.into(), b"mesh protocol error");
-                        }
-                        self.mesh.handle_disconnected(now, conn);
-                    }
-                    Some(Event::Closed { conn }) => {
-                        conns.remove(&conn);
-                        self.mesh.handle_disconnected(now, conn);
-                    }
-                    Some(Event::Local { key, delta }) => self.mesh.handle_local(key, delta),
-                    Some(Event::Peers(addrs)) => self.mesh.handle_peer_set(now, addrs),
+                },
+                Some(Event::Control { conn, control }) => {
+                    self.mesh.handle_control(conn, control);
                 }
-                while let Some(out) = self.mesh.poll_output() {
-                    match out {
-                        Output::Dial(addr) => {
-                            let (endpoint, tls, tx) =
-                                (endpoint.clone(), self.tls.clone(), self.tx.clone());
-                            tasks.spawn(async move {
-                                let result = dial(&endpoint, &tls, addr).await;
-                                let _ = tx.send(Event::Dialed { addr, result });
-                            });
-                        }
-                        Output::Close { conn, reason } => {
-                            if let Some(link) = conns.remove(&conn) {
-                                if reason == aqueduct_core::mesh::DUPLICATE {
-                                    // Retired, not cut: what was written on it is still read.
-                                    debug!(conn = conn.0, "retiring a duplicate mesh connection");
-                                    self.handle.retired.fetch_add(1, Ordering::Relaxed);
-                                    let _ = link.retire.send(true);
-                                } else {
-                                    debug!(conn = conn.0, reason, "closing a mesh connection");
-                                    link.conn.close(0u32.into(), reason.as_bytes());
-                                }
+                Some(Event::Broken { conn, why }) => {
+                    warn!(conn = conn.0, "mesh control stream broken: {why}");
+                    if let Some(link) = conns.remove(&conn) {
+                        link.conn.close(0u32.into(), b"mesh protocol error");
+                    }
+                    self.mesh.handle_disconnected(now, conn);
+                }
+                Some(Event::Closed { conn }) => {
+                    conns.remove(&conn);
+                    self.mesh.handle_disconnected(now, conn);
+                }
+                Some(Event::Local { key, delta }) => self.mesh.handle_local(key, delta),
+                Some(Event::Peers(addrs)) => self.mesh.handle_peer_set(now, addrs),
+            }
+            while let Some(out) = self.mesh.poll_output() {
+                match out {
+                    Output::Dial(addr) => {
+                        let (endpoint, tls, tx) =
+                            (endpoint.clone(), self.tls.clone(), self.tx.clone());
+                        tasks.spawn(async move {
+                            let result = dial(&endpoint, &tls, addr).await;
+                            let _ = tx.send(Event::Dialed { addr, result });
+                        });
+                    }
+                    Output::Close { conn, reason } => {
+                        if let Some(link) = conns.remove(&conn) {
+                            if reason == aqueduct_core::mesh::DUPLICATE {
+                                // Retired, not cut: what was written on it is still read.
+                                debug!(conn = conn.0, "retiring a duplicate mesh connection");
+                                self.handle.retired.fetch_add(1, Ordering::Relaxed);
+                                let _ = link.retire.send(true);
+                            } else {
+                                debug!(conn = conn.0, reason, "closing a mesh connection");
+                                link.conn.close(0u32.into(), reason.as_bytes());
                             }
                         }
-                        Output::Send { conn, control } => {
-                            let Some(link) = conns.get(&conn) else {
-                                continue;
-                            };
-                            let mut bytes = Vec::new();
-                            encode_control(&control, &mut bytes);
-                            match link.ctl.try_send(bytes) {
-                                Ok(()) => {}
-                                Err(mpsc::error::TrySendError::Full(_)) => {
-                                    warn!(
-                                        peer = %link.node,
-                                        "a cluster peer is not reading its control stream ({CONTROL_QUEUE} updates waiting): closing the connection; the next one starts from a full snapshot"
-                                    );
-                                    self.handle
-                                        .control_overflows
-                                        .fetch_add(1, Ordering::Relaxed);
-                                    link.conn.close(0u32.into(), b"control queue full");
-                                    // Once: nothing more is queued for it (its close comes as an
-                                    // event, as for any connection lost).
-                                    conns.remove(&conn);
-                                }
-                                // Its writer ended: the connection is going away anyway.
-                                Err(mpsc::error::TrySendError::Closed(_)) => {}
+                    }
+                    Output::Send { conn, control } => {
+                        let Some(link) = conns.get(&conn) else {
+                            continue;
+                        };
+                        let mut bytes = Vec::new();
+                        encode_control(&control, &mut bytes);
+                        match link.ctl.try_send(bytes) {
+                            Ok(()) => {}
+                            Err(mpsc::error::TrySendError::Full(_)) => {
+                                warn!(
+                                    peer = %link.node,
+                                    "a cluster peer is not reading its control stream ({CONTROL_QUEUE} updates waiting): closing the connection; the next one starts from a full snapshot"
+                                );
+                                self.handle
+                                    .control_overflows
+                                    .fetch_add(1, Ordering::Relaxed);
+                                link.conn.close(0u32.into(), b"control queue full");
+                                // Once: nothing more is queued for it (its close comes as an
+                                // event, as for any connection lost).
+                                conns.remove(&conn);
                             }
+                            // Its writer ended: the connection is going away anyway.
+                            Err(mpsc::error::TrySendError::Closed(_)) => {}
                         }
                     }
                 }
             }
+            // The table and the queue map cost in proportion to all interest: while more
+            // events are waiting (a burst of subscriptions after a restart, a peer's snapshot)
+            // they are rebuilt once for the burst, at least every EVENTS_PER_TURN events.
+            unpublished += 1;
+            if !self.rx.is_empty() && unpublished < EVENTS_PER_TURN {
+                continue;
+            }
+            unpublished = 0;
             self.table.store(Arc::new(self.mesh.table()));
             let before = self.queues.load();
             let queues: HashMap<NodeId, Arc<PeerQueue>> = self
@@ -1019,9 +1017,8 @@ struct Link {
 /// without bound: the next connection starts with a full snapshot of the interest in force.
 const CONTROL_QUEUE: usize = 65_536;
 
-/// Events the driver handles before it rebuilds the route table and the queue map (which cost
-/// in proportion to all interest): a burst is coalesced, and routing still sees changes within
-/// one turn.
+/// Events the driver may handle before it rebuilds the route table and the queue map while
+/// more are waiting: a burst is coalesced, and routing sees the changes within it soon.
 const EVENTS_PER_TURN: usize = 1024;
 
 /// How long a retired duplicate connection waits for the peer to finish its side.
