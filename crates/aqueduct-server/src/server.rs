@@ -288,16 +288,14 @@ impl Server {
         let dev_cert = dev_cert.map(|c| c.path);
         let broker = Arc::new(Broker::new(config.broker.clone()));
         let stats = Arc::new(ServerStats::default());
+        // A start that fails once the log is open closes it (and stops its writer thread), so
+        // that the next try does not find it left open, as after a crash.
+        let mut close_log = CloseLogOnError(None);
         let (durable, consumers) = match &config.aal {
             Some(aal) => {
                 let durable = open_log(aal, stats.clone()).await?;
-                let consumers = match Consumers::open(&aal.dir) {
-                    Ok(c) => Arc::new(c),
-                    Err(e) => {
-                        durable.close();
-                        return Err(e.into());
-                    }
-                };
+                close_log.0 = Some(durable.clone());
+                let consumers = Arc::new(Consumers::open(&aal.dir)?);
                 let source = durable.clone();
                 broker
                     .set_offset_source(Box::new(move |topic| source.next_offset(topic.as_bytes())));
@@ -305,9 +303,6 @@ impl Server {
             }
             None => (None, None),
         };
-        // A start that fails from here on closes the log (and stops its writer thread), so
-        // that the next try does not find it left open, as after a crash.
-        let mut close_log = CloseLogOnError(durable.clone());
         let access = Access::start(
             &config.access,
             config.admin.as_ref().map(|a| a.state_file.clone()),
