@@ -71,8 +71,9 @@ def wait_ready(metrics_port, deadline_s=60):
 class Aqueduct:
     """One aqueduct-broker with its own home and log directory."""
 
-    def __init__(self, home, port, log=True, fsync="batch", key=True, max_size=None):
+    def __init__(self, home, port, log=True, fsync="batch", key=True, max_size=None, binary=None):
         self.home, self.port, self.metrics = home, port, port + 1
+        self.binary = binary or BROKER
         os.makedirs(home, exist_ok=True)
         self.env = dict(os.environ, AQUEDUCT_HOME=home, AQUEDUCT_LOG="warn")
         if log:
@@ -88,7 +89,7 @@ class Aqueduct:
 
     def start(self):
         started = time.time()
-        self.proc = subprocess.Popen([BROKER, "--addr", f"127.0.0.1:{self.port}", "--metrics-addr", f"127.0.0.1:{self.metrics}"],
+        self.proc = subprocess.Popen([self.binary, "--addr", f"127.0.0.1:{self.port}", "--metrics-addr", f"127.0.0.1:{self.metrics}"],
                                      env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         PROCS.append(self.proc)
         wait_ready(self.metrics)
