@@ -26,7 +26,6 @@ use aqueduct_client::{
     Client, OverflowPolicy, Priority, PublishOptions, Publisher, SubscribeOptions, Subscription,
 };
 use bytes::{BufMut, Bytes, BytesMut};
-use futures_util::StreamExt;
 use hdrhistogram::Histogram;
 
 /// Bytes at the start of every payload: timestamp (8) and index (8).
@@ -605,6 +604,7 @@ async fn subscriber(
     } = shared;
     let mut rec = Recorder::new(capacity);
     let mut seen_probe = false;
+    let (mut count, mut stamp, mut to_ack) = (0u64, None, Vec::new());
     let idle = tokio::time::sleep(cfg.idle);
     tokio::pin!(idle);
     loop {
@@ -620,44 +620,33 @@ async fn subscriber(
         }
         tokio::select! {
             biased;
-            first = sub.next() => {
-                // This message, then whatever else has already arrived (bounded), without a
-                // select! per message.
-                let mut item = first;
-                let mut count = 0;
-                // What arrived together is stamped together: one clock read per burst.
-                let now = Instant::now();
-                let now = (now, now.duration_since(epoch).as_nanos() as u64);
-                let ended = loop {
-                    match item {
-                        // A probe (bench payloads are never empty): not counted.
-                        Some(Ok(msg)) if msg.body().is_empty() => {
-                            if !seen_probe {
-                                seen_probe = true;
-                                probed.fetch_add(1, Ordering::AcqRel);
-                            }
-                            if cfg.group {
-                                let _ = msg.ack().await;
-                            }
-                        }
-                        Some(Ok(msg)) => {
-                            rec.record(now, msg.body());
-                            count += 1;
-                            if cfg.group {
-                                let _ = msg.ack().await;
-                            }
-                        }
-                        _ => break true,
+            // What has already arrived (bounded), read in place. What arrived together is
+            // stamped together: one clock read per burst.
+            batch = sub.next_batch(1024, |msg| {
+                if stamp.is_none() {
+                    let now = Instant::now();
+                    stamp = Some((now, now.duration_since(epoch).as_nanos() as u64));
+                }
+                // A probe (bench payloads are never empty): not counted.
+                if msg.body().is_empty() {
+                    if !seen_probe {
+                        seen_probe = true;
+                        probed.fetch_add(1, Ordering::AcqRel);
                     }
-                    if count >= 1024 {
-                        break false;
-                    }
-                    match sub.try_next_message() {
-                        Some(next) => item = Some(next),
-                        None => break false,
-                    }
-                };
-                delivered.fetch_add(count, Ordering::AcqRel);
+                } else if let Some(now) = stamp {
+                    rec.record(now, msg.body());
+                    count += 1;
+                }
+                if cfg.group {
+                    to_ack.push(msg.to_message());
+                }
+            }) => {
+                stamp = None;
+                for msg in to_ack.drain(..) {
+                    let _ = msg.ack().await;
+                }
+                let ended = !matches!(batch, Some(Ok(_)));
+                delivered.fetch_add(std::mem::take(&mut count), Ordering::AcqRel);
                 if ended {
                     break;
                 }

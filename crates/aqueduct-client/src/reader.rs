@@ -48,6 +48,30 @@ impl FrameReader {
         }
     }
 
+    /// The next buffered frame's validated header and its length (header included), left in
+    /// the buffer: read it with [`Self::frame_data`], then [`Self::consume`] it. `Ok(None)` if
+    /// none is complete.
+    pub(crate) fn peek_raw(&self) -> Result<Option<(FrameHeader, usize)>, ClientError> {
+        let limits = Limits {
+            max_data_len: MAX_FRAME,
+        };
+        match split_frame(&self.buf, &limits) {
+            Ok(raw) => Ok(Some((raw.validate()?, raw.frame_len()))),
+            Err(DecodeError::Incomplete { .. }) => Ok(None),
+            Err(DecodeError::Invalid(e)) => Err(ClientError::Protocol(e)),
+        }
+    }
+
+    /// The data (after the header) of the frame [`Self::peek_raw`] returned `frame_len` for.
+    pub(crate) fn frame_data(&self, frame_len: usize) -> &[u8] {
+        &self.buf[HEADER_LEN..frame_len]
+    }
+
+    /// Drop the frame [`Self::peek_raw`] returned `frame_len` for from the buffer.
+    pub(crate) fn consume(&mut self, frame_len: usize) {
+        self.buf.advance(frame_len);
+    }
+
     /// One read from the stream into the buffer; `Ok(false)` at a clean end of stream.
     pub(crate) fn poll_read_more(
         &mut self,

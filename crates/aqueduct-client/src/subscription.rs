@@ -8,7 +8,7 @@ use std::time::Duration;
 use aqueduct_proto::frame::Message as Wire;
 use aqueduct_proto::{
     Ack, DeliveryRef, ErrorCode, Extensions, Frame, FrameHeader, Nack, Opcode, Priority, Publish,
-    TopicFilter, TopicName, Unsubscribe,
+    TopicFilter, TopicName, TopicRef, Unsubscribe,
 };
 use bytes::{Buf, Bytes};
 use futures_core::Stream;
@@ -228,19 +228,9 @@ impl Subscription {
             }
             match self.reader.try_next_raw() {
                 Ok(Some((header, data))) => {
-                    let handle = handle_for(&self.handle, &self.more, header.stream_id);
-                    let Some(it) = fast_item(&header, data, handle, &mut self.last_topic) else {
-                        continue;
-                    };
-                    // The broker closes a slow consumer's subscription after this error; the
-                    // stream's other subscriptions, if any, go on until they are closed too.
-                    if matches!(&it, Err(e) if e.code() == Some(ErrorCode::SLOW_CONSUMER))
-                        && !self.closed_ids.contains(&header.stream_id)
-                    {
-                        self.closed_ids.push(header.stream_id);
-                        self.ended = self.closed_ids.len() > self.more.len();
+                    if let Some(it) = self.take_frame(&header, data) {
+                        return Poll::Ready(Some(it));
                     }
-                    return Poll::Ready(Some(it));
                 }
                 Ok(None) => match self.reader.poll_read_more(cx) {
                     Poll::Ready(Ok(true)) => {}
@@ -257,6 +247,129 @@ impl Subscription {
                 }
             }
         }
+    }
+
+    /// What one frame of the stream means to the application (`None` for frames it does not
+    /// see), keeping the stream's own account of which of its subscriptions the broker closed.
+    fn take_frame(
+        &mut self,
+        header: &FrameHeader,
+        data: Bytes,
+    ) -> Option<Result<Message, ClientError>> {
+        let handle = handle_for(&self.handle, &self.more, header.stream_id);
+        let it = fast_item(header, data, handle, &mut self.last_topic)?;
+        // The broker closes a slow consumer's subscription after this error; the stream's
+        // other subscriptions, if any, go on until they are closed too.
+        if matches!(&it, Err(e) if e.code() == Some(ErrorCode::SLOW_CONSUMER))
+            && !self.closed_ids.contains(&header.stream_id)
+        {
+            self.closed_ids.push(header.stream_id);
+            self.ended = self.closed_ids.len() > self.more.len();
+        }
+        Some(it)
+    }
+
+    /// Wait for a message, then hand it and every further message already received, up to
+    /// `max` in all, to `f`, in order, each as a [`MessageRef`] borrowed from the subscription's
+    /// read buffer: nothing is copied, allocated or reference-counted for a delivery that
+    /// carries only the usual extensions (topic, offset, attempt, priority). Returns how many
+    /// `f` was given, or `None` once the subscription has ended; an error comes after the
+    /// messages received before it, in a call of its own.
+    ///
+    /// The fastest way to consume a busy subscription (`aqueduct bench` uses it). To keep a
+    /// message past the call, or to acknowledge it, take it with [`MessageRef::to_message`].
+    ///
+    /// ```no_run
+    /// # async fn f(mut sub: aqueduct_client::Subscription) -> Result<(), aqueduct_client::ClientError> {
+    /// let mut bytes = 0;
+    /// while let Some(n) = sub.next_batch(1024, |m| bytes += m.body().len()).await {
+    ///     let n = n?;
+    ///     println!("{n} messages, {bytes} bytes so far");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn next_batch<F>(
+        &mut self,
+        max: usize,
+        mut f: F,
+    ) -> Option<Result<usize, ClientError>>
+    where
+        F: FnMut(MessageRef<'_>),
+    {
+        let max = max.max(1);
+        std::future::poll_fn(|cx| self.poll_batch(cx, max, &mut f)).await
+    }
+
+    fn poll_batch<F>(
+        &mut self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut F,
+    ) -> Poll<Option<Result<usize, ClientError>>>
+    where
+        F: FnMut(MessageRef<'_>),
+    {
+        let mut n = 0;
+        while n < max {
+            // Owned items come first: they arrived before anything still in the buffer.
+            if let Some(item) = self.early.pop_front() {
+                match item {
+                    Ok(m) => {
+                        f(MessageRef(View::Owned(&m)));
+                        n += 1;
+                    }
+                    Err(e) if n == 0 => return Poll::Ready(Some(Err(e))),
+                    Err(e) => {
+                        self.early.push_front(Err(e));
+                        break;
+                    }
+                }
+                continue;
+            }
+            if self.ended {
+                break;
+            }
+            match self.reader.peek_raw() {
+                Ok(Some((header, len))) => {
+                    let handle = handle_for(&self.handle, &self.more, header.stream_id);
+                    let data = self.reader.frame_data(len);
+                    if let Some(m) = borrowed(&header, data, handle, &mut self.last_topic) {
+                        f(m);
+                        self.reader.consume(len);
+                        n += 1;
+                        continue;
+                    }
+                    // Anything else, errors included: owned, through the full decoder.
+                    match self.reader.try_next_raw() {
+                        Ok(Some((header, data))) => {
+                            if let Some(it) = self.take_frame(&header, data) {
+                                self.early.push_back(it);
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            self.ended = true;
+                            self.early.push_back(Err(e));
+                        }
+                    }
+                }
+                Ok(None) => match self.reader.poll_read_more(cx) {
+                    Poll::Ready(Ok(true)) => {}
+                    Poll::Ready(Ok(false)) => self.ended = true,
+                    Poll::Ready(Err(e)) => {
+                        self.ended = true;
+                        self.early.push_back(Err(e));
+                    }
+                    Poll::Pending if n == 0 => return Poll::Pending,
+                    Poll::Pending => break,
+                },
+                Err(e) => {
+                    self.ended = true;
+                    self.early.push_back(Err(e));
+                }
+            }
+        }
+        Poll::Ready((n > 0).then_some(Ok(n)))
     }
 
     /// Unsubscribe and wait until the request is sent.
@@ -410,6 +523,128 @@ fn fast_item(
             Ok(frame) => item(frame, handle),
             Err(e) => Some(Err(e.into())),
         },
+    }
+}
+
+/// A delivery read in place ([`Subscription::next_batch`]) when it carries only the usual
+/// extensions; `None` sends the frame through the full decoder. The topic is kept (as a copy, so
+/// that the read buffer is not held) to compare the next delivery's with.
+fn borrowed<'a>(
+    header: &FrameHeader,
+    data: &'a [u8],
+    handle: &'a Arc<SubHandle>,
+    last_topic: &mut Option<TopicName>,
+) -> Option<MessageRef<'a>> {
+    if header.opcode != Opcode::Publish {
+        return None;
+    }
+    let d = DeliveryRef::parse_after(header, data, last_topic.as_ref()).ok()?;
+    let topic = d.topic.filter(|_| !d.more)?;
+    if last_topic
+        .as_ref()
+        .is_none_or(|last| last.as_bytes() != topic.as_bytes())
+    {
+        *last_topic = Some(topic.to_name());
+    }
+    Some(MessageRef(View::Borrowed {
+        topic,
+        body: data.get(d.body_start..)?,
+        offset: d.offset,
+        attempt: d.attempt,
+        priority: d.priority,
+        handle,
+    }))
+}
+
+/// A message lent by [`Subscription::next_batch`] for the length of one call of its closure:
+/// its topic and body point into the subscription's read buffer.
+#[derive(Clone, Copy)]
+pub struct MessageRef<'a>(View<'a>);
+
+#[derive(Clone, Copy)]
+enum View<'a> {
+    /// Read in place.
+    Borrowed {
+        topic: TopicRef<'a>,
+        body: &'a [u8],
+        offset: Option<u64>,
+        attempt: Option<u32>,
+        priority: Option<Priority>,
+        handle: &'a Arc<SubHandle>,
+    },
+    /// One that went through the full decoder (rare extensions, the seed's legacy form).
+    Owned(&'a Message),
+}
+
+impl<'a> MessageRef<'a> {
+    /// The concrete topic (also for wildcard subscriptions).
+    pub fn topic(&self) -> &'a str {
+        match self.0 {
+            View::Borrowed { topic, .. } => topic.as_str(),
+            View::Owned(m) => m.topic.as_str(),
+        }
+    }
+    pub fn body(&self) -> &'a [u8] {
+        match self.0 {
+            View::Borrowed { body, .. } => body,
+            View::Owned(m) => &m.body,
+        }
+    }
+    /// The message's offset in its topic.
+    pub fn offset(&self) -> u64 {
+        match self.0 {
+            View::Borrowed { offset, .. } => offset.unwrap_or_default(),
+            View::Owned(m) => m.offset(),
+        }
+    }
+    pub fn priority(&self) -> Priority {
+        match self.0 {
+            View::Borrowed { priority, .. } => priority.unwrap_or_default(),
+            View::Owned(m) => m.priority(),
+        }
+    }
+    /// 1 for the first delivery, +1 for each redelivery.
+    pub fn attempt(&self) -> u32 {
+        match self.0 {
+            View::Borrowed { attempt, .. } => attempt.unwrap_or(1),
+            View::Owned(m) => m.attempt(),
+        }
+    }
+    /// The message as an owned [`Message`] (its body copied), to keep, to acknowledge, or for
+    /// what only a [`Message`] tells (trace context, every extension).
+    pub fn to_message(&self) -> Message {
+        match self.0 {
+            View::Borrowed {
+                topic,
+                body,
+                offset,
+                attempt,
+                priority,
+                handle,
+            } => Message {
+                topic: topic.to_name(),
+                body: Bytes::copy_from_slice(body),
+                offset,
+                attempt,
+                priority,
+                topic_ext: true,
+                rare: None,
+                handle: handle.clone(),
+            },
+            View::Owned(m) => m.clone(),
+        }
+    }
+}
+
+impl std::fmt::Debug for MessageRef<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MessageRef")
+            .field("topic", &self.topic())
+            .field("offset", &self.offset())
+            .field("attempt", &self.attempt())
+            .field("priority", &self.priority())
+            .field("body_len", &self.body().len())
+            .finish()
     }
 }
 

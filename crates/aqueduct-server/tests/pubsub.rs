@@ -665,3 +665,150 @@ async fn a_publish_after_a_stream_fatal_error_uses_a_new_stream() {
     client.flush().await.expect("then flushed");
     b.stop().await.expect("clean shutdown");
 }
+
+/// What `next_batch` lends: (topic, body, offset, attempt, whether it carries a trace context).
+type Lent = (String, Vec<u8>, u64, u32, bool);
+
+/// Call `next_batch` until `want` messages were lent; each call's messages, as lent.
+async fn lend(sub: &mut aqueduct_client::Subscription, want: usize) -> Vec<Vec<Lent>> {
+    let mut calls: Vec<Vec<Lent>> = Vec::new();
+    while calls.iter().map(Vec::len).sum::<usize>() < want {
+        let mut got = Vec::new();
+        let n = within(
+            "a batch",
+            sub.next_batch(want, |m| {
+                let trace = m.to_message().trace().is_some();
+                let row = (
+                    m.topic().to_owned(),
+                    m.body().to_vec(),
+                    m.offset(),
+                    m.attempt(),
+                    trace,
+                );
+                got.push(row);
+            }),
+        )
+        .await
+        .expect("subscription still open")
+        .expect("messages, not an error");
+        assert_eq!(n, got.len(), "next_batch counts what it lent");
+        calls.push(got);
+    }
+    calls
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn next_batch_lends_deliveries_in_order_with_every_field() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let mut sub = client.subscribe("lend/#").await.expect("subscribe");
+    let publisher = b.client().await;
+    // Plain deliveries are read in place; a traced one carries an extension the in-place
+    // reader leaves to the full decoder, so it is lent from an owned message, in its place.
+    let traced = PublishOptions {
+        trace: Some(aqueduct_client::new_trace()),
+        ..confirm()
+    };
+    let sent = [
+        ("lend/a", "one", confirm()),
+        ("lend/a", "two", confirm()),
+        ("lend/b", "three", traced),
+        ("lend/b", "four", confirm()),
+        ("lend/a", "five", confirm()),
+    ];
+    for (topic, body, opts) in &sent {
+        publisher
+            .publish_with(topic, *body, opts)
+            .await
+            .expect("publish");
+    }
+    let lent: Vec<Lent> = lend(&mut sub, sent.len()).await.concat();
+    let want: Vec<Lent> = [
+        ("lend/a", "one", 0, false),
+        ("lend/a", "two", 1, false),
+        ("lend/b", "three", 0, true),
+        ("lend/b", "four", 1, false),
+        ("lend/a", "five", 2, false),
+    ]
+    .iter()
+    .map(|(t, body, offset, trace)| (t.to_string(), body.as_bytes().to_vec(), *offset, 1, *trace))
+    .collect();
+    assert_eq!(lent, want);
+
+    // `max` bounds a call: ten messages already received, lent three at a time at most.
+    publisher
+        .publish_batch(
+            (0..10u8).map(|i| ("lend/c", Bytes::from(vec![i]))),
+            &confirm(),
+        )
+        .await
+        .expect("batch");
+    let mut bodies = Vec::new();
+    while bodies.len() < 10 {
+        let mut call = Vec::new();
+        within("a batch", sub.next_batch(3, |m| call.push(m.body()[0])))
+            .await
+            .expect("open")
+            .expect("messages");
+        assert!((1..=3).contains(&call.len()), "{call:?}");
+        bodies.extend(call);
+    }
+    assert_eq!(bodies, (0..10).collect::<Vec<u8>>());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn next_batch_returns_an_error_in_a_call_of_its_own_and_goes_on() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let opts = SubscribeOptions {
+        ack: true,
+        ..SubscribeOptions::default()
+    };
+    let mut sub = client
+        .subscribe_with("lend/err", &opts)
+        .await
+        .expect("subscribe");
+    client
+        .publish_with("lend/err", "first", &confirm())
+        .await
+        .expect("publish");
+    let mut first = None;
+    within(
+        "the first message",
+        sub.next_batch(8, |m| first = Some(m.to_message())),
+    )
+    .await
+    .expect("open")
+    .expect("a message");
+    let first = first.expect("lent");
+    assert_eq!(first.body().as_ref(), b"first");
+    // Settling it twice: the broker answers the second ACK with NOT_IN_FLIGHT on this stream.
+    first.ack().await.expect("ack");
+    first.ack().await.expect("second ack sent");
+    client
+        .publish_with("lend/err", "second", &confirm())
+        .await
+        .expect("publish");
+    // The error and the next message, in whichever order the broker wrote them: the error in
+    // a call that lends nothing, and the subscription goes on after it.
+    let (mut error, mut bodies) = (None, Vec::new());
+    while error.is_none() || bodies.is_empty() {
+        let mut call = Vec::new();
+        match within(
+            "an item",
+            sub.next_batch(8, |m| call.push(m.body().to_vec())),
+        )
+        .await
+        .expect("still open after an error")
+        {
+            Ok(n) => assert_eq!(n, call.len()),
+            Err(e) => {
+                assert!(call.is_empty(), "an error comes in a call of its own");
+                error = e.code();
+            }
+        }
+        bodies.extend(call);
+    }
+    assert_eq!(error, Some(ErrorCode::NOT_IN_FLIGHT));
+    assert_eq!(bodies, vec![b"second".to_vec()]);
+}
