@@ -271,13 +271,21 @@ impl Subscription {
 
     /// Wait for a message, then hand it and every further message already received, up to
     /// `max` in all, to `f`, in order, each as a [`MessageRef`] borrowed from the subscription's
-    /// read buffer: nothing is copied, allocated or reference-counted for a delivery that
-    /// carries only the usual extensions (topic, offset, attempt, priority). Returns how many
-    /// `f` was given, or `None` once the subscription has ended; an error comes after the
-    /// messages received before it, in a call of its own.
+    /// read buffer. A delivery that carries only the usual extensions (topic, offset, attempt,
+    /// priority) is read in place: nothing is copied, allocated or reference-counted for it,
+    /// except a copy of its topic name when that differs from the previous delivery's. Others
+    /// (trace context, dead-letter origin, the seed's legacy form) are decoded into an owned
+    /// [`Message`] first and lent from that, in their place. Returns how many `f` was given, or
+    /// `None` once the subscription has ended; an error comes after the messages received
+    /// before it, in a call of its own.
     ///
     /// The fastest way to consume a busy subscription (`aqueduct bench` uses it). To keep a
-    /// message past the call, or to acknowledge it, take it with [`MessageRef::to_message`].
+    /// message past the call, or to acknowledge it, take it with [`MessageRef::to_message`]
+    /// (which copies its body).
+    ///
+    /// Cancel safe: `f` is called only in the poll that completes the future, so a future
+    /// dropped before it completes has lent nothing and consumed nothing. If `f` panics, the
+    /// message it was given may be lent again by a later call.
     ///
     /// ```no_run
     /// # async fn f(mut sub: aqueduct_client::Subscription) -> Result<(), aqueduct_client::ClientError> {
