@@ -12,6 +12,10 @@ speed bar's prerequisites (see scripts/speedbar.py):
 
     ROUNDS=5 python3 scripts/latency-ab.py "default=" "one-thread=|AQUEDUCT_BROKER_WORKER_THREADS=1"
     python3 scripts/latency-ab.py "old=target/exp/broker-old" "new=target/release/aqueduct-broker"
+
+CLIENT_THREADS=N runs both clients (peerbench for nats-server, `aqueduct bench` for every
+variant) with N runtime worker threads (tokio's TOKIO_WORKER_THREADS); by default each uses one
+per CPU.
 """
 import os
 import statistics
@@ -38,6 +42,9 @@ def main():
     rounds = int(os.environ.get("ROUNDS", "3"))
     variants = [parse_variant(s) for s in sys.argv[1:]]
     sb.check_nats("nats-server", allow_old=False)
+    threads = os.environ.get("CLIENT_THREADS")
+    client = {"TOKIO_WORKER_THREADS": threads} if threads else {}
+    print(f"client runtime threads: {threads or 'one per CPU'}", flush=True)
     home = tempfile.mkdtemp(prefix="latency-ab-")
     brokers = sb.Brokers(home)
     results = {"nats": []}
@@ -49,11 +56,12 @@ def main():
             os.makedirs(h)
             proc, addr, _metrics = sb.start_broker(h, binary=binary, env_extra=env)
             brokers.procs.append(proc)
-            targets[name] = (addr, dict(os.environ, AQUEDUCT_HOME=h))
+            targets[name] = (addr, dict(os.environ, AQUEDUCT_HOME=h, **client))
             results[name] = []
         for r in range(rounds):
             x = sb.run([sb.PEERBENCH, "nats-latency", "--url", "nats://127.0.0.1:4222",
-                        "--rate", "10000", "--secs", "5", "--size", "128"])
+                        "--rate", "10000", "--secs", "5", "--size", "128"],
+                       env=dict(os.environ, **client))
             results["nats"].append((x["latency"]["p50_us"], x["latency"]["p99_us"]))
             for name, (addr, env) in targets.items():
                 x = sb.aq(addr, "--rate", "10000", "--duration", "5s", "--batch", "1",
