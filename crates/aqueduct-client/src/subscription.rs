@@ -101,6 +101,25 @@ impl Message {
         ext
     }
 
+    /// A delivery that carries only the usual extensions (topic, offset, attempt, priority).
+    fn plain(
+        topic: TopicName,
+        body: Bytes,
+        (offset, attempt, priority): (Option<u64>, Option<u32>, Option<Priority>),
+        handle: &Arc<SubHandle>,
+    ) -> Message {
+        Message {
+            topic,
+            body,
+            offset,
+            attempt,
+            priority,
+            topic_ext: true,
+            rare: None,
+            handle: handle.clone(),
+        }
+    }
+
     fn from_wire(p: Publish, handle: &Arc<SubHandle>) -> Message {
         let topic = p.topic().clone();
         let mut ext = p.ext;
@@ -515,16 +534,12 @@ fn fast_item(
         Some((topic, offset, attempt, priority, body_start)) => {
             let mut body = data;
             body.advance(body_start);
-            Some(Ok(Message {
+            Some(Ok(Message::plain(
                 topic,
                 body,
-                offset,
-                attempt,
-                priority,
-                topic_ext: true,
-                rare: None,
-                handle: handle.clone(),
-            }))
+                (offset, attempt, priority),
+                handle,
+            )))
         }
         // Everything else, errors included (with the full decoder's exact reason).
         None => match Frame::decode(header, data) {
@@ -629,16 +644,12 @@ impl<'a> MessageRef<'a> {
                 attempt,
                 priority,
                 handle,
-            } => Message {
-                topic: topic.to_name(),
-                body: Bytes::copy_from_slice(body),
-                offset,
-                attempt,
-                priority,
-                topic_ext: true,
-                rare: None,
-                handle: handle.clone(),
-            },
+            } => Message::plain(
+                topic.to_name(),
+                Bytes::copy_from_slice(body),
+                (offset, attempt, priority),
+                handle,
+            ),
             View::Owned(m) => m.clone(),
         }
     }
