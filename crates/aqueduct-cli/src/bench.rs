@@ -638,7 +638,7 @@ async fn subscriber(
                     count += 1;
                 }
                 if cfg.group {
-                    to_ack.push(msg.to_message());
+                    to_ack.push(msg.settler());
                 }
             }) => {
                 stamp = None;

@@ -36,5 +36,5 @@ pub use error::{ClientError, ConnectError};
 pub use link::Transport;
 pub use options::{default_dev_cert_file, ConnectOptions, Trust};
 pub use publisher::Publisher;
-pub use subscription::{Message, MessageRef, Subscription};
+pub use subscription::{Message, MessageRef, Settler, Subscription};
 pub use trace::{new_trace, TraceContext};

@@ -150,17 +150,61 @@ impl Message {
     /// Settle this delivery. Refusals (e.g. already redelivered) arrive on the subscription
     /// stream as `Err` items.
     pub async fn ack(&self) -> Result<(), ClientError> {
-        let mut ack = Ack::new(self.offset());
-        ack.ext = self.settle_ext();
-        self.handle.send(Wire::Ack(ack)).await
+        send_ack(&self.handle, self.offset(), self.settle_ext()).await
     }
 
     /// Reject this delivery: the broker redelivers it, or dead-letters it after its retries.
     pub async fn nack(&self, reason: Option<&str>) -> Result<(), ClientError> {
-        let mut nack = Nack::new(self.offset());
-        nack.ext = self.settle_ext();
-        nack.ext.reason = reason.map(str::to_owned);
-        self.handle.send(Wire::Nack(nack)).await
+        send_nack(&self.handle, self.offset(), self.settle_ext(), reason).await
+    }
+}
+
+async fn send_ack(handle: &SubHandle, offset: u64, ext: Extensions) -> Result<(), ClientError> {
+    let mut ack = Ack::new(offset);
+    ack.ext = ext;
+    handle.send(Wire::Ack(ack)).await
+}
+
+async fn send_nack(
+    handle: &SubHandle,
+    offset: u64,
+    mut ext: Extensions,
+    reason: Option<&str>,
+) -> Result<(), ClientError> {
+    let mut nack = Nack::new(offset);
+    ext.reason = reason.map(str::to_owned);
+    nack.ext = ext;
+    handle.send(Wire::Nack(nack)).await
+}
+
+/// What settling one delivery takes, without its body ([`MessageRef::settler`]): to acknowledge
+/// or reject a message lent by [`Subscription::next_batch`] once the call has returned.
+#[derive(Debug, Clone)]
+pub struct Settler {
+    handle: Arc<SubHandle>,
+    /// The topic, for a wildcard subscription only (offsets are per topic).
+    topic: Option<TopicName>,
+    offset: u64,
+    attempt: u32,
+}
+
+impl Settler {
+    fn ext(&self) -> Extensions {
+        Extensions {
+            topic: self.topic.clone(),
+            attempt: Some(self.attempt),
+            ..Extensions::default()
+        }
+    }
+
+    /// As [`Message::ack`].
+    pub async fn ack(&self) -> Result<(), ClientError> {
+        send_ack(&self.handle, self.offset, self.ext()).await
+    }
+
+    /// As [`Message::nack`].
+    pub async fn nack(&self, reason: Option<&str>) -> Result<(), ClientError> {
+        send_nack(&self.handle, self.offset, self.ext(), reason).await
     }
 }
 
@@ -299,8 +343,8 @@ impl Subscription {
     /// before it, in a call of its own.
     ///
     /// The fastest way to consume a busy subscription (`aqueduct bench` uses it). To keep a
-    /// message past the call, or to acknowledge it, take it with [`MessageRef::to_message`]
-    /// (which copies its body).
+    /// message past the call, take it with [`MessageRef::to_message`] (which copies its body);
+    /// to acknowledge or reject it afterwards, take its [`MessageRef::settler`].
     ///
     /// Cancel safe: `f` is called only in the poll that completes the future, so a future
     /// dropped before it completes has lent nothing and consumed nothing. If `f` panics, the
@@ -633,6 +677,25 @@ impl<'a> MessageRef<'a> {
             View::Owned(m) => m.attempt(),
         }
     }
+    /// What acknowledging or rejecting this message later takes, without copying its body.
+    pub fn settler(&self) -> Settler {
+        let (handle, topic) = match self.0 {
+            View::Borrowed { handle, topic, .. } => {
+                (handle, handle.filter.is_wildcard().then(|| topic.to_name()))
+            }
+            View::Owned(m) => (
+                &m.handle,
+                m.handle.filter.is_wildcard().then(|| m.topic.clone()),
+            ),
+        };
+        Settler {
+            handle: handle.clone(),
+            topic,
+            offset: self.offset(),
+            attempt: self.attempt(),
+        }
+    }
+
     /// The message as an owned [`Message`] (its body copied), to keep, to acknowledge, or for
     /// what only a [`Message`] tells (trace context, every extension).
     pub fn to_message(&self) -> Message {

@@ -812,3 +812,68 @@ async fn next_batch_returns_an_error_in_a_call_of_its_own_and_goes_on() {
     assert_eq!(error, Some(ErrorCode::NOT_IN_FLIGHT));
     assert_eq!(bodies, vec![b"second".to_vec()]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lent_message_is_settled_later_through_its_settler() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let opts = SubscribeOptions {
+        ack: true,
+        ..SubscribeOptions::default()
+    };
+    // A wildcard subscription: an ACK or NACK must name the topic, offsets being per topic.
+    let mut sub = client
+        .subscribe_with("settle/#", &opts)
+        .await
+        .expect("subscribe");
+    for topic in ["settle/a", "settle/b"] {
+        client
+            .publish_with(topic, topic, &confirm())
+            .await
+            .expect("publish");
+    }
+    let mut settlers = Vec::new();
+    while settlers.len() < 2 {
+        within(
+            "lent messages",
+            sub.next_batch(8, |m| {
+                settlers.push((m.topic().to_owned(), m.attempt(), m.settler()))
+            }),
+        )
+        .await
+        .expect("open")
+        .expect("messages");
+    }
+    let topics: Vec<(&str, u32)> = settlers.iter().map(|(t, a, _)| (t.as_str(), *a)).collect();
+    assert_eq!(topics, vec![("settle/a", 1), ("settle/b", 1)]);
+    settlers[0].2.ack().await.expect("ack");
+    settlers[1].2.nack(Some("again")).await.expect("nack");
+    // The NACK redelivers settle/b, as attempt 2.
+    let mut again = Vec::new();
+    within(
+        "the redelivery",
+        sub.next_batch(8, |m| {
+            again.push((m.topic().to_owned(), m.attempt(), m.settler()))
+        }),
+    )
+    .await
+    .expect("open")
+    .expect("a message");
+    assert_eq!(
+        again
+            .iter()
+            .map(|(t, a, _)| (t.as_str(), *a))
+            .collect::<Vec<_>>(),
+        vec![("settle/b", 2)]
+    );
+    again[0].2.ack().await.expect("ack");
+    // settle/a was settled by the first ACK: a second one is refused as not in flight.
+    settlers[0].2.ack().await.expect("second ack sent");
+    let r = within("the refusal", sub.next_batch(8, |_| {}))
+        .await
+        .expect("open");
+    assert_eq!(
+        r.expect_err("an error").code(),
+        Some(ErrorCode::NOT_IN_FLIGHT)
+    );
+}
