@@ -138,43 +138,26 @@ impl Message {
         }
     }
 
-    fn settle_ext(&self) -> Extensions {
-        Extensions {
-            // Offsets are per topic: a wildcard subscription must say which topic.
-            topic: self.handle.filter.is_wildcard().then(|| self.topic.clone()),
-            attempt: Some(self.attempt()),
-            ..Extensions::default()
-        }
+    /// What settling this delivery takes, as a [`Settler`] also does.
+    fn settler(&self) -> Settler {
+        Settler::new(
+            &self.handle,
+            || self.topic.clone(),
+            self.offset(),
+            self.attempt(),
+        )
     }
 
     /// Settle this delivery. Refusals (e.g. already redelivered) arrive on the subscription
     /// stream as `Err` items.
     pub async fn ack(&self) -> Result<(), ClientError> {
-        send_ack(&self.handle, self.offset(), self.settle_ext()).await
+        self.settler().ack().await
     }
 
     /// Reject this delivery: the broker redelivers it, or dead-letters it after its retries.
     pub async fn nack(&self, reason: Option<&str>) -> Result<(), ClientError> {
-        send_nack(&self.handle, self.offset(), self.settle_ext(), reason).await
+        self.settler().nack(reason).await
     }
-}
-
-async fn send_ack(handle: &SubHandle, offset: u64, ext: Extensions) -> Result<(), ClientError> {
-    let mut ack = Ack::new(offset);
-    ack.ext = ext;
-    handle.send(Wire::Ack(ack)).await
-}
-
-async fn send_nack(
-    handle: &SubHandle,
-    offset: u64,
-    mut ext: Extensions,
-    reason: Option<&str>,
-) -> Result<(), ClientError> {
-    let mut nack = Nack::new(offset);
-    ext.reason = reason.map(str::to_owned);
-    nack.ext = ext;
-    handle.send(Wire::Nack(nack)).await
 }
 
 /// What settling one delivery takes, without its body ([`MessageRef::settler`]): to acknowledge
@@ -189,6 +172,21 @@ pub struct Settler {
 }
 
 impl Settler {
+    fn new(
+        handle: &Arc<SubHandle>,
+        topic: impl FnOnce() -> TopicName,
+        offset: u64,
+        attempt: u32,
+    ) -> Settler {
+        Settler {
+            handle: handle.clone(),
+            // Offsets are per topic: a wildcard subscription must say which topic.
+            topic: handle.filter.is_wildcard().then(topic),
+            offset,
+            attempt,
+        }
+    }
+
     fn ext(&self) -> Extensions {
         Extensions {
             topic: self.topic.clone(),
@@ -199,12 +197,17 @@ impl Settler {
 
     /// As [`Message::ack`].
     pub async fn ack(&self) -> Result<(), ClientError> {
-        send_ack(&self.handle, self.offset, self.ext()).await
+        let mut ack = Ack::new(self.offset);
+        ack.ext = self.ext();
+        self.handle.send(Wire::Ack(ack)).await
     }
 
     /// As [`Message::nack`].
     pub async fn nack(&self, reason: Option<&str>) -> Result<(), ClientError> {
-        send_nack(&self.handle, self.offset, self.ext(), reason).await
+        let mut nack = Nack::new(self.offset);
+        nack.ext = self.ext();
+        nack.ext.reason = reason.map(str::to_owned);
+        self.handle.send(Wire::Nack(nack)).await
     }
 }
 
@@ -679,20 +682,11 @@ impl<'a> MessageRef<'a> {
     }
     /// What acknowledging or rejecting this message later takes, without copying its body.
     pub fn settler(&self) -> Settler {
-        let (handle, topic) = match self.0 {
+        match self.0 {
             View::Borrowed { handle, topic, .. } => {
-                (handle, handle.filter.is_wildcard().then(|| topic.to_name()))
+                Settler::new(handle, || topic.to_name(), self.offset(), self.attempt())
             }
-            View::Owned(m) => (
-                &m.handle,
-                m.handle.filter.is_wildcard().then(|| m.topic.clone()),
-            ),
-        };
-        Settler {
-            handle: handle.clone(),
-            topic,
-            offset: self.offset(),
-            attempt: self.attempt(),
+            View::Owned(m) => m.settler(),
         }
     }
 
