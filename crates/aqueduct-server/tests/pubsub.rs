@@ -19,6 +19,14 @@ fn confirm() -> PublishOptions {
     }
 }
 
+/// Settle each message explicitly.
+fn explicit_ack() -> SubscribeOptions {
+    SubscribeOptions {
+        ack: true,
+        ..SubscribeOptions::default()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exact_and_wildcard_subscriptions() {
     let b = TestBroker::start().await;
@@ -165,10 +173,7 @@ async fn consumer_group_round_robin_and_failover() {
 async fn nack_redelivers_then_dead_letters() {
     let b = TestBroker::start().await; // max_retries 3
     let client = b.client().await;
-    let opts = SubscribeOptions {
-        ack: true,
-        ..SubscribeOptions::default()
-    };
+    let opts = explicit_ack();
     let mut jobs = client
         .subscribe_with("jobs", &opts)
         .await
@@ -262,9 +267,8 @@ async fn one_at_a_time_subscription_gets_the_urgent_message_next() {
     let b = TestBroker::start().await;
     let client = b.client().await;
     let opts = SubscribeOptions {
-        ack: true,
         max_in_flight: Some(1),
-        ..SubscribeOptions::default()
+        ..explicit_ack()
     };
     let mut sub = client
         .subscribe_with("alerts", &opts)
@@ -311,10 +315,7 @@ async fn one_at_a_time_subscription_gets_the_urgent_message_next() {
 async fn expired_messages_are_dropped_and_counted() {
     let b = TestBroker::start_with(|c| c.broker.max_in_flight = 1).await;
     let client = b.client().await;
-    let opts = SubscribeOptions {
-        ack: true,
-        ..SubscribeOptions::default()
-    };
+    let opts = explicit_ack();
     let mut sub = client
         .subscribe_with("ttl", &opts)
         .await
@@ -480,10 +481,7 @@ async fn dropping_a_subscription_unsubscribes() {
 async fn many_subscriptions_share_one_stream() {
     let b = TestBroker::start().await;
     let client = b.client().await;
-    let opts = SubscribeOptions {
-        ack: true,
-        ..SubscribeOptions::default()
-    };
+    let opts = explicit_ack();
     let mut sub = client
         .subscribe_many(&["a", "b/+", "c"], &opts)
         .await
@@ -760,10 +758,7 @@ async fn next_batch_lends_deliveries_in_order_with_every_field() {
 async fn next_batch_returns_an_error_in_a_call_of_its_own_and_goes_on() {
     let b = TestBroker::start().await;
     let client = b.client().await;
-    let opts = SubscribeOptions {
-        ack: true,
-        ..SubscribeOptions::default()
-    };
+    let opts = explicit_ack();
     let mut sub = client
         .subscribe_with("lend/err", &opts)
         .await
@@ -817,10 +812,7 @@ async fn next_batch_returns_an_error_in_a_call_of_its_own_and_goes_on() {
 async fn a_lent_message_is_settled_later_through_its_settler() {
     let b = TestBroker::start().await;
     let client = b.client().await;
-    let opts = SubscribeOptions {
-        ack: true,
-        ..SubscribeOptions::default()
-    };
+    let opts = explicit_ack();
     // A wildcard subscription: an ACK or NACK must name the topic, offsets being per topic.
     let mut sub = client
         .subscribe_with("settle/#", &opts)
