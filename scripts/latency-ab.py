@@ -16,11 +16,15 @@ speed bar's prerequisites (see scripts/speedbar.py):
 CLIENT_THREADS=N runs both clients (peerbench for nats-server, `aqueduct bench` for every
 variant) with N runtime worker threads (tokio's TOKIO_WORKER_THREADS); by default each uses one
 per CPU.
+
+For each variant it also prints how often the broker's runtime threads went to sleep per
+message (`aqueduct_runtime_worker_parks_total`): each is a wake-up between threads later.
 """
 import os
 import statistics
 import sys
 import tempfile
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import speedbar as sb  # noqa: E402
@@ -33,6 +37,15 @@ def parse_variant(spec):
     binary, _, env = rest.partition("|")
     pairs = dict(kv.split("=", 1) for kv in env.split(",") if kv)
     return name, binary or sb.BROKER, pairs
+
+
+def parks(metrics):
+    """The broker's `aqueduct_runtime_worker_parks_total`, or None if it has no such metric."""
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("aqueduct_runtime_worker_parks_total "):
+                return float(line.split()[1])
+    return None
 
 
 def main():
@@ -49,24 +62,30 @@ def main():
     brokers = sb.Brokers(home)
     results = {"nats": []}
     targets = {}
+    per_msg = {}
     try:
         brokers.start_nats(4222)
         for name, binary, env in variants:
             h = os.path.join(home, name)
             os.makedirs(h)
-            proc, addr, _metrics = sb.start_broker(h, binary=binary, env_extra=env)
+            proc, addr, metrics = sb.start_broker(h, binary=binary, env_extra=env)
             brokers.procs.append(proc)
-            targets[name] = (addr, dict(os.environ, AQUEDUCT_HOME=h, **client))
+            targets[name] = (addr, metrics, dict(os.environ, AQUEDUCT_HOME=h, **client))
             results[name] = []
+            per_msg[name] = []
         for r in range(rounds):
             x = sb.run([sb.PEERBENCH, "nats-latency", "--url", "nats://127.0.0.1:4222",
                         "--rate", "10000", "--secs", "5", "--size", "128"],
                        env=dict(os.environ, **client))
             results["nats"].append((x["latency"]["p50_us"], x["latency"]["p99_us"]))
-            for name, (addr, env) in targets.items():
+            for name, (addr, metrics, env) in targets.items():
+                before = parks(metrics)
                 x = sb.aq(addr, "--rate", "10000", "--duration", "5s", "--batch", "1",
                           "--payload-size", "128", env=env)
+                after = parks(metrics)
                 results[name].append((x["latency"]["p50_us"], x["latency"]["p99_us"]))
+                if before is not None and after is not None and x.get("msgs"):
+                    per_msg[name].append((after - before) / x["msgs"])
             print(f"round {r + 1}: " + ", ".join(f"{k} p50 {v[-1][0]:.0f} p99 {v[-1][1]:.0f} us"
                                                  for k, v in results.items()), flush=True)
     finally:
@@ -83,6 +102,10 @@ def main():
         ratios = [a / n for (a, _), (n, _) in zip(rows, results["nats"])]
         print(f"{name:12} p50 / nats-server per round {[round(v, 2) for v in ratios]}, "
               f"median {statistics.median(ratios):.2f}")
+    for name, v in per_msg.items():
+        if v:
+            print(f"{name:12} runtime worker parks per message {[round(x, 2) for x in v]}, "
+                  f"median {statistics.median(v):.2f}")
     return 0
 
 

@@ -647,6 +647,11 @@ fn worker_threads_sizes_the_runtime() {
         String::from_utf8_lossy(&out.stdout).trim(),
         "one/thread #0 p2: hi"
     );
+    // The runtime's own counters: the one worker has run tasks, and has slept between them.
+    let parks = metric(&metrics, "aqueduct_runtime_worker_parks_total").expect("parks");
+    assert!(parks >= 1.0, "{parks}");
+    let busy = metric(&metrics, "aqueduct_runtime_worker_busy_seconds_total").expect("busy");
+    assert!(busy > 0.0, "{busy}");
     stop(broker);
 
     let home = tempfile::tempdir().expect("dir");

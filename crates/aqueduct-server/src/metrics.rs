@@ -507,6 +507,22 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "Worker threads of the async runtime serving the broker (broker.worker_threads).",
         tokio::runtime::Handle::current().metrics().num_workers(),
     );
+    let rt = tokio::runtime::Handle::current().metrics();
+    let workers = 0..rt.num_workers();
+    out.single(
+        "aqueduct_runtime_worker_parks_total",
+        "counter",
+        "Times a runtime worker thread went to sleep for want of work (each is woken again later: a wake-up between threads).",
+        workers.clone().map(|w| rt.worker_park_count(w)).sum::<u64>(),
+    );
+    out.single(
+        "aqueduct_runtime_worker_busy_seconds_total",
+        "counter",
+        "Time the runtime's worker threads spent running tasks, summed over the threads.",
+        workers
+            .map(|w| rt.worker_total_busy_duration(w).as_secs_f64())
+            .sum::<f64>(),
+    );
     out.single(
         "aqueduct_quota_throttled_frames",
         "gauge",

@@ -5,10 +5,13 @@
 //! The writer flushes when `broker.batch_size` bytes are pending, or at most
 //! `broker.flush_interval` after it started gathering, always taking the highest priority first
 //! (the core's drain order). It only waits while the stream is busy (its last write was less than
-//! a window ago); on a quiet stream a message is written at once. Tokio timers cannot wait 50 µs,
-//! so a window under 1 ms is spent yielding to other tasks (which lets publishers add to the
-//! batch) and re-draining; a window of 1 ms or more (at most 100 ms, see the config) sleeps on a
-//! timer instead, so a long window does not spin a core.
+//! a window ago); on a quiet stream a message is written at once. A window of 1 ms or more (at
+//! most 100 ms, see the config) sleeps on a timer. Tokio's timers cannot wait less, so a shorter
+//! window (the default is 50 µs) is not waited for at all: the writer takes everything queued
+//! when it runs, and what publishers add while it writes goes out together in the next write.
+//! Waiting by yielding to the runtime instead, as this writer once did, cost latency and gained
+//! no throughput: each `yield_now` of a multi-thread runtime wakes another worker thread
+//! (docs/benchmarks.md, "The coalescing window's yields").
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -44,7 +47,7 @@ const MAX_PENDING_CONTROL: usize = 1 << 20;
 /// How long a finished stream waits for the client to read what is left.
 const FINISH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Coalescing windows at least this long wait on a timer; shorter ones (tokio timers have a
-/// 1 ms resolution) are spent yielding to other tasks and re-draining.
+/// 1 ms resolution) are not waited for (see the module docs).
 const TIMER_WINDOW: std::time::Duration = std::time::Duration::from_millis(1);
 /// Read granularity: publishers' frames are read in chunks of up to this many bytes.
 const READ_CHUNK: usize = 64 * 1024;
@@ -1252,24 +1255,17 @@ async fn write_loop<S: SendHalf>(
         // Coalesce: give publishers until the flush interval to add to this write — but only
         // while the stream is busy (the previous write was less than a window ago). A message on
         // a quiet stream goes out at once: waiting would add the window to its latency and
-        // gather nothing.
+        // gather nothing. A window under a timer's resolution is not waited for (see the module
+        // docs): what publishers add while this write is made goes out with the next one.
         let now = Instant::now();
         let busy = last_write.is_some_and(|t| now.duration_since(t) < window);
-        if busy && buf.len() < batch {
+        if busy && buf.len() < batch && window >= TIMER_WINDOW {
             let deadline = now + window;
-            if window >= TIMER_WINDOW {
-                // Long enough for a timer: sleep instead of spinning a core for the window.
-                tokio::select! {
-                    _ = tokio::time::sleep_until(deadline.into()) => {}
-                    _ = shutdown.changed() => {}
-                }
-                fill(out, shared, conn, &mut buf, batch, hint);
-            } else {
-                while buf.len() < batch && Instant::now() < deadline {
-                    tokio::task::yield_now().await;
-                    fill(out, shared, conn, &mut buf, batch, hint);
-                }
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline.into()) => {}
+                _ = shutdown.changed() => {}
             }
+            fill(out, shared, conn, &mut buf, batch, hint);
         }
         // A subscriber that stops reading blocks this write on flow control; if the core then
         // closes it (disconnect policy) the ERROR frame could never get through, so the stream is
