@@ -529,7 +529,12 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "Publish frames waiting now for their client's quota (broker.quotas.action throttle); each holds its stream.",
         st.quota_waiting.load(Ordering::Relaxed),
     );
-    let counters: [(&str, &str, u64); 11] = [
+    let counters: [(&str, &str, u64); 12] = [
+        (
+            "aqueduct_direct_writes_total",
+            "Deliveries written by the publishing stream task straight into an idle subscriber stream, without waking its writer.",
+            st.direct_writes.load(Ordering::Relaxed),
+        ),
         (
             "aqueduct_streams_stopped_total",
             "Delivery streams whose client stopped reading (STOP_SENDING); their subscriptions get nothing more.",

@@ -29,6 +29,8 @@ pub struct ServerStats {
     pub live_streams: AtomicU64,
     /// Streams whose client stopped reading (STOP_SENDING) while the broker still served them.
     pub streams_stopped: AtomicU64,
+    /// Writes a publisher made straight into an idle subscriber stream (stream/direct.rs).
+    pub direct_writes: AtomicU64,
     /// Publish frames waiting now for their client's quota (`throttle`): each holds its stream.
     pub quota_waiting: AtomicU64,
     /// SUBSCRIBEs refused by `transport.max_subscriptions_per_connection`.

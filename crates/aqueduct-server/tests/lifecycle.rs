@@ -117,8 +117,9 @@ async fn stream_tasks_and_subscriptions_end_with_the_connection() {
 async fn the_confirm_of_a_subscribe_precedes_its_deliveries() {
     let b = TestBroker::start().await;
     let publisher = b.client().await;
+    // Until the end of the test (a fixed count could run out before the last subscribe).
     let flood = tokio::spawn(async move {
-        for i in 0..200_000u32 {
+        for i in 0u64.. {
             if publisher.publish("flood", i.to_string()).await.is_err() {
                 break;
             }
@@ -289,5 +290,45 @@ async fn a_plain_subscription_ends_when_its_client_finishes_the_stream() {
         s.read_frame().await.is_none(),
         "finished, nothing after the FIN"
     );
+    b.stop().await.expect("clean shutdown");
+}
+
+/// A delivery written straight into an idle stream by the publishing task (the broker's
+/// stream/direct.rs) that flow control holds back in part: the stream's writer sends the rest
+/// first, then what came after, once the subscriber reads. Nothing is lost or reordered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_write_held_by_flow_control_is_finished_by_the_writer_in_order() {
+    let b = TestBroker::start().await;
+    let slow = Raw::connect(&b, 4096).await;
+    let mut s = slow.stream().await;
+    s.write(&subscribe_frame(1, "topic:held")).await;
+    until("the subscription", || b.broker.subscriber_count() == 1).await;
+    let publisher = b.client().await;
+    let confirm = PublishOptions {
+        confirm: true,
+        ..PublishOptions::default()
+    };
+    // 100 × ~300 bytes against a 4 KiB stream window the client does not read yet: the first
+    // go out directly, one is cut short by flow control, and the rest wait for the writer.
+    let body = |i: u32| format!("{i:04}-{}", "x".repeat(290));
+    for i in 0..100 {
+        publisher
+            .publish_with("held", body(i), &confirm)
+            .await
+            .expect("routed");
+    }
+    assert!(
+        b.stats.direct_writes.load(Ordering::Relaxed) >= 1,
+        "the first deliveries were written directly"
+    );
+    let mut got = Vec::new();
+    while got.len() < 100 {
+        match s.read_frame().await.expect("a frame").message {
+            Message::Publish(p) => got.push(String::from_utf8(p.body.to_vec()).expect("utf-8")),
+            Message::Confirm(_) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(got, (0..100).map(body).collect::<Vec<_>>());
     b.stop().await.expect("clean shutdown");
 }

@@ -4,6 +4,8 @@
 //! written once, over these traits.
 
 use std::future::Future;
+use std::pin::{pin, Pin};
+use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 
@@ -38,7 +40,23 @@ pub(crate) trait SendHalf: Send {
     fn reset(&mut self, code: u32);
     /// End the stream cleanly (FIN) after what was written.
     fn finish(&mut self);
+    /// What [`Self::stopped`] waits for, as a future that does not borrow the stream, if this
+    /// kind of stream has one. A stream that has one can be parked for direct writes while its
+    /// writer is idle (see `direct.rs`); one that has none (WebTransport) never is.
+    fn stopped_owned(&self) -> Option<StoppedFuture> {
+        None
+    }
+    /// Write as much of `chunk` as the stream takes now, without waiting: `Ok(true)` if all of
+    /// it went, `Ok(false)` if flow control held some back (what is left stays in `chunk`).
+    fn write_now(&mut self, chunk: &mut Bytes) -> Result<bool, WriteFailure> {
+        let _ = chunk;
+        Ok(false)
+    }
 }
+
+/// A future that resolves when the client stopped reading the stream or the stream ended, and
+/// says how.
+pub(crate) type StoppedFuture = Pin<Box<dyn Future<Output = String> + Send>>;
 
 /// The receiving half: the client's frames come in here.
 pub(crate) trait RecvHalf: tokio::io::AsyncRead + Unpin + Send {}
@@ -63,6 +81,28 @@ impl SendHalf for quinn::SendStream {
 
     fn finish(&mut self) {
         let _ = quinn::SendStream::finish(self);
+    }
+
+    fn stopped_owned(&self) -> Option<StoppedFuture> {
+        let stopped = quinn::SendStream::stopped(self);
+        Some(Box::pin(async move { format!("{:?}", stopped.await) }))
+    }
+
+    fn write_now(&mut self, chunk: &mut Bytes) -> Result<bool, WriteFailure> {
+        let mut chunks = [std::mem::take(chunk)];
+        // One poll: quinn's `write_chunks` writes what flow control allows, or nothing if it is
+        // not ready (it is cancel safe). A blocked stream registers this no-op waker; the
+        // writer task, told to take over, polls again with its own.
+        let mut cx = Context::from_waker(Waker::noop());
+        let written = match pin!(self.write_chunks(&mut chunks)).poll(&mut cx) {
+            Poll::Ready(Ok(w)) => w.chunks == 1,
+            Poll::Ready(Err(quinn::WriteError::Stopped(_))) => return Err(WriteFailure::Stopped),
+            Poll::Ready(Err(e)) => return Err(WriteFailure::Gone(e.to_string())),
+            Poll::Pending => false,
+        };
+        let [rest] = chunks;
+        *chunk = rest;
+        Ok(written)
     }
 }
 

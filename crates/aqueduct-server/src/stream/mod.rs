@@ -33,6 +33,7 @@ use tracing::{debug, info, warn};
 use crate::connection::{AddSubError, ConnState, SubEntry};
 
 mod access;
+mod direct;
 mod io;
 use crate::consumers::{ClaimError, Consumers};
 use crate::durable::{Durable, Waiter};
@@ -88,6 +89,9 @@ pub(crate) struct StreamOut {
     /// A SLOW_CONSUMER ERROR is in the writer's buffer, not yet accepted by QUIC: if its write
     /// blocks on flow control, the stream is reset with that code instead.
     slow_error_pending: AtomicBool,
+    /// The writer's sending half while it is idle, for publishers to write into directly
+    /// (`direct.rs`).
+    direct: Mutex<Option<direct::Parked>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -157,6 +161,9 @@ impl StreamGuard {
 impl Drop for StreamGuard {
     fn drop(&mut self) {
         end_subscriptions(&self.shared, &self.conn, &self.out, |_| true);
+        // A task that ended while its writer was parked (aborted with its connection) leaves
+        // the sending half here, holding the connection's state: let both go with the task.
+        drop(lock(&self.out.direct).take());
         self.shared
             .stats
             .live_streams
@@ -277,7 +284,7 @@ fn stop_routing(shared: &Shared, out: &StreamOut) {
 /// Serve one stream until both directions are done. The reader and the writer run in this one
 /// task (no detached writer), so aborting the task with its connection stops both, and the
 /// guard still ends the stream's subscriptions.
-pub(crate) async fn serve<S: SendHalf, R: RecvHalf>(
+pub(crate) async fn serve<S: SendHalf + 'static, R: RecvHalf>(
     send: S,
     recv: R,
     shared: Arc<Shared>,
@@ -490,7 +497,12 @@ impl Reader<'_> {
                 return;
             }
         }
-        self.handle(frame, header.has_extensions, received);
+        // What this frame queues for idle subscriber streams is written into them here, once
+        // it is handled (see direct.rs).
+        let shared = self.shared;
+        direct::scoped(shared, || {
+            self.handle(frame, header.has_extensions, received)
+        });
         drop(room);
         self.wait_for_room().await;
     }
@@ -716,7 +728,7 @@ impl Reader<'_> {
                     stream_id,
                     ack_mode: s.ack_mode(),
                     overflow: s.overflow(),
-                    waker: Some(Box::new(move || waker_out.notify.notify_one())),
+                    waker: Some(Box::new(move || direct::wake(&waker_out))),
                     seed_form: !has_extensions,
                     max_in_flight: s.ext.max_in_flight.map(|n| n as usize),
                 };
@@ -1208,11 +1220,11 @@ fn has_subs(out: &StreamOut) -> bool {
 /// crosses the budget, so that frame must fit too (most deliveries are much smaller).
 const DRAIN_SLACK: usize = 4096;
 
-async fn write_loop<S: SendHalf>(
+async fn write_loop<S: SendHalf + 'static>(
     mut send: S,
     out: &StreamOut,
     shared: &Shared,
-    conn: &ConnState,
+    conn: &Arc<ConnState>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let batch = shared.config.batch_size;
@@ -1240,6 +1252,38 @@ async fn write_loop<S: SendHalf>(
                 && out.log_unanswered.load(Ordering::Acquire) == 0
             {
                 break;
+            }
+            if let Some(stopped) = send.stopped_owned() {
+                // Idle: park the sending half where publishers can write into it directly
+                // (direct.rs) until something needs the writer.
+                out.park(
+                    send,
+                    conn.clone(),
+                    std::mem::take(&mut buf),
+                    last_write,
+                    hint,
+                );
+                let stopped = tokio::select! {
+                    _ = out.notify.notified() => None,
+                    _ = shutdown.changed() => None,
+                    stopped = stopped => Some(stopped),
+                };
+                let Some(back) = out.unpark::<S>() else {
+                    // Cannot happen: only this writer parks and takes its half.
+                    tracing::error!("a stream writer lost its parked sending half");
+                    out.abort();
+                    return;
+                };
+                send = back.send;
+                buf = back.buf;
+                last_write = back.last_write;
+                hint = back.hint;
+                if let Some(stopped) = stopped {
+                    debug!("the client stopped reading the stream: {stopped}");
+                    shared.stats.streams_stopped.fetch_add(1, Ordering::Relaxed);
+                    out.abort();
+                }
+                continue;
             }
             tokio::select! {
                 _ = out.notify.notified() => {}

@@ -1,0 +1,237 @@
+//! Direct writes: a publisher writes a delivery straight into an idle subscriber stream.
+//!
+//! A message on its way through the broker is handled by a chain of tasks: quinn's endpoint
+//! driver, the publisher's connection driver, the publisher's stream task (which routes it), the
+//! subscriber's stream task (which writes it) and the subscriber's connection driver (which
+//! encrypts and sends it). Tokio runs a task woken by the one it is running next, on the same
+//! thread, but only three times in a row; the fourth goes to the run queue and wakes another
+//! worker, which then takes it over on the other core. Each such hand-over costs a cross-CPU
+//! wake-up, which on a virtual machine is most of a message's latency at moderate rates
+//! (docs/benchmarks.md, "Direct writes, once the coalescing window stopped yielding").
+//!
+//! So while a stream's writer has nothing to do, it parks its sending half here
+//! ([`StreamOut::park`]), and the publishing stream task, once it has handled a frame (no lock
+//! held), drains the subscriptions it woke into their parked streams itself ([`scoped`]):
+//! one hand-over fewer, and the chain fits. The writer stays in charge of everything else: a
+//! stream that is busy while the coalescing window is long enough to be waited for (its last
+//! write less than a `broker.flush_interval` of 1 ms or more ago), has replies or anything
+//! unusual to send, or whose write did not go through at once (flow control) is handed to it by
+//! waking it, as before. Only one side holds the parked
+//! half at a time (its mutex), so writes never interleave.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+
+use super::{fill, lock, SendHalf, StreamOut, WriteFailure, DRAIN_SLACK, TIMER_WINDOW};
+use crate::connection::ConnState;
+use crate::server::Shared;
+
+/// A writer's sending half and buffer while it waits for work.
+pub(super) struct Parked {
+    send: Box<dyn Any + Send>,
+    write_now: fn(&mut (dyn Any + Send), &mut Bytes) -> Result<bool, WriteFailure>,
+    conn: Arc<ConnState>,
+    pub(super) buf: BytesMut,
+    /// What a direct write could not get out at once; the writer sends it first.
+    pub(super) pending: Bytes,
+    pub(super) last_write: Option<Instant>,
+    pub(super) hint: usize,
+}
+
+impl std::fmt::Debug for Parked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Parked")
+            .field("buf", &self.buf.len())
+            .field("pending", &self.pending.len())
+            .field("last_write", &self.last_write)
+            .finish()
+    }
+}
+
+/// What the writer gets back when it takes its half again.
+pub(super) struct Unparked<S> {
+    pub(super) send: S,
+    pub(super) buf: BytesMut,
+    pub(super) last_write: Option<Instant>,
+    pub(super) hint: usize,
+}
+
+fn write_now_as<S: SendHalf + 'static>(
+    send: &mut (dyn Any + Send),
+    chunk: &mut Bytes,
+) -> Result<bool, WriteFailure> {
+    match send.downcast_mut::<S>() {
+        Some(s) => s.write_now(chunk),
+        None => Ok(false),
+    }
+}
+
+impl StreamOut {
+    /// Park the writer's sending half (see the module docs).
+    pub(super) fn park<S: SendHalf + 'static>(
+        &self,
+        send: S,
+        conn: Arc<ConnState>,
+        buf: BytesMut,
+        last_write: Option<Instant>,
+        hint: usize,
+    ) {
+        *lock(&self.direct) = Some(Parked {
+            send: Box::new(send),
+            write_now: write_now_as::<S>,
+            conn,
+            buf,
+            pending: Bytes::new(),
+            last_write,
+            hint,
+        });
+    }
+
+    /// Take the parked half back: what a direct write left unsent is put before the buffer.
+    /// `None` only if nothing is parked, or what is parked is not an `S` (neither happens: the
+    /// writer parks its own half and is the only one to take it).
+    pub(super) fn unpark<S: SendHalf + 'static>(&self) -> Option<Unparked<S>> {
+        let p = lock(&self.direct).take()?;
+        let send = *p.send.downcast::<S>().ok()?;
+        let buf = if p.pending.is_empty() {
+            p.buf
+        } else {
+            let mut b = BytesMut::with_capacity(p.pending.len() + p.buf.len());
+            b.extend_from_slice(&p.pending);
+            b.extend_from_slice(&p.buf);
+            b
+        };
+        Some(Unparked {
+            send,
+            buf,
+            last_write: p.last_write,
+            hint: p.hint,
+        })
+    }
+
+    /// Write what this stream's subscriptions have queued into its parked half, if the stream
+    /// is idle and quiet and nothing else waits; otherwise wake its writer.
+    fn write_direct(&self, shared: &Shared) {
+        if !self.try_write_direct(shared) {
+            self.notify.notify_one();
+        }
+    }
+
+    /// `true` if the writer need not be woken: everything drained was written.
+    fn try_write_direct(&self, shared: &Shared) -> bool {
+        // Held by the writer taking its half back, or by another publisher writing here.
+        let Ok(mut slot) = self.direct.try_lock() else {
+            return false;
+        };
+        let Some(p) = slot.as_mut() else {
+            return false;
+        };
+        let now = Instant::now();
+        let window = shared.config.flush_interval;
+        let unusual = !p.pending.is_empty()
+            || !p.buf.is_empty()
+            || self.aborted.load(Ordering::Acquire)
+            || self.revoke_pending.load(Ordering::Acquire)
+            || self.slow_error_pending.load(Ordering::Acquire)
+            || !lock(&self.control).is_empty();
+        // A busy stream's writes are coalesced by its writer.
+        let busy =
+            window >= TIMER_WINDOW && p.last_write.is_some_and(|t| now.duration_since(t) < window);
+        if unusual || busy {
+            return false;
+        }
+        let batch = shared.config.batch_size;
+        fill(self, shared, &p.conn, &mut p.buf, batch, p.hint);
+        if p.buf.is_empty() {
+            return true;
+        }
+        if self.slow_error_pending.load(Ordering::Acquire) {
+            // A SLOW_CONSUMER ERROR is in the buffer: its write needs the writer's watch for a
+            // blocked stream (which it resets instead).
+            return false;
+        }
+        let mut chunk = p.buf.split().freeze();
+        let len = chunk.len();
+        match (p.write_now)(p.send.as_mut(), &mut chunk) {
+            Ok(true) => {
+                shared.stats.add_out(len);
+                shared.stats.direct_writes.fetch_add(1, Ordering::Relaxed);
+                p.hint = (2 * len).min(batch) + DRAIN_SLACK.min(len);
+                if p.buf.capacity() > 2 * p.hint {
+                    p.buf = BytesMut::new();
+                }
+                p.last_write = Some(now);
+                // A full budget may have left more queued, and the next enqueue will not wake
+                // anyone (its queue is not empty): the writer takes the rest, coalescing.
+                len < batch
+            }
+            // Flow control held some back, or the write failed: the writer sends the rest, or
+            // meets the failure itself.
+            Ok(false) | Err(_) => {
+                shared.stats.add_out(len - chunk.len());
+                p.pending = chunk;
+                false
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// The streams woken while a stream task handles a frame (see [`scoped`]); `None` outside.
+    static WOKEN: RefCell<Option<Vec<Arc<StreamOut>>>> = const { RefCell::new(None) };
+}
+
+/// A subscription of `out` has something new: inside [`scoped`], note the stream for a direct
+/// write; elsewhere, wake its writer.
+pub(crate) fn wake(out: &Arc<StreamOut>) {
+    let noted = WOKEN.with(|w| match w.borrow_mut().as_mut() {
+        Some(list) => {
+            if !list.iter().any(|o| Arc::ptr_eq(o, out)) {
+                list.push(out.clone());
+            }
+            true
+        }
+        None => false,
+    });
+    if !noted {
+        out.notify.notify_one();
+    }
+}
+
+/// Run `f` (a stream task handling one frame, synchronously), then write into the streams it
+/// woke: directly where they are idle, by waking their writers elsewhere. Called where no lock
+/// is held, so the direct writes may take the locks their drain needs.
+pub(super) fn scoped<R>(shared: &Shared, f: impl FnOnce() -> R) -> R {
+    let outer = WOKEN.with(|w| {
+        let mut w = w.borrow_mut();
+        let outer = w.is_some();
+        if !outer {
+            *w = Some(Vec::new());
+        }
+        outer
+    });
+    if outer {
+        return f();
+    }
+    // The list is taken back even if `f` panics, so that wakes on this thread are not noted
+    // for nobody afterwards.
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            WOKEN.with(|w| w.borrow_mut().take());
+        }
+    }
+    let reset = Reset;
+    let r = f();
+    let woken = WOKEN.with(|w| w.borrow_mut().take()).unwrap_or_default();
+    drop(reset);
+    for out in &woken {
+        out.write_direct(shared);
+    }
+    r
+}
