@@ -897,6 +897,26 @@ async fn deliveries_to_an_idle_stream_are_written_directly_and_in_order() {
         direct, 20,
         "each delivery to the idle stream written directly"
     );
+    // A batch frame leaves a backlog: its stream's writer writes it (so that, under load, the
+    // drains of many streams run on their own tasks), not the publishing task.
+    let batch: Vec<(&str, Bytes)> = (0..100)
+        .map(|i| ("direct/t", Bytes::from(format!("batch {i}"))))
+        .collect();
+    publisher
+        .publish_batch(batch, &PublishOptions::default())
+        .await
+        .expect("batch");
+    for i in 0..100 {
+        assert_eq!(
+            next(&mut sub).await.body().as_ref(),
+            format!("batch {i}").as_bytes()
+        );
+    }
+    assert_eq!(
+        b.stats.direct_writes.load(Ordering::Relaxed),
+        20,
+        "the batch went to the writer"
+    );
     // A burst, published without waiting: in order too.
     for i in 20..2020u32 {
         publisher

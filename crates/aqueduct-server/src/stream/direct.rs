@@ -13,10 +13,12 @@
 //! ([`StreamOut::park`]), and the publishing stream task, once it has handled a frame (no lock
 //! held), drains the subscriptions it woke into their parked streams itself ([`scoped`]):
 //! one hand-over fewer, and the chain fits. The writer stays in charge of everything else: a
-//! stream that is busy while the coalescing window is long enough to be waited for (its last
-//! write less than a `broker.flush_interval` of 1 ms or more ago), has replies or anything
-//! unusual to send, or whose write did not go through at once (flow control) is handed to it by
-//! waking it, as before. Only one side holds the parked
+//! stream with a backlog (more than [`DIRECT_MAX_QUEUED`] messages: a batch frame, a burst;
+//! under load the drains of many streams then run on their own tasks, in parallel), one that is
+//! busy while the coalescing window is long enough to be waited for (its last write less than a
+//! `broker.flush_interval` of 1 ms or more ago), one with replies or anything unusual to send,
+//! or whose write did not go through at once (flow control) is handed to it by waking it, as
+//! before. Only one side holds the parked
 //! half at a time (its mutex), so writes never interleave.
 
 use std::any::Any;
@@ -122,6 +124,11 @@ impl StreamOut {
         }
     }
 
+    /// Messages queued for this stream's subscriptions (approximately: without their locks).
+    fn backlog(&self) -> usize {
+        lock(&self.subs).iter().map(|s| s.queued_approx()).sum()
+    }
+
     /// `true` if the writer need not be woken: everything drained was written.
     fn try_write_direct(&self, shared: &Shared) -> bool {
         // Held by the writer taking its half back, or by another publisher writing here.
@@ -139,10 +146,13 @@ impl StreamOut {
             || self.revoke_pending.load(Ordering::Acquire)
             || self.slow_error_pending.load(Ordering::Acquire)
             || !lock(&self.control).is_empty();
-        // A busy stream's writes are coalesced by its writer.
+        // A busy stream's writes are coalesced by its writer: one waiting on a timer window,
+        // or one with a backlog (a batch frame, a burst). A backlog is the writer's also so that
+        // the drains of many subscriber streams run on their own tasks, spread over the
+        // runtime's threads, not all on the publisher's.
         let busy =
             window >= TIMER_WINDOW && p.last_write.is_some_and(|t| now.duration_since(t) < window);
-        if unusual || busy {
+        if unusual || busy || self.backlog() > DIRECT_MAX_QUEUED {
             return false;
         }
         let batch = shared.config.batch_size;
@@ -180,6 +190,10 @@ impl StreamOut {
         }
     }
 }
+
+/// A stream with more messages queued than this is left to its writer (see
+/// [`StreamOut::try_write_direct`]): a direct write is for the lone message of a quiet stream.
+const DIRECT_MAX_QUEUED: usize = 8;
 
 thread_local! {
     /// The streams woken while a stream task handles a frame (see [`scoped`]); `None` outside.
