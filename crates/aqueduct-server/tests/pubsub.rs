@@ -871,8 +871,8 @@ async fn a_lent_message_is_settled_later_through_its_settler() {
 }
 
 /// A delivery to an idle subscriber stream is written by the publishing stream task itself
-/// (the broker's stream/direct.rs), one task hand-over fewer; a burst falls back to the
-/// stream's own writer. Every message arrives, in order, either way.
+/// (the broker's stream/direct.rs), one task hand-over fewer; a batch frame's backlog is left
+/// to the stream's own writer. Every message arrives, in order, either way, also in a burst.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deliveries_to_an_idle_stream_are_written_directly_and_in_order() {
     use std::sync::atomic::Ordering;
@@ -916,6 +916,24 @@ async fn deliveries_to_an_idle_stream_are_written_directly_and_in_order() {
         b.stats.direct_writes.load(Ordering::Relaxed),
         20,
         "the batch went to the writer"
+    );
+    // A fan-out to six idle streams: four are written directly, the other two by their own
+    // writers (so that a wide fan-out is written in parallel); all get it.
+    let mut fan = Vec::new();
+    for _ in 0..6 {
+        fan.push(sub_client.subscribe("direct/fan").await.expect("subscribe"));
+    }
+    publisher
+        .publish("direct/fan", "all")
+        .await
+        .expect("publish");
+    for s in &mut fan {
+        assert_eq!(next(s).await.body().as_ref(), b"all");
+    }
+    assert_eq!(
+        b.stats.direct_writes.load(Ordering::Relaxed),
+        24,
+        "four of six direct"
     );
     // A burst, published without waiting: in order too.
     for i in 20..2020u32 {

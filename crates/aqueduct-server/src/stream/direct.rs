@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
-use super::{fill, lock, SendHalf, StreamOut, WriteFailure, DRAIN_SLACK, TIMER_WINDOW};
+use super::{fill_queued, lock, SendHalf, StreamOut, WriteFailure, DRAIN_SLACK, TIMER_WINDOW};
 use crate::connection::ConnState;
 use crate::server::Shared;
 
@@ -156,9 +156,12 @@ impl StreamOut {
             return false;
         }
         let batch = shared.config.batch_size;
-        fill(self, shared, &p.conn, &mut p.buf, batch, p.hint);
+        // Not `fill`: revocations are the writer's (access.rs). One requested meanwhile is
+        // left to it: the deliveries drained here were routed before it.
+        fill_queued(self, shared, &p.conn, &mut p.buf, batch, p.hint);
+        let revocation = self.revoke_pending.load(Ordering::Acquire);
         if p.buf.is_empty() {
-            return true;
+            return !revocation;
         }
         if self.slow_error_pending.load(Ordering::Acquire) {
             // A SLOW_CONSUMER ERROR is in the buffer: its write needs the writer's watch for a
@@ -178,7 +181,7 @@ impl StreamOut {
                 p.last_write = Some(now);
                 // A full budget may have left more queued, and the next enqueue will not wake
                 // anyone (its queue is not empty): the writer takes the rest, coalescing.
-                len < batch
+                len < batch && !revocation
             }
             // Flow control held some back, or the write failed: the writer sends the rest, or
             // meets the failure itself.
@@ -195,6 +198,10 @@ impl StreamOut {
 /// [`StreamOut::try_write_direct`]): a direct write is for the lone message of a quiet stream.
 const DIRECT_MAX_QUEUED: usize = 8;
 
+/// At most this many streams are written directly after one frame; the others' writers are
+/// woken, so that a wide fan-out is written in parallel.
+const DIRECT_MAX_STREAMS: usize = 4;
+
 thread_local! {
     /// The streams woken while a stream task handles a frame (see [`scoped`]); `None` outside.
     static WOKEN: RefCell<Option<Vec<Arc<StreamOut>>>> = const { RefCell::new(None) };
@@ -203,15 +210,20 @@ thread_local! {
 /// A subscription of `out` has something new: inside [`scoped`], note the stream for a direct
 /// write; elsewhere, wake its writer.
 pub(crate) fn wake(out: &Arc<StreamOut>) {
-    let noted = WOKEN.with(|w| match w.borrow_mut().as_mut() {
-        Some(list) => {
-            if !list.iter().any(|o| Arc::ptr_eq(o, out)) {
-                list.push(out.clone());
+    let noted = WOKEN
+        .try_with(|w| match w.borrow_mut().as_mut() {
+            Some(list) => {
+                // Only the last one is compared (a stream's subscriptions are woken one after
+                // another), so that a fan-out to N streams costs N, not N². A stream noted twice
+                // is harmless: the second try finds nothing queued.
+                if !list.last().is_some_and(|o| Arc::ptr_eq(o, out)) {
+                    list.push(out.clone());
+                }
+                true
             }
-            true
-        }
-        None => false,
-    });
+            None => false,
+        })
+        .unwrap_or(false);
     if !noted {
         out.notify.notify_one();
     }
@@ -233,19 +245,41 @@ pub(super) fn scoped<R>(shared: &Shared, f: impl FnOnce() -> R) -> R {
         return f();
     }
     // The list is taken back even if `f` panics, so that wakes on this thread are not noted
-    // for nobody afterwards.
+    // for nobody afterwards; the streams it noted get their writers woken (a subscriber is
+    // woken only when its queue stops being empty: a lost wake-up would stall it).
     struct Reset;
     impl Drop for Reset {
         fn drop(&mut self) {
-            WOKEN.with(|w| w.borrow_mut().take());
+            let noted = WOKEN.try_with(|w| w.borrow_mut().take()).ok().flatten();
+            for out in noted.unwrap_or_default() {
+                out.notify.notify_one();
+            }
         }
     }
     let reset = Reset;
     let r = f();
     let woken = WOKEN.with(|w| w.borrow_mut().take()).unwrap_or_default();
     drop(reset);
-    for out in &woken {
-        out.write_direct(shared);
+    // A wide fan-out is written by the streams' own writers, in parallel over the runtime's
+    // threads, except for the first few: woken first, so that they start while this task
+    // writes. Every stream is woken if a direct write panics, as above.
+    let direct = woken.len().min(DIRECT_MAX_STREAMS);
+    for out in &woken[direct..] {
+        out.notify.notify_one();
     }
+    struct WakeRest<'a>(&'a [Arc<StreamOut>], usize);
+    impl Drop for WakeRest<'_> {
+        fn drop(&mut self) {
+            for out in &self.0[self.1..] {
+                out.notify.notify_one();
+            }
+        }
+    }
+    let mut rest = WakeRest(&woken[..direct], 0);
+    for out in &woken[..direct] {
+        out.write_direct(shared);
+        rest.1 += 1;
+    }
+    drop(rest);
     r
 }

@@ -95,14 +95,15 @@ impl SendHalf for quinn::SendStream {
         // writer task, told to take over, polls again with its own.
         let mut cx = Context::from_waker(Waker::noop());
         let written = match pin!(self.write_chunks(&mut chunks)).poll(&mut cx) {
-            Poll::Ready(Ok(w)) => w.chunks == 1,
-            Poll::Ready(Err(quinn::WriteError::Stopped(_))) => return Err(WriteFailure::Stopped),
-            Poll::Ready(Err(e)) => return Err(WriteFailure::Gone(e.to_string())),
-            Poll::Pending => false,
+            Poll::Ready(Ok(w)) => Ok(w.chunks == 1),
+            Poll::Ready(Err(quinn::WriteError::Stopped(_))) => Err(WriteFailure::Stopped),
+            Poll::Ready(Err(e)) => Err(WriteFailure::Gone(e.to_string())),
+            Poll::Pending => Ok(false),
         };
+        // What was not written (all of it, on a failure) stays the caller's.
         let [rest] = chunks;
         *chunk = rest;
-        Ok(written)
+        written
     }
 }
 

@@ -1076,9 +1076,9 @@ fn stream_id_of(buf: &[u8]) -> u32 {
     }
 }
 
-/// Collect pending replies and deliveries into `buf`, up to about `budget` bytes. Closed
-/// subscriptions are removed; a slow-consumer close gets its ERROR frame. `hint` is how much
-/// room to make at once when deliveries are waiting.
+/// Run the revocations requested for this stream's subscriptions, then collect pending
+/// replies and deliveries into `buf`, up to about `budget` bytes (see [`fill_queued`]). Only
+/// the stream's writer calls this: revocations run on its task (see access.rs).
 fn fill(
     out: &StreamOut,
     shared: &Shared,
@@ -1087,7 +1087,6 @@ fn fill(
     budget: usize,
     hint: usize,
 ) {
-    let starting = buf.is_empty();
     let revoking = if out.revoke_pending.swap(false, Ordering::AcqRel) {
         std::mem::take(&mut *lock(&out.revoking))
     } else {
@@ -1096,6 +1095,26 @@ fn fill(
     for sub in &revoking {
         revoke(shared, conn, out, sub);
     }
+    fill_queued(out, shared, conn, buf, budget, hint);
+}
+
+/// Collect pending replies and deliveries into `buf`, up to about `budget` bytes. Closed
+/// subscriptions are removed; a slow-consumer close gets its ERROR frame. `hint` is how much
+/// room to make at once when deliveries are waiting.
+fn fill_queued(
+    out: &StreamOut,
+    shared: &Shared,
+    conn: &ConnState,
+    buf: &mut BytesMut,
+    budget: usize,
+    hint: usize,
+) {
+    let starting = buf.is_empty();
+    // The subscriptions are locked before the replies are taken: a SUBSCRIBE queues its
+    // CONFIRM before it adds its subscription here, so a fill that sees the subscription has
+    // its CONFIRM too — also a publisher's direct write (direct.rs), which may run while this
+    // stream's reader is in the middle of that SUBSCRIBE. (Lock order: subs, then control.)
+    let mut subs = lock(&out.subs);
     {
         let mut control = lock(&out.control);
         if !control.is_empty() {
@@ -1105,7 +1124,6 @@ fn fill(
         }
     }
     let now = Instant::now();
-    let mut subs = lock(&out.subs);
     // Deliveries are waiting and a new write starts: make room for it in one allocation. Each
     // write hands the buffer to QUIC, so the next one starts anew, and growing that by doubling
     // copies it at every step. (Only when this fill starts the write: one that adds to a write
