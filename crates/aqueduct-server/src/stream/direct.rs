@@ -23,7 +23,7 @@
 //! half at a time (its mutex), so writes never interleave.
 
 use std::any::Any;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -206,7 +206,12 @@ const DIRECT_MAX_STREAMS: usize = 4;
 thread_local! {
     /// The streams woken while a stream task handles a frame (see [`scoped`]); `None` outside.
     static WOKEN: RefCell<Option<Vec<Arc<StreamOut>>>> = const { RefCell::new(None) };
+    /// The list's allocation between frames, so that handling a frame allocates nothing.
+    static SPARE: Cell<Vec<Arc<StreamOut>>> = const { Cell::new(Vec::new()) };
 }
+
+/// A spare list larger than this is let go rather than kept for the next frame.
+const SPARE_MAX: usize = 1024;
 
 /// A subscription of `out` has something new: inside [`scoped`], note the stream for a direct
 /// write; elsewhere, wake its writer.
@@ -238,7 +243,7 @@ pub(super) fn scoped<R>(shared: &Shared, f: impl FnOnce() -> R) -> R {
         let mut w = w.borrow_mut();
         let outer = w.is_some();
         if !outer {
-            *w = Some(Vec::new());
+            *w = Some(SPARE.take());
         }
         outer
     });
@@ -282,5 +287,10 @@ pub(super) fn scoped<R>(shared: &Shared, f: impl FnOnce() -> R) -> R {
         rest.1 += 1;
     }
     drop(rest);
+    let mut spare = woken;
+    if spare.capacity() <= SPARE_MAX {
+        spare.clear();
+        SPARE.set(spare);
+    }
     r
 }
