@@ -30,14 +30,29 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 
-use super::{fill_queued, lock, SendHalf, StreamOut, WriteFailure, DRAIN_SLACK, TIMER_WINDOW};
+use super::{coalesces, fill_queued, lock, SendHalf, StreamOut, WriteFailure, DRAIN_SLACK};
 use crate::connection::ConnState;
 use crate::server::Shared;
 
+/// A parked sending half, as publishers use it: written into, or taken back by its writer.
+trait ParkedSend: Send {
+    fn write_now(&mut self, chunk: &mut Bytes) -> Result<bool, WriteFailure>;
+    fn into_any(self: Box<Self>) -> Box<dyn Any>;
+}
+
+impl<S: SendHalf + 'static> ParkedSend for S {
+    fn write_now(&mut self, chunk: &mut Bytes) -> Result<bool, WriteFailure> {
+        SendHalf::write_now(self, chunk)
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+}
+
 /// A writer's sending half and buffer while it waits for work.
 pub(super) struct Parked {
-    send: Box<dyn Any + Send>,
-    write_now: fn(&mut (dyn Any + Send), &mut Bytes) -> Result<bool, WriteFailure>,
+    send: Box<dyn ParkedSend>,
     conn: Arc<ConnState>,
     pub(super) buf: BytesMut,
     /// What a direct write could not get out at once; the writer sends it first.
@@ -64,16 +79,6 @@ pub(super) struct Unparked<S> {
     pub(super) hint: usize,
 }
 
-fn write_now_as<S: SendHalf + 'static>(
-    send: &mut (dyn Any + Send),
-    chunk: &mut Bytes,
-) -> Result<bool, WriteFailure> {
-    match send.downcast_mut::<S>() {
-        Some(s) => s.write_now(chunk),
-        None => Ok(false),
-    }
-}
-
 impl StreamOut {
     /// Park the writer's sending half (see the module docs).
     pub(super) fn park<S: SendHalf + 'static>(
@@ -86,7 +91,6 @@ impl StreamOut {
     ) {
         *lock(&self.direct) = Some(Parked {
             send: Box::new(send),
-            write_now: write_now_as::<S>,
             conn,
             buf,
             pending: Bytes::new(),
@@ -100,7 +104,7 @@ impl StreamOut {
     /// writer parks its own half and is the only one to take it).
     pub(super) fn unpark<S: SendHalf + 'static>(&self) -> Option<Unparked<S>> {
         let p = lock(&self.direct).take()?;
-        let send = *p.send.downcast::<S>().ok()?;
+        let send = *p.send.into_any().downcast::<S>().ok()?;
         let buf = if p.pending.is_empty() {
             p.buf
         } else {
@@ -140,19 +144,18 @@ impl StreamOut {
             return false;
         };
         let now = Instant::now();
-        let window = shared.config.flush_interval;
+        // Replies queued meanwhile need no care: the drain takes them first, as the writer's
+        // would (`fill_queued`).
         let unusual = !p.pending.is_empty()
             || !p.buf.is_empty()
             || self.aborted.load(Ordering::Acquire)
             || self.revoke_pending.load(Ordering::Acquire)
-            || self.slow_error_pending.load(Ordering::Acquire)
-            || !lock(&self.control).is_empty();
+            || self.slow_error_pending.load(Ordering::Acquire);
         // A busy stream's writes are coalesced by its writer: one waiting on a timer window,
         // or one with a backlog (a batch frame, a burst). A backlog is the writer's also so that
         // the drains of many subscriber streams run on their own tasks, spread over the
         // runtime's threads, not all on the publisher's.
-        let busy =
-            window >= TIMER_WINDOW && p.last_write.is_some_and(|t| now.duration_since(t) < window);
+        let busy = coalesces(p.last_write, now, shared.config.flush_interval);
         if unusual || busy || self.backlog() > DIRECT_MAX_QUEUED {
             return false;
         }
@@ -171,7 +174,7 @@ impl StreamOut {
         }
         let mut chunk = p.buf.split().freeze();
         let len = chunk.len();
-        match (p.write_now)(p.send.as_mut(), &mut chunk) {
+        match p.send.write_now(&mut chunk) {
             Ok(true) => {
                 shared.stats.add_out(len);
                 shared.stats.direct_writes.fetch_add(1, Ordering::Relaxed);
@@ -250,47 +253,48 @@ pub(super) fn scoped<R>(shared: &Shared, f: impl FnOnce() -> R) -> R {
     if outer {
         return f();
     }
-    // The list is taken back even if `f` panics, so that wakes on this thread are not noted
-    // for nobody afterwards; the streams it noted get their writers woken (a subscriber is
-    // woken only when its queue stops being empty: a lost wake-up would stall it).
-    struct Reset;
-    impl Drop for Reset {
-        fn drop(&mut self) {
-            let noted = WOKEN.try_with(|w| w.borrow_mut().take()).ok().flatten();
-            for out in noted.unwrap_or_default() {
-                out.notify.notify_one();
-            }
-        }
-    }
-    let reset = Reset;
+    let mut noted = Noted {
+        list: Vec::new(),
+        written: 0,
+    };
     let r = f();
-    let woken = WOKEN.with(|w| w.borrow_mut().take()).unwrap_or_default();
-    drop(reset);
+    noted.list = WOKEN.with(|w| w.borrow_mut().take()).unwrap_or_default();
     // A wide fan-out is written by the streams' own writers, in parallel over the runtime's
     // threads, except for the first few: woken first, so that they start while this task
-    // writes. Every stream is woken if a direct write panics, as above.
-    let direct = woken.len().min(DIRECT_MAX_STREAMS);
-    for out in &woken[direct..] {
+    // writes.
+    for out in noted.list.iter().skip(DIRECT_MAX_STREAMS) {
         out.notify.notify_one();
     }
-    struct WakeRest<'a>(&'a [Arc<StreamOut>], usize);
-    impl Drop for WakeRest<'_> {
-        fn drop(&mut self) {
-            for out in &self.0[self.1..] {
-                out.notify.notify_one();
-            }
-        }
-    }
-    let mut rest = WakeRest(&woken[..direct], 0);
-    for out in &woken[..direct] {
+    noted.list.truncate(DIRECT_MAX_STREAMS);
+    while let Some(out) = noted.list.get(noted.written) {
         out.write_direct(shared);
-        rest.1 += 1;
-    }
-    drop(rest);
-    let mut spare = woken;
-    if spare.capacity() <= SPARE_MAX {
-        spare.clear();
-        SPARE.set(spare);
+        noted.written += 1;
     }
     r
+}
+
+/// The streams a frame woke, of which the first `written` are written. Dropped, it wakes the
+/// writers of the rest, and so of all of them if handling the frame panicked (then the list
+/// is still in `WOKEN`): a subscriber is woken only when its queue stops being empty, so a lost
+/// wake-up would stall it. Then it keeps its allocation for the next frame.
+struct Noted {
+    list: Vec<Arc<StreamOut>>,
+    written: usize,
+}
+
+impl Drop for Noted {
+    fn drop(&mut self) {
+        if let Ok(Some(list)) = WOKEN.try_with(|w| w.borrow_mut().take()) {
+            self.list = list;
+            self.written = 0;
+        }
+        for out in &self.list[self.written.min(self.list.len())..] {
+            out.notify.notify_one();
+        }
+        if self.list.capacity() <= SPARE_MAX {
+            self.list.clear();
+            let spare = std::mem::take(&mut self.list);
+            let _ = SPARE.try_with(|s| s.set(spare));
+        }
+    }
 }

@@ -4,7 +4,7 @@
 //! written once, over these traits.
 
 use std::future::Future;
-use std::pin::{pin, Pin};
+use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
@@ -43,8 +43,8 @@ pub(crate) trait SendHalf: Send {
     /// What [`Self::stopped`] waits for, as a future that does not borrow the stream, if this
     /// kind of stream has one. A stream that has one can be parked for direct writes while its
     /// writer is idle (see `direct.rs`); one that has none (WebTransport) never is.
-    fn stopped_owned(&self) -> Option<StoppedFuture> {
-        None
+    fn stopped_owned(&self) -> Option<impl Future<Output = String> + Send + 'static> {
+        None::<std::future::Pending<String>>
     }
     /// Write as much of `chunk` as the stream takes now, without waiting: `Ok(true)` if all of
     /// it went, `Ok(false)` if flow control held some back (what is left stays in `chunk`).
@@ -53,10 +53,6 @@ pub(crate) trait SendHalf: Send {
         Ok(false)
     }
 }
-
-/// A future that resolves when the client stopped reading the stream or the stream ended, and
-/// says how.
-pub(crate) type StoppedFuture = Pin<Box<dyn Future<Output = String> + Send>>;
 
 /// The receiving half: the client's frames come in here.
 pub(crate) trait RecvHalf: tokio::io::AsyncRead + Unpin + Send {}
@@ -83,9 +79,9 @@ impl SendHalf for quinn::SendStream {
         let _ = quinn::SendStream::finish(self);
     }
 
-    fn stopped_owned(&self) -> Option<StoppedFuture> {
+    fn stopped_owned(&self) -> Option<impl Future<Output = String> + Send + 'static> {
         let stopped = quinn::SendStream::stopped(self);
-        Some(Box::pin(async move { format!("{:?}", stopped.await) }))
+        Some(async move { format!("{:?}", stopped.await) })
     }
 
     fn write_now(&mut self, chunk: &mut Bytes) -> Result<bool, WriteFailure> {

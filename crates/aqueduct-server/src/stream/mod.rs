@@ -50,6 +50,13 @@ const FINISH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Coalescing windows at least this long wait on a timer; shorter ones (tokio timers have a
 /// 1 ms resolution) are not waited for (see the module docs).
 const TIMER_WINDOW: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Whether a write starting `now` waits for the coalescing `window` (`broker.flush_interval`):
+/// only on a busy stream (its last write less than a window ago), and only for a window long
+/// enough to wait on a timer.
+fn coalesces(last_write: Option<Instant>, now: Instant, window: std::time::Duration) -> bool {
+    window >= TIMER_WINDOW && last_write.is_some_and(|t| now.duration_since(t) < window)
+}
 /// Read granularity: publishers' frames are read in chunks of up to this many bytes.
 const READ_CHUNK: usize = 64 * 1024;
 /// A throttled reader re-checks its quota at least this often.
@@ -1271,46 +1278,45 @@ async fn write_loop<S: SendHalf + 'static>(
             {
                 break;
             }
-            if let Some(stopped) = send.stopped_owned() {
-                // Idle: park the sending half where publishers can write into it directly
-                // (direct.rs) until something needs the writer.
-                out.park(
-                    send,
-                    conn.clone(),
-                    std::mem::take(&mut buf),
-                    last_write,
-                    hint,
-                );
-                let stopped = tokio::select! {
+            // Wait for work, the shutdown, or the client to stop reading. Meanwhile the sending
+            // half is parked where publishers can write into it directly (direct.rs), if this
+            // kind of stream allows it.
+            let stopped = match send.stopped_owned() {
+                Some(stopped) => {
+                    out.park(
+                        send,
+                        conn.clone(),
+                        std::mem::take(&mut buf),
+                        last_write,
+                        hint,
+                    );
+                    let stopped = tokio::select! {
+                        _ = out.notify.notified() => None,
+                        _ = shutdown.changed() => None,
+                        stopped = stopped => Some(stopped),
+                    };
+                    let Some(back) = out.unpark::<S>() else {
+                        // Cannot happen: only this writer parks and takes its half.
+                        tracing::error!("a stream writer lost its parked sending half");
+                        out.abort();
+                        return;
+                    };
+                    send = back.send;
+                    buf = back.buf;
+                    last_write = back.last_write;
+                    hint = back.hint;
+                    stopped
+                }
+                None => tokio::select! {
                     _ = out.notify.notified() => None,
                     _ = shutdown.changed() => None,
-                    stopped = stopped => Some(stopped),
-                };
-                let Some(back) = out.unpark::<S>() else {
-                    // Cannot happen: only this writer parks and takes its half.
-                    tracing::error!("a stream writer lost its parked sending half");
-                    out.abort();
-                    return;
-                };
-                send = back.send;
-                buf = back.buf;
-                last_write = back.last_write;
-                hint = back.hint;
-                if let Some(stopped) = stopped {
-                    debug!("the client stopped reading the stream: {stopped}");
-                    shared.stats.streams_stopped.fetch_add(1, Ordering::Relaxed);
-                    out.abort();
-                }
-                continue;
-            }
-            tokio::select! {
-                _ = out.notify.notified() => {}
-                _ = shutdown.changed() => {}
-                stopped = send.stopped() => {
-                    debug!("the client stopped reading the stream: {stopped:?}");
-                    shared.stats.streams_stopped.fetch_add(1, Ordering::Relaxed);
-                    out.abort();
-                }
+                    stopped = send.stopped() => Some(format!("{stopped:?}")),
+                },
+            };
+            if let Some(stopped) = stopped {
+                debug!("the client stopped reading the stream: {stopped}");
+                shared.stats.streams_stopped.fetch_add(1, Ordering::Relaxed);
+                out.abort();
             }
             continue;
         }
@@ -1320,8 +1326,7 @@ async fn write_loop<S: SendHalf + 'static>(
         // gather nothing. A window under a timer's resolution is not waited for (see the module
         // docs): what publishers add while this write is made goes out with the next one.
         let now = Instant::now();
-        let busy = last_write.is_some_and(|t| now.duration_since(t) < window);
-        if busy && buf.len() < batch && window >= TIMER_WINDOW {
+        if buf.len() < batch && coalesces(last_write, now, window) {
             let deadline = now + window;
             tokio::select! {
                 _ = tokio::time::sleep_until(deadline.into()) => {}
