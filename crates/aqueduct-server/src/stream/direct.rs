@@ -4,10 +4,10 @@
 //! driver, the publisher's connection driver, the publisher's stream task (which routes it), the
 //! subscriber's stream task (which writes it) and the subscriber's connection driver (which
 //! encrypts and sends it). Tokio runs a task woken by the one it is running next, on the same
-//! thread, but only three times in a row; the fourth goes to the run queue and wakes another
-//! worker, which then takes it over on the other core. Each such hand-over costs a cross-CPU
-//! wake-up, which on a virtual machine is most of a message's latency at moderate rates
-//! (docs/benchmarks.md, "Direct writes, once the coalescing window stopped yielding").
+//! thread, but only three times in a row; the fourth hand-over goes to the run queue and wakes
+//! another worker, which may take the task to the other core. Each such wake-up crosses CPUs,
+//! which on a virtual machine is most of a message's latency at moderate rates
+//! (docs/benchmarks.md, "The coalescing window's yields, and direct writes").
 //!
 //! So while a stream's writer has nothing to do, it parks its sending half here
 //! ([`StreamOut::park`]), and the publishing stream task, once it has handled a frame (no lock
@@ -16,8 +16,8 @@
 //! stream with a backlog (more than [`DIRECT_MAX_QUEUED`] messages: a batch frame, a burst;
 //! under load the drains of many streams then run on their own tasks, in parallel), one that is
 //! busy while the coalescing window is long enough to be waited for (its last write less than a
-//! `broker.flush_interval` of 1 ms or more ago), one with replies or anything unusual to send,
-//! or whose write did not go through at once (flow control) is handed to it by waking it, as
+//! `broker.flush_interval` of 1 ms or more ago), one with a revocation or a SLOW_CONSUMER ERROR
+//! to send, or whose write did not go through at once (flow control) is handed to it by waking it, as
 //! before; so are all but the first [`DIRECT_MAX_STREAMS`] streams one frame woke (a wide
 //! fan-out is written by the streams' own tasks, in parallel). Only one side holds the parked
 //! half at a time (its mutex), so writes never interleave.
