@@ -17,8 +17,8 @@
 //! under load the drains of many streams then run on their own tasks, in parallel), one that is
 //! busy while the coalescing window is long enough to be waited for (its last write less than a
 //! `broker.flush_interval` of 1 ms or more ago), one with a revocation or a SLOW_CONSUMER ERROR
-//! to send, or whose write did not go through at once (flow control) is handed to it by waking it, as
-//! before; so are all but the first [`DIRECT_MAX_STREAMS`] streams one frame woke (a wide
+//! to send, or whose write did not go through at once (flow control) is handed to it by waking
+//! it, as before; so are all but the first [`DIRECT_MAX_STREAMS`] streams one frame woke (a wide
 //! fan-out is written by the streams' own tasks, in parallel). Only one side holds the parked
 //! half at a time (its mutex), so writes never interleave.
 
