@@ -70,18 +70,26 @@ struct Stream {
 type Fatal = Arc<Mutex<Option<ClientError>>>;
 
 impl Stream {
-    /// `None` while the stream is live. Otherwise nothing written to it now would be read: it
-    /// ended (`Ok`), or the broker stopped reading it after a framing error (FRAME_TOO_LARGE,
-    /// BAD_MAGIC) or it failed (`Err`, why).
-    fn over(&mut self) -> Option<Result<(), ClientError>> {
-        if let Some(why) = lock(&self.fatal).clone() {
-            return Some(Err(why));
+    /// `None` while the stream in `slot` is live (or there is none). Otherwise nothing written
+    /// to it now would be read: it ended (`Ok`), or the broker stopped reading it after a
+    /// framing error (FRAME_TOO_LARGE, BAD_MAGIC) or it failed (`Err`, why); and it is taken
+    /// out of `slot`. Always taken: its end has been read from `done`, which must not be
+    /// awaited again (`flush` would, and a tokio oneshot panics when polled after it
+    /// completed).
+    fn take_if_over(slot: &mut Option<Stream>) -> Option<Result<(), ClientError>> {
+        let stream = slot.as_mut()?;
+        let over = match lock(&stream.fatal).clone() {
+            Some(why) => Some(Err(why)),
+            None => match stream.done.try_recv() {
+                Err(oneshot::error::TryRecvError::Empty) => None,
+                Ok(ended) => Some(ended),
+                Err(oneshot::error::TryRecvError::Closed) => Some(Err(ClientError::Closed)),
+            },
+        };
+        if over.is_some() {
+            *slot = None;
         }
-        match self.done.try_recv() {
-            Err(oneshot::error::TryRecvError::Empty) => None,
-            Ok(ended) => Some(ended),
-            Err(oneshot::error::TryRecvError::Closed) => Some(Err(ClientError::Closed)),
-        }
+        over
     }
 }
 
@@ -186,12 +194,9 @@ impl Publisher {
             let mut guard = self.inner.send.lock().await;
             let mut fresh = false;
             let (stream, id, rx) = loop {
-                if let Some(ended) = guard.as_mut().and_then(Stream::over) {
+                if let Some(Err(why)) = Stream::take_if_over(&mut guard) {
                     // Publish on a new stream instead; `flush` will say what the old one lost.
-                    if let Err(why) = ended {
-                        lock(&self.inner.lost).get_or_insert(why);
-                    }
-                    *guard = None;
+                    lock(&self.inner.lost).get_or_insert(why);
                 }
                 if guard.is_none() {
                     *guard = Some(self.open().await?);
@@ -218,7 +223,7 @@ impl Publisher {
                 // Its replies ended just now: nothing was sent yet, so use a new stream (once;
                 // a new stream that ends at once is the connection failing, and says why).
                 if fresh {
-                    return Err(match stream.over() {
+                    return Err(match Stream::take_if_over(&mut guard) {
                         Some(Err(why)) => why,
                         _ => ClientError::Closed,
                     });
@@ -399,5 +404,66 @@ async fn replies(
     let waiting = lock(&pending).take().unwrap_or_default();
     for (_, tx) in waiting {
         let _ = tx.send(Err(failure.clone()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    async fn within<T>(fut: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(Duration::from_secs(10), fut)
+            .await
+            .expect("in time")
+    }
+
+    /// A stream whose end has been read is taken out of its slot, so that nothing awaits that
+    /// end a second time. Before the fix, a publish whose just-opened stream ended at once read
+    /// the end and left the stream in place; the `flush` after it (`Client::close`) awaited it
+    /// again and tokio's oneshot panicked ("called after complete"). The race that led there is
+    /// too narrow to provoke from outside; this checks the rule that closes it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_whose_end_was_read_leaves_its_slot() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let cert = dir.path().join("dev-cert.pem");
+        let server =
+            aqueduct_server::Server::bind(aqueduct_server::Config::for_tests(cert.clone()))
+                .await
+                .expect("broker binds");
+        let options =
+            crate::ConnectOptions::new(server.local_addr().to_string()).dev_cert_file(&cert);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let broker = tokio::spawn(server.serve(async move {
+            let _ = stopped.await;
+        }));
+
+        let client = within(crate::Client::connect(options))
+            .await
+            .expect("connects");
+        let publisher = client.publisher();
+        let mut slot = Some(publisher.open().await.expect("a stream"));
+        assert!(
+            Stream::take_if_over(&mut slot).is_none(),
+            "a live stream is not over"
+        );
+        assert!(slot.is_some(), "a live stream stays");
+
+        // The connection goes: the stream's replies end, with the reason, and the reader task
+        // finishes after it has sent the end.
+        client.close().await;
+        let mut readers = std::mem::take(&mut *lock(&publisher.inner.readers));
+        within(readers.join_next()).await.expect("a replies task");
+        let over = Stream::take_if_over(&mut slot).expect("the stream is over");
+        assert!(over.is_err(), "ended by a closed connection: {over:?}");
+        assert!(
+            slot.is_none(),
+            "a stream whose end was read must leave its slot"
+        );
+        assert!(Stream::take_if_over(&mut slot).is_none());
+
+        let _ = stop.send(());
+        let _ = within(broker).await;
     }
 }
