@@ -6,12 +6,14 @@ Each round runs the speed bar's latency configuration (one publisher at 10,000 m
 and prints p50 and p99 per round, their medians, and each variant's p50 ratio to nats-server
 per round. Rounds alternate the brokers so that the machine's drift hits them alike.
 
-A variant is NAME=[BROKER_BINARY][|ENV], ENV being comma-separated KEY=VALUE pairs for the
-broker (default binary: target/release/aqueduct-broker). From the repository root, with the
-speed bar's prerequisites (see scripts/speedbar.py):
+A variant is NAME=[BROKER_BINARY][|ENV[|CLIENT_BINARY]], ENV being comma-separated KEY=VALUE
+pairs for the broker (default binaries: target/release/aqueduct-broker, and
+target/release/aqueduct for the bench client). From the repository root, with the speed bar's
+prerequisites (see scripts/speedbar.py):
 
     ROUNDS=5 python3 scripts/latency-ab.py "default=" "one-thread=|AQUEDUCT_BROKER_WORKER_THREADS=1"
     python3 scripts/latency-ab.py "old=target/exp/broker-old" "new=target/release/aqueduct-broker"
+    python3 scripts/latency-ab.py "old=target/exp/broker-old||target/exp/client-old" "new="
 
 CLIENT_THREADS=N runs both clients (peerbench for nats-server, `aqueduct bench` for every
 variant) with N runtime worker threads (tokio's TOKIO_WORKER_THREADS); by default each uses one
@@ -32,11 +34,12 @@ import speedbar as sb  # noqa: E402
 
 def parse_variant(spec):
     if "=" not in spec:
-        sys.exit(f"latency-ab: {spec!r} is not NAME=[BROKER][|KEY=VALUE,...]")
+        sys.exit(f"latency-ab: {spec!r} is not NAME=[BROKER][|KEY=VALUE,...[|CLIENT]]")
     name, rest = spec.split("=", 1)
-    binary, _, env = rest.partition("|")
+    binary, _, rest = rest.partition("|")
+    env, _, client = rest.partition("|")
     pairs = dict(kv.split("=", 1) for kv in env.split(",") if kv)
-    return name, binary or sb.BROKER, pairs
+    return name, binary or sb.BROKER, pairs, client or sb.CLIENT
 
 
 def parks(metrics):
@@ -65,12 +68,13 @@ def main():
     per_msg = {}
     try:
         brokers.start_nats(4222)
-        for name, binary, env in variants:
+        for name, binary, env, client_binary in variants:
             h = os.path.join(home, name)
             os.makedirs(h)
             proc, addr, metrics = sb.start_broker(h, binary=binary, env_extra=env)
             brokers.procs.append(proc)
-            targets[name] = (addr, metrics, dict(os.environ, AQUEDUCT_HOME=h, **client))
+            targets[name] = (addr, metrics, dict(os.environ, AQUEDUCT_HOME=h, **client),
+                             client_binary)
             results[name] = []
             per_msg[name] = []
         for r in range(rounds):
@@ -78,10 +82,10 @@ def main():
                         "--rate", "10000", "--secs", "5", "--size", "128"],
                        env=dict(os.environ, **client))
             results["nats"].append((x["latency"]["p50_us"], x["latency"]["p99_us"]))
-            for name, (addr, metrics, env) in targets.items():
+            for name, (addr, metrics, env, client_binary) in targets.items():
                 before = parks(metrics)
                 x = sb.aq(addr, "--rate", "10000", "--duration", "5s", "--batch", "1",
-                          "--payload-size", "128", env=env)
+                          "--payload-size", "128", env=env, client=client_binary)
                 after = parks(metrics)
                 results[name].append((x["latency"]["p50_us"], x["latency"]["p99_us"]))
                 if before is not None and after is not None and x.get("msgs"):

@@ -204,8 +204,8 @@ def bench_1to1(home, addr, messages, *extra):
     return r["delivered_msgs_per_s"]
 
 
-def aq(addr, *args, env=None):
-    return run([CLIENT, "--addr", addr, "bench", "--json", *args], env=env)
+def aq(addr, *args, env=None, client=CLIENT):
+    return run([client, "--addr", addr, "bench", "--json", *args], env=env)
 
 
 def main():

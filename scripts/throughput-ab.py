@@ -5,8 +5,8 @@ Each round runs the speed bar's two throughput configurations (`aqueduct bench`,
 messages in batches of 100, overflow block: 1 -> 1 with 2,000,000 messages and 1 -> 4 with
 1,000,000) once against every variant, and prints the delivered msg/s per round, the medians,
 and each variant's per-round ratio to the first variant. Variants are given as for
-scripts/latency-ab.py: NAME=[BROKER_BINARY][|KEY=VALUE,...] (default binary:
-target/release/aqueduct-broker). From the repository root, after
+scripts/latency-ab.py: NAME=[BROKER_BINARY][|KEY=VALUE,...[|CLIENT_BINARY]] (default binaries:
+target/release/aqueduct-broker and target/release/aqueduct). From the repository root, after
 `cargo build --release -p aqueduct-cli`:
 
     ROUNDS=3 python3 scripts/throughput-ab.py "default=" "flush0=|AQUEDUCT_BROKER_FLUSH_INTERVAL=0us"
@@ -38,19 +38,19 @@ def main():
     targets = {}
     configs = [("1->1", ["--messages", str(messages), "--subscribers", "1"]),
                ("1->4", ["--messages", str(messages // 2), "--subscribers", "4"])]
-    results = {(c, name): [] for c, _ in configs for name, _, _ in variants}
+    results = {(c, name): [] for c, _ in configs for name, *_ in variants}
     try:
-        for name, binary, env in variants:
+        for name, binary, env, client in variants:
             h = os.path.join(home, name)
             os.makedirs(h)
             proc, addr, _metrics = sb.start_broker(h, binary=binary, env_extra=env)
             procs.append(proc)
-            targets[name] = (addr, dict(os.environ, AQUEDUCT_HOME=h))
+            targets[name] = (addr, dict(os.environ, AQUEDUCT_HOME=h), client)
         for r in range(rounds):
             for config, args in configs:
-                for name, (addr, env) in targets.items():
+                for name, (addr, env, client) in targets.items():
                     x = sb.aq(addr, "--payload-size", "128", "--batch", batch, "--overflow", "block",
-                              *args, env=env)
+                              *args, env=env, client=client)
                     if x["lost_total"] or x["duplicates_total"]:
                         sys.exit(f"throughput-ab: {name} lost or duplicated messages: {x}")
                     results[(config, name)].append(x["delivered_msgs_per_s"])

@@ -111,7 +111,17 @@ impl Client {
                 .parse()
                 .map_err(|_| ConnectError::Tls("bind address".into()))?
         };
-        let mut endpoint = quinn::Endpoint::client(bind).map_err(|e| ConnectError::Connect {
+        // The socket is registered for reading only (aqueduct-udp): a send does not wake the
+        // runtime's other thread.
+        let endpoint = std::net::UdpSocket::bind(bind).and_then(|socket| {
+            quinn::Endpoint::new(
+                quinn::EndpointConfig::default(),
+                None,
+                socket,
+                aqueduct_udp::runtime(),
+            )
+        });
+        let mut endpoint = endpoint.map_err(|e| ConnectError::Connect {
             addr: opts.addr.clone(),
             reason: e.to_string(),
         })?;

@@ -234,15 +234,12 @@ impl Server {
         )?));
         let bind_endpoint = |addr: SocketAddr| {
             let socket = udp_socket(addr, config.transport.socket_buffer)?;
-            let runtime = quinn::default_runtime().ok_or_else(|| ServerError::Bind {
-                addr,
-                reason: "no async runtime".into(),
-            })?;
+            // Registered for reading only: a send does not wake the other worker thread.
             quinn::Endpoint::new(
                 quinn::EndpointConfig::default(),
                 Some(server_config.clone()),
                 socket,
-                runtime,
+                aqueduct_udp::runtime(),
             )
             .map_err(|e| ServerError::Bind {
                 addr,
