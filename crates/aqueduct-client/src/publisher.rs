@@ -454,7 +454,10 @@ mod tests {
         // finishes after it has sent the end.
         client.close().await;
         let mut readers = std::mem::take(&mut *lock(&publisher.inner.readers));
-        within(readers.join_next()).await.expect("a replies task");
+        within(readers.join_next())
+            .await
+            .expect("a replies task")
+            .expect("the replies task finished without panicking");
         let over = Stream::take_if_over(&mut slot).expect("the stream is over");
         assert!(over.is_err(), "ended by a closed connection: {over:?}");
         assert!(
