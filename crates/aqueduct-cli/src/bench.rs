@@ -4,9 +4,9 @@
 //! the run's start, on this process's monotonic clock) and a message index; subscribers in the
 //! same process record one-way latency into an HdrHistogram and mark each index in a bitmap, so
 //! losses and duplicates are counted exactly. Closed loop by default (as fast as the broker
-//! takes them); with `--rate` an open loop paced on OS threads (timestamps are taken at the
-//! actual send, so a late pacer is not counted as latency — no coordinated-omission correction,
-//! the same convention as `shared/peerbench`).
+//! takes them); with `--rate` an open loop paced on OS threads with 1 ns timer slack (timestamps
+//! are taken at the actual send, so a late pacer is not counted as latency — no
+//! coordinated-omission correction, the same convention and the same pacing as `bench/peerbench`).
 //!
 //! A run that lost or duplicated messages is reported as a failure, with the broker's drop and
 //! expiry counters for the topic when its metrics endpoint is reachable.
@@ -481,6 +481,7 @@ impl Worker {
     /// Open loop: send at `rate / workers` msg/s on an OS thread (sub-millisecond sleeps, unlike
     /// tokio's timer), timestamping each message when it is actually sent.
     fn paced(mut self, handle: tokio::runtime::Handle) -> Result<(), aqueduct_client::ClientError> {
+        tight_timer_slack();
         let interval = Duration::from_secs_f64(
             self.cfg.batch.max(1) as f64 * self.plan.step as f64 / self.cfg.rate,
         );
@@ -513,6 +514,17 @@ impl Worker {
                 None => p.inc(count),
             }
         }
+    }
+}
+
+/// Ask the kernel to wake this thread's sleeps on time: Linux lets a sleep end up to the
+/// thread's timer slack (50 µs by default) late, to merge wake-ups, which at 10,000 msg/s sends
+/// many messages in pairs instead of evenly spaced. 1 ns, as peerbench's pacer asks for
+/// nats-server's client, so that both are paced alike.
+fn tight_timer_slack() {
+    #[cfg(target_os = "linux")]
+    if let Err(e) = rustix::thread::set_current_timer_slack(std::num::NonZeroU64::new(1)) {
+        tracing::debug!(error = %e, "could not lower the pacer's timer slack");
     }
 }
 
@@ -838,6 +850,23 @@ async fn fetch_metrics(addr: &str) -> std::io::Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The pacer's sleeps end on time (1 ns slack, not Linux's default 50 µs), as peerbench's.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_pacer_asks_for_tight_timer_slack() {
+        let slack = std::thread::spawn(|| {
+            let before = rustix::thread::current_timer_slack().expect("slack");
+            tight_timer_slack();
+            (
+                before,
+                rustix::thread::current_timer_slack().expect("slack"),
+            )
+        })
+        .join()
+        .expect("thread");
+        assert_eq!(slack.1, 1, "{slack:?}");
+    }
 
     #[test]
     fn priority_mix() {
