@@ -65,6 +65,25 @@ pub(crate) struct ConnState {
 }
 
 impl ConnState {
+    /// The state of a connection just accepted: no identity, no subscriptions yet.
+    pub(crate) fn new(id: u64, remote: SocketAddr) -> ConnState {
+        ConnState {
+            id,
+            remote,
+            client_id: OnceLock::new(),
+            connected_at: SystemTime::now(),
+            published: AtomicU64::new(0),
+            delivered: AtomicU64::new(0),
+            bucket: OnceLock::new(),
+            conn: OnceLock::new(),
+            subs: Mutex::default(),
+            confirmed: AtomicBool::new(false),
+            confirmed_notify: Notify::new(),
+            close_reason: Mutex::new(None),
+            close_requested: Notify::new(),
+        }
+    }
+
     /// Close the connection with application code 0 and `reason` (an administrator's
     /// disconnect): through the session, so that a WebTransport client gets the session's
     /// close message (its code and reason), not a bare connection close.
@@ -252,21 +271,7 @@ pub(crate) async fn handle(
         }
         return;
     }
-    let state = Arc::new(ConnState {
-        id: conn_id,
-        remote,
-        client_id: OnceLock::new(),
-        connected_at: SystemTime::now(),
-        published: AtomicU64::new(0),
-        delivered: AtomicU64::new(0),
-        bucket: OnceLock::new(),
-        conn: OnceLock::new(),
-        subs: Mutex::default(),
-        confirmed: AtomicBool::new(false),
-        confirmed_notify: Notify::new(),
-        close_reason: Mutex::new(None),
-        close_requested: Notify::new(),
-    });
+    let state = Arc::new(ConnState::new(conn_id, remote));
     // With mTLS the client is unknown until the handshake completes: no early data then; nor
     // with the cluster on (a mesh connection is only known once it completes); nor for
     // WebTransport (a session starts with HTTP/3 requests, and is checked like any client

@@ -1246,12 +1246,14 @@ fn has_subs(out: &StreamOut) -> bool {
 const DRAIN_SLACK: usize = 4096;
 
 async fn write_loop<S: SendHalf + 'static>(
-    mut send: S,
+    send: S,
     out: &StreamOut,
     shared: &Shared,
     conn: &Arc<ConnState>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    // Boxed once: parked for direct writes while idle, the box moves (direct.rs).
+    let mut send = Box::new(send);
     let batch = shared.config.batch_size;
     let window = shared.config.flush_interval;
     // Sized by `fill` when deliveries wait (see `hint` below); an idle stream allocates
