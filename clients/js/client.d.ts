@@ -105,6 +105,11 @@ export declare class Subscription implements AsyncIterableIterator<Message> {
   readonly id: number;
   readonly filter: string;
   readonly group: string | undefined;
+  /**
+   * A durable subscription: `true` if the broker serves it from its durable log, `false` if the
+   * broker runs without the log and made it an in-memory consumer group; `undefined` otherwise.
+   */
+  readonly durableLog: boolean | undefined;
   readonly wildcard: boolean;
   readonly ended: boolean;
   next(): Promise<IteratorResult<Message, undefined>>;

@@ -282,7 +282,9 @@ export class Client {
    *
    * The SUBSCRIBE carries the CONFIRM extension: the promise resolves once the broker has made
    * the subscription active (§7.1) — anything published after that is delivered — and rejects
-   * with the broker's ERROR otherwise.
+   * with the broker's ERROR otherwise. A durable subscription's `durableLog` then says whether
+   * the broker serves it from its durable log (`true`) or, running without the log, made it an
+   * in-memory consumer group (`false`: nothing replayed, no position kept across restarts).
    */
   async subscribe(filter, opts = {}) {
     this.#checkOpen();
@@ -305,7 +307,9 @@ export class Client {
         room: () => sub._room(),
       });
       sub._attach(channel);
-      await channel.request(id, bytes);
+      const answer = await channel.request(id, bytes);
+      // A durable SUBSCRIBE's CONFIRM says whether the broker's log serves it (§7.1).
+      if (opts.durable !== undefined && answer.length === 1) sub.durableLog = answer[0] === 1n;
     } catch (e) {
       this.#inUse.delete(id);
       sub?._abandon();
@@ -566,6 +570,8 @@ export class Subscription {
     this.id = id;
     this.filter = filter;
     this.group = opts.group;
+    /** Durable subscriptions: served from the broker's log (true) or in memory only (false). */
+    this.durableLog = undefined;
     this.#buffer = opts.buffer ?? 256;
     this.#onError = opts.onError ?? fallbackOnError;
     this.wildcard = isWildcardFilter(filter);

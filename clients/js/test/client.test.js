@@ -212,6 +212,26 @@ test('subscribe: SUBSCRIBE with CONFIRM resolves when active; deliveries iterate
   await client.close();
 });
 
+test('a durable subscription learns from its CONFIRM whether the broker log serves it', async () => {
+  const { fake, client } = await setup();
+  const results = [];
+  for (const [n, says] of [[1, 1n], [2, 0n]]) {
+    const subscribing = client.subscribe('orders', { durable: { consumer: `c${n}`, start: 'earliest' } });
+    const broker = await fake.stream(n - 1);
+    const { frame } = await broker.next();
+    assert.deepEqual(frame.spec, { filter: 'orders', durable: { consumer: `c${n}`, start: 'earliest' } });
+    await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [says] });
+    results.push((await subscribing).durableLog);
+  }
+  assert.deepEqual(results, [true, false]);
+  const plain = client.subscribe('orders');
+  const broker = await fake.stream(2);
+  const { frame } = await broker.next();
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
+  assert.equal((await plain).durableLog, undefined, 'not a durable subscription');
+  await client.close();
+});
+
 test('ack on a subscription without wildcards: ATTEMPT but no TOPIC; refusals go to onError', async () => {
   const { fake, client } = await setup();
   const refusals = [];

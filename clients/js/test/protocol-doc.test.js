@@ -129,6 +129,7 @@ const EXPECTED = {
   subscribe: [FROM_CLIENT, subscribe(1, { filter: 'orders' })],
   'subscribe-confirm': [FROM_CLIENT, subscribe(1, { filter: 'orders' }, { confirm: true })],
   'confirm-subscribe': [FROM_BROKER, { opcode: Opcode.CONFIRM, streamId: 1, hasExtensions: false, ext: {}, offsets: [] }],
+  'confirm-subscribe-durable': [FROM_BROKER, { opcode: Opcode.CONFIRM, streamId: 7, hasExtensions: false, ext: {}, offsets: [1n] }],
   'subscribe-group': [
     FROM_CLIENT,
     subscribe(5, { filter: 'sensors/+', group: 'ingest' }, { ackMode: 1, overflow: 1 }),

@@ -713,7 +713,15 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                     .unwrap_or_default(),
                 durable
                     .as_ref()
-                    .map(|d| format!(" (durable consumer {d})"))
+                    .map(|d| match sub.durable_log() {
+                        Some(true) => format!(" (durable consumer {d}, from the broker's log)"),
+                        Some(false) => format!(
+                            " (durable consumer {d}, in memory only: the broker runs without its \
+                             durable log, aal.enabled, so nothing is replayed and the position \
+                             is not kept across restarts)"
+                        ),
+                        None => format!(" (durable consumer {d})"),
+                    })
                     .unwrap_or_default()
             );
             let mut received = 0u64;

@@ -451,6 +451,46 @@ fn nack_makes_a_dead_letter_and_sigterm_closes_the_worker() {
     stop(broker);
 }
 
+/// `sub --durable` against a broker without the durable log says it got an in-memory consumer
+/// group (the broker's CONFIRM tells), instead of letting the user believe the position is kept.
+#[test]
+fn sub_durable_says_when_the_broker_has_no_log() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, logs) = start_broker(home.path());
+    let sub = Command::new(CLIENT)
+        .args([
+            "--addr",
+            &addr,
+            "sub",
+            "orders",
+            "--durable",
+            "audit",
+            "--count",
+            "1",
+        ])
+        .env("AQUEDUCT_HOME", home.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("client starts");
+    wait_for_log(&logs, "subscribed");
+    assert_ok(&run_client(
+        home.path(),
+        &["--addr", &addr, "pub", "orders", "kept?"],
+    ));
+    let out = output_within(sub, "the durable subscriber");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(stdout.contains("orders #0 p2: kept?"), "{stdout}");
+    assert!(
+        stderr.contains("durable consumer audit, in memory only") && stderr.contains("aal.enabled"),
+        "{stderr}"
+    );
+    stop(broker);
+}
+
 /// Nothing is reported as published when the broker refused the TLS handshake, and the
 /// refusal is said in plain words.
 #[test]

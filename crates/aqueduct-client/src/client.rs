@@ -344,12 +344,22 @@ impl Client {
         // already may come before the next CONFIRM: it is kept for the application.
         let mut confirmed = 0;
         let mut early = std::collections::VecDeque::new();
+        // A durable SUBSCRIBE's CONFIRM says whether the broker's log serves it (protocol.md
+        // §7.1): in memory if any of them is.
+        let mut durable_log: Option<bool> = None;
         while confirmed < handles.len() {
             match reader.next().await? {
                 Some(Frame {
-                    message: Wire::Confirm(_),
+                    message: Wire::Confirm(c),
                     ..
-                }) => confirmed += 1,
+                }) => {
+                    confirmed += 1;
+                    if opts.durable.is_some() {
+                        if let [says] = c.offsets[..] {
+                            durable_log = Some(durable_log.unwrap_or(true) && says == 1);
+                        }
+                    }
+                }
                 Some(Frame {
                     stream_id,
                     message: Wire::Error(e),
@@ -376,7 +386,7 @@ impl Client {
                 None => return Err(ClientError::Closed),
             }
         }
-        Subscription::start(handles, reader, early).ok_or(ClientError::Closed)
+        Subscription::start(handles, reader, early, durable_log).ok_or(ClientError::Closed)
     }
 
     /// Wait until the broker has read everything published so far on the default publish

@@ -233,6 +233,8 @@ pub struct Subscription {
     /// The stream ended (or failed): nothing more comes.
     ended: bool,
     unsubscribed: bool,
+    /// See [`Subscription::durable_log`].
+    durable_log: Option<bool>,
 }
 
 impl std::fmt::Debug for Subscription {
@@ -249,6 +251,7 @@ impl Subscription {
         handles: Vec<Arc<SubHandle>>,
         reader: FrameReader,
         early: std::collections::VecDeque<Result<Message, ClientError>>,
+        durable_log: Option<bool>,
     ) -> Option<Subscription> {
         let mut handles = handles.into_iter();
         let handle = handles.next()?;
@@ -261,7 +264,17 @@ impl Subscription {
             last_topic: None,
             ended: false,
             unsubscribed: false,
+            durable_log,
         })
+    }
+
+    /// For a durable subscription ([`crate::SubscribeOptions::durable`]): `Some(true)` if the
+    /// broker serves it from its durable log (its position is stored and survives restarts),
+    /// `Some(false)` if the broker runs without the log and made it an in-memory consumer
+    /// group instead (nothing is replayed; protocol.md §7.1). `None` for any other
+    /// subscription, or from a broker that does not say.
+    pub fn durable_log(&self) -> Option<bool> {
+        self.durable_log
     }
 
     /// The filter subscribed to.

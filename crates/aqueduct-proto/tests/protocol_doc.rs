@@ -210,6 +210,10 @@ fn examples() -> Vec<(&'static str, Bytes)> {
         "confirm-subscribe",
         f(1, Message::Confirm(Confirm { offsets: vec![] })),
     ));
+    v.push((
+        "confirm-subscribe-durable",
+        f(7, Message::Confirm(Confirm { offsets: vec![1] })),
+    ));
     let mut confirmed_sub = Subscribe::new(spec("topic:orders"));
     confirmed_sub.ext.confirm = true;
     v.push(("subscribe-confirm", f(1, Message::Subscribe(confirmed_sub))));

@@ -131,6 +131,11 @@ async fn a_durable_consumer_backfills_then_goes_live_without_gap_or_duplicate() 
         .subscribe_with("orders", &durable_opts("c1", DurableStart::Earliest))
         .await
         .expect("durable subscribe");
+    assert_eq!(
+        sub.durable_log(),
+        Some(true),
+        "the CONFIRM says the log serves it"
+    );
     // Published while the backfill runs, and after it.
     let publisher = b.client().await;
     let more = tokio::spawn(async move {
@@ -167,6 +172,27 @@ async fn a_durable_consumer_backfills_then_goes_live_without_gap_or_duplicate() 
     assert_eq!(take_acked(&mut sub, 1).await, expect(100..101));
     client.close().await;
     publisher.close().await;
+    b.stop().await.expect("clean shutdown");
+}
+
+/// Without the durable log a durable SUBSCRIBE becomes an in-memory consumer group, and its
+/// CONFIRM says so: the client can tell its user that nothing is replayed or kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_log_a_durable_subscription_is_told_it_is_in_memory() {
+    use aqueduct_client::DurableStart;
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let mut sub = client
+        .subscribe_with("orders", &durable_opts("c1", DurableStart::Earliest))
+        .await
+        .expect("durable subscribe");
+    assert_eq!(sub.durable_log(), Some(false), "in memory, and said so");
+    let plain = client.subscribe("orders").await.expect("subscribe");
+    assert_eq!(plain.durable_log(), None, "not a durable subscription");
+    // It is the consumer group the spec describes: live messages still arrive.
+    publish_n(&client, "orders", 0..3).await;
+    assert_eq!(take_acked(&mut sub, 3).await, expect(0..3));
+    client.close().await;
     b.stop().await.expect("clean shutdown");
 }
 

@@ -331,7 +331,10 @@ mod tests {
     #[test]
     fn parking_moves_the_writers_box() {
         let out = StreamOut::default();
-        let conn = Arc::new(ConnState::new(1, "127.0.0.1:1".parse().unwrap()));
+        let conn = Arc::new(ConnState::new(
+            1,
+            "127.0.0.1:1".parse().expect("an address"),
+        ));
         let mut send = Box::new(Half(7));
         for round in 0..3 {
             let at: *const Half = &*send;
@@ -349,7 +352,10 @@ mod tests {
     #[test]
     fn unpark_puts_the_unsent_rest_first() {
         let out = StreamOut::default();
-        let conn = Arc::new(ConnState::new(1, "127.0.0.1:1".parse().unwrap()));
+        let conn = Arc::new(ConnState::new(
+            1,
+            "127.0.0.1:1".parse().expect("an address"),
+        ));
         out.park(
             Box::new(Half(1)),
             conn,

@@ -852,9 +852,15 @@ impl Reader<'_> {
                     "subscribed"
                 );
                 // The subscription is routable now. Queue the CONFIRM before the writer may
-                // drain it, so the CONFIRM always precedes its first delivery.
+                // drain it, so the CONFIRM always precedes its first delivery. A durable
+                // SUBSCRIBE's CONFIRM says whether the log serves it (1) or it became an
+                // in-memory group because the broker has no log (0): protocol.md §7.1.
                 if s.ext.confirm {
-                    self.confirm(stream_id, Vec::new());
+                    let says = match &s.spec.durable {
+                        Some(_) => vec![u64::from(feeder.is_some())],
+                        None => Vec::new(),
+                    };
+                    self.confirm(stream_id, says);
                 }
                 lock(&self.out.subs).push(sub.clone());
                 self.out.notify.notify_one();
