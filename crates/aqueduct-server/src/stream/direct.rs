@@ -245,6 +245,11 @@ pub(crate) fn wake(out: &Arc<StreamOut>) {
 /// woke: directly where they are idle, by waking their writers elsewhere. Called where no lock
 /// is held, so the direct writes may take the locks their drain needs.
 pub(super) fn scoped<R>(shared: &Shared, f: impl FnOnce() -> R) -> R {
+    scoped_with(f, |out| out.write_direct(shared))
+}
+
+/// [`scoped`], with `write` doing the direct write of each stream noted (or waking its writer).
+fn scoped_with<R>(f: impl FnOnce() -> R, mut write: impl FnMut(&StreamOut)) -> R {
     let outer = WOKEN.with(|w| {
         let mut w = w.borrow_mut();
         let outer = w.is_some();
@@ -270,7 +275,7 @@ pub(super) fn scoped<R>(shared: &Shared, f: impl FnOnce() -> R) -> R {
     }
     noted.list.truncate(DIRECT_MAX_STREAMS);
     while let Some(out) = noted.list.get(noted.written) {
-        out.write_direct(shared);
+        write(out);
         noted.written += 1;
     }
     r
@@ -346,6 +351,67 @@ mod tests {
             send = back.send;
         }
         assert!(out.unpark::<Half>().is_none(), "nothing parked any more");
+    }
+
+    /// Whether `out`'s writer has been woken (a stored permit), without waiting.
+    fn woken(out: &StreamOut) -> bool {
+        let notified = std::pin::pin!(out.notify.notified());
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        notified.poll(&mut cx).is_ready()
+    }
+
+    /// The first few streams a frame woke are written directly; the writers of the rest are
+    /// woken (and not the first ones': their write was done).
+    #[test]
+    fn a_frame_writes_the_first_streams_and_wakes_the_rest() {
+        let outs: Vec<Arc<StreamOut>> = (0..DIRECT_MAX_STREAMS + 2)
+            .map(|_| Arc::new(StreamOut::default()))
+            .collect();
+        let mut written = Vec::new();
+        scoped_with(
+            || outs.iter().for_each(wake),
+            |out| written.push(out as *const StreamOut),
+        );
+        let expected: Vec<*const StreamOut> = outs[..DIRECT_MAX_STREAMS]
+            .iter()
+            .map(|o| Arc::as_ptr(o))
+            .collect();
+        assert_eq!(written, expected);
+        let woke: Vec<bool> = outs.iter().map(|o| woken(o)).collect();
+        let mut want = vec![false; DIRECT_MAX_STREAMS];
+        want.extend([true, true]);
+        assert_eq!(woke, want);
+    }
+
+    /// A frame whose handling panicked still wakes every stream it had noted (a subscriber is
+    /// woken only when its queue stops being empty: a lost wake-up would stall it for good), and
+    /// the thread is left outside any scope, so that later wake-ups go straight to the writers.
+    #[test]
+    fn a_panic_while_handling_a_frame_loses_no_wake_up() {
+        let (a, b, later) = (
+            Arc::new(StreamOut::default()),
+            Arc::new(StreamOut::default()),
+            Arc::new(StreamOut::default()),
+        );
+        let mut writes = 0;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            scoped_with(
+                || {
+                    wake(&a);
+                    wake(&b);
+                    panic!("a bug while handling a frame");
+                },
+                |_| writes += 1,
+            )
+        }));
+        assert!(r.is_err());
+        assert_eq!(writes, 0, "nothing written after the panic");
+        assert!(woken(&a) && woken(&b), "both writers woken");
+        wake(&later);
+        assert!(
+            woken(&later),
+            "outside a scope, a wake-up reaches the writer at once"
+        );
     }
 
     /// What a direct write left unsent goes before the buffer when the writer takes its half back.
