@@ -372,10 +372,8 @@ mod tests {
             || outs.iter().for_each(wake),
             |out| written.push(out as *const StreamOut),
         );
-        let expected: Vec<*const StreamOut> = outs[..DIRECT_MAX_STREAMS]
-            .iter()
-            .map(|o| Arc::as_ptr(o))
-            .collect();
+        let expected: Vec<*const StreamOut> =
+            outs[..DIRECT_MAX_STREAMS].iter().map(Arc::as_ptr).collect();
         assert_eq!(written, expected);
         let woke: Vec<bool> = outs.iter().map(|o| woken(o)).collect();
         let mut want = vec![false; DIRECT_MAX_STREAMS];
