@@ -397,14 +397,9 @@ fn peer_of<'a>(c: &'a Value, peer: &str) -> Option<&'a Value> {
 
 fn sub_on(home: &Path, node: &Node, args: &[&str]) -> Child {
     let ca = home.join("certs/ca.pem").display().to_string();
-    Command::new(CLIENT)
-        .args(["--ca", &ca, "--addr", &node.addr, "sub"])
-        .args(args)
-        .env("AQUEDUCT_HOME", home)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("aqueduct sub")
+    let mut all = vec!["--ca", &ca, "--addr", &node.addr, "sub"];
+    all.extend_from_slice(args);
+    spawn_client(home, &all)
 }
 
 fn pub_on(home: &Path, node: &Node, topic: &str, body: &str) {

@@ -223,13 +223,10 @@ fn pub_and_sub_against_a_real_broker_then_sigterm() {
         "the dev certificate was written"
     );
 
-    let sub = Command::new(CLIENT)
-        .args(["--addr", &addr, "sub", "orders/+", "--count", "2"])
-        .env("AQUEDUCT_HOME", home.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("sub starts");
+    let sub = spawn_client(
+        home.path(),
+        &["--addr", &addr, "sub", "orders/+", "--count", "2"],
+    );
     // Wait until the broker has the subscription (its log says so), then publish.
     loop {
         let line = logs.recv_timeout(WAIT).expect("broker log line");
@@ -418,19 +415,17 @@ fn nack_makes_a_dead_letter_and_sigterm_closes_the_worker() {
     let home = tempfile::tempdir().expect("dir");
     let (broker, addr, _metrics, logs) =
         start_broker_with(home.path(), &[("AQUEDUCT_TRANSPORT_IDLE_TIMEOUT", "120s")]);
-    let spawn = |args: &[&str]| {
-        Command::new(CLIENT)
-            .args(["--addr", &addr])
-            .args(args)
-            .env("AQUEDUCT_HOME", home.path())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("client starts")
-    };
-    let dlq = spawn(&["sub", "__dlq__jobs", "--count", "1"]);
+    let dlq = spawn_client(
+        home.path(),
+        &["--addr", &addr, "sub", "__dlq__jobs", "--count", "1"],
+    );
     wait_for_log(&logs, "subscribed");
-    let worker = spawn(&["sub", "jobs", "--group", "workers", "--nack"]);
+    let worker = spawn_client(
+        home.path(),
+        &[
+            "--addr", &addr, "sub", "jobs", "--group", "workers", "--nack",
+        ],
+    );
     wait_for_log(&logs, "subscribed");
     assert_ok(&run_client(
         home.path(),
@@ -457,8 +452,9 @@ fn nack_makes_a_dead_letter_and_sigterm_closes_the_worker() {
 fn sub_durable_says_when_the_broker_has_no_log() {
     let home = tempfile::tempdir().expect("dir");
     let (broker, addr, logs) = start_broker(home.path());
-    let sub = Command::new(CLIENT)
-        .args([
+    let sub = spawn_client(
+        home.path(),
+        &[
             "--addr",
             &addr,
             "sub",
@@ -467,12 +463,8 @@ fn sub_durable_says_when_the_broker_has_no_log() {
             "audit",
             "--count",
             "1",
-        ])
-        .env("AQUEDUCT_HOME", home.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("client starts");
+        ],
+    );
     wait_for_log(&logs, "subscribed");
     assert_ok(&run_client(
         home.path(),
@@ -600,13 +592,10 @@ fn cert_makes_a_working_mutual_tls_setup() {
 fn a_signal_during_work_stops_the_subscriber() {
     let home = tempfile::tempdir().expect("dir");
     let (broker, addr, logs) = start_broker(home.path());
-    let mut worker = Command::new(CLIENT)
-        .args(["--addr", &addr, "sub", "slow", "--ack", "--work", "60s"])
-        .env("AQUEDUCT_HOME", home.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("sub starts");
+    let mut worker = spawn_client(
+        home.path(),
+        &["--addr", &addr, "sub", "slow", "--ack", "--work", "60s"],
+    );
     wait_for_log(&logs, "subscribed");
     assert_ok(&run_client(
         home.path(),
@@ -669,13 +658,10 @@ fn worker_threads_sizes_the_runtime() {
         metric(&metrics, "aqueduct_runtime_worker_threads"),
         Some(1.0)
     );
-    let sub = Command::new(CLIENT)
-        .args(["--addr", &addr, "sub", "one/thread", "--count", "1"])
-        .env("AQUEDUCT_HOME", home.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("sub starts");
+    let sub = spawn_client(
+        home.path(),
+        &["--addr", &addr, "sub", "one/thread", "--count", "1"],
+    );
     wait_for_log(&logs, "subscribed");
     let out = run_client(
         home.path(),

@@ -6,7 +6,7 @@ mod common;
 
 use std::io::Read;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -35,13 +35,10 @@ fn start(home: &Path, i: usize, port: u16, peers: &[String]) -> Node {
 }
 
 fn sub(home: &Path, node: usize, addr: &str, filter: &str, count: u32) -> Child {
-    Command::new(CLIENT)
-        .args(["--addr", addr, "sub", filter, "--count", &count.to_string()])
-        .env("AQUEDUCT_HOME", home.join(format!("home-{node}")))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("aqueduct sub")
+    spawn_client(
+        &home.join(format!("home-{node}")),
+        &["--addr", addr, "sub", filter, "--count", &count.to_string()],
+    )
 }
 
 fn publish(home: &Path, addr: &str, topic: &str, body: &str) {

@@ -169,6 +169,18 @@ pub fn run_client(home: &std::path::Path, args: &[&str]) -> std::process::Output
         .expect("aqueduct runs")
 }
 
+/// Start `aqueduct ARGS` with the test's home, its output piped (read it with
+/// [`output_within`]).
+pub fn spawn_client(home: &std::path::Path, args: &[&str]) -> Child {
+    Command::new(CLIENT)
+        .args(args)
+        .env("AQUEDUCT_HOME", home)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("aqueduct starts")
+}
+
 /// Fail with the command's standard error unless it succeeded.
 pub fn assert_ok(out: &std::process::Output) {
     assert!(
