@@ -58,8 +58,17 @@ const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TracingSection {
-    /// The OTLP/gRPC collector, e.g. `http://127.0.0.1:4317`; empty: no export.
+    /// The OTLP/gRPC collector, e.g. `http://127.0.0.1:4317` or `https://otel.example:4317`;
+    /// empty: no export.
     pub otlp_endpoint: String,
+    /// With an `https://` endpoint: the PEM certificates the collector's certificate must chain
+    /// to; empty: the system's trusted roots.
+    pub otlp_ca_file: String,
+    /// With an `https://` endpoint, for a collector that asks for a client certificate: this
+    /// broker's certificate chain (PEM), with `otlp_key_file`.
+    pub otlp_cert_file: String,
+    /// The private key (PEM) of `otlp_cert_file`.
+    pub otlp_key_file: String,
     /// Fraction of sampled traces the broker records (0.0 ..= 1.0).
     pub sample_ratio: f64,
     /// The `service.name` resource attribute.
@@ -70,6 +79,9 @@ impl Default for TracingSection {
     fn default() -> Self {
         TracingSection {
             otlp_endpoint: String::new(),
+            otlp_ca_file: String::new(),
+            otlp_cert_file: String::new(),
+            otlp_key_file: String::new(),
             sample_ratio: 1.0,
             service_name: "aqueduct".into(),
         }
@@ -80,8 +92,113 @@ impl Default for TracingSection {
 #[derive(Debug, Clone, PartialEq)]
 pub struct TracingConfig {
     pub otlp_endpoint: String,
+    /// TLS to the collector: `Some` exactly for an `https://` endpoint.
+    pub tls: Option<OtlpTls>,
     pub sample_ratio: f64,
     pub service_name: String,
+}
+
+/// TLS to an `https://` collector, read from the files at startup.
+#[derive(Clone, PartialEq, Eq, Default)]
+pub struct OtlpTls {
+    /// The name the collector's certificate must carry: the endpoint's host.
+    pub domain: String,
+    /// PEM certificates to trust (`tracing.otlp_ca_file`); `None`: the system's roots.
+    pub ca_pem: Option<Vec<u8>>,
+    /// PEM certificate chain and key presented to the collector, if it asks.
+    pub identity_pem: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+// Never prints the key.
+impl std::fmt::Debug for OtlpTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OtlpTls")
+            .field("domain", &self.domain)
+            .field("own_ca", &self.ca_pem.is_some())
+            .field("client_certificate", &self.identity_pem.is_some())
+            .finish()
+    }
+}
+
+impl OtlpTls {
+    /// `tracing.otlp_ca_file`, `otlp_cert_file` and `otlp_key_file`, each checked to hold what
+    /// its name says (errors name the key).
+    fn read(section: &TracingSection, domain: String) -> Result<OtlpTls, ConfigError> {
+        let file = |path: &str| {
+            let path = path.trim();
+            (!path.is_empty()).then(|| std::path::PathBuf::from(path))
+        };
+        let tls_problem = |e: crate::tls::TlsError| match e {
+            crate::tls::TlsError::Pem { key, path, reason } => {
+                invalid(key, format!("cannot read {}: {reason}", path.display()))
+            }
+            crate::tls::TlsError::NoCertificate { key, path } => {
+                invalid(key, format!("{} holds no PEM certificate", path.display()))
+            }
+            other => invalid("tracing.otlp_endpoint", other.to_string()),
+        };
+        let ca_pem = match file(&section.otlp_ca_file) {
+            Some(path) => {
+                crate::tls::read_certs("tracing.otlp_ca_file", &path).map_err(tls_problem)?;
+                Some(read_file("tracing.otlp_ca_file", &path)?)
+            }
+            None => None,
+        };
+        let cert = file(&section.otlp_cert_file);
+        let key = file(&section.otlp_key_file);
+        let identity_pem = match (cert, key) {
+            (Some(cert), Some(key)) => {
+                crate::tls::read_certs("tracing.otlp_cert_file", &cert).map_err(tls_problem)?;
+                use rustls_pki_types::pem::PemObject;
+                rustls_pki_types::PrivateKeyDer::from_pem_file(&key).map_err(|e| {
+                    invalid(
+                        "tracing.otlp_key_file",
+                        format!("cannot read a PEM private key from {}: {e}", key.display()),
+                    )
+                })?;
+                Some((
+                    read_file("tracing.otlp_cert_file", &cert)?,
+                    read_file("tracing.otlp_key_file", &key)?,
+                ))
+            }
+            (None, None) => None,
+            (Some(_), None) => {
+                return Err(invalid(
+                    "tracing.otlp_key_file",
+                    "must be set with tracing.otlp_cert_file (the certificate's private key)",
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "tracing.otlp_cert_file",
+                    "must be set with tracing.otlp_key_file (the key's certificate)",
+                ))
+            }
+        };
+        Ok(OtlpTls {
+            domain,
+            ca_pem,
+            identity_pem,
+        })
+    }
+
+    /// tonic's TLS settings for the collector.
+    fn client_config(&self) -> tonic::transport::ClientTlsConfig {
+        use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+        let mut tls = ClientTlsConfig::new().domain_name(self.domain.clone());
+        tls = match &self.ca_pem {
+            Some(pem) => tls.ca_certificate(Certificate::from_pem(pem)),
+            None => tls.with_native_roots(),
+        };
+        if let Some((cert, key)) = &self.identity_pem {
+            tls = tls.identity(Identity::from_pem(cert, key));
+        }
+        tls
+    }
+}
+
+fn read_file(key: &'static str, path: &std::path::Path) -> Result<Vec<u8>, ConfigError> {
+    std::fs::read(path).map_err(|e| invalid(key, format!("cannot read {}: {e}", path.display())))
 }
 
 // The ratio is checked to be within 0.0..=1.0, never NaN.
@@ -103,33 +220,57 @@ impl TracingSection {
             return Err(invalid("tracing.service_name", "must not be empty"));
         }
         let endpoint = self.otlp_endpoint.trim();
+        let expected = || {
+            invalid(
+                "tracing.otlp_endpoint",
+                format!(
+                    "{endpoint:?}: expected http://HOST:PORT or https://HOST:PORT, e.g. \
+                     http://127.0.0.1:4317"
+                ),
+            )
+        };
+        let tls_keys = [
+            ("tracing.otlp_ca_file", &self.otlp_ca_file),
+            ("tracing.otlp_cert_file", &self.otlp_cert_file),
+            ("tracing.otlp_key_file", &self.otlp_key_file),
+        ];
+        let tls_key_set = tls_keys.iter().find(|(_, v)| !v.trim().is_empty());
         if endpoint.is_empty() {
             return Ok(None);
         }
-        let Some(rest) = endpoint.strip_prefix("http://") else {
-            let problem = if endpoint.starts_with("https://") {
-                format!(
-                    "{endpoint:?}: TLS to the collector is not supported yet; export to a \
-                     collector on this host or network over http:// (e.g. an OpenTelemetry \
-                     Collector agent on 127.0.0.1:4317)"
-                )
-            } else {
-                format!("{endpoint:?}: expected http://HOST:PORT, e.g. http://127.0.0.1:4317")
-            };
-            return Err(invalid("tracing.otlp_endpoint", problem));
+        let (rest, secure) = match (
+            endpoint.strip_prefix("http://"),
+            endpoint.strip_prefix("https://"),
+        ) {
+            (Some(rest), _) => (rest, false),
+            (_, Some(rest)) => (rest, true),
+            _ => return Err(expected()),
         };
         let authority = rest.split('/').next().unwrap_or_default();
-        let parsed = url::Url::parse(endpoint);
-        if authority.is_empty()
-            || !parsed.is_ok_and(|u| u.host_str().is_some_and(|h| !h.is_empty()))
-        {
-            return Err(invalid(
-                "tracing.otlp_endpoint",
-                format!("{endpoint:?}: expected http://HOST:PORT, e.g. http://127.0.0.1:4317"),
-            ));
-        }
+        let host = url::Url::parse(endpoint)
+            .ok()
+            .and_then(|u| u.host_str().map(|h| h.trim_matches(['[', ']']).to_string()))
+            .filter(|h| !h.is_empty());
+        let Some(host) = host.filter(|_| !authority.is_empty()) else {
+            return Err(expected());
+        };
+        let tls = if secure {
+            Some(OtlpTls::read(self, host)?)
+        } else {
+            if let Some((key, _)) = tls_key_set {
+                return Err(invalid(
+                    key,
+                    format!(
+                        "is for TLS to the collector, but tracing.otlp_endpoint {endpoint:?} is \
+                         plain http://: use https://"
+                    ),
+                ));
+            }
+            None
+        };
         Ok(Some(TracingConfig {
             otlp_endpoint: endpoint.to_string(),
+            tls,
             sample_ratio: self.sample_ratio,
             service_name: self.service_name.trim().to_string(),
         }))
@@ -326,10 +467,15 @@ impl Tracer {
     /// tokio runtime (the gRPC channel is set up lazily on it).
     pub fn start(config: &TracingConfig) -> Result<(Arc<Tracer>, Export), String> {
         use opentelemetry_otlp::WithExportConfig;
-        let mut exporter = opentelemetry_otlp::SpanExporter::builder()
+        use opentelemetry_otlp::WithTonicConfig;
+        let mut builder = opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
             .with_endpoint(config.otlp_endpoint.clone())
-            .with_timeout(EXPORT_TIMEOUT)
+            .with_timeout(EXPORT_TIMEOUT);
+        if let Some(tls) = &config.tls {
+            builder = builder.with_tls_config(tls.client_config());
+        }
+        let mut exporter = builder
             .build()
             .map_err(|e| format!("tracing.otlp_endpoint {:?}: {e}", config.otlp_endpoint))?;
         exporter.set_resource(
@@ -688,7 +834,7 @@ mod tests {
             .is_some());
         for bad in [
             "127.0.0.1:4317",
-            "https://collector:4317",
+            "grpc://collector:4317",
             "http://",
             "http://a b",
         ] {
@@ -704,6 +850,95 @@ mod tests {
             .expect_err("ratio")
             .to_string()
             .contains("tracing.sample_ratio"));
+    }
+
+    #[test]
+    fn tls_to_the_collector_is_checked_naming_each_key() {
+        let dir = tempfile::tempdir().expect("dir");
+        let generated =
+            rcgen::generate_simple_self_signed(vec!["collector".to_string()]).expect("cert");
+        let (cert, key, junk) = (
+            dir.path().join("c.pem"),
+            dir.path().join("c.key"),
+            dir.path().join("junk.pem"),
+        );
+        std::fs::write(&cert, generated.cert.pem()).expect("write");
+        std::fs::write(&key, generated.signing_key.serialize_pem()).expect("write");
+        std::fs::write(&junk, "not PEM at all").expect("write");
+        let path = |p: &std::path::Path| p.display().to_string();
+        let section = |endpoint: &str, ca: &str, cert: &str, key: &str| TracingSection {
+            otlp_endpoint: endpoint.into(),
+            otlp_ca_file: ca.into(),
+            otlp_cert_file: cert.into(),
+            otlp_key_file: key.into(),
+            ..TracingSection::default()
+        };
+        // https:// alone: the system's roots, no client certificate.
+        let system = section("https://collector:4317", "", "", "")
+            .validate()
+            .expect("valid")
+            .expect("on");
+        assert_eq!(
+            system.tls,
+            Some(OtlpTls {
+                domain: "collector".into(),
+                ..OtlpTls::default()
+            })
+        );
+        // Everything given: read at startup; the key never shows in the debug form.
+        let full = section(
+            "https://[::1]:4317",
+            &path(&cert),
+            &path(&cert),
+            &path(&key),
+        )
+        .validate()
+        .expect("valid")
+        .expect("on");
+        let tls = full.tls.expect("tls");
+        assert_eq!(tls.domain, "::1");
+        assert_eq!(tls.ca_pem.as_deref(), Some(generated.cert.pem().as_bytes()));
+        assert!(tls.identity_pem.is_some());
+        assert!(!format!("{tls:?}").contains("PRIVATE KEY"));
+        let refused = |s: TracingSection, key: &str, words: &str| {
+            let e = s.validate().expect_err(key).to_string();
+            assert!(e.contains(key) && e.contains(words), "{key}: {e}");
+        };
+        refused(
+            section("http://collector:4317", &path(&cert), "", ""),
+            "tracing.otlp_ca_file",
+            "use https://",
+        );
+        refused(
+            section("http://collector:4317", "", "", &path(&key)),
+            "tracing.otlp_key_file",
+            "use https://",
+        );
+        refused(
+            section("https://collector:4317", "", &path(&cert), ""),
+            "tracing.otlp_key_file",
+            "must be set with tracing.otlp_cert_file",
+        );
+        refused(
+            section("https://collector:4317", "", "", &path(&key)),
+            "tracing.otlp_cert_file",
+            "must be set with tracing.otlp_key_file",
+        );
+        refused(
+            section("https://collector:4317", "/nonexistent/ca.pem", "", ""),
+            "tracing.otlp_ca_file",
+            "/nonexistent/ca.pem",
+        );
+        refused(
+            section("https://collector:4317", &path(&junk), "", ""),
+            "tracing.otlp_ca_file",
+            "no PEM certificate",
+        );
+        refused(
+            section("https://collector:4317", "", &path(&cert), &path(&cert)),
+            "tracing.otlp_key_file",
+            "private key",
+        );
     }
 
     #[test]

@@ -157,9 +157,19 @@ fn errors_name_the_key_and_the_problem() {
             "tracing.sample_ratio: must be between 0.0 and 1.0",
         ),
         (
-            Some("tracing:\n  otlp_endpoint: https://collector:4317\n"),
+            Some("tracing:\n  otlp_endpoint: grpc://collector:4317\n"),
             &[],
-            "tracing.otlp_endpoint: \"https://collector:4317\": TLS to the collector is not supported yet",
+            "tracing.otlp_endpoint: \"grpc://collector:4317\": expected http://HOST:PORT or https://HOST:PORT",
+        ),
+        (
+            Some("tracing:\n  otlp_endpoint: https://collector:4317\n"),
+            &[("AQUEDUCT_TRACING_OTLP_CA_FILE", "/nonexistent/otel-ca.pem")],
+            "tracing.otlp_ca_file: cannot read /nonexistent/otel-ca.pem",
+        ),
+        (
+            Some("tracing:\n  otlp_endpoint: http://collector:4317\n  otlp_cert_file: c.pem\n"),
+            &[],
+            "tracing.otlp_cert_file: is for TLS to the collector, but tracing.otlp_endpoint \"http://collector:4317\" is plain http://: use https://",
         ),
         (
             Some("broker:\n  flush_interval: 50xs\n"),

@@ -256,6 +256,97 @@ async fn an_unreachable_collector_is_counted_and_delivery_goes_on() {
     b.stop().await.expect("stops");
 }
 
+/// The broker's tracing settings for an `https://` collector, as a configuration file gives them.
+fn tracing_tls(
+    endpoint: &str,
+    ca: &std::path::Path,
+    client: Option<(&std::path::Path, &std::path::Path)>,
+) -> aqueduct_server::otel::TracingConfig {
+    let path = |p: &std::path::Path| p.display().to_string();
+    aqueduct_server::otel::TracingSection {
+        otlp_endpoint: endpoint.into(),
+        otlp_ca_file: path(ca),
+        otlp_cert_file: client.map(|(c, _)| path(c)).unwrap_or_default(),
+        otlp_key_file: client.map(|(_, k)| path(k)).unwrap_or_default(),
+        service_name: "aqueduct-test".into(),
+        ..Default::default()
+    }
+    .validate()
+    .expect("valid tracing settings")
+    .expect("export on")
+}
+
+/// Spans reach a collector over TLS that checks the broker's client certificate (mTLS).
+#[tokio::test]
+async fn spans_reach_a_tls_collector_that_asks_for_a_client_certificate() {
+    let dir = tempfile::tempdir().expect("dir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let (server_cert, server_key) = ca.server(dir.path(), "collector");
+    let client = ca.client(dir.path(), "broker");
+    let (received, endpoint, _receiver) =
+        receiver_tls(&server_cert, &server_key, Some(&ca.pem)).await;
+    let tracing = tracing_tls(&endpoint, &ca_file, Some((&client.0, &client.1)));
+    let b = TestBroker::start_with(|c| c.tracing = Some(tracing)).await;
+    let client = b.client().await;
+    let mut sub = client.subscribe("t").await.expect("subscribe");
+    let t = publish_traced(&client, "t", "over TLS").await;
+    next(&mut sub).await;
+    let names = within("the spans at the TLS collector", async {
+        loop {
+            let mut names: Vec<_> = received
+                .of_trace(&t.trace_id)
+                .into_iter()
+                .map(|s| s.name)
+                .collect();
+            if names.len() == 3 {
+                names.sort();
+                break names;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(names, ["deliver", "publish", "route"]);
+    b.stop().await.expect("stops");
+}
+
+/// A collector whose certificate does not chain to `tracing.otlp_ca_file` is not trusted: its
+/// spans are counted as failed exports, and it receives nothing.
+#[tokio::test]
+async fn a_collector_with_an_untrusted_certificate_gets_no_spans() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (trusted, other) = (test_ca(), test_ca());
+    let ca_file = trusted.write(dir.path());
+    let (server_cert, server_key) = other.server(dir.path(), "impostor");
+    let (received, endpoint, _receiver) = receiver_tls(&server_cert, &server_key, None).await;
+    let b =
+        TestBroker::start_with(|c| c.tracing = Some(tracing_tls(&endpoint, &ca_file, None))).await;
+    let client = b.client().await;
+    let mut sub = client.subscribe("t").await.expect("subscribe");
+    publish_traced(&client, "t", "x").await;
+    next(&mut sub).await;
+    let metrics = within("the failed export counted", async {
+        loop {
+            let metrics = get(b.metrics_addr, "/metrics").await.1;
+            if value(&metrics, "aqueduct_trace_export_failures_total") >= Some(1.0) {
+                break metrics;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(
+        value(&metrics, "aqueduct_trace_spans_exported_total"),
+        Some(0.0)
+    );
+    assert!(
+        received.spans().is_empty(),
+        "nothing reached the untrusted collector"
+    );
+    b.stop().await.expect("stops");
+}
+
 #[tokio::test]
 async fn export_off_makes_no_trace_metrics_and_passes_contexts_unchanged() {
     let b = TestBroker::start().await;

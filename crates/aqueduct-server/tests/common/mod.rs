@@ -351,6 +351,25 @@ impl TestCa {
         (c, k)
     }
 
+    /// A server certificate for `localhost` and 127.0.0.1, written to `dir` as `<name>.pem`
+    /// and `<name>.key`.
+    pub fn server(&self, dir: &std::path::Path, name: &str) -> (PathBuf, PathBuf) {
+        use rcgen::{CertificateParams, ExtendedKeyUsagePurpose, KeyPair};
+        let key = KeyPair::generate().expect("key");
+        let mut params =
+            CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+                .expect("params");
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        let cert = params.signed_by(&key, &self.issuer).expect("signed");
+        let (c, k) = (
+            dir.join(format!("{name}.pem")),
+            dir.join(format!("{name}.key")),
+        );
+        std::fs::write(&c, cert.pem()).expect("write cert");
+        std::fs::write(&k, key.serialize_pem()).expect("write key");
+        (c, k)
+    }
+
     /// Write the CA certificate to `dir/ca.pem`.
     pub fn write(&self, dir: &std::path::Path) -> PathBuf {
         let path = dir.join("ca.pem");

@@ -75,9 +75,43 @@ pub async fn receiver() -> (Received, String, tokio::task::JoinHandle<()>) {
     (received, format!("http://{addr}"), task)
 }
 
+/// The same receiver over TLS, presenting `cert`/`key` (PEM files); with `client_ca` (PEM), it
+/// requires a client certificate that chains to it. Its endpoint is `https://127.0.0.1:PORT`.
+pub async fn receiver_tls(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+    client_ca: Option<&str>,
+) -> (Received, String, tokio::task::JoinHandle<()>) {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(
+        std::fs::read(cert).expect("cert"),
+        std::fs::read(key).expect("key"),
+    ));
+    if let Some(ca) = client_ca {
+        tls = tls.client_ca_root(Certificate::from_pem(ca));
+    }
+    let received = Received::default();
+    let service = TraceServiceServer::new(received.clone());
+    let mut server = tonic::transport::Server::builder()
+        .tls_config(tls)
+        .expect("TLS settings");
+    let task = tokio::spawn(async move {
+        let _ = server
+            .add_service(service)
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+            .await;
+    });
+    (received, format!("https://{addr}"), task)
+}
+
 pub fn tracing_to(endpoint: &str, ratio: f64) -> TracingConfig {
     TracingConfig {
         otlp_endpoint: endpoint.into(),
+        tls: None,
         sample_ratio: ratio,
         service_name: "aqueduct-test".into(),
     }
