@@ -17,11 +17,13 @@
 //!
 //! The socket is registered with [`Interest::READABLE`] only, so the write-space wake-ups no
 //! longer reach epoll. A send is tried directly; only when the kernel refuses one
-//! (`WouldBlock`: the socket buffer is full) does the connection wait for write space, through
-//! a second registration of a duplicate descriptor with [`Interest::WRITABLE`], made for that
-//! wait and dropped after it. Epoll reports a descriptor that is already writable when it is
-//! registered, so a wait cannot miss the space freed between the refused send and the
-//! registration.
+//! (`WouldBlock`: the socket buffer is full) do connections wait for write space, through a
+//! second registration of a duplicate descriptor with [`Interest::WRITABLE`], made when the
+//! first one waits, shared by all that wait with it, and dropped once the space is seen. Epoll
+//! reports a descriptor that is already writable when it is registered, so a wait cannot miss
+//! the space freed between the refused send and the registration. If the registration cannot
+//! be made (no descriptor left for the duplicate), the connection tries again after a
+//! millisecond instead of failing: an error there would stop its driver without closing it.
 
 //!
 //! On platforms other than Unix, [`runtime`] is quinn's own tokio runtime.

@@ -1,14 +1,15 @@
 //! The Unix implementation: see the crate documentation.
 
 use std::fmt;
+use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use quinn::udp::{RecvMeta, Transmit, UdpSocketState};
 use quinn::{AsyncTimer, AsyncUdpSocket, UdpPoller};
@@ -30,13 +31,22 @@ impl Runtime {
     }
 }
 
-/// `io` registered with the current tokio reactor for `interest` only.
+/// The socket registered with the current tokio reactor for reading only.
 #[allow(unsafe_code)]
-fn register<T: AsRawFd + Into<OwnedFd>>(io: T, interest: Interest) -> io::Result<AsyncFd<T>> {
-    // SAFETY: `T` owns its descriptor (it converts into an `OwnedFd`: a `std::net::UdpSocket`
-    // or an `OwnedFd` here), and the `AsyncFd` takes `io` by value, so the descriptor stays open
-    // and the same until the `AsyncFd` (which deregisters it) is dropped.
-    Ok(unsafe { AsyncFd::register_with_interest(io, interest) }?)
+fn register_for_reading(socket: std::net::UdpSocket) -> io::Result<AsyncFd<std::net::UdpSocket>> {
+    // SAFETY: a `UdpSocket` owns its descriptor and reports that one from `as_raw_fd`, and the
+    // `AsyncFd` takes the socket by value, so the descriptor stays open and the same until the
+    // `AsyncFd` (which deregisters it first) is dropped.
+    Ok(unsafe { AsyncFd::register_with_interest(socket, Interest::READABLE) }?)
+}
+
+/// A duplicate of `fd`, registered with the current tokio reactor for writing only.
+#[allow(unsafe_code)]
+fn register_duplicate_for_writing(fd: BorrowedFd<'_>) -> io::Result<AsyncFd<OwnedFd>> {
+    let fd = fd.try_clone_to_owned()?;
+    // SAFETY: as above: the `OwnedFd` is the duplicate's only owner, and the `AsyncFd` keeps it
+    // open until it has deregistered it.
+    Ok(unsafe { AsyncFd::register_with_interest(fd, Interest::WRITABLE) }?)
 }
 
 impl quinn::Runtime for Runtime {
@@ -64,6 +74,8 @@ struct Socket {
     /// The last send was refused for want of buffer space: the next `poll_writable` waits
     /// for space.
     full: AtomicBool,
+    /// The wait for that space, shared by every connection waiting.
+    space: WriteWait,
 }
 
 impl Socket {
@@ -71,10 +83,83 @@ impl Socket {
         // `UdpSocketState::new` also makes the socket non-blocking.
         let state = UdpSocketState::new((&sock).into())?;
         Ok(Socket {
-            io: register(sock, Interest::READABLE)?,
+            io: register_for_reading(sock)?,
             state,
             full: AtomicBool::new(false),
+            space: WriteWait::default(),
         })
+    }
+}
+
+/// How long a connection waits before it tries a refused send again when the wait for write
+/// space could not be registered (no descriptor left for the duplicate, say).
+const RETRY_AFTER: Duration = Duration::from_millis(1);
+
+/// A wait for write space, boxed: the shared registration's `writable()`, or a retry timer.
+type SpaceWait = Pin<Box<dyn Future<Output = ()> + Send + Sync>>;
+
+/// The wait for write space of a socket registered for reading only: one duplicate of its
+/// descriptor registered for writing, made when the first sender waits and shared by all that
+/// wait with it (quinn asks every connection with something to send), so that a full socket
+/// costs one registration, not one per connection.
+#[derive(Default)]
+struct WriteWait {
+    registered: Mutex<Option<Arc<AsyncFd<OwnedFd>>>>,
+    /// Waits that fell back to the retry timer because registering failed (for the tests).
+    retries: AtomicU64,
+}
+
+impl WriteWait {
+    /// Completes once `fd` has write space: at once if it has some now (epoll reports a
+    /// descriptor's state when it is registered, so space freed since the refused send is not
+    /// missed). If the registration cannot be made, after [`RETRY_AFTER`] instead: the send is
+    /// tried again then, and the connection never waits on an error.
+    fn wait(&self, fd: BorrowedFd<'_>) -> SpaceWait {
+        self.wait_with(fd, register_duplicate_for_writing)
+    }
+
+    /// [`Self::wait`], registering with `register`.
+    fn wait_with(
+        &self,
+        fd: BorrowedFd<'_>,
+        register: impl FnOnce(BorrowedFd<'_>) -> io::Result<AsyncFd<OwnedFd>>,
+    ) -> SpaceWait {
+        let shared = {
+            let mut registered = self.registered.lock().unwrap_or_else(|e| e.into_inner());
+            match registered.as_ref() {
+                Some(shared) => Ok(shared.clone()),
+                None => register(fd).map(|r| {
+                    let r = Arc::new(r);
+                    *registered = Some(r.clone());
+                    r
+                }),
+            }
+        };
+        match shared {
+            // An error here means the reactor is gone: the send tried next says what is wrong.
+            Ok(shared) => Box::pin(async move {
+                let _ = shared.writable().await;
+            }),
+            Err(_) => {
+                self.retries.fetch_add(1, Ordering::Relaxed);
+                Box::pin(tokio::time::sleep(RETRY_AFTER))
+            }
+        }
+    }
+
+    /// Space was seen: the registration goes (its readiness stays set, so a later wait must
+    /// not reuse it), and sends raise no write events again. Waits still holding it complete,
+    /// as they saw the same space.
+    fn seen(&self) {
+        *self.registered.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    #[cfg(test)]
+    fn is_registered(&self) -> bool {
+        self.registered
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 }
 
@@ -103,6 +188,10 @@ impl AsyncUdpSocket for Socket {
         sent
     }
 
+    /// An error other than WouldBlock is returned to quinn, which skips a connection reset and
+    /// otherwise ends the endpoint, loudly. (quinn's own tokio runtime retries every error at
+    /// once, which spins on one that persists.) An unconnected UDP socket without `IP_RECVERR`,
+    /// as quinn's is, reports no ICMP errors, so on Linux this is for real failures only.
     fn poll_recv(
         &self,
         cx: &mut Context<'_>,
@@ -141,8 +230,8 @@ impl AsyncUdpSocket for Socket {
 /// One connection's (or the endpoint's) wait for write space.
 struct Poller {
     socket: Arc<Socket>,
-    /// While the socket is full: a duplicate of its descriptor registered for writability.
-    wait: Option<AsyncFd<OwnedFd>>,
+    /// While the socket is full: this connection's part in the socket's [`WriteWait`].
+    wait: Option<SpaceWait>,
 }
 
 impl fmt::Debug for Poller {
@@ -154,24 +243,24 @@ impl fmt::Debug for Poller {
 }
 
 impl UdpPoller for Poller {
+    /// Never an error: a wait that cannot be registered becomes a short timer (see
+    /// [`WriteWait::wait`]). An error would end the connection's driver without closing the
+    /// connection, and its application would wait for ever.
     fn poll_writable(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if !self.socket.full.load(Ordering::Relaxed) {
             // Another connection's wait saw the space first.
             self.wait = None;
             return Poll::Ready(Ok(()));
         }
-        if self.wait.is_none() {
-            let fd = self.socket.io.get_ref().as_fd().try_clone_to_owned()?;
-            self.wait = Some(register(fd, Interest::WRITABLE)?);
-        }
-        let Some(wait) = self.wait.as_ref() else {
-            return Poll::Ready(Ok(()));
-        };
-        drop(ready!(wait.poll_write_ready(cx))?);
-        // Space: let the next send find out whether it is enough. The registration goes, so
-        // that sends raise no events again.
-        self.socket.full.store(false, Ordering::Relaxed);
+        let this = &mut *self;
+        let wait = this
+            .wait
+            .get_or_insert_with(|| this.socket.space.wait(this.socket.io.get_ref().as_fd()));
+        ready!(wait.as_mut().poll(cx));
+        // Space: let the next send find out whether it is enough.
         self.wait = None;
+        self.socket.full.store(false, Ordering::Relaxed);
+        self.socket.space.seen();
         Poll::Ready(Ok(()))
     }
 }
@@ -222,10 +311,7 @@ mod tests {
     }
 
     fn inode(socket: &Socket) -> u64 {
-        let fd = socket.io.get_ref().as_raw_fd();
-        std::fs::metadata(format!("/proc/self/fd/{fd}"))
-            .expect("fd metadata")
-            .ino()
+        fd_inode(socket.io.get_ref().as_fd())
     }
 
     fn runtime() -> tokio::runtime::Runtime {
@@ -279,6 +365,92 @@ mod tests {
                 got.push(buf[..meta[0].len].to_vec());
             }
             assert_eq!(got, [b"one".to_vec(), b"two".to_vec()]);
+            // Nothing more: the receive waits (the readiness was cleared), it does not spin.
+            let mut buf = [0u8; 1500];
+            let mut meta = [RecvMeta::default()];
+            let waits = poll_fn(|cx| {
+                let r = b.poll_recv(cx, &mut [io::IoSliceMut::new(&mut buf)], &mut meta);
+                Poll::Ready(r.is_pending())
+            })
+            .await;
+            assert!(waits, "an empty socket reported a datagram");
+        });
+    }
+
+    /// A datagram socket that cannot be written to: its peer (returned too) reads nothing.
+    fn filled() -> (
+        std::os::unix::net::UnixDatagram,
+        std::os::unix::net::UnixDatagram,
+    ) {
+        let (a, b) = std::os::unix::net::UnixDatagram::pair().expect("pair");
+        a.set_nonblocking(true).expect("non-blocking");
+        loop {
+            match a.send(&[0u8; 1024]) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return (a, b),
+                Err(e) => panic!("filling the socket: {e}"),
+            }
+        }
+    }
+
+    fn fd_inode(fd: BorrowedFd<'_>) -> u64 {
+        use std::os::fd::AsRawFd;
+        std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+            .expect("fd metadata")
+            .ino()
+    }
+
+    /// Two connections waiting for space on one full socket share one registration, both go on
+    /// once there is space, and after it the socket is registered for writing no more.
+    #[test]
+    fn waits_for_space_share_one_registration_and_all_end_with_the_space() {
+        runtime().block_on(async {
+            let (full, peer) = filled();
+            let ino = fd_inode(full.as_fd());
+            let space = WriteWait::default();
+            let mut waits = [space.wait(full.as_fd()), space.wait(full.as_fd())];
+            for wait in &mut waits {
+                let pending = poll_fn(|cx| Poll::Ready(wait.as_mut().poll(cx).is_pending())).await;
+                assert!(pending, "no space yet");
+            }
+            let masks = epoll_masks(ino);
+            assert_eq!(
+                masks.iter().filter(|m| *m & EPOLLOUT != 0).count(),
+                1,
+                "one registration for writing: {masks:x?}"
+            );
+            // Room: the peer reads what waits for it.
+            peer.set_nonblocking(true).expect("non-blocking");
+            let mut buf = [0u8; 1024];
+            while peer.recv(&mut buf).is_ok() {}
+            let [a, b] = waits;
+            tokio::time::timeout(Duration::from_secs(5), async { tokio::join!(a, b) })
+                .await
+                .expect("both waits end within 5 s once there is space");
+            space.seen();
+            assert!(!space.is_registered());
+            assert!(epoll_masks(ino).iter().all(|m| m & EPOLLOUT == 0));
+            assert_eq!(space.retries.load(Ordering::Relaxed), 0);
+        });
+    }
+
+    /// A wait that cannot be registered (no descriptor left for the duplicate) is a short
+    /// timer, never an error: an error would stop the connection's driver for good.
+    #[test]
+    fn a_wait_that_cannot_be_registered_retries_after_a_while() {
+        runtime().block_on(async {
+            let (full, _peer) = filled();
+            let space = WriteWait::default();
+            let wait = space.wait_with(full.as_fd(), |_| {
+                Err(io::Error::from_raw_os_error(24)) // EMFILE
+            });
+            let started = Instant::now();
+            tokio::time::timeout(Duration::from_secs(5), wait)
+                .await
+                .expect("the retry comes within 5 s");
+            assert!(started.elapsed() >= RETRY_AFTER);
+            assert_eq!(space.retries.load(Ordering::Relaxed), 1);
+            assert!(!space.is_registered());
         });
     }
 
