@@ -6,7 +6,11 @@ RUN cargo build --release --locked -p aqueduct-cli \
  && strip target/release/aqueduct-broker target/release/aqueduct
 
 FROM debian:bookworm-slim
-RUN useradd --system --uid 10001 --home /var/lib/aqueduct --create-home aqueduct
+# ca-certificates: the system roots an https:// OTLP collector is verified against by default.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --system --uid 10001 --home /var/lib/aqueduct --create-home aqueduct
 COPY --from=build /src/target/release/aqueduct-broker /src/target/release/aqueduct /usr/local/bin/
 USER aqueduct
 ENV AQUEDUCT_HOME=/var/lib/aqueduct

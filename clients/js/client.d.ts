@@ -107,7 +107,8 @@ export declare class Subscription implements AsyncIterableIterator<Message> {
   readonly group: string | undefined;
   /**
    * A durable subscription: `true` if the broker serves it from its durable log, `false` if the
-   * broker runs without the log and made it an in-memory consumer group; `undefined` otherwise.
+   * broker runs without the log and made it an in-memory consumer group. `undefined` for other
+   * subscriptions, or from a broker that does not say (one older than this rule).
    */
   readonly durableLog: boolean | undefined;
   readonly wildcard: boolean;

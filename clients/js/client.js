@@ -284,7 +284,8 @@ export class Client {
    * the subscription active (§7.1) — anything published after that is delivered — and rejects
    * with the broker's ERROR otherwise. A durable subscription's `durableLog` then says whether
    * the broker serves it from its durable log (`true`) or, running without the log, made it an
-   * in-memory consumer group (`false`: nothing replayed, no position kept across restarts).
+   * in-memory consumer group (`false`: nothing replayed, no position kept across restarts);
+   * `undefined` if the broker does not say (one older than this rule).
    */
   async subscribe(filter, opts = {}) {
     this.#checkOpen();
@@ -309,7 +310,9 @@ export class Client {
       sub._attach(channel);
       const answer = await channel.request(id, bytes);
       // A durable SUBSCRIBE's CONFIRM says whether the broker's log serves it (§7.1).
-      if (opts.durable !== undefined && answer.length === 1) sub.durableLog = answer[0] === 1n;
+      if (opts.durable !== undefined && answer.length === 1 && (answer[0] === 0n || answer[0] === 1n)) {
+        sub.durableLog = answer[0] === 1n;
+      }
     } catch (e) {
       this.#inUse.delete(id);
       sub?._abandon();
@@ -570,7 +573,10 @@ export class Subscription {
     this.id = id;
     this.filter = filter;
     this.group = opts.group;
-    /** Durable subscriptions: served from the broker's log (true) or in memory only (false). */
+    /**
+     * Durable subscriptions: served from the broker's log (true) or in memory only (false);
+     * undefined for other subscriptions, or from a broker that does not say.
+     */
     this.durableLog = undefined;
     this.#buffer = opts.buffer ?? 256;
     this.#onError = opts.onError ?? fallbackOnError;

@@ -139,7 +139,20 @@ impl OtlpTls {
         };
         let ca_pem = match file(&section.otlp_ca_file) {
             Some(path) => {
-                crate::tls::read_certs("tracing.otlp_ca_file", &path).map_err(tls_problem)?;
+                let mut roots = rustls::RootCertStore::empty();
+                for cert in
+                    crate::tls::read_certs("tracing.otlp_ca_file", &path).map_err(tls_problem)?
+                {
+                    roots.add(cert).map_err(|e| {
+                        invalid(
+                            "tracing.otlp_ca_file",
+                            format!(
+                                "{} holds a certificate that cannot be a root: {e}",
+                                path.display()
+                            ),
+                        )
+                    })?;
+                }
                 Some(read_file("tracing.otlp_ca_file", &path)?)
             }
             None => None,
@@ -148,14 +161,33 @@ impl OtlpTls {
         let key = file(&section.otlp_key_file);
         let identity_pem = match (cert, key) {
             (Some(cert), Some(key)) => {
-                crate::tls::read_certs("tracing.otlp_cert_file", &cert).map_err(tls_problem)?;
+                let chain =
+                    crate::tls::read_certs("tracing.otlp_cert_file", &cert).map_err(tls_problem)?;
                 use rustls_pki_types::pem::PemObject;
-                rustls_pki_types::PrivateKeyDer::from_pem_file(&key).map_err(|e| {
-                    invalid(
-                        "tracing.otlp_key_file",
-                        format!("cannot read a PEM private key from {}: {e}", key.display()),
-                    )
-                })?;
+                let private =
+                    rustls_pki_types::PrivateKeyDer::from_pem_file(&key).map_err(|e| {
+                        invalid(
+                            "tracing.otlp_key_file",
+                            format!("cannot read a PEM private key from {}: {e}", key.display()),
+                        )
+                    })?;
+                // The pair as TLS will use it: a key of another certificate is refused here,
+                // naming the key, rather than by every export.
+                rustls::ClientConfig::builder_with_provider(crate::tls::provider())
+                    .with_safe_default_protocol_versions()
+                    .map_err(|e| invalid("tracing.otlp_cert_file", e.to_string()))?
+                    .with_root_certificates(rustls::RootCertStore::empty())
+                    .with_client_auth_cert(chain, private)
+                    .map_err(|e| {
+                        invalid(
+                            "tracing.otlp_key_file",
+                            format!(
+                                "{} is not the private key of tracing.otlp_cert_file {} ({e})",
+                                key.display(),
+                                cert.display()
+                            ),
+                        )
+                    })?;
                 Some((
                     read_file("tracing.otlp_cert_file", &cert)?,
                     read_file("tracing.otlp_key_file", &key)?,
@@ -475,9 +507,20 @@ impl Tracer {
         if let Some(tls) = &config.tls {
             builder = builder.with_tls_config(tls.client_config());
         }
-        let mut exporter = builder
-            .build()
-            .map_err(|e| format!("tracing.otlp_endpoint {:?}: {e}", config.otlp_endpoint))?;
+        let system_roots = config.tls.as_ref().is_some_and(|t| t.ca_pem.is_none());
+        let mut exporter = builder.build().map_err(|e| {
+            let hint = if system_roots {
+                " (the collector is verified against the system's trusted roots: install them, \
+                 e.g. Debian's ca-certificates, or name the collector's CA in \
+                 tracing.otlp_ca_file)"
+            } else {
+                ""
+            };
+            format!(
+                "tracing.otlp_endpoint {:?}: {e}{hint}",
+                config.otlp_endpoint
+            )
+        })?;
         exporter.set_resource(
             &opentelemetry_sdk::Resource::builder_empty()
                 .with_service_name(config.service_name.clone())
@@ -938,6 +981,19 @@ mod tests {
             section("https://collector:4317", "", &path(&cert), &path(&cert)),
             "tracing.otlp_key_file",
             "private key",
+        );
+        let other = rcgen::generate_simple_self_signed(vec!["other".to_string()]).expect("cert");
+        let other_key = dir.path().join("other.key");
+        std::fs::write(&other_key, other.signing_key.serialize_pem()).expect("write");
+        refused(
+            section(
+                "https://collector:4317",
+                "",
+                &path(&cert),
+                &path(&other_key),
+            ),
+            "tracing.otlp_key_file",
+            "is not the private key of tracing.otlp_cert_file",
         );
     }
 

@@ -276,23 +276,18 @@ fn tracing_tls(
     .expect("export on")
 }
 
-/// Spans reach a collector over TLS that checks the broker's client certificate (mTLS).
-#[tokio::test]
-async fn spans_reach_a_tls_collector_that_asks_for_a_client_certificate() {
-    let dir = tempfile::tempdir().expect("dir");
-    let ca = test_ca();
-    let ca_file = ca.write(dir.path());
-    let (server_cert, server_key) = ca.server(dir.path(), "collector");
-    let client = ca.client(dir.path(), "broker");
-    let (received, endpoint, _receiver) =
-        receiver_tls(&server_cert, &server_key, Some(&ca.pem)).await;
-    let tracing = tracing_tls(&endpoint, &ca_file, Some((&client.0, &client.1)));
-    let b = TestBroker::start_with(|c| c.tracing = Some(tracing)).await;
+/// Publish a traced message through `b` and wait until it is delivered; its trace.
+async fn one_traced_delivery(b: &TestBroker) -> TraceContext {
     let client = b.client().await;
     let mut sub = client.subscribe("t").await.expect("subscribe");
-    let t = publish_traced(&client, "t", "over TLS").await;
+    let t = publish_traced(&client, "t", "x").await;
     next(&mut sub).await;
-    let names = within("the spans at the TLS collector", async {
+    t
+}
+
+/// The broker's span names of trace `t` at `received`, once all three have come.
+async fn three_spans(received: &Received, t: &TraceContext) -> Vec<String> {
+    within("the spans at the TLS collector", async {
         loop {
             let mut names: Vec<_> = received
                 .of_trace(&t.trace_id)
@@ -306,26 +301,11 @@ async fn spans_reach_a_tls_collector_that_asks_for_a_client_certificate() {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
     })
-    .await;
-    assert_eq!(names, ["deliver", "publish", "route"]);
-    b.stop().await.expect("stops");
+    .await
 }
 
-/// A collector whose certificate does not chain to `tracing.otlp_ca_file` is not trusted: its
-/// spans are counted as failed exports, and it receives nothing.
-#[tokio::test]
-async fn a_collector_with_an_untrusted_certificate_gets_no_spans() {
-    let dir = tempfile::tempdir().expect("dir");
-    let (trusted, other) = (test_ca(), test_ca());
-    let ca_file = trusted.write(dir.path());
-    let (server_cert, server_key) = other.server(dir.path(), "impostor");
-    let (received, endpoint, _receiver) = receiver_tls(&server_cert, &server_key, None).await;
-    let b =
-        TestBroker::start_with(|c| c.tracing = Some(tracing_tls(&endpoint, &ca_file, None))).await;
-    let client = b.client().await;
-    let mut sub = client.subscribe("t").await.expect("subscribe");
-    publish_traced(&client, "t", "x").await;
-    next(&mut sub).await;
+/// Wait until `b` has counted a failed export; nothing was exported and `received` got nothing.
+async fn export_fails(b: &TestBroker, received: &Received) {
     let metrics = within("the failed export counted", async {
         loop {
             let metrics = get(b.metrics_addr, "/metrics").await.1;
@@ -340,11 +320,63 @@ async fn a_collector_with_an_untrusted_certificate_gets_no_spans() {
         value(&metrics, "aqueduct_trace_spans_exported_total"),
         Some(0.0)
     );
-    assert!(
-        received.spans().is_empty(),
-        "nothing reached the untrusted collector"
-    );
+    assert!(received.spans().is_empty(), "the collector got spans");
+}
+
+/// Spans reach a collector over TLS that checks the broker's client certificate (mTLS), by IP
+/// address and by host name; the collector refuses a broker without a client certificate.
+#[tokio::test]
+async fn spans_reach_a_tls_collector_that_asks_for_a_client_certificate() {
+    let dir = tempfile::tempdir().expect("dir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let client = ca.client(dir.path(), "broker");
+    let identity = Some((client.0.as_path(), client.1.as_path()));
+    for host in ["127.0.0.1", "localhost"] {
+        // A certificate for that name only: a wrong name would not verify.
+        let (cert, key) = ca.server(dir.path(), host, &[host]);
+        let (received, endpoint, _receiver) = receiver_tls(&cert, &key, Some(&ca.pem)).await;
+        let endpoint = endpoint.replace("127.0.0.1", host);
+        let tracing = tracing_tls(&endpoint, &ca_file, identity);
+        let b = TestBroker::start_with(|c| c.tracing = Some(tracing)).await;
+        let t = one_traced_delivery(&b).await;
+        assert_eq!(
+            three_spans(&received, &t).await,
+            ["deliver", "publish", "route"],
+            "{host}"
+        );
+        b.stop().await.expect("stops");
+    }
+    let (cert, key) = ca.server(dir.path(), "strict", &["127.0.0.1"]);
+    let (received, endpoint, _receiver) = receiver_tls(&cert, &key, Some(&ca.pem)).await;
+    let b =
+        TestBroker::start_with(|c| c.tracing = Some(tracing_tls(&endpoint, &ca_file, None))).await;
+    one_traced_delivery(&b).await;
+    export_fails(&b, &received).await;
     b.stop().await.expect("stops");
+}
+
+/// A collector whose certificate does not verify — from another CA, or from the trusted CA but
+/// for another host — is not trusted: its batches are counted as failed exports, and it
+/// receives nothing.
+#[tokio::test]
+async fn a_collector_whose_certificate_does_not_verify_gets_no_spans() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (trusted, other) = (test_ca(), test_ca());
+    let ca_file = trusted.write(dir.path());
+    for (ca, name, hosts) in [
+        (&other, "impostor", ["127.0.0.1"]),
+        (&trusted, "elsewhere", ["collector.elsewhere.example"]),
+    ] {
+        let (cert, key) = ca.server(dir.path(), name, &hosts);
+        let (received, endpoint, _receiver) = receiver_tls(&cert, &key, None).await;
+        let b =
+            TestBroker::start_with(|c| c.tracing = Some(tracing_tls(&endpoint, &ca_file, None)))
+                .await;
+        one_traced_delivery(&b).await;
+        export_fails(&b, &received).await;
+        b.stop().await.expect("stops");
+    }
 }
 
 #[tokio::test]

@@ -351,13 +351,13 @@ impl TestCa {
         (c, k)
     }
 
-    /// A server certificate for `localhost` and 127.0.0.1, written to `dir` as `<name>.pem`
-    /// and `<name>.key`.
-    pub fn server(&self, dir: &std::path::Path, name: &str) -> (PathBuf, PathBuf) {
+    /// A server certificate for `hosts` (DNS names or IP addresses), written to `dir` as
+    /// `<name>.pem` and `<name>.key`.
+    pub fn server(&self, dir: &std::path::Path, name: &str, hosts: &[&str]) -> (PathBuf, PathBuf) {
         use rcgen::{CertificateParams, ExtendedKeyUsagePurpose, KeyPair};
         let key = KeyPair::generate().expect("key");
         let mut params =
-            CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+            CertificateParams::new(hosts.iter().map(|h| h.to_string()).collect::<Vec<_>>())
                 .expect("params");
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         let cert = params.signed_by(&key, &self.issuer).expect("signed");
