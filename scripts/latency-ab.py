@@ -15,6 +15,9 @@ prerequisites (see scripts/speedbar.py):
     python3 scripts/latency-ab.py "old=target/exp/broker-old" "new=target/release/aqueduct-broker"
     python3 scripts/latency-ab.py "old=target/exp/broker-old||target/exp/client-old" "new="
 
+ORDER=alternate puts nats-server first in odd rounds and last in even ones (default: always
+first), to see whether a run's place in the round moves its figures.
+
 CLIENT_THREADS=N runs both clients (peerbench for nats-server, `aqueduct bench` for every
 variant) with N runtime worker threads (tokio's TOKIO_WORKER_THREADS); by default each uses one
 per CPU.
@@ -77,11 +80,18 @@ def main():
                              client_binary)
             results[name] = []
             per_msg[name] = []
-        for r in range(rounds):
+        alternate = os.environ.get("ORDER") == "alternate"
+
+        def nats_run():
             x = sb.run([sb.PEERBENCH, "nats-latency", "--url", "nats://127.0.0.1:4222",
                         "--rate", "10000", "--secs", "5", "--size", "128"],
                        env=dict(os.environ, **client))
             results["nats"].append((x["latency"]["p50_us"], x["latency"]["p99_us"]))
+
+        for r in range(rounds):
+            nats_last = alternate and r % 2 == 1
+            if not nats_last:
+                nats_run()
             for name, (addr, metrics, env, client_binary) in targets.items():
                 before = parks(metrics)
                 x = sb.aq(addr, "--rate", "10000", "--duration", "5s", "--batch", "1",
@@ -90,7 +100,10 @@ def main():
                 results[name].append((x["latency"]["p50_us"], x["latency"]["p99_us"]))
                 if before is not None and after is not None and x.get("msgs"):
                     per_msg[name].append((after - before) / x["msgs"])
-            print(f"round {r + 1}: " + ", ".join(f"{k} p50 {v[-1][0]:.0f} p99 {v[-1][1]:.0f} us"
+            if nats_last:
+                nats_run()
+            order = "nats-server last" if nats_last else "nats-server first"
+            print(f"round {r + 1} ({order}): " + ", ".join(f"{k} p50 {v[-1][0]:.0f} p99 {v[-1][1]:.0f} us"
                                                  for k, v in results.items()), flush=True)
     finally:
         brokers.stop()
