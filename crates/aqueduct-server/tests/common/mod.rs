@@ -314,60 +314,54 @@ pub fn test_ca() -> TestCa {
 }
 
 impl TestCa {
-    /// A client certificate for `cn`, written to `dir` as `<cn>.pem` and `<cn>.key`.
-    pub fn client(&self, dir: &std::path::Path, cn: &str) -> (PathBuf, PathBuf) {
-        use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair};
+    /// A certificate signed by this CA, for `names` (DNS names or IP addresses), with common
+    /// name `cn` if given and the key usages `usages`, written to `dir` as `<file>.pem` and
+    /// `<file>.key`.
+    fn leaf(
+        &self,
+        dir: &std::path::Path,
+        file: &str,
+        names: &[&str],
+        cn: Option<&str>,
+        usages: Vec<rcgen::ExtendedKeyUsagePurpose>,
+    ) -> (PathBuf, PathBuf) {
+        use rcgen::{CertificateParams, DnType, KeyPair};
         let key = KeyPair::generate().expect("key");
-        let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
-        params.distinguished_name.push(DnType::CommonName, cn);
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let mut params = CertificateParams::new(names).expect("params");
+        if let Some(cn) = cn {
+            params.distinguished_name.push(DnType::CommonName, cn);
+        }
+        params.extended_key_usages = usages;
         let cert = params.signed_by(&key, &self.issuer).expect("signed");
-        let (c, k) = (dir.join(format!("{cn}.pem")), dir.join(format!("{cn}.key")));
+        let (c, k) = (
+            dir.join(format!("{file}.pem")),
+            dir.join(format!("{file}.key")),
+        );
         std::fs::write(&c, cert.pem()).expect("write cert");
         std::fs::write(&k, key.serialize_pem()).expect("write key");
         (c, k)
+    }
+
+    /// A client certificate for `cn`, written to `dir` as `<cn>.pem` and `<cn>.key`.
+    pub fn client(&self, dir: &std::path::Path, cn: &str) -> (PathBuf, PathBuf) {
+        use rcgen::ExtendedKeyUsagePurpose::ClientAuth;
+        self.leaf(dir, cn, &[], Some(cn), vec![ClientAuth])
     }
 
     /// A cluster node's certificate for `node` (CN = node id, DNS names aqueduct-mesh and
     /// localhost, server and client auth), written to `dir` as `<node>.pem` and `<node>.key`.
     pub fn peer(&self, dir: &std::path::Path, node: &str) -> (PathBuf, PathBuf) {
-        use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair};
-        let key = KeyPair::generate().expect("key");
-        let mut params =
-            CertificateParams::new(vec!["aqueduct-mesh".to_string(), "localhost".to_string()])
-                .expect("params");
-        params.distinguished_name.push(DnType::CommonName, node);
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let cert = params.signed_by(&key, &self.issuer).expect("signed");
-        let (c, k) = (
-            dir.join(format!("{node}.pem")),
-            dir.join(format!("{node}.key")),
-        );
-        std::fs::write(&c, cert.pem()).expect("write cert");
-        std::fs::write(&k, key.serialize_pem()).expect("write key");
-        (c, k)
+        use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
+        let names = ["aqueduct-mesh", "localhost"];
+        self.leaf(dir, node, &names, Some(node), vec![ServerAuth, ClientAuth])
     }
 
     /// A server certificate for `hosts` (DNS names or IP addresses), written to `dir` as
     /// `<name>.pem` and `<name>.key`.
     pub fn server(&self, dir: &std::path::Path, name: &str, hosts: &[&str]) -> (PathBuf, PathBuf) {
-        use rcgen::{CertificateParams, ExtendedKeyUsagePurpose, KeyPair};
-        let key = KeyPair::generate().expect("key");
-        let mut params =
-            CertificateParams::new(hosts.iter().map(|h| h.to_string()).collect::<Vec<_>>())
-                .expect("params");
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-        let cert = params.signed_by(&key, &self.issuer).expect("signed");
-        let (c, k) = (
-            dir.join(format!("{name}.pem")),
-            dir.join(format!("{name}.key")),
-        );
-        std::fs::write(&c, cert.pem()).expect("write cert");
-        std::fs::write(&k, key.serialize_pem()).expect("write key");
-        (c, k)
+        use rcgen::ExtendedKeyUsagePurpose::ServerAuth;
+        self.leaf(dir, name, hosts, None, vec![ServerAuth])
     }
 
     /// Write the CA certificate to `dir/ca.pem`.
