@@ -345,8 +345,8 @@ impl Client {
         let mut confirmed = 0;
         let mut early = std::collections::VecDeque::new();
         // A durable SUBSCRIBE's CONFIRM says whether the broker's log serves it (protocol.md
-        // §7.1); of several, in memory if any of them is.
-        let mut durable_log: Option<bool> = None;
+        // §7.1); of several, in memory if any of them is, and unsaid if any says nothing.
+        let mut durable_log = opts.durable.as_ref().map(|_| true);
         while confirmed < handles.len() {
             match reader.next().await? {
                 Some(Frame {
@@ -354,9 +354,9 @@ impl Client {
                     ..
                 }) => {
                     confirmed += 1;
-                    if opts.durable.is_some() {
-                        durable_log = durable_answer(confirmed == 1, durable_log, &c.offsets);
-                    }
+                    durable_log = durable_log
+                        .zip(durable_said(&c.offsets))
+                        .map(|(all, this)| all && this);
                 }
                 Some(Frame {
                     stream_id,
@@ -401,38 +401,27 @@ impl Client {
     }
 }
 
-/// What the CONFIRMs of durable SUBSCRIBEs said so far, with one more (`data`; `first` for the
-/// first): `1` the broker's log serves it, `0` in memory only; anything else — nothing, from a
-/// broker older than the rule, or a reserved value — says nothing (protocol.md §7.1). Of
-/// several, in memory if any of them is.
-fn durable_answer(first: bool, so_far: Option<bool>, data: &[u64]) -> Option<bool> {
-    let said = match data {
+/// What the CONFIRM of a durable SUBSCRIBE says (its `data`): `1` the broker's log serves it,
+/// `0` in memory only; anything else — nothing, from a broker older than the rule, or a
+/// reserved value — says nothing (protocol.md §7.1).
+fn durable_said(data: &[u64]) -> Option<bool> {
+    match data {
         [1] => Some(true),
         [0] => Some(false),
-        _ => None,
-    };
-    match (first, so_far, said) {
-        (true, _, said) => said,
-        (false, Some(all), Some(this)) => Some(all && this),
         _ => None,
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::durable_answer;
+    use super::durable_said;
 
     #[test]
     fn a_durable_confirm_says_log_memory_or_nothing() {
-        assert_eq!(durable_answer(true, None, &[1]), Some(true));
-        assert_eq!(durable_answer(true, None, &[0]), Some(false));
+        assert_eq!(durable_said(&[1]), Some(true));
+        assert_eq!(durable_said(&[0]), Some(false));
         for unsaid in [&[][..], &[2], &[1, 1]] {
-            assert_eq!(durable_answer(true, None, unsaid), None, "{unsaid:?}");
+            assert_eq!(durable_said(unsaid), None, "{unsaid:?}");
         }
-        assert_eq!(durable_answer(false, Some(true), &[1]), Some(true));
-        assert_eq!(durable_answer(false, Some(true), &[0]), Some(false));
-        assert_eq!(durable_answer(false, Some(false), &[1]), Some(false));
-        assert_eq!(durable_answer(false, Some(true), &[]), None);
-        assert_eq!(durable_answer(false, None, &[1]), None);
     }
 }

@@ -868,8 +868,22 @@ pub(crate) fn range<T: PartialOrd + std::fmt::Display + Copy>(
     Ok(v)
 }
 
-fn opt_path(s: &str) -> Option<PathBuf> {
+pub(crate) fn opt_path(s: &str) -> Option<PathBuf> {
     (!s.trim().is_empty()).then(|| PathBuf::from(s))
+}
+
+/// A certificate file and its key file, given together or not at all (the error names the
+/// missing one).
+pub(crate) fn cert_and_key<T>(
+    cert: (&'static str, Option<T>),
+    key: (&'static str, Option<T>),
+) -> Result<Option<(T, T)>, ConfigError> {
+    match (cert, key) {
+        ((_, Some(c)), (_, Some(k))) => Ok(Some((c, k))),
+        ((_, None), (_, None)) => Ok(None),
+        ((cert, Some(_)), (key, None)) => Err(invalid(key, format!("required when {cert} is set"))),
+        ((cert, None), (key, Some(_))) => Err(invalid(cert, format!("required when {key} is set"))),
+    }
 }
 
 /// The broker's own directory: `$AQUEDUCT_HOME`, else `$HOME/.aqueduct`; `None` without either
@@ -1001,26 +1015,15 @@ impl RawConfig {
             dev_cert_file: opt_path(&self.tls.dev_cert_file)
                 .unwrap_or_else(|| default_dev_cert_file(env)),
         };
-        match (&tls.cert_file, &tls.key_file) {
-            (Some(_), None) => {
-                return Err(invalid(
-                    "tls.key_file",
-                    "required when tls.cert_file is set",
-                ))
-            }
-            (None, Some(_)) => {
-                return Err(invalid(
-                    "tls.cert_file",
-                    "required when tls.key_file is set",
-                ))
-            }
-            (None, None) if !tls.generate => {
-                return Err(invalid(
-                    "tls.cert_file",
-                    "no certificate: set tls.cert_file and tls.key_file, or tls.generate: true",
-                ))
-            }
-            _ => {}
+        let own = cert_and_key(
+            ("tls.cert_file", tls.cert_file.as_ref()),
+            ("tls.key_file", tls.key_file.as_ref()),
+        )?;
+        if own.is_none() && !tls.generate {
+            return Err(invalid(
+                "tls.cert_file",
+                "no certificate: set tls.cert_file and tls.key_file, or tls.generate: true",
+            ));
         }
         for (key, path) in [
             ("tls.cert_file", &tls.cert_file),

@@ -43,7 +43,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
-use crate::config::{invalid, ConfigError};
+use crate::config::{cert_and_key, invalid, opt_path, ConfigError};
 
 /// Spans waiting for the exporter; beyond this they are dropped and counted.
 const QUEUE: usize = 16 * 1024;
@@ -121,54 +121,43 @@ impl std::fmt::Debug for OtlpTls {
 }
 
 impl OtlpTls {
-    /// `tracing.otlp_ca_file`, `otlp_cert_file` and `otlp_key_file`, each checked to hold what
-    /// its name says (errors name the key).
+    /// `tracing.otlp_ca_file`, `otlp_cert_file` and `otlp_key_file`, each read once and
+    /// checked as TLS will use it (errors name the key).
     fn read(section: &TracingSection, domain: String) -> Result<OtlpTls, ConfigError> {
-        let file = |path: &str| {
-            let path = path.trim();
-            (!path.is_empty()).then(|| std::path::PathBuf::from(path))
-        };
-        let tls_problem = |e: crate::tls::TlsError| match e {
-            crate::tls::TlsError::Pem { key, path, reason } => {
-                invalid(key, format!("cannot read {}: {reason}", path.display()))
-            }
-            crate::tls::TlsError::NoCertificate { key, path } => {
-                invalid(key, format!("{} holds no PEM certificate", path.display()))
-            }
-            other => invalid("tracing.otlp_endpoint", other.to_string()),
-        };
-        let ca_pem = match file(&section.otlp_ca_file) {
+        let ca_pem = match opt_path(&section.otlp_ca_file) {
             Some(path) => {
+                let pem = read_file("tracing.otlp_ca_file", &path)?;
                 let mut roots = rustls::RootCertStore::empty();
-                for cert in
-                    crate::tls::read_certs("tracing.otlp_ca_file", &path).map_err(tls_problem)?
-                {
+                for cert in pem_certs("tracing.otlp_ca_file", &path, &pem)? {
                     roots.add(cert).map_err(|e| {
+                        let at = path.display();
                         invalid(
                             "tracing.otlp_ca_file",
-                            format!(
-                                "{} holds a certificate that cannot be a root: {e}",
-                                path.display()
-                            ),
+                            format!("{at} holds a certificate that cannot be a root: {e}"),
                         )
                     })?;
                 }
-                Some(read_file("tracing.otlp_ca_file", &path)?)
+                Some(pem)
             }
             None => None,
         };
-        let cert = file(&section.otlp_cert_file);
-        let key = file(&section.otlp_key_file);
-        let identity_pem = match (cert, key) {
-            (Some(cert), Some(key)) => {
-                let chain =
-                    crate::tls::read_certs("tracing.otlp_cert_file", &cert).map_err(tls_problem)?;
+        let identity_pem = match cert_and_key(
+            ("tracing.otlp_cert_file", opt_path(&section.otlp_cert_file)),
+            ("tracing.otlp_key_file", opt_path(&section.otlp_key_file)),
+        )? {
+            Some((cert, key)) => {
+                let (cert_pem, key_pem) = (
+                    read_file("tracing.otlp_cert_file", &cert)?,
+                    read_file("tracing.otlp_key_file", &key)?,
+                );
+                let chain = pem_certs("tracing.otlp_cert_file", &cert, &cert_pem)?;
                 use rustls_pki_types::pem::PemObject;
                 let private =
-                    rustls_pki_types::PrivateKeyDer::from_pem_file(&key).map_err(|e| {
+                    rustls_pki_types::PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| {
+                        let at = key.display();
                         invalid(
                             "tracing.otlp_key_file",
-                            format!("cannot read a PEM private key from {}: {e}", key.display()),
+                            format!("cannot read a PEM private key from {at}: {e}"),
                         )
                     })?;
                 // The pair as TLS will use it: a key of another certificate is refused here,
@@ -179,33 +168,18 @@ impl OtlpTls {
                     .with_root_certificates(rustls::RootCertStore::empty())
                     .with_client_auth_cert(chain, private)
                     .map_err(|e| {
+                        let (key, cert) = (key.display(), cert.display());
                         invalid(
                             "tracing.otlp_key_file",
                             format!(
-                                "{} is not the private key of tracing.otlp_cert_file {} ({e})",
-                                key.display(),
-                                cert.display()
+                                "{key} is not the private key of tracing.otlp_cert_file \
+                                 {cert} ({e})"
                             ),
                         )
                     })?;
-                Some((
-                    read_file("tracing.otlp_cert_file", &cert)?,
-                    read_file("tracing.otlp_key_file", &key)?,
-                ))
+                Some((cert_pem, key_pem))
             }
-            (None, None) => None,
-            (Some(_), None) => {
-                return Err(invalid(
-                    "tracing.otlp_key_file",
-                    "must be set with tracing.otlp_cert_file (the certificate's private key)",
-                ))
-            }
-            (None, Some(_)) => {
-                return Err(invalid(
-                    "tracing.otlp_cert_file",
-                    "must be set with tracing.otlp_key_file (the key's certificate)",
-                ))
-            }
+            None => None,
         };
         Ok(OtlpTls {
             domain,
@@ -231,6 +205,25 @@ impl OtlpTls {
 
 fn read_file(key: &'static str, path: &std::path::Path) -> Result<Vec<u8>, ConfigError> {
     std::fs::read(path).map_err(|e| invalid(key, format!("cannot read {}: {e}", path.display())))
+}
+
+/// The certificates of `pem` (the contents of `path`): at least one.
+fn pem_certs(
+    key: &'static str,
+    path: &std::path::Path,
+    pem: &[u8],
+) -> Result<Vec<rustls_pki_types::CertificateDer<'static>>, ConfigError> {
+    use rustls_pki_types::pem::PemObject;
+    let certs = rustls_pki_types::CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| invalid(key, format!("cannot read {}: {e}", path.display())))?;
+    if certs.is_empty() {
+        return Err(invalid(
+            key,
+            format!("{} holds no PEM certificate", path.display()),
+        ));
+    }
+    Ok(certs)
 }
 
 // The ratio is checked to be within 0.0..=1.0, never NaN.
@@ -261,12 +254,6 @@ impl TracingSection {
                 ),
             )
         };
-        let tls_keys = [
-            ("tracing.otlp_ca_file", &self.otlp_ca_file),
-            ("tracing.otlp_cert_file", &self.otlp_cert_file),
-            ("tracing.otlp_key_file", &self.otlp_key_file),
-        ];
-        let tls_key_set = tls_keys.iter().find(|(_, v)| !v.trim().is_empty());
         if endpoint.is_empty() {
             return Ok(None);
         }
@@ -289,7 +276,12 @@ impl TracingSection {
         let tls = if secure {
             Some(OtlpTls::read(self, host)?)
         } else {
-            if let Some((key, _)) = tls_key_set {
+            let tls_keys = [
+                ("tracing.otlp_ca_file", &self.otlp_ca_file),
+                ("tracing.otlp_cert_file", &self.otlp_cert_file),
+                ("tracing.otlp_key_file", &self.otlp_key_file),
+            ];
+            if let Some((key, _)) = tls_keys.iter().find(|(_, v)| !v.trim().is_empty()) {
                 return Err(invalid(
                     key,
                     format!(
@@ -960,12 +952,12 @@ mod tests {
         refused(
             section("https://collector:4317", "", &path(&cert), ""),
             "tracing.otlp_key_file",
-            "must be set with tracing.otlp_cert_file",
+            "required when tracing.otlp_cert_file is set",
         );
         refused(
             section("https://collector:4317", "", "", &path(&key)),
             "tracing.otlp_cert_file",
-            "must be set with tracing.otlp_key_file",
+            "required when tracing.otlp_key_file is set",
         );
         refused(
             section("https://collector:4317", "/nonexistent/ca.pem", "", ""),

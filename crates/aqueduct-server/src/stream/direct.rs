@@ -73,7 +73,7 @@ impl std::fmt::Debug for Parked {
 
 /// What the writer gets back when it takes its half again.
 pub(super) struct Unparked<S> {
-    /// The box the writer parked: parking and taking back allocate nothing.
+    /// The box the writer parked: moving it in and out allocates nothing.
     pub(super) send: Box<S>,
     pub(super) buf: BytesMut,
     pub(super) last_write: Option<Instant>,
@@ -330,16 +330,20 @@ mod tests {
         fn finish(&mut self) {}
     }
 
+    fn conn() -> Arc<ConnState> {
+        Arc::new(ConnState::new(
+            1,
+            "127.0.0.1:1".parse().expect("an address"),
+        ))
+    }
+
     /// Parking moves the writer's box and taking it back returns the same box: an idle period
     /// costs no allocation (a writer that parks after every message would otherwise allocate once
     /// per message).
     #[test]
     fn parking_moves_the_writers_box() {
         let out = StreamOut::default();
-        let conn = Arc::new(ConnState::new(
-            1,
-            "127.0.0.1:1".parse().expect("an address"),
-        ));
+        let conn = conn();
         let mut send = Box::new(Half(7));
         for round in 0..3 {
             let at: *const Half = &*send;
@@ -416,10 +420,7 @@ mod tests {
     #[test]
     fn unpark_puts_the_unsent_rest_first() {
         let out = StreamOut::default();
-        let conn = Arc::new(ConnState::new(
-            1,
-            "127.0.0.1:1".parse().expect("an address"),
-        ));
+        let conn = conn();
         out.park(
             Box::new(Half(1)),
             conn,
