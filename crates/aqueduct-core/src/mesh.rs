@@ -766,7 +766,7 @@ impl RouteTable {
             }
         }
         for g in self.groups_for(topic) {
-            match self.pick(&g, &[]) {
+            match self.pick(&g, |_| true) {
                 Some(node) if node == self.me => routing.local_groups.push(g),
                 Some(node) => copies.entry(node).or_default().groups.push(g),
                 None => routing.unplaced.push(g),
@@ -783,17 +783,19 @@ impl RouteTable {
     /// (the caller's), its groups to a local member, or — if none is left here — re-picked
     /// among the nodes it has not been to. Never to a plain subscriber elsewhere.
     pub fn route_forwarded(&self, forward: &Forward) -> Routing {
-        self.route_forwarded_where(forward, |_| true)
+        self.route_forwarded_where(forward, |_| true, |_| true)
     }
 
     /// [`route_forwarded`](Self::route_forwarded), taking a group here only if `here` also says
     /// it has a member now: the snapshot may still count a member that just left, and a copy
     /// given to a group the broker no longer routes would reach no one. Such a group is picked
-    /// again among the nodes the copy has not been to (this one counts as visited).
+    /// again among the nodes the copy has not been to (this one counts as visited) that
+    /// `reachable` accepts (a peer the snapshot names may have no connection any more).
     pub fn route_forwarded_where(
         &self,
         forward: &Forward,
         here: impl Fn(&GroupKey) -> bool,
+        reachable: impl Fn(&NodeId) -> bool,
     ) -> Routing {
         let mut routing = Routing::default();
         let mut visited = forward.visited.clone();
@@ -806,7 +808,7 @@ impl RouteTable {
                 routing.local_groups.push(g.clone());
                 continue;
             }
-            match self.pick(g, &visited) {
+            match self.pick(g, |n| !visited.contains(n) && reachable(n)) {
                 Some(node) if node != self.me => {
                     copies.entry(node).or_default().groups.push(g.clone())
                 }
@@ -822,11 +824,17 @@ impl RouteTable {
 
     /// Where a message of group `g` goes that no member on this node can take any more (its
     /// last member here left with it queued or unsettled): the next member round-robin on the
-    /// other nodes, as a copy for that group only that has been here. `None`: no member
-    /// elsewhere either. This node's own count is skipped, whatever it says (the snapshot may
-    /// not have seen the member leave yet).
-    pub fn repick_elsewhere(&self, g: &GroupKey) -> Option<(NodeId, Forward)> {
-        let node = self.pick(g, std::slice::from_ref(&self.me))?;
+    /// other nodes that `reachable` accepts, as a copy for that group only that has been here.
+    /// `None`: no member elsewhere either. This node's own count is skipped, whatever it says
+    /// (the snapshot may not have seen the member leave yet); so is a peer the caller cannot
+    /// reach (the snapshot may name a peer whose connection just ended), so that the message
+    /// goes to a member that can take it rather than being lost with the pick.
+    pub fn repick_elsewhere(
+        &self,
+        g: &GroupKey,
+        reachable: impl Fn(&NodeId) -> bool,
+    ) -> Option<(NodeId, Forward)> {
+        let node = self.pick(g, |n| *n != self.me && reachable(n))?;
         Some((
             node,
             Forward {
@@ -865,15 +873,15 @@ impl RouteTable {
         self.counters.values().next().is_some()
     }
 
-    /// The node of the next member of `g` round-robin, over the members of every node not in
-    /// `skip` (in id order).
-    fn pick(&self, g: &GroupKey, skip: &[NodeId]) -> Option<NodeId> {
+    /// The node of the next member of `g` round-robin, over the members of every node that
+    /// `usable` accepts (in id order).
+    fn pick(&self, g: &GroupKey, usable: impl Fn(&NodeId) -> bool) -> Option<NodeId> {
         let key = Key::Group(g.clone());
         let nodes: Vec<(&NodeId, u64)> = self
             .nodes
             .iter()
             .map(|(n, i)| (n, u64::from(i.count(&key))))
-            .filter(|(n, c)| *c > 0 && !skip.contains(n))
+            .filter(|(n, c)| *c > 0 && usable(n))
             .collect();
         let total: u64 = nodes.iter().map(|(_, c)| c).sum();
         if total == 0 {
@@ -1068,7 +1076,7 @@ mod tests {
         let table = b.table();
         let r = table.route_forwarded(&f);
         assert_eq!(r.local_groups, vec![g.clone()], "the snapshot says: here");
-        let r = table.route_forwarded_where(&f, |_| false);
+        let r = table.route_forwarded_where(&f, |_| false, |_| true);
         assert!(r.local_groups.is_empty());
         assert_eq!(r.forward.len(), 1);
         assert_eq!(r.forward[0].0, node("c"), "on to c, never back to a");
@@ -1086,7 +1094,9 @@ mod tests {
         let table = a.table();
         let mut seen = BTreeSet::new();
         for _ in 0..4 {
-            let (to, f) = table.repick_elsewhere(&g).expect("a member elsewhere");
+            let (to, f) = table
+                .repick_elsewhere(&g, |_| true)
+                .expect("a member elsewhere");
             assert_ne!(to, node("a"));
             assert_eq!(
                 (f.plain, &f.groups, &f.visited),
@@ -1099,7 +1109,7 @@ mod tests {
         let mut b = Mesh::new(node("b"), MeshConfig::default(), 1, 1);
         connected(&mut b, 1, "a", &[(Key::Group(g.clone()), 1)]);
         connected(&mut b, 2, "c", &[(Key::Group(g.clone()), 1)]);
-        let f = table.repick_elsewhere(&g).expect("picked").1;
+        let f = table.repick_elsewhere(&g, |_| true).expect("picked").1;
         for _ in 0..4 {
             let r = b.route_forwarded(&f);
             assert_eq!(r.forward.len(), 1);
@@ -1109,7 +1119,38 @@ mod tests {
         let mut lone = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
         lone.handle_local(Key::Group(g.clone()), 1);
         connected(&mut lone, 1, "b", &[]);
-        assert!(lone.table().repick_elsewhere(&g).is_none());
+        assert!(lone.table().repick_elsewhere(&g, |_| true).is_none());
+    }
+
+    #[test]
+    fn a_re_pick_skips_a_peer_the_caller_cannot_reach() {
+        // The snapshot still names c (its connection just ended): every re-pick goes to b,
+        // whatever c's turn in the round-robin, instead of landing on c and being lost.
+        let g = group("jobs", "w");
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), 1)]);
+        connected(&mut a, 2, "c", &[(Key::Group(g.clone()), 1)]);
+        let table = a.table();
+        let not_c = |n: &NodeId| *n != node("c");
+        for _ in 0..4 {
+            let (to, _) = table.repick_elsewhere(&g, not_c).expect("b can take it");
+            assert_eq!(to, node("b"));
+        }
+        assert!(table.repick_elsewhere(&g, |_| false).is_none());
+        // A forwarded copy whose member here left: on to b, never to c.
+        let f = Forward {
+            plain: false,
+            groups: vec![g.clone()],
+            visited: vec![node("x")],
+        };
+        for _ in 0..4 {
+            let r = table.route_forwarded_where(&f, |_| false, not_c);
+            assert_eq!(r.forward.len(), 1);
+            assert_eq!(r.forward[0].0, node("b"));
+            assert!(r.unplaced.is_empty());
+        }
+        let r = table.route_forwarded_where(&f, |_| false, |_| false);
+        assert_eq!(r.unplaced, vec![g.clone()], "no reachable member: unplaced");
     }
 
     #[test]

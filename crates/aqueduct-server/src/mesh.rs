@@ -630,13 +630,14 @@ impl MeshHandle {
     /// on, so `broker.max_retries` holds across nodes and a poison message ends as a dead letter.
     pub fn hand_over(&self, o: &aqueduct_core::Orphan) -> bool {
         let table = self.table.load();
-        let Some((node, forward)) = table.repick_elsewhere(&o.group) else {
+        let queues = self.queues.load();
+        // Only among the peers with a queue: the table may still name one whose connection
+        // just ended, and a pick landing there would lose the message while another node's
+        // member could take it.
+        let Some((node, forward)) = table.repick_elsewhere(&o.group, |n| queues.contains_key(n))
+        else {
             return false;
         };
-        let queues = self.queues.load();
-        if !queues.contains_key(&node) {
-            return false;
-        }
         let mut p = Publication::new(&o.topic, &o.body).with_attempts(o.attempts.saturating_sub(1));
         p.priority = o.priority;
         p.ttl = o.ttl;
@@ -645,6 +646,20 @@ impl MeshHandle {
         self.send_copies_to(&queues, &p, &[(node, forward)]);
         self.handed_over.fetch_add(1, Ordering::Relaxed);
         true
+    }
+
+    /// Where a copy forwarded to this node goes (see [`RouteTable::route_forwarded_where`]):
+    /// groups re-picked only among the peers with a queue, so that a pick never lands on a
+    /// peer whose connection just ended while another node's member could take the copy.
+    pub fn route_forwarded(
+        &self,
+        forward: &Forward,
+        here: impl Fn(&GroupKey) -> bool,
+    ) -> aqueduct_core::mesh::Routing {
+        let queues = self.queues.load();
+        self.table
+            .load()
+            .route_forwarded_where(forward, here, |n| queues.contains_key(n))
     }
 
     /// No peer wants anything now: a batch can be published as without a cluster.
@@ -1442,9 +1457,7 @@ async fn serve_peer(link: PeerTask) {
                     } else {
                         // A group here only if the broker still routes it (its member may have
                         // left since the table was made).
-                        mesh.table().route_forwarded_where(&forward, |g| {
-                            broker.has_group(&g.filter, &g.group)
-                        })
+                        mesh.route_forwarded(&forward, |g| broker.has_group(&g.filter, &g.group))
                     };
                     if !routing.unplaced.is_empty() {
                         // No member left on any node it has not been to: dropped, counted.
@@ -1734,6 +1747,93 @@ mod tests {
                 ..
             }) => p.ext.ttl_ms,
             other => panic!("not a PUBLISH: {other:?}"),
+        }
+    }
+
+    /// A handle over a table in which `a` (this node) sees peers `b` and `c` with a member of
+    /// group `w` on `jobs` each, and queues for the peers named in `with_queue` only.
+    fn handle_with_peers(with_queue: &[&str]) -> (MeshHandle, HashMap<NodeId, Arc<PeerQueue>>) {
+        let node = |s: &str| NodeId::try_from(s).expect("node id");
+        let g = GroupKey {
+            filter: aqueduct_proto::TopicFilter::try_from("jobs").expect("filter"),
+            group: aqueduct_proto::GroupId::try_from("w").expect("group"),
+        };
+        let mut mesh = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        for (conn, peer) in [(1, "b"), (2, "c")] {
+            assert!(mesh.handle_connected(Instant::now(), ConnId(conn), node(peer), None, false));
+            let mut interest = Interest::default();
+            interest.apply(&aqueduct_core::mesh::Update {
+                key: Key::Group(g.clone()),
+                count: 1,
+            });
+            assert!(mesh.handle_control(
+                ConnId(conn),
+                Control::Snapshot {
+                    session: 1,
+                    seq: 0,
+                    interest
+                }
+            ));
+        }
+        let queues: HashMap<NodeId, Arc<PeerQueue>> = with_queue
+            .iter()
+            .map(|n| (node(n), Arc::new(PeerQueue::new(64))))
+            .collect();
+        let (tx, _) = mpsc::unbounded_channel();
+        let handle = MeshHandle {
+            tx,
+            table: Arc::new(ArcSwap::from_pointee(mesh.table())),
+            queues: Arc::new(ArcSwap::from_pointee(queues.clone())),
+            node: node("a"),
+            refused_blocks: Arc::default(),
+            handed_over: Arc::default(),
+            retired: Arc::default(),
+            discarded: Arc::default(),
+            unplaced: Arc::default(),
+            control_overflows: Arc::default(),
+        };
+        (handle, queues)
+    }
+
+    #[test]
+    fn a_hand_over_goes_to_a_peer_with_a_queue_when_the_table_names_one_without() {
+        // The table still names c, whose connection ended (no queue): every orphan goes to b,
+        // whatever c's turn in the round-robin. Before the fix, every other one picked c and
+        // was dropped although b's member could take it.
+        let (handle, queues) = handle_with_peers(&["b"]);
+        let orphan = aqueduct_core::Orphan {
+            group: GroupKey {
+                filter: aqueduct_proto::TopicFilter::try_from("jobs").expect("filter"),
+                group: aqueduct_proto::GroupId::try_from("w").expect("group"),
+            },
+            topic: aqueduct_proto::TopicName::try_from("jobs").expect("topic"),
+            body: Bytes::from_static(b"job"),
+            priority: aqueduct_proto::Priority::default(),
+            ttl: None,
+            trace: None,
+            compression: None,
+            attempts: 1,
+        };
+        for _ in 0..6 {
+            assert!(handle.hand_over(&orphan), "b has a member and a queue");
+        }
+        let b = &queues[&NodeId::try_from("b").expect("node id")];
+        assert_eq!(b.depth(), 6, "all six went to b");
+        assert_eq!(handle.handed_over.load(Ordering::Relaxed), 6);
+        assert_eq!(handle.discarded.load(Ordering::Relaxed), 0);
+        // No peer with a queue: not handed over (the broker drops and counts it).
+        let (none, _) = handle_with_peers(&[]);
+        assert!(!none.hand_over(&orphan));
+        // A forwarded copy whose member here left is re-picked the same way.
+        let f = Forward {
+            plain: false,
+            groups: vec![orphan.group.clone()],
+            visited: vec![NodeId::try_from("x").expect("node id")],
+        };
+        for _ in 0..4 {
+            let r = handle.route_forwarded(&f, |_| false);
+            assert_eq!(r.forward.len(), 1);
+            assert_eq!(r.forward[0].0, NodeId::try_from("b").expect("node id"));
         }
     }
 
