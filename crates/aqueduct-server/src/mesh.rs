@@ -112,7 +112,10 @@ struct QueuedTtl {
 /// dropped, counted, so a slow peer never holds up local delivery, and it is not disconnected
 /// for being slow), and what went each way. One per node, kept while the node has a connection:
 /// when the connection in use is replaced by another (both ends dialed), the copies waiting stay
-/// and go out on the new one. Only the connection the mesh keeps (`owner`) takes from it. The
+/// and go out on the new one. Only the connection the mesh keeps (`owner`) takes from it, and
+/// only once the connection that wrote before it has let go (`writer`): a retired connection
+/// lets go when the peer has read its data stream to the end, a lost one when it is gone, so
+/// copies written on two connections around a switch arrive in the order they were queued. The
 /// lock is held only to push or to take what is queued.
 #[derive(Debug)]
 pub struct PeerQueue {
@@ -134,6 +137,9 @@ pub struct PeerQueue {
     pub reconnects: AtomicU64,
     /// The connection that writes the copies (set by the driver; 0: none yet).
     owner: AtomicU64,
+    /// The connection that has written copies and whose writes the peer may not have read yet
+    /// (0: none). The owner takes over only from 0.
+    writer: AtomicU64,
     /// Copies received but neither published nor logged because this node's durable log was
     /// failing or closed (a client's publish would be refused then too).
     pub not_stored: AtomicU64,
@@ -157,6 +163,7 @@ impl PeerQueue {
             received_bytes: AtomicU64::new(0),
             reconnects: AtomicU64::new(0),
             owner: AtomicU64::new(0),
+            writer: AtomicU64::new(0),
             not_stored: AtomicU64::new(0),
         }
     }
@@ -227,6 +234,41 @@ impl PeerQueue {
 
     fn owned_by(&self, conn: ConnId) -> bool {
         self.owner.load(Ordering::Acquire) == conn.0
+    }
+
+    /// May `conn` take copies now: it is the owner, and no other connection's writes are still
+    /// unread by the peer (it becomes the writer until it lets go, see [`let_go`]).
+    ///
+    /// [`let_go`]: Self::let_go
+    fn may_write(&self, conn: ConnId) -> bool {
+        self.owned_by(conn)
+            && match self
+                .writer
+                .compare_exchange(0, conn.0, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => true,
+                Err(w) => w == conn.0,
+            }
+    }
+
+    /// `conn` writes no more, and what it wrote has been read or is lost with its connection:
+    /// the owner may write (woken to see it).
+    fn let_go(&self, conn: ConnId) {
+        if self
+            .writer
+            .compare_exchange(conn.0, 0, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.notify.notify_waiters();
+        }
+    }
+
+    /// The owner waited longer than a retired connection may take: take over (what the other
+    /// wrote is read by now or lost with it).
+    fn take_over(&self, conn: ConnId) {
+        if self.owned_by(conn) {
+            self.writer.store(conn.0, Ordering::Release);
+        }
     }
 
     /// Copies waiting now.
@@ -1039,6 +1081,15 @@ const EVENTS_PER_TURN: usize = 1024;
 /// How long a retired duplicate connection waits for the peer to finish its side.
 const RETIRE_WAIT: Duration = Duration::from_secs(5);
 
+/// Lets go of a peer queue's writer role when a connection's data writer ends.
+struct LetGo<'a>(&'a PeerQueue, ConnId);
+
+impl Drop for LetGo<'_> {
+    fn drop(&mut self) {
+        self.0.let_go(self.1);
+    }
+}
+
 /// Dial `addr` as a mesh peer: the peer certificate must name `aqueduct-mesh` and chain to the
 /// cluster CA; its CN is the peer's node id.
 async fn dial(
@@ -1296,6 +1347,11 @@ async fn serve_peer(link: PeerTask) {
         }
         let mut buf = BytesMut::new();
         let mut retire = retire.clone();
+        // However this ends (retired and read, or the connection gone), the next owner may
+        // write after it.
+        let _let_go = LetGo(&queue, id);
+        // Since when this connection has owned the queue while another still was its writer.
+        let mut waiting_since: Option<Instant> = None;
         loop {
             let notified = queue.notify.notified();
             tokio::pin!(notified);
@@ -1307,13 +1363,33 @@ async fn serve_peer(link: PeerTask) {
                 let _ = send.stopped().await;
                 return End::SentAll;
             }
-            if queue.owned_by(id) {
+            if queue.may_write(id) {
+                waiting_since = None;
                 queue.take(&mut buf, DATA_WRITE, Instant::now());
+            } else if queue.owned_by(id) {
+                // The connection this one replaces has not let go: its last copies may still be
+                // on their way. Bounded: it is closed after RETIRE_WAIT at the latest.
+                let since = *waiting_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= 2 * RETIRE_WAIT {
+                    warn!(conn = id.0, "the mesh connection replaced did not let go of its peer's copies: writing them on this one");
+                    queue.take_over(id);
+                    continue;
+                }
             }
             if buf.is_empty() {
+                // A timer only while waiting for the other connection to let go.
+                let patience = async {
+                    match waiting_since {
+                        Some(since) => {
+                            tokio::time::sleep_until((since + 2 * RETIRE_WAIT).into()).await
+                        }
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     _ = notified => {}
                     _ = retire.changed() => {}
+                    _ = patience => {}
                 }
                 continue;
             }
@@ -1835,6 +1911,46 @@ mod tests {
             assert_eq!(r.forward.len(), 1);
             assert_eq!(r.forward[0].0, NodeId::try_from("b").expect("node id"));
         }
+    }
+
+    /// Whether the writers waiting on `notified` have been woken since it was enabled.
+    fn woken(notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>) -> bool {
+        use std::future::Future;
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        notified.poll(&mut cx).is_ready()
+    }
+
+    #[test]
+    fn a_new_owner_writes_only_once_the_connection_it_replaces_lets_go() {
+        let (a, b, c) = (ConnId(1), ConnId(2), ConnId(3));
+        let q = PeerQueue::new(16);
+        assert!(!q.may_write(a), "not the owner yet");
+        q.set_owner(a);
+        assert!(q.may_write(a), "the first owner writes at once");
+        // b replaces a (a duplicate, or a reconnection) while a's copies may be on their way.
+        q.set_owner(b);
+        assert!(!q.may_write(a), "a takes nothing more");
+        assert!(!q.may_write(b), "b waits for a to let go");
+        let mut notified = std::pin::pin!(q.notify.notified());
+        notified.as_mut().enable();
+        // a's writer ends (retired and read to the end, or gone): it lets go.
+        drop(LetGo(&q, a));
+        assert!(woken(notified.as_mut()), "b's writer is woken");
+        assert!(q.may_write(b), "and writes");
+        q.let_go(a);
+        assert!(q.may_write(b), "a late let-go of a does not take b's turn");
+        // c replaces b, which never lets go: after waiting, c takes over; b's late let-go then
+        // changes nothing.
+        q.set_owner(c);
+        assert!(!q.may_write(c));
+        q.take_over(c);
+        assert!(q.may_write(c));
+        q.let_go(b);
+        assert!(q.may_write(c));
+        assert!(!q.may_write(b));
+        // A connection that is not the owner cannot take over.
+        q.take_over(a);
+        assert!(q.may_write(c));
     }
 
     #[test]

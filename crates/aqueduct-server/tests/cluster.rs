@@ -1005,14 +1005,23 @@ async fn no_copy_is_lost_when_a_duplicate_connection_replaces_the_one_in_use() {
         }
     }
     let mut got = BTreeSet::new();
+    let mut order = Vec::with_capacity(BATCHES * PER);
     for _ in 0..BATCHES * PER {
         let m = next(&mut sub).await;
-        assert!(
-            got.insert(String::from_utf8_lossy(m.body()).into_owned()),
-            "a copy twice"
-        );
+        let body = String::from_utf8_lossy(m.body()).into_owned();
+        order.push(body[1..].parse::<usize>().expect("m<number>"));
+        assert!(got.insert(body), "a copy twice");
     }
     assert_eq!(got.len(), BATCHES * PER, "every copy once");
+    // In the order published: the kept connection writes only once the peer has read the
+    // retired one to its end.
+    let first_out_of_order = order.windows(2).position(|w| w[0] > w[1]);
+    assert_eq!(
+        first_out_of_order,
+        None,
+        "copies out of order across the switch: {:?}",
+        first_out_of_order.map(|i| &order[i.saturating_sub(3)..(i + 4).min(order.len())])
+    );
     until("the duplicate to be retired", || {
         retired(&nodes[0]) + retired(&nodes[1]) >= 1
     })
