@@ -163,8 +163,9 @@ impl MeshTls {
             .with_cert_resolver(Arc::new(ByAlpn {
                 clients: client_key,
                 peers: self.key.clone(),
+                alpn: server_alpn(),
             }));
-        config.alpn_protocols = vec![crate::tls::ALPN.to_vec(), MESH_ALPN.to_vec()];
+        config.alpn_protocols = server_alpn();
         Ok(config)
     }
 
@@ -244,11 +245,20 @@ pub fn alpn(conn: &quinn::Connection) -> Option<Vec<u8>> {
 struct ByAlpn {
     clients: Arc<CertifiedKey>,
     peers: Arc<CertifiedKey>,
+    /// The server's ALPN protocols, in its order of preference ([`server_alpn`]).
+    alpn: Vec<Vec<u8>>,
+}
+
+/// What a node's endpoint offers with the cluster on, in its order of preference: clients'
+/// `aqueduct-v1` first, then the mesh's (WebTransport's `h3` is added after both).
+fn server_alpn() -> Vec<Vec<u8>> {
+    vec![crate::tls::ALPN.to_vec(), MESH_ALPN.to_vec()]
 }
 
 impl ResolvesServerCert for ByAlpn {
     fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        let mesh = hello.alpn().is_some_and(|mut a| a.any(|p| p == MESH_ALPN));
+        // By the protocol the handshake settles on, not by what is offered.
+        let mesh = crate::tls::chosen_alpn(&self.alpn, &hello) == Some(MESH_ALPN);
         Some(if mesh {
             self.peers.clone()
         } else {

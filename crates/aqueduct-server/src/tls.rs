@@ -20,6 +20,21 @@ use crate::config::TlsConfig;
 /// The ALPN protocol id.
 pub const ALPN: &[u8] = b"aqueduct-v1";
 
+/// The ALPN protocol a handshake will settle on: the first of the server's `ours` that the
+/// client offers (the server's order decides, as rustls does). A certificate resolver must pick
+/// by this, not by what a client merely offers: a client offering `h3` and `aqueduct-v1` speaks
+/// `aqueduct-v1` and must be shown the certificate `aqueduct-v1` clients trust.
+pub(crate) fn chosen_alpn<'a>(
+    ours: &'a [Vec<u8>],
+    hello: &rustls::server::ClientHello<'_>,
+) -> Option<&'a [u8]> {
+    ours.iter().map(Vec::as_slice).find(|p| {
+        hello
+            .alpn()
+            .is_some_and(|mut theirs| theirs.any(|t| t == *p))
+    })
+}
+
 /// Why TLS could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -191,6 +206,7 @@ pub fn server_crypto(
             tls.cert_resolver = Arc::new(crate::webtransport::ForBrowsers {
                 inner: tls.cert_resolver.clone(),
                 certs: certs.clone(),
+                alpn: tls.alpn_protocols.clone(),
             });
         }
     }

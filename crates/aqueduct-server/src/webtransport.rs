@@ -306,12 +306,15 @@ impl BrowserCerts {
 pub struct ForBrowsers {
     pub inner: Arc<dyn ResolvesServerCert>,
     pub certs: Arc<BrowserCerts>,
+    /// The server's ALPN protocols, in its order of preference.
+    pub alpn: Vec<Vec<u8>>,
 }
 
 impl ResolvesServerCert for ForBrowsers {
     fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        let h3 = hello.alpn().is_some_and(|mut a| a.any(|p| p == H3_ALPN));
-        if h3 {
+        // Only a connection that will speak h3: a client offering `aqueduct-v1` too gets
+        // `aqueduct-v1` (the broker prefers it) and the certificate its clients trust.
+        if crate::tls::chosen_alpn(&self.alpn, &hello) == Some(H3_ALPN) {
             if let Some(c) = self.certs.current() {
                 return Some(c.key.clone());
             }

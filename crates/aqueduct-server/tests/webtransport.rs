@@ -424,6 +424,78 @@ impl rustls::client::danger::ServerCertVerifier for AnyServer {
     }
 }
 
+/// The certificate the broker shows a connection offering `alpn`, and the protocol agreed.
+async fn shown(b: &TestBroker, alpn: &[&[u8]]) -> (Vec<u8>, Option<Vec<u8>>) {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut crypto = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls13")
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyServer(provider)))
+        .with_no_client_auth();
+    crypto.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let config = quinn::ClientConfig::new(Arc::new(
+        quinn::crypto::rustls::QuicClientConfig::try_from(crypto).expect("quic crypto"),
+    ));
+    let mut endpoint =
+        quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("endpoint");
+    endpoint.set_default_client_config(config);
+    let conn = within(
+        "the handshake",
+        endpoint.connect(b.addr, "localhost").expect("connect"),
+    )
+    .await
+    .expect("handshake");
+    let protocol = conn
+        .handshake_data()
+        .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+        .and_then(|d| d.protocol);
+    let certs = conn
+        .peer_identity()
+        .and_then(|i| {
+            i.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+                .ok()
+        })
+        .expect("the broker's certificate");
+    conn.close(0u32.into(), b"done");
+    (certs[0].to_vec(), protocol)
+}
+
+/// The certificate follows the protocol the handshake settles on, not what a client offers: a
+/// client offering both `h3` and `aqueduct-v1` (in either order) speaks `aqueduct-v1`, which the
+/// broker prefers, and is shown the development certificate, as a client trusting only that
+/// one expects (docs/protocol.md §1). Before, offering `h3` at all got the browsers' one.
+#[tokio::test]
+async fn a_client_offering_h3_too_gets_the_certificate_of_the_protocol_agreed() {
+    use rustls::pki_types::pem::PemObject;
+    let b = TestBroker::start().await;
+    let pem = std::fs::read(&b.dev_cert).expect("dev cert");
+    let dev = rustls::pki_types::CertificateDer::pem_slice_iter(&pem)
+        .next()
+        .expect("a certificate")
+        .expect("PEM")
+        .to_vec();
+    let browser_hash = cert_hash(&b).await;
+    for offer in [
+        &[&b"h3"[..], &b"aqueduct-v1"[..]][..],
+        &[&b"aqueduct-v1"[..], &b"h3"[..]][..],
+        &[&b"aqueduct-v1"[..]][..],
+    ] {
+        let (cert, protocol) = shown(&b, offer).await;
+        assert_eq!(protocol.as_deref(), Some(&b"aqueduct-v1"[..]), "{offer:?}");
+        assert!(
+            cert == dev,
+            "offering {offer:?}: not the development certificate"
+        );
+    }
+    // A connection that will speak h3 gets the browsers' certificate.
+    let (cert, protocol) = shown(&b, &[b"h3"]).await;
+    assert_eq!(protocol.as_deref(), Some(&b"h3"[..]));
+    let digest = ring::digest::digest(&ring::digest::SHA256, &cert);
+    assert_eq!(digest.as_ref(), &browser_hash[..]);
+    b.stop().await.expect("stops");
+}
+
 /// A ClientHello too large for one packet (Chromium's often is: its post-quantum key share
 /// alone is over 1 KB) offering HTTP/3: the broker must read the negotiated protocol only once
 /// all of it is in. It used to decide on the first packet, took about one browser session in
