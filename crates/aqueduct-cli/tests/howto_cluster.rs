@@ -87,4 +87,16 @@ fn the_cluster_howto_runs_as_written() {
     }
     let want: std::collections::BTreeSet<String> = (1..=6).map(|i| format!("job {i}")).collect();
     assert_eq!(jobs, want);
+    // As the page shows them: node 1's worker with the topic's offsets there, the others with
+    // their own numbering of the copies they received, round-robin in node-id order.
+    for shown in [
+        "jobs #0 p2: job 1\njobs #3 p2: job 4",
+        "jobs #0 p2: job 2\njobs #1 p2: job 5",
+        "jobs #0 p2: job 3\njobs #1 p2: job 6",
+    ] {
+        assert!(
+            workers.iter().any(|w| w.contains(shown)),
+            "the page shows {shown:?}; the workers printed {workers:#?}"
+        );
+    }
 }

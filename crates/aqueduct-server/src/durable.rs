@@ -264,7 +264,8 @@ pub struct DurableStats {
     pub write_errors: AtomicU64,
     /// Microseconds from a frame being queued to its batch being durable, summed.
     pub commit_wait_us: AtomicU64,
-    /// Publish frames made durable.
+    /// Publish frames made durable (and dead letters the broker made: each a frame of its own,
+    /// counted in `commit_wait_us` too).
     pub frames_committed: AtomicU64,
     pub queued: AtomicU64,
 }
@@ -902,6 +903,9 @@ impl Durable {
                     (groups.last().map_or(first, |g| g.recs_end) - first) as u64,
                     Ordering::Relaxed,
                 );
+                self.stats
+                    .frames_committed
+                    .fetch_add(groups.len() as u64, Ordering::Relaxed);
                 for g in groups {
                     self.stats
                         .commit_wait_us

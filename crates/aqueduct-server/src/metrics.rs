@@ -701,6 +701,12 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
             out.single(name, kind, help, v);
         }
         out.single(
+            "aqueduct_log_frames_committed_total",
+            "counter",
+            "Publish frames made durable (each confirmed, if it asked).",
+            load(&ds.frames_committed),
+        );
+        out.single(
             "aqueduct_log_commit_wait_seconds_total",
             "counter",
             "Time publish frames waited from being queued to being durable, summed.",
