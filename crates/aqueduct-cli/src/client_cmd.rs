@@ -14,13 +14,13 @@ use aqueduct_client::{
     SubscribeOptions,
 };
 use bytes::Bytes;
-use clap::{CommandFactory, Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use futures_util::StreamExt;
 
 /// Publish and subscribe to an Aqueduct broker.
 ///
-/// On localhost the broker's generated development certificate (~/.aqueduct/dev-cert.pem) is
-/// trusted automatically. For any other host pass --ca (a CA certificate) or --pin (the SHA-256
+/// On localhost the broker's generated development certificate ($AQUEDUCT_HOME/dev-cert.pem, or
+/// ~/.aqueduct/dev-cert.pem without AQUEDUCT_HOME) is trusted automatically. For any other host pass --ca (a CA certificate) or --pin (the SHA-256
 /// fingerprint of the broker's certificate); certificates are always verified.
 #[derive(Debug, Parser)]
 #[command(name = "aqueduct", version)]
@@ -962,8 +962,60 @@ fn parse_traceparent(s: &str) -> Result<aqueduct_client::TraceContext, String> {
 
 /// Run the `aqueduct` command line with these arguments (the first is the program name).
 /// Go-style single-dash long flags (`-addr`) are accepted as the seed's tools wrote them.
+/// The options that say how to reach a broker (global, so that they may stand before or after
+/// the command), by argument id and flag.
+const CONNECTION_FLAGS: [(&str, &str); 9] = [
+    ("addr", "--addr"),
+    ("ca", "--ca"),
+    ("pin", "--pin"),
+    ("server_name", "--server-name"),
+    ("cert", "--cert"),
+    ("key", "--key"),
+    ("dev_cert", "--dev-cert"),
+    ("transport", "--transport"),
+    ("wt_path", "--wt-path"),
+];
+
+/// A command that needs no broker refuses the connection options given on its command line:
+/// ignored, they would mislead (`cert server --ca other/ca.pem` would sign with the --out
+/// directory's CA all the same; `log dump --key aal.key` is the TLS client key, not the log's).
+fn refuse_connection_flags(matches: &clap::ArgMatches, command: &Command) -> Result<()> {
+    let (name, hint) = match command {
+        Command::Cert { .. } => (
+            "cert",
+            "the CA is the --out directory's ca.pem and ca-key.pem (made by `aqueduct cert ca`)",
+        ),
+        Command::Log { .. } => (
+            "log",
+            "it reads the log directory offline; the log's key is --key-file (or AQUEDUCT_AAL_KEY)",
+        ),
+        Command::TraceSink { .. } => ("trace-sink", "it only listens (--listen)"),
+        _ => return Ok(()),
+    };
+    let given: Vec<&str> = CONNECTION_FLAGS
+        .iter()
+        .filter(|(id, _)| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine))
+        .map(|(_, flag)| *flag)
+        .collect();
+    if given.is_empty() {
+        return Ok(());
+    }
+    bail!(
+        "`aqueduct {name}` needs no broker and does not use {}: {hint}",
+        given.join(", ")
+    )
+}
+
 pub fn main_with(args: Vec<OsString>) -> ExitCode {
-    let cli = Cli::parse_from(crate::go_style_args(args, &Cli::command()));
+    let matches = Cli::command().get_matches_from(crate::go_style_args(args, &Cli::command()));
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    if let Err(e) = refuse_connection_flags(&matches, &cli.command) {
+        eprintln!("aqueduct: {e:#}");
+        return ExitCode::from(2);
+    }
     crate::init_logging(
         tracing_subscriber::EnvFilter::try_from_env("AQUEDUCT_LOG")
             .unwrap_or_else(|_| "warn".into()),

@@ -520,6 +520,65 @@ fn pub_to_a_broker_requiring_client_certificates_fails_clearly() {
     stop(broker);
 }
 
+/// Commands that need no broker refuse the connection options instead of ignoring them:
+/// `cert server --ca other/ca.pem` signed with the --out directory's CA all the same, and
+/// `log dump --key aal.key` took the log's key for a TLS client key (found by a new user).
+#[test]
+fn commands_without_a_broker_refuse_connection_options() {
+    let home = tempfile::tempdir().expect("temp dir");
+    let out = home.path().join("certs");
+    let out = out.to_str().expect("utf-8 path");
+    for (args, flags, hint) in [
+        (
+            vec!["cert", "server", "--out", out, "--ca", "other/ca.pem"],
+            "--ca",
+            "ca-key.pem",
+        ),
+        (
+            vec!["--addr", "10.0.0.1:4242", "cert", "ca", "--out", out],
+            "--addr",
+            "ca-key.pem",
+        ),
+        (
+            vec!["log", "dump", "aal", "--key", "aal.key", "--topic", "t"],
+            "--key",
+            "--key-file",
+        ),
+        (
+            vec!["trace-sink", "--pin", "ab", "--transport", "webtransport"],
+            "--pin, --transport",
+            "--listen",
+        ),
+    ] {
+        let o = run_client(home.path(), &args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(&format!("does not use {flags}")) && err.contains(hint),
+            "{args:?}: {err}"
+        );
+    }
+    assert!(!home.path().join("certs").exists(), "nothing was written");
+    // Without them, and with AQUEDUCT_ADDR in the environment (not a mistake), it works.
+    let o = Command::new(CLIENT)
+        .args(["cert", "ca", "--out", out])
+        .env("AQUEDUCT_HOME", home.path())
+        .env("AQUEDUCT_ADDR", "10.0.0.1:4242")
+        .output()
+        .expect("aqueduct runs");
+    assert_ok(&o);
+    assert!(home.path().join("certs/ca-key.pem").exists());
+    // A command that needs a broker, with no broker's certificate in this AQUEDUCT_HOME: the
+    // error says where the file comes from.
+    let o = run_client(home.path(), &["pub", "t", "m"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("cannot read development certificate") && err.contains("$AQUEDUCT_HOME"),
+        "{err}"
+    );
+}
+
 /// `aqueduct cert` makes a CA, a broker certificate and a client certificate that work together
 /// for mutual TLS as written in docs/howto-tls.md: the broker names the client by its
 /// certificate, and a client without one is refused.

@@ -148,10 +148,18 @@ pub(crate) fn client_crypto(
                     host: host.to_string(),
                 });
             }
-            let pem = read(
-                "development certificate (is a local broker running with tls.generate?)",
-                dev_cert,
-            )?;
+            let pem = std::fs::read(dev_cert).map_err(|e| {
+                pem_err(
+                    "development certificate",
+                    &dev_cert.display().to_string(),
+                    format!(
+                        "{e} (a local broker with a generated certificate writes it to \
+                         $AQUEDUCT_HOME/dev-cert.pem, or ~/.aqueduct/dev-cert.pem without \
+                         AQUEDUCT_HOME: is one running, with the same AQUEDUCT_HOME as here? \
+                         Else pass --ca or --pin)"
+                    ),
+                )
+            })?;
             builder.with_root_certificates(roots(certs_from(
                 "development certificate",
                 &dev_cert.display().to_string(),
