@@ -267,6 +267,24 @@ mod tests {
                 ..
             })
         ));
+        // protocol.md §10.1: an empty start is a missing value, an empty id an invalid id.
+        assert!(matches!(
+            parse("topic:a:durable:c:"),
+            Err(ProtoError::BadSubscribe { .. })
+        ));
+        assert!(matches!(
+            parse("topic:a:durable::0"),
+            Err(ProtoError::InvalidTopic { .. })
+        ));
+    }
+
+    #[test]
+    fn the_options_may_come_in_either_order() {
+        let a = parse("topic:f:group:g:durable:c:0").expect("group first");
+        let b = parse("topic:f:durable:c:0:group:g").expect("durable first");
+        assert_eq!(a, b);
+        assert_eq!(a.group.as_ref().map(|g| g.as_str()), Some("g"));
+        assert!(a.durable.is_some());
     }
 
     #[test]
