@@ -27,10 +27,12 @@ struct Args {
     /// The seed's single-dash forms work too: -config, -addr, -metrics-addr.
     #[arg(long, short = 'c', env = "AQUEDUCT_CONFIG", value_name = "FILE")]
     config: Option<PathBuf>,
-    /// Address to listen on (UDP), e.g. ":4242" or "127.0.0.1:4242" (key: listen_addr).
+    /// Address to listen on (UDP), e.g. ":4242" (every IPv4 interface, the default),
+    /// "[::]:4242" (IPv6 and IPv4) or "127.0.0.1:4242" (key: listen_addr).
     #[arg(long, value_name = "HOST:PORT")]
     addr: Option<String>,
-    /// Address of the metrics endpoint (key: metrics_addr).
+    /// Address of the metrics, health and live-view endpoint (HTTP), default "127.0.0.1:9090"
+    /// (key: metrics_addr).
     #[arg(long, value_name = "HOST:PORT")]
     metrics_addr: Option<String>,
     /// TLS certificate chain, PEM (key: tls.cert_file). Needs --key.
