@@ -424,8 +424,9 @@ impl rustls::client::danger::ServerCertVerifier for AnyServer {
     }
 }
 
-/// The certificate the broker shows a connection offering `alpn`, and the protocol agreed.
-async fn shown(b: &TestBroker, alpn: &[&[u8]]) -> (Vec<u8>, Option<Vec<u8>>) {
+/// A client endpoint that offers `alpn` and accepts any server certificate (these tests look at
+/// what the broker shows, not at trust).
+fn endpoint_offering(alpn: Vec<Vec<u8>>) -> quinn::Endpoint {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut crypto = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -433,23 +434,33 @@ async fn shown(b: &TestBroker, alpn: &[&[u8]]) -> (Vec<u8>, Option<Vec<u8>>) {
         .dangerous()
         .with_custom_certificate_verifier(Arc::new(AnyServer(provider)))
         .with_no_client_auth();
-    crypto.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    crypto.alpn_protocols = alpn;
     let config = quinn::ClientConfig::new(Arc::new(
         quinn::crypto::rustls::QuicClientConfig::try_from(crypto).expect("quic crypto"),
     ));
     let mut endpoint =
         quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("endpoint");
     endpoint.set_default_client_config(config);
+    endpoint
+}
+
+/// The protocol a connection's handshake settled on.
+fn negotiated(conn: &quinn::Connection) -> Option<Vec<u8>> {
+    conn.handshake_data()
+        .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+        .and_then(|d| d.protocol)
+}
+
+/// The certificate the broker shows a connection offering `alpn`, and the protocol agreed.
+async fn shown(b: &TestBroker, alpn: &[&[u8]]) -> (Vec<u8>, Option<Vec<u8>>) {
+    let endpoint = endpoint_offering(alpn.iter().map(|p| p.to_vec()).collect());
     let conn = within(
         "the handshake",
         endpoint.connect(b.addr, "localhost").expect("connect"),
     )
     .await
     .expect("handshake");
-    let protocol = conn
-        .handshake_data()
-        .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
-        .and_then(|d| d.protocol);
+    let protocol = negotiated(&conn);
     let certs = conn
         .peer_identity()
         .and_then(|i| {
@@ -503,24 +514,13 @@ async fn a_client_offering_h3_too_gets_the_certificate_of_the_protocol_agreed() 
 #[tokio::test]
 async fn a_client_hello_in_two_packets_still_gets_http3() {
     let b = TestBroker::start().await;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut crypto = rustls::ClientConfig::builder_with_provider(provider.clone())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .expect("tls13")
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(AnyServer(provider)))
-        .with_no_client_auth();
     // ~1.7 KB of protocol names the broker does not speak, then HTTP/3.
-    crypto.alpn_protocols = (0..120)
-        .map(|i| format!("x-padding-{i:03}").into_bytes())
-        .chain([b"h3".to_vec()])
-        .collect();
-    let config = quinn::ClientConfig::new(Arc::new(
-        quinn::crypto::rustls::QuicClientConfig::try_from(crypto).expect("quic crypto"),
-    ));
-    let mut endpoint =
-        quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("endpoint");
-    endpoint.set_default_client_config(config);
+    let endpoint = endpoint_offering(
+        (0..120)
+            .map(|i| format!("x-padding-{i:03}").into_bytes())
+            .chain([b"h3".to_vec()])
+            .collect(),
+    );
     for _ in 0..3 {
         // Each connection through a relay of its own: its second datagram comes late.
         let relay = Relay::start_delaying(b.addr, 2, Duration::from_millis(300)).await;
@@ -530,11 +530,7 @@ async fn a_client_hello_in_two_packets_still_gets_http3() {
         )
         .await
         .expect("handshake");
-        let alpn = conn
-            .handshake_data()
-            .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
-            .and_then(|d| d.protocol);
-        assert_eq!(alpn.as_deref(), Some(&b"h3"[..]));
+        assert_eq!(negotiated(&conn).as_deref(), Some(&b"h3"[..]));
         // An HTTP/3 server opens its control stream (type 0x00) at once; the broker's native
         // protocol never opens a unidirectional stream.
         let mut control = tokio::time::timeout(Duration::from_secs(5), conn.accept_uni())
