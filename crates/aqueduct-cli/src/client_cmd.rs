@@ -960,8 +960,6 @@ fn parse_traceparent(s: &str) -> Result<aqueduct_client::TraceContext, String> {
     aqueduct_client::TraceContext::from_traceparent(s)
 }
 
-/// Run the `aqueduct` command line with these arguments (the first is the program name).
-/// Go-style single-dash long flags (`-addr`) are accepted as the seed's tools wrote them.
 /// The options that say how to reach a broker (global, so that they may stand before or after
 /// the command), by argument id and flag.
 const CONNECTION_FLAGS: [(&str, &str); 9] = [
@@ -1006,6 +1004,8 @@ fn refuse_connection_flags(matches: &clap::ArgMatches, command: &Command) -> Res
     )
 }
 
+/// Run the `aqueduct` command line with these arguments (the first is the program name).
+/// Go-style single-dash long flags (`-addr`) are accepted as the seed's tools wrote them.
 pub fn main_with(args: Vec<OsString>) -> ExitCode {
     let matches = Cli::command().get_matches_from(crate::go_style_args(args, &Cli::command()));
     let cli = match Cli::from_arg_matches(&matches) {

@@ -791,10 +791,12 @@ fn edit_distance(a: &str, b: &str) -> usize {
     row[b.len()]
 }
 
-/// Go-style addresses: ":4242" means every interface.
+/// Go-style addresses: ":4242" means every interface, IPv6 and IPv4 (as Go's listeners do):
+/// `[::]:4242`, bound dual stack, or `0.0.0.0:4242` where the host has no IPv6 (see
+/// `server::bind_with_ipv4_fallback`).
 pub(crate) fn parse_addr(key: &'static str, s: &str) -> Result<SocketAddr, ConfigError> {
     let full = if s.starts_with(':') {
-        format!("0.0.0.0{s}")
+        format!("[::]{s}")
     } else {
         s.to_string()
     };

@@ -903,13 +903,15 @@ impl Durable {
                     (groups.last().map_or(first, |g| g.recs_end) - first) as u64,
                     Ordering::Relaxed,
                 );
-                self.stats
-                    .frames_committed
-                    .fetch_add(groups.len() as u64, Ordering::Relaxed);
                 for g in groups {
-                    self.stats
-                        .commit_wait_us
-                        .fetch_add(g.queued_at.elapsed().as_micros() as u64, Ordering::Relaxed);
+                    // Clients' publish frames only: dead letters and cluster copies have no
+                    // publisher waiting here.
+                    if g.waiter.is_some() {
+                        self.stats.frames_committed.fetch_add(1, Ordering::Relaxed);
+                        self.stats
+                            .commit_wait_us
+                            .fetch_add(g.queued_at.elapsed().as_micros() as u64, Ordering::Relaxed);
+                    }
                     if let Some(w) = g.waiter.as_ref().filter(|w| w.confirm) {
                         let offsets = work.recs[first..g.recs_end]
                             .iter()

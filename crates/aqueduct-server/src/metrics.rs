@@ -703,13 +703,13 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         out.single(
             "aqueduct_log_frames_committed_total",
             "counter",
-            "Publish frames made durable (each confirmed, if it asked).",
+            "Clients' publish frames made durable (each confirmed, if it asked; not dead letters or cluster copies).",
             load(&ds.frames_committed),
         );
         out.single(
             "aqueduct_log_commit_wait_seconds_total",
             "counter",
-            "Time publish frames waited from being queued to being durable, summed.",
+            "Time those publish frames waited from being queued to being durable, summed.",
             load(&ds.commit_wait_us) as f64 / 1e6,
         );
     }

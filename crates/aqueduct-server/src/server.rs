@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -179,11 +179,15 @@ fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket, Se
         addr,
         reason: e.to_string(),
     };
-    let socket =
-        Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP)).map_err(err)?;
-    if addr.is_ipv6() {
-        let _ = socket.set_only_v6(false);
-    }
+    let socket = bind_with_ipv4_fallback(addr, |addr| {
+        let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+        if addr.is_ipv6() {
+            socket.set_only_v6(false)?;
+        }
+        socket.bind(&addr.into())?;
+        Ok(socket)
+    })
+    .map_err(err)?;
     if buffer > 0 {
         if let Err(e) = socket.set_recv_buffer_size(buffer) {
             warn!("cannot set UDP receive buffer to {buffer} bytes: {e}");
@@ -192,8 +196,47 @@ fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket, Se
             warn!("cannot set UDP send buffer to {buffer} bytes: {e}");
         }
     }
-    socket.bind(&addr.into()).map_err(err)?;
     Ok(socket.into())
+}
+
+/// Bind `addr`; where it is `[::]` (every interface, as `":4242"` is read) and the host has no
+/// IPv6, bind `0.0.0.0` on the same port instead, as Go's listeners do. Any other failure (the
+/// port is taken, say) is reported for the address as configured.
+fn bind_with_ipv4_fallback<T>(
+    addr: SocketAddr,
+    bind: impl Fn(SocketAddr) -> std::io::Result<T>,
+) -> std::io::Result<T> {
+    match bind(addr) {
+        Err(e)
+            if addr.ip() == IpAddr::V6(Ipv6Addr::UNSPECIFIED)
+                && !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::AddrInUse | std::io::ErrorKind::PermissionDenied
+                ) =>
+        {
+            let v4 = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), addr.port());
+            let bound = bind(v4).map_err(|_| e)?;
+            info!(%addr, "IPv6 is not available here: listening on {v4} (IPv4 only)");
+            Ok(bound)
+        }
+        r => r,
+    }
+}
+
+/// A TCP listener for `addr`; `[::]` serves IPv6 and IPv4 whatever the host's `bindv6only`.
+fn tcp_listener(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    bind_with_ipv4_fallback(addr, |addr| {
+        let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+        if addr.is_ipv6() {
+            socket.set_only_v6(false)?;
+        }
+        socket.set_reuse_address(true)?;
+        socket.set_nonblocking(true)?;
+        socket.bind(&addr.into())?;
+        socket.listen(1024)?;
+        tokio::net::TcpListener::from_std(socket.into())
+    })
 }
 
 impl Server {
@@ -256,21 +299,17 @@ impl Server {
             }
             None => None,
         };
-        let metrics = tokio::net::TcpListener::bind(config.metrics_addr)
-            .await
-            .map_err(|e| ServerError::MetricsBind {
-                addr: config.metrics_addr,
-                reason: e.to_string(),
-            })?;
+        let metrics = tcp_listener(config.metrics_addr).map_err(|e| ServerError::MetricsBind {
+            addr: config.metrics_addr,
+            reason: e.to_string(),
+        })?;
         let admin = match &config.admin {
             Some(a) => {
                 let crypto = tls::admin_crypto(&identity, &a.client_ca_file)?;
-                let listener = tokio::net::TcpListener::bind(a.listen_addr)
-                    .await
-                    .map_err(|e| ServerError::AdminBind {
-                        addr: a.listen_addr,
-                        reason: e.to_string(),
-                    })?;
+                let listener = tcp_listener(a.listen_addr).map_err(|e| ServerError::AdminBind {
+                    addr: a.listen_addr,
+                    reason: e.to_string(),
+                })?;
                 Some((listener, Arc::new(crypto)))
             }
             None => None,

@@ -586,7 +586,7 @@ mod tests {
         s.listen_addr = ":4443".into();
         assert_eq!(
             s.validate().expect("a port of its own").listen_addr,
-            Some("0.0.0.0:4443".parse().expect("addr"))
+            Some("[::]:4443".parse().expect("addr"))
         );
         s.listen_addr.clear();
         s.allowed_origins = vec!["app.example.com".into()];

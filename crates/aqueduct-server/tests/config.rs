@@ -34,7 +34,7 @@ fn load(
 #[test]
 fn defaults_without_any_source() {
     let c = load(None, vec![], Overrides::default()).expect("defaults");
-    assert_eq!(c.listen_addr.to_string(), "0.0.0.0:4242");
+    assert_eq!(c.listen_addr.to_string(), "[::]:4242");
     assert_eq!(c.metrics_addr.to_string(), "127.0.0.1:9090");
     assert_eq!(c.broker.queue_size, 1024);
     assert_eq!(c.broker.backpressure_policy, OverflowPolicy::DropOldest);
@@ -384,8 +384,8 @@ fn the_seed_config_loads_verbatim() {
         Overrides::default(),
     )
     .expect("the seed's config.yaml loads");
-    assert_eq!(c.listen_addr.to_string(), "0.0.0.0:4242");
-    assert_eq!(c.metrics_addr.to_string(), "0.0.0.0:9090");
+    assert_eq!(c.listen_addr.to_string(), "[::]:4242");
+    assert_eq!(c.metrics_addr.to_string(), "[::]:9090");
     assert_eq!(c.broker.queue_size, 1024);
     assert_eq!(c.broker.backpressure_policy, OverflowPolicy::DropOldest);
     assert_eq!(c.batch_size, 65536);

@@ -950,3 +950,51 @@ async fn deliveries_to_an_idle_stream_are_written_directly_and_in_order() {
     }
     b.stop().await.expect("clean shutdown");
 }
+
+/// The seed's `-addr :PORT` form serves every interface, IPv6 and IPv4, as Go's listeners do:
+/// the QUIC port and the metrics port bind `[::]` dual stack (where the host has IPv6), and an
+/// IPv4 client reaches both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_go_style_port_only_address_serves_ipv6_and_ipv4() {
+    let seed_style = aqueduct_server::Config::load(&aqueduct_server::Sources {
+        overrides: aqueduct_server::Overrides {
+            listen_addr: Some(":0".into()),
+            metrics_addr: Some(":0".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .expect(":0 is an address");
+    let b = TestBroker::start_with(|c| {
+        c.listen_addr = seed_style.listen_addr;
+        c.metrics_addr = seed_style.metrics_addr;
+    })
+    .await;
+    let host_has_ipv6 = std::net::UdpSocket::bind("[::1]:0").is_ok();
+    if host_has_ipv6 {
+        assert!(
+            b.addr.is_ipv6() && b.addr.ip().is_unspecified(),
+            "{}",
+            b.addr
+        );
+        assert!(b.metrics_addr.is_ipv6(), "{}", b.metrics_addr);
+    } else {
+        assert!(b.addr.ip().is_unspecified(), "{}", b.addr);
+    }
+    let v4 = |a: std::net::SocketAddr| std::net::SocketAddr::from(([127, 0, 0, 1], a.port()));
+    let options =
+        aqueduct_client::ConnectOptions::new(v4(b.addr).to_string()).dev_cert_file(&b.dev_cert);
+    let client = within("IPv4 connect", aqueduct_client::Client::connect(options))
+        .await
+        .expect("an IPv4 client reaches a ':PORT' broker");
+    let mut sub = client.subscribe("dual.stack").await.expect("subscribe");
+    client
+        .publish_with("dual.stack", Bytes::from_static(b"v4"), &confirm())
+        .await
+        .expect("publish");
+    assert_eq!(&next(&mut sub).await.body()[..], b"v4");
+    let (status, _) = get(v4(b.metrics_addr), "/healthz").await;
+    assert_eq!(status, 200);
+    client.close().await;
+    b.stop().await.expect("stop");
+}

@@ -27,8 +27,8 @@ struct Args {
     /// The seed's single-dash forms work too: -config, -addr, -metrics-addr.
     #[arg(long, short = 'c', env = "AQUEDUCT_CONFIG", value_name = "FILE")]
     config: Option<PathBuf>,
-    /// Address to listen on (UDP), e.g. ":4242" (every IPv4 interface, the default),
-    /// "[::]:4242" (IPv6 and IPv4) or "127.0.0.1:4242" (key: listen_addr).
+    /// Address to listen on (UDP), e.g. ":4242" (every interface, IPv6 and IPv4: the
+    /// default), "0.0.0.0:4242" (IPv4 only) or "127.0.0.1:4242" (key: listen_addr).
     #[arg(long, value_name = "HOST:PORT")]
     addr: Option<String>,
     /// Address of the metrics, health and live-view endpoint (HTTP), default "127.0.0.1:9090"
