@@ -758,6 +758,14 @@ impl RouteTable {
 
     /// [`route`](Self::route) on a topic's bytes.
     pub fn route_bytes(&self, topic: &[u8]) -> Routing {
+        self.route_bytes_where(topic, |_| true)
+    }
+
+    /// [`route_bytes`](Self::route_bytes), placing groups only here or on the peers `reachable`
+    /// accepts: the snapshot may still name a peer whose connection just ended, and a group
+    /// picked there would be served by no one while another node's member could take it. (Its
+    /// plain copy is still named: the caller drops what it cannot send and counts it.)
+    pub fn route_bytes_where(&self, topic: &[u8], reachable: impl Fn(&NodeId) -> bool) -> Routing {
         let mut routing = Routing::default();
         let mut copies: BTreeMap<NodeId, Forward> = BTreeMap::new();
         for (node, interest) in &self.nodes {
@@ -766,7 +774,7 @@ impl RouteTable {
             }
         }
         for g in self.groups_for(topic) {
-            match self.pick(&g, |_| true) {
+            match self.pick(&g, |n| *n == self.me || reachable(n)) {
                 Some(node) if node == self.me => routing.local_groups.push(g),
                 Some(node) => copies.entry(node).or_default().groups.push(g),
                 None => routing.unplaced.push(g),
@@ -990,6 +998,39 @@ mod tests {
         }
         assert_eq!(counts.get("a"), Some(&10));
         assert_eq!(counts.get("b"), Some(&20));
+    }
+
+    /// A publish's group is never placed on a peer the caller cannot reach (the snapshot still
+    /// names a peer whose connection just ended): it goes round-robin over this node and the
+    /// reachable peers, and with no member left anywhere reachable it is unplaced.
+    #[test]
+    fn a_publish_places_groups_on_reachable_nodes_only() {
+        let g = group("jobs", "workers");
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        a.handle_local(Key::Group(g.clone()), 1);
+        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), 1)]);
+        connected(&mut a, 2, "c", &[(Key::Group(g.clone()), 1)]);
+        let table = a.table();
+        let not_b = |n: &NodeId| *n != node("b");
+        let mut counts: BTreeMap<String, u32> = BTreeMap::new();
+        for _ in 0..20 {
+            let r = table.route_bytes_where(b"jobs", not_b);
+            let place = match (r.local_groups.len(), r.forward.len()) {
+                (1, 0) => "a".to_string(),
+                (0, 1) => r.forward[0].0.to_string(),
+                other => panic!("one place per message: {other:?}"),
+            };
+            *counts.entry(place).or_default() += 1;
+        }
+        assert_eq!(counts.get("b"), None, "{counts:?}");
+        assert_eq!(counts.get("a"), Some(&10), "{counts:?}");
+        assert_eq!(counts.get("c"), Some(&10), "{counts:?}");
+        // This node is always reachable; with no member here and none reachable, unplaced.
+        let mut lone = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        connected(&mut lone, 1, "b", &[(Key::Group(g.clone()), 1)]);
+        let r = lone.table().route_bytes_where(b"jobs", |_| false);
+        assert!(r.forward.is_empty() && r.local_groups.is_empty(), "{r:?}");
+        assert_eq!(r.unplaced, vec![g]);
     }
 
     /// Publishing tasks share one table without a lock: the round-robin stays exact.

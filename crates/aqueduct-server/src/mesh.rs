@@ -114,8 +114,11 @@ struct QueuedTtl {
 /// when the connection in use is replaced by another (both ends dialed), the copies waiting stay
 /// and go out on the new one. Only the connection the mesh keeps (`owner`) takes from it, and
 /// only once the connection that wrote before it has let go (`writer`): a retired connection
-/// lets go when the peer has read its data stream to the end, a lost one when it is gone, so
-/// copies written on two connections around a switch arrive in the order they were queued. The
+/// lets go when the peer has published its data stream to the end (the peer's control-stream
+/// FIN says so), a lost one when it is gone.
+/// The receiving side keeps the order too: a connection's copies are published only once the
+/// connection that carried copies before it has published all of its own (`reader`), so copies
+/// written on two connections around a switch are delivered in the order they were queued. The
 /// lock is held only to push or to take what is queued.
 #[derive(Debug)]
 pub struct PeerQueue {
@@ -140,6 +143,13 @@ pub struct PeerQueue {
     /// The connection that has written copies and whose writes the peer may not have read yet
     /// (0: none). The owner takes over only from 0.
     writer: AtomicU64,
+    /// The connection whose copies from the peer are being published here (0: none): another
+    /// connection's wait until it has published its last (see [`wait_turn_to_read`]).
+    ///
+    /// [`wait_turn_to_read`]: Self::wait_turn_to_read
+    reader: AtomicU64,
+    /// Wakes the connections waiting for their turn to read.
+    reader_done: Notify,
     /// Copies received but neither published nor logged because this node's durable log was
     /// failing or closed (a client's publish would be refused then too).
     pub not_stored: AtomicU64,
@@ -164,6 +174,8 @@ impl PeerQueue {
             reconnects: AtomicU64::new(0),
             owner: AtomicU64::new(0),
             writer: AtomicU64::new(0),
+            reader: AtomicU64::new(0),
+            reader_done: Notify::new(),
             not_stored: AtomicU64::new(0),
         }
     }
@@ -227,7 +239,7 @@ impl PeerQueue {
 
     /// Make `conn` the connection that writes the copies (and wake the writers to see it).
     fn set_owner(&self, conn: ConnId) {
-        if self.owner.swap(conn.0, Ordering::AcqRel) != conn.0 {
+        if self.owner.swap(conn.0, Ordering::SeqCst) != conn.0 {
             self.notify.notify_waiters();
         }
     }
@@ -267,7 +279,49 @@ impl PeerQueue {
     /// wrote is read by now or lost with it).
     fn take_over(&self, conn: ConnId) {
         if self.owned_by(conn) {
-            self.writer.store(conn.0, Ordering::Release);
+            self.writer.store(conn.0, Ordering::SeqCst);
+            // Made owner another connection meanwhile: that one may write, not this one.
+            if self.owner.load(Ordering::SeqCst) != conn.0 {
+                self.let_go(conn);
+            }
+        }
+    }
+
+    /// Wait until `conn` may publish the copies it received: no other connection of this peer
+    /// is still publishing those it carried before (the peer writes on a new connection once
+    /// the old one's data has been *received* here, not yet published). Bounded by
+    /// `patience`: then `conn` reads anyway (the other is stuck; the order may break), and
+    /// says so.
+    async fn wait_turn_to_read(&self, conn: ConnId, patience: Duration) {
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            let done = self.reader_done.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            match self
+                .reader
+                .compare_exchange(0, conn.0, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return,
+                Err(r) if r == conn.0 => return,
+                Err(_) => {}
+            }
+            if tokio::time::timeout_at(deadline, done).await.is_err() {
+                warn!(conn = conn.0, "the mesh connection replaced is still publishing its peer's copies after {patience:?}: publishing this one's too, copies may be delivered out of order");
+                self.reader.store(conn.0, Ordering::Release);
+                return;
+            }
+        }
+    }
+
+    /// `conn` publishes no more of the peer's copies: the next connection may.
+    fn done_reading(&self, conn: ConnId) {
+        if self
+            .reader
+            .compare_exchange(conn.0, 0, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.reader_done.notify_waiters();
         }
     }
 
@@ -469,6 +523,9 @@ pub struct PeerCounters {
     pub not_stored: u64,
 }
 
+/// Each connected peer's queue, by node id: one snapshot of the peer set.
+pub type PeerQueues = Arc<HashMap<NodeId, Arc<PeerQueue>>>;
+
 /// How the rest of the server reaches the mesh.
 #[derive(Debug, Clone)]
 pub struct MeshHandle {
@@ -524,13 +581,11 @@ impl MeshHandle {
             // No peer connected, or none wants anything: nothing to decide.
             return local(ctx);
         }
-        let mut routing = table.route_bytes(p.topic.as_bytes());
-        // A peer the table names but whose queue is gone (its connection just ended): its
-        // groups are served here instead of being lost.
+        // Groups are picked only here or on a peer with a queue: the table may still name one
+        // whose connection just ended, and a group picked there would reach no one while
+        // another node's member could take the message.
         let queues = self.queues.load();
-        routing
-            .forward
-            .retain(|(node, _)| queues.contains_key(node));
+        let routing = table.route_bytes_where(p.topic.as_bytes(), |n| queues.contains_key(n));
         let elsewhere: Vec<GroupKey> = routing
             .forward
             .iter()
@@ -589,16 +644,9 @@ impl MeshHandle {
         }
     }
 
-    /// Queue a copy of `p` for each of `copies`.
-    fn send_copies(&self, p: &Publication<'_>, copies: &[(NodeId, Forward)]) {
-        if copies.is_empty() {
-            return;
-        }
-        self.send_copies_to(&self.queues.load(), p, copies);
-    }
-
-    /// [`send_copies`](Self::send_copies) with the peers' queues as loaded by the caller. A
-    /// copy for a peer whose queue is gone (its connection just ended) is counted as discarded.
+    /// Queue a copy of `p` for each of `copies`, in the peers' queues as loaded by the caller
+    /// (the map that decided where they go). A copy for a peer whose queue is gone (its
+    /// connection just ended) is counted as discarded.
     fn send_copies_to(
         &self,
         queues: &HashMap<NodeId, Arc<PeerQueue>>,
@@ -693,15 +741,18 @@ impl MeshHandle {
     /// Where a copy forwarded to this node goes (see [`RouteTable::route_forwarded_where`]):
     /// groups re-picked only among the peers with a queue, so that a pick never lands on a
     /// peer whose connection just ended while another node's member could take the copy.
+    /// Returns the queues it picked among too: the copies go into those (`send_copies_to`).
     pub fn route_forwarded(
         &self,
         forward: &Forward,
         here: impl Fn(&GroupKey) -> bool,
-    ) -> aqueduct_core::mesh::Routing {
-        let queues = self.queues.load();
-        self.table
+    ) -> (aqueduct_core::mesh::Routing, PeerQueues) {
+        let queues = self.queues.load_full();
+        let routing = self
+            .table
             .load()
-            .route_forwarded_where(forward, here, |n| queues.contains_key(n))
+            .route_forwarded_where(forward, here, |n| queues.contains_key(n));
+        (routing, queues)
     }
 
     /// No peer wants anything now: a batch can be published as without a cluster.
@@ -1090,6 +1141,16 @@ impl Drop for LetGo<'_> {
     }
 }
 
+/// The reading side's [`LetGo`]: however a connection's reader ends (its data stream read to
+/// the end, broken, gone, or cut short), the next connection's may publish.
+struct DoneReading<'a>(&'a PeerQueue, ConnId);
+
+impl Drop for DoneReading<'_> {
+    fn drop(&mut self) {
+        self.0.done_reading(self.1);
+    }
+}
+
 /// Dial `addr` as a mesh peer: the peer certificate must name `aqueduct-mesh` and chain to the
 /// cluster CA; its CN is the peer's node id.
 async fn dial(
@@ -1316,13 +1377,21 @@ async fn serve_peer(link: PeerTask) {
     enum End {
         /// Closed, reset or gone: the connection is over.
         Gone,
-        /// The peer finished its data stream: it retired this connection as a duplicate.
+        /// The peer finished its data stream (it retired this connection as a duplicate), or
+        /// its control stream (it has published every copy this end wrote).
         PeerRetired,
-        /// This end, retired, wrote its last copy and the peer has read them all.
+        /// This end, retired, wrote its last copy and the peer has published them all.
         SentAll,
         /// The peer broke the mesh protocol.
         Broken(String),
     }
+    // A retired connection is closed only once each end has *published* what the other wrote
+    // on it: the QUIC acknowledgement of a stream's data and FIN only says it was received, and
+    // closing then would cut off the copies the peer has not published yet. Each end says it is
+    // done by finishing its control stream once it has published the peer's data stream to
+    // its FIN (`published_all`); the other's FIN on that stream is `peer_published`.
+    let (published_all, published_all_rx) = watch::channel(false);
+    let (peer_published, peer_published_rx) = watch::channel(false);
     let control_out = async {
         let Ok(mut send) = conn.open_uni().await else {
             return End::Gone;
@@ -1336,6 +1405,11 @@ async fn serve_peer(link: PeerTask) {
             }
         }
         // The driver let go of this connection (retired or closed): the data side decides.
+        // Retired, it says when every copy the peer wrote on it has been published here.
+        let mut published = published_all_rx.clone();
+        if published.wait_for(|done| *done).await.is_ok() {
+            let _ = send.finish();
+        }
         std::future::pending::<End>().await
     };
     let data_out = async {
@@ -1358,9 +1432,15 @@ async fn serve_peer(link: PeerTask) {
             notified.as_mut().enable();
             if *retire.borrow() {
                 // Retired: what it wrote is all it writes. Finish, and wait until the peer has
-                // read it all (`stopped` resolves once the finished stream is acknowledged).
+                // published it all (`stopped` resolves once the finished stream is acknowledged,
+                // i.e. received; the peer's control FIN says published). Only then may the next
+                // owner write: its copies cannot overtake these.
                 let _ = send.finish();
                 let _ = send.stopped().await;
+                let mut published = peer_published_rx.clone();
+                if published.wait_for(|done| *done).await.is_err() {
+                    return End::Gone;
+                }
                 return End::SentAll;
             }
             if queue.may_write(id) {
@@ -1375,6 +1455,9 @@ async fn serve_peer(link: PeerTask) {
                     queue.take_over(id);
                     continue;
                 }
+            } else {
+                // Not the owner (any more): nothing to wait for until it is made owner again.
+                waiting_since = None;
             }
             if buf.is_empty() {
                 // A timer only while waiting for the other connection to let go.
@@ -1428,9 +1511,39 @@ async fn serve_peer(link: PeerTask) {
         let (Some(control), Some(data)) = (control, data) else {
             return End::Broken("a control and a data stream are needed".into());
         };
+        // A stream's clean end is a signal, not the end of the connection: the reading goes
+        // on until both have ended or something breaks.
+        let control = async {
+            match read_control(control, id, &events).await {
+                End::PeerRetired => {
+                    peer_published.send_replace(true);
+                    std::future::pending().await
+                }
+                e => e,
+            }
+        };
+        let data = async {
+            match read_data(
+                data,
+                id,
+                &broker,
+                &mesh,
+                &queue,
+                durable.as_deref(),
+                block_timeout,
+            )
+            .await
+            {
+                End::PeerRetired => {
+                    published_all.send_replace(true);
+                    std::future::pending().await
+                }
+                e => e,
+            }
+        };
         tokio::select! {
-            e = read_control(control, id, &events) => e,
-            e = read_data(data, &broker, &mesh, &queue, durable.as_deref(), block_timeout) => e,
+            e = control => e,
+            e = data => e,
         }
     };
     async fn read_control(
@@ -1457,13 +1570,16 @@ async fn serve_peer(link: PeerTask) {
                 return if buf.has_remaining() {
                     End::Broken("the control stream ended inside a message".into())
                 } else {
-                    End::Gone
+                    // Finished: the peer retired this connection and has published every copy
+                    // this end wrote on it.
+                    End::PeerRetired
                 };
             }
         }
     }
     async fn read_data(
         mut recv: quinn::RecvStream,
+        id: ConnId,
         broker: &Broker,
         mesh: &MeshHandle,
         counters: &PeerQueue,
@@ -1473,6 +1589,8 @@ async fn serve_peer(link: PeerTask) {
         let mut ctx = PublishContext::default();
         let mut routed = Vec::new();
         let mut buf = BytesMut::with_capacity(64 * 1024);
+        let _done = DoneReading(counters, id);
+        let mut my_turn = false;
         loop {
             let Ok(n) = recv.read_buf(&mut buf).await else {
                 return End::Gone;
@@ -1480,6 +1598,11 @@ async fn serve_peer(link: PeerTask) {
             counters
                 .received_bytes
                 .fetch_add(n as u64, Ordering::Relaxed);
+            if !my_turn && n > 0 {
+                // The first copies on this connection: after the last of the one before.
+                counters.wait_turn_to_read(id, 2 * RETIRE_WAIT).await;
+                my_turn = true;
+            }
             loop {
                 let payload = match next_block(&mut buf) {
                     Ok(Some(p)) => p,
@@ -1528,12 +1651,14 @@ async fn serve_peer(link: PeerTask) {
                     // Its plain part and the groups with a member here; groups whose member
                     // left are picked again among the nodes the copy has not been to (a copy
                     // without groups only goes to the plain subscribers here).
-                    let routing = if forward.groups.is_empty() {
-                        aqueduct_core::mesh::Routing::default()
+                    let (routing, queues) = if forward.groups.is_empty() {
+                        (aqueduct_core::mesh::Routing::default(), None)
                     } else {
                         // A group here only if the broker still routes it (its member may have
                         // left since the table was made).
-                        mesh.route_forwarded(&forward, |g| broker.has_group(&g.filter, &g.group))
+                        let (routing, queues) = mesh
+                            .route_forwarded(&forward, |g| broker.has_group(&g.filter, &g.group));
+                        (routing, Some(queues))
                     };
                     if !routing.unplaced.is_empty() {
                         // No member left on any node it has not been to: dropped, counted.
@@ -1571,7 +1696,10 @@ async fn serve_peer(link: PeerTask) {
                         }
                         ctx.clear_scope();
                     }
-                    mesh.send_copies(&publication, &routing.forward);
+                    if let Some(queues) = &queues {
+                        // Into the queues the re-pick chose among.
+                        mesh.send_copies_to(queues, &publication, &routing.forward);
+                    }
                     // A held subscriber (block policy) holds the peer's copies too, as it
                     // holds a client's publishes: for at most `block_timeout`, then it is
                     // closed as a slow consumer, so that one stuck subscriber here cannot stop
@@ -1598,6 +1726,7 @@ async fn serve_peer(link: PeerTask) {
     // Neither writer nor reader is cut short for the other; bounded by RETIRE_WAIT.
     tokio::pin!(control_out, data_out, inbound);
     let (mut sent_all, mut peer_done) = (false, false);
+    let mut published_here = published_all_rx.clone();
     let mut retired = retire.clone();
     let retired_for_long = async move {
         if retired.wait_for(|r| *r).await.is_err() {
@@ -1616,18 +1745,19 @@ async fn serve_peer(link: PeerTask) {
                 End::SentAll => sent_all = true,
                 e => break e,
             },
-            e = &mut inbound, if !peer_done => match e {
-                End::PeerRetired if sent_all => break End::Gone,
-                End::PeerRetired => {
-                    // The peer retired it; this end will too once its mesh sees the other
-                    // connection of the pair (both keep the same one).
-                    peer_done = true;
-                    peer_retired_for_long
-                        .as_mut()
-                        .reset(tokio::time::Instant::now() + RETIRE_WAIT);
+            e = &mut inbound => break e,
+            _ = published_here.wait_for(|done| *done), if !peer_done => {
+                // The peer retired it (and everything it wrote is published here); this end
+                // will too once its mesh sees the other connection of the pair (both keep the
+                // same one).
+                if sent_all {
+                    break End::Gone;
                 }
-                e => break e,
-            },
+                peer_done = true;
+                peer_retired_for_long
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + RETIRE_WAIT);
+            }
             _ = conn.closed() => break End::Gone,
             _ = &mut retired_for_long => {
                 warn!(conn = id.0, "a retired mesh connection did not finish within {RETIRE_WAIT:?}: closed; copies on it may be lost");
@@ -1907,7 +2037,7 @@ mod tests {
             visited: vec![NodeId::try_from("x").expect("node id")],
         };
         for _ in 0..4 {
-            let r = handle.route_forwarded(&f, |_| false);
+            let (r, _) = handle.route_forwarded(&f, |_| false);
             assert_eq!(r.forward.len(), 1);
             assert_eq!(r.forward[0].0, NodeId::try_from("b").expect("node id"));
         }
@@ -1951,6 +2081,46 @@ mod tests {
         // A connection that is not the owner cannot take over.
         q.take_over(a);
         assert!(q.may_write(c));
+    }
+
+    /// The receiving side: a new connection's copies wait until the one that carried copies
+    /// before it has published its last (received is not yet published); a stuck one is
+    /// waited for only as long as the patience given.
+    #[tokio::test]
+    async fn a_new_connection_s_copies_wait_for_the_old_one_s_to_be_published() {
+        let (a, b, c) = (ConnId(1), ConnId(2), ConnId(3));
+        let q = Arc::new(PeerQueue::new(16));
+        let patience = Duration::from_secs(60);
+        q.wait_turn_to_read(a, patience).await;
+        q.wait_turn_to_read(a, patience).await; // its own turn again: at once
+        let q2 = q.clone();
+        let mut b_reads = tokio::spawn(async move { q2.wait_turn_to_read(b, patience).await });
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), &mut b_reads)
+                .await
+                .is_err(),
+            "b waits while a still publishes"
+        );
+        // a's reader ends (read to its FIN, or its connection gone).
+        drop(DoneReading(&q, a));
+        tokio::time::timeout(Duration::from_secs(10), &mut b_reads)
+            .await
+            .expect("b's turn once a is done")
+            .expect("task");
+        q.done_reading(a); // a late end of a does not end b's turn
+        assert_eq!(q.reader.load(Ordering::Acquire), b.0);
+        // b never finishes: c waits its patience, then publishes anyway.
+        let short = Duration::from_millis(100);
+        let started = std::time::Instant::now();
+        q.wait_turn_to_read(c, short).await;
+        assert!(started.elapsed() >= short);
+        assert_eq!(q.reader.load(Ordering::Acquire), c.0);
+        q.done_reading(b);
+        assert_eq!(
+            q.reader.load(Ordering::Acquire),
+            c.0,
+            "b's late end changes nothing"
+        );
     }
 
     #[test]

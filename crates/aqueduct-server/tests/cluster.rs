@@ -1037,6 +1037,115 @@ async fn no_copy_is_lost_when_a_duplicate_connection_replaces_the_one_in_use() {
     }
 }
 
+/// The switch to a duplicate connection while the receiving node is still publishing what the
+/// old one carried: a block-policy subscriber on node 1 that reads nothing holds node 1's
+/// reader of the old connection (for `block_timeout`, then it is closed as a slow consumer),
+/// with copies of the old connection still to publish, when node 0 retires that connection.
+/// Node 0 must neither close it nor write on the kept one before node 1 has *published* them
+/// (the QUIC acknowledgement only says received): before, it closed the old connection at the
+/// acknowledgement, and the copies node 1 had not published yet were lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_received_but_not_yet_published_survive_the_switch_in_order() {
+    use aqueduct_client::OverflowPolicy;
+    let Cluster { nodes, _dir } = unjoined(2, |i, c| {
+        if i == 1 {
+            c.broker.queue_size = 16;
+            c.broker.backpressure_policy = OverflowPolicy::Block;
+            // Within the 5 s a retired connection is given to finish.
+            c.block_timeout = Some(Duration::from_millis(1_500));
+        }
+    })
+    .await;
+    // Node 1 dials first: the pair's connection in use is node 1's.
+    nodes[1].control.set_cluster_peers(vec![nodes[0].addr]);
+    for (i, b) in nodes.iter().enumerate() {
+        until(&format!("node-{i} to see its peer"), || {
+            peers_of(b).len() == 1
+        })
+        .await;
+    }
+    let stalled = Raw::connect(&nodes[1], 4096).await;
+    let mut s = stalled.stream().await;
+    s.write(&raw_frame(0x42, 1, b"\x00\x00topic:sw/#")).await;
+    until("the stalled subscription", || {
+        nodes[1].broker.subscriber_count() == 1
+    })
+    .await;
+    let reader = nodes[1].client().await;
+    let mut sub = reader.subscribe("sw/#").await.expect("subscribe on node 1");
+    until("node 0 to learn node-1's interest", || {
+        wants(&nodes[0], "node-1", "sw/#")
+    })
+    .await;
+    let publisher = nodes[0].client().await;
+    let confirm = aqueduct_client::PublishOptions {
+        confirm: true,
+        ..Default::default()
+    };
+    let publish = |from: usize, to: usize| {
+        let batch: Vec<(String, bytes::Bytes)> = (from..to)
+            .map(|i| (format!("sw/{}", i % 4), bytes::Bytes::from(format!("m{i}"))))
+            .collect();
+        let publisher = &publisher;
+        let confirm = &confirm;
+        async move {
+            publisher
+                .publish_batch(batch.iter().map(|(t, b)| (t.as_str(), b.clone())), confirm)
+                .await
+                .expect("publish");
+        }
+    };
+    // On the old connection: more than the stalled subscriber takes, so node 1's reader of it
+    // is held with copies still to publish.
+    const OLD: usize = 400;
+    const ALL: usize = 1_000;
+    publish(0, OLD).await;
+    let mesh0 = nodes[0].control.mesh().expect("on").clone();
+    until("node 0 to write the first copies", || {
+        mesh0
+            .peer_counters()
+            .first()
+            .is_some_and(|c| c.forwarded == OLD as u64 && c.queued == 0)
+    })
+    .await;
+    // Node 0 dials too: its connection replaces node 1's; the rest go out on it.
+    nodes[0].control.set_cluster_peers(vec![nodes[1].addr]);
+    until("the duplicate to be retired", || {
+        mesh0.retired.load(std::sync::atomic::Ordering::Relaxed) >= 1
+    })
+    .await;
+    publish(OLD, ALL).await;
+    let mut order = Vec::with_capacity(ALL);
+    for _ in 0..ALL {
+        let m = next(&mut sub).await;
+        let body = String::from_utf8_lossy(m.body()).into_owned();
+        order.push(body[1..].parse::<usize>().expect("m<number>"));
+    }
+    let first_out_of_order = order.windows(2).position(|w| w[0] >= w[1]);
+    assert_eq!(
+        first_out_of_order,
+        None,
+        "copies out of order across the switch: {:?}",
+        first_out_of_order.map(|i| &order[i.saturating_sub(3)..(i + 4).min(order.len())])
+    );
+    assert_eq!(order, (0..ALL).collect::<Vec<_>>());
+    until("the stalled subscriber closed as a slow consumer", || {
+        nodes[1].broker.slow_consumers_disconnected() == 1
+    })
+    .await;
+    // One mesh connection each: node 0 has its publisher's too, node 1 its two clients'.
+    for (i, clients) in [(0, 1), (1, 2)] {
+        until(&format!("node-{i} to keep one connection"), || {
+            nodes[i].control.open_connections() == 1 + clients
+        })
+        .await;
+    }
+    drop(stalled);
+    for b in nodes {
+        b.stop().await.expect("clean shutdown");
+    }
+}
+
 /// A traced message published on node 0 and delivered on node 1 is one trace: node 1's
 /// `deliver` span is a child of node 0's `publish` span (the forwarded copy carries the
 /// broker's context), and the subscriber there sees that span as its parent.
