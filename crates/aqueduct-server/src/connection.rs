@@ -228,7 +228,7 @@ pub(crate) async fn handle(
 ) {
     let conn_id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
     let _live = LiveGuard(shared.clone(), conn_id);
-    let remote = incoming.remote_address();
+    let remote = canonical(incoming.remote_address());
     let failed = |why: String| {
         debug!(%remote, "handshake failed: {why}");
         shared
@@ -433,7 +433,7 @@ fn divert(conn: &quinn::Connection, shared: &Shared) -> bool {
         return false;
     };
     let refuse = |why: &str| {
-        warn!(remote = %conn.remote_address(), "connection refused: {why}");
+        warn!(remote = %canonical(conn.remote_address()), "connection refused: {why}");
         conn.close(ErrorCode::NOT_AUTHORIZED.0.into(), why.as_bytes());
     };
     if crate::mesh_tls::alpn(conn).as_deref() == Some(crate::mesh_tls::MESH_ALPN) {
@@ -584,4 +584,24 @@ async fn serve_streams(
         udp_rx_datagrams = st.udp_rx.datagrams,
         "connection statistics"
     );
+}
+
+/// A client's address as it would be written without the dual-stack socket: an IPv4 client of
+/// a broker listening on `[::]` (the `":4242"` default) shows as `127.0.0.1:5000`, not
+/// `[::ffff:127.0.0.1]:5000`, in logs and in the admin API.
+pub(crate) fn canonical(addr: SocketAddr) -> SocketAddr {
+    SocketAddr::new(addr.ip().to_canonical(), addr.port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_ipv4_client_of_a_dual_stack_socket_shows_as_ipv4() {
+        let mapped: SocketAddr = "[::ffff:127.0.0.1]:5000".parse().expect("addr");
+        assert_eq!(canonical(mapped).to_string(), "127.0.0.1:5000");
+        let v6: SocketAddr = "[::1]:5000".parse().expect("addr");
+        assert_eq!(canonical(v6), v6);
+    }
 }

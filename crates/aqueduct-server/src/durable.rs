@@ -262,10 +262,10 @@ pub struct DurableStats {
     pub syncs: AtomicU64,
     /// Publish frames refused with STORAGE_FAILED.
     pub write_errors: AtomicU64,
-    /// Microseconds from a frame being queued to its batch being durable, summed.
+    /// Microseconds from a client's publish frame being queued to its batch being durable, summed.
     pub commit_wait_us: AtomicU64,
-    /// Publish frames made durable (and dead letters the broker made: each a frame of its own,
-    /// counted in `commit_wait_us` too).
+    /// Clients' publish frames made durable (not dead letters or cluster copies: no publisher
+    /// waits for those); `commit_wait_us` sums the wait of the same frames.
     pub frames_committed: AtomicU64,
     pub queued: AtomicU64,
 }

@@ -288,11 +288,18 @@ impl PeerQueue {
     }
 
     /// Wait until `conn` may publish the copies it received: no other connection of this peer
-    /// is still publishing those it carried before (the peer writes on a new connection once
-    /// the old one's data has been *received* here, not yet published). Bounded by
-    /// `patience`: then `conn` reads anyway (the other is stuck; the order may break), and
-    /// says so.
-    async fn wait_turn_to_read(&self, conn: ConnId, patience: Duration) {
+    /// is still publishing those it carried before. (A retired connection's peer writes on the
+    /// kept one only once everything is published here, but one the peer gave up as lost may
+    /// still be publishing what it had received.) Bounded by `patience`: then `conn` reads
+    /// anyway (the other is stuck; the order may break), and says so. A connection retired
+    /// meanwhile (`retired`) does not wait: it has only a few seconds left to publish what it
+    /// carries, and the connection it would wait for is the one kept, or a dead one.
+    async fn wait_turn_to_read(
+        &self,
+        conn: ConnId,
+        patience: Duration,
+        retired: &mut watch::Receiver<bool>,
+    ) {
         let deadline = tokio::time::Instant::now() + patience;
         loop {
             let done = self.reader_done.notified();
@@ -306,10 +313,18 @@ impl PeerQueue {
                 Err(r) if r == conn.0 => return,
                 Err(_) => {}
             }
-            if tokio::time::timeout_at(deadline, done).await.is_err() {
-                warn!(conn = conn.0, "the mesh connection replaced is still publishing its peer's copies after {patience:?}: publishing this one's too, copies may be delivered out of order");
-                self.reader.store(conn.0, Ordering::Release);
+            if *retired.borrow() {
                 return;
+            }
+            tokio::select! {
+                _ = done => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    warn!(conn = conn.0, "the mesh connection replaced is still publishing its peer's copies after {patience:?}: publishing this one's too, copies may be delivered out of order");
+                    self.reader.store(conn.0, Ordering::Release);
+                    return;
+                }
+                // Retired: read on (see above). Its driver gone: the connection ends anyway.
+                r = retired.changed() => if r.is_err() { return; },
             }
         }
     }
@@ -1526,6 +1541,7 @@ async fn serve_peer(link: PeerTask) {
             match read_data(
                 data,
                 id,
+                retire.clone(),
                 &broker,
                 &mesh,
                 &queue,
@@ -1577,9 +1593,11 @@ async fn serve_peer(link: PeerTask) {
             }
         }
     }
+    #[allow(clippy::too_many_arguments)]
     async fn read_data(
         mut recv: quinn::RecvStream,
         id: ConnId,
+        mut retired: watch::Receiver<bool>,
         broker: &Broker,
         mesh: &MeshHandle,
         counters: &PeerQueue,
@@ -1600,7 +1618,9 @@ async fn serve_peer(link: PeerTask) {
                 .fetch_add(n as u64, Ordering::Relaxed);
             if !my_turn && n > 0 {
                 // The first copies on this connection: after the last of the one before.
-                counters.wait_turn_to_read(id, 2 * RETIRE_WAIT).await;
+                counters
+                    .wait_turn_to_read(id, 2 * RETIRE_WAIT, &mut retired)
+                    .await;
                 my_turn = true;
             }
             loop {
@@ -1648,6 +1668,12 @@ async fn serve_peer(link: PeerTask) {
                         // Handed over: its attempts count on here.
                         publication = publication.with_attempts(made);
                     }
+                    // Room in the log first: from the re-pick below to the sending of its
+                    // copies nothing waits, so both see the same peers.
+                    let room = match durable {
+                        Some(d) => Some(d.wait_room(1).await),
+                        None => None,
+                    };
                     // Its plain part and the groups with a member here; groups whose member
                     // left are picked again among the nodes the copy has not been to (a copy
                     // without groups only goes to the plain subscribers here).
@@ -1666,10 +1692,6 @@ async fn serve_peer(link: PeerTask) {
                             .fetch_add(routing.unplaced.len() as u64, Ordering::Relaxed);
                     }
                     if forward.plain || !routing.local_groups.is_empty() {
-                        let _room = match durable {
-                            Some(d) => Some(d.wait_room(1).await),
-                            None => None,
-                        };
                         ctx.scope_only(forward.plain, &routing.local_groups);
                         match durable {
                             None => {
@@ -1696,6 +1718,7 @@ async fn serve_peer(link: PeerTask) {
                         }
                         ctx.clear_scope();
                     }
+                    drop(room);
                     if let Some(queues) = &queues {
                         // Into the queues the re-pick chose among.
                         mesh.send_copies_to(queues, &publication, &routing.forward);
@@ -2085,16 +2108,19 @@ mod tests {
 
     /// The receiving side: a new connection's copies wait until the one that carried copies
     /// before it has published its last (received is not yet published); a stuck one is
-    /// waited for only as long as the patience given.
+    /// waited for only as long as the patience given, and not at all by a retired connection.
     #[tokio::test]
     async fn a_new_connection_s_copies_wait_for_the_old_one_s_to_be_published() {
         let (a, b, c) = (ConnId(1), ConnId(2), ConnId(3));
         let q = Arc::new(PeerQueue::new(16));
         let patience = Duration::from_secs(60);
-        q.wait_turn_to_read(a, patience).await;
-        q.wait_turn_to_read(a, patience).await; // its own turn again: at once
+        let (retire_c, mut kept) = watch::channel(false);
+        q.wait_turn_to_read(a, patience, &mut kept).await;
+        q.wait_turn_to_read(a, patience, &mut kept).await; // its own turn again: at once
         let q2 = q.clone();
-        let mut b_reads = tokio::spawn(async move { q2.wait_turn_to_read(b, patience).await });
+        let mut kept_b = kept.clone();
+        let mut b_reads =
+            tokio::spawn(async move { q2.wait_turn_to_read(b, patience, &mut kept_b).await });
         assert!(
             tokio::time::timeout(Duration::from_millis(50), &mut b_reads)
                 .await
@@ -2109,18 +2135,31 @@ mod tests {
             .expect("task");
         q.done_reading(a); // a late end of a does not end b's turn
         assert_eq!(q.reader.load(Ordering::Acquire), b.0);
-        // b never finishes: c waits its patience, then publishes anyway.
+        // b never finishes: d waits its patience, then publishes anyway.
+        let d = ConnId(4);
         let short = Duration::from_millis(100);
         let started = std::time::Instant::now();
-        q.wait_turn_to_read(c, short).await;
+        q.wait_turn_to_read(d, short, &mut kept.clone()).await;
         assert!(started.elapsed() >= short);
-        assert_eq!(q.reader.load(Ordering::Acquire), c.0);
+        assert_eq!(q.reader.load(Ordering::Acquire), d.0);
         q.done_reading(b);
         assert_eq!(
             q.reader.load(Ordering::Acquire),
-            c.0,
+            d.0,
             "b's late end changes nothing"
         );
+        // A connection retired while it waits reads on at once (its time is short; the one it
+        // waits for is the one kept, or dead), without taking the turn.
+        let mut retired_c = retire_c.subscribe();
+        let q3 = q.clone();
+        let c_reads =
+            tokio::spawn(async move { q3.wait_turn_to_read(c, patience, &mut retired_c).await });
+        retire_c.send_replace(true);
+        tokio::time::timeout(Duration::from_secs(10), c_reads)
+            .await
+            .expect("c reads once retired")
+            .expect("task");
+        assert_eq!(q.reader.load(Ordering::Acquire), d.0);
     }
 
     #[test]

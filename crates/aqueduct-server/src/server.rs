@@ -182,7 +182,7 @@ fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket, Se
     let socket = bind_with_ipv4_fallback(addr, |addr| {
         let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
         if addr.is_ipv6() {
-            socket.set_only_v6(false)?;
+            let _ = socket.set_only_v6(false);
         }
         socket.bind(&addr.into())?;
         Ok(socket)
@@ -200,8 +200,9 @@ fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket, Se
 }
 
 /// Bind `addr`; where it is `[::]` (every interface, as `":4242"` is read) and the host has no
-/// IPv6, bind `0.0.0.0` on the same port instead, as Go's listeners do. Any other failure (the
-/// port is taken, say) is reported for the address as configured.
+/// IPv6, bind `0.0.0.0` on the same port instead, as Go's listeners do. A port taken or not
+/// permitted is reported as such for the address as configured; where the IPv4 bind fails too,
+/// its error is the one reported (the IPv6 one only says there is no IPv6).
 fn bind_with_ipv4_fallback<T>(
     addr: SocketAddr,
     bind: impl Fn(SocketAddr) -> std::io::Result<T>,
@@ -215,8 +216,8 @@ fn bind_with_ipv4_fallback<T>(
                 ) =>
         {
             let v4 = SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), addr.port());
-            let bound = bind(v4).map_err(|_| e)?;
-            info!(%addr, "IPv6 is not available here: listening on {v4} (IPv4 only)");
+            let bound = bind(v4)?;
+            info!(%addr, "IPv6 is not available here ({e}): listening on {v4} (IPv4 only)");
             Ok(bound)
         }
         r => r,
@@ -229,8 +230,11 @@ fn tcp_listener(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     bind_with_ipv4_fallback(addr, |addr| {
         let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
         if addr.is_ipv6() {
-            socket.set_only_v6(false)?;
+            // Where the system refuses (some never serve IPv4 on an IPv6 socket), IPv6 only.
+            let _ = socket.set_only_v6(false);
         }
+        // As std and tokio do on Unix: a restarted broker rebinds at once (TIME_WAIT).
+        #[cfg(unix)]
         socket.set_reuse_address(true)?;
         socket.set_nonblocking(true)?;
         socket.bind(&addr.into())?;
@@ -583,7 +587,7 @@ impl Server {
                     .stats
                     .connections_refused
                     .fetch_add(1, Ordering::Relaxed);
-                warn!(remote = %incoming.remote_address(), live, "connection refused: transport.max_connections reached");
+                warn!(remote = %crate::connection::canonical(incoming.remote_address()), live, "connection refused: transport.max_connections reached");
                 incoming.refuse();
                 continue;
             }
@@ -885,4 +889,60 @@ async fn ack_ticker(
 /// Bind and serve until `shutdown` completes.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
     Server::bind(config).await?.serve(shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `":4242"` on a host without IPv6: IPv4 instead; a port in use is not a missing IPv6;
+    /// and where IPv4 fails too, its error is the one told.
+    #[test]
+    fn an_unspecified_ipv6_bind_falls_back_to_ipv4_only_for_a_missing_ipv6() {
+        use std::cell::RefCell;
+        use std::io::{Error, ErrorKind};
+        const EAFNOSUPPORT: i32 = 97;
+        let any: SocketAddr = "[::]:4242".parse().expect("addr");
+        let tried = RefCell::new(Vec::new());
+        let no_ipv6 = |a: SocketAddr| {
+            tried.borrow_mut().push(a);
+            match a.is_ipv6() {
+                true => Err(Error::from_raw_os_error(EAFNOSUPPORT)),
+                false => Ok(a),
+            }
+        };
+        assert_eq!(
+            bind_with_ipv4_fallback(any, no_ipv6)
+                .expect("IPv4")
+                .to_string(),
+            "0.0.0.0:4242"
+        );
+        assert_eq!(tried.borrow().len(), 2);
+        tried.borrow_mut().clear();
+        let in_use = |a: SocketAddr| -> std::io::Result<SocketAddr> {
+            tried.borrow_mut().push(a);
+            Err(Error::from(ErrorKind::AddrInUse))
+        };
+        let e = bind_with_ipv4_fallback(any, in_use).expect_err("taken");
+        assert_eq!(e.kind(), ErrorKind::AddrInUse);
+        assert_eq!(*tried.borrow(), vec![any], "no IPv4 try for a port in use");
+        let v4_taken = |a: SocketAddr| -> std::io::Result<SocketAddr> {
+            match a.is_ipv6() {
+                true => Err(Error::from_raw_os_error(EAFNOSUPPORT)),
+                false => Err(Error::from(ErrorKind::AddrInUse)),
+            }
+        };
+        let e = bind_with_ipv4_fallback(any, v4_taken).expect_err("taken");
+        assert_eq!(
+            e.kind(),
+            ErrorKind::AddrInUse,
+            "the IPv4 error, not 'no IPv6'"
+        );
+        // An explicit address is bound as given, never replaced.
+        let lo: SocketAddr = "[::1]:4242".parse().expect("addr");
+        let refused = |_: SocketAddr| -> std::io::Result<SocketAddr> {
+            Err(Error::from_raw_os_error(EAFNOSUPPORT))
+        };
+        assert!(bind_with_ipv4_fallback(lo, refused).is_err());
+    }
 }

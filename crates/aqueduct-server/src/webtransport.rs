@@ -385,7 +385,7 @@ pub(crate) async fn serve(
     state: Arc<crate::connection::ConnState>,
     shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
-    let remote = conn.remote_address();
+    let remote = crate::connection::canonical(conn.remote_address());
     conn.set_max_concurrent_uni_streams(H3_UNI_STREAMS.into());
     let timeout = shared.config.transport.handshake_timeout;
     let request =
