@@ -980,15 +980,12 @@ mod tests {
         assert!(a.route(&topic("other")).forward.is_empty());
     }
 
-    #[test]
-    fn groups_round_robin_over_members_wherever_they_are() {
-        let g = group("jobs", "workers");
-        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
-        a.handle_local(Key::Group(g.clone()), 1);
-        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), 2)]);
-        let mut counts: BTreeMap<String, u32> = BTreeMap::new();
-        for _ in 0..30 {
-            let r = a.route(&topic("jobs"));
+    /// Where `n` routings of a one-group message (from node "a") went: "a" when picked here,
+    /// else the peer's id, counted.
+    fn places(n: usize, mut route: impl FnMut() -> Routing) -> BTreeMap<String, u32> {
+        let mut counts = BTreeMap::new();
+        for _ in 0..n {
+            let r = route();
             let place = match (r.local_groups.len(), r.forward.len()) {
                 (1, 0) => "a".to_string(),
                 (0, 1) => r.forward[0].0.to_string(),
@@ -996,6 +993,16 @@ mod tests {
             };
             *counts.entry(place).or_default() += 1;
         }
+        counts
+    }
+
+    #[test]
+    fn groups_round_robin_over_members_wherever_they_are() {
+        let g = group("jobs", "workers");
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        a.handle_local(Key::Group(g.clone()), 1);
+        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), 2)]);
+        let counts = places(30, || a.route(&topic("jobs")));
         assert_eq!(counts.get("a"), Some(&10));
         assert_eq!(counts.get("b"), Some(&20));
     }
@@ -1012,16 +1019,7 @@ mod tests {
         connected(&mut a, 2, "c", &[(Key::Group(g.clone()), 1)]);
         let table = a.table();
         let not_b = |n: &NodeId| *n != node("b");
-        let mut counts: BTreeMap<String, u32> = BTreeMap::new();
-        for _ in 0..20 {
-            let r = table.route_bytes_where(b"jobs", not_b);
-            let place = match (r.local_groups.len(), r.forward.len()) {
-                (1, 0) => "a".to_string(),
-                (0, 1) => r.forward[0].0.to_string(),
-                other => panic!("one place per message: {other:?}"),
-            };
-            *counts.entry(place).or_default() += 1;
-        }
+        let counts = places(20, || table.route_bytes_where(b"jobs", not_b));
         assert_eq!(counts.get("b"), None, "{counts:?}");
         assert_eq!(counts.get("a"), Some(&10), "{counts:?}");
         assert_eq!(counts.get("c"), Some(&10), "{counts:?}");

@@ -896,27 +896,13 @@ async fn a_node_with_the_log_logs_what_other_nodes_publish() {
 /// and the other subscriber on node 1 gets every copy, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stuck_block_subscriber_holds_a_peer_s_copies_for_block_timeout_only() {
-    use aqueduct_client::OverflowPolicy;
-    let Cluster { nodes, _dir } = unjoined(2, |i, c| {
-        if i == 1 {
-            c.broker.queue_size = 32;
-            c.broker.backpressure_policy = OverflowPolicy::Block;
-            c.block_timeout = Some(Duration::from_millis(300));
-        }
-    })
-    .await;
+    let Cluster { nodes, _dir } =
+        unjoined(2, block_on_node_1(32, Duration::from_millis(300))).await;
     let addrs: Vec<SocketAddr> = nodes.iter().map(|b| b.addr).collect();
     for b in &nodes {
         b.control.set_cluster_peers(addrs.clone());
     }
-    // A raw subscriber with a tiny receive window: it reads nothing.
-    let stalled = Raw::connect(&nodes[1], 4096).await;
-    let mut s = stalled.stream().await;
-    s.write(&raw_frame(0x42, 1, b"\x00\x00topic:bp")).await;
-    until("the stalled subscription", || {
-        nodes[1].broker.subscriber_count() == 1
-    })
-    .await;
+    let stalled = stalled_subscriber(&nodes[1], "bp").await;
     let reader = nodes[1].client().await;
     let mut normal = reader.subscribe("bp").await.expect("subscribe on node 1");
     until("node 0 to learn node-1's interest", || {
@@ -948,6 +934,83 @@ async fn a_stuck_block_subscriber_holds_a_peer_s_copies_for_block_timeout_only()
     }
 }
 
+/// Node 1's subscribers hold publishers (block policy) when `queue_size` messages wait, for at
+/// most `timeout`.
+fn block_on_node_1(
+    queue_size: usize,
+    timeout: Duration,
+) -> impl Fn(usize, &mut aqueduct_server::Config) {
+    move |i, c| {
+        if i == 1 {
+            c.broker.queue_size = queue_size;
+            c.broker.backpressure_policy = aqueduct_client::OverflowPolicy::Block;
+            c.block_timeout = Some(timeout);
+        }
+    }
+}
+
+/// Node 1 dials node 0 (node 0 does not dial yet): the pair's connection in use is node 1's.
+async fn node_1_dials_first(nodes: &[TestBroker]) {
+    nodes[1].control.set_cluster_peers(vec![nodes[0].addr]);
+    for (i, b) in nodes.iter().enumerate() {
+        until(&format!("node-{i} to see its peer"), || {
+            peers_of(b).len() == 1
+        })
+        .await;
+    }
+}
+
+/// A raw subscriber to `filter` on `b` with a tiny receive window, that reads nothing.
+async fn stalled_subscriber(b: &TestBroker, filter: &str) -> (Raw, RawStream) {
+    let before = b.broker.subscriber_count();
+    let stalled = Raw::connect(b, 4096).await;
+    let mut s = stalled.stream().await;
+    s.write(&raw_frame(
+        0x42,
+        1,
+        format!("\x00\x00topic:{filter}").as_bytes(),
+    ))
+    .await;
+    until("the stalled subscription", || {
+        b.broker.subscriber_count() == before + 1
+    })
+    .await;
+    (stalled, s)
+}
+
+/// Publish `m{from}` .. `m{to - 1}` to `sw/0` .. `sw/3` in turn, in one confirmed batch.
+async fn publish_numbered(publisher: &aqueduct_client::Client, from: usize, to: usize) {
+    let batch: Vec<(String, bytes::Bytes)> = (from..to)
+        .map(|i| (format!("sw/{}", i % 4), bytes::Bytes::from(format!("m{i}"))))
+        .collect();
+    let confirm = aqueduct_client::PublishOptions {
+        confirm: true,
+        ..Default::default()
+    };
+    publisher
+        .publish_batch(batch.iter().map(|(t, b)| (t.as_str(), b.clone())), &confirm)
+        .await
+        .expect("publish");
+}
+
+/// The next `n` messages of `sub`, each `m<number>`, are `m0` .. `m{n - 1}` in order.
+async fn expect_numbered_in_order(sub: &mut aqueduct_client::Subscription, n: usize) {
+    let mut order = Vec::with_capacity(n);
+    for _ in 0..n {
+        let m = next(sub).await;
+        let body = String::from_utf8_lossy(m.body()).into_owned();
+        order.push(body[1..].parse::<usize>().expect("m<number>"));
+    }
+    let first_out_of_order = order.windows(2).position(|w| w[0] >= w[1]);
+    assert_eq!(
+        first_out_of_order,
+        None,
+        "copies out of order or twice across the switch: {:?}",
+        first_out_of_order.map(|i| &order[i.saturating_sub(3)..(i + 4).min(order.len())])
+    );
+    assert_eq!(order, (0..n).collect::<Vec<_>>(), "every copy once");
+}
+
 /// Both nodes dial: node 1 first (its connection carries the copies), then node 0, whose
 /// connection both ends keep (the smaller id's dial). The switch happens while node 0 publishes
 /// to a subscriber on node 1: the copies waiting in node 0's queue go out on the kept
@@ -956,14 +1019,7 @@ async fn a_stuck_block_subscriber_holds_a_peer_s_copies_for_block_timeout_only()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_copy_is_lost_when_a_duplicate_connection_replaces_the_one_in_use() {
     let Cluster { nodes, _dir } = unjoined(2, |_, _| {}).await;
-    // Node 1 dials first: the pair's connection in use is node 1's.
-    nodes[1].control.set_cluster_peers(vec![nodes[0].addr]);
-    for (i, b) in nodes.iter().enumerate() {
-        until(&format!("node-{i} to see its peer"), || {
-            peers_of(b).len() == 1
-        })
-        .await;
-    }
+    node_1_dials_first(&nodes).await;
     let reader = nodes[1].client().await;
     let mut sub = reader.subscribe("sw/#").await.expect("subscribe on node 1");
     until("node 0 to learn node-1's interest", || {
@@ -971,10 +1027,6 @@ async fn no_copy_is_lost_when_a_duplicate_connection_replaces_the_one_in_use() {
     })
     .await;
     let publisher = nodes[0].client().await;
-    let confirm = aqueduct_client::PublishOptions {
-        confirm: true,
-        ..Default::default()
-    };
     const BATCHES: usize = 60;
     const PER: usize = 100;
     let retired = |b: &TestBroker| {
@@ -984,44 +1036,16 @@ async fn no_copy_is_lost_when_a_duplicate_connection_replaces_the_one_in_use() {
             .retired
             .load(std::sync::atomic::Ordering::Relaxed)
     };
-    let mut dialed = false;
     for n in 0..BATCHES {
-        let batch: Vec<(String, bytes::Bytes)> = (0..PER)
-            .map(|i| {
-                (
-                    format!("sw/{}", i % 4),
-                    bytes::Bytes::from(format!("m{}", n * PER + i)),
-                )
-            })
-            .collect();
-        publisher
-            .publish_batch(batch.iter().map(|(t, b)| (t.as_str(), b.clone())), &confirm)
-            .await
-            .expect("publish");
-        if n == 5 && !dialed {
+        publish_numbered(&publisher, n * PER, (n + 1) * PER).await;
+        if n == 5 {
             // Now node 0 dials too: its connection replaces node 1's mid-stream.
             nodes[0].control.set_cluster_peers(vec![nodes[1].addr]);
-            dialed = true;
         }
     }
-    let mut got = BTreeSet::new();
-    let mut order = Vec::with_capacity(BATCHES * PER);
-    for _ in 0..BATCHES * PER {
-        let m = next(&mut sub).await;
-        let body = String::from_utf8_lossy(m.body()).into_owned();
-        order.push(body[1..].parse::<usize>().expect("m<number>"));
-        assert!(got.insert(body), "a copy twice");
-    }
-    assert_eq!(got.len(), BATCHES * PER, "every copy once");
-    // In the order published: the kept connection writes only once the peer has read the
-    // retired one to its end.
-    let first_out_of_order = order.windows(2).position(|w| w[0] > w[1]);
-    assert_eq!(
-        first_out_of_order,
-        None,
-        "copies out of order across the switch: {:?}",
-        first_out_of_order.map(|i| &order[i.saturating_sub(3)..(i + 4).min(order.len())])
-    );
+    // Every copy once, in the order published: the kept connection writes only once the peer
+    // has published the retired one's to its end.
+    expect_numbered_in_order(&mut sub, BATCHES * PER).await;
     until("the duplicate to be retired", || {
         retired(&nodes[0]) + retired(&nodes[1]) >= 1
     })
@@ -1046,31 +1070,11 @@ async fn no_copy_is_lost_when_a_duplicate_connection_replaces_the_one_in_use() {
 /// acknowledgement, and the copies node 1 had not published yet were lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copies_received_but_not_yet_published_survive_the_switch_in_order() {
-    use aqueduct_client::OverflowPolicy;
-    let Cluster { nodes, _dir } = unjoined(2, |i, c| {
-        if i == 1 {
-            c.broker.queue_size = 16;
-            c.broker.backpressure_policy = OverflowPolicy::Block;
-            // Within the 5 s a retired connection is given to finish.
-            c.block_timeout = Some(Duration::from_millis(1_500));
-        }
-    })
-    .await;
-    // Node 1 dials first: the pair's connection in use is node 1's.
-    nodes[1].control.set_cluster_peers(vec![nodes[0].addr]);
-    for (i, b) in nodes.iter().enumerate() {
-        until(&format!("node-{i} to see its peer"), || {
-            peers_of(b).len() == 1
-        })
-        .await;
-    }
-    let stalled = Raw::connect(&nodes[1], 4096).await;
-    let mut s = stalled.stream().await;
-    s.write(&raw_frame(0x42, 1, b"\x00\x00topic:sw/#")).await;
-    until("the stalled subscription", || {
-        nodes[1].broker.subscriber_count() == 1
-    })
-    .await;
+    // The hold ends within the 5 s a retired connection is given to finish.
+    let Cluster { nodes, _dir } =
+        unjoined(2, block_on_node_1(16, Duration::from_millis(1_500))).await;
+    node_1_dials_first(&nodes).await;
+    let stalled = stalled_subscriber(&nodes[1], "sw/#").await;
     let reader = nodes[1].client().await;
     let mut sub = reader.subscribe("sw/#").await.expect("subscribe on node 1");
     until("node 0 to learn node-1's interest", || {
@@ -1078,28 +1082,11 @@ async fn copies_received_but_not_yet_published_survive_the_switch_in_order() {
     })
     .await;
     let publisher = nodes[0].client().await;
-    let confirm = aqueduct_client::PublishOptions {
-        confirm: true,
-        ..Default::default()
-    };
-    let publish = |from: usize, to: usize| {
-        let batch: Vec<(String, bytes::Bytes)> = (from..to)
-            .map(|i| (format!("sw/{}", i % 4), bytes::Bytes::from(format!("m{i}"))))
-            .collect();
-        let publisher = &publisher;
-        let confirm = &confirm;
-        async move {
-            publisher
-                .publish_batch(batch.iter().map(|(t, b)| (t.as_str(), b.clone())), confirm)
-                .await
-                .expect("publish");
-        }
-    };
     // On the old connection: more than the stalled subscriber takes, so node 1's reader of it
     // is held with copies still to publish.
     const OLD: usize = 400;
     const ALL: usize = 1_000;
-    publish(0, OLD).await;
+    publish_numbered(&publisher, 0, OLD).await;
     let mesh0 = nodes[0].control.mesh().expect("on").clone();
     until("node 0 to write the first copies", || {
         mesh0
@@ -1114,21 +1101,8 @@ async fn copies_received_but_not_yet_published_survive_the_switch_in_order() {
         mesh0.retired.load(std::sync::atomic::Ordering::Relaxed) >= 1
     })
     .await;
-    publish(OLD, ALL).await;
-    let mut order = Vec::with_capacity(ALL);
-    for _ in 0..ALL {
-        let m = next(&mut sub).await;
-        let body = String::from_utf8_lossy(m.body()).into_owned();
-        order.push(body[1..].parse::<usize>().expect("m<number>"));
-    }
-    let first_out_of_order = order.windows(2).position(|w| w[0] >= w[1]);
-    assert_eq!(
-        first_out_of_order,
-        None,
-        "copies out of order across the switch: {:?}",
-        first_out_of_order.map(|i| &order[i.saturating_sub(3)..(i + 4).min(order.len())])
-    );
-    assert_eq!(order, (0..ALL).collect::<Vec<_>>());
+    publish_numbered(&publisher, OLD, ALL).await;
+    expect_numbered_in_order(&mut sub, ALL).await;
     until("the stalled subscriber closed as a slow consumer", || {
         nodes[1].broker.slow_consumers_disconnected() == 1
     })
