@@ -2,7 +2,7 @@
 # Runs the certificate recipe of docs/howto-tls.md as written (the ```sh block after the comment
 # "<!-- scripts/check-howto-tls.sh runs the next sh block as written -->") in a temporary
 # directory, and checks what it made with openssl: X.509 v3 certificates, a CA that may sign, a
-# broker certificate for serverAuth with localhost and 127.0.0.1, a client certificate for
+# broker certificate for serverAuth with localhost, 127.0.0.1 and ::1, a client certificate for
 # clientAuth with CN=alice, each verifying against the CA for its purpose.
 #
 # Needs only openssl and bash (no broker). Usage: scripts/check-howto-tls.sh
@@ -63,7 +63,7 @@ expect() {
 
 expect ca.pem "Version: 3" "CA:TRUE" "Certificate Sign"
 expect broker.pem "Version: 3" "CA:FALSE" "TLS Web Server Authentication" \
-  "DNS:localhost" "IP Address:127.0.0.1"
+  "DNS:localhost" "IP Address:127.0.0.1" "IP Address:0:0:0:0:0:0:0:1"
 expect alice.pem "Version: 3" "CA:FALSE" "TLS Web Client Authentication" "CN = alice"
 
 for key in ca.key broker.key alice.key; do

@@ -44,7 +44,7 @@ pub struct BenchConfig {
     pub overflow: Option<OverflowPolicy>,
     /// Messages to publish (ignored when `duration` is set).
     pub messages: u64,
-    /// Publish for this long instead of a fixed count.
+    /// Publish for this long instead of a fixed count (with `rate`: `rate` × this many).
     pub duration: Option<Duration>,
     pub payload_size: usize,
     /// Messages per PUBLISH_BATCH frame (1 = single PUBLISH frames).
@@ -528,11 +528,14 @@ fn tight_timer_slack() {
     }
 }
 
-/// The indices of the next batch, or `None` when the run is over.
+/// The indices of the next batch, or `None` when the run is over: `--messages` of them; with
+/// `--duration` and `--rate`, the rate times the duration (those the open loop schedules within
+/// the duration, sent even if the publisher runs late); with `--duration` alone, as many as fit.
 fn next_batch(cfg: &BenchConfig, plan: &mut Plan, started: Instant) -> Option<Vec<u64>> {
     let mut batch = Vec::with_capacity(cfg.batch);
     while batch.len() < cfg.batch.max(1) {
         let done = match cfg.duration {
+            Some(d) if cfg.rate > 0.0 => plan.next >= (cfg.rate * d.as_secs_f64()).round() as u64,
             Some(d) => started.elapsed() >= d || plan.next >= (1 << 40),
             None => plan.next >= cfg.messages,
         };

@@ -150,7 +150,7 @@ enum Command {
     /// Make certificates for mutual TLS: a CA, a broker certificate, client certificates
     /// (X.509 v3, ECDSA P-256, valid one year). Needs no broker.
     #[command(
-        after_help = "Examples:\n  aqueduct cert ca --out certs\n  aqueduct cert server --out certs --name localhost --name 127.0.0.1\n  aqueduct cert client alice --out certs\n  aqueduct cert peer aqueduct-0 --out certs --name aqueduct-0.aqueduct-headless.default.svc.cluster.local"
+        after_help = "Examples:\n  aqueduct cert ca --out certs\n  aqueduct cert server --out certs --name localhost --name 127.0.0.1 --name ::1\n  aqueduct cert client alice --out certs\n  aqueduct cert peer aqueduct-0 --out certs --name aqueduct-0.aqueduct-headless.default.svc.cluster.local"
     )]
     Cert {
         #[command(subcommand)]
@@ -246,7 +246,8 @@ enum Command {
         /// Messages to publish (ignored with --duration).
         #[arg(long, default_value_t = 1_000_000)]
         messages: u64,
-        /// Publish for this long instead (e.g. 10s).
+        /// Publish for this long instead (e.g. 10s); with --rate, exactly rate × duration
+        /// messages.
         #[arg(long, value_parser = humantime_duration)]
         duration: Option<Duration>,
         /// Payload bytes per message (at least 16: timestamp and sequence number).
@@ -387,7 +388,8 @@ enum CertCommand {
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
         /// A DNS name or IP address clients use to reach the broker (repeat for more).
-        #[arg(long = "name", default_values_t = ["localhost".to_string(), "127.0.0.1".to_string()])]
+        /// Default: localhost, 127.0.0.1 and ::1 (the broker's default ":4242" serves IPv6 too).
+        #[arg(long = "name", default_values_t = ["localhost".to_string(), "127.0.0.1".to_string(), "::1".to_string()])]
         names: Vec<String>,
     },
     /// A cluster node's certificate signed by the CA in DIR: DIR/NODE.pem and DIR/NODE-key.pem
@@ -488,8 +490,13 @@ fn parse_pin(hex: &str) -> Result<[u8; 32]> {
 /// The broker address as given, with Go's ":4242" form (every interface, as the broker's own
 /// `listen_addr` accepts it) read as this machine.
 fn broker_addr(addr: &str) -> Result<String> {
-    if addr.starts_with(':') {
-        return Ok(format!("localhost{addr}"));
+    if let Some(port) = addr.strip_prefix(':') {
+        if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) {
+            return Ok(format!("localhost{addr}"));
+        }
+    }
+    if addr.matches(':').count() > 1 && !addr.starts_with('[') {
+        bail!("--addr {addr:?}: an IPv6 address goes in brackets before its port, e.g. [::1]:4242");
     }
     if !addr.contains(':') {
         bail!("--addr {addr:?} has no port: write it as HOST:PORT, e.g. {addr}:4242");
@@ -1042,6 +1049,23 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Go's ":4242" is this machine; an IPv6 address without brackets is told how to write it,
+    /// not turned into "localhost::1:4242".
+    #[test]
+    fn broker_addresses_in_go_form_and_ipv6_without_brackets() {
+        assert_eq!(broker_addr(":4242").expect("go form"), "localhost:4242");
+        assert_eq!(broker_addr("[::1]:4242").expect("ipv6"), "[::1]:4242");
+        assert_eq!(
+            broker_addr("127.0.0.1:4242").expect("ipv4"),
+            "127.0.0.1:4242"
+        );
+        for bare in ["::1:4242", "::1", "fe80::1:4242"] {
+            let e = broker_addr(bare).expect_err(bare).to_string();
+            assert!(e.contains("[::1]:4242") && e.contains("brackets"), "{e}");
+        }
+        assert!(broker_addr("localhost").is_err_and(|e| e.to_string().contains("no port")));
+    }
 
     #[test]
     fn durations_with_and_without_a_unit_and_never_an_overflow() {
