@@ -227,6 +227,40 @@ async fn formed(c: &Cluster) {
     }
 }
 
+/// Nodes on IPv6 sockets (as the default `":4242"` binds, dual stack) dial their peers' IPv4
+/// addresses (what DNS discovery gives in most clusters): the mesh forms and copies cross. The
+/// sockets are bound to the IPv4-mapped loopback address, so nothing listens beyond loopback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_on_ipv6_sockets_dial_ipv4_peer_addresses() {
+    let mapped: SocketAddr = "[::ffff:127.0.0.1]:0".parse().expect("addr");
+    let c = unjoined(2, |_, cfg| cfg.listen_addr = mapped).await;
+    let v4 = |b: &TestBroker| SocketAddr::from(([127, 0, 0, 1], b.addr.port()));
+    for b in &c.nodes {
+        assert!(b.addr.is_ipv6(), "an IPv6 socket: {}", b.addr);
+        b.control
+            .set_cluster_peers(c.nodes.iter().map(v4).collect());
+    }
+    formed(&c).await;
+    let client = |b: &TestBroker| {
+        aqueduct_client::Client::connect(
+            aqueduct_client::ConnectOptions::new(v4(b).to_string()).dev_cert_file(&b.dev_cert),
+        )
+    };
+    let far = within("connect", client(&c.nodes[1]))
+        .await
+        .expect("node 1");
+    let mut sub = far.subscribe("v4/#").await.expect("subscribe on node 1");
+    until("node 0 to learn node 1's interest", || {
+        wants(&c.nodes[0], "node-1", "v4/#")
+    })
+    .await;
+    let publisher = within("connect", client(&c.nodes[0]))
+        .await
+        .expect("node 0");
+    publisher.publish("v4/x", "across").await.expect("publish");
+    assert_eq!(&next(&mut sub).await.body()[..], b"across");
+}
+
 /// Publish on node 0; exact and wildcard subscribers on nodes 1 and 2 each get every message
 /// once, in order, with its priority; a node without interest is sent nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
