@@ -29,23 +29,41 @@ impl aqueduct_server::discovery::Resolver for FakeDns {
     }
 }
 
-fn node_config(
-    ca: &TestCa,
-    ca_file: &std::path::Path,
-    dir: &std::path::Path,
-    node: &str,
-    discovery: Option<(String, u16, Duration)>,
-) -> ClusterConfig {
-    let (cert, key) = ca.peer(dir, node);
-    ClusterConfig {
-        enabled: true,
-        peers: Vec::new(),
-        ca_file: Some(ca_file.to_path_buf()),
-        cert_file: Some(cert),
-        key_file: Some(key),
-        compression: Compression::None,
-        peer_queue_size: 1024,
-        discovery,
+/// A cluster CA in a temporary directory, which holds the certificates it signs too.
+struct ClusterCa {
+    dir: tempfile::TempDir,
+    ca: TestCa,
+    file: std::path::PathBuf,
+}
+
+impl ClusterCa {
+    fn new() -> ClusterCa {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ca = test_ca();
+        let file = ca.write(dir.path());
+        ClusterCa { dir, ca, file }
+    }
+
+    /// The cluster settings of node `node` (its peer certificate signed by this CA), with DNS
+    /// discovery when given.
+    fn node(&self, node: &str, discovery: Option<(String, u16, Duration)>) -> ClusterConfig {
+        let (cert, key) = self.ca.peer(self.dir.path(), node);
+        ClusterConfig {
+            enabled: true,
+            peers: Vec::new(),
+            ca_file: Some(self.file.clone()),
+            cert_file: Some(cert),
+            key_file: Some(key),
+            compression: Compression::None,
+            peer_queue_size: 1024,
+            discovery,
+        }
+    }
+
+    /// A node of this cluster, on its own.
+    async fn lone_node(&self, node: &str) -> TestBroker {
+        let cfg = self.node(node, None);
+        TestBroker::start_with(|c| c.cluster = cfg).await
     }
 }
 
@@ -53,16 +71,11 @@ fn node_config(
 /// follows within about one interval (the wait allows a few, for a loaded machine).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn discovery_follows_the_service_as_it_scales() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let ca = test_ca();
-    let ca_file = ca.write(dir.path());
+    let ca = ClusterCa::new();
     let dns = std::sync::Arc::new(FakeDns::default());
     let interval = Duration::from_millis(200);
     let start = |i: usize| {
-        let cfg = node_config(
-            &ca,
-            &ca_file,
-            dir.path(),
+        let cfg = ca.node(
             &format!("node-{i}"),
             Some(("aqueduct-headless".into(), 4242, interval)),
         );
@@ -131,12 +144,10 @@ async fn cluster_with(n: usize, compression: Compression) -> Cluster {
 /// `n` nodes `node-0`.. of one cluster CA, not told of each other yet; `adjust(i, config)`
 /// configures node `i` further.
 async fn unjoined(n: usize, adjust: impl Fn(usize, &mut aqueduct_server::Config)) -> Cluster {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let ca = test_ca();
-    let ca_file = ca.write(dir.path());
+    let ca = ClusterCa::new();
     let mut nodes = Vec::new();
     for i in 0..n {
-        let cfg = node_config(&ca, &ca_file, dir.path(), &format!("node-{i}"), None);
+        let cfg = ca.node(&format!("node-{i}"), None);
         nodes.push(
             TestBroker::start_with(|c| {
                 c.cluster = cfg;
@@ -145,7 +156,10 @@ async fn unjoined(n: usize, adjust: impl Fn(usize, &mut aqueduct_server::Config)
             .await,
         );
     }
-    Cluster { nodes, _dir: dir }
+    Cluster {
+        nodes,
+        _dir: ca.dir,
+    }
 }
 
 fn peers_of(b: &TestBroker) -> BTreeSet<String> {
@@ -673,23 +687,8 @@ async fn a_dead_letter_made_on_one_node_reaches_subscribers_on_another() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_with_a_certificate_of_another_ca_is_not_a_peer() {
     let c = cluster(1).await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let other = test_ca();
-    let ca_file = other.write(dir.path());
-    let (cert, key) = other.peer(dir.path(), "intruder");
-    let intruder = TestBroker::start_with(|cfg| {
-        cfg.cluster = ClusterConfig {
-            enabled: true,
-            peers: Vec::new(),
-            ca_file: Some(ca_file),
-            cert_file: Some(cert),
-            key_file: Some(key),
-            compression: Compression::None,
-            peer_queue_size: 1024,
-            discovery: None,
-        }
-    })
-    .await;
+    let other = ClusterCa::new();
+    let intruder = other.lone_node("intruder").await;
     intruder.control.set_cluster_peers(vec![c.nodes[0].addr]);
     c.nodes[0].control.set_cluster_peers(vec![intruder.addr]);
     // Give them time to try (and fail) a few times: neither may ever list the other.
@@ -707,19 +706,14 @@ async fn a_node_with_a_certificate_of_another_ca_is_not_a_peer() {
 /// A client certificate of the cluster's own CA (no `aqueduct-mesh` name) is no peer either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_certificate_of_the_same_ca_is_not_a_peer() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let ca = test_ca();
-    let ca_file = ca.write(dir.path());
-    let node = TestBroker::start_with(|c| {
-        c.cluster = node_config(&ca, &ca_file, dir.path(), "node-0", None)
-    })
-    .await;
-    let (cert, key) = ca.client(dir.path(), "alice");
+    let ca = ClusterCa::new();
+    let node = ca.lone_node("node-0").await;
+    let (cert, key) = ca.ca.client(ca.dir.path(), "alice");
     let intruder = TestBroker::start_with(|c| {
         c.cluster = ClusterConfig {
             cert_file: Some(cert),
             key_file: Some(key),
-            ..node_config(&ca, &ca_file, dir.path(), "unused", None)
+            ..ca.node("unused", None)
         }
     })
     .await;
@@ -739,13 +733,8 @@ async fn a_client_certificate_of_the_same_ca_is_not_a_peer() {
 /// is refused (the handshake accepts the cluster CA for mesh connections).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_certificate_cannot_open_a_webtransport_session() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let ca = test_ca();
-    let ca_file = ca.write(dir.path());
-    let node = TestBroker::start_with(|c| {
-        c.cluster = node_config(&ca, &ca_file, dir.path(), "node-0", None)
-    })
-    .await;
+    let ca = ClusterCa::new();
+    let node = ca.lone_node("node-0").await;
     let wt = aqueduct_client::Transport::WebTransport {
         path: "/aqueduct/wt".into(),
     };
@@ -754,7 +743,7 @@ async fn a_peer_certificate_cannot_open_a_webtransport_session() {
         .await
         .expect("an anonymous WebTransport client");
     anonymous.close().await;
-    let (cert, key) = ca.peer(dir.path(), "node-x");
+    let (cert, key) = ca.ca.peer(ca.dir.path(), "node-x");
     let refused =
         aqueduct_client::Client::connect(node.options().client_cert(&cert, &key).transport(wt))
             .await;
@@ -1316,15 +1305,9 @@ impl aqueduct_server::discovery::Resolver for FailingDns {
 /// the mesh only with a changed DNS answer, so never while every lookup failed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn static_peers_are_used_while_discovery_fails() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let ca = test_ca();
-    let ca_file = ca.write(dir.path());
-    let b_cfg = node_config(&ca, &ca_file, dir.path(), "node-b", None);
-    let b = TestBroker::start_with(|c| c.cluster = b_cfg).await;
-    let mut a_cfg = node_config(
-        &ca,
-        &ca_file,
-        dir.path(),
+    let ca = ClusterCa::new();
+    let b = ca.lone_node("node-b").await;
+    let mut a_cfg = ca.node(
         "node-a",
         Some(("aqueduct-headless".into(), 4242, Duration::from_millis(200))),
     );
