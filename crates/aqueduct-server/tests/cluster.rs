@@ -18,6 +18,13 @@ struct Cluster {
     _dir: tempfile::TempDir,
 }
 
+/// Stop each node gracefully (each must shut down cleanly).
+async fn stop_all(nodes: impl IntoIterator<Item = TestBroker>) {
+    for b in nodes {
+        b.stop().await.expect("clean shutdown");
+    }
+}
+
 /// A resolver whose answer the test sets.
 #[derive(Debug, Default)]
 struct FakeDns(std::sync::Mutex<Vec<SocketAddr>>);
@@ -113,18 +120,14 @@ async fn discovery_follows_the_service_as_it_scales() {
     }
     // Scale to 2: the Service lists two, the other pods stop.
     *dns.0.lock().expect("lock") = nodes[..2].iter().map(|b| b.addr).collect();
-    for b in nodes.drain(2..) {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(nodes.drain(2..)).await;
     for (i, b) in nodes.iter().enumerate() {
         until(&format!("node-{i} to see 2 nodes"), || {
             peers_of(b) == others(i, 2)
         })
         .await;
     }
-    for b in nodes {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(nodes).await;
 }
 
 async fn cluster(n: usize) -> Cluster {
@@ -226,9 +229,7 @@ async fn three_nodes_form_a_full_mesh_and_share_interest() {
         })
         .await;
     }
-    for b in nodes {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(nodes).await;
 }
 
 async fn formed(c: &Cluster) {
@@ -386,9 +387,7 @@ async fn messages_published_on_one_node_reach_subscribers_on_the_others_once() {
         value(&m1, "aqueduct_mesh_forwarded_total{peer=\"node-0\"}"),
         Some(0.0)
     );
-    for b in c.nodes {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(c.nodes).await;
 }
 
 /// Published on node 0 for a subscriber on node 1 that holds one unsettled message: what waits
@@ -465,9 +464,7 @@ async fn priorities_and_ttl_hold_across_a_hop() {
         1,
         "the short-lived copy expired on node 1"
     );
-    for b in c.nodes {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(c.nodes).await;
 }
 
 fn group_wanted(b: &TestBroker, peer: &str) -> bool {
@@ -551,9 +548,7 @@ async fn a_group_across_nodes_gets_each_message_once_round_robin() {
         r.abort();
     }
     drop(clients);
-    for b in c.nodes {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(c.nodes).await;
 }
 
 /// A group member on node 1 takes its share of the jobs and leaves without settling them; node 1
@@ -627,9 +622,7 @@ async fn a_leaving_member_s_unsettled_jobs_go_to_a_member_on_another_node() {
         .topic(&aqueduct_proto::TopicName::try_from("jobs").expect("topic"))
         .map(|t| t.stats().snapshot().dropped.iter().sum::<u64>());
     assert_eq!(dropped, Some(0), "nothing dropped on node 1");
-    for b in c.nodes {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(c.nodes).await;
 }
 
 /// A job published on node 0 and rejected by its worker on node 1 until it runs out of retries
@@ -678,9 +671,7 @@ async fn a_dead_letter_made_on_one_node_reaches_subscribers_on_another() {
     assert_eq!(ext.original_offset, Some(0), "node 1's offset of the job");
     assert_eq!(ext.attempts_made, Some(4));
     assert_eq!(ext.reason.as_deref(), Some("cannot parse"));
-    for b in c.nodes {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(c.nodes).await;
 }
 
 /// A client certificate cannot open a mesh connection: only a certificate of the cluster CA.
@@ -698,9 +689,7 @@ async fn a_node_with_a_certificate_of_another_ca_is_not_a_peer() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     intruder.stop().await.expect("clean shutdown");
-    for b in c.nodes {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(c.nodes).await;
 }
 
 /// A client certificate of the cluster's own CA (no `aqueduct-mesh` name) is no peer either.
@@ -831,9 +820,7 @@ async fn a_partition_heals_and_forwarding_resumes() {
         after > before,
         "the reconnect is counted ({before} -> {after})"
     );
-    for b in nodes {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(nodes).await;
 }
 
 /// A node with the durable log wants every message and logs the copies it gets with its own
@@ -909,9 +896,7 @@ async fn a_node_with_the_log_logs_what_other_nodes_publish() {
         .collect();
     assert_eq!(bodies, (0..20).map(|i| format!("o{i}")).collect::<Vec<_>>());
     assert_eq!(logged(log_dir.path(), "stock/x").len(), 5);
-    for b in nodes {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(nodes).await;
 }
 
 /// A block-policy subscriber on node 1 that reads nothing holds node 0's copies for at most
@@ -952,9 +937,7 @@ async fn a_stuck_block_subscriber_holds_a_peer_s_copies_for_block_timeout_only()
     })
     .await;
     drop(stalled);
-    for b in nodes {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(nodes).await;
 }
 
 /// Node 1's subscribers hold publishers (block policy) when `queue_size` messages wait, for at
@@ -1079,9 +1062,7 @@ async fn no_copy_is_lost_when_a_duplicate_connection_replaces_the_one_in_use() {
         })
         .await;
     }
-    for b in nodes {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(nodes).await;
 }
 
 /// The switch to a duplicate connection while the receiving node is still publishing what the
@@ -1138,9 +1119,7 @@ async fn copies_received_but_not_yet_published_survive_the_switch_in_order() {
         .await;
     }
     drop(stalled);
-    for b in nodes {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(nodes).await;
 }
 
 /// A traced message published on node 0 and delivered on node 1 is one trace: node 1's
@@ -1285,9 +1264,7 @@ async fn a_batch_mixing_group_and_plain_topics_keeps_order_and_round_robin() {
     jobs.sort();
     assert_eq!(seen, jobs, "every job once");
     drop((near, far, publisher));
-    for b in c.nodes {
-        b.stop().await.expect("clean shutdown");
-    }
+    stop_all(c.nodes).await;
 }
 
 /// A resolver that never answers with an address.
