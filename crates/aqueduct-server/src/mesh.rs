@@ -155,6 +155,17 @@ pub struct PeerQueue {
     pub not_stored: AtomicU64,
 }
 
+/// Empty `slot` if `conn` holds it, and wake those waiting for it (a late release by a
+/// connection whose turn was taken over changes nothing).
+fn release(slot: &AtomicU64, conn: ConnId, waiting: &Notify) {
+    if slot
+        .compare_exchange(conn.0, 0, Ordering::AcqRel, Ordering::Acquire)
+        .is_ok()
+    {
+        waiting.notify_waiters();
+    }
+}
+
 /// Bytes a peer's queue may hold.
 const PEER_QUEUE_BYTES: usize = 64 << 20;
 
@@ -266,13 +277,7 @@ impl PeerQueue {
     /// `conn` writes no more, and what it wrote has been read or is lost with its connection:
     /// the owner may write (woken to see it).
     fn let_go(&self, conn: ConnId) {
-        if self
-            .writer
-            .compare_exchange(conn.0, 0, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            self.notify.notify_waiters();
-        }
+        release(&self.writer, conn, &self.notify);
     }
 
     /// The owner waited longer than a retired connection may take: take over (what the other
@@ -331,13 +336,7 @@ impl PeerQueue {
 
     /// `conn` publishes no more of the peer's copies: the next connection may.
     fn done_reading(&self, conn: ConnId) {
-        if self
-            .reader
-            .compare_exchange(conn.0, 0, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            self.reader_done.notify_waiters();
-        }
+        release(&self.reader, conn, &self.reader_done);
     }
 
     /// Copies waiting now.
@@ -1420,11 +1419,10 @@ async fn serve_peer(link: PeerTask) {
             }
         }
         // The driver let go of this connection (retired or closed): the data side decides.
-        // Retired, it says when every copy the peer wrote on it has been published here.
-        let mut published = published_all_rx.clone();
-        if published.wait_for(|done| *done).await.is_ok() {
-            let _ = send.finish();
-        }
+        // Retired, it says when every copy the peer wrote on it has been published here. (The
+        // watch's sender lives as long as this task: `wait_for` ends only with the signal.)
+        let _ = published_all_rx.clone().wait_for(|done| *done).await;
+        let _ = send.finish();
         std::future::pending::<End>().await
     };
     let data_out = async {
@@ -1452,10 +1450,7 @@ async fn serve_peer(link: PeerTask) {
                 // owner write: its copies cannot overtake these.
                 let _ = send.finish();
                 let _ = send.stopped().await;
-                let mut published = peer_published_rx.clone();
-                if published.wait_for(|done| *done).await.is_err() {
-                    return End::Gone;
-                }
+                let _ = peer_published_rx.clone().wait_for(|done| *done).await;
                 return End::SentAll;
             }
             if queue.may_write(id) {
@@ -2112,27 +2107,29 @@ mod tests {
     #[tokio::test]
     async fn a_new_connection_s_copies_wait_for_the_old_one_s_to_be_published() {
         let (a, b, c) = (ConnId(1), ConnId(2), ConnId(3));
-        let q = Arc::new(PeerQueue::new(16));
+        let q = PeerQueue::new(16);
         let patience = Duration::from_secs(60);
+        // Whether `turn` is still waiting after a moment (it is polled meanwhile).
+        async fn waits(turn: std::pin::Pin<&mut impl std::future::Future<Output = ()>>) -> bool {
+            tokio::time::timeout(Duration::from_millis(50), turn)
+                .await
+                .is_err()
+        }
         let (retire_c, mut kept) = watch::channel(false);
         q.wait_turn_to_read(a, patience, &mut kept).await;
         q.wait_turn_to_read(a, patience, &mut kept).await; // its own turn again: at once
-        let q2 = q.clone();
         let mut kept_b = kept.clone();
-        let mut b_reads =
-            tokio::spawn(async move { q2.wait_turn_to_read(b, patience, &mut kept_b).await });
+        let b_reads = q.wait_turn_to_read(b, patience, &mut kept_b);
+        tokio::pin!(b_reads);
         assert!(
-            tokio::time::timeout(Duration::from_millis(50), &mut b_reads)
-                .await
-                .is_err(),
+            waits(b_reads.as_mut()).await,
             "b waits while a still publishes"
         );
         // a's reader ends (read to its FIN, or its connection gone).
         drop(DoneReading(&q, a));
-        tokio::time::timeout(Duration::from_secs(10), &mut b_reads)
+        tokio::time::timeout(Duration::from_secs(10), b_reads)
             .await
-            .expect("b's turn once a is done")
-            .expect("task");
+            .expect("b's turn once a is done");
         q.done_reading(a); // a late end of a does not end b's turn
         assert_eq!(q.reader.load(Ordering::Acquire), b.0);
         // b never finishes: d waits its patience, then publishes anyway.
@@ -2151,14 +2148,13 @@ mod tests {
         // A connection retired while it waits reads on at once (its time is short; the one it
         // waits for is the one kept, or dead), without taking the turn.
         let mut retired_c = retire_c.subscribe();
-        let q3 = q.clone();
-        let c_reads =
-            tokio::spawn(async move { q3.wait_turn_to_read(c, patience, &mut retired_c).await });
+        let c_reads = q.wait_turn_to_read(c, patience, &mut retired_c);
+        tokio::pin!(c_reads);
+        assert!(waits(c_reads.as_mut()).await, "c waits while d publishes");
         retire_c.send_replace(true);
         tokio::time::timeout(Duration::from_secs(10), c_reads)
             .await
-            .expect("c reads once retired")
-            .expect("task");
+            .expect("c reads once retired");
         assert_eq!(q.reader.load(Ordering::Acquire), d.0);
     }
 

@@ -174,16 +174,13 @@ pub(crate) fn initial_streams(t: &TransportConfig) -> u32 {
 
 /// A UDP socket with the configured buffer sizes (the kernel may clamp them to its maximum).
 fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket, ServerError> {
-    use socket2::{Domain, Protocol, Socket, Type};
+    use socket2::{Protocol, Type};
     let err = |e: std::io::Error| ServerError::Bind {
         addr,
         reason: e.to_string(),
     };
     let socket = bind_with_ipv4_fallback(addr, |addr| {
-        let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
-        if addr.is_ipv6() {
-            let _ = socket.set_only_v6(false);
-        }
+        let socket = new_socket(addr, Type::DGRAM, Protocol::UDP)?;
         socket.bind(&addr.into())?;
         Ok(socket)
     })
@@ -224,15 +221,24 @@ fn bind_with_ipv4_fallback<T>(
     }
 }
 
-/// A TCP listener for `addr`; `[::]` serves IPv6 and IPv4 whatever the host's `bindv6only`.
+/// A socket of `addr`'s family; an IPv6 one serves IPv4 too, whatever the host's
+/// `bindv6only` (where the system refuses, some never serve IPv4 on an IPv6 socket: IPv6 only).
+fn new_socket(
+    addr: SocketAddr,
+    ty: socket2::Type,
+    protocol: socket2::Protocol,
+) -> std::io::Result<socket2::Socket> {
+    let socket = socket2::Socket::new(socket2::Domain::for_address(addr), ty, Some(protocol))?;
+    if addr.is_ipv6() {
+        let _ = socket.set_only_v6(false);
+    }
+    Ok(socket)
+}
+
+/// A TCP listener for `addr` (`[::]` serves IPv6 and IPv4).
 fn tcp_listener(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    use socket2::{Domain, Protocol, Socket, Type};
     bind_with_ipv4_fallback(addr, |addr| {
-        let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-        if addr.is_ipv6() {
-            // Where the system refuses (some never serve IPv4 on an IPv6 socket), IPv6 only.
-            let _ = socket.set_only_v6(false);
-        }
+        let socket = new_socket(addr, socket2::Type::STREAM, socket2::Protocol::TCP)?;
         // As std and tokio do on Unix: a restarted broker rebinds at once (TIME_WAIT).
         #[cfg(unix)]
         socket.set_reuse_address(true)?;

@@ -911,12 +911,7 @@ async fn a_stuck_block_subscriber_holds_a_peer_s_copies_for_block_timeout_only()
         b.control.set_cluster_peers(addrs.clone());
     }
     let stalled = stalled_subscriber(&nodes[1], "bp").await;
-    let reader = nodes[1].client().await;
-    let mut normal = reader.subscribe("bp").await.expect("subscribe on node 1");
-    until("node 0 to learn node-1's interest", || {
-        wants(&nodes[0], "node-1", "bp")
-    })
-    .await;
+    let (_reader, mut normal) = subscribed_on_node_1(&nodes, "bp").await;
     let publisher = nodes[0].client().await;
     const N: u64 = 600;
     let body = "x".repeat(200);
@@ -964,6 +959,21 @@ async fn node_1_dials_first(nodes: &[TestBroker]) {
         })
         .await;
     }
+}
+
+/// A client of node 1 subscribed to `filter`, once node 0 knows of it (the client must live as
+/// long as the subscription).
+async fn subscribed_on_node_1(
+    nodes: &[TestBroker],
+    filter: &str,
+) -> (aqueduct_client::Client, aqueduct_client::Subscription) {
+    let reader = nodes[1].client().await;
+    let sub = reader.subscribe(filter).await.expect("subscribe on node 1");
+    until("node 0 to learn node-1's interest", || {
+        wants(&nodes[0], "node-1", filter)
+    })
+    .await;
+    (reader, sub)
 }
 
 /// A raw subscriber to `filter` on `b` with a tiny receive window, that reads nothing.
@@ -1026,12 +1036,7 @@ async fn expect_numbered_in_order(sub: &mut aqueduct_client::Subscription, n: us
 async fn no_copy_is_lost_when_a_duplicate_connection_replaces_the_one_in_use() {
     let Cluster { nodes, _dir } = unjoined(2, |_, _| {}).await;
     node_1_dials_first(&nodes).await;
-    let reader = nodes[1].client().await;
-    let mut sub = reader.subscribe("sw/#").await.expect("subscribe on node 1");
-    until("node 0 to learn node-1's interest", || {
-        wants(&nodes[0], "node-1", "sw/#")
-    })
-    .await;
+    let (_reader, mut sub) = subscribed_on_node_1(&nodes, "sw/#").await;
     let publisher = nodes[0].client().await;
     const BATCHES: usize = 60;
     const PER: usize = 100;
@@ -1079,12 +1084,7 @@ async fn copies_received_but_not_yet_published_survive_the_switch_in_order() {
         unjoined(2, block_on_node_1(16, Duration::from_millis(1_500))).await;
     node_1_dials_first(&nodes).await;
     let stalled = stalled_subscriber(&nodes[1], "sw/#").await;
-    let reader = nodes[1].client().await;
-    let mut sub = reader.subscribe("sw/#").await.expect("subscribe on node 1");
-    until("node 0 to learn node-1's interest", || {
-        wants(&nodes[0], "node-1", "sw/#")
-    })
-    .await;
+    let (_reader, mut sub) = subscribed_on_node_1(&nodes, "sw/#").await;
     let publisher = nodes[0].client().await;
     // On the old connection: more than the stalled subscriber takes, so node 1's reader of it
     // is held with copies still to publish.
