@@ -56,6 +56,8 @@ pub struct Publication<'a> {
     /// Delivery attempts already made elsewhere (a group message handed over by a cluster
     /// peer): its first delivery here is attempt `attempts + 1`.
     pub(crate) attempts: u32,
+    /// Its trace context names a span made by another process (a cluster peer's copy).
+    pub(crate) remote_trace: bool,
 }
 
 impl<'a> Publication<'a> {
@@ -70,6 +72,7 @@ impl<'a> Publication<'a> {
             compression: None,
             dead_letter: None,
             attempts: 0,
+            remote_trace: false,
         }
     }
 
@@ -84,6 +87,7 @@ impl<'a> Publication<'a> {
             compression: p.compression.as_ref(),
             dead_letter: None,
             attempts: 0,
+            remote_trace: false,
         }
     }
 
@@ -105,6 +109,7 @@ impl<'a> Publication<'a> {
             compression: p.ext.compression.as_ref(),
             dead_letter: None,
             attempts: 0,
+            remote_trace: false,
         }
     }
 
@@ -122,6 +127,14 @@ impl<'a> Publication<'a> {
     /// The same message with `attempts` delivery attempts already made elsewhere.
     pub fn with_attempts(mut self, attempts: u32) -> Self {
         self.attempts = attempts;
+        self
+    }
+
+    /// The same message, its trace context (if any) naming a span made by another process: a
+    /// copy a cluster peer forwarded, whose context names that peer's `publish` span. Its
+    /// deliveries say so ([`Delivery::trace_is_remote`]).
+    pub fn with_remote_trace(mut self) -> Self {
+        self.remote_trace = true;
         self
     }
 }
@@ -1209,7 +1222,8 @@ impl Broker {
                 dead_letter: p.dead_letter.copied(),
                 body: p.body,
             },
-        );
+        )
+        .with_remote_trace(p.remote_trace);
         Delivery {
             topic: topic.clone(),
             shared,
@@ -1530,6 +1544,7 @@ impl Broker {
             compression: ext.compression.as_ref(),
             dead_letter: Some(&info),
             attempts: 0,
+            remote_trace: d.shared.trace_is_remote(),
         };
         let mut logged = None;
         let record = ctx.record_dead_letters;

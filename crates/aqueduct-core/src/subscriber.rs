@@ -77,6 +77,11 @@ impl Delivery {
     pub fn trace(&self) -> Option<aqueduct_proto::TraceContext> {
         self.shared.trace()
     }
+    /// Whether that trace context names a span made by another process (a copy a cluster peer
+    /// forwarded, see [`Publication::with_remote_trace`](crate::Publication::with_remote_trace)).
+    pub fn trace_is_remote(&self) -> bool {
+        self.shared.trace_is_remote()
+    }
 }
 
 /// What [`Subscriber::enqueue_many`] did.

@@ -74,6 +74,9 @@ pub struct SharedDelivery {
     bytes: Bytes,
     /// Length of the shared extension entries.
     ext_len: u16,
+    /// The trace context names a span made by another process (a cluster peer's `publish`
+    /// span): what a `deliver` span made here records as a remote parent. Not on the wire.
+    remote_trace: bool,
 }
 
 /// Size of the per-subscriber ATTEMPT entry.
@@ -144,7 +147,21 @@ impl SharedDelivery {
         SharedDelivery {
             bytes: arena.split().freeze(),
             ext_len: (fixed + post_len) as u16,
+            remote_trace: false,
         }
+    }
+
+    /// The same delivery, its trace context marked as made by another process when `remote`
+    /// (see [`trace_is_remote`](Self::trace_is_remote)).
+    pub fn with_remote_trace(mut self, remote: bool) -> SharedDelivery {
+        self.remote_trace = remote && self.trace().is_some();
+        self
+    }
+
+    /// Whether the trace context names a span made by another process (a cluster peer): set
+    /// with [`with_remote_trace`](Self::with_remote_trace), never read from the wire.
+    pub fn trace_is_remote(&self) -> bool {
+        self.remote_trace
     }
 
     /// The message's trace context, if it carries one (read from the shared bytes, where its
@@ -300,6 +317,13 @@ mod tests {
             assert_eq!(frame.to_bytes(), bytes);
             assert_eq!(shared.extensions().expect("valid").offset, Some(42));
             assert_eq!(shared.trace(), Some(trace));
+            // Marking the context remote changes nothing on the wire.
+            assert!(!shared.trace_is_remote());
+            let remote = shared.clone().with_remote_trace(true);
+            assert!(remote.trace_is_remote());
+            let mut again = BytesMut::new();
+            remote.write_frame(&mut again, 77, 3);
+            assert_eq!(again.freeze(), bytes);
         }
         // Without a TRACE entry there is none to read, even when the body looks like one.
         let mut body = vec![types::TRACE, 25];
@@ -317,6 +341,10 @@ mod tests {
             },
         );
         assert_eq!(untraced.trace(), None);
+        assert!(
+            !untraced.with_remote_trace(true).trace_is_remote(),
+            "no context to be remote"
+        );
     }
 
     #[test]

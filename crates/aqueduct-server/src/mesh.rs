@@ -1645,7 +1645,9 @@ async fn serve_peer(link: PeerTask) {
                     ctx.scope_only(true, &[]);
                     broker.publish_batch(
                         &mut ctx,
-                        copies.iter().map(|(_, p)| Publication::from_publish(p)),
+                        copies
+                            .iter()
+                            .map(|(_, p)| Publication::from_publish(p).with_remote_trace()),
                         now,
                         |_, _| {},
                     );
@@ -1655,7 +1657,8 @@ async fn serve_peer(link: PeerTask) {
                 }
                 for (forward, p) in copies {
                     let info = dead_letter_of(&p);
-                    let mut publication = Publication::from_publish(&p);
+                    // Its trace context names the sending node's `publish` span.
+                    let mut publication = Publication::from_publish(&p).with_remote_trace();
                     if let Some(dl) = &info {
                         publication = publication.with_dead_letter(dl);
                     }

@@ -399,6 +399,8 @@ pub fn trace_runs(refs: &[PublishRef<'_>]) -> Vec<(usize, usize, TraceContext)> 
 #[derive(Debug)]
 pub struct Delivered {
     trace: TraceContext,
+    /// The trace context names another node's `publish` span (a cluster copy).
+    remote: bool,
     topic: TopicName,
     attempt: u32,
     priority: Priority,
@@ -414,6 +416,7 @@ impl Delivered {
     pub fn new(d: &Delivery, trace: TraceContext) -> Delivered {
         Delivered {
             trace,
+            remote: d.trace_is_remote(),
             topic: d.topic().clone(),
             attempt: d.attempt(),
             priority: d.priority(),
@@ -427,7 +430,11 @@ impl Delivered {
 
     /// Take `d` (with context `trace`) into this span if it belongs there.
     pub fn absorb(&mut self, d: &Delivery, trace: &TraceContext) -> bool {
-        if *trace != self.trace || d.attempt() != self.attempt || d.topic() != &self.topic {
+        if *trace != self.trace
+            || d.trace_is_remote() != self.remote
+            || d.attempt() != self.attempt
+            || d.topic() != &self.topic
+        {
             return false;
         }
         self.last_offset = d.offset();
@@ -694,8 +701,9 @@ impl Tracer {
                 flags: t.flags,
                 span_id: span_id(),
                 parent: t.span_id,
-                // The broker's own publish span, possibly made by another node.
-                remote_parent: false,
+                // The broker's publish span: this node's, or a cluster peer's for a copy it
+                // forwarded.
+                remote_parent: g.remote,
             },
             SpanKind::Producer,
             "deliver",

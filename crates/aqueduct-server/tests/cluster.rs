@@ -1185,6 +1185,11 @@ async fn a_trace_follows_a_message_across_nodes() {
     };
     assert_eq!(deliver_node, "node-1");
     assert_eq!(deliver.parent_span_id, publish.span_id, "across the hop");
+    assert_eq!(
+        deliver.flags & REMOTE_PARENT_FLAGS,
+        REMOTE_PARENT_FLAGS,
+        "node 0's publish span is a remote parent on node 1"
+    );
 }
 
 /// A batch mixing a topic a cross-node group consumes with a plain topic (the plain runs are

@@ -115,6 +115,11 @@ async fn a_traced_publish_is_followed_through_routing_and_each_delivery() {
     assert_eq!(publish.span_id, delivered.span_id, "the delivered context");
     assert_eq!(publish.kind, SpanKind::Server as i32);
     assert_eq!(
+        publish.flags & REMOTE_PARENT_FLAGS,
+        REMOTE_PARENT_FLAGS,
+        "the publisher's span is in another process"
+    );
+    assert_eq!(
         str_attr(publish, "messaging.destination.name").as_deref(),
         Some("orders/eu")
     );
@@ -132,6 +137,11 @@ async fn a_traced_publish_is_followed_through_routing_and_each_delivery() {
     for d in &deliveries {
         assert_eq!(d.parent_span_id, publish.span_id);
         assert_eq!(d.kind, SpanKind::Producer as i32);
+        assert_eq!(
+            d.flags & REMOTE_PARENT_FLAGS,
+            HAS_IS_REMOTE,
+            "the publish span is this broker's own"
+        );
         assert_eq!(int_attr(d, "aqueduct.offset"), Some(offset as i64));
         assert!(d.end_time_unix_nano >= d.start_time_unix_nano);
     }

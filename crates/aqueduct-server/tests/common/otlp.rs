@@ -12,6 +12,11 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 pub use opentelemetry_proto::tonic::common::v1::any_value::Value;
 pub use opentelemetry_proto::tonic::trace::v1::Span;
 
+/// OTLP span flags: whether the parent's remoteness is known (bit 8) ...
+pub const HAS_IS_REMOTE: u32 = 0x100;
+/// ... and, with it, that the parent span is in another process (bit 9).
+pub const REMOTE_PARENT_FLAGS: u32 = 0x300;
+
 /// What the receiver got: (service.name, span).
 #[derive(Default, Clone)]
 pub struct Received(Arc<Mutex<Vec<(String, Span)>>>);
