@@ -361,8 +361,13 @@ impl Log {
             Some(last) => {
                 let crashed = !last.clean || crash_evidence;
                 (
-                    segments.iter().map(|s| s.generation).max().unwrap_or(0) + 1,
-                    last.unclean_before + crashed as u32,
+                    segments
+                        .iter()
+                        .map(|s| s.generation)
+                        .max()
+                        .unwrap_or(0)
+                        .saturating_add(1),
+                    last.unclean_before.saturating_add(u32::from(crashed)),
                     !crashed,
                 )
             }
@@ -1045,10 +1050,12 @@ pub(crate) fn list_segments_read_only(dir: &Path) -> Result<Vec<(u64, PathBuf)>,
     Ok(found)
 }
 
-/// A segment file too short for a header, or whose header bytes are all zero.
+/// A segment file too short for a header, or all of whose bytes are zero: what a crash while
+/// it was created leaves (its header is synced before anything is written after it). A blank
+/// header with anything after it is damage, not this.
 fn short_or_blank(path: &Path) -> bool {
     match std::fs::read(path) {
-        Ok(b) => b.len() < HEADER_LEN || b[..HEADER_LEN].iter().all(|&x| x == 0),
+        Ok(b) => b.len() < HEADER_LEN || b.iter().all(|&x| x == 0),
         Err(_) => false,
     }
 }

@@ -716,6 +716,38 @@ fn an_unreadable_older_segment_stops_the_open_and_a_damaged_newest_counts_as_a_c
 }
 
 #[test]
+fn a_newest_segment_with_a_zeroed_header_and_batches_after_it_is_refused_not_removed() -> R {
+    // A crash while a segment is created leaves it blank (its header is synced before any
+    // batch is written); a zeroed header with batches after it is damage, and removing the
+    // file would lose what was confirmed from it and hand its offsets out again.
+    let tmp = tempfile::tempdir()?;
+    let o = || LogOptions {
+        crash_offset_gap: 10,
+        ..opts(None)
+    };
+    let (mut log, _) = Log::open(tmp.path(), o())?;
+    fill(&mut log, "t", 10, 10)?;
+    drop(log);
+    let newest = segments(tmp.path()).pop().ok_or("no segment")?;
+    let mut b = std::fs::read(&newest)?;
+    assert!(b.len() > HEADER_LEN, "batches after the header");
+    b[..HEADER_LEN].fill(0);
+    std::fs::write(&newest, &b)?;
+    match Log::open(tmp.path(), o()).map(|_| ()) {
+        Err(LogError::BadFile { path, .. }) => assert_eq!(path, newest),
+        other => return Err(format!("expected BadFile, got {other:?}").into()),
+    }
+    assert!(newest.exists(), "kept in place");
+    // A wholly blank one is what a crash during creation leaves: removed.
+    b.fill(0);
+    std::fs::write(&newest, &b)?;
+    let (_, rec) = Log::open(tmp.path(), o())?;
+    assert_eq!(rec.removed_empty_segments, 1);
+    assert!(!newest.exists());
+    Ok(())
+}
+
+#[test]
 fn with_a_key_index_files_are_authenticated_and_plaintext_segments_refused() -> R {
     // An index changed without the key is not trusted: the segment is read through instead.
     let tmp = tempfile::tempdir()?;

@@ -452,6 +452,8 @@ pub(crate) async fn feed(
     let mut ctx = PublishContext::default();
     let mut generation = None;
     let mut first_pass = true;
+    // Topics whose last read failed, and when to read them again.
+    let mut retry_at: HashMap<Vec<u8>, Instant> = HashMap::new();
     loop {
         let progress = durable.progress.notified();
         tokio::pin!(progress);
@@ -489,6 +491,12 @@ pub(crate) async fn feed(
             .collect();
         let mut moved = false;
         for (topic, from) in topics {
+            if let Some(at) = retry_at.get(&topic) {
+                if Instant::now() < *at {
+                    continue;
+                }
+                retry_at.remove(&topic);
+            }
             // Nothing new and durable in the log for this topic: no read at all.
             let Some(bound) = durable.durable_next(&topic).filter(|next| *next > from) else {
                 continue;
@@ -511,9 +519,17 @@ pub(crate) async fn feed(
             for r in read {
                 let r = match r {
                     Ok(r) => r,
+                    Err(e) if read_again(&e) => {
+                        // A read that failed (out of file descriptors, permissions, an I/O
+                        // error): nothing is skipped; the same position is read again later.
+                        warn!(topic = %name, "durable consumer: cannot read the log, trying again in {READ_RETRY:?}: {e}");
+                        durable.stats.read_errors.fetch_add(1, Ordering::Relaxed);
+                        retry_at.insert(topic.clone(), Instant::now() + READ_RETRY);
+                        break;
+                    }
                     Err(e) => {
-                        // Damage since it was indexed (or a segment deleted meanwhile): skipped,
-                        // the reader goes on with what follows it.
+                        // Damage since it was indexed, or a segment retention deleted since:
+                        // skipped, the reader goes on with what follows it.
                         warn!(topic = %name, "durable consumer: cannot read part of the log, skipping it: {e}");
                         continue;
                     }
@@ -609,10 +625,29 @@ pub(crate) async fn feed(
             }
         }
         if !moved {
-            debug!(filter = %filter, "durable consumer caught up; waiting for the log");
-            progress.await;
+            match retry_at.values().min() {
+                // A topic to read again: at its time, or sooner when the log moves on.
+                Some(at) => {
+                    let at = tokio::time::Instant::from_std(*at);
+                    let _ = tokio::time::timeout_at(at, progress).await;
+                }
+                None => {
+                    debug!(filter = %filter, "durable consumer caught up; waiting for the log");
+                    progress.await;
+                }
+            }
         }
     }
+}
+
+/// How long a durable consumer waits before reading again where a read of the log failed.
+const READ_RETRY: Duration = Duration::from_secs(1);
+
+/// Whether a failed read of the log is tried again rather than skipped: any I/O error but a
+/// segment that no longer exists (retention deleted it after the reader was planned; what it
+/// held is gone for good). Damage is skipped too: reading it again would fail the same way.
+fn read_again(e: &LogError) -> bool {
+    matches!(e, LogError::Io { source, .. } if source.kind() != std::io::ErrorKind::NotFound)
 }
 
 #[cfg(test)]

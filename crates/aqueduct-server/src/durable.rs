@@ -268,6 +268,9 @@ pub struct DurableStats {
     /// waits for those); `commit_wait_us` sums the wait of the same frames.
     pub frames_committed: AtomicU64,
     pub queued: AtomicU64,
+    /// Reads of the log for durable consumers that failed (other than a segment retention
+    /// deleted): each is tried again, from the same position.
+    pub read_errors: AtomicU64,
 }
 
 /// Who gets told how a frame's messages fared.

@@ -697,6 +697,12 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
                 "Publish frames answered STORAGE_FAILED (the log could not store them).",
                 load(&ds.write_errors),
             ),
+            (
+                "aqueduct_log_read_errors_total",
+                "counter",
+                "Reads of the log for durable consumers that failed and are tried again.",
+                load(&ds.read_errors),
+            ),
         ] {
             out.single(name, kind, help, v);
         }

@@ -824,6 +824,7 @@ async fn open_log(aal: &AalConfig, stats: Arc<ServerStats>) -> Result<Arc<Durabl
         bytes = rec.bytes,
         rebuilt_indexes = rec.rebuilt_indexes,
         truncated_bytes = rec.truncated_bytes,
+        removed_empty_segments = rec.removed_empty_segments,
         took = ?rec.elapsed,
         "durable log opened"
     );

@@ -753,3 +753,58 @@ async fn a_failed_start_closes_the_log_it_opened() {
     client.close().await;
     b.stop().await.expect("clean shutdown");
 }
+
+/// The log's segment files under `dir`, oldest first.
+fn segment_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut found: Vec<_> = std::fs::read_dir(dir)
+        .expect("log dir")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "seg"))
+        .collect();
+    found.sort();
+    found
+}
+
+/// A read of the log that fails (here a segment that cannot be read for a while: a directory
+/// stands where it was) does not make a durable consumer skip what that segment holds: the read
+/// is counted and tried again from the same position, and once the segment is back every
+/// message arrives, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_read_of_the_log_is_tried_again_not_skipped() {
+    use aqueduct_client::DurableStart;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| {
+        let mut a = aal(dir.path(), FsyncMode::Batch);
+        a.max_segment_bytes = 2048;
+        c.aal = Some(a);
+    })
+    .await;
+    let client = b.client().await;
+    publish_n(&client, "orders", 0..60).await;
+    let segments = segment_files(dir.path());
+    assert!(segments.len() >= 3, "{segments:?}");
+    let first = segments[0].clone();
+    let aside = first.with_extension("seg.aside");
+    std::fs::rename(&first, &aside).expect("move the segment aside");
+    std::fs::create_dir(&first).expect("a directory in its place");
+    let mut sub = client
+        .subscribe_with("orders", &durable_opts("c1", DurableStart::Earliest))
+        .await
+        .expect("durable subscribe");
+    within("a failed read counted", async {
+        loop {
+            let (_, m) = get(b.metrics_addr, "/metrics").await;
+            if value(&m, "aqueduct_log_read_errors_total").is_some_and(|n| n >= 1.0) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    std::fs::remove_dir(&first).expect("remove the directory");
+    std::fs::rename(&aside, &first).expect("the segment back");
+    assert_eq!(take_acked(&mut sub, 60).await, expect(0..60));
+    client.close().await;
+    b.stop().await.expect("clean shutdown");
+}
