@@ -179,7 +179,8 @@ struct State {
 /// A subscription.
 ///
 /// Contract with the writer that serves it: the waker is called when the queue goes from empty to
-/// non-empty, when settlements make room under `max_in_flight`, and when the subscriber is closed.
+/// non-empty, when settlements or ack-wait timeouts make room under `max_in_flight` (with
+/// something queued), and when the subscriber is closed.
 /// A writer drains until `drain` writes nothing (or reports `blocked`) before it waits again.
 pub struct Subscriber {
     id: SubscriberId,
@@ -632,23 +633,36 @@ impl Subscriber {
         Ok(delivery)
     }
 
-    /// Take the in-flight deliveries whose ack-wait deadline has passed.
+    /// Take the in-flight deliveries whose ack-wait deadline has passed. That makes room under
+    /// `max_in_flight` as a settlement does, and wakes the same: the writer if something is
+    /// queued (a redelivery into a non-empty queue would not wake it), and whoever waits to
+    /// give this subscriber more.
     pub(crate) fn take_overdue(&self, now: Instant) -> Vec<Delivery> {
-        let mut st = self.lock();
-        if st.in_flight.is_empty() {
-            return Vec::new();
+        let (mut out, wake, held) = {
+            let mut st = self.lock();
+            if st.in_flight.is_empty() {
+                return Vec::new();
+            }
+            let overdue: Vec<(TopicName, u64)> = st
+                .in_flight
+                .iter()
+                .filter(|(_, f)| f.deadline <= now)
+                .map(|(k, _)| k.clone())
+                .collect();
+            if overdue.is_empty() {
+                return Vec::new();
+            }
+            let out: Vec<Delivery> = overdue
+                .iter()
+                .filter_map(|k| st.in_flight.remove(k).map(|f| f.delivery))
+                .collect();
+            self.note_lengths(&st);
+            (out, !st.queue.is_empty(), std::mem::take(&mut st.held))
+        };
+        held.into_iter().for_each(std::task::Waker::wake);
+        if wake {
+            self.wake();
         }
-        let overdue: Vec<(TopicName, u64)> = st
-            .in_flight
-            .iter()
-            .filter(|(_, f)| f.deadline <= now)
-            .map(|(k, _)| k.clone())
-            .collect();
-        let mut out: Vec<Delivery> = overdue
-            .iter()
-            .filter_map(|k| st.in_flight.remove(k).map(|f| f.delivery))
-            .collect();
-        self.note_lengths(&st);
         out.sort_by_key(|d| (d.priority, d.offset));
         out
     }

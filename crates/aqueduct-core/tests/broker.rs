@@ -817,6 +817,45 @@ fn max_in_flight_bounds_unsettled_deliveries() {
     assert_eq!((d.frames, d.blocked), (1, true));
 }
 
+/// An ack-wait timeout makes room under `max_in_flight` as an ACK does: the writer is woken,
+/// and what was queued behind the limit (and the redelivery) gets written. Without the wake a
+/// stream whose queue was not empty stalled until something unrelated woke its writer.
+#[test]
+fn an_ack_timeout_wakes_the_writer_of_a_subscription_at_max_in_flight() {
+    let b = Broker::new(BrokerConfig {
+        max_in_flight: 1,
+        ..Default::default()
+    });
+    let (woken, waker) = counting_waker();
+    let s = sub_with(
+        &b,
+        "topic:t",
+        SubscribeOptions {
+            ack_mode: AckMode::Explicit,
+            waker: Some(waker),
+            ..Default::default()
+        },
+    );
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    publish(&b, &mut ctx, "t", "m0", now);
+    publish(&b, &mut ctx, "t", "m1", now);
+    assert_eq!(woken.load(Ordering::SeqCst), 1);
+    let mut out = BytesMut::new();
+    let d = b.drain(&s, &mut out, 1 << 20, now);
+    assert_eq!((d.frames, d.blocked), (1, true), "m0 written, m1 held back");
+    // m0 is never acknowledged: after ack_wait it is taken back for redelivery.
+    let later = now + b.config().ack_wait + Duration::from_millis(1);
+    assert_eq!(b.tick(&mut ctx, later), 1);
+    assert_eq!(
+        woken.load(Ordering::SeqCst),
+        2,
+        "woken: room under max_in_flight"
+    );
+    let d = b.drain(&s, &mut out, 1 << 20, later);
+    assert_eq!(d.frames, 1, "the next one is written");
+}
+
 #[test]
 fn parallel_publishers_lose_nothing() {
     let b = Arc::new(Broker::new(BrokerConfig {
