@@ -332,3 +332,40 @@ async fn a_direct_write_held_by_flow_control_is_finished_by_the_writer_in_order(
     assert_eq!(got, (0..100).map(body).collect::<Vec<_>>());
     b.stop().await.expect("clean shutdown");
 }
+
+/// A client that resets its sending side of a stream ends the stream's subscriptions at once
+/// (`docs/protocol.md` §1.1, §7.4), also while the broker is blocked writing deliveries the
+/// client does not read: the blocked write is abandoned. Before, the writer waited on the
+/// write for as long as the connection lived, and the subscription stayed routable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_ends_the_subscriptions_of_a_stream_whose_write_is_blocked() {
+    let b = TestBroker::start().await;
+    let stalled = Raw::connect(&b, 4096).await;
+    let mut s = stalled.stream().await;
+    s.write(&subscribe_frame(1, "topic:jobs")).await;
+    until("the subscription", || b.broker.subscriber_count() == 1).await;
+    let publisher = b.client().await;
+    let body = "x".repeat(1000);
+    for _ in 0..300 {
+        publisher
+            .publish("jobs", body.clone())
+            .await
+            .expect("publish");
+    }
+    // The writer is blocked on flow control: what came after its last fill waits in the queue.
+    until("the write to block", || {
+        b.broker.subscribers().iter().any(|sub| sub.queued() >= 50)
+    })
+    .await;
+    s.send.reset(0u32.into()).expect("reset");
+    until("the subscription to end", || {
+        b.broker.subscriber_count() == 0
+    })
+    .await;
+    assert!(
+        stalled.conn.close_reason().is_none(),
+        "the connection goes on"
+    );
+    publisher.close().await;
+    b.stop().await.expect("clean shutdown");
+}

@@ -1227,17 +1227,30 @@ fn fill_queued(
     }
 }
 
-/// Completes when a subscription on this stream has been closed as a slow consumer, or when
-/// the write in progress carries the ERROR of one closed earlier.
-async fn slow_consumer_closed(out: &StreamOut) {
+/// Why a blocked write is given up.
+enum GiveUp {
+    /// A subscription on this stream was closed as a slow consumer, or the write in progress
+    /// carries the ERROR of one closed earlier: the stream is reset with SLOW_CONSUMER.
+    SlowConsumer,
+    /// The stream is done for (the client reset its sending side, or stopped reading): its
+    /// subscriptions end, nothing more is written.
+    Aborted,
+}
+
+/// Completes when a blocked write on this stream must be given up, and says why. One future
+/// for both: `out.notify` wakes one waiter.
+async fn give_up_blocked_write(out: &StreamOut) -> GiveUp {
     loop {
         let notified = out.notify.notified();
+        if out.aborted.load(Ordering::Acquire) {
+            return GiveUp::Aborted;
+        }
         let slow = out.slow_error_pending.load(Ordering::Acquire)
             || lock(&out.subs)
                 .iter()
                 .any(|s| s.is_closed() && s.close_reason() == Some(CloseReason::SlowConsumer));
         if slow {
-            return;
+            return GiveUp::SlowConsumer;
         }
         notified.await;
     }
@@ -1354,11 +1367,18 @@ async fn write_loop<S: SendHalf + 'static>(
             // ERROR; only a blocked one is abandoned for the reset.
             biased;
             r = send.write_chunk(chunk) => r,
-            _ = slow_consumer_closed(out) => {
-                warn!("slow consumer: resetting its blocked delivery stream");
-                shared.stats.slow_consumer_resets.fetch_add(1, Ordering::Relaxed);
-                send.reset(u32::from(ErrorCode::SLOW_CONSUMER.0));
-                out.abort();
+            why = give_up_blocked_write(out) => {
+                match why {
+                    GiveUp::SlowConsumer => {
+                        warn!("slow consumer: resetting its blocked delivery stream");
+                        shared.stats.slow_consumer_resets.fetch_add(1, Ordering::Relaxed);
+                        send.reset(u32::from(ErrorCode::SLOW_CONSUMER.0));
+                        out.abort();
+                    }
+                    // The client reset the stream (or stopped reading it) while the write was
+                    // blocked: what it holds is abandoned, the loop's top ends the stream.
+                    GiveUp::Aborted => send.reset(0),
+                }
                 continue;
             }
         };
