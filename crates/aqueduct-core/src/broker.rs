@@ -1053,22 +1053,29 @@ impl Broker {
         let mut evicted = TopicStatsSnapshot::default();
         let (removed, left) = {
             let mut topics = self.topics.write().unwrap_or_else(PoisonError::into_inner);
-            let mut removed = 0;
-            for name in &idle {
+            let mut removed = Vec::new();
+            for name in idle {
                 if let Some(t) = topics.get(name.as_bytes()) {
                     if Arc::strong_count(t) == 1 {
                         evicted.add(&t.stats().snapshot());
                         self.offset_floor.fetch_max(t.next_offset(), Relaxed);
                         topics.remove(name.as_bytes());
-                        removed += 1;
+                        removed.push(name);
                     }
                 }
             }
-            if removed > 0 {
+            if !removed.is_empty() {
                 topics.shrink_to_fit();
             }
             (removed, topics.len())
         };
+        // The groups' watermarks of those topics go too (each group's lock on its own).
+        if !removed.is_empty() {
+            for g in self.groups() {
+                g.forget_settled(&removed);
+            }
+        }
+        let removed = removed.len();
         self.evicted_stats
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

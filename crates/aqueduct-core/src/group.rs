@@ -153,6 +153,29 @@ impl GroupShared {
         marks.get(topic.as_bytes()).map(Watermark::committed)
     }
 
+    /// Forget the watermarks of `topics` (freed by the broker's idle-topic sweep) where every
+    /// message handed to the group is settled: nothing refers to them any more, and a topic
+    /// published to again starts a new one. Keeps a group under a wildcard from holding one
+    /// per topic name ever published.
+    pub(crate) fn forget_settled(&self, topics: &[TopicName]) {
+        let mut marks = self
+            .watermarks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let before = marks.len();
+        for t in topics {
+            if marks
+                .get(t.as_bytes())
+                .is_some_and(|m| m.outstanding.is_empty())
+            {
+                marks.remove(t.as_bytes());
+            }
+        }
+        if marks.len() < before && marks.capacity() > 2 * marks.len().max(16) {
+            marks.shrink_to_fit();
+        }
+    }
+
     /// Committed offsets of every topic the group has received.
     pub fn committed_offsets(&self) -> Vec<(TopicName, u64)> {
         let marks = self

@@ -1169,6 +1169,37 @@ fn a_detached_only_member_hands_its_redeliveries_to_a_new_member() {
     assert_eq!(a.queued(), 0);
 }
 
+/// A consumer group keeps a watermark per topic it received; the watermarks of topics the
+/// broker freed (idle, every message settled) go with them. Before, a long-lived group under a
+/// wildcard kept one per topic name ever published, whatever the sweep freed.
+#[test]
+fn a_groups_watermarks_of_freed_topics_are_freed_with_them() {
+    let b = Broker::new(BrokerConfig::default());
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let member = sub(&b, "topic:t/+:group:g");
+    let n = MATCHED_TOPICS_KEPT + 4000;
+    for i in 0..n {
+        publish(&b, &mut ctx, &format!("t/{i}"), "x", now);
+        let got = drain_all(&b, &member, now);
+        assert_eq!(got.len(), 1, "t/{i}");
+        b.ack(&member, Some(&t(&got[0].topic)), got[0].offset, None)
+            .expect("acknowledged");
+    }
+    drop(ctx);
+    b.sweep_idle_topics();
+    assert!(b.topic_count() < n, "topics were freed");
+    let [g] = &b.groups()[..] else {
+        panic!("one group")
+    };
+    let marks = g.committed_offsets().len();
+    assert!(
+        marks <= b.topic_count(),
+        "{marks} watermarks for {} topics",
+        b.topic_count()
+    );
+}
+
 #[test]
 fn new_topics_take_their_first_offset_from_the_offset_source() {
     let b = Broker::new(BrokerConfig::default());
