@@ -471,7 +471,10 @@ impl Mesh {
         }
         if let Some(a) = addr.filter(|_| outbound) {
             if let Some(t) = self.targets.get_mut(&a) {
-                t.attempts = 0;
+                // `attempts` goes back to 0 only once the peer speaks (its first control
+                // message): a peer that accepts the handshake and then refuses the connection
+                // (a certificate it does not take as a peer's) is redialed with a growing backoff,
+                // not several times a second.
                 t.next_dial = None;
                 t.node = Some(node.clone());
             }
@@ -562,6 +565,7 @@ impl Mesh {
             if let Some(t) = self.targets.get_mut(&addr) {
                 t.node = None;
                 t.next_dial = Some(now + delay);
+                t.attempts = t.attempts.saturating_add(1);
             }
         }
     }
@@ -572,6 +576,11 @@ impl Mesh {
         let Some(peer) = self.peers.values_mut().find(|p| p.conn == conn) else {
             return true; // a connection being replaced: ignore
         };
+        // The peer speaks: the connection works, and a reconnect after it starts from the
+        // shortest backoff again.
+        if let Some(t) = peer.addr.and_then(|a| self.targets.get_mut(&a)) {
+            t.attempts = 0;
+        }
         match control {
             Control::Snapshot {
                 session,
@@ -1266,6 +1275,48 @@ mod tests {
         assert!(b.handle_connected(now, ConnId(1), node("a"), None, false));
         assert_eq!(a.peers().next().map(|(_, c)| c), Some(ConnId(1)));
         assert_eq!(b.peers().next().map(|(_, c)| c), Some(ConnId(1)));
+    }
+
+    /// A peer that takes the handshake and then closes the connection before saying anything
+    /// (it refuses this node's certificate as a peer's) is redialed with a growing backoff, not
+    /// within `backoff_min` every time; once a peer speaks, a reconnect is quick again.
+    #[test]
+    fn a_peer_that_refuses_after_the_handshake_is_redialed_with_a_growing_backoff() {
+        let cfg = MeshConfig::default();
+        let mut a = Mesh::new(node("a"), cfg, 7, 1);
+        let addr: SocketAddr = "10.0.0.2:4242".parse().expect("addr");
+        let now = Instant::now();
+        a.handle_peer_set(now, [addr]);
+        assert_eq!(a.poll_output(), Some(Output::Dial(addr)));
+        let mut waits = Vec::new();
+        for i in 0..12 {
+            let conn = ConnId(i + 1);
+            assert!(a.handle_connected(now, conn, node("b"), Some(addr), true));
+            while a.poll_output().is_some() {}
+            a.handle_disconnected(now, conn);
+            let at = a.poll_timeout().expect("scheduled");
+            waits.push(at - now);
+            a.handle_timeout(at);
+            assert_eq!(a.poll_output(), Some(Output::Dial(addr)));
+        }
+        assert!(
+            waits.iter().any(|w| *w > Duration::from_secs(5)),
+            "{waits:?}"
+        );
+        let conn = ConnId(100);
+        assert!(a.handle_connected(now, conn, node("b"), Some(addr), true));
+        while a.poll_output().is_some() {}
+        assert!(a.handle_control(
+            conn,
+            Control::Snapshot {
+                session: 1,
+                seq: 1,
+                interest: Interest::default(),
+            }
+        ));
+        a.handle_disconnected(now, conn);
+        let at = a.poll_timeout().expect("scheduled");
+        assert!(at - now <= cfg.backoff_min, "{:?}", at - now);
     }
 
     #[test]

@@ -51,6 +51,9 @@ use crate::mesh_tls::{MeshTls, MESH_NAME};
 const GROUPS_PER_RECORD: usize = 32;
 /// A dial that takes longer fails (and is retried after the backoff).
 const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// A peer address that keeps failing is warned about again after this long (or at once when
+/// the reason changes); the failures in between are logged at debug.
+const DIAL_WARN_EVERY: Duration = Duration::from_secs(60);
 /// Mesh connections: keep-alive, and how long silence means the peer is gone.
 const MESH_KEEP_ALIVE: Duration = Duration::from_secs(2);
 const MESH_IDLE: Duration = Duration::from_secs(8);
@@ -932,6 +935,8 @@ impl Driver {
         // Per peer ever connected: how often it came back after being disconnected (a
         // duplicate connection replaced while connected is no reconnect).
         let mut reconnects: HashMap<NodeId, u64> = HashMap::new();
+        // Peer addresses that failed to dial: the reason last warned about, and when.
+        let mut dial_warned: HashMap<SocketAddr, (String, Instant)> = HashMap::new();
         // Each node's copies, shared by its connections (only the kept one writes them).
         let mut node_queues: HashMap<NodeId, Arc<PeerQueue>> = HashMap::new();
         // Events handled since the route table was last rebuilt.
@@ -1001,11 +1006,23 @@ impl Driver {
                 }
                 Some(Event::Dialed { addr, result }) => match result {
                     Ok((conn, node)) => {
+                        if dial_warned.remove(&addr).is_some() {
+                            info!(%addr, peer = %node, "cluster peer reached");
+                        }
                         let id = adopt(conn, &node, &mut conns, &mut tasks);
                         self.mesh.handle_connected(now, id, node, Some(addr), true);
                     }
                     Err(why) => {
-                        debug!(%addr, "mesh dial failed: {why}");
+                        let why = explain_dial_failure(addr, &why);
+                        let loud = dial_warned.get(&addr).is_none_or(|(last, at)| {
+                            *last != why || now.duration_since(*at) >= DIAL_WARN_EVERY
+                        });
+                        if loud {
+                            warn!(%addr, "cannot connect to a cluster peer (retrying with backoff): {why}");
+                            dial_warned.insert(addr, (why, now));
+                        } else {
+                            debug!(%addr, "mesh dial failed: {why}");
+                        }
                         self.mesh.handle_dial_failed(now, addr);
                     }
                 },
@@ -1167,6 +1184,43 @@ impl Drop for DoneReading<'_> {
 
 /// Dial `addr` as a mesh peer: the peer certificate must name `aqueduct-mesh` and chain to the
 /// cluster CA; its CN is the peer's node id.
+/// A dial failure in words an operator can act on: the error, and what usually causes it.
+fn explain_dial_failure(addr: SocketAddr, why: &str) -> String {
+    let hint = if why.contains("timed out") {
+        format!(
+            "is a cluster node listening on UDP {addr}? (check cluster.peers or \
+             cluster.discovery here, and the peer's listen_addr)"
+        )
+    } else if why.contains("UnknownIssuer") || why.contains("BadSignature") {
+        "the peer's certificate is not signed by this node's cluster.tls.ca_file: every node's \
+         certificate must come from the same CA (`aqueduct cert ca` once, then `aqueduct cert \
+         peer NODE` for each node)"
+            .to_string()
+    } else if why.contains("NotValidForName") {
+        format!(
+            "the peer's certificate does not name {MESH_NAME}: it is not a peer certificate \
+             (make one with `aqueduct cert peer NODE`)"
+        )
+    } else {
+        return why.to_string();
+    };
+    format!("{why}; {hint}")
+}
+
+/// Log why a peer closed a mesh connection, when it refused it (NOT_AUTHORIZED: this node's
+/// certificate is not a peer certificate it takes); the other closes (shutdown, a duplicate
+/// retired) are routine.
+fn note_peer_close(e: &quinn::ConnectionError) {
+    if let quinn::ConnectionError::ApplicationClosed(c) = e {
+        if c.error_code == quinn::VarInt::from(aqueduct_proto::ErrorCode::NOT_AUTHORIZED.0) {
+            warn!(
+                "a cluster peer refused this node's connection: {}",
+                String::from_utf8_lossy(&c.reason)
+            );
+        }
+    }
+}
+
 async fn dial(
     endpoint: &quinn::Endpoint,
     tls: &MeshTls,
@@ -1779,7 +1833,10 @@ async fn serve_peer(link: PeerTask) {
                     .as_mut()
                     .reset(tokio::time::Instant::now() + RETIRE_WAIT);
             }
-            _ = conn.closed() => break End::Gone,
+            e = conn.closed() => {
+                note_peer_close(&e);
+                break End::Gone;
+            }
             _ = &mut retired_for_long => {
                 warn!(conn = id.0, "a retired mesh connection did not finish within {RETIRE_WAIT:?}: closed; copies on it may be lost");
                 break End::Gone;
@@ -1801,6 +1858,30 @@ async fn serve_peer(link: PeerTask) {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn dial_failures_say_what_usually_causes_them() {
+        let addr: SocketAddr = "127.0.0.1:7445".parse().expect("addr");
+        let why = explain_dial_failure(addr, "timed out");
+        assert!(
+            why.contains("UDP 127.0.0.1:7445") && why.contains("cluster.peers"),
+            "{why}"
+        );
+        let why = explain_dial_failure(
+            addr,
+            "the cryptographic handshake failed: error 42: invalid peer certificate: UnknownIssuer",
+        );
+        assert!(
+            why.contains("cluster.tls.ca_file") && why.contains("same CA"),
+            "{why}"
+        );
+        let why = explain_dial_failure(addr, "invalid peer certificate: BadSignature");
+        assert!(why.contains("same CA"), "{why}");
+        assert_eq!(
+            explain_dial_failure(addr, "something else"),
+            "something else"
+        );
+    }
     use super::*;
 
     /// A copy's frame, as `send_copies` encodes it.
