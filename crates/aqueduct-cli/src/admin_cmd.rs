@@ -122,6 +122,13 @@ async fn connect(target: &AdminTarget) -> Result<AdminClient> {
                  that signed it)",
                 target.opts.trust_description()
             )
+        } else if text.to_lowercase().contains("connection refused") {
+            anyhow!(
+                "{text} (nothing listens there: is admin.enabled on, and is {} its \
+                 admin.listen_addr? --admin-addr sets the address; --addr is the broker's \
+                 client address)",
+                target.addr
+            )
         } else {
             anyhow!("{text} (is admin.enabled on, and --cert/--key an admin certificate?)")
         }
@@ -226,9 +233,9 @@ pub async fn run(target: &AdminTarget, cmd: &AdminCommand) -> Result<()> {
         }
     };
     if target.json {
-        println!("{}", out.json);
+        crate::print_line(&out.json.to_string())?;
     } else {
-        println!("{}", out.text);
+        crate::print_line(&out.text)?;
     }
     Ok(())
 }

@@ -179,18 +179,24 @@ enum Command {
         mode: DurableBenchMode,
     },
     /// Manage a running broker through its gRPC admin API (admin.enabled): quotas, ACL rules,
-    /// clients, topics. Needs an admin client certificate (--cert/--key, CN matching the
+    /// clients, topics, broker info, the cluster. Needs an admin client certificate (--cert/--key, CN matching the
     /// broker's admin.allowed_cn, default admin-*) and, for a broker with a CA-signed
     /// certificate, --ca.
     #[command(
         after_help = "Examples (--ca: the CA that signed the broker's certificate, if not the development one):\n  aqueduct --ca certs/ca.pem --cert certs/admin-alice.pem --key certs/admin-alice-key.pem admin info\n  aqueduct --ca ... --cert ... --key ... admin quota set service-a 500 --burst 100\n  aqueduct --ca ... --cert ... --key ... admin acl add 'service-*' 'orders/#' publish\n  aqueduct --ca ... --cert ... --key ... admin acl replace rules.yaml\n  aqueduct --ca ... --cert ... --key ... admin --json clients\n  aqueduct --ca ... --cert ... --key ... admin --admin-addr 10.0.0.5:9091 info   # admin.listen_addr elsewhere"
     )]
     Admin {
-        /// The admin API's address (the broker's admin.listen_addr).
-        #[arg(long, env = "AQUEDUCT_ADMIN_ADDR", default_value = "localhost:9091")]
+        /// The admin API's address (the broker's admin.listen_addr; --addr is the broker's
+        /// client address, not this one).
+        #[arg(
+            long,
+            global = true,
+            env = "AQUEDUCT_ADMIN_ADDR",
+            default_value = "localhost:9091"
+        )]
         admin_addr: String,
         /// Print JSON instead of a table.
-        #[arg(long)]
+        #[arg(long, global = true)]
         json: bool,
         #[command(subcommand)]
         what: crate::admin_cmd::AdminCommand,
@@ -562,7 +568,7 @@ async fn run(cli: Cli) -> Result<()> {
             CertCommand::Peer { node, out, names } => crate::cert::make_peer(out, node, names)?,
         };
         for path in written {
-            println!("wrote {}", path.display());
+            crate::print_line(&format!("wrote {}", path.display()))?;
         }
         return Ok(());
     }
@@ -675,7 +681,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                     };
                     let offset = client.publish_with(to, body.clone(), &opts).await?;
                     if let Some(o) = offset {
-                        println!("published to {to} at offset {o}");
+                        crate::print_line(&format!("published to {to} at offset {o}"))?;
                     }
                     sent += 1;
                 }
@@ -686,9 +692,12 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             client.close().await;
             if !*confirm {
                 if *topics > 1 {
-                    println!("published {sent} message(s) to {topic}/0..{}", topics - 1);
+                    crate::print_line(&format!(
+                        "published {sent} message(s) to {topic}/0..{}",
+                        topics - 1
+                    ))?;
                 } else {
-                    println!("published {sent} message(s) to {topic}");
+                    crate::print_line(&format!("published {sent} message(s) to {topic}"))?;
                 }
             }
         }
@@ -745,7 +754,11 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 };
                 let Some(item) = item else { break None };
                 let msg = item?;
-                println!("{}", describe(&msg));
+                if !crate::print_line(&describe(&msg))? {
+                    // Our reader went away: this message is not settled (a group gives it to
+                    // another member), and the connection closes cleanly.
+                    break Some("standard output closed");
+                }
                 if let Some(work) = work {
                     tokio::select! {
                         _ = tokio::time::sleep(*work) => {}
@@ -810,9 +823,9 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             )
             .await?;
             if *json {
-                println!("{}", report.json());
+                crate::print_line(&report.json().to_string())?;
             } else {
-                println!("{}", report.text());
+                crate::print_line(&report.text())?;
             }
             return Ok(());
         }
@@ -844,7 +857,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 held.len(),
                 subscriptions
             );
-            println!("ready");
+            crate::print_line("ready")?;
             tokio::time::sleep(*seconds).await;
         }
         Command::Bench {
@@ -910,7 +923,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             )
             .await?;
             if *json {
-                println!("{}", report.json());
+                crate::print_line(&report.json().to_string())?;
             } else {
                 print!("{}", report.text());
             }

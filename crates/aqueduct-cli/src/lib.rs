@@ -91,6 +91,19 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = &'static str> {
     }
 }
 
+/// Print `line` and a newline on standard output. `Ok(false)`: whoever read the output went
+/// away (`aqueduct sub ... | head`, a closed pipe): the caller stops as if interrupted, quietly,
+/// instead of the panic `println!` makes of it.
+pub fn print_line(line: &str) -> std::io::Result<bool> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{line}") {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Log to standard error, coloured only on a terminal (a log file or a pipe gets plain text).
 /// A standard error that cannot be written to (closed, a pipe whose reader left) loses the log
 /// lines but never stops the process: tracing-subscriber would otherwise report the failed write

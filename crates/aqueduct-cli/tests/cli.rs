@@ -790,3 +790,73 @@ fn a_failed_command_closes_its_connection() {
     assert!(!line.contains("timed out"), "{line}");
     stop(broker);
 }
+
+/// `aqueduct sub ... | head -1`: once its reader has gone, the subscriber stops quietly at the
+/// next message (closing its connection cleanly, that message unsettled) instead of the panic
+/// `println!` made of the broken pipe (exit status 101 and a backtrace).
+#[test]
+fn a_subscriber_whose_output_is_closed_stops_quietly() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, logs) = start_broker(home.path());
+    let mut sub = spawn_client(home.path(), &["--addr", &addr, "sub", "piped"]);
+    wait_for_log(&logs, "subscribed");
+    assert_ok(&run_client(
+        home.path(),
+        &["--addr", &addr, "pub", "piped", "first"],
+    ));
+    let stdout = sub.stdout.take().expect("stdout");
+    let mut line = String::new();
+    let mut reader = BufReader::new(stdout);
+    reader.read_line(&mut line).expect("a line");
+    assert!(line.contains("piped #0"), "{line}");
+    drop(reader);
+    assert_ok(&run_client(
+        home.path(),
+        &["--addr", &addr, "pub", "piped", "second"],
+    ));
+    let out = output_within(sub, "the subscriber after its output closed");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("standard output closed: closed the connection after 1 message(s)"),
+        "{err}"
+    );
+    stop(broker);
+}
+
+/// The admin command's own options may follow its subcommand (`admin cluster --json
+/// --admin-addr ...`, as howto-cluster.md writes them), and an admin address where nothing
+/// listens is named, with the option that sets it.
+#[test]
+fn admin_options_follow_the_subcommand_and_a_refused_address_is_explained() {
+    let home = tempfile::tempdir().expect("dir");
+    let certs = home.path().join("certs");
+    assert_ok(&run_client(
+        home.path(),
+        &["cert", "ca", "--out", certs.to_str().expect("utf-8")],
+    ));
+    let free = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = free.local_addr().expect("addr").to_string();
+    drop(free);
+    let ca = certs.join("ca.pem");
+    let out = run_client(
+        home.path(),
+        &[
+            "--ca",
+            ca.to_str().expect("utf-8"),
+            "admin",
+            "cluster",
+            "--json",
+            "--admin-addr",
+            &addr,
+        ],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(!err.contains("unexpected argument"), "{err}");
+    assert!(
+        err.contains(&format!("is {addr} its admin.listen_addr")) && err.contains("--admin-addr"),
+        "{err}"
+    );
+}
