@@ -333,6 +333,9 @@ struct Queue {
     groups: Vec<Group>,
     /// Groups (by index) refused without being published: answered STORAGE_FAILED.
     refused: Vec<usize>,
+    /// Groups (by index) that carry no records, only an answer to send in their turn: an ERROR
+    /// for a frame that came after frames whose answers the log still owed.
+    answers: Vec<(usize, Frame)>,
     closing: bool,
 }
 
@@ -610,6 +613,20 @@ impl Durable {
         self.close_group(q, Some(waiter));
     }
 
+    /// Send `frame` (an ERROR answering a frame of `waiter`'s stream) in order with the answers
+    /// the log owes that stream for earlier frames: answers on a stream come in request order
+    /// (docs/protocol.md §6.4). If the log is closed, at once.
+    pub fn queue_answer(&self, waiter: Waiter, frame: Frame) {
+        if self.is_closed() {
+            waiter.out.push_frame(&frame);
+            return;
+        }
+        let mut q = lock(&self.queue);
+        let index = q.groups.len();
+        q.answers.push((index, frame));
+        self.close_group(q, Some(waiter));
+    }
+
     /// Queue dead letters the broker published (no one to confirm them to). Call under
     /// [`Durable::order`], like [`queue_frame`](Self::queue_frame).
     pub fn queue_dead_letters(&self, records: impl Iterator<Item = DeadLetterRecord>) {
@@ -722,6 +739,7 @@ impl Durable {
                 work.recs.clear();
                 work.groups.clear();
                 work.refused.clear();
+                work.answers.clear();
             } else {
                 self.retry_after_failure(&mut log);
                 match log.commit() {
@@ -833,7 +851,12 @@ impl Durable {
             let mut first = recs.start;
             for gi in groups.clone() {
                 let g = &work.groups[gi];
-                if work.refused.contains(&gi) {
+                if let Some((_, answer)) = work.answers.iter().find(|(i, _)| *i == gi) {
+                    // No records: only its answer, in its turn.
+                    if let Some(w) = &g.waiter {
+                        w.out.push_frame(answer);
+                    }
+                } else if work.refused.contains(&gi) {
                     // Not an I/O error of its own: the failure was logged when it happened.
                     let refused = Err(LogError::InvalidAppend(REFUSED.into()));
                     self.settle(std::slice::from_ref(g), first, work, &refused);

@@ -648,9 +648,10 @@ async fn a_stuck_member_does_not_stall_its_durable_group() {
 }
 
 /// A stream-fatal ERROR (FRAME_TOO_LARGE) on a publish stream does not cost the frames before
-/// it their answers: with the durable log, their CONFIRM comes after the ERROR, and the client
-/// reads the stream to its end for it. Before the fix the client stopped reading at the ERROR
-/// and failed the earlier publish although the broker had stored it.
+/// it their answers: with the durable log, the ERROR waits behind the CONFIRM the log owes the
+/// earlier frame (answers come in request order), and both reach their publishers. (Before an
+/// earlier fix the ERROR came first and the client, which stopped reading at it, failed the
+/// earlier publish although the broker had stored it.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_confirm_that_comes_after_a_stream_fatal_error_still_reaches_its_publisher() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -672,21 +673,37 @@ async fn a_confirm_that_comes_after_a_stream_fatal_error_still_reaches_its_publi
             .is_some_and(|t| t.stats().snapshot().published == 1)
     })
     .await;
-    let err = client
-        .publish_with("held/b", vec![b'z'; 2000], &confirm())
-        .await
-        .expect_err("too large");
-    assert_eq!(
-        err.code(),
-        Some(aqueduct_client::ErrorCode::FRAME_TOO_LARGE),
-        "{err}"
-    );
+    let second = tokio::spawn({
+        let client = client.clone();
+        async move {
+            client
+                .publish_with("held/b", vec![b'z'; 2000], &confirm())
+                .await
+        }
+    });
+    let too_large = aqueduct_client::ErrorCode::FRAME_TOO_LARGE.0;
+    until("the oversized frame refused", || {
+        b.stats
+            .errors_sent()
+            .get(&too_large)
+            .is_some_and(|n| *n >= 1)
+    })
+    .await;
     b.control.hold_log_writes(false);
     let offset = within("the held CONFIRM", first)
         .await
         .expect("task")
         .expect("the first publish was stored and confirmed");
     assert_eq!(offset, Some(0));
+    let err = within("the ERROR", second)
+        .await
+        .expect("task")
+        .expect_err("too large");
+    assert_eq!(
+        err.code(),
+        Some(aqueduct_client::ErrorCode::FRAME_TOO_LARGE),
+        "{err}"
+    );
     // The publisher goes on, on a new stream, and flush reports that the old one stopped
     // being read (the broker read nothing after the oversized frame).
     let next = client

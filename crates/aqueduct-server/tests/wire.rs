@@ -544,3 +544,39 @@ async fn subscriptions_sharing_a_stream_take_turns() {
     raw.conn.close(0u32.into(), b"done");
     b.stop().await.expect("clean shutdown");
 }
+
+/// Answers on a stream come in request order with the durable log too (§6.4): an ERROR for a
+/// later frame waits behind the CONFIRM the log owes an earlier one. Before the fix the ERROR
+/// came first, and a client matching answers by order (a seed client uses one stream id for
+/// every frame of a stream) took it for the earlier frame's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_waits_behind_the_confirm_the_log_owes_an_earlier_frame() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b =
+        TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), aqueduct_log::FsyncMode::Always)))
+            .await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    b.control.hold_log_writes(true);
+    let mut s = raw.stream().await;
+    s.write_frame(&confirmed_publish(7, "ordered", "x")).await;
+    // A reserved opcode: answered UNKNOWN_OPCODE and skipped, the stream goes on.
+    s.write(&raw_frame(0x3F, 7, b"")).await;
+    let unknown = ErrorCode::UNKNOWN_OPCODE.0;
+    until("the second frame handled", || {
+        b.stats.errors_sent().get(&unknown).is_some_and(|n| *n >= 1)
+    })
+    .await;
+    b.control.hold_log_writes(false);
+    assert_eq!(
+        expect_confirm(&mut s, 7).await,
+        vec![0],
+        "the CONFIRM first"
+    );
+    let second = s.read_frame().await.expect("the ERROR");
+    match second.message {
+        Message::Error(e) => assert_eq!(e.code, ErrorCode::UNKNOWN_OPCODE),
+        other => panic!("expected ERROR, got {other:?}"),
+    }
+    raw.forget();
+    b.stop().await.expect("clean shutdown");
+}

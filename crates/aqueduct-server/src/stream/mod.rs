@@ -439,10 +439,15 @@ impl Reader<'_> {
     fn send_error(&self, stream_id: u32, code: ErrorCode, reason: String) {
         debug!(stream_id, %code, %reason, "ERROR to {}", self.conn.remote);
         self.shared.stats.error_sent(code);
-        self.out.push_frame(&Frame::new(
-            stream_id,
-            Message::Error(ErrorFrame { code, reason }),
-        ));
+        let frame = Frame::new(stream_id, Message::Error(ErrorFrame { code, reason }));
+        // Answers on a stream come in request order: while the durable log still owes this
+        // stream answers to earlier publish frames, the ERROR goes behind them.
+        match &self.shared.durable {
+            Some(d) if self.out.log_unanswered.load(Ordering::Acquire) > 0 => {
+                d.queue_answer(self.waiter(stream_id, false), frame);
+            }
+            _ => self.out.push_frame(&frame),
+        }
     }
 
     async fn handle_raw(&mut self, raw: aqueduct_proto::header::RawHeader, data: bytes::Bytes) {
