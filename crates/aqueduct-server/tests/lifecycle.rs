@@ -369,3 +369,34 @@ async fn a_reset_ends_the_subscriptions_of_a_stream_whose_write_is_blocked() {
     publisher.close().await;
     b.stop().await.expect("clean shutdown");
 }
+
+/// After STOP_SENDING the broker goes on reading the stream (§1.1): the replies it can no
+/// longer send are dropped, not queued. Before, they piled up until the reader's backpressure
+/// (1 MiB of unsent replies) stopped reading the stream, and what the client sent after that
+/// was never handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_replies_cannot_be_sent_is_still_read() {
+    let b = TestBroker::start().await;
+    let watcher = b.client().await;
+    let mut sub = watcher.subscribe("after/stop").await.expect("subscribe");
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut s = raw.stream().await;
+    s.stop_reading();
+    // Frames each answered with an ERROR (reserved opcode: UNKNOWN_OPCODE, skipped): well over
+    // 1 MiB of replies.
+    let noise: Vec<u8> = (0..60_000).flat_map(|_| raw_frame(0x3F, 7, b"")).collect();
+    s.write(&noise).await;
+    let publish = aqueduct_proto::Frame::new(
+        7,
+        Message::Publish(aqueduct_proto::Publish::new(
+            aqueduct_proto::TopicName::try_from("after/stop").expect("topic"),
+            bytes::Bytes::from_static(b"still read"),
+        )),
+    );
+    s.write_frame(&publish).await;
+    let got = next(&mut sub).await;
+    assert_eq!(&got.body()[..], b"still read");
+    raw.forget();
+    watcher.close().await;
+    b.stop().await.expect("clean shutdown");
+}

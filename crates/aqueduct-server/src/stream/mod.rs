@@ -118,7 +118,16 @@ impl StreamOut {
     }
 
     pub(crate) fn push_frame(&self, frame: &Frame) {
-        frame.encode(&mut *lock(&self.control));
+        {
+            let mut control = lock(&self.control);
+            // Once the stream is over for writing (the client stopped reading it, or it is
+            // gone) no reply is ever sent: dropped, so that a reader that goes on reading
+            // (after STOP_SENDING) is not held back by replies that cannot go out.
+            if self.aborted.load(Ordering::Acquire) {
+                return;
+            }
+            frame.encode(&mut *control);
+        }
         self.notify.notify_one();
     }
 
@@ -127,7 +136,12 @@ impl StreamOut {
     }
 
     pub(crate) fn abort(&self) {
-        self.aborted.store(true, Ordering::Release);
+        {
+            // Under the replies' lock, as `push_frame` checks it: none is queued after this.
+            let mut control = lock(&self.control);
+            self.aborted.store(true, Ordering::Release);
+            control.clear();
+        }
         self.notify.notify_one();
         // A reader waiting for unread replies to be flushed must see it too: nothing will flush
         // them any more.
