@@ -400,3 +400,36 @@ async fn a_stream_whose_replies_cannot_be_sent_is_still_read() {
     watcher.close().await;
     b.stop().await.expect("clean shutdown");
 }
+
+/// A SUBSCRIBE on a stream the client stopped reading registers nothing (§7.4): nothing could
+/// be delivered or answered there. Its stream id stays free for a SUBSCRIBE on another stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscribe_on_a_stream_the_client_stopped_reading_registers_nothing() {
+    let b = TestBroker::start().await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut stopped = raw.stream().await;
+    // Something on the stream first (the broker's side of it exists), then the stop.
+    stopped.write(&raw_frame(0x3F, 9, b"")).await;
+    stopped.stop_reading();
+    until("the broker saw the stop", || {
+        b.stats.streams_stopped.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    stopped.write(&subscribe_frame(9, "topic:ignored")).await;
+    until("the SUBSCRIBE counted as rejected", || {
+        b.stats
+            .rejected_frames()
+            .get("subscribe_on_closed_stream")
+            .is_some_and(|n| *n >= 1)
+    })
+    .await;
+    assert_eq!(b.broker.subscriber_count(), 0);
+    let mut other = raw.stream().await;
+    other.write(&subscribe_frame(9, "topic:taken")).await;
+    until("the same id on another stream", || {
+        b.broker.subscriber_count() == 1
+    })
+    .await;
+    raw.forget();
+    b.stop().await.expect("clean shutdown");
+}
