@@ -185,6 +185,9 @@ impl Drop for StreamGuard {
         // A task that ended while its writer was parked (aborted with its connection) leaves
         // the sending half here, holding the connection's state: let both go with the task.
         drop(lock(&self.out.direct).take());
+        // Revocations asked for after the writer ended: the subscriptions are ended above, and
+        // each would otherwise keep this stream's state alive through its waker.
+        drop(std::mem::take(&mut *lock(&self.out.revoking)));
         self.shared
             .stats
             .live_streams
