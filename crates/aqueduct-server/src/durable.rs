@@ -46,6 +46,9 @@ pub(crate) const MAX_OWED: usize = 131_072;
 pub(crate) const CRASH_OFFSET_GAP: u64 = 1 << 20;
 /// The most bytes of queued messages one log batch takes (a batch's limit is 64 MiB).
 const MAX_CHUNK_BYTES: usize = 32 << 20;
+/// Dead letters queued together are split into groups of about this many bytes: well within
+/// a log batch, whatever their framing adds.
+const DEAD_LETTER_GROUP_BYTES: usize = MAX_CHUNK_BYTES / 2;
 /// How often the writer applies retention.
 const RETENTION_EVERY: Duration = Duration::from_secs(10);
 
@@ -644,6 +647,7 @@ impl Durable {
         }
         let mut q = lock(&self.queue);
         let before = q.recs.len();
+        let mut group_start = q.data.len();
         for d in records {
             StoredMessage::encode_dead_letter(&d, &mut q.data);
             let end = q.data.len();
@@ -652,12 +656,33 @@ impl Durable {
                 offset: d.offset,
                 end,
             });
+            // Many dead letters at once (a stalled group's whole backlog in one tick) are
+            // several groups: a group is written in one log batch, which has a size limit, and
+            // no publisher waits for these together.
+            if end - group_start >= DEAD_LETTER_GROUP_BYTES {
+                let recs_end = q.recs.len();
+                q.groups.push(Group {
+                    recs_end,
+                    waiter: None,
+                    queued_at: Instant::now(),
+                });
+                group_start = end;
+            }
         }
         if q.recs.len() == before {
             return;
         }
         self.owe(q.recs.len() - before);
-        self.close_group(q, None);
+        if q.groups.last().is_some_and(|g| g.recs_end == q.recs.len()) {
+            // Every record is in a group already.
+            self.stats
+                .queued
+                .store(q.recs.len() as u64, Ordering::Relaxed);
+            drop(q);
+            self.ready.notify_one();
+        } else {
+            self.close_group(q, None);
+        }
     }
 
     /// Run `f` (a broker call that may publish dead letters: a NACK, the ack-wait timer, a
@@ -1061,6 +1086,55 @@ mod tests {
         }
         drop(third);
         assert_eq!(d.owed.load(Ordering::Relaxed), 0);
+        d.close();
+    }
+
+    /// Many dead letters made at once (here two of 40 MiB: a batch holds at most 64 MiB) are
+    /// all stored: they are split into groups a log batch takes. Before, they were one group,
+    /// its batch was refused, nothing of it was stored and the log counted as failing.
+    #[tokio::test]
+    async fn dead_letters_larger_than_a_batch_together_are_all_stored() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let opts = aqueduct_log::LogOptions {
+            allow_plaintext: true,
+            crash_offset_gap: CRASH_OFFSET_GAP,
+            ..aqueduct_log::LogOptions::default()
+        };
+        let (log, rec) = Log::open(dir.path(), opts).expect("log opens");
+        let d = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        let broker = aqueduct_core::Broker::new(aqueduct_core::BrokerConfig::default());
+        let dlq = TopicName::try_from("__dlq__t").expect("valid");
+        let mut ctx = PublishContext::default();
+        broker.publish(&mut ctx, &Publication::new(&dlq, b"x"), Instant::now());
+        let state = broker.topic(&dlq).expect("created");
+        let original = TopicName::try_from("t").expect("valid");
+        let body = bytes::Bytes::from(vec![7u8; 40 << 20]);
+        let records = (0..2u64).map(|i| DeadLetterRecord {
+            topic: state.clone(),
+            offset: i,
+            priority: aqueduct_proto::Priority::DEFAULT,
+            body: body.clone(),
+            trace: None,
+            compression: None,
+            original_topic: original.clone(),
+            original_offset: i,
+            attempts_made: 3,
+            reason: "nacked".into(),
+        });
+        {
+            let _order = lock(&d.order);
+            d.queue_dead_letters(records);
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while d.index.last_offset(b"__dlq__t") != Some(1) {
+            assert!(!d.is_failing(), "the log refused the dead letters");
+            assert!(
+                Instant::now() < deadline,
+                "the dead letters were not stored"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!d.is_failing());
         d.close();
     }
 
