@@ -289,8 +289,12 @@ pub(crate) async fn handle(
                 // has a close reason (its bool only says whether 0-RTT data was taken).
                 match tokio::time::timeout_at(deadline, accepted).await {
                     Ok(_) if conn2.close_reason().is_none() => {
-                        identify(&conn2, &state, &shared2);
-                        state.confirm();
+                        // What early data it sent is held back until now: a peer certificate
+                        // (no client identity) gets nothing of it handled.
+                        if !refuse_peer_certificate(&conn2) {
+                            identify(&conn2, &state, &shared2);
+                            state.confirm();
+                        }
                     }
                     Ok(_) => {
                         shared2
@@ -427,14 +431,15 @@ impl Session {
 
 /// With the cluster on: hand a mesh connection (ALPN `aqueduct-mesh`, a certificate of the
 /// cluster CA) to the mesh, or close a connection that may not be served; true if it is not a
-/// client connection to serve.
+/// client connection to serve. With the cluster off too, a peer certificate (one that names
+/// `aqueduct-mesh`) is no client identity: such a connection is closed.
 fn divert(conn: &quinn::Connection, shared: &Shared) -> bool {
-    let (Some(mesh), Some(tls)) = (&shared.mesh, &shared.mesh_tls) else {
-        return false;
-    };
     let refuse = |why: &str| {
         warn!(remote = %canonical(conn.remote_address()), "connection refused: {why}");
         conn.close(ErrorCode::NOT_AUTHORIZED.0.into(), why.as_bytes());
+    };
+    let (Some(mesh), Some(tls)) = (&shared.mesh, &shared.mesh_tls) else {
+        return refuse_peer_certificate(conn);
     };
     if crate::mesh_tls::alpn(conn).as_deref() == Some(crate::mesh_tls::MESH_ALPN) {
         match tls.peer_of(conn) {
@@ -456,6 +461,18 @@ fn divert(conn: &quinn::Connection, shared: &Shared) -> bool {
             true
         }
     }
+}
+
+/// Close a connection whose client presents a peer certificate (one that names
+/// `aqueduct-mesh`): no client identity, with the cluster on or off. True if it was closed.
+fn refuse_peer_certificate(conn: &quinn::Connection) -> bool {
+    if !crate::mesh_tls::presents_peer_certificate(conn) {
+        return false;
+    }
+    let why = crate::mesh_tls::PEER_IS_NO_CLIENT;
+    warn!(remote = %canonical(conn.remote_address()), "connection refused: {why}");
+    conn.close(ErrorCode::NOT_AUTHORIZED.0.into(), why.as_bytes());
+    true
 }
 
 /// How long a closing WebTransport session waits for the peer to take the close message.

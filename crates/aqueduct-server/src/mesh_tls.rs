@@ -197,9 +197,7 @@ impl MeshTls {
             return Ok(());
         };
         if names_mesh(end) {
-            return Err(format!(
-                "a peer certificate (it names {MESH_NAME}) is not a client identity"
-            ));
+            return Err(PEER_IS_NO_CLIENT.into());
         }
         match &self.clients {
             Some(v) => v
@@ -209,6 +207,18 @@ impl MeshTls {
             None => Err("client certificates need tls.client_ca_file".into()),
         }
     }
+}
+
+/// Why a connection presenting a peer certificate as a client's is refused.
+pub const PEER_IS_NO_CLIENT: &str =
+    "a peer certificate (it names aqueduct-mesh) is not a client identity";
+
+/// Does the connection's client present a peer certificate (one that names `aqueduct-mesh`)?
+pub fn presents_peer_certificate(conn: &quinn::Connection) -> bool {
+    peer_certs(conn)
+        .as_deref()
+        .and_then(<[_]>::first)
+        .is_some_and(names_mesh)
 }
 
 /// Does the certificate name `aqueduct-mesh` (a peer certificate)?

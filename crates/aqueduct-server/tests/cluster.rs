@@ -718,6 +718,39 @@ async fn a_client_certificate_of_the_same_ca_is_not_a_peer() {
     node.stop().await.expect("clean shutdown");
 }
 
+/// A peer certificate is no client identity on a broker without the cluster either, even one
+/// that trusts the same CA for its clients; a client certificate of that CA is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_certificate_is_no_client_identity_without_the_cluster() {
+    let ca = ClusterCa::new();
+    let ca_file = ca.ca.write(ca.dir.path());
+    let b = TestBroker::start_with(|c| c.tls.client_ca_file = Some(ca_file.clone())).await;
+    let confirm = aqueduct_client::PublishOptions {
+        confirm: true,
+        ..Default::default()
+    };
+    let (cert, key) = ca.ca.peer(ca.dir.path(), "node-x");
+    // Refused at once, or (TLS 1.3 lets the client finish first) closed right after.
+    let refused = match aqueduct_client::Client::connect(b.options().client_cert(&cert, &key)).await
+    {
+        Err(_) => true,
+        Ok(client) => within("the refusal", client.publish_with("t", "x", &confirm))
+            .await
+            .is_err(),
+    };
+    assert!(refused, "a peer certificate was served as a client");
+    let (cert, key) = ca.ca.client(ca.dir.path(), "alice");
+    let alice = aqueduct_client::Client::connect(b.options().client_cert(&cert, &key))
+        .await
+        .expect("a client certificate is served");
+    alice
+        .publish_with("t", "x", &confirm)
+        .await
+        .expect("published");
+    alice.close().await;
+    b.stop().await.expect("clean shutdown");
+}
+
 /// A peer certificate is no client identity over WebTransport either: a session presenting one
 /// is refused (the handshake accepts the cluster CA for mesh connections).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
