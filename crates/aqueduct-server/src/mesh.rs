@@ -937,6 +937,8 @@ impl Driver {
         let mut reconnects: HashMap<NodeId, u64> = HashMap::new();
         // Peer addresses that failed to dial: the reason last warned about, and when.
         let mut dial_warned: HashMap<SocketAddr, (String, Instant)> = HashMap::new();
+        // This node's port: a dialed address with it and a local IP is this node itself.
+        let own_port = endpoint.local_addr().map_or(0, |a| a.port());
         // Each node's copies, shared by its connections (only the kept one writes them).
         let mut node_queues: HashMap<NodeId, Arc<PeerQueue>> = HashMap::new();
         // Events handled since the route table was last rebuilt.
@@ -1004,28 +1006,44 @@ impl Driver {
                     let id = adopt(conn, &node, &mut conns, &mut tasks);
                     self.mesh.handle_connected(now, id, node, None, false);
                 }
-                Some(Event::Dialed { addr, result }) => match result {
-                    Ok((conn, node)) => {
-                        if dial_warned.remove(&addr).is_some() {
-                            info!(%addr, peer = %node, "cluster peer reached");
+                Some(Event::Dialed { addr, result }) => {
+                    let result = result.and_then(|(conn, node)| {
+                        // This node's own id from an address that is not this node's: two
+                        // nodes share an id (a copied configuration and certificate).
+                        if &node == self.mesh.me() && !is_own_address(addr, own_port) {
+                            conn.close(0u32.into(), b"duplicate node id");
+                            return Err(format!(
+                                "the node there presents this node's id {node}: another node \
+                                 has the same cluster.node_id (every node needs its own id and \
+                                 peer certificate: `aqueduct cert peer NODE`), or this node's \
+                                 own address is reached through NAT"
+                            ));
                         }
-                        let id = adopt(conn, &node, &mut conns, &mut tasks);
-                        self.mesh.handle_connected(now, id, node, Some(addr), true);
-                    }
-                    Err(why) => {
-                        let why = explain_dial_failure(addr, &why);
-                        let loud = dial_warned.get(&addr).is_none_or(|(last, at)| {
-                            *last != why || now.duration_since(*at) >= DIAL_WARN_EVERY
-                        });
-                        if loud {
-                            warn!(%addr, "cannot connect to a cluster peer (retrying with backoff): {why}");
-                            dial_warned.insert(addr, (why, now));
-                        } else {
-                            debug!(%addr, "mesh dial failed: {why}");
+                        Ok((conn, node))
+                    });
+                    match result {
+                        Ok((conn, node)) => {
+                            if dial_warned.remove(&addr).is_some() {
+                                info!(%addr, peer = %node, "cluster peer reached");
+                            }
+                            let id = adopt(conn, &node, &mut conns, &mut tasks);
+                            self.mesh.handle_connected(now, id, node, Some(addr), true);
                         }
-                        self.mesh.handle_dial_failed(now, addr);
+                        Err(why) => {
+                            let why = explain_dial_failure(addr, &why);
+                            let loud = dial_warned.get(&addr).is_none_or(|(last, at)| {
+                                *last != why || now.duration_since(*at) >= DIAL_WARN_EVERY
+                            });
+                            if loud {
+                                warn!(%addr, "cannot connect to a cluster peer (retrying with backoff): {why}");
+                                dial_warned.insert(addr, (why, now));
+                            } else {
+                                debug!(%addr, "mesh dial failed: {why}");
+                            }
+                            self.mesh.handle_dial_failed(now, addr);
+                        }
                     }
-                },
+                }
                 Some(Event::Control { conn, control }) => {
                     self.mesh.handle_control(conn, control);
                 }
@@ -1184,6 +1202,12 @@ impl Drop for DoneReading<'_> {
 
 /// Dial `addr` as a mesh peer: the peer certificate must name `aqueduct-mesh` and chain to the
 /// cluster CA; its CN is the peer's node id.
+/// Whether `addr` is this node's own: its port, and an IP of this host (one a socket can be
+/// bound to).
+fn is_own_address(addr: SocketAddr, own_port: u16) -> bool {
+    addr.port() == own_port && std::net::UdpSocket::bind(SocketAddr::new(addr.ip(), 0)).is_ok()
+}
+
 /// A dial failure in words an operator can act on: the error, and what usually causes it.
 fn explain_dial_failure(addr: SocketAddr, why: &str) -> String {
     let hint = if why.contains("timed out") {
@@ -1858,6 +1882,15 @@ async fn serve_peer(link: PeerTask) {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn own_addresses_are_this_hosts_ips_on_this_port() {
+        let here: SocketAddr = "127.0.0.1:7441".parse().expect("addr");
+        assert!(is_own_address(here, 7441));
+        assert!(!is_own_address(here, 7442), "another port: another node");
+        let elsewhere: SocketAddr = "192.0.2.1:7441".parse().expect("addr");
+        assert!(!is_own_address(elsewhere, 7441), "not an IP of this host");
+    }
 
     #[test]
     fn dial_failures_say_what_usually_causes_them() {
