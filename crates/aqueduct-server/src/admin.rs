@@ -397,9 +397,15 @@ fn rule_to_proto(r: &AclRule) -> proto::AclRule {
     }
 }
 
-fn rule_from_proto(i: usize, r: &proto::AclRule) -> Result<AclRule, Status> {
-    AclRule::parse(&r.client_id, &r.topic, &r.permission)
-        .map_err(|e| Status::invalid_argument(format!("rule {i}: {e}")))
+/// One rule of a request; `i`: its place in a list of rules (named in the error), `None` for
+/// the one rule of an add or remove.
+fn rule_from_proto(i: Option<usize>, r: &proto::AclRule) -> Result<AclRule, Status> {
+    AclRule::parse(&r.client_id, &r.topic, &r.permission).map_err(|e| {
+        Status::invalid_argument(match i {
+            Some(i) => format!("rule {i}: {e}"),
+            None => e.to_string(),
+        })
+    })
 }
 
 fn client_id(id: &str) -> Result<&str, Status> {
@@ -501,7 +507,7 @@ impl AdminService for AdminApi {
             .rules
             .iter()
             .enumerate()
-            .map(|(i, rule)| rule_from_proto(i, rule))
+            .map(|(i, rule)| rule_from_proto(Some(i), rule))
             .collect::<Result<Vec<_>, _>>()?;
         let default = match &r.default_permission {
             Some(d) => Some(d.parse().map_err(|e: String| {
@@ -531,7 +537,7 @@ impl AdminService for AdminApi {
         req: Request<proto::AclRule>,
     ) -> Result<Response<proto::Acl>, Status> {
         let caller = self.authorize(&req, "AddACLRule")?;
-        let rule = rule_from_proto(0, req.get_ref())?;
+        let rule = rule_from_proto(None, req.get_ref())?;
         let added = self.shared.access.acl.update(|p| {
             if p.rules.contains(&rule) {
                 false
@@ -553,7 +559,7 @@ impl AdminService for AdminApi {
         req: Request<proto::AclRule>,
     ) -> Result<Response<proto::Acl>, Status> {
         let caller = self.authorize(&req, "RemoveACLRule")?;
-        let rule = rule_from_proto(0, req.get_ref())?;
+        let rule = rule_from_proto(None, req.get_ref())?;
         let removed = self.shared.access.acl.update(|p| {
             let before = p.rules.len();
             p.rules.retain(|r| r != &rule);
