@@ -925,7 +925,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             if *json {
                 crate::print_line(&report.json().to_string())?;
             } else {
-                print!("{}", report.text());
+                crate::print_line(report.text().trim_end_matches('\n'))?;
             }
             if report.lost > 0 || report.duplicates > 0 {
                 let addr = metrics_addr

@@ -98,9 +98,13 @@ impl TraceService for Sink {
                 }
             }
         }
-        print!("{lines}");
-        if c.enough
-            .is_some_and(|n| c.spans.load(Ordering::Relaxed) >= n)
+        // Whoever read the output went away (`aqueduct trace-sink | head`): the sink ends, as
+        // when it has printed enough.
+        let reader_gone =
+            !lines.is_empty() && !crate::print_line(lines.trim_end_matches('\n')).unwrap_or(false);
+        if reader_gone
+            || c.enough
+                .is_some_and(|n| c.spans.load(Ordering::Relaxed) >= n)
         {
             c.done.notify_one();
         }

@@ -454,6 +454,9 @@ pub(crate) async fn feed(
     let mut first_pass = true;
     // Topics whose last read failed, and when to read them again.
     let mut retry_at: HashMap<Vec<u8>, Instant> = HashMap::new();
+    // When each failing topic was last warned about (a read that fails for good is retried
+    // every second: warned about once a minute).
+    let mut warned_at: HashMap<Vec<u8>, Instant> = HashMap::new();
     loop {
         let progress = durable.progress.notified();
         tokio::pin!(progress);
@@ -522,7 +525,16 @@ pub(crate) async fn feed(
                     Err(e) if read_again(&e) => {
                         // A read that failed (out of file descriptors, permissions, an I/O
                         // error): nothing is skipped; the same position is read again later.
-                        warn!(topic = %name, "durable consumer: cannot read the log, trying again in {READ_RETRY:?}: {e}");
+                        let now = Instant::now();
+                        if warned_at
+                            .get(&topic)
+                            .is_none_or(|at| now.duration_since(*at) >= READ_WARN_EVERY)
+                        {
+                            warn!(topic = %name, "durable consumer: cannot read the log, trying again every {READ_RETRY:?} (nothing after this point is delivered until it can be read): {e}");
+                            warned_at.insert(topic.clone(), now);
+                        } else {
+                            debug!(topic = %name, "durable consumer: cannot read the log: {e}");
+                        }
                         durable.stats.read_errors.fetch_add(1, Ordering::Relaxed);
                         retry_at.insert(topic.clone(), Instant::now() + READ_RETRY);
                         break;
@@ -642,6 +654,8 @@ pub(crate) async fn feed(
 
 /// How long a durable consumer waits before reading again where a read of the log failed.
 const READ_RETRY: Duration = Duration::from_secs(1);
+/// A read of the log that keeps failing is warned about again after this long.
+const READ_WARN_EVERY: Duration = Duration::from_secs(60);
 
 /// Whether a failed read of the log is tried again rather than skipped: any I/O error but a
 /// segment that no longer exists (retention deleted it after the reader was planned; what it

@@ -620,11 +620,14 @@ impl Durable {
     /// the log owes that stream for earlier frames: answers on a stream come in request order
     /// (docs/protocol.md §6.4). If the log is closed, at once.
     pub fn queue_answer(&self, waiter: Waiter, frame: Frame) {
-        if self.is_closed() {
+        let mut q = lock(&self.queue);
+        if q.closing {
+            // The writer's last pass may have taken the queue already: nothing queued now would
+            // be answered, and the log owes nothing more anyway.
+            drop(q);
             waiter.out.push_frame(&frame);
             return;
         }
-        let mut q = lock(&self.queue);
         let index = q.groups.len();
         q.answers.push((index, frame));
         self.close_group(q, Some(waiter));
@@ -872,11 +875,13 @@ impl Durable {
             let ok = wrote.iter().all(|r| r.is_ok());
             self.failing.store(!ok, Ordering::Release);
         }
+        // Answer-only groups, in group order like the chunks.
+        let mut answers = work.answers.iter().peekable();
         for ((groups, recs), result) in chunks.iter().zip(&results) {
             let mut first = recs.start;
             for gi in groups.clone() {
                 let g = &work.groups[gi];
-                if let Some((_, answer)) = work.answers.iter().find(|(i, _)| *i == gi) {
+                if let Some((_, answer)) = answers.next_if(|(i, _)| *i == gi) {
                     // No records: only its answer, in its turn.
                     if let Some(w) = &g.waiter {
                         w.out.push_frame(answer);

@@ -1205,7 +1205,10 @@ impl Drop for DoneReading<'_> {
 /// Whether `addr` is this node's own: its port, and an IP of this host (one a socket can be
 /// bound to).
 fn is_own_address(addr: SocketAddr, own_port: u16) -> bool {
-    addr.port() == own_port && std::net::UdpSocket::bind(SocketAddr::new(addr.ip(), 0)).is_ok()
+    let mut probe = addr;
+    // Port 0, the IPv6 scope (a link-local address's interface) kept.
+    probe.set_port(0);
+    addr.port() == own_port && std::net::UdpSocket::bind(probe).is_ok()
 }
 
 /// A dial failure in words an operator can act on: the error, and what usually causes it.

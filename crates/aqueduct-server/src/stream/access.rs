@@ -22,7 +22,10 @@ use crate::server::Shared;
 pub(crate) fn request_revoke(shared: &Shared, entry: &SubEntry) -> bool {
     {
         let mut revoking = lock(&entry.out.revoking);
-        if revoking.iter().any(|s| Arc::ptr_eq(s, &entry.sub)) {
+        if entry.out.ended.load(std::sync::atomic::Ordering::Acquire)
+            || revoking.iter().any(|s| Arc::ptr_eq(s, &entry.sub))
+        {
+            // Ended with its stream, or already asked.
             return false;
         }
         revoking.push(entry.sub.clone());

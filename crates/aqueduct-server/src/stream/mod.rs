@@ -45,6 +45,9 @@ pub(crate) use io::{RecvHalf, SendHalf, WriteFailure};
 
 /// Reply bytes a client may leave unread before the broker stops reading its stream.
 const MAX_PENDING_CONTROL: usize = 1 << 20;
+/// Frames of a stream the durable log may owe answers to (CONFIRMs, and ERRORs waiting behind
+/// them) before the broker stops reading the stream until the log catches up.
+const MAX_LOG_UNANSWERED: usize = 1 << 16;
 /// How long a finished stream waits for the client to read what is left.
 const FINISH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Coalescing windows at least this long wait on a timer; shorter ones (tokio timers have a
@@ -91,6 +94,8 @@ pub(crate) struct StreamOut {
     drain_from: AtomicUsize,
     /// The stream is over: the writer must stop (peer stopped reading, connection closed).
     aborted: AtomicBool,
+    /// The stream's task has ended (its subscriptions are ended): no revocation is taken.
+    pub(crate) ended: AtomicBool,
     /// The reader was stopped by shutdown before the client finished the stream.
     interrupted: AtomicBool,
     /// A SLOW_CONSUMER ERROR is in the writer's buffer, not yet accepted by QUIC: if its write
@@ -113,8 +118,12 @@ impl StreamOut {
 
     /// The log answered one (its answer is already queued here).
     pub(crate) fn log_answered(&self) {
-        self.log_unanswered.fetch_sub(1, Ordering::AcqRel);
+        let before = self.log_unanswered.fetch_sub(1, Ordering::AcqRel);
         self.notify.notify_one();
+        if before == MAX_LOG_UNANSWERED + 1 {
+            // Back at the bound the reader waits for (see `Reader::run`).
+            self.flushed.notify_waiters();
+        }
     }
 
     pub(crate) fn push_frame(&self, frame: &Frame) {
@@ -186,8 +195,13 @@ impl Drop for StreamGuard {
         // the sending half here, holding the connection's state: let both go with the task.
         drop(lock(&self.out.direct).take());
         // Revocations asked for after the writer ended: the subscriptions are ended above, and
-        // each would otherwise keep this stream's state alive through its waker.
-        drop(std::mem::take(&mut *lock(&self.out.revoking)));
+        // each would otherwise keep this stream's state alive through its waker. None is taken
+        // after this (`request_revoke` checks `ended` under the same lock).
+        {
+            let mut revoking = lock(&self.out.revoking);
+            self.out.ended.store(true, Ordering::Release);
+            revoking.clear();
+        }
         self.shared
             .stats
             .live_streams
@@ -388,7 +402,9 @@ impl Reader<'_> {
                 let flushed = self.out.flushed.notified();
                 tokio::pin!(flushed);
                 flushed.as_mut().enable();
-                if self.out.control_len() <= MAX_PENDING_CONTROL {
+                if self.out.control_len() <= MAX_PENDING_CONTROL
+                    && self.out.log_unanswered.load(Ordering::Acquire) <= MAX_LOG_UNANSWERED
+                {
                     break;
                 }
                 if self.out.aborted.load(Ordering::Acquire) {
