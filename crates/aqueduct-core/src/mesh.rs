@@ -1280,14 +1280,20 @@ mod tests {
     /// A peer that takes the handshake and then closes the connection before saying anything
     /// (it refuses this node's certificate as a peer's) is redialed with a growing backoff, not
     /// within `backoff_min` every time; once a peer speaks, a reconnect is quick again.
-    #[test]
-    fn a_peer_that_refuses_after_the_handshake_is_redialed_with_a_growing_backoff() {
-        let cfg = MeshConfig::default();
+    /// Node a with one peer address, its first dial made: (mesh, address, now).
+    fn dialing_one_peer(cfg: MeshConfig) -> (Mesh, SocketAddr, Instant) {
         let mut a = Mesh::new(node("a"), cfg, 7, 1);
         let addr: SocketAddr = "10.0.0.2:4242".parse().expect("addr");
         let now = Instant::now();
         a.handle_peer_set(now, [addr]);
         assert_eq!(a.poll_output(), Some(Output::Dial(addr)));
+        (a, addr, now)
+    }
+
+    #[test]
+    fn a_peer_that_refuses_after_the_handshake_is_redialed_with_a_growing_backoff() {
+        let cfg = MeshConfig::default();
+        let (mut a, addr, now) = dialing_one_peer(cfg);
         let mut waits = Vec::new();
         for i in 0..12 {
             let conn = ConnId(i + 1);
@@ -1322,11 +1328,7 @@ mod tests {
     #[test]
     fn backoff_is_bounded_with_full_jitter() {
         let cfg = MeshConfig::default();
-        let mut a = Mesh::new(node("a"), cfg, 7, 1);
-        let addr: SocketAddr = "10.0.0.2:4242".parse().expect("addr");
-        let now = Instant::now();
-        a.handle_peer_set(now, [addr]);
-        assert_eq!(a.poll_output(), Some(Output::Dial(addr)));
+        let (mut a, addr, now) = dialing_one_peer(cfg);
         let mut waits = Vec::new();
         for _ in 0..20 {
             a.handle_dial_failed(now, addr);

@@ -782,10 +782,11 @@ fn dlq_topic_names_stay_within_255_bytes() {
     assert_eq!(dlq_topic(&t("orders")).as_str(), "__dlq__orders");
 }
 
-#[test]
-fn max_in_flight_bounds_unsettled_deliveries() {
+/// A broker with `max_in_flight`, and an explicitly acknowledged subscription to `t` whose
+/// writer wake-ups are counted.
+fn explicit_sub_on_t(max_in_flight: usize) -> (Broker, Arc<Subscriber>, Arc<AtomicUsize>) {
     let b = Broker::new(BrokerConfig {
-        max_in_flight: 2,
+        max_in_flight,
         ..Default::default()
     });
     let (woken, waker) = counting_waker();
@@ -798,6 +799,12 @@ fn max_in_flight_bounds_unsettled_deliveries() {
             ..Default::default()
         },
     );
+    (b, s, woken)
+}
+
+#[test]
+fn max_in_flight_bounds_unsettled_deliveries() {
+    let (b, s, woken) = explicit_sub_on_t(2);
     let mut ctx = PublishContext::default();
     let now = Instant::now();
     for i in 0..5 {
@@ -822,20 +829,7 @@ fn max_in_flight_bounds_unsettled_deliveries() {
 /// stream whose queue was not empty stalled until something unrelated woke its writer.
 #[test]
 fn an_ack_timeout_wakes_the_writer_of_a_subscription_at_max_in_flight() {
-    let b = Broker::new(BrokerConfig {
-        max_in_flight: 1,
-        ..Default::default()
-    });
-    let (woken, waker) = counting_waker();
-    let s = sub_with(
-        &b,
-        "topic:t",
-        SubscribeOptions {
-            ack_mode: AckMode::Explicit,
-            waker: Some(waker),
-            ..Default::default()
-        },
-    );
+    let (b, s, woken) = explicit_sub_on_t(1);
     let mut ctx = PublishContext::default();
     let now = Instant::now();
     publish(&b, &mut ctx, "t", "m0", now);

@@ -1017,6 +1017,17 @@ mod tests {
     use super::*;
     use aqueduct_proto::TopicName;
 
+    /// A plaintext log in `dir`, fsync never, its writer started.
+    fn plaintext_log(dir: &std::path::Path) -> Arc<Durable> {
+        let opts = aqueduct_log::LogOptions {
+            allow_plaintext: true,
+            crash_offset_gap: CRASH_OFFSET_GAP,
+            ..aqueduct_log::LogOptions::default()
+        };
+        let (log, rec) = Log::open(dir, opts).expect("log opens");
+        Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts")
+    }
+
     /// Streams woken together cannot all take room: what the log owes stays at most
     /// `MAX_OWED` (or one frame, when nothing else is owed), and it is paid back as the writer
     /// writes. Before, every stream woken at a swap found the queue empty and queued its whole
@@ -1027,13 +1038,7 @@ mod tests {
         use futures_util::FutureExt;
         use std::task::{Context, Poll};
         let dir = tempfile::tempdir().expect("temp dir");
-        let opts = aqueduct_log::LogOptions {
-            allow_plaintext: true,
-            crash_offset_gap: CRASH_OFFSET_GAP,
-            ..aqueduct_log::LogOptions::default()
-        };
-        let (log, rec) = Log::open(dir.path(), opts).expect("log opens");
-        let d = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        let d = plaintext_log(dir.path());
         let half = MAX_OWED / 2;
         let big = d
             .wait_room(half + 1)
@@ -1100,13 +1105,7 @@ mod tests {
     #[tokio::test]
     async fn dead_letters_larger_than_a_batch_together_are_all_stored() {
         let dir = tempfile::tempdir().expect("temp dir");
-        let opts = aqueduct_log::LogOptions {
-            allow_plaintext: true,
-            crash_offset_gap: CRASH_OFFSET_GAP,
-            ..aqueduct_log::LogOptions::default()
-        };
-        let (log, rec) = Log::open(dir.path(), opts).expect("log opens");
-        let d = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        let d = plaintext_log(dir.path());
         let broker = aqueduct_core::Broker::new(aqueduct_core::BrokerConfig::default());
         let dlq = TopicName::try_from("__dlq__t").expect("valid");
         let mut ctx = PublishContext::default();
