@@ -659,9 +659,11 @@ const READ_WARN_EVERY: Duration = Duration::from_secs(60);
 
 /// Whether a failed read of the log is tried again rather than skipped: any I/O error but a
 /// segment that no longer exists (retention deleted it after the reader was planned; what it
-/// held is gone for good). Damage is skipped too: reading it again would fail the same way.
+/// held is gone for good) or one shorter than its index says (cut since: damage). Damage is
+/// skipped too: reading it again would fail the same way.
 fn read_again(e: &LogError) -> bool {
-    matches!(e, LogError::Io { source, .. } if source.kind() != std::io::ErrorKind::NotFound)
+    use std::io::ErrorKind::{NotFound, UnexpectedEof};
+    matches!(e, LogError::Io { source, .. } if !matches!(source.kind(), NotFound | UnexpectedEof))
 }
 
 #[cfg(test)]
@@ -669,6 +671,27 @@ mod tests {
     use super::*;
     use aqueduct_core::{BrokerConfig, SubscribeOptions};
     use aqueduct_proto::SubscribeSpec;
+
+    /// A passing read error is read again; a segment gone, one cut short and damage are
+    /// skipped (reading them again would fail the same way).
+    #[test]
+    fn only_passing_read_errors_are_tried_again() {
+        use std::io::ErrorKind;
+        let io = |kind: ErrorKind| LogError::Io {
+            action: "reading segment",
+            path: "00000000000000000001.seg".into(),
+            source: std::io::Error::from(kind),
+        };
+        assert!(read_again(&io(ErrorKind::PermissionDenied)));
+        assert!(read_again(&io(ErrorKind::Other)));
+        assert!(!read_again(&io(ErrorKind::NotFound)));
+        assert!(!read_again(&io(ErrorKind::UnexpectedEof)));
+        assert!(!read_again(&LogError::Damaged {
+            path: "00000000000000000001.seg".into(),
+            position: 96,
+            reason: "the batch's checksum fails".into(),
+        }));
+    }
 
     /// A feeder still running when the broker's consumers go away (no connection ended it)
     /// does not outlive them.
