@@ -273,6 +273,18 @@ impl TracingSection {
         let Some(host) = host.filter(|_| !authority.is_empty()) else {
             return Err(expected());
         };
+        // OTLP/gRPC has no path; `/v1/traces` is OTLP/HTTP's, which the broker does not speak.
+        let path = &rest[authority.len()..];
+        if !path.trim_end_matches('/').is_empty() {
+            return Err(invalid(
+                "tracing.otlp_endpoint",
+                format!(
+                    "{endpoint:?} has a path ({path}): the broker exports over OTLP/gRPC, whose \
+                     endpoint is only http(s)://HOST:PORT (usually port 4317); a path such as \
+                     /v1/traces belongs to OTLP/HTTP, which it does not speak"
+                ),
+            ));
+        }
         let tls = if secure {
             Some(OtlpTls::read(self, host)?)
         } else {
@@ -880,6 +892,7 @@ mod tests {
             "grpc://collector:4317",
             "http://",
             "http://a b",
+            "http://127.0.0.1:4318/v1/traces",
         ] {
             let e = ok(bad).validate().expect_err(bad).to_string();
             assert!(e.contains("tracing.otlp_endpoint"), "{e}");

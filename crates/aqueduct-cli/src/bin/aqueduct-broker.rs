@@ -145,7 +145,9 @@ async fn reload_on_sighup(control: aqueduct_server::Control, sources: Sources) {
                                 acl_enabled = acl.enabled,
                                 rules = acl.rules.len(),
                                 closed_subscriptions = closed,
-                                "SIGHUP: acl and broker.quotas reloaded from the configuration"
+                                "SIGHUP: acl and broker.quotas reloaded from the configuration \
+                                 (the file wins: rules and quotas set through the admin API \
+                                 since were replaced)"
                             );
                         }
                         Err(e) => warn!("SIGHUP: the new policy is live but was not saved: {e}"),
