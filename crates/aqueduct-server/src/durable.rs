@@ -334,10 +334,9 @@ struct Queue {
     data: Vec<u8>,
     recs: Vec<Rec>,
     groups: Vec<Group>,
-    /// Groups (by index) refused without being published: answered STORAGE_FAILED.
-    refused: Vec<usize>,
     /// Groups (by index) that carry no records, only an answer to send in their turn: an ERROR
-    /// for a frame that came after frames whose answers the log still owed.
+    /// for a frame that came after frames whose answers the log still owed, or STORAGE_FAILED
+    /// for a frame refused while the log fails.
     answers: Vec<(usize, Frame)>,
     closing: bool,
 }
@@ -610,10 +609,20 @@ impl Durable {
     /// Answer a publish frame STORAGE_FAILED, in order with the answers to earlier frames,
     /// without publishing it (the log is failing).
     pub fn queue_refusal(&self, waiter: Waiter) {
-        let mut q = lock(&self.queue);
-        let index = q.groups.len();
-        q.refused.push(index);
-        self.close_group(q, Some(waiter));
+        let refused = LogError::InvalidAppend(REFUSED.into());
+        // Not an I/O error of its own: the failure was logged when it happened.
+        if self.stats.write_errors.fetch_add(1, Ordering::Relaxed) == 0 {
+            error!("durable log: could not store 1 publish frame(s): {refused}");
+        }
+        self.server_stats.error_sent(ErrorCode::STORAGE_FAILED);
+        let frame = Frame::new(
+            waiter.stream_id,
+            Message::Error(ErrorFrame {
+                code: ErrorCode::STORAGE_FAILED,
+                reason: format!("not stored in the durable log: {refused}"),
+            }),
+        );
+        self.queue_answer(waiter, frame);
     }
 
     /// Send `frame` (an ERROR answering a frame of `waiter`'s stream) in order with the answers
@@ -766,7 +775,6 @@ impl Durable {
                 work.data.clear();
                 work.recs.clear();
                 work.groups.clear();
-                work.refused.clear();
                 work.answers.clear();
             } else {
                 self.retry_after_failure(&mut log);
@@ -886,10 +894,6 @@ impl Durable {
                     if let Some(w) = &g.waiter {
                         w.out.push_frame(answer);
                     }
-                } else if work.refused.contains(&gi) {
-                    // Not an I/O error of its own: the failure was logged when it happened.
-                    let refused = Err(LogError::InvalidAppend(REFUSED.into()));
-                    self.settle(std::slice::from_ref(g), first, work, &refused);
                 } else {
                     self.settle(std::slice::from_ref(g), first, work, result);
                 }
