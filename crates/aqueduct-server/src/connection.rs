@@ -434,10 +434,6 @@ impl Session {
 /// client connection to serve. With the cluster off too, a peer certificate (one that names
 /// `aqueduct-mesh`) is no client identity: such a connection is closed.
 fn divert(conn: &quinn::Connection, shared: &Shared) -> bool {
-    let refuse = |why: &str| {
-        warn!(remote = %canonical(conn.remote_address()), "connection refused: {why}");
-        conn.close(ErrorCode::NOT_AUTHORIZED.0.into(), why.as_bytes());
-    };
     let (Some(mesh), Some(tls)) = (&shared.mesh, &shared.mesh_tls) else {
         return refuse_peer_certificate(conn);
     };
@@ -450,14 +446,14 @@ fn divert(conn: &quinn::Connection, shared: &Shared) -> bool {
                     node,
                 });
             }
-            Err(why) => refuse(&why),
+            Err(why) => refuse(conn, &why),
         }
         return true;
     }
     match tls.check_client(conn) {
         Ok(()) => false,
         Err(why) => {
-            refuse(&why);
+            refuse(conn, &why);
             true
         }
     }
@@ -469,10 +465,14 @@ fn refuse_peer_certificate(conn: &quinn::Connection) -> bool {
     if !crate::mesh_tls::presents_peer_certificate(conn) {
         return false;
     }
-    let why = crate::mesh_tls::PEER_IS_NO_CLIENT;
+    refuse(conn, crate::mesh_tls::PEER_IS_NO_CLIENT);
+    true
+}
+
+/// Close a connection that may not be served (NOT_AUTHORIZED), saying why.
+fn refuse(conn: &quinn::Connection, why: &str) {
     warn!(remote = %canonical(conn.remote_address()), "connection refused: {why}");
     conn.close(ErrorCode::NOT_AUTHORIZED.0.into(), why.as_bytes());
-    true
 }
 
 /// How long a closing WebTransport session waits for the peer to take the close message.
