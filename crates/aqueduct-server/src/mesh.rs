@@ -1030,10 +1030,13 @@ impl Driver {
                             self.mesh.handle_connected(now, id, node, Some(addr), true);
                         }
                         Err(why) => {
+                            // This node's own endpoint going away (shutdown) is no peer's fault.
+                            let stopping = matches!(why.as_str(), "endpoint stopping" | "closed");
                             let why = explain_dial_failure(addr, &why);
-                            let loud = dial_warned.get(&addr).is_none_or(|(last, at)| {
-                                *last != why || now.duration_since(*at) >= DIAL_WARN_EVERY
-                            });
+                            let loud = !stopping
+                                && dial_warned.get(&addr).is_none_or(|(last, at)| {
+                                    *last != why || now.duration_since(*at) >= DIAL_WARN_EVERY
+                                });
                             if loud {
                                 warn!(%addr, "cannot connect to a cluster peer (retrying with backoff): {why}");
                                 dial_warned.insert(addr, (why, now));
