@@ -20,19 +20,9 @@ use crate::server::Shared;
 /// (`fill`), which cannot interleave with its reader making a subscription.
 /// Returns false if it was already asked.
 pub(crate) fn request_revoke(shared: &Shared, entry: &SubEntry) -> bool {
-    {
-        let mut revoking = lock(&entry.out.revoking);
-        if entry.out.ended.load(std::sync::atomic::Ordering::Acquire)
-            || revoking.iter().any(|s| Arc::ptr_eq(s, &entry.sub))
-        {
-            // Ended with its stream, or already asked.
-            return false;
-        }
-        revoking.push(entry.sub.clone());
-        entry
-            .out
-            .revoke_pending
-            .store(true, std::sync::atomic::Ordering::Release);
+    if !entry.out.queue_revocation(&entry.sub) {
+        // Ended with its stream, or already asked.
+        return false;
     }
     shared.broker.stop_routing(&entry.sub);
     entry.out.notify.notify_one();

@@ -144,6 +144,35 @@ impl StreamOut {
         lock(&self.control).len()
     }
 
+    /// May the reader read more of the stream? Not while the client leaves too many replies
+    /// unread, nor while the durable log owes too many answers (the writer, or the log's
+    /// answer, wakes `flushed` when that changes).
+    fn may_read(&self) -> bool {
+        self.control_len() <= MAX_PENDING_CONTROL
+            && self.log_unanswered.load(Ordering::Acquire) <= MAX_LOG_UNANSWERED
+    }
+
+    /// Queue `sub` to be closed by this stream's task (see [`request_revoke`]). False if it is
+    /// queued already, or if the task has ended: its subscriptions are ended then, and one kept
+    /// here would hold this stream's state alive through its waker (a reference cycle).
+    pub(crate) fn queue_revocation(&self, sub: &Arc<Subscriber>) -> bool {
+        let mut revoking = lock(&self.revoking);
+        if self.ended.load(Ordering::Acquire) || revoking.iter().any(|s| Arc::ptr_eq(s, sub)) {
+            return false;
+        }
+        revoking.push(sub.clone());
+        self.revoke_pending.store(true, Ordering::Release);
+        true
+    }
+
+    /// The stream's task has ended: no revocation is taken from now on, and those taken are
+    /// let go (their subscriptions were ended with the stream).
+    fn end_revocations(&self) {
+        let mut revoking = lock(&self.revoking);
+        self.ended.store(true, Ordering::Release);
+        revoking.clear();
+    }
+
     pub(crate) fn abort(&self) {
         {
             // Under the replies' lock, as `push_frame` checks it: none is queued after this.
@@ -194,14 +223,8 @@ impl Drop for StreamGuard {
         // A task that ended while its writer was parked (aborted with its connection) leaves
         // the sending half here, holding the connection's state: let both go with the task.
         drop(lock(&self.out.direct).take());
-        // Revocations asked for after the writer ended: the subscriptions are ended above, and
-        // each would otherwise keep this stream's state alive through its waker. None is taken
-        // after this (`request_revoke` checks `ended` under the same lock).
-        {
-            let mut revoking = lock(&self.out.revoking);
-            self.out.ended.store(true, Ordering::Release);
-            revoking.clear();
-        }
+        // Revocations asked for after the writer ended: the subscriptions are ended above.
+        self.out.end_revocations();
         self.shared
             .stats
             .live_streams
@@ -402,9 +425,7 @@ impl Reader<'_> {
                 let flushed = self.out.flushed.notified();
                 tokio::pin!(flushed);
                 flushed.as_mut().enable();
-                if self.out.control_len() <= MAX_PENDING_CONTROL
-                    && self.out.log_unanswered.load(Ordering::Acquire) <= MAX_LOG_UNANSWERED
-                {
+                if self.out.may_read() {
                     break;
                 }
                 if self.out.aborted.load(Ordering::Acquire) {
@@ -1473,4 +1494,88 @@ async fn write_loop<S: SendHalf + 'static>(
     // Closing the connection abandons data the client has not acknowledged yet: wait (bounded)
     // until it has read the stream to the end.
     let _ = tokio::time::timeout(FINISH_WAIT, send.stopped()).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+
+    use aqueduct_core::{Broker, BrokerConfig};
+    use aqueduct_proto::SubscribeSpec;
+    use bytes::Bytes;
+
+    use super::*;
+
+    /// Whether `notified` is ready now, without waiting.
+    fn ready(notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>) -> bool {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        notified.poll(&mut cx).is_ready()
+    }
+
+    /// The reader stops once the durable log owes the stream more than `MAX_LOG_UNANSWERED`
+    /// answers, and the answer that brings it back to the bound wakes it (a reader parked on
+    /// `flushed` has nothing else to wake it: a lost wake-up would stall the stream for good).
+    #[test]
+    fn the_reader_waits_while_the_log_owes_too_many_answers() {
+        let out = StreamOut::default();
+        for _ in 0..MAX_LOG_UNANSWERED {
+            out.await_log();
+        }
+        assert!(out.may_read(), "at the bound the reader goes on");
+        out.await_log();
+        assert!(!out.may_read(), "one past the bound, it waits");
+        let mut flushed = std::pin::pin!(out.flushed.notified());
+        flushed.as_mut().enable();
+        assert!(!ready(flushed.as_mut()));
+        out.log_answered();
+        assert!(out.may_read());
+        assert!(
+            ready(flushed.as_mut()),
+            "the answer back at the bound wakes the reader"
+        );
+        // Answers below the bound wake only the writer: the reader is not waiting then.
+        let mut again = std::pin::pin!(out.flushed.notified());
+        again.as_mut().enable();
+        out.log_answered();
+        assert!(!ready(again.as_mut()));
+    }
+
+    /// Unread replies stop the reader the same way.
+    #[test]
+    fn the_reader_waits_while_replies_are_unread() {
+        let out = StreamOut::default();
+        lock(&out.control).resize(MAX_PENDING_CONTROL, 0);
+        assert!(out.may_read());
+        lock(&out.control).extend_from_slice(b"!");
+        assert!(!out.may_read());
+    }
+
+    /// A revocation asked for after the stream's task ended is not taken: the subscription
+    /// holds the stream's state through its waker, so keeping it in the stream's list would
+    /// keep both alive for good.
+    #[test]
+    fn no_revocation_is_taken_after_the_stream_ended() {
+        let broker = Broker::new(BrokerConfig::default());
+        let out = Arc::new(StreamOut::default());
+        let spec = SubscribeSpec::parse(&Bytes::from_static(b"topic:a")).expect("a spec");
+        let waker_out = out.clone();
+        let sub = broker.subscribe(
+            &spec,
+            SubscribeOptions {
+                waker: Some(Box::new(move || waker_out.notify.notify_one())),
+                ..Default::default()
+            },
+        );
+        assert!(out.queue_revocation(&sub));
+        assert!(!out.queue_revocation(&sub), "asked once");
+        out.end_revocations();
+        assert!(lock(&out.revoking).is_empty(), "let go with the stream");
+        assert!(!out.queue_revocation(&sub), "none taken after the end");
+        assert!(lock(&out.revoking).is_empty());
+        // Nothing but this test holds the stream's state once the subscription is gone.
+        let mut ctx = PublishContext::default();
+        broker.unsubscribe(&mut ctx, &sub, Instant::now());
+        drop(sub);
+        assert_eq!(Arc::strong_count(&out), 1);
+    }
 }
