@@ -935,8 +935,7 @@ impl Driver {
         // Per peer ever connected: how often it came back after being disconnected (a
         // duplicate connection replaced while connected is no reconnect).
         let mut reconnects: HashMap<NodeId, u64> = HashMap::new();
-        // Peer addresses that failed to dial: the reason last warned about, and when.
-        let mut dial_warned: HashMap<SocketAddr, (String, Instant)> = HashMap::new();
+        let mut dial_warned = DialWarnings::default();
         // This node's port: a dialed address with it and a local IP is this node itself.
         let own_port = endpoint.local_addr().map_or(0, |a| a.port());
         // Each node's copies, shared by its connections (only the kept one writes them).
@@ -1023,7 +1022,7 @@ impl Driver {
                     });
                     match result {
                         Ok((conn, node)) => {
-                            if dial_warned.remove(&addr).is_some() {
+                            if dial_warned.reached(addr) {
                                 info!(%addr, peer = %node, "cluster peer reached");
                             }
                             let id = adopt(conn, &node, &mut conns, &mut tasks);
@@ -1033,13 +1032,8 @@ impl Driver {
                             // This node's own endpoint going away (shutdown) is no peer's fault.
                             let stopping = matches!(why.as_str(), "endpoint stopping" | "closed");
                             let why = explain_dial_failure(addr, &why);
-                            let loud = !stopping
-                                && dial_warned.get(&addr).is_none_or(|(last, at)| {
-                                    *last != why || now.duration_since(*at) >= DIAL_WARN_EVERY
-                                });
-                            if loud {
+                            if !stopping && dial_warned.warn(addr, &why, now) {
                                 warn!(%addr, "cannot connect to a cluster peer (retrying with backoff): {why}");
-                                dial_warned.insert(addr, (why, now));
                             } else {
                                 debug!(%addr, "mesh dial failed: {why}");
                             }
@@ -1062,7 +1056,10 @@ impl Driver {
                     self.mesh.handle_disconnected(now, conn);
                 }
                 Some(Event::Local { key, delta }) => self.mesh.handle_local(key, delta),
-                Some(Event::Peers(addrs)) => self.mesh.handle_peer_set(now, addrs),
+                Some(Event::Peers(addrs)) => {
+                    dial_warned.keep_only(&addrs);
+                    self.mesh.handle_peer_set(now, addrs);
+                }
             }
             while let Some(out) = self.mesh.poll_output() {
                 match out {
@@ -1886,8 +1883,74 @@ async fn serve_peer(link: PeerTask) {
     });
 }
 
+/// Peer addresses that failed to dial: the reason last warned about, and when. A failure is
+/// warned about once per address and reason, and again after [`DIAL_WARN_EVERY`].
+#[derive(Debug, Default)]
+struct DialWarnings(HashMap<SocketAddr, (String, Instant)>);
+
+impl DialWarnings {
+    /// Dialing `addr` failed for `why`: should it be warned about (else it is logged at debug)?
+    fn warn(&mut self, addr: SocketAddr, why: &str, now: Instant) -> bool {
+        let loud = self
+            .0
+            .get(&addr)
+            .is_none_or(|(last, at)| last != why || now.duration_since(*at) >= DIAL_WARN_EVERY);
+        if loud {
+            self.0.insert(addr, (why.to_string(), now));
+        }
+        loud
+    }
+
+    /// `addr` answered: was it warned about (then its recovery is logged)?
+    fn reached(&mut self, addr: SocketAddr) -> bool {
+        self.0.remove(&addr).is_some()
+    }
+
+    /// The peer set changed (DNS discovery): addresses no longer in it are forgotten, so that
+    /// this map stays as small as the set, and one that comes back is warned about afresh.
+    fn keep_only(&mut self, peers: &[SocketAddr]) {
+        self.0.retain(|a, _| peers.contains(a));
+    }
+}
+
 #[cfg(test)]
 mod tests {
+
+    /// A dial failure is warned about once per address and reason (again after a while, or
+    /// when the reason changes); a peer that left the set and comes back is warned about afresh.
+    #[test]
+    fn dial_failures_are_warned_once_per_address_and_reason() {
+        let (a, b): (SocketAddr, SocketAddr) = (
+            "192.0.2.1:7441".parse().expect("addr"),
+            "192.0.2.2:7441".parse().expect("addr"),
+        );
+        let t0 = Instant::now();
+        let mut w = DialWarnings::default();
+        assert!(w.warn(a, "timed out", t0));
+        assert!(!w.warn(a, "timed out", t0 + Duration::from_secs(5)));
+        assert!(w.warn(b, "timed out", t0), "another address");
+        assert!(
+            w.warn(a, "refused", t0 + Duration::from_secs(6)),
+            "another reason"
+        );
+        assert!(w.warn(a, "refused", t0 + Duration::from_secs(6) + DIAL_WARN_EVERY));
+        assert!(w.reached(a), "its recovery is told");
+        assert!(!w.reached(a), "once");
+        assert!(
+            w.warn(a, "refused", t0 + Duration::from_secs(70)),
+            "failing again"
+        );
+        w.keep_only(&[b]);
+        assert_eq!(w.0.len(), 1, "only the peers in the set are kept");
+        assert!(
+            w.warn(a, "refused", t0 + Duration::from_secs(71)),
+            "back in the set"
+        );
+        assert!(
+            !w.warn(b, "timed out", t0 + Duration::from_secs(59)),
+            "b is kept"
+        );
+    }
 
     #[test]
     fn own_addresses_are_this_hosts_ips_on_this_port() {
