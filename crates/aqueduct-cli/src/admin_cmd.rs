@@ -1,5 +1,6 @@
 //! `aqueduct admin`: the gRPC admin API from the command line (quotas, ACL rules, clients,
-//! topics, broker info, the cluster). Output is a table by default, JSON with `--json`.
+//! topics, broker info, the cluster). Output is a table by default, JSON with `--json` (its
+//! fields named as in the `.proto`'s responses).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -83,8 +84,8 @@ pub enum AclCommand {
         permission: String,
     },
     /// Replace every rule with those in FILE (YAML or JSON: a list of {client, topic,
-    /// permission}, or the config file's acl section with `rules:` and `default:`; `-` reads
-    /// standard input).
+    /// permission}, or the config file's acl section with `rules:` and `default:`, or what
+    /// `admin --json acl list` prints; `-` reads standard input).
     Replace {
         file: PathBuf,
         /// Also set the default permission.
@@ -274,7 +275,7 @@ fn quota_json(q: &proto::ClientQuota) -> Value {
         "client_id": q.client_id,
         "rate": q.rate,
         "burst": q.burst,
-        "override": q.is_override,
+        "is_override": q.is_override,
         "throttled_seconds": q.throttled_seconds,
         "rejected_messages": q.rejected_messages,
     })
@@ -354,7 +355,7 @@ async fn quota(c: &mut AdminClient, what: &QuotaCommand, target: &AdminTarget) -
             Output {
                 json: json!({
                     "action": r.action,
-                    "default": r.default_quota.as_ref().map(quota_json),
+                    "default_quota": r.default_quota.as_ref().map(quota_json),
                     "clients": r.clients.iter().map(quota_json).collect::<Vec<_>>(),
                 }),
                 text: format!("{}\n(over quota: {})", quota_rows(&all), r.action),
@@ -367,7 +368,7 @@ fn acl_output(a: &proto::Acl) -> Output {
     let rules: Vec<Value> = a
         .rules
         .iter()
-        .map(|r| json!({"client": r.client_id, "topic": r.topic, "permission": r.permission}))
+        .map(|r| json!({"client_id": r.client_id, "topic": r.topic, "permission": r.permission}))
         .collect();
     let rows: Vec<Vec<String>> = a
         .rules
@@ -375,7 +376,7 @@ fn acl_output(a: &proto::Acl) -> Output {
         .map(|r| vec![r.client_id.clone(), r.topic.clone(), r.permission.clone()])
         .collect();
     Output {
-        json: json!({"enabled": a.enabled, "default": a.default_permission, "rules": rules}),
+        json: json!({"enabled": a.enabled, "default_permission": a.default_permission, "rules": rules}),
         text: format!(
             "access control {}; default {}; {} rule(s)\n{}",
             if a.enabled {
@@ -400,6 +401,8 @@ fn read_rules(file: &Path) -> Result<(Vec<proto::AclRule>, Option<String>)> {
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Rule {
+        // `client_id`: as `--json acl list` prints it, so that its output can be read back.
+        #[serde(alias = "client_id")]
         client: String,
         topic: String,
         permission: String,
@@ -409,7 +412,7 @@ fn read_rules(file: &Path) -> Result<(Vec<proto::AclRule>, Option<String>)> {
     enum Doc {
         List(Vec<Rule>),
         Section {
-            #[serde(default)]
+            #[serde(default, alias = "default_permission")]
             default: Option<String>,
             rules: Vec<Rule>,
             #[serde(default)]

@@ -226,6 +226,20 @@ fn admin_commands_manage_a_running_broker() {
         &["acl", "replace", &rules_file.display().to_string()],
     );
     assert_eq!(acl["rules"].as_array().map(Vec::len), Some(2));
+    assert_eq!(acl["default_permission"], "none");
+    // What `--json acl list` prints is read back by `acl replace` as it is.
+    let listed = admin_json(h, &b, &["acl", "list"]);
+    assert_eq!(listed["rules"][0]["client_id"], "service-a", "{listed}");
+    let listed_file = h.join("rules-listed.json");
+    std::fs::write(&listed_file, listed.to_string()).expect("write the listed rules");
+    admin_json(h, &b, &["acl", "rm", "*", "public/#", "subscribe"]);
+    assert_eq!(rule_count(h, &b), 1);
+    let acl = admin_json(
+        h,
+        &b,
+        &["acl", "replace", &listed_file.display().to_string()],
+    );
+    assert_eq!(acl, listed, "the rules and the default, as listed");
 
     // Quotas: set, get, list, remove.
     let q = admin_json(
@@ -238,12 +252,12 @@ fn admin_commands_manage_a_running_broker() {
         (Some(500), Some(50))
     );
     let q = admin_json(h, &b, &["quota", "get", "service-a"]);
-    assert_eq!(q["override"], true);
+    assert_eq!(q["is_override"], true);
     let list = admin_json(h, &b, &["quota", "list"]);
     assert_eq!(list["clients"].as_array().map(Vec::len), Some(1));
     assert_eq!(list["action"], "throttle");
     let q = admin_json(h, &b, &["quota", "rm", "service-a"]);
-    assert_eq!(q["override"], false);
+    assert_eq!(q["is_override"], false);
 
     // A connected client shows up, with its subscription; it can be kicked.
     let (sub_cert, sub_key) = (
