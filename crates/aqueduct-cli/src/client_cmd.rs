@@ -304,7 +304,8 @@ enum Command {
         #[arg(long, value_name = "ADDR")]
         sub_addr: Option<String>,
         /// The development certificate to trust for --sub-addr on localhost (default: the one
-        /// --dev-cert or AQUEDUCT_HOME names; two local brokers have one each).
+        /// --dev-cert or AQUEDUCT_HOME names, which holds the certificates of every local
+        /// broker that writes it).
         #[arg(long, value_name = "FILE", requires = "sub_addr")]
         sub_dev_cert: Option<PathBuf>,
         /// With --sub-addr: give up (and fail) if the probes have not reached every subscriber

@@ -96,7 +96,13 @@ fn a_browser_uses_the_live_view_and_the_js_client_against_the_real_broker() {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/browser.py");
     let mut child = Command::new(python())
         .arg(&script)
-        .arg(format!("http://{metrics}/"))
+        // As a user opens it: `localhost`, which Chromium resolves to ::1 first. The broker
+        // listens on 127.0.0.1 only, so the page must dial the address /webtransport/cert-hash
+        // names, not `localhost` (QUIC does not fall back to 127.0.0.1).
+        .arg(format!(
+            "http://localhost:{}/",
+            metrics.rsplit(':').next().expect("a port")
+        ))
         .arg(CLIENT)
         .arg(&addr)
         .arg(h)

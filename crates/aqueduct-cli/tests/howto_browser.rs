@@ -19,6 +19,7 @@ fn the_browser_howto_runs_as_written() {
         r#""algorithm":"sha-256""#,
         r#""path":"/aqueduct/wt""#,
         r#""port":7461"#,
+        r#""host":"127.0.0.1""#,
     ] {
         assert!(
             all.contains(shown),

@@ -92,6 +92,44 @@ impl TopicStatsSnapshot {
         }
     }
 
+    /// Take `other`'s counts from these (none below zero).
+    pub fn saturating_sub(&mut self, other: &TopicStatsSnapshot) {
+        self.published = self.published.saturating_sub(other.published);
+        self.delivered = self.delivered.saturating_sub(other.delivered);
+        self.nacked = self.nacked.saturating_sub(other.nacked);
+        self.redelivered = self.redelivered.saturating_sub(other.redelivered);
+        self.dead_lettered = self.dead_lettered.saturating_sub(other.dead_lettered);
+        for (a, b) in self.dropped.iter_mut().zip(other.dropped) {
+            *a = a.saturating_sub(b);
+        }
+        for (a, b) in self.expired.iter_mut().zip(other.expired) {
+            *a = a.saturating_sub(b);
+        }
+    }
+
+    /// Whether any count is below `earlier`'s: these are not a later reading of the same
+    /// counters (the topic was freed and made anew in between).
+    pub fn any_below(&self, earlier: &TopicStatsSnapshot) -> bool {
+        let scalars = [
+            (self.published, earlier.published),
+            (self.delivered, earlier.delivered),
+            (self.nacked, earlier.nacked),
+            (self.redelivered, earlier.redelivered),
+            (self.dead_lettered, earlier.dead_lettered),
+        ];
+        scalars.iter().any(|(a, b)| a < b)
+            || self
+                .dropped
+                .iter()
+                .zip(earlier.dropped)
+                .any(|(a, b)| *a < b)
+            || self
+                .expired
+                .iter()
+                .zip(earlier.expired)
+                .any(|(a, b)| *a < b)
+    }
+
     pub fn dropped(&self, reason: DropReason) -> u64 {
         self.dropped[reason.index()]
     }

@@ -294,6 +294,10 @@ pub(crate) async fn handle(
                         if !refuse_peer_certificate(&conn2) {
                             identify(&conn2, &state, &shared2);
                             state.confirm();
+                            shared2
+                                .stats
+                                .connections_total
+                                .fetch_add(1, Ordering::Relaxed);
                         }
                     }
                     Ok(_) => {
@@ -343,11 +347,13 @@ pub(crate) async fn handle(
         }
         identify(&conn, &state, &shared);
         state.confirm();
+        shared
+            .stats
+            .connections_total
+            .fetch_add(1, Ordering::Relaxed);
     }
-    shared
-        .stats
-        .connections_total
-        .fetch_add(1, Ordering::Relaxed);
+    // With 0-RTT the connection is served while its handshake completes (`confirming`, which
+    // counts it as a connection or as a failed handshake).
     serve_streams(Session::Quic(conn), state, shared, shutdown, confirming).await;
 }
 
@@ -580,6 +586,12 @@ async fn serve_streams(
         }
     };
     streams.shutdown().await;
+    // The connection ended before its handshake did (the client refused the broker's
+    // certificate, say): finish the handshake's task, which counts the failure now that the
+    // connection has a close reason (bounded by the handshake deadline).
+    if let Some(handshake) = confirming.take() {
+        handshake.await;
+    }
     // Whatever is left subscribed ends with the connection.
     let mut ctx = PublishContext::default();
     let now = Instant::now();
@@ -589,7 +601,13 @@ async fn serve_streams(
         });
     }
     let st = session.quic().stats();
-    info!(client = %state.describe(), "disconnected: {reason}");
+    if state.is_confirmed() {
+        info!(client = %state.describe(), "disconnected: {reason}");
+    } else {
+        // Never a client's connection: counted in aqueduct_handshakes_failed_total (or refused
+        // with its own log line).
+        debug!(remote = %state.remote, "handshake failed: {reason}");
+    }
     debug!(
         client = %state.describe(),
         path_mtu = st.path.current_mtu,

@@ -157,9 +157,11 @@ fn html_attr(s: &str) -> String {
 }
 
 /// `{"algorithm":"sha-256","value":"<hex>","not_after":<unix seconds>,"path":"/aqueduct/wt",
-/// "port":4242}`: a page passes the value (as bytes) in `serverCertificateHashes` and connects to
-/// `https://<its host>:<port><path>` (`port`: the broker's QUIC port, which WebTransport shares). Any origin may read it (a
-/// certificate is public; which pages may *connect* is `webtransport.allowed_origins`).
+/// "port":4242,"host":"127.0.0.1"}`: a page passes the value (as bytes) in `serverCertificateHashes`
+/// and connects to `https://<its host>:<port><path>` (`port`: the broker's QUIC port, which
+/// WebTransport shares); a page on the broker's own machine uses `host` instead of `localhost`
+/// (see [`local_host`]). Any origin may read it (a certificate is public; which pages may
+/// *connect* is `webtransport.allowed_origins`).
 async fn cert_hash(State(e): State<Arc<Endpoint>>) -> axum::response::Response {
     let cert = e.shared.browser_certs.as_ref().and_then(|c| c.current());
     let Some(cert) = cert else {
@@ -181,6 +183,7 @@ async fn cert_hash(State(e): State<Arc<Endpoint>>) -> axum::response::Response {
         "not_after": not_after,
         "path": e.shared.config.webtransport.path_prefix,
         "port": e.shared.webtransport_addr.port(),
+        "host": local_host(e.shared.webtransport_addr),
     })
     .to_string();
     (
@@ -192,6 +195,20 @@ async fn cert_hash(State(e): State<Arc<Endpoint>>) -> axum::response::Response {
         body,
     )
         .into_response()
+}
+
+/// The broker's QUIC address as a URL host for a page on the broker's own machine: `127.0.0.1`
+/// when it listens on every IPv4 interface, `[::1]` on every IPv6 one, otherwise its own address.
+/// A page opened as `http://localhost:…` must not dial `localhost`: browsers resolve it to `::1`
+/// first and, unlike TCP, do not fall back to `127.0.0.1` for QUIC, so a broker listening on
+/// `127.0.0.1` (or `0.0.0.0`) would be unreachable from it.
+fn local_host(addr: std::net::SocketAddr) -> String {
+    match addr.ip() {
+        std::net::IpAddr::V4(ip) if ip.is_unspecified() => "127.0.0.1".into(),
+        std::net::IpAddr::V6(ip) if ip.is_unspecified() => "[::1]".into(),
+        std::net::IpAddr::V4(ip) => ip.to_string(),
+        std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+    }
 }
 
 /// Serve until `stop` turns true.
@@ -237,5 +254,21 @@ pub(crate) async fn serve(
             }
             drop(permit);
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::local_host;
+
+    #[test]
+    fn a_page_on_the_brokers_machine_gets_a_literal_address_it_can_reach() {
+        let host = |a: &str| local_host(a.parse().expect("address"));
+        assert_eq!(host("0.0.0.0:4242"), "127.0.0.1");
+        assert_eq!(host("[::]:4242"), "[::1]");
+        assert_eq!(host("127.0.0.1:7461"), "127.0.0.1");
+        assert_eq!(host("10.1.2.3:4242"), "10.1.2.3");
+        assert_eq!(host("[::1]:4242"), "[::1]");
+        assert_eq!(host("[fd00::5]:4242"), "[fd00::5]");
     }
 }

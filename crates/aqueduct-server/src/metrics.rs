@@ -2,13 +2,14 @@
 //!
 //! Nothing here runs per message: the core counts into per-topic atomics it already holds
 //! (`TopicStats`), the server into `ServerStats`; a scrape walks them and renders text format
-//! 0.0.4. Topic label values are bounded: the first `metrics.max_topic_labels` topics seen by a
-//! scrape keep their own label, every later topic is counted under `topic="__other__"` — so a
-//! client cannot grow the metrics without bound. A topic the broker evicted (idle, no
-//! subscriber) loses its series and its counts continue under `__other__`, so the sum over all
-//! series never goes down; its label slot goes to a later topic once all slots are taken.
+//! 0.0.4. Topic label values are bounded: the first `metrics.max_topic_labels` topic names seen
+//! by a scrape keep their own label for the life of the process, every later topic is counted
+//! under `topic="__other__"` — so a client cannot grow the metrics without bound. A labelled
+//! topic the broker evicted (idle, no subscriber) keeps its series at its last counts and
+//! continues from there if published to again; evicted topics without a label keep counting
+//! under `__other__`. No series ever goes down.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
@@ -28,10 +29,99 @@ const DEPTH_BOUNDS: [usize; 6] = [0, 10, 100, 1_000, 10_000, 100_000];
 /// Reads one counter out of a topic's snapshot.
 type Getter = fn(&TopicStatsSnapshot) -> u64;
 
-/// Which topics have their own label (decided once per topic, never revoked).
+/// Which topics have their own label (decided once per topic name, never revoked), and the
+/// counts shown under each.
 #[derive(Debug, Default)]
 pub(crate) struct TopicLabels {
-    labelled: Mutex<HashSet<TopicName>>,
+    state: Mutex<LabelState>,
+}
+
+#[derive(Debug, Default)]
+struct LabelState {
+    /// Per labelled topic name: the counts of its earlier lives (the broker freed its state, and
+    /// maybe made it anew), and its live counts as the previous scrape read them.
+    labelled: HashMap<TopicName, Labelled>,
+    /// The sum of every `Labelled::earlier`: the part of the broker's evicted-topic counts that
+    /// is shown under topics' own labels, so not again under `__other__`.
+    shown_evicted: TopicStatsSnapshot,
+}
+
+#[derive(Debug, Default)]
+struct Labelled {
+    earlier: TopicStatsSnapshot,
+    last_live: TopicStatsSnapshot,
+}
+
+impl LabelState {
+    /// Assign labels for this scrape and return the per-topic series (name order, `__other__`
+    /// last when it has anything). `live`: the broker's topics now, in name order; `evicted`:
+    /// the broker's counts of every topic it freed.
+    fn series(
+        &mut self,
+        max: usize,
+        live: &[(TopicName, TopicStatsSnapshot)],
+        evicted: TopicStatsSnapshot,
+    ) -> Vec<(String, TopicStatsSnapshot)> {
+        // A labelled topic that was freed keeps its series at its last counts, and continues
+        // from there if it comes back: its counts never move to `__other__` (which would show
+        // there as a burst), and no series goes down. (What it counted between the previous
+        // scrape and being freed is in `__other__`.)
+        let live_names: HashMap<&TopicName, &TopicStatsSnapshot> =
+            live.iter().map(|(n, s)| (n, s)).collect();
+        for (name, l) in &mut self.labelled {
+            let ended = match live_names.get(name) {
+                None => true,
+                Some(now) => now.any_below(&l.last_live),
+            };
+            if ended {
+                let last = std::mem::take(&mut l.last_live);
+                l.earlier.add(&last);
+                self.shown_evicted.add(&last);
+            }
+        }
+        let mut named = Vec::new();
+        let mut other = TopicStatsSnapshot::default();
+        let mut other_seen = false;
+        for (name, snap) in live {
+            if !self.labelled.contains_key(name) && self.labelled.len() < max {
+                self.labelled.insert(name.clone(), Labelled::default());
+            }
+            match self.labelled.get_mut(name) {
+                Some(l) => {
+                    let mut shown = l.earlier.clone();
+                    shown.add(snap);
+                    l.last_live = snap.clone();
+                    named.push((name.as_str().to_owned(), shown));
+                }
+                None => {
+                    other_seen = true;
+                    other.add(snap);
+                }
+            }
+        }
+        for (name, l) in &self.labelled {
+            if !live_names.contains_key(name) {
+                named.push((name.as_str().to_owned(), l.earlier.clone()));
+            }
+        }
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        // Freed topics that had no label of their own keep counting here, so totals never go
+        // down.
+        let mut rest = evicted;
+        rest.saturating_sub(&self.shown_evicted);
+        if rest != TopicStatsSnapshot::default() {
+            other_seen = true;
+            other.add(&rest);
+        }
+        if other_seen {
+            named.push((OTHER_TOPIC.to_owned(), other));
+        }
+        named
+    }
+
+    fn is_labelled(&self, topic: &TopicName) -> bool {
+        self.labelled.contains_key(topic)
+    }
 }
 
 fn escape(v: &str) -> String {
@@ -285,45 +375,14 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
     let broker = &shared.broker;
     let max = shared.config.metrics.max_topic_labels;
     // Per topic, with the cardinality bound applied.
-    let mut topics: Vec<_> = broker.topics();
-    topics.sort_by(|a, b| a.name().cmp(b.name()));
-    let mut named: Vec<(String, TopicStatsSnapshot)> = Vec::new();
-    let mut other = TopicStatsSnapshot::default();
-    let mut other_seen = false;
-    let labelled_set = {
-        let mut set = labels.labelled.lock().unwrap_or_else(|e| e.into_inner());
-        // Topics the broker evicted give their label back (their counts continue under
-        // `__other__`), so label slots are not held by names that no longer exist.
-        if set.len() >= max {
-            let live: std::collections::HashSet<&aqueduct_proto::TopicName> =
-                topics.iter().map(|t| t.name()).collect();
-            set.retain(|name| live.contains(name));
-        }
-        for t in &topics {
-            if !set.contains(t.name()) && set.len() < max {
-                set.insert(t.name().clone());
-            }
-        }
-        set.clone()
-    };
-    for t in &topics {
-        let snap = t.stats().snapshot();
-        if labelled_set.contains(t.name()) {
-            named.push((t.name().as_str().to_owned(), snap));
-        } else {
-            other_seen = true;
-            other.add(&snap);
-        }
-    }
-    // Idle topics the broker evicted keep counting here, so the totals never go down.
-    let evicted = broker.evicted_topic_stats();
-    if evicted != TopicStatsSnapshot::default() {
-        other_seen = true;
-        other.add(&evicted);
-    }
-    if other_seen {
-        named.push((OTHER_TOPIC.to_owned(), other));
-    }
+    let mut topics: Vec<_> = broker
+        .topics()
+        .iter()
+        .map(|t| (t.name().clone(), t.stats().snapshot()))
+        .collect();
+    topics.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut state = labels.state.lock().unwrap_or_else(|e| e.into_inner());
+    let named = state.series(max, &topics, broker.evicted_topic_stats());
 
     let mut out = Out(String::with_capacity(16 * 1024 + named.len() * 1024));
     let per_topic: [(&str, &str, Getter); 5] = [
@@ -421,7 +480,7 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         offsets.sort();
         for (topic, offset) in offsets {
             // Offsets do not add up; topics beyond the label bound are left out.
-            if labelled_set.contains(&topic) {
+            if state.is_labelled(&topic) {
                 out.sample(
                     "aqueduct_consumer_offset",
                     &[("consumer", g.id().as_str()), ("topic", topic.as_str())],
@@ -752,5 +811,60 @@ mod tests {
         let mut out = Out(String::new());
         out.sample("m", &[("topic", "a\"b\\c")], 1);
         assert_eq!(out.0, "m{topic=\"a\\\"b\\\\c\"} 1\n");
+    }
+    fn published(n: u64) -> TopicStatsSnapshot {
+        TopicStatsSnapshot {
+            published: n,
+            ..TopicStatsSnapshot::default()
+        }
+    }
+
+    fn topic(name: &str, n: u64) -> (TopicName, TopicStatsSnapshot) {
+        (
+            TopicName::from_slice(name.as_bytes()).expect("topic"),
+            published(n),
+        )
+    }
+
+    fn shown(series: &[(String, TopicStatsSnapshot)]) -> Vec<(&str, u64)> {
+        series
+            .iter()
+            .map(|(t, s)| (t.as_str(), s.published))
+            .collect()
+    }
+
+    /// A labelled topic the broker frees keeps its series at its counts (they do not jump into
+    /// `__other__`) and continues from there when it comes back; unlabelled topics' counts stay
+    /// in `__other__` whether live or freed; no series goes down.
+    #[test]
+    fn freed_topics_keep_their_label_and_counts_and_nothing_jumps_into_other() {
+        let mut s = LabelState::default();
+        let none = TopicStatsSnapshot::default();
+        let first = s.series(
+            2,
+            &[topic("a", 5), topic("b", 7), topic("c", 3)],
+            none.clone(),
+        );
+        assert_eq!(shown(&first), [("a", 5), ("b", 7), ("__other__", 3)]);
+        // `a` (5, plus 1 after that scrape) and `c` (3) are freed.
+        let freed = s.series(2, &[topic("b", 8)], published(6 + 3));
+        assert_eq!(shown(&freed), [("a", 5), ("b", 8), ("__other__", 1 + 3)]);
+        // `a` comes back: it continues from its count; a new topic has no label left.
+        let back = s.series(
+            2,
+            &[topic("a", 2), topic("b", 8), topic("d", 4)],
+            published(9),
+        );
+        assert_eq!(shown(&back), [("a", 7), ("b", 8), ("__other__", 4 + 4)]);
+        // `b` is freed and made anew between two scrapes (its counts start again below the last
+        // ones read): its series continues from what it had shown.
+        let anew = s.series(
+            2,
+            &[topic("a", 2), topic("b", 1), topic("d", 4)],
+            published(9 + 8),
+        );
+        assert_eq!(shown(&anew), [("a", 7), ("b", 9), ("__other__", 4 + 4)]);
+        assert!(s.is_labelled(&TopicName::from_slice(b"a").expect("topic")));
+        assert!(!s.is_labelled(&TopicName::from_slice(b"d").expect("topic")));
     }
 }

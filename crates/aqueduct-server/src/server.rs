@@ -326,6 +326,10 @@ impl Server {
         };
         // Every socket is ours: only now may the development certificate be replaced.
         if let Some(cert) = &dev_cert {
+            // Its section of the file (shared with the other local brokers) is keyed by the
+            // UDP port it bound.
+            let port = endpoint.local_addr().map(|a| a.port()).unwrap_or(0);
+            let cert = &cert.clone().bound_to(port);
             match &browser_certs {
                 Some(browser) => browser.publish_with(cert.clone())?,
                 None => cert.write()?,

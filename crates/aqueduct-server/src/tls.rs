@@ -114,23 +114,89 @@ impl Identity {
 /// A generated development certificate, to be written where local clients look for it — only
 /// once the broker has bound its sockets, so that a second broker started by mistake (which
 /// fails with "address in use") cannot replace the running broker's certificate.
+///
+/// The file is shared by every broker of this machine that uses it (one `AQUEDUCT_HOME`, two
+/// ports): each keeps a section of its own, headed `# aqueduct-broker port=<udp port>
+/// pid=<process>`, and replaces only that one, so a local client trusting the file trusts every
+/// running broker. Sections of brokers that are gone (their process has ended, or a new broker
+/// took their port) are dropped at each write.
 #[derive(Debug, Clone)]
 pub struct DevCert {
     pub path: PathBuf,
     pem: String,
+    /// The UDP port of the broker whose section this is (0 until bound).
+    port: u16,
 }
 
 impl DevCert {
+    /// The broker bound this UDP port: its section of the file is keyed by it.
+    pub fn bound_to(mut self, port: u16) -> Self {
+        self.port = port;
+        self
+    }
+
     /// Write it (atomically).
     pub fn write(&self) -> Result<(), TlsError> {
-        write_dev_cert(&self.path, &self.pem)
+        self.write_with("")
     }
 
     /// Write it followed by `also` (the certificate WebTransport clients are shown), so that a
     /// local client trusting the file trusts either.
     pub fn write_with(&self, also: &str) -> Result<(), TlsError> {
-        write_dev_cert(&self.path, &format!("{}{also}", self.pem))
+        let existing = std::fs::read_to_string(&self.path).unwrap_or_default();
+        let ours = format!("{}{also}", self.pem);
+        let merged = merge_dev_cert(&existing, self.port, std::process::id(), &ours, |pid| {
+            process_alive(pid)
+        });
+        write_dev_cert(&self.path, &merged)
     }
+}
+
+/// The header of a broker's section of the development certificate file.
+const DEV_CERT_SECTION: &str = "# aqueduct-broker ";
+
+/// The file's new text: the sections of other live brokers (another port, a running process),
+/// then ours. Text before the first section (a file from a broker that wrote no sections) is
+/// dropped.
+fn merge_dev_cert(
+    existing: &str,
+    port: u16,
+    pid: u32,
+    pem: &str,
+    alive: impl Fn(u32) -> bool,
+) -> String {
+    let mut out = String::new();
+    let mut keep = false;
+    for line in existing.split_inclusive('\n') {
+        if let Some(header) = line.strip_prefix(DEV_CERT_SECTION) {
+            let field = |name: &str| {
+                header
+                    .split_whitespace()
+                    .find_map(|f| f.strip_prefix(name)?.parse::<u32>().ok())
+            };
+            keep = match (field("port="), field("pid=")) {
+                (Some(p), Some(owner)) => p != u32::from(port) && (owner == pid || alive(owner)),
+                _ => false,
+            };
+        }
+        if keep {
+            out.push_str(line);
+            if !line.ends_with('\n') {
+                out.push('\n');
+            }
+        }
+    }
+    out.push_str(&format!("{DEV_CERT_SECTION}port={port} pid={pid}\n{pem}"));
+    out
+}
+
+/// Whether process `pid` runs (Linux: `/proc/<pid>`; elsewhere assumed so, and the section stays
+/// until a broker takes its port).
+fn process_alive(pid: u32) -> bool {
+    if !Path::new("/proc/self").exists() {
+        return true;
+    }
+    Path::new(&format!("/proc/{pid}")).exists()
 }
 
 /// The broker's certificate: from the files, or generated once per process start.
@@ -158,6 +224,7 @@ pub fn identity(cfg: &TlsConfig) -> Result<Identity, TlsError> {
     let dev_cert = DevCert {
         path: cfg.dev_cert_file.clone(),
         pem: generated.cert.pem(),
+        port: 0,
     };
     let key = PrivateKeyDer::try_from(generated.signing_key.serialize_der())
         .map_err(|e| TlsError::Generate(e.to_string()))?;
@@ -287,4 +354,53 @@ pub fn client_common_name(conn: &quinn::Connection) -> Option<String> {
     let identity = conn.peer_identity()?;
     let certs = identity.downcast::<Vec<CertificateDer<'static>>>().ok()?;
     common_name(certs.first()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merge_dev_cert;
+
+    const A: &str = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
+    const B: &str = "-----BEGIN CERTIFICATE-----\nBBBB\n-----END CERTIFICATE-----\n";
+    const C: &str = "-----BEGIN CERTIFICATE-----\nCCCC\n-----END CERTIFICATE-----\n";
+
+    #[test]
+    fn each_broker_replaces_only_its_own_section_of_the_development_certificate_file() {
+        let everyone_alive = |_| true;
+        // A file from a broker that wrote no sections: replaced.
+        let first = merge_dev_cert(A, 4242, 10, B, everyone_alive);
+        assert_eq!(first, format!("# aqueduct-broker port=4242 pid=10\n{B}"));
+        // A second broker on another port keeps the first one's section.
+        let both = merge_dev_cert(&first, 7461, 20, C, everyone_alive);
+        assert_eq!(
+            both,
+            format!(
+                "# aqueduct-broker port=4242 pid=10\n{B}# aqueduct-broker port=7461 pid=20\n{C}"
+            )
+        );
+        // A broker renewing (same port, same process) replaces its own section only.
+        let renewed = merge_dev_cert(&both, 4242, 10, A, everyone_alive);
+        assert_eq!(
+            renewed,
+            format!(
+                "# aqueduct-broker port=7461 pid=20\n{C}# aqueduct-broker port=4242 pid=10\n{A}"
+            )
+        );
+        // A new broker on a port another process had: that section goes.
+        let taken = merge_dev_cert(&both, 7461, 30, A, everyone_alive);
+        assert_eq!(
+            taken,
+            format!(
+                "# aqueduct-broker port=4242 pid=10\n{B}# aqueduct-broker port=7461 pid=30\n{A}"
+            )
+        );
+        // Sections of processes that have ended go; this process's other sections stay.
+        let gone = merge_dev_cert(&both, 9000, 20, A, |pid| pid != 10);
+        assert_eq!(
+            gone,
+            format!(
+                "# aqueduct-broker port=7461 pid=20\n{C}# aqueduct-broker port=9000 pid=20\n{A}"
+            )
+        );
+    }
 }

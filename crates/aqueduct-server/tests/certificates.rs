@@ -129,3 +129,67 @@ async fn a_second_broker_on_the_same_port_keeps_the_first_ones_certificate() {
     }
     b.stop().await.expect("clean shutdown");
 }
+
+/// Two brokers on one machine share a development certificate file (one AQUEDUCT_HOME, two
+/// ports): the second adds its certificate next to the first one's instead of replacing it, so
+/// a local client trusting the file reaches both (it used to get BadSignature from the first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_local_brokers_sharing_a_development_certificate_file_are_both_trusted() {
+    let first = TestBroker::start().await;
+    let shared = first.dev_cert.clone();
+    let second = TestBroker::start_with(|c| c.tls.dev_cert_file = shared.clone()).await;
+    assert_eq!(second.dev_cert, first.dev_cert);
+    let file = std::fs::read_to_string(&shared).expect("dev cert");
+    for b in [&first, &second] {
+        assert!(
+            file.contains(&format!("# aqueduct-broker port={} ", b.addr.port())),
+            "a section for each broker:\n{file}"
+        );
+    }
+    for b in [&first, &second] {
+        let client = within(
+            "connect",
+            Client::connect(ConnectOptions::new(b.addr.to_string()).dev_cert_file(&shared)),
+        )
+        .await
+        .expect("trusted through the shared file");
+        client
+            .publish_with(
+                "t",
+                "x",
+                &PublishOptions {
+                    confirm: true,
+                    ..PublishOptions::default()
+                },
+            )
+            .await
+            .expect("served");
+    }
+    second.stop().await.expect("clean shutdown");
+    first.stop().await.expect("clean shutdown");
+}
+
+/// A native client that refuses the broker's certificate (here: another pinned fingerprint)
+/// is a failed handshake, not a connection: the broker counts it in
+/// aqueduct_handshakes_failed_total (it used to count it as a connection, served with 0-RTT
+/// until the handshake failed, and log it as a client that disconnected).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_refusing_the_brokers_certificate_is_a_failed_handshake() {
+    use std::sync::atomic::Ordering;
+    let b = TestBroker::start().await;
+    let refused = Client::connect(b.options().pin_sha256([7u8; 32])).await;
+    assert!(refused.is_err(), "a wrong pin is refused");
+    until("the failed handshake to be counted", || {
+        b.stats.handshakes_failed.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    assert_eq!(b.stats.connections_total.load(Ordering::Relaxed), 0);
+    // A client that trusts it is a connection, and no failure.
+    b.client().await.publish("t", "x").await.expect("served");
+    until("the connection to be counted", || {
+        b.stats.connections_total.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    assert_eq!(b.stats.handshakes_failed.load(Ordering::Relaxed), 1);
+    b.stop().await.expect("clean shutdown");
+}

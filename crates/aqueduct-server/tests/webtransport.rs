@@ -25,6 +25,9 @@ async fn cert_hash_and_port(b: &TestBroker) -> (Vec<u8>, u16) {
     let v: serde_json::Value = serde_json::from_str(body.trim()).expect("JSON");
     assert_eq!(v["algorithm"], "sha-256");
     assert_eq!(v["path"], "/aqueduct/wt");
+    // The test brokers listen on 127.0.0.1: a page on this machine must dial that, not
+    // `localhost` (which a browser may resolve to ::1 only, for QUIC).
+    assert_eq!(v["host"], "127.0.0.1", "{body}");
     let hex = v["value"].as_str().expect("value");
     let hash = (0..hex.len())
         .step_by(2)

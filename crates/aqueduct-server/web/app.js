@@ -3,7 +3,9 @@
 //
 // How it connects: GET /webtransport/cert-hash (served next to this page) gives the SHA-256 of
 // the short-lived certificate the broker shows browsers, and the broker's QUIC port; the page
-// opens https://<this page's host>:<port><path>. With a real certificate (tls.cert_file) that
+// opens https://<this page's host>:<port><path> (on the broker's own machine — a page opened as
+// localhost — the `host` it names instead: browsers resolve localhost to ::1 first and do not fall
+// back to 127.0.0.1 for QUIC). With a real certificate (tls.cert_file) that
 // endpoint answers 404 and the page connects without pinning. `?token=…` in the page's URL
 // fills the token field; `?connect=0` does not connect on load.
 //
@@ -68,7 +70,9 @@ function describeError(e) {
 function wtUrl(hash) {
   const override = params.get('wt');
   if (override) return override;
-  const host = location.hostname.includes(':') ? `[${location.hostname}]` : location.hostname;
+  const page = location.hostname;
+  let host = page.includes(':') ? `[${page}]` : page;
+  if (hash?.host && (page === 'localhost' || page.endsWith('.localhost'))) host = hash.host;
   return `https://${host}:${hash?.port ?? wtPort}${hash?.path ?? wtPath}`;
 }
 
@@ -103,7 +107,7 @@ async function doConnect(token) {
     // `?wt=` may name another host (a remote broker, see howto-browser.md), and anyone can make
     // a link with it: a token goes to a host other than this page's only if the user says so.
     const host = new URL(target).hostname.replace(/^\[|\]$/g, '');
-    if (host !== location.hostname && !window.confirm(`Send your token to ${host}? Only do so if that is your broker.`)) {
+    if (params.get('wt') && host !== location.hostname && !window.confirm(`Send your token to ${host}? Only do so if that is your broker.`)) {
       throw new Error(`not connected: the token was not sent to ${host}`);
     }
     options.token = token;
