@@ -408,7 +408,27 @@ async fn accept_bi(session: &Session) -> Result<Accepted, String> {
             .accept_bi()
             .await
             .map(|(s, r)| Accepted::WebTransport(s, r))
-            .map_err(|e| e.to_string()),
+            .map_err(|e| session_ended(&e)),
+    }
+}
+
+/// Why a WebTransport session ended, for the log: a page's close (`WebTransport.close()`, the
+/// tab closed) in plain words, not as an error.
+fn session_ended(e: &web_transport_quinn::SessionError) -> String {
+    use web_transport_quinn::{SessionError, WebTransportError};
+    match e {
+        SessionError::WebTransportError(WebTransportError::Closed(0, reason))
+            if reason.is_empty() =>
+        {
+            "closed by the client".into()
+        }
+        SessionError::WebTransportError(WebTransportError::Closed(0, reason)) => {
+            format!("closed by the client: {reason}")
+        }
+        SessionError::WebTransportError(WebTransportError::Closed(code, reason)) => {
+            format!("closed by the client with code {code}: {reason}")
+        }
+        other => other.to_string(),
     }
 }
 
@@ -631,6 +651,20 @@ pub(crate) fn canonical(addr: SocketAddr) -> SocketAddr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_page_closing_its_session_is_logged_in_plain_words() {
+        use web_transport_quinn::{SessionError, WebTransportError};
+        let closed = |code, reason: &str| {
+            session_ended(&SessionError::WebTransportError(WebTransportError::Closed(
+                code,
+                reason.into(),
+            )))
+        };
+        assert_eq!(closed(0, ""), "closed by the client");
+        assert_eq!(closed(0, "bye"), "closed by the client: bye");
+        assert_eq!(closed(7, "oops"), "closed by the client with code 7: oops");
+    }
 
     #[test]
     fn an_ipv4_client_of_a_dual_stack_socket_shows_as_ipv4() {

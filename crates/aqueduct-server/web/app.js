@@ -370,8 +370,15 @@ $('publish-form').addEventListener('submit', async (ev) => {
   try {
     let offset;
     for (let i = 0; i < count; i++) offset = await client.publish(topic, body, { priority, confirm });
-    const what = count === 1 ? 'published' : `published ${count} messages`;
-    note('publish-note', confirm ? `${what} to ${topic}, offset ${offset}` : `${what} to ${topic}`, 'ok');
+    if (confirm) {
+      const what = count === 1 ? 'published' : `published ${count} messages`;
+      note('publish-note', `${what} to ${topic}, offset ${offset}`, 'ok');
+    } else {
+      // Not confirmed: the broker may still refuse it (an ACL rule, a quota), which shows only
+      // in the events below. Not green, then.
+      const what = count === 1 ? 'sent' : `sent ${count} messages`;
+      note('publish-note', `${what} to ${topic} (not confirmed: the broker may still refuse it; tick "wait for the broker's confirmation" to know)`);
+    }
   } catch (e) {
     note('publish-note', describeError(e), 'bad');
   }
