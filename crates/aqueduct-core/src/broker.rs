@@ -1067,6 +1067,13 @@ impl Broker {
             if !removed.is_empty() {
                 topics.shrink_to_fit();
             }
+            // Counted as evicted before the topics lock is released: a reader of both (see
+            // `topics_and_evicted_stats`) sees each topic either live or in here, never in
+            // neither or both.
+            self.evicted_stats
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .add(&evicted);
             (removed, topics.len())
         };
         // The groups' watermarks of those topics go too (each group's lock on its own).
@@ -1076,10 +1083,6 @@ impl Broker {
             }
         }
         let removed = removed.len();
-        self.evicted_stats
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .add(&evicted);
         self.topics_evicted.fetch_add(removed as u64, Relaxed);
         self.sweep_at
             .store((left * 2).max(IDLE_TOPIC_SWEEP_MIN), Relaxed);
@@ -1119,6 +1122,18 @@ impl Broker {
     }
 
     /// Every topic published to so far.
+    /// Every topic's state and [`evicted_topic_stats`](Self::evicted_topic_stats), read at one
+    /// instant as far as evictions go: each topic is either in the list or in the counts.
+    pub fn topics_and_evicted_stats(&self) -> (Vec<Arc<TopicState>>, TopicStatsSnapshot) {
+        let topics = self.topics.read().unwrap_or_else(PoisonError::into_inner);
+        let evicted = self
+            .evicted_stats
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        (topics.values().cloned().collect(), evicted)
+    }
+
     pub fn topics(&self) -> Vec<Arc<TopicState>> {
         self.topics
             .read()

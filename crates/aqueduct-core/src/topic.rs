@@ -107,29 +107,6 @@ impl TopicStatsSnapshot {
         }
     }
 
-    /// Whether any count is below `earlier`'s: these are not a later reading of the same
-    /// counters (the topic was freed and made anew in between).
-    pub fn any_below(&self, earlier: &TopicStatsSnapshot) -> bool {
-        let scalars = [
-            (self.published, earlier.published),
-            (self.delivered, earlier.delivered),
-            (self.nacked, earlier.nacked),
-            (self.redelivered, earlier.redelivered),
-            (self.dead_lettered, earlier.dead_lettered),
-        ];
-        scalars.iter().any(|(a, b)| a < b)
-            || self
-                .dropped
-                .iter()
-                .zip(earlier.dropped)
-                .any(|(a, b)| *a < b)
-            || self
-                .expired
-                .iter()
-                .zip(earlier.expired)
-                .any(|(a, b)| *a < b)
-    }
-
     pub fn dropped(&self, reason: DropReason) -> u64 {
         self.dropped[reason.index()]
     }
@@ -182,7 +159,11 @@ pub struct TopicState {
     name: TopicName,
     next_offset: AtomicU64,
     stats: TopicStats,
+    life: u64,
 }
+
+/// The next [`TopicState::life`].
+static NEXT_LIFE: AtomicU64 = AtomicU64::new(1);
 
 impl TopicState {
     pub(crate) fn new(name: &TopicName, next_offset: u64) -> TopicState {
@@ -191,7 +172,14 @@ impl TopicState {
             name: name.detached(),
             next_offset: AtomicU64::new(next_offset),
             stats: TopicStats::default(),
+            life: NEXT_LIFE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
+    }
+
+    /// A number no other topic state of this process has: a topic that was evicted and made
+    /// anew under the same name has another (its counters start again from 0).
+    pub fn life(&self) -> u64 {
+        self.life
     }
 
     pub fn name(&self) -> &TopicName {

@@ -288,7 +288,7 @@ pub(crate) async fn handle(
                 // `accepted` also resolves when the handshake failed: then the connection
                 // has a close reason (its bool only says whether 0-RTT data was taken).
                 match tokio::time::timeout_at(deadline, accepted).await {
-                    Ok(_) if conn2.close_reason().is_none() => {
+                    Ok(_) if handshake_outcome(conn2.close_reason()) == Handshake::Completed => {
                         // What early data it sent is held back until now: a peer certificate
                         // (no client identity) gets nothing of it handled.
                         if !refuse_peer_certificate(&conn2) {
@@ -301,10 +301,12 @@ pub(crate) async fn handle(
                         }
                     }
                     Ok(_) => {
-                        shared2
-                            .stats
-                            .handshakes_failed
-                            .fetch_add(1, Ordering::Relaxed);
+                        if handshake_outcome(conn2.close_reason()) == Handshake::Failed {
+                            shared2
+                                .stats
+                                .handshakes_failed
+                                .fetch_add(1, Ordering::Relaxed);
+                        }
                     }
                     Err(_) => {
                         shared2
@@ -409,6 +411,27 @@ async fn accept_bi(session: &Session) -> Result<Accepted, String> {
             .await
             .map(|(s, r)| Accepted::WebTransport(s, r))
             .map_err(|e| session_ended(&e)),
+    }
+}
+
+/// How a 0-RTT connection's handshake ended, judged once it resolved.
+#[derive(Debug, PartialEq, Eq)]
+enum Handshake {
+    Completed,
+    /// The client refused the broker (its certificate, say), or was not heard from.
+    Failed,
+    /// The broker closed the connection itself (shutting down): neither.
+    ClosedHere,
+}
+
+/// `reason`: the connection's close reason when its handshake resolved. A client's own
+/// application close comes only in 0-RTT or 1-RTT packets (RFC 9000 §10.2.3): the client had
+/// its keys, so a client that closes right after connecting still counts as a connection.
+fn handshake_outcome(reason: Option<quinn::ConnectionError>) -> Handshake {
+    match reason {
+        None | Some(quinn::ConnectionError::ApplicationClosed(_)) => Handshake::Completed,
+        Some(quinn::ConnectionError::LocallyClosed) => Handshake::ClosedHere,
+        Some(_) => Handshake::Failed,
     }
 }
 
@@ -651,6 +674,25 @@ pub(crate) fn canonical(addr: SocketAddr) -> SocketAddr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_client_closing_right_after_its_handshake_is_a_connection_not_a_failure() {
+        use quinn::{ApplicationClose, ConnectionError, VarInt};
+        assert_eq!(handshake_outcome(None), Handshake::Completed);
+        let closed = ConnectionError::ApplicationClosed(ApplicationClose {
+            error_code: VarInt::from_u32(0),
+            reason: Default::default(),
+        });
+        assert_eq!(handshake_outcome(Some(closed)), Handshake::Completed);
+        assert_eq!(
+            handshake_outcome(Some(ConnectionError::LocallyClosed)),
+            Handshake::ClosedHere
+        );
+        assert_eq!(
+            handshake_outcome(Some(ConnectionError::TimedOut)),
+            Handshake::Failed
+        );
+    }
 
     #[test]
     fn a_page_closing_its_session_is_logged_in_plain_words() {

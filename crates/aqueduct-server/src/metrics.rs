@@ -50,29 +50,33 @@ struct LabelState {
 struct Labelled {
     earlier: TopicStatsSnapshot,
     last_live: TopicStatsSnapshot,
+    /// The [`TopicState::life`](aqueduct_core::TopicState::life) `last_live` was read from.
+    life: u64,
 }
+
+/// One live topic as a scrape reads it: name, life, counts.
+type LiveTopic = (TopicName, u64, TopicStatsSnapshot);
 
 impl LabelState {
     /// Assign labels for this scrape and return the per-topic series (name order, `__other__`
     /// last when it has anything). `live`: the broker's topics now, in name order; `evicted`:
-    /// the broker's counts of every topic it freed.
+    /// the broker's counts of every topic it freed, read at the same instant (each topic is in
+    /// one or the other). Scrapes must run one at a time, each reading after the previous one.
     fn series(
         &mut self,
         max: usize,
-        live: &[(TopicName, TopicStatsSnapshot)],
+        live: &[LiveTopic],
         evicted: TopicStatsSnapshot,
     ) -> Vec<(String, TopicStatsSnapshot)> {
         // A labelled topic that was freed keeps its series at its last counts, and continues
         // from there if it comes back: its counts never move to `__other__` (which would show
         // there as a burst), and no series goes down. (What it counted between the previous
         // scrape and being freed is in `__other__`.)
-        let live_names: HashMap<&TopicName, &TopicStatsSnapshot> =
-            live.iter().map(|(n, s)| (n, s)).collect();
+        let live_names: HashMap<&TopicName, u64> =
+            live.iter().map(|(n, life, _)| (n, *life)).collect();
         for (name, l) in &mut self.labelled {
-            let ended = match live_names.get(name) {
-                None => true,
-                Some(now) => now.any_below(&l.last_live),
-            };
+            // Freed, or freed and made anew (another life) since the previous scrape.
+            let ended = live_names.get(name) != Some(&l.life);
             if ended {
                 let last = std::mem::take(&mut l.last_live);
                 l.earlier.add(&last);
@@ -82,7 +86,7 @@ impl LabelState {
         let mut named = Vec::new();
         let mut other = TopicStatsSnapshot::default();
         let mut other_seen = false;
-        for (name, snap) in live {
+        for (name, life, snap) in live {
             if !self.labelled.contains_key(name) && self.labelled.len() < max {
                 self.labelled.insert(name.clone(), Labelled::default());
             }
@@ -91,6 +95,7 @@ impl LabelState {
                     let mut shown = l.earlier.clone();
                     shown.add(snap);
                     l.last_live = snap.clone();
+                    l.life = *life;
                     named.push((name.as_str().to_owned(), shown));
                 }
                 None => {
@@ -375,14 +380,16 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
     let broker = &shared.broker;
     let max = shared.config.metrics.max_topic_labels;
     // Per topic, with the cardinality bound applied.
-    let mut topics: Vec<_> = broker
-        .topics()
+    // One scrape at a time, each reading the counters after the previous one did: the lock is
+    // taken before they are read.
+    let mut state = labels.state.lock().unwrap_or_else(|e| e.into_inner());
+    let (topics, evicted) = broker.topics_and_evicted_stats();
+    let mut topics: Vec<LiveTopic> = topics
         .iter()
-        .map(|t| (t.name().clone(), t.stats().snapshot()))
+        .map(|t| (t.name().clone(), t.life(), t.stats().snapshot()))
         .collect();
     topics.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut state = labels.state.lock().unwrap_or_else(|e| e.into_inner());
-    let named = state.series(max, &topics, broker.evicted_topic_stats());
+    let named = state.series(max, &topics, evicted);
 
     let mut out = Out(String::with_capacity(16 * 1024 + named.len() * 1024));
     let per_topic: [(&str, &str, Getter); 5] = [
@@ -819,9 +826,10 @@ mod tests {
         }
     }
 
-    fn topic(name: &str, n: u64) -> (TopicName, TopicStatsSnapshot) {
+    fn topic(name: &str, life: u64, n: u64) -> LiveTopic {
         (
             TopicName::from_slice(name.as_bytes()).expect("topic"),
+            life,
             published(n),
         )
     }
@@ -842,28 +850,30 @@ mod tests {
         let none = TopicStatsSnapshot::default();
         let first = s.series(
             2,
-            &[topic("a", 5), topic("b", 7), topic("c", 3)],
+            &[topic("a", 1, 5), topic("b", 2, 7), topic("c", 3, 3)],
             none.clone(),
         );
         assert_eq!(shown(&first), [("a", 5), ("b", 7), ("__other__", 3)]);
         // `a` (5, plus 1 after that scrape) and `c` (3) are freed.
-        let freed = s.series(2, &[topic("b", 8)], published(6 + 3));
+        let freed = s.series(2, &[topic("b", 2, 8)], published(6 + 3));
         assert_eq!(shown(&freed), [("a", 5), ("b", 8), ("__other__", 1 + 3)]);
-        // `a` comes back: it continues from its count; a new topic has no label left.
+        // `a` comes back (a new life): it continues from its count; a new topic has no label
+        // left.
         let back = s.series(
             2,
-            &[topic("a", 2), topic("b", 8), topic("d", 4)],
+            &[topic("a", 4, 2), topic("b", 2, 8), topic("d", 5, 4)],
             published(9),
         );
         assert_eq!(shown(&back), [("a", 7), ("b", 8), ("__other__", 4 + 4)]);
-        // `b` is freed and made anew between two scrapes (its counts start again below the last
-        // ones read): its series continues from what it had shown.
+        // `b` is freed (at 8) and made anew between two scrapes, and its new life has already
+        // counted more than the old one had: still seen as a new life, its series continues
+        // from what it had shown.
         let anew = s.series(
             2,
-            &[topic("a", 2), topic("b", 1), topic("d", 4)],
+            &[topic("a", 4, 2), topic("b", 6, 20), topic("d", 5, 4)],
             published(9 + 8),
         );
-        assert_eq!(shown(&anew), [("a", 7), ("b", 9), ("__other__", 4 + 4)]);
+        assert_eq!(shown(&anew), [("a", 7), ("b", 28), ("__other__", 4 + 4)]);
         assert!(s.is_labelled(&TopicName::from_slice(b"a").expect("topic")));
         assert!(!s.is_labelled(&TopicName::from_slice(b"d").expect("topic")));
     }

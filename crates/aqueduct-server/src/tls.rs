@@ -143,14 +143,38 @@ impl DevCert {
     /// Write it followed by `also` (the certificate WebTransport clients are shown), so that a
     /// local client trusting the file trusts either.
     pub fn write_with(&self, also: &str) -> Result<(), TlsError> {
+        let err = |e: std::io::Error| TlsError::WriteDevCert {
+            path: self.path.clone(),
+            reason: e.to_string(),
+        };
+        if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(err)?;
+        }
+        // Read, merge and replace under a lock of the brokers sharing the file (a sibling
+        // file: the certificate file itself is replaced by a rename), so that two brokers
+        // starting or renewing at once keep both their sections.
+        let mut lock_path = self.path.clone().into_os_string();
+        lock_path.push(".lock");
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(err)?;
+        lock.lock().map_err(err)?;
         let existing = std::fs::read_to_string(&self.path).unwrap_or_default();
         let ours = format!("{}{also}", self.pem);
         let merged = merge_dev_cert(&existing, self.port, std::process::id(), &ours, |pid| {
             process_alive(pid)
         });
+        // The lock goes with the file handle, after the rename.
         write_dev_cert(&self.path, &merged)
     }
 }
+
+/// At most this many sections of other brokers are kept (the oldest go first): where it cannot
+/// be told whether a process still runs, sections of brokers on ever new ports would pile up.
+const MAX_OTHER_SECTIONS: usize = 15;
 
 /// The header of a broker's section of the development certificate file.
 const DEV_CERT_SECTION: &str = "# aqueduct-broker ";
@@ -165,7 +189,7 @@ fn merge_dev_cert(
     pem: &str,
     alive: impl Fn(u32) -> bool,
 ) -> String {
-    let mut out = String::new();
+    let mut kept: Vec<String> = Vec::new();
     let mut keep = false;
     for line in existing.split_inclusive('\n') {
         if let Some(header) = line.strip_prefix(DEV_CERT_SECTION) {
@@ -178,20 +202,25 @@ fn merge_dev_cert(
                 (Some(p), Some(owner)) => p != u32::from(port) && (owner == pid || alive(owner)),
                 _ => false,
             };
+            if keep {
+                kept.push(String::new());
+            }
         }
-        if keep {
-            out.push_str(line);
+        if let Some(section) = kept.last_mut().filter(|_| keep) {
+            section.push_str(line);
             if !line.ends_with('\n') {
-                out.push('\n');
+                section.push('\n');
             }
         }
     }
+    let first = kept.len().saturating_sub(MAX_OTHER_SECTIONS);
+    let mut out = kept[first..].concat();
     out.push_str(&format!("{DEV_CERT_SECTION}port={port} pid={pid}\n{pem}"));
     out
 }
 
 /// Whether process `pid` runs (Linux: `/proc/<pid>`; elsewhere assumed so, and the section stays
-/// until a broker takes its port).
+/// until a broker takes its port or [`MAX_OTHER_SECTIONS`] newer ones push it out).
 fn process_alive(pid: u32) -> bool {
     if !Path::new("/proc/self").exists() {
         return true;
@@ -394,6 +423,15 @@ mod tests {
                 "# aqueduct-broker port=4242 pid=10\n{B}# aqueduct-broker port=7461 pid=30\n{A}"
             )
         );
+        // At most MAX_OTHER_SECTIONS of other brokers stay, the newest.
+        let mut many = String::new();
+        for p in 1..=20u16 {
+            many = merge_dev_cert(&many, p, 10, A, everyone_alive);
+        }
+        let crowded = merge_dev_cert(&many, 4242, 10, B, everyone_alive);
+        assert_eq!(crowded.matches("# aqueduct-broker ").count(), 16);
+        assert!(!crowded.contains("port=5 ") && crowded.contains("port=6 "));
+        assert!(crowded.ends_with(&format!("port=4242 pid=10\n{B}")));
         // Sections of processes that have ended go; this process's other sections stay.
         let gone = merge_dev_cert(&both, 9000, 20, A, |pid| pid != 10);
         assert_eq!(

@@ -70,8 +70,9 @@ function describeError(e) {
 function wtUrl(hash) {
   const override = params.get('wt');
   if (override) return override;
+  // `location.hostname` has an IPv6 address in brackets already, as a URL needs it.
   const page = location.hostname;
-  let host = page.includes(':') ? `[${page}]` : page;
+  let host = page;
   if (hash?.host && (page === 'localhost' || page.endsWith('.localhost'))) host = hash.host;
   return `https://${host}:${hash?.port ?? wtPort}${hash?.path ?? wtPath}`;
 }
@@ -106,7 +107,7 @@ async function doConnect(token) {
   if (token) {
     // `?wt=` may name another host (a remote broker, see howto-browser.md), and anyone can make
     // a link with it: a token goes to a host other than this page's only if the user says so.
-    const host = new URL(target).hostname.replace(/^\[|\]$/g, '');
+    const host = new URL(target).hostname;
     if (params.get('wt') && host !== location.hostname && !window.confirm(`Send your token to ${host}? Only do so if that is your broker.`)) {
       throw new Error(`not connected: the token was not sent to ${host}`);
     }
