@@ -150,6 +150,7 @@ fn a_browser_uses_the_live_view_and_the_js_client_against_the_real_broker() {
         "each of 20 jobs to exactly one",
         "NOT_AUTHORIZED (400)",
         "screenshot of the live view",
+        "a refused session (unknown token) shows as a refusal",
         "all browser checks passed",
     ] {
         assert!(stdout.contains(check), "not checked: {check}\n{stdout}");

@@ -426,15 +426,15 @@ pub(crate) async fn serve(
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let status = web_transport_quinn::http::StatusCode::from_u16(refusal.status)
                 .unwrap_or(web_transport_quinn::http::StatusCode::FORBIDDEN);
-            // Bounded: a client that gives the response no stream credit must not hold this
-            // task (and a connection slot) forever.
-            if tokio::time::timeout(timeout, request.reject(status))
-                .await
-                .is_ok()
-            {
-                // Dropping the connection now would close it before the response is sent:
-                // let the client read it and close (it does at once), within a bound.
+            // The status goes out as the CONNECT response, and the HTTP/3 control streams
+            // stay open until the client closes (it does at once) or REFUSAL_LINGER ends: a
+            // browser sees a refused request then (Chromium: net::ERR_METHOD_NOT_SUPPORTED,
+            // whatever the status), where closing them with the response (`Request::reject`)
+            // made it report a broken connection (QUIC_HTTP_CLOSED_CRITICAL_STREAM). Bounded: a client that gives the response no
+            // stream credit must not hold this task (and a connection slot) forever.
+            if let Ok(Ok(session)) = tokio::time::timeout(timeout, request.respond(status)).await {
                 let _ = tokio::time::timeout(REFUSAL_LINGER, conn.closed()).await;
+                drop(session);
             }
             conn.close(0u32.into(), b"WebTransport session refused");
             return;

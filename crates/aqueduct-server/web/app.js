@@ -149,8 +149,14 @@ async function doDisconnect() {
 function startConnect(token) {
   connecting = doConnect(token).catch((e) => {
     setStatus('failed', 'not connected');
-    note('connect-note', describeError(e), 'bad');
-    event(`connect failed: ${describeError(e)}`, true);
+    let why = describeError(e);
+    // A browser does not tell a page why a session was refused (Chromium's console shows a
+    // network error code only).
+    if (why.includes('Opening handshake failed')) {
+      why += ' The broker refused the session (a token, origin or path it does not admit: its log says which, as "WebTransport session refused"), or UDP to its port is blocked.';
+    }
+    note('connect-note', why, 'bad');
+    event(`connect failed: ${why}`, true);
     throw e;
   });
   return connecting;
