@@ -39,7 +39,7 @@ fn config(dir: &Path, rules: &str) -> String {
 }
 
 struct Broker {
-    child: Child,
+    child: common::Broker,
     addr: String,
     admin: String,
     logs: mpsc::Receiver<String>,
@@ -341,7 +341,7 @@ fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> T {
 
 /// A cluster node with the admin API: its addresses and log.
 struct Node {
-    child: Child,
+    child: common::Broker,
     addr: String,
     admin: String,
     _logs: mpsc::Receiver<String>,

@@ -7,7 +7,7 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -102,7 +102,7 @@ fn sub_addr_of_a_broker_outside_the_cluster_never_sees_the_probes() {
 }
 
 /// Node `i` of a cluster of `peers` (a large queue: the bench's publisher is not held).
-fn node(home: &Path, i: usize, port: u16, peers: &[String]) -> (Child, String, String) {
+fn node(home: &Path, i: usize, port: u16, peers: &[String]) -> (common::Broker, String, String) {
     cluster_node(
         home,
         i,

@@ -685,20 +685,22 @@ fn a_signal_during_work_stops_the_subscriber() {
 #[test]
 fn a_broker_whose_stderr_is_closed_still_stops_cleanly() {
     let home = tempfile::tempdir().expect("dir");
-    let mut child = Command::new(BROKER)
-        .args([
-            "--addr",
-            "127.0.0.1:0",
-            "--metrics-addr",
-            "127.0.0.1:0",
-            "--log",
-            "info",
-        ])
-        .env("AQUEDUCT_HOME", home.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("broker starts");
+    let mut child = common::Broker::from(
+        Command::new(BROKER)
+            .args([
+                "--addr",
+                "127.0.0.1:0",
+                "--metrics-addr",
+                "127.0.0.1:0",
+                "--log",
+                "info",
+            ])
+            .env("AQUEDUCT_HOME", home.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("broker starts"),
+    );
     let mut stderr = BufReader::new(child.stderr.take().expect("stderr"));
     let mut line = String::new();
     while !line.contains("metrics endpoint listening") {

@@ -20,7 +20,7 @@ fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
 }
 
 struct Node {
-    child: Child,
+    child: common::Broker,
     addr: String,
     metrics: String,
 }

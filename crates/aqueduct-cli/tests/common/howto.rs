@@ -90,7 +90,7 @@ fn bash(dir: &Path, prelude: &str, script: &str, env: &[(&str, String)]) -> Comm
 
 /// Cluster nodes started by `node` steps, with their log lines (kept, so that their stderr stays
 /// read). If the run fails midway, they are killed rather than left holding their ports.
-struct Nodes(Vec<(Child, std::sync::mpsc::Receiver<String>)>);
+struct Nodes(Vec<(super::Broker, std::sync::mpsc::Receiver<String>)>);
 
 impl Drop for Nodes {
     fn drop(&mut self) {
@@ -145,7 +145,7 @@ pub fn run_howto(doc: &str, name: &str, min_blocks: usize, admin: bool) -> Vec<S
     );
     let dir = tempfile::tempdir().expect("dir");
     let mut prelude = String::new();
-    let mut broker: Option<Child> = None;
+    let mut broker: Option<super::Broker> = None;
     let mut nodes = Nodes(Vec::new());
     let mut background: Vec<(Child, String)> = Vec::new();
     let mut env: Vec<(&str, String)> = Vec::new();

@@ -14,7 +14,7 @@ pub const CLIENT: &str = env!("CARGO_BIN_EXE_aqueduct");
 pub const WAIT: Duration = Duration::from_secs(30);
 
 /// Start the broker on a free port; returns it and its address, read from its log.
-pub fn start_broker(home: &std::path::Path) -> (Child, String, mpsc::Receiver<String>) {
+pub fn start_broker(home: &std::path::Path) -> (Broker, String, mpsc::Receiver<String>) {
     let (child, addr, _metrics, logs) = start_broker_with(home, &[]);
     (child, addr, logs)
 }
@@ -25,7 +25,7 @@ pub fn start_broker(home: &std::path::Path) -> (Child, String, mpsc::Receiver<St
 pub fn start_broker_with(
     home: &std::path::Path,
     env: &[(&str, &str)],
-) -> (Child, String, String, mpsc::Receiver<String>) {
+) -> (Broker, String, String, mpsc::Receiver<String>) {
     start_broker_cmd(
         home,
         &["--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"],
@@ -39,7 +39,7 @@ pub fn start_broker_cmd(
     home: &std::path::Path,
     args: &[&str],
     env: &[(&str, &str)],
-) -> (Child, String, String, mpsc::Receiver<String>) {
+) -> (Broker, String, String, mpsc::Receiver<String>) {
     let mut cmd = Command::new(BROKER);
     cmd.args(args);
     start_broker_process(cmd, home, env)
@@ -51,7 +51,7 @@ pub fn start_broker_config(
     config: &std::path::Path,
     addr: &str,
     env: &[(&str, &str)],
-) -> (Child, String, String, mpsc::Receiver<String>) {
+) -> (Broker, String, String, mpsc::Receiver<String>) {
     let config = config.display().to_string();
     start_broker_cmd(
         home,
@@ -75,7 +75,7 @@ pub fn start_broker_process(
     mut cmd: Command,
     home: &std::path::Path,
     env: &[(&str, &str)],
-) -> (Child, String, String, mpsc::Receiver<String>) {
+) -> (Broker, String, String, mpsc::Receiver<String>) {
     let mut child = cmd
         .args(["--log", "info"])
         .envs(env.iter().copied())
@@ -111,14 +111,55 @@ pub fn start_broker_process(
         }
     }
     (
-        child,
+        Broker(Some(child)),
         addr.unwrap_or_default(),
         metrics.unwrap_or_default(),
         rx,
     )
 }
 
-pub fn stop(mut broker: Child) {
+/// A broker process started by a test: stopped cleanly with [`stop`], and killed if the test
+/// fails before that (a panicking test must not leave its broker running).
+#[derive(Debug)]
+pub struct Broker(Option<Child>);
+
+impl Broker {
+    /// The process, for a test that stops it its own way (the guard then does nothing).
+    pub fn into_child(mut self) -> Child {
+        self.0.take().expect("a running broker")
+    }
+}
+
+impl From<Child> for Broker {
+    fn from(child: Child) -> Broker {
+        Broker(Some(child))
+    }
+}
+
+impl std::ops::Deref for Broker {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        self.0.as_ref().expect("a running broker")
+    }
+}
+
+impl std::ops::DerefMut for Broker {
+    fn deref_mut(&mut self) -> &mut Child {
+        self.0.as_mut().expect("a running broker")
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+pub fn stop(broker: Broker) {
+    let mut broker = broker.into_child();
     let _ = Command::new("kill")
         .args(["-TERM", &broker.id().to_string()])
         .status();
@@ -262,7 +303,7 @@ pub fn cluster_node(
     port: u16,
     peers: &[String],
     env: &[(&str, &str)],
-) -> (Child, String, String) {
+) -> (Broker, String, String) {
     let certs = home.join("certs");
     let config = home.join(format!("node-{i}.yaml"));
     std::fs::write(
