@@ -61,6 +61,7 @@ pub enum QuotaCommand {
         burst: Option<u64>,
     },
     /// Remove a client's own quota: it follows the default again.
+    #[command(visible_alias = "remove")]
     Rm { client: String },
     /// Every client with its own quota, and the default.
     List,
@@ -78,6 +79,7 @@ pub enum AclCommand {
         permission: String,
     },
     /// Remove the rule with exactly these fields.
+    #[command(visible_alias = "remove")]
     Rm {
         client: String,
         topic: String,

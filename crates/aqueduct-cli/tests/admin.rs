@@ -232,7 +232,8 @@ fn admin_commands_manage_a_running_broker() {
     assert_eq!(listed["rules"][0]["client_id"], "service-a", "{listed}");
     let listed_file = h.join("rules-listed.json");
     std::fs::write(&listed_file, listed.to_string()).expect("write the listed rules");
-    admin_json(h, &b, &["acl", "rm", "*", "public/#", "subscribe"]);
+    // `remove`, as the RPC and the help say, is `rm`.
+    admin_json(h, &b, &["acl", "remove", "*", "public/#", "subscribe"]);
     assert_eq!(rule_count(h, &b), 1);
     let acl = admin_json(
         h,
