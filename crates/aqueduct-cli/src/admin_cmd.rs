@@ -158,6 +158,8 @@ fn status(e: tonic::Status, target: &AdminTarget) -> anyhow::Error {
             " (the broker did not accept the client certificate: is --cert/--key signed by its \
              admin.client_ca_file?)"
         }
+        // The broker's message names the CN and the pattern already.
+        tonic::Code::PermissionDenied if e.message().contains("admin.allowed_cn") => "",
         tonic::Code::PermissionDenied => {
             " (the certificate's CN must match the broker's admin.allowed_cn, default admin-*)"
         }

@@ -126,6 +126,11 @@ fn admin_commands_manage_a_running_broker() {
         err.contains("does not match admin.allowed_cn") && err.contains("admin-*"),
         "{err}"
     );
+    assert_eq!(
+        err.matches("admin.allowed_cn").count(),
+        1,
+        "said once: {err}"
+    );
     // No certificate at all: said in plain words (tonic saw only a dropped connection).
     let out = run_client(h, &["admin", "--admin-addr", &b.admin, "info"]);
     assert!(!out.status.success());
