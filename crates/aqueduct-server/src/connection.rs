@@ -322,10 +322,18 @@ pub(crate) async fn handle(
         Ok((conn, accepted)) => match tokio::time::timeout_at(deadline, accepted).await {
             // `accepted` also resolves when the handshake failed (e.g. no client certificate
             // where one is required): then the connection has a close reason, and it is not a
-            // client that ever connected.
-            Ok(_) => match conn.close_reason() {
-                None => conn,
-                Some(e) => return failed(e.to_string()),
+            // client that ever connected. (One that closed right after its handshake did
+            // connect: it is served, and ends at once.)
+            Ok(_) => match handshake_outcome(conn.close_reason()) {
+                Handshake::Completed => conn,
+                Handshake::ClosedHere => return,
+                Handshake::Failed => {
+                    let why = conn
+                        .close_reason()
+                        .map(|e| e.to_string())
+                        .unwrap_or_default();
+                    return failed(why);
+                }
             },
             Err(_) => {
                 conn.close(ErrorCode::MALFORMED_FRAME.0.into(), b"handshake timed out");
