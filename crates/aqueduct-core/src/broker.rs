@@ -1121,7 +1121,6 @@ impl Broker {
             .cloned()
     }
 
-    /// Every topic published to so far.
     /// Every topic's state and [`evicted_topic_stats`](Self::evicted_topic_stats), read at one
     /// instant as far as evictions go: each topic is either in the list or in the counts.
     pub fn topics_and_evicted_stats(&self) -> (Vec<Arc<TopicState>>, TopicStatsSnapshot) {
@@ -1134,6 +1133,7 @@ impl Broker {
         (topics.values().cloned().collect(), evicted)
     }
 
+    /// Every topic the broker holds state for (published to, and not evicted since).
     pub fn topics(&self) -> Vec<Arc<TopicState>> {
         self.topics
             .read()

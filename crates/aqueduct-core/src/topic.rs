@@ -79,31 +79,26 @@ pub struct TopicStatsSnapshot {
 impl TopicStatsSnapshot {
     /// Add `other`'s counts to these.
     pub fn add(&mut self, other: &TopicStatsSnapshot) {
-        self.published += other.published;
-        self.delivered += other.delivered;
-        self.nacked += other.nacked;
-        self.redelivered += other.redelivered;
-        self.dead_lettered += other.dead_lettered;
-        for (a, b) in self.dropped.iter_mut().zip(other.dropped) {
-            *a += b;
-        }
-        for (a, b) in self.expired.iter_mut().zip(other.expired) {
-            *a += b;
-        }
+        self.combine(other, |a, b| a + b);
     }
 
     /// Take `other`'s counts from these (none below zero).
     pub fn saturating_sub(&mut self, other: &TopicStatsSnapshot) {
-        self.published = self.published.saturating_sub(other.published);
-        self.delivered = self.delivered.saturating_sub(other.delivered);
-        self.nacked = self.nacked.saturating_sub(other.nacked);
-        self.redelivered = self.redelivered.saturating_sub(other.redelivered);
-        self.dead_lettered = self.dead_lettered.saturating_sub(other.dead_lettered);
+        self.combine(other, u64::saturating_sub);
+    }
+
+    /// Every count becomes `f(this count, other's count)`.
+    fn combine(&mut self, other: &TopicStatsSnapshot, f: impl Fn(u64, u64) -> u64) {
+        self.published = f(self.published, other.published);
+        self.delivered = f(self.delivered, other.delivered);
+        self.nacked = f(self.nacked, other.nacked);
+        self.redelivered = f(self.redelivered, other.redelivered);
+        self.dead_lettered = f(self.dead_lettered, other.dead_lettered);
         for (a, b) in self.dropped.iter_mut().zip(other.dropped) {
-            *a = a.saturating_sub(b);
+            *a = f(*a, b);
         }
         for (a, b) in self.expired.iter_mut().zip(other.expired) {
-            *a = a.saturating_sub(b);
+            *a = f(*a, b);
         }
     }
 

@@ -41,9 +41,6 @@ struct LabelState {
     /// Per labelled topic name: the counts of its earlier lives (the broker freed its state, and
     /// maybe made it anew), and its live counts as the previous scrape read them.
     labelled: HashMap<TopicName, Labelled>,
-    /// The sum of every `Labelled::earlier`: the part of the broker's evicted-topic counts that
-    /// is shown under topics' own labels, so not again under `__other__`.
-    shown_evicted: TopicStatsSnapshot,
 }
 
 #[derive(Debug, Default)]
@@ -80,7 +77,6 @@ impl LabelState {
             if ended {
                 let last = std::mem::take(&mut l.last_live);
                 l.earlier.add(&last);
-                self.shown_evicted.add(&last);
             }
         }
         let mut named = Vec::new();
@@ -104,7 +100,11 @@ impl LabelState {
                 }
             }
         }
+        // The part of the evicted counts shown under topics' own labels (their earlier lives)
+        // is not counted again under `__other__`.
+        let mut rest = evicted;
         for (name, l) in &self.labelled {
+            rest.saturating_sub(&l.earlier);
             if !live_names.contains_key(name) {
                 named.push((name.as_str().to_owned(), l.earlier.clone()));
             }
@@ -112,8 +112,6 @@ impl LabelState {
         named.sort_by(|a, b| a.0.cmp(&b.0));
         // Freed topics that had no label of their own keep counting here, so totals never go
         // down.
-        let mut rest = evicted;
-        rest.saturating_sub(&self.shown_evicted);
         if rest != TopicStatsSnapshot::default() {
             other_seen = true;
             other.add(&rest);
@@ -819,6 +817,7 @@ mod tests {
         out.sample("m", &[("topic", "a\"b\\c")], 1);
         assert_eq!(out.0, "m{topic=\"a\\\"b\\\\c\"} 1\n");
     }
+
     fn published(n: u64) -> TopicStatsSnapshot {
         TopicStatsSnapshot {
             published: n,

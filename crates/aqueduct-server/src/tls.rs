@@ -166,12 +166,21 @@ impl DevCert {
             .filter(|f| f.lock().is_ok());
         let existing = std::fs::read_to_string(&self.path).unwrap_or_default();
         let ours = format!("{}{also}", self.pem);
-        let merged = merge_dev_cert(&existing, self.port, std::process::id(), &ours, |pid| {
-            process_alive(pid)
-        });
-        let written = write_dev_cert(&self.path, &merged);
+        let merged = merge_dev_cert(
+            &existing,
+            self.port,
+            std::process::id(),
+            &ours,
+            process_alive,
+        );
+        // Atomically (temp file + rename), so a client never reads half a certificate.
+        let tmp = self
+            .path
+            .with_extension(format!("tmp.{}", std::process::id()));
+        std::fs::write(&tmp, merged).map_err(err)?;
+        std::fs::rename(&tmp, &self.path).map_err(err)?;
         drop(lock);
-        written
+        Ok(())
     }
 }
 
@@ -265,20 +274,6 @@ pub fn identity(cfg: &TlsConfig) -> Result<Identity, TlsError> {
         key,
         dev_cert: Some(dev_cert),
     })
-}
-
-/// Write atomically (temp file + rename) so a client never reads half a certificate.
-fn write_dev_cert(path: &Path, pem: &str) -> Result<(), TlsError> {
-    let err = |e: std::io::Error| TlsError::WriteDevCert {
-        path: path.to_owned(),
-        reason: e.to_string(),
-    };
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(err)?;
-    }
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    std::fs::write(&tmp, pem).map_err(err)?;
-    std::fs::rename(&tmp, path).map_err(err)
 }
 
 /// The broker's QUIC crypto configuration and, if generated, the dev certificate (not written
