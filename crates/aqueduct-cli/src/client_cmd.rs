@@ -40,7 +40,8 @@ struct Cli {
     /// Accept only the broker certificate with this SHA-256 fingerprint (64 hex digits).
     #[arg(long, global = true, value_name = "HEX")]
     pin: Option<String>,
-    /// Name to verify in the broker's certificate (default: the host of --addr).
+    /// Name to verify in the broker's certificate (default: the host of --addr, or of
+    /// --admin-addr for `admin`).
     #[arg(long, global = true)]
     server_name: Option<String>,
     /// Client certificate (PEM) for brokers that require mTLS. Needs --key.
@@ -995,45 +996,123 @@ const CONNECTION_FLAGS: [(&str, &str); 9] = [
     ("wt_path", "--wt-path"),
 ];
 
-/// A command that needs no broker refuses the connection options given on its command line:
-/// ignored, they would mislead (`cert server --ca other/ca.pem` would sign with the --out
-/// directory's CA all the same; `log dump --key aal.key` is the TLS client key, not the log's).
-fn refuse_connection_flags(matches: &clap::ArgMatches, command: &Command) -> Result<()> {
-    let (name, hint) = match command {
-        Command::Cert { .. } => (
-            "cert",
-            "the CA is the --out directory's ca.pem and ca-key.pem (made by `aqueduct cert ca`)",
-        ),
-        Command::Log { .. } => (
-            "log",
-            "it reads the log directory offline; the log's key is --key-file (or AQUEDUCT_AAL_KEY)",
-        ),
-        Command::TraceSink { .. } => ("trace-sink", "it only listens (--listen)"),
-        _ => return Ok(()),
+/// Every connection option but the TLS ones (by argument id).
+const NOT_TLS: &[&str] = &["addr", "transport", "wt_path"];
+
+/// The connection options a command does not use (by argument id), with what it says to whoever
+/// gives one: the commands that need no broker use none of them; `admin` reaches the admin API
+/// (--admin-addr, gRPC over TLS) and uses only the TLS options.
+const UNUSED_CONNECTION_FLAGS: [(&str, &[&str], &str); 4] = [
+    (
+        "cert",
+        &[],
+        "the CA is the --out directory's ca.pem and ca-key.pem (made by `aqueduct cert ca`)",
+    ),
+    (
+        "log",
+        &[],
+        "it reads the log directory offline; the log's key is --key-file (or AQUEDUCT_AAL_KEY)",
+    ),
+    ("trace-sink", &[], "it only listens (--listen)"),
+    (
+        "admin",
+        NOT_TLS,
+        "it calls the admin API at --admin-addr (the broker's admin.listen_addr) over gRPC with TLS",
+    ),
+];
+
+/// The ids of the connection options command `name` does not use (an empty list in
+/// [`UNUSED_CONNECTION_FLAGS`] means all of them: the command needs no broker), and why.
+fn unused_connection_flags(name: &str) -> Option<(Vec<&'static str>, bool, &'static str)> {
+    let (_, unused, why) = UNUSED_CONNECTION_FLAGS.iter().find(|(n, ..)| *n == name)?;
+    let needs_no_broker = unused.is_empty();
+    let ids = CONNECTION_FLAGS
+        .iter()
+        .map(|(id, _)| *id)
+        .filter(|id| needs_no_broker || unused.contains(id))
+        .collect();
+    Some((ids, needs_no_broker, why))
+}
+
+/// A command refuses the connection options it does not use when they are given on its command
+/// line: ignored, they would mislead (`cert server --ca other/ca.pem` would sign with the --out
+/// directory's CA all the same; `log dump --key aal.key` is the TLS client key, not the log's;
+/// `admin --addr` is the broker's client address, not the admin API's). From the environment
+/// (AQUEDUCT_ADDR) they are not a mistake.
+fn refuse_connection_flags(matches: &clap::ArgMatches) -> Result<()> {
+    let Some(name) = matches.subcommand_name() else {
+        return Ok(());
+    };
+    let Some((unused, needs_no_broker, why)) = unused_connection_flags(name) else {
+        return Ok(());
     };
     let given: Vec<&str> = CONNECTION_FLAGS
         .iter()
-        .filter(|(id, _)| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine))
+        .filter(|(id, _)| {
+            unused.contains(id)
+                && matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
+        })
         .map(|(_, flag)| *flag)
         .collect();
     if given.is_empty() {
         return Ok(());
     }
+    let needs_no_broker = if needs_no_broker {
+        " needs no broker and"
+    } else {
+        ""
+    };
     bail!(
-        "`aqueduct {name}` needs no broker and does not use {}: {hint}",
+        "`aqueduct {name}`{needs_no_broker} does not use {}: {why}",
         given.join(", ")
     )
+}
+
+/// The command line, with each command's help listing only the connection options it uses (they
+/// are global, so clap would list all of them under every command).
+fn cli_command() -> clap::Command {
+    fn hide(cmd: clap::Command, ids: &[&str]) -> clap::Command {
+        // In place (`mut_arg` would reorder the arguments of a built command, whose index of
+        // flags then points at the wrong ones). A nested command gets the global options,
+        // hidden as here, when it is parsed.
+        let cmd = cmd.mut_args(|a| {
+            if ids.iter().any(|id| a.get_id() == id) {
+                a.hide(true)
+            } else {
+                a
+            }
+        });
+        let subcommands: Vec<String> = cmd
+            .get_subcommands()
+            .map(|sc| sc.get_name().to_owned())
+            .collect();
+        subcommands.iter().fold(cmd, |cmd, name| {
+            cmd.mut_subcommand(name, |sc| hide(sc, ids))
+        })
+    }
+    let mut cmd = Cli::command();
+    // Propagates the global options into every subcommand, where they can then be hidden.
+    cmd.build();
+    for (name, ..) in UNUSED_CONNECTION_FLAGS {
+        if let Some((unused, ..)) = unused_connection_flags(name) {
+            cmd = cmd.mut_subcommand(name, |sc| hide(sc, &unused));
+        }
+    }
+    cmd
 }
 
 /// Run the `aqueduct` command line with these arguments (the first is the program name).
 /// Go-style single-dash long flags (`-addr`) are accepted as the seed's tools wrote them.
 pub fn main_with(args: Vec<OsString>) -> ExitCode {
-    let matches = Cli::command().get_matches_from(crate::go_style_args(args, &Cli::command()));
+    let command = cli_command();
+    let matches = command
+        .clone()
+        .get_matches_from(crate::go_style_args(args, &command));
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
-    if let Err(e) = refuse_connection_flags(&matches, &cli.command) {
+    if let Err(e) = refuse_connection_flags(&matches) {
         eprintln!("aqueduct: {e:#}");
         return ExitCode::from(2);
     }
@@ -1051,10 +1130,18 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let without_cert = cli.cert.is_none();
     match runtime.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("aqueduct: {e:#}");
+            let e = format!("{e:#}");
+            // The client library's words; how to give a certificate is the CLI's to say.
+            let hint = if without_cert && e.contains("requires a client certificate") {
+                ": pass --cert and --key"
+            } else {
+                ""
+            };
+            eprintln!("aqueduct: {e}{hint}");
             ExitCode::FAILURE
         }
     }

@@ -38,6 +38,81 @@ fn help_explains_the_flags() {
     }
 }
 
+/// Each command's help lists only the connection options it uses: the commands that need no
+/// broker none, `admin` only the TLS ones (it has --admin-addr); the rest all of them. (They
+/// are global options, which clap lists under every command; a new user read `aqueduct cert
+/// --help` as asking for a broker's address.)
+#[test]
+fn each_commands_help_lists_the_connection_options_it_uses() {
+    let help = |args: &[&str]| {
+        let out = Command::new(CLIENT).args(args).output().expect("runs");
+        assert!(out.status.success(), "{args:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    // Whether the help's option list has FLAG (a line "  --flag ..." or "  -a, --flag ...").
+    let lists = |text: &str, flag: &str| {
+        text.lines().map(str::trim_start).any(|line| {
+            line.starts_with(flag) || line.get(4..).is_some_and(|rest| rest.starts_with(flag))
+        })
+    };
+    let all = [
+        "--addr ",
+        "--ca ",
+        "--pin ",
+        "--server-name ",
+        "--cert ",
+        "--key ",
+        "--dev-cert ",
+        "--transport ",
+        "--wt-path ",
+    ];
+    for args in [
+        &["pub", "--help"][..],
+        &["sub", "--help"],
+        &["bench", "--help"],
+    ] {
+        let text = help(args);
+        for flag in all {
+            assert!(lists(&text, flag), "{args:?} lacks {flag}:\n{text}");
+        }
+    }
+    for args in [
+        &["cert", "--help"][..],
+        &["cert", "server", "--help"],
+        &["log", "dump", "--help"],
+        &["trace-sink", "--help"],
+    ] {
+        let text = help(args);
+        for flag in all {
+            assert!(!lists(&text, flag), "{args:?} lists {flag}:\n{text}");
+        }
+    }
+    for args in [&["admin", "--help"][..], &["admin", "acl", "add", "--help"]] {
+        let text = help(args);
+        for flag in ["--admin-addr ", "--ca ", "--cert ", "--key ", "--pin "] {
+            assert!(lists(&text, flag), "{args:?} lacks {flag}:\n{text}");
+        }
+        for flag in ["--addr ", "--transport ", "--wt-path "] {
+            assert!(!lists(&text, flag), "{args:?} lists {flag}:\n{text}");
+        }
+    }
+    // Hidden, not removed: given anyway, they are refused with the reason (below and in
+    // commands_without_a_broker_refuse_connection_options).
+    let home = tempfile::tempdir().expect("temp dir");
+    for args in [
+        &["admin", "--addr", "10.0.0.1:4242", "info"][..],
+        &["--transport", "webtransport", "admin", "info"],
+    ] {
+        let o = run_client(home.path(), args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains("`aqueduct admin` does not use --") && err.contains("--admin-addr"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 #[test]
 fn configuration_errors_stop_startup_naming_the_key() {
     let dir = tempfile::tempdir().expect("dir");
@@ -514,6 +589,12 @@ fn pub_to_a_broker_requiring_client_certificates_fails_clearly() {
         assert!(!out.status.success(), "reported success: {stdout}");
         assert!(!stdout.contains("published"), "{stdout}");
         assert!(stderr.contains("requires a client certificate"), "{stderr}");
+        // How to give one, in the CLI's terms (the client library's own text named its Rust
+        // API here).
+        assert!(
+            stderr.contains("pass --cert and --key") && !stderr.contains("ConnectOptions"),
+            "{stderr}"
+        );
     }
     stop(broker);
 }

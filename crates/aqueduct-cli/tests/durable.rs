@@ -576,6 +576,25 @@ fn log_verify_and_dump_work_offline() {
     let no_key = log(&["verify", d]);
     assert_eq!(no_key.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&no_key.stdout).contains("no key was given"));
+    // Another key: said in the words of this tool too (--key-file), not only the broker's.
+    let other_key = home.path().join("other.key");
+    std::fs::write(&other_key, format!("{}=\n", "A".repeat(43))).expect("key file");
+    let wrong = log(&[
+        "verify",
+        d,
+        "--key-file",
+        other_key.to_str().expect("utf-8"),
+    ]);
+    assert_eq!(wrong.status.code(), Some(1));
+    let out = format!(
+        "{}{}",
+        String::from_utf8_lossy(&wrong.stdout),
+        String::from_utf8_lossy(&wrong.stderr)
+    );
+    assert!(
+        out.contains("sealed with a different key") && out.contains("--key-file"),
+        "{out}"
+    );
     assert_eq!(snapshot(&dir), before, "verify and dump change nothing");
     // Flip a byte inside the first batch of the segment holding the messages.
     let seg = last_segment(&dir);

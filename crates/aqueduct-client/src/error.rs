@@ -89,7 +89,7 @@ pub(crate) fn app_code(code: u64) -> String {
 /// them as transport error 0x100 + alert).
 fn tls_alert(alert: u8) -> String {
     let what = match alert {
-        116 => "the broker requires a client certificate (pass --cert and --key, or ConnectOptions::client_cert)",
+        116 => "the broker requires a client certificate (one signed by a CA in its tls.client_ca_file)",
         48 => "unknown issuer: the broker does not trust the CA that signed the client certificate",
         42 => "the broker rejected the client certificate (bad certificate)",
         43 => "the broker does not support the client certificate (an X.509 v1 certificate, or one without the clientAuth extended key usage?)",

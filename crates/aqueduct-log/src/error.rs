@@ -16,8 +16,9 @@ pub enum LogError {
     /// An encrypted segment's key check does not match the key given: the wrong `aal.key`.
     /// Nothing was changed on disk.
     #[error(
-        "{}: this segment was sealed with a different key (aal.key is wrong, or the file was \
-         replaced); the log was not opened, nothing was changed on disk",
+        "{}: this segment was sealed with a different key (the key given is wrong: the \
+         broker's aal.key or AQUEDUCT_AAL_KEY, `aqueduct log`'s --key-file; or the file was \
+         replaced); nothing was read from the log and nothing was changed on disk",
         path.display()
     )]
     WrongKey { path: PathBuf },
