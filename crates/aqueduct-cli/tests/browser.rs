@@ -5,9 +5,11 @@
 //! command line: a wildcard subscription gets what `aqueduct pub` sends (bytes intact) and a
 //! stalled subscriber gets it in priority order; what the page publishes reaches `aqueduct sub`;
 //! the page and a native `aqueduct sub --group` share a consumer group (each message to exactly
-//! one, none lost); an ACL rule for the token's client id refuses it (NOT_AUTHORIZED, 400). It
-//! saves a screenshot of the live view with messages flowing to
-//! `target/browser-test/web-view.png`.
+//! one, none lost); an ACL rule for the token's client id refuses it (NOT_AUTHORIZED, 400); an
+//! unknown token's session is refused as such. It saves a screenshot of the live view with
+//! messages flowing to `target/browser-test/web-view.png`. Then it runs the documentation's
+//! JavaScript as written (the page of clients/js/README.md and the snippet of
+//! docs/howto-browser.md, served from localhost; only the metrics port is the test broker's).
 //!
 //! Without Chromium, chromedriver or selenium the test prints `skipped: …` and passes, except
 //! under CI (`CI` set), where it fails.
@@ -25,6 +27,8 @@ use common::*;
 /// The whole browser script, Chromium's start included.
 const SCRIPT_WAIT: Duration = Duration::from_secs(240);
 const TOKEN: &str = "browser-token-0123456789";
+/// The token of docs/howto-browser.md's snippet, which the test runs as written.
+const DOC_TOKEN: &str = "dashboard-7Hq2v9Lx4Rk8";
 
 fn python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
@@ -85,7 +89,8 @@ fn a_browser_uses_the_live_view_and_the_js_client_against_the_real_broker() {
         format!(
             "acl:\n  enabled: true\n  default: all\n  rules:\n    \
              - {{ client: \"browser-test\", topic: \"secret/#\", permission: \"none\" }}\n\
-             webtransport:\n  tokens:\n    \"{TOKEN}\": \"browser-test\"\n"
+             webtransport:\n  tokens:\n    \"{TOKEN}\": \"browser-test\"\n    \
+             \"{DOC_TOKEN}\": \"dashboard\"\n"
         ),
     )
     .expect("config");
@@ -151,6 +156,8 @@ fn a_browser_uses_the_live_view_and_the_js_client_against_the_real_broker() {
         "NOT_AUTHORIZED (400)",
         "screenshot of the live view",
         "a refused session (unknown token) shows as a refusal",
+        "clients/js/README.md's browser page, as written",
+        "docs/howto-browser.md's snippet, as written",
         "all browser checks passed",
     ] {
         assert!(stdout.contains(check), "not checked: {check}\n{stdout}");

@@ -7,8 +7,11 @@ any failure raises (non-zero exit).
 Usage: browser.py PAGE_URL AQUEDUCT_BIN BROKER_ADDR HOME TOKEN SCREENSHOT_PNG
 """
 
+import functools
+import http.server
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +25,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 PAGE, CLI, ADDR, HOME, TOKEN, SCREENSHOT = sys.argv[1:7]
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
 WAIT = 30  # seconds, for any one condition
 ENV = dict(os.environ, AQUEDUCT_HOME=HOME, AQUEDUCT_ADDR=ADDR, NO_COLOR="1")
 
@@ -299,6 +303,75 @@ def checks(driver):
     console = [e["message"] for e in driver.get_log("browser") if "Failed to establish" in e["message"]]
     assert console and not any("CLOSED_CRITICAL_STREAM" in m for m in console), console
     ok(f"a refused session (unknown token) shows as a refusal: {console[0].split(': ', 1)[-1]}")
+
+    # --- 7. The documentation's code as written: the page of clients/js/README.md ("In a browser
+    # page") and the snippet of docs/howto-browser.md ("The JavaScript client"), served from
+    # localhost next to a copy of clients/js as the README says, the metrics address
+    # `localhost:9090` in them replaced by this broker's (the only change).
+    metrics_port = re.search(r":(\d+)/", PAGE).group(1)
+    readme_page = doc_block(os.path.join(ROOT, "clients/js/README.md"), "## In a browser page", "html")
+    howto_js = doc_block(os.path.join(ROOT, "docs/howto-browser.md"), "## The JavaScript client", "js")
+    site = tempfile.mkdtemp(prefix="aqueduct-doc-pages-")
+    os.makedirs(os.path.join(site, "aqueduct"))
+    for name in os.listdir(os.path.join(ROOT, "clients/js")):
+        if name.endswith(".js"):
+            shutil.copy(os.path.join(ROOT, "clients/js", name), os.path.join(site, "aqueduct"))
+    here = lambda text: text.replace("localhost:9090", f"localhost:{metrics_port}")
+    with open(os.path.join(site, "readme.html"), "w", encoding="utf-8") as f:
+        f.write(here(readme_page))
+    # The snippet prints with console.log: the harness keeps what it prints (a classic script
+    # runs before the module).
+    with open(os.path.join(site, "howto.html"), "w", encoding="utf-8") as f:
+        f.write(
+            '<!doctype html>\n<meta charset="utf-8">\n'
+            "<script>window.printed = []; const log = console.log;"
+            " console.log = (...a) => { window.printed.push(a.map(String).join(' ')); log(...a); };</script>\n"
+            f'<script type="module">\n{here(howto_js)}\n</script>\n'
+        )
+    handler = functools.partial(QuietHandler, directory=site)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        site_url = f"http://localhost:{server.server_address[1]}"
+        driver.get(f"{site_url}/readme.html")
+        until(driver, "the README page's publish and delivery", "document.getElementById('log').textContent.includes('published at offset')")
+        until(driver, "the README page's delivery", "document.getElementById('log').textContent.includes('orders/eu #')")
+        lines = driver.find_element(By.ID, "log").text.splitlines()
+        assert "orders/eu #0 p1: first order" in lines and "published at offset 0" in lines, lines
+        ok("clients/js/README.md's browser page, as written: subscribed, published with CONFIRM, got its message")
+
+        driver.get(f"{site_url}/howto.html")
+        printed = lambda: driver.execute_script("return window.printed || [];")
+        # The snippet says nothing when its subscription is active: publish until it prints.
+        deadline = time.monotonic() + WAIT
+        n = 0
+        while not any(line.startswith("sensors/howto ") for line in printed()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the howto snippet printed nothing within {WAIT}s: {printed()}")
+            aqueduct("pub", "sensors/howto", f"reading {n}", "--priority", "1", "--confirm")
+            n += 1
+            time.sleep(0.2)
+        first = next(line for line in printed() if line.startswith("sensors/howto "))
+        assert re.fullmatch(r"sensors/howto \d+ 1 reading \d+", first), first
+        ok(f"docs/howto-browser.md's snippet, as written (its token): printed `{first}`")
+    finally:
+        server.shutdown()
+        shutil.rmtree(site, ignore_errors=True)
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def doc_block(path, heading, lang):
+    """The first ```LANG code block after HEADING in the Markdown file PATH."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    start = text.index(heading)
+    m = re.compile(rf"^```{lang}\n(.*?)^```$", re.S | re.M).search(text, start)
+    assert m, f"no {lang} block after {heading!r} in {path}"
+    return m.group(1)
 
 
 if __name__ == "__main__":
