@@ -174,9 +174,13 @@ impl DevCert {
             process_alive,
         );
         // Atomically (temp file + rename), so a client never reads half a certificate.
-        let tmp = self
-            .path
-            .with_extension(format!("tmp.{}", std::process::id()));
+        // Named for this write (this process may hold several brokers: tests).
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let tmp = self.path.with_extension(format!(
+            "tmp.{}.{}",
+            std::process::id(),
+            WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
         std::fs::write(&tmp, merged).map_err(err)?;
         std::fs::rename(&tmp, &self.path).map_err(err)?;
         drop(lock);
@@ -385,7 +389,7 @@ pub fn client_common_name(conn: &quinn::Connection) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::merge_dev_cert;
+    use super::{merge_dev_cert, DevCert};
 
     const A: &str = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
     const B: &str = "-----BEGIN CERTIFICATE-----\nBBBB\n-----END CERTIFICATE-----\n";
@@ -438,5 +442,41 @@ mod tests {
                 "# aqueduct-broker port=7461 pid=20\n{C}# aqueduct-broker port=9000 pid=20\n{A}"
             )
         );
+    }
+
+    /// Brokers writing the shared file at the same instant keep each other's sections: the
+    /// read-merge-replace is serialized by the lock file (threads here, each with a file
+    /// description of its own, as processes would have).
+    #[test]
+    fn brokers_writing_the_development_certificate_at_once_keep_every_section() {
+        const WRITERS: u16 = 8;
+        for round in 0..20 {
+            let dir = tempfile::tempdir().expect("dir");
+            let path = dir.path().join("dev-cert.pem");
+            let barrier = std::sync::Barrier::new(usize::from(WRITERS));
+            std::thread::scope(|s| {
+                for i in 0..WRITERS {
+                    let cert = DevCert {
+                        path: path.clone(),
+                        pem: A.to_string(),
+                        port: 0,
+                    }
+                    .bound_to(5000 + i);
+                    let barrier = &barrier;
+                    s.spawn(move || {
+                        barrier.wait();
+                        cert.write().expect("write");
+                    });
+                }
+            });
+            let text = std::fs::read_to_string(&path).expect("written");
+            for i in 0..WRITERS {
+                assert!(
+                    text.contains(&format!("port={} ", 5000 + i)),
+                    "round {round}: the section of port {} was lost:\n{text}",
+                    5000 + i
+                );
+            }
+        }
     }
 }
