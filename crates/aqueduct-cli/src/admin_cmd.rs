@@ -105,6 +105,14 @@ pub struct AdminTarget {
 }
 
 async fn connect(target: &AdminTarget) -> Result<AdminClient> {
+    // The admin API always requires one (admin.client_ca_file): say so before dialing, instead
+    // of a TLS handshake per address of the name that the broker refuses.
+    if !target.opts.has_client_cert() {
+        bail!(
+            "the admin API requires an admin client certificate: pass --cert FILE --key FILE \
+             (signed by the broker's admin.client_ca_file, CN matching admin.allowed_cn)"
+        );
+    }
     let tls = target
         .opts
         .tls_config(b"h2")
@@ -138,18 +146,10 @@ async fn connect(target: &AdminTarget) -> Result<AdminClient> {
     })
 }
 
-fn status(e: tonic::Status, target: &AdminTarget) -> anyhow::Error {
+fn status(e: tonic::Status) -> anyhow::Error {
     let hint = match e.code() {
         // The broker refused the TLS handshake; tonic reports the dropped connection as one of
         // these, depending on when it noticed ("operation was canceled", "transport error").
-        tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::Unknown
-            if !target.opts.has_client_cert() =>
-        {
-            return anyhow!(
-                "the admin API requires an admin client certificate: pass --cert FILE --key FILE \
-                 (signed by the broker's admin.client_ca_file, CN matching admin.allowed_cn)"
-            )
-        }
         tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::Unknown
             if e.message().contains("transport error") || e.code() != tonic::Code::Unknown =>
         {
@@ -178,13 +178,13 @@ fn status(e: tonic::Status, target: &AdminTarget) -> anyhow::Error {
 pub async fn run(target: &AdminTarget, cmd: &AdminCommand) -> Result<()> {
     let mut c = connect(target).await?;
     let out = match cmd {
-        AdminCommand::Quota { what } => quota(&mut c, what, target).await?,
-        AdminCommand::Acl { what } => acl(&mut c, what, target).await?,
+        AdminCommand::Quota { what } => quota(&mut c, what).await?,
+        AdminCommand::Acl { what } => acl(&mut c, what).await?,
         AdminCommand::Clients => {
             let r = c
                 .list_clients(proto::ListClientsRequest {})
                 .await
-                .map_err(|e| status(e, target))?
+                .map_err(status)?
                 .into_inner();
             clients(&r)
         }
@@ -205,7 +205,7 @@ pub async fn run(target: &AdminTarget, cmd: &AdminCommand) -> Result<()> {
                     reason: reason.clone(),
                 })
                 .await
-                .map_err(|e| status(e, target))?
+                .map_err(status)?
                 .into_inner();
             Output {
                 json: json!({ "disconnected": r.disconnected }),
@@ -216,7 +216,7 @@ pub async fn run(target: &AdminTarget, cmd: &AdminCommand) -> Result<()> {
             let r = c
                 .list_topics(proto::ListTopicsRequest {})
                 .await
-                .map_err(|e| status(e, target))?
+                .map_err(status)?
                 .into_inner();
             topics(&r)
         }
@@ -224,7 +224,7 @@ pub async fn run(target: &AdminTarget, cmd: &AdminCommand) -> Result<()> {
             let r = c
                 .get_broker_info(proto::GetBrokerInfoRequest {})
                 .await
-                .map_err(|e| status(e, target))?
+                .map_err(status)?
                 .into_inner();
             info(&r)
         }
@@ -232,7 +232,7 @@ pub async fn run(target: &AdminTarget, cmd: &AdminCommand) -> Result<()> {
             let r = c
                 .get_cluster(proto::GetClusterRequest {})
                 .await
-                .map_err(|e| status(e, target))?
+                .map_err(status)?
                 .into_inner();
             cluster(&r)
         }
@@ -315,7 +315,7 @@ fn quota_rows(qs: &[&proto::ClientQuota]) -> String {
     )
 }
 
-async fn quota(c: &mut AdminClient, what: &QuotaCommand, target: &AdminTarget) -> Result<Output> {
+async fn quota(c: &mut AdminClient, what: &QuotaCommand) -> Result<Output> {
     let one = |q: proto::ClientQuota| Output {
         json: quota_json(&q),
         text: quota_rows(&[&q]),
@@ -326,7 +326,7 @@ async fn quota(c: &mut AdminClient, what: &QuotaCommand, target: &AdminTarget) -
                 client_id: client.clone(),
             })
             .await
-            .map_err(|e| status(e, target))?
+            .map_err(status)?
             .into_inner()),
         QuotaCommand::Set {
             client,
@@ -339,20 +339,20 @@ async fn quota(c: &mut AdminClient, what: &QuotaCommand, target: &AdminTarget) -
                 burst: *burst,
             })
             .await
-            .map_err(|e| status(e, target))?
+            .map_err(status)?
             .into_inner()),
         QuotaCommand::Rm { client } => one(c
             .remove_client_quota(proto::RemoveClientQuotaRequest {
                 client_id: client.clone(),
             })
             .await
-            .map_err(|e| status(e, target))?
+            .map_err(status)?
             .into_inner()),
         QuotaCommand::List => {
             let r = c
                 .list_client_quotas(proto::ListClientQuotasRequest {})
                 .await
-                .map_err(|e| status(e, target))?
+                .map_err(status)?
                 .into_inner();
             let mut all: Vec<&proto::ClientQuota> = r.default_quota.iter().collect();
             all.extend(r.clients.iter());
@@ -447,7 +447,7 @@ fn read_rules(file: &Path) -> Result<(Vec<proto::AclRule>, Option<String>)> {
     ))
 }
 
-async fn acl(c: &mut AdminClient, what: &AclCommand, target: &AdminTarget) -> Result<Output> {
+async fn acl(c: &mut AdminClient, what: &AclCommand) -> Result<Output> {
     let r = match what {
         AclCommand::List => c.list_acl(proto::ListAclRequest {}).await,
         AclCommand::Add {
@@ -483,7 +483,7 @@ async fn acl(c: &mut AdminClient, what: &AclCommand, target: &AdminTarget) -> Re
             .await
         }
     };
-    Ok(acl_output(&r.map_err(|e| status(e, target))?.into_inner()))
+    Ok(acl_output(&r.map_err(status)?.into_inner()))
 }
 
 fn since(ms: i64) -> String {
