@@ -148,13 +148,13 @@ async fn connect(target: &AdminTarget) -> Result<AdminClient> {
 
 fn status(e: tonic::Status) -> anyhow::Error {
     let hint = match e.code() {
-        // The broker refused the TLS handshake; tonic reports the dropped connection as one of
-        // these, depending on when it noticed ("operation was canceled", "transport error").
+        // The broker ended the TLS session after its handshake: it did not accept the client
+        // certificate (TLS 1.3 checks it after the client thinks it is connected). tonic
+        // reports the dropped connection as one of these, depending on when it noticed
+        // ("operation was canceled", "transport error").
         tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::Unknown
             if e.message().contains("transport error") || e.code() != tonic::Code::Unknown =>
         {
-            // The broker ended the TLS session after its handshake: it did not accept the
-            // client certificate (TLS 1.3 checks it after the client thinks it is connected).
             " (the broker did not accept the client certificate: is --cert/--key signed by its \
              admin.client_ca_file?)"
         }

@@ -996,42 +996,61 @@ const CONNECTION_FLAGS: [(&str, &str); 9] = [
     ("wt_path", "--wt-path"),
 ];
 
-/// Every connection option but the TLS ones (by argument id).
-const NOT_TLS: &[&str] = &["addr", "transport", "wt_path"];
-
-/// The connection options a command does not use (by argument id), with what it says to whoever
+/// The connection options a command does not use, by argument id, with what it says to whoever
 /// gives one: the commands that need no broker use none of them; `admin` reaches the admin API
 /// (--admin-addr, gRPC over TLS) and uses only the TLS options.
-const UNUSED_CONNECTION_FLAGS: [(&str, &[&str], &str); 4] = [
-    (
-        "cert",
-        &[],
-        "the CA is the --out directory's ca.pem and ca-key.pem (made by `aqueduct cert ca`)",
-    ),
-    (
-        "log",
-        &[],
-        "it reads the log directory offline; the log's key is --key-file (or AQUEDUCT_AAL_KEY)",
-    ),
-    ("trace-sink", &[], "it only listens (--listen)"),
-    (
-        "admin",
-        NOT_TLS,
-        "it calls the admin API at --admin-addr (the broker's admin.listen_addr) over gRPC with TLS",
-    ),
+struct UnusedConnectionFlags {
+    command: &'static str,
+    ids: &'static [&'static str],
+    /// Whether the command connects to nothing (said in the refusal).
+    needs_no_broker: bool,
+    why: &'static str,
+}
+
+/// Every connection option, by argument id ([`CONNECTION_FLAGS`]'s ids).
+const ALL_CONNECTION_IDS: &[&str] = &[
+    "addr",
+    "ca",
+    "pin",
+    "server_name",
+    "cert",
+    "key",
+    "dev_cert",
+    "transport",
+    "wt_path",
 ];
 
-/// The ids of the connection options command `name` does not use (an empty list in
-/// [`UNUSED_CONNECTION_FLAGS`] means all of them: the command needs no broker), and why.
-fn unused_connection_flags(name: &str) -> Option<(Vec<&'static str>, bool, &'static str)> {
-    let (_, unused, why) = UNUSED_CONNECTION_FLAGS.iter().find(|(n, ..)| *n == name)?;
-    let needs_no_broker = unused.is_empty();
-    let ids = CONNECTION_FLAGS
+const UNUSED_CONNECTION_FLAGS: [UnusedConnectionFlags; 4] = [
+    UnusedConnectionFlags {
+        command: "cert",
+        ids: ALL_CONNECTION_IDS,
+        needs_no_broker: true,
+        why: "the CA is the --out directory's ca.pem and ca-key.pem (made by `aqueduct cert ca`)",
+    },
+    UnusedConnectionFlags {
+        command: "log",
+        ids: ALL_CONNECTION_IDS,
+        needs_no_broker: true,
+        why: "it reads the log directory offline; the log's key is --key-file (or AQUEDUCT_AAL_KEY)",
+    },
+    UnusedConnectionFlags {
+        command: "trace-sink",
+        ids: ALL_CONNECTION_IDS,
+        needs_no_broker: true,
+        why: "it only listens (--listen)",
+    },
+    UnusedConnectionFlags {
+        command: "admin",
+        ids: &["addr", "transport", "wt_path"],
+        needs_no_broker: false,
+        why: "it calls the admin API at --admin-addr (the broker's admin.listen_addr) over gRPC with TLS",
+    },
+];
+
+fn unused_connection_flags(command: &str) -> Option<&'static UnusedConnectionFlags> {
+    UNUSED_CONNECTION_FLAGS
         .iter()
-        .map(|(id, _)| *id)
-        .filter(|id| needs_no_broker || unused.contains(id))
-        .collect();
-    Some((ids, needs_no_broker, why))
+        .find(|u| u.command == command)
 }
 
 /// A command refuses the connection options it does not use when they are given on its command
@@ -1040,16 +1059,13 @@ fn unused_connection_flags(name: &str) -> Option<(Vec<&'static str>, bool, &'sta
 /// `admin --addr` is the broker's client address, not the admin API's). From the environment
 /// (AQUEDUCT_ADDR) they are not a mistake.
 fn refuse_connection_flags(matches: &clap::ArgMatches) -> Result<()> {
-    let Some(name) = matches.subcommand_name() else {
-        return Ok(());
-    };
-    let Some((unused, needs_no_broker, why)) = unused_connection_flags(name) else {
+    let Some(unused) = matches.subcommand_name().and_then(unused_connection_flags) else {
         return Ok(());
     };
     let given: Vec<&str> = CONNECTION_FLAGS
         .iter()
         .filter(|(id, _)| {
-            unused.contains(id)
+            unused.ids.contains(id)
                 && matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
         })
         .map(|(_, flag)| *flag)
@@ -1057,14 +1073,16 @@ fn refuse_connection_flags(matches: &clap::ArgMatches) -> Result<()> {
     if given.is_empty() {
         return Ok(());
     }
-    let needs_no_broker = if needs_no_broker {
+    let needs_no_broker = if unused.needs_no_broker {
         " needs no broker and"
     } else {
         ""
     };
     bail!(
-        "`aqueduct {name}`{needs_no_broker} does not use {}: {why}",
-        given.join(", ")
+        "`aqueduct {}`{needs_no_broker} does not use {}: {}",
+        unused.command,
+        given.join(", "),
+        unused.why
     )
 }
 
@@ -1073,8 +1091,7 @@ fn refuse_connection_flags(matches: &clap::ArgMatches) -> Result<()> {
 fn cli_command() -> clap::Command {
     fn hide(cmd: clap::Command, ids: &[&str]) -> clap::Command {
         // In place (`mut_arg` would reorder the arguments of a built command, whose index of
-        // flags then points at the wrong ones). A nested command gets the global options,
-        // hidden as here, when it is parsed.
+        // flags then points at the wrong ones); `build` gave every level its copies.
         let cmd = cmd.mut_args(|a| {
             if ids.iter().any(|id| a.get_id() == id) {
                 a.hide(true)
@@ -1093,10 +1110,8 @@ fn cli_command() -> clap::Command {
     let mut cmd = Cli::command();
     // Propagates the global options into every subcommand, where they can then be hidden.
     cmd.build();
-    for (name, ..) in UNUSED_CONNECTION_FLAGS {
-        if let Some((unused, ..)) = unused_connection_flags(name) {
-            cmd = cmd.mut_subcommand(name, |sc| hide(sc, &unused));
-        }
+    for unused in &UNUSED_CONNECTION_FLAGS {
+        cmd = cmd.mut_subcommand(unused.command, |sc| hide(sc, unused.ids));
     }
     cmd
 }
@@ -1150,6 +1165,33 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The lists of unused connection options name real options, and "all" is all of them.
+    #[test]
+    fn unused_connection_options_are_connection_options() {
+        let ids: Vec<&str> = CONNECTION_FLAGS.iter().map(|(id, _)| *id).collect();
+        assert_eq!(ALL_CONNECTION_IDS, ids.as_slice());
+        let command = Cli::command();
+        for unused in &UNUSED_CONNECTION_FLAGS {
+            assert!(
+                unused.ids.iter().all(|id| ids.contains(id)),
+                "{}",
+                unused.command
+            );
+            assert!(
+                command.find_subcommand(unused.command).is_some(),
+                "{}",
+                unused.command
+            );
+        }
+        for (id, flag) in CONNECTION_FLAGS {
+            let arg = command.get_arguments().find(|a| a.get_id() == id);
+            assert_eq!(
+                arg.and_then(|a| a.get_long()).map(|l| format!("--{l}")),
+                Some(flag.to_string())
+            );
+        }
+    }
 
     /// Go's ":4242" is this machine; an IPv6 address without brackets is told how to write it,
     /// not turned into "localhost::1:4242".

@@ -27,8 +27,17 @@ use common::*;
 /// The whole browser script, Chromium's start included.
 const SCRIPT_WAIT: Duration = Duration::from_secs(240);
 const TOKEN: &str = "browser-token-0123456789";
-/// The token of docs/howto-browser.md's snippet, which the test runs as written.
-const DOC_TOKEN: &str = "dashboard-7Hq2v9Lx4Rk8";
+
+/// The token docs/howto-browser.md's snippet passes (`token: '...'`): the broker knows it, as
+/// the test runs the snippet as written.
+fn doc_token() -> String {
+    let doc = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/howto-browser.md");
+    let text = std::fs::read_to_string(&doc).expect("docs/howto-browser.md");
+    let (_, rest) = text
+        .split_once("token: '")
+        .expect("howto-browser.md's snippet passes a token");
+    rest.split_once('\'').expect("a quoted token").0.to_string()
+}
 
 fn python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
@@ -90,7 +99,8 @@ fn a_browser_uses_the_live_view_and_the_js_client_against_the_real_broker() {
             "acl:\n  enabled: true\n  default: all\n  rules:\n    \
              - {{ client: \"browser-test\", topic: \"secret/#\", permission: \"none\" }}\n\
              webtransport:\n  tokens:\n    \"{TOKEN}\": \"browser-test\"\n    \
-             \"{DOC_TOKEN}\": \"dashboard\"\n"
+             \"{}\": \"dashboard\"\n",
+            doc_token()
         ),
     )
     .expect("config");

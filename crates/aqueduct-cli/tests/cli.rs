@@ -922,12 +922,28 @@ fn admin_options_follow_the_subcommand_and_a_refused_address_is_explained() {
     let free = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = free.local_addr().expect("addr").to_string();
     drop(free);
-    let ca = certs.join("ca.pem");
+    // An admin certificate: without one the CLI says so before dialing.
+    assert_ok(&run_client(
+        home.path(),
+        &[
+            "cert",
+            "client",
+            "admin-x",
+            "--out",
+            certs.to_str().expect("utf-8"),
+        ],
+    ));
+    let path = |name: &str| certs.join(name).to_str().expect("utf-8").to_owned();
+    let (ca, cert, key) = (path("ca.pem"), path("admin-x.pem"), path("admin-x-key.pem"));
     let out = run_client(
         home.path(),
         &[
             "--ca",
-            ca.to_str().expect("utf-8"),
+            &ca,
+            "--cert",
+            &cert,
+            "--key",
+            &key,
             "admin",
             "cluster",
             "--json",

@@ -18,7 +18,7 @@ pub enum LogError {
     #[error(
         "{}: this segment was sealed with a different key (the key given is wrong: the \
          broker's aal.key or AQUEDUCT_AAL_KEY, `aqueduct log`'s --key-file; or the file was \
-         replaced); nothing was read from the log and nothing was changed on disk",
+         replaced); nothing was changed on disk",
         path.display()
     )]
     WrongKey { path: PathBuf },

@@ -181,10 +181,13 @@ impl DevCert {
             std::process::id(),
             WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
-        std::fs::write(&tmp, merged).map_err(err)?;
-        std::fs::rename(&tmp, &self.path).map_err(err)?;
+        let written = std::fs::write(&tmp, merged).and_then(|()| std::fs::rename(&tmp, &self.path));
+        if written.is_err() {
+            // A broker retries a failed renewal: leave no temporary file per try.
+            let _ = std::fs::remove_file(&tmp);
+        }
         drop(lock);
-        Ok(())
+        written.map_err(err)
     }
 }
 

@@ -305,9 +305,10 @@ def checks(driver):
     ok(f"a refused session (unknown token) shows as a refusal: {console[0].split(': ', 1)[-1]}")
 
     # --- 7. The documentation's code as written: the page of clients/js/README.md ("In a browser
-    # page") and the snippet of docs/howto-browser.md ("The JavaScript client"), served from
-    # localhost next to a copy of clients/js as the README says, the metrics address
-    # `localhost:9090` in them replaced by this broker's (the only change).
+    # page"), served from localhost next to a copy of clients/js as the README says, and the
+    # snippet of docs/howto-browser.md ("The JavaScript client"), which imports the client from
+    # the broker's /web/aqueduct/; the metrics address `localhost:9090` in them replaced by this
+    # broker's (the only change).
     metrics_port = re.search(r":(\d+)/", PAGE).group(1)
     readme_page = doc_block(os.path.join(ROOT, "clients/js/README.md"), "## In a browser page", "html")
     howto_js = doc_block(os.path.join(ROOT, "docs/howto-browser.md"), "## The JavaScript client", "js")
@@ -334,8 +335,12 @@ def checks(driver):
     try:
         site_url = f"http://localhost:{server.server_address[1]}"
         driver.get(f"{site_url}/readme.html")
-        until(driver, "the README page's publish and delivery", "document.getElementById('log').textContent.includes('published at offset')")
-        until(driver, "the README page's delivery", "document.getElementById('log').textContent.includes('orders/eu #')")
+        page_log = "document.getElementById('log').textContent"
+        try:
+            until(driver, "the README page's publish", f"{page_log}.includes('published at offset')")
+            until(driver, "the README page's delivery", f"{page_log}.includes('orders/eu #')")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the page printed: {driver.execute_script(f'return {page_log};')!r}") from e
         lines = driver.find_element(By.ID, "log").text.splitlines()
         assert "orders/eu #0 p1: first order" in lines and "published at offset 0" in lines, lines
         ok("clients/js/README.md's browser page, as written: subscribed, published with CONFIRM, got its message")
@@ -356,6 +361,7 @@ def checks(driver):
         ok(f"docs/howto-browser.md's snippet, as written (its token): printed `{first}`")
     finally:
         server.shutdown()
+        server.server_close()
         shutil.rmtree(site, ignore_errors=True)
 
 
@@ -365,12 +371,17 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 
 def doc_block(path, heading, lang):
-    """The first ```LANG code block after HEADING in the Markdown file PATH."""
+    """The first ```LANG code block of the section HEADING (a whole line) of the Markdown file
+    PATH, before the next heading of the same level."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    start = text.index(heading)
-    m = re.compile(rf"^```{lang}\n(.*?)^```$", re.S | re.M).search(text, start)
-    assert m, f"no {lang} block after {heading!r} in {path}"
+    start = re.search(rf"^{re.escape(heading)}$", text, re.M)
+    assert start, f"no heading {heading!r} in {path}"
+    level = heading.split(" ", 1)[0]
+    end = re.compile(rf"^{level} ", re.M).search(text, start.end())
+    section = text[start.end() : end.start() if end else len(text)]
+    m = re.search(rf"^```{lang}\n(.*?)^```$", section, re.S | re.M)
+    assert m, f"no {lang} block in the section {heading!r} of {path}"
     return m.group(1)
 
 
