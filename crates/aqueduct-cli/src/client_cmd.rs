@@ -1116,13 +1116,72 @@ fn cli_command() -> clap::Command {
     cmd
 }
 
+/// clap suggests the nearest option for a misspelt one, hidden or not: `aqueduct admin --adr`
+/// would get "a similar argument exists: '--addr'", which `admin` then refuses. When the
+/// suggestion is a connection option the command does not use, the error is printed without
+/// that tip (the text to print); otherwise `None` (clap's own error stands).
+fn without_hidden_suggestion(
+    command: &clap::Command,
+    args: &[OsString],
+    error: &clap::Error,
+) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if error.kind() != ErrorKind::UnknownArgument {
+        return None;
+    }
+    let suggested: Vec<String> = match error.get(ContextKind::SuggestedArg)? {
+        ContextValue::String(s) => vec![s.clone()],
+        ContextValue::Strings(v) => v.clone(),
+        _ => return None,
+    };
+    // Which command the misspelling was given to: clap's own parse, past the error.
+    let partial = command
+        .clone()
+        .ignore_errors(true)
+        .try_get_matches_from(args)
+        .ok()?;
+    let unused = unused_connection_flags(partial.subcommand_name()?)?;
+    let hidden = |flag: &str| {
+        CONNECTION_FLAGS
+            .iter()
+            .any(|(id, f)| flag == *f && unused.ids.contains(id))
+    };
+    if !suggested.iter().any(|s| hidden(s)) {
+        return None;
+    }
+    let rendered = error.render().to_string();
+    let mut text = String::with_capacity(rendered.len());
+    let mut lines = rendered.lines().peekable();
+    while let Some(line) = lines.next() {
+        let tip = line.trim_start();
+        if tip.starts_with("tip:") && suggested.iter().any(|s| tip.contains(s.as_str())) {
+            // The tip and the blank line after it.
+            if lines.peek().is_some_and(|next| next.trim().is_empty()) {
+                lines.next();
+            }
+            continue;
+        }
+        text.push_str(line);
+        text.push('\n');
+    }
+    Some(text)
+}
+
 /// Run the `aqueduct` command line with these arguments (the first is the program name).
 /// Go-style single-dash long flags (`-addr`) are accepted as the seed's tools wrote them.
 pub fn main_with(args: Vec<OsString>) -> ExitCode {
     let command = cli_command();
-    let matches = command
-        .clone()
-        .get_matches_from(crate::go_style_args(args, &command));
+    let args = crate::go_style_args(args, &command);
+    let matches = match command.clone().try_get_matches_from(args.clone()) {
+        Ok(matches) => matches,
+        Err(e) => match without_hidden_suggestion(&command, &args, &e) {
+            Some(text) => {
+                eprint!("{text}");
+                return ExitCode::from(2);
+            }
+            None => e.exit(),
+        },
+    };
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
         Err(e) => e.exit(),

@@ -111,6 +111,28 @@ fn each_commands_help_lists_the_connection_options_it_uses() {
             "{args:?}: {err}"
         );
     }
+    // A misspelling is not pointed at a hidden option the command would then refuse; where the
+    // option is used, clap's suggestion stays.
+    for (args, suggestion) in [
+        (&["admin", "--adr", "x", "info"][..], None),
+        (&["log", "dump", "--caa", "x", "dir"], None),
+        (&["cert", "ca", "--pn", "x"], None),
+        (&["sub", "--adr", "x", "t"], Some("'--addr'")),
+        (
+            &["log", "dump", "--key-fle", "k", "dir"],
+            Some("'--key-file'"),
+        ),
+    ] {
+        let o = run_client(home.path(), args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("unexpected argument"), "{args:?}: {err}");
+        assert!(err.contains("Usage:"), "{args:?}: {err}");
+        match suggestion {
+            Some(s) => assert!(err.contains(s), "{args:?}: {err}"),
+            None => assert!(!err.contains("similar argument"), "{args:?}: {err}"),
+        }
+    }
 }
 
 #[test]
