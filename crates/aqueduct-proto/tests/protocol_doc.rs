@@ -363,6 +363,23 @@ fn doc_examples_mean_what_the_doc_says() {
         s.ext.confirm,
         "a group subscription with an extension block"
     );
+    // §6.3: sub-frames count from 0, and a BAD_BATCH reason names the first invalid one and its
+    // byte offset in the batch's payload: the example with its second sub-frame's magic broken.
+    let (_, mut batch) = doc_examples()
+        .into_iter()
+        .find(|(n, _)| n == "publish-batch")
+        .expect("example exists");
+    batch[10 + 16] = 0x00;
+    let err = match decode_frame(&Bytes::from(batch), &Limits::default()) {
+        Err(DecodeError::Invalid(e)) => e,
+        other => panic!("a broken sub-frame: {other:?}"),
+    };
+    assert_eq!(err.code(), ErrorCode::BAD_BATCH);
+    assert!(
+        err.to_string()
+            .starts_with("batch sub-frame 1 at byte 16: "),
+        "{err}"
+    );
 }
 
 /// §6.5: a delivery's extension block is at most 808 bytes (TRACE and COMPRESSION aside, which
