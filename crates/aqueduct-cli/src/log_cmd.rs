@@ -39,13 +39,26 @@ fn log_size(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// The log directory exists and is a directory; otherwise an error saying which of the two, and
+/// where the path came from (the argument, or aal.file_path / AQUEDUCT_AAL_FILE_PATH).
+fn check_log_dir(dir: &Path) -> Result<()> {
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => bail!("{} is not a directory (aal.file_path)", dir.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!(
+            "{} does not exist (aal.file_path): give the log's directory, or set \
+             AQUEDUCT_AAL_FILE_PATH as the broker has it",
+            dir.display()
+        ),
+        Err(e) => bail!("{}: {e} (aal.file_path)", dir.display()),
+    }
+}
+
 /// Check every record of the log in `dir`; an error (exit code 1) if anything is damaged or
 /// cannot be read.
 pub fn verify(dir: &Path, key_file: Option<&Path>) -> Result<()> {
     let key = load_key(key_file)?;
-    if !dir.is_dir() {
-        bail!("{} is not a directory (aal.file_path)", dir.display());
-    }
+    check_log_dir(dir)?;
     let total = log_size(dir);
     let bar = (total >= PROGRESS_FROM_BYTES
         && std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -111,9 +124,7 @@ pub fn dump(
     key_file: Option<&Path>,
 ) -> Result<()> {
     let key = load_key(key_file)?;
-    if !dir.is_dir() {
-        bail!("{} is not a directory (aal.file_path)", dir.display());
-    }
+    check_log_dir(dir)?;
     let view = LogView::open(dir, key.as_ref())?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());

@@ -563,6 +563,22 @@ fn log_verify_and_dump_work_offline() {
             3
         );
     }
+    // A directory that does not exist is said to be missing; a file, not to be a directory.
+    let missing = home.path().join("no-such-log");
+    for (path, words) in [
+        (missing.to_str().expect("utf-8"), "does not exist"),
+        (k, "is not a directory"),
+    ] {
+        for command in ["verify", "dump"] {
+            let o = log(&[command, path, "--key-file", k]);
+            assert_eq!(o.status.code(), Some(1), "{command} {path}");
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(
+                err.contains(&format!("{path} {words} (aal.file_path)")),
+                "{command} {path}: {err}"
+            );
+        }
+    }
     let before: Vec<(PathBuf, Vec<u8>)> = snapshot(&dir);
     let ok = log(&["verify", d, "--key-file", k]);
     assert!(

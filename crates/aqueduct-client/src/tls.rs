@@ -14,6 +14,11 @@ use crate::options::{is_local, Trust};
 /// The ALPN protocol id.
 pub const ALPN: &[u8] = b"aqueduct-v1";
 
+/// rustls 0.23.48 deprecates its *ring* provider (it has no post-quantum key exchange). This
+/// project stays on *ring*: one crypto provider and no C toolchain for aws-lc-rs (`.ci/run`
+/// checks that aws-lc-rs is not in the tree). The deprecation is allowed here, the one place
+/// the client names it.
+#[allow(deprecated)]
 fn provider() -> Arc<CryptoProvider> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     Arc::new(rustls::crypto::ring::default_provider())

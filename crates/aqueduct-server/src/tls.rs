@@ -55,7 +55,11 @@ pub enum TlsError {
 }
 
 /// The process-wide crypto provider. Installing it as the default keeps any library that asks
-/// for "the default provider" on ring too (there must never be two).
+/// for "the default provider" on ring too (there must never be two). rustls 0.23.48 deprecates
+/// its *ring* provider (no post-quantum key exchange); the broker stays on *ring* (one provider,
+/// no aws-lc-rs C build; `.ci/run` checks it), so the deprecation is allowed here, the one place
+/// the broker and its tests name it.
+#[allow(deprecated)]
 pub fn provider() -> Arc<CryptoProvider> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let mut p = rustls::crypto::ring::default_provider();

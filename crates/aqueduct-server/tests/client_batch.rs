@@ -63,11 +63,10 @@ fn encode(items: &[Item], stream_id: u32) -> Vec<u8> {
 
 /// A one-connection broker that answers the first SUBSCRIBE with CONFIRM and `items`.
 async fn scripted(items: Vec<Item>) -> (SocketAddr, String, JoinHandle<()>) {
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    let provider = aqueduct_server::tls::provider();
     let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("cert");
     let pem = cert.cert.pem();
     let key = rustls_pki_types::PrivateKeyDer::Pkcs8(cert.signing_key.serialize_der().into());
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut crypto = rustls::ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .expect("tls13")

@@ -42,13 +42,11 @@ fn zero_rtt_client(b: &TestBroker) -> quinn::Endpoint {
     for cert in rustls_pki_types::CertificateDer::pem_slice_iter(&pem) {
         roots.add(cert.expect("pem")).expect("root");
     }
-    let mut crypto = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_protocol_versions(&[&rustls::version::TLS13])
-    .expect("tls13")
-    .with_root_certificates(roots)
-    .with_no_client_auth();
+    let mut crypto = rustls::ClientConfig::builder_with_provider(aqueduct_server::tls::provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls13")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
     crypto.alpn_protocols = vec![b"aqueduct-v1".to_vec()];
     crypto.enable_early_data = true;
     let config = quinn::ClientConfig::new(Arc::new(

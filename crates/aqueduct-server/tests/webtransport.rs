@@ -430,7 +430,7 @@ impl rustls::client::danger::ServerCertVerifier for AnyServer {
 /// A client endpoint that offers `alpn` and accepts any server certificate (these tests look at
 /// what the broker shows, not at trust).
 fn endpoint_offering(alpn: Vec<Vec<u8>>) -> quinn::Endpoint {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = aqueduct_server::tls::provider();
     let mut crypto = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .expect("tls13")

@@ -169,7 +169,7 @@ impl Raw {
         for cert in rustls_pki_types::CertificateDer::pem_slice_iter(&pem) {
             roots.add(cert.expect("pem")).expect("root");
         }
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let provider = aqueduct_server::tls::provider();
         let mut crypto = rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .expect("tls13")
