@@ -431,13 +431,19 @@ struct BenchOverflow(Option<OverflowPolicy>);
 
 /// `aqueduct log`'s directory: the one given, else where the broker puts its log on its
 /// defaults (AQUEDUCT_AAL_FILE_PATH, else $AQUEDUCT_HOME/aal, else ~/.aqueduct/aal).
-fn log_dir(given: &Option<PathBuf>) -> PathBuf {
+fn log_dir(given: &Option<PathBuf>) -> crate::log_cmd::LogDir {
     if let Some(dir) = given {
-        return dir.clone();
+        return crate::log_cmd::LogDir {
+            path: dir.clone(),
+            given: true,
+        };
     }
     let env: Vec<(String, String)> = std::env::vars().collect();
     let file_path = std::env::var("AQUEDUCT_AAL_FILE_PATH").unwrap_or_default();
-    aqueduct_server::config::aal_dir(&file_path, &env)
+    crate::log_cmd::LogDir {
+        path: aqueduct_server::config::aal_dir(&file_path, &env),
+        given: false,
+    }
 }
 
 fn parse_bench_overflow(s: &str) -> Result<BenchOverflow, String> {
@@ -996,53 +1002,57 @@ const CONNECTION_FLAGS: [(&str, &str); 9] = [
     ("wt_path", "--wt-path"),
 ];
 
-/// The connection options a command does not use, by argument id, with what it says to whoever
-/// gives one: the commands that need no broker use none of them; `admin` reaches the admin API
-/// (--admin-addr, gRPC over TLS) and uses only the TLS options.
+/// The connection options a command does not use, with what it says to whoever gives one: the
+/// commands that need no broker use none of them; `admin` reaches the admin API (--admin-addr,
+/// gRPC over TLS) and uses only the TLS options.
 struct UnusedConnectionFlags {
     command: &'static str,
-    ids: &'static [&'static str],
-    /// Whether the command connects to nothing (said in the refusal).
-    needs_no_broker: bool,
+    unused: Unused,
     why: &'static str,
 }
 
-/// Every connection option, by argument id ([`CONNECTION_FLAGS`]'s ids).
-const ALL_CONNECTION_IDS: &[&str] = &[
-    "addr",
-    "ca",
-    "pin",
-    "server_name",
-    "cert",
-    "key",
-    "dev_cert",
-    "transport",
-    "wt_path",
-];
+enum Unused {
+    /// Every connection option: the command connects to nothing.
+    All,
+    /// These, by argument id ([`CONNECTION_FLAGS`]'s ids).
+    Only(&'static [&'static str]),
+}
+
+impl UnusedConnectionFlags {
+    fn contains(&self, id: &str) -> bool {
+        match self.unused {
+            Unused::All => true,
+            Unused::Only(ids) => ids.contains(&id),
+        }
+    }
+
+    /// The (id, flag) pairs of the options it does not use.
+    fn flags(&self) -> impl Iterator<Item = (&'static str, &'static str)> + '_ {
+        CONNECTION_FLAGS
+            .into_iter()
+            .filter(|(id, _)| self.contains(id))
+    }
+}
 
 const UNUSED_CONNECTION_FLAGS: [UnusedConnectionFlags; 4] = [
     UnusedConnectionFlags {
         command: "cert",
-        ids: ALL_CONNECTION_IDS,
-        needs_no_broker: true,
+        unused: Unused::All,
         why: "the CA is the --out directory's ca.pem and ca-key.pem (made by `aqueduct cert ca`)",
     },
     UnusedConnectionFlags {
         command: "log",
-        ids: ALL_CONNECTION_IDS,
-        needs_no_broker: true,
+        unused: Unused::All,
         why: "it reads the log directory offline; the log's key is --key-file (or AQUEDUCT_AAL_KEY)",
     },
     UnusedConnectionFlags {
         command: "trace-sink",
-        ids: ALL_CONNECTION_IDS,
-        needs_no_broker: true,
+        unused: Unused::All,
         why: "it only listens (--listen)",
     },
     UnusedConnectionFlags {
         command: "admin",
-        ids: &["addr", "transport", "wt_path"],
-        needs_no_broker: false,
+        unused: Unused::Only(&["addr", "transport", "wt_path"]),
         why: "it calls the admin API at --admin-addr (the broker's admin.listen_addr) over gRPC with TLS",
     },
 ];
@@ -1062,21 +1072,17 @@ fn refuse_connection_flags(matches: &clap::ArgMatches) -> Result<()> {
     let Some(unused) = matches.subcommand_name().and_then(unused_connection_flags) else {
         return Ok(());
     };
-    let given: Vec<&str> = CONNECTION_FLAGS
-        .iter()
-        .filter(|(id, _)| {
-            unused.ids.contains(id)
-                && matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
-        })
-        .map(|(_, flag)| *flag)
+    let given: Vec<&str> = unused
+        .flags()
+        .filter(|(id, _)| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine))
+        .map(|(_, flag)| flag)
         .collect();
     if given.is_empty() {
         return Ok(());
     }
-    let needs_no_broker = if unused.needs_no_broker {
-        " needs no broker and"
-    } else {
-        ""
+    let needs_no_broker = match unused.unused {
+        Unused::All => " needs no broker and",
+        Unused::Only(_) => "",
     };
     bail!(
         "`aqueduct {}`{needs_no_broker} does not use {}: {}",
@@ -1111,60 +1117,122 @@ fn cli_command() -> clap::Command {
     // Propagates the global options into every subcommand, where they can then be hidden.
     cmd.build();
     for unused in &UNUSED_CONNECTION_FLAGS {
-        cmd = cmd.mut_subcommand(unused.command, |sc| hide(sc, unused.ids));
+        let ids: Vec<&str> = unused.flags().map(|(id, _)| id).collect();
+        cmd = cmd.mut_subcommand(unused.command, |sc| hide(sc, &ids));
     }
     cmd
 }
 
+/// The subcommands the command line names, outermost first (`["log", "verify"]`: the first word
+/// that names a subcommand at each level), and how many of them come before `typed`, the
+/// unknown option (the level clap found it at). clap's own parse, with errors ignored, stops at
+/// that level. Used only to pick a suggestion.
+fn subcommand_path(
+    command: &clap::Command,
+    args: &[OsString],
+    typed: &str,
+) -> (Vec<String>, usize) {
+    let mut path = Vec::new();
+    let mut level = None;
+    let mut cmd = command;
+    for arg in args.iter().skip(1).filter_map(|a| a.to_str()) {
+        if level.is_none() && (arg == typed || arg.starts_with(&format!("{typed}="))) {
+            level = Some(path.len());
+        }
+        if let Some(sub) = cmd.find_subcommand(arg) {
+            path.push(sub.get_name().to_owned());
+            cmd = sub;
+        }
+    }
+    let level = level.unwrap_or(path.len());
+    (path, level)
+}
+
+/// The visible long option nearest to `typed` (clap's measure and threshold: Jaro similarity
+/// above 0.7) among those of the commands in `levels` (each with the words that lead to it from
+/// where `typed` was given), except `refused`: `--key-file`, or `verify --key-file` for an
+/// option of a subcommand named later on the line.
+fn nearest_visible_option(
+    levels: &[(String, &clap::Command)],
+    typed: &str,
+    refused: &[&str],
+) -> Option<String> {
+    let typed = typed.trim_start_matches('-');
+    let typed = typed.split('=').next().unwrap_or(typed);
+    let mut best: Option<(f64, String)> = None;
+    for (prefix, cmd) in levels {
+        for arg in cmd.get_arguments().filter(|a| !a.is_hide_set()) {
+            let Some(long) = arg.get_long() else { continue };
+            if refused.contains(&format!("--{long}").as_str()) {
+                continue;
+            }
+            let score = strsim::jaro(typed, long);
+            if score > 0.7 && best.as_ref().is_none_or(|(b, _)| score > *b) {
+                best = Some((score, format!("{prefix}--{long}")));
+            }
+        }
+    }
+    best.map(|(_, suggestion)| suggestion)
+}
+
 /// clap suggests the nearest option for a misspelt one, hidden or not: `aqueduct admin --adr`
-/// would get "a similar argument exists: '--addr'", which `admin` then refuses. When the
-/// suggestion is a connection option the command does not use, the error is printed without
-/// that tip (the text to print); otherwise `None` (clap's own error stands).
+/// got "a similar argument exists: '--addr'", which `admin` then refuses, and `log verify --ke`
+/// got `--key` (the TLS key, refused there) rather than `--key-file`. When clap's suggestion is
+/// a connection option the command does not use, the error is made again with the nearest
+/// option the command does use as the suggestion, or none; otherwise `None` (clap's error
+/// stands).
 fn without_hidden_suggestion(
     command: &clap::Command,
     args: &[OsString],
     error: &clap::Error,
-) -> Option<String> {
+) -> Option<clap::Error> {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
     if error.kind() != ErrorKind::UnknownArgument {
         return None;
     }
-    let suggested: Vec<String> = match error.get(ContextKind::SuggestedArg)? {
-        ContextValue::String(s) => vec![s.clone()],
-        ContextValue::Strings(v) => v.clone(),
+    let suggested: Vec<&str> = match error.get(ContextKind::SuggestedArg)? {
+        ContextValue::String(s) => vec![s.as_str()],
+        ContextValue::Strings(v) => v.iter().map(String::as_str).collect(),
         _ => return None,
     };
-    // Which command the misspelling was given to: clap's own parse, past the error.
-    let partial = command
-        .clone()
-        .ignore_errors(true)
-        .try_get_matches_from(args)
-        .ok()?;
-    let unused = unused_connection_flags(partial.subcommand_name()?)?;
-    let hidden = |flag: &str| {
-        CONNECTION_FLAGS
-            .iter()
-            .any(|(id, f)| flag == *f && unused.ids.contains(id))
+    let ContextValue::String(typed) = error.get(ContextKind::InvalidArg)? else {
+        return None;
     };
-    if !suggested.iter().any(|s| hidden(s)) {
+    let (path, level) = subcommand_path(command, args, typed);
+    let unused = unused_connection_flags(path.first()?)?;
+    let refused: Vec<&str> = unused.flags().map(|(_, flag)| flag).collect();
+    if !suggested.iter().any(|s| refused.contains(s)) {
         return None;
     }
-    let rendered = error.render().to_string();
-    let mut text = String::with_capacity(rendered.len());
-    let mut lines = rendered.lines().peekable();
-    while let Some(line) = lines.next() {
-        let tip = line.trim_start();
-        if tip.starts_with("tip:") && suggested.iter().any(|s| tip.contains(s.as_str())) {
-            // The tip and the blank line after it.
-            if lines.peek().is_some_and(|next| next.trim().is_empty()) {
-                lines.next();
+    // The commands from the level the option was given at down to the last one named.
+    let mut levels = Vec::new();
+    let mut cmd = command;
+    let mut prefix = String::new();
+    for (i, name) in std::iter::once(None)
+        .chain(path.iter().map(Some))
+        .enumerate()
+    {
+        if let Some(name) = name {
+            cmd = cmd.find_subcommand(name)?;
+            if i > level {
+                prefix.push_str(name);
+                prefix.push(' ');
             }
-            continue;
         }
-        text.push_str(line);
-        text.push('\n');
+        if i >= level {
+            levels.push((prefix.clone(), cmd));
+        }
     }
-    Some(text)
+    let mut rebuilt = clap::Error::new(ErrorKind::UnknownArgument).with_cmd(command);
+    for (kind, value) in error.context() {
+        if !matches!(kind, ContextKind::SuggestedArg | ContextKind::Suggested) {
+            rebuilt.insert(kind, value.clone());
+        }
+    }
+    if let Some(better) = nearest_visible_option(&levels, typed, &refused) {
+        rebuilt.insert(ContextKind::SuggestedArg, ContextValue::String(better));
+    }
+    Some(rebuilt)
 }
 
 /// Run the `aqueduct` command line with these arguments (the first is the program name).
@@ -1174,13 +1242,9 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
     let args = crate::go_style_args(args, &command);
     let matches = match command.clone().try_get_matches_from(args.clone()) {
         Ok(matches) => matches,
-        Err(e) => match without_hidden_suggestion(&command, &args, &e) {
-            Some(text) => {
-                eprint!("{text}");
-                return ExitCode::from(2);
-            }
-            None => e.exit(),
-        },
+        Err(e) => without_hidden_suggestion(&command, &args, &e)
+            .unwrap_or(e)
+            .exit(),
     };
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
@@ -1229,14 +1293,19 @@ mod tests {
     #[test]
     fn unused_connection_options_are_connection_options() {
         let ids: Vec<&str> = CONNECTION_FLAGS.iter().map(|(id, _)| *id).collect();
-        assert_eq!(ALL_CONNECTION_IDS, ids.as_slice());
         let command = Cli::command();
+        // Every global option of the top level is a connection option (a new one must be added
+        // to CONNECTION_FLAGS, or it would stay visible, and accepted, where it does nothing).
+        let globals: Vec<&str> = command
+            .get_arguments()
+            .filter(|a| a.is_global_set())
+            .map(|a| a.get_id().as_str())
+            .collect();
+        assert_eq!(globals, ids);
         for unused in &UNUSED_CONNECTION_FLAGS {
-            assert!(
-                unused.ids.iter().all(|id| ids.contains(id)),
-                "{}",
-                unused.command
-            );
+            if let Unused::Only(only) = unused.unused {
+                assert!(only.iter().all(|id| ids.contains(id)), "{}", unused.command);
+            }
             assert!(
                 command.find_subcommand(unused.command).is_some(),
                 "{}",

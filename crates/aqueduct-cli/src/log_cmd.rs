@@ -39,26 +39,39 @@ fn log_size(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// The log directory exists and is a directory; otherwise an error saying which of the two, and
-/// where the path came from (the argument, or aal.file_path / AQUEDUCT_AAL_FILE_PATH).
-fn check_log_dir(dir: &Path) -> Result<()> {
-    match std::fs::metadata(dir) {
-        Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => bail!("{} is not a directory (aal.file_path)", dir.display()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!(
-            "{} does not exist (aal.file_path): give the log's directory, or set \
-             AQUEDUCT_AAL_FILE_PATH as the broker has it",
-            dir.display()
-        ),
-        Err(e) => bail!("{}: {e} (aal.file_path)", dir.display()),
+/// The log directory: given on the command line, or the broker's default one (from
+/// AQUEDUCT_AAL_FILE_PATH or AQUEDUCT_HOME, as the broker finds it).
+#[derive(Debug)]
+pub struct LogDir {
+    pub path: std::path::PathBuf,
+    pub given: bool,
+}
+
+/// The log directory exists and is a directory; otherwise an error saying which of the two, and,
+/// for the default one, how to name another.
+fn check_log_dir(dir: &LogDir) -> Result<()> {
+    let path = dir.path.display();
+    let problem = match std::fs::metadata(&dir.path) {
+        Ok(m) if m.is_dir() => return Ok(()),
+        Ok(_) => "is not a directory".to_owned(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => "does not exist".to_owned(),
+        Err(e) => format!("cannot be read: {e}"),
+    };
+    if dir.given {
+        bail!("the log directory {path} {problem}");
     }
+    bail!(
+        "{path} {problem}: it is where the broker keeps its log on its defaults (aal.file_path); \
+         give the log's directory, or set AQUEDUCT_AAL_FILE_PATH as the broker has it"
+    )
 }
 
 /// Check every record of the log in `dir`; an error (exit code 1) if anything is damaged or
 /// cannot be read.
-pub fn verify(dir: &Path, key_file: Option<&Path>) -> Result<()> {
+pub fn verify(dir: &LogDir, key_file: Option<&Path>) -> Result<()> {
     let key = load_key(key_file)?;
     check_log_dir(dir)?;
+    let dir = dir.path.as_path();
     let total = log_size(dir);
     let bar = (total >= PROGRESS_FROM_BYTES
         && std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -117,7 +130,7 @@ pub fn verify(dir: &Path, key_file: Option<&Path>) -> Result<()> {
 /// `time` (ms since the epoch) and the body (as text, with non-UTF-8 bytes replaced). Without a
 /// topic, list the log's topics.
 pub fn dump(
-    dir: &Path,
+    dir: &LogDir,
     topic: Option<&str>,
     from: u64,
     limit: Option<u64>,
@@ -125,7 +138,7 @@ pub fn dump(
 ) -> Result<()> {
     let key = load_key(key_file)?;
     check_log_dir(dir)?;
-    let view = LogView::open(dir, key.as_ref())?;
+    let view = LogView::open(&dir.path, key.as_ref())?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     let Some(topic) = topic else {

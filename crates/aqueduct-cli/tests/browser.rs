@@ -28,12 +28,17 @@ use common::*;
 const SCRIPT_WAIT: Duration = Duration::from_secs(240);
 const TOKEN: &str = "browser-token-0123456789";
 
-/// The token docs/howto-browser.md's snippet passes (`token: '...'`): the broker knows it, as
-/// the test runs the snippet as written.
+/// The token docs/howto-browser.md's snippet passes (`token: '...'`, in the section "## The
+/// JavaScript client", the block browser.py runs): the broker knows it, as the test runs the
+/// snippet as written.
 fn doc_token() -> String {
     let doc = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/howto-browser.md");
     let text = std::fs::read_to_string(&doc).expect("docs/howto-browser.md");
-    let (_, rest) = text
+    let (_, section) = text
+        .split_once("\n## The JavaScript client\n")
+        .expect("howto-browser.md has the section");
+    let section = section.split("\n## ").next().unwrap_or(section);
+    let (_, rest) = section
         .split_once("token: '")
         .expect("howto-browser.md's snippet passes a token");
     rest.split_once('\'').expect("a quoted token").0.to_string()

@@ -111,12 +111,18 @@ fn each_commands_help_lists_the_connection_options_it_uses() {
             "{args:?}: {err}"
         );
     }
-    // A misspelling is not pointed at a hidden option the command would then refuse; where the
-    // option is used, clap's suggestion stays.
+    // A misspelling is not pointed at a hidden option the command would then refuse, but at
+    // the nearest option it uses, if any; where the option is used, clap's suggestion stays.
     for (args, suggestion) in [
         (&["admin", "--adr", "x", "info"][..], None),
+        (&["--adr", "x", "admin", "info"], None),
         (&["log", "dump", "--caa", "x", "dir"], None),
         (&["cert", "ca", "--pn", "x"], None),
+        (&["log", "verify", "--ke", "x"], Some("'--key-file'")),
+        (
+            &["log", "--key-file", "x", "verify"],
+            Some("'verify --key-file'"),
+        ),
         (&["sub", "--adr", "x", "t"], Some("'--addr'")),
         (
             &["log", "dump", "--key-fle", "k", "dir"],

@@ -564,6 +564,7 @@ fn log_verify_and_dump_work_offline() {
         );
     }
     // A directory that does not exist is said to be missing; a file, not to be a directory.
+    // The default one (no directory given) is named as the broker's, with how to give another.
     let missing = home.path().join("no-such-log");
     for (path, words) in [
         (missing.to_str().expect("utf-8"), "does not exist"),
@@ -574,10 +575,24 @@ fn log_verify_and_dump_work_offline() {
             assert_eq!(o.status.code(), Some(1), "{command} {path}");
             let err = String::from_utf8_lossy(&o.stderr);
             assert!(
-                err.contains(&format!("{path} {words} (aal.file_path)")),
+                err.contains(&format!("the log directory {path} {words}"))
+                    && !err.contains("aal.file_path"),
                 "{command} {path}: {err}"
             );
         }
+        let o = Command::new(CLIENT)
+            .args(["log", "verify", "--key-file", k])
+            .env("AQUEDUCT_AAL_FILE_PATH", path)
+            .output()
+            .expect("aqueduct log runs");
+        assert_eq!(o.status.code(), Some(1), "default {path}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains(&format!(
+                "{path} {words}: it is where the broker keeps its log"
+            )) && err.contains("AQUEDUCT_AAL_FILE_PATH"),
+            "default {path}: {err}"
+        );
     }
     let before: Vec<(PathBuf, Vec<u8>)> = snapshot(&dir);
     let ok = log(&["verify", d, "--key-file", k]);
