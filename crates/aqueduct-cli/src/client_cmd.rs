@@ -432,17 +432,14 @@ struct BenchOverflow(Option<OverflowPolicy>);
 /// `aqueduct log`'s directory: the one given, else where the broker puts its log on its
 /// defaults (AQUEDUCT_AAL_FILE_PATH, else $AQUEDUCT_HOME/aal, else ~/.aqueduct/aal).
 fn log_dir(given: &Option<PathBuf>) -> crate::log_cmd::LogDir {
-    if let Some(dir) = given {
-        return crate::log_cmd::LogDir {
-            path: dir.clone(),
-            given: true,
-        };
-    }
-    let env: Vec<(String, String)> = std::env::vars().collect();
-    let file_path = std::env::var("AQUEDUCT_AAL_FILE_PATH").unwrap_or_default();
+    let path = given.clone().unwrap_or_else(|| {
+        let env: Vec<(String, String)> = std::env::vars().collect();
+        let file_path = std::env::var("AQUEDUCT_AAL_FILE_PATH").unwrap_or_default();
+        aqueduct_server::config::aal_dir(&file_path, &env)
+    });
     crate::log_cmd::LogDir {
-        path: aqueduct_server::config::aal_dir(&file_path, &env),
-        given: false,
+        path,
+        given: given.is_some(),
     }
 }
 
@@ -1123,29 +1120,27 @@ fn cli_command() -> clap::Command {
     cmd
 }
 
-/// The subcommands the command line names, outermost first (`["log", "verify"]`: the first word
-/// that names a subcommand at each level), and how many of them come before `typed`, the
+/// The commands the command line names, from the top (`[aqueduct, log, verify]`: the first word
+/// that names a subcommand at each level), and how many subcommands come before `typed`, the
 /// unknown option (the level clap found it at). clap's own parse, with errors ignored, stops at
 /// that level. Used only to pick a suggestion.
-fn subcommand_path(
-    command: &clap::Command,
+fn command_chain<'c>(
+    command: &'c clap::Command,
     args: &[OsString],
     typed: &str,
-) -> (Vec<String>, usize) {
-    let mut path = Vec::new();
+) -> (Vec<&'c clap::Command>, usize) {
+    let mut chain = vec![command];
     let mut level = None;
-    let mut cmd = command;
     for arg in args.iter().skip(1).filter_map(|a| a.to_str()) {
         if level.is_none() && (arg == typed || arg.starts_with(&format!("{typed}="))) {
-            level = Some(path.len());
+            level = Some(chain.len() - 1);
         }
-        if let Some(sub) = cmd.find_subcommand(arg) {
-            path.push(sub.get_name().to_owned());
-            cmd = sub;
+        if let Some(sub) = chain[chain.len() - 1].find_subcommand(arg) {
+            chain.push(sub);
         }
     }
-    let level = level.unwrap_or(path.len());
-    (path, level)
+    let level = level.unwrap_or(chain.len() - 1);
+    (chain, level)
 }
 
 /// The visible long option nearest to `typed` (clap's measure and threshold: Jaro similarity
@@ -1198,31 +1193,26 @@ fn without_hidden_suggestion(
     let ContextValue::String(typed) = error.get(ContextKind::InvalidArg)? else {
         return None;
     };
-    let (path, level) = subcommand_path(command, args, typed);
-    let unused = unused_connection_flags(path.first()?)?;
+    let (chain, level) = command_chain(command, args, typed);
+    let unused = unused_connection_flags(chain.get(1)?.get_name())?;
     let refused: Vec<&str> = unused.flags().map(|(_, flag)| flag).collect();
     if !suggested.iter().any(|s| refused.contains(s)) {
         return None;
     }
-    // The commands from the level the option was given at down to the last one named.
-    let mut levels = Vec::new();
-    let mut cmd = command;
+    // The commands from the level the option was given at down to the last one named, each
+    // with the words that lead to it from there.
     let mut prefix = String::new();
-    for (i, name) in std::iter::once(None)
-        .chain(path.iter().map(Some))
+    let levels: Vec<(String, &clap::Command)> = chain[level..]
+        .iter()
         .enumerate()
-    {
-        if let Some(name) = name {
-            cmd = cmd.find_subcommand(name)?;
-            if i > level {
-                prefix.push_str(name);
+        .map(|(i, cmd)| {
+            if i > 0 {
+                prefix.push_str(cmd.get_name());
                 prefix.push(' ');
             }
-        }
-        if i >= level {
-            levels.push((prefix.clone(), cmd));
-        }
-    }
+            (prefix.clone(), *cmd)
+        })
+        .collect();
     let mut rebuilt = clap::Error::new(ErrorKind::UnknownArgument).with_cmd(command);
     for (kind, value) in error.context() {
         if !matches!(kind, ContextKind::SuggestedArg | ContextKind::Suggested) {
