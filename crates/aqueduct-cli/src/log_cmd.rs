@@ -61,8 +61,9 @@ fn check_log_dir(dir: &LogDir) -> Result<()> {
         bail!("the log directory {path} {problem}");
     }
     bail!(
-        "{path} {problem}: it is where the broker keeps its log on its defaults (aal.file_path); \
-         give the log's directory, or set AQUEDUCT_AAL_FILE_PATH as the broker has it"
+        "{path} {problem}: with no directory given, `aqueduct log` reads the broker's \
+         (aal.file_path: AQUEDUCT_AAL_FILE_PATH, else $AQUEDUCT_HOME/aal or ~/.aqueduct/aal); give \
+         the log's directory, or set AQUEDUCT_AAL_FILE_PATH as the broker has it"
     )
 }
 

@@ -589,7 +589,7 @@ fn log_verify_and_dump_work_offline() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(
             err.contains(&format!(
-                "{path} {words}: it is where the broker keeps its log"
+                "{path} {words}: with no directory given, `aqueduct log` reads the broker's"
             )) && err.contains("AQUEDUCT_AAL_FILE_PATH"),
             "default {path}: {err}"
         );
