@@ -1069,14 +1069,28 @@ fn refuse_connection_flags(matches: &clap::ArgMatches) -> Result<()> {
     let Some(unused) = matches.subcommand_name().and_then(unused_connection_flags) else {
         return Ok(());
     };
-    let given: Vec<&str> = unused
+    let given: Vec<(&str, &str)> = unused
         .flags()
         .filter(|(id, _)| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine))
-        .map(|(_, flag)| flag)
         .collect();
     if given.is_empty() {
         return Ok(());
     }
+    // Named with its short form too (`-a` is `--addr`): clap does not say which one was typed.
+    let command = Cli::command();
+    let given: Vec<String> = given
+        .into_iter()
+        .map(|(id, flag)| {
+            match command
+                .get_arguments()
+                .find(|a| a.get_id() == id)
+                .and_then(clap::Arg::get_short)
+            {
+                Some(short) => format!("{flag} (-{short})"),
+                None => flag.to_owned(),
+            }
+        })
+        .collect();
     let needs_no_broker = match unused.unused {
         Unused::All => " needs no broker and",
         Unused::Only(_) => "",

@@ -647,6 +647,11 @@ fn commands_without_a_broker_refuse_connection_options() {
             "ca-key.pem",
         ),
         (
+            vec!["cert", "-a", "10.0.0.1:4242", "ca", "--out", out],
+            "--addr (-a)",
+            "ca-key.pem",
+        ),
+        (
             vec!["log", "dump", "aal", "--key", "aal.key", "--topic", "t"],
             "--key",
             "--key-file",
