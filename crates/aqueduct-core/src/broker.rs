@@ -885,7 +885,10 @@ impl Broker {
         closed
     }
 
-    /// Returns false if `sub` was already removed.
+    /// Returns false if `sub` was already removed. `overflowed` (what its queue refused) is
+    /// handed on or counted either way: a publisher whose deliveries overflowed a subscription
+    /// that another publisher, an UNSUBSCRIBE or its stream's end is removing at the same time
+    /// still accounts for them.
     fn remove_subscriber(
         &self,
         ctx: &mut PublishContext,
@@ -894,19 +897,30 @@ impl Broker {
         overflowed: &mut Vec<Delivery>,
         now: Instant,
     ) -> bool {
-        {
-            let mut routes = self.write_routes();
-            if routes.subscribers.remove(&sub.id()).is_none() {
-                return false; // already removed
-            }
-            self.tell_interest(sub, -1);
-            routes.unroute(sub, false);
-        }
-        let (queued, in_flight) = sub.close(reason);
         let drop_reason = match reason {
             CloseReason::SlowConsumer => DropReason::Policy(OverflowPolicy::Disconnect),
             CloseReason::Unsubscribed | CloseReason::Revoked => DropReason::Unsubscribed,
         };
+        let removed = {
+            let mut routes = self.write_routes();
+            let removed = routes.subscribers.remove(&sub.id()).is_some();
+            if removed {
+                self.tell_interest(sub, -1);
+                routes.unroute(sub, false);
+            }
+            removed
+        };
+        if !removed {
+            // Already removed (its remover handled the queue and the in-flight deliveries).
+            for d in overflowed.drain(..) {
+                match sub.group() {
+                    Some(shared) => self.hand_to_group(ctx, shared, d, Some(sub.id()), now),
+                    None => d.topic.stats().dropped(drop_reason),
+                }
+            }
+            return false;
+        }
+        let (queued, in_flight) = sub.close(reason);
         match sub.group() {
             Some(shared) => {
                 for d in queued.into_iter().chain(overflowed.drain(..)) {
@@ -1601,5 +1615,38 @@ impl Broker {
                 reason: reason.to_string(),
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A publisher whose deliveries overflow a `disconnect` subscription that is being removed
+    /// at the same moment (by another publisher that overflowed it first, an UNSUBSCRIBE or its
+    /// stream's end) counts them: before, they vanished, counted nowhere.
+    #[test]
+    fn an_overflow_into_a_subscription_being_removed_is_counted() {
+        let b = Broker::new(BrokerConfig {
+            queue_size: 1,
+            backpressure_policy: OverflowPolicy::Disconnect,
+            ..BrokerConfig::default()
+        });
+        let spec = SubscribeSpec::parse(&bytes::Bytes::from_static(b"topic:t")).expect("spec");
+        let sub = b.subscribe(&spec, SubscribeOptions::default());
+        let topic = TopicName::try_from("t").expect("topic");
+        let mut ctx = PublishContext::default();
+        let now = Instant::now();
+        b.publish(&mut ctx, &Publication::new(&topic, b"queued"), now);
+        assert_eq!(sub.queued(), 1);
+        // The first half of another remover's work: out of the table, still routed and open.
+        b.write_routes().subscribers.remove(&sub.id());
+        b.publish(&mut ctx, &Publication::new(&topic, b"overflows"), now);
+        let stats = b.topic(&topic).expect("known").stats().snapshot();
+        assert_eq!(
+            stats.dropped(DropReason::Policy(OverflowPolicy::Disconnect)),
+            1,
+            "the overflowing delivery is counted"
+        );
     }
 }
