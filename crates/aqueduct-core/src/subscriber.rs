@@ -545,9 +545,10 @@ impl Subscriber {
         self.capacity / 2
     }
 
-    /// Ready once this subscriber can take a message now: fewer than `queued_below` queued and
-    /// (when it acknowledges) room under `max_in_flight`; never for a closed or detached one.
-    /// For a feeder that keeps each member's queue short.
+    /// Ready once this subscriber can take a message now: fewer than `queued_below` queued (and
+    /// than its queue's capacity, as [`has_room`](Self::has_room) asks) and (when it
+    /// acknowledges) room under `max_in_flight`; never for a closed or detached one. For a
+    /// feeder that keeps each member's queue short.
     pub fn poll_can_take(
         &self,
         cx: &mut std::task::Context<'_>,
@@ -563,7 +564,7 @@ impl Subscriber {
             // Never again: the caller's other members (or a new one) must wake it.
             return std::task::Poll::Pending;
         }
-        if st.queue.len() < queued_below && in_flight_room {
+        if st.queue.len() < queued_below.min(self.capacity) && in_flight_room {
             return std::task::Poll::Ready(());
         }
         if !st.held.iter().any(|w| w.will_wake(cx.waker())) {

@@ -478,6 +478,39 @@ fn block_broker() -> (Broker, Arc<Subscriber>) {
     (b, s)
 }
 
+/// A durable group's feeder waits on `poll_can_take` when no member `has_room`: the two must
+/// agree. With a queue smaller than the feeder's look-ahead, a member with a full queue was
+/// "ready" to `poll_can_take` but had no room, so the feeder read the log again at once, in a
+/// loop, for as long as the member stayed full.
+#[test]
+fn can_take_agrees_with_has_room_when_the_queue_is_smaller_than_the_look_ahead() {
+    let (b, s) = block_broker();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let max_in_flight = b.config().max_in_flight;
+    let (count, waker) = room_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    for i in 0..4 {
+        assert!(s.has_room(max_in_flight));
+        assert!(s.poll_can_take(&mut cx, max_in_flight, 16).is_ready());
+        publish(&b, &mut ctx, "t", &i.to_string(), now);
+    }
+    assert!(!s.has_room(max_in_flight), "the queue (4) is full");
+    assert!(s.poll_can_take(&mut cx, max_in_flight, 16).is_pending());
+    // Woken once it has drained (to half the capacity, as held publishers are).
+    let mut out = BytesMut::new();
+    while s.queued() > 2 {
+        b.drain(&s, &mut out, 1, now);
+    }
+    assert_eq!(
+        count.0.load(Ordering::SeqCst),
+        1,
+        "woken once there is room"
+    );
+    assert!(s.poll_can_take(&mut cx, max_in_flight, 16).is_ready());
+    assert!(s.has_room(max_in_flight));
+}
+
 #[test]
 fn block_loses_nothing_and_holds_the_publisher_until_half_drained() {
     let (b, s) = block_broker();
