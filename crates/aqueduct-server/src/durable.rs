@@ -355,6 +355,23 @@ impl Drop for Room<'_> {
     }
 }
 
+/// One stream counted in `Durable::room_waiters` while it waits for room; uncounted when it
+/// stops waiting, also when its wait is dropped unfinished.
+struct RoomWaiter<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> RoomWaiter<'a> {
+    fn new(count: &'a std::sync::atomic::AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        RoomWaiter(count)
+    }
+}
+
+impl Drop for RoomWaiter<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// The durable log as the broker uses it.
 #[derive(Debug)]
 pub(crate) struct Durable {
@@ -507,18 +524,23 @@ impl Durable {
         if let Some(room) = self.try_room(n) {
             return room;
         }
-        self.room_waiters.fetch_add(1, Ordering::SeqCst);
-        let room = loop {
+        // Counted until this returns or is dropped (its stream or connection ended meanwhile).
+        let _waiting = RoomWaiter::new(&self.room_waiters);
+        loop {
             let room = self.room.notified();
             tokio::pin!(room);
             room.as_mut().enable();
             if let Some(got) = self.try_room(n) {
-                break got;
+                return got;
             }
             room.await;
-        };
-        self.room_waiters.fetch_sub(1, Ordering::SeqCst);
-        room
+        }
+    }
+
+    /// Streams waiting in [`wait_room`](Self::wait_room) (`pay` wakes them only if there are).
+    #[cfg(test)]
+    fn room_waiters(&self) -> usize {
+        self.room_waiters.load(Ordering::SeqCst)
     }
 
     /// Room for `n` messages if there is some now.
@@ -1100,6 +1122,30 @@ mod tests {
         }
         drop(third);
         assert_eq!(d.owed.load(Ordering::Relaxed), 0);
+        d.close();
+    }
+
+    /// A stream whose wait for room ends unfinished (its stream or connection closed) is no
+    /// longer counted as waiting: before, the count stayed up for good and every payment woke
+    /// the waiters' `Notify` for nobody.
+    #[tokio::test]
+    async fn a_wait_for_room_dropped_unfinished_is_no_longer_counted() {
+        use futures_util::FutureExt;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let d = plaintext_log(dir.path());
+        let big = d
+            .wait_room(MAX_OWED)
+            .now_or_never()
+            .expect("nothing owed: room at once");
+        let mut waiting = Box::pin(d.wait_room(1));
+        assert!((&mut waiting).now_or_never().is_none(), "over MAX_OWED");
+        assert_eq!(d.room_waiters(), 1);
+        drop(waiting);
+        assert_eq!(d.room_waiters(), 0, "uncounted when dropped");
+        let got = d.wait_room(1);
+        drop(big);
+        let _room = got.now_or_never().expect("room once it is given back");
+        assert_eq!(d.room_waiters(), 0);
         d.close();
     }
 
