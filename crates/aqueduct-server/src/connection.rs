@@ -155,6 +155,17 @@ impl ConnState {
         false
     }
 
+    /// Does the end of `sub`'s delivery stream (its reset, FIN or the connection's end) end
+    /// it? Yes if this call takes it out of the table, or if the broker closed it already (a
+    /// slow consumer, whose entry an ACK may have forgotten: its durable bookkeeping is left to
+    /// the stream). No while it is live but no longer in the table: an UNSUBSCRIBE or a
+    /// revocation took it out and is ending it, and must do so alone — ending it at the same
+    /// time emptied its in-flight deliveries before a durable consumer's position was stored,
+    /// so the stored position skipped its unsettled messages.
+    pub(crate) fn end_with_stream(&self, sub: &Arc<Subscriber>) -> bool {
+        self.remove_sub(sub.stream_id(), sub) || sub.is_closed()
+    }
+
     /// Is the TLS handshake confirmed (the client's identity final)?
     pub(crate) fn is_confirmed(&self) -> bool {
         self.confirmed.load(Ordering::Acquire)
@@ -682,6 +693,44 @@ pub(crate) fn canonical(addr: SocketAddr) -> SocketAddr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whoever takes a subscription out of the table ends it; its stream's end leaves a live
+    /// one to the UNSUBSCRIBE or revocation that took it, and still ends one the broker closed.
+    #[test]
+    fn a_stream_end_leaves_a_subscription_to_whoever_took_it_out_of_the_table() {
+        use aqueduct_core::{Broker, BrokerConfig, PublishContext};
+        use aqueduct_proto::SubscribeSpec;
+        let broker = Broker::new(BrokerConfig::default());
+        let conn = ConnState::new(1, "127.0.0.1:5000".parse().expect("addr"));
+        let subscribe = |stream_id: u32| {
+            let spec = SubscribeSpec::parse(&bytes::Bytes::from_static(b"topic:t")).expect("spec");
+            let opts = aqueduct_core::SubscribeOptions {
+                stream_id,
+                ..Default::default()
+            };
+            conn.add_sub_with(stream_id, 10, || SubEntry {
+                sub: broker.subscribe(&spec, opts),
+                out: Arc::default(),
+            })
+            .expect("registered")
+        };
+        // Nobody else ends it: the stream does.
+        let plain = subscribe(1);
+        assert!(conn.end_with_stream(&plain));
+        assert!(conn.sub(1).is_none(), "taken out");
+        // An UNSUBSCRIBE took it out and has not ended it yet: the stream leaves it alone.
+        let unsubscribing = subscribe(2);
+        assert!(conn.remove_sub(2, &unsubscribing), "the UNSUBSCRIBE's half");
+        assert!(!conn.end_with_stream(&unsubscribing));
+        let mut ctx = PublishContext::default();
+        broker.unsubscribe(&mut ctx, &unsubscribing, std::time::Instant::now());
+        // Closed by the broker (a slow consumer) and forgotten by an ACK's lookup: the stream
+        // ends it (its durable bookkeeping).
+        let slow = subscribe(3);
+        assert!(broker.disconnect_slow(&mut ctx, &slow, std::time::Instant::now()));
+        assert!(conn.sub(3).is_none(), "an ACK's lookup forgets it");
+        assert!(conn.end_with_stream(&slow));
+    }
 
     #[test]
     fn a_client_closing_right_after_its_handshake_is_a_connection_not_a_failure() {

@@ -253,7 +253,9 @@ fn end_subscriptions(
     let mut ctx = PublishContext::default();
     let now = Instant::now();
     for sub in ending {
-        conn.remove_sub(sub.stream_id(), &sub);
+        if !conn.end_with_stream(&sub) {
+            continue;
+        }
         let key = lock(&out.durables).remove(&sub.id());
         unsubscribe(shared, &mut ctx, &sub, key.as_deref(), now);
     }
