@@ -593,7 +593,7 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "Publish frames waiting now for their client's quota (broker.quotas.action throttle); each holds its stream.",
         st.quota_waiting.load(Ordering::Relaxed),
     );
-    let counters: [(&str, &str, u64); 12] = [
+    let counters: [(&str, &str, u64); 13] = [
         (
             "aqueduct_direct_writes_total",
             "Deliveries written by the publishing stream task straight into an idle subscriber stream, without waking its writer.",
@@ -648,6 +648,11 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
             "aqueduct_publish_holds_total",
             "Times a publishing stream was held because a block-policy subscriber's queue was full.",
             st.publish_holds.load(Ordering::Relaxed),
+        ),
+        (
+            "aqueduct_stream_reads_held_total",
+            "Times a stream stopped being read because its client left over 1 MiB of replies unread, or the durable log owed it too many answers.",
+            st.reads_held.load(Ordering::Relaxed),
         ),
         (
             "aqueduct_subscriptions_refused_total",

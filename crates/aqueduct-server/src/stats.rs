@@ -22,6 +22,9 @@ pub struct ServerStats {
     /// spent held (microseconds).
     pub publish_holds: AtomicU64,
     pub publish_held_us: AtomicU64,
+    /// Times a stream stopped being read because its client left more than 1 MiB of replies
+    /// unread, or the durable log owed it too many answers.
+    pub reads_held: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
     /// Stream tasks alive now (each serves one QUIC stream: its reader and its writer). Back to

@@ -493,7 +493,14 @@ impl crate::stream::SendHalf for web_transport_quinn::SendStream {
     }
 }
 
-impl crate::stream::RecvHalf for web_transport_quinn::RecvStream {}
+impl crate::stream::RecvHalf for web_transport_quinn::RecvStream {
+    async fn reset(&mut self) {
+        // `Ok(None)`: finished and read, stopped, or reset with a code outside WebTransport's.
+        if let Ok(None) = self.received_reset().await {
+            std::future::pending::<()>().await;
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -370,6 +370,80 @@ async fn a_reset_ends_the_subscriptions_of_a_stream_whose_write_is_blocked() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// A reset ends a stream's subscriptions at once also while the broker is not reading the
+/// stream (§1.1): here its client left over 1 MiB of replies unread, so the reader waits for
+/// the writer, which waits for the client. Before, the reset was only seen by the next read,
+/// which never came: the subscription stayed routable for as long as the connection lived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_ends_the_subscriptions_of_a_stream_that_is_not_being_read() {
+    let b = TestBroker::start().await;
+    let stalled = Raw::connect(&b, 4096).await;
+    let mut s = stalled.stream().await;
+    s.write(&subscribe_frame(1, "topic:jobs")).await;
+    until("the subscription", || b.broker.subscriber_count() == 1).await;
+    // Frames each answered with an ERROR (reserved opcode): ~3 MB of replies the client does
+    // not read, while the frames fit the stream's receive window (4 MiB).
+    let noise: Vec<u8> = (0..100_000).flat_map(|_| raw_frame(0x3F, 7, b"")).collect();
+    s.write(&noise).await;
+    until("the reader to be held", || {
+        b.stats.reads_held.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    s.send.reset(0u32.into()).expect("reset");
+    until("the subscription to end", || {
+        b.broker.subscriber_count() == 0
+    })
+    .await;
+    assert!(
+        stalled.conn.close_reason().is_none(),
+        "the connection goes on"
+    );
+    b.stop().await.expect("clean shutdown");
+}
+
+/// The same while a publish frame of the stream waits for room in a full `block` queue: the
+/// stream's own subscriptions end at once when the client resets it, not at
+/// `broker.block_timeout` (30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_ends_the_subscriptions_of_a_stream_held_by_a_full_block_queue() {
+    let b = TestBroker::start_with(|c| {
+        c.broker.backpressure_policy = OverflowPolicy::Block;
+        c.broker.queue_size = 4;
+    })
+    .await;
+    // A subscriber of `jobs` that reads nothing: its queue fills.
+    let stalled = Raw::connect(&b, 4096).await;
+    let mut jobs = stalled.stream().await;
+    jobs.write(&subscribe_frame(1, "topic:jobs")).await;
+    // A stream that subscribes to `mine` and publishes to `jobs`.
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut s = raw.stream().await;
+    s.write(&subscribe_frame(2, "topic:mine")).await;
+    until("both subscriptions", || b.broker.subscriber_count() == 2).await;
+    let body = bytes::Bytes::from(vec![b'x'; 1000]);
+    for _ in 0..40 {
+        let publish = aqueduct_proto::Frame::new(
+            3,
+            Message::Publish(aqueduct_proto::Publish::new(
+                aqueduct_proto::TopicName::try_from("jobs").expect("topic"),
+                body.clone(),
+            )),
+        );
+        s.write_frame(&publish).await;
+    }
+    until("the publishing stream to be held", || {
+        b.stats.publish_holds.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    s.send.reset(0u32.into()).expect("reset");
+    until("the resetting stream's subscription to end", || {
+        b.broker.subscriber_count() == 1
+    })
+    .await;
+    stalled.conn.close(0u32.into(), b"bye");
+    b.stop().await.expect("clean shutdown");
+}
+
 /// After STOP_SENDING the broker goes on reading the stream (§1.1): the replies it can no
 /// longer send are dropped, not queued. Before, they piled up until the reader's backpressure
 /// (1 MiB of unsent replies) stopped reading the stream, and what the client sent after that

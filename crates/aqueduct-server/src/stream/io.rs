@@ -55,7 +55,12 @@ pub(crate) trait SendHalf: Send {
 }
 
 /// The receiving half: the client's frames come in here.
-pub(crate) trait RecvHalf: tokio::io::AsyncRead + Unpin + Send {}
+pub(crate) trait RecvHalf: tokio::io::AsyncRead + Unpin + Send {
+    /// Completes once the client has reset its sending side (RESET_STREAM) or the connection
+    /// is gone; never otherwise. For a reader that is not reading (held by backpressure, a
+    /// quota, the log or a full queue) and must still notice the stream's end (§1.1).
+    fn reset(&mut self) -> impl Future<Output = ()> + Send;
+}
 
 impl SendHalf for quinn::SendStream {
     async fn write_chunk(&mut self, chunk: Bytes) -> Result<(), WriteFailure> {
@@ -103,4 +108,11 @@ impl SendHalf for quinn::SendStream {
     }
 }
 
-impl RecvHalf for quinn::RecvStream {}
+impl RecvHalf for quinn::RecvStream {
+    async fn reset(&mut self) {
+        // `Ok(None)`: finished and read, or stopped — no reset will come.
+        if let Ok(None) = self.received_reset().await {
+            std::future::pending::<()>().await;
+        }
+    }
+}

@@ -423,6 +423,8 @@ impl Reader<'_> {
         loop {
             // Backpressure: a client that does not read its replies stops being read. The
             // `Notified` is registered before the check, so a flush in between is not missed.
+            // A reset of the stream while it is not read ends it at once (§1.1).
+            let mut held = false;
             loop {
                 let flushed = self.out.flushed.notified();
                 tokio::pin!(flushed);
@@ -433,7 +435,14 @@ impl Reader<'_> {
                 if self.out.aborted.load(Ordering::Acquire) {
                     return ReadEnd::Gone;
                 }
-                flushed.await;
+                if !held {
+                    held = true;
+                    self.shared.stats.reads_held.fetch_add(1, Ordering::Relaxed);
+                }
+                tokio::select! {
+                    () = flushed => {}
+                    () = recv.reset() => return ReadEnd::Gone,
+                }
             }
             if buf.capacity() - buf.len() < chunk / 4 {
                 buf.reserve(chunk);
@@ -472,7 +481,17 @@ impl Reader<'_> {
                     Ok(raw) => {
                         let mut frame = buf.split_to(raw.frame_len()).freeze();
                         frame.advance(HEADER_LEN);
-                        self.handle_raw(raw, frame).await;
+                        // Handling may wait (the handshake, the quota, room in the log, a
+                        // full `block` queue) without reading: a reset meanwhile ends the
+                        // stream at once, the frame then maybe not handled (§1.1). Most frames
+                        // are handled without waiting, and then the reset is not looked at.
+                        let handling = self.handle_raw(raw, frame);
+                        tokio::pin!(handling);
+                        tokio::select! {
+                            biased;
+                            () = &mut handling => {}
+                            () = recv.reset() => return ReadEnd::Gone,
+                        }
                     }
                     Err(DecodeError::Incomplete { .. }) => break,
                     Err(DecodeError::Invalid(e)) => {
