@@ -654,6 +654,118 @@ async fn hot_reload_under_load_is_exact_and_loses_nothing() {
     within("the reader", reading).await.expect("reader ok");
 }
 
+/// A subscription revoked after its client stopped reading its stream (STOP_SENDING; the
+/// stream's writer has stopped, its reader goes on) is closed all the same: ACKs naming it get
+/// NOT_SUBSCRIBED (§11). Before, only the stopped writer took revocations, so it stayed
+/// registered and settleable until the stream ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_revoked_after_its_client_stopped_reading_is_closed() {
+    let s = Setup::start(
+        "none",
+        &[
+            ("anonymous", "jobs", "subscribe"),
+            ("writer", "jobs", "publish"),
+        ],
+        QuotasSection::default(),
+    )
+    .await;
+    let raw = Raw::connect(&s.b, 1 << 20).await;
+    let mut delivery = raw.stream().await;
+    // A group member (settled explicitly), with an empty extension block.
+    delivery
+        .write(&raw_frame(0x42, 1, b"\0\0topic:jobs:group:w"))
+        .await;
+    until("the subscription", || s.b.broker.subscriber_count() == 1).await;
+    let publisher = s.client(Some("writer")).await;
+    publisher
+        .publish_with("jobs", "one", &CONFIRM)
+        .await
+        .expect("publish");
+    let got = delivery.read_frame().await.expect("the delivery");
+    let aqueduct_proto::frame::Message::Publish(p) = got.message else {
+        panic!("not a delivery: {got:?}")
+    };
+    let offset = p.ext.offset.expect("offset");
+    delivery.stop_reading();
+    until("the writer to see STOP_SENDING", || {
+        s.b.stats
+            .streams_stopped
+            .load(std::sync::atomic::Ordering::Relaxed)
+            == 1
+    })
+    .await;
+    let mut admin = s.admin(Some("admin-ops")).await.expect("admin");
+    admin
+        .remove_acl_rule(rule("anonymous", "jobs", "subscribe"))
+        .await
+        .expect("removed");
+    until("the revoked subscription to be closed", || {
+        s.b.broker.subscriber_count() == 0
+    })
+    .await;
+    let mut other = raw.stream().await;
+    other
+        .write_frame(&aqueduct_proto::Frame::new(
+            1,
+            aqueduct_proto::frame::Message::Ack(aqueduct_proto::frame::Ack {
+                offset,
+                ext: Default::default(),
+            }),
+        ))
+        .await;
+    let answer = other.read_frame().await.expect("an answer");
+    assert_eq!(error_code(&answer), ErrorCode::NOT_SUBSCRIBED, "{answer:?}");
+    raw.forget();
+    publisher.close().await;
+    s.b.stop().await.expect("clean shutdown");
+}
+
+/// A subscription revoked while its stream's write is blocked (its client reads nothing) is
+/// closed at once, not when the write goes through (which may be never).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_revoked_while_its_write_is_blocked_is_closed_at_once() {
+    let s = Setup::start(
+        "none",
+        &[
+            ("anonymous", "jobs", "subscribe"),
+            ("writer", "jobs", "publish"),
+        ],
+        QuotasSection::default(),
+    )
+    .await;
+    let stalled = Raw::connect(&s.b, 4096).await;
+    let mut delivery = stalled.stream().await;
+    delivery.write(&raw_frame(0x42, 1, b"\0\0topic:jobs")).await;
+    until("the subscription", || s.b.broker.subscriber_count() == 1).await;
+    let publisher = s.client(Some("writer")).await;
+    let body = "x".repeat(1000);
+    for _ in 0..300 {
+        publisher
+            .publish("jobs", body.clone())
+            .await
+            .expect("publish");
+    }
+    until("the write to block", || {
+        s.b.broker
+            .subscribers()
+            .iter()
+            .any(|sub| sub.queued() >= 50)
+    })
+    .await;
+    let mut admin = s.admin(Some("admin-ops")).await.expect("admin");
+    admin
+        .remove_acl_rule(rule("anonymous", "jobs", "subscribe"))
+        .await
+        .expect("removed");
+    until("the revoked subscription to be closed", || {
+        s.b.broker.subscriber_count() == 0
+    })
+    .await;
+    stalled.conn.close(0u32.into(), b"bye");
+    publisher.close().await;
+    s.b.stop().await.expect("clean shutdown");
+}
+
 /// A durable consumer whose permission is taken away ends completely: once the permission is
 /// back, the same consumer id can subscribe again and resumes from its position (its name is
 /// not left claimed by the revoked subscription).

@@ -17,7 +17,9 @@ use crate::server::Shared;
 /// Ask the stream that delivers `entry` to close it because its client lost the permission to
 /// subscribe (the ACL changed). Routing to it stops at once; the rest (the connection's table,
 /// a durable consumer's bookkeeping, the ERROR NOT_AUTHORIZED) is done by that stream's own task
-/// (`fill`), which cannot interleave with its reader making a subscription.
+/// (`take_revocations`: before each write, while a write is blocked, and after the writer has
+/// stopped until the reader ends), which cannot interleave with its reader making a
+/// subscription.
 /// Returns false if it was already asked.
 pub(crate) fn request_revoke(shared: &Shared, entry: &SubEntry) -> bool {
     if !entry.out.queue_revocation(&entry.sub) {

@@ -87,6 +87,9 @@ pub(crate) struct StreamOut {
     flushed: Notify,
     /// The reader is done (client finished its side, or a fatal framing error).
     reader_done: AtomicBool,
+    /// The reader has ended, however (also a reset or the connection's end): the writer's
+    /// last duty, taking revocations after it stopped writing, ends too.
+    read_ended: AtomicBool,
     /// Publish frames of this stream whose answer (CONFIRM, or STORAGE_FAILED) the durable log
     /// still owes: the stream does not finish before they are answered.
     log_unanswered: AtomicUsize,
@@ -397,8 +400,43 @@ pub(crate) async fn serve<S: SendHalf + 'static, R: RecvHalf>(
             }
             ReadEnd::Gone => out.abort(),
         }
+        out.read_ended.store(true, Ordering::Release);
+        out.notify.notify_one();
+    };
+    let writer = async {
+        writer.await;
+        take_revocations_until_read_ends(&out, &shared, &conn).await;
     };
     tokio::join!(read, writer);
+}
+
+/// After the writer has stopped (the client stopped reading the stream, or it is gone) the
+/// stream's subscriptions may still be revoked (the ACL changed) while the reader goes on:
+/// this task still takes those revocations, so that ACK, NACK and UNSUBSCRIBE naming them get
+/// NOT_SUBSCRIBED and a group member's in-flight messages go to the others (§11).
+async fn take_revocations_until_read_ends(out: &StreamOut, shared: &Shared, conn: &ConnState) {
+    loop {
+        let notified = out.notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        take_revocations(out, shared, conn);
+        if out.read_ended.load(Ordering::Acquire) {
+            return;
+        }
+        notified.await;
+    }
+}
+
+/// Close the subscriptions queued for revocation (see [`request_revoke`]). On this stream's
+/// own task only.
+fn take_revocations(out: &StreamOut, shared: &Shared, conn: &ConnState) {
+    if !out.revoke_pending.swap(false, Ordering::AcqRel) {
+        return;
+    }
+    let revoking = std::mem::take(&mut *lock(&out.revoking));
+    for sub in &revoking {
+        revoke(shared, conn, out, sub);
+    }
 }
 
 struct Reader<'a> {
@@ -1180,14 +1218,7 @@ fn fill(
     budget: usize,
     hint: usize,
 ) {
-    let revoking = if out.revoke_pending.swap(false, Ordering::AcqRel) {
-        std::mem::take(&mut *lock(&out.revoking))
-    } else {
-        Vec::new()
-    };
-    for sub in &revoking {
-        revoke(shared, conn, out, sub);
-    }
+    take_revocations(out, shared, conn);
     fill_queued(out, shared, conn, buf, budget, hint);
 }
 
@@ -1318,10 +1349,12 @@ enum GiveUp {
 }
 
 /// Completes when a blocked write on this stream must be given up, and says why. One future
-/// for both: `out.notify` wakes one waiter.
-async fn give_up_blocked_write(out: &StreamOut) -> GiveUp {
+/// for both: `out.notify` wakes one waiter. Meanwhile it takes the revocations of the
+/// stream's subscriptions (their ERROR follows the blocked write).
+async fn give_up_blocked_write(out: &StreamOut, shared: &Shared, conn: &ConnState) -> GiveUp {
     loop {
         let notified = out.notify.notified();
+        take_revocations(out, shared, conn);
         if out.aborted.load(Ordering::Acquire) {
             return GiveUp::Aborted;
         }
@@ -1447,7 +1480,7 @@ async fn write_loop<S: SendHalf + 'static>(
             // ERROR; only a blocked one is abandoned for the reset.
             biased;
             r = send.write_chunk(chunk) => r,
-            why = give_up_blocked_write(out) => {
+            why = give_up_blocked_write(out, shared, conn) => {
                 match why {
                     GiveUp::SlowConsumer => {
                         warn!("slow consumer: resetting its blocked delivery stream");
