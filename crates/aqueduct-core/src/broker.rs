@@ -164,6 +164,11 @@ pub struct PublishContext {
     /// Which subscriptions routing may pick (the cluster mesh narrows it); `None`: all.
     scope: Option<Scope>,
     dead_letters: Vec<DeadLetterRecord>,
+    /// Group hand-offs not made yet (see [`Broker::hand_to_group`]): a hand-off that closes a
+    /// full member hands its messages on in turn, and those wait here instead of recursing.
+    handoffs: std::collections::VecDeque<(Arc<GroupShared>, Delivery, Option<SubscriberId>)>,
+    /// A hand-off loop is running further up the stack: new hand-offs join its queue.
+    handing_off: bool,
 }
 
 /// Which subscriptions a publish may be routed to.
@@ -1361,7 +1366,31 @@ impl Broker {
 
     /// Give `d` to a member of the group other than `exclude` (or `exclude` itself if it is the
     /// only live member); dropped and counted if the group has no live member.
+    ///
+    /// Handing a message to a full member under `disconnect` closes that member, whose
+    /// messages are handed on in turn, and so on through every full member: that cascade runs
+    /// in this loop, not by recursion, so a group of thousands of stalled members cannot
+    /// overflow the stack. Every hand-off is made before the outermost call returns.
     fn hand_to_group(
+        &self,
+        ctx: &mut PublishContext,
+        shared: &Arc<GroupShared>,
+        d: Delivery,
+        exclude: Option<SubscriberId>,
+        now: Instant,
+    ) {
+        ctx.handoffs.push_back((shared.clone(), d, exclude));
+        if ctx.handing_off {
+            return;
+        }
+        ctx.handing_off = true;
+        while let Some((shared, d, exclude)) = ctx.handoffs.pop_front() {
+            self.hand_one_to_group(ctx, &shared, d, exclude, now);
+        }
+        ctx.handing_off = false;
+    }
+
+    fn hand_one_to_group(
         &self,
         ctx: &mut PublishContext,
         shared: &Arc<GroupShared>,

@@ -454,6 +454,47 @@ fn disconnect_closes_the_slow_subscriber_only() {
     );
 }
 
+/// A group whose members are all full under `disconnect`: one more message closes a member,
+/// whose messages go to the next full member, which closes it, and so on through the group.
+/// That cascade must not recurse once per member: on a thread with a small stack (256 KiB),
+/// 2,000 members overflowed it (and a broker's thread aborts the process on a stack overflow).
+/// Every message is still accounted for once the last member is gone.
+#[test]
+fn a_cascade_through_a_group_of_full_members_does_not_recurse() {
+    const MEMBERS: usize = 2_000;
+    let run = || {
+        let b = Broker::new(BrokerConfig {
+            queue_size: 1,
+            backpressure_policy: OverflowPolicy::Disconnect,
+            ..BrokerConfig::default()
+        });
+        let members: Vec<_> = (0..MEMBERS)
+            .map(|_| sub(&b, "topic:jobs:group:g"))
+            .collect();
+        let mut ctx = PublishContext::default();
+        let now = Instant::now();
+        // One message each (round-robin over members with room): every queue is full.
+        for i in 0..MEMBERS {
+            publish(&b, &mut ctx, "jobs", &i.to_string(), now);
+        }
+        assert!(members.iter().all(|m| m.queued() == 1));
+        publish(&b, &mut ctx, "jobs", "one too many", now);
+        assert!(members
+            .iter()
+            .all(|m| m.close_reason() == Some(CloseReason::SlowConsumer)));
+        assert_eq!(b.subscriber_count(), 0);
+        let stats = b.topic(&t("jobs")).expect("known").stats().snapshot();
+        let dropped: u64 = DropReason::ALL.iter().map(|r| stats.dropped(*r)).sum();
+        assert_eq!(dropped, MEMBERS as u64 + 1, "every message is counted");
+    };
+    std::thread::Builder::new()
+        .stack_size(256 * 1024)
+        .spawn(run)
+        .expect("thread")
+        .join()
+        .expect("no panic");
+}
+
 /// A task waker that counts its wakes (for `Subscriber::poll_room`).
 struct CountWake(AtomicUsize);
 
