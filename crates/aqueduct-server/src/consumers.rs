@@ -519,6 +519,7 @@ pub(crate) async fn feed(
             let Ok(name) = TopicName::try_from(String::from_utf8_lossy(&topic).as_ref()) else {
                 continue;
             };
+            let mut skipped = false;
             for r in read {
                 let r = match r {
                     Ok(r) => r,
@@ -541,8 +542,20 @@ pub(crate) async fn feed(
                     }
                     Err(e) => {
                         // Damage since it was indexed, or a segment retention deleted since:
-                        // skipped, the reader goes on with what follows it.
-                        warn!(topic = %name, "durable consumer: cannot read part of the log, skipping it: {e}");
+                        // skipped, the reader goes on with what follows it. Warned about once
+                        // a minute per topic, as above.
+                        let now = Instant::now();
+                        if warned_at
+                            .get(&topic)
+                            .is_none_or(|at| now.duration_since(*at) >= READ_WARN_EVERY)
+                        {
+                            warn!(topic = %name, "durable consumer: cannot read part of the log, skipping it: {e}");
+                            warned_at.insert(topic.clone(), now);
+                        } else {
+                            debug!(topic = %name, "durable consumer: cannot read part of the log, skipping it: {e}");
+                        }
+                        durable.stats.read_skips.fetch_add(1, Ordering::Relaxed);
+                        skipped = true;
                         continue;
                     }
                 };
@@ -634,6 +647,12 @@ pub(crate) async fn feed(
                     // Its queue is full: wait until it has drained (or is closed).
                     std::future::poll_fn(|cx| sub.poll_room(cx)).await;
                 }
+            }
+            // Damage with nothing readable after it yet: the position did not move, and a read
+            // at every write of the log (to any topic) would only meet it again. Read again a
+            // second from now, or once the log has moved on and the time has come.
+            if skipped && lock(&fed).next.get(&topic) == Some(&from) {
+                retry_at.insert(topic.clone(), Instant::now() + READ_RETRY);
             }
         }
         if !moved {

@@ -274,6 +274,9 @@ pub struct DurableStats {
     /// Reads of the log for durable consumers that failed (other than a segment retention
     /// deleted): each is tried again, from the same position.
     pub read_errors: AtomicU64,
+    /// Reads of the log for durable consumers that met damage (or a segment deleted since it
+    /// was planned) and skipped it.
+    pub read_skips: AtomicU64,
 }
 
 /// Who gets told how a frame's messages fared.

@@ -772,6 +772,12 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
                 "Reads of the log for durable consumers that failed and are tried again.",
                 load(&ds.read_errors),
             ),
+            (
+                "aqueduct_log_read_skips_total",
+                "counter",
+                "Reads of the log for durable consumers that met damage and skipped it.",
+                load(&ds.read_skips),
+            ),
         ] {
             out.single(name, kind, help, v);
         }

@@ -825,3 +825,57 @@ async fn a_failed_read_of_the_log_is_tried_again_not_skipped() {
     client.close().await;
     b.stop().await.expect("clean shutdown");
 }
+
+/// A damaged batch at the end of a topic (nothing readable after it yet) is skipped, counted
+/// and warned about, and then read again only a second later: before, every write of the log to
+/// any topic made the consumer read it (and warn) again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn damage_at_the_end_of_a_topic_is_not_read_again_at_every_write() {
+    use aqueduct_client::DurableStart;
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let client = b.client().await;
+    publish_n(&client, "orders", 0..10).await;
+    // The last byte of the segment: inside the last batch (message 9's, written alone).
+    let segment = segment_files(dir.path()).pop().expect("a segment");
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&segment)
+        .expect("open the segment");
+    let end = f.seek(SeekFrom::End(-1)).expect("seek");
+    let mut byte = [0u8];
+    f.read_exact(&mut byte).expect("read");
+    f.seek(SeekFrom::Start(end)).expect("seek");
+    f.write_all(&[byte[0] ^ 0xFF]).expect("flip a byte");
+    drop(f);
+    let mut sub = client
+        .subscribe_with("orders", &durable_opts("c1", DurableStart::Earliest))
+        .await
+        .expect("durable subscribe");
+    assert_eq!(take_acked(&mut sub, 9).await, expect(0..9));
+    let skips = || async {
+        let (_, m) = get(b.metrics_addr, "/metrics").await;
+        value(&m, "aqueduct_log_read_skips_total").unwrap_or(0.0)
+    };
+    within("the damage counted", async {
+        while skips().await < 1.0 {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    // 200 writes of the log to another topic, each waking the consumer.
+    let started = std::time::Instant::now();
+    publish_n(&client, "other", 0..200).await;
+    let skipped = skips().await;
+    // One more read per second passed, at most (plus the first).
+    let allowed = 2.0 + started.elapsed().as_secs_f64().ceil();
+    assert!(
+        skipped <= allowed,
+        "{skipped} reads of the damage in {:?}",
+        started.elapsed()
+    );
+    client.close().await;
+    b.stop().await.expect("clean shutdown");
+}
