@@ -7,7 +7,12 @@
 //! redelivery and dead letters work as usual. When the feeder has caught up it waits for the log
 //! writer's next write. So there is no switch from backfill to live: every message comes from
 //! the log, in offset order per topic, once — and a durable consumer only ever sees messages that
-//! are durable.
+//! are durable. A feeder that has caught up looks, after each write, only at the topics that
+//! write changed (the log keeps the topics of its last [`MAX_CHANGES`] writes' runs; a feeder
+//! further behind looks at all of its topics), so its cost does not grow with the number of
+//! topics the log has seen.
+//!
+//! [`MAX_CHANGES`]: crate::durable
 //!
 //! Positions: for each topic, the next offset to deliver — the lowest offset the subscription
 //! still has queued or unsettled, else the next one the feeder would read. They are saved to
@@ -21,7 +26,7 @@
 //! member's messages to the others, or parked for the next member when it was the last). A
 //! member is made, and the group ended, under the table's lock, so the two never interleave.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
@@ -450,7 +455,13 @@ pub(crate) async fn feed(
         Target::Group(g, _) => g.filter().clone(),
     };
     let mut ctx = PublishContext::default();
-    let mut generation = None;
+    // Where this feeder is in the log's list of topics, and in its writes.
+    let mut topics_seen = 0;
+    let mut writes_seen = None;
+    // Topics that may have something to read: those the log's writes changed since, and those
+    // not read to the end yet. The rest are not looked at (a wildcard consumer of many topics
+    // would otherwise look up every one of them at every write of the log).
+    let mut pending: BTreeSet<Vec<u8>> = BTreeSet::new();
     let mut first_pass = true;
     // Topics whose last read failed, and when to read them again.
     let mut retry_at: HashMap<Vec<u8>, Instant> = HashMap::new();
@@ -464,34 +475,52 @@ pub(crate) async fn feed(
         if lock(&fed).stopped || matches!(&target, Target::One(sub) if sub.is_closed()) {
             return;
         }
-        // Topics matching the filter that the consumer has no position for yet.
-        let now_generation = durable.topics_generation.load(Ordering::Acquire);
-        if generation != Some(now_generation) {
-            generation = Some(now_generation);
-            // Every topic the log has had (a topic whose data retention deleted, or whose first
-            // writes were refused, is one too: its next messages must not be missed).
-            let topics = durable.topics();
+        // Topics matching the filter that the consumer has no position for yet: those the log
+        // has had since this feeder last looked (a topic whose data retention deleted, or
+        // whose first writes were refused, is one too: its next messages must not be missed).
+        let (new_topics, seen) = durable.topics_from(topics_seen);
+        topics_seen = seen;
+        if !new_topics.is_empty() || first_pass {
             let mut fed_now = lock(&fed);
             let fed_now = &mut fed_now.next;
-            for t in topics {
+            for t in new_topics {
                 if topic_matches(&filter, &t) && !fed_now.contains_key(&t) {
                     // A consumer that resumes reads topics it has no position for from their
                     // start: they appeared after it started.
                     let discovered = resumed || !first_pass;
                     let at = start_in(&durable, &broker, &t, start, discovered);
-                    fed_now.insert(t, at);
+                    fed_now.insert(t.clone(), at);
+                    pending.insert(t);
                 }
             }
             first_pass = false;
         }
-        // Only topics the filter matches: a stored position may hold others (the consumer
-        // subscribed with another filter before); they stay stored, unread.
-        let topics: Vec<(Vec<u8>, u64)> = lock(&fed)
-            .next
-            .iter()
-            .filter(|(t, _)| topic_matches(&filter, t))
-            .map(|(t, o)| (t.clone(), *o))
-            .collect();
+        // The topics the log's writes changed since this feeder last looked (all of them the
+        // first time, or after falling too far behind). Only topics the filter matches: a
+        // stored position may hold others (the consumer subscribed with another filter
+        // before); they stay stored, unread.
+        let (changed, writes) = durable.changed_since(writes_seen);
+        writes_seen = Some(writes);
+        {
+            let f = lock(&fed);
+            match changed {
+                Some(changed) => pending.extend(
+                    changed
+                        .into_iter()
+                        .filter(|t| f.next.contains_key(t) && topic_matches(&filter, t)),
+                ),
+                None => {
+                    pending.extend(f.next.keys().filter(|t| topic_matches(&filter, t)).cloned())
+                }
+            }
+        }
+        let topics: Vec<(Vec<u8>, u64)> = {
+            let f = lock(&fed);
+            pending
+                .iter()
+                .filter_map(|t| f.next.get(t).map(|o| (t.clone(), *o)))
+                .collect()
+        };
         let mut moved = false;
         for (topic, from) in topics {
             if let Some(at) = retry_at.get(&topic) {
@@ -500,8 +529,10 @@ pub(crate) async fn feed(
                 }
                 retry_at.remove(&topic);
             }
-            // Nothing new and durable in the log for this topic: no read at all.
+            // Nothing new and durable in the log for this topic: no read at all, and none
+            // until a write changes it.
             let Some(bound) = durable.durable_next(&topic).filter(|next| *next > from) else {
+                pending.remove(&topic);
                 continue;
             };
             let index = durable.index.clone();
@@ -710,6 +741,85 @@ mod tests {
             position: 96,
             reason: "the batch's checksum fails".into(),
         }));
+    }
+
+    /// A caught-up wildcard consumer looks, at each write of the log, only at the topics that
+    /// write changed: before, it looked up its position in every topic it matches (here 2,000)
+    /// at every write, so its cost grew with the number of topics the log had ever seen.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_caught_up_wildcard_consumer_looks_only_at_changed_topics() {
+        use crate::durable::{Durable, CRASH_OFFSET_GAP};
+        use aqueduct_log::{FsyncMode, Log, LogOptions};
+        const TOPICS: usize = 2_000;
+        const WRITES: u64 = 50;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let opts = LogOptions {
+            allow_plaintext: true,
+            crash_offset_gap: CRASH_OFFSET_GAP,
+            ..LogOptions::default()
+        };
+        let (log, rec) = Log::open(dir.path(), opts).expect("log opens");
+        let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        let broker = Arc::new(Broker::new(BrokerConfig {
+            queue_size: 100_000,
+            ..BrokerConfig::default()
+        }));
+        // Write `offset` of `topic` to the log and wait until it is durable.
+        let write = |topic: &TopicName, offset: u64| {
+            let mut ctx = PublishContext::default();
+            broker.publish(&mut ctx, &Publication::new(topic, b"x"), Instant::now());
+            let state = broker.topic(topic).expect("created");
+            let _order = lock(&durable.order);
+            durable.queue_copies(std::iter::once((
+                (state, offset),
+                Publication::new(topic, b"x"),
+            )));
+        };
+        let names: Vec<TopicName> = (0..TOPICS)
+            .map(|i| TopicName::try_from(format!("s/{i}").as_str()).expect("valid"))
+            .collect();
+        for t in &names {
+            write(t, 0);
+        }
+        let sub = broker.subscribe_unrouted(
+            &SubscribeSpec::new(TopicFilter::try_from("s/#").expect("filter")),
+            SubscribeOptions::default(),
+        );
+        let fed = SharedFed::default();
+        let feeder = tokio::spawn(feed(
+            durable.clone(),
+            broker.clone(),
+            Target::One(sub.clone()),
+            fed.clone(),
+            DurableStart::Earliest,
+            false,
+        ));
+        let until = |n: usize| {
+            let sub = sub.clone();
+            async move {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while sub.queued() < n {
+                    assert!(Instant::now() < deadline, "{} of {n} fed", sub.queued());
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        };
+        until(TOPICS).await;
+        let before = durable.lookups.load(Ordering::Relaxed);
+        for offset in 1..=WRITES {
+            write(&names[0], offset);
+            until(TOPICS + offset as usize).await;
+        }
+        // The feeder may still have been on its pass after catching up (which finds every
+        // topic read to the end and then leaves them alone): at most one look at each topic,
+        // then a few per write.
+        let looked = durable.lookups.load(Ordering::Relaxed) - before;
+        assert!(
+            looked <= TOPICS as u64 + 4 * WRITES,
+            "{looked} lookups for {WRITES} writes to one topic"
+        );
+        feeder.abort();
+        durable.close();
     }
 
     /// A feeder still running when the broker's consumers go away (no connection ended it)

@@ -70,6 +70,27 @@ fn raise(map: &mut HashMap<Box<[u8]>, u64>, topic: &[u8], n: u64) -> bool {
     }
 }
 
+/// Writes' topics a durable consumer can catch up on without looking at all of its topics
+/// (see [`Durable::changed_since`]); one further behind looks at all of them.
+const MAX_CHANGES: usize = 1 << 16;
+
+/// What the log's writes changed, for durable consumers: they look only at the topics that
+/// changed since they last looked, not at every topic the log has (a wildcard consumer of a log
+/// with a million topics would read a million positions at every write).
+#[derive(Debug, Default)]
+struct Changes {
+    /// Every topic the log has had, in the order it appeared: a consumer reads on from where
+    /// it stopped to find new ones its filter matches.
+    topics: Vec<Box<[u8]>>,
+    /// Writes so far.
+    writes: u64,
+    /// The topics each recent write made durable data for: (write, topic), oldest first, at
+    /// most [`MAX_CHANGES`].
+    recent: std::collections::VecDeque<(u64, Box<[u8]>)>,
+    /// The last write some of whose entries `recent` has dropped.
+    dropped_through: u64,
+}
+
 /// Where the stored bytes of the first `recs` records end.
 fn data_end(work: &Queue, recs: usize) -> usize {
     recs.checked_sub(1).map_or(0, |i| work.recs[i].end)
@@ -405,9 +426,11 @@ pub(crate) struct Durable {
     pub index: aqueduct_log::LogIndex,
     /// Woken after every write: durable consumers that have caught up wait on it.
     pub progress: tokio::sync::Notify,
-    /// Bumped when a topic the log had not seen is written (durable consumers with wildcards
-    /// look for new matching topics then).
-    pub topics_generation: AtomicU64,
+    /// The topics the log has and what its writes changed, for durable consumers.
+    changes: Mutex<Changes>,
+    /// Calls of [`durable_next`](Self::durable_next) (what a feeder's look at a topic costs).
+    #[cfg(test)]
+    pub(crate) lookups: AtomicU64,
     /// A topic the log has never seen starts here (past the gaps of earlier crashes).
     floor: u64,
     fsync: FsyncMode,
@@ -432,6 +455,10 @@ impl Durable {
             .topics()
             .map(|t| (Box::from(t), log.next_offset(t)))
             .collect();
+        let changes = Changes {
+            topics: next.keys().cloned().collect(),
+            ..Changes::default()
+        };
         let stats = DurableStats::default();
         stats
             .truncated_bytes
@@ -453,7 +480,9 @@ impl Durable {
             closed: std::sync::atomic::AtomicBool::new(false),
             index: log.index(),
             progress: tokio::sync::Notify::new(),
-            topics_generation: AtomicU64::new(0),
+            changes: Mutex::new(changes),
+            #[cfg(test)]
+            lookups: AtomicU64::new(0),
             fsync,
             stats,
             server_stats,
@@ -499,12 +528,33 @@ impl Durable {
     /// One past the highest durable offset of `topic` (`None`: none yet). Durable consumers
     /// read no further: a message written but not yet synced is not theirs yet.
     pub fn durable_next(&self, topic: &[u8]) -> Option<u64> {
+        #[cfg(test)]
+        self.lookups.fetch_add(1, Ordering::Relaxed);
         lock(&self.durable_next).get(topic).copied()
     }
 
-    /// Every topic the log has had (for durable consumers' wildcard filters).
-    pub fn topics(&self) -> Vec<Vec<u8>> {
-        lock(&self.next).keys().map(|k| k.to_vec()).collect()
+    /// The topics the log has had from the `from`th on, in the order they appeared, and where
+    /// the next call starts (for durable consumers' wildcard filters).
+    pub fn topics_from(&self, from: usize) -> (Vec<Vec<u8>>, usize) {
+        let c = lock(&self.changes);
+        let new = c.topics.get(from..).unwrap_or_default();
+        (new.iter().map(|t| t.to_vec()).collect(), c.topics.len())
+    }
+
+    /// The topics the log's writes made durable data for since write `seen` (`None`: since
+    /// ever), and the writes so far (the next call's `seen`). `None` for the topics if they are
+    /// no longer all known (too long ago, or `seen` is `None`): look at every topic then.
+    pub fn changed_since(&self, seen: Option<u64>) -> (Option<Vec<Vec<u8>>>, u64) {
+        let c = lock(&self.changes);
+        let changed = seen.filter(|&s| s >= c.dropped_through).map(|s| {
+            let start = c.recent.partition_point(|(w, _)| *w <= s);
+            let mut topics: Vec<Vec<u8>> =
+                c.recent.range(start..).map(|(_, t)| t.to_vec()).collect();
+            topics.sort_unstable();
+            topics.dedup();
+            topics
+        });
+        (changed, c.writes)
     }
 
     /// The last write failed and nothing has been written since: a publish now must be
@@ -931,7 +981,9 @@ impl Durable {
         // consumers, who read no further).
         let mut next = lock(&self.next);
         let mut durable = lock(&self.durable_next);
-        let mut new_topic = false;
+        let mut changes = lock(&self.changes);
+        changes.writes += 1;
+        let write = changes.writes;
         for ((_, recs), result) in chunks.iter().zip(&results) {
             let recs = &work.recs[recs.clone()];
             // Offsets go up within a topic in queue order: the last record of each run of one
@@ -945,16 +997,22 @@ impl Durable {
                 }
                 let name = r.topic.name().as_bytes();
                 let n = r.offset.saturating_add(1);
-                raise(&mut next, name, n);
+                if raise(&mut next, name, n) {
+                    changes.topics.push(Box::from(name));
+                }
                 if result.is_ok() {
-                    new_topic |= raise(&mut durable, name, n);
+                    raise(&mut durable, name, n);
+                    if changes.recent.len() == MAX_CHANGES {
+                        if let Some((w, _)) = changes.recent.pop_front() {
+                            changes.dropped_through = w;
+                        }
+                    }
+                    changes.recent.push_back((write, Box::from(name)));
                 }
             }
         }
-        drop((next, durable));
-        if new_topic {
-            self.topics_generation.fetch_add(1, Ordering::Release);
-        }
+        drop((next, durable, changes));
+        // After the changes are recorded: a consumer that looked before this write is woken.
         self.progress.notify_waiters();
     }
 
@@ -1125,6 +1183,61 @@ mod tests {
         }
         drop(third);
         assert_eq!(d.owed.load(Ordering::Relaxed), 0);
+        d.close();
+    }
+
+    /// Durable consumers learn which topics the log's writes changed since they last looked,
+    /// and the topics that appeared; one that fell too far behind is told to look at all.
+    #[tokio::test]
+    async fn the_log_says_which_topics_its_writes_changed() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let d = plaintext_log(dir.path());
+        let broker = aqueduct_core::Broker::new(aqueduct_core::BrokerConfig::default());
+        let write = |names: &[String]| {
+            let mut ctx = PublishContext::default();
+            let states: Vec<_> = names
+                .iter()
+                .map(|n| {
+                    let topic = TopicName::try_from(n.as_str()).expect("valid");
+                    broker.publish(&mut ctx, &Publication::new(&topic, b"x"), Instant::now());
+                    (topic.clone(), broker.topic(&topic).expect("created"))
+                })
+                .collect();
+            let _order = lock(&d.order);
+            d.queue_copies(
+                states
+                    .iter()
+                    .map(|(t, s)| ((s.clone(), 0), Publication::new(t, b"x"))),
+            );
+        };
+        let (changed, start) = d.changed_since(None);
+        assert!(changed.is_none(), "never looked: look at all");
+        write(&["a".into(), "b".into()]);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while d.changed_since(Some(start)).1 == start {
+            assert!(Instant::now() < deadline, "written");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let (changed, after) = d.changed_since(Some(start));
+        assert_eq!(changed, Some(vec![b"a".to_vec(), b"b".to_vec()]));
+        let (changed, _) = d.changed_since(Some(after));
+        assert_eq!(changed, Some(vec![]), "nothing since");
+        let (topics, seen) = d.topics_from(0);
+        assert_eq!(topics, [b"a".to_vec(), b"b".to_vec()]);
+        assert_eq!(d.topics_from(seen).0, Vec::<Vec<u8>>::new());
+        // One write of more topics than the changes keep: a consumer that had not seen it is
+        // told to look at all.
+        let many: Vec<String> = (0..MAX_CHANGES + 10).map(|i| format!("m/{i}")).collect();
+        write(&many);
+        while d.changed_since(Some(after)).1 == after {
+            assert!(Instant::now() < deadline, "written");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert!(d.changed_since(Some(after)).0.is_none(), "too far behind");
+        let (changed, now) = d.changed_since(None);
+        assert!(changed.is_none());
+        assert_eq!(d.changed_since(Some(now)).0, Some(vec![]));
+        assert_eq!(d.topics_from(seen).0.len(), MAX_CHANGES + 10);
         d.close();
     }
 
