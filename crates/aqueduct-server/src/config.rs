@@ -212,6 +212,10 @@ pub struct AalSection {
     pub retention_bytes: u64,
     /// Delete sealed segments older than this ("" or "0": keep).
     pub retention_age: String,
+    /// Durable consumers and groups whose positions are kept (a new one beyond is refused).
+    pub max_consumers: u64,
+    /// A durable consumer without a subscription for this long is forgotten ("0": never).
+    pub consumer_retention: String,
 }
 
 impl Default for AalSection {
@@ -226,6 +230,8 @@ impl Default for AalSection {
             fsync_interval: "100ms".into(),
             retention_bytes: 0,
             retention_age: String::new(),
+            max_consumers: 10_000,
+            consumer_retention: "7d".into(),
         }
     }
 }
@@ -315,6 +321,8 @@ pub const ENV_KEYS: &[&str] = &[
     "aal.fsync_interval",
     "aal.retention_bytes",
     "aal.retention_age",
+    "aal.max_consumers",
+    "aal.consumer_retention",
     "acl.enabled",
     "acl.default",
     "admin.enabled",
@@ -498,6 +506,8 @@ impl std::fmt::Debug for AalSection {
             fsync_interval,
             retention_bytes,
             retention_age,
+            max_consumers,
+            consumer_retention,
         } = self;
         f.debug_struct("AalSection")
             .field("enabled", enabled)
@@ -509,6 +519,8 @@ impl std::fmt::Debug for AalSection {
             .field("fsync_interval", fsync_interval)
             .field("retention_bytes", retention_bytes)
             .field("retention_age", retention_age)
+            .field("max_consumers", max_consumers)
+            .field("consumer_retention", consumer_retention)
             .finish()
     }
 }
@@ -525,6 +537,8 @@ pub struct AalConfig {
     pub fsync: aqueduct_log::FsyncMode,
     pub retention_bytes: Option<u64>,
     pub retention_age: Option<Duration>,
+    /// `aal.max_consumers` and `aal.consumer_retention`.
+    pub consumers: crate::consumers::ConsumerLimits,
 }
 
 impl AalConfig {
@@ -677,6 +691,7 @@ const TEXT_KEYS: &[&str] = &[
     "aal.fsync",
     "aal.fsync_interval",
     "aal.retention_age",
+    "aal.consumer_retention",
     "acl.default",
     "broker.quotas.action",
     "admin.listen_addr",
@@ -1120,6 +1135,14 @@ impl AalSection {
             s => Some(parse_duration("aal.retention_age", s)?).filter(|d| !d.is_zero()),
         };
         let max_segment_bytes = range("aal.max_aal_size", self.max_aal_size, 1 << 20, 1 << 40)?;
+        let consumers = crate::consumers::ConsumerLimits {
+            max: range("aal.max_consumers", self.max_consumers, 1, 10_000_000)? as usize,
+            retention: Some(parse_duration(
+                "aal.consumer_retention",
+                &self.consumer_retention,
+            )?)
+            .filter(|d| !d.is_zero()),
+        };
         if !self.enabled {
             return Ok(None);
         }
@@ -1151,6 +1174,7 @@ impl AalSection {
             fsync,
             retention_bytes: Some(self.retention_bytes).filter(|&b| b > 0),
             retention_age,
+            consumers,
         }))
     }
 }

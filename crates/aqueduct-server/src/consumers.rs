@@ -36,7 +36,7 @@ use aqueduct_core::{matching, Broker, Publication, PublishContext, Subscriber};
 use aqueduct_log::{ConsumerPosition, LogError, PositionStore, Positions};
 use aqueduct_proto::delivery::DeadLetter;
 use aqueduct_proto::{DurableStart, TopicFilter, TopicName};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::durable::{Durable, StoredMessage};
 
@@ -103,6 +103,53 @@ struct Table {
     /// Positions of consumers without a live subscription (as last saved or ended).
     stored: Positions,
     live: HashMap<String, Live>,
+    /// Since when each stored consumer has had no live subscription (since this broker
+    /// started, for those it found stored): forgotten after [`ConsumerLimits::retention`].
+    idle_since: HashMap<String, Instant>,
+}
+
+impl Table {
+    /// Consumers and groups known: stored, live, or both.
+    fn known(&self) -> usize {
+        self.stored.len()
+            + self
+                .live
+                .keys()
+                .filter(|k| !self.stored.contains_key(*k))
+                .count()
+    }
+
+    /// Store `position` for `key` (its last subscription ended) — unless it says nothing and
+    /// nothing was stored before (a subscription taken back before it read anything must not
+    /// make the consumer "resumed").
+    fn keep(&mut self, key: &str, position: ConsumerPosition) {
+        if position.next.is_empty() && !self.stored.contains_key(key) {
+            return;
+        }
+        self.stored.insert(key.to_string(), position);
+        self.idle_since.insert(key.to_string(), Instant::now());
+    }
+}
+
+/// How many consumers the broker keeps positions for, and for how long without a subscription
+/// (`aal.max_consumers`, `aal.consumer_retention`): a client that subscribes with a new
+/// consumer id every time must not grow the table (and its file, rewritten at every change)
+/// without bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConsumerLimits {
+    /// Consumers and durable groups whose positions are kept, live or not.
+    pub max: usize,
+    /// A consumer without a subscription for this long is forgotten (`None`: never).
+    pub retention: Option<Duration>,
+}
+
+impl Default for ConsumerLimits {
+    fn default() -> Self {
+        ConsumerLimits {
+            max: 10_000,
+            retention: Some(Duration::from_secs(7 * 24 * 3600)),
+        }
+    }
 }
 
 /// The durable consumers of a broker.
@@ -112,6 +159,7 @@ pub(crate) struct Consumers {
     table: Mutex<Table>,
     /// The table as last saved (nothing is written while it is unchanged).
     saved: Mutex<Positions>,
+    limits: ConsumerLimits,
 }
 
 /// Why a durable SUBSCRIBE was refused.
@@ -121,6 +169,8 @@ pub(crate) enum ClaimError {
     InUse,
     /// The durable group exists with another filter.
     OtherFilter(String),
+    /// A new consumer id, and the broker keeps as many as `aal.max_consumers` allows.
+    TooMany(usize),
 }
 
 /// What a durable SUBSCRIBE joined.
@@ -145,15 +195,19 @@ impl Drop for Consumers {
 }
 
 impl Consumers {
-    pub fn open(dir: &std::path::Path) -> Result<Consumers, LogError> {
+    pub fn open(dir: &std::path::Path, limits: ConsumerLimits) -> Result<Consumers, LogError> {
         let (store, stored) = PositionStore::open(dir)?;
+        let now = Instant::now();
+        let idle_since = stored.keys().map(|k| (k.clone(), now)).collect();
         Ok(Consumers {
             store,
             saved: Mutex::new(stored.clone()),
             table: Mutex::new(Table {
                 stored,
                 live: HashMap::new(),
+                idle_since,
             }),
+            limits,
         })
     }
 
@@ -180,6 +234,10 @@ impl Consumers {
     ) -> Result<Claim, ClaimError> {
         let mut t = lock(&self.table);
         let resumed = t.stored.contains_key(key);
+        if !resumed && !t.live.contains_key(key) && t.known() >= self.limits.max {
+            return Err(ClaimError::TooMany(self.limits.max));
+        }
+        t.idle_since.remove(key);
         if let Some(live) = t.live.get_mut(key) {
             if !group {
                 return Err(ClaimError::InUse);
@@ -260,7 +318,7 @@ impl Consumers {
         }
         if let Some(mut live) = t.live.remove(key) {
             live.stop_feeder();
-            keep(&mut t.stored, key, position_of(&live));
+            t.keep(key, position_of(&live));
         }
         let _ = sub;
     }
@@ -279,7 +337,7 @@ impl Consumers {
         }
         if let Some(mut live) = t.live.remove(key) {
             live.stop_feeder();
-            keep(&mut t.stored, key, position_of(&live));
+            t.keep(key, position_of(&live));
             if let Some(g) = &live.group {
                 broker.forget_unrouted_group(g);
             }
@@ -322,8 +380,31 @@ impl Consumers {
         all
     }
 
-    /// Save the positions if they changed since the last save (blocking file I/O).
+    /// Forget the consumers that have had no subscription for longer than the retention.
+    fn expire(&self, now: Instant) {
+        let Some(retention) = self.limits.retention else {
+            return;
+        };
+        let mut t = lock(&self.table);
+        let Table {
+            stored,
+            live,
+            idle_since,
+        } = &mut *t;
+        idle_since.retain(|key, since| {
+            if live.contains_key(key) || now.saturating_duration_since(*since) < retention {
+                return true;
+            }
+            stored.remove(key);
+            info!(consumer = %key, "forgot a durable consumer's position: no subscription for {retention:?} (aal.consumer_retention)");
+            false
+        });
+    }
+
+    /// Save the positions if they changed since the last save (blocking file I/O), after
+    /// forgetting the consumers idle past the retention.
     pub fn checkpoint(&self) -> Result<bool, LogError> {
+        self.expire(Instant::now());
         let now = self.snapshot();
         let mut saved = lock(&self.saved);
         if *saved == now {
@@ -333,15 +414,6 @@ impl Consumers {
         *saved = now;
         Ok(true)
     }
-}
-
-/// Store `position` for `key` — unless it says nothing and nothing was stored before (a
-/// subscription taken back before it read anything must not make the consumer "resumed").
-fn keep(stored: &mut Positions, key: &str, position: ConsumerPosition) {
-    if position.next.is_empty() && !stored.contains_key(key) {
-        return;
-    }
-    stored.insert(key.to_string(), position);
 }
 
 /// A live consumer's position: per topic, the lowest offset any of its subscriptions has
@@ -822,12 +894,56 @@ mod tests {
         durable.close();
     }
 
+    /// The positions kept are bounded: a new consumer id beyond `max` is refused while known
+    /// ones still resume, and one idle past the retention is forgotten (making room).
+    #[test]
+    fn kept_positions_are_bounded_in_number_and_time() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let limits = ConsumerLimits {
+            max: 2,
+            retention: Some(Duration::from_secs(3600)),
+        };
+        let consumers = Consumers::open(dir.path(), limits).expect("open");
+        let broker = Broker::new(BrokerConfig::default());
+        let filter = TopicFilter::try_from("jobs").expect("valid filter");
+        let claim = |key: &str| {
+            consumers.claim(key, &filter, false, || {
+                broker.subscribe_unrouted(
+                    &SubscribeSpec::new(filter.clone()),
+                    SubscribeOptions::default(),
+                )
+            })
+        };
+        // `a` reads to offset 5 and leaves: its position is kept.
+        let a = claim("consumer:a").unwrap_or_else(|e| panic!("{e:?}"));
+        lock(&a.fed).next.insert(b"jobs".to_vec(), 5);
+        consumers.end("consumer:a", &a.sub);
+        let _b = claim("consumer:b").unwrap_or_else(|e| panic!("{e:?}"));
+        assert!(matches!(claim("consumer:c"), Err(ClaimError::TooMany(2))));
+        // A known one still comes back.
+        let a = claim("consumer:a").unwrap_or_else(|e| panic!("{e:?}"));
+        assert!(a.resumed);
+        consumers.end("consumer:a", &a.sub);
+        // Not yet idle for the retention: kept.
+        consumers.expire(Instant::now());
+        assert!(matches!(claim("consumer:c"), Err(ClaimError::TooMany(2))));
+        // Idle past it: forgotten (not the live `b`), and `c` fits.
+        consumers.expire(Instant::now() + Duration::from_secs(3601));
+        let c = claim("consumer:c").unwrap_or_else(|e| panic!("{e:?}"));
+        assert!(!c.resumed);
+        let a = claim("consumer:a");
+        assert!(matches!(a, Err(ClaimError::TooMany(2))), "a was forgotten");
+        assert!(consumers.checkpoint().expect("saved"));
+        let (_, stored) = PositionStore::open(dir.path()).expect("reopen");
+        assert!(!stored.contains_key("consumer:a"), "and is not saved");
+    }
+
     /// A feeder still running when the broker's consumers go away (no connection ended it)
     /// does not outlive them.
     #[tokio::test]
     async fn dropping_the_consumers_stops_their_feeders() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let consumers = Consumers::open(dir.path()).expect("open");
+        let consumers = Consumers::open(dir.path(), ConsumerLimits::default()).expect("open");
         let broker = Broker::new(BrokerConfig::default());
         let filter = TopicFilter::try_from("jobs").expect("valid filter");
         let key = Consumers::key("billing");

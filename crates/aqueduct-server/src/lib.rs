@@ -31,5 +31,6 @@ pub mod tls;
 pub mod webtransport;
 
 pub use config::{Config, ConfigError, Overrides, Sources};
+pub use consumers::ConsumerLimits;
 pub use server::{run, Control, Server, ServerError};
 pub use stats::ServerStats;

@@ -345,7 +345,7 @@ impl Server {
             Some(aal) => {
                 let durable = open_log(aal, stats.clone()).await?;
                 close_log.0 = Some(durable.clone());
-                let consumers = Arc::new(Consumers::open(&aal.dir)?);
+                let consumers = Arc::new(Consumers::open(&aal.dir, aal.consumers)?);
                 let source = durable.clone();
                 broker
                     .set_offset_source(Box::new(move |topic| source.next_offset(topic.as_bytes())));

@@ -788,6 +788,7 @@ async fn a_revoked_durable_consumer_can_come_back() {
                 fsync: aqueduct_log::FsyncMode::Batch,
                 retention_bytes: None,
                 retention_age: None,
+                consumers: Default::default(),
             })
         },
     )

@@ -260,6 +260,16 @@ fn errors_name_the_key_and_the_problem() {
             "aal.retention_age: \"7x\" is not a duration",
         ),
         (
+            Some("aal:\n  max_consumers: 0\n"),
+            &[],
+            "aal.max_consumers: ",
+        ),
+        (
+            None,
+            &[("AQUEDUCT_AAL_CONSUMER_RETENTION", "a week")],
+            "aal.consumer_retention: \"a week\" is not a duration",
+        ),
+        (
             Some("aal:\n  enabled: true\n  allow_plaintext: true\n  file_path: /etc/hostname\n"),
             &[],
             "aal.file_path: /etc/hostname is a file; aal.file_path is the log's directory",

@@ -881,6 +881,12 @@ impl Reader<'_> {
                                         "durable group {id} reads {f}; all its members must \
                                          subscribe with that filter"
                                     ),
+                                    ClaimError::TooMany(max) => format!(
+                                        "durable consumer {id} is new, and the broker already \
+                                         keeps the positions of {max} durable consumers and \
+                                         groups (aal.max_consumers); one without a \
+                                         subscription for aal.consumer_retention is forgotten"
+                                    ),
                                 };
                                 return self.send_error(stream_id, ErrorCode::BAD_SUBSCRIBE, why);
                             }

@@ -449,6 +449,7 @@ pub fn aal(
         fsync,
         retention_bytes: None,
         retention_age: None,
+        consumers: Default::default(),
     }
 }
 
