@@ -629,13 +629,8 @@ pub(crate) async fn feed(
                     Err(e) if read_again(&e) => {
                         // A read that failed (out of file descriptors, permissions, an I/O
                         // error): nothing is skipped; the same position is read again later.
-                        let now = Instant::now();
-                        if warned_at
-                            .get(&topic)
-                            .is_none_or(|at| now.duration_since(*at) >= READ_WARN_EVERY)
-                        {
+                        if time_to_warn(&mut warned_at, &topic) {
                             warn!(topic = %name, "durable consumer: cannot read the log, trying again every {READ_RETRY:?} (nothing after this point is delivered until it can be read): {e}");
-                            warned_at.insert(topic.clone(), now);
                         } else {
                             debug!(topic = %name, "durable consumer: cannot read the log: {e}");
                         }
@@ -647,13 +642,8 @@ pub(crate) async fn feed(
                         // Damage since it was indexed, or a segment retention deleted since:
                         // skipped, the reader goes on with what follows it. Warned about once
                         // a minute per topic, as above.
-                        let now = Instant::now();
-                        if warned_at
-                            .get(&topic)
-                            .is_none_or(|at| now.duration_since(*at) >= READ_WARN_EVERY)
-                        {
+                        if time_to_warn(&mut warned_at, &topic) {
                             warn!(topic = %name, "durable consumer: cannot read part of the log, skipping it: {e}");
-                            warned_at.insert(topic.clone(), now);
                         } else {
                             debug!(topic = %name, "durable consumer: cannot read part of the log, skipping it: {e}");
                         }
@@ -778,6 +768,19 @@ pub(crate) async fn feed(
 const READ_RETRY: Duration = Duration::from_secs(1);
 /// A read of the log that keeps failing is warned about again after this long.
 const READ_WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// Whether a read of `topic` that failed is warned about now (once every [`READ_WARN_EVERY`]
+/// per topic; the others are logged at debug level), noting the time if so.
+fn time_to_warn(warned_at: &mut HashMap<Vec<u8>, Instant>, topic: &[u8]) -> bool {
+    let now = Instant::now();
+    let due = warned_at
+        .get(topic)
+        .is_none_or(|at| now.duration_since(*at) >= READ_WARN_EVERY);
+    if due {
+        warned_at.insert(topic.to_vec(), now);
+    }
+    due
+}
 
 /// Whether a failed read of the log is tried again rather than skipped: any I/O error but a
 /// segment that no longer exists (retention deleted it after the reader was planned; what it

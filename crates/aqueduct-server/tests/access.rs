@@ -738,20 +738,7 @@ async fn a_subscription_revoked_while_its_write_is_blocked_is_closed_at_once() {
     delivery.write(&raw_frame(0x42, 1, b"\0\0topic:jobs")).await;
     until("the subscription", || s.b.broker.subscriber_count() == 1).await;
     let publisher = s.client(Some("writer")).await;
-    let body = "x".repeat(1000);
-    for _ in 0..300 {
-        publisher
-            .publish("jobs", body.clone())
-            .await
-            .expect("publish");
-    }
-    until("the write to block", || {
-        s.b.broker
-            .subscribers()
-            .iter()
-            .any(|sub| sub.queued() >= 50)
-    })
-    .await;
+    block_a_write(&s.b.broker, &publisher, "jobs").await;
     let mut admin = s.admin(Some("admin-ops")).await.expect("admin");
     admin
         .remove_acl_rule(rule("anonymous", "jobs", "subscribe"))

@@ -345,18 +345,7 @@ async fn a_reset_ends_the_subscriptions_of_a_stream_whose_write_is_blocked() {
     s.write(&subscribe_frame(1, "topic:jobs")).await;
     until("the subscription", || b.broker.subscriber_count() == 1).await;
     let publisher = b.client().await;
-    let body = "x".repeat(1000);
-    for _ in 0..300 {
-        publisher
-            .publish("jobs", body.clone())
-            .await
-            .expect("publish");
-    }
-    // The writer is blocked on flow control: what came after its last fill waits in the queue.
-    until("the write to block", || {
-        b.broker.subscribers().iter().any(|sub| sub.queued() >= 50)
-    })
-    .await;
+    block_a_write(&b.broker, &publisher, "jobs").await;
     s.send.reset(0u32.into()).expect("reset");
     until("the subscription to end", || {
         b.broker.subscriber_count() == 0

@@ -124,6 +124,23 @@ impl TestBroker {
     }
 }
 
+/// Publish 300 messages of 1,000 bytes to `topic` and wait until the broker's write to a
+/// subscriber that reads nothing (its stream window small) is blocked by flow control: what
+/// came after its last fill waits in its queue.
+pub async fn block_a_write(broker: &Broker, publisher: &Client, topic: &str) {
+    let body = "x".repeat(1000);
+    for _ in 0..300 {
+        publisher
+            .publish(topic, body.clone())
+            .await
+            .expect("publish");
+    }
+    until("the write to block", || {
+        broker.subscribers().iter().any(|sub| sub.queued() >= 50)
+    })
+    .await;
+}
+
 /// The next message, or panic.
 pub async fn next(sub: &mut Subscription) -> Message {
     within("a message", sub.next())
