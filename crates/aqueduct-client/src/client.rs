@@ -388,12 +388,16 @@ impl Client {
     }
 
     /// Wait until the broker has read everything published so far on the default publish
-    /// stream (up to 10 s).
+    /// stream (up to 10 s). An error says that a publish sent without `confirm` was refused
+    /// ([`ClientError::Broker`] with the broker's code and reason: the first refusal), or that
+    /// what was published may not all have been read (the stream or connection failed).
     pub async fn flush(&self) -> Result<(), ClientError> {
         self.inner.publisher.flush().await
     }
 
-    /// Flush, close the connection, and wait for the broker to acknowledge the close.
+    /// Flush, close the connection, and wait for the broker to acknowledge the close. What the
+    /// flush says is not reported: call [`flush`](Self::flush) first to know that everything
+    /// published without `confirm` was handled (and none refused).
     pub async fn close(&self) {
         let _ = self.flush().await;
         self.inner.conn.close(b"client closed");

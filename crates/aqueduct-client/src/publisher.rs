@@ -8,11 +8,11 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use aqueduct_proto::frame::Message as Wire;
+use aqueduct_proto::frame::{ErrorFrame, Message as Wire};
 use aqueduct_proto::{BatchBuilder, ErrorCode, Extensions, Frame, Publish, TopicName};
 use bytes::Bytes;
 use tokio::sync::oneshot;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::client::PublishOptions;
 use crate::error::ClientError;
@@ -291,41 +291,60 @@ impl Publisher {
     /// and a connection closed right after could still lose what the broker had not read yet.
     /// So the stream is finished and the broker's end of it awaited: the broker finishes its
     /// side only after handling every frame.
+    ///
+    /// An error says that something published since the last flush was refused (an ERROR
+    /// answered a publish sent without `confirm`: [`ClientError::Broker`], the first one) or
+    /// may not have been read (the stream or connection failed).
     pub async fn flush(&self) -> Result<(), ClientError> {
-        let done = {
+        let (current, lost) = {
             let mut guard = self.inner.send.lock().await;
-            // An earlier stream ended before the broker had read all of it.
-            if let Some(why) = lock(&self.inner.lost).take() {
-                return Err(ClientError::Connection(format!(
-                    "the broker may not have read everything published: {}",
-                    reason(why)
-                )));
-            }
-            let Some(stream) = guard.as_mut() else {
-                return Ok(());
+            // An earlier stream that ended badly: reported after the current one is flushed
+            // (what went out on it must not be dropped with the connection meanwhile).
+            let lost = lock(&self.inner.lost).take();
+            let current = match guard.as_mut() {
+                None => None,
+                Some(stream) => {
+                    // Finished in place: a flush cancelled while the rest of a frame is still
+                    // being written leaves it queued on the stream, for the next publish or
+                    // flush.
+                    let finished = stream.send.finish().await;
+                    guard
+                        .take()
+                        .map(|Stream { done, .. }| finished.map(|()| done))
+                }
             };
-            // Finished in place: a flush cancelled while the rest of a frame is still being
-            // written leaves it queued on the stream, for the next publish or flush.
-            let finished = stream.send.finish().await;
-            let Some(Stream { done, .. }) = guard.take() else {
-                return Ok(());
-            };
-            finished?;
-            done
+            (current, lost)
         };
-        match tokio::time::timeout(Duration::from_secs(10), done).await {
-            Ok(Ok(Ok(()))) => Ok(()),
-            Ok(Ok(Err(e))) => Err(ClientError::Connection(format!(
-                "the broker may not have read everything published: {}",
-                reason(e)
-            ))),
-            Ok(Err(_)) => Err(ClientError::Connection(
-                "the publish stream failed before the broker had read all of it".into(),
-            )),
-            Err(_) => Err(ClientError::Connection(
-                "the broker did not read the publish stream within 10 s".into(),
-            )),
+        let current = match current {
+            None => Ok(()),
+            Some(Err(e)) => Err(e),
+            Some(Ok(done)) => match tokio::time::timeout(Duration::from_secs(10), done).await {
+                Ok(Ok(Ok(()))) => Ok(()),
+                Ok(Ok(Err(e))) => Err(flush_error(e)),
+                Ok(Err(_)) => Err(ClientError::Connection(
+                    "the publish stream failed before the broker had read all of it".into(),
+                )),
+                Err(_) => Err(ClientError::Connection(
+                    "the broker did not read the publish stream within 10 s".into(),
+                )),
+            },
+        };
+        match lost {
+            Some(why) => Err(flush_error(why)),
+            None => current,
         }
+    }
+}
+
+/// What a flush says of a stream that ended badly: a refusal as the broker gave it (those
+/// publishes were handled: not published), anything else as "may not have been read".
+fn flush_error(e: ClientError) -> ClientError {
+    match e {
+        e @ ClientError::Broker { .. } => e,
+        e => ClientError::Connection(format!(
+            "the broker may not have read everything published: {}",
+            reason(e)
+        )),
     }
 }
 
@@ -351,6 +370,9 @@ async fn replies(
     done: oneshot::Sender<Result<(), ClientError>>,
 ) {
     let take = |id: u32| lock(&pending).as_mut().and_then(|w| w.remove(&id));
+    // ERRORs answering publishes nobody waits for (sent without `confirm`): the first, and how
+    // many. The stream's outcome says so, for `flush`.
+    let mut refused: Option<(ErrorFrame, usize)> = None;
     let finished = loop {
         let frame = match reader.next().await {
             Ok(Some(frame)) => frame,
@@ -381,7 +403,13 @@ async fn replies(
                             reason: e.reason,
                         }));
                     }
-                    None => warn!(code = %e.code, reason = %e.reason, "broker refused a publish"),
+                    None => {
+                        debug!(code = %e.code, reason = %e.reason, "broker refused a publish");
+                        match &mut refused {
+                            Some((_, n)) => *n += 1,
+                            None => refused = Some((e, 1)),
+                        }
+                    }
                 }
             }
             other => warn!(opcode = ?other.opcode(), "unexpected frame on the publish stream"),
@@ -398,6 +426,20 @@ async fn replies(
         Ok(()) => ClientError::Connection(
             "the broker finished the publish stream before answering".into(),
         ),
+    };
+    // Read to its end, and every frame handled: but some were refused.
+    let finished = match (finished, refused) {
+        (Ok(()), Some((first, n))) => Err(ClientError::Broker {
+            code: first.code,
+            reason: match n {
+                1 => first.reason,
+                n => format!(
+                    "{} (the first of {n} publish frames refused on this stream)",
+                    first.reason
+                ),
+            },
+        }),
+        (other, _) => other,
     };
     let _ = done.send(finished);
     // Closed under the lock: a publish that comes later sees it and uses a new stream.

@@ -654,6 +654,38 @@ async fn hot_reload_under_load_is_exact_and_loses_nothing() {
     within("the reader", reading).await.expect("reader ok");
 }
 
+/// A publish sent without `confirm` that the ACL refuses is reported by the next flush, with
+/// the broker's ERROR (a flush means "handled": these were, by being refused); the publishes
+/// allowed around it are delivered. Before, the refusal was only logged and the flush said Ok.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_unconfirmed_publish_is_reported_by_flush() {
+    let s = Setup::start(
+        "none",
+        &[
+            ("writer", "jobs", "publish"),
+            ("anonymous", "jobs", "subscribe"),
+        ],
+        QuotasSection::default(),
+    )
+    .await;
+    let reader = s.client(None).await;
+    let mut sub = reader.subscribe("jobs").await.expect("subscribe");
+    let writer = s.client(Some("writer")).await;
+    writer.publish("jobs", "one").await.expect("sent");
+    writer.publish("elsewhere", "no").await.expect("sent");
+    writer.publish("elsewhere", "no").await.expect("sent");
+    writer.publish("jobs", "two").await.expect("sent");
+    let refused = writer.flush().await.expect_err("refused");
+    assert_eq!(refused.code(), Some(ErrorCode::NOT_AUTHORIZED), "{refused}");
+    assert!(refused.to_string().contains("the first of 2"), "{refused}");
+    assert_eq!(&next(&mut sub).await.body()[..], b"one");
+    assert_eq!(&next(&mut sub).await.body()[..], b"two");
+    writer.flush().await.expect("reported once");
+    reader.close().await;
+    writer.close().await;
+    s.b.stop().await.expect("clean shutdown");
+}
+
 /// A subscription revoked after its client stopped reading its stream (STOP_SENDING; the
 /// stream's writer has stopped, its reader goes on) is closed all the same: ACKs naming it get
 /// NOT_SUBSCRIBED (§11). Before, only the stopped writer took revocations, so it stayed

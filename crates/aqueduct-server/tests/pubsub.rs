@@ -671,6 +671,40 @@ async fn a_publish_after_a_stream_fatal_error_uses_a_new_stream() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// A flush (and `close`, which flushes) after an earlier stream was cut short still finishes
+/// the current stream and waits for the broker to have read it, then reports the earlier loss.
+/// Before, it reported the loss at once, and `close` then closed the connection under
+/// publishes the broker had not read yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_after_an_earlier_stream_failed_still_flushes_the_current_one() {
+    const N: usize = 2_000;
+    let b = TestBroker::start_with(|c| {
+        c.transport.max_frame_data = 4096;
+        c.broker.queue_size = 4 * N;
+    })
+    .await;
+    let watcher = b.client().await;
+    let mut sub = watcher.subscribe("after/+").await.expect("subscribe");
+    let client = b.client().await;
+    client
+        .publish_with("after/big", vec![b'z'; 8000], &confirm())
+        .await
+        .expect_err("too large");
+    for i in 0..N {
+        client
+            .publish("after/small", format!("{i:04}{}", "x".repeat(1000)))
+            .await
+            .expect("published on a new stream");
+    }
+    client.close().await;
+    for i in 0..N {
+        let m = next(&mut sub).await;
+        assert_eq!(&m.body()[..4], format!("{i:04}").as_bytes());
+    }
+    watcher.close().await;
+    b.stop().await.expect("clean shutdown");
+}
+
 /// What `next_batch` lends: (topic, body, offset, attempt, whether it carries a trace context).
 type Lent = (String, Vec<u8>, u64, u32, bool);
 
