@@ -343,7 +343,7 @@ impl Client {
         // subscription's deliveries, but with several subscriptions a delivery of one confirmed
         // already may come before the next CONFIRM: it is kept for the application.
         let mut confirmed = 0;
-        let mut early = std::collections::VecDeque::new();
+        let mut early = Vec::new();
         // A durable SUBSCRIBE's CONFIRM says whether the broker's log serves it (protocol.md
         // §7.1); of several, in memory if any of them is, and unsaid if any says nothing.
         let mut durable_log = opts.durable.as_ref().map(|_| true);
@@ -372,7 +372,10 @@ impl Client {
                 Some(frame) if confirmed > 0 && !matches!(frame.message, Wire::Confirm(_)) => {
                     let index = frame.stream_id.wrapping_sub(first) as usize;
                     if let Some(handle) = handles.get(index).or(handles.first()) {
-                        early.extend(crate::subscription::item(frame, handle));
+                        let stream_id = frame.stream_id;
+                        early.extend(
+                            crate::subscription::item(frame, handle).map(|it| (stream_id, it)),
+                        );
                     }
                 }
                 Some(other) => {

@@ -247,25 +247,35 @@ impl std::fmt::Debug for Subscription {
 }
 
 impl Subscription {
+    /// `early`: what came for subscriptions already confirmed while the others were being
+    /// confirmed, with the stream id it came with.
     pub(crate) fn start(
         handles: Vec<Arc<SubHandle>>,
         reader: FrameReader,
-        early: std::collections::VecDeque<Result<Message, ClientError>>,
+        early: Vec<(u32, Result<Message, ClientError>)>,
         durable_log: Option<bool>,
     ) -> Option<Subscription> {
         let mut handles = handles.into_iter();
         let handle = handles.next()?;
-        Some(Subscription {
+        let mut sub = Subscription {
             reader,
             handle,
             more: handles.collect(),
-            early,
+            early: std::collections::VecDeque::with_capacity(early.len()),
             closed_ids: Vec::new(),
             last_topic: None,
             ended: false,
             unsubscribed: false,
             durable_log,
-        })
+        };
+        // Ended only once these are read (`poll_item` takes them first).
+        for (stream_id, it) in early {
+            if let Err(e) = &it {
+                sub.note_closed(stream_id, e);
+            }
+            sub.early.push_back(it);
+        }
+        Some(sub)
     }
 
     /// For a durable subscription ([`crate::SubscribeOptions::durable`]): `Some(true)` if the
@@ -337,15 +347,20 @@ impl Subscription {
     ) -> Option<Result<Message, ClientError>> {
         let handle = handle_for(&self.handle, &self.more, header.stream_id);
         let it = fast_item(header, data, handle, &mut self.last_topic)?;
-        // The broker closes a slow consumer's subscription after this error; the stream's
-        // other subscriptions, if any, go on until they are closed too.
-        if matches!(&it, Err(e) if e.code() == Some(ErrorCode::SLOW_CONSUMER))
-            && !self.closed_ids.contains(&header.stream_id)
-        {
-            self.closed_ids.push(header.stream_id);
-            self.ended = self.closed_ids.len() > self.more.len();
+        if let Err(e) = &it {
+            self.note_closed(header.stream_id, e);
         }
         Some(it)
+    }
+
+    /// The broker closes a subscription after ERROR SLOW_CONSUMER (§7.3) or NOT_AUTHORIZED (its
+    /// permission was revoked, §11) with its stream id; the stream's other subscriptions, if
+    /// any, go on until they are closed too. Once all are, the subscription ends.
+    fn note_closed(&mut self, stream_id: u32, e: &ClientError) {
+        if closes_subscription(e) && !self.closed_ids.contains(&stream_id) {
+            self.closed_ids.push(stream_id);
+            self.ended = self.closed_ids.len() > self.more.len();
+        }
     }
 
     /// Wait for a message, then hand it and every further message already received, up to
@@ -735,6 +750,15 @@ impl std::fmt::Debug for MessageRef<'_> {
             .field("body_len", &self.body().len())
             .finish()
     }
+}
+
+/// Does this error, received on a delivery stream with a subscription's stream id, close that
+/// subscription? SLOW_CONSUMER (§7.3) and NOT_AUTHORIZED (revoked, §11) do.
+fn closes_subscription(e: &ClientError) -> bool {
+    matches!(
+        e.code(),
+        Some(ErrorCode::SLOW_CONSUMER | ErrorCode::NOT_AUTHORIZED)
+    )
 }
 
 #[cfg(test)]

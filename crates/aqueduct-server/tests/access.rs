@@ -254,6 +254,13 @@ async fn admin_changes_apply_to_live_connections() {
         Some(Err(e)) => assert_eq!(e.code(), Some(ErrorCode::NOT_AUTHORIZED), "{e}"),
         other => panic!("expected NOT_AUTHORIZED, got {other:?}"),
     }
+    // ... and then it ends (it used to stay open, silent, until the connection ended).
+    assert!(
+        within("the end of the subscription", sub.next_message())
+            .await
+            .is_none(),
+        "ended"
+    );
     assert_eq!(s.b.broker.subscriber_count(), 0);
     // service-a loses publishing on the same connection, without reconnecting...
     admin
