@@ -74,11 +74,7 @@ impl ClientError {
 /// An application error code (stream reset, STOP_SENDING, connection close) in words. A WebTransport stream's code arrives mapped into HTTP/3's
 /// code space (protocol.md §12): it is mapped back first.
 pub(crate) fn app_code(code: u64) -> String {
-    let code = match web_transport_quinn::proto::error_from_http3(code) {
-        // Over WebTransport a stream code is one byte (protocol.md §12).
-        Some(wt) => u64::from(aqueduct_proto::ErrorCode::from_webtransport_stream(wt).0),
-        None => code,
-    };
+    let code = stream_code(code);
     match u16::try_from(code) {
         Ok(c) => ErrorCode(c).to_string(),
         Err(_) => format!("code {code}"),
@@ -162,8 +158,29 @@ pub(crate) fn describe_connection_error(e: &quinn::ConnectionError) -> String {
     }
 }
 
-/// A stream read failure as a client error.
+/// A stream's application error code as the broker chose it (over WebTransport a stream
+/// code is one byte, mapped into HTTP/3's range: protocol.md §12).
+fn stream_code(code: u64) -> u64 {
+    match web_transport_quinn::proto::error_from_http3(code) {
+        Some(wt) => u64::from(aqueduct_proto::ErrorCode::from_webtransport_stream(wt).0),
+        None => code,
+    }
+}
+
+/// A stream read failure as a client error. A reset with SLOW_CONSUMER (300) is the broker
+/// closing a slow consumer whose writes were blocked: the same as the ERROR it sends otherwise
+/// (protocol.md §7.3), so it carries that code.
 pub(crate) fn read_error(e: &quinn::ReadError) -> ClientError {
+    if let quinn::ReadError::Reset(code) = e {
+        if stream_code(code.into_inner()) == u64::from(aqueduct_proto::ErrorCode::SLOW_CONSUMER.0) {
+            return ClientError::Broker {
+                code: aqueduct_proto::ErrorCode::SLOW_CONSUMER,
+                reason: "the broker reset the delivery stream: a subscription on it overflowed \
+                         its queue (policy disconnect) while the client was not reading"
+                    .into(),
+            };
+        }
+    }
     ClientError::Connection(match e {
         quinn::ReadError::Reset(code) => {
             format!(

@@ -705,6 +705,52 @@ async fn close_after_an_earlier_stream_failed_still_flushes_the_current_one() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// A slow consumer closed while the broker's write to it was blocked gets its delivery stream
+/// reset with code 300: the subscription ends with an error that carries SLOW_CONSUMER, as the
+/// ERROR frame would (protocol.md 7.3). Before, it was a connection error without a code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_consumer_reset_carries_its_code() {
+    let b = TestBroker::start_with(|c| {
+        c.broker.queue_size = 16;
+        c.broker.backpressure_policy = aqueduct_client::OverflowPolicy::Disconnect;
+    })
+    .await;
+    let subscriber = b.client().await;
+    let mut sub = subscriber.subscribe("slow").await.expect("subscribe");
+    let publisher = b.client().await;
+    // More than the client's stream window (8 MiB) while it reads nothing: the broker's write
+    // blocks, the queue overflows, and the blocked stream is reset.
+    let body = bytes::Bytes::from(vec![b'x'; 4096]);
+    let mut n = 0;
+    while b
+        .stats
+        .slow_consumer_resets
+        .load(std::sync::atomic::Ordering::Relaxed)
+        == 0
+    {
+        assert!(n < 10_000, "no reset after {n} messages");
+        publisher
+            .publish("slow", body.clone())
+            .await
+            .expect("publish");
+        n += 1;
+    }
+    let end = within("the subscription's end", async {
+        loop {
+            match sub.next_message().await {
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => break e,
+                None => panic!("ended without an error"),
+            }
+        }
+    })
+    .await;
+    assert_eq!(end.code(), Some(ErrorCode::SLOW_CONSUMER), "{end}");
+    publisher.close().await;
+    subscriber.close().await;
+    b.stop().await.expect("clean shutdown");
+}
+
 /// What `next_batch` lends: (topic, body, offset, attempt, whether it carries a trace context).
 type Lent = (String, Vec<u8>, u64, u32, bool);
 
