@@ -49,6 +49,9 @@ struct Inner {
     /// Why a replaced stream ended before the broker had read all of it (a stream-fatal ERROR,
     /// a failure): the next `flush` reports it, since it cannot vouch for what was sent there.
     lost: Mutex<Option<ClientError>>,
+    /// The ends of finished streams that a flush was still waiting for when it was cancelled:
+    /// the next flush waits for them too, so that what they say is not lost.
+    unread_ends: Mutex<Vec<Done>>,
     /// The tasks reading each stream's replies (a replaced stream's too, until the broker ends
     /// it). Aborted when the publisher goes: nothing can await their answers then.
     readers: Mutex<tokio::task::JoinSet<()>>,
@@ -61,13 +64,16 @@ struct Inner {
 struct Stream {
     send: crate::link::FrameSink,
     pending: Pending,
-    done: oneshot::Receiver<Result<(), ClientError>>,
+    done: Done,
     /// Set by its replies task on a stream-fatal ERROR: the broker reads nothing more here.
     fatal: Fatal,
 }
 
 /// A stream-fatal ERROR's reason, once one came.
 type Fatal = Arc<Mutex<Option<ClientError>>>;
+
+/// How a stream ended, from the task reading its replies.
+type Done = oneshot::Receiver<Result<(), ClientError>>;
 
 impl Stream {
     /// `None` while the stream in `slot` is live (or there is none). Otherwise nothing written
@@ -146,6 +152,7 @@ impl Publisher {
                 next_id,
                 send: tokio::sync::Mutex::new(None),
                 lost: Mutex::new(None),
+                unread_ends: Mutex::new(Vec::new()),
                 readers: Mutex::new(tokio::task::JoinSet::new()),
             }),
         }
@@ -228,7 +235,15 @@ impl Publisher {
                         _ => ClientError::Closed,
                     });
                 }
-                *guard = None;
+                // How it ended is known (its replies task says so before it stops taking
+                // confirmations): kept for the next flush if it lost anything.
+                match Stream::take_if_over(&mut guard) {
+                    Some(Err(why)) => {
+                        lock(&self.inner.lost).get_or_insert(why);
+                    }
+                    Some(Ok(())) => {}
+                    None => *guard = None,
+                }
             };
             // A batch's payload is sent as it was built, after its head: not copied again.
             let (head, tail) = Frame::new(id, message).encode_split();
@@ -296,29 +311,37 @@ impl Publisher {
     /// answered a publish sent without `confirm`: [`ClientError::Broker`], the first one) or
     /// may not have been read (the stream or connection failed).
     pub async fn flush(&self) -> Result<(), ClientError> {
-        let (current, lost) = {
+        let (finished, lost) = {
             let mut guard = self.inner.send.lock().await;
             // An earlier stream that ended badly: reported after the current one is flushed
             // (what went out on it must not be dropped with the connection meanwhile).
             let lost = lock(&self.inner.lost).take();
-            let current = match guard.as_mut() {
-                None => None,
+            let finished = match guard.as_mut() {
+                None => Ok(()),
                 Some(stream) => {
                     // Finished in place: a flush cancelled while the rest of a frame is still
                     // being written leaves it queued on the stream, for the next publish or
                     // flush.
                     let finished = stream.send.finish().await;
-                    guard
-                        .take()
-                        .map(|Stream { done, .. }| finished.map(|()| done))
+                    if let Some(Stream { done, .. }) = guard.take() {
+                        lock(&self.inner.unread_ends).push(done);
+                    }
+                    finished
                 }
             };
-            (current, lost)
+            (finished, lost)
         };
-        let current = match current {
-            None => Ok(()),
-            Some(Err(e)) => Err(e),
-            Some(Ok(done)) => match tokio::time::timeout(Duration::from_secs(10), done).await {
+        // The ends to wait for: this stream's, and those of streams an earlier flush was
+        // cancelled while waiting for. What is not read yet when this flush is cancelled in
+        // turn goes back for the next one (`Unread`'s drop).
+        let mut ends = Unread {
+            ends: std::mem::take(&mut *lock(&self.inner.unread_ends)),
+            inner: &self.inner,
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let mut first_error = lost.map(flush_error).or(finished.err());
+        while let Some(end) = ends.ends.first_mut() {
+            let result = match tokio::time::timeout_at(deadline, end).await {
                 Ok(Ok(Ok(()))) => Ok(()),
                 Ok(Ok(Err(e))) => Err(flush_error(e)),
                 Ok(Err(_)) => Err(ClientError::Connection(
@@ -327,11 +350,27 @@ impl Publisher {
                 Err(_) => Err(ClientError::Connection(
                     "the broker did not read the publish stream within 10 s".into(),
                 )),
-            },
-        };
-        match lost {
-            Some(why) => Err(flush_error(why)),
-            None => current,
+            };
+            ends.ends.remove(0);
+            if let Err(e) = result {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+}
+
+/// Stream ends a flush waits for; those it has not read when it is dropped (cancelled) go back
+/// to the publisher, for the next flush.
+struct Unread<'a> {
+    ends: Vec<Done>,
+    inner: &'a Inner,
+}
+
+impl Drop for Unread<'_> {
+    fn drop(&mut self) {
+        if !self.ends.is_empty() {
+            lock(&self.inner.unread_ends).append(&mut self.ends);
         }
     }
 }

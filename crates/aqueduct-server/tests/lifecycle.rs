@@ -225,6 +225,14 @@ async fn flush_fails_when_the_broker_stops_before_reading_everything() {
         b.stats.publish_holds.load(Ordering::Relaxed) >= 1
     })
     .await;
+    // A first flush given up on (its caller's timeout) while the publisher is held: what the
+    // stream's end says must not be lost with it.
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(100), publisher.flush())
+            .await
+            .is_err(),
+        "still held"
+    );
     let stopping = tokio::spawn(b.stop());
     let err = within("the flush", publisher.flush())
         .await
