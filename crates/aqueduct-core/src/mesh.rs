@@ -633,7 +633,8 @@ impl Mesh {
                 updates,
             } => match peer.in_session {
                 Some((s, _)) if session < s => true,
-                Some((s, last)) if session == s && seq == last + 1 => {
+                // `last` is the peer's own number: checked, so u64::MAX cannot overflow.
+                Some((s, last)) if session == s && last.checked_add(1) == Some(seq) => {
                     for u in &updates {
                         peer.interest.apply(u);
                     }
@@ -1391,6 +1392,30 @@ mod tests {
             Control::Delta {
                 session: 5,
                 seq: 3,
+                updates: vec![]
+            }
+        ));
+    }
+
+    /// A peer's snapshot numbered u64::MAX, then a delta: a gap like any other (the connection
+    /// is closed), not an overflow (which panicked the mesh driver in a debug build).
+    #[test]
+    fn a_delta_after_the_last_sequence_number_is_a_gap_not_an_overflow() {
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        connected(&mut a, 1, "b", &[]);
+        assert!(a.handle_control(
+            ConnId(1),
+            Control::Snapshot {
+                session: 5,
+                seq: u64::MAX,
+                interest: Interest::default()
+            }
+        ));
+        assert!(!a.handle_control(
+            ConnId(1),
+            Control::Delta {
+                session: 5,
+                seq: 0,
                 updates: vec![]
             }
         ));

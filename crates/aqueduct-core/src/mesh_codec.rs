@@ -183,11 +183,13 @@ pub fn decode_control(buf: &[u8]) -> Result<(Control, usize), MeshCodecError> {
     let session = r.u64()?;
     let seq = r.u64()?;
     let n = r.u32()? as usize;
-    // Each entry takes at least 6 bytes: no allocation beyond what the input holds.
+    // Each entry takes at least 6 bytes: no more entries than the input holds, and room made
+    // for at most as many as a few KiB of it (an entry in memory is larger than its minimum
+    // encoding: reserving for `n` up front would take ~13 times the bytes received).
     if n > len / 6 {
         return Err(r.invalid(format!("{n} entries cannot fit in {len} bytes")));
     }
-    let mut updates = Vec::with_capacity(n);
+    let mut updates = Vec::with_capacity(n.min(1024));
     for _ in 0..n {
         let key = r.key()?;
         let count = r.u32()?;
