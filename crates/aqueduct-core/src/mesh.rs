@@ -768,14 +768,21 @@ impl RouteTable {
 
     /// [`route`](Self::route) on a topic's bytes.
     pub fn route_bytes(&self, topic: &[u8]) -> Routing {
-        self.route_bytes_where(topic, |_| true)
+        self.route_bytes_where(topic, |_| true, |_| true)
     }
 
-    /// [`route_bytes`](Self::route_bytes), placing groups only here or on the peers `reachable`
-    /// accepts: the snapshot may still name a peer whose connection just ended, and a group
-    /// picked there would be served by no one while another node's member could take it. (Its
-    /// plain copy is still named: the caller drops what it cannot send and counts it.)
-    pub fn route_bytes_where(&self, topic: &[u8], reachable: impl Fn(&NodeId) -> bool) -> Routing {
+    /// [`route_bytes`](Self::route_bytes), placing groups only on the peers `reachable` accepts
+    /// and here only if `here` says the group still has a member here: the snapshot may still
+    /// name a peer whose connection just ended, or count a member here that just left (the
+    /// table follows the broker a moment later), and a group picked there would be served by
+    /// no one while another node's member could take it. (A plain copy is still named: the
+    /// caller drops what it cannot send and counts it.)
+    pub fn route_bytes_where(
+        &self,
+        topic: &[u8],
+        here: impl Fn(&GroupKey) -> bool,
+        reachable: impl Fn(&NodeId) -> bool,
+    ) -> Routing {
         let mut routing = Routing::default();
         let mut copies: BTreeMap<NodeId, Forward> = BTreeMap::new();
         for (node, interest) in &self.nodes {
@@ -784,7 +791,14 @@ impl RouteTable {
             }
         }
         for g in self.groups_for(topic) {
-            match self.pick(&g, |n| *n == self.me || reachable(n)) {
+            let placeable = |n: &NodeId| {
+                if *n == self.me {
+                    here(&g)
+                } else {
+                    reachable(n)
+                }
+            };
+            match self.pick(&g, placeable) {
                 Some(node) if node == self.me => routing.local_groups.push(g),
                 Some(node) => copies.entry(node).or_default().groups.push(g),
                 None => routing.unplaced.push(g),
@@ -1029,14 +1043,14 @@ mod tests {
         connected(&mut a, 2, "c", &[(Key::Group(g.clone()), 1)]);
         let table = a.table();
         let not_b = |n: &NodeId| *n != node("b");
-        let counts = places(20, || table.route_bytes_where(b"jobs", not_b));
+        let counts = places(20, || table.route_bytes_where(b"jobs", |_| true, not_b));
         assert_eq!(counts.get("b"), None, "{counts:?}");
         assert_eq!(counts.get("a"), Some(&10), "{counts:?}");
         assert_eq!(counts.get("c"), Some(&10), "{counts:?}");
         // This node is always reachable; with no member here and none reachable, unplaced.
         let mut lone = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
         connected(&mut lone, 1, "b", &[(Key::Group(g.clone()), 1)]);
-        let r = lone.table().route_bytes_where(b"jobs", |_| false);
+        let r = lone.table().route_bytes_where(b"jobs", |_| true, |_| false);
         assert!(r.forward.is_empty() && r.local_groups.is_empty(), "{r:?}");
         assert_eq!(r.unplaced, vec![g]);
     }

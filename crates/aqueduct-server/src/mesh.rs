@@ -565,6 +565,9 @@ pub struct MeshHandle {
     /// Connections closed because their peer did not read its control stream
     /// ([`CONTROL_QUEUE`] updates waiting).
     pub control_overflows: Arc<AtomicU64>,
+    /// The broker, to ask whether a group picked here still has a member here (weak: the
+    /// broker's listeners hold this handle).
+    broker: std::sync::Weak<Broker>,
 }
 
 impl MeshHandle {
@@ -602,7 +605,15 @@ impl MeshHandle {
         // whose connection just ended, and a group picked there would reach no one while
         // another node's member could take the message.
         let queues = self.queues.load();
-        let routing = table.route_bytes_where(p.topic.as_bytes(), |n| queues.contains_key(n));
+        // A group the table still counts a member here for, though the broker no longer
+        // routes it (its last member just left), goes elsewhere, not nowhere.
+        let broker = self.broker.upgrade();
+        let here = |g: &GroupKey| {
+            broker
+                .as_ref()
+                .is_none_or(|b| b.has_group(&g.filter, &g.group))
+        };
+        let routing = table.route_bytes_where(p.topic.as_bytes(), here, |n| queues.contains_key(n));
         let elsewhere: Vec<GroupKey> = routing
             .forward
             .iter()
@@ -865,6 +876,7 @@ pub(crate) fn new(
         discarded: Arc::new(AtomicU64::new(0)),
         unplaced: Arc::new(AtomicU64::new(0)),
         control_overflows: Arc::new(AtomicU64::new(0)),
+        broker: Arc::downgrade(&broker),
     };
     let out = (
         Driver {
@@ -2163,12 +2175,25 @@ mod tests {
     /// A handle over a table in which `a` (this node) sees peers `b` and `c` with a member of
     /// group `w` on `jobs` each, and queues for the peers named in `with_queue` only.
     fn handle_with_peers(with_queue: &[&str]) -> (MeshHandle, HashMap<NodeId, Arc<PeerQueue>>) {
+        handle_with(with_queue, false)
+    }
+
+    /// Node `a`, its peers `b` and `c` with a member of group `w` (of `jobs`) each, queues for
+    /// the peers in `with_queue`, and with `local_member` one member of `w` on `a` too (as its
+    /// table counts them).
+    fn handle_with(
+        with_queue: &[&str],
+        local_member: bool,
+    ) -> (MeshHandle, HashMap<NodeId, Arc<PeerQueue>>) {
         let node = |s: &str| NodeId::try_from(s).expect("node id");
         let g = GroupKey {
             filter: aqueduct_proto::TopicFilter::try_from("jobs").expect("filter"),
             group: aqueduct_proto::GroupId::try_from("w").expect("group"),
         };
         let mut mesh = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        if local_member {
+            mesh.handle_local(Key::Group(g.clone()), 1);
+        }
         for (conn, peer) in [(1, "b"), (2, "c")] {
             assert!(mesh.handle_connected(Instant::now(), ConnId(conn), node(peer), None, false));
             let mut interest = Interest::default();
@@ -2201,6 +2226,7 @@ mod tests {
             discarded: Arc::default(),
             unplaced: Arc::default(),
             control_overflows: Arc::default(),
+            broker: std::sync::Weak::new(),
         };
         (handle, queues)
     }
@@ -2245,6 +2271,29 @@ mod tests {
             assert_eq!(r.forward.len(), 1);
             assert_eq!(r.forward[0].0, NodeId::try_from("b").expect("node id"));
         }
+    }
+
+    /// The table still counts a member of `w` here, but it just left (the broker no longer
+    /// routes the group; the table follows a moment later): a message published here goes to a
+    /// peer's member. Before, the round-robin picked this node in its turn, the core found no
+    /// route, and the message went nowhere.
+    #[test]
+    fn a_group_whose_last_member_here_just_left_is_picked_elsewhere() {
+        let broker = Arc::new(Broker::new(aqueduct_core::BrokerConfig::default()));
+        let (mut handle, queues) = handle_with(&["b", "c"], true);
+        handle.broker = Arc::downgrade(&broker);
+        let topic = aqueduct_proto::TopicName::try_from("jobs").expect("topic");
+        let p = Publication::new(&topic, b"job");
+        let mut ctx = PublishContext::default();
+        for _ in 0..6 {
+            handle.publish(&mut ctx, &p, |ctx| broker.publish(ctx, &p, Instant::now()));
+        }
+        let depth = |n: &str| queues[&NodeId::try_from(n).expect("node id")].depth();
+        assert_eq!(
+            depth("b") + depth("c"),
+            6,
+            "every message went to a peer's member"
+        );
     }
 
     /// Whether the writers waiting on `notified` have been woken since it was enabled.
