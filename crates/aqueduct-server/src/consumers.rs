@@ -861,7 +861,9 @@ mod tests {
             SubscribeOptions::default(),
         );
         let fed = SharedFed::default();
-        let feeder = tokio::spawn(feed(
+        // Aborted when dropped, also if an assertion fails first.
+        let mut feeder = tokio::task::JoinSet::new();
+        feeder.spawn(feed(
             durable.clone(),
             broker.clone(),
             Target::One(sub.clone()),
@@ -893,7 +895,7 @@ mod tests {
             looked <= TOPICS as u64 + 4 * WRITES,
             "{looked} lookups for {WRITES} writes to one topic"
         );
-        feeder.abort();
+        drop(feeder);
         durable.close();
     }
 

@@ -606,11 +606,11 @@ impl MeshHandle {
         // another node's member could take the message.
         let queues = self.queues.load();
         // A group the table still counts a member here for, though the broker no longer
-        // routes it (its last member just left), goes elsewhere, not nowhere.
-        let broker = self.broker.upgrade();
+        // routes it (its last member just left), goes elsewhere, not nowhere. Asked only for
+        // a group the table counts a member here for (a topic without groups asks nothing).
         let here = |g: &GroupKey| {
-            broker
-                .as_ref()
+            self.broker
+                .upgrade()
                 .is_none_or(|b| b.has_group(&g.filter, &g.group))
         };
         let routing = table.route_bytes_where(p.topic.as_bytes(), here, |n| queues.contains_key(n));

@@ -121,6 +121,20 @@ impl Setup {
     }
 }
 
+/// The ACL on: `writer` may publish to `jobs`, clients without a certificate (`anonymous`) may
+/// subscribe to it, nothing else.
+async fn jobs_setup() -> Setup {
+    Setup::start(
+        "none",
+        &[
+            ("writer", "jobs", "publish"),
+            ("anonymous", "jobs", "subscribe"),
+        ],
+        QuotasSection::default(),
+    )
+    .await
+}
+
 fn code(r: Result<impl std::fmt::Debug, ClientError>) -> Option<ErrorCode> {
     match r {
         Ok(v) => panic!("expected an ERROR, got {v:?}"),
@@ -666,15 +680,7 @@ async fn hot_reload_under_load_is_exact_and_loses_nothing() {
 /// allowed around it are delivered. Before, the refusal was only logged and the flush said Ok.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_unconfirmed_publish_is_reported_by_flush() {
-    let s = Setup::start(
-        "none",
-        &[
-            ("writer", "jobs", "publish"),
-            ("anonymous", "jobs", "subscribe"),
-        ],
-        QuotasSection::default(),
-    )
-    .await;
+    let s = jobs_setup().await;
     let reader = s.client(None).await;
     let mut sub = reader.subscribe("jobs").await.expect("subscribe");
     let writer = s.client(Some("writer")).await;
@@ -699,15 +705,7 @@ async fn a_refused_unconfirmed_publish_is_reported_by_flush() {
 /// registered and settleable until the stream ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscription_revoked_after_its_client_stopped_reading_is_closed() {
-    let s = Setup::start(
-        "none",
-        &[
-            ("anonymous", "jobs", "subscribe"),
-            ("writer", "jobs", "publish"),
-        ],
-        QuotasSection::default(),
-    )
-    .await;
+    let s = jobs_setup().await;
     let raw = Raw::connect(&s.b, 1 << 20).await;
     let mut delivery = raw.stream().await;
     // A group member (settled explicitly), with an empty extension block.
@@ -763,15 +761,7 @@ async fn a_subscription_revoked_after_its_client_stopped_reading_is_closed() {
 /// closed at once, not when the write goes through (which may be never).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscription_revoked_while_its_write_is_blocked_is_closed_at_once() {
-    let s = Setup::start(
-        "none",
-        &[
-            ("anonymous", "jobs", "subscribe"),
-            ("writer", "jobs", "publish"),
-        ],
-        QuotasSection::default(),
-    )
-    .await;
+    let s = jobs_setup().await;
     let stalled = Raw::connect(&s.b, 4096).await;
     let mut delivery = stalled.stream().await;
     delivery.write(&raw_frame(0x42, 1, b"\0\0topic:jobs")).await;

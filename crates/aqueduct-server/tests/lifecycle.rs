@@ -17,6 +17,17 @@ fn subscribe_frame(stream_id: u32, spec: &str) -> Vec<u8> {
     raw_frame(0x42, stream_id, &data)
 }
 
+/// A raw subscriber (SUBSCRIBE with stream id 1) whose stream window is 4 KiB and who reads
+/// nothing: the broker's writes to it soon block on flow control. Returns once it is
+/// registered.
+async fn stalled_subscriber(b: &TestBroker, spec: &str) -> (Raw, RawStream) {
+    let raw = Raw::connect(b, 4096).await;
+    let mut s = raw.stream().await;
+    s.write(&subscribe_frame(1, spec)).await;
+    until("the subscription", || b.broker.subscriber_count() == 1).await;
+    (raw, s)
+}
+
 /// Two raw group members of `jobs`; returns the connection and both streams.
 async fn two_members(b: &TestBroker) -> (Raw, RawStream, RawStream) {
     let raw = Raw::connect(b, 1 << 20).await;
@@ -208,10 +219,7 @@ async fn flush_fails_when_the_broker_stops_before_reading_everything() {
     })
     .await;
     // A subscriber that never reads: the publisher is held once its queue is full.
-    let stalled = Raw::connect(&b, 4096).await;
-    let mut s = stalled.stream().await;
-    s.write(&subscribe_frame(1, "topic:held")).await;
-    until("the subscription", || b.broker.subscriber_count() == 1).await;
+    let (_stalled, s) = stalled_subscriber(&b, "topic:held").await;
     let publisher = b.client().await;
     let body = "x".repeat(200);
     let opts = PublishOptions::default();
@@ -307,10 +315,7 @@ async fn a_plain_subscription_ends_when_its_client_finishes_the_stream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_direct_write_held_by_flow_control_is_finished_by_the_writer_in_order() {
     let b = TestBroker::start().await;
-    let slow = Raw::connect(&b, 4096).await;
-    let mut s = slow.stream().await;
-    s.write(&subscribe_frame(1, "topic:held")).await;
-    until("the subscription", || b.broker.subscriber_count() == 1).await;
+    let (_slow, mut s) = stalled_subscriber(&b, "topic:held").await;
     let publisher = b.client().await;
     let confirm = PublishOptions {
         confirm: true,
@@ -348,10 +353,7 @@ async fn a_direct_write_held_by_flow_control_is_finished_by_the_writer_in_order(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reset_ends_the_subscriptions_of_a_stream_whose_write_is_blocked() {
     let b = TestBroker::start().await;
-    let stalled = Raw::connect(&b, 4096).await;
-    let mut s = stalled.stream().await;
-    s.write(&subscribe_frame(1, "topic:jobs")).await;
-    until("the subscription", || b.broker.subscriber_count() == 1).await;
+    let (stalled, mut s) = stalled_subscriber(&b, "topic:jobs").await;
     let publisher = b.client().await;
     block_a_write(&b.broker, &publisher, "jobs").await;
     s.send.reset(0u32.into()).expect("reset");
@@ -374,10 +376,7 @@ async fn a_reset_ends_the_subscriptions_of_a_stream_whose_write_is_blocked() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reset_ends_the_subscriptions_of_a_stream_that_is_not_being_read() {
     let b = TestBroker::start().await;
-    let stalled = Raw::connect(&b, 4096).await;
-    let mut s = stalled.stream().await;
-    s.write(&subscribe_frame(1, "topic:jobs")).await;
-    until("the subscription", || b.broker.subscriber_count() == 1).await;
+    let (stalled, mut s) = stalled_subscriber(&b, "topic:jobs").await;
     // Frames each answered with an ERROR (reserved opcode): ~3 MB of replies the client does
     // not read, while the frames fit the stream's receive window (4 MiB).
     let noise: Vec<u8> = (0..100_000).flat_map(|_| raw_frame(0x3F, 7, b"")).collect();
