@@ -348,7 +348,7 @@ impl Client {
         // §7.1); of several, in memory if any of them is, and unsaid if any says nothing.
         let mut durable_log = opts.durable.as_ref().map(|_| true);
         while confirmed < handles.len() {
-            match reader.next().await? {
+            match reader.next_subscribe_answer().await? {
                 Some(Frame {
                     message: Wire::Confirm(c),
                     ..

@@ -1,7 +1,7 @@
 //! Frames from a receive stream (QUIC or WebTransport): read in chunks, decode with `aqueduct-proto`.
 
-use aqueduct_proto::frame::split_frame;
-use aqueduct_proto::{DecodeError, Frame, FrameHeader, Limits, HEADER_LEN};
+use aqueduct_proto::frame::{split_frame, Confirm, Message};
+use aqueduct_proto::{DecodeError, Frame, FrameHeader, Limits, Opcode, HEADER_LEN};
 use bytes::{Buf, Bytes, BytesMut};
 
 use crate::error::ClientError;
@@ -103,6 +103,29 @@ impl FrameReader {
         loop {
             if let Some(frame) = self.try_next()? {
                 return Ok(Some(frame));
+            }
+            if !std::future::poll_fn(|cx| self.poll_read_more(cx)).await? {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// The next frame on a stream of SUBSCRIBEs, as [`Self::next`] except that any CONFIRM is
+    /// a confirmation (protocol.md §7.1: "whatever its data"): one whose data is not whole
+    /// u64s comes back listing none, which says nothing about where it is served from.
+    pub(crate) async fn next_subscribe_answer(&mut self) -> Result<Option<Frame>, ClientError> {
+        loop {
+            if let Some((header, data)) = self.try_next_raw()? {
+                if header.opcode == Opcode::Confirm && !data.len().is_multiple_of(8) {
+                    let confirm = Confirm {
+                        offsets: Vec::new(),
+                    };
+                    return Ok(Some(Frame::new(
+                        header.stream_id,
+                        Message::Confirm(confirm),
+                    )));
+                }
+                return Ok(Some(Frame::decode(&header, data)?));
             }
             if !std::future::poll_fn(|cx| self.poll_read_more(cx)).await? {
                 return Ok(None);

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use aqueduct_client::{Client, ClientError, ConnectOptions, ErrorCode, Subscription};
 use aqueduct_proto::delivery::{Arena, DeliveryFields};
-use aqueduct_proto::frame::{Confirm, ErrorFrame, Message as Wire};
+use aqueduct_proto::frame::{ErrorFrame, Message as Wire};
 use aqueduct_proto::{
     decode_frame, DecodeError, Frame, Limits, Priority, SharedDelivery, TopicName,
 };
@@ -61,8 +61,9 @@ fn encode(items: &[Item], stream_id: u32) -> Vec<u8> {
     out.to_vec()
 }
 
-/// A one-connection broker that answers the first SUBSCRIBE with CONFIRM and `items`.
-async fn scripted(items: Vec<Item>) -> (SocketAddr, String, JoinHandle<()>) {
+/// A one-connection broker that answers the first SUBSCRIBE with a CONFIRM carrying `confirm`
+/// as its data, and `items`.
+async fn scripted(confirm: Vec<u8>, items: Vec<Item>) -> (SocketAddr, String, JoinHandle<()>) {
     let provider = aqueduct_server::tls::provider();
     let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).expect("cert");
     let pem = cert.cert.pem();
@@ -103,7 +104,10 @@ async fn scripted(items: Vec<Item>) -> (SocketAddr, String, JoinHandle<()>) {
             }
         };
         let mut out = BytesMut::new();
-        Frame::new(id, Wire::Confirm(Confirm { offsets: vec![] })).encode(&mut out);
+        out.extend_from_slice(&[0x1F, 0x07]);
+        out.extend_from_slice(&id.to_le_bytes());
+        out.extend_from_slice(&(confirm.len() as u32).to_le_bytes());
+        out.extend_from_slice(&confirm);
         out.extend_from_slice(&encode(&items, id));
         send.write_all(&out).await.expect("write");
         send.finish().expect("finish");
@@ -113,7 +117,15 @@ async fn scripted(items: Vec<Item>) -> (SocketAddr, String, JoinHandle<()>) {
 }
 
 async fn subscribe(items: Vec<Item>) -> (Client, Subscription, JoinHandle<()>) {
-    let (addr, pem, task) = scripted(items).await;
+    subscribe_confirmed_with(Vec::new(), items).await
+}
+
+/// As [`subscribe`], the SUBSCRIBE confirmed with `confirm` as the CONFIRM's data.
+async fn subscribe_confirmed_with(
+    confirm: Vec<u8>,
+    items: Vec<Item>,
+) -> (Client, Subscription, JoinHandle<()>) {
+    let (addr, pem, task) = scripted(confirm, items).await;
     let opts = ConnectOptions::new(addr.to_string())
         .server_name("localhost")
         .ca_pem(pem.into_bytes());
@@ -230,4 +242,22 @@ async fn max_bounds_each_call() {
     // All ten arrive in one write: calls are filled up to `max`, not one message each.
     assert!(sizes.contains(&3), "{sizes:?}");
     task.abort();
+}
+
+/// protocol.md §7.1: a client MUST accept any CONFIRM as a SUBSCRIBE's confirmation, whatever its
+/// data. The client refused one whose data was not whole u64s (a protocol error: no
+/// subscription).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscribe_confirm_of_any_length_confirms() {
+    for confirm in [vec![1u8], vec![1, 0, 0], vec![0; 12], vec![7; 16]] {
+        let len = confirm.len();
+        let (_client, mut sub, task) =
+            subscribe_confirmed_with(confirm, vec![Item::Delivery("s/a", 1, "one")]).await;
+        assert_eq!(
+            all_calls(&mut sub, 8).await,
+            vec![bodies(&["one"])],
+            "CONFIRM of {len} bytes"
+        );
+        task.abort();
+    }
 }
