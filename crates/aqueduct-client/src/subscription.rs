@@ -487,22 +487,32 @@ impl Subscription {
     /// without, they count as settled when the broker wrote them. Prefer it to dropping the subscription, or closing the
     /// client, right after acknowledging: those may cut ACKs that are still on their way, and
     /// their messages are then delivered again.
+    ///
+    /// An ERROR the broker sends meanwhile (an ACK or NACK it refused, a subscription it
+    /// closed as a slow consumer) is reported once the stream is finished: the first one, as
+    /// [`ClientError::Broker`], with how many there were.
     pub async fn close(mut self) -> Result<(), ClientError> {
         self.unsubscribed = true;
         unsubscribe(self.all_handles()).await?;
+        let mut refused: Option<(ClientError, usize)> = None;
         let drained = tokio::time::timeout(Duration::from_secs(10), async {
             loop {
                 match self.next_message().await {
                     None => return Ok(()),
                     Some(Err(e)) if e.code().is_none() => return Err(e),
-                    Some(_) => {}
+                    Some(Err(e)) => match &mut refused {
+                        Some((_, n)) => *n += 1,
+                        None => refused = Some((e, 1)),
+                    },
+                    Some(Ok(_)) => {}
                 }
             }
         })
         .await;
-        match drained {
-            Ok(result) => result,
-            Err(_) => Err(ClientError::Connection(
+        match (drained, refused) {
+            (Ok(Ok(())), Some((first, n))) => Err(first_of(first, n)),
+            (Ok(result), _) => result,
+            (Err(_), _) => Err(ClientError::Connection(
                 "the broker did not finish the subscription's stream within 10 s".into(),
             )),
         }
@@ -512,6 +522,17 @@ impl Subscription {
         std::iter::once(self.handle.clone())
             .chain(self.more.iter().cloned())
             .collect()
+    }
+}
+
+/// The first of `n` ERRORs the broker sent while a subscription closed, saying how many.
+fn first_of(first: ClientError, n: usize) -> ClientError {
+    match first {
+        ClientError::Broker { code, reason } if n > 1 => ClientError::Broker {
+            code,
+            reason: format!("{reason} (the first of {n} errors while the subscription closed)"),
+        },
+        other => other,
     }
 }
 

@@ -895,6 +895,34 @@ async fn next_batch_returns_an_error_in_a_call_of_its_own_and_goes_on() {
     assert_eq!(bodies, vec![b"second".to_vec()]);
 }
 
+/// `Subscription::close` drains the stream until the broker finishes it; an ACK the broker
+/// refused meanwhile was dropped with the rest, and close said Ok.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_reports_an_ack_the_broker_refused() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let mut sub = client
+        .subscribe_with("close/err", &explicit_ack())
+        .await
+        .expect("subscribe");
+    client
+        .publish_with("close/err", "only", &confirm())
+        .await
+        .expect("publish");
+    let message = within("the message", sub.next())
+        .await
+        .expect("open")
+        .expect("a message");
+    message.ack().await.expect("ack");
+    message.ack().await.expect("second ack sent");
+    let err = within("close", sub.close())
+        .await
+        .expect_err("the second ACK was refused");
+    assert_eq!(err.code(), Some(ErrorCode::NOT_IN_FLIGHT), "{err}");
+    client.close().await;
+    b.stop().await.expect("clean shutdown");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lent_message_is_settled_later_through_its_settler() {
     let b = TestBroker::start().await;
