@@ -202,6 +202,19 @@ pub const ENTRIES_PER_MESSAGE: usize = 16_384;
 /// to the end before closing), so no copy already written on it is lost.
 pub const DUPLICATE: &str = "duplicate mesh connection";
 
+/// The reason of an [`Output::Close`] for a connection whose peer has started again since
+/// (a restart within the idle timeout): nothing will come on it, so it is not retired.
+pub const RESTARTED: &str = "the peer restarted";
+
+/// A session number is the sender's run (its start time in ms) times 2^`RUN_SHIFT`, plus the
+/// connections of that run before: `session >> RUN_SHIFT` tells a restarted peer.
+pub const RUN_SHIFT: u32 = 20;
+
+/// How long a connection that lost the duplicate rule to a connection that has worked is held
+/// for its first control message, which says whether the peer restarted (then the new one is
+/// kept); after that it is retired.
+pub const HOLD_WAIT: Duration = Duration::from_secs(5);
+
 /// A connection, as the transport numbers them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ConnId(pub u64);
@@ -293,6 +306,20 @@ struct Peer {
     pending: Option<(u64, u64, Interest)>,
 }
 
+/// A connection that lost the duplicate rule, held until its first control message says whether
+/// the peer restarted (see [`HOLD_WAIT`]).
+#[derive(Debug)]
+struct Held {
+    node: NodeId,
+    outbound: bool,
+    addr: Option<SocketAddr>,
+    /// The session this node opened on it, and the sequence number its snapshot was at (held
+    /// connections get no deltas).
+    out_session: u64,
+    seq: u64,
+    until: Instant,
+}
+
 /// One node's view of the mesh.
 #[derive(Debug)]
 pub struct Mesh {
@@ -306,6 +333,7 @@ pub struct Mesh {
     /// Addresses found to be this node (never dialed again).
     own: BTreeSet<SocketAddr>,
     peers: BTreeMap<NodeId, Peer>,
+    held: BTreeMap<ConnId, Held>,
     /// Round-robin position per group (shared with the route tables made from this mesh).
     rr: BTreeMap<GroupKey, Arc<AtomicU64>>,
     rng: u64,
@@ -322,10 +350,11 @@ impl Mesh {
             config,
             local: Interest::default(),
             out_seq: 0,
-            next_session: session_base << 20,
+            next_session: session_base << RUN_SHIFT,
             targets: BTreeMap::new(),
             own: BTreeSet::new(),
             peers: BTreeMap::new(),
+            held: BTreeMap::new(),
             rr: BTreeMap::new(),
             rng: seed | 1,
             out: VecDeque::new(),
@@ -343,16 +372,30 @@ impl Mesh {
 
     /// When [`handle_timeout`](Self::handle_timeout) must run next.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.targets.values().filter_map(|t| t.next_dial).min()
+        let dials = self.targets.values().filter_map(|t| t.next_dial);
+        dials.chain(self.held.values().map(|h| h.until)).min()
     }
 
-    /// Dial what is due.
+    /// Dial what is due; retire held connections whose peer said nothing in time.
     pub fn handle_timeout(&mut self, now: Instant) {
         for (addr, t) in &mut self.targets {
             if t.next_dial.is_some_and(|at| at <= now) {
                 t.next_dial = None;
                 self.out.push_back(Output::Dial(*addr));
             }
+        }
+        let expired: Vec<ConnId> = self
+            .held
+            .iter()
+            .filter(|(_, h)| h.until <= now)
+            .map(|(c, _)| *c)
+            .collect();
+        for conn in expired {
+            self.held.remove(&conn);
+            self.out.push_back(Output::Close {
+                conn,
+                reason: DUPLICATE,
+            });
         }
     }
 
@@ -450,25 +493,59 @@ impl Mesh {
             // sides alike.
             let dialer_of = |outbound: bool| if outbound { &self.me } else { &node };
             let keep_new = dialer_of(outbound) < dialer_of(existing.outbound);
-            let (close, keep) = if keep_new {
-                (existing.conn, true)
+            if keep_new {
+                self.out.push_back(Output::Close {
+                    conn: existing.conn,
+                    reason: DUPLICATE,
+                });
             } else {
-                (conn, false)
-            };
-            self.out.push_back(Output::Close {
-                conn: close,
-                reason: DUPLICATE,
-            });
-            if !keep {
+                let worked = existing.in_session.is_some();
                 if let Some(a) = addr.filter(|_| outbound) {
                     if let Some(t) = self.targets.get_mut(&a) {
                         t.attempts = 0;
-                        t.node = Some(node);
+                        t.node = Some(node.clone());
                     }
+                }
+                if worked {
+                    // The one in use may be dead: the peer restarted within the idle timeout
+                    // and dialed again (it has no other connection then, and keeps this one).
+                    // Its first control message says which (see `handle_held`).
+                    let out_session = self.send_snapshot(conn);
+                    self.held.insert(
+                        conn,
+                        Held {
+                            node,
+                            outbound,
+                            addr: addr.filter(|_| outbound),
+                            out_session,
+                            seq: self.out_seq,
+                            until: now + HOLD_WAIT,
+                        },
+                    );
+                } else {
+                    self.out.push_back(Output::Close {
+                        conn,
+                        reason: DUPLICATE,
+                    });
                 }
                 return false;
             }
         }
+        let session = self.send_snapshot(conn);
+        self.keep(conn, node, addr, outbound, session, carried);
+        true
+    }
+
+    /// Make `conn` the connection in use for `node`.
+    fn keep(
+        &mut self,
+        conn: ConnId,
+        node: NodeId,
+        addr: Option<SocketAddr>,
+        outbound: bool,
+        out_session: u64,
+        interest: Interest,
+    ) {
         if let Some(a) = addr.filter(|_| outbound) {
             if let Some(t) = self.targets.get_mut(&a) {
                 // `attempts` goes back to 0 only once the peer speaks (its first control
@@ -479,6 +556,23 @@ impl Mesh {
                 t.node = Some(node.clone());
             }
         }
+        self.peers.insert(
+            node,
+            Peer {
+                conn,
+                outbound,
+                addr: addr.filter(|_| outbound),
+                out_session,
+                in_session: None,
+                interest,
+                pending: None,
+            },
+        );
+    }
+
+    /// Open a session on `conn`: queue this node's snapshot (in parts if large). Returns the
+    /// session.
+    fn send_snapshot(&mut self, conn: ConnId) -> u64 {
         self.next_session += 1;
         let session = self.next_session;
         let seq = self.out_seq;
@@ -523,24 +617,15 @@ impl Mesh {
                 },
             });
         }
-        self.peers.insert(
-            node,
-            Peer {
-                conn,
-                outbound,
-                addr: addr.filter(|_| outbound),
-                out_session: session,
-                in_session: None,
-                interest: carried,
-                pending: None,
-            },
-        );
-        true
+        session
     }
 
     /// A connection ended. If it was a peer's, its interest is forgotten and, if this node
     /// dials it, a reconnect is scheduled.
     pub fn handle_disconnected(&mut self, now: Instant, conn: ConnId) {
+        if self.held.remove(&conn).is_some() {
+            return;
+        }
         let Some(node) = self
             .peers
             .iter()
@@ -573,6 +658,9 @@ impl Mesh {
     /// A control message from the peer on `conn`. Returns false if it breaks the protocol (the
     /// connection is then closed; the reconnect starts a fresh session).
     pub fn handle_control(&mut self, conn: ConnId, control: Control) -> bool {
+        if let Some(held) = self.held.remove(&conn) {
+            return self.handle_held(conn, held, control);
+        }
         let Some(peer) = self.peers.values_mut().find(|p| p.conn == conn) else {
             return true; // a connection being replaced: ignore
         };
@@ -650,6 +738,53 @@ impl Mesh {
                 }
             },
         }
+    }
+
+    /// The first control message on a held connection: if it comes from a later run of the
+    /// peer than the connection in use (the peer restarted; the one in use is dead and would
+    /// only end at its idle timeout, refusing the peer meanwhile), or the one in use is gone,
+    /// this one is kept; otherwise it is a duplicate after all and retired.
+    fn handle_held(&mut self, conn: ConnId, held: Held, control: Control) -> bool {
+        let (Control::Snapshot { session, .. }
+        | Control::SnapshotPart { session, .. }
+        | Control::Delta { session, .. }) = &control;
+        let run = session >> RUN_SHIFT;
+        let restarted = match self.peers.get(&held.node) {
+            None => true,
+            Some(p) => p.in_session.is_some_and(|(s, _)| run > s >> RUN_SHIFT),
+        };
+        if !restarted {
+            self.out.push_back(Output::Close {
+                conn,
+                reason: DUPLICATE,
+            });
+            return true;
+        }
+        let carried = match self.peers.get(&held.node) {
+            Some(old) => {
+                self.out.push_back(Output::Close {
+                    conn: old.conn,
+                    reason: RESTARTED,
+                });
+                old.interest.clone()
+            }
+            None => Interest::default(),
+        };
+        // Deltas made while it was held did not go to it: a new snapshot then.
+        let out_session = if held.seq == self.out_seq {
+            held.out_session
+        } else {
+            self.send_snapshot(conn)
+        };
+        self.keep(
+            conn,
+            held.node,
+            held.addr,
+            held.outbound,
+            out_session,
+            carried,
+        );
+        self.handle_control(conn, control)
     }
 
     /// A local subscription came or went: `delta` is +1 or -1 for `key`. Every peer is told.
@@ -1409,6 +1544,131 @@ mod tests {
                 updates: vec![]
             }
         ));
+    }
+
+    /// What `m` queued: the control messages per connection, and the connections it closed.
+    #[allow(clippy::type_complexity)]
+    fn drain(m: &mut Mesh) -> (Vec<(ConnId, Control)>, Vec<(ConnId, &'static str)>) {
+        let (mut sent, mut closed) = (Vec::new(), Vec::new());
+        while let Some(out) = m.poll_output() {
+            match out {
+                Output::Send { conn, control } => sent.push((conn, control)),
+                Output::Close { conn, reason } => closed.push((conn, reason)),
+                Output::Dial(_) => {}
+            }
+        }
+        (sent, closed)
+    }
+
+    /// Hand what `from` sent on `conn` to `to`; returns what `from` closed.
+    fn pass(from: &mut Mesh, to: &mut Mesh, conn: u64) -> Vec<(ConnId, &'static str)> {
+        let (sent, closed) = drain(from);
+        for (c, control) in sent {
+            if c == ConnId(conn) {
+                assert!(to.handle_control(c, control), "taken");
+            }
+        }
+        closed
+    }
+
+    /// a dialed b (conn 1); both sent their snapshots and were heard.
+    fn pair(b_run: u64) -> (Mesh, Mesh) {
+        let now = Instant::now();
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        let mut b = Mesh::new(node("b"), MeshConfig::default(), 2, b_run);
+        assert!(a.handle_connected(now, ConnId(1), node("b"), None, true));
+        assert!(b.handle_connected(now, ConnId(1), node("a"), None, false));
+        assert!(pass(&mut a, &mut b, 1).is_empty());
+        assert!(pass(&mut b, &mut a, 1).is_empty());
+        (a, b)
+    }
+
+    /// A peer that restarted within the idle timeout dials again while this node still holds
+    /// its old, dead connection, which the duplicate rule kept (the smaller id dialed it): the
+    /// peer was refused until the dead one timed out (~12 s). Its first message, from a later
+    /// run, now makes the new connection the one in use at once.
+    #[test]
+    fn a_peer_restarted_within_the_idle_timeout_is_taken_at_its_first_message() {
+        let now = Instant::now();
+        let (mut a, _old_b) = pair(1);
+        // b starts again (a later run) and dials a: conn 2.
+        let mut b = Mesh::new(node("b"), MeshConfig::default(), 3, 2);
+        b.handle_local(plain("b/new"), 1);
+        assert!(b.handle_connected(now, ConnId(2), node("a"), None, true));
+        assert!(!a.handle_connected(now, ConnId(2), node("b"), None, false));
+        // Meanwhile a's own interest changes: deltas go on the connection in use only.
+        a.handle_local(plain("a/x"), 1);
+        let closed = pass(&mut a, &mut b, 2);
+        assert!(closed.is_empty(), "held, not closed: {closed:?}");
+        let closed = pass(&mut b, &mut a, 2);
+        assert!(closed.is_empty());
+        let (sent, closed) = drain(&mut a);
+        assert_eq!(
+            closed,
+            vec![(ConnId(1), RESTARTED)],
+            "the dead one is closed"
+        );
+        assert_eq!(a.peers().collect::<Vec<_>>(), vec![(&node("b"), ConnId(2))]);
+        assert!(a
+            .peer_interest(&node("b"))
+            .is_some_and(|i| i.count(&plain("b/new")) == 1));
+        // b learns a's interest, the change made while held included, without a gap.
+        for (c, control) in sent {
+            if c == ConnId(2) {
+                assert!(b.handle_control(c, control));
+            }
+        }
+        assert!(b
+            .peer_interest(&node("a"))
+            .is_some_and(|i| i.count(&plain("a/x")) == 1));
+        a.handle_local(plain("a/y"), 1);
+        assert!(pass(&mut a, &mut b, 2).is_empty());
+        assert!(b
+            .peer_interest(&node("a"))
+            .is_some_and(|i| i.count(&plain("a/y")) == 1));
+    }
+
+    /// Both ends dialed while the first connection already worked (same run): the second is
+    /// held on both sides and then retired on both, as before.
+    #[test]
+    fn a_duplicate_of_a_working_connection_from_the_same_run_is_retired() {
+        let now = Instant::now();
+        let (mut a, mut b) = pair(1);
+        assert!(!b.handle_connected(now, ConnId(2), node("a"), None, true));
+        assert!(!a.handle_connected(now, ConnId(2), node("b"), None, false));
+        let (a_sent, a_closed) = drain(&mut a);
+        let (b_sent, b_closed) = drain(&mut b);
+        assert!(a_closed.is_empty() && b_closed.is_empty(), "held first");
+        for (c, control) in a_sent {
+            assert!(b.handle_control(c, control));
+        }
+        for (c, control) in b_sent {
+            assert!(a.handle_control(c, control));
+        }
+        for m in [&mut a, &mut b] {
+            assert_eq!(drain(m).1, vec![(ConnId(2), DUPLICATE)]);
+            assert_eq!(
+                m.peers().map(|(_, c)| c).collect::<Vec<_>>(),
+                vec![ConnId(1)]
+            );
+        }
+    }
+
+    /// A held connection on which the peer says nothing is retired after `HOLD_WAIT`.
+    #[test]
+    fn a_held_connection_that_stays_silent_is_retired() {
+        let now = Instant::now();
+        let (mut a, _b) = pair(1);
+        assert!(!a.handle_connected(now, ConnId(2), node("b"), None, false));
+        drain(&mut a);
+        assert!(a.poll_timeout().is_some_and(|t| t <= now + HOLD_WAIT));
+        a.handle_timeout(now + HOLD_WAIT);
+        assert_eq!(drain(&mut a).1, vec![(ConnId(2), DUPLICATE)]);
+        assert_eq!(a.poll_timeout(), None);
+        assert_eq!(
+            a.peers().map(|(_, c)| c).collect::<Vec<_>>(),
+            vec![ConnId(1)]
+        );
     }
 
     /// A peer's snapshot numbered u64::MAX, then a delta: a gap like any other (the connection

@@ -1091,7 +1091,11 @@ impl Driver {
                                 self.handle.retired.fetch_add(1, Ordering::Relaxed);
                                 let _ = link.retire.send(true);
                             } else {
-                                debug!(conn = conn.0, reason, "closing a mesh connection");
+                                if reason == aqueduct_core::mesh::RESTARTED {
+                                    info!(peer = %link.node, "cluster peer restarted: its new connection replaces the old one");
+                                } else {
+                                    debug!(conn = conn.0, reason, "closing a mesh connection");
+                                }
                                 link.conn.close(0u32.into(), reason.as_bytes());
                             }
                         }
