@@ -57,6 +57,9 @@ const DIAL_WARN_EVERY: Duration = Duration::from_secs(60);
 /// Mesh connections: keep-alive, and how long silence means the peer is gone.
 const MESH_KEEP_ALIVE: Duration = Duration::from_secs(2);
 const MESH_IDLE: Duration = Duration::from_secs(8);
+/// Bytes of one connection's control messages the driver may have waiting (twice the largest
+/// message).
+const CONTROL_BYTES_WAITING: usize = 2 * aqueduct_core::mesh_codec::MAX_CONTROL;
 /// Unidirectional streams each mesh connection may open (two are used: control and data).
 pub(crate) const MESH_UNI_STREAMS: u32 = 4;
 
@@ -76,6 +79,9 @@ pub enum Event {
     Control {
         conn: ConnId,
         control: Control,
+        /// The message's bytes of its connection's [`CONTROL_BYTES_WAITING`], given back when
+        /// the driver has handled it.
+        held: Option<tokio::sync::OwnedSemaphorePermit>,
     },
     /// The connection's control stream broke the protocol.
     Broken {
@@ -1053,7 +1059,7 @@ impl Driver {
                         }
                     }
                 }
-                Some(Event::Control { conn, control }) => {
+                Some(Event::Control { conn, control, .. }) => {
                     self.mesh.handle_control(conn, control);
                 }
                 Some(Event::Broken { conn, why }) => {
@@ -1467,6 +1473,68 @@ struct PeerTask {
     block_timeout: Option<Duration>,
 }
 
+/// How a mesh connection's streams ended.
+#[derive(Debug, PartialEq, Eq)]
+enum End {
+    /// Closed, reset or gone: the connection is over.
+    Gone,
+    /// The peer finished its data stream (it retired this connection as a duplicate), or
+    /// its control stream (it has published every copy this end wrote).
+    PeerRetired,
+    /// This end, retired, wrote its last copy and the peer has published them all.
+    SentAll,
+    /// The peer broke the mesh protocol.
+    Broken(String),
+}
+
+/// Read a mesh connection's control stream, handing each message to the driver; at most
+/// `limit` bytes of messages wait for the driver at a time.
+async fn read_control(
+    mut recv: impl tokio::io::AsyncRead + Unpin,
+    id: ConnId,
+    events: &mpsc::UnboundedSender<Event>,
+    limit: usize,
+) -> End {
+    let mut buf = BytesMut::with_capacity(4096);
+    // Messages sent to the driver and not yet handled, in bytes: a peer faster than the
+    // driver waits (its stream's flow control holds it), rather than queueing without end.
+    let waiting = Arc::new(tokio::sync::Semaphore::new(limit));
+    loop {
+        let Ok(n) = recv.read_buf(&mut buf).await else {
+            return End::Gone;
+        };
+        loop {
+            match decode_control(&buf) {
+                Ok((control, used)) => {
+                    buf.advance(used);
+                    // A message larger than `limit` (none is, by default) takes it all.
+                    let bytes = used.min(limit) as u32;
+                    let Ok(held) = waiting.clone().acquire_many_owned(bytes).await else {
+                        return End::Gone;
+                    };
+                    let held = Some(held);
+                    let _ = events.send(Event::Control {
+                        conn: id,
+                        control,
+                        held,
+                    });
+                }
+                Err(MeshCodecError::Incomplete { .. }) => break,
+                Err(e) => return End::Broken(e.to_string()),
+            }
+        }
+        if n == 0 {
+            return if buf.has_remaining() {
+                End::Broken("the control stream ended inside a message".into())
+            } else {
+                // Finished: the peer retired this connection and has published every copy
+                // this end wrote on it.
+                End::PeerRetired
+            };
+        }
+    }
+}
+
 /// One mesh connection, both ways: this node's control messages and copies on two
 /// unidirectional streams of its own, the peer's read from the two it opens (control messages
 /// to the driver, copies published here to the local plain subscribers), until either ends.
@@ -1484,18 +1552,6 @@ async fn serve_peer(link: PeerTask) {
         durable,
         block_timeout,
     } = link;
-    /// How the connection's streams ended.
-    enum End {
-        /// Closed, reset or gone: the connection is over.
-        Gone,
-        /// The peer finished its data stream (it retired this connection as a duplicate), or
-        /// its control stream (it has published every copy this end wrote).
-        PeerRetired,
-        /// This end, retired, wrote its last copy and the peer has published them all.
-        SentAll,
-        /// The peer broke the mesh protocol.
-        Broken(String),
-    }
     // A retired connection is closed only once each end has *published* what the other wrote
     // on it: the QUIC acknowledgement of a stream's data and FIN only says it was received, and
     // closing then would cut off the copies the peer has not published yet. Each end says it is
@@ -1621,7 +1677,7 @@ async fn serve_peer(link: PeerTask) {
         // A stream's clean end is a signal, not the end of the connection: the reading goes
         // on until both have ended or something breaks.
         let control = async {
-            match read_control(control, id, &events).await {
+            match read_control(control, id, &events, CONTROL_BYTES_WAITING).await {
                 End::PeerRetired => {
                     peer_published.send_replace(true);
                     std::future::pending().await
@@ -1654,37 +1710,6 @@ async fn serve_peer(link: PeerTask) {
             e = data => e,
         }
     };
-    async fn read_control(
-        mut recv: quinn::RecvStream,
-        id: ConnId,
-        events: &mpsc::UnboundedSender<Event>,
-    ) -> End {
-        let mut buf = BytesMut::with_capacity(4096);
-        loop {
-            let Ok(n) = recv.read_buf(&mut buf).await else {
-                return End::Gone;
-            };
-            loop {
-                match decode_control(&buf) {
-                    Ok((control, used)) => {
-                        buf.advance(used);
-                        let _ = events.send(Event::Control { conn: id, control });
-                    }
-                    Err(MeshCodecError::Incomplete { .. }) => break,
-                    Err(e) => return End::Broken(e.to_string()),
-                }
-            }
-            if n == 0 {
-                return if buf.has_remaining() {
-                    End::Broken("the control stream ended inside a message".into())
-                } else {
-                    // Finished: the peer retired this connection and has published every copy
-                    // this end wrote on it.
-                    End::PeerRetired
-                };
-            }
-        }
-    }
     #[allow(clippy::too_many_arguments)]
     async fn read_data(
         mut recv: quinn::RecvStream,
@@ -2301,6 +2326,61 @@ mod tests {
     }
 
     /// Whether the writers waiting on `notified` have been woken since it was enabled.
+    /// A peer's control messages wait for the driver up to a bound in bytes: the reader stops
+    /// there (the stream's flow control then holds the peer) until the driver has handled
+    /// some. They queued without bound in the driver's channel.
+    #[test]
+    fn control_messages_waiting_for_the_driver_are_bounded() {
+        use std::future::Future;
+        let mut wire = Vec::new();
+        for seq in 1..=5 {
+            let delta = Control::Delta {
+                session: 1,
+                seq,
+                updates: Vec::new(),
+            };
+            encode_control(&delta, &mut wire);
+        }
+        let one = wire.len() / 5;
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let reading = read_control(&wire[..], ConnId(1), &tx, 2 * one + 1);
+        let mut reading = std::pin::pin!(reading);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut poll = |reading: std::pin::Pin<&mut _>| match Future::poll(reading, &mut cx) {
+            std::task::Poll::Ready(end) => Some(end),
+            std::task::Poll::Pending => None,
+        };
+        assert_eq!(poll(reading.as_mut()), None, "held after two");
+        assert_eq!(rx.len(), 2);
+        // The driver handles one: one more is read.
+        let first = rx.try_recv().expect("an event");
+        assert!(matches!(first, Event::Control { .. }));
+        drop(first);
+        assert_eq!(poll(reading.as_mut()), None);
+        assert_eq!(rx.len(), 2);
+        // The driver keeps up: all are read, to the stream's end.
+        let mut seqs = Vec::new();
+        let end = loop {
+            while let Ok(Event::Control { control, .. }) = rx.try_recv() {
+                let Control::Delta { seq, .. } = control else {
+                    panic!("a delta")
+                };
+                seqs.push(seq);
+            }
+            if let Some(end) = poll(reading.as_mut()) {
+                break end;
+            }
+        };
+        assert_eq!(end, End::PeerRetired);
+        while let Ok(Event::Control { control, .. }) = rx.try_recv() {
+            let Control::Delta { seq, .. } = control else {
+                panic!("a delta")
+            };
+            seqs.push(seq);
+        }
+        assert_eq!(seqs, vec![2, 3, 4, 5], "in order, none lost");
+    }
+
     fn woken(notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>) -> bool {
         use std::future::Future;
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
