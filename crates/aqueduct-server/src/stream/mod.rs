@@ -14,7 +14,7 @@
 //! (docs/benchmarks.md, "The coalescing window's yields").
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime};
 
@@ -153,6 +153,32 @@ impl StreamOut {
     fn may_read(&self) -> bool {
         self.control_len() <= MAX_PENDING_CONTROL
             && self.log_unanswered.load(Ordering::Acquire) <= MAX_LOG_UNANSWERED
+    }
+
+    /// Wait until the reader may read on (backpressure: a client that does not read its
+    /// replies, or a durable log that owes too many answers, stops the reading; `held` counts
+    /// the waits). False if the stream was reset (or its connection lost) meanwhile: it ends
+    /// at once (§1.1). The `Notified` is registered before the check, so a flush in between is
+    /// not missed. After STOP_SENDING (`aborted`) no reply is kept, so only the log's answers
+    /// can hold the reader, and it waits for them: the stream is still read (§1.1).
+    async fn wait_to_read(&self, recv: &mut impl RecvHalf, held: &AtomicU64) -> bool {
+        let mut counted = false;
+        loop {
+            let flushed = self.flushed.notified();
+            tokio::pin!(flushed);
+            flushed.as_mut().enable();
+            if self.may_read() {
+                return true;
+            }
+            if !counted {
+                counted = true;
+                held.fetch_add(1, Ordering::Relaxed);
+            }
+            tokio::select! {
+                () = flushed => {}
+                () = recv.reset() => return false,
+            }
+        }
     }
 
     /// Queue `sub` to be closed by this stream's task (see [`request_revoke`]). False if it is
@@ -459,28 +485,12 @@ impl Reader<'_> {
         let mut buf = BytesMut::new();
         let mut chunk = self.shared.config.transport.read_buf_size.min(READ_CHUNK);
         loop {
-            // Backpressure: a client that does not read its replies stops being read. The
-            // `Notified` is registered before the check, so a flush in between is not missed.
-            // A reset of the stream while it is not read ends it at once (§1.1).
-            let mut held = false;
-            loop {
-                let flushed = self.out.flushed.notified();
-                tokio::pin!(flushed);
-                flushed.as_mut().enable();
-                if self.out.may_read() {
-                    break;
-                }
-                if self.out.aborted.load(Ordering::Acquire) {
-                    return ReadEnd::Gone;
-                }
-                if !held {
-                    held = true;
-                    self.shared.stats.reads_held.fetch_add(1, Ordering::Relaxed);
-                }
-                tokio::select! {
-                    () = flushed => {}
-                    () = recv.reset() => return ReadEnd::Gone,
-                }
+            if !self
+                .out
+                .wait_to_read(&mut recv, &self.shared.stats.reads_held)
+                .await
+            {
+                return ReadEnd::Gone;
             }
             if buf.capacity() - buf.len() < chunk / 4 {
                 buf.reserve(chunk);
@@ -1598,6 +1608,44 @@ mod tests {
         again.as_mut().enable();
         out.log_answered();
         assert!(!ready(again.as_mut()));
+    }
+
+    /// A receiving half that is never reset and never reads.
+    struct Idle;
+
+    impl tokio::io::AsyncRead for Idle {
+        fn poll_read(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            _: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Pending
+        }
+    }
+
+    impl RecvHalf for Idle {
+        fn reset(&mut self) -> impl Future<Output = ()> + Send {
+            std::future::pending()
+        }
+    }
+
+    /// After STOP_SENDING the stream is still read (§1.1): a reader held because the durable
+    /// log owes too many answers waits for them. It ended the stream (and its subscriptions).
+    #[test]
+    fn after_stop_sending_the_reader_waits_for_the_log_and_reads_on() {
+        let out = StreamOut::default();
+        let held = AtomicU64::new(0);
+        let mut recv = Idle;
+        for _ in 0..=MAX_LOG_UNANSWERED {
+            out.await_log();
+        }
+        out.abort();
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut wait = std::pin::pin!(out.wait_to_read(&mut recv, &held));
+        assert!(wait.as_mut().poll(&mut cx).is_pending(), "it waits");
+        assert_eq!(held.load(Ordering::Relaxed), 1, "counted once");
+        out.log_answered();
+        assert_eq!(wait.as_mut().poll(&mut cx), std::task::Poll::Ready(true));
     }
 
     /// Unread replies stop the reader the same way.
