@@ -540,6 +540,11 @@ pub(crate) async fn feed(
     // When each failing topic was last warned about (a read that fails for good is retried
     // every second: warned about once a minute).
     let mut warned_at: HashMap<Vec<u8>, Instant> = HashMap::new();
+    // Topics whose position was set here while the log held none of their messages (all
+    // deleted, or refused): their next messages may come at any offset above it, so a
+    // position below the topic's oldest message is no sign of retention overtaking it.
+    let mut unanchored: BTreeSet<Vec<u8>> = BTreeSet::new();
+    let mut overtaken_warned: HashMap<Vec<u8>, Instant> = HashMap::new();
     loop {
         let progress = durable.progress.notified();
         tokio::pin!(progress);
@@ -561,6 +566,9 @@ pub(crate) async fn feed(
                     // start: they appeared after it started.
                     let discovered = resumed || !first_pass;
                     let at = start_in(&durable, &broker, &t, start, discovered);
+                    if durable.index.first_offset(&t).is_none() {
+                        unanchored.insert(t.clone());
+                    }
                     fed_now.insert(t.clone(), at);
                     pending.insert(t);
                 }
@@ -607,6 +615,30 @@ pub(crate) async fn feed(
                 pending.remove(&topic);
                 continue;
             };
+            // Retention deleted messages of the topic this consumer had not read yet (it does
+            // not wait for consumers): said, counted, and read on from the oldest one kept.
+            let from = match durable.index.first_offset(&topic) {
+                Some(first) if first > from && !unanchored.contains(&topic) => {
+                    let mut f = lock(&fed);
+                    if f.stopped {
+                        return;
+                    }
+                    durable
+                        .stats
+                        .consumers_overtaken
+                        .fetch_add(1, Ordering::Relaxed);
+                    let shown = String::from_utf8_lossy(&topic);
+                    if time_to_warn(&mut overtaken_warned, &topic) {
+                        warn!(topic = %shown, filter = %filter, "durable consumer: retention deleted messages it had not read (offsets {from} to {}); it goes on from offset {first}", first - 1);
+                    } else {
+                        debug!(topic = %shown, filter = %filter, "durable consumer: retention deleted offsets {from} to {}", first - 1);
+                    }
+                    f.next.insert(topic.clone(), first);
+                    first
+                }
+                _ => from,
+            };
+            unanchored.remove(&topic);
             let index = durable.index.clone();
             let t = topic.clone();
             // Up to what is durable: a batch written but not yet synced is not the consumer's yet.
@@ -794,8 +826,46 @@ fn read_again(e: &LogError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::durable::{Durable, CRASH_OFFSET_GAP};
     use aqueduct_core::{BrokerConfig, SubscribeOptions};
+    use aqueduct_log::{FsyncMode, Log, LogOptions};
     use aqueduct_proto::SubscribeSpec;
+
+    fn log_options() -> LogOptions {
+        LogOptions {
+            allow_plaintext: true,
+            crash_offset_gap: CRASH_OFFSET_GAP,
+            ..LogOptions::default()
+        }
+    }
+
+    fn broker() -> Arc<Broker> {
+        Arc::new(Broker::new(BrokerConfig {
+            queue_size: 100_000,
+            ..BrokerConfig::default()
+        }))
+    }
+
+    /// Publish `offset` of `topic` and queue it for the log, as a client's publish is.
+    fn write(broker: &Broker, durable: &Durable, topic: &TopicName, offset: u64) {
+        let mut ctx = PublishContext::default();
+        broker.publish(&mut ctx, &Publication::new(topic, b"x"), Instant::now());
+        let state = broker.topic(topic).expect("created");
+        let _order = lock(&durable.order);
+        durable.queue_copies(std::iter::once((
+            (state, offset),
+            Publication::new(topic, b"x"),
+        )));
+    }
+
+    /// Wait (up to 30 s) until `sub` has `n` messages queued.
+    async fn queued(sub: &Subscriber, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while sub.queued() < n {
+            assert!(Instant::now() < deadline, "{} of {n} fed", sub.queued());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
 
     /// A passing read error is read again; a segment gone, one cut short and damage are
     /// skipped (reading them again would fail the same way).
@@ -823,38 +893,17 @@ mod tests {
     /// at every write, so its cost grew with the number of topics the log had ever seen.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_caught_up_wildcard_consumer_looks_only_at_changed_topics() {
-        use crate::durable::{Durable, CRASH_OFFSET_GAP};
-        use aqueduct_log::{FsyncMode, Log, LogOptions};
         const TOPICS: usize = 2_000;
         const WRITES: u64 = 50;
         let dir = tempfile::tempdir().expect("temp dir");
-        let opts = LogOptions {
-            allow_plaintext: true,
-            crash_offset_gap: CRASH_OFFSET_GAP,
-            ..LogOptions::default()
-        };
-        let (log, rec) = Log::open(dir.path(), opts).expect("log opens");
+        let (log, rec) = Log::open(dir.path(), log_options()).expect("log opens");
         let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
-        let broker = Arc::new(Broker::new(BrokerConfig {
-            queue_size: 100_000,
-            ..BrokerConfig::default()
-        }));
-        // Write `offset` of `topic` to the log and wait until it is durable.
-        let write = |topic: &TopicName, offset: u64| {
-            let mut ctx = PublishContext::default();
-            broker.publish(&mut ctx, &Publication::new(topic, b"x"), Instant::now());
-            let state = broker.topic(topic).expect("created");
-            let _order = lock(&durable.order);
-            durable.queue_copies(std::iter::once((
-                (state, offset),
-                Publication::new(topic, b"x"),
-            )));
-        };
+        let broker = broker();
         let names: Vec<TopicName> = (0..TOPICS)
             .map(|i| TopicName::try_from(format!("s/{i}").as_str()).expect("valid"))
             .collect();
         for t in &names {
-            write(t, 0);
+            write(&broker, &durable, t, 0);
         }
         let sub = broker.subscribe_unrouted(
             &SubscribeSpec::new(TopicFilter::try_from("s/#").expect("filter")),
@@ -871,21 +920,11 @@ mod tests {
             DurableStart::Earliest,
             false,
         ));
-        let until = |n: usize| {
-            let sub = sub.clone();
-            async move {
-                let deadline = Instant::now() + Duration::from_secs(30);
-                while sub.queued() < n {
-                    assert!(Instant::now() < deadline, "{} of {n} fed", sub.queued());
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-            }
-        };
-        until(TOPICS).await;
+        queued(&sub, TOPICS).await;
         let before = durable.lookups.load(Ordering::Relaxed);
         for offset in 1..=WRITES {
-            write(&names[0], offset);
-            until(TOPICS + offset as usize).await;
+            write(&broker, &durable, &names[0], offset);
+            queued(&sub, TOPICS + offset as usize).await;
         }
         // The feeder may still have been on its pass after catching up (which finds every
         // topic read to the end and then leaves them alone): at most one look at each topic,
@@ -895,6 +934,68 @@ mod tests {
             looked <= TOPICS as u64 + 4 * WRITES,
             "{looked} lookups for {WRITES} writes to one topic"
         );
+        drop(feeder);
+        durable.close();
+    }
+
+    /// A durable consumer whose position retention overtook (its stored position is below the
+    /// oldest message of the topic still in the log) is told about: counted and warned, and it
+    /// goes on from the oldest message kept. It went on silently.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_consumer_that_retention_overtook_is_counted() {
+        const N: u64 = 60;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let small = LogOptions {
+            max_segment_bytes: 1024,
+            ..log_options()
+        };
+        let (log, rec) = Log::open(dir.path(), small.clone()).expect("log opens");
+        let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        let topic = TopicName::try_from("t").expect("valid");
+        let first_broker = broker();
+        for offset in 0..N {
+            write(&first_broker, &durable, &topic, offset);
+            // One batch each (the log's segments hold a few each).
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while durable.durable_next(b"t") != Some(offset + 1) {
+                assert!(Instant::now() < deadline, "offset {offset} never durable");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        durable.close();
+        // Restarted with a retention limit, which deletes the oldest segments.
+        let retained = LogOptions {
+            retention_bytes: Some(2048),
+            ..small
+        };
+        let (mut log, rec) = Log::open(dir.path(), retained).expect("log opens");
+        let deleted = log
+            .enforce_retention(std::time::SystemTime::now())
+            .expect("retention");
+        assert!(!deleted.is_empty(), "retention deleted segments");
+        let first = log.first_offset(b"t").expect("some kept");
+        assert!(first > 0 && first < N, "{first}");
+        let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        let broker = broker();
+        let sub = broker.subscribe_unrouted(
+            &SubscribeSpec::new(TopicFilter::try_from("t").expect("filter")),
+            SubscribeOptions::default(),
+        );
+        // The consumer's stored position: offset 0, long deleted.
+        let fed = SharedFed::default();
+        lock(&fed).next.insert(b"t".to_vec(), 0);
+        let mut feeder = tokio::task::JoinSet::new();
+        feeder.spawn(feed(
+            durable.clone(),
+            broker.clone(),
+            Target::One(sub.clone()),
+            fed.clone(),
+            DurableStart::Earliest,
+            true,
+        ));
+        queued(&sub, (N - first) as usize).await;
+        assert_eq!(durable.stats.consumers_overtaken.load(Ordering::Relaxed), 1);
+        assert_eq!(lock(&fed).next.get(&b"t"[..]), Some(&N));
         drop(feeder);
         durable.close();
     }

@@ -298,6 +298,9 @@ pub struct DurableStats {
     /// Reads of the log for durable consumers that met damage (or a segment deleted since it
     /// was planned) and skipped it.
     pub read_skips: AtomicU64,
+    /// Times a durable consumer's position was found below a topic's oldest message kept:
+    /// retention deleted messages it had not read.
+    pub consumers_overtaken: AtomicU64,
 }
 
 /// Who gets told how a frame's messages fared.

@@ -778,6 +778,12 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
                 "Reads of the log for durable consumers that met damage and skipped it.",
                 load(&ds.read_skips),
             ),
+            (
+                "aqueduct_log_consumers_overtaken_total",
+                "counter",
+                "Times retention deleted messages a durable consumer had not read yet.",
+                load(&ds.consumers_overtaken),
+            ),
         ] {
             out.single(name, kind, help, v);
         }
