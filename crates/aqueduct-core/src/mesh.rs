@@ -414,11 +414,30 @@ impl Mesh {
             .collect();
         for addr in gone {
             if let Some(node) = self.targets.remove(&addr).and_then(|t| t.node) {
-                if let Some(p) = self.peers.remove(&node) {
-                    self.out.push_back(Output::Close {
-                        conn: p.conn,
-                        reason: "no longer a peer",
-                    });
+                // Another address still wanted reaches the same node: it stays a peer, on the
+                // connection it has (nothing else would dial it: that address counts as
+                // connected).
+                let other = self
+                    .targets
+                    .iter()
+                    .find(|(a, t)| wanted.contains(a) && t.node.as_ref() == Some(&node))
+                    .map(|(a, _)| *a);
+                match other {
+                    Some(other) => {
+                        if let Some(p) = self.peers.get_mut(&node) {
+                            if p.addr == Some(addr) {
+                                p.addr = Some(other);
+                            }
+                        }
+                    }
+                    None => {
+                        if let Some(p) = self.peers.remove(&node) {
+                            self.out.push_back(Output::Close {
+                                conn: p.conn,
+                                reason: "no longer a peer",
+                            });
+                        }
+                    }
                 }
             }
         }
@@ -1411,6 +1430,37 @@ mod tests {
             }
         ));
         assert_eq!(b.peer_interest(&node("a")).map(Interest::len), Some(n + 1));
+    }
+
+    /// Two addresses of the set reach the same node: when the one its connection was dialed
+    /// to leaves the set, the node stays a peer (the other address still names it). It was
+    /// disconnected, and the other address, counted as connected, was never dialed again.
+    #[test]
+    fn a_node_still_named_by_another_address_stays_a_peer() {
+        let now = Instant::now();
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        let (one, two): (SocketAddr, SocketAddr) = (
+            "10.0.0.2:4242".parse().expect("addr"),
+            "10.0.0.3:4242".parse().expect("addr"),
+        );
+        a.handle_peer_set(now, [one, two]);
+        drain(&mut a);
+        assert!(a.handle_connected(now, ConnId(1), node("b"), Some(one), true));
+        assert!(!a.handle_connected(now, ConnId(2), node("b"), Some(two), true));
+        assert_eq!(drain(&mut a).1, vec![(ConnId(2), DUPLICATE)]);
+        a.handle_peer_set(now, [two]);
+        assert_eq!(drain(&mut a).1, vec![], "nothing closed");
+        assert_eq!(a.peers().collect::<Vec<_>>(), vec![(&node("b"), ConnId(1))]);
+        // Lost later: the remaining address is dialed again.
+        a.handle_disconnected(now, ConnId(1));
+        let due = a.poll_timeout().expect("a redial");
+        a.handle_timeout(due);
+        assert_eq!(a.poll_output(), Some(Output::Dial(two)));
+        // Out of the set as well: closed.
+        assert!(a.handle_connected(due, ConnId(3), node("b"), Some(two), true));
+        drain(&mut a);
+        a.handle_peer_set(due, []);
+        assert_eq!(drain(&mut a).1, vec![(ConnId(3), "no longer a peer")]);
     }
 
     #[test]
