@@ -858,6 +858,31 @@ mod tests {
         )));
     }
 
+    /// A consumer of `filter` from the earliest message, and its feeder (aborted when the set
+    /// is dropped, also if an assertion fails first).
+    fn feeding(
+        durable: &Arc<Durable>,
+        broker: &Arc<Broker>,
+        filter: &str,
+        fed: &SharedFed,
+        resumed: bool,
+    ) -> (Arc<Subscriber>, tokio::task::JoinSet<()>) {
+        let sub = broker.subscribe_unrouted(
+            &SubscribeSpec::new(TopicFilter::try_from(filter).expect("filter")),
+            SubscribeOptions::default(),
+        );
+        let mut feeder = tokio::task::JoinSet::new();
+        feeder.spawn(feed(
+            durable.clone(),
+            broker.clone(),
+            Target::One(sub.clone()),
+            fed.clone(),
+            DurableStart::Earliest,
+            resumed,
+        ));
+        (sub, feeder)
+    }
+
     /// Wait (up to 30 s) until `sub` has `n` messages queued.
     async fn queued(sub: &Subscriber, n: usize) {
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -905,21 +930,8 @@ mod tests {
         for t in &names {
             write(&broker, &durable, t, 0);
         }
-        let sub = broker.subscribe_unrouted(
-            &SubscribeSpec::new(TopicFilter::try_from("s/#").expect("filter")),
-            SubscribeOptions::default(),
-        );
         let fed = SharedFed::default();
-        // Aborted when dropped, also if an assertion fails first.
-        let mut feeder = tokio::task::JoinSet::new();
-        feeder.spawn(feed(
-            durable.clone(),
-            broker.clone(),
-            Target::One(sub.clone()),
-            fed.clone(),
-            DurableStart::Earliest,
-            false,
-        ));
+        let (sub, feeder) = feeding(&durable, &broker, "s/#", &fed, false);
         queued(&sub, TOPICS).await;
         let before = durable.lookups.load(Ordering::Relaxed);
         for offset in 1..=WRITES {
@@ -977,22 +989,10 @@ mod tests {
         assert!(first > 0 && first < N, "{first}");
         let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
         let broker = broker();
-        let sub = broker.subscribe_unrouted(
-            &SubscribeSpec::new(TopicFilter::try_from("t").expect("filter")),
-            SubscribeOptions::default(),
-        );
         // The consumer's stored position: offset 0, long deleted.
         let fed = SharedFed::default();
         lock(&fed).next.insert(b"t".to_vec(), 0);
-        let mut feeder = tokio::task::JoinSet::new();
-        feeder.spawn(feed(
-            durable.clone(),
-            broker.clone(),
-            Target::One(sub.clone()),
-            fed.clone(),
-            DurableStart::Earliest,
-            true,
-        ));
+        let (sub, feeder) = feeding(&durable, &broker, "t", &fed, true);
         queued(&sub, (N - first) as usize).await;
         assert_eq!(durable.stats.consumers_overtaken.load(Ordering::Relaxed), 1);
         assert_eq!(lock(&fed).next.get(&b"t"[..]), Some(&N));
