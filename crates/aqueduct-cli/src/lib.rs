@@ -91,6 +91,37 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = &'static str> {
     }
 }
 
+/// The SIGHUPs from now on, as a stream whose `recv` completes once per signal (several sent
+/// close together may come as one). Registered when this is called: a SIGHUP that arrives
+/// before anyone waits for it (a `reload` while the broker is still starting) is kept for later,
+/// not left to its default action, which ends the process. `None` off Unix, or if the listener
+/// cannot be set up. Call it inside the runtime, early.
+pub fn hangup_signal() -> Option<Hangups> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        signal(SignalKind::hangup()).ok().map(Hangups)
+    }
+    #[cfg(not(unix))]
+    None
+}
+
+/// SIGHUPs received (see [`hangup_signal`]).
+#[derive(Debug)]
+pub struct Hangups(#[cfg(unix)] tokio::signal::unix::Signal);
+
+impl Hangups {
+    /// The next SIGHUP (one that came before this call completes it at once).
+    pub async fn recv(&mut self) -> Option<()> {
+        #[cfg(unix)]
+        {
+            self.0.recv().await
+        }
+        #[cfg(not(unix))]
+        None
+    }
+}
+
 /// Print `line` and a newline on standard output. `Ok(false)`: whoever read the output went
 /// away (`aqueduct sub ... | head`, a closed pipe): the caller stops as if interrupted, quietly,
 /// instead of the panic `println!` makes of it.

@@ -96,8 +96,10 @@ fn main() -> ExitCode {
         "async runtime started (broker.worker_threads)"
     );
     runtime.block_on(async move {
-        // Listen before binding: a SIGTERM from the moment the broker starts stops it cleanly.
+        // Listen before binding: a SIGTERM from the moment the broker starts stops it cleanly,
+        // and a SIGHUP then (a reload while the log recovers, say) is applied once it runs.
         let stop = aqueduct_cli::shutdown_signal();
+        let hangups = aqueduct_cli::hangup_signal();
         let server = match Server::bind(config).await {
             Ok(s) => s,
             Err(e) => {
@@ -112,7 +114,7 @@ fn main() -> ExitCode {
                 "using a generated self-signed certificate; local `aqueduct` commands trust it automatically"
             );
         }
-        let reload = reload_on_sighup(server.control(), sources);
+        let reload = reload_on_sighup(server.control(), sources, hangups);
         let signal = async {
             tokio::select! {
                 which = stop => info!("{which} received"),
@@ -131,30 +133,30 @@ fn main() -> ExitCode {
 
 /// SIGHUP: re-read the configuration and make its `acl` and `broker.quotas` sections the live
 /// policy. A configuration that does not validate changes nothing (and says why). Never returns.
-async fn reload_on_sighup(control: aqueduct_server::Control, sources: Sources) {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        if let Ok(mut hup) = signal(SignalKind::hangup()) {
-            while hup.recv().await.is_some() {
-                match Config::load(&sources) {
-                    Ok(config) => match control.reload_access(&config.access).await {
-                        Ok(closed) => {
-                            let acl = control.acl();
-                            info!(
-                                acl_enabled = acl.enabled,
-                                rules = acl.rules.len(),
-                                closed_subscriptions = closed,
-                                "SIGHUP: acl and broker.quotas reloaded from the configuration \
+async fn reload_on_sighup(
+    control: aqueduct_server::Control,
+    sources: Sources,
+    hangups: Option<aqueduct_cli::Hangups>,
+) {
+    if let Some(mut hup) = hangups {
+        while hup.recv().await.is_some() {
+            match Config::load(&sources) {
+                Ok(config) => match control.reload_access(&config.access).await {
+                    Ok(closed) => {
+                        let acl = control.acl();
+                        info!(
+                            acl_enabled = acl.enabled,
+                            rules = acl.rules.len(),
+                            closed_subscriptions = closed,
+                            "SIGHUP: acl and broker.quotas reloaded from the configuration \
                                  (the file wins: rules and quotas set through the admin API \
                                  since were replaced)"
-                            );
-                        }
-                        Err(e) => warn!("SIGHUP: the new policy is live but was not saved: {e}"),
-                    },
-                    Err(e) => {
-                        error!("SIGHUP: configuration not reloaded, the running policy stays: {e}")
+                        );
                     }
+                    Err(e) => warn!("SIGHUP: the new policy is live but was not saved: {e}"),
+                },
+                Err(e) => {
+                    error!("SIGHUP: configuration not reloaded, the running policy stays: {e}")
                 }
             }
         }
