@@ -434,12 +434,18 @@ impl Access {
 
     /// `SIGHUP`: the config file's sections become the live policy (and the state file's).
     pub fn reload(&self, config: &AccessConfig) -> Result<(), StateError> {
+        self.apply(config);
+        self.changed()
+    }
+
+    /// The config file's sections become the live policy, without saving it (no I/O): call
+    /// [`changed`](Self::changed) after, once what the new policy refuses is closed.
+    pub fn apply(&self, config: &AccessConfig) {
         *self.fingerprint.lock().unwrap_or_else(|e| e.into_inner()) = config.fingerprint.clone();
         self.acl.replace(config.acl.clone());
         self.quotas.replace(config.quotas.clone());
         self.reject
             .store(config.action == QuotaAction::Reject, Ordering::Relaxed);
-        self.changed()
     }
 
     /// After a change: count it and persist the live policy (blocking file I/O: call it off the

@@ -726,19 +726,20 @@ pub struct Control {
 
 impl Control {
     /// Make `access` (the config file's `acl` and `broker.quotas` sections, just re-read) the
-    /// live policy, persist it, and close the live subscriptions it refuses. Returns how many
-    /// were closed.
+    /// live policy, close the live subscriptions it refuses, and persist it. Returns how many
+    /// were closed. The closing does not wait for the state file (a slow disk).
     pub async fn reload_access(
         &self,
         access: &crate::access::AccessConfig,
     ) -> Result<usize, String> {
-        let (live, config) = (self.shared.access.clone(), access.clone());
-        // File I/O (the state file) off the async workers.
-        let saved = tokio::task::spawn_blocking(move || live.reload(&config))
-            .await
-            .map_err(|e| e.to_string())?;
+        self.shared.access.apply(access);
         let closed = crate::admin::recheck_subscriptions(&self.shared);
-        saved.map_err(|e| e.to_string())?;
+        let live = self.shared.access.clone();
+        // File I/O (the state file) off the async workers.
+        tokio::task::spawn_blocking(move || live.changed())
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
         Ok(closed)
     }
 
