@@ -79,13 +79,24 @@ impl Bucket {
         )
     }
 
-    /// Change the rate and burst, at once for every holder. Debt run up under the old rate is
-    /// forgiven, so a raised quota is felt immediately.
+    /// Change the rate and burst, at once for every holder. A raised quota (rate and burst
+    /// both at least as high, one of them higher; or unlimited) forgives the debt run up under the old one, so it
+    /// is felt immediately. A lowered one keeps it: the time a throttled client owes stays
+    /// owed, or its held publishers would all go at once, with a fresh burst on top.
     pub fn set(&self, spec: QuotaSpec) {
+        let old = self.spec();
+        let burst = spec.burst.max(1);
+        let raised = spec.rate == 0
+            || (old.rate != 0
+                && spec.rate >= old.rate
+                && burst >= old.burst
+                && (spec.rate > old.rate || burst > old.burst));
         self.interval.store(spec.interval_ns(), Ordering::Relaxed);
         self.rate.store(spec.rate, Ordering::Relaxed);
         self.burst.store(spec.burst.max(1), Ordering::Relaxed);
-        self.tat.store(0, Ordering::Relaxed);
+        if raised {
+            self.tat.store(0, Ordering::Relaxed);
+        }
     }
 
     /// The current rate and burst.
@@ -359,6 +370,40 @@ mod tests {
                 .map(|(id, _)| id)
                 .collect::<Vec<_>>(),
             ["fast"]
+        );
+    }
+
+    /// Lowering a throttled client's quota forgave its debt: every publisher it held went at
+    /// once. Now only a raised quota does.
+    #[test]
+    fn a_lowered_quota_keeps_the_debt_a_raised_one_forgives_it() {
+        let b = Bucket::new(QuotaSpec { rate: 10, burst: 1 });
+        b.take(100, 0);
+        let debt = b.wait(0);
+        assert!(debt >= Duration::from_secs(9), "{debt:?}");
+        b.set(QuotaSpec { rate: 5, burst: 1 });
+        // Still owed (less the new burst's allowance, one token at the new rate).
+        let owed = b.wait(0);
+        assert_eq!(
+            owed,
+            debt - Duration::from_millis(100),
+            "lowered: still owed"
+        );
+        b.set(QuotaSpec { rate: 5, burst: 0 });
+        assert_eq!(b.wait(0), owed, "unchanged (a burst of 0 is 1)");
+        b.set(QuotaSpec {
+            rate: 100,
+            burst: 1,
+        });
+        assert_eq!(b.wait(0), Duration::ZERO, "raised: forgiven");
+        b.take(100, 0);
+        b.set(QuotaSpec::UNLIMITED);
+        assert_eq!(b.wait(0), Duration::ZERO);
+        b.set(QuotaSpec { rate: 10, burst: 1 });
+        assert_eq!(
+            b.wait(0),
+            Duration::ZERO,
+            "no debt was run up while unlimited"
         );
     }
 
