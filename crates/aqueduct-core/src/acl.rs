@@ -30,7 +30,7 @@
 //! per-stream cache of publish decisions: one atomic load and one hash lookup per publish.
 
 use std::cmp::Ordering as CmpOrdering;
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -436,16 +436,22 @@ impl Default for Acl {
     }
 }
 
-/// Publish decisions cached per topic (bounded), refreshed when the policy changes.
+/// Topics a client may publish to, cached (bounded), refreshed when the policy changes. Only
+/// allowances are kept: a refused publish is answered with an ERROR anyway, and caching
+/// refusals would let a client without rights pin memory with made-up topic names.
 #[derive(Debug, Default)]
 pub struct AclCache {
     generation: u64,
     rules: ClientRules,
-    publish: HashMap<Box<[u8]>, bool, RandomState>,
+    publish: HashSet<Box<[u8]>, RandomState>,
+    /// Bytes of the topic names in `publish`.
+    bytes: usize,
 }
 
 /// Topics an [`AclCache`] remembers before it starts over.
 pub const ACL_CACHE_TOPICS: usize = 4096;
+/// Bytes of topic names an [`AclCache`] holds before it starts over (each stream has one).
+pub const ACL_CACHE_BYTES: usize = 64 * 1024;
 
 impl AclCache {
     fn refresh(&mut self, acl: &Acl, client: &str) {
@@ -454,6 +460,7 @@ impl AclCache {
             // Policy first, then the generation it belongs to at least.
             self.rules = acl.policy().for_client(client);
             self.publish.clear();
+            self.bytes = 0;
             self.generation = generation;
         }
     }
@@ -472,14 +479,19 @@ impl AclCache {
         if !self.rules.enabled {
             return true;
         }
-        if let Some(&allowed) = self.publish.get(topic) {
-            return allowed;
+        if self.publish.contains(topic) {
+            return true;
         }
         let allowed = self.rules.may_publish(topic);
-        if self.publish.len() >= ACL_CACHE_TOPICS {
-            self.publish.clear();
+        if allowed {
+            if self.publish.len() >= ACL_CACHE_TOPICS || self.bytes + topic.len() > ACL_CACHE_BYTES
+            {
+                self.publish.clear();
+                self.bytes = 0;
+            }
+            self.bytes += topic.len();
+            self.publish.insert(topic.into());
         }
-        self.publish.insert(topic.into(), allowed);
         allowed
     }
 
@@ -658,6 +670,28 @@ mod tests {
         for i in 0..ACL_CACHE_TOPICS * 2 {
             assert!(cache.may_publish(&acl, "c", format!("t{i}").as_bytes()));
             assert!(cache.publish.len() <= ACL_CACHE_TOPICS);
+        }
+    }
+
+    /// Long names fill the cache's bytes before its count: 4,096 names of 255 bytes held
+    /// ~1 MiB per stream, and refused ones were kept too (a client without rights pinned
+    /// memory with made-up topics).
+    #[test]
+    fn cache_is_bounded_in_bytes_and_keeps_no_refusals() {
+        let acl = Acl::new(policy("none", &[("c", "ok/#", "publish")]));
+        let mut cache = AclCache::default();
+        for i in 0..ACL_CACHE_TOPICS * 2 {
+            let refused = format!("no/{i:0>250}");
+            assert!(!cache.may_publish(&acl, "c", refused.as_bytes()));
+            assert!(
+                !cache.publish.iter().any(|t| t.starts_with(b"no/")),
+                "no refusal kept"
+            );
+            let allowed = format!("ok/{i:0>250}");
+            assert!(cache.may_publish(&acl, "c", allowed.as_bytes()));
+            let held: usize = cache.publish.iter().map(|t| t.len()).sum();
+            assert_eq!(held, cache.bytes);
+            assert!(held <= ACL_CACHE_BYTES, "{held} bytes");
         }
     }
 }
