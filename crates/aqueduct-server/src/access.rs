@@ -12,7 +12,8 @@
 //! makes the config file's sections the live policy again, replacing changes made through the
 //! API, and rewrites the state file to match (so does a start at which the config file won, so
 //! that reverting the config file later does not bring old API changes back). `acl.enabled` and
-//! `broker.quotas.action` always come from the config file.
+//! `broker.quotas.action` always come from the config file, and are not in the fingerprint:
+//! turning access control on checks the rules staged through the API while it was off.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -145,8 +146,13 @@ pub struct AccessConfig {
     pub acl: AclPolicy,
     pub quotas: QuotaPolicy,
     pub action: QuotaAction,
-    /// Fingerprint of the `acl` and `broker.quotas` sections (see the module docs).
+    /// Fingerprint of the `acl` and `broker.quotas` sections (see the module docs), but for
+    /// `acl.enabled`, which always comes from the config file: turning access control on
+    /// checks the rules staged through the admin API meanwhile, it does not drop them.
     pub fingerprint: String,
+    /// The fingerprint as written before it left `acl.enabled` out: a state file written
+    /// then still matches the config it derived from.
+    pub fingerprint_with_enabled: String,
 }
 
 impl Default for AccessConfig {
@@ -233,7 +239,14 @@ pub fn validate(acl: &AclSection, quotas: &QuotasSection) -> Result<AccessConfig
             clients,
         },
         action,
-        fingerprint: fingerprint(acl, quotas),
+        fingerprint: fingerprint(
+            &AclSection {
+                enabled: false,
+                ..acl.clone()
+            },
+            quotas,
+        ),
+        fingerprint_with_enabled: fingerprint(acl, quotas),
     })
 }
 
@@ -384,7 +397,10 @@ impl Access {
         let mut config_won = false;
         if let Some(path) = &state_file {
             match read_state(path)? {
-                Some(state) if state.config_fingerprint == config.fingerprint => {
+                Some(state)
+                    if state.config_fingerprint == config.fingerprint
+                        || state.config_fingerprint == config.fingerprint_with_enabled =>
+                {
                     let (a, q) = state.policies(path, acl.enabled)?;
                     info!(
                         path = %path.display(),
@@ -656,6 +672,38 @@ mod tests {
         fresh.reload(&edited).expect("reload");
         let after = Access::start(&edited, Some(path)).expect("restart");
         assert_eq!(after.acl.policy().rules, edited.acl.rules);
+    }
+
+    /// Rules staged through the admin API while `acl.enabled` is false are checked once the
+    /// config turns it on (admin-api.md): turning it on changed the fingerprint, so the config
+    /// won at the next start and the staged rules were dropped. A state file written with the
+    /// fingerprint of before (which counted `enabled`) still matches.
+    #[test]
+    fn turning_access_control_on_keeps_the_rules_staged_meanwhile() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("admin-state.json");
+        let (mut acl, q) = sections(&[("a", "x", "all")]);
+        acl.enabled = false;
+        let off = validate(&acl, &q).expect("valid");
+        let access = Access::start(&off, Some(path.clone())).expect("start");
+        access.acl.update(|p| {
+            p.rules
+                .push(AclRule::parse("b", "y", "publish").expect("rule"))
+        });
+        access.changed().expect("persist");
+        acl.enabled = true;
+        let on = validate(&acl, &q).expect("valid");
+        let restarted = Access::start(&on, Some(path.clone())).expect("restart");
+        let policy = restarted.acl.policy();
+        assert!(policy.enabled);
+        assert_eq!(policy.rules.len(), 2, "the staged rule is kept");
+        // A state file of before, whose fingerprint counted `enabled`.
+        let mut state: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("json");
+        state["config_fingerprint"] = on.fingerprint_with_enabled.clone().into();
+        std::fs::write(&path, state.to_string()).expect("write");
+        let upgraded = Access::start(&on, Some(path)).expect("restart");
+        assert_eq!(upgraded.acl.policy().rules.len(), 2, "still matches");
     }
 
     #[test]
