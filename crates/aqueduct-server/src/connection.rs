@@ -302,7 +302,7 @@ pub(crate) async fn handle(
                     Ok(_) if handshake_outcome(conn2.close_reason()) == Handshake::Completed => {
                         // What early data it sent is held back until now: a peer certificate
                         // (no client identity) gets nothing of it handled.
-                        if !refuse_peer_certificate(&conn2) {
+                        if !refuse_peer_certificate(&conn2) && !refuse_unnamed_certificate(&conn2) {
                             identify(&conn2, &state, &shared2);
                             state.confirm();
                             shared2
@@ -360,7 +360,7 @@ pub(crate) async fn handle(
     if confirming.is_none() {
         // The handshake is complete: a peer's connection goes to the mesh, a browser's to
         // WebTransport; a client's is known by now.
-        if divert(&conn, &shared) {
+        if divert(&conn, &shared) || refuse_unnamed_certificate(&conn) {
             return;
         }
         if h3 {
@@ -536,6 +536,23 @@ fn refuse_peer_certificate(conn: &quinn::Connection) -> bool {
     refuse(conn, crate::mesh_tls::PEER_IS_NO_CLIENT);
     true
 }
+
+/// Close a connection whose client certificate verified but names no client: no Common Name the
+/// broker can read (a certificate with subject alternative names only, or a CN in a string type
+/// other than UTF8String, PrintableString or IA5String). It was served as `anonymous`, silently
+/// sharing that identity's rules and quota. True if it was closed.
+fn refuse_unnamed_certificate(conn: &quinn::Connection) -> bool {
+    if conn.peer_identity().is_none() || tls::client_common_name(conn).is_some() {
+        return false;
+    }
+    refuse(conn, UNNAMED_CERTIFICATE);
+    true
+}
+
+/// Why a client certificate without a readable Common Name is refused.
+pub(crate) const UNNAMED_CERTIFICATE: &str = "the client certificate has no Common Name (CN) \
+     the broker can read (a UTF8String, PrintableString or IA5String): the CN names the client \
+     for ACL rules and quotas (`aqueduct cert client NAME` makes one)";
 
 /// Close a connection that may not be served (NOT_AUTHORIZED), saying why.
 fn refuse(conn: &quinn::Connection, why: &str) {

@@ -129,5 +129,35 @@ async fn client_certificates_are_required_and_name_the_client() {
         "the refused client was logged as connected: {}",
         logs.text()
     );
+
+    // A certificate of the same CA without a Common Name (subject alternative names only): it
+    // names no client, and is refused, saying why. It was served as `anonymous`.
+    let nameless_key = KeyPair::generate().expect("key");
+    let mut nameless_params =
+        CertificateParams::new(vec!["svc.example".to_string()]).expect("params");
+    nameless_params.distinguished_name = rcgen::DistinguishedName::new();
+    nameless_params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let nameless = nameless_params
+        .signed_by(&nameless_key, &issuer)
+        .expect("signed");
+    let nameless_cert = dir.path().join("nameless.pem");
+    let nameless_key_file = dir.path().join("nameless.key");
+    std::fs::write(&nameless_cert, nameless.pem()).expect("write");
+    std::fs::write(&nameless_key_file, nameless_key.serialize_pem()).expect("write");
+    let opts = b.options().client_cert(&nameless_cert, &nameless_key_file);
+    let refusal = match within("connect", Client::connect(opts)).await {
+        Err(e) => e.to_string(),
+        Ok(client) => {
+            let confirm = PublishOptions {
+                confirm: true,
+                ..PublishOptions::default()
+            };
+            within("the refusal", client.publish_with("t", "x", &confirm))
+                .await
+                .expect_err("refused")
+                .to_string()
+        }
+    };
+    assert!(refusal.contains("Common Name"), "{refusal}");
     b.stop().await.expect("clean shutdown");
 }
