@@ -46,6 +46,9 @@ pub const MAX_HANDSHAKES: usize = 64;
 pub const MAX_CONNECTIONS: usize = 64;
 /// An admin call that takes longer is cancelled.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// The largest answer the admin client takes (tonic's default is 4 MiB: `admin topics` of a
+/// broker with ~60,000 topics).
+pub const MAX_ANSWER: usize = 256 << 20;
 /// A TLS handshake that takes longer is dropped.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections whose certificate's CN does not match `admin.allowed_cn` open at once (each is
@@ -650,29 +653,40 @@ impl AdminService for AdminApi {
         req: Request<proto::ListTopicsRequest>,
     ) -> Result<Response<proto::ListTopicsResponse>, Status> {
         self.authorize(&req, "ListTopics")?;
-        let subs = self.shared.broker.subscribers();
-        let mut topics: Vec<proto::Topic> = self
-            .shared
-            .broker
-            .topics()
-            .iter()
-            .map(|t| {
-                let s = t.stats().snapshot();
-                proto::Topic {
-                    name: t.name().to_string(),
-                    published: s.published,
-                    delivered: s.delivered,
-                    dropped: s.dropped.iter().sum(),
-                    expired: s.expired.iter().sum(),
-                    dead_lettered: s.dead_lettered,
-                    subscribers: subs
-                        .iter()
-                        .filter(|sub| aqueduct_core::matching::matches(sub.filter(), t.name()))
-                        .count() as u64,
-                }
-            })
-            .collect();
-        topics.sort_by(|a, b| a.name.cmp(&b.name));
+        let broker = self.shared.broker.clone();
+        // Every topic against every distinct filter: off the async workers, which carry the
+        // data path (many topics and subscriptions make this long).
+        let topics = tokio::task::spawn_blocking(move || {
+            let mut filters: std::collections::HashMap<aqueduct_proto::TopicFilter, u64> =
+                std::collections::HashMap::new();
+            for sub in broker.subscribers() {
+                *filters.entry(sub.filter().clone()).or_default() += 1;
+            }
+            let mut topics: Vec<proto::Topic> = broker
+                .topics()
+                .iter()
+                .map(|t| {
+                    let s = t.stats().snapshot();
+                    proto::Topic {
+                        name: t.name().to_string(),
+                        published: s.published,
+                        delivered: s.delivered,
+                        dropped: s.dropped.iter().sum(),
+                        expired: s.expired.iter().sum(),
+                        dead_lettered: s.dead_lettered,
+                        subscribers: filters
+                            .iter()
+                            .filter(|(f, _)| aqueduct_core::matching::matches(f, t.name()))
+                            .map(|(_, n)| n)
+                            .sum(),
+                    }
+                })
+                .collect();
+            topics.sort_by(|a, b| a.name.cmp(&b.name));
+            topics
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?;
         Ok(Response::new(proto::ListTopicsResponse { topics }))
     }
 
@@ -862,7 +876,9 @@ pub async fn connect(
             }
             err(reason)
         })?;
-    Ok(proto::admin_service_client::AdminServiceClient::new(
-        channel,
-    ))
+    // Listings of a large broker (topics, clients) pass tonic's default 4 MiB.
+    Ok(
+        proto::admin_service_client::AdminServiceClient::new(channel)
+            .max_decoding_message_size(MAX_ANSWER),
+    )
 }
