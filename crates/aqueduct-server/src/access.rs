@@ -267,6 +267,15 @@ fn fingerprint(acl: &AclSection, quotas: &QuotasSection) -> String {
 }
 
 impl AdminSection {
+    /// Where the state file is (`admin.state_file`, or `admin-state.json` in the Aqueduct
+    /// home), whether the admin API is on or not; `None` if there is no home to put it in.
+    pub fn state_file_path(&self, env: &[(String, String)]) -> Option<PathBuf> {
+        match self.state_file.trim() {
+            "" => crate::config::aqueduct_home(env).map(|h| h.join("admin-state.json")),
+            p => Some(PathBuf::from(p)),
+        }
+    }
+
     /// `None` when the admin API is off. Checked although it is off, so a typo shows early.
     pub fn validate(
         &self,
@@ -302,18 +311,13 @@ impl AdminSection {
                 ),
             ));
         }
-        let state_file = match self.state_file.trim() {
-            "" => crate::config::aqueduct_home(env)
-                .map(|h| h.join("admin-state.json"))
-                .ok_or_else(|| {
-                    invalid(
-                        "admin.state_file",
-                        "required when neither AQUEDUCT_HOME nor HOME is set (the state file \
-                         grants permissions, so it is not put in a shared temporary directory)",
-                    )
-                })?,
-            p => PathBuf::from(p),
-        };
+        let state_file = self.state_file_path(env).ok_or_else(|| {
+            invalid(
+                "admin.state_file",
+                "required when neither AQUEDUCT_HOME nor HOME is set (the state file grants \
+                 permissions, so it is not put in a shared temporary directory)",
+            )
+        })?;
         Ok(Some(AdminConfig {
             listen_addr,
             allowed_cn,
@@ -495,6 +499,32 @@ impl Access {
                 .collect(),
         };
         write_state(path, &state)
+    }
+
+    /// With the admin API off, a state file left from when it was on is moved aside (to
+    /// `<file>.off`, replacing an older one): otherwise turning the API on again later would
+    /// bring its old changes back, as a config edit meanwhile would not. Returns where it went.
+    pub fn set_aside_state_file(path: &Path) -> Result<Option<PathBuf>, StateError> {
+        if !path.exists() {
+            return Ok(None);
+        }
+        let mut aside = path.as_os_str().to_owned();
+        aside.push(".off");
+        let aside = PathBuf::from(aside);
+        std::fs::rename(path, &aside).map_err(|e| StateError::Io {
+            path: path.to_path_buf(),
+            problem: format!(
+                "the admin API is off, and the file could not be moved aside to {}: {e}",
+                aside.display()
+            ),
+        })?;
+        warn!(
+            path = %path.display(),
+            moved_to = %aside.display(),
+            "the admin API is off: the changes made through it are dropped (the config file's \
+             acl and broker.quotas apply); its state file was moved aside"
+        );
+        Ok(Some(aside))
     }
 
     /// Where changes are persisted, if anywhere.

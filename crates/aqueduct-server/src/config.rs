@@ -486,6 +486,9 @@ pub struct Config {
     pub access: AccessConfig,
     /// The gRPC admin API, if enabled.
     pub admin: Option<AdminConfig>,
+    /// With the admin API off and `admin.state_file` set: that file (one left from when the
+    /// API was on is moved aside at startup).
+    pub admin_state_when_off: Option<std::path::PathBuf>,
     /// The cluster's settings.
     pub cluster: ClusterConfig,
     /// WebTransport for browsers on the broker's port.
@@ -1096,6 +1099,11 @@ impl RawConfig {
             admin: self
                 .admin
                 .validate(opt_path(&self.tls.client_ca_file).as_deref(), env)?,
+            // Only a file named for this broker: the default one, in the Aqueduct home, may
+            // be another broker's on the same machine.
+            admin_state_when_off: (!self.admin.enabled && !self.admin.state_file.trim().is_empty())
+                .then(|| self.admin.state_file_path(env))
+                .flatten(),
             cluster,
             webtransport: self.webtransport.validate()?,
             tracing: self.tracing.validate()?,
@@ -1240,6 +1248,25 @@ mod tests {
         let shown = format!("{a:?}");
         assert!(!shown.contains("c2VjcmV0"), "{shown}");
         assert!(shown.contains("(set, hidden)"), "{shown}");
+    }
+
+    /// With the admin API off, only a state file named in the config is moved aside at
+    /// startup: the default one, in the Aqueduct home, may be another broker's.
+    #[test]
+    fn only_a_named_state_file_is_set_aside_with_the_admin_api_off() {
+        let env = [("AQUEDUCT_HOME".to_string(), "/tmp/home".to_string())];
+        let mut raw = RawConfig::default();
+        let c = raw.validate(&env).expect("valid");
+        assert_eq!(
+            c.admin_state_when_off, None,
+            "the default file is left alone"
+        );
+        raw.admin.state_file = "/var/lib/aqueduct/admin.json".into();
+        let c = raw.validate(&env).expect("valid");
+        assert_eq!(
+            c.admin_state_when_off.as_deref(),
+            Some(std::path::Path::new("/var/lib/aqueduct/admin.json"))
+        );
     }
 
     #[test]

@@ -353,6 +353,9 @@ impl Server {
             }
             None => (None, None),
         };
+        if let Some(path) = &config.admin_state_when_off {
+            Access::set_aside_state_file(path).map_err(|e| ServerError::Startup(e.to_string()))?;
+        }
         let access = Access::start(
             &config.access,
             config.admin.as_ref().map(|a| a.state_file.clone()),

@@ -984,3 +984,31 @@ async fn non_admin_certificates_cannot_hold_every_admin_connection() {
     drop(held);
     s.b.stop().await.expect("clean shutdown");
 }
+
+/// Turned off, then on again months later, the admin API brought back the grants made through
+/// it before (the state file still matched the unchanged config). A broker started with the API
+/// off moves a state file it names aside, so the config file's policy is what applies next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_admin_api_off_its_old_state_file_is_set_aside() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("admin-state.json");
+    // What the API left: an extra grant, for the config sections of this broker.
+    let config = access::validate(&AclSection::default(), &QuotasSection::default()).expect("ok");
+    let live = access::Access::start(&config, Some(path.clone())).expect("start");
+    live.acl.update(|p| {
+        p.rules.push(
+            aqueduct_core::acl::AclRule::parse("contractor-*", "orders/#", "subscribe")
+                .expect("rule"),
+        )
+    });
+    live.changed().expect("persist");
+    let b = TestBroker::start_with(|c| c.admin_state_when_off = Some(path.clone())).await;
+    assert!(!path.exists(), "moved aside");
+    let aside = dir.path().join("admin-state.json.off");
+    let kept = std::fs::read_to_string(&aside).expect("kept aside");
+    assert!(kept.contains("contractor-*"), "{kept}");
+    // The API on again: the config file's policy, without the old grant.
+    let again = access::Access::start(&config, Some(path)).expect("start");
+    assert!(again.acl.policy().rules.is_empty());
+    b.stop().await.expect("clean shutdown");
+}
