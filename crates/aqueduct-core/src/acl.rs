@@ -5,7 +5,9 @@
 //!
 //! 1. The rules that *apply* are those whose client pattern matches `C` (an exact id, or a prefix
 //!    ending in `*`: `admin-*`, `*`) and whose topic filter matches `T` (MQTT rules: `+`, `#`,
-//!    and a filter starting with a wildcard never matches a system topic, `$…` or `__…`).
+//!    and a filter starting with a wildcard never matches a system topic, `$…` or `__…`,
+//!    except in a rule whose permission is `none`: a deny reaches everything it names, so
+//!    `{client: bob, topic: "#", permission: none}` shuts `bob` out of the system topics too).
 //! 2. Of those, only the **most specific** decide. Specificity compares, in this order: an exact
 //!    client id over a pattern; a longer pattern prefix over a shorter one; an exact topic over a
 //!    filter; more literal levels over fewer; a filter without `#` over one with it.
@@ -40,7 +42,9 @@ use aqueduct_proto::TopicFilter;
 use arc_swap::ArcSwap;
 use foldhash::fast::RandomState;
 
-use crate::matching::{covers, is_system, matches_bytes, overlaps};
+use crate::matching::{
+    covers, covers_any, is_system, matches_any_bytes, matches_bytes, overlaps, overlaps_any,
+};
 
 /// The client id of a connection without a client certificate.
 pub const ANONYMOUS: &str = "anonymous";
@@ -324,7 +328,7 @@ impl ClientRules {
     fn decide(
         &self,
         system: bool,
-        mut applies: impl FnMut(&TopicFilter) -> bool,
+        mut applies: impl FnMut(&TopicFilter, Permission) -> bool,
     ) -> (Permission, Option<Specificity>) {
         let mut best: Option<(Specificity, u8)> = None;
         for (spec, filter, perm) in &self.rules {
@@ -333,7 +337,7 @@ impl ClientRules {
                     break;
                 }
             }
-            if applies(filter) {
+            if applies(filter, *perm) {
                 best = Some(match best {
                     Some((b, bits)) => (b, bits & perm.bits()),
                     None => (*spec, perm.bits()),
@@ -352,7 +356,10 @@ impl ClientRules {
         if !self.enabled {
             return true;
         }
-        let (perm, _) = self.decide(is_system(topic), |f| matches_bytes(f.as_bytes(), topic));
+        let (perm, _) = self.decide(is_system(topic), |f, p| match p {
+            Permission::None => matches_any_bytes(f.as_bytes(), topic),
+            _ => matches_bytes(f.as_bytes(), topic),
+        });
         perm.allows(Action::Publish)
     }
 
@@ -361,7 +368,10 @@ impl ClientRules {
         if !self.enabled {
             return true;
         }
-        let (perm, spec) = self.decide(is_system(filter.as_bytes()), |f| covers(f, filter));
+        let (perm, spec) = self.decide(is_system(filter.as_bytes()), |f, p| match p {
+            Permission::None => covers_any(f, filter),
+            _ => covers(f, filter),
+        });
         if !perm.allows(Action::Subscribe) {
             return false;
         }
@@ -369,8 +379,10 @@ impl ClientRules {
         !self.rules.iter().any(|(s, f, p)| {
             spec.is_none_or(|d| *s >= d)
                 && !p.allows(Action::Subscribe)
-                && overlaps(f, filter)
-                && !covers(f, filter)
+                && match p {
+                    Permission::None => overlaps_any(f, filter) && !covers_any(f, filter),
+                    _ => overlaps(f, filter) && !covers(f, filter),
+                }
         })
     }
 }
@@ -661,6 +673,31 @@ mod tests {
         }
         assert_eq!(acl.policy().rules.len(), 400);
         assert!(acl.generation() >= 401);
+    }
+
+    /// A revoked client is shut out with one `none` rule on `#`, system topics included: a
+    /// leading wildcard never reached them, so a pattern rule granting a dead-letter topic kept
+    /// deciding for it. An allowing rule on `#` still does not open them.
+    #[test]
+    fn a_deny_on_a_leading_wildcard_reaches_system_topics() {
+        let p = policy(
+            "none",
+            &[
+                ("ops-*", "__dlq__orders/#", "subscribe"),
+                ("ops-*", "$SYS/#", "all"),
+                ("ops-bob", "#", "none"),
+                ("*", "#", "all"),
+            ],
+        );
+        let filter = |f: &str| TopicFilter::try_from(f).expect("filter");
+        assert!(p.allows("ops-alice", Action::Subscribe, &filter("__dlq__orders/#")));
+        assert!(!p.allows("ops-bob", Action::Subscribe, &filter("__dlq__orders/#")));
+        assert!(!p.allows("ops-bob", Action::Publish, &filter("$SYS/x")));
+        assert!(p.allows("ops-alice", Action::Publish, &filter("$SYS/x")));
+        assert!(!p.allows("ops-bob", Action::Subscribe, &filter("#")));
+        // `*` on `#` with `all` opens the ordinary topics, not the system ones.
+        assert!(p.allows("carol", Action::Publish, &filter("orders/1")));
+        assert!(!p.allows("carol", Action::Subscribe, &filter("__dlq__orders/#")));
     }
 
     #[test]

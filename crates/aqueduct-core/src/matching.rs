@@ -19,6 +19,12 @@ pub fn matches_bytes(f: &[u8], t: &[u8]) -> bool {
     if is_system(t) && starts_with_wildcard(f) {
         return false;
     }
+    matches_any_bytes(f, t)
+}
+
+/// [`matches_bytes`] without the rule for system topics: a filter whose first level is a
+/// wildcard matches them too (the ACL's deny rules, see acl.rs).
+pub fn matches_any_bytes(f: &[u8], t: &[u8]) -> bool {
     // `i` and `j` are at the start of a level in the filter and the topic.
     let (mut i, mut j) = (0, 0);
     loop {
@@ -70,6 +76,12 @@ pub fn covers(outer: &TopicFilter, inner: &TopicFilter) -> bool {
         // Every topic `inner` matches is a system topic, which `outer` never matches.
         return false;
     }
+    covers_any(outer, inner)
+}
+
+/// [`covers`] without the rule for system topics (see [`matches_any_bytes`]).
+pub fn covers_any(outer: &TopicFilter, inner: &TopicFilter) -> bool {
+    let (o, i) = (outer.as_bytes(), inner.as_bytes());
     let mut o = o.split(|&b| b == b'/');
     let mut i = i.split(|&b| b == b'/');
     loop {
@@ -88,10 +100,16 @@ pub fn covers(outer: &TopicFilter, inner: &TopicFilter) -> bool {
 
 /// Is there a topic that both filters match?
 pub fn overlaps(a: &TopicFilter, b: &TopicFilter) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    if (starts_with_wildcard(a) && is_system(b)) || (starts_with_wildcard(b) && is_system(a)) {
+    let (x, y) = (a.as_bytes(), b.as_bytes());
+    if (starts_with_wildcard(x) && is_system(y)) || (starts_with_wildcard(y) && is_system(x)) {
         return false;
     }
+    overlaps_any(a, b)
+}
+
+/// [`overlaps`] without the rule for system topics (see [`matches_any_bytes`]).
+pub fn overlaps_any(a: &TopicFilter, b: &TopicFilter) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
     let mut a = a.split(|&c| c == b'/');
     let mut b = b.split(|&c| c == b'/');
     loop {

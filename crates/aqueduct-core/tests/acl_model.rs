@@ -4,7 +4,9 @@
 //! topic by topic over a small universe of topics.
 
 use aqueduct_core::acl::{AclPolicy, AclRule, Action, Permission};
-use aqueduct_core::matching::{covers, matches, overlaps};
+use aqueduct_core::matching::{
+    covers, covers_any, matches, matches_any_bytes, overlaps, overlaps_any,
+};
 use aqueduct_proto::{TopicFilter, TopicName};
 use proptest::prelude::*;
 
@@ -130,12 +132,21 @@ fn is_system_filter(filter: &TopicFilter) -> bool {
     b.first() == Some(&b'$') || b.starts_with(b"__")
 }
 
+/// Does rule `r`'s filter reach `topic`? A deny (`none`) reaches system topics through a
+/// leading wildcard too; other rules do not (the MQTT rule).
+fn reaches(r: &AclRule, topic: &TopicName) -> bool {
+    match r.permission {
+        Permission::None => matches_any_bytes(r.topic.as_bytes(), topic.as_bytes()),
+        _ => matches(&r.topic, topic),
+    }
+}
+
 /// The model: may `client` do `action` on the single topic `topic`?
 fn model(policy: &AclPolicy, client: &str, action: Action, topic: &TopicName) -> bool {
     let applicable: Vec<&AclRule> = policy
         .rules
         .iter()
-        .filter(|r| client_matches(r.client.as_str(), client) && matches(&r.topic, topic))
+        .filter(|r| client_matches(r.client.as_str(), client) && reaches(r, topic))
         .collect();
     let Some(best) = applicable.iter().map(|r| key(r)).max() else {
         // System topics are opened only by rules that name them, never by the default.
@@ -186,8 +197,12 @@ proptest! {
                         .iter()
                         .filter(|r| client_matches(r.client.as_str(), client))
                         .collect();
+                    let covers_it = |r: &AclRule| match r.permission {
+                        Permission::None => covers_any(&r.topic, &filter),
+                        _ => covers(&r.topic, &filter),
+                    };
                     let covering: Vec<&&AclRule> =
-                        mine.iter().filter(|r| covers(&r.topic, &filter)).collect();
+                        mine.iter().filter(|r| covers_it(r)).collect();
                     let best = covering.iter().map(|r| key(r)).max();
                     let whole = match best {
                         Some(best) => covering
@@ -202,8 +217,11 @@ proptest! {
                     let partial_refusal = mine.iter().any(|r| {
                         best.is_none_or(|b| key(r) >= b)
                             && !bits(r.permission, Action::Subscribe)
-                            && overlaps(&r.topic, &filter)
-                            && !covers(&r.topic, &filter)
+                            && match r.permission {
+                                Permission::None => overlaps_any(&r.topic, &filter),
+                                _ => overlaps(&r.topic, &filter),
+                            }
+                            && !covers_it(r)
                     });
                     let corner = !whole || partial_refusal;
                     prop_assert!(corner, "refused {} for {} without cause: {:?}", f, client, policy);
