@@ -555,7 +555,10 @@ impl Tracer {
 
     /// Does the broker record this trace?
     pub fn samples(&self, t: &TraceContext) -> bool {
-        if !t.is_sampled() {
+        // All-zero ids are invalid (W3C, OpenTelemetry's `SpanContext::is_valid`): not recorded
+        // (a zero trace id passed every ratio; backends may refuse the batch it is in). The
+        // context still travels on to subscribers as it came.
+        if !t.is_sampled() || t.trace_id == [0; 16] || t.span_id == [0; 8] {
             return false;
         }
         let mut low = [0u8; 8];
@@ -833,6 +836,18 @@ mod tests {
         assert!(all.samples(&trace(u64::MAX, 1)));
         assert!(!all.samples(&trace(0, 0)), "unsampled by the publisher");
         assert!(!tracer(0.0).samples(&trace(0, 1)));
+        // Invalid (all-zero) ids are never recorded: a zero trace id passed every ratio.
+        let zero_trace = TraceContext {
+            trace_id: [0; 16],
+            span_id: [2; 8],
+            flags: 1,
+        };
+        assert!(!tracer(0.5).samples(&zero_trace));
+        let zero_span = TraceContext {
+            span_id: [0; 8],
+            ..trace(0, 1)
+        };
+        assert!(!all.samples(&zero_span));
         let tenth = tracer(0.1);
         // The ratio applies to the trace id's lower 64 bits (>> 1) against ratio * 2^63.
         assert!(tenth.samples(&trace((u64::MAX / 10) - 1024, 1)));
