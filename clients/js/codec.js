@@ -776,10 +776,14 @@ function decodeComplete(buf, command, streamId, dataLen, peer, base, subFrame) {
     case Opcode.ERROR: {
       if (hasEntries({ ...ext, unknown: undefined })) badPayload('this opcode takes no extensions');
       if (opcode === Opcode.CONFIRM) {
-        if (payload.length % 8 !== 0) badPayload('payload must be a sequence of 8-byte offsets');
+        // protocol.md 7.1: a client MUST accept any CONFIRM as a SUBSCRIBE's confirmation,
+        // whatever its data. Data that is not whole u64s lists no offset (a PUBLISH waiting for
+        // one then reports how many it got).
         const pv = view(payload);
         frame.offsets = [];
-        for (let i = 0; i < payload.length; i += 8) frame.offsets.push(pv.getBigUint64(i, true));
+        if (payload.length % 8 === 0) {
+          for (let i = 0; i < payload.length; i += 8) frame.offsets.push(pv.getBigUint64(i, true));
+        }
       } else {
         if (payload.length < 2) badPayload('payload must start with a 2-byte code');
         const reason = decodeUtf8(payload.subarray(2));

@@ -232,6 +232,18 @@ test('a durable subscription learns from its CONFIRM whether the broker log serv
   await client.close();
 });
 
+test('a SUBSCRIBE CONFIRM of any length confirms (protocol.md 7.1); the subscribe hung before', async () => {
+  const { fake, client } = await setup();
+  const subscribing = client.subscribe('orders', { durable: { consumer: 'c1', start: 'earliest' } });
+  const broker = await fake.stream(0);
+  const { frame } = await broker.next();
+  const id = frame.streamId;
+  // CONFIRM (0x07) with 4 bytes of data: magic, opcode, stream id LE, data_len LE, data.
+  await broker.send(new Uint8Array([0x1f, 0x07, id & 0xff, (id >> 8) & 0xff, 0, 0, 4, 0, 0, 0, 1, 2, 3, 4]));
+  assert.equal((await subscribing).durableLog, undefined, 'confirmed, saying nothing');
+  await client.close();
+});
+
 test('ack on a subscription without wildcards: ATTEMPT but no TOPIC; refusals go to onError', async () => {
   const { fake, client } = await setup();
   const refusals = [];
