@@ -45,7 +45,7 @@ export interface ConnectOptions {
   close?: () => void | Promise<void>;
   /** With `openStream`: settles when the connection ends. */
   closed?: Promise<{ closeCode?: number; reason?: string } | void>;
-  /** Largest `data_len` accepted from the broker; default 1 MiB + 1024. */
+  /** Largest `data_len` accepted from the broker; default 8 MiB + 1024 (the largest `transport.max_buf_size`, plus extensions). */
   maxDataLen?: number;
   /** Largest `data_len` sent; default 65536 (the broker's default `transport.max_buf_size`). */
   maxSendDataLen?: number;

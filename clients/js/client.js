@@ -12,7 +12,6 @@
 import {
   AckMode,
   BROKER_DEFAULT_MAX_BUF_SIZE,
-  DEFAULT_MAX_DATA_LEN,
   ErrorCode,
   FrameDecoder,
   FrameError,
@@ -33,6 +32,13 @@ import {
  * the client refused to send because the broker would refuse it (e.g. INVALID_TOPIC) — or
  * `null` when there is none (the connection or stream closed, a protocol violation by the peer).
  */
+/**
+ * The largest `data_len` a client accepts by default: a delivery of the largest publish any
+ * broker takes (`transport.max_buf_size` is at most 8 MiB) plus its extensions (§6.5, §10).
+ * A smaller limit ended a subscription at the first delivery above it.
+ */
+const RECEIVE_MAX_DATA_LEN = 8 * 1024 * 1024 + MAX_EXT_LEN;
+
 export class AqueductError extends Error {
   constructor(code, reason, { streamId, cause } = {}) {
     const name = code === null || code === undefined ? undefined : errorCodeName(code);
@@ -125,7 +131,8 @@ export function certificateHashes(hashes) {
  * one new bidirectional stream per call; then `url` is not used. `close` — called by
  * `client.close()`. `closed` — a promise that settles when the connection ends.
  *
- * Limits: `maxDataLen` — the largest `data_len` accepted from the broker (default 1 MiB + 1024,
+ * Limits: `maxDataLen` — the largest `data_len` accepted from the broker (default 8 MiB + 1024,
+ * for the largest `transport.max_buf_size` a broker takes; the buffer grows only as bytes come,
  * §6.5, §10); `maxSendDataLen` — the largest `data_len` sent (default 65536, the broker's default
  * `transport.max_buf_size`: a larger frame gets FRAME_TOO_LARGE, which ends the stream, so the
  * client refuses it before sending). `onError(err)` — ERRORs no call is waiting for (e.g. for a
@@ -172,7 +179,7 @@ export class Client {
     this.#openStream = options.openStream;
     this.#closeTransport = options.close;
     this.#options = {
-      maxDataLen: options.maxDataLen ?? DEFAULT_MAX_DATA_LEN + MAX_EXT_LEN,
+      maxDataLen: options.maxDataLen ?? RECEIVE_MAX_DATA_LEN,
       maxSendDataLen: options.maxSendDataLen ?? BROKER_DEFAULT_MAX_BUF_SIZE,
       onError: options.onError ?? ((err) => console.warn('aqueduct:', err.message)),
     };

@@ -232,6 +232,20 @@ test('a durable subscription learns from its CONFIRM whether the broker log serv
   await client.close();
 });
 
+test('a delivery above 1 MiB (a broker with a larger transport.max_buf_size) is taken by default', async () => {
+  const { fake, client } = await setup();
+  const subscribing = client.subscribe('big');
+  const broker = await fake.stream(0);
+  const { frame } = await broker.next();
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
+  const sub = await subscribing;
+  const body = new Uint8Array(4 * 1024 * 1024).fill(7);
+  await broker.send({ opcode: Opcode.PUBLISH, streamId: frame.streamId, ext: { topic: 'big', offset: 0n }, body });
+  const m = (await sub[Symbol.asyncIterator]().next()).value;
+  assert.equal(m.body.length, body.length);
+  await client.close();
+});
+
 test('a SUBSCRIBE CONFIRM of any length confirms (protocol.md 7.1); the subscribe hung before', async () => {
   const { fake, client } = await setup();
   const subscribing = client.subscribe('orders', { durable: { consumer: 'c1', start: 'earliest' } });
