@@ -22,14 +22,6 @@ impl FrameReader {
         }
     }
 
-    /// A frame already buffered, without reading; `Ok(None)` if none is complete.
-    pub(crate) fn try_next(&mut self) -> Result<Option<Frame>, ClientError> {
-        match self.try_next_raw()? {
-            Some((header, data)) => Ok(Some(Frame::decode(&header, data)?)),
-            None => Ok(None),
-        }
-    }
-
     /// The next buffered frame's validated header and data (not decoded); `Ok(None)` if none
     /// is complete.
     pub(crate) fn try_next_raw(&mut self) -> Result<Option<(FrameHeader, Bytes)>, ClientError> {
@@ -100,23 +92,21 @@ impl FrameReader {
 
     /// The next frame; `Ok(None)` when the broker finished the stream.
     pub(crate) async fn next(&mut self) -> Result<Option<Frame>, ClientError> {
-        loop {
-            if let Some(frame) = self.try_next()? {
-                return Ok(Some(frame));
-            }
-            if !std::future::poll_fn(|cx| self.poll_read_more(cx)).await? {
-                return Ok(None);
-            }
-        }
+        self.next_frame(false).await
     }
 
     /// The next frame on a stream of SUBSCRIBEs, as [`Self::next`] except that any CONFIRM is
     /// a confirmation (protocol.md §7.1: "whatever its data"): one whose data is not whole
     /// u64s comes back listing none, which says nothing about where it is served from.
     pub(crate) async fn next_subscribe_answer(&mut self) -> Result<Option<Frame>, ClientError> {
+        self.next_frame(true).await
+    }
+
+    async fn next_frame(&mut self, any_confirm: bool) -> Result<Option<Frame>, ClientError> {
         loop {
             if let Some((header, data)) = self.try_next_raw()? {
-                if header.opcode == Opcode::Confirm && !data.len().is_multiple_of(8) {
+                if any_confirm && header.opcode == Opcode::Confirm && !data.len().is_multiple_of(8)
+                {
                     let confirm = Confirm {
                         offsets: Vec::new(),
                     };
