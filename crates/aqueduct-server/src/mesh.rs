@@ -81,7 +81,7 @@ pub enum Event {
         control: Control,
         /// The message's bytes of its connection's [`CONTROL_BYTES_WAITING`], given back when
         /// the driver has handled it.
-        held: Option<tokio::sync::OwnedSemaphorePermit>,
+        held: tokio::sync::OwnedSemaphorePermit,
     },
     /// The connection's control stream broke the protocol.
     Broken {
@@ -1512,7 +1512,6 @@ async fn read_control(
                     let Ok(held) = waiting.clone().acquire_many_owned(bytes).await else {
                         return End::Gone;
                     };
-                    let held = Some(held);
                     let _ = events.send(Event::Control {
                         conn: id,
                         control,
