@@ -36,7 +36,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use aqueduct_proto::TopicFilter;
 use arc_swap::ArcSwap;
@@ -393,6 +393,9 @@ pub struct Acl {
     policy: ArcSwap<AclPolicy>,
     /// Bumped after every swap: caches compare it to know they are stale.
     generation: AtomicU64,
+    /// Held by every change, and by whoever must act on one policy while no change lands (see
+    /// [`Acl::hold_changes`]).
+    changes: Mutex<()>,
 }
 
 impl Acl {
@@ -400,7 +403,17 @@ impl Acl {
         Acl {
             policy: ArcSwap::from_pointee(policy),
             generation: AtomicU64::new(1),
+            changes: Mutex::new(()),
         }
+    }
+
+    /// Keep the policy as it is until the guard is dropped: [`Acl::replace`] and [`Acl::update`]
+    /// wait. For work that acts on the live policy (closing the subscriptions it refuses): two
+    /// such walks then run one after the other, each under the policy live during it, so an
+    /// older policy's walk cannot close what a newer one allows. Do not change the policy while
+    /// holding it (that would wait forever).
+    pub fn hold_changes(&self) -> MutexGuard<'_, ()> {
+        self.changes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The current policy.
@@ -415,25 +428,20 @@ impl Acl {
 
     /// Install `policy`. Every check that starts after this returns uses it.
     pub fn replace(&self, policy: AclPolicy) {
+        let _changing = self.hold_changes();
         self.policy.store(Arc::new(policy));
         self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Change the policy with `f` (copy-on-write; concurrent updates are applied one after the
-    /// other, none lost). Returns what `f` returned for the policy that was installed.
-    pub fn update<T>(&self, mut f: impl FnMut(&mut AclPolicy) -> T) -> T {
-        let mut current = self.policy.load_full();
-        loop {
-            let mut next = AclPolicy::clone(&current);
-            let out = f(&mut next);
-            let prev = self.policy.compare_and_swap(&current, Arc::new(next));
-            if Arc::ptr_eq(&prev, &current) {
-                self.generation.fetch_add(1, Ordering::AcqRel);
-                return out;
-            }
-            // Another update came first: apply `f` again on top of it.
-            current = arc_swap::Guard::into_inner(prev);
-        }
+    /// other, none lost). Returns what `f` returned.
+    pub fn update<T>(&self, f: impl FnOnce(&mut AclPolicy) -> T) -> T {
+        let _changing = self.hold_changes();
+        let mut next = AclPolicy::clone(&self.policy.load());
+        let out = f(&mut next);
+        self.policy.store(Arc::new(next));
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        out
     }
 
     /// Changes so far (for caches).
@@ -532,6 +540,42 @@ mod tests {
 
     fn f(s: &str) -> TopicFilter {
         TopicFilter::try_from(s).expect("filter")
+    }
+
+    /// While a walk holds the policy steady, changes wait for it; both kinds of change hold the
+    /// lock. Without it an older policy's walk could close what a newer one allows.
+    #[test]
+    fn changes_wait_while_the_policy_is_held() {
+        let acl = Arc::new(Acl::new(policy("all", &[])));
+        // update holds the lock while it changes the policy.
+        let held_during_update = acl.update(|p| {
+            p.default = Permission::None;
+            acl.changes.try_lock().is_err()
+        });
+        assert!(held_during_update);
+        let before = acl.generation();
+        let steady = acl.hold_changes();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let changer = {
+            let acl = acl.clone();
+            std::thread::spawn(move || {
+                acl.replace(policy("publish", &[]));
+                done_tx.send(()).expect("send");
+            })
+        };
+        // Nothing lands while held (a slow thread could make this pass vacuously, never fail).
+        assert!(done_rx
+            .recv_timeout(std::time::Duration::from_millis(50))
+            .is_err());
+        assert_eq!(acl.generation(), before);
+        assert_eq!(acl.policy().default, Permission::None);
+        drop(steady);
+        done_rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the change lands once released");
+        changer.join().expect("changer");
+        assert_eq!(acl.policy().default, Permission::Publish);
+        assert_eq!(acl.generation(), before + 1);
     }
 
     /// `acl.default` does not open system topics: a client may not forge dead letters or read

@@ -259,21 +259,29 @@ fn async_stream(
 
 /// Close, with ERROR NOT_AUTHORIZED, every live subscription the current ACL refuses: routing to
 /// them stops now, and each one's stream task finishes closing it right after (see
-/// `stream::request_revoke`). Returns how many.
+/// `stream::request_revoke`). Returns how many. No policy change lands during the walk
+/// ([`aqueduct_core::acl::Acl::hold_changes`]), so two walks after two quick changes cannot close
+/// a subscription the newer policy allows.
 pub(crate) fn recheck_subscriptions(shared: &Shared) -> usize {
-    let policy = shared.access.acl.policy();
-    if !policy.enabled {
-        return 0;
-    }
+    let acl = &shared.access.acl;
+    let _steady = acl.hold_changes();
+    let policy = acl.policy();
     shared
         .live_clients()
         .iter()
-        .map(|conn| recheck_connection(shared, &policy, conn))
+        .map(|conn| recheck_under(shared, &policy, conn))
         .sum()
 }
 
-/// [`recheck_subscriptions`] for one connection, under `policy`.
-pub(crate) fn recheck_connection(
+/// [`recheck_subscriptions`] for one connection.
+pub(crate) fn recheck_connection(shared: &Shared, conn: &crate::connection::ConnState) -> usize {
+    let acl = &shared.access.acl;
+    let _steady = acl.hold_changes();
+    recheck_under(shared, &acl.policy(), conn)
+}
+
+/// [`recheck_connection`] under `policy`, the live one (changes held).
+fn recheck_under(
     shared: &Shared,
     policy: &aqueduct_core::acl::AclPolicy,
     conn: &crate::connection::ConnState,

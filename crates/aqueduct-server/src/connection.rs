@@ -584,7 +584,7 @@ fn identify(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Shared) {
     // SUBSCRIBEs in 0-RTT data run before this, unchecked while the ACL is off. If a reload
     // turned it on meanwhile, its re-check did not see this connection (not listed yet): check
     // them now. A change after the listing above re-checks this connection itself.
-    crate::admin::recheck_connection(shared, &shared.access.acl.policy(), state);
+    crate::admin::recheck_connection(shared, state);
 }
 
 async fn serve_streams(
