@@ -28,13 +28,14 @@ export type CertificateHash =
 export interface ConnectOptions {
   /** Hashes of the broker's certificate (a short-lived ECDSA one), e.g. from `GET /webtransport/cert-hash`. */
   serverCertificateHashes?: CertificateHash[];
-  /** Sent as the URL query parameter `token`; the broker (`webtransport.tokens`) maps it to a client id. */
+  /** Sent as the URL query parameter `token`; the broker (`webtransport.tokens`) maps it to a client id. Empty: none (`anonymous`). */
   token?: string;
-  /** WebTransport subprotocols to offer, e.g. `['aqueduct-v1']`. */
+  /** WebTransport subprotocols to offer; default `['aqueduct-v1']` (with it, connect() rejects a refused session with the broker's code and reason). */
   protocols?: string[];
   /** The WebTransport constructor (default `globalThis.WebTransport`). */
   WebTransport?: new (url: string, init?: object) => {
     ready: Promise<unknown>;
+    protocol?: string;
     closed: Promise<{ closeCode?: number; reason?: string }>;
     createBidirectionalStream(): Promise<BidirectionalStream>;
     close(info?: { closeCode?: number; reason?: string }): void;
@@ -81,6 +82,8 @@ export interface SubscribeOptions {
 }
 
 export declare function connect(url: string, options?: ConnectOptions): Promise<Client>;
+/** The WebTransport subprotocol of Aqueduct: `aqueduct-v1`. */
+export declare const SUBPROTOCOL: string;
 export declare function webTransportUrl(url: string, token?: string | null): string;
 /** WebTransport's one-byte stream reset codes → the spec's codes: 30 → 300 (SLOW_CONSUMER), 51 → 501 (SHUTTING_DOWN). */
 export declare const WEBTRANSPORT_STREAM_CODES: Readonly<Record<number, number>>;
@@ -91,6 +94,8 @@ export declare function certificateHashes(hashes: CertificateHash[]): Array<{ al
 export declare class Client {
   private constructor(options: ConnectOptions);
   readonly closed: boolean;
+  /** Why the connection ended (the broker's close code and reason, a lost connection); null while open or after `close()`. */
+  readonly error: AqueductError | null;
   publish(topic: string, body: Bytes, opts: PublishOptions & { confirm: true }): Promise<bigint>;
   publish(topic: string, body: Bytes, opts?: PublishOptions): Promise<bigint | undefined>;
   publishBatch(items: BatchItem[], opts: Omit<PublishOptions, 'confirm'> & { confirm: true }): Promise<bigint[]>;

@@ -37,6 +37,11 @@ import {
  * broker takes (`transport.max_buf_size` is at most 8 MiB) plus its extensions (§6.5, §10).
  * A smaller limit ended a subscription at the first delivery above it.
  */
+/** The WebTransport subprotocol of Aqueduct (docs/protocol.md §12). */
+export const SUBPROTOCOL = 'aqueduct-v1';
+/** How long connect() waits for a refused session's close (code and reason), in ms. */
+const REFUSAL_WAIT_MS = 5000;
+
 const RECEIVE_MAX_DATA_LEN = 8 * 1024 * 1024 + MAX_EXT_LEN;
 
 export class AqueductError extends Error {
@@ -89,10 +94,13 @@ function toAqueductError(e, what) {
   return new AqueductError(null, `${what}: ${e?.message ?? String(e)}`, { cause: e });
 }
 
-/** Build the WebTransport URL: `url` with the `token` query parameter set (when given). */
+/**
+ * Build the WebTransport URL: `url` with the `token` query parameter set (when given; an empty
+ * token is none: the client is `anonymous`, where `?token=` would be refused as unknown).
+ */
 export function webTransportUrl(url, token) {
   const u = new URL(url);
-  if (token !== undefined && token !== null) u.searchParams.set('token', String(token));
+  if (token !== undefined && token !== null && String(token) !== '') u.searchParams.set('token', String(token));
   return u.toString();
 }
 
@@ -124,8 +132,10 @@ export function certificateHashes(hashes) {
  * With WebTransport (the default): `url` is the broker's WebTransport URL
  * (`https://host:4242/aqueduct/wt`); options `serverCertificateHashes` (for a short-lived
  * self-signed certificate, see README), `token` (sent as the URL query parameter `token`; the
- * broker's `webtransport.tokens` maps it to a client id), `protocols` (WebTransport
- * subprotocols to offer, e.g. `['aqueduct-v1']`), `WebTransport` (the constructor to use).
+ * broker's `webtransport.tokens` maps it to a client id; empty: none), `protocols` (WebTransport
+ * subprotocols to offer; default `['aqueduct-v1']`, which lets connect() tell a refused session:
+ * it rejects with the broker's code — 401, 403 or 404 — and reason), `WebTransport` (the
+ * constructor to use).
  *
  * Any transport: `openStream` — a function returning (a promise of) `{ readable, writable }`,
  * one new bidirectional stream per call; then `url` is not used. `close` — called by
@@ -148,18 +158,44 @@ export async function connect(url, options = {}) {
     }
     const init = {};
     if (options.serverCertificateHashes) init.serverCertificateHashes = certificateHashes(options.serverCertificateHashes);
-    if (options.protocols) init.protocols = options.protocols;
+    init.protocols = options.protocols ?? [SUBPROTOCOL];
     try {
       session = new WT(webTransportUrl(url, options.token), init);
       await session.ready;
     } catch (e) {
       throw toAqueductError(e, `could not open a WebTransport session to ${url}`);
     }
+    // The broker answers a page it does not admit with a session that selects no subprotocol
+    // and closes at once with the HTTP status as its code and the reason (§12): browsers do
+    // not show pages the status. (`protocol` is undefined in a browser without subprotocols.)
+    if (init.protocols.includes(SUBPROTOCOL) && session.protocol === '') {
+      throw await refusal(session, url);
+    }
     openStream = () => session.createBidirectionalStream();
     close = () => session.close({ closeCode: 0, reason: 'client closed' });
     closed = session.closed;
   }
   return new Client({ ...options, openStream, close, closed });
+}
+
+/** The error for a session the broker refused: its close code and reason, once closed. */
+async function refusal(session, url) {
+  let timer;
+  const waited = new Promise((resolve) => {
+    timer = setTimeout(() => resolve(null), REFUSAL_WAIT_MS);
+  });
+  const info = await Promise.race([session.closed.catch((e) => ({ error: e })), waited]);
+  clearTimeout(timer);
+  if (info === null) {
+    try {
+      session.close({ closeCode: 0, reason: 'no subprotocol selected' });
+    } catch {
+      // Already closed.
+    }
+    return new AqueductError(null, `${url} selected no WebTransport subprotocol (${SUBPROTOCOL}) and did not close: not an Aqueduct broker?`);
+  }
+  if (info.error) return toAqueductError(info.error, `the broker refused the WebTransport session to ${url}`);
+  return new AqueductError(info.closeCode ?? null, info.reason || `the broker refused the WebTransport session to ${url}`);
 }
 
 /** A connection to a broker. Make one with `connect()`. */
@@ -173,6 +209,7 @@ export class Client {
   #channels = new Set();
   #subscriptions = new Set();
   #closed = false;
+  #error = null;
   #chain = Promise.resolve();
 
   constructor(options) {
@@ -194,6 +231,11 @@ export class Client {
   /** True once `close()` was called or the connection ended. */
   get closed() {
     return this.#closed;
+  }
+
+  /** Why the connection ended (an `AqueductError`); null while open or after `close()`. */
+  get error() {
+    return this.#error;
   }
 
   /**
@@ -343,6 +385,7 @@ export class Client {
   #lost(err, { byUser = false } = {}) {
     if (this.#closed) return;
     this.#closed = true;
+    if (!byUser) this.#error = err;
     // Closed by the application: iterators end (done); the connection lost: they throw.
     for (const sub of this.#subscriptions) sub._end(byUser ? null : err);
     for (const ch of this.#channels) ch.shut(err);
@@ -351,7 +394,9 @@ export class Client {
   }
 
   #checkOpen() {
-    if (this.#closed) throw new AqueductError(null, 'the client is closed');
+    if (!this.#closed) return;
+    const e = this.#error;
+    throw e ? new AqueductError(e.code, e.reason, { cause: e }) : new AqueductError(null, 'the client is closed');
   }
 
   #allocId() {

@@ -3,7 +3,7 @@
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
 
-import { AqueductError, connect, streamResetCode } from '../client.js';
+import { AqueductError, SUBPROTOCOL, connect, streamResetCode } from '../client.js';
 import { ErrorCode, Opcode, encodeFrame } from '../codec.js';
 import { fakeTransport } from '../test-support/fake-broker.js';
 
@@ -463,6 +463,61 @@ test('connect over WebTransport: URL with the token, certificate hashes, session
     /32 bytes/,
   );
   await assert.rejects(connect('https://localhost/', { WebTransport: undefined }), (e) => e instanceof AqueductError && /WebTransport is not available/.test(e.message));
+});
+
+test('connect over WebTransport: a refused session (no subprotocol selected) rejects with the close code and reason', async () => {
+  const seen = {};
+  const make = ({ protocol, closed }) =>
+    class {
+      constructor(url, init) {
+        seen.url = url;
+        seen.init = init;
+        this.ready = Promise.resolve();
+        this.protocol = protocol;
+        this.closed = closed;
+      }
+      createBidirectionalStream() {
+        throw new Error('no streams on a refused session');
+      }
+      close() {}
+    };
+  const reason = 'WebTransport session refused (401): unknown token (webtransport.tokens)';
+  await assert.rejects(
+    connect('https://localhost:4242/aqueduct/wt', {
+      WebTransport: make({ protocol: '', closed: Promise.resolve({ closeCode: 400, reason }) }),
+      token: 'guessed',
+    }),
+    (e) => e instanceof AqueductError && e.code === ErrorCode.NOT_AUTHORIZED && e.reason === reason,
+  );
+  // The subprotocol is offered by default: that is how a refusal is told at `ready`.
+  assert.deepEqual(seen.init.protocols, [SUBPROTOCOL]);
+  // Selected: admitted. An empty token is none (`?token=` would be refused as unknown).
+  const client = await connect('https://localhost:4242/aqueduct/wt', {
+    WebTransport: make({ protocol: SUBPROTOCOL, closed: new Promise(() => {}) }),
+    token: '',
+  });
+  assert.equal(seen.url, 'https://localhost:4242/aqueduct/wt');
+  assert.equal(client.closed, false);
+  assert.equal(client.error, null);
+});
+
+test('a connection the broker closes: later calls fail with its code and reason, client.error keeps it', async () => {
+  let closeSession;
+  const fake = fakeTransport();
+  const client = await connect('x', {
+    openStream: fake.openStream,
+    close: () => {},
+    closed: new Promise((resolve) => {
+      closeSession = resolve;
+    }),
+  });
+  closeSession({ closeCode: 0, reason: 'disconnected by an administrator' });
+  await new Promise((r) => setTimeout(r, 0));
+  assert.equal(client.closed, true);
+  assert.match(client.error.message, /disconnected by an administrator/);
+  await assert.rejects(client.publish('a', '1'), (e) => e instanceof AqueductError && /disconnected by an administrator/.test(e.message));
+  await client.close();
+  assert.match(client.error.message, /disconnected by an administrator/);
 });
 
 test('a frame the client does not expect is reported, the stream goes on', async () => {

@@ -170,7 +170,7 @@ fn a_browser_uses_the_live_view_and_the_js_client_against_the_real_broker() {
         "each of 20 jobs to exactly one",
         "NOT_AUTHORIZED (400)",
         "screenshot of the live view",
-        "a refused session (unknown token) shows as a refusal",
+        "a refused session (unknown token) shows the broker's reason",
         "clients/js/README.md's browser page, as written",
         "docs/howto-browser.md's snippet, as written",
         "all browser checks passed",

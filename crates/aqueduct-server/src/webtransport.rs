@@ -8,7 +8,9 @@
 //! (`webtransport.allowed_origins`; by default only pages on this machine: `localhost`,
 //! `127.0.0.1`, `[::1]`); its `token` query parameter, if any, must be one of
 //! `webtransport.tokens` and names the client (its ACL and quota identity), else the client is
-//! `anonymous`. A refused session gets an HTTP status (404, 403, 401) and a log line.
+//! `anonymous`. A refused session gets an HTTP status (404, 403, 401) and a log line; a
+//! browser's (it sends `Origin`) a session closed at once with NOT_AUTHORIZED and a reason naming
+//! the status instead, since browsers do not show pages the status.
 //!
 //! Certificates: with a generated development certificate, browsers get their own — ECDSA P-256,
 //! valid 13 days (what `serverCertificateHashes` accepts), renewed every 6 days — whose SHA-256
@@ -377,6 +379,50 @@ pub fn admit(
 /// How long a refused session's connection stays open for the client to read the HTTP status.
 const REFUSAL_LINGER: Duration = Duration::from_secs(2);
 
+/// Answer a session request the broker does not admit. A browser's (it sent an `Origin`) gets a
+/// session that is closed at once with code NOT_AUTHORIZED (400, as a native connection the
+/// broker refuses) and a reason naming the status: browsers show a page no HTTP status
+/// (Chromium: net::ERR_METHOD_NOT_SUPPORTED, whatever it was), but `WebTransport.closed`
+/// resolves with a session's close code and reason. The session selects no
+/// subprotocol, so a client that offered `aqueduct-v1` knows at `ready` that it was refused.
+/// Other clients get the status as the CONNECT response (protocol.md §12).
+///
+/// Either way the HTTP/3 control streams stay open until the client closes (it does at once) or
+/// REFUSAL_LINGER ends: closing them with the response (`Request::reject`) made a browser report
+/// a broken connection (QUIC_HTTP_CLOSED_CRITICAL_STREAM). Bounded: a client that gives the
+/// response no stream credit must not hold this task (and a connection slot) forever.
+async fn refuse(
+    conn: quinn::Connection,
+    request: web_transport_quinn::Request,
+    browser: bool,
+    refusal: Refusal,
+    timeout: Duration,
+) {
+    use web_transport_quinn::http::StatusCode;
+    let response = if browser {
+        web_transport_quinn::proto::ConnectResponse::OK
+    } else {
+        StatusCode::from_u16(refusal.status)
+            .unwrap_or(StatusCode::FORBIDDEN)
+            .into()
+    };
+    if let Ok(Ok(session)) = tokio::time::timeout(timeout, request.respond(response)).await {
+        if browser {
+            let reason = format!(
+                "WebTransport session refused ({}): {}",
+                refusal.status, refusal.why
+            );
+            session.close(
+                u32::from(aqueduct_proto::ErrorCode::NOT_AUTHORIZED.0),
+                reason.as_bytes(),
+            );
+        }
+        let _ = tokio::time::timeout(REFUSAL_LINGER, conn.closed()).await;
+        drop(session);
+    }
+    conn.close(0u32.into(), b"WebTransport session refused");
+}
+
 /// One browser's (or native WebTransport client's) session: the HTTP/3 handshake, the checks,
 /// then each bidirectional stream to the stream task, until the session ends.
 pub(crate) async fn serve(
@@ -424,19 +470,7 @@ pub(crate) async fn serve(
                 .stats
                 .webtransport_refused
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let status = web_transport_quinn::http::StatusCode::from_u16(refusal.status)
-                .unwrap_or(web_transport_quinn::http::StatusCode::FORBIDDEN);
-            // The status goes out as the CONNECT response, and the HTTP/3 control streams
-            // stay open until the client closes (it does at once) or REFUSAL_LINGER ends: a
-            // browser sees a refused request then (Chromium: net::ERR_METHOD_NOT_SUPPORTED,
-            // whatever the status), where closing them with the response (`Request::reject`)
-            // made it report a broken connection (QUIC_HTTP_CLOSED_CRITICAL_STREAM). Bounded: a client that gives the response no
-            // stream credit must not hold this task (and a connection slot) forever.
-            if let Ok(Ok(session)) = tokio::time::timeout(timeout, request.respond(status)).await {
-                let _ = tokio::time::timeout(REFUSAL_LINGER, conn.closed()).await;
-                drop(session);
-            }
-            conn.close(0u32.into(), b"WebTransport session refused");
+            refuse(conn, request, origin.is_some(), refusal, timeout).await;
             return;
         }
     };

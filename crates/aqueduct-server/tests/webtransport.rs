@@ -256,7 +256,10 @@ async fn a_webtransport_session_and_a_native_client_share_one_port() {
 }
 
 /// A session on another path, from a page of another origin, or with an unknown token is
-/// refused (and counted); a token the config names is admitted.
+/// refused (and counted); a token the config names is admitted. A native client learns why from
+/// the HTTP status; a browser (it sends `Origin`), which cannot see statuses, from a session that
+/// selects no subprotocol and is closed at once with NOT_AUTHORIZED and a reason naming the
+/// status.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_are_refused_by_path_origin_and_token() {
     let b = TestBroker::start_with(|c| {
@@ -265,7 +268,7 @@ async fn sessions_are_refused_by_path_origin_and_token() {
             .insert("a-long-enough-browser-token".into(), "dashboard".into());
     })
     .await;
-    // Each refusal reaches the client as its HTTP status (protocol.md §12), not as a
+    // Each refusal reaches a native client as its HTTP status (protocol.md §12), not as a
     // connection error.
     let status = |r: Result<web_transport_quinn::Session, web_transport_quinn::ClientError>| {
         use web_transport_quinn::{proto, ClientError, ConnectError};
@@ -284,18 +287,54 @@ async fn sessions_are_refused_by_path_origin_and_token() {
         "path"
     );
     assert_eq!(
-        status(wt_connect(&b, "/aqueduct/wt", Some("https://evil.example")).await),
-        403,
-        "origin"
-    );
-    assert_eq!(
         status(wt_connect(&b, "/aqueduct/wt?token=guessed", None).await),
         401,
         "token"
     );
-    let ok = wt_connect(&b, "/aqueduct/wt?token=a-long-enough-browser-token", None)
-        .await
-        .expect("a known token");
+    // A page's: the session opens without the subprotocol it offered, then closes with
+    // NOT_AUTHORIZED and a reason naming the status.
+    let page = "http://localhost:8080";
+    for (path, origin, code, why) in [
+        (
+            "/elsewhere",
+            page,
+            404,
+            "is not under webtransport.path_prefix",
+        ),
+        (
+            "/aqueduct/wt",
+            "https://evil.example",
+            403,
+            "is not in webtransport.allowed_origins",
+        ),
+        ("/aqueduct/wt?token=guessed", page, 401, "unknown token"),
+    ] {
+        let session = wt_connect(&b, path, Some(origin))
+            .await
+            .unwrap_or_else(|e| panic!("{path} from {origin}: no session to close: {e}"));
+        assert_eq!(session.protocol(), None, "{path} from {origin}");
+        match within("the refused session to close", session.closed()).await {
+            web_transport_quinn::SessionError::WebTransportError(
+                web_transport_quinn::WebTransportError::Closed(c, reason),
+            ) => {
+                assert_eq!(c, 400, "{path} from {origin}: {reason}");
+                assert!(
+                    reason.starts_with(&format!("WebTransport session refused ({code}): "))
+                        && reason.contains(why),
+                    "{path} from {origin}: {reason}"
+                );
+            }
+            other => panic!("{path} from {origin}: closed without a reason: {other}"),
+        }
+    }
+    let ok = wt_connect(
+        &b,
+        "/aqueduct/wt?token=a-long-enough-browser-token",
+        Some(page),
+    )
+    .await
+    .expect("a known token");
+    assert_eq!(ok.protocol(), Some("aqueduct-v1"));
     // The token names the client: the admin API's client list says so.
     until("the session to be listed as dashboard", || {
         b.control.client_ids().iter().any(|c| c == "dashboard")
@@ -304,7 +343,7 @@ async fn sessions_are_refused_by_path_origin_and_token() {
     let metrics = get(b.metrics_addr, "/metrics").await.1;
     assert_eq!(
         value(&metrics, "aqueduct_webtransport_refused_total"),
-        Some(3.0)
+        Some(5.0)
     );
     ok.close(0, b"done");
     b.stop().await.expect("clean shutdown");

@@ -131,7 +131,7 @@ async function watchClosed(c) {
     if (client === c) {
       client = null;
       setStatus('failed', 'disconnected');
-      event('the connection closed', true);
+      event(c.error ? `the connection closed: ${describeError(c.error)}` : 'the connection closed', true);
       for (const s of subscriptions) s.markEnded('connection closed');
     }
   }, 500);
@@ -150,10 +150,10 @@ function startConnect(token) {
   connecting = doConnect(token).catch((e) => {
     setStatus('failed', 'not connected');
     let why = describeError(e);
-    // A browser does not tell a page why a session was refused (Chromium's console shows a
-    // network error code only).
+    // A refusal comes with the broker's reason (the client's connect() rejects with it); a
+    // handshake that failed means no broker answered there.
     if (why.includes('Opening handshake failed')) {
-      why += ' The broker refused the session (a token, origin or path it does not admit: its log says which, as "WebTransport session refused"), or UDP to its port is blocked.';
+      why += ' No broker answered on that UDP port (is it running, and is UDP to it allowed?), or its certificate did not match.';
     }
     note('connect-note', why, 'bad');
     event(`connect failed: ${why}`, true);
