@@ -113,16 +113,22 @@ impl WebTransportSection {
                 format!("{:?} must start with '/'", self.path_prefix),
             ));
         }
+        let mut allowed_origins = Vec::with_capacity(self.allowed_origins.len());
         for o in &self.allowed_origins {
-            let ok = o == "*" || o.starts_with("http://") || o.starts_with("https://");
-            if !ok || o.ends_with('/') {
+            let normal = if o == "*" {
+                Some(o.clone())
+            } else {
+                normalized_origin(o)
+            };
+            let Some(normal) = normal else {
                 return Err(invalid(
                     "webtransport.allowed_origins",
                     format!(
-                        "{o:?} is not an origin: scheme://host[:port] without a path, or \"*\""
+                        "{o:?} is not an origin: http(s)://host[:port] without a path, query or user, or \"*\""
                     ),
                 ));
-            }
+            };
+            allowed_origins.push(normal);
         }
         for (token, client) in &self.tokens {
             if token.len() < 16 {
@@ -144,7 +150,7 @@ impl WebTransportSection {
             enabled: self.enabled,
             listen_addr,
             path_prefix: self.path_prefix.trim_end_matches('/').to_string(),
-            allowed_origins: self.allowed_origins.clone(),
+            allowed_origins,
             tokens: self.tokens.clone(),
         })
     }
@@ -158,34 +164,47 @@ impl WebTransportConfig {
             // could make a visitor's browser open.
             return true;
         };
+        let Some(origin) = normalized_origin(origin) else {
+            // `null` (an opaque origin: a sandboxed frame, a file) or garbage.
+            return self.allowed_origins.iter().any(|o| o == "*");
+        };
         if self.allowed_origins.is_empty() {
-            return is_local_origin(origin);
+            return is_local_origin(&origin);
         }
         self.allowed_origins
             .iter()
-            .any(|o| o == "*" || o.eq_ignore_ascii_case(origin))
+            .any(|o| o == "*" || *o == origin)
     }
 }
 
-/// `http(s)://localhost[:port]`, `127.0.0.1`, `[::1]`.
-fn is_local_origin(origin: &str) -> bool {
-    let Some(rest) = origin
-        .strip_prefix("http://")
-        .or_else(|| origin.strip_prefix("https://"))
-    else {
-        return false;
-    };
-    let host = match rest.strip_prefix("[::1]") {
-        Some(port) => return port.is_empty() || is_port(port),
-        None => rest.split(':').next().unwrap_or(""),
-    };
-    let port = &rest[host.len()..];
-    matches!(host, "localhost" | "127.0.0.1") && (port.is_empty() || is_port(port))
+/// `s` as a browser serializes an origin (lower-case ASCII host, punycode for a Unicode name, no
+/// default port, no trailing `/`), so that a configured entry matches the `Origin` header
+/// whatever way it was written. None if it is not an `http` or `https` origin: a path, query,
+/// fragment or user name in it, or no host.
+fn normalized_origin(s: &str) -> Option<String> {
+    let u = url::Url::parse(s).ok()?;
+    let plain = matches!(u.scheme(), "http" | "https")
+        && u.has_host()
+        && u.path() == "/"
+        && u.query().is_none()
+        && u.fragment().is_none()
+        && u.username().is_empty()
+        && u.password().is_none();
+    plain.then(|| u.origin().ascii_serialization())
 }
 
-fn is_port(s: &str) -> bool {
-    s.strip_prefix(':')
-        .is_some_and(|p| !p.is_empty() && p.parse::<u16>().is_ok())
+/// A page on this machine (a normalized origin): host `localhost` or a name under it (browsers
+/// resolve `*.localhost` to loopback themselves), or a loopback address.
+fn is_local_origin(origin: &str) -> bool {
+    let Ok(u) = url::Url::parse(origin) else {
+        return false;
+    };
+    match u.host() {
+        Some(url::Host::Domain(d)) => d == "localhost" || d.ends_with(".localhost"),
+        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+        None => false,
+    }
 }
 
 /// The certificate browsers get while the broker runs on a generated development certificate.
@@ -580,10 +599,19 @@ mod tests {
             Ok(None)
         );
         assert_eq!(admit(&cfg, &url(base), Some("https://[::1]")), Ok(None));
+        // Browsers resolve names under localhost to loopback: the live view treats them as
+        // local, and so does the broker.
+        assert_eq!(
+            admit(&cfg, &url(base), Some("http://dev.localhost:3000")),
+            Ok(None)
+        );
+        assert_eq!(admit(&cfg, &url(base), Some("http://127.0.0.2")), Ok(None));
         for bad in [
             "https://evil.example",
             "http://localhost.evil.example",
+            "http://evil-localhost",
             "null",
+            "not an origin",
         ] {
             assert_eq!(
                 admit(&cfg, &url(base), Some(bad)).map_err(|r| r.status),
@@ -591,12 +619,30 @@ mod tests {
                 "{bad}"
             );
         }
-        cfg.allowed_origins = vec!["https://app.example.com".into()];
-        assert_eq!(
-            admit(&cfg, &url(base), Some("https://app.example.com")),
-            Ok(None)
-        );
-        assert!(admit(&cfg, &url(base), Some("http://localhost:8080")).is_err());
+        // Entries as written in a config file (upper case, a default port, a trailing slash, a
+        // Unicode name) match the Origin header a browser sends for them.
+        let section = WebTransportSection {
+            allowed_origins: vec![
+                "https://App.Example.com:443/".into(),
+                "https://bücher.example:8443".into(),
+            ],
+            ..Default::default()
+        };
+        cfg.allowed_origins = section.validate().expect("origins").allowed_origins;
+        for ok in [
+            "https://app.example.com",
+            "https://xn--bcher-kva.example:8443",
+        ] {
+            assert_eq!(admit(&cfg, &url(base), Some(ok)), Ok(None), "{ok}");
+        }
+        for bad in [
+            "http://app.example.com",
+            "https://app.example.com:8443",
+            "https://xn--bcher-kva.example",
+            "http://localhost:8080",
+        ] {
+            assert!(admit(&cfg, &url(base), Some(bad)).is_err(), "{bad}");
+        }
         cfg.tokens
             .insert("0123456789abcdef-browser".into(), "dashboard".into());
         assert_eq!(
@@ -630,12 +676,24 @@ mod tests {
             Some("[::]:4443".parse().expect("addr"))
         );
         s.listen_addr.clear();
-        s.allowed_origins = vec!["app.example.com".into()];
-        assert!(s
-            .validate()
-            .expect_err("refused")
-            .to_string()
-            .contains("allowed_origins"));
+        // Entries that could never equal an Origin header are refused, naming the key.
+        for bad in [
+            "app.example.com",
+            "https://app.example.com/app",
+            "https://app.example.com?x=1",
+            "https://user@app.example.com",
+            "ftp://app.example.com",
+            "null",
+        ] {
+            s.allowed_origins = vec![bad.into()];
+            assert!(
+                s.validate()
+                    .expect_err("refused")
+                    .to_string()
+                    .contains("webtransport.allowed_origins"),
+                "{bad}"
+            );
+        }
         s.allowed_origins = vec!["*".into()];
         s.tokens.insert("short".into(), "x".into());
         assert!(s
