@@ -577,6 +577,28 @@ impl Config {
             .validate(&sources.env)
     }
 
+    /// Settings that are valid together but probably not what was meant: logged as warnings at
+    /// startup, each naming its keys.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut w = Vec::new();
+        if self.webtransport.enabled && self.tls.require_client_cert {
+            w.push(
+                "tls.require_client_cert is true and webtransport.enabled is true: browsers \
+                 present no client certificate, so every browser's WebTransport session fails its \
+                 TLS handshake; set webtransport.enabled: false to say browsers are not served, or \
+                 let them in with webtransport.tokens and ACL rules instead of requiring \
+                 certificates"
+                    .to_string(),
+            );
+        }
+        if let (Some(addr), false) = (self.webtransport.listen_addr, self.webtransport.enabled) {
+            w.push(format!(
+                "webtransport.listen_addr is set ({addr}) but webtransport.enabled is false: not listening there"
+            ));
+        }
+        w
+    }
+
     /// A configuration for tests: loopback, port 0 (any free port), a generated certificate kept
     /// in `dev_cert_file`.
     pub fn for_tests(dev_cert_file: PathBuf) -> Config {
@@ -1267,6 +1289,24 @@ mod tests {
             c.admin_state_when_off.as_deref(),
             Some(std::path::Path::new("/var/lib/aqueduct/admin.json"))
         );
+    }
+
+    /// Valid but self-defeating combinations are warned about, naming their keys.
+    #[test]
+    fn browsers_shut_out_by_required_client_certificates_are_warned_about() {
+        let mut c = Config::default();
+        assert!(c.warnings().is_empty(), "{:?}", c.warnings());
+        c.tls.require_client_cert = true;
+        let w = c.warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("tls.require_client_cert") && w[0].contains("webtransport.enabled"),
+            "{w:?}"
+        );
+        c.webtransport.enabled = false;
+        assert!(c.warnings().is_empty(), "{:?}", c.warnings());
+        c.webtransport.listen_addr = Some("127.0.0.1:4443".parse().expect("addr"));
+        assert!(c.warnings()[0].contains("webtransport.listen_addr"));
     }
 
     #[test]

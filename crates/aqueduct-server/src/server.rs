@@ -252,6 +252,9 @@ fn tcp_listener(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
 impl Server {
     /// Set up TLS and bind the UDP socket. Must run inside a tokio runtime.
     pub async fn bind(config: Config) -> Result<Server, ServerError> {
+        for warning in config.warnings() {
+            warn!("{warning}");
+        }
         let identity = tls::identity(&config.tls)?;
         let mesh_tls = match config.cluster.enabled {
             true => Some(Arc::new(crate::mesh_tls::MeshTls::load(
@@ -303,11 +306,8 @@ impl Server {
         // Browsers' own port, when set (the broker's port serves them too).
         let wt_endpoint = match config.webtransport.listen_addr {
             Some(addr) if config.webtransport.enabled => Some(bind_endpoint(addr)?),
-            Some(addr) => {
-                warn!(%addr, "webtransport.listen_addr is set but webtransport.enabled is false: not listening there");
-                None
-            }
-            None => None,
+            // Warned about (Config::warnings).
+            _ => None,
         };
         let metrics = tcp_listener(config.metrics_addr).map_err(|e| ServerError::MetricsBind {
             addr: config.metrics_addr,
