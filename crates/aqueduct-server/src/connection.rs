@@ -597,8 +597,14 @@ async fn serve_streams(
     let mut streams = JoinSet::new();
     // Streams the client may open at once: raised (doubled, up to the configured maximum) when
     // half are in use, so an idle connection keeps little per-stream state (server.rs).
-    let max_streams = shared.config.transport.max_streams_per_connection;
-    let mut allowed = crate::server::initial_streams(&shared.config.transport);
+    // A WebTransport session's own CONNECT stream is one of the connection's bidirectional
+    // streams: allowed on top, so a page may open as many streams as a native client.
+    let connect_stream = u32::from(matches!(session, Session::WebTransport(..)));
+    let max_streams = shared.config.transport.max_streams_per_connection + connect_stream;
+    let mut allowed = crate::server::initial_streams(&shared.config.transport) + connect_stream;
+    if connect_stream > 0 {
+        session.quic().set_max_concurrent_bi_streams(allowed.into());
+    }
     let reason = loop {
         tokio::select! {
             _ = async {
@@ -631,7 +637,7 @@ async fn serve_streams(
                     }
                     Err(e) => break e,
                 }
-                if allowed < max_streams && streams.len() as u32 * 2 >= allowed {
+                if allowed < max_streams && (streams.len() as u32 + connect_stream) * 2 >= allowed {
                     allowed = allowed.saturating_mul(2).min(max_streams);
                     session.quic().set_max_concurrent_bi_streams(allowed.into());
                 }

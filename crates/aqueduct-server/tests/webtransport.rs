@@ -689,3 +689,34 @@ async fn a_disconnect_closes_a_webtransport_session_with_its_reason() {
     }
     b.stop().await.expect("clean shutdown");
 }
+
+/// A session's own CONNECT stream does not count against `transport.max_streams_per_connection`:
+/// a page may open as many streams at once as a native client (it got one fewer, and its last
+/// open waited forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_opens_as_many_streams_as_a_native_client() {
+    const STREAMS: u32 = 4;
+    let b = TestBroker::start_with(|c| c.transport.max_streams_per_connection = STREAMS).await;
+    let session = wt_connect(&b, "/aqueduct/wt", None)
+        .await
+        .expect("a session");
+    let mut open = Vec::new();
+    for i in 0..STREAMS {
+        let mut s = WtStream::open(&session).await;
+        // Served: its SUBSCRIBE is confirmed (and it stays open).
+        s.subscribe(i + 1, &format!("topic:limits/{i}")).await;
+        open.push(s);
+    }
+    let native = b.client().await;
+    let confirm = aqueduct_client::PublishOptions {
+        confirm: true,
+        ..Default::default()
+    };
+    native
+        .publish_with("limits/3", Bytes::from_static(b"last"), &confirm)
+        .await
+        .expect("publish");
+    assert_eq!(&open[3].delivery().await.body[..], b"last");
+    session.close(0, b"done");
+    b.stop().await.expect("clean shutdown");
+}
