@@ -52,6 +52,8 @@ export interface ConnectOptions {
   maxSendDataLen?: number;
   /** ERRORs no call waits for; default `console.warn`. */
   onError?: (err: AqueductError) => void;
+  /** How long opening a stream may wait (ms) before the call fails; default 10000. */
+  streamOpenTimeoutMs?: number;
 }
 
 export interface PublishOptions {

@@ -39,6 +39,8 @@ import {
  */
 /** The WebTransport subprotocol of Aqueduct (docs/protocol.md §12). */
 export const SUBPROTOCOL = 'aqueduct-v1';
+/** How long opening a stream may wait by default (ms) before the call fails. */
+const STREAM_OPEN_TIMEOUT_MS = 10000;
 /** How long connect() waits for a refused session's close (code and reason), in ms. */
 const REFUSAL_WAIT_MS = 5000;
 
@@ -145,7 +147,9 @@ export function certificateHashes(hashes) {
  * for the largest `transport.max_buf_size` a broker takes; the buffer grows only as bytes come,
  * §6.5, §10); `maxSendDataLen` — the largest `data_len` sent (default 65536, the broker's default
  * `transport.max_buf_size`: a larger frame gets FRAME_TOO_LARGE, which ends the stream, so the
- * client refuses it before sending). `onError(err)` — ERRORs no call is waiting for (e.g. for a
+ * client refuses it before sending). `streamOpenTimeoutMs` — how long opening a stream may wait
+ * (default 10 s; each subscription takes one, and the broker allows
+ * `transport.max_streams_per_connection` open at a time). `onError(err)` — ERRORs no call is waiting for (e.g. for a
  * publish sent without confirmation); default `console.warn`.
  */
 export async function connect(url, options = {}) {
@@ -176,6 +180,16 @@ export async function connect(url, options = {}) {
     closed = session.closed;
   }
   return new Client({ ...options, openStream, close, closed });
+}
+
+/** Close a stream nobody will use (opened too late, or after the client closed). */
+function discardStream(stream) {
+  try {
+    stream.writable?.abort?.().catch?.(() => {});
+    stream.readable?.cancel?.().catch?.(() => {});
+  } catch {
+    // Already closed.
+  }
 }
 
 /** The error for a session the broker refused: its close code and reason, once closed. */
@@ -219,6 +233,7 @@ export class Client {
       maxDataLen: options.maxDataLen ?? RECEIVE_MAX_DATA_LEN,
       maxSendDataLen: options.maxSendDataLen ?? BROKER_DEFAULT_MAX_BUF_SIZE,
       onError: options.onError ?? ((err) => console.warn('aqueduct:', err.message)),
+      streamOpenTimeoutMs: options.streamOpenTimeoutMs ?? STREAM_OPEN_TIMEOUT_MS,
     };
     if (options.closed && typeof options.closed.then === 'function') {
       options.closed.then(
@@ -423,12 +438,8 @@ export class Client {
   }
 
   async #openChannel(handlers) {
-    let stream;
-    try {
-      stream = await this.#openStream();
-    } catch (e) {
-      throw toAqueductError(e, 'could not open a stream');
-    }
+    const stream = await this.#openStreamBounded();
+    if (this.#closed) discardStream(stream);
     this.#checkOpen();
     const ch = new Channel(stream, {
       maxDataLen: this.#options.maxDataLen,
@@ -441,6 +452,35 @@ export class Client {
     });
     this.#channels.add(ch);
     return ch;
+  }
+
+  /**
+   * A new stream, or an error once `streamOpenTimeoutMs` passed: the broker gives a connection
+   * at most `transport.max_streams_per_connection` open streams (each subscription takes one),
+   * and opening one more waits until another ends. A stream that opens after the time is closed.
+   */
+  async #openStreamBounded() {
+    const opening = Promise.resolve().then(() => this.#openStream());
+    const ms = this.#options.streamOpenTimeoutMs;
+    const late = {};
+    let timer;
+    const waited = new Promise((resolve) => {
+      timer = setTimeout(() => resolve(late), ms);
+    });
+    let got;
+    try {
+      got = await Promise.race([opening, waited]);
+    } catch (e) {
+      throw toAqueductError(e, 'could not open a stream');
+    } finally {
+      clearTimeout(timer);
+    }
+    if (got !== late) return got;
+    opening.then(discardStream, () => {});
+    throw new AqueductError(
+      null,
+      `could not open a stream within ${ms} ms: the broker allows a connection transport.max_streams_per_connection open streams (256 by default) and each subscription takes one; close some, or raise it`,
+    );
   }
 
   /** @internal */

@@ -520,6 +520,40 @@ test('a connection the broker closes: later calls fail with its code and reason,
   assert.match(client.error.message, /disconnected by an administrator/);
 });
 
+test('a stream the broker gives no room for: subscribe fails after streamOpenTimeoutMs, and the stream opened later is closed', async () => {
+  const fake = fakeTransport();
+  let release;
+  const held = new Promise((resolve) => {
+    release = resolve;
+  });
+  let opens = 0;
+  const client = await connect('x', {
+    // The first open waits (the broker's stream limit reached); later ones open at once.
+    openStream: async () => {
+      opens += 1;
+      if (opens === 1) await held;
+      return fake.openStream();
+    },
+    close: () => {},
+    streamOpenTimeoutMs: 30,
+  });
+  await assert.rejects(
+    client.subscribe('a/#'),
+    (e) => e instanceof AqueductError && /could not open a stream within 30 ms/.test(e.message) && /max_streams_per_connection/.test(e.message),
+  );
+  // The stream that opens late is closed, not left half-used: the broker end sees it reset
+  // (it would wait forever otherwise).
+  release();
+  const late = await fake.stream(0);
+  await assert.rejects(late.next());
+  // The client still works.
+  const pending = client.publish('a/b', 'x', { confirm: true });
+  const side = await fake.stream(1);
+  const { frame } = await side.next();
+  await side.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [0n] });
+  assert.equal(await pending, 0n);
+});
+
 test('a frame the client does not expect is reported, the stream goes on', async () => {
   const { fake, client, errors } = await setup();
   const result = client.publish('a', '1', { confirm: true });
