@@ -628,9 +628,11 @@ async fn run(cli: Cli) -> Result<()> {
     // On every way out, errors included (a refused publish, an ACL that closed the
     // subscription): close the connection, so that the broker forgets it now rather than at its
     // idle timeout (admin `clients` would list it, a group would keep feeding it). Closing
-    // twice is harmless.
-    client.close().await;
-    result
+    // twice is harmless. The command's own error comes first; then the close's (a publish the
+    // broker refused or may not have read).
+    let closed = client.close().await;
+    result?;
+    Ok(closed?)
 }
 
 /// The commands that need a connection to the broker.
@@ -694,7 +696,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             // Nothing counts as published until the broker has read it: a refused handshake
             // or a broker that stopped reading is an error here, not a success.
             client.flush().await?;
-            client.close().await;
+            client.close().await?;
             if !*confirm {
                 if *topics > 1 {
                     crate::print_line(&format!(
@@ -787,7 +789,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             // waiting for the idle timeout — after it has read our last ACKs (a durable
             // consumer's position counts them).
             let _ = sub.close().await;
-            client.close().await;
+            client.close().await?;
             if let Some(signal) = interrupted {
                 eprintln!("{signal}: closed the connection after {received} message(s)");
             }

@@ -84,7 +84,7 @@ pub async fn run(
     if let Some(p) = progress {
         p.finish_and_clear();
     }
-    client.close().await;
+    client.close().await?;
     Ok(Report {
         mode: name,
         messages,

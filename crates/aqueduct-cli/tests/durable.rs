@@ -285,7 +285,10 @@ fn confirmed_messages_survive_kill_9_and_offsets_are_never_reused() {
                 "delivered twice"
             );
         }
-        client.close().await;
+        client
+            .close()
+            .await
+            .expect("close: everything published was taken");
         got
     });
     stop(broker);
@@ -319,7 +322,10 @@ fn confirmed_messages_survive_kill_9_and_offsets_are_never_reused() {
                 .publish_with("orders", "after the cut", &confirm())
                 .await
                 .expect("publish after recovery");
-            client.close().await;
+            client
+                .close()
+                .await
+                .expect("close: everything published was taken");
             o.expect("an offset")
         });
         stop(broker);
@@ -453,7 +459,10 @@ fn a_full_disk_answers_storage_failed_and_subscribers_go_on() {
             .and_then(|v| v.trim().parse::<f64>().ok())
             .expect("the write error metric");
         assert!(errors >= 1.0, "{errors}");
-        client.close().await;
+        client
+            .close()
+            .await
+            .expect("close: everything published was taken");
     });
     stop(broker);
     // Without the limit: everything confirmed is there.

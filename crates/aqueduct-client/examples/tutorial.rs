@@ -17,7 +17,7 @@ async fn main() -> anyhow::Result<()> {
         .unwrap_or_else(|| "localhost:4242".to_string());
     let client = Client::connect(ConnectOptions::new(addr)).await?;
     run(&client).await?;
-    client.close().await; // flushes what is still being sent, then closes the connection
+    client.close().await?; // flushes what is still being sent (an error if it was not all taken), then closes
     Ok(())
 }
 

@@ -398,13 +398,15 @@ impl Client {
         self.inner.publisher.flush().await
     }
 
-    /// Flush, close the connection, and wait for the broker to acknowledge the close. What the
-    /// flush says is not reported: call [`flush`](Self::flush) first to know that everything
-    /// published without `confirm` was handled (and none refused).
-    pub async fn close(&self) {
-        let _ = self.flush().await;
+    /// Flush, close the connection, and wait for the broker to acknowledge the close. The
+    /// connection is closed either way; the result is the flush's: an error says that a publish
+    /// sent without `confirm` was refused, or that what was published may not all have been
+    /// read (as [`flush`](Self::flush)).
+    pub async fn close(&self) -> Result<(), ClientError> {
+        let flushed = self.flush().await;
         self.inner.conn.close(b"client closed");
         let _ = tokio::time::timeout(Duration::from_secs(2), self.inner.endpoint.wait_idle()).await;
+        flushed
     }
 }
 

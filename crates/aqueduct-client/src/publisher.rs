@@ -533,7 +533,10 @@ mod tests {
 
         // The connection goes: the stream's replies end, with the reason, and the reader task
         // finishes after it has sent the end.
-        client.close().await;
+        client
+            .close()
+            .await
+            .expect("close: everything published was taken");
         let mut readers = std::mem::take(&mut *lock(&publisher.inner.readers));
         within(readers.join_next())
             .await

@@ -251,7 +251,10 @@ async fn tutorial_runs_against_a_broker() {
         .await
         .expect("the tutorial ends within 60 s")
         .expect("the tutorial runs without error");
-    client.close().await;
+    client
+        .close()
+        .await
+        .expect("everything published was taken");
 
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(20), broker)

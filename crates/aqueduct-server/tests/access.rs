@@ -694,8 +694,14 @@ async fn a_refused_unconfirmed_publish_is_reported_by_flush() {
     assert_eq!(&next(&mut sub).await.body()[..], b"one");
     assert_eq!(&next(&mut sub).await.body()[..], b"two");
     writer.flush().await.expect("reported once");
-    reader.close().await;
-    writer.close().await;
+    reader
+        .close()
+        .await
+        .expect("close: everything published was taken");
+    writer
+        .close()
+        .await
+        .expect("close: everything published was taken");
     s.b.stop().await.expect("clean shutdown");
 }
 
@@ -753,7 +759,10 @@ async fn a_subscription_revoked_after_its_client_stopped_reading_is_closed() {
     let answer = other.read_frame().await.expect("an answer");
     assert_eq!(error_code(&answer), ErrorCode::NOT_SUBSCRIBED, "{answer:?}");
     raw.forget();
-    publisher.close().await;
+    publisher
+        .close()
+        .await
+        .expect("close: everything published was taken");
     s.b.stop().await.expect("clean shutdown");
 }
 
@@ -778,7 +787,10 @@ async fn a_subscription_revoked_while_its_write_is_blocked_is_closed_at_once() {
     })
     .await;
     stalled.conn.close(0u32.into(), b"bye");
-    publisher.close().await;
+    publisher
+        .close()
+        .await
+        .expect("close: everything published was taken");
     s.b.stop().await.expect("clean shutdown");
 }
 

@@ -601,7 +601,9 @@ async fn a_leaving_member_s_unsettled_jobs_go_to_a_member_on_another_node() {
     );
     // Node 1's only member goes away with its five jobs unsettled.
     drop(m1);
-    b.close().await;
+    b.close()
+        .await
+        .expect("close: everything published was taken");
     for _ in 0..N / 2 {
         let m = next(&mut m0).await;
         let body = String::from_utf8_lossy(m.body()).into_owned();
@@ -747,7 +749,10 @@ async fn a_peer_certificate_is_no_client_identity_without_the_cluster() {
         .publish_with("t", "x", &confirm)
         .await
         .expect("published");
-    alice.close().await;
+    alice
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
 
@@ -764,7 +769,10 @@ async fn a_peer_certificate_cannot_open_a_webtransport_session() {
     let anonymous = aqueduct_client::Client::connect(node.options().transport(wt.clone()))
         .await
         .expect("an anonymous WebTransport client");
-    anonymous.close().await;
+    anonymous
+        .close()
+        .await
+        .expect("close: everything published was taken");
     let (cert, key) = ca.ca.peer(ca.dir.path(), "node-x");
     let refused =
         aqueduct_client::Client::connect(node.options().client_cert(&cert, &key).transport(wt))
@@ -918,7 +926,10 @@ async fn a_node_with_the_log_logs_what_other_nodes_publish() {
     })
     .await;
     drop(durable);
-    reader.close().await;
+    reader
+        .close()
+        .await
+        .expect("close: everything published was taken");
     let mut nodes = nodes;
     let logging = nodes.pop().expect("node 1");
     logging.stop().await.expect("clean shutdown");

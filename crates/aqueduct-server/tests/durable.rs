@@ -49,7 +49,10 @@ async fn confirmed_publishes_are_logged_and_offsets_go_on_after_a_restart() {
             .expect("publish");
         assert_eq!(next(&mut live).await.offset(), 30);
         drop(live);
-        client.close().await;
+        client
+            .close()
+            .await
+            .expect("close: everything published was taken");
         b.stop().await.expect("clean shutdown");
 
         let got = logged(dir.path(), "orders");
@@ -79,7 +82,10 @@ async fn confirmed_publishes_are_logged_and_offsets_go_on_after_a_restart() {
             .await
             .expect("publish");
         assert_eq!(fresh, Some(0), "a topic the log never saw starts at 0");
-        client.close().await;
+        client
+            .close()
+            .await
+            .expect("close: everything published was taken");
         b.stop().await.expect("clean shutdown");
         assert_eq!(logged(dir.path(), "orders").len(), 32);
     }
@@ -170,8 +176,14 @@ async fn a_durable_consumer_backfills_then_goes_live_without_gap_or_duplicate() 
     publish_n(&publisher, "orders", 100..101).await;
     assert_eq!(take_acked(&mut latest, 1).await, expect(100..101));
     assert_eq!(take_acked(&mut sub, 1).await, expect(100..101));
-    client.close().await;
-    publisher.close().await;
+    client
+        .close()
+        .await
+        .expect("close: everything published was taken");
+    publisher
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
 
@@ -192,7 +204,10 @@ async fn without_the_log_a_durable_subscription_is_told_it_is_in_memory() {
     // It is the consumer group the spec describes: live messages still arrive.
     publish_n(&client, "orders", 0..3).await;
     assert_eq!(take_acked(&mut sub, 3).await, expect(0..3));
-    client.close().await;
+    client
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
 
@@ -211,7 +226,10 @@ async fn leave(
         before - 1,
         "ended by the time close returns"
     );
-    client.close().await;
+    client
+        .close()
+        .await
+        .expect("close: everything published was taken");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -256,7 +274,10 @@ async fn a_durable_consumer_resumes_after_reconnect_and_restart_with_unacked_red
     assert_eq!(take_acked(&mut sub, 20).await, expect(20..40));
     publish_n(&client, "jobs", 40..45).await;
     assert_eq!(take_acked(&mut sub, 5).await, expect(40..45));
-    client.close().await;
+    client
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
 
@@ -290,7 +311,10 @@ async fn a_wildcard_durable_consumer_picks_up_new_topics_from_their_first_messag
             ("sensors/b".to_string(), 1)
         ]
     );
-    client.close().await;
+    client
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
 
@@ -529,7 +553,10 @@ async fn a_durable_group_shares_the_log_and_resumes_after_failover_and_restart()
         }
     }
     leave(&b, w1, &c1).await;
-    client.close().await;
+    client
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 
     let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
@@ -586,9 +613,14 @@ async fn a_durable_group_whose_members_all_vanish_at_once_loses_nothing() {
     }
     // Both connections close at once, without UNSUBSCRIBE.
     drop((w1, w2));
-    tokio::join!(c1.close(), c2.close());
+    let (a, b2) = tokio::join!(c1.close(), c2.close());
+    a.expect("close: everything published was taken");
+    b2.expect("close: everything published was taken");
     until("both members are gone", || b.broker.subscriber_count() == 0).await;
-    publisher.close().await;
+    publisher
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 
     let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
@@ -643,7 +675,10 @@ async fn a_stuck_member_does_not_stall_its_durable_group() {
         m.ack().await.expect("ack");
     }
     assert_eq!(got.len(), 47, "all but the stuck member's three");
-    publisher.close().await;
+    publisher
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
 
@@ -735,7 +770,10 @@ async fn a_failed_start_closes_the_log_it_opened() {
             .expect("stored"),
         Some(0)
     );
-    client.close().await;
+    client
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 
     let ca = test_ca();
@@ -767,7 +805,10 @@ async fn a_failed_start_closes_the_log_it_opened() {
         Some(1),
         "closed cleanly: no crash gap"
     );
-    client.close().await;
+    client
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
 
@@ -822,7 +863,10 @@ async fn a_failed_read_of_the_log_is_tried_again_not_skipped() {
     std::fs::remove_dir(&first).expect("remove the directory");
     std::fs::rename(&aside, &first).expect("the segment back");
     assert_eq!(take_acked(&mut sub, 60).await, expect(0..60));
-    client.close().await;
+    client
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
 
@@ -876,6 +920,9 @@ async fn damage_at_the_end_of_a_topic_is_not_read_again_at_every_write() {
         "{skipped} reads of the damage in {:?}",
         started.elapsed()
     );
-    client.close().await;
+    client
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }

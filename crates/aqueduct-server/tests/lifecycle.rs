@@ -365,7 +365,10 @@ async fn a_reset_ends_the_subscriptions_of_a_stream_whose_write_is_blocked() {
         stalled.conn.close_reason().is_none(),
         "the connection goes on"
     );
-    publisher.close().await;
+    publisher
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
 
@@ -467,7 +470,10 @@ async fn a_stream_whose_replies_cannot_be_sent_is_still_read() {
     let got = next(&mut sub).await;
     assert_eq!(&got.body()[..], b"still read");
     raw.forget();
-    watcher.close().await;
+    watcher
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
 

@@ -147,7 +147,10 @@ async fn consumer_group_round_robin_and_failover() {
     let lost: BTreeSet<u64> = unsettled.iter().map(|m| m.offset()).collect();
     let gone = members.remove(0);
     drop(gone);
-    clients[0].close().await;
+    clients[0]
+        .close()
+        .await
+        .expect("close: everything published was taken");
     let mut redelivered = BTreeMap::new();
     let mut all = BTreeSet::new();
     // The other two get their own 4 plus the 2 that member 0 held (as attempt 2).
@@ -436,7 +439,10 @@ async fn close_right_after_publishing_loses_nothing() {
             .publish("quick", i.to_string())
             .await
             .expect("publish");
-        publisher.close().await;
+        publisher
+            .close()
+            .await
+            .expect("close: everything published was taken");
     }
     for i in 0..N {
         let m = next(&mut sub).await;
@@ -569,7 +575,10 @@ async fn cancel_a_batch_mid_frame(prefix: &'static str) -> Cancelled {
                 body,
             };
         }
-        client.close().await;
+        client
+            .close()
+            .await
+            .expect("close: everything published was taken");
         b.stop().await.expect("clean shutdown");
     }
     panic!("the batch fitted the broker's stream credit in {TRIES} tries: the test shows nothing");
@@ -696,12 +705,17 @@ async fn close_after_an_earlier_stream_failed_still_flushes_the_current_one() {
             .await
             .expect("published on a new stream");
     }
-    client.close().await;
+    // close reports the earlier loss, once it has flushed the current stream.
+    let lost = client.close().await.expect_err("the earlier loss reported");
+    assert!(lost.to_string().contains("FRAME_TOO_LARGE"), "{lost}");
     for i in 0..N {
         let m = next(&mut sub).await;
         assert_eq!(&m.body()[..4], format!("{i:04}").as_bytes());
     }
-    watcher.close().await;
+    watcher
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
 
@@ -746,8 +760,14 @@ async fn a_slow_consumer_reset_carries_its_code() {
     })
     .await;
     assert_eq!(end.code(), Some(ErrorCode::SLOW_CONSUMER), "{end}");
-    publisher.close().await;
-    subscriber.close().await;
+    publisher
+        .close()
+        .await
+        .expect("close: everything published was taken");
+    subscriber
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
 
@@ -919,7 +939,10 @@ async fn close_reports_an_ack_the_broker_refused() {
         .await
         .expect_err("the second ACK was refused");
     assert_eq!(err.code(), Some(ErrorCode::NOT_IN_FLIGHT), "{err}");
-    client.close().await;
+    client
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
 
@@ -1110,6 +1133,9 @@ async fn a_go_style_port_only_address_serves_ipv6_and_ipv4() {
     assert_eq!(&next(&mut sub).await.body()[..], b"v4");
     let (status, _) = get(v4(b.metrics_addr), "/healthz").await;
     assert_eq!(status, 200);
-    client.close().await;
+    client
+        .close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("stop");
 }

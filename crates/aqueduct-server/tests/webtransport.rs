@@ -416,7 +416,9 @@ async fn the_rust_client_works_over_webtransport() {
         }
     }
     assert_eq!(seen.len(), 6, "each job once");
-    wt.close().await;
+    wt.close()
+        .await
+        .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
 
