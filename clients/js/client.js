@@ -41,8 +41,12 @@ import {
 export const SUBPROTOCOL = 'aqueduct-v1';
 /** How long opening a stream may wait by default (ms) before the call fails. */
 const STREAM_OPEN_TIMEOUT_MS = 10000;
-/** How long connect() waits for a refused session's close (code and reason), in ms. */
-const REFUSAL_WAIT_MS = 5000;
+/**
+ * How long connect() waits for a session that selected no subprotocol to close (a refusal:
+ * code and reason), in ms; one that stays open is used (a WebTransport that does not negotiate
+ * subprotocols reports none).
+ */
+const REFUSAL_WAIT_MS = 1000;
 
 const RECEIVE_MAX_DATA_LEN = 8 * 1024 * 1024 + MAX_EXT_LEN;
 
@@ -136,7 +140,8 @@ export function certificateHashes(hashes) {
  * self-signed certificate, see README), `token` (sent as the URL query parameter `token`; the
  * broker's `webtransport.tokens` maps it to a client id; empty: none), `protocols` (WebTransport
  * subprotocols to offer; default `['aqueduct-v1']`, which lets connect() tell a refused session:
- * it rejects with the broker's code — 401, 403 or 404 — and reason), `WebTransport` (the
+ * it rejects with NOT_AUTHORIZED (400) and the broker's reason, which names the HTTP status —
+ * 401, 403 or 404), `WebTransport` (the
  * constructor to use).
  *
  * Any transport: `openStream` — a function returning (a promise of) `{ readable, writable }`,
@@ -170,10 +175,12 @@ export async function connect(url, options = {}) {
       throw toAqueductError(e, `could not open a WebTransport session to ${url}`);
     }
     // The broker answers a page it does not admit with a session that selects no subprotocol
-    // and closes at once with the HTTP status as its code and the reason (§12): browsers do
-    // not show pages the status. (`protocol` is undefined in a browser without subprotocols.)
+    // and closes at once with NOT_AUTHORIZED and a reason naming the HTTP status (§12):
+    // browsers do not show pages the status. (`protocol` is undefined in a browser without
+    // subprotocols.)
     if (init.protocols.includes(SUBPROTOCOL) && session.protocol === '') {
-      throw await refusal(session, url);
+      const refused = await refusal(session, url);
+      if (refused) throw refused;
     }
     openStream = () => session.createBidirectionalStream();
     close = () => session.close({ closeCode: 0, reason: 'client closed' });
@@ -192,7 +199,11 @@ function discardStream(stream) {
   }
 }
 
-/** The error for a session the broker refused: its close code and reason, once closed. */
+/**
+ * The error for a session the broker refused (its close code and reason), or null if it did not
+ * close within REFUSAL_WAIT_MS (then it was admitted; a later close still reaches
+ * `client.error`).
+ */
 async function refusal(session, url) {
   let timer;
   const waited = new Promise((resolve) => {
@@ -200,14 +211,7 @@ async function refusal(session, url) {
   });
   const info = await Promise.race([session.closed.catch((e) => ({ error: e })), waited]);
   clearTimeout(timer);
-  if (info === null) {
-    try {
-      session.close({ closeCode: 0, reason: 'no subprotocol selected' });
-    } catch {
-      // Already closed.
-    }
-    return new AqueductError(null, `${url} selected no WebTransport subprotocol (${SUBPROTOCOL}) and did not close: not an Aqueduct broker?`);
-  }
+  if (info === null) return null;
   if (info.error) return toAqueductError(info.error, `the broker refused the WebTransport session to ${url}`);
   return new AqueductError(info.closeCode ?? null, info.reason || `the broker refused the WebTransport session to ${url}`);
 }

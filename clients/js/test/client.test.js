@@ -499,6 +499,12 @@ test('connect over WebTransport: a refused session (no subprotocol selected) rej
   assert.equal(seen.url, 'https://localhost:4242/aqueduct/wt');
   assert.equal(client.closed, false);
   assert.equal(client.error, null);
+  // A WebTransport that reports no subprotocol but whose session stays open (one that does not
+  // negotiate them): admitted after a short wait, not refused.
+  const unnegotiated = await connect('https://localhost:4242/aqueduct/wt', {
+    WebTransport: make({ protocol: '', closed: new Promise(() => {}) }),
+  });
+  assert.equal(unnegotiated.closed, false);
 });
 
 test('a connection the broker closes: later calls fail with its code and reason, client.error keeps it', async () => {

@@ -631,8 +631,17 @@ async fn run(cli: Cli) -> Result<()> {
     // twice is harmless. The command's own error comes first; then the close's (a publish the
     // broker refused or may not have read).
     let closed = client.close().await;
-    result?;
-    Ok(closed?)
+    match (result, closed) {
+        (Err(e), Err(closing)) => {
+            // Both are worth knowing: the command's error goes to the exit path.
+            eprintln!("aqueduct: also, while closing: {closing}");
+            Err(e)
+        }
+        (result, closed) => {
+            result?;
+            Ok(closed?)
+        }
+    }
 }
 
 /// The commands that need a connection to the broker.

@@ -276,6 +276,11 @@ pub(crate) fn recheck_subscriptions(shared: &Shared) -> usize {
 /// [`recheck_subscriptions`] for one connection.
 pub(crate) fn recheck_connection(shared: &Shared, conn: &crate::connection::ConnState) -> usize {
     let acl = &shared.access.acl;
+    if !acl.enabled() {
+        // Every handshake comes here: it does not wait for a walk while the ACL is off. The
+        // connection is listed already, so a change that turns it on walks it.
+        return 0;
+    }
     let _steady = acl.hold_changes();
     recheck_under(shared, &acl.policy(), conn)
 }

@@ -560,6 +560,19 @@ fn refuse(conn: &quinn::Connection, why: &str) {
     conn.close(ErrorCode::NOT_AUTHORIZED.0.into(), why.as_bytes());
 }
 
+/// The longest close reason sent: a QUIC CONNECTION_CLOSE must fit one packet, and a
+/// WebTransport session's close message allows 1024 bytes.
+const MAX_CLOSE_REASON: usize = 512;
+
+/// `reason`, cut to [`MAX_CLOSE_REASON`] bytes at a character boundary.
+pub(crate) fn close_reason(reason: &str) -> &[u8] {
+    let mut end = reason.len().min(MAX_CLOSE_REASON);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason.as_bytes()[..end]
+}
+
 /// How long a closing WebTransport session waits for the peer to take the close message.
 const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -650,10 +663,8 @@ async fn serve_streams(
                     .unwrap_or_else(|e| e.into_inner())
                     .take()
                     .unwrap_or_default();
-                let mut bytes = reason.clone().into_bytes();
-                bytes.truncate(512);
                 // Application code 0: not an error of the client's.
-                session.close(ErrorCode(0), &bytes);
+                session.close(ErrorCode(0), close_reason(&reason));
                 let _ = tokio::time::timeout(CLOSE_WAIT, session.quic().closed()).await;
                 break reason;
             }
@@ -716,6 +727,15 @@ pub(crate) fn canonical(addr: SocketAddr) -> SocketAddr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn close_reasons_are_cut_at_a_character_boundary() {
+        assert_eq!(close_reason("short"), b"short");
+        let long = "é".repeat(400); // 800 bytes
+        let cut = close_reason(&long);
+        assert!(cut.len() <= MAX_CLOSE_REASON && cut.len() >= MAX_CLOSE_REASON - 1);
+        assert!(std::str::from_utf8(cut).is_ok());
+    }
 
     /// Whoever takes a subscription out of the table ends it; its stream's end leaves a live
     /// one to the UNSUBSCRIBE or revocation that took it, and still ends one the broker closed.

@@ -183,8 +183,10 @@ impl WebTransportConfig {
 /// fragment or user name in it, or no host.
 fn normalized_origin(s: &str) -> Option<String> {
     let u = url::Url::parse(s).ok()?;
+    // A `*` in a host passes the URL syntax but is no host a browser sends (a pattern such as
+    // `https://*.example.com` would never match).
     let plain = matches!(u.scheme(), "http" | "https")
-        && u.has_host()
+        && u.host_str().is_some_and(|h| !h.contains('*'))
         && u.path() == "/"
         && u.query().is_none()
         && u.fragment().is_none()
@@ -351,12 +353,22 @@ pub struct Refusal {
     pub why: String,
 }
 
-/// Decide a session request: its path, origin and token. `Ok(client id)` (`None`: anonymous).
+/// Decide a session request: its origin (first: a page of another site learns nothing of the
+/// configuration, such as the path prefix), path and token. `Ok(client id)` (`None`: anonymous).
 pub fn admit(
     config: &WebTransportConfig,
     url: &url::Url,
     origin: Option<&str>,
 ) -> Result<Option<String>, Refusal> {
+    if !config.origin_allowed(origin) {
+        return Err(Refusal {
+            status: 403,
+            why: format!(
+                "origin {:?} is not in webtransport.allowed_origins",
+                origin.unwrap_or("")
+            ),
+        });
+    }
     let path = url.path();
     let prefix = &config.path_prefix;
     let under = path == prefix
@@ -368,15 +380,6 @@ pub fn admit(
         return Err(Refusal {
             status: 404,
             why: format!("path {path:?} is not under webtransport.path_prefix {prefix:?}"),
-        });
-    }
-    if !config.origin_allowed(origin) {
-        return Err(Refusal {
-            status: 403,
-            why: format!(
-                "origin {:?} is not in webtransport.allowed_origins",
-                origin.unwrap_or("")
-            ),
         });
     }
     let token = url
@@ -406,8 +409,9 @@ const REFUSAL_LINGER: Duration = Duration::from_secs(2);
 /// subprotocol, so a client that offered `aqueduct-v1` knows at `ready` that it was refused.
 /// Other clients get the status as the CONNECT response (protocol.md §12).
 ///
-/// Either way the HTTP/3 control streams stay open until the client closes (it does at once) or
-/// REFUSAL_LINGER ends: closing them with the response (`Request::reject`) made a browser report
+/// A status response keeps the HTTP/3 control streams open until the client closes (it does at
+/// once) or REFUSAL_LINGER ends (a closed session's connection is closed by web-transport-quinn
+/// itself, max(3 RTT, 100 ms) after its close message): closing them with the response (`Request::reject`) made a browser report
 /// a broken connection (QUIC_HTTP_CLOSED_CRITICAL_STREAM). Bounded: a client that gives the
 /// response no stream credit must not hold this task (and a connection slot) forever.
 async fn refuse(
@@ -433,7 +437,7 @@ async fn refuse(
             );
             session.close(
                 u32::from(aqueduct_proto::ErrorCode::NOT_AUTHORIZED.0),
-                reason.as_bytes(),
+                crate::connection::close_reason(&reason),
             );
         }
         let _ = tokio::time::timeout(REFUSAL_LINGER, conn.closed()).await;
@@ -606,6 +610,16 @@ mod tests {
             Ok(None)
         );
         assert_eq!(admit(&cfg, &url(base), Some("http://127.0.0.2")), Ok(None));
+        // Another site's page is refused for its origin before anything else, and the reason
+        // names none of the configuration (the path prefix).
+        let other_site = admit(
+            &cfg,
+            &url("https://127.0.0.1:4242/elsewhere"),
+            Some("https://evil.example"),
+        )
+        .expect_err("refused");
+        assert_eq!(other_site.status, 403);
+        assert!(!other_site.why.contains("/aqueduct"), "{}", other_site.why);
         for bad in [
             "https://evil.example",
             "http://localhost.evil.example",
@@ -679,6 +693,7 @@ mod tests {
         // Entries that could never equal an Origin header are refused, naming the key.
         for bad in [
             "app.example.com",
+            "https://*.example.com",
             "https://app.example.com/app",
             "https://app.example.com?x=1",
             "https://user@app.example.com",
