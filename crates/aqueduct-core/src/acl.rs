@@ -35,7 +35,7 @@ use std::cmp::Ordering as CmpOrdering;
 use std::collections::HashSet;
 use std::fmt;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use aqueduct_proto::TopicFilter;
@@ -396,6 +396,8 @@ pub struct Acl {
     /// Held by every change, and by whoever must act on one policy while no change lands (see
     /// [`Acl::hold_changes`]).
     changes: Mutex<()>,
+    /// How many wait for `changes` now.
+    waiting: AtomicUsize,
 }
 
 impl Acl {
@@ -404,6 +406,7 @@ impl Acl {
             policy: ArcSwap::from_pointee(policy),
             generation: AtomicU64::new(1),
             changes: Mutex::new(()),
+            waiting: AtomicUsize::new(0),
         }
     }
 
@@ -413,7 +416,28 @@ impl Acl {
     /// older policy's walk cannot close what a newer one allows. Do not change the policy while
     /// holding it (that would wait forever).
     pub fn hold_changes(&self) -> MutexGuard<'_, ()> {
-        self.changes.lock().unwrap_or_else(|e| e.into_inner())
+        if let Some(free) = self.try_hold_changes() {
+            return free;
+        }
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        let held = self.changes.lock().unwrap_or_else(|e| e.into_inner());
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        held
+    }
+
+    /// How many changes and walks wait for the one holding the policy now (see
+    /// [`Acl::hold_changes`]).
+    pub fn waiting_for_changes(&self) -> usize {
+        self.waiting.load(Ordering::Acquire)
+    }
+
+    /// [`Acl::hold_changes`] if no change or walk holds it now; `None` (at once) if one does.
+    pub fn try_hold_changes(&self) -> Option<MutexGuard<'_, ()>> {
+        match self.changes.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
     }
 
     /// The current policy.
@@ -554,7 +578,9 @@ mod tests {
         });
         assert!(held_during_update);
         let before = acl.generation();
+        assert!(acl.try_hold_changes().is_some(), "free: taken at once");
         let steady = acl.hold_changes();
+        assert!(acl.try_hold_changes().is_none(), "held: refused at once");
         let (done_tx, done_rx) = std::sync::mpsc::channel();
         let changer = {
             let acl = acl.clone();
@@ -563,10 +589,16 @@ mod tests {
                 done_tx.send(()).expect("send");
             })
         };
-        // Nothing lands while held (a slow thread could make this pass vacuously, never fail).
-        assert!(done_rx
-            .recv_timeout(std::time::Duration::from_millis(50))
-            .is_err());
+        // The change waits (counted as waiting) and nothing lands while held.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while acl.waiting_for_changes() == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the change never waited"
+            );
+            std::thread::yield_now();
+        }
+        assert!(done_rx.try_recv().is_err());
         assert_eq!(acl.generation(), before);
         assert_eq!(acl.policy().default, Permission::None);
         drop(steady);
@@ -574,6 +606,7 @@ mod tests {
             .recv_timeout(std::time::Duration::from_secs(10))
             .expect("the change lands once released");
         changer.join().expect("changer");
+        assert_eq!(acl.waiting_for_changes(), 0);
         assert_eq!(acl.policy().default, Permission::Publish);
         assert_eq!(acl.generation(), before + 1);
     }

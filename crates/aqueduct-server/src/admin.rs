@@ -273,16 +273,46 @@ pub(crate) fn recheck_subscriptions(shared: &Shared) -> usize {
         .sum()
 }
 
-/// [`recheck_subscriptions`] for one connection.
-pub(crate) fn recheck_connection(shared: &Shared, conn: &crate::connection::ConnState) -> usize {
+/// Run `work` — a policy change, a walk over the live subscriptions — on a blocking thread, and
+/// wait for it there: a change waits for a walk in progress ([`aqueduct_core::acl::Acl::hold_changes`]),
+/// and a walk takes as long as there are subscriptions, so neither may hold an async worker (the
+/// connections it serves would stall meanwhile).
+pub(crate) async fn off_workers<T: Send + 'static>(
+    shared: &Arc<Shared>,
+    work: impl FnOnce(&Shared) -> T + Send + 'static,
+) -> Result<T, tokio::task::JoinError> {
+    let shared = shared.clone();
+    tokio::task::spawn_blocking(move || work(&shared)).await
+}
+
+/// [`recheck_subscriptions`] for one connection, just listed: what it subscribed to in 0-RTT
+/// data was handled before its identity was known. At once when no change or walk is in
+/// progress (the usual case: a connection has few subscriptions yet); otherwise it waits for
+/// that one [`off_workers`]. Returns how many subscriptions it closed.
+pub(crate) async fn recheck_connection(
+    shared: &Arc<Shared>,
+    conn: &Arc<crate::connection::ConnState>,
+) -> usize {
     let acl = &shared.access.acl;
     if !acl.enabled() {
         // Every handshake comes here: it does not wait for a walk while the ACL is off. The
         // connection is listed already, so a change that turns it on walks it.
         return 0;
     }
-    let _steady = acl.hold_changes();
-    recheck_under(shared, &acl.policy(), conn)
+    if let Some(_steady) = acl.try_hold_changes() {
+        return recheck_under(shared, &acl.policy(), conn);
+    }
+    let conn = conn.clone();
+    let walked = off_workers(shared, move |shared| {
+        let acl = &shared.access.acl;
+        let _steady = acl.hold_changes();
+        recheck_under(shared, &acl.policy(), &conn)
+    })
+    .await;
+    walked.unwrap_or_else(|e| {
+        warn!("checking a new connection's subscriptions against the ACL failed: {e}");
+        0
+    })
 }
 
 /// [`recheck_connection`] under `policy`, the live one (changes held).
@@ -374,8 +404,32 @@ impl AdminApi {
         }
     }
 
-    async fn acl_changed(&self, caller: &str) -> Result<Response<proto::Acl>, Status> {
-        let closing = recheck_subscriptions(&self.shared);
+    /// Apply `change` to the ACL and, if it says it changed something, close the live
+    /// subscriptions the new policy refuses: both [`off_workers`]. Returns what `change` said
+    /// and how many subscriptions are closing.
+    async fn change_acl(
+        &self,
+        change: impl FnOnce(&mut aqueduct_core::acl::AclPolicy) -> bool + Send + 'static,
+    ) -> Result<(bool, usize), Status> {
+        off_workers(&self.shared, move |shared| {
+            let changed = shared.access.acl.update(change);
+            let closing = if changed {
+                recheck_subscriptions(shared)
+            } else {
+                0
+            };
+            (changed, closing)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("applying the change failed: {e}")))
+    }
+
+    /// Log and persist an ACL change that closed `closing` subscriptions; answer with the ACL.
+    async fn acl_changed(
+        &self,
+        caller: &str,
+        closing: usize,
+    ) -> Result<Response<proto::Acl>, Status> {
         let acl = self.acl();
         info!(caller, rules = acl.rules.len(), default = %acl.default_permission, closing_subscriptions = closing, "ACL changed");
         self.persist().await?;
@@ -531,13 +585,16 @@ impl AdminService for AdminApi {
             })?),
             None => None,
         };
-        self.shared.access.acl.update(|p| {
-            p.rules = rules.clone();
-            if let Some(d) = default {
-                p.default = d;
-            }
-        });
-        self.acl_changed(&caller).await
+        let (_, closing) = self
+            .change_acl(move |p| {
+                p.rules = rules;
+                if let Some(d) = default {
+                    p.default = d;
+                }
+                true
+            })
+            .await?;
+        self.acl_changed(&caller, closing).await
     }
 
     async fn list_acl(
@@ -554,20 +611,23 @@ impl AdminService for AdminApi {
     ) -> Result<Response<proto::Acl>, Status> {
         let caller = self.authorize(&req, "AddACLRule")?;
         let rule = rule_from_proto(None, req.get_ref())?;
-        let added = self.shared.access.acl.update(|p| {
-            if p.rules.contains(&rule) {
-                false
-            } else {
-                p.rules.push(rule.clone());
-                true
-            }
-        });
+        let new = rule.clone();
+        let (added, closing) = self
+            .change_acl(move |p| {
+                if p.rules.contains(&new) {
+                    false
+                } else {
+                    p.rules.push(new);
+                    true
+                }
+            })
+            .await?;
         if !added {
             return Err(Status::already_exists(format!(
                 "the rule {rule} is already there"
             )));
         }
-        self.acl_changed(&caller).await
+        self.acl_changed(&caller, closing).await
     }
 
     async fn remove_acl_rule(
@@ -576,15 +636,18 @@ impl AdminService for AdminApi {
     ) -> Result<Response<proto::Acl>, Status> {
         let caller = self.authorize(&req, "RemoveACLRule")?;
         let rule = rule_from_proto(None, req.get_ref())?;
-        let removed = self.shared.access.acl.update(|p| {
-            let before = p.rules.len();
-            p.rules.retain(|r| r != &rule);
-            before != p.rules.len()
-        });
+        let gone = rule.clone();
+        let (removed, closing) = self
+            .change_acl(move |p| {
+                let before = p.rules.len();
+                p.rules.retain(|r| r != &gone);
+                before != p.rules.len()
+            })
+            .await?;
         if !removed {
             return Err(Status::not_found(format!("no rule {rule}")));
         }
-        self.acl_changed(&caller).await
+        self.acl_changed(&caller, closing).await
     }
 
     async fn list_clients(

@@ -303,7 +303,7 @@ pub(crate) async fn handle(
                         // What early data it sent is held back until now: a peer certificate
                         // (no client identity) gets nothing of it handled.
                         if !refuse_peer_certificate(&conn2) && !refuse_unnamed_certificate(&conn2) {
-                            identify(&conn2, &state, &shared2);
+                            identify(&conn2, &state, &shared2).await;
                             state.confirm();
                             shared2
                                 .stats
@@ -366,7 +366,7 @@ pub(crate) async fn handle(
         if h3 {
             return crate::webtransport::serve(conn, shared, state, shutdown).await;
         }
-        identify(&conn, &state, &shared);
+        identify(&conn, &state, &shared).await;
         state.confirm();
         shared
             .stats
@@ -392,7 +392,7 @@ pub(crate) async fn serve_webtransport(
     if let Some(id) = client {
         let _ = state.client_id.set(id);
     }
-    identify(&conn, &state, &shared);
+    identify(&conn, &state, &shared).await;
     state.confirm();
     shared
         .stats
@@ -580,7 +580,7 @@ const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 type Confirming = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 /// Learn who the client is (its certificate's CN), give it its quota bucket and list it.
-fn identify(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Shared) {
+async fn identify(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Arc<Shared>) {
     if let Some(cn) = tls::client_common_name(conn) {
         let _ = state.client_id.set(cn);
     }
@@ -597,7 +597,7 @@ fn identify(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Shared) {
     // SUBSCRIBEs in 0-RTT data run before this, unchecked while the ACL is off. If a reload
     // turned it on meanwhile, its re-check did not see this connection (not listed yet): check
     // them now. A change after the listing above re-checks this connection itself.
-    crate::admin::recheck_connection(shared, state);
+    crate::admin::recheck_connection(shared, state).await;
 }
 
 async fn serve_streams(

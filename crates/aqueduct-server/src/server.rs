@@ -730,20 +730,36 @@ pub struct Control {
 impl Control {
     /// Make `access` (the config file's `acl` and `broker.quotas` sections, just re-read) the
     /// live policy, close the live subscriptions it refuses, and persist it. Returns how many
-    /// were closed. The closing does not wait for the state file (a slow disk).
+    /// were closed. The closing does not wait for the state file (a slow disk). All of it runs
+    /// on a blocking thread: the change may wait for a walk in progress, the walk takes as long
+    /// as there are subscriptions, and the state file is file I/O.
     pub async fn reload_access(
         &self,
         access: &crate::access::AccessConfig,
     ) -> Result<usize, String> {
-        self.shared.access.apply(access);
-        let closed = crate::admin::recheck_subscriptions(&self.shared);
-        let live = self.shared.access.clone();
-        // File I/O (the state file) off the async workers.
-        tokio::task::spawn_blocking(move || live.changed())
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
+        let access = access.clone();
+        let (closed, saved) = crate::admin::off_workers(&self.shared, move |shared| {
+            shared.access.apply(&access);
+            let closed = crate::admin::recheck_subscriptions(shared);
+            (closed, shared.access.changed())
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        saved.map_err(|e| e.to_string())?;
         Ok(closed)
+    }
+
+    /// A testing aid: hold the ACL as it is until the guard is dropped, as a walk over the live
+    /// subscriptions does (changes and the checks of new connections wait for it).
+    #[doc(hidden)]
+    pub fn hold_acl_changes(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.shared.access.acl.hold_changes()
+    }
+
+    /// A testing aid: how many ACL changes and walks wait for the one holding it.
+    #[doc(hidden)]
+    pub fn acl_waiters(&self) -> usize {
+        self.shared.access.acl.waiting_for_changes()
     }
 
     /// A testing aid: while `hold` is true the durable log's writer stores nothing, so the

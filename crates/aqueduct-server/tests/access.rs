@@ -1024,3 +1024,132 @@ async fn with_the_admin_api_off_its_old_state_file_is_set_aside() {
     assert!(again.acl.policy().rules.is_empty());
     b.stop().await.expect("clean shutdown");
 }
+
+/// Holds the ACL on a thread of its own, as a long walk over the live subscriptions does, until
+/// let go or for at most 10 s.
+struct AclHolder {
+    release: std::sync::mpsc::Sender<()>,
+    thread: std::thread::JoinHandle<bool>,
+}
+
+impl AclHolder {
+    fn hold(control: &aqueduct_server::Control) -> AclHolder {
+        let control = control.clone();
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let (release, release_rx) = std::sync::mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            let _held = control.hold_acl_changes();
+            held_tx.send(()).expect("say it is held");
+            release_rx.recv_timeout(Duration::from_secs(10)).is_ok()
+        });
+        held_rx.recv().expect("the ACL is held");
+        AclHolder { release, thread }
+    }
+
+    /// Let go; true if it was told to (false: it gave up waiting, because the one runtime
+    /// thread that would tell it was blocked).
+    fn release(self) -> bool {
+        let _ = self.release.send(());
+        self.thread.join().expect("holder thread")
+    }
+}
+
+/// A walk over the live subscriptions, and a change or a new connection's check waiting for one
+/// in progress, run off the async workers: on a runtime with one thread (broker and clients
+/// alike), each of them waits while that thread goes on serving. Before, a SIGHUP reload, an
+/// admin change and a handshake with the ACL on each waited on the async worker itself, and a
+/// walk over many subscriptions stalled every connection the worker served.
+#[tokio::test(flavor = "current_thread")]
+async fn acl_changes_and_walks_hold_no_async_worker() {
+    let s = Setup::start(
+        "none",
+        &[
+            ("service-a", "orders/#", "publish"),
+            ("service-b", "orders/#", "subscribe"),
+        ],
+        QuotasSection::default(),
+    )
+    .await;
+    let a = s.client(Some("service-a")).await;
+    let b = s.client(Some("service-b")).await;
+    let mut sub = b.subscribe("orders/#").await.expect("subscribe");
+    let control = s.b.control.clone();
+
+    // 1. A reload (what SIGHUP does) that takes service-b's permission away.
+    let holder = AclHolder::hold(&control);
+    let access = access::validate(
+        &AclSection {
+            enabled: true,
+            default: "none".into(),
+            rules: rules(&[("service-a", "orders/#", "publish")]),
+        },
+        &QuotasSection::default(),
+    )
+    .expect("valid");
+    let reloading = tokio::spawn({
+        let control = control.clone();
+        async move { control.reload_access(&access).await }
+    });
+    until("the reload to wait for the ACL", || {
+        control.acl_waiters() == 1
+    })
+    .await;
+    assert!(
+        holder.release(),
+        "the runtime's thread went on while it waited"
+    );
+    let closed = within("the reload", reloading)
+        .await
+        .expect("joined")
+        .expect("reloaded and saved");
+    assert_eq!(closed, 1, "service-b's subscription");
+    match within("the revoked subscription to end", sub.next_message()).await {
+        Some(Err(e)) => assert_eq!(e.code(), Some(ErrorCode::NOT_AUTHORIZED), "{e}"),
+        other => panic!("expected NOT_AUTHORIZED, got {other:?}"),
+    }
+
+    // 2. An admin change that gives it back.
+    let mut admin = s.admin(Some("admin-ops")).await.expect("admin");
+    let holder = AclHolder::hold(&control);
+    let adding = tokio::spawn(async move {
+        admin
+            .add_acl_rule(rule("service-b", "orders/#", "subscribe"))
+            .await
+    });
+    until("the admin change to wait for the ACL", || {
+        control.acl_waiters() == 1
+    })
+    .await;
+    assert!(
+        holder.release(),
+        "the runtime's thread went on while it waited"
+    );
+    let acl = within("the admin change", adding)
+        .await
+        .expect("joined")
+        .expect("added")
+        .into_inner();
+    assert_eq!(acl.rules.len(), 2);
+
+    // 3. A new connection's check (its 0-RTT subscriptions) while a walk is in progress.
+    let holder = AclHolder::hold(&control);
+    let connecting = tokio::spawn(Client::connect(s.options(Some("service-b"))));
+    until("the new connection's check to wait for the ACL", || {
+        control.acl_waiters() == 1
+    })
+    .await;
+    assert!(
+        holder.release(),
+        "the runtime's thread went on while it waited"
+    );
+    let c = within("connect", connecting)
+        .await
+        .expect("joined")
+        .expect("connects");
+    let mut sub = c.subscribe("orders/#").await.expect("allowed again");
+    a.publish_with("orders/1", "one", &CONFIRM)
+        .await
+        .expect("publish");
+    assert_eq!(&next(&mut sub).await.body()[..], b"one");
+    s.b.stop().await.expect("clean shutdown");
+}
