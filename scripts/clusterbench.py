@@ -377,12 +377,12 @@ def main():
                         if broker == "nats":
                             quiet()
                             res = run([PEERBENCH, "nats-latency", "--url", nats_url["a"], "--sub-url", nats_url["b"],
-                                       "--rate", "10000", "--secs", "5", "--size", "128"])
+                                       "--rate", "10000", "--secs", "5", "--size", "128", "--warmup-msgs", "1000"])
                             record("cross_latency", "nats", res, round=r)
                         else:
                             quiet()
                             res = aq_bench(c, "a", "--rate", "10000", "--duration", "5s", "--batch", "1",
-                                           "--payload-size", "128", *cross)
+                                           "--payload-size", "128", "--warmup", "1000", *cross)
                             record("cross_latency", "aqueduct", res, round=r)
                     # Reference: the same latency run with publisher and subscriber on node A (one
                     # hop less), to show what the hop between the nodes adds.
@@ -390,10 +390,11 @@ def main():
                         if broker == "nats":
                             quiet()
                             res = run([PEERBENCH, "nats-latency", "--url", nats_url["a"],
-                                       "--rate", "10000", "--secs", "5", "--size", "128"])
+                                       "--rate", "10000", "--secs", "5", "--size", "128", "--warmup-msgs", "1000"])
                         else:
                             quiet()
-                            res = aq_bench(c, "a", "--rate", "10000", "--duration", "5s", "--batch", "1", "--payload-size", "128")
+                            res = aq_bench(c, "a", "--rate", "10000", "--duration", "5s", "--batch", "1", "--payload-size", "128",
+                                           "--warmup", "1000")
                         record("local_latency", broker, res, round=r)
         if "c" in parts:
             # A 3-node cluster (a3 with the idle peers b3 and c), the same node alone (cluster on,

@@ -15,6 +15,9 @@ prerequisites (see scripts/speedbar.py):
     python3 scripts/latency-ab.py "old=target/exp/broker-old" "new=target/release/aqueduct-broker"
     python3 scripts/latency-ab.py "old=target/exp/broker-old||target/exp/client-old" "new="
 
+WARMUP=N leaves each latency run's first N messages out of both clients' histograms
+(default 1000, as the speed bar; 0 passes nothing, for bench clients older than --warmup).
+
 ORDER=alternate puts nats-server first in odd rounds and last in even ones (default: always
 first), to see whether a run's place in the round moves its figures.
 
@@ -81,10 +84,14 @@ def main():
             results[name] = []
             per_msg[name] = []
         alternate = os.environ.get("ORDER") == "alternate"
+        # Both clients leave the same first messages out of their histograms (WARMUP=0: none,
+        # for bench clients older than `--warmup`).
+        warmup = os.environ.get("WARMUP", sb.WARMUP)
+        aq_warmup = ["--warmup", warmup] if warmup != "0" else []
 
         def nats_run():
             x = sb.run([sb.PEERBENCH, "nats-latency", "--url", "nats://127.0.0.1:4222",
-                        "--rate", "10000", "--secs", "5", "--size", "128"],
+                        "--rate", "10000", "--secs", "5", "--size", "128", "--warmup-msgs", warmup],
                        env=dict(os.environ, **client))
             results["nats"].append((x["latency"]["p50_us"], x["latency"]["p99_us"]))
 
@@ -95,7 +102,7 @@ def main():
             for name, (addr, metrics, env, client_binary) in targets.items():
                 before = parks(metrics)
                 x = sb.aq(addr, "--rate", "10000", "--duration", "5s", "--batch", "1",
-                          "--payload-size", "128", env=env, client=client_binary)
+                          "--payload-size", "128", *aq_warmup, env=env, client=client_binary)
                 after = parks(metrics)
                 results[name].append((x["latency"]["p50_us"], x["latency"]["p99_us"]))
                 if before is not None and after is not None and x.get("msgs"):

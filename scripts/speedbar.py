@@ -39,6 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BROKER = os.path.join(ROOT, "target/release/aqueduct-broker")
 CLIENT = os.path.join(ROOT, "target/release/aqueduct")
 PEERBENCH = os.path.join(ROOT, "target/peerbench/release/peerbench")
+# The latency runs' first messages (a new connection warming up), left out of both clients'
+# histograms alike: peerbench's default, passed to both explicitly.
+WARMUP = "1000"
 TICKS = os.sysconf("SC_CLK_TCK")
 MIN_NATS = (2, 15)
 
@@ -263,9 +266,9 @@ def main():
                 c0 = cpu_seconds(big.pid)
                 res = aq(addr_big, "--payload-size", "128", "--batch", "100", "--overflow", "broker", *aq_args, env=b.client_env[14304])
                 record(name + "_unpaced", "aqueduct", res, server_cpu_s=cpu_seconds(big.pid) - c0)
-            res = run([PEERBENCH, "nats-latency", "--url", "nats://127.0.0.1:4222", "--rate", "10000", "--secs", "5", "--size", "128"])
+            res = run([PEERBENCH, "nats-latency", "--url", "nats://127.0.0.1:4222", "--rate", "10000", "--secs", "5", "--size", "128", "--warmup-msgs", WARMUP])
             record("latency_10k", "nats", res)
-            res = aq(addr, "--rate", "10000", "--duration", "5s", "--batch", "1", "--payload-size", "128", env=b.client_env[14301])
+            res = aq(addr, "--rate", "10000", "--duration", "5s", "--batch", "1", "--payload-size", "128", "--warmup", WARMUP, env=b.client_env[14301])
             record("latency_10k", "aqueduct", res)
 
         # A slow subscriber (stopped with SIGSTOP) next to two fast ones, at a fixed offered

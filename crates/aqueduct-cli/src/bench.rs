@@ -68,6 +68,10 @@ pub struct BenchConfig {
     /// Every publish frame starts a trace (a new sampled W3C trace context; a batch's messages
     /// share it): what a broker exporting traces (tracing.otlp_endpoint) records.
     pub trace: bool,
+    /// Messages whose sequence number is below this are delivered and counted but left out of
+    /// the latency figures: a new connection's first messages meet cold caches, buffers not
+    /// grown yet and a congestion window still opening (peerbench's `--warmup-msgs`).
+    pub warmup: u64,
 }
 
 /// Time between probes.
@@ -180,10 +184,12 @@ struct Recorder {
     /// stamp and arrive together, so most have the latency of the one before.
     run: (u64, u64),
     last: Instant,
+    /// Sequence numbers below this are not in `latency` ([`BenchConfig::warmup`]).
+    warmup: u64,
 }
 
 impl Recorder {
-    fn new(capacity: u64) -> Recorder {
+    fn new(capacity: u64, warmup: u64) -> Recorder {
         Recorder {
             seen: vec![0; capacity.div_ceil(64) as usize],
             received: 0,
@@ -191,6 +197,7 @@ impl Recorder {
             latency: new_histogram(),
             run: (0, 0),
             last: Instant::now(),
+            warmup,
         }
     }
 
@@ -201,12 +208,14 @@ impl Recorder {
         let (Some(ts), Some(index)) = (read_u64(body, 0), read_u64(body, 8)) else {
             return;
         };
-        let latency = now_ns.saturating_sub(ts).max(1);
-        if self.run.0 != latency {
-            self.flush();
-            self.run.0 = latency;
+        if index >= self.warmup {
+            let latency = now_ns.saturating_sub(ts).max(1);
+            if self.run.0 != latency {
+                self.flush();
+                self.run.0 = latency;
+            }
+            self.run.1 += 1;
         }
-        self.run.1 += 1;
         let (word, bit) = ((index / 64) as usize, index % 64);
         if word >= self.seen.len() {
             self.seen.resize(word + 1, 0);
@@ -617,7 +626,7 @@ async fn subscriber(
         probed,
         go,
     } = shared;
-    let mut rec = Recorder::new(capacity);
+    let mut rec = Recorder::new(capacity, cfg.warmup);
     let mut seen_probe = false;
     let (mut count, mut stamp, mut to_ack) = (0u64, None, Vec::new());
     let idle = tokio::time::sleep(cfg.idle);
@@ -777,6 +786,7 @@ impl BenchReport {
                 "max_us": self.latency.max() as f64 / 1e3,
                 "samples": self.latency.len(),
             },
+            "warmup_msgs": c.warmup,
         })
     }
 }
@@ -888,7 +898,7 @@ mod tests {
     fn recorder_counts_duplicates_and_latency() {
         let epoch = Instant::now();
         let mut buf = BytesMut::new();
-        let mut rec = Recorder::new(10);
+        let mut rec = Recorder::new(10, 0);
         let at = |ns: u64| (epoch + Duration::from_nanos(ns), ns);
         let a = payload(&mut buf, 1_000, 3, 32);
         rec.record(at(6_000), &a);
@@ -904,5 +914,24 @@ mod tests {
         rec.flush();
         assert_eq!(rec.latency.len(), 3);
         assert_eq!(a.len(), 32);
+    }
+
+    /// Messages numbered below the warm-up are counted as received but not timed.
+    #[test]
+    fn the_warm_up_is_received_but_not_timed() {
+        let epoch = Instant::now();
+        let mut buf = BytesMut::new();
+        let mut rec = Recorder::new(10, 5);
+        let at = |ns: u64| (epoch + Duration::from_nanos(ns), ns);
+        for (index, late) in [(0, 900_000), (4, 700_000), (5, 3_000), (9, 4_000)] {
+            rec.record(at(1_000 + late), &payload(&mut buf, 1_000, index, 32));
+        }
+        rec.flush();
+        assert_eq!((rec.received, rec.duplicates), (4, 0));
+        assert_eq!(rec.latency.len(), 2, "only numbers 5 and 9");
+        assert!(
+            rec.latency.max() < 10_000,
+            "the warm-up's 700 µs are not in it"
+        );
     }
 }

@@ -318,6 +318,12 @@ enum Command {
         /// (tracing.otlp_endpoint, tracing.sample_ratio).
         #[arg(long)]
         trace: bool,
+        /// Leave the first N messages (by sequence number) out of the latency figures: a new
+        /// connection's first messages meet cold caches and a congestion window still opening.
+        /// They are still delivered and counted. peerbench's nats-latency leaves out 1000 by
+        /// default; the speed bar passes 1000 to both.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        warmup: u64,
         /// Print one JSON object instead of text (no progress bar).
         #[arg(long)]
         json: bool,
@@ -895,6 +901,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             sub_dev_cert,
             probe_timeout,
             trace,
+            warmup,
             json,
         } => {
             use std::io::IsTerminal;
@@ -920,7 +927,16 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 probe: sub_addr.is_some(),
                 probe_timeout: *probe_timeout,
                 trace: *trace,
+                warmup: *warmup,
             };
+            let planned = match (duration, *rate > 0.0) {
+                (Some(d), true) => Some((rate * d.as_secs_f64()).round() as u64),
+                (Some(_), false) => None,
+                (None, _) => Some(*messages),
+            };
+            if let Some(planned) = planned.filter(|n| *warmup > 0 && warmup >= n) {
+                bail!("--warmup {warmup} leaves no message to time: the run sends {planned}");
+            }
             let opts = connect_options(cli)?;
             let sub_opts = match sub_addr {
                 Some(addr) => {

@@ -266,6 +266,8 @@ fn bench_counts_every_message_and_reports_json() {
             "2",
             "--streams",
             "2",
+            "--warmup",
+            "500",
         ],
     );
     assert!(
@@ -278,6 +280,22 @@ fn bench_counts_every_message_and_reports_json() {
     // Exactly the rate times the duration (it was one more or one fewer, by when the pacer
     // started against the clock).
     assert_eq!(r["msgs"].as_u64(), Some(2000), "2000/s for 1 s");
+    // The warm-up's messages are delivered and counted, not timed.
+    assert_eq!(r["subscribers"][0]["received"].as_u64(), Some(2000));
+    assert_eq!(r["warmup_msgs"].as_u64(), Some(500));
+    assert_eq!(r["latency"]["samples"].as_u64(), Some(1500));
+    // A warm-up that leaves nothing to time is refused before anything is sent.
+    let out = bench(
+        home.path(),
+        &addr,
+        &["--rate", "100", "--duration", "1s", "--warmup", "100"],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--warmup 100 leaves no message to time: the run sends 100"),
+        "{err}"
+    );
     stop(broker);
 }
 
