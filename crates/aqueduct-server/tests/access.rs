@@ -238,8 +238,9 @@ async fn rules_decide_publish_and_subscribe() {
     s.b.stop().await.expect("clean shutdown");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn admin_changes_apply_to_live_connections() {
+/// A broker whose ACL lets service-a publish and service-b subscribe to `orders/#`; both
+/// connected, service-b subscribed.
+async fn two_services() -> (Setup, Client, Client, aqueduct_client::Subscription) {
     let s = Setup::start(
         "none",
         &[
@@ -251,7 +252,13 @@ async fn admin_changes_apply_to_live_connections() {
     .await;
     let a = s.client(Some("service-a")).await;
     let b = s.client(Some("service-b")).await;
-    let mut sub = b.subscribe("orders/#").await.expect("subscribe");
+    let sub = b.subscribe("orders/#").await.expect("subscribe");
+    (s, a, b, sub)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_changes_apply_to_live_connections() {
+    let (s, a, b, mut sub) = two_services().await;
     a.publish_with("orders/1", "one", &CONFIRM)
         .await
         .expect("publish");
@@ -1061,18 +1068,7 @@ impl AclHolder {
 /// walk over many subscriptions stalled every connection the worker served.
 #[tokio::test(flavor = "current_thread")]
 async fn acl_changes_and_walks_hold_no_async_worker() {
-    let s = Setup::start(
-        "none",
-        &[
-            ("service-a", "orders/#", "publish"),
-            ("service-b", "orders/#", "subscribe"),
-        ],
-        QuotasSection::default(),
-    )
-    .await;
-    let a = s.client(Some("service-a")).await;
-    let b = s.client(Some("service-b")).await;
-    let mut sub = b.subscribe("orders/#").await.expect("subscribe");
+    let (s, a, _b, mut sub) = two_services().await;
     let control = s.b.control.clone();
 
     // 1. A reload (what SIGHUP does) that takes service-b's permission away.
