@@ -970,6 +970,12 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                     report.duplicates
                 );
             }
+            if *warmup > 0 && report.latency.is_empty() {
+                bail!(
+                    "no latency was measured: all {} message(s) sent were within --warmup {warmup}",
+                    report.sent
+                );
+            }
         }
     }
     Ok(())

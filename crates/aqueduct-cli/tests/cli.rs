@@ -296,6 +296,16 @@ fn bench_counts_every_message_and_reports_json() {
         err.contains("--warmup 100 leaves no message to time: the run sends 100"),
         "{err}"
     );
+    // A run whose count is not known up front (closed loop for a duration) that timed nothing
+    // is not a success either.
+    let out = bench(
+        home.path(),
+        &addr,
+        &["--duration", "1s", "--warmup", "1000000000000"],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no latency was measured"), "{err}");
     stop(broker);
 }
 

@@ -250,6 +250,14 @@ pub(crate) async fn serve(
     }
 }
 
+/// The answer to a change that is live but could not be saved.
+fn not_saved(e: impl std::fmt::Display) -> Status {
+    warn!("admin change applied but not saved: {e}");
+    Status::internal(format!(
+        "the change is live but could not be saved, so a restart would undo it: {e}"
+    ))
+}
+
 /// The accepted connections as a stream, for tonic.
 fn async_stream(
     rx: &mut mpsc::Receiver<TlsConn>,
@@ -302,15 +310,22 @@ pub(crate) async fn recheck_connection(
     if let Some(_steady) = acl.try_hold_changes() {
         return recheck_under(shared, &acl.policy(), conn);
     }
-    let conn = conn.clone();
+    let walking = conn.clone();
     let walked = off_workers(shared, move |shared| {
         let acl = &shared.access.acl;
         let _steady = acl.hold_changes();
-        recheck_under(shared, &acl.policy(), &conn)
+        recheck_under(shared, &acl.policy(), &walking)
     })
     .await;
     walked.unwrap_or_else(|e| {
+        // Fail closed: its subscriptions were not checked, so it is not served.
         warn!("checking a new connection's subscriptions against the ACL failed: {e}");
+        if let Some(c) = conn.conn.get() {
+            c.close(
+                aqueduct_proto::ErrorCode::INTERNAL.0.into(),
+                b"checking the connection against the ACL failed",
+            );
+        }
         0
     })
 }
@@ -387,12 +402,7 @@ impl AdminApi {
         let saved = tokio::task::spawn_blocking(move || access.changed())
             .await
             .map_err(|e| Status::internal(format!("saving the change failed: {e}")))?;
-        saved.map_err(|e| {
-            warn!("admin change applied but not saved: {e}");
-            Status::internal(format!(
-                "the change is live but could not be saved, so a restart would undo it: {e}"
-            ))
-        })
+        saved.map_err(not_saved)
     }
 
     fn acl(&self) -> proto::Acl {
@@ -404,36 +414,32 @@ impl AdminApi {
         }
     }
 
-    /// Apply `change` to the ACL and, if it says it changed something, close the live
-    /// subscriptions the new policy refuses: both [`off_workers`]. Returns what `change` said
-    /// and how many subscriptions are closing.
+    /// Apply `change` to the ACL; if it says it changed something, close the live
+    /// subscriptions the new policy refuses, log the change and save it. All of it in one task
+    /// [`off_workers`]: a call dropped while it waits (its deadline, the client gone) cannot
+    /// leave a change live but unsaved. Returns what `change` said.
     async fn change_acl(
         &self,
+        caller: &str,
         change: impl FnOnce(&mut aqueduct_core::acl::AclPolicy) -> bool + Send + 'static,
-    ) -> Result<(bool, usize), Status> {
-        off_workers(&self.shared, move |shared| {
-            let changed = shared.access.acl.update(change);
-            let closing = if changed {
-                recheck_subscriptions(shared)
-            } else {
-                0
-            };
-            (changed, closing)
+    ) -> Result<bool, Status> {
+        let caller = caller.to_string();
+        let done = off_workers(&self.shared, move |shared| {
+            if !shared.access.acl.update(change) {
+                return Ok(false);
+            }
+            let closing = recheck_subscriptions(shared);
+            let p = shared.access.acl.policy();
+            info!(caller, rules = p.rules.len(), default = %p.default, closing_subscriptions = closing, "ACL changed");
+            shared.access.changed().map(|()| true)
         })
         .await
-        .map_err(|e| Status::internal(format!("applying the change failed: {e}")))
-    }
-
-    /// Log and persist an ACL change that closed `closing` subscriptions; answer with the ACL.
-    async fn acl_changed(
-        &self,
-        caller: &str,
-        closing: usize,
-    ) -> Result<Response<proto::Acl>, Status> {
-        let acl = self.acl();
-        info!(caller, rules = acl.rules.len(), default = %acl.default_permission, closing_subscriptions = closing, "ACL changed");
-        self.persist().await?;
-        Ok(Response::new(acl))
+        .map_err(|e| {
+            Status::internal(format!(
+                "the ACL change did not complete (ListACL shows whether it is live): {e}"
+            ))
+        })?;
+        done.map_err(not_saved)
     }
 
     fn quota(&self, client_id: &str) -> proto::ClientQuota {
@@ -585,16 +591,15 @@ impl AdminService for AdminApi {
             })?),
             None => None,
         };
-        let (_, closing) = self
-            .change_acl(move |p| {
-                p.rules = rules;
-                if let Some(d) = default {
-                    p.default = d;
-                }
-                true
-            })
-            .await?;
-        self.acl_changed(&caller, closing).await
+        self.change_acl(&caller, move |p| {
+            p.rules = rules;
+            if let Some(d) = default {
+                p.default = d;
+            }
+            true
+        })
+        .await?;
+        Ok(Response::new(self.acl()))
     }
 
     async fn list_acl(
@@ -612,8 +617,8 @@ impl AdminService for AdminApi {
         let caller = self.authorize(&req, "AddACLRule")?;
         let rule = rule_from_proto(None, req.get_ref())?;
         let new = rule.clone();
-        let (added, closing) = self
-            .change_acl(move |p| {
+        let added = self
+            .change_acl(&caller, move |p| {
                 if p.rules.contains(&new) {
                     false
                 } else {
@@ -627,7 +632,7 @@ impl AdminService for AdminApi {
                 "the rule {rule} is already there"
             )));
         }
-        self.acl_changed(&caller, closing).await
+        Ok(Response::new(self.acl()))
     }
 
     async fn remove_acl_rule(
@@ -637,8 +642,8 @@ impl AdminService for AdminApi {
         let caller = self.authorize(&req, "RemoveACLRule")?;
         let rule = rule_from_proto(None, req.get_ref())?;
         let gone = rule.clone();
-        let (removed, closing) = self
-            .change_acl(move |p| {
+        let removed = self
+            .change_acl(&caller, move |p| {
                 let before = p.rules.len();
                 p.rules.retain(|r| r != &gone);
                 before != p.rules.len()
@@ -647,7 +652,7 @@ impl AdminService for AdminApi {
         if !removed {
             return Err(Status::not_found(format!("no rule {rule}")));
         }
-        self.acl_changed(&caller, closing).await
+        Ok(Response::new(self.acl()))
     }
 
     async fn list_clients(

@@ -1127,7 +1127,8 @@ async fn acl_changes_and_walks_hold_no_async_worker() {
         .into_inner();
     assert_eq!(acl.rules.len(), 2);
 
-    // 3. A new connection's check (its 0-RTT subscriptions) while a walk is in progress.
+    // 3. A new connection's check while a walk is in progress (a 1-RTT connection: it has no
+    // subscriptions to check, but its handshake goes through the same wait).
     let holder = AclHolder::hold(&control);
     let connecting = tokio::spawn(Client::connect(s.options(Some("service-b"))));
     until("the new connection's check to wait for the ACL", || {
@@ -1147,5 +1148,44 @@ async fn acl_changes_and_walks_hold_no_async_worker() {
         .await
         .expect("publish");
     assert_eq!(&next(&mut sub).await.body()[..], b"one");
+    s.b.stop().await.expect("clean shutdown");
+}
+
+/// An admin ACL change whose call is dropped while it waits (here: its deadline passes while a
+/// walk holds the ACL) still lands whole: live and saved. Before, the change and the walk ran
+/// on the blocking pool and the save only once the call resumed, so a dropped call left the
+/// change live but unsaved, and a restart undid it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_change_whose_call_is_dropped_is_saved_all_the_same() {
+    let (s, _a, _b, _sub) = two_services().await;
+    let mut admin = s.admin(Some("admin-ops")).await.expect("admin");
+    let control = s.b.control.clone();
+    let holder = AclHolder::hold(&control);
+    let mut req = tonic::Request::new(rule("service-c", "orders/#", "subscribe"));
+    req.set_timeout(Duration::from_secs(3));
+    let call = tokio::spawn(async move { admin.add_acl_rule(req).await });
+    until("the change to wait for the ACL", || {
+        control.acl_waiters() == 1
+    })
+    .await;
+    let status = within("the call's deadline", call)
+        .await
+        .expect("joined")
+        .expect_err("the deadline passes while the ACL is held");
+    // The client gives up at the deadline (Cancelled) and resets the request, or the broker
+    // answers DeadlineExceeded: either way the broker drops the call.
+    assert!(
+        matches!(
+            status.code(),
+            tonic::Code::Cancelled | tonic::Code::DeadlineExceeded
+        ),
+        "{status}"
+    );
+    assert!(holder.release(), "let go");
+    until("the dropped call's change to be saved", || {
+        std::fs::read_to_string(s.state_file()).is_ok_and(|t| t.contains("service-c"))
+    })
+    .await;
+    assert_eq!(control.acl().rules.len(), 3, "and live");
     s.b.stop().await.expect("clean shutdown");
 }
