@@ -297,14 +297,17 @@ pub(crate) async fn off_workers<T: Send + 'static>(
 /// data was handled before its identity was known. At once when no change or walk is in
 /// progress (the usual case: a connection has few subscriptions yet); otherwise it waits for
 /// that one [`off_workers`]. Returns how many subscriptions it closed.
+///
+/// Every handshake comes here, and only one whose 0-RTT data subscribed has anything to check:
+/// any other (a 1-RTT connection is listed before any of its streams is served) returns at
+/// once, without waiting for a walk in progress. The connection is listed already, so a later
+/// change walks it, and a SUBSCRIBE handled from now on is checked with its identity known.
 pub(crate) async fn recheck_connection(
     shared: &Arc<Shared>,
     conn: &Arc<crate::connection::ConnState>,
 ) -> usize {
     let acl = &shared.access.acl;
-    if !acl.enabled() {
-        // Every handshake comes here: it does not wait for a walk while the ACL is off. The
-        // connection is listed already, so a change that turns it on walks it.
+    if !acl.enabled() || !conn.has_subs() {
         return 0;
     }
     if let Some(_steady) = acl.try_hold_changes() {

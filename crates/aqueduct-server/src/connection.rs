@@ -171,6 +171,11 @@ impl ConnState {
         self.confirmed.load(Ordering::Acquire)
     }
 
+    /// Has it a live subscription?
+    pub(crate) fn has_subs(&self) -> bool {
+        self.lock().values().any(|e| !e.sub.is_closed())
+    }
+
     /// The live subscriptions (admin API, ACL re-checks).
     pub(crate) fn subs(&self) -> Vec<SubEntry> {
         self.lock()
