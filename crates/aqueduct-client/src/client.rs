@@ -66,7 +66,7 @@ pub struct SubscribeOptions {
     pub max_in_flight: Option<u32>,
 }
 
-fn transport() -> quinn::TransportConfig {
+fn transport(opts: &ConnectOptions) -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
     t.stream_receive_window((8u32 << 20).into());
     t.receive_window((32u32 << 20).into());
@@ -74,6 +74,8 @@ fn transport() -> quinn::TransportConfig {
     t.initial_mtu(1452);
     t.keep_alive_interval(Some(Duration::from_secs(10)));
     t.max_idle_timeout(quinn::IdleTimeout::try_from(Duration::from_secs(60)).ok());
+    // Fewer ACKs from the broker for what this client publishes.
+    t.ack_frequency_config(aqueduct_udp::ack_frequency(opts.ack_eliciting_threshold));
     t
 }
 
@@ -101,7 +103,7 @@ impl Client {
         let quic = quinn::crypto::rustls::QuicClientConfig::try_from(crypto)
             .map_err(|e| ConnectError::Tls(e.to_string()))?;
         let mut config = quinn::ClientConfig::new(Arc::new(quic));
-        config.transport_config(Arc::new(transport()));
+        config.transport_config(Arc::new(transport(&opts)));
         let bind: SocketAddr = if addr.is_ipv6() {
             "[::]:0"
                 .parse()
@@ -197,6 +199,12 @@ impl Client {
     /// The broker's address.
     pub fn remote_address(&self) -> SocketAddr {
         self.inner.conn.remote_address()
+    }
+
+    /// The QUIC connection's statistics, for diagnostics: round-trip time, congestion window,
+    /// packets sent and lost, frames sent and received by type (quinn's `ConnectionStats`).
+    pub fn quic_stats(&self) -> quinn::ConnectionStats {
+        self.inner.conn.quic().stats()
     }
 
     /// Publish `body` to `topic` (priority 2, no TTL, no confirmation).

@@ -34,7 +34,7 @@ pub use aqueduct_proto::{DurableStart, ErrorCode, OverflowPolicy, Priority};
 pub use client::{Client, PublishOptions, SubscribeOptions};
 pub use error::{ClientError, ConnectError};
 pub use link::Transport;
-pub use options::{default_dev_cert_file, ConnectOptions, Trust};
+pub use options::{default_dev_cert_file, ConnectOptions, Trust, DEFAULT_ACK_ELICITING_THRESHOLD};
 pub use publisher::Publisher;
 pub use subscription::{Message, MessageRef, Settler, Subscription};
 pub use trace::{new_trace, TraceContext};

@@ -46,7 +46,7 @@ impl Link {
     }
 
     /// The QUIC connection under it.
-    fn quic(&self) -> &quinn::Connection {
+    pub(crate) fn quic(&self) -> &quinn::Connection {
         match self {
             Link::Quic(c) => c,
             Link::WebTransport(s) => s,

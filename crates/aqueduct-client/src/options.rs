@@ -55,6 +55,7 @@ pub struct ConnectOptions {
     pub(crate) client_cert: Option<(PathBuf, PathBuf)>,
     pub(crate) timeout: Duration,
     pub(crate) transport: crate::link::Transport,
+    pub(crate) ack_eliciting_threshold: u32,
 }
 
 impl ConnectOptions {
@@ -67,6 +68,7 @@ impl ConnectOptions {
             client_cert: None,
             timeout: Duration::from_secs(10),
             transport: crate::link::Transport::Quic,
+            ack_eliciting_threshold: DEFAULT_ACK_ELICITING_THRESHOLD,
         }
     }
 
@@ -159,7 +161,25 @@ impl ConnectOptions {
         self.timeout = timeout;
         self
     }
+
+    /// How many packets the broker may receive from this client without acknowledging them
+    /// (default 9; at most 64; 1 is QUIC's own rule, an ACK for every second packet). Asked
+    /// through the QUIC ACK-frequency extension, with every packet acknowledged within 1 ms.
+    /// Fewer ACKs are fewer datagrams for this client to receive and handle while it publishes
+    /// (the broker asks the same of the client for its deliveries:
+    /// `transport.ack_eliciting_threshold`).
+    pub fn ack_eliciting_threshold(mut self, packets: u32) -> Self {
+        self.ack_eliciting_threshold = packets.clamp(1, MAX_ACK_ELICITING_THRESHOLD);
+        self
+    }
 }
+
+/// [`ConnectOptions::ack_eliciting_threshold`]'s default, as the broker's.
+pub const DEFAULT_ACK_ELICITING_THRESHOLD: u32 = 9;
+
+/// The largest [`ConnectOptions::ack_eliciting_threshold`], as the broker's: beyond it ACKs
+/// come too seldom for congestion control and loss detection to go by.
+const MAX_ACK_ELICITING_THRESHOLD: u32 = 64;
 
 /// Split `host:port`, accepting `[::1]:4242`.
 pub(crate) fn host_of(addr: &str) -> &str {

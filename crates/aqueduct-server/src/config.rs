@@ -143,6 +143,10 @@ pub struct TransportSection {
     pub socket_buffer: u64,
     /// Initial path MTU guess, bytes (1200..=65527).
     pub initial_mtu: u64,
+    /// Packets a client may receive from the broker without acknowledging them (1..=64; 1 is
+    /// QUIC's own rule, an ACK for every second packet). Asked through the QUIC ACK-frequency
+    /// extension, with any packet acknowledged within 1 ms.
+    pub ack_eliciting_threshold: u64,
     /// First read buffer of a stream, bytes (the seed's key); it doubles while reads fill it,
     /// up to 64 KiB, so an idle stream costs little and a busy one reads in large chunks.
     pub read_buf_size: u64,
@@ -163,6 +167,7 @@ impl Default for TransportSection {
             send_window: 16 << 20,
             socket_buffer: 4 << 20,
             initial_mtu: 1452,
+            ack_eliciting_threshold: 9,
             read_buf_size: 1024,
         }
     }
@@ -308,6 +313,7 @@ pub const ENV_KEYS: &[&str] = &[
     "transport.send_window",
     "transport.socket_buffer",
     "transport.initial_mtu",
+    "transport.ack_eliciting_threshold",
     "transport.read_buf_size",
     "metrics.max_topic_labels",
     "metrics.max_connections",
@@ -438,6 +444,8 @@ pub struct TransportConfig {
     pub send_window: u64,
     pub socket_buffer: usize,
     pub initial_mtu: u16,
+    /// Packets a client may receive without acknowledging them (1: QUIC's own rule).
+    pub ack_eliciting_threshold: u32,
     /// First read buffer of a stream, bytes.
     pub read_buf_size: usize,
 }
@@ -1025,6 +1033,14 @@ impl RawConfig {
             send_window: range("transport.send_window", t.send_window, 16 << 10, 1 << 32)?,
             socket_buffer: range("transport.socket_buffer", t.socket_buffer, 0, 1 << 30)? as usize,
             initial_mtu: range("transport.initial_mtu", t.initial_mtu, 1200, 65527)? as u16,
+            // Above 64, a peer's ACKs would come too seldom for the sender's congestion control
+            // and loss detection to go by (the 1 ms delay bounds them only in time).
+            ack_eliciting_threshold: range(
+                "transport.ack_eliciting_threshold",
+                t.ack_eliciting_threshold,
+                1,
+                64,
+            )? as u32,
             // Above 64 KiB it is the same as 64 KiB (the largest read chunk).
             read_buf_size: range("transport.read_buf_size", t.read_buf_size, 64, 1 << 30)? as usize,
         };

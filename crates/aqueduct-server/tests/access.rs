@@ -1137,9 +1137,12 @@ async fn acl_changes_and_walks_hold_no_async_worker() {
     )
     .await
     .expect("connects");
-    let mut sub = within("subscribe while a walk holds the ACL", c.subscribe("orders/#"))
-        .await
-        .expect("allowed again");
+    let mut sub = within(
+        "subscribe while a walk holds the ACL",
+        c.subscribe("orders/#"),
+    )
+    .await
+    .expect("allowed again");
     a.publish_with("orders/1", "one", &CONFIRM)
         .await
         .expect("publish");

@@ -620,3 +620,26 @@ fn tracing_keys_from_the_environment() {
         "off by default"
     );
 }
+
+/// `transport.ack_eliciting_threshold`: 9 by default, from the file or the environment, and a
+/// value out of 1..=64 stops startup naming the key.
+#[test]
+fn ack_eliciting_threshold_is_bounded_and_named() {
+    let c = load(None, vec![], Overrides::default()).expect("defaults");
+    assert_eq!(c.transport.ack_eliciting_threshold, 9);
+    let c = load(
+        None,
+        env(&[("AQUEDUCT_TRANSPORT_ACK_ELICITING_THRESHOLD", "1")]),
+        Overrides::default(),
+    )
+    .expect("1: QUIC's own rule");
+    assert_eq!(c.transport.ack_eliciting_threshold, 1);
+    for bad in ["0", "65"] {
+        let msg = error(
+            Some(&format!("transport:\n  ack_eliciting_threshold: {bad}\n")),
+            &[],
+            Overrides::default(),
+        );
+        assert!(msg.contains("transport.ack_eliciting_threshold"), "{msg}");
+    }
+}

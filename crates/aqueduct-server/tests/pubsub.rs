@@ -1139,3 +1139,40 @@ async fn a_go_style_port_only_address_serves_ipv6_and_ipv4() {
         .expect("close: everything published was taken");
     b.stop().await.expect("stop");
 }
+
+/// Each end asks the other for fewer ACKs (the QUIC ACK-frequency extension: every ninth packet
+/// or within 1 ms, by default), and neither asks with a threshold of 1
+/// (`transport.ack_eliciting_threshold`, `ConnectOptions::ack_eliciting_threshold`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_ends_ask_for_fewer_acks_unless_told_not_to() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    client
+        .publish_with("acks", "one", &confirm())
+        .await
+        .expect("confirmed");
+    until("an ACK_FREQUENCY frame each way", || {
+        let s = client.quic_stats();
+        s.frame_rx.ack_frequency >= 1 && s.frame_tx.ack_frequency >= 1
+    })
+    .await;
+
+    let off = TestBroker::start_with(|c| c.transport.ack_eliciting_threshold = 1).await;
+    let client = within(
+        "client connect",
+        aqueduct_client::Client::connect(off.options().ack_eliciting_threshold(1)),
+    )
+    .await
+    .expect("client connects");
+    // A round trip: an end that asks does so in its first packets after the handshake, before
+    // any reply.
+    client
+        .publish_with("acks", "one", &confirm())
+        .await
+        .expect("confirmed");
+    let s = client.quic_stats();
+    assert_eq!(s.frame_rx.ack_frequency, 0, "the broker asked: {s:?}");
+    assert_eq!(s.frame_tx.ack_frequency, 0, "the client asked: {s:?}");
+    b.stop().await.expect("clean shutdown");
+    off.stop().await.expect("clean shutdown");
+}

@@ -27,6 +27,11 @@
 
 //!
 //! On platforms other than Unix, [`runtime`] is quinn's own tokio runtime.
+//!
+//! # Fewer acknowledgements
+//!
+//! The other transport setting both ends share: [`ack_frequency`], which asks the peer to
+//! acknowledge fewer packets (docs/architecture.md, "Fewer ACKs").
 
 use std::sync::Arc;
 
@@ -39,4 +44,43 @@ pub fn runtime() -> Arc<dyn quinn::Runtime> {
     return Arc::new(unix::Runtime::new());
     #[cfg(not(unix))]
     return Arc::new(quinn::TokioRuntime);
+}
+
+/// The longest the peer is asked to hold an acknowledgement back: quinn's timer granularity,
+/// the smallest delay a quinn peer accepts (its `min_ack_delay`).
+pub const ACK_DELAY: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// The acknowledgement policy to ask of the peer (the QUIC ACK-frequency extension,
+/// draft-ietf-quic-ack-frequency, as quinn implements it): it may receive up to `threshold`
+/// ack-eliciting packets without acknowledging them, then must acknowledge the next one, and
+/// acknowledges any packet within [`ACK_DELAY`]. `threshold` 1 is QUIC's own rule (an ACK for
+/// every second packet): `None`, nothing is asked. A peer that does not support the extension
+/// (does not announce `min_ack_delay`) is asked nothing either way.
+///
+/// Every ACK a peer sends is a datagram the other end must receive and handle in user space
+/// (TCP's are absorbed by the kernel); at 10,000 messages/s, each in its own packet, QUIC's
+/// own rule makes 5,000 of them a second in each direction.
+pub fn ack_frequency(threshold: u32) -> Option<quinn::AckFrequencyConfig> {
+    if threshold <= 1 {
+        return None;
+    }
+    let mut config = quinn::AckFrequencyConfig::default();
+    config
+        .ack_eliciting_threshold(threshold.into())
+        .max_ack_delay(Some(ACK_DELAY));
+    Some(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn threshold_one_asks_nothing() {
+        assert!(ack_frequency(0).is_none());
+        assert!(ack_frequency(1).is_none());
+        let asked = format!("{:?}", ack_frequency(9).expect("asked"));
+        assert!(asked.contains("ack_eliciting_threshold: 9"), "{asked}");
+        assert!(asked.contains("max_ack_delay: Some(1ms)"), "{asked}");
+    }
 }
