@@ -66,6 +66,30 @@ pub struct SubscribeOptions {
     pub max_in_flight: Option<u32>,
 }
 
+/// A QUIC connection's statistics since it was opened ([`Client::quic_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct QuicStats {
+    /// The smoothed round-trip time.
+    pub rtt: Duration,
+    /// The congestion window, bytes.
+    pub congestion_window: u64,
+    /// UDP datagrams sent.
+    pub datagrams_sent: u64,
+    /// UDP datagrams received.
+    pub datagrams_received: u64,
+    /// Packets this end declared lost.
+    pub packets_lost: u64,
+    /// ACK frames sent.
+    pub acks_sent: u64,
+    /// ACK frames received.
+    pub acks_received: u64,
+    /// ACK_FREQUENCY frames sent: this end asked the broker for fewer ACKs.
+    pub ack_frequency_sent: u64,
+    /// ACK_FREQUENCY frames received: the broker asked this end for fewer ACKs.
+    pub ack_frequency_received: u64,
+}
+
 fn transport(opts: &ConnectOptions) -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
     t.stream_receive_window((8u32 << 20).into());
@@ -75,7 +99,10 @@ fn transport(opts: &ConnectOptions) -> quinn::TransportConfig {
     t.keep_alive_interval(Some(Duration::from_secs(10)));
     t.max_idle_timeout(quinn::IdleTimeout::try_from(Duration::from_secs(60)).ok());
     // Fewer ACKs from the broker for what this client publishes.
-    t.ack_frequency_config(aqueduct_udp::ack_frequency(opts.ack_eliciting_threshold));
+    t.ack_frequency_config(aqueduct_udp::ack_frequency(
+        opts.ack_eliciting_threshold,
+        opts.ack_delay,
+    ));
     t
 }
 
@@ -201,10 +228,20 @@ impl Client {
         self.inner.conn.remote_address()
     }
 
-    /// The QUIC connection's statistics, for diagnostics: round-trip time, congestion window,
-    /// packets sent and lost, frames sent and received by type (quinn's `ConnectionStats`).
-    pub fn quic_stats(&self) -> quinn::ConnectionStats {
-        self.inner.conn.quic().stats()
+    /// The QUIC connection's statistics since it was opened, for diagnostics.
+    pub fn quic_stats(&self) -> QuicStats {
+        let s = self.inner.conn.quic().stats();
+        QuicStats {
+            rtt: s.path.rtt,
+            congestion_window: s.path.cwnd,
+            datagrams_sent: s.udp_tx.datagrams,
+            datagrams_received: s.udp_rx.datagrams,
+            packets_lost: s.path.lost_packets,
+            acks_sent: s.frame_tx.acks,
+            acks_received: s.frame_rx.acks,
+            ack_frequency_sent: s.frame_tx.ack_frequency,
+            ack_frequency_received: s.frame_rx.ack_frequency,
+        }
     }
 
     /// Publish `body` to `topic` (priority 2, no TTL, no confirmation).

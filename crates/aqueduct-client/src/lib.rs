@@ -31,10 +31,14 @@ mod tls;
 pub mod trace;
 
 pub use aqueduct_proto::{DurableStart, ErrorCode, OverflowPolicy, Priority};
+pub use client::QuicStats;
 pub use client::{Client, PublishOptions, SubscribeOptions};
 pub use error::{ClientError, ConnectError};
 pub use link::Transport;
-pub use options::{default_dev_cert_file, ConnectOptions, Trust, DEFAULT_ACK_ELICITING_THRESHOLD};
+pub use options::{
+    default_dev_cert_file, ConnectOptions, Trust, DEFAULT_ACK_DELAY,
+    DEFAULT_ACK_ELICITING_THRESHOLD, MAX_ACK_ELICITING_THRESHOLD,
+};
 pub use publisher::Publisher;
 pub use subscription::{Message, MessageRef, Settler, Subscription};
 pub use trace::{new_trace, TraceContext};

@@ -56,6 +56,7 @@ pub struct ConnectOptions {
     pub(crate) timeout: Duration,
     pub(crate) transport: crate::link::Transport,
     pub(crate) ack_eliciting_threshold: u32,
+    pub(crate) ack_delay: Duration,
 }
 
 impl ConnectOptions {
@@ -69,6 +70,7 @@ impl ConnectOptions {
             timeout: Duration::from_secs(10),
             transport: crate::link::Transport::Quic,
             ack_eliciting_threshold: DEFAULT_ACK_ELICITING_THRESHOLD,
+            ack_delay: DEFAULT_ACK_DELAY,
         }
     }
 
@@ -162,14 +164,25 @@ impl ConnectOptions {
         self
     }
 
-    /// How many packets the broker may receive from this client without acknowledging them
-    /// (default 9; at most 64; 1 is QUIC's own rule, an ACK for every second packet). Asked
-    /// through the QUIC ACK-frequency extension, with every packet acknowledged within 1 ms.
-    /// Fewer ACKs are fewer datagrams for this client to receive and handle while it publishes
-    /// (the broker asks the same of the client for its deliveries:
-    /// `transport.ack_eliciting_threshold`).
+    /// How many packets from this client the broker may leave unacknowledged (default 9, so
+    /// it acknowledges every tenth; clamped to 1..=[`MAX_ACK_ELICITING_THRESHOLD`]; 1, or 0,
+    /// is QUIC's own rule, an ACK for every second packet, and asks nothing). Asked through
+    /// the QUIC ACK-frequency extension, with every packet acknowledged within
+    /// [`ConnectOptions::ack_delay`]. Fewer ACKs are fewer datagrams for this client and the
+    /// broker to handle while it publishes (the broker asks the same of the client for its
+    /// deliveries: `transport.ack_eliciting_threshold`).
     pub fn ack_eliciting_threshold(mut self, packets: u32) -> Self {
         self.ack_eliciting_threshold = packets.clamp(1, MAX_ACK_ELICITING_THRESHOLD);
+        self
+    }
+
+    /// The longest the broker may hold an acknowledgement of this client's packets back when
+    /// fewer than [`ConnectOptions::ack_eliciting_threshold`] more follow (default 1 ms;
+    /// clamped to 1..=25 ms). Short keeps the latency tail low at high rates; a client that
+    /// publishes a few hundred messages a second gets one ACK per packet below it, and 25 ms
+    /// (QUIC's default) avoids that (docs/architecture.md, "Fewer ACKs").
+    pub fn ack_delay(mut self, delay: Duration) -> Self {
+        self.ack_delay = delay;
         self
     }
 }
@@ -179,7 +192,10 @@ pub const DEFAULT_ACK_ELICITING_THRESHOLD: u32 = 9;
 
 /// The largest [`ConnectOptions::ack_eliciting_threshold`], as the broker's: beyond it ACKs
 /// come too seldom for congestion control and loss detection to go by.
-const MAX_ACK_ELICITING_THRESHOLD: u32 = 64;
+pub const MAX_ACK_ELICITING_THRESHOLD: u32 = 64;
+
+/// [`ConnectOptions::ack_delay`]'s default, as the broker's.
+pub const DEFAULT_ACK_DELAY: Duration = Duration::from_millis(1);
 
 /// Split `host:port`, accepting `[::1]:4242`.
 pub(crate) fn host_of(addr: &str) -> &str {

@@ -143,10 +143,12 @@ pub struct TransportSection {
     pub socket_buffer: u64,
     /// Initial path MTU guess, bytes (1200..=65527).
     pub initial_mtu: u64,
-    /// Packets a client may receive from the broker without acknowledging them (1..=64; 1 is
-    /// QUIC's own rule, an ACK for every second packet). Asked through the QUIC ACK-frequency
-    /// extension, with any packet acknowledged within 1 ms.
+    /// Packets from the broker a client may leave unacknowledged (1..=64; 1 is QUIC's own
+    /// rule, an ACK for every second packet). Asked through the QUIC ACK-frequency extension.
     pub ack_eliciting_threshold: u64,
+    /// The longest a client may hold an acknowledgement back (1ms..=25ms), asked with
+    /// `ack_eliciting_threshold`.
+    pub ack_delay: String,
     /// First read buffer of a stream, bytes (the seed's key); it doubles while reads fill it,
     /// up to 64 KiB, so an idle stream costs little and a busy one reads in large chunks.
     pub read_buf_size: u64,
@@ -168,6 +170,7 @@ impl Default for TransportSection {
             socket_buffer: 4 << 20,
             initial_mtu: 1452,
             ack_eliciting_threshold: 9,
+            ack_delay: "1ms".into(),
             read_buf_size: 1024,
         }
     }
@@ -314,6 +317,7 @@ pub const ENV_KEYS: &[&str] = &[
     "transport.socket_buffer",
     "transport.initial_mtu",
     "transport.ack_eliciting_threshold",
+    "transport.ack_delay",
     "transport.read_buf_size",
     "metrics.max_topic_labels",
     "metrics.max_connections",
@@ -444,8 +448,10 @@ pub struct TransportConfig {
     pub send_window: u64,
     pub socket_buffer: usize,
     pub initial_mtu: u16,
-    /// Packets a client may receive without acknowledging them (1: QUIC's own rule).
+    /// Packets a client may leave unacknowledged (1: QUIC's own rule).
     pub ack_eliciting_threshold: u32,
+    /// The longest a client may hold an acknowledgement back.
+    pub ack_delay: Duration,
     /// First read buffer of a stream, bytes.
     pub read_buf_size: usize,
 }
@@ -718,6 +724,7 @@ const TEXT_KEYS: &[&str] = &[
     "transport.idle_timeout",
     "transport.handshake_timeout",
     "transport.keep_alive_interval",
+    "transport.ack_delay",
     "metrics.header_timeout",
     "aal.file_path",
     "aal.key",
@@ -918,6 +925,22 @@ pub(crate) fn range<T: PartialOrd + std::fmt::Display + Copy>(
     Ok(v)
 }
 
+/// [`range`] for durations.
+pub(crate) fn duration_range(
+    key: &'static str,
+    v: Duration,
+    min: Duration,
+    max: Duration,
+) -> Result<Duration, ConfigError> {
+    if v < min || v > max {
+        return Err(invalid(
+            key,
+            format!("{v:?} is out of range {min:?}..={max:?}"),
+        ));
+    }
+    Ok(v)
+}
+
 pub(crate) fn opt_path(s: &str) -> Option<PathBuf> {
     (!s.trim().is_empty()).then(|| PathBuf::from(s))
 }
@@ -1041,6 +1064,13 @@ impl RawConfig {
                 1,
                 64,
             )? as u32,
+            // quinn peers accept no shorter delay; QUIC's default is the longest.
+            ack_delay: duration_range(
+                "transport.ack_delay",
+                parse_duration("transport.ack_delay", &t.ack_delay)?,
+                Duration::from_millis(1),
+                Duration::from_millis(25),
+            )?,
             // Above 64 KiB it is the same as 64 KiB (the largest read chunk).
             read_buf_size: range("transport.read_buf_size", t.read_buf_size, 64, 1 << 30)? as usize,
         };

@@ -163,7 +163,10 @@ fn transport_config(
     c.send_window(t.send_window);
     c.initial_mtu(t.initial_mtu);
     // Fewer ACKs from clients: each is a datagram the broker must receive and handle.
-    c.ack_frequency_config(aqueduct_udp::ack_frequency(t.ack_eliciting_threshold));
+    c.ack_frequency_config(aqueduct_udp::ack_frequency(
+        t.ack_eliciting_threshold,
+        t.ack_delay,
+    ));
     Ok(c)
 }
 

@@ -621,10 +621,10 @@ fn tracing_keys_from_the_environment() {
     );
 }
 
-/// `transport.ack_eliciting_threshold`: 9 by default, from the file or the environment, and a
-/// value out of 1..=64 stops startup naming the key.
+/// `transport.ack_eliciting_threshold` (9 by default) and `transport.ack_delay` (1 ms), from
+/// the file or the environment; a value out of 1..=64 or 1ms..=25ms stops startup naming the key.
 #[test]
-fn ack_eliciting_threshold_is_bounded_and_named() {
+fn ack_frequency_settings_are_bounded_and_named() {
     let c = load(None, vec![], Overrides::default()).expect("defaults");
     assert_eq!(c.transport.ack_eliciting_threshold, 9);
     let c = load(
@@ -641,5 +641,21 @@ fn ack_eliciting_threshold_is_bounded_and_named() {
             Overrides::default(),
         );
         assert!(msg.contains("transport.ack_eliciting_threshold"), "{msg}");
+    }
+    assert_eq!(c.transport.ack_delay, Duration::from_millis(1), "default");
+    let c = load(
+        None,
+        env(&[("AQUEDUCT_TRANSPORT_ACK_DELAY", "25ms")]),
+        Overrides::default(),
+    )
+    .expect("25ms: QUIC's default");
+    assert_eq!(c.transport.ack_delay, Duration::from_millis(25));
+    for bad in ["500us", "26ms", "soon"] {
+        let msg = error(
+            Some(&format!("transport:\n  ack_delay: {bad}\n")),
+            &[],
+            Overrides::default(),
+        );
+        assert!(msg.contains("transport.ack_delay"), "{msg}");
     }
 }

@@ -46,28 +46,38 @@ pub fn runtime() -> Arc<dyn quinn::Runtime> {
     return Arc::new(quinn::TokioRuntime);
 }
 
-/// The longest the peer is asked to hold an acknowledgement back: quinn's timer granularity,
-/// the smallest delay a quinn peer accepts (its `min_ack_delay`).
-pub const ACK_DELAY: std::time::Duration = std::time::Duration::from_millis(1);
+/// The shortest delay a quinn peer accepts (its `min_ack_delay`, quinn's timer granularity),
+/// and the default [`ack_frequency`] asks for.
+pub const MIN_ACK_DELAY: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// QUIC's default `max_ack_delay` (RFC 9000 §18.2), the longest delay worth asking for.
+pub const MAX_ACK_DELAY: std::time::Duration = std::time::Duration::from_millis(25);
 
 /// The acknowledgement policy to ask of the peer (the QUIC ACK-frequency extension,
-/// draft-ietf-quic-ack-frequency, as quinn implements it): it may receive up to `threshold`
-/// ack-eliciting packets without acknowledging them, then must acknowledge the next one, and
-/// acknowledges any packet within [`ACK_DELAY`]. `threshold` 1 is QUIC's own rule (an ACK for
-/// every second packet): `None`, nothing is asked. A peer that does not support the extension
-/// (does not announce `min_ack_delay`) is asked nothing either way.
+/// draft-ietf-quic-ack-frequency, as quinn implements it): it may leave up to `threshold`
+/// ack-eliciting packets unacknowledged and must acknowledge the next one at once, and it
+/// acknowledges any packet within `delay` (clamped to [`MIN_ACK_DELAY`]..=[`MAX_ACK_DELAY`]).
+/// `threshold` 1 (or 0) is QUIC's own rule, an ACK for every second packet: `None`, nothing is
+/// asked. A peer that does not support the extension (does not announce `min_ack_delay`) is
+/// asked nothing either way.
 ///
 /// Every ACK a peer sends is a datagram the other end must receive and handle in user space
 /// (TCP's are absorbed by the kernel); at 10,000 messages/s, each in its own packet, QUIC's
-/// own rule makes 5,000 of them a second in each direction.
-pub fn ack_frequency(threshold: u32) -> Option<quinn::AckFrequencyConfig> {
+/// own rule makes 5,000 of them a second in each direction. The trade-off is at low rates: a
+/// packet that is not followed by `threshold` more within `delay` is acknowledged alone once
+/// `delay` passes, so a flow whose packets come further apart than `delay` (but closer than
+/// 25 ms) gets an ACK per packet instead of one per two (docs/architecture.md, "Fewer ACKs").
+pub fn ack_frequency(
+    threshold: u32,
+    delay: std::time::Duration,
+) -> Option<quinn::AckFrequencyConfig> {
     if threshold <= 1 {
         return None;
     }
     let mut config = quinn::AckFrequencyConfig::default();
     config
         .ack_eliciting_threshold(threshold.into())
-        .max_ack_delay(Some(ACK_DELAY));
+        .max_ack_delay(Some(delay.clamp(MIN_ACK_DELAY, MAX_ACK_DELAY)));
     Some(config)
 }
 
@@ -77,10 +87,15 @@ mod tests {
 
     #[test]
     fn threshold_one_asks_nothing() {
-        assert!(ack_frequency(0).is_none());
-        assert!(ack_frequency(1).is_none());
-        let asked = format!("{:?}", ack_frequency(9).expect("asked"));
+        assert!(ack_frequency(0, MIN_ACK_DELAY).is_none());
+        assert!(ack_frequency(1, MIN_ACK_DELAY).is_none());
+        // quinn's Debug output is the only view of the config it keeps.
+        let asked = format!("{:?}", ack_frequency(9, MIN_ACK_DELAY).expect("asked"));
         assert!(asked.contains("ack_eliciting_threshold: 9"), "{asked}");
         assert!(asked.contains("max_ack_delay: Some(1ms)"), "{asked}");
+        let clamped = format!("{:?}", ack_frequency(2, std::time::Duration::ZERO));
+        assert!(clamped.contains("max_ack_delay: Some(1ms)"), "{clamped}");
+        let clamped = format!("{:?}", ack_frequency(2, std::time::Duration::from_secs(1)));
+        assert!(clamped.contains("max_ack_delay: Some(25ms)"), "{clamped}");
     }
 }

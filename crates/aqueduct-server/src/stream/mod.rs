@@ -822,6 +822,9 @@ impl Reader<'_> {
                 // If the rules change between this check and the registration below, the
                 // admin side's re-check may not see this subscription yet: check again then.
                 let checked = self.shared.access.acl.generation();
+                // A 0-RTT SUBSCRIBE is checked before the client's identity is known (and only
+                // runs unconfirmed while the ACL is off, which a reload may change right now).
+                let unconfirmed = !self.conn.is_confirmed();
                 if !self.may_subscribe(&s.spec.filter) {
                     self.shared
                         .stats
@@ -1024,10 +1027,14 @@ impl Reader<'_> {
                     }
                 }
                 // The rules changed while this subscription was being made: check it again,
-                // after its durable bookkeeping, so that a revocation ends it completely.
-                if self.shared.access.acl.generation() != checked
-                    && !self.may_subscribe(&s.spec.filter)
-                {
+                // after its durable bookkeeping, so that a revocation ends it completely. So
+                // too for one checked before the handshake was confirmed, if the ACL is on now:
+                // either this check sees the client's identity, or the handshake's own check
+                // (`admin::recheck_connection`, which looks only at connections with
+                // subscriptions) comes after the registration above and sees it.
+                let recheck = self.shared.access.acl.generation() != checked
+                    || (unconfirmed && self.shared.access.acl.enabled());
+                if recheck && !self.may_subscribe(&s.spec.filter) {
                     revoke(self.shared, self.conn, self.out, &sub);
                 }
             }
