@@ -13,7 +13,9 @@ use aqueduct_client::{Client, ClientError, ConnectOptions, ErrorCode, PublishOpt
 use aqueduct_server::access::{self, AclRuleSection, AclSection, QuotasSection};
 use aqueduct_server::admin::proto;
 use aqueduct_server::config::AdminConfig;
+use common::relay::Relay;
 use common::*;
+use std::sync::atomic::Ordering;
 
 const CONFIRM: PublishOptions = PublishOptions {
     priority: None,
@@ -1188,5 +1190,115 @@ async fn an_admin_change_whose_call_is_dropped_is_saved_all_the_same() {
     })
     .await;
     assert_eq!(control.acl().rules.len(), 3, "and live");
+    s.b.stop().await.expect("clean shutdown");
+}
+
+/// A SUBSCRIBE in 0-RTT data is handled before the handshake completes, unchecked while the ACL
+/// is off. If a reload turns the ACL on meanwhile, its walk does not see the connection (it is
+/// listed only once its handshake completes): the handshake's own check must, and revokes the
+/// subscription the new rules refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_0rtt_subscription_made_before_the_acl_went_on_is_checked_at_the_handshake() {
+    let acl = |enabled| {
+        access::validate(
+            &AclSection {
+                enabled,
+                default: "none".into(),
+                rules: Vec::new(),
+            },
+            &QuotasSection::default(),
+        )
+        .expect("valid")
+    };
+    let s = Setup::start_with("none", &[], QuotasSection::default(), |c| {
+        c.access = acl(false)
+    })
+    .await;
+    let endpoint = zero_rtt_endpoint(&s.b);
+    // A first connection, for a session ticket (it follows the handshake: one round trip).
+    let first = within(
+        "first connect",
+        endpoint.connect(s.b.addr, "localhost").expect("connect"),
+    )
+    .await
+    .expect("handshake");
+    let (send, recv) = first.open_bi().await.expect("stream");
+    let mut probe = RawStream::new(send, recv);
+    let publish = aqueduct_proto::Frame::new(
+        1,
+        aqueduct_proto::frame::Message::Publish(
+            aqueduct_proto::Publish::new(
+                aqueduct_proto::TopicName::try_from("probe").expect("valid"),
+                bytes::Bytes::from_static(b"p"),
+            )
+            .with_confirm(),
+        ),
+    );
+    probe.write_frame(&publish).await;
+    let confirm = probe.read_frame().await.expect("the PUBLISH's CONFIRM");
+    assert!(
+        matches!(confirm.message, aqueduct_proto::frame::Message::Confirm(_)),
+        "{confirm:?}"
+    );
+    first.close(0u32.into(), b"bye");
+
+    // The second one resumes through a relay that holds the client's datagrams.
+    let relay = Relay::start_gated(s.b.addr).await;
+    let connecting = endpoint.connect(relay.front, "localhost").expect("connect");
+    let (conn, _accepted) = connecting
+        .into_0rtt()
+        .unwrap_or_else(|_| panic!("0-RTT should be offered with a ticket"));
+    let (send, recv) = conn.open_bi().await.expect("stream");
+    let mut stream = RawStream::new(send, recv);
+    stream.write(&raw_frame(0x02, 7, b"topic:orders/#")).await;
+    until("the SUBSCRIBE to leave in 0-RTT data", || {
+        conn.stats().frame_tx.stream >= 1
+    })
+    .await;
+    let listed = s.b.stats.connections_total.load(Ordering::Relaxed);
+    // Let the held datagrams through one at a time until the broker has the subscription. The
+    // client's last handshake flight answers the broker's, so it comes after its 0-RTT data
+    // and is still held then.
+    within("the 0-RTT SUBSCRIBE to be registered", async {
+        loop {
+            while relay.held() == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            relay.release_one().await;
+            let next = Instant::now() + Duration::from_secs(2);
+            while Instant::now() < next && s.b.broker.subscriber_count() == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            if s.b.broker.subscriber_count() == 1 {
+                return;
+            }
+        }
+    })
+    .await;
+    assert_eq!(
+        s.b.stats.connections_total.load(Ordering::Relaxed),
+        listed,
+        "the handshake is not complete yet"
+    );
+    let closed = within("the reload", s.b.control.reload_access(&acl(true)))
+        .await
+        .expect("reloaded");
+    assert_eq!(closed, 0, "the reload's walk does not see the connection");
+    relay.open().await;
+    let code = within("the subscription to be revoked", async {
+        loop {
+            match stream.read_frame().await {
+                Some(f) if matches!(f.message, aqueduct_proto::frame::Message::Confirm(_)) => {}
+                Some(f) => return error_code(&f),
+                None => panic!("the stream ended without an ERROR"),
+            }
+        }
+    })
+    .await;
+    assert_eq!(code, ErrorCode::NOT_AUTHORIZED);
+    until("the subscription to end", || {
+        s.b.broker.subscriber_count() == 0
+    })
+    .await;
     s.b.stop().await.expect("clean shutdown");
 }

@@ -2,14 +2,11 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use aqueduct_client::{Client, PublishOptions};
 use aqueduct_proto::frame::Message;
 use aqueduct_proto::{Frame, Publish, TopicName};
 use bytes::Bytes;
 use common::*;
-use rustls_pki_types::pem::PemObject;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_beyond_the_cap_are_refused() {
@@ -36,34 +33,12 @@ async fn connections_beyond_the_cap_are_refused() {
     b.stop().await.expect("clean shutdown");
 }
 
-fn zero_rtt_client(b: &TestBroker) -> quinn::Endpoint {
-    let pem = std::fs::read(&b.dev_cert).expect("dev cert");
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in rustls_pki_types::CertificateDer::pem_slice_iter(&pem) {
-        roots.add(cert.expect("pem")).expect("root");
-    }
-    let mut crypto = rustls::ClientConfig::builder_with_provider(aqueduct_server::tls::provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .expect("tls13")
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    crypto.alpn_protocols = vec![b"aqueduct-v1".to_vec()];
-    crypto.enable_early_data = true;
-    let config = quinn::ClientConfig::new(Arc::new(
-        quinn::crypto::rustls::QuicClientConfig::try_from(crypto).expect("quic crypto"),
-    ));
-    let mut endpoint =
-        quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("endpoint");
-    endpoint.set_default_client_config(config);
-    endpoint
-}
-
 /// A returning client publishes in its first flight (0-RTT). The broker takes it, but applies the
 /// PUBLISH only once the handshake is confirmed; the publish then succeeds normally.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero_rtt_publish_is_applied_after_the_handshake() {
     let b = TestBroker::start().await;
-    let endpoint = zero_rtt_client(&b);
+    let endpoint = zero_rtt_endpoint(&b);
     // First connection: full handshake, receives a session ticket.
     let conn = within(
         "first connect",

@@ -232,7 +232,40 @@ impl Raw {
 
 use rustls_pki_types::pem::PemObject;
 
+/// A client endpoint that trusts the broker's dev certificate, keeps session tickets and sends
+/// 0-RTT data on the connections it resumes (`Connecting::into_0rtt`).
+pub fn zero_rtt_endpoint(b: &TestBroker) -> quinn::Endpoint {
+    let pem = std::fs::read(&b.dev_cert).expect("dev cert");
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pki_types::CertificateDer::pem_slice_iter(&pem) {
+        roots.add(cert.expect("pem")).expect("root");
+    }
+    let mut crypto = rustls::ClientConfig::builder_with_provider(aqueduct_server::tls::provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls13")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    crypto.alpn_protocols = vec![b"aqueduct-v1".to_vec()];
+    crypto.enable_early_data = true;
+    let config = quinn::ClientConfig::new(Arc::new(
+        quinn::crypto::rustls::QuicClientConfig::try_from(crypto).expect("quic crypto"),
+    ));
+    let mut endpoint =
+        quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("endpoint");
+    endpoint.set_default_client_config(config);
+    endpoint
+}
+
 impl RawStream {
+    /// A stream opened by hand (e.g. on a 0-RTT connection).
+    pub fn new(send: quinn::SendStream, recv: quinn::RecvStream) -> RawStream {
+        RawStream {
+            send,
+            recv,
+            buf: BytesMut::new(),
+        }
+    }
+
     pub async fn write(&mut self, bytes: &[u8]) {
         self.send.write_all(bytes).await.expect("write");
     }
