@@ -919,10 +919,7 @@ pub(crate) fn range<T: PartialOrd + std::fmt::Display + Copy>(
     min: T,
     max: T,
 ) -> Result<T, ConfigError> {
-    if v < min || v > max {
-        return Err(invalid(key, format!("{v} is out of range {min}..={max}")));
-    }
-    Ok(v)
+    bounded(key, v, min, max, |x| x.to_string())
 }
 
 /// [`range`] for durations.
@@ -932,11 +929,19 @@ pub(crate) fn duration_range(
     min: Duration,
     max: Duration,
 ) -> Result<Duration, ConfigError> {
+    bounded(key, v, min, max, |d| format!("{d:?}"))
+}
+
+fn bounded<T: PartialOrd + Copy>(
+    key: &'static str,
+    v: T,
+    min: T,
+    max: T,
+    show: impl Fn(T) -> String,
+) -> Result<T, ConfigError> {
     if v < min || v > max {
-        return Err(invalid(
-            key,
-            format!("{v:?} is out of range {min:?}..={max:?}"),
-        ));
+        let (v, min, max) = (show(v), show(min), show(max));
+        return Err(invalid(key, format!("{v} is out of range {min}..={max}")));
     }
     Ok(v)
 }

@@ -479,13 +479,7 @@ fn endpoint_offering(alpn: Vec<Vec<u8>>) -> quinn::Endpoint {
         .with_custom_certificate_verifier(Arc::new(AnyServer(provider)))
         .with_no_client_auth();
     crypto.alpn_protocols = alpn;
-    let config = quinn::ClientConfig::new(Arc::new(
-        quinn::crypto::rustls::QuicClientConfig::try_from(crypto).expect("quic crypto"),
-    ));
-    let mut endpoint =
-        quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("endpoint");
-    endpoint.set_default_client_config(config);
-    endpoint
+    client_endpoint(crypto, None)
 }
 
 /// The protocol a connection's handshake settled on.

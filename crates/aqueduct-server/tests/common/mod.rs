@@ -181,27 +181,9 @@ impl Raw {
     /// Connect trusting the broker's dev certificate; `stream_window` limits how much the broker
     /// may send on a stream before we read (small values make a stalled subscriber).
     pub async fn connect(b: &TestBroker, stream_window: u32) -> Raw {
-        let pem = std::fs::read(&b.dev_cert).expect("dev cert");
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in rustls_pki_types::CertificateDer::pem_slice_iter(&pem) {
-            roots.add(cert.expect("pem")).expect("root");
-        }
-        let provider = aqueduct_server::tls::provider();
-        let mut crypto = rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .expect("tls13")
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        crypto.alpn_protocols = vec![b"aqueduct-v1".to_vec()];
         let mut transport = quinn::TransportConfig::default();
         transport.stream_receive_window(stream_window.into());
-        let mut config = quinn::ClientConfig::new(Arc::new(
-            quinn::crypto::rustls::QuicClientConfig::try_from(crypto).expect("quic crypto"),
-        ));
-        config.transport_config(Arc::new(transport));
-        let mut endpoint =
-            quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("endpoint");
-        endpoint.set_default_client_config(config);
+        let endpoint = client_endpoint(dev_cert_crypto(b), Some(transport));
         let conn = within(
             "raw connect",
             endpoint.connect(b.addr, "localhost").expect("connect"),
@@ -232,9 +214,8 @@ impl Raw {
 
 use rustls_pki_types::pem::PemObject;
 
-/// A client endpoint that trusts the broker's dev certificate, keeps session tickets and sends
-/// 0-RTT data on the connections it resumes (`Connecting::into_0rtt`).
-pub fn zero_rtt_endpoint(b: &TestBroker) -> quinn::Endpoint {
+/// TLS 1.3 client settings that trust the broker's dev certificate only, ALPN `aqueduct-v1`.
+pub fn dev_cert_crypto(b: &TestBroker) -> rustls::ClientConfig {
     let pem = std::fs::read(&b.dev_cert).expect("dev cert");
     let mut roots = rustls::RootCertStore::empty();
     for cert in rustls_pki_types::CertificateDer::pem_slice_iter(&pem) {
@@ -246,14 +227,32 @@ pub fn zero_rtt_endpoint(b: &TestBroker) -> quinn::Endpoint {
         .with_root_certificates(roots)
         .with_no_client_auth();
     crypto.alpn_protocols = vec![b"aqueduct-v1".to_vec()];
-    crypto.enable_early_data = true;
-    let config = quinn::ClientConfig::new(Arc::new(
+    crypto
+}
+
+/// A quinn client endpoint on 127.0.0.1 with `crypto` (and `transport`, else quinn's defaults).
+pub fn client_endpoint(
+    crypto: rustls::ClientConfig,
+    transport: Option<quinn::TransportConfig>,
+) -> quinn::Endpoint {
+    let mut config = quinn::ClientConfig::new(Arc::new(
         quinn::crypto::rustls::QuicClientConfig::try_from(crypto).expect("quic crypto"),
     ));
+    if let Some(t) = transport {
+        config.transport_config(Arc::new(t));
+    }
     let mut endpoint =
         quinn::Endpoint::client("127.0.0.1:0".parse().expect("addr")).expect("endpoint");
     endpoint.set_default_client_config(config);
     endpoint
+}
+
+/// A client endpoint that trusts the broker's dev certificate, keeps session tickets and sends
+/// 0-RTT data on the connections it resumes (`Connecting::into_0rtt`).
+pub fn zero_rtt_endpoint(b: &TestBroker) -> quinn::Endpoint {
+    let mut crypto = dev_cert_crypto(b);
+    crypto.enable_early_data = true;
+    client_endpoint(crypto, None)
 }
 
 impl RawStream {
