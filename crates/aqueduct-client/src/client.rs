@@ -67,7 +67,7 @@ pub struct SubscribeOptions {
 }
 
 /// A QUIC connection's statistics since it was opened ([`Client::quic_stats`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct QuicStats {
     /// The smoothed round-trip time.

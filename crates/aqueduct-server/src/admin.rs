@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use aqueduct_core::acl::{AclRule, Action, ClientPattern};
+use aqueduct_core::acl::{AclRule, ClientPattern};
 use aqueduct_core::quota::QuotaSpec;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -345,9 +345,9 @@ fn recheck_under(
     let rules = policy.for_client(conn.identity());
     let mut closed = 0;
     for entry in conn.subs() {
+        // Counted in `aqueduct_acl_denied_total` where the stream ends it.
         if !rules.may_subscribe(entry.sub.filter()) && crate::stream::request_revoke(shared, &entry)
         {
-            shared.stats.acl_denied(Action::Subscribe);
             closed += 1;
         }
     }

@@ -166,6 +166,13 @@ impl ConnState {
         self.remove_sub(sub.stream_id(), sub) || sub.is_closed()
     }
 
+    /// Is the client's identity final (its certificate's CN read, or none)? From the listing
+    /// in `identify` on: before every stream of a 1-RTT connection, after the handshake of a
+    /// 0-RTT one (whose early SUBSCRIBEs run before it).
+    pub(crate) fn is_identified(&self) -> bool {
+        self.conn.get().is_some()
+    }
+
     /// Is the TLS handshake confirmed (the client's identity final)?
     pub(crate) fn is_confirmed(&self) -> bool {
         self.confirmed.load(Ordering::Acquire)

@@ -33,11 +33,15 @@ pub(crate) fn request_revoke(shared: &Shared, entry: &SubEntry) -> bool {
 
 /// Close `sub`, delivered on `out`, with [`CloseReason::Revoked`]: as an UNSUBSCRIBE, and the
 /// writer then sends ERROR NOT_AUTHORIZED with its stream id. Runs on the stream's own task.
+/// Every revocation ends here (a walk's through [`request_revoke`]), and is counted here once.
 pub(super) fn revoke(shared: &Shared, conn: &ConnState, out: &StreamOut, sub: &Arc<Subscriber>) {
     // An UNSUBSCRIBE on another stream may have taken it first: it ends it then.
     if !conn.remove_sub(sub.stream_id(), sub) {
         return;
     }
+    shared
+        .stats
+        .acl_denied(aqueduct_core::acl::Action::Subscribe);
     let key = lock(&out.durables).remove(&sub.id());
     let mut ctx = PublishContext::default();
     close(

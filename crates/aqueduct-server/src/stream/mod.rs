@@ -822,10 +822,12 @@ impl Reader<'_> {
                 // If the rules change between this check and the registration below, the
                 // admin side's re-check may not see this subscription yet: check again then.
                 let checked = self.shared.access.acl.generation();
-                // A 0-RTT SUBSCRIBE is checked before the client's identity is known (and only
-                // runs unconfirmed while the ACL is off, which a reload may change right now).
-                let unconfirmed = !self.conn.is_confirmed();
-                if !self.may_subscribe(&s.spec.filter) {
+                // A SUBSCRIBE in 0-RTT data runs before the client's identity is known (only
+                // while the ACL is off; a reload may turn it on right now): it is checked once
+                // the identity is, below or by the handshake (`admin::recheck_connection`),
+                // never under `anonymous` for a client that has a name.
+                let provisional = !self.conn.is_identified();
+                if !provisional && !self.may_subscribe(&s.spec.filter) {
                     self.shared
                         .stats
                         .acl_denied(aqueduct_core::acl::Action::Subscribe);
@@ -1026,15 +1028,15 @@ impl Reader<'_> {
                         );
                     }
                 }
-                // The rules changed while this subscription was being made: check it again,
-                // after its durable bookkeeping, so that a revocation ends it completely. So
-                // too for one checked before the handshake was confirmed, if the ACL is on now:
-                // either this check sees the client's identity, or the handshake's own check
-                // (`admin::recheck_connection`, which looks only at connections with
-                // subscriptions) comes after the registration above and sees it.
-                let recheck = self.shared.access.acl.generation() != checked
-                    || (unconfirmed && self.shared.access.acl.enabled());
-                if recheck && !self.may_subscribe(&s.spec.filter) {
+                // The rules changed while this subscription was being made, or it was not
+                // checked (its identity unknown): check it now, after its durable bookkeeping,
+                // so that a revocation ends it completely. If the identity is still unknown,
+                // the handshake's own check (`admin::recheck_connection`, after the identity is
+                // set and the connection listed) comes after the registration above and sees
+                // it: `identify` sets the identity before it looks at the subscriptions, under
+                // the lock the registration took.
+                let recheck = self.shared.access.acl.generation() != checked || provisional;
+                if recheck && self.conn.is_identified() && !self.may_subscribe(&s.spec.filter) {
                     revoke(self.shared, self.conn, self.out, &sub);
                 }
             }
