@@ -846,6 +846,10 @@ pub struct Driver {
     durable: Option<Arc<Durable>>,
     /// `block_timeout`: how long a block-policy subscriber may hold a peer's copies.
     block_timeout: Option<Duration>,
+    /// What a link this node dials asks of the peer's ACKs, as the broker asks its clients
+    /// (`transport.ack_eliciting_threshold`, `transport.ack_delay`); a link the peer dialled
+    /// has the broker's transport config already.
+    ack_frequency: Option<quinn::AckFrequencyConfig>,
 }
 
 /// Make the driver and its handle. With a durable log, this node wants every message (it logs
@@ -857,6 +861,7 @@ pub(crate) fn new(
     queue_size: usize,
     compression: Compression,
     block_timeout: Option<Duration>,
+    ack_frequency: Option<quinn::AckFrequencyConfig>,
 ) -> (Driver, MeshHandle) {
     let (tx, rx) = mpsc::unbounded_channel();
     let session_base = std::time::SystemTime::now()
@@ -898,6 +903,7 @@ pub(crate) fn new(
             handle: handle.clone(),
             durable: durable.clone(),
             block_timeout,
+            ack_frequency,
         },
         handle.clone(),
     );
@@ -1082,10 +1088,14 @@ impl Driver {
             while let Some(out) = self.mesh.poll_output() {
                 match out {
                     Output::Dial(addr) => {
-                        let (endpoint, tls, tx) =
-                            (endpoint.clone(), self.tls.clone(), self.tx.clone());
+                        let (endpoint, tls, tx, ack) = (
+                            endpoint.clone(),
+                            self.tls.clone(),
+                            self.tx.clone(),
+                            self.ack_frequency.clone(),
+                        );
                         tasks.spawn(async move {
-                            let result = dial(&endpoint, &tls, addr).await;
+                            let result = dial(&endpoint, &tls, addr, ack).await;
                             let _ = tx.send(Event::Dialed { addr, result });
                         });
                     }
@@ -1270,14 +1280,8 @@ fn note_peer_close(e: &quinn::ConnectionError) {
     }
 }
 
-async fn dial(
-    endpoint: &quinn::Endpoint,
-    tls: &MeshTls,
-    addr: SocketAddr,
-) -> Result<(quinn::Connection, NodeId), String> {
-    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from((*tls.client_config()).clone())
-        .map_err(|e| e.to_string())?;
-    let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+/// The transport of a link this node dials.
+fn dial_transport(ack_frequency: Option<quinn::AckFrequencyConfig>) -> quinn::TransportConfig {
     let mut transport = quinn::TransportConfig::default();
     transport.max_concurrent_uni_streams(MESH_UNI_STREAMS.into());
     // A peer that vanishes (SIGKILL, a partition) is noticed within MESH_IDLE (the smaller of
@@ -1286,7 +1290,21 @@ async fn dial(
     if let Ok(idle) = quinn::IdleTimeout::try_from(MESH_IDLE) {
         transport.max_idle_timeout(Some(idle));
     }
-    config.transport_config(Arc::new(transport));
+    // Fewer ACKs from the peer, as the broker asks of every connection it accepts.
+    transport.ack_frequency_config(ack_frequency);
+    transport
+}
+
+async fn dial(
+    endpoint: &quinn::Endpoint,
+    tls: &MeshTls,
+    addr: SocketAddr,
+    ack_frequency: Option<quinn::AckFrequencyConfig>,
+) -> Result<(quinn::Connection, NodeId), String> {
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from((*tls.client_config()).clone())
+        .map_err(|e| e.to_string())?;
+    let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+    config.transport_config(Arc::new(dial_transport(ack_frequency)));
     let connecting = endpoint
         .connect_with(config, addr, MESH_NAME)
         .map_err(|e| e.to_string())?;
@@ -1955,6 +1973,18 @@ impl DialWarnings {
 
 #[cfg(test)]
 mod tests {
+
+    /// A link this node dials asks the peer for fewer ACKs as the broker's own connections do
+    /// (`transport.ack_eliciting_threshold`, `transport.ack_delay`), and nothing at threshold 1.
+    /// quinn keeps the setting private: its Debug output is the only view of it.
+    #[test]
+    fn dialled_links_ask_for_fewer_acks_as_configured() {
+        let ms = Duration::from_millis(1);
+        let asked = format!("{:?}", dial_transport(aqueduct_udp::ack_frequency(9, ms)));
+        assert!(asked.contains("ack_eliciting_threshold: 9"), "{asked}");
+        let off = format!("{:?}", dial_transport(aqueduct_udp::ack_frequency(1, ms)));
+        assert!(off.contains("ack_frequency_config: None"), "{off}");
+    }
 
     /// A dial failure is warned about once per address and reason (again after a while, or
     /// when the reason changes); a peer that left the set and comes back is warned about afresh.

@@ -380,6 +380,10 @@ impl Server {
                     config.cluster.peer_queue_size,
                     config.cluster.compression,
                     config.block_timeout,
+                    aqueduct_udp::ack_frequency(
+                        config.transport.ack_eliciting_threshold,
+                        config.transport.ack_delay,
+                    ),
                 );
                 let h = handle.clone();
                 broker.set_interest_listener(Box::new(move |key, delta| {
