@@ -163,11 +163,13 @@ fn transport_config(
     c.send_window(t.send_window);
     c.initial_mtu(t.initial_mtu);
     // Fewer ACKs from clients: each is a datagram the broker must receive and handle.
-    c.ack_frequency_config(aqueduct_udp::ack_frequency(
-        t.ack_eliciting_threshold,
-        t.ack_delay,
-    ));
+    c.ack_frequency_config(ack_frequency(t));
     Ok(c)
+}
+
+/// What the broker asks of its peers' ACKs: clients' and cluster peers' alike.
+fn ack_frequency(t: &TransportConfig) -> Option<quinn::AckFrequencyConfig> {
+    aqueduct_udp::ack_frequency(t.ack_eliciting_threshold, t.ack_delay)
 }
 
 /// Streams a new connection may open before the broker raises the allowance.
@@ -380,10 +382,7 @@ impl Server {
                     config.cluster.peer_queue_size,
                     config.cluster.compression,
                     config.block_timeout,
-                    aqueduct_udp::ack_frequency(
-                        config.transport.ack_eliciting_threshold,
-                        config.transport.ack_delay,
-                    ),
+                    ack_frequency(&config.transport),
                 );
                 let h = handle.clone();
                 broker.set_interest_listener(Box::new(move |key, delta| {

@@ -1224,17 +1224,7 @@ async fn a_0rtt_subscription_made_before_the_acl_went_on_is_checked_at_the_hands
     .expect("handshake");
     let (send, recv) = first.open_bi().await.expect("stream");
     let mut probe = RawStream::new(send, recv);
-    let publish = aqueduct_proto::Frame::new(
-        1,
-        aqueduct_proto::frame::Message::Publish(
-            aqueduct_proto::Publish::new(
-                aqueduct_proto::TopicName::try_from("probe").expect("valid"),
-                bytes::Bytes::from_static(b"p"),
-            )
-            .with_confirm(),
-        ),
-    );
-    probe.write_frame(&publish).await;
+    probe.write_frame(&confirmed_publish(1, "probe", "p")).await;
     let confirm = probe.read_frame().await.expect("the PUBLISH's CONFIRM");
     assert!(
         matches!(confirm.message, aqueduct_proto::frame::Message::Confirm(_)),

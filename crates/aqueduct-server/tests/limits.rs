@@ -3,9 +3,6 @@
 mod common;
 
 use aqueduct_client::{Client, PublishOptions};
-use aqueduct_proto::frame::Message;
-use aqueduct_proto::{Frame, Publish, TopicName};
-use bytes::Bytes;
 use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -47,16 +44,7 @@ async fn zero_rtt_publish_is_applied_after_the_handshake() {
     .await
     .expect("handshake");
     let (mut send, mut recv) = conn.open_bi().await.expect("stream");
-    let probe = Frame::new(
-        1,
-        Message::Publish(
-            Publish::new(
-                TopicName::try_from("zr").expect("valid"),
-                Bytes::from_static(b"a"),
-            )
-            .with_confirm(),
-        ),
-    );
+    let probe = confirmed_publish(1, "zr", "a");
     send.write_all(&probe.to_bytes()).await.expect("write");
     let mut buf = vec![0u8; 18];
     within("confirm", recv.read_exact(&mut buf))
@@ -69,16 +57,7 @@ async fn zero_rtt_publish_is_applied_after_the_handshake() {
         .into_0rtt()
         .unwrap_or_else(|_| panic!("0-RTT should be offered with a ticket"));
     let (mut send, mut recv) = conn.open_bi().await.expect("stream");
-    let frame = Frame::new(
-        2,
-        Message::Publish(
-            Publish::new(
-                TopicName::try_from("zr").expect("valid"),
-                Bytes::from_static(b"b"),
-            )
-            .with_confirm(),
-        ),
-    );
+    let frame = confirmed_publish(2, "zr", "b");
     send.write_all(&frame.to_bytes())
         .await
         .expect("write in 0-RTT");

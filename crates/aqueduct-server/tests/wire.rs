@@ -7,22 +7,9 @@ use aqueduct_client::{Client, ErrorCode, PublishOptions, Subscription};
 use aqueduct_core::DropReason;
 use aqueduct_proto::frame::Message;
 use aqueduct_proto::header::write_header;
-use aqueduct_proto::{Frame, OverflowPolicy, Publish, TopicName};
+use aqueduct_proto::{OverflowPolicy, TopicName};
 use bytes::Bytes;
 use common::*;
-
-fn confirmed_publish(stream_id: u32, topic: &str, body: &str) -> Frame {
-    Frame::new(
-        stream_id,
-        Message::Publish(
-            Publish::new(
-                TopicName::try_from(topic).expect("valid"),
-                Bytes::from(body.to_string()),
-            )
-            .with_confirm(),
-        ),
-    )
-}
 
 async fn expect_confirm(s: &mut RawStream, stream_id: u32) -> Vec<u64> {
     let frame = s.read_frame().await.expect("a reply");

@@ -149,6 +149,20 @@ pub async fn next(sub: &mut Subscription) -> Message {
         .expect("a message, not an error")
 }
 
+/// A PUBLISH of `body` to `topic` asking for a CONFIRM.
+pub fn confirmed_publish(stream_id: u32, topic: &str, body: &str) -> Frame {
+    Frame::new(
+        stream_id,
+        aqueduct_proto::frame::Message::Publish(
+            aqueduct_proto::Publish::new(
+                aqueduct_proto::TopicName::try_from(topic).expect("valid"),
+                bytes::Bytes::from(body.to_string()),
+            )
+            .with_confirm(),
+        ),
+    )
+}
+
 /// A hand-made frame: header and data as given.
 pub fn raw_frame(command: u8, stream_id: u32, data: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
