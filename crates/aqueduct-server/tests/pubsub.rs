@@ -314,6 +314,47 @@ async fn one_at_a_time_subscription_gets_the_urgent_message_next() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// A redelivery joins the back of its priority's queue (protocol.md 6.6, 8.1): A, B, C queued,
+/// A NACKed, and the subscription next gets B, C, then A's second attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_joins_the_back_of_its_queue() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let opts = SubscribeOptions {
+        max_in_flight: Some(1),
+        ..explicit_ack()
+    };
+    let mut sub = client
+        .subscribe_with("order", &opts)
+        .await
+        .expect("subscribe");
+    let publisher = b.client().await;
+    for body in ["A", "B", "C"] {
+        publisher
+            .publish_with("order", body, &confirm())
+            .await
+            .expect("publish");
+    }
+    let first = next(&mut sub).await;
+    assert_eq!((first.body().as_ref(), first.attempt()), (&b"A"[..], 1));
+    first.nack(None).await.expect("nack");
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        let m = next(&mut sub).await;
+        got.push((String::from_utf8_lossy(m.body()).into_owned(), m.attempt()));
+        m.ack().await.expect("ack");
+    }
+    assert_eq!(
+        got,
+        [
+            ("B".to_owned(), 1),
+            ("C".to_owned(), 1),
+            ("A".to_owned(), 2)
+        ]
+    );
+    b.stop().await.expect("clean shutdown");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_messages_are_dropped_and_counted() {
     let b = TestBroker::start_with(|c| c.broker.max_in_flight = 1).await;
@@ -716,6 +757,58 @@ async fn close_after_an_earlier_stream_failed_still_flushes_the_current_one() {
         .close()
         .await
         .expect("close: everything published was taken");
+    b.stop().await.expect("clean shutdown");
+}
+
+/// A `block` subscription that holds its publisher past `broker.block_timeout` is closed with
+/// ERROR SLOW_CONSUMER whose reason says so (protocol.md 7.3); it said "its queue overflowed
+/// (policy disconnect)", a policy the subscription did not have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_timeout_close_says_why() {
+    let b = TestBroker::start_with(|c| {
+        c.broker.queue_size = 4;
+        c.block_timeout = Some(Duration::from_millis(300));
+    })
+    .await;
+    let subscriber = b.client().await;
+    // One unsettled delivery at a time and none settled: the queue fills behind the first,
+    // while the stream itself has room (so the broker sends an ERROR, not a reset).
+    let opts = SubscribeOptions {
+        max_in_flight: Some(1),
+        overflow: Some(OverflowPolicy::Block),
+        ..explicit_ack()
+    };
+    let mut sub = subscriber
+        .subscribe_with("held", &opts)
+        .await
+        .expect("subscribe");
+    let publisher = b.client().await;
+    for i in 0..16 {
+        publisher
+            .publish("held", format!("m{i}"))
+            .await
+            .expect("publish");
+    }
+    within("the flush", publisher.flush())
+        .await
+        .expect("the broker read everything once the subscription was closed");
+    let end = within("the subscription's end", async {
+        loop {
+            match sub.next_message().await {
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => break e,
+                None => panic!("ended without an error"),
+            }
+        }
+    })
+    .await;
+    assert_eq!(end.code(), Some(ErrorCode::SLOW_CONSUMER), "{end}");
+    let text = end.to_string();
+    assert!(
+        text.contains("broker.block_timeout (300ms)") && text.contains("policy block"),
+        "{text}"
+    );
+    assert!(!text.contains("disconnect"), "{text}");
     b.stop().await.expect("clean shutdown");
 }
 

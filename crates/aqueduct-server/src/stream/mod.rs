@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use aqueduct_core::acl::AclCache;
 use aqueduct_core::{
@@ -24,7 +24,9 @@ use aqueduct_core::{
     TopicState,
 };
 use aqueduct_proto::frame::{split_frame, Message};
-use aqueduct_proto::{AckMode, Confirm, DecodeError, ErrorCode, ErrorFrame, Frame, HEADER_LEN};
+use aqueduct_proto::{
+    AckMode, Confirm, DecodeError, ErrorCode, ErrorFrame, Frame, OverflowPolicy, HEADER_LEN,
+};
 use bytes::{Buf, BytesMut};
 use tokio::io::AsyncReadExt;
 use tokio::sync::{watch, Notify};
@@ -1309,10 +1311,7 @@ fn fill_queued(
                 sub.stream_id(),
                 Message::Error(ErrorFrame {
                     code: ErrorCode::SLOW_CONSUMER,
-                    reason: format!(
-                        "subscription to {} closed: its queue overflowed (policy disconnect)",
-                        sub.filter()
-                    ),
+                    reason: slow_consumer_reason(sub, shared.config.block_timeout),
                 }),
             )
             .encode(buf);
@@ -1360,6 +1359,23 @@ fn fill_queued(
         };
         conn.delivered
             .fetch_add(drained.frames as u64, Ordering::Relaxed);
+    }
+}
+
+/// The ERROR `SLOW_CONSUMER` reason: why this subscription was closed, by its policy (a `block`
+/// subscription is closed only for holding its publishers past `broker.block_timeout`).
+fn slow_consumer_reason(sub: &Subscriber, block_timeout: Option<Duration>) -> String {
+    match sub.policy() {
+        OverflowPolicy::Block => format!(
+            "subscription to {} closed: it held its publishers longer than broker.block_timeout ({}) (policy block)",
+            sub.filter(),
+            humantime::format_duration(block_timeout.unwrap_or_default())
+        ),
+        policy => format!(
+            "subscription to {} closed: its queue overflowed (policy {})",
+            sub.filter(),
+            policy.as_str()
+        ),
     }
 }
 
