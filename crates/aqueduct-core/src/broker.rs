@@ -314,6 +314,9 @@ enum Route {
 struct GroupEntry {
     shared: Arc<GroupShared>,
     members: Vec<Arc<Subscriber>>,
+    /// Members detached (their client stopped reading) but not yet removed: they may still
+    /// hand unsettled deliveries back to the group, so it stays while any is left.
+    detached: Vec<SubscriberId>,
     turn: RoundRobin,
 }
 
@@ -322,6 +325,7 @@ impl GroupEntry {
         GroupEntry {
             shared: shared.clone(),
             members: Vec::new(),
+            detached: Vec::new(),
             turn: RoundRobin::default(),
         }
     }
@@ -355,9 +359,11 @@ struct Routes {
 }
 
 impl Routes {
-    /// Take `sub` out of the index (and out of its group, dropping the group when it was the
-    /// last member, unless `keep_group`). Idempotent.
-    fn unroute(&mut self, sub: &Subscriber, keep_group: bool) {
+    /// Take `sub` out of the index (and out of its group). `detaching`: `sub` stays with its
+    /// group as a detached member, whose unsettled deliveries still come back to the group;
+    /// otherwise it leaves for good. A group is dropped when it has neither members nor
+    /// detached members left. Idempotent.
+    fn unroute(&mut self, sub: &Subscriber, detaching: bool) {
         match sub.group() {
             // An unrouted group stays, members or not, until `forget_unrouted_group`: what it
             // has parked must wait for the next member (its owner decides when it is over).
@@ -376,13 +382,19 @@ impl Routes {
                     for r in list.iter_mut() {
                         if let Route::Group(g) = r {
                             if Arc::ptr_eq(&g.shared, shared) {
+                                let was_member = g.members.iter().any(|m| m.id() == sub.id());
                                 g.members.retain(|m| m.id() != sub.id());
-                                empty = g.members.is_empty();
+                                if !detaching {
+                                    g.detached.retain(|&id| id != sub.id());
+                                } else if was_member {
+                                    g.detached.push(sub.id());
+                                }
+                                empty = g.members.is_empty() && g.detached.is_empty();
                             }
                         }
                     }
                 }
-                if empty && !keep_group {
+                if empty {
                     self.index.remove_where(
                         sub.filter(),
                         |r| matches!(r, Route::Group(g) if Arc::ptr_eq(&g.shared, shared)),

@@ -1237,6 +1237,35 @@ fn a_detached_only_member_hands_its_redeliveries_to_a_new_member() {
     assert_eq!(a.queued(), 0);
 }
 
+/// A group whose last live member leaves while a detached member still holds an unsettled
+/// delivery is kept: the delivery's redelivery reaches a member joining later (protocol.md
+/// 7.4). Before, the group was dropped when its member list emptied, and the redelivery was
+/// dropped as unsubscribed.
+#[test]
+fn a_group_outlives_its_live_members_while_a_detached_one_owes_redeliveries() {
+    let b = Broker::new(BrokerConfig::default());
+    let mut ctx = PublishContext::default();
+    let t0 = Instant::now();
+    let a = sub(&b, "topic:jobs:group:w");
+    let other = sub(&b, "topic:jobs:group:w");
+    publish(&b, &mut ctx, "jobs", "job", t0);
+    assert_eq!(drain_all(&b, &a, t0).len(), 1, "the first turn is a's");
+    b.detach(&mut ctx, &a, t0);
+    b.unsubscribe(&mut ctx, &other, t0);
+    assert_eq!(b.groups().len(), 1, "kept for the detached member");
+    let newcomer = sub(&b, "topic:jobs:group:w");
+    assert_eq!(b.groups().len(), 1, "the same group");
+    let later = t0 + BrokerConfig::default().ack_wait + Duration::from_millis(1);
+    assert_eq!(b.expire_in_flight(&mut ctx, &a, later), 1);
+    let got = drain_all(&b, &newcomer, later);
+    assert_eq!((got.len(), got[0].attempt), (1, 2));
+    // Once the detached member is removed too, and the newcomer leaves, the group goes.
+    b.unsubscribe(&mut ctx, &a, later);
+    assert_eq!(b.groups().len(), 1, "the newcomer is still a member");
+    b.unsubscribe(&mut ctx, &newcomer, later);
+    assert!(b.groups().is_empty());
+}
+
 /// A consumer group keeps a watermark per topic it received; the watermarks of topics the
 /// broker freed (idle, every message settled) go with them. Before, a long-lived group under a
 /// wildcard kept one per topic name ever published, whatever the sweep freed.

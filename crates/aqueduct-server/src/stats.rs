@@ -32,6 +32,9 @@ pub struct ServerStats {
     pub live_streams: AtomicU64,
     /// Streams whose client stopped reading (STOP_SENDING) while the broker still served them.
     pub streams_stopped: AtomicU64,
+    /// Streams the client finished but did not read to the end within 5 s: reset, what was
+    /// still queued for their subscriptions dropped and counted.
+    pub finish_timeouts: AtomicU64,
     /// Writes a publisher made straight into an idle subscriber stream (stream/direct.rs).
     pub direct_writes: AtomicU64,
     /// Publish frames waiting now for their client's quota (`throttle`): each holds its stream.

@@ -392,6 +392,46 @@ async fn a_stuck_block_subscriber_is_closed_after_block_timeout() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// A client that finishes its delivery stream with a backlog queued and then reads nothing:
+/// the broker's write stays blocked on flow control, and the plain subscription must still end
+/// within 5 s (protocol.md 7.4) — stream reset, backlog dropped and counted, its stream id free
+/// again. Before, the blocked write was given up only for a reset, a STOP_SENDING or a slow
+/// consumer, so the subscription lived as long as the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_stream_its_client_does_not_read_ends_its_subscriptions() {
+    let b = TestBroker::start().await;
+    let (stalled, mut s) = stalled_subscriber(&b).await;
+    let publisher = b.client().await;
+    let body = "x".repeat(1024);
+    for _ in 0..200 {
+        within("a publish", publisher.publish("bp", body.clone()))
+            .await
+            .expect("publish");
+    }
+    within("the flush", publisher.flush())
+        .await
+        .expect("the broker read everything");
+    // Queued (the broker read every publish): 200 KiB against the stream's 4 KiB window, so
+    // the write blocks whether it started before the FIN or after.
+    s.finish();
+    until("the subscription to end", || {
+        b.broker.subscriber_count() == 0
+    })
+    .await;
+    assert_eq!(
+        b.stats
+            .finish_timeouts
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    assert!(bp_stats(&b).dropped(DropReason::Unsubscribed) > 0);
+    // Its stream id may be used again.
+    let mut again = stalled.stream().await;
+    again.write(&raw_frame(0x42, 1, b"\x00\x00topic:bp")).await;
+    until("the new subscription", || b.broker.subscriber_count() == 1).await;
+    b.stop().await.expect("clean shutdown");
+}
+
 /// With WebTransport on, the broker lets clients open the three unidirectional streams HTTP/3
 /// needs; a native client that opens one gets it refused unread (STOP_SENDING 0), and its
 /// connection goes on.

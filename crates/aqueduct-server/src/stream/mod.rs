@@ -89,6 +89,10 @@ pub(crate) struct StreamOut {
     flushed: Notify,
     /// The reader is done (client finished its side, or a fatal framing error).
     reader_done: AtomicBool,
+    /// Set when the client finished its side (or a fatal framing error ended the reading):
+    /// what is queued must be written by then (protocol.md 7.4, "within 5 s"). A write still
+    /// blocked at that moment (the client does not read) is given up.
+    finish_by: std::sync::OnceLock<Instant>,
     /// The reader has ended, however (also a reset or the connection's end): the writer's
     /// last duty, taking revocations after it stopped writing, ends too.
     read_ended: AtomicBool,
@@ -418,6 +422,7 @@ pub(crate) async fn serve<S: SendHalf + 'static, R: RecvHalf>(
                         consumers.pause(key);
                     }
                 }
+                let _ = out.finish_by.set(Instant::now() + FINISH_WAIT);
                 out.reader_done.store(true, Ordering::Release);
                 out.notify.notify_one();
             }
@@ -1387,6 +1392,9 @@ enum GiveUp {
     /// The stream is done for (the client reset its sending side, or stopped reading): its
     /// subscriptions end, nothing more is written.
     Aborted,
+    /// The client finished the stream and has not read what was queued for
+    /// [`FINISH_WAIT`]: the stream is reset and its subscriptions end.
+    FinishTimedOut,
 }
 
 /// Completes when a blocked write on this stream must be given up, and says why. One future
@@ -1406,7 +1414,16 @@ async fn give_up_blocked_write(out: &StreamOut, shared: &Shared, conn: &ConnStat
         if slow {
             return GiveUp::SlowConsumer;
         }
-        notified.await;
+        match out.finish_by.get() {
+            Some(&by) if Instant::now() >= by => return GiveUp::FinishTimedOut,
+            Some(&by) => {
+                tokio::select! {
+                    _ = notified => {}
+                    _ = tokio::time::sleep_until(by.into()) => {}
+                }
+            }
+            None => notified.await,
+        }
     }
 }
 
@@ -1532,6 +1549,16 @@ async fn write_loop<S: SendHalf + 'static>(
                     // The client reset the stream (or stopped reading it) while the write was
                     // blocked: what it holds is abandoned, the loop's top ends the stream.
                     GiveUp::Aborted => send.reset(0),
+                    // Part of the abandoned write may have gone out: the stream cannot be
+                    // finished cleanly, so it is reset; what is still queued is dropped and
+                    // counted as its subscriptions end.
+                    GiveUp::FinishTimedOut => {
+                        debug!("the client did not read the end of the stream within {FINISH_WAIT:?}: resetting it");
+                        shared.stats.finish_timeouts.fetch_add(1, Ordering::Relaxed);
+                        send.reset(0);
+                        end_subscriptions(shared, conn, out, |_| true);
+                        return;
+                    }
                 }
                 continue;
             }
@@ -1573,6 +1600,9 @@ async fn write_loop<S: SendHalf + 'static>(
     .await;
     if flushed.is_err() {
         debug!("the client did not read the end of the stream within {FINISH_WAIT:?}");
+        if !out.interrupted.load(Ordering::Acquire) {
+            shared.stats.finish_timeouts.fetch_add(1, Ordering::Relaxed);
+        }
     }
     // What is still subscribed here ends with the stream (after the flush above sent what was
     // queued).
