@@ -866,11 +866,13 @@ impl Broker {
 
     /// Route nothing more to `sub`, leaving what is queued for it to be drained (a plain
     /// subscription whose client finished its stream: the broker sends what was queued, then
-    /// ends it with [`unsubscribe`](Self::unsubscribe)).
+    /// ends it with [`unsubscribe`](Self::unsubscribe)). A group member stays with its group
+    /// as a detached one until it is removed, so that what it still holds (handed back as it
+    /// ends, e.g. by a revocation) finds the group.
     pub fn stop_routing(&self, sub: &Subscriber) {
         let mut routes = self.write_routes();
         self.tell_interest(sub, -1);
-        routes.unroute(sub, false);
+        routes.unroute(sub, sub.group().is_some());
     }
 
     /// Close a subscription whose client lost the permission to subscribe: as
@@ -975,7 +977,8 @@ impl Broker {
         self.slow_consumers.load(Relaxed)
     }
 
-    /// Every consumer group that has at least one member.
+    /// Every consumer group routed here: with at least one member, live or detached (one
+    /// whose client stopped reading, still owing the group its unsettled deliveries).
     pub fn groups(&self) -> Vec<Arc<GroupShared>> {
         let mut groups = Vec::new();
         self.read_routes().index.for_each(|r| {
@@ -987,13 +990,12 @@ impl Broker {
     }
 
     /// Is consumer group `group` with filter `filter` routed here now (it has a member that is
-    /// not detached)? A group leaves the routing index with its last member.
+    /// not detached)? A group kept only for its detached members takes no messages: it is
+    /// not routed here.
     pub fn has_group(&self, filter: &aqueduct_proto::TopicFilter, group: &GroupId) -> bool {
-        self.read_routes()
-            .index
-            .entries(filter)
-            .iter()
-            .any(|r| matches!(r, Route::Group(g) if g.shared.id() == group))
+        self.read_routes().index.entries(filter).iter().any(
+            |r| matches!(r, Route::Group(g) if g.shared.id() == group && !g.members.is_empty()),
+        )
     }
 
     /// Number of live subscriptions.

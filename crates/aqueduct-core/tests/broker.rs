@@ -1266,6 +1266,45 @@ fn a_group_outlives_its_live_members_while_a_detached_one_owes_redeliveries() {
     assert!(b.groups().is_empty());
 }
 
+/// A group kept only for a detached member is not routed here: the cluster asks
+/// `has_group` whether to forward a group's message to a peer's member instead.
+#[test]
+fn a_group_of_detached_members_only_is_not_routed_here() {
+    let b = Broker::new(BrokerConfig::default());
+    let mut ctx = PublishContext::default();
+    let t0 = Instant::now();
+    let a = sub(&b, "topic:jobs:group:w");
+    let filter = aqueduct_proto::TopicFilter::try_from("jobs").expect("filter");
+    let group = a.group().expect("a member").id().clone();
+    assert!(b.has_group(&filter, &group));
+    b.detach(&mut ctx, &a, t0);
+    assert_eq!(b.groups().len(), 1, "kept for the detached member");
+    assert!(!b.has_group(&filter, &group));
+}
+
+/// A group member whose routing stops before it is removed (a revocation: the stream takes
+/// it out of routing at once, ends it later) still hands its unsettled deliveries to its
+/// group, which outlives its other members meanwhile.
+#[test]
+fn a_member_taken_out_of_routing_then_revoked_hands_its_deliveries_to_its_group() {
+    let b = Broker::new(BrokerConfig::default());
+    let mut ctx = PublishContext::default();
+    let t0 = Instant::now();
+    let a = sub(&b, "topic:jobs:group:w");
+    let other = sub(&b, "topic:jobs:group:w");
+    publish(&b, &mut ctx, "jobs", "job", t0);
+    assert_eq!(drain_all(&b, &a, t0).len(), 1, "the first turn is a's");
+    b.stop_routing(&a);
+    b.unsubscribe(&mut ctx, &other, t0);
+    let newcomer = sub(&b, "topic:jobs:group:w");
+    assert_eq!(b.groups().len(), 1, "the same group");
+    assert!(b.revoke(&mut ctx, &a, t0));
+    let got = drain_all(&b, &newcomer, t0);
+    assert_eq!((got.len(), got[0].attempt), (1, 2));
+    b.unsubscribe(&mut ctx, &newcomer, t0);
+    assert!(b.groups().is_empty());
+}
+
 /// A consumer group keeps a watermark per topic it received; the watermarks of topics the
 /// broker freed (idle, every message settled) go with them. Before, a long-lived group under a
 /// wildcard kept one per topic name ever published, whatever the sweep freed.

@@ -606,7 +606,7 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         ),
         (
             "aqueduct_stream_finish_timeouts_total",
-            "Streams the client finished but did not read to the end within 5 s: reset, their subscriptions ended.",
+            "Streams the client finished but did not read: a write it left untaken for 5 s (stream reset, subscriptions ended), or the final flush not read within 5 s.",
             st.finish_timeouts.load(Ordering::Relaxed),
         ),
         (

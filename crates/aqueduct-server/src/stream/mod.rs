@@ -89,10 +89,10 @@ pub(crate) struct StreamOut {
     flushed: Notify,
     /// The reader is done (client finished its side, or a fatal framing error).
     reader_done: AtomicBool,
-    /// Set when the client finished its side (or a fatal framing error ended the reading):
-    /// what is queued must be written by then (protocol.md 7.4, "within 5 s"). A write still
-    /// blocked at that moment (the client does not read) is given up.
-    finish_by: std::sync::OnceLock<Instant>,
+    /// When the client finished its side (or a fatal framing error ended the reading): from
+    /// then on a write the client does not take within [`FINISH_WAIT`] is given up
+    /// (protocol.md 7.4).
+    finished_at: std::sync::OnceLock<Instant>,
     /// The reader has ended, however (also a reset or the connection's end): the writer's
     /// last duty, taking revocations after it stopped writing, ends too.
     read_ended: AtomicBool,
@@ -422,7 +422,7 @@ pub(crate) async fn serve<S: SendHalf + 'static, R: RecvHalf>(
                         consumers.pause(key);
                     }
                 }
-                let _ = out.finish_by.set(Instant::now() + FINISH_WAIT);
+                let _ = out.finished_at.set(Instant::now());
                 out.reader_done.store(true, Ordering::Release);
                 out.notify.notify_one();
             }
@@ -1392,15 +1392,21 @@ enum GiveUp {
     /// The stream is done for (the client reset its sending side, or stopped reading): its
     /// subscriptions end, nothing more is written.
     Aborted,
-    /// The client finished the stream and has not read what was queued for
-    /// [`FINISH_WAIT`]: the stream is reset and its subscriptions end.
+    /// The client finished the stream, and a write has waited [`FINISH_WAIT`] since both the
+    /// FIN and its own start for the client to read: the stream is reset and its
+    /// subscriptions end.
     FinishTimedOut,
 }
 
 /// Completes when a blocked write on this stream must be given up, and says why. One future
 /// for both: `out.notify` wakes one waiter. Meanwhile it takes the revocations of the
 /// stream's subscriptions (their ERROR follows the blocked write).
-async fn give_up_blocked_write(out: &StreamOut, shared: &Shared, conn: &ConnState) -> GiveUp {
+async fn give_up_blocked_write(
+    out: &StreamOut,
+    shared: &Shared,
+    conn: &ConnState,
+    started: Instant,
+) -> GiveUp {
     loop {
         let notified = out.notify.notified();
         take_revocations(out, shared, conn);
@@ -1414,9 +1420,15 @@ async fn give_up_blocked_write(out: &StreamOut, shared: &Shared, conn: &ConnStat
         if slow {
             return GiveUp::SlowConsumer;
         }
-        match out.finish_by.get() {
-            Some(&by) if Instant::now() >= by => return GiveUp::FinishTimedOut,
-            Some(&by) => {
+        // A client reading slowly keeps its stream: only a write that has made no way for
+        // FINISH_WAIT after the FIN is given up.
+        let deadline = out
+            .finished_at
+            .get()
+            .map(|&fin| fin.max(started) + FINISH_WAIT);
+        match deadline {
+            Some(by) if Instant::now() >= by => return GiveUp::FinishTimedOut,
+            Some(by) => {
                 tokio::select! {
                     _ = notified => {}
                     _ = tokio::time::sleep_until(by.into()) => {}
@@ -1538,7 +1550,7 @@ async fn write_loop<S: SendHalf + 'static>(
             // ERROR; only a blocked one is abandoned for the reset.
             biased;
             r = send.write_chunk(chunk) => r,
-            why = give_up_blocked_write(out, shared, conn) => {
+            why = give_up_blocked_write(out, shared, conn, Instant::now()) => {
                 match why {
                     GiveUp::SlowConsumer => {
                         warn!("slow consumer: resetting its blocked delivery stream");
