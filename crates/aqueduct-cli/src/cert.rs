@@ -204,6 +204,135 @@ pub fn make_peer(dir: &Path, node: &str, names: &[String]) -> Result<Vec<PathBuf
     )
 }
 
+/// The revocation list in `dir` that [`revoke`] keeps: the broker's `tls.crl_file`.
+pub const CRL_FILE: &str = "crl.pem";
+
+/// Revoke the certificates `certs` (made by the CA in `dir`): their serial numbers join those
+/// already in `DIR/crl.pem` (created if missing, empty if `certs` is), in a new list signed by
+/// the CA with the next CRL number, valid for [`VALID_DAYS`] (so no certificate also renews
+/// it). Returns the list's path and what was added (a certificate revoked before is not added
+/// twice).
+pub fn revoke(dir: &Path, certs: &[PathBuf]) -> Result<(PathBuf, Vec<String>)> {
+    let issuer = load_ca(dir)?;
+    let (ca_path, _) = ca_files(dir);
+    let ca_der = first_cert(&ca_path)?;
+    let (_, ca) = x509_parser::parse_x509_certificate(&ca_der)
+        .map_err(|e| anyhow!("{}: not an X.509 certificate ({e})", ca_path.display()))?;
+    let crl_path = dir.join(CRL_FILE);
+    let (mut revoked, number) = match std::fs::read(&crl_path) {
+        Ok(pem) => read_crl(&crl_path, &pem, ca.subject())?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => (Vec::new(), 0),
+        Err(e) => bail!("cannot read {}: {e}", crl_path.display()),
+    };
+    let now = time::OffsetDateTime::now_utc();
+    let mut added = Vec::new();
+    for path in certs {
+        let der = first_cert(path)?;
+        let (_, cert) = x509_parser::parse_x509_certificate(&der)
+            .map_err(|e| anyhow!("{}: not an X.509 certificate ({e})", path.display()))?;
+        if cert.issuer() != ca.subject() {
+            bail!(
+                "{}: issued by {}, not by this CA ({})",
+                path.display(),
+                cert.issuer(),
+                ca.subject()
+            );
+        }
+        let serial = cert.raw_serial().to_vec();
+        let name = format!(
+            "{} (serial {})",
+            cert.subject(),
+            cert.raw_serial_as_string()
+        );
+        if revoked
+            .iter()
+            .any(|r: &rcgen::RevokedCertParams| r.serial_number.as_ref() == serial.as_slice())
+        {
+            crate::print_line(&format!("{name}: revoked already"))?;
+            continue;
+        }
+        revoked.push(rcgen::RevokedCertParams {
+            serial_number: rcgen::SerialNumber::from(serial),
+            revocation_time: now,
+            reason_code: None,
+            invalidity_date: None,
+        });
+        added.push(name);
+    }
+    let params = rcgen::CertificateRevocationListParams {
+        this_update: now - time::Duration::minutes(5),
+        next_update: now + time::Duration::days(VALID_DAYS),
+        crl_number: rcgen::SerialNumber::from(
+            number
+                .checked_add(1)
+                .ok_or_else(|| anyhow!("{}: its CRL number is at its end", crl_path.display()))?,
+        ),
+        issuing_distribution_point: None,
+        revoked_certs: revoked,
+        key_identifier_method: rcgen::KeyIdMethod::Sha256,
+    };
+    let crl = params
+        .signed_by(&issuer)
+        .context("signing the revocation list")?;
+    let pem = crl.pem().context("encoding the revocation list")?;
+    // Replaced whole (a new file, then renamed over the old): a broker reading it meanwhile sees
+    // the old list or the new one.
+    let tmp = dir.join(format!(".{CRL_FILE}.tmp"));
+    let _ = std::fs::remove_file(&tmp);
+    write_new(&tmp, &pem, false)?;
+    std::fs::rename(&tmp, &crl_path)
+        .with_context(|| format!("replacing {}", crl_path.display()))?;
+    Ok((crl_path, added))
+}
+
+/// The first certificate of a PEM file.
+fn first_cert(path: &Path) -> Result<rustls_pki_types::CertificateDer<'static>> {
+    let pem = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    rustls_pki_types::CertificateDer::pem_slice_iter(&pem)
+        .next()
+        .ok_or_else(|| anyhow!("{}: no certificate in it", path.display()))?
+        .map_err(|e| anyhow!("{}: {e}", path.display()))
+}
+
+/// The revoked certificates and CRL number of a list made by [`revoke`] for the CA `subject`.
+fn read_crl(
+    path: &Path,
+    pem: &[u8],
+    subject: &x509_parser::x509::X509Name<'_>,
+) -> Result<(Vec<rcgen::RevokedCertParams>, u64)> {
+    use rustls_pki_types::CertificateRevocationListDer;
+    let der = CertificateRevocationListDer::pem_slice_iter(pem)
+        .next()
+        .ok_or_else(|| anyhow!("{}: no revocation list (X509 CRL) in it", path.display()))?
+        .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let (_, crl) = x509_parser::parse_x509_crl(&der)
+        .map_err(|e| anyhow!("{}: not a revocation list ({e})", path.display()))?;
+    if crl.issuer() != subject {
+        bail!(
+            "{}: a list of another CA ({}); this one is {subject}",
+            path.display(),
+            crl.issuer()
+        );
+    }
+    let number = match crl.crl_number().map(|n| n.to_bytes_be()) {
+        None => 0,
+        Some(b) if b.len() <= 8 => b.iter().fold(0u64, |n, &d| (n << 8) | u64::from(d)),
+        Some(_) => bail!("{}: its CRL number is beyond 64 bits", path.display()),
+    };
+    let mut revoked = Vec::new();
+    for r in crl.iter_revoked_certificates() {
+        let at = time::OffsetDateTime::from_unix_timestamp(r.revocation_date.timestamp())
+            .map_err(|e| anyhow!("{}: a revocation date out of range ({e})", path.display()))?;
+        revoked.push(rcgen::RevokedCertParams {
+            serial_number: rcgen::SerialNumber::from_slice(r.raw_serial()),
+            revocation_time: at,
+            reason_code: None,
+            invalidity_date: None,
+        });
+    }
+    Ok((revoked, number))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -272,5 +401,51 @@ mod tests {
                 .mode();
             assert_eq!(mode & 0o077, 0, "private key readable by others: {mode:o}");
         }
+    }
+
+    /// `aqueduct cert revoke`: the list grows by each certificate once, its number goes up,
+    /// it is signed by the CA; a certificate of another CA is refused.
+    #[test]
+    fn revoking_adds_each_certificate_once_to_a_signed_list() {
+        let dir = tempfile::tempdir().expect("dir");
+        make_ca(dir.path(), "Test CA").expect("ca");
+        make_client(dir.path(), "alice").expect("client");
+        make_client(dir.path(), "bob").expect("client");
+        let cert = |f: &str| dir.path().join(f);
+        let list = |path: &Path| {
+            let pem = std::fs::read(path).expect("crl.pem");
+            let der = rustls_pki_types::CertificateRevocationListDer::pem_slice_iter(&pem)
+                .next()
+                .expect("one list")
+                .expect("pem");
+            let (_, crl) = x509_parser::parse_x509_crl(&der).expect("parses");
+            let serials: Vec<Vec<u8>> = crl
+                .iter_revoked_certificates()
+                .map(|r| r.raw_serial().to_vec())
+                .collect();
+            let number = crl.crl_number().map(|n| n.to_string());
+            (serials, number, crl.issuer().to_string())
+        };
+        let serial = |f: &str| {
+            let der = first_cert(&cert(f)).expect("cert");
+            let (_, c) = x509_parser::parse_x509_certificate(&der).expect("parses");
+            c.raw_serial().to_vec()
+        };
+        let (path, added) = revoke(dir.path(), &[]).expect("an empty list");
+        assert!(added.is_empty());
+        assert_eq!(list(&path), (vec![], Some("1".into()), "CN=Test CA".into()));
+        let (_, added) = revoke(dir.path(), &[cert("alice.pem")]).expect("revoke alice");
+        assert_eq!(added.len(), 1, "{added:?}");
+        let (_, added) = revoke(dir.path(), &[cert("alice.pem"), cert("bob.pem")]).expect("bob");
+        assert_eq!(added.len(), 1, "alice was revoked already: {added:?}");
+        let (serials, number, _) = list(&path);
+        assert_eq!(serials, vec![serial("alice.pem"), serial("bob.pem")]);
+        assert_eq!(number.as_deref(), Some("3"));
+        let other = tempfile::tempdir().expect("dir");
+        make_ca(other.path(), "Other CA").expect("ca");
+        make_client(other.path(), "eve").expect("client");
+        let err = revoke(dir.path(), &[other.path().join("eve.pem")]).expect_err("another CA's");
+        assert!(err.to_string().contains("not by this CA"), "{err}");
+        assert_eq!(list(&path).0.len(), 2, "nothing written");
     }
 }

@@ -151,7 +151,7 @@ enum Command {
     /// Make certificates for mutual TLS: a CA, a broker certificate, client certificates
     /// (X.509 v3, ECDSA P-256, valid one year). Needs no broker.
     #[command(
-        after_help = "Examples:\n  aqueduct cert ca --out certs\n  aqueduct cert server --out certs --name localhost --name 127.0.0.1 --name ::1\n  aqueduct cert client alice --out certs\n  aqueduct cert peer aqueduct-0 --out certs --name aqueduct-0.aqueduct-headless.default.svc.cluster.local"
+        after_help = "Examples:\n  aqueduct cert ca --out certs\n  aqueduct cert server --out certs --name localhost --name 127.0.0.1 --name ::1\n  aqueduct cert client alice --out certs\n  aqueduct cert revoke certs/alice.pem --out certs\n  aqueduct cert peer aqueduct-0 --out certs --name aqueduct-0.aqueduct-headless.default.svc.cluster.local"
     )]
     Cert {
         #[command(subcommand)]
@@ -429,6 +429,19 @@ enum CertCommand {
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
     },
+    /// Revoke certificates made by the CA in DIR: adds them to DIR/crl.pem (created if
+    /// missing), a revocation list signed by the CA and valid one year. Brokers read it as
+    /// tls.crl_file, at startup and on SIGHUP (which also closes the connections of the
+    /// certificates revoked since). With no CERT, writes the list anew: an empty one to start
+    /// with, or the same one renewed for a year.
+    Revoke {
+        /// The certificate files to revoke (e.g. DIR/alice.pem).
+        #[arg(value_name = "CERT")]
+        certs: Vec<PathBuf>,
+        /// Directory of the CA (made by `aqueduct cert ca`); DIR/crl.pem is written there.
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
 }
 
 /// The bench's `--overflow`: a policy, or `None` for the broker's own (`broker`).
@@ -577,6 +590,13 @@ async fn run(cli: Cli) -> Result<()> {
             CertCommand::Server { out, names } => crate::cert::make_server(out, names)?,
             CertCommand::Client { name, out } => crate::cert::make_client(out, name)?,
             CertCommand::Peer { node, out, names } => crate::cert::make_peer(out, node, names)?,
+            CertCommand::Revoke { certs, out } => {
+                let (crl, added) = crate::cert::revoke(out, certs)?;
+                for name in added {
+                    crate::print_line(&format!("revoked {name}"))?;
+                }
+                vec![crl]
+            }
         };
         for path in written {
             crate::print_line(&format!("wrote {}", path.display()))?;

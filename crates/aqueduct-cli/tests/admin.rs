@@ -542,3 +542,79 @@ fn admin_cluster_shows_the_peers_interest_and_counters() {
     stop(a.child);
     stop(b.child);
 }
+
+/// `aqueduct cert revoke` and `tls.crl_file`: the broker binary refuses a revoked certificate,
+/// and on SIGHUP re-reads the list and closes the connection of a certificate revoked since
+/// (its `aqueduct sub` ends saying why); other clients go on.
+#[test]
+fn a_certificate_revoked_with_the_cli_is_shut_out_on_sighup() {
+    let dir = tempfile::tempdir().expect("dir");
+    let h = dir.path();
+    let certs = h.join("certs").display().to_string();
+    for args in [
+        vec!["cert", "ca", "--out", &certs],
+        vec!["cert", "client", "alice", "--out", &certs],
+        vec!["cert", "client", "bob", "--out", &certs],
+        vec!["cert", "client", "mallory", "--out", &certs],
+    ] {
+        assert_ok(&run_client(h, &args));
+    }
+    let file = |f: &str| h.join("certs").join(f).display().to_string();
+    let revoke = |who: &[&str]| {
+        let mut args = vec!["cert", "revoke", "--out", &certs];
+        let paths: Vec<String> = who.iter().map(|w| file(&format!("{w}.pem"))).collect();
+        args.extend(paths.iter().map(String::as_str));
+        let out = run_client(h, &args);
+        assert_ok(&out);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let printed = revoke(&["mallory"]);
+    assert!(printed.contains("revoked CN=mallory"), "{printed}");
+    assert!(printed.contains("crl.pem"), "{printed}");
+    let config_file = h.join("config.yaml");
+    std::fs::write(
+        &config_file,
+        format!(
+            "tls:\n  require_client_cert: true\n  client_ca_file: {}\n  crl_file: {}\n",
+            file("ca.pem"),
+            file("crl.pem")
+        ),
+    )
+    .expect("config");
+    let (broker, addr, _metrics, logs) = start_broker_config(h, &config_file, "127.0.0.1:0", &[]);
+    let as_client = |who: &str, args: &[&str]| {
+        let (cert, key) = (file(&format!("{who}.pem")), file(&format!("{who}-key.pem")));
+        let mut all = vec!["--addr", &addr, "--cert", &cert, "--key", &key];
+        all.extend_from_slice(args);
+        all.iter().map(|s| s.to_string()).collect::<Vec<String>>()
+    };
+    let run_as = |who: &str, args: &[&str]| {
+        let all = as_client(who, args);
+        run_client(h, &all.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let out = run_as("mallory", &["pub", "t", "x", "--confirm"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("revoked"), "{err}");
+
+    let sub_args = as_client("alice", &["sub", "t"]);
+    let sub = spawn_client(h, &sub_args.iter().map(String::as_str).collect::<Vec<_>>());
+    log_line(&logs, "subscribed client=alice");
+    revoke(&["alice"]);
+    let _ = Command::new("kill")
+        .args(["-HUP", &broker.id().to_string()])
+        .status();
+    let line = log_line(&logs, "SIGHUP: tls.crl_file reloaded");
+    assert!(
+        line.contains("revoked_certificates=2") && line.contains("closed_connections=1"),
+        "{line}"
+    );
+    let out = output_within(sub, "alice's subscriber");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("client certificate revoked"), "{err}");
+    assert_ok(&run_as("bob", &["pub", "t", "x", "--confirm"]));
+    let out = run_as("alice", &["pub", "t", "x", "--confirm"]);
+    assert!(!out.status.success(), "alice is refused from now on");
+    stop(broker);
+}

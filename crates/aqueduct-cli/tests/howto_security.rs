@@ -19,6 +19,8 @@ fn the_security_howto_runs_as_written() {
         "service-a  5000/s  500    yes",
         "dashboard  1000/s  100    no",
         "\"acl_rules\":4",
+        "revoked CN=dashboard (serial ",
+        "the client certificate was revoked",
     ] {
         assert!(
             all.contains(shown),

@@ -60,6 +60,9 @@ pub struct TlsSection {
     /// mTLS: refuse clients without a certificate signed by `client_ca_file`.
     pub require_client_cert: bool,
     pub client_ca_file: String,
+    /// Certificate revocation lists (PEM `X509 CRL` blocks, or one DER list) of the client
+    /// CAs: a revoked client certificate is refused. Re-read on SIGHUP.
+    pub crl_file: String,
     /// Where the generated development certificate is written for local clients to trust.
     /// Empty: `$AQUEDUCT_HOME/dev-cert.pem`, else `$HOME/.aqueduct/dev-cert.pem`.
     pub dev_cert_file: String,
@@ -73,6 +76,7 @@ impl Default for TlsSection {
             key_file: String::new(),
             require_client_cert: false,
             client_ca_file: String::new(),
+            crl_file: String::new(),
             dev_cert_file: String::new(),
         }
     }
@@ -291,6 +295,7 @@ pub const ENV_KEYS: &[&str] = &[
     "tls.key_file",
     "tls.require_client_cert",
     "tls.client_ca_file",
+    "tls.crl_file",
     "tls.dev_cert_file",
     "broker.queue_size",
     "broker.backpressure_policy",
@@ -472,6 +477,8 @@ pub struct TlsConfig {
     pub key_file: Option<PathBuf>,
     pub require_client_cert: bool,
     pub client_ca_file: Option<PathBuf>,
+    /// Revocation lists of the client CAs (`tls.crl_file`).
+    pub crl_file: Option<PathBuf>,
     pub dev_cert_file: PathBuf,
 }
 
@@ -716,6 +723,7 @@ const TEXT_KEYS: &[&str] = &[
     "tls.cert_file",
     "tls.key_file",
     "tls.client_ca_file",
+    "tls.crl_file",
     "tls.dev_cert_file",
     "broker.backpressure_policy",
     "broker.flush_interval",
@@ -1105,6 +1113,7 @@ impl RawConfig {
             key_file: opt_path(&self.tls.key_file),
             require_client_cert: self.tls.require_client_cert,
             client_ca_file: opt_path(&self.tls.client_ca_file),
+            crl_file: opt_path(&self.tls.crl_file),
             dev_cert_file: opt_path(&self.tls.dev_cert_file)
                 .unwrap_or_else(|| default_dev_cert_file(env)),
         };
@@ -1122,6 +1131,7 @@ impl RawConfig {
             ("tls.cert_file", &tls.cert_file),
             ("tls.key_file", &tls.key_file),
             ("tls.client_ca_file", &tls.client_ca_file),
+            ("tls.crl_file", &tls.crl_file),
         ] {
             if let Some(p) = path {
                 if !p.is_file() {
@@ -1136,6 +1146,12 @@ impl RawConfig {
             return Err(invalid(
                 "tls.client_ca_file",
                 "required when tls.require_client_cert is true",
+            ));
+        }
+        if tls.crl_file.is_some() && tls.client_ca_file.is_none() {
+            return Err(invalid(
+                "tls.crl_file",
+                "needs tls.client_ca_file: the lists revoke client certificates of that CA",
             ));
         }
         let batch_size = range("broker.batch_size", b.batch_size, 1, 16 << 20)? as usize;

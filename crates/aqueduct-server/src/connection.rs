@@ -59,8 +59,9 @@ pub(crate) struct ConnState {
     subs: Mutex<HashMap<u32, SubEntry>>,
     confirmed: AtomicBool,
     confirmed_notify: Notify,
-    /// [`ConnState::disconnect`]'s reason; the connection's task closes the session with it.
-    close_reason: Mutex<Option<String>>,
+    /// [`ConnState::disconnect_with`]'s code and reason; the connection's task closes the
+    /// session with them.
+    close_reason: Mutex<Option<(ErrorCode, String)>>,
     close_requested: Notify,
 }
 
@@ -88,7 +89,13 @@ impl ConnState {
     /// disconnect): through the session, so that a WebTransport client gets the session's
     /// close message (its code and reason), not a bare connection close.
     pub(crate) fn disconnect(&self, reason: String) {
-        *self.close_reason.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+        self.disconnect_with(ErrorCode(0), reason);
+    }
+
+    /// Close the connection with application code `code` and `reason` (see
+    /// [`disconnect`](Self::disconnect)).
+    pub(crate) fn disconnect_with(&self, code: ErrorCode, reason: String) {
+        *self.close_reason.lock().unwrap_or_else(|e| e.into_inner()) = Some((code, reason));
         // A stored permit if the task is not waiting right now.
         self.close_requested.notify_one();
     }
@@ -606,6 +613,9 @@ async fn identify(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Arc
         .unwrap_or_else(|e| e.into_inner())
         .insert(state.id, state.clone());
     info!(client = %state.describe(), "connected");
+    // A certificate revoked by a list reloaded during this handshake (checked against the old
+    // lists): the reload's walk of the connections may have missed this one, not listed yet.
+    crate::server::close_if_revoked(shared, state);
     // SUBSCRIBEs in 0-RTT data run before this, unchecked while the ACL is off. If a reload
     // turned it on meanwhile, its re-check did not see this connection (not listed yet): check
     // them now. A change after the listing above re-checks this connection itself.
@@ -669,14 +679,15 @@ async fn serve_streams(
             }
             Some(_) = streams.join_next(), if !streams.is_empty() => {}
             _ = state.close_requested.notified() => {
-                let reason = state
+                let (code, reason) = state
                     .close_reason
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .take()
-                    .unwrap_or_default();
-                // Application code 0: not an error of the client's.
-                session.close(ErrorCode(0), close_reason(&reason));
+                    .unwrap_or((ErrorCode(0), String::new()));
+                // Application code 0 (an administrator's disconnect: not an error of the
+                // client's), or NOT_AUTHORIZED for a revoked certificate.
+                session.close(code, close_reason(&reason));
                 let _ = tokio::time::timeout(CLOSE_WAIT, session.quic().closed()).await;
                 break reason;
             }

@@ -24,6 +24,7 @@ pub mod mesh;
 pub mod mesh_tls;
 pub mod metrics;
 pub mod otel;
+pub mod revocation;
 mod server;
 pub mod stats;
 mod stream;

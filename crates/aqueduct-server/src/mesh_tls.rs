@@ -25,6 +25,7 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 
 use crate::cluster::ClusterConfig;
 use crate::config::TlsConfig;
+use crate::revocation::ClientVerifier;
 use crate::tls::{common_name, provider, read_certs, Identity, TlsError};
 
 /// The mesh's ALPN.
@@ -45,8 +46,8 @@ pub struct MeshTls {
     client: Arc<rustls::ClientConfig>,
     /// Verifies peer certificates (cluster CA), mandatory.
     peers: Arc<dyn ClientCertVerifier>,
-    /// Verifies client certificates (`tls.client_ca_file`), if configured.
-    clients: Option<Arc<dyn ClientCertVerifier>>,
+    /// Verifies client certificates (`tls.client_ca_file`, `tls.crl_file`), if configured.
+    clients: Option<Arc<ClientVerifier>>,
 }
 
 fn roots(key: &'static str, path: &std::path::Path) -> Result<rustls::RootCertStore, TlsError> {
@@ -60,7 +61,11 @@ fn roots(key: &'static str, path: &std::path::Path) -> Result<rustls::RootCertSt
 impl MeshTls {
     /// Load the node's peer certificate and the cluster CA (`cluster.tls.*`; the certificate
     /// defaults to the broker's `tls.cert_file`).
-    pub fn load(cluster: &ClusterConfig, tls: &TlsConfig) -> Result<MeshTls, TlsError> {
+    pub fn load(
+        cluster: &ClusterConfig,
+        tls: &TlsConfig,
+        clients: Option<Arc<ClientVerifier>>,
+    ) -> Result<MeshTls, TlsError> {
         let provider = provider();
         let ca = cluster.ca_file.as_deref().ok_or_else(|| {
             TlsError::Rustls("cluster.tls.ca_file is required for the mesh".into())
@@ -108,18 +113,6 @@ impl MeshTls {
         let peers = WebPkiClientVerifier::builder_with_provider(peer_roots, provider.clone())
             .build()
             .map_err(rustls_err)?;
-        let clients = match &tls.client_ca_file {
-            Some(path) => Some(
-                WebPkiClientVerifier::builder_with_provider(
-                    Arc::new(roots("tls.client_ca_file", path)?),
-                    provider,
-                )
-                .allow_unauthenticated()
-                .build()
-                .map_err(rustls_err)?,
-            ),
-            None => None,
-        };
         Ok(MeshTls {
             node,
             key: certified,
@@ -148,7 +141,10 @@ impl MeshTls {
         }
         let verifier = Arc::new(EitherCa {
             peers: self.peers.clone(),
-            clients: self.clients.clone(),
+            clients: self
+                .clients
+                .clone()
+                .map(|c| c as Arc<dyn ClientCertVerifier>),
             hints,
             mandatory: tls.require_client_cert,
         });

@@ -593,7 +593,7 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "Publish frames waiting now for their client's quota (broker.quotas.action throttle); each holds its stream.",
         st.quota_waiting.load(Ordering::Relaxed),
     );
-    let counters: [(&str, &str, u64); 14] = [
+    let counters: [(&str, &str, u64); 15] = [
         (
             "aqueduct_direct_writes_total",
             "Deliveries written by the publishing stream task straight into an idle subscriber stream, without waking its writer.",
@@ -603,6 +603,11 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
             "aqueduct_streams_stopped_total",
             "Delivery streams whose client stopped reading (STOP_SENDING); their subscriptions get nothing more.",
             st.streams_stopped.load(Ordering::Relaxed),
+        ),
+        (
+            "aqueduct_connections_revoked_total",
+            "Connections closed (NOT_AUTHORIZED) because a reload of tls.crl_file revoked their client certificate.",
+            st.connections_revoked.load(Ordering::Relaxed),
         ),
         (
             "aqueduct_stream_finish_timeouts_total",

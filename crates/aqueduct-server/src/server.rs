@@ -20,6 +20,7 @@ use crate::config::{AalConfig, Config, TransportConfig};
 use crate::connection::ConnState;
 use crate::consumers::Consumers;
 use crate::durable::Durable;
+use crate::revocation::ClientVerifier;
 use crate::stats::ServerStats;
 use crate::tls::{self, TlsError};
 use aqueduct_log::Log;
@@ -74,6 +75,10 @@ pub(crate) struct Shared {
     /// The QUIC endpoint (a handle), for its connection count.
     pub endpoint: quinn::Endpoint,
     pub mesh_tls: Option<Arc<crate::mesh_tls::MeshTls>>,
+    /// Verifies client certificates (`tls.client_ca_file`, `tls.crl_file`), if configured.
+    pub client_certs: Option<Arc<ClientVerifier>>,
+    /// Verifies the admin API's client certificates, when it is enabled.
+    pub admin_certs: Option<Arc<ClientVerifier>>,
     /// The certificate browsers get (WebTransport with a generated certificate).
     pub browser_certs: Option<Arc<crate::webtransport::BrowserCerts>>,
     /// Trace export, when `tracing.otlp_endpoint` is set.
@@ -263,10 +268,35 @@ impl Server {
             warn!("{warning}");
         }
         let identity = tls::identity(&config.tls)?;
+        // Client certificates: the CA's, minus the revoked ones (`tls.crl_file`, re-read on
+        // SIGHUP); one verifier for the client listener and the cluster's client check.
+        let client_certs = match &config.tls.client_ca_file {
+            Some(ca) => Some(Arc::new(ClientVerifier::new(
+                "tls.client_ca_file",
+                ca,
+                !config.tls.require_client_cert,
+                config.tls.crl_file.as_deref(),
+                false,
+            )?)),
+            None => None,
+        };
+        // The admin API's: the same lists; a certificate of an admin CA they do not cover
+        // passes (the lists are the clients' CA's unless they include the admin CA's).
+        let admin_certs = match &config.admin {
+            Some(a) => Some(Arc::new(ClientVerifier::new(
+                "admin.client_ca_file",
+                &a.client_ca_file,
+                false,
+                config.tls.crl_file.as_deref(),
+                config.tls.client_ca_file.as_ref() != Some(&a.client_ca_file),
+            )?)),
+            None => None,
+        };
         let mesh_tls = match config.cluster.enabled {
             true => Some(Arc::new(crate::mesh_tls::MeshTls::load(
                 &config.cluster,
                 &config.tls,
+                client_certs.clone(),
             )?)),
             false => None,
         };
@@ -286,6 +316,7 @@ impl Server {
         let (crypto, dev_cert) = tls::server_crypto(
             &config.tls,
             &identity,
+            client_certs.clone(),
             mesh_tls.as_deref(),
             config.webtransport.enabled,
             browser_certs.as_ref(),
@@ -320,16 +351,16 @@ impl Server {
             addr: config.metrics_addr,
             reason: e.to_string(),
         })?;
-        let admin = match &config.admin {
-            Some(a) => {
-                let crypto = tls::admin_crypto(&identity, &a.client_ca_file)?;
+        let admin = match (&config.admin, &admin_certs) {
+            (Some(a), Some(verifier)) => {
+                let crypto = tls::admin_crypto(&identity, verifier.clone())?;
                 let listener = tcp_listener(a.listen_addr).map_err(|e| ServerError::AdminBind {
                     addr: a.listen_addr,
                     reason: e.to_string(),
                 })?;
                 Some((listener, Arc::new(crypto)))
             }
-            None => None,
+            _ => None,
         };
         // Every socket is ours: only now may the development certificate be replaced.
         if let Some(cert) = &dev_cert {
@@ -436,6 +467,8 @@ impl Server {
                 local_addr,
                 mesh,
                 mesh_tls,
+                client_certs,
+                admin_certs,
                 browser_certs,
                 endpoint: endpoint_handle,
                 tracer,
@@ -779,6 +812,30 @@ impl Control {
         }
     }
 
+    /// Re-read `tls.crl_file` (what SIGHUP does; the file named at startup): new handshakes are
+    /// checked against the new lists at once, and the live connections whose client
+    /// certificate they revoke are closed with NOT_AUTHORIZED. Returns how many certificates
+    /// the lists revoke and how many connections were closed; `None` without `tls.crl_file`.
+    /// On an unreadable or invalid file the lists in force stay.
+    pub async fn reload_revocations(&self) -> Result<Option<(usize, usize)>, String> {
+        crate::admin::off_workers(&self.shared, |shared| {
+            let mut revoked = None;
+            for v in [&shared.client_certs, &shared.admin_certs]
+                .into_iter()
+                .flatten()
+            {
+                revoked = v.reload().map_err(|e| e.to_string())?.or(revoked);
+            }
+            Ok(revoked.map(|n| {
+                let live = shared.live_clients();
+                let closed = live.iter().filter(|c| close_if_revoked(shared, c)).count();
+                (n, closed)
+            }))
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    }
+
     /// The live ACL policy.
     pub fn acl(&self) -> Arc<aqueduct_core::acl::AclPolicy> {
         self.shared.access.acl.policy()
@@ -823,6 +880,33 @@ impl Control {
             m.send(crate::mesh::Event::Peers(addrs));
         }
     }
+}
+
+/// Close `conn` if the lists in force revoke its client certificate (a reload of
+/// `tls.crl_file`, or a handshake checked against the lists before it). Returns whether it did.
+pub(crate) fn close_if_revoked(shared: &Shared, conn: &ConnState) -> bool {
+    let (Some(verifier), Some(quic)) = (&shared.client_certs, conn.conn.get()) else {
+        return false;
+    };
+    let Some(chain) = quic.peer_identity().and_then(|id| {
+        id.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>()
+            .ok()
+    }) else {
+        return false;
+    };
+    if !verifier.is_revoked(&chain) {
+        return false;
+    }
+    warn!(client = %conn.describe(), "closing the connection: its client certificate is revoked (tls.crl_file)");
+    shared
+        .stats
+        .connections_revoked
+        .fetch_add(1, Ordering::Relaxed);
+    conn.disconnect_with(
+        ErrorCode::NOT_AUTHORIZED,
+        "client certificate revoked".into(),
+    );
+    true
 }
 
 /// Closes the durable log when dropped while it holds it: a start that failed after the log was

@@ -11,11 +11,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls::crypto::CryptoProvider;
-use rustls::server::WebPkiClientVerifier;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
 use crate::config::TlsConfig;
+use crate::revocation::ClientVerifier;
 
 /// The ALPN protocol id.
 pub const ALPN: &[u8] = b"aqueduct-v1";
@@ -295,6 +295,7 @@ pub fn identity(cfg: &TlsConfig) -> Result<Identity, TlsError> {
 pub fn server_crypto(
     cfg: &TlsConfig,
     id: &Identity,
+    clients: Option<Arc<ClientVerifier>>,
     mesh: Option<&crate::mesh_tls::MeshTls>,
     webtransport: bool,
     browser: Option<&Arc<crate::webtransport::BrowserCerts>>,
@@ -302,7 +303,7 @@ pub fn server_crypto(
     let mut tls = match mesh {
         // With the cluster on: the mesh's ALPN and certificates next to the clients' (mesh_tls.rs).
         Some(mesh) => mesh.server_config(cfg, id)?,
-        None => client_server_config(cfg, id)?,
+        None => client_server_config(id, clients)?,
     };
     if webtransport {
         tls.alpn_protocols
@@ -325,29 +326,17 @@ pub fn server_crypto(
     Ok((quic, id.dev_cert.clone()))
 }
 
-/// The QUIC TLS for clients only (no cluster).
-fn client_server_config(cfg: &TlsConfig, id: &Identity) -> Result<rustls::ServerConfig, TlsError> {
-    let provider = provider();
-    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+/// The QUIC TLS for clients only (no cluster); `clients` verifies their certificates
+/// (`tls.client_ca_file`, `tls.crl_file`, `tls.require_client_cert`), if configured.
+fn client_server_config(
+    id: &Identity,
+    clients: Option<Arc<ClientVerifier>>,
+) -> Result<rustls::ServerConfig, TlsError> {
+    let builder = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| TlsError::Rustls(e.to_string()))?;
-    let builder = match &cfg.client_ca_file {
-        Some(ca) => {
-            let mut roots = rustls::RootCertStore::empty();
-            for cert in read_certs("tls.client_ca_file", ca)? {
-                roots
-                    .add(cert)
-                    .map_err(|e| TlsError::Rustls(e.to_string()))?;
-            }
-            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider);
-            let verifier = if cfg.require_client_cert {
-                verifier.build()
-            } else {
-                verifier.allow_unauthenticated().build()
-            }
-            .map_err(|e| TlsError::Rustls(e.to_string()))?;
-            builder.with_client_cert_verifier(verifier)
-        }
+    let builder = match clients {
+        Some(verifier) => builder.with_client_cert_verifier(verifier),
         None => builder.with_no_client_auth(),
     };
     let mut tls = builder
@@ -358,19 +347,12 @@ fn client_server_config(cfg: &TlsConfig, id: &Identity) -> Result<rustls::Server
 }
 
 /// The admin API's TLS: TLS 1.3, HTTP/2, the broker's certificate, and a client certificate
-/// signed by `ca_file` required (no certificate: the handshake fails).
-pub fn admin_crypto(id: &Identity, ca_file: &Path) -> Result<rustls::ServerConfig, TlsError> {
-    let provider = provider();
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in read_certs("admin.client_ca_file", ca_file)? {
-        roots
-            .add(cert)
-            .map_err(|e| TlsError::Rustls(e.to_string()))?;
-    }
-    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-        .build()
-        .map_err(|e| TlsError::Rustls(e.to_string()))?;
-    let mut tls = rustls::ServerConfig::builder_with_provider(provider)
+/// that `verifier` accepts required (no certificate: the handshake fails).
+pub fn admin_crypto(
+    id: &Identity,
+    verifier: Arc<ClientVerifier>,
+) -> Result<rustls::ServerConfig, TlsError> {
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| TlsError::Rustls(e.to_string()))?
         .with_client_cert_verifier(verifier)

@@ -1287,3 +1287,121 @@ async fn a_0rtt_subscription_made_before_the_acl_went_on_is_checked_at_the_hands
     assert_eq!(s.b.stats.acl_denied_subscribe.load(Ordering::Relaxed), 1);
     s.b.stop().await.expect("clean shutdown");
 }
+
+/// A revocation list signed by `ca`, revoking the certificates in `revoked`, written to `path`.
+fn write_crl(ca: &TestCa, path: &std::path::Path, revoked: &[&PathBuf], number: u64) {
+    use rustls_pki_types::pem::PemObject;
+    let revoked_certs = revoked
+        .iter()
+        .map(|cert| {
+            let der = rustls_pki_types::CertificateDer::from_pem_file(cert).expect("a cert");
+            let (_, parsed) = x509_parser::parse_x509_certificate(&der).expect("parses");
+            rcgen::RevokedCertParams {
+                serial_number: rcgen::SerialNumber::from_slice(parsed.raw_serial()),
+                revocation_time: rcgen::date_time_ymd(2020, 1, 1),
+                reason_code: None,
+                invalidity_date: None,
+            }
+        })
+        .collect();
+    let params = rcgen::CertificateRevocationListParams {
+        this_update: rcgen::date_time_ymd(2020, 1, 1),
+        next_update: rcgen::date_time_ymd(2100, 1, 1),
+        crl_number: rcgen::SerialNumber::from(number),
+        issuing_distribution_point: None,
+        revoked_certs,
+        key_identifier_method: rcgen::KeyIdMethod::Sha256,
+    };
+    let crl = params.signed_by(&ca.issuer).expect("signed");
+    std::fs::write(path, crl.pem().expect("pem")).expect("write");
+}
+
+/// `tls.crl_file`: a revoked client certificate is refused at the handshake; a reload (what
+/// SIGHUP does) makes a newly revoked one refused too and closes its live connection with
+/// NOT_AUTHORIZED, while other clients go on; a damaged file leaves the lists in force.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoked_client_certificates_are_refused_and_closed_on_reload() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let (mallory, mallory_key) = ca.client(dir.path(), "mallory");
+    let (alice, alice_key) = ca.client(dir.path(), "alice");
+    let (bob, bob_key) = ca.client(dir.path(), "bob");
+    let crl_file = dir.path().join("crl.pem");
+    write_crl(&ca, &crl_file, &[&mallory], 1);
+    let b = TestBroker::start_with(|c| {
+        c.tls.require_client_cert = true;
+        c.tls.client_ca_file = Some(ca_file.clone());
+        c.tls.crl_file = Some(crl_file.clone());
+    })
+    .await;
+    let connect = |cert: &PathBuf, key: &PathBuf| {
+        Client::connect(b.options().client_cert(cert.clone(), key.clone()))
+    };
+    let refused = |cert: PathBuf, key: PathBuf| {
+        let opts = b.options().client_cert(cert, key);
+        async move {
+            match within("connect", Client::connect(opts)).await {
+                Err(e) => e.to_string(),
+                Ok(c) => within("the refusal", c.publish_with("t", "x", &CONFIRM))
+                    .await
+                    .expect_err("a revoked certificate must not be served")
+                    .to_string(),
+            }
+        }
+    };
+    let why = refused(mallory.clone(), mallory_key.clone()).await;
+    assert!(why.contains("revoked"), "{why}");
+
+    let alice_client = within("alice", connect(&alice, &alice_key))
+        .await
+        .expect("alice is not revoked");
+    let bob_client = within("bob", connect(&bob, &bob_key))
+        .await
+        .expect("bob is not revoked");
+    alice_client
+        .publish_with("t", "x", &CONFIRM)
+        .await
+        .expect("alice served");
+
+    // Alice is revoked now: the reload closes her connection and refuses her next one.
+    write_crl(&ca, &crl_file, &[&mallory, &alice], 2);
+    assert_eq!(
+        b.control.reload_revocations().await.expect("reloaded"),
+        Some((2, 1))
+    );
+    assert_eq!(b.stats.connections_revoked.load(Ordering::Relaxed), 1);
+    let end = within("alice's connection to close", async {
+        loop {
+            if let Err(e) = alice_client.publish_with("t", "x", &CONFIRM).await {
+                break e;
+            }
+        }
+    })
+    .await;
+    assert!(
+        end.to_string().contains("client certificate revoked"),
+        "{end}"
+    );
+    let why = refused(alice.clone(), alice_key.clone()).await;
+    assert!(why.contains("revoked"), "{why}");
+    bob_client
+        .publish_with("t", "x", &CONFIRM)
+        .await
+        .expect("bob goes on");
+
+    // A damaged file: the reload fails naming the key, and the lists in force stay.
+    std::fs::write(&crl_file, "not a list").expect("write");
+    let err = b
+        .control
+        .reload_revocations()
+        .await
+        .expect_err("a damaged file is refused");
+    assert!(err.contains("tls.crl_file"), "{err}");
+    let why = refused(alice, alice_key).await;
+    assert!(why.contains("revoked"), "{why}");
+    within("bob", connect(&bob, &bob_key))
+        .await
+        .expect("bob still connects");
+    b.stop().await.expect("clean shutdown");
+}

@@ -290,6 +290,16 @@ fn errors_name_the_key_and_the_problem() {
             "tls.client_ca_file: required when tls.require_client_cert is true",
         ),
         (
+            Some("tls:\n  crl_file: /etc/hostname\n"),
+            &[],
+            "tls.crl_file: needs tls.client_ca_file",
+        ),
+        (
+            None,
+            &[("AQUEDUCT_TLS_CRL_FILE", "/nonexistent/crl.pem")],
+            "tls.crl_file: /nonexistent/crl.pem does not exist",
+        ),
+        (
             Some("listen_addr: nowhere\n"),
             &[],
             "listen_addr: \"nowhere\" is not a host:port address",

@@ -19,7 +19,8 @@ use tracing::{error, info, warn};
 /// and these flags. See config.example.yaml for every key.
 ///
 /// SIGHUP re-reads the config file's `acl` and `broker.quotas` sections and applies them at once
-/// (replacing changes made through the admin API); SIGTERM or Ctrl-C stops the broker gracefully.
+/// (replacing changes made through the admin API), and re-reads `tls.crl_file` (connections of
+/// certificates revoked since are closed); SIGTERM or Ctrl-C stops the broker gracefully.
 #[derive(Debug, Parser)]
 #[command(name = "aqueduct-broker", version)]
 struct Args {
@@ -132,7 +133,8 @@ fn main() -> ExitCode {
 }
 
 /// SIGHUP: re-read the configuration and make its `acl` and `broker.quotas` sections the live
-/// policy. A configuration that does not validate changes nothing (and says why). Never returns.
+/// policy, and re-read `tls.crl_file` (closing connections whose certificate it revokes). A
+/// configuration that does not validate changes nothing (and says why). Never returns.
 async fn reload_on_sighup(
     control: aqueduct_server::Control,
     sources: Sources,
@@ -157,6 +159,17 @@ async fn reload_on_sighup(
                 },
                 Err(e) => {
                     error!("SIGHUP: configuration not reloaded, the running policy stays: {e}")
+                }
+            }
+            match control.reload_revocations().await {
+                Ok(Some((revoked, closed))) => info!(
+                    revoked_certificates = revoked,
+                    closed_connections = closed,
+                    "SIGHUP: tls.crl_file reloaded"
+                ),
+                Ok(None) => {}
+                Err(e) => {
+                    error!("SIGHUP: tls.crl_file not reloaded, the lists in force stay: {e}")
                 }
             }
         }
