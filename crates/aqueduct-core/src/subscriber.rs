@@ -510,24 +510,10 @@ impl Subscriber {
     /// For each topic with messages queued or awaiting settlement, the lowest such offset: where
     /// a durable consumer's position stands (everything below it is settled).
     pub fn unsettled_floor(&self) -> Vec<(TopicName, u64)> {
-        self.floor(true)
-    }
-
-    /// Like [`unsettled_floor`](Self::unsettled_floor), over the queued messages only (not yet
-    /// sent).
-    pub fn queued_floor(&self) -> Vec<(TopicName, u64)> {
-        self.floor(false)
-    }
-
-    fn floor(&self, with_in_flight: bool) -> Vec<(TopicName, u64)> {
         let st = self.lock();
         let mut floor: HashMap<TopicName, u64, RandomState> = HashMap::default();
         let queued = st.queue.iter().map(|d| (d.topic.name(), d.offset));
-        let in_flight = st
-            .in_flight
-            .keys()
-            .filter(|_| with_in_flight)
-            .map(|(t, o)| (t, *o));
+        let in_flight = st.in_flight.keys().map(|(t, o)| (t, *o));
         for (topic, offset) in queued.chain(in_flight) {
             match floor.get_mut(topic) {
                 Some(f) => *f = (*f).min(offset),

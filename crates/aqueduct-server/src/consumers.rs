@@ -345,8 +345,10 @@ impl Consumers {
     }
 
     /// `sub`'s client stopped reading (its subscription lives on until its stream ends). A
-    /// consumer's queued messages are about to be dropped: its feeder stops and its positions go
-    /// back to them, so none is skipped. A group member's go to the other members (or are
+    /// consumer's queued messages are about to be dropped, and its unsettled ones, if NACKed or
+    /// timed out before an ACK comes, will never be written again: its feeder stops and its
+    /// positions go back to the lowest of them, so none is skipped (one settled meanwhile may
+    /// come again after a resubscribe). A group member's go to the other members (or are
     /// parked in the group): nothing to do.
     pub fn rewind(&self, key: &str, sub: &Subscriber) {
         let mut t = lock(&self.table);
@@ -356,7 +358,7 @@ impl Consumers {
             }
             live.stop_feeder();
             let mut fed = lock(&live.fed);
-            fed.next = floor(&fed.next, sub.queued_floor());
+            fed.next = floor(&fed.next, sub.unsettled_floor());
         }
     }
 

@@ -926,3 +926,69 @@ async fn damage_at_the_end_of_a_topic_is_not_read_again_at_every_write() {
         .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
+
+/// A durable consumer whose client stops reading (STOP_SENDING) with a message in flight: the
+/// message's ack timeout comes while it is detached (nothing can be written to it), and when its
+/// stream ends the stored position must still be at that message, so the consumer gets it
+/// again when it resubscribes (protocol.md 7.1: the position is the lowest unsettled offset).
+/// Before, the position went back only to what was queued, and the message was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_consumer_that_stops_reading_keeps_its_unsettled_message() {
+    use aqueduct_client::DurableStart;
+    use aqueduct_core::DropReason;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| {
+        c.aal = Some(aal(dir.path(), FsyncMode::Batch));
+        c.broker.ack_wait = std::time::Duration::from_millis(200);
+    })
+    .await;
+    let client = b.client().await;
+    publish_n(&client, "jobs", 0..1).await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut delivery = raw.stream().await;
+    // ACK_MODE explicit, durable consumer c from offset 0.
+    delivery
+        .write(&raw_frame(
+            0x42,
+            1,
+            b"\x03\x00\x09\x01\x01topic:jobs:durable:c:0",
+        ))
+        .await;
+    let got = delivery.read_frame().await.expect("the delivery");
+    let aqueduct_proto::frame::Message::Publish(p) = got.message else {
+        panic!("not a delivery: {got:?}")
+    };
+    assert_eq!(p.ext.offset, Some(0));
+    delivery.stop_reading();
+    until("the writer to see STOP_SENDING", || {
+        b.stats
+            .streams_stopped
+            .load(std::sync::atomic::Ordering::Relaxed)
+            == 1
+    })
+    .await;
+    let jobs = b
+        .broker
+        .topic(&"jobs".try_into().expect("topic"))
+        .expect("known");
+    until(
+        "the ack timeout's redelivery to be dropped (detached)",
+        || jobs.stats().snapshot().dropped(DropReason::Unsubscribed) >= 1,
+    )
+    .await;
+    delivery.finish();
+    until("the subscription to end", || {
+        b.broker.subscriber_count() == 0
+    })
+    .await;
+    let mut sub = client
+        .subscribe_with("jobs", &durable_opts("c", DurableStart::Latest))
+        .await
+        .expect("resubscribe");
+    assert_eq!(take_acked(&mut sub, 1).await, expect(0..1));
+    client
+        .close()
+        .await
+        .expect("close: everything published was taken");
+    b.stop().await.expect("clean shutdown");
+}
