@@ -858,6 +858,9 @@ impl Mesh {
                 }
             }
         }
+        // A group no node has any more takes its turn counter with it: group ids that come and
+        // go (one per worker instance, say) must not pile up.
+        self.rr.retain(|g, _| counters.contains_key(g));
         let peers_want_nothing = nodes
             .iter()
             .all(|(n, interest)| *n == self.me || interest.is_empty());
@@ -1139,6 +1142,25 @@ mod tests {
         assert!(a.table().peers_want_nothing(), "an idle peer");
         connected(&mut a, 2, "c", &[(plain("x"), 1)]);
         assert!(!a.table().peers_want_nothing());
+    }
+
+    /// The round-robin counters of groups no node has any more are freed: a churn of group
+    /// ids kept one counter per id ever seen.
+    #[test]
+    fn turn_counters_of_groups_gone_are_freed() {
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        for i in 0..1000 {
+            let k = Key::Group(group("jobs", &format!("g{i}")));
+            a.handle_local(k.clone(), 1);
+            a.table();
+            a.handle_local(k, -1);
+        }
+        a.table();
+        assert!(a.rr.is_empty(), "{} counters left", a.rr.len());
+        let kept = Key::Group(group("jobs", "kept"));
+        a.handle_local(kept, 1);
+        assert_eq!(a.table().counters.len(), 1);
+        assert_eq!(a.rr.len(), 1);
     }
 
     #[test]

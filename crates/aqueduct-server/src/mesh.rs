@@ -667,13 +667,17 @@ impl MeshHandle {
                 continue;
             }
             local(ctx, run);
-            // Encoded once, for the first peer that wants them.
+            // Encoded once, for the first peer that wants them. A peer whose queue is gone
+            // (its connection just ended) has them counted as discarded, as one copy does.
             let mut records = None;
-            for q in table
-                .plain_peers(topic.as_bytes())
-                .filter_map(|n| queues.get(n))
-            {
-                q.push_many(records.get_or_insert_with(|| plain_records(run)));
+            for node in table.plain_peers(topic.as_bytes()) {
+                match queues.get(node) {
+                    Some(q) => q.push_many(records.get_or_insert_with(|| plain_records(run))),
+                    None => {
+                        self.discarded
+                            .fetch_add(run.len() as u64, Ordering::Relaxed);
+                    }
+                }
             }
         }
     }
@@ -2243,20 +2247,30 @@ mod tests {
         with_queue: &[&str],
         local_member: bool,
     ) -> (MeshHandle, HashMap<NodeId, Arc<PeerQueue>>) {
-        let node = |s: &str| NodeId::try_from(s).expect("node id");
         let g = GroupKey {
             filter: aqueduct_proto::TopicFilter::try_from("jobs").expect("filter"),
             group: aqueduct_proto::GroupId::try_from("w").expect("group"),
         };
+        handle_wanting(Key::Group(g), with_queue, local_member)
+    }
+
+    /// Node `a` and its peers `b` and `c`, each wanting `key`; queues for the peers in
+    /// `with_queue`; with `local` an interest in `key` on `a` too.
+    fn handle_wanting(
+        key: Key,
+        with_queue: &[&str],
+        local: bool,
+    ) -> (MeshHandle, HashMap<NodeId, Arc<PeerQueue>>) {
+        let node = |s: &str| NodeId::try_from(s).expect("node id");
         let mut mesh = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
-        if local_member {
-            mesh.handle_local(Key::Group(g.clone()), 1);
+        if local {
+            mesh.handle_local(key.clone(), 1);
         }
         for (conn, peer) in [(1, "b"), (2, "c")] {
             assert!(mesh.handle_connected(Instant::now(), ConnId(conn), node(peer), None, false));
             let mut interest = Interest::default();
             interest.apply(&aqueduct_core::mesh::Update {
-                key: Key::Group(g.clone()),
+                key: key.clone(),
                 count: 1,
             });
             assert!(mesh.handle_control(
@@ -2287,6 +2301,28 @@ mod tests {
             broker: std::sync::Weak::new(),
         };
         (handle, queues)
+    }
+
+    /// A PUBLISH_BATCH's copies for a peer the table still names but whose queue is gone (its
+    /// connection just ended) are counted as discarded, as single publishes' are; they were
+    /// dropped uncounted.
+    #[test]
+    fn batch_copies_for_a_peer_without_a_queue_are_counted() {
+        let filter = aqueduct_proto::TopicFilter::try_from("t").expect("filter");
+        let (handle, queues) = handle_wanting(Key::Plain(filter), &["b"], false);
+        let t = aqueduct_proto::TopicName::try_from("t").expect("topic");
+        let pubs: Vec<Publication<'_>> = (0..2).map(|_| Publication::new(&t, b"x")).collect();
+        let mut locally = 0;
+        handle.publish_batch(&mut PublishContext::default(), &pubs, |_, run| {
+            locally += run.len()
+        });
+        assert_eq!(locally, 2);
+        assert_eq!(queues[&NodeId::try_from("b").expect("id")].depth(), 2);
+        assert_eq!(
+            handle.discarded.load(Ordering::Relaxed),
+            2,
+            "c's two copies"
+        );
     }
 
     #[test]

@@ -627,6 +627,68 @@ async fn a_leaving_member_s_unsettled_jobs_go_to_a_member_on_another_node() {
     stop_all(c.nodes).await;
 }
 
+/// A node shutting down (a rolling restart) with a group member holding unsettled jobs: the
+/// member's connection ends in the shutdown, its jobs are handed over to the member on the
+/// other node, and the shutdown waits until that node has published them before it closes
+/// the mesh connection. Before, the endpoint was closed right after the client connections
+/// drained, and the copies still queued or unread were lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_shutting_down_hands_its_member_s_unsettled_jobs_over_first() {
+    let mut c = cluster(2).await;
+    formed(&c).await;
+    let opts = aqueduct_client::SubscribeOptions {
+        group: Some("workers".into()),
+        ack: true,
+        ..Default::default()
+    };
+    let (a, b) = (c.nodes[0].client().await, c.nodes[1].client().await);
+    let mut m0 = a
+        .subscribe_with("jobs", &opts)
+        .await
+        .expect("member on node 0");
+    let mut m1 = b
+        .subscribe_with("jobs", &opts)
+        .await
+        .expect("member on node 1");
+    until("each node to learn the other's member", || {
+        group_wanted(&c.nodes[0], "node-1") && group_wanted(&c.nodes[1], "node-0")
+    })
+    .await;
+    let confirm = aqueduct_client::PublishOptions {
+        confirm: true,
+        ..Default::default()
+    };
+    const N: usize = 10;
+    for i in 0..N {
+        a.publish_with("jobs", format!("j{i}"), &confirm)
+            .await
+            .expect("publish");
+    }
+    let mut done = BTreeSet::new();
+    for _ in 0..N / 2 {
+        let m = next(&mut m0).await;
+        done.insert(String::from_utf8_lossy(m.body()).into_owned());
+        m.ack().await.expect("ack");
+    }
+    let mut held = BTreeSet::new();
+    for _ in 0..N / 2 {
+        held.insert(String::from_utf8_lossy(next(&mut m1).await.body()).into_owned());
+    }
+    // Node 1 stops with its member's five jobs unsettled.
+    let node1 = c.nodes.pop().expect("node 1");
+    node1.stop().await.expect("clean shutdown");
+    drop((m1, b));
+    for _ in 0..N / 2 {
+        let m = next(&mut m0).await;
+        let body = String::from_utf8_lossy(m.body()).into_owned();
+        assert!(held.contains(&body), "{body} was node 1's");
+        assert!(done.insert(body), "once");
+        m.ack().await.expect("ack");
+    }
+    assert_eq!(done.len(), N);
+    stop_all(c.nodes).await;
+}
+
 /// A job published on node 0 and rejected by its worker on node 1 until it runs out of retries
 /// becomes a dead letter on node 1 (which owns the delivery) that reaches the dead-letter
 /// subscriber on node 0, with its original topic, offset, attempts and reason.
