@@ -1237,6 +1237,19 @@ fn a_detached_only_member_hands_its_redeliveries_to_a_new_member() {
     assert_eq!(a.queued(), 0);
 }
 
+/// Members `a` and `other` of group `w` on `jobs`, and one job published, in flight on `a`.
+fn a_holding_one_job(
+    b: &Broker,
+    ctx: &mut PublishContext,
+    now: Instant,
+) -> (Arc<Subscriber>, Arc<Subscriber>) {
+    let a = sub(b, "topic:jobs:group:w");
+    let other = sub(b, "topic:jobs:group:w");
+    publish(b, ctx, "jobs", "job", now);
+    assert_eq!(drain_all(b, &a, now).len(), 1, "the first turn is a's");
+    (a, other)
+}
+
 /// A group whose last live member leaves while a detached member still holds an unsettled
 /// delivery is kept: the delivery's redelivery reaches a member joining later (protocol.md
 /// 7.4). Before, the group was dropped when its member list emptied, and the redelivery was
@@ -1246,10 +1259,7 @@ fn a_group_outlives_its_live_members_while_a_detached_one_owes_redeliveries() {
     let b = Broker::new(BrokerConfig::default());
     let mut ctx = PublishContext::default();
     let t0 = Instant::now();
-    let a = sub(&b, "topic:jobs:group:w");
-    let other = sub(&b, "topic:jobs:group:w");
-    publish(&b, &mut ctx, "jobs", "job", t0);
-    assert_eq!(drain_all(&b, &a, t0).len(), 1, "the first turn is a's");
+    let (a, other) = a_holding_one_job(&b, &mut ctx, t0);
     b.detach(&mut ctx, &a, t0);
     b.unsubscribe(&mut ctx, &other, t0);
     assert_eq!(b.groups().len(), 1, "kept for the detached member");
@@ -1290,10 +1300,7 @@ fn a_member_taken_out_of_routing_then_revoked_hands_its_deliveries_to_its_group(
     let b = Broker::new(BrokerConfig::default());
     let mut ctx = PublishContext::default();
     let t0 = Instant::now();
-    let a = sub(&b, "topic:jobs:group:w");
-    let other = sub(&b, "topic:jobs:group:w");
-    publish(&b, &mut ctx, "jobs", "job", t0);
-    assert_eq!(drain_all(&b, &a, t0).len(), 1, "the first turn is a's");
+    let (a, other) = a_holding_one_job(&b, &mut ctx, t0);
     b.stop_routing(&a);
     b.unsubscribe(&mut ctx, &other, t0);
     let newcomer = sub(&b, "topic:jobs:group:w");

@@ -551,12 +551,25 @@ async fn a_group_across_nodes_gets_each_message_once_round_robin() {
     stop_all(c.nodes).await;
 }
 
-/// A group member on node 1 takes its share of the jobs and leaves without settling them; node 1
-/// has no other member, so they go to the member on node 0 (once each), not dropped.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_leaving_member_s_unsettled_jobs_go_to_a_member_on_another_node() {
-    let c = cluster(2).await;
-    formed(&c).await;
+/// Jobs in the two-node group tests.
+const N: usize = 10;
+
+/// Jobs published to a group spanning two nodes.
+struct SplitJobs {
+    /// The publisher on node 0 (kept connected).
+    _a: aqueduct_client::Client,
+    m0: aqueduct_client::Subscription,
+    b: aqueduct_client::Client,
+    m1: aqueduct_client::Subscription,
+    /// Settled by node 0's member.
+    done: BTreeSet<String>,
+    /// Received by node 1's member, unsettled.
+    held: BTreeSet<String>,
+}
+
+/// [`N`] jobs published on node 0 to group `workers` of `jobs`, with a member on each of
+/// the two nodes: node 0's settles its half, node 1's holds its half unsettled.
+async fn jobs_split_across_two_nodes(c: &Cluster) -> SplitJobs {
     let opts = aqueduct_client::SubscribeOptions {
         group: Some("workers".into()),
         ack: true,
@@ -579,7 +592,6 @@ async fn a_leaving_member_s_unsettled_jobs_go_to_a_member_on_another_node() {
         confirm: true,
         ..Default::default()
     };
-    const N: usize = 10;
     for i in 0..N {
         a.publish_with("jobs", format!("j{i}"), &confirm)
             .await
@@ -595,25 +607,43 @@ async fn a_leaving_member_s_unsettled_jobs_go_to_a_member_on_another_node() {
     for _ in 0..N / 2 {
         held.insert(String::from_utf8_lossy(next(&mut m1).await.body()).into_owned());
     }
+    SplitJobs {
+        _a: a,
+        m0,
+        b,
+        m1,
+        done,
+        held,
+    }
+}
+
+/// A group member on node 1 takes its share of the jobs and leaves without settling them; node 1
+/// has no other member, so they go to the member on node 0 (once each), not dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leaving_member_s_unsettled_jobs_go_to_a_member_on_another_node() {
+    let c = cluster(2).await;
+    formed(&c).await;
+    let mut jobs = jobs_split_across_two_nodes(&c).await;
     assert!(
-        done.is_disjoint(&held),
+        jobs.done.is_disjoint(&jobs.held),
         "round-robin: each job to one member"
     );
     // Node 1's only member goes away with its five jobs unsettled.
-    drop(m1);
-    b.close()
+    drop(jobs.m1);
+    jobs.b
+        .close()
         .await
         .expect("close: everything published was taken");
     for _ in 0..N / 2 {
-        let m = next(&mut m0).await;
+        let m = next(&mut jobs.m0).await;
         let body = String::from_utf8_lossy(m.body()).into_owned();
-        assert!(held.contains(&body), "{body} was node 1's");
+        assert!(jobs.held.contains(&body), "{body} was node 1's");
         // Delivered once on node 1: this is its second attempt, counted on across nodes.
         assert_eq!(m.attempt(), 2, "{body}");
-        assert!(done.insert(body), "once");
+        assert!(jobs.done.insert(body), "once");
         m.ack().await.expect("ack");
     }
-    assert_eq!(done.len(), N);
+    assert_eq!(jobs.done.len(), N);
     let m = get(c.nodes[1].metrics_addr, "/metrics").await.1;
     assert_eq!(
         value(&m, "aqueduct_mesh_group_handovers_total"),
@@ -628,64 +658,25 @@ async fn a_leaving_member_s_unsettled_jobs_go_to_a_member_on_another_node() {
 }
 
 /// A node shutting down (a rolling restart) with a group member holding unsettled jobs: the
-/// member's connection ends in the shutdown, its jobs are handed over to the member on the
-/// other node, and the shutdown waits until that node has published them before it closes
-/// the mesh connection. Before, the endpoint was closed right after the client connections
-/// drained, and the copies still queued or unread were lost.
+/// member's connection ends in the shutdown, and its jobs reach the member on the other node
+/// before the node's mesh connections close.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_shutting_down_hands_its_member_s_unsettled_jobs_over_first() {
     let mut c = cluster(2).await;
     formed(&c).await;
-    let opts = aqueduct_client::SubscribeOptions {
-        group: Some("workers".into()),
-        ack: true,
-        ..Default::default()
-    };
-    let (a, b) = (c.nodes[0].client().await, c.nodes[1].client().await);
-    let mut m0 = a
-        .subscribe_with("jobs", &opts)
-        .await
-        .expect("member on node 0");
-    let mut m1 = b
-        .subscribe_with("jobs", &opts)
-        .await
-        .expect("member on node 1");
-    until("each node to learn the other's member", || {
-        group_wanted(&c.nodes[0], "node-1") && group_wanted(&c.nodes[1], "node-0")
-    })
-    .await;
-    let confirm = aqueduct_client::PublishOptions {
-        confirm: true,
-        ..Default::default()
-    };
-    const N: usize = 10;
-    for i in 0..N {
-        a.publish_with("jobs", format!("j{i}"), &confirm)
-            .await
-            .expect("publish");
-    }
-    let mut done = BTreeSet::new();
-    for _ in 0..N / 2 {
-        let m = next(&mut m0).await;
-        done.insert(String::from_utf8_lossy(m.body()).into_owned());
-        m.ack().await.expect("ack");
-    }
-    let mut held = BTreeSet::new();
-    for _ in 0..N / 2 {
-        held.insert(String::from_utf8_lossy(next(&mut m1).await.body()).into_owned());
-    }
+    let mut jobs = jobs_split_across_two_nodes(&c).await;
     // Node 1 stops with its member's five jobs unsettled.
     let node1 = c.nodes.pop().expect("node 1");
     node1.stop().await.expect("clean shutdown");
-    drop((m1, b));
+    drop((jobs.m1, jobs.b));
     for _ in 0..N / 2 {
-        let m = next(&mut m0).await;
+        let m = next(&mut jobs.m0).await;
         let body = String::from_utf8_lossy(m.body()).into_owned();
-        assert!(held.contains(&body), "{body} was node 1's");
-        assert!(done.insert(body), "once");
+        assert!(jobs.held.contains(&body), "{body} was node 1's");
+        assert!(jobs.done.insert(body), "once");
         m.ack().await.expect("ack");
     }
-    assert_eq!(done.len(), N);
+    assert_eq!(jobs.done.len(), N);
     stop_all(c.nodes).await;
 }
 
