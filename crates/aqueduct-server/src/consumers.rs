@@ -224,12 +224,14 @@ impl Consumers {
     /// Make a live subscription of `key` — the only one of a consumer (refused if it has one),
     /// or one more member of a durable group (`group`) — created by `make` under the table's
     /// lock, so that joining a group and the group's end never interleave. Returns it with the
-    /// feeder's positions: the stored ones, if any.
+    /// feeder's positions: the stored ones, if any, else those `initial` gives (a new consumer
+    /// starting at `latest`: see [`latest_positions`]).
     pub fn claim(
         &self,
         key: &str,
         filter: &TopicFilter,
         group: bool,
+        initial: impl FnOnce() -> BTreeMap<Vec<u8>, u64>,
         make: impl FnOnce() -> Arc<Subscriber>,
     ) -> Result<Claim, ClaimError> {
         let mut t = lock(&self.table);
@@ -259,7 +261,7 @@ impl Consumers {
         let sub = make();
         let stored = t.stored.get(key).cloned();
         let fed = Arc::new(Mutex::new(Fed {
-            next: stored.map(|c| c.next).unwrap_or_default(),
+            next: stored.map_or_else(initial, |c| c.next),
             stopped: false,
         }));
         let joined = Arc::new(tokio::sync::Notify::new());
@@ -469,6 +471,31 @@ pub(crate) async fn checkpointer(
     }
 }
 
+/// Where a new consumer that starts at `latest` begins in each topic matching `filter` that
+/// exists now — the broker's topics (also those whose messages the log has not written yet) and
+/// the log's: past every message published before its SUBSCRIBE. Taken while the SUBSCRIBE is
+/// handled, before its CONFIRM, so a message published after it is never skipped; a topic that
+/// appears later is read from its first message.
+pub(crate) fn latest_positions(
+    durable: &Durable,
+    broker: &Broker,
+    filter: &TopicFilter,
+) -> BTreeMap<Vec<u8>, u64> {
+    let mut at = BTreeMap::new();
+    for t in broker.topics() {
+        if matching::matches(filter, t.name()) {
+            at.insert(t.name().as_bytes().to_vec(), t.next_offset());
+        }
+    }
+    for t in durable.topics_from(0).0 {
+        if !at.contains_key(&t) && topic_matches(filter, &t) {
+            let pos = start_in(durable, broker, &t, DurableStart::Latest, false);
+            at.insert(t, pos);
+        }
+    }
+    at
+}
+
 /// Where a consumer starts in a topic it has no position for.
 fn start_in(
     durable: &Durable,
@@ -565,8 +592,11 @@ pub(crate) async fn feed(
             for t in new_topics {
                 if topic_matches(&filter, &t) && !fed_now.contains_key(&t) {
                     // A consumer that resumes reads topics it has no position for from their
-                    // start: they appeared after it started.
-                    let discovered = resumed || !first_pass;
+                    // start: they appeared after it started. So does one that starts at
+                    // `latest`: its positions in the topics that existed were taken when it
+                    // subscribed (`latest_positions`).
+                    let discovered =
+                        resumed || !first_pass || matches!(start, DurableStart::Latest);
                     let at = start_in(&durable, &broker, &t, start, discovered);
                     if durable.index.first_offset(&t).is_none() {
                         unanchored.insert(t.clone());
@@ -1015,7 +1045,7 @@ mod tests {
         let broker = Broker::new(BrokerConfig::default());
         let filter = TopicFilter::try_from("jobs").expect("valid filter");
         let claim = |key: &str| {
-            consumers.claim(key, &filter, false, || {
+            consumers.claim(key, &filter, false, BTreeMap::new, || {
                 broker.subscribe_unrouted(
                     &SubscribeSpec::new(filter.clone()),
                     SubscribeOptions::default(),
@@ -1056,7 +1086,7 @@ mod tests {
         let filter = TopicFilter::try_from("jobs").expect("valid filter");
         let key = Consumers::key("billing");
         let claim = consumers
-            .claim(&key, &filter, false, || {
+            .claim(&key, &filter, false, BTreeMap::new, || {
                 broker.subscribe_unrouted(
                     &SubscribeSpec::new(filter.clone()),
                     SubscribeOptions::default(),

@@ -992,3 +992,39 @@ async fn a_durable_consumer_that_stops_reading_keeps_its_unsettled_message() {
         .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 }
+
+/// A new durable consumer subscribing at `latest` starts past every message published before
+/// its SUBSCRIBE, also in a topic whose first messages the log has not written yet (they are
+/// the broker's already); what is published after the SUBSCRIBE reaches it. Before, its
+/// positions were taken at its feeder's first look at the log, after the CONFIRM, and a topic
+/// not in the log yet was taken for one that appeared later and read from its first message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latest_consumer_starts_at_its_subscribe() {
+    use aqueduct_client::DurableStart;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let client = b.client().await;
+    b.control.hold_log_writes(true);
+    // Not confirmed: the log holds it, unwritten; the broker has given it offset 0.
+    let held = b.client().await;
+    held.publish("fresh", "before").await.expect("publish");
+    until("the broker to take it", || {
+        b.broker
+            .topic(&"fresh".try_into().expect("topic"))
+            .is_some_and(|t| t.next_offset() == 1)
+    })
+    .await;
+    let mut sub = client
+        .subscribe_with("#", &durable_opts("d", DurableStart::Latest))
+        .await
+        .expect("subscribe");
+    b.control.hold_log_writes(false);
+    publish_n(&client, "fresh", 1..2).await;
+    assert_eq!(take_acked(&mut sub, 1).await, expect(1..2));
+    for c in [held, client] {
+        c.close()
+            .await
+            .expect("close: everything published was taken");
+    }
+    b.stop().await.expect("clean shutdown");
+}

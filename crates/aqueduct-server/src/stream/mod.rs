@@ -883,9 +883,15 @@ impl Reader<'_> {
                 // interleaves with its end), then registered on the connection.
                 let mut opts = Some(opts);
                 let claimed = match &durable_consumer {
-                    Some((consumers, key, _)) => {
+                    Some((consumers, key, start)) => {
                         let group = s.spec.group.is_some();
-                        let claim = consumers.claim(key, &s.spec.filter, group, || {
+                        let initial = || match (start, &self.shared.durable) {
+                            (aqueduct_proto::DurableStart::Latest, Some(d)) => {
+                                crate::consumers::latest_positions(d, broker, &s.spec.filter)
+                            }
+                            _ => Default::default(),
+                        };
+                        let claim = consumers.claim(key, &s.spec.filter, group, initial, || {
                             let opts = opts.take().unwrap_or_default();
                             broker.subscribe_unrouted(&s.spec, opts)
                         });
