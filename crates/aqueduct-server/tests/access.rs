@@ -1405,3 +1405,72 @@ async fn revoked_client_certificates_are_refused_and_closed_on_reload() {
         .expect("bob still connects");
     b.stop().await.expect("clean shutdown");
 }
+
+/// A client revoked after its first connection cannot get back in by resuming its TLS session
+/// (TLS 1.3 resumption does not verify the client certificate again): the broker checks the
+/// resumed connection's certificate against the lists in force as it lists it, and closes it
+/// with NOT_AUTHORIZED.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_certificate_cannot_resume_its_session() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let (alice, alice_key) = ca.client(dir.path(), "alice");
+    let crl_file = dir.path().join("crl.pem");
+    write_crl(&ca, &crl_file, &[], 1);
+    let b = TestBroker::start_with(|c| {
+        c.tls.require_client_cert = true;
+        c.tls.client_ca_file = Some(ca_file.clone());
+        c.tls.crl_file = Some(crl_file.clone());
+    })
+    .await;
+    use rustls_pki_types::pem::PemObject;
+    let certs = rustls_pki_types::CertificateDer::pem_file_iter(&alice)
+        .expect("cert")
+        .collect::<Result<Vec<_>, _>>()
+        .expect("pem");
+    let key = rustls_pki_types::PrivateKeyDer::from_pem_file(&alice_key).expect("key");
+    let mut crypto = rustls::ClientConfig::builder_with_provider(aqueduct_server::tls::provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls13")
+        .with_root_certificates(dev_cert_roots(&b))
+        .with_client_auth_cert(certs, key)
+        .expect("client auth");
+    crypto.alpn_protocols = vec![b"aqueduct-v1".to_vec()];
+    crypto.enable_early_data = true;
+    let endpoint = client_endpoint(crypto, None);
+    // A first connection, for a session ticket (it follows the handshake: one round trip).
+    let first = within(
+        "first connect",
+        endpoint.connect(b.addr, "localhost").expect("connect"),
+    )
+    .await
+    .expect("handshake");
+    let (send, recv) = first.open_bi().await.expect("stream");
+    let mut probe = RawStream::new(send, recv);
+    probe.write_frame(&confirmed_publish(1, "probe", "p")).await;
+    probe.read_frame().await.expect("the PUBLISH's CONFIRM");
+    first.close(0u32.into(), b"bye");
+    until("the first connection to end", || {
+        b.control.client_ids().is_empty()
+    })
+    .await;
+
+    write_crl(&ca, &crl_file, &[&alice], 2);
+    assert_eq!(
+        b.control.reload_revocations().await.expect("reloaded"),
+        Some((1, 0))
+    );
+    let connecting = endpoint.connect(b.addr, "localhost").expect("connect");
+    let Ok((conn, _)) = connecting.into_0rtt() else {
+        panic!("the session was not resumed: no ticket")
+    };
+    let closed = within("the resumed connection to be closed", conn.closed()).await;
+    let quinn::ConnectionError::ApplicationClosed(close) = closed else {
+        panic!("closed otherwise: {closed:?}")
+    };
+    assert_eq!(u64::from(close.error_code), 400);
+    assert_eq!(&close.reason[..], b"client certificate revoked");
+    assert_eq!(b.stats.connections_revoked.load(Ordering::Relaxed), 1);
+    b.stop().await.expect("clean shutdown");
+}

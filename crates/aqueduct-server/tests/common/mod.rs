@@ -228,13 +228,19 @@ impl Raw {
 
 use rustls_pki_types::pem::PemObject;
 
-/// TLS 1.3 client settings that trust the broker's dev certificate only, ALPN `aqueduct-v1`.
-pub fn dev_cert_crypto(b: &TestBroker) -> rustls::ClientConfig {
+/// The broker's dev certificate as the only trusted root.
+pub fn dev_cert_roots(b: &TestBroker) -> rustls::RootCertStore {
     let pem = std::fs::read(&b.dev_cert).expect("dev cert");
     let mut roots = rustls::RootCertStore::empty();
     for cert in rustls_pki_types::CertificateDer::pem_slice_iter(&pem) {
         roots.add(cert.expect("pem")).expect("root");
     }
+    roots
+}
+
+/// TLS 1.3 client settings that trust the broker's dev certificate only, ALPN `aqueduct-v1`.
+pub fn dev_cert_crypto(b: &TestBroker) -> rustls::ClientConfig {
+    let roots = dev_cert_roots(b);
     let mut crypto = rustls::ClientConfig::builder_with_provider(aqueduct_server::tls::provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .expect("tls13")
