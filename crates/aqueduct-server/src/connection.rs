@@ -321,8 +321,10 @@ pub(crate) async fn handle(
                     Ok(_) if handshake_outcome(conn2.close_reason()) == Handshake::Completed => {
                         // What early data it sent is held back until now: a peer certificate
                         // (no client identity) gets nothing of it handled.
-                        if !refuse_peer_certificate(&conn2) && !refuse_unnamed_certificate(&conn2) {
-                            identify(&conn2, &state, &shared2).await;
+                        if !refuse_peer_certificate(&conn2)
+                            && !refuse_unnamed_certificate(&conn2)
+                            && identify(&conn2, &state, &shared2).await
+                        {
                             state.confirm();
                             shared2
                                 .stats
@@ -385,12 +387,13 @@ pub(crate) async fn handle(
         if h3 {
             return crate::webtransport::serve(conn, shared, state, shutdown).await;
         }
-        identify(&conn, &state, &shared).await;
-        state.confirm();
-        shared
-            .stats
-            .connections_total
-            .fetch_add(1, Ordering::Relaxed);
+        if identify(&conn, &state, &shared).await {
+            state.confirm();
+            shared
+                .stats
+                .connections_total
+                .fetch_add(1, Ordering::Relaxed);
+        }
     }
     // With 0-RTT the connection is served while its handshake completes (`confirming`, which
     // counts it as a connection or as a failed handshake).
@@ -411,12 +414,13 @@ pub(crate) async fn serve_webtransport(
     if let Some(id) = client {
         let _ = state.client_id.set(id);
     }
-    identify(&conn, &state, &shared).await;
-    state.confirm();
-    shared
-        .stats
-        .connections_total
-        .fetch_add(1, Ordering::Relaxed);
+    if identify(&conn, &state, &shared).await {
+        state.confirm();
+        shared
+            .stats
+            .connections_total
+            .fetch_add(1, Ordering::Relaxed);
+    }
     serve_streams(
         Session::WebTransport(Box::new(session), conn),
         state,
@@ -599,7 +603,10 @@ const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 type Confirming = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 /// Learn who the client is (its certificate's CN), give it its quota bucket and list it.
-async fn identify(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Arc<Shared>) {
+/// List the connection as a client's and settle its identity. False if it must not be served
+/// (its certificate is revoked: closing, see `serve_streams`); it is then never confirmed, so
+/// nothing it sent in 0-RTT data that waits for confirmation is handled.
+async fn identify(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Arc<Shared>) -> bool {
     if let Some(cn) = tls::client_common_name(conn) {
         let _ = state.client_id.set(cn);
     }
@@ -614,12 +621,16 @@ async fn identify(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Arc
         .insert(state.id, state.clone());
     info!(client = %state.describe(), "connected");
     // A certificate revoked by a list reloaded during this handshake (checked against the old
-    // lists): the reload's walk of the connections may have missed this one, not listed yet.
-    crate::server::close_if_revoked(shared, state);
+    // lists), or a resumed session's (resumption does not verify the certificate again): the
+    // reload's walk of the connections may have missed this one, not listed yet.
+    if crate::server::close_if_revoked(shared, state) {
+        return false;
+    }
     // SUBSCRIBEs in 0-RTT data run before this, unchecked while the ACL is off. If a reload
     // turned it on meanwhile, its re-check did not see this connection (not listed yet): check
     // them now. A change after the listing above re-checks this connection itself.
     crate::admin::recheck_connection(shared, state).await;
+    true
 }
 
 async fn serve_streams(
@@ -640,67 +651,80 @@ async fn serve_streams(
     if connect_stream > 0 {
         session.quic().set_max_concurrent_bi_streams(allowed.into());
     }
-    let reason = loop {
-        tokio::select! {
-            _ = async {
-                match confirming.as_mut() {
-                    Some(handshake) => handshake.await,
-                    None => std::future::pending().await,
-                }
-            }, if confirming.is_some() => {
-                confirming = None;
-            }
-            // The protocol uses bidirectional streams only; with WebTransport on, a native
-            // client may open the few unidirectional ones HTTP/3 needs: refused unread.
-            uni = session.quic().accept_uni(), if matches!(session, Session::Quic(_)) => {
-                match uni {
-                    Ok(mut recv) => {
-                        shared.stats.rejected("unidirectional_stream");
-                        debug!(remote = %state.remote, "refused a unidirectional stream (the protocol uses bidirectional streams only)");
-                        let _ = recv.stop(0u32.into());
+    // Closed before any of its streams is served: a certificate found revoked as the
+    // connection was listed (`identify`) gets none of its frames handled.
+    let closing = state
+        .close_reason
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    let reason = if let Some((code, reason)) = closing {
+        session.close(code, close_reason(&reason));
+        let _ = tokio::time::timeout(CLOSE_WAIT, session.quic().closed()).await;
+        reason
+    } else {
+        loop {
+            tokio::select! {
+                _ = async {
+                    match confirming.as_mut() {
+                        Some(handshake) => handshake.await,
+                        None => std::future::pending().await,
                     }
-                    Err(e) => break e.to_string(),
+                }, if confirming.is_some() => {
+                    confirming = None;
                 }
-            }
-            accepted = accept_bi(&session) => {
-                match accepted {
-                    Ok(Accepted::Quic(send, recv)) => {
-                        streams.spawn(stream::serve(send, recv, shared.clone(), state.clone(), shutdown.clone()));
+                // The protocol uses bidirectional streams only; with WebTransport on, a native
+                // client may open the few unidirectional ones HTTP/3 needs: refused unread.
+                uni = session.quic().accept_uni(), if matches!(session, Session::Quic(_)) => {
+                    match uni {
+                        Ok(mut recv) => {
+                            shared.stats.rejected("unidirectional_stream");
+                            debug!(remote = %state.remote, "refused a unidirectional stream (the protocol uses bidirectional streams only)");
+                            let _ = recv.stop(0u32.into());
+                        }
+                        Err(e) => break e.to_string(),
                     }
-                    Ok(Accepted::WebTransport(send, recv)) => {
-                        streams.spawn(stream::serve(send, recv, shared.clone(), state.clone(), shutdown.clone()));
+                }
+                accepted = accept_bi(&session) => {
+                    match accepted {
+                        Ok(Accepted::Quic(send, recv)) => {
+                            streams.spawn(stream::serve(send, recv, shared.clone(), state.clone(), shutdown.clone()));
+                        }
+                        Ok(Accepted::WebTransport(send, recv)) => {
+                            streams.spawn(stream::serve(send, recv, shared.clone(), state.clone(), shutdown.clone()));
+                        }
+                        Err(e) => break e,
                     }
-                    Err(e) => break e,
+                    if allowed < max_streams && (streams.len() as u32 + connect_stream) * 2 >= allowed {
+                        allowed = allowed.saturating_mul(2).min(max_streams);
+                        session.quic().set_max_concurrent_bi_streams(allowed.into());
+                    }
                 }
-                if allowed < max_streams && (streams.len() as u32 + connect_stream) * 2 >= allowed {
-                    allowed = allowed.saturating_mul(2).min(max_streams);
-                    session.quic().set_max_concurrent_bi_streams(allowed.into());
+                Some(_) = streams.join_next(), if !streams.is_empty() => {}
+                _ = state.close_requested.notified() => {
+                    let (code, reason) = state
+                        .close_reason
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .take()
+                        .unwrap_or((ErrorCode(0), String::new()));
+                    // Application code 0 (an administrator's disconnect: not an error of the
+                    // client's), or NOT_AUTHORIZED for a revoked certificate.
+                    session.close(code, close_reason(&reason));
+                    let _ = tokio::time::timeout(CLOSE_WAIT, session.quic().closed()).await;
+                    break reason;
                 }
-            }
-            Some(_) = streams.join_next(), if !streams.is_empty() => {}
-            _ = state.close_requested.notified() => {
-                let (code, reason) = state
-                    .close_reason
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .take()
-                    .unwrap_or((ErrorCode(0), String::new()));
-                // Application code 0 (an administrator's disconnect: not an error of the
-                // client's), or NOT_AUTHORIZED for a revoked certificate.
-                session.close(code, close_reason(&reason));
-                let _ = tokio::time::timeout(CLOSE_WAIT, session.quic().closed()).await;
-                break reason;
-            }
-            _ = shutdown.changed() => {
-                // Writers see the same signal: they flush what is queued and finish.
-                let flush = async { while streams.join_next().await.is_some() {} };
-                let _ = tokio::time::timeout(SHUTDOWN_FLUSH, flush).await;
-                session.close(ErrorCode::SHUTTING_DOWN, b"broker shutting down");
-                // A WebTransport session's close is a message on its CONNECT stream: give the
-                // peer a moment to take it (it closes the connection then) before the endpoint
-                // closes every connection at once. A QUIC close has ended it already.
-                let _ = tokio::time::timeout(CLOSE_WAIT, session.quic().closed()).await;
-                break "broker shutting down".to_string();
+                _ = shutdown.changed() => {
+                    // Writers see the same signal: they flush what is queued and finish.
+                    let flush = async { while streams.join_next().await.is_some() {} };
+                    let _ = tokio::time::timeout(SHUTDOWN_FLUSH, flush).await;
+                    session.close(ErrorCode::SHUTTING_DOWN, b"broker shutting down");
+                    // A WebTransport session's close is a message on its CONNECT stream: give the
+                    // peer a moment to take it (it closes the connection then) before the endpoint
+                    // closes every connection at once. A QUIC close has ended it already.
+                    let _ = tokio::time::timeout(CLOSE_WAIT, session.quic().closed()).await;
+                    break "broker shutting down".to_string();
+                }
             }
         }
     };

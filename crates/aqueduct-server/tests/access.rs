@@ -1465,6 +1465,12 @@ async fn a_revoked_certificate_cannot_resume_its_session() {
     let Ok((conn, _)) = connecting.into_0rtt() else {
         panic!("the session was not resumed: no ticket")
     };
+    // What it sends at once is never handled.
+    if let Ok((mut send, _recv)) = conn.open_bi().await {
+        let _ = send
+            .write_all(&confirmed_publish(1, "revoked", "x").to_bytes())
+            .await;
+    }
     let closed = within("the resumed connection to be closed", conn.closed()).await;
     let quinn::ConnectionError::ApplicationClosed(close) = closed else {
         panic!("closed otherwise: {closed:?}")
@@ -1472,5 +1478,11 @@ async fn a_revoked_certificate_cannot_resume_its_session() {
     assert_eq!(u64::from(close.error_code), 400);
     assert_eq!(&close.reason[..], b"client certificate revoked");
     assert_eq!(b.stats.connections_revoked.load(Ordering::Relaxed), 1);
+    assert!(
+        b.broker
+            .topic(&"revoked".try_into().expect("topic"))
+            .is_none(),
+        "a frame of the revoked connection was handled"
+    );
     b.stop().await.expect("clean shutdown");
 }

@@ -603,12 +603,14 @@ impl Reader<'_> {
             Err(e) => return self.reject(raw.stream_id, e.code(), e.reason_label(), e.to_string()),
         };
         // 0-RTT data can be replayed by an attacker: only SUBSCRIBE/UNSUBSCRIBE run before the
-        // handshake is confirmed; everything else waits for it. With access control on, those
-        // wait too: the client's identity is only known then.
+        // handshake is confirmed; everything else waits for it. With access control on, or
+        // revocation lists, those wait too: the client's identity (and whether its certificate
+        // is revoked) is only known then.
         if !matches!(
             frame.message,
             Message::Subscribe(_) | Message::Unsubscribe(_)
         ) || self.shared.access.acl.enabled()
+            || self.shared.config.tls.crl_file.is_some()
         {
             self.conn.wait_confirmed().await;
         }
