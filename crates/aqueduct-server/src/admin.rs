@@ -64,6 +64,9 @@ pub const DENIED_LIFETIME: Duration = Duration::from_secs(5);
 pub struct AdminPeer {
     pub cn: Option<String>,
     pub remote: SocketAddr,
+    /// The certificates it presented (end entity first): each call checks them against the
+    /// revocation lists in force, which a reload may have changed since the handshake.
+    pub chain: Arc<[rustls_pki_types::CertificateDer<'static>]>,
 }
 
 /// A TLS connection with its peer's identity, for tonic.
@@ -164,11 +167,13 @@ pub(crate) async fn serve(
                     handshakes.spawn(async move {
                         match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                             Ok(Ok(io)) => {
-                                let cn = io
+                                let chain: Arc<[rustls_pki_types::CertificateDer<'static>]> = io
                                     .get_ref()
                                     .1
                                     .peer_certificates()
-                                    .and_then(|c| crate::tls::common_name(c.first()?));
+                                    .map(|c| c.iter().map(|c| c.clone().into_owned()).collect())
+                                    .unwrap_or_default();
+                                let cn = chain.first().and_then(crate::tls::common_name);
                                 let admin = match (&cn, &allowed) {
                                     (Some(cn), Some(pattern)) => pattern.matches(cn),
                                     _ => false,
@@ -188,7 +193,7 @@ pub(crate) async fn serve(
                                     let end = Box::pin(tokio::time::sleep(DENIED_LIFETIME));
                                     Some((permit, end))
                                 };
-                                let peer = AdminPeer { cn, remote };
+                                let peer = AdminPeer { cn, remote, chain };
                                 let _ = tx
                                     .send(TlsConn {
                                         io,
@@ -377,7 +382,26 @@ impl AdminApi {
         let allowed: Option<&ClientPattern> =
             self.shared.config.admin.as_ref().map(|a| &a.allowed_cn);
         let cn = peer.as_ref().and_then(|p| p.cn.clone());
-        let remote = peer.map(|p| p.remote.to_string()).unwrap_or_default();
+        let remote = peer
+            .as_ref()
+            .map(|p| p.remote.to_string())
+            .unwrap_or_default();
+        // Revoked since the handshake (a reload of tls.crl_file), on a connection still open.
+        let revoked = match (&peer, &self.shared.admin_certs) {
+            (Some(p), Some(v)) => v.is_revoked(&p.chain),
+            _ => false,
+        };
+        if revoked {
+            self.shared
+                .stats
+                .admin_denied
+                .fetch_add(1, Ordering::Relaxed);
+            let cn = cn.unwrap_or_else(|| "(none)".into());
+            warn!(caller = %cn, %remote, rpc, "admin call refused: the certificate is revoked (tls.crl_file)");
+            return Err(Status::permission_denied(format!(
+                "certificate of {cn} is revoked (tls.crl_file)"
+            )));
+        }
         match (cn, allowed) {
             (Some(cn), Some(pattern)) if pattern.matches(&cn) => {
                 info!(caller = %cn, %remote, rpc, request = ?req.get_ref(), "admin call");

@@ -129,6 +129,20 @@ impl Table {
         self.stored.insert(key.to_string(), position);
         self.idle_since.insert(key.to_string(), Instant::now());
     }
+
+    /// Stop `live`'s feeder and keep its position — unless its feeder never started (its
+    /// SUBSCRIBE was taken back, or ended before it was fed anything): then what was stored
+    /// stays as it was, and a new consumer stays unseen (the positions a `latest` consumer
+    /// was given at its SUBSCRIBE are not a position it reached).
+    fn keep_unless_unfed(&mut self, key: &str, live: &mut Live) {
+        let unfed = matches!(live.feeder, Feeder::Starting);
+        live.stop_feeder();
+        if !unfed {
+            self.keep(key, position_of(live));
+        } else if self.stored.contains_key(key) {
+            self.idle_since.insert(key.to_string(), Instant::now());
+        }
+    }
 }
 
 /// How many consumers the broker keeps positions for, and for how long without a subscription
@@ -209,6 +223,11 @@ impl Consumers {
             }),
             limits,
         })
+    }
+
+    /// Whether `key` has a stored position (it resumes from it, whatever start it asks).
+    pub fn has_position(&self, key: &str) -> bool {
+        lock(&self.table).stored.contains_key(key)
     }
 
     /// The key a consumer's position is stored under.
@@ -319,8 +338,7 @@ impl Consumers {
             return;
         }
         if let Some(mut live) = t.live.remove(key) {
-            live.stop_feeder();
-            t.keep(key, position_of(&live));
+            t.keep_unless_unfed(key, &mut live);
         }
         let _ = sub;
     }
@@ -338,8 +356,7 @@ impl Consumers {
             return;
         }
         if let Some(mut live) = t.live.remove(key) {
-            live.stop_feeder();
-            t.keep(key, position_of(&live));
+            t.keep_unless_unfed(key, &mut live);
             if let Some(g) = &live.group {
                 broker.forget_unrouted_group(g);
             }
@@ -487,40 +504,27 @@ pub(crate) fn latest_positions(
             at.insert(t.name().as_bytes().to_vec(), t.next_offset());
         }
     }
+    // A topic the broker does not hold (evicted, or not published to since a restart): where
+    // its next message will be numbered, even if retention left none of its messages.
     for t in durable.topics_from(0).0 {
         if !at.contains_key(&t) && topic_matches(filter, &t) {
-            let pos = start_in(durable, broker, &t, DurableStart::Latest, false);
-            at.insert(t, pos);
+            let next = durable.next_offset(&t);
+            at.insert(t, next);
         }
     }
     at
 }
 
 /// Where a consumer starts in a topic it has no position for.
-fn start_in(
-    durable: &Durable,
-    broker: &Broker,
-    topic: &[u8],
-    start: DurableStart,
-    discovered: bool,
-) -> u64 {
+fn start_in(durable: &Durable, topic: &[u8], start: DurableStart, discovered: bool) -> u64 {
     let first = durable.index.first_offset(topic).unwrap_or(0);
     match start {
-        // A topic that appears after the consumer started: all of it.
+        // A topic that appears after the consumer started: all of it. A `latest` consumer's
+        // positions in the topics that existed were given at its SUBSCRIBE
+        // (`latest_positions`): any other topic appeared after it.
         _ if discovered => first,
-        DurableStart::Earliest => first,
+        DurableStart::Earliest | DurableStart::Latest => first,
         DurableStart::Offset(n) => n.max(first),
-        DurableStart::Latest => TopicName::try_from(std::str::from_utf8(topic).unwrap_or(""))
-            .ok()
-            .and_then(|name| broker.topic(&name))
-            .map(|t| t.next_offset())
-            .or_else(|| {
-                durable
-                    .index
-                    .last_offset(topic)
-                    .map(|o| o.saturating_add(1))
-            })
-            .unwrap_or(first),
     }
 }
 
@@ -597,7 +601,7 @@ pub(crate) async fn feed(
                     // subscribed (`latest_positions`).
                     let discovered =
                         resumed || !first_pass || matches!(start, DurableStart::Latest);
-                    let at = start_in(&durable, &broker, &t, start, discovered);
+                    let at = start_in(&durable, &t, start, discovered);
                     if durable.index.first_offset(&t).is_none() {
                         unanchored.insert(t.clone());
                     }
@@ -982,6 +986,50 @@ mod tests {
         durable.close();
     }
 
+    /// A new `latest` consumer's position in a topic the broker does not hold and whose
+    /// messages retention deleted is where its next message will be numbered: not 0, which
+    /// its next message would later look like retention overtaking it (counted and warned).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_latest_position_in_a_topic_retention_emptied_is_its_next_offset() {
+        const N: u64 = 20;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let small = LogOptions {
+            max_segment_bytes: 1024,
+            ..log_options()
+        };
+        let (log, rec) = Log::open(dir.path(), small.clone()).expect("log opens");
+        let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        let first_broker = broker();
+        // `t` first, then enough of `u` that retention takes every segment `t` is in.
+        for (name, n) in [("t", N), ("u", 4 * N)] {
+            let topic = TopicName::try_from(name).expect("valid");
+            for offset in 0..n {
+                write(&first_broker, &durable, &topic, offset);
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while durable.durable_next(name.as_bytes()) != Some(offset + 1) {
+                    assert!(Instant::now() < deadline, "{name} {offset} never durable");
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        }
+        durable.close();
+        let retained = LogOptions {
+            retention_bytes: Some(2048),
+            ..small
+        };
+        let (mut log, rec) = Log::open(dir.path(), retained).expect("log opens");
+        log.enforce_retention(std::time::SystemTime::now())
+            .expect("retention");
+        assert_eq!(log.first_offset(b"t"), None, "all of t deleted");
+        let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        let filter = TopicFilter::try_from("t").expect("filter");
+        assert_eq!(
+            latest_positions(&durable, &broker(), &filter),
+            BTreeMap::from([(b"t".to_vec(), N)])
+        );
+        durable.close();
+    }
+
     /// A durable consumer whose position retention overtook (its stored position is below the
     /// oldest message of the topic still in the log) is told about: counted and warned, and it
     /// goes on from the oldest message kept. It went on silently.
@@ -1034,8 +1082,8 @@ mod tests {
 
     /// The positions kept are bounded: a new consumer id beyond `max` is refused while known
     /// ones still resume, and one idle past the retention is forgotten (making room).
-    #[test]
-    fn kept_positions_are_bounded_in_number_and_time() {
+    #[tokio::test]
+    async fn kept_positions_are_bounded_in_number_and_time() {
         let dir = tempfile::tempdir().expect("tempdir");
         let limits = ConsumerLimits {
             max: 2,
@@ -1052,10 +1100,18 @@ mod tests {
                 )
             })
         };
-        // `a` reads to offset 5 and leaves: its position is kept.
+        // A claim taken back before its feeder started (a refused SUBSCRIBE) leaves nothing,
+        // whatever positions it was given: the consumer stays unseen.
+        let gone = claim("consumer:gone").unwrap_or_else(|e| panic!("{e:?}"));
+        lock(&gone.fed).next.insert(b"jobs".to_vec(), 7);
+        consumers.end("consumer:gone", &gone.sub);
+        assert!(!consumers.has_position("consumer:gone"));
+        // `a` reads to offset 5 (its feeder ran) and leaves: its position is kept.
         let a = claim("consumer:a").unwrap_or_else(|e| panic!("{e:?}"));
+        consumers.start_feeder("consumer:a", &a.fed, async {});
         lock(&a.fed).next.insert(b"jobs".to_vec(), 5);
         consumers.end("consumer:a", &a.sub);
+        assert!(consumers.has_position("consumer:a"));
         let _b = claim("consumer:b").unwrap_or_else(|e| panic!("{e:?}"));
         assert!(matches!(claim("consumer:c"), Err(ClaimError::TooMany(2))));
         // A known one still comes back.

@@ -606,7 +606,7 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         ),
         (
             "aqueduct_connections_revoked_total",
-            "Connections closed (NOT_AUTHORIZED) because a reload of tls.crl_file revoked their client certificate.",
+            "Connections closed (NOT_AUTHORIZED) because tls.crl_file revokes their client certificate (open ones on a reload, resumed sessions).",
             st.connections_revoked.load(Ordering::Relaxed),
         ),
         (

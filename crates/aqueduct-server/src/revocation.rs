@@ -2,10 +2,12 @@
 //! certificate revocation lists — lists that can be replaced while the broker runs.
 //!
 //! One [`ClientVerifier`] serves every place that verifies client certificates of a CA: the
-//! client listener's handshake, the cluster's client check ([`MeshTls`]) and, when it shares
-//! the CA, the admin API. [`ClientVerifier::reload`] (SIGHUP) re-reads the file and swaps the
-//! verifier, so new handshakes see the new lists at once; [`ClientVerifier::is_revoked`] then
-//! tells which live connections hold a certificate revoked since (the server closes them).
+//! client listener's handshake, the cluster's client check ([`MeshTls`]) and the admin API
+//! (its own). A reload (SIGHUP, `Control::reload_revocations`) reads the file once
+//! ([`Lists::read`]), checks the lists against every verifier's CAs
+//! ([`ClientVerifier::prepare`]), and only then swaps them all, so new handshakes see the new
+//! lists at once; [`ClientVerifier::is_revoked`] then tells which live connections hold a
+//! certificate revoked since (the server closes them, the admin API refuses their calls).
 //!
 //! Only end-entity certificates are checked (a list revokes the client certificates its CA
 //! issued, which is what `aqueduct cert revoke` makes). A client certificate whose issuer has no
@@ -32,12 +34,14 @@ pub const CRL_KEY: &str = "tls.crl_file";
 /// Verifies client certificates of one CA (see the module docs).
 #[derive(Debug)]
 pub struct ClientVerifier {
+    /// The CA certificates (`ca_key`), to check the lists against.
+    ca_key: &'static str,
+    cas: Vec<CertificateDer<'static>>,
     roots: Arc<rustls::RootCertStore>,
     /// A client without a certificate is let in (`tls.require_client_cert: false`).
     optional: bool,
     /// A certificate of an issuer the lists do not cover passes.
     allow_unknown: bool,
-    crl_file: Option<PathBuf>,
     /// The CA subjects a server names to clients (the same whatever the lists).
     hints: Vec<DistinguishedName>,
     current: RwLock<Arc<dyn ClientCertVerifier>>,
@@ -53,39 +57,95 @@ impl ClientVerifier {
         crl_file: Option<&Path>,
         allow_unknown: bool,
     ) -> Result<ClientVerifier, TlsError> {
+        let cas = read_certs(ca_key, ca)?;
         let mut roots = rustls::RootCertStore::empty();
-        for cert in read_certs(ca_key, ca)? {
+        for cert in &cas {
             roots
-                .add(cert)
+                .add(cert.clone())
                 .map_err(|e| TlsError::Rustls(format!("{ca_key}: {e}")))?;
         }
         let roots = Arc::new(roots);
-        let crls = match crl_file {
-            Some(path) => read_crls(path)?.0,
-            None => Vec::new(),
-        };
-        let current = build(&roots, optional, allow_unknown, crls)?;
-        Ok(ClientVerifier {
-            hints: current.root_hint_subjects().to_vec(),
-            roots,
+        let mut v = ClientVerifier {
+            ca_key,
+            cas,
+            hints: Vec::new(),
+            roots: roots.clone(),
             optional,
             allow_unknown,
-            crl_file: crl_file.map(Path::to_owned),
-            current: RwLock::new(current),
-        })
+            current: RwLock::new(build(&roots, optional, allow_unknown, Vec::new())?),
+        };
+        if let Some(path) = crl_file {
+            let lists = Lists::read(path)?;
+            let built = v.prepare(&lists)?;
+            v.install(built);
+        }
+        v.hints = v.current().root_hint_subjects().to_vec();
+        Ok(v)
     }
 
-    /// Re-read the revocation lists; the lists in force stay if the file cannot be read or
-    /// does not hold valid lists. Returns how many certificates the new lists revoke (`None`
-    /// without `tls.crl_file`).
-    pub fn reload(&self) -> Result<Option<usize>, TlsError> {
-        let Some(path) = &self.crl_file else {
-            return Ok(None);
+    /// The verifier for `lists`, once they are checked against this verifier's CAs: each list
+    /// of one of them must carry its signature, and (unless certificates of uncovered issuers
+    /// pass) each of them must have a list and no list may be another issuer's — a list that
+    /// would revoke nothing, or refuse every client at its handshake, is refused here instead.
+    pub(crate) fn prepare(&self, lists: &Lists) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
+        let bad = |reason: String| TlsError::Pem {
+            key: CRL_KEY,
+            path: lists.path.clone(),
+            reason,
         };
-        let (crls, revoked) = read_crls(path)?;
-        let verifier = build(&self.roots, self.optional, self.allow_unknown, crls)?;
+        let mut cas = Vec::new();
+        for der in &self.cas {
+            let (_, ca) = x509_parser::parse_x509_certificate(der)
+                .map_err(|e| TlsError::Rustls(format!("{}: {e}", self.ca_key)))?;
+            cas.push(ca);
+        }
+        let mut covered = vec![false; cas.len()];
+        for (i, der) in lists.crls.iter().enumerate() {
+            let (_, crl) = x509_parser::parse_x509_crl(der)
+                .map_err(|e| bad(format!("list {} is not a revocation list: {e}", i + 1)))?;
+            match cas.iter().position(|ca| ca.subject() == crl.issuer()) {
+                Some(at) => {
+                    crl.verify_signature(cas[at].public_key()).map_err(|e| {
+                        bad(format!(
+                            "list {} names {} as its issuer but is not signed by that CA's key                              in {} ({e})",
+                            i + 1,
+                            crl.issuer(),
+                            self.ca_key
+                        ))
+                    })?;
+                    covered[at] = true;
+                }
+                None if self.allow_unknown => {}
+                None => {
+                    return Err(bad(format!(
+                        "list {} is of {}, which is not a CA in {}",
+                        i + 1,
+                        crl.issuer(),
+                        self.ca_key
+                    )))
+                }
+            }
+        }
+        if !self.allow_unknown {
+            if let Some(at) = covered.iter().position(|c| !c) {
+                return Err(bad(format!(
+                    "no revocation list of {}, a CA in {}: its client certificates could                      not be checked (each would be refused)",
+                    cas[at].subject(),
+                    self.ca_key
+                )));
+            }
+        }
+        build(
+            &self.roots,
+            self.optional,
+            self.allow_unknown,
+            lists.crls.clone(),
+        )
+    }
+
+    /// Put a verifier made by [`prepare`](Self::prepare) in force.
+    pub(crate) fn install(&self, verifier: Arc<dyn ClientCertVerifier>) {
         *self.current.write().unwrap_or_else(|e| e.into_inner()) = verifier;
-        Ok(Some(revoked))
     }
 
     fn current(&self) -> Arc<dyn ClientCertVerifier> {
@@ -132,9 +192,29 @@ fn build(
         .map_err(|e| TlsError::Rustls(format!("{CRL_KEY}: {e}")))
 }
 
-/// The lists in `path` (PEM `X509 CRL` blocks, or one DER list) and how many certificates they
-/// revoke. Each is parsed here, so a damaged file is reported at startup (or by the reload)
-/// naming the key, not at a client's handshake.
+/// The revocation lists of `tls.crl_file`, as read.
+#[derive(Debug, Clone)]
+pub struct Lists {
+    path: PathBuf,
+    crls: Vec<CertificateRevocationListDer<'static>>,
+    /// How many certificates they revoke.
+    pub revoked: usize,
+}
+
+impl Lists {
+    /// The lists in `path` (PEM `X509 CRL` blocks, or one DER list). Each is parsed here, so a
+    /// damaged file is reported at startup (or by the reload) naming the key, not at a
+    /// client's handshake.
+    pub fn read(path: &Path) -> Result<Lists, TlsError> {
+        let (crls, revoked) = read_crls(path)?;
+        Ok(Lists {
+            path: path.to_owned(),
+            crls,
+            revoked,
+        })
+    }
+}
+
 fn read_crls(path: &Path) -> Result<(Vec<CertificateRevocationListDer<'static>>, usize), TlsError> {
     let bad = |reason: String| TlsError::Pem {
         key: CRL_KEY,

@@ -819,18 +819,26 @@ impl Control {
     /// On an unreadable or invalid file the lists in force stay.
     pub async fn reload_revocations(&self) -> Result<Option<(usize, usize)>, String> {
         crate::admin::off_workers(&self.shared, |shared| {
-            let mut revoked = None;
-            for v in [&shared.client_certs, &shared.admin_certs]
+            let Some(path) = &shared.config.tls.crl_file else {
+                return Ok(None);
+            };
+            let lists = crate::revocation::Lists::read(path).map_err(|e| e.to_string())?;
+            // Every verifier's new lists are checked before any is put in force: all or none.
+            let verifiers: Vec<&Arc<ClientVerifier>> = [&shared.client_certs, &shared.admin_certs]
                 .into_iter()
                 .flatten()
-            {
-                revoked = v.reload().map_err(|e| e.to_string())?.or(revoked);
+                .collect();
+            let prepared = verifiers
+                .iter()
+                .map(|v| v.prepare(&lists))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| e.to_string())?;
+            for (v, new) in verifiers.iter().zip(prepared) {
+                v.install(new);
             }
-            Ok(revoked.map(|n| {
-                let live = shared.live_clients();
-                let closed = live.iter().filter(|c| close_if_revoked(shared, c)).count();
-                (n, closed)
-            }))
+            let live = shared.live_clients();
+            let closed = live.iter().filter(|c| close_if_revoked(shared, c)).count();
+            Ok(Some((lists.revoked, closed)))
         })
         .await
         .map_err(|e| e.to_string())?

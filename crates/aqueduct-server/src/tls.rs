@@ -359,6 +359,11 @@ pub fn admin_crypto(
         .with_single_cert(id.certs.clone(), id.key.clone_key())
         .map_err(|e| TlsError::Rustls(e.to_string()))?;
     tls.alpn_protocols = vec![b"h2".to_vec()];
+    // No resumption: a resumed TLS 1.3 session is not checked against the revocation lists
+    // again (each call checks its certificate too, see `admin::authorize`); administrators
+    // connect rarely, a full handshake each time costs nothing that matters.
+    tls.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    tls.send_tls13_tickets = 0;
     Ok(tls)
 }
 

@@ -1390,7 +1390,8 @@ async fn revoked_client_certificates_are_refused_and_closed_on_reload() {
         .await
         .expect("bob goes on");
 
-    // A damaged file: the reload fails naming the key, and the lists in force stay.
+    // A damaged file, or a list made by a CA of the same name with another key (the CA made
+    // anew): the reload fails naming the key and why, and the lists in force stay.
     std::fs::write(&crl_file, "not a list").expect("write");
     let err = b
         .control
@@ -1398,6 +1399,13 @@ async fn revoked_client_certificates_are_refused_and_closed_on_reload() {
         .await
         .expect_err("a damaged file is refused");
     assert!(err.contains("tls.crl_file"), "{err}");
+    write_crl(&test_ca(), &crl_file, &[], 3);
+    let err = b
+        .control
+        .reload_revocations()
+        .await
+        .expect_err("a list of another key is refused");
+    assert!(err.contains("not signed by that CA's key"), "{err}");
     let why = refused(alice, alice_key).await;
     assert!(why.contains("revoked"), "{why}");
     within("bob", connect(&bob, &bob_key))
@@ -1484,5 +1492,68 @@ async fn a_revoked_certificate_cannot_resume_its_session() {
             .is_none(),
         "a frame of the revoked connection was handled"
     );
+    b.stop().await.expect("clean shutdown");
+}
+
+/// The admin API and `tls.crl_file`: a revoked admin certificate fails the handshake, and one
+/// revoked by a reload while its HTTP/2 connection stays open gets its next call refused
+/// (PERMISSION_DENIED), not served for as long as the connection lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_admin_certificate_is_refused_on_a_live_connection_too() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let (ops, ops_key) = ca.client(dir.path(), "admin-ops");
+    let crl_file = dir.path().join("crl.pem");
+    write_crl(&ca, &crl_file, &[], 1);
+    let state_file = dir.path().join("admin-state.json");
+    let b = TestBroker::start_with(|c| {
+        c.tls.client_ca_file = Some(ca_file.clone());
+        c.tls.crl_file = Some(crl_file.clone());
+        c.admin = Some(AdminConfig {
+            listen_addr: "127.0.0.1:0".parse().expect("addr"),
+            allowed_cn: "admin-*".parse().expect("pattern"),
+            client_ca_file: ca_file.clone(),
+            state_file,
+        });
+    })
+    .await;
+    let addr: SocketAddr = b.admin_addr.expect("admin API on");
+    let connect = || {
+        let opts = ConnectOptions::new(addr.to_string())
+            .dev_cert_file(&b.dev_cert)
+            .client_cert(ops.clone(), ops_key.clone());
+        let tls = opts.tls_config(b"h2").expect("tls config");
+        let name = opts.verified_name();
+        async move {
+            aqueduct_server::admin::connect(addr.to_string(), tls, &name, Duration::from_secs(5))
+                .await
+        }
+    };
+    let mut admin = connect().await.expect("admin-ops connects");
+    within(
+        "a call",
+        admin.get_broker_info(proto::GetBrokerInfoRequest {}),
+    )
+    .await
+    .expect("served");
+    write_crl(&ca, &crl_file, &[&ops], 2);
+    b.control.reload_revocations().await.expect("reloaded");
+    let refused = within(
+        "a call",
+        admin.get_broker_info(proto::GetBrokerInfoRequest {}),
+    )
+    .await
+    .expect_err("a revoked certificate's call");
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains("revoked"), "{refused:?}");
+    let again = match connect().await {
+        Err(e) => e.to_string(),
+        Ok(mut a) => within("a call", a.get_broker_info(proto::GetBrokerInfoRequest {}))
+            .await
+            .expect_err("a revoked certificate is not served")
+            .to_string(),
+    };
+    assert!(!again.is_empty());
     b.stop().await.expect("clean shutdown");
 }

@@ -887,16 +887,26 @@ impl Reader<'_> {
                 let claimed = match &durable_consumer {
                     Some((consumers, key, start)) => {
                         let group = s.spec.group.is_some();
-                        let initial = || match (start, &self.shared.durable) {
-                            (aqueduct_proto::DurableStart::Latest, Some(d)) => {
+                        // Taken before the claim, outside the consumer table's lock (it walks
+                        // every topic): only for a new consumer, which starts there.
+                        let initial = match (start, &self.shared.durable) {
+                            (aqueduct_proto::DurableStart::Latest, Some(d))
+                                if !consumers.has_position(key) =>
+                            {
                                 crate::consumers::latest_positions(d, broker, &s.spec.filter)
                             }
                             _ => Default::default(),
                         };
-                        let claim = consumers.claim(key, &s.spec.filter, group, initial, || {
-                            let opts = opts.take().unwrap_or_default();
-                            broker.subscribe_unrouted(&s.spec, opts)
-                        });
+                        let claim = consumers.claim(
+                            key,
+                            &s.spec.filter,
+                            group,
+                            || initial,
+                            || {
+                                let opts = opts.take().unwrap_or_default();
+                                broker.subscribe_unrouted(&s.spec, opts)
+                            },
+                        );
                         match claim {
                             Ok(claim) => Some(claim),
                             Err(e) => {
