@@ -169,6 +169,8 @@ pub struct PublishContext {
     handoffs: std::collections::VecDeque<(Arc<GroupShared>, Delivery, Option<SubscriberId>)>,
     /// A hand-off loop is running further up the stack: new hand-offs join its queue.
     handing_off: bool,
+    /// Groups the scope names that routing found no member of here (see [`Broker::route`]).
+    unplaced: Vec<crate::mesh::GroupKey>,
 }
 
 /// Which subscriptions a publish may be routed to.
@@ -1218,17 +1220,44 @@ impl Broker {
                 .take_while(|p| p.topic.as_bytes() == first.topic.as_bytes())
                 .count();
             let topic = self.topic_state(ctx, first.topic);
-            let has_groups = self.route(&topic, &mut targets, ctx.scope.as_ref());
+            let mut unplaced = std::mem::take(&mut ctx.unplaced);
+            unplaced.clear();
+            let has_groups = self.route(&topic, &mut targets, ctx.scope.as_ref(), &mut unplaced);
             // With a group, route message by message so the round-robin sees each one.
-            let run_len = if has_groups { 1 } else { run_len };
+            let run_len = if has_groups || !unplaced.is_empty() {
+                1
+            } else {
+                run_len
+            };
             let base = topic.assign_offsets(run_len as u64);
             topic.stats().published(run_len as u64);
             routed += targets.len() * run_len;
-            let run = iter.by_ref().take(run_len).enumerate().map(|(i, p)| {
+            let mut run = iter.by_ref().take(run_len).enumerate().map(|(i, p)| {
                 let o = base + i as u64;
                 offset(&topic, o);
                 (o, p)
             });
+            if !unplaced.is_empty() {
+                // The cluster picked a member here of these groups, and none is left (the
+                // last one went since the pick): offered to a member on another node, as a
+                // leaving member's messages are; else dropped and counted.
+                if let Some((o, p)) = run.next() {
+                    let d = self.delivery(&mut ctx.arena, &topic, o, &p, now);
+                    for g in unplaced.drain(..) {
+                        if !self.hand_to_cluster(g, &d, now) {
+                            topic.stats().dropped(DropReason::Unsubscribed);
+                        }
+                    }
+                    if !targets.is_empty() {
+                        pending.push(d);
+                        self.flush_run(ctx, &mut targets, &mut pending, now);
+                    }
+                }
+                targets.clear();
+                ctx.unplaced = unplaced;
+                continue;
+            }
+            ctx.unplaced = unplaced;
             match targets.len() {
                 // Nobody listens: the offsets are taken, nothing is encoded.
                 0 => run.for_each(drop),
@@ -1292,11 +1321,16 @@ impl Broker {
 
     /// Collect the subscriptions that get a message on `topic` into `targets`: every matching
     /// plain subscription and one member of each matching group. Returns true if a group matched.
+    ///
+    /// A scope that names the groups to route to (the cluster picked a member here for each)
+    /// may name one with no member here any more (its last one left since the pick): those go
+    /// to `unplaced`, for the caller to offer elsewhere.
     fn route(
         &self,
         topic: &TopicState,
         targets: &mut Vec<Arc<Subscriber>>,
         scope: Option<&Scope>,
+        unplaced: &mut Vec<crate::mesh::GroupKey>,
     ) -> bool {
         let mut has_groups = false;
         let routes = self.read_routes();
@@ -1313,6 +1347,15 @@ impl Broker {
                     }
                 }
             });
+        if let Some(s) = scope.filter(|s| !s.except) {
+            let placed = |k: &crate::mesh::GroupKey| {
+                targets.iter().any(|t| {
+                    t.group()
+                        .is_some_and(|g| *g.id() == k.group && *g.filter() == k.filter)
+                })
+            };
+            unplaced.extend(s.groups.iter().filter(|k| !placed(k)).cloned());
+        }
         has_groups
     }
 
@@ -1434,15 +1477,19 @@ impl Broker {
             Some(m) => self.deliver(ctx, &m, std::iter::once(d), now),
             None => {
                 shared.note_settled(d.topic.name(), d.offset);
-                if !self.hand_to_cluster(shared, &d, now) {
+                let key = crate::mesh::GroupKey {
+                    filter: shared.filter().clone(),
+                    group: shared.id().clone(),
+                };
+                if !self.hand_to_cluster(key, &d, now) {
                     d.topic.stats().dropped(DropReason::Unsubscribed);
                 }
             }
         }
     }
 
-    /// Offer the orphan listener (the cluster) a group's message no member here can take.
-    fn hand_to_cluster(&self, shared: &GroupShared, d: &Delivery, now: Instant) -> bool {
+    /// Offer the orphan listener (the cluster) a message of `group` no member here can take.
+    fn hand_to_cluster(&self, group: crate::mesh::GroupKey, d: &Delivery, now: Instant) -> bool {
         let Some(listener) = self.orphans.0.get() else {
             return false;
         };
@@ -1457,10 +1504,7 @@ impl Broker {
         // Our own encoding: it parses; without it the copy only loses trace and compression.
         let ext = d.shared.extensions().unwrap_or_default();
         listener(Orphan {
-            group: crate::mesh::GroupKey {
-                filter: shared.filter().clone(),
-                group: shared.id().clone(),
-            },
+            group,
             topic: d.topic.name().clone(),
             body: d.shared.body(),
             priority: d.priority,

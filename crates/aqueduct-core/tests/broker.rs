@@ -1559,6 +1559,43 @@ fn interest_is_withdrawn_once_when_a_subscription_stops_being_routed() {
     assert!(sums(&told).values().all(|v| *v == 0));
 }
 
+/// A copy the cluster routed to a group here whose last member left since (the mesh checked
+/// `has_group`, then the member went before the publish) is offered to the orphan listener —
+/// a member on another node — or dropped and counted: it was neither.
+#[test]
+fn a_copy_for_a_group_gone_from_here_is_offered_elsewhere() {
+    use std::sync::Mutex;
+    let b = Broker::default();
+    let offered: Arc<Mutex<Vec<String>>> = Arc::default();
+    let o2 = offered.clone();
+    assert!(b.set_orphan_listener(Box::new(move |o| {
+        o2.lock()
+            .expect("lock")
+            .push(String::from_utf8_lossy(&o.body).into_owned());
+        &o.body[..] != b"declined"
+    })));
+    let now = Instant::now();
+    let plain = sub(&b, "topic:jobs");
+    let mut ctx = PublishContext::default();
+    let key = aqueduct_core::mesh::GroupKey {
+        filter: aqueduct_proto::TopicFilter::try_from("jobs").expect("filter"),
+        group: aqueduct_proto::GroupId::try_from("w").expect("group"),
+    };
+    ctx.scope_only(true, std::slice::from_ref(&key));
+    publish(&b, &mut ctx, "jobs", "job", now);
+    publish(&b, &mut ctx, "jobs", "declined", now);
+    assert_eq!(*offered.lock().expect("lock"), ["job", "declined"]);
+    let dropped = b
+        .topic(&t("jobs"))
+        .expect("known")
+        .stats()
+        .snapshot()
+        .dropped(DropReason::Unsubscribed);
+    assert_eq!(dropped, 1, "the declined one is counted");
+    // The plain subscriber the scope includes got both.
+    assert_eq!(drain_all(&b, &plain, now).len(), 2);
+}
+
 /// The last member of a group leaving with messages in flight and queued: with an orphan
 /// listener (the cluster) they are offered to it, with their attempts and what is left of their
 /// TTL, instead of being dropped; one it declines is dropped and counted as before.
