@@ -15,8 +15,6 @@ use aqueduct_core::discovery::{Answer, Discovery};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use crate::mesh::{Event, MeshHandle};
-
 /// A name lookup.
 pub type Lookup<'a> = Pin<Box<dyn Future<Output = Result<Vec<SocketAddr>, String>> + Send + 'a>>;
 
@@ -95,18 +93,32 @@ impl StaticPeers {
     }
 }
 
+/// `work`, unless `stop` comes first (`None`): a lookup that hangs (a resolver that does not
+/// answer) must not hold up the broker's shutdown.
+async fn unless_stopped<T>(
+    stop: &mut watch::Receiver<bool>,
+    work: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    tokio::select! {
+        done = work => Some(done),
+        _ = stop.wait_for(|s| *s) => None,
+    }
+}
+
 /// Without DNS discovery: hand the static peers to the mesh, and again whenever their
 /// addresses change, until `stop`.
 pub(crate) async fn run_static(
     mut statics: StaticPeers,
-    mesh: MeshHandle,
+    peers: impl Fn(Vec<SocketAddr>),
     mut stop: watch::Receiver<bool>,
 ) {
     let mut sent: Option<BTreeSet<SocketAddr>> = None;
     loop {
-        let all = statics.resolve(STATIC_REFRESH).await;
+        let Some(all) = unless_stopped(&mut stop, statics.resolve(STATIC_REFRESH)).await else {
+            return;
+        };
         if sent.as_ref() != Some(&all) && !(sent.is_none() && all.is_empty()) {
-            mesh.send(Event::Peers(all.iter().copied().collect()));
+            peers(all.iter().copied().collect());
             sent = Some(all);
         }
         tokio::select! {
@@ -125,27 +137,31 @@ pub(crate) async fn run(
     port: u16,
     interval: Duration,
     mut statics: StaticPeers,
-    mesh: MeshHandle,
+    peers: impl Fn(Vec<SocketAddr>),
     mut stop: watch::Receiver<bool>,
 ) {
     let mut d = Discovery::new(Instant::now(), interval);
     let mut found: BTreeSet<SocketAddr> = BTreeSet::new();
     let mut sent: Option<BTreeSet<SocketAddr>> = None;
-    let mut fixed = statics.resolve(interval).await;
+    let Some(mut fixed) = unless_stopped(&mut stop, statics.resolve(interval)).await else {
+        return;
+    };
     loop {
         let all: BTreeSet<SocketAddr> = found.union(&fixed).copied().collect();
         if sent.as_ref() != Some(&all) && !(sent.is_none() && all.is_empty()) {
             info!(%host, peers = all.len(), "cluster discovery: the peer set changed");
-            mesh.send(Event::Peers(all.iter().copied().collect()));
+            peers(all.iter().copied().collect());
             sent = Some(all);
         }
         tokio::select! {
             _ = tokio::time::sleep_until(d.poll_timeout().into()) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        let answer = match tokio::time::timeout(interval, resolver.resolve(&host, port)).await {
-            Ok(a) => a,
-            Err(_) => Err(format!("no answer within {interval:?}")),
+        let lookup = tokio::time::timeout(interval, resolver.resolve(&host, port));
+        let answer = match unless_stopped(&mut stop, lookup).await {
+            None => return,
+            Some(Ok(a)) => a,
+            Some(Err(_)) => Err(format!("no answer within {interval:?}")),
         };
         match d.handle_answer(Instant::now(), answer) {
             Answer::Changed(now) => found = now,
@@ -155,7 +171,53 @@ pub(crate) async fn run(
             }
         }
         if !statics.is_empty() {
-            fixed = statics.resolve(interval).await;
+            match unless_stopped(&mut stop, statics.resolve(interval)).await {
+                Some(now) => fixed = now,
+                None => return,
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A resolver that never answers, and says when it was asked.
+    #[derive(Debug)]
+    struct Hanging(tokio::sync::Notify);
+
+    impl Resolver for Hanging {
+        fn resolve<'a>(&'a self, _host: &'a str, _port: u16) -> Lookup<'a> {
+            self.0.notify_one();
+            Box::pin(std::future::pending())
+        }
+    }
+
+    /// A lookup that never answers does not hold up the stop: the discovery task ends when
+    /// told to, not when its lookup times out (after the interval, an hour here). It held up
+    /// the mesh task, which the broker's shutdown then aborted after 2 s.
+    #[tokio::test]
+    async fn a_hanging_lookup_does_not_hold_up_the_stop() {
+        let resolver = Arc::new(Hanging(tokio::sync::Notify::new()));
+        let (stop_tx, stop) = watch::channel(false);
+        let asked = resolver.0.notified();
+        let task = tokio::spawn(run(
+            resolver.clone(),
+            "peers.example".into(),
+            4242,
+            Duration::from_secs(3600),
+            StaticPeers::new(Vec::new()),
+            |_| {},
+            stop,
+        ));
+        tokio::time::timeout(Duration::from_secs(20), asked)
+            .await
+            .expect("a lookup is under way");
+        stop_tx.send_replace(true);
+        tokio::time::timeout(Duration::from_secs(20), task)
+            .await
+            .expect("the discovery task stopped")
+            .expect("it ran to its end");
     }
 }

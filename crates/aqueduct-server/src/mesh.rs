@@ -942,14 +942,18 @@ impl Driver {
                     port,
                     interval,
                     statics,
-                    handle,
+                    move |addrs| handle.send(Event::Peers(addrs)),
                     stop.clone(),
                 );
                 tokio::join!(self.run(endpoint, stop), discovery);
             }
             None if statics.is_empty() => self.run(endpoint, stop).await,
             None => {
-                let refresh = crate::discovery::run_static(statics, handle, stop.clone());
+                let refresh = crate::discovery::run_static(
+                    statics,
+                    move |addrs| handle.send(Event::Peers(addrs)),
+                    stop.clone(),
+                );
                 tokio::join!(self.run(endpoint, stop), refresh);
             }
         }
