@@ -321,15 +321,8 @@ pub(crate) async fn handle(
                     Ok(_) if handshake_outcome(conn2.close_reason()) == Handshake::Completed => {
                         // What early data it sent is held back until now: a peer certificate
                         // (no client identity) gets nothing of it handled.
-                        if !refuse_peer_certificate(&conn2)
-                            && !refuse_unnamed_certificate(&conn2)
-                            && identify(&conn2, &state, &shared2).await
-                        {
-                            state.confirm();
-                            shared2
-                                .stats
-                                .connections_total
-                                .fetch_add(1, Ordering::Relaxed);
+                        if !refuse_peer_certificate(&conn2) && !refuse_unnamed_certificate(&conn2) {
+                            admit(&conn2, &state, &shared2).await;
                         }
                     }
                     Ok(_) => {
@@ -387,13 +380,7 @@ pub(crate) async fn handle(
         if h3 {
             return crate::webtransport::serve(conn, shared, state, shutdown).await;
         }
-        if identify(&conn, &state, &shared).await {
-            state.confirm();
-            shared
-                .stats
-                .connections_total
-                .fetch_add(1, Ordering::Relaxed);
-        }
+        admit(&conn, &state, &shared).await;
     }
     // With 0-RTT the connection is served while its handshake completes (`confirming`, which
     // counts it as a connection or as a failed handshake).
@@ -414,13 +401,7 @@ pub(crate) async fn serve_webtransport(
     if let Some(id) = client {
         let _ = state.client_id.set(id);
     }
-    if identify(&conn, &state, &shared).await {
-        state.confirm();
-        shared
-            .stats
-            .connections_total
-            .fetch_add(1, Ordering::Relaxed);
-    }
+    admit(&conn, &state, &shared).await;
     serve_streams(
         Session::WebTransport(Box::new(session), conn),
         state,
@@ -603,6 +584,18 @@ const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 type Confirming = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 /// Learn who the client is (its certificate's CN), give it its quota bucket and list it.
+/// [`identify`] the connection and, unless it must not be served, confirm it (what its 0-RTT
+/// frames wait for) and count it as a connection.
+async fn admit(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Arc<Shared>) {
+    if identify(conn, state, shared).await {
+        state.confirm();
+        shared
+            .stats
+            .connections_total
+            .fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// List the connection as a client's and settle its identity. False if it must not be served
 /// (its certificate is revoked: closing, see `serve_streams`); it is then never confirmed, so
 /// nothing it sent in 0-RTT data that waits for confirmation is handled.

@@ -894,6 +894,20 @@ mod tests {
         )));
     }
 
+    /// Offsets `0..n` of `topic`, each written as a batch of its own and waited for until it
+    /// is durable (a log with small segments then spreads them over several).
+    async fn write_durably(broker: &Broker, durable: &Durable, topic: &str, n: u64) {
+        let name = TopicName::try_from(topic).expect("valid");
+        for offset in 0..n {
+            write(broker, durable, &name, offset);
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while durable.durable_next(topic.as_bytes()) != Some(offset + 1) {
+                assert!(Instant::now() < deadline, "{topic} {offset} never durable");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    }
+
     /// A consumer of `filter` from the earliest message, and its feeder (aborted when the set
     /// is dropped, also if an assertion fails first).
     fn feeding(
@@ -1001,17 +1015,8 @@ mod tests {
         let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
         let first_broker = broker();
         // `t` first, then enough of `u` that retention takes every segment `t` is in.
-        for (name, n) in [("t", N), ("u", 4 * N)] {
-            let topic = TopicName::try_from(name).expect("valid");
-            for offset in 0..n {
-                write(&first_broker, &durable, &topic, offset);
-                let deadline = Instant::now() + Duration::from_secs(30);
-                while durable.durable_next(name.as_bytes()) != Some(offset + 1) {
-                    assert!(Instant::now() < deadline, "{name} {offset} never durable");
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-            }
-        }
+        write_durably(&first_broker, &durable, "t", N).await;
+        write_durably(&first_broker, &durable, "u", 4 * N).await;
         durable.close();
         let retained = LogOptions {
             retention_bytes: Some(2048),
@@ -1043,17 +1048,9 @@ mod tests {
         };
         let (log, rec) = Log::open(dir.path(), small.clone()).expect("log opens");
         let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
-        let topic = TopicName::try_from("t").expect("valid");
         let first_broker = broker();
-        for offset in 0..N {
-            write(&first_broker, &durable, &topic, offset);
-            // One batch each (the log's segments hold a few each).
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while durable.durable_next(b"t") != Some(offset + 1) {
-                assert!(Instant::now() < deadline, "offset {offset} never durable");
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        }
+        // One batch each (the log's segments hold a few each).
+        write_durably(&first_broker, &durable, "t", N).await;
         durable.close();
         // Restarted with a retention limit, which deletes the oldest segments.
         let retained = LogOptions {
