@@ -583,7 +583,6 @@ const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 /// The end of a 0-RTT handshake: identifies the client and releases held-back early data.
 type Confirming = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
-/// Learn who the client is (its certificate's CN), give it its quota bucket and list it.
 /// [`identify`] the connection and, unless it must not be served, confirm it (what its 0-RTT
 /// frames wait for) and count it as a connection.
 async fn admit(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Arc<Shared>) {
@@ -596,9 +595,10 @@ async fn admit(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Arc<Sh
     }
 }
 
-/// List the connection as a client's and settle its identity. False if it must not be served
-/// (its certificate is revoked: closing, see `serve_streams`); it is then never confirmed, so
-/// nothing it sent in 0-RTT data that waits for confirmation is handled.
+/// Learn who the client is (its certificate's CN), give it its quota bucket and list it.
+/// False if it must not be served (its certificate is revoked: closing, see `serve_streams`);
+/// it is then never confirmed, so nothing it sent in 0-RTT data that waits for confirmation is
+/// handled.
 async fn identify(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Arc<Shared>) -> bool {
     if let Some(cn) = tls::client_common_name(conn) {
         let _ = state.client_id.set(cn);
