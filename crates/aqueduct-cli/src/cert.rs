@@ -96,11 +96,7 @@ fn load_ca(dir: &Path) -> Result<Issuer<'static, KeyPair>> {
     };
     let key = KeyPair::from_pem(&read(&key_path)?)
         .map_err(|e| anyhow!("{}: not a private key ({e})", key_path.display()))?;
-    let pem = read(&cert_path)?;
-    let der = rustls_pki_types::CertificateDer::pem_slice_iter(pem.as_bytes())
-        .next()
-        .ok_or_else(|| anyhow!("{}: no certificate in it", cert_path.display()))?
-        .map_err(|e| anyhow!("{}: {e}", cert_path.display()))?;
+    let der = first_cert_of(read(&cert_path)?.as_bytes(), &cert_path)?;
     let (_, cert) = x509_parser::parse_x509_certificate(&der)
         .map_err(|e| anyhow!("{}: not an X.509 certificate ({e})", cert_path.display()))?;
     let subject = cert.subject();
@@ -288,7 +284,12 @@ pub fn revoke(dir: &Path, certs: &[PathBuf]) -> Result<(PathBuf, Vec<String>)> {
 /// The first certificate of a PEM file.
 fn first_cert(path: &Path) -> Result<rustls_pki_types::CertificateDer<'static>> {
     let pem = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    rustls_pki_types::CertificateDer::pem_slice_iter(&pem)
+    first_cert_of(&pem, path)
+}
+
+/// The first certificate of `pem`, read from `path`.
+fn first_cert_of(pem: &[u8], path: &Path) -> Result<rustls_pki_types::CertificateDer<'static>> {
+    rustls_pki_types::CertificateDer::pem_slice_iter(pem)
         .next()
         .ok_or_else(|| anyhow!("{}: no certificate in it", path.display()))?
         .map_err(|e| anyhow!("{}: {e}", path.display()))

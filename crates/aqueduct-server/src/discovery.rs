@@ -202,7 +202,7 @@ mod tests {
         let resolver = Arc::new(Hanging(tokio::sync::Notify::new()));
         let (stop_tx, stop) = watch::channel(false);
         let asked = resolver.0.notified();
-        let task = tokio::spawn(run(
+        let discovery = run(
             resolver.clone(),
             "peers.example".into(),
             4242,
@@ -210,14 +210,16 @@ mod tests {
             StaticPeers::new(Vec::new()),
             |_| {},
             stop,
-        ));
-        tokio::time::timeout(Duration::from_secs(20), asked)
-            .await
-            .expect("a lookup is under way");
-        stop_tx.send_replace(true);
-        tokio::time::timeout(Duration::from_secs(20), task)
-            .await
-            .expect("the discovery task stopped")
-            .expect("it ran to its end");
+        );
+        // Stop once a lookup is under way; both in this task, nothing left running after.
+        let stopper = async {
+            asked.await;
+            stop_tx.send_replace(true);
+        };
+        tokio::time::timeout(Duration::from_secs(20), async {
+            tokio::join!(discovery, stopper)
+        })
+        .await
+        .expect("the discovery task stopped once a lookup was under way");
     }
 }

@@ -27,6 +27,21 @@ fn explicit_ack() -> SubscribeOptions {
     }
 }
 
+/// A subscription to `filter` settled explicitly, one unsettled delivery at a time.
+async fn one_at_a_time(
+    client: &aqueduct_client::Client,
+    filter: &str,
+) -> aqueduct_client::Subscription {
+    let opts = SubscribeOptions {
+        max_in_flight: Some(1),
+        ..explicit_ack()
+    };
+    client
+        .subscribe_with(filter, &opts)
+        .await
+        .expect("subscribe")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exact_and_wildcard_subscriptions() {
     let b = TestBroker::start().await;
@@ -269,14 +284,7 @@ async fn strict_priority_order_under_load() {
 async fn one_at_a_time_subscription_gets_the_urgent_message_next() {
     let b = TestBroker::start().await;
     let client = b.client().await;
-    let opts = SubscribeOptions {
-        max_in_flight: Some(1),
-        ..explicit_ack()
-    };
-    let mut sub = client
-        .subscribe_with("alerts", &opts)
-        .await
-        .expect("subscribe");
+    let mut sub = one_at_a_time(&client, "alerts").await;
     let publisher = b.client().await;
     let at = |level: u8| PublishOptions {
         priority: Priority::new(level),
@@ -320,14 +328,7 @@ async fn one_at_a_time_subscription_gets_the_urgent_message_next() {
 async fn a_redelivery_joins_the_back_of_its_queue() {
     let b = TestBroker::start().await;
     let client = b.client().await;
-    let opts = SubscribeOptions {
-        max_in_flight: Some(1),
-        ..explicit_ack()
-    };
-    let mut sub = client
-        .subscribe_with("order", &opts)
-        .await
-        .expect("subscribe");
+    let mut sub = one_at_a_time(&client, "order").await;
     let publisher = b.client().await;
     for body in ["A", "B", "C"] {
         publisher

@@ -217,6 +217,21 @@ async fn stalled_subscriber(b: &TestBroker) -> (Raw, RawStream) {
     (stalled, s)
 }
 
+/// Publish `n` messages of `size` bytes to `bp` from a client of its own, until the broker has
+/// read them all.
+async fn publish_to_bp(b: &TestBroker, n: usize, size: usize) {
+    let publisher = b.client().await;
+    let body = "x".repeat(size);
+    for _ in 0..n {
+        within("a publish", publisher.publish("bp", body.clone()))
+            .await
+            .expect("publish");
+    }
+    within("the flush", publisher.flush())
+        .await
+        .expect("the broker read everything");
+}
+
 /// A subscriber that never reads (tiny receive window) and a normal one on the same topic. The
 /// normal one is returned too: dropping it would unsubscribe it (asynchronously).
 async fn backpressure(
@@ -363,17 +378,8 @@ async fn a_stuck_block_subscriber_is_closed_after_block_timeout() {
     })
     .await;
     let (_stalled, mut s) = stalled_subscriber(&b).await;
-    let publisher = b.client().await;
-    let body = "x".repeat(200);
     // Every publish is taken: the stuck subscriber is closed, and the publisher goes on.
-    for _ in 0..1000 {
-        within("a publish", publisher.publish("bp", body.clone()))
-            .await
-            .expect("publish");
-    }
-    within("the flush", publisher.flush())
-        .await
-        .expect("the broker read everything");
+    publish_to_bp(&b, 1000, 200).await;
     assert_eq!(b.broker.slow_consumers_disconnected(), 1);
     assert_eq!(b.broker.subscriber_count(), 0);
     assert!(bp_stats(&b).dropped(DropReason::Policy(OverflowPolicy::Disconnect)) > 0);
@@ -401,16 +407,7 @@ async fn a_stuck_block_subscriber_is_closed_after_block_timeout() {
 async fn a_finished_stream_its_client_does_not_read_ends_its_subscriptions() {
     let b = TestBroker::start().await;
     let (stalled, mut s) = stalled_subscriber(&b).await;
-    let publisher = b.client().await;
-    let body = "x".repeat(1024);
-    for _ in 0..200 {
-        within("a publish", publisher.publish("bp", body.clone()))
-            .await
-            .expect("publish");
-    }
-    within("the flush", publisher.flush())
-        .await
-        .expect("the broker read everything");
+    publish_to_bp(&b, 200, 1024).await;
     // Queued (the broker read every publish): 200 KiB against the stream's 4 KiB window, so
     // the write blocks whether it started before the FIN or after.
     s.finish();

@@ -1419,12 +1419,10 @@ enum GiveUp {
 /// Completes when a blocked write on this stream must be given up, and says why. One future
 /// for both: `out.notify` wakes one waiter. Meanwhile it takes the revocations of the
 /// stream's subscriptions (their ERROR follows the blocked write).
-async fn give_up_blocked_write(
-    out: &StreamOut,
-    shared: &Shared,
-    conn: &ConnState,
-    started: Instant,
-) -> GiveUp {
+async fn give_up_blocked_write(out: &StreamOut, shared: &Shared, conn: &ConnState) -> GiveUp {
+    // First polled when the write it watches did not complete at once: the clock is read only
+    // for a write that blocked.
+    let started = Instant::now();
     loop {
         let notified = out.notify.notified();
         take_revocations(out, shared, conn);
@@ -1568,7 +1566,7 @@ async fn write_loop<S: SendHalf + 'static>(
             // ERROR; only a blocked one is abandoned for the reset.
             biased;
             r = send.write_chunk(chunk) => r,
-            why = give_up_blocked_write(out, shared, conn, Instant::now()) => {
+            why = give_up_blocked_write(out, shared, conn) => {
                 match why {
                     GiveUp::SlowConsumer => {
                         warn!("slow consumer: resetting its blocked delivery stream");
