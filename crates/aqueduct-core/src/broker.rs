@@ -755,6 +755,7 @@ impl Broker {
         routes.subscribers.insert(id, sub.clone());
         // Messages the group parked while it had no member: this one takes them (taken under
         // the routes lock, so none is parked in between and left behind).
+        let _moving = group.as_ref().map(|g| g.moves().begin());
         let parked = group.as_ref().map(|g| g.take_parked()).unwrap_or_default();
         drop(routes);
         {
@@ -858,6 +859,7 @@ impl Broker {
             self.tell_interest(sub, -1);
             routes.unroute(sub, true);
         }
+        let _moving = sub.group().map(|g| g.moves().begin());
         for d in sub.detach() {
             match sub.group() {
                 Some(g) => self.hand_to_group(ctx, g, d, Some(sub.id()), now),
@@ -941,6 +943,8 @@ impl Broker {
             }
             return false;
         }
+        // A member's messages go to the others: a move from before they leave it.
+        let _moving = sub.group().map(|g| g.moves().begin());
         let (queued, in_flight) = sub.close(reason);
         match sub.group() {
             Some(shared) => {
@@ -1436,6 +1440,9 @@ impl Broker {
         exclude: Option<SubscriberId>,
         now: Instant,
     ) {
+        // Each hand-off is a move of the group's until it is made (the caller's own move may
+        // end before an outer call's loop makes it).
+        shared.moves().begin_detached();
         ctx.handoffs.push_back((shared.clone(), d, exclude));
         if ctx.handing_off {
             return;
@@ -1443,6 +1450,7 @@ impl Broker {
         ctx.handing_off = true;
         while let Some((shared, d, exclude)) = ctx.handoffs.pop_front() {
             self.hand_one_to_group(ctx, &shared, d, exclude, now);
+            shared.moves().end();
         }
         ctx.handing_off = false;
     }
@@ -1582,6 +1590,8 @@ impl Broker {
         reason: Option<&str>,
         now: Instant,
     ) -> Result<(), SettleError> {
+        // From before the delivery leaves the in-flight set until it is queued again.
+        let _moving = sub.moves().begin();
         let d = sub.settle(topic, offset, attempt)?;
         d.topic.stats().nacked();
         self.retry(ctx, sub, d, reason.unwrap_or("nacked"), now);
@@ -1595,7 +1605,7 @@ impl Broker {
         sub: &Arc<Subscriber>,
         now: Instant,
     ) -> usize {
-        let overdue = sub.take_overdue(now);
+        let (overdue, _moving) = sub.take_overdue(now);
         let n = overdue.len();
         for d in overdue {
             self.retry(ctx, sub, d, "ack timeout", now);

@@ -57,6 +57,8 @@ pub struct GroupShared {
     /// An unrouted group's messages that had no member to go to (every member had left):
     /// kept for the next member instead of dropped, and counted in the group's position.
     parked: Mutex<Vec<crate::subscriber::Delivery>>,
+    /// Messages on their way between members, or between a member and `parked`.
+    moves: crate::moves::Moves,
 }
 
 impl GroupShared {
@@ -68,6 +70,7 @@ impl GroupShared {
             watermarks: Mutex::default(),
             unrouted: false,
             parked: Mutex::default(),
+            moves: crate::moves::Moves::default(),
         }
     }
 
@@ -77,6 +80,11 @@ impl GroupShared {
             unrouted: true,
             ..GroupShared::new(id, filter, durable)
         }
+    }
+
+    /// Moves of the group's messages between its members and its parked ones.
+    pub fn moves(&self) -> &crate::moves::Moves {
+        &self.moves
     }
 
     pub fn is_unrouted(&self) -> bool {

@@ -7,6 +7,7 @@
 //! - [`queue`]: per-subscriber bounded priority queues and overflow policies;
 //! - [`subscriber`]: a subscription's queues, in-flight deliveries and drain;
 //! - [`group`]: consumer-group watermarks (committed offsets);
+//! - [`moves`]: messages on their way between a durable consumer's places (consistent positions);
 //! - [`broker`]: publish/fan-out, groups, ACK/NACK, redelivery, ack-wait timeouts, dead letters;
 //! - [`topic`]: per-topic offsets and counters read by the metrics layer;
 //! - [`acl`]: who may publish or subscribe to what (rules, precedence, per-stream cache);
@@ -29,6 +30,7 @@ pub mod latency;
 pub mod matching;
 pub mod mesh;
 pub mod mesh_codec;
+pub mod moves;
 pub mod queue;
 pub mod quota;
 pub mod subscriber;

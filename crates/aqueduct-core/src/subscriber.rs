@@ -19,6 +19,7 @@ use foldhash::fast::RandomState;
 
 use crate::group::GroupShared;
 use crate::latency::{LatencyHistogram, LocalLatency};
+use crate::moves::Moving;
 use crate::queue::{PriorityQueues, Pushed};
 use crate::topic::{DropReason, TopicState};
 
@@ -206,6 +207,9 @@ pub struct Subscriber {
     /// a subscriber's lock).
     queued_len: AtomicUsize,
     in_flight_len: AtomicUsize,
+    /// A plain subscription's moves (a NACK's or a timeout's redelivery); a group member's are
+    /// its group's (see [`moves`](Self::moves)).
+    moves: crate::moves::Moves,
     state: Mutex<State>,
 }
 
@@ -266,6 +270,7 @@ impl Subscriber {
             advertised: AtomicBool::new(false),
             queued_len: AtomicUsize::new(0),
             in_flight_len: AtomicUsize::new(0),
+            moves: crate::moves::Moves::default(),
             state: Mutex::default(),
         }
     }
@@ -324,6 +329,16 @@ impl Subscriber {
 
     pub fn group(&self) -> Option<&Arc<GroupShared>> {
         self.group.as_ref()
+    }
+
+    /// Moves of this subscription's messages between the places a durable position is read
+    /// from: its own for a plain subscription, its group's for a member (a message may go from
+    /// one member to another).
+    pub fn moves(&self) -> &crate::moves::Moves {
+        match &self.group {
+            Some(g) => g.moves(),
+            None => &self.moves,
+        }
     }
 
     pub fn ack_mode(&self) -> AckMode {
@@ -623,12 +638,13 @@ impl Subscriber {
     /// Take the in-flight deliveries whose ack-wait deadline has passed. That makes room under
     /// `max_in_flight` as a settlement does, and wakes the same: the writer if something is
     /// queued (a redelivery into a non-empty queue would not wake it), and whoever waits to
-    /// give this subscriber more.
-    pub(crate) fn take_overdue(&self, now: Instant) -> Vec<Delivery> {
-        let (mut out, wake, held) = {
+    /// give this subscriber more. When it takes any, a move of them has begun (see
+    /// [`moves`](Self::moves)): it ends when the returned guard is dropped, after they are placed.
+    pub(crate) fn take_overdue(&self, now: Instant) -> (Vec<Delivery>, Option<Moving<'_>>) {
+        let (mut out, wake, held, moving) = {
             let mut st = self.lock();
             if st.in_flight.is_empty() {
-                return Vec::new();
+                return (Vec::new(), None);
             }
             let overdue: Vec<(TopicName, u64)> = st
                 .in_flight
@@ -637,21 +653,28 @@ impl Subscriber {
                 .map(|(k, _)| k.clone())
                 .collect();
             if overdue.is_empty() {
-                return Vec::new();
+                return (Vec::new(), None);
             }
+            // Before they leave the in-flight set: a position read meanwhile is not kept.
+            let moving = self.moves().begin();
             let out: Vec<Delivery> = overdue
                 .iter()
                 .filter_map(|k| st.in_flight.remove(k).map(|f| f.delivery))
                 .collect();
             self.note_lengths(&st);
-            (out, !st.queue.is_empty(), std::mem::take(&mut st.held))
+            (
+                out,
+                !st.queue.is_empty(),
+                std::mem::take(&mut st.held),
+                moving,
+            )
         };
         held.into_iter().for_each(std::task::Waker::wake);
         if wake {
             self.wake();
         }
         out.sort_by_key(|d| (d.priority, d.offset));
-        out
+        (out, Some(moving))
     }
 
     /// Mark its interest told (`true`) or withdrawn (`false`); returns whether that changed it.

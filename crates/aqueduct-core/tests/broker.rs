@@ -1720,3 +1720,79 @@ fn a_dead_letter_made_during_a_scoped_publish_reaches_plain_subscribers() {
     assert!(drain_all(&b, &plain, now).is_empty());
     ctx.clear_scope();
 }
+
+/// Redelivered `rounds` times on another thread (by NACKs, or by ack-wait timeouts when
+/// `timeouts`), a message must be in every position read (`read_settled`) of its
+/// subscriptions' places: a read made while the NACK had taken it out of the in-flight set and
+/// not yet queued it again (or queued it in the other member before the read reached that
+/// one) missed it, and a durable consumer's checkpoint saved a position past it. `members`
+/// subscriptions (1: a plain one, 2: a group's).
+fn redelivered_message_stays_in_read_positions(members: usize, timeouts: bool, rounds: usize) {
+    let b = Arc::new(Broker::new(BrokerConfig {
+        max_retries: u32::MAX,
+        ..Default::default()
+    }));
+    let filter = if members == 1 {
+        "topic:t"
+    } else {
+        "topic:t:group:g"
+    };
+    let subs: Vec<Arc<Subscriber>> = (0..members).map(|_| ack_sub(&b, filter)).collect();
+    let now = Instant::now();
+    publish(&b, &mut PublishContext::default(), "t", "x", now);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let nacker = {
+        let (b, subs, done) = (b.clone(), subs.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut ctx = PublishContext::default();
+            for _ in 0..rounds {
+                for s in &subs {
+                    drain_all(&b, s, now);
+                }
+                let holder = subs.iter().find(|s| s.in_flight() == 1).expect("in flight");
+                if timeouts {
+                    let later = now + b.config().ack_wait + Duration::from_secs(1);
+                    assert_eq!(b.expire_in_flight(&mut ctx, holder, later), 1);
+                } else {
+                    b.nack(&mut ctx, holder, None, 0, None, None, now)
+                        .expect("nacked");
+                }
+            }
+            done.store(true, Ordering::SeqCst);
+        })
+    };
+    let (mut kept, mut spoiled) = (0u64, 0u64);
+    while !done.load(Ordering::SeqCst) {
+        let read = subs[0].moves().read_settled(|| {
+            subs.iter()
+                .flat_map(|s| s.unsettled_floor())
+                .collect::<Vec<_>>()
+        });
+        match read {
+            Some(floor) => {
+                kept += 1;
+                assert_eq!(
+                    floor,
+                    vec![(t("t"), 0)],
+                    "read {kept}: the message is missing"
+                );
+            }
+            None => spoiled += 1,
+        }
+    }
+    nacker.join().expect("nacker");
+    assert!(kept > 0, "no read was kept ({spoiled} overlapped a move)");
+    assert_eq!(subs[0].moves().in_progress(), 0);
+}
+
+#[test]
+fn a_position_read_never_misses_a_redelivered_message() {
+    redelivered_message_stays_in_read_positions(1, false, 30_000);
+    redelivered_message_stays_in_read_positions(1, true, 30_000);
+}
+
+#[test]
+fn a_group_position_read_never_misses_a_message_handed_to_another_member() {
+    redelivered_message_stays_in_read_positions(2, false, 30_000);
+    redelivered_message_stays_in_read_positions(2, true, 30_000);
+}

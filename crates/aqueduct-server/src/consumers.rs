@@ -138,7 +138,11 @@ impl Table {
         let unfed = matches!(live.feeder, Feeder::Starting);
         live.stop_feeder();
         if !unfed {
-            self.keep(key, position_of(live));
+            let position = position_of(live).unwrap_or_else(|| {
+                warn!(consumer = %key, "durable consumer: its messages kept moving (NACKs, redeliveries) while its position was read; kept the last read");
+                read_position(live)
+            });
+            self.keep(key, position);
         } else if self.stored.contains_key(key) {
             self.idle_since.insert(key.to_string(), Instant::now());
         }
@@ -391,14 +395,15 @@ impl Consumers {
         }
     }
 
-    /// Every consumer's position now.
-    fn snapshot(&self) -> Positions {
+    /// Every consumer's position now; `None` if one could not be read while its messages
+    /// stood still (see [`position_of`]).
+    fn snapshot(&self) -> Option<Positions> {
         let t = lock(&self.table);
         let mut all = t.stored.clone();
         for (key, live) in &t.live {
-            all.insert(key.clone(), position_of(live));
+            all.insert(key.clone(), position_of(live)?);
         }
-        all
+        Some(all)
     }
 
     /// Forget the consumers that have had no subscription for longer than the retention.
@@ -426,7 +431,12 @@ impl Consumers {
     /// forgetting the consumers idle past the retention.
     pub fn checkpoint(&self) -> Result<bool, LogError> {
         self.expire(Instant::now());
-        let now = self.snapshot();
+        let Some(now) = self.snapshot() else {
+            // Keeping the positions saved last until the next checkpoint skips nothing: a
+            // position moves on only as messages are settled.
+            debug!("durable consumers: messages were moving; checkpoint left to the next one");
+            return Ok(false);
+        };
         let mut saved = lock(&self.saved);
         if *saved == now {
             return Ok(false);
@@ -437,9 +447,33 @@ impl Consumers {
     }
 }
 
+/// How often a position is read again while messages move between the consumer's places
+/// (see [`aqueduct_core::moves`]) before [`position_of`] gives up for now.
+const SETTLED_READS: usize = 1_000;
+
+/// A live consumer's position, read while none of its messages was on its way from one of its
+/// places to another (a NACK's, an ack-wait timeout's or a leaving member's): `None` if moves
+/// overlapped every one of [`SETTLED_READS`] reads.
+fn position_of(live: &Live) -> Option<ConsumerPosition> {
+    let moves = match &live.group {
+        Some(g) => Some(g.moves()),
+        None => live.members.first().map(|m| m.moves()),
+    };
+    let Some(moves) = moves else {
+        return Some(read_position(live));
+    };
+    for _ in 0..SETTLED_READS {
+        if let Some(position) = moves.read_settled(|| read_position(live)) {
+            return Some(position);
+        }
+        std::thread::yield_now();
+    }
+    None
+}
+
 /// A live consumer's position: per topic, the lowest offset any of its subscriptions has
 /// queued or unsettled, else the feeder's next.
-fn position_of(live: &Live) -> ConsumerPosition {
+fn read_position(live: &Live) -> ConsumerPosition {
     let fed = lock(&live.fed);
     let mut next = fed.next.clone();
     for m in &live.members {
@@ -1075,6 +1109,63 @@ mod tests {
         assert_eq!(lock(&fed).next.get(&b"t"[..]), Some(&N));
         drop(feeder);
         durable.close();
+    }
+
+    /// A checkpoint never saves a position past a message a NACK is redelivering (taken out
+    /// of the in-flight set, not yet queued again): a crash before the next checkpoint then
+    /// skipped it for good. A thread NACKs the consumer's one message over and over while
+    /// positions are read.
+    #[test]
+    fn no_position_read_misses_a_message_being_redelivered() {
+        const ROUNDS: usize = 20_000;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let consumers = Consumers::open(dir.path(), ConsumerLimits::default()).expect("open");
+        let broker = Arc::new(Broker::new(BrokerConfig {
+            max_retries: u32::MAX,
+            ..BrokerConfig::default()
+        }));
+        let topic = TopicName::try_from("jobs").expect("valid");
+        let filter = TopicFilter::try_from("jobs").expect("valid filter");
+        let opts = SubscribeOptions {
+            ack_mode: aqueduct_proto::AckMode::Explicit,
+            ..SubscribeOptions::default()
+        };
+        let claim = consumers
+            .claim("consumer:c", &filter, false, BTreeMap::new, || {
+                broker.subscribe_unrouted(&SubscribeSpec::new(filter.clone()), opts)
+            })
+            .unwrap_or_else(|e| panic!("{e:?}"));
+        let now = Instant::now();
+        let mut ctx = PublishContext::default();
+        let p = Publication::new(&topic, b"x");
+        assert!(broker.feed(&mut ctx, &claim.sub, &topic, 0, &p, Duration::ZERO, now));
+        lock(&claim.fed).next.insert(b"jobs".to_vec(), 1);
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let nacker = {
+            let (broker, sub, done) = (broker.clone(), claim.sub.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut ctx = PublishContext::default();
+                let mut out = Vec::new();
+                for _ in 0..ROUNDS {
+                    out.clear();
+                    broker.drain(&sub, &mut out, 64 * 1024, now);
+                    broker
+                        .nack(&mut ctx, &sub, None, 0, None, None, now)
+                        .expect("in flight");
+                }
+                done.store(true, Ordering::SeqCst);
+            })
+        };
+        let mut kept = 0u64;
+        while !done.load(Ordering::SeqCst) {
+            if let Some(all) = consumers.snapshot() {
+                kept += 1;
+                let next = all["consumer:c"].next.get(&b"jobs"[..]).copied();
+                assert_eq!(next, Some(0), "read {kept}: a position past the message");
+            }
+        }
+        nacker.join().expect("nacker");
+        assert!(kept > 0, "no position was read");
     }
 
     /// The positions kept are bounded: a new consumer id beyond `max` is refused while known
