@@ -88,6 +88,10 @@ pub struct QuicStats {
     pub ack_frequency_sent: u64,
     /// ACK_FREQUENCY frames received: the broker asked this end for fewer ACKs.
     pub ack_frequency_received: u64,
+    /// The path MTU now: the largest UDP payload sent, bytes (grows by MTU discovery).
+    pub path_mtu: u16,
+    /// Times MTU discovery took large packets' loss for a path that no longer carries them.
+    pub black_holes: u64,
 }
 
 fn transport(opts: &ConnectOptions) -> quinn::TransportConfig {
@@ -95,7 +99,7 @@ fn transport(opts: &ConnectOptions) -> quinn::TransportConfig {
     t.stream_receive_window((8u32 << 20).into());
     t.receive_window((32u32 << 20).into());
     t.send_window(32 << 20);
-    t.initial_mtu(1452);
+    aqueduct_udp::path_mtu(&mut t, 1452, opts.max_mtu);
     t.keep_alive_interval(Some(Duration::from_secs(10)));
     t.max_idle_timeout(quinn::IdleTimeout::try_from(Duration::from_secs(60)).ok());
     // Fewer ACKs from the broker for what this client publishes.
@@ -144,7 +148,7 @@ impl Client {
         // runtime's other thread.
         let endpoint = std::net::UdpSocket::bind(bind).and_then(|socket| {
             quinn::Endpoint::new(
-                quinn::EndpointConfig::default(),
+                aqueduct_udp::endpoint_config(opts.max_mtu),
                 None,
                 socket,
                 aqueduct_udp::runtime(),
@@ -241,6 +245,8 @@ impl Client {
             acks_received: s.frame_rx.acks,
             ack_frequency_sent: s.frame_tx.ack_frequency,
             ack_frequency_received: s.frame_rx.ack_frequency,
+            path_mtu: s.path.current_mtu,
+            black_holes: s.path.black_holes_detected,
         }
     }
 

@@ -57,6 +57,7 @@ pub struct ConnectOptions {
     pub(crate) transport: crate::link::Transport,
     pub(crate) ack_eliciting_threshold: u32,
     pub(crate) ack_delay: Duration,
+    pub(crate) max_mtu: u16,
 }
 
 impl ConnectOptions {
@@ -71,6 +72,7 @@ impl ConnectOptions {
             transport: crate::link::Transport::Quic,
             ack_eliciting_threshold: DEFAULT_ACK_ELICITING_THRESHOLD,
             ack_delay: DEFAULT_ACK_DELAY,
+            max_mtu: aqueduct_udp::MAX_MTU,
         }
     }
 
@@ -183,6 +185,17 @@ impl ConnectOptions {
     /// (QUIC's default) avoids that (docs/architecture.md, "Fewer ACKs").
     pub fn ack_delay(mut self, delay: Duration) -> Self {
         self.ack_delay = delay;
+        self
+    }
+
+    /// The largest path MTU (bytes of UDP payload) the connection's MTU discovery probes for,
+    /// and the largest datagram this client accepts (default and most
+    /// [`aqueduct_udp::MAX_MTU`], 6500; clamped to 1200..=6500). Where the path carries large
+    /// datagrams (loopback, jumbo frames) a packet then holds several times the messages;
+    /// elsewhere the probes are lost and the path stays at what it carries. 1452 (standard
+    /// Ethernet) probes nothing. The broker's `transport.max_mtu` caps it as well.
+    pub fn max_mtu(mut self, bytes: u16) -> Self {
+        self.max_mtu = bytes.clamp(aqueduct_udp::MIN_MTU, aqueduct_udp::MAX_MTU);
         self
     }
 }

@@ -145,8 +145,11 @@ pub struct TransportSection {
     pub send_window: u64,
     /// UDP socket send and receive buffer, bytes (the kernel may clamp it).
     pub socket_buffer: u64,
-    /// Initial path MTU guess, bytes (1200..=65527).
+    /// Initial path MTU guess, bytes of UDP payload (1200..=6500).
     pub initial_mtu: u64,
+    /// The largest path MTU discovery probes for, bytes of UDP payload (initial_mtu..=6500):
+    /// also the largest datagram the broker accepts. 1452 (standard Ethernet) probes nothing.
+    pub max_mtu: u64,
     /// Packets from the broker a client may leave unacknowledged (1..=64; 1 is QUIC's own
     /// rule, an ACK for every second packet). Asked through the QUIC ACK-frequency extension.
     pub ack_eliciting_threshold: u64,
@@ -173,6 +176,7 @@ impl Default for TransportSection {
             send_window: 16 << 20,
             socket_buffer: 4 << 20,
             initial_mtu: 1452,
+            max_mtu: aqueduct_udp::MAX_MTU.into(),
             ack_eliciting_threshold: 9,
             ack_delay: "1ms".into(),
             read_buf_size: 1024,
@@ -321,6 +325,7 @@ pub const ENV_KEYS: &[&str] = &[
     "transport.send_window",
     "transport.socket_buffer",
     "transport.initial_mtu",
+    "transport.max_mtu",
     "transport.ack_eliciting_threshold",
     "transport.ack_delay",
     "transport.read_buf_size",
@@ -453,6 +458,8 @@ pub struct TransportConfig {
     pub send_window: u64,
     pub socket_buffer: usize,
     pub initial_mtu: u16,
+    /// The largest path MTU discovery probes for (and the largest datagram accepted).
+    pub max_mtu: u16,
     /// Packets a client may leave unacknowledged (1: QUIC's own rule).
     pub ack_eliciting_threshold: u32,
     /// The longest a client may hold an acknowledgement back.
@@ -1068,7 +1075,20 @@ impl RawConfig {
             )? as u32,
             send_window: range("transport.send_window", t.send_window, 16 << 10, 1 << 32)?,
             socket_buffer: range("transport.socket_buffer", t.socket_buffer, 0, 1 << 30)? as usize,
-            initial_mtu: range("transport.initial_mtu", t.initial_mtu, 1200, 65527)? as u16,
+            // Above MAX_MTU, quinn's segmentation-offload sends (ten datagrams in one) no
+            // longer fit a UDP datagram and all fail.
+            initial_mtu: range(
+                "transport.initial_mtu",
+                t.initial_mtu,
+                aqueduct_udp::MIN_MTU.into(),
+                aqueduct_udp::MAX_MTU.into(),
+            )? as u16,
+            max_mtu: range(
+                "transport.max_mtu",
+                t.max_mtu,
+                aqueduct_udp::MIN_MTU.into(),
+                aqueduct_udp::MAX_MTU.into(),
+            )? as u16,
             // Above 64, a peer's ACKs would come too seldom for the sender's congestion control
             // and loss detection to go by (the 1 ms delay bounds them only in time).
             ack_eliciting_threshold: range(
@@ -1098,6 +1118,16 @@ impl RawConfig {
                      would be dropped; make the keep-alive shorter (e.g. a third of the idle \
                      timeout) or set it to \"0\" only together with idle_timeout \"0\"",
                     transport.keep_alive_interval, transport.idle_timeout
+                ),
+            ));
+        }
+        if transport.max_mtu < transport.initial_mtu {
+            return Err(invalid(
+                "transport.max_mtu",
+                format!(
+                    "{} is below transport.initial_mtu ({}): path MTU discovery starts at the \
+                     initial MTU and probes up to max_mtu; raise max_mtu or lower initial_mtu",
+                    transport.max_mtu, transport.initial_mtu
                 ),
             ));
         }

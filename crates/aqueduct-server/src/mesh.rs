@@ -850,10 +850,9 @@ pub struct Driver {
     durable: Option<Arc<Durable>>,
     /// `block_timeout`: how long a block-policy subscriber may hold a peer's copies.
     block_timeout: Option<Duration>,
-    /// What a link this node dials asks of the peer's ACKs, as the broker asks its clients
-    /// (`transport.ack_eliciting_threshold`, `transport.ack_delay`); a link the peer dialled
-    /// has the broker's transport config already.
-    ack_frequency: Option<quinn::AckFrequencyConfig>,
+    /// The transport of a link this node dials (a link the peer dialled has the broker's
+    /// transport config already).
+    dial_transport: DialTransport,
 }
 
 /// Make the driver and its handle. With a durable log, this node wants every message (it logs
@@ -865,7 +864,7 @@ pub(crate) fn new(
     queue_size: usize,
     compression: Compression,
     block_timeout: Option<Duration>,
-    ack_frequency: Option<quinn::AckFrequencyConfig>,
+    dial_transport: DialTransport,
 ) -> (Driver, MeshHandle) {
     let (tx, rx) = mpsc::unbounded_channel();
     let session_base = std::time::SystemTime::now()
@@ -907,7 +906,7 @@ pub(crate) fn new(
             handle: handle.clone(),
             durable: durable.clone(),
             block_timeout,
-            ack_frequency,
+            dial_transport,
         },
         handle.clone(),
     );
@@ -1100,7 +1099,7 @@ impl Driver {
                             endpoint.clone(),
                             self.tls.clone(),
                             self.tx.clone(),
-                            self.ack_frequency.clone(),
+                            self.dial_transport.clone(),
                         );
                         tasks.spawn(async move {
                             let result = dial(&endpoint, &tls, addr, ack).await;
@@ -1288,9 +1287,25 @@ fn note_peer_close(e: &quinn::ConnectionError) {
     }
 }
 
+/// What a link this node dials asks of its transport, as the broker asks of the connections it
+/// accepts: the peer's ACKs (`transport.ack_eliciting_threshold`, `transport.ack_delay`) and
+/// the path MTU (`transport.initial_mtu`, `transport.max_mtu`).
+#[derive(Debug, Clone)]
+pub(crate) struct DialTransport {
+    pub ack_frequency: Option<quinn::AckFrequencyConfig>,
+    pub initial_mtu: u16,
+    pub max_mtu: u16,
+}
+
 /// The transport of a link this node dials.
-fn dial_transport(ack_frequency: Option<quinn::AckFrequencyConfig>) -> quinn::TransportConfig {
+fn dial_transport(asked: DialTransport) -> quinn::TransportConfig {
+    let DialTransport {
+        ack_frequency,
+        initial_mtu,
+        max_mtu,
+    } = asked;
     let mut transport = quinn::TransportConfig::default();
+    aqueduct_udp::path_mtu(&mut transport, initial_mtu, max_mtu);
     transport.max_concurrent_uni_streams(MESH_UNI_STREAMS.into());
     // A peer that vanishes (SIGKILL, a partition) is noticed within MESH_IDLE (the smaller of
     // the two ends' idle timeouts applies), and reconnecting starts then.
@@ -1307,12 +1322,12 @@ async fn dial(
     endpoint: &quinn::Endpoint,
     tls: &MeshTls,
     addr: SocketAddr,
-    ack_frequency: Option<quinn::AckFrequencyConfig>,
+    asked: DialTransport,
 ) -> Result<(quinn::Connection, NodeId), String> {
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from((*tls.client_config()).clone())
         .map_err(|e| e.to_string())?;
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
-    config.transport_config(Arc::new(dial_transport(ack_frequency)));
+    config.transport_config(Arc::new(dial_transport(asked)));
     let connecting = endpoint
         .connect_with(config, addr, MESH_NAME)
         .map_err(|e| e.to_string())?;
@@ -1983,14 +1998,22 @@ impl DialWarnings {
 mod tests {
 
     /// A link this node dials asks the peer for fewer ACKs as the broker's own connections do
-    /// (`transport.ack_eliciting_threshold`, `transport.ack_delay`), and nothing at threshold 1.
-    /// quinn keeps the setting private: its Debug output is the only view of it.
+    /// (`transport.ack_eliciting_threshold`, `transport.ack_delay`), and nothing at threshold 1;
+    /// its path MTU starts and may grow as theirs (`transport.initial_mtu`, `max_mtu`).
+    /// quinn keeps the settings private: its Debug output is the only view of them.
     #[test]
     fn dialled_links_ask_for_fewer_acks_as_configured() {
         let ms = Duration::from_millis(1);
-        let asked = format!("{:?}", dial_transport(aqueduct_udp::ack_frequency(9, ms)));
-        assert!(asked.contains("ack_eliciting_threshold: 9"), "{asked}");
-        let off = format!("{:?}", dial_transport(aqueduct_udp::ack_frequency(1, ms)));
+        let asked = |threshold| DialTransport {
+            ack_frequency: aqueduct_udp::ack_frequency(threshold, ms),
+            initial_mtu: 1400,
+            max_mtu: 5000,
+        };
+        let on = format!("{:?}", dial_transport(asked(9)));
+        assert!(on.contains("ack_eliciting_threshold: 9"), "{on}");
+        assert!(on.contains("initial_mtu: 1400"), "{on}");
+        assert!(on.contains("upper_bound: 5000"), "{on}");
+        let off = format!("{:?}", dial_transport(asked(1)));
         assert!(off.contains("ack_frequency_config: None"), "{off}");
     }
 

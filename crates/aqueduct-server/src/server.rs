@@ -166,7 +166,7 @@ fn transport_config(
     c.stream_receive_window(t.stream_receive_window.into());
     c.receive_window(t.receive_window.into());
     c.send_window(t.send_window);
-    c.initial_mtu(t.initial_mtu);
+    aqueduct_udp::path_mtu(&mut c, t.initial_mtu, t.max_mtu);
     // Fewer ACKs from clients: each is a datagram the broker must receive and handle.
     c.ack_frequency_config(ack_frequency(t));
     Ok(c)
@@ -330,7 +330,7 @@ impl Server {
             let socket = udp_socket(addr, config.transport.socket_buffer)?;
             // Registered for reading only: a send does not wake the other worker thread.
             quinn::Endpoint::new(
-                quinn::EndpointConfig::default(),
+                aqueduct_udp::endpoint_config(config.transport.max_mtu),
                 Some(server_config.clone()),
                 socket,
                 aqueduct_udp::runtime(),
@@ -413,7 +413,11 @@ impl Server {
                     config.cluster.peer_queue_size,
                     config.cluster.compression,
                     config.block_timeout,
-                    ack_frequency(&config.transport),
+                    crate::mesh::DialTransport {
+                        ack_frequency: ack_frequency(&config.transport),
+                        initial_mtu: config.transport.initial_mtu,
+                        max_mtu: config.transport.max_mtu,
+                    },
                 );
                 let h = handle.clone();
                 broker.set_interest_listener(Box::new(move |key, delta| {

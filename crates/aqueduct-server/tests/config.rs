@@ -669,3 +669,38 @@ fn ack_frequency_settings_are_bounded_and_named() {
         assert!(msg.contains("transport.ack_delay"), "{msg}");
     }
 }
+
+/// `transport.max_mtu` (6500 by default, the largest) and `transport.initial_mtu` (1452), from
+/// the file or the environment; above 6500 (quinn's segmentation-offload sends would no longer
+/// fit a UDP datagram), below 1200, or a max below the initial MTU stops startup naming the key.
+#[test]
+fn path_mtu_settings_are_bounded_and_named() {
+    let c = load(None, vec![], Overrides::default()).expect("defaults");
+    assert_eq!((c.transport.initial_mtu, c.transport.max_mtu), (1452, 6500));
+    let c = load(
+        None,
+        env(&[("AQUEDUCT_TRANSPORT_MAX_MTU", "1452")]),
+        Overrides::default(),
+    )
+    .expect("1452: no probing");
+    assert_eq!(c.transport.max_mtu, 1452);
+    for (yaml, key) in [
+        ("max_mtu: 6501", "transport.max_mtu"),
+        ("max_mtu: 1199", "transport.max_mtu"),
+        ("initial_mtu: 9000", "transport.initial_mtu"),
+        ("initial_mtu: 1500\n  max_mtu: 1400", "transport.max_mtu"),
+    ] {
+        let msg = error(
+            Some(&format!("transport:\n  {yaml}\n")),
+            &[],
+            Overrides::default(),
+        );
+        assert!(msg.contains(key), "{yaml}: {msg}");
+    }
+    let msg = error(
+        Some("transport:\n  initial_mtu: 1500\n  max_mtu: 1400\n"),
+        &[],
+        Overrides::default(),
+    );
+    assert!(msg.contains("transport.initial_mtu (1500)"), "{msg}");
+}

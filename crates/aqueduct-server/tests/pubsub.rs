@@ -1270,3 +1270,80 @@ async fn both_ends_ask_for_fewer_acks_unless_told_not_to() {
     b.stop().await.expect("clean shutdown");
     off.stop().await.expect("clean shutdown");
 }
+
+/// On loopback, path-MTU discovery takes both ends' datagrams up to 6500 bytes of UDP payload
+/// (`transport.max_mtu`, `ConnectOptions::max_mtu`), so a packet carries several messages where
+/// 1452 bytes carried one or two, and it stays there under a bulk transfer: at the largest size
+/// quinn's segmentation-offload sends (ten datagrams in one) still fit a UDP datagram (beyond
+/// it they all failed, and the losses sent discovery back to 1200). A broker with `max_mtu`
+/// 1452 keeps its clients' datagrams at 1452.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn datagrams_grow_to_the_largest_mtu_the_path_and_both_ends_allow() {
+    const MESSAGES: usize = 4_000;
+    const SIZE: usize = 1_000;
+    let b = TestBroker::start().await;
+    let publisher = b.client().await;
+    let subscriber = b.client().await;
+    let mut sub = subscriber.subscribe("mtu").await.expect("subscribe");
+    within("path MTU discovery", async {
+        loop {
+            publisher
+                .publish_with("mtu", "probe", &confirm())
+                .await
+                .expect("confirmed");
+            next(&mut sub).await;
+            let (p, s) = (publisher.quic_stats(), subscriber.quic_stats());
+            if p.path_mtu == aqueduct_udp::MAX_MTU && s.path_mtu == aqueduct_udp::MAX_MTU {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let before = subscriber.quic_stats().datagrams_received;
+    let body = Bytes::from(vec![7u8; SIZE]);
+    for _ in 0..MESSAGES - 1 {
+        publisher
+            .publish("mtu", body.clone())
+            .await
+            .expect("queued");
+    }
+    publisher
+        .publish_with("mtu", body.clone(), &confirm())
+        .await
+        .expect("confirmed");
+    for _ in 0..MESSAGES {
+        assert_eq!(next(&mut sub).await.body().len(), SIZE);
+    }
+    let (p, s) = (publisher.quic_stats(), subscriber.quic_stats());
+    assert_eq!(
+        (p.path_mtu, p.black_holes),
+        (aqueduct_udp::MAX_MTU, 0),
+        "{p:?}"
+    );
+    assert_eq!(
+        (s.path_mtu, s.black_holes),
+        (aqueduct_udp::MAX_MTU, 0),
+        "{s:?}"
+    );
+    // 4 MB in datagrams of at most 1452 bytes would be over 2,700 of them.
+    let received = s.datagrams_received - before;
+    assert!(
+        received < 1_500,
+        "{received} datagrams for {MESSAGES} x {SIZE} bytes"
+    );
+
+    let small = TestBroker::start_with(|c| c.transport.max_mtu = 1452).await;
+    let client = small.client().await;
+    let mut sub = client.subscribe("mtu").await.expect("subscribe");
+    for _ in 0..20 {
+        client
+            .publish_with("mtu", body.clone(), &confirm())
+            .await
+            .expect("confirmed");
+        next(&mut sub).await;
+    }
+    assert_eq!(client.quic_stats().path_mtu, 1452, "the broker's limit");
+    b.stop().await.expect("clean shutdown");
+    small.stop().await.expect("clean shutdown");
+}

@@ -30,8 +30,17 @@
 //!
 //! # Fewer acknowledgements
 //!
-//! The other transport setting both ends share: [`ack_frequency`], which asks the peer to
+//! Another transport setting both ends share: [`ack_frequency`], which asks the peer to
 //! acknowledge fewer packets (docs/architecture.md, "Fewer ACKs").
+//!
+//! # Larger datagrams
+//!
+//! And [`path_mtu`] with [`endpoint_config`]: path-MTU discovery may probe up to
+//! [`MAX_MTU`] bytes of UDP payload (quinn's default stops at 1452, standard Ethernet), and the
+//! endpoint accepts datagrams that large. Where the path carries them (loopback, jumbo-frame
+//! networks) a packet holds four times the messages, and per-packet work (encryption, headers,
+//! acknowledgements, system calls) falls with it; elsewhere the probes are lost and the path
+//! stays at what it carries (docs/architecture.md, "Larger datagrams").
 
 use std::sync::Arc;
 
@@ -81,9 +90,54 @@ pub fn ack_frequency(
     Some(config)
 }
 
+/// The largest UDP payload either end uses, bytes. quinn hands the kernel up to ten datagrams in
+/// one segmentation-offload (GSO) send, which must fit a single UDP datagram (65,507 bytes): with
+/// larger datagrams every such send fails, and the losses make MTU discovery fall back to 1,200.
+pub const MAX_MTU: u16 = 6500;
+
+/// The smallest UDP payload QUIC allows (RFC 9000 §14).
+pub const MIN_MTU: u16 = 1200;
+
+/// The endpoint both ends use: it accepts datagrams of up to `max_mtu` bytes of UDP payload
+/// (clamped to [`MIN_MTU`]..=[`MAX_MTU`]) and tells peers so, which lets them send that large.
+pub fn endpoint_config(max_mtu: u16) -> quinn::EndpointConfig {
+    let mut config = quinn::EndpointConfig::default();
+    // Within quinn's 1200..=65527: cannot fail.
+    let _ = config.max_udp_payload_size(max_mtu.clamp(MIN_MTU, MAX_MTU));
+    config
+}
+
+/// Start a connection's path MTU at `initial` and let discovery probe up to `max` (both
+/// clamped to [`MIN_MTU`]..=[`MAX_MTU`], `initial` to at most `max`). The peer's own limit
+/// (its endpoint's largest UDP payload) caps the probes too.
+pub fn path_mtu(t: &mut quinn::TransportConfig, initial: u16, max: u16) {
+    let max = max.clamp(MIN_MTU, MAX_MTU);
+    t.initial_mtu(initial.clamp(MIN_MTU, max));
+    let mut discovery = quinn::MtuDiscoveryConfig::default();
+    discovery.upper_bound(max);
+    t.mtu_discovery_config(Some(discovery));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Ten datagrams of the largest size fit one GSO send (one UDP datagram, IPv4 or IPv6).
+    #[test]
+    fn the_largest_datagrams_fit_one_segmentation_offload_send() {
+        const QUINN_GSO_SEGMENTS: usize = 10;
+        assert!(QUINN_GSO_SEGMENTS * MAX_MTU as usize <= 65_507);
+        let shown = format!("{:?}", endpoint_config(60_000));
+        assert!(shown.contains("max_udp_payload_size: 6500"), "{shown}");
+        let mut t = quinn::TransportConfig::default();
+        path_mtu(&mut t, 9000, 7000);
+        let shown = format!("{t:?}");
+        assert!(shown.contains("initial_mtu: 6500"), "{shown}");
+        assert!(shown.contains("upper_bound: 6500"), "{shown}");
+        path_mtu(&mut t, 1452, 1300);
+        let shown = format!("{t:?}");
+        assert!(shown.contains("initial_mtu: 1300"), "{shown}");
+    }
 
     #[test]
     fn threshold_one_asks_nothing() {
