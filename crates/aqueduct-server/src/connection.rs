@@ -378,7 +378,8 @@ pub(crate) async fn handle(
             return;
         }
         if h3 {
-            return crate::webtransport::serve(conn, shared, state, shutdown).await;
+            // Boxed: its state would otherwise size every native connection's task too.
+            return Box::pin(crate::webtransport::serve(conn, shared, state, shutdown)).await;
         }
         admit(&conn, &state, &shared).await;
     }

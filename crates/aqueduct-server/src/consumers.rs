@@ -32,6 +32,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
 use aqueduct_core::group::GroupShared;
+use aqueduct_core::moves::Moves;
 use aqueduct_core::{matching, Broker, Publication, PublishContext, Subscriber};
 use aqueduct_log::{ConsumerPosition, LogError, PositionStore, Positions};
 use aqueduct_proto::delivery::DeadLetter;
@@ -138,11 +139,19 @@ impl Table {
         let unfed = matches!(live.feeder, Feeder::Starting);
         live.stop_feeder();
         if !unfed {
-            let position = position_of(live).unwrap_or_else(|| {
-                warn!(consumer = %key, "durable consumer: its messages kept moving (NACKs, redeliveries) while its position was read; kept the last read");
-                read_position(live)
-            });
-            self.keep(key, position);
+            match position_of(live) {
+                Some(position) => self.keep(key, position),
+                // Never settled: the position stored before (lower, so nothing is skipped)
+                // stays; without one, the last read is all there is.
+                None if self.stored.contains_key(key) => {
+                    warn!(consumer = %key, "durable consumer: its messages kept moving (NACKs, redeliveries) while its position was read; kept the position stored before");
+                    self.idle_since.insert(key.to_string(), Instant::now());
+                }
+                None => {
+                    warn!(consumer = %key, "durable consumer: its messages kept moving (NACKs, redeliveries) while its position was read; kept the last read");
+                    self.keep(key, read_position(live));
+                }
+            }
         } else if self.stored.contains_key(key) {
             self.idle_since.insert(key.to_string(), Instant::now());
         }
@@ -380,8 +389,12 @@ impl Consumers {
                 return;
             }
             live.stop_feeder();
+            let floors = settled(sub.moves(), || sub.unsettled_floor()).unwrap_or_else(|| {
+                warn!(consumer = %key, "durable consumer: its messages kept moving while its client stopped reading; rewound to the last read");
+                sub.unsettled_floor()
+            });
             let mut fed = lock(&live.fed);
-            fed.next = floor(&fed.next, sub.unsettled_floor());
+            fed.next = floor(&fed.next, floors);
         }
     }
 
@@ -395,15 +408,28 @@ impl Consumers {
         }
     }
 
-    /// Every consumer's position now; `None` if one could not be read while its messages
-    /// stood still (see [`position_of`]).
-    fn snapshot(&self) -> Option<Positions> {
+    /// Every consumer's position now. One whose messages kept moving while it was read (see
+    /// [`position_of`]) keeps its entry in `before` (the positions saved last: lower, so
+    /// nothing is skipped), or its stored one, or is left out until it can be read; the others
+    /// are saved regardless. The second value counts those not read.
+    fn snapshot(&self, before: &Positions) -> (Positions, usize) {
         let t = lock(&self.table);
         let mut all = t.stored.clone();
+        let mut unread = 0;
         for (key, live) in &t.live {
-            all.insert(key.clone(), position_of(live)?);
+            match position_of(live) {
+                Some(position) => {
+                    all.insert(key.clone(), position);
+                }
+                None => {
+                    unread += 1;
+                    if let Some(kept) = before.get(key) {
+                        all.insert(key.clone(), kept.clone());
+                    }
+                }
+            }
         }
-        Some(all)
+        (all, unread)
     }
 
     /// Forget the consumers that have had no subscription for longer than the retention.
@@ -431,13 +457,11 @@ impl Consumers {
     /// forgetting the consumers idle past the retention.
     pub fn checkpoint(&self) -> Result<bool, LogError> {
         self.expire(Instant::now());
-        let Some(now) = self.snapshot() else {
-            // Keeping the positions saved last until the next checkpoint skips nothing: a
-            // position moves on only as messages are settled.
-            debug!("durable consumers: messages were moving; checkpoint left to the next one");
-            return Ok(false);
-        };
         let mut saved = lock(&self.saved);
+        let (now, unread) = self.snapshot(&saved);
+        if unread > 0 {
+            debug!(consumers = unread, "durable consumers: messages kept moving while their positions were read; their saved positions stay until the next checkpoint");
+        }
         if *saved == now {
             return Ok(false);
         }
@@ -459,12 +483,18 @@ fn position_of(live: &Live) -> Option<ConsumerPosition> {
         Some(g) => Some(g.moves()),
         None => live.members.first().map(|m| m.moves()),
     };
-    let Some(moves) = moves else {
-        return Some(read_position(live));
-    };
+    match moves {
+        Some(moves) => settled(moves, || read_position(live)),
+        None => Some(read_position(live)),
+    }
+}
+
+/// `read` made while no move of `moves` was in progress, tried up to [`SETTLED_READS`] times
+/// (a move is short and never waits, so one soon ends).
+fn settled<T>(moves: &Moves, mut read: impl FnMut() -> T) -> Option<T> {
     for _ in 0..SETTLED_READS {
-        if let Some(position) = moves.read_settled(|| read_position(live)) {
-            return Some(position);
+        if let Some(value) = moves.read_settled(&mut read) {
+            return Some(value);
         }
         std::thread::yield_now();
     }
@@ -1158,14 +1188,67 @@ mod tests {
         };
         let mut kept = 0u64;
         while !done.load(Ordering::SeqCst) {
-            if let Some(all) = consumers.snapshot() {
+            let (all, unread) = consumers.snapshot(&Positions::default());
+            if let Some(position) = all.get("consumer:c") {
                 kept += 1;
-                let next = all["consumer:c"].next.get(&b"jobs"[..]).copied();
+                let next = position.next.get(&b"jobs"[..]).copied();
                 assert_eq!(next, Some(0), "read {kept}: a position past the message");
+            } else {
+                assert_eq!(unread, 1, "left out only when it could not be read");
             }
         }
         nacker.join().expect("nacker");
         assert!(kept > 0, "no position was read");
+    }
+
+    /// A consumer whose client stops reading is rewound to its lowest queued or unsettled
+    /// offset: read while an ack-wait timeout had taken its message out of the in-flight set
+    /// (to queue it again, where the detach then drops it), that floor missed the message and
+    /// the position stayed past it. Many rounds of a rewind racing a timeout.
+    #[test]
+    fn a_rewind_never_misses_a_message_a_timeout_is_moving() {
+        const ROUNDS: usize = 3_000;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let consumers = Consumers::open(dir.path(), ConsumerLimits::default()).expect("open");
+        let broker = Arc::new(Broker::new(BrokerConfig {
+            max_retries: u32::MAX,
+            ..BrokerConfig::default()
+        }));
+        let topic = TopicName::try_from("jobs").expect("valid");
+        let filter = TopicFilter::try_from("jobs").expect("valid filter");
+        let opts = || SubscribeOptions {
+            ack_mode: aqueduct_proto::AckMode::Explicit,
+            ..SubscribeOptions::default()
+        };
+        let now = Instant::now();
+        let later = now + broker.config().ack_wait + Duration::from_secs(1);
+        for round in 0..ROUNDS {
+            let claim = consumers
+                .claim("consumer:c", &filter, false, BTreeMap::new, || {
+                    broker.subscribe_unrouted(&SubscribeSpec::new(filter.clone()), opts())
+                })
+                .unwrap_or_else(|e| panic!("{e:?}"));
+            let p = Publication::new(&topic, b"x");
+            let mut ctx = PublishContext::default();
+            assert!(broker.feed(&mut ctx, &claim.sub, &topic, 0, &p, Duration::ZERO, now));
+            lock(&claim.fed).next.insert(b"jobs".to_vec(), 1);
+            broker.drain(&claim.sub, &mut Vec::new(), 64 * 1024, now);
+            let start = Arc::new(std::sync::Barrier::new(2));
+            let timeout = {
+                let (broker, sub, start) = (broker.clone(), claim.sub.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    broker.expire_in_flight(&mut PublishContext::default(), &sub, later)
+                })
+            };
+            start.wait();
+            consumers.rewind("consumer:c", &claim.sub);
+            assert_eq!(timeout.join().expect("timeout"), 1);
+            let next = lock(&claim.fed).next.get(&b"jobs"[..]).copied();
+            assert_eq!(next, Some(0), "round {round}: rewound past the message");
+            consumers.end("consumer:c", &claim.sub);
+            broker.unsubscribe(&mut ctx, &claim.sub, now);
+        }
     }
 
     /// The positions kept are bounded: a new consumer id beyond `max` is refused while known

@@ -214,7 +214,7 @@ impl AsyncUdpSocket for Socket {
     }
 
     fn max_transmit_segments(&self) -> usize {
-        self.state.max_gso_segments()
+        self.state.max_gso_segments().min(crate::MAX_GSO_SEGMENTS)
     }
 
     fn max_receive_segments(&self) -> usize {
@@ -314,6 +314,45 @@ mod tests {
             .enable_all()
             .build()
             .expect("runtime")
+    }
+
+    /// A whole segmentation-offload batch of the largest datagrams is one send the kernel
+    /// takes: at ten datagrams of 9,000 bytes (over 64 KiB) every such send failed.
+    #[test]
+    fn a_full_batch_of_the_largest_datagrams_is_sent() {
+        runtime().block_on(async {
+            let (a, b) = (
+                Socket::new(bound()).expect("a"),
+                Socket::new(bound()).expect("b"),
+            );
+            let segments = a.max_transmit_segments();
+            assert!(segments <= crate::MAX_GSO_SEGMENTS, "{segments}");
+            let size = crate::MAX_MTU as usize;
+            let contents = vec![7u8; segments * size];
+            a.try_send(&Transmit {
+                destination: b.local_addr().expect("addr"),
+                ecn: None,
+                contents: &contents,
+                segment_size: (segments > 1).then_some(size),
+                src_ip: None,
+            })
+            .expect("the kernel takes the whole batch");
+            let mut received = 0;
+            while received < contents.len() {
+                let mut buf = vec![0u8; 1 << 16];
+                let mut meta = [RecvMeta::default()];
+                tokio::time::timeout(
+                    Duration::from_secs(5),
+                    poll_fn(|cx| b.poll_recv(cx, &mut [io::IoSliceMut::new(&mut buf)], &mut meta)),
+                )
+                .await
+                .expect("datagrams within 5 s")
+                .expect("recv");
+                assert_eq!(meta[0].stride, size, "datagrams of {size} bytes");
+                received += meta[0].len;
+            }
+            assert_eq!(received, contents.len());
+        });
     }
 
     #[test]
