@@ -112,6 +112,19 @@ def run(cmd, env=None, timeout=300):
     return result_line(out.stdout)
 
 
+def refuse_taken_port(port, what):
+    """Stop if something already listens on TCP `port`: the readiness checks below would take a
+    stray process (a nats-server left running, another broker) for the one just started, and
+    its CPU time would not be measured."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            pass
+    except OSError:
+        return
+    sys.exit(f"speedbar: TCP port {port} ({what}) is already in use on 127.0.0.1: stop what listens "
+             "there (e.g. a nats-server or aqueduct-broker left running) and run again.")
+
+
 class Brokers:
     def __init__(self, home, nats_binary="nats-server"):
         self.home = home
@@ -127,6 +140,7 @@ class Brokers:
         os.makedirs(home, exist_ok=True)
         env = dict(self.env, AQUEDUCT_HOME=home, **(extra_env or {}))
         self.client_env[port] = dict(self.env, AQUEDUCT_HOME=home)
+        refuse_taken_port(metrics_port, "an aqueduct-broker's metrics")
         p = subprocess.Popen([BROKER, "--addr", f"127.0.0.1:{port}", "--metrics-addr", f"127.0.0.1:{metrics_port}"],
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.procs.append(p)
@@ -141,6 +155,7 @@ class Brokers:
         raise RuntimeError("aqueduct-broker did not become ready")
 
     def start_nats(self, port):
+        refuse_taken_port(port, "nats-server")
         p = subprocess.Popen([self.nats_binary, "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.procs.append(p)
         deadline = time.time() + 20
