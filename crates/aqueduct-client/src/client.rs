@@ -88,7 +88,8 @@ pub struct QuicStats {
     pub ack_frequency_sent: u64,
     /// ACK_FREQUENCY frames received: the broker asked this end for fewer ACKs.
     pub ack_frequency_received: u64,
-    /// The path MTU now: the largest UDP payload sent, bytes (grows by MTU discovery).
+    /// The path MTU now: the largest UDP payload this client sends, bytes (1452: it does not
+    /// probe for more; the broker's datagrams to it grow up to [`ConnectOptions::max_mtu`]).
     pub path_mtu: u16,
     /// Times MTU discovery took large packets' loss for a path that no longer carries them.
     pub black_holes: u64,
@@ -99,7 +100,11 @@ fn transport(opts: &ConnectOptions) -> quinn::TransportConfig {
     t.stream_receive_window((8u32 << 20).into());
     t.receive_window((32u32 << 20).into());
     t.send_window(32 << 20);
-    aqueduct_udp::path_mtu(&mut t, 1452, opts.max_mtu);
+    // This client's own datagrams stay at 1452 (no discovery): with it on, a close sent while
+    // a probe was outstanding sometimes never reached the broker (the CLI's closes in
+    // tests/cli.rs, about one run in three; not understood yet). Its endpoint still accepts
+    // `max_mtu`, so the broker's datagrams to it grow (the bulk of a subscriber's traffic).
+    aqueduct_udp::path_mtu(&mut t, 1452, 1452);
     t.keep_alive_interval(Some(Duration::from_secs(10)));
     t.max_idle_timeout(quinn::IdleTimeout::try_from(Duration::from_secs(60)).ok());
     // Fewer ACKs from the broker for what this client publishes.

@@ -188,12 +188,13 @@ impl ConnectOptions {
         self
     }
 
-    /// The largest path MTU (bytes of UDP payload) the connection's MTU discovery probes for,
-    /// and the largest datagram this client accepts (default and most
-    /// [`aqueduct_udp::MAX_MTU`], 6500; clamped to 1200..=6500). Where the path carries large
-    /// datagrams (loopback, jumbo frames) a packet then holds several times the messages;
-    /// elsewhere the probes are lost and the path stays at what it carries. 1452 (standard
-    /// Ethernet) probes nothing. The broker's `transport.max_mtu` caps it as well.
+    /// The largest datagram (bytes of UDP payload) this client accepts, which lets the broker's
+    /// MTU discovery grow its datagrams to it (default and most [`aqueduct_udp::MAX_MTU`],
+    /// 6500; clamped to 1200..=6500). Where the path carries large datagrams (loopback, jumbo
+    /// frames) a delivery packet then holds several times the messages; elsewhere the broker's
+    /// probes are lost and the path stays at what it carries. 1452 (standard Ethernet) keeps
+    /// them at 1452. The broker's `transport.max_mtu` caps it as well. The client's own
+    /// datagrams stay at 1452 for now.
     pub fn max_mtu(mut self, bytes: u16) -> Self {
         self.max_mtu = bytes.clamp(aqueduct_udp::MIN_MTU, aqueduct_udp::MAX_MTU);
         self

@@ -1145,26 +1145,41 @@ mod tests {
     /// of the in-flight set, not yet queued again): a crash before the next checkpoint then
     /// skipped it for good. A thread NACKs the consumer's one message over and over while
     /// positions are read.
-    #[test]
-    fn no_position_read_misses_a_message_being_redelivered() {
-        const ROUNDS: usize = 20_000;
+    /// Consumers in a temporary directory, a broker that redelivers forever, and a claim of
+    /// `consumer:c` on `jobs` with explicit acknowledgements.
+    fn redelivering() -> (tempfile::TempDir, Consumers, Arc<Broker>, TopicName) {
         let dir = tempfile::tempdir().expect("tempdir");
         let consumers = Consumers::open(dir.path(), ConsumerLimits::default()).expect("open");
         let broker = Arc::new(Broker::new(BrokerConfig {
             max_retries: u32::MAX,
             ..BrokerConfig::default()
         }));
-        let topic = TopicName::try_from("jobs").expect("valid");
+        (
+            dir,
+            consumers,
+            broker,
+            TopicName::try_from("jobs").expect("valid"),
+        )
+    }
+
+    fn claim_acked(consumers: &Consumers, broker: &Broker) -> Claim {
         let filter = TopicFilter::try_from("jobs").expect("valid filter");
         let opts = SubscribeOptions {
             ack_mode: aqueduct_proto::AckMode::Explicit,
             ..SubscribeOptions::default()
         };
-        let claim = consumers
+        consumers
             .claim("consumer:c", &filter, false, BTreeMap::new, || {
                 broker.subscribe_unrouted(&SubscribeSpec::new(filter.clone()), opts)
             })
-            .unwrap_or_else(|e| panic!("{e:?}"));
+            .unwrap_or_else(|e| panic!("{e:?}"))
+    }
+
+    #[test]
+    fn no_position_read_misses_a_message_being_redelivered() {
+        const ROUNDS: usize = 20_000;
+        let (_dir, consumers, broker, topic) = redelivering();
+        let claim = claim_acked(&consumers, &broker);
         let now = Instant::now();
         let mut ctx = PublishContext::default();
         let p = Publication::new(&topic, b"x");
@@ -1208,26 +1223,11 @@ mod tests {
     #[test]
     fn a_rewind_never_misses_a_message_a_timeout_is_moving() {
         const ROUNDS: usize = 3_000;
-        let dir = tempfile::tempdir().expect("tempdir");
-        let consumers = Consumers::open(dir.path(), ConsumerLimits::default()).expect("open");
-        let broker = Arc::new(Broker::new(BrokerConfig {
-            max_retries: u32::MAX,
-            ..BrokerConfig::default()
-        }));
-        let topic = TopicName::try_from("jobs").expect("valid");
-        let filter = TopicFilter::try_from("jobs").expect("valid filter");
-        let opts = || SubscribeOptions {
-            ack_mode: aqueduct_proto::AckMode::Explicit,
-            ..SubscribeOptions::default()
-        };
+        let (_dir, consumers, broker, topic) = redelivering();
         let now = Instant::now();
         let later = now + broker.config().ack_wait + Duration::from_secs(1);
         for round in 0..ROUNDS {
-            let claim = consumers
-                .claim("consumer:c", &filter, false, BTreeMap::new, || {
-                    broker.subscribe_unrouted(&SubscribeSpec::new(filter.clone()), opts())
-                })
-                .unwrap_or_else(|e| panic!("{e:?}"));
+            let claim = claim_acked(&consumers, &broker);
             let p = Publication::new(&topic, b"x");
             let mut ctx = PublishContext::default();
             assert!(broker.feed(&mut ctx, &claim.sub, &topic, 0, &p, Duration::ZERO, now));
