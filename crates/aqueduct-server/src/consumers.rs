@@ -1141,12 +1141,8 @@ mod tests {
         durable.close();
     }
 
-    /// A checkpoint never saves a position past a message a NACK is redelivering (taken out
-    /// of the in-flight set, not yet queued again): a crash before the next checkpoint then
-    /// skipped it for good. A thread NACKs the consumer's one message over and over while
-    /// positions are read.
-    /// Consumers in a temporary directory, a broker that redelivers forever, and a claim of
-    /// `consumer:c` on `jobs` with explicit acknowledgements.
+    /// Consumers in a temporary directory, a broker that redelivers forever, and the topic
+    /// `jobs`.
     fn redelivering() -> (tempfile::TempDir, Consumers, Arc<Broker>, TopicName) {
         let dir = tempfile::tempdir().expect("tempdir");
         let consumers = Consumers::open(dir.path(), ConsumerLimits::default()).expect("open");
@@ -1162,6 +1158,7 @@ mod tests {
         )
     }
 
+    /// A claim of `consumer:c` on `jobs` with explicit acknowledgements.
     fn claim_acked(consumers: &Consumers, broker: &Broker) -> Claim {
         let filter = TopicFilter::try_from("jobs").expect("valid filter");
         let opts = SubscribeOptions {
@@ -1175,6 +1172,10 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e:?}"))
     }
 
+    /// A checkpoint never saves a position past a message a NACK is redelivering (taken out
+    /// of the in-flight set, not yet queued again): a crash before the next checkpoint then
+    /// skipped it for good. A thread NACKs the consumer's one message over and over while
+    /// positions are read.
     #[test]
     fn no_position_read_misses_a_message_being_redelivered() {
         const ROUNDS: usize = 20_000;

@@ -1288,13 +1288,15 @@ fn note_peer_close(e: &quinn::ConnectionError) {
 }
 
 /// What a link this node dials asks of its transport, as the broker asks of the connections it
-/// accepts: the peer's ACKs (`transport.ack_eliciting_threshold`, `transport.ack_delay`) and
-/// the path MTU (`transport.initial_mtu`, `transport.max_mtu`).
+/// accepts: the peer's ACKs (`transport.ack_eliciting_threshold`, `transport.ack_delay`), and
+/// its datagrams' size (`transport.initial_mtu`). Its own datagrams do not grow (no MTU
+/// discovery, as the Rust client's: with it, a dialling end's closes were sometimes never
+/// sent; docs/architecture.md, "Larger datagrams"); the peer's to it do (the endpoint accepts
+/// `transport.max_mtu`, and the accepting node probes).
 #[derive(Debug, Clone)]
 pub(crate) struct DialTransport {
     pub ack_frequency: Option<quinn::AckFrequencyConfig>,
     pub initial_mtu: u16,
-    pub max_mtu: u16,
 }
 
 /// The transport of a link this node dials.
@@ -1302,10 +1304,9 @@ fn dial_transport(asked: DialTransport) -> quinn::TransportConfig {
     let DialTransport {
         ack_frequency,
         initial_mtu,
-        max_mtu,
     } = asked;
     let mut transport = quinn::TransportConfig::default();
-    aqueduct_udp::path_mtu(&mut transport, initial_mtu, max_mtu);
+    aqueduct_udp::path_mtu(&mut transport, initial_mtu, initial_mtu);
     transport.max_concurrent_uni_streams(MESH_UNI_STREAMS.into());
     // A peer that vanishes (SIGKILL, a partition) is noticed within MESH_IDLE (the smaller of
     // the two ends' idle timeouts applies), and reconnecting starts then.
@@ -1999,7 +2000,7 @@ mod tests {
 
     /// A link this node dials asks the peer for fewer ACKs as the broker's own connections do
     /// (`transport.ack_eliciting_threshold`, `transport.ack_delay`), and nothing at threshold 1;
-    /// its path MTU starts and may grow as theirs (`transport.initial_mtu`, `max_mtu`).
+    /// its datagrams start at `transport.initial_mtu` and do not grow.
     /// quinn keeps the settings private: its Debug output is the only view of them.
     #[test]
     fn dialled_links_ask_for_fewer_acks_as_configured() {
@@ -2007,12 +2008,11 @@ mod tests {
         let asked = |threshold| DialTransport {
             ack_frequency: aqueduct_udp::ack_frequency(threshold, ms),
             initial_mtu: 1400,
-            max_mtu: 5000,
         };
         let on = format!("{:?}", dial_transport(asked(9)));
         assert!(on.contains("ack_eliciting_threshold: 9"), "{on}");
         assert!(on.contains("initial_mtu: 1400"), "{on}");
-        assert!(on.contains("upper_bound: 5000"), "{on}");
+        assert!(on.contains("upper_bound: 1400"), "{on}");
         let off = format!("{:?}", dial_transport(asked(1)));
         assert!(off.contains("ack_frequency_config: None"), "{off}");
     }

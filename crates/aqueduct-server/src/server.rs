@@ -416,7 +416,6 @@ impl Server {
                     crate::mesh::DialTransport {
                         ack_frequency: ack_frequency(&config.transport),
                         initial_mtu: config.transport.initial_mtu,
-                        max_mtu: config.transport.max_mtu,
                     },
                 );
                 let h = handle.clone();
