@@ -939,6 +939,18 @@ mod tests {
         }
     }
 
+    /// Log options with 1 KiB segments (a few batches each), and a durable log started on
+    /// them in `dir`.
+    fn small_segments(dir: &std::path::Path) -> (LogOptions, Arc<Durable>) {
+        let small = LogOptions {
+            max_segment_bytes: 1024,
+            ..log_options()
+        };
+        let (log, rec) = Log::open(dir, small.clone()).expect("log opens");
+        let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        (small, durable)
+    }
+
     fn broker() -> Arc<Broker> {
         Arc::new(Broker::new(BrokerConfig {
             queue_size: 100_000,
@@ -1071,12 +1083,7 @@ mod tests {
     async fn a_latest_position_in_a_topic_retention_emptied_is_its_next_offset() {
         const N: u64 = 20;
         let dir = tempfile::tempdir().expect("temp dir");
-        let small = LogOptions {
-            max_segment_bytes: 1024,
-            ..log_options()
-        };
-        let (log, rec) = Log::open(dir.path(), small.clone()).expect("log opens");
-        let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        let (small, durable) = small_segments(dir.path());
         let first_broker = broker();
         // `t` first, then enough of `u` that retention takes every segment `t` is in.
         write_durably(&first_broker, &durable, "t", N).await;
@@ -1106,12 +1113,7 @@ mod tests {
     async fn a_consumer_that_retention_overtook_is_counted() {
         const N: u64 = 60;
         let dir = tempfile::tempdir().expect("temp dir");
-        let small = LogOptions {
-            max_segment_bytes: 1024,
-            ..log_options()
-        };
-        let (log, rec) = Log::open(dir.path(), small.clone()).expect("log opens");
-        let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        let (small, durable) = small_segments(dir.path());
         let first_broker = broker();
         // One batch each (the log's segments hold a few each).
         write_durably(&first_broker, &durable, "t", N).await;

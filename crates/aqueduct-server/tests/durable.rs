@@ -91,6 +91,11 @@ async fn confirmed_publishes_are_logged_and_offsets_go_on_after_a_restart() {
     }
 }
 
+/// A broker with the durable log in `dir` (batch fsync).
+async fn durable_broker(dir: &std::path::Path) -> TestBroker {
+    TestBroker::start_with(|c| c.aal = Some(aal(dir, FsyncMode::Batch))).await
+}
+
 fn durable_opts(
     consumer: &str,
     start: aqueduct_client::DurableStart,
@@ -130,7 +135,7 @@ fn expect(range: std::ops::Range<u64>) -> Vec<(u64, String)> {
 async fn a_durable_consumer_backfills_then_goes_live_without_gap_or_duplicate() {
     use aqueduct_client::DurableStart;
     let dir = tempfile::tempdir().expect("temp dir");
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let client = b.client().await;
     publish_n(&client, "orders", 0..50).await;
     let mut sub = client
@@ -236,7 +241,7 @@ async fn leave(
 async fn a_durable_consumer_resumes_after_reconnect_and_restart_with_unacked_redelivered() {
     use aqueduct_client::DurableStart;
     let dir = tempfile::tempdir().expect("temp dir");
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let client = b.client().await;
     publish_n(&client, "jobs", 0..40).await;
     let mut sub = client
@@ -265,7 +270,7 @@ async fn a_durable_consumer_resumes_after_reconnect_and_restart_with_unacked_red
     b.stop().await.expect("clean shutdown");
 
     // Restart the broker: the position was saved.
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let client = b.client().await;
     let mut sub = client
         .subscribe_with("jobs", &durable_opts("worker", DurableStart::Offset(0)))
@@ -285,7 +290,7 @@ async fn a_durable_consumer_resumes_after_reconnect_and_restart_with_unacked_red
 async fn a_wildcard_durable_consumer_picks_up_new_topics_from_their_first_message() {
     use aqueduct_client::DurableStart;
     let dir = tempfile::tempdir().expect("temp dir");
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let client = b.client().await;
     publish_n(&client, "sensors/a", 0..3).await;
     publish_n(&client, "other", 0..3).await;
@@ -388,7 +393,7 @@ async fn an_empty_confirmed_batch_is_answered_in_order() {
     use aqueduct_proto::frame::Message as Wire;
     use aqueduct_proto::{Frame, Publish, PublishBatch, TopicName};
     let dir = tempfile::tempdir().expect("temp dir");
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let raw = Raw::connect(&b, 1 << 20).await;
     let mut s = raw.stream().await;
     let mut empty = PublishBatch::from_publishes(&[]);
@@ -423,7 +428,7 @@ async fn an_empty_confirmed_batch_is_answered_in_order() {
 async fn a_resumed_consumer_reads_new_topics_from_the_start_and_only_what_it_matches() {
     use aqueduct_client::DurableStart;
     let dir = tempfile::tempdir().expect("temp dir");
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let client = b.client().await;
     publish_n(&client, "a/1", 0..2).await;
     let mut sub = client
@@ -498,7 +503,7 @@ async fn a_durable_group_shares_the_log_and_resumes_after_failover_and_restart()
     use aqueduct_client::DurableStart;
     use std::collections::BTreeSet;
     let dir = tempfile::tempdir().expect("temp dir");
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let client = b.client().await;
     let c1 = b.client().await;
     let c2 = b.client().await;
@@ -559,7 +564,7 @@ async fn a_durable_group_shares_the_log_and_resumes_after_failover_and_restart()
         .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let client = b.client().await;
     publish_n(&client, "orders", 25..27).await;
     let mut w3 = client
@@ -590,7 +595,7 @@ async fn a_durable_group_shares_the_log_and_resumes_after_failover_and_restart()
 async fn a_durable_group_whose_members_all_vanish_at_once_loses_nothing() {
     use aqueduct_client::DurableStart;
     let dir = tempfile::tempdir().expect("temp dir");
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let publisher = b.client().await;
     let c1 = b.client().await;
     let c2 = b.client().await;
@@ -623,7 +628,7 @@ async fn a_durable_group_whose_members_all_vanish_at_once_loses_nothing() {
         .expect("close: everything published was taken");
     b.stop().await.expect("clean shutdown");
 
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let client = b.client().await;
     let mut w3 = client
         .subscribe_with("jobs", &group_opts("crew", DurableStart::Latest))
@@ -651,7 +656,7 @@ async fn a_durable_group_whose_members_all_vanish_at_once_loses_nothing() {
 async fn a_stuck_member_does_not_stall_its_durable_group() {
     use aqueduct_client::DurableStart;
     let dir = tempfile::tempdir().expect("temp dir");
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let publisher = b.client().await;
     let c1 = b.client().await;
     let c2 = b.client().await;
@@ -761,7 +766,7 @@ async fn a_confirm_that_comes_after_a_stream_fatal_error_still_reaches_its_publi
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_start_closes_the_log_it_opened() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let client = b.client().await;
     assert_eq!(
         client
@@ -795,7 +800,7 @@ async fn a_failed_start_closes_the_log_it_opened() {
     };
     assert!(err.contains("admin-state.json"), "{err}");
 
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let client = b.client().await;
     assert_eq!(
         client
@@ -878,7 +883,7 @@ async fn damage_at_the_end_of_a_topic_is_not_read_again_at_every_write() {
     use aqueduct_client::DurableStart;
     use std::io::{Read, Seek, SeekFrom, Write};
     let dir = tempfile::tempdir().expect("temp dir");
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let client = b.client().await;
     publish_n(&client, "orders", 0..10).await;
     // The last byte of the segment: inside the last batch (message 9's, written alone).
@@ -1002,7 +1007,7 @@ async fn a_durable_consumer_that_stops_reading_keeps_its_unsettled_message() {
 async fn a_latest_consumer_starts_at_its_subscribe() {
     use aqueduct_client::DurableStart;
     let dir = tempfile::tempdir().expect("temp dir");
-    let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), FsyncMode::Batch))).await;
+    let b = durable_broker(dir.path()).await;
     let client = b.client().await;
     b.control.hold_log_writes(true);
     // Not confirmed: the log holds it, unwritten; the broker has given it offset 0.
