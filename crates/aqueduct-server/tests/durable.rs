@@ -209,11 +209,7 @@ async fn without_the_log_a_durable_subscription_is_told_it_is_in_memory() {
     // It is the consumer group the spec describes: live messages still arrive.
     publish_n(&client, "orders", 0..3).await;
     assert_eq!(take_acked(&mut sub, 3).await, expect(0..3));
-    client
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(client, b).await;
 }
 
 /// Close the subscription (the broker has read the ACKs when it returns), then the client:
@@ -279,11 +275,7 @@ async fn a_durable_consumer_resumes_after_reconnect_and_restart_with_unacked_red
     assert_eq!(take_acked(&mut sub, 20).await, expect(20..40));
     publish_n(&client, "jobs", 40..45).await;
     assert_eq!(take_acked(&mut sub, 5).await, expect(40..45));
-    client
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(client, b).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -316,11 +308,7 @@ async fn a_wildcard_durable_consumer_picks_up_new_topics_from_their_first_messag
             ("sensors/b".to_string(), 1)
         ]
     );
-    client
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(client, b).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -558,11 +546,7 @@ async fn a_durable_group_shares_the_log_and_resumes_after_failover_and_restart()
         }
     }
     leave(&b, w1, &c1).await;
-    client
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(client, b).await;
 
     let b = durable_broker(dir.path()).await;
     let client = b.client().await;
@@ -775,11 +759,7 @@ async fn a_failed_start_closes_the_log_it_opened() {
             .expect("stored"),
         Some(0)
     );
-    client
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(client, b).await;
 
     let ca = test_ca();
     let ca_file = ca.write(dir.path());
@@ -810,11 +790,7 @@ async fn a_failed_start_closes_the_log_it_opened() {
         Some(1),
         "closed cleanly: no crash gap"
     );
-    client
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(client, b).await;
 }
 
 /// The log's segment files under `dir`, oldest first.
@@ -868,11 +844,7 @@ async fn a_failed_read_of_the_log_is_tried_again_not_skipped() {
     std::fs::remove_dir(&first).expect("remove the directory");
     std::fs::rename(&aside, &first).expect("the segment back");
     assert_eq!(take_acked(&mut sub, 60).await, expect(0..60));
-    client
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(client, b).await;
 }
 
 /// A damaged batch at the end of a topic (nothing readable after it yet) is skipped, counted
@@ -925,11 +897,7 @@ async fn damage_at_the_end_of_a_topic_is_not_read_again_at_every_write() {
         "{skipped} reads of the damage in {:?}",
         started.elapsed()
     );
-    client
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(client, b).await;
 }
 
 /// A durable consumer whose client stops reading (STOP_SENDING) with a message in flight: the
@@ -991,11 +959,7 @@ async fn a_durable_consumer_that_stops_reading_keeps_its_unsettled_message() {
         .await
         .expect("resubscribe");
     assert_eq!(take_acked(&mut sub, 1).await, expect(0..1));
-    client
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(client, b).await;
 }
 
 /// A new durable consumer subscribing at `latest` starts past every message published before

@@ -108,11 +108,7 @@ async fn every_documented_metric_is_exported() {
     };
     assert_eq!(value("aqueduct_log_frames_committed_total"), 4.0);
     assert!(value("aqueduct_log_commit_wait_seconds_total") > 0.0);
-    client
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(client, b).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1033,11 +1033,7 @@ async fn close_reports_an_ack_the_broker_refused() {
         .await
         .expect_err("the second ACK was refused");
     assert_eq!(err.code(), Some(ErrorCode::NOT_IN_FLIGHT), "{err}");
-    client
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(client, b).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -43,6 +43,15 @@ pub async fn until(what: &str, mut cond: impl FnMut() -> bool) {
     .await
 }
 
+/// Close `client` (everything it published must have been taken) and stop `broker` cleanly.
+pub async fn close_and_stop(client: Client, broker: TestBroker) {
+    client
+        .close()
+        .await
+        .expect("close: everything published was taken");
+    broker.stop().await.expect("clean shutdown");
+}
+
 pub struct TestBroker {
     pub addr: SocketAddr,
     pub metrics_addr: SocketAddr,
