@@ -191,6 +191,12 @@ pub enum Control {
         seq: u64,
         updates: Vec<Update>,
     },
+    /// The sender is shutting down: it writes no more copies on this connection (it finishes
+    /// its data stream once the copies still queued are written) and wants to hear when the
+    /// receiver has published them all (the receiver's control FIN). The receiver forgets the
+    /// sender's interest at once. Acted on by the transport (which lets go of the connection
+    /// without closing it and calls [`Mesh::handle_disconnected`]), not by [`Mesh::handle_control`].
+    Leaving,
 }
 
 /// Entries in one control message at most: an entry takes at most 517 bytes (two 255-byte
@@ -734,6 +740,8 @@ impl Mesh {
                 }
                 true
             }
+            // The transport's to act on (see [`Control::Leaving`]).
+            Control::Leaving => true,
             Control::Delta {
                 session,
                 seq,
@@ -766,7 +774,11 @@ impl Mesh {
     fn handle_held(&mut self, conn: ConnId, held: Held, control: Control) -> bool {
         let (Control::Snapshot { session, .. }
         | Control::SnapshotPart { session, .. }
-        | Control::Delta { session, .. }) = &control;
+        | Control::Delta { session, .. }) = &control
+        else {
+            // The transport's to act on (see [`Control::Leaving`]); it forgets the connection.
+            return true;
+        };
         let run = session >> RUN_SHIFT;
         let restarted = match self.peers.get(&held.node) {
             None => true,

@@ -73,6 +73,7 @@ pub fn encode_control(control: &Control, out: &mut Vec<u8>) {
             seq,
             updates,
         } => (3u8, *session, *seq, updates.clone()),
+        Control::Leaving => (4u8, 0, 0, Vec::new()),
     };
     out.put_u8(kind);
     out.put_u64_le(session);
@@ -220,6 +221,13 @@ pub fn decode_control(buf: &[u8]) -> Result<(Control, usize), MeshCodecError> {
             seq,
             updates,
         },
+        4 if session == 0 && seq == 0 && updates.is_empty() => Control::Leaving,
+        4 => {
+            return Err(MeshCodecError::Invalid {
+                offset: 4,
+                problem: "a leaving message carries no session, sequence number or entries".into(),
+            })
+        }
         k => {
             return Err(MeshCodecError::Invalid {
                 offset: 4,
@@ -334,6 +342,27 @@ mod tests {
                 decode_control(&buf[..cut]),
                 Err(MeshCodecError::Incomplete { .. })
             ));
+        }
+    }
+
+    /// A leaving message is kind 4 with nothing in it: 21 bytes after the length.
+    #[test]
+    fn leaving_is_kind_4_with_no_session_and_no_entries() {
+        let mut buf = Vec::new();
+        encode_control(&Control::Leaving, &mut buf);
+        let mut want = vec![21, 0, 0, 0, 4];
+        want.extend_from_slice(&[0; 20]);
+        assert_eq!(buf, want);
+        assert_eq!(decode_control(&buf), Ok((Control::Leaving, 25)));
+        // With a session, a sequence number or an entry it is not a leaving message.
+        for at in [5, 13, 21] {
+            let mut bad = buf.clone();
+            bad[at] = 1;
+            let e = decode_control(&bad).expect_err("refused");
+            assert!(
+                matches!(e, MeshCodecError::Invalid { .. }),
+                "byte {at}: {e}"
+            );
         }
     }
 

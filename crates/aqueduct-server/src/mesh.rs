@@ -963,6 +963,8 @@ impl Driver {
         let mut conns: HashMap<ConnId, Link> = HashMap::new();
         let mut tasks = JoinSet::new();
         let mut next_conn = 1u64;
+        // Turns true when this node shuts down: every connection leaves (see `leave`).
+        let (leaving_tx, leaving) = watch::channel(false);
         // Per peer ever connected: how often it came back after being disconnected (a
         // duplicate connection replaced while connected is no reconnect).
         let mut reconnects: HashMap<NodeId, u64> = HashMap::new();
@@ -1018,6 +1020,7 @@ impl Driver {
                     id,
                     ctl: ctl_rx,
                     retire: retire_rx,
+                    leaving: leaving.clone(),
                     queue,
                     broker: self.broker.clone(),
                     mesh: self.handle.clone(),
@@ -1071,6 +1074,21 @@ impl Driver {
                             self.mesh.handle_dial_failed(now, addr);
                         }
                     }
+                }
+                Some(Event::Control {
+                    conn,
+                    control: Control::Leaving,
+                    ..
+                }) => {
+                    // The peer is shutting down. Its interest is forgotten now; the connection
+                    // is let go of, not closed: its control writer finishes the control stream
+                    // once every copy the peer wrote on it is published here (which the peer
+                    // waits for before it closes it).
+                    if let Some(link) = conns.get_mut(&conn) {
+                        info!(peer = %link.node, "cluster peer leaving (shutting down)");
+                        link.let_go();
+                    }
+                    self.mesh.handle_disconnected(now, conn);
                 }
                 Some(Event::Control { conn, control, .. }) => {
                     self.mesh.handle_control(conn, control);
@@ -1187,13 +1205,72 @@ impl Driver {
             });
             self.queues.store(Arc::new(queues));
         }
+        self.leave(&mut conns, &leaving_tx).await;
         for link in conns.values() {
-            link.conn.close(0u32.into(), b"broker shutting down");
+            link.conn.close(0u32.into(), SHUTTING_DOWN);
         }
         tasks.shutdown().await;
         info!("cluster mesh stopped");
     }
+
+    /// Leave the cluster gracefully (shutdown): tell each peer (`Control::Leaving`), write the
+    /// copies still queued for it, finish the data stream, and close each connection once its
+    /// peer has published every copy written on it (its control FIN), for at most
+    /// [`LEAVE_WAIT`]. `conns` keeps the connections that did not end in time.
+    async fn leave(&mut self, conns: &mut HashMap<ConnId, Link>, leaving: &watch::Sender<bool>) {
+        if conns.is_empty() {
+            return;
+        }
+        leaving.send_replace(true);
+        let mut message = Vec::new();
+        encode_control(&Control::Leaving, &mut message);
+        conns.retain(|_, link| match link.ctl.try_send(message.clone()) {
+            Ok(()) => true,
+            // Its control writer is gone or stuck: nothing to wait for.
+            Err(_) => {
+                link.conn.close(0u32.into(), SHUTTING_DOWN);
+                false
+            }
+        });
+        let left = tokio::time::timeout(LEAVE_WAIT, async {
+            while !conns.is_empty() {
+                match self.rx.recv().await {
+                    Some(Event::Closed { conn } | Event::Broken { conn, .. }) => {
+                        conns.remove(&conn);
+                    }
+                    // Leaving too (a whole cluster stopping): the same as above, or each would
+                    // wait for the other's confirmation until LEAVE_WAIT.
+                    Some(Event::Control {
+                        conn,
+                        control: Control::Leaving,
+                        ..
+                    }) => {
+                        if let Some(link) = conns.get_mut(&conn) {
+                            link.let_go();
+                        }
+                    }
+                    // Dropped: a control message's hold on its reader is released, a connection
+                    // dialed or accepted meanwhile is closed.
+                    Some(_) => {}
+                    None => break,
+                }
+            }
+        })
+        .await;
+        if left.is_err() {
+            warn!(
+                peers = conns.len(),
+                "cluster peers did not confirm within {LEAVE_WAIT:?} that they published the copies this node sent them: closing; those not yet published there may be lost"
+            );
+        }
+    }
 }
+
+/// The close reason of a mesh connection when its node shuts down.
+const SHUTTING_DOWN: &[u8] = b"broker shutting down";
+
+/// How long a node shutting down waits for its peers to publish the copies it sent them.
+pub(crate) const LEAVE_WAIT: Duration = Duration::from_secs(5);
 
 /// A mesh connection as the driver holds it.
 struct Link {
@@ -1205,6 +1282,15 @@ struct Link {
     queue: Arc<PeerQueue>,
     /// Set when the mesh keeps the pair's other connection: finish and close gracefully.
     retire: watch::Sender<bool>,
+}
+
+impl Link {
+    /// Say nothing more on its control stream: its writer then finishes the stream once every
+    /// copy the peer wrote on the connection is published here (the peer is leaving and waits
+    /// for that), without the connection being closed or retired.
+    fn let_go(&mut self) {
+        self.ctl = mpsc::channel(1).0;
+    }
 }
 
 /// Control messages (interest updates) that may wait for a peer's control stream. A peer that
@@ -1504,6 +1590,9 @@ struct PeerTask {
     ctl: mpsc::Receiver<Vec<u8>>,
     /// Turns true when this connection is a duplicate to retire.
     retire: watch::Receiver<bool>,
+    /// Turns true when this node shuts down: write what is queued, finish, wait until the peer
+    /// has published it all, close.
+    leaving: watch::Receiver<bool>,
     /// Copies to write (when this connection owns its node's queue).
     queue: Arc<PeerQueue>,
     broker: Arc<Broker>,
@@ -1585,6 +1674,7 @@ async fn serve_peer(link: PeerTask) {
         id,
         mut ctl,
         retire,
+        leaving,
         queue,
         broker,
         mesh,
@@ -1628,6 +1718,19 @@ async fn serve_peer(link: PeerTask) {
         }
         let mut buf = BytesMut::new();
         let mut retire = retire.clone();
+        let mut leaving = leaving.clone();
+        // Finish the stream and wait until the peer has published all of it (`stopped`
+        // resolves once the finished stream is acknowledged, i.e. received; the peer's control
+        // FIN says published).
+        let finish = |mut send: quinn::SendStream| {
+            let published = peer_published_rx.clone();
+            async move {
+                let _ = send.finish();
+                let _ = send.stopped().await;
+                let _ = published.clone().wait_for(|done| *done).await;
+                End::SentAll
+            }
+        };
         // However this ends (retired and read, or the connection gone), the next owner may
         // write after it.
         let _let_go = LetGo(&queue, id);
@@ -1639,14 +1742,12 @@ async fn serve_peer(link: PeerTask) {
             notified.as_mut().enable();
             if *retire.borrow() {
                 // Retired: what it wrote is all it writes. Finish, and wait until the peer has
-                // published it all (`stopped` resolves once the finished stream is acknowledged,
-                // i.e. received; the peer's control FIN says published). Only then may the next
-                // owner write: its copies cannot overtake these.
-                let _ = send.finish();
-                let _ = send.stopped().await;
-                let _ = peer_published_rx.clone().wait_for(|done| *done).await;
-                return End::SentAll;
+                // published it all. Only then may the next owner write: its copies cannot
+                // overtake these.
+                return finish(send).await;
             }
+            // Leaving: what is queued is still written (below), then the same.
+            let leaving_now = *leaving.borrow();
             if queue.may_write(id) {
                 waiting_since = None;
                 queue.take(&mut buf, DATA_WRITE, Instant::now());
@@ -1664,6 +1765,9 @@ async fn serve_peer(link: PeerTask) {
                 waiting_since = None;
             }
             if buf.is_empty() {
+                if leaving_now {
+                    return finish(send).await;
+                }
                 // A timer only while waiting for the other connection to let go.
                 let patience = async {
                     match waiting_since {
@@ -1676,6 +1780,7 @@ async fn serve_peer(link: PeerTask) {
                 tokio::select! {
                     _ = notified => {}
                     _ = retire.changed() => {}
+                    _ = leaving.changed() => {}
                     _ = patience => {}
                 }
                 continue;
@@ -1925,7 +2030,8 @@ async fn serve_peer(link: PeerTask) {
         tokio::select! {
             e = &mut control_out => break e,
             e = &mut data_out, if !sent_all => match e {
-                End::SentAll if peer_done => break End::Gone,
+                // Leaving, the peer's part (its copies to this node) does not matter.
+                End::SentAll if peer_done || *leaving.borrow() => break End::Gone,
                 End::SentAll => sent_all = true,
                 e => break e,
             },
@@ -1958,6 +2064,8 @@ async fn serve_peer(link: PeerTask) {
     };
     if *retire.borrow() {
         conn.close(0u32.into(), aqueduct_core::mesh::DUPLICATE.as_bytes());
+    } else if *leaving.borrow() {
+        conn.close(0u32.into(), SHUTTING_DOWN);
     }
     let _ = events.send(match end {
         End::Gone | End::PeerRetired | End::SentAll => Event::Closed { conn: id },

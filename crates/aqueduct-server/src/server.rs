@@ -675,6 +675,24 @@ impl Server {
             // can make dead letters, whose offsets only a log still open records.
             connections.shutdown().await;
         }
+        // Stopped, not just told to: it makes dead letters (expired ack waits) under the log's
+        // order, which must come before the log closes, and hands them to the mesh.
+        ticker.stop_within(Some(Duration::ZERO)).await;
+        let _ = checkpoint_stop.send(true);
+        if let Some(task) = checkpointer {
+            // Its last save must finish.
+            task.stop_within(None).await;
+        }
+        // The mesh before the endpoint closes (its connections are on it) and before the log:
+        // it leaves gracefully, waiting up to LEAVE_WAIT for its peers to publish the copies it
+        // sent them (the handed-over jobs of the members that just left among them), and it
+        // logs the copies peers forward and the dead letters of its slow consumers, all of which
+        // must reach the log before it closes.
+        let _ = mesh_stop.send(true);
+        if let Some(task) = mesh_task {
+            task.stop_within(Some(crate::mesh::LEAVE_WAIT + Duration::from_secs(1)))
+                .await;
+        }
         endpoint.close(ErrorCode::SHUTTING_DOWN.0.into(), b"broker shutting down");
         if let Some(wt) = &wt_endpoint {
             wt.close(ErrorCode::SHUTTING_DOWN.0.into(), b"broker shutting down");
@@ -686,20 +704,6 @@ impl Server {
             }
         })
         .await;
-        // Stopped, not just told to: it makes dead letters (expired ack waits) under the log's
-        // order, which must come before the log closes.
-        ticker.stop_within(Some(Duration::ZERO)).await;
-        let _ = checkpoint_stop.send(true);
-        if let Some(task) = checkpointer {
-            // Its last save must finish.
-            task.stop_within(None).await;
-        }
-        // The mesh before the log: it logs the copies peers forward and the dead letters of its
-        // slow consumers, all of which must reach the log before it closes.
-        let _ = mesh_stop.send(true);
-        if let Some(task) = mesh_task {
-            task.stop_within(Some(Duration::from_secs(2))).await;
-        }
         if let Some(d) = shared.durable.clone() {
             // Write what is queued and close the log cleanly (blocking file I/O). Nothing that
             // hands out offsets runs any more.

@@ -1219,6 +1219,75 @@ async fn copies_received_but_not_yet_published_survive_the_switch_in_order() {
     stop_all(nodes).await;
 }
 
+/// A node shutting down while its peer is still publishing the copies it sent: a block-policy
+/// subscriber on node 1 that reads nothing holds node 1's reader of node 0's copies (for
+/// `block_timeout`, then it is closed as a slow consumer) when node 0 stops. Node 0 tells node
+/// 1 it is leaving and closes the connection only once node 1 has *published* every copy:
+/// before, it closed the connection at once, and the copies node 1 had received but not yet
+/// published were lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_shutting_down_waits_until_its_peer_published_its_copies() {
+    // The hold ends within the 5 s a leaving node waits.
+    let Cluster { mut nodes, _dir } =
+        unjoined(2, block_on_node_1(16, Duration::from_millis(1_500))).await;
+    node_1_dials_first(&nodes).await;
+    let stalled = stalled_subscriber(&nodes[1], "sw/#").await;
+    let (_reader, mut sub) = subscribed_on_node_1(&nodes, "sw/#").await;
+    let publisher = nodes[0].client().await;
+    // More than the stalled subscriber takes: node 1's reader is held with copies to publish.
+    const ALL: usize = 400;
+    publish_numbered(&publisher, 0, ALL).await;
+    let mesh0 = nodes[0].control.mesh().expect("on").clone();
+    until("node 0 to write every copy", || {
+        mesh0
+            .peer_counters()
+            .first()
+            .is_some_and(|c| c.forwarded == ALL as u64 && c.queued == 0)
+    })
+    .await;
+    drop(publisher);
+    let stopping = tokio::spawn(nodes.remove(0).stop());
+    expect_numbered_in_order(&mut sub, ALL).await;
+    stopping.await.expect("join").expect("clean shutdown");
+    assert_eq!(nodes[0].broker.slow_consumers_disconnected(), 1);
+    drop(stalled);
+    stop_all(nodes).await;
+}
+
+/// A whole cluster stopping at once: each node leaving takes the other's leaving message as its
+/// cue to confirm (once it has published what the other sent), so neither waits for the other
+/// until the leave's limit (5 s), which both did when a leaving node answered no one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_stopping_together_confirm_each_other_s_leave() {
+    let c = cluster(2).await;
+    formed(&c).await;
+    let far = c.nodes[1].client().await;
+    let mut sub = far.subscribe("both").await.expect("subscribe on node 1");
+    until("node 0 to learn node 1's interest", || {
+        wants(&c.nodes[0], "node-1", "both")
+    })
+    .await;
+    let publisher = c.nodes[0].client().await;
+    let confirm = aqueduct_client::PublishOptions {
+        confirm: true,
+        ..Default::default()
+    };
+    publisher
+        .publish_with("both", "x", &confirm)
+        .await
+        .expect("publish");
+    assert_eq!(&next(&mut sub).await.body()[..], b"x");
+    drop((publisher, sub, far));
+    let Cluster { nodes, _dir } = c;
+    let started = std::time::Instant::now();
+    let stops = nodes.into_iter().map(|b| tokio::spawn(b.stop()));
+    for stop in stops.collect::<Vec<_>>() {
+        stop.await.expect("join").expect("clean shutdown");
+    }
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(4), "stopping took {took:?}");
+}
+
 /// A traced message published on node 0 and delivered on node 1 is one trace: node 1's
 /// `deliver` span is a child of node 0's `publish` span (the forwarded copy carries the
 /// broker's context), and the subscriber there sees that span as its parent.
