@@ -1073,6 +1073,41 @@ async fn subscribed_on_node_1(
     (reader, sub)
 }
 
+/// Node 1 (which dialed node 0) holding node 0's copies: a stalled block-policy subscriber to
+/// `sw/#` on node 1 and a reading one (`sub`), and `n` numbered messages published on node 0
+/// and written to node 1 — more than the stalled subscriber takes, so node 1's reader of the
+/// connection is held with copies still to publish.
+struct HeldOnNode1 {
+    stalled: (Raw, RawStream),
+    reader: aqueduct_client::Client,
+    sub: aqueduct_client::Subscription,
+    publisher: aqueduct_client::Client,
+    mesh0: aqueduct_server::mesh::MeshHandle,
+}
+
+async fn copies_held_on_node_1(nodes: &[TestBroker], n: usize) -> HeldOnNode1 {
+    node_1_dials_first(nodes).await;
+    let stalled = stalled_subscriber(&nodes[1], "sw/#").await;
+    let (reader, sub) = subscribed_on_node_1(nodes, "sw/#").await;
+    let publisher = nodes[0].client().await;
+    publish_numbered(&publisher, 0, n).await;
+    let mesh0 = nodes[0].control.mesh().expect("on").clone();
+    until("node 0 to write the copies", || {
+        mesh0
+            .peer_counters()
+            .first()
+            .is_some_and(|c| c.forwarded == n as u64 && c.queued == 0)
+    })
+    .await;
+    HeldOnNode1 {
+        stalled,
+        reader,
+        sub,
+        publisher,
+        mesh0,
+    }
+}
+
 /// A raw subscriber to `filter` on `b` with a tiny receive window, that reads nothing.
 async fn stalled_subscriber(b: &TestBroker, filter: &str) -> (Raw, RawStream) {
     let before = b.broker.subscriber_count();
@@ -1179,23 +1214,16 @@ async fn copies_received_but_not_yet_published_survive_the_switch_in_order() {
     // The hold ends within the 5 s a retired connection is given to finish.
     let Cluster { nodes, _dir } =
         unjoined(2, block_on_node_1(16, Duration::from_millis(1_500))).await;
-    node_1_dials_first(&nodes).await;
-    let stalled = stalled_subscriber(&nodes[1], "sw/#").await;
-    let (_reader, mut sub) = subscribed_on_node_1(&nodes, "sw/#").await;
-    let publisher = nodes[0].client().await;
-    // On the old connection: more than the stalled subscriber takes, so node 1's reader of it
-    // is held with copies still to publish.
+    // On the old connection: node 1's reader of it is held with copies still to publish.
     const OLD: usize = 400;
     const ALL: usize = 1_000;
-    publish_numbered(&publisher, 0, OLD).await;
-    let mesh0 = nodes[0].control.mesh().expect("on").clone();
-    until("node 0 to write the first copies", || {
-        mesh0
-            .peer_counters()
-            .first()
-            .is_some_and(|c| c.forwarded == OLD as u64 && c.queued == 0)
-    })
-    .await;
+    let HeldOnNode1 {
+        stalled,
+        reader: _reader,
+        mut sub,
+        publisher,
+        mesh0,
+    } = copies_held_on_node_1(&nodes, OLD).await;
     // Node 0 dials too: its connection replaces node 1's; the rest go out on it.
     nodes[0].control.set_cluster_peers(vec![nodes[1].addr]);
     until("the duplicate to be retired", || {
@@ -1230,21 +1258,14 @@ async fn a_node_shutting_down_waits_until_its_peer_published_its_copies() {
     // The hold ends within the 5 s a leaving node waits.
     let Cluster { mut nodes, _dir } =
         unjoined(2, block_on_node_1(16, Duration::from_millis(1_500))).await;
-    node_1_dials_first(&nodes).await;
-    let stalled = stalled_subscriber(&nodes[1], "sw/#").await;
-    let (_reader, mut sub) = subscribed_on_node_1(&nodes, "sw/#").await;
-    let publisher = nodes[0].client().await;
-    // More than the stalled subscriber takes: node 1's reader is held with copies to publish.
     const ALL: usize = 400;
-    publish_numbered(&publisher, 0, ALL).await;
-    let mesh0 = nodes[0].control.mesh().expect("on").clone();
-    until("node 0 to write every copy", || {
-        mesh0
-            .peer_counters()
-            .first()
-            .is_some_and(|c| c.forwarded == ALL as u64 && c.queued == 0)
-    })
-    .await;
+    let HeldOnNode1 {
+        stalled,
+        reader: _reader,
+        mut sub,
+        publisher,
+        ..
+    } = copies_held_on_node_1(&nodes, ALL).await;
     drop(publisher);
     let stopping = tokio::spawn(nodes.remove(0).stop());
     expect_numbered_in_order(&mut sub, ALL).await;
