@@ -1090,15 +1090,19 @@ async fn copies_held_on_node_1(nodes: &[TestBroker], n: usize) -> HeldOnNode1 {
     let stalled = stalled_subscriber(&nodes[1], "sw/#").await;
     let (reader, sub) = subscribed_on_node_1(nodes, "sw/#").await;
     let publisher = nodes[0].client().await;
-    publish_numbered(&publisher, 0, n).await;
     let mesh0 = nodes[0].control.mesh().expect("on").clone();
-    until("node 0 to write the copies", || {
-        mesh0
-            .peer_counters()
-            .first()
-            .is_some_and(|c| c.forwarded == n as u64 && c.queued == 0)
-    })
-    .await;
+    // In two rounds: a block of copies is queued whole, so all of them in one block would
+    // overfill the stalled subscriber's queue without a hold; the second round's find it full.
+    for to in [n / 2, n] {
+        publish_numbered(&publisher, to - n / 2, to).await;
+        until("node 0 to write the copies", || {
+            mesh0
+                .peer_counters()
+                .first()
+                .is_some_and(|c| c.forwarded == to as u64 && c.queued == 0)
+        })
+        .await;
+    }
     HeldOnNode1 {
         stalled,
         reader,
