@@ -928,6 +928,19 @@ fn parse_flush_interval(s: &str) -> Result<Duration, ConfigError> {
 /// Upper bound of `broker.flush_interval`.
 pub const MAX_FLUSH_INTERVAL: Duration = Duration::from_millis(100);
 
+/// A UDP payload size: at least QUIC's minimum, and at most [`aqueduct_udp::MAX_MTU`] (above
+/// it, quinn's segmentation-offload sends, ten datagrams in one, no longer fit a UDP datagram
+/// and all fail).
+fn mtu(key: &'static str, v: u64) -> Result<u16, ConfigError> {
+    range(
+        key,
+        v,
+        aqueduct_udp::MIN_MTU.into(),
+        aqueduct_udp::MAX_MTU.into(),
+    )
+    .map(|v| v as u16)
+}
+
 pub(crate) fn range<T: PartialOrd + std::fmt::Display + Copy>(
     key: &'static str,
     v: T,
@@ -1075,20 +1088,8 @@ impl RawConfig {
             )? as u32,
             send_window: range("transport.send_window", t.send_window, 16 << 10, 1 << 32)?,
             socket_buffer: range("transport.socket_buffer", t.socket_buffer, 0, 1 << 30)? as usize,
-            // Above MAX_MTU, quinn's segmentation-offload sends (ten datagrams in one) no
-            // longer fit a UDP datagram and all fail.
-            initial_mtu: range(
-                "transport.initial_mtu",
-                t.initial_mtu,
-                aqueduct_udp::MIN_MTU.into(),
-                aqueduct_udp::MAX_MTU.into(),
-            )? as u16,
-            max_mtu: range(
-                "transport.max_mtu",
-                t.max_mtu,
-                aqueduct_udp::MIN_MTU.into(),
-                aqueduct_udp::MAX_MTU.into(),
-            )? as u16,
+            initial_mtu: mtu("transport.initial_mtu", t.initial_mtu)?,
+            max_mtu: mtu("transport.max_mtu", t.max_mtu)?,
             // Above 64, a peer's ACKs would come too seldom for the sender's congestion control
             // and loss detection to go by (the 1 ms delay bounds them only in time).
             ack_eliciting_threshold: range(
