@@ -1303,6 +1303,18 @@ const CONTROL_QUEUE: usize = 65_536;
 /// more are waiting: a burst is coalesced, and routing sees the changes within it soon.
 const EVENTS_PER_TURN: usize = 1024;
 
+/// Where a mesh connection's control FIN is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fin {
+    NotYet,
+    Sent,
+    Received,
+}
+
+/// How long a mesh connection that is done waits for its control FIN to be received before it
+/// closes.
+const CLOSE_AFTER_FIN_WAIT: Duration = Duration::from_secs(1);
+
 /// How long a retired duplicate connection waits for the peer to finish its side.
 const RETIRE_WAIT: Duration = Duration::from_secs(5);
 
@@ -1665,6 +1677,117 @@ async fn read_control(
     }
 }
 
+/// Where a connection's writer puts its blocks of copies: its data stream (a recorder in the
+/// unit tests).
+trait BlockSink {
+    /// Write one sealed block; false if the stream is gone.
+    async fn write(&mut self, block: Bytes) -> bool;
+    /// Finish the stream and wait until the peer has published all of it.
+    async fn finish(self) -> End;
+}
+
+/// A mesh connection's data stream, with the signal that the peer has published all of it.
+struct DataStream {
+    send: quinn::SendStream,
+    /// The peer finished its control stream: it has published this stream to its FIN.
+    peer_published: watch::Receiver<bool>,
+}
+
+impl BlockSink for DataStream {
+    async fn write(&mut self, block: Bytes) -> bool {
+        self.send.write_chunk(block).await.is_ok()
+    }
+
+    async fn finish(mut self) -> End {
+        // `stopped` resolves once the finished stream is acknowledged, i.e. received; the
+        // peer's control FIN says published.
+        let _ = self.send.finish();
+        let _ = self.send.stopped().await;
+        let _ = self.peer_published.wait_for(|done| *done).await;
+        End::SentAll
+    }
+}
+
+/// Write the copies queued for the peer on connection `id` while it owns the queue, until it is
+/// retired or this node leaves: then finish the stream and wait until the peer has published
+/// all of it ([`End::SentAll`]).
+async fn write_copies(
+    queue: &PeerQueue,
+    id: ConnId,
+    mut retire: watch::Receiver<bool>,
+    mut leaving: watch::Receiver<bool>,
+    compression: Compression,
+    mut sink: impl BlockSink,
+) -> End {
+    let mut buf = BytesMut::new();
+    // However this ends (retired and read, or the connection gone), the next owner may write
+    // after it.
+    let _let_go = LetGo(queue, id);
+    // Since when this connection has owned the queue while another still was its writer.
+    let mut waiting_since: Option<Instant> = None;
+    loop {
+        let notified = queue.notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if *retire.borrow() {
+            // Retired: what it wrote is all it writes. Finish, and wait until the peer has
+            // published it all. Only then may the next owner write: its copies cannot overtake
+            // these.
+            return sink.finish().await;
+        }
+        // Leaving: what is queued is still written (below), then the same.
+        let leaving_now = *leaving.borrow_and_update();
+        if queue.may_write(id) {
+            waiting_since = None;
+            queue.take(&mut buf, DATA_WRITE, Instant::now());
+        } else if queue.owned_by(id) {
+            // The connection this one replaces has not let go: its last copies may still be on
+            // their way. Bounded: it is closed after RETIRE_WAIT at the latest.
+            let since = *waiting_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= 2 * RETIRE_WAIT {
+                warn!(conn = id.0, "the mesh connection replaced did not let go of its peer's copies: writing them on this one");
+                queue.take_over(id);
+                continue;
+            }
+        } else {
+            // Not the owner (any more): nothing to wait for until it is made owner again.
+            waiting_since = None;
+        }
+        if buf.is_empty() {
+            // Leaving, an owner still waiting for the connection it replaces to let go (a
+            // retired duplicate whose peer has not yet published all it wrote) does not finish
+            // before it does: the copies queued meanwhile (the jobs that the members leaving at
+            // shutdown hand over, say) are this connection's to write once it may.
+            if leaving_now && waiting_since.is_none() {
+                return sink.finish().await;
+            }
+            // A timer only while waiting for the other connection to let go.
+            let patience = async {
+                match waiting_since {
+                    Some(since) => tokio::time::sleep_until((since + 2 * RETIRE_WAIT).into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = notified => {}
+                _ = retire.changed() => {}
+                _ = leaving.changed() => {}
+                _ = patience => {}
+            }
+            continue;
+        }
+        let records = buf.split().freeze();
+        let raw = records.len() as u64;
+        let block = seal_block(&records, compression);
+        let len = block.len() as u64;
+        if !sink.write(block).await {
+            return End::Gone;
+        }
+        queue.bytes.fetch_add(len, Ordering::Relaxed);
+        queue.raw_bytes.fetch_add(raw, Ordering::Relaxed);
+    }
+}
+
 /// One mesh connection, both ways: this node's control messages and copies on two
 /// unidirectional streams of its own, the peer's read from the two it opens (control messages
 /// to the driver, copies published here to the local plain subscribers), until either ends.
@@ -1689,6 +1812,8 @@ async fn serve_peer(link: PeerTask) {
     // done by finishing its control stream once it has published the peer's data stream to
     // its FIN (`published_all`); the other's FIN on that stream is `peer_published`.
     let (published_all, published_all_rx) = watch::channel(false);
+    // This end's control FIN, which tells the peer that its copies are published here.
+    let (fin, fin_rx) = watch::channel(Fin::NotYet);
     let (peer_published, peer_published_rx) = watch::channel(false);
     let control_out = async {
         let Ok(mut send) = conn.open_uni().await else {
@@ -1707,6 +1832,10 @@ async fn serve_peer(link: PeerTask) {
         // watch's sender lives as long as this task: `wait_for` ends only with the signal.)
         let _ = published_all_rx.clone().wait_for(|done| *done).await;
         let _ = send.finish();
+        fin.send_replace(Fin::Sent);
+        // Received by the peer: only now may this end close (below).
+        let _ = send.stopped().await;
+        fin.send_replace(Fin::Received);
         std::future::pending::<End>().await
     };
     let data_out = async {
@@ -1716,85 +1845,19 @@ async fn serve_peer(link: PeerTask) {
         if send.write_all(&[DATA_STREAM]).await.is_err() {
             return End::Gone;
         }
-        let mut buf = BytesMut::new();
-        let mut retire = retire.clone();
-        let mut leaving = leaving.clone();
-        // Finish the stream and wait until the peer has published all of it (`stopped`
-        // resolves once the finished stream is acknowledged, i.e. received; the peer's control
-        // FIN says published).
-        let finish = |mut send: quinn::SendStream| {
-            let published = peer_published_rx.clone();
-            async move {
-                let _ = send.finish();
-                let _ = send.stopped().await;
-                let _ = published.clone().wait_for(|done| *done).await;
-                End::SentAll
-            }
+        let stream = DataStream {
+            send,
+            peer_published: peer_published_rx.clone(),
         };
-        // However this ends (retired and read, or the connection gone), the next owner may
-        // write after it.
-        let _let_go = LetGo(&queue, id);
-        // Since when this connection has owned the queue while another still was its writer.
-        let mut waiting_since: Option<Instant> = None;
-        loop {
-            let notified = queue.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if *retire.borrow() {
-                // Retired: what it wrote is all it writes. Finish, and wait until the peer has
-                // published it all. Only then may the next owner write: its copies cannot
-                // overtake these.
-                return finish(send).await;
-            }
-            // Leaving: what is queued is still written (below), then the same.
-            let leaving_now = *leaving.borrow();
-            if queue.may_write(id) {
-                waiting_since = None;
-                queue.take(&mut buf, DATA_WRITE, Instant::now());
-            } else if queue.owned_by(id) {
-                // The connection this one replaces has not let go: its last copies may still be
-                // on their way. Bounded: it is closed after RETIRE_WAIT at the latest.
-                let since = *waiting_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= 2 * RETIRE_WAIT {
-                    warn!(conn = id.0, "the mesh connection replaced did not let go of its peer's copies: writing them on this one");
-                    queue.take_over(id);
-                    continue;
-                }
-            } else {
-                // Not the owner (any more): nothing to wait for until it is made owner again.
-                waiting_since = None;
-            }
-            if buf.is_empty() {
-                if leaving_now {
-                    return finish(send).await;
-                }
-                // A timer only while waiting for the other connection to let go.
-                let patience = async {
-                    match waiting_since {
-                        Some(since) => {
-                            tokio::time::sleep_until((since + 2 * RETIRE_WAIT).into()).await
-                        }
-                        None => std::future::pending().await,
-                    }
-                };
-                tokio::select! {
-                    _ = notified => {}
-                    _ = retire.changed() => {}
-                    _ = leaving.changed() => {}
-                    _ = patience => {}
-                }
-                continue;
-            }
-            let records = buf.split().freeze();
-            let raw = records.len() as u64;
-            let block = seal_block(&records, compression);
-            let len = block.len() as u64;
-            if send.write_chunk(block).await.is_err() {
-                return End::Gone;
-            }
-            queue.bytes.fetch_add(len, Ordering::Relaxed);
-            queue.raw_bytes.fetch_add(raw, Ordering::Relaxed);
-        }
+        write_copies(
+            &queue,
+            id,
+            retire.clone(),
+            leaving.clone(),
+            compression,
+            stream,
+        )
+        .await
     };
     let inbound = async {
         let mut streams = Vec::new();
@@ -2014,7 +2077,7 @@ async fn serve_peer(link: PeerTask) {
     // end by the peer, and the peer's read here to its end (what it carries is delivered).
     // Neither writer nor reader is cut short for the other; bounded by RETIRE_WAIT.
     tokio::pin!(control_out, data_out, inbound);
-    let (mut sent_all, mut peer_done) = (false, false);
+    let (mut sent_all, mut peer_done, mut control_ended) = (false, false, false);
     let mut published_here = published_all_rx.clone();
     let mut retired = retire.clone();
     let retired_for_long = async move {
@@ -2028,7 +2091,10 @@ async fn serve_peer(link: PeerTask) {
     tokio::pin!(peer_retired_for_long);
     let end = loop {
         tokio::select! {
-            e = &mut control_out => break e,
+            e = &mut control_out => {
+                control_ended = true;
+                break e;
+            }
             e = &mut data_out, if !sent_all => match e {
                 // Leaving, the peer's part (its copies to this node) does not matter.
                 End::SentAll if peer_done || *leaving.borrow() => break End::Gone,
@@ -2062,6 +2128,30 @@ async fn serve_peer(link: PeerTask) {
             }
         }
     };
+    if !control_ended && !matches!(end, End::Broken(_)) {
+        // The control FIN that tells the peer its copies are published must reach it before
+        // the close: a close discards what is not sent yet, and the close itself can be held
+        // back (by lost path-MTU probes filling the congestion window), which left the peer
+        // waiting for the FIN until its keep-alive drew a stateless reset. The control writer
+        // may not have seen yet that everything is published here: one more turn for it to
+        // finish the stream; then, if it did, a bounded wait for the FIN to be received.
+        tokio::select! {
+            biased;
+            _ = &mut control_out => {}
+            _ = std::future::ready(()) => {}
+        }
+        if *fin_rx.borrow() == Fin::Sent {
+            let mut fin = fin_rx.clone();
+            let _ = tokio::time::timeout(CLOSE_AFTER_FIN_WAIT, async {
+                tokio::select! {
+                    _ = fin.wait_for(|f| *f == Fin::Received) => {}
+                    _ = &mut control_out => {}
+                    _ = conn.closed() => {}
+                }
+            })
+            .await;
+        }
+    }
     if *retire.borrow() {
         conn.close(0u32.into(), aqueduct_core::mesh::DUPLICATE.as_bytes());
     } else if *leaving.borrow() {
@@ -2618,6 +2708,113 @@ mod tests {
         // A connection that is not the owner cannot take over.
         q.take_over(a);
         assert!(q.may_write(c));
+    }
+
+    /// What a connection's writer wrote (its blocks' bytes) and whether it finished.
+    #[derive(Clone, Default)]
+    struct Recorder(Arc<Mutex<(BytesMut, bool)>>);
+
+    impl BlockSink for Recorder {
+        async fn write(&mut self, block: Bytes) -> bool {
+            self.0.lock().expect("recorder").0.extend_from_slice(&block);
+            true
+        }
+
+        async fn finish(self) -> End {
+            self.0.lock().expect("recorder").1 = true;
+            End::SentAll
+        }
+    }
+
+    impl Recorder {
+        /// Copies written so far, and whether the stream was finished.
+        fn written(&self) -> (usize, bool) {
+            let mut guard = self.0.lock().expect("recorder");
+            let mut copies = 0;
+            let mut buf = guard.0.clone();
+            while let Some(block) = next_block(&mut buf).expect("valid blocks") {
+                copies += records_of(block);
+            }
+            guard.0 = buf;
+            (copies, guard.1)
+        }
+    }
+
+    /// A node leaving while the connection that owns a peer's queue still waits for a retired
+    /// duplicate to let go: the copies queued meanwhile (the jobs its members handed over as
+    /// they left) are written once the duplicate lets go, and only then is the stream finished.
+    /// (The writer finished at once, leaving them queued, and they were lost with the node.)
+    #[tokio::test]
+    async fn a_leaving_owner_writes_what_is_queued_once_the_duplicate_lets_go() {
+        let (retired, kept) = (ConnId(1), ConnId(2));
+        let q = PeerQueue::new(16);
+        q.set_owner(retired);
+        assert!(q.may_write(retired), "the duplicate wrote copies");
+        q.set_owner(kept);
+        let (_retire, not_retired) = watch::channel(false);
+        let (leave, leaving) = watch::channel(false);
+        let sink = Recorder::default();
+        let writer = write_copies(
+            &q,
+            kept,
+            not_retired,
+            leaving,
+            Compression::None,
+            sink.clone(),
+        );
+        tokio::pin!(writer);
+        let copies = 3;
+        for _ in 0..copies {
+            q.push(Bytes::from(record()), None);
+        }
+        leave.send_replace(true);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), &mut writer)
+                .await
+                .is_err(),
+            "the writer waits for the duplicate, not finishing without the copies"
+        );
+        assert_eq!(sink.written(), (0, false));
+        q.let_go(retired);
+        let end = tokio::time::timeout(Duration::from_secs(10), &mut writer)
+            .await
+            .expect("the writer ends once it has written the queue");
+        assert_eq!(end, End::SentAll);
+        assert_eq!(
+            sink.written(),
+            (copies, true),
+            "every copy written, then finished"
+        );
+        assert_eq!(q.depth(), 0);
+    }
+
+    /// Not the owner, or the owner with nothing queued: a leaving writer finishes at once.
+    #[tokio::test]
+    async fn a_leaving_writer_with_nothing_to_write_finishes_at_once() {
+        let (owner, other) = (ConnId(1), ConnId(2));
+        let q = PeerQueue::new(16);
+        q.set_owner(owner);
+        q.push(Bytes::from(record()), None);
+        for (conn, copies) in [(other, 0), (owner, 1)] {
+            let (_retire, not_retired) = watch::channel(false);
+            let (_leave, leaving) = watch::channel(true);
+            let sink = Recorder::default();
+            let end = tokio::time::timeout(
+                Duration::from_secs(10),
+                write_copies(
+                    &q,
+                    conn,
+                    not_retired,
+                    leaving,
+                    Compression::None,
+                    sink.clone(),
+                ),
+            )
+            .await
+            .expect("finishes");
+            assert_eq!(end, End::SentAll);
+            assert_eq!(sink.written(), (copies, true), "conn {}", conn.0);
+        }
     }
 
     /// The receiving side: a new connection's copies wait until the one that carried copies
