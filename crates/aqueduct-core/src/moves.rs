@@ -14,6 +14,10 @@
 //! A move is short (no I/O, no waiting), so a reader that retries soon reads a settled state.
 
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::time::{Duration, Instant};
+
+/// Reads [`Moves::read_settled_within`] tries again at once before it pauses between them.
+const QUICK_READS: usize = 1_000;
 
 /// Moves begun and finished among one durable consumer's places (its subscription's for a
 /// plain consumer, its group's for a group).
@@ -48,6 +52,35 @@ impl Moves {
         let finished = self.finished.load(SeqCst);
         let value = read();
         (self.begun.load(SeqCst) == finished).then_some(value)
+    }
+
+    /// [`read_settled`](Self::read_settled), read again until a read is settled: at once at
+    /// first (a move is short), then after growing pauses — the thread making the move may have
+    /// been preempted in the middle of it, on a busy machine for milliseconds — for at most
+    /// `patience` in all. `None` if moves overlapped every read meanwhile. Blocks the thread:
+    /// for a reader that must not go on with an unsettled read.
+    pub fn read_settled_within<T>(
+        &self,
+        mut read: impl FnMut() -> T,
+        patience: Duration,
+    ) -> Option<T> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(50);
+        for attempt in 0.. {
+            if let Some(value) = self.read_settled(&mut read) {
+                return Some(value);
+            }
+            if start.elapsed() >= patience {
+                break;
+            }
+            if attempt < QUICK_READS {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(5));
+            }
+        }
+        None
     }
 
     /// Moves in progress now (for tests and diagnostics).
@@ -88,5 +121,40 @@ mod tests {
         moves.end();
         assert_eq!(moves.read_settled(|| 5), Some(5));
         assert_eq!(moves.in_progress(), 0);
+    }
+
+    /// A move whose thread is held up in the middle of it (preempted, on a busy machine) for
+    /// longer than a thousand quick reads: a patient read waits it out and reads the message in
+    /// its new place, rather than giving up (a durable consumer's rewind then went on with a
+    /// read that missed the message, and its position skipped it).
+    #[test]
+    fn a_patient_read_waits_out_a_move_held_up_midway() {
+        use std::sync::{Arc, Mutex};
+        let moves = Arc::new(Moves::default());
+        // The message's places: (in flight, queued).
+        let places = Arc::new(Mutex::new((Some(7u64), None::<u64>)));
+        moves.begin_detached();
+        places.lock().expect("places").0 = None; // taken out
+        let mover = {
+            let (moves, places) = (moves.clone(), places.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50)); // held up
+                places.lock().expect("places").1 = Some(7); // placed
+                moves.end();
+            })
+        };
+        let read = || {
+            let p = places.lock().expect("places");
+            p.0.or(p.1)
+        };
+        let got = moves.read_settled_within(read, Duration::from_secs(30));
+        assert_eq!(got, Some(Some(7)), "read where the move placed it");
+        mover.join().expect("mover");
+        // A move that never ends: the read gives up once its patience is spent.
+        moves.begin_detached();
+        assert_eq!(
+            moves.read_settled_within(read, Duration::from_millis(20)),
+            None
+        );
     }
 }

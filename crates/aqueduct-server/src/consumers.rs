@@ -389,10 +389,16 @@ impl Consumers {
                 return;
             }
             live.stop_feeder();
-            let floors = settled(sub.moves(), || sub.unsettled_floor()).unwrap_or_else(|| {
-                warn!(consumer = %key, "durable consumer: its messages kept moving while its client stopped reading; rewound to the last read");
-                sub.unsettled_floor()
-            });
+            // A read that missed a message on its way between two places would move the
+            // position past it for good: wait for a settled one (a move is short; its thread
+            // may be preempted midway, which the quick reads of `settled` did not outlast).
+            let floors = sub
+                .moves()
+                .read_settled_within(|| sub.unsettled_floor(), REWIND_PATIENCE)
+                .unwrap_or_else(|| {
+                    warn!(consumer = %key, "durable consumer: its messages kept moving for {REWIND_PATIENCE:?} while its client stopped reading; rewound to an unsettled read, which may skip one");
+                    sub.unsettled_floor()
+                });
             let mut fed = lock(&live.fed);
             fed.next = floor(&fed.next, floors);
         }
@@ -470,6 +476,9 @@ impl Consumers {
         Ok(true)
     }
 }
+
+/// How long a rewind waits for a read of its consumer's places that no move overlapped.
+const REWIND_PATIENCE: Duration = Duration::from_secs(1);
 
 /// How often a position is read again while messages move between the consumer's places
 /// (see [`aqueduct_core::moves`]) before [`position_of`] gives up for now.

@@ -1176,34 +1176,13 @@ impl Driver {
                 continue;
             }
             unpublished = 0;
-            self.table.store(Arc::new(self.mesh.table()));
-            let before = self.queues.load();
-            let queues: HashMap<NodeId, Arc<PeerQueue>> = self
-                .mesh
-                .peers()
-                .filter_map(|(n, c)| {
-                    let link = conns.get(&c)?;
-                    let known = reconnects.contains_key(n);
-                    let count = reconnects.entry(n.clone()).or_insert(0);
-                    if known && !before.contains_key(n) {
-                        *count += 1;
-                        info!(peer = %n, reconnects = *count, "cluster peer reconnected");
-                    }
-                    link.queue.reconnects.store(*count, Ordering::Relaxed);
-                    link.queue.set_owner(c);
-                    Some((n.clone(), link.queue.clone()))
-                })
-                .collect();
-            // A node's queue lives while it is a peer or a connection to it is being set up.
-            let discarded = &self.handle.discarded;
-            node_queues.retain(|n, q| {
-                let keep = queues.contains_key(n) || conns.values().any(|l| &l.node == n);
-                if !keep {
-                    discarded.fetch_add(q.depth() as u64, Ordering::Relaxed);
-                }
-                keep
-            });
-            self.queues.store(Arc::new(queues));
+            self.publish_routes(&conns, &mut reconnects, &mut node_queues);
+        }
+        // What was handled since the last rebuild counts for the leave (a duplicate retired
+        // just before: the kept connection must own its peer's queue, or no connection
+        // writes what is queued).
+        if unpublished > 0 {
+            self.publish_routes(&conns, &mut reconnects, &mut node_queues);
         }
         self.leave(&mut conns, &leaving_tx).await;
         for link in conns.values() {
@@ -1211,6 +1190,45 @@ impl Driver {
         }
         tasks.shutdown().await;
         info!("cluster mesh stopped");
+    }
+
+    /// Publish the route table and the peers' queues for what the mesh knows now: each peer's
+    /// queue owned by its kept connection; the queues of nodes no longer peers (and with no
+    /// connection being set up) discarded, their copies counted.
+    fn publish_routes(
+        &mut self,
+        conns: &HashMap<ConnId, Link>,
+        reconnects: &mut HashMap<NodeId, u64>,
+        node_queues: &mut HashMap<NodeId, Arc<PeerQueue>>,
+    ) {
+        self.table.store(Arc::new(self.mesh.table()));
+        let before = self.queues.load();
+        let queues: HashMap<NodeId, Arc<PeerQueue>> = self
+            .mesh
+            .peers()
+            .filter_map(|(n, c)| {
+                let link = conns.get(&c)?;
+                let known = reconnects.contains_key(n);
+                let count = reconnects.entry(n.clone()).or_insert(0);
+                if known && !before.contains_key(n) {
+                    *count += 1;
+                    info!(peer = %n, reconnects = *count, "cluster peer reconnected");
+                }
+                link.queue.reconnects.store(*count, Ordering::Relaxed);
+                link.queue.set_owner(c);
+                Some((n.clone(), link.queue.clone()))
+            })
+            .collect();
+        // A node's queue lives while it is a peer or a connection to it is being set up.
+        let discarded = &self.handle.discarded;
+        node_queues.retain(|n, q| {
+            let keep = queues.contains_key(n) || conns.values().any(|l| &l.node == n);
+            if !keep {
+                discarded.fetch_add(q.depth() as u64, Ordering::Relaxed);
+            }
+            keep
+        });
+        self.queues.store(Arc::new(queues));
     }
 
     /// Leave the cluster gracefully (shutdown): tell each peer (`Control::Leaving`), write the
@@ -1770,8 +1788,9 @@ async fn write_copies(
             };
             tokio::select! {
                 _ = notified => {}
-                _ = retire.changed() => {}
-                _ = leaving.changed() => {}
+                // Either sender gone: the driver let go of the connection, which is closing.
+                r = retire.changed() => if r.is_err() { return End::Gone; },
+                r = leaving.changed() => if r.is_err() { return End::Gone; },
                 _ = patience => {}
             }
             continue;
@@ -2134,13 +2153,11 @@ async fn serve_peer(link: PeerTask) {
         // back (by lost path-MTU probes filling the congestion window), which left the peer
         // waiting for the FIN until its keep-alive drew a stateless reset. The control writer
         // may not have seen yet that everything is published here: one more turn for it to
-        // finish the stream; then, if it did, a bounded wait for the FIN to be received.
-        tokio::select! {
-            biased;
-            _ = &mut control_out => {}
-            _ = std::future::ready(()) => {}
-        }
+        // finish the stream; then, if it did, a bounded wait for the FIN to be received. The
+        // copies this end wrote need no more waiting: the next connection may write at once.
+        let _ = futures_util::FutureExt::now_or_never(&mut control_out);
         if *fin_rx.borrow() == Fin::Sent {
+            queue.let_go(id);
             let mut fin = fin_rx.clone();
             let _ = tokio::time::timeout(CLOSE_AFTER_FIN_WAIT, async {
                 tokio::select! {
@@ -2729,13 +2746,13 @@ mod tests {
     impl Recorder {
         /// Copies written so far, and whether the stream was finished.
         fn written(&self) -> (usize, bool) {
-            let mut guard = self.0.lock().expect("recorder");
+            let guard = self.0.lock().expect("recorder");
             let mut copies = 0;
             let mut buf = guard.0.clone();
             while let Some(block) = next_block(&mut buf).expect("valid blocks") {
                 copies += records_of(block);
             }
-            guard.0 = buf;
+            assert!(buf.is_empty(), "whole blocks only");
             (copies, guard.1)
         }
     }
@@ -2769,9 +2786,7 @@ mod tests {
         }
         leave.send_replace(true);
         assert!(
-            tokio::time::timeout(Duration::from_millis(100), &mut writer)
-                .await
-                .is_err(),
+            futures_util::FutureExt::now_or_never(&mut writer).is_none(),
             "the writer waits for the duplicate, not finishing without the copies"
         );
         assert_eq!(sink.written(), (0, false));
@@ -2788,9 +2803,10 @@ mod tests {
         assert_eq!(q.depth(), 0);
     }
 
-    /// Not the owner, or the owner with nothing queued: a leaving writer finishes at once.
+    /// Leaving, a connection that does not own the queue finishes at once; the owner once it
+    /// has written what is queued.
     #[tokio::test]
-    async fn a_leaving_writer_with_nothing_to_write_finishes_at_once() {
+    async fn a_leaving_writer_finishes_once_it_has_written_its_share() {
         let (owner, other) = (ConnId(1), ConnId(2));
         let q = PeerQueue::new(16);
         q.set_owner(owner);
