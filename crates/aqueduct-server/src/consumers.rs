@@ -139,7 +139,9 @@ impl Table {
         let unfed = matches!(live.feeder, Feeder::Starting);
         live.stop_feeder();
         if !unfed {
-            match position_of(live) {
+            // Its last position: worth waiting a moment for a settled read (rare: a
+            // subscription's end).
+            match position_within(live, REWIND_PATIENCE) {
                 Some(position) => self.keep(key, position),
                 // Never settled: the position stored before (lower, so nothing is skipped)
                 // stays; without one, the last read is all there is.
@@ -477,7 +479,8 @@ impl Consumers {
     }
 }
 
-/// How long a rewind waits for a read of its consumer's places that no move overlapped.
+/// How long a rewind, or a consumer's end, waits for a read of its places that no move
+/// overlapped.
 const REWIND_PATIENCE: Duration = Duration::from_secs(1);
 
 /// How often a position is read again while messages move between the consumer's places
@@ -488,13 +491,25 @@ const SETTLED_READS: usize = 1_000;
 /// places to another (a NACK's, an ack-wait timeout's or a leaving member's): `None` if moves
 /// overlapped every one of [`SETTLED_READS`] reads.
 fn position_of(live: &Live) -> Option<ConsumerPosition> {
-    let moves = match &live.group {
-        Some(g) => Some(g.moves()),
-        None => live.members.first().map(|m| m.moves()),
-    };
-    match moves {
+    match moves_of(live) {
         Some(moves) => settled(moves, || read_position(live)),
         None => Some(read_position(live)),
+    }
+}
+
+/// [`position_of`], read again for up to `patience` (see [`Moves::read_settled_within`]).
+fn position_within(live: &Live, patience: Duration) -> Option<ConsumerPosition> {
+    match moves_of(live) {
+        Some(moves) => moves.read_settled_within(|| read_position(live), patience),
+        None => Some(read_position(live)),
+    }
+}
+
+/// The moves among a live consumer's places: its group's, or its subscription's.
+fn moves_of(live: &Live) -> Option<&Moves> {
+    match &live.group {
+        Some(g) => Some(g.moves()),
+        None => live.members.first().map(|m| m.moves()),
     }
 }
 
