@@ -561,6 +561,9 @@ pub struct MeshHandle {
     pub refused_blocks: Arc<AtomicU64>,
     /// Group messages handed to a member on another node because none was left here.
     pub handed_over: Arc<AtomicU64>,
+    /// Peers that did not confirm, within [`LEAVE_WAIT`] of this node's leaving, that they had
+    /// published every copy it sent them (the copies not yet published there may be lost).
+    pub leaves_unconfirmed: Arc<AtomicU64>,
     /// Duplicate connections retired (finished and read to the end, then closed).
     pub retired: Arc<AtomicU64>,
     /// Copies still queued for a peer when it went away (its queue is let go of).
@@ -886,6 +889,7 @@ pub(crate) fn new(
         node: tls.node.clone(),
         refused_blocks: Arc::new(AtomicU64::new(0)),
         handed_over: Arc::new(AtomicU64::new(0)),
+        leaves_unconfirmed: Arc::new(AtomicU64::new(0)),
         retired: Arc::new(AtomicU64::new(0)),
         discarded: Arc::new(AtomicU64::new(0)),
         unplaced: Arc::new(AtomicU64::new(0)),
@@ -1276,6 +1280,9 @@ impl Driver {
         })
         .await;
         if left.is_err() {
+            self.handle
+                .leaves_unconfirmed
+                .fetch_add(conns.len() as u64, Ordering::Relaxed);
             warn!(
                 peers = conns.len(),
                 "cluster peers did not confirm within {LEAVE_WAIT:?} that they published the copies this node sent them: closing; those not yet published there may be lost"
@@ -2536,6 +2543,7 @@ mod tests {
             node: node("a"),
             refused_blocks: Arc::default(),
             handed_over: Arc::default(),
+            leaves_unconfirmed: Arc::default(),
             retired: Arc::default(),
             discarded: Arc::default(),
             unplaced: Arc::default(),

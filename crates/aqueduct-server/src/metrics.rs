@@ -276,6 +276,12 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
         mesh.handed_over.load(std::sync::atomic::Ordering::Relaxed),
     );
     out.single(
+        "aqueduct_mesh_leaves_unconfirmed_total",
+        "counter",
+        "Peers that did not confirm, while this node was shutting down, that they had published every copy it sent them (within 5 s).",
+        mesh.leaves_unconfirmed.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    out.single(
         "aqueduct_mesh_blocks_refused_total",
         "counter",
         "Blocks of copies refused from peers (a compression bomb, a malformed block); the connection is closed.",
