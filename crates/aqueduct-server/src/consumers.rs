@@ -141,7 +141,7 @@ impl Table {
         if !unfed {
             // Its last position: worth waiting a moment for a settled read (rare: a
             // subscription's end).
-            match position_within(live, REWIND_PATIENCE) {
+            match position_of(live, REWIND_PATIENCE) {
                 Some(position) => self.keep(key, position),
                 // Never settled: the position stored before (lower, so nothing is skipped)
                 // stays; without one, the last read is all there is.
@@ -425,7 +425,7 @@ impl Consumers {
         let mut all = t.stored.clone();
         let mut unread = 0;
         for (key, live) in &t.live {
-            match position_of(live) {
+            match position_of(live, SAVE_PATIENCE) {
                 Some(position) => {
                     all.insert(key.clone(), position);
                 }
@@ -483,22 +483,14 @@ impl Consumers {
 /// overlapped.
 const REWIND_PATIENCE: Duration = Duration::from_secs(1);
 
-/// How often a position is read again while messages move between the consumer's places
-/// (see [`aqueduct_core::moves`]) before [`position_of`] gives up for now.
-const SETTLED_READS: usize = 1_000;
+/// How long a periodic save waits for such a read before it keeps the position saved before
+/// (it holds the consumer table meanwhile, so briefly: a move is short and never waits).
+const SAVE_PATIENCE: Duration = Duration::from_millis(1);
 
 /// A live consumer's position, read while none of its messages was on its way from one of its
-/// places to another (a NACK's, an ack-wait timeout's or a leaving member's): `None` if moves
-/// overlapped every one of [`SETTLED_READS`] reads.
-fn position_of(live: &Live) -> Option<ConsumerPosition> {
-    match moves_of(live) {
-        Some(moves) => settled(moves, || read_position(live)),
-        None => Some(read_position(live)),
-    }
-}
-
-/// [`position_of`], read again for up to `patience` (see [`Moves::read_settled_within`]).
-fn position_within(live: &Live, patience: Duration) -> Option<ConsumerPosition> {
+/// places to another (a NACK's, an ack-wait timeout's or a leaving member's), for up to
+/// `patience` (see [`Moves::read_settled_within`]): `None` if moves overlapped every read.
+fn position_of(live: &Live, patience: Duration) -> Option<ConsumerPosition> {
     match moves_of(live) {
         Some(moves) => moves.read_settled_within(|| read_position(live), patience),
         None => Some(read_position(live)),
@@ -511,18 +503,6 @@ fn moves_of(live: &Live) -> Option<&Moves> {
         Some(g) => Some(g.moves()),
         None => live.members.first().map(|m| m.moves()),
     }
-}
-
-/// `read` made while no move of `moves` was in progress, tried up to [`SETTLED_READS`] times
-/// (a move is short and never waits, so one soon ends).
-fn settled<T>(moves: &Moves, mut read: impl FnMut() -> T) -> Option<T> {
-    for _ in 0..SETTLED_READS {
-        if let Some(value) = moves.read_settled(&mut read) {
-            return Some(value);
-        }
-        std::thread::yield_now();
-    }
-    None
 }
 
 /// A live consumer's position: per topic, the lowest offset any of its subscriptions has
