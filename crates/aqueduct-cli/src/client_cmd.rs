@@ -212,6 +212,13 @@ enum Command {
         #[command(subcommand)]
         what: LogCommand,
     },
+    /// Ask the broker what it allows (the protocol's INFO): its version, the largest frame it
+    /// accepts from a client, the largest it sends, and how many subscriptions a connection may
+    /// hold.
+    #[command(
+        after_help = "Example:\n  aqueduct info\n  aqueduct --addr broker.example.com:4242 --ca ca.pem info"
+    )]
+    Info,
     /// Open idle connections (and subscriptions) and hold them, to measure a broker's memory
     /// per connection and per subscription.
     Hold {
@@ -577,6 +584,32 @@ enum TransportArg {
     Webtransport,
 }
 
+/// `aqueduct info`'s output: one line per thing the broker said, unknown ones as "not said".
+fn info_text(info: &aqueduct_client::BrokerInfo) -> String {
+    let said = |v: Option<String>| v.unwrap_or_else(|| "not said".into());
+    let bytes = |v: Option<u32>| said(v.map(|n| format!("{n} bytes")));
+    [
+        format!("broker            {}", said(info.broker.clone())),
+        format!(
+            "protocol          {}",
+            said(info.protocol.map(|v| v.to_string()))
+        ),
+        format!(
+            "max frame in      {} (data_len of a frame to the broker: transport.max_buf_size)",
+            bytes(info.max_data_len)
+        ),
+        format!(
+            "max frame out     {} (data_len of a frame from the broker)",
+            bytes(info.max_delivery_data_len)
+        ),
+        format!(
+            "subscriptions     {} per connection (transport.max_subscriptions_per_connection)",
+            said(info.max_subscriptions.map(|v| v.to_string()))
+        ),
+    ]
+    .join("\n")
+}
+
 async fn connect(cli: &Cli) -> Result<Client> {
     Client::connect(connect_options(cli)?)
         .await
@@ -869,6 +902,23 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             } else {
                 crate::print_line(&report.text())?;
             }
+            return Ok(());
+        }
+        Command::Info => {
+            let info = client.info().await.map_err(|e| match e {
+                aqueduct_client::ClientError::Broker { code, .. }
+                    if code == aqueduct_client::ErrorCode::UNKNOWN_OPCODE =>
+                {
+                    anyhow!(
+                        "the broker at {} does not know INFO (a version before it): its limits \
+                         are the defaults of docs/protocol.md §10 unless its configuration says \
+                         otherwise",
+                        client.remote_address()
+                    )
+                }
+                e => anyhow!(e),
+            })?;
+            crate::print_line(&info_text(&info))?;
             return Ok(());
         }
         Command::Hold {

@@ -70,6 +70,7 @@ fn each_commands_help_lists_the_connection_options_it_uses() {
         &["pub", "--help"][..],
         &["sub", "--help"],
         &["bench", "--help"],
+        &["info", "--help"],
     ] {
         let text = help(args);
         for flag in all {
@@ -895,6 +896,42 @@ fn worker_threads_sizes_the_runtime() {
     assert_eq!(
         metric(&metrics, "aqueduct_runtime_worker_threads"),
         Some(cpus as f64)
+    );
+    stop(broker);
+}
+
+/// `aqueduct info` prints what the broker's INFO answer says: its configured limits.
+#[test]
+fn info_prints_the_broker_s_limits() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, _metrics, _logs) = start_broker_with(
+        home.path(),
+        &[
+            ("AQUEDUCT_TRANSPORT_MAX_BUF_SIZE", "4096"),
+            ("AQUEDUCT_TRANSPORT_MAX_SUBSCRIPTIONS_PER_CONNECTION", "7"),
+        ],
+    );
+    let out = run_client(home.path(), &["--addr", &addr, "info"]);
+    assert_ok(&out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 5, "{text}");
+    assert!(
+        lines[0].starts_with("broker            aqueduct-broker "),
+        "{text}"
+    );
+    assert_eq!(lines[1], "protocol          1");
+    assert!(
+        lines[2].starts_with("max frame in      4096 bytes "),
+        "{text}"
+    );
+    assert!(
+        lines[3].starts_with("max frame out     5120 bytes "),
+        "{text}"
+    );
+    assert!(
+        lines[4].starts_with("subscriptions     7 per connection "),
+        "{text}"
     );
     stop(broker);
 }

@@ -446,6 +446,40 @@ impl Client {
         Subscription::start(handles, reader, early, durable_log).ok_or(ClientError::Closed)
     }
 
+    /// Ask the broker what it allows (protocol.md §4.1): the largest frame it accepts from this
+    /// client (`max_data_len`: a larger publish or batch would end its stream with
+    /// FRAME_TOO_LARGE), the largest it sends, how many subscriptions a connection may hold, and
+    /// its name and version. On a stream of its own, closed after the answer. A broker older
+    /// than INFO answers [`ClientError::Broker`] with [`ErrorCode::UNKNOWN_OPCODE`].
+    ///
+    /// [`ErrorCode::UNKNOWN_OPCODE`]: crate::ErrorCode::UNKNOWN_OPCODE
+    pub async fn info(&self) -> Result<crate::BrokerInfo, ClientError> {
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let (send, recv) = self.inner.conn.open_bi().await?;
+        let mut send = crate::link::FrameSink::new(send);
+        send.queue([Frame::new(id, Wire::Info(crate::BrokerInfo::request())).to_bytes()]);
+        send.finish().await?;
+        let mut reader = FrameReader::new(recv);
+        match reader.next().await? {
+            Some(Frame {
+                message: Wire::Info(info),
+                ..
+            }) => Ok(info),
+            Some(Frame {
+                message: Wire::Error(e),
+                ..
+            }) => Err(ClientError::Broker {
+                code: e.code,
+                reason: e.reason,
+            }),
+            Some(other) => Err(ClientError::Connection(format!(
+                "expected INFO, got {}",
+                other.message.opcode().name()
+            ))),
+            None => Err(ClientError::Closed),
+        }
+    }
+
     /// Wait until the broker has read everything published so far on the default publish
     /// stream (up to 10 s). An error says that a publish sent without `confirm` was refused
     /// ([`ClientError::Broker`] with the broker's code and reason: the first refusal), or that

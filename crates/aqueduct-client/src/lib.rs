@@ -30,6 +30,8 @@ mod subscription;
 mod tls;
 pub mod trace;
 
+/// What [`Client::info`] answers: the broker's limits and version (protocol.md §4.1).
+pub use aqueduct_proto::Info as BrokerInfo;
 pub use aqueduct_proto::{DurableStart, ErrorCode, OverflowPolicy, Priority};
 pub use client::QuicStats;
 pub use client::{Client, PublishOptions, SubscribeOptions};

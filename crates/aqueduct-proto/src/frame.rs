@@ -56,6 +56,7 @@ pub enum Message {
     Ack(Ack),
     Confirm(Confirm),
     Error(ErrorFrame),
+    Info(Info),
 }
 
 /// PUBLISH: a message for a topic (client → broker), or a delivery (broker → client).
@@ -177,6 +178,131 @@ pub struct Confirm {
 pub struct ErrorFrame {
     pub code: ErrorCode,
     pub reason: String,
+}
+
+/// INFO (protocol.md §4.1): a client's request (every field `None`: an empty payload) or the
+/// broker's answer. The payload is entries `key u8 | len u8 | value`, laid out as extension
+/// entries; a key this version does not know is skipped, a known one must have its length and
+/// come at most once.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Info {
+    /// Key 0x01, 1 byte: the protocol version the broker speaks (1).
+    pub protocol: Option<u8>,
+    /// Key 0x02, u32: the largest `data_len` the broker accepts in a frame from this client
+    /// (`transport.max_buf_size`); a larger frame gets FRAME_TOO_LARGE and ends the stream.
+    pub max_data_len: Option<u32>,
+    /// Key 0x03, u32: the largest `data_len` of a frame the broker sends this client.
+    pub max_delivery_data_len: Option<u32>,
+    /// Key 0x04, u32: how many live subscriptions a connection may hold
+    /// (`transport.max_subscriptions_per_connection`).
+    pub max_subscriptions: Option<u32>,
+    /// Key 0x05, 1..=255 bytes of UTF-8: the broker's name and version.
+    pub broker: Option<String>,
+}
+
+/// INFO entry keys (protocol.md §4.1).
+pub mod info_key {
+    pub const PROTOCOL: u8 = 0x01;
+    pub const MAX_DATA_LEN: u8 = 0x02;
+    pub const MAX_DELIVERY_DATA_LEN: u8 = 0x03;
+    pub const MAX_SUBSCRIPTIONS: u8 = 0x04;
+    pub const BROKER: u8 = 0x05;
+}
+
+impl Info {
+    /// A client's request: no entries.
+    pub fn request() -> Info {
+        Info::default()
+    }
+
+    /// The entries, in ascending key order. A `broker` longer than 255 bytes is cut at a
+    /// character boundary.
+    fn entries(&self) -> Vec<(u8, Vec<u8>)> {
+        let mut out = Vec::new();
+        if let Some(v) = self.protocol {
+            out.push((info_key::PROTOCOL, vec![v]));
+        }
+        for (key, v) in [
+            (info_key::MAX_DATA_LEN, self.max_data_len),
+            (info_key::MAX_DELIVERY_DATA_LEN, self.max_delivery_data_len),
+            (info_key::MAX_SUBSCRIPTIONS, self.max_subscriptions),
+        ] {
+            if let Some(v) = v {
+                out.push((key, v.to_le_bytes().to_vec()));
+            }
+        }
+        if let Some(b) = self.broker.as_deref().filter(|b| !b.is_empty()) {
+            let mut end = b.len().min(255);
+            while !b.is_char_boundary(end) {
+                end -= 1;
+            }
+            out.push((info_key::BROKER, b.as_bytes()[..end].to_vec()));
+        }
+        out
+    }
+
+    fn encoded_len(&self) -> usize {
+        self.entries().iter().map(|(_, v)| 2 + v.len()).sum()
+    }
+
+    fn encode<B: BufMut>(&self, out: &mut B) {
+        for (key, value) in self.entries() {
+            out.put_u8(key);
+            out.put_u8(value.len() as u8);
+            out.put_slice(&value);
+        }
+    }
+
+    /// Decode an INFO payload.
+    pub fn decode(payload: &[u8]) -> Result<Info, ProtoError> {
+        let bad = |problem: &'static str| ProtoError::BadPayload {
+            opcode: "INFO",
+            problem,
+            len: payload.len(),
+        };
+        let mut info = Info::default();
+        let mut seen = 0u32;
+        let mut rest = payload;
+        while let Some((&key, r)) = rest.split_first() {
+            let (&len, r) = r.split_first().ok_or(bad("an entry is cut short"))?;
+            let value = r
+                .get(..usize::from(len))
+                .ok_or(bad("an entry is cut short"))?;
+            rest = &r[usize::from(len)..];
+            if (1..=5).contains(&key) {
+                if seen & (1 << key) != 0 {
+                    return Err(bad("a key appears twice"));
+                }
+                seen |= 1 << key;
+            }
+            let u32_of = |v: &[u8]| -> Result<u32, ProtoError> {
+                v.try_into()
+                    .map(u32::from_le_bytes)
+                    .map_err(|_| bad("a u32 entry must be 4 bytes"))
+            };
+            match key {
+                info_key::PROTOCOL => match value {
+                    [v] => info.protocol = Some(*v),
+                    _ => return Err(bad("PROTOCOL must be 1 byte")),
+                },
+                info_key::MAX_DATA_LEN => info.max_data_len = Some(u32_of(value)?),
+                info_key::MAX_DELIVERY_DATA_LEN => {
+                    info.max_delivery_data_len = Some(u32_of(value)?)
+                }
+                info_key::MAX_SUBSCRIPTIONS => info.max_subscriptions = Some(u32_of(value)?),
+                info_key::BROKER => {
+                    let b = std::str::from_utf8(value).map_err(|_| bad("BROKER must be UTF-8"))?;
+                    if b.is_empty() {
+                        return Err(bad("BROKER must not be empty"));
+                    }
+                    info.broker = Some(b.to_owned());
+                }
+                // A key of a later version.
+                _ => {}
+            }
+        }
+        Ok(info)
+    }
 }
 
 impl Publish {
@@ -762,6 +888,7 @@ impl Message {
             Message::Ack(_) => Opcode::Ack,
             Message::Confirm(_) => Opcode::Confirm,
             Message::Error(_) => Opcode::Error,
+            Message::Info(_) => Opcode::Info,
         }
     }
 
@@ -773,7 +900,7 @@ impl Message {
             Message::PublishBatch(m) => Some(&m.ext),
             Message::Nack(m) => Some(&m.ext),
             Message::Ack(m) => Some(&m.ext),
-            Message::Confirm(_) | Message::Error(_) => None,
+            Message::Confirm(_) | Message::Error(_) | Message::Info(_) => None,
         }
     }
 
@@ -854,6 +981,9 @@ impl Message {
                     reason: reason.to_owned(),
                 })
             }
+            // A request's extensions are accepted and ignored (as on any frame they mean
+            // nothing for, §3); the broker's answer carries none.
+            Opcode::Info => Message::Info(Info::decode(&payload)?),
         })
     }
 
@@ -866,6 +996,7 @@ impl Message {
             Message::Nack(_) | Message::Ack(_) => 8,
             Message::Confirm(m) => 8 * m.offsets.len(),
             Message::Error(m) => 2 + m.reason.len(),
+            Message::Info(m) => m.encoded_len(),
         }
     }
 
@@ -886,6 +1017,7 @@ impl Message {
                 out.put_u16_le(m.code.0);
                 out.put_slice(m.reason.as_bytes());
             }
+            Message::Info(m) => m.encode(out),
         }
     }
 
@@ -1009,6 +1141,57 @@ pub fn decode_frame(buf: &Bytes, limits: &Limits) -> Result<(Frame, usize), Deco
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// INFO entries: unknown keys are skipped (later versions add some), a known key must have
+    /// its length and come once, and an entry must be whole.
+    #[test]
+    fn info_entries_are_checked_and_unknown_keys_skipped() {
+        assert_eq!(Info::decode(&[]), Ok(Info::request()));
+        let answer = Info::decode(&[0x01, 1, 1, 0x7F, 3, 9, 9, 9, 0x04, 4, 0x10, 0x27, 0, 0])
+            .expect("an unknown key in the middle");
+        assert_eq!(
+            (
+                answer.protocol,
+                answer.max_subscriptions,
+                answer.max_data_len
+            ),
+            (Some(1), Some(10_000), None)
+        );
+        for (bytes, problem) in [
+            (&[0x01, 1, 1, 0x01, 1, 2][..], "a key appears twice"),
+            (&[0x02, 2, 0, 1][..], "a u32 entry must be 4 bytes"),
+            (&[0x01, 2, 1, 1][..], "PROTOCOL must be 1 byte"),
+            (&[0x05, 0][..], "BROKER must not be empty"),
+            (&[0x05, 1, 0xFF][..], "BROKER must be UTF-8"),
+            (&[0x7F, 5, 1][..], "an entry is cut short"),
+            (&[0x01][..], "an entry is cut short"),
+        ] {
+            match Info::decode(bytes) {
+                Err(ProtoError::BadPayload {
+                    opcode, problem: p, ..
+                }) => {
+                    assert_eq!((opcode, p), ("INFO", problem), "{bytes:?}")
+                }
+                other => panic!("{bytes:?}: {other:?}"),
+            }
+        }
+    }
+
+    /// A broker name longer than an entry holds is cut at a character boundary, never inside
+    /// one (the answer must stay UTF-8).
+    #[test]
+    fn a_long_info_broker_name_is_cut_at_a_character() {
+        let info = Info {
+            broker: Some(format!("{}é", "x".repeat(254))),
+            ..Info::default()
+        };
+        let bytes = Frame::new(1, Message::Info(info)).to_bytes();
+        let (back, _) = decode_frame(&bytes, &Limits::default()).expect("decodes");
+        let Message::Info(back) = back.message else {
+            panic!("not an INFO")
+        };
+        assert_eq!(back.broker, Some("x".repeat(254)));
+    }
 
     fn topic(s: &str) -> TopicName {
         TopicName::try_from(s).expect("valid topic")

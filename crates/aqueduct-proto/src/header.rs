@@ -24,7 +24,7 @@ pub const FLAG_HAS_EXTENSIONS: u8 = 0x40;
 /// Command bits 0..=5: the opcode.
 pub const OPCODE_MASK: u8 = 0x3F;
 
-/// What a frame asks for. Values 0x01..=0x05 come from the seed; 0x06..=0x08 are Aqueduct's.
+/// What a frame asks for. Values 0x01..=0x05 come from the seed; 0x06..=0x09 are Aqueduct's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Opcode {
@@ -44,11 +44,14 @@ pub enum Opcode {
     Confirm = 0x07,
     /// Broker → client: a request failed.
     Error = 0x08,
+    /// Client → broker: what does the broker allow? Broker → client: the answer (limits, its
+    /// version).
+    Info = 0x09,
 }
 
 impl Opcode {
     /// Every opcode, in numeric order.
-    pub const ALL: [Opcode; 8] = [
+    pub const ALL: [Opcode; 9] = [
         Opcode::Publish,
         Opcode::Subscribe,
         Opcode::Unsubscribe,
@@ -57,6 +60,7 @@ impl Opcode {
         Opcode::Ack,
         Opcode::Confirm,
         Opcode::Error,
+        Opcode::Info,
     ];
 
     /// Parse the low 6 bits of a command byte.
@@ -76,6 +80,7 @@ impl Opcode {
             Opcode::Ack => "ACK",
             Opcode::Confirm => "CONFIRM",
             Opcode::Error => "ERROR",
+            Opcode::Info => "INFO",
         }
     }
 }
@@ -219,7 +224,7 @@ mod tests {
         );
         for op in 0..=0x3Fu8 {
             let known = Opcode::from_u8(op);
-            assert_eq!(known.is_some(), (1..=8).contains(&op), "{op}");
+            assert_eq!(known.is_some(), (1..=9).contains(&op), "{op}");
             if let Some(o) = known {
                 assert_eq!(o as u8, op);
             }

@@ -25,7 +25,7 @@ pub use delivery::SharedDelivery;
 pub use error::{DecodeError, ErrorCode, ProtoError};
 pub use ext::{AckMode, Compression, Extensions, OverflowPolicy, Priority, TraceContext};
 pub use frame::{
-    decode_frame, Ack, BatchBuilder, Confirm, DeliveryRef, ErrorFrame, Frame, Limits, Nack,
+    decode_frame, Ack, BatchBuilder, Confirm, DeliveryRef, ErrorFrame, Frame, Info, Limits, Nack,
     Publish, PublishBatch, PublishRef, Subscribe, Unsubscribe,
 };
 pub use header::{FrameHeader, Opcode, HEADER_LEN, MAGIC};

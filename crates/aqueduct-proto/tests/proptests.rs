@@ -158,6 +158,24 @@ fn message() -> impl Strategy<Value = Message> {
             code: ErrorCode(code),
             reason
         })),
+        (
+            prop::option::of(any::<u8>()),
+            prop::option::of(any::<u32>()),
+            prop::option::of(any::<u32>()),
+            prop::option::of(any::<u32>()),
+            prop::option::of("[ -~é]{1,60}"),
+        )
+            .prop_map(
+                |(protocol, max_data_len, max_delivery_data_len, max_subscriptions, broker)| {
+                    Message::Info(Info {
+                        protocol,
+                        max_data_len,
+                        max_delivery_data_len,
+                        max_subscriptions,
+                        broker,
+                    })
+                }
+            ),
     ]
 }
 

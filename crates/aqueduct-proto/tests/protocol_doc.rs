@@ -236,6 +236,20 @@ fn examples() -> Vec<(&'static str, Bytes)> {
             }),
         ),
     ));
+    v.push(("info-request", f(3, Message::Info(Info::request()))));
+    v.push((
+        "info",
+        f(
+            3,
+            Message::Info(Info {
+                protocol: Some(1),
+                max_data_len: Some(65536),
+                max_delivery_data_len: Some(66560),
+                max_subscriptions: Some(10_000),
+                broker: Some("aqueduct-broker 0.1.0".into()),
+            }),
+        ),
+    ));
     v
 }
 
@@ -345,6 +359,15 @@ fn doc_examples_mean_what_the_doc_says() {
         panic!("not an error")
     };
     assert_eq!(e.code, ErrorCode::INVALID_TOPIC);
+    // §4.1: the answer's limits, as the comments in the example say.
+    let Message::Info(i) = get("info").message else {
+        panic!("not an INFO")
+    };
+    assert_eq!(
+        (i.max_data_len, i.max_delivery_data_len, i.max_subscriptions),
+        (Some(65536), Some(65536 + 1024), Some(10_000))
+    );
+    assert_eq!(i.broker.as_deref(), Some("aqueduct-broker 0.1.0"));
     // Seed-style deliveries: the body is the whole payload; no topic, offset or attempt.
     for name in ["delivery-seed", "delivery-seed-priority"] {
         let Message::Publish(p) = get(name).message else {

@@ -366,6 +366,19 @@ async fn the_rust_client_works_over_webtransport() {
     .await
     .expect("connects over WebTransport");
     let native = b.client().await;
+    // INFO (protocol.md §4.1) answers alike on either transport: the broker's defaults here.
+    for client in [&wt, &native] {
+        let info = client.info().await.expect("INFO");
+        assert_eq!(
+            (
+                info.protocol,
+                info.max_data_len,
+                info.max_delivery_data_len,
+                info.max_subscriptions
+            ),
+            (Some(1), Some(65536), Some(65536 + 1024), Some(10_000))
+        );
+    }
     let confirm = aqueduct_client::PublishOptions {
         confirm: true,
         ..Default::default()

@@ -604,3 +604,52 @@ async fn an_error_waits_behind_the_confirm_the_log_owes_an_earlier_frame() {
     raw.forget();
     b.stop().await.expect("clean shutdown");
 }
+
+/// INFO (protocol.md §4.1) is answered on the stream it came on, in order with the stream's
+/// other replies, with the broker's configured limits; the stream goes on. An extension block
+/// and entries of a later version in the request are ignored; a request that is not
+/// well-formed entries gets BAD_PAYLOAD.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn info_answers_with_the_configured_limits_and_the_stream_goes_on() {
+    let b = TestBroker::start_with(|c| {
+        c.transport.max_frame_data = 4096;
+        c.transport.max_subscriptions_per_connection = 7;
+    })
+    .await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut s = raw.stream().await;
+    s.write_frame(&confirmed_publish(1, "orders", "a")).await;
+    s.write(&raw_frame(0x09, 2, b"")).await;
+    // HasExtensions with an empty block, then an entry with a key no version defines yet.
+    s.write(&raw_frame(0x49, 3, &[0x00, 0x00, 0x7F, 0x01, 0x00]))
+        .await;
+    s.write(&raw_frame(0x09, 4, &[0x01])).await;
+    s.write_frame(&confirmed_publish(5, "orders", "b")).await;
+    assert_eq!(expect_confirm(&mut s, 1).await, vec![0]);
+    for stream_id in [2, 3] {
+        let frame = s.read_frame().await.expect("the INFO answer");
+        assert_eq!(frame.stream_id, stream_id);
+        let Message::Info(info) = frame.message else {
+            panic!("expected INFO, got {:?}", frame.message)
+        };
+        assert_eq!(info.protocol, Some(1));
+        assert_eq!(info.max_data_len, Some(4096));
+        assert_eq!(info.max_delivery_data_len, Some(4096 + 1024));
+        assert_eq!(info.max_subscriptions, Some(7));
+        let broker = info.broker.expect("the broker's name");
+        assert!(broker.starts_with("aqueduct-broker "), "{broker}");
+    }
+    let frame = s.read_frame().await.expect("the ERROR");
+    assert_eq!(frame.stream_id, 4);
+    match frame.message {
+        Message::Error(e) => assert_eq!(e.code, ErrorCode::BAD_PAYLOAD, "{}", e.reason),
+        other => panic!("expected ERROR, got {other:?}"),
+    }
+    assert_eq!(
+        expect_confirm(&mut s, 5).await,
+        vec![1],
+        "the stream went on"
+    );
+    raw.forget();
+    b.stop().await.expect("clean shutdown");
+}

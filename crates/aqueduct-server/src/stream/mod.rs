@@ -25,7 +25,7 @@ use aqueduct_core::{
 };
 use aqueduct_proto::frame::{split_frame, Message};
 use aqueduct_proto::{
-    AckMode, Confirm, DecodeError, ErrorCode, ErrorFrame, Frame, OverflowPolicy, HEADER_LEN,
+    AckMode, Confirm, DecodeError, ErrorCode, ErrorFrame, Frame, Info, OverflowPolicy, HEADER_LEN,
 };
 use bytes::{Buf, BytesMut};
 use tokio::io::AsyncReadExt;
@@ -1111,6 +1111,26 @@ impl Reader<'_> {
                 if let Err(e) = result {
                     self.send_error(stream_id, e.code(), e.to_string());
                 }
+            }
+            // Answered on the stream it came on, whatever else the stream carries.
+            Message::Info(_) => {
+                let t = &self.shared.config.transport;
+                let info = Info {
+                    protocol: Some(1),
+                    max_data_len: Some(t.max_frame_data),
+                    // What protocol.md §10 tells clients to accept: a delivery's body is at
+                    // most a publish's data, and its extension block is within 1 KiB.
+                    max_delivery_data_len: Some(
+                        t.max_frame_data
+                            .saturating_add(aqueduct_proto::ext::MAX_EXT_LEN as u32),
+                    ),
+                    max_subscriptions: Some(
+                        u32::try_from(t.max_subscriptions_per_connection).unwrap_or(u32::MAX),
+                    ),
+                    broker: Some(concat!("aqueduct-broker ", env!("CARGO_PKG_VERSION")).into()),
+                };
+                self.out
+                    .push_frame(&Frame::new(stream_id, Message::Info(info)));
             }
             Message::Confirm(_) | Message::Error(_) => {
                 self.shared.stats.rejected("client_sent_broker_frame");
