@@ -1,6 +1,6 @@
 // Types of client.js: the Aqueduct client over WebTransport. Written by hand.
 
-import type { Bytes, ErrorCategory, ErrorCodeName, Extensions, OverflowName, PriorityLevel } from './codec.js';
+import type { BrokerInfo, Bytes, ErrorCategory, ErrorCodeName, Extensions, OverflowName, PriorityLevel } from './codec.js';
 
 /** An error from the broker (ERROR frame, stream reset, connection close) or the client. */
 export declare class AqueductError extends Error {
@@ -103,6 +103,8 @@ export declare class Client {
   publishBatch(items: BatchItem[], opts: Omit<PublishOptions, 'confirm'> & { confirm: true }): Promise<bigint[]>;
   publishBatch(items: BatchItem[], opts?: PublishOptions): Promise<bigint[] | undefined>;
   subscribe(filter: string, opts?: SubscribeOptions): Promise<Subscription>;
+  /** Ask the broker what it allows (§4.1); a broker older than INFO rejects with UNKNOWN_OPCODE. */
+  info(): Promise<BrokerInfo>;
   close(): Promise<void>;
 }
 

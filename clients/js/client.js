@@ -305,6 +305,17 @@ export class Client {
     return offsets;
   }
 
+  /**
+   * Ask the broker what it allows (§4.1). Resolves to `{ protocol, maxDataLen,
+   * maxDeliveryDataLen, maxSubscriptions, broker }`, each present when the broker said it:
+   * `maxDataLen` is the largest frame data it accepts from this client (a larger publish would
+   * end the stream with FRAME_TOO_LARGE). A broker older than INFO rejects with
+   * `UNKNOWN_OPCODE`.
+   */
+  async info() {
+    return this.#send((streamId) => ({ opcode: Opcode.INFO, streamId }), true);
+  }
+
   async #send(build, confirm) {
     this.#checkOpen();
     const streamId = confirm ? this.#allocId() : 0;
@@ -598,6 +609,11 @@ class Channel {
       case Opcode.CONFIRM:
         if (!this.answer(frame.streamId, 'resolve', frame.offsets)) {
           this.report(new AqueductError(null, `unexpected CONFIRM for stream id ${frame.streamId}`));
+        }
+        return;
+      case Opcode.INFO:
+        if (!this.answer(frame.streamId, 'resolve', frame.info)) {
+          this.report(new AqueductError(null, `unexpected INFO for stream id ${frame.streamId}`));
         }
         return;
       case Opcode.ERROR: {

@@ -20,7 +20,29 @@ export declare const Opcode: Readonly<{
   ACK: 0x06;
   CONFIRM: 0x07;
   ERROR: 0x08;
+  INFO: 0x09;
 }>;
+/** Keys of an INFO answer's entries (§4.1). */
+export declare const InfoKey: Readonly<{
+  PROTOCOL: 0x01;
+  MAX_DATA_LEN: 0x02;
+  MAX_DELIVERY_DATA_LEN: 0x03;
+  MAX_SUBSCRIPTIONS: 0x04;
+  BROKER: 0x05;
+}>;
+/** What an INFO answer says (§4.1); a request has none of it. Each field only when sent. */
+export interface BrokerInfo {
+  /** The protocol version (1). */
+  protocol?: number;
+  /** The largest `data_len` the broker accepts in a frame from this client. */
+  maxDataLen?: number;
+  /** The largest `data_len` of a frame the broker sends this client. */
+  maxDeliveryDataLen?: number;
+  /** Live subscriptions a connection may hold. */
+  maxSubscriptions?: number;
+  /** The broker's name and version, for people. */
+  broker?: string;
+}
 export type OpcodeValue = (typeof Opcode)[keyof typeof Opcode];
 export declare function opcodeName(opcode: number): keyof typeof Opcode | undefined;
 
@@ -202,6 +224,10 @@ export interface ErrorFrame extends FrameBase {
   code: number;
   reason: string;
 }
+export interface InfoFrame extends FrameBase {
+  opcode: 0x09;
+  info: BrokerInfo;
+}
 /** A decoded frame. */
 export type Frame =
   | PublishFrame
@@ -210,7 +236,8 @@ export type Frame =
   | PublishBatchFrame
   | SettleFrame
   | ConfirmFrame
-  | ErrorFrame;
+  | ErrorFrame
+  | InfoFrame;
 
 interface FrameInitBase {
   streamId?: number;
@@ -227,7 +254,8 @@ export type FrameInit =
   | (FrameInitBase & { opcode: 0x04; frames: Array<FrameInitBase & { opcode?: 0x01; body?: Bytes }> })
   | (FrameInitBase & { opcode: 0x05 | 0x06; offset: bigint | number })
   | (Omit<FrameInitBase, 'ext'> & { opcode: 0x07; offsets?: Array<bigint | number> })
-  | (Omit<FrameInitBase, 'ext'> & { opcode: 0x08; code: number; reason?: string });
+  | (Omit<FrameInitBase, 'ext'> & { opcode: 0x08; code: number; reason?: string })
+  | (FrameInitBase & { opcode: 0x09; info?: BrokerInfo });
 
 export interface DecodeOptions {
   /** Largest accepted `data_len`; default 1 MiB (§10). */

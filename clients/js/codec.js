@@ -41,6 +41,15 @@ export const Opcode = Object.freeze({
   ACK: 0x06,
   CONFIRM: 0x07,
   ERROR: 0x08,
+  INFO: 0x09,
+});
+/** Keys of an INFO answer's entries (§4.1). */
+export const InfoKey = Object.freeze({
+  PROTOCOL: 0x01,
+  MAX_DATA_LEN: 0x02,
+  MAX_DELIVERY_DATA_LEN: 0x03,
+  MAX_SUBSCRIPTIONS: 0x04,
+  BROKER: 0x05,
 });
 const OPCODE_NAMES = Object.freeze(
   Object.fromEntries(Object.entries(Opcode).map(([name, value]) => [value, name])),
@@ -772,6 +781,10 @@ function decodeComplete(buf, command, streamId, dataLen, peer, base, subFrame) {
       if (payload.length !== 8) badPayload('payload must be the 8-byte little-endian offset');
       frame.offset = view(payload).getBigUint64(0, true);
       break;
+    case Opcode.INFO:
+      // A request's extension block is accepted and ignored (§4.1); the answer carries none.
+      frame.info = decodeInfo(payload, badPayload);
+      break;
     case Opcode.CONFIRM:
     case Opcode.ERROR: {
       if (hasEntries({ ...ext, unknown: undefined })) badPayload('this opcode takes no extensions');
@@ -795,6 +808,76 @@ function decodeComplete(buf, command, streamId, dataLen, peer, base, subFrame) {
     }
   }
   return frame;
+}
+
+/** INFO entries (§4.1): unknown keys skipped; a known key once, with its length. */
+function decodeInfo(payload, badPayload) {
+  const info = {};
+  const seen = new Set();
+  const pv = view(payload);
+  let at = 0;
+  while (at < payload.length) {
+    if (at + 2 > payload.length) badPayload('an entry is cut short');
+    const key = payload[at];
+    const len = payload[at + 1];
+    if (at + 2 + len > payload.length) badPayload('an entry is cut short');
+    const value = payload.subarray(at + 2, at + 2 + len);
+    const u32At = () => {
+      if (len !== 4) badPayload('a u32 entry must be 4 bytes');
+      return pv.getUint32(at + 2, true);
+    };
+    if (key >= InfoKey.PROTOCOL && key <= InfoKey.BROKER) {
+      if (seen.has(key)) badPayload('a key appears twice');
+      seen.add(key);
+    }
+    switch (key) {
+      case InfoKey.PROTOCOL:
+        if (len !== 1) badPayload('PROTOCOL must be 1 byte');
+        info.protocol = value[0];
+        break;
+      case InfoKey.MAX_DATA_LEN:
+        info.maxDataLen = u32At();
+        break;
+      case InfoKey.MAX_DELIVERY_DATA_LEN:
+        info.maxDeliveryDataLen = u32At();
+        break;
+      case InfoKey.MAX_SUBSCRIPTIONS:
+        info.maxSubscriptions = u32At();
+        break;
+      case InfoKey.BROKER: {
+        if (len === 0) badPayload('BROKER must not be empty');
+        const broker = decodeUtf8(value);
+        if (broker === null) badPayload('BROKER must be UTF-8');
+        info.broker = broker;
+        break;
+      }
+      default: // a key of a later version
+    }
+    at += 2 + len;
+  }
+  return info;
+}
+
+/** INFO entries in ascending key order; a `broker` longer than 255 bytes is cut at a character. */
+function encodeInfo(info) {
+  const parts = [];
+  const entry = (key, value) => parts.push(Uint8Array.of(key, value.length), value);
+  const u32Entry = (key, v) => {
+    const value = new Uint8Array(4);
+    view(value).setUint32(0, u32(`INFO entry 0x${hex2(key)}`, v), true);
+    entry(key, value);
+  };
+  if (info.protocol !== undefined) {
+    if (!Number.isInteger(info.protocol) || info.protocol < 0 || info.protocol > 0xff) {
+      throw new RangeError(`protocol must be a u8, got ${info.protocol}`);
+    }
+    entry(InfoKey.PROTOCOL, Uint8Array.of(info.protocol));
+  }
+  if (info.maxDataLen !== undefined) u32Entry(InfoKey.MAX_DATA_LEN, info.maxDataLen);
+  if (info.maxDeliveryDataLen !== undefined) u32Entry(InfoKey.MAX_DELIVERY_DATA_LEN, info.maxDeliveryDataLen);
+  if (info.maxSubscriptions !== undefined) u32Entry(InfoKey.MAX_SUBSCRIPTIONS, info.maxSubscriptions);
+  if (info.broker !== undefined && info.broker !== '') entry(InfoKey.BROKER, cutReason(info.broker));
+  return concat(parts);
 }
 
 function decodeBatch(payload, base) {
@@ -864,6 +947,9 @@ export function encodeFrame(frame, options = {}) {
       view(payload).setBigUint64(0, u64('offset', frame.offset), true);
       break;
     }
+    case Opcode.INFO:
+      payload = encodeInfo(frame.info ?? {});
+      break;
     case Opcode.CONFIRM: {
       const offsets = frame.offsets ?? [];
       payload = new Uint8Array(8 * offsets.length);

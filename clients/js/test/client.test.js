@@ -566,12 +566,29 @@ test('a frame the client does not expect is reported, the stream goes on', async
   const broker = await fake.stream(0);
   const { frame } = await broker.next();
   await broker.send(encodeFrame({ opcode: Opcode.PUBLISH, streamId: 9, ext: { topic: 'x' }, body: b('?') }));
-  await broker.send(Uint8Array.of(0x1f, 0x09, 0, 0, 0, 0, 1, 0, 0, 0, 0)); // unknown opcode: skipped
+  await broker.send(Uint8Array.of(0x1f, 0x0a, 0, 0, 0, 0, 1, 0, 0, 0, 0)); // unknown opcode: skipped
   await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [3n] });
   assert.equal(await result, 3n);
   assert.deepEqual(
     errors.map((e) => e.code),
     [null, ErrorCode.UNKNOWN_OPCODE],
   );
+  await client.close();
+});
+
+test('info(): an INFO request on the wire, resolved with the answer; an old broker\'s UNKNOWN_OPCODE rejects', async () => {
+  const { fake, client } = await setup();
+  const asked = client.info();
+  const broker = await fake.stream(0);
+  const { frame, bytes } = await broker.next();
+  // docs/protocol.md example info-request, with the client's first request id (1).
+  assert.equal(hex(bytes), '1f 09 01 00 00 00 00 00 00 00');
+  const answer = { protocol: 1, maxDataLen: 4096, maxDeliveryDataLen: 5120, maxSubscriptions: 7, broker: 'aqueduct-broker 0.1.0' };
+  await broker.send({ opcode: Opcode.INFO, streamId: frame.streamId, info: answer });
+  assert.deepEqual(await asked, answer);
+  const old = client.info();
+  const second = (await broker.next()).frame;
+  await broker.send({ opcode: Opcode.ERROR, streamId: second.streamId, code: ErrorCode.UNKNOWN_OPCODE, reason: 'unknown opcode 0x09' });
+  await assert.rejects(old, (e) => e instanceof AqueductError && e.code === ErrorCode.UNKNOWN_OPCODE);
   await client.close();
 });

@@ -84,18 +84,18 @@ test('wrong magic: rejected at the first byte, before a whole header is there, a
 });
 
 test('unknown opcode: that frame only is rejected and skipped, the stream goes on', () => {
-  for (const opcode of [0x00, 0x09, 0x3f]) {
+  for (const opcode of [0x00, 0x0a, 0x3f]) {
     const frame = raw(opcode, 4, [1, 2, 3]);
     const err = rejects(() => decodeFrame(frame), ErrorCode.UNKNOWN_OPCODE, { offset: 1, fatal: false });
     assert.equal(err.frameLength, 13);
     assert.equal(err.streamId, 4);
   }
-  // Flag bits do not hide the opcode: 0x49 is HasExtensions | 0x09.
-  rejects(() => decodeFrame(raw(0x49, 0, [0, 0])), ErrorCode.UNKNOWN_OPCODE);
+  // Flag bits do not hide the opcode: 0x4b is HasExtensions | 0x0b.
+  rejects(() => decodeFrame(raw(0x4b, 0, [0, 0])), ErrorCode.UNKNOWN_OPCODE);
   // Checked from the command byte alone, before a malformed extension block (§10.1).
   rejects(() => decodeFrame(raw(0x4a, 0, [0xff, 0xff])), ErrorCode.UNKNOWN_OPCODE);
   const d = new FrameDecoder();
-  d.push(cat(raw(0x09, 1, [9, 9]), good));
+  d.push(cat(raw(0x0a, 1, [9, 9]), good));
   rejects(() => d.next(), ErrorCode.UNKNOWN_OPCODE, { offset: 1 });
   const next = d.next();
   assert.equal(next.streamId, 3);
@@ -225,7 +225,32 @@ test('payloads of the wrong shape: BAD_PAYLOAD, after the extension block is che
   assert.deepEqual(decodeFrame(raw(0x01, 7, b('a:b#c'))).body, b('a:b#c'));
   // The MeshForwarded bit from a client: UNSUPPORTED (§2), checked after the opcode.
   rejects(() => decodeFrame(raw(0x81, 1, b('orders')), { peer: 'client' }), ErrorCode.UNSUPPORTED, { offset: 1 });
-  rejects(() => decodeFrame(raw(0x89, 1, b('orders')), { peer: 'client' }), ErrorCode.UNKNOWN_OPCODE);
+  rejects(() => decodeFrame(raw(0x8a, 1, b('orders')), { peer: 'client' }), ErrorCode.UNKNOWN_OPCODE);
+});
+
+test('INFO entries (§4.1): unknown keys skipped, a known key once and with its length, entries whole', () => {
+  assert.deepEqual(decodeFrame(raw(0x09, 3, [])).info, {});
+  // A request's extension block is accepted and ignored.
+  assert.deepEqual(decodeFrame(raw(0x49, 3, u16(0)), { peer: 'client' }).info, {});
+  assert.deepEqual(decodeFrame(raw(0x09, 3, [0x01, 1, 1, 0x7f, 3, 9, 9, 9, 0x04, 4, 0x10, 0x27, 0, 0])).info, {
+    protocol: 1,
+    maxSubscriptions: 10000,
+  });
+  for (const [payload, problem] of [
+    [[0x01, 1, 1, 0x01, 1, 2], /a key appears twice/],
+    [[0x02, 2, 0, 1], /u32 entry must be 4 bytes/],
+    [[0x01, 2, 1, 1], /PROTOCOL must be 1 byte/],
+    [[0x05, 0], /BROKER must not be empty/],
+    [[0x05, 1, 0xff], /BROKER must be UTF-8/],
+    [[0x7f, 5, 1], /cut short/],
+    [[0x01], /cut short/],
+  ]) {
+    rejects(() => decodeFrame(raw(0x09, 3, payload)), ErrorCode.BAD_PAYLOAD, { match: problem });
+  }
+  // A broker name longer than an entry holds is cut at a character boundary.
+  const long = `${'x'.repeat(254)}é`;
+  const back = decodeFrame(encodeFrame({ opcode: Opcode.INFO, streamId: 1, info: { broker: long } }));
+  assert.equal(back.info.broker, 'x'.repeat(254));
 });
 
 test('SUBSCRIBE and UNSUBSCRIBE grammar (§7.1, §7.2, §10.1)', () => {

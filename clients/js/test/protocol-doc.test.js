@@ -157,6 +157,23 @@ const EXPECTED = {
     FROM_BROKER,
     { opcode: Opcode.ERROR, streamId: 5, hasExtensions: false, ext: {}, code: ErrorCode.INVALID_TOPIC, reason: 'bad topic' },
   ],
+  'info-request': [FROM_CLIENT, { opcode: Opcode.INFO, streamId: 3, hasExtensions: false, ext: {}, info: {} }],
+  info: [
+    FROM_BROKER,
+    {
+      opcode: Opcode.INFO,
+      streamId: 3,
+      hasExtensions: false,
+      ext: {},
+      info: {
+        protocol: 1,
+        maxDataLen: 65536,
+        maxDeliveryDataLen: 66560,
+        maxSubscriptions: 10000,
+        broker: 'aqueduct-broker 0.1.0',
+      },
+    },
+  ],
 };
 
 const hex = (u8) => Array.from(u8, (x) => x.toString(16).padStart(2, '0')).join(' ');
