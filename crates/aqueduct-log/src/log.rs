@@ -110,6 +110,8 @@ pub struct Recovery {
 pub struct LogStats {
     pub segments: u64,
     pub bytes: u64,
+    /// Topics whose offsets the log keeps (every topic it ever logged: see `next_offset`).
+    pub topics: u64,
     pub deleted_segments: u64,
     pub truncated_bytes: u64,
     pub damaged_batches: u64,
@@ -498,6 +500,7 @@ impl Log {
         LogStats {
             segments: self.segments.get().len() as u64,
             bytes: self.bytes(),
+            topics: self.topics.len() as u64,
             ..self.stats
         }
     }

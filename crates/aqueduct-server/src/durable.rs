@@ -278,6 +278,7 @@ impl StoredMessage {
 pub struct DurableStats {
     pub segments: AtomicU64,
     pub bytes: AtomicU64,
+    pub topics: AtomicU64,
     pub deleted_segments: AtomicU64,
     pub truncated_bytes: AtomicU64,
     pub damaged_batches: AtomicU64,
@@ -815,6 +816,7 @@ impl Durable {
         let st = &self.stats;
         st.segments.store(s.segments, Ordering::Relaxed);
         st.bytes.store(s.bytes, Ordering::Relaxed);
+        st.topics.store(s.topics, Ordering::Relaxed);
         st.deleted_segments
             .store(s.deleted_segments, Ordering::Relaxed);
         st.syncs.store(s.syncs, Ordering::Relaxed);

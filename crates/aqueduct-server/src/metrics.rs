@@ -729,6 +729,12 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
                 load(&ds.segments),
             ),
             (
+                "aqueduct_log_topics",
+                "gauge",
+                "Topics whose offsets the durable log keeps: every topic it ever logged (about 0.7 KB of memory each, never freed).",
+                load(&ds.topics),
+            ),
+            (
                 "aqueduct_log_bytes",
                 "gauge",
                 "Bytes in the durable log's segments.",
