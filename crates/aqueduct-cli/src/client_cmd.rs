@@ -816,6 +816,8 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                     .unwrap_or_default()
             );
             let mut received = 0u64;
+            // Printed, whether or not handled since (settled, or counted without --ack).
+            let mut printed = 0u64;
             // One listener for the whole loop, polled first: a Ctrl-C that arrives while a
             // message is being handled (or --work sleeps) is not lost; the current message is
             // finished, then the connection closes.
@@ -834,6 +836,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                     // another member), and the connection closes cleanly.
                     break Some("standard output closed");
                 }
+                printed += 1;
                 if let Some(work) = work {
                     tokio::select! {
                         _ = tokio::time::sleep(*work) => {}
@@ -859,7 +862,15 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             let _ = sub.close().await;
             client.close().await?;
             if let Some(signal) = interrupted {
-                eprintln!("{signal}: closed the connection after {received} message(s)");
+                let last = match (printed > received, opts.ack) {
+                    (false, _) => "",
+                    (true, true) => {
+                        " handled; the last one printed was not acknowledged: the broker \
+                         delivers it again"
+                    }
+                    (true, false) => " handled; it stopped while working on the last one printed",
+                };
+                eprintln!("{signal}: closed the connection after {received} message(s){last}");
             }
             return Ok(());
         }
@@ -1064,17 +1075,13 @@ fn describe(msg: &aqueduct_client::Message) -> String {
         line.push_str(&format!(" (attempt {})", msg.attempt()));
     }
     if let Some(original) = &ext.original_topic {
-        line.push_str(&format!(" (dead letter of {original}"));
-        if let Some(o) = ext.original_offset {
-            line.push_str(&format!(" #{o}"));
-        }
-        if let Some(n) = ext.attempts_made {
-            line.push_str(&format!(" after {n} attempts"));
-        }
-        if let Some(r) = &ext.reason {
-            line.push_str(&format!(": {r}"));
-        }
-        line.push(')');
+        let origin = crate::dead_letter_origin(
+            original.as_str(),
+            ext.original_offset,
+            ext.attempts_made,
+            ext.reason.as_deref(),
+        );
+        line.push_str(&format!(" ({origin})"));
     }
     if let Some(t) = msg.trace() {
         line.push_str(&format!(" (trace {})", t.to_traceparent()));

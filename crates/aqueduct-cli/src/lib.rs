@@ -135,6 +135,29 @@ pub fn print_line(line: &str) -> std::io::Result<bool> {
     }
 }
 
+/// Where a dead letter came from, as `aqueduct sub` and `aqueduct log dump` both show it:
+/// `dead letter of jobs #10 after 4 attempts: nacked` (each part only when known).
+pub fn dead_letter_origin(
+    topic: &str,
+    offset: Option<u64>,
+    attempts: Option<u32>,
+    reason: Option<&str>,
+) -> String {
+    let mut s = format!("dead letter of {topic}");
+    if let Some(o) = offset {
+        s.push_str(&format!(" #{o}"));
+    }
+    match attempts {
+        Some(1) => s.push_str(" after 1 attempt"),
+        Some(n) => s.push_str(&format!(" after {n} attempts")),
+        None => {}
+    }
+    if let Some(r) = reason {
+        s.push_str(&format!(": {r}"));
+    }
+    s
+}
+
 /// Log to standard error, coloured only on a terminal (a log file or a pipe gets plain text).
 /// A standard error that cannot be written to (closed, a pipe whose reader left) loses the log
 /// lines but never stops the process: tracing-subscriber would otherwise report the failed write
@@ -213,5 +236,23 @@ mod tests {
         assert_eq!(demo.metrics_addr.as_deref(), Some(":1"));
         // Unknown names are left for clap to refuse.
         assert_eq!(rewrite(&["x", "-bogus"]), ["x", "-bogus"]);
+    }
+
+    /// `aqueduct sub` and `aqueduct log dump` say where a dead letter came from in the same
+    /// words (dump wrote "attempt(s)" where sub wrote "attempts"), in the singular for one.
+    #[test]
+    fn a_dead_letter_s_origin_reads_the_same_everywhere() {
+        assert_eq!(
+            dead_letter_origin("jobs", Some(10), Some(4), Some("nacked")),
+            "dead letter of jobs #10 after 4 attempts: nacked"
+        );
+        assert_eq!(
+            dead_letter_origin("jobs", Some(0), Some(1), None),
+            "dead letter of jobs #0 after 1 attempt"
+        );
+        assert_eq!(
+            dead_letter_origin("jobs", None, None, None),
+            "dead letter of jobs"
+        );
     }
 }

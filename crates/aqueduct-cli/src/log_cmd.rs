@@ -173,13 +173,15 @@ fn dump_line(offset: u64, timestamp_ms: u64, m: &StoredMessage) -> String {
         String::from_utf8_lossy(&m.body).escape_debug()
     );
     if let Some(d) = &m.dead_letter {
-        line.push_str(&format!(
-            "\tdead letter of {} #{} after {} attempt(s): {}",
-            d.original_topic,
-            d.original_offset,
-            d.attempts_made,
-            d.reason.escape_debug()
-        ));
+        let reason = d.reason.escape_debug().to_string();
+        let origin = crate::dead_letter_origin(
+            d.original_topic.as_str(),
+            Some(d.original_offset),
+            Some(d.attempts_made),
+            Some(&reason),
+        );
+        line.push('\t');
+        line.push_str(&origin);
     }
     line
 }
@@ -209,7 +211,7 @@ mod tests {
         });
         assert_eq!(
             dump_line(0, 17, &m),
-            "0\t2\t17\tpoison\tdead letter of jobs #10 after 4 attempt(s): nacked"
+            "0\t2\t17\tpoison\tdead letter of jobs #10 after 4 attempts: nacked"
         );
     }
 }

@@ -814,7 +814,16 @@ fn a_signal_during_work_stops_the_subscriber() {
     let mut line = String::new();
     BufReader::new(stdout).read_line(&mut line).expect("a line");
     assert!(line.contains("slow #0"), "{line}");
-    sigterm_closes_cleanly(worker, "the subscriber after SIGTERM during --work");
+    let err = sigterm_closes_cleanly(worker, "the subscriber after SIGTERM during --work");
+    // It says that the message it printed was not acknowledged ("after 0 message(s)" alone
+    // read as if nothing had come).
+    assert!(
+        err.contains(
+            "SIGTERM: closed the connection after 0 message(s) handled; the last one printed was \
+             not acknowledged: the broker delivers it again"
+        ),
+        "{err}"
+    );
     // `aqueduct-bench` is `aqueduct bench`, and its help says how to run it.
     let out = Command::new(BENCH).arg("--help").output().expect("runs");
     let help = String::from_utf8_lossy(&out.stdout);

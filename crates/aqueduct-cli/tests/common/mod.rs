@@ -172,14 +172,15 @@ pub fn stop(broker: Broker) {
 }
 
 /// SIGTERM an `aqueduct sub`: it must exit 0 at once, saying it closed its connection.
-pub fn sigterm_closes_cleanly(sub: Child, what: &str) {
+pub fn sigterm_closes_cleanly(sub: Child, what: &str) -> String {
     let _ = Command::new("kill")
         .args(["-TERM", &sub.id().to_string()])
         .status();
     let out = output_within(sub, what);
     assert_ok(&out);
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(err.contains("SIGTERM: closed the connection"), "{err}");
+    err
 }
 
 /// Wait for a child's output, at most `WAIT`: a hung client fails the test (and is killed)
