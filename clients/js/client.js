@@ -313,10 +313,11 @@ export class Client {
    * `UNKNOWN_OPCODE`.
    */
   async info() {
-    return this.#send((streamId) => ({ opcode: Opcode.INFO, streamId }), true);
+    return this.#send((streamId) => ({ opcode: Opcode.INFO, streamId }), true, Opcode.INFO);
   }
 
-  async #send(build, confirm) {
+  /** Send a frame on the publish stream; with `confirm`, resolve to its answer (an `expect` frame). */
+  async #send(build, confirm, expect = Opcode.CONFIRM) {
     this.#checkOpen();
     const streamId = confirm ? this.#allocId() : 0;
     try {
@@ -325,7 +326,7 @@ export class Client {
       // writes in order) inside one chain; the write itself and the answer are awaited outside.
       const sent = await this.#inOrder(async () => {
         const channel = await this.#publishChannel();
-        return { answer: confirm ? channel.request(streamId, bytes) : channel.write(bytes) };
+        return { answer: confirm ? channel.request(streamId, bytes, expect) : channel.write(bytes) };
       });
       const answer = await sent.answer;
       return confirm ? answer : undefined;
@@ -544,18 +545,26 @@ class Channel {
     }
   }
 
-  /** Send a frame that the broker answers with CONFIRM or ERROR carrying `id`; resolves to the offsets. */
-  request(id, bytes) {
+  /**
+   * Send a frame that the broker answers with an `expect` frame (CONFIRM, INFO) or an ERROR
+   * carrying `id`; resolves to the CONFIRM's offsets or the INFO's entries.
+   */
+  request(id, bytes, expect = Opcode.CONFIRM) {
     const answer = new Promise((resolve, reject) => {
-      this.pending.set(id, { resolve, reject });
+      this.pending.set(id, { resolve, reject, expect });
     });
     this.write(bytes).catch((e) => this.answer(id, 'reject', e));
     return answer;
   }
 
-  answer(id, how, value) {
+  /** Settle the request `id` (`how`: 'resolve' or 'reject'); a resolving answer must be of the opcode it expects. */
+  answer(id, how, value, opcode) {
     const p = this.pending.get(id);
     if (!p) return false;
+    if (how === 'resolve' && opcode !== p.expect) {
+      how = 'reject';
+      value = new AqueductError(null, `the broker answered ${opcodeName(opcode)} where ${opcodeName(p.expect)} was due (stream id ${id})`);
+    }
     // Matched by stream id, not by position: CONFIRMs on one stream come in request order
     // (§6.4), but an ERROR may overtake them (with the durable log on, a CONFIRM waits for the
     // log while an ERROR for a later frame is sent at once).
@@ -581,8 +590,10 @@ class Channel {
             frame = this.decoder.next();
           } catch (e) {
             if (e instanceof FrameError && !e.fatal) {
-              // One bad frame: skipped (§10 step 4), the stream goes on.
-              this.report(new AqueductError(e.code, `the broker sent an invalid frame: ${e.message}`, { cause: e }));
+              // One bad frame: skipped (§10 step 4), the stream goes on. A request it answered
+              // fails with it, rather than waiting for an answer that will not come.
+              const err = new AqueductError(e.code, `the broker sent an invalid frame: ${e.message}`, { cause: e });
+              if (e.streamId === undefined || !this.answer(e.streamId, 'reject', err)) this.report(err);
               continue;
             }
             throw e;
@@ -607,12 +618,12 @@ class Channel {
   dispatch(frame) {
     switch (frame.opcode) {
       case Opcode.CONFIRM:
-        if (!this.answer(frame.streamId, 'resolve', frame.offsets)) {
+        if (!this.answer(frame.streamId, 'resolve', frame.offsets, Opcode.CONFIRM)) {
           this.report(new AqueductError(null, `unexpected CONFIRM for stream id ${frame.streamId}`));
         }
         return;
       case Opcode.INFO:
-        if (!this.answer(frame.streamId, 'resolve', frame.info)) {
+        if (!this.answer(frame.streamId, 'resolve', frame.info, Opcode.INFO)) {
           this.report(new AqueductError(null, `unexpected INFO for stream id ${frame.streamId}`));
         }
         return;

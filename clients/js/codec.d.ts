@@ -36,7 +36,7 @@ export interface BrokerInfo {
   protocol?: number;
   /** The largest `data_len` the broker accepts in a frame from this client. */
   maxDataLen?: number;
-  /** The largest `data_len` of a frame the broker sends this client. */
+  /** The `data_len` a client must be ready to accept in a frame from the broker (§10). */
   maxDeliveryDataLen?: number;
   /** Live subscriptions a connection may hold. */
   maxSubscriptions?: number;

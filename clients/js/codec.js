@@ -151,7 +151,8 @@ export class FrameError extends Error {
 }
 
 const utf8 = new TextEncoder();
-const strictUtf8 = new TextDecoder('utf-8', { fatal: true });
+// ignoreBOM: a leading U+FEFF is part of the text (a topic, a reason), as in the Rust codec.
+const strictUtf8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true });
 
 /** Bytes of `value`: a Uint8Array (as is), an ArrayBuffer or typed array view, or a string (UTF-8). */
 export function toBytes(value) {

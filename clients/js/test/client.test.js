@@ -10,6 +10,7 @@ import { fakeTransport } from '../test-support/fake-broker.js';
 const te = new TextEncoder();
 const b = (s) => te.encode(s);
 const hex = (u8) => Array.from(u8, (x) => x.toString(16).padStart(2, '0')).join(' ');
+const u32le = (n) => [n & 0xff, (n >>> 8) & 0xff, (n >>> 16) & 0xff, n >>> 24];
 const fromHex = (s) => Uint8Array.from(s.trim().split(/\s+/), (x) => parseInt(x, 16));
 
 async function setup(options = {}) {
@@ -590,5 +591,26 @@ test('info(): an INFO request on the wire, resolved with the answer; an old brok
   const second = (await broker.next()).frame;
   await broker.send({ opcode: Opcode.ERROR, streamId: second.streamId, code: ErrorCode.UNKNOWN_OPCODE, reason: 'unknown opcode 0x09' });
   await assert.rejects(old, (e) => e instanceof AqueductError && e.code === ErrorCode.UNKNOWN_OPCODE);
+  await client.close();
+});
+
+test('info(): an invalid INFO answer, or an answer of the wrong kind, rejects the call instead of leaving it waiting', async () => {
+  const { fake, client, errors } = await setup();
+  const bad = client.info();
+  const broker = await fake.stream(0);
+  const first = (await broker.next()).frame;
+  // INFO whose PROTOCOL entry is 2 bytes long: BAD_PAYLOAD, that frame skipped.
+  await broker.send(Uint8Array.of(0x1f, 0x09, ...u32le(first.streamId), 4, 0, 0, 0, 0x01, 2, 1, 1));
+  await assert.rejects(bad, (e) => e instanceof AqueductError && e.code === ErrorCode.BAD_PAYLOAD);
+  const crossed = client.info();
+  const second = (await broker.next()).frame;
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: second.streamId, offsets: [1n] });
+  await assert.rejects(crossed, (e) => e instanceof AqueductError && /answered CONFIRM where INFO was due/.test(e.message));
+  // The stream goes on: a publish on it is confirmed.
+  const later = client.publish('a', '1', { confirm: true });
+  const third = (await broker.next()).frame;
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: third.streamId, offsets: [5n] });
+  assert.equal(await later, 5n);
+  assert.deepEqual(errors, [], 'answers to a request are not reported elsewhere');
   await client.close();
 });

@@ -213,8 +213,8 @@ enum Command {
         what: LogCommand,
     },
     /// Ask the broker what it allows (the protocol's INFO): its version, the largest frame it
-    /// accepts from a client, the largest it sends, and how many subscriptions a connection may
-    /// hold.
+    /// accepts from a client, what a client must accept from it, and how many subscriptions a
+    /// connection may hold.
     #[command(
         after_help = "Example:\n  aqueduct info\n  aqueduct --addr broker.example.com:4242 --ca ca.pem info"
     )]
@@ -599,7 +599,7 @@ fn info_text(info: &aqueduct_client::BrokerInfo) -> String {
             bytes(info.max_data_len)
         ),
         format!(
-            "max frame out     {} (data_len of a frame from the broker)",
+            "max frame out     {} (data_len a client must accept from the broker)",
             bytes(info.max_delivery_data_len)
         ),
         format!(

@@ -448,7 +448,8 @@ impl Client {
 
     /// Ask the broker what it allows (protocol.md §4.1): the largest frame it accepts from this
     /// client (`max_data_len`: a larger publish or batch would end its stream with
-    /// FRAME_TOO_LARGE), the largest it sends, how many subscriptions a connection may hold, and
+    /// FRAME_TOO_LARGE), what a client must be ready to receive, how many subscriptions a
+    /// connection may hold, and
     /// its name and version. On a stream of its own, closed after the answer. A broker older
     /// than INFO answers [`ClientError::Broker`] with [`ErrorCode::UNKNOWN_OPCODE`].
     ///
@@ -464,7 +465,13 @@ impl Client {
             Some(Frame {
                 message: Wire::Info(info),
                 ..
-            }) => Ok(info),
+            }) => {
+                // The broker finishes its side once it has answered what came before our FIN:
+                // read that end rather than stop the stream (which it would count as a client
+                // that stopped reading). Not worth more than a moment's wait.
+                let _ = tokio::time::timeout(Duration::from_secs(1), reader.next()).await;
+                Ok(info)
+            }
             Some(Frame {
                 message: Wire::Error(e),
                 ..

@@ -191,12 +191,14 @@ pub struct Info {
     /// Key 0x02, u32: the largest `data_len` the broker accepts in a frame from this client
     /// (`transport.max_buf_size`); a larger frame gets FRAME_TOO_LARGE and ends the stream.
     pub max_data_len: Option<u32>,
-    /// Key 0x03, u32: the largest `data_len` of a frame the broker sends this client.
+    /// Key 0x03, u32: the `data_len` a client must be ready to accept in a frame from the
+    /// broker (protocol.md §10: `max_buf_size + 1024`).
     pub max_delivery_data_len: Option<u32>,
     /// Key 0x04, u32: how many live subscriptions a connection may hold
     /// (`transport.max_subscriptions_per_connection`).
     pub max_subscriptions: Option<u32>,
-    /// Key 0x05, 1..=255 bytes of UTF-8: the broker's name and version.
+    /// Key 0x05, 1..=255 bytes of UTF-8: the broker's name and version. An empty name is not
+    /// sent (the entry must not be empty), so it decodes as `None`.
     pub broker: Option<String>,
 }
 
@@ -269,28 +271,42 @@ impl Info {
                 .get(..usize::from(len))
                 .ok_or(bad("an entry is cut short"))?;
             rest = &r[usize::from(len)..];
-            if (1..=5).contains(&key) {
-                if seen & (1 << key) != 0 {
+            // Every known key's arm below starts with this.
+            let mut once = |key: u8| {
+                let bit = 1u32 << (key & 31);
+                if seen & bit != 0 {
                     return Err(bad("a key appears twice"));
                 }
-                seen |= 1 << key;
-            }
+                seen |= bit;
+                Ok(())
+            };
             let u32_of = |v: &[u8]| -> Result<u32, ProtoError> {
                 v.try_into()
                     .map(u32::from_le_bytes)
                     .map_err(|_| bad("a u32 entry must be 4 bytes"))
             };
             match key {
-                info_key::PROTOCOL => match value {
-                    [v] => info.protocol = Some(*v),
-                    _ => return Err(bad("PROTOCOL must be 1 byte")),
-                },
-                info_key::MAX_DATA_LEN => info.max_data_len = Some(u32_of(value)?),
+                info_key::PROTOCOL => {
+                    once(key)?;
+                    match value {
+                        [v] => info.protocol = Some(*v),
+                        _ => return Err(bad("PROTOCOL must be 1 byte")),
+                    }
+                }
+                info_key::MAX_DATA_LEN => {
+                    once(key)?;
+                    info.max_data_len = Some(u32_of(value)?)
+                }
                 info_key::MAX_DELIVERY_DATA_LEN => {
+                    once(key)?;
                     info.max_delivery_data_len = Some(u32_of(value)?)
                 }
-                info_key::MAX_SUBSCRIPTIONS => info.max_subscriptions = Some(u32_of(value)?),
+                info_key::MAX_SUBSCRIPTIONS => {
+                    once(key)?;
+                    info.max_subscriptions = Some(u32_of(value)?)
+                }
                 info_key::BROKER => {
+                    once(key)?;
                     let b = std::str::from_utf8(value).map_err(|_| bad("BROKER must be UTF-8"))?;
                     if b.is_empty() {
                         return Err(bad("BROKER must not be empty"));

@@ -650,6 +650,67 @@ async fn info_answers_with_the_configured_limits_and_the_stream_goes_on() {
         vec![1],
         "the stream went on"
     );
+    // Known keys of the right length in a request are accepted (and ignored).
+    s.write(&raw_frame(0x09, 6, &[0x01, 0x01, 0x01])).await;
+    let frame = s.read_frame().await.expect("the INFO answer");
+    assert!(
+        frame.stream_id == 6 && matches!(frame.message, Message::Info(_)),
+        "{frame:?}"
+    );
+    // On a subscription's stream: answered there, and the subscription goes on.
+    let mut sub = raw.stream().await;
+    sub.write(&raw_frame(0x02, 11, b"topic:orders")).await;
+    until("the subscription to be active", || {
+        b.broker.subscriber_count() == 1
+    })
+    .await;
+    sub.write(&raw_frame(0x09, 12, b"")).await;
+    let frame = sub.read_frame().await.expect("the INFO answer");
+    assert!(
+        frame.stream_id == 12 && matches!(frame.message, Message::Info(_)),
+        "{frame:?}"
+    );
+    s.write_frame(&confirmed_publish(13, "orders", "c")).await;
+    assert_eq!(expect_confirm(&mut s, 13).await, vec![2]);
+    let delivery = sub.read_frame().await.expect("the delivery");
+    assert_eq!(delivery.to_bytes(), raw_frame(0x01, 11, b"c"));
+    raw.forget();
+    b.stop().await.expect("clean shutdown");
+}
+
+/// INFO's answer keeps its place among the stream's answers: while the durable log still owes
+/// an earlier publish its CONFIRM, the INFO waits behind it (it was pushed at once, ahead of
+/// the CONFIRM).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_info_answer_waits_behind_the_confirm_the_log_owes_an_earlier_frame() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b =
+        TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), aqueduct_log::FsyncMode::Always)))
+            .await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    b.control.hold_log_writes(true);
+    let mut s = raw.stream().await;
+    s.write_frame(&confirmed_publish(7, "ordered", "x")).await;
+    s.write(&raw_frame(0x09, 8, b"")).await;
+    // The reader has handled the INFO once a frame after it on the stream is handled: a reserved
+    // opcode, answered UNKNOWN_OPCODE (counted).
+    s.write(&raw_frame(0x3F, 9, b"")).await;
+    let unknown = ErrorCode::UNKNOWN_OPCODE.0;
+    until("the frames after the publish handled", || {
+        b.stats.errors_sent().get(&unknown).is_some_and(|n| *n >= 1)
+    })
+    .await;
+    b.control.hold_log_writes(false);
+    assert_eq!(
+        expect_confirm(&mut s, 7).await,
+        vec![0],
+        "the CONFIRM first"
+    );
+    let second = s.read_frame().await.expect("the INFO");
+    assert_eq!(second.stream_id, 8);
+    assert!(matches!(second.message, Message::Info(_)), "{second:?}");
+    let third = s.read_frame().await.expect("the ERROR");
+    assert_eq!(third.stream_id, 9);
     raw.forget();
     b.stop().await.expect("clean shutdown");
 }

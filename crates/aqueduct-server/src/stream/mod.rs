@@ -569,9 +569,17 @@ impl Reader<'_> {
     fn send_error(&self, stream_id: u32, code: ErrorCode, reason: String) {
         debug!(stream_id, %code, %reason, "ERROR to {}", self.conn.remote);
         self.shared.stats.error_sent(code);
-        let frame = Frame::new(stream_id, Message::Error(ErrorFrame { code, reason }));
-        // Answers on a stream come in request order: while the durable log still owes this
-        // stream answers to earlier publish frames, the ERROR goes behind them.
+        self.send_reply(Frame::new(
+            stream_id,
+            Message::Error(ErrorFrame { code, reason }),
+        ));
+    }
+
+    /// An answer to a frame of this stream (ERROR, INFO). Answers on a stream come in request
+    /// order: while the durable log still owes this stream answers to earlier publish frames,
+    /// this one goes behind them.
+    fn send_reply(&self, frame: Frame) {
+        let stream_id = frame.stream_id;
         match &self.shared.durable {
             Some(d) if self.out.log_unanswered.load(Ordering::Acquire) > 0 => {
                 d.queue_answer(self.waiter(stream_id, false), frame);
@@ -1112,7 +1120,8 @@ impl Reader<'_> {
                     self.send_error(stream_id, e.code(), e.to_string());
                 }
             }
-            // Answered on the stream it came on, whatever else the stream carries.
+            // Answered on the stream it came on, whatever else the stream carries, in order with
+            // its other answers.
             Message::Info(_) => {
                 let t = &self.shared.config.transport;
                 let info = Info {
@@ -1129,8 +1138,7 @@ impl Reader<'_> {
                     ),
                     broker: Some(concat!("aqueduct-broker ", env!("CARGO_PKG_VERSION")).into()),
                 };
-                self.out
-                    .push_frame(&Frame::new(stream_id, Message::Info(info)));
+                self.send_reply(Frame::new(stream_id, Message::Info(info)));
             }
             Message::Confirm(_) | Message::Error(_) => {
                 self.shared.stats.rejected("client_sent_broker_frame");
