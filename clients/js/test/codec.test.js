@@ -247,6 +247,8 @@ test('INFO entries (§4.1): unknown keys skipped, a known key once and with its 
   ]) {
     rejects(() => decodeFrame(raw(0x09, 3, payload)), ErrorCode.BAD_PAYLOAD, { match: problem });
   }
+  // A leading U+FEFF is text, as in the Rust codec (TextDecoder drops it by default).
+  assert.equal(decodeFrame(raw(0x09, 3, [0x05, 4, 0xef, 0xbb, 0xbf, 0x61])).info.broker, '\ufeffa');
   // A broker name longer than an entry holds is cut at a character boundary.
   const long = `${'x'.repeat(254)}é`;
   const back = decodeFrame(encodeFrame({ opcode: Opcode.INFO, streamId: 1, info: { broker: long } }));
