@@ -37,7 +37,8 @@ struct Cli {
     /// CA certificate (PEM) to verify the broker with.
     #[arg(long, global = true, value_name = "FILE")]
     ca: Option<PathBuf>,
-    /// Accept only the broker certificate with this SHA-256 fingerprint (64 hex digits).
+    /// Accept only the broker certificate with this SHA-256 fingerprint (64 hex digits, or
+    /// OpenSSL's form with colons).
     #[arg(long, global = true, value_name = "HEX")]
     pin: Option<String>,
     /// Name to verify in the broker's certificate (default: the host of --addr, or of
@@ -214,7 +215,8 @@ enum Command {
     },
     /// Ask the broker what it allows (the protocol's INFO): its version, the largest frame it
     /// accepts from a client, what a client must accept from it, and how many subscriptions a
-    /// connection may hold.
+    /// connection may hold. Any client may ask; the broker's state (connections, topics,
+    /// cluster) is `aqueduct admin info` and needs an admin certificate.
     #[command(
         after_help = "Example:\n  aqueduct info\n  aqueduct --addr broker.example.com:4242 --ca ca.pem info"
     )]
@@ -616,7 +618,9 @@ async fn connect(cli: &Cli) -> Result<Client> {
         .map_err(|e| anyhow!(e))
 }
 
-async fn run(cli: Cli) -> Result<()> {
+/// `also`: set when closing failed too, for a different reason than the command's own error
+/// (said after it).
+async fn run(cli: Cli, also: &mut Option<String>) -> Result<()> {
     if let Command::Cert { what } = &cli.command {
         let written = match what {
             CertCommand::Ca { out, cn } => crate::cert::make_ca(out, cn)?,
@@ -692,8 +696,12 @@ async fn run(cli: Cli) -> Result<()> {
     let closed = client.close().await;
     match (result, closed) {
         (Err(e), Err(closing)) => {
-            // Both are worth knowing: the command's error goes to the exit path.
-            eprintln!("aqueduct: also, while closing: {closing}");
+            // Both are worth knowing, the command's first — unless they are one failure seen
+            // twice (a refused handshake fails the command and the close alike).
+            let closing = closing.to_string();
+            if !same_cause(&format!("{e:#}"), &closing) {
+                *also = Some(closing);
+            }
             Err(e)
         }
         (result, closed) => {
@@ -1383,7 +1391,8 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
         }
     };
     let without_cert = cli.cert.is_none();
-    match runtime.block_on(run(cli)) {
+    let mut also = None;
+    match runtime.block_on(run(cli, &mut also)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let e = format!("{e:#}");
@@ -1394,14 +1403,38 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
                 ""
             };
             eprintln!("aqueduct: {e}{hint}");
+            if let Some(closing) = also {
+                eprintln!("aqueduct: also, while closing: {closing}");
+            }
             ExitCode::FAILURE
         }
     }
 }
 
+/// Whether two error texts end in the same cause (the part after their last ": "): one
+/// failure reported by two calls, each with its own preface.
+fn same_cause(a: &str, b: &str) -> bool {
+    let cause = |s: &str| s.rsplit(": ").next().unwrap_or(s).trim().to_string();
+    cause(a) == cause(b)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A refused handshake fails the command and its close alike: said once, not twice with
+    /// the close's first (a new user's reading of howto-tls); different causes are both said.
+    #[test]
+    fn one_failure_seen_twice_is_said_once() {
+        assert!(same_cause(
+            "connection lost: the broker requires a client certificate (one signed by a CA in its tls.client_ca_file)",
+            "connection lost: the broker may not have read everything published: the broker requires a client certificate (one signed by a CA in its tls.client_ca_file)"
+        ));
+        assert!(!same_cause(
+            "broker error NOT_AUTHORIZED(400): refused by the ACL",
+            "connection lost: timed out"
+        ));
+    }
 
     /// The lists of unused connection options name real options, and "all" is all of them.
     #[test]

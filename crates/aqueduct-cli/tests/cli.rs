@@ -652,6 +652,12 @@ fn pub_to_a_broker_requiring_client_certificates_fails_clearly() {
             stderr.contains("pass --cert and --key") && !stderr.contains("ConnectOptions"),
             "{stderr}"
         );
+        // Said once: the close fails for the same reason, and that was printed (first) too.
+        assert_eq!(
+            stderr.matches("requires a client certificate").count(),
+            1,
+            "{stderr}"
+        );
     }
     stop(broker);
 }

@@ -405,6 +405,21 @@ impl Mesh {
         }
     }
 
+    /// The peer retired `conn` (it finished its side: the peer keeps the pair's other
+    /// connection). A held connection is retired at once, not after [`HOLD_WAIT`]: both dialed
+    /// at the same moment, and the peer, which had not heard from this node on the kept
+    /// connection yet, retired the duplicate without a word on it, so no control message will
+    /// come to decide. (Waiting kept the peer's retired end waiting too, and both warned after
+    /// 5 s.) A connection this node keeps is left to the transport.
+    pub fn handle_peer_retired(&mut self, conn: ConnId) {
+        if self.held.remove(&conn).is_some() {
+            self.out.push_back(Output::Close {
+                conn,
+                reason: DUPLICATE,
+            });
+        }
+    }
+
     /// The addresses to be connected to (from `cluster.peers` or DNS), this node's own among
     /// them or not. New ones are dialed now; connections to ones that left are closed.
     pub fn handle_peer_set(&mut self, now: Instant, addrs: impl IntoIterator<Item = SocketAddr>) {
@@ -1736,6 +1751,42 @@ mod tests {
                 vec![ConnId(1)]
             );
         }
+    }
+
+    /// Both dial at once: `a` (the smaller id) meets `b`'s connection (2) before `b` has spoken
+    /// on `a`'s own (1), so it retires 2 without a word; `b` has heard `a` on 1 already and
+    /// holds 2. When `a`'s retirement reaches `b` (the transport sees the peer finish its
+    /// side), `b` retires 2 at once; it waited `HOLD_WAIT` for a control message that never
+    /// came, and the two ends warned.
+    #[test]
+    fn a_held_connection_the_peer_retires_is_retired_at_once() {
+        let now = Instant::now();
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        let mut b = Mesh::new(node("b"), MeshConfig::default(), 2, 1);
+        // 1: dialed by a. a has not heard b on it yet.
+        assert!(a.handle_connected(now, ConnId(1), node("b"), None, true));
+        assert!(b.handle_connected(now, ConnId(1), node("a"), None, false));
+        let (a_sent, _) = drain(&mut a);
+        for (c, control) in a_sent {
+            assert!(b.handle_control(c, control));
+        }
+        // 2: dialed by b. a retires it at once (1 has not worked for a yet); b holds it.
+        assert!(!a.handle_connected(now, ConnId(2), node("b"), None, false));
+        assert_eq!(drain(&mut a).1, vec![(ConnId(2), DUPLICATE)]);
+        assert!(!b.handle_connected(now, ConnId(2), node("a"), None, true));
+        assert!(drain(&mut b).1.is_empty(), "held");
+        b.handle_peer_retired(ConnId(2));
+        assert_eq!(drain(&mut b).1, vec![(ConnId(2), DUPLICATE)]);
+        assert_eq!(b.poll_timeout(), None, "no hold left to time out");
+        for m in [&a, &b] {
+            assert_eq!(
+                m.peers().map(|(_, c)| c).collect::<Vec<_>>(),
+                vec![ConnId(1)]
+            );
+        }
+        // A kept connection is the transport's to judge: nothing happens here.
+        b.handle_peer_retired(ConnId(1));
+        assert!(drain(&mut b).1.is_empty());
     }
 
     /// A held connection on which the peer says nothing is retired after `HOLD_WAIT`.

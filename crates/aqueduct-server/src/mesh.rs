@@ -91,6 +91,11 @@ pub enum Event {
     Closed {
         conn: ConnId,
     },
+    /// The peer retired the connection (it finished its data stream, and everything it wrote
+    /// on it is published here) while this node had not: held, it is retired now.
+    PeerRetired {
+        conn: ConnId,
+    },
     /// A local subscription came (+1) or went (-1).
     Local {
         key: Key,
@@ -1108,6 +1113,7 @@ impl Driver {
                     conns.remove(&conn);
                     self.mesh.handle_disconnected(now, conn);
                 }
+                Some(Event::PeerRetired { conn }) => self.mesh.handle_peer_retired(conn),
                 Some(Event::Local { key, delta }) => self.mesh.handle_local(key, delta),
                 Some(Event::Peers(addrs)) => {
                     dial_warned.keep_only(&addrs);
@@ -2136,6 +2142,11 @@ async fn serve_peer(link: PeerTask) {
                     break End::Gone;
                 }
                 peer_done = true;
+                if !*retire.borrow() {
+                    // Held here (both dialed at once, and the peer retired this one without
+                    // a word on it): the driver retires it now rather than after its hold.
+                    let _ = events.send(Event::PeerRetired { conn: id });
+                }
                 peer_retired_for_long
                     .as_mut()
                     .reset(tokio::time::Instant::now() + RETIRE_WAIT);
