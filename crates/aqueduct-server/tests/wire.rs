@@ -572,9 +572,10 @@ async fn subscriptions_sharing_a_stream_take_turns() {
 /// Answers on a stream come in request order with the durable log too (§6.4): an ERROR for a
 /// later frame waits behind the CONFIRM the log owes an earlier one. Before the fix the ERROR
 /// came first, and a client matching answers by order (a seed client uses one stream id for
-/// every frame of a stream) took it for the earlier frame's.
+/// every frame of a stream) took it for the earlier frame's. So does an INFO answer (§4.1),
+/// which at first was sent at once, ahead of the CONFIRM.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_error_waits_behind_the_confirm_the_log_owes_an_earlier_frame() {
+async fn answers_wait_behind_the_confirm_the_log_owes_an_earlier_frame() {
     let dir = tempfile::tempdir().expect("temp dir");
     let b =
         TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), aqueduct_log::FsyncMode::Always)))
@@ -583,10 +584,11 @@ async fn an_error_waits_behind_the_confirm_the_log_owes_an_earlier_frame() {
     b.control.hold_log_writes(true);
     let mut s = raw.stream().await;
     s.write_frame(&confirmed_publish(7, "ordered", "x")).await;
+    s.write(&raw_frame(0x09, 7, b"")).await;
     // A reserved opcode: answered UNKNOWN_OPCODE and skipped, the stream goes on.
     s.write(&raw_frame(0x3F, 7, b"")).await;
     let unknown = ErrorCode::UNKNOWN_OPCODE.0;
-    until("the second frame handled", || {
+    until("the frames after the publish handled", || {
         b.stats.errors_sent().get(&unknown).is_some_and(|n| *n >= 1)
     })
     .await;
@@ -596,8 +598,10 @@ async fn an_error_waits_behind_the_confirm_the_log_owes_an_earlier_frame() {
         vec![0],
         "the CONFIRM first"
     );
-    let second = s.read_frame().await.expect("the ERROR");
-    match second.message {
+    let info = s.read_frame().await.expect("the INFO");
+    assert!(matches!(info.message, Message::Info(_)), "{info:?}");
+    let error = s.read_frame().await.expect("the ERROR");
+    match error.message {
         Message::Error(e) => assert_eq!(e.code, ErrorCode::UNKNOWN_OPCODE),
         other => panic!("expected ERROR, got {other:?}"),
     }
@@ -674,43 +678,6 @@ async fn info_answers_with_the_configured_limits_and_the_stream_goes_on() {
     assert_eq!(expect_confirm(&mut s, 13).await, vec![2]);
     let delivery = sub.read_frame().await.expect("the delivery");
     assert_eq!(delivery.to_bytes(), raw_frame(0x01, 11, b"c"));
-    raw.forget();
-    b.stop().await.expect("clean shutdown");
-}
-
-/// INFO's answer keeps its place among the stream's answers: while the durable log still owes
-/// an earlier publish its CONFIRM, the INFO waits behind it (it was pushed at once, ahead of
-/// the CONFIRM).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_info_answer_waits_behind_the_confirm_the_log_owes_an_earlier_frame() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let b =
-        TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), aqueduct_log::FsyncMode::Always)))
-            .await;
-    let raw = Raw::connect(&b, 1 << 20).await;
-    b.control.hold_log_writes(true);
-    let mut s = raw.stream().await;
-    s.write_frame(&confirmed_publish(7, "ordered", "x")).await;
-    s.write(&raw_frame(0x09, 8, b"")).await;
-    // The reader has handled the INFO once a frame after it on the stream is handled: a reserved
-    // opcode, answered UNKNOWN_OPCODE (counted).
-    s.write(&raw_frame(0x3F, 9, b"")).await;
-    let unknown = ErrorCode::UNKNOWN_OPCODE.0;
-    until("the frames after the publish handled", || {
-        b.stats.errors_sent().get(&unknown).is_some_and(|n| *n >= 1)
-    })
-    .await;
-    b.control.hold_log_writes(false);
-    assert_eq!(
-        expect_confirm(&mut s, 7).await,
-        vec![0],
-        "the CONFIRM first"
-    );
-    let second = s.read_frame().await.expect("the INFO");
-    assert_eq!(second.stream_id, 8);
-    assert!(matches!(second.message, Message::Info(_)), "{second:?}");
-    let third = s.read_frame().await.expect("the ERROR");
-    assert_eq!(third.stream_id, 9);
     raw.forget();
     b.stop().await.expect("clean shutdown");
 }
