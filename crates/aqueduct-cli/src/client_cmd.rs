@@ -218,9 +218,13 @@ enum Command {
     /// connection may hold. Any client may ask; the broker's state (connections, topics,
     /// cluster) is `aqueduct admin info` and needs an admin certificate.
     #[command(
-        after_help = "Example:\n  aqueduct info\n  aqueduct --addr broker.example.com:4242 --ca ca.pem info"
+        after_help = "Example:\n  aqueduct info\n  aqueduct --addr broker.example.com:4242 --ca ca.pem info --json"
     )]
-    Info,
+    Info {
+        /// Print one JSON object instead of text (a value the broker did not say is null).
+        #[arg(long)]
+        json: bool,
+    },
     /// Open idle connections (and subscriptions) and hold them, to measure a broker's memory
     /// per connection and per subscription.
     Hold {
@@ -923,7 +927,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             }
             return Ok(());
         }
-        Command::Info => {
+        Command::Info { json } => {
             let info = client.info().await.map_err(|e| match e {
                 aqueduct_client::ClientError::Broker { code, .. }
                     if code == aqueduct_client::ErrorCode::UNKNOWN_OPCODE =>
@@ -937,7 +941,19 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 }
                 e => anyhow!(e),
             })?;
-            crate::print_line(&info_text(&info))?;
+            let text = if *json {
+                serde_json::json!({
+                    "broker": info.broker,
+                    "protocol": info.protocol,
+                    "max_data_len": info.max_data_len,
+                    "max_delivery_data_len": info.max_delivery_data_len,
+                    "max_subscriptions": info.max_subscriptions,
+                })
+                .to_string()
+            } else {
+                info_text(&info)
+            };
+            crate::print_line(&text)?;
             return Ok(());
         }
         Command::Hold {

@@ -948,6 +948,19 @@ fn info_prints_the_broker_s_limits() {
         lines[4].starts_with("subscriptions     7 per connection "),
         "{text}"
     );
+    let out = run_client(home.path(), &["--addr", &addr, "info", "--json"]);
+    assert_ok(&out);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(v["max_data_len"], 4096);
+    assert_eq!(v["max_delivery_data_len"], 5120);
+    assert_eq!(v["max_subscriptions"], 7);
+    assert_eq!(v["protocol"], 1);
+    assert!(
+        v["broker"]
+            .as_str()
+            .is_some_and(|b| b.starts_with("aqueduct-broker ")),
+        "{v}"
+    );
     stop(broker);
 }
 
