@@ -871,16 +871,28 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             // leaves its group; its unacknowledged messages go to the other members) instead of
             // waiting for the idle timeout — after it has read our last ACKs (a durable
             // consumer's position counts them).
+            let from_log = sub.durable_log() == Some(true);
             let _ = sub.close().await;
             client.close().await?;
             if let Some(signal) = interrupted {
-                let last = match (printed > received, opts.ack) {
-                    (false, _) => "",
-                    (true, true) => {
-                        " handled; the last one printed was not acknowledged: the broker \
-                         delivers it again"
-                    }
-                    (true, false) => " handled; it stopped while working on the last one printed",
+                // What becomes of the message it was working on depends on the subscription.
+                let last = if printed <= received {
+                    String::new()
+                } else if !opts.ack {
+                    " handled; it stopped while working on the last one printed".into()
+                } else if let (Some(d), true) = (durable, from_log) {
+                    format!(
+                        " handled; the last one printed was not acknowledged: it comes again \
+                         when durable consumer {d} resumes"
+                    )
+                } else if opts.group.is_some() || durable.is_some() {
+                    " handled; the last one printed was not acknowledged: it goes to another \
+                     member of the group, if there is one"
+                        .into()
+                } else {
+                    " handled; the last one printed was not acknowledged, and a plain \
+                     subscription's messages are not delivered again"
+                        .into()
                 };
                 eprintln!("{signal}: closed the connection after {received} message(s){last}");
             }
@@ -1427,11 +1439,14 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
     }
 }
 
-/// Whether two error texts end in the same cause (the part after their last ": "): one
-/// failure reported by two calls, each with its own preface.
-fn same_cause(a: &str, b: &str) -> bool {
-    let cause = |s: &str| s.rsplit(": ").next().unwrap_or(s).trim().to_string();
-    cause(a) == cause(b)
+/// Whether the close's error `closing` is the command's error `command` seen again: one
+/// failure reported by both calls, the close's with a preface of its own ("the broker may not
+/// have read everything published: ..."). Not for an empty text.
+fn same_cause(command: &str, closing: &str) -> bool {
+    const LOST: &str = "connection lost: ";
+    let command = command.strip_prefix(LOST).unwrap_or(command).trim();
+    let closing = closing.strip_prefix(LOST).unwrap_or(closing).trim();
+    !command.is_empty() && closing.ends_with(command)
 }
 
 #[cfg(test)]
@@ -1450,6 +1465,12 @@ mod tests {
             "broker error NOT_AUTHORIZED(400): refused by the ACL",
             "connection lost: timed out"
         ));
+        // Two refusals with empty reasons are not one because their (empty) ends agree.
+        assert!(!same_cause(
+            "broker error NOT_AUTHORIZED(400): ",
+            "broker error RATE_LIMITED(301): "
+        ));
+        assert!(!same_cause("", "connection lost: "));
     }
 
     /// The lists of unused connection options name real options, and "all" is all of them.

@@ -178,7 +178,7 @@ fn dump_line(offset: u64, timestamp_ms: u64, m: &StoredMessage) -> String {
             d.original_topic.as_str(),
             Some(d.original_offset),
             Some(d.attempts_made),
-            Some(&reason),
+            Some(reason.as_str()).filter(|r| !r.is_empty()),
         );
         line.push('\t');
         line.push_str(&origin);

@@ -405,8 +405,9 @@ impl Mesh {
         }
     }
 
-    /// The peer retired `conn` (it finished its side: the peer keeps the pair's other
-    /// connection). A held connection is retired at once, not after [`HOLD_WAIT`]: both dialed
+    /// The peer finished its side of `conn` (it retired it, keeping the pair's other
+    /// connection, or it is leaving). A held connection is retired at once, not after
+    /// [`HOLD_WAIT`]: both dialed
     /// at the same moment, and the peer, which had not heard from this node on the kept
     /// connection yet, retired the duplicate without a word on it, so no control message will
     /// come to decide. (Waiting kept the peer's retired end waiting too, and both warned after

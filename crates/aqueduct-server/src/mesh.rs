@@ -91,8 +91,9 @@ pub enum Event {
     Closed {
         conn: ConnId,
     },
-    /// The peer retired the connection (it finished its data stream, and everything it wrote
-    /// on it is published here) while this node had not: held, it is retired now.
+    /// The peer finished its data stream on a connection this node has not retired (and
+    /// everything it wrote there is published here): it retired the connection, or it is
+    /// leaving. The driver retires the connection if it holds it; a kept one is left as it is.
     PeerRetired {
         conn: ConnId,
     },
@@ -2143,8 +2144,8 @@ async fn serve_peer(link: PeerTask) {
                 }
                 peer_done = true;
                 if !*retire.borrow() {
-                    // Held here (both dialed at once, and the peer retired this one without
-                    // a word on it): the driver retires it now rather than after its hold.
+                    // If the driver holds it (both dialed at once, and the peer retired this
+                    // one without a word on it), it retires it now rather than after its hold.
                     let _ = events.send(Event::PeerRetired { conn: id });
                 }
                 peer_retired_for_long
@@ -2160,6 +2161,14 @@ async fn serve_peer(link: PeerTask) {
                 break End::Gone;
             }
             _ = &mut peer_retired_for_long, if !*retire.borrow() => {
+                if *retire.borrow() {
+                    // Retired here since this branch was armed (the guard is read when the
+                    // select starts): `retired_for_long` judges it, with its own words.
+                    peer_retired_for_long
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + Duration::from_secs(u64::MAX >> 8));
+                    continue;
+                }
                 warn!(conn = id.0, "the peer retired a mesh connection this node kept: closed");
                 break End::Gone;
             }
