@@ -407,11 +407,10 @@ impl Mesh {
 
     /// The peer finished its side of `conn` (it retired it, keeping the pair's other
     /// connection, or it is leaving). A held connection is retired at once, not after
-    /// [`HOLD_WAIT`]: both dialed
-    /// at the same moment, and the peer, which had not heard from this node on the kept
-    /// connection yet, retired the duplicate without a word on it, so no control message will
-    /// come to decide. (Waiting kept the peer's retired end waiting too, and both warned after
-    /// 5 s.) A connection this node keeps is left to the transport.
+    /// [`HOLD_WAIT`]: both dialed at the same moment, and the peer, which had not heard from
+    /// this node on the kept connection yet, retired the duplicate without a word on it, so no
+    /// control message will come to decide. (Waiting kept the peer's retired end waiting too,
+    /// and both warned after 5 s.) A connection this node keeps is left to the transport.
     pub fn handle_peer_retired(&mut self, conn: ConnId) {
         if self.held.remove(&conn).is_some() {
             self.out.push_back(Output::Close {
