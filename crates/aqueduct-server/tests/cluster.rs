@@ -1503,3 +1503,124 @@ async fn static_peers_are_used_while_discovery_fails() {
     a.stop().await.expect("clean shutdown");
     b.stop().await.expect("clean shutdown");
 }
+
+/// A raw mesh peer `node-a` (a smaller id than the node's) that plays the race of two nodes
+/// dialing each other at once: it dials the node and speaks (a snapshot), so the node keeps
+/// that connection and has heard it; then the node dials back, and the peer, as a node that
+/// has not heard the other on the kept connection yet does, retires the node's connection at
+/// once without a word on it (finishes its data stream). The node held that connection
+/// (it loses the duplicate rule to one that has worked): it must retire it as soon as the
+/// peer's end arrives — finish its own data stream — not after its 5 s hold, which made both
+/// ends warn that copies might be lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_connection_the_peer_retires_is_retired_at_once() {
+    use aqueduct_core::mesh::{Control, Interest};
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let ca = ClusterCa::new();
+    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
+    // The raw peer's certificate, and one endpoint that dials and accepts with it.
+    let (cert, key) = ca.ca.peer(ca.dir.path(), "node-a");
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cert)
+        .expect("cert")
+        .map(|c| c.expect("pem"))
+        .collect();
+    let key = PrivateKeyDer::from_pem_file(&key).expect("key");
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(&ca.file).expect("ca") {
+        roots.add(c.expect("pem")).expect("root");
+    }
+    let provider = aqueduct_server::tls::provider();
+    let mut client = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls13")
+        .with_root_certificates(roots)
+        .with_client_auth_cert(certs.clone(), key.clone_key())
+        .expect("client cert");
+    client.alpn_protocols = vec![b"aqueduct-mesh".to_vec()];
+    let mut server = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("tls13")
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .expect("server cert");
+    server.alpn_protocols = vec![b"aqueduct-mesh".to_vec()];
+    let server = quinn::ServerConfig::with_crypto(std::sync::Arc::new(
+        quinn::crypto::rustls::QuicServerConfig::try_from(server).expect("quic server"),
+    ));
+    let mut endpoint =
+        quinn::Endpoint::server(server, "127.0.0.1:0".parse().expect("addr")).expect("endpoint");
+    endpoint.set_default_client_config(quinn::ClientConfig::new(std::sync::Arc::new(
+        quinn::crypto::rustls::QuicClientConfig::try_from(client).expect("quic client"),
+    )));
+    // The connection the peer dials: its two streams, and a snapshot on the control stream.
+    let kept = within(
+        "the peer's dial",
+        endpoint.connect(b.addr, "aqueduct-mesh").expect("connect"),
+    )
+    .await
+    .expect("handshake");
+    let mut control = kept.open_uni().await.expect("control stream");
+    let mut snapshot = vec![1u8]; // CONTROL_STREAM
+    aqueduct_core::mesh_codec::encode_control(
+        &Control::Snapshot {
+            session: 1 << 20,
+            seq: 0,
+            interest: Interest::default(),
+        },
+        &mut snapshot,
+    );
+    control.write_all(&snapshot).await.expect("write");
+    let mut data = kept.open_uni().await.expect("data stream");
+    data.write_all(&[2u8]).await.expect("write"); // DATA_STREAM
+    until("the node to keep the peer's connection", || {
+        peers_of(&b) == BTreeSet::from(["node-a".to_string()])
+    })
+    .await;
+    // The node dials the peer: the duplicate, which the node holds.
+    b.control
+        .set_cluster_peers(vec![endpoint.local_addr().expect("addr")]);
+    let incoming = within("the node's dial", endpoint.accept())
+        .await
+        .expect("incoming");
+    let dup = within("its handshake", incoming.accept().expect("accept"))
+        .await
+        .expect("handshake");
+    // Retired at once by the peer, without a word: its streams, the data one finished.
+    let mut dup_control = dup.open_uni().await.expect("control stream");
+    dup_control.write_all(&[1u8]).await.expect("write");
+    let mut dup_data = dup.open_uni().await.expect("data stream");
+    dup_data.write_all(&[2u8]).await.expect("write");
+    dup_data.finish().expect("finish");
+    // The node retires it too: it finishes its data stream on it, well before its 5 s hold.
+    let node_data = tokio::time::timeout(Duration::from_millis(2500), async {
+        loop {
+            let mut recv = dup.accept_uni().await.expect("the node's streams");
+            let mut kind = [0u8];
+            recv.read_exact(&mut kind).await.expect("kind");
+            if kind[0] == 2 {
+                break recv;
+            }
+        }
+    })
+    .await
+    .expect("the node's data stream on the duplicate");
+    let mut node_data = node_data;
+    let rest = tokio::time::timeout(Duration::from_millis(2500), node_data.read_to_end(1 << 20))
+        .await
+        .expect("the node finished its data stream on the duplicate before its hold ran out")
+        .expect("read");
+    assert!(rest.is_empty(), "no copies on a duplicate: {rest:?}");
+    assert_eq!(
+        b.control
+            .mesh()
+            .expect("cluster on")
+            .retired
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    assert_eq!(peers_of(&b), BTreeSet::from(["node-a".to_string()]));
+    kept.close(0u32.into(), b"done");
+    dup.close(0u32.into(), b"done");
+    b.stop().await.expect("clean shutdown");
+}
