@@ -29,6 +29,7 @@ For each variant it also prints how often the broker's runtime threads went to s
 message (`aqueduct_runtime_worker_parks_total`): each is a wake-up between threads later.
 """
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -114,6 +115,7 @@ def main():
                                                  for k, v in results.items()), flush=True)
     finally:
         brokers.stop()
+        shutil.rmtree(home, ignore_errors=True)
     print()
     for name, rows in results.items():
         p50 = [a for a, _ in rows]

@@ -16,6 +16,9 @@ From the repository root:
     python3 scripts/speedbar.py --rounds 3 --out target/speedbar.jsonl
     python3 scripts/speedbar.py --summarize target/speedbar.jsonl   # per-round ratios again
 
+Each run rewrites its --out file (the summary pairs rows by round); its temporary broker
+directory is removed at the end.
+
 The exact `nats-server --version` output is printed at the start, written as the first record
 of the JSONL output (config "environment") and into every nats row, and printed above the
 markdown summary. An older nats-server (e.g. Debian's 2.9) is refused unless --allow-old-nats
@@ -240,7 +243,8 @@ def main():
             sys.exit(f"speedbar: {binary} is missing; build it from the repository root with\n    {build}")
     env_rec = dict(config="environment", time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), rounds=args.rounds,
                    peerbench=PEERBENCH, aqueduct_git=git_describe(), **nats_info)
-    with open(args.out, "a") as f:
+    # A run's file holds that run only (--summarize pairs its rows by round).
+    with open(args.out, "w") as f:
         f.write(json.dumps(env_rec) + "\n")
     home = tempfile.mkdtemp(prefix="aqueduct-speedbar-")
     b = Brokers(home, nats_info["nats_server_path"])
@@ -253,8 +257,13 @@ def main():
         rows.append(res)
         with open(args.out, "a") as f:
             f.write(json.dumps(res) + "\n")
-        print(f"{name:<14} {broker:<9} delivered {res.get('delivered_msgs_per_s', 0):>12,.0f} msg/s  lost {res.get('lost_total', 0)}"
-              + (f"  p99 {res['latency']['p99_us']:.0f} us" if 'latency' in res and res['latency'].get('p99_us') else ""), flush=True)
+        lat = res.get("latency") or {}
+        if name.startswith("latency"):
+            # A paced run: its latency is the figure (a throughput figure means nothing here).
+            print(f"{name:<14} {broker:<9} p50 {lat.get('p50_us', 0):>8.0f} us  p99 {lat.get('p99_us', 0):>8.0f} us", flush=True)
+        else:
+            # Flat out, a message's latency is mostly time queued behind the burst: not shown.
+            print(f"{name:<14} {broker:<9} delivered {res.get('delivered_msgs_per_s', 0):>12,.0f} msg/s  lost {res.get('lost_total', 0)}", flush=True)
 
     try:
         nats = b.start_nats(4222)
@@ -333,6 +342,7 @@ def main():
             time.sleep(2.0)
     finally:
         b.stop()
+        shutil.rmtree(home, ignore_errors=True)
 
     print(f"\nnats-server --version: `{nats_info['nats_server_version']}`" + (" (older than 2.15, --allow-old-nats)" if nats_info["nats_server_old"] else "")
           + f"; aqueduct: `{env_rec['aqueduct_git']}`; {args.rounds} rounds; raw results: {args.out}")
