@@ -273,28 +273,16 @@ function view(bytes) {
 export function decodeExtensions(block, base = 0) {
   const ext = {};
   const seen = new Set();
-  let at = 0;
   const bad = (code, problem, offset) => {
     throw new FrameError(code, problem, { offset: base + offset });
   };
-  while (at < block.length) {
-    if (block.length - at < 2) {
-      bad(
-        ErrorCode.BAD_EXTENSION,
-        `extension entry at block offset ${at} truncated: need 2 bytes, have ${block.length - at}`,
-        at,
-      );
-    }
-    const type = block[at];
-    const len = block[at + 1];
-    if (at + 2 + len > block.length) {
-      bad(
-        ErrorCode.BAD_EXTENSION,
-        `extension entry 0x${hex2(type)} at block offset ${at} truncated: need ${2 + len} bytes, have ${block.length - at}`,
-        at,
-      );
-    }
-    const value = block.subarray(at + 2, at + 2 + len);
+  const truncated = (at, type, need) =>
+    bad(
+      ErrorCode.BAD_EXTENSION,
+      `extension entry${type === undefined ? '' : ` 0x${hex2(type)}`} at block offset ${at} truncated: need ${need} bytes, have ${block.length - at}`,
+      at,
+    );
+  for (const { at, type, value } of entries(block, truncated)) {
     const known = type >= ExtType.TRACE && type <= ExtType.MAX_IN_FLIGHT;
     if (known) {
       // Validated first, then checked for repetition (as the reference codec does).
@@ -308,9 +296,25 @@ export function decodeExtensions(block, base = 0) {
     } else {
       (ext.unknown ??= []).push({ type, value: value.slice() });
     }
-    at += 2 + len;
   }
   return ext;
+}
+
+/**
+ * The entries of a block laid out `type u8 | len u8 | value[len]` (extension entries, and
+ * INFO's), in order: `{ at, type, value }`. An entry cut short calls `truncated(at, type, need)`
+ * (`type` undefined when even it is missing), which must throw.
+ */
+function* entries(block, truncated) {
+  let at = 0;
+  while (at < block.length) {
+    if (block.length - at < 2) truncated(at, undefined, 2);
+    const type = block[at];
+    const len = block[at + 1];
+    if (at + 2 + len > block.length) truncated(at, type, 2 + len);
+    yield { at, type, value: block.subarray(at + 2, at + 2 + len) };
+    at += 2 + len;
+  }
 }
 
 const EXT_NAMES = Object.freeze(Object.fromEntries(Object.entries(ExtType).map(([n, v]) => [v, n])));
@@ -815,17 +819,11 @@ function decodeComplete(buf, command, streamId, dataLen, peer, base, subFrame) {
 function decodeInfo(payload, badPayload) {
   const info = {};
   const seen = new Set();
-  const pv = view(payload);
-  let at = 0;
-  while (at < payload.length) {
-    if (at + 2 > payload.length) badPayload('an entry is cut short');
-    const key = payload[at];
-    const len = payload[at + 1];
-    if (at + 2 + len > payload.length) badPayload('an entry is cut short');
-    const value = payload.subarray(at + 2, at + 2 + len);
+  for (const { type: key, value } of entries(payload, () => badPayload('an entry is cut short'))) {
+    const len = value.length;
     const u32At = () => {
       if (len !== 4) badPayload('a u32 entry must be 4 bytes');
-      return pv.getUint32(at + 2, true);
+      return view(value).getUint32(0, true);
     };
     if (key >= InfoKey.PROTOCOL && key <= InfoKey.BROKER) {
       if (seen.has(key)) badPayload('a key appears twice');
@@ -854,7 +852,6 @@ function decodeInfo(payload, badPayload) {
       }
       default: // a key of a later version
     }
-    at += 2 + len;
   }
   return info;
 }

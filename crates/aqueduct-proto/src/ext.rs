@@ -383,37 +383,64 @@ pub(crate) fn walk_after<'a>(
             max: MAX_EXT_LEN,
         });
     }
-    let mut seen = 0u32;
-    let mut at = start;
-    while at < end {
-        let Some(&[ty, vlen]) = buf.get(at..end).and_then(|s| s.first_chunk::<2>()) else {
-            return Err(ProtoError::TruncatedExtension {
-                offset: at - start,
-                need: 2,
-                have: end - at,
-            });
-        };
-        let vstart = at + 2;
-        let vend = vstart + usize::from(vlen);
-        let Some(value) = buf.get(vstart..vend).filter(|_| vend <= end) else {
-            return Err(ProtoError::TruncatedExtension {
-                offset: at - start,
-                need: 2 + usize::from(vlen),
-                have: end - at,
-            });
-        };
-        if let Some(entry) = decode_entry(ty, value, vstart, known_topic)? {
-            // Known types are 0x01..=0x0E: one bit each.
-            let bit = 1u32 << (ty & 31);
-            if seen & bit != 0 {
+    let Some(block) = buf.get(start..end) else {
+        return Err(ProtoError::TruncatedExtension {
+            offset: 0,
+            need: len,
+            have: buf.len().saturating_sub(start),
+        });
+    };
+    let mut seen = Seen::default();
+    let mut rest = block;
+    while !rest.is_empty() {
+        let offset = block.len() - rest.len();
+        let (ty, value, next) =
+            split_entry(rest).map_err(|need| ProtoError::TruncatedExtension {
+                offset,
+                need,
+                have: rest.len(),
+            })?;
+        if let Some(entry) = decode_entry(ty, value, start + offset + 2, known_topic)? {
+            // Known types are 0x01..=0x0E.
+            if !seen.first(ty) {
                 return Err(ProtoError::DuplicateExtension { ext_type: ty });
             }
-            seen |= bit;
             f(entry);
         }
-        at = vend;
+        rest = next;
     }
     Ok(())
+}
+
+/// The entry at the front of `rest`, laid out `type u8 | len u8 | value[len]` (extension
+/// entries, and INFO's): its type, its value and what follows it; `Err(need)` when `rest` is
+/// shorter than the whole entry (`need` bytes).
+#[inline]
+pub(crate) fn split_entry(rest: &[u8]) -> Result<(u8, &[u8], &[u8]), usize> {
+    let Some((&[ty, len], after)) = rest.split_first_chunk::<2>() else {
+        return Err(2);
+    };
+    let len = usize::from(len);
+    match after.split_at_checked(len) {
+        Some((value, next)) => Ok((ty, value, next)),
+        None => Err(2 + len),
+    }
+}
+
+/// The known types (or keys) of one block seen so far, 0x00..=0x1F: a type given twice is
+/// refused.
+#[derive(Default)]
+pub(crate) struct Seen(u32);
+
+impl Seen {
+    /// Whether this is `ty`'s first time (and note it).
+    #[inline]
+    pub(crate) fn first(&mut self, ty: u8) -> bool {
+        let bit = 1u32 << (ty & 31);
+        let first = self.0 & bit == 0;
+        self.0 |= bit;
+        first
+    }
 }
 
 /// The decoded extension block. Every field is `None`/`false` when its entry is absent.

@@ -234,10 +234,7 @@ impl Info {
             }
         }
         if let Some(b) = self.broker.as_deref().filter(|b| !b.is_empty()) {
-            let mut end = b.len().min(255);
-            while !b.is_char_boundary(end) {
-                end -= 1;
-            }
+            let end = crate::ext::reason_len(b);
             out.push((info_key::BROKER, b.as_bytes()[..end].to_vec()));
         }
         out
@@ -263,22 +260,19 @@ impl Info {
             len: payload.len(),
         };
         let mut info = Info::default();
-        let mut seen = 0u32;
+        let mut seen = crate::ext::Seen::default();
         let mut rest = payload;
-        while let Some((&key, r)) = rest.split_first() {
-            let (&len, r) = r.split_first().ok_or(bad("an entry is cut short"))?;
-            let value = r
-                .get(..usize::from(len))
-                .ok_or(bad("an entry is cut short"))?;
-            rest = &r[usize::from(len)..];
+        while !rest.is_empty() {
+            let (key, value, next) =
+                crate::ext::split_entry(rest).map_err(|_| bad("an entry is cut short"))?;
+            rest = next;
             // Every known key's arm below starts with this.
             let mut once = |key: u8| {
-                let bit = 1u32 << (key & 31);
-                if seen & bit != 0 {
-                    return Err(bad("a key appears twice"));
+                if seen.first(key) {
+                    Ok(())
+                } else {
+                    Err(bad("a key appears twice"))
                 }
-                seen |= bit;
-                Ok(())
             };
             let u32_of = |v: &[u8]| -> Result<u32, ProtoError> {
                 v.try_into()

@@ -2160,10 +2160,9 @@ async fn serve_peer(link: PeerTask) {
                 warn!(conn = id.0, "a retired mesh connection did not finish within {RETIRE_WAIT:?}: closed; copies on it may be lost");
                 break End::Gone;
             }
-            _ = &mut peer_retired_for_long, if !*retire.borrow() => {
+            _ = &mut peer_retired_for_long => {
                 if *retire.borrow() {
-                    // Retired here since this branch was armed (the guard is read when the
-                    // select starts): `retired_for_long` judges it, with its own words.
+                    // Retired here meanwhile: `retired_for_long` judges it, with its own words.
                     peer_retired_for_long
                         .as_mut()
                         .reset(tokio::time::Instant::now() + Duration::from_secs(u64::MAX >> 8));
