@@ -1172,6 +1172,16 @@ impl Broker {
         (topics.values().cloned().collect(), evicted)
     }
 
+    /// Run `f` while no topic's state can be created or evicted, giving it a test of whether
+    /// the broker holds a topic's state now. For a durable log deciding which topics it may
+    /// forget: a topic the broker does not hold gets its next offset from the offset source
+    /// ([`set_offset_source`](Self::set_offset_source)) when it is created, which cannot happen
+    /// before `f` returns. Keep `f` short (publishes to new topics wait).
+    pub fn with_topics_frozen<R>(&self, f: impl FnOnce(&dyn Fn(&[u8]) -> bool) -> R) -> R {
+        let topics = self.topics.read().unwrap_or_else(PoisonError::into_inner);
+        f(&|name: &[u8]| topics.contains_key(name))
+    }
+
     /// Every topic the broker holds state for (published to, and not evicted since).
     pub fn topics(&self) -> Vec<Arc<TopicState>> {
         self.topics

@@ -1161,6 +1161,34 @@ fn a_freed_topic_resumes_above_its_offsets() {
     assert_eq!(publish(&b, &mut ctx, "new", "z", now).offset, 3);
 }
 
+/// `with_topics_frozen` says which topics the broker holds (published to and not freed), and no
+/// topic is created while it runs: a publish to a new topic from another thread waits for it.
+#[test]
+fn topics_frozen_says_which_are_held_and_holds_off_new_ones() {
+    let b = std::sync::Arc::new(Broker::new(BrokerConfig::default()));
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    publish(&b, &mut ctx, "a", "x", now);
+    drop(ctx);
+    let (started_tx, started_rx) = std::sync::mpsc::channel();
+    let publisher = b.clone();
+    let seen = b.with_topics_frozen(|held| {
+        let during = std::thread::spawn(move || {
+            started_tx.send(()).expect("send");
+            let mut ctx = PublishContext::default();
+            publish(&publisher, &mut ctx, "new", "y", Instant::now());
+        });
+        started_rx.recv().expect("started");
+        // Given time, the other thread would have created "new" by now if it could.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        (held(b"a"), held(b"b"), held(b"new"), during)
+    });
+    assert!(seen.0 && !seen.1);
+    assert!(!seen.2, "no topic is created while frozen");
+    seen.3.join().expect("publisher");
+    assert!(b.with_topics_frozen(|held| held(b"new")));
+}
+
 /// A detached member (its client stopped reading) gets nothing more; its queued messages go to
 /// the other member; what it has in flight can still be acknowledged.
 #[test]

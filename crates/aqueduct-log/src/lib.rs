@@ -17,7 +17,9 @@
 //! - **Offsets** belong to the broker (per topic); the log refuses to take one twice (only the
 //!   explicit [`Log::truncate_after`] rolls a topic back), keeps the offsets of failed appends
 //!   as taken, and, after a crash, moves every topic past what may have been handed out unwritten
-//!   ([`LogOptions::crash_offset_gap`]).
+//!   ([`LogOptions::crash_offset_gap`]). A topic retention emptied can be *forgotten*
+//!   ([`Log::enforce_retention_forgetting`]): the log then keeps nothing of it, and it starts
+//!   past a log-wide offset floor (a mark under [`FLOOR_TOPIC`]) if it comes back.
 //!
 //! The API is narrow — [`Log::append`], [`Log::read`], [`Log::truncate_after`],
 //! [`Log::purge_before`], [`Log::next_offset`] / [`Log::last_offset`] — so that the same
@@ -35,7 +37,8 @@ mod verify;
 pub use crypto::MasterKey;
 pub use error::LogError;
 pub use log::{
-    Entry, FsyncMode, Log, LogIndex, LogOptions, LogStats, LogView, Position, Recovery, LOCK_FILE,
+    Entry, Forget, FsyncMode, Log, LogIndex, LogOptions, LogStats, LogView, Position, Recovery,
+    FLOOR_TOPIC, LOCK_FILE,
 };
 pub use positions::{ConsumerPosition, PositionStore, Positions};
 pub use reader::{Reader, Record};

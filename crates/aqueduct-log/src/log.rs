@@ -113,12 +113,35 @@ pub struct LogStats {
     /// Topics whose offsets the log keeps (every topic it ever logged: see `next_offset`).
     pub topics: u64,
     pub deleted_segments: u64,
+    /// Topics retention emptied and the log then forgot (see
+    /// [`Log::enforce_retention_forgetting`]).
+    pub forgotten_topics: u64,
     pub truncated_bytes: u64,
     pub damaged_batches: u64,
     pub appended_batches: u64,
     pub appended_records: u64,
     pub syncs: u64,
     pub write_errors: u64,
+}
+
+/// The name the log keeps its *offset floor* under, as a mark: a topic it does not know (never
+/// logged, or forgotten, see [`Log::enforce_retention_forgetting`]) starts past it. No topic
+/// can have this name (topic names contain no NUL, docs/protocol.md §3); it is never listed
+/// among the log's topics, and data appended under it is refused.
+pub const FLOOR_TOPIC: &[u8] = b"\0floor";
+
+/// Who says which topics retention may forget ([`Log::enforce_retention_forgetting`]): for a
+/// broker, those it holds no state for and no consumer has a position in. Two steps, so that
+/// the log raises its offset floor (a mark, synced) only for topics that will likely be
+/// forgotten, and before any is.
+pub trait Forget {
+    /// Of `emptied` (the topics retention is about to empty), those that may be forgotten as
+    /// far as can be said now. Nothing is forgotten yet.
+    fn choose(&mut self, emptied: &[Box<[u8]>]) -> Vec<Box<[u8]>>;
+    /// Forget what of `chosen` can still be forgotten, and return it. The log's offset floor
+    /// is now `floor`, on disk: past every offset the chosen topics had, and where a topic the
+    /// log does not know starts.
+    fn forget(&mut self, chosen: &[Box<[u8]>], floor: u64) -> Vec<Box<[u8]>>;
 }
 
 /// Where a topic's offsets stand.
@@ -403,7 +426,7 @@ impl Log {
         };
         log.rebuild_topics();
         rec.segments = log.segments.get().len();
-        rec.topics = log.topics.len();
+        rec.topics = log.topic_count();
         rec.bytes = log.bytes();
         rec.damaged_batches = log.segments.get().iter().map(|s| s.damage.len()).sum();
         log.stats.truncated_bytes = rec.truncated_bytes;
@@ -459,26 +482,35 @@ impl Log {
 
     /// The offset the next message of `topic` must have at least: one past its highest logged
     /// offset — plus `crash_offset_gap` for every crash since that offset was logged. A topic
-    /// never logged starts at 0 (or past the gaps of crashes before this run).
+    /// the log does not know (never logged, or forgotten) starts at
+    /// [`new_topic_offset`](Self::new_topic_offset).
     pub fn next_offset(&self, topic: &[u8]) -> u64 {
         match self.topics.get(topic) {
-            Some(t) => {
-                t.high
-                    .saturating_add(1)
-                    .saturating_add(self.opts.crash_offset_gap.saturating_mul(u64::from(
-                        self.unclean_now.saturating_sub(t.unclean_at_high),
-                    )))
-            }
+            Some(t) => self.next_of(t),
             None => self.new_topic_offset(),
         }
     }
 
-    /// Where a topic the log has never seen starts: 0, or past the gaps of earlier crashes
-    /// (what [`next_offset`](Self::next_offset) answers for an unknown topic).
+    fn next_of(&self, t: &TopicState) -> u64 {
+        t.high
+            .saturating_add(1)
+            .saturating_add(self.opts.crash_offset_gap.saturating_mul(u64::from(
+                self.unclean_now.saturating_sub(t.unclean_at_high),
+            )))
+    }
+
+    /// Where a topic the log does not know starts (what [`next_offset`](Self::next_offset)
+    /// answers for it): past the gaps of earlier crashes, and past the offset floor, which
+    /// covers every topic the log forgot.
     pub fn new_topic_offset(&self) -> u64 {
-        self.opts
+        let after_crashes = self
+            .opts
             .crash_offset_gap
-            .saturating_mul(u64::from(self.unclean_now))
+            .saturating_mul(u64::from(self.unclean_now));
+        match self.topics.get(FLOOR_TOPIC) {
+            Some(floor) => after_crashes.max(self.next_of(floor)),
+            None => after_crashes,
+        }
     }
 
     /// The highest offset of a message of `topic` still in the log.
@@ -493,14 +525,22 @@ impl Log {
 
     /// Every topic with state in the log.
     pub fn topics(&self) -> impl Iterator<Item = &[u8]> {
-        self.topics.keys().map(|k| &**k)
+        self.topics
+            .keys()
+            .map(|k| &**k)
+            .filter(|k| *k != FLOOR_TOPIC)
+    }
+
+    /// How many topics [`topics`](Self::topics) lists.
+    fn topic_count(&self) -> usize {
+        self.topics.len() - usize::from(self.topics.contains_key(FLOOR_TOPIC))
     }
 
     pub fn stats(&self) -> LogStats {
         LogStats {
             segments: self.segments.get().len() as u64,
             bytes: self.bytes(),
-            topics: self.topics.len() as u64,
+            topics: self.topic_count() as u64,
             ..self.stats
         }
     }
@@ -672,6 +712,11 @@ impl Log {
     fn check_offsets(&self, entries: &[Entry<'_>]) -> Result<(), LogError> {
         let mut in_batch: HashMap<&[u8], u64> = HashMap::new();
         for e in entries {
+            if e.topic == FLOOR_TOPIC {
+                return Err(LogError::InvalidAppend(
+                    "data under the log's offset floor name (a reserved name)".into(),
+                ));
+            }
             if e.topic.is_empty() || e.topic.len() > u16::MAX as usize {
                 return Err(LogError::InvalidAppend(format!(
                     "a topic name of {} bytes (1 to {} allowed)",
@@ -798,6 +843,26 @@ impl Log {
     /// offset would go with them get a mark in the active segment first, synced before any file
     /// is deleted, so their offsets are never handed out again. Returns the deleted segment ids.
     pub fn enforce_retention(&mut self, now: std::time::SystemTime) -> Result<Vec<u64>, LogError> {
+        let doomed = self.retention_doomed(now);
+        self.delete_oldest(doomed, None)
+    }
+
+    /// [`enforce_retention`](Self::enforce_retention), and *forget* topics it empties, so that
+    /// the log's memory does not grow with every topic name it ever logged. The topics whose
+    /// every message and mark is in the segments to delete are offered to `forget` (see
+    /// [`Forget`]); those it forgets get no mark, and start at the log's offset floor when
+    /// logged again. The others are kept, with a mark each as without forgetting.
+    pub fn enforce_retention_forgetting(
+        &mut self,
+        now: std::time::SystemTime,
+        forget: &mut dyn Forget,
+    ) -> Result<Vec<u64>, LogError> {
+        let doomed = self.retention_doomed(now);
+        self.delete_oldest(doomed, Some(forget))
+    }
+
+    /// How many of the oldest segments retention deletes at `now`.
+    fn retention_doomed(&self, now: std::time::SystemTime) -> usize {
         let now_ms = now
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
@@ -815,8 +880,7 @@ impl Log {
             total -= seg.len;
             doomed += 1;
         }
-        drop(segments);
-        self.delete_oldest(doomed)
+        doomed
     }
 
     /// Delete every sealed segment before `position`'s segment.
@@ -828,22 +892,29 @@ impl Log {
                 .take_while(|s| s.id < position.segment)
                 .count()
         };
-        self.delete_oldest(n)
+        self.delete_oldest(n, None)
     }
 
-    fn delete_oldest(&mut self, n: usize) -> Result<Vec<u64>, LogError> {
+    fn delete_oldest(
+        &mut self,
+        n: usize,
+        forget: Option<&mut dyn Forget>,
+    ) -> Result<Vec<u64>, LogError> {
         if n == 0 {
             return Ok(Vec::new());
         }
         let ids: Vec<u64> = self.segments.get()[..n].iter().map(|s| s.id).collect();
         let last_doomed = ids[ids.len() - 1];
         // Marks for the topics whose highest offset lives only in the doomed segments.
-        let marks: Vec<(Box<[u8]>, u64)> = self
+        let mut marks: Vec<(Box<[u8]>, u64)> = self
             .topics
             .iter()
             .filter(|(_, t)| t.high_segment <= last_doomed)
-            .map(|(name, _)| (name.clone(), self.next_offset(name) - 1))
+            .map(|(name, t)| (name.clone(), self.next_of(t) - 1))
             .collect();
+        if let Some(forget) = forget {
+            self.forget_emptied(&mut marks, last_doomed, forget)?;
+        }
         for chunk in marks.chunks(4096) {
             self.append_marks(&mark_entries(chunk))?;
         }
@@ -859,6 +930,82 @@ impl Log {
         }
         sync_dir(&self.dir)?;
         Ok(ids)
+    }
+
+    /// Offer the topics among `marks` (each with its highest offset) to `forget`; raise the
+    /// offset floor past those it chooses (durably), forget those it then forgets, and take
+    /// them out of `marks`.
+    fn forget_emptied(
+        &mut self,
+        marks: &mut Vec<(Box<[u8]>, u64)>,
+        last_doomed: u64,
+        forget: &mut dyn Forget,
+    ) -> Result<(), LogError> {
+        let offered: Vec<Box<[u8]>> = marks
+            .iter()
+            .filter(|(name, _)| &**name != FLOOR_TOPIC)
+            .map(|(name, _)| name.clone())
+            .collect();
+        if offered.is_empty() {
+            return Ok(());
+        }
+        let emptied = |log: &Log, name: &[u8]| {
+            name != FLOOR_TOPIC
+                && log
+                    .topics
+                    .get(name)
+                    .is_some_and(|t| t.high_segment <= last_doomed)
+        };
+        let chosen: Vec<Box<[u8]>> = forget
+            .choose(&offered)
+            .into_iter()
+            .filter(|name| emptied(self, name))
+            .collect();
+        if chosen.is_empty() {
+            return Ok(());
+        }
+        // The floor goes past every offset a chosen topic had, also those failed appends took
+        // (written as marks later): on disk before anything is forgotten, so a topic started
+        // at the floor never repeats an offset, also after a crash.
+        let highest = chosen
+            .iter()
+            .map(|name| {
+                let high = self.topics.get(name).map_or(0, |t| self.next_of(t) - 1);
+                high.max(self.burned.get(name).copied().unwrap_or(0))
+            })
+            .max()
+            .unwrap_or(0);
+        if highest >= self.new_topic_offset() {
+            self.append_marks(&[Entry {
+                topic: FLOOR_TOPIC,
+                offset: highest,
+                data: &[],
+            }])?;
+            self.sync()?;
+        }
+        let forgotten = forget.forget(&chosen, self.new_topic_offset());
+        let chosen: std::collections::HashSet<Box<[u8]>> = chosen.into_iter().collect();
+        let mut gone = std::collections::HashSet::with_capacity(forgotten.len());
+        for name in forgotten {
+            // Only what was chosen (a topic with messages left must stay known).
+            if chosen.contains(&name) && emptied(self, &name) {
+                self.topics.remove(&name);
+                gone.insert(name);
+            }
+        }
+        self.stats.forgotten_topics += gone.len() as u64;
+        marks.retain(|(name, _)| {
+            // The floor's own mark, if it was in the doomed segments, was just written anew.
+            !gone.contains(name)
+                && self
+                    .topics
+                    .get(name)
+                    .is_some_and(|t| t.high_segment <= last_doomed)
+        });
+        if self.topics.len() < self.topics.capacity() / 4 {
+            self.topics.shrink_to_fit();
+        }
+        Ok(())
     }
 
     /// Marks restate where a topic's offsets stand (`next_offset - 1`, which may equal its

@@ -72,7 +72,11 @@ pub fn verify(
                 report
                     .damage
                     .extend(seg.damage.iter().map(|&(p, l)| (path.clone(), p, l)));
-                topics.extend(seg.topics.into_keys());
+                topics.extend(
+                    seg.topics
+                        .into_keys()
+                        .filter(|t| &**t != crate::log::FLOOR_TOPIC),
+                );
             }
             Err(e) => report.failures.push((path, e.to_string())),
         }

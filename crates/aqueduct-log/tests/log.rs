@@ -7,7 +7,9 @@ use std::time::{Duration, SystemTime};
 use aqueduct_log::format::{
     check_frame, FrameCheck, SegmentHeader, BODY_HEADER, FRAME_PREFIX, HEADER_LEN,
 };
-use aqueduct_log::{Entry, Log, LogError, LogOptions, MasterKey, Record};
+use aqueduct_log::{
+    verify, Entry, Forget, Log, LogError, LogOptions, MasterKey, Record, FLOOR_TOPIC,
+};
 
 type R = Result<(), Box<dyn std::error::Error>>;
 
@@ -476,6 +478,91 @@ fn retention_deletes_only_sealed_segments_and_offsets_go_on() -> R {
         segs - 1
     );
     assert_eq!(log.next_offset(b"a"), 30);
+    Ok(())
+}
+
+/// Retention that forgets the topics it empties: the log keeps nothing of them (they are not
+/// listed or counted), and one logged again starts past every offset it had — also after a
+/// reopen and after a crash — while a topic the caller keeps stays as with plain retention.
+#[test]
+fn retention_forgets_emptied_topics_behind_an_offset_floor() -> R {
+    let tmp = tempfile::tempdir()?;
+    let o = LogOptions {
+        max_segment_bytes: 400,
+        retention_bytes: Some(1_000),
+        crash_offset_gap: 1_000,
+        ..opts(Some(key(8)))
+    };
+    let (mut log, _) = Log::open(tmp.path(), o.clone())?;
+    fill(&mut log, "gone", 10, 5)?; // offsets 0..=49
+    fill(&mut log, "kept", 10, 3)?; // 0..=29
+    fill(&mut log, "new", 10, 3)?;
+    assert_eq!(log.stats().topics, 3);
+    /// Chooses "gone" and "kept", then forgets only "gone".
+    #[derive(Default)]
+    struct OnlyGone {
+        offered: Vec<Box<[u8]>>,
+        floor: Option<u64>,
+    }
+    impl Forget for OnlyGone {
+        fn choose(&mut self, emptied: &[Box<[u8]>]) -> Vec<Box<[u8]>> {
+            self.offered = emptied.to_vec();
+            emptied.to_vec()
+        }
+        fn forget(&mut self, chosen: &[Box<[u8]>], floor: u64) -> Vec<Box<[u8]>> {
+            self.floor = Some(floor);
+            chosen
+                .iter()
+                .filter(|t| &***t == b"gone")
+                .cloned()
+                .collect()
+        }
+    }
+    let mut f = OnlyGone::default();
+    log.enforce_retention_forgetting(SystemTime::now(), &mut f)?;
+    f.offered.sort();
+    assert_eq!(
+        f.offered,
+        vec![Box::from(&b"gone"[..]), Box::from(&b"kept"[..])]
+    );
+    assert_eq!(f.floor, Some(50), "past every offset of the chosen topics");
+    assert_eq!(log.stats().topics, 2);
+    assert_eq!(log.stats().forgotten_topics, 1);
+    assert!(!log.topics().any(|t| t == b"gone"));
+    assert_eq!(log.next_offset(b"gone"), 50);
+    assert_eq!(log.next_offset(b"kept"), 30, "kept as without forgetting");
+    assert_eq!(log.new_topic_offset(), 50);
+    // The floor's name is no topic's: not listed, and no data goes under it.
+    assert!(!log.topics().any(|t| t == FLOOR_TOPIC));
+    let refused = log.append(
+        &[Entry {
+            topic: FLOOR_TOPIC,
+            offset: 100,
+            data: b"x",
+        }],
+        1,
+    );
+    assert!(
+        matches!(refused, Err(LogError::InvalidAppend(_))),
+        "{refused:?}"
+    );
+    log.close()?;
+
+    let (mut log, rec) = Log::open(tmp.path(), o.clone())?;
+    assert_eq!(rec.topics, 2, "the floor is not a topic");
+    assert_eq!(log.next_offset(b"gone"), 50, "the floor survives a reopen");
+    assert_eq!(log.next_offset(b"kept"), 30);
+    assert_eq!(fill(&mut log, "gone", 1, 2)?, vec![50, 51]);
+    assert_eq!(log.next_offset(b"gone"), 52);
+    assert_eq!(verify(tmp.path(), Some(&key(8)), &mut |_, _| {})?.topics, 3);
+    drop(log); // a crash: no clean close
+    let (log, _) = Log::open(tmp.path(), o)?;
+    assert_eq!(log.next_offset(b"gone"), 52 + 1_000);
+    assert_eq!(
+        log.new_topic_offset(),
+        50 + 1_000,
+        "the floor moves past the crash gap"
+    );
     Ok(())
 }
 

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::SystemTime;
 
-use aqueduct_log::{Entry, FsyncMode, Log, LogOptions, MasterKey, Position};
+use aqueduct_log::{Entry, Forget, FsyncMode, Log, LogOptions, MasterKey, Position};
 use proptest::prelude::*;
 
 const TOPICS: [&[u8]; 3] = [b"a", b"b/c", b"d"];
@@ -17,6 +17,8 @@ enum Op {
     Reopen,
     Crash,
     Retention(u64),
+    /// Retention that forgets the emptied topics whose bit (by their place in `TOPICS`) is set.
+    RetentionForgetting(u64, u8),
     /// Truncate after the n-th remembered append (modulo how many there are).
     Truncate(usize),
 }
@@ -27,6 +29,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Reopen),
         1 => Just(Op::Crash),
         1 => (0..3_000u64).prop_map(Op::Retention),
+        1 => (0..3_000u64, any::<u8>()).prop_map(|(b, m)| Op::RetentionForgetting(b, m)),
         1 => any::<usize>().prop_map(Op::Truncate),
     ]
 }
@@ -37,14 +40,21 @@ struct Model {
     records: BTreeMap<Vec<u8>, Vec<(u64, Vec<u8>)>>,
     /// Per topic: highest offset taken, and the crash count when it was taken.
     high: BTreeMap<Vec<u8>, (u64, u64)>,
+    /// The offset floor, as a topic's high: where forgotten (and new) topics start.
+    floor: Option<(u64, u64)>,
 }
 
 impl Model {
     fn next_offset(&self, topic: &[u8], crashes: u64) -> u64 {
         match self.high.get(topic) {
             Some(&(h, at)) => h + 1 + GAP * (crashes - at),
-            None => GAP * crashes,
+            None => self.new_topic_offset(crashes),
         }
+    }
+
+    fn new_topic_offset(&self, crashes: u64) -> u64 {
+        let floor = self.floor.map_or(0, |(h, at)| h + 1 + GAP * (crashes - at));
+        (GAP * crashes).max(floor)
     }
 }
 
@@ -73,6 +83,52 @@ fn check(log: &Log, model: &Model, crashes: u64) -> Result<(), TestCaseError> {
             prop_assert_eq!(from_mid, want.len() - want.len() / 2);
         }
         prop_assert_eq!(log.next_offset(t), model.next_offset(t, crashes));
+    }
+    Ok(())
+}
+
+/// Chooses the offered topics whose bit (by their place in `TOPICS`) is set in `mask`, and
+/// forgets all it chose; remembers what it was offered and the floors it was told.
+#[derive(Default)]
+struct Forgetter {
+    mask: u8,
+    offered: Vec<Vec<Vec<u8>>>,
+    chosen: Vec<Vec<u8>>,
+    floors: Vec<u64>,
+}
+
+impl Forget for Forgetter {
+    fn choose(&mut self, emptied: &[Box<[u8]>]) -> Vec<Box<[u8]>> {
+        self.offered
+            .push(emptied.iter().map(|t| t.to_vec()).collect());
+        let chosen: Vec<Box<[u8]>> = emptied
+            .iter()
+            .filter(|t| {
+                TOPICS
+                    .iter()
+                    .position(|x| *x == &***t)
+                    .is_some_and(|i| self.mask & (1 << i) != 0)
+            })
+            .cloned()
+            .collect();
+        self.chosen = chosen.iter().map(|t| t.to_vec()).collect();
+        chosen
+    }
+
+    fn forget(&mut self, chosen: &[Box<[u8]>], floor: u64) -> Vec<Box<[u8]>> {
+        self.floors.push(floor);
+        chosen.to_vec()
+    }
+}
+
+/// After retention: what is left of each topic is its newest messages (offsets stay).
+fn drop_deleted(log: &Log, model: &mut Model) -> Result<(), TestCaseError> {
+    for t in TOPICS {
+        let left = log.read(t, 0).count();
+        if let Some(v) = model.records.get_mut(t) {
+            prop_assert!(left <= v.len());
+            v.drain(..v.len() - left);
+        }
     }
     Ok(())
 }
@@ -134,12 +190,32 @@ proptest! {
                     let (mut l, _) = open(Some(bytes))?;
                     l.enforce_retention(SystemTime::now()).map_err(|e| TestCaseError::fail(e.to_string()))?;
                     prop_assert!(l.stats().bytes <= bytes + 200 || l.stats().segments == 1, "{:?}", l.stats());
-                    // What is left of each topic is its newest messages; offsets stay.
-                    for t in TOPICS {
-                        let left = l.read(t, 0).count();
-                        if let Some(v) = model.records.get_mut(t) {
-                            prop_assert!(left <= v.len());
-                            v.drain(..v.len() - left);
+                    drop_deleted(&l, &mut model)?;
+                    marks.clear();
+                    log = l;
+                }
+                Op::RetentionForgetting(bytes, mask) => {
+                    log.close().map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    let (mut l, _) = open(Some(bytes))?;
+                    let mut f = Forgetter { mask, ..Forgetter::default() };
+                    l.enforce_retention_forgetting(SystemTime::now(), &mut f)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    drop_deleted(&l, &mut model)?;
+                    prop_assert!(f.offered.len() <= 1);
+                    prop_assert_eq!(f.floors.len(), usize::from(!f.chosen.is_empty()));
+                    for t in f.offered.concat() {
+                        // Offered: topics with nothing left.
+                        prop_assert!(model.records.get(&t).is_none_or(|v| v.is_empty()));
+                    }
+                    if let Some(floor) = f.floors.pop() {
+                        // The floor goes past every offset of the chosen topics.
+                        let highest = f.chosen.iter().map(|t| model.next_offset(t, crashes) - 1).max();
+                        if let Some(h) = highest.filter(|h| *h >= model.new_topic_offset(crashes)) {
+                            model.floor = Some((h, crashes));
+                        }
+                        prop_assert_eq!(floor, model.new_topic_offset(crashes));
+                        for t in &f.chosen {
+                            model.high.remove(t);
                         }
                     }
                     marks.clear();

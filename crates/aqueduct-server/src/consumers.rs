@@ -26,7 +26,7 @@
 //! member's messages to the others, or parked for the next member when it was the last). A
 //! member is made, and the group ended, under the table's lock, so the two never interleave.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
@@ -39,7 +39,7 @@ use aqueduct_proto::delivery::DeadLetter;
 use aqueduct_proto::{DurableStart, TopicFilter, TopicName};
 use tracing::{debug, info, warn};
 
-use crate::durable::{Durable, StoredMessage};
+use crate::durable::{Durable, StoredMessage, TopicsSeen};
 
 /// How often changed positions are saved.
 pub(crate) const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
@@ -243,6 +243,28 @@ impl Consumers {
     /// Whether `key` has a stored position (it resumes from it, whatever start it asks).
     pub fn has_position(&self, key: &str) -> bool {
         lock(&self.table).stored.contains_key(key)
+    }
+
+    /// Take out of `topics` every topic a durable consumer or group has a position in (stored,
+    /// or its feeder's): the log must not forget those (a topic started again past the log's
+    /// offset floor would look to it as if retention had deleted messages it had not read).
+    pub fn retain_unpositioned(&self, topics: &mut HashSet<Box<[u8]>>) {
+        fn take_out(topics: &mut HashSet<Box<[u8]>>, positions: &BTreeMap<Vec<u8>, u64>) {
+            if positions.len() < topics.len() {
+                for t in positions.keys() {
+                    topics.remove(t.as_slice());
+                }
+            } else {
+                topics.retain(|t| !positions.contains_key(&**t));
+            }
+        }
+        let table = lock(&self.table);
+        for p in table.stored.values() {
+            take_out(topics, &p.next);
+        }
+        for live in table.live.values() {
+            take_out(topics, &lock(&live.fed).next);
+        }
     }
 
     /// The key a consumer's position is stored under.
@@ -574,7 +596,7 @@ pub(crate) fn latest_positions(
     }
     // A topic the broker does not hold (evicted, or not published to since a restart): where
     // its next message will be numbered, even if retention left none of its messages.
-    for t in durable.topics_from(0).0 {
+    for t in durable.topics_from(TopicsSeen::default()).0 {
         if !at.contains_key(&t) && topic_matches(filter, &t) {
             let next = durable.next_offset(&t);
             at.insert(t, next);
@@ -629,7 +651,7 @@ pub(crate) async fn feed(
     };
     let mut ctx = PublishContext::default();
     // Where this feeder is in the log's list of topics, and in its writes.
-    let mut topics_seen = 0;
+    let mut topics_seen = TopicsSeen::default();
     let mut writes_seen = None;
     // Topics that may have something to read: those the log's writes changed since, and those
     // not read to the end yet. The rest are not looked at (a wildcard consumer of many topics

@@ -79,9 +79,15 @@ const MAX_CHANGES: usize = 1 << 16;
 /// with a million topics would read a million positions at every write).
 #[derive(Debug, Default)]
 struct Changes {
-    /// Every topic the log has had, in the order it appeared: a consumer reads on from where
-    /// it stopped to find new ones its filter matches.
+    /// Every topic the log has, in the order it appeared: a consumer reads on from where it
+    /// stopped to find new ones its filter matches. A topic the log forgot is left as an empty
+    /// name (no topic has one) until they are as many as the others; then the list is
+    /// compacted and `epoch` counts up, and consumers read it again from its start.
     topics: Vec<Box<[u8]>>,
+    /// Empty names in `topics`.
+    forgotten: usize,
+    /// Compactions of `topics` so far.
+    epoch: u64,
     /// Writes so far.
     writes: u64,
     /// The topics each recent write made durable data for: (write, topic), oldest first, at
@@ -89,6 +95,60 @@ struct Changes {
     recent: std::collections::VecDeque<(u64, Box<[u8]>)>,
     /// The last write some of whose entries `recent` has dropped.
     dropped_through: u64,
+}
+
+/// Where a durable consumer is in the log's list of topics ([`Durable::topics_from`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct TopicsSeen {
+    epoch: u64,
+    index: usize,
+}
+
+/// Who has a say in which topics the log forgets (see [`Durable::forget`]); weak, as the
+/// broker's offset source holds the durable log.
+#[derive(Debug)]
+struct ForgetGate {
+    broker: std::sync::Weak<aqueduct_core::Broker>,
+    consumers: std::sync::Weak<crate::consumers::Consumers>,
+}
+
+/// The broker's say in which topics the log's retention forgets: none until the server set the
+/// gate ([`Durable::set_forget_gate`]); else those the broker holds no state for and no
+/// durable consumer has a position in.
+struct BrokerForgets<'a> {
+    durable: &'a Durable,
+    gate: Option<(Arc<aqueduct_core::Broker>, Arc<crate::consumers::Consumers>)>,
+}
+
+impl aqueduct_log::Forget for BrokerForgets<'_> {
+    fn choose(&mut self, emptied: &[Box<[u8]>]) -> Vec<Box<[u8]>> {
+        let Some((broker, consumers)) = &self.gate else {
+            return Vec::new();
+        };
+        // Topics that were busy when the broker last freed idle ones (their messages waited
+        // for this writer) are idle now: freed first, they can be forgotten in this pass
+        // (otherwise only once the broker holds twice as many topics as then).
+        broker.sweep_idle_topics();
+        let mut candidates: std::collections::HashSet<Box<[u8]>> =
+            emptied.iter().cloned().collect();
+        // Without the broker's lock (a SUBSCRIBE takes the consumers' table, then the
+        // broker's topics).
+        consumers.retain_unpositioned(&mut candidates);
+        broker.with_topics_frozen(|held| candidates.retain(|t| !held(t)));
+        candidates.into_iter().collect()
+    }
+
+    fn forget(&mut self, chosen: &[Box<[u8]>], floor: u64) -> Vec<Box<[u8]>> {
+        let Some((broker, consumers)) = &self.gate else {
+            return Vec::new();
+        };
+        let mut candidates: std::collections::HashSet<Box<[u8]>> = chosen.iter().cloned().collect();
+        // Again (a consumer may have found one since): a consumer that finds one of these
+        // topics between this and the forgetting starts it at its oldest message, as for any
+        // topic (`consumers::start_in`); see docs/architecture.md, "Offsets".
+        consumers.retain_unpositioned(&mut candidates);
+        self.durable.forget(broker, candidates, floor)
+    }
 }
 
 /// Where the stored bytes of the first `recs` records end.
@@ -302,6 +362,9 @@ pub struct DurableStats {
     /// Times a durable consumer's position was found below a topic's oldest message kept:
     /// retention deleted messages it had not read.
     pub consumers_overtaken: AtomicU64,
+    /// Topics retention emptied that the log forgot (it keeps nothing of them; see
+    /// [`Durable::forget`]).
+    pub forgotten_topics: AtomicU64,
 }
 
 /// Who gets told how a frame's messages fared.
@@ -435,8 +498,13 @@ pub(crate) struct Durable {
     /// Calls of [`durable_next`](Self::durable_next) (what a feeder's look at a topic costs).
     #[cfg(test)]
     pub(crate) lookups: AtomicU64,
-    /// A topic the log has never seen starts here (past the gaps of earlier crashes).
-    floor: u64,
+    /// A topic the log does not know (never logged, or forgotten) starts here: past the gaps
+    /// of earlier crashes and the log's offset floor. Changed only under the `next` lock.
+    floor: AtomicU64,
+    /// Set once the broker and the durable consumers exist: until then no topic is forgotten.
+    forget_gate: std::sync::OnceLock<ForgetGate>,
+    /// Tests only ([`crate::Control::apply_log_retention`]): apply retention at once.
+    retention_asked: std::sync::atomic::AtomicBool,
     fsync: FsyncMode,
     pub stats: DurableStats,
     /// The server's counters (ERROR frames sent).
@@ -477,7 +545,9 @@ impl Durable {
             order: Mutex::new(()),
             owed: std::sync::atomic::AtomicUsize::new(0),
             room_waiters: std::sync::atomic::AtomicUsize::new(0),
-            floor: log.new_topic_offset(),
+            floor: AtomicU64::new(log.new_topic_offset()),
+            forget_gate: std::sync::OnceLock::new(),
+            retention_asked: std::sync::atomic::AtomicBool::new(false),
             durable_next: Mutex::new(next.clone()),
             next: Mutex::new(next),
             failing: std::sync::atomic::AtomicBool::new(false),
@@ -505,6 +575,14 @@ impl Durable {
         Ok(durable)
     }
 
+    /// Tests only: apply retention now, not at the writer's next 10 s tick.
+    pub(crate) fn ask_retention(&self) {
+        self.retention_asked.store(true, Ordering::SeqCst);
+        // Under the queue's lock: the writer checks the flag under it before it waits.
+        let _q = lock(&self.queue);
+        self.ready.notify_one();
+    }
+
     /// Tests only: while `hold` is true the writer writes (and answers) nothing; what is queued
     /// waits. Shutdown releases it.
     pub(crate) fn hold_writes(&self, hold: bool) {
@@ -526,7 +604,10 @@ impl Durable {
 
     /// The offset a topic's next message gets when the core creates its state.
     pub fn next_offset(&self, topic: &[u8]) -> u64 {
-        lock(&self.next).get(topic).copied().unwrap_or(self.floor)
+        let next = lock(&self.next);
+        next.get(topic)
+            .copied()
+            .unwrap_or_else(|| self.floor.load(Ordering::Relaxed))
     }
 
     /// One past the highest durable offset of `topic` (`None`: none yet). Durable consumers
@@ -537,12 +618,101 @@ impl Durable {
         lock(&self.durable_next).get(topic).copied()
     }
 
-    /// The topics the log has had from the `from`th on, in the order they appeared, and where
-    /// the next call starts (for durable consumers' wildcard filters).
-    pub fn topics_from(&self, from: usize) -> (Vec<Vec<u8>>, usize) {
+    /// The topics the log has that appeared since `seen` (all of them from
+    /// `TopicsSeen::default()`, or when the list was compacted since), in the order they
+    /// appeared, and where the next call starts (for durable consumers' wildcard filters).
+    pub fn topics_from(&self, seen: TopicsSeen) -> (Vec<Vec<u8>>, TopicsSeen) {
         let c = lock(&self.changes);
+        let from = if seen.epoch == c.epoch { seen.index } else { 0 };
         let new = c.topics.get(from..).unwrap_or_default();
-        (new.iter().map(|t| t.to_vec()).collect(), c.topics.len())
+        (
+            new.iter()
+                .filter(|t| !t.is_empty())
+                .map(|t| t.to_vec())
+                .collect(),
+            TopicsSeen {
+                epoch: c.epoch,
+                index: c.topics.len(),
+            },
+        )
+    }
+
+    /// Let the log forget topics retention emptied that `broker` holds no state for and no
+    /// durable consumer in `consumers` has a position in (see [`Durable::forget`]).
+    pub fn set_forget_gate(
+        &self,
+        broker: &Arc<aqueduct_core::Broker>,
+        consumers: &Arc<crate::consumers::Consumers>,
+    ) {
+        let _ = self.forget_gate.set(ForgetGate {
+            broker: Arc::downgrade(broker),
+            consumers: Arc::downgrade(consumers),
+        });
+    }
+
+    /// What the log's retention asks about the topics it empties (see [`BrokerForgets`]).
+    fn forgetter(&self) -> BrokerForgets<'_> {
+        let gate = self
+            .forget_gate
+            .get()
+            .and_then(|g| Some((g.broker.upgrade()?, g.consumers.upgrade()?)));
+        BrokerForgets {
+            durable: self,
+            gate,
+        }
+    }
+
+    /// Forget `chosen` (their offsets are all below `floor`, which the log has on disk): those
+    /// the broker holds no state for and nothing past `floor` was handed out for. Decided
+    /// while the broker can create no topic, and their next offsets dropped before it can
+    /// again: one published to again asks the offset source, which then answers `floor` (or
+    /// more).
+    fn forget(
+        &self,
+        broker: &aqueduct_core::Broker,
+        chosen: std::collections::HashSet<Box<[u8]>>,
+        floor: u64,
+    ) -> Vec<Box<[u8]>> {
+        let forgotten: Vec<Box<[u8]>> = broker.with_topics_frozen(|held| {
+            let mut next = lock(&self.next);
+            let mut durable = lock(&self.durable_next);
+            let gone: Vec<Box<[u8]>> = chosen
+                .into_iter()
+                .filter(|t| !held(t) && next.get(t).is_none_or(|n| *n <= floor))
+                .collect();
+            for t in &gone {
+                next.remove(t);
+                durable.remove(t);
+            }
+            if next.len() < next.capacity() / 4 {
+                next.shrink_to_fit();
+                durable.shrink_to_fit();
+            }
+            self.floor.fetch_max(floor, Ordering::Relaxed);
+            gone
+        });
+        if !forgotten.is_empty() {
+            let gone: std::collections::HashSet<&[u8]> = forgotten.iter().map(|t| &**t).collect();
+            let mut c = lock(&self.changes);
+            let mut emptied = 0;
+            for t in c.topics.iter_mut() {
+                if !t.is_empty() && gone.contains(&**t) {
+                    *t = Box::default();
+                    emptied += 1;
+                }
+            }
+            c.forgotten += emptied;
+            if c.forgotten * 2 > c.topics.len() {
+                c.topics.retain(|t| !t.is_empty());
+                c.topics.shrink_to_fit();
+                c.forgotten = 0;
+                c.epoch += 1;
+            }
+            self.stats
+                .forgotten_topics
+                .fetch_add(forgotten.len() as u64, Ordering::Relaxed);
+        }
+        forgotten
     }
 
     /// The topics the log's writes made durable data for since write `seen` (`None`: since
@@ -832,7 +1002,10 @@ impl Durable {
         loop {
             let closing = {
                 let mut q = lock(&self.queue);
-                while q.groups.is_empty() && !q.closing {
+                while q.groups.is_empty()
+                    && !q.closing
+                    && !self.retention_asked.load(Ordering::SeqCst)
+                {
                     let (g, timeout) = self
                         .ready
                         .wait_timeout(q, tick)
@@ -867,11 +1040,17 @@ impl Durable {
                     _ => {}
                 }
             }
-            if last_retention.elapsed() >= RETENTION_EVERY {
+            if last_retention.elapsed() >= RETENTION_EVERY
+                || self.retention_asked.swap(false, Ordering::SeqCst)
+            {
                 last_retention = Instant::now();
-                match log.enforce_retention(SystemTime::now()) {
+                let before = self.stats.forgotten_topics.load(Ordering::Relaxed);
+                let mut forget = self.forgetter();
+                match log.enforce_retention_forgetting(SystemTime::now(), &mut forget) {
                     Ok(deleted) if !deleted.is_empty() => {
-                        info!(segments = ?deleted, "durable log: retention deleted sealed segments")
+                        let forgotten =
+                            self.stats.forgotten_topics.load(Ordering::Relaxed) - before;
+                        info!(segments = ?deleted, forgotten_topics = forgotten, "durable log: retention deleted sealed segments")
                     }
                     Ok(_) => {}
                     Err(e) => warn!("durable log: retention failed: {e}"),
@@ -1227,7 +1406,7 @@ mod tests {
         assert_eq!(changed, Some(vec![b"a".to_vec(), b"b".to_vec()]));
         let (changed, _) = d.changed_since(Some(after));
         assert_eq!(changed, Some(vec![]), "nothing since");
-        let (topics, seen) = d.topics_from(0);
+        let (topics, seen) = d.topics_from(TopicsSeen::default());
         assert_eq!(topics, [b"a".to_vec(), b"b".to_vec()]);
         assert_eq!(d.topics_from(seen).0, Vec::<Vec<u8>>::new());
         // One write of more topics than the changes keep: a consumer that had not seen it is
@@ -1243,6 +1422,90 @@ mod tests {
         assert!(changed.is_none());
         assert_eq!(d.changed_since(Some(now)).0, Some(vec![]));
         assert_eq!(d.topics_from(seen).0.len(), MAX_CHANGES + 10);
+        d.close();
+    }
+
+    /// Forgetting topics: only those the broker holds no state for and nothing past the floor
+    /// was handed out for; their next offsets go, the floor answers for them, and the list of
+    /// topics durable consumers read drops them — as empty names at first, compacted (with a
+    /// new epoch, so a consumer reads it again from its start) once they are the most.
+    #[tokio::test]
+    async fn forgotten_topics_start_at_the_floor_and_leave_the_topic_list() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let d = plaintext_log(dir.path());
+        let broker = Arc::new(aqueduct_core::Broker::new(
+            aqueduct_core::BrokerConfig::default(),
+        ));
+        let positions = tempfile::tempdir().expect("temp dir");
+        let consumers = Arc::new(
+            crate::consumers::Consumers::open(positions.path(), Default::default())
+                .expect("consumers"),
+        );
+        let name = |i: usize| format!("t/{i}").into_bytes().into_boxed_slice();
+        {
+            let mut next = lock(&d.next);
+            let mut durable = lock(&d.durable_next);
+            let mut changes = lock(&d.changes);
+            for i in 0..10 {
+                next.insert(name(i), 3);
+                durable.insert(name(i), 3);
+                changes.topics.push(name(i));
+            }
+            // Offsets past the floor were handed out for this one: kept.
+            next.insert(Box::from(&b"big"[..]), 9);
+            changes.topics.push(Box::from(&b"big"[..]));
+            next.insert(Box::from(&b"held"[..]), 1);
+            changes.topics.push(Box::from(&b"held"[..]));
+        }
+        let held = TopicName::try_from("held").expect("valid");
+        broker.publish(
+            &mut PublishContext::default(),
+            &Publication::new(&held, b"x"),
+            Instant::now(),
+        );
+        // In use (as by a message queued for the log): not idle, so not freed.
+        let _in_use = broker.topic(&held).expect("created");
+        let before = d.topics_from(TopicsSeen::default()).1;
+        use aqueduct_log::Forget;
+        let offer = |names: &[&[u8]]| names.iter().map(|n| Box::from(*n)).collect::<Vec<_>>();
+        // No gate yet: nothing is chosen or forgotten.
+        assert!(d.forgetter().choose(&offer(&[b"t/0"])).is_empty());
+        assert!(d.forgetter().forget(&offer(&[b"t/0"]), 5).is_empty());
+        d.set_forget_gate(&broker, &consumers);
+        // The broker holds "held": not chosen. "big" is, but it is not forgotten: offsets past
+        // the floor were handed out for it.
+        let mut chosen = d.forgetter().choose(&offer(&[b"t/0", b"big", b"held"]));
+        chosen.sort();
+        assert_eq!(chosen, offer(&[b"big", b"t/0"]));
+        // One of twelve: left as an empty name, the list not compacted.
+        assert_eq!(d.forgetter().forget(&chosen, 5), offer(&[b"t/0"]));
+        assert_eq!(d.next_offset(b"t/0"), 5, "the floor");
+        assert_eq!(d.durable_next(b"t/0"), None);
+        assert_eq!(d.next_offset(b"big"), 9);
+        assert_eq!(d.next_offset(b"held"), 1);
+        assert_eq!(d.stats.forgotten_topics.load(Ordering::Relaxed), 1);
+        let (all, seen) = d.topics_from(TopicsSeen::default());
+        assert_eq!(all.len(), 11);
+        assert!(!all.contains(&b"t/0".to_vec()));
+        assert_eq!(
+            seen, before,
+            "not compacted: a consumer goes on where it was"
+        );
+        // Six more: seven of twelve are forgotten, and the list is compacted.
+        let mut six: Vec<Box<[u8]>> = (1..7).map(name).collect();
+        let mut got = d.forgetter().forget(&six, 5);
+        got.sort();
+        six.sort();
+        assert_eq!(got, six);
+        let (again, seen) = d.topics_from(before);
+        assert_eq!(
+            again.len(),
+            5,
+            "a new epoch: read again from the start: {again:?}"
+        );
+        assert_ne!(seen, before);
+        assert_eq!(lock(&d.changes).topics.len(), 5);
+        assert_eq!(d.topics_from(seen).0, Vec::<Vec<u8>>::new());
         d.close();
     }
 

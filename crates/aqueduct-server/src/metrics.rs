@@ -731,8 +731,14 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
             (
                 "aqueduct_log_topics",
                 "gauge",
-                "Topics whose offsets the durable log keeps: every topic it ever logged (about 0.7 KB of memory each, never freed).",
+                "Topics whose offsets the durable log keeps: those with messages in it, and those retention emptied that it could not forget (about 0.7 KB of memory each).",
                 load(&ds.topics),
+            ),
+            (
+                "aqueduct_log_topics_forgotten_total",
+                "counter",
+                "Topics retention emptied that the durable log forgot (the broker held no state for them and no durable consumer a position in them); one published to again goes on past the log's offset floor.",
+                load(&ds.forgotten_topics),
             ),
             (
                 "aqueduct_log_bytes",

@@ -387,6 +387,7 @@ impl Server {
                 let source = durable.clone();
                 broker
                     .set_offset_source(Box::new(move |topic| source.next_offset(topic.as_bytes())));
+                durable.set_forget_gate(&broker, &consumers);
                 (Some(durable), Some(consumers))
             }
             None => (None, None),
@@ -816,6 +817,16 @@ impl Control {
     pub fn hold_log_writes(&self, hold: bool) {
         if let Some(d) = &self.shared.durable {
             d.hold_writes(hold);
+        }
+    }
+
+    /// A testing aid: the durable log's writer applies retention now (it does every 10 s):
+    /// deletes what the limits say and forgets the topics that emptied and nothing holds. No
+    /// effect without the log.
+    #[doc(hidden)]
+    pub fn apply_log_retention(&self) {
+        if let Some(d) = &self.shared.durable {
+            d.ask_retention();
         }
     }
 

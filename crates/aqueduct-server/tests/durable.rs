@@ -997,3 +997,116 @@ async fn a_latest_consumer_starts_at_its_subscribe() {
     }
     b.stop().await.expect("clean shutdown");
 }
+
+/// Retention forgets the topics it empties that nothing holds, so that a broker with the log
+/// does not keep every topic name it ever logged: one published to again goes on past every
+/// offset it had (the log's offset floor), also after a restart. A topic the broker holds (it
+/// has a subscription) and one a durable consumer has a position in are kept, and go on at
+/// their own next offset. (Before, the log kept every topic it ever logged, for good.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_forgets_the_topics_it_empties_and_their_offsets_go_on() {
+    use aqueduct_client::DurableStart;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let small = || {
+        let mut a = aal(dir.path(), FsyncMode::Batch);
+        a.max_segment_bytes = 16 << 10;
+        a.retention_bytes = Some(64 << 10);
+        a
+    };
+    let b = TestBroker::start_with(|c| c.aal = Some(small())).await;
+    let client = b.client().await;
+    let mut live = client.subscribe("churn/live").await.expect("subscribe");
+    publish_n(&client, "churn/0", 0..3).await;
+    publish_n(&client, "churn/live", 0..1).await;
+    assert_eq!(next(&mut live).await.offset(), 0);
+    publish_n(&client, "churn/durable", 0..1).await;
+    // A durable consumer reads it and leaves: its position (1) is stored.
+    let reader = b.client().await;
+    let mut sub = reader
+        .subscribe_with("churn/durable", &durable_opts("d", DurableStart::Earliest))
+        .await
+        .expect("subscribe");
+    assert_eq!(take_acked(&mut sub, 1).await, vec![(0, "m0".to_string())]);
+    drop(sub);
+    reader.close().await.expect("close");
+    // 5,000 more topics, one message each: the broker frees the state of idle topics once it
+    // holds 4,096 (the subscribed one stays).
+    for chunk in (1..=5_000).collect::<Vec<u32>>().chunks(500) {
+        let batch = chunk
+            .iter()
+            .map(|i| (format!("churn/{i}"), Bytes::from_static(b"x")))
+            .collect::<Vec<_>>();
+        client
+            .publish_batch(
+                batch.iter().map(|(t, m)| (t.as_str(), m.clone())),
+                &confirm(),
+            )
+            .await
+            .expect("batch");
+    }
+    // Enough of one more topic that retention (64 KiB) deletes every segment of the others.
+    let filler = Bytes::from(vec![b'f'; 200]);
+    for _ in 0..4 {
+        let batch = (0..250).map(|_| ("filler", filler.clone()));
+        client
+            .publish_batch(batch, &confirm())
+            .await
+            .expect("batch");
+    }
+    let metrics = |name: &'static str| {
+        let addr = b.metrics_addr;
+        async move { value(&get(addr, "/metrics").await.1, name).unwrap_or(0.0) }
+    };
+    let logged_topics = metrics("aqueduct_log_topics").await;
+    assert!(logged_topics > 5_000.0, "{logged_topics}");
+    b.control.apply_log_retention();
+    within("retention to forget topics", async {
+        while metrics("aqueduct_log_topics_forgotten_total").await < 4_000.0 {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let left = metrics("aqueduct_log_topics").await;
+    assert!(
+        left < 1_200.0,
+        "topics the log keeps after retention: {left}"
+    );
+    // A forgotten topic goes on past every offset any forgotten topic had (churn/0's 0..=2).
+    let again = client
+        .publish_with("churn/1", "again", &confirm())
+        .await
+        .expect("publish");
+    assert_eq!(again, Some(3), "past the offset floor, not at 1");
+    client.close().await.expect("close");
+    b.stop().await.expect("clean shutdown");
+
+    // What the log keeps, read offline: not the forgotten topics.
+    {
+        let (log, _) = aqueduct_log::Log::open(
+            dir.path(),
+            aqueduct_log::LogOptions {
+                key: Some(key()),
+                ..aqueduct_log::LogOptions::default()
+            },
+        )
+        .expect("log opens");
+        let topics: std::collections::HashSet<&[u8]> = log.topics().collect();
+        assert!(!topics.contains(&b"churn/0"[..]));
+        assert!(topics.contains(&b"churn/live"[..]));
+        assert!(topics.contains(&b"churn/durable"[..]));
+        assert_eq!(log.new_topic_offset(), 3);
+        log.close().expect("close");
+    }
+
+    let b = TestBroker::start_with(|c| c.aal = Some(small())).await;
+    let client = b.client().await;
+    for (topic, want) in [("churn/0", 3), ("churn/live", 1), ("churn/durable", 1)] {
+        let offset = client
+            .publish_with(topic, "after restart", &confirm())
+            .await
+            .expect("publish");
+        assert_eq!(offset, Some(want), "{topic}");
+    }
+    client.close().await.expect("close");
+    b.stop().await.expect("clean shutdown");
+}
