@@ -110,7 +110,8 @@ pub struct Recovery {
 pub struct LogStats {
     pub segments: u64,
     pub bytes: u64,
-    /// Topics whose offsets the log keeps (every topic it ever logged: see `next_offset`).
+    /// Topics whose offsets the log keeps: those with messages or marks in it (a topic
+    /// retention emptied is kept in a mark unless it was forgotten: see `next_offset`).
     pub topics: u64,
     pub deleted_segments: u64,
     /// Topics retention emptied and the log then forgot (see
@@ -236,6 +237,9 @@ pub struct Log {
     /// the broker handed those offsets out (its subscribers may have them), so they are written
     /// as marks before anything else (see [`Log::flush_burned`]).
     burned: HashMap<Box<[u8]>, u64>,
+    /// The last retention pass that forgot topics: where unknown topics started before it,
+    /// and the topics it forgot (see [`Log::enforce_retention_forgetting`]).
+    last_forget: Option<(u64, std::collections::HashSet<Box<[u8]>>)>,
     stats: LogStats,
     /// `LOCK` in the directory, locked while this log is open: a second broker on the same
     /// directory is refused instead of truncating what this one writes.
@@ -421,6 +425,7 @@ impl Log {
             last_sync: Instant::now(),
             poisoned: None,
             burned: HashMap::new(),
+            last_forget: None,
             stats: LogStats::default(),
             _lock: lock,
         };
@@ -497,6 +502,17 @@ impl Log {
             .saturating_add(self.opts.crash_offset_gap.saturating_mul(u64::from(
                 self.unclean_now.saturating_sub(t.unclean_at_high),
             )))
+    }
+
+    /// The lowest offset an append of `topic` may have: [`next_offset`](Self::next_offset), but
+    /// for a topic the log does not know and the last retention pass did not forget, the
+    /// offset floor as it was before that pass (its first offset may have been handed out
+    /// then: see [`enforce_retention_forgetting`](Self::enforce_retention_forgetting)).
+    fn lowest_next(&self, topic: &[u8]) -> u64 {
+        match (self.topics.get(topic), &self.last_forget) {
+            (None, Some((before, forgotten))) if !forgotten.contains(topic) => *before,
+            _ => self.next_offset(topic),
+        }
     }
 
     /// Where a topic the log does not know starts (what [`next_offset`](Self::next_offset)
@@ -728,7 +744,7 @@ impl Log {
                 Some(prev) => prev.saturating_add(1),
                 None => {
                     let burned = self.burned.get(e.topic).map_or(0, |b| b.saturating_add(1));
-                    self.next_offset(e.topic).max(burned)
+                    self.lowest_next(e.topic).max(burned)
                 }
             };
             if e.offset < floor {
@@ -852,6 +868,13 @@ impl Log {
     /// every message and mark is in the segments to delete are offered to `forget` (see
     /// [`Forget`]); those it forgets get no mark, and start at the log's offset floor when
     /// logged again. The others are kept, with a mark each as without forgetting.
+    ///
+    /// A pass that forgets topics raises the floor. A topic new to the log whose first offset
+    /// was handed out from the floor before the pass (its messages were waiting to be appended)
+    /// is still accepted from that floor until the next pass that forgets topics: an appender
+    /// that hands out new topics' offsets from [`new_topic_offset`](Self::new_topic_offset)
+    /// must append what it handed out before a pass by the end of the next one. The topics
+    /// the pass forgot must go on from the new floor.
     pub fn enforce_retention_forgetting(
         &mut self,
         now: std::time::SystemTime,
@@ -964,6 +987,7 @@ impl Log {
         if chosen.is_empty() {
             return Ok(());
         }
+        let floor_before = self.new_topic_offset();
         // The floor goes past every offset a chosen topic had, also those failed appends took
         // (written as marks later): on disk before anything is forgotten, so a topic started
         // at the floor never repeats an offset, also after a crash.
@@ -1005,6 +1029,7 @@ impl Log {
         if self.topics.len() < self.topics.capacity() / 4 {
             self.topics.shrink_to_fit();
         }
+        self.last_forget = Some((floor_before, gone));
         Ok(())
     }
 
@@ -1017,7 +1042,8 @@ impl Log {
     /// Remove every batch after `position` (for a replicated log's storage, or an operator
     /// undoing a bad import). Later segments are deleted, `position`'s segment is cut there and
     /// sealed, and a new active segment starts (never appending again to a segment under the
-    /// same nonces). Topic offsets fall back to what remains.
+    /// same nonces). Topic offsets fall back to what remains — the offset floor too: topics
+    /// forgotten after `position` could then start below offsets they had.
     pub fn truncate_after(&mut self, position: Position) -> Result<(), LogError> {
         let found = {
             let segments = self.segments.get();
@@ -1071,6 +1097,7 @@ impl Log {
         }
         result?;
         self.rebuild_topics();
+        self.last_forget = None;
         Ok(())
     }
 }

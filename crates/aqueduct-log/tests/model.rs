@@ -17,8 +17,9 @@ enum Op {
     Reopen,
     Crash,
     Retention(u64),
-    /// Retention that forgets the emptied topics whose bit (by their place in `TOPICS`) is set.
-    RetentionForgetting(u64, u8),
+    /// Retention that chooses the emptied topics whose bit (by their place in `TOPICS`) is set
+    /// in the first mask, and forgets those of them set in the second.
+    RetentionForgetting(u64, u8, u8),
     /// Truncate after the n-th remembered append (modulo how many there are).
     Truncate(usize),
 }
@@ -29,7 +30,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Reopen),
         1 => Just(Op::Crash),
         1 => (0..3_000u64).prop_map(Op::Retention),
-        1 => (0..3_000u64, any::<u8>()).prop_map(|(b, m)| Op::RetentionForgetting(b, m)),
+        1 => (0..3_000u64, any::<u8>(), any::<u8>()).prop_map(|(b, c, f)| Op::RetentionForgetting(b, c, f)),
         1 => any::<usize>().prop_map(Op::Truncate),
     ]
 }
@@ -88,13 +89,23 @@ fn check(log: &Log, model: &Model, crashes: u64) -> Result<(), TestCaseError> {
 }
 
 /// Chooses the offered topics whose bit (by their place in `TOPICS`) is set in `mask`, and
-/// forgets all it chose; remembers what it was offered and the floors it was told.
+/// forgets those of them set in `forget_mask` (and names one it was not offered, which the log
+/// must ignore); remembers what it was offered, chose and forgot, and the floors it was told.
 #[derive(Default)]
 struct Forgetter {
     mask: u8,
+    forget_mask: u8,
     offered: Vec<Vec<Vec<u8>>>,
     chosen: Vec<Vec<u8>>,
+    forgotten: Vec<Vec<u8>>,
     floors: Vec<u64>,
+}
+
+fn in_mask(mask: u8, topic: &[u8]) -> bool {
+    TOPICS
+        .iter()
+        .position(|x| *x == topic)
+        .is_some_and(|i| mask & (1 << i) != 0)
 }
 
 impl Forget for Forgetter {
@@ -103,12 +114,7 @@ impl Forget for Forgetter {
             .push(emptied.iter().map(|t| t.to_vec()).collect());
         let chosen: Vec<Box<[u8]>> = emptied
             .iter()
-            .filter(|t| {
-                TOPICS
-                    .iter()
-                    .position(|x| *x == &***t)
-                    .is_some_and(|i| self.mask & (1 << i) != 0)
-            })
+            .filter(|t| in_mask(self.mask, t))
             .cloned()
             .collect();
         self.chosen = chosen.iter().map(|t| t.to_vec()).collect();
@@ -117,7 +123,14 @@ impl Forget for Forgetter {
 
     fn forget(&mut self, chosen: &[Box<[u8]>], floor: u64) -> Vec<Box<[u8]>> {
         self.floors.push(floor);
-        chosen.to_vec()
+        let mut forgotten: Vec<Box<[u8]>> = chosen
+            .iter()
+            .filter(|t| in_mask(self.forget_mask, t))
+            .cloned()
+            .collect();
+        self.forgotten = forgotten.iter().map(|t| t.to_vec()).collect();
+        forgotten.push(Box::from(&b"never offered"[..]));
+        forgotten
     }
 }
 
@@ -194,10 +207,10 @@ proptest! {
                     marks.clear();
                     log = l;
                 }
-                Op::RetentionForgetting(bytes, mask) => {
+                Op::RetentionForgetting(bytes, mask, forget_mask) => {
                     log.close().map_err(|e| TestCaseError::fail(e.to_string()))?;
                     let (mut l, _) = open(Some(bytes))?;
-                    let mut f = Forgetter { mask, ..Forgetter::default() };
+                    let mut f = Forgetter { mask, forget_mask, ..Forgetter::default() };
                     l.enforce_retention_forgetting(SystemTime::now(), &mut f)
                         .map_err(|e| TestCaseError::fail(e.to_string()))?;
                     drop_deleted(&l, &mut model)?;
@@ -214,7 +227,7 @@ proptest! {
                             model.floor = Some((h, crashes));
                         }
                         prop_assert_eq!(floor, model.new_topic_offset(crashes));
-                        for t in &f.chosen {
+                        for t in &f.forgotten {
                             model.high.remove(t);
                         }
                     }

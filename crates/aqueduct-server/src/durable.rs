@@ -49,6 +49,8 @@ const MAX_CHUNK_BYTES: usize = 32 << 20;
 /// Dead letters queued together are split into groups of about this many bytes: well within
 /// a log batch, whatever their framing adds.
 const DEAD_LETTER_GROUP_BYTES: usize = MAX_CHUNK_BYTES / 2;
+/// Topics looked at under one hold of the broker's topic map when retention forgets topics.
+const FORGET_CHUNK: usize = 4096;
 /// How often the writer applies retention.
 const RETENTION_EVERY: Duration = Duration::from_secs(10);
 
@@ -81,7 +83,7 @@ const MAX_CHANGES: usize = 1 << 16;
 struct Changes {
     /// Every topic the log has, in the order it appeared: a consumer reads on from where it
     /// stopped to find new ones its filter matches. A topic the log forgot is left as an empty
-    /// name (no topic has one) until they are as many as the others; then the list is
+    /// name (no topic has one) until they are more than half of the list; then the list is
     /// compacted and `epoch` counts up, and consumers read it again from its start.
     topics: Vec<Box<[u8]>>,
     /// Empty names in `topics`.
@@ -134,8 +136,14 @@ impl aqueduct_log::Forget for BrokerForgets<'_> {
         // Without the broker's lock (a SUBSCRIBE takes the consumers' table, then the
         // broker's topics).
         consumers.retain_unpositioned(&mut candidates);
-        broker.with_topics_frozen(|held| candidates.retain(|t| !held(t)));
-        candidates.into_iter().collect()
+        let candidates: Vec<Box<[u8]>> = candidates.into_iter().collect();
+        let mut chosen = Vec::with_capacity(candidates.len());
+        for chunk in candidates.chunks(FORGET_CHUNK) {
+            broker.with_topics_frozen(|held| {
+                chosen.extend(chunk.iter().filter(|t| !held(t)).cloned());
+            });
+        }
+        chosen
     }
 
     fn forget(&mut self, chosen: &[Box<[u8]>], floor: u64) -> Vec<Box<[u8]>> {
@@ -673,24 +681,35 @@ impl Durable {
         chosen: std::collections::HashSet<Box<[u8]>>,
         floor: u64,
     ) -> Vec<Box<[u8]>> {
-        let forgotten: Vec<Box<[u8]>> = broker.with_topics_frozen(|held| {
+        // The floor first: a topic dropped below answers it from then on.
+        {
+            let _next = lock(&self.next);
+            self.floor.fetch_max(floor, Ordering::Relaxed);
+        }
+        let chosen: Vec<Box<[u8]>> = chosen.into_iter().collect();
+        let mut forgotten: Vec<Box<[u8]>> = Vec::new();
+        // In chunks: each topic's check and drop are atomic with its creation, and publishing
+        // to new topics waits for one chunk at most, not the whole pass.
+        for chunk in chosen.chunks(FORGET_CHUNK) {
+            broker.with_topics_frozen(|held| {
+                let mut next = lock(&self.next);
+                let mut durable = lock(&self.durable_next);
+                for t in chunk {
+                    if !held(t) && next.get(t).is_none_or(|n| *n <= floor) {
+                        next.remove(t);
+                        durable.remove(t);
+                        forgotten.push(t.clone());
+                    }
+                }
+            });
+        }
+        {
             let mut next = lock(&self.next);
-            let mut durable = lock(&self.durable_next);
-            let gone: Vec<Box<[u8]>> = chosen
-                .into_iter()
-                .filter(|t| !held(t) && next.get(t).is_none_or(|n| *n <= floor))
-                .collect();
-            for t in &gone {
-                next.remove(t);
-                durable.remove(t);
-            }
             if next.len() < next.capacity() / 4 {
                 next.shrink_to_fit();
-                durable.shrink_to_fit();
+                lock(&self.durable_next).shrink_to_fit();
             }
-            self.floor.fetch_max(floor, Ordering::Relaxed);
-            gone
-        });
+        }
         if !forgotten.is_empty() {
             let gone: std::collections::HashSet<&[u8]> = forgotten.iter().map(|t| &**t).collect();
             let mut c = lock(&self.changes);
@@ -1040,9 +1059,8 @@ impl Durable {
                     _ => {}
                 }
             }
-            if last_retention.elapsed() >= RETENTION_EVERY
-                || self.retention_asked.swap(false, Ordering::SeqCst)
-            {
+            let asked = self.retention_asked.swap(false, Ordering::SeqCst);
+            if asked || last_retention.elapsed() >= RETENTION_EVERY {
                 last_retention = Instant::now();
                 let before = self.stats.forgotten_topics.load(Ordering::Relaxed);
                 let mut forget = self.forgetter();
@@ -1507,6 +1525,105 @@ mod tests {
         assert_eq!(lock(&d.changes).topics.len(), 5);
         assert_eq!(d.topics_from(seen).0, Vec::<Vec<u8>>::new());
         d.close();
+    }
+
+    /// A topic new to the log whose first offset the broker handed out from the floor before a
+    /// retention pass raised it (its message waited for the writer) is still stored after the
+    /// pass. Before, the log refused it (its offset was below the new floor) and with it the
+    /// whole batch: STORAGE_FAILED for every publisher in it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_new_topic_given_the_floor_before_a_pass_is_stored_after_it() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let opts = aqueduct_log::LogOptions {
+            allow_plaintext: true,
+            crash_offset_gap: CRASH_OFFSET_GAP,
+            max_segment_bytes: 1024,
+            retention_bytes: Some(4096),
+            ..aqueduct_log::LogOptions::default()
+        };
+        let (log, rec) = Log::open(dir.path(), opts).expect("log opens");
+        let d = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        let broker = Arc::new(aqueduct_core::Broker::new(
+            aqueduct_core::BrokerConfig::default(),
+        ));
+        let positions = tempfile::tempdir().expect("temp dir");
+        let consumers = Arc::new(
+            crate::consumers::Consumers::open(positions.path(), Default::default())
+                .expect("consumers"),
+        );
+        broker.set_offset_source(Box::new({
+            let d = d.clone();
+            move |t| d.next_offset(t.as_bytes())
+        }));
+        d.set_forget_gate(&broker, &consumers);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // Publish one message of `topic` and queue it for the log; its offset.
+        let publish = |topic: &str| {
+            let name = TopicName::try_from(topic).expect("valid");
+            let (state, offset) = publish_unqueued(&broker, &name);
+            let _order = lock(&d.order);
+            d.queue_copies(std::iter::once((
+                (state, offset),
+                Publication::new(&name, b"x"),
+            )));
+            offset
+        };
+        let written = |topic: &str, next: u64| {
+            let name = topic.to_string();
+            let d = d.clone();
+            async move {
+                while d.durable_next(name.as_bytes()) != Some(next) {
+                    assert!(Instant::now() < deadline, "{name} never written");
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }
+        };
+        // Ten topics at offset 0, then enough of another that retention empties them.
+        for i in 0..10 {
+            assert_eq!(publish(&format!("old/{i}")), 0);
+            written(&format!("old/{i}"), 1).await;
+        }
+        for i in 0..100 {
+            publish("filler");
+            written("filler", i + 1).await;
+        }
+        // A new topic: its first offset handed out now (the floor, 0), its message not queued yet.
+        let fresh = TopicName::try_from("fresh").expect("valid");
+        let (state, offset) = publish_unqueued(&broker, &fresh);
+        assert_eq!(offset, 0);
+        d.ask_retention();
+        while d.stats.forgotten_topics.load(Ordering::Relaxed) < 10 {
+            assert!(Instant::now() < deadline, "retention forgot the old topics");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert_eq!(d.next_offset(b"old/3"), 1, "past the floor");
+        {
+            let _order = lock(&d.order);
+            d.queue_copies(std::iter::once((
+                (state, offset),
+                Publication::new(&fresh, b"x"),
+            )));
+        }
+        written("fresh", 1).await;
+        assert_eq!(d.stats.write_errors.load(Ordering::Relaxed), 0);
+        assert!(!d.is_failing());
+        // A forgotten topic goes on from the floor.
+        assert_eq!(publish("old/3"), 1);
+        written("old/3", 2).await;
+        d.close();
+    }
+
+    /// Publish one message of `name` in `broker` (not queued for any log): its topic state, kept
+    /// (as a queued message keeps it), and offset.
+    fn publish_unqueued(
+        broker: &aqueduct_core::Broker,
+        name: &TopicName,
+    ) -> (Arc<aqueduct_core::TopicState>, u64) {
+        let mut ctx = PublishContext::default();
+        let offset = broker
+            .publish(&mut ctx, &Publication::new(name, b"x"), Instant::now())
+            .offset;
+        (broker.topic(name).expect("created"), offset)
     }
 
     /// A stream whose wait for room ends unfinished (its stream or connection closed) is no

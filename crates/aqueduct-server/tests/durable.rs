@@ -1060,17 +1060,16 @@ async fn retention_forgets_the_topics_it_empties_and_their_offsets_go_on() {
     let logged_topics = metrics("aqueduct_log_topics").await;
     assert!(logged_topics > 5_000.0, "{logged_topics}");
     b.control.apply_log_retention();
+    // The pass counts what it forgot before it has written the kept topics' marks and
+    // deleted the segments; the gauge follows after that.
     within("retention to forget topics", async {
-        while metrics("aqueduct_log_topics_forgotten_total").await < 4_000.0 {
+        while metrics("aqueduct_log_topics_forgotten_total").await < 4_000.0
+            || metrics("aqueduct_log_topics").await >= 1_200.0
+        {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
     })
     .await;
-    let left = metrics("aqueduct_log_topics").await;
-    assert!(
-        left < 1_200.0,
-        "topics the log keeps after retention: {left}"
-    );
     // A forgotten topic goes on past every offset any forgotten topic had (churn/0's 0..=2).
     let again = client
         .publish_with("churn/1", "again", &confirm())
