@@ -103,6 +103,12 @@ export declare class Client {
   publishBatch(items: BatchItem[], opts: Omit<PublishOptions, 'confirm'> & { confirm: true }): Promise<bigint[]>;
   publishBatch(items: BatchItem[], opts?: PublishOptions): Promise<bigint[] | undefined>;
   subscribe(filter: string, opts?: SubscribeOptions): Promise<Subscription>;
+  /**
+   * Wait until the broker has handled everything published so far; rejects with the first ERROR
+   * that answered a publish sent without `confirm` since the last flush, or if a stream that
+   * carried publishes failed meanwhile.
+   */
+  flush(): Promise<void>;
   /** Ask the broker what it allows (§4.1); a broker older than INFO rejects with UNKNOWN_OPCODE. */
   info(): Promise<BrokerInfo>;
   close(): Promise<void>;

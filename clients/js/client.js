@@ -224,6 +224,10 @@ export class Client {
   #nextId = 1;
   #inUse = new Set();
   #publish = null; // Promise<Channel>
+  // Since the last flush(): the first ERROR that answered a publish sent without confirm, and
+  // the failure of a publish stream (what was written on it may not have been read).
+  #refused = null;
+  #publishLost = null;
   #channels = new Set();
   #subscriptions = new Set();
   #closed = false;
@@ -303,6 +307,35 @@ export class Client {
       throw new AqueductError(null, `the CONFIRM of a batch of ${items.length} carries ${offsets.length} offsets`);
     }
     return offsets;
+  }
+
+  /**
+   * Wait until the broker has handled everything this client published so far: an empty
+   * PUBLISH_BATCH with CONFIRM goes out after it on the same stream, and the broker answers in
+   * order (§6.3, §6.4) — with the durable log on, after storing what came before as
+   * `aal.fsync` says. Rejects with the first ERROR the broker answered a publish sent without
+   * `confirm` since the last flush (that message was not taken; `onError` saw it too), or if a
+   * stream that carried publishes failed meanwhile (they may not have been read). Resolves at
+   * once if nothing was published.
+   */
+  async flush() {
+    this.#checkOpen();
+    let failure = null;
+    if (this.#publish) {
+      try {
+        await this.#send(
+          (streamId) => ({ opcode: Opcode.PUBLISH_BATCH, streamId, ext: { confirm: true }, frames: [] }),
+          true,
+        );
+      } catch (e) {
+        failure = e;
+      }
+    }
+    const earlier = this.#refused ?? this.#publishLost;
+    this.#refused = null;
+    this.#publishLost = null;
+    if (earlier) throw earlier;
+    if (failure) throw failure;
   }
 
   /**
@@ -449,7 +482,17 @@ export class Client {
       if (ch && ch.usable) return ch;
       if (this.#publish === opening) break; // not replaced meanwhile: open a new one
     }
-    this.#publish = this.#openChannel({});
+    this.#publish = this.#openChannel({
+      // An ERROR for a publish sent without confirm: the application hears of it now, and the
+      // next flush() fails with it.
+      onError: (err) => {
+        this.#refused ??= err;
+        this.#options.onError(err);
+      },
+      onEnd: (failure) => {
+        if (failure) this.#publishLost ??= failure;
+      },
+    });
     return this.#publish;
   }
 

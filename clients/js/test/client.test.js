@@ -614,3 +614,55 @@ test('info(): an invalid INFO answer, or an answer of the wrong kind, rejects th
   assert.deepEqual(errors, [], 'answers to a request are not reported elsewhere');
   await client.close();
 });
+
+test('flush(): an empty PUBLISH_BATCH with CONFIRM after what was published, resolved by its answer', async () => {
+  const { fake, client } = await setup();
+  await client.flush(); // nothing published: nothing sent
+  await client.publish('a', 'one');
+  const flushed = client.flush();
+  const broker = await fake.stream(0);
+  assert.equal((await broker.next()).frame.opcode, Opcode.PUBLISH);
+  const { frame, bytes } = await broker.next();
+  assert.equal(frame.opcode, Opcode.PUBLISH_BATCH);
+  // PUBLISH_BATCH (0x04) with an extension block (0x40), its stream id, data_len 4: the block
+  // holds only CONFIRM, and no frames follow.
+  assert.equal(hex(bytes), `1f 44 ${hex(Uint8Array.from(u32le(frame.streamId)))} 04 00 00 00 02 00 08 00`);
+  assert.equal(await settled(flushed), false, 'resolved before the broker answered');
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
+  await flushed;
+  await client.close();
+});
+
+test('flush(): rejects with an ERROR that answered an unconfirmed publish since the last flush, once', async () => {
+  const { fake, client, errors } = await setup();
+  await client.publish('a', 'refused');
+  const broker = await fake.stream(0);
+  await broker.next();
+  await broker.send({ opcode: Opcode.ERROR, streamId: 0, code: ErrorCode.NOT_AUTHORIZED, reason: 'no publish rights on a' });
+  const flushed = client.flush();
+  const { frame } = await broker.next();
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
+  await assert.rejects(flushed, (e) => e instanceof AqueductError && e.code === ErrorCode.NOT_AUTHORIZED);
+  assert.equal(errors.length, 1, 'onError heard of it too');
+  // Reported once: the next flush succeeds.
+  const again = client.flush();
+  const next = await broker.next();
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: next.frame.streamId, offsets: [] });
+  await again;
+  await client.close();
+});
+
+test('flush(): rejects if the stream that carried publishes failed, although a new one answers', async () => {
+  const { fake, client } = await setup();
+  await client.publish('a', 'maybe lost');
+  const first = await fake.stream(0);
+  await first.next();
+  await first.reset(3);
+  // The client sees the reset; the flush then goes out on a new stream and is answered there.
+  const flushed = client.flush();
+  const second = await fake.stream(1);
+  const { frame } = await second.next();
+  await second.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
+  await assert.rejects(flushed, (e) => e instanceof AqueductError);
+  await client.close();
+});

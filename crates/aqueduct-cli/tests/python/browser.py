@@ -223,7 +223,7 @@ def checks(driver):
     ok("the live view lists them (topic, priority, offset, body)")
 
     # --- 2. The page publishes (its form, and the client with confirm); `aqueduct sub` gets it.
-    sub = Sub("web/#", "--count", "3")
+    sub = Sub("web/#", "--count", "4")
     topic = driver.find_element(By.ID, "pub-topic")
     topic.clear()
     topic.send_keys("web/form")
@@ -239,6 +239,8 @@ def checks(driver):
         const c = v.client();
         const a = await c.publish('web/js', 'ünï ✓ from the client', { priority: 0, confirm: true });
         const b = await c.publish('web/js', new Uint8Array([104, 105]), { confirm: true });
+        await c.publish('web/js', 'flushed');
+        await c.flush();
         return [String(a), String(b)];
         """,
     )
@@ -248,8 +250,9 @@ def checks(driver):
         "web/form #0 p1: from the form",
         "web/js #0 p0: ünï ✓ from the client",
         "web/js #1 p2: hi",
+        "web/js #2 p2: flushed",
     ], sub.lines
-    ok("what the page published (form and client, with CONFIRM) reached `aqueduct sub`, in order, bytes intact")
+    ok("what the page published (form and client, with CONFIRM, and without it then flush()) reached `aqueduct sub`, in order, bytes intact")
 
     # --- 3. One consumer group: the page and a native `aqueduct sub --group` member.
     native = Sub("jobs", "--group", "workers")
@@ -278,8 +281,10 @@ def checks(driver):
     assert err and err["code"] == 400 and err["name"] == "NOT_AUTHORIZED", err
     err = js_error(driver, "await v.client().publish('secret/plans', 'x', { confirm: true });")
     assert err and err["code"] == 400 and err["name"] == "NOT_AUTHORIZED", err
+    err = js_error(driver, "const c = v.client(); await c.publish('secret/plans', 'x'); await c.flush();")
+    assert err and err["code"] == 400 and err["name"] == "NOT_AUTHORIZED", err
     assert "offset 0" in aqueduct("pub", "secret/plans", "anonymous may", "--confirm")
-    ok("refused by the ACL rule for the token's client id: SUBSCRIBE and PUBLISH get NOT_AUTHORIZED (400)")
+    ok("refused by the ACL rule for the token's client id: SUBSCRIBE and PUBLISH get NOT_AUTHORIZED (400), and flush() after a PUBLISH sent without confirm rejects with it")
 
     # --- 5. A screenshot of the live view with messages flowing.
     lines = "".join(f"reading {i}: {20 + i % 7}.{i % 10} °C\n" for i in range(60))
