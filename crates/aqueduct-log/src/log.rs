@@ -237,8 +237,9 @@ pub struct Log {
     /// the broker handed those offsets out (its subscribers may have them), so they are written
     /// as marks before anything else (see [`Log::flush_burned`]).
     burned: HashMap<Box<[u8]>, u64>,
-    /// The last retention pass that forgot topics: where unknown topics started before it,
-    /// and the topics it forgot (see [`Log::enforce_retention_forgetting`]).
+    /// The last retention pass that raised the offset floor: where unknown topics started
+    /// before it, and the topics it forgot; until [`Log::end_forget_grace`] (see
+    /// [`Log::enforce_retention_forgetting`]).
     last_forget: Option<(u64, std::collections::HashSet<Box<[u8]>>)>,
     stats: LogStats,
     /// `LOCK` in the directory, locked while this log is open: a second broker on the same
@@ -506,8 +507,9 @@ impl Log {
 
     /// The lowest offset an append of `topic` may have: [`next_offset`](Self::next_offset), but
     /// for a topic the log does not know and the last retention pass did not forget, the
-    /// offset floor as it was before that pass (its first offset may have been handed out
-    /// then: see [`enforce_retention_forgetting`](Self::enforce_retention_forgetting)).
+    /// offset floor as it was before that pass, until [`end_forget_grace`](Self::end_forget_grace)
+    /// (its first offset may have been handed out then: see
+    /// [`enforce_retention_forgetting`](Self::enforce_retention_forgetting)).
     fn lowest_next(&self, topic: &[u8]) -> u64 {
         match (self.topics.get(topic), &self.last_forget) {
             (None, Some((before, forgotten))) if !forgotten.contains(topic) => *before,
@@ -623,6 +625,12 @@ impl Log {
             }
         }
         Ok(true)
+    }
+
+    /// Everything handed out from the offset floor before the last retention pass is appended:
+    /// from now on a topic the log does not know must start at the floor.
+    pub fn end_forget_grace(&mut self) {
+        self.last_forget = None;
     }
 
     /// Offsets some failed append took that are not written as marks yet.
@@ -869,12 +877,13 @@ impl Log {
     /// [`Forget`]); those it forgets get no mark, and start at the log's offset floor when
     /// logged again. The others are kept, with a mark each as without forgetting.
     ///
-    /// A pass that forgets topics raises the floor. A topic new to the log whose first offset
-    /// was handed out from the floor before the pass (its messages were waiting to be appended)
-    /// is still accepted from that floor until the next pass that forgets topics: an appender
-    /// that hands out new topics' offsets from [`new_topic_offset`](Self::new_topic_offset)
-    /// must append what it handed out before a pass by the end of the next one. The topics
-    /// the pass forgot must go on from the new floor.
+    /// A pass that chooses topics raises the floor (if they had offsets past it). A topic new
+    /// to the log whose first offset was handed out from the floor before the pass (its
+    /// messages were waiting to be appended) is still accepted from that floor until
+    /// [`end_forget_grace`](Self::end_forget_grace) (or the next pass that chooses topics): an
+    /// appender that hands out new topics' offsets from
+    /// [`new_topic_offset`](Self::new_topic_offset) appends what it handed out before the pass,
+    /// then ends the grace. The topics the pass forgot must go on from the new floor.
     pub fn enforce_retention_forgetting(
         &mut self,
         now: std::time::SystemTime,

@@ -89,14 +89,16 @@ fn check(log: &Log, model: &Model, crashes: u64) -> Result<(), TestCaseError> {
 }
 
 /// Chooses the offered topics whose bit (by their place in `TOPICS`) is set in `mask`, and
-/// forgets those of them set in `forget_mask` (and names one it was not offered, which the log
-/// must ignore); remembers what it was offered, chose and forgot, and the floors it was told.
+/// forgets those of them set in `forget_mask` (and names the offered topics it did not choose,
+/// which the log must keep); remembers what it was offered, chose and forgot, and the floors it
+/// was told.
 #[derive(Default)]
 struct Forgetter {
     mask: u8,
     forget_mask: u8,
     offered: Vec<Vec<Vec<u8>>>,
     chosen: Vec<Vec<u8>>,
+    not_chosen: Vec<Box<[u8]>>,
     forgotten: Vec<Vec<u8>>,
     floors: Vec<u64>,
 }
@@ -118,6 +120,11 @@ impl Forget for Forgetter {
             .cloned()
             .collect();
         self.chosen = chosen.iter().map(|t| t.to_vec()).collect();
+        self.not_chosen = emptied
+            .iter()
+            .filter(|t| !in_mask(self.mask, t))
+            .cloned()
+            .collect();
         chosen
     }
 
@@ -129,7 +136,7 @@ impl Forget for Forgetter {
             .cloned()
             .collect();
         self.forgotten = forgotten.iter().map(|t| t.to_vec()).collect();
-        forgotten.push(Box::from(&b"never offered"[..]));
+        forgotten.extend(self.not_chosen.iter().cloned());
         forgotten
     }
 }

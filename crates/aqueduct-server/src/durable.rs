@@ -513,6 +513,8 @@ pub(crate) struct Durable {
     forget_gate: std::sync::OnceLock<ForgetGate>,
     /// Tests only ([`crate::Control::apply_log_retention`]): apply retention at once.
     retention_asked: std::sync::atomic::AtomicBool,
+    /// Tests only: milliseconds between retention passes, if not [`RETENTION_EVERY`] (0).
+    retention_every_ms: AtomicU64,
     fsync: FsyncMode,
     pub stats: DurableStats,
     /// The server's counters (ERROR frames sent).
@@ -556,6 +558,7 @@ impl Durable {
             floor: AtomicU64::new(log.new_topic_offset()),
             forget_gate: std::sync::OnceLock::new(),
             retention_asked: std::sync::atomic::AtomicBool::new(false),
+            retention_every_ms: AtomicU64::new(0),
             durable_next: Mutex::new(next.clone()),
             next: Mutex::new(next),
             failing: std::sync::atomic::AtomicBool::new(false),
@@ -581,6 +584,20 @@ impl Durable {
             .spawn(move || d.run(log))?;
         *lock(&durable.writer) = Some(handle);
         Ok(durable)
+    }
+
+    /// How long between retention passes.
+    fn retention_every(&self) -> Duration {
+        match self.retention_every_ms.load(Ordering::Relaxed) {
+            0 => RETENTION_EVERY,
+            ms => Duration::from_millis(ms),
+        }
+    }
+
+    /// Tests only: no retention pass but those asked for ([`Durable::ask_retention`]).
+    #[cfg(test)]
+    pub(crate) fn only_asked_retention(&self) {
+        self.retention_every_ms.store(u64::MAX, Ordering::Relaxed);
     }
 
     /// Tests only: apply retention now, not at the writer's next 10 s tick.
@@ -686,6 +703,10 @@ impl Durable {
             let _next = lock(&self.next);
             self.floor.fetch_max(floor, Ordering::Relaxed);
         }
+        // Then wait for the streams handing out offsets now (under `order`, with queueing):
+        // every offset given from the old floor is then queued, and the writer appends it at
+        // its next write, before it ends the log's grace for the old floor (`run`).
+        drop(lock(&self.order));
         let chosen: Vec<Box<[u8]>> = chosen.into_iter().collect();
         let mut forgotten: Vec<Box<[u8]>> = Vec::new();
         // In chunks: each topic's check and drop are atomic with its creation, and publishing
@@ -1014,6 +1035,9 @@ impl Durable {
     fn run(&self, mut log: Log) {
         let mut work = Queue::default();
         let mut last_retention = Instant::now();
+        // A retention pass raised the offset floor: what was handed out from the one before is
+        // queued, and the log takes it until the next write is done (`Log::end_forget_grace`).
+        let mut grace = false;
         let tick = match self.fsync {
             FsyncMode::Interval(every) => every.min(RETENTION_EVERY),
             _ => RETENTION_EVERY,
@@ -1059,8 +1083,12 @@ impl Durable {
                     _ => {}
                 }
             }
+            if std::mem::take(&mut grace) {
+                log.end_forget_grace();
+            }
             let asked = self.retention_asked.swap(false, Ordering::SeqCst);
-            if asked || last_retention.elapsed() >= RETENTION_EVERY {
+            if asked || last_retention.elapsed() >= self.retention_every() {
+                grace = true;
                 last_retention = Instant::now();
                 let before = self.stats.forgotten_topics.load(Ordering::Relaxed);
                 let mut forget = self.forgetter();
@@ -1543,6 +1571,8 @@ mod tests {
         };
         let (log, rec) = Log::open(dir.path(), opts).expect("log opens");
         let d = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        // However slow the machine, no pass before the one this test asks for.
+        d.only_asked_retention();
         let broker = Arc::new(aqueduct_core::Broker::new(
             aqueduct_core::BrokerConfig::default(),
         ));
@@ -1610,6 +1640,92 @@ mod tests {
         // A forgotten topic goes on from the floor.
         assert_eq!(publish("old/3"), 1);
         written("old/3", 2).await;
+        d.close();
+    }
+
+    /// A stream that got a new topic's first offset from the floor just before a retention
+    /// pass raised it, and queues the message only after the pass: the pass waits for it
+    /// (under `order`, where offsets are handed out and queued), so the writer appends it while
+    /// the log still takes the old floor. Without that wait the pass ended, the writer ended
+    /// the log's grace at its next write, and the late message was refused.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pass_waits_for_offsets_handed_out_before_it_to_be_queued() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let opts = aqueduct_log::LogOptions {
+            allow_plaintext: true,
+            crash_offset_gap: CRASH_OFFSET_GAP,
+            max_segment_bytes: 1024,
+            retention_bytes: Some(4096),
+            ..aqueduct_log::LogOptions::default()
+        };
+        let (log, rec) = Log::open(dir.path(), opts).expect("log opens");
+        let d = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        d.only_asked_retention();
+        let broker = Arc::new(aqueduct_core::Broker::new(
+            aqueduct_core::BrokerConfig::default(),
+        ));
+        let positions = tempfile::tempdir().expect("temp dir");
+        let consumers = Arc::new(
+            crate::consumers::Consumers::open(positions.path(), Default::default())
+                .expect("consumers"),
+        );
+        broker.set_offset_source(Box::new({
+            let d = d.clone();
+            move |t| d.next_offset(t.as_bytes())
+        }));
+        d.set_forget_gate(&broker, &consumers);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let queue = |name: &TopicName, state: Arc<aqueduct_core::TopicState>, offset: u64| {
+            d.queue_copies(std::iter::once((
+                (state, offset),
+                Publication::new(name, b"x"),
+            )));
+        };
+        let wait_written = |topic: &'static str, next: u64| {
+            let d = d.clone();
+            async move {
+                while d.durable_next(topic.as_bytes()) != Some(next) {
+                    assert!(Instant::now() < deadline, "{topic} never written");
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }
+        };
+        let old = TopicName::try_from("old").expect("valid");
+        let (state, offset) = publish_unqueued(&broker, &old);
+        queue(&old, state, offset);
+        wait_written("old", 1).await;
+        let filler = TopicName::try_from("filler").expect("valid");
+        for i in 0..100 {
+            let (state, offset) = publish_unqueued(&broker, &filler);
+            queue(&filler, state, offset);
+            wait_written("filler", i + 1).await;
+        }
+        // A stream routing a frame: it holds `order`, and got the floor (0) for a new topic.
+        let order = lock(&d.order);
+        let late = TopicName::try_from("late").expect("valid");
+        let (state, offset) = publish_unqueued(&broker, &late);
+        assert_eq!(offset, 0);
+        d.ask_retention();
+        while d.next_offset(b"never-seen") == 0 {
+            assert!(Instant::now() < deadline, "the pass raises the floor");
+            std::thread::yield_now();
+        }
+        // Another stream's frame: a pass that did not wait would end now, and the writer's
+        // next write (this one) would end the log's grace before `late` is queued. Waited for
+        // up to half a second: with the wait in the pass, it is written only after `order` is
+        // released.
+        let other = TopicName::try_from("other").expect("valid");
+        let (other_state, other_offset) = publish_unqueued(&broker, &other);
+        queue(&other, other_state, other_offset);
+        let until = Instant::now() + Duration::from_millis(500);
+        while d.durable_next(b"other").is_none() && Instant::now() < until {
+            std::thread::yield_now();
+        }
+        queue(&late, state, offset);
+        drop(order);
+        wait_written("late", 1).await;
+        assert_eq!(d.stats.write_errors.load(Ordering::Relaxed), 0);
+        assert_eq!(d.stats.forgotten_topics.load(Ordering::Relaxed), 1);
         d.close();
     }
 
