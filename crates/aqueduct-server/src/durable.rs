@@ -1479,14 +1479,7 @@ mod tests {
     async fn forgotten_topics_start_at_the_floor_and_leave_the_topic_list() {
         let dir = tempfile::tempdir().expect("temp dir");
         let d = plaintext_log(dir.path());
-        let broker = Arc::new(aqueduct_core::Broker::new(
-            aqueduct_core::BrokerConfig::default(),
-        ));
-        let positions = tempfile::tempdir().expect("temp dir");
-        let consumers = Arc::new(
-            crate::consumers::Consumers::open(positions.path(), Default::default())
-                .expect("consumers"),
-        );
+        let (broker, consumers, _positions) = broker_and_consumers();
         let name = |i: usize| format!("t/{i}").into_bytes().into_boxed_slice();
         {
             let mut next = lock(&d.next);
@@ -1555,24 +1548,12 @@ mod tests {
         d.close();
     }
 
-    /// A topic new to the log whose first offset the broker handed out from the floor before a
-    /// retention pass raised it (its message waited for the writer) is still stored after the
-    /// pass. Before, the log refused it (its offset was below the new floor) and with it the
-    /// whole batch: STORAGE_FAILED for every publisher in it.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_new_topic_given_the_floor_before_a_pass_is_stored_after_it() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let opts = aqueduct_log::LogOptions {
-            allow_plaintext: true,
-            crash_offset_gap: CRASH_OFFSET_GAP,
-            max_segment_bytes: 1024,
-            retention_bytes: Some(4096),
-            ..aqueduct_log::LogOptions::default()
-        };
-        let (log, rec) = Log::open(dir.path(), opts).expect("log opens");
-        let d = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
-        // However slow the machine, no pass before the one this test asks for.
-        d.only_asked_retention();
+    /// A broker, and durable consumers (none yet) with their positions in a temporary directory.
+    fn broker_and_consumers() -> (
+        Arc<aqueduct_core::Broker>,
+        Arc<crate::consumers::Consumers>,
+        tempfile::TempDir,
+    ) {
         let broker = Arc::new(aqueduct_core::Broker::new(
             aqueduct_core::BrokerConfig::default(),
         ));
@@ -1581,66 +1562,126 @@ mod tests {
             crate::consumers::Consumers::open(positions.path(), Default::default())
                 .expect("consumers"),
         );
-        broker.set_offset_source(Box::new({
-            let d = d.clone();
-            move |t| d.next_offset(t.as_bytes())
-        }));
-        d.set_forget_gate(&broker, &consumers);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        // Publish one message of `topic` and queue it for the log; its offset.
-        let publish = |topic: &str| {
-            let name = TopicName::try_from(topic).expect("valid");
-            let (state, offset) = publish_unqueued(&broker, &name);
-            let _order = lock(&d.order);
-            d.queue_copies(std::iter::once((
-                (state, offset),
-                Publication::new(&name, b"x"),
-            )));
-            offset
-        };
-        let written = |topic: &str, next: u64| {
-            let name = topic.to_string();
-            let d = d.clone();
-            async move {
-                while d.durable_next(name.as_bytes()) != Some(next) {
-                    assert!(Instant::now() < deadline, "{name} never written");
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
+        (broker, consumers, positions)
+    }
+
+    /// A durable log with 1 KiB segments and 4 KiB of retention (passes only when asked), a
+    /// broker whose offset source it is, and the gate that lets it forget topics.
+    struct Forgetting {
+        d: Arc<Durable>,
+        broker: Arc<aqueduct_core::Broker>,
+        _consumers: Arc<crate::consumers::Consumers>,
+        _dirs: [tempfile::TempDir; 2],
+        deadline: Instant,
+    }
+
+    impl Forgetting {
+        fn start() -> Forgetting {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let opts = aqueduct_log::LogOptions {
+                allow_plaintext: true,
+                crash_offset_gap: CRASH_OFFSET_GAP,
+                max_segment_bytes: 1024,
+                retention_bytes: Some(4096),
+                ..aqueduct_log::LogOptions::default()
+            };
+            let (log, rec) = Log::open(dir.path(), opts).expect("log opens");
+            let d = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+            // However slow the machine, no pass before the one a test asks for.
+            d.only_asked_retention();
+            let (broker, consumers, positions) = broker_and_consumers();
+            broker.set_offset_source(Box::new({
+                let d = d.clone();
+                move |t| d.next_offset(t.as_bytes())
+            }));
+            d.set_forget_gate(&broker, &consumers);
+            Forgetting {
+                d,
+                broker,
+                _consumers: consumers,
+                _dirs: [dir, positions],
+                deadline: Instant::now() + Duration::from_secs(20),
             }
-        };
+        }
+
+        /// Publish one message of `name` (not queued for the log): its topic state, kept (as a
+        /// queued message keeps it), and offset.
+        fn hand_out(&self, name: &TopicName) -> (Arc<aqueduct_core::TopicState>, u64) {
+            let mut ctx = PublishContext::default();
+            let offset = self
+                .broker
+                .publish(&mut ctx, &Publication::new(name, b"x"), Instant::now())
+                .offset;
+            (self.broker.topic(name).expect("created"), offset)
+        }
+
+        /// Queue what [`hand_out`](Self::hand_out) gave (call under `order`).
+        fn queue(&self, name: &TopicName, (state, offset): (Arc<aqueduct_core::TopicState>, u64)) {
+            self.d.queue_copies(std::iter::once((
+                (state, offset),
+                Publication::new(name, b"x"),
+            )));
+        }
+
+        /// Publish one message of `topic` and queue it, as a stream does; its offset.
+        fn publish(&self, topic: &str) -> u64 {
+            let name = TopicName::try_from(topic).expect("valid");
+            let _order = lock(&self.d.order);
+            let given = self.hand_out(&name);
+            let offset = given.1;
+            self.queue(&name, given);
+            offset
+        }
+
+        /// Wait until `topic`'s messages up to `next` are written.
+        async fn written(&self, topic: &str, next: u64) {
+            while self.d.durable_next(topic.as_bytes()) != Some(next) {
+                assert!(Instant::now() < self.deadline, "{topic} never written");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+    }
+
+    /// A topic new to the log whose first offset the broker handed out from the floor before a
+    /// retention pass raised it (its message waited for the writer) is still stored after the
+    /// pass. Before, the log refused it (its offset was below the new floor) and with it the
+    /// whole batch: STORAGE_FAILED for every publisher in it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_new_topic_given_the_floor_before_a_pass_is_stored_after_it() {
+        let f = Forgetting::start();
         // Ten topics at offset 0, then enough of another that retention empties them.
         for i in 0..10 {
-            assert_eq!(publish(&format!("old/{i}")), 0);
-            written(&format!("old/{i}"), 1).await;
+            assert_eq!(f.publish(&format!("old/{i}")), 0);
+            f.written(&format!("old/{i}"), 1).await;
         }
         for i in 0..100 {
-            publish("filler");
-            written("filler", i + 1).await;
+            f.publish("filler");
+            f.written("filler", i + 1).await;
         }
         // A new topic: its first offset handed out now (the floor, 0), its message not queued yet.
         let fresh = TopicName::try_from("fresh").expect("valid");
-        let (state, offset) = publish_unqueued(&broker, &fresh);
-        assert_eq!(offset, 0);
-        d.ask_retention();
-        while d.stats.forgotten_topics.load(Ordering::Relaxed) < 10 {
-            assert!(Instant::now() < deadline, "retention forgot the old topics");
+        let given = f.hand_out(&fresh);
+        assert_eq!(given.1, 0);
+        f.d.ask_retention();
+        while f.d.stats.forgotten_topics.load(Ordering::Relaxed) < 10 {
+            assert!(
+                Instant::now() < f.deadline,
+                "retention forgot the old topics"
+            );
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        assert_eq!(d.next_offset(b"old/3"), 1, "past the floor");
+        assert_eq!(f.d.next_offset(b"old/3"), 1, "past the floor");
         {
-            let _order = lock(&d.order);
-            d.queue_copies(std::iter::once((
-                (state, offset),
-                Publication::new(&fresh, b"x"),
-            )));
+            let _order = lock(&f.d.order);
+            f.queue(&fresh, given);
         }
-        written("fresh", 1).await;
-        assert_eq!(d.stats.write_errors.load(Ordering::Relaxed), 0);
-        assert!(!d.is_failing());
+        f.written("fresh", 1).await;
+        assert_eq!(f.d.stats.write_errors.load(Ordering::Relaxed), 0);
+        assert!(!f.d.is_failing());
         // A forgotten topic goes on from the floor.
-        assert_eq!(publish("old/3"), 1);
-        written("old/3", 2).await;
-        d.close();
+        assert_eq!(f.publish("old/3"), 1);
+        f.written("old/3", 2).await;
+        f.d.close();
     }
 
     /// A stream that got a new topic's first offset from the floor just before a retention
@@ -1650,64 +1691,21 @@ mod tests {
     /// the log's grace at its next write, and the late message was refused.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_pass_waits_for_offsets_handed_out_before_it_to_be_queued() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let opts = aqueduct_log::LogOptions {
-            allow_plaintext: true,
-            crash_offset_gap: CRASH_OFFSET_GAP,
-            max_segment_bytes: 1024,
-            retention_bytes: Some(4096),
-            ..aqueduct_log::LogOptions::default()
-        };
-        let (log, rec) = Log::open(dir.path(), opts).expect("log opens");
-        let d = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
-        d.only_asked_retention();
-        let broker = Arc::new(aqueduct_core::Broker::new(
-            aqueduct_core::BrokerConfig::default(),
-        ));
-        let positions = tempfile::tempdir().expect("temp dir");
-        let consumers = Arc::new(
-            crate::consumers::Consumers::open(positions.path(), Default::default())
-                .expect("consumers"),
-        );
-        broker.set_offset_source(Box::new({
-            let d = d.clone();
-            move |t| d.next_offset(t.as_bytes())
-        }));
-        d.set_forget_gate(&broker, &consumers);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let queue = |name: &TopicName, state: Arc<aqueduct_core::TopicState>, offset: u64| {
-            d.queue_copies(std::iter::once((
-                (state, offset),
-                Publication::new(name, b"x"),
-            )));
-        };
-        let wait_written = |topic: &'static str, next: u64| {
-            let d = d.clone();
-            async move {
-                while d.durable_next(topic.as_bytes()) != Some(next) {
-                    assert!(Instant::now() < deadline, "{topic} never written");
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-            }
-        };
-        let old = TopicName::try_from("old").expect("valid");
-        let (state, offset) = publish_unqueued(&broker, &old);
-        queue(&old, state, offset);
-        wait_written("old", 1).await;
-        let filler = TopicName::try_from("filler").expect("valid");
+        let f = Forgetting::start();
+        f.publish("old");
+        f.written("old", 1).await;
         for i in 0..100 {
-            let (state, offset) = publish_unqueued(&broker, &filler);
-            queue(&filler, state, offset);
-            wait_written("filler", i + 1).await;
+            f.publish("filler");
+            f.written("filler", i + 1).await;
         }
         // A stream routing a frame: it holds `order`, and got the floor (0) for a new topic.
-        let order = lock(&d.order);
+        let order = lock(&f.d.order);
         let late = TopicName::try_from("late").expect("valid");
-        let (state, offset) = publish_unqueued(&broker, &late);
-        assert_eq!(offset, 0);
-        d.ask_retention();
-        while d.next_offset(b"never-seen") == 0 {
-            assert!(Instant::now() < deadline, "the pass raises the floor");
+        let given = f.hand_out(&late);
+        assert_eq!(given.1, 0);
+        f.d.ask_retention();
+        while f.d.next_offset(b"never-seen") == 0 {
+            assert!(Instant::now() < f.deadline, "the pass raises the floor");
             std::thread::yield_now();
         }
         // Another stream's frame: a pass that did not wait would end now, and the writer's
@@ -1715,31 +1713,17 @@ mod tests {
         // up to half a second: with the wait in the pass, it is written only after `order` is
         // released.
         let other = TopicName::try_from("other").expect("valid");
-        let (other_state, other_offset) = publish_unqueued(&broker, &other);
-        queue(&other, other_state, other_offset);
+        f.queue(&other, f.hand_out(&other));
         let until = Instant::now() + Duration::from_millis(500);
-        while d.durable_next(b"other").is_none() && Instant::now() < until {
+        while f.d.durable_next(b"other").is_none() && Instant::now() < until {
             std::thread::yield_now();
         }
-        queue(&late, state, offset);
+        f.queue(&late, given);
         drop(order);
-        wait_written("late", 1).await;
-        assert_eq!(d.stats.write_errors.load(Ordering::Relaxed), 0);
-        assert_eq!(d.stats.forgotten_topics.load(Ordering::Relaxed), 1);
-        d.close();
-    }
-
-    /// Publish one message of `name` in `broker` (not queued for any log): its topic state, kept
-    /// (as a queued message keeps it), and offset.
-    fn publish_unqueued(
-        broker: &aqueduct_core::Broker,
-        name: &TopicName,
-    ) -> (Arc<aqueduct_core::TopicState>, u64) {
-        let mut ctx = PublishContext::default();
-        let offset = broker
-            .publish(&mut ctx, &Publication::new(name, b"x"), Instant::now())
-            .offset;
-        (broker.topic(name).expect("created"), offset)
+        f.written("late", 1).await;
+        assert_eq!(f.d.stats.write_errors.load(Ordering::Relaxed), 0);
+        assert_eq!(f.d.stats.forgotten_topics.load(Ordering::Relaxed), 1);
+        f.d.close();
     }
 
     /// A stream whose wait for room ends unfinished (its stream or connection closed) is no
