@@ -511,9 +511,12 @@ impl Log {
     /// (its first offset may have been handed out then: see
     /// [`enforce_retention_forgetting`](Self::enforce_retention_forgetting)).
     fn lowest_next(&self, topic: &[u8]) -> u64 {
-        match (self.topics.get(topic), &self.last_forget) {
-            (None, Some((before, forgotten))) if !forgotten.contains(topic) => *before,
-            _ => self.next_offset(topic),
+        match self.topics.get(topic) {
+            Some(t) => self.next_of(t),
+            None => match &self.last_forget {
+                Some((before, forgotten)) if !forgotten.contains(topic) => *before,
+                _ => self.new_topic_offset(),
+            },
         }
     }
 
