@@ -37,3 +37,24 @@ test('package.json: an ES module with types, the files it ships, no runtime depe
   }
   for (const f of pkg.files) assert.ok(read(f).length > 0, `${f} exists`);
 });
+
+test("the README's Node snippet runs as written from the checkout's top directory and prints what it says", async () => {
+  const { execFileSync } = await import('node:child_process');
+  const { writeFileSync, rmSync } = await import('node:fs');
+  const readme = read('README.md');
+  const section = readme.split('\n## Try the codec now (Node)\n')[1].split('\n## ')[0];
+  const code = section.match(/```js\n([\s\S]*?)```/)[1];
+  assert.match(code, /save as try\.mjs in the checkout's top directory/);
+  // In the checkout's top directory, as the snippet says (under a name of its own, removed after).
+  const top = new URL('../../../', import.meta.url).pathname;
+  const file = `${top}.readme-snippet-${process.pid}.mjs`;
+  try {
+    writeFileSync(file, code);
+    const out = execFileSync(process.execPath, [file], { cwd: top, encoding: 'utf8' });
+    const said = [...code.matchAll(/\/\/ (true.*)$/gm)].map((m) => m[1].replace(/\s*$/, ''));
+    assert.deepEqual(out.trim().split('\n'), ['true orders hello', 'true']);
+    assert.deepEqual(said, ['true orders hello', 'true'], 'the comments say what it prints');
+  } finally {
+    rmSync(file, { force: true });
+  }
+});
