@@ -98,6 +98,11 @@ export declare class Client {
   readonly closed: boolean;
   /** Why the connection ended (the broker's close code and reason, a lost connection); null while open or after `close()`. */
   readonly error: AqueductError | null;
+  /**
+   * Resolves when the client ends: to the error the connection ended with, or to null after
+   * `close()`; never rejects. The client does not reconnect by itself.
+   */
+  whenClosed(): Promise<AqueductError | null>;
   publish(topic: string, body: Bytes, opts: PublishOptions & { confirm: true }): Promise<bigint>;
   publish(topic: string, body: Bytes, opts?: PublishOptions): Promise<bigint | undefined>;
   publishBatch(items: BatchItem[], opts: Omit<PublishOptions, 'confirm'> & { confirm: true }): Promise<bigint[]>;

@@ -233,8 +233,13 @@ export class Client {
   #closed = false;
   #error = null;
   #chain = Promise.resolve();
+  #ended;
+  #end;
 
   constructor(options) {
+    this.#ended = new Promise((resolve) => {
+      this.#end = resolve;
+    });
     this.#openStream = options.openStream;
     this.#closeTransport = options.close;
     this.#options = {
@@ -259,6 +264,16 @@ export class Client {
   /** Why the connection ended (an `AqueductError`); null while open or after `close()`. */
   get error() {
     return this.#error;
+  }
+
+  /**
+   * Resolves when the client ends: to the `AqueductError` the connection ended with (the
+   * broker's close code and reason, a lost connection), or to null after `close()`. It never
+   * rejects. The client does not reconnect by itself: await this, then `connect()` again and
+   * subscribe again (a durable consumer resumes where it left off).
+   */
+  whenClosed() {
+    return this.#ended;
   }
 
   /**
@@ -450,6 +465,7 @@ export class Client {
     if (this.#closed) return;
     this.#closed = true;
     if (!byUser) this.#error = err;
+    this.#end(byUser ? null : err);
     // Closed by the application: iterators end (done); the connection lost: they throw.
     for (const sub of this.#subscriptions) sub._end(byUser ? null : err);
     for (const ch of this.#channels) ch.shut(err);

@@ -666,3 +666,28 @@ test('flush(): rejects if the stream that carried publishes failed, although a n
   await assert.rejects(flushed, (e) => e instanceof AqueductError);
   await client.close();
 });
+
+test('whenClosed(): resolves with the error the connection ended with, or null after close(); never rejects', async () => {
+  let closeSession;
+  const fake = fakeTransport();
+  const lost = await connect('x', {
+    openStream: fake.openStream,
+    close: () => {},
+    closed: new Promise((resolve) => {
+      closeSession = resolve;
+    }),
+  });
+  const ended = lost.whenClosed();
+  assert.equal(await settled(ended), false, 'open: not resolved');
+  closeSession({ closeCode: 501, reason: 'broker shutting down' });
+  const err = await ended;
+  assert.ok(err instanceof AqueductError);
+  assert.equal(err.code, 501);
+  assert.match(err.message, /broker shutting down/);
+  assert.equal(await lost.whenClosed(), err, 'the same answer later');
+
+  const { client } = await setup();
+  const byUser = client.whenClosed();
+  await client.close();
+  assert.equal(await byUser, null);
+});
