@@ -495,6 +495,18 @@ impl Client {
         self.inner.publisher.flush().await
     }
 
+    /// Wait until the connection ends, and say why: the broker closed it (shutting down, an
+    /// administrator's disconnect: [`ClientError::Connection`] with its code and reason), it
+    /// was lost, or this client closed it ([`ClientError::Closed`]). The client does not
+    /// reconnect by itself: to stay connected, wait for this, then connect again and subscribe
+    /// again (a durable consumer resumes where it left off).
+    pub async fn closed(&self) -> ClientError {
+        match self.inner.conn.quic().closed().await {
+            quinn::ConnectionError::LocallyClosed => ClientError::Closed,
+            e => crate::error::connection_error(&e),
+        }
+    }
+
     /// Flush, close the connection, and wait for the broker to acknowledge the close. The
     /// connection is closed either way; the result is the flush's: an error says that a publish
     /// sent without `confirm` was refused, or that what was published may not all have been

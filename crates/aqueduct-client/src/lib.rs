@@ -18,7 +18,8 @@
 //! [`ConnectOptions::transport`], one WebTransport session, as browsers connect). Publishes share one stream;
 //! each subscription has its own stream and is a [`futures_core::Stream`] of [`Message`]s.
 //! Dropping a [`Subscription`] unsubscribes. Broker refusals are [`ClientError::Broker`] with
-//! the ERROR code and reason.
+//! the ERROR code and reason. The client does not reconnect by itself: [`Client::closed`] says
+//! when and why the connection ended.
 
 mod client;
 mod error;

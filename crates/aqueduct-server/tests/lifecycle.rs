@@ -509,3 +509,35 @@ async fn a_subscribe_on_a_stream_the_client_stopped_reading_registers_nothing() 
     raw.forget();
     b.stop().await.expect("clean shutdown");
 }
+
+/// `Client::closed` says when and why the connection ended: the broker's shutdown (its code in
+/// the error), or this client's own close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_says_why_the_connection_ended() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let own = b.client().await;
+    let waiting = tokio::spawn({
+        let own = own.clone();
+        async move { own.closed().await }
+    });
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(50), client.closed())
+            .await
+            .is_err(),
+        "open: still waiting"
+    );
+    own.close().await.expect("close");
+    let err = within("the own close", waiting).await.expect("joined");
+    assert!(matches!(err, ClientError::Closed), "{err}");
+    let stopping = tokio::spawn(b.stop());
+    let err = within("the broker's close", client.closed()).await;
+    assert!(
+        matches!(err, ClientError::Connection(_)) && err.to_string().contains("SHUTTING_DOWN"),
+        "{err}"
+    );
+    within("the broker", stopping)
+        .await
+        .expect("joined")
+        .expect("clean shutdown");
+}
