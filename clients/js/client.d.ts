@@ -111,7 +111,7 @@ export declare class Client {
   /**
    * Wait until the broker has handled everything published so far; rejects with the first ERROR
    * that answered a publish sent without `confirm` since the last flush, or if a stream that
-   * carried publishes failed meanwhile.
+   * carried such publishes ended before the broker had handled them.
    */
   flush(): Promise<void>;
   /** Ask the broker what it allows (§4.1); a broker older than INFO rejects with UNKNOWN_OPCODE. */

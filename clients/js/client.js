@@ -225,9 +225,10 @@ export class Client {
   #inUse = new Set();
   #publish = null; // Promise<Channel>
   // Since the last flush(): the first ERROR that answered a publish sent without confirm, and
-  // the failure of a publish stream (what was written on it may not have been read).
+  // the end of a publish stream before the broker had handled what was published on it.
   #refused = null;
   #publishLost = null;
+  #published = false; // publish() or publishBatch() was called
   #channels = new Set();
   #subscriptions = new Set();
   #closed = false;
@@ -284,6 +285,7 @@ export class Client {
    */
   async publish(topic, body, opts = {}) {
     const confirm = opts.confirm === true;
+    this.#published = true;
     const offsets = await this.#send(
       (streamId) => ({
         opcode: Opcode.PUBLISH,
@@ -307,6 +309,7 @@ export class Client {
    */
   async publishBatch(items, opts = {}) {
     const confirm = opts.confirm === true;
+    this.#published = true;
     const frames = items.map((item) => ({
       opcode: Opcode.PUBLISH,
       streamId: 0,
@@ -329,28 +332,41 @@ export class Client {
    * PUBLISH_BATCH with CONFIRM goes out after it on the same stream, and the broker answers in
    * order (§6.3, §6.4) — with the durable log on, after storing what came before as
    * `aal.fsync` says. Rejects with the first ERROR the broker answered a publish sent without
-   * `confirm` since the last flush (that message was not taken; `onError` saw it too), or if a
-   * stream that carried publishes failed meanwhile (they may not have been read). Resolves at
-   * once if nothing was published.
+   * `confirm` before it and after the last flush (that message was not taken; `onError` saw it
+   * too), or if a stream that carried such publishes ended before the broker had handled them
+   * (failed, or finished by the broker after a stream-fatal error). Resolves at once if this
+   * client never published.
    */
   async flush() {
     this.#checkOpen();
+    if (!this.#published) return;
+    // What went wrong before the empty batch, taken when its answer is dispatched: an ERROR for
+    // a frame sent after it comes after that answer (§6.4) and is the next flush's.
+    let earlier;
     let failure = null;
-    if (this.#publish) {
-      try {
-        await this.#send(
-          (streamId) => ({ opcode: Opcode.PUBLISH_BATCH, streamId, ext: { confirm: true }, frames: [] }),
-          true,
-        );
-      } catch (e) {
-        failure = e;
-      }
+    try {
+      await this.#send(
+        (streamId) => ({ opcode: Opcode.PUBLISH_BATCH, streamId, ext: { confirm: true }, frames: [] }),
+        true,
+        Opcode.CONFIRM,
+        (channel) => {
+          earlier = this.#takeUnflushed();
+          channel.uncovered = 0;
+        },
+      );
+    } catch (e) {
+      failure = e;
     }
-    const earlier = this.#refused ?? this.#publishLost;
-    this.#refused = null;
-    this.#publishLost = null;
+    if (earlier === undefined) earlier = this.#takeUnflushed();
     if (earlier) throw earlier;
     if (failure) throw failure;
+  }
+
+  #takeUnflushed() {
+    const e = this.#refused ?? this.#publishLost;
+    this.#refused = null;
+    this.#publishLost = null;
+    return e;
   }
 
   /**
@@ -364,8 +380,11 @@ export class Client {
     return this.#send((streamId) => ({ opcode: Opcode.INFO, streamId }), true, Opcode.INFO);
   }
 
-  /** Send a frame on the publish stream; with `confirm`, resolve to its answer (an `expect` frame). */
-  async #send(build, confirm, expect = Opcode.CONFIRM) {
+  /**
+   * Send a frame on the publish stream; with `confirm`, resolve to its answer (an `expect`
+   * frame), `onAnswer(channel)` being called when that answer is dispatched.
+   */
+  async #send(build, confirm, expect = Opcode.CONFIRM, onAnswer = undefined) {
     this.#checkOpen();
     const streamId = confirm ? this.#allocId() : 0;
     try {
@@ -374,7 +393,8 @@ export class Client {
       // writes in order) inside one chain; the write itself and the answer are awaited outside.
       const sent = await this.#inOrder(async () => {
         const channel = await this.#publishChannel();
-        return { answer: confirm ? channel.request(streamId, bytes, expect) : channel.write(bytes) };
+        if (!confirm) channel.uncovered += 1;
+        return { answer: confirm ? channel.request(streamId, bytes, expect, onAnswer) : channel.write(bytes) };
       });
       const answer = await sent.answer;
       return confirm ? answer : undefined;
@@ -505,8 +525,14 @@ export class Client {
         this.#refused ??= err;
         this.#options.onError(err);
       },
-      onEnd: (failure) => {
-        if (failure) this.#publishLost ??= failure;
+      // Ended with frames sent without confirm that no flush has covered yet: failed, or
+      // finished by the broker (it does so only after a stream-fatal ERROR, and reads nothing
+      // after that frame).
+      onEnd: (failure, channel) => {
+        if (channel.uncovered === 0 || channel.finished) return;
+        this.#publishLost ??=
+          failure ??
+          new AqueductError(null, 'the broker finished the publish stream after a stream-fatal error: publishes sent after it were not read');
       },
     });
     return this.#publish;
@@ -522,7 +548,7 @@ export class Client {
       ...handlers,
       onEnd: (err) => {
         this.#channels.delete(ch);
-        handlers.onEnd?.(err);
+        handlers.onEnd?.(err, ch);
       },
     });
     this.#channels.add(ch);
@@ -584,7 +610,8 @@ class Channel {
     this.onError = onError;
     this.onEnd = onEnd;
     this.room = room;
-    this.pending = new Map(); // stream id -> { resolve, reject }, in the order sent
+    this.pending = new Map(); // stream id -> { resolve, reject, expect, onAnswer }, in the order sent
+    this.uncovered = 0; // frames sent without confirm since the last flush() answered here
     this.ended = false;
     this.broken = false; // a stream-fatal ERROR arrived: the broker reads nothing more
     this.finished = false; // our sending side is finished
@@ -608,9 +635,9 @@ class Channel {
    * Send a frame that the broker answers with an `expect` frame (CONFIRM, INFO) or an ERROR
    * carrying `id`; resolves to the CONFIRM's offsets or the INFO's entries.
    */
-  request(id, bytes, expect = Opcode.CONFIRM) {
+  request(id, bytes, expect = Opcode.CONFIRM, onAnswer = undefined) {
     const answer = new Promise((resolve, reject) => {
-      this.pending.set(id, { resolve, reject, expect });
+      this.pending.set(id, { resolve, reject, expect, onAnswer });
     });
     this.write(bytes).catch((e) => this.answer(id, 'reject', e));
     return answer;
@@ -624,10 +651,11 @@ class Channel {
       how = 'reject';
       value = new AqueductError(null, `the broker answered ${opcodeName(opcode)} where ${opcodeName(p.expect)} was due (stream id ${id})`);
     }
-    // Matched by stream id, not by position: CONFIRMs on one stream come in request order
-    // (§6.4), but an ERROR may overtake them (with the durable log on, a CONFIRM waits for the
-    // log while an ERROR for a later frame is sent at once).
+    // Matched by stream id, not by position: answers on one stream come in request order
+    // (§6.4), except a SUBSCRIBE's CONFIRM, and a broker older than that rule sent an ERROR for
+    // a later frame before the CONFIRMs the durable log still owed.
     this.pending.delete(id);
+    if (how === 'resolve') p.onAnswer?.(this);
     p[how](value);
     return true;
   }

@@ -76,8 +76,8 @@ test('confirmed publishes get distinct stream ids, are written in call order, an
 });
 
 test('answers are matched by stream id: an ERROR for a later request may overtake an earlier CONFIRM', async () => {
-  // With the durable log on, the broker sends a CONFIRM once the log has the message, but an
-  // ERROR for a later frame at once (§6.4 orders only the confirmations).
+  // A broker older than §6.4's rule sent an ERROR for a later frame at once, before the
+  // CONFIRMs its durable log still owed earlier ones.
   const { fake, client } = await setup();
   const first = client.publish('a', '1', { confirm: true });
   const second = client.publish('a/+', '2', { confirm: true }).catch((e) => e); // refused locally
@@ -690,4 +690,79 @@ test('whenClosed(): resolves with the error the connection ended with, or null a
   const byUser = client.whenClosed();
   await client.close();
   assert.equal(await byUser, null);
+});
+
+test('flush() right after a publish not awaited yet still goes out after it', async () => {
+  const { fake, client } = await setup();
+  client.publish('a', 'not awaited');
+  const flushed = client.flush();
+  const broker = await fake.stream(0);
+  assert.equal((await broker.next()).frame.opcode, Opcode.PUBLISH);
+  const { frame } = await broker.next();
+  assert.equal(frame.opcode, Opcode.PUBLISH_BATCH);
+  assert.equal(await settled(flushed), false, 'resolved before the broker answered');
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
+  await flushed;
+  await client.close();
+});
+
+test('flush(): an ERROR for a publish sent after it is the next flush\'s, even when it arrives with its answer', async () => {
+  const { fake, client, errors } = await setup();
+  await client.publish('a', 'before');
+  const flushed = client.flush();
+  await client.publish('secret', 'after');
+  const broker = await fake.stream(0);
+  await broker.next();
+  const { frame } = await broker.next();
+  await broker.next();
+  // The answer and the later refusal in one write: dispatched together.
+  const both = new Uint8Array([
+    ...encodeFrame({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] }),
+    ...encodeFrame({ opcode: Opcode.ERROR, streamId: 0, code: ErrorCode.NOT_AUTHORIZED, reason: 'no publish rights on secret' }),
+  ]);
+  await broker.send(both);
+  await flushed;
+  const next = client.flush();
+  const again = await broker.next();
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: again.frame.streamId, offsets: [] });
+  await assert.rejects(next, (e) => e.code === ErrorCode.NOT_AUTHORIZED);
+  assert.equal(errors.length, 1);
+  await client.close();
+});
+
+test('flush(): rejects when the broker finished the publish stream after a stream-fatal ERROR for a confirmed frame', async () => {
+  const { fake, client } = await setup();
+  const big = client.publish('a', 'too large for this broker', { confirm: true });
+  await client.publish('a', 'after it, not read');
+  const first = await fake.stream(0);
+  const { frame } = await first.next();
+  await first.next();
+  await first.send({ opcode: Opcode.ERROR, streamId: frame.streamId, code: ErrorCode.FRAME_TOO_LARGE, reason: 'frame of 30 bytes over 20' });
+  await first.finish();
+  await assert.rejects(big, (e) => e.code === ErrorCode.FRAME_TOO_LARGE);
+  const flushed = client.flush();
+  const second = await fake.stream(1);
+  const answer = await second.next();
+  await second.send({ opcode: Opcode.CONFIRM, streamId: answer.frame.streamId, offsets: [] });
+  await assert.rejects(flushed, (e) => e instanceof AqueductError && /not read/.test(e.message));
+  await client.close();
+});
+
+test('flush(): a publish stream that fails after a flush covered everything on it is no loss', async () => {
+  const { fake, client } = await setup();
+  await client.publish('a', 'covered');
+  const covered = client.flush();
+  const first = await fake.stream(0);
+  await first.next();
+  const { frame } = await first.next();
+  await first.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
+  await covered;
+  await first.reset(3);
+  await new Promise((r) => setTimeout(r, 0));
+  const flushed = client.flush();
+  const second = await fake.stream(1);
+  const answer = await second.next();
+  await second.send({ opcode: Opcode.CONFIRM, streamId: answer.frame.streamId, offsets: [] });
+  await flushed;
+  await client.close();
 });

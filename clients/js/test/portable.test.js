@@ -40,21 +40,25 @@ test('package.json: an ES module with types, the files it ships, no runtime depe
 
 test("the README's Node snippet runs as written from the checkout's top directory and prints what it says", async () => {
   const { execFileSync } = await import('node:child_process');
-  const { writeFileSync, rmSync } = await import('node:fs');
+  const { mkdtempSync, writeFileSync, symlinkSync, rmSync } = await import('node:fs');
+  const { tmpdir } = await import('node:os');
+  const { join } = await import('node:path');
+  const { fileURLToPath } = await import('node:url');
   const readme = read('README.md');
   const section = readme.split('\n## Try the codec now (Node)\n')[1].split('\n## ')[0];
   const code = section.match(/```js\n([\s\S]*?)```/)[1];
-  assert.match(code, /save as try\.mjs in the checkout's top directory/);
-  // In the checkout's top directory, as the snippet says (under a name of its own, removed after).
-  const top = new URL('../../../', import.meta.url).pathname;
-  const file = `${top}.readme-snippet-${process.pid}.mjs`;
+  assert.match(code, /save as try\.mjs in the checkout's top directory \(next to the clients\/ folder\)/);
+  // A top directory of its own, with the checkout's clients/ folder in it, so that nothing is
+  // written into the checkout.
+  const top = mkdtempSync(join(tmpdir(), 'aqueduct-readme-'));
   try {
-    writeFileSync(file, code);
-    const out = execFileSync(process.execPath, [file], { cwd: top, encoding: 'utf8' });
+    symlinkSync(fileURLToPath(new URL('../../', import.meta.url)), join(top, 'clients'));
+    writeFileSync(join(top, 'try.mjs'), code);
+    const out = execFileSync(process.execPath, ['try.mjs'], { cwd: top, encoding: 'utf8' });
     const said = [...code.matchAll(/\/\/ (true.*)$/gm)].map((m) => m[1].replace(/\s*$/, ''));
     assert.deepEqual(out.trim().split('\n'), ['true orders hello', 'true']);
     assert.deepEqual(said, ['true orders hello', 'true'], 'the comments say what it prints');
   } finally {
-    rmSync(file, { force: true });
+    rmSync(top, { recursive: true, force: true });
   }
 });

@@ -501,10 +501,7 @@ impl Client {
     /// reconnect by itself: to stay connected, wait for this, then connect again and subscribe
     /// again (a durable consumer resumes where it left off).
     pub async fn closed(&self) -> ClientError {
-        match self.inner.conn.quic().closed().await {
-            quinn::ConnectionError::LocallyClosed => ClientError::Closed,
-            e => crate::error::connection_error(&e),
-        }
+        self.inner.conn.closed().await
     }
 
     /// Flush, close the connection, and wait for the broker to acknowledge the close. The

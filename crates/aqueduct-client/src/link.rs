@@ -57,6 +57,26 @@ impl Link {
         self.quic().remote_address()
     }
 
+    /// Wait until the connection (or session) ends: [`ClientError::Closed`] if this side closed
+    /// it first, else why the broker closed it or it was lost. Over WebTransport the session's
+    /// own record (the first close, local or the broker's capsule), not the QUIC connection's:
+    /// a capsule from the broker makes this side close QUIC, and this side's close waits for
+    /// the broker to close it.
+    pub(crate) async fn closed(&self) -> ClientError {
+        match self {
+            Link::Quic(c) => match c.closed().await {
+                quinn::ConnectionError::LocallyClosed => ClientError::Closed,
+                e => crate::error::connection_error(&e),
+            },
+            Link::WebTransport(s) => match s.closed().await {
+                web_transport_quinn::SessionError::ConnectionError(
+                    quinn::ConnectionError::LocallyClosed,
+                ) => ClientError::Closed,
+                e => ClientError::Connection(session_error(&e)),
+            },
+        }
+    }
+
     pub(crate) fn close(&self, reason: &[u8]) {
         match self {
             Link::Quic(c) => c.close(0u32.into(), reason),

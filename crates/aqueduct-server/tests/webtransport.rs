@@ -729,3 +729,42 @@ async fn a_session_opens_as_many_streams_as_a_native_client() {
     session.close(0, b"done");
     b.stop().await.expect("clean shutdown");
 }
+
+/// `Client::closed` over WebTransport says who ended the session: the client's own close, or
+/// the broker's shutdown (its close capsule, with SHUTTING_DOWN). The QUIC connection under the
+/// session says the opposite (a capsule makes the client close QUIC; the client's close waits
+/// for the broker to close it), which is what a first version reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_says_who_ended_a_webtransport_session() {
+    let b = TestBroker::start().await;
+    let wt_options = || {
+        b.options()
+            .transport(aqueduct_client::Transport::WebTransport {
+                path: "/aqueduct/wt".into(),
+            })
+    };
+    let own = within("a client", aqueduct_client::Client::connect(wt_options()))
+        .await
+        .expect("connects over WebTransport");
+    let other = within("a client", aqueduct_client::Client::connect(wt_options()))
+        .await
+        .expect("connects over WebTransport");
+    let waiting = tokio::spawn({
+        let own = own.clone();
+        async move { own.closed().await }
+    });
+    own.close().await.expect("close");
+    let err = within("the own close", waiting).await.expect("joined");
+    assert!(matches!(err, aqueduct_client::ClientError::Closed), "{err}");
+    let stopping = tokio::spawn(b.stop());
+    let err = within("the broker's close", other.closed()).await;
+    assert!(
+        matches!(err, aqueduct_client::ClientError::Connection(_))
+            && err.to_string().to_lowercase().contains("shutting down"),
+        "{err}"
+    );
+    within("the broker", stopping)
+        .await
+        .expect("joined")
+        .expect("clean shutdown");
+}
