@@ -245,14 +245,7 @@ async fn flush_fails_when_the_broker_stops_before_reading_everything() {
     let err = within("the flush", publisher.flush())
         .await
         .expect_err("the broker did not read everything");
-    assert!(
-        matches!(err, ClientError::Connection(_)) && err.to_string().contains("SHUTTING_DOWN"),
-        "{err}"
-    );
-    within("the broker", stopping)
-        .await
-        .expect("joined")
-        .expect("clean shutdown");
+    shut_down_with(err, stopping).await;
     drop(s);
 }
 
@@ -532,6 +525,14 @@ async fn closed_says_why_the_connection_ended() {
     assert!(matches!(err, ClientError::Closed), "{err}");
     let stopping = tokio::spawn(b.stop());
     let err = within("the broker's close", client.closed()).await;
+    shut_down_with(err, stopping).await;
+}
+
+/// `err` says the broker shut down (SHUTTING_DOWN), and the shutdown (`stopping`) was clean.
+async fn shut_down_with(
+    err: ClientError,
+    stopping: tokio::task::JoinHandle<Result<(), aqueduct_server::ServerError>>,
+) {
     assert!(
         matches!(err, ClientError::Connection(_)) && err.to_string().contains("SHUTTING_DOWN"),
         "{err}"
