@@ -345,7 +345,12 @@ async fn the_dashboard_only_queries_exported_metrics_and_deploy_files_parse() {
         queried.len() >= 15,
         "the dashboard covers the broker: {queried:?}"
     );
-    let b = TestBroker::start().await;
+    // With the durable log on: the dashboard has its panels too.
+    let log_dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| {
+        c.aal = Some(aal(log_dir.path(), aqueduct_log::FsyncMode::Batch))
+    })
+    .await;
     let (_, m) = get(b.metrics_addr, "/metrics").await;
     let exported = families(&m);
     for family in &queried {

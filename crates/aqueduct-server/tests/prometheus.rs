@@ -200,7 +200,13 @@ async fn promtool_accepts_the_exposition() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_scrapes_the_broker_and_every_dashboard_query_has_data() {
     ensure_prometheus();
-    let b = TestBroker::start_with(|c| c.broker.max_retries = 1).await;
+    // The durable log on, for the dashboard's log panels.
+    let log_dir = tempfile::tempdir().expect("tempdir");
+    let b = TestBroker::start_with(|c| {
+        c.broker.max_retries = 1;
+        c.aal = Some(aal(log_dir.path(), aqueduct_log::FsyncMode::Batch));
+    })
+    .await;
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
     let dir = tempfile::tempdir().expect("tempdir");
     // The repository's file, pointed at this broker and scraping every second.
