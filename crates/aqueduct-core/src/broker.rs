@@ -541,6 +541,10 @@ fn interest_key(sub: &Subscriber) -> crate::mesh::Key {
 /// on across restarts and evictions instead of starting at 0.
 pub type OffsetSource = Box<dyn Fn(&TopicName) -> u64 + Send + Sync>;
 
+/// A topic's name, [`life`](TopicState::life) and counters, as
+/// [`Broker::topic_snapshots_and_evicted_stats`] copies them out.
+pub type TopicSnapshot = (TopicName, u64, TopicStatsSnapshot);
+
 #[derive(Default)]
 struct OffsetSourceCell(std::sync::OnceLock<OffsetSource>);
 
@@ -1160,16 +1164,25 @@ impl Broker {
             .cloned()
     }
 
-    /// Every topic's state and [`evicted_topic_stats`](Self::evicted_topic_stats), read at one
-    /// instant as far as evictions go: each topic is either in the list or in the counts.
-    pub fn topics_and_evicted_stats(&self) -> (Vec<Arc<TopicState>>, TopicStatsSnapshot) {
+    /// Every topic's name, [`life`](TopicState::life) and counters, and
+    /// [`evicted_topic_stats`](Self::evicted_topic_stats), read at one instant as far as
+    /// evictions go: each topic is either in the list or in the counts. Read under the topics'
+    /// lock and copied out, so that no topic's state is held after it: a sweep meanwhile (the
+    /// broker's own, or a durable log's retention pass) sees idle topics as idle. (Handing out
+    /// the states themselves, as for a metrics scrape, made every topic look in use while the
+    /// caller worked through them, and such a sweep freed none.)
+    pub fn topic_snapshots_and_evicted_stats(&self) -> (Vec<TopicSnapshot>, TopicStatsSnapshot) {
         let topics = self.topics.read().unwrap_or_else(PoisonError::into_inner);
         let evicted = self
             .evicted_stats
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        (topics.values().cloned().collect(), evicted)
+        let snapshots = topics
+            .values()
+            .map(|t| (t.name().clone(), t.life(), t.stats().snapshot()))
+            .collect();
+        (snapshots, evicted)
     }
 
     /// Run `f` while no topic's state can be created or evicted, giving it a test of whether

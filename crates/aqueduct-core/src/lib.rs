@@ -38,7 +38,7 @@ pub mod topic;
 
 pub use broker::{
     dlq_topic, Broker, DeadLetterRecord, DeadLetterRouter, OffsetSource, Orphan, OrphanListener,
-    Publication, PublishContext, PublishOutcome, SubscribeOptions, DLQ_PREFIX,
+    Publication, PublishContext, PublishOutcome, SubscribeOptions, TopicSnapshot, DLQ_PREFIX,
     IDLE_TOPIC_SWEEP_MIN, MATCHED_TOPICS_KEPT,
 };
 pub use config::BrokerConfig;

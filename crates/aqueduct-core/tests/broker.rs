@@ -1161,6 +1161,29 @@ fn a_freed_topic_resumes_above_its_offsets() {
     assert_eq!(publish(&b, &mut ctx, "new", "z", now).offset, 3);
 }
 
+/// What a metrics scrape reads of every topic does not keep them from being freed: a sweep
+/// while the scrape works through the snapshot frees the idle ones. Before, the scrape got the
+/// topics' states themselves, every topic looked in use, and a sweep then freed none.
+#[test]
+fn a_topic_snapshot_keeps_no_topic_from_being_freed() {
+    let b = Broker::new(BrokerConfig::default());
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    for topic in ["a", "b", "c"] {
+        publish(&b, &mut ctx, topic, "x", now);
+    }
+    drop(ctx);
+    let (snapshot, _) = b.topic_snapshots_and_evicted_stats();
+    assert_eq!(snapshot.len(), 3);
+    assert_eq!(
+        b.sweep_idle_topics(),
+        3,
+        "all idle, the snapshot held meanwhile"
+    );
+    let published: u64 = snapshot.iter().map(|(_, _, s)| s.published).sum();
+    assert_eq!(published, 3);
+}
+
 /// `with_topics_frozen` says which topics the broker holds (published to and not freed), and no
 /// topic is created while it runs: a publish to a new topic from another thread waits for it.
 #[test]

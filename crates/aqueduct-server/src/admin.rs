@@ -771,23 +771,21 @@ impl AdminService for AdminApi {
                 *filters.entry(sub.filter().clone()).or_default() += 1;
             }
             let mut topics: Vec<proto::Topic> = broker
-                .topics()
-                .iter()
-                .map(|t| {
-                    let s = t.stats().snapshot();
-                    proto::Topic {
-                        name: t.name().to_string(),
-                        published: s.published,
-                        delivered: s.delivered,
-                        dropped: s.dropped.iter().sum(),
-                        expired: s.expired.iter().sum(),
-                        dead_lettered: s.dead_lettered,
-                        subscribers: filters
-                            .iter()
-                            .filter(|(f, _)| aqueduct_core::matching::matches(f, t.name()))
-                            .map(|(_, n)| n)
-                            .sum(),
-                    }
+                .topic_snapshots_and_evicted_stats()
+                .0
+                .into_iter()
+                .map(|(name, _, s)| proto::Topic {
+                    name: name.to_string(),
+                    published: s.published,
+                    delivered: s.delivered,
+                    dropped: s.dropped.iter().sum(),
+                    expired: s.expired.iter().sum(),
+                    dead_lettered: s.dead_lettered,
+                    subscribers: filters
+                        .iter()
+                        .filter(|(f, _)| aqueduct_core::matching::matches(f, &name))
+                        .map(|(_, n)| n)
+                        .sum(),
                 })
                 .collect();
             topics.sort_by(|a, b| a.name.cmp(&b.name));

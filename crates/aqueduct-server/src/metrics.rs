@@ -52,7 +52,7 @@ struct Labelled {
 }
 
 /// One live topic as a scrape reads it: name, life, counts.
-type LiveTopic = (TopicName, u64, TopicStatsSnapshot);
+type LiveTopic = aqueduct_core::TopicSnapshot;
 
 impl LabelState {
     /// Assign labels for this scrape and return the per-topic series (name order, `__other__`
@@ -387,11 +387,7 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
     // One scrape at a time, each reading the counters after the previous one did: the lock is
     // taken before they are read.
     let mut state = labels.state.lock().unwrap_or_else(|e| e.into_inner());
-    let (topics, evicted) = broker.topics_and_evicted_stats();
-    let mut topics: Vec<LiveTopic> = topics
-        .iter()
-        .map(|t| (t.name().clone(), t.life(), t.stats().snapshot()))
-        .collect();
+    let (mut topics, evicted) = broker.topic_snapshots_and_evicted_stats();
     topics.sort_by(|a, b| a.0.cmp(&b.0));
     let named = state.series(max, &topics, evicted);
 
