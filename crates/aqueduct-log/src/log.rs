@@ -984,34 +984,33 @@ impl Log {
         if offered.is_empty() {
             return Ok(());
         }
-        let emptied = |log: &Log, name: &[u8]| {
-            name != FLOOR_TOPIC
-                && log
-                    .topics
-                    .get(name)
-                    .is_some_and(|t| t.high_segment <= last_doomed)
+        // Still known, with its highest offset in the doomed segments (the floor's own mark
+        // may be among them, and is kept).
+        let doomed = |log: &Log, name: &[u8]| {
+            log.topics
+                .get(name)
+                .is_some_and(|t| t.high_segment <= last_doomed)
         };
         let chosen: Vec<Box<[u8]>> = forget
             .choose(&offered)
             .into_iter()
-            .filter(|name| emptied(self, name))
+            .filter(|name| &**name != FLOOR_TOPIC && doomed(self, name))
             .collect();
         if chosen.is_empty() {
             return Ok(());
         }
+        let chosen_set: std::collections::HashSet<&[u8]> = chosen.iter().map(|n| &**n).collect();
         let floor_before = self.new_topic_offset();
-        // The floor goes past every offset a chosen topic had, also those failed appends took
-        // (written as marks later): on disk before anything is forgotten, so a topic started
-        // at the floor never repeats an offset, also after a crash.
-        let highest = chosen
+        // The floor goes past every offset a chosen topic had (its mark's), also those failed
+        // appends took (written as marks later): on disk before anything is forgotten, so a
+        // topic started at the floor never repeats an offset, also after a crash.
+        let highest = marks
             .iter()
-            .map(|name| {
-                let high = self.topics.get(name).map_or(0, |t| self.next_of(t) - 1);
-                high.max(self.burned.get(name).copied().unwrap_or(0))
-            })
+            .filter(|(name, _)| chosen_set.contains(&**name))
+            .map(|(name, high)| (*high).max(self.burned.get(name).copied().unwrap_or(0)))
             .max()
             .unwrap_or(0);
-        if highest >= self.new_topic_offset() {
+        if highest >= floor_before {
             self.append_marks(&[Entry {
                 topic: FLOOR_TOPIC,
                 offset: highest,
@@ -1020,24 +1019,18 @@ impl Log {
             self.sync()?;
         }
         let forgotten = forget.forget(&chosen, self.new_topic_offset());
-        let chosen: std::collections::HashSet<Box<[u8]>> = chosen.into_iter().collect();
         let mut gone = std::collections::HashSet::with_capacity(forgotten.len());
         for name in forgotten {
             // Only what was chosen (a topic with messages left must stay known).
-            if chosen.contains(&name) && emptied(self, &name) {
+            if chosen_set.contains(&*name) && doomed(self, &name) {
                 self.topics.remove(&name);
                 gone.insert(name);
             }
         }
         self.stats.forgotten_topics += gone.len() as u64;
-        marks.retain(|(name, _)| {
-            // The floor's own mark, if it was in the doomed segments, was just written anew.
-            !gone.contains(name)
-                && self
-                    .topics
-                    .get(name)
-                    .is_some_and(|t| t.high_segment <= last_doomed)
-        });
+        // The forgotten ones are no longer known; the floor's own mark, if it was in the
+        // doomed segments, was just written anew.
+        marks.retain(|(name, _)| doomed(self, name));
         if self.topics.len() < self.topics.capacity() / 4 {
             self.topics.shrink_to_fit();
         }

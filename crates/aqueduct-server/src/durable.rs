@@ -371,7 +371,7 @@ pub struct DurableStats {
     /// retention deleted messages it had not read.
     pub consumers_overtaken: AtomicU64,
     /// Topics retention emptied that the log forgot (it keeps nothing of them; see
-    /// [`Durable::forget`]).
+    /// [`Durable::forget`]): the log's count.
     pub forgotten_topics: AtomicU64,
 }
 
@@ -748,9 +748,6 @@ impl Durable {
                 c.forgotten = 0;
                 c.epoch += 1;
             }
-            self.stats
-                .forgotten_topics
-                .fetch_add(forgotten.len() as u64, Ordering::Relaxed);
         }
         forgotten
     }
@@ -1029,6 +1026,8 @@ impl Durable {
         st.topics.store(s.topics, Ordering::Relaxed);
         st.deleted_segments
             .store(s.deleted_segments, Ordering::Relaxed);
+        st.forgotten_topics
+            .store(s.forgotten_topics, Ordering::Relaxed);
         st.syncs.store(s.syncs, Ordering::Relaxed);
     }
 
@@ -1090,12 +1089,11 @@ impl Durable {
             if asked || last_retention.elapsed() >= self.retention_every() {
                 grace = true;
                 last_retention = Instant::now();
-                let before = self.stats.forgotten_topics.load(Ordering::Relaxed);
+                let before = log.stats().forgotten_topics;
                 let mut forget = self.forgetter();
                 match log.enforce_retention_forgetting(SystemTime::now(), &mut forget) {
                     Ok(deleted) if !deleted.is_empty() => {
-                        let forgotten =
-                            self.stats.forgotten_topics.load(Ordering::Relaxed) - before;
+                        let forgotten = log.stats().forgotten_topics - before;
                         info!(segments = ?deleted, forgotten_topics = forgotten, "durable log: retention deleted sealed segments")
                     }
                     Ok(_) => {}
@@ -1522,7 +1520,7 @@ mod tests {
         assert_eq!(d.durable_next(b"t/0"), None);
         assert_eq!(d.next_offset(b"big"), 9);
         assert_eq!(d.next_offset(b"held"), 1);
-        assert_eq!(d.stats.forgotten_topics.load(Ordering::Relaxed), 1);
+        assert!(!lock(&d.next).contains_key(&b"t/0"[..]), "dropped");
         let (all, seen) = d.topics_from(TopicsSeen::default());
         assert_eq!(all.len(), 11);
         assert!(!all.contains(&b"t/0".to_vec()));
