@@ -24,6 +24,14 @@ async function setup(options = {}) {
   return { fake, client, errors };
 }
 
+/** Read the empty PUBLISH_BATCH with CONFIRM a flush() sends on `stream`, and answer it. */
+async function answerFlush(stream) {
+  const { frame } = await stream.next();
+  assert.equal(frame.opcode, Opcode.PUBLISH_BATCH);
+  assert.deepEqual(frame.frames, []);
+  await stream.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
+}
+
 /** Whether `promise` has settled after the event loop has run a little. */
 async function settled(promise) {
   let done = false;
@@ -640,14 +648,12 @@ test('flush(): rejects with an ERROR that answered an unconfirmed publish since 
   await broker.next();
   await broker.send({ opcode: Opcode.ERROR, streamId: 0, code: ErrorCode.NOT_AUTHORIZED, reason: 'no publish rights on a' });
   const flushed = client.flush();
-  const { frame } = await broker.next();
-  await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
+  await answerFlush(broker);
   await assert.rejects(flushed, (e) => e instanceof AqueductError && e.code === ErrorCode.NOT_AUTHORIZED);
   assert.equal(errors.length, 1, 'onError heard of it too');
   // Reported once: the next flush succeeds.
   const again = client.flush();
-  const next = await broker.next();
-  await broker.send({ opcode: Opcode.CONFIRM, streamId: next.frame.streamId, offsets: [] });
+  await answerFlush(broker);
   await again;
   await client.close();
 });
@@ -661,8 +667,7 @@ test('flush(): rejects if the stream that carried publishes failed, although a n
   // The client sees the reset; the flush then goes out on a new stream and is answered there.
   const flushed = client.flush();
   const second = await fake.stream(1);
-  const { frame } = await second.next();
-  await second.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
+  await answerFlush(second);
   await assert.rejects(flushed, (e) => e instanceof AqueductError);
   await client.close();
 });
@@ -723,8 +728,7 @@ test('flush(): an ERROR for a publish sent after it is the next flush\'s, even w
   await broker.send(both);
   await flushed;
   const next = client.flush();
-  const again = await broker.next();
-  await broker.send({ opcode: Opcode.CONFIRM, streamId: again.frame.streamId, offsets: [] });
+  await answerFlush(broker);
   await assert.rejects(next, (e) => e.code === ErrorCode.NOT_AUTHORIZED);
   assert.equal(errors.length, 1);
   await client.close();
@@ -742,8 +746,7 @@ test('flush(): rejects when the broker finished the publish stream after a strea
   await assert.rejects(big, (e) => e.code === ErrorCode.FRAME_TOO_LARGE);
   const flushed = client.flush();
   const second = await fake.stream(1);
-  const answer = await second.next();
-  await second.send({ opcode: Opcode.CONFIRM, streamId: answer.frame.streamId, offsets: [] });
+  await answerFlush(second);
   await assert.rejects(flushed, (e) => e instanceof AqueductError && /not read/.test(e.message));
   await client.close();
 });
@@ -754,15 +757,13 @@ test('flush(): a publish stream that fails after a flush covered everything on i
   const covered = client.flush();
   const first = await fake.stream(0);
   await first.next();
-  const { frame } = await first.next();
-  await first.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
+  await answerFlush(first);
   await covered;
   await first.reset(3);
   await new Promise((r) => setTimeout(r, 0));
   const flushed = client.flush();
   const second = await fake.stream(1);
-  const answer = await second.next();
-  await second.send({ opcode: Opcode.CONFIRM, streamId: answer.frame.streamId, offsets: [] });
+  await answerFlush(second);
   await flushed;
   await client.close();
 });
