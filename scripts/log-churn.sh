@@ -7,12 +7,14 @@
 #     ROUNDS=6 scripts/log-churn.sh
 #     AAL=false scripts/log-churn.sh       # the same without the log
 #     BROKER_BIN=target/exp/broker-old scripts/log-churn.sh
+#     DURABLE='#' scripts/log-churn.sh     # with a durable consumer of that filter reading along
 #
 # The broker runs with 1 MiB segments and `retention_bytes` 4 MiB. It gets 200,000 messages to
 # one topic; then, per round, 200,000 messages to 200,000 new topics (churnN/0 ..) and 200,000
 # more to the one topic (so retention deletes the segments the new topics were in), and 25 s
 # for the log writer's retention pass (every 10 s). After each step it prints the broker's RSS
-# and its topic gauges (docs/benchmarks.md, "With the durable log on").
+# and its topic gauges (docs/benchmarks.md, "With the durable log on"); with DURABLE, also the
+# size of the durable consumers' positions file.
 set -euo pipefail
 BROKER_BIN=${BROKER_BIN:-target/release/aqueduct-broker}
 CLIENT=target/release/aqueduct
@@ -29,9 +31,15 @@ until curl -sf "$METRICS/metrics" >/dev/null; do
     kill -0 $BROKER 2>/dev/null || { cat "$AQUEDUCT_HOME/broker.log"; exit 1; }
     sleep 0.1
 done
+SUB=
+if [ -n "${DURABLE:-}" ]; then
+    $CLIENT --addr $ADDR sub "$DURABLE" --durable churn-reader >/dev/null & SUB=$!
+    trap 'kill $SUB 2>/dev/null; if [ -n "$BROKER" ]; then kill $BROKER 2>/dev/null; wait $BROKER 2>/dev/null; fi; rm -rf "$AQUEDUCT_HOME"' EXIT
+fi
 show() {
-    printf '%-44s %s  %s\n' "$1" "$(grep VmRSS /proc/$BROKER/status | tr -s ' \t' ' ')" \
-        "$(curl -s "$METRICS/metrics" | grep -E '^aqueduct_(topics|log_topics|log_topics_forgotten_total|log_bytes) ' | tr '\n' ' ')"
+    printf '%-44s %s  %s%s\n' "$1" "$(grep VmRSS /proc/$BROKER/status | tr -s ' \t' ' ')" \
+        "$(curl -s "$METRICS/metrics" | grep -E '^aqueduct_(topics|log_topics|log_topics_forgotten_total|log_bytes) ' | tr '\n' ' ')" \
+        "${SUB:+positions file $(stat -c %s "$AQUEDUCT_HOME/aal/consumers" 2>/dev/null || echo 0) B}"
 }
 show start
 $CLIENT --addr $ADDR pub one x --count 200000 >/dev/null

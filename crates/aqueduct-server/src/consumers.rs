@@ -26,7 +26,7 @@
 //! member's messages to the others, or parked for the next member when it was the last). A
 //! member is made, and the group ended, under the table's lock, so the two never interleave.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
@@ -58,10 +58,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Debug, Default)]
 pub(crate) struct Fed {
     /// Per topic, the next offset the feeder will read.
-    next: BTreeMap<Vec<u8>, u64>,
+    pub(crate) next: BTreeMap<Vec<u8>, u64>,
     /// The feeder must stop: set under this lock by [`Consumers::rewind`], checked under it by
     /// the feeder before each message it queues, so no message is queued after a rewind.
     stopped: bool,
+    /// Times positions were taken out of `next` with the topics the log forgot: the feeder
+    /// then forgets what it kept about them.
+    forgotten: u64,
 }
 
 pub(crate) type SharedFed = Arc<Mutex<Fed>>;
@@ -245,25 +248,77 @@ impl Consumers {
         lock(&self.table).stored.contains_key(key)
     }
 
-    /// Take out of `topics` every topic a durable consumer or group has a position in (stored,
-    /// or its feeder's): the log must not forget those (a topic started again past the log's
-    /// offset floor would look to it as if retention had deleted messages it had not read).
-    pub fn retain_unpositioned(&self, topics: &mut HashSet<Box<[u8]>>) {
-        fn take_out(topics: &mut HashSet<Box<[u8]>>, positions: &BTreeMap<Vec<u8>, u64>) {
-            if positions.len() < topics.len() {
-                for t in positions.keys() {
-                    topics.remove(t.as_slice());
-                }
-            } else {
-                topics.retain(|t| !positions.contains_key(&**t));
-            }
-        }
+    /// The durable consumers' say in which emptied topics the log may forget. `ends`: per
+    /// topic, the offset past its last durable message. Takes out every topic some consumer or
+    /// group has not read to its end: its position (stored, or its feeder's) is below it, it
+    /// holds a message of it (queued, unsettled or parked), or its messages kept moving while
+    /// that was read. A position at the end says no more than a consumer without one would
+    /// (it reads the topic from its start once the topic is logged again, past the log's offset
+    /// floor), so it does not hold the topic: [`forget_positions`](Self::forget_positions)
+    /// drops it with the topic. One below would look, once the topic starts again past the
+    /// floor, like retention deleting messages it had not read.
+    pub fn retain_unread(&self, ends: &mut HashMap<Box<[u8]>, u64>) {
         let table = lock(&self.table);
+        let mut unread: Vec<Box<[u8]>> = Vec::new();
         for p in table.stored.values() {
-            take_out(topics, &p.next);
+            unread.extend(positioned(ends, &p.next, true));
         }
         for live in table.live.values() {
-            take_out(topics, &lock(&live.fed).next);
+            // Under the feeder's lock (it queues a message and moves on under it) and settled
+            // (no message on its way between two of the consumer's places): a message is then
+            // held by a subscription or below the feeder's position, never neither.
+            let read = |ends: &HashMap<Box<[u8]>, u64>| {
+                let fed = lock(&live.fed);
+                let mut unread = positioned(ends, &fed.next, true);
+                let mut held = Vec::new();
+                for m in &live.members {
+                    held.extend(m.unsettled_floor());
+                }
+                if let Some(g) = &live.group {
+                    held.extend(g.parked_floor());
+                }
+                unread.extend(held.iter().map(|(t, _)| Box::<[u8]>::from(t.as_bytes())));
+                unread
+            };
+            let read = match moves_of(live) {
+                Some(moves) => moves.read_settled_within(|| read(ends), SAVE_PATIENCE),
+                None => Some(read(ends)),
+            };
+            // Moving all along: every topic it has a position in stays.
+            unread.extend(read.unwrap_or_else(|| positioned(ends, &lock(&live.fed).next, false)));
+        }
+        for t in unread {
+            ends.remove(&t);
+        }
+    }
+
+    /// `forgotten` left the log (each with its end in `ends`, as given to
+    /// [`retain_unread`](Self::retain_unread), which let it go): every position at that end goes
+    /// with it. A consumer finds the topic again when it is logged again, as a topic new to the
+    /// log, and reads it from its start (past the log's offset floor). Call before the log
+    /// writes again: the topic then reappears in the log's list of topics after its positions
+    /// are gone, so no feeder overlooks it.
+    pub fn forget_positions(&self, forgotten: &[Box<[u8]>], ends: &HashMap<Box<[u8]>, u64>) {
+        let reached = |next: &BTreeMap<Vec<u8>, u64>, t: &[u8]| matches!((next.get(t), ends.get(t)), (Some(n), Some(end)) if n >= end);
+        let mut table = lock(&self.table);
+        for p in table.stored.values_mut() {
+            for t in forgotten {
+                if reached(&p.next, t) {
+                    p.next.remove(&**t);
+                }
+            }
+        }
+        for live in table.live.values_mut() {
+            let mut fed = lock(&live.fed);
+            let before = fed.next.len();
+            for t in forgotten {
+                if reached(&fed.next, t) {
+                    fed.next.remove(&**t);
+                }
+            }
+            if fed.next.len() < before {
+                fed.forgotten += 1;
+            }
         }
     }
 
@@ -318,7 +373,7 @@ impl Consumers {
         let stored = t.stored.get(key).cloned();
         let fed = Arc::new(Mutex::new(Fed {
             next: stored.map_or_else(initial, |c| c.next),
-            stopped: false,
+            ..Fed::default()
         }));
         let joined = Arc::new(tokio::sync::Notify::new());
         t.live.insert(
@@ -509,6 +564,27 @@ const REWIND_PATIENCE: Duration = Duration::from_secs(1);
 /// (it holds the consumer table meanwhile, so briefly: a move is short and never waits).
 const SAVE_PATIENCE: Duration = Duration::from_millis(1);
 
+/// The topics of `ends` that `next` has a position in (`below_end`: only those whose position
+/// is below the topic's end).
+fn positioned(
+    ends: &HashMap<Box<[u8]>, u64>,
+    next: &BTreeMap<Vec<u8>, u64>,
+    below_end: bool,
+) -> Vec<Box<[u8]>> {
+    let counts = |n: u64, end: u64| !below_end || n < end;
+    if next.len() < ends.len() {
+        next.iter()
+            .filter(|(t, n)| ends.get(t.as_slice()).is_some_and(|end| counts(**n, *end)))
+            .map(|(t, _)| Box::from(t.as_slice()))
+            .collect()
+    } else {
+        ends.iter()
+            .filter(|(t, end)| next.get(&***t).is_some_and(|n| counts(*n, **end)))
+            .map(|(t, _)| t.clone())
+            .collect()
+    }
+}
+
 /// A live consumer's position, read while none of its messages was on its way from one of its
 /// places to another (a NACK's, an ack-wait timeout's or a leaving member's), for up to
 /// `patience` (see [`Moves::read_settled_within`]): `None` if moves overlapped every read.
@@ -660,14 +736,19 @@ pub(crate) async fn feed(
     let mut first_pass = true;
     // Topics whose last read failed, and when to read them again.
     let mut retry_at: HashMap<Vec<u8>, Instant> = HashMap::new();
-    // When each failing topic was last warned about (a read that fails for good is retried
-    // every second: warned about once a minute).
-    let mut warned_at: HashMap<Vec<u8>, Instant> = HashMap::new();
+    // Failed reads and retention overtaking this consumer are warned about at most once a
+    // minute each (a read that fails for good is retried every second; a wildcard consumer may
+    // meet either in thousands of topics at once); the others are logged at debug level and
+    // counted in the next warning.
+    let mut read_warnings = Warnings::default();
+    let mut overtaken_warnings = Warnings::default();
     // Topics whose position was set here while the log held none of their messages (all
     // deleted, or refused): their next messages may come at any offset above it, so a
     // position below the topic's oldest message is no sign of retention overtaking it.
     let mut unanchored: BTreeSet<Vec<u8>> = BTreeSet::new();
-    let mut overtaken_warned: HashMap<Vec<u8>, Instant> = HashMap::new();
+    // How many times the log's forgetting took positions out (`Fed::forgotten`) when this
+    // feeder last looked.
+    let mut forgotten_seen = 0;
     loop {
         let progress = durable.progress.notified();
         tokio::pin!(progress);
@@ -709,6 +790,15 @@ pub(crate) async fn feed(
         writes_seen = Some(writes);
         {
             let f = lock(&fed);
+            if f.forgotten != forgotten_seen {
+                // Topics the log forgot: nothing kept about them here either (they are found
+                // again as new ones when they are logged again).
+                forgotten_seen = f.forgotten;
+                let known = |t: &Vec<u8>| f.next.contains_key(t);
+                pending.retain(known);
+                unanchored.retain(known);
+                retry_at.retain(|t, _| known(t));
+            }
             match changed {
                 Some(changed) => pending.extend(
                     changed
@@ -742,27 +832,50 @@ pub(crate) async fn feed(
                 continue;
             };
             // Retention deleted messages of the topic this consumer had not read yet (it does
-            // not wait for consumers): said, counted, and read on from the oldest one kept.
-            let from = match durable.index.first_offset(&topic) {
-                Some(first) if first > from && !unanchored.contains(&topic) => {
+            // not wait for consumers): said, counted, and read on from the oldest one kept — or,
+            // if it deleted every one below `bound`, from `bound` (there is nothing to read:
+            // left where it was, the topic would be read again at every write, for good, and
+            // never read to its end). Not for a topic found with none of its messages left
+            // (`unanchored`): nothing was deleted under this consumer there.
+            let first = durable.index.first_offset(&topic);
+            let anchored = !unanchored.contains(&topic);
+            let gone_to = match first {
+                Some(first) if first > from && anchored => Some(first),
+                None => Some(bound),
+                Some(_) => None,
+            };
+            let from = match gone_to {
+                Some(at) => {
                     let mut f = lock(&fed);
                     if f.stopped {
                         return;
                     }
-                    durable
-                        .stats
-                        .consumers_overtaken
-                        .fetch_add(1, Ordering::Relaxed);
-                    let shown = String::from_utf8_lossy(&topic);
-                    if time_to_warn(&mut overtaken_warned, &topic) {
-                        warn!(topic = %shown, filter = %filter, "durable consumer: retention deleted messages it had not read (offsets {from} to {}); it goes on from offset {first}", first - 1);
-                    } else {
-                        debug!(topic = %shown, filter = %filter, "durable consumer: retention deleted offsets {from} to {}", first - 1);
+                    if anchored {
+                        durable
+                            .stats
+                            .consumers_overtaken
+                            .fetch_add(1, Ordering::Relaxed);
+                        let shown = String::from_utf8_lossy(&topic);
+                        let last = at - 1;
+                        match overtaken_warnings.due() {
+                            Some(more) => {
+                                warn!(topic = %shown, filter = %filter, "durable consumer: retention deleted messages it had not read (offsets {from} to {last}); it goes on from offset {at}{}", also(more, "topics overtaken"))
+                            }
+                            None => {
+                                debug!(topic = %shown, filter = %filter, "durable consumer: retention deleted offsets {from} to {last}")
+                            }
+                        }
                     }
-                    f.next.insert(topic.clone(), first);
-                    first
+                    f.next.insert(topic.clone(), at);
+                    if first.is_none() {
+                        drop(f);
+                        unanchored.remove(&topic);
+                        pending.remove(&topic);
+                        continue;
+                    }
+                    at
                 }
-                _ => from,
+                None => from,
             };
             unanchored.remove(&topic);
             let index = durable.index.clone();
@@ -787,10 +900,13 @@ pub(crate) async fn feed(
                     Err(e) if read_again(&e) => {
                         // A read that failed (out of file descriptors, permissions, an I/O
                         // error): nothing is skipped; the same position is read again later.
-                        if time_to_warn(&mut warned_at, &topic) {
-                            warn!(topic = %name, "durable consumer: cannot read the log, trying again every {READ_RETRY:?} (nothing after this point is delivered until it can be read): {e}");
-                        } else {
-                            debug!(topic = %name, "durable consumer: cannot read the log: {e}");
+                        match read_warnings.due() {
+                            Some(more) => {
+                                warn!(topic = %name, "durable consumer: cannot read the log, trying again every {READ_RETRY:?} (nothing after this point is delivered until it can be read): {e}{}", also(more, "failed reads"))
+                            }
+                            None => {
+                                debug!(topic = %name, "durable consumer: cannot read the log: {e}")
+                            }
                         }
                         durable.stats.read_errors.fetch_add(1, Ordering::Relaxed);
                         retry_at.insert(topic.clone(), Instant::now() + READ_RETRY);
@@ -798,12 +914,15 @@ pub(crate) async fn feed(
                     }
                     Err(e) => {
                         // Damage since it was indexed, or a segment retention deleted since:
-                        // skipped, the reader goes on with what follows it. Warned about once
-                        // a minute per topic, as above.
-                        if time_to_warn(&mut warned_at, &topic) {
-                            warn!(topic = %name, "durable consumer: cannot read part of the log, skipping it: {e}");
-                        } else {
-                            debug!(topic = %name, "durable consumer: cannot read part of the log, skipping it: {e}");
+                        // skipped, the reader goes on with what follows it. Warned about as
+                        // above.
+                        match read_warnings.due() {
+                            Some(more) => {
+                                warn!(topic = %name, "durable consumer: cannot read part of the log, skipping it: {e}{}", also(more, "failed reads"))
+                            }
+                            None => {
+                                debug!(topic = %name, "durable consumer: cannot read part of the log, skipping it: {e}")
+                            }
                         }
                         durable.stats.read_skips.fetch_add(1, Ordering::Relaxed);
                         skipped = true;
@@ -924,20 +1043,42 @@ pub(crate) async fn feed(
 
 /// How long a durable consumer waits before reading again where a read of the log failed.
 const READ_RETRY: Duration = Duration::from_secs(1);
-/// A read of the log that keeps failing is warned about again after this long.
+/// A feeder warns about failed reads, and about retention overtaking it, at most this often.
 const READ_WARN_EVERY: Duration = Duration::from_secs(60);
 
-/// Whether a read of `topic` that failed is warned about now (once every [`READ_WARN_EVERY`]
-/// per topic; the others are logged at debug level), noting the time if so.
-fn time_to_warn(warned_at: &mut HashMap<Vec<u8>, Instant>, topic: &[u8]) -> bool {
-    let now = Instant::now();
-    let due = warned_at
-        .get(topic)
-        .is_none_or(|at| now.duration_since(*at) >= READ_WARN_EVERY);
-    if due {
-        warned_at.insert(topic.to_vec(), now);
+/// Warnings of one kind from one feeder: one every [`READ_WARN_EVERY`] at most.
+#[derive(Debug, Default)]
+struct Warnings {
+    last: Option<Instant>,
+    /// Logged at debug level since the last warning.
+    held_back: u64,
+}
+
+impl Warnings {
+    /// Whether to warn now (noting the time if so), with how many were held back since the
+    /// last warning.
+    fn due(&mut self) -> Option<u64> {
+        let now = Instant::now();
+        if self
+            .last
+            .is_none_or(|at| now.duration_since(at) >= READ_WARN_EVERY)
+        {
+            self.last = Some(now);
+            Some(std::mem::take(&mut self.held_back))
+        } else {
+            self.held_back += 1;
+            None
+        }
     }
-    due
+}
+
+/// "(and N more <what> since the last warning ...)" for a warning that held back `more`.
+fn also(more: u64, what: &str) -> String {
+    if more == 0 {
+        String::new()
+    } else {
+        format!(" (and {more} more {what} since the last such warning, logged at debug level)")
+    }
 }
 
 /// Whether a failed read of the log is tried again rather than skipped: any I/O error but a
@@ -1169,6 +1310,43 @@ mod tests {
         durable.close();
     }
 
+    /// A consumer whose every unread message of a topic retention deleted (the log has none
+    /// of the topic left) is told about too, and moves to the topic's end. Before, its
+    /// position stayed where it was: nothing was counted, the topic was read again at every
+    /// write of the log, for good, and the consumer never read it to its end (so the log could
+    /// never forget it).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_consumer_whose_unread_messages_retention_all_deleted_moves_to_the_end() {
+        const N: u64 = 20;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (small, durable) = small_segments(dir.path());
+        let first_broker = broker();
+        write_durably(&first_broker, &durable, "t", N).await;
+        write_durably(&first_broker, &durable, "u", 4 * N).await;
+        durable.close();
+        let retained = LogOptions {
+            retention_bytes: Some(2048),
+            ..small
+        };
+        let (mut log, rec) = Log::open(dir.path(), retained).expect("log opens");
+        log.enforce_retention(std::time::SystemTime::now())
+            .expect("retention");
+        assert_eq!(log.first_offset(b"t"), None, "all of t deleted");
+        let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        // Its stored position: offset 3 of `t`.
+        let fed = SharedFed::default();
+        lock(&fed).next.insert(b"t".to_vec(), 3);
+        let (_sub, feeder) = feeding(&durable, &broker(), "t", &fed, true);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while lock(&fed).next.get(&b"t"[..]) != Some(&N) {
+            assert!(Instant::now() < deadline, "never moved to the end");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(durable.stats.consumers_overtaken.load(Ordering::Relaxed), 1);
+        drop(feeder);
+        durable.close();
+    }
+
     /// Consumers in a temporary directory, a broker that redelivers forever, and the topic
     /// `jobs`.
     fn redelivering() -> (tempfile::TempDir, Consumers, Arc<Broker>, TopicName) {
@@ -1198,6 +1376,76 @@ mod tests {
                 broker.subscribe_unrouted(&SubscribeSpec::new(filter.clone()), opts)
             })
             .unwrap_or_else(|e| panic!("{e:?}"))
+    }
+
+    /// The log may forget an emptied topic only where every consumer has read it to the end:
+    /// a stored position below the end holds it, and so does a live consumer's message of it
+    /// still unsettled although the feeder has moved past it; a position at the end does not,
+    /// and goes with the topic (stored and live). Before, any position held a topic for good,
+    /// so a wildcard consumer kept every topic it ever matched in the log and in its positions
+    /// file.
+    #[test]
+    fn only_positions_short_of_the_end_hold_an_emptied_topic() {
+        let (_dir, consumers, broker, jobs) = redelivering();
+        let names = |ts: &[&str]| -> Vec<Box<[u8]>> {
+            let mut v: Vec<Box<[u8]>> = ts.iter().map(|t| Box::from(t.as_bytes())).collect();
+            v.sort();
+            v
+        };
+        lock(&consumers.table).stored.insert(
+            "consumer:s".into(),
+            ConsumerPosition {
+                filter: "#".into(),
+                next: BTreeMap::from([(b"read".to_vec(), 4), (b"short".to_vec(), 2)]),
+            },
+        );
+        // A live consumer with `jobs` 0 unsettled; its feeder is at 1, the end.
+        let claim = claim_acked(&consumers, &broker);
+        let p = Publication::new(&jobs, b"x");
+        let now = Instant::now();
+        assert!(broker.feed(
+            &mut PublishContext::default(),
+            &claim.sub,
+            &jobs,
+            0,
+            &p,
+            Duration::ZERO,
+            now
+        ));
+        lock(&claim.fed)
+            .next
+            .extend([(b"jobs".to_vec(), 1), (b"read".to_vec(), 4)]);
+        let ends = || -> HashMap<Box<[u8]>, u64> {
+            [("read", 4), ("short", 3), ("jobs", 1), ("nobody", 7)]
+                .into_iter()
+                .map(|(t, e)| (Box::from(t.as_bytes()), e))
+                .collect()
+        };
+        let free = |ends: &HashMap<Box<[u8]>, u64>| {
+            let mut v: Vec<Box<[u8]>> = ends.keys().cloned().collect();
+            v.sort();
+            v
+        };
+        let mut left = ends();
+        consumers.retain_unread(&mut left);
+        assert_eq!(free(&left), names(&["nobody", "read"]));
+        // Settled: `jobs` is read to its end too.
+        let mut out = Vec::new();
+        broker.drain(&claim.sub, &mut out, 64 * 1024, now);
+        broker.ack(&claim.sub, None, 0, None).expect("in flight");
+        let mut left = ends();
+        consumers.retain_unread(&mut left);
+        assert_eq!(free(&left), names(&["jobs", "nobody", "read"]));
+        // The forgotten ones' positions go where they are at the end; `short` stays.
+        consumers.forget_positions(&names(&["read", "jobs", "short", "nobody"]), &ends());
+        let t = lock(&consumers.table);
+        assert_eq!(
+            t.stored["consumer:s"].next,
+            BTreeMap::from([(b"short".to_vec(), 2)])
+        );
+        let fed = lock(&claim.fed);
+        assert!(fed.next.is_empty(), "{:?}", fed.next);
+        assert_eq!(fed.forgotten, 1, "the feeder is told");
     }
 
     /// A checkpoint never saves a position past a message a NACK is redelivering (taken out

@@ -115,11 +115,37 @@ struct ForgetGate {
 }
 
 /// The broker's say in which topics the log's retention forgets: none until the server set the
-/// gate ([`Durable::set_forget_gate`]); else those the broker holds no state for and no
-/// durable consumer has a position in.
+/// gate ([`Durable::set_forget_gate`]); else those the broker holds no state for and every
+/// durable consumer has read to the end (see [`Consumers::retain_unread`]), whose positions in
+/// them go with them.
+///
+/// [`Consumers::retain_unread`]: crate::consumers::Consumers::retain_unread
 struct BrokerForgets<'a> {
     durable: &'a Durable,
     gate: Option<(Arc<aqueduct_core::Broker>, Arc<crate::consumers::Consumers>)>,
+}
+
+impl BrokerForgets<'_> {
+    /// Of `topics`, those every durable consumer has read to the end, each with that end (the
+    /// offset past its last durable message). No message is made durable during a pass (the
+    /// writer runs it), so the ends stay put until it is over.
+    fn read_to_end(
+        &self,
+        consumers: &crate::consumers::Consumers,
+        topics: &[Box<[u8]>],
+    ) -> HashMap<Box<[u8]>, u64> {
+        let mut ends: HashMap<Box<[u8]>, u64> = {
+            let durable = lock(&self.durable.durable_next);
+            topics
+                .iter()
+                .map(|t| (t.clone(), durable.get(t).copied().unwrap_or(0)))
+                .collect()
+        };
+        // Without the broker's lock (a SUBSCRIBE takes the consumers' table, then the
+        // broker's topics).
+        consumers.retain_unread(&mut ends);
+        ends
+    }
 }
 
 impl aqueduct_log::Forget for BrokerForgets<'_> {
@@ -131,12 +157,7 @@ impl aqueduct_log::Forget for BrokerForgets<'_> {
         // for this writer) are idle now: freed first, they can be forgotten in this pass
         // (otherwise only once the broker holds twice as many topics as then).
         broker.sweep_idle_topics();
-        let mut candidates: std::collections::HashSet<Box<[u8]>> =
-            emptied.iter().cloned().collect();
-        // Without the broker's lock (a SUBSCRIBE takes the consumers' table, then the
-        // broker's topics).
-        consumers.retain_unpositioned(&mut candidates);
-        let candidates: Vec<Box<[u8]>> = candidates.into_iter().collect();
+        let candidates: Vec<Box<[u8]>> = self.read_to_end(consumers, emptied).into_keys().collect();
         let mut chosen = Vec::with_capacity(candidates.len());
         for chunk in candidates.chunks(FORGET_CHUNK) {
             broker.with_topics_frozen(|held| {
@@ -150,12 +171,17 @@ impl aqueduct_log::Forget for BrokerForgets<'_> {
         let Some((broker, consumers)) = &self.gate else {
             return Vec::new();
         };
-        let mut candidates: std::collections::HashSet<Box<[u8]>> = chosen.iter().cloned().collect();
         // Again (a consumer may have found one since): a consumer that finds one of these
         // topics between this and the forgetting starts it at its oldest message, as for any
         // topic (`consumers::start_in`); see docs/architecture.md, "Offsets".
-        consumers.retain_unpositioned(&mut candidates);
-        self.durable.forget(broker, candidates, floor)
+        let ends = self.read_to_end(consumers, chosen);
+        let forgotten = self
+            .durable
+            .forget(broker, ends.keys().cloned().collect(), floor);
+        // Before the writer writes again, so a topic logged again reappears in the log's list
+        // of topics after the positions in it are gone.
+        consumers.forget_positions(&forgotten, &ends);
+        forgotten
     }
 }
 
@@ -662,8 +688,8 @@ impl Durable {
         )
     }
 
-    /// Let the log forget topics retention emptied that `broker` holds no state for and no
-    /// durable consumer in `consumers` has a position in (see [`Durable::forget`]).
+    /// Let the log forget topics retention emptied that `broker` holds no state for and every
+    /// durable consumer in `consumers` has read to the end (see [`Durable::forget`]).
     pub fn set_forget_gate(
         &self,
         broker: &Arc<aqueduct_core::Broker>,
@@ -1568,7 +1594,7 @@ mod tests {
     struct Forgetting {
         d: Arc<Durable>,
         broker: Arc<aqueduct_core::Broker>,
-        _consumers: Arc<crate::consumers::Consumers>,
+        consumers: Arc<crate::consumers::Consumers>,
         _dirs: [tempfile::TempDir; 2],
         deadline: Instant,
     }
@@ -1596,7 +1622,7 @@ mod tests {
             Forgetting {
                 d,
                 broker,
-                _consumers: consumers,
+                consumers,
                 _dirs: [dir, positions],
                 deadline: Instant::now() + Duration::from_secs(20),
             }
@@ -1638,6 +1664,103 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
         }
+    }
+
+    /// A wildcard durable consumer that has read its topics to the end does not keep the log
+    /// from forgetting them: its positions in them go with them, and it still gets a forgotten
+    /// topic's next message, past the floor (found again as a new topic, not taken for
+    /// retention overtaking it). A consumer short of a topic's end keeps that one. Before, any
+    /// position kept a topic for good: a `#` consumer kept every topic the log ever had.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_consumer_that_read_its_topics_to_the_end_lets_the_log_forget_them() {
+        use crate::consumers::{feed, Target};
+        use aqueduct_proto::{DurableStart, SubscribeSpec, TopicFilter};
+        use std::collections::BTreeMap;
+        let f = Forgetting::start();
+        for i in 0..10 {
+            f.publish(&format!("old/{i}"));
+            f.written(&format!("old/{i}"), 1).await;
+        }
+        let claim = |key: &str, filter: &str, at: BTreeMap<Vec<u8>, u64>| {
+            let filter = TopicFilter::try_from(filter).expect("valid");
+            f.consumers
+                .claim(
+                    key,
+                    &filter,
+                    false,
+                    || at,
+                    || {
+                        f.broker.subscribe_unrouted(
+                            &SubscribeSpec::new(filter.clone()),
+                            aqueduct_core::SubscribeOptions::default(),
+                        )
+                    },
+                )
+                .unwrap_or_else(|e| panic!("{e:?}"))
+        };
+        // `w` reads all ten; `s` is at offset 0 of old/9 (not fed: it reads nothing).
+        let w = claim("consumer:w", "old/#", BTreeMap::new());
+        let s = claim(
+            "consumer:s",
+            "old/9",
+            BTreeMap::from([(b"old/9".to_vec(), 0)]),
+        );
+        f.consumers.start_feeder(
+            "consumer:w",
+            &w.fed,
+            feed(
+                f.d.clone(),
+                f.broker.clone(),
+                Target::One(w.sub.clone()),
+                w.fed.clone(),
+                DurableStart::Earliest,
+                false,
+            ),
+        );
+        let drained = |n: usize| {
+            let sub = w.sub.clone();
+            let broker = f.broker.clone();
+            async move {
+                let deadline = Instant::now() + Duration::from_secs(20);
+                let mut got = 0;
+                while got < n {
+                    assert!(Instant::now() < deadline, "{got} of {n} fed");
+                    let mut out = Vec::new();
+                    got += broker.drain(&sub, &mut out, 1 << 20, Instant::now()).frames;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }
+        };
+        drained(10).await;
+        for i in 0..100 {
+            f.publish("filler");
+            f.written("filler", i + 1).await;
+        }
+        f.d.ask_retention();
+        while f.d.stats.forgotten_topics.load(Ordering::Relaxed) < 9 {
+            assert!(Instant::now() < f.deadline, "retention forgot old/0..=8");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert_eq!(
+            f.d.durable_next(b"old/9"),
+            Some(1),
+            "kept: `s` has not read it"
+        );
+        assert_eq!(
+            lock(&w.fed).next.keys().cloned().collect::<Vec<_>>(),
+            vec![b"old/9".to_vec()],
+            "the positions in the forgotten topics went"
+        );
+        // Logged again: past the floor, and `w` gets it.
+        let floor = f.d.next_offset(b"never-seen");
+        assert!(floor >= 1);
+        assert_eq!(f.publish("old/3"), floor);
+        f.written("old/3", floor + 1).await;
+        drained(1).await;
+        assert_eq!(lock(&w.fed).next.get(&b"old/3"[..]), Some(&(floor + 1)));
+        assert_eq!(f.d.stats.consumers_overtaken.load(Ordering::Relaxed), 0);
+        drop(s);
+        f.d.close();
     }
 
     /// A topic new to the log whose first offset the broker handed out from the floor before a

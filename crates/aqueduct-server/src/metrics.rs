@@ -733,7 +733,7 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
             (
                 "aqueduct_log_topics_forgotten_total",
                 "counter",
-                "Topics retention emptied that the durable log forgot (the broker held no state for them and no durable consumer a position in them); one published to again goes on past the log's offset floor.",
+                "Topics retention emptied that the durable log forgot (the broker held no state for them and every durable consumer had read them to the end); one published to again goes on past the log's offset floor.",
                 load(&ds.forgotten_topics),
             ),
             (

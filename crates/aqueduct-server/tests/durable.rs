@@ -1001,8 +1001,11 @@ async fn a_latest_consumer_starts_at_its_subscribe() {
 /// Retention forgets the topics it empties that nothing holds, so that a broker with the log
 /// does not keep every topic name it ever logged: one published to again goes on past every
 /// offset it had (the log's offset floor), also after a restart. A topic the broker holds (it
-/// has a subscription) and one a durable consumer has a position in are kept, and go on at
-/// their own next offset. (Before, the log kept every topic it ever logged, for good.)
+/// has a subscription) and one a durable consumer has not read to the end are kept, and go on
+/// at their own next offset; one a durable consumer has read to the end is forgotten, and the
+/// consumer, back after the restart, gets its next message past the floor without taking that
+/// for retention overtaking it. (Before, the log kept every topic it ever logged, for good, and
+/// then every topic a durable consumer had a position in.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_forgets_the_topics_it_empties_and_their_offsets_go_on() {
     use aqueduct_client::DurableStart;
@@ -1019,16 +1022,21 @@ async fn retention_forgets_the_topics_it_empties_and_their_offsets_go_on() {
     publish_n(&client, "churn/0", 0..3).await;
     publish_n(&client, "churn/live", 0..1).await;
     assert_eq!(next(&mut live).await.offset(), 0);
-    publish_n(&client, "churn/durable", 0..1).await;
-    // A durable consumer reads it and leaves: its position (1) is stored.
+    publish_n(&client, "dur/unread", 0..1).await;
+    publish_n(&client, "dur/read", 0..1).await;
+    // A durable consumer reads both and leaves: its positions (1, 1) are stored. Then one more
+    // of `dur/unread`, which it has not read.
     let reader = b.client().await;
     let mut sub = reader
-        .subscribe_with("churn/durable", &durable_opts("d", DurableStart::Earliest))
+        .subscribe_with("dur/+", &durable_opts("d", DurableStart::Earliest))
         .await
         .expect("subscribe");
-    assert_eq!(take_acked(&mut sub, 1).await, vec![(0, "m0".to_string())]);
-    drop(sub);
+    let got = take_acked(&mut sub, 2).await;
+    assert_eq!(got, vec![(0, "m0".to_string()); 2]);
+    // After its ACKs are handled (dropping it could cut them: its positions would stay at 0).
+    sub.close().await.expect("close");
     reader.close().await.expect("close");
+    publish_n(&client, "dur/unread", 1..2).await;
     // 5,000 more topics, one message each: the broker frees the state of idle topics once it
     // holds 4,096 (the subscribed one stays).
     for chunk in (1..=5_000).collect::<Vec<u32>>().chunks(500) {
@@ -1113,20 +1121,59 @@ async fn retention_forgets_the_topics_it_empties_and_their_offsets_go_on() {
         let topics: std::collections::HashSet<&[u8]> = log.topics().collect();
         assert!(!topics.contains(&b"churn/0"[..]));
         assert!(topics.contains(&b"churn/live"[..]));
-        assert!(topics.contains(&b"churn/durable"[..]));
+        assert!(topics.contains(&b"dur/unread"[..]));
+        assert!(!topics.contains(&b"dur/read"[..]));
+        // The consumer's position in `dur/read` went with it.
+        let (_, positions) = aqueduct_log::PositionStore::open(dir.path()).expect("positions");
+        assert_eq!(
+            positions["consumer:d"].next,
+            std::collections::BTreeMap::from([(b"dur/unread".to_vec(), 1)])
+        );
         assert_eq!(log.new_topic_offset(), 3);
         log.close().expect("close");
     }
 
     let b = TestBroker::start_with(|c| c.aal = Some(small())).await;
     let client = b.client().await;
-    for (topic, want) in [("churn/0", 3), ("churn/live", 1), ("churn/durable", 1)] {
+    for (topic, want) in [
+        ("churn/0", 3),
+        ("churn/live", 1),
+        ("dur/unread", 2),
+        ("dur/read", 3),
+    ] {
         let offset = client
             .publish_with(topic, "after restart", &confirm())
             .await
             .expect("publish");
         assert_eq!(offset, Some(want), "{topic}");
     }
+    // The consumer comes back: retention deleted the message of `dur/unread` it had not read
+    // (retention does not wait for consumers), which it is told (counted once, and warned);
+    // it gets both topics' new messages (`dur/read` found again from its start, past the
+    // floor, which is no sign of retention overtaking it).
+    let reader = b.client().await;
+    let mut sub = reader
+        .subscribe_with("dur/+", &durable_opts("d", DurableStart::Earliest))
+        .await
+        .expect("subscribe");
+    let mut got = Vec::new();
+    for _ in 0..2 {
+        let m = next(&mut sub).await;
+        got.push((m.topic().to_string(), m.offset()));
+        m.ack().await.expect("ack");
+    }
+    got.sort();
+    assert_eq!(
+        got,
+        vec![("dur/read".to_string(), 3), ("dur/unread".to_string(), 2)]
+    );
+    let overtaken = value(
+        &get(b.metrics_addr, "/metrics").await.1,
+        "aqueduct_log_consumers_overtaken_total",
+    );
+    assert_eq!(overtaken, Some(1.0), "only in `dur/unread`");
+    sub.close().await.expect("close");
+    reader.close().await.expect("close");
     client.close().await.expect("close");
     b.stop().await.expect("clean shutdown");
 }
