@@ -41,5 +41,5 @@ pub use log::{
     FLOOR_TOPIC, LOCK_FILE,
 };
 pub use positions::{ConsumerPosition, PositionStore, Positions};
-pub use reader::{Reader, Record};
+pub use reader::{ReadCache, Reader, Record};
 pub use verify::{verify, VerifyReport};

@@ -2,6 +2,7 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -33,6 +34,65 @@ struct Plan {
     windows: VecDeque<(u64, u64)>,
 }
 
+/// Batches read lately, decrypted and decoded, for readers of several topics to share: a
+/// wildcard consumer reading thousands of topics whose messages share batches (a client
+/// publishing to many topics in one frame) then reads and decrypts each batch once, not once
+/// per topic. Holds the last batches read up to [`CACHE_BYTES`] (always the last one), and the
+/// segment file last opened.
+#[derive(Debug, Default)]
+pub struct ReadCache {
+    file: Option<(u64, File)>,
+    /// The frame being read (then its payload, decrypted in place).
+    buf: Vec<u8>,
+    /// Oldest first.
+    batches: VecDeque<Decoded>,
+    bytes: usize,
+}
+
+/// The payload bytes a [`ReadCache`] keeps beyond its last batch.
+pub const CACHE_BYTES: usize = 4 << 20;
+
+/// One batch as read: where it was, and its data records.
+#[derive(Debug)]
+struct Decoded {
+    segment: u64,
+    pos: u64,
+    frame_len: u64,
+    timestamp_ms: u64,
+    payload: Vec<u8>,
+    /// Its data records' (topic, offset, data), as ranges of `payload` (the whole frame, its
+    /// payload decrypted), in batch order.
+    records: Vec<(Range<usize>, u64, Range<usize>)>,
+}
+
+impl ReadCache {
+    fn find(&self, segment: u64, pos: u64) -> Option<usize> {
+        self.batches
+            .iter()
+            .rposition(|b| b.segment == segment && b.pos == pos)
+    }
+
+    /// Keep `d` as the newest, dropping the oldest beyond [`CACHE_BYTES`] (their buffers are
+    /// reused for the next read).
+    fn keep(&mut self, d: Decoded) -> usize {
+        self.bytes += d.payload.len();
+        self.batches.push_back(d);
+        while self.batches.len() > 1 && self.bytes > CACHE_BYTES + self.newest_len() {
+            if let Some(old) = self.batches.pop_front() {
+                self.bytes -= old.payload.len();
+                if old.payload.capacity() > self.buf.capacity() {
+                    self.buf = old.payload;
+                }
+            }
+        }
+        self.batches.len() - 1
+    }
+
+    fn newest_len(&self) -> usize {
+        self.batches.back().map_or(0, |b| b.payload.len())
+    }
+}
+
 /// The messages of one topic from an offset on, as the log held them when the reader was
 /// made. Reads only the index's windows for the topic: a topic that is rare in a busy log costs
 /// about one [`STRIDE`] of reading per index entry, not the whole segment.
@@ -41,9 +101,9 @@ pub struct Reader {
     topic: Vec<u8>,
     next: u64,
     plans: VecDeque<Plan>,
-    file: Option<(u64, File)>,
     ready: VecDeque<Record>,
-    buf: Vec<u8>,
+    /// For reading on its own (as an iterator).
+    own: ReadCache,
 }
 
 impl Reader {
@@ -84,15 +144,36 @@ impl Reader {
             topic: topic.to_vec(),
             next: from,
             plans,
-            file: None,
             ready: VecDeque::new(),
-            buf: Vec::new(),
+            own: ReadCache::default(),
+        }
+    }
+
+    /// Where in the log it reads first: (segment id, byte position), `None` if it has nothing
+    /// to read. Readers of several topics sharing a [`ReadCache`] read best in this order.
+    pub fn position(&self) -> Option<(u64, u64)> {
+        self.plans
+            .iter()
+            .find_map(|p| p.windows.front().map(|&(pos, _)| (p.id, pos)))
+    }
+
+    /// The next message, reading through `cache` (shared with other readers).
+    pub fn next_with(&mut self, cache: &mut ReadCache) -> Option<Result<Record, LogError>> {
+        loop {
+            if let Some(r) = self.ready.pop_front() {
+                return Some(Ok(r));
+            }
+            match self.advance(cache) {
+                Ok(true) => {}
+                Ok(false) => return None,
+                Err(e) => return Some(Err(e)),
+            }
         }
     }
 
     /// Read the next batch of the current window into `ready`. Returns false when the reader
     /// has nothing left to read.
-    fn advance(&mut self) -> Result<bool, LogError> {
+    fn advance(&mut self, cache: &mut ReadCache) -> Result<bool, LogError> {
         let Some(plan) = self.plans.front_mut() else {
             return Ok(false);
         };
@@ -108,79 +189,23 @@ impl Reader {
             plan.windows[0].0 = pos.saturating_add(len.max(1));
             return Ok(true);
         }
-        if self.file.as_ref().is_none_or(|(id, _)| *id != plan.id) {
-            let f = match File::open(&plan.path) {
-                Ok(f) => f,
-                Err(e) => {
-                    // Gone (deleted by retention since): nothing more to read there.
-                    let path = plan.path.clone();
-                    self.plans.pop_front();
-                    return Err(LogError::io("opening segment", path, e));
-                }
-            };
-            self.file = Some((plan.id, f));
-        }
-        let Some((_, file)) = &self.file else {
-            return Ok(true);
+        let at = match cache.find(plan.id, pos) {
+            Some(at) => at,
+            None => match read_batch(plan, pos, cache)? {
+                Some(d) => cache.keep(d),
+                // Not a batch to read there: gone past.
+                None => return Ok(true),
+            },
         };
-        let check = match frame_at(file, pos, plan.len, &mut self.buf) {
-            Ok(c) => c,
-            Err(e) => {
-                // Not again and again: this window is given up.
-                let path = plan.path.clone();
-                plan.windows.pop_front();
-                return Err(LogError::io("reading segment", path, e));
-            }
-        };
-        let len = match check {
-            FrameCheck::Good { len } => len,
-            bad => {
-                let path = plan.path.clone();
-                match bad {
-                    // Its length still reads: skip just this batch.
-                    FrameCheck::BadCrc { len } => {
-                        plan.windows[0].0 = pos.saturating_add(len as u64)
-                    }
-                    // The frame boundary is lost: give up this window, go on with the next.
-                    _ => {
-                        plan.windows.pop_front();
-                    }
-                }
-                return Err(LogError::Damaged {
-                    path,
-                    position: pos,
-                    reason: "the batch's checksum fails (damaged since it was indexed)".into(),
-                });
-            }
-        };
-        plan.windows[0].0 = pos + len as u64;
-        let body = &mut self.buf[FRAME_PREFIX..];
-        let damaged = |reason: &str| LogError::Damaged {
-            path: plan.path.clone(),
-            position: pos,
-            reason: reason.into(),
-        };
-        let header = BodyHeader::decode(body).ok_or_else(|| damaged("short batch"))?;
-        let payload_len = match &plan.cipher {
-            Some(c) => {
-                let aad = batch_aad(plan.id, &body[..BODY_HEADER]);
-                c.open(header.batch_no, &aad, &mut body[BODY_HEADER..])
-                    .ok_or_else(|| LogError::Tampered {
-                        path: plan.path.clone(),
-                        position: pos,
-                    })?
-            }
-            None => body.len() - BODY_HEADER,
-        };
-        let records = decode_records(&body[BODY_HEADER..BODY_HEADER + payload_len], header.count)
-            .map_err(|e| damaged(&e))?;
-        for r in records {
-            if r.kind == Kind::Data && r.topic == self.topic.as_slice() && r.offset >= self.next {
-                self.next = r.offset.saturating_add(1);
+        let d = &cache.batches[at];
+        plan.windows[0].0 = pos + d.frame_len;
+        for (topic, offset, data) in &d.records {
+            if *offset >= self.next && d.payload[topic.clone()] == *self.topic {
+                self.next = offset.saturating_add(1);
                 self.ready.push_back(Record {
-                    offset: r.offset,
-                    timestamp_ms: header.timestamp_ms,
-                    data: r.data.to_vec(),
+                    offset: *offset,
+                    timestamp_ms: d.timestamp_ms,
+                    data: d.payload[data.clone()].to_vec(),
                 });
             }
         }
@@ -188,19 +213,108 @@ impl Reader {
     }
 }
 
+/// Read, check, decrypt and decode the batch at `pos` of `plan`'s segment. An error gives up
+/// what it must (the segment, the window, or just the batch) in `plan`.
+fn read_batch(
+    plan: &mut Plan,
+    pos: u64,
+    cache: &mut ReadCache,
+) -> Result<Option<Decoded>, LogError> {
+    if cache.file.as_ref().is_none_or(|(id, _)| *id != plan.id) {
+        let f = match File::open(&plan.path) {
+            Ok(f) => f,
+            Err(e) => {
+                // Gone (deleted by retention since): nothing more to read there. The reader
+                // moves on to its next plan.
+                let path = plan.path.clone();
+                plan.windows.clear();
+                return Err(LogError::io("opening segment", path, e));
+            }
+        };
+        cache.file = Some((plan.id, f));
+    }
+    let Some((_, file)) = &cache.file else {
+        return Ok(None);
+    };
+    let buf = &mut cache.buf;
+    let check = match frame_at(file, pos, plan.len, buf) {
+        Ok(c) => c,
+        Err(e) => {
+            // Not again and again: this window is given up.
+            let path = plan.path.clone();
+            plan.windows.pop_front();
+            return Err(LogError::io("reading segment", path, e));
+        }
+    };
+    let len = match check {
+        FrameCheck::Good { len } => len,
+        bad => {
+            let path = plan.path.clone();
+            match bad {
+                // Its length still reads: skip just this batch.
+                FrameCheck::BadCrc { len } => plan.windows[0].0 = pos.saturating_add(len as u64),
+                // The frame boundary is lost: give up this window, go on with the next.
+                _ => {
+                    plan.windows.pop_front();
+                }
+            }
+            return Err(LogError::Damaged {
+                path,
+                position: pos,
+                reason: "the batch's checksum fails (damaged since it was indexed)".into(),
+            });
+        }
+    };
+    // Whatever follows, this batch is done with.
+    plan.windows[0].0 = pos + len as u64;
+    let body = &mut buf[FRAME_PREFIX..];
+    let damaged = |reason: &str| LogError::Damaged {
+        path: plan.path.clone(),
+        position: pos,
+        reason: reason.into(),
+    };
+    let header = BodyHeader::decode(body).ok_or_else(|| damaged("short batch"))?;
+    let payload_len = match &plan.cipher {
+        Some(c) => {
+            let aad = batch_aad(plan.id, &body[..BODY_HEADER]);
+            c.open(header.batch_no, &aad, &mut body[BODY_HEADER..])
+                .ok_or_else(|| LogError::Tampered {
+                    path: plan.path.clone(),
+                    position: pos,
+                })?
+        }
+        None => body.len() - BODY_HEADER,
+    };
+    // Ranges of the whole frame's buffer, which the cache keeps as it is.
+    let frame = &buf[..];
+    let start = FRAME_PREFIX + BODY_HEADER;
+    let at = |part: &[u8]| {
+        let from = part.as_ptr() as usize - frame.as_ptr() as usize;
+        from..from + part.len()
+    };
+    let records = decode_records(&frame[start..start + payload_len], header.count)
+        .map_err(|e| damaged(&e))?
+        .into_iter()
+        .filter(|r| r.kind == Kind::Data)
+        .map(|r| (at(r.topic), r.offset, at(r.data)))
+        .collect();
+    Ok(Some(Decoded {
+        segment: plan.id,
+        pos,
+        frame_len: len as u64,
+        timestamp_ms: header.timestamp_ms,
+        payload: std::mem::take(&mut cache.buf),
+        records,
+    }))
+}
+
 impl Iterator for Reader {
     type Item = Result<Record, LogError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        loop {
-            if let Some(r) = self.ready.pop_front() {
-                return Some(Ok(r));
-            }
-            match self.advance() {
-                Ok(true) => {}
-                Ok(false) => return None,
-                Err(e) => return Some(Err(e)),
-            }
-        }
+        let mut own = std::mem::take(&mut self.own);
+        let next = self.next_with(&mut own);
+        self.own = own;
+        next
     }
 }

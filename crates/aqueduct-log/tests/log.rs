@@ -1118,3 +1118,87 @@ fn a_frame_inside_a_plaintext_message_is_never_taken_for_the_logs_own() -> R {
     }
     Ok(())
 }
+
+/// Readers of many topics sharing one `ReadCache` (as a wildcard durable consumer reads), in
+/// the log's order and interleaved, read exactly what each reader reads on its own — across
+/// segments, with batches that hold several topics, and more batches than the cache keeps.
+#[test]
+fn readers_sharing_a_cache_read_what_each_reads_alone() -> R {
+    let dir = tempfile::tempdir()?;
+    let options = LogOptions {
+        max_segment_bytes: 64 << 10,
+        ..opts(Some(key(7)))
+    };
+    let (mut log, _) = Log::open(dir.path(), options)?;
+    let topics: Vec<String> = (0..20).map(|i| format!("t/{i}")).collect();
+    // 400 batches of 5 topics each, 3 KiB per message: ~6 MiB, more than the cache holds.
+    let mut state = 12345u64;
+    for b in 0..400u64 {
+        let picked: Vec<&String> = (0..5)
+            .map(|k| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                &topics[((state >> 33) as usize + k) % topics.len()]
+            })
+            .collect();
+        let mut bodies = Vec::new();
+        let mut next: std::collections::HashMap<&str, u64> = Default::default();
+        for t in &picked {
+            let at = *next
+                .entry(t.as_str())
+                .or_insert_with(|| log.next_offset(t.as_bytes()));
+            next.insert(t.as_str(), at + 1);
+            let mut body = msg(t, at);
+            body.resize(3 << 10, b as u8);
+            bodies.push((t.as_bytes(), at, body));
+        }
+        let entries: Vec<Entry<'_>> = bodies
+            .iter()
+            .map(|(topic, offset, data)| Entry {
+                topic,
+                offset: *offset,
+                data,
+            })
+            .collect();
+        log.append(&entries, 1_000 + b)?;
+    }
+    log.commit()?;
+    for from in [0, 7, 40] {
+        let alone: Vec<Vec<Record>> = topics
+            .iter()
+            .map(|t| read_all(&log, t, from))
+            .collect::<Result<_, _>>()?;
+        assert!(
+            alone.iter().all(|r| !r.is_empty()),
+            "every topic has messages from {from}"
+        );
+        let mut readers: Vec<(usize, aqueduct_log::Reader)> = topics
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (i, log.read(t.as_bytes(), from)))
+            .collect();
+        readers.sort_by_key(|(_, r)| r.position());
+        let mut cache = aqueduct_log::ReadCache::default();
+        let mut shared: Vec<Vec<Record>> = vec![Vec::new(); topics.len()];
+        // A few messages of each in turn, until every reader is done.
+        let mut done = vec![false; topics.len()];
+        while done.iter().any(|d| !d) {
+            for (i, reader) in readers.iter_mut() {
+                for _ in 0..3 {
+                    match reader.next_with(&mut cache) {
+                        Some(r) => shared[*i].push(r?),
+                        None => {
+                            done[*i] = true;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        for (i, t) in topics.iter().enumerate() {
+            assert_eq!(shared[i], alone[i], "{t} from {from}");
+        }
+    }
+    Ok(())
+}
