@@ -497,6 +497,12 @@ impl Log {
         }
     }
 
+    /// One past the highest offset logged for `topic` (a message or a mark), with no crash
+    /// gap: where what the log holds of it ends. `None` for a topic it does not know.
+    pub fn logged_end(&self, topic: &[u8]) -> Option<u64> {
+        self.topics.get(topic).map(|t| t.high.saturating_add(1))
+    }
+
     fn next_of(&self, t: &TopicState) -> u64 {
         t.high
             .saturating_add(1)

@@ -37,20 +37,30 @@ struct Plan {
 /// Batches read lately, decrypted and decoded, for readers of several topics to share: a
 /// wildcard consumer reading thousands of topics whose messages share batches (a client
 /// publishing to many topics in one frame) then reads and decrypts each batch once, not once
-/// per topic. Holds the last batches read up to [`CACHE_BYTES`] (always the last one), and the
-/// segment file last opened.
-#[derive(Debug, Default)]
+/// per topic. Holds the last [`CACHE_BATCHES`] batches read, up to [`CACHE_BYTES`] of frames
+/// beyond the last one, and the segment file last opened.
+#[derive(Debug)]
 pub struct ReadCache {
     file: Option<(u64, File)>,
     /// The frame being read (then its payload, decrypted in place).
     buf: Vec<u8>,
     /// Oldest first.
     batches: VecDeque<Decoded>,
+    /// Frame bytes in `batches`.
     bytes: usize,
+    max_batches: usize,
 }
 
-/// The payload bytes a [`ReadCache`] keeps beyond its last batch.
-pub const CACHE_BYTES: usize = 4 << 20;
+impl Default for ReadCache {
+    fn default() -> Self {
+        ReadCache::keeping(CACHE_BATCHES)
+    }
+}
+
+/// The batches a [`ReadCache`] keeps at most...
+pub const CACHE_BATCHES: usize = 64;
+/// ...and the frame bytes beyond its last one.
+pub const CACHE_BYTES: usize = 1 << 20;
 
 /// One batch as read: where it was, and its data records.
 #[derive(Debug)]
@@ -66,18 +76,35 @@ struct Decoded {
 }
 
 impl ReadCache {
+    fn keeping(max_batches: usize) -> ReadCache {
+        ReadCache {
+            file: None,
+            buf: Vec::new(),
+            batches: VecDeque::new(),
+            bytes: 0,
+            max_batches: max_batches.max(1),
+        }
+    }
+
+    /// Close the segment file it holds open (it is opened again when needed).
+    pub fn close_file(&mut self) {
+        self.file = None;
+    }
+
     fn find(&self, segment: u64, pos: u64) -> Option<usize> {
         self.batches
             .iter()
             .rposition(|b| b.segment == segment && b.pos == pos)
     }
 
-    /// Keep `d` as the newest, dropping the oldest beyond [`CACHE_BYTES`] (their buffers are
+    /// Keep `d` as the newest, dropping the oldest beyond its limits (their buffers are
     /// reused for the next read).
     fn keep(&mut self, d: Decoded) -> usize {
         self.bytes += d.payload.len();
         self.batches.push_back(d);
-        while self.batches.len() > 1 && self.bytes > CACHE_BYTES + self.newest_len() {
+        while self.batches.len() > self.max_batches
+            || (self.batches.len() > 1 && self.bytes > CACHE_BYTES + self.newest_len())
+        {
             if let Some(old) = self.batches.pop_front() {
                 self.bytes -= old.payload.len();
                 if old.payload.capacity() > self.buf.capacity() {
@@ -145,7 +172,8 @@ impl Reader {
             next: from,
             plans,
             ready: VecDeque::new(),
-            own: ReadCache::default(),
+            // On its own, a reader reads each batch once: it needs none but the last.
+            own: ReadCache::keeping(1),
         }
     }
 
@@ -191,11 +219,10 @@ impl Reader {
         }
         let at = match cache.find(plan.id, pos) {
             Some(at) => at,
-            None => match read_batch(plan, pos, cache)? {
-                Some(d) => cache.keep(d),
-                // Not a batch to read there: gone past.
-                None => return Ok(true),
-            },
+            None => {
+                let d = read_batch(plan, pos, cache)?;
+                cache.keep(d)
+            }
         };
         let d = &cache.batches[at];
         plan.windows[0].0 = pos + d.frame_len;
@@ -215,14 +242,11 @@ impl Reader {
 
 /// Read, check, decrypt and decode the batch at `pos` of `plan`'s segment. An error gives up
 /// what it must (the segment, the window, or just the batch) in `plan`.
-fn read_batch(
-    plan: &mut Plan,
-    pos: u64,
-    cache: &mut ReadCache,
-) -> Result<Option<Decoded>, LogError> {
-    if cache.file.as_ref().is_none_or(|(id, _)| *id != plan.id) {
-        let f = match File::open(&plan.path) {
-            Ok(f) => f,
+fn read_batch(plan: &mut Plan, pos: u64, cache: &mut ReadCache) -> Result<Decoded, LogError> {
+    let file = match &mut cache.file {
+        Some((id, f)) if *id == plan.id => f,
+        other => match File::open(&plan.path) {
+            Ok(f) => &mut other.insert((plan.id, f)).1,
             Err(e) => {
                 // Gone (deleted by retention since): nothing more to read there. The reader
                 // moves on to its next plan.
@@ -230,11 +254,7 @@ fn read_batch(
                 plan.windows.clear();
                 return Err(LogError::io("opening segment", path, e));
             }
-        };
-        cache.file = Some((plan.id, f));
-    }
-    let Some((_, file)) = &cache.file else {
-        return Ok(None);
+        },
     };
     let buf = &mut cache.buf;
     let check = match frame_at(file, pos, plan.len, buf) {
@@ -298,14 +318,14 @@ fn read_batch(
         .filter(|r| r.kind == Kind::Data)
         .map(|r| (at(r.topic), r.offset, at(r.data)))
         .collect();
-    Ok(Some(Decoded {
+    Ok(Decoded {
         segment: plan.id,
         pos,
         frame_len: len as u64,
         timestamp_ms: header.timestamp_ms,
         payload: std::mem::take(&mut cache.buf),
         records,
-    }))
+    })
 }
 
 impl Iterator for Reader {

@@ -49,8 +49,10 @@ pub(crate) const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
 const FEED_AHEAD: usize = 16;
 /// Messages a feeder reads from one topic before looking at the others.
 const READ_BATCH: usize = 512;
-/// Topics a feeder reads at a time (then queues what it read).
+/// Topics a feeder reads at a time (then queues what it read)...
 const READ_TOPICS: usize = 32;
+/// ...and how many bytes of messages at most (past one message).
+const READ_BYTES: usize = 4 << 20;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -59,8 +61,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// What a feeder shares with the consumer table.
 #[derive(Debug, Default)]
 pub(crate) struct Fed {
-    /// Per topic, the next offset the feeder will read.
-    pub(crate) next: BTreeMap<Vec<u8>, u64>,
+    /// Per topic, the next offset the feeder will read (changed through [`Fed::set`], or with
+    /// [`version`](Self::version) raised: a checkpoint saves nothing else).
+    next: BTreeMap<Vec<u8>, u64>,
     /// The feeder must stop: set under this lock by [`Consumers::rewind`], checked under it by
     /// the feeder before each message it queues, so no message is queued after a rewind.
     stopped: bool,
@@ -72,6 +75,12 @@ pub(crate) struct Fed {
 }
 
 impl Fed {
+    /// The feeder's positions (tests).
+    #[cfg(test)]
+    pub(crate) fn positions(&self) -> &BTreeMap<Vec<u8>, u64> {
+        &self.next
+    }
+
     /// Where the feeder reads `topic` next.
     fn set(&mut self, topic: &[u8], next: u64) {
         self.next.insert(topic.to_vec(), next);
@@ -288,7 +297,13 @@ impl Consumers {
     pub fn retain_unread(&self, ends: &mut HashMap<Box<[u8]>, u64>) {
         let table = lock(&self.table);
         let mut unread: Vec<Box<[u8]>> = Vec::new();
-        for p in table.stored.values() {
+        // A live consumer's stored position is the one it started from: its feeder's counts
+        // (it replaces the stored one when the consumer ends).
+        for (_, p) in table
+            .stored
+            .iter()
+            .filter(|(k, _)| !table.live.contains_key(*k))
+        {
             unread.extend(positioned(ends, &p.next, true));
         }
         for live in table.live.values() {
@@ -321,8 +336,8 @@ impl Consumers {
     }
 
     /// `forgotten` left the log (each with its end in `ends`, as given to
-    /// [`retain_unread`](Self::retain_unread), which let it go): every position at that end goes
-    /// with it. A consumer finds the topic again when it is logged again, as a topic new to the
+    /// [`retain_unread`](Self::retain_unread), which let it go): every position at that end (or
+    /// past it) goes with it. A consumer finds the topic again when it is logged again, as a topic new to the
     /// log, and reads it from its start (past the log's offset floor). Call before the log
     /// writes again: the topic then reappears in the log's list of topics after its positions
     /// are gone, so no feeder overlooks it.
@@ -961,6 +976,12 @@ pub(crate) async fn feed(
                     if f.stopped {
                         return;
                     }
+                    if f.next.get(&topic) != Some(&from) {
+                        // Its position went with the topic (the log forgot it) since this
+                        // feeder looked: found again as a new topic when it is logged again.
+                        pending.remove(&topic);
+                        continue;
+                    }
                     if anchored {
                         durable
                             .stats
@@ -989,40 +1010,43 @@ pub(crate) async fn feed(
                 None => from,
             };
             unanchored.remove(&topic);
-            let reader = durable.index.read(&topic, from);
-            reads.push((topic, from, bound, reader));
+            let at = durable.index.read(&topic, from).position();
+            reads.push((at, topic, from, bound));
         }
         // In the order of the log, a few topics per read, through one cache of the batches read
         // last: topics whose messages share batches (a client publishing to many topics at
         // once) are read together, each batch read and decrypted once, not once per topic.
-        reads.sort_by_key(|(.., reader)| reader.position());
+        // Last first: taken from the end.
+        reads.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
         let mut cache = aqueduct_log::ReadCache::default();
         while !reads.is_empty() {
-            let rest = reads.split_off(reads.len().min(READ_TOPICS));
-            let chunk = std::mem::replace(&mut reads, rest);
-            let (read, back) = tokio::task::spawn_blocking(move || {
-                let read: Vec<_> = chunk
-                    .into_iter()
-                    .map(|(topic, from, bound, mut reader)| {
-                        // Up to what is durable: a batch written but not yet synced is not the
-                        // consumer's yet.
-                        let records = std::iter::from_fn(|| reader.next_with(&mut cache))
-                            .take_while(|r| r.as_ref().map_or(true, |r| r.offset < bound))
-                            .take(READ_BATCH)
-                            .collect::<Vec<_>>();
-                        (topic, from, records)
-                    })
-                    .collect();
-                (read, cache)
+            let chunk = reads.split_off(reads.len().saturating_sub(READ_TOPICS));
+            let index = durable.index.clone();
+            let (read, left, back) = tokio::task::spawn_blocking(move || {
+                let (read, left) = read_topics(&index, chunk, &mut cache);
+                // No segment file kept open while what was read is queued (retention may
+                // delete it meanwhile).
+                cache.close_file();
+                (read, left, cache)
             })
             .await
             .unwrap_or_default();
             cache = back;
-            for (topic, from, read) in read {
+            reads.extend(left);
+            for Read {
+                topic,
+                from,
+                bound,
+                records: read,
+                complete,
+            } in read
+            {
                 let Ok(name) = TopicName::try_from(String::from_utf8_lossy(&topic).as_ref()) else {
                     continue;
                 };
                 let mut skipped = false;
+                // Left before all of it was queued.
+                let mut stalled = false;
                 for r in read {
                     let r = match r {
                         Ok(r) => r,
@@ -1039,6 +1063,7 @@ pub(crate) async fn feed(
                             }
                             durable.stats.read_errors.fetch_add(1, Ordering::Relaxed);
                             retry_at.insert(topic.clone(), Instant::now() + READ_RETRY);
+                            stalled = true;
                             break;
                         }
                         Err(e) => {
@@ -1119,6 +1144,7 @@ pub(crate) async fn feed(
                                         }
                                     }
                                     moved = true;
+                                    stalled = true;
                                     break;
                                 }
                             }
@@ -1139,6 +1165,7 @@ pub(crate) async fn feed(
                                 // to another one, from the same position, right away.
                                 Target::Group(..) => {
                                     moved = true;
+                                    stalled = true;
                                     break;
                                 }
                             }
@@ -1157,6 +1184,19 @@ pub(crate) async fn feed(
                 if skipped && lock(&fed).next.get(&topic) == Some(&from) {
                     retry_at.insert(topic.clone(), Instant::now() + READ_RETRY);
                 }
+                if complete && !skipped && !stalled {
+                    // Read cleanly to `bound` and all of it queued: no message of the topic
+                    // below `bound` is left (the gap after a crash, or offsets whose writes
+                    // failed), so its position goes there; left below, the topic would be read
+                    // again at every write, and never count as read to its end.
+                    let mut f = lock(&fed);
+                    if f.stopped {
+                        return;
+                    }
+                    if f.next.get(&topic).is_some_and(|n| *n < bound) {
+                        f.set(&topic, bound);
+                    }
+                }
             }
         }
         if !moved {
@@ -1173,6 +1213,62 @@ pub(crate) async fn feed(
             }
         }
     }
+}
+
+/// What a feeder read of one topic.
+#[derive(Debug)]
+struct Read {
+    topic: Vec<u8>,
+    from: u64,
+    /// Where its durable messages end (it read no further).
+    bound: u64,
+    records: Vec<Result<aqueduct_log::Record, LogError>>,
+    /// It read to `bound` (or the log's end): not cut short by [`READ_BATCH`] or [`READ_BYTES`].
+    complete: bool,
+}
+
+/// Read the topics of `chunk` ((where it starts in the log, topic, from, bound), in reverse
+/// order: the last first) through `cache`, up to [`READ_BATCH`] messages of each and
+/// [`READ_BYTES`] in all. Returns what was read, in the log's order, and the topics left
+/// unread (in `chunk`'s order).
+#[allow(clippy::type_complexity)]
+fn read_topics(
+    index: &aqueduct_log::LogIndex,
+    mut chunk: Vec<(Option<(u64, u64)>, Vec<u8>, u64, u64)>,
+    cache: &mut aqueduct_log::ReadCache,
+) -> (Vec<Read>, Vec<(Option<(u64, u64)>, Vec<u8>, u64, u64)>) {
+    let mut read = Vec::new();
+    let mut bytes = 0;
+    while bytes < READ_BYTES {
+        let Some((_, topic, from, bound)) = chunk.pop() else {
+            break;
+        };
+        let mut reader = index.read(&topic, from);
+        let mut records = Vec::new();
+        let complete = loop {
+            if records.len() >= READ_BATCH || bytes >= READ_BYTES {
+                break false;
+            }
+            match reader.next_with(cache) {
+                None => break true,
+                // Up to what is durable: a batch written but not yet synced is not the
+                // consumer's yet.
+                Some(Ok(r)) if r.offset >= bound => break true,
+                Some(r) => {
+                    bytes += r.as_ref().map_or(0, |r| r.data.len());
+                    records.push(r);
+                }
+            }
+        };
+        read.push(Read {
+            topic,
+            from,
+            bound,
+            records,
+            complete,
+        });
+    }
+    (read, chunk)
 }
 
 /// How long a durable consumer waits before reading again where a read of the log failed.
@@ -1580,6 +1676,77 @@ mod tests {
         let fed = lock(&claim.fed);
         assert!(fed.next.is_empty(), "{:?}", fed.next);
         assert_eq!(fed.forgotten, 1, "the feeder is told");
+    }
+
+    /// After a crash, what is durable of a topic ends where the log's records of it end, not
+    /// past the crash gap where its next offset is handed out: a consumer that read the topic
+    /// to its end before the crash has still read it to its end (the log may forget the topic
+    /// once retention empties it). Before, the end was put past the gap: every topic looked
+    /// unread to every consumer after any crash (and once retention emptied it, a live feeder
+    /// counted the gap as messages retention deleted).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn after_a_crash_a_topic_read_to_its_end_is_still_read_to_its_end() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (mut log, _) = Log::open(dir.path(), log_options()).expect("log opens");
+        for offset in 0..3u64 {
+            let entry = aqueduct_log::Entry {
+                topic: b"t",
+                offset,
+                data: b"x",
+            };
+            log.append(&[entry], 1).expect("append");
+        }
+        log.commit().expect("commit");
+        drop(log); // no close: a crash
+        let (log, rec) = Log::open(dir.path(), log_options()).expect("log opens");
+        let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        assert_eq!(durable.next_offset(b"t"), 3 + CRASH_OFFSET_GAP, "the gap");
+        assert_eq!(durable.durable_next(b"t"), Some(3), "what the log holds");
+        let positions = tempfile::tempdir().expect("temp dir");
+        let consumers = Consumers::open(positions.path(), ConsumerLimits::default()).expect("open");
+        lock(&consumers.table).stored.insert(
+            "consumer:c".into(),
+            ConsumerPosition {
+                filter: "t".into(),
+                next: BTreeMap::from([(b"t".to_vec(), 3)]),
+            },
+        );
+        let mut ends: HashMap<Box<[u8]>, u64> = [(
+            Box::from(&b"t"[..]),
+            durable.durable_next(b"t").unwrap_or(0),
+        )]
+        .into();
+        consumers.retain_unread(&mut ends);
+        assert!(ends.contains_key(&b"t"[..]), "read to its end");
+        durable.close();
+    }
+
+    /// A live consumer's stored position (the one it started from) does not hold a topic: its
+    /// feeder's position counts. Before, a consumer that came back while behind held every
+    /// topic it had been behind in until it left again, however far its feeder had read.
+    #[test]
+    fn a_live_consumers_stored_position_does_not_hold_a_topic() {
+        let (_dir, consumers, broker, _jobs) = redelivering();
+        lock(&consumers.table).stored.insert(
+            "consumer:c".into(),
+            ConsumerPosition {
+                filter: "jobs".into(),
+                next: BTreeMap::from([(b"jobs".to_vec(), 0)]),
+            },
+        );
+        let claim = claim_acked(&consumers, &broker);
+        assert!(claim.resumed);
+        let ends = || -> HashMap<Box<[u8]>, u64> { [(Box::from(&b"jobs"[..]), 4)].into() };
+        let mut left = ends();
+        consumers.retain_unread(&mut left);
+        assert!(left.is_empty(), "its feeder is at 0 too");
+        lock(&claim.fed).set(b"jobs", 4);
+        let mut left = ends();
+        consumers.retain_unread(&mut left);
+        assert!(
+            left.contains_key(&b"jobs"[..]),
+            "its feeder read it to the end"
+        );
     }
 
     /// A checkpoint finds, without reading the positions, whether any can have moved since

@@ -563,6 +563,13 @@ impl Durable {
             .topics()
             .map(|t| (Box::from(t), log.next_offset(t)))
             .collect();
+        // What is durable ends where the log's records end, not where the next offset is
+        // handed out (past the gap after a crash): a consumer that read a topic to its end
+        // before the crash has still read it to its end.
+        let durable_next: HashMap<Box<[u8]>, u64> = log
+            .topics()
+            .map(|t| (Box::from(t), log.logged_end(t).unwrap_or(0)))
+            .collect();
         let changes = Changes {
             topics: next.keys().cloned().collect(),
             ..Changes::default()
@@ -585,7 +592,7 @@ impl Durable {
             forget_gate: std::sync::OnceLock::new(),
             retention_asked: std::sync::atomic::AtomicBool::new(false),
             retention_every_ms: AtomicU64::new(0),
-            durable_next: Mutex::new(next.clone()),
+            durable_next: Mutex::new(durable_next),
             next: Mutex::new(next),
             failing: std::sync::atomic::AtomicBool::new(false),
             closed: std::sync::atomic::AtomicBool::new(false),
@@ -1747,7 +1754,7 @@ mod tests {
             "kept: `s` has not read it"
         );
         assert_eq!(
-            lock(&w.fed).next.keys().cloned().collect::<Vec<_>>(),
+            lock(&w.fed).positions().keys().cloned().collect::<Vec<_>>(),
             vec![b"old/9".to_vec()],
             "the positions in the forgotten topics went"
         );
@@ -1757,9 +1764,64 @@ mod tests {
         assert_eq!(f.publish("old/3"), floor);
         f.written("old/3", floor + 1).await;
         drained(1).await;
-        assert_eq!(lock(&w.fed).next.get(&b"old/3"[..]), Some(&(floor + 1)));
+        assert_eq!(
+            lock(&w.fed).positions().get(&b"old/3"[..]),
+            Some(&(floor + 1))
+        );
         assert_eq!(f.d.stats.consumers_overtaken.load(Ordering::Relaxed), 0);
         drop(s);
+        f.d.close();
+    }
+
+    /// A feeder that read a topic cleanly up to where its durable messages end, with offsets
+    /// below that end holding no message (offsets whose writes failed, written as marks), moves
+    /// its position to that end. Before, it stayed after the last message: the topic was read
+    /// again at every write of the log, and never counted as read to its end (so the log could
+    /// never forget it).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_feeder_that_read_a_topic_to_its_end_moves_past_offsets_without_messages() {
+        use crate::consumers::{feed, Target};
+        use aqueduct_proto::{DurableStart, SubscribeSpec, TopicFilter};
+        let f = Forgetting::start();
+        for i in 0..3 {
+            assert_eq!(f.publish("t"), i);
+            f.written("t", i + 1).await;
+        }
+        // Offsets 3..=9 taken by writes that failed: what is durable of `t` ends at 10.
+        lock(&f.d.durable_next).insert(Box::from(&b"t"[..]), 10);
+        let filter = TopicFilter::try_from("t").expect("valid");
+        let c = f
+            .consumers
+            .claim("consumer:c", &filter, false, Default::default, || {
+                f.broker.subscribe_unrouted(
+                    &SubscribeSpec::new(filter.clone()),
+                    aqueduct_core::SubscribeOptions::default(),
+                )
+            })
+            .unwrap_or_else(|e| panic!("{e:?}"));
+        f.consumers.start_feeder(
+            "consumer:c",
+            &c.fed,
+            feed(
+                f.d.clone(),
+                f.broker.clone(),
+                Target::One(c.sub.clone()),
+                c.fed.clone(),
+                DurableStart::Earliest,
+                false,
+            ),
+        );
+        while lock(&c.fed).positions().get(&b"t"[..]) != Some(&10) {
+            assert!(
+                Instant::now() < f.deadline,
+                "at {:?}, {} queued",
+                lock(&c.fed).positions().get(&b"t"[..]),
+                c.sub.queued()
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert_eq!(c.sub.queued(), 3, "every message, then the end");
+        assert_eq!(f.d.stats.consumers_overtaken.load(Ordering::Relaxed), 0);
         f.d.close();
     }
 
