@@ -50,4 +50,4 @@ for i in $(seq 1 "${ROUNDS:-3}"); do
     sleep 25
     show "+ $((i * 200000)) topics, after retention"
 done
-grep -E 'retention|WARN|ERROR' "$AQUEDUCT_HOME/broker.log" | cut -c1-200 || true
+grep -E "retention|gave the memory|WARN|ERROR" "$AQUEDUCT_HOME/broker.log" | cut -c1-200 || true
