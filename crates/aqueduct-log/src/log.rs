@@ -183,6 +183,24 @@ impl LogIndex {
         topics_of(&self.get())
     }
 
+    /// Where a reader of `topic` from `from` reads first (segment id, byte position), as
+    /// [`Reader::position`] says, without making the reader.
+    pub fn position(&self, topic: &[u8], from: u64) -> Option<(u64, u64)> {
+        self.get().iter().find_map(|seg| {
+            let span = seg.topics.get(topic)?;
+            match span.data {
+                Some((_, last)) if last >= from => {}
+                _ => return None,
+            }
+            let start = span
+                .entries
+                .iter()
+                .rposition(|&(offset, _)| offset <= from)
+                .unwrap_or(0);
+            span.entries.get(start).map(|&(_, pos)| (seg.id, pos))
+        })
+    }
+
     /// The highest offset of a message of `topic` still in the log.
     pub fn last_offset(&self, topic: &[u8]) -> Option<u64> {
         self.get()

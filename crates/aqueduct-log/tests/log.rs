@@ -1178,6 +1178,14 @@ fn readers_sharing_a_cache_read_what_each_reads_alone() -> R {
             .enumerate()
             .map(|(i, t)| (i, log.read(t.as_bytes(), from)))
             .collect();
+        for (i, reader) in &readers {
+            let t = topics[*i].as_bytes();
+            assert_eq!(
+                log.index().position(t, from),
+                reader.position(),
+                "{i} from {from}"
+            );
+        }
         readers.sort_by_key(|(_, r)| r.position());
         let mut cache = aqueduct_log::ReadCache::default();
         let mut shared: Vec<Vec<Record>> = vec![Vec::new(); topics.len()];

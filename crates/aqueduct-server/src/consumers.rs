@@ -345,11 +345,14 @@ impl Consumers {
         let reached = |next: &BTreeMap<Vec<u8>, u64>, t: &[u8]| matches!((next.get(t), ends.get(t)), (Some(n), Some(end)) if n >= end);
         let mut table = lock(&self.table);
         let mut dropped = 0;
-        for p in table.stored.values_mut() {
+        let Table { stored, live, .. } = &mut *table;
+        for (key, p) in stored.iter_mut() {
+            // A live consumer's stored position is the one it started from (its feeder's let
+            // the topic go): it could come back if the consumer ends unsettled.
+            let started_from = live.contains_key(key);
             for t in forgotten {
-                if reached(&p.next, t) {
-                    p.next.remove(&**t);
-                    dropped += 1;
+                if started_from || reached(&p.next, t) {
+                    dropped += usize::from(p.next.remove(&**t).is_some());
                 }
             }
         }
@@ -1010,7 +1013,7 @@ pub(crate) async fn feed(
                 None => from,
             };
             unanchored.remove(&topic);
-            let at = durable.index.read(&topic, from).position();
+            let at = durable.index.position(&topic, from);
             reads.push((at, topic, from, bound));
         }
         // In the order of the log, a few topics per read, through one cache of the batches read
@@ -1260,6 +1263,13 @@ fn read_topics(
                 }
             }
         };
+        // Retention may have deleted what the reader was to read since `bound` was taken (a
+        // slow consumer's next chunk is read seconds later): then it is not read to `bound`,
+        // and the feeder's next look tells the consumer it was overtaken.
+        let complete = complete
+            && index
+                .first_offset(&topic)
+                .is_some_and(|first| first <= from);
         read.push(Read {
             topic,
             from,
@@ -1563,6 +1573,16 @@ mod tests {
             .expect("retention");
         assert_eq!(log.first_offset(b"t"), None, "all of t deleted");
         let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        // A read of what retention deleted since it was planned finds nothing, and is not
+        // taken for a read to its end (which would move the position there uncounted).
+        let (read, left) = read_topics(
+            &durable.index,
+            vec![(None, b"t".to_vec(), 3, N)],
+            &mut aqueduct_log::ReadCache::default(),
+        );
+        assert!(left.is_empty());
+        assert!(read[0].records.is_empty());
+        assert!(!read[0].complete);
         // Its stored position: offset 3 of `t`.
         let fed = SharedFed::default();
         lock(&fed).next.insert(b"t".to_vec(), 3);
@@ -1747,6 +1767,12 @@ mod tests {
             left.contains_key(&b"jobs"[..]),
             "its feeder read it to the end"
         );
+        // Forgotten: gone from the position it started from too (which it would fall back to
+        // if it ended unsettled), not only from its feeder's.
+        consumers.forget_positions(&[Box::from(&b"jobs"[..])], &ends());
+        let t = lock(&consumers.table);
+        assert!(t.stored["consumer:c"].next.is_empty());
+        assert!(lock(&claim.fed).next.is_empty());
     }
 
     /// A checkpoint finds, without reading the positions, whether any can have moved since

@@ -193,7 +193,9 @@ const TRIM_AFTER_FORGETTING: u64 = FORGET_CHUNK as u64;
 /// time). glibc's allocator keeps freed memory for reuse, so a broker that held a burst of
 /// topics until retention forgot them stayed at the burst's size (250–320 MB after bursts of
 /// 200,000 topics) for good; `malloc_trim` returns the free pages of every arena. It walks
-/// them (50–95 ms after such a burst), which the log writer must not wait for.
+/// them (30–95 ms after such a burst), which the log writer does not wait for; an allocation
+/// in an arena being trimmed does (glibc holds the arena's lock meanwhile): a short stall, at
+/// most once per pass that forgot thousands of topics.
 fn release_free_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
