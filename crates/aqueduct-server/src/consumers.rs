@@ -1483,6 +1483,25 @@ mod tests {
         durable.close();
     }
 
+    /// A durable log in `dir` that held offsets `0..n` of `t`, then enough of `u` that
+    /// retention (applied at its restart) deleted every segment `t` was in.
+    async fn emptied_by_retention(dir: &std::path::Path, n: u64) -> Arc<Durable> {
+        let (small, durable) = small_segments(dir);
+        let first_broker = broker();
+        write_durably(&first_broker, &durable, "t", n).await;
+        write_durably(&first_broker, &durable, "u", 4 * n).await;
+        durable.close();
+        let retained = LogOptions {
+            retention_bytes: Some(2048),
+            ..small
+        };
+        let (mut log, rec) = Log::open(dir, retained).expect("log opens");
+        log.enforce_retention(std::time::SystemTime::now())
+            .expect("retention");
+        assert_eq!(log.first_offset(b"t"), None, "all of t deleted");
+        Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts")
+    }
+
     /// A new `latest` consumer's position in a topic the broker does not hold and whose
     /// messages retention deleted is where its next message will be numbered: not 0, which
     /// its next message would later look like retention overtaking it (counted and warned).
@@ -1490,21 +1509,7 @@ mod tests {
     async fn a_latest_position_in_a_topic_retention_emptied_is_its_next_offset() {
         const N: u64 = 20;
         let dir = tempfile::tempdir().expect("temp dir");
-        let (small, durable) = small_segments(dir.path());
-        let first_broker = broker();
-        // `t` first, then enough of `u` that retention takes every segment `t` is in.
-        write_durably(&first_broker, &durable, "t", N).await;
-        write_durably(&first_broker, &durable, "u", 4 * N).await;
-        durable.close();
-        let retained = LogOptions {
-            retention_bytes: Some(2048),
-            ..small
-        };
-        let (mut log, rec) = Log::open(dir.path(), retained).expect("log opens");
-        log.enforce_retention(std::time::SystemTime::now())
-            .expect("retention");
-        assert_eq!(log.first_offset(b"t"), None, "all of t deleted");
-        let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        let durable = emptied_by_retention(dir.path(), N).await;
         let filter = TopicFilter::try_from("t").expect("filter");
         assert_eq!(
             latest_positions(&durable, &broker(), &filter),
@@ -1559,20 +1564,7 @@ mod tests {
     async fn a_consumer_whose_unread_messages_retention_all_deleted_moves_to_the_end() {
         const N: u64 = 20;
         let dir = tempfile::tempdir().expect("temp dir");
-        let (small, durable) = small_segments(dir.path());
-        let first_broker = broker();
-        write_durably(&first_broker, &durable, "t", N).await;
-        write_durably(&first_broker, &durable, "u", 4 * N).await;
-        durable.close();
-        let retained = LogOptions {
-            retention_bytes: Some(2048),
-            ..small
-        };
-        let (mut log, rec) = Log::open(dir.path(), retained).expect("log opens");
-        log.enforce_retention(std::time::SystemTime::now())
-            .expect("retention");
-        assert_eq!(log.first_offset(b"t"), None, "all of t deleted");
-        let durable = Durable::start(log, &rec, FsyncMode::Never, Arc::default()).expect("starts");
+        let durable = emptied_by_retention(dir.path(), N).await;
         // A read of what retention deleted since it was planned finds nothing, and is not
         // taken for a read to its end (which would move the position there uncounted).
         let (read, left) = read_topics(
