@@ -73,6 +73,33 @@ struct Decoded {
     /// Its data records' (topic, offset, data), as ranges of `payload` (the whole frame, its
     /// payload decrypted), in batch order.
     records: Vec<(Range<usize>, u64, Range<usize>)>,
+    /// `records`' indexes sorted by topic (then batch order), made when a second reader reads
+    /// the batch: readers of the many topics of one batch then find theirs without walking
+    /// all of them (a reader of one topic reads each batch once, and walks it).
+    by_topic: Option<Vec<u32>>,
+}
+
+impl Decoded {
+    /// The indexes in `records` of `topic`'s records, in batch order (sorting them first).
+    fn sorted_of(&mut self, topic: &[u8]) -> &[u32] {
+        let records = &self.records;
+        let payload = &self.payload;
+        let sorted = self.by_topic.get_or_insert_with(|| {
+            let mut sorted: Vec<u32> = (0..records.len() as u32).collect();
+            // Stable: a topic's records stay in batch (offset) order.
+            sorted.sort_by(|&a, &b| {
+                payload[records[a as usize].0.clone()].cmp(&payload[records[b as usize].0.clone()])
+            });
+            sorted
+        });
+        let key = |i: &u32| &payload[records[*i as usize].0.clone()];
+        let start = sorted.partition_point(|i| key(i) < topic);
+        let len = sorted[start..]
+            .iter()
+            .take_while(|i| key(i) == topic)
+            .count();
+        &sorted[start..start + len]
+    }
 }
 
 impl ReadCache {
@@ -217,23 +244,37 @@ impl Reader {
             plan.windows[0].0 = pos.saturating_add(len.max(1));
             return Ok(true);
         }
-        let at = match cache.find(plan.id, pos) {
-            Some(at) => at,
+        // Read just now: walked (the only reader of a batch never sorts it).
+        let (at, walk) = match cache.find(plan.id, pos) {
+            Some(at) => (at, false),
             None => {
                 let d = read_batch(plan, pos, cache)?;
-                cache.keep(d)
+                (cache.keep(d), true)
             }
         };
-        let d = &cache.batches[at];
+        let d = &mut cache.batches[at];
         plan.windows[0].0 = pos + d.frame_len;
-        for (topic, offset, data) in &d.records {
-            if *offset >= self.next && d.payload[topic.clone()] == *self.topic {
+        let mut take = |d: &Decoded, i: usize| {
+            let (_, offset, data) = &d.records[i];
+            if *offset >= self.next {
                 self.next = offset.saturating_add(1);
                 self.ready.push_back(Record {
                     offset: *offset,
                     timestamp_ms: d.timestamp_ms,
                     data: d.payload[data.clone()].to_vec(),
                 });
+            }
+        };
+        if walk {
+            for (i, (topic, ..)) in d.records.iter().enumerate() {
+                if d.payload[topic.clone()] == *self.topic {
+                    take(d, i);
+                }
+            }
+        } else {
+            let ours = d.sorted_of(&self.topic).to_vec();
+            for i in ours {
+                take(d, i as usize);
             }
         }
         Ok(true)
@@ -325,6 +366,7 @@ fn read_batch(plan: &mut Plan, pos: u64, cache: &mut ReadCache) -> Result<Decode
         timestamp_ms: header.timestamp_ms,
         payload: std::mem::take(&mut cache.buf),
         records,
+        by_topic: None,
     })
 }
 
