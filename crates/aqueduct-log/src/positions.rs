@@ -70,7 +70,8 @@ impl PositionStore {
     }
 
     /// Replace the stored table with `positions`, durably.
-    pub fn save(&self, positions: &Positions) -> Result<(), LogError> {
+    /// Returns the file's size.
+    pub fn save(&self, positions: &Positions) -> Result<usize, LogError> {
         let path = self.path();
         let tmp = path.with_extension("tmp");
         let bytes = encode(positions);
@@ -79,7 +80,8 @@ impl PositionStore {
             .and_then(|()| f.sync_all())
             .map_err(|e| LogError::io("writing", &tmp, e))?;
         std::fs::rename(&tmp, &path).map_err(|e| LogError::io("renaming", &path, e))?;
-        sync_dir(&self.dir)
+        sync_dir(&self.dir)?;
+        Ok(bytes.len())
     }
 }
 
