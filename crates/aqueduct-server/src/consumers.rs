@@ -83,7 +83,12 @@ impl Fed {
 
     /// Where the feeder reads `topic` next.
     fn set(&mut self, topic: &[u8], next: u64) {
-        self.next.insert(topic.to_vec(), next);
+        match self.next.get_mut(topic) {
+            Some(at) => *at = next,
+            None => {
+                self.next.insert(topic.to_vec(), next);
+            }
+        }
         self.version += 1;
     }
 }
@@ -314,13 +319,7 @@ impl Consumers {
             let read = |ends: &HashMap<Box<[u8]>, u64>| {
                 let fed = lock(&live.fed);
                 let mut unread = positioned(ends, &fed.next, true);
-                let mut held = Vec::new();
-                for m in &live.members {
-                    held.extend(m.unsettled_floor());
-                }
-                if let Some(g) = &live.group {
-                    held.extend(g.parked_floor());
-                }
+                let (_, held) = sig_of(live, &fed);
                 unread.extend(held.iter().map(|(t, _)| Box::<[u8]>::from(t.as_bytes())));
                 unread
             };
@@ -1017,16 +1016,13 @@ pub(crate) async fn feed(
                             .stats
                             .consumers_overtaken
                             .fetch_add(1, Ordering::Relaxed);
-                        let shown = String::from_utf8_lossy(&topic);
                         let last = at - 1;
-                        match overtaken_warnings.due() {
-                            Some(more) => {
-                                warn!(topic = %shown, filter = %filter, "durable consumer: retention deleted messages it had not read (offsets {from} to {last}); it goes on from offset {at}{}", also(more, "topics overtaken"))
-                            }
-                            None => {
-                                debug!(topic = %shown, filter = %filter, "durable consumer: retention deleted offsets {from} to {last}")
-                            }
-                        }
+                        overtaken_warnings.log(
+                            &String::from_utf8_lossy(&topic),
+                            &filter,
+                            "topics overtaken",
+                            format_args!("retention deleted messages it had not read (offsets {from} to {last}); it goes on from offset {at}"),
+                        );
                     }
                     f.set(&topic, at);
                     if first.is_none() {
@@ -1083,14 +1079,12 @@ pub(crate) async fn feed(
                         Err(e) if read_again(&e) => {
                             // A read that failed (out of file descriptors, permissions, an I/O
                             // error): nothing is skipped; the same position is read again later.
-                            match read_warnings.due() {
-                                Some(more) => {
-                                    warn!(topic = %name, "durable consumer: cannot read the log, trying again every {READ_RETRY:?} (nothing after this point is delivered until it can be read): {e}{}", also(more, "failed reads"))
-                                }
-                                None => {
-                                    debug!(topic = %name, "durable consumer: cannot read the log: {e}")
-                                }
-                            }
+                            read_warnings.log(
+                                &name,
+                                &filter,
+                                "failed reads",
+                                format_args!("cannot read the log, trying again every {READ_RETRY:?} (nothing after this point is delivered until it can be read): {e}"),
+                            );
                             durable.stats.read_errors.fetch_add(1, Ordering::Relaxed);
                             retry_at.insert(topic.clone(), Instant::now() + READ_RETRY);
                             stalled = true;
@@ -1100,14 +1094,12 @@ pub(crate) async fn feed(
                             // Damage since it was indexed, or a segment retention deleted since:
                             // skipped, the reader goes on with what follows it. Warned about as
                             // above.
-                            match read_warnings.due() {
-                                Some(more) => {
-                                    warn!(topic = %name, "durable consumer: cannot read part of the log, skipping it: {e}{}", also(more, "failed reads"))
-                                }
-                                None => {
-                                    debug!(topic = %name, "durable consumer: cannot read part of the log, skipping it: {e}")
-                                }
-                            }
+                            read_warnings.log(
+                                &name,
+                                &filter,
+                                "failed reads",
+                                format_args!("cannot read part of the log, skipping it: {e}"),
+                            );
                             durable.stats.read_skips.fetch_add(1, Ordering::Relaxed);
                             skipped = true;
                             continue;
@@ -1322,6 +1314,24 @@ struct Warnings {
 }
 
 impl Warnings {
+    /// Log `message` about `topic` as a warning if one is due (saying how many `held` were
+    /// held back since the last), else at debug level.
+    fn log(
+        &mut self,
+        topic: &dyn std::fmt::Display,
+        filter: &dyn std::fmt::Display,
+        held: &str,
+        message: std::fmt::Arguments<'_>,
+    ) {
+        match self.due() {
+            Some(0) => warn!(topic = %topic, filter = %filter, "durable consumer: {message}"),
+            Some(more) => {
+                warn!(topic = %topic, filter = %filter, "durable consumer: {message} (and {more} more {held} since the last such warning, logged at debug level)")
+            }
+            None => debug!(topic = %topic, filter = %filter, "durable consumer: {message}"),
+        }
+    }
+
     /// Whether to warn now (noting the time if so), with how many were held back since the
     /// last warning.
     fn due(&mut self) -> Option<u64> {
@@ -1336,15 +1346,6 @@ impl Warnings {
             self.held_back += 1;
             None
         }
-    }
-}
-
-/// "(and N more <what> since the last warning ...)" for a warning that held back `more`.
-fn also(more: u64, what: &str) -> String {
-    if more == 0 {
-        String::new()
-    } else {
-        format!(" (and {more} more {what} since the last such warning, logged at debug level)")
     }
 }
 

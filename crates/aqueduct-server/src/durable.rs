@@ -1649,6 +1649,47 @@ mod tests {
     }
 
     impl Forgetting {
+        /// A durable consumer `key` of `filter` from the earliest message (`at`: the positions
+        /// it starts with), its feeder not started.
+        fn claim(
+            &self,
+            key: &str,
+            filter: &str,
+            at: std::collections::BTreeMap<Vec<u8>, u64>,
+        ) -> crate::consumers::Claim {
+            let filter = aqueduct_proto::TopicFilter::try_from(filter).expect("valid");
+            let spec = aqueduct_proto::SubscribeSpec::new(filter.clone());
+            self.consumers
+                .claim(
+                    key,
+                    &filter,
+                    false,
+                    || at,
+                    || {
+                        self.broker
+                            .subscribe_unrouted(&spec, aqueduct_core::SubscribeOptions::default())
+                    },
+                )
+                .unwrap_or_else(|e| panic!("{e:?}"))
+        }
+
+        /// Start the feeder of `key`, claimed as `claim`.
+        fn feed(&self, key: &str, claim: &crate::consumers::Claim) {
+            use crate::consumers::{feed, Target};
+            self.consumers.start_feeder(
+                key,
+                &claim.fed,
+                feed(
+                    self.d.clone(),
+                    self.broker.clone(),
+                    Target::One(claim.sub.clone()),
+                    claim.fed.clone(),
+                    aqueduct_proto::DurableStart::Earliest,
+                    false,
+                ),
+            );
+        }
+
         fn start() -> Forgetting {
             let dir = tempfile::tempdir().expect("temp dir");
             let opts = aqueduct_log::LogOptions {
@@ -1722,50 +1763,20 @@ mod tests {
     /// position kept a topic for good: a `#` consumer kept every topic the log ever had.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_consumer_that_read_its_topics_to_the_end_lets_the_log_forget_them() {
-        use crate::consumers::{feed, Target};
-        use aqueduct_proto::{DurableStart, SubscribeSpec, TopicFilter};
         use std::collections::BTreeMap;
         let f = Forgetting::start();
         for i in 0..10 {
             f.publish(&format!("old/{i}"));
             f.written(&format!("old/{i}"), 1).await;
         }
-        let claim = |key: &str, filter: &str, at: BTreeMap<Vec<u8>, u64>| {
-            let filter = TopicFilter::try_from(filter).expect("valid");
-            f.consumers
-                .claim(
-                    key,
-                    &filter,
-                    false,
-                    || at,
-                    || {
-                        f.broker.subscribe_unrouted(
-                            &SubscribeSpec::new(filter.clone()),
-                            aqueduct_core::SubscribeOptions::default(),
-                        )
-                    },
-                )
-                .unwrap_or_else(|e| panic!("{e:?}"))
-        };
         // `w` reads all ten; `s` is at offset 0 of old/9 (not fed: it reads nothing).
-        let w = claim("consumer:w", "old/#", BTreeMap::new());
-        let s = claim(
+        let w = f.claim("consumer:w", "old/#", BTreeMap::new());
+        let s = f.claim(
             "consumer:s",
             "old/9",
             BTreeMap::from([(b"old/9".to_vec(), 0)]),
         );
-        f.consumers.start_feeder(
-            "consumer:w",
-            &w.fed,
-            feed(
-                f.d.clone(),
-                f.broker.clone(),
-                Target::One(w.sub.clone()),
-                w.fed.clone(),
-                DurableStart::Earliest,
-                false,
-            ),
-        );
+        f.feed("consumer:w", &w);
         let drained = |n: usize| {
             let sub = w.sub.clone();
             let broker = f.broker.clone();
@@ -1822,8 +1833,6 @@ mod tests {
     /// never forget it).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_feeder_that_read_a_topic_to_its_end_moves_past_offsets_without_messages() {
-        use crate::consumers::{feed, Target};
-        use aqueduct_proto::{DurableStart, SubscribeSpec, TopicFilter};
         let f = Forgetting::start();
         for i in 0..3 {
             assert_eq!(f.publish("t"), i);
@@ -1831,28 +1840,8 @@ mod tests {
         }
         // Offsets 3..=9 taken by writes that failed: what is durable of `t` ends at 10.
         lock(&f.d.durable_next).insert(Box::from(&b"t"[..]), 10);
-        let filter = TopicFilter::try_from("t").expect("valid");
-        let c = f
-            .consumers
-            .claim("consumer:c", &filter, false, Default::default, || {
-                f.broker.subscribe_unrouted(
-                    &SubscribeSpec::new(filter.clone()),
-                    aqueduct_core::SubscribeOptions::default(),
-                )
-            })
-            .unwrap_or_else(|e| panic!("{e:?}"));
-        f.consumers.start_feeder(
-            "consumer:c",
-            &c.fed,
-            feed(
-                f.d.clone(),
-                f.broker.clone(),
-                Target::One(c.sub.clone()),
-                c.fed.clone(),
-                DurableStart::Earliest,
-                false,
-            ),
-        );
+        let c = f.claim("consumer:c", "t", Default::default());
+        f.feed("consumer:c", &c);
         while lock(&c.fed).positions().get(&b"t"[..]) != Some(&10) {
             assert!(
                 Instant::now() < f.deadline,
