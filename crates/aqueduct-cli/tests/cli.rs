@@ -915,6 +915,47 @@ fn worker_threads_sizes_the_runtime() {
     stop(broker);
 }
 
+/// `broker.idle_spin` is wired into the broker's runtime: by default its threads spin before
+/// they sleep while messages come close together (counted), and with "0s" they never do.
+#[test]
+fn idle_spin_is_on_by_default_and_off_with_zero() {
+    let spins = |metrics: &str| {
+        let found = metric(metrics, "aqueduct_runtime_idle_spins_total").expect("spins");
+        let seconds = metric(metrics, "aqueduct_runtime_idle_spin_seconds_total").expect("time");
+        (found, seconds)
+    };
+    let bench = |home: &std::path::Path, addr: &str| {
+        let out = run_client(
+            home,
+            &["--addr", addr, "bench", "--json", "--messages", "20000"],
+        );
+        assert_ok(&out);
+    };
+
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, metrics, _logs) = start_broker_with(home.path(), &[]);
+    // A bench run keeps the broker's threads busy with short gaps; a few runs at most, on a
+    // machine busy with other tests.
+    let mut moved = false;
+    for _ in 0..5 {
+        bench(home.path(), &addr);
+        if spins(&metrics).0 > 0.0 {
+            moved = true;
+            break;
+        }
+    }
+    assert!(moved, "no spin counted: {:?}", spins(&metrics));
+    assert!(spins(&metrics).1 > 0.0);
+    stop(broker);
+
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, metrics, _logs) =
+        start_broker_with(home.path(), &[("AQUEDUCT_BROKER_IDLE_SPIN", "0s")]);
+    bench(home.path(), &addr);
+    assert_eq!(spins(&metrics), (0.0, 0.0));
+    stop(broker);
+}
+
 /// `aqueduct info` prints what the broker's INFO answer says: its configured limits.
 #[test]
 fn info_prints_the_broker_s_limits() {

@@ -102,6 +102,9 @@ pub struct BrokerSection {
     pub quotas: QuotasSection,
     /// Threads of the broker's async runtime; 0 = one per CPU the process may use.
     pub worker_threads: u64,
+    /// How long a runtime thread that ran out of work watches for more before it sleeps
+    /// ("0s": never); see `aqueduct_udp::IdleSpin`.
+    pub idle_spin: String,
 }
 
 impl Default for BrokerSection {
@@ -118,6 +121,7 @@ impl Default for BrokerSection {
             block_timeout: "30s".into(),
             quotas: QuotasSection::default(),
             worker_threads: 0,
+            idle_spin: DEFAULT_IDLE_SPIN.into(),
         }
     }
 }
@@ -313,6 +317,7 @@ pub const ENV_KEYS: &[&str] = &[
     "broker.quotas.default_burst_size",
     "broker.quotas.action",
     "broker.worker_threads",
+    "broker.idle_spin",
     "transport.max_buf_size",
     "transport.max_streams_per_connection",
     "transport.max_subscriptions_per_connection",
@@ -506,6 +511,9 @@ pub struct Config {
     /// Threads of the async runtime (`None`: one per CPU). Read by whoever builds the runtime
     /// (the `aqueduct-broker` binary), before the server starts.
     pub worker_threads: Option<usize>,
+    /// How long a runtime thread out of work watches the endpoints' sockets before it sleeps
+    /// (zero: never). Read by whoever builds the runtime, as `worker_threads`.
+    pub idle_spin: Duration,
     pub transport: TransportConfig,
     pub metrics: MetricsConfig,
     /// The durable log, if enabled.
@@ -736,6 +744,7 @@ const TEXT_KEYS: &[&str] = &[
     "broker.flush_interval",
     "broker.ack_wait",
     "broker.block_timeout",
+    "broker.idle_spin",
     "transport.idle_timeout",
     "transport.handshake_timeout",
     "transport.keep_alive_interval",
@@ -924,6 +933,27 @@ fn parse_flush_interval(s: &str) -> Result<Duration, ConfigError> {
     }
     Ok(d)
 }
+
+/// `broker.idle_spin`: at most [`MAX_IDLE_SPIN`].
+fn parse_idle_spin(s: &str) -> Result<Duration, ConfigError> {
+    let d = parse_duration("broker.idle_spin", s)?;
+    if d > MAX_IDLE_SPIN {
+        return Err(invalid(
+            "broker.idle_spin",
+            format!(
+                "{s:?} is above the maximum of {MAX_IDLE_SPIN:?} (a spin longer than that costs \
+                 more CPU than the wake-up it saves; \"0s\" turns spinning off)"
+            ),
+        ));
+    }
+    Ok(d)
+}
+
+/// Default of `broker.idle_spin`.
+pub const DEFAULT_IDLE_SPIN: &str = "100us";
+
+/// Upper bound of `broker.idle_spin`.
+pub const MAX_IDLE_SPIN: Duration = Duration::from_millis(1);
 
 /// Upper bound of `broker.flush_interval`.
 pub const MAX_FLUSH_INTERVAL: Duration = Duration::from_millis(100);
@@ -1212,6 +1242,7 @@ impl RawConfig {
                 0 => None,
                 n => Some(n as usize),
             },
+            idle_spin: parse_idle_spin(&b.idle_spin)?,
             transport,
             metrics,
             aal: self.aal.validate(env)?,

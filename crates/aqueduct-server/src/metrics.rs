@@ -589,6 +589,28 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
             .map(|w| rt.worker_total_busy_duration(w).as_secs_f64())
             .sum::<f64>(),
     );
+    let spins = aqueduct_udp::idle_spin_stats();
+    out.header(
+        "aqueduct_runtime_idle_spins_total",
+        "counter",
+        "Spins of a runtime thread out of work before it slept (broker.idle_spin), by how they ended: found_work (a packet or task came; no wake-up needed) or expired (it slept after all).",
+    );
+    out.sample(
+        "aqueduct_runtime_idle_spins_total",
+        &[("outcome", "found_work")],
+        spins.found_work,
+    );
+    out.sample(
+        "aqueduct_runtime_idle_spins_total",
+        &[("outcome", "expired")],
+        spins.expired,
+    );
+    out.single(
+        "aqueduct_runtime_idle_spin_seconds_total",
+        "counter",
+        "Time runtime threads spent spinning before they slept (broker.idle_spin), summed over the threads: CPU time, given up to any other thread that wants the CPU.",
+        std::time::Duration::from_nanos(spins.spin_nanos).as_secs_f64(),
+    );
     out.single(
         "aqueduct_quota_throttled_frames",
         "gauge",

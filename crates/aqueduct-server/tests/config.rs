@@ -44,6 +44,25 @@ fn defaults_without_any_source() {
     assert_eq!(c.transport.max_frame_data, 65536);
     assert!(c.tls.generate);
     assert_eq!(c.worker_threads, None, "one runtime thread per CPU");
+    assert_eq!(c.idle_spin, Duration::from_micros(100));
+}
+
+/// `broker.idle_spin` from the file or the environment; "0s" (or "0") turns it off.
+#[test]
+fn idle_spin_from_the_file_or_the_environment() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = file(&dir, "broker:\n  idle_spin: 250us\n");
+    let c = load(Some(path.clone()), vec![], Overrides::default()).expect("file");
+    assert_eq!(c.idle_spin, Duration::from_micros(250));
+    for off in ["0s", "0"] {
+        let c = load(
+            Some(path.clone()),
+            env(&[("AQUEDUCT_BROKER_IDLE_SPIN", off)]),
+            Overrides::default(),
+        )
+        .expect("env over file");
+        assert_eq!(c.idle_spin, Duration::ZERO, "{off}");
+    }
 }
 
 #[test]
@@ -185,6 +204,16 @@ fn errors_name_the_key_and_the_problem() {
             None,
             &[("AQUEDUCT_TRANSPORT_MAX_BUF_SIZE", "16777216")],
             "transport.max_buf_size: 16777216 is out of range 64..=8388608",
+        ),
+        (
+            None,
+            &[("AQUEDUCT_BROKER_IDLE_SPIN", "5ms")],
+            "broker.idle_spin: \"5ms\" is above the maximum of 1ms",
+        ),
+        (
+            Some("broker:\n  idle_spin: fast\n"),
+            &[],
+            "broker.idle_spin: \"fast\" is not a duration",
         ),
         (
             None,

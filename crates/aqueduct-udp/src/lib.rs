@@ -28,6 +28,12 @@
 //!
 //! On platforms other than Unix, [`runtime`] is quinn's own tokio runtime.
 //!
+//! # Spinning before a worker sleeps
+//!
+//! [`IdleSpin`]: runtime hooks that keep a worker about to sleep watching the endpoints'
+//! sockets for a while, so that on a VM whose idle vCPUs halt at once the next packet does not
+//! wait for the hypervisor to wake one (docs/architecture.md, "Spinning before sleeping").
+//!
 //! # Fewer acknowledgements
 //!
 //! Another transport setting both ends share: [`ack_frequency`], which asks the peer to
@@ -44,8 +50,11 @@
 
 use std::sync::Arc;
 
+mod idle;
 #[cfg(unix)]
 mod unix;
+
+pub use idle::{stats as idle_spin_stats, IdleSpin, IdleSpinStats};
 
 /// The runtime, ready for [`quinn::Endpoint::new`] (which must be called on a tokio runtime).
 pub fn runtime() -> Arc<dyn quinn::Runtime> {

@@ -4,7 +4,7 @@ use std::fmt;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -78,12 +78,21 @@ struct Socket {
     space: WriteWait,
 }
 
+impl Drop for Socket {
+    fn drop(&mut self) {
+        // Before the descriptor is closed (the fields are dropped after this).
+        crate::idle::sockets::forget(self.io.as_raw_fd());
+    }
+}
+
 impl Socket {
     fn new(sock: std::net::UdpSocket) -> io::Result<Socket> {
         // `UdpSocketState::new` also makes the socket non-blocking.
         let state = UdpSocketState::new((&sock).into())?;
+        let io = register_for_reading(sock)?;
+        crate::idle::sockets::watch(io.as_raw_fd());
         Ok(Socket {
-            io: register_for_reading(sock)?,
+            io,
             state,
             full: AtomicBool::new(false),
             space: WriteWait::default(),

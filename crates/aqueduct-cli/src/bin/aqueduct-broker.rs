@@ -84,6 +84,12 @@ fn main() -> ExitCode {
     if let Some(n) = config.worker_threads {
         builder.worker_threads(n);
     }
+    if !config.idle_spin.is_zero() {
+        let spin = aqueduct_udp::IdleSpin::new(config.idle_spin);
+        builder
+            .on_thread_park(spin.before_park())
+            .on_thread_unpark(spin.after_unpark());
+    }
     let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -94,7 +100,8 @@ fn main() -> ExitCode {
     info!(
         worker_threads = runtime.metrics().num_workers(),
         configured = config.worker_threads.is_some(),
-        "async runtime started (broker.worker_threads)"
+        idle_spin = ?config.idle_spin,
+        "async runtime started (broker.worker_threads, broker.idle_spin)"
     );
     runtime.block_on(async move {
         // Listen before binding: a SIGTERM from the moment the broker starts stops it cleanly,
