@@ -921,29 +921,36 @@ fn default_keep_alive(idle: Duration) -> Duration {
 /// The coalescing window: at most [`MAX_FLUSH_INTERVAL`], since every message on a busy stream
 /// may wait that long.
 fn parse_flush_interval(s: &str) -> Result<Duration, ConfigError> {
-    let d = parse_duration("broker.flush_interval", s)?;
-    if d > MAX_FLUSH_INTERVAL {
-        return Err(invalid(
-            "broker.flush_interval",
-            format!(
-                "{s:?} is above the maximum of {MAX_FLUSH_INTERVAL:?} (each message on a busy \
-                 stream may wait this long; the seed's default is 50us)"
-            ),
-        ));
-    }
-    Ok(d)
+    parse_bounded_duration(
+        "broker.flush_interval",
+        s,
+        MAX_FLUSH_INTERVAL,
+        "each message on a busy stream may wait this long; the seed's default is 50us",
+    )
 }
 
 /// `broker.idle_spin`: at most [`MAX_IDLE_SPIN`].
 fn parse_idle_spin(s: &str) -> Result<Duration, ConfigError> {
-    let d = parse_duration("broker.idle_spin", s)?;
-    if d > MAX_IDLE_SPIN {
+    parse_bounded_duration(
+        "broker.idle_spin",
+        s,
+        MAX_IDLE_SPIN,
+        "a spin longer than that costs more CPU than the wake-up it saves; \"0s\" turns spinning off",
+    )
+}
+
+/// A duration of at most `max`; above it, the error says `why`.
+fn parse_bounded_duration(
+    key: &'static str,
+    s: &str,
+    max: Duration,
+    why: &str,
+) -> Result<Duration, ConfigError> {
+    let d = parse_duration(key, s)?;
+    if d > max {
         return Err(invalid(
-            "broker.idle_spin",
-            format!(
-                "{s:?} is above the maximum of {MAX_IDLE_SPIN:?} (a spin longer than that costs \
-                 more CPU than the wake-up it saves; \"0s\" turns spinning off)"
-            ),
+            key,
+            format!("{s:?} is above the maximum of {max:?} ({why})"),
         ));
     }
     Ok(d)
