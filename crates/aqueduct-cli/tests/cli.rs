@@ -951,8 +951,10 @@ fn idle_spin_is_on_by_default_and_off_with_zero() {
     let home = tempfile::tempdir().expect("dir");
     let (broker, addr, metrics, _logs) =
         start_broker_with(home.path(), &[("AQUEDUCT_BROKER_IDLE_SPIN", "0s")]);
-    bench(home.path(), &addr);
-    assert_eq!(spins(&metrics), (0.0, 0.0));
+    for _ in 0..3 {
+        bench(home.path(), &addr);
+        assert_eq!(spins(&metrics), (0.0, 0.0));
+    }
     stop(broker);
 }
 

@@ -593,7 +593,7 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
     out.header(
         "aqueduct_runtime_idle_spins_total",
         "counter",
-        "Spins of a runtime thread out of work before it slept (broker.idle_spin), by how they ended: found_work (a packet or task came; no wake-up needed) or expired (it slept after all).",
+        "Spins of a runtime thread out of work before it slept (broker.idle_spin), by how they ended: found_work (a packet, or a task queued from outside the runtime, came) or expired (it slept after all).",
     );
     out.sample(
         "aqueduct_runtime_idle_spins_total",

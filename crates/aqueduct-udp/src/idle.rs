@@ -8,21 +8,29 @@
 //! and so nats-server, spins a little before it sleeps for the same reason.
 //!
 //! With an [`IdleSpin`] installed as the runtime's `on_thread_park` and `on_thread_unpark`
-//! hooks, a worker about to sleep first watches, for up to its `max`, whether any endpoint
-//! socket made by this crate's [`runtime`](crate::runtime) has a datagram waiting, or a task
-//! was queued from outside the runtime; on either it goes on to sleep at once, and the
-//! runtime's own wait returns at once without a wake-up. Between looks it calls
-//! `sched_yield`, so a thread of any other process, or of this one, that wants the CPU gets
-//! it: the spin takes only cycles that would otherwise be idle.
+//! hooks (and [`IdleSpin::start`]ed on it), a worker about to sleep first watches, for up to
+//! its `max`, whether any endpoint socket made by this crate's [`runtime`](crate::runtime) has
+//! a datagram waiting, or a task was queued from outside the runtime; on either it goes on to
+//! sleep at once. For a datagram the runtime's own wait then returns at once, without a
+//! wake-up. A queued task is different: tokio calls the hook before it counts the worker as
+//! asleep, so whoever queued the task woke nobody, and a worker that is not searching for work
+//! does not look at the queue again before it sleeps. So the spin *kicks* the runtime (a
+//! datagram to a socket of its own, which a task of the runtime reads), and the sleep that
+//! follows ends at once. Between looks it calls `sched_yield`, so a thread of any other
+//! process, or of this one, that wants the CPU gets it: the spin takes only cycles that would
+//! otherwise be idle.
 //!
 //! It spins only while it pays: a worker spins before a sleep only if its previous stretch
-//! without work (its spin and its sleep together) was no longer than `max`. So an idle broker
-//! never spins, and one receiving messages further apart than `max` (when a spin could not
-//! reach the next one) spins at most once per burst; messages closer together than `max` keep
-//! the worker looking. Spinning is counted in [`stats`].
+//! without work (its spin and its sleep together) was no longer than `max`. Every wake-up
+//! counts (a timer's too), not only messages: an idle broker does not spin, a broker receiving
+//! messages further apart than `max` spins about once per stretch of idleness before the rule
+//! sees it was long, and messages closer together than `max` keep the worker looking. While a
+//! worker spins, tokio counts it as awake, so work that other workers queue waits for it (or
+//! for them) for up to one spin. Spinning is counted in [`stats`].
 
 use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Counters of every [`IdleSpin`] in the process.
@@ -61,12 +69,14 @@ pub fn stats() -> IdleSpinStats {
 ///     .unwrap();
 /// # drop(runtime);
 /// ```
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct IdleSpin {
     max: Duration,
     /// Whether a watched socket has a datagram waiting ([`sockets::readable`]; tests put
     /// their own).
     readable: fn() -> bool,
+    /// The socket a spin that found a queued task sends to, once [`IdleSpin::start`]ed.
+    kick: Arc<OnceLock<Arc<tokio::net::UdpSocket>>>,
 }
 
 thread_local! {
@@ -82,12 +92,39 @@ impl IdleSpin {
         IdleSpin {
             max,
             readable: sockets::readable,
+            kick: Arc::default(),
+        }
+    }
+
+    /// Make the socket a spin kicks and spawn the task reading it, on the runtime whose hooks
+    /// these are. Without it, a task queued from outside during a spin may wait until another
+    /// worker comes to the queue (see the module documentation).
+    pub fn start(&self, runtime: &tokio::runtime::Handle) -> std::io::Result<()> {
+        let _entered = runtime.enter();
+        let socket = std::net::UdpSocket::bind((std::net::Ipv4Addr::LOCALHOST, 0))?;
+        socket.connect(socket.local_addr()?)?;
+        socket.set_nonblocking(true)?;
+        let socket = Arc::new(tokio::net::UdpSocket::from_std(socket)?);
+        let reader = Arc::clone(&socket);
+        runtime.spawn(async move {
+            let mut buf = [0u8; 16];
+            while reader.recv(&mut buf).await.is_ok() {}
+        });
+        let _ = self.kick.set(socket);
+        Ok(())
+    }
+
+    /// Wake the runtime: its next sleep ends at once.
+    fn kick(kick: &OnceLock<Arc<tokio::net::UdpSocket>>) {
+        if let Some(socket) = kick.get() {
+            // A full buffer (the reader is behind) already means a wake-up is pending.
+            let _ = socket.try_send(&[1]);
         }
     }
 
     /// The hook for `tokio::runtime::Builder::on_thread_park`.
     pub fn before_park(&self) -> impl Fn() + Send + Sync + 'static {
-        let (max, readable) = (self.max, self.readable);
+        let (max, readable, kick) = (self.max, self.readable, Arc::clone(&self.kick));
         move || {
             if max.is_zero() {
                 return;
@@ -100,9 +137,14 @@ impl IdleSpin {
             let queued = tokio::runtime::Handle::try_current()
                 .ok()
                 .map(|h| h.metrics());
+            let mut task_queued = false;
             let found = spin_until(start + max, || {
-                readable() || queued.as_ref().is_some_and(|m| m.global_queue_depth() > 0)
+                task_queued = queued.as_ref().is_some_and(|m| m.global_queue_depth() > 0);
+                task_queued || readable()
             });
+            if task_queued {
+                IdleSpin::kick(&kick);
+            }
             let counter = if found { &FOUND_WORK } else { &EXPIRED };
             counter.fetch_add(1, Ordering::Relaxed);
             let spun = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -155,7 +197,9 @@ pub(crate) mod sockets {
 
     use super::RefCell;
 
-    static SOCKETS: Mutex<Vec<RawFd>> = Mutex::new(Vec::new());
+    /// Each watched socket's descriptor, and the id [`watch`] gave it.
+    static SOCKETS: Mutex<Vec<(RawFd, u64)>> = Mutex::new(Vec::new());
+    static NEXT_ID: AtomicU64 = AtomicU64::new(0);
     /// Bumped at every change of `SOCKETS`, so that a thread's copy is renewed only then.
     static GENERATION: AtomicU64 = AtomicU64::new(0);
 
@@ -164,20 +208,23 @@ pub(crate) mod sockets {
         static COPY: RefCell<(u64, Vec<libc::pollfd>)> = const { RefCell::new((u64::MAX, Vec::new())) };
     }
 
-    /// Watch `fd` from now on. It must be [`forget`]-ed before it is closed.
-    pub(crate) fn watch(fd: RawFd) {
+    /// Watch `fd` from now on; returns the id to [`forget`] it by, which must be done
+    /// before it is closed.
+    pub(crate) fn watch(fd: RawFd) -> u64 {
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut fds) = SOCKETS.lock() {
-            fds.push(fd);
+            fds.push((fd, id));
             GENERATION.fetch_add(1, Ordering::Release);
         }
+        id
     }
 
     /// Stop watching `fd`. (A spin that copied the list just before may look at it once more:
     /// if the number was reused meanwhile, it may see a readable descriptor that is not a
     /// socket of ours, and the worker sleeps a spin early. Nothing worse.)
-    pub(crate) fn forget(fd: RawFd) {
+    pub(crate) fn forget(id: u64) {
         if let Ok(mut fds) = SOCKETS.lock() {
-            if let Some(i) = fds.iter().position(|&f| f == fd) {
+            if let Some(i) = fds.iter().position(|&(_, i)| i == id) {
                 fds.swap_remove(i);
                 GENERATION.fetch_add(1, Ordering::Release);
             }
@@ -194,7 +241,7 @@ pub(crate) mod sockets {
                     return false;
                 };
                 copy.1.clear();
-                copy.1.extend(fds.iter().map(|&fd| libc::pollfd {
+                copy.1.extend(fds.iter().map(|&(fd, _)| libc::pollfd {
                     fd,
                     events: libc::POLLIN,
                     revents: 0,
@@ -216,13 +263,17 @@ pub(crate) mod sockets {
         // descriptor closed meanwhile is reported in `revents` (POLLNVAL), not a memory error.
         #[allow(unsafe_code)]
         let ready = unsafe { libc::poll(fds.as_mut_ptr(), count, 0) };
-        ready > 0
+        // Only a datagram counts: an error or a closed descriptor (POLLERR, POLLNVAL) is not
+        // work for the runtime.
+        ready > 0 && fds.iter().any(|p| p.revents & libc::POLLIN != 0)
     }
 
-    /// How many sockets are watched.
+    /// Whether the socket `watch` gave this id is watched.
     #[cfg(test)]
-    pub(crate) fn watched(fd: RawFd) -> bool {
-        SOCKETS.lock().is_ok_and(|fds| fds.contains(&fd))
+    pub(crate) fn watched(id: u64) -> bool {
+        SOCKETS
+            .lock()
+            .is_ok_and(|fds| fds.iter().any(|&(_, i)| i == id))
     }
 }
 
@@ -263,7 +314,7 @@ mod tests {
         assert!(!spin_until(Instant::now(), || false));
     }
 
-    /// A datagram arriving at a socket ends a spin whose deadline is an hour away; with none
+    /// A datagram arriving at a socket ends a spin whose deadline is a minute away; with none
     /// waiting, the socket is not readable.
     #[cfg(unix)]
     #[test]
@@ -278,30 +329,54 @@ mod tests {
             revents: 0,
         }];
         assert!(!sockets::any_readable(&mut fds));
-        let far = Instant::now() + Duration::from_secs(3600);
+        let deadline = Instant::now() + Duration::from_secs(60);
         let spinner =
-            std::thread::spawn(move || spin_until(far, || sockets::any_readable(&mut fds)));
+            std::thread::spawn(move || spin_until(deadline, || sockets::any_readable(&mut fds)));
         let sender = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
         sender.send_to(b"x", addr).expect("send");
-        assert!(spinner.join().expect("spinner"));
+        assert!(
+            spinner.join().expect("spinner"),
+            "no datagram seen in a minute"
+        );
     }
 
-    /// The runtime's sockets are watched while they live.
+    /// A closed descriptor is not work: `poll` reports it (POLLNVAL), but not as readable.
     #[cfg(unix)]
     #[test]
-    fn the_runtime_s_sockets_are_watched_while_they_live() {
+    fn a_closed_descriptor_is_not_readable() {
+        let mut fds = [libc::pollfd {
+            fd: i32::MAX,
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        assert!(!sockets::any_readable(&mut fds));
+        assert_ne!(
+            fds[0].revents & libc::POLLNVAL,
+            0,
+            "poll saw the bad descriptor"
+        );
+    }
+
+    /// The registry: a socket is watched from `watch` to `forget`, by its id, and `readable`
+    /// sees a datagram at a socket watched after its thread's copy of the list was made.
+    #[cfg(unix)]
+    #[test]
+    fn watched_sockets_are_seen_until_forgotten() {
         use std::os::fd::AsRawFd;
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let _guard = runtime.enter();
+        let _ = sockets::readable(); // makes this thread's copy of the list
         let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-        let fd = socket.as_raw_fd();
-        let wrapped = crate::runtime().wrap_udp_socket(socket).expect("wrap");
-        assert!(sockets::watched(fd));
-        drop(wrapped);
-        assert!(!sockets::watched(fd));
+        let addr = socket.local_addr().expect("addr");
+        let id = sockets::watch(socket.as_raw_fd());
+        assert!(sockets::watched(id));
+        let sender = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        sender.send_to(b"x", addr).expect("send");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        assert!(
+            spin_until(deadline, sockets::readable),
+            "the new socket was not seen"
+        );
+        sockets::forget(id);
+        assert!(!sockets::watched(id));
     }
 
     /// A spin watches the runtime's queue of tasks from outside: one queued while the only
@@ -333,6 +408,7 @@ mod tests {
                 let spin = IdleSpin {
                     max,
                     readable: || false,
+                    kick: Arc::default(),
                 };
                 let (park, unpark) = (spin.before_park(), spin.after_unpark());
                 park();
@@ -359,5 +435,38 @@ mod tests {
         task_ran
             .recv_timeout(Duration::from_secs(30))
             .expect("the task ran");
+    }
+
+    /// A kick wakes a runtime whose only worker sleeps: it parks again afterwards.
+    #[test]
+    fn a_kick_wakes_the_sleeping_runtime() {
+        let spin = IdleSpin::new(Duration::from_micros(1));
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        spin.start(runtime.handle()).expect("start");
+        let metrics = runtime.metrics();
+        let parks = || metrics.worker_park_count(0);
+        // Asleep: the reader task has run and waits for a datagram, and the worker's count of
+        // parks stays put (checked every 50 ms: there is no event to wait on).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut last = parks();
+        loop {
+            std::thread::sleep(Duration::from_millis(50));
+            let now = parks();
+            if now == last && now > 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the runtime never slept");
+            last = now;
+        }
+        IdleSpin::kick(&spin.kick);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while parks() == last {
+            assert!(Instant::now() < deadline, "the kick woke nothing");
+            std::thread::yield_now();
+        }
     }
 }

@@ -68,6 +68,8 @@ impl quinn::Runtime for Runtime {
 }
 
 struct Socket {
+    /// Its id among the sockets an idle spin watches (`idle::sockets`).
+    watched: u64,
     /// Registered for reading only.
     io: AsyncFd<std::net::UdpSocket>,
     state: UdpSocketState,
@@ -81,7 +83,7 @@ struct Socket {
 impl Drop for Socket {
     fn drop(&mut self) {
         // Before the descriptor is closed (the fields are dropped after this).
-        crate::idle::sockets::forget(self.io.as_raw_fd());
+        crate::idle::sockets::forget(self.watched);
     }
 }
 
@@ -90,8 +92,9 @@ impl Socket {
         // `UdpSocketState::new` also makes the socket non-blocking.
         let state = UdpSocketState::new((&sock).into())?;
         let io = register_for_reading(sock)?;
-        crate::idle::sockets::watch(io.as_raw_fd());
+        let watched = crate::idle::sockets::watch(io.as_raw_fd());
         Ok(Socket {
+            watched,
             io,
             state,
             full: AtomicBool::new(false),
@@ -283,6 +286,21 @@ mod tests {
 
     fn bound() -> UdpSocket {
         UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind 127.0.0.1:0")
+    }
+
+    /// A socket is watched by idle spins from its making to its drop.
+    #[test]
+    fn a_socket_is_watched_while_it_lives() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let _entered = runtime.enter();
+        let socket = Socket::new(bound()).expect("socket");
+        let id = socket.watched;
+        assert!(crate::idle::sockets::watched(id));
+        drop(socket);
+        assert!(!crate::idle::sockets::watched(id));
     }
 
     /// The event masks this process's epoll instances hold for the file (socket) with inode

@@ -84,8 +84,8 @@ fn main() -> ExitCode {
     if let Some(n) = config.worker_threads {
         builder.worker_threads(n);
     }
+    let spin = aqueduct_udp::IdleSpin::new(config.idle_spin);
     if !config.idle_spin.is_zero() {
-        let spin = aqueduct_udp::IdleSpin::new(config.idle_spin);
         builder
             .on_thread_park(spin.before_park())
             .on_thread_unpark(spin.after_unpark());
@@ -97,6 +97,13 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if !config.idle_spin.is_zero() {
+        if let Err(e) = spin.start(runtime.handle()) {
+            // Spinning still works; a task woken from outside the runtime during a spin may
+            // wait for another worker to find it.
+            warn!("broker.idle_spin: cannot make the socket that wakes the runtime: {e}");
+        }
+    }
     info!(
         worker_threads = runtime.metrics().num_workers(),
         configured = config.worker_threads.is_some(),
