@@ -26,7 +26,13 @@ variant) with N runtime worker threads (tokio's TOKIO_WORKER_THREADS); by defaul
 per CPU.
 
 For each variant it also prints how often the broker's runtime threads went to sleep per
-message (`aqueduct_runtime_worker_parks_total`): each is a wake-up between threads later.
+message (`aqueduct_runtime_worker_parks_total`): each is a wake-up between threads later; and
+for every broker, nats-server included, the CPU time it used per run (from /proc).
+
+RATE=N publishes N msg/s instead of 10,000 (both clients), e.g. to see what a setting costs
+where it cannot help:
+
+    RATE=1000 ROUNDS=2 python3 scripts/latency-ab.py "spin=" "off=|AQUEDUCT_BROKER_IDLE_SPIN=0s"
 """
 import os
 import shutil
@@ -71,15 +77,20 @@ def main():
     home = tempfile.mkdtemp(prefix="latency-ab-")
     brokers = sb.Brokers(home)
     results = {"nats": []}
+    cpu = {"nats": []}
+    pids = {}
+    rate = os.environ.get("RATE", "10000")
     targets = {}
     per_msg = {}
     try:
-        brokers.start_nats(4222)
+        pids["nats"] = brokers.start_nats(4222).pid
         for name, binary, env, client_binary in variants:
             h = os.path.join(home, name)
             os.makedirs(h)
             proc, addr, metrics = sb.start_broker(h, binary=binary, env_extra=env)
             brokers.procs.append(proc)
+            pids[name] = proc.pid
+            cpu[name] = []
             targets[name] = (addr, metrics, dict(os.environ, AQUEDUCT_HOME=h, **client),
                              client_binary)
             results[name] = []
@@ -91,9 +102,11 @@ def main():
         aq_warmup = ["--warmup", warmup] if warmup != "0" else []
 
         def nats_run():
+            c0 = sb.cpu_seconds(pids["nats"])
             x = sb.run([sb.PEERBENCH, "nats-latency", "--url", "nats://127.0.0.1:4222",
-                        "--rate", "10000", "--secs", "5", "--size", "128", "--warmup-msgs", warmup],
+                        "--rate", rate, "--secs", "5", "--size", "128", "--warmup-msgs", warmup],
                        env=dict(os.environ, **client))
+            cpu["nats"].append(sb.cpu_seconds(pids["nats"]) - c0)
             results["nats"].append((x["latency"]["p50_us"], x["latency"]["p99_us"]))
 
         for r in range(rounds):
@@ -102,8 +115,10 @@ def main():
                 nats_run()
             for name, (addr, metrics, env, client_binary) in targets.items():
                 before = parks(metrics)
-                x = sb.aq(addr, "--rate", "10000", "--duration", "5s", "--batch", "1",
+                c0 = sb.cpu_seconds(pids[name])
+                x = sb.aq(addr, "--rate", rate, "--duration", "5s", "--batch", "1",
                           "--payload-size", "128", *aq_warmup, env=env, client=client_binary)
+                cpu[name].append(sb.cpu_seconds(pids[name]) - c0)
                 after = parks(metrics)
                 results[name].append((x["latency"]["p50_us"], x["latency"]["p99_us"]))
                 if before is not None and after is not None and x.get("msgs"):
@@ -132,6 +147,9 @@ def main():
         if v:
             print(f"{name:12} runtime worker parks per message {[round(x, 2) for x in v]}, "
                   f"median {statistics.median(v):.2f}")
+    for name, v in cpu.items():
+        print(f"{name:12} broker CPU s per 5 s run {[round(x, 2) for x in v]}, "
+              f"median {statistics.median(v):.2f}")
     return 0
 
 

@@ -60,14 +60,16 @@ pub fn stats() -> IdleSpinStats {
 /// Spinning before a runtime worker sleeps, up to `max` (see the module documentation).
 ///
 /// ```
+/// # fn main() -> std::io::Result<()> {
 /// let spin = aqueduct_udp::IdleSpin::new(std::time::Duration::from_micros(100));
 /// let runtime = tokio::runtime::Builder::new_multi_thread()
 ///     .on_thread_park(spin.before_park())
 ///     .on_thread_unpark(spin.after_unpark())
 ///     .enable_all()
-///     .build()
-///     .unwrap();
-/// # drop(runtime);
+///     .build()?;
+/// spin.start(runtime.handle())?;
+/// # Ok(())
+/// # }
 /// ```
 #[derive(Debug, Clone)]
 pub struct IdleSpin {
