@@ -71,6 +71,10 @@ pub struct LatencyArgs {
     /// PID of nats-server, to report its CPU seconds during the run.
     #[arg(long)]
     server_pid: Option<u32>,
+    /// Write every timed message to FILE as CSV, `sent_ns,latency_ns`, in arrival order (as
+    /// `aqueduct bench --latency-trace`).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<std::path::PathBuf>,
 }
 
 async fn connect(url: &str, sub_capacity: usize, slow: Arc<AtomicU64>) -> anyhow::Result<Client> {
@@ -376,8 +380,10 @@ pub async fn latency(a: LatencyArgs) -> anyhow::Result<Value> {
     let rcv = received.clone();
     let probed2 = probed.clone();
     let warmup = a.warmup_msgs;
+    let tracing = a.trace.is_some();
     let sub_task = tokio::spawn(async move {
         let mut h = common::new_hist();
+        let mut trace = Vec::with_capacity(if tracing { total as usize } else { 0 });
         let mut n = 0u64;
         loop {
             tokio::select! {
@@ -391,7 +397,10 @@ pub async fn latency(a: LatencyArgs) -> anyhow::Result<Value> {
                         let now = common::now_ns();
                         let ts = u64::from_le_bytes(m.payload[..8].try_into().unwrap());
                         n += 1;
-                        if n > warmup { common::record_ns(&mut h, now.saturating_sub(ts)); }
+                        if n > warmup {
+                            common::record_ns(&mut h, now.saturating_sub(ts));
+                            if tracing { trace.push((ts, now.saturating_sub(ts))); }
+                        }
                         rcv.store(n, Ordering::Relaxed);
                         if n >= total { break; }
                     }
@@ -400,7 +409,7 @@ pub async fn latency(a: LatencyArgs) -> anyhow::Result<Value> {
                 _ = &mut stop_rx => break,
             }
         }
-        (n, h)
+        (n, h, trace)
     });
 
     if a.sub_url.is_some() {
@@ -444,7 +453,16 @@ pub async fn latency(a: LatencyArgs) -> anyhow::Result<Value> {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let _ = stop_tx.send(());
-    let (n, h) = sub_task.await?;
+    let (n, h, trace) = sub_task.await?;
+    if let Some(path) = &a.trace {
+        use std::io::Write;
+        let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+        writeln!(out, "sent_ns,latency_ns")?;
+        for (sent, latency) in &trace {
+            writeln!(out, "{sent},{latency}")?;
+        }
+        out.flush()?;
+    }
     let cpu_v = cpu.stop();
     let achieved = stats.sent as f64 / stats.elapsed.as_secs_f64();
     println!(

@@ -72,6 +72,9 @@ pub struct BenchConfig {
     /// the latency figures: a new connection's first messages meet cold caches, buffers not
     /// grown yet and a congestion window still opening (peerbench's `--warmup-msgs`).
     pub warmup: u64,
+    /// Keep every timed message's send stamp and latency ([`BenchReport::trace`]), to see when
+    /// the slow ones happened (`aqueduct bench --latency-trace FILE`).
+    pub latency_trace: bool,
 }
 
 /// Time between probes.
@@ -98,6 +101,9 @@ pub struct BenchReport {
     pub duplicates: u64,
     pub delivered_msgs_per_s: f64,
     pub latency: Histogram<u64>,
+    /// With [`BenchConfig::latency_trace`]: every timed delivery as (sent, latency), in ns,
+    /// `sent` after the run's epoch, sorted by `sent` (a fan-out's copies are all there).
+    pub trace: Vec<(u64, u64)>,
 }
 
 /// Why a bench could not run.
@@ -186,10 +192,12 @@ struct Recorder {
     last: Instant,
     /// Sequence numbers below this are not in `latency` ([`BenchConfig::warmup`]).
     warmup: u64,
+    /// (sent, latency) of every timed message, if asked for ([`BenchConfig::latency_trace`]).
+    trace: Option<Vec<(u64, u64)>>,
 }
 
 impl Recorder {
-    fn new(capacity: u64, warmup: u64) -> Recorder {
+    fn new(capacity: u64, warmup: u64, trace: bool) -> Recorder {
         Recorder {
             seen: vec![0; capacity.div_ceil(64) as usize],
             received: 0,
@@ -198,6 +206,7 @@ impl Recorder {
             run: (0, 0),
             last: Instant::now(),
             warmup,
+            trace: trace.then(|| Vec::with_capacity(capacity.saturating_sub(warmup) as usize)),
         }
     }
 
@@ -210,6 +219,9 @@ impl Recorder {
         };
         if index >= self.warmup {
             let latency = now_ns.saturating_sub(ts).max(1);
+            if let Some(t) = &mut self.trace {
+                t.push((ts, latency));
+            }
             if self.run.0 != latency {
                 self.flush();
                 self.run.0 = latency;
@@ -233,6 +245,18 @@ impl Recorder {
             self.run.1 = 0;
         }
     }
+}
+
+/// Write a run's [`BenchReport::trace`] to `path` as CSV: a `sent_ns,latency_ns` header, then
+/// one line per timed delivery.
+pub fn write_trace(path: &std::path::Path, trace: &[(u64, u64)]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    writeln!(out, "sent_ns,latency_ns")?;
+    for (sent, latency) in trace {
+        writeln!(out, "{sent},{latency}")?;
+    }
+    out.flush()
 }
 
 /// 1 ns .. 60 s at 3 significant digits.
@@ -370,6 +394,7 @@ where
 
     let mut reports = Vec::new();
     let mut latency = new_histogram();
+    let mut trace = Vec::new();
     let mut union = vec![0u64; sent.div_ceil(64) as usize];
     let mut total_received = 0;
     let mut last = started;
@@ -387,6 +412,7 @@ where
         dups_within += rec.duplicates;
         last = last.max(rec.last);
         let _ = latency.add(&rec.latency);
+        trace.extend(rec.trace.unwrap_or_default());
         for (u, s) in union.iter_mut().zip(&rec.seen) {
             *u |= s;
         }
@@ -417,6 +443,10 @@ where
         duplicates,
         delivered_msgs_per_s: total_received as f64 / secs,
         latency,
+        trace: {
+            trace.sort_unstable();
+            trace
+        },
     })
 }
 
@@ -626,7 +656,7 @@ async fn subscriber(
         probed,
         go,
     } = shared;
-    let mut rec = Recorder::new(capacity, cfg.warmup);
+    let mut rec = Recorder::new(capacity, cfg.warmup, cfg.latency_trace);
     let mut seen_probe = false;
     let (mut count, mut stamp, mut to_ack) = (0u64, None, Vec::new());
     let idle = tokio::time::sleep(cfg.idle);
@@ -898,7 +928,7 @@ mod tests {
     fn recorder_counts_duplicates_and_latency() {
         let epoch = Instant::now();
         let mut buf = BytesMut::new();
-        let mut rec = Recorder::new(10, 0);
+        let mut rec = Recorder::new(10, 0, false);
         let at = |ns: u64| (epoch + Duration::from_nanos(ns), ns);
         let a = payload(&mut buf, 1_000, 3, 32);
         rec.record(at(6_000), &a);
@@ -921,11 +951,13 @@ mod tests {
     fn the_warm_up_is_received_but_not_timed() {
         let epoch = Instant::now();
         let mut buf = BytesMut::new();
-        let mut rec = Recorder::new(10, 5);
+        let mut rec = Recorder::new(10, 5, true);
         let at = |ns: u64| (epoch + Duration::from_nanos(ns), ns);
         for (index, late) in [(0, 900_000), (4, 700_000), (5, 3_000), (9, 4_000)] {
             rec.record(at(1_000 + late), &payload(&mut buf, 1_000, index, 32));
         }
+        // The trace holds what was timed, nothing else.
+        assert_eq!(rec.trace, Some(vec![(1_000, 3_000), (1_000, 4_000)]));
         rec.flush();
         assert_eq!((rec.received, rec.duplicates), (4, 0));
         assert_eq!(rec.latency.len(), 2, "only numbers 5 and 9");

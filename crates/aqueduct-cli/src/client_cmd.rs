@@ -337,6 +337,11 @@ enum Command {
         /// default; the speed bar passes 1000 to both.
         #[arg(long, value_name = "N", default_value_t = 0)]
         warmup: u64,
+        /// Write every timed delivery to FILE as CSV, `sent_ns,latency_ns` (nanoseconds, the
+        /// send stamp counted from the run's start), sorted by send time: to see when the slow
+        /// ones happened, e.g. whether a p99 comes from a few stalls or from many small delays.
+        #[arg(long, value_name = "FILE")]
+        latency_trace: Option<PathBuf>,
         /// Print one JSON object instead of text (no progress bar).
         #[arg(long)]
         json: bool,
@@ -1019,6 +1024,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             probe_timeout,
             trace,
             warmup,
+            latency_trace,
             json,
         } => {
             use std::io::IsTerminal;
@@ -1045,6 +1051,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 probe_timeout: *probe_timeout,
                 trace: *trace,
                 warmup: *warmup,
+                latency_trace: latency_trace.is_some(),
             };
             let planned = match (duration, *rate > 0.0) {
                 (Some(d), true) => Some((rate * d.as_secs_f64()).round() as u64),
@@ -1071,6 +1078,10 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 || Client::connect(sub_opts.clone()),
             )
             .await?;
+            if let Some(path) = latency_trace {
+                bench::write_trace(path, &report.trace)
+                    .with_context(|| format!("--latency-trace: writing {}", path.display()))?;
+            }
             if *json {
                 crate::print_line(&report.json().to_string())?;
             } else {

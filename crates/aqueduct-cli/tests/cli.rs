@@ -253,6 +253,7 @@ fn bench_counts_every_message_and_reports_json() {
     assert_eq!((total, r["lost_total"].as_u64()), (3000, Some(0)));
 
     // Open loop at a fixed rate, single frames, several publishers and streams.
+    let trace = home.path().join("trace.csv");
     let out = bench(
         home.path(),
         &addr,
@@ -269,6 +270,8 @@ fn bench_counts_every_message_and_reports_json() {
             "2",
             "--warmup",
             "500",
+            "--latency-trace",
+            trace.to_str().expect("utf-8 path"),
         ],
     );
     assert!(
@@ -285,6 +288,28 @@ fn bench_counts_every_message_and_reports_json() {
     assert_eq!(r["subscribers"][0]["received"].as_u64(), Some(2000));
     assert_eq!(r["warmup_msgs"].as_u64(), Some(500));
     assert_eq!(r["latency"]["samples"].as_u64(), Some(1500));
+    // --latency-trace: the same 1500 timed deliveries, in send order, whose latencies are the
+    // histogram's (its largest within the histogram's 3 significant digits).
+    let text = std::fs::read_to_string(&trace).expect("the trace was written");
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("sent_ns,latency_ns"));
+    let rows: Vec<(u64, u64)> = lines
+        .map(|l| {
+            let (a, b) = l.split_once(',').expect("two columns");
+            (a.parse().expect("sent_ns"), b.parse().expect("latency_ns"))
+        })
+        .collect();
+    assert_eq!(rows.len(), 1500);
+    assert!(
+        rows.windows(2).all(|w| w[0].0 <= w[1].0),
+        "sorted by send time"
+    );
+    let max_us = rows.iter().map(|r| r.1).max().unwrap_or(0) as f64 / 1e3;
+    let reported = r["latency"]["max_us"].as_f64().expect("max_us");
+    assert!(
+        (max_us - reported).abs() <= reported * 0.002 + 0.01,
+        "trace max {max_us} us vs histogram max {reported} us"
+    );
     // A warm-up that leaves nothing to time is refused before anything is sent.
     let out = bench(
         home.path(),
