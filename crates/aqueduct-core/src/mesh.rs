@@ -208,6 +208,11 @@ pub const ENTRIES_PER_MESSAGE: usize = 16_384;
 /// to the end before closing), so no copy already written on it is lost.
 pub const DUPLICATE: &str = "duplicate mesh connection";
 
+/// The reason of an [`Output::Close`] for a connection whose peer's interest grew beyond
+/// [`MeshConfig::max_peer_interest`]. Its interest is forgotten with the connection; a
+/// reconnect starts a fresh session (and is closed again if the interest is still too large).
+pub const INTEREST_LIMIT: &str = "the peer's interest is larger than cluster.max_peer_interest";
+
 /// The reason of an [`Output::Close`] for a connection whose peer has started again since
 /// (a restart within the idle timeout): nothing will come on it, so it is not retired.
 pub const RESTARTED: &str = "the peer restarted";
@@ -275,13 +280,22 @@ pub struct MeshConfig {
     /// Backoff bounds: the n-th retry waits a random time in `[0, min(max, min * 2^n)]`.
     pub backoff_min: Duration,
     pub backoff_max: Duration,
+    /// Interest keys (distinct topic filters and group keys) a peer may hold here, its
+    /// snapshot in progress included (`cluster.max_peer_interest`). A peer that goes beyond is
+    /// closed with [`INTEREST_LIMIT`]: each key costs memory here and a match test on every
+    /// local publish.
+    pub max_peer_interest: usize,
 }
+
+/// The default of [`MeshConfig::max_peer_interest`] (`cluster.max_peer_interest`).
+pub const DEFAULT_MAX_PEER_INTEREST: usize = 1 << 20;
 
 impl Default for MeshConfig {
     fn default() -> Self {
         MeshConfig {
             backoff_min: Duration::from_millis(250),
             backoff_max: Duration::from_secs(30),
+            max_peer_interest: DEFAULT_MAX_PEER_INTEREST,
         }
     }
 }
@@ -701,6 +715,7 @@ impl Mesh {
         if let Some(held) = self.held.remove(&conn) {
             return self.handle_held(conn, held, control);
         }
+        let max = self.config.max_peer_interest;
         let Some(peer) = self.peers.values_mut().find(|p| p.conn == conn) else {
             return true; // a connection being replaced: ignore
         };
@@ -725,6 +740,9 @@ impl Mesh {
                             whole.apply(&u);
                         }
                     }
+                }
+                if whole.len() > max {
+                    return self.refuse_interest(conn);
                 }
                 peer.in_session = Some((session, seq));
                 peer.interest = whole;
@@ -753,6 +771,10 @@ impl Mesh {
                         *pending = Some((session, seq, parts));
                     }
                 }
+                // The parts alone are already more than the peer may hold.
+                if peer.pending.as_ref().is_some_and(|(_, _, p)| p.len() > max) {
+                    return self.refuse_interest(conn);
+                }
                 true
             }
             // The transport's to act on (see [`Control::Leaving`]).
@@ -768,6 +790,9 @@ impl Mesh {
                     for u in &updates {
                         peer.interest.apply(u);
                     }
+                    if peer.interest.len() > max {
+                        return self.refuse_interest(conn);
+                    }
                     peer.in_session = Some((s, seq));
                     true
                 }
@@ -780,6 +805,22 @@ impl Mesh {
                 }
             },
         }
+    }
+
+    /// Close `conn`, whose peer's interest went beyond [`MeshConfig::max_peer_interest`], and
+    /// forget that interest now (not only when the transport reports the connection gone):
+    /// nothing is routed to the peer by what it wanted beyond the limit. Returns false (the
+    /// message broke the rules).
+    fn refuse_interest(&mut self, conn: ConnId) -> bool {
+        if let Some(peer) = self.peers.values_mut().find(|p| p.conn == conn) {
+            peer.interest = Interest::default();
+            peer.pending = None;
+        }
+        self.out.push_back(Output::Close {
+            conn,
+            reason: INTEREST_LIMIT,
+        });
+        false
     }
 
     /// The first control message on a held connection: if it comes from a later run of the
@@ -847,6 +888,11 @@ impl Mesh {
                 },
             });
         }
+    }
+
+    /// The most interest keys a peer may hold here ([`MeshConfig::max_peer_interest`]).
+    pub fn max_peer_interest(&self) -> usize {
+        self.config.max_peer_interest
     }
 
     /// This node's own interest.
@@ -1643,6 +1689,93 @@ mod tests {
                 updates: vec![]
             }
         ));
+    }
+
+    /// A peer may hold `max_peer_interest` keys here and no more: a snapshot, the parts of one
+    /// in progress, or a delta that goes beyond closes the connection with `INTEREST_LIMIT`,
+    /// and the interest is forgotten at once (nothing is routed to it by the excess).
+    #[test]
+    fn a_peer_may_not_hold_more_interest_than_the_limit() {
+        let keys = |from: usize, n: usize| -> Vec<Update> {
+            (from..from + n)
+                .map(|i| Update {
+                    key: plain(&format!("t/{i}")),
+                    count: 1,
+                })
+                .collect()
+        };
+        let whole = |updates: Vec<Update>| {
+            let mut i = Interest::default();
+            for u in &updates {
+                i.apply(u);
+            }
+            i
+        };
+        let config = MeshConfig {
+            max_peer_interest: 3,
+            ..MeshConfig::default()
+        };
+        let start = |m: &mut Mesh| {
+            assert!(m.handle_connected(Instant::now(), ConnId(1), node("b"), None, false));
+            let _ = drain(m);
+        };
+        let refused = |m: &mut Mesh| {
+            let (_, closed) = drain(m);
+            assert_eq!(closed, vec![(ConnId(1), INTEREST_LIMIT)]);
+            assert_eq!(m.peer_interest(&node("b")).map(Interest::len), Some(0));
+        };
+
+        // At the limit: kept.
+        let mut a = Mesh::new(node("a"), config, 1, 1);
+        start(&mut a);
+        let snapshot = |interest| Control::Snapshot {
+            session: 1,
+            seq: 0,
+            interest,
+        };
+        assert!(a.handle_control(ConnId(1), snapshot(whole(keys(0, 3)))));
+        assert_eq!(a.peer_interest(&node("b")).map(Interest::len), Some(3));
+        assert_eq!(drain(&mut a).1, vec![]);
+        // A delta that removes one and one that adds it back are fine; one more key is not.
+        let delta = |seq, updates| Control::Delta {
+            session: 1,
+            seq,
+            updates,
+        };
+        let gone = vec![Update {
+            key: plain("t/0"),
+            count: 0,
+        }];
+        assert!(a.handle_control(ConnId(1), delta(1, gone)));
+        assert!(a.handle_control(ConnId(1), delta(2, keys(0, 1))));
+        assert_eq!(drain(&mut a).1, vec![]);
+        assert!(!a.handle_control(ConnId(1), delta(3, keys(3, 1))));
+        refused(&mut a);
+
+        // A snapshot beyond it.
+        let mut a = Mesh::new(node("a"), config, 1, 1);
+        start(&mut a);
+        assert!(!a.handle_control(ConnId(1), snapshot(whole(keys(0, 4)))));
+        refused(&mut a);
+
+        // Parts beyond it, before their snapshot comes.
+        let mut a = Mesh::new(node("a"), config, 1, 1);
+        start(&mut a);
+        let part = |updates| Control::SnapshotPart {
+            session: 1,
+            seq: 0,
+            updates,
+        };
+        assert!(a.handle_control(ConnId(1), part(keys(0, 2))));
+        assert!(!a.handle_control(ConnId(1), part(keys(2, 2))));
+        refused(&mut a);
+
+        // Parts within it whose snapshot brings the whole beyond it.
+        let mut a = Mesh::new(node("a"), config, 1, 1);
+        start(&mut a);
+        assert!(a.handle_control(ConnId(1), part(keys(0, 2))));
+        assert!(!a.handle_control(ConnId(1), snapshot(whole(keys(2, 2)))));
+        refused(&mut a);
     }
 
     /// What `m` queued: the control messages per connection, and the connections it closed.

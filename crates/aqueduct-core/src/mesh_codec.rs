@@ -190,6 +190,14 @@ pub fn decode_control(buf: &[u8]) -> Result<(Control, usize), MeshCodecError> {
     if n > len / 6 {
         return Err(r.invalid(format!("{n} entries cannot fit in {len} bytes")));
     }
+    // Senders split larger snapshots into parts of this many: a message with more is refused
+    // before it is decoded (its keys would take ~13 times its bytes in memory).
+    if n > crate::mesh::ENTRIES_PER_MESSAGE {
+        return Err(r.invalid(format!(
+            "{n} entries in one message (at most {})",
+            crate::mesh::ENTRIES_PER_MESSAGE
+        )));
+    }
     let mut updates = Vec::with_capacity(n.min(1024));
     for _ in 0..n {
         let key = r.key()?;
@@ -400,6 +408,35 @@ mod tests {
         buf.extend_from_slice(&body);
         let e = decode_control(&buf).expect_err("bad filter");
         assert!(e.to_string().contains("filter"), "{e}");
+    }
+
+    /// A message holds at most `ENTRIES_PER_MESSAGE` entries (what senders split at): one
+    /// with exactly that many decodes, one more is refused before its keys are built.
+    #[test]
+    fn a_message_with_more_entries_than_senders_make_is_refused() {
+        use crate::mesh::ENTRIES_PER_MESSAGE;
+        let delta = |n: usize| Control::Delta {
+            session: 1,
+            seq: 1,
+            updates: (0..n)
+                .map(|i| Update {
+                    key: Key::Plain(f(&format!("t/{i}"))),
+                    count: 1,
+                })
+                .collect(),
+        };
+        let mut buf = Vec::new();
+        encode_control(&delta(ENTRIES_PER_MESSAGE), &mut buf);
+        let (decoded, used) = decode_control(&buf).expect("the largest message senders make");
+        assert_eq!(used, buf.len());
+        assert_eq!(decoded, delta(ENTRIES_PER_MESSAGE));
+        let mut buf = Vec::new();
+        encode_control(&delta(ENTRIES_PER_MESSAGE + 1), &mut buf);
+        let e = decode_control(&buf).expect_err("one entry too many");
+        assert!(
+            matches!(e, MeshCodecError::Invalid { .. }) && e.to_string().contains("at most 16384"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -67,6 +67,9 @@ pub struct ClusterSection {
     pub compression_threshold: u64,
     /// Messages queued per peer before the oldest are dropped (counted).
     pub peer_queue_size: u64,
+    /// Interest keys (topic filters and consumer groups) one peer may hold here; a peer that
+    /// sends more is disconnected (counted).
+    pub max_peer_interest: u64,
     pub discovery: DiscoverySection,
 }
 
@@ -80,6 +83,7 @@ impl Default for ClusterSection {
             compression_level: 3,
             compression_threshold: 4096,
             peer_queue_size: 65_536,
+            max_peer_interest: aqueduct_core::mesh::DEFAULT_MAX_PEER_INTEREST as u64,
             discovery: DiscoverySection::default(),
         }
     }
@@ -102,6 +106,7 @@ pub struct ClusterConfig {
     pub key_file: Option<PathBuf>,
     pub compression: Compression,
     pub peer_queue_size: usize,
+    pub max_peer_interest: usize,
     /// DNS discovery: host, port, interval.
     pub discovery: Option<(String, u16, Duration)>,
 }
@@ -140,6 +145,12 @@ impl ClusterSection {
         };
         let peer_queue_size =
             range("cluster.peer_queue_size", self.peer_queue_size, 1, 1 << 24)? as usize;
+        let max_peer_interest = range(
+            "cluster.max_peer_interest",
+            self.max_peer_interest,
+            1,
+            1 << 26,
+        )? as usize;
         let d = &self.discovery;
         let interval = parse_duration("cluster.discovery.interval", &d.interval)?;
         if interval.is_zero() {
@@ -226,6 +237,7 @@ impl ClusterSection {
             key_file: path(&self.tls.key_file),
             compression,
             peer_queue_size,
+            max_peer_interest,
             discovery: d
                 .enabled
                 .then(|| (d.host.trim().to_string(), port, interval)),
@@ -259,6 +271,13 @@ mod tests {
             ..d()
         };
         assert_eq!(key(level), "cluster.compression_level");
+        for bad in [0, (1 << 26) + 1] {
+            let interest = ClusterSection {
+                max_peer_interest: bad,
+                ..d()
+            };
+            assert_eq!(key(interest), "cluster.max_peer_interest");
+        }
         let mut port = d();
         port.discovery.port = NumberOrText::Text("http".into());
         assert_eq!(key(port), "cluster.discovery.port");
@@ -284,6 +303,7 @@ mod tests {
         };
         s.discovery.port = NumberOrText::Text("4242".into());
         let c = s.validate(&Default::default()).expect("valid");
+        assert_eq!(c.max_peer_interest, 1 << 20);
         assert_eq!(
             c.compression,
             Compression::Zstd {

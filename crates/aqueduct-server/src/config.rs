@@ -363,6 +363,7 @@ pub const ENV_KEYS: &[&str] = &[
     "cluster.compression_level",
     "cluster.compression_threshold",
     "cluster.peer_queue_size",
+    "cluster.max_peer_interest",
     "cluster.discovery.enabled",
     "cluster.discovery.type",
     "cluster.discovery.host",

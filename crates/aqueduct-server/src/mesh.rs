@@ -580,6 +580,9 @@ pub struct MeshHandle {
     /// Connections closed because their peer did not read its control stream
     /// ([`CONTROL_QUEUE`] updates waiting).
     pub control_overflows: Arc<AtomicU64>,
+    /// Connections closed because their peer's interest went beyond
+    /// `cluster.max_peer_interest` ([`aqueduct_core::mesh::INTEREST_LIMIT`]).
+    pub interest_refused: Arc<AtomicU64>,
     /// The broker, to ask whether a group picked here still has a member here (weak: the
     /// broker's listeners hold this handle).
     broker: std::sync::Weak<Broker>,
@@ -870,11 +873,11 @@ pub(crate) fn new(
     tls: Arc<MeshTls>,
     broker: Arc<Broker>,
     durable: Option<Arc<Durable>>,
-    queue_size: usize,
-    compression: Compression,
+    cluster: &crate::cluster::ClusterConfig,
     block_timeout: Option<Duration>,
     dial_transport: DialTransport,
 ) -> (Driver, MeshHandle) {
+    let (queue_size, compression) = (cluster.peer_queue_size, cluster.compression);
     let (tx, rx) = mpsc::unbounded_channel();
     let session_base = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -882,7 +885,10 @@ pub(crate) fn new(
         .unwrap_or(1);
     let mut mesh = Mesh::new(
         tls.node.clone(),
-        MeshConfig::default(),
+        MeshConfig {
+            max_peer_interest: cluster.max_peer_interest,
+            ..MeshConfig::default()
+        },
         session_base ^ 0x9e37_79b9_7f4a_7c15,
         session_base,
     );
@@ -900,6 +906,7 @@ pub(crate) fn new(
         discarded: Arc::new(AtomicU64::new(0)),
         unplaced: Arc::new(AtomicU64::new(0)),
         control_overflows: Arc::new(AtomicU64::new(0)),
+        interest_refused: Arc::new(AtomicU64::new(0)),
         broker: Arc::downgrade(&broker),
     };
     let out = (
@@ -1145,6 +1152,13 @@ impl Driver {
                             } else {
                                 if reason == aqueduct_core::mesh::RESTARTED {
                                     info!(peer = %link.node, "cluster peer restarted: its new connection replaces the old one");
+                                } else if reason == aqueduct_core::mesh::INTEREST_LIMIT {
+                                    warn!(
+                                        peer = %link.node,
+                                        limit = self.mesh.max_peer_interest(),
+                                        "a cluster peer sent more interest (topic filters and consumer groups) than cluster.max_peer_interest allows: closing its connection; raise the limit if its subscriptions are legitimate"
+                                    );
+                                    self.handle.interest_refused.fetch_add(1, Ordering::Relaxed);
                                 } else {
                                     debug!(conn = conn.0, reason, "closing a mesh connection");
                                 }
@@ -2567,6 +2581,7 @@ mod tests {
             discarded: Arc::default(),
             unplaced: Arc::default(),
             control_overflows: Arc::default(),
+            interest_refused: Arc::default(),
             broker: std::sync::Weak::new(),
         };
         (handle, queues)

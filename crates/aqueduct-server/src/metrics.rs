@@ -270,6 +270,12 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
         mesh.control_overflows.load(std::sync::atomic::Ordering::Relaxed),
     );
     out.single(
+        "aqueduct_mesh_interest_refused_total",
+        "counter",
+        "Mesh connections closed because the peer's interest (topic filters and consumer groups) went beyond cluster.max_peer_interest.",
+        mesh.interest_refused.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    out.single(
         "aqueduct_mesh_group_handovers_total",
         "counter",
         "Consumer-group messages given to a member on another node because no member was left here.",

@@ -411,8 +411,7 @@ impl Server {
                     t,
                     broker.clone(),
                     durable.clone(),
-                    config.cluster.peer_queue_size,
-                    config.cluster.compression,
+                    &config.cluster,
                     config.block_timeout,
                     crate::mesh::DialTransport {
                         ack_frequency: ack_frequency(&config.transport),

@@ -63,6 +63,7 @@ impl ClusterCa {
             key_file: Some(key),
             compression: Compression::None,
             peer_queue_size: 1024,
+            max_peer_interest: 1 << 20,
             discovery,
         }
     }
@@ -230,6 +231,57 @@ async fn three_nodes_form_a_full_mesh_and_share_interest() {
         .await;
     }
     stop_all(nodes).await;
+}
+
+/// A node holds at most `cluster.max_peer_interest` keys for a peer: node 0 allows 2, and
+/// node 1's third subscription closes their connection, counted; node 0 forgets node 1's
+/// interest. Once node 1 is back within the limit, they connect again and the interest is
+/// shared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_with_more_interest_than_the_limit_is_disconnected() {
+    let c = unjoined(2, |i, c| {
+        if i == 0 {
+            c.cluster.max_peer_interest = 2;
+        }
+    })
+    .await;
+    let addrs: Vec<SocketAddr> = c.nodes.iter().map(|b| b.addr).collect();
+    for b in &c.nodes {
+        b.control.set_cluster_peers(addrs.clone());
+    }
+    formed(&c).await;
+    let mesh0 = c.nodes[0].control.mesh().expect("cluster on");
+    let refused = || {
+        mesh0
+            .interest_refused
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let client = c.nodes[1].client().await;
+    let a = client.subscribe("a").await.expect("subscribe");
+    let b = client.subscribe("b/#").await.expect("subscribe");
+    until("node 0 to learn node 1's two filters", || {
+        wants(&c.nodes[0], "node-1", "a") && wants(&c.nodes[0], "node-1", "b/#")
+    })
+    .await;
+    assert_eq!(refused(), 0, "at the limit is allowed");
+    let third = client.subscribe("c").await.expect("subscribe");
+    // The whole of it is forgotten (not only the key beyond); a reconnect's snapshot of three
+    // keys is refused too, so it stays forgotten while the third subscription lasts.
+    until("node 0 to refuse node 1's interest and forget it", || {
+        refused() >= 1
+            && ["a", "b/#", "c"]
+                .iter()
+                .all(|f| !wants(&c.nodes[0], "node-1", f))
+    })
+    .await;
+    // Back within the limit: the next connection's snapshot is taken.
+    third.unsubscribe().await.expect("unsubscribe");
+    until("node 0 to learn node 1's interest again", || {
+        wants(&c.nodes[0], "node-1", "a") && wants(&c.nodes[0], "node-1", "b/#")
+    })
+    .await;
+    drop((a, b));
+    stop_all(c.nodes).await;
 }
 
 async fn formed(c: &Cluster) {
