@@ -1715,9 +1715,12 @@ mod tests {
             max_peer_interest: 3,
             ..MeshConfig::default()
         };
-        let start = |m: &mut Mesh| {
+        // Node a, connected to b on connection 1, with nothing queued.
+        let fresh = || {
+            let mut m = Mesh::new(node("a"), config, 1, 1);
             assert!(m.handle_connected(Instant::now(), ConnId(1), node("b"), None, false));
-            let _ = drain(m);
+            let _ = drain(&mut m);
+            m
         };
         let refused = |m: &mut Mesh| {
             let (_, closed) = drain(m);
@@ -1726,8 +1729,7 @@ mod tests {
         };
 
         // At the limit: kept.
-        let mut a = Mesh::new(node("a"), config, 1, 1);
-        start(&mut a);
+        let mut a = fresh();
         let snapshot = |interest| Control::Snapshot {
             session: 1,
             seq: 0,
@@ -1753,14 +1755,12 @@ mod tests {
         refused(&mut a);
 
         // A snapshot beyond it.
-        let mut a = Mesh::new(node("a"), config, 1, 1);
-        start(&mut a);
+        let mut a = fresh();
         assert!(!a.handle_control(ConnId(1), snapshot(whole(keys(0, 4)))));
         refused(&mut a);
 
         // Parts beyond it, before their snapshot comes.
-        let mut a = Mesh::new(node("a"), config, 1, 1);
-        start(&mut a);
+        let mut a = fresh();
         let part = |updates| Control::SnapshotPart {
             session: 1,
             seq: 0,
@@ -1771,8 +1771,7 @@ mod tests {
         refused(&mut a);
 
         // Parts within it whose snapshot brings the whole beyond it.
-        let mut a = Mesh::new(node("a"), config, 1, 1);
-        start(&mut a);
+        let mut a = fresh();
         assert!(a.handle_control(ConnId(1), part(keys(0, 2))));
         assert!(!a.handle_control(ConnId(1), snapshot(whole(keys(2, 2)))));
         refused(&mut a);
