@@ -101,9 +101,12 @@ def analyse(path, threshold_ns):
 
 
 def main():
-    if len(sys.argv) < 3 or sys.argv[1] in ("-h", "--help"):
+    if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help"):
         print(__doc__)
-        return 0 if len(sys.argv) >= 2 else 2
+        return 0
+    if len(sys.argv) < 3:
+        print(__doc__)
+        return 2
     try:
         threshold_ns = int(float(sys.argv[1]) * 1000)
     except ValueError:

@@ -95,9 +95,12 @@ def analyse(path):
 
 
 def main():
-    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+    if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help"):
         print(__doc__)
-        return 0 if len(sys.argv) >= 2 else 2
+        return 0
+    if len(sys.argv) < 2:
+        print(__doc__)
+        return 2
     for path in sys.argv[1:]:
         analyse(path)
     return 0

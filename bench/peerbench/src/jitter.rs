@@ -67,6 +67,28 @@ struct Stall {
     worst: u64,
 }
 
+/// The CPUs this process may run on (its affinity mask, e.g. under `taskset` or a cpuset);
+/// elsewhere, or if it cannot be read, 0..the number of CPUs.
+fn allowed_cpus() -> Vec<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: a zeroed cpu_set_t is a valid empty set, which sched_getaffinity(0, ..) fills
+        // for the calling thread; CPU_ISSET reads within it for every cpu < CPU_SETSIZE.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0 {
+                let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+                    .filter(|&c| libc::CPU_ISSET(c, &set))
+                    .collect();
+                if !cpus.is_empty() {
+                    return cpus;
+                }
+            }
+        }
+    }
+    (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect()
+}
+
 /// Pin the calling thread to `cpu` (Linux); false where that is not possible.
 fn pin(cpu: usize) -> bool {
     #[cfg(target_os = "linux")]
@@ -90,12 +112,13 @@ fn pin(cpu: usize) -> bool {
 }
 
 fn per_cpu(a: &JitterArgs) -> anyhow::Result<Value> {
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpus = allowed_cpus();
     let total = (a.rate * a.secs).round() as u64;
     let period_ns = 1e9 / a.rate;
     let stall_ns = (a.stall_us * 1e3) as u64;
     let start = Instant::now() + Duration::from_millis(10);
-    let threads: Vec<_> = (0..cpus)
+    let threads: Vec<_> = cpus
+        .into_iter()
         .map(|cpu| {
             std::thread::spawn(move || {
                 let pinned = pin(cpu);

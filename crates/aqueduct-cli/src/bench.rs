@@ -206,7 +206,10 @@ impl Recorder {
             run: (0, 0),
             last: Instant::now(),
             warmup,
-            trace: trace.then(|| Vec::with_capacity(capacity.saturating_sub(warmup) as usize)),
+            // Reserved for at most 1 Mi entries up front (a group's subscriber gets only a share
+            // of `capacity`); it grows beyond as needed.
+            trace: trace
+                .then(|| Vec::with_capacity(capacity.saturating_sub(warmup).min(1 << 20) as usize)),
         }
     }
 

@@ -1078,14 +1078,15 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 || Client::connect(sub_opts.clone()),
             )
             .await?;
-            if let Some(path) = latency_trace {
-                bench::write_trace(path, &report.trace)
-                    .with_context(|| format!("--latency-trace: writing {}", path.display()))?;
-            }
             if *json {
                 crate::print_line(&report.json().to_string())?;
             } else {
                 crate::print_line(report.text().trim_end_matches('\n'))?;
+            }
+            // After the report: a trace that cannot be written does not lose the run's figures.
+            if let Some(path) = latency_trace {
+                bench::write_trace(path, &report.trace)
+                    .with_context(|| format!("--latency-trace: writing {}", path.display()))?;
             }
             if report.lost > 0 || report.duplicates > 0 {
                 let addr = metrics_addr

@@ -280,10 +280,10 @@ pub struct MeshConfig {
     /// Backoff bounds: the n-th retry waits a random time in `[0, min(max, min * 2^n)]`.
     pub backoff_min: Duration,
     pub backoff_max: Duration,
-    /// Interest keys (distinct topic filters and group keys) a peer may hold here, its
-    /// snapshot in progress included (`cluster.max_peer_interest`). A peer that goes beyond is
-    /// closed with [`INTEREST_LIMIT`]: each key costs memory here and a match test on every
-    /// local publish.
+    /// Interest keys (distinct topic filters and group keys) a peer may hold here
+    /// (`cluster.max_peer_interest`): the interest in force, and a snapshot in progress, each at
+    /// most this many. A peer that goes beyond is closed with [`INTEREST_LIMIT`]: each key costs
+    /// memory here and a match test on every local publish.
     pub max_peer_interest: usize,
 }
 
@@ -324,6 +324,10 @@ struct Peer {
     /// Parts of a snapshot still to come (session, seq, entries so far): the interest in force
     /// is swapped for it whole when its snapshot arrives.
     pending: Option<(u64, u64, Interest)>,
+    /// The connection was closed for interest beyond the limit, by this node or by the peer
+    /// ([`INTEREST_LIMIT`]): what still comes on it is ignored, and its end does not clear
+    /// the refusals counted for the peer.
+    refused: bool,
 }
 
 /// A connection that lost the duplicate rule, held until its first control message says whether
@@ -358,6 +362,11 @@ pub struct Mesh {
     rr: BTreeMap<GroupKey, Arc<AtomicU64>>,
     rng: u64,
     out: VecDeque<Output>,
+    /// Connections to a node closed in a row for interest beyond the limit (either way): each
+    /// lengthens the wait before that node is dialed again ([`Mesh::refusal_backoff`]), so a
+    /// node whose interest stays too large is not redialed several times a second. Cleared
+    /// when a connection to it ends for another reason.
+    refusals: BTreeMap<NodeId, u32>,
 }
 
 impl Mesh {
@@ -377,6 +386,7 @@ impl Mesh {
             held: BTreeMap::new(),
             rr: BTreeMap::new(),
             rng: seed | 1,
+            refusals: BTreeMap::new(),
             out: VecDeque::new(),
         }
     }
@@ -620,6 +630,7 @@ impl Mesh {
                 in_session: None,
                 interest,
                 pending: None,
+                refused: false,
             },
         );
     }
@@ -691,6 +702,9 @@ impl Mesh {
         let Some(peer) = self.peers.remove(&node) else {
             return;
         };
+        if !peer.refused {
+            self.refusals.remove(&node);
+        }
         // Reconnect to every target whose node this was (dialed or not: the other side may be
         // the one that went away, and only one of us may have it as a target).
         let addrs: Vec<SocketAddr> = self
@@ -719,6 +733,9 @@ impl Mesh {
         let Some(peer) = self.peers.values_mut().find(|p| p.conn == conn) else {
             return true; // a connection being replaced: ignore
         };
+        if peer.refused {
+            return true; // closed for its interest: what was still on its way is ignored
+        }
         // The peer speaks: the connection works, and a reconnect after it starts from the
         // shortest backoff again.
         if let Some(t) = peer.addr.and_then(|a| self.targets.get_mut(&a)) {
@@ -809,18 +826,48 @@ impl Mesh {
 
     /// Close `conn`, whose peer's interest went beyond [`MeshConfig::max_peer_interest`], and
     /// forget that interest now (not only when the transport reports the connection gone):
-    /// nothing is routed to the peer by what it wanted beyond the limit. Returns false (the
-    /// message broke the rules).
+    /// nothing is routed to the peer by what it wanted beyond the limit, and what still comes
+    /// on the connection is ignored. Returns false (the message broke the rules).
     fn refuse_interest(&mut self, conn: ConnId) -> bool {
-        if let Some(peer) = self.peers.values_mut().find(|p| p.conn == conn) {
-            peer.interest = Interest::default();
-            peer.pending = None;
-        }
+        self.note_refusal(conn);
         self.out.push_back(Output::Close {
             conn,
             reason: INTEREST_LIMIT,
         });
         false
+    }
+
+    /// The peer on `conn` closed it because this node's interest is beyond its limit (the
+    /// transport saw [`INTEREST_LIMIT`] as the close reason): this node waits longer, each time,
+    /// before it dials that peer again. Call before [`Mesh::handle_disconnected`].
+    pub fn handle_refused_by_peer(&mut self, conn: ConnId) {
+        self.note_refusal(conn);
+    }
+
+    fn note_refusal(&mut self, conn: ConnId) {
+        let Some((node, peer)) = self.peers.iter_mut().find(|(_, p)| p.conn == conn) else {
+            return;
+        };
+        peer.refused = true;
+        peer.interest = Interest::default();
+        peer.pending = None;
+        let (node, addr) = (node.clone(), peer.addr);
+        let count = self.refusals.entry(node.clone()).or_insert(0);
+        *count = count.saturating_add(1);
+        let attempts = Mesh::refusal_backoff(*count);
+        // The targets `handle_disconnected` will schedule again.
+        for (a, t) in self.targets.iter_mut() {
+            if t.node.as_ref() == Some(&node) || addr == Some(*a) {
+                t.attempts = t.attempts.max(attempts);
+            }
+        }
+    }
+
+    /// The dial attempts a node's `count`-th refusal in a row counts as: the first makes the
+    /// next dial wait up to four times `backoff_min` (1 s by default), each further one twice
+    /// as long, up to `backoff_max`.
+    fn refusal_backoff(count: u32) -> u32 {
+        count.saturating_add(1).min(16)
     }
 
     /// The first control message on a held connection: if it comes from a later run of the
@@ -1618,6 +1665,100 @@ mod tests {
         a.handle_disconnected(now, conn);
         let at = a.poll_timeout().expect("scheduled");
         assert!(at - now <= cfg.backoff_min, "{:?}", at - now);
+    }
+
+    /// A node refused for its interest, by this node or by itself, is redialed with a growing
+    /// wait (the peer speaking first does not reset it); a connection that ends for another
+    /// reason clears the count.
+    #[test]
+    fn a_refusal_for_interest_lengthens_the_wait_before_the_next_dial() {
+        let cfg = MeshConfig {
+            max_peer_interest: 1,
+            ..MeshConfig::default()
+        };
+        let too_much = || {
+            let mut i = Interest::default();
+            i.add(plain("x"), 1);
+            i.add(plain("y"), 1);
+            i
+        };
+        let snapshot = |interest| Control::Snapshot {
+            session: 1,
+            seq: 0,
+            interest,
+        };
+        for by_the_peer in [false, true] {
+            let (mut a, addr, now) = dialing_one_peer(cfg);
+            let mut waits = Vec::new();
+            for i in 0..8 {
+                let conn = ConnId(i + 1);
+                assert!(a.handle_connected(now, conn, node("b"), Some(addr), true));
+                if by_the_peer {
+                    // b speaks (a takes its snapshot), then closes for a's interest.
+                    assert!(a.handle_control(conn, snapshot(Interest::default())));
+                    a.handle_refused_by_peer(conn);
+                } else {
+                    assert!(!a.handle_control(conn, snapshot(too_much())));
+                }
+                while a.poll_output().is_some() {}
+                a.handle_disconnected(now, conn);
+                let at = a.poll_timeout().expect("scheduled");
+                waits.push(at - now);
+                a.handle_timeout(at);
+                assert_eq!(a.poll_output(), Some(Output::Dial(addr)));
+            }
+            // Without the refusals counted, every wait is at most backoff_min (250 ms).
+            assert!(
+                waits.iter().any(|w| *w > Duration::from_secs(2)),
+                "by the peer: {by_the_peer}: {waits:?}"
+            );
+            // A connection that ends for another reason: the next wait is short again.
+            let conn = ConnId(100);
+            assert!(a.handle_connected(now, conn, node("b"), Some(addr), true));
+            assert!(a.handle_control(conn, snapshot(Interest::default())));
+            while a.poll_output().is_some() {}
+            a.handle_disconnected(now, conn);
+            let at = a.poll_timeout().expect("scheduled");
+            assert!(at - now <= cfg.backoff_min, "{:?}", at - now);
+        }
+    }
+
+    /// What still comes on a connection closed for its interest is ignored: the rest of a
+    /// snapshot whose parts went beyond the limit cannot put a part of it in force.
+    #[test]
+    fn what_comes_after_a_refusal_is_ignored() {
+        let cfg = MeshConfig {
+            max_peer_interest: 2,
+            ..MeshConfig::default()
+        };
+        let mut a = Mesh::new(node("a"), cfg, 1, 1);
+        assert!(a.handle_connected(Instant::now(), ConnId(1), node("b"), None, false));
+        let part = |from: usize| Control::SnapshotPart {
+            session: 1,
+            seq: 0,
+            updates: (from..from + 2)
+                .map(|i| Update {
+                    key: plain(&format!("t/{i}")),
+                    count: 1,
+                })
+                .collect(),
+        };
+        assert!(a.handle_control(ConnId(1), part(0)));
+        assert!(!a.handle_control(ConnId(1), part(2)), "beyond the limit");
+        assert!(a.handle_control(ConnId(1), part(4)), "ignored");
+        let mut last = Interest::default();
+        last.add(plain("t/6"), 1);
+        assert!(a.handle_control(
+            ConnId(1),
+            Control::Snapshot {
+                session: 1,
+                seq: 0,
+                interest: last
+            }
+        ));
+        assert_eq!(a.peer_interest(&node("b")).map(Interest::len), Some(0));
+        let (_, closed) = drain(&mut a);
+        assert_eq!(closed, vec![(ConnId(1), INTEREST_LIMIT)], "closed once");
     }
 
     #[test]

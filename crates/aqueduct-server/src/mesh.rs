@@ -91,6 +91,11 @@ pub enum Event {
     Closed {
         conn: ConnId,
     },
+    /// The peer closed the connection because this node's interest is beyond its
+    /// `cluster.max_peer_interest` (sent just before the connection's `Closed`).
+    RefusedByPeer {
+        conn: ConnId,
+    },
     /// The peer finished its data stream on a connection this node has not retired (and
     /// everything it wrote there is published here): it retired the connection, or it is
     /// leaving. The driver retires the connection if it holds it; a kept one is left as it is.
@@ -986,6 +991,7 @@ impl Driver {
         // duplicate connection replaced while connected is no reconnect).
         let mut reconnects: HashMap<NodeId, u64> = HashMap::new();
         let mut dial_warned = DialWarnings::default();
+        let mut refusals_warned = RefusalsWarned::default();
         // This node's port: a dialed address with it and a local IP is this node itself.
         let own_port = endpoint.local_addr().map_or(0, |a| a.port());
         // Each node's copies, shared by its connections (only the kept one writes them).
@@ -1121,6 +1127,21 @@ impl Driver {
                     conns.remove(&conn);
                     self.mesh.handle_disconnected(now, conn);
                 }
+                Some(Event::RefusedByPeer { conn }) => {
+                    if let Some(link) = conns.get(&conn) {
+                        let what = format!(
+                            "cluster peer {} closed its connection because this node's interest ({} topic filters and consumer groups) is more than its cluster.max_peer_interest allows: raise the limit there, or subscribe to fewer distinct filters here; dialing it again with a growing wait",
+                            link.node,
+                            self.mesh.local().len()
+                        );
+                        if refusals_warned.due(&link.node, now) {
+                            warn!("{what}");
+                        } else {
+                            debug!("{what}");
+                        }
+                    }
+                    self.mesh.handle_refused_by_peer(conn);
+                }
                 Some(Event::PeerRetired { conn }) => self.mesh.handle_peer_retired(conn),
                 Some(Event::Local { key, delta }) => self.mesh.handle_local(key, delta),
                 Some(Event::Peers(addrs)) => {
@@ -1153,11 +1174,16 @@ impl Driver {
                                 if reason == aqueduct_core::mesh::RESTARTED {
                                     info!(peer = %link.node, "cluster peer restarted: its new connection replaces the old one");
                                 } else if reason == aqueduct_core::mesh::INTEREST_LIMIT {
-                                    warn!(
-                                        peer = %link.node,
-                                        limit = self.mesh.max_peer_interest(),
-                                        "a cluster peer sent more interest (topic filters and consumer groups) than cluster.max_peer_interest allows: closing its connection; raise the limit if its subscriptions are legitimate"
+                                    let what = format!(
+                                        "cluster peer {} sent more interest (topic filters and consumer groups) than cluster.max_peer_interest ({}) allows: closing its connection, and dialing it again with a growing wait; raise the limit if its subscriptions are legitimate",
+                                        link.node,
+                                        self.mesh.max_peer_interest()
                                     );
+                                    if refusals_warned.due(&link.node, now) {
+                                        warn!("{what}");
+                                    } else {
+                                        debug!("{what}");
+                                    }
                                     self.handle.interest_refused.fetch_add(1, Ordering::Relaxed);
                                 } else {
                                     debug!(conn = conn.0, reason, "closing a mesh connection");
@@ -1420,7 +1446,10 @@ fn explain_dial_failure(addr: SocketAddr, why: &str) -> String {
 /// Log why a peer closed a mesh connection, when it refused it (NOT_AUTHORIZED: this node's
 /// certificate is not a peer certificate it takes); the other closes (shutdown, a duplicate
 /// retired) are routine.
-fn note_peer_close(e: &quinn::ConnectionError) {
+/// Warn about a peer's refusal of this connection (its certificate not taken as a peer's);
+/// returns true if the peer closed it for this node's interest
+/// ([`aqueduct_core::mesh::INTEREST_LIMIT`]), which the driver warns about.
+fn note_peer_close(e: &quinn::ConnectionError) -> bool {
     if let quinn::ConnectionError::ApplicationClosed(c) = e {
         if c.error_code == quinn::VarInt::from(aqueduct_proto::ErrorCode::NOT_AUTHORIZED.0) {
             warn!(
@@ -1428,7 +1457,9 @@ fn note_peer_close(e: &quinn::ConnectionError) {
                 String::from_utf8_lossy(&c.reason)
             );
         }
+        return c.reason.as_ref() == aqueduct_core::mesh::INTEREST_LIMIT.as_bytes();
     }
+    false
 }
 
 /// What a link this node dials asks of its transport, as the broker asks of the connections it
@@ -2167,7 +2198,9 @@ async fn serve_peer(link: PeerTask) {
                     .reset(tokio::time::Instant::now() + RETIRE_WAIT);
             }
             e = conn.closed() => {
-                note_peer_close(&e);
+                if note_peer_close(&e) {
+                    let _ = events.send(Event::RefusedByPeer { conn: id });
+                }
                 break End::Gone;
             }
             _ = &mut retired_for_long => {
@@ -2218,6 +2251,26 @@ async fn serve_peer(link: PeerTask) {
         End::Gone | End::PeerRetired | End::SentAll => Event::Closed { conn: id },
         End::Broken(why) => Event::Broken { conn: id, why },
     });
+}
+
+/// Refusals for interest beyond the limit (either way), per peer: warned about once, and again
+/// after [`DIAL_WARN_EVERY`] (a node whose interest stays too large is refused at every
+/// reconnect); the others are logged at debug level.
+#[derive(Debug, Default)]
+struct RefusalsWarned(HashMap<NodeId, Instant>);
+
+impl RefusalsWarned {
+    /// Whether a refusal involving `node` at `now` is to be warned about (and note it if so).
+    fn due(&mut self, node: &NodeId, now: Instant) -> bool {
+        let due = self
+            .0
+            .get(node)
+            .is_none_or(|at| now.duration_since(*at) >= DIAL_WARN_EVERY);
+        if due {
+            self.0.insert(node.clone(), now);
+        }
+        due
+    }
 }
 
 /// Peer addresses that failed to dial: the reason last warned about, and when. A failure is

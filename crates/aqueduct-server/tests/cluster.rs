@@ -274,6 +274,17 @@ async fn a_peer_with_more_interest_than_the_limit_is_disconnected() {
                 .all(|f| !wants(&c.nodes[0], "node-1", f))
     })
     .await;
+    // Node 1 redials (after a growing wait) and is refused again while it has three.
+    until("node 0 to refuse node 1's next connection too", || {
+        refused() >= 2
+    })
+    .await;
+    assert!(
+        ["a", "b/#", "c"]
+            .iter()
+            .all(|f| !wants(&c.nodes[0], "node-1", f)),
+        "still forgotten"
+    );
     // Back within the limit: the next connection's snapshot is taken.
     third.unsubscribe().await.expect("unsubscribe");
     until("node 0 to learn node 1's interest again", || {
