@@ -1632,14 +1632,20 @@ mod tests {
         (a, addr, now)
     }
 
-    #[test]
-    fn a_peer_that_refuses_after_the_handshake_is_redialed_with_a_growing_backoff() {
-        let cfg = MeshConfig::default();
-        let (mut a, addr, now) = dialing_one_peer(cfg);
+    /// `a` (dialing `addr`) connects `n` times to b; `on_connected` acts on each connection
+    /// before it ends; returns the wait before each next dial.
+    fn waits_between_connections(
+        a: &mut Mesh,
+        addr: SocketAddr,
+        now: Instant,
+        n: u64,
+        mut on_connected: impl FnMut(&mut Mesh, ConnId),
+    ) -> Vec<Duration> {
         let mut waits = Vec::new();
-        for i in 0..12 {
+        for i in 0..n {
             let conn = ConnId(i + 1);
             assert!(a.handle_connected(now, conn, node("b"), Some(addr), true));
+            on_connected(a, conn);
             while a.poll_output().is_some() {}
             a.handle_disconnected(now, conn);
             let at = a.poll_timeout().expect("scheduled");
@@ -1647,6 +1653,14 @@ mod tests {
             a.handle_timeout(at);
             assert_eq!(a.poll_output(), Some(Output::Dial(addr)));
         }
+        waits
+    }
+
+    #[test]
+    fn a_peer_that_refuses_after_the_handshake_is_redialed_with_a_growing_backoff() {
+        let cfg = MeshConfig::default();
+        let (mut a, addr, now) = dialing_one_peer(cfg);
+        let waits = waits_between_connections(&mut a, addr, now, 12, |_, _| {});
         assert!(
             waits.iter().any(|w| *w > Duration::from_secs(5)),
             "{waits:?}"
@@ -1689,10 +1703,7 @@ mod tests {
         };
         for by_the_peer in [false, true] {
             let (mut a, addr, now) = dialing_one_peer(cfg);
-            let mut waits = Vec::new();
-            for i in 0..8 {
-                let conn = ConnId(i + 1);
-                assert!(a.handle_connected(now, conn, node("b"), Some(addr), true));
+            let waits = waits_between_connections(&mut a, addr, now, 8, |a, conn| {
                 if by_the_peer {
                     // b speaks (a takes its snapshot), then closes for a's interest.
                     assert!(a.handle_control(conn, snapshot(Interest::default())));
@@ -1700,13 +1711,7 @@ mod tests {
                 } else {
                     assert!(!a.handle_control(conn, snapshot(too_much())));
                 }
-                while a.poll_output().is_some() {}
-                a.handle_disconnected(now, conn);
-                let at = a.poll_timeout().expect("scheduled");
-                waits.push(at - now);
-                a.handle_timeout(at);
-                assert_eq!(a.poll_output(), Some(Output::Dial(addr)));
-            }
+            });
             // Without the refusals counted, every wait is at most backoff_min (250 ms).
             assert!(
                 waits.iter().any(|w| *w > Duration::from_secs(2)),
