@@ -33,6 +33,12 @@ RATE=N publishes N msg/s instead of 10,000 (both clients), e.g. to see what a se
 where it cannot help:
 
     RATE=1000 ROUNDS=2 python3 scripts/latency-ab.py "spin=" "off=|AQUEDUCT_BROKER_IDLE_SPIN=0s"
+
+WARM=NAME[,NAME...] runs the speed bar's two throughput runs (1 -> 1 2,000,000 messages and
+1 -> 4 1,000,000, batches of 100, overflow block) against those variants before each round's
+latency runs, as the speed bar times its latency on the broker that has just done them:
+
+    WARM=used ROUNDS=4 python3 scripts/latency-ab.py "fresh=" "used="
 """
 import os
 import shutil
@@ -96,6 +102,10 @@ def main():
             results[name] = []
             per_msg[name] = []
         alternate = os.environ.get("ORDER") == "alternate"
+        warm = [w for w in os.environ.get("WARM", "").split(",") if w]
+        for w in warm:
+            if w not in targets:
+                sys.exit(f"latency-ab: WARM names {w!r}, which is not a variant")
         # Both clients leave the same first messages out of their histograms (WARMUP=0: none,
         # for bench clients older than `--warmup`).
         warmup = os.environ.get("WARMUP", sb.WARMUP)
@@ -110,6 +120,12 @@ def main():
             results["nats"].append((x["latency"]["p50_us"], x["latency"]["p99_us"]))
 
         for r in range(rounds):
+            for w in warm:
+                addr, _, env, client_binary = targets[w]
+                for aq_args in (["--messages", "2000000", "--subscribers", "1"],
+                                ["--messages", "1000000", "--subscribers", "4"]):
+                    sb.aq(addr, "--payload-size", "128", "--batch", "100", "--overflow", "block",
+                          *aq_args, env=env, client=client_binary)
             nats_last = alternate and r % 2 == 1
             if not nats_last:
                 nats_run()
