@@ -54,6 +54,14 @@ const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// A peer address that keeps failing is warned about again after this long (or at once when
 /// the reason changes); the failures in between are logged at debug.
 const DIAL_WARN_EVERY: Duration = Duration::from_secs(60);
+/// Mesh connections one node may have open to this one at a time, its dials and this node's
+/// together, counted until their tasks end: the one in use, one held or replacing it, and
+/// duplicates still being retired (for up to `RETIRE_WAIT` each) leave room to spare. A connection beyond is closed at once
+/// with [`TOO_MANY_CONNECTIONS`]: each costs a task, buffers and a snapshot of this node's
+/// interest.
+const MAX_CONNECTIONS_PER_PEER: usize = 8;
+/// The close reason of a connection beyond [`MAX_CONNECTIONS_PER_PEER`].
+const TOO_MANY_CONNECTIONS: &str = "too many mesh connections from this node";
 /// Mesh connections: keep-alive, and how long silence means the peer is gone.
 const MESH_KEEP_ALIVE: Duration = Duration::from_secs(2);
 const MESH_IDLE: Duration = Duration::from_secs(8);
@@ -588,6 +596,8 @@ pub struct MeshHandle {
     /// Connections closed because their peer's interest went beyond
     /// `cluster.max_peer_interest` ([`aqueduct_core::mesh::INTEREST_LIMIT`]).
     pub interest_refused: Arc<AtomicU64>,
+    /// Connections a peer opened beyond [`MAX_CONNECTIONS_PER_PEER`] at once: closed at once.
+    pub connections_refused: Arc<AtomicU64>,
     /// The broker, to ask whether a group picked here still has a member here (weak: the
     /// broker's listeners hold this handle).
     broker: std::sync::Weak<Broker>,
@@ -912,6 +922,7 @@ pub(crate) fn new(
         unplaced: Arc::new(AtomicU64::new(0)),
         control_overflows: Arc::new(AtomicU64::new(0)),
         interest_refused: Arc::new(AtomicU64::new(0)),
+        connections_refused: Arc::new(AtomicU64::new(0)),
         broker: Arc::downgrade(&broker),
     };
     let out = (
@@ -992,6 +1003,8 @@ impl Driver {
         let mut reconnects: HashMap<NodeId, u64> = HashMap::new();
         let mut dial_warned = DialWarnings::default();
         let mut refusals_warned = RefusalsWarned::default();
+        // Every connection whose task still runs (kept, held, being retired), and its node.
+        let mut live: HashMap<ConnId, NodeId> = HashMap::new();
         // This node's port: a dialed address with it and a local IP is this node itself.
         let own_port = endpoint.local_addr().map_or(0, |a| a.port());
         // Each node's copies, shared by its connections (only the kept one writes them).
@@ -1059,8 +1072,25 @@ impl Driver {
                 // A connection the mesh does not keep (a duplicate, itself) is closed by the
                 // `Output::Close` it queues, below: both ends then end it.
                 Some(Event::Accepted { conn, node }) => {
-                    let id = adopt(conn, &node, &mut conns, &mut tasks);
-                    self.mesh.handle_connected(now, id, node, None, false);
+                    let open = live.values().filter(|n| **n == node).count();
+                    if open >= MAX_CONNECTIONS_PER_PEER {
+                        conn.close(0u32.into(), TOO_MANY_CONNECTIONS.as_bytes());
+                        self.handle
+                            .connections_refused
+                            .fetch_add(1, Ordering::Relaxed);
+                        let what = format!(
+                            "cluster peer {node} opened more than {MAX_CONNECTIONS_PER_PEER} mesh connections at once: closing the new one"
+                        );
+                        if refusals_warned.due(&node, now) {
+                            warn!("{what}");
+                        } else {
+                            debug!("{what}");
+                        }
+                    } else {
+                        let id = adopt(conn, &node, &mut conns, &mut tasks);
+                        live.insert(id, node.clone());
+                        self.mesh.handle_connected(now, id, node, None, false);
+                    }
                 }
                 Some(Event::Dialed { addr, result }) => {
                     let result = result.and_then(|(conn, node)| {
@@ -1083,6 +1113,7 @@ impl Driver {
                                 info!(%addr, peer = %node, "cluster peer reached");
                             }
                             let id = adopt(conn, &node, &mut conns, &mut tasks);
+                            live.insert(id, node.clone());
                             self.mesh.handle_connected(now, id, node, Some(addr), true);
                         }
                         Err(why) => {
@@ -1117,6 +1148,7 @@ impl Driver {
                     self.mesh.handle_control(conn, control);
                 }
                 Some(Event::Broken { conn, why }) => {
+                    live.remove(&conn);
                     warn!(conn = conn.0, "mesh control stream broken: {why}");
                     if let Some(link) = conns.remove(&conn) {
                         link.conn.close(0u32.into(), b"mesh protocol error");
@@ -1124,6 +1156,7 @@ impl Driver {
                     self.mesh.handle_disconnected(now, conn);
                 }
                 Some(Event::Closed { conn }) => {
+                    live.remove(&conn);
                     conns.remove(&conn);
                     self.mesh.handle_disconnected(now, conn);
                 }
@@ -2635,6 +2668,7 @@ mod tests {
             unplaced: Arc::default(),
             control_overflows: Arc::default(),
             interest_refused: Arc::default(),
+            connections_refused: Arc::default(),
             broker: std::sync::Weak::new(),
         };
         (handle, queues)

@@ -276,6 +276,13 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
         mesh.interest_refused.load(std::sync::atomic::Ordering::Relaxed),
     );
     out.single(
+        "aqueduct_mesh_connections_refused_total",
+        "counter",
+        "Mesh connections closed at once because their peer already had 8 open to this node.",
+        mesh.connections_refused
+            .load(std::sync::atomic::Ordering::Relaxed),
+    );
+    out.single(
         "aqueduct_mesh_group_handovers_total",
         "counter",
         "Consumer-group messages given to a member on another node because no member was left here.",

@@ -1567,23 +1567,12 @@ async fn static_peers_are_used_while_discovery_fails() {
     b.stop().await.expect("clean shutdown");
 }
 
-/// A raw mesh peer `node-a` (a smaller id than the node's) that plays the race of two nodes
-/// dialing each other at once: it dials the node and speaks (a snapshot), so the node keeps
-/// that connection and has heard it; then the node dials back, and the peer, as a node that
-/// has not heard the other on the kept connection yet does, retires the node's connection at
-/// once without a word on it (finishes its data stream). The node held that connection
-/// (it loses the duplicate rule to one that has worked): it must retire it as soon as the
-/// peer's end arrives — finish its own data stream — not after its 5 s hold, which made both
-/// ends warn that copies might be lost.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_held_connection_the_peer_retires_is_retired_at_once() {
-    use aqueduct_core::mesh::{Control, Interest};
+/// A raw peer: one quinn endpoint that dials and accepts with the certificate of `node` from
+/// `ca` (ALPN `aqueduct-mesh`), for tests that speak the mesh protocol by hand.
+fn raw_peer(ca: &ClusterCa, node: &str) -> quinn::Endpoint {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-    let ca = ClusterCa::new();
-    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
-    // The raw peer's certificate, and one endpoint that dials and accepts with it.
-    let (cert, key) = ca.ca.peer(ca.dir.path(), "node-a");
+    let (cert, key) = ca.ca.peer(ca.dir.path(), node);
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cert)
         .expect("cert")
         .map(|c| c.expect("pem"))
@@ -1616,6 +1605,23 @@ async fn a_held_connection_the_peer_retires_is_retired_at_once() {
     endpoint.set_default_client_config(quinn::ClientConfig::new(std::sync::Arc::new(
         quinn::crypto::rustls::QuicClientConfig::try_from(client).expect("quic client"),
     )));
+    endpoint
+}
+
+/// A raw mesh peer `node-a` (a smaller id than the node's) that plays the race of two nodes
+/// dialing each other at once: it dials the node and speaks (a snapshot), so the node keeps
+/// that connection and has heard it; then the node dials back, and the peer, as a node that
+/// has not heard the other on the kept connection yet does, retires the node's connection at
+/// once without a word on it (finishes its data stream). The node held that connection
+/// (it loses the duplicate rule to one that has worked): it must retire it as soon as the
+/// peer's end arrives — finish its own data stream — not after its 5 s hold, which made both
+/// ends warn that copies might be lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_connection_the_peer_retires_is_retired_at_once() {
+    use aqueduct_core::mesh::{Control, Interest};
+    let ca = ClusterCa::new();
+    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
+    let endpoint = raw_peer(&ca, "node-a");
     // The connection the peer dials: its two streams, and a snapshot on the control stream.
     let kept = within(
         "the peer's dial",
@@ -1685,5 +1691,50 @@ async fn a_held_connection_the_peer_retires_is_retired_at_once() {
     assert_eq!(peers_of(&b), BTreeSet::from(["node-a".to_string()]));
     kept.close(0u32.into(), b"done");
     dup.close(0u32.into(), b"done");
+    b.stop().await.expect("clean shutdown");
+}
+
+/// One node may have at most 8 mesh connections open to another at a time: a peer that opens
+/// twelve at once has the last four closed at once, with a reason, counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_may_not_open_more_than_eight_connections_at_once() {
+    let ca = ClusterCa::new();
+    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
+    let endpoint = raw_peer(&ca, "node-a");
+    let mut conns = Vec::new();
+    for i in 0..12 {
+        let conn = within(
+            &format!("handshake {i}"),
+            endpoint.connect(b.addr, "aqueduct-mesh").expect("connect"),
+        )
+        .await
+        .expect("handshake");
+        conns.push(conn);
+    }
+    let refused = || {
+        b.control
+            .mesh()
+            .expect("cluster on")
+            .connections_refused
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    until("the node to refuse the connections beyond eight", || {
+        refused() >= 4
+    })
+    .await;
+    for conn in &conns[8..] {
+        let why = within("the refused connection's close", conn.closed()).await;
+        match why {
+            quinn::ConnectionError::ApplicationClosed(c) => assert_eq!(
+                c.reason.as_ref(),
+                b"too many mesh connections from this node"
+            ),
+            other => panic!("closed otherwise: {other}"),
+        }
+    }
+    assert_eq!(refused(), 4, "the first eight were taken");
+    for conn in &conns {
+        conn.close(0u32.into(), b"done");
+    }
     b.stop().await.expect("clean shutdown");
 }
