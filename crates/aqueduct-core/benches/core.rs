@@ -1,5 +1,6 @@
 //! Core benchmarks: wildcard match, group pick, route lookup vs subscription count, batch
-//! publish → enqueue → drain throughput, and fan-out cost per delivery.
+//! publish → enqueue → drain throughput, fan-out cost per delivery, and which cluster peers
+//! want a topic vs how many filters a peer has.
 //! Figures and the exact command are in docs/benchmarks.md.
 
 use std::hint::black_box;
@@ -226,8 +227,51 @@ fn access_checks(c: &mut Criterion) {
     });
 }
 
+/// Which cluster peers want a topic, asked on every publish: one peer with `n` exact filters
+/// (`tenant<i>/orders`) and 10 wildcard ones, and a topic one of the exact ones names.
+fn peer_interest(c: &mut Criterion) {
+    use aqueduct_core::mesh::{ConnId, Control, Interest, Key, Mesh, MeshConfig, NodeId, Update};
+    let mut g = c.benchmark_group("mesh_peers_wanting_a_topic");
+    for n in [10usize, 10_000, 100_000] {
+        let mut mesh = Mesh::new(
+            NodeId::try_from("a").expect("node"),
+            MeshConfig::default(),
+            1,
+            1,
+        );
+        let peer = NodeId::try_from("b").expect("node");
+        assert!(mesh.handle_connected(Instant::now(), ConnId(1), peer, None, false));
+        let mut interest = Interest::default();
+        let filters = (0..n)
+            .map(|i| format!("tenant{i}/orders"))
+            .chain((0..10).map(|i| format!("region{i}/+/orders/#")));
+        for f in filters {
+            interest.apply(&Update {
+                key: Key::Plain(TopicFilter::try_from(f.as_str()).expect("filter")),
+                count: 1,
+            });
+        }
+        assert!(mesh.handle_control(
+            ConnId(1),
+            Control::Snapshot {
+                session: 1,
+                seq: 0,
+                interest
+            }
+        ));
+        let table = mesh.table();
+        let topic = format!("tenant{}/orders", n / 2);
+        assert_eq!(table.plain_peers(topic.as_bytes()).count(), 1);
+        g.bench_function(BenchmarkId::new("exact_filters", n), |b| {
+            b.iter(|| table.plain_peers(black_box(topic.as_bytes())).count())
+        });
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
+    peer_interest,
     access_checks,
     wildcard_match,
     group_pick,

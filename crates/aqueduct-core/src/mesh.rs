@@ -26,7 +26,7 @@
 //! peer's, as advertised) and takes the next one round-robin (one counter per group on N); the
 //! copy goes to the node where that member is connected, which gives it to one of its members.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -86,18 +86,83 @@ pub struct Update {
 }
 
 /// What one node wants.
+///
+/// Besides the counts, kept by key, the keys are indexed for routing, which asks on every
+/// publish which peers want the topic: filters without a wildcard (most subscriptions) are
+/// looked up by their bytes, and only those with one are matched one by one. So a peer with many
+/// exact subscriptions costs a publish a hash lookup, not a match test per subscription.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Interest {
     counts: BTreeMap<Key, u32>,
+    /// Plain filters without a wildcard, by their bytes.
+    exact_plain: HashSet<Box<[u8]>>,
+    /// Groups whose filter has no wildcard, by the filter's bytes, with their counts.
+    exact_groups: HashMap<Box<[u8]>, BTreeMap<GroupKey, u32>>,
+    /// Keys (plain or group) whose filter has a wildcard, with their counts.
+    wild: BTreeMap<Key, u32>,
 }
 
 impl Interest {
     /// Set one key's count.
     pub fn apply(&mut self, u: &Update) {
         if u.count == 0 {
-            self.counts.remove(&u.key);
+            if self.counts.remove(&u.key).is_some() {
+                self.unindex(&u.key);
+            }
         } else {
             self.counts.insert(u.key.clone(), u.count);
+            self.index(&u.key, u.count);
+        }
+    }
+
+    /// Put `key` with `count` in the routing index.
+    fn index(&mut self, key: &Key, count: u32) {
+        match key {
+            Key::Plain(f) if f.is_wildcard() => {
+                self.wild.insert(key.clone(), count);
+            }
+            Key::Group(g) if g.filter.is_wildcard() => {
+                self.wild.insert(key.clone(), count);
+            }
+            Key::Plain(f) => {
+                if !self.exact_plain.contains(f.as_bytes()) {
+                    self.exact_plain.insert(f.as_bytes().into());
+                }
+            }
+            Key::Group(g) => match self.exact_groups.get_mut(g.filter.as_bytes()) {
+                Some(groups) => {
+                    groups.insert(g.clone(), count);
+                }
+                None => {
+                    self.exact_groups.insert(
+                        g.filter.as_bytes().into(),
+                        BTreeMap::from([(g.clone(), count)]),
+                    );
+                }
+            },
+        }
+    }
+
+    /// Take `key` out of the routing index.
+    fn unindex(&mut self, key: &Key) {
+        match key {
+            Key::Plain(f) if f.is_wildcard() => {
+                self.wild.remove(key);
+            }
+            Key::Group(g) if g.filter.is_wildcard() => {
+                self.wild.remove(key);
+            }
+            Key::Plain(f) => {
+                self.exact_plain.remove(f.as_bytes());
+            }
+            Key::Group(g) => {
+                if let Some(groups) = self.exact_groups.get_mut(g.filter.as_bytes()) {
+                    groups.remove(g);
+                    if groups.is_empty() {
+                        self.exact_groups.remove(g.filter.as_bytes());
+                    }
+                }
+            }
         }
     }
 
@@ -121,9 +186,10 @@ impl Interest {
 
     /// [`wants_plain`](Self::wants_plain) on a topic's bytes (no allocation).
     pub fn wants_plain_bytes(&self, topic: &[u8]) -> bool {
-        self.counts.keys().any(
-            |k| matches!(k, Key::Plain(f) if crate::matching::matches_bytes(f.as_bytes(), topic)),
-        )
+        self.exact_plain.contains(topic)
+            || self.wild.keys().any(
+                |k| matches!(k, Key::Plain(f) if crate::matching::matches_bytes(f.as_bytes(), topic)),
+            )
     }
 
     /// Groups whose filter matches `topic`, with their member counts here.
@@ -139,12 +205,18 @@ impl Interest {
         &'a self,
         topic: &'a [u8],
     ) -> impl Iterator<Item = (&'a GroupKey, u32)> + 'a {
-        self.counts.iter().filter_map(move |(k, n)| match k {
+        let exact = self
+            .exact_groups
+            .get(topic)
+            .into_iter()
+            .flat_map(|groups| groups.iter().map(|(g, n)| (g, *n)));
+        let wild = self.wild.iter().filter_map(move |(k, n)| match k {
             Key::Group(g) if crate::matching::matches_bytes(g.filter.as_bytes(), topic) => {
                 Some((g, *n))
             }
             _ => None,
-        })
+        });
+        exact.chain(wild)
     }
 
     /// Keys with a count.
@@ -1232,6 +1304,73 @@ mod tests {
 
     fn topic(t: &str) -> TopicName {
         TopicName::try_from(t).expect("topic")
+    }
+
+    /// The routing index against a scan of every key: for any sequence of updates (keys
+    /// added, changed and removed) and any topic, the same peers want it plainly and the same
+    /// groups with the same counts match. The index stays consistent with the counts (so
+    /// equal counts make equal interests).
+    mod index_model {
+        use super::*;
+        use proptest::prelude::*;
+
+        const FILTERS: [&str; 10] = [
+            "a", "a/b", "a/+", "a/#", "#", "+/b", "$sys/x", "+/+", "b", "$sys/#",
+        ];
+        const TOPICS: [&str; 7] = ["a", "a/b", "a/c", "b", "b/b", "$sys/x", "c/d/e"];
+
+        fn key(i: usize, as_group: bool, g: usize) -> Key {
+            if as_group {
+                Key::Group(group(FILTERS[i], ["w", "x"][g]))
+            } else {
+                plain(FILTERS[i])
+            }
+        }
+
+        proptest! {
+            #[test]
+            fn the_index_answers_as_a_scan_of_every_key(
+                ops in proptest::collection::vec(
+                    (0..FILTERS.len(), any::<bool>(), 0..2usize, 0..3u32), 0..40)
+            ) {
+                let mut interest = Interest::default();
+                let mut again = Interest::default();
+                for (i, as_group, g, count) in ops {
+                    let u = Update { key: key(i, as_group, g), count };
+                    interest.apply(&u);
+                    // The same counts reached another way: set, then set again.
+                    again.apply(&Update { key: u.key.clone(), count: count + 1 });
+                    again.apply(&u);
+                }
+                prop_assert_eq!(&interest, &again);
+                for t in TOPICS {
+                    let scan_plain = interest.counts.keys().any(|k| {
+                        matches!(k, Key::Plain(f)
+                            if crate::matching::matches_bytes(f.as_bytes(), t.as_bytes()))
+                    });
+                    prop_assert_eq!(interest.wants_plain_bytes(t.as_bytes()), scan_plain, "{}", t);
+                    let mut scan_groups: Vec<(GroupKey, u32)> = interest
+                        .counts
+                        .iter()
+                        .filter_map(|(k, n)| match k {
+                            Key::Group(g)
+                                if crate::matching::matches_bytes(g.filter.as_bytes(), t.as_bytes()) =>
+                            {
+                                Some((g.clone(), *n))
+                            }
+                            _ => None,
+                        })
+                        .collect();
+                    let mut indexed: Vec<(GroupKey, u32)> = interest
+                        .groups_for_bytes(t.as_bytes())
+                        .map(|(g, n)| (g.clone(), n))
+                        .collect();
+                    scan_groups.sort();
+                    indexed.sort();
+                    prop_assert_eq!(indexed, scan_groups, "{}", t);
+                }
+            }
+        }
     }
 
     fn connected(m: &mut Mesh, conn: u64, peer: &str, interest: &[(Key, u32)]) {
