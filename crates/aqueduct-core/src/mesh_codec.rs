@@ -21,6 +21,9 @@ use aqueduct_proto::{GroupId, TopicFilter};
 
 /// Largest encoded control message (a snapshot of a node's whole interest).
 pub const MAX_CONTROL: usize = 16 << 20;
+/// Groups one forwarded record may name (mesh-protocol.md §4): with 255-byte names its routing
+/// stays well under its 64 KiB length field; a copy for more groups is sent as several records.
+pub const MAX_GROUPS_PER_RECORD: usize = 32;
 
 /// Why bytes are not a mesh message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -269,6 +272,11 @@ pub fn decode_forward(buf: &[u8]) -> Result<Forward, MeshCodecError> {
         return Err(r.invalid(format!("unknown flags 0x{flags:02x}")));
     }
     let n = r.u8()?;
+    if usize::from(n) > MAX_GROUPS_PER_RECORD {
+        return Err(r.invalid(format!(
+            "{n} groups in one record (at most {MAX_GROUPS_PER_RECORD})"
+        )));
+    }
     let mut groups = Vec::with_capacity(n as usize);
     for _ in 0..n {
         groups.push(GroupKey {
@@ -451,5 +459,22 @@ mod tests {
         assert_eq!(decode_forward(&buf), Ok(fwd));
         assert!(decode_forward(&buf[..buf.len() - 1]).is_err());
         assert!(decode_forward(&[4, 0, 0]).is_err(), "unknown flag");
+    }
+
+    /// A record names at most `MAX_GROUPS_PER_RECORD` groups (what senders split at).
+    #[test]
+    fn a_record_with_more_groups_than_senders_make_is_refused() {
+        let forward = |n: usize| Forward {
+            plain: false,
+            groups: (0..n).map(|i| g(&format!("jobs/{i}"), "w")).collect(),
+            visited: Vec::new(),
+        };
+        let mut buf = Vec::new();
+        encode_forward(&forward(MAX_GROUPS_PER_RECORD), &mut buf);
+        assert_eq!(decode_forward(&buf), Ok(forward(MAX_GROUPS_PER_RECORD)));
+        let mut buf = Vec::new();
+        encode_forward(&forward(MAX_GROUPS_PER_RECORD + 1), &mut buf);
+        let e = decode_forward(&buf).expect_err("one group too many");
+        assert!(e.to_string().contains("at most 32"), "{e}");
     }
 }

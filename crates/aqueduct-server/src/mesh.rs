@@ -47,8 +47,9 @@ use crate::cluster::Compression;
 use crate::durable::Durable;
 use crate::mesh_tls::{MeshTls, MESH_NAME};
 
-/// Groups named in one record (255-byte names: its routing stays well under 64 KiB).
-const GROUPS_PER_RECORD: usize = 32;
+/// Groups named in one record: what the receiver takes (255-byte names: its routing stays well
+/// under 64 KiB).
+const GROUPS_PER_RECORD: usize = aqueduct_core::mesh_codec::MAX_GROUPS_PER_RECORD;
 /// A dial that takes longer fails (and is retried after the backoff).
 const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// A peer address that keeps failing is warned about again after this long (or at once when
