@@ -34,6 +34,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aqueduct_proto::{GroupId, TopicFilter, TopicName};
+use bytes::Bytes;
 
 /// A node's name in the mesh: the Common Name of its peer certificate.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -94,10 +95,10 @@ pub struct Update {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Interest {
     counts: BTreeMap<Key, u32>,
-    /// Plain filters without a wildcard, by their bytes.
-    exact_plain: HashSet<Box<[u8]>>,
+    /// Plain filters without a wildcard, by their bytes (sharing the filter's buffer).
+    exact_plain: HashSet<Bytes>,
     /// Groups whose filter has no wildcard, by the filter's bytes, with their counts.
-    exact_groups: HashMap<Box<[u8]>, BTreeMap<GroupKey, u32>>,
+    exact_groups: HashMap<Bytes, BTreeMap<GroupKey, u32>>,
     /// Keys (plain or group) whose filter has a wildcard, with their counts.
     wild: BTreeMap<Key, u32>,
 }
@@ -126,7 +127,7 @@ impl Interest {
             }
             Key::Plain(f) => {
                 if !self.exact_plain.contains(f.as_bytes()) {
-                    self.exact_plain.insert(f.as_bytes().into());
+                    self.exact_plain.insert(f.to_bytes());
                 }
             }
             Key::Group(g) => match self.exact_groups.get_mut(g.filter.as_bytes()) {
@@ -134,10 +135,8 @@ impl Interest {
                     groups.insert(g.clone(), count);
                 }
                 None => {
-                    self.exact_groups.insert(
-                        g.filter.as_bytes().into(),
-                        BTreeMap::from([(g.clone(), count)]),
-                    );
+                    self.exact_groups
+                        .insert(g.filter.to_bytes(), BTreeMap::from([(g.clone(), count)]));
                 }
             },
         }

@@ -599,6 +599,9 @@ pub struct MeshHandle {
     pub interest_refused: Arc<AtomicU64>,
     /// Connections a peer opened beyond [`MAX_CONNECTIONS_PER_PEER`] at once: closed at once.
     pub connections_refused: Arc<AtomicU64>,
+    /// Connections a peer closed because this node's interest is beyond its
+    /// `cluster.max_peer_interest`.
+    pub refused_by_peer: Arc<AtomicU64>,
     /// The broker, to ask whether a group picked here still has a member here (weak: the
     /// broker's listeners hold this handle).
     broker: std::sync::Weak<Broker>,
@@ -924,6 +927,7 @@ pub(crate) fn new(
         control_overflows: Arc::new(AtomicU64::new(0)),
         interest_refused: Arc::new(AtomicU64::new(0)),
         connections_refused: Arc::new(AtomicU64::new(0)),
+        refused_by_peer: Arc::new(AtomicU64::new(0)),
         broker: Arc::downgrade(&broker),
     };
     let out = (
@@ -1082,7 +1086,7 @@ impl Driver {
                         let what = format!(
                             "cluster peer {node} opened more than {MAX_CONNECTIONS_PER_PEER} mesh connections at once: closing the new one"
                         );
-                        if refusals_warned.due(&node, now) {
+                        if refusals_warned.due(&node, Refusal::Connections, now) {
                             warn!("{what}");
                         } else {
                             debug!("{what}");
@@ -1162,13 +1166,14 @@ impl Driver {
                     self.mesh.handle_disconnected(now, conn);
                 }
                 Some(Event::RefusedByPeer { conn }) => {
+                    self.handle.refused_by_peer.fetch_add(1, Ordering::Relaxed);
                     if let Some(link) = conns.get(&conn) {
                         let what = format!(
                             "cluster peer {} closed its connection because this node's interest ({} topic filters and consumer groups) is more than its cluster.max_peer_interest allows: raise the limit there, or subscribe to fewer distinct filters here; dialing it again with a growing wait",
                             link.node,
                             self.mesh.local().len()
                         );
-                        if refusals_warned.due(&link.node, now) {
+                        if refusals_warned.due(&link.node, Refusal::OurInterest, now) {
                             warn!("{what}");
                         } else {
                             debug!("{what}");
@@ -1213,7 +1218,7 @@ impl Driver {
                                         link.node,
                                         self.mesh.max_peer_interest()
                                     );
-                                    if refusals_warned.due(&link.node, now) {
+                                    if refusals_warned.due(&link.node, Refusal::ItsInterest, now) {
                                         warn!("{what}");
                                     } else {
                                         debug!("{what}");
@@ -1477,12 +1482,10 @@ fn explain_dial_failure(addr: SocketAddr, why: &str) -> String {
     format!("{why}; {hint}")
 }
 
-/// Log why a peer closed a mesh connection, when it refused it (NOT_AUTHORIZED: this node's
-/// certificate is not a peer certificate it takes); the other closes (shutdown, a duplicate
-/// retired) are routine.
-/// Warn about a peer's refusal of this connection (its certificate not taken as a peer's);
-/// returns true if the peer closed it for this node's interest
-/// ([`aqueduct_core::mesh::INTEREST_LIMIT`]), which the driver warns about.
+/// Look at why a connection ended. Warns if the peer refused it (NOT_AUTHORIZED: this node's
+/// certificate is not a peer certificate it takes); returns true if the peer closed it for
+/// this node's interest ([`aqueduct_core::mesh::INTEREST_LIMIT`]), which the driver warns
+/// about. The other closes (shutdown, a duplicate retired) are routine.
 fn note_peer_close(e: &quinn::ConnectionError) -> bool {
     if let quinn::ConnectionError::ApplicationClosed(c) = e {
         if c.error_code == quinn::VarInt::from(aqueduct_proto::ErrorCode::NOT_AUTHORIZED.0) {
@@ -1903,6 +1906,28 @@ async fn write_copies(
 /// One mesh connection, both ways: this node's control messages and copies on two
 /// unidirectional streams of its own, the peer's read from the two it opens (control messages
 /// to the driver, copies published here to the local plain subscribers), until either ends.
+/// Sends [`Event::Closed`] for a connection when dropped unless disarmed: its task ended
+/// without saying so (a panic).
+struct ClosedOnDrop {
+    events: mpsc::UnboundedSender<Event>,
+    conn: Option<ConnId>,
+}
+
+impl ClosedOnDrop {
+    /// The task reports its end itself.
+    fn disarm(&mut self) {
+        self.conn = None;
+    }
+}
+
+impl Drop for ClosedOnDrop {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            let _ = self.events.send(Event::Closed { conn });
+        }
+    }
+}
+
 async fn serve_peer(link: PeerTask) {
     let PeerTask {
         conn,
@@ -1918,6 +1943,12 @@ async fn serve_peer(link: PeerTask) {
         durable,
         block_timeout,
     } = link;
+    // The driver hears that this connection is gone even if this task panics: it counts the
+    // connections each peer has (MAX_CONNECTIONS_PER_PEER).
+    let mut closed_on_drop = ClosedOnDrop {
+        events: events.clone(),
+        conn: Some(id),
+    };
     // A retired connection is closed only once each end has *published* what the other wrote
     // on it: the QUIC acknowledgement of a stream's data and FIN only says it was received, and
     // closing then would cut off the copies the peer has not published yet. Each end says it is
@@ -2231,12 +2262,9 @@ async fn serve_peer(link: PeerTask) {
                     .as_mut()
                     .reset(tokio::time::Instant::now() + RETIRE_WAIT);
             }
-            e = conn.closed() => {
-                if note_peer_close(&e) {
-                    let _ = events.send(Event::RefusedByPeer { conn: id });
-                }
-                break End::Gone;
-            }
+            // Why it closed is looked at once the task ends (a read of a stream may see the
+            // close first).
+            _ = conn.closed() => break End::Gone,
             _ = &mut retired_for_long => {
                 warn!(conn = id.0, "a retired mesh connection did not finish within {RETIRE_WAIT:?}: closed; copies on it may be lost");
                 break End::Gone;
@@ -2281,27 +2309,44 @@ async fn serve_peer(link: PeerTask) {
     } else if *leaving.borrow() {
         conn.close(0u32.into(), SHUTTING_DOWN);
     }
+    if conn.close_reason().as_ref().is_some_and(note_peer_close) {
+        let _ = events.send(Event::RefusedByPeer { conn: id });
+    }
+    closed_on_drop.disarm();
     let _ = events.send(match end {
         End::Gone | End::PeerRetired | End::SentAll => Event::Closed { conn: id },
         End::Broken(why) => Event::Broken { conn: id, why },
     });
 }
 
-/// Refusals for interest beyond the limit (either way), per peer: warned about once, and again
-/// after [`DIAL_WARN_EVERY`] (a node whose interest stays too large is refused at every
-/// reconnect); the others are logged at debug level.
+/// Refusals (interest beyond the limit, either way; too many connections), per peer and kind:
+/// each warned about once, and again after [`DIAL_WARN_EVERY`] (a node whose interest stays
+/// too large is refused at every reconnect); the others are logged at debug level.
 #[derive(Debug, Default)]
-struct RefusalsWarned(HashMap<NodeId, Instant>);
+struct RefusalsWarned(HashMap<(NodeId, Refusal), Instant>);
+
+/// What a [`RefusalsWarned`] warning is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Refusal {
+    /// The peer sent more interest than this node takes.
+    ItsInterest,
+    /// The peer did not take this node's interest.
+    OurInterest,
+    /// The peer opened too many connections.
+    Connections,
+}
 
 impl RefusalsWarned {
-    /// Whether a refusal involving `node` at `now` is to be warned about (and note it if so).
-    fn due(&mut self, node: &NodeId, now: Instant) -> bool {
+    /// Whether a refusal of `kind` involving `node` at `now` is to be warned about (and note it
+    /// if so).
+    fn due(&mut self, node: &NodeId, kind: Refusal, now: Instant) -> bool {
+        let key = (node.clone(), kind);
         let due = self
             .0
-            .get(node)
+            .get(&key)
             .is_none_or(|at| now.duration_since(*at) >= DIAL_WARN_EVERY);
         if due {
-            self.0.insert(node.clone(), now);
+            self.0.insert(key, now);
         }
         due
     }
@@ -2670,6 +2715,7 @@ mod tests {
             control_overflows: Arc::default(),
             interest_refused: Arc::default(),
             connections_refused: Arc::default(),
+            refused_by_peer: Arc::default(),
             broker: std::sync::Weak::new(),
         };
         (handle, queues)

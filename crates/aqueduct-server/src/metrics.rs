@@ -283,6 +283,12 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
             .load(std::sync::atomic::Ordering::Relaxed),
     );
     out.single(
+        "aqueduct_mesh_interest_refused_by_peer_total",
+        "counter",
+        "Mesh connections a peer closed because this node's interest went beyond its cluster.max_peer_interest.",
+        mesh.refused_by_peer.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    out.single(
         "aqueduct_mesh_group_handovers_total",
         "counter",
         "Consumer-group messages given to a member on another node because no member was left here.",

@@ -274,6 +274,15 @@ async fn a_peer_with_more_interest_than_the_limit_is_disconnected() {
                 .all(|f| !wants(&c.nodes[0], "node-1", f))
     })
     .await;
+    // Node 1 sees why (the close reason) and counts it.
+    let mesh1 = c.nodes[1].control.mesh().expect("cluster on");
+    until("node 1 to see its interest refused", || {
+        mesh1
+            .refused_by_peer
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1
+    })
+    .await;
     // Node 1 redials (after a growing wait) and is refused again while it has three.
     until("node 0 to refuse node 1's next connection too", || {
         refused() >= 2
