@@ -92,7 +92,7 @@ pub struct Update {
 /// publish which peers want the topic: filters without a wildcard (most subscriptions) are
 /// looked up by their bytes, and only those with one are matched one by one. So a peer with many
 /// exact subscriptions costs a publish a hash lookup, not a match test per subscription.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Clone, Default, PartialEq, Eq)]
 pub struct Interest {
     counts: BTreeMap<Key, u32>,
     /// Plain filters without a wildcard, by their bytes (sharing the filter's buffer).
@@ -101,6 +101,15 @@ pub struct Interest {
     exact_groups: HashMap<Bytes, BTreeMap<GroupKey, u32>>,
     /// Keys (plain or group) whose filter has a wildcard, with their counts.
     wild: BTreeMap<Key, u32>,
+}
+
+/// The counts only: the routing index is derived from them.
+impl fmt::Debug for Interest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Interest")
+            .field("counts", &self.counts)
+            .finish()
+    }
 }
 
 impl Interest {
