@@ -26,7 +26,7 @@
 //! peer's, as advertised) and takes the next one round-robin (one counter per group on N); the
 //! copy goes to the node where that member is connected, which gives it to one of its members.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -79,6 +79,16 @@ pub enum Key {
     Group(GroupKey),
 }
 
+impl Key {
+    /// The key's topic filter (a group's own).
+    pub fn filter(&self) -> &TopicFilter {
+        match self {
+            Key::Plain(f) => f,
+            Key::Group(g) => &g.filter,
+        }
+    }
+}
+
 /// The absolute count of one key (0: gone).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Update {
@@ -88,26 +98,27 @@ pub struct Update {
 
 /// What one node wants.
 ///
-/// Besides the counts, kept by key, the keys are indexed for routing, which asks on every
-/// publish which peers want the topic: filters without a wildcard (most subscriptions) are
-/// looked up by their bytes, and only those with one are matched one by one. So a peer with many
-/// exact subscriptions costs a publish a hash lookup, not a match test per subscription.
+/// The keys are held as routing asks for them, on every publish, which peers want the topic:
+/// filters without a wildcard (most subscriptions) by their bytes, looked up, and those with one
+/// in a list matched one by one. So a peer with many exact subscriptions costs a publish a hash
+/// lookup, not a match test per subscription.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct Interest {
-    counts: BTreeMap<Key, u32>,
-    /// Plain filters without a wildcard, by their bytes (sharing the filter's buffer).
-    exact_plain: HashSet<Bytes>,
+    /// Plain filters without a wildcard, by their bytes (the filter's own buffer), with their
+    /// counts.
+    exact_plain: HashMap<Bytes, (TopicFilter, u32)>,
     /// Groups whose filter has no wildcard, by the filter's bytes, with their counts.
     exact_groups: HashMap<Bytes, BTreeMap<GroupKey, u32>>,
     /// Keys (plain or group) whose filter has a wildcard, with their counts.
     wild: BTreeMap<Key, u32>,
+    /// Keys in all three (asked at every update, to hold a peer to its limit).
+    len: usize,
 }
 
-/// The counts only: the routing index is derived from them.
 impl fmt::Debug for Interest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Interest")
-            .field("counts", &self.counts)
+        f.debug_map()
+            .entries(self.updates().into_iter().map(|u| (u.key, u.count)))
             .finish()
     }
 }
@@ -115,68 +126,59 @@ impl fmt::Debug for Interest {
 impl Interest {
     /// Set one key's count.
     pub fn apply(&mut self, u: &Update) {
-        if u.count == 0 {
-            if self.counts.remove(&u.key).is_some() {
-                self.unindex(&u.key);
-            }
-        } else {
-            self.counts.insert(u.key.clone(), u.count);
-            self.index(&u.key, u.count);
-        }
-    }
-
-    /// Put `key` with `count` in the routing index.
-    fn index(&mut self, key: &Key, count: u32) {
-        match key {
-            Key::Plain(f) if f.is_wildcard() => {
-                self.wild.insert(key.clone(), count);
-            }
-            Key::Group(g) if g.filter.is_wildcard() => {
-                self.wild.insert(key.clone(), count);
+        let (key, count) = (&u.key, u.count);
+        let existed = match key {
+            _ if key.filter().is_wildcard() => {
+                if count == 0 {
+                    self.wild.remove(key).is_some()
+                } else {
+                    self.wild.insert(key.clone(), count).is_some()
+                }
             }
             Key::Plain(f) => {
-                if !self.exact_plain.contains(f.as_bytes()) {
-                    self.exact_plain.insert(f.to_bytes());
+                if count == 0 {
+                    self.exact_plain.remove(f.as_bytes()).is_some()
+                } else {
+                    self.exact_plain
+                        .insert(f.to_bytes(), (f.clone(), count))
+                        .is_some()
                 }
             }
-            Key::Group(g) => match self.exact_groups.get_mut(g.filter.as_bytes()) {
-                Some(groups) => {
-                    groups.insert(g.clone(), count);
+            Key::Group(g) if count == 0 => {
+                let Some(groups) = self.exact_groups.get_mut(g.filter.as_bytes()) else {
+                    return;
+                };
+                let existed = groups.remove(g).is_some();
+                if groups.is_empty() {
+                    self.exact_groups.remove(g.filter.as_bytes());
                 }
-                None => {
-                    self.exact_groups
-                        .insert(g.filter.to_bytes(), BTreeMap::from([(g.clone(), count)]));
-                }
-            },
-        }
-    }
-
-    /// Take `key` out of the routing index.
-    fn unindex(&mut self, key: &Key) {
-        match key {
-            Key::Plain(f) if f.is_wildcard() => {
-                self.wild.remove(key);
+                existed
             }
-            Key::Group(g) if g.filter.is_wildcard() => {
-                self.wild.remove(key);
-            }
-            Key::Plain(f) => {
-                self.exact_plain.remove(f.as_bytes());
-            }
-            Key::Group(g) => {
-                if let Some(groups) = self.exact_groups.get_mut(g.filter.as_bytes()) {
-                    groups.remove(g);
-                    if groups.is_empty() {
-                        self.exact_groups.remove(g.filter.as_bytes());
-                    }
-                }
-            }
+            Key::Group(g) => self
+                .exact_groups
+                .entry(g.filter.to_bytes())
+                .or_default()
+                .insert(g.clone(), count)
+                .is_some(),
+        };
+        match (existed, count) {
+            (true, 0) => self.len -= 1,
+            (false, 1..) => self.len += 1,
+            _ => {}
         }
     }
 
     /// The count of `key` (0 if absent).
     pub fn count(&self, key: &Key) -> u32 {
-        self.counts.get(key).copied().unwrap_or(0)
+        match key {
+            _ if key.filter().is_wildcard() => self.wild.get(key).copied(),
+            Key::Plain(f) => self.exact_plain.get(f.as_bytes()).map(|(_, n)| *n),
+            Key::Group(g) => self
+                .exact_groups
+                .get(g.filter.as_bytes())
+                .and_then(|groups| groups.get(g).copied()),
+        }
+        .unwrap_or(0)
     }
 
     /// Add `delta` (±) to a key's count; returns the update to send.
@@ -194,7 +196,7 @@ impl Interest {
 
     /// [`wants_plain`](Self::wants_plain) on a topic's bytes (no allocation).
     pub fn wants_plain_bytes(&self, topic: &[u8]) -> bool {
-        self.exact_plain.contains(topic)
+        self.exact_plain.contains_key(topic)
             || self.wild.keys().any(
                 |k| matches!(k, Key::Plain(f) if crate::matching::matches_bytes(f.as_bytes(), topic)),
             )
@@ -229,23 +231,43 @@ impl Interest {
 
     /// Keys with a count.
     pub fn len(&self) -> usize {
-        self.counts.len()
+        self.len
     }
 
     /// No key has a count.
     pub fn is_empty(&self) -> bool {
-        self.counts.is_empty()
+        self.len == 0
     }
 
-    /// Every key and count.
+    /// The groups with a count.
+    pub fn groups(&self) -> impl Iterator<Item = &GroupKey> + '_ {
+        let exact = self.exact_groups.values().flat_map(BTreeMap::keys);
+        let wild = self.wild.keys().filter_map(|k| match k {
+            Key::Group(g) => Some(g),
+            Key::Plain(_) => None,
+        });
+        exact.chain(wild)
+    }
+
+    /// Every key and count, in key order.
     pub fn updates(&self) -> Vec<Update> {
-        self.counts
-            .iter()
-            .map(|(key, &count)| Update {
-                key: key.clone(),
-                count,
-            })
-            .collect()
+        let plain = self
+            .exact_plain
+            .values()
+            .map(|(f, n)| (Key::Plain(f.clone()), *n));
+        let groups = self
+            .exact_groups
+            .values()
+            .flatten()
+            .map(|(g, n)| (Key::Group(g.clone()), *n));
+        let wild = self.wild.iter().map(|(k, n)| (k.clone(), *n));
+        let mut all: Vec<Update> = plain
+            .chain(groups)
+            .chain(wild)
+            .map(|(key, count)| Update { key, count })
+            .collect();
+        all.sort_unstable_by(|a, b| a.key.cmp(&b.key));
+        all
     }
 }
 
@@ -1051,11 +1073,9 @@ impl Mesh {
         nodes.sort_by(|a, b| a.0.cmp(&b.0));
         let mut counters = BTreeMap::new();
         for (_, interest) in &nodes {
-            for key in interest.counts.keys() {
-                if let Key::Group(g) = key {
-                    let c = self.rr.entry(g.clone()).or_default().clone();
-                    counters.insert(g.clone(), c);
-                }
+            for g in interest.groups() {
+                let c = self.rr.entry(g.clone()).or_default().clone();
+                counters.insert(g.clone(), c);
             }
         }
         // A group no node has any more takes its turn counter with it: group ids that come and
@@ -1314,10 +1334,10 @@ mod tests {
         TopicName::try_from(t).expect("topic")
     }
 
-    /// The routing index against a scan of every key: for any sequence of updates (keys
-    /// added, changed and removed) and any topic, the same peers want it plainly and the same
-    /// groups with the same counts match. The index stays consistent with the counts (so
-    /// equal counts make equal interests).
+    /// `Interest` against a model (a map of every key's count, scanned for matches): for any
+    /// sequence of updates (keys added, changed and removed) it holds the same counts, and for
+    /// any topic the same plain interest and the same groups with the same counts match. Equal
+    /// counts reached different ways make equal interests.
     mod index_model {
         use super::*;
         use proptest::prelude::*;
@@ -1337,35 +1357,60 @@ mod tests {
 
         proptest! {
             #[test]
-            fn the_index_answers_as_a_scan_of_every_key(
+            fn interest_answers_as_a_scan_of_every_key(
                 ops in proptest::collection::vec(
                     (0..FILTERS.len(), any::<bool>(), 0..2usize, 0..3u32), 0..40)
             ) {
                 let mut interest = Interest::default();
                 let mut again = Interest::default();
+                let mut model: BTreeMap<Key, u32> = BTreeMap::new();
                 for (i, as_group, g, count) in ops {
                     let u = Update { key: key(i, as_group, g), count };
                     interest.apply(&u);
                     // The same counts reached another way: set, then set again.
                     again.apply(&Update { key: u.key.clone(), count: count + 1 });
                     again.apply(&u);
+                    if count == 0 {
+                        model.remove(&u.key);
+                    } else {
+                        model.insert(u.key, count);
+                    }
                 }
                 prop_assert_eq!(&interest, &again);
+                prop_assert_eq!(interest.len(), model.len());
+                let want: Vec<Update> = model
+                    .iter()
+                    .map(|(key, &count)| Update { key: key.clone(), count })
+                    .collect();
+                prop_assert_eq!(interest.updates(), want);
+                for (i, as_group, g) in (0..FILTERS.len()).flat_map(|i| {
+                    [(i, false, 0), (i, true, 0), (i, true, 1)]
+                }) {
+                    let k = key(i, as_group, g);
+                    prop_assert_eq!(interest.count(&k), model.get(&k).copied().unwrap_or(0));
+                }
+                let mut groups: Vec<&GroupKey> = interest.groups().collect();
+                groups.sort();
+                let model_groups: Vec<&GroupKey> = model
+                    .keys()
+                    .filter_map(|k| match k {
+                        Key::Group(g) => Some(g),
+                        Key::Plain(_) => None,
+                    })
+                    .collect();
+                prop_assert_eq!(groups, model_groups);
                 for t in TOPICS {
-                    let scan_plain = interest.counts.keys().any(|k| {
-                        matches!(k, Key::Plain(f)
-                            if crate::matching::matches_bytes(f.as_bytes(), t.as_bytes()))
-                    });
+                    let matches = |f: &TopicFilter| {
+                        crate::matching::matches_bytes(f.as_bytes(), t.as_bytes())
+                    };
+                    let scan_plain = model
+                        .keys()
+                        .any(|k| matches!(k, Key::Plain(f) if matches(f)));
                     prop_assert_eq!(interest.wants_plain_bytes(t.as_bytes()), scan_plain, "{}", t);
-                    let mut scan_groups: Vec<(GroupKey, u32)> = interest
-                        .counts
+                    let scan_groups: Vec<(GroupKey, u32)> = model
                         .iter()
                         .filter_map(|(k, n)| match k {
-                            Key::Group(g)
-                                if crate::matching::matches_bytes(g.filter.as_bytes(), t.as_bytes()) =>
-                            {
-                                Some((g.clone(), *n))
-                            }
+                            Key::Group(g) if matches(&g.filter) => Some((g.clone(), *n)),
                             _ => None,
                         })
                         .collect();
@@ -1373,7 +1418,6 @@ mod tests {
                         .groups_for_bytes(t.as_bytes())
                         .map(|(g, n)| (g.clone(), n))
                         .collect();
-                    scan_groups.sort();
                     indexed.sort();
                     prop_assert_eq!(indexed, scan_groups, "{}", t);
                 }

@@ -57,9 +57,9 @@ const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 const DIAL_WARN_EVERY: Duration = Duration::from_secs(60);
 /// Mesh connections one node may have open to this one at a time, its dials and this node's
 /// together, counted until their tasks end: the one in use, one held or replacing it, and
-/// duplicates still being retired (for up to `RETIRE_WAIT` each) leave room to spare. A connection beyond is closed at once
-/// with [`TOO_MANY_CONNECTIONS`]: each costs a task, buffers and a snapshot of this node's
-/// interest.
+/// duplicates still being retired (for up to `RETIRE_WAIT` each) leave room to spare. A
+/// connection beyond is closed at once with [`TOO_MANY_CONNECTIONS`]: each costs a task,
+/// buffers and a snapshot of this node's interest.
 const MAX_CONNECTIONS_PER_PEER: usize = 8;
 /// The close reason of a connection beyond [`MAX_CONNECTIONS_PER_PEER`].
 const TOO_MANY_CONNECTIONS: &str = "too many mesh connections from this node";
@@ -1083,14 +1083,9 @@ impl Driver {
                         self.handle
                             .connections_refused
                             .fetch_add(1, Ordering::Relaxed);
-                        let what = format!(
+                        refusals_warned.log(&node, Refusal::Connections, now, || format!(
                             "cluster peer {node} opened more than {MAX_CONNECTIONS_PER_PEER} mesh connections at once: closing the new one"
-                        );
-                        if refusals_warned.due(&node, Refusal::Connections, now) {
-                            warn!("{what}");
-                        } else {
-                            debug!("{what}");
-                        }
+                        ));
                     } else {
                         let id = adopt(conn, &node, &mut conns, &mut tasks);
                         live.insert(id, node.clone());
@@ -1168,16 +1163,11 @@ impl Driver {
                 Some(Event::RefusedByPeer { conn }) => {
                     self.handle.refused_by_peer.fetch_add(1, Ordering::Relaxed);
                     if let Some(link) = conns.get(&conn) {
-                        let what = format!(
-                            "cluster peer {} closed its connection because this node's interest ({} topic filters and consumer groups) is more than its cluster.max_peer_interest allows: raise the limit there, or subscribe to fewer distinct filters here; dialing it again with a growing wait",
-                            link.node,
-                            self.mesh.local().len()
-                        );
-                        if refusals_warned.due(&link.node, Refusal::OurInterest, now) {
-                            warn!("{what}");
-                        } else {
-                            debug!("{what}");
-                        }
+                        let ours = self.mesh.local().len();
+                        refusals_warned.log(&link.node, Refusal::OurInterest, now, || format!(
+                            "cluster peer {} closed its connection because this node's interest ({ours} topic filters and consumer groups) is more than its cluster.max_peer_interest allows: raise the limit there, or subscribe to fewer distinct filters here; dialing it again with a growing wait",
+                            link.node
+                        ));
                     }
                     self.mesh.handle_refused_by_peer(conn);
                 }
@@ -1213,16 +1203,11 @@ impl Driver {
                                 if reason == aqueduct_core::mesh::RESTARTED {
                                     info!(peer = %link.node, "cluster peer restarted: its new connection replaces the old one");
                                 } else if reason == aqueduct_core::mesh::INTEREST_LIMIT {
-                                    let what = format!(
-                                        "cluster peer {} sent more interest (topic filters and consumer groups) than cluster.max_peer_interest ({}) allows: closing its connection, and dialing it again with a growing wait; raise the limit if its subscriptions are legitimate",
-                                        link.node,
-                                        self.mesh.max_peer_interest()
-                                    );
-                                    if refusals_warned.due(&link.node, Refusal::ItsInterest, now) {
-                                        warn!("{what}");
-                                    } else {
-                                        debug!("{what}");
-                                    }
+                                    let max = self.mesh.max_peer_interest();
+                                    refusals_warned.log(&link.node, Refusal::ItsInterest, now, || format!(
+                                        "cluster peer {} sent more interest (topic filters and consumer groups) than cluster.max_peer_interest ({max}) allows: closing its connection, and dialing it again with a growing wait; raise the limit if its subscriptions are legitimate",
+                                        link.node
+                                    ));
                                     self.handle.interest_refused.fetch_add(1, Ordering::Relaxed);
                                 } else {
                                     debug!(conn = conn.0, reason, "closing a mesh connection");
@@ -1903,9 +1888,6 @@ async fn write_copies(
     }
 }
 
-/// One mesh connection, both ways: this node's control messages and copies on two
-/// unidirectional streams of its own, the peer's read from the two it opens (control messages
-/// to the driver, copies published here to the local plain subscribers), until either ends.
 /// Sends [`Event::Closed`] for a connection when dropped unless disarmed: its task ended
 /// without saying so (a panic).
 struct ClosedOnDrop {
@@ -1928,6 +1910,9 @@ impl Drop for ClosedOnDrop {
     }
 }
 
+/// One mesh connection, both ways: this node's control messages and copies on two
+/// unidirectional streams of its own, the peer's read from the two it opens (control messages
+/// to the driver, copies published here to the local plain subscribers), until either ends.
 async fn serve_peer(link: PeerTask) {
     let PeerTask {
         conn,
@@ -2337,9 +2322,9 @@ enum Refusal {
 }
 
 impl RefusalsWarned {
-    /// Whether a refusal of `kind` involving `node` at `now` is to be warned about (and note it
-    /// if so).
-    fn due(&mut self, node: &NodeId, kind: Refusal, now: Instant) -> bool {
+    /// Log a refusal of `kind` involving `node` at `now`: as a warning if none of that kind was
+    /// warned about for that node in the last [`DIAL_WARN_EVERY`], otherwise at debug level.
+    fn log(&mut self, node: &NodeId, kind: Refusal, now: Instant, what: impl FnOnce() -> String) {
         let key = (node.clone(), kind);
         let due = self
             .0
@@ -2347,8 +2332,10 @@ impl RefusalsWarned {
             .is_none_or(|at| now.duration_since(*at) >= DIAL_WARN_EVERY);
         if due {
             self.0.insert(key, now);
+            warn!("{}", what());
+        } else {
+            debug!("{}", what());
         }
-        due
     }
 }
 
