@@ -20,6 +20,7 @@ broker and a nats-server running on their default ports:
 Machine noise shows up as episodes of dozens of messages with peaks of milliseconds, in both
 brokers' traces; a broker's own slow path shows up as many small episodes.
 """
+import argparse
 import statistics
 import sys
 
@@ -101,18 +102,13 @@ def analyse(path, threshold_ns):
 
 
 def main():
-    if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    if len(sys.argv) < 3:
-        print(__doc__)
-        return 2
-    try:
-        threshold_ns = int(float(sys.argv[1]) * 1000)
-    except ValueError:
-        sys.exit(f"latency-tail: THRESHOLD_US must be a number of microseconds, not {sys.argv[1]!r}")
-    for path in sys.argv[2:]:
-        analyse(path, threshold_ns)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("threshold_us", type=float, metavar="THRESHOLD_US",
+                    help="a message slower than this many microseconds is slow")
+    ap.add_argument("traces", nargs="+", metavar="FILE", help="latency traces (CSV)")
+    args = ap.parse_args()
+    for path in args.traces:
+        analyse(path, int(args.threshold_us * 1000))
     return 0
 
 

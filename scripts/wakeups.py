@@ -16,6 +16,7 @@ From the repository root, with a broker and a nats-server running on their defau
     perf script -i target/aq.data -F comm,pid,tid,cpu,time,event,trace > target/aq.txt
     python3 scripts/wakeups.py target/aq.txt
 """
+import argparse
 import collections
 import re
 import sys
@@ -95,13 +96,9 @@ def analyse(path):
 
 
 def main():
-    if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    if len(sys.argv) < 2:
-        print(__doc__)
-        return 2
-    for path in sys.argv[1:]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("traces", nargs="+", metavar="FILE", help="`perf script` output")
+    for path in ap.parse_args().traces:
         analyse(path)
     return 0
 
