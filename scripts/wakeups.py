@@ -13,7 +13,7 @@ From the repository root, with a broker and a nats-server running on their defau
     E=sched:sched_wakeup,sched:sched_switch,power:cpu_idle
     perf record -q -o target/aq.data -e $E -a -- target/release/aqueduct bench --rate 10000 \\
         --duration 3s --batch 1 --payload-size 128 --warmup 1000
-    perf script -i target/aq.data -F comm,pid,tid,cpu,time,event,trace > target/aq.txt
+    perf script -i target/aq.data -F comm,pid,tid,cpu,time,event,trace > target/aq.txt 2>/dev/null
     python3 scripts/wakeups.py target/aq.txt
 """
 import argparse
