@@ -227,12 +227,15 @@ fn access_checks(c: &mut Criterion) {
     });
 }
 
-/// Which cluster peers want a topic, asked on every publish: one peer with `n` exact filters
-/// (`tenant<i>/orders`) and 10 wildcard ones, and a topic one of the exact ones names.
+/// Which cluster peers want a topic, asked on every publish, against how many filters a peer
+/// has. `exact_filters`: `n` exact filters (`tenant<i>/orders`) and 10 wildcard ones, and a
+/// topic one exact filter names. `wildcard_filters`: `n` wildcard filters
+/// (`tenant<i>/+/orders`) and a topic one of them matches. `wildcard_groups`: the whole route
+/// (plain copies and group picks) with `n` wildcard groups (`tenant<i>/+/jobs`, group `w`).
 fn peer_interest(c: &mut Criterion) {
     use aqueduct_core::mesh::{ConnId, Control, Interest, Key, Mesh, MeshConfig, NodeId, Update};
-    let mut g = c.benchmark_group("mesh_peers_wanting_a_topic");
-    for n in [10usize, 10_000, 100_000] {
+    use aqueduct_proto::GroupId;
+    fn table_with(keys: impl Iterator<Item = Key>) -> aqueduct_core::mesh::RouteTable {
         let mut mesh = Mesh::new(
             NodeId::try_from("a").expect("node"),
             MeshConfig::default(),
@@ -242,12 +245,76 @@ fn peer_interest(c: &mut Criterion) {
         let peer = NodeId::try_from("b").expect("node");
         assert!(mesh.handle_connected(Instant::now(), ConnId(1), peer, None, false));
         let mut interest = Interest::default();
-        let filters = (0..n)
-            .map(|i| format!("tenant{i}/orders"))
-            .chain((0..10).map(|i| format!("region{i}/+/orders/#")));
-        for f in filters {
+        for key in keys {
+            interest.apply(&Update { key, count: 1 });
+        }
+        assert!(mesh.handle_control(
+            ConnId(1),
+            Control::Snapshot {
+                session: 1,
+                seq: 0,
+                interest
+            }
+        ));
+        mesh.table()
+    }
+    let filter = |f: String| TopicFilter::try_from(f.as_str()).expect("filter");
+    let mut g = c.benchmark_group("mesh_peers_wanting_a_topic");
+    for n in [10usize, 10_000, 100_000] {
+        let table = table_with(
+            (0..n)
+                .map(|i| format!("tenant{i}/orders"))
+                .chain((0..10).map(|i| format!("region{i}/+/orders/#")))
+                .map(|f| Key::Plain(filter(f))),
+        );
+        let topic = format!("tenant{}/orders", n / 2);
+        assert_eq!(table.plain_peers(topic.as_bytes()).count(), 1);
+        g.bench_function(BenchmarkId::new("exact_filters", n), |b| {
+            b.iter(|| table.plain_peers(black_box(topic.as_bytes())).count())
+        });
+    }
+    for n in [10usize, 1_000, 10_000] {
+        let table = table_with((0..n).map(|i| Key::Plain(filter(format!("tenant{i}/+/orders")))));
+        let topic = format!("tenant{}/eu/orders", n / 2);
+        assert_eq!(table.plain_peers(topic.as_bytes()).count(), 1);
+        g.bench_function(BenchmarkId::new("wildcard_filters", n), |b| {
+            b.iter(|| table.plain_peers(black_box(topic.as_bytes())).count())
+        });
+        let table = table_with((0..n).map(|i| {
+            Key::Group(aqueduct_core::mesh::GroupKey {
+                filter: filter(format!("tenant{i}/+/jobs")),
+                group: GroupId::try_from("w").expect("group"),
+            })
+        }));
+        let topic = format!("tenant{}/eu/jobs", n / 2);
+        assert_eq!(table.route_bytes(topic.as_bytes()).forward.len(), 1);
+        g.bench_function(BenchmarkId::new("wildcard_groups", n), |b| {
+            b.iter(|| table.route_bytes(black_box(topic.as_bytes())))
+        });
+    }
+    g.finish();
+    // The routing snapshot is rebuilt (every node's interest copied) after each change of
+    // interest: what that costs with a peer's `n` filters.
+    let mut g = c.benchmark_group("mesh_route_table_rebuild");
+    for (kind, wild) in [("exact_filters", false), ("wildcard_filters", true)] {
+        let n = 10_000;
+        let mut mesh = Mesh::new(
+            NodeId::try_from("a").expect("node"),
+            MeshConfig::default(),
+            1,
+            1,
+        );
+        let peer = NodeId::try_from("b").expect("node");
+        assert!(mesh.handle_connected(Instant::now(), ConnId(1), peer, None, false));
+        let mut interest = Interest::default();
+        for i in 0..n {
+            let f = if wild {
+                format!("tenant{i}/+/orders")
+            } else {
+                format!("tenant{i}/orders")
+            };
             interest.apply(&Update {
-                key: Key::Plain(TopicFilter::try_from(f.as_str()).expect("filter")),
+                key: Key::Plain(filter(f)),
                 count: 1,
             });
         }
@@ -259,12 +326,35 @@ fn peer_interest(c: &mut Criterion) {
                 interest
             }
         ));
-        let table = mesh.table();
-        let topic = format!("tenant{}/orders", n / 2);
-        assert_eq!(table.plain_peers(topic.as_bytes()).count(), 1);
-        g.bench_function(BenchmarkId::new("exact_filters", n), |b| {
-            b.iter(|| table.plain_peers(black_box(topic.as_bytes())).count())
+        g.bench_function(BenchmarkId::new(kind, n), |b| b.iter(|| mesh.table()));
+        // A change of one of the peer's keys (a delta), then the rebuild, while the snapshot
+        // made before it is still held (as the server holds the one in force).
+        let key = Key::Plain(filter(if wild {
+            "tenant0/+/orders".to_string()
+        } else {
+            "tenant0/orders".to_string()
+        }));
+        let mut held = mesh.table();
+        let mut seq = 0u64;
+        g.bench_function(BenchmarkId::new(format!("change_then_{kind}"), n), |b| {
+            b.iter(|| {
+                seq += 1;
+                let count = 1 + (seq % 2) as u32;
+                assert!(mesh.handle_control(
+                    ConnId(1),
+                    Control::Delta {
+                        session: 1,
+                        seq,
+                        updates: vec![Update {
+                            key: key.clone(),
+                            count
+                        }],
+                    }
+                ));
+                held = mesh.table();
+            })
         });
+        assert_eq!(held.nodes().len(), 2);
     }
     g.finish();
 }

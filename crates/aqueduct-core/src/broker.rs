@@ -306,13 +306,15 @@ impl Default for SubscribeOptions {
     }
 }
 
-#[derive(Debug)]
+/// `Clone` only because the index's trie nodes are copy-on-write (index.rs): the broker's
+/// index is never cloned, so no route is ever copied.
+#[derive(Debug, Clone)]
 enum Route {
     Plain(Arc<Subscriber>),
     Group(GroupEntry),
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct GroupEntry {
     shared: Arc<GroupShared>,
     members: Vec<Arc<Subscriber>>,

@@ -19,6 +19,15 @@ pub struct RoundRobin {
     cursor: AtomicUsize,
 }
 
+/// A copy continues from the same turn.
+impl Clone for RoundRobin {
+    fn clone(&self) -> RoundRobin {
+        RoundRobin {
+            cursor: AtomicUsize::new(self.cursor.load(Relaxed)),
+        }
+    }
+}
+
 impl RoundRobin {
     /// The next member in turn for which `eligible` holds; `None` if no member is eligible.
     pub fn pick<'a, T>(&self, members: &'a [T], eligible: impl Fn(&T) -> bool) -> Option<&'a T> {

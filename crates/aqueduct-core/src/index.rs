@@ -5,24 +5,30 @@
 //! plus a walk over the trie paths that can match it, so it does not grow with the number of
 //! subscriptions that do not match. Nodes emptied by removals are pruned, so memory follows the
 //! live subscriptions.
+//!
+//! Trie nodes are shared, copy-on-write, between an index and its clones: a clone costs the
+//! root's map of references, and a change to either copies only the nodes on its path that the
+//! other still holds. (The cluster clones peers' wildcard interest into every routing snapshot;
+//! the broker's own index is never cloned, so its nodes are never copied.)
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use aqueduct_proto::{TopicFilter, TopicName};
 use foldhash::fast::RandomState;
 
 /// A map from topic filters to entries of type `V`, queried by topic name.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct SubscriptionIndex<V> {
     exact: HashMap<TopicName, Vec<V>, RandomState>,
     root: Node<V>,
     len: usize,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Node<V> {
-    children: HashMap<Box<[u8]>, Node<V>, RandomState>,
-    plus: Option<Box<Node<V>>>,
+    children: HashMap<Arc<[u8]>, Arc<Node<V>>, RandomState>,
+    plus: Option<Arc<Node<V>>>,
     /// Entries whose filter ends with `#` right after this node's level.
     hash: Vec<V>,
     /// Entries whose filter ends at this node.
@@ -77,6 +83,57 @@ impl<V> SubscriptionIndex<V> {
         self.len == 0
     }
 
+    /// The entries stored under exactly `filter`.
+    pub fn entries(&self, filter: &TopicFilter) -> &[V] {
+        if filter.as_topic().is_some() {
+            return self.exact.get(filter.as_bytes()).map_or(&[], Vec::as_slice);
+        }
+        let mut node = &self.root;
+        for level in levels(filter) {
+            let next = match level {
+                b"#" => return &node.hash,
+                b"+" => node.plus.as_deref(),
+                _ => node.children.get(level).map(|n| &**n),
+            };
+            match next {
+                Some(n) => node = n,
+                None => return &[],
+            }
+        }
+        &node.here
+    }
+
+    /// Call `f` for every entry whose filter matches `topic`. Allocation-free.
+    pub fn for_each_match<'a>(&'a self, topic: &TopicName, f: impl FnMut(&'a V)) {
+        self.for_each_match_bytes(topic.as_bytes(), f);
+    }
+
+    /// [`for_each_match`](Self::for_each_match) on the bytes of a valid topic name.
+    pub fn for_each_match_bytes<'a>(&'a self, topic: &[u8], mut f: impl FnMut(&'a V)) {
+        if let Some(list) = self.exact.get(topic) {
+            list.iter().for_each(&mut f);
+        }
+        let system = crate::matching::is_system(topic);
+        walk(&self.root, Some(topic), true, system, &mut f);
+    }
+
+    /// True if any entry's filter matches `topic`.
+    pub fn has_match(&self, topic: &TopicName) -> bool {
+        let mut found = false;
+        self.for_each_match(topic, |_| found = true);
+        found
+    }
+
+    /// Every entry, in no particular order.
+    pub fn for_each<'a>(&'a self, mut f: impl FnMut(&'a V)) {
+        self.exact.values().flatten().for_each(&mut f);
+        each(&self.root, &mut f);
+    }
+}
+
+/// Changes: `V: Clone` because a node that a clone of the index still holds is copied before
+/// it changes.
+impl<V: Clone> SubscriptionIndex<V> {
     /// Add an entry under `filter`.
     pub fn insert(&mut self, filter: &TopicFilter, value: V) {
         self.len += 1;
@@ -91,8 +148,8 @@ impl<V> SubscriptionIndex<V> {
                     node.hash.push(value);
                     return;
                 }
-                b"+" => node = node.plus.get_or_insert_with(Box::default),
-                _ => node = node.children.entry(level.into()).or_default(),
+                b"+" => node = Arc::make_mut(node.plus.get_or_insert_with(Arc::default)),
+                _ => node = Arc::make_mut(node.children.entry(level.into()).or_default()),
             }
         }
         node.here.push(value);
@@ -107,31 +164,11 @@ impl<V> SubscriptionIndex<V> {
         for level in levels(filter) {
             match level {
                 b"#" => return Some(&mut node.hash),
-                b"+" => node = node.plus.as_deref_mut()?,
-                _ => node = node.children.get_mut(level)?,
+                b"+" => node = Arc::make_mut(node.plus.as_mut()?),
+                _ => node = Arc::make_mut(node.children.get_mut(level)?),
             }
         }
         Some(&mut node.here)
-    }
-
-    /// The entries stored under exactly `filter`.
-    pub fn entries(&self, filter: &TopicFilter) -> &[V] {
-        if filter.as_topic().is_some() {
-            return self.exact.get(filter.as_bytes()).map_or(&[], Vec::as_slice);
-        }
-        let mut node = &self.root;
-        for level in levels(filter) {
-            let next = match level {
-                b"#" => return &node.hash,
-                b"+" => node.plus.as_deref(),
-                _ => node.children.get(level),
-            };
-            match next {
-                Some(n) => node = n,
-                None => return &[],
-            }
-        }
-        &node.here
     }
 
     /// Remove the entries under `filter` for which `remove` returns true; returns them.
@@ -166,36 +203,9 @@ impl<V> SubscriptionIndex<V> {
         self.len -= removed.len();
         removed
     }
-
-    /// Call `f` for every entry whose filter matches `topic`. Allocation-free.
-    pub fn for_each_match(&self, topic: &TopicName, mut f: impl FnMut(&V)) {
-        if let Some(list) = self.exact.get(topic.as_bytes()) {
-            list.iter().for_each(&mut f);
-        }
-        walk(
-            &self.root,
-            Some(topic.as_bytes()),
-            true,
-            topic.is_system(),
-            &mut f,
-        );
-    }
-
-    /// True if any entry's filter matches `topic`.
-    pub fn has_match(&self, topic: &TopicName) -> bool {
-        let mut found = false;
-        self.for_each_match(topic, |_| found = true);
-        found
-    }
-
-    /// Every entry, in no particular order.
-    pub fn for_each(&self, mut f: impl FnMut(&V)) {
-        self.exact.values().flatten().for_each(&mut f);
-        each(&self.root, &mut f);
-    }
 }
 
-fn each<V>(node: &Node<V>, f: &mut impl FnMut(&V)) {
+fn each<'a, V>(node: &'a Node<V>, f: &mut impl FnMut(&'a V)) {
     node.hash.iter().chain(&node.here).for_each(&mut *f);
     if let Some(p) = &node.plus {
         each(p, f);
@@ -206,20 +216,24 @@ fn each<V>(node: &Node<V>, f: &mut impl FnMut(&V)) {
 }
 
 /// Returns true if `node` became empty and can be pruned by its parent.
-fn remove_in<V>(node: &mut Node<V>, path: &[&[u8]], take: &mut impl FnMut(&mut Vec<V>)) -> bool {
+fn remove_in<V: Clone>(
+    node: &mut Node<V>,
+    path: &[&[u8]],
+    take: &mut impl FnMut(&mut Vec<V>),
+) -> bool {
     match path.split_first() {
         None => take(&mut node.here),
         Some((&b"#", _)) => take(&mut node.hash),
         Some((&b"+", rest)) => {
-            if let Some(p) = node.plus.as_deref_mut() {
-                if remove_in(p, rest, take) {
+            if let Some(p) = node.plus.as_mut() {
+                if remove_in(Arc::make_mut(p), rest, take) {
                     node.plus = None;
                 }
             }
         }
         Some((level, rest)) => {
             if let Some(child) = node.children.get_mut(*level) {
-                if remove_in(child, rest, take) {
+                if remove_in(Arc::make_mut(child), rest, take) {
                     node.children.remove(*level);
                 }
             }
@@ -229,7 +243,13 @@ fn remove_in<V>(node: &mut Node<V>, path: &[&[u8]], take: &mut impl FnMut(&mut V
 }
 
 /// `rest` is the unconsumed part of the topic (`None` once every level is consumed).
-fn walk<V>(node: &Node<V>, rest: Option<&[u8]>, first: bool, system: bool, f: &mut impl FnMut(&V)) {
+fn walk<'a, V>(
+    node: &'a Node<V>,
+    rest: Option<&[u8]>,
+    first: bool,
+    system: bool,
+    f: &mut impl FnMut(&'a V),
+) {
     let wildcards_allowed = !(first && system);
     if wildcards_allowed {
         // `#` here matches the remaining levels, zero or more.
@@ -286,6 +306,30 @@ mod tests {
         assert_eq!(matching(&idx, "__dlq__sport"), Vec::<u32>::new());
         assert_eq!(idx.entries(&f("sport/+")), &[2]);
         assert_eq!(idx.entries(&f("nothing/+")), &[] as &[u32]);
+    }
+
+    /// Nodes are shared between an index and its clone until one of them changes: a change to
+    /// either is never seen by the other.
+    #[test]
+    fn a_clone_and_its_original_change_apart() {
+        let mut original = SubscriptionIndex::new();
+        original.insert(&f("a/+/c"), 1);
+        original.insert(&f("a/+/c"), 2);
+        original.insert(&f("a/b/#"), 3);
+        original.insert(&f("a/b/c"), 4);
+        let mut copy = original.clone();
+        copy.insert(&f("a/+/c"), 5);
+        assert_eq!(original.remove_where(&f("a/b/#"), |_| true), vec![3]);
+        if let Some(list) = copy.entries_mut(&f("a/+/c")) {
+            list.retain(|v| *v != 1);
+        }
+        assert_eq!(matching(&original, "a/b/c"), [1, 2, 4]);
+        assert_eq!(matching(&copy, "a/b/c"), [2, 3, 4, 5]);
+        assert_eq!(original.entries(&f("a/+/c")), &[1, 2]);
+        drop(copy);
+        assert_eq!(original.remove_where(&f("a/+/c"), |_| true).len(), 2);
+        assert_eq!(matching(&original, "a/b/c"), [4]);
+        assert!(original.root.is_empty(), "trie pruned");
     }
 
     #[test]

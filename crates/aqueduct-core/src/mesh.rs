@@ -36,6 +36,8 @@ use std::time::{Duration, Instant};
 use aqueduct_proto::{GroupId, TopicFilter, TopicName};
 use bytes::Bytes;
 
+use crate::index::SubscriptionIndex;
+
 /// A node's name in the mesh: the Common Name of its peer certificate.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NodeId(String);
@@ -100,20 +102,36 @@ pub struct Update {
 ///
 /// The keys are held as routing asks for them, on every publish, which peers want the topic:
 /// filters without a wildcard (most subscriptions) by their bytes, looked up, and those with one
-/// in a list matched one by one. So a peer with many exact subscriptions costs a publish a hash
-/// lookup, not a match test per subscription.
-#[derive(Clone, Default, PartialEq, Eq)]
+/// in a trie of levels (the broker's own [`SubscriptionIndex`]), walked along the paths that can
+/// match the topic. So neither a peer's many exact subscriptions nor its many wildcard ones cost
+/// a publish a match test each.
+#[derive(Clone, Default)]
 pub struct Interest {
+    // Each part is shared by the clones: every routing snapshot holds a clone of every node's
+    // interest, made after each change, so a clone costs four reference counts, and a change
+    // copies only the part it changes, and only if a snapshot still shares it.
     /// Plain filters without a wildcard, by their bytes (the filter's own buffer), with their
     /// counts.
-    exact_plain: HashMap<Bytes, (TopicFilter, u32)>,
+    exact_plain: Arc<HashMap<Bytes, (TopicFilter, u32)>>,
     /// Groups whose filter has no wildcard, by the filter's bytes, with their counts.
-    exact_groups: HashMap<Bytes, BTreeMap<GroupKey, u32>>,
-    /// Keys (plain or group) whose filter has a wildcard, with their counts.
-    wild: BTreeMap<Key, u32>,
-    /// Keys in all three (asked at every update, to hold a peer to its limit).
+    exact_groups: Arc<HashMap<Bytes, BTreeMap<GroupKey, u32>>>,
+    /// Plain filters with a wildcard, with their counts (one entry per filter).
+    wild_plain: Arc<SubscriptionIndex<(TopicFilter, u32)>>,
+    /// Groups whose filter has a wildcard, with their counts (one entry per group).
+    wild_groups: Arc<SubscriptionIndex<(GroupKey, u32)>>,
+    /// Keys in all four (asked at every update, to hold a peer to its limit).
     len: usize,
 }
+
+/// Equal when they hold the same keys with the same counts, however they got there (the
+/// tries' entry order may differ).
+impl PartialEq for Interest {
+    fn eq(&self, other: &Interest) -> bool {
+        self.len == other.len && self.updates() == other.updates()
+    }
+}
+
+impl Eq for Interest {}
 
 impl fmt::Debug for Interest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -123,39 +141,79 @@ impl fmt::Debug for Interest {
     }
 }
 
+/// Set the count of the entry `item` under `filter` in `index` (0 removes it); returns whether
+/// it was there before.
+fn set_wild<V: PartialEq + Clone>(
+    index: &mut SubscriptionIndex<(V, u32)>,
+    filter: &TopicFilter,
+    item: &V,
+    count: u32,
+) -> bool {
+    let existed = index.entries(filter).iter().any(|(v, _)| v == item);
+    if count == 0 {
+        if existed {
+            index.remove_where(filter, |(v, _)| v == item);
+        }
+    } else if existed {
+        if let Some(entry) = index
+            .entries_mut(filter)
+            .and_then(|list| list.iter_mut().find(|(v, _)| v == item))
+        {
+            entry.1 = count;
+        }
+    } else {
+        index.insert(filter, (item.clone(), count));
+    }
+    existed
+}
+
+/// The count of the entry `item` under `filter` in `index`.
+fn count_wild<V: PartialEq>(
+    index: &SubscriptionIndex<(V, u32)>,
+    filter: &TopicFilter,
+    item: &V,
+) -> Option<u32> {
+    index
+        .entries(filter)
+        .iter()
+        .find(|(v, _)| v == item)
+        .map(|(_, n)| *n)
+}
+
 impl Interest {
     /// Set one key's count.
     pub fn apply(&mut self, u: &Update) {
         let (key, count) = (&u.key, u.count);
+        if self.count(key) == count {
+            return; // no change: the parts stay shared
+        }
         let existed = match key {
-            _ if key.filter().is_wildcard() => {
-                if count == 0 {
-                    self.wild.remove(key).is_some()
-                } else {
-                    self.wild.insert(key.clone(), count).is_some()
-                }
+            Key::Plain(f) if f.is_wildcard() => {
+                set_wild(Arc::make_mut(&mut self.wild_plain), f, f, count)
+            }
+            Key::Group(g) if g.filter.is_wildcard() => {
+                set_wild(Arc::make_mut(&mut self.wild_groups), &g.filter, g, count)
             }
             Key::Plain(f) => {
+                let exact = Arc::make_mut(&mut self.exact_plain);
                 if count == 0 {
-                    self.exact_plain.remove(f.as_bytes()).is_some()
+                    exact.remove(f.as_bytes()).is_some()
                 } else {
-                    self.exact_plain
-                        .insert(f.to_bytes(), (f.clone(), count))
-                        .is_some()
+                    exact.insert(f.to_bytes(), (f.clone(), count)).is_some()
                 }
             }
             Key::Group(g) if count == 0 => {
-                let Some(groups) = self.exact_groups.get_mut(g.filter.as_bytes()) else {
+                let exact = Arc::make_mut(&mut self.exact_groups);
+                let Some(groups) = exact.get_mut(g.filter.as_bytes()) else {
                     return;
                 };
                 let existed = groups.remove(g).is_some();
                 if groups.is_empty() {
-                    self.exact_groups.remove(g.filter.as_bytes());
+                    exact.remove(g.filter.as_bytes());
                 }
                 existed
             }
-            Key::Group(g) => self
-                .exact_groups
+            Key::Group(g) => Arc::make_mut(&mut self.exact_groups)
                 .entry(g.filter.to_bytes())
                 .or_default()
                 .insert(g.clone(), count)
@@ -171,7 +229,8 @@ impl Interest {
     /// The count of `key` (0 if absent).
     pub fn count(&self, key: &Key) -> u32 {
         match key {
-            _ if key.filter().is_wildcard() => self.wild.get(key).copied(),
+            Key::Plain(f) if f.is_wildcard() => count_wild(&self.wild_plain, f, f),
+            Key::Group(g) if g.filter.is_wildcard() => count_wild(&self.wild_groups, &g.filter, g),
             Key::Plain(f) => self.exact_plain.get(f.as_bytes()).map(|(_, n)| *n),
             Key::Group(g) => self
                 .exact_groups
@@ -196,37 +255,23 @@ impl Interest {
 
     /// [`wants_plain`](Self::wants_plain) on a topic's bytes (no allocation).
     pub fn wants_plain_bytes(&self, topic: &[u8]) -> bool {
-        self.exact_plain.contains_key(topic)
-            || self.wild.keys().any(
-                |k| matches!(k, Key::Plain(f) if crate::matching::matches_bytes(f.as_bytes(), topic)),
-            )
+        if self.exact_plain.contains_key(topic) {
+            return true;
+        }
+        let mut found = false;
+        self.wild_plain
+            .for_each_match_bytes(topic, |_| found = true);
+        found
     }
 
-    /// Groups whose filter matches `topic`, with their member counts here.
-    pub fn groups_for<'a>(
-        &'a self,
-        topic: &'a TopicName,
-    ) -> impl Iterator<Item = (&'a GroupKey, u32)> + 'a {
-        self.groups_for_bytes(topic.as_bytes())
-    }
-
-    /// [`groups_for`](Self::groups_for) on a topic's bytes.
-    pub fn groups_for_bytes<'a>(
-        &'a self,
-        topic: &'a [u8],
-    ) -> impl Iterator<Item = (&'a GroupKey, u32)> + 'a {
-        let exact = self
-            .exact_groups
-            .get(topic)
-            .into_iter()
-            .flat_map(|groups| groups.iter().map(|(g, n)| (g, *n)));
-        let wild = self.wild.iter().filter_map(move |(k, n)| match k {
-            Key::Group(g) if crate::matching::matches_bytes(g.filter.as_bytes(), topic) => {
-                Some((g, *n))
-            }
-            _ => None,
-        });
-        exact.chain(wild)
+    /// Call `f` for each group whose filter matches `topic` (a valid topic name's bytes), with
+    /// its member count here. No allocation.
+    pub fn for_each_group_for<'a>(&'a self, topic: &[u8], mut f: impl FnMut(&'a GroupKey, u32)) {
+        if let Some(groups) = self.exact_groups.get(topic) {
+            groups.iter().for_each(|(g, n)| f(g, *n));
+        }
+        self.wild_groups
+            .for_each_match_bytes(topic, |(g, n)| f(g, *n));
     }
 
     /// Keys with a count.
@@ -239,33 +284,31 @@ impl Interest {
         self.len == 0
     }
 
-    /// The groups with a count.
-    pub fn groups(&self) -> impl Iterator<Item = &GroupKey> + '_ {
-        let exact = self.exact_groups.values().flat_map(BTreeMap::keys);
-        let wild = self.wild.keys().filter_map(|k| match k {
-            Key::Group(g) => Some(g),
-            Key::Plain(_) => None,
-        });
-        exact.chain(wild)
+    /// The groups with a count, in no particular order.
+    pub fn groups(&self) -> Vec<&GroupKey> {
+        let mut all: Vec<&GroupKey> = self
+            .exact_groups
+            .values()
+            .flat_map(BTreeMap::keys)
+            .collect();
+        self.wild_groups.for_each(|(g, _)| all.push(g));
+        all
     }
 
     /// Every key and count, in key order.
     pub fn updates(&self) -> Vec<Update> {
-        let plain = self
-            .exact_plain
-            .values()
-            .map(|(f, n)| (Key::Plain(f.clone()), *n));
-        let groups = self
-            .exact_groups
-            .values()
-            .flatten()
-            .map(|(g, n)| (Key::Group(g.clone()), *n));
-        let wild = self.wild.iter().map(|(k, n)| (k.clone(), *n));
-        let mut all: Vec<Update> = plain
-            .chain(groups)
-            .chain(wild)
-            .map(|(key, count)| Update { key, count })
-            .collect();
+        let mut all: Vec<Update> = Vec::with_capacity(self.len);
+        let mut push = |key: Key, count: u32| all.push(Update { key, count });
+        for (f, n) in self.exact_plain.values() {
+            push(Key::Plain(f.clone()), *n);
+        }
+        for (g, n) in self.exact_groups.values().flatten() {
+            push(Key::Group(g.clone()), *n);
+        }
+        self.wild_plain
+            .for_each(|(f, n)| push(Key::Plain(f.clone()), *n));
+        self.wild_groups
+            .for_each(|(g, n)| push(Key::Group(g.clone()), *n));
         all.sort_unstable_by(|a, b| a.key.cmp(&b.key));
         all
     }
@@ -1263,18 +1306,28 @@ impl RouteTable {
 
     /// Groups (anywhere) whose filter matches `topic`.
     fn groups_for(&self, topic: &[u8]) -> BTreeSet<GroupKey> {
-        self.nodes
-            .iter()
-            .flat_map(|(_, i)| i.groups_for_bytes(topic).map(|(g, _)| g.clone()))
-            .collect()
+        let mut groups = BTreeSet::new();
+        for (_, interest) in &self.nodes {
+            interest.for_each_group_for(topic, |g, _| {
+                if !groups.contains(g) {
+                    groups.insert(g.clone());
+                }
+            });
+        }
+        groups
     }
 
     /// Does a consumer group of any node match `topic` (then each message is routed on its
     /// own: the groups' round-robin picks per message)?
     pub fn groups_match(&self, topic: &[u8]) -> bool {
-        self.nodes
-            .iter()
-            .any(|(_, i)| i.groups_for_bytes(topic).next().is_some())
+        let mut found = false;
+        for (_, interest) in &self.nodes {
+            interest.for_each_group_for(topic, |_, _| found = true);
+            if found {
+                return true;
+            }
+        }
+        false
     }
 
     /// Are there groups anywhere (else routing is plain only, and cheaper)?
@@ -1342,8 +1395,8 @@ mod tests {
         use super::*;
         use proptest::prelude::*;
 
-        const FILTERS: [&str; 10] = [
-            "a", "a/b", "a/+", "a/#", "#", "+/b", "$sys/x", "+/+", "b", "$sys/#",
+        const FILTERS: [&str; 12] = [
+            "a", "a/b", "a/+", "a/#", "#", "+/b", "$sys/x", "+/+", "b", "$sys/#", "c/+/e", "+/d/#",
         ];
         const TOPICS: [&str; 7] = ["a", "a/b", "a/c", "b", "b/b", "$sys/x", "c/d/e"];
 
@@ -1389,7 +1442,7 @@ mod tests {
                     let k = key(i, as_group, g);
                     prop_assert_eq!(interest.count(&k), model.get(&k).copied().unwrap_or(0));
                 }
-                let mut groups: Vec<&GroupKey> = interest.groups().collect();
+                let mut groups: Vec<&GroupKey> = interest.groups();
                 groups.sort();
                 let model_groups: Vec<&GroupKey> = model
                     .keys()
@@ -1414,10 +1467,8 @@ mod tests {
                             _ => None,
                         })
                         .collect();
-                    let mut indexed: Vec<(GroupKey, u32)> = interest
-                        .groups_for_bytes(t.as_bytes())
-                        .map(|(g, n)| (g.clone(), n))
-                        .collect();
+                    let mut indexed: Vec<(GroupKey, u32)> = Vec::new();
+                    interest.for_each_group_for(t.as_bytes(), |g, n| indexed.push((g.clone(), n)));
                     indexed.sort();
                     prop_assert_eq!(indexed, scan_groups, "{}", t);
                 }
