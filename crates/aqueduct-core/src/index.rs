@@ -7,8 +7,8 @@
 //! live subscriptions.
 //!
 //! Trie nodes are shared, copy-on-write, between an index and its clones: a clone costs the
-//! root's map of references, and a change to either copies only the nodes on its path that the
-//! other still holds. (The cluster clones peers' wildcard interest into every routing snapshot;
+//! root's map of references (and the exact map, copied whole), and a change to either copies
+//! only the nodes on its path that the other still holds. (The cluster clones peers' wildcard interest into every routing snapshot;
 //! the broker's own index is never cloned, so its nodes are never copied.)
 
 use std::collections::HashMap;

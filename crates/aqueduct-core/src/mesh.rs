@@ -1398,7 +1398,9 @@ mod tests {
         const FILTERS: [&str; 12] = [
             "a", "a/b", "a/+", "a/#", "#", "+/b", "$sys/x", "+/+", "b", "$sys/#", "c/+/e", "+/d/#",
         ];
-        const TOPICS: [&str; 7] = ["a", "a/b", "a/c", "b", "b/b", "$sys/x", "c/d/e"];
+        const TOPICS: [&str; 11] = [
+            "a", "a/b", "a/c", "b", "b/b", "$sys/x", "c/d/e", "a/b/c", "__dlq__a", "a//e", "$sys",
+        ];
 
         fn key(i: usize, as_group: bool, g: usize) -> Key {
             if as_group {
@@ -1419,7 +1421,11 @@ mod tests {
                 let mut model: BTreeMap<Key, u32> = BTreeMap::new();
                 for (i, as_group, g, count) in ops {
                     let u = Update { key: key(i, as_group, g), count };
+                    // A clone (as a routing snapshot holds) does not see the change.
+                    let snapshot = interest.clone();
+                    let before = snapshot.updates();
                     interest.apply(&u);
+                    prop_assert_eq!(snapshot.updates(), before);
                     // The same counts reached another way: set, then set again.
                     again.apply(&Update { key: u.key.clone(), count: count + 1 });
                     again.apply(&u);
@@ -1567,6 +1573,54 @@ mod tests {
         let counts = places(30, || a.route(&topic("jobs")));
         assert_eq!(counts.get("a"), Some(&10));
         assert_eq!(counts.get("b"), Some(&20));
+    }
+
+    /// Groups with wildcard filters (held in a trie, not a list) are found for every topic
+    /// they match, and only those: each takes its turn over the nodes that have members, and
+    /// a plain wildcard filter beside them still gets its one copy.
+    #[test]
+    fn wildcard_groups_round_robin_over_the_nodes_that_have_them() {
+        let region = group("jobs/+/eu", "workers");
+        let all = group("jobs/#", "audit");
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        a.handle_local(Key::Group(region.clone()), 1);
+        connected(
+            &mut a,
+            1,
+            "b",
+            &[
+                (Key::Group(region.clone()), 1),
+                (Key::Group(all.clone()), 1),
+                (plain("+/+/eu"), 1),
+            ],
+        );
+        let table = a.table();
+        assert!(table.groups_match(b"jobs/x/eu"));
+        assert!(
+            table.groups_match(b"jobs"),
+            "# matches the parent level too"
+        );
+        assert!(!table.groups_match(b"stock/x/eu"));
+        let mut here = 0;
+        for _ in 0..10 {
+            let r = table.route_bytes(b"jobs/x/eu");
+            assert!(r.unplaced.is_empty(), "{r:?}");
+            let to_b = r.forward.iter().find(|(n, _)| *n == node("b"));
+            let to_b = to_b.expect("b gets a copy: its plain filter and its audit group");
+            assert!(to_b.1.plain, "{r:?}");
+            assert!(to_b.1.groups.contains(&all), "{r:?}");
+            if r.local_groups == vec![region.clone()] {
+                here += 1;
+            } else {
+                assert!(to_b.1.groups.contains(&region), "{r:?}");
+            }
+        }
+        assert_eq!(here, 5, "workers alternate between a and b");
+        let r = table.route_bytes(b"jobs/x/us");
+        assert_eq!(r.local_groups, vec![]);
+        assert_eq!(r.forward.len(), 1);
+        assert_eq!(r.forward[0].1.groups, vec![all.clone()]);
+        assert!(!r.forward[0].1.plain);
     }
 
     /// A publish's group is never placed on a peer the caller cannot reach (the snapshot still

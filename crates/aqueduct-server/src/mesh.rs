@@ -2306,7 +2306,8 @@ async fn serve_peer(link: PeerTask) {
 
 /// Refusals (interest beyond the limit, either way; too many connections), per peer and kind:
 /// each warned about once, and again after [`DIAL_WARN_EVERY`] (a node whose interest stays
-/// too large is refused at every reconnect); the others are logged at debug level.
+/// too large is refused at every reconnect); the others are logged at debug level. Only the
+/// warnings of the last [`DIAL_WARN_EVERY`] are kept: an older one would not hold the next back.
 #[derive(Debug, Default)]
 struct RefusalsWarned(HashMap<(NodeId, Refusal), Instant>);
 
@@ -2324,18 +2325,28 @@ enum Refusal {
 impl RefusalsWarned {
     /// Log a refusal of `kind` involving `node` at `now`: as a warning if none of that kind was
     /// warned about for that node in the last [`DIAL_WARN_EVERY`], otherwise at debug level.
-    fn log(&mut self, node: &NodeId, kind: Refusal, now: Instant, what: impl FnOnce() -> String) {
+    /// Returns whether it warned.
+    fn log(
+        &mut self,
+        node: &NodeId,
+        kind: Refusal,
+        now: Instant,
+        what: impl FnOnce() -> String,
+    ) -> bool {
         let key = (node.clone(), kind);
         let due = self
             .0
             .get(&key)
             .is_none_or(|at| now.duration_since(*at) >= DIAL_WARN_EVERY);
         if due {
+            self.0
+                .retain(|_, at| now.duration_since(*at) < DIAL_WARN_EVERY);
             self.0.insert(key, now);
             warn!("{}", what());
         } else {
             debug!("{}", what());
         }
+        due
     }
 }
 
@@ -2393,6 +2404,27 @@ mod tests {
 
     /// A dial failure is warned about once per address and reason (again after a while, or
     /// when the reason changes); a peer that left the set and comes back is warned about afresh.
+    /// A refusal is warned about once a minute per node and kind, and what is kept is only the
+    /// last minute's warnings: nodes refused once long ago leave nothing behind.
+    #[test]
+    fn refusals_are_warned_once_a_minute_and_forgotten_after() {
+        let (a, b) = (
+            NodeId::try_from("a").expect("node"),
+            NodeId::try_from("b").expect("node"),
+        );
+        let t0 = Instant::now();
+        let mut w = RefusalsWarned::default();
+        let what = || String::new();
+        assert!(w.log(&a, Refusal::ItsInterest, t0, what));
+        assert!(!w.log(&a, Refusal::ItsInterest, t0 + Duration::from_secs(5), what));
+        assert!(w.log(&a, Refusal::Connections, t0, what), "another kind");
+        let later = t0 + DIAL_WARN_EVERY + Duration::from_secs(1);
+        assert!(w.log(&b, Refusal::OurInterest, later, what));
+        assert_eq!(w.0.len(), 1, "a's warnings expired and are dropped");
+        assert!(w.log(&a, Refusal::ItsInterest, later, what), "a again");
+        assert_eq!(w.0.len(), 2);
+    }
+
     #[test]
     fn dial_failures_are_warned_once_per_address_and_reason() {
         let (a, b): (SocketAddr, SocketAddr) = (
