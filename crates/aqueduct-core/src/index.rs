@@ -119,8 +119,15 @@ impl<V> SubscriptionIndex<V> {
 
     /// True if any entry's filter matches `topic`.
     pub fn has_match(&self, topic: &TopicName) -> bool {
+        self.has_match_bytes(topic.as_bytes())
+    }
+
+    /// [`has_match`](Self::has_match) on the bytes of a valid topic name. It visits every match
+    /// (a walk that could stop at the first one made every lookup of the broker's ~10% slower in
+    /// criterion `route_lookup_4_levels`).
+    pub fn has_match_bytes(&self, topic: &[u8]) -> bool {
         let mut found = false;
-        self.for_each_match(topic, |_| found = true);
+        self.for_each_match_bytes(topic, |_| found = true);
         found
     }
 

@@ -255,13 +255,12 @@ impl Interest {
 
     /// [`wants_plain`](Self::wants_plain) on a topic's bytes (no allocation).
     pub fn wants_plain_bytes(&self, topic: &[u8]) -> bool {
-        if self.exact_plain.contains_key(topic) {
-            return true;
-        }
-        let mut found = false;
-        self.wild_plain
-            .for_each_match_bytes(topic, |_| found = true);
-        found
+        self.exact_plain.contains_key(topic) || self.wild_plain.has_match_bytes(topic)
+    }
+
+    /// Does a group's filter match `topic` (a valid topic name's bytes)?
+    pub fn has_group_for(&self, topic: &[u8]) -> bool {
+        self.exact_groups.contains_key(topic) || self.wild_groups.has_match_bytes(topic)
     }
 
     /// Call `f` for each group whose filter matches `topic` (a valid topic name's bytes), with
@@ -1320,14 +1319,7 @@ impl RouteTable {
     /// Does a consumer group of any node match `topic` (then each message is routed on its
     /// own: the groups' round-robin picks per message)?
     pub fn groups_match(&self, topic: &[u8]) -> bool {
-        let mut found = false;
-        for (_, interest) in &self.nodes {
-            interest.for_each_group_for(topic, |_, _| found = true);
-            if found {
-                return true;
-            }
-        }
-        false
+        self.nodes.iter().any(|(_, i)| i.has_group_for(topic))
     }
 
     /// Are there groups anywhere (else routing is plain only, and cheaper)?
@@ -1476,6 +1468,7 @@ mod tests {
                     let mut indexed: Vec<(GroupKey, u32)> = Vec::new();
                     interest.for_each_group_for(t.as_bytes(), |g, n| indexed.push((g.clone(), n)));
                     indexed.sort();
+                    prop_assert_eq!(interest.has_group_for(t.as_bytes()), !scan_groups.is_empty(), "{}", t);
                     prop_assert_eq!(indexed, scan_groups, "{}", t);
                 }
             }

@@ -72,6 +72,7 @@ proptest! {
                     got.sort_unstable();
                     let mut want: Vec<u32> = model.iter().filter(|(f, _)| matches(f, &t)).map(|(_, id)| *id).collect();
                     want.sort_unstable();
+                    prop_assert_eq!(index.has_match(&t), !want.is_empty(), "topic {}", t);
                     prop_assert_eq!(got, want, "topic {}", t);
                 }
             }
