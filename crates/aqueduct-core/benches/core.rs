@@ -235,7 +235,8 @@ fn access_checks(c: &mut Criterion) {
 fn peer_interest(c: &mut Criterion) {
     use aqueduct_core::mesh::{ConnId, Control, Interest, Key, Mesh, MeshConfig, NodeId, Update};
     use aqueduct_proto::GroupId;
-    fn table_with(keys: impl Iterator<Item = Key>) -> aqueduct_core::mesh::RouteTable {
+    /// Node "a" with one peer "b" whose interest is `keys` (count 1 each).
+    fn mesh_with(keys: impl Iterator<Item = Key>) -> Mesh {
         let mut mesh = Mesh::new(
             NodeId::try_from("a").expect("node"),
             MeshConfig::default(),
@@ -256,7 +257,10 @@ fn peer_interest(c: &mut Criterion) {
                 interest
             }
         ));
-        mesh.table()
+        mesh
+    }
+    fn table_with(keys: impl Iterator<Item = Key>) -> aqueduct_core::mesh::RouteTable {
+        mesh_with(keys).table()
     }
     let filter = |f: String| TopicFilter::try_from(f.as_str()).expect("filter");
     let mut g = c.benchmark_group("mesh_peers_wanting_a_topic");
@@ -298,34 +302,13 @@ fn peer_interest(c: &mut Criterion) {
     let mut g = c.benchmark_group("mesh_route_table_rebuild");
     for (kind, wild) in [("exact_filters", false), ("wildcard_filters", true)] {
         let n = 10_000;
-        let mut mesh = Mesh::new(
-            NodeId::try_from("a").expect("node"),
-            MeshConfig::default(),
-            1,
-            1,
-        );
-        let peer = NodeId::try_from("b").expect("node");
-        assert!(mesh.handle_connected(Instant::now(), ConnId(1), peer, None, false));
-        let mut interest = Interest::default();
-        for i in 0..n {
-            let f = if wild {
+        let mut mesh = mesh_with((0..n).map(|i| {
+            Key::Plain(filter(if wild {
                 format!("tenant{i}/+/orders")
             } else {
                 format!("tenant{i}/orders")
-            };
-            interest.apply(&Update {
-                key: Key::Plain(filter(f)),
-                count: 1,
-            });
-        }
-        assert!(mesh.handle_control(
-            ConnId(1),
-            Control::Snapshot {
-                session: 1,
-                seq: 0,
-                interest
-            }
-        ));
+            }))
+        }));
         g.bench_function(BenchmarkId::new(kind, n), |b| b.iter(|| mesh.table()));
         // A change of one of the peer's keys (a delta), then the rebuild, while the snapshot
         // made before it is still held (as the server holds the one in force).
