@@ -300,23 +300,23 @@ fn peer_interest(c: &mut Criterion) {
     // The routing snapshot is rebuilt (every node's interest copied) after each change of
     // interest: what that costs with a peer's `n` filters.
     let mut g = c.benchmark_group("mesh_route_table_rebuild");
-    for (kind, wild) in [("exact_filters", false), ("wildcard_filters", true)] {
+    // `exact_groups`: groups `tenant<i>/jobs`, id `w` (a snapshot also gathers the round-robin
+    // counter of every group).
+    let key_of = |kind: &str, i: usize| match kind {
+        "exact_filters" => Key::Plain(filter(format!("tenant{i}/orders"))),
+        "wildcard_filters" => Key::Plain(filter(format!("tenant{i}/+/orders"))),
+        _ => Key::Group(aqueduct_core::mesh::GroupKey {
+            filter: filter(format!("tenant{i}/jobs")),
+            group: GroupId::try_from("w").expect("group"),
+        }),
+    };
+    for kind in ["exact_filters", "wildcard_filters", "exact_groups"] {
         let n = 10_000;
-        let mut mesh = mesh_with((0..n).map(|i| {
-            Key::Plain(filter(if wild {
-                format!("tenant{i}/+/orders")
-            } else {
-                format!("tenant{i}/orders")
-            }))
-        }));
+        let mut mesh = mesh_with((0..n).map(|i| key_of(kind, i)));
         g.bench_function(BenchmarkId::new(kind, n), |b| b.iter(|| mesh.table()));
         // A change of one of the peer's keys (a delta), then the rebuild, while the snapshot
         // made before it is still held (as the server holds the one in force).
-        let key = Key::Plain(filter(if wild {
-            "tenant0/+/orders".to_string()
-        } else {
-            "tenant0/orders".to_string()
-        }));
+        let key = key_of(kind, 0);
         let mut held = mesh.table();
         let mut seq = 0u64;
         g.bench_function(BenchmarkId::new(format!("change_then_{kind}"), n), |b| {

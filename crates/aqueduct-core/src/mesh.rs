@@ -123,6 +123,21 @@ pub struct Interest {
     len: usize,
 }
 
+/// A node's groups as an [`Interest`] held them at one moment. Two are [`same`](Self::same)
+/// only if they are the very same parts, so unchanged in between (a change copies a part that
+/// is held, see [`Interest`]); holding them keeps that test sound.
+#[derive(Debug, Clone)]
+struct GroupsHeld(
+    Arc<HashMap<Bytes, BTreeMap<GroupKey, u32>>>,
+    Arc<SubscriptionIndex<(GroupKey, u32)>>,
+);
+
+impl GroupsHeld {
+    fn same(&self, other: &GroupsHeld) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) && Arc::ptr_eq(&self.1, &other.1)
+    }
+}
+
 /// Equal when they hold the same keys with the same counts, however they got there (the
 /// tries' entry order may differ).
 impl PartialEq for Interest {
@@ -281,6 +296,14 @@ impl Interest {
     /// No key has a count.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Its groups as held now (see [`GroupsHeld`]).
+    fn groups_held(&self) -> GroupsHeld {
+        GroupsHeld(
+            Arc::clone(&self.exact_groups),
+            Arc::clone(&self.wild_groups),
+        )
     }
 
     /// The groups with a count, in no particular order.
@@ -502,8 +525,12 @@ pub struct Mesh {
     own: BTreeSet<SocketAddr>,
     peers: BTreeMap<NodeId, Peer>,
     held: BTreeMap<ConnId, Held>,
-    /// Round-robin position per group (shared with the route tables made from this mesh).
-    rr: BTreeMap<GroupKey, Arc<AtomicU64>>,
+    /// Round-robin position per group that some node has (shared with the route tables made
+    /// from this mesh, as a whole while no node's groups change).
+    rr: Arc<BTreeMap<GroupKey, Arc<AtomicU64>>>,
+    /// Every node's groups when `rr` was last brought up to date: a snapshot whose nodes hold
+    /// the very same groups reuses it instead of gathering every group again.
+    groups_seen: Vec<(NodeId, GroupsHeld)>,
     rng: u64,
     out: VecDeque<Output>,
     /// Connections to a node closed in a row for interest beyond the limit (either way): each
@@ -528,7 +555,8 @@ impl Mesh {
             own: BTreeSet::new(),
             peers: BTreeMap::new(),
             held: BTreeMap::new(),
-            rr: BTreeMap::new(),
+            rr: Arc::default(),
+            groups_seen: Vec::new(),
             rng: seed | 1,
             refusals: BTreeMap::new(),
             out: VecDeque::new(),
@@ -1113,23 +1141,37 @@ impl Mesh {
                 .map(|(n, p)| (n.clone(), p.interest.clone())),
         );
         nodes.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut counters = BTreeMap::new();
-        for (_, interest) in &nodes {
-            for g in interest.groups() {
-                let c = self.rr.entry(g.clone()).or_default().clone();
-                counters.insert(g.clone(), c);
+        let seen: Vec<(NodeId, GroupsHeld)> = nodes
+            .iter()
+            .map(|(n, i)| (n.clone(), i.groups_held()))
+            .collect();
+        let unchanged = seen.len() == self.groups_seen.len()
+            && seen
+                .iter()
+                .zip(&self.groups_seen)
+                .all(|((a, x), (b, y))| a == b && x.same(y));
+        if !unchanged {
+            // Only the groups some node has keep a counter: group ids that come and go (one
+            // per worker instance, say) must not pile up.
+            let mut rr = BTreeMap::new();
+            for (_, interest) in &nodes {
+                for g in interest.groups() {
+                    if !rr.contains_key(g) {
+                        let turn = self.rr.get(g).cloned().unwrap_or_default();
+                        rr.insert(g.clone(), turn);
+                    }
+                }
             }
+            self.rr = Arc::new(rr);
+            self.groups_seen = seen;
         }
-        // A group no node has any more takes its turn counter with it: group ids that come and
-        // go (one per worker instance, say) must not pile up.
-        self.rr.retain(|g, _| counters.contains_key(g));
         let peers_want_nothing = nodes
             .iter()
             .all(|(n, interest)| *n == self.me || interest.is_empty());
         RouteTable {
             me: self.me.clone(),
             nodes,
-            counters,
+            counters: Arc::clone(&self.rr),
             peers_want_nothing,
         }
     }
@@ -1152,7 +1194,7 @@ impl Mesh {
 pub struct RouteTable {
     me: NodeId,
     nodes: Vec<(NodeId, Interest)>,
-    counters: BTreeMap<GroupKey, Arc<AtomicU64>>,
+    counters: Arc<BTreeMap<GroupKey, Arc<AtomicU64>>>,
     /// No peer (connected or not) wants anything: every message is this node's alone.
     peers_want_nothing: bool,
 }
@@ -1522,6 +1564,61 @@ mod tests {
         a.handle_local(kept, 1);
         assert_eq!(a.table().counters.len(), 1);
         assert_eq!(a.rr.len(), 1);
+    }
+
+    /// A snapshot reuses the round-robin counters while no node's groups changed (plain
+    /// interest churn costs no walk over every group), gathers them again when any did, and the
+    /// turns go on across both.
+    #[test]
+    fn a_snapshot_gathers_the_groups_again_only_when_a_node_s_groups_changed() {
+        let g = group("jobs", "w");
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        a.handle_local(Key::Group(g.clone()), 1);
+        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), 1)]);
+        let first = a.table();
+        a.handle_local(plain("x"), 1);
+        let second = a.table();
+        assert!(
+            Arc::ptr_eq(&first.counters, &second.counters),
+            "only plain interest changed"
+        );
+        a.handle_local(Key::Group(group("other", "w")), 1);
+        let third = a.table();
+        assert!(
+            !Arc::ptr_eq(&second.counters, &third.counters),
+            "a group came"
+        );
+        assert_eq!(third.counters.len(), 2);
+        assert!(
+            Arc::ptr_eq(&third.counters[&g], &first.counters[&g]),
+            "the same turn"
+        );
+        // A member more on b: b's groups changed.
+        assert!(a.handle_control(
+            ConnId(1),
+            Control::Delta {
+                session: 1,
+                seq: 1,
+                updates: vec![Update {
+                    key: Key::Group(g.clone()),
+                    count: 2
+                }],
+            }
+        ));
+        let fourth = a.table();
+        assert!(
+            !Arc::ptr_eq(&third.counters, &fourth.counters),
+            "b's groups changed"
+        );
+        let counts = places(30, || fourth.route(&topic("jobs")));
+        assert_eq!(counts.get("a"), Some(&10), "{counts:?}");
+        assert_eq!(counts.get("b"), Some(&20), "{counts:?}");
+        // b gone: its groups with it.
+        a.handle_disconnected(Instant::now(), ConnId(1));
+        let fifth = a.table();
+        assert!(!Arc::ptr_eq(&fourth.counters, &fifth.counters));
+        let counts = places(3, || fifth.route(&topic("jobs")));
+        assert_eq!(counts.get("a"), Some(&3), "{counts:?}");
     }
 
     #[test]
