@@ -1572,9 +1572,7 @@ mod tests {
     #[test]
     fn a_snapshot_gathers_the_groups_again_only_when_a_node_s_groups_changed() {
         let g = group("jobs", "w");
-        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
-        a.handle_local(Key::Group(g.clone()), 1);
-        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), 1)]);
+        let mut a = a_and_b_sharing(&g, 1);
         let first = a.table();
         a.handle_local(plain("x"), 1);
         let second = a.table();
@@ -1638,6 +1636,14 @@ mod tests {
         assert!(a.route(&topic("other")).forward.is_empty());
     }
 
+    /// Node "a" with one member of `g` and peer "b" with `on_b` (on connection 1).
+    fn a_and_b_sharing(g: &GroupKey, on_b: u32) -> Mesh {
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        a.handle_local(Key::Group(g.clone()), 1);
+        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), on_b)]);
+        a
+    }
+
     /// Where `n` routings of a one-group message (from node "a") went: "a" when picked here,
     /// else the peer's id, counted.
     fn places(n: usize, mut route: impl FnMut() -> Routing) -> BTreeMap<String, u32> {
@@ -1657,9 +1663,7 @@ mod tests {
     #[test]
     fn groups_round_robin_over_members_wherever_they_are() {
         let g = group("jobs", "workers");
-        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
-        a.handle_local(Key::Group(g.clone()), 1);
-        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), 2)]);
+        let mut a = a_and_b_sharing(&g, 2);
         let counts = places(30, || a.route(&topic("jobs")));
         assert_eq!(counts.get("a"), Some(&10));
         assert_eq!(counts.get("b"), Some(&20));
@@ -1719,9 +1723,7 @@ mod tests {
     #[test]
     fn a_publish_places_groups_on_reachable_nodes_only() {
         let g = group("jobs", "workers");
-        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
-        a.handle_local(Key::Group(g.clone()), 1);
-        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), 1)]);
+        let mut a = a_and_b_sharing(&g, 1);
         connected(&mut a, 2, "c", &[(Key::Group(g.clone()), 1)]);
         let table = a.table();
         let not_b = |n: &NodeId| *n != node("b");
@@ -1742,9 +1744,7 @@ mod tests {
     fn a_route_table_is_shared_by_threads_and_keeps_the_round_robin() {
         fn shareable<T: Send + Sync>(_: &T) {}
         let g = group("jobs", "workers");
-        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
-        a.handle_local(Key::Group(g.clone()), 1);
-        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), 1)]);
+        let mut a = a_and_b_sharing(&g, 1);
         connected(&mut a, 2, "c", &[(Key::Group(g.clone()), 1)]);
         let table = std::sync::Arc::new(a.table());
         shareable(&*table);
@@ -1831,10 +1831,8 @@ mod tests {
     #[test]
     fn an_orphaned_group_message_is_re_picked_on_another_node_never_here() {
         let g = group("jobs", "w");
-        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
         // a's own count still says 1 (the snapshot has not seen its member leave).
-        a.handle_local(Key::Group(g.clone()), 1);
-        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), 1)]);
+        let mut a = a_and_b_sharing(&g, 1);
         connected(&mut a, 2, "c", &[(Key::Group(g.clone()), 1)]);
         let table = a.table();
         let mut seen = BTreeSet::new();
