@@ -2049,17 +2049,26 @@ mod tests {
             waits.iter().any(|w| *w > Duration::from_secs(5)),
             "{waits:?}"
         );
+        after_a_plain_connection_the_wait_is_short(&mut a, addr, now, cfg);
+    }
+
+    /// `a` connects to b on `addr`, takes its (empty) snapshot, and the connection ends for
+    /// no refusal: the wait before the next dial is back to at most `backoff_min`.
+    fn after_a_plain_connection_the_wait_is_short(
+        a: &mut Mesh,
+        addr: SocketAddr,
+        now: Instant,
+        cfg: MeshConfig,
+    ) {
         let conn = ConnId(100);
         assert!(a.handle_connected(now, conn, node("b"), Some(addr), true));
+        let snapshot = Control::Snapshot {
+            session: 1,
+            seq: 1,
+            interest: Interest::default(),
+        };
+        assert!(a.handle_control(conn, snapshot));
         while a.poll_output().is_some() {}
-        assert!(a.handle_control(
-            conn,
-            Control::Snapshot {
-                session: 1,
-                seq: 1,
-                interest: Interest::default(),
-            }
-        ));
         a.handle_disconnected(now, conn);
         let at = a.poll_timeout().expect("scheduled");
         assert!(at - now <= cfg.backoff_min, "{:?}", at - now);
@@ -2102,13 +2111,7 @@ mod tests {
                 "by the peer: {by_the_peer}: {waits:?}"
             );
             // A connection that ends for another reason: the next wait is short again.
-            let conn = ConnId(100);
-            assert!(a.handle_connected(now, conn, node("b"), Some(addr), true));
-            assert!(a.handle_control(conn, snapshot(Interest::default())));
-            while a.poll_output().is_some() {}
-            a.handle_disconnected(now, conn);
-            let at = a.poll_timeout().expect("scheduled");
-            assert!(at - now <= cfg.backoff_min, "{:?}", at - now);
+            after_a_plain_connection_the_wait_is_short(&mut a, addr, now, cfg);
         }
     }
 
