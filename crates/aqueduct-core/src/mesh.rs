@@ -36,6 +36,8 @@ use std::time::{Duration, Instant};
 use aqueduct_proto::{GroupId, TopicFilter, TopicName};
 use bytes::Bytes;
 
+use foldhash::fast::RandomState;
+
 use crate::index::SubscriptionIndex;
 
 /// A node's name in the mesh: the Common Name of its peer certificate.
@@ -81,16 +83,6 @@ pub enum Key {
     Group(GroupKey),
 }
 
-impl Key {
-    /// The key's topic filter (a group's own).
-    pub fn filter(&self) -> &TopicFilter {
-        match self {
-            Key::Plain(f) => f,
-            Key::Group(g) => &g.filter,
-        }
-    }
-}
-
 /// The absolute count of one key (0: gone).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Update {
@@ -112,9 +104,9 @@ pub struct Interest {
     // copies only the part it changes, and only if a snapshot still shares it.
     /// Plain filters without a wildcard, by their bytes (the filter's own buffer), with their
     /// counts.
-    exact_plain: Arc<HashMap<Bytes, (TopicFilter, u32)>>,
+    exact_plain: Arc<HashMap<Bytes, (TopicFilter, u32), RandomState>>,
     /// Groups whose filter has no wildcard, by the filter's bytes, with their counts.
-    exact_groups: Arc<HashMap<Bytes, BTreeMap<GroupKey, u32>>>,
+    exact_groups: Arc<HashMap<Bytes, BTreeMap<GroupKey, u32>, RandomState>>,
     /// Plain filters with a wildcard, with their counts (one entry per filter).
     wild_plain: Arc<SubscriptionIndex<(TopicFilter, u32)>>,
     /// Groups whose filter has a wildcard, with their counts (one entry per group).
@@ -128,7 +120,7 @@ pub struct Interest {
 /// is held, see [`Interest`]); holding them keeps that test sound.
 #[derive(Debug, Clone)]
 struct GroupsHeld(
-    Arc<HashMap<Bytes, BTreeMap<GroupKey, u32>>>,
+    Arc<HashMap<Bytes, BTreeMap<GroupKey, u32>, RandomState>>,
     Arc<SubscriptionIndex<(GroupKey, u32)>>,
 );
 
@@ -156,30 +148,25 @@ impl fmt::Debug for Interest {
     }
 }
 
-/// Set the count of the entry `item` under `filter` in `index` (0 removes it); returns whether
-/// it was there before.
+/// Set the count of the entry `item` under `filter` in `index` (0 removes it); `present`:
+/// whether it has one now.
 fn set_wild<V: PartialEq + Clone>(
     index: &mut SubscriptionIndex<(V, u32)>,
     filter: &TopicFilter,
     item: &V,
     count: u32,
-) -> bool {
-    let existed = index.entries(filter).iter().any(|(v, _)| v == item);
+    present: bool,
+) {
     if count == 0 {
-        if existed {
-            index.remove_where(filter, |(v, _)| v == item);
-        }
-    } else if existed {
-        if let Some(entry) = index
-            .entries_mut(filter)
-            .and_then(|list| list.iter_mut().find(|(v, _)| v == item))
-        {
-            entry.1 = count;
-        }
-    } else {
+        index.remove_where(filter, |(v, _)| v == item);
+    } else if !present {
         index.insert(filter, (item.clone(), count));
+    } else if let Some(entry) = index
+        .entries_mut(filter)
+        .and_then(|list| list.iter_mut().find(|(v, _)| v == item))
+    {
+        entry.1 = count;
     }
-    existed
 }
 
 /// The count of the entry `item` under `filter` in `index`.
@@ -199,44 +186,48 @@ impl Interest {
     /// Set one key's count.
     pub fn apply(&mut self, u: &Update) {
         let (key, count) = (&u.key, u.count);
-        if self.count(key) == count {
+        let before = self.count(key);
+        if before == count {
             return; // no change: the parts stay shared
         }
-        let existed = match key {
+        let present = before != 0;
+        match key {
             Key::Plain(f) if f.is_wildcard() => {
-                set_wild(Arc::make_mut(&mut self.wild_plain), f, f, count)
+                set_wild(Arc::make_mut(&mut self.wild_plain), f, f, count, present)
             }
-            Key::Group(g) if g.filter.is_wildcard() => {
-                set_wild(Arc::make_mut(&mut self.wild_groups), &g.filter, g, count)
-            }
+            Key::Group(g) if g.filter.is_wildcard() => set_wild(
+                Arc::make_mut(&mut self.wild_groups),
+                &g.filter,
+                g,
+                count,
+                present,
+            ),
             Key::Plain(f) => {
                 let exact = Arc::make_mut(&mut self.exact_plain);
                 if count == 0 {
-                    exact.remove(f.as_bytes()).is_some()
+                    exact.remove(f.as_bytes());
                 } else {
-                    exact.insert(f.to_bytes(), (f.clone(), count)).is_some()
+                    exact.insert(f.to_bytes(), (f.clone(), count));
                 }
             }
-            Key::Group(g) if count == 0 => {
+            Key::Group(g) => {
                 let exact = Arc::make_mut(&mut self.exact_groups);
-                let Some(groups) = exact.get_mut(g.filter.as_bytes()) else {
-                    return;
-                };
-                let existed = groups.remove(g).is_some();
-                if groups.is_empty() {
-                    exact.remove(g.filter.as_bytes());
+                if count > 0 {
+                    exact
+                        .entry(g.filter.to_bytes())
+                        .or_default()
+                        .insert(g.clone(), count);
+                } else if let Some(groups) = exact.get_mut(g.filter.as_bytes()) {
+                    groups.remove(g);
+                    if groups.is_empty() {
+                        exact.remove(g.filter.as_bytes());
+                    }
                 }
-                existed
             }
-            Key::Group(g) => Arc::make_mut(&mut self.exact_groups)
-                .entry(g.filter.to_bytes())
-                .or_default()
-                .insert(g.clone(), count)
-                .is_some(),
-        };
-        match (existed, count) {
+        }
+        match (present, count) {
             (true, 0) => self.len -= 1,
-            (false, 1..) => self.len += 1,
+            (false, _) => self.len += 1,
             _ => {}
         }
     }
@@ -263,12 +254,7 @@ impl Interest {
         u
     }
 
-    /// Does a plain filter match `topic`?
-    pub fn wants_plain(&self, topic: &TopicName) -> bool {
-        self.wants_plain_bytes(topic.as_bytes())
-    }
-
-    /// [`wants_plain`](Self::wants_plain) on a topic's bytes (no allocation).
+    /// Does a plain filter match `topic` (a valid topic name's bytes)? No allocation.
     pub fn wants_plain_bytes(&self, topic: &[u8]) -> bool {
         self.exact_plain.contains_key(topic) || self.wild_plain.has_match_bytes(topic)
     }

@@ -60,7 +60,7 @@ const DIAL_WARN_EVERY: Duration = Duration::from_secs(60);
 /// duplicates still being retired (for up to `RETIRE_WAIT` each) leave room to spare. A
 /// connection beyond is closed at once with [`TOO_MANY_CONNECTIONS`]: each costs a task,
 /// buffers and a snapshot of this node's interest.
-const MAX_CONNECTIONS_PER_PEER: usize = 8;
+pub(crate) const MAX_CONNECTIONS_PER_PEER: usize = 8;
 /// The close reason of a connection beyond [`MAX_CONNECTIONS_PER_PEER`].
 const TOO_MANY_CONNECTIONS: &str = "too many mesh connections from this node";
 /// Mesh connections: keep-alive, and how long silence means the peer is gone.
@@ -2402,8 +2402,6 @@ mod tests {
         assert!(off.contains("ack_frequency_config: None"), "{off}");
     }
 
-    /// A dial failure is warned about once per address and reason (again after a while, or
-    /// when the reason changes); a peer that left the set and comes back is warned about afresh.
     /// A refusal is warned about once a minute per node and kind, and what is kept is only the
     /// last minute's warnings: nodes refused once long ago leave nothing behind.
     #[test]
@@ -2425,6 +2423,8 @@ mod tests {
         assert_eq!(w.0.len(), 2);
     }
 
+    /// A dial failure is warned about once per address and reason (again after a while, or
+    /// when the reason changes); a peer that left the set and comes back is warned about afresh.
     #[test]
     fn dial_failures_are_warned_once_per_address_and_reason() {
         let (a, b): (SocketAddr, SocketAddr) = (

@@ -278,7 +278,10 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
     out.single(
         "aqueduct_mesh_connections_refused_total",
         "counter",
-        "Mesh connections closed at once because their peer already had 8 open to this node.",
+        &format!(
+            "Mesh connections closed at once because their peer already had {} open to this node.",
+            crate::mesh::MAX_CONNECTIONS_PER_PEER
+        ),
         mesh.connections_refused
             .load(std::sync::atomic::Ordering::Relaxed),
     );
