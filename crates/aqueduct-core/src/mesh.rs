@@ -232,18 +232,25 @@ impl Interest {
         }
     }
 
+    /// The member count of group `g` (0 if absent).
+    pub fn count_group(&self, g: &GroupKey) -> u32 {
+        if g.filter.is_wildcard() {
+            count_wild(&self.wild_groups, &g.filter, g)
+        } else {
+            self.exact_groups
+                .get(g.filter.as_bytes())
+                .and_then(|groups| groups.get(g).copied())
+        }
+        .unwrap_or(0)
+    }
+
     /// The count of `key` (0 if absent).
     pub fn count(&self, key: &Key) -> u32 {
         match key {
-            Key::Plain(f) if f.is_wildcard() => count_wild(&self.wild_plain, f, f),
-            Key::Group(g) if g.filter.is_wildcard() => count_wild(&self.wild_groups, &g.filter, g),
-            Key::Plain(f) => self.exact_plain.get(f.as_bytes()).map(|(_, n)| *n),
-            Key::Group(g) => self
-                .exact_groups
-                .get(g.filter.as_bytes())
-                .and_then(|groups| groups.get(g).copied()),
+            Key::Plain(f) if f.is_wildcard() => count_wild(&self.wild_plain, f, f).unwrap_or(0),
+            Key::Plain(f) => self.exact_plain.get(f.as_bytes()).map_or(0, |(_, n)| *n),
+            Key::Group(g) => self.count_group(g),
         }
-        .unwrap_or(0)
     }
 
     /// Add `delta` (±) to a key's count; returns the update to send.
@@ -1232,12 +1239,10 @@ impl RouteTable {
     ) -> Routing {
         let mut routing = Routing::default();
         let mut copies: BTreeMap<NodeId, Forward> = BTreeMap::new();
-        for (node, interest) in &self.nodes {
-            if *node != self.me && interest.wants_plain_bytes(topic) {
-                copies.entry(node.clone()).or_default().plain = true;
-            }
+        for node in self.plain_peers(topic) {
+            copies.entry(node.clone()).or_default().plain = true;
         }
-        for g in self.groups_for(topic) {
+        for (g, members) in self.groups_for(topic) {
             let placeable = |n: &NodeId| {
                 if *n == self.me {
                     here(&g)
@@ -1245,7 +1250,8 @@ impl RouteTable {
                     reachable(n)
                 }
             };
-            match self.pick(&g, placeable) {
+            let members = members.into_iter().map(|(i, c)| (&self.nodes[i].0, c));
+            match self.pick_among(&g, members, placeable) {
                 Some(node) if node == self.me => routing.local_groups.push(g),
                 Some(node) => copies.entry(node).or_default().groups.push(g),
                 None => routing.unplaced.push(g),
@@ -1328,16 +1334,18 @@ impl RouteTable {
         self.nodes
             .iter()
             .find(|(n, _)| n == node)
-            .map_or(0, |(_, i)| i.count(&Key::Group(g.clone())))
+            .map_or(0, |(_, i)| i.count_group(g))
     }
 
-    /// Groups (anywhere) whose filter matches `topic`.
-    fn groups_for(&self, topic: &[u8]) -> BTreeSet<GroupKey> {
-        let mut groups = BTreeSet::new();
-        for (_, interest) in &self.nodes {
-            interest.for_each_group_for(topic, |g, _| {
-                if !groups.contains(g) {
-                    groups.insert(g.clone());
+    /// Groups (anywhere) whose filter matches `topic`, each with its member count on every node
+    /// that has members (the node's index in `nodes`, in order).
+    fn groups_for(&self, topic: &[u8]) -> BTreeMap<GroupKey, Vec<(usize, u32)>> {
+        let mut groups: BTreeMap<GroupKey, Vec<(usize, u32)>> = BTreeMap::new();
+        for (i, (_, interest)) in self.nodes.iter().enumerate() {
+            interest.for_each_group_for(topic, |g, n| match groups.get_mut(g) {
+                Some(members) => members.push((i, n)),
+                None => {
+                    groups.insert(g.clone(), vec![(i, n)]);
                 }
             });
         }
@@ -1358,11 +1366,20 @@ impl RouteTable {
     /// The node of the next member of `g` round-robin, over the members of every node that
     /// `usable` accepts (in id order).
     fn pick(&self, g: &GroupKey, usable: impl Fn(&NodeId) -> bool) -> Option<NodeId> {
-        let key = Key::Group(g.clone());
-        let nodes: Vec<(&NodeId, u64)> = self
-            .nodes
-            .iter()
-            .map(|(n, i)| (n, u64::from(i.count(&key))))
+        let members = self.nodes.iter().map(|(n, i)| (n, i.count_group(g)));
+        self.pick_among(g, members, usable)
+    }
+
+    /// [`pick`](Self::pick) among `members` (each node's member count, in node order), as
+    /// routing a publish already has them.
+    fn pick_among<'a>(
+        &self,
+        g: &GroupKey,
+        members: impl Iterator<Item = (&'a NodeId, u32)>,
+        usable: impl Fn(&NodeId) -> bool,
+    ) -> Option<NodeId> {
+        let nodes: Vec<(&NodeId, u64)> = members
+            .map(|(n, c)| (n, u64::from(c)))
             .filter(|(n, c)| *c > 0 && usable(n))
             .collect();
         let total: u64 = nodes.iter().map(|(_, c)| c).sum();
