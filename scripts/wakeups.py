@@ -8,7 +8,9 @@ events sched:sched_wakeup, sched:sched_switch and power:cpu_idle, and prints:
 - the total of the delays over 300 µs, and the largest of them, with the thread, its target
   CPU, and what that CPU was running.
 
-From the repository root, with a broker and a nats-server running on their default ports:
+From the repository root, after `cargo build --release -p aqueduct-cli`, with a broker running
+on its default port (`target/release/aqueduct-broker`), as root (or with
+`kernel.perf_event_paranoid` at -1: `perf record -a` traces every CPU):
 
     E=sched:sched_wakeup,sched:sched_switch,power:cpu_idle
     perf record -q -o target/aq.data -e $E -a -- target/release/aqueduct bench --rate 10000 \\
