@@ -122,8 +122,7 @@ def main():
         for r in range(rounds):
             for w in warm:
                 addr, _, env, client_binary = targets[w]
-                for aq_args in (["--messages", "2000000", "--subscribers", "1"],
-                                ["--messages", "1000000", "--subscribers", "4"]):
+                for _, _, aq_args, _ in sb.THROUGHPUT_RUNS:
                     sb.aq(addr, "--payload-size", "128", "--batch", "100", "--overflow", "block",
                           *aq_args, env=env, client=client_binary)
             nats_last = alternate and r % 2 == 1

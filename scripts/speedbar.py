@@ -39,6 +39,12 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The throughput runs of each round: name, peerbench nats-throughput arguments, `aqueduct bench`
+# arguments, subscribers.
+THROUGHPUT_RUNS = [
+    ("tput_1x1", ["--msgs", "2000000", "--subs", "1"], ["--messages", "2000000", "--subscribers", "1"], 1),
+    ("fanout_1x4", ["--msgs", "1000000", "--subs", "4"], ["--messages", "1000000", "--subscribers", "4"], 4),
+]
 BROKER = os.path.join(ROOT, "target/release/aqueduct-broker")
 CLIENT = os.path.join(ROOT, "target/release/aqueduct")
 PEERBENCH = os.path.join(ROOT, "target/peerbench/release/peerbench")
@@ -276,10 +282,7 @@ def main():
         big = b.start_aqueduct(14304, 19304, {"AQUEDUCT_BROKER_QUEUE_SIZE": "4000000"})
         addr_big = "127.0.0.1:14304"
         for r in range(args.rounds):
-            for name, nats_args, aq_args, subs in [
-                ("tput_1x1", ["--msgs", "2000000", "--subs", "1"], ["--messages", "2000000", "--subscribers", "1"], 1),
-                ("fanout_1x4", ["--msgs", "1000000", "--subs", "4"], ["--messages", "1000000", "--subscribers", "4"], 4),
-            ]:
+            for name, nats_args, aq_args, subs in THROUGHPUT_RUNS:
                 c0 = cpu_seconds(nats.pid)
                 res = run([PEERBENCH, "nats-throughput", "--url", "nats://127.0.0.1:4222", "--size", "128", "--pubs", "1", *nats_args])
                 res["delivered_msgs_per_s"] = res.get("delivered_msgs_per_s") or res.get("agg_delivered_msgs_per_s", 0)
