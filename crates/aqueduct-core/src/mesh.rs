@@ -373,6 +373,10 @@ pub const DUPLICATE: &str = "duplicate mesh connection";
 /// reconnect starts a fresh session (and is closed again if the interest is still too large).
 pub const INTEREST_LIMIT: &str = "the peer's interest is larger than cluster.max_peer_interest";
 
+/// The failed connections in a row a refusal for interest counts as at least (see
+/// `Mesh::note_refusal`): the next dial then waits up to `backoff_min * 2^2`.
+const REFUSED_ATTEMPTS: u32 = 2;
+
 /// The reason of an [`Output::Close`] for a connection whose peer has started again since
 /// (a restart within the idle timeout): nothing will come on it, so it is not retired.
 pub const RESTARTED: &str = "the peer restarted";
@@ -462,7 +466,9 @@ impl Default for MeshConfig {
 
 #[derive(Debug)]
 struct Target {
-    /// Failed dials in a row.
+    /// Connections in a row that failed: dials that failed, and connections that ended before
+    /// the peer spoke or that were closed for interest beyond the limit. Each doubles the
+    /// longest wait before the next dial.
     attempts: u32,
     /// When to dial next (`None`: dialing now, or connected).
     next_dial: Option<Instant>,
@@ -485,9 +491,12 @@ struct Peer {
     /// is swapped for it whole when its snapshot arrives.
     pending: Option<(u64, u64, Interest)>,
     /// The connection was closed for interest beyond the limit, by this node or by the peer
-    /// ([`INTEREST_LIMIT`]): what still comes on it is ignored, and its end does not clear
-    /// the refusals counted for the peer.
+    /// ([`INTEREST_LIMIT`]): what still comes on it is ignored, and its end does not count as
+    /// a connection that worked.
     refused: bool,
+    /// The peer sent a control message on it: when it ends (not refused), the connection
+    /// worked, and the next dial waits at most `backoff_min`.
+    spoke: bool,
 }
 
 /// A connection that lost the duplicate rule, held until its first control message says whether
@@ -526,11 +535,6 @@ pub struct Mesh {
     groups_seen: Vec<(NodeId, GroupsHeld)>,
     rng: u64,
     out: VecDeque<Output>,
-    /// Connections to a node closed in a row for interest beyond the limit (either way): each
-    /// lengthens the wait before that node is dialed again ([`Mesh::refusal_backoff`]), so a
-    /// node whose interest stays too large is not redialed several times a second. Cleared
-    /// when a connection to it ends for another reason.
-    refusals: BTreeMap<NodeId, u32>,
 }
 
 impl Mesh {
@@ -551,7 +555,6 @@ impl Mesh {
             rr: Arc::default(),
             groups_seen: Vec::new(),
             rng: seed | 1,
-            refusals: BTreeMap::new(),
             out: VecDeque::new(),
         }
     }
@@ -777,10 +780,11 @@ impl Mesh {
     ) {
         if let Some(a) = addr.filter(|_| outbound) {
             if let Some(t) = self.targets.get_mut(&a) {
-                // `attempts` goes back to 0 only once the peer speaks (its first control
-                // message): a peer that accepts the handshake and then refuses the connection
-                // (a certificate it does not take as a peer's) is redialed with a growing backoff,
-                // not several times a second.
+                // `attempts` goes back to 0 only when a connection on which the peer spoke
+                // ends unrefused (`handle_disconnected`): a peer that accepts the handshake and
+                // then refuses the connection (a certificate it does not take as a peer's), or
+                // one closed for its interest, is redialed with a growing backoff, not several
+                // times a second.
                 t.next_dial = None;
                 t.node = Some(node.clone());
             }
@@ -796,6 +800,7 @@ impl Mesh {
                 interest,
                 pending: None,
                 refused: false,
+                spoke: false,
             },
         );
     }
@@ -867,9 +872,7 @@ impl Mesh {
         let Some(peer) = self.peers.remove(&node) else {
             return;
         };
-        if !peer.refused {
-            self.refusals.remove(&node);
-        }
+        let worked = peer.spoke && !peer.refused;
         // Reconnect to every target whose node this was (dialed or not: the other side may be
         // the one that went away, and only one of us may have it as a target).
         let addrs: Vec<SocketAddr> = self
@@ -879,6 +882,9 @@ impl Mesh {
             .map(|(a, _)| *a)
             .collect();
         for addr in addrs {
+            if let Some(t) = self.targets.get_mut(&addr).filter(|_| worked) {
+                t.attempts = 0;
+            }
             let delay = self.backoff(addr);
             if let Some(t) = self.targets.get_mut(&addr) {
                 t.node = None;
@@ -901,11 +907,9 @@ impl Mesh {
         if peer.refused {
             return true; // closed for its interest: what was still on its way is ignored
         }
-        // The peer speaks: the connection works, and a reconnect after it starts from the
-        // shortest backoff again.
-        if let Some(t) = peer.addr.and_then(|a| self.targets.get_mut(&a)) {
-            t.attempts = 0;
-        }
+        // The peer speaks: unless it is refused, a reconnect after this connection starts from
+        // the shortest backoff again.
+        peer.spoke = true;
         match control {
             Control::Snapshot {
                 session,
@@ -1017,22 +1021,15 @@ impl Mesh {
         peer.interest = Interest::default();
         peer.pending = None;
         let (node, addr) = (node.clone(), peer.addr);
-        let count = self.refusals.entry(node.clone()).or_insert(0);
-        *count = count.saturating_add(1);
-        let attempts = Mesh::refusal_backoff(*count);
-        // The targets `handle_disconnected` will schedule again.
+        // The targets `handle_disconnected` will schedule again (counting this connection as
+        // one more failed): the first refusal in a row makes the next dial wait up to four
+        // times `backoff_min` (1 s by default), an interest beyond the limit being unlikely to
+        // shrink sooner; each further one twice as long, up to `backoff_max`.
         for (a, t) in self.targets.iter_mut() {
             if t.node.as_ref() == Some(&node) || addr == Some(*a) {
-                t.attempts = t.attempts.max(attempts);
+                t.attempts = t.attempts.max(REFUSED_ATTEMPTS);
             }
         }
-    }
-
-    /// The dial attempts a node's `count`-th refusal in a row counts as: the first makes the
-    /// next dial wait up to four times `backoff_min` (1 s by default), each further one twice
-    /// as long, up to `backoff_max`.
-    fn refusal_backoff(count: u32) -> u32 {
-        count.saturating_add(1).min(16)
     }
 
     /// The first control message on a held connection: if it comes from a later run of the
@@ -2108,7 +2105,8 @@ mod tests {
                     assert!(!a.handle_control(conn, snapshot(too_much())));
                 }
             });
-            // Without the refusals counted, every wait is at most backoff_min (250 ms).
+            // Were a refused connection counted as one that worked, every wait would be at
+            // most backoff_min (250 ms).
             assert!(
                 waits.iter().any(|w| *w > Duration::from_secs(2)),
                 "by the peer: {by_the_peer}: {waits:?}"
