@@ -40,6 +40,7 @@ use aqueduct_proto::{DurableStart, TopicFilter, TopicName};
 use tracing::{debug, info, warn};
 
 use crate::durable::{Durable, StoredMessage, TopicsSeen};
+use crate::warn_every::{held_back, WarnEvery};
 
 /// How often changed positions are saved.
 pub(crate) const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
@@ -894,8 +895,8 @@ pub(crate) async fn feed(
     // minute each (a read that fails for good is retried every second; a wildcard consumer may
     // meet either in thousands of topics at once); the others are logged at debug level and
     // counted in the next warning.
-    let mut read_warnings = Warnings::default();
-    let mut overtaken_warnings = Warnings::default();
+    let mut read_warnings = Warnings::new(READ_WARN_EVERY);
+    let mut overtaken_warnings = Warnings::new(READ_WARN_EVERY);
     // Topics whose position was set here while the log held none of their messages (all
     // deleted, or refused): their next messages may come at any offset above it, so a
     // position below the topic's oldest message is no sign of retention overtaking it.
@@ -1017,7 +1018,8 @@ pub(crate) async fn feed(
                             .consumers_overtaken
                             .fetch_add(1, Ordering::Relaxed);
                         let last = at - 1;
-                        overtaken_warnings.log(
+                        log_warning(
+                            &mut overtaken_warnings,
                             &String::from_utf8_lossy(&topic),
                             &filter,
                             "topics overtaken",
@@ -1079,7 +1081,8 @@ pub(crate) async fn feed(
                         Err(e) if read_again(&e) => {
                             // A read that failed (out of file descriptors, permissions, an I/O
                             // error): nothing is skipped; the same position is read again later.
-                            read_warnings.log(
+                            log_warning(
+                                &mut read_warnings,
                                 &name,
                                 &filter,
                                 "failed reads",
@@ -1094,7 +1097,8 @@ pub(crate) async fn feed(
                             // Damage since it was indexed, or a segment retention deleted since:
                             // skipped, the reader goes on with what follows it. Warned about as
                             // above.
-                            read_warnings.log(
+                            log_warning(
+                                &mut read_warnings,
                                 &name,
                                 &filter,
                                 "failed reads",
@@ -1306,46 +1310,23 @@ const READ_RETRY: Duration = Duration::from_secs(1);
 const READ_WARN_EVERY: Duration = Duration::from_secs(60);
 
 /// Warnings of one kind from one feeder: one every [`READ_WARN_EVERY`] at most.
-#[derive(Debug, Default)]
-struct Warnings {
-    last: Option<Instant>,
-    /// Logged at debug level since the last warning.
-    held_back: u64,
-}
+type Warnings = WarnEvery<()>;
 
-impl Warnings {
-    /// Log `message` about `topic` as a warning if one is due (saying how many `held` were
-    /// held back since the last), else at debug level.
-    fn log(
-        &mut self,
-        topic: &dyn std::fmt::Display,
-        filter: &dyn std::fmt::Display,
-        held: &str,
-        message: std::fmt::Arguments<'_>,
-    ) {
-        match self.due() {
-            Some(0) => warn!(topic = %topic, filter = %filter, "durable consumer: {message}"),
-            Some(more) => {
-                warn!(topic = %topic, filter = %filter, "durable consumer: {message} (and {more} more {held} since the last such warning, logged at debug level)")
-            }
-            None => debug!(topic = %topic, filter = %filter, "durable consumer: {message}"),
+/// Log `message` about `topic` as a warning if one is due in `warnings` (saying how many
+/// `held` were held back since the last), else at debug level.
+fn log_warning(
+    warnings: &mut Warnings,
+    topic: &dyn std::fmt::Display,
+    filter: &dyn std::fmt::Display,
+    held: &str,
+    message: std::fmt::Arguments<'_>,
+) {
+    match warnings.due((), (), Instant::now()) {
+        Some(more) => {
+            let more = held_back(more, held);
+            warn!(topic = %topic, filter = %filter, "durable consumer: {message}{more}")
         }
-    }
-
-    /// Whether to warn now (noting the time if so), with how many were held back since the
-    /// last warning.
-    fn due(&mut self) -> Option<u64> {
-        let now = Instant::now();
-        if self
-            .last
-            .is_none_or(|at| now.duration_since(at) >= READ_WARN_EVERY)
-        {
-            self.last = Some(now);
-            Some(std::mem::take(&mut self.held_back))
-        } else {
-            self.held_back += 1;
-            None
-        }
+        None => debug!(topic = %topic, filter = %filter, "durable consumer: {message}"),
     }
 }
 

@@ -29,6 +29,7 @@ mod server;
 pub mod stats;
 mod stream;
 pub mod tls;
+mod warn_every;
 pub mod webtransport;
 
 pub use config::{Config, ConfigError, Overrides, Sources};

@@ -21,6 +21,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::warn_every::{held_back, WarnEvery};
+
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -1006,8 +1008,9 @@ impl Driver {
         // Per peer ever connected: how often it came back after being disconnected (a
         // duplicate connection replaced while connected is no reconnect).
         let mut reconnects: HashMap<NodeId, u64> = HashMap::new();
-        let mut dial_warned = DialWarnings::default();
-        let mut refusals_warned = RefusalsWarned::default();
+        // Peer addresses that failed to dial, by the reason warned about.
+        let mut dial_warned: WarnEvery<SocketAddr, String> = WarnEvery::new(DIAL_WARN_EVERY);
+        let mut refusals_warned = WarnEvery::new(DIAL_WARN_EVERY);
         // Every connection whose task still runs (kept, held, being retired), and its node.
         let mut live: HashMap<ConnId, NodeId> = HashMap::new();
         // This node's port: a dialed address with it and a local IP is this node itself.
@@ -1083,9 +1086,17 @@ impl Driver {
                         self.handle
                             .connections_refused
                             .fetch_add(1, Ordering::Relaxed);
-                        refusals_warned.log(&node, Refusal::Connections, now, || format!(
+                        log_refusal(
+                            &mut refusals_warned,
+                            &node,
+                            Refusal::Connections,
+                            now,
+                            || {
+                                format!(
                             "cluster peer {node} opened more than {MAX_CONNECTIONS_PER_PEER} mesh connections at once: closing the new one"
-                        ));
+                        )
+                            },
+                        );
                     } else {
                         let id = adopt(conn, &node, &mut conns, &mut tasks);
                         live.insert(id, node.clone());
@@ -1109,7 +1120,7 @@ impl Driver {
                     });
                     match result {
                         Ok((conn, node)) => {
-                            if dial_warned.reached(addr) {
+                            if dial_warned.forget(&addr) {
                                 info!(%addr, peer = %node, "cluster peer reached");
                             }
                             let id = adopt(conn, &node, &mut conns, &mut tasks);
@@ -1120,8 +1131,14 @@ impl Driver {
                             // This node's own endpoint going away (shutdown) is no peer's fault.
                             let stopping = matches!(why.as_str(), "endpoint stopping" | "closed");
                             let why = explain_dial_failure(addr, &why);
-                            if !stopping && dial_warned.warn(addr, &why, now) {
-                                warn!(%addr, "cannot connect to a cluster peer (retrying with backoff): {why}");
+                            let due = if stopping {
+                                None
+                            } else {
+                                dial_warned.due(addr, why.clone(), now)
+                            };
+                            if let Some(more) = due {
+                                let more = held_back(more, "failures");
+                                warn!(%addr, "cannot connect to a cluster peer (retrying with backoff): {why}{more}");
                             } else {
                                 debug!(%addr, "mesh dial failed: {why}");
                             }
@@ -1164,17 +1181,25 @@ impl Driver {
                     self.handle.refused_by_peer.fetch_add(1, Ordering::Relaxed);
                     if let Some(link) = conns.get(&conn) {
                         let ours = self.mesh.local().len();
-                        refusals_warned.log(&link.node, Refusal::OurInterest, now, || format!(
+                        log_refusal(
+                            &mut refusals_warned,
+                            &link.node,
+                            Refusal::OurInterest,
+                            now,
+                            || {
+                                format!(
                             "cluster peer {} closed its connection because this node's interest ({ours} topic filters and consumer groups) is more than its cluster.max_peer_interest allows: raise the limit there, or subscribe to fewer distinct filters here; dialing it again with a growing wait",
                             link.node
-                        ));
+                        )
+                            },
+                        );
                     }
                     self.mesh.handle_refused_by_peer(conn);
                 }
                 Some(Event::PeerRetired { conn }) => self.mesh.handle_peer_retired(conn),
                 Some(Event::Local { key, delta }) => self.mesh.handle_local(key, delta),
                 Some(Event::Peers(addrs)) => {
-                    dial_warned.keep_only(&addrs);
+                    dial_warned.retain(|a| addrs.contains(a));
                     self.mesh.handle_peer_set(now, addrs);
                 }
             }
@@ -1204,10 +1229,18 @@ impl Driver {
                                     info!(peer = %link.node, "cluster peer restarted: its new connection replaces the old one");
                                 } else if reason == aqueduct_core::mesh::INTEREST_LIMIT {
                                     let max = self.mesh.max_peer_interest();
-                                    refusals_warned.log(&link.node, Refusal::ItsInterest, now, || format!(
+                                    log_refusal(
+                                        &mut refusals_warned,
+                                        &link.node,
+                                        Refusal::ItsInterest,
+                                        now,
+                                        || {
+                                            format!(
                                         "cluster peer {} sent more interest (topic filters and consumer groups) than cluster.max_peer_interest ({max}) allows: closing its connection, and dialing it again with a growing wait; raise the limit if its subscriptions are legitimate",
                                         link.node
-                                    ));
+                                    )
+                                        },
+                                    );
                                     self.handle.interest_refused.fetch_add(1, Ordering::Relaxed);
                                 } else {
                                     debug!(conn = conn.0, reason, "closing a mesh connection");
@@ -2304,14 +2337,7 @@ async fn serve_peer(link: PeerTask) {
     });
 }
 
-/// Refusals (interest beyond the limit, either way; too many connections), per peer and kind:
-/// each warned about once, and again after [`DIAL_WARN_EVERY`] (a node whose interest stays
-/// too large is refused at every reconnect); the others are logged at debug level. Only the
-/// warnings of the last [`DIAL_WARN_EVERY`] are kept: an older one would not hold the next back.
-#[derive(Debug, Default)]
-struct RefusalsWarned(HashMap<(NodeId, Refusal), Instant>);
-
-/// What a [`RefusalsWarned`] warning is about.
+/// What a refusal warning is about (see [`log_refusal`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Refusal {
     /// The peer sent more interest than this node takes.
@@ -2322,61 +2348,28 @@ enum Refusal {
     Connections,
 }
 
-impl RefusalsWarned {
-    /// Log a refusal of `kind` involving `node` at `now`: as a warning if none of that kind was
-    /// warned about for that node in the last [`DIAL_WARN_EVERY`], otherwise at debug level.
-    /// Returns whether it warned.
-    fn log(
-        &mut self,
-        node: &NodeId,
-        kind: Refusal,
-        now: Instant,
-        what: impl FnOnce() -> String,
-    ) -> bool {
-        let key = (node.clone(), kind);
-        let due = self
-            .0
-            .get(&key)
-            .is_none_or(|at| now.duration_since(*at) >= DIAL_WARN_EVERY);
-        if due {
-            self.0
-                .retain(|_, at| now.duration_since(*at) < DIAL_WARN_EVERY);
-            self.0.insert(key, now);
-            warn!("{}", what());
-        } else {
+/// Log a refusal (interest beyond the limit, either way; too many connections) of `kind`
+/// involving `node` at `now`: as a warning if none of that kind was warned about for that node
+/// in the last [`DIAL_WARN_EVERY`] (a node whose interest stays too large is refused at every
+/// reconnect), otherwise at debug level. Only the last [`DIAL_WARN_EVERY`]'s warnings are kept:
+/// nodes refused once long ago leave nothing behind. Returns whether it warned.
+fn log_refusal(
+    warned: &mut WarnEvery<(NodeId, Refusal)>,
+    node: &NodeId,
+    kind: Refusal,
+    now: Instant,
+    what: impl FnOnce() -> String,
+) -> bool {
+    match warned.due((node.clone(), kind), (), now) {
+        Some(more) => {
+            warned.forget_expired(now);
+            warn!("{}{}", what(), held_back(more, "refusals"));
+            true
+        }
+        None => {
             debug!("{}", what());
+            false
         }
-        due
-    }
-}
-
-/// Peer addresses that failed to dial: the reason last warned about, and when. A failure is
-/// warned about once per address and reason, and again after [`DIAL_WARN_EVERY`].
-#[derive(Debug, Default)]
-struct DialWarnings(HashMap<SocketAddr, (String, Instant)>);
-
-impl DialWarnings {
-    /// Dialing `addr` failed for `why`: should it be warned about (else it is logged at debug)?
-    fn warn(&mut self, addr: SocketAddr, why: &str, now: Instant) -> bool {
-        let loud = self
-            .0
-            .get(&addr)
-            .is_none_or(|(last, at)| last != why || now.duration_since(*at) >= DIAL_WARN_EVERY);
-        if loud {
-            self.0.insert(addr, (why.to_string(), now));
-        }
-        loud
-    }
-
-    /// `addr` answered: was it warned about (then its recovery is logged)?
-    fn reached(&mut self, addr: SocketAddr) -> bool {
-        self.0.remove(&addr).is_some()
-    }
-
-    /// The peer set changed (DNS discovery): addresses no longer in it are forgotten, so that
-    /// this map stays as small as the set, and one that comes back is warned about afresh.
-    fn keep_only(&mut self, peers: &[SocketAddr]) {
-        self.0.retain(|a, _| peers.contains(a));
     }
 }
 
@@ -2411,52 +2404,23 @@ mod tests {
             NodeId::try_from("b").expect("node"),
         );
         let t0 = Instant::now();
-        let mut w = RefusalsWarned::default();
+        let mut w = WarnEvery::new(DIAL_WARN_EVERY);
         let what = || String::new();
-        assert!(w.log(&a, Refusal::ItsInterest, t0, what));
-        assert!(!w.log(&a, Refusal::ItsInterest, t0 + Duration::from_secs(5), what));
-        assert!(w.log(&a, Refusal::Connections, t0, what), "another kind");
+        assert!(log_refusal(&mut w, &a, Refusal::ItsInterest, t0, what));
+        let soon = t0 + Duration::from_secs(5);
+        assert!(!log_refusal(&mut w, &a, Refusal::ItsInterest, soon, what));
+        assert!(
+            log_refusal(&mut w, &a, Refusal::Connections, t0, what),
+            "another kind"
+        );
         let later = t0 + DIAL_WARN_EVERY + Duration::from_secs(1);
-        assert!(w.log(&b, Refusal::OurInterest, later, what));
-        assert_eq!(w.0.len(), 1, "a's warnings expired and are dropped");
-        assert!(w.log(&a, Refusal::ItsInterest, later, what), "a again");
-        assert_eq!(w.0.len(), 2);
-    }
-
-    /// A dial failure is warned about once per address and reason (again after a while, or
-    /// when the reason changes); a peer that left the set and comes back is warned about afresh.
-    #[test]
-    fn dial_failures_are_warned_once_per_address_and_reason() {
-        let (a, b): (SocketAddr, SocketAddr) = (
-            "192.0.2.1:7441".parse().expect("addr"),
-            "192.0.2.2:7441".parse().expect("addr"),
-        );
-        let t0 = Instant::now();
-        let mut w = DialWarnings::default();
-        assert!(w.warn(a, "timed out", t0));
-        assert!(!w.warn(a, "timed out", t0 + Duration::from_secs(5)));
-        assert!(w.warn(b, "timed out", t0), "another address");
+        assert!(log_refusal(&mut w, &b, Refusal::OurInterest, later, what));
+        assert_eq!(w.len(), 1, "a's warnings expired and are dropped");
         assert!(
-            w.warn(a, "refused", t0 + Duration::from_secs(6)),
-            "another reason"
+            log_refusal(&mut w, &a, Refusal::ItsInterest, later, what),
+            "a again"
         );
-        assert!(w.warn(a, "refused", t0 + Duration::from_secs(6) + DIAL_WARN_EVERY));
-        assert!(w.reached(a), "its recovery is told");
-        assert!(!w.reached(a), "once");
-        assert!(
-            w.warn(a, "refused", t0 + Duration::from_secs(70)),
-            "failing again"
-        );
-        w.keep_only(&[b]);
-        assert_eq!(w.0.len(), 1, "only the peers in the set are kept");
-        assert!(
-            w.warn(a, "refused", t0 + Duration::from_secs(71)),
-            "back in the set"
-        );
-        assert!(
-            !w.warn(b, "timed out", t0 + Duration::from_secs(59)),
-            "b is kept"
-        );
+        assert_eq!(w.len(), 2);
     }
 
     #[test]
