@@ -22,7 +22,11 @@ brokers' traces; a broker's own slow path shows up as many small episodes.
 """
 import argparse
 import statistics
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from speedbar import quantile  # noqa: E402
 
 
 def load(path):
@@ -84,7 +88,7 @@ def analyse(path, threshold_ns):
     n = len(lat)
 
     def q(x):
-        return lat[min(n - 1, int(x * n))] / 1e3
+        return quantile(lat, x) / 1e3
 
     eps = episodes(rows, threshold_ns)
     slow = sum(e[2] for e in eps)

@@ -55,6 +55,12 @@ TICKS = os.sysconf("SC_CLK_TCK")
 MIN_NATS = (2, 15)
 
 
+def quantile(values, q):
+    """The q-quantile (0 <= q <= 1) of `values`, sorted ascending: the value at rank q * len
+    (the nearest rank, as HdrHistogram reports it), or 0.0 for no values."""
+    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+
 def nats_server_version(binary):
     """(the exact `nats-server --version` output, (major, minor, patch) or None)."""
     path = shutil.which(binary)

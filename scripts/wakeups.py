@@ -20,15 +20,15 @@ on its default port (`target/release/aqueduct-broker`), as root (or with
 """
 import argparse
 import collections
+import os
 import re
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from speedbar import quantile  # noqa: E402
+
 LINE = re.compile(r"\s*(.+?)\s+(\d+)/(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+(\S+):\s*(.*)")
 EXIT_IDLE = 4294967295
-
-
-def quantile(values, q):
-    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
 
 def analyse(path):

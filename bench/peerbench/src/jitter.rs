@@ -35,27 +35,35 @@ pub async fn timer_jitter(a: JitterArgs) -> anyhow::Result<Value> {
     let total = (a.rate * a.secs).round() as u64;
     let rate = a.rate;
     let h = tokio::task::spawn_blocking(move || {
-        crate::common::tight_timer_slack();
         let mut h = common::new_hist();
-        let period_ns = 1e9 / rate;
-        let start = Instant::now();
-        for i in 0..total {
-            let target = start + Duration::from_nanos((period_ns * i as f64) as u64);
-            let now = Instant::now();
-            if now < target {
-                std::thread::sleep(target - now);
-            }
+        paced_wakeups(rate, total, Instant::now(), |target, woke| {
             common::record_ns(
                 &mut h,
-                Instant::now().saturating_duration_since(target).as_nanos() as u64,
+                woke.saturating_duration_since(target).as_nanos() as u64,
             );
-        }
+        });
         h
     })
     .await?;
     println!("config: rate={} wakeups/s secs={}", a.rate, a.secs);
     let lat = common::latency_report("wake-up lateness", &h);
     Ok(json!({"mode": "timer-jitter", "rate": a.rate, "secs": a.secs, "latency": lat}))
+}
+
+/// Wake up `total` times, `rate` times a second on an absolute schedule from `start`, as the
+/// latency subcommands pace (`thread::sleep`, 1 ns timer slack); after each wake-up call
+/// `woke(target, when it woke)`.
+fn paced_wakeups(rate: f64, total: u64, start: Instant, mut woke: impl FnMut(Instant, Instant)) {
+    common::tight_timer_slack();
+    let period_ns = 1e9 / rate;
+    for i in 0..total {
+        let target = start + Duration::from_nanos((period_ns * i as f64) as u64);
+        let now = Instant::now();
+        if now < target {
+            std::thread::sleep(target - now);
+        }
+        woke(target, Instant::now());
+    }
 }
 
 /// A stall seen by one CPU's thread: from the first late wake-up's target to the last late
@@ -113,8 +121,7 @@ fn pin(cpu: usize) -> bool {
 
 fn per_cpu(a: &JitterArgs) -> anyhow::Result<Value> {
     let cpus = allowed_cpus();
-    let total = (a.rate * a.secs).round() as u64;
-    let period_ns = 1e9 / a.rate;
+    let (rate, total) = (a.rate, (a.rate * a.secs).round() as u64);
     let stall_ns = (a.stall_us * 1e3) as u64;
     let start = Instant::now() + Duration::from_millis(10);
     let threads: Vec<_> = cpus
@@ -122,16 +129,9 @@ fn per_cpu(a: &JitterArgs) -> anyhow::Result<Value> {
         .map(|cpu| {
             std::thread::spawn(move || {
                 let pinned = pin(cpu);
-                crate::common::tight_timer_slack();
                 let mut h = common::new_hist();
                 let mut stalls: Vec<Stall> = Vec::new();
-                for i in 0..total {
-                    let target = start + Duration::from_nanos((period_ns * i as f64) as u64);
-                    let now = Instant::now();
-                    if now < target {
-                        std::thread::sleep(target - now);
-                    }
-                    let woke = Instant::now();
+                paced_wakeups(rate, total, start, |target, woke| {
                     let late = woke.saturating_duration_since(target).as_nanos() as u64;
                     common::record_ns(&mut h, late);
                     if late > stall_ns {
@@ -149,7 +149,7 @@ fn per_cpu(a: &JitterArgs) -> anyhow::Result<Value> {
                             }),
                         }
                     }
-                }
+                });
                 (cpu, pinned, h, stalls)
             })
         })
