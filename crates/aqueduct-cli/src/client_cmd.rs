@@ -376,9 +376,8 @@ enum LogCommand {
         /// The log's directory (default: as the broker's on its defaults: AQUEDUCT_AAL_FILE_PATH,
         /// else $AQUEDUCT_HOME/aal, else ~/.aqueduct/aal).
         dir: Option<PathBuf>,
-        /// File holding the base64 key (default: AQUEDUCT_AAL_KEY; none for a plaintext log).
-        #[arg(long, value_name = "FILE")]
-        key_file: Option<PathBuf>,
+        #[command(flatten)]
+        keys: crate::log_cmd::LogKeys,
     },
     /// Print a topic's messages (offset, priority, time in ms since the epoch, body), or list
     /// the topics without --topic.
@@ -395,9 +394,8 @@ enum LogCommand {
         /// Print at most this many messages.
         #[arg(long, short = 'n')]
         count: Option<u64>,
-        /// File holding the base64 key (default: AQUEDUCT_AAL_KEY; none for a plaintext log).
-        #[arg(long, value_name = "FILE")]
-        key_file: Option<PathBuf>,
+        #[command(flatten)]
+        keys: crate::log_cmd::LogKeys,
     },
 }
 
@@ -664,22 +662,14 @@ async fn run(cli: Cli, also: &mut Option<String>) -> Result<()> {
     }
     if let Command::Log { what } = &cli.command {
         return match what {
-            LogCommand::Verify { dir, key_file } => {
-                crate::log_cmd::verify(&log_dir(dir), key_file.as_deref())
-            }
+            LogCommand::Verify { dir, keys } => crate::log_cmd::verify(&log_dir(dir), keys),
             LogCommand::Dump {
                 dir,
                 topic,
                 from,
                 count,
-                key_file,
-            } => crate::log_cmd::dump(
-                &log_dir(dir),
-                topic.as_deref(),
-                *from,
-                *count,
-                key_file.as_deref(),
-            ),
+                keys,
+            } => crate::log_cmd::dump(&log_dir(dir), topic.as_deref(), *from, *count, keys),
         };
     }
     if let Command::TraceSink {

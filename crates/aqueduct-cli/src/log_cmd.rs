@@ -2,7 +2,7 @@
 //! both may run next to a broker that is using the log.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use aqueduct_log::{LogView, MasterKey};
@@ -11,20 +11,59 @@ use aqueduct_server::durable::StoredMessage;
 /// Logs at least this large get a progress bar (on a terminal).
 const PROGRESS_FROM_BYTES: u64 = 64 << 20;
 
-/// The key from `--key-file` (a file holding the base64 key, as `aal.key` takes it), else from
-/// `AQUEDUCT_AAL_KEY`; none for a plaintext log.
-pub fn load_key(key_file: Option<&Path>) -> Result<Option<MasterKey>> {
-    let text = match key_file {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("reading the key file {}", path.display()))?,
-        ),
-        None => std::env::var("AQUEDUCT_AAL_KEY").ok(),
-    };
-    let Some(text) = text else {
-        return Ok(None);
-    };
-    aqueduct_server::config::decode_master_key(&text).map_err(|why| anyhow!("the key {why}"))
+/// The log's keys, as the broker has them in `aal.key` and `aal.previous_keys`.
+#[derive(Debug, clap::Args)]
+pub struct LogKeys {
+    /// File holding the base64 key (default: AQUEDUCT_AAL_KEY; none for a plaintext log).
+    #[arg(long, value_name = "FILE")]
+    key_file: Option<PathBuf>,
+    /// File holding a key the log had before the current one (aal.previous_keys), to read the
+    /// segments sealed with it; repeat for several (default: AQUEDUCT_AAL_PREVIOUS_KEYS,
+    /// comma-separated).
+    #[arg(long, value_name = "FILE")]
+    previous_key_file: Vec<PathBuf>,
+}
+
+impl LogKeys {
+    /// The current key, then the previous ones; empty for a plaintext log.
+    fn load(&self) -> Result<Vec<MasterKey>> {
+        let current = match &self.key_file {
+            Some(path) => read_key_file(path)?,
+            None => std::env::var("AQUEDUCT_AAL_KEY").unwrap_or_default(),
+        };
+        let Some(current) = decode(&current, "the key")? else {
+            return Ok(Vec::new());
+        };
+        let previous: Vec<String> = if self.previous_key_file.is_empty() {
+            let listed = std::env::var("AQUEDUCT_AAL_PREVIOUS_KEYS").unwrap_or_default();
+            listed
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(String::from)
+                .collect()
+        } else {
+            self.previous_key_file
+                .iter()
+                .map(|p| read_key_file(p))
+                .collect::<Result<_>>()?
+        };
+        let mut keys = vec![current];
+        for (i, text) in previous.iter().enumerate() {
+            let which = format!("previous key {} of {}", i + 1, previous.len());
+            keys.push(decode(text, &which)?.ok_or_else(|| anyhow!("the {which} is empty"))?);
+        }
+        Ok(keys)
+    }
+}
+
+fn read_key_file(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path)
+        .with_context(|| format!("reading the key file {}", path.display()))
+}
+
+fn decode(text: &str, which: &str) -> Result<Option<MasterKey>> {
+    aqueduct_server::config::decode_master_key(text).map_err(|why| anyhow!("{which} {why}"))
 }
 
 fn log_size(dir: &Path) -> u64 {
@@ -69,8 +108,8 @@ fn check_log_dir(dir: &LogDir) -> Result<()> {
 
 /// Check every record of the log in `dir`; an error (exit code 1) if anything is damaged or
 /// cannot be read.
-pub fn verify(dir: &LogDir, key_file: Option<&Path>) -> Result<()> {
-    let key = load_key(key_file)?;
+pub fn verify(dir: &LogDir, keys: &LogKeys) -> Result<()> {
+    let keys = keys.load()?;
     check_log_dir(dir)?;
     let dir = dir.path.as_path();
     let total = log_size(dir);
@@ -85,7 +124,7 @@ pub fn verify(dir: &LogDir, key_file: Option<&Path>) -> Result<()> {
         }
         bar
     });
-    let report = aqueduct_log::verify(dir, key.as_ref(), &mut |done, _| {
+    let report = aqueduct_log::verify(dir, &keys, &mut |done, _| {
         if let Some(b) = &bar {
             b.set_position(done);
         }
@@ -115,6 +154,14 @@ pub fn verify(dir: &LogDir, key_file: Option<&Path>) -> Result<()> {
         // The reason names the file.
         println!("failed: {why}");
     }
+    let previous = &report.previous_key_segments;
+    for (i, segments) in previous.iter().enumerate() {
+        let which = format!("previous key {} of {}", i + 1, previous.len());
+        match segments {
+            0 => println!("{which}: seals no segment (no longer needed)"),
+            n => println!("{which}: seals {n} segment(s)"),
+        }
+    }
     if report.is_ok() {
         println!("ok");
         Ok(())
@@ -135,11 +182,11 @@ pub fn dump(
     topic: Option<&str>,
     from: u64,
     limit: Option<u64>,
-    key_file: Option<&Path>,
+    keys: &LogKeys,
 ) -> Result<()> {
-    let key = load_key(key_file)?;
+    let keys = keys.load()?;
     check_log_dir(dir)?;
-    let view = LogView::open(&dir.path, key.as_ref())?;
+    let view = LogView::open(&dir.path, &keys)?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     let Some(topic) = topic else {

@@ -83,7 +83,7 @@ type Confirmed = BTreeMap<String, BTreeMap<u64, Vec<u8>>>;
 /// Everything the log holds, checked: per topic, offsets strictly increasing (each message
 /// once, in order); returns topic → offset → body.
 fn read_log(dir: &Path) -> Confirmed {
-    let view = LogView::open(dir, Some(&key())).expect("the log opens");
+    let view = LogView::open(dir, &[key()]).expect("the log opens");
     let mut all = Confirmed::new();
     for t in TOPICS {
         let mut last = None;
@@ -468,7 +468,7 @@ fn a_full_disk_answers_storage_failed_and_subscribers_go_on() {
     // Without the limit: everything confirmed is there.
     let (broker, _addr, _metrics, _logs) = start_broker_with(home.path(), &env);
     stop(broker);
-    let view = LogView::open(&home.path().join("aal"), Some(&key())).expect("opens");
+    let view = LogView::open(&home.path().join("aal"), &[key()]).expect("opens");
     let logged: BTreeMap<u64, Vec<u8>> = view
         .read(b"big", 0)
         .map(|r| {
@@ -632,7 +632,7 @@ fn log_verify_and_dump_work_offline() {
         String::from_utf8_lossy(&wrong.stderr)
     );
     assert!(
-        out.contains("sealed with a different key") && out.contains("--key-file"),
+        out.contains("sealed with none of the 1 key(s) given") && out.contains("--key-file"),
         "{out}"
     );
     assert_eq!(snapshot(&dir), before, "verify and dump change nothing");

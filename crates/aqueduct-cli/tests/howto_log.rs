@@ -7,7 +7,7 @@ const DOC: &str = include_str!("../../../docs/howto-log.md");
 
 #[test]
 fn the_log_howto_runs_as_written() {
-    let outputs = common::howto::run_howto(DOC, "howto-log", 6, false);
+    let outputs = common::howto::run_howto(DOC, "howto-log", 11, false);
     let all = outputs.join("");
     assert!(all.contains("published to orders at offset 0"), "{all}");
     assert!(
@@ -16,6 +16,17 @@ fn the_log_howto_runs_as_written() {
     );
     assert!(
         all.contains("\tfirst order\n") && all.contains("\tsecond order\n"),
+        "{all}"
+    );
+    // After the key's rotation: old and new messages read alike, and verify counts what the
+    // old key still seals (the tour's two segments).
+    assert!(all.contains("published to orders at offset 2"), "{all}");
+    assert!(
+        all.contains("orders #0 p2: first order") && all.contains("orders #2 p2: third order"),
+        "{all}"
+    );
+    assert!(
+        all.contains("previous key 1 of 1: seals 2 segment(s)\nok"),
         "{all}"
     );
     assert!(all.trim_end().ends_with("ok"), "{all}");

@@ -60,6 +60,9 @@ impl hkdf::KeyType for KeyLen {
 pub(crate) struct SegmentCipher {
     key: LessSafeKey,
     index_mac: ring::hmac::Key,
+    /// Which of the log's keys (see [`crate::LogOptions::previous_keys`]) the segment was sealed
+    /// with: 0 the current one, `n` the n-th previous one.
+    pub(crate) key_index: usize,
 }
 
 impl std::fmt::Debug for SegmentCipher {
@@ -90,7 +93,13 @@ impl SegmentCipher {
         Ok(SegmentCipher {
             key: LessSafeKey::new(unbound),
             index_mac: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &mac_key),
+            key_index: 0,
         })
+    }
+
+    /// If the segment is sealed with a previous key, that key's entry in `per_previous_key`.
+    pub(crate) fn previous_key<'a, T>(&self, per_previous_key: &'a mut [T]) -> Option<&'a mut T> {
+        per_previous_key.get_mut(self.key_index.checked_sub(1)?)
     }
 
     /// The tag that proves a key is the segment's: seals nothing under a nonce batches never

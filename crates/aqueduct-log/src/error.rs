@@ -13,15 +13,18 @@ pub enum LogError {
         #[source]
         source: std::io::Error,
     },
-    /// An encrypted segment's key check does not match the key given: the wrong `aal.key`.
-    /// Nothing was changed on disk.
+    /// An encrypted segment's key check matches none of the `keys` given (the current one and
+    /// the previous ones): the wrong `aal.key`, or a rotated key missing from
+    /// `aal.previous_keys`. Nothing was changed on disk.
     #[error(
-        "{}: this segment was sealed with a different key (the key given is wrong: the \
-         broker's aal.key or AQUEDUCT_AAL_KEY, `aqueduct log`'s --key-file; or the file was \
-         replaced); nothing was changed on disk",
+        "{}: this segment was sealed with none of the {keys} key(s) given: the key is wrong \
+         (the broker's aal.key or AQUEDUCT_AAL_KEY, `aqueduct log`'s --key-file), or the key \
+         was changed and the one it had before is missing from aal.previous_keys \
+         (AQUEDUCT_AAL_PREVIOUS_KEYS, `aqueduct log`'s --previous-key-file), or the file was \
+         replaced; nothing was changed on disk",
         path.display()
     )]
-    WrongKey { path: PathBuf },
+    WrongKey { path: PathBuf, keys: usize },
     /// A record's checksum is right but its authentication tag is not: the bytes were written
     /// whole, then changed (tampering), or sealed under another key. Never truncated.
     #[error(

@@ -35,6 +35,11 @@ pub enum FsyncMode {
 pub struct LogOptions {
     /// Seal batches with AES-256-GCM under keys derived from this one; `None`: plaintext.
     pub key: Option<MasterKey>,
+    /// Keys the log was sealed with before `key` (a rotated master key): segments sealed with
+    /// one of them are still read, with it; every new segment is sealed with `key`. A key is
+    /// needed as long as a segment sealed with it is kept ([`Recovery::previous_key_segments`]
+    /// says how many are left). Ignored without `key`.
+    pub previous_keys: Vec<MasterKey>,
     /// With a key, still read plaintext segments (a log that was plaintext before the key was
     /// set); otherwise one is refused, as anyone who can write to the directory could add it.
     pub allow_plaintext: bool,
@@ -52,10 +57,46 @@ pub struct LogOptions {
     pub crash_offset_gap: u64,
 }
 
+impl LogOptions {
+    /// The keys a segment may be sealed with: `key`, then `previous_keys`; none without `key`.
+    fn keys(&self) -> Vec<MasterKey> {
+        match &self.key {
+            Some(key) => std::iter::once(key)
+                .chain(&self.previous_keys)
+                .cloned()
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+}
+
+/// Per previous key of `opts`: how many of `segments` are sealed with it.
+fn previous_key_segments(segments: &[Segment], opts: &LogOptions) -> Vec<usize> {
+    let mut counts = vec![
+        0;
+        if opts.key.is_some() {
+            opts.previous_keys.len()
+        } else {
+            0
+        }
+    ];
+    for s in segments {
+        if let Some(n) = s
+            .cipher
+            .as_deref()
+            .and_then(|c| c.previous_key(&mut counts))
+        {
+            *n += 1;
+        }
+    }
+    counts
+}
+
 impl Default for LogOptions {
     fn default() -> Self {
         LogOptions {
             key: None,
+            previous_keys: Vec::new(),
             allow_plaintext: false,
             max_segment_bytes: 100 * 1024 * 1024,
             retention_bytes: None,
@@ -102,6 +143,9 @@ pub struct Recovery {
     /// The newest segment file, if it held only a header that could not be read (a crash while
     /// it was created): moved aside to this path (`<id>.seg.unreadable`), with the reason.
     pub unreadable_segments: Vec<(PathBuf, String)>,
+    /// Per previous key ([`LogOptions::previous_keys`], in order): the segments still sealed
+    /// with it. A key whose count is 0 is no longer needed.
+    pub previous_key_segments: Vec<usize>,
     pub elapsed: Duration,
 }
 
@@ -335,7 +379,7 @@ impl Log {
                 reason: "segment id too large: no segment can follow it".into(),
             })?);
             let last = i + 1 == files.len();
-            let loaded = segment::load(&dir, path, opts.key.as_ref(), opts.allow_plaintext, last);
+            let loaded = segment::load(&dir, path, &opts.keys(), opts.allow_plaintext, last);
             let (scanned, rebuilt) = match loaded {
                 Ok(s) => s,
                 Err(LogError::BadFile { .. }) if last && short_or_blank(path) => {
@@ -453,6 +497,7 @@ impl Log {
         rec.topics = log.topic_count();
         rec.bytes = log.bytes();
         rec.damaged_batches = log.segments.get().iter().map(|s| s.damage.len()).sum();
+        rec.previous_key_segments = previous_key_segments(&log.segments.get(), &log.opts);
         log.stats.truncated_bytes = rec.truncated_bytes;
         log.stats.damaged_batches = rec.damaged_batches as u64;
         rec.elapsed = started.elapsed();
@@ -1090,12 +1135,8 @@ impl Log {
         self.sync()?;
         // Check that `position` is a batch boundary by reading the segment up to it.
         let file = File::open(&path).map_err(|e| LogError::io("opening segment", &path, e))?;
-        let (header, cipher) = segment::open_header(
-            &path,
-            &file,
-            self.opts.key.as_ref(),
-            self.opts.allow_plaintext,
-        )?;
+        let (header, cipher) =
+            segment::open_header(&path, &file, &self.opts.keys(), self.opts.allow_plaintext)?;
         if position.byte > seg_len {
             return Err(LogError::InvalidAppend(format!(
                 "byte {} is past the end of segment {}",
@@ -1204,14 +1245,16 @@ pub struct LogView {
 }
 
 impl LogView {
-    pub fn open(dir: &Path, key: Option<&MasterKey>) -> Result<LogView, LogError> {
+    /// `keys`: the current key, then any previous ones (as [`LogOptions::previous_keys`]);
+    /// empty for a plaintext log.
+    pub fn open(dir: &Path, keys: &[MasterKey]) -> Result<LogView, LogError> {
         let files = list_segments_read_only(dir)?;
         let mut segments = Vec::new();
         let mut torn_bytes = 0;
         for (i, (_, path)) in files.iter().enumerate() {
             let last = i + 1 == files.len();
             // Read-only, for inspection: plaintext segments are shown too.
-            match segment::load(dir, path, key, true, last) {
+            match segment::load(dir, path, keys, true, last) {
                 Ok((scanned, _)) => {
                     torn_bytes += scanned.torn_bytes;
                     segments.push(scanned.segment);

@@ -243,11 +243,12 @@ pub(crate) struct Scanned {
     pub degraded: Vec<String>,
 }
 
-/// Open a segment file's header and check the key against it.
+/// Open a segment file's header and find, by its key check, which of `keys` (the current key
+/// first, then the previous ones; empty: no key) it was sealed with.
 pub(crate) fn open_header(
     path: &Path,
     file: &File,
-    key: Option<&MasterKey>,
+    keys: &[MasterKey],
     allow_plaintext: bool,
 ) -> Result<(SegmentHeader, Option<Arc<SegmentCipher>>), LogError> {
     let mut raw = [0u8; HEADER_LEN];
@@ -261,7 +262,7 @@ pub(crate) fn open_header(
         reason,
     })?;
     if !header.encrypted {
-        if key.is_some() && !allow_plaintext {
+        if !keys.is_empty() && !allow_plaintext {
             return Err(LogError::BadFile {
                 path: path.to_path_buf(),
                 reason: "a plaintext segment in a log that has a key: anyone who can write to the \
@@ -272,16 +273,22 @@ pub(crate) fn open_header(
         }
         return Ok((header, None));
     }
-    let key = key.ok_or_else(|| LogError::KeyRequired {
-        path: path.to_path_buf(),
-    })?;
-    let cipher = derive(key, &header.salt, path)?;
-    if !cipher.verify_key_check(SegmentHeader::check_aad(&raw), &header.key_check) {
-        return Err(LogError::WrongKey {
+    if keys.is_empty() {
+        return Err(LogError::KeyRequired {
             path: path.to_path_buf(),
         });
     }
-    Ok((header, Some(Arc::new(cipher))))
+    for (key_index, key) in keys.iter().enumerate() {
+        let mut cipher = derive(key, &header.salt, path)?;
+        if cipher.verify_key_check(SegmentHeader::check_aad(&raw), &header.key_check) {
+            cipher.key_index = key_index;
+            return Ok((header, Some(Arc::new(cipher))));
+        }
+    }
+    Err(LogError::WrongKey {
+        path: path.to_path_buf(),
+        keys: keys.len(),
+    })
 }
 
 /// Load a segment: from its index file if that is valid for the segment as it is on disk,
@@ -289,12 +296,12 @@ pub(crate) fn open_header(
 pub(crate) fn load(
     dir: &Path,
     path: &Path,
-    key: Option<&MasterKey>,
+    keys: &[MasterKey],
     allow_plaintext: bool,
     last: bool,
 ) -> Result<(Scanned, bool), LogError> {
     let file = File::open(path).map_err(|e| LogError::io("opening segment", path, e))?;
-    let (header, cipher) = open_header(path, &file, key, allow_plaintext)?;
+    let (header, cipher) = open_header(path, &file, keys, allow_plaintext)?;
     let file_len = file
         .metadata()
         .map_err(|e| LogError::io("reading the size of segment", path, e))?

@@ -21,6 +21,9 @@ pub struct VerifyReport {
     pub torn_tail: u64,
     /// Segments that could not be checked at all, and why (bad header, wrong key, tampering).
     pub failures: Vec<(PathBuf, String)>,
+    /// Per previous key given (`keys[1..]`): the segments sealed with it. A key whose count is
+    /// 0 is no longer needed.
+    pub previous_key_segments: Vec<usize>,
 }
 
 impl VerifyReport {
@@ -30,11 +33,12 @@ impl VerifyReport {
     }
 }
 
-/// Read every segment in `dir` through, without changing anything. `progress` is called with
-/// (bytes checked, total bytes).
+/// Read every segment in `dir` through, without changing anything. `keys`: the current key,
+/// then any previous ones (as `LogOptions::previous_keys`); empty for a plaintext log.
+/// `progress` is called with (bytes checked, total bytes).
 pub fn verify(
     dir: &Path,
-    key: Option<&MasterKey>,
+    keys: &[MasterKey],
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<VerifyReport, LogError> {
     let ids: Vec<(u64, u64)> = crate::log::list_segments_read_only(dir)?
@@ -42,7 +46,10 @@ pub fn verify(
         .map(|(id, path)| (id, std::fs::metadata(path).map_or(0, |m| m.len())))
         .collect();
     let total: u64 = ids.iter().map(|(_, len)| len).sum();
-    let mut report = VerifyReport::default();
+    let mut report = VerifyReport {
+        previous_key_segments: vec![0; keys.len().saturating_sub(1)],
+        ..VerifyReport::default()
+    };
     let mut done = 0;
     let mut topics = std::collections::HashSet::new();
     for (i, &(id, len)) in ids.iter().enumerate() {
@@ -52,7 +59,11 @@ pub fn verify(
             .map_err(|e| LogError::io("opening segment", &path, e))
             .and_then(|file| {
                 // Reporting, not trusting: plaintext segments are read too.
-                let (header, cipher) = open_header(&path, &file, key, true)?;
+                let (header, cipher) = open_header(&path, &file, keys, true)?;
+                let counts = &mut report.previous_key_segments;
+                if let Some(n) = cipher.as_deref().and_then(|c| c.previous_key(counts)) {
+                    *n += 1;
+                }
                 scan(
                     dir,
                     &file,

@@ -282,6 +282,96 @@ fn a_torn_tail_is_cut_at_any_point() -> R {
     Ok(())
 }
 
+/// The id of a segment file (`<id>.seg`).
+fn segment_id(path: &Path) -> u64 {
+    let stem = path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .expect("a segment name");
+    stem.parse().expect("a numeric segment name")
+}
+
+/// A rotated master key: segments sealed with the old one are read with it while it is listed
+/// among the previous keys (their index files too, with no read-through); every new segment is
+/// sealed with the new key only; once retention has deleted the old key's segments, the new key
+/// alone opens the log.
+#[test]
+fn a_rotated_key_reads_the_old_segments_and_seals_the_new_ones() -> R {
+    let tmp = tempfile::tempdir()?;
+    let with = |current, previous_keys| LogOptions {
+        max_segment_bytes: 400,
+        previous_keys,
+        ..opts(Some(current))
+    };
+    let (mut log, _) = Log::open(tmp.path(), with(key(1), vec![]))?;
+    fill(&mut log, "t", 6, 3)?;
+    log.close()?;
+    let old = segments(tmp.path());
+    assert!(old.len() > 1, "{old:?}");
+    let first_new = old
+        .iter()
+        .map(|p| segment_id(p))
+        .max()
+        .ok_or("no segment")?
+        + 1;
+
+    // The new key alone cannot read them, and says where the old one goes.
+    let e = Log::open(tmp.path(), with(key(2), vec![])).map(|_| ());
+    assert!(
+        matches!(e, Err(LogError::WrongKey { keys: 1, .. })),
+        "{e:?}"
+    );
+    assert!(e
+        .err()
+        .ok_or("error")?
+        .to_string()
+        .contains("aal.previous_keys"));
+
+    // With the old key among the previous ones it can (an unrelated previous key is harmless).
+    let (mut log, rec) = Log::open(tmp.path(), with(key(2), vec![key(9), key(1)]))?;
+    assert_eq!(rec.previous_key_segments, vec![0, old.len()]);
+    assert_eq!(
+        rec.rebuilt_indexes, 0,
+        "the old indexes are checked with the old key"
+    );
+    assert_eq!(
+        offsets(&read_all(&log, "t", 0)?),
+        (0..18).collect::<Vec<_>>()
+    );
+    fill(&mut log, "t", 6, 3)?;
+    log.close()?;
+    let report = verify(tmp.path(), &[key(2), key(9), key(1)], &mut |_, _| {})?;
+    assert!(report.is_ok(), "{report:?}");
+    assert_eq!(report.previous_key_segments, vec![0, old.len()]);
+    let report = verify(tmp.path(), &[key(2)], &mut |_, _| {})?;
+    assert_eq!(report.failures.len(), old.len(), "{report:?}");
+
+    // New segments are sealed with the new key only: the old key cannot open the log now.
+    let e = Log::open(tmp.path(), with(key(1), vec![])).map(|_| ());
+    assert!(matches!(e, Err(LogError::WrongKey { .. })), "{e:?}");
+
+    // Retention deletes the old key's segments; then the new key is enough.
+    let (mut log, _) = Log::open(tmp.path(), with(key(2), vec![key(1)]))?;
+    log.purge_before(aqueduct_log::Position {
+        segment: first_new,
+        byte: 0,
+    })?;
+    log.close()?;
+    let (log, rec) = Log::open(tmp.path(), with(key(2), vec![key(1)]))?;
+    assert_eq!(
+        rec.previous_key_segments,
+        vec![0],
+        "the old key is no longer needed"
+    );
+    drop(log);
+    let (log, _) = Log::open(tmp.path(), with(key(2), vec![]))?;
+    assert_eq!(
+        offsets(&read_all(&log, "t", 18)?),
+        (18..36).collect::<Vec<_>>()
+    );
+    Ok(())
+}
+
 #[test]
 fn the_wrong_key_is_refused_and_nothing_changes() -> R {
     let tmp = tempfile::tempdir()?;
@@ -580,7 +670,7 @@ fn retention_forgets_emptied_topics_behind_an_offset_floor() -> R {
     assert_eq!(log.next_offset(b"kept"), 30);
     assert_eq!(fill(&mut log, "gone", 1, 2)?, vec![50, 51]);
     assert_eq!(log.next_offset(b"gone"), 52);
-    assert_eq!(verify(tmp.path(), Some(&key(8)), &mut |_, _| {})?.topics, 4);
+    assert_eq!(verify(tmp.path(), &[key(8)], &mut |_, _| {})?.topics, 4);
     drop(log); // a crash: no clean close
     let (log, _) = Log::open(tmp.path(), o)?;
     assert_eq!(log.next_offset(b"gone"), 52 + 1_000);

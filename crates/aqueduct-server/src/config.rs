@@ -220,6 +220,9 @@ pub struct AalSection {
     pub file_path: String,
     /// Base64-encoded 32-byte AES-256-GCM master key.
     pub key: String,
+    /// Master keys the log was sealed with before `key` (a rotated key), base64 each: the
+    /// segments sealed with them are still read. In the environment: comma-separated.
+    pub previous_keys: Vec<String>,
     /// Run the log unencrypted when `key` is empty (otherwise an empty key is an error).
     pub allow_plaintext: bool,
     /// Rotate segments before they grow past this many bytes.
@@ -244,6 +247,7 @@ impl Default for AalSection {
             enabled: false,
             file_path: String::new(),
             key: String::new(),
+            previous_keys: Vec::new(),
             allow_plaintext: false,
             max_aal_size: 100 << 20,
             fsync: "batch".into(),
@@ -340,6 +344,7 @@ pub const ENV_KEYS: &[&str] = &[
     "aal.enabled",
     "aal.file_path",
     "aal.key",
+    "aal.previous_keys",
     "aal.allow_plaintext",
     "aal.max_aal_size",
     "aal.fsync",
@@ -540,6 +545,7 @@ impl std::fmt::Debug for AalSection {
             enabled,
             file_path,
             key,
+            previous_keys,
             allow_plaintext,
             max_aal_size,
             fsync,
@@ -553,6 +559,10 @@ impl std::fmt::Debug for AalSection {
             .field("enabled", enabled)
             .field("file_path", file_path)
             .field("key", &if key.is_empty() { "" } else { "(set, hidden)" })
+            .field(
+                "previous_keys",
+                &format!("({} hidden)", previous_keys.len()),
+            )
             .field("allow_plaintext", allow_plaintext)
             .field("max_aal_size", max_aal_size)
             .field("fsync", fsync)
@@ -571,6 +581,8 @@ pub struct AalConfig {
     pub dir: PathBuf,
     /// `None`: plaintext (`aal.allow_plaintext`).
     pub key: Option<aqueduct_log::MasterKey>,
+    /// `aal.previous_keys`: keys of before a rotation, for the segments sealed with them.
+    pub previous_keys: Vec<aqueduct_log::MasterKey>,
     /// `aal.allow_plaintext`: also, with a key, read plaintext segments of before.
     pub allow_plaintext: bool,
     pub max_segment_bytes: u64,
@@ -586,6 +598,7 @@ impl AalConfig {
     pub fn log_options(&self, crash_offset_gap: u64) -> aqueduct_log::LogOptions {
         aqueduct_log::LogOptions {
             key: self.key.clone(),
+            previous_keys: self.previous_keys.clone(),
             allow_plaintext: self.allow_plaintext,
             max_segment_bytes: self.max_segment_bytes,
             retention_bytes: self.retention_bytes,
@@ -731,6 +744,10 @@ impl figment::Provider for Named {
     }
 }
 
+/// Keys whose value is a list of text: an environment value for them is comma-separated
+/// (`AQUEDUCT_AAL_PREVIOUS_KEYS=key1,key2`; base64 has no commas).
+const LIST_KEYS: &[&str] = &["aal.previous_keys"];
+
 /// Keys whose value is text (addresses, paths, policies, durations): an environment value for
 /// them stays a string even when it looks like a number (`AQUEDUCT_BROKER_FLUSH_INTERVAL=0`).
 const TEXT_KEYS: &[&str] = &[
@@ -783,6 +800,15 @@ const TEXT_KEYS: &[&str] = &[
 /// work for flags and sizes while `0` stays a duration.
 fn parse_env_value(key: &str, v: &str) -> figment::value::Value {
     use figment::value::Value;
+    if LIST_KEYS.contains(&key) {
+        let items: Vec<String> = v
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect();
+        return Value::from(items);
+    }
     if TEXT_KEYS.contains(&key) {
         return Value::from(v.to_string());
     }
@@ -1275,6 +1301,7 @@ impl AalSection {
     /// when off.
     fn validate(&self, env: &[(String, String)]) -> Result<Option<AalConfig>, ConfigError> {
         let key = parse_aal_key(&self.key)?;
+        let previous_keys = parse_previous_keys(&self.previous_keys)?;
         let fsync = match self.fsync.trim() {
             "always" => aqueduct_log::FsyncMode::Always,
             "batch" => aqueduct_log::FsyncMode::Batch,
@@ -1333,9 +1360,18 @@ impl AalSection {
                 ),
             ));
         }
+        if key.is_none() && !previous_keys.is_empty() {
+            return Err(invalid(
+                "aal.previous_keys",
+                "are given but aal.key is empty: previous keys read the segments sealed before \
+                 a key change, and new segments are sealed with aal.key; set aal.key to the new \
+                 key",
+            ));
+        }
         Ok(Some(AalConfig {
             dir,
             key,
+            previous_keys,
             allow_plaintext: self.allow_plaintext,
             max_segment_bytes,
             fsync,
@@ -1349,6 +1385,26 @@ impl AalSection {
 /// `aal.key`: empty, or base64 of exactly 32 bytes.
 fn parse_aal_key(s: &str) -> Result<Option<aqueduct_log::MasterKey>, ConfigError> {
     decode_master_key(s).map_err(|why| invalid("aal.key", why))
+}
+
+/// `aal.previous_keys`: each base64 of exactly 32 bytes; an error names the one at fault by its
+/// place in the list, never by its value.
+fn parse_previous_keys(keys: &[String]) -> Result<Vec<aqueduct_log::MasterKey>, ConfigError> {
+    let mut out = Vec::with_capacity(keys.len());
+    for (i, s) in keys.iter().enumerate() {
+        let which = format!("key {} of {}", i + 1, keys.len());
+        match decode_master_key(s) {
+            Ok(Some(k)) => out.push(k),
+            Ok(None) => {
+                return Err(invalid(
+                    "aal.previous_keys",
+                    format!("{which} is empty: give the base64 key, or remove it"),
+                ))
+            }
+            Err(why) => return Err(invalid("aal.previous_keys", format!("{which} {why}"))),
+        }
+    }
+    Ok(out)
 }
 
 /// A durable log key as `aal.key` (or a key file) writes it: 32 bytes in base64, surrounding

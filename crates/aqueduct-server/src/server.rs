@@ -1005,9 +1005,23 @@ async fn open_log(aal: &AalConfig, stats: Arc<ServerStats>) -> Result<Arc<Durabl
     for (path, why) in &rec.unreadable_segments {
         warn!(path = %path.display(), "durable log: the newest segment held only an unreadable header (a crash while it was created); moved aside: {why}");
     }
+    log_previous_keys(&rec.previous_key_segments);
     Durable::start(log, &rec, fsync, stats).map_err(|e| {
         ServerError::Startup(format!("cannot start the durable log's writer thread: {e}"))
     })
+}
+
+/// Say, per key of `aal.previous_keys`, how many segments are still sealed with it: one with
+/// none is no longer needed.
+fn log_previous_keys(segments_per_key: &[usize]) {
+    for (i, &segments) in segments_per_key.iter().enumerate() {
+        let which = format!("key {} of {}", i + 1, segments_per_key.len());
+        if segments == 0 {
+            info!("durable log: aal.previous_keys {which} seals no segment any more: it can be removed");
+        } else {
+            info!("durable log: aal.previous_keys {which} still seals {segments} segment(s); keep it until retention has deleted them");
+        }
+    }
 }
 
 /// Redeliver deliveries whose ack-wait deadline passed.

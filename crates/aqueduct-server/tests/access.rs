@@ -820,6 +820,7 @@ async fn a_revoked_durable_consumer_can_come_back() {
             c.aal = Some(aqueduct_server::config::AalConfig {
                 dir: log.path().to_path_buf(),
                 key: None,
+                previous_keys: Vec::new(),
                 allow_plaintext: true,
                 max_segment_bytes: 1 << 20,
                 fsync: aqueduct_log::FsyncMode::Batch,

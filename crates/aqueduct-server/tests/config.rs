@@ -274,6 +274,21 @@ fn errors_name_the_key_and_the_problem() {
             "aal.key: decodes to 5 bytes; AES-256-GCM needs exactly 32",
         ),
         (
+            None,
+            &[("AQUEDUCT_AAL_PREVIOUS_KEYS", "c2hvcnQ=")],
+            "aal.previous_keys: key 1 of 1 decodes to 5 bytes; AES-256-GCM needs exactly 32",
+        ),
+        (
+            Some("aal:\n  previous_keys: [\"AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\", \"\"]\n"),
+            &[],
+            "aal.previous_keys: key 2 of 2 is empty",
+        ),
+        (
+            Some("aal:\n  enabled: true\n  allow_plaintext: true\n  previous_keys: [\"AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=\"]\n"),
+            &[],
+            "aal.previous_keys: are given but aal.key is empty",
+        ),
+        (
             Some("aal:\n  fsync: sometimes\n"),
             &[],
             "aal.fsync: \"sometimes\" is not one of always, batch, interval, never",
@@ -617,6 +632,51 @@ fn flush_interval_is_bounded_and_access_keys_take_effect() {
         Overrides::default(),
     )
     .expect("AQUEDUCT_ADDR is the client's");
+}
+
+/// `aal.previous_keys` from the file (a list) or the environment (comma-separated), in order;
+/// `Debug` shows neither them nor the key.
+#[test]
+fn previous_log_keys_from_the_file_or_the_environment() {
+    use base64::Engine;
+    let b64 = |b: u8| base64::engine::general_purpose::STANDARD.encode([b; 32]);
+    let key = |b: u8| aqueduct_log::MasterKey::from_bytes(&[b; 32]).expect("32 bytes");
+    let dir = tempfile::tempdir().expect("dir");
+    let yaml = format!(
+        "aal:\n  enabled: true\n  file_path: {}\n  key: {}\n  previous_keys: [{}, {}]\n",
+        dir.path().join("aal").display(),
+        b64(1),
+        b64(2),
+        b64(3)
+    );
+    let c = load(Some(file(&dir, &yaml)), vec![], Overrides::default()).expect("loads");
+    let aal = c.aal.expect("on");
+    assert_eq!(aal.previous_keys, vec![key(2), key(3)]);
+    let opts = aal.log_options(1);
+    assert_eq!(
+        opts.previous_keys,
+        vec![key(2), key(3)],
+        "passed to the log"
+    );
+    let listed = format!("{} , {},", b64(4), b64(5));
+    let c = load(
+        Some(file(&dir, &yaml)),
+        env(&[("AQUEDUCT_AAL_PREVIOUS_KEYS", &listed)]),
+        Overrides::default(),
+    )
+    .expect("loads");
+    assert_eq!(c.aal.expect("on").previous_keys, vec![key(4), key(5)]);
+    let section = aqueduct_server::config::AalSection {
+        key: b64(1),
+        previous_keys: vec![b64(2)],
+        ..Default::default()
+    };
+    let shown = format!("{section:?}");
+    assert!(
+        !shown.contains(&b64(1)) && !shown.contains(&b64(2)),
+        "{shown}"
+    );
+    assert!(shown.contains("(1 hidden)"), "{shown}");
 }
 
 #[test]

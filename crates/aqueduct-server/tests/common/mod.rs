@@ -522,6 +522,7 @@ pub fn aal(
     aqueduct_server::config::AalConfig {
         dir: dir.to_path_buf(),
         key: Some(key()),
+        previous_keys: Vec::new(),
         allow_plaintext: false,
         max_segment_bytes: 1 << 20,
         fsync,
