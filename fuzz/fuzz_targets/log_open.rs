@@ -1,8 +1,8 @@
 //! A log directory of damaged or arbitrary bytes: opening, reading and verifying it never
 //! panics. The first input byte picks a mode: bit 0 — segments encrypted (a fixed key) or
 //! plain; bit 1 — fix each frame's CRC so the decoder behind it is reached; bit 2 — the input
-//! also carries an index file; bit 3 — open with the wrong key; bit 4 — with the segments' key
-//! listed as a previous one behind the key opened with (a rotated key). The rest is the segment's
+//! also carries an index file; bit 3 — open with the wrong key; bit 4 — open with another key,
+//! the segments' key listed as a previous one (a rotated key). The rest is the segment's
 //! frames (after a valid header the target writes) and, with bit 2, the index after a 0xFF 0xFF
 //! 0xFF 0xFF separator.
 #![no_main]
@@ -55,8 +55,9 @@ fuzz_target!(|data: &[u8]| {
         let _ = aqueduct_log::format::IndexFile::decode(index);
         let _ = std::fs::write(dir.path().join(format!("{:020}.idx", 0)), index);
     }
-    let previous_keys: Vec<MasterKey> = if mode & 16 != 0 { key.clone().into_iter().collect() } else { Vec::new() };
-    let open_key = if mode & 8 != 0 { MasterKey::from_bytes(&[0x43; 32]) } else { key };
+    let rotated = mode & 16 != 0;
+    let previous_keys: Vec<MasterKey> = if rotated { key.iter().cloned().collect() } else { Vec::new() };
+    let open_key = if mode & 8 != 0 || rotated { MasterKey::from_bytes(&[0x43; 32]) } else { key };
     let keys: Vec<MasterKey> = match &open_key {
         Some(k) => std::iter::once(k).chain(&previous_keys).cloned().collect(),
         None => Vec::new(),

@@ -27,43 +27,39 @@ pub struct LogKeys {
 impl LogKeys {
     /// The current key, then the previous ones; empty for a plaintext log.
     fn load(&self) -> Result<Vec<MasterKey>> {
+        use aqueduct_server::config::{decode_master_key, decode_previous_keys, split_list};
         let current = match &self.key_file {
-            Some(path) => read_key_file(path)?,
-            None => std::env::var("AQUEDUCT_AAL_KEY").unwrap_or_default(),
+            Some(path) => decode_master_key(&read_key_file(path)?)
+                .map_err(|why| anyhow!("the key in {} {why}", path.display()))?,
+            None => decode_master_key(&std::env::var("AQUEDUCT_AAL_KEY").unwrap_or_default())
+                .map_err(|why| anyhow!("AQUEDUCT_AAL_KEY {why}"))?,
         };
-        let Some(current) = decode(&current, "the key")? else {
-            return Ok(Vec::new());
-        };
-        let previous: Vec<String> = if self.previous_key_file.is_empty() {
-            let listed = std::env::var("AQUEDUCT_AAL_PREVIOUS_KEYS").unwrap_or_default();
-            listed
-                .split(',')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(String::from)
-                .collect()
-        } else {
-            self.previous_key_file
-                .iter()
-                .map(|p| read_key_file(p))
-                .collect::<Result<_>>()?
-        };
-        let mut keys = vec![current];
-        for (i, text) in previous.iter().enumerate() {
-            let which = format!("previous key {} of {}", i + 1, previous.len());
-            keys.push(decode(text, &which)?.ok_or_else(|| anyhow!("the {which} is empty"))?);
+        let mut previous = Vec::new();
+        for path in &self.previous_key_file {
+            let key = decode_master_key(&read_key_file(path)?)
+                .map_err(|why| anyhow!("the previous key in {} {why}", path.display()))?
+                .ok_or_else(|| anyhow!("the previous key file {} is empty", path.display()))?;
+            previous.push(key);
         }
-        Ok(keys)
+        if self.previous_key_file.is_empty() {
+            let listed = std::env::var("AQUEDUCT_AAL_PREVIOUS_KEYS").unwrap_or_default();
+            previous = decode_previous_keys(&split_list(&listed))
+                .map_err(|why| anyhow!("AQUEDUCT_AAL_PREVIOUS_KEYS: {why}"))?;
+        }
+        match current {
+            Some(current) => Ok(std::iter::once(current).chain(previous).collect()),
+            None if previous.is_empty() => Ok(Vec::new()),
+            None => bail!(
+                "previous keys are given but no key (--key-file or AQUEDUCT_AAL_KEY): they only \
+                 read the segments of before a key change, next to the current key"
+            ),
+        }
     }
 }
 
 fn read_key_file(path: &Path) -> Result<String> {
     std::fs::read_to_string(path)
         .with_context(|| format!("reading the key file {}", path.display()))
-}
-
-fn decode(text: &str, which: &str) -> Result<Option<MasterKey>> {
-    aqueduct_server::config::decode_master_key(text).map_err(|why| anyhow!("{which} {why}"))
 }
 
 fn log_size(dir: &Path) -> u64 {

@@ -551,6 +551,11 @@ fn log_verify_and_dump_work_offline() {
     assert!(!keyless.status.success());
     let out = String::from_utf8_lossy(&keyless.stdout);
     assert!(out.contains("pass --key-file FILE"), "{out}");
+    // A previous key without a current one is a mistake, not a plaintext log.
+    let no_current = log(&["verify", d, "--previous-key-file", k]);
+    assert_eq!(no_current.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&no_current.stderr);
+    assert!(err.contains("previous keys are given but no key"), "{err}");
     // Without a directory: the broker's default one, $AQUEDUCT_HOME/aal here (a blank
     // AQUEDUCT_AAL_FILE_PATH means the default, as for the broker).
     for file_path in [None, Some(" ")] {

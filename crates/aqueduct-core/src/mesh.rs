@@ -2003,9 +2003,6 @@ mod tests {
         assert_eq!(b.peers().next().map(|(_, c)| c), Some(ConnId(1)));
     }
 
-    /// A peer that takes the handshake and then closes the connection before saying anything
-    /// (it refuses this node's certificate as a peer's) is redialed with a growing backoff, not
-    /// within `backoff_min` every time; once a peer speaks, a reconnect is quick again.
     /// Node a with one peer address, its first dial made: (mesh, address, now).
     fn dialing_one_peer(cfg: MeshConfig) -> (Mesh, SocketAddr, Instant) {
         let mut a = Mesh::new(node("a"), cfg, 7, 1);
@@ -2040,6 +2037,9 @@ mod tests {
         waits
     }
 
+    /// A peer that takes the handshake and then closes the connection before saying anything
+    /// (it refuses this node's certificate as a peer's) is redialed with a growing backoff, not
+    /// within `backoff_min` every time; once a peer speaks, a reconnect is quick again.
     #[test]
     fn a_peer_that_refuses_after_the_handshake_is_redialed_with_a_growing_backoff() {
         let cfg = MeshConfig::default();
@@ -2095,8 +2095,7 @@ mod tests {
             interest,
         };
         for by_the_peer in [false, true] {
-            let (mut a, addr, now) = dialing_one_peer(cfg);
-            let waits = waits_between_connections(&mut a, addr, now, 8, |a, conn| {
+            let refuse = |a: &mut Mesh, conn| {
                 if by_the_peer {
                     // b speaks (a takes its snapshot), then closes for a's interest.
                     assert!(a.handle_control(conn, snapshot(Interest::default())));
@@ -2104,7 +2103,9 @@ mod tests {
                 } else {
                     assert!(!a.handle_control(conn, snapshot(too_much())));
                 }
-            });
+            };
+            let (mut a, addr, now) = dialing_one_peer(cfg);
+            let waits = waits_between_connections(&mut a, addr, now, 8, refuse);
             // Were a refused connection counted as one that worked, every wait would be at
             // most backoff_min (250 ms).
             assert!(
@@ -2113,6 +2114,10 @@ mod tests {
             );
             // A connection that ends for another reason: the next wait is short again.
             after_a_plain_connection_the_wait_is_short(&mut a, addr, now, cfg);
+            // Then a first refusal counts as REFUSED_ATTEMPTS failures at least, and the
+            // connection itself as one more: the next wait is up to 4 * backoff_min.
+            waits_between_connections(&mut a, addr, now, 1, refuse);
+            assert_eq!(a.targets[&addr].attempts, REFUSED_ATTEMPTS + 1);
         }
     }
 

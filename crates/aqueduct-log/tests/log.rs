@@ -372,6 +372,41 @@ fn a_rotated_key_reads_the_old_segments_and_seals_the_new_ones() -> R {
     Ok(())
 }
 
+/// `truncate_after` into a segment sealed with a previous key writes that segment's index with
+/// its own key (the next open reads no segment through), and a read-only view reads it given
+/// the keys.
+#[test]
+fn truncating_into_a_previous_keys_segment_keeps_its_key() -> R {
+    let tmp = tempfile::tempdir()?;
+    let e = |o, d: &'static [u8]| Entry {
+        topic: b"t",
+        offset: o,
+        data: d,
+    };
+    let (mut log, _) = Log::open(tmp.path(), opts(Some(key(1))))?;
+    let cut = log.append(&[e(0, b"a"), e(1, b"b")], 1)?;
+    log.append(&[e(2, b"c")], 2)?;
+    log.close()?;
+    let rotated = LogOptions {
+        previous_keys: vec![key(1)],
+        ..opts(Some(key(2)))
+    };
+    let (mut log, _) = Log::open(tmp.path(), rotated.clone())?;
+    log.truncate_after(cut)?;
+    assert_eq!(offsets(&read_all(&log, "t", 0)?), vec![0, 1]);
+    log.close()?;
+    let (log, rec) = Log::open(tmp.path(), rotated)?;
+    assert_eq!(rec.rebuilt_indexes, 0, "{rec:?}");
+    assert_eq!(rec.previous_key_segments, vec![1]);
+    assert_eq!(offsets(&read_all(&log, "t", 0)?), vec![0, 1]);
+    let view = aqueduct_log::LogView::open(tmp.path(), &[key(2), key(1)])?;
+    let viewed: Vec<Record> = view.read(b"t", 0).collect::<Result<_, _>>()?;
+    assert_eq!(offsets(&viewed), vec![0, 1]);
+    let e = aqueduct_log::LogView::open(tmp.path(), &[key(2)]).map(|_| ());
+    assert!(matches!(e, Err(LogError::WrongKey { .. })), "{e:?}");
+    Ok(())
+}
+
 #[test]
 fn the_wrong_key_is_refused_and_nothing_changes() -> R {
     let tmp = tempfile::tempdir()?;

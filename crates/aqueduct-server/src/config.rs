@@ -221,7 +221,9 @@ pub struct AalSection {
     /// Base64-encoded 32-byte AES-256-GCM master key.
     pub key: String,
     /// Master keys the log was sealed with before `key` (a rotated key), base64 each: the
-    /// segments sealed with them are still read. In the environment: comma-separated.
+    /// segments sealed with them are still read. A list, or one comma-separated string (as in
+    /// the environment).
+    #[serde(deserialize_with = "list_or_commas")]
     pub previous_keys: Vec<String>,
     /// Run the log unencrypted when `key` is empty (otherwise an empty key is an error).
     pub allow_plaintext: bool,
@@ -744,6 +746,37 @@ impl figment::Provider for Named {
     }
 }
 
+/// The items of a comma-separated list, trimmed; empty ones (`a,,b`, a trailing comma) left
+/// out.
+pub fn split_list(v: &str) -> Vec<String> {
+    v.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// A list of text, or one comma-separated string of its items (a value written as the
+/// environment takes it).
+fn list_or_commas<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum ListOrCommas {
+        List(Vec<String>),
+        Commas(String),
+    }
+    let value = ListOrCommas::deserialize(d)
+        .map_err(|_| <D::Error as serde::de::Error>::custom(NOT_LIST_OR_COMMAS))?;
+    Ok(match value {
+        ListOrCommas::List(items) => items,
+        ListOrCommas::Commas(s) => split_list(&s),
+    })
+}
+
+/// What [`list_or_commas`] says of a value that is neither (and no more: it may be secret).
+const NOT_LIST_OR_COMMAS: &str =
+    "expected a list of text, or one string of items separated by commas";
+
 /// Keys whose value is a list of text: an environment value for them is comma-separated
 /// (`AQUEDUCT_AAL_PREVIOUS_KEYS=key1,key2`; base64 has no commas).
 const LIST_KEYS: &[&str] = &["aal.previous_keys"];
@@ -801,13 +834,7 @@ const TEXT_KEYS: &[&str] = &[
 fn parse_env_value(key: &str, v: &str) -> figment::value::Value {
     use figment::value::Value;
     if LIST_KEYS.contains(&key) {
-        let items: Vec<String> = v
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(String::from)
-            .collect();
-        return Value::from(items);
+        return Value::from(split_list(v));
     }
     if TEXT_KEYS.contains(&key) {
         return Value::from(v.to_string());
@@ -847,10 +874,46 @@ fn describe(e: figment::Error) -> String {
                     None => format!(" (from {})", m.name),
                 })
                 .unwrap_or_default();
-            format!("{key}{}{source}", kind_text(&e.kind))
+            let secret = SECRET_KEYS.iter().any(|k| e.path.join(".").starts_with(k));
+            let kind = if secret {
+                secret_kind_text(&e.kind)
+            } else {
+                kind_text(&e.kind)
+            };
+            format!("{key}{kind}{source}")
         })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// Keys whose values are secret: an error about one never shows the value.
+const SECRET_KEYS: &[&str] = &["aal.key", "aal.previous_keys"];
+
+/// A figment error kind about a secret key, with the value's kind in place of the value.
+fn secret_kind_text(kind: &figment::error::Kind) -> String {
+    use figment::error::{Actual, Kind};
+    let what = |a: &Actual| match a {
+        Actual::Bool(_) => "a boolean",
+        Actual::Unsigned(_) | Actual::Signed(_) | Actual::Float(_) => "a number",
+        Actual::Char(_) | Actual::Str(_) | Actual::Bytes(_) => "text",
+        Actual::Seq => "a list",
+        Actual::Map => "a map",
+        _ => "another kind of value",
+    };
+    match kind {
+        Kind::InvalidType(actual, expected) | Kind::InvalidValue(actual, expected) => {
+            format!(
+                "expected {expected}, found {} (not shown: it is secret)",
+                what(actual)
+            )
+        }
+        Kind::InvalidLength(len, expected) => format!("expected {expected}, found {len} items"),
+        Kind::Message(m) if m == NOT_LIST_OR_COMMAS => format!("{m} (not shown: it is secret)"),
+        other @ (Kind::MissingField(_) | Kind::UnknownField(..) | Kind::DuplicateField(_)) => {
+            kind_text(other)
+        }
+        _ => "not a valid value (not shown: it is secret)".into(),
+    }
 }
 
 /// A figment error kind in plain words: an unknown key with the nearest known one, a number
@@ -1387,21 +1450,26 @@ fn parse_aal_key(s: &str) -> Result<Option<aqueduct_log::MasterKey>, ConfigError
     decode_master_key(s).map_err(|why| invalid("aal.key", why))
 }
 
-/// `aal.previous_keys`: each base64 of exactly 32 bytes; an error names the one at fault by its
-/// place in the list, never by its value.
+/// `aal.previous_keys`.
 fn parse_previous_keys(keys: &[String]) -> Result<Vec<aqueduct_log::MasterKey>, ConfigError> {
+    decode_previous_keys(keys).map_err(|why| invalid("aal.previous_keys", why))
+}
+
+/// Keys as `aal.previous_keys` lists them, each base64 of exactly 32 bytes. The error names the
+/// one at fault by its place in the list ("key 2 of 3 …"), never by its value, and not the
+/// list's name (the caller adds it).
+pub fn decode_previous_keys(keys: &[String]) -> Result<Vec<aqueduct_log::MasterKey>, String> {
     let mut out = Vec::with_capacity(keys.len());
     for (i, s) in keys.iter().enumerate() {
         let which = format!("key {} of {}", i + 1, keys.len());
         match decode_master_key(s) {
             Ok(Some(k)) => out.push(k),
             Ok(None) => {
-                return Err(invalid(
-                    "aal.previous_keys",
-                    format!("{which} is empty: give the base64 key, or remove it"),
+                return Err(format!(
+                    "{which} is empty: give the base64 key, or remove it"
                 ))
             }
-            Err(why) => return Err(invalid("aal.previous_keys", format!("{which} {why}"))),
+            Err(why) => return Err(format!("{which} {why}")),
         }
     }
     Ok(out)

@@ -1086,17 +1086,8 @@ impl Driver {
                         self.handle
                             .connections_refused
                             .fetch_add(1, Ordering::Relaxed);
-                        log_refusal(
-                            &mut refusals_warned,
-                            &node,
-                            Refusal::Connections,
-                            now,
-                            || {
-                                format!(
-                            "cluster peer {node} opened more than {MAX_CONNECTIONS_PER_PEER} mesh connections at once: closing the new one"
-                        )
-                            },
-                        );
+                        let what = format!("cluster peer {node} opened more than {MAX_CONNECTIONS_PER_PEER} mesh connections at once: closing the new one");
+                        log_refusal(&mut refusals_warned, &node, Refusal::Connections, now, what);
                     } else {
                         let id = adopt(conn, &node, &mut conns, &mut tasks);
                         live.insert(id, node.clone());
@@ -1181,17 +1172,13 @@ impl Driver {
                     self.handle.refused_by_peer.fetch_add(1, Ordering::Relaxed);
                     if let Some(link) = conns.get(&conn) {
                         let ours = self.mesh.local().len();
+                        let what = format!("cluster peer {} closed its connection because this node's interest ({ours} topic filters and consumer groups) is more than its cluster.max_peer_interest allows: raise the limit there, or subscribe to fewer distinct filters here; dialing it again with a growing wait", link.node);
                         log_refusal(
                             &mut refusals_warned,
                             &link.node,
                             Refusal::OurInterest,
                             now,
-                            || {
-                                format!(
-                            "cluster peer {} closed its connection because this node's interest ({ours} topic filters and consumer groups) is more than its cluster.max_peer_interest allows: raise the limit there, or subscribe to fewer distinct filters here; dialing it again with a growing wait",
-                            link.node
-                        )
-                            },
+                            what,
                         );
                     }
                     self.mesh.handle_refused_by_peer(conn);
@@ -1229,17 +1216,13 @@ impl Driver {
                                     info!(peer = %link.node, "cluster peer restarted: its new connection replaces the old one");
                                 } else if reason == aqueduct_core::mesh::INTEREST_LIMIT {
                                     let max = self.mesh.max_peer_interest();
+                                    let what = format!("cluster peer {} sent more interest (topic filters and consumer groups) than cluster.max_peer_interest ({max}) allows: closing its connection, and dialing it again with a growing wait; raise the limit if its subscriptions are legitimate", link.node);
                                     log_refusal(
                                         &mut refusals_warned,
                                         &link.node,
                                         Refusal::ItsInterest,
                                         now,
-                                        || {
-                                            format!(
-                                        "cluster peer {} sent more interest (topic filters and consumer groups) than cluster.max_peer_interest ({max}) allows: closing its connection, and dialing it again with a growing wait; raise the limit if its subscriptions are legitimate",
-                                        link.node
-                                    )
-                                        },
+                                        what,
                                     );
                                     self.handle.interest_refused.fetch_add(1, Ordering::Relaxed);
                                 } else {
@@ -2358,16 +2341,16 @@ fn log_refusal(
     node: &NodeId,
     kind: Refusal,
     now: Instant,
-    what: impl FnOnce() -> String,
+    what: String,
 ) -> bool {
     match warned.due((node.clone(), kind), (), now) {
         Some(more) => {
             warned.forget_expired(now);
-            warn!("{}{}", what(), held_back(more, "refusals"));
+            warn!("{what}{}", held_back(more, "refusals"));
             true
         }
         None => {
-            debug!("{}", what());
+            debug!("{what}");
             false
         }
     }
@@ -2405,19 +2388,19 @@ mod tests {
         );
         let t0 = Instant::now();
         let mut w = WarnEvery::new(DIAL_WARN_EVERY);
-        let what = || String::new();
-        assert!(log_refusal(&mut w, &a, Refusal::ItsInterest, t0, what));
+        let what = String::new;
+        assert!(log_refusal(&mut w, &a, Refusal::ItsInterest, t0, what()));
         let soon = t0 + Duration::from_secs(5);
-        assert!(!log_refusal(&mut w, &a, Refusal::ItsInterest, soon, what));
+        assert!(!log_refusal(&mut w, &a, Refusal::ItsInterest, soon, what()));
         assert!(
-            log_refusal(&mut w, &a, Refusal::Connections, t0, what),
+            log_refusal(&mut w, &a, Refusal::Connections, t0, what()),
             "another kind"
         );
         let later = t0 + DIAL_WARN_EVERY + Duration::from_secs(1);
-        assert!(log_refusal(&mut w, &b, Refusal::OurInterest, later, what));
+        assert!(log_refusal(&mut w, &b, Refusal::OurInterest, later, what()));
         assert_eq!(w.len(), 1, "a's warnings expired and are dropped");
         assert!(
-            log_refusal(&mut w, &a, Refusal::ItsInterest, later, what),
+            log_refusal(&mut w, &a, Refusal::ItsInterest, later, what()),
             "a again"
         );
         assert_eq!(w.len(), 2);

@@ -32,8 +32,8 @@ impl<K: Eq + Hash, W: PartialEq> WarnEvery<K, W> {
 
     /// Whether a warning about `key` saying `what` is due at `now`: none was given about `key`,
     /// or it said something else, or it was `every` or longer ago. If due, it is noted and the
-    /// count held back since the last one is returned (and reset); if not, `None`, and one more
-    /// is counted as held back.
+    /// count held back since the last one saying the same is returned (and reset; 0 when what
+    /// is said changed); if not, `None`, and one more is counted as held back.
     pub(crate) fn due(&mut self, key: K, what: W, now: Instant) -> Option<u64> {
         let every = self.every;
         match self.warned.get_mut(&key) {
@@ -42,9 +42,14 @@ impl<K: Eq + Hash, W: PartialEq> WarnEvery<K, W> {
                 None
             }
             Some(w) => {
-                w.what = what;
+                let held_back = std::mem::take(&mut w.held_back);
                 w.at = now;
-                Some(std::mem::take(&mut w.held_back))
+                if w.what == what {
+                    Some(held_back)
+                } else {
+                    w.what = what;
+                    Some(0)
+                }
             }
             None => {
                 let held_back = 0;
@@ -126,8 +131,14 @@ mod tests {
         let mut w: WarnEvery<u8, &str> = WarnEvery::new(MINUTE);
         assert_eq!(w.due(1, "timed out", t0), Some(0));
         assert_eq!(w.due(1, "timed out", t0), None);
-        assert_eq!(w.due(1, "refused", t0), Some(1));
+        assert_eq!(
+            w.due(1, "refused", t0),
+            Some(0),
+            "what was held back said otherwise"
+        );
         assert_eq!(w.due(1, "refused", t0), None);
+        let later = t0 + MINUTE;
+        assert_eq!(w.due(1, "refused", later), Some(1));
     }
 
     #[test]

@@ -666,6 +666,27 @@ fn previous_log_keys_from_the_file_or_the_environment() {
     )
     .expect("loads");
     assert_eq!(c.aal.expect("on").previous_keys, vec![key(4), key(5)]);
+    // One comma-separated string in the file, as the environment writes it.
+    let yaml = yaml.replace(
+        &format!("[{}, {}]", b64(2), b64(3)),
+        &format!("\"{},{}\"", b64(6), b64(7)),
+    );
+    let c = load(Some(file(&dir, &yaml)), vec![], Overrides::default()).expect("loads");
+    assert_eq!(c.aal.expect("on").previous_keys, vec![key(6), key(7)]);
+    // A value of the wrong kind is refused without showing it.
+    for bad in [
+        "aal:\n  key: 123456789\n",
+        "aal:\n  key: [123456789]\n",
+        "aal:\n  previous_keys: {123456789: x}\n",
+        "aal:\n  previous_keys: [[123456789]]\n",
+    ] {
+        let e = error(Some(bad), &[], Overrides::default());
+        assert!(
+            e.contains("aal.") && e.contains("not shown: it is secret"),
+            "{bad}: {e}"
+        );
+        assert!(!e.contains("123456789"), "{bad}: {e}");
+    }
     let section = aqueduct_server::config::AalSection {
         key: b64(1),
         previous_keys: vec![b64(2)],
