@@ -667,3 +667,59 @@ fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     v.sort();
     v
 }
+
+/// A broker restarted with a new `aal.key` and the old one in `AQUEDUCT_AAL_PREVIOUS_KEYS`
+/// reads what the old key sealed, seals what comes after with the new one, and counts the old
+/// key's segments in `aqueduct_log_previous_key_segments`.
+#[test]
+fn a_rotated_key_reads_the_old_log_and_is_counted() {
+    const NEW_KEY_B64: &str = "ICEiIyQlJicoKSorLC0uLzAxMjM0NTY3ODk6Ozw9Pj8=";
+    let home = tempfile::tempdir().expect("dir");
+    let publish = |addr: &str, body: &str| {
+        assert_ok(&run_client(
+            home.path(),
+            &["--addr", addr, "pub", "orders", body, "--confirm"],
+        ))
+    };
+    let (broker, addr, _metrics, _logs) = start_broker_with(home.path(), &env());
+    publish(&addr, "before");
+    stop(broker);
+    let rotated = [
+        ("AQUEDUCT_AAL_ENABLED", "true"),
+        ("AQUEDUCT_AAL_KEY", NEW_KEY_B64),
+        ("AQUEDUCT_AAL_PREVIOUS_KEYS", KEY_B64),
+    ];
+    let (broker, addr, metrics, _logs) = start_broker_with(home.path(), &rotated);
+    assert_eq!(
+        metric(&metrics, "aqueduct_log_previous_key_segments"),
+        Some(1.0),
+        "the first run's segment"
+    );
+    publish(&addr, "after");
+    let out = run_client(
+        home.path(),
+        &[
+            "--addr",
+            &addr,
+            "sub",
+            "orders",
+            "--durable",
+            "r",
+            "--count",
+            "2",
+        ],
+    );
+    assert_ok(&out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("orders #0 p2: before") && text.contains("orders #1 p2: after"),
+        "{text}"
+    );
+    stop(broker);
+    // The new key alone cannot read the first run's segment; the old one alone, not the rest.
+    let dir = home.path().join("aal");
+    let new_key = MasterKey::from_bytes(&(32u8..64).collect::<Vec<u8>>()).expect("32 bytes");
+    assert!(LogView::open(&dir, std::slice::from_ref(&new_key)).is_err());
+    assert!(LogView::open(&dir, &[key()]).is_err());
+    assert!(LogView::open(&dir, &[new_key, key()]).is_ok());
+}

@@ -167,6 +167,8 @@ pub struct LogStats {
     pub appended_records: u64,
     pub syncs: u64,
     pub write_errors: u64,
+    /// Segments sealed with a key of [`LogOptions::previous_keys`]: at 0, none is needed.
+    pub previous_key_segments: u64,
 }
 
 /// The name the log keeps its *offset floor* under, as a mark: a topic it does not know (never
@@ -631,6 +633,12 @@ impl Log {
             segments: self.segments.get().len() as u64,
             bytes: self.bytes(),
             topics: self.topic_count() as u64,
+            previous_key_segments: self
+                .segments
+                .get()
+                .iter()
+                .filter(|s| s.cipher.as_ref().is_some_and(|c| c.key_index > 0))
+                .count() as u64,
             ..self.stats
         }
     }

@@ -330,6 +330,7 @@ fn a_rotated_key_reads_the_old_segments_and_seals_the_new_ones() -> R {
     // With the old key among the previous ones it can (an unrelated previous key is harmless).
     let (mut log, rec) = Log::open(tmp.path(), with(key(2), vec![key(9), key(1)]))?;
     assert_eq!(rec.previous_key_segments, vec![0, old.len()]);
+    assert_eq!(log.stats().previous_key_segments, old.len() as u64);
     assert_eq!(
         rec.rebuilt_indexes, 0,
         "the old indexes are checked with the old key"
@@ -363,6 +364,7 @@ fn a_rotated_key_reads_the_old_segments_and_seals_the_new_ones() -> R {
         vec![0],
         "the old key is no longer needed"
     );
+    assert_eq!(log.stats().previous_key_segments, 0);
     drop(log);
     let (log, _) = Log::open(tmp.path(), with(key(2), vec![]))?;
     assert_eq!(

@@ -410,6 +410,8 @@ impl StoredMessage {
 #[derive(Debug, Default)]
 pub struct DurableStats {
     pub segments: AtomicU64,
+    /// Segments sealed with a key of `aal.previous_keys`.
+    pub previous_key_segments: AtomicU64,
     pub bytes: AtomicU64,
     pub topics: AtomicU64,
     pub deleted_segments: AtomicU64,
@@ -1094,6 +1096,8 @@ impl Durable {
         let s = log.stats();
         let st = &self.stats;
         st.segments.store(s.segments, Ordering::Relaxed);
+        st.previous_key_segments
+            .store(s.previous_key_segments, Ordering::Relaxed);
         st.bytes.store(s.bytes, Ordering::Relaxed);
         st.topics.store(s.topics, Ordering::Relaxed);
         st.deleted_segments

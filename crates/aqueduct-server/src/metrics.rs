@@ -769,6 +769,12 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
                 load(&ds.segments),
             ),
             (
+                "aqueduct_log_previous_key_segments",
+                "gauge",
+                "Segments of the durable log sealed with a key of aal.previous_keys: at 0 none of them is needed any more.",
+                load(&ds.previous_key_segments),
+            ),
+            (
                 "aqueduct_log_topics",
                 "gauge",
                 "Topics whose offsets the durable log keeps: those with messages in it, and those retention emptied that it could not forget (about 0.7 KB of memory each).",
