@@ -2,9 +2,9 @@
 //! panics. The first input byte picks a mode: bit 0 — segments encrypted (a fixed key) or
 //! plain; bit 1 — fix each frame's CRC so the decoder behind it is reached; bit 2 — the input
 //! also carries an index file; bit 3 — open with the wrong key; bit 4 — open with another key,
-//! the segments' key listed as a previous one (a rotated key). The rest is the segment's
-//! frames (after a valid header the target writes) and, with bit 2, the index after a 0xFF 0xFF
-//! 0xFF 0xFF separator.
+//! the segments' key listed as a previous one (a rotated key), after re-sealing them (`rekey`).
+//! The rest is the segment's frames (after a valid header the target writes) and, with bit 2,
+//! the index after a 0xFF 0xFF 0xFF 0xFF separator.
 #![no_main]
 use aqueduct_log::format::{SegmentHeader, FRAME_PREFIX, HEADER_LEN, MAX_BODY};
 use aqueduct_log::{verify, Log, LogOptions, MasterKey};
@@ -63,6 +63,11 @@ fuzz_target!(|data: &[u8]| {
         None => Vec::new(),
     };
     let _ = verify(dir.path(), &keys, &mut |_, _| {});
+    if rotated {
+        // Re-sealing arbitrary segments never panics either (and what it leaves still opens or
+        // fails cleanly below).
+        let _ = aqueduct_log::rekey(dir.path(), &keys, &mut |_, _| {});
+    }
     let opts = LogOptions { key: open_key, previous_keys, ..LogOptions::default() };
     if let Ok((log, _)) = Log::open(dir.path(), opts) {
         let topics: Vec<Vec<u8>> = log.topics().map(<[u8]>::to_vec).collect();

@@ -204,10 +204,11 @@ enum Command {
         what: crate::admin_cmd::AdminCommand,
     },
     /// Inspect a durable log directory (aal.file_path) offline: check every record, or print a
-    /// topic's messages. Changes nothing on disk; needs no broker. The key comes from
-    /// --key-file or AQUEDUCT_AAL_KEY (base64, as aal.key).
+    /// topic's messages (both change nothing on disk and need no broker); or re-seal it under a
+    /// new master key (the broker stopped). The key comes from --key-file or AQUEDUCT_AAL_KEY
+    /// (base64, as aal.key), older ones from --previous-key-file or AQUEDUCT_AAL_PREVIOUS_KEYS.
     #[command(
-        after_help = "Examples:\n  aqueduct log verify --key-file aal.key                 # the broker's default directory\n  aqueduct log dump --key-file aal.key --topic orders --from 0\n  aqueduct log dump /var/lib/aqueduct/aal --key-file aal.key   # another directory: list topics"
+        after_help = "Examples:\n  aqueduct log verify --key-file aal.key                 # the broker's default directory\n  aqueduct log dump --key-file aal.key --topic orders --from 0\n  aqueduct log dump /var/lib/aqueduct/aal --key-file aal.key   # another directory: list topics\n  aqueduct log rekey --key-file new.key --previous-key-file old.key   # after aal.key changed"
     )]
     Log {
         #[command(subcommand)]
@@ -373,6 +374,17 @@ enum LogCommand {
     /// anything is damaged or unreadable (a torn tail, which the broker cuts at startup, is
     /// reported but not an error).
     Verify {
+        /// The log's directory (default: as the broker's on its defaults: AQUEDUCT_AAL_FILE_PATH,
+        /// else $AQUEDUCT_HOME/aal, else ~/.aqueduct/aal).
+        dir: Option<PathBuf>,
+        #[command(flatten)]
+        keys: crate::log_cmd::LogKeys,
+    },
+    /// Re-seal every segment sealed with a previous key (--previous-key-file, aal.previous_keys)
+    /// under the current one (--key-file, aal.key), so that the previous key is no longer
+    /// needed. Stop the broker first: the log must not be in use. Exit status 1 if a segment
+    /// (damaged, or torn by a crash) had to be left under its old key.
+    Rekey {
         /// The log's directory (default: as the broker's on its defaults: AQUEDUCT_AAL_FILE_PATH,
         /// else $AQUEDUCT_HOME/aal, else ~/.aqueduct/aal).
         dir: Option<PathBuf>,
@@ -663,6 +675,7 @@ async fn run(cli: Cli, also: &mut Option<String>) -> Result<()> {
     if let Command::Log { what } = &cli.command {
         return match what {
             LogCommand::Verify { dir, keys } => crate::log_cmd::verify(&log_dir(dir), keys),
+            LogCommand::Rekey { dir, keys } => crate::log_cmd::rekey(&log_dir(dir), keys),
             LogCommand::Dump {
                 dir,
                 topic,

@@ -1,5 +1,6 @@
-//! `aqueduct log verify|dump`: the durable log, offline. Neither changes anything on disk, so
-//! both may run next to a broker that is using the log.
+//! `aqueduct log verify|dump|rekey`: the durable log, offline. `verify` and `dump` change
+//! nothing on disk, so both may run next to a broker that is using the log; `rekey` re-seals
+//! segments, so it takes the log's lock and refuses a log in use.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -108,18 +109,7 @@ pub fn verify(dir: &LogDir, keys: &LogKeys) -> Result<()> {
     let keys = keys.load()?;
     check_log_dir(dir)?;
     let dir = dir.path.as_path();
-    let total = log_size(dir);
-    let bar = (total >= PROGRESS_FROM_BYTES
-        && std::io::IsTerminal::is_terminal(&std::io::stderr()))
-    .then(|| {
-        let bar = indicatif::ProgressBar::new(total);
-        if let Ok(style) = indicatif::ProgressStyle::with_template(
-            "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        ) {
-            bar.set_style(style);
-        }
-        bar
-    });
+    let bar = progress_bar(log_size(dir));
     let report = aqueduct_log::verify(dir, &keys, &mut |done, _| {
         if let Some(b) = &bar {
             b.set_position(done);
@@ -150,14 +140,7 @@ pub fn verify(dir: &LogDir, keys: &LogKeys) -> Result<()> {
         // The reason names the file.
         println!("failed: {why}");
     }
-    let previous = &report.previous_key_segments;
-    for (i, segments) in previous.iter().enumerate() {
-        let which = format!("previous key {} of {}", i + 1, previous.len());
-        match segments {
-            0 => println!("{which}: seals no segment (no longer needed)"),
-            n => println!("{which}: seals {n} segment(s)"),
-        }
-    }
+    print_previous_keys(&report.previous_key_segments);
     if report.is_ok() {
         println!("ok");
         Ok(())
@@ -166,6 +149,75 @@ pub fn verify(dir: &LogDir, keys: &LogKeys) -> Result<()> {
             "{} damaged range(s), {} segment(s) unreadable",
             report.damage.len(),
             report.failures.len()
+        )
+    }
+}
+
+/// A progress bar for work over `total` bytes, on a terminal and for logs large enough to be
+/// worth one.
+fn progress_bar(total: u64) -> Option<indicatif::ProgressBar> {
+    (total >= PROGRESS_FROM_BYTES && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(
+        || {
+            let bar = indicatif::ProgressBar::new(total);
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            ) {
+                bar.set_style(style);
+            }
+            bar
+        },
+    )
+}
+
+/// Per previous key given, how many segments it seals.
+fn print_previous_keys(segments_per_key: &[usize]) {
+    for (i, segments) in segments_per_key.iter().enumerate() {
+        let which = format!("previous key {} of {}", i + 1, segments_per_key.len());
+        match segments {
+            0 => println!("{which}: seals no segment (no longer needed)"),
+            n => println!("{which}: seals {n} segment(s)"),
+        }
+    }
+}
+
+/// Re-seal the segments sealed with a previous key under the current one (the log must not be
+/// in use); an error (exit code 1) if a segment had to be left under its old key.
+pub fn rekey(dir: &LogDir, keys: &LogKeys) -> Result<()> {
+    let keys = keys.load()?;
+    if keys.len() < 2 {
+        bail!(
+            "give the current key (--key-file or AQUEDUCT_AAL_KEY) and the previous one(s) to \
+             replace (--previous-key-file or AQUEDUCT_AAL_PREVIOUS_KEYS)"
+        );
+    }
+    check_log_dir(dir)?;
+    let dir = dir.path.as_path();
+    let mut bar = None;
+    let report = aqueduct_log::rekey(dir, &keys, &mut |done, total| {
+        let b = bar.get_or_insert_with(|| progress_bar(total));
+        if let Some(b) = b {
+            b.set_position(done);
+        }
+    })?;
+    if let Some(Some(b)) = bar {
+        b.finish_and_clear();
+    }
+    println!(
+        "{}: re-sealed {} segment(s), {} bytes, under the current key",
+        dir.display(),
+        report.rekeyed,
+        report.bytes
+    );
+    for (path, why) in &report.skipped {
+        println!("left under its previous key: {}: {why}", path.display());
+    }
+    print_previous_keys(&report.previous_key_segments);
+    if report.skipped.is_empty() {
+        Ok(())
+    } else {
+        bail!(
+            "{} segment(s) left under a previous key: keep that key in aal.previous_keys",
+            report.skipped.len()
         )
     }
 }

@@ -7,7 +7,7 @@ const DOC: &str = include_str!("../../../docs/howto-log.md");
 
 #[test]
 fn the_log_howto_runs_as_written() {
-    let outputs = common::howto::run_howto(DOC, "howto-log", 11, false);
+    let outputs = common::howto::run_howto(DOC, "howto-log", 15, false);
     let all = outputs.join("");
     assert!(all.contains("published to orders at offset 0"), "{all}");
     assert!(
@@ -27,6 +27,12 @@ fn the_log_howto_runs_as_written() {
     );
     assert!(
         all.contains("previous key 1 of 1: seals 2 segment(s)\nok"),
+        "{all}"
+    );
+    // Re-sealed, the old key is no longer needed: the new one alone reads the whole log.
+    assert!(
+        all.contains("re-sealed 2 segment(s)")
+            && all.contains("previous key 1 of 1: seals no segment (no longer needed)"),
         "{all}"
     );
     assert!(all.trim_end().ends_with("ok"), "{all}");

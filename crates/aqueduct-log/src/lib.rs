@@ -31,6 +31,7 @@ pub mod format;
 mod log;
 mod positions;
 mod reader;
+mod rekey;
 mod segment;
 mod verify;
 
@@ -42,4 +43,5 @@ pub use log::{
 };
 pub use positions::{ConsumerPosition, PositionStore, Positions};
 pub use reader::{ReadCache, Reader, Record};
+pub use rekey::{rekey, RekeyReport};
 pub use verify::{verify, VerifyReport};

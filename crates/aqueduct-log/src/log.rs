@@ -328,7 +328,7 @@ fn create_private_dir(dir: &Path) -> Result<(), LogError> {
 pub const LOCK_FILE: &str = "LOCK";
 
 /// Take the directory's lock (an advisory `flock`, released when the process ends, however).
-fn lock_dir(dir: &Path) -> Result<File, LogError> {
+pub(crate) fn lock_dir(dir: &Path) -> Result<File, LogError> {
     let path = dir.join(LOCK_FILE);
     let file = OpenOptions::new()
         .create(true)
@@ -349,12 +349,14 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// The segment files in `dir`, by id (oldest first). Temporary index files (left by a crash
-/// while one was written) are removed.
-fn list_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, LogError> {
+/// The segment files in `dir`, by id (oldest first). Temporary index and segment files (left by
+/// a crash while one was written, or re-sealed by [`crate::rekey()`]) are removed.
+pub(crate) fn list_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, LogError> {
     let entries = std::fs::read_dir(dir).map_err(|e| LogError::io("listing", dir, e))?;
     for entry in entries.flatten() {
-        if entry.file_name().to_string_lossy().ends_with(".idx.tmp") {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.ends_with(".idx.tmp") || name.ends_with(".seg.tmp") {
             let _ = std::fs::remove_file(entry.path());
         }
     }

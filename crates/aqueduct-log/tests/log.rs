@@ -409,6 +409,156 @@ fn truncating_into_a_previous_keys_segment_keeps_its_key() -> R {
     Ok(())
 }
 
+/// A record as kept: (topic, offset, data).
+type Kept = (String, u64, Vec<u8>);
+
+/// Every record of `topics` in the log at `dir` opened with `o` (and closed cleanly again):
+/// (topic, offset, data).
+fn all_records(
+    dir: &Path,
+    o: LogOptions,
+    topics: &[&str],
+) -> Result<Vec<Kept>, Box<dyn std::error::Error>> {
+    let (log, _) = Log::open(dir, o)?;
+    let mut out = Vec::new();
+    for t in topics {
+        for r in read_all(&log, t, 0)? {
+            out.push((t.to_string(), r.offset, r.data.to_vec()));
+        }
+    }
+    log.close()?;
+    Ok(out)
+}
+
+/// Open the log at `dir` and close it: Ok if the previous run had closed it cleanly.
+fn log_closed_cleanly(dir: &Path, o: LogOptions) -> R {
+    let (log, rec) = Log::open(dir, o)?;
+    log.close()?;
+    if rec.clean {
+        Ok(())
+    } else {
+        Err("not closed cleanly".into())
+    }
+}
+
+/// `rekey` re-seals every segment sealed with a previous key under the current one: afterwards
+/// the current key alone opens the log, with the same records, the same indexes (nothing read
+/// through) and the same clean or crashed state; segments already under the current key are
+/// untouched; a log in use is refused.
+#[test]
+fn rekey_reseals_the_old_segments_so_the_old_key_can_go() -> R {
+    let tmp = tempfile::tempdir()?;
+    let with = |current, previous_keys| LogOptions {
+        max_segment_bytes: 400,
+        previous_keys,
+        ..opts(Some(current))
+    };
+    let (mut log, _) = Log::open(tmp.path(), with(key(1), vec![]))?;
+    fill(&mut log, "a", 6, 3)?;
+    fill(&mut log, "b", 2, 2)?;
+    log.close()?;
+    let (mut log, _) = Log::open(tmp.path(), with(key(2), vec![key(1)]))?;
+    fill(&mut log, "a", 2, 3)?;
+    // A log in use (a running broker) is not rekeyed.
+    let e = aqueduct_log::rekey(tmp.path(), &[key(2), key(1)], &mut |_, _| {}).map(|_| ());
+    assert!(matches!(e, Err(LogError::Locked { .. })), "{e:?}");
+    log.close()?;
+    let before = all_records(tmp.path(), with(key(2), vec![key(1)]), &["a", "b"])?;
+    log_closed_cleanly(tmp.path(), with(key(2), vec![key(1)]))?;
+    let segments_before: Vec<(PathBuf, Vec<u8>)> = dir_bytes(tmp.path())
+        .into_iter()
+        .filter(|(p, _)| p.extension().is_some_and(|e| e == "seg"))
+        .collect();
+    assert_eq!(before.len(), 6 * 3 + 2 * 2 + 2 * 3);
+    let old = verify(tmp.path(), &[key(2), key(1)], &mut |_, _| {})?.previous_key_segments[0];
+    assert!(old > 1, "{old}");
+
+    let mut calls = 0;
+    let report = aqueduct_log::rekey(tmp.path(), &[key(2), key(1)], &mut |_, _| calls += 1)?;
+    assert_eq!(report.rekeyed, old, "{report:?}");
+    assert!(report.skipped.is_empty(), "{report:?}");
+    assert_eq!(report.previous_key_segments, vec![0]);
+    assert_eq!(calls, old, "progress after each segment");
+    // Segments already under the current key are left byte for byte.
+    let after = dir_bytes(tmp.path());
+    let untouched = segments_before.iter().filter(|s| after.contains(s)).count();
+    assert_eq!(
+        untouched,
+        segments_before.len() - old,
+        "only the old key's segments change"
+    );
+
+    let (log, rec) = Log::open(tmp.path(), with(key(2), vec![]))?;
+    assert_eq!(
+        rec.rebuilt_indexes, 0,
+        "the indexes were rewritten under the new key"
+    );
+    assert!(rec.clean, "a clean log stays clean");
+    drop(log);
+    assert_eq!(
+        all_records(tmp.path(), with(key(2), vec![]), &["a", "b"])?,
+        before
+    );
+    assert!(verify(tmp.path(), &[key(2)], &mut |_, _| {})?.is_ok());
+    let e = aqueduct_log::LogView::open(tmp.path(), &[key(1)]).map(|_| ());
+    assert!(matches!(e, Err(LogError::WrongKey { .. })), "{e:?}");
+    // Nothing left to do the second time.
+    let again = aqueduct_log::rekey(tmp.path(), &[key(2), key(1)], &mut |_, _| {})?;
+    assert_eq!((again.rekeyed, again.previous_key_segments), (0, vec![0]));
+    Ok(())
+}
+
+/// A crashed log's last segment is re-sealed without an index, so the next open reads it
+/// through and still sees the crash; a batch damaged after indexing leaves its segment as it
+/// was (skipped, with the reason), still readable with the old key; a `.seg.tmp` left by a
+/// rekey that crashed is removed by the next open.
+#[test]
+fn rekey_keeps_a_crash_visible_and_skips_damage() -> R {
+    let tmp = tempfile::tempdir()?;
+    let with = |current, previous_keys| LogOptions {
+        max_segment_bytes: 400,
+        previous_keys,
+        ..opts(Some(current))
+    };
+    let (mut log, _) = Log::open(tmp.path(), with(key(1), vec![]))?;
+    fill(&mut log, "a", 6, 3)?;
+    drop(log); // a crash: the last segment has no index
+               // Damage a batch of the first segment after it was indexed.
+    let first = segments(tmp.path())
+        .into_iter()
+        .next()
+        .ok_or("no segment")?;
+    let mut b = std::fs::read(&first)?;
+    let starts = frame_starts(&b);
+    b[starts[0] + FRAME_PREFIX + BODY_HEADER + 3] ^= 0xFF;
+    std::fs::write(&first, &b)?;
+    let stale = tmp.path().join("00000000000000000000.seg.tmp");
+    std::fs::write(&stale, b"left by a crash")?;
+
+    let report = aqueduct_log::rekey(tmp.path(), &[key(2), key(1)], &mut |_, _| {})?;
+    assert_eq!(report.skipped.len(), 1, "{report:?}");
+    assert_eq!(report.skipped[0].0, first);
+    assert!(report.skipped[0].1.contains("does not check"), "{report:?}");
+    assert_eq!(report.previous_key_segments, vec![1]);
+    assert!(report.rekeyed >= 1, "{report:?}");
+    assert!(!stale.exists(), "a stale temporary segment is removed");
+    assert_eq!(
+        std::fs::read(&first)?,
+        b,
+        "the skipped segment is left as it was"
+    );
+
+    let (log, rec) = Log::open(tmp.path(), with(key(2), vec![key(1)]))?;
+    assert!(!rec.clean, "the crash is still seen");
+    assert_eq!(rec.previous_key_segments, vec![1]);
+    let read: Vec<u64> = log
+        .read(b"a", 0)
+        .filter_map(|r| r.ok().map(|r| r.offset))
+        .collect();
+    assert_eq!(read.len(), 6 * 3 - 3, "all but the damaged batch: {read:?}");
+    Ok(())
+}
+
 #[test]
 fn the_wrong_key_is_refused_and_nothing_changes() -> R {
     let tmp = tempfile::tempdir()?;

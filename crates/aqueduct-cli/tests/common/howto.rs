@@ -13,7 +13,9 @@
 //! - `poll` (or `poll "TEXT"`): the block runs again, every 100 ms, until it succeeds (and its
 //!   standard output contains TEXT), at most `WAIT`: a step that shows something the cluster
 //!   takes a moment to reach;
-//! - `after`: waits for the `background` steps to end (at most `WAIT` each), then runs like `run`.
+//! - `after`: waits for the `background` steps to end (at most `WAIT` each), then runs like `run`;
+//! - `stopped`: stops the broker of the last `broker` step with SIGTERM (as Ctrl-C would; it
+//!   must exit cleanly), then runs like `run`: a step that needs the broker stopped.
 //!
 //! The `broker` kind listens on free ports rather than 4242/9091 (tests run side by side); the
 //! runner points the `aqueduct` commands at it through `AQUEDUCT_ADDR` and
@@ -35,6 +37,7 @@ enum Kind {
     /// Until it succeeds and, if given, its standard output contains the text.
     Poll(Option<String>),
     After,
+    Stopped,
 }
 
 fn blocks(doc: &str, name: &str) -> Vec<(Kind, String)> {
@@ -53,6 +56,7 @@ fn blocks(doc: &str, name: &str) -> Vec<(Kind, String)> {
                 Kind::Poll(Some(text.to_string()))
             }
             Some("after -->") => Kind::After,
+            Some("stopped -->") => Kind::Stopped,
             _ => continue,
         };
         assert_eq!(
@@ -190,9 +194,16 @@ pub fn run_howto(doc: &str, name: &str, min_blocks: usize, admin: bool) -> Vec<S
                     .expect("bash runs");
                 background.push((child, script.clone()));
             }
-            Kind::Run | Kind::Poll(_) | Kind::After => {
+            Kind::Run | Kind::Poll(_) | Kind::After | Kind::Stopped => {
                 if *kind == Kind::After {
                     outputs.extend(join_background(&mut background));
+                }
+                if *kind == Kind::Stopped {
+                    stop(
+                        broker
+                            .take()
+                            .expect("a `stopped` step after a `broker` step"),
+                    );
                 }
                 let start = Instant::now();
                 let (stdout, stderr) = loop {
