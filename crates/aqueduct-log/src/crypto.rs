@@ -5,8 +5,9 @@
 //! in the segment's header. A batch's nonce is its number within the segment (a counter from
 //! 0). Since a segment is only ever appended to by the process that created it — every open,
 //! and every truncation, starts a new segment with a new salt — no counter value is used twice
-//! under one data key, across restarts, rotations and crashes. Two segments share a data key
-//! only if their random salts collide (2^-256).
+//! under one data key, across restarts, rotations and crashes. Re-sealing a segment under a new
+//! master key (`rekey`) draws a new salt too, so the same counters meet a new data key. Two
+//! segments share a data key only if their random salts collide (2^-256).
 
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
 use ring::hkdf;

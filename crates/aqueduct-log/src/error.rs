@@ -25,6 +25,16 @@ pub enum LogError {
         path.display()
     )]
     WrongKey { path: PathBuf, keys: usize },
+    /// `rekey` was given a current key that the log's newest segment is not sealed with: the
+    /// keys are swapped, or the broker has not run with the new key yet. Nothing was changed.
+    #[error(
+        "{}, the log's newest segment, is not sealed with the key given as the current one: \
+         rekey re-seals old segments under the key the broker uses now (aal.key). Check that \
+         --key-file and --previous-key-file are not swapped, or start the broker once with \
+         the new aal.key (it begins a segment sealed with it); nothing was changed on disk",
+        path.display()
+    )]
+    NotCurrentKey { path: PathBuf },
     /// A record's checksum is right but its authentication tag is not: the bytes were written
     /// whole, then changed (tampering), or sealed under another key. Never truncated.
     #[error(

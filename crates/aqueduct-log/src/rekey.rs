@@ -2,7 +2,8 @@
 //! that a previous key (`aal.previous_keys`) can be dropped before retention deletes what it
 //! sealed, e.g. after that key became known.
 //!
-//! Offline: the log's lock is taken, so a running broker makes it fail. Each segment sealed with
+//! Offline: the log's lock is taken, so a running broker makes it fail. The newest segment is
+//! never re-sealed (it must be under the current key already). Each older segment sealed with
 //! a previous key is written anew beside itself (`<id>.seg.tmp`): the same header but a fresh
 //! salt (so a fresh data key) and key check, then every batch opened under the old data key and
 //! sealed under the new one with the same batch number. A sealed batch is as long as before, so
@@ -42,8 +43,12 @@ pub struct RekeyReport {
 
 /// Re-seal under `keys[0]` every segment of the log in `dir` that is sealed with one of
 /// `keys[1..]` (see the module's documentation). `progress` is called with (bytes done, bytes
-/// to do). Fails if the log is open (a running broker), if `keys` is empty, or on the first
-/// segment that cannot be read or fails authentication (nothing of that segment is changed).
+/// to do). Fails, changing nothing, if the log is open (a running broker), if `keys` is empty,
+/// if a segment is sealed with none of `keys`, or if the newest segment is not sealed with
+/// `keys[0]` (so the newest, the one a crash may have cut, is never re-sealed, and swapped keys
+/// are caught); and on the first segment whose header cannot be read or whose batch fails
+/// authentication (the segments re-sealed before it stay so, that one is left as it was).
+/// Damaged segments are left as they were, and reported.
 pub fn rekey(
     dir: &Path,
     keys: &[MasterKey],
@@ -60,23 +65,32 @@ pub fn rekey(
         previous_key_segments: vec![0; keys.len() - 1],
         ..RekeyReport::default()
     };
-    // Which segments to do, first, for the progress total.
+    // Which segments to do, first (for the checks and the progress total).
     let mut todo = Vec::new();
-    for (i, (_, path)) in files.iter().enumerate() {
+    let mut newest_is_current = true;
+    for (path_index, (_, path)) in files.iter().enumerate() {
         let file = File::open(path).map_err(|e| LogError::io("opening segment", path, e))?;
         let (_, cipher) = open_header(path, &file, keys, true)?;
-        if cipher.as_ref().is_some_and(|c| c.key_index > 0) {
+        let key_index = cipher.as_ref().map(|c| c.key_index);
+        if path_index + 1 == files.len() {
+            newest_is_current = key_index == Some(0);
+        } else if key_index.is_some_and(|i| i > 0) {
             let len = file
                 .metadata()
                 .map_err(|e| LogError::io("reading the size of segment", path, e))?
                 .len();
-            todo.push((path.clone(), len, i + 1 == files.len()));
+            todo.push((path.clone(), len));
         }
     }
-    let total: u64 = todo.iter().map(|(_, len, _)| len).sum();
+    if let Some((_, newest)) = files.last().filter(|_| !newest_is_current) {
+        return Err(LogError::NotCurrentKey {
+            path: newest.clone(),
+        });
+    }
+    let total: u64 = todo.iter().map(|(_, len)| len).sum();
     let mut done = 0;
-    for (path, len, last) in todo {
-        match rekey_segment(dir, &path, keys, current, last)? {
+    for (path, len) in todo {
+        match rekey_segment(dir, &path, keys, current)? {
             Ok(()) => {
                 report.rekeyed += 1;
                 report.bytes += len;
@@ -97,16 +111,15 @@ pub fn rekey(
     Ok(report)
 }
 
-/// Re-seal one segment. The outer error stops the whole rekey; the inner one (why) skips this
-/// segment, left as it was.
+/// Re-seal one segment (not the newest). The outer error stops the whole rekey; the inner one
+/// (why) skips this segment, left as it was.
 fn rekey_segment(
     dir: &Path,
     path: &Path,
     keys: &[MasterKey],
     current: &MasterKey,
-    last: bool,
 ) -> Result<Result<(), String>, LogError> {
-    let (scanned, read_through) = segment::load(dir, path, keys, true, last)?;
+    let (scanned, read_through) = segment::load(dir, path, keys, true, false)?;
     let old = scanned.segment;
     if scanned.torn_bytes > 0 {
         return Ok(Err(format!(
@@ -162,7 +175,7 @@ fn rekey_segment(
 
     let tmp = path.with_extension("seg.tmp");
     let written = write_resealed(
-        &file,
+        (&file, path),
         file_len,
         old.id,
         &old_cipher,
@@ -187,8 +200,8 @@ fn rekey_segment(
     let mut resealed = old;
     resealed.cipher = Some(Arc::new(new_cipher));
     if read_through {
-        // Its index was missing or stale (the segment a crash interrupted): the next open reads
-        // it through as it would have, and decides what the crash means.
+        // Its index was missing or stale (lost, or a rekey cut short between the segment's
+        // rename and its index's): the next open reads it through, as it would have.
         let idx = index_path(dir, resealed.id);
         match std::fs::remove_file(&idx) {
             Ok(()) => {}
@@ -201,10 +214,11 @@ fn rekey_segment(
     Ok(Ok(()))
 }
 
-/// Write `tmp`: `new_header`, then every frame of `file` (from the header to `file_len`, all of
-/// them whole and checked) opened under `old` and sealed under `new`; synced.
+/// Write `tmp`: `new_header`, then every frame of `file` (at `path`; from the header to
+/// `file_len`, all of them whole and checked) opened under `old` and sealed under `new`;
+/// synced, with the permissions and owner of `file`.
 fn write_resealed(
-    file: &File,
+    (file, path): (&File, &Path),
     file_len: u64,
     segment_id: u64,
     old: &SegmentCipher,
@@ -212,8 +226,9 @@ fn write_resealed(
     new_header: &SegmentHeader,
     tmp: &Path,
 ) -> Result<Result<(), String>, LogError> {
-    let mut out =
-        std::io::BufWriter::new(File::create(tmp).map_err(|e| LogError::io("creating", tmp, e))?);
+    let out = File::create(tmp).map_err(|e| LogError::io("creating", tmp, e))?;
+    keep_owner_and_mode(file, &out, path, tmp)?;
+    let mut out = std::io::BufWriter::new(out);
     let write_err = |e| LogError::io("writing", tmp, e);
     out.write_all(&new_header.encode()).map_err(write_err)?;
     let mut buf = Vec::new();
@@ -221,7 +236,7 @@ fn write_resealed(
     let mut pos = HEADER_LEN as u64;
     while pos < file_len {
         let check = frame_at(file, pos, file_len, &mut buf)
-            .map_err(|e| LogError::io("reading segment", tmp, e))?;
+            .map_err(|e| LogError::io("reading segment", path, e))?;
         let FrameCheck::Good { len } = check else {
             return Ok(Err(format!("the frame at byte {pos} does not check")));
         };
@@ -234,7 +249,7 @@ fn write_resealed(
         let aad = batch_aad(segment_id, &body[..BODY_HEADER]);
         let Some(plain_len) = old.open(bh.batch_no, &aad, &mut body[BODY_HEADER..]) else {
             return Err(LogError::Tampered {
-                path: tmp.with_extension(""),
+                path: path.to_path_buf(),
                 position: pos,
             });
         };
@@ -258,4 +273,23 @@ fn write_resealed(
     file.sync_all()
         .map_err(|e| LogError::io("syncing", tmp, e))?;
     Ok(Ok(()))
+}
+
+/// Give `new` (at `tmp`) the permissions and owner of `old` (at `path`): a segment re-sealed
+/// by root stays the broker user's, and the broker can still cut it back later.
+fn keep_owner_and_mode(old: &File, new: &File, path: &Path, tmp: &Path) -> Result<(), LogError> {
+    use std::os::unix::fs::MetadataExt;
+    let was = old
+        .metadata()
+        .map_err(|e| LogError::io("reading the owner of segment", path, e))?;
+    let is = new
+        .metadata()
+        .map_err(|e| LogError::io("reading the owner of", tmp, e))?;
+    if (was.uid(), was.gid()) != (is.uid(), is.gid()) {
+        std::os::unix::fs::fchown(new, Some(was.uid()), Some(was.gid())).map_err(|e| {
+            LogError::io("giving the segment's owner to its re-sealed copy", tmp, e)
+        })?;
+    }
+    new.set_permissions(was.permissions())
+        .map_err(|e| LogError::io("giving the segment's mode to its re-sealed copy", tmp, e))
 }

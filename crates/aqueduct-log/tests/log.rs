@@ -430,21 +430,17 @@ fn all_records(
     Ok(out)
 }
 
-/// Open the log at `dir` and close it: Ok if the previous run had closed it cleanly.
-fn log_closed_cleanly(dir: &Path, o: LogOptions) -> R {
-    let (log, rec) = Log::open(dir, o)?;
-    log.close()?;
-    if rec.clean {
-        Ok(())
-    } else {
-        Err("not closed cleanly".into())
-    }
+/// The header of the segment file `bytes`.
+fn header_of(bytes: &[u8]) -> Result<SegmentHeader, String> {
+    SegmentHeader::decode(&bytes[..HEADER_LEN])
 }
 
 /// `rekey` re-seals every segment sealed with a previous key under the current one: afterwards
-/// the current key alone opens the log, with the same records, the same indexes (nothing read
-/// through) and the same clean or crashed state; segments already under the current key are
-/// untouched; a log in use is refused.
+/// the current key alone opens the log, with the same records and the same indexes (nothing
+/// read through); each re-sealed header keeps its fields but the salt and key check; segments
+/// already under the current key are untouched; a log in use is refused; a second run has
+/// nothing to do. An index the rekey did not get to replace (a crash between the segment's
+/// rename and its index's) only makes the next open read that segment through.
 #[test]
 fn rekey_reseals_the_old_segments_so_the_old_key_can_go() -> R {
     let tmp = tempfile::tempdir()?;
@@ -454,7 +450,10 @@ fn rekey_reseals_the_old_segments_so_the_old_key_can_go() -> R {
         ..opts(Some(current))
     };
     let (mut log, _) = Log::open(tmp.path(), with(key(1), vec![]))?;
-    fill(&mut log, "a", 6, 3)?;
+    fill(&mut log, "a", 3, 3)?;
+    drop(log); // a crash: later segments carry it in their headers (unclean_before)
+    let (mut log, _) = Log::open(tmp.path(), with(key(1), vec![]))?;
+    fill(&mut log, "a", 3, 3)?;
     fill(&mut log, "b", 2, 2)?;
     log.close()?;
     let (mut log, _) = Log::open(tmp.path(), with(key(2), vec![key(1)]))?;
@@ -464,14 +463,10 @@ fn rekey_reseals_the_old_segments_so_the_old_key_can_go() -> R {
     assert!(matches!(e, Err(LogError::Locked { .. })), "{e:?}");
     log.close()?;
     let before = all_records(tmp.path(), with(key(2), vec![key(1)]), &["a", "b"])?;
-    log_closed_cleanly(tmp.path(), with(key(2), vec![key(1)]))?;
-    let segments_before: Vec<(PathBuf, Vec<u8>)> = dir_bytes(tmp.path())
-        .into_iter()
-        .filter(|(p, _)| p.extension().is_some_and(|e| e == "seg"))
-        .collect();
     assert_eq!(before.len(), 6 * 3 + 2 * 2 + 2 * 3);
+    let files_before = dir_bytes(tmp.path());
     let old = verify(tmp.path(), &[key(2), key(1)], &mut |_, _| {})?.previous_key_segments[0];
-    assert!(old > 1, "{old}");
+    assert!(old > 2, "{old}");
 
     let mut calls = 0;
     let report = aqueduct_log::rekey(tmp.path(), &[key(2), key(1)], &mut |_, _| calls += 1)?;
@@ -479,13 +474,34 @@ fn rekey_reseals_the_old_segments_so_the_old_key_can_go() -> R {
     assert!(report.skipped.is_empty(), "{report:?}");
     assert_eq!(report.previous_key_segments, vec![0]);
     assert_eq!(calls, old, "progress after each segment");
-    // Segments already under the current key are left byte for byte.
-    let after = dir_bytes(tmp.path());
-    let untouched = segments_before.iter().filter(|s| after.contains(s)).count();
-    assert_eq!(
-        untouched,
-        segments_before.len() - old,
-        "only the old key's segments change"
+    let files_after = dir_bytes(tmp.path());
+    let mut resealed = 0;
+    for ((path, was), (_, is)) in files_before.iter().zip(&files_after) {
+        if path.extension().is_none_or(|e| e != "seg") || was == is {
+            continue;
+        }
+        resealed += 1;
+        let (a, b) = (header_of(was)?, header_of(is)?);
+        assert_ne!(a.salt, b.salt, "a fresh data key");
+        let keep = |h: &SegmentHeader| {
+            (
+                h.id,
+                h.generation,
+                h.unclean_before,
+                h.created_ms,
+                h.encrypted,
+            )
+        };
+        assert_eq!(keep(&a), keep(&b), "{path:?}");
+        assert_eq!(was.len(), is.len(), "every batch keeps its place");
+    }
+    assert_eq!(resealed, old, "only the old key's segments change");
+    assert!(
+        files_before
+            .iter()
+            .any(|(p, b)| p.extension().is_some_and(|e| e == "seg")
+                && header_of(b).is_ok_and(|h| h.unclean_before > 0)),
+        "the crash is in some header, so keeping the field is tested"
     );
 
     let (log, rec) = Log::open(tmp.path(), with(key(2), vec![]))?;
@@ -493,8 +509,8 @@ fn rekey_reseals_the_old_segments_so_the_old_key_can_go() -> R {
         rec.rebuilt_indexes, 0,
         "the indexes were rewritten under the new key"
     );
-    assert!(rec.clean, "a clean log stays clean");
-    drop(log);
+    assert!(rec.clean);
+    log.close()?;
     assert_eq!(
         all_records(tmp.path(), with(key(2), vec![]), &["a", "b"])?,
         before
@@ -502,18 +518,36 @@ fn rekey_reseals_the_old_segments_so_the_old_key_can_go() -> R {
     assert!(verify(tmp.path(), &[key(2)], &mut |_, _| {})?.is_ok());
     let e = aqueduct_log::LogView::open(tmp.path(), &[key(1)]).map(|_| ());
     assert!(matches!(e, Err(LogError::WrongKey { .. })), "{e:?}");
-    // Nothing left to do the second time.
     let again = aqueduct_log::rekey(tmp.path(), &[key(2), key(1)], &mut |_, _| {})?;
     assert_eq!((again.rekeyed, again.previous_key_segments), (0, vec![0]));
+
+    // A rekey cut short after a segment's rename: its old index (MAC under the old data key)
+    // is read through instead, and nothing else changes.
+    let (idx, old_idx) = files_before
+        .iter()
+        .find(|(p, b)| {
+            p.extension().is_some_and(|e| e == "idx")
+                && !files_after.contains(&(p.clone(), b.clone()))
+        })
+        .ok_or("a replaced index")?;
+    std::fs::write(idx, old_idx)?;
+    let (log, rec) = Log::open(tmp.path(), with(key(2), vec![]))?;
+    assert_eq!(rec.rebuilt_indexes, 1);
+    assert!(rec.clean);
+    log.close()?;
+    assert_eq!(
+        all_records(tmp.path(), with(key(2), vec![]), &["a", "b"])?,
+        before
+    );
     Ok(())
 }
 
-/// A crashed log's last segment is re-sealed without an index, so the next open reads it
-/// through and still sees the crash; a batch damaged after indexing leaves its segment as it
-/// was (skipped, with the reason), still readable with the old key; a `.seg.tmp` left by a
-/// rekey that crashed is removed by the next open.
+/// `rekey` never re-seals the newest segment (the one a crash may have cut) and refuses to run
+/// when it is not under the key given as current (swapped keys), changing nothing; a batch
+/// damaged after indexing leaves its segment as it was (skipped, named); a `.seg.tmp` left by
+/// a rekey that crashed is removed.
 #[test]
-fn rekey_keeps_a_crash_visible_and_skips_damage() -> R {
+fn rekey_refuses_swapped_keys_and_skips_damage() -> R {
     let tmp = tempfile::tempdir()?;
     let with = |current, previous_keys| LogOptions {
         max_segment_bytes: 400,
@@ -522,7 +556,10 @@ fn rekey_keeps_a_crash_visible_and_skips_damage() -> R {
     };
     let (mut log, _) = Log::open(tmp.path(), with(key(1), vec![]))?;
     fill(&mut log, "a", 6, 3)?;
-    drop(log); // a crash: the last segment has no index
+    log.close()?;
+    let (mut log, _) = Log::open(tmp.path(), with(key(2), vec![key(1)]))?;
+    fill(&mut log, "a", 1, 3)?;
+    drop(log); // a crash: the newest segment has no index
                // Damage a batch of the first segment after it was indexed.
     let first = segments(tmp.path())
         .into_iter()
@@ -532,20 +569,32 @@ fn rekey_keeps_a_crash_visible_and_skips_damage() -> R {
     let starts = frame_starts(&b);
     b[starts[0] + FRAME_PREFIX + BODY_HEADER + 3] ^= 0xFF;
     std::fs::write(&first, &b)?;
+
+    let untouched = dir_bytes(tmp.path());
+    let e = aqueduct_log::rekey(tmp.path(), &[key(1), key(2)], &mut |_, _| {}).map(|_| ());
+    assert!(matches!(e, Err(LogError::NotCurrentKey { .. })), "{e:?}");
+    assert_eq!(dir_bytes(tmp.path()), untouched, "nothing changed");
+
     let stale = tmp.path().join("00000000000000000000.seg.tmp");
     std::fs::write(&stale, b"left by a crash")?;
-
+    let newest = segments(tmp.path()).pop().ok_or("no segment")?;
+    let newest_bytes = std::fs::read(&newest)?;
     let report = aqueduct_log::rekey(tmp.path(), &[key(2), key(1)], &mut |_, _| {})?;
     assert_eq!(report.skipped.len(), 1, "{report:?}");
     assert_eq!(report.skipped[0].0, first);
     assert!(report.skipped[0].1.contains("does not check"), "{report:?}");
     assert_eq!(report.previous_key_segments, vec![1]);
-    assert!(report.rekeyed >= 1, "{report:?}");
+    assert!(report.rekeyed > 1, "{report:?}");
     assert!(!stale.exists(), "a stale temporary segment is removed");
     assert_eq!(
         std::fs::read(&first)?,
         b,
         "the skipped segment is left as it was"
+    );
+    assert_eq!(
+        std::fs::read(&newest)?,
+        newest_bytes,
+        "the newest is never re-sealed"
     );
 
     let (log, rec) = Log::open(tmp.path(), with(key(2), vec![key(1)]))?;
@@ -555,7 +604,7 @@ fn rekey_keeps_a_crash_visible_and_skips_damage() -> R {
         .read(b"a", 0)
         .filter_map(|r| r.ok().map(|r| r.offset))
         .collect();
-    assert_eq!(read.len(), 6 * 3 - 3, "all but the damaged batch: {read:?}");
+    assert_eq!(read.len(), 7 * 3 - 3, "all but the damaged batch: {read:?}");
     Ok(())
 }
 
