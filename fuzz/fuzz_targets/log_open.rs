@@ -33,6 +33,15 @@ fuzz_target!(|data: &[u8]| {
         let Ok((log, _)) = Log::open(dir.path(), opts) else { return };
         drop(log);
     }
+    let rotated = mode & 16 != 0;
+    let new_key = MasterKey::from_bytes(&[0x43; 32]);
+    if rotated && mode & 1 != 0 {
+        // A newest segment under the new key, so that `rekey` takes up segment 0.
+        let previous_keys = key.iter().cloned().collect();
+        let opts = LogOptions { key: new_key.clone(), previous_keys, ..LogOptions::default() };
+        let Ok((log, _)) = Log::open(dir.path(), opts) else { return };
+        drop(log);
+    }
     let seg = dir.path().join(format!("{:020}.seg", 0));
     let Ok(header) = std::fs::read(&seg) else { return };
     if header.len() < HEADER_LEN || SegmentHeader::decode(&header).is_err() {
@@ -55,9 +64,8 @@ fuzz_target!(|data: &[u8]| {
         let _ = aqueduct_log::format::IndexFile::decode(index);
         let _ = std::fs::write(dir.path().join(format!("{:020}.idx", 0)), index);
     }
-    let rotated = mode & 16 != 0;
     let previous_keys: Vec<MasterKey> = if rotated { key.iter().cloned().collect() } else { Vec::new() };
-    let open_key = if mode & 8 != 0 || rotated { MasterKey::from_bytes(&[0x43; 32]) } else { key };
+    let open_key = if mode & 8 != 0 || rotated { new_key } else { key };
     let keys: Vec<MasterKey> = match &open_key {
         Some(k) => std::iter::once(k).chain(&previous_keys).cloned().collect(),
         None => Vec::new(),
