@@ -15,6 +15,7 @@
 
 use std::fs::File;
 use std::io::Write;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -24,7 +25,6 @@ use crate::format::{FRAME_PREFIX, HEADER_LEN};
 use crate::log::{list_segments, lock_dir};
 use crate::segment::{self, frame_at, index_path, open_header, sync_dir};
 use crate::LogError;
-use std::os::unix::fs::FileExt;
 
 /// What [`rekey`] did.
 #[derive(Debug, Default)]
@@ -33,8 +33,8 @@ pub struct RekeyReport {
     pub rekeyed: usize,
     /// Their bytes.
     pub bytes: u64,
-    /// Segments sealed with a previous key that were left as they are, and why (damage, a
-    /// torn tail): the broker's next start deals with those; run it once, then rekey again.
+    /// Segments sealed with a previous key that were left as they are, and why (damage): they
+    /// stay under that key, readable with it, until retention deletes them.
     pub skipped: Vec<(PathBuf, String)>,
     /// Per previous key (`keys[1..]`), the segments it still seals afterwards: a key at 0 is
     /// no longer needed.
