@@ -1516,8 +1516,9 @@ pub(crate) struct DialTransport {
 /// the open internet): a cluster's nodes sit in one data centre or Kubernetes cluster. A
 /// connection closed before the peer answered (a dial to a node that is down, when this node
 /// stops) lingers for three probe timeouts, about 3 s at 333 ms, and the broker's shutdown
-/// waited up to its 2 s bound for it; at 50 ms it lingers ~0.45 s. The cost on a path slower
-/// than that: an early resend of the first handshake packet, nothing else.
+/// waited up to its 2 s bound for it; at 50 ms it lingers ~0.45 s. The cost where the round
+/// trip is longer than the first probe timeout (150 ms): a resend of the first handshake
+/// packets before the answer comes (several, beyond ~450 ms), nothing else.
 const MESH_INITIAL_RTT: Duration = Duration::from_millis(50);
 
 /// The transport of a link this node dials.
