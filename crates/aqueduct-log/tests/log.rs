@@ -24,6 +24,24 @@ fn opts(key: Option<MasterKey>) -> LogOptions {
     }
 }
 
+/// Options for a log sealed with `current`, reading `previous_keys` too, in small segments.
+fn rotated(current: MasterKey, previous_keys: Vec<MasterKey>) -> LogOptions {
+    LogOptions {
+        max_segment_bytes: 400,
+        previous_keys,
+        ..opts(Some(current))
+    }
+}
+
+/// A record of topic `t` to append.
+fn entry(offset: u64, data: &'static [u8]) -> Entry<'static> {
+    Entry {
+        topic: b"t",
+        offset,
+        data,
+    }
+}
+
 fn msg(topic: &str, offset: u64) -> Vec<u8> {
     format!("{topic}#{offset}").into_bytes()
 }
@@ -298,12 +316,7 @@ fn segment_id(path: &Path) -> u64 {
 #[test]
 fn a_rotated_key_reads_the_old_segments_and_seals_the_new_ones() -> R {
     let tmp = tempfile::tempdir()?;
-    let with = |current, previous_keys| LogOptions {
-        max_segment_bytes: 400,
-        previous_keys,
-        ..opts(Some(current))
-    };
-    let (mut log, _) = Log::open(tmp.path(), with(key(1), vec![]))?;
+    let (mut log, _) = Log::open(tmp.path(), rotated(key(1), vec![]))?;
     fill(&mut log, "t", 6, 3)?;
     log.close()?;
     let old = segments(tmp.path());
@@ -316,7 +329,7 @@ fn a_rotated_key_reads_the_old_segments_and_seals_the_new_ones() -> R {
         + 1;
 
     // The new key alone cannot read them, and says where the old one goes.
-    let e = Log::open(tmp.path(), with(key(2), vec![])).map(|_| ());
+    let e = Log::open(tmp.path(), rotated(key(2), vec![])).map(|_| ());
     assert!(
         matches!(e, Err(LogError::WrongKey { keys: 1, .. })),
         "{e:?}"
@@ -328,7 +341,7 @@ fn a_rotated_key_reads_the_old_segments_and_seals_the_new_ones() -> R {
         .contains("aal.previous_keys"));
 
     // With the old key among the previous ones it can (an unrelated previous key is harmless).
-    let (mut log, rec) = Log::open(tmp.path(), with(key(2), vec![key(9), key(1)]))?;
+    let (mut log, rec) = Log::open(tmp.path(), rotated(key(2), vec![key(9), key(1)]))?;
     assert_eq!(rec.previous_key_segments, vec![0, old.len()]);
     assert_eq!(log.stats().previous_key_segments, old.len() as u64);
     assert_eq!(
@@ -348,17 +361,17 @@ fn a_rotated_key_reads_the_old_segments_and_seals_the_new_ones() -> R {
     assert_eq!(report.failures.len(), old.len(), "{report:?}");
 
     // New segments are sealed with the new key only: the old key cannot open the log now.
-    let e = Log::open(tmp.path(), with(key(1), vec![])).map(|_| ());
+    let e = Log::open(tmp.path(), rotated(key(1), vec![])).map(|_| ());
     assert!(matches!(e, Err(LogError::WrongKey { .. })), "{e:?}");
 
     // Retention deletes the old key's segments; then the new key is enough.
-    let (mut log, _) = Log::open(tmp.path(), with(key(2), vec![key(1)]))?;
+    let (mut log, _) = Log::open(tmp.path(), rotated(key(2), vec![key(1)]))?;
     log.purge_before(aqueduct_log::Position {
         segment: first_new,
         byte: 0,
     })?;
     log.close()?;
-    let (log, rec) = Log::open(tmp.path(), with(key(2), vec![key(1)]))?;
+    let (log, rec) = Log::open(tmp.path(), rotated(key(2), vec![key(1)]))?;
     assert_eq!(
         rec.previous_key_segments,
         vec![0],
@@ -366,7 +379,7 @@ fn a_rotated_key_reads_the_old_segments_and_seals_the_new_ones() -> R {
     );
     assert_eq!(log.stats().previous_key_segments, 0);
     drop(log);
-    let (log, _) = Log::open(tmp.path(), with(key(2), vec![]))?;
+    let (log, _) = Log::open(tmp.path(), rotated(key(2), vec![]))?;
     assert_eq!(
         offsets(&read_all(&log, "t", 18)?),
         (18..36).collect::<Vec<_>>()
@@ -380,14 +393,9 @@ fn a_rotated_key_reads_the_old_segments_and_seals_the_new_ones() -> R {
 #[test]
 fn truncating_into_a_previous_keys_segment_keeps_its_key() -> R {
     let tmp = tempfile::tempdir()?;
-    let e = |o, d: &'static [u8]| Entry {
-        topic: b"t",
-        offset: o,
-        data: d,
-    };
     let (mut log, _) = Log::open(tmp.path(), opts(Some(key(1))))?;
-    let cut = log.append(&[e(0, b"a"), e(1, b"b")], 1)?;
-    log.append(&[e(2, b"c")], 2)?;
+    let cut = log.append(&[entry(0, b"a"), entry(1, b"b")], 1)?;
+    log.append(&[entry(2, b"c")], 2)?;
     log.close()?;
     let rotated = LogOptions {
         previous_keys: vec![key(1)],
@@ -444,25 +452,20 @@ fn header_of(bytes: &[u8]) -> Result<SegmentHeader, String> {
 #[test]
 fn rekey_reseals_the_old_segments_so_the_old_key_can_go() -> R {
     let tmp = tempfile::tempdir()?;
-    let with = |current, previous_keys| LogOptions {
-        max_segment_bytes: 400,
-        previous_keys,
-        ..opts(Some(current))
-    };
-    let (mut log, _) = Log::open(tmp.path(), with(key(1), vec![]))?;
+    let (mut log, _) = Log::open(tmp.path(), rotated(key(1), vec![]))?;
     fill(&mut log, "a", 3, 3)?;
     drop(log); // a crash: later segments carry it in their headers (unclean_before)
-    let (mut log, _) = Log::open(tmp.path(), with(key(1), vec![]))?;
+    let (mut log, _) = Log::open(tmp.path(), rotated(key(1), vec![]))?;
     fill(&mut log, "a", 3, 3)?;
     fill(&mut log, "b", 2, 2)?;
     log.close()?;
-    let (mut log, _) = Log::open(tmp.path(), with(key(2), vec![key(1)]))?;
+    let (mut log, _) = Log::open(tmp.path(), rotated(key(2), vec![key(1)]))?;
     fill(&mut log, "a", 2, 3)?;
     // A log in use (a running broker) is not rekeyed.
     let e = aqueduct_log::rekey(tmp.path(), &[key(2), key(1)], &mut |_, _| {}).map(|_| ());
     assert!(matches!(e, Err(LogError::Locked { .. })), "{e:?}");
     log.close()?;
-    let before = all_records(tmp.path(), with(key(2), vec![key(1)]), &["a", "b"])?;
+    let before = all_records(tmp.path(), rotated(key(2), vec![key(1)]), &["a", "b"])?;
     assert_eq!(before.len(), 6 * 3 + 2 * 2 + 2 * 3);
     let files_before = dir_bytes(tmp.path());
     let old = verify(tmp.path(), &[key(2), key(1)], &mut |_, _| {})?.previous_key_segments[0];
@@ -504,7 +507,7 @@ fn rekey_reseals_the_old_segments_so_the_old_key_can_go() -> R {
         "the crash is in some header, so keeping the field is tested"
     );
 
-    let (log, rec) = Log::open(tmp.path(), with(key(2), vec![]))?;
+    let (log, rec) = Log::open(tmp.path(), rotated(key(2), vec![]))?;
     assert_eq!(
         rec.rebuilt_indexes, 0,
         "the indexes were rewritten under the new key"
@@ -512,7 +515,7 @@ fn rekey_reseals_the_old_segments_so_the_old_key_can_go() -> R {
     assert!(rec.clean);
     log.close()?;
     assert_eq!(
-        all_records(tmp.path(), with(key(2), vec![]), &["a", "b"])?,
+        all_records(tmp.path(), rotated(key(2), vec![]), &["a", "b"])?,
         before
     );
     assert!(verify(tmp.path(), &[key(2)], &mut |_, _| {})?.is_ok());
@@ -531,12 +534,12 @@ fn rekey_reseals_the_old_segments_so_the_old_key_can_go() -> R {
         })
         .ok_or("a replaced index")?;
     std::fs::write(idx, old_idx)?;
-    let (log, rec) = Log::open(tmp.path(), with(key(2), vec![]))?;
+    let (log, rec) = Log::open(tmp.path(), rotated(key(2), vec![]))?;
     assert_eq!(rec.rebuilt_indexes, 1);
     assert!(rec.clean);
     log.close()?;
     assert_eq!(
-        all_records(tmp.path(), with(key(2), vec![]), &["a", "b"])?,
+        all_records(tmp.path(), rotated(key(2), vec![]), &["a", "b"])?,
         before
     );
     Ok(())
@@ -549,15 +552,10 @@ fn rekey_reseals_the_old_segments_so_the_old_key_can_go() -> R {
 #[test]
 fn rekey_refuses_swapped_keys_and_skips_damage() -> R {
     let tmp = tempfile::tempdir()?;
-    let with = |current, previous_keys| LogOptions {
-        max_segment_bytes: 400,
-        previous_keys,
-        ..opts(Some(current))
-    };
-    let (mut log, _) = Log::open(tmp.path(), with(key(1), vec![]))?;
+    let (mut log, _) = Log::open(tmp.path(), rotated(key(1), vec![]))?;
     fill(&mut log, "a", 6, 3)?;
     log.close()?;
-    let (mut log, _) = Log::open(tmp.path(), with(key(2), vec![key(1)]))?;
+    let (mut log, _) = Log::open(tmp.path(), rotated(key(2), vec![key(1)]))?;
     fill(&mut log, "a", 1, 3)?;
     drop(log); // a crash: the newest segment has no index
                // Damage a batch of the first segment after it was indexed.
@@ -597,7 +595,7 @@ fn rekey_refuses_swapped_keys_and_skips_damage() -> R {
         "the newest is never re-sealed"
     );
 
-    let (log, rec) = Log::open(tmp.path(), with(key(2), vec![key(1)]))?;
+    let (log, rec) = Log::open(tmp.path(), rotated(key(2), vec![key(1)]))?;
     assert!(!rec.clean, "the crash is still seen");
     assert_eq!(rec.previous_key_segments, vec![1]);
     let read: Vec<u64> = log
@@ -922,17 +920,12 @@ fn retention_forgets_emptied_topics_behind_an_offset_floor() -> R {
 fn truncate_after_and_purge_before() -> R {
     let tmp = tempfile::tempdir()?;
     let (mut log, _) = Log::open(tmp.path(), opts(Some(key(9))))?;
-    let e = |o, d: &'static [u8]| Entry {
-        topic: b"t",
-        offset: o,
-        data: d,
-    };
-    let p1 = log.append(&[e(0, b"a"), e(1, b"b")], 1)?;
-    log.append(&[e(2, b"c")], 2)?;
+    let p1 = log.append(&[entry(0, b"a"), entry(1, b"b")], 1)?;
+    log.append(&[entry(2, b"c")], 2)?;
     log.truncate_after(p1)?;
     assert_eq!(offsets(&read_all(&log, "t", 0)?), vec![0, 1]);
     assert_eq!(log.next_offset(b"t"), 2);
-    log.append(&[e(2, b"C")], 3)?;
+    log.append(&[entry(2, b"C")], 3)?;
     let got = read_all(&log, "t", 0)?;
     assert_eq!(got[2].data, b"C");
     assert!(log
@@ -941,7 +934,7 @@ fn truncate_after_and_purge_before() -> R {
             byte: p1.byte - 1
         })
         .is_err());
-    let p = log.append(&[e(3, b"d")], 4)?;
+    let p = log.append(&[entry(3, b"d")], 4)?;
     let purged = log.purge_before(p)?;
     assert_eq!(purged, vec![p1.segment]);
     assert_eq!(offsets(&read_all(&log, "t", 0)?), vec![2, 3]);
