@@ -382,8 +382,10 @@ enum LogCommand {
     },
     /// Re-seal every segment sealed with a previous key (--previous-key-file, aal.previous_keys)
     /// under the current one (--key-file, aal.key), so that the previous key is no longer
-    /// needed. Stop the broker first: the log must not be in use. Exit status 1 if a segment
-    /// (damaged, or torn by a crash) had to be left under its old key.
+    /// needed. Stop the broker first: the log must not be in use. Refused, changing nothing,
+    /// unless the log's newest segment is already under the current key (the broker has run
+    /// with the new aal.key). Exit status 1 if a damaged segment had to be left under its old
+    /// key.
     Rekey {
         /// The log's directory (default: as the broker's on its defaults: AQUEDUCT_AAL_FILE_PATH,
         /// else $AQUEDUCT_HOME/aal, else ~/.aqueduct/aal).
