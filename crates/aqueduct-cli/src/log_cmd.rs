@@ -198,6 +198,12 @@ pub fn rekey(dir: &LogDir, keys: &LogKeys) -> Result<()> {
         if let Some(b) = b {
             b.set_position(done);
         }
+    })
+    .map_err(|e| match e {
+        aqueduct_log::LogError::Locked { .. } => {
+            anyhow!("{e}: a broker is using the log; stop it, then run rekey again")
+        }
+        e => e.into(),
     })?;
     if let Some(Some(b)) = bar {
         b.finish_and_clear();

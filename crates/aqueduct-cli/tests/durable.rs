@@ -696,6 +696,27 @@ fn a_rotated_key_reads_the_old_log_and_is_counted() {
         "the first run's segment"
     );
     publish(&addr, "after");
+    // Re-sealing needs the broker stopped, and says so.
+    let (old_file, new_file) = (home.path().join("old.key"), home.path().join("new.key"));
+    std::fs::write(&old_file, KEY_B64).expect("key file");
+    std::fs::write(&new_file, NEW_KEY_B64).expect("key file");
+    let dir = home.path().join("aal");
+    let rekey = |dir: &Path| {
+        Command::new(CLIENT)
+            .arg("log")
+            .arg("rekey")
+            .arg(dir)
+            .arg("--key-file")
+            .arg(&new_file)
+            .arg("--previous-key-file")
+            .arg(&old_file)
+            .output()
+            .expect("aqueduct log runs")
+    };
+    let busy = rekey(&dir);
+    assert_eq!(busy.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&busy.stderr);
+    assert!(err.contains("stop it, then run rekey again"), "{err}");
     let out = run_client(
         home.path(),
         &[
@@ -717,9 +738,22 @@ fn a_rotated_key_reads_the_old_log_and_is_counted() {
     );
     stop(broker);
     // The new key alone cannot read the first run's segment; the old one alone, not the rest.
-    let dir = home.path().join("aal");
     let new_key = MasterKey::from_bytes(&(32u8..64).collect::<Vec<u8>>()).expect("32 bytes");
     assert!(LogView::open(&dir, std::slice::from_ref(&new_key)).is_err());
     assert!(LogView::open(&dir, &[key()]).is_err());
-    assert!(LogView::open(&dir, &[new_key, key()]).is_ok());
+    assert!(LogView::open(&dir, &[new_key.clone(), key()]).is_ok());
+    // Stopped, the log is re-sealed: the new key alone reads it.
+    let done = rekey(&dir);
+    assert!(
+        done.status.success(),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    let text = String::from_utf8_lossy(&done.stdout);
+    assert!(
+        text.contains("seals no segment (no longer needed)"),
+        "{text}"
+    );
+    let view = LogView::open(&dir, &[new_key]).expect("the new key alone opens the log");
+    assert_eq!(view.read(b"orders", 0).count(), 2);
 }

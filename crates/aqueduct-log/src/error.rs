@@ -31,7 +31,8 @@ pub enum LogError {
         "{}, the log's newest segment, is not sealed with the key given as the current one: \
          rekey re-seals old segments under the key the broker uses now (aal.key). Check that \
          --key-file and --previous-key-file are not swapped, or start the broker once with \
-         the new aal.key (it begins a segment sealed with it); nothing was changed on disk",
+         the new aal.key and the old one in aal.previous_keys (it begins a segment sealed \
+         with the new key); nothing was changed on disk",
         path.display()
     )]
     NotCurrentKey { path: PathBuf },

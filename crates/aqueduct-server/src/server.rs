@@ -1019,7 +1019,7 @@ fn log_previous_keys(segments_per_key: &[usize]) {
         if segments == 0 {
             info!("durable log: aal.previous_keys {which} seals no segment any more: it can be removed");
         } else {
-            info!("durable log: aal.previous_keys {which} still seals {segments} segment(s); keep it until retention has deleted them");
+            info!("durable log: aal.previous_keys {which} still seals {segments} segment(s); keep it until retention deletes them, or re-seal them with `aqueduct log rekey` (broker stopped)");
         }
     }
 }
