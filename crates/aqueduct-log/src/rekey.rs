@@ -19,7 +19,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::crypto::{random_salt, MasterKey, SegmentCipher, TAG_LEN};
+use crate::crypto::{MasterKey, SegmentCipher};
 use crate::format::{self, batch_aad, BodyHeader, FrameCheck, SegmentHeader, BODY_HEADER};
 use crate::format::{FRAME_PREFIX, HEADER_LEN};
 use crate::log::{list_segments, lock_dir};
@@ -150,23 +150,8 @@ fn rekey_segment(
         path: path.to_path_buf(),
         reason,
     })?;
-    let salt = random_salt().map_err(|_| {
-        LogError::io(
-            "drawing a random salt for",
-            path,
-            std::io::Error::other("the system's random source failed"),
-        )
-    })?;
-    let new_cipher = SegmentCipher::derive(current, &salt).map_err(|_| LogError::BadFile {
-        path: path.to_path_buf(),
-        reason: "cannot derive the segment's new key".into(),
-    })?;
-    let mut new_header = SegmentHeader {
-        salt,
-        key_check: [0; TAG_LEN],
-        ..header
-    };
-    new_header.key_check = new_cipher.key_check(SegmentHeader::check_aad(&new_header.encode()));
+    let mut new_header = header;
+    let new_cipher = segment::seal_header(&mut new_header, current, path)?;
 
     let tmp = path.with_extension("seg.tmp");
     let written = write_resealed(

@@ -105,30 +105,21 @@ impl Segment {
         now_ms: u64,
     ) -> Result<(Segment, File), LogError> {
         let path = segment_path(dir, id);
-        let salt = random_salt().map_err(|_| {
-            LogError::io(
-                "drawing a random salt for",
-                &path,
-                std::io::Error::other("the system's random source failed"),
-            )
-        })?;
         let mut header = SegmentHeader {
             id,
             generation,
             unclean_before,
             created_ms: now_ms,
             encrypted: key.is_some(),
-            salt,
+            salt: [0; 32],
             key_check: [0; TAG_LEN],
         };
         let cipher = match key {
-            Some(k) => {
-                let c = derive(k, &salt, &path)?;
-                let plain = header.encode();
-                header.key_check = c.key_check(SegmentHeader::check_aad(&plain));
-                Some(Arc::new(c))
+            Some(k) => Some(Arc::new(seal_header(&mut header, k, &path)?)),
+            None => {
+                header.salt = fresh_salt(&path)?;
+                None
             }
-            None => None,
         };
         let mut file = OpenOptions::new()
             .read(true)
@@ -224,6 +215,33 @@ impl Segment {
             .collect();
         s
     }
+}
+
+/// Give `header` (of the segment at `path`) a fresh salt, and the key check of the data key
+/// that `key` and that salt derive; returns that data key. Every segment sealed gets its own,
+/// whether it is new or re-sealed (`rekey`), so no nonce meets a data key twice.
+pub(crate) fn seal_header(
+    header: &mut SegmentHeader,
+    key: &MasterKey,
+    path: &Path,
+) -> Result<SegmentCipher, LogError> {
+    header.encrypted = true;
+    header.salt = fresh_salt(path)?;
+    let cipher = derive(key, &header.salt, path)?;
+    header.key_check = [0; TAG_LEN];
+    header.key_check = cipher.key_check(SegmentHeader::check_aad(&header.encode()));
+    Ok(cipher)
+}
+
+/// Fresh random bytes for the salt of the segment at `path`.
+fn fresh_salt(path: &Path) -> Result<[u8; 32], LogError> {
+    random_salt().map_err(|_| {
+        LogError::io(
+            "drawing a random salt for",
+            path,
+            std::io::Error::other("the system's random source failed"),
+        )
+    })
 }
 
 fn derive(key: &MasterKey, salt: &[u8; 32], path: &Path) -> Result<SegmentCipher, LogError> {
