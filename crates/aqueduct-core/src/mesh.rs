@@ -1410,6 +1410,21 @@ mod tests {
         Key::Plain(TopicFilter::try_from(f).expect("filter"))
     }
 
+    /// A delta of session `session` at `seq` setting these keys' counts.
+    fn delta(session: u64, seq: u64, updates: &[(Key, u32)]) -> Control {
+        Control::Delta {
+            session,
+            seq,
+            updates: updates
+                .iter()
+                .map(|(key, count)| Update {
+                    key: key.clone(),
+                    count: *count,
+                })
+                .collect(),
+        }
+    }
+
     fn group(f: &str, g: &str) -> GroupKey {
         GroupKey {
             filter: TopicFilter::try_from(f).expect("filter"),
@@ -1592,17 +1607,7 @@ mod tests {
             "the same turn"
         );
         // A member more on b: b's groups changed.
-        assert!(a.handle_control(
-            ConnId(1),
-            Control::Delta {
-                session: 1,
-                seq: 1,
-                updates: vec![Update {
-                    key: Key::Group(g.clone()),
-                    count: 2
-                }],
-            }
-        ));
+        assert!(a.handle_control(ConnId(1), delta(1, 1, &[(Key::Group(g.clone()), 2)])));
         let fourth = a.table();
         assert!(
             !Arc::ptr_eq(&third.counters, &fourth.counters),
@@ -2207,27 +2212,10 @@ mod tests {
             }
         ));
         // Late delta of session 1: ignored.
-        assert!(a.handle_control(
-            ConnId(1),
-            Control::Delta {
-                session: 1,
-                seq: 1,
-                updates: vec![Update {
-                    key: plain("y"),
-                    count: 1
-                }]
-            }
-        ));
+        assert!(a.handle_control(ConnId(1), delta(1, 1, &[(plain("y"), 1)])));
         assert_eq!(a.peer_interest(&node("b")), Some(&Interest::default()));
         // A gap in the current session: closed.
-        assert!(!a.handle_control(
-            ConnId(1),
-            Control::Delta {
-                session: 5,
-                seq: 3,
-                updates: vec![]
-            }
-        ));
+        assert!(!a.handle_control(ConnId(1), delta(5, 3, &[])));
     }
 
     /// A peer may hold `max_peer_interest` keys here and no more: a snapshot, the parts of one
@@ -2278,19 +2266,15 @@ mod tests {
         assert_eq!(a.peer_interest(&node("b")).map(Interest::len), Some(3));
         assert_eq!(drain(&mut a).1, vec![]);
         // A delta that removes one and one that adds it back are fine; one more key is not.
-        let delta = |seq, updates| Control::Delta {
+        let keys_delta = |seq, updates| Control::Delta {
             session: 1,
             seq,
             updates,
         };
-        let gone = vec![Update {
-            key: plain("t/0"),
-            count: 0,
-        }];
-        assert!(a.handle_control(ConnId(1), delta(1, gone)));
-        assert!(a.handle_control(ConnId(1), delta(2, keys(0, 1))));
+        assert!(a.handle_control(ConnId(1), delta(1, 1, &[(plain("t/0"), 0)])));
+        assert!(a.handle_control(ConnId(1), keys_delta(2, keys(0, 1))));
         assert_eq!(drain(&mut a).1, vec![]);
-        assert!(!a.handle_control(ConnId(1), delta(3, keys(3, 1))));
+        assert!(!a.handle_control(ConnId(1), keys_delta(3, keys(3, 1))));
         refused(&mut a);
 
         // A snapshot beyond it.
@@ -2491,13 +2475,6 @@ mod tests {
                 interest: Interest::default()
             }
         ));
-        assert!(!a.handle_control(
-            ConnId(1),
-            Control::Delta {
-                session: 5,
-                seq: 0,
-                updates: vec![]
-            }
-        ));
+        assert!(!a.handle_control(ConnId(1), delta(5, 0, &[])));
     }
 }
