@@ -335,20 +335,24 @@ impl GroupEntry {
     }
 
     /// The next member in round-robin order that can take a message now (not stalled with a
-    /// full queue, not at `max_in_flight`), skipping `exclude`. Only when every member is full
-    /// does the turn fall back to any live member (whose policy then applies).
+    /// full queue, not at `max_in_flight`), preferring any other than `exclude` (the member
+    /// handing a message back). `exclude` is taken when it has room and no other member has:
+    /// only when every member is full does the turn fall back to a live member (whose policy
+    /// then applies), again another than `exclude` first.
     fn pick(
         &self,
         exclude: Option<SubscriberId>,
         max_in_flight: usize,
     ) -> Option<&Arc<Subscriber>> {
         let other = |m: &Arc<Subscriber>| Some(m.id()) != exclude;
-        self.turn
-            .pick(&self.members, |m| other(m) && m.has_room(max_in_flight))
-            .or_else(|| {
-                self.turn
-                    .pick(&self.members, |m| other(m) && !m.is_closed())
-            })
+        let room = |m: &Arc<Subscriber>| m.has_room(max_in_flight);
+        let live = |m: &Arc<Subscriber>| !m.is_closed();
+        let pick =
+            |eligible: &dyn Fn(&Arc<Subscriber>) -> bool| self.turn.pick(&self.members, eligible);
+        pick(&|m| other(m) && room(m))
+            .or_else(|| exclude.and_then(|_| pick(&room)))
+            .or_else(|| pick(&|m| other(m) && live(m)))
+            .or_else(|| exclude.and_then(|_| pick(&live)))
     }
 }
 
@@ -1243,20 +1247,20 @@ impl Broker {
         let mut routed = 0;
         let mut iter = publications.into_iter();
         while let Some(first) = iter.clone().next() {
-            // A run: consecutive messages to one topic. Look ahead on a copy of the iterator.
-            let run_len = iter
-                .clone()
-                .take_while(|p| p.topic.as_bytes() == first.topic.as_bytes())
-                .count();
             let topic = self.topic_state(ctx, first.topic);
             let mut unplaced = std::mem::take(&mut ctx.unplaced);
             unplaced.clear();
             let has_groups = self.route(&topic, &mut targets, ctx.scope.as_ref(), &mut unplaced);
-            // With a group, route message by message so the round-robin sees each one.
+            // A run: consecutive messages to one topic, found by looking ahead on a copy of the
+            // iterator. With a group, route message by message so the round-robin sees each
+            // one; then there is no run to look for (looking ahead for each message would walk
+            // the rest of the batch each time: quadratic in the batch's length).
             let run_len = if has_groups || !unplaced.is_empty() {
                 1
             } else {
-                run_len
+                iter.clone()
+                    .take_while(|p| p.topic.as_bytes() == first.topic.as_bytes())
+                    .count()
             };
             let base = topic.assign_offsets(run_len as u64);
             topic.stats().published(run_len as u64);
@@ -1492,10 +1496,7 @@ impl Broker {
             let routes = self.read_routes();
             let member = routes
                 .group(shared)
-                .and_then(|g| {
-                    g.pick(exclude, self.config.max_in_flight)
-                        .or_else(|| g.pick(None, self.config.max_in_flight))
-                })
+                .and_then(|g| g.pick(exclude, self.config.max_in_flight))
                 .cloned();
             if member.is_none() && shared.is_unrouted() {
                 // A durable group's messages wait for its next member (they are in its
@@ -1654,6 +1655,16 @@ impl Broker {
         reason: &str,
         now: Instant,
     ) {
+        // Past its lifetime: dropped and counted as expired, as it would be in a queue — not
+        // tried again, not dead-lettered (a dead letter has no TTL, so its body would reach the
+        // dead-letter topic's readers after the lifetime its publisher gave it).
+        if d.expires_at.is_some_and(|at| at <= now) {
+            d.topic.stats().expired(d.priority);
+            if let Some(g) = from.group() {
+                g.note_settled(d.topic.name(), d.offset);
+            }
+            return;
+        }
         if d.attempt > self.config.max_retries {
             self.dead_letter(ctx, from, d, reason, now);
             return;

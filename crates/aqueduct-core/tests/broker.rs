@@ -825,6 +825,87 @@ fn group_nack_goes_to_another_member() {
     assert!(drain_all(&b, first, now).is_empty());
 }
 
+/// A member that NACKs while every other member is full takes its message back: handing it
+/// to a full member dropped it under drop_newest (never tried again, never dead-lettered).
+#[test]
+fn a_nack_while_the_other_members_are_full_comes_back_to_the_nacking_member() {
+    let b = Broker::new(BrokerConfig {
+        queue_size: 1,
+        backpressure_policy: OverflowPolicy::DropNewest,
+        ..Default::default()
+    });
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let stalled = sub(&b, "topic:jobs:group:g");
+    let live = sub(&b, "topic:jobs:group:g");
+    publish(&b, &mut ctx, "jobs", "a", now);
+    publish(&b, &mut ctx, "jobs", "b", now);
+    let got = drain_all(&b, &live, now);
+    assert_eq!(got.len(), 1);
+    assert_eq!(stalled.queued(), 1, "the stalled member's queue is full");
+    b.nack(&mut ctx, &live, None, got[0].offset, Some(1), None, now)
+        .expect("in flight");
+    let again = drain_all(&b, &live, now);
+    assert_eq!(
+        again
+            .iter()
+            .map(|g| (g.offset, g.attempt))
+            .collect::<Vec<_>>(),
+        [(got[0].offset, 2)]
+    );
+    let stats = b.topic(&t("jobs")).expect("known").stats().snapshot();
+    assert_eq!(
+        stats.dropped(DropReason::Policy(OverflowPolicy::DropNewest)),
+        0
+    );
+}
+
+/// A message whose lifetime ends while it is in flight is not tried again or dead-lettered
+/// when it is NACKed or times out: it is dropped as expired (a dead letter carries no TTL, so
+/// its body reached the dead-letter topic after its lifetime).
+#[test]
+fn an_expired_message_is_neither_redelivered_nor_dead_lettered() {
+    let b = Broker::new(BrokerConfig {
+        max_retries: 0,
+        ..Default::default()
+    });
+    let mut ctx = PublishContext::default();
+    let t0 = Instant::now();
+    let s = ack_sub(&b, "topic:exp");
+    let dlq = sub(&b, "topic:__dlq__exp");
+    let topic = t("exp");
+    let mut p = Publication::new(&topic, b"short");
+    p.ttl = Some(Duration::from_millis(100));
+    b.publish(&mut ctx, &p, t0);
+    assert_eq!(drain_all(&b, &s, t0).len(), 1);
+    // The ack wait (30 s) ends long after the lifetime: the last attempt's timeout.
+    assert_eq!(
+        b.expire_in_flight(&mut ctx, &s, t0 + Duration::from_secs(30)),
+        1
+    );
+    assert!(drain_all(&b, &dlq, t0 + Duration::from_secs(30)).is_empty());
+    let expired_dead_redelivered = |b: &Broker| {
+        let stats = b.topic(&topic).expect("known").stats().snapshot();
+        (
+            stats.expired(Priority::DEFAULT),
+            stats.dead_lettered,
+            stats.redelivered,
+        )
+    };
+    assert_eq!(expired_dead_redelivered(&b), (1, 0, 0));
+    // A NACK after the lifetime, with retries left.
+    let b = Broker::default();
+    let mut ctx = PublishContext::default();
+    let s = ack_sub(&b, "topic:exp");
+    b.publish(&mut ctx, &p, t0);
+    assert_eq!(drain_all(&b, &s, t0).len(), 1);
+    let late = t0 + Duration::from_millis(150);
+    b.nack(&mut ctx, &s, None, 0, Some(1), None, late)
+        .expect("in flight");
+    assert_eq!(s.queued() + s.in_flight(), 0, "not queued again");
+    assert_eq!(expired_dead_redelivered(&b), (1, 0, 0));
+}
+
 #[test]
 fn dead_letters_are_not_dead_lettered_again() {
     let b = Broker::new(BrokerConfig {
@@ -994,6 +1075,43 @@ fn publish_batch_keeps_order_offsets_and_group_round_robin() {
     );
     let stats = b.topic(&ta).expect("known").stats().snapshot();
     assert_eq!((stats.published, stats.delivered), (4, 8));
+}
+
+/// A batch to a topic a group subscribes to is routed message by message in one pass: the
+/// look-ahead for a run of one topic walked the rest of the batch for every message (quadratic:
+/// a client could make one frame cost minutes of CPU).
+#[test]
+fn a_batch_through_a_group_is_walked_once() {
+    #[derive(Clone)]
+    struct Counted<'a> {
+        inner: std::slice::Iter<'a, Publication<'a>>,
+        steps: std::rc::Rc<std::cell::Cell<usize>>,
+    }
+    impl<'a> Iterator for Counted<'a> {
+        type Item = Publication<'a>;
+        fn next(&mut self) -> Option<Publication<'a>> {
+            self.steps.set(self.steps.get() + 1);
+            self.inner.next().copied()
+        }
+    }
+    let b = Broker::default();
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let _member = sub(&b, "topic:jobs:group:g");
+    let topic = t("jobs");
+    let n = 2_000;
+    let publications = vec![Publication::new(&topic, b"x"); n];
+    let steps = std::rc::Rc::new(std::cell::Cell::new(0));
+    let batch = Counted {
+        inner: publications.iter(),
+        steps: steps.clone(),
+    };
+    assert_eq!(b.publish_batch(&mut ctx, batch, now, |_, _| {}), n);
+    assert!(
+        steps.get() <= 4 * n,
+        "{} steps for {n} messages",
+        steps.get()
+    );
 }
 
 /// A stalled member (its writer drains nothing) fills its queue; the round-robin then skips it
