@@ -247,6 +247,24 @@ impl Drop for LiveGuard {
     }
 }
 
+/// A stream task's end: a panic (a bug) is logged and counted, not lost with the task. Its
+/// subscriptions ended with it (their guard runs as the task unwinds).
+fn stream_task_ended(
+    shared: &Shared,
+    conn: &ConnState,
+    joined: Result<(), tokio::task::JoinError>,
+) {
+    if let Err(e) = joined {
+        if e.is_panic() {
+            shared
+                .stats
+                .stream_task_panics
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::error!(client = %conn.describe(), "a stream task panicked (a bug, please report it): {e}; the connection goes on");
+        }
+    }
+}
+
 /// Serve one incoming connection to the end.
 ///
 /// `webtransport_only`: it came in on `webtransport.listen_addr`, which serves browsers only.
@@ -694,7 +712,9 @@ async fn serve_streams(
                         session.quic().set_max_concurrent_bi_streams(allowed.into());
                     }
                 }
-                Some(_) = streams.join_next(), if !streams.is_empty() => {}
+                Some(joined) = streams.join_next(), if !streams.is_empty() => {
+                    stream_task_ended(&shared, &state, joined);
+                }
                 _ = state.close_requested.notified() => {
                     let (code, reason) = state
                         .close_reason
@@ -710,7 +730,11 @@ async fn serve_streams(
                 }
                 _ = shutdown.changed() => {
                     // Writers see the same signal: they flush what is queued and finish.
-                    let flush = async { while streams.join_next().await.is_some() {} };
+                    let flush = async {
+                        while let Some(joined) = streams.join_next().await {
+                            stream_task_ended(&shared, &state, joined);
+                        }
+                    };
                     let _ = tokio::time::timeout(SHUTDOWN_FLUSH, flush).await;
                     session.close(ErrorCode::SHUTTING_DOWN, b"broker shutting down");
                     // A WebTransport session's close is a message on its CONNECT stream: give the

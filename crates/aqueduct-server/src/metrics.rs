@@ -639,7 +639,7 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "Publish frames waiting now for their client's quota (broker.quotas.action throttle); each holds its stream.",
         st.quota_waiting.load(Ordering::Relaxed),
     );
-    let counters: [(&str, &str, u64); 15] = [
+    let counters: [(&str, &str, u64); 16] = [
         (
             "aqueduct_direct_writes_total",
             "Deliveries written by the publishing stream task straight into an idle subscriber stream, without waking its writer.",
@@ -657,8 +657,13 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         ),
         (
             "aqueduct_stream_finish_timeouts_total",
-            "Streams the client finished but did not read: a write it left untaken for 5 s (stream reset, subscriptions ended), or the final flush not read within 5 s.",
+            "Streams the client finished but did not read: a write of which it took nothing for 5 s (stream reset, subscriptions ended), in the final flush too.",
             st.finish_timeouts.load(Ordering::Relaxed),
+        ),
+        (
+            "aqueduct_stream_task_panics_total",
+            "Stream tasks that panicked (a bug: the broker logs it and goes on; the stream's subscriptions ended with it).",
+            st.stream_task_panics.load(Ordering::Relaxed),
         ),
         (
             "aqueduct_connections_total",

@@ -35,6 +35,8 @@ pub struct ServerStats {
     /// Streams the client finished but did not read to the end within 5 s: reset, what was
     /// still queued for their subscriptions dropped and counted.
     pub finish_timeouts: AtomicU64,
+    /// Stream tasks that panicked (a bug; logged).
+    pub stream_task_panics: AtomicU64,
     /// Connections closed because a reload of `tls.crl_file` revoked their client certificate.
     pub connections_revoked: AtomicU64,
     /// Writes a publisher made straight into an idle subscriber stream (stream/direct.rs).

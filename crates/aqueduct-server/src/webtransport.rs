@@ -522,12 +522,14 @@ pub(crate) async fn serve(
 }
 
 impl crate::stream::SendHalf for web_transport_quinn::SendStream {
-    async fn write_chunk(
+    async fn write_some(
         &mut self,
-        chunk: bytes::Bytes,
+        chunk: &mut bytes::Bytes,
     ) -> Result<(), crate::stream::WriteFailure> {
-        web_transport_quinn::SendStream::write_chunk(self, chunk)
+        // `write_chunks` advances a partly written chunk in place, and is cancel safe.
+        web_transport_quinn::SendStream::write_chunks(self, std::slice::from_mut(chunk))
             .await
+            .map(drop)
             .map_err(|e| match e {
                 web_transport_quinn::WriteError::Stopped(_) => crate::stream::WriteFailure::Stopped,
                 e => crate::stream::WriteFailure::Gone(e.to_string()),

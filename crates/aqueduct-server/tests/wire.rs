@@ -429,6 +429,74 @@ async fn a_finished_stream_its_client_does_not_read_ends_its_subscriptions() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// A client that finishes its delivery stream and then reads slowly, but steadily, gets
+/// everything and the broker's FIN (protocol.md 1.1: "a client that keeps reading, however
+/// slowly, gets everything"). The wait for the client restarts with each part of a write it
+/// takes; it was measured from the start of the whole write (up to `batch_size`), so a client
+/// reading below ~13 KB/s had its stream reset and its backlog dropped 5 s after the FIN.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_reading_slowly_after_its_fin_gets_everything() {
+    let b = TestBroker::start_with(|c| c.batch_size = 16 << 10).await;
+    let (_stalled, mut s) = stalled_subscriber(&b).await;
+    const N: u64 = 20;
+    publish_to_bp(&b, N as usize, 1024).await;
+    s.finish();
+    // ~1.7 KB/s: the write after the FIN (16 KiB, 4 KiB of it taken at once by the stream's
+    // window) takes ~7 s, longer than the 5 s the broker waits for each part.
+    for i in 0..N {
+        let frame = within("a delivery", s.read_frame()).await.expect("a frame");
+        let Message::Publish(p) = frame.message else {
+            panic!("not a delivery: {frame:?}")
+        };
+        assert_eq!(p.ext.offset, Some(i));
+        tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    }
+    assert!(
+        within("the broker's FIN", s.read_frame()).await.is_none(),
+        "the stream ends cleanly"
+    );
+    assert_eq!(
+        b.stats
+            .finish_timeouts
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    assert_eq!(bp_stats(&b).dropped(DropReason::Unsubscribed), 0);
+    b.stop().await.expect("clean shutdown");
+}
+
+/// An UNSUBSCRIBE lets go of the subscription at once, also while its stream's writer is
+/// blocked on flow control. It stayed in the stream's list until the writer's next fill, which a
+/// blocked writer never reaches: SUBSCRIBE and UNSUBSCRIBE pairs on a stream the client does
+/// not read grew the broker's memory without bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsubscribe_lets_go_of_the_subscription_while_its_writer_is_blocked() {
+    let b = TestBroker::start().await;
+    let (_stalled, mut s) = stalled_subscriber(&b).await;
+    publish_to_bp(&b, 200, 1024).await;
+    for round in 0..3 {
+        s.write(&raw_frame(0x42, 2, b"\x00\x00topic:other")).await;
+        until("the second subscription", || {
+            b.broker.subscriber_count() == 2
+        })
+        .await;
+        let second = b
+            .broker
+            .subscribers()
+            .iter()
+            .find(|sub| sub.stream_id() == 2)
+            .map(std::sync::Arc::downgrade)
+            .expect("registered");
+        s.write(&raw_frame(0x03, 2, b"topic:other")).await;
+        until("the subscription to be let go of", || {
+            second.upgrade().is_none()
+        })
+        .await;
+        assert_eq!(b.broker.subscriber_count(), 1, "round {round}");
+    }
+    b.stop().await.expect("clean shutdown");
+}
+
 /// With WebTransport on, the broker lets clients open the three unidirectional streams HTTP/3
 /// needs; a native client that opens one gets it refused unread (STOP_SENDING 0), and its
 /// connection goes on.

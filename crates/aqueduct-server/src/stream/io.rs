@@ -29,10 +29,12 @@ impl std::fmt::Display for WriteFailure {
 
 /// The sending half: deliveries and replies go out here.
 pub(crate) trait SendHalf: Send {
-    /// Write all of `chunk` (without a copy).
-    fn write_chunk(
+    /// Write as much of `chunk` as the stream takes (without a copy), waiting until it takes
+    /// some; what is left stays in `chunk`. Cancel safe: if it does not complete, nothing was
+    /// written. Each completion is progress: a client that reads, however slowly, makes it.
+    fn write_some(
         &mut self,
-        chunk: Bytes,
+        chunk: &mut Bytes,
     ) -> impl Future<Output = Result<(), WriteFailure>> + Send;
     /// Resolves when the client stopped reading or the stream ended; says how.
     fn stopped(&mut self) -> impl Future<Output = String> + Send;
@@ -63,9 +65,11 @@ pub(crate) trait RecvHalf: tokio::io::AsyncRead + Unpin + Send {
 }
 
 impl SendHalf for quinn::SendStream {
-    async fn write_chunk(&mut self, chunk: Bytes) -> Result<(), WriteFailure> {
-        quinn::SendStream::write_chunk(self, chunk)
+    async fn write_some(&mut self, chunk: &mut Bytes) -> Result<(), WriteFailure> {
+        // `write_chunks` advances a partly written chunk in place, and is cancel safe.
+        quinn::SendStream::write_chunks(self, std::slice::from_mut(chunk))
             .await
+            .map(drop)
             .map_err(|e| match e {
                 quinn::WriteError::Stopped(_) => WriteFailure::Stopped,
                 e => WriteFailure::Gone(e.to_string()),

@@ -1082,6 +1082,10 @@ impl Reader<'_> {
                 {
                     let key = lock(&entry.out.durables).remove(&entry.sub.id());
                     unsubscribe(self.shared, &mut self.ctx, &entry.sub, key.as_deref(), now);
+                    // Out of its stream's list now: the writer would drop it at its next fill,
+                    // but a writer blocked on flow control does not fill, and SUBSCRIBE and
+                    // UNSUBSCRIBE pairs would pile up there without bound.
+                    lock(&entry.out.subs).retain(|s| !Arc::ptr_eq(s, &entry.sub));
                     entry.out.notify.notify_one();
                     debug!(client = %self.conn.describe(), filter = %u.filter, "unsubscribed");
                 }
@@ -1439,14 +1443,15 @@ enum GiveUp {
     /// subscriptions end, nothing more is written.
     Aborted,
     /// The client finished the stream, and a write has waited [`FINISH_WAIT`] since both the
-    /// FIN and its own start for the client to read: the stream is reset and its
-    /// subscriptions end.
+    /// FIN and the last part of it the client took: the stream is reset and its subscriptions
+    /// end.
     FinishTimedOut,
 }
 
 /// Completes when a blocked write on this stream must be given up, and says why. One future
 /// for both: `out.notify` wakes one waiter. Meanwhile it takes the revocations of the
-/// stream's subscriptions (their ERROR follows the blocked write).
+/// stream's subscriptions (their ERROR follows the blocked write). Made anew for each part of
+/// a write: its start is the write's last progress.
 async fn give_up_blocked_write(out: &StreamOut, shared: &Shared, conn: &ConnState) -> GiveUp {
     // First polled when the write it watches did not complete at once: the clock is read only
     // for a write that blocked.
@@ -1465,7 +1470,7 @@ async fn give_up_blocked_write(out: &StreamOut, shared: &Shared, conn: &ConnStat
             return GiveUp::SlowConsumer;
         }
         // A client reading slowly keeps its stream: only a write that has made no way for
-        // FINISH_WAIT after the FIN is given up.
+        // FINISH_WAIT after the FIN (and after its last progress) is given up.
         let deadline = out
             .finished_at
             .get()
@@ -1507,7 +1512,7 @@ async fn write_loop<S: SendHalf + 'static>(
     let mut buf = BytesMut::new();
     let mut hint = 0;
     let mut last_write: Option<Instant> = None;
-    loop {
+    'writes: loop {
         if out.aborted.load(Ordering::Acquire) {
             // The client stopped reading (STOP_SENDING) or the stream is gone: nothing more can
             // be delivered here. Route nothing more to its subscriptions (a group member leaves
@@ -1587,13 +1592,15 @@ async fn write_loop<S: SendHalf + 'static>(
         // reset with the SLOW_CONSUMER code instead.
         // Handed to quinn without a copy; `buf` keeps the rest of its allocation for the next
         // fill (or allocates anew once quinn still holds it).
-        let chunk = buf.split().freeze();
+        let mut chunk = buf.split().freeze();
         let len = chunk.len();
-        let written = tokio::select! {
+        let written = loop {
+            let written = tokio::select! {
             // A write that QUIC takes at once goes through, even one carrying a SLOW_CONSUMER
-            // ERROR; only a blocked one is abandoned for the reset.
+            // ERROR; only a blocked one is abandoned for the reset. Each part QUIC takes is
+            // progress: the wait for the client to read starts again after it.
             biased;
-            r = send.write_chunk(chunk) => r,
+            r = send.write_some(&mut chunk) => r,
             why = give_up_blocked_write(out, shared, conn) => {
                 match why {
                     GiveUp::SlowConsumer => {
@@ -1616,7 +1623,11 @@ async fn write_loop<S: SendHalf + 'static>(
                         return;
                     }
                 }
-                continue;
+                continue 'writes;
+            }
+            };
+            if written.is_err() || chunk.is_empty() {
+                break written;
             }
         };
         out.slow_error_pending.store(false, Ordering::Release);
@@ -1641,30 +1652,49 @@ async fn write_loop<S: SendHalf + 'static>(
         last_write = Some(Instant::now());
     }
     // Final flush (shutdown, or the client finished the stream), bounded: a client that does
-    // not read any more must not keep this task (and a held publisher) forever.
-    let flushed = tokio::time::timeout(FINISH_WAIT, async {
-        loop {
-            fill(out, shared, conn, &mut buf, batch, hint);
-            let chunk = buf.split().freeze();
-            let len = chunk.len();
-            if len == 0 || send.write_chunk(chunk).await.is_err() {
-                break;
-            }
-            shared.stats.add_out(len);
+    // not read any more must not keep this task (and a held publisher) forever. As above, the
+    // client has FINISH_WAIT after each part it takes to take the next. (A shutdown bounds
+    // the whole flush per connection.)
+    let interrupted = out.interrupted.load(Ordering::Acquire);
+    let flushed = 'flush: loop {
+        fill(out, shared, conn, &mut buf, batch, hint);
+        let mut chunk = buf.split().freeze();
+        let len = chunk.len();
+        if len == 0 {
+            break true;
         }
-    })
-    .await;
-    if flushed.is_err() {
-        debug!("the client did not read the end of the stream within {FINISH_WAIT:?}");
-        if !out.interrupted.load(Ordering::Acquire) {
+        while !chunk.is_empty() {
+            match tokio::time::timeout(FINISH_WAIT, send.write_some(&mut chunk)).await {
+                Ok(Ok(())) => {}
+                // The stream is gone: nothing more can be written, nothing to reset.
+                Ok(Err(_)) => break 'flush true,
+                Err(_) => break 'flush false,
+            }
+        }
+        shared.stats.add_out(len);
+    };
+    if !flushed {
+        // Part of a frame may have gone out, and what is left is lost: a FIN would tell the
+        // client it got everything (§1.1). Reset, as a blocked write after the FIN is.
+        debug!(
+            "the client did not read the end of the stream within {FINISH_WAIT:?}: resetting it"
+        );
+        if !interrupted {
             shared.stats.finish_timeouts.fetch_add(1, Ordering::Relaxed);
         }
+        send.reset(if interrupted {
+            u32::from(ErrorCode::SHUTTING_DOWN.0)
+        } else {
+            0
+        });
+        end_subscriptions(shared, conn, out, |_| true);
+        return;
     }
     // What is still subscribed here ends with the stream (after the flush above sent what was
     // queued).
     let had_subs = has_subs(out);
     end_subscriptions(shared, conn, out, |_| true);
-    if out.interrupted.load(Ordering::Acquire) && !had_subs {
+    if interrupted && !had_subs {
         // Shutdown stopped the reader before the client finished this stream: frames it sent may
         // never have been read. A clean FIN would tell it they were all handled; a reset with
         // SHUTTING_DOWN tells it they may not have been.
