@@ -295,6 +295,9 @@ pub struct Log {
     generation: u64,
     buf: Vec<u8>,
     dirty: bool,
+    /// Records appended since the last sync: under `interval` and `never` the log syncs anyway
+    /// once they reach a quarter of `crash_offset_gap` (see [`Log::commit`]).
+    unsynced_records: u64,
     last_sync: Instant,
     poisoned: Option<String>,
     /// Per topic, the highest offset of appends that failed after their offsets were checked:
@@ -315,13 +318,22 @@ pub struct Log {
 /// (0700 on Unix), as the messages in a log without a key are plain text. An existing one is
 /// left as it is.
 fn create_private_dir(dir: &Path) -> Result<(), LogError> {
+    if dir.is_dir() {
+        return Ok(());
+    }
     let mut builder = std::fs::DirBuilder::new();
     builder.recursive(true);
     #[cfg(unix)]
     std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
     builder
         .create(dir)
-        .map_err(|e| LogError::io("creating", dir, e))
+        .map_err(|e| LogError::io("creating", dir, e))?;
+    // A new directory's entry is durable once its parent is synced: without it a power cut
+    // could lose the whole log directory of a first run.
+    match dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(parent) => sync_dir(parent),
+        None => sync_dir(Path::new(".")),
+    }
 }
 
 /// The lock file's name in the log directory.
@@ -430,6 +442,12 @@ impl Log {
                 Err(e) => return Err(e),
             };
             let mut seg = scanned.segment;
+            if rebuilt && !seg.damage.is_empty() {
+                // Damage found by reading through: what the damaged batches held is unknown,
+                // maybe a topic's highest offsets. Go on past them as after a crash (each topic
+                // skips the crash gap), or those offsets could be handed out again.
+                crash_evidence = true;
+            }
             if scanned.torn_bytes > 0 {
                 let f = OpenOptions::new()
                     .write(true)
@@ -489,6 +507,7 @@ impl Log {
             generation,
             buf: Vec::new(),
             dirty: false,
+            unsynced_records: 0,
             last_sync: Instant::now(),
             poisoned: None,
             burned: HashMap::new(),
@@ -806,6 +825,7 @@ impl Log {
         seg.note_batch(timestamp_ms, end);
         drop(segments);
         self.dirty = true;
+        self.unsynced_records = self.unsynced_records.saturating_add(entries.len() as u64);
         self.stats.appended_batches += 1;
         self.stats.appended_records += entries.len() as u64;
         Ok(Position {
@@ -850,6 +870,11 @@ impl Log {
     }
 
     /// Make appended batches durable as the fsync mode says. Returns whether it synced.
+    ///
+    /// Under `interval` and `never` it also syncs once a quarter of `crash_offset_gap` records
+    /// (262,144 by default) were appended since the last sync: a power cut loses what was not
+    /// synced, and the offsets lost that way, with those still on their way to the log, must
+    /// stay below the gap that the next start skips, or offsets would be handed out twice.
     pub fn commit(&mut self) -> Result<bool, LogError> {
         if let Some(why) = &self.poisoned {
             return Err(LogError::Poisoned(why.clone()));
@@ -858,7 +883,7 @@ impl Log {
             FsyncMode::Always | FsyncMode::Batch => true,
             FsyncMode::Interval(every) => self.last_sync.elapsed() >= every,
             FsyncMode::Never => false,
-        };
+        } || self.unsynced_records >= self.opts.crash_offset_gap / 4;
         if due && self.dirty {
             self.sync()?;
             return Ok(true);
@@ -879,6 +904,7 @@ impl Log {
             return Err(LogError::io("syncing segment", path, e));
         }
         self.dirty = false;
+        self.unsynced_records = 0;
         self.last_sync = Instant::now();
         self.stats.syncs += 1;
         Ok(())

@@ -8,7 +8,7 @@ use aqueduct_log::format::{
     check_frame, FrameCheck, SegmentHeader, BODY_HEADER, FRAME_PREFIX, HEADER_LEN,
 };
 use aqueduct_log::{
-    verify, Entry, Forget, Log, LogError, LogOptions, MasterKey, Record, FLOOR_TOPIC,
+    verify, Entry, Forget, FsyncMode, Log, LogError, LogOptions, MasterKey, Record, FLOOR_TOPIC,
 };
 
 type R = Result<(), Box<dyn std::error::Error>>;
@@ -711,6 +711,61 @@ fn damage_in_the_middle_is_skipped_and_kept() -> R {
     let got = offsets(&read_all(&log, "a", 0)?);
     let want: Vec<u64> = (0..4).chain(8..120).collect();
     assert_eq!(got, want, "everything but the damaged batch reads back");
+    Ok(())
+}
+
+/// Damage found by reading through a sealed segment (its index gone) may have taken a topic's
+/// highest offsets with it: the log goes on past them as after a crash. It went on from the
+/// highest offset it could read, after a clean close, so offset 1 named a second message.
+#[test]
+fn damage_found_by_reading_through_skips_the_crash_gap() -> R {
+    let tmp = tempfile::tempdir()?;
+    let (mut log, _) = Log::open(tmp.path(), opts(Some(key(9))))?;
+    log.append(&[entry(0, b"first")], 0)?;
+    log.append(&[entry(1, b"second")], 0)?;
+    log.close()?;
+    // A second clean run: the first segment is no longer the newest.
+    let (log, _) = Log::open(tmp.path(), opts(Some(key(9))))?;
+    log.close()?;
+    let segs = segments(tmp.path());
+    assert!(segs.len() >= 2);
+    let seg = &segs[0];
+    let mut b = std::fs::read(seg)?;
+    let last = b.len() - 3;
+    b[last] ^= 0xFF; // inside the last frame: offset 1's batch
+    std::fs::write(seg, &b)?;
+    std::fs::remove_file(seg.with_extension("idx"))?;
+    let (log, rec) = Log::open(tmp.path(), opts(Some(key(9))))?;
+    assert_eq!(rec.damaged_batches, 1);
+    assert!(!rec.clean, "counted as a crash");
+    let gap = LogOptions::default().crash_offset_gap;
+    assert!(
+        log.next_offset(b"t") > gap,
+        "t goes on past the gap, not at {}",
+        log.next_offset(b"t")
+    );
+    Ok(())
+}
+
+/// Under `never` (and `interval`) the log still syncs every quarter of the crash gap's records:
+/// a power cut must not lose more offsets than the next start skips.
+#[test]
+fn fsync_never_still_syncs_within_the_crash_gap() -> R {
+    let tmp = tempfile::tempdir()?;
+    let (mut log, _) = Log::open(
+        tmp.path(),
+        LogOptions {
+            fsync: FsyncMode::Never,
+            crash_offset_gap: 100,
+            ..opts(None)
+        },
+    )?;
+    let before = log.stats().syncs;
+    for offset in 0..200 {
+        log.append(&[entry(offset, b"x")], 0)?;
+        log.commit()?;
+    }
+    assert_eq!(log.stats().syncs - before, 200 / 25);
     Ok(())
 }
 
