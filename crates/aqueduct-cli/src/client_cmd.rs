@@ -2,7 +2,6 @@
 //! binaries run [`main_with`]).
 
 use std::ffi::OsString;
-use std::io::BufRead;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -77,7 +76,8 @@ enum Command {
     Pub {
         /// Topic, e.g. orders/eu.
         topic: String,
-        /// Message body.
+        /// Message body. Without it, each line of standard input is one message, published as
+        /// it is read (`tail -f app.log | aqueduct pub logs`).
         message: Option<String>,
         /// Publish the message this many times.
         #[arg(long, short = 'n', default_value_t = 1)]
@@ -118,8 +118,8 @@ enum Command {
         /// broker.max_retries, moves it to __dlq__<topic>. For trying out dead letters.
         #[arg(long, conflicts_with = "ack")]
         nack: bool,
-        /// With --ack, --nack or --group: at most this many unacknowledged messages at a time
-        /// (1 = one at a time: what waits behind it stays in strict priority order).
+        /// With --ack, --nack, --group or --durable: at most this many unacknowledged messages at
+        /// a time (1 = one at a time: what waits behind it stays in strict priority order).
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         max_in_flight: Option<u32>,
         /// Take this long to "process" each message before acknowledging it (a slow consumer,
@@ -127,7 +127,7 @@ enum Command {
         #[arg(long, value_parser = humantime_duration)]
         work: Option<Duration>,
         /// Exit after this many messages.
-        #[arg(long, short = 'n')]
+        #[arg(long, short = 'n', value_parser = clap::value_parser!(u64).range(1..))]
         count: Option<u64>,
         /// Backpressure policy for this subscription: drop_oldest, drop_newest, disconnect, block.
         #[arg(long)]
@@ -533,6 +533,11 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 
 fn parse_pin(hex: &str) -> Result<[u8; 32]> {
     let hex: String = hex.chars().filter(|c| *c != ':').collect();
+    if !hex.chars().all(|c| c.is_ascii_hexdigit()) {
+        bail!(
+            "--pin is not hexadecimal (64 digits 0-9, a-f, optionally in pairs separated by ':')"
+        );
+    }
     if hex.len() != 64 {
         bail!(
             "--pin needs 64 hex digits (a SHA-256 fingerprint), got {}",
@@ -700,6 +705,20 @@ async fn run(cli: Cli, also: &mut Option<String>) -> Result<()> {
         })
         .await;
     }
+    if let Command::Sub {
+        max_in_flight: Some(_),
+        ack: false,
+        nack: false,
+        group: None,
+        durable: None,
+        ..
+    } = &cli.command
+    {
+        bail!(
+            "--max-in-flight goes with --ack, --nack, --group or --durable: without \
+             acknowledgements nothing is in flight"
+        );
+    }
     let client = connect(&cli).await?;
     let result = run_connected(&cli, &client).await;
     // On every way out, errors included (a refused publish, an ACL that closed the
@@ -725,6 +744,68 @@ async fn run(cli: Cli, also: &mut Option<String>) -> Result<()> {
     }
 }
 
+/// What `aqueduct pub` publishes to, and how many it has published.
+struct Outgoing<'a> {
+    client: &'a Client,
+    topic: &'a str,
+    topics: u64,
+    opts: &'a PublishOptions,
+    sent: u64,
+    name: String,
+}
+
+impl Outgoing<'_> {
+    /// Publish one message: to the topic, or with --topics to the next of `topic/0..`.
+    async fn publish(&mut self, body: Bytes) -> Result<()> {
+        let to = if self.topics > 1 {
+            self.name.clear();
+            use std::fmt::Write;
+            let _ = write!(self.name, "{}/{}", self.topic, self.sent % self.topics);
+            self.name.as_str()
+        } else {
+            self.topic
+        };
+        let offset = self.client.publish_with(to, body, self.opts).await?;
+        if let Some(o) = offset {
+            crate::print_line(&format!("published to {to} at offset {o}"))?;
+        }
+        self.sent += 1;
+        Ok(())
+    }
+}
+
+/// The next line of standard input without its line end (`\n` or `\r\n`), any bytes; `None`
+/// at its end.
+async fn read_line(input: &mut (impl tokio::io::AsyncBufRead + Unpin)) -> Result<Option<Bytes>> {
+    use tokio::io::AsyncBufReadExt;
+    let mut line = Vec::new();
+    if input
+        .read_until(b'\n', &mut line)
+        .await
+        .context("reading standard input")?
+        == 0
+    {
+        return Ok(None);
+    }
+    if line.last() == Some(&b'\n') {
+        line.pop();
+        if line.last() == Some(&b'\r') {
+            line.pop();
+        }
+    }
+    Ok(Some(Bytes::from(line)))
+}
+
+/// Why a subscription's stream ended without an error frame: the connection's close reason
+/// (a shutdown closes the connection within 5 s of ending its streams), or that the broker
+/// ended it.
+async fn why_the_subscription_ended(client: &Client) -> String {
+    match tokio::time::timeout(Duration::from_secs(6), client.closed()).await {
+        Ok(e) => e.to_string(),
+        Err(_) => "the broker ended the subscription".to_string(),
+    }
+}
+
 /// The commands that need a connection to the broker.
 async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
     match &cli.command {
@@ -744,7 +825,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 (false, t) => *t,
             };
             if let Some(t) = &trace {
-                eprintln!("trace {}", t.to_traceparent());
+                crate::say!("trace {}", t.to_traceparent());
             }
             let opts = PublishOptions {
                 priority: Some(
@@ -755,34 +836,43 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 confirm: *confirm,
                 trace,
             };
-            let bodies: Vec<Bytes> = match message {
-                Some(m) => vec![Bytes::from(m.clone())],
-                None => std::io::stdin()
-                    .lock()
-                    .lines()
-                    .map(|l| l.map(Bytes::from))
-                    .collect::<Result<_, _>>()
-                    .context("reading standard input")?,
+            let mut out = Outgoing {
+                client,
+                topic,
+                topics: *topics,
+                opts: &opts,
+                sent: 0,
+                name: String::new(),
             };
-            let mut sent = 0u64;
-            let mut name = String::new();
-            for _ in 0..*count {
-                for body in &bodies {
-                    let to = if *topics > 1 {
-                        name.clear();
-                        use std::fmt::Write;
-                        let _ = write!(name, "{topic}/{}", sent % topics);
-                        name.as_str()
-                    } else {
-                        topic.as_str()
-                    };
-                    let offset = client.publish_with(to, body.clone(), &opts).await?;
-                    if let Some(o) = offset {
-                        crate::print_line(&format!("published to {to} at offset {o}"))?;
+            match message {
+                Some(m) => {
+                    let body = Bytes::from(m.clone());
+                    for _ in 0..*count {
+                        out.publish(body.clone()).await?;
                     }
-                    sent += 1;
+                }
+                // One message per line of standard input, each published as it is read (`tail
+                // -f app.log | aqueduct pub logs`); with --count, the lines are read first.
+                None => {
+                    let mut lines = Vec::new();
+                    let mut input = tokio::io::BufReader::new(tokio::io::stdin());
+                    while let Some(line) = read_line(&mut input).await? {
+                        if *count == 1 {
+                            out.publish(line).await?;
+                        } else {
+                            lines.push(line);
+                        }
+                    }
+                    if *count > 1 {
+                        for _ in 0..*count {
+                            for line in &lines {
+                                out.publish(line.clone()).await?;
+                            }
+                        }
+                    }
                 }
             }
+            let sent = out.sent;
             // Nothing counts as published until the broker has read it: a refused handshake
             // or a broker that stopped reading is an error here, not a success.
             client.flush().await?;
@@ -818,7 +908,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 max_in_flight: *max_in_flight,
             };
             let mut sub = client.subscribe_with(filter, &opts).await?;
-            eprintln!(
+            crate::say!(
                 "subscribed to {filter}{}{}",
                 group
                     .as_ref()
@@ -845,13 +935,19 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             // finished, then the connection closes.
             let signal = crate::shutdown_signal();
             tokio::pin!(signal);
+            // Set when the broker ended the subscription before --count (or at all without
+            // it): the command fails, saying why, rather than exit as if it were done.
+            let mut ended = None;
             let interrupted = loop {
                 let item = tokio::select! {
                     biased;
                     signal = &mut signal => break Some(signal),
                     item = sub.next() => item,
                 };
-                let Some(item) = item else { break None };
+                let Some(item) = item else {
+                    ended = Some(why_the_subscription_ended(client).await);
+                    break None;
+                };
                 let msg = item?;
                 if !crate::print_line(&describe(&msg))? {
                     // Our reader went away: this message is not settled (a group gives it to
@@ -882,7 +978,15 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             // waiting for the idle timeout — after it has read our last ACKs (a durable
             // consumer's position counts them).
             let from_log = sub.durable_log() == Some(true);
-            let _ = sub.close().await;
+            // An ACK the broker refused meanwhile (too late: the ack wait ran out, and the
+            // message goes to another member) is an error, not a clean end.
+            let settled = match ended {
+                Some(_) => Ok(()),
+                None => sub.close().await,
+            };
+            if let (Some(why), None) = (&ended, interrupted) {
+                return Err(anyhow!("{why}, after {received} message(s)"));
+            }
             client.close().await?;
             if let Some(signal) = interrupted {
                 // What becomes of the message it was working on depends on the subscription.
@@ -904,9 +1008,9 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                      subscription's messages are not delivered again"
                         .into()
                 };
-                eprintln!("{signal}: closed the connection after {received} message(s){last}");
+                crate::say!("{signal}: closed the connection after {received} message(s){last}");
             }
-            return Ok(());
+            return Ok(settled?);
         }
         // Handled above, before connecting.
         Command::Cert { .. }
@@ -1001,7 +1105,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 }
                 held.push((c, subs));
             }
-            eprintln!(
+            crate::say!(
                 "holding {} connection(s) with {} subscription(s) each",
                 held.len(),
                 subscriptions
@@ -1418,7 +1522,7 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
         Err(e) => e.exit(),
     };
     if let Err(e) = refuse_connection_flags(&matches) {
-        eprintln!("aqueduct: {e:#}");
+        crate::say!("aqueduct: {e:#}");
         return ExitCode::from(2);
     }
     crate::init_logging(
@@ -1431,7 +1535,7 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("aqueduct: {e}");
+            crate::say!("aqueduct: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -1447,9 +1551,9 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
             } else {
                 ""
             };
-            eprintln!("aqueduct: {e}{hint}");
+            crate::say!("aqueduct: {e}{hint}");
             if let Some(closing) = also {
-                eprintln!("aqueduct: also, while closing: {closing}");
+                crate::say!("aqueduct: also, while closing: {closing}");
             }
             ExitCode::FAILURE
         }
@@ -1472,6 +1576,19 @@ mod tests {
 
     /// A refused handshake fails the command and its close alike: said once, not twice with
     /// the close's first (a new user's reading of howto-tls); different causes are both said.
+    /// A --pin of the right length in bytes but not all hex digits is an error, not a panic
+    /// (slicing a multi-byte character).
+    #[test]
+    fn a_pin_that_is_not_hexadecimal_is_refused() {
+        let not_ascii = format!("a\u{e9}{}", "a".repeat(61));
+        assert_eq!(not_ascii.len(), 64);
+        assert!(parse_pin(&not_ascii).is_err());
+        assert!(parse_pin(&format!("+{}", "a".repeat(63))).is_err());
+        assert_eq!(parse_pin(&"ab".repeat(32)).expect("hex"), [0xab; 32]);
+        let colons = vec!["AB"; 32].join(":");
+        assert_eq!(parse_pin(&colons).expect("pairs"), [0xab; 32]);
+    }
+
     #[test]
     fn one_failure_seen_twice_is_said_once() {
         assert!(same_cause(

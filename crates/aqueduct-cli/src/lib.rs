@@ -158,6 +158,16 @@ pub fn dead_letter_origin(
     s
 }
 
+/// `eprintln!` that loses the line, instead of panicking, when standard error cannot be written
+/// to (a pipe whose reader left: `aqueduct sub t 2>&1 | head -n 2`).
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 /// Log to standard error, coloured only on a terminal (a log file or a pipe gets plain text).
 /// A standard error that cannot be written to (closed, a pipe whose reader left) loses the log
 /// lines but never stops the process: tracing-subscriber would otherwise report the failed write

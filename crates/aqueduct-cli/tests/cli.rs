@@ -1153,3 +1153,139 @@ fn admin_options_follow_the_subcommand_and_a_refused_address_is_explained() {
         "{err}"
     );
 }
+
+/// `sub --ack` whose ACK the broker refuses (it came after the ack wait: the message is
+/// delivered again) fails, naming the refusal. The close's error was dropped: the command exited
+/// 0 as if the message had been acknowledged.
+#[test]
+fn sub_fails_when_the_broker_refused_its_ack() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, _metrics, logs) =
+        start_broker_with(home.path(), &[("AQUEDUCT_BROKER_ACK_WAIT", "1s")]);
+    let sub = spawn_client(
+        home.path(),
+        &[
+            "--addr", &addr, "sub", "w", "--ack", "--count", "1", "--work", "2500ms",
+        ],
+    );
+    wait_for_log(&logs, "subscribed");
+    assert_ok(&run_client(
+        home.path(),
+        &["--addr", &addr, "pub", "w", "job"],
+    ));
+    let out = output_within(sub, "the subscriber");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("STALE_ATTEMPT"), "{err}");
+    stop(broker);
+}
+
+/// A subscriber whose broker shuts down says so and fails: it exited 0, as if it had got the
+/// messages it waited for.
+#[test]
+fn sub_fails_when_the_broker_shuts_down() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, logs) = start_broker(home.path());
+    let sub = spawn_client(
+        home.path(),
+        &["--addr", &addr, "sub", "x/#", "--count", "5"],
+    );
+    wait_for_log(&logs, "subscribed");
+    assert_ok(&run_client(
+        home.path(),
+        &["--addr", &addr, "pub", "x/a", "hello"],
+    ));
+    stop(broker);
+    let out = output_within(sub, "the subscriber");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("shutting down") && err.contains("after 1 message(s)"),
+        "{err}"
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("x/a #0"));
+}
+
+/// `pub` without a message publishes each line of standard input as it is read (`tail -f log |
+/// aqueduct pub logs`): it read all of it first, so nothing went out before the input ended.
+#[test]
+fn pub_publishes_each_line_of_its_input_as_it_comes() {
+    use std::io::Write;
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, logs) = start_broker(home.path());
+    let mut sub = spawn_client(
+        home.path(),
+        &["--addr", &addr, "sub", "lines", "--count", "2"],
+    );
+    wait_for_log(&logs, "subscribed");
+    let mut publisher = Command::new(CLIENT)
+        .args(["--addr", &addr, "pub", "lines"])
+        .env("AQUEDUCT_HOME", home.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("aqueduct starts");
+    let mut input = publisher.stdin.take().expect("stdin");
+    input.write_all(b"line-a\n").expect("write");
+    input.flush().expect("flush");
+    // The first line arrives while the input is still open.
+    let mut received = BufReader::new(sub.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = received.read_line(&mut line);
+        let _ = tx.send((line, received));
+    });
+    let (line, mut received) = rx
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("line-a arrives before the input ends");
+    assert!(line.trim_end().ends_with(": line-a"), "{line}");
+    input.write_all(b"line-b\r\n").expect("write");
+    drop(input);
+    assert_ok(&output_within(publisher, "the publisher"));
+    let mut line = String::new();
+    received.read_line(&mut line).expect("line-b");
+    assert!(line.trim_end().ends_with(": line-b"), "{line}");
+    assert_ok(&output_within(sub, "the subscriber"));
+    stop(broker);
+}
+
+/// A subscriber whose standard output and standard error are both gone (`aqueduct sub t 2>&1 |
+/// head -n 1`) stops without a panic: its last words to standard error panicked (exit 101).
+#[test]
+fn a_subscriber_whose_output_and_error_are_closed_stops_without_a_panic() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, logs) = start_broker(home.path());
+    let mut sub = spawn_client(home.path(), &["--addr", &addr, "sub", "gone"]);
+    wait_for_log(&logs, "subscribed");
+    assert_ok(&run_client(
+        home.path(),
+        &["--addr", &addr, "pub", "gone", "first"],
+    ));
+    let mut reader = BufReader::new(sub.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("a line");
+    drop(reader);
+    drop(sub.stderr.take());
+    assert_ok(&run_client(
+        home.path(),
+        &["--addr", &addr, "pub", "gone", "second"],
+    ));
+    let out = output_within(sub, "the subscriber after its outputs closed");
+    assert_eq!(out.status.code(), Some(0), "{:?}", out.status);
+    stop(broker);
+}
+
+/// Flags that cannot mean anything are refused before connecting: `--count 0`, and
+/// `--max-in-flight` on a subscription without acknowledgements (it did nothing).
+#[test]
+fn sub_refuses_flags_that_mean_nothing() {
+    let home = tempfile::tempdir().expect("dir");
+    let out = run_client(home.path(), &["sub", "x", "--count", "0"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = run_client(home.path(), &["sub", "x", "--max-in-flight", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("--max-in-flight goes with --ack"), "{err}");
+}
