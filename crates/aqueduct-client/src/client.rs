@@ -31,6 +31,8 @@ pub(crate) struct Inner {
     next_id: Arc<AtomicU32>,
     /// The default publish stream.
     publisher: Publisher,
+    /// The publish streams [`Client::publisher`] made, for [`Client::close`] to flush.
+    others: std::sync::Mutex<Vec<crate::publisher::WeakPublisher>>,
 }
 
 /// How to publish.
@@ -38,7 +40,7 @@ pub(crate) struct Inner {
 pub struct PublishOptions {
     /// 0 (highest) ..= 3 (lowest); default 2.
     pub priority: Option<Priority>,
-    /// Drop the message if not delivered within this time.
+    /// Drop the message if not delivered within this time (whole milliseconds, rounded up).
     pub ttl: Option<Duration>,
     /// Wait for the broker to assign offsets (returned) or refuse (error).
     pub confirm: bool,
@@ -115,22 +117,89 @@ fn transport(opts: &ConnectOptions) -> quinn::TransportConfig {
     t
 }
 
+/// One QUIC handshake to `addr`, from an endpoint of its own.
+async fn dial(
+    addr: SocketAddr,
+    config: &quinn::ClientConfig,
+    server_name: &str,
+    opts: &ConnectOptions,
+) -> Result<(quinn::Endpoint, quinn::Connection), ConnectError> {
+    let failed = |reason: String| ConnectError::Connect {
+        addr: opts.addr.clone(),
+        reason,
+    };
+    let bind = SocketAddr::new(
+        if addr.is_ipv6() {
+            std::net::Ipv6Addr::UNSPECIFIED.into()
+        } else {
+            std::net::Ipv4Addr::UNSPECIFIED.into()
+        },
+        0,
+    );
+    // The socket is registered for reading only (aqueduct-udp): a send does not wake the
+    // runtime's other thread.
+    let mut endpoint = std::net::UdpSocket::bind(bind)
+        .and_then(|socket| {
+            quinn::Endpoint::new(
+                aqueduct_udp::endpoint_config(opts.max_mtu),
+                None,
+                socket,
+                aqueduct_udp::runtime(),
+            )
+        })
+        .map_err(|e| failed(e.to_string()))?;
+    endpoint.set_default_client_config(config.clone());
+    let connecting = endpoint
+        .connect(addr, server_name)
+        .map_err(|e| failed(e.to_string()))?;
+    match connecting.await {
+        Ok(conn) => Ok((endpoint, conn)),
+        Err(e) => {
+            let mut reason = crate::error::describe_connection_error(&e);
+            if crate::error::is_local_tls_failure(&e) {
+                // Our side refused the broker's certificate: say what was trusted, so a
+                // stale or wrong file is easy to spot.
+                reason = format!("{reason} (trusted: {})", opts.trust.describe());
+            }
+            Err(failed(reason))
+        }
+    }
+}
+
 impl Client {
-    /// Connect and complete the TLS handshake.
+    /// Connect and complete the TLS handshake. Every address the name resolves to is tried at
+    /// once; the first to complete its handshake is used.
     pub async fn connect(opts: ConnectOptions) -> Result<Client, ConnectError> {
         let host = host_of(&opts.addr).to_string();
-        let addr: SocketAddr = opts
+        let mut addrs: Vec<SocketAddr> = Vec::new();
+        for addr in opts
             .addr
             .to_socket_addrs()
             .map_err(|e| ConnectError::Resolve {
                 addr: opts.addr.clone(),
                 reason: e.to_string(),
             })?
-            .next()
-            .ok_or_else(|| ConnectError::Resolve {
+        {
+            if !addrs.contains(&addr) {
+                addrs.push(addr);
+            }
+        }
+        if addrs.is_empty() {
+            return Err(ConnectError::Resolve {
                 addr: opts.addr.clone(),
                 reason: "no address".into(),
-            })?;
+            });
+        }
+        Self::connect_to(&addrs, opts, host).await
+    }
+
+    /// Connect to the first of `addrs` that completes a handshake; `host` names the broker
+    /// (its certificate's name, unless `opts.server_name` says otherwise).
+    async fn connect_to(
+        addrs: &[SocketAddr],
+        opts: ConnectOptions,
+        host: String,
+    ) -> Result<Client, ConnectError> {
         let mut crypto = crate::tls::client_crypto(&opts.trust, &host, opts.client_cert.as_ref())?;
         if let crate::link::Transport::WebTransport { .. } = &opts.transport {
             crypto.alpn_protocols = vec![web_transport_quinn::ALPN.as_bytes().to_vec()];
@@ -140,53 +209,27 @@ impl Client {
             .map_err(|e| ConnectError::Tls(e.to_string()))?;
         let mut config = quinn::ClientConfig::new(Arc::new(quic));
         config.transport_config(Arc::new(transport(&opts)));
-        let bind: SocketAddr = if addr.is_ipv6() {
-            "[::]:0"
-                .parse()
-                .map_err(|_| ConnectError::Tls("bind address".into()))?
-        } else {
-            "0.0.0.0:0"
-                .parse()
-                .map_err(|_| ConnectError::Tls("bind address".into()))?
-        };
-        // The socket is registered for reading only (aqueduct-udp): a send does not wake the
-        // runtime's other thread.
-        let endpoint = std::net::UdpSocket::bind(bind).and_then(|socket| {
-            quinn::Endpoint::new(
-                aqueduct_udp::endpoint_config(opts.max_mtu),
-                None,
-                socket,
-                aqueduct_udp::runtime(),
-            )
-        });
-        let mut endpoint = endpoint.map_err(|e| ConnectError::Connect {
-            addr: opts.addr.clone(),
-            reason: e.to_string(),
-        })?;
-        endpoint.set_default_client_config(config);
         let server_name = opts.server_name.clone().unwrap_or(host);
-        let connecting =
-            endpoint
-                .connect(addr, &server_name)
-                .map_err(|e| ConnectError::Connect {
+        // Every address the name resolves to at once (`localhost` may give ::1 before
+        // 127.0.0.1, and a broker may listen on one of them only): the first handshake to
+        // complete wins, the others are dropped. A handshake to an address where nothing
+        // listens does not fail over UDP, it only times out.
+        let dials = addrs
+            .iter()
+            .map(|&addr| Box::pin(dial(addr, &config, &server_name, &opts)));
+        let (endpoint, conn) = match tokio::time::timeout(
+            opts.timeout,
+            futures_util::future::select_ok(dials),
+        )
+        .await
+        {
+            Ok(Ok((dialed, _rest))) => dialed,
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(ConnectError::Timeout {
                     addr: opts.addr.clone(),
-                    reason: e.to_string(),
-                })?;
-        let conn = match tokio::time::timeout(opts.timeout, connecting).await {
-            Ok(Ok(conn)) => conn,
-            Ok(Err(e)) => {
-                let mut reason = crate::error::describe_connection_error(&e);
-                if crate::error::is_local_tls_failure(&e) {
-                    // Our side refused the broker's certificate: say what was trusted, so a
-                    // stale or wrong file is easy to spot.
-                    reason = format!("{reason} (trusted: {})", opts.trust.describe());
-                }
-                return Err(ConnectError::Connect {
-                    addr: opts.addr.clone(),
-                    reason,
-                });
+                })
             }
-            Err(_) => return Err(ConnectError::Timeout { addr: opts.addr }),
         };
         let conn = match &opts.transport {
             crate::link::Transport::Quic => crate::link::Link::Quic(conn),
@@ -228,6 +271,7 @@ impl Client {
                 publisher: Publisher::new(conn.clone(), next_id.clone()),
                 conn,
                 next_id,
+                others: std::sync::Mutex::default(),
             }),
         })
     }
@@ -288,8 +332,13 @@ impl Client {
     }
 
     /// A new publish stream on this connection (the `publish*` methods use a default one).
+    /// [`close`](Self::close) flushes it too, while it lives.
     pub fn publisher(&self) -> Publisher {
-        Publisher::new(self.inner.conn.clone(), self.inner.next_id.clone())
+        let publisher = Publisher::new(self.inner.conn.clone(), self.inner.next_id.clone());
+        let mut others = self.inner.others.lock().unwrap_or_else(|e| e.into_inner());
+        others.retain(|p| p.upgrade().is_some());
+        others.push(publisher.downgrade());
+        publisher
     }
 
     /// Subscribe to every message matching `filter`.
@@ -504,12 +553,27 @@ impl Client {
         self.inner.conn.closed().await
     }
 
-    /// Flush, close the connection, and wait for the broker to acknowledge the close. The
-    /// connection is closed either way; the result is the flush's: an error says that a publish
-    /// sent without `confirm` was refused, or that what was published may not all have been
-    /// read (as [`flush`](Self::flush)).
+    /// Flush every publish stream (the default one and those of [`publisher`](Self::publisher)
+    /// still alive), close the connection, and wait for the broker to acknowledge the close.
+    /// The connection is closed either way; the result is the flushes': an error says that a
+    /// publish sent without `confirm` was refused, or that what was published may not all have
+    /// been read (as [`flush`](Self::flush); the first such error).
     pub async fn close(&self) -> Result<(), ClientError> {
-        let flushed = self.flush().await;
+        let others: Vec<Publisher> = self
+            .inner
+            .others
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(|p| p.upgrade())
+            .collect();
+        let mut flushed = self.flush().await;
+        for publisher in others {
+            let result = publisher.flush().await;
+            if flushed.is_ok() {
+                flushed = result;
+            }
+        }
         self.inner.conn.close(b"client closed");
         let _ = tokio::time::timeout(Duration::from_secs(2), self.inner.endpoint.wait_idle()).await;
         flushed
@@ -530,6 +594,37 @@ fn durable_said(data: &[u64]) -> Option<bool> {
 #[cfg(test)]
 mod tests {
     use super::durable_said;
+
+    /// Every address a name resolves to is tried at once: one where nothing answers (a UDP
+    /// socket that never replies, as an address the broker does not listen on) does not keep
+    /// the client from the one where the broker is. Only the first was tried, and the
+    /// connect timed out.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connect_tries_every_address() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let cert = dir.path().join("dev-cert.pem");
+        let server =
+            aqueduct_server::Server::bind(aqueduct_server::Config::for_tests(cert.clone()))
+                .await
+                .expect("broker binds");
+        let broker_addr = server.local_addr();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let broker = tokio::spawn(server.serve(async move {
+            let _ = stopped.await;
+        }));
+        let silent = std::net::UdpSocket::bind("127.0.0.1:0").expect("a silent socket");
+        let silent_addr = silent.local_addr().expect("its address");
+        let mut opts = crate::ConnectOptions::new(broker_addr.to_string()).dev_cert_file(&cert);
+        opts.timeout = std::time::Duration::from_secs(5);
+        let client =
+            super::Client::connect_to(&[silent_addr, broker_addr], opts, "localhost".into())
+                .await
+                .expect("connects through the second address");
+        assert_eq!(client.remote_address(), broker_addr);
+        client.close().await.expect("closed");
+        let _ = stop.send(());
+        let _ = broker.await;
+    }
 
     #[test]
     fn a_durable_confirm_says_log_memory_or_nothing() {

@@ -75,6 +75,10 @@ impl ClientError {
 /// code space (protocol.md §12): it is mapped back first.
 pub(crate) fn app_code(code: u64) -> String {
     let code = stream_code(code);
+    if code == 0 {
+        // Not an ERROR code (§9 has none): the broker's plain "no particular error".
+        return "code 0".into();
+    }
     match u16::try_from(code) {
         Ok(c) => ErrorCode(c).to_string(),
         Err(_) => format!("code {code}"),

@@ -139,12 +139,31 @@ pub(crate) fn topic(name: &str) -> Result<TopicName, ClientError> {
     TopicName::try_from(name).map_err(ClientError::invalid("topic name"))
 }
 
+/// A TTL in whole milliseconds, rounded up: at least 1 ms (a TTL of 0 on the wire means none,
+/// protocol.md §3, so a TTL under a millisecond must not become "never expires").
 fn ttl_ms(opts: &PublishOptions) -> Option<u32> {
-    opts.ttl
-        .map(|t| t.as_millis().min(u128::from(u32::MAX)) as u32)
+    opts.ttl.map(|t| {
+        t.as_nanos()
+            .div_ceil(1_000_000)
+            .clamp(1, u128::from(u32::MAX)) as u32
+    })
+}
+
+/// A publisher that does not keep its stream alive ([`Publisher::downgrade`]).
+#[derive(Debug, Clone)]
+pub(crate) struct WeakPublisher(std::sync::Weak<Inner>);
+
+impl WeakPublisher {
+    pub(crate) fn upgrade(&self) -> Option<Publisher> {
+        self.0.upgrade().map(|inner| Publisher { inner })
+    }
 }
 
 impl Publisher {
+    pub(crate) fn downgrade(&self) -> WeakPublisher {
+        WeakPublisher(Arc::downgrade(&self.inner))
+    }
+
     pub(crate) fn new(conn: Arc<crate::link::Link>, next_id: Arc<AtomicU32>) -> Publisher {
         Publisher {
             inner: Arc::new(Inner {
@@ -253,17 +272,27 @@ impl Publisher {
             if let Err(e) = stream.send.write_queued().await {
                 // The stream is broken: the next publish opens another, and the next flush
                 // says that what went out on this one may not have been read.
-                lock(&self.inner.lost).get_or_insert(e.clone());
-                *guard = None;
+                let broken = guard.take();
                 drop(guard);
                 // The broker usually said why before it stopped reading (FRAME_TOO_LARGE for
-                // this very frame): its answer beats the bare write error.
+                // this very frame, or an earlier one): its answer beats the bare write error
+                // ("stopped reading the stream"). It comes as this frame's answer, or, for a
+                // frame sent without `confirm`, as how the stream ended.
+                let mut why = None;
                 if let Some(rx) = rx {
-                    if let Ok(Ok(Err(why))) = tokio::time::timeout(REASON_WAIT, rx).await {
-                        return Err(why);
+                    if let Ok(Ok(Err(answer))) = tokio::time::timeout(REASON_WAIT, rx).await {
+                        why = Some(answer);
                     }
                 }
-                return Err(e);
+                if let (None, Some(broken)) = (&why, broken) {
+                    why = match tokio::time::timeout(REASON_WAIT, broken.done).await {
+                        Ok(Ok(Err(end))) => Some(end),
+                        _ => lock(&broken.fatal).clone(),
+                    };
+                }
+                let why = why.unwrap_or(e);
+                lock(&self.inner.lost).get_or_insert(why.clone());
+                return Err(why);
             }
             rx
         };
@@ -435,19 +464,23 @@ async fn replies(
                         e.code, e.reason
                     )));
                 }
-                match take(frame.stream_id) {
-                    Some(tx) => {
-                        let _ = tx.send(Err(ClientError::Broker {
+                // A refusal nobody waits for (sent without `confirm`, or its confirmed publish
+                // was cancelled after its frame was queued: it was still sent) is the stream's
+                // to report, at the next flush.
+                let unclaimed = match take(frame.stream_id) {
+                    Some(tx) => tx
+                        .send(Err(ClientError::Broker {
                             code: e.code,
-                            reason: e.reason,
-                        }));
-                    }
-                    None => {
-                        debug!(code = %e.code, reason = %e.reason, "broker refused a publish");
-                        match &mut refused {
-                            Some((_, n)) => *n += 1,
-                            None => refused = Some((e, 1)),
-                        }
+                            reason: e.reason.clone(),
+                        }))
+                        .is_err(),
+                    None => true,
+                };
+                if unclaimed {
+                    debug!(code = %e.code, reason = %e.reason, "broker refused a publish");
+                    match &mut refused {
+                        Some((_, n)) => *n += 1,
+                        None => refused = Some((e, 1)),
                     }
                 }
             }
@@ -498,6 +531,24 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), fut)
             .await
             .expect("in time")
+    }
+
+    /// A TTL is rounded up to whole milliseconds, at least 1: a TTL of 0 on the wire means
+    /// none, so 500 µs became "never expires".
+    #[test]
+    fn a_ttl_rounds_up_to_a_millisecond() {
+        let ttl = |t: Duration| {
+            ttl_ms(&PublishOptions {
+                ttl: Some(t),
+                ..PublishOptions::default()
+            })
+        };
+        assert_eq!(ttl(Duration::from_micros(500)), Some(1));
+        assert_eq!(ttl(Duration::ZERO), Some(1));
+        assert_eq!(ttl(Duration::from_micros(1500)), Some(2));
+        assert_eq!(ttl(Duration::from_secs(2)), Some(2000));
+        assert_eq!(ttl(Duration::from_secs(u64::MAX)), Some(u32::MAX));
+        assert_eq!(ttl_ms(&PublishOptions::default()), None);
     }
 
     /// A stream whose end has been read is taken out of its slot, so that nothing awaits that

@@ -556,6 +556,53 @@ async fn reject_mode_answers_rate_limited_and_overrides_apply_at_once() {
     s.b.stop().await.expect("clean shutdown");
 }
 
+/// A quota that refuses every publish (rate 1, burst 1, reject) after the first.
+async fn refusing_setup() -> Setup {
+    Setup::start(
+        "all",
+        &[],
+        QuotasSection {
+            default_publish_rate: 1,
+            default_burst_size: 1,
+            action: "reject".into(),
+            ..QuotasSection::default()
+        },
+    )
+    .await
+}
+
+/// A confirmed publish whose caller stopped waiting (a timeout) after its frame was queued is
+/// still sent, and its refusal is the stream's to report: the next flush says so. It was lost
+/// (its waiter was gone), and the flush said everything was taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_refusal_of_a_cancelled_confirmed_publish_is_reported_by_flush() {
+    let s = refusing_setup().await;
+    let c = s.client(Some("svc")).await;
+    c.publish_with("r", "x", &CONFIRM)
+        .await
+        .expect("within the burst");
+    // Polled once (the frame is queued and written), then dropped.
+    let _ = tokio::time::timeout(Duration::ZERO, c.publish_with("r", "y", &CONFIRM)).await;
+    let e = within("flush", c.flush()).await.expect_err("refused");
+    assert_eq!(e.code(), Some(ErrorCode::RATE_LIMITED), "{e}");
+    s.b.stop().await.expect("clean shutdown");
+}
+
+/// `Client::close` flushes the publish streams of `Client::publisher` too: a refusal there is
+/// its error. It flushed the default stream only, and closed the connection under the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_flushes_every_publisher_of_the_client() {
+    let s = refusing_setup().await;
+    let c = s.client(Some("svc")).await;
+    let p = c.publisher();
+    for _ in 0..3 {
+        p.publish("r", "x").await.expect("sent");
+    }
+    let e = within("close", c.close()).await.expect_err("refused");
+    assert_eq!(e.code(), Some(ErrorCode::RATE_LIMITED), "{e}");
+    s.b.stop().await.expect("clean shutdown");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_throttled_client_speeds_up_when_its_quota_is_raised() {
     let s = Setup::start(

@@ -722,6 +722,30 @@ async fn a_publish_after_a_stream_fatal_error_uses_a_new_stream() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// A publish without `confirm` that finds its stream stopped by the broker (an earlier frame
+/// above `transport.max_buf_size`) reports the broker's reason, FRAME_TOO_LARGE, and so does
+/// the flush after it. It said only "the broker stopped reading the stream with ErrorCode(0)".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_on_a_stopped_stream_says_why_the_broker_stopped_it() {
+    let b = TestBroker::start_with(|c| c.transport.max_frame_data = 1024).await;
+    let client = b.client().await;
+    // More than the stream's window in all: a write blocks until the broker's STOP_SENDING
+    // fails it (smaller frames are all sent before it comes; the next publish then sees the
+    // ERROR first and goes on on a new stream).
+    let mut refused = None;
+    for _ in 0..300 {
+        if let Err(e) = client.publish("big", vec![b'z'; 70_000]).await {
+            refused = Some(e);
+            break;
+        }
+    }
+    let e = refused.expect("a publish on the stopped stream fails");
+    assert!(e.to_string().contains("FRAME_TOO_LARGE"), "{e}");
+    let lost = within("flush", client.flush()).await.expect_err("reported");
+    assert!(lost.to_string().contains("FRAME_TOO_LARGE"), "{lost}");
+    b.stop().await.expect("clean shutdown");
+}
+
 /// A flush (and `close`, which flushes) after an earlier stream was cut short still finishes
 /// the current stream and waits for the broker to have read it, then reports the earlier loss.
 /// Before, it reported the loss at once, and `close` then closed the connection under
