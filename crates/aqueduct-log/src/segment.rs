@@ -311,6 +311,29 @@ pub(crate) fn open_header(
 
 /// Load a segment: from its index file if that is valid for the segment as it is on disk,
 /// else by reading it through (see [`scan`]). Returns whether the index was rebuilt.
+/// The segment's index file, if it is whole, authentic (with a key, its MAC) and covers the
+/// segment's `file_len` bytes: an open then reads only it, and trusts every batch it lists.
+pub(crate) fn valid_index(
+    dir: &Path,
+    header: &SegmentHeader,
+    cipher: Option<&SegmentCipher>,
+    file_len: u64,
+) -> Option<IndexFile> {
+    let bytes = std::fs::read(index_path(dir, header.id)).ok()?;
+    // With a key, an index must carry a valid MAC; one that does not is read through instead
+    // (the batches themselves are authenticated).
+    let body = match cipher {
+        Some(c) => bytes
+            .split_last_chunk::<{ crate::crypto::INDEX_MAC_LEN }>()
+            .filter(|(body, mac)| c.verify_index_mac(body, &mac[..]))
+            .map(|(body, _)| body)?,
+        None => &bytes[..],
+    };
+    IndexFile::decode(body)
+        .ok()
+        .filter(|idx| idx.segment_id == header.id && idx.covered_len == file_len)
+}
+
 pub(crate) fn load(
     dir: &Path,
     path: &Path,
@@ -324,29 +347,16 @@ pub(crate) fn load(
         .metadata()
         .map_err(|e| LogError::io("reading the size of segment", path, e))?
         .len();
-    if let Ok(bytes) = std::fs::read(index_path(dir, header.id)) {
-        // With a key, an index must carry a valid MAC; one that does not is read through
-        // instead (the batches themselves are authenticated).
-        let body = match &cipher {
-            Some(c) => bytes
-                .split_last_chunk::<{ crate::crypto::INDEX_MAC_LEN }>()
-                .filter(|(body, mac)| c.verify_index_mac(body, &mac[..]))
-                .map(|(body, _)| body),
-            None => Some(&bytes[..]),
-        };
-        if let Some(idx) = body.and_then(|b| IndexFile::decode(b).ok()) {
-            if idx.segment_id == header.id && idx.covered_len == file_len {
-                let segment = Segment::from_index(dir, &header, cipher, idx);
-                return Ok((
-                    Scanned {
-                        segment,
-                        torn_bytes: 0,
-                        degraded: Vec::new(),
-                    },
-                    false,
-                ));
-            }
-        }
+    if let Some(idx) = valid_index(dir, &header, cipher.as_deref(), file_len) {
+        let segment = Segment::from_index(dir, &header, cipher, idx);
+        return Ok((
+            Scanned {
+                segment,
+                torn_bytes: 0,
+                degraded: Vec::new(),
+            },
+            false,
+        ));
     }
     let scanned = scan(dir, &file, file_len, &header, cipher, last, &mut |_| {})?;
     Ok((scanned, true))
@@ -514,6 +524,10 @@ const RESYNC_CHUNK: usize = 1 << 20;
 /// at most as many more as the rest of the file could hold frames (a damaged region may swallow
 /// any number of them). A candidate must have a plausible length and batch number before its CRC
 /// is computed, so the search costs little more than reading the bytes.
+/// Batch numbers failed writes may have used up between two written batches, as far as
+/// [`resync`] looks.
+const BURNED_BATCHES: u64 = 1 << 32;
+
 fn resync(
     file: &File,
     from: u64,
@@ -536,8 +550,12 @@ fn resync(
             let mut b = [0u8; 8];
             b.copy_from_slice(&w[8..16]);
             let batch = u64::from_le_bytes(b);
-            let most =
-                next_batch.saturating_add((file_len - from) / (FRAME_PREFIX + BODY_HEADER) as u64);
+            // At most one batch per smallest frame left, plus the numbers failed writes used up
+            // (a disk-full episode burns one per refused write; any number fits, while a random
+            // u64 falls in the window once in four billion, before its CRC is even computed).
+            let most = next_batch
+                .saturating_add((file_len - from) / (FRAME_PREFIX + BODY_HEADER) as u64)
+                .saturating_add(BURNED_BATCHES);
             if batch < next_batch || batch > most {
                 continue;
             }

@@ -769,6 +769,73 @@ fn fsync_never_still_syncs_within_the_crash_gap() -> R {
     Ok(())
 }
 
+/// Batch numbers used up by failed writes (a full disk) leave a gap; damage before the gap
+/// must not make recovery take what follows it for a torn tail. The search for the next whole
+/// frame looked only a little past the expected number, missed the batches after the gap, and
+/// cut them: confirmed messages deleted.
+#[test]
+fn damage_before_a_gap_in_batch_numbers_is_not_a_torn_tail() -> R {
+    use aqueduct_log::format::finish_frame;
+    let tmp = tempfile::tempdir()?;
+    let (mut log, _) = Log::open(tmp.path(), opts(None))?;
+    for offset in 0..8 {
+        log.append(&[entry(offset, b"payload-of-some-length")], 0)?;
+    }
+    log.commit()?;
+    drop(log); // a crash: the segment stays the newest, read through at the next open
+    let seg = segments(tmp.path()).pop().ok_or("a segment")?;
+    let mut b = std::fs::read(&seg)?;
+    let frames = frames(&b);
+    assert_eq!(frames.len(), 8);
+    // Batches 6 and 7 become 40 and 41, as if 34 writes had failed between them and batch 5.
+    for (k, &(pos, len)) in frames[6..].iter().enumerate() {
+        let body = pos + FRAME_PREFIX;
+        b[body..body + 8].copy_from_slice(&(40 + k as u64).to_le_bytes());
+        finish_frame(&mut b[pos..pos + len], 0);
+    }
+    // Damage inside batch 5's body (its length intact).
+    let (pos5, len5) = frames[5];
+    b[pos5 + len5 - 2] ^= 0xFF;
+    std::fs::write(&seg, &b)?;
+    let _ = std::fs::remove_file(seg.with_extension("idx"));
+    let (log, rec) = Log::open(tmp.path(), opts(None))?;
+    assert_eq!(rec.truncated_bytes, 0, "nothing cut");
+    assert_eq!(rec.damaged_batches, 1);
+    let got = offsets(&read_all(&log, "t", 0)?);
+    assert_eq!(got, [0, 1, 2, 3, 4, 6, 7]);
+    Ok(())
+}
+
+/// `verify` calls a bad end of the newest segment damage, not a torn tail, when an index covers
+/// it (a clean close): the broker trusts that index and cuts nothing, and readers skip the
+/// batch. It said "torn tail … the broker cuts them" and exited 0.
+#[test]
+fn verify_calls_a_bad_indexed_end_damage() -> R {
+    let tmp = tempfile::tempdir()?;
+    let (mut log, _) = Log::open(tmp.path(), opts(Some(key(4))))?;
+    for offset in 0..3 {
+        log.append(&[entry(offset, b"confirmed")], 0)?;
+    }
+    log.close()?;
+    let seg = segments(tmp.path()).pop().ok_or("a segment")?;
+    let mut b = std::fs::read(&seg)?;
+    let last = b.len() - 3;
+    b[last] ^= 0xFF;
+    std::fs::write(&seg, &b)?;
+    let report = verify(tmp.path(), &[key(4)], &mut |_, _| {})?;
+    assert_eq!(report.torn_tail, 0);
+    assert_eq!(report.damage.len(), 1, "{report:?}");
+    assert!(!report.is_ok());
+    // Without its index the next start cuts it: then it is a torn tail.
+    std::fs::remove_file(seg.with_extension("idx"))?;
+    let report = verify(tmp.path(), &[key(4)], &mut |_, _| {})?;
+    assert!(
+        report.torn_tail > 0 && report.damage.is_empty(),
+        "{report:?}"
+    );
+    Ok(())
+}
+
 #[test]
 fn nonces_never_repeat_across_reopen_and_rotation() -> R {
     let tmp = tempfile::tempdir()?;
