@@ -556,17 +556,13 @@ async fn reject_mode_answers_rate_limited_and_overrides_apply_at_once() {
     s.b.stop().await.expect("clean shutdown");
 }
 
-/// A quota that refuses every publish (rate 1, burst 1, reject) after the first.
+/// An ACL under which client `svc` may publish to `ok` only: a publish to `r` is refused with
+/// NOT_AUTHORIZED, whenever it comes (a quota's refusals depend on the clock).
 async fn refusing_setup() -> Setup {
     Setup::start(
-        "all",
-        &[],
-        QuotasSection {
-            default_publish_rate: 1,
-            default_burst_size: 1,
-            action: "reject".into(),
-            ..QuotasSection::default()
-        },
+        "none",
+        &[("svc", "ok", "publish")],
+        QuotasSection::default(),
     )
     .await
 }
@@ -578,13 +574,12 @@ async fn refusing_setup() -> Setup {
 async fn the_refusal_of_a_cancelled_confirmed_publish_is_reported_by_flush() {
     let s = refusing_setup().await;
     let c = s.client(Some("svc")).await;
-    c.publish_with("r", "x", &CONFIRM)
-        .await
-        .expect("within the burst");
+    c.publish_with("ok", "x", &CONFIRM).await.expect("allowed");
     // Polled once (the frame is queued and written), then dropped.
-    let _ = tokio::time::timeout(Duration::ZERO, c.publish_with("r", "y", &CONFIRM)).await;
+    let cancelled = tokio::time::timeout(Duration::ZERO, c.publish_with("r", "y", &CONFIRM)).await;
+    assert!(cancelled.is_err(), "cancelled while waiting for its answer");
     let e = within("flush", c.flush()).await.expect_err("refused");
-    assert_eq!(e.code(), Some(ErrorCode::RATE_LIMITED), "{e}");
+    assert_eq!(e.code(), Some(ErrorCode::NOT_AUTHORIZED), "{e}");
     s.b.stop().await.expect("clean shutdown");
 }
 
@@ -595,11 +590,9 @@ async fn close_flushes_every_publisher_of_the_client() {
     let s = refusing_setup().await;
     let c = s.client(Some("svc")).await;
     let p = c.publisher();
-    for _ in 0..3 {
-        p.publish("r", "x").await.expect("sent");
-    }
+    p.publish("r", "x").await.expect("sent");
     let e = within("close", c.close()).await.expect_err("refused");
-    assert_eq!(e.code(), Some(ErrorCode::RATE_LIMITED), "{e}");
+    assert_eq!(e.code(), Some(ErrorCode::NOT_AUTHORIZED), "{e}");
     s.b.stop().await.expect("clean shutdown");
 }
 
