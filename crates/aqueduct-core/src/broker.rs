@@ -1125,9 +1125,16 @@ impl Broker {
                 .add(&evicted);
             (removed, topics.len())
         };
-        // The groups' watermarks of those topics go too (each group's lock on its own).
+        // The groups' watermarks of those topics go too (each group's lock on its own), the
+        // durable (unrouted) groups' as well: their hand-overs and redeliveries note them.
         if !removed.is_empty() {
-            for g in self.groups() {
+            let unrouted: Vec<Arc<GroupShared>> = self
+                .read_routes()
+                .unrouted_groups
+                .iter()
+                .map(|g| g.shared.clone())
+                .collect();
+            for g in self.groups().into_iter().chain(unrouted) {
                 g.forget_settled(&removed);
             }
         }

@@ -1619,6 +1619,47 @@ fn an_unrouted_subscriber_gets_only_what_is_fed_with_its_offsets() {
     assert_eq!(b.subscriber_count(), 0);
 }
 
+/// A durable (unrouted) group's note of a topic's settled offsets goes when the topic is
+/// evicted, as a routed group's does: the sweep looked at routed groups only, so a long-lived
+/// durable group kept an entry for every topic it ever had a hand-over or redelivery in.
+#[test]
+fn an_unrouted_group_forgets_evicted_topics() {
+    let b = Broker::new(BrokerConfig::default());
+    let group = spec("topic:jobs/+:group:g:durable:g:earliest");
+    let opts = || SubscribeOptions {
+        ack_mode: AckMode::Explicit,
+        ..SubscribeOptions::default()
+    };
+    let m1 = b.subscribe_unrouted(&group, opts());
+    let m2 = b.subscribe_unrouted(&group, opts());
+    let shared = m1.group().cloned().expect("a group");
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    publish(&b, &mut ctx, "jobs/x", "live", now); // the topic's state
+    let topic = t("jobs/x");
+    assert!(b.feed(
+        &mut ctx,
+        &m1,
+        &topic,
+        0,
+        &Publication::new(&topic, b"x"),
+        Duration::ZERO,
+        now
+    ));
+    assert_eq!(drain_all(&b, &m1, now).len(), 1);
+    b.unsubscribe(&mut ctx, &m1, now); // handed to m2
+    let got = drain_all(&b, &m2, now);
+    assert_eq!(got.len(), 1);
+    b.ack(&m2, Some(&topic), got[0].offset, None).expect("ack");
+    assert!(!shared.committed_offsets().is_empty(), "noted");
+    drop(ctx);
+    for _ in 0..2 {
+        b.sweep_idle_topics();
+    }
+    assert!(b.topic(&topic).is_none(), "evicted");
+    assert_eq!(shared.committed_offsets(), vec![]);
+}
+
 #[test]
 fn an_unrouted_group_hands_a_leaving_members_messages_to_the_others() {
     let b = Broker::new(BrokerConfig::default());

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use aqueduct_core::group::GroupShared;
 use aqueduct_core::moves::Moves;
-use aqueduct_core::{matching, Broker, Publication, PublishContext, Subscriber};
+use aqueduct_core::{matching, Broker, Publication, PublishContext, Subscriber, SubscriberId};
 use aqueduct_log::{ConsumerPosition, LogError, PositionStore, Positions};
 use aqueduct_proto::delivery::DeadLetter;
 use aqueduct_proto::{DurableStart, TopicFilter, TopicName};
@@ -128,6 +128,13 @@ enum Feeder {
 }
 
 impl Live {
+    /// Whether `sub` is one of its subscriptions. The stream layer names a consumer by key,
+    /// read before it takes the table's lock: meanwhile that subscription may have ended and
+    /// another claimed the id. What is asked of the one that ended must not reach the new one.
+    fn holds(&self, sub: SubscriberId) -> bool {
+        self.members.iter().any(|m| m.id() == sub)
+    }
+
     /// Stop the feeder: nothing is queued after this returns.
     fn stop_feeder(&mut self) {
         lock(&self.fed).stopped = true;
@@ -160,13 +167,12 @@ impl Table {
                 .count()
     }
 
-    /// Store `position` for `key` (its last subscription ended) — unless it says nothing and
-    /// nothing was stored before (a subscription taken back before it read anything must not
-    /// make the consumer "resumed").
+    /// Store `position` for `key` (its last subscription ended), also an empty one: a consumer
+    /// whose feeder ran has started, matching topics or not, and topics that appear while it is
+    /// away are then read from their first message. (A subscription taken back before its
+    /// feeder ran never gets here: `keep_unless_unfed`.) An empty position was dropped, and a
+    /// `latest` consumer coming back counted as new: it skipped what came while it was away.
     fn keep(&mut self, key: &str, position: ConsumerPosition) {
-        if position.next.is_empty() && !self.stored.contains_key(key) {
-            return;
-        }
         self.stored.insert(key.to_string(), position);
         self.changes += 1;
         self.idle_since.insert(key.to_string(), Instant::now());
@@ -480,7 +486,10 @@ impl Consumers {
     /// other members, or parks them in the group when it was the last.
     pub fn end(&self, key: &str, sub: &Subscriber) {
         let mut t = lock(&self.table);
-        let single = t.live.get(key).is_some_and(|live| live.group.is_none());
+        let single = t
+            .live
+            .get(key)
+            .is_some_and(|live| live.group.is_none() && live.holds(sub.id()));
         if !single {
             return;
         }
@@ -488,7 +497,6 @@ impl Consumers {
             t.changes += 1;
             t.keep_unless_unfed(key, &mut live);
         }
-        let _ = sub;
     }
 
     /// `sub` is gone from the broker (after [`end`](Self::end)). A durable group whose last
@@ -521,7 +529,7 @@ impl Consumers {
     pub fn rewind(&self, key: &str, sub: &Subscriber) {
         let mut t = lock(&self.table);
         if let Some(live) = t.live.get_mut(key) {
-            if live.group.is_some() {
+            if live.group.is_some() || !live.holds(sub.id()) {
                 return;
             }
             live.stop_feeder();
@@ -543,9 +551,9 @@ impl Consumers {
 
     /// A consumer's client finished its stream without acknowledging (written is settled): no
     /// more messages for it; what is queued is still written.
-    pub fn pause(&self, key: &str) {
+    pub fn pause(&self, key: &str, sub: SubscriberId) {
         if let Some(live) = lock(&self.table).live.get_mut(key) {
-            if live.group.is_none() {
+            if live.group.is_none() && live.holds(sub) {
                 live.stop_feeder();
             }
         }
@@ -1934,6 +1942,37 @@ mod tests {
             consumers.end("consumer:c", &claim.sub);
             broker.unsubscribe(&mut ctx, &claim.sub, now);
         }
+    }
+
+    /// What the stream layer asks for a subscription that ended (rewind, pause, end) does not
+    /// reach another subscription that has claimed the consumer id since: it stopped the new
+    /// one's feeder (a live subscription that got nothing more), or kept its position.
+    #[tokio::test]
+    async fn a_consumer_id_claimed_again_is_not_stopped_for_the_one_that_ended() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let consumers = Consumers::open(dir.path(), ConsumerLimits::default()).expect("open");
+        let broker = Broker::new(BrokerConfig::default());
+        let old = claim_acked(&consumers, &broker);
+        consumers.start_feeder("consumer:c", &old.fed, async {});
+        consumers.end("consumer:c", &old.sub);
+        let new = claim_acked(&consumers, &broker);
+        let (_keep, running) = tokio::sync::oneshot::channel::<()>();
+        consumers.start_feeder("consumer:c", &new.fed, async move {
+            let _ = running.await;
+        });
+        let feeding = |c: &Consumers| {
+            matches!(
+                lock(&c.table).live.get("consumer:c").map(|l| &l.feeder),
+                Some(Feeder::Running(_))
+            )
+        };
+        assert!(feeding(&consumers));
+        consumers.rewind("consumer:c", &old.sub);
+        consumers.pause("consumer:c", old.sub.id());
+        consumers.end("consumer:c", &old.sub);
+        assert!(feeding(&consumers), "the new claim's feeder runs on");
+        consumers.pause("consumer:c", new.sub.id());
+        assert!(!feeding(&consumers), "its own pause stops it");
     }
 
     /// The positions kept are bounded: a new consumer id beyond `max` is refused while known

@@ -998,6 +998,78 @@ async fn a_latest_consumer_starts_at_its_subscribe() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// A `latest` consumer whose filter matched no topic yet has still started: back after a
+/// topic appeared, it reads that topic from its first message (protocol.md 7.1). Its empty
+/// position was not kept, so it came back as a new consumer, at latest, and skipped what was
+/// published while it was away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latest_consumer_back_reads_the_topics_that_appeared_while_it_was_away() {
+    use aqueduct_client::DurableStart;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = durable_broker(dir.path()).await;
+    let client = b.client().await;
+    let sub = client
+        .subscribe_with("lat/#", &durable_opts("away", DurableStart::Latest))
+        .await
+        .expect("subscribe");
+    leave(&b, sub, &client).await;
+    let publisher = b.client().await;
+    publish_n(&publisher, "lat/a", 0..2).await;
+    let client = b.client().await;
+    let mut sub = client
+        .subscribe_with("lat/#", &durable_opts("away", DurableStart::Latest))
+        .await
+        .expect("subscribe again");
+    assert_eq!(take_acked(&mut sub, 2).await, expect(0..2));
+    leave(&b, sub, &client).await;
+    publisher
+        .close()
+        .await
+        .expect("close: everything published was taken");
+    b.stop().await.expect("clean shutdown");
+}
+
+/// A refused SUBSCRIBE changes nothing (protocol.md 7.1), also when it would have been the
+/// first member of a new durable group: the group's `latest` positions, taken when the
+/// SUBSCRIBE was handled, were stored as it was taken back, and the group's real first
+/// SUBSCRIBE then "resumed" from them, skipping what it asked for (`earliest`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_first_member_leaves_no_position_for_its_group() {
+    use aqueduct_client::DurableStart;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = durable_broker(dir.path()).await;
+    let publisher = b.client().await;
+    publish_n(&publisher, "g/a", 0..1).await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut s = raw.stream().await;
+    s.write(&raw_frame(0x42, 1, b"\x00\x00topic:other")).await;
+    s.write(&raw_frame(
+        0x42,
+        1,
+        b"\x00\x00topic:g/#:group:wg:durable:wg:latest",
+    ))
+    .await;
+    let refused = within("the refusal", s.read_frame())
+        .await
+        .expect("a frame");
+    assert_eq!(
+        error_code(&refused),
+        aqueduct_client::ErrorCode::BAD_SUBSCRIBE
+    );
+    let client = b.client().await;
+    let mut sub = client
+        .subscribe_with("g/#", &group_opts("wg", DurableStart::Earliest))
+        .await
+        .expect("subscribe");
+    assert_eq!(take_acked(&mut sub, 1).await, expect(0..1));
+    leave(&b, sub, &client).await;
+    publisher
+        .close()
+        .await
+        .expect("close: everything published was taken");
+    b.stop().await.expect("clean shutdown");
+}
+
 /// Retention forgets the topics it empties that nothing holds, so that a broker with the log
 /// does not keep every topic name it ever logged: one published to again goes on past every
 /// offset it had (the log's offset floor), also after a restart. A topic the broker holds (it

@@ -418,8 +418,8 @@ pub(crate) async fn serve<S: SendHalf + 'static, R: RecvHalf>(
                 stop_routing(&shared, &out);
                 // Durable consumers without ACKs get nothing new either: their feeders stop.
                 if let Some(consumers) = &shared.consumers {
-                    for key in lock(&out.durables).values() {
-                        consumers.pause(key);
+                    for (sub, key) in lock(&out.durables).iter() {
+                        consumers.pause(key, *sub);
                     }
                 }
                 let _ = out.finished_at.set(Instant::now());
@@ -974,11 +974,15 @@ impl Reader<'_> {
                     }
                 };
                 if let Some(why) = refused {
-                    // A durable subscription made for nothing is taken back. If it was the first
-                    // of a group, members that joined meanwhile still need the feeder.
+                    // A durable subscription made for nothing is taken back (a refused SUBSCRIBE
+                    // changes nothing: a group it was alone in ends unfed, nothing stored). If it
+                    // was the first of a group, members that joined meanwhile still need the
+                    // feeder: started after, it runs only if the group still lives.
                     if let (Some(claim), Some((consumers, key, start)), Some(d)) =
                         (&claimed, &durable_consumer, &self.shared.durable)
                     {
+                        lock(&self.out.durables).remove(&claim.sub.id());
+                        unsubscribe(self.shared, &mut self.ctx, &claim.sub, Some(key), now);
                         if claim.first {
                             if let Some(g) = claim.sub.group() {
                                 consumers.start_feeder(
@@ -998,8 +1002,6 @@ impl Reader<'_> {
                                 );
                             }
                         }
-                        lock(&self.out.durables).remove(&claim.sub.id());
-                        unsubscribe(self.shared, &mut self.ctx, &claim.sub, Some(key), now);
                     }
                     return self.send_error(stream_id, ErrorCode::BAD_SUBSCRIBE, why);
                 }
