@@ -616,5 +616,23 @@ fn a_certificate_revoked_with_the_cli_is_shut_out_on_sighup() {
     assert_ok(&run_as("bob", &["pub", "t", "x", "--confirm"]));
     let out = run_as("alice", &["pub", "t", "x", "--confirm"]);
     assert!(!out.status.success(), "alice is refused from now on");
+    // A new path for the lists takes a restart: the reload says so (it re-read the old path
+    // without a word, and a file added to a broker started without one was ignored).
+    let moved = h.join("moved-crl.pem");
+    std::fs::copy(file("crl.pem"), &moved).expect("copy");
+    std::fs::write(
+        &config_file,
+        format!(
+            "tls:\n  require_client_cert: true\n  client_ca_file: {}\n  crl_file: {}\n",
+            file("ca.pem"),
+            moved.display()
+        ),
+    )
+    .expect("config");
+    let _ = Command::new("kill")
+        .args(["-HUP", &broker.id().to_string()])
+        .status();
+    let line = log_line(&logs, "tls.crl_file changed");
+    assert!(line.contains("takes a restart"), "{line}");
     stop(broker);
 }

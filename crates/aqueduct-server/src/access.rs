@@ -390,6 +390,38 @@ pub struct Access {
     persist: Mutex<()>,
     /// Changes applied (API calls and reloads).
     pub changes: AtomicU64,
+    /// The state file's lock (`<file>.lock`, an advisory `flock`), held while the broker runs:
+    /// two brokers writing one state file would each lose the other's changes at a restart.
+    _lock: Option<std::fs::File>,
+}
+
+/// Take the state file's lock for as long as the broker runs, or say which key to change.
+fn lock_state_file(path: &Path) -> Result<std::fs::File, StateError> {
+    let lock = path.with_extension("json.lock");
+    let io = |e: std::io::Error| StateError::Io {
+        path: path.to_path_buf(),
+        problem: format!("{e} (its lock {})", lock.display()),
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock)
+        .map_err(io)?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StateError::Io {
+            path: path.to_path_buf(),
+            problem: "in use by another broker with the admin API on (each would lose the \
+                      other's changes at its next start): give each broker its own \
+                      admin.state_file (AQUEDUCT_ADMIN_STATE_FILE)"
+                .into(),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(io(e)),
+    }
 }
 
 impl Access {
@@ -399,6 +431,7 @@ impl Access {
         let mut acl = config.acl.clone();
         let mut quotas = config.quotas.clone();
         let mut config_won = false;
+        let lock = state_file.as_deref().map(lock_state_file).transpose()?;
         if let Some(path) = &state_file {
             match read_state(path)? {
                 Some(state)
@@ -435,6 +468,7 @@ impl Access {
             fingerprint: Mutex::new(config.fingerprint.clone()),
             persist: Mutex::new(()),
             changes: AtomicU64::new(0),
+            _lock: lock,
         };
         if config_won {
             // Otherwise reverting the config file later would bring the old changes back.
@@ -683,6 +717,11 @@ mod tests {
                 .insert("b".into(), QuotaSpec { rate: 5, burst: 2 });
         });
         access.changed().expect("persist");
+        // A second broker on the same state file is refused (each would lose the other's
+        // changes), naming the key.
+        let e = Access::start(&config, Some(path.clone())).expect_err("in use");
+        assert!(e.to_string().contains("admin.state_file"), "{e}");
+        drop(access);
         // Same config: the API's changes are back.
         let again = Access::start(&config, Some(path.clone())).expect("restart");
         assert_eq!(again.acl.policy().rules.len(), 2);
@@ -690,16 +729,19 @@ mod tests {
             again.quotas.policy().spec_for("b"),
             QuotaSpec { rate: 5, burst: 2 }
         );
+        drop(again);
         // Edited config: it wins.
         let (acl2, q2) = sections(&[("c", "z", "all")]);
         let edited = validate(&acl2, &q2).expect("valid");
         let fresh = Access::start(&edited, Some(path.clone())).expect("restart");
         assert_eq!(fresh.acl.policy().rules, edited.acl.rules);
+        drop(fresh);
         // Reverting the config file does not bring the dropped API changes back.
         let reverted = Access::start(&config, Some(path.clone())).expect("restart");
         assert_eq!(reverted.acl.policy().rules, config.acl.rules);
         // A reload rewrites the state file for the new sections.
-        fresh.reload(&edited).expect("reload");
+        reverted.reload(&edited).expect("reload");
+        drop(reverted);
         let after = Access::start(&edited, Some(path)).expect("restart");
         assert_eq!(after.acl.policy().rules, edited.acl.rules);
     }
@@ -721,12 +763,14 @@ mod tests {
                 .push(AclRule::parse("b", "y", "publish").expect("rule"))
         });
         access.changed().expect("persist");
+        drop(access);
         acl.enabled = true;
         let on = validate(&acl, &q).expect("valid");
         let restarted = Access::start(&on, Some(path.clone())).expect("restart");
         let policy = restarted.acl.policy();
         assert!(policy.enabled);
         assert_eq!(policy.rules.len(), 2, "the staged rule is kept");
+        drop(restarted);
         // A state file of before, whose fingerprint counted `enabled`.
         let mut state: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("json");

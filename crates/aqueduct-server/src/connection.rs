@@ -574,8 +574,8 @@ fn refuse_unnamed_certificate(conn: &quinn::Connection) -> bool {
 
 /// Why a client certificate without a readable Common Name is refused.
 pub(crate) const UNNAMED_CERTIFICATE: &str = "the client certificate has no Common Name (CN) \
-     the broker can read (a UTF8String, PrintableString or IA5String): the CN names the client \
-     for ACL rules and quotas (`aqueduct cert client NAME` makes one)";
+     the broker can read (exactly one, a UTF8String, PrintableString or IA5String): the CN \
+     names the client for ACL rules and quotas (`aqueduct cert client NAME` makes one)";
 
 /// Close a connection that may not be served (NOT_AUTHORIZED), saying why.
 fn refuse(conn: &quinn::Connection, why: &str) {
@@ -635,7 +635,9 @@ async fn identify(conn: &quinn::Connection, state: &Arc<ConnState>, shared: &Arc
     // A certificate revoked by a list reloaded during this handshake (checked against the old
     // lists), or a resumed session's (resumption does not verify the certificate again): the
     // reload's walk of the connections may have missed this one, not listed yet.
-    if crate::server::close_if_revoked(shared, state) {
+    if crate::server::close_if_revoked(shared, state)
+        || crate::server::close_if_expired(shared, state)
+    {
         return false;
     }
     // SUBSCRIBEs in 0-RTT data run before this, unchecked while the ACL is off. If a reload

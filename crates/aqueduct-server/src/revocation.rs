@@ -156,14 +156,26 @@ impl ClientVerifier {
     }
 
     /// Whether the lists in force revoke `chain` (a live connection's certificates, end entity
-    /// first). Any other verification failure (an expired certificate, say) is not revocation.
+    /// first). Any other verification failure is not revocation. Checked at a moment inside the
+    /// certificate's validity: a certificate that has expired since is checked for revocation
+    /// all the same (verified now, the expiry would hide it: it is checked first).
     pub fn is_revoked(&self, chain: &[CertificateDer<'_>]) -> bool {
         let Some((end, rest)) = chain.split_first() else {
             return false;
         };
+        let now = UnixTime::now();
+        let at = match crate::tls::validity(end) {
+            Some((from, until)) => {
+                let from = u64::try_from(from).unwrap_or(0);
+                let until = u64::try_from(until).unwrap_or(0).max(from);
+                UnixTime::since_unix_epoch(std::time::Duration::from_secs(
+                    now.as_secs().clamp(from, until),
+                ))
+            }
+            None => now,
+        };
         matches!(
-            self.current()
-                .verify_client_cert(end, rest, UnixTime::now()),
+            self.current().verify_client_cert(end, rest, at),
             Err(rustls::Error::InvalidCertificate(
                 rustls::CertificateError::Revoked
             ))

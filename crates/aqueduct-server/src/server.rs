@@ -861,6 +861,13 @@ impl Control {
         .map_err(|e| e.to_string())?
     }
 
+    /// The `tls.crl_file` the broker started with: the file [`reload_revocations`] re-reads.
+    ///
+    /// [`reload_revocations`]: Self::reload_revocations
+    pub fn crl_file(&self) -> Option<&std::path::Path> {
+        self.shared.config.tls.crl_file.as_deref()
+    }
+
     /// The live ACL policy.
     pub fn acl(&self) -> Arc<aqueduct_core::acl::AclPolicy> {
         self.shared.access.acl.policy()
@@ -910,13 +917,7 @@ impl Control {
 /// Close `conn` if the lists in force revoke its client certificate (a reload of
 /// `tls.crl_file`, or a handshake checked against the lists before it). Returns whether it did.
 pub(crate) fn close_if_revoked(shared: &Shared, conn: &ConnState) -> bool {
-    let (Some(verifier), Some(quic)) = (&shared.client_certs, conn.conn.get()) else {
-        return false;
-    };
-    let Some(chain) = quic.peer_identity().and_then(|id| {
-        id.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>()
-            .ok()
-    }) else {
+    let (Some(verifier), Some(chain)) = (&shared.client_certs, peer_chain(conn)) else {
         return false;
     };
     if !verifier.is_revoked(&chain) {
@@ -932,6 +933,42 @@ pub(crate) fn close_if_revoked(shared: &Shared, conn: &ConnState) -> bool {
         "client certificate revoked".into(),
     );
     true
+}
+
+/// The client certificate chain of a connection, end entity first, if it presented one.
+fn peer_chain(conn: &ConnState) -> Option<Vec<rustls_pki_types::CertificateDer<'static>>> {
+    conn.conn.get()?.peer_identity().and_then(|id| {
+        id.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>()
+            .ok()
+            .map(|chain| *chain)
+    })
+}
+
+/// Close a new connection whose client certificate has expired: a resumed TLS session (its
+/// ticket lives a day) is not verified again, so without this an expired certificate would
+/// go on being served by resuming. (A full handshake refuses it already.) True if closed.
+pub(crate) fn close_if_expired(shared: &Shared, conn: &ConnState) -> bool {
+    if shared.client_certs.is_none() {
+        return false;
+    }
+    let expired = peer_chain(conn)
+        .and_then(|chain| chain.first().and_then(crate::tls::validity))
+        .is_some_and(|(_, until)| until < unix_now());
+    if expired {
+        warn!(client = %conn.describe(), "closing the connection: its client certificate has expired (a resumed TLS session)");
+        conn.disconnect_with(
+            ErrorCode::NOT_AUTHORIZED,
+            "client certificate expired".into(),
+        );
+    }
+    expired
+}
+
+/// Seconds since the Unix epoch, now.
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
 /// Closes the durable log when dropped while it holds it: a start that failed after the log was

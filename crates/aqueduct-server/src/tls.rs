@@ -367,11 +367,24 @@ pub fn admin_crypto(
     Ok(tls)
 }
 
-/// The Common Name of a certificate.
+/// The Common Name of a certificate; `None` without one, or with more than one (which of
+/// several names the client is a matter of convention — the first, the last — that a CA's
+/// issuing policy and the broker could read differently).
 pub fn common_name(cert: &CertificateDer<'_>) -> Option<String> {
     let (_, cert) = x509_parser::parse_x509_certificate(cert).ok()?;
-    let cn = cert.subject().iter_common_name().next()?;
+    let mut names = cert.subject().iter_common_name();
+    let cn = names.next()?;
+    if names.next().is_some() {
+        return None;
+    }
     cn.as_str().ok().map(str::to_owned)
+}
+
+/// The validity of a certificate, `notBefore` and `notAfter`, seconds since the Unix epoch.
+pub fn validity(cert: &CertificateDer<'_>) -> Option<(i64, i64)> {
+    let (_, cert) = x509_parser::parse_x509_certificate(cert).ok()?;
+    let v = cert.validity();
+    Some((v.not_before.timestamp(), v.not_after.timestamp()))
 }
 
 /// The Common Name of the client's certificate, if it presented one.

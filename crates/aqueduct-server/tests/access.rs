@@ -1064,6 +1064,7 @@ async fn with_the_admin_api_off_its_old_state_file_is_set_aside() {
         )
     });
     live.changed().expect("persist");
+    drop(live); // that broker stopped
     let b = TestBroker::start_with(|c| c.admin_state_when_off = Some(path.clone())).await;
     assert!(!path.exists(), "moved aside");
     let aside = dir.path().join("admin-state.json.off");
@@ -1455,34 +1456,30 @@ async fn revoked_client_certificates_are_refused_and_closed_on_reload() {
     b.stop().await.expect("clean shutdown");
 }
 
-/// A client revoked after its first connection cannot get back in by resuming its TLS session
-/// (TLS 1.3 resumption does not verify the client certificate again): the broker checks the
-/// resumed connection's certificate against the lists in force as it lists it, and closes it
-/// with NOT_AUTHORIZED.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_revoked_certificate_cannot_resume_its_session() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let ca = test_ca();
-    let ca_file = ca.write(dir.path());
-    let (alice, alice_key) = ca.client(dir.path(), "alice");
-    let crl_file = dir.path().join("crl.pem");
-    write_crl(&ca, &crl_file, &[], 1);
-    let b = TestBroker::start_with(|c| {
+/// A broker that requires client certificates of `ca`, with the revocation list `crl_file`.
+async fn mtls_broker(ca_file: &std::path::Path, crl_file: &std::path::Path) -> TestBroker {
+    let (ca_file, crl_file) = (ca_file.to_path_buf(), crl_file.to_path_buf());
+    TestBroker::start_with(|c| {
         c.tls.require_client_cert = true;
-        c.tls.client_ca_file = Some(ca_file.clone());
-        c.tls.crl_file = Some(crl_file.clone());
+        c.tls.client_ca_file = Some(ca_file);
+        c.tls.crl_file = Some(crl_file);
     })
-    .await;
+    .await
+}
+
+/// A quinn endpoint presenting `cert`, keeping session tickets and sending 0-RTT data on the
+/// connections it resumes; it has made a first connection (for a ticket) and closed it.
+async fn endpoint_with_a_ticket(b: &TestBroker, cert: &PathBuf, key: &PathBuf) -> quinn::Endpoint {
     use rustls_pki_types::pem::PemObject;
-    let certs = rustls_pki_types::CertificateDer::pem_file_iter(&alice)
+    let certs = rustls_pki_types::CertificateDer::pem_file_iter(cert)
         .expect("cert")
         .collect::<Result<Vec<_>, _>>()
         .expect("pem");
-    let key = rustls_pki_types::PrivateKeyDer::from_pem_file(&alice_key).expect("key");
+    let key = rustls_pki_types::PrivateKeyDer::from_pem_file(key).expect("key");
     let mut crypto = rustls::ClientConfig::builder_with_provider(aqueduct_server::tls::provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .expect("tls13")
-        .with_root_certificates(dev_cert_roots(&b))
+        .with_root_certificates(dev_cert_roots(b))
         .with_client_auth_cert(certs, key)
         .expect("client auth");
     crypto.alpn_protocols = vec![b"aqueduct-v1".to_vec()];
@@ -1504,12 +1501,16 @@ async fn a_revoked_certificate_cannot_resume_its_session() {
         b.control.client_ids().is_empty()
     })
     .await;
+    endpoint
+}
 
-    write_crl(&ca, &crl_file, &[&alice], 2);
-    assert_eq!(
-        b.control.reload_revocations().await.expect("reloaded"),
-        Some((1, 0))
-    );
+/// Resume the endpoint's session, send a confirmed PUBLISH to `topic` at once, and return how
+/// the broker closed the connection (code, reason); the PUBLISH must not have been handled.
+async fn resume_and_be_closed(
+    b: &TestBroker,
+    endpoint: &quinn::Endpoint,
+    topic: &str,
+) -> (u64, String) {
     let connecting = endpoint.connect(b.addr, "localhost").expect("connect");
     let Ok((conn, _)) = connecting.into_0rtt() else {
         panic!("the session was not resumed: no ticket")
@@ -1517,22 +1518,145 @@ async fn a_revoked_certificate_cannot_resume_its_session() {
     // What it sends at once is never handled.
     if let Ok((mut send, _recv)) = conn.open_bi().await {
         let _ = send
-            .write_all(&confirmed_publish(1, "revoked", "x").to_bytes())
+            .write_all(&confirmed_publish(1, topic, "x").to_bytes())
             .await;
     }
     let closed = within("the resumed connection to be closed", conn.closed()).await;
     let quinn::ConnectionError::ApplicationClosed(close) = closed else {
         panic!("closed otherwise: {closed:?}")
     };
-    assert_eq!(u64::from(close.error_code), 400);
-    assert_eq!(&close.reason[..], b"client certificate revoked");
-    assert_eq!(b.stats.connections_revoked.load(Ordering::Relaxed), 1);
     assert!(
-        b.broker
-            .topic(&"revoked".try_into().expect("topic"))
-            .is_none(),
-        "a frame of the revoked connection was handled"
+        b.broker.topic(&topic.try_into().expect("topic")).is_none(),
+        "a frame of the refused connection was handled"
     );
+    (
+        u64::from(close.error_code),
+        String::from_utf8_lossy(&close.reason).into_owned(),
+    )
+}
+
+/// A client revoked after its first connection cannot get back in by resuming its TLS session
+/// (TLS 1.3 resumption does not verify the client certificate again): the broker checks the
+/// resumed connection's certificate against the lists in force as it lists it, and closes it
+/// with NOT_AUTHORIZED.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_certificate_cannot_resume_its_session() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let (alice, alice_key) = ca.client(dir.path(), "alice");
+    let crl_file = dir.path().join("crl.pem");
+    write_crl(&ca, &crl_file, &[], 1);
+    let b = mtls_broker(&ca_file, &crl_file).await;
+    let endpoint = endpoint_with_a_ticket(&b, &alice, &alice_key).await;
+    write_crl(&ca, &crl_file, &[&alice], 2);
+    assert_eq!(
+        b.control.reload_revocations().await.expect("reloaded"),
+        Some((1, 0))
+    );
+    let (code, reason) = resume_and_be_closed(&b, &endpoint, "revoked").await;
+    assert_eq!((code, reason.as_str()), (400, "client certificate revoked"));
+    assert_eq!(b.stats.connections_revoked.load(Ordering::Relaxed), 1);
+    b.stop().await.expect("clean shutdown");
+}
+
+/// Wait until `cert` has expired (its notAfter is past, by the wall clock).
+async fn until_expired(cert: &PathBuf) {
+    use rustls_pki_types::pem::PemObject;
+    let der = rustls_pki_types::CertificateDer::from_pem_file(cert).expect("a cert");
+    let (_, not_after) = aqueduct_server::tls::validity(&der).expect("validity");
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_secs() as i64
+    };
+    until("the certificate to expire", || now() > not_after).await;
+}
+
+/// A client certificate that has expired since its session began cannot resume that session
+/// (resumption verifies nothing, and a ticket lives a day): the broker closes the resumed
+/// connection with NOT_AUTHORIZED, before handling its frames.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_certificate_cannot_resume_its_session() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let not_after = std::time::SystemTime::now() + Duration::from_secs(3);
+    let (brief, brief_key) = ca.client_until(dir.path(), "brief", not_after);
+    let crl_file = dir.path().join("crl.pem");
+    write_crl(&ca, &crl_file, &[], 1);
+    let b = mtls_broker(&ca_file, &crl_file).await;
+    let endpoint = endpoint_with_a_ticket(&b, &brief, &brief_key).await;
+    until_expired(&brief).await;
+    let (code, reason) = resume_and_be_closed(&b, &endpoint, "expired").await;
+    assert_eq!((code, reason.as_str()), (400, "client certificate expired"));
+    b.stop().await.expect("clean shutdown");
+}
+
+/// A certificate revoked after it expired is still revoked: a reload closes its live
+/// connection. Checked at the current time, the expiry hid the revocation (it is checked
+/// first), and the connection went on being served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_revoked_after_it_expired_is_closed_on_reload() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let not_after = std::time::SystemTime::now() + Duration::from_secs(3);
+    let (brief, brief_key) = ca.client_until(dir.path(), "brief", not_after);
+    let crl_file = dir.path().join("crl.pem");
+    write_crl(&ca, &crl_file, &[], 1);
+    let b = mtls_broker(&ca_file, &crl_file).await;
+    let client = within(
+        "connect",
+        Client::connect(b.options().client_cert(brief.clone(), brief_key)),
+    )
+    .await
+    .expect("valid for now");
+    client
+        .publish_with("t", "x", &CONFIRM)
+        .await
+        .expect("served");
+    until_expired(&brief).await;
+    write_crl(&ca, &crl_file, &[&brief], 2);
+    assert_eq!(
+        b.control.reload_revocations().await.expect("reloaded"),
+        Some((1, 1))
+    );
+    let end = within("the connection to close", client.closed()).await;
+    assert!(
+        end.to_string().contains("client certificate revoked"),
+        "{end}"
+    );
+    b.stop().await.expect("clean shutdown");
+}
+
+/// A client certificate with two Common Names is refused: which of them names the client is a
+/// convention (the first, the last) that a CA's issuing policy may read otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_with_two_common_names_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let (two, two_key) = ca.client_named(dir.path(), "two", &["intern-x", "service-a"]);
+    let b = TestBroker::start_with(|c| {
+        c.tls.require_client_cert = true;
+        c.tls.client_ca_file = Some(ca_file.clone());
+    })
+    .await;
+    let why = match within(
+        "connect",
+        Client::connect(b.options().client_cert(two, two_key)),
+    )
+    .await
+    {
+        Err(e) => e.to_string(),
+        Ok(c) => within("the refusal", c.publish_with("t", "x", &CONFIRM))
+            .await
+            .expect_err("refused")
+            .to_string(),
+    };
+    assert!(why.contains("no Common Name"), "{why}");
     b.stop().await.expect("clean shutdown");
 }
 

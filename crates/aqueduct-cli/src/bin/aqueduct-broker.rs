@@ -157,20 +157,34 @@ async fn reload_on_sighup(
     if let Some(mut hup) = hangups {
         while hup.recv().await.is_some() {
             match Config::load(&sources) {
-                Ok(config) => match control.reload_access(&config.access).await {
-                    Ok(closed) => {
-                        let acl = control.acl();
-                        info!(
-                            acl_enabled = acl.enabled,
-                            rules = acl.rules.len(),
-                            closed_subscriptions = closed,
-                            "SIGHUP: acl and broker.quotas reloaded from the configuration \
-                                 (the file wins: rules and quotas set through the admin API \
-                                 since were replaced)"
+                Ok(config) => {
+                    if config.tls.crl_file.as_deref() != control.crl_file() {
+                        let named = |p: Option<&std::path::Path>| {
+                            p.map_or("none".to_string(), |p| p.display().to_string())
+                        };
+                        error!(
+                            "SIGHUP: tls.crl_file changed ({} -> {}): a new path, or adding or \
+                             removing the file, takes a restart; the lists of the file the \
+                             broker started with stay in force",
+                            named(control.crl_file()),
+                            named(config.tls.crl_file.as_deref())
                         );
                     }
-                    Err(e) => warn!("SIGHUP: the new policy is live but was not saved: {e}"),
-                },
+                    match control.reload_access(&config.access).await {
+                        Ok(closed) => {
+                            let acl = control.acl();
+                            info!(
+                                acl_enabled = acl.enabled,
+                                rules = acl.rules.len(),
+                                closed_subscriptions = closed,
+                                "SIGHUP: acl and broker.quotas reloaded from the configuration \
+                                 (the file wins: rules and quotas set through the admin API \
+                                 since were replaced)"
+                            );
+                        }
+                        Err(e) => warn!("SIGHUP: the new policy is live but was not saved: {e}"),
+                    }
+                }
                 Err(e) => {
                     error!("SIGHUP: configuration not reloaded, the running policy stays: {e}")
                 }

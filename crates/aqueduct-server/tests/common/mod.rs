@@ -403,12 +403,29 @@ impl TestCa {
         cn: Option<&str>,
         usages: Vec<rcgen::ExtendedKeyUsagePurpose>,
     ) -> (PathBuf, PathBuf) {
+        self.leaf_until(dir, file, names, cn, usages, None)
+    }
+
+    /// [`leaf`](Self::leaf), valid until `not_after` if given.
+    fn leaf_until(
+        &self,
+        dir: &std::path::Path,
+        file: &str,
+        names: &[&str],
+        cn: Option<&str>,
+        usages: Vec<rcgen::ExtendedKeyUsagePurpose>,
+        not_after: Option<std::time::SystemTime>,
+    ) -> (PathBuf, PathBuf) {
         use rcgen::{CertificateParams, DnType, KeyPair};
         let key = KeyPair::generate().expect("key");
         let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
         let mut params = CertificateParams::new(names).expect("params");
         if let Some(cn) = cn {
             params.distinguished_name.push(DnType::CommonName, cn);
+        }
+        if let Some(at) = not_after {
+            params.not_before = (std::time::SystemTime::now() - Duration::from_secs(60)).into();
+            params.not_after = at.into();
         }
         params.extended_key_usages = usages;
         let cert = params.signed_by(&key, &self.issuer).expect("signed");
@@ -425,6 +442,47 @@ impl TestCa {
     pub fn client(&self, dir: &std::path::Path, cn: &str) -> (PathBuf, PathBuf) {
         use rcgen::ExtendedKeyUsagePurpose::ClientAuth;
         self.leaf(dir, cn, &[], Some(cn), vec![ClientAuth])
+    }
+
+    /// A client certificate whose subject holds each of `cns` as a Common Name, written to
+    /// `dir` as `<file>.pem` and `<file>.key`.
+    pub fn client_named(
+        &self,
+        dir: &std::path::Path,
+        file: &str,
+        cns: &[&str],
+    ) -> (PathBuf, PathBuf) {
+        use rcgen::{CertificateParams, DnType, DnValue, KeyPair};
+        let key = KeyPair::generate().expect("key");
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
+        // rcgen keeps one value per type: the second Common Name goes in as another type's
+        // entry with the CN object identifier.
+        for cn in cns {
+            params.distinguished_name.push(
+                DnType::CustomDnType(vec![2, 5, 4, 3]),
+                DnValue::Utf8String(cn.to_string()),
+            );
+        }
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let cert = params.signed_by(&key, &self.issuer).expect("signed");
+        let (c, k) = (
+            dir.join(format!("{file}.pem")),
+            dir.join(format!("{file}.key")),
+        );
+        std::fs::write(&c, cert.pem()).expect("write cert");
+        std::fs::write(&k, key.serialize_pem()).expect("write key");
+        (c, k)
+    }
+
+    /// A client certificate for `cn` valid until `not_after` (and since a minute ago).
+    pub fn client_until(
+        &self,
+        dir: &std::path::Path,
+        cn: &str,
+        not_after: std::time::SystemTime,
+    ) -> (PathBuf, PathBuf) {
+        use rcgen::ExtendedKeyUsagePurpose::ClientAuth;
+        self.leaf_until(dir, cn, &[], Some(cn), vec![ClientAuth], Some(not_after))
     }
 
     /// A cluster node's certificate for `node` (CN = node id, DNS names aqueduct-mesh and
