@@ -117,6 +117,9 @@ fn transport(opts: &ConnectOptions) -> quinn::TransportConfig {
     t
 }
 
+/// How long a connect waits for one address's handshake before it tries the next as well.
+const HAPPY_EYEBALLS_DELAY: Duration = Duration::from_millis(250);
+
 /// One QUIC handshake to `addr`, from an endpoint of its own.
 async fn dial(
     addr: SocketAddr,
@@ -167,8 +170,9 @@ async fn dial(
 }
 
 impl Client {
-    /// Connect and complete the TLS handshake. Every address the name resolves to is tried at
-    /// once; the first to complete its handshake is used.
+    /// Connect and complete the TLS handshake. Every address the name resolves to is tried, in
+    /// order, the next 250 ms after the one before (or when it fails); the first to complete
+    /// its handshake is used.
     pub async fn connect(opts: ConnectOptions) -> Result<Client, ConnectError> {
         let host = host_of(&opts.addr).to_string();
         let mut addrs: Vec<SocketAddr> = Vec::new();
@@ -210,22 +214,45 @@ impl Client {
         let mut config = quinn::ClientConfig::new(Arc::new(quic));
         config.transport_config(Arc::new(transport(&opts)));
         let server_name = opts.server_name.clone().unwrap_or(host);
-        // Every address the name resolves to at once (`localhost` may give ::1 before
-        // 127.0.0.1, and a broker may listen on one of them only): the first handshake to
-        // complete wins, the others are dropped. A handshake to an address where nothing
-        // listens does not fail over UDP, it only times out.
-        let dials = addrs
-            .iter()
-            .map(|&addr| Box::pin(dial(addr, &config, &server_name, &opts)));
-        let (endpoint, conn) = match tokio::time::timeout(
-            opts.timeout,
-            futures_util::future::select_ok(dials),
-        )
-        .await
-        {
-            Ok(Ok((dialed, _rest))) => dialed,
-            Ok(Err(e)) => return Err(e),
-            Err(_) => {
+        // Every address the name resolves to, in order, the next one started 250 ms after the
+        // one before or as soon as it fails (as Happy Eyeballs does: `localhost` may give ::1
+        // before 127.0.0.1, and a broker may listen on one of them only; a handshake to an
+        // address where nothing listens does not fail over UDP, it only times out). The first
+        // handshake to complete wins; the others are dropped (closed). If none does, the first
+        // failure says why, even when a silent address ran into the timeout.
+        let mut first_failure: Option<ConnectError> = None;
+        let race = async {
+            use futures_util::StreamExt;
+            let mut dials = futures_util::stream::FuturesUnordered::new();
+            let mut next = addrs.iter();
+            let mut stagger = std::pin::pin!(tokio::time::sleep(Duration::ZERO));
+            loop {
+                tokio::select! {
+                    biased;
+                    Some(result) = dials.next(), if !dials.is_empty() => match result {
+                        Ok(dialed) => return Some(dialed),
+                        Err(e) => {
+                            first_failure.get_or_insert(e);
+                            stagger.as_mut().reset(tokio::time::Instant::now());
+                        }
+                    },
+                    _ = &mut stagger, if next.len() > 0 => {
+                        if let Some(&addr) = next.next() {
+                            dials.push(dial(addr, &config, &server_name, &opts));
+                        }
+                        stagger
+                            .as_mut()
+                            .reset(tokio::time::Instant::now() + HAPPY_EYEBALLS_DELAY);
+                    }
+                    else => return None,
+                }
+            }
+        };
+        let dialed = tokio::time::timeout(opts.timeout, race).await;
+        let (endpoint, conn) = match (dialed, first_failure) {
+            (Ok(Some(dialed)), _) => dialed,
+            (_, Some(e)) => return Err(e),
+            (_, None) => {
                 return Err(ConnectError::Timeout {
                     addr: opts.addr.clone(),
                 })
@@ -567,9 +594,13 @@ impl Client {
             .iter()
             .filter_map(|p| p.upgrade())
             .collect();
-        let mut flushed = self.flush().await;
-        for publisher in others {
-            let result = publisher.flush().await;
+        // All at once: each may wait up to 10 s for the broker.
+        let (mut flushed, others) = futures_util::future::join(
+            self.flush(),
+            futures_util::future::join_all(others.iter().map(Publisher::flush)),
+        )
+        .await;
+        for result in others {
             if flushed.is_ok() {
                 flushed = result;
             }
@@ -601,20 +632,11 @@ mod tests {
     /// connect timed out.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_connect_tries_every_address() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let cert = dir.path().join("dev-cert.pem");
-        let server =
-            aqueduct_server::Server::bind(aqueduct_server::Config::for_tests(cert.clone()))
-                .await
-                .expect("broker binds");
-        let broker_addr = server.local_addr();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let broker = tokio::spawn(server.serve(async move {
-            let _ = stopped.await;
-        }));
+        let broker = crate::test_broker::TestBroker::start().await;
+        let broker_addr = broker.addr;
         let silent = std::net::UdpSocket::bind("127.0.0.1:0").expect("a silent socket");
         let silent_addr = silent.local_addr().expect("its address");
-        let mut opts = crate::ConnectOptions::new(broker_addr.to_string()).dev_cert_file(&cert);
+        let mut opts = broker.options();
         opts.timeout = std::time::Duration::from_secs(5);
         let client =
             super::Client::connect_to(&[silent_addr, broker_addr], opts, "localhost".into())
@@ -622,8 +644,7 @@ mod tests {
                 .expect("connects through the second address");
         assert_eq!(client.remote_address(), broker_addr);
         client.close().await.expect("closed");
-        let _ = stop.send(());
-        let _ = broker.await;
+        broker.stop().await;
     }
 
     #[test]

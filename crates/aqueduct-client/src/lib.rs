@@ -28,6 +28,8 @@ mod options;
 mod publisher;
 mod reader;
 mod subscription;
+#[cfg(test)]
+mod test_broker;
 mod tls;
 pub mod trace;
 

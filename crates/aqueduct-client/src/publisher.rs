@@ -273,6 +273,10 @@ impl Publisher {
                 // The stream is broken: the next publish opens another, and the next flush
                 // says that what went out on this one may not have been read.
                 let broken = guard.take();
+                // Said at once, under the lock: a flush meanwhile (or after this call is
+                // cancelled in the waits below) reports the loss. The broker's reason, once
+                // known, replaces it if no flush has taken it yet.
+                lock(&self.inner.lost).get_or_insert(e.clone());
                 drop(guard);
                 // The broker usually said why before it stopped reading (FRAME_TOO_LARGE for
                 // this very frame, or an earlier one): its answer beats the bare write error
@@ -290,8 +294,10 @@ impl Publisher {
                         _ => lock(&broken.fatal).clone(),
                     };
                 }
-                let why = why.unwrap_or(e);
-                lock(&self.inner.lost).get_or_insert(why.clone());
+                let Some(why) = why else { return Err(e) };
+                if let Some(said) = lock(&self.inner.lost).as_mut().filter(|l| **l == e) {
+                    *said = why.clone();
+                }
                 return Err(why);
             }
             rx
@@ -558,20 +564,8 @@ mod tests {
     /// too narrow to provoke from outside; this checks the rule that closes it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stream_whose_end_was_read_leaves_its_slot() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let cert = dir.path().join("dev-cert.pem");
-        let server =
-            aqueduct_server::Server::bind(aqueduct_server::Config::for_tests(cert.clone()))
-                .await
-                .expect("broker binds");
-        let options =
-            crate::ConnectOptions::new(server.local_addr().to_string()).dev_cert_file(&cert);
-        let (stop, stopped) = oneshot::channel::<()>();
-        let broker = tokio::spawn(server.serve(async move {
-            let _ = stopped.await;
-        }));
-
-        let client = within(crate::Client::connect(options))
+        let broker = crate::test_broker::TestBroker::start().await;
+        let client = within(crate::Client::connect(broker.options()))
             .await
             .expect("connects");
         let publisher = client.publisher();
@@ -601,7 +595,6 @@ mod tests {
         );
         assert!(Stream::take_if_over(&mut slot).is_none());
 
-        let _ = stop.send(());
-        let _ = within(broker).await;
+        broker.stop().await;
     }
 }

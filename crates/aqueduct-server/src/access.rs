@@ -397,7 +397,9 @@ pub struct Access {
 
 /// Take the state file's lock for as long as the broker runs, or say which key to change.
 fn lock_state_file(path: &Path) -> Result<std::fs::File, StateError> {
-    let lock = path.with_extension("json.lock");
+    let mut lock = path.as_os_str().to_owned();
+    lock.push(".lock");
+    let lock = PathBuf::from(lock);
     let io = |e: std::io::Error| StateError::Io {
         path: path.to_path_buf(),
         problem: format!("{e} (its lock {})", lock.display()),
@@ -542,6 +544,8 @@ impl Access {
         if !path.exists() {
             return Ok(None);
         }
+        // Not from under a broker that runs with the admin API on and this file.
+        let _lock = lock_state_file(path)?;
         let mut aside = path.as_os_str().to_owned();
         aside.push(".off");
         let aside = PathBuf::from(aside);

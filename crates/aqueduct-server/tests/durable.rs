@@ -1015,12 +1015,25 @@ async fn a_latest_consumer_back_reads_the_topics_that_appeared_while_it_was_away
     leave(&b, sub, &client).await;
     let publisher = b.client().await;
     publish_n(&publisher, "lat/a", 0..2).await;
+    let opts = durable_opts("away", DurableStart::Latest);
+    receive_the_first_then_stop(b, publisher, "lat/#", &opts, 2).await;
+}
+
+/// Subscribe to `filter` with `opts` on a new client, expect messages `m0..m{n}` at offsets
+/// `0..n` (acknowledged), leave; close `publisher` and stop the broker.
+async fn receive_the_first_then_stop(
+    b: TestBroker,
+    publisher: aqueduct_client::Client,
+    filter: &str,
+    opts: &aqueduct_client::SubscribeOptions,
+    n: u64,
+) {
     let client = b.client().await;
     let mut sub = client
-        .subscribe_with("lat/#", &durable_opts("away", DurableStart::Latest))
+        .subscribe_with(filter, opts)
         .await
-        .expect("subscribe again");
-    assert_eq!(take_acked(&mut sub, 2).await, expect(0..2));
+        .expect("subscribe");
+    assert_eq!(take_acked(&mut sub, n as usize).await, expect(0..n));
     leave(&b, sub, &client).await;
     publisher
         .close()
@@ -1056,18 +1069,8 @@ async fn a_refused_first_member_leaves_no_position_for_its_group() {
         error_code(&refused),
         aqueduct_client::ErrorCode::BAD_SUBSCRIBE
     );
-    let client = b.client().await;
-    let mut sub = client
-        .subscribe_with("g/#", &group_opts("wg", DurableStart::Earliest))
-        .await
-        .expect("subscribe");
-    assert_eq!(take_acked(&mut sub, 1).await, expect(0..1));
-    leave(&b, sub, &client).await;
-    publisher
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    let opts = group_opts("wg", DurableStart::Earliest);
+    receive_the_first_then_stop(b, publisher, "g/#", &opts, 1).await;
 }
 
 /// Retention forgets the topics it empties that nothing holds, so that a broker with the log

@@ -1087,7 +1087,11 @@ impl Reader<'_> {
                     // Out of its stream's list now: the writer would drop it at its next fill,
                     // but a writer blocked on flow control does not fill, and SUBSCRIBE and
                     // UNSUBSCRIBE pairs would pile up there without bound.
-                    lock(&entry.out.subs).retain(|s| !Arc::ptr_eq(s, &entry.sub));
+                    // (Only if the UNSUBSCRIBE closed it: one closed as a slow consumer or
+                    // revoked just before still owes its ERROR, which the writer sends.)
+                    if entry.sub.close_reason() == Some(CloseReason::Unsubscribed) {
+                        lock(&entry.out.subs).retain(|s| !Arc::ptr_eq(s, &entry.sub));
+                    }
                     entry.out.notify.notify_one();
                     debug!(client = %self.conn.describe(), filter = %u.filter, "unsubscribed");
                 }

@@ -428,6 +428,18 @@ impl TestCa {
             params.not_after = at.into();
         }
         params.extended_key_usages = usages;
+        self.sign_and_write(params, key, dir, file)
+    }
+
+    /// Sign `params` (with `key`) and write the certificate and key to `dir` as `<file>.pem` and
+    /// `<file>.key`.
+    fn sign_and_write(
+        &self,
+        params: rcgen::CertificateParams,
+        key: rcgen::KeyPair,
+        dir: &std::path::Path,
+        file: &str,
+    ) -> (PathBuf, PathBuf) {
         let cert = params.signed_by(&key, &self.issuer).expect("signed");
         let (c, k) = (
             dir.join(format!("{file}.pem")),
@@ -464,14 +476,7 @@ impl TestCa {
             );
         }
         params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
-        let cert = params.signed_by(&key, &self.issuer).expect("signed");
-        let (c, k) = (
-            dir.join(format!("{file}.pem")),
-            dir.join(format!("{file}.key")),
-        );
-        std::fs::write(&c, cert.pem()).expect("write cert");
-        std::fs::write(&k, key.serialize_pem()).expect("write key");
-        (c, k)
+        self.sign_and_write(params, key, dir, file)
     }
 
     /// A client certificate for `cn` valid until `not_after` (and since a minute ago).
