@@ -442,6 +442,18 @@ impl Log {
                 Err(e) => return Err(e),
             };
             let mut seg = scanned.segment;
+            if seg.id != *id {
+                // Renamed, or restored under another name: it would be read, sealed and deleted
+                // under the name its header gives, not its own.
+                return Err(LogError::BadFile {
+                    path: path.clone(),
+                    reason: format!(
+                        "its header says it is segment {}: give it back its name, {}",
+                        seg.id,
+                        segment_path(&dir, seg.id).display()
+                    ),
+                });
+            }
             if rebuilt && !seg.damage.is_empty() {
                 // Damage found by reading through: what the damaged batches held is unknown,
                 // maybe a topic's highest offsets. Go on past them as after a crash (each topic

@@ -836,6 +836,28 @@ fn verify_calls_a_bad_indexed_end_damage() -> R {
     Ok(())
 }
 
+/// A segment under another name than its header's id (renamed, or restored wrongly) stops the
+/// open, naming the file and the name it should have: it was read under its header's name, and
+/// sealed or deleted there, never through its own.
+#[test]
+fn a_segment_under_another_name_is_refused() -> R {
+    let tmp = tempfile::tempdir()?;
+    let (mut log, _) = Log::open(tmp.path(), opts(None))?;
+    log.append(&[entry(0, b"x")], 0)?;
+    log.close()?;
+    let seg = segments(tmp.path()).pop().ok_or("a segment")?;
+    let renamed = tmp.path().join("7.seg");
+    std::fs::rename(&seg, &renamed)?;
+    let _ = std::fs::remove_file(seg.with_extension("idx"));
+    let err = Log::open(tmp.path(), opts(None)).expect_err("refused");
+    let text = err.to_string();
+    assert!(
+        text.contains("7.seg") && text.contains("its header says it is segment 0"),
+        "{text}"
+    );
+    Ok(())
+}
+
 #[test]
 fn nonces_never_repeat_across_reopen_and_rotation() -> R {
     let tmp = tempfile::tempdir()?;
