@@ -349,9 +349,10 @@ export class Client {
         (streamId) => ({ opcode: Opcode.PUBLISH_BATCH, streamId, ext: { confirm: true }, frames: [] }),
         true,
         Opcode.CONFIRM,
-        (channel) => {
+        (channel, sentBefore) => {
           earlier = this.#takeUnflushed();
-          channel.uncovered = 0;
+          // What this flush covers: the frames sent before it, not those sent since.
+          channel.covered = Math.max(channel.covered, sentBefore);
         },
       );
     } catch (e) {
@@ -382,7 +383,7 @@ export class Client {
 
   /**
    * Send a frame on the publish stream; with `confirm`, resolve to its answer (an `expect`
-   * frame), `onAnswer(channel)` being called when that answer is dispatched.
+   * frame), `onAnswer(channel, sentBefore)` being called (with how many frames without confirm the channel had sent before this one) when that answer is dispatched.
    */
   async #send(build, confirm, expect = Opcode.CONFIRM, onAnswer = undefined) {
     this.#checkOpen();
@@ -393,8 +394,10 @@ export class Client {
       // writes in order) inside one chain; the write itself and the answer are awaited outside.
       const sent = await this.#inOrder(async () => {
         const channel = await this.#publishChannel();
-        if (!confirm) channel.uncovered += 1;
-        return { answer: confirm ? channel.request(streamId, bytes, expect, onAnswer) : channel.write(bytes) };
+        if (!confirm) channel.sent += 1;
+        const sentBefore = channel.sent;
+        const answered = onAnswer && ((ch) => onAnswer(ch, sentBefore));
+        return { answer: confirm ? channel.request(streamId, bytes, expect, answered) : channel.write(bytes) };
       });
       const answer = await sent.answer;
       return confirm ? answer : undefined;
@@ -470,7 +473,11 @@ export class Client {
     return sub;
   }
 
-  /** Close every stream and the connection. Pending calls reject; subscriptions end. */
+  /**
+   * Close every stream and the connection. Pending calls reject; subscriptions end. It does not
+   * flush: the broker drops what it has received on a stream but not yet read when the session
+   * closes, so `await client.flush()` first when what was published must have been taken.
+   */
   async close() {
     if (this.#closed) return;
     this.#lost(new AqueductError(null, 'the client was closed'), { byUser: true });
@@ -529,7 +536,7 @@ export class Client {
       // finished by the broker (it does so only after a stream-fatal ERROR, and reads nothing
       // after that frame).
       onEnd: (failure, channel) => {
-        if (channel.uncovered === 0 || channel.finished) return;
+        if (channel.sent === channel.covered || channel.finished) return;
         this.#publishLost ??=
           failure ??
           new AqueductError(null, 'the broker finished the publish stream after a stream-fatal error: publishes sent after it were not read');
@@ -611,7 +618,8 @@ class Channel {
     this.onEnd = onEnd;
     this.room = room;
     this.pending = new Map(); // stream id -> { resolve, reject, expect, onAnswer }, in the order sent
-    this.uncovered = 0; // frames sent without confirm since the last flush() answered here
+    this.sent = 0; // frames sent here without confirm
+    this.covered = 0; // of them, those sent before a flush() that was answered
     this.ended = false;
     this.broken = false; // a stream-fatal ERROR arrived: the broker reads nothing more
     this.finished = false; // our sending side is finished
@@ -789,6 +797,10 @@ export class Subscription {
      */
     this.durableLog = undefined;
     this.#buffer = opts.buffer ?? 256;
+    if (!Number.isInteger(this.#buffer) || this.#buffer < 1) {
+      // 0 would never read (not even the SUBSCRIBE's answer).
+      throw new RangeError(`buffer must be a whole number of messages, at least 1, got ${opts.buffer}`);
+    }
     this.#onError = opts.onError ?? fallbackOnError;
     this.wildcard = isWildcardFilter(filter);
     this.#streamEnd = new Promise((resolve) => {

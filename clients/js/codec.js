@@ -175,8 +175,14 @@ function decodeUtf8(bytes) {
 // ---------------------------------------------------------------------------------------------
 // Names (§5)
 
+// A lone UTF-16 surrogate: TextEncoder would turn it into U+FFFD, silently naming another topic.
+const LONE_SURROGATE = /[\uD800-\uDBFF](?![\uDC00-\uDFFF])|(?<![\uD800-\uDBFF])[\uDC00-\uDFFF]/;
+
 function nameBytes(name) {
-  return typeof name === 'string' ? utf8.encode(name) : toBytes(name);
+  if (typeof name !== 'string') return toBytes(name);
+  // Not UTF-8 once encoded: fails the check below as bytes that are not UTF-8 would.
+  if (LONE_SURROGATE.test(name)) return Uint8Array.of(0xff);
+  return utf8.encode(name);
 }
 
 function checkCommon(bytes) {

@@ -414,6 +414,38 @@ test('a stream-fatal ERROR (FRAME_TOO_LARGE) rejects its request and later ones,
   await client.close();
 });
 
+test('a flush covers what was sent before it, not what was sent while it waited for its answer', async () => {
+  // A, flush F1, C (confirmed, refused as stream-fatal), D: F1's answer must not count D as
+  // covered; the broker never read D, and the next flush says so. It reset the count to zero at
+  // F1's answer, and the next flush resolved.
+  const { fake, client } = await setup();
+  await client.publish('a', 'A');
+  const f1 = client.flush();
+  const big = client.publish('a', 'C', { confirm: true });
+  big.catch(() => {});
+  await client.publish('a', 'D');
+  const s = await fake.stream(0);
+  await s.next(); // A
+  const { frame: F } = await s.next();
+  const { frame: C } = await s.next();
+  await s.send({ opcode: Opcode.CONFIRM, streamId: F.streamId, offsets: [] });
+  await f1;
+  await s.send({ opcode: Opcode.ERROR, streamId: C.streamId, code: ErrorCode.FRAME_TOO_LARGE, reason: 'too large' });
+  await s.finish();
+  await assert.rejects(big, (e) => e.code === ErrorCode.FRAME_TOO_LARGE);
+  const f2 = client.flush();
+  const s2 = await fake.stream(1);
+  await answerFlush(s2);
+  await assert.rejects(f2, (e) => e instanceof AqueductError);
+  await client.close();
+});
+
+test('subscribe with buffer 0 is refused (it would never read, not even its CONFIRM)', async () => {
+  const { client } = await setup();
+  await assert.rejects(client.subscribe('b', { buffer: 0 }), RangeError);
+  await client.close();
+});
+
 test('close(): pending calls reject, iterators end, nothing more can be sent', async () => {
   const { fake, client } = await setup();
   const subscribing = client.subscribe('b');

@@ -404,6 +404,9 @@ test('the encoder writes the canonical order of §2.1 (ATTEMPT first, then ascen
 test('names (§5): topic names, filters, wildcards as whole levels', () => {
   for (const ok of ['a', 'a//b', '/a', 'sport/', '$SYS/x', '__dlq__orders', 'é']) assert.equal(topicNameProblem(ok), null, ok);
   for (const bad of ['', 'a:b', 'a\0', 'a/+', 'a#', 'x'.repeat(256)]) assert.notEqual(topicNameProblem(bad), null, bad);
+  // A lone surrogate is no UTF-8 (TextEncoder would make it U+FFFD: another topic).
+  for (const bad of ['a\uD800', '\uDC00b', 'x\uDBFFy']) assert.notEqual(topicNameProblem(bad), null, JSON.stringify(bad));
+  assert.equal(topicNameProblem('a\uD83D\uDE00'), null, 'a surrogate pair is fine');
   assert.equal(topicNameProblem(Uint8Array.of(0xff)), 'not valid UTF-8');
   for (const ok of ['#', '+', 'sport/#', '+/+', 'a/+/b', '/+']) assert.equal(topicFilterProblem(ok), null, ok);
   for (const bad of ['a+', 'a/#/b', '#a', 'a/b+/c', '++']) assert.notEqual(topicFilterProblem(bad), null, bad);

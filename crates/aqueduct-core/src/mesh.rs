@@ -1265,14 +1265,16 @@ impl RouteTable {
     /// (the caller's), its groups to a local member, or — if none is left here — re-picked
     /// among the nodes it has not been to. Never to a plain subscriber elsewhere.
     pub fn route_forwarded(&self, forward: &Forward) -> Routing {
-        self.route_forwarded_where(forward, |_| true, |_| true)
+        self.route_forwarded_where(forward, |g| self.members(&self.me, g) > 0, |_| true)
     }
 
-    /// [`route_forwarded`](Self::route_forwarded), taking a group here only if `here` also says
-    /// it has a member now: the snapshot may still count a member that just left, and a copy
-    /// given to a group the broker no longer routes would reach no one. Such a group is picked
-    /// again among the nodes the copy has not been to (this one counts as visited) that
-    /// `reachable` accepts (a peer the snapshot names may have no connection any more).
+    /// [`route_forwarded`](Self::route_forwarded), taking a group here if `here` says it has a
+    /// member now (the broker routes it), whatever this snapshot counts: the snapshot may still
+    /// count a member that just left, or not yet one that joined (this node tells its peers of
+    /// a new member before it rebuilds its own table, so a peer may send it that group's copies
+    /// first). A group `here` denies is picked again among the nodes the copy has not been to
+    /// (this one counts as visited) that `reachable` accepts (a peer the snapshot names may have
+    /// no connection any more).
     pub fn route_forwarded_where(
         &self,
         forward: &Forward,
@@ -1286,7 +1288,7 @@ impl RouteTable {
         }
         let mut copies: BTreeMap<NodeId, Forward> = BTreeMap::new();
         for g in &forward.groups {
-            if self.members(&self.me, g) > 0 && here(g) {
+            if here(g) {
                 routing.local_groups.push(g.clone());
                 continue;
             }
@@ -1831,6 +1833,24 @@ mod tests {
         assert_eq!(r.forward.len(), 1);
         assert_eq!(r.forward[0].0, node("c"), "on to c, never back to a");
         assert_eq!(r.forward[0].1.visited, vec![node("a"), node("b")]);
+    }
+
+    /// A copy for a group whose first member here joined after this node's table was built (a
+    /// peer learned of the member first) is kept: the broker routes the group. It was picked
+    /// again among the nodes not yet visited, none, and dropped as unplaced.
+    #[test]
+    fn a_group_copy_is_kept_for_a_member_the_table_does_not_count_yet() {
+        let g = group("jobs", "w");
+        let mut b = Mesh::new(node("b"), MeshConfig::default(), 1, 1);
+        connected(&mut b, 1, "a", &[(Key::Group(g.clone()), 1)]);
+        let f = Forward {
+            plain: false,
+            groups: vec![g.clone()],
+            visited: vec![node("a")],
+        };
+        let r = b.table().route_forwarded_where(&f, |_| true, |_| true);
+        assert_eq!(r.local_groups, vec![g]);
+        assert!(r.unplaced.is_empty() && r.forward.is_empty());
     }
 
     #[test]
