@@ -262,8 +262,25 @@ impl Interest {
     }
 
     /// Does a plain filter match `topic` (a valid topic name's bytes)? No allocation.
+    ///
+    /// A plain `#` wants system topics too (`$…`, `__…`, dead letters among them), which a
+    /// leading wildcard matches for no subscriber: a node advertises `#` when its durable log
+    /// wants every message published anywhere, and its own subscribers' matching filters out
+    /// what they do not want.
     pub fn wants_plain_bytes(&self, topic: &[u8]) -> bool {
-        self.exact_plain.contains_key(topic) || self.wild_plain.has_match_bytes(topic)
+        self.exact_plain.contains_key(topic)
+            || self.wild_plain.has_match_bytes(topic)
+            || (crate::matching::is_system(topic) && self.wants_everything())
+    }
+
+    /// Whether plain `#` has a count.
+    fn wants_everything(&self) -> bool {
+        static EVERYTHING: std::sync::OnceLock<Option<TopicFilter>> = std::sync::OnceLock::new();
+        EVERYTHING
+            .get_or_init(|| TopicFilter::try_from("#").ok())
+            .as_ref()
+            .and_then(|all| count_wild(&self.wild_plain, all, all))
+            .is_some_and(|n| n > 0)
     }
 
     /// Does a group's filter match `topic` (a valid topic name's bytes)?
@@ -1513,9 +1530,13 @@ mod tests {
                     let matches = |f: &TopicFilter| {
                         crate::matching::matches_bytes(f.as_bytes(), t.as_bytes())
                     };
+                    // A peer's plain `#` wants system topics too (wants_plain_bytes).
+                    let everything = |f: &TopicFilter| {
+                        f.as_str() == "#" && crate::matching::is_system(t.as_bytes())
+                    };
                     let scan_plain = model
                         .keys()
-                        .any(|k| matches!(k, Key::Plain(f) if matches(f)));
+                        .any(|k| matches!(k, Key::Plain(f) if matches(f) || everything(f)));
                     prop_assert_eq!(interest.wants_plain_bytes(t.as_bytes()), scan_plain, "{}", t);
                     let scan_groups: Vec<(GroupKey, u32)> = model
                         .iter()
@@ -1833,6 +1854,30 @@ mod tests {
         assert_eq!(r.forward.len(), 1);
         assert_eq!(r.forward[0].0, node("c"), "on to c, never back to a");
         assert_eq!(r.forward[0].1.visited, vec![node("a"), node("b")]);
+    }
+
+    /// A node advertising plain `#` (its durable log wants every message) gets system topics
+    /// too, dead letters among them: a leading wildcard matches none for subscribers, and the
+    /// logging node never received the dead letters made on other nodes.
+    #[test]
+    fn plain_everything_wants_system_topics_too() {
+        let mut i = Interest::default();
+        for system in [&b"__dlq__orders"[..], b"$app/x", b"__audit"] {
+            assert!(!i.wants_plain_bytes(system));
+        }
+        i.apply(&Update {
+            key: Key::Plain(TopicFilter::try_from("#").expect("filter")),
+            count: 1,
+        });
+        for system in [&b"__dlq__orders"[..], b"$app/x", b"__audit", b"orders/eu"] {
+            assert!(i.wants_plain_bytes(system), "{system:?}");
+        }
+        let mut other = Interest::default();
+        other.apply(&Update {
+            key: Key::Plain(TopicFilter::try_from("+/x").expect("filter")),
+            count: 1,
+        });
+        assert!(!other.wants_plain_bytes(b"$app/x"), "only # wants them");
     }
 
     /// A copy for a group whose first member here joined after this node's table was built (a
