@@ -120,6 +120,56 @@ fn transport(opts: &ConnectOptions) -> quinn::TransportConfig {
 /// How long a connect waits for one address's handshake before it tries the next as well.
 const HAPPY_EYEBALLS_DELAY: Duration = Duration::from_millis(250);
 
+/// Every address in `addrs`, in order, the next one started [`HAPPY_EYEBALLS_DELAY`] after the
+/// one before or as soon as it fails (as Happy Eyeballs does: `localhost` may give ::1 before
+/// 127.0.0.1, and a broker may listen on one of them only; a handshake to an address where
+/// nothing listens does not fail over UDP, it only times out). The first handshake to complete
+/// wins; the others are dropped (closed). If none does within the connect timeout, the first
+/// failure says why, even when a silent address ran into the timeout.
+async fn dial_first(
+    addrs: &[SocketAddr],
+    config: &quinn::ClientConfig,
+    server_name: &str,
+    opts: &ConnectOptions,
+) -> Result<(quinn::Endpoint, quinn::Connection), ConnectError> {
+    use futures_util::StreamExt;
+    let mut first_failure: Option<ConnectError> = None;
+    let race = async {
+        let mut dials = futures_util::stream::FuturesUnordered::new();
+        let mut next = addrs.iter();
+        let mut stagger = std::pin::pin!(tokio::time::sleep(Duration::ZERO));
+        loop {
+            tokio::select! {
+                biased;
+                Some(result) = dials.next(), if !dials.is_empty() => match result {
+                    Ok(dialed) => return Some(dialed),
+                    Err(e) => {
+                        first_failure.get_or_insert(e);
+                        stagger.as_mut().reset(tokio::time::Instant::now());
+                    }
+                },
+                _ = &mut stagger, if next.len() > 0 => {
+                    if let Some(&addr) = next.next() {
+                        dials.push(dial(addr, config, server_name, opts));
+                    }
+                    stagger
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + HAPPY_EYEBALLS_DELAY);
+                }
+                else => return None,
+            }
+        }
+    };
+    let dialed = tokio::time::timeout(opts.timeout, race).await;
+    match (dialed, first_failure) {
+        (Ok(Some(dialed)), _) => Ok(dialed),
+        (_, Some(e)) => Err(e),
+        (_, None) => Err(ConnectError::Timeout {
+            addr: opts.addr.clone(),
+        }),
+    }
+}
+
 /// One QUIC handshake to `addr`, from an endpoint of its own.
 async fn dial(
     addr: SocketAddr,
@@ -214,50 +264,7 @@ impl Client {
         let mut config = quinn::ClientConfig::new(Arc::new(quic));
         config.transport_config(Arc::new(transport(&opts)));
         let server_name = opts.server_name.clone().unwrap_or(host);
-        // Every address the name resolves to, in order, the next one started 250 ms after the
-        // one before or as soon as it fails (as Happy Eyeballs does: `localhost` may give ::1
-        // before 127.0.0.1, and a broker may listen on one of them only; a handshake to an
-        // address where nothing listens does not fail over UDP, it only times out). The first
-        // handshake to complete wins; the others are dropped (closed). If none does, the first
-        // failure says why, even when a silent address ran into the timeout.
-        let mut first_failure: Option<ConnectError> = None;
-        let race = async {
-            use futures_util::StreamExt;
-            let mut dials = futures_util::stream::FuturesUnordered::new();
-            let mut next = addrs.iter();
-            let mut stagger = std::pin::pin!(tokio::time::sleep(Duration::ZERO));
-            loop {
-                tokio::select! {
-                    biased;
-                    Some(result) = dials.next(), if !dials.is_empty() => match result {
-                        Ok(dialed) => return Some(dialed),
-                        Err(e) => {
-                            first_failure.get_or_insert(e);
-                            stagger.as_mut().reset(tokio::time::Instant::now());
-                        }
-                    },
-                    _ = &mut stagger, if next.len() > 0 => {
-                        if let Some(&addr) = next.next() {
-                            dials.push(dial(addr, &config, &server_name, &opts));
-                        }
-                        stagger
-                            .as_mut()
-                            .reset(tokio::time::Instant::now() + HAPPY_EYEBALLS_DELAY);
-                    }
-                    else => return None,
-                }
-            }
-        };
-        let dialed = tokio::time::timeout(opts.timeout, race).await;
-        let (endpoint, conn) = match (dialed, first_failure) {
-            (Ok(Some(dialed)), _) => dialed,
-            (_, Some(e)) => return Err(e),
-            (_, None) => {
-                return Err(ConnectError::Timeout {
-                    addr: opts.addr.clone(),
-                })
-            }
-        };
+        let (endpoint, conn) = dial_first(addrs, &config, &server_name, &opts).await?;
         let conn = match &opts.transport {
             crate::link::Transport::Quic => crate::link::Link::Quic(conn),
             crate::link::Transport::WebTransport { path } => {

@@ -278,22 +278,7 @@ impl Publisher {
                 // known, replaces it if no flush has taken it yet.
                 lock(&self.inner.lost).get_or_insert(e.clone());
                 drop(guard);
-                // The broker usually said why before it stopped reading (FRAME_TOO_LARGE for
-                // this very frame, or an earlier one): its answer beats the bare write error
-                // ("stopped reading the stream"). It comes as this frame's answer, or, for a
-                // frame sent without `confirm`, as how the stream ended.
-                let mut why = None;
-                if let Some(rx) = rx {
-                    if let Ok(Ok(Err(answer))) = tokio::time::timeout(REASON_WAIT, rx).await {
-                        why = Some(answer);
-                    }
-                }
-                if let (None, Some(broken)) = (&why, broken) {
-                    why = match tokio::time::timeout(REASON_WAIT, broken.done).await {
-                        Ok(Ok(Err(end))) => Some(end),
-                        _ => lock(&broken.fatal).clone(),
-                    };
-                }
+                let why = why_it_broke(rx, broken).await;
                 let Some(why) = why else { return Err(e) };
                 if let Some(said) = lock(&self.inner.lost).as_mut().filter(|l| **l == e) {
                     *said = why.clone();
@@ -419,6 +404,26 @@ fn flush_error(e: ClientError) -> ClientError {
             "the broker may not have read everything published: {}",
             reason(e)
         )),
+    }
+}
+
+/// Why the broker stopped reading a stream a write just failed on, if it said so before it
+/// stopped (FRAME_TOO_LARGE for this very frame, or an earlier one): its answer beats the bare
+/// write error ("stopped reading the stream"). It comes as the failed frame's answer (`rx`, with
+/// `confirm`), or as how the stream ended. Waits at most [`REASON_WAIT`] for each.
+async fn why_it_broke(
+    rx: Option<oneshot::Receiver<Result<Vec<u64>, ClientError>>>,
+    broken: Option<Stream>,
+) -> Option<ClientError> {
+    if let Some(rx) = rx {
+        if let Ok(Ok(Err(answer))) = tokio::time::timeout(REASON_WAIT, rx).await {
+            return Some(answer);
+        }
+    }
+    let broken = broken?;
+    match tokio::time::timeout(REASON_WAIT, broken.done).await {
+        Ok(Ok(Err(end))) => Some(end),
+        _ => lock(&broken.fatal).clone(),
     }
 }
 

@@ -1,4 +1,5 @@
 //! A broker in this process for the crate's unit tests (the integration tests have their own).
+#![cfg(test)]
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -10,8 +11,18 @@ pub(crate) struct TestBroker {
     _dir: tempfile::TempDir,
     pub cert: PathBuf,
     pub addr: SocketAddr,
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), aqueduct_server::ServerError>>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The serving task: stopped with [`stop`](Self::stop), aborted if the broker is dropped
+    /// (a test that failed before it stopped it), so it never outlives the test's broker.
+    task: Option<tokio::task::JoinHandle<Result<(), aqueduct_server::ServerError>>>,
+}
+
+impl Drop for TestBroker {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
 }
 
 impl TestBroker {
@@ -31,8 +42,8 @@ impl TestBroker {
             _dir: dir,
             cert,
             addr,
-            stop,
-            task,
+            stop: Some(stop),
+            task: Some(task),
         }
     }
 
@@ -42,8 +53,15 @@ impl TestBroker {
     }
 
     /// Stop it and wait (at most 10 s) until it has.
-    pub(crate) async fn stop(self) {
-        let _ = self.stop.send(());
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(10), self.task).await;
+    pub(crate) async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(mut task) = self.task.take() {
+            let limit = std::time::Duration::from_secs(10);
+            if tokio::time::timeout(limit, &mut task).await.is_err() {
+                task.abort();
+            }
+        }
     }
 }

@@ -1866,7 +1866,7 @@ mod tests {
             assert!(!i.wants_plain_bytes(system));
         }
         i.apply(&Update {
-            key: Key::Plain(TopicFilter::try_from("#").expect("filter")),
+            key: plain("#"),
             count: 1,
         });
         for system in [&b"__dlq__orders"[..], b"$app/x", b"__audit", b"orders/eu"] {
@@ -1874,7 +1874,7 @@ mod tests {
         }
         let mut other = Interest::default();
         other.apply(&Update {
-            key: Key::Plain(TopicFilter::try_from("+/x").expect("filter")),
+            key: plain("+/x"),
             count: 1,
         });
         assert!(!other.wants_plain_bytes(b"$app/x"), "only # wants them");

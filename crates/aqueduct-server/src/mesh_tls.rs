@@ -168,7 +168,8 @@ impl MeshTls {
     /// The node id of a mesh connection's peer: its certificate must chain to the cluster CA
     /// *and* name `aqueduct-mesh` (so that a client certificate of the same CA is no peer).
     pub fn peer_of(&self, conn: &quinn::Connection) -> Result<NodeId, String> {
-        let certs = peer_certs(conn).ok_or("a mesh connection needs a peer certificate")?;
+        let certs = crate::tls::peer_certificates(conn)
+            .ok_or("a mesh connection needs a peer certificate")?;
         let (end, rest) = certs.split_first().ok_or("an empty certificate chain")?;
         self.peers
             .verify_client_cert(end, rest, UnixTime::now())
@@ -186,7 +187,7 @@ impl MeshTls {
     /// A client connection's certificate, if it presented one, must come from the clients' CA,
     /// and must not be a peer certificate (a node is not a client identity).
     pub fn check_client(&self, conn: &quinn::Connection) -> Result<(), String> {
-        let Some(certs) = peer_certs(conn) else {
+        let Some(certs) = crate::tls::peer_certificates(conn) else {
             return Ok(());
         };
         let Some((end, rest)) = certs.split_first() else {
@@ -211,7 +212,7 @@ pub const PEER_IS_NO_CLIENT: &str =
 
 /// Does the connection's client present a peer certificate (one that names `aqueduct-mesh`)?
 pub fn presents_peer_certificate(conn: &quinn::Connection) -> bool {
-    peer_certs(conn)
+    crate::tls::peer_certificates(conn)
         .as_deref()
         .and_then(<[_]>::first)
         .is_some_and(names_mesh)
@@ -229,13 +230,6 @@ pub fn names_mesh(cert: &CertificateDer<'_>) -> bool {
         .general_names
         .iter()
         .any(|n| matches!(n, x509_parser::extensions::GeneralName::DNSName(d) if *d == MESH_NAME))
-}
-
-fn peer_certs(conn: &quinn::Connection) -> Option<Vec<CertificateDer<'static>>> {
-    conn.peer_identity()?
-        .downcast::<Vec<CertificateDer<'static>>>()
-        .ok()
-        .map(|b| *b)
 }
 
 /// The negotiated ALPN of a connection.

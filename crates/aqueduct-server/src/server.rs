@@ -937,11 +937,7 @@ pub(crate) fn close_if_revoked(shared: &Shared, conn: &ConnState) -> bool {
 
 /// The client certificate chain of a connection, end entity first, if it presented one.
 fn peer_chain(conn: &ConnState) -> Option<Vec<rustls_pki_types::CertificateDer<'static>>> {
-    conn.conn.get()?.peer_identity().and_then(|id| {
-        id.downcast::<Vec<rustls_pki_types::CertificateDer<'static>>>()
-            .ok()
-            .map(|chain| *chain)
-    })
+    crate::tls::peer_certificates(conn.conn.get()?)
 }
 
 /// Close a new connection whose client certificate has expired: a resumed TLS session (its

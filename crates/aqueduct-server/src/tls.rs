@@ -387,11 +387,17 @@ pub fn validity(cert: &CertificateDer<'_>) -> Option<(i64, i64)> {
     Some((v.not_before.timestamp(), v.not_after.timestamp()))
 }
 
+/// The certificate chain the peer of `conn` presented, end entity first, if any.
+pub(crate) fn peer_certificates(conn: &quinn::Connection) -> Option<Vec<CertificateDer<'static>>> {
+    conn.peer_identity()?
+        .downcast::<Vec<CertificateDer<'static>>>()
+        .ok()
+        .map(|chain| *chain)
+}
+
 /// The Common Name of the client's certificate, if it presented one.
 pub fn client_common_name(conn: &quinn::Connection) -> Option<String> {
-    let identity = conn.peer_identity()?;
-    let certs = identity.downcast::<Vec<CertificateDer<'static>>>().ok()?;
-    common_name(certs.first()?)
+    common_name(peer_certificates(conn)?.first()?)
 }
 
 #[cfg(test)]
