@@ -452,9 +452,31 @@ async fn replies(
     // ERRORs answering publishes nobody waits for (sent without `confirm`): the first, and how
     // many. The stream's outcome says so, for `flush`.
     let mut refused: Option<(ErrorFrame, usize)> = None;
+    // An answer nobody waits for that could not be read (it may have been a refusal): the
+    // stream's outcome says so too, unless a refusal does.
+    let mut unreadable: Option<ClientError> = None;
     let finished = loop {
-        let frame = match reader.next().await {
-            Ok(Some(frame)) => frame,
+        let frame = match reader.next_or_bad().await {
+            Ok(Some(Ok(frame))) => frame,
+            // A whole frame that does not decode: its publish (if one waits) fails with why;
+            // the answers after it are still read.
+            Ok(Some(Err(bad))) => {
+                warn!(
+                    stream_id = bad.stream_id,
+                    "unreadable answer on the publish stream: {}", bad.error
+                );
+                match take(bad.stream_id) {
+                    Some(tx) => {
+                        if let Err(Err(e)) = tx.send(Err(bad.error)) {
+                            unreadable.get_or_insert(e);
+                        }
+                    }
+                    None => {
+                        unreadable.get_or_insert(bad.error);
+                    }
+                }
+                continue;
+            }
             Ok(None) => break Ok(()),
             Err(e) => break Err(e),
         };
@@ -510,8 +532,9 @@ async fn replies(
             "the broker finished the publish stream before answering".into(),
         ),
     };
-    // Read to its end, and every frame handled: but some were refused.
+    // Read to its end, and every frame handled: but some were refused, or unreadable.
     let finished = match (finished, refused) {
+        (Ok(()), None) => unreadable.map_or(Ok(()), Err),
         (Ok(()), Some((first, n))) => Err(ClientError::Broker {
             code: first.code,
             reason: match n {
@@ -537,6 +560,87 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    /// A later broker's frame (an opcode this client does not know) on a publish stream is
+    /// skipped, as protocol.md §10 says: the answer after it still reaches its publish. Before,
+    /// the stream's reader stopped at it, and every publish waiting there failed.
+    #[tokio::test]
+    async fn a_frame_of_an_unknown_opcode_on_the_publish_stream_is_skipped() {
+        use crate::test_broker::{read_frame, unknown_frame, FakeBroker};
+        let fake = FakeBroker::start();
+        let (client, conn) = tokio::join!(crate::Client::connect(fake.options()), fake.accept());
+        let client = client.expect("connect");
+        let confirm = PublishOptions {
+            confirm: true,
+            ..PublishOptions::default()
+        };
+        let broker = async {
+            let (mut send, mut recv) = conn.accept_bi().await.expect("the publish stream");
+            for offset in [7u64, 8] {
+                let (id, _) = read_frame(&mut recv).await;
+                send.write_all(&unknown_frame(id)).await.expect("write");
+                let answer = Frame::new(
+                    id,
+                    Wire::Confirm(aqueduct_proto::frame::Confirm {
+                        offsets: vec![offset],
+                    }),
+                );
+                send.write_all(&answer.to_bytes()).await.expect("write");
+            }
+            (send, recv)
+        };
+        let publishes = async {
+            let first = client.publish_with("t", "a", &confirm).await;
+            let second = client.publish_with("t", "b", &confirm).await;
+            (first, second)
+        };
+        let ((first, second), _streams) = within(async { tokio::join!(publishes, broker) }).await;
+        assert_eq!(first.expect("confirmed"), Some(7));
+        assert_eq!(second.expect("confirmed"), Some(8));
+    }
+
+    /// An answer that does not decode (a CONFIRM whose data is not whole offsets) fails the
+    /// publish it answers, with why, and the stream goes on: the next publish on it is
+    /// confirmed.
+    #[tokio::test]
+    async fn an_unreadable_answer_fails_its_publish_only() {
+        use crate::test_broker::{read_frame, FakeBroker};
+        let fake = FakeBroker::start();
+        let (client, conn) = tokio::join!(crate::Client::connect(fake.options()), fake.accept());
+        let client = client.expect("connect");
+        let confirm = PublishOptions {
+            confirm: true,
+            ..PublishOptions::default()
+        };
+        let broker = async {
+            let (mut send, mut recv) = conn.accept_bi().await.expect("the publish stream");
+            let (id, _) = read_frame(&mut recv).await;
+            // CONFIRM (0x07) with 5 bytes of data: not a whole u64.
+            let mut bad = vec![0x1F, 0x07];
+            bad.extend_from_slice(&id.to_le_bytes());
+            bad.extend_from_slice(&5u32.to_le_bytes());
+            bad.extend_from_slice(&[0; 5]);
+            send.write_all(&bad).await.expect("write");
+            let (id, _) = read_frame(&mut recv).await;
+            let answer = Frame::new(
+                id,
+                Wire::Confirm(aqueduct_proto::frame::Confirm { offsets: vec![9] }),
+            );
+            send.write_all(&answer.to_bytes()).await.expect("write");
+            (send, recv)
+        };
+        let publishes = async {
+            let first = client.publish_with("t", "a", &confirm).await;
+            let second = client.publish_with("t", "b", &confirm).await;
+            (first, second)
+        };
+        let ((first, second), _streams) = within(async { tokio::join!(publishes, broker) }).await;
+        match first {
+            Err(ClientError::Protocol(_)) => {}
+            other => panic!("expected a protocol error, got {other:?}"),
+        }
+        assert_eq!(second.expect("confirmed"), Some(9));
+    }
 
     async fn within<T>(fut: impl std::future::Future<Output = T>) -> T {
         tokio::time::timeout(Duration::from_secs(10), fut)

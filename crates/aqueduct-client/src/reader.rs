@@ -3,11 +3,19 @@
 use aqueduct_proto::frame::{split_frame, Confirm, Message};
 use aqueduct_proto::{DecodeError, Frame, FrameHeader, Limits, Opcode, HEADER_LEN};
 use bytes::{Buf, Bytes, BytesMut};
+use tracing::warn;
 
 use crate::error::ClientError;
 
 /// Largest frame the client accepts from a broker.
 const MAX_FRAME: u32 = 16 << 20;
+
+/// A whole frame from the broker that did not decode; the stream goes on after it.
+#[derive(Debug)]
+pub(crate) struct BadFrame {
+    pub stream_id: u32,
+    pub error: ClientError,
+}
 
 pub(crate) struct FrameReader {
     recv: crate::link::RecvHalf,
@@ -25,32 +33,38 @@ impl FrameReader {
     /// The next buffered frame's validated header and data (not decoded); `Ok(None)` if none
     /// is complete.
     pub(crate) fn try_next_raw(&mut self) -> Result<Option<(FrameHeader, Bytes)>, ClientError> {
-        let limits = Limits {
-            max_data_len: MAX_FRAME,
+        let Some((header, len)) = self.peek_raw()? else {
+            return Ok(None);
         };
-        match split_frame(&self.buf, &limits) {
-            Ok(raw) => {
-                let mut data = self.buf.split_to(raw.frame_len());
-                data.advance(HEADER_LEN);
-                let header = raw.validate()?;
-                Ok(Some((header, data.freeze())))
-            }
-            Err(DecodeError::Incomplete { .. }) => Ok(None),
-            Err(DecodeError::Invalid(e)) => Err(ClientError::Protocol(e)),
-        }
+        let mut data = self.buf.split_to(len);
+        data.advance(HEADER_LEN);
+        Ok(Some((header, data.freeze())))
     }
 
     /// The next buffered frame's validated header and its length (header included), left in
     /// the buffer: read it with [`Self::frame_data`], then [`Self::consume`] it. `Ok(None)` if
-    /// none is complete.
-    pub(crate) fn peek_raw(&self) -> Result<Option<(FrameHeader, usize)>, ClientError> {
+    /// none is complete. A frame with an opcode this client does not know (one a later broker
+    /// added) is skipped, as protocol.md §10 says a receiver does with a whole frame it cannot
+    /// take; only a lost frame boundary (bad magic, a frame above the limit) is an error.
+    pub(crate) fn peek_raw(&mut self) -> Result<Option<(FrameHeader, usize)>, ClientError> {
         let limits = Limits {
             max_data_len: MAX_FRAME,
         };
-        match split_frame(&self.buf, &limits) {
-            Ok(raw) => Ok(Some((raw.validate()?, raw.frame_len()))),
-            Err(DecodeError::Incomplete { .. }) => Ok(None),
-            Err(DecodeError::Invalid(e)) => Err(ClientError::Protocol(e)),
+        loop {
+            match split_frame(&self.buf, &limits) {
+                Ok(raw) => match raw.validate() {
+                    Ok(header) => return Ok(Some((header, raw.frame_len()))),
+                    Err(e) => {
+                        warn!(
+                            stream_id = raw.stream_id,
+                            "skipping a frame from the broker this client cannot read: {e}"
+                        );
+                        self.buf.advance(raw.frame_len());
+                    }
+                },
+                Err(DecodeError::Incomplete { .. }) => return Ok(None),
+                Err(DecodeError::Invalid(e)) => return Err(ClientError::Protocol(e)),
+            }
         }
     }
 
@@ -92,6 +106,18 @@ impl FrameReader {
 
     /// The next frame; `Ok(None)` when the broker finished the stream.
     pub(crate) async fn next(&mut self) -> Result<Option<Frame>, ClientError> {
+        match self.next_frame(false).await? {
+            Some(Ok(frame)) => Ok(Some(frame)),
+            Some(Err(bad)) => Err(bad.error),
+            None => Ok(None),
+        }
+    }
+
+    /// As [`Self::next`], except that a whole frame that does not decode (a bad payload or
+    /// extension) is returned as a [`BadFrame`], past which the stream can still be read.
+    pub(crate) async fn next_or_bad(
+        &mut self,
+    ) -> Result<Option<Result<Frame, BadFrame>>, ClientError> {
         self.next_frame(false).await
     }
 
@@ -99,10 +125,17 @@ impl FrameReader {
     /// a confirmation (protocol.md §7.1: "whatever its data"): one whose data is not whole
     /// u64s comes back listing none, which says nothing about where it is served from.
     pub(crate) async fn next_subscribe_answer(&mut self) -> Result<Option<Frame>, ClientError> {
-        self.next_frame(true).await
+        match self.next_frame(true).await? {
+            Some(Ok(frame)) => Ok(Some(frame)),
+            Some(Err(bad)) => Err(bad.error),
+            None => Ok(None),
+        }
     }
 
-    async fn next_frame(&mut self, any_confirm: bool) -> Result<Option<Frame>, ClientError> {
+    async fn next_frame(
+        &mut self,
+        any_confirm: bool,
+    ) -> Result<Option<Result<Frame, BadFrame>>, ClientError> {
         loop {
             if let Some((header, data)) = self.try_next_raw()? {
                 if any_confirm && header.opcode == Opcode::Confirm && !data.len().is_multiple_of(8)
@@ -110,12 +143,15 @@ impl FrameReader {
                     let confirm = Confirm {
                         offsets: Vec::new(),
                     };
-                    return Ok(Some(Frame::new(
+                    return Ok(Some(Ok(Frame::new(
                         header.stream_id,
                         Message::Confirm(confirm),
-                    )));
+                    ))));
                 }
-                return Ok(Some(Frame::decode(&header, data)?));
+                return Ok(Some(Frame::decode(&header, data).map_err(|e| BadFrame {
+                    stream_id: header.stream_id,
+                    error: e.into(),
+                })));
             }
             if !std::future::poll_fn(|cx| self.poll_read_more(cx)).await? {
                 return Ok(None);

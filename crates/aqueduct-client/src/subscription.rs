@@ -786,6 +786,53 @@ fn closes_subscription(e: &ClientError) -> bool {
 mod tests {
     use super::*;
 
+    /// A later broker's frame (an opcode this client does not know) on a subscription's stream
+    /// is skipped (protocol.md §10), whether messages are taken one by one or in batches: the
+    /// deliveries after it arrive. Before, the subscription ended at it with an error.
+    #[tokio::test]
+    async fn a_frame_of_an_unknown_opcode_on_a_subscription_is_skipped() {
+        use crate::test_broker::{read_frame, unknown_frame, FakeBroker};
+        use aqueduct_proto::frame::Confirm;
+        let fake = FakeBroker::start();
+        let (client, conn) = tokio::join!(crate::Client::connect(fake.options()), fake.accept());
+        let client = client.expect("connect");
+        let broker = async {
+            let (mut send, mut recv) = conn.accept_bi().await.expect("the subscription's stream");
+            let (id, _) = read_frame(&mut recv).await;
+            let confirm = Frame::new(id, Wire::Confirm(Confirm { offsets: vec![] }));
+            send.write_all(&confirm.to_bytes()).await.expect("write");
+            for body in ["one", "two"] {
+                send.write_all(&unknown_frame(id)).await.expect("write");
+                let topic = TopicName::try_from("t").expect("topic");
+                let delivery = Frame::new(id, Wire::Publish(Publish::new(topic, body.into())));
+                send.write_all(&delivery.to_bytes()).await.expect("write");
+            }
+            (send, recv)
+        };
+        let (sub, _streams) = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            tokio::join!(client.subscribe("t"), broker)
+        })
+        .await
+        .expect("in time");
+        let mut sub = sub.expect("subscribed");
+        let first = tokio::time::timeout(std::time::Duration::from_secs(10), sub.next_message())
+            .await
+            .expect("in time")
+            .expect("a message")
+            .expect("not an error");
+        assert_eq!(first.body().as_ref(), b"one");
+        let mut bodies = Vec::new();
+        let n = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            sub.next_batch(8, |m| bodies.push(m.body().to_vec())),
+        )
+        .await
+        .expect("in time")
+        .expect("a batch")
+        .expect("not an error");
+        assert_eq!((n, bodies), (1, vec![b"two".to_vec()]));
+    }
+
     #[test]
     fn a_message_stays_small() {
         // It is moved several times per delivery; the rare extensions live behind a Box.

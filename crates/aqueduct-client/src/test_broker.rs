@@ -65,3 +65,75 @@ impl TestBroker {
         }
     }
 }
+
+/// Not a broker: a QUIC endpoint on 127.0.0.1 port 0 with a self-signed certificate (ALPN
+/// `aqueduct-v1`) that hands a test the connections it accepts, for answers a real broker never
+/// sends (a later version's frames, broken ones).
+pub(crate) struct FakeBroker {
+    _dir: tempfile::TempDir,
+    cert: PathBuf,
+    endpoint: quinn::Endpoint,
+}
+
+impl FakeBroker {
+    pub(crate) fn start() -> FakeBroker {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let cert = dir.path().join("fake-cert.pem");
+        let key = rcgen::generate_simple_self_signed(vec!["127.0.0.1".into()]).expect("cert");
+        std::fs::write(&cert, key.cert.pem()).expect("write cert");
+        let der = rustls_pki_types::CertificateDer::from(key.cert.der().to_vec());
+        let secret = rustls_pki_types::PrivateKeyDer::Pkcs8(key.signing_key.serialize_der().into());
+        let mut tls = rustls::ServerConfig::builder_with_provider(aqueduct_server::tls::provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .expect("tls13")
+            .with_no_client_auth()
+            .with_single_cert(vec![der], secret)
+            .expect("server cert");
+        tls.alpn_protocols = vec![b"aqueduct-v1".to_vec()];
+        let config = quinn::ServerConfig::with_crypto(std::sync::Arc::new(
+            quinn::crypto::rustls::QuicServerConfig::try_from(tls).expect("quic"),
+        ));
+        let endpoint = quinn::Endpoint::server(config, "127.0.0.1:0".parse().expect("addr"))
+            .expect("endpoint");
+        FakeBroker {
+            _dir: dir,
+            cert,
+            endpoint,
+        }
+    }
+
+    /// Options to connect to it, trusting its certificate.
+    pub(crate) fn options(&self) -> crate::ConnectOptions {
+        let addr = self.endpoint.local_addr().expect("addr");
+        crate::ConnectOptions::new(addr.to_string()).dev_cert_file(&self.cert)
+    }
+
+    /// The next connection, handshake done.
+    pub(crate) async fn accept(&self) -> quinn::Connection {
+        let incoming = self.endpoint.accept().await.expect("a connection");
+        incoming.await.expect("handshake")
+    }
+}
+
+/// Read one whole frame from `recv`: (its stream id, the frame's bytes).
+pub(crate) async fn read_frame(recv: &mut quinn::RecvStream) -> (u32, Vec<u8>) {
+    let mut frame = vec![0u8; aqueduct_proto::HEADER_LEN];
+    recv.read_exact(&mut frame).await.expect("header");
+    let stream_id = u32::from_le_bytes(frame[2..6].try_into().expect("4 bytes"));
+    let len = u32::from_le_bytes(frame[6..10].try_into().expect("4 bytes")) as usize;
+    frame.resize(aqueduct_proto::HEADER_LEN + len, 0);
+    recv.read_exact(&mut frame[aqueduct_proto::HEADER_LEN..])
+        .await
+        .expect("data");
+    (stream_id, frame)
+}
+
+/// A frame of opcode 0x3E (reserved: what a later broker might send) with stream id `id` and
+/// three bytes of data.
+pub(crate) fn unknown_frame(id: u32) -> Vec<u8> {
+    let mut f = vec![0x1F, 0x3E];
+    f.extend_from_slice(&id.to_le_bytes());
+    f.extend_from_slice(&3u32.to_le_bytes());
+    f.extend_from_slice(&[1, 2, 3]);
+    f
+}

@@ -390,6 +390,13 @@ pub const DUPLICATE: &str = "duplicate mesh connection";
 /// reconnect starts a fresh session (and is closed again if the interest is still too large).
 pub const INTEREST_LIMIT: &str = "the peer's interest is larger than cluster.max_peer_interest";
 
+/// The close reason of a connection whose control stream broke the mesh protocol (an
+/// undecodable message, one out of order). Both ends then redial with a growing wait, as after
+/// a refusal for interest ([`Mesh::handle_broken`], [`Mesh::handle_refused_by_peer`]): a fault
+/// that persists (two versions that do not understand each other) is not met several times a
+/// second.
+pub const PROTOCOL_ERROR: &str = "mesh protocol error";
+
 /// The failed connections in a row a refusal for interest counts as at least (see
 /// `Mesh::note_refusal`): the next dial then waits up to `backoff_min * 2^2`.
 const REFUSED_ATTEMPTS: u32 = 2;
@@ -1024,10 +1031,20 @@ impl Mesh {
     }
 
     /// The peer on `conn` closed it because this node's interest is beyond its limit (the
-    /// transport saw [`INTEREST_LIMIT`] as the close reason): this node waits longer, each time,
-    /// before it dials that peer again. Call before [`Mesh::handle_disconnected`].
+    /// transport saw [`INTEREST_LIMIT`] as the close reason), or for a protocol error
+    /// ([`PROTOCOL_ERROR`]): this node waits longer, each time, before it dials that peer
+    /// again. Call before [`Mesh::handle_disconnected`].
     pub fn handle_refused_by_peer(&mut self, conn: ConnId) {
         self.note_refusal(conn);
+    }
+
+    /// The control stream of `conn` broke the protocol; the transport closes the connection
+    /// ([`PROTOCOL_ERROR`]). It ends as [`Mesh::handle_disconnected`] ends one, but counts as a
+    /// refusal even if the peer spoke first: a fault that persists is redialed with a growing
+    /// wait, not within `backoff_min` every time.
+    pub fn handle_broken(&mut self, now: Instant, conn: ConnId) {
+        self.note_refusal(conn);
+        self.handle_disconnected(now, conn);
     }
 
     fn note_refusal(&mut self, conn: ConnId) {
@@ -2189,6 +2206,39 @@ mod tests {
             waits_between_connections(&mut a, addr, now, 1, refuse);
             assert_eq!(a.targets[&addr].attempts, REFUSED_ATTEMPTS + 1);
         }
+    }
+
+    /// A connection whose control stream breaks the protocol after the peer spoke (a version
+    /// that does not understand this one's messages) is redialed with a growing wait, as a
+    /// refused one is, not within `backoff_min` every time; the next connection that ends
+    /// plainly makes the wait short again.
+    #[test]
+    fn a_connection_that_breaks_the_protocol_is_redialed_with_a_growing_wait() {
+        let cfg = MeshConfig::default();
+        let (mut a, addr, now) = dialing_one_peer(cfg);
+        let mut waits = Vec::new();
+        for i in 0..8 {
+            let conn = ConnId(i + 1);
+            assert!(a.handle_connected(now, conn, node("b"), Some(addr), true));
+            let snapshot = Control::Snapshot {
+                session: 1,
+                seq: 0,
+                interest: Interest::default(),
+            };
+            assert!(a.handle_control(conn, snapshot));
+            while a.poll_output().is_some() {}
+            a.handle_broken(now, conn);
+            let at = a.poll_timeout().expect("scheduled");
+            waits.push(at - now);
+            a.handle_timeout(at);
+            assert_eq!(a.poll_output(), Some(Output::Dial(addr)));
+        }
+        assert!(
+            waits.iter().any(|w| *w > Duration::from_secs(2)),
+            "{waits:?}"
+        );
+        assert!(a.peers().next().is_none(), "the broken connection is gone");
+        after_a_plain_connection_the_wait_is_short(&mut a, addr, now, cfg);
     }
 
     /// What still comes on a connection closed for its interest is ignored: the rest of a

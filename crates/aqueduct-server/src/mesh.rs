@@ -30,7 +30,7 @@ use std::sync::Mutex;
 use aqueduct_core::mesh::{
     ConnId, Control, Interest, Key, Mesh, MeshConfig, NodeId, Output, RouteTable,
 };
-use aqueduct_core::mesh::{Forward, GroupKey};
+use aqueduct_core::mesh::{Forward, GroupKey, PROTOCOL_ERROR};
 use aqueduct_core::mesh_codec::{
     decode_control, decode_forward, encode_control, encode_forward, MeshCodecError,
 };
@@ -61,7 +61,8 @@ const DIAL_WARN_EVERY: Duration = Duration::from_secs(60);
 /// together, counted until their tasks end: the one in use, one held or replacing it, and
 /// duplicates still being retired (for up to `RETIRE_WAIT` each) leave room to spare. A
 /// connection beyond is closed at once with [`TOO_MANY_CONNECTIONS`]: each costs a task,
-/// buffers and a snapshot of this node's interest.
+/// buffers and a snapshot of this node's interest. A connection whose peer said it is leaving
+/// counts until it ends, which is at most [`LEFT_OPEN_WAIT`] later.
 pub(crate) const MAX_CONNECTIONS_PER_PEER: usize = 8;
 /// The close reason of a connection beyond [`MAX_CONNECTIONS_PER_PEER`].
 const TOO_MANY_CONNECTIONS: &str = "too many mesh connections from this node";
@@ -103,9 +104,11 @@ pub enum Event {
         conn: ConnId,
     },
     /// The peer closed the connection because this node's interest is beyond its
-    /// `cluster.max_peer_interest` (sent just before the connection's `Closed`).
+    /// `cluster.max_peer_interest`, or for a protocol error (sent just before the connection's
+    /// `Closed`).
     RefusedByPeer {
         conn: ConnId,
+        why: PeerRefusal,
     },
     /// The peer finished its data stream on a connection this node has not retired (and
     /// everything it wrote there is published here): it retired the connection, or it is
@@ -604,6 +607,9 @@ pub struct MeshHandle {
     /// Connections a peer closed because this node's interest is beyond its
     /// `cluster.max_peer_interest`.
     pub refused_by_peer: Arc<AtomicU64>,
+    /// Connections this node closed because the peer broke the mesh protocol: its control
+    /// stream (an undecodable message), or a leave it did not finish ([`LEFT_OPEN_WAIT`]).
+    pub protocol_errors: Arc<AtomicU64>,
     /// The broker, to ask whether a group picked here still has a member here (weak: the
     /// broker's listeners hold this handle).
     broker: std::sync::Weak<Broker>,
@@ -930,6 +936,7 @@ pub(crate) fn new(
         interest_refused: Arc::new(AtomicU64::new(0)),
         connections_refused: Arc::new(AtomicU64::new(0)),
         refused_by_peer: Arc::new(AtomicU64::new(0)),
+        protocol_errors: Arc::new(AtomicU64::new(0)),
         broker: Arc::downgrade(&broker),
     };
     let out = (
@@ -1080,9 +1087,7 @@ impl Driver {
                 // A connection the mesh does not keep (a duplicate, itself) is closed by the
                 // `Output::Close` it queues, below: both ends then end it.
                 Some(Event::Accepted { conn, node }) => {
-                    let open = live.values().filter(|n| **n == node).count();
-                    if open >= MAX_CONNECTIONS_PER_PEER {
-                        conn.close(0u32.into(), TOO_MANY_CONNECTIONS.as_bytes());
+                    if too_many(&live, &conn, &node) {
                         self.handle
                             .connections_refused
                             .fetch_add(1, Ordering::Relaxed);
@@ -1110,6 +1115,23 @@ impl Driver {
                         Ok((conn, node))
                     });
                     match result {
+                        Ok((conn, node)) if too_many(&live, &conn, &node) => {
+                            // This node's dials count as the peer's do: a peer that lets this
+                            // node's connections linger (each said to be leaving, say) cannot
+                            // make it keep more than the cap by having it redial.
+                            self.handle
+                                .connections_refused
+                                .fetch_add(1, Ordering::Relaxed);
+                            let what = format!("this node has {MAX_CONNECTIONS_PER_PEER} mesh connections to cluster peer {node} still open: closing the new one it dialed, and dialing again with a growing wait");
+                            log_refusal(
+                                &mut refusals_warned,
+                                &node,
+                                Refusal::Connections,
+                                now,
+                                what,
+                            );
+                            self.mesh.handle_dial_failed(now, addr);
+                        }
                         Ok((conn, node)) => {
                             if dial_warned.forget(&addr) {
                                 info!(%addr, peer = %node, "cluster peer reached");
@@ -1149,6 +1171,22 @@ impl Driver {
                     if let Some(link) = conns.get_mut(&conn) {
                         info!(peer = %link.node, "cluster peer leaving (shutting down)");
                         link.let_go();
+                        // The peer closes it once this node has published what it wrote there,
+                        // waiting at most LEAVE_WAIT for that. One that does not is closed
+                        // here: a peer saying it leaves, then never going, would otherwise
+                        // hold the connection (kept alive by its keep-alives) for ever.
+                        let (conn, node) = (link.conn.clone(), link.node.clone());
+                        let errors = self.handle.protocol_errors.clone();
+                        tasks.spawn(async move {
+                            tokio::select! {
+                                _ = conn.closed() => {}
+                                _ = tokio::time::sleep(LEFT_OPEN_WAIT) => {
+                                    warn!(peer = %node, "cluster peer said it was leaving {LEFT_OPEN_WAIT:?} ago but kept its connection open: closing it");
+                                    errors.fetch_add(1, Ordering::Relaxed);
+                                    conn.close(0u32.into(), LEFT_OPEN.as_bytes());
+                                }
+                            }
+                        });
                     }
                     self.mesh.handle_disconnected(now, conn);
                 }
@@ -1157,29 +1195,29 @@ impl Driver {
                 }
                 Some(Event::Broken { conn, why }) => {
                     live.remove(&conn);
-                    warn!(conn = conn.0, "mesh control stream broken: {why}");
+                    warn!(conn = conn.0, "mesh control stream broken (closing the connection; the next one waits longer each time): {why}");
+                    self.handle.protocol_errors.fetch_add(1, Ordering::Relaxed);
                     if let Some(link) = conns.remove(&conn) {
-                        link.conn.close(0u32.into(), b"mesh protocol error");
+                        link.conn.close(0u32.into(), PROTOCOL_ERROR.as_bytes());
                     }
-                    self.mesh.handle_disconnected(now, conn);
+                    self.mesh.handle_broken(now, conn);
                 }
                 Some(Event::Closed { conn }) => {
                     live.remove(&conn);
                     conns.remove(&conn);
                     self.mesh.handle_disconnected(now, conn);
                 }
-                Some(Event::RefusedByPeer { conn }) => {
+                Some(Event::RefusedByPeer { conn, why }) => {
                     self.handle.refused_by_peer.fetch_add(1, Ordering::Relaxed);
                     if let Some(link) = conns.get(&conn) {
-                        let ours = self.mesh.local().len();
-                        let what = format!("cluster peer {} closed its connection because this node's interest ({ours} topic filters and consumer groups) is more than its cluster.max_peer_interest allows: raise the limit there, or subscribe to fewer distinct filters here; dialing it again with a growing wait", link.node);
-                        log_refusal(
-                            &mut refusals_warned,
-                            &link.node,
-                            Refusal::OurInterest,
-                            now,
-                            what,
-                        );
+                        let (kind, what) = match why {
+                            PeerRefusal::OurInterest => {
+                                let ours = self.mesh.local().len();
+                                (Refusal::OurInterest, format!("cluster peer {} closed its connection because this node's interest ({ours} topic filters and consumer groups) is more than its cluster.max_peer_interest allows: raise the limit there, or subscribe to fewer distinct filters here; dialing it again with a growing wait", link.node))
+                            }
+                            PeerRefusal::ProtocolError => (Refusal::Protocol, format!("cluster peer {} closed its connection for a mesh protocol error (do both nodes run the same Aqueduct version?): dialing it again with a growing wait", link.node)),
+                        };
+                        log_refusal(&mut refusals_warned, &link.node, kind, now, what);
                     }
                     self.mesh.handle_refused_by_peer(conn);
                 }
@@ -1384,6 +1422,26 @@ const SHUTTING_DOWN: &[u8] = b"broker shutting down";
 /// How long a node shutting down waits for its peers to publish the copies it sent them.
 pub(crate) const LEAVE_WAIT: Duration = Duration::from_secs(5);
 
+/// How long a connection whose peer said it is leaving may stay open: the peer closes it once
+/// every copy it wrote there is published here, waiting at most [`LEAVE_WAIT`] for that; past
+/// this, this node closes it ([`LEFT_OPEN`]).
+pub(crate) const LEFT_OPEN_WAIT: Duration = Duration::from_secs(7);
+
+/// The close reason of a connection whose peer said it is leaving and kept it open beyond
+/// [`LEFT_OPEN_WAIT`].
+pub(crate) const LEFT_OPEN: &str = "the peer said it was leaving but kept the connection open";
+
+/// Would one more connection with `node` pass [`MAX_CONNECTIONS_PER_PEER`]? If so, `conn` is
+/// closed with [`TOO_MANY_CONNECTIONS`].
+fn too_many(live: &HashMap<ConnId, NodeId>, conn: &quinn::Connection, node: &NodeId) -> bool {
+    let open = live.values().filter(|n| *n == node).count();
+    let over = open >= MAX_CONNECTIONS_PER_PEER;
+    if over {
+        conn.close(0u32.into(), TOO_MANY_CONNECTIONS.as_bytes());
+    }
+    over
+}
+
 /// A mesh connection as the driver holds it.
 struct Link {
     conn: quinn::Connection,
@@ -1483,21 +1541,36 @@ fn explain_dial_failure(addr: SocketAddr, why: &str) -> String {
     format!("{why}; {hint}")
 }
 
+/// Why a peer closed a connection in a way that makes this node wait longer before the next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerRefusal {
+    /// This node's interest is beyond the peer's limit ([`aqueduct_core::mesh::INTEREST_LIMIT`]).
+    OurInterest,
+    /// This node's control stream broke the peer's protocol ([`PROTOCOL_ERROR`]).
+    ProtocolError,
+}
+
 /// Look at why a connection ended. Warns if the peer refused it (NOT_AUTHORIZED: this node's
-/// certificate is not a peer certificate it takes); returns true if the peer closed it for
-/// this node's interest ([`aqueduct_core::mesh::INTEREST_LIMIT`]), which the driver warns
-/// about. The other closes (shutdown, a duplicate retired) are routine.
-fn note_peer_close(e: &quinn::ConnectionError) -> bool {
-    if let quinn::ConnectionError::ApplicationClosed(c) = e {
-        if c.error_code == quinn::VarInt::from(aqueduct_proto::ErrorCode::NOT_AUTHORIZED.0) {
-            warn!(
-                "a cluster peer refused this node's connection: {}",
-                String::from_utf8_lossy(&c.reason)
-            );
-        }
-        return c.reason.as_ref() == aqueduct_core::mesh::INTEREST_LIMIT.as_bytes();
+/// certificate is not a peer certificate it takes); returns the refusal if the peer closed it
+/// for this node's interest or a protocol error, which the driver warns about and redials
+/// with a growing wait. The other closes (shutdown, a duplicate retired) are routine.
+fn note_peer_close(e: &quinn::ConnectionError) -> Option<PeerRefusal> {
+    let quinn::ConnectionError::ApplicationClosed(c) = e else {
+        return None;
+    };
+    if c.error_code == quinn::VarInt::from(aqueduct_proto::ErrorCode::NOT_AUTHORIZED.0) {
+        warn!(
+            "a cluster peer refused this node's connection: {}",
+            String::from_utf8_lossy(&c.reason)
+        );
     }
-    false
+    if c.reason.as_ref() == aqueduct_core::mesh::INTEREST_LIMIT.as_bytes() {
+        Some(PeerRefusal::OurInterest)
+    } else if c.reason.as_ref() == PROTOCOL_ERROR.as_bytes() {
+        Some(PeerRefusal::ProtocolError)
+    } else {
+        None
+    }
 }
 
 /// What a link this node dials asks of its transport, as the broker asks of the connections it
@@ -1539,6 +1612,8 @@ fn dial_transport(asked: DialTransport) -> quinn::TransportConfig {
     }
     // Fewer ACKs from the peer, as the broker asks of every connection it accepts.
     transport.ack_frequency_config(ack_frequency);
+    // The mesh sends no QUIC datagrams: none are taken (quinn would hold up to 1.25 MB unread).
+    transport.datagram_receive_buffer_size(None);
     transport
 }
 
@@ -2320,8 +2395,8 @@ async fn serve_peer(link: PeerTask) {
     } else if *leaving.borrow() {
         conn.close(0u32.into(), SHUTTING_DOWN);
     }
-    if conn.close_reason().as_ref().is_some_and(note_peer_close) {
-        let _ = events.send(Event::RefusedByPeer { conn: id });
+    if let Some(why) = conn.close_reason().as_ref().and_then(note_peer_close) {
+        let _ = events.send(Event::RefusedByPeer { conn: id, why });
     }
     closed_on_drop.disarm();
     let _ = events.send(match end {
@@ -2339,6 +2414,8 @@ enum Refusal {
     OurInterest,
     /// The peer opened too many connections.
     Connections,
+    /// The peer closed a connection for a protocol error.
+    Protocol,
 }
 
 /// Log a refusal (interest beyond the limit, either way; too many connections) of `kind`
@@ -2385,6 +2462,7 @@ mod tests {
         assert!(on.contains("initial_mtu: 1400"), "{on}");
         assert!(on.contains("initial_rtt: 50ms"), "{on}");
         assert!(on.contains("upper_bound: 1400"), "{on}");
+        assert!(on.contains("datagram_receive_buffer_size: None"), "{on}");
         let off = format!("{:?}", dial_transport(asked(1)));
         assert!(off.contains("ack_frequency_config: None"), "{off}");
     }
@@ -2693,6 +2771,7 @@ mod tests {
             interest_refused: Arc::default(),
             connections_refused: Arc::default(),
             refused_by_peer: Arc::default(),
+            protocol_errors: Arc::default(),
             broker: std::sync::Weak::new(),
         };
         (handle, queues)

@@ -292,6 +292,12 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
         mesh.refused_by_peer.load(std::sync::atomic::Ordering::Relaxed),
     );
     out.single(
+        "aqueduct_mesh_protocol_errors_total",
+        "counter",
+        "Mesh connections this node closed because the peer broke the mesh protocol: an undecodable control message, or a leave not finished within 7 s.",
+        mesh.protocol_errors.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    out.single(
         "aqueduct_mesh_group_handovers_total",
         "counter",
         "Consumer-group messages given to a member on another node because no member was left here.",

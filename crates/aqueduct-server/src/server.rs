@@ -154,6 +154,12 @@ fn transport_config(
         0
     };
     c.max_concurrent_uni_streams(uni.into());
+    // QUIC datagrams: the native protocol has none, so none are taken (a client's would be a
+    // protocol violation). quinn's default buffers up to 1.25 MB of a connection's unread
+    // datagrams, which a client could fill on every connection. HTTP/3 must offer them
+    // (RFC 9297: a browser closes a connection that announces H3_DATAGRAM without them), and
+    // the broker never reads them: a small buffer, its oldest dropped first.
+    c.datagram_receive_buffer_size(webtransport.then_some(crate::webtransport::DATAGRAM_BUFFER));
     c.max_idle_timeout(if t.idle_timeout.is_zero() {
         None
     } else {
@@ -1089,6 +1095,24 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Datagrams: none taken from native clients (quinn's default held up to 1.25 MB of a
+    /// connection's unread ones); with WebTransport, offered (HTTP/3 must) into a small buffer.
+    /// quinn keeps the settings private: its Debug output is the only view of them.
+    #[test]
+    fn datagrams_are_refused_natively_and_buffered_little_for_browsers() {
+        let t = Config::default().transport;
+        let native = format!("{:?}", transport_config(&t, false).expect("config"));
+        assert!(
+            native.contains("datagram_receive_buffer_size: None"),
+            "{native}"
+        );
+        let browsers = format!("{:?}", transport_config(&t, true).expect("config"));
+        assert!(
+            browsers.contains("datagram_receive_buffer_size: Some(16384)"),
+            "{browsers}"
+        );
+    }
 
     /// `":4242"` on a host without IPv6: IPv4 instead; a port in use is not a missing IPv6;
     /// and where IPv4 fails too, its error is the one told.

@@ -35,6 +35,9 @@ pub const H3_ALPN: &[u8] = b"h3";
 pub const SUBPROTOCOL: &str = "aqueduct-v1";
 /// Unidirectional streams an HTTP/3 connection needs (control, QPACK encoder and decoder).
 pub const H3_UNI_STREAMS: u32 = 3;
+/// Bytes of a connection's QUIC datagrams quinn holds unread (it drops the oldest beyond). The
+/// broker offers datagrams because HTTP/3 must, and reads none: a page's would only take memory.
+pub const DATAGRAM_BUFFER: usize = 16 * 1024;
 /// How long a browser certificate is valid (`serverCertificateHashes` allows at most 14 days).
 const BROWSER_CERT_VALID: Duration = Duration::from_secs(13 * 24 * 3600);
 /// How often it is renewed. Only the current certificate is shown: a page fetches the hash

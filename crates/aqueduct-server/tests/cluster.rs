@@ -1747,3 +1747,149 @@ async fn a_peer_may_not_open_more_than_eight_connections_at_once() {
     }
     b.stop().await.expect("clean shutdown");
 }
+
+/// A raw peer `node-a`'s connection to `b`, with a snapshot on its control stream (so the node
+/// keeps it and has heard it) and its data stream opened: (connection, control stream, data
+/// stream).
+async fn raw_peer_spoke(
+    endpoint: &quinn::Endpoint,
+    b: &TestBroker,
+) -> (quinn::Connection, quinn::SendStream, quinn::SendStream) {
+    use aqueduct_core::mesh::{Control, Interest};
+    let conn = within(
+        "the peer's dial",
+        endpoint.connect(b.addr, "aqueduct-mesh").expect("connect"),
+    )
+    .await
+    .expect("handshake");
+    let mut control = conn.open_uni().await.expect("control stream");
+    let mut snapshot = vec![1u8]; // CONTROL_STREAM
+    aqueduct_core::mesh_codec::encode_control(
+        &Control::Snapshot {
+            session: 1 << 20,
+            seq: 0,
+            interest: Interest::default(),
+        },
+        &mut snapshot,
+    );
+    control.write_all(&snapshot).await.expect("write");
+    let mut data = conn.open_uni().await.expect("data stream");
+    data.write_all(&[2u8]).await.expect("write"); // DATA_STREAM
+    until("the node to keep the peer's connection", || {
+        peers_of(b) == BTreeSet::from(["node-a".to_string()])
+    })
+    .await;
+    (conn, control, data)
+}
+
+fn protocol_errors(b: &TestBroker) -> u64 {
+    b.control
+        .mesh()
+        .expect("cluster on")
+        .protocol_errors
+        .load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The reason a connection was closed with by its peer (the node), within `wait`.
+async fn closed_by_node(conn: &quinn::Connection, wait: Duration) -> String {
+    match tokio::time::timeout(wait, conn.closed())
+        .await
+        .expect("the node closed the connection in time")
+    {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            String::from_utf8_lossy(&c.reason).into_owned()
+        }
+        other => panic!("closed otherwise: {other}"),
+    }
+}
+
+/// A peer that says it is leaving and then keeps the connection open (finishing nothing, its
+/// keep-alives answered) has it closed by the node once the leave's 5 s are well past, with a
+/// reason, counted: before, the node kept it for ever, so a peer leaving over and over (each
+/// time on a new connection) made it keep ever more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_says_it_leaves_and_stays_is_closed() {
+    let ca = ClusterCa::new();
+    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
+    let endpoint = raw_peer(&ca, "node-a");
+    let (conn, mut control, _data) = raw_peer_spoke(&endpoint, &b).await;
+    let mut leaving = Vec::new();
+    aqueduct_core::mesh_codec::encode_control(&aqueduct_core::mesh::Control::Leaving, &mut leaving);
+    control.write_all(&leaving).await.expect("write");
+    until("the node to forget the leaving peer", || {
+        peers_of(&b).is_empty()
+    })
+    .await;
+    let started = std::time::Instant::now();
+    let why = closed_by_node(&conn, Duration::from_secs(20)).await;
+    assert_eq!(
+        why,
+        "the peer said it was leaving but kept the connection open"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_secs(5),
+        "not before the leave's own wait: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(protocol_errors(&b), 1);
+    b.stop().await.expect("clean shutdown");
+}
+
+/// A control stream that breaks the mesh protocol (here a message of an unknown kind) has its
+/// connection closed with the reason the peer's node recognises ("mesh protocol error"), and
+/// counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_stream_that_breaks_the_protocol_is_closed_and_counted() {
+    let ca = ClusterCa::new();
+    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
+    let endpoint = raw_peer(&ca, "node-a");
+    let (conn, mut control, _data) = raw_peer_spoke(&endpoint, &b).await;
+    // A message of 25 bytes whose kind (0x7f) no version knows.
+    let mut bad = vec![0x15, 0, 0, 0, 0x7f];
+    bad.extend_from_slice(&[0u8; 20]);
+    control.write_all(&bad).await.expect("write");
+    let why = closed_by_node(&conn, Duration::from_secs(5)).await;
+    assert_eq!(why, aqueduct_core::mesh::PROTOCOL_ERROR);
+    assert_eq!(protocol_errors(&b), 1);
+    b.stop().await.expect("clean shutdown");
+}
+
+/// The cap of 8 connections per peer counts this node's dials too: with 8 of the peer's open,
+/// a connection the node dials to it is closed at once, with the reason, counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dial_beyond_eight_connections_to_a_peer_is_closed() {
+    let ca = ClusterCa::new();
+    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
+    let endpoint = raw_peer(&ca, "node-a");
+    let mut conns = Vec::new();
+    for i in 0..8 {
+        let conn = within(
+            &format!("handshake {i}"),
+            endpoint.connect(b.addr, "aqueduct-mesh").expect("connect"),
+        )
+        .await
+        .expect("handshake");
+        conns.push(conn);
+    }
+    b.control
+        .set_cluster_peers(vec![endpoint.local_addr().expect("addr")]);
+    let incoming = within("the node's dial", endpoint.accept())
+        .await
+        .expect("incoming");
+    let dialed = within("its handshake", incoming.accept().expect("accept"))
+        .await
+        .expect("handshake");
+    let why = closed_by_node(&dialed, Duration::from_secs(5)).await;
+    assert_eq!(why, "too many mesh connections from this node");
+    let refused = b
+        .control
+        .mesh()
+        .expect("cluster on")
+        .connections_refused
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(refused, 1);
+    for conn in &conns {
+        conn.close(0u32.into(), b"done");
+    }
+    b.stop().await.expect("clean shutdown");
+}

@@ -77,3 +77,20 @@ async fn zero_rtt_publish_is_applied_after_the_handshake() {
     );
     b.stop().await.expect("clean shutdown");
 }
+
+/// A native client may send no QUIC datagrams: without WebTransport (whose HTTP/3 must offer
+/// them, into a 16 KiB buffer) the broker does not offer them (the protocol has none, and quinn
+/// would hold up to 1.25 MB of a connection's unread ones), so the client's own stack refuses
+/// to send one.
+#[tokio::test]
+async fn a_client_cannot_send_datagrams_for_the_broker_to_hold() {
+    let b = TestBroker::start_with(|c| c.webtransport.enabled = false).await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    assert_eq!(raw.conn.max_datagram_size(), None);
+    assert!(matches!(
+        raw.conn.send_datagram(bytes::Bytes::from_static(b"x")),
+        Err(quinn::SendDatagramError::UnsupportedByPeer)
+    ));
+    raw.conn.close(0u32.into(), b"done");
+    b.stop().await.expect("stops");
+}

@@ -768,3 +768,21 @@ async fn closed_says_who_ended_a_webtransport_session() {
         .expect("joined")
         .expect("clean shutdown");
 }
+
+/// With WebTransport on, the broker offers QUIC datagrams (HTTP/3 must: RFC 9297, and a
+/// browser closes a connection announcing H3_DATAGRAM without them), into a small buffer.
+#[tokio::test]
+async fn http3_connections_are_offered_datagrams() {
+    let b = TestBroker::start().await;
+    let endpoint = endpoint_offering(vec![b"h3".to_vec()]);
+    let conn = within(
+        "the handshake",
+        endpoint.connect(b.addr, "localhost").expect("connect"),
+    )
+    .await
+    .expect("handshake");
+    assert_eq!(negotiated(&conn).as_deref(), Some(&b"h3"[..]));
+    assert!(conn.max_datagram_size().is_some());
+    conn.close(0u32.into(), b"done");
+    b.stop().await.expect("stops");
+}
