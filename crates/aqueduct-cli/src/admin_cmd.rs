@@ -148,6 +148,12 @@ async fn connect(target: &AdminTarget) -> Result<AdminClient> {
 
 fn status(e: tonic::Status) -> anyhow::Error {
     let hint = match e.code() {
+        // The call's deadline (tonic reports it as Cancelled "Timeout expired"): the broker
+        // may have applied a change whose answer did not come in time.
+        tonic::Code::Cancelled | tonic::Code::DeadlineExceeded if is_timeout(&e) => {
+            " (the call timed out: a change may still have been applied; `aqueduct admin acl \
+             list` or `quota list` shows what is in force)"
+        }
         // The broker ended the TLS session after its handshake: it did not accept the client
         // certificate (TLS 1.3 checks it after the client thinks it is connected). tonic
         // reports the dropped connection as one of these, depending on when it noticed
@@ -172,6 +178,11 @@ fn status(e: tonic::Status) -> anyhow::Error {
         e.message().to_string()
     };
     anyhow!("{what}{hint}")
+}
+
+/// Whether `e` is a call that ran out of time, not one the broker cut.
+fn is_timeout(e: &tonic::Status) -> bool {
+    e.code() == tonic::Code::DeadlineExceeded || e.message().contains("Timeout expired")
 }
 
 /// Run one admin command, printing its result.
@@ -735,6 +746,17 @@ fn cluster(r: &proto::ClusterInfo) -> Output {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A call that ran out of time says so, and that a change may have been applied: it was
+    /// told "the broker did not accept the client certificate".
+    #[test]
+    fn a_timed_out_call_is_not_blamed_on_the_certificate() {
+        let timeout = status(tonic::Status::cancelled("Timeout expired")).to_string();
+        assert!(timeout.contains("timed out"), "{timeout}");
+        assert!(!timeout.contains("certificate"), "{timeout}");
+        let cut = status(tonic::Status::cancelled("operation was canceled")).to_string();
+        assert!(cut.contains("client certificate"), "{cut}");
+    }
 
     #[test]
     fn tables_pad_columns() {

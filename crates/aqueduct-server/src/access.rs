@@ -496,12 +496,17 @@ impl Access {
 
     /// The config file's sections become the live policy, without saving it (no I/O): call
     /// [`changed`](Self::changed) after, once what the new policy refuses is closed.
+    ///
+    /// No save runs meanwhile, and the fingerprint changes last: a save (an admin call's) that
+    /// ran between would write the new fingerprint with the old policy, and a crash before
+    /// this change is saved would then bring the old policy back as if it were the config's.
     pub fn apply(&self, config: &AccessConfig) {
-        *self.fingerprint.lock().unwrap_or_else(|e| e.into_inner()) = config.fingerprint.clone();
+        let _no_save = self.persist.lock().unwrap_or_else(|e| e.into_inner());
         self.acl.replace(config.acl.clone());
         self.quotas.replace(config.quotas.clone());
         self.reject
             .store(config.action == QuotaAction::Reject, Ordering::Relaxed);
+        *self.fingerprint.lock().unwrap_or_else(|e| e.into_inner()) = config.fingerprint.clone();
     }
 
     /// After a change: count it and persist the live policy (blocking file I/O: call it off the
@@ -624,6 +629,15 @@ fn read_state(path: &Path) -> Result<Option<StateFile>, StateError> {
         })
 }
 
+/// Where the next state is written before it is renamed over `path`: `<file>.tmp`, the whole
+/// name kept. (Replacing the extension gave `state.node1` and `state.node2`, two brokers' own
+/// files, the same temp file: each could then rename the other's state over its own.)
+fn temp_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".tmp");
+    PathBuf::from(name)
+}
+
 /// Write, fsync, rename over, fsync the directory: the file is always either the old or the new
 /// state, whole.
 fn write_state(path: &Path, state: &StateFile) -> Result<(), StateError> {
@@ -636,7 +650,7 @@ fn write_state(path: &Path, state: &StateFile) -> Result<(), StateError> {
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io)?;
-    let tmp = path.with_extension("json.tmp");
+    let tmp = temp_path(path);
     let text = serde_json::to_vec_pretty(state).map_err(|e| io(std::io::Error::other(e)))?;
     {
         let mut f = std::fs::File::create(&tmp).map_err(io)?;
@@ -748,6 +762,77 @@ mod tests {
         drop(reverted);
         let after = Access::start(&edited, Some(path)).expect("restart");
         assert_eq!(after.acl.policy().rules, edited.acl.rules);
+    }
+
+    /// Two brokers' own state files that differ only after the last dot (`state.node1`,
+    /// `state.node2`) are written through temp files of their own: with the extension replaced
+    /// both used `state.json.tmp`, and each could rename the other's state over its own.
+    #[test]
+    fn each_state_file_has_its_own_temp_file() {
+        let dir = Path::new("/var/lib/aqueduct");
+        let one = temp_path(&dir.join("state.node1"));
+        let two = temp_path(&dir.join("state.node2"));
+        assert_ne!(one, two);
+        assert_eq!(one, dir.join("state.node1.tmp"));
+        assert_ne!(
+            temp_path(&dir.join("state")),
+            temp_path(&dir.join("state.json"))
+        );
+    }
+
+    /// A save that comes while a reload is applying (an admin call's, here held behind a walk
+    /// over the subscriptions that the reload's ACL change waits for) writes either the old
+    /// policy with the old fingerprint or the new with the new: never the new fingerprint with
+    /// the old policy, which a crash before the reload's own save would then bring back as the
+    /// config's.
+    #[test]
+    fn a_save_during_a_reload_never_pairs_the_new_fingerprint_with_the_old_policy() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("admin-state.json");
+        let (acl, q) = sections(&[("a", "x", "all")]);
+        let old = validate(&acl, &q).expect("valid");
+        let (acl2, q2) = sections(&[("b", "y", "all"), ("c", "z", "all")]);
+        let new = validate(&acl2, &q2).expect("valid");
+        let access = Arc::new(Access::start(&old, Some(path.clone())).expect("start"));
+        let walk = access.acl.hold_changes();
+        let reloading = {
+            let (access, new) = (access.clone(), new.clone());
+            std::thread::spawn(move || access.apply(&new))
+        };
+        // The reload waits for the walk, inside its ACL change.
+        let waited = std::time::Instant::now();
+        while access.acl.waiting_for_changes() == 0 {
+            assert!(waited.elapsed() < std::time::Duration::from_secs(10));
+            std::thread::yield_now();
+        }
+        let (saved_tx, saved_rx) = std::sync::mpsc::channel();
+        let saving = {
+            let access = access.clone();
+            std::thread::spawn(move || {
+                access.changed().expect("saved");
+                let _ = saved_tx.send(());
+            })
+        };
+        let consistent = || {
+            let state: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&path).expect("read")).expect("json");
+            let fingerprint = state["config_fingerprint"].as_str().expect("fingerprint");
+            let rules = state["acl_rules"].as_array().expect("rules").len();
+            let pairs =
+                |c: &AccessConfig| c.fingerprint == fingerprint && c.acl.rules.len() == rules;
+            assert!(pairs(&old) || pairs(&new), "{state}");
+        };
+        // Without the fix the save is done at once, with the pair mixed.
+        if saved_rx
+            .recv_timeout(std::time::Duration::from_millis(500))
+            .is_ok()
+        {
+            consistent();
+        }
+        drop(walk);
+        reloading.join().expect("reload");
+        saving.join().expect("save");
+        consistent();
     }
 
     /// Rules staged through the admin API while `acl.enabled` is false are checked once the

@@ -11,7 +11,8 @@
 //! to the state file before the call returns; live subscriptions the new rules refuse are closed
 //! with ERROR NOT_AUTHORIZED ([`recheck_subscriptions`]).
 
-use std::net::SocketAddr;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -42,7 +43,13 @@ use proto::admin_service_server::{AdminService, AdminServiceServer};
 
 /// TLS handshakes in progress at once; more connections wait in the kernel's backlog.
 pub const MAX_HANDSHAKES: usize = 64;
-/// Admin connections open at once (handshaking or established); more wait in the backlog.
+/// TLS handshakes in progress at once from one IP address; more from it are closed at once.
+/// A connection that never starts its handshake costs nothing but a TCP connect, and anyone
+/// who reaches the port may open one: this way such connections from one address cannot take
+/// every handshake slot (for [`HANDSHAKE_TIMEOUT`] each) from administrators elsewhere.
+pub const MAX_HANDSHAKES_PER_ADDRESS: usize = 8;
+/// Admin connections open at once, past their handshake; more are closed after it. A slot is
+/// taken only once the handshake is done: connections still handshaking hold none.
 pub const MAX_CONNECTIONS: usize = 64;
 /// An admin call that takes longer is cancelled.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -150,11 +157,13 @@ pub(crate) async fn serve(
     let allowed = shared.config.admin.as_ref().map(|a| a.allowed_cn.clone());
     let accept = async move {
         let mut handshakes = JoinSet::new();
+        // Each handshake task's address, and how many are in progress per address.
+        let mut from: HashMap<tokio::task::Id, IpAddr> = HashMap::new();
+        let mut per_address: HashMap<IpAddr, usize> = HashMap::new();
         loop {
             tokio::select! {
-                slot = slots.clone().acquire_owned(), if handshakes.len() < MAX_HANDSHAKES => {
-                    let Ok(slot) = slot else { return };
-                    let (tcp, remote) = match listener.accept().await {
+                accepted = listener.accept(), if handshakes.len() < MAX_HANDSHAKES => {
+                    let (tcp, remote) = match accepted {
                         Ok(a) => a,
                         Err(e) => {
                             warn!("admin API: accept failed: {e}");
@@ -162,11 +171,23 @@ pub(crate) async fn serve(
                             continue;
                         }
                     };
+                    let in_progress = per_address.entry(remote.ip()).or_default();
+                    if *in_progress >= MAX_HANDSHAKES_PER_ADDRESS {
+                        stats.admin_handshakes_failed.fetch_add(1, Ordering::Relaxed);
+                        debug!(%remote, "admin API: connection closed: {MAX_HANDSHAKES_PER_ADDRESS} TLS handshakes from its address are in progress");
+                        continue;
+                    }
+                    *in_progress += 1;
                     let (acceptor, tx, stats) = (acceptor.clone(), tx.clone(), stats.clone());
                     let (denied_slots, allowed) = (denied_slots.clone(), allowed.clone());
-                    handshakes.spawn(async move {
+                    let slots = slots.clone();
+                    let task = handshakes.spawn(async move {
                         match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                             Ok(Ok(io)) => {
+                                let Ok(slot) = slots.try_acquire_owned() else {
+                                    info!(%remote, "admin API: connection closed after its handshake: {MAX_CONNECTIONS} admin connections are open");
+                                    return;
+                                };
                                 let chain: Arc<[rustls_pki_types::CertificateDer<'static>]> = io
                                     .get_ref()
                                     .1
@@ -213,8 +234,22 @@ pub(crate) async fn serve(
                             }
                         }
                     });
+                    from.insert(task.id(), remote.ip());
                 }
-                Some(_) = handshakes.join_next(), if !handshakes.is_empty() => {}
+                Some(done) = handshakes.join_next_with_id(), if !handshakes.is_empty() => {
+                    let id = match done {
+                        Ok((id, ())) => id,
+                        Err(e) => e.id(),
+                    };
+                    if let Some(ip) = from.remove(&id) {
+                        if let Some(n) = per_address.get_mut(&ip) {
+                            *n -= 1;
+                            if *n == 0 {
+                                per_address.remove(&ip);
+                            }
+                        }
+                    }
+                }
             }
         }
     };
@@ -402,6 +437,23 @@ impl AdminApi {
                 "certificate of {cn} is revoked (tls.crl_file)"
             )));
         }
+        // Expired since the handshake, on a connection gRPC keeps open (short-lived admin
+        // certificates are what howto-security advises).
+        let expired = peer
+            .as_ref()
+            .and_then(|p| p.chain.first().and_then(crate::tls::validity))
+            .is_some_and(|(_, until)| until < crate::server::unix_now());
+        if expired {
+            self.shared
+                .stats
+                .admin_denied
+                .fetch_add(1, Ordering::Relaxed);
+            let cn = cn.unwrap_or_else(|| "(none)".into());
+            warn!(caller = %cn, %remote, rpc, "admin call refused: the certificate has expired");
+            return Err(Status::permission_denied(format!(
+                "certificate of {cn} has expired: connect again with a valid one"
+            )));
+        }
         match (cn, allowed) {
             (Some(cn), Some(pattern)) if pattern.matches(&cn) => {
                 info!(caller = %cn, %remote, rpc, request = ?req.get_ref(), "admin call");
@@ -471,7 +523,6 @@ impl AdminApi {
 
     fn quota(&self, client_id: &str) -> proto::ClientQuota {
         let policy = self.shared.access.quotas.policy();
-        let spec = policy.spec_for(client_id);
         let counters = self
             .shared
             .access
@@ -480,15 +531,25 @@ impl AdminApi {
             .into_iter()
             .find(|(id, _)| id == client_id)
             .map(|(_, b)| b.counters());
-        let (throttled, rejected) = counters.unwrap_or_default();
-        proto::ClientQuota {
-            client_id: client_id.to_string(),
-            rate: spec.rate,
-            burst: spec.burst,
-            is_override: policy.clients.contains_key(client_id),
-            throttled_seconds: throttled.as_secs_f64(),
-            rejected_messages: rejected,
-        }
+        quota_entry(&policy, client_id, counters)
+    }
+}
+
+/// One client's quota as the API shows it, with its bucket's counters (`None`: it has none).
+fn quota_entry(
+    policy: &aqueduct_core::quota::QuotaPolicy,
+    client_id: &str,
+    counters: Option<(Duration, u64)>,
+) -> proto::ClientQuota {
+    let spec = policy.spec_for(client_id);
+    let (throttled, rejected) = counters.unwrap_or_default();
+    proto::ClientQuota {
+        client_id: client_id.to_string(),
+        rate: spec.rate,
+        burst: spec.burst,
+        is_override: policy.clients.contains_key(client_id),
+        throttled_seconds: throttled.as_secs_f64(),
+        rejected_messages: rejected,
     }
 }
 
@@ -583,6 +644,16 @@ impl AdminService for AdminApi {
         let policy = self.shared.access.quotas.policy();
         let mut ids: Vec<&String> = policy.clients.keys().collect();
         ids.sort();
+        // One look at the buckets for all: per client, it was one copy of them each (quadratic
+        // in the overrides).
+        let counters: HashMap<String, (Duration, u64)> = self
+            .shared
+            .access
+            .quotas
+            .buckets()
+            .into_iter()
+            .map(|(id, b)| (id, b.counters()))
+            .collect();
         Ok(Response::new(proto::ListClientQuotasResponse {
             default_quota: Some(proto::ClientQuota {
                 client_id: String::new(),
@@ -592,7 +663,10 @@ impl AdminService for AdminApi {
                 throttled_seconds: 0.0,
                 rejected_messages: 0,
             }),
-            clients: ids.into_iter().map(|id| self.quota(id)).collect(),
+            clients: ids
+                .into_iter()
+                .map(|id| quota_entry(&policy, id, counters.get(id).copied()))
+                .collect(),
             action: match self.shared.access.action() {
                 crate::access::QuotaAction::Throttle => "throttle".into(),
                 crate::access::QuotaAction::Reject => "reject".into(),

@@ -440,20 +440,54 @@ pub struct Overrides {
 pub struct Sources {
     /// YAML file; `None` means none (defaults + env + flags).
     pub file: Option<PathBuf>,
-    /// Environment variables to consider (normally `std::env::vars()`).
+    /// Environment variables to consider (normally the process's: [`process_env`]).
     pub env: Vec<(String, String)>,
     pub overrides: Overrides,
 }
 
 impl Sources {
-    /// Use the process environment.
-    pub fn from_process(file: Option<PathBuf>, overrides: Overrides) -> Sources {
-        Sources {
+    /// Use the process environment. Fails on an `AQUEDUCT_*` variable that is not UTF-8.
+    pub fn from_process(
+        file: Option<PathBuf>,
+        overrides: Overrides,
+    ) -> Result<Sources, ConfigError> {
+        Ok(Sources {
             file,
-            env: std::env::vars().collect(),
+            env: process_env()?,
             overrides,
+        })
+    }
+}
+
+/// The process environment's variables as text: see [`env_from`].
+pub fn process_env() -> Result<Vec<(String, String)>, ConfigError> {
+    env_from(std::env::vars_os())
+}
+
+/// `vars` as text. A variable whose name or value is not UTF-8 is skipped unless its name
+/// starts with `AQUEDUCT_`: that one is an error naming it. (`std::env::vars` panics on any
+/// such variable, so one unrelated to the broker stopped it.)
+pub fn env_from(
+    vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+) -> Result<Vec<(String, String)>, ConfigError> {
+    let mut env = Vec::new();
+    for (name, value) in vars {
+        match (name.into_string(), value.into_string()) {
+            (Ok(name), Ok(value)) => env.push((name, value)),
+            (name, _) => {
+                let name = match name {
+                    Ok(name) => name,
+                    Err(name) => name.to_string_lossy().into_owned(),
+                };
+                if name.starts_with("AQUEDUCT_") {
+                    return Err(ConfigError::Parse(format!(
+                        "environment variable {name}: not valid UTF-8"
+                    )));
+                }
+            }
         }
     }
+    Ok(env)
 }
 
 /// Transport settings, typed.
@@ -539,6 +573,45 @@ pub struct Config {
     pub webtransport: crate::webtransport::WebTransportConfig,
     /// OpenTelemetry export, when `tracing.otlp_endpoint` is set.
     pub tracing: Option<crate::otel::TracingConfig>,
+}
+
+impl Config {
+    /// The settings of `new` (the configuration re-read for a SIGHUP) that differ from this
+    /// one's and that a reload does not apply: each takes a restart. A reload applies `acl` and
+    /// `broker.quotas`, and re-reads the file `tls.crl_file` named at startup (a new path for
+    /// it is the one `tls` setting this leaves out: the reload says so on its own).
+    pub fn needs_restart(&self, new: &Config) -> Vec<&'static str> {
+        let tls = |c: &Config| TlsConfig {
+            crl_file: None,
+            ..c.tls.clone()
+        };
+        let checks: [(&'static str, bool); 16] = [
+            ("listen_addr", self.listen_addr != new.listen_addr),
+            ("metrics_addr", self.metrics_addr != new.metrics_addr),
+            ("tls", tls(self) != tls(new)),
+            ("broker", self.broker != new.broker),
+            ("batch_size", self.batch_size != new.batch_size),
+            ("flush_interval", self.flush_interval != new.flush_interval),
+            ("block_timeout", self.block_timeout != new.block_timeout),
+            ("worker_threads", self.worker_threads != new.worker_threads),
+            ("idle_spin", self.idle_spin != new.idle_spin),
+            ("transport", self.transport != new.transport),
+            ("metrics", self.metrics != new.metrics),
+            ("aal", self.aal != new.aal),
+            (
+                "admin",
+                self.admin != new.admin || self.admin_state_when_off != new.admin_state_when_off,
+            ),
+            ("cluster", self.cluster != new.cluster),
+            ("webtransport", self.webtransport != new.webtransport),
+            ("tracing", self.tracing != new.tracing),
+        ];
+        checks
+            .into_iter()
+            .filter(|(_, changed)| *changed)
+            .map(|(name, _)| name)
+            .collect()
+    }
 }
 
 impl std::fmt::Debug for AalSection {
@@ -690,6 +763,14 @@ fn raw_figment(sources: &Sources) -> Result<Figment, ConfigError> {
         let Some(key) = env_key(name) else {
             return Err(ConfigError::UnknownEnv { name: name.clone() });
         };
+        // Two variables for one key (the seed's name and the mechanical one): which won
+        // depended on their order in the environment.
+        if let Some((_, other, _)) = env_pairs.iter().find(|(k, _, _)| *k == key) {
+            return Err(invalid(
+                key,
+                format!("set by two environment variables, {other} and {name}: unset one of them"),
+            ));
+        }
         env_pairs.push((key, name.clone(), value.clone()));
     }
     for (key, name, value) in env_pairs {
@@ -1521,6 +1602,93 @@ fn default_aal_dir(env: &[(String, String)]) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A SIGHUP applies `acl`, `broker.quotas` and the contents of `tls.crl_file`; every other
+    /// change is named as taking a restart (an edit of `admin.allowed_cn` was ignored without
+    /// a word).
+    #[test]
+    fn a_reload_names_the_settings_that_take_a_restart() {
+        let old = Config::default();
+        let mut new = old.clone();
+        assert!(old.needs_restart(&new).is_empty());
+        new.access.acl.default = aqueduct_core::acl::Permission::None;
+        new.tls.crl_file = Some("/etc/aqueduct/crl.pem".into());
+        assert!(
+            old.needs_restart(&new).is_empty(),
+            "applied by the reload, or told apart"
+        );
+        new.admin = Some(AdminConfig {
+            listen_addr: "127.0.0.1:9091".parse().expect("addr"),
+            allowed_cn: "admin-root".parse().expect("pattern"),
+            client_ca_file: "/etc/aqueduct/admin-ca.pem".into(),
+            state_file: "/var/lib/aqueduct/admin-state.json".into(),
+        });
+        new.transport.idle_timeout = Duration::from_secs(3);
+        assert_eq!(old.needs_restart(&new), vec!["transport", "admin"]);
+    }
+
+    /// The seed's name for a key and its mechanical one, both set: refused, naming both (which
+    /// one won depended on their order in the environment).
+    #[test]
+    fn one_key_set_by_two_environment_variables_is_refused() {
+        for env in [
+            [
+                ("AQUEDUCT_AAL_MAX_SIZE", "1"),
+                ("AQUEDUCT_AAL_MAX_AAL_SIZE", "104857600"),
+            ],
+            [
+                ("AQUEDUCT_AAL_MAX_AAL_SIZE", "104857600"),
+                ("AQUEDUCT_AAL_MAX_SIZE", "1"),
+            ],
+        ] {
+            let sources = Sources {
+                file: None,
+                env: env
+                    .iter()
+                    .map(|(n, v)| (n.to_string(), v.to_string()))
+                    .collect(),
+                overrides: Overrides::default(),
+            };
+            let e = Config::load(&sources)
+                .expect_err("two names for one key")
+                .to_string();
+            assert!(e.starts_with("aal.max_aal_size:"), "{e}");
+            assert!(
+                e.contains("AQUEDUCT_AAL_MAX_SIZE") && e.contains("AQUEDUCT_AAL_MAX_AAL_SIZE"),
+                "{e}"
+            );
+        }
+    }
+
+    /// A variable that is not UTF-8 stops the broker only if it is one of its own, naming it:
+    /// any one used to panic at startup.
+    #[test]
+    fn an_environment_variable_that_is_not_utf8_is_skipped_unless_it_is_ours() {
+        use std::os::unix::ffi::OsStringExt;
+        let text = |s: &str| std::ffi::OsString::from(s);
+        let bytes = |b: &[u8]| std::ffi::OsString::from_vec(b.to_vec());
+        let env = env_from([
+            (text("LANG"), text("C")),
+            (text("SOME_UNRELATED"), bytes(b"caf\xe9")),
+            (bytes(b"\xff"), text("x")),
+            (text("AQUEDUCT_HOME"), text("/var/lib/aqueduct")),
+        ])
+        .expect("only an unrelated variable is not UTF-8");
+        assert_eq!(
+            env,
+            vec![
+                ("LANG".to_string(), "C".to_string()),
+                ("AQUEDUCT_HOME".to_string(), "/var/lib/aqueduct".to_string())
+            ]
+        );
+        let e = env_from([(text("AQUEDUCT_AAL_FILE_PATH"), bytes(b"/data/caf\xe9"))])
+            .expect_err("ours")
+            .to_string();
+        assert!(
+            e.contains("AQUEDUCT_AAL_FILE_PATH") && e.contains("UTF-8"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn the_log_key_is_not_in_debug_output() {

@@ -18,6 +18,7 @@
 //! otherwise), and a whole exchange is bounded in time. Connection tasks live in a `JoinSet`
 //! owned by the endpoint's task, so none outlives it.
 
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,7 +30,7 @@ use axum::routing::get;
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tracing::debug;
 
@@ -38,6 +39,8 @@ use crate::server::Shared;
 
 /// Largest request head (hyper's smallest allowed buffer).
 const MAX_HEAD: usize = 8 * 1024;
+/// How long the endpoint waits after a failed accept (out of file descriptors, say).
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 /// A response must be written within this (after the head arrived).
 const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -211,36 +214,82 @@ fn local_host(addr: std::net::SocketAddr) -> String {
     }
 }
 
+/// A connection being served.
+struct Open {
+    id: tokio::task::Id,
+    task: tokio::task::AbortHandle,
+    from: IpAddr,
+    /// Its request head has arrived (it is being answered).
+    asked: Arc<AtomicBool>,
+}
+
+/// Which connection to close for a new one when every slot is taken: one that has not sent its
+/// request yet, from the address that holds the most slots, the oldest of those. So clients
+/// that open connections and send nothing cannot keep a probe waiting (it waited up to
+/// `metrics.header_timeout` behind them), and one address's cannot push out another's.
+fn to_evict(open: &[Open]) -> Option<usize> {
+    let held = |ip: IpAddr| open.iter().filter(|o| o.from == ip).count();
+    open.iter()
+        .enumerate()
+        .filter(|(_, o)| !o.asked.load(Ordering::Relaxed))
+        // The most slots first; the oldest (first accepted) among equals.
+        .min_by_key(|(i, o)| (std::cmp::Reverse(held(o.from)), *i))
+        .map(|(i, _)| i)
+}
+
 /// Serve until `stop` turns true.
 pub(crate) async fn serve(
     listener: TcpListener,
     endpoint: Arc<Endpoint>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let limit = Arc::new(Semaphore::new(
-        endpoint.shared.config.metrics.max_connections,
-    ));
+    let max = endpoint.shared.config.metrics.max_connections.max(1);
     let header_timeout = endpoint.shared.config.metrics.header_timeout;
     let app = router(endpoint);
     let mut conns = JoinSet::new();
+    // In the order they were accepted.
+    let mut open: Vec<Open> = Vec::new();
     loop {
-        let permit = tokio::select! {
-            p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
-            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
+        let accepted = tokio::select! {
+            Some(done) = conns.join_next_with_id(), if !conns.is_empty() => {
+                let id = match done {
+                    Ok((id, ())) => id,
+                    Err(e) => e.id(),
+                };
+                open.retain(|o| o.id != id);
+                continue;
+            }
+            accepted = listener.accept(), if open.len() < max || to_evict(&open).is_some() => accepted,
             _ = stop.wait_for(|s| *s) => return,
         };
-        let (socket, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    debug!("metrics accept failed: {e}");
-                    continue;
-                }
-            },
-            _ = stop.wait_for(|s| *s) => return,
+        let (socket, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                // Out of file descriptors, say: not again at once, or this loop spins.
+                debug!("metrics accept failed: {e}");
+                tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+                continue;
+            }
         };
-        let service = hyper_util::service::TowerToHyperService::new(app.clone());
-        conns.spawn(async move {
+        if open.len() >= max {
+            // The accept waited for a slot, or for one whose connection had sent nothing (if it
+            // has sent its request since, this one is served beyond the limit, once).
+            if let Some(i) = to_evict(&open) {
+                let evicted = open.remove(i);
+                debug!(from = %evicted.from, "metrics: closing a connection that sent no request, for a new one");
+                evicted.task.abort();
+            }
+        }
+        let asked = Arc::new(AtomicBool::new(false));
+        let service = {
+            let inner = hyper_util::service::TowerToHyperService::new(app.clone());
+            let asked = asked.clone();
+            hyper::service::service_fn(move |req| {
+                asked.store(true, Ordering::Relaxed);
+                hyper::service::Service::call(&inner, req)
+            })
+        };
+        let task = conns.spawn(async move {
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
@@ -252,7 +301,12 @@ pub(crate) async fn serve(
                 Ok(Err(e)) => debug!(%peer, "metrics request failed: {e}"),
                 Err(_) => debug!(%peer, "metrics request took too long; closed"),
             }
-            drop(permit);
+        });
+        open.push(Open {
+            id: task.id(),
+            task,
+            from: peer.ip(),
+            asked,
         });
     }
 }

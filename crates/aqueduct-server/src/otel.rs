@@ -53,6 +53,9 @@ const MAX_BATCH: usize = 512;
 const EXPORT_EVERY: Duration = Duration::from_millis(250);
 /// How long one export request may take.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
+/// An export that takes longer (connecting included, which `EXPORT_TIMEOUT` does not cover) is
+/// given up, its spans counted as dropped, and the exporter built again.
+const EXPORT_HANG: Duration = Duration::from_secs(12);
 
 /// `tracing.*` as written.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -273,6 +276,16 @@ impl TracingSection {
         let Some(host) = host.filter(|_| !authority.is_empty()) else {
             return Err(expected());
         };
+        // Without one, the URL's default (80 or 443) was dialled: never a collector's.
+        let has_port = authority.rsplit_once(':').is_some_and(|(h, p)| {
+            !h.is_empty() && !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())
+        });
+        if !has_port {
+            return Err(invalid(
+                "tracing.otlp_endpoint",
+                format!("{endpoint:?} has no port: OTLP/gRPC's is usually 4317, e.g. http://{authority}:4317"),
+            ));
+        }
         // OTLP/gRPC has no path; `/v1/traces` is OTLP/HTTP's, which the broker does not speak.
         let path = &rest[authority.len()..];
         if !path.trim_end_matches('/').is_empty() {
@@ -502,39 +515,45 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
+/// The OTLP/gRPC exporter `config` asks for (its channel connects lazily, on the runtime).
+fn build_exporter(config: &TracingConfig) -> Result<opentelemetry_otlp::SpanExporter, String> {
+    use opentelemetry_otlp::WithExportConfig;
+    use opentelemetry_otlp::WithTonicConfig;
+    let mut builder = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .with_endpoint(config.otlp_endpoint.clone())
+        .with_timeout(EXPORT_TIMEOUT);
+    if let Some(tls) = &config.tls {
+        builder = builder.with_tls_config(tls.client_config());
+    }
+    let system_roots = config.tls.as_ref().is_some_and(|t| t.ca_pem.is_none());
+    let mut exporter = builder.build().map_err(|e| {
+        let hint = if system_roots {
+            " (the collector is verified against the system's trusted roots: install them, \
+                 e.g. Debian's ca-certificates, or name the collector's CA in \
+                 tracing.otlp_ca_file)"
+        } else {
+            ""
+        };
+        format!(
+            "tracing.otlp_endpoint {:?}: {e}{hint}",
+            config.otlp_endpoint
+        )
+    })?;
+    exporter.set_resource(
+        &opentelemetry_sdk::Resource::builder_empty()
+            .with_service_name(config.service_name.clone())
+            .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+            .build(),
+    );
+    Ok(exporter)
+}
+
 impl Tracer {
     /// The tracer and its export task (run it with [`Export::run`]). Must be called inside a
     /// tokio runtime (the gRPC channel is set up lazily on it).
     pub fn start(config: &TracingConfig) -> Result<(Arc<Tracer>, Export), String> {
-        use opentelemetry_otlp::WithExportConfig;
-        use opentelemetry_otlp::WithTonicConfig;
-        let mut builder = opentelemetry_otlp::SpanExporter::builder()
-            .with_tonic()
-            .with_endpoint(config.otlp_endpoint.clone())
-            .with_timeout(EXPORT_TIMEOUT);
-        if let Some(tls) = &config.tls {
-            builder = builder.with_tls_config(tls.client_config());
-        }
-        let system_roots = config.tls.as_ref().is_some_and(|t| t.ca_pem.is_none());
-        let mut exporter = builder.build().map_err(|e| {
-            let hint = if system_roots {
-                " (the collector is verified against the system's trusted roots: install them, \
-                 e.g. Debian's ca-certificates, or name the collector's CA in \
-                 tracing.otlp_ca_file)"
-            } else {
-                ""
-            };
-            format!(
-                "tracing.otlp_endpoint {:?}: {e}{hint}",
-                config.otlp_endpoint
-            )
-        })?;
-        exporter.set_resource(
-            &opentelemetry_sdk::Resource::builder_empty()
-                .with_service_name(config.service_name.clone())
-                .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
-                .build(),
-        );
+        let exporter = build_exporter(config)?;
         let (tx, rx) = mpsc::channel(QUEUE);
         let tracer = Arc::new(Tracer {
             bound: bound(config.sample_ratio),
@@ -549,6 +568,7 @@ impl Tracer {
             rx,
             tracer: tracer.clone(),
             endpoint: config.otlp_endpoint.clone(),
+            config: config.clone(),
         };
         Ok((tracer, export))
     }
@@ -732,6 +752,8 @@ pub struct Export {
     rx: mpsc::Receiver<SpanData>,
     tracer: Arc<Tracer>,
     endpoint: String,
+    /// To build a new exporter when one hangs (see [`EXPORT_HANG`]).
+    config: TracingConfig,
 }
 
 impl Export {
@@ -780,7 +802,26 @@ impl Export {
         }
         let n = batch.len() as u64;
         let stats = &self.tracer.stats;
-        match self.exporter.export(std::mem::take(batch)).await {
+        let exported =
+            tokio::time::timeout(EXPORT_HANG, self.exporter.export(std::mem::take(batch))).await;
+        let result = match exported {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(_) => {
+                // The exporter's own timeout covers the gRPC call, not the connection it makes
+                // first (a collector that takes the TCP connection and never answers the TLS
+                // handshake, an address that drops packets): its channel stays stuck in that
+                // connect, and every later export behind it. A new exporter starts afresh.
+                match build_exporter(&self.config) {
+                    Ok(fresh) => self.exporter = fresh,
+                    Err(e) => debug!("trace exporter not rebuilt: {e}"),
+                }
+                Err(format!(
+                    "no answer within {EXPORT_HANG:?} (the connection to the collector did not \
+                     complete)"
+                ))
+            }
+        };
+        match result {
             Ok(()) => {
                 stats.exported.fetch_add(n, Ordering::Relaxed);
                 if failing {
@@ -905,6 +946,8 @@ mod tests {
             "http://",
             "http://a b",
             "http://127.0.0.1:4318/v1/traces",
+            "http://collector",
+            "https://[::1]",
         ] {
             let e = ok(bad).validate().expect_err(bad).to_string();
             assert!(e.contains("tracing.otlp_endpoint"), "{e}");

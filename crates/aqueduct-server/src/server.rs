@@ -867,6 +867,12 @@ impl Control {
         .map_err(|e| e.to_string())?
     }
 
+    /// The settings of `new` (the configuration re-read for a SIGHUP) that a reload does not
+    /// apply and that differ from those the broker runs with ([`Config::needs_restart`]).
+    pub fn needs_restart(&self, new: &Config) -> Vec<&'static str> {
+        self.shared.config.needs_restart(new)
+    }
+
     /// The `tls.crl_file` the broker started with: the file [`reload_revocations`] re-reads.
     ///
     /// [`reload_revocations`]: Self::reload_revocations
@@ -967,7 +973,7 @@ pub(crate) fn close_if_expired(shared: &Shared, conn: &ConnState) -> bool {
 }
 
 /// Seconds since the Unix epoch, now.
-fn unix_now() -> i64 {
+pub(crate) fn unix_now() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))

@@ -295,8 +295,8 @@ async fn health_readiness_and_hostile_http_clients() {
     assert_eq!(get(addr, "/readyz").await.0, 200);
     assert_eq!(get(addr, "/nope").await.0, 404);
     assert_eq!(http(addr, "POST /metrics HTTP/1.1\r\n\r\n").await.0, 405);
-    // Two clients that never send a request hold both slots; they are cut off by the header
-    // timeout (the connection is closed) and a real request is then served.
+    // Two clients that never send a request hold both slots: a real request takes the place
+    // of one of them (closed at once), the other is cut off by the header timeout.
     let idle1 = TcpStream::connect(addr).await.expect("connect");
     let idle2 = TcpStream::connect(addr).await.expect("connect");
     let (status, body) = get(addr, "/metrics").await;
@@ -318,6 +318,37 @@ async fn health_readiness_and_hostile_http_clients() {
     // An oversized request head is refused.
     let huge = format!("GET /metrics HTTP/1.1\r\nX: {}\r\n\r\n", "a".repeat(20_000));
     assert_eq!(http(addr, &huge).await.0, 431);
+    b.stop().await.expect("clean shutdown");
+}
+
+/// Clients that open connections to the metrics port and send nothing (anyone who reaches it
+/// may) cannot keep a health probe waiting: a new connection takes the place of one that has
+/// sent no request, from the address holding the most. Before, 16 such connections held every
+/// slot until their 5 s header timeout, and a probe with the shipped charts' 2 s timeout failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_cannot_starve_the_health_probes() {
+    let b = TestBroker::start().await;
+    let addr = b.metrics_addr;
+    let mut idle = Vec::new();
+    for _ in 0..100 {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .bind("127.0.0.2:0".parse().expect("addr"))
+            .expect("bind 127.0.0.2");
+        idle.push(
+            within("a TCP connect", socket.connect(addr))
+                .await
+                .expect("connects"),
+        );
+    }
+    for path in ["/healthz", "/readyz", "/healthz"] {
+        // Well within the 5 s header timeout the idle ones were each waited for.
+        let answer = tokio::time::timeout(Duration::from_secs(2), get(addr, path))
+            .await
+            .unwrap_or_else(|_| panic!("{path} waited behind idle connections"));
+        assert_eq!(answer.0, 200, "{path}");
+    }
+    drop(idle);
     b.stop().await.expect("clean shutdown");
 }
 

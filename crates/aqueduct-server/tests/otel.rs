@@ -366,6 +366,76 @@ async fn spans_reach_a_tls_collector_that_asks_for_a_client_certificate() {
     b.stop().await.expect("stops");
 }
 
+/// `fut`, which may take longer than `within`'s bound (an export hangs for 12 s first).
+async fn within_40s<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(std::time::Duration::from_secs(40), fut)
+        .await
+        .unwrap_or_else(|_| panic!("timed out after 40 s waiting for {what}"))
+}
+
+/// A collector that takes the TCP connection and never answers (a stuck proxy, a load balancer
+/// with no healthy backend) fails each export within a bounded time, counted, and export works
+/// again once the collector does. The exporter's own timeout does not cover its connecting:
+/// the export hung for ever, uncounted, and never recovered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_collector_that_never_answers_fails_exports_and_they_recover() {
+    let dir = tempfile::tempdir().expect("dir");
+    let ca = test_ca();
+    let ca_file = ca.write(dir.path());
+    let (cert, key) = ca.server(dir.path(), "collector", &["127.0.0.1"]);
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = silent.local_addr().expect("addr");
+    // Takes connections and holds them, saying nothing.
+    let holding = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            held.push(conn);
+        }
+    });
+    let endpoint = format!("https://{addr}");
+    let b =
+        TestBroker::start_with(|c| c.tracing = Some(tracing_tls(&endpoint, &ca_file, None))).await;
+    one_traced_delivery(&b).await;
+    let metrics = within_40s("the hung export counted as failed", async {
+        loop {
+            let metrics = get(b.metrics_addr, "/metrics").await.1;
+            if value(&metrics, "aqueduct_trace_export_failures_total") >= Some(1.0) {
+                break metrics;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert_eq!(
+        value(&metrics, "aqueduct_trace_spans_dropped_total"),
+        Some(3.0)
+    );
+    // The collector works now, on the same address.
+    holding.abort();
+    let _ = holding.await;
+    let listener = tokio::net::TcpListener::bind(addr).await.expect("rebind");
+    let (received, _, _receiver) = receiver_tls_on(listener, &cert, &key, None);
+    let t = one_traced_delivery(&b).await;
+    let names = within_40s("spans after the collector recovered", async {
+        loop {
+            let names: Vec<_> = received
+                .of_trace(&t.trace_id)
+                .into_iter()
+                .map(|s| s.name)
+                .collect();
+            if names.len() == 3 {
+                break names;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert_eq!(names.len(), 3);
+    b.stop().await.expect("stops");
+}
+
 /// A collector whose certificate does not verify — from another CA, or from the trusted CA but
 /// for another host — is not trusted: its batches are counted as failed exports, and it
 /// receives nothing.

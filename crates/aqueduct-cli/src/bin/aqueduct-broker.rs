@@ -72,7 +72,13 @@ fn main() -> ExitCode {
         key_file: args.key.clone(),
         aal: args.aal,
     };
-    let sources = Sources::from_process(args.config.clone(), overrides);
+    let sources = match Sources::from_process(args.config.clone(), overrides) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("aqueduct-broker: configuration error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let config = match Config::load(&sources) {
         Ok(c) => c,
         Err(e) => {
@@ -168,6 +174,15 @@ async fn reload_on_sighup(
                              broker started with stay in force",
                             named(control.crl_file()),
                             named(config.tls.crl_file.as_deref())
+                        );
+                    }
+                    let stale = control.needs_restart(&config);
+                    if !stale.is_empty() {
+                        error!(
+                            "SIGHUP: changed settings that take a restart: {} (the running \
+                             values stay in force; a reload applies acl, broker.quotas and the \
+                             contents of tls.crl_file)",
+                            stale.join(", ")
                         );
                     }
                     match control.reload_access(&config.access).await {

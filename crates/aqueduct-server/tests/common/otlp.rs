@@ -87,10 +87,20 @@ pub async fn receiver_tls(
     key: &std::path::Path,
     client_ca: Option<&str>,
 ) -> (Received, String, tokio::task::JoinHandle<()>) {
-    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
+    receiver_tls_on(listener, cert, key, client_ca)
+}
+
+/// [`receiver_tls`] on `listener`.
+pub fn receiver_tls_on(
+    listener: tokio::net::TcpListener,
+    cert: &std::path::Path,
+    key: &std::path::Path,
+    client_ca: Option<&str>,
+) -> (Received, String, tokio::task::JoinHandle<()>) {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
     let addr = listener.local_addr().expect("addr");
     let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(
         std::fs::read(cert).expect("cert"),
