@@ -14,8 +14,9 @@ RUN apt-get update \
 COPY --from=build /src/target/release/aqueduct-broker /src/target/release/aqueduct /usr/local/bin/
 USER aqueduct
 ENV AQUEDUCT_HOME=/var/lib/aqueduct
-# Metrics and health probes on every interface of the container, so that `-p 9090:9090` reaches
-# them (the broker's own default is loopback only: docs/metrics.md).
-ENV AQUEDUCT_METRICS_ADDR=0.0.0.0:9090
+# The broker's metrics and health endpoint listens on loopback by default (docs/metrics.md):
+# reach it from outside the container with `-e AQUEDUCT_METRICS_ADDR=0.0.0.0:9090` (or
+# `metrics_addr` in the configuration; the compose files and the Helm chart set it). Not set
+# here: an image variable would override every configuration file's `metrics_addr`.
 EXPOSE 4242/udp 9090/tcp
 ENTRYPOINT ["aqueduct-broker"]

@@ -677,8 +677,9 @@ async fn subscriber(
         }
         tokio::select! {
             biased;
-            // What has already arrived (bounded), read in place. What arrived together is
-            // stamped together: one clock read per burst.
+            // What has already arrived (bounded), read in place. What arrived together (one
+            // read of the stream: `next_batch` lends no more) is stamped together: one clock
+            // read per burst.
             batch = sub.next_batch(1024, |msg| {
                 if stamp.is_none() {
                     let now = Instant::now();

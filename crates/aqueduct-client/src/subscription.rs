@@ -363,9 +363,10 @@ impl Subscription {
         }
     }
 
-    /// Wait for a message, then hand it and every further message already received, up to
+    /// Wait for a message, then hand it and every further message already read with it, up to
     /// `max` in all, to `f`, in order, each as a [`MessageRef`] borrowed from the subscription's
-    /// read buffer. A delivery that carries only the usual extensions (topic, offset, attempt,
+    /// read buffer. One call lends what one read of the stream brought (and what an earlier
+    /// call left): what it lends arrived together. A delivery that carries only the usual extensions (topic, offset, attempt,
     /// priority) is read in place: nothing is copied, allocated or reference-counted for it,
     /// except a copy of its topic name when that differs from the previous delivery's. Others
     /// (trace context, dead-letter origin, the seed's legacy form) are decoded into an owned
@@ -455,6 +456,10 @@ impl Subscription {
                         }
                     }
                 }
+                // What one read brought is lent: the next read is the next call's, so that
+                // what a call lends arrived together (a caller timing arrivals reads its clock
+                // once per call).
+                Ok(None) if n > 0 => break,
                 Ok(None) => match self.reader.poll_read_more(cx) {
                     Poll::Ready(Ok(true)) => {}
                     Poll::Ready(Ok(false)) => self.ended = true,
@@ -462,8 +467,7 @@ impl Subscription {
                         self.ended = true;
                         self.early.push_back(Err(e));
                     }
-                    Poll::Pending if n == 0 => return Poll::Pending,
-                    Poll::Pending => break,
+                    Poll::Pending => return Poll::Pending,
                 },
                 Err(e) => {
                     self.ended = true;
@@ -785,6 +789,60 @@ fn closes_subscription(e: &ClientError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One `next_batch` call lends what one read of the stream brought, not what later reads
+    /// bring: the bench stamps a call's messages with one clock read, and messages read after
+    /// it were stamped as received before they were (some before they were sent).
+    #[tokio::test]
+    async fn a_batch_lends_what_one_read_brought() {
+        use crate::test_broker::{read_frame, FakeBroker};
+        use aqueduct_proto::frame::Confirm;
+        const N: usize = 400;
+        let fake = FakeBroker::start();
+        let (client, conn) = tokio::join!(crate::Client::connect(fake.options()), fake.accept());
+        let client = client.expect("connect");
+        let confirmed = async {
+            let (mut send, mut recv) = conn.accept_bi().await.expect("the subscription's stream");
+            let (id, _) = read_frame(&mut recv).await;
+            let confirm = Frame::new(id, Wire::Confirm(Confirm { offsets: vec![] }));
+            send.write_all(&confirm.to_bytes()).await.expect("write");
+            (send, recv, id)
+        };
+        let ten = std::time::Duration::from_secs(10);
+        let (sub, (mut send, _recv, id)) = tokio::time::timeout(ten, async {
+            tokio::join!(client.subscribe("t"), confirmed)
+        })
+        .await
+        .expect("subscribed in time");
+        let mut sub = sub.expect("subscribed");
+        // ~45 KB of deliveries, all taken by the client's QUIC stack before it reads any.
+        for i in 0..N {
+            let topic = TopicName::try_from("t").expect("topic");
+            let body = format!("{i:0>100}");
+            let delivery = Frame::new(id, Wire::Publish(Publish::new(topic, body.into())));
+            send.write_all(&delivery.to_bytes()).await.expect("write");
+        }
+        send.finish().expect("finish");
+        let taken = tokio::time::timeout(ten, send.stopped())
+            .await
+            .expect("the client took every delivery in time");
+        assert!(matches!(taken, Ok(None)), "taken, not stopped: {taken:?}");
+        let mut bodies = Vec::new();
+        let first = sub
+            .next_batch(1024, |m| bodies.push(m.body().to_vec()))
+            .await
+            .expect("a batch")
+            .expect("not an error");
+        assert!(first < N, "one call lent all {first}: more than one read");
+        while bodies.len() < N {
+            sub.next_batch(1024, |m| bodies.push(m.body().to_vec()))
+                .await
+                .expect("a batch")
+                .expect("not an error");
+        }
+        let expected: Vec<Vec<u8>> = (0..N).map(|i| format!("{i:0>100}").into_bytes()).collect();
+        assert_eq!(bodies, expected);
+    }
 
     /// A later broker's frame (an opcode this client does not know) on a subscription's stream
     /// is skipped (protocol.md §10), whether messages are taken one by one or in batches: the

@@ -1107,9 +1107,9 @@ impl Driver {
                             conn.close(0u32.into(), b"duplicate node id");
                             return Err(format!(
                                 "the node there presents this node's id {node}: another node \
-                                 has the same cluster.node_id (every node needs its own id and \
-                                 peer certificate: `aqueduct cert peer NODE`), or this node's \
-                                 own address is reached through NAT"
+                                 has the same node id (a node's id is its peer certificate's \
+                                 Common Name: every node needs its own, `aqueduct cert peer \
+                                 NODE`), or this node's own address is reached through NAT"
                             ));
                         }
                         Ok((conn, node))
