@@ -561,6 +561,29 @@ mod tests {
 
     use super::*;
 
+    const CONFIRM: PublishOptions = PublishOptions {
+        priority: None,
+        ttl: None,
+        confirm: true,
+        trace: None,
+    };
+
+    type Confirmed = Result<Option<u64>, ClientError>;
+
+    /// Two confirmed publishes on `client`'s publish stream, with `broker` (the fake broker's
+    /// side, holding its streams until it ends) alongside: their outcomes.
+    async fn two_confirmed<S>(
+        client: &crate::Client,
+        broker: impl std::future::Future<Output = S>,
+    ) -> (Confirmed, Confirmed) {
+        let publishes = async {
+            let first = client.publish_with("t", "a", &CONFIRM).await;
+            let second = client.publish_with("t", "b", &CONFIRM).await;
+            (first, second)
+        };
+        within(async { tokio::join!(publishes, broker) }).await.0
+    }
+
     /// A later broker's frame (an opcode this client does not know) on a publish stream is
     /// skipped, as protocol.md §10 says: the answer after it still reaches its publish. Before,
     /// the stream's reader stopped at it, and every publish waiting there failed.
@@ -568,12 +591,7 @@ mod tests {
     async fn a_frame_of_an_unknown_opcode_on_the_publish_stream_is_skipped() {
         use crate::test_broker::{read_frame, unknown_frame, FakeBroker};
         let fake = FakeBroker::start();
-        let (client, conn) = tokio::join!(crate::Client::connect(fake.options()), fake.accept());
-        let client = client.expect("connect");
-        let confirm = PublishOptions {
-            confirm: true,
-            ..PublishOptions::default()
-        };
+        let (client, conn) = fake.client().await;
         let broker = async {
             let (mut send, mut recv) = conn.accept_bi().await.expect("the publish stream");
             for offset in [7u64, 8] {
@@ -589,12 +607,7 @@ mod tests {
             }
             (send, recv)
         };
-        let publishes = async {
-            let first = client.publish_with("t", "a", &confirm).await;
-            let second = client.publish_with("t", "b", &confirm).await;
-            (first, second)
-        };
-        let ((first, second), _streams) = within(async { tokio::join!(publishes, broker) }).await;
+        let (first, second) = two_confirmed(&client, broker).await;
         assert_eq!(first.expect("confirmed"), Some(7));
         assert_eq!(second.expect("confirmed"), Some(8));
     }
@@ -606,12 +619,7 @@ mod tests {
     async fn an_unreadable_answer_fails_its_publish_only() {
         use crate::test_broker::{read_frame, FakeBroker};
         let fake = FakeBroker::start();
-        let (client, conn) = tokio::join!(crate::Client::connect(fake.options()), fake.accept());
-        let client = client.expect("connect");
-        let confirm = PublishOptions {
-            confirm: true,
-            ..PublishOptions::default()
-        };
+        let (client, conn) = fake.client().await;
         let broker = async {
             let (mut send, mut recv) = conn.accept_bi().await.expect("the publish stream");
             let (id, _) = read_frame(&mut recv).await;
@@ -629,12 +637,7 @@ mod tests {
             send.write_all(&answer.to_bytes()).await.expect("write");
             (send, recv)
         };
-        let publishes = async {
-            let first = client.publish_with("t", "a", &confirm).await;
-            let second = client.publish_with("t", "b", &confirm).await;
-            (first, second)
-        };
-        let ((first, second), _streams) = within(async { tokio::join!(publishes, broker) }).await;
+        let (first, second) = two_confirmed(&client, broker).await;
         match first {
             Err(ClientError::Protocol(_)) => {}
             other => panic!("expected a protocol error, got {other:?}"),

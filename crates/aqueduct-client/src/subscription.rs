@@ -795,22 +795,13 @@ mod tests {
     /// it were stamped as received before they were (some before they were sent).
     #[tokio::test]
     async fn a_batch_lends_what_one_read_brought() {
-        use crate::test_broker::{read_frame, FakeBroker};
-        use aqueduct_proto::frame::Confirm;
+        use crate::test_broker::{confirm_subscribe, FakeBroker};
         const N: usize = 400;
         let fake = FakeBroker::start();
-        let (client, conn) = tokio::join!(crate::Client::connect(fake.options()), fake.accept());
-        let client = client.expect("connect");
-        let confirmed = async {
-            let (mut send, mut recv) = conn.accept_bi().await.expect("the subscription's stream");
-            let (id, _) = read_frame(&mut recv).await;
-            let confirm = Frame::new(id, Wire::Confirm(Confirm { offsets: vec![] }));
-            send.write_all(&confirm.to_bytes()).await.expect("write");
-            (send, recv, id)
-        };
+        let (client, conn) = fake.client().await;
         let ten = std::time::Duration::from_secs(10);
         let (sub, (mut send, _recv, id)) = tokio::time::timeout(ten, async {
-            tokio::join!(client.subscribe("t"), confirmed)
+            tokio::join!(client.subscribe("t"), confirm_subscribe(&conn))
         })
         .await
         .expect("subscribed in time");
@@ -849,16 +840,11 @@ mod tests {
     /// deliveries after it arrive. Before, the subscription ended at it with an error.
     #[tokio::test]
     async fn a_frame_of_an_unknown_opcode_on_a_subscription_is_skipped() {
-        use crate::test_broker::{read_frame, unknown_frame, FakeBroker};
-        use aqueduct_proto::frame::Confirm;
+        use crate::test_broker::{confirm_subscribe, unknown_frame, FakeBroker};
         let fake = FakeBroker::start();
-        let (client, conn) = tokio::join!(crate::Client::connect(fake.options()), fake.accept());
-        let client = client.expect("connect");
+        let (client, conn) = fake.client().await;
         let broker = async {
-            let (mut send, mut recv) = conn.accept_bi().await.expect("the subscription's stream");
-            let (id, _) = read_frame(&mut recv).await;
-            let confirm = Frame::new(id, Wire::Confirm(Confirm { offsets: vec![] }));
-            send.write_all(&confirm.to_bytes()).await.expect("write");
+            let (mut send, recv, id) = confirm_subscribe(&conn).await;
             for body in ["one", "two"] {
                 send.write_all(&unknown_frame(id)).await.expect("write");
                 let topic = TopicName::try_from("t").expect("topic");

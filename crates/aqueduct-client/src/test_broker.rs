@@ -113,6 +113,12 @@ impl FakeBroker {
         let incoming = self.endpoint.accept().await.expect("a connection");
         incoming.await.expect("handshake")
     }
+
+    /// A client connected to it, and that connection as the fake broker sees it.
+    pub(crate) async fn client(&self) -> (crate::Client, quinn::Connection) {
+        let (client, conn) = tokio::join!(crate::Client::connect(self.options()), self.accept());
+        (client.expect("connect"), conn)
+    }
 }
 
 /// Read one whole frame from `recv`: (its stream id, the frame's bytes).
@@ -126,6 +132,19 @@ pub(crate) async fn read_frame(recv: &mut quinn::RecvStream) -> (u32, Vec<u8>) {
         .await
         .expect("data");
     (stream_id, frame)
+}
+
+/// The fake broker's side of a SUBSCRIBE on `conn`: the stream it comes on, read, and
+/// confirmed: (send, receive, the SUBSCRIBE's stream id).
+pub(crate) async fn confirm_subscribe(
+    conn: &quinn::Connection,
+) -> (quinn::SendStream, quinn::RecvStream, u32) {
+    use aqueduct_proto::frame::{Confirm, Message};
+    let (mut send, mut recv) = conn.accept_bi().await.expect("the subscription's stream");
+    let (id, _) = read_frame(&mut recv).await;
+    let confirm = aqueduct_proto::Frame::new(id, Message::Confirm(Confirm { offsets: vec![] }));
+    send.write_all(&confirm.to_bytes()).await.expect("write");
+    (send, recv, id)
 }
 
 /// A frame of opcode 0x3E (reserved: what a later broker might send) with stream id `id` and

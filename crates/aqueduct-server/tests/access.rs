@@ -1077,18 +1077,7 @@ async fn connections_that_never_handshake_cannot_lock_administrators_out() {
     let s = Setup::start("all", &[], QuotasSection::default()).await;
     let addr: SocketAddr = s.b.admin_addr.expect("admin API on");
     // From another loopback address than the administrator's.
-    let mut idle = Vec::new();
-    for _ in 0..MAX_CONNECTIONS + 16 {
-        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-        socket
-            .bind("127.0.0.2:0".parse().expect("addr"))
-            .expect("bind 127.0.0.2");
-        idle.push(
-            within("a TCP connect", socket.connect(addr))
-                .await
-                .expect("connects"),
-        );
-    }
+    let idle = idle_connections_from_elsewhere(addr, MAX_CONNECTIONS + 16).await;
     // Well within the 10 s the idle ones would each be waited for.
     let answered = tokio::time::timeout(Duration::from_secs(5), async {
         let mut admin = s.admin(Some("admin-alice")).await.expect("connects");

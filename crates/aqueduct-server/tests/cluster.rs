@@ -1627,34 +1627,11 @@ fn raw_peer(ca: &ClusterCa, node: &str) -> quinn::Endpoint {
 /// ends warn that copies might be lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_connection_the_peer_retires_is_retired_at_once() {
-    use aqueduct_core::mesh::{Control, Interest};
     let ca = ClusterCa::new();
     let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
     let endpoint = raw_peer(&ca, "node-a");
     // The connection the peer dials: its two streams, and a snapshot on the control stream.
-    let kept = within(
-        "the peer's dial",
-        endpoint.connect(b.addr, "aqueduct-mesh").expect("connect"),
-    )
-    .await
-    .expect("handshake");
-    let mut control = kept.open_uni().await.expect("control stream");
-    let mut snapshot = vec![1u8]; // CONTROL_STREAM
-    aqueduct_core::mesh_codec::encode_control(
-        &Control::Snapshot {
-            session: 1 << 20,
-            seq: 0,
-            interest: Interest::default(),
-        },
-        &mut snapshot,
-    );
-    control.write_all(&snapshot).await.expect("write");
-    let mut data = kept.open_uni().await.expect("data stream");
-    data.write_all(&[2u8]).await.expect("write"); // DATA_STREAM
-    until("the node to keep the peer's connection", || {
-        peers_of(&b) == BTreeSet::from(["node-a".to_string()])
-    })
-    .await;
+    let (kept, _control, _data) = raw_peer_spoke(&endpoint, &b).await;
     // The node dials the peer: the duplicate, which the node holds.
     b.control
         .set_cluster_peers(vec![endpoint.local_addr().expect("addr")]);
@@ -1710,16 +1687,7 @@ async fn a_peer_may_not_open_more_than_eight_connections_at_once() {
     let ca = ClusterCa::new();
     let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
     let endpoint = raw_peer(&ca, "node-a");
-    let mut conns = Vec::new();
-    for i in 0..12 {
-        let conn = within(
-            &format!("handshake {i}"),
-            endpoint.connect(b.addr, "aqueduct-mesh").expect("connect"),
-        )
-        .await
-        .expect("handshake");
-        conns.push(conn);
-    }
+    let conns = raw_connections(&endpoint, &b, 12).await;
     let refused = || {
         b.control
             .mesh()
@@ -1746,6 +1714,25 @@ async fn a_peer_may_not_open_more_than_eight_connections_at_once() {
         conn.close(0u32.into(), b"done");
     }
     b.stop().await.expect("clean shutdown");
+}
+
+/// `n` connections of a raw peer's `endpoint` to `b`, handshakes done, nothing said on them.
+async fn raw_connections(
+    endpoint: &quinn::Endpoint,
+    b: &TestBroker,
+    n: usize,
+) -> Vec<quinn::Connection> {
+    let mut conns = Vec::new();
+    for i in 0..n {
+        let conn = within(
+            &format!("handshake {i}"),
+            endpoint.connect(b.addr, "aqueduct-mesh").expect("connect"),
+        )
+        .await
+        .expect("handshake");
+        conns.push(conn);
+    }
+    conns
 }
 
 /// A raw peer `node-a`'s connection to `b`, with a snapshot on its control stream (so the node
@@ -1861,16 +1848,7 @@ async fn a_dial_beyond_eight_connections_to_a_peer_is_closed() {
     let ca = ClusterCa::new();
     let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
     let endpoint = raw_peer(&ca, "node-a");
-    let mut conns = Vec::new();
-    for i in 0..8 {
-        let conn = within(
-            &format!("handshake {i}"),
-            endpoint.connect(b.addr, "aqueduct-mesh").expect("connect"),
-        )
-        .await
-        .expect("handshake");
-        conns.push(conn);
-    }
+    let conns = raw_connections(&endpoint, &b, 8).await;
     b.control
         .set_cluster_peers(vec![endpoint.local_addr().expect("addr")]);
     let incoming = within("the node's dial", endpoint.accept())

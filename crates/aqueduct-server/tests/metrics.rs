@@ -329,18 +329,7 @@ async fn health_readiness_and_hostile_http_clients() {
 async fn idle_connections_cannot_starve_the_health_probes() {
     let b = TestBroker::start().await;
     let addr = b.metrics_addr;
-    let mut idle = Vec::new();
-    for _ in 0..100 {
-        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-        socket
-            .bind("127.0.0.2:0".parse().expect("addr"))
-            .expect("bind 127.0.0.2");
-        idle.push(
-            within("a TCP connect", socket.connect(addr))
-                .await
-                .expect("connects"),
-        );
-    }
+    let idle = idle_connections_from_elsewhere(addr, 100).await;
     for path in ["/healthz", "/readyz", "/healthz"] {
         // Well within the 5 s header timeout the idle ones were each waited for.
         let answer = tokio::time::timeout(Duration::from_secs(2), get(addr, path))

@@ -540,6 +540,27 @@ pub async fn http(addr: SocketAddr, request: &str) -> (u16, String) {
     (status, body)
 }
 
+/// `n` TCP connections to `addr` from 127.0.0.2 (another loopback address than the tests'
+/// clients' 127.0.0.1) that send nothing: what anyone who reaches a port may open.
+pub async fn idle_connections_from_elsewhere(
+    addr: SocketAddr,
+    n: usize,
+) -> Vec<tokio::net::TcpStream> {
+    let mut idle = Vec::new();
+    for _ in 0..n {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .bind("127.0.0.2:0".parse().expect("addr"))
+            .expect("bind 127.0.0.2");
+        idle.push(
+            within("a TCP connect", socket.connect(addr))
+                .await
+                .expect("connects"),
+        );
+    }
+    idle
+}
+
 pub async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
     http(addr, &format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n")).await
 }
