@@ -162,7 +162,8 @@ fn status(e: tonic::Status) -> anyhow::Error {
             if e.message().contains("transport error") || e.code() != tonic::Code::Unknown =>
         {
             " (the broker did not accept the client certificate: is --cert/--key signed by its \
-             admin.client_ca_file?)"
+             admin.client_ca_file? Or it had all 64 admin connections open, or 8 TLS handshakes \
+             from this address in progress)"
         }
         // The broker's message names the CN and the pattern already.
         tonic::Code::PermissionDenied if e.message().contains("admin.allowed_cn") => "",

@@ -482,8 +482,10 @@ struct BenchOverflow(Option<OverflowPolicy>);
 /// defaults (AQUEDUCT_AAL_FILE_PATH, else $AQUEDUCT_HOME/aal, else ~/.aqueduct/aal).
 fn log_dir(given: &Option<PathBuf>) -> crate::log_cmd::LogDir {
     let path = given.clone().unwrap_or_else(|| {
-        // A variable that is not UTF-8 (an AQUEDUCT_* one stops the broker): the defaults.
-        let env = aqueduct_server::config::process_env().unwrap_or_default();
+        // Variables that are not UTF-8 are left out (an AQUEDUCT_* one stops the broker).
+        let env: Vec<(String, String)> = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .collect();
         let file_path = std::env::var("AQUEDUCT_AAL_FILE_PATH").unwrap_or_default();
         aqueduct_server::config::aal_dir(&file_path, &env)
     });

@@ -1006,10 +1006,14 @@ impl Mesh {
                     peer.in_session = Some((s, seq));
                     true
                 }
+                // A gap: the peer's interest here is no longer what it has. A protocol error,
+                // redialed with a growing wait (a peer that keeps skipping is not met 4 times
+                // a second); the next connection starts over from a snapshot.
                 _ => {
+                    self.note_refusal(conn);
                     self.out.push_back(Output::Close {
                         conn,
-                        reason: "interest update out of order",
+                        reason: PROTOCOL_ERROR,
                     });
                     false
                 }
@@ -2239,6 +2243,41 @@ mod tests {
         );
         assert!(a.peers().next().is_none(), "the broken connection is gone");
         after_a_plain_connection_the_wait_is_short(&mut a, addr, now, cfg);
+    }
+
+    /// A delta whose number skips one closes the connection as a protocol error: the reason
+    /// the peer's node recognises, and a longer wait before the next dial. It closed with a
+    /// reason of its own and was redialed within `backoff_min`.
+    #[test]
+    fn a_delta_out_of_order_is_a_protocol_error() {
+        let (mut a, addr, now) = dialing_one_peer(MeshConfig::default());
+        let conn = ConnId(1);
+        assert!(a.handle_connected(now, conn, node("b"), Some(addr), true));
+        let snapshot = Control::Snapshot {
+            session: 1,
+            seq: 5,
+            interest: Interest::default(),
+        };
+        assert!(a.handle_control(conn, snapshot));
+        while a.poll_output().is_some() {}
+        let gap = Control::Delta {
+            session: 1,
+            seq: 7,
+            updates: vec![],
+        };
+        assert!(!a.handle_control(conn, gap));
+        assert_eq!(
+            a.poll_output(),
+            Some(Output::Close {
+                conn,
+                reason: PROTOCOL_ERROR
+            })
+        );
+        a.handle_disconnected(now, conn);
+        assert!(
+            a.targets[&addr].attempts > REFUSED_ATTEMPTS,
+            "a refusal's wait"
+        );
     }
 
     /// What still comes on a connection closed for its interest is ignored: the rest of a

@@ -142,6 +142,55 @@ impl AsyncWrite for TlsConn {
     }
 }
 
+/// Where a connection comes from, for [`MAX_HANDSHAKES_PER_ADDRESS`]: its IPv4 address, or its
+/// IPv6 address's /64 (one host may use any address of its /64).
+fn address_group(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(
+                u128::from(v6) & !((1u128 << 64) - 1),
+            )),
+        },
+        v4 => v4,
+    }
+}
+
+/// The TLS handshakes in progress, in the order they began, with their address groups.
+#[derive(Default)]
+struct InProgress(Vec<(tokio::task::AbortHandle, IpAddr)>);
+
+impl InProgress {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// How many come from `group`.
+    fn of(&self, group: IpAddr) -> usize {
+        self.0.iter().filter(|(_, g)| *g == group).count()
+    }
+
+    fn started(&mut self, task: tokio::task::AbortHandle, group: IpAddr) {
+        self.0.push((task, group));
+    }
+
+    fn ended(&mut self, id: tokio::task::Id) {
+        self.0.retain(|(t, _)| t.id() != id);
+    }
+
+    /// Close the oldest handshake of the group with the most in progress, for a new
+    /// connection when all [`MAX_HANDSHAKES`] are taken: connections that never handshake, from
+    /// however many addresses, cannot keep an administrator's from being served. Returns its
+    /// group.
+    fn evict(&mut self) -> Option<IpAddr> {
+        let most = self.0.iter().map(|(_, g)| self.of(*g)).max()?;
+        let i = self.0.iter().position(|(_, g)| self.of(*g) == most)?;
+        let (task, group) = self.0.remove(i);
+        task.abort();
+        Some(group)
+    }
+}
+
 /// Serve the admin API on `listener` until `stop` turns true.
 pub(crate) async fn serve(
     listener: TcpListener,
@@ -157,12 +206,10 @@ pub(crate) async fn serve(
     let allowed = shared.config.admin.as_ref().map(|a| a.allowed_cn.clone());
     let accept = async move {
         let mut handshakes = JoinSet::new();
-        // Each handshake task's address, and how many are in progress per address.
-        let mut from: HashMap<tokio::task::Id, IpAddr> = HashMap::new();
-        let mut per_address: HashMap<IpAddr, usize> = HashMap::new();
+        let mut in_progress = InProgress::default();
         loop {
             tokio::select! {
-                accepted = listener.accept(), if handshakes.len() < MAX_HANDSHAKES => {
+                accepted = listener.accept() => {
                     let (tcp, remote) = match accepted {
                         Ok(a) => a,
                         Err(e) => {
@@ -171,13 +218,18 @@ pub(crate) async fn serve(
                             continue;
                         }
                     };
-                    let in_progress = per_address.entry(remote.ip()).or_default();
-                    if *in_progress >= MAX_HANDSHAKES_PER_ADDRESS {
+                    let group = address_group(remote.ip());
+                    if in_progress.of(group) >= MAX_HANDSHAKES_PER_ADDRESS {
                         stats.admin_handshakes_failed.fetch_add(1, Ordering::Relaxed);
                         debug!(%remote, "admin API: connection closed: {MAX_HANDSHAKES_PER_ADDRESS} TLS handshakes from its address are in progress");
                         continue;
                     }
-                    *in_progress += 1;
+                    if in_progress.len() >= MAX_HANDSHAKES {
+                        if let Some(from) = in_progress.evict() {
+                            stats.admin_handshakes_failed.fetch_add(1, Ordering::Relaxed);
+                            debug!(%from, "admin API: a TLS handshake in progress closed for a new connection: {MAX_HANDSHAKES} are in progress");
+                        }
+                    }
                     let (acceptor, tx, stats) = (acceptor.clone(), tx.clone(), stats.clone());
                     let (denied_slots, allowed) = (denied_slots.clone(), allowed.clone());
                     let slots = slots.clone();
@@ -185,6 +237,7 @@ pub(crate) async fn serve(
                         match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                             Ok(Ok(io)) => {
                                 let Ok(slot) = slots.try_acquire_owned() else {
+                                    stats.admin_handshakes_failed.fetch_add(1, Ordering::Relaxed);
                                     info!(%remote, "admin API: connection closed after its handshake: {MAX_CONNECTIONS} admin connections are open");
                                     return;
                                 };
@@ -234,21 +287,13 @@ pub(crate) async fn serve(
                             }
                         }
                     });
-                    from.insert(task.id(), remote.ip());
+                    in_progress.started(task, group);
                 }
                 Some(done) = handshakes.join_next_with_id(), if !handshakes.is_empty() => {
-                    let id = match done {
+                    in_progress.ended(match done {
                         Ok((id, ())) => id,
                         Err(e) => e.id(),
-                    };
-                    if let Some(ip) = from.remove(&id) {
-                        if let Some(n) = per_address.get_mut(&ip) {
-                            *n -= 1;
-                            if *n == 0 {
-                                per_address.remove(&ip);
-                            }
-                        }
-                    }
+                    });
                 }
             }
         }
@@ -1061,4 +1106,46 @@ pub async fn connect(
         proto::admin_service_client::AdminServiceClient::new(channel)
             .max_decoding_message_size(MAX_ANSWER),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{address_group, InProgress};
+
+    /// IPv6 addresses of one /64 are one group (a host may use any of them); IPv4 addresses,
+    /// and IPv4 mapped into IPv6, are each their own.
+    #[test]
+    fn handshakes_are_counted_per_ipv4_address_and_ipv6_64() {
+        let g = |s: &str| address_group(s.parse().expect("ip"));
+        assert_eq!(g("2001:db8:1:2::5"), g("2001:db8:1:2:ffff::1"));
+        assert_ne!(g("2001:db8:1:2::5"), g("2001:db8:1:3::5"));
+        assert_eq!(g("10.0.0.1"), g("::ffff:10.0.0.1"));
+        assert_ne!(g("10.0.0.1"), g("10.0.0.2"));
+    }
+
+    /// With every handshake slot taken, the oldest handshake of the group with the most goes:
+    /// many addresses' idle connections cannot keep a new one out.
+    #[tokio::test]
+    async fn the_group_with_the_most_handshakes_gives_one_up() {
+        let mut tasks = tokio::task::JoinSet::new();
+        let mut in_progress = InProgress::default();
+        let a = "10.0.0.1".parse().expect("ip");
+        let b = "10.0.0.2".parse().expect("ip");
+        let mut ids = Vec::new();
+        for group in [a, b, b, a, b] {
+            let task = tasks.spawn(std::future::pending::<()>());
+            ids.push(task.id());
+            in_progress.started(task, group);
+        }
+        assert_eq!(in_progress.evict(), Some(b));
+        assert_eq!((in_progress.of(a), in_progress.of(b)), (2, 2));
+        // The oldest of b's (the second started) was aborted.
+        let ended = tasks.join_next_with_id().await.expect("one ended");
+        let e = ended.expect_err("aborted");
+        assert!(e.is_cancelled());
+        assert_eq!(e.id(), ids[1]);
+        in_progress.ended(e.id());
+        assert_eq!(in_progress.len(), 4);
+        tasks.abort_all();
+    }
 }

@@ -13,13 +13,16 @@
 //!   at compile time, which the page imports.
 //!
 //! It must survive slow and hostile clients: at most `metrics.max_connections` connections at
-//! once (more wait in the kernel's accept queue), the request head must arrive within
+//! once (with all taken, a new one replaces one that has sent no request yet, see
+//! [`eviction_order`]; only when all are being answered do more wait in the kernel's accept
+//! queue), the request head must arrive within
 //! `metrics.header_timeout` (hyper closes the connection otherwise) and fit in 8 KiB (431
 //! otherwise), and a whole exchange is bounded in time. Connection tasks live in a `JoinSet`
 //! owned by the endpoint's task, so none outlives it.
 
+use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -219,22 +222,49 @@ struct Open {
     id: tokio::task::Id,
     task: tokio::task::AbortHandle,
     from: IpAddr,
-    /// Its request head has arrived (it is being answered).
-    asked: Arc<AtomicBool>,
+    /// [`WAITING`], [`ASKED`] (its request head has arrived: it is being answered) or
+    /// [`EVICTED`]; the service and the evictor each move it from `WAITING` once, so a request
+    /// being answered is never cut.
+    state: Arc<AtomicU8>,
 }
 
-/// Which connection to close for a new one when every slot is taken: one that has not sent its
-/// request yet, from the address that holds the most slots, the oldest of those. So clients
-/// that open connections and send nothing cannot keep a probe waiting (it waited up to
-/// `metrics.header_timeout` behind them), and one address's cannot push out another's.
-fn to_evict(open: &[Open]) -> Option<usize> {
-    let held = |ip: IpAddr| open.iter().filter(|o| o.from == ip).count();
-    open.iter()
-        .enumerate()
-        .filter(|(_, o)| !o.asked.load(Ordering::Relaxed))
-        // The most slots first; the oldest (first accepted) among equals.
-        .min_by_key(|(i, o)| (std::cmp::Reverse(held(o.from)), *i))
-        .map(|(i, _)| i)
+const WAITING: u8 = 0;
+const ASKED: u8 = 1;
+const EVICTED: u8 = 2;
+
+/// Which connections may be closed for a new one when every slot is taken, best first: those
+/// that have not sent their request yet, from the address that holds the most slots first, the
+/// oldest first among equals. So clients that open connections and send nothing cannot keep a
+/// probe waiting (it waited up to `metrics.header_timeout` behind them), and one address's
+/// cannot push out another's.
+fn eviction_order(open: &[Open]) -> Vec<usize> {
+    let mut held: HashMap<IpAddr, usize> = HashMap::new();
+    for o in open {
+        *held.entry(o.from).or_default() += 1;
+    }
+    let mut order: Vec<usize> = (0..open.len())
+        .filter(|&i| open[i].state.load(Ordering::Acquire) == WAITING)
+        .collect();
+    order.sort_by_key(|&i| (std::cmp::Reverse(held[&open[i].from]), i));
+    order
+}
+
+/// Close the first connection of `eviction_order` that has still sent nothing (one may have
+/// sent its request since it was ordered). Returns whether one was closed.
+fn evict_one(open: &mut Vec<Open>) -> bool {
+    for i in eviction_order(open) {
+        if open[i]
+            .state
+            .compare_exchange(WAITING, EVICTED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            let evicted = open.remove(i);
+            debug!(from = %evicted.from, "metrics: closing a connection that sent no request, for a new one");
+            evicted.task.abort();
+            return true;
+        }
+    }
+    false
 }
 
 /// Serve until `stop` turns true.
@@ -259,7 +289,7 @@ pub(crate) async fn serve(
                 open.retain(|o| o.id != id);
                 continue;
             }
-            accepted = listener.accept(), if open.len() < max || to_evict(&open).is_some() => accepted,
+            accepted = listener.accept(), if open.len() < max || open.iter().any(|o| o.state.load(Ordering::Acquire) == WAITING) => accepted,
             _ = stop.wait_for(|s| *s) => return,
         };
         let (socket, peer) = match accepted {
@@ -272,20 +302,17 @@ pub(crate) async fn serve(
             }
         };
         if open.len() >= max {
-            // The accept waited for a slot, or for one whose connection had sent nothing (if it
-            // has sent its request since, this one is served beyond the limit, once).
-            if let Some(i) = to_evict(&open) {
-                let evicted = open.remove(i);
-                debug!(from = %evicted.from, "metrics: closing a connection that sent no request, for a new one");
-                evicted.task.abort();
-            }
+            // The accept waited for a slot, or for one whose connection had sent nothing (if
+            // all have sent their requests since, this one is served beyond the limit, once).
+            evict_one(&mut open);
         }
-        let asked = Arc::new(AtomicBool::new(false));
+        let state = Arc::new(AtomicU8::new(WAITING));
         let service = {
             let inner = hyper_util::service::TowerToHyperService::new(app.clone());
-            let asked = asked.clone();
+            let state = state.clone();
             hyper::service::service_fn(move |req| {
-                asked.store(true, Ordering::Relaxed);
+                // Evicted just now: its task is being aborted, and this answer goes nowhere.
+                let _ = state.compare_exchange(WAITING, ASKED, Ordering::AcqRel, Ordering::Acquire);
                 hyper::service::Service::call(&inner, req)
             })
         };
@@ -306,7 +333,7 @@ pub(crate) async fn serve(
             id: task.id(),
             task,
             from: peer.ip(),
-            asked,
+            state,
         });
     }
 }

@@ -1064,6 +1064,7 @@ impl Driver {
                         ctl: ctl_tx,
                         queue: queue.clone(),
                         retire: retire_tx,
+                        left: false,
                     },
                 );
                 tasks.spawn(serve_peer(PeerTask {
@@ -1168,7 +1169,8 @@ impl Driver {
                     // is let go of, not closed: its control writer finishes the control stream
                     // once every copy the peer wrote on it is published here (which the peer
                     // waits for before it closes it).
-                    if let Some(link) = conns.get_mut(&conn) {
+                    if let Some(link) = conns.get_mut(&conn).filter(|l| !l.left) {
+                        link.left = true;
                         info!(peer = %link.node, "cluster peer leaving (shutting down)");
                         link.let_go();
                         // The peer closes it once this node has published what it wrote there,
@@ -1263,6 +1265,9 @@ impl Driver {
                                         what,
                                     );
                                     self.handle.interest_refused.fetch_add(1, Ordering::Relaxed);
+                                } else if reason == PROTOCOL_ERROR {
+                                    warn!(peer = %link.node, "cluster peer broke the mesh protocol (an interest update out of order): closing its connection; the next one waits longer each time");
+                                    self.handle.protocol_errors.fetch_add(1, Ordering::Relaxed);
                                 } else {
                                     debug!(conn = conn.0, reason, "closing a mesh connection");
                                 }
@@ -1452,6 +1457,8 @@ struct Link {
     queue: Arc<PeerQueue>,
     /// Set when the mesh keeps the pair's other connection: finish and close gracefully.
     retire: watch::Sender<bool>,
+    /// The peer said it is leaving (a watch closes the connection if it stays open).
+    left: bool,
 }
 
 impl Link {
@@ -2465,6 +2472,27 @@ mod tests {
         assert!(on.contains("datagram_receive_buffer_size: None"), "{on}");
         let off = format!("{:?}", dial_transport(asked(1)));
         assert!(off.contains("ack_frequency_config: None"), "{off}");
+    }
+
+    /// A peer's close for a protocol error is a refusal, as one for this node's interest: the
+    /// next dial waits longer. Any other close is not.
+    #[test]
+    fn a_peer_s_close_for_a_protocol_error_is_a_refusal() {
+        let closed = |reason: &str| {
+            quinn::ConnectionError::ApplicationClosed(quinn::ApplicationClose {
+                error_code: 0u32.into(),
+                reason: bytes::Bytes::copy_from_slice(reason.as_bytes()),
+            })
+        };
+        assert_eq!(
+            note_peer_close(&closed(PROTOCOL_ERROR)),
+            Some(PeerRefusal::ProtocolError)
+        );
+        assert_eq!(
+            note_peer_close(&closed(aqueduct_core::mesh::INTEREST_LIMIT)),
+            Some(PeerRefusal::OurInterest)
+        );
+        assert_eq!(note_peer_close(&closed("broker shutting down")), None);
     }
 
     /// A refusal is warned about once a minute per node and kind, and what is kept is only the

@@ -294,7 +294,7 @@ fn mesh_metrics(out: &mut Out, shared: &Shared) {
     out.single(
         "aqueduct_mesh_protocol_errors_total",
         "counter",
-        "Mesh connections this node closed because the peer broke the mesh protocol: an undecodable control message, or a leave not finished within 7 s.",
+        "Mesh connections this node closed because the peer broke the mesh protocol: an undecodable or out-of-order control message, a malformed data block, or a leave not finished within 7 s.",
         mesh.protocol_errors.load(std::sync::atomic::Ordering::Relaxed),
     );
     out.single(

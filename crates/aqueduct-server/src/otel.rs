@@ -276,10 +276,12 @@ impl TracingSection {
         let Some(host) = host.filter(|_| !authority.is_empty()) else {
             return Err(expected());
         };
-        // Without one, the URL's default (80 or 443) was dialled: never a collector's.
-        let has_port = authority.rsplit_once(':').is_some_and(|(h, p)| {
-            !h.is_empty() && !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())
-        });
+        // `http://` without one dialled port 80: never a collector's (OTLP/gRPC's is 4317).
+        // `https://` without one is port 443, where hosted collectors listen.
+        let has_port = secure
+            || authority.rsplit_once(':').is_some_and(|(h, p)| {
+                !h.is_empty() && !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())
+            });
         if !has_port {
             return Err(invalid(
                 "tracing.otlp_endpoint",
@@ -947,7 +949,7 @@ mod tests {
             "http://a b",
             "http://127.0.0.1:4318/v1/traces",
             "http://collector",
-            "https://[::1]",
+            "http://[::1]",
         ] {
             let e = ok(bad).validate().expect_err(bad).to_string();
             assert!(e.contains("tracing.otlp_endpoint"), "{e}");
