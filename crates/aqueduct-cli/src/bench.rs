@@ -95,6 +95,10 @@ pub struct BenchReport {
     pub config: BenchConfig,
     pub sent: u64,
     pub publish_secs: f64,
+    /// With a paced rate: the latest any send began after its scheduled time, ns. A sender
+    /// that falls behind (blocked by flow control, say) sends late, and its messages' latency
+    /// is timed from when they went, not from when they were due: this says how far behind.
+    pub pacer_max_late_ns: u64,
     pub subscribers: Vec<SubscriberReport>,
     /// Messages no subscriber (group) / some subscriber (fan-out) received.
     pub lost: u64,
@@ -344,6 +348,7 @@ where
     }
 
     let sent = Arc::new(AtomicU64::new(0));
+    let max_late = Arc::new(AtomicU64::new(0));
     let workers = (cfg.publishers * cfg.streams).max(1);
     let mut pub_clients = Vec::new();
     for _ in 0..cfg.publishers.max(1) {
@@ -375,6 +380,7 @@ where
             epoch,
             started,
             sent: sent.clone(),
+            max_late: max_late.clone(),
             progress: progress.clone(),
         };
         if cfg.rate > 0.0 {
@@ -441,6 +447,7 @@ where
         config: cfg,
         sent,
         publish_secs,
+        pacer_max_late_ns: max_late.load(Ordering::Acquire),
         subscribers: reports,
         lost,
         duplicates,
@@ -506,6 +513,8 @@ struct Worker {
     epoch: Instant,
     started: Instant,
     sent: Arc<AtomicU64>,
+    /// The latest any paced send began after it was due, ns (all workers).
+    max_late: Arc<AtomicU64>,
     progress: Option<indicatif::ProgressBar>,
 }
 
@@ -529,10 +538,13 @@ impl Worker {
         );
         let mut buf = BytesMut::new();
         let mut due = Instant::now();
+        let mut late = Duration::ZERO;
         while let Some(batch) = next_batch(&self.cfg, &mut self.plan, self.started) {
             let now = Instant::now();
             if due > now {
                 std::thread::sleep(due - now);
+            } else {
+                late = late.max(now - due);
             }
             due += interval;
             handle.block_on(send_batch(
@@ -544,6 +556,8 @@ impl Worker {
             ))?;
             self.advance(batch.len() as u64);
         }
+        let late = u64::try_from(late.as_nanos()).unwrap_or(u64::MAX);
+        self.max_late.fetch_max(late, Ordering::AcqRel);
         handle.block_on(self.publisher.flush())
     }
 
@@ -783,6 +797,15 @@ impl BenchReport {
             self.latency.max() as f64 / 1e3,
             self.latency.len()
         );
+        if c.rate > 0.0 {
+            let _ = writeln!(
+                s,
+                "pacing    {:.0} msg/s achieved of {:.0}; the latest send began {:.1} us after it was due",
+                pub_rate,
+                c.rate,
+                self.pacer_max_late_ns as f64 / 1e3
+            );
+        }
         let _ = writeln!(s, "lost      {}  duplicated {}", self.lost, self.duplicates);
         s
     }
@@ -804,6 +827,7 @@ impl BenchReport {
             "rate": c.rate,
             "sub_addr": c.sub_addr,
             "pub_msgs_per_s": pub_rate,
+            "pacer_max_late_us": self.pacer_max_late_ns as f64 / 1e3,
             "pub_mb_per_s": pub_rate * c.payload_size as f64 / 1e6,
             "delivered_msgs_per_s": self.delivered_msgs_per_s,
             "sub_min_msgs_per_s": self.subscribers.iter().map(|r| r.msgs_per_s).fold(f64::INFINITY, f64::min),

@@ -288,6 +288,9 @@ fn bench_counts_every_message_and_reports_json() {
     assert_eq!(r["subscribers"][0]["received"].as_u64(), Some(2000));
     assert_eq!(r["warmup_msgs"].as_u64(), Some(500));
     assert_eq!(r["latency"]["samples"].as_u64(), Some(1500));
+    // How far behind its schedule the pacer fell (peerbench reports it too): a number, not
+    // timed here.
+    assert!(r["pacer_max_late_us"].as_f64().is_some(), "{r}");
     // --latency-trace: the same 1500 timed deliveries, in send order, whose latencies are the
     // histogram's (its largest within the histogram's 3 significant digits).
     let text = std::fs::read_to_string(&trace).expect("the trace was written");

@@ -610,9 +610,15 @@ fn rule_to_proto(r: &AclRule) -> proto::AclRule {
 /// the one rule of an add or remove.
 fn rule_from_proto(i: Option<usize>, r: &proto::AclRule) -> Result<AclRule, Status> {
     AclRule::parse(&r.client_id, &r.topic, &r.permission).map_err(|e| {
+        // Named as the request's fields are (the config file's `client` is `client_id` here).
+        let field = match e.field {
+            "client" => "client_id",
+            other => other,
+        };
+        let e = format!("{field}: {}", e.problem);
         Status::invalid_argument(match i {
             Some(i) => format!("rule {i}: {e}"),
-            None => e.to_string(),
+            None => e,
         })
     })
 }
@@ -1110,7 +1116,24 @@ pub async fn connect(
 
 #[cfg(test)]
 mod tests {
-    use super::{address_group, InProgress};
+    use super::{address_group, proto, rule_from_proto, InProgress};
+
+    /// A bad rule in a request names the request's field (`client_id`), not the config
+    /// file's (`client`).
+    #[test]
+    fn a_bad_rule_names_the_request_s_field() {
+        let rule = proto::AclRule {
+            client_id: "a*b".into(),
+            topic: "t".into(),
+            permission: "all".into(),
+        };
+        let e = rule_from_proto(Some(2), &rule).expect_err("bad client pattern");
+        assert!(
+            e.message().starts_with("rule 2: client_id: "),
+            "{}",
+            e.message()
+        );
+    }
 
     /// IPv6 addresses of one /64 are one group (a host may use any of them); IPv4 addresses,
     /// and IPv4 mapped into IPv6, are each their own.
