@@ -16,19 +16,44 @@ use rcgen::{
 };
 use rustls_pki_types::pem::PemObject;
 
-/// Validity of the certificates made here.
+/// Validity of the certificates made here (never beyond their CA's).
 const VALID_DAYS: i64 = 365;
+/// Validity of a CA: ten years, so that the certificates it signs within that time do not
+/// outlive it (a leaf's validity is cut at its CA's end).
+const CA_VALID_DAYS: i64 = 3650;
 
 /// The files of the CA in `dir`.
 fn ca_files(dir: &Path) -> (PathBuf, PathBuf) {
     (dir.join("ca.pem"), dir.join("ca-key.pem"))
 }
 
-/// Valid from a few minutes ago (clocks differ a little) for [`VALID_DAYS`].
-fn validity(params: &mut CertificateParams) {
+/// Valid from a few minutes ago (clocks differ a little) for `days`, and not beyond `until`
+/// (the CA's end, for what it signs).
+fn validity(params: &mut CertificateParams, days: i64, until: Option<time::OffsetDateTime>) {
     let now = time::OffsetDateTime::now_utc();
     params.not_before = now - time::Duration::minutes(5);
-    params.not_after = now + time::Duration::days(VALID_DAYS);
+    let end = now + time::Duration::days(days);
+    params.not_after = until.map_or(end, |u| end.min(u));
+}
+
+/// Write a certificate and its key, both new: neither is written if either exists (a new
+/// certificate next to an old key, or the reverse, would be a pair that does not match).
+fn write_pair(cert_path: &Path, cert: &str, key_path: &Path, key: &str) -> Result<()> {
+    for p in [cert_path, key_path] {
+        if p.exists() {
+            bail!(
+                "{} exists already; not replacing it (nor writing {})",
+                p.display(),
+                if p == cert_path { key_path } else { cert_path }.display()
+            );
+        }
+    }
+    write_new(cert_path, cert, false)?;
+    if let Err(e) = write_new(key_path, key, true) {
+        let _ = std::fs::remove_file(cert_path);
+        return Err(e);
+    }
+    Ok(())
 }
 
 /// Write `text` to `path`, refusing to replace a file; private keys get mode 0600.
@@ -60,16 +85,17 @@ pub fn make_ca(dir: &Path, common_name: &str) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let (cert_path, key_path) = ca_files(dir);
     let key = KeyPair::generate().context("generating the CA key")?;
-    let params = ca_params(common_name)?;
+    let mut params = ca_params(common_name)?;
+    validity(&mut params, CA_VALID_DAYS, None);
     let cert = params.self_signed(&key).context("signing the CA")?;
-    write_new(&cert_path, &cert.pem(), false)?;
-    write_new(&key_path, &key.serialize_pem(), true)?;
+    write_pair(&cert_path, &cert.pem(), &key_path, &key.serialize_pem())?;
     Ok(vec![cert_path, key_path])
 }
 
 fn ca_params(common_name: &str) -> Result<CertificateParams> {
     let mut params = CertificateParams::new(Vec::<String>::new()).context("CA parameters")?;
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    // It signs leaves only: no intermediate CA under it.
+    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
     params.key_usages = vec![
         KeyUsagePurpose::KeyCertSign,
         KeyUsagePurpose::CrlSign,
@@ -78,12 +104,11 @@ fn ca_params(common_name: &str) -> Result<CertificateParams> {
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, common_name);
     params.distinguished_name = dn;
-    validity(&mut params);
     Ok(params)
 }
 
-/// The CA made by [`make_ca`] in `dir`, ready to sign.
-fn load_ca(dir: &Path) -> Result<Issuer<'static, KeyPair>> {
+/// The CA made by [`make_ca`] in `dir`, ready to sign, and when it ends.
+fn load_ca(dir: &Path) -> Result<(Issuer<'static, KeyPair>, time::OffsetDateTime)> {
     let (cert_path, key_path) = ca_files(dir);
     let read = |p: &Path| {
         std::fs::read_to_string(p).with_context(|| {
@@ -99,6 +124,16 @@ fn load_ca(dir: &Path) -> Result<Issuer<'static, KeyPair>> {
     let der = first_cert_of(read(&cert_path)?.as_bytes(), &cert_path)?;
     let (_, cert) = x509_parser::parse_x509_certificate(&der)
         .map_err(|e| anyhow!("{}: not an X.509 certificate ({e})", cert_path.display()))?;
+    // What it signs must chain to the certificate clients and brokers are given.
+    if cert.public_key().subject_public_key.data.as_ref() != key.public_key_raw() {
+        bail!(
+            "{} is not the certificate of the key {} (one of the two was replaced): make a new \
+             CA in another directory",
+            cert_path.display(),
+            key_path.display()
+        );
+    }
+    let until = cert.validity().not_after.to_datetime();
     let subject = cert.subject();
     let cn = subject
         .iter_common_name()
@@ -113,7 +148,7 @@ fn load_ca(dir: &Path) -> Result<Issuer<'static, KeyPair>> {
             cert_path.display()
         );
     }
-    Ok(Issuer::new(ca_params(cn)?, key))
+    Ok((Issuer::new(ca_params(cn)?, key), until))
 }
 
 /// Sign a leaf certificate with the CA in `dir`; writes `<stem>.pem` and `<stem>-key.pem`.
@@ -124,26 +159,50 @@ fn make_leaf(
     names: &[String],
     usages: &[ExtendedKeyUsagePurpose],
 ) -> Result<Vec<PathBuf>> {
-    let issuer = load_ca(dir)?;
+    for name in names {
+        check_san(name)?;
+    }
+    let (issuer, ca_until) = load_ca(dir)?;
     let mut params = CertificateParams::new(names.to_vec())
         .map_err(|e| anyhow!("invalid name in {names:?}: {e}"))?;
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, common_name);
     params.distinguished_name = dn;
-    params.key_usages = vec![
-        KeyUsagePurpose::DigitalSignature,
-        KeyUsagePurpose::KeyEncipherment,
-    ];
+    // ECDSA keys sign; they encipher nothing (RFC 8813: no keyEncipherment).
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     params.extended_key_usages = usages.to_vec();
     params.use_authority_key_identifier_extension = true;
-    validity(&mut params);
+    validity(&mut params, VALID_DAYS, Some(ca_until));
     let key = KeyPair::generate().context("generating a key")?;
     let cert = params.signed_by(&key, &issuer).context("signing")?;
     let cert_path = dir.join(format!("{stem}.pem"));
     let key_path = dir.join(format!("{stem}-key.pem"));
-    write_new(&cert_path, &cert.pem(), false)?;
-    write_new(&key_path, &key.serialize_pem(), true)?;
+    write_pair(&cert_path, &cert.pem(), &key_path, &key.serialize_pem())?;
     Ok(vec![cert_path, key_path])
+}
+
+/// A subjectAltName as `--name` gives it: an IP address, or a DNS name (an optional leading
+/// `*.`, then labels of letters, digits and `-`). A port or URL there made a name no client
+/// could match.
+fn check_san(name: &str) -> Result<()> {
+    if name.parse::<std::net::IpAddr>().is_ok() {
+        return Ok(());
+    }
+    let host = name.strip_prefix("*.").unwrap_or(name);
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    if host.is_empty() || host.len() > 253 || !host.split('.').all(label_ok) {
+        bail!(
+            "--name {name:?}: not a DNS name or an IP address (no port, scheme or path: e.g. \
+             broker.example.com, 10.0.0.5 or ::1)"
+        );
+    }
+    Ok(())
 }
 
 /// A broker certificate for `names` (DNS names or IP addresses), signed by the CA in `dir`.
@@ -167,6 +226,10 @@ fn check_name(what: &str, name: &str) -> Result<()> {
             .all(|c| c.is_ascii_alphanumeric() || "-_.@".contains(c))
     {
         bail!("{what} name {name:?}: use letters, digits and - _ . @ (it is also a file name)");
+    }
+    // Its files would be the CA's, the broker's or the revocation list's.
+    if ["ca", "ca-key", "server", "crl"].contains(&name) {
+        bail!("{what} name {name:?}: the tool's own files use that name; choose another");
     }
     Ok(())
 }
@@ -209,7 +272,7 @@ pub const CRL_FILE: &str = "crl.pem";
 /// it). Returns the list's path and what was added (a certificate revoked before is not added
 /// twice).
 pub fn revoke(dir: &Path, certs: &[PathBuf]) -> Result<(PathBuf, Vec<String>)> {
-    let issuer = load_ca(dir)?;
+    let (issuer, _) = load_ca(dir)?;
     let (ca_path, _) = ca_files(dir);
     let ca_der = first_cert(&ca_path)?;
     let (_, ca) = x509_parser::parse_x509_certificate(&ca_der)
@@ -231,6 +294,15 @@ pub fn revoke(dir: &Path, certs: &[PathBuf]) -> Result<(PathBuf, Vec<String>)> {
                 "{}: issued by {}, not by this CA ({})",
                 path.display(),
                 cert.issuer(),
+                ca.subject()
+            );
+        }
+        // Two CAs can have one name: the signature tells them apart.
+        if cert.verify_signature(Some(ca.public_key())).is_err() {
+            bail!(
+                "{}: names this CA ({}) as its issuer but was not signed by its key (another CA \
+                 with the same name made it): revoke it with that CA",
+                path.display(),
                 ca.subject()
             );
         }
@@ -448,5 +520,100 @@ mod tests {
         let err = revoke(dir.path(), &[other.path().join("eve.pem")]).expect_err("another CA's");
         assert!(err.to_string().contains("not by this CA"), "{err}");
         assert_eq!(list(&path).0.len(), 2, "nothing written");
+        // Another CA of the same name: refused by its signature (it said "revoked").
+        let twin = tempfile::tempdir().expect("dir");
+        make_ca(twin.path(), "Test CA").expect("ca");
+        make_client(twin.path(), "mallory").expect("client");
+        let err = revoke(dir.path(), &[twin.path().join("mallory.pem")]).expect_err("a twin's");
+        assert!(err.to_string().contains("not signed by its key"), "{err}");
+        assert_eq!(list(&path).0.len(), 2, "nothing written");
+    }
+
+    /// A certificate is never written without its key or next to another's: with the CA's key
+    /// left and its certificate gone, `cert ca` wrote a new certificate before it refused, and
+    /// everything signed after did not chain to it. A CA whose certificate is not its key's is
+    /// refused.
+    #[test]
+    fn a_certificate_and_its_key_are_written_together_and_must_match() {
+        let dir = tempfile::tempdir().expect("dir");
+        make_ca(dir.path(), "Test CA").expect("ca");
+        let (cert_path, key_path) = ca_files(dir.path());
+        let old_key = std::fs::read(&key_path).expect("key");
+        std::fs::remove_file(&cert_path).expect("rm");
+        let err = make_ca(dir.path(), "Test CA").expect_err("the key is there");
+        assert!(
+            err.to_string().contains("ca-key.pem exists already"),
+            "{err}"
+        );
+        assert!(
+            !cert_path.exists(),
+            "no certificate written beside the old key"
+        );
+        assert_eq!(std::fs::read(&key_path).expect("key"), old_key);
+        // A certificate of another key in its place: nothing is signed with the pair.
+        let other = tempfile::tempdir().expect("dir");
+        make_ca(other.path(), "Test CA").expect("ca");
+        std::fs::copy(ca_files(other.path()).0, &cert_path).expect("copy");
+        let err = make_client(dir.path(), "alice").expect_err("a mismatched CA");
+        assert!(
+            err.to_string()
+                .contains("is not the certificate of the key"),
+            "{err}"
+        );
+        assert!(!dir.path().join("alice.pem").exists());
+    }
+
+    /// The CA lives ten years and what it signs at most to its end; leaves have no
+    /// keyEncipherment (ECDSA); the CA signs no CA (path length 0).
+    #[test]
+    fn validity_and_usages() {
+        let dir = tempfile::tempdir().expect("dir");
+        make_ca(dir.path(), "Test CA").expect("ca");
+        make_client(dir.path(), "alice").expect("client");
+        let parse = |f: &str| {
+            let der = first_cert(&dir.path().join(f)).expect("cert");
+            let (_, c) = x509_parser::parse_x509_certificate(&der).expect("parses");
+            let days =
+                (c.validity().not_after.timestamp() - c.validity().not_before.timestamp()) / 86_400;
+            let ku = c
+                .key_usage()
+                .expect("ok")
+                .map(|k| (k.value.digital_signature(), k.value.key_encipherment()));
+            let bc = c
+                .basic_constraints()
+                .expect("ok")
+                .map(|b| b.value.path_len_constraint);
+            (days, ku, bc)
+        };
+        let (ca_days, _, ca_bc) = parse("ca.pem");
+        assert_eq!((ca_days, ca_bc), (3650, Some(Some(0))));
+        let (leaf_days, leaf_ku, _) = parse("alice.pem");
+        assert_eq!(leaf_days, 365);
+        assert_eq!(
+            leaf_ku,
+            Some((true, false)),
+            "digitalSignature, no keyEncipherment"
+        );
+    }
+
+    /// `--name` takes DNS names and IP addresses only; the tool's own file names are no
+    /// client's or node's.
+    #[test]
+    fn names_are_checked() {
+        let dir = tempfile::tempdir().expect("dir");
+        make_ca(dir.path(), "Test CA").expect("ca");
+        for bad in ["broker.example.com:4242", "https://x y", "-x.example", ""] {
+            let err = make_server(dir.path(), &[bad.into()]).expect_err(bad);
+            assert!(
+                err.to_string().contains("not a DNS name or an IP address"),
+                "{err}"
+            );
+        }
+        assert!(!dir.path().join("server.pem").exists());
+        for name in ["crl", "ca", "ca-key", "server"] {
+            let err = make_client(dir.path(), name).expect_err(name);
+            assert!(err.to_string().contains("the tool's own files"), "{err}");
+        }
+        make_server(dir.path(), &["*.example.com".into(), "::1".into()]).expect("good names");
     }
 }

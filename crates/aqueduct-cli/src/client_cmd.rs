@@ -150,7 +150,7 @@ enum Command {
         from: DurableStart,
     },
     /// Make certificates for mutual TLS: a CA, a broker certificate, client certificates
-    /// (X.509 v3, ECDSA P-256, valid one year). Needs no broker.
+    /// (X.509 v3, ECDSA P-256; the CA valid ten years, what it signs one year). Needs no broker.
     #[command(
         after_help = "Examples:\n  aqueduct cert ca --out certs\n  aqueduct cert server --out certs --name localhost --name 127.0.0.1 --name ::1\n  aqueduct cert client alice --out certs\n  aqueduct cert revoke certs/alice.pem --out certs\n  aqueduct cert peer aqueduct-0 --out certs --name aqueduct-0.aqueduct-headless.default.svc.cluster.local"
     )]

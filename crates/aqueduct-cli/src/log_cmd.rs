@@ -83,12 +83,22 @@ pub struct LogDir {
     pub given: bool,
 }
 
-/// The log directory exists and is a directory; otherwise an error saying which of the two, and,
-/// for the default one, how to name another.
+/// The log directory exists, is a directory and holds a segment; otherwise an error saying
+/// which, and, for the default one, how to name another. (A directory without segments is no
+/// log: `verify` said "ok" of it, and `rekey` that the previous key was no longer needed.)
 fn check_log_dir(dir: &LogDir) -> Result<()> {
     let path = dir.path.display();
     let problem = match std::fs::metadata(&dir.path) {
-        Ok(m) if m.is_dir() => return Ok(()),
+        Ok(m) if m.is_dir() => {
+            let has_segment = std::fs::read_dir(&dir.path)
+                .with_context(|| format!("reading {path}"))?
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().ends_with(".seg"));
+            if has_segment {
+                return Ok(());
+            }
+            "holds no log segment (*.seg): it is not a durable log's directory".to_owned()
+        }
         Ok(_) => "is not a directory".to_owned(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => "does not exist".to_owned(),
         Err(e) => format!("cannot be read: {e}"),
@@ -238,14 +248,34 @@ pub fn dump(
     limit: Option<u64>,
     keys: &LogKeys,
 ) -> Result<()> {
+    // A reader that stopped early (`| head`) is no failure.
+    match dump_to_stdout(dir, topic, from, limit, keys) {
+        Err(e)
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
+        {
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+fn dump_to_stdout(
+    dir: &LogDir,
+    topic: Option<&str>,
+    from: u64,
+    limit: Option<u64>,
+    keys: &LogKeys,
+) -> Result<()> {
     let keys = keys.load()?;
     check_log_dir(dir)?;
     let view = LogView::open(&dir.path, &keys)?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     let Some(topic) = topic else {
+        // Escaped as bodies are: a topic name may hold a newline or a terminal's escapes.
         for t in view.topics() {
-            writeln!(out, "{}", String::from_utf8_lossy(&t))?;
+            writeln!(out, "{}", String::from_utf8_lossy(&t).escape_debug())?;
         }
         return Ok(out.flush()?);
     };
@@ -275,8 +305,9 @@ fn dump_line(offset: u64, timestamp_ms: u64, m: &StoredMessage) -> String {
     );
     if let Some(d) = &m.dead_letter {
         let reason = d.reason.escape_debug().to_string();
+        let topic = d.original_topic.as_str().escape_debug().to_string();
         let origin = crate::dead_letter_origin(
-            d.original_topic.as_str(),
+            &topic,
             Some(d.original_offset),
             Some(d.attempts_made),
             Some(reason.as_str()).filter(|r| !r.is_empty()),
@@ -314,5 +345,20 @@ mod tests {
             dump_line(0, 17, &m),
             "0\t2\t17\tpoison\tdead letter of jobs #10 after 4 attempts: nacked"
         );
+    }
+
+    /// A directory with no segment is not taken for a log: `verify` said "ok" of one, and
+    /// `rekey` that the previous key was no longer needed.
+    #[test]
+    fn a_directory_without_segments_is_no_log() {
+        let dir = tempfile::tempdir().expect("dir");
+        let log = LogDir {
+            path: dir.path().to_path_buf(),
+            given: true,
+        };
+        let e = check_log_dir(&log).expect_err("empty").to_string();
+        assert!(e.contains("holds no log segment"), "{e}");
+        std::fs::write(dir.path().join("00000000000000000001.seg"), b"").expect("write");
+        check_log_dir(&log).expect("a segment");
     }
 }
