@@ -150,6 +150,12 @@ pub fn verify(dir: &LogDir, keys: &LogKeys) -> Result<()> {
         // The reason names the file.
         println!("failed: {why}");
     }
+    if report.deleted_meanwhile > 0 {
+        println!(
+            "{} older segment(s) were deleted while this ran (the broker's retention): not checked",
+            report.deleted_meanwhile
+        );
+    }
     print_previous_keys(&report.previous_key_segments);
     if report.is_ok() {
         println!("ok");
@@ -270,6 +276,13 @@ fn dump_to_stdout(
     let keys = keys.load()?;
     check_log_dir(dir)?;
     let view = LogView::open(&dir.path, &keys)?;
+    // Said first, on standard error, and the command fails at its end: what follows lacks them.
+    for path in &view.skipped {
+        eprintln!(
+            "aqueduct: {}: unreadable (a damaged header), left out of what follows; `aqueduct log verify` says more",
+            path.display()
+        );
+    }
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     let Some(topic) = topic else {
@@ -277,7 +290,8 @@ fn dump_to_stdout(
         for t in view.topics() {
             writeln!(out, "{}", String::from_utf8_lossy(&t).escape_debug())?;
         }
-        return Ok(out.flush()?);
+        out.flush()?;
+        return skipped_is_failure(&view);
     };
     let records = view.read(topic.as_bytes(), from);
     for r in records.take(limit.map_or(usize::MAX, |l| l.min(usize::MAX as u64) as usize)) {
@@ -292,7 +306,15 @@ fn dump_to_stdout(
         }
     }
     out.flush()?;
-    Ok(())
+    skipped_is_failure(&view)
+}
+
+/// A dump that left unreadable segments out is no success (exit code 1).
+fn skipped_is_failure(view: &LogView) -> Result<()> {
+    match view.skipped.len() {
+        0 => Ok(()),
+        n => bail!("{n} unreadable segment(s) left out (named above)"),
+    }
 }
 
 /// One message as `log dump` prints it: offset, priority, time (ms since the epoch) and body,

@@ -1290,6 +1290,10 @@ pub struct LogView {
     segments: Vec<Segment>,
     /// Bytes of torn writes at the end of the last segment (left in place).
     pub torn_bytes: u64,
+    /// Older segments that could not be read (a bad header), left out of what the view reads:
+    /// a broker refuses to start on such a segment. (The newest one may be being created
+    /// right now, and is left out without a word.)
+    pub skipped: Vec<PathBuf>,
 }
 
 impl LogView {
@@ -1299,6 +1303,7 @@ impl LogView {
         let files = list_segments_read_only(dir)?;
         let mut segments = Vec::new();
         let mut torn_bytes = 0;
+        let mut skipped = Vec::new();
         for (i, (_, path)) in files.iter().enumerate() {
             let last = i + 1 == files.len();
             // Read-only, for inspection: plaintext segments are shown too.
@@ -1307,14 +1312,17 @@ impl LogView {
                     torn_bytes += scanned.torn_bytes;
                     segments.push(scanned.segment);
                 }
-                // A segment being created right now, or unreadable: skip it, as a broker would.
-                Err(LogError::BadFile { .. }) => {}
+                // The newest one may be being created right now: skipped. An older unreadable
+                // one is skipped too, and said.
+                Err(LogError::BadFile { .. }) if last => {}
+                Err(LogError::BadFile { .. }) => skipped.push(path.clone()),
                 Err(e) => return Err(e),
             }
         }
         Ok(LogView {
             segments,
             torn_bytes,
+            skipped,
         })
     }
 
