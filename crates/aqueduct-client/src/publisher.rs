@@ -560,6 +560,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::test_broker::within;
 
     const CONFIRM: PublishOptions = PublishOptions {
         priority: None,
@@ -589,7 +590,7 @@ mod tests {
     /// the stream's reader stopped at it, and every publish waiting there failed.
     #[tokio::test]
     async fn a_frame_of_an_unknown_opcode_on_the_publish_stream_is_skipped() {
-        use crate::test_broker::{read_frame, unknown_frame, FakeBroker};
+        use crate::test_broker::{confirm, read_frame, unknown_frame, FakeBroker};
         let fake = FakeBroker::start();
         let (client, conn) = fake.client().await;
         let broker = async {
@@ -597,13 +598,9 @@ mod tests {
             for offset in [7u64, 8] {
                 let (id, _) = read_frame(&mut recv).await;
                 send.write_all(&unknown_frame(id)).await.expect("write");
-                let answer = Frame::new(
-                    id,
-                    Wire::Confirm(aqueduct_proto::frame::Confirm {
-                        offsets: vec![offset],
-                    }),
-                );
-                send.write_all(&answer.to_bytes()).await.expect("write");
+                send.write_all(&confirm(id, vec![offset]))
+                    .await
+                    .expect("write");
             }
             (send, recv)
         };
@@ -617,7 +614,7 @@ mod tests {
     /// confirmed.
     #[tokio::test]
     async fn an_unreadable_answer_fails_its_publish_only() {
-        use crate::test_broker::{read_frame, FakeBroker};
+        use crate::test_broker::{confirm, read_frame, FakeBroker};
         let fake = FakeBroker::start();
         let (client, conn) = fake.client().await;
         let broker = async {
@@ -630,11 +627,7 @@ mod tests {
             bad.extend_from_slice(&[0; 5]);
             send.write_all(&bad).await.expect("write");
             let (id, _) = read_frame(&mut recv).await;
-            let answer = Frame::new(
-                id,
-                Wire::Confirm(aqueduct_proto::frame::Confirm { offsets: vec![9] }),
-            );
-            send.write_all(&answer.to_bytes()).await.expect("write");
+            send.write_all(&confirm(id, vec![9])).await.expect("write");
             (send, recv)
         };
         let (first, second) = two_confirmed(&client, broker).await;
@@ -643,12 +636,6 @@ mod tests {
             other => panic!("expected a protocol error, got {other:?}"),
         }
         assert_eq!(second.expect("confirmed"), Some(9));
-    }
-
-    async fn within<T>(fut: impl std::future::Future<Output = T>) -> T {
-        tokio::time::timeout(Duration::from_secs(10), fut)
-            .await
-            .expect("in time")
     }
 
     /// A TTL is rounded up to whole milliseconds, at least 1: a TTL of 0 on the wire means

@@ -795,28 +795,22 @@ mod tests {
     /// it were stamped as received before they were (some before they were sent).
     #[tokio::test]
     async fn a_batch_lends_what_one_read_brought() {
-        use crate::test_broker::{confirm_subscribe, FakeBroker};
+        use crate::test_broker::{confirm_subscribe, delivery, within, FakeBroker};
         const N: usize = 400;
         let fake = FakeBroker::start();
         let (client, conn) = fake.client().await;
-        let ten = std::time::Duration::from_secs(10);
-        let (sub, (mut send, _recv, id)) = tokio::time::timeout(ten, async {
-            tokio::join!(client.subscribe("t"), confirm_subscribe(&conn))
-        })
-        .await
-        .expect("subscribed in time");
+        let (sub, (mut send, _recv, id)) =
+            within(async { tokio::join!(client.subscribe("t"), confirm_subscribe(&conn)) }).await;
         let mut sub = sub.expect("subscribed");
         // ~45 KB of deliveries, all taken by the client's QUIC stack before it reads any.
         for i in 0..N {
-            let topic = TopicName::try_from("t").expect("topic");
             let body = format!("{i:0>100}");
-            let delivery = Frame::new(id, Wire::Publish(Publish::new(topic, body.into())));
-            send.write_all(&delivery.to_bytes()).await.expect("write");
+            send.write_all(&delivery(id, body.as_bytes()))
+                .await
+                .expect("write");
         }
         send.finish().expect("finish");
-        let taken = tokio::time::timeout(ten, send.stopped())
-            .await
-            .expect("the client took every delivery in time");
+        let taken = within(send.stopped()).await;
         assert!(matches!(taken, Ok(None)), "taken, not stopped: {taken:?}");
         let mut bodies = Vec::new();
         let first = sub
@@ -840,40 +834,31 @@ mod tests {
     /// deliveries after it arrive. Before, the subscription ended at it with an error.
     #[tokio::test]
     async fn a_frame_of_an_unknown_opcode_on_a_subscription_is_skipped() {
-        use crate::test_broker::{confirm_subscribe, unknown_frame, FakeBroker};
+        use crate::test_broker::{confirm_subscribe, delivery, unknown_frame, within, FakeBroker};
         let fake = FakeBroker::start();
         let (client, conn) = fake.client().await;
         let broker = async {
             let (mut send, recv, id) = confirm_subscribe(&conn).await;
             for body in ["one", "two"] {
                 send.write_all(&unknown_frame(id)).await.expect("write");
-                let topic = TopicName::try_from("t").expect("topic");
-                let delivery = Frame::new(id, Wire::Publish(Publish::new(topic, body.into())));
-                send.write_all(&delivery.to_bytes()).await.expect("write");
+                send.write_all(&delivery(id, body.as_bytes()))
+                    .await
+                    .expect("write");
             }
             (send, recv)
         };
-        let (sub, _streams) = tokio::time::timeout(std::time::Duration::from_secs(10), async {
-            tokio::join!(client.subscribe("t"), broker)
-        })
-        .await
-        .expect("in time");
+        let (sub, _streams) = within(async { tokio::join!(client.subscribe("t"), broker) }).await;
         let mut sub = sub.expect("subscribed");
-        let first = tokio::time::timeout(std::time::Duration::from_secs(10), sub.next_message())
+        let first = within(sub.next_message())
             .await
-            .expect("in time")
             .expect("a message")
             .expect("not an error");
         assert_eq!(first.body().as_ref(), b"one");
         let mut bodies = Vec::new();
-        let n = tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            sub.next_batch(8, |m| bodies.push(m.body().to_vec())),
-        )
-        .await
-        .expect("in time")
-        .expect("a batch")
-        .expect("not an error");
+        let n = within(sub.next_batch(8, |m| bodies.push(m.body().to_vec())))
+            .await
+            .expect("a batch")
+            .expect("not an error");
         assert_eq!((n, bodies), (1, vec![b"two".to_vec()]));
     }
 

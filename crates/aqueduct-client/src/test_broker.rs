@@ -121,6 +121,13 @@ impl FakeBroker {
     }
 }
 
+/// `fut`'s output, if it comes within 10 s (else the test fails).
+pub(crate) async fn within<T>(fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(std::time::Duration::from_secs(10), fut)
+        .await
+        .expect("in time")
+}
+
 /// Read one whole frame from `recv`: (its stream id, the frame's bytes).
 pub(crate) async fn read_frame(recv: &mut quinn::RecvStream) -> (u32, Vec<u8>) {
     let mut frame = vec![0u8; aqueduct_proto::HEADER_LEN];
@@ -139,12 +146,24 @@ pub(crate) async fn read_frame(recv: &mut quinn::RecvStream) -> (u32, Vec<u8>) {
 pub(crate) async fn confirm_subscribe(
     conn: &quinn::Connection,
 ) -> (quinn::SendStream, quinn::RecvStream, u32) {
-    use aqueduct_proto::frame::{Confirm, Message};
     let (mut send, mut recv) = conn.accept_bi().await.expect("the subscription's stream");
     let (id, _) = read_frame(&mut recv).await;
-    let confirm = aqueduct_proto::Frame::new(id, Message::Confirm(Confirm { offsets: vec![] }));
-    send.write_all(&confirm.to_bytes()).await.expect("write");
+    send.write_all(&confirm(id, vec![])).await.expect("write");
     (send, recv, id)
+}
+
+/// A CONFIRM of the frame of stream id `id`, listing `offsets`, encoded.
+pub(crate) fn confirm(id: u32, offsets: Vec<u64>) -> bytes::Bytes {
+    use aqueduct_proto::frame::{Confirm, Message};
+    aqueduct_proto::Frame::new(id, Message::Confirm(Confirm { offsets })).to_bytes()
+}
+
+/// A delivery of `body` on topic `t` to the subscription of stream id `id`, encoded.
+pub(crate) fn delivery(id: u32, body: &[u8]) -> bytes::Bytes {
+    use aqueduct_proto::frame::Message;
+    let topic = aqueduct_proto::TopicName::try_from("t").expect("topic");
+    let publish = aqueduct_proto::Publish::new(topic, bytes::Bytes::copy_from_slice(body));
+    aqueduct_proto::Frame::new(id, Message::Publish(publish)).to_bytes()
 }
 
 /// A frame of opcode 0x3E (reserved: what a later broker might send) with stream id `id` and

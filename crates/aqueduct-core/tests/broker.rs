@@ -1625,14 +1625,7 @@ fn an_unrouted_subscriber_gets_only_what_is_fed_with_its_offsets() {
 #[test]
 fn an_unrouted_group_forgets_evicted_topics() {
     let b = Broker::new(BrokerConfig::default());
-    let group = spec("topic:jobs/+:group:g:durable:g:earliest");
-    let opts = || SubscribeOptions {
-        ack_mode: AckMode::Explicit,
-        ..SubscribeOptions::default()
-    };
-    let m1 = b.subscribe_unrouted(&group, opts());
-    let m2 = b.subscribe_unrouted(&group, opts());
-    let shared = m1.group().cloned().expect("a group");
+    let (m1, m2, shared) = two_unrouted_members(&b, "topic:jobs/+:group:g:durable:g:earliest");
     let mut ctx = PublishContext::default();
     let now = Instant::now();
     publish(&b, &mut ctx, "jobs/x", "live", now); // the topic's state
@@ -1660,18 +1653,33 @@ fn an_unrouted_group_forgets_evicted_topics() {
     assert_eq!(shared.committed_offsets(), vec![]);
 }
 
-#[test]
-fn an_unrouted_group_hands_a_leaving_members_messages_to_the_others() {
-    let b = Broker::new(BrokerConfig::default());
-    let group = spec("topic:jobs:group:g:durable:g:earliest");
-    let opts = || SubscribeOptions {
+/// A member of the durable (unrouted) group `subscribe` names, with explicit acks.
+fn unrouted_member(b: &Broker, subscribe: &str) -> Arc<Subscriber> {
+    let opts = SubscribeOptions {
         ack_mode: AckMode::Explicit,
         ..SubscribeOptions::default()
     };
-    let m1 = b.subscribe_unrouted(&group, opts());
-    let m2 = b.subscribe_unrouted(&group, opts());
+    b.subscribe_unrouted(&spec(subscribe), opts)
+}
+
+/// Two members of the durable (unrouted) group `subscribe` names, with explicit acks, and
+/// their group.
+fn two_unrouted_members(
+    b: &Broker,
+    subscribe: &str,
+) -> (Arc<Subscriber>, Arc<Subscriber>, Arc<GroupShared>) {
+    let m1 = unrouted_member(b, subscribe);
+    let m2 = unrouted_member(b, subscribe);
     let shared = m1.group().cloned().expect("a group");
     assert!(Arc::ptr_eq(&shared, m2.group().expect("same group")));
+    (m1, m2, shared)
+}
+
+#[test]
+fn an_unrouted_group_hands_a_leaving_members_messages_to_the_others() {
+    let b = Broker::new(BrokerConfig::default());
+    const GROUP: &str = "topic:jobs:group:g:durable:g:earliest";
+    let (m1, m2, shared) = two_unrouted_members(&b, GROUP);
     let mut ctx = PublishContext::default();
     let now = Instant::now();
     publish(&b, &mut ctx, "jobs", "live", now);
@@ -1711,7 +1719,7 @@ fn an_unrouted_group_hands_a_leaving_members_messages_to_the_others() {
     let floor = shared.parked_floor();
     assert_eq!(floor.len(), 1);
     assert_eq!(floor[0].1, 0);
-    let m3 = b.subscribe_unrouted(&group, opts());
+    let m3 = unrouted_member(&b, GROUP);
     assert!(
         Arc::ptr_eq(m3.group().expect("group"), &shared),
         "the same group"
@@ -1725,7 +1733,7 @@ fn an_unrouted_group_hands_a_leaving_members_messages_to_the_others() {
     // Forgotten by its owner: a later member starts a new group.
     b.unsubscribe(&mut ctx, &m3, now);
     b.forget_unrouted_group(&shared);
-    let m4 = b.subscribe_unrouted(&group, opts());
+    let m4 = unrouted_member(&b, GROUP);
     assert!(!Arc::ptr_eq(m4.group().expect("group"), &shared));
     assert!(drain_all(&b, &m4, now).is_empty());
 }

@@ -1674,11 +1674,10 @@ fn readers_sharing_a_cache_read_what_each_reads_alone() -> R {
     Ok(())
 }
 
-/// `verify` on a log a running broker holds: a segment listed at the start and deleted by
-/// retention before its turn is counted as deleted meanwhile, not as unreadable (it made
-/// `aqueduct log verify` fail on a healthy live log).
-#[test]
-fn verify_counts_a_segment_retention_deleted_meanwhile() -> R {
+/// A closed log sealed with `key(3)` over three segments or more: (its directory, its
+/// segment files in order).
+fn closed_log_of_segments() -> Result<(tempfile::TempDir, Vec<PathBuf>), Box<dyn std::error::Error>>
+{
     let tmp = tempfile::tempdir()?;
     let (mut log, _) = Log::open(tmp.path(), rotated(key(3), vec![]))?;
     for offset in 0..30 {
@@ -1690,6 +1689,15 @@ fn verify_counts_a_segment_retention_deleted_meanwhile() -> R {
     log.close()?;
     let segs = segments(tmp.path());
     assert!(segs.len() >= 3, "{segs:?}");
+    Ok((tmp, segs))
+}
+
+/// `verify` on a log a running broker holds: a segment listed at the start and deleted by
+/// retention before its turn is counted as deleted meanwhile, not as unreadable (it made
+/// `aqueduct log verify` fail on a healthy live log).
+#[test]
+fn verify_counts_a_segment_retention_deleted_meanwhile() -> R {
+    let (tmp, segs) = closed_log_of_segments()?;
     let second = segs[1].clone();
     // Deleted as the first segment's check ends, as retention would.
     let mut deleted = false;
@@ -1711,17 +1719,7 @@ fn verify_counts_a_segment_retention_deleted_meanwhile() -> R {
 /// its messages out); the newest segment, which may be being created, is left out silently.
 #[test]
 fn a_view_names_an_unreadable_older_segment() -> R {
-    let tmp = tempfile::tempdir()?;
-    let (mut log, _) = Log::open(tmp.path(), rotated(key(3), vec![]))?;
-    for offset in 0..30 {
-        log.append(
-            &[entry(offset, b"a record of some length to fill segments")],
-            0,
-        )?;
-    }
-    log.close()?;
-    let segs = segments(tmp.path());
-    assert!(segs.len() >= 3, "{segs:?}");
+    let (tmp, segs) = closed_log_of_segments()?;
     let mut b = std::fs::read(&segs[1])?;
     b[..16].fill(0xEE);
     std::fs::write(&segs[1], &b)?;

@@ -39,6 +39,7 @@ pub mod proto {
     pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("admin_descriptor");
 }
 
+use crate::eviction::eviction_order;
 use proto::admin_service_server::{AdminService, AdminServiceServer};
 
 /// TLS handshakes in progress at once; more connections wait in the kernel's backlog.
@@ -142,20 +143,6 @@ impl AsyncWrite for TlsConn {
     }
 }
 
-/// Where a connection comes from, for [`MAX_HANDSHAKES_PER_ADDRESS`]: its IPv4 address, or its
-/// IPv6 address's /64 (one host may use any address of its /64).
-fn address_group(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None => IpAddr::V6(std::net::Ipv6Addr::from(
-                u128::from(v6) & !((1u128 << 64) - 1),
-            )),
-        },
-        v4 => v4,
-    }
-}
-
 /// The TLS handshakes in progress, in the order they began, with their address groups.
 #[derive(Default)]
 struct InProgress(Vec<(tokio::task::AbortHandle, IpAddr)>);
@@ -183,8 +170,8 @@ impl InProgress {
     /// however many addresses, cannot keep an administrator's from being served. Returns its
     /// group.
     fn evict(&mut self) -> Option<IpAddr> {
-        let most = self.0.iter().map(|(_, g)| self.of(*g)).max()?;
-        let i = self.0.iter().position(|(_, g)| self.of(*g) == most)?;
+        let groups: Vec<IpAddr> = self.0.iter().map(|(_, g)| *g).collect();
+        let i = *eviction_order(&groups, |_| true).first()?;
         let (task, group) = self.0.remove(i);
         task.abort();
         Some(group)
@@ -218,7 +205,7 @@ pub(crate) async fn serve(
                             continue;
                         }
                     };
-                    let group = address_group(remote.ip());
+                    let group = crate::eviction::address_group(remote.ip());
                     if in_progress.of(group) >= MAX_HANDSHAKES_PER_ADDRESS {
                         stats.admin_handshakes_failed.fetch_add(1, Ordering::Relaxed);
                         debug!(%remote, "admin API: connection closed: {MAX_HANDSHAKES_PER_ADDRESS} TLS handshakes from its address are in progress");
@@ -1116,7 +1103,7 @@ pub async fn connect(
 
 #[cfg(test)]
 mod tests {
-    use super::{address_group, proto, rule_from_proto, InProgress};
+    use super::{proto, rule_from_proto, InProgress};
 
     /// A bad rule in a request names the request's field (`client_id`), not the config
     /// file's (`client`).
@@ -1133,17 +1120,6 @@ mod tests {
             "{}",
             e.message()
         );
-    }
-
-    /// IPv6 addresses of one /64 are one group (a host may use any of them); IPv4 addresses,
-    /// and IPv4 mapped into IPv6, are each their own.
-    #[test]
-    fn handshakes_are_counted_per_ipv4_address_and_ipv6_64() {
-        let g = |s: &str| address_group(s.parse().expect("ip"));
-        assert_eq!(g("2001:db8:1:2::5"), g("2001:db8:1:2:ffff::1"));
-        assert_ne!(g("2001:db8:1:2::5"), g("2001:db8:1:3::5"));
-        assert_eq!(g("10.0.0.1"), g("::ffff:10.0.0.1"));
-        assert_ne!(g("10.0.0.1"), g("10.0.0.2"));
     }
 
     /// With every handshake slot taken, the oldest handshake of the group with the most goes:

@@ -14,13 +14,12 @@
 //!
 //! It must survive slow and hostile clients: at most `metrics.max_connections` connections at
 //! once (with all taken, a new one replaces one that has sent no request yet, see
-//! [`eviction_order`]; only when all are being answered do more wait in the kernel's accept
+//! [`evict_one`]; only when all are being answered do more wait in the kernel's accept
 //! queue), the request head must arrive within
 //! `metrics.header_timeout` (hyper closes the connection otherwise) and fit in 8 KiB (431
 //! otherwise), and a whole exchange is bounded in time. Connection tasks live in a `JoinSet`
 //! owned by the endpoint's task, so none outlives it.
 
-use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -232,27 +231,15 @@ const WAITING: u8 = 0;
 const ASKED: u8 = 1;
 const EVICTED: u8 = 2;
 
-/// Which connections may be closed for a new one when every slot is taken, best first: those
-/// that have not sent their request yet, from the address that holds the most slots first, the
-/// oldest first among equals. So clients that open connections and send nothing cannot keep a
-/// probe waiting (it waited up to `metrics.header_timeout` behind them), and one address's
-/// cannot push out another's.
-fn eviction_order(open: &[Open]) -> Vec<usize> {
-    let mut held: HashMap<IpAddr, usize> = HashMap::new();
-    for o in open {
-        *held.entry(o.from).or_default() += 1;
-    }
-    let mut order: Vec<usize> = (0..open.len())
-        .filter(|&i| open[i].state.load(Ordering::Acquire) == WAITING)
-        .collect();
-    order.sort_by_key(|&i| (std::cmp::Reverse(held[&open[i].from]), i));
-    order
-}
-
-/// Close the first connection of `eviction_order` that has still sent nothing (one may have
-/// sent its request since it was ordered). Returns whether one was closed.
+/// Close a connection that has not sent its request yet, for a new one when every slot is
+/// taken ([`crate::eviction`]: from the address group holding the most, the oldest), so that
+/// clients that open connections and send nothing cannot keep a probe waiting (it waited up to
+/// `metrics.header_timeout` behind them). One may have sent its request since it was ordered:
+/// the next is tried. Returns whether one was closed.
 fn evict_one(open: &mut Vec<Open>) -> bool {
-    for i in eviction_order(open) {
+    let groups: Vec<IpAddr> = open.iter().map(|o| o.from).collect();
+    let waiting = |i: usize| open[i].state.load(Ordering::Acquire) == WAITING;
+    for i in crate::eviction::eviction_order(&groups, waiting) {
         if open[i]
             .state
             .compare_exchange(WAITING, EVICTED, Ordering::AcqRel, Ordering::Acquire)
@@ -332,7 +319,7 @@ pub(crate) async fn serve(
         open.push(Open {
             id: task.id(),
             task,
-            from: peer.ip(),
+            from: crate::eviction::address_group(peer.ip()),
             state,
         });
     }

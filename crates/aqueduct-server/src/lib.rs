@@ -19,6 +19,7 @@ mod connection;
 mod consumers;
 pub mod discovery;
 pub mod durable;
+mod eviction;
 mod http;
 pub mod mesh;
 pub mod mesh_tls;

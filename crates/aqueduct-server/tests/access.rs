@@ -766,11 +766,7 @@ async fn a_refused_unconfirmed_publish_is_reported_by_flush() {
         .close()
         .await
         .expect("close: everything published was taken");
-    writer
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    s.b.stop().await.expect("clean shutdown");
+    close_and_stop(writer, s.b).await;
 }
 
 /// A subscription revoked after its client stopped reading its stream (STOP_SENDING; the
@@ -827,11 +823,7 @@ async fn a_subscription_revoked_after_its_client_stopped_reading_is_closed() {
     let answer = other.read_frame().await.expect("an answer");
     assert_eq!(error_code(&answer), ErrorCode::NOT_SUBSCRIBED, "{answer:?}");
     raw.forget();
-    publisher
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    s.b.stop().await.expect("clean shutdown");
+    close_and_stop(publisher, s.b).await;
 }
 
 /// A subscription revoked while its stream's write is blocked (its client reads nothing) is
@@ -855,11 +847,7 @@ async fn a_subscription_revoked_while_its_write_is_blocked_is_closed_at_once() {
     })
     .await;
     stalled.conn.close(0u32.into(), b"bye");
-    publisher
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    s.b.stop().await.expect("clean shutdown");
+    close_and_stop(publisher, s.b).await;
 }
 
 /// A durable consumer whose permission is taken away ends completely: once the permission is

@@ -874,11 +874,7 @@ async fn a_peer_certificate_is_no_client_identity_without_the_cluster() {
         .publish_with("t", "x", &confirm)
         .await
         .expect("published");
-    alice
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(alice, b).await;
 }
 
 /// A peer certificate is no client identity over WebTransport either: a session presenting one

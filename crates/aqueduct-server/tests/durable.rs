@@ -49,11 +49,7 @@ async fn confirmed_publishes_are_logged_and_offsets_go_on_after_a_restart() {
             .expect("publish");
         assert_eq!(next(&mut live).await.offset(), 30);
         drop(live);
-        client
-            .close()
-            .await
-            .expect("close: everything published was taken");
-        b.stop().await.expect("clean shutdown");
+        close_and_stop(client, b).await;
 
         let got = logged(dir.path(), "orders");
         assert_eq!(got.len(), 31, "{fsync:?}");
@@ -82,11 +78,7 @@ async fn confirmed_publishes_are_logged_and_offsets_go_on_after_a_restart() {
             .await
             .expect("publish");
         assert_eq!(fresh, Some(0), "a topic the log never saw starts at 0");
-        client
-            .close()
-            .await
-            .expect("close: everything published was taken");
-        b.stop().await.expect("clean shutdown");
+        close_and_stop(client, b).await;
         assert_eq!(logged(dir.path(), "orders").len(), 32);
     }
 }
@@ -185,11 +177,7 @@ async fn a_durable_consumer_backfills_then_goes_live_without_gap_or_duplicate() 
         .close()
         .await
         .expect("close: everything published was taken");
-    publisher
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(publisher, b).await;
 }
 
 /// Without the durable log a durable SUBSCRIBE becomes an in-memory consumer group, and its
@@ -606,11 +594,7 @@ async fn a_durable_group_whose_members_all_vanish_at_once_loses_nothing() {
     a.expect("close: everything published was taken");
     b2.expect("close: everything published was taken");
     until("both members are gone", || b.broker.subscriber_count() == 0).await;
-    publisher
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(publisher, b).await;
 
     let b = durable_broker(dir.path()).await;
     let client = b.client().await;
@@ -664,11 +648,7 @@ async fn a_stuck_member_does_not_stall_its_durable_group() {
         m.ack().await.expect("ack");
     }
     assert_eq!(got.len(), 47, "all but the stuck member's three");
-    publisher
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(publisher, b).await;
 }
 
 /// A stream-fatal ERROR (FRAME_TOO_LARGE) on a publish stream does not cost the frames before
@@ -1035,11 +1015,7 @@ async fn receive_the_first_then_stop(
         .expect("subscribe");
     assert_eq!(take_acked(&mut sub, n as usize).await, expect(0..n));
     leave(&b, sub, &client).await;
-    publisher
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(publisher, b).await;
 }
 
 /// A refused SUBSCRIBE changes nothing (protocol.md 7.1), also when it would have been the

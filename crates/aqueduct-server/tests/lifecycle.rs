@@ -358,11 +358,7 @@ async fn a_reset_ends_the_subscriptions_of_a_stream_whose_write_is_blocked() {
         stalled.conn.close_reason().is_none(),
         "the connection goes on"
     );
-    publisher
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(publisher, b).await;
 }
 
 /// A reset ends a stream's subscriptions at once also while the broker is not reading the
@@ -463,11 +459,7 @@ async fn a_stream_whose_replies_cannot_be_sent_is_still_read() {
     let got = next(&mut sub).await;
     assert_eq!(&got.body()[..], b"still read");
     raw.forget();
-    watcher
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(watcher, b).await;
 }
 
 /// A SUBSCRIBE on a stream the client stopped reading registers nothing (§7.4): nothing could

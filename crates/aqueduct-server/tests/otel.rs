@@ -366,13 +366,6 @@ async fn spans_reach_a_tls_collector_that_asks_for_a_client_certificate() {
     b.stop().await.expect("stops");
 }
 
-/// `fut`, which may take longer than `within`'s bound (an export hangs for 12 s first).
-async fn within_40s<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(std::time::Duration::from_secs(40), fut)
-        .await
-        .unwrap_or_else(|_| panic!("timed out after 40 s waiting for {what}"))
-}
-
 /// A collector that takes the TCP connection and never answers (a stuck proxy, a load balancer
 /// with no healthy backend) fails each export within a bounded time, counted, and export works
 /// again once the collector does. The exporter's own timeout does not cover its connecting:
@@ -398,7 +391,7 @@ async fn a_collector_that_never_answers_fails_exports_and_they_recover() {
     let b =
         TestBroker::start_with(|c| c.tracing = Some(tracing_tls(&endpoint, &ca_file, None))).await;
     one_traced_delivery(&b).await;
-    let metrics = within_40s("the hung export counted as failed", async {
+    let metrics = within("the hung export counted as failed", async {
         loop {
             let metrics = get(b.metrics_addr, "/metrics").await.1;
             if value(&metrics, "aqueduct_trace_export_failures_total") >= Some(1.0) {
@@ -418,7 +411,7 @@ async fn a_collector_that_never_answers_fails_exports_and_they_recover() {
     let listener = tokio::net::TcpListener::bind(addr).await.expect("rebind");
     let (received, _, _receiver) = receiver_tls_on(listener, &cert, &key, None);
     let t = one_traced_delivery(&b).await;
-    let names = within_40s("spans after the collector recovered", async {
+    let names = within("spans after the collector recovered", async {
         loop {
             let names: Vec<_> = received
                 .of_trace(&t.trace_id)

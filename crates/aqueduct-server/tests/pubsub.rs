@@ -617,11 +617,7 @@ async fn cancel_a_batch_mid_frame(prefix: &'static str) -> Cancelled {
                 body,
             };
         }
-        client
-            .close()
-            .await
-            .expect("close: everything published was taken");
-        b.stop().await.expect("clean shutdown");
+        close_and_stop(client, b).await;
     }
     panic!("the batch fitted the broker's stream credit in {TRIES} tries: the test shows nothing");
 }
@@ -778,11 +774,7 @@ async fn close_after_an_earlier_stream_failed_still_flushes_the_current_one() {
         let m = next(&mut sub).await;
         assert_eq!(&m.body()[..4], format!("{i:04}").as_bytes());
     }
-    watcher
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(watcher, b).await;
 }
 
 /// A `block` subscription that holds its publisher past `broker.block_timeout` is closed with
@@ -882,11 +874,7 @@ async fn a_slow_consumer_reset_carries_its_code() {
         .close()
         .await
         .expect("close: everything published was taken");
-    subscriber
-        .close()
-        .await
-        .expect("close: everything published was taken");
-    b.stop().await.expect("clean shutdown");
+    close_and_stop(subscriber, b).await;
 }
 
 /// What `next_batch` lends: (topic, body, offset, attempt, whether it carries a trace context).

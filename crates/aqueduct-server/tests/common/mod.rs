@@ -393,21 +393,9 @@ pub fn test_ca() -> TestCa {
 
 impl TestCa {
     /// A certificate signed by this CA, for `names` (DNS names or IP addresses), with common
-    /// name `cn` if given and the key usages `usages`, written to `dir` as `<file>.pem` and
-    /// `<file>.key`.
+    /// name `cn` if given and the key usages `usages`, valid until `not_after` if given (else rcgen's
+    /// default, far off), written to `dir` as `<file>.pem` and `<file>.key`.
     fn leaf(
-        &self,
-        dir: &std::path::Path,
-        file: &str,
-        names: &[&str],
-        cn: Option<&str>,
-        usages: Vec<rcgen::ExtendedKeyUsagePurpose>,
-    ) -> (PathBuf, PathBuf) {
-        self.leaf_until(dir, file, names, cn, usages, None)
-    }
-
-    /// [`leaf`](Self::leaf), valid until `not_after` if given.
-    fn leaf_until(
         &self,
         dir: &std::path::Path,
         file: &str,
@@ -453,7 +441,7 @@ impl TestCa {
     /// A client certificate for `cn`, written to `dir` as `<cn>.pem` and `<cn>.key`.
     pub fn client(&self, dir: &std::path::Path, cn: &str) -> (PathBuf, PathBuf) {
         use rcgen::ExtendedKeyUsagePurpose::ClientAuth;
-        self.leaf(dir, cn, &[], Some(cn), vec![ClientAuth])
+        self.leaf(dir, cn, &[], Some(cn), vec![ClientAuth], None)
     }
 
     /// A client certificate whose subject holds each of `cns` as a Common Name, written to
@@ -487,7 +475,7 @@ impl TestCa {
         not_after: std::time::SystemTime,
     ) -> (PathBuf, PathBuf) {
         use rcgen::ExtendedKeyUsagePurpose::ClientAuth;
-        self.leaf_until(dir, cn, &[], Some(cn), vec![ClientAuth], Some(not_after))
+        self.leaf(dir, cn, &[], Some(cn), vec![ClientAuth], Some(not_after))
     }
 
     /// A cluster node's certificate for `node` (CN = node id, DNS names aqueduct-mesh and
@@ -495,14 +483,21 @@ impl TestCa {
     pub fn peer(&self, dir: &std::path::Path, node: &str) -> (PathBuf, PathBuf) {
         use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
         let names = ["aqueduct-mesh", "localhost"];
-        self.leaf(dir, node, &names, Some(node), vec![ServerAuth, ClientAuth])
+        self.leaf(
+            dir,
+            node,
+            &names,
+            Some(node),
+            vec![ServerAuth, ClientAuth],
+            None,
+        )
     }
 
     /// A server certificate for `hosts` (DNS names or IP addresses), written to `dir` as
     /// `<name>.pem` and `<name>.key`.
     pub fn server(&self, dir: &std::path::Path, name: &str, hosts: &[&str]) -> (PathBuf, PathBuf) {
         use rcgen::ExtendedKeyUsagePurpose::ServerAuth;
-        self.leaf(dir, name, hosts, None, vec![ServerAuth])
+        self.leaf(dir, name, hosts, None, vec![ServerAuth], None)
     }
 
     /// Write the CA certificate to `dir/ca.pem`.
