@@ -54,6 +54,8 @@ export interface ConnectOptions {
   onError?: (err: AqueductError) => void;
   /** How long opening a stream may wait (ms) before the call fails; default 10000. */
   streamOpenTimeoutMs?: number;
+  /** How long `close()` waits for the broker to answer the flush of what was published without `confirm` (ms); default 10000. */
+  closeFlushTimeoutMs?: number;
 }
 
 export interface PublishOptions {
@@ -116,6 +118,11 @@ export declare class Client {
   flush(): Promise<void>;
   /** Ask the broker what it allows (§4.1); a broker older than INFO rejects with UNKNOWN_OPCODE. */
   info(): Promise<BrokerInfo>;
+  /**
+   * Flush what was published without `confirm` (bounded by `closeFlushTimeoutMs`), then close every
+   * stream and the connection; pending calls reject, iterators end. The connection is closed either
+   * way; rejects as `flush()` would (a refused publish, a failed stream, or no answer in time).
+   */
   close(): Promise<void>;
 }
 

@@ -48,6 +48,12 @@ const STREAM_OPEN_TIMEOUT_MS = 10000;
  */
 const REFUSAL_WAIT_MS = 1000;
 
+/**
+ * How long close() waits by default for the broker to answer the flush of what was published
+ * without confirm (as the Rust client's close).
+ */
+const CLOSE_FLUSH_MS = 10000;
+
 const RECEIVE_MAX_DATA_LEN = 8 * 1024 * 1024 + MAX_EXT_LEN;
 
 export class AqueductError extends Error {
@@ -232,6 +238,7 @@ export class Client {
   #channels = new Set();
   #subscriptions = new Set();
   #closed = false;
+  #closing = null; // the close() in progress
   #error = null;
   #chain = Promise.resolve();
   #ended;
@@ -248,6 +255,7 @@ export class Client {
       maxSendDataLen: options.maxSendDataLen ?? BROKER_DEFAULT_MAX_BUF_SIZE,
       onError: options.onError ?? ((err) => console.warn('aqueduct:', err.message)),
       streamOpenTimeoutMs: options.streamOpenTimeoutMs ?? STREAM_OPEN_TIMEOUT_MS,
+      closeFlushTimeoutMs: options.closeFlushTimeoutMs ?? CLOSE_FLUSH_MS,
     };
     if (options.closed && typeof options.closed.then === 'function') {
       options.closed.then(
@@ -349,10 +357,10 @@ export class Client {
         (streamId) => ({ opcode: Opcode.PUBLISH_BATCH, streamId, ext: { confirm: true }, frames: [] }),
         true,
         Opcode.CONFIRM,
-        (channel, sentBefore) => {
+        // What went wrong before it (#send marks the frames before it covered, not those sent
+        // since).
+        () => {
           earlier = this.#takeUnflushed();
-          // What this flush covers: the frames sent before it, not those sent since.
-          channel.covered = Math.max(channel.covered, sentBefore);
         },
       );
     } catch (e) {
@@ -396,7 +404,12 @@ export class Client {
         const channel = await this.#publishChannel();
         if (!confirm) channel.sent += 1;
         const sentBefore = channel.sent;
-        const answered = onAnswer && ((ch) => onAnswer(ch, sentBefore));
+        // Answers come in request order (§6.4): one for this frame says the broker handled
+        // every frame sent before it on this stream, so those need no flush.
+        const answered = (ch) => {
+          ch.covered = Math.max(ch.covered, sentBefore);
+          onAnswer?.(ch, sentBefore);
+        };
         return { answer: confirm ? channel.request(streamId, bytes, expect, answered) : channel.write(bytes) };
       });
       const answer = await sent.answer;
@@ -474,18 +487,58 @@ export class Client {
   }
 
   /**
-   * Close every stream and the connection. Pending calls reject; subscriptions end. It does not
-   * flush: the broker drops what it has received on a stream but not yet read when the session
-   * closes, so `await client.flush()` first when what was published must have been taken.
+   * Flush what was published without `confirm` (up to `closeFlushTimeoutMs`, 10 s), then close every stream and the
+   * connection: pending calls reject, subscriptions end. The connection is closed either way;
+   * it rejects as `flush()` would — a publish sent without `confirm` was refused, or what was
+   * published may not all have been taken (its stream failed, or the broker did not answer the
+   * flush within 10 s). Without the flush the broker would drop what it had received on a
+   * stream but not yet read when the session closed. A second call waits for the first.
    */
-  async close() {
+  close() {
+    this.#closing ??= this.#flushAndClose();
+    return this.#closing;
+  }
+
+  async #flushAndClose() {
     if (this.#closed) return;
+    let failure = null;
+    try {
+      await this.#flushOnClose();
+    } catch (e) {
+      failure = e;
+    }
     this.#lost(new AqueductError(null, 'the client was closed'), { byUser: true });
     try {
       await this.#closeTransport?.();
     } catch {
       // Already closed.
     }
+    if (failure) throw failure;
+  }
+
+  /**
+   * The flush close() makes: only if a publish without `confirm` has been sent since the last
+   * answered flush (confirmed publishes were taken, or their calls reject), bounded.
+   */
+  async #flushOnClose() {
+    const ch = this.#publish && (await this.#publish.catch(() => null));
+    if (ch && ch.usable && ch.sent > ch.covered) {
+      const ms = this.#options.closeFlushTimeoutMs;
+      let timer;
+      const late = new Promise((_, reject) => {
+        timer = setTimeout(
+          () => reject(new AqueductError(null, `the broker did not answer the flush within ${ms} ms: what was published may not all have been taken`)),
+          ms,
+        );
+      });
+      try {
+        await Promise.race([this.flush(), late]);
+      } finally {
+        clearTimeout(timer);
+      }
+    }
+    const e = this.#takeUnflushed();
+    if (e) throw e;
   }
 
   #lost(err, { byUser = false } = {}) {
@@ -619,7 +672,7 @@ class Channel {
     this.room = room;
     this.pending = new Map(); // stream id -> { resolve, reject, expect, onAnswer }, in the order sent
     this.sent = 0; // frames sent here without confirm
-    this.covered = 0; // of them, those sent before a flush() that was answered
+    this.covered = 0; // of them, those sent before a request (a flush, a confirmed publish) that was answered
     this.ended = false;
     this.broken = false; // a stream-fatal ERROR arrived: the broker reads nothing more
     this.finished = false; // our sending side is finished

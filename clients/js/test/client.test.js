@@ -81,7 +81,9 @@ test('confirmed publishes get distinct stream ids, are written in call order, an
   await broker.send({ opcode: Opcode.CONFIRM, streamId: 2, offsets: [0n] });
   assert.deepEqual(await Promise.all([a, c]), [7n, 0n]);
   assert.equal(fake.streams.length, 1, 'all on the one publish stream');
+  // The CONFIRM of 'c' says 'b' (sent before it) was handled: close() has nothing to flush.
   await client.close();
+  assert.equal(await broker.next(), null, 'no flush, the stream finished');
 });
 
 test('answers are matched by stream id: an ERROR for a later request may overtake an earlier CONFIRM', async () => {
@@ -129,7 +131,10 @@ test('an ERROR frame rejects the pending call with an AqueductError carrying the
   assert.equal(errors[0].code, 399);
   assert.equal(errors[0].codeName, undefined);
   assert.equal(errors[0].category, 'flow-control');
-  await client.close();
+  // close() flushes, and rejects with the refusal no flush has reported yet.
+  const closing = client.close();
+  await answerFlush(broker);
+  await assert.rejects(closing, (e) => e instanceof AqueductError && e.code === 399);
 });
 
 test('publishBatch: one PUBLISH_BATCH with CONFIRM, resolved with one offset per message', async () => {
@@ -411,7 +416,10 @@ test('a stream-fatal ERROR (FRAME_TOO_LARGE) rejects its request and later ones,
   const second = await fake.stream(1);
   assert.equal((await second.next()).frame.ext.topic, 'a');
   await next;
-  await client.close();
+  // close() flushes the new stream's publish (the lost ones were reported by their calls).
+  const closing = client.close();
+  await answerFlush(second);
+  await closing;
 });
 
 test('a flush covers what was sent before it, not what was sent while it waited for its answer', async () => {
@@ -460,6 +468,45 @@ test('close(): pending calls reject, iterators end, nothing more can be sent', a
   await assert.rejects(pending, (e) => e instanceof AqueductError && /closed/.test(e.message));
   assert.deepEqual(await waiting, { value: undefined, done: true });
   await assert.rejects(client.publish('a', '2'), /closed/);
+  assert.equal(client.closed, true);
+});
+
+test('close(): flushes what was published without confirm, and closes once the broker answered', async () => {
+  const { fake, client } = await setup();
+  await client.publish('a', 'one');
+  const closing = client.close();
+  assert.equal(client.close(), closing, 'a second call waits for the first');
+  const broker = await fake.stream(0);
+  assert.equal((await broker.next()).frame.opcode, Opcode.PUBLISH);
+  await answerFlush(broker, async () => {
+    assert.equal(await settled(closing), false, 'closed before the broker answered the flush');
+    assert.equal(client.closed, false);
+  });
+  await closing;
+  assert.equal(client.closed, true);
+  assert.equal(await broker.next(), null, 'then the stream is finished');
+});
+
+test('close(): rejects with the refusal of a publish sent without confirm, and closes anyway', async () => {
+  const { fake, client } = await setup();
+  await client.publish('a', 'refused');
+  const broker = await fake.stream(0);
+  await broker.next();
+  await broker.send({ opcode: Opcode.ERROR, streamId: 0, code: ErrorCode.NOT_AUTHORIZED, reason: 'no publish rights on a' });
+  const closing = client.close();
+  await answerFlush(broker);
+  await assert.rejects(closing, (e) => e instanceof AqueductError && e.code === ErrorCode.NOT_AUTHORIZED);
+  assert.equal(client.closed, true);
+});
+
+test('close(): a flush the broker does not answer fails after closeFlushTimeoutMs, and the client closes', async () => {
+  const { fake, client } = await setup({ closeFlushTimeoutMs: 50 });
+  await client.publish('a', 'unanswered');
+  const closing = client.close();
+  const broker = await fake.stream(0);
+  assert.equal((await broker.next()).frame.opcode, Opcode.PUBLISH);
+  assert.equal((await broker.next()).frame.opcode, Opcode.PUBLISH_BATCH, 'the flush');
+  await assert.rejects(closing, (e) => e instanceof AqueductError && /did not answer the flush within 50 ms/.test(e.message));
   assert.equal(client.closed, true);
 });
 

@@ -141,9 +141,13 @@ async function doDisconnect() {
   const c = client;
   client = null;
   for (const s of [...subscriptions]) s.remove();
-  if (c) await c.close();
+  let failed = null;
+  if (c) {
+    // close() flushes what was published without confirm first, and says if it was not all taken.
+    await c.close().catch((e) => (failed = e));
+  }
   setStatus('idle', 'not connected');
-  event('disconnected');
+  event(failed ? `disconnected: ${describeError(failed)}` : 'disconnected', failed !== null);
 }
 
 function startConnect(token) {
