@@ -6,12 +6,13 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
     /// Reading or writing a file failed (disk full, permissions, a failing disk).
-    #[error("{action} {}: {source}", path.display())]
+    /// The cause is part of the message, and not also given as the error's `source()`: a
+    /// printer of error chains (`{:#}` of anyhow) said it twice.
+    #[error("{action} {}: {cause}", path.display())]
     Io {
         action: &'static str,
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// An encrypted segment's key check matches none of the `keys` given (the current one and
     /// the previous ones): the wrong `aal.key`, or a rotated key missing from
@@ -92,12 +93,12 @@ impl LogError {
     pub(crate) fn io(
         action: &'static str,
         path: impl Into<PathBuf>,
-        source: std::io::Error,
+        cause: std::io::Error,
     ) -> Self {
         LogError::Io {
             action,
             path: path.into(),
-            source,
+            cause,
         }
     }
 
@@ -105,5 +106,31 @@ impl LogError {
     /// writes), as opposed to bad input or bad data.
     pub fn is_io(&self) -> bool {
         matches!(self, LogError::Io { .. } | LogError::Poisoned(_))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LogError;
+
+    /// An I/O error's cause is said once by a printer of error chains (as the CLI prints with
+    /// anyhow's `{:#}`: the message, then each `source()`). It was said twice.
+    #[test]
+    fn an_io_error_says_its_cause_once() {
+        let e = LogError::io(
+            "reading segment",
+            "00000000000000000001.seg",
+            std::io::Error::other("the disk is failing"),
+        );
+        let mut chain = e.to_string();
+        let mut source = std::error::Error::source(&e);
+        while let Some(s) = source {
+            chain.push_str(&format!(": {s}"));
+            source = s.source();
+        }
+        assert_eq!(
+            chain,
+            "reading segment 00000000000000000001.seg: the disk is failing"
+        );
     }
 }

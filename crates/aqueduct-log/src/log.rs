@@ -1290,9 +1290,9 @@ pub struct LogView {
     segments: Vec<Segment>,
     /// Bytes of torn writes at the end of the last segment (left in place).
     pub torn_bytes: u64,
-    /// Older segments that could not be read (a bad header), left out of what the view reads:
-    /// a broker refuses to start on such a segment. (The newest one may be being created
-    /// right now, and is left out without a word.)
+    /// Segments that could not be read (a bad header), left out of what the view reads: a
+    /// broker refuses to start on such a segment. (A newest one that holds no more than a
+    /// header, or only zeros, may be being created right now, and is left out without a word.)
     pub skipped: Vec<PathBuf>,
 }
 
@@ -1312,9 +1312,10 @@ impl LogView {
                     torn_bytes += scanned.torn_bytes;
                     segments.push(scanned.segment);
                 }
-                // The newest one may be being created right now: skipped. An older unreadable
-                // one is skipped too, and said.
-                Err(LogError::BadFile { .. }) if last => {}
+                // The newest one may be being created right now (no more than a header, or
+                // blank): left out silently. Any other unreadable one, newest or older, is left
+                // out and said.
+                Err(LogError::BadFile { .. }) if last && header_at_most(path) => {}
                 Err(LogError::BadFile { .. }) => skipped.push(path.clone()),
                 Err(e) => return Err(e),
             }
@@ -1358,6 +1359,13 @@ pub(crate) fn list_segments_read_only(dir: &Path) -> Result<Vec<(u64, PathBuf)>,
 /// A segment file too short for a header, or all of whose bytes are zero: what a crash while
 /// it was created leaves (its header is synced before anything is written after it). A blank
 /// header with anything after it is damage, not this.
+/// A segment file that holds no batch: no longer than a header, or blank (a segment being
+/// created, or one whose creation a crash cut short).
+fn header_at_most(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.len() <= HEADER_LEN as u64)
+        || short_or_blank(path)
+}
+
 fn short_or_blank(path: &Path) -> bool {
     match std::fs::read(path) {
         Ok(b) => b.len() < HEADER_LEN || b.iter().all(|&x| x == 0),

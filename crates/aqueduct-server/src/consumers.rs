@@ -1344,7 +1344,7 @@ fn log_warning(
 /// skipped too: reading it again would fail the same way.
 fn read_again(e: &LogError) -> bool {
     use std::io::ErrorKind::{NotFound, UnexpectedEof};
-    matches!(e, LogError::Io { source, .. } if !matches!(source.kind(), NotFound | UnexpectedEof))
+    matches!(e, LogError::Io { cause, .. } if !matches!(cause.kind(), NotFound | UnexpectedEof))
 }
 
 #[cfg(test)]
@@ -1450,7 +1450,7 @@ mod tests {
         let io = |kind: ErrorKind| LogError::Io {
             action: "reading segment",
             path: "00000000000000000001.seg".into(),
-            source: std::io::Error::from(kind),
+            cause: std::io::Error::from(kind),
         };
         assert!(read_again(&io(ErrorKind::PermissionDenied)));
         assert!(read_again(&io(ErrorKind::Other)));

@@ -43,10 +43,18 @@ pub enum ServerError {
     AdminBind { addr: SocketAddr, reason: String },
     #[error("transport settings rejected: {0}")]
     Transport(String),
+    /// The log's error is part of the message, not also its `source()` (a printer of error
+    /// chains would say it twice).
     #[error("aal (durable log): {0}")]
-    Log(#[from] aqueduct_log::LogError),
+    Log(aqueduct_log::LogError),
     #[error("{0}")]
     Startup(String),
+}
+
+impl From<aqueduct_log::LogError> for ServerError {
+    fn from(e: aqueduct_log::LogError) -> Self {
+        ServerError::Log(e)
+    }
 }
 
 /// What every connection task shares.
