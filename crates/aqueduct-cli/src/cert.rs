@@ -81,15 +81,29 @@ fn write_new(path: &Path, text: &str, private: bool) -> Result<()> {
 
 /// Make a CA in `dir`: `ca.pem` (give it to brokers as `tls.client_ca_file` and to clients as
 /// `--ca`) and `ca-key.pem` (keep it private).
-pub fn make_ca(dir: &Path, common_name: &str) -> Result<Vec<PathBuf>> {
+pub fn make_ca(dir: &Path, common_name: Option<&str>) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let (cert_path, key_path) = ca_files(dir);
     let key = KeyPair::generate().context("generating the CA key")?;
-    let mut params = ca_params(common_name)?;
+    let named = common_name.map_or_else(|| default_ca_name(&key), str::to_string);
+    let mut params = ca_params(&named)?;
     validity(&mut params, CA_VALID_DAYS, None);
     let cert = params.self_signed(&key).context("signing the CA")?;
     write_pair(&cert_path, &cert.pem(), &key_path, &key.serialize_pem())?;
     Ok(vec![cert_path, key_path])
+}
+
+/// "Aqueduct CA" and the first 8 hex digits of the SHA-256 of the CA's public key: a name of
+/// its own for each CA. A revocation list names its CA by name only, so the broker cannot tell
+/// two CAs of one name apart and refuses their lists (`tls.crl_file`); every CA made with the
+/// default name "Aqueduct CA" made a rollover (the new CA trusted beside the old one) fail so.
+fn default_ca_name(key: &KeyPair) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, key.public_key_raw());
+    let hex: String = digest.as_ref()[..4]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("Aqueduct CA {hex}")
 }
 
 fn ca_params(common_name: &str) -> Result<CertificateParams> {
@@ -410,11 +424,50 @@ fn read_crl(
 mod tests {
     use super::*;
 
+    /// The Common Name of the CA in `dir`.
+    fn ca_name(dir: &Path) -> String {
+        let pem = std::fs::read(ca_files(dir).0).expect("ca.pem");
+        let (_, pem) = x509_parser::pem::parse_x509_pem(&pem).expect("pem");
+        let cert = pem.parse_x509().expect("certificate");
+        let cn = cert.subject().iter_common_name().next();
+        cn.and_then(|cn| cn.as_str().ok())
+            .expect("a Common Name")
+            .to_string()
+    }
+
+    /// Two CAs made with the default name are named apart, so a new one can be trusted beside
+    /// the one it replaces with both revocation lists (the broker refuses the lists of two CAs of
+    /// one name). Every CA was "Aqueduct CA".
+    #[test]
+    fn each_ca_gets_a_name_of_its_own_by_default() {
+        let (old, new) = (
+            tempfile::tempdir().expect("dir"),
+            tempfile::tempdir().expect("dir"),
+        );
+        make_ca(old.path(), None).expect("ca");
+        make_ca(new.path(), None).expect("ca");
+        let (old, new) = (ca_name(old.path()), ca_name(new.path()));
+        for name in [&old, &new] {
+            let digits = name.strip_prefix("Aqueduct CA ").expect("the default name");
+            assert!(
+                digits.len() == 8 && digits.chars().all(|c| c.is_ascii_hexdigit()),
+                "{name}"
+            );
+        }
+        assert_ne!(old, new);
+        let named = tempfile::tempdir().expect("dir");
+        make_ca(named.path(), Some("Example Corp CA")).expect("ca");
+        assert_eq!(ca_name(named.path()), "Example Corp CA");
+    }
+
     #[test]
     fn ca_server_and_client_certificates_chain_and_refuse_to_overwrite() {
         let dir = tempfile::tempdir().expect("dir");
-        make_ca(dir.path(), "Test CA").expect("ca");
-        assert!(make_ca(dir.path(), "Test CA").is_err(), "never overwrites");
+        make_ca(dir.path(), Some("Test CA")).expect("ca");
+        assert!(
+            make_ca(dir.path(), Some("Test CA")).is_err(),
+            "never overwrites"
+        );
         make_server(dir.path(), &["localhost".into(), "127.0.0.1".into()]).expect("server");
         make_client(dir.path(), "alice").expect("client");
         assert!(make_client(dir.path(), "../x").is_err());
@@ -481,7 +534,7 @@ mod tests {
     #[test]
     fn revoking_adds_each_certificate_once_to_a_signed_list() {
         let dir = tempfile::tempdir().expect("dir");
-        make_ca(dir.path(), "Test CA").expect("ca");
+        make_ca(dir.path(), Some("Test CA")).expect("ca");
         make_client(dir.path(), "alice").expect("client");
         make_client(dir.path(), "bob").expect("client");
         let cert = |f: &str| dir.path().join(f);
@@ -515,14 +568,14 @@ mod tests {
         assert_eq!(serials, vec![serial("alice.pem"), serial("bob.pem")]);
         assert_eq!(number.as_deref(), Some("3"));
         let other = tempfile::tempdir().expect("dir");
-        make_ca(other.path(), "Other CA").expect("ca");
+        make_ca(other.path(), Some("Other CA")).expect("ca");
         make_client(other.path(), "eve").expect("client");
         let err = revoke(dir.path(), &[other.path().join("eve.pem")]).expect_err("another CA's");
         assert!(err.to_string().contains("not by this CA"), "{err}");
         assert_eq!(list(&path).0.len(), 2, "nothing written");
         // Another CA of the same name: refused by its signature (it said "revoked").
         let twin = tempfile::tempdir().expect("dir");
-        make_ca(twin.path(), "Test CA").expect("ca");
+        make_ca(twin.path(), Some("Test CA")).expect("ca");
         make_client(twin.path(), "mallory").expect("client");
         let err = revoke(dir.path(), &[twin.path().join("mallory.pem")]).expect_err("a twin's");
         assert!(err.to_string().contains("not signed by its key"), "{err}");
@@ -536,11 +589,11 @@ mod tests {
     #[test]
     fn a_certificate_and_its_key_are_written_together_and_must_match() {
         let dir = tempfile::tempdir().expect("dir");
-        make_ca(dir.path(), "Test CA").expect("ca");
+        make_ca(dir.path(), Some("Test CA")).expect("ca");
         let (cert_path, key_path) = ca_files(dir.path());
         let old_key = std::fs::read(&key_path).expect("key");
         std::fs::remove_file(&cert_path).expect("rm");
-        let err = make_ca(dir.path(), "Test CA").expect_err("the key is there");
+        let err = make_ca(dir.path(), Some("Test CA")).expect_err("the key is there");
         assert!(
             err.to_string().contains("ca-key.pem exists already"),
             "{err}"
@@ -552,7 +605,7 @@ mod tests {
         assert_eq!(std::fs::read(&key_path).expect("key"), old_key);
         // A certificate of another key in its place: nothing is signed with the pair.
         let other = tempfile::tempdir().expect("dir");
-        make_ca(other.path(), "Test CA").expect("ca");
+        make_ca(other.path(), Some("Test CA")).expect("ca");
         std::fs::copy(ca_files(other.path()).0, &cert_path).expect("copy");
         let err = make_client(dir.path(), "alice").expect_err("a mismatched CA");
         assert!(
@@ -568,7 +621,7 @@ mod tests {
     #[test]
     fn validity_and_usages() {
         let dir = tempfile::tempdir().expect("dir");
-        make_ca(dir.path(), "Test CA").expect("ca");
+        make_ca(dir.path(), Some("Test CA")).expect("ca");
         make_client(dir.path(), "alice").expect("client");
         let parse = |f: &str| {
             let der = first_cert(&dir.path().join(f)).expect("cert");
@@ -601,7 +654,7 @@ mod tests {
     #[test]
     fn names_are_checked() {
         let dir = tempfile::tempdir().expect("dir");
-        make_ca(dir.path(), "Test CA").expect("ca");
+        make_ca(dir.path(), Some("Test CA")).expect("ca");
         for bad in ["broker.example.com:4242", "https://x y", "-x.example", ""] {
             let err = make_server(dir.path(), &[bad.into()]).expect_err(bad);
             assert!(

@@ -421,9 +421,11 @@ enum CertCommand {
         /// Directory for the files (created if missing; existing files are never replaced).
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
-        /// The CA's Common Name.
-        #[arg(long, default_value = "Aqueduct CA")]
-        cn: String,
+        /// The CA's Common Name. Default: "Aqueduct CA" and 8 hex digits of its key's
+        /// fingerprint, so that a new CA can be trusted beside the one it replaces (the broker
+        /// refuses revocation lists of two CAs of one name).
+        #[arg(long)]
+        cn: Option<String>,
     },
     /// A broker certificate signed by the CA in DIR: DIR/server.pem and DIR/server-key.pem
     /// (tls.cert_file and tls.key_file).
@@ -652,7 +654,7 @@ async fn connect(cli: &Cli) -> Result<Client> {
 async fn run(cli: Cli, also: &mut Option<String>) -> Result<()> {
     if let Command::Cert { what } = &cli.command {
         let written = match what {
-            CertCommand::Ca { out, cn } => crate::cert::make_ca(out, cn)?,
+            CertCommand::Ca { out, cn } => crate::cert::make_ca(out, cn.as_deref())?,
             CertCommand::Server { out, names } => crate::cert::make_server(out, names)?,
             CertCommand::Client { name, out } => crate::cert::make_client(out, name)?,
             CertCommand::Peer { node, out, names } => crate::cert::make_peer(out, node, names)?,

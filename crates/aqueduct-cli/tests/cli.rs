@@ -828,6 +828,105 @@ fn cert_makes_a_working_mutual_tls_setup() {
     stop(broker);
 }
 
+/// A CA rollover as howto-tls describes it: two CAs made by `aqueduct cert ca`, both trusted
+/// (`tls.client_ca_file`) with both revocation lists (`tls.crl_file`). Clients of either CA
+/// connect, a revoked one of either is refused. Every CA was named "Aqueduct CA", and the
+/// broker refused to start on two lists of one name.
+#[test]
+fn a_new_ca_can_be_trusted_beside_the_old_one_with_both_revocation_lists() {
+    let home = tempfile::tempdir().expect("dir");
+    let path = |dir: &str, name: &str| {
+        home.path()
+            .join(dir)
+            .join(name)
+            .to_string_lossy()
+            .into_owned()
+    };
+    let (old, new) = (path("old", ""), path("new", ""));
+    for args in [
+        vec!["cert", "ca", "--out", &old],
+        vec!["cert", "server", "--out", &old],
+        vec!["cert", "client", "alice", "--out", &old],
+        vec!["cert", "client", "mallory", "--out", &old],
+        vec!["cert", "ca", "--out", &new],
+        vec!["cert", "client", "bob", "--out", &new],
+        vec!["cert", "client", "eve", "--out", &new],
+    ] {
+        assert_ok(&run_client(home.path(), &args));
+    }
+    let (mallory, eve) = (path("old", "mallory.pem"), path("new", "eve.pem"));
+    assert_ok(&run_client(
+        home.path(),
+        &["cert", "revoke", &mallory, "--out", &old],
+    ));
+    assert_ok(&run_client(
+        home.path(),
+        &["cert", "revoke", &eve, "--out", &new],
+    ));
+    let both = |name: &str| {
+        let joined = home.path().join(format!("both-{name}"));
+        let text = [path("old", name), path("new", name)]
+            .iter()
+            .map(|p| std::fs::read_to_string(p).expect("read"))
+            .collect::<String>();
+        std::fs::write(&joined, text).expect("write");
+        joined.to_string_lossy().into_owned()
+    };
+    let (cas, crls) = (both("ca.pem"), both("crl.pem"));
+    let (server, server_key) = (path("old", "server.pem"), path("old", "server-key.pem"));
+    let (broker, addr, _metrics, _logs) = start_broker_cmd(
+        home.path(),
+        &[
+            "--addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--cert",
+            &server,
+            "--key",
+            &server_key,
+        ],
+        &[
+            ("AQUEDUCT_TLS_REQUIRE_CLIENT_CERT", "true"),
+            ("AQUEDUCT_TLS_CLIENT_CA_FILE", &cas),
+            ("AQUEDUCT_TLS_CRL_FILE", &crls),
+        ],
+    );
+    let ca = path("old", "ca.pem");
+    let publish_as = |dir: &str, client: &str| {
+        let (cert, key) = (
+            path(dir, &format!("{client}.pem")),
+            path(dir, &format!("{client}-key.pem")),
+        );
+        run_client(
+            home.path(),
+            &[
+                "--addr",
+                &addr,
+                "--ca",
+                &ca,
+                "--cert",
+                &cert,
+                "--key",
+                &key,
+                "pub",
+                "t",
+                "x",
+                "--confirm",
+            ],
+        )
+    };
+    assert_ok(&publish_as("old", "alice"));
+    assert_ok(&publish_as("new", "bob"));
+    for (dir, revoked) in [("old", "mallory"), ("new", "eve")] {
+        let out = publish_as(dir, revoked);
+        assert!(!out.status.success(), "{revoked} was let in");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("revoked"), "{revoked}: {err}");
+    }
+    stop(broker);
+}
+
 /// A Ctrl-C/SIGTERM that arrives while `aqueduct sub` is busy with a message (`--work`) is not
 /// lost: the subscriber closes its connection at once.
 #[test]

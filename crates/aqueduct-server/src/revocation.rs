@@ -107,7 +107,7 @@ impl ClientVerifier {
                 Some(at) => {
                     crl.verify_signature(cas[at].public_key()).map_err(|e| {
                         bad(format!(
-                            "list {} names {} as its issuer but is not signed by that CA's key                              in {} ({e})",
+                            "list {} names {} as its issuer but is not signed by that CA's key in {} ({e})",
                             i + 1,
                             crl.issuer(),
                             self.ca_key
@@ -129,7 +129,7 @@ impl ClientVerifier {
         if !self.allow_unknown {
             if let Some(at) = covered.iter().position(|c| !c) {
                 return Err(bad(format!(
-                    "no revocation list of {}, a CA in {}: its client certificates could                      not be checked (each would be refused)",
+                    "no revocation list of {}, a CA in {}: its client certificates could not be checked (each would be refused)",
                     cas[at].subject(),
                     self.ca_key
                 )));
