@@ -253,7 +253,7 @@ export class Client {
     this.#options = {
       maxDataLen: options.maxDataLen ?? RECEIVE_MAX_DATA_LEN,
       maxSendDataLen: options.maxSendDataLen ?? BROKER_DEFAULT_MAX_BUF_SIZE,
-      onError: options.onError ?? ((err) => console.warn('aqueduct:', err.message)),
+      onError: shielded(options.onError ?? ((err) => console.warn('aqueduct:', err.message))),
       streamOpenTimeoutMs: options.streamOpenTimeoutMs ?? STREAM_OPEN_TIMEOUT_MS,
       closeFlushTimeoutMs: options.closeFlushTimeoutMs ?? CLOSE_FLUSH_MS,
     };
@@ -347,13 +347,17 @@ export class Client {
    */
   async flush() {
     this.#checkOpen();
+    return this.#flushNow();
+  }
+
+  async #flushNow() {
     if (!this.#published) return;
     // What went wrong before the empty batch, taken when its answer is dispatched: an ERROR for
     // a frame sent after it comes after that answer (§6.4) and is the next flush's.
     let earlier;
     let failure = null;
     try {
-      await this.#send(
+      await this.#sendNow(
         (streamId) => ({ opcode: Opcode.PUBLISH_BATCH, streamId, ext: { confirm: true }, frames: [] }),
         true,
         Opcode.CONFIRM,
@@ -395,6 +399,12 @@ export class Client {
    */
   async #send(build, confirm, expect = Opcode.CONFIRM, onAnswer = undefined) {
     this.#checkOpen();
+    return this.#sendNow(build, confirm, expect, onAnswer);
+  }
+
+  /** [`#send`] without the check for a close() begun: for the flush close() makes. */
+  async #sendNow(build, confirm, expect = Opcode.CONFIRM, onAnswer = undefined) {
+    this.#checkClosed();
     const streamId = confirm ? this.#allocId() : 0;
     try {
       const bytes = this.#encode(build(streamId));
@@ -482,7 +492,8 @@ export class Client {
       sub?._abandon();
       throw e;
     }
-    this.#subscriptions.add(sub);
+    // Ended already (its CONFIRM and its end came in one read): nothing to keep.
+    if (!sub.ended) this.#subscriptions.add(sub);
     return sub;
   }
 
@@ -500,7 +511,12 @@ export class Client {
   }
 
   async #flushAndClose() {
-    if (this.#closed) return;
+    // Ended already (the connection was lost): what was not taken is said all the same.
+    if (this.#closed) {
+      const e = this.#takeUnflushed();
+      if (e) throw e;
+      return;
+    }
     let failure = null;
     try {
       await this.#flushOnClose();
@@ -521,6 +537,9 @@ export class Client {
    * answered flush (confirmed publishes were taken, or their calls reject), bounded.
    */
   async #flushOnClose() {
+    // Publishes called before close() are handed to the stream in this chain: once it has run
+    // they are counted in `sent` (calls made since close() are refused).
+    await this.#chain;
     const ch = this.#publish && (await this.#publish.catch(() => null));
     if (ch && ch.usable && ch.sent > ch.covered) {
       const ms = this.#options.closeFlushTimeoutMs;
@@ -532,7 +551,7 @@ export class Client {
         );
       });
       try {
-        await Promise.race([this.flush(), late]);
+        await Promise.race([this.#flushNow(), late]);
       } finally {
         clearTimeout(timer);
       }
@@ -553,7 +572,13 @@ export class Client {
     this.#subscriptions.clear();
   }
 
+  /** Calls of the application: refused once close() has begun, or the client ended. */
   #checkOpen() {
+    if (this.#closing && !this.#closed) throw new AqueductError(null, 'the client is closing');
+    this.#checkClosed();
+  }
+
+  #checkClosed() {
     if (!this.#closed) return;
     const e = this.#error;
     throw e ? new AqueductError(e.code, e.reason, { cause: e }) : new AqueductError(null, 'the client is closed');
@@ -578,12 +603,27 @@ export class Client {
       if (ch && ch.usable) return ch;
       if (this.#publish === opening) break; // not replaced meanwhile: open a new one
     }
+    const refusal = (err) => {
+      this.#refused ??= err;
+      this.#options.onError(err);
+    };
     this.#publish = this.#openChannel({
       // An ERROR for a publish sent without confirm: the application hears of it now, and the
       // next flush() fails with it.
-      onError: (err) => {
-        this.#refused ??= err;
-        this.#options.onError(err);
+      onError: refusal,
+      // An undecodable frame no request waits for may be the ERROR that refused a publish sent
+      // without confirm: the next flush fails with it, as with a readable refusal.
+      onUnreadable: refusal,
+      // A stream-fatal ERROR: the broker reads nothing after the frame it answers, so what was
+      // sent without confirm since the last answered request may not have been read. Said at
+      // once (the broker's FIN, which onEnd waits for, may come much later).
+      onBroken: (err, channel) => {
+        if (channel.sent === channel.covered) return;
+        this.#publishLost ??= new AqueductError(
+          err.code,
+          `the broker stopped reading the publish stream after a stream-fatal error (${err.message}): publishes sent without confirm may not have been read`,
+          { cause: err },
+        );
       },
       // Ended with frames sent without confirm that no flush has covered yet: failed, or
       // finished by the broker (it does so only after a stream-fatal ERROR, and reads nothing
@@ -601,7 +641,8 @@ export class Client {
   async #openChannel(handlers) {
     const stream = await this.#openStreamBounded();
     if (this.#closed) discardStream(stream);
-    this.#checkOpen();
+    // Not #checkOpen: the flush close() makes may open the publish stream anew.
+    this.#checkClosed();
     const ch = new Channel(stream, {
       maxDataLen: this.#options.maxDataLen,
       report: this.#options.onError,
@@ -651,6 +692,21 @@ export class Client {
   }
 }
 
+/**
+ * An application callback that cannot break the client: one that throws is reported on the
+ * console, and the stream that called it goes on (it tore the stream down, failing its pending
+ * calls and ending its subscription).
+ */
+function shielded(callback) {
+  return (err) => {
+    try {
+      callback(err);
+    } catch (e) {
+      console.error('aqueduct: an onError callback threw:', e);
+    }
+  };
+}
+
 function publishExt(topic, opts, confirm) {
   const ext = { topic };
   if (opts.priority !== undefined) ext.priority = opts.priority;
@@ -661,13 +717,15 @@ function publishExt(topic, opts, confirm) {
 
 /** One bidirectional stream: writes frames, reads and dispatches the broker's. */
 class Channel {
-  constructor(stream, { maxDataLen, report, onDelivery, onError, onEnd, room }) {
+  constructor(stream, { maxDataLen, report, onDelivery, onError, onBroken, onUnreadable, onEnd, room }) {
     this.writer = stream.writable.getWriter();
     this.reader = stream.readable.getReader();
     this.decoder = new FrameDecoder({ maxDataLen });
     this.report = report;
     this.onDelivery = onDelivery;
     this.onError = onError;
+    this.onBroken = onBroken;
+    this.onUnreadable = onUnreadable;
     this.onEnd = onEnd;
     this.room = room;
     this.pending = new Map(); // stream id -> { resolve, reject, expect, onAnswer }, in the order sent
@@ -741,7 +799,10 @@ class Channel {
               // One bad frame: skipped (§10 step 4), the stream goes on. A request it answered
               // fails with it, rather than waiting for an answer that will not come.
               const err = new AqueductError(e.code, `the broker sent an invalid frame: ${e.message}`, { cause: e });
-              if (e.streamId === undefined || !this.answer(e.streamId, 'reject', err)) this.report(err);
+              // An unknown opcode is no answer (a newer broker's frame): only reported.
+              const unanswered = e.streamId === undefined || !this.answer(e.streamId, 'reject', err);
+              if (unanswered && e.code !== ErrorCode.UNKNOWN_OPCODE && this.onUnreadable) this.onUnreadable(err);
+              else if (unanswered) this.report(err);
               continue;
             }
             throw e;
@@ -777,7 +838,10 @@ class Channel {
         return;
       case Opcode.ERROR: {
         const err = new AqueductError(frame.code, frame.reason, { streamId: frame.streamId });
-        if (FATAL_FOR_STREAM.has(frame.code)) this.broken = true;
+        if (FATAL_FOR_STREAM.has(frame.code) && !this.broken) {
+          this.broken = true;
+          this.onBroken?.(err, this);
+        }
         if (this.answer(frame.streamId, 'reject', err)) return;
         if (this.onError) this.onError(err);
         else this.report(err);
@@ -854,7 +918,7 @@ export class Subscription {
       // 0 would never read (not even the SUBSCRIBE's answer).
       throw new RangeError(`buffer must be a whole number of messages, at least 1, got ${opts.buffer}`);
     }
-    this.#onError = opts.onError ?? fallbackOnError;
+    this.#onError = shielded(opts.onError ?? fallbackOnError);
     this.wildcard = isWildcardFilter(filter);
     this.#streamEnd = new Promise((resolve) => {
       this.#resolveStreamEnd = resolve;

@@ -730,9 +730,14 @@ function decodeComplete(buf, command, streamId, dataLen, peer, base, subFrame) {
     throw new FrameError(ErrorCode.UNKNOWN_OPCODE, `unknown opcode 0x${hex2(opcode)}`, { offset: base + 1 });
   }
   const meshForwarded = (command & FLAG_MESH_FORWARDED) !== 0;
-  // Not checked on a batch's sub-frames: §6.3 says only that their stream_id is ignored; the
-  // reference codec (crates/aqueduct-proto) ignores their MeshForwarded bit too.
-  if (meshForwarded && peer === 'client' && !subFrame) {
+  // A batch's sub-frame with it is invalid as the frame would be on its own (§6.3): the batch
+  // decoder makes this BAD_BATCH.
+  if (meshForwarded && subFrame) {
+    throw new FrameError(ErrorCode.UNSUPPORTED, 'sub-frames must not set the MeshForwarded bit (0x80)', {
+      offset: base + 1,
+    });
+  }
+  if (meshForwarded && peer === 'client') {
     throw new FrameError(ErrorCode.UNSUPPORTED, 'the MeshForwarded bit (0x80) is set; clients must send it as 0', {
       offset: base + 1,
     });
@@ -941,7 +946,8 @@ export function encodeFrame(frame, options = {}) {
       payload = concat(
         (frame.frames ?? []).map((sub) => {
           if (sub.opcode !== undefined && sub.opcode !== Opcode.PUBLISH) throw new RangeError('batch sub-frames must be PUBLISH frames');
-          return encodeFrame({ ...sub, opcode: Opcode.PUBLISH, streamId: sub.streamId ?? 0 });
+          // Never with the MeshForwarded bit: the broker refuses such a batch (§6.3).
+          return encodeFrame({ ...sub, opcode: Opcode.PUBLISH, streamId: sub.streamId ?? 0, meshForwarded: false });
         }),
       );
       break;
@@ -1011,6 +1017,9 @@ export function encodeFrame(frame, options = {}) {
  * `finish()` says the stream ended: it throws MALFORMED_FRAME if a partial frame is buffered.
  * Error offsets count from the first byte ever pushed.
  */
+/** A decoder's buffer larger than this is let go of once it is empty. */
+const SHRINK_ABOVE = 256 * 1024;
+
 export class FrameDecoder {
   constructor(options = {}) {
     this.options = { maxDataLen: options.maxDataLen ?? DEFAULT_MAX_DATA_LEN, peer: options.peer ?? 'broker' };
@@ -1034,7 +1043,10 @@ export class FrameDecoder {
       if (live + bytes.length <= this.buf.length && this.start > 0) {
         this.buf.copyWithin(0, this.start, this.end);
       } else {
-        const grown = new Uint8Array(Math.max(live + bytes.length, 2 * this.buf.length, 4096));
+        // Doubling, but never more than 64 KiB past what is needed: a broker's large frame must
+        // not make this buffer twice its size.
+        const need = live + bytes.length;
+        const grown = new Uint8Array(Math.max(need, Math.min(2 * this.buf.length, need + 65536), 4096));
         grown.set(this.buf.subarray(this.start, this.end));
         this.buf = grown;
       }
@@ -1070,6 +1082,9 @@ export class FrameDecoder {
     if (this.start === this.end) {
       this.start = 0;
       this.end = 0;
+      // Emptied after a large frame: let go of its room (a stream that received one large
+      // delivery would otherwise keep it for good).
+      if (this.buf.length > SHRINK_ABOVE) this.buf = new Uint8Array(0);
     }
   }
 

@@ -510,6 +510,95 @@ test('close(): a flush the broker does not answer fails after closeFlushTimeoutM
   assert.equal(client.closed, true);
 });
 
+test('close() right after a publish not awaited flushes it; calls made once close() began are refused', async () => {
+  const { fake, client } = await setup();
+  const sent = client.publish('a', 'not awaited'); // the first: its stream is not even open yet
+  const closing = client.close();
+  await assert.rejects(client.publish('a', 'too late'), (e) => e instanceof AqueductError && /closing/.test(e.message));
+  await assert.rejects(client.flush(), /closing/);
+  const broker = await fake.stream(0);
+  assert.equal((await broker.next()).frame.ext.topic, 'a');
+  await answerFlush(broker);
+  await sent;
+  await closing;
+  assert.equal(await broker.next(), null, 'nothing else: the stream finished');
+});
+
+test('close() after a stream-fatal ERROR on the publish stream says what was published after it may be lost', async () => {
+  const { fake, client } = await setup();
+  const big = client.publish('a', 'too large', { confirm: true });
+  await client.publish('a', 'after it');
+  const broker = await fake.stream(0);
+  const { frame } = await broker.next();
+  await broker.next();
+  await broker.send({ opcode: Opcode.ERROR, streamId: frame.streamId, code: ErrorCode.FRAME_TOO_LARGE, reason: 'too large' });
+  await assert.rejects(big, (e) => e.code === ErrorCode.FRAME_TOO_LARGE);
+  // The broker has not finished the stream yet: the ERROR alone says it.
+  await assert.rejects(client.close(), (e) => e instanceof AqueductError && /may not have been read/.test(e.message));
+});
+
+test('close() after the connection was lost still says a publish was refused', async () => {
+  let closeSession;
+  const fake = fakeTransport();
+  const client = await connect('x', {
+    openStream: fake.openStream,
+    onError: () => {},
+    close: () => {},
+    closed: new Promise((resolve) => {
+      closeSession = resolve;
+    }),
+  });
+  await client.publish('a', 'refused');
+  const broker = await fake.stream(0);
+  await broker.next();
+  await broker.send({ opcode: Opcode.ERROR, streamId: 0, code: ErrorCode.NOT_AUTHORIZED, reason: 'no publish rights on a' });
+  await new Promise((r) => setTimeout(r, 10));
+  closeSession({ closeCode: 0, reason: 'idle timeout' });
+  await client.whenClosed();
+  await assert.rejects(client.close(), (e) => e instanceof AqueductError && e.code === ErrorCode.NOT_AUTHORIZED);
+});
+
+test('an undecodable frame no request waits for on the publish stream fails the next flush (it may be a refusal)', async () => {
+  const { fake, client, errors } = await setup();
+  await client.publish('a', 'x');
+  const broker = await fake.stream(0);
+  await broker.next();
+  // An ERROR for stream id 0 whose reason is not UTF-8.
+  const bad = encodeFrame({ opcode: Opcode.ERROR, streamId: 0, code: ErrorCode.NOT_AUTHORIZED, reason: 'ab' });
+  bad.fill(0xff, bad.length - 2);
+  await broker.send(bad);
+  const flushed = client.flush();
+  await answerFlush(broker);
+  await assert.rejects(flushed, (e) => e instanceof AqueductError && /invalid frame/.test(e.message));
+  assert.equal(errors.length, 1, 'reported too');
+  await client.close();
+});
+
+test('an onError callback that throws does not break the stream', async () => {
+  const { fake, client } = await setup({
+    onError: () => {
+      throw new Error('application bug');
+    },
+  });
+  const logged = console.error;
+  const said = [];
+  console.error = (...args) => said.push(args.join(' '));
+  try {
+    await client.publish('a', 'refused');
+    const confirmed = client.publish('a', 'taken', { confirm: true });
+    const broker = await fake.stream(0);
+    await broker.next();
+    const { frame } = await broker.next();
+    await broker.send({ opcode: Opcode.ERROR, streamId: 0, code: ErrorCode.NOT_AUTHORIZED, reason: 'no' });
+    await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [5n] });
+    assert.equal(await confirmed, 5n, 'the stream went on');
+    assert.ok(said.some((l) => /onError callback threw/.test(l)), said.join('\n'));
+  } finally {
+    console.error = logged;
+  }
+  await assert.rejects(client.close(), (e) => e.code === ErrorCode.NOT_AUTHORIZED);
+});
+
 test('connect over WebTransport: URL with the token, certificate hashes, session closing fails pending calls', async () => {
   const seen = {};
   const fake = fakeTransport();
@@ -825,7 +914,12 @@ test('flush(): rejects when the broker finished the publish stream after a strea
   const flushed = client.flush();
   const second = await fake.stream(1);
   await answerFlush(second);
-  await assert.rejects(flushed, (e) => e instanceof AqueductError && /not read/.test(e.message));
+  // Known from the ERROR on (the broker reads nothing after the frame it answers), not only
+  // from the FIN.
+  await assert.rejects(
+    flushed,
+    (e) => e instanceof AqueductError && e.code === ErrorCode.FRAME_TOO_LARGE && /may not have been read/.test(e.message),
+  );
   await client.close();
 });
 

@@ -226,6 +226,15 @@ test('payloads of the wrong shape: BAD_PAYLOAD, after the extension block is che
   // The MeshForwarded bit from a client: UNSUPPORTED (§2), checked after the opcode.
   rejects(() => decodeFrame(raw(0x81, 1, b('orders')), { peer: 'client' }), ErrorCode.UNSUPPORTED, { offset: 1 });
   rejects(() => decodeFrame(raw(0x8a, 1, b('orders')), { peer: 'client' }), ErrorCode.UNKNOWN_OPCODE);
+  // ... and on a batch's sub-frame: the batch is invalid (§6.3), as the Rust codec says.
+  const sub = raw(0xc1, 0, u16(3), [0x04, 1, 0x61], b('1'));
+  rejects(() => decodeFrame(raw(0x04, 9, sub), { peer: 'client' }), ErrorCode.BAD_BATCH, {
+    match: /sub-frame 0 at byte 10: .*MeshForwarded/,
+  });
+  // The encoder never sets it on a sub-frame.
+  const batch = encodeFrame({ opcode: Opcode.PUBLISH_BATCH, streamId: 9, frames: [{ ext: { topic: 'a' }, body: b('1'), meshForwarded: true }] });
+  assert.equal(batch[10 + 1] & 0x80, 0, "the sub-frame's command byte (after the batch's header)");
+  assert.equal(decodeFrame(batch, { peer: 'client' }).frames.length, 1);
 });
 
 test('INFO entries (§4.1): unknown keys skipped, a known key once and with its length, entries whole', () => {
@@ -410,4 +419,19 @@ test('names (§5): topic names, filters, wildcards as whole levels', () => {
   assert.equal(topicNameProblem(Uint8Array.of(0xff)), 'not valid UTF-8');
   for (const ok of ['#', '+', 'sport/#', '+/+', 'a/+/b', '/+']) assert.equal(topicFilterProblem(ok), null, ok);
   for (const bad of ['a+', 'a/#/b', '#a', 'a/b+/c', '++']) assert.notEqual(topicFilterProblem(bad), null, bad);
+});
+
+test('FrameDecoder: a large frame does not leave its room behind, nor make the buffer twice its size', () => {
+  const d = new FrameDecoder({ maxDataLen: 4 << 20 });
+  const big = encodeFrame({ opcode: Opcode.PUBLISH, streamId: 1, ext: { topic: 'a' }, body: new Uint8Array(3 << 20) });
+  // Pushed in 64 KiB reads, as a stream delivers it.
+  for (let at = 0; at < big.length; at += 65536) {
+    d.push(big.subarray(at, at + 65536));
+    assert.ok(d.buf.length <= d.buffered + 65536 + 65536, `buffer ${d.buf.length} for ${d.buffered} bytes`);
+  }
+  assert.equal(d.next().body.length, 3 << 20);
+  assert.ok(d.buf.length <= 256 * 1024, `kept ${d.buf.length} bytes after the frame`);
+  // Small frames after it go on as before.
+  d.push(encodeFrame({ opcode: Opcode.PUBLISH, streamId: 1, ext: { topic: 'a' }, body: b('x') }));
+  assert.deepEqual(d.next().body, b('x'));
 });
