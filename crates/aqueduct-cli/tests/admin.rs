@@ -101,7 +101,7 @@ fn admin_commands_manage_a_running_broker() {
     let h = home.path();
     let certs = h.join("certs").display().to_string();
     for args in [
-        vec!["cert", "ca", "--out", &certs],
+        vec!["cert", "ca", "--out", &certs, "--cn", "Aqueduct test CA"],
         vec!["cert", "client", "admin-alice", "--out", &certs],
         vec!["cert", "client", "service-a", "--out", &certs],
     ] {
@@ -144,48 +144,60 @@ fn admin_commands_manage_a_running_broker() {
         );
     }
 
-    // Certificates from a CA the broker does not trust: said in plain words, for a client
-    // (the broker's TLS alert 51) and for the admin API (a session ended after its handshake).
-    let other = h.join("other").display().to_string();
-    for args in [
-        vec!["cert", "ca", "--out", &other],
-        vec!["cert", "client", "admin-bob", "--out", &other],
+    // Certificates from a CA the broker does not trust: said in plain words, for a client and
+    // for the admin API (a session ended after its handshake). A CA of another name (what
+    // `cert ca` makes by default) is an unknown issuer (the broker's TLS alert 48); one named as
+    // the trusted CA but with another key fails its signature check (alert 51).
+    for (dir, cn, said) in [
+        (
+            "other",
+            None,
+            "the broker does not trust the CA that signed the client certificate",
+        ),
+        (
+            "twin",
+            Some("Aqueduct test CA"),
+            "not signed by a CA the broker trusts",
+        ),
     ] {
-        assert_ok(&run_client(h, &args));
+        let other = h.join(dir).display().to_string();
+        let mut ca = vec!["cert", "ca", "--out", &other];
+        ca.extend(cn.iter().flat_map(|cn| ["--cn", *cn]));
+        assert_ok(&run_client(h, &ca));
+        assert_ok(&run_client(
+            h,
+            &["cert", "client", "admin-bob", "--out", &other],
+        ));
+        let (cert, key) = (
+            format!("{other}/admin-bob.pem"),
+            format!("{other}/admin-bob-key.pem"),
+        );
+        let out = run_client(
+            h,
+            &[
+                "--addr",
+                &b.addr,
+                "--cert",
+                &cert,
+                "--key",
+                &key,
+                "pub",
+                "orders/1",
+                "x",
+                "--confirm",
+            ],
+        );
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(said), "{dir}: {err}");
+        let out = admin_as(h, &b, &cert, &key, &["info"]);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("did not accept the client certificate") || err.contains(said),
+            "{dir}: {err}"
+        );
     }
-    let (cert, key) = (
-        format!("{other}/admin-bob.pem"),
-        format!("{other}/admin-bob-key.pem"),
-    );
-    let out = run_client(
-        h,
-        &[
-            "--addr",
-            &b.addr,
-            "--cert",
-            &cert,
-            "--key",
-            &key,
-            "pub",
-            "orders/1",
-            "x",
-            "--confirm",
-        ],
-    );
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("not signed by a CA the broker trusts"),
-        "{err}"
-    );
-    let out = admin_as(h, &b, &cert, &key, &["info"]);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("did not accept the client certificate")
-            || err.contains("not signed by a CA the broker trusts"),
-        "{err}"
-    );
 
     // info, as a table and as JSON.
     let out = admin(h, &b, "admin-alice", &["info"]);
