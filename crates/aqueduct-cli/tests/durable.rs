@@ -375,11 +375,7 @@ fn copy_dir_all(from: &Path, to: &Path) {
 fn a_full_disk_answers_storage_failed_and_subscribers_go_on() {
     let home = tempfile::tempdir().expect("dir");
     let env = env();
-    let mut cmd = Command::new("sh");
-    cmd.arg("-c")
-        .arg("trap '' XFSZ; ulimit -f 4096 && exec \"$0\" --addr 127.0.0.1:0 --metrics-addr 127.0.0.1:0 \"$@\"")
-        .arg(BROKER);
-    let (broker, addr, metrics, _logs) = start_broker_process(cmd, home.path(), &env);
+    let (broker, addr, metrics, _logs) = start_broker_process(on_a_small_disk(), home.path(), &env);
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let mut confirmed = Confirmed::new();
     rt.block_on(async {
@@ -452,12 +448,7 @@ fn a_full_disk_answers_storage_failed_and_subscribers_go_on() {
             }
         }
         assert!(small_ok, "a message that fits is stored again");
-        let text = http_get(&metrics, "/metrics");
-        let errors = text
-            .lines()
-            .find_map(|l| l.strip_prefix("aqueduct_log_write_errors_total "))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .expect("the write error metric");
+        let errors = log_write_errors(&metrics);
         assert!(errors >= 1.0, "{errors}");
         client
             .close()
@@ -482,6 +473,112 @@ fn a_full_disk_answers_storage_failed_and_subscribers_go_on() {
     for (o, body) in &confirmed["big"] {
         assert_eq!(logged.get(o), Some(body), "confirmed big@{o} lost");
     }
+}
+
+/// The broker on a disk that refuses writes: it runs under `ulimit -f`, so files may not grow
+/// past 2 MiB and writes past that fail with EFBIG, as they would with ENOSPC.
+fn on_a_small_disk() -> Command {
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg("trap '' XFSZ; ulimit -f 4096 && exec \"$0\" --addr 127.0.0.1:0 --metrics-addr 127.0.0.1:0 \"$@\"")
+        .arg(BROKER);
+    cmd
+}
+
+/// `aqueduct_log_write_errors_total` of the broker whose metrics are at `metrics`.
+fn log_write_errors(metrics: &str) -> f64 {
+    http_get(metrics, "/metrics")
+        .lines()
+        .find_map(|l| l.strip_prefix("aqueduct_log_write_errors_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .expect("the write error metric")
+}
+
+/// A message dead-lettered while the disk refuses writes: its dead letter is lost with the
+/// failed write, so the durable consumer's saved position must not pass the message. After a
+/// restart with room on the disk, the consumer gets it again (at least once). Before, the
+/// position was saved past it — the message was settled by being dead-lettered — and it was
+/// lost: neither its dead letter nor the consumer ever had it again.
+#[test]
+fn a_dead_letter_the_disk_refuses_leaves_its_message_to_be_delivered_again() {
+    let home = tempfile::tempdir().expect("dir");
+    let mut env = env();
+    // The first NACK dead-letters.
+    env.push(("AQUEDUCT_BROKER_MAX_RETRIES", "0"));
+    let (broker, addr, metrics, _logs) = start_broker_process(on_a_small_disk(), home.path(), &env);
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let opts = aqueduct_client::SubscribeOptions {
+        durable: Some(("worker".into(), aqueduct_client::DurableStart::Earliest)),
+        ack: true,
+        ..aqueduct_client::SubscribeOptions::default()
+    };
+    let job = rt.block_on(async {
+        let client = connect(home.path(), &addr).await;
+        let mut sub = client
+            .subscribe_with("jobs", &opts)
+            .await
+            .expect("durable subscribe");
+        let body = Bytes::from(vec![b'j'; 32 * 1024]);
+        let job = client
+            .publish_with("jobs", body.clone(), &confirm())
+            .await
+            .expect("stored")
+            .expect("its offset");
+        let m = tokio::time::timeout(WAIT, sub.next())
+            .await
+            .expect("the job in time")
+            .expect("open")
+            .expect("a message");
+        assert_eq!(m.offset(), job);
+        // Fill the disk: the dead letter (as large as the job) will not fit.
+        let mut full = false;
+        for _ in 0..400 {
+            match client
+                .publish_with("filler", body.clone(), &confirm())
+                .await
+            {
+                Ok(_) => {}
+                Err(ClientError::Broker { code, .. }) if code == ErrorCode::STORAGE_FAILED => {
+                    full = true;
+                    break;
+                }
+                Err(e) => panic!("unexpected error: {e}"),
+            }
+        }
+        assert!(full, "the 2 MiB limit refused a write");
+        let before = log_write_errors(&metrics);
+        m.nack(Some("failed")).await.expect("nack");
+        // The dead letter's write fails.
+        let deadline = std::time::Instant::now() + WAIT;
+        while log_write_errors(&metrics) <= before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the dead letter was written"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = client.close().await;
+        job
+    });
+    // A clean stop: the last checkpoint saves the positions.
+    stop(broker);
+    let (broker, addr, _metrics, _logs) = start_broker_with(home.path(), &env);
+    rt.block_on(async {
+        let client = connect(home.path(), &addr).await;
+        let mut sub = client
+            .subscribe_with("jobs", &opts)
+            .await
+            .expect("durable subscribe");
+        let m = tokio::time::timeout(WAIT, sub.next())
+            .await
+            .expect("the job is delivered again")
+            .expect("open")
+            .expect("a message");
+        assert_eq!(m.offset(), job);
+        m.ack().await.expect("ack");
+        client.close().await.expect("close");
+    });
+    stop(broker);
 }
 
 /// GET a path from the metrics endpoint; the body.

@@ -968,7 +968,13 @@ impl Log {
     /// reads no segment through and skips no offsets.
     pub fn close(mut self) -> Result<(), LogError> {
         // Offsets of failed appends must be on disk before the log may say it closed cleanly.
-        self.flush_burned()?;
+        // If they cannot be (a full disk), what was written is still synced before the error
+        // is returned: the tail an `interval` or `never` log had not synced yet holds confirmed
+        // messages.
+        if let Err(e) = self.flush_burned() {
+            let _ = self.sync();
+            return Err(e);
+        }
         self.sync()?;
         let dir = self.dir.clone();
         if let Some(seg) = self.segments.get_mut().last_mut() {

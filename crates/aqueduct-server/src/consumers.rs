@@ -644,15 +644,37 @@ impl Consumers {
     /// Save the positions if they changed since the last save (blocking file I/O), after
     /// forgetting the consumers idle past the retention. Returns whether it read them (then
     /// they were saved if they differed).
-    pub fn checkpoint(&self) -> Result<bool, LogError> {
+    /// `written`: `None` if the log has not yet written (or failed to write) what was queued
+    /// before it, else the messages whose dead letters a failed write lost (topic, offset):
+    /// see [`Durable::written_so_far`] and [`Durable::unlogged_dead_letters`].
+    pub fn checkpoint(
+        &self,
+        written: impl FnOnce() -> Option<Vec<(Vec<u8>, u64)>>,
+    ) -> Result<bool, LogError> {
         self.expire(Instant::now());
         let mut saved = lock(&self.saved);
         if self.unchanged(&saved) {
             return Ok(false);
         }
-        let now = self.snapshot(&saved.positions);
+        let mut now = self.snapshot(&saved.positions);
         if now.unread > 0 {
             debug!(consumers = now.unread, "durable consumers: messages kept moving while their positions were read; their saved positions stay until the next checkpoint");
+        }
+        // A position read past a dead-lettered message is saved only once the log is done with
+        // its dead letter: until then the saved one stays (a crash delivers the message again
+        // rather than losing it). One whose dead letter a failed write lost is saved no further
+        // than that message.
+        if saved.positions != now.all {
+            let Some(unlogged) = written() else {
+                return Ok(false);
+            };
+            for p in now.all.values_mut() {
+                for (topic, offset) in &unlogged {
+                    if let Some(next) = p.next.get_mut(topic) {
+                        *next = (*next).min(*offset);
+                    }
+                }
+            }
         }
         if saved.positions != now.all {
             saved.file_bytes = self.store.save(&now.all)?;
@@ -697,6 +719,10 @@ struct Snapshot {
 /// than every [`CHECKPOINT_EVERY`], not five times a second, each time written whole and
 /// synced. A position saved late means messages delivered again after a crash, never lost.
 const SAVE_BYTES_PER_SEC: usize = 4 << 20;
+
+/// How long a checkpoint waits for the log to write what was queued before it (dead letters of
+/// settled messages among it) before it gives up saving this time.
+const WRITTEN_WAIT: Duration = Duration::from_secs(10);
 
 /// How long after saving a positions file of `bytes` the next periodic save waits, at least.
 fn pause_after_save(bytes: usize) -> Duration {
@@ -790,6 +816,7 @@ fn floor(fed: &BTreeMap<Vec<u8>, u64>, floors: Vec<(TopicName, u64)>) -> BTreeMa
 /// until `stop` (then once more).
 pub(crate) async fn checkpointer(
     consumers: Arc<Consumers>,
+    durable: Arc<Durable>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
@@ -804,8 +831,17 @@ pub(crate) async fn checkpointer(
         if !stopping && Instant::now() < due {
             continue;
         }
-        let c = consumers.clone();
-        match tokio::task::spawn_blocking(move || (c.checkpoint(), c.saved_file_bytes())).await {
+        let (c, d) = (consumers.clone(), durable.clone());
+        let written = move || {
+            if !d.written_so_far(WRITTEN_WAIT) {
+                warn!("durable consumers: positions not saved: the log has not written what was queued before them within {WRITTEN_WAIT:?}; the saved positions stay, so what moved since is delivered again after a crash");
+                return None;
+            }
+            Some(d.unlogged_dead_letters())
+        };
+        match tokio::task::spawn_blocking(move || (c.checkpoint(written), c.saved_file_bytes()))
+            .await
+        {
             Ok((Ok(true), bytes)) => due = Instant::now() + pause_after_save(bytes),
             Ok((Ok(false), _)) => {}
             Ok((Err(e), _)) => warn!("durable consumers: saving positions failed: {e}"),
@@ -1805,12 +1841,46 @@ mod tests {
             },
         );
         lock(&consumers.table).changes += 1;
-        assert!(consumers.checkpoint().expect("saved"));
+        assert!(consumers.checkpoint(|| Some(Vec::new())).expect("saved"));
         let size = std::fs::metadata(dir.path().join("consumers"))
             .expect("file")
             .len();
         assert_eq!(consumers.saved_file_bytes() as u64, size);
         assert!(size > 14_000, "{size}");
+    }
+
+    /// A checkpoint whose positions moved saves them only once the log has written what was
+    /// queued before (`written`: the dead letters of the settlements it saw); otherwise the
+    /// saved file stays as it was, and the next checkpoint tries again.
+    #[test]
+    fn a_checkpoint_saves_nothing_until_the_log_has_written_what_came_before() {
+        let (dir, consumers, broker, _jobs) = redelivering();
+        assert!(consumers.checkpoint(|| Some(Vec::new())).expect("saved"));
+        let file = dir.path().join("consumers");
+        let before = std::fs::read(&file).ok();
+        let claim = claim_acked(&consumers, &broker);
+        lock(&claim.fed).set(b"jobs", 5);
+        let mut asked = false;
+        let saved = consumers
+            .checkpoint(|| {
+                asked = true;
+                None
+            })
+            .expect("no error");
+        assert!(asked, "the log was asked");
+        assert!(!saved, "not saved");
+        assert_eq!(std::fs::read(&file).ok(), before, "the file as it was");
+        assert!(
+            !consumers.unchanged(&lock(&consumers.saved)),
+            "still to save"
+        );
+        // The log wrote it all, but lost the dead letter of jobs #3: saved no further than it.
+        assert!(consumers
+            .checkpoint(|| Some(vec![(b"jobs".to_vec(), 3)]))
+            .expect("saved"));
+        assert_ne!(std::fs::read(&file).ok(), before, "saved now");
+        let (_, stored) = PositionStore::open(dir.path()).expect("the saved file");
+        assert_eq!(stored["consumer:c"].next.get(&b"jobs"[..]), Some(&3));
     }
 
     /// A checkpoint finds, without reading the positions, whether any can have moved since
@@ -1822,10 +1892,13 @@ mod tests {
         let unchanged = || consumers.unchanged(&lock(&consumers.saved));
         let saved_now = |what: &str| {
             assert!(!unchanged(), "{what}: seen as a change");
-            assert!(consumers.checkpoint().expect("saved"), "{what}: read");
+            assert!(
+                consumers.checkpoint(|| Some(Vec::new())).expect("saved"),
+                "{what}: read"
+            );
             assert!(unchanged(), "{what}: saved");
             assert!(
-                !consumers.checkpoint().expect("saved"),
+                !consumers.checkpoint(|| Some(Vec::new())).expect("saved"),
                 "{what}: nothing more"
             );
         };
@@ -2022,7 +2095,7 @@ mod tests {
         assert!(!c.resumed);
         let a = claim("consumer:a");
         assert!(matches!(a, Err(ClaimError::TooMany(2))), "a was forgotten");
-        assert!(consumers.checkpoint().expect("saved"));
+        assert!(consumers.checkpoint(|| Some(Vec::new())).expect("saved"));
         let (_, stored) = PositionStore::open(dir.path()).expect("reopen");
         assert!(!stored.contains_key("consumer:a"), "and is not saved");
     }

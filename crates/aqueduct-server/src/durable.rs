@@ -504,6 +504,8 @@ struct Queue {
     /// for a frame that came after frames whose answers the log still owed, or STORAGE_FAILED
     /// for a frame refused while the log fails.
     answers: Vec<(usize, Frame)>,
+    /// Dead letters among `recs` (by index): where each came from (topic, offset).
+    origins: Vec<(usize, TopicName, u64)>,
     closing: bool,
 }
 
@@ -564,6 +566,16 @@ pub(crate) struct Durable {
     failing: std::sync::atomic::AtomicBool,
     /// [`Durable::close`] was called.
     closed: std::sync::atomic::AtomicBool,
+    /// Records ever queued ([`Durable::owe`]) and ever handed back by the writer (written, or
+    /// refused by a failed write): what a checkpoint of the durable consumers' positions waits
+    /// for ([`Durable::written_so_far`]).
+    pushed: AtomicU64,
+    handed_back: Mutex<u64>,
+    handed_back_cv: Condvar,
+    /// Messages whose dead letter a failed write lost, by topic: the lowest offset. Durable
+    /// consumers' positions are saved no further than these until a restart, which delivers
+    /// them again ([`Durable::unlogged_dead_letters`]).
+    unlogged: Mutex<HashMap<Box<[u8]>, u64>>,
     /// What readers of the log (durable consumers) read through.
     pub index: aqueduct_log::LogIndex,
     /// Woken after every write: durable consumers that have caught up wait on it.
@@ -637,6 +649,10 @@ impl Durable {
             next: Mutex::new(next),
             failing: std::sync::atomic::AtomicBool::new(false),
             closed: std::sync::atomic::AtomicBool::new(false),
+            pushed: AtomicU64::new(0),
+            handed_back: Mutex::new(0),
+            handed_back_cv: Condvar::new(),
+            unlogged: Mutex::default(),
             index: log.index(),
             progress: tokio::sync::Notify::new(),
             changes: Mutex::new(changes),
@@ -897,6 +913,48 @@ impl Durable {
     /// Count `n` records just pushed (under the queue lock).
     fn owe(&self, n: usize) {
         self.owed.fetch_add(n, Ordering::SeqCst);
+        self.pushed.fetch_add(n as u64, Ordering::SeqCst);
+    }
+
+    /// Wait, up to `within`, until the writer is done with everything queued before this call
+    /// (written, or lost to a failed write: see [`unlogged_dead_letters`]); false if it is not
+    /// in time. Takes [`Durable::order`] first, so a broker call that ran under it before this
+    /// one (a NACK whose message was dead-lettered: settled at once, its dead letter queued
+    /// right after) has queued its dead letters. A checkpoint of the durable consumers'
+    /// positions saves only after this: a position past a dead-lettered message is never
+    /// stored before its dead letter is, so a crash cannot lose the message (it is delivered
+    /// again).
+    ///
+    /// [`unlogged_dead_letters`]: Self::unlogged_dead_letters
+    pub fn written_so_far(&self, within: Duration) -> bool {
+        let mark = {
+            let _order = lock(&self.order);
+            self.pushed.load(Ordering::SeqCst)
+        };
+        let deadline = Instant::now() + within;
+        let mut done = lock(&self.handed_back);
+        while *done < mark {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            done = self
+                .handed_back_cv
+                .wait_timeout(done, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        true
+    }
+
+    /// Messages whose dead letter a failed write lost (a full disk): each topic's lowest such
+    /// offset. A checkpoint saves no durable consumer's position in those topics past them, so
+    /// after a restart they are delivered again instead of being lost with their dead letter.
+    pub fn unlogged_dead_letters(&self) -> Vec<(Vec<u8>, u64)> {
+        lock(&self.unlogged)
+            .iter()
+            .map(|(t, o)| (t.to_vec(), *o))
+            .collect()
     }
 
     /// `n` messages no longer owed (a room given back, or records written); wakes the streams
@@ -1021,6 +1079,9 @@ impl Durable {
         let before = q.recs.len();
         let mut group_start = q.data.len();
         for d in records {
+            let at = q.recs.len();
+            q.origins
+                .push((at, d.original_topic.clone(), d.original_offset));
             StoredMessage::encode_dead_letter(&d, &mut q.data);
             let end = q.data.len();
             q.recs.push(Rec {
@@ -1143,16 +1204,21 @@ impl Durable {
                 self.write(&mut log, &work);
                 // Written (or answered STORAGE_FAILED): no longer owed.
                 self.pay(work.recs.len());
+                *lock(&self.handed_back) += work.recs.len() as u64;
+                self.handed_back_cv.notify_all();
                 work.data.clear();
                 work.recs.clear();
                 work.groups.clear();
                 work.answers.clear();
+                work.origins.clear();
             } else {
                 self.retry_after_failure(&mut log);
                 match log.commit() {
-                    // An interval sync with nothing new queued.
+                    // An interval sync with nothing new queued: it poisoned the log, so what
+                    // comes next is refused before it is routed, as after a failed write.
                     Err(e) if !matches!(e, LogError::Poisoned(_)) => {
-                        warn!("durable log: sync failed: {e}")
+                        self.failing.store(true, Ordering::Release);
+                        error!("durable log: sync failed: {e}")
                     }
                     // A poisoned log was reported when it happened.
                     _ => {}
@@ -1264,6 +1330,23 @@ impl Durable {
         if !wrote.is_empty() {
             let ok = wrote.iter().all(|r| r.is_ok());
             self.failing.store(!ok, Ordering::Release);
+        }
+        // Dead letters a failed write lost: their messages must not be skipped for good.
+        for ((_, recs), result) in chunks.iter().zip(&results) {
+            if result.is_ok() {
+                continue;
+            }
+            for (_, topic, offset) in work.origins.iter().filter(|(at, ..)| recs.contains(at)) {
+                error!(
+                    topic = %topic, offset,
+                    "durable log: the dead letter of this message was not written; durable consumers' saved positions in its topic stay at or below it until a restart, which delivers it again"
+                );
+                let mut unlogged = lock(&self.unlogged);
+                let floor = unlogged
+                    .entry(Box::from(topic.as_bytes()))
+                    .or_insert(*offset);
+                *floor = (*floor).min(*offset);
+            }
         }
         // Answer-only groups, in group order like the chunks.
         let mut answers = work.answers.iter().peekable();
@@ -1758,6 +1841,43 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
         }
+    }
+
+    /// A checkpoint of positions waits for what was queued before it — a dead letter of a
+    /// message whose settlement moved a position — to be written, and is told when it was not
+    /// (still unwritten after the wait: a crash now would lose the dead letter, while the saved
+    /// position would skip its message). Before, positions were saved on their own timer,
+    /// whatever the writer had done.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_checkpoint_waits_for_the_dead_letters_queued_before_it() {
+        let f = Forgetting::start();
+        assert!(f.d.written_so_far(Duration::from_secs(5)), "nothing queued");
+        f.d.hold_writes(true);
+        let dlq = TopicName::try_from("__dlq__jobs").expect("valid");
+        let (topic, offset) = f.hand_out(&dlq);
+        {
+            let _order = lock(&f.d.order);
+            f.d.queue_dead_letters(std::iter::once(DeadLetterRecord {
+                topic,
+                offset,
+                priority: aqueduct_proto::Priority::new(2).expect("valid"),
+                body: bytes::Bytes::from_static(b"poison"),
+                trace: None,
+                compression: None,
+                original_topic: TopicName::try_from("jobs").expect("valid"),
+                original_offset: 7,
+                attempts_made: 4,
+                reason: "nacked".into(),
+            }));
+        }
+        assert!(
+            !f.d.written_so_far(Duration::from_millis(100)),
+            "the dead letter is not written yet"
+        );
+        f.d.hold_writes(false);
+        assert!(f.d.written_so_far(Duration::from_secs(10)), "written now");
+        f.written("__dlq__jobs", offset + 1).await;
+        f.d.close();
     }
 
     /// A wildcard durable consumer that has read its topics to the end does not keep the log

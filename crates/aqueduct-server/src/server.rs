@@ -595,7 +595,8 @@ impl Server {
         let checkpointer = shared
             .consumers
             .clone()
-            .map(|c| Owned::spawn(crate::consumers::checkpointer(c, checkpoint_stop_rx)));
+            .zip(shared.durable.clone())
+            .map(|(c, d)| Owned::spawn(crate::consumers::checkpointer(c, d, checkpoint_stop_rx)));
         let http = Arc::new(crate::http::Endpoint {
             shared: shared.clone(),
             labels: crate::metrics::TopicLabels::default(),
