@@ -468,15 +468,18 @@ impl Consumers {
         fed: &SharedFed,
         feed: impl std::future::Future<Output = ()> + Send + 'static,
     ) {
-        let feeder = tokio::spawn(feed).abort_handle();
-        match lock(&self.table).live.get_mut(key) {
+        // Spawned under the table's lock, and marked running before the lock is let go: a
+        // feeder that ran while its consumer still looked unfed let the consumer's end store
+        // nothing for messages it had already handed out (then skipped by a `latest` start).
+        let mut t = lock(&self.table);
+        match t.live.get_mut(key) {
             Some(live)
                 if matches!(live.feeder, Feeder::Starting) && Arc::ptr_eq(&live.fed, fed) =>
             {
-                live.feeder = Feeder::Running(feeder)
+                live.feeder = Feeder::Running(tokio::spawn(feed).abort_handle())
             }
-            // Ended (or stopped) meanwhile.
-            _ => feeder.abort(),
+            // Ended (or stopped) meanwhile: never started.
+            _ => drop(feed),
         }
     }
 
@@ -1847,6 +1850,34 @@ mod tests {
             .len();
         assert_eq!(consumers.saved_file_bytes() as u64, size);
         assert!(size > 14_000, "{size}");
+    }
+
+    /// A feeder never runs while its consumer still looks unfed: from its first step on, the
+    /// table says it is running (an end then keeps the consumer's position). It was spawned
+    /// before it was marked running, and could feed meanwhile.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_feeder_is_marked_running_before_it_runs() {
+        let (_dir, consumers, broker, _jobs) = redelivering();
+        let consumers = Arc::new(consumers);
+        for round in 0..200 {
+            let claim = claim_acked(&consumers, &broker);
+            let (seen_tx, seen_rx) = tokio::sync::oneshot::channel();
+            let c = consumers.clone();
+            consumers.start_feeder("consumer:c", &claim.fed, async move {
+                let running = matches!(
+                    lock(&c.table).live.get("consumer:c").map(|l| &l.feeder),
+                    Some(Feeder::Running(_))
+                );
+                let _ = seen_tx.send(running);
+            });
+            let running = tokio::time::timeout(Duration::from_secs(10), seen_rx)
+                .await
+                .expect("the feeder ran")
+                .expect("it said");
+            assert!(running, "round {round}: ran while marked starting");
+            consumers.end("consumer:c", &claim.sub);
+            broker.unsubscribe(&mut PublishContext::default(), &claim.sub, Instant::now());
+        }
     }
 
     /// A checkpoint whose positions moved saves them only once the log has written what was
