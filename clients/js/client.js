@@ -498,11 +498,11 @@ export class Client {
   }
 
   /**
-   * Flush what was published without `confirm` (up to `closeFlushTimeoutMs`, 10 s), then close every stream and the
-   * connection: pending calls reject, subscriptions end. The connection is closed either way;
-   * it rejects as `flush()` would — a publish sent without `confirm` was refused, or what was
-   * published may not all have been taken (its stream failed, or the broker did not answer the
-   * flush within 10 s). Without the flush the broker would drop what it had received on a
+   * Flush what was published without `confirm` (within `closeFlushTimeoutMs`, 10 s by
+   * default), then close every stream and the connection: pending calls reject, subscriptions
+   * end. The connection is closed either way; it rejects as `flush()` would — a publish sent
+   * without `confirm` was refused, or what was published may not all have been taken (its
+   * stream failed, or the flush was not answered in time). Without the flush the broker would drop what it had received on a
    * stream but not yet read when the session closed. A second call waits for the first.
    */
   close() {
@@ -537,24 +537,24 @@ export class Client {
    * answered flush (confirmed publishes were taken, or their calls reject), bounded.
    */
   async #flushOnClose() {
-    // Publishes called before close() are handed to the stream in this chain: once it has run
-    // they are counted in `sent` (calls made since close() are refused).
-    await this.#chain;
-    const ch = this.#publish && (await this.#publish.catch(() => null));
-    if (ch && ch.usable && ch.sent > ch.covered) {
-      const ms = this.#options.closeFlushTimeoutMs;
-      let timer;
-      const late = new Promise((_, reject) => {
-        timer = setTimeout(
-          () => reject(new AqueductError(null, `the broker did not answer the flush within ${ms} ms: what was published may not all have been taken`)),
-          ms,
-        );
-      });
-      try {
-        await Promise.race([this.#flushNow(), late]);
-      } finally {
-        clearTimeout(timer);
-      }
+    // The whole of it, the publishes still on their way to the stream included, within the
+    // time.
+    const ms = this.#options.closeFlushTimeoutMs;
+    let timer;
+    const late = new Promise((_, reject) => {
+      timer = setTimeout(
+        () => reject(new AqueductError(null, `the broker did not answer the flush within ${ms} ms: what was published may not all have been taken`)),
+        ms,
+      );
+    });
+    try {
+      // Publishes called before close() are handed to the stream in this chain: once it has
+      // run they are counted in `sent` (calls made since close() are refused).
+      await Promise.race([this.#chain, late]);
+      const ch = this.#publish && (await Promise.race([this.#publish.catch(() => null), late]));
+      if (ch && ch.usable && ch.sent > ch.covered) await Promise.race([this.#flushNow(), late]);
+    } finally {
+      clearTimeout(timer);
     }
     const e = this.#takeUnflushed();
     if (e) throw e;
@@ -669,13 +669,19 @@ export class Client {
     const waited = new Promise((resolve) => {
       timer = setTimeout(() => resolve(late), ms);
     });
+    // The client ending meanwhile (close(), a lost connection) ends the wait too.
+    const ended = {};
     let got;
     try {
-      got = await Promise.race([opening, waited]);
+      got = await Promise.race([opening, waited, this.#ended.then(() => ended)]);
     } catch (e) {
       throw toAqueductError(e, 'could not open a stream');
     } finally {
       clearTimeout(timer);
+    }
+    if (got === ended) {
+      opening.then(discardStream, () => {});
+      this.#checkClosed();
     }
     if (got !== late) return got;
     opening.then(discardStream, () => {});

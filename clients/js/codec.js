@@ -1043,10 +1043,12 @@ export class FrameDecoder {
       if (live + bytes.length <= this.buf.length && this.start > 0) {
         this.buf.copyWithin(0, this.start, this.end);
       } else {
-        // Doubling, but never more than 64 KiB past what is needed: a broker's large frame must
-        // not make this buffer twice its size.
+        // Room for the whole frame being received, once its header is in (one copy for a large
+        // frame, and no more room than it needs); else doubling.
         const need = live + bytes.length;
-        const grown = new Uint8Array(Math.max(need, Math.min(2 * this.buf.length, need + 65536), 4096));
+        const frame = this.#frameLength(bytes);
+        const size = frame !== undefined && frame >= need ? Math.max(frame, 4096) : Math.max(need, 2 * this.buf.length, 4096);
+        const grown = new Uint8Array(size);
         grown.set(this.buf.subarray(this.start, this.end));
         this.buf = grown;
       }
@@ -1055,6 +1057,19 @@ export class FrameDecoder {
     }
     this.buf.set(bytes, this.end);
     this.end += bytes.length;
+  }
+
+  /**
+   * The whole length of the frame at the start of what is buffered plus `bytes` (header and
+   * data), once its header is in and its `data_len` within the limit; else undefined.
+   */
+  #frameLength(bytes) {
+    const live = this.end - this.start;
+    if (live + bytes.length < HEADER_LEN) return undefined;
+    const at = (i) => (i < live ? this.buf[this.start + i] : bytes[i - live]);
+    const dataLen = (at(6) | (at(7) << 8) | (at(8) << 16) | (at(9) << 24)) >>> 0;
+    if (dataLen > this.options.maxDataLen) return undefined;
+    return HEADER_LEN + dataLen;
   }
 
   next() {

@@ -524,6 +524,31 @@ test('close() right after a publish not awaited flushes it; calls made once clos
   assert.equal(await broker.next(), null, 'nothing else: the stream finished');
 });
 
+test('close() keeps to closeFlushTimeoutMs while publishes still wait for their stream to open', async () => {
+  const { client } = await setup({
+    closeFlushTimeoutMs: 50,
+    streamOpenTimeoutMs: 60000,
+    openStream: () => new Promise(() => {}), // the broker gives no stream
+  });
+  const publishes = [1, 2, 3].map((i) => client.publish('a', `${i}`).catch((e) => e));
+  const closing = client.close();
+  let timer;
+  const verdict = await Promise.race([
+    closing.then(
+      () => 'resolved',
+      (e) => e,
+    ),
+    new Promise((r) => {
+      timer = setTimeout(() => r('still waiting after 5 s'), 5000);
+    }),
+  ]);
+  clearTimeout(timer);
+  assert.ok(verdict instanceof AqueductError, String(verdict));
+  assert.match(verdict.message, /did not answer the flush within 50 ms/);
+  assert.equal(client.closed, true);
+  for (const p of await Promise.all(publishes)) assert.ok(p instanceof AqueductError, 'each publish failed, saying so');
+});
+
 test('close() after a stream-fatal ERROR on the publish stream says what was published after it may be lost', async () => {
   const { fake, client } = await setup();
   const big = client.publish('a', 'too large', { confirm: true });

@@ -1362,9 +1362,6 @@ pub(crate) fn list_segments_read_only(dir: &Path) -> Result<Vec<(u64, PathBuf)>,
     Ok(found)
 }
 
-/// A segment file too short for a header, or all of whose bytes are zero: what a crash while
-/// it was created leaves (its header is synced before anything is written after it). A blank
-/// header with anything after it is damage, not this.
 /// A segment file that holds no batch: no longer than a header, or blank (a segment being
 /// created, or one whose creation a crash cut short).
 fn header_at_most(path: &Path) -> bool {
@@ -1372,6 +1369,9 @@ fn header_at_most(path: &Path) -> bool {
         || short_or_blank(path)
 }
 
+/// A segment file too short for a header, or all of whose bytes are zero: what a crash while
+/// it was created leaves (its header is synced before anything is written after it). A blank
+/// header with anything after it is damage, not this.
 fn short_or_blank(path: &Path) -> bool {
     match std::fs::read(path) {
         Ok(b) => b.len() < HEADER_LEN || b.iter().all(|&x| x == 0),

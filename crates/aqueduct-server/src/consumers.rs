@@ -83,7 +83,7 @@ impl Fed {
     }
 
     /// Where the feeder reads `topic` next.
-    fn set(&mut self, topic: &[u8], next: u64) {
+    pub(crate) fn set(&mut self, topic: &[u8], next: u64) {
         match self.next.get_mut(topic) {
             Some(at) => *at = next,
             None => {
@@ -471,16 +471,21 @@ impl Consumers {
         // Spawned under the table's lock, and marked running before the lock is let go: a
         // feeder that ran while its consumer still looked unfed let the consumer's end store
         // nothing for messages it had already handed out (then skipped by a `latest` start).
-        let mut t = lock(&self.table);
-        match t.live.get_mut(key) {
-            Some(live)
-                if matches!(live.feeder, Feeder::Starting) && Arc::ptr_eq(&live.fed, fed) =>
-            {
-                live.feeder = Feeder::Running(tokio::spawn(feed).abort_handle())
+        let unstarted = {
+            let mut t = lock(&self.table);
+            match t.live.get_mut(key) {
+                Some(live)
+                    if matches!(live.feeder, Feeder::Starting) && Arc::ptr_eq(&live.fed, fed) =>
+                {
+                    live.feeder = Feeder::Running(tokio::spawn(feed).abort_handle());
+                    None
+                }
+                // Ended (or stopped) meanwhile: never started.
+                _ => Some(feed),
             }
-            // Ended (or stopped) meanwhile: never started.
-            _ => drop(feed),
-        }
+        };
+        // Dropped without the lock: what it holds may lock the table as it goes.
+        drop(unstarted);
     }
 
     /// `sub` (of `key`) ends: call before it is removed from the broker, while its unsettled
@@ -723,6 +728,17 @@ struct Snapshot {
 /// synced. A position saved late means messages delivered again after a crash, never lost.
 const SAVE_BYTES_PER_SEC: usize = 4 << 20;
 
+/// What a checkpoint asks the log before it saves (see [`Consumers::checkpoint`]): `None` if the
+/// writer is not done, within `within`, with the dead letters queued before; else the messages
+/// whose dead letters a failed write lost.
+pub(crate) fn log_done(d: &Durable, within: Duration) -> Option<Vec<(Vec<u8>, u64)>> {
+    if !d.written_so_far(within) {
+        warn!("durable consumers: positions not saved: the log has not written the dead letters queued before them within {within:?}; the saved positions stay, so what moved since is delivered again after a crash");
+        return None;
+    }
+    Some(d.unlogged_dead_letters())
+}
+
 /// How long a checkpoint waits for the log to write what was queued before it (dead letters of
 /// settled messages among it) before it gives up saving this time.
 const WRITTEN_WAIT: Duration = Duration::from_secs(10);
@@ -835,13 +851,7 @@ pub(crate) async fn checkpointer(
             continue;
         }
         let (c, d) = (consumers.clone(), durable.clone());
-        let written = move || {
-            if !d.written_so_far(WRITTEN_WAIT) {
-                warn!("durable consumers: positions not saved: the log has not written what was queued before them within {WRITTEN_WAIT:?}; the saved positions stay, so what moved since is delivered again after a crash");
-                return None;
-            }
-            Some(d.unlogged_dead_letters())
-        };
+        let written = move || log_done(&d, WRITTEN_WAIT);
         match tokio::task::spawn_blocking(move || (c.checkpoint(written), c.saved_file_bytes()))
             .await
         {

@@ -570,6 +570,10 @@ pub(crate) struct Durable {
     /// refused by a failed write): what a checkpoint of the durable consumers' positions waits
     /// for ([`Durable::written_so_far`]).
     pushed: AtomicU64,
+    /// `pushed` as of the last dead letters queued: a checkpoint waits for the writer to hand
+    /// back this many records, not everything queued (a backlog of publishes under
+    /// `aal.fsync: always` would hold every save back).
+    dead_letters_through: AtomicU64,
     handed_back: Mutex<u64>,
     handed_back_cv: Condvar,
     /// Messages whose dead letter a failed write lost, by topic: the lowest offset. Durable
@@ -650,6 +654,7 @@ impl Durable {
             failing: std::sync::atomic::AtomicBool::new(false),
             closed: std::sync::atomic::AtomicBool::new(false),
             pushed: AtomicU64::new(0),
+            dead_letters_through: AtomicU64::new(0),
             handed_back: Mutex::new(0),
             handed_back_cv: Condvar::new(),
             unlogged: Mutex::default(),
@@ -916,20 +921,20 @@ impl Durable {
         self.pushed.fetch_add(n as u64, Ordering::SeqCst);
     }
 
-    /// Wait, up to `within`, until the writer is done with everything queued before this call
-    /// (written, or lost to a failed write: see [`unlogged_dead_letters`]); false if it is not
-    /// in time. Takes [`Durable::order`] first, so a broker call that ran under it before this
-    /// one (a NACK whose message was dead-lettered: settled at once, its dead letter queued
-    /// right after) has queued its dead letters. A checkpoint of the durable consumers'
-    /// positions saves only after this: a position past a dead-lettered message is never
-    /// stored before its dead letter is, so a crash cannot lose the message (it is delivered
-    /// again).
+    /// Wait, up to `within`, until the writer is done with the dead letters queued before
+    /// this call (written, or lost to a failed write: see [`unlogged_dead_letters`]), and with
+    /// everything queued before them; false if it is not in time. Takes [`Durable::order`]
+    /// first, so a broker call that ran under it before this one (a NACK whose message was
+    /// dead-lettered: settled at once, its dead letter queued right after) has queued its dead
+    /// letters. A checkpoint of the durable consumers' positions saves only after this: a
+    /// position past a dead-lettered message is never stored before its dead letter is, so a
+    /// crash cannot lose the message (it is delivered again).
     ///
     /// [`unlogged_dead_letters`]: Self::unlogged_dead_letters
     pub fn written_so_far(&self, within: Duration) -> bool {
         let mark = {
             let _order = lock(&self.order);
-            self.pushed.load(Ordering::SeqCst)
+            self.dead_letters_through.load(Ordering::SeqCst)
         };
         let deadline = Instant::now() + within;
         let mut done = lock(&self.handed_back);
@@ -1106,6 +1111,8 @@ impl Durable {
             return;
         }
         self.owe(q.recs.len() - before);
+        self.dead_letters_through
+            .store(self.pushed.load(Ordering::SeqCst), Ordering::SeqCst);
         if q.groups.last().is_some_and(|g| g.recs_end == q.recs.len()) {
             // Every record is in a group already.
             self.stats
@@ -1853,6 +1860,13 @@ mod tests {
         let f = Forgetting::start();
         assert!(f.d.written_so_far(Duration::from_secs(5)), "nothing queued");
         f.d.hold_writes(true);
+        // Publishes waiting for the writer are not waited for (a backlog under `always` would
+        // hold every save back): only dead letters are.
+        f.publish("jobs");
+        assert!(
+            f.d.written_so_far(Duration::from_millis(1)),
+            "a queued publish is not waited for"
+        );
         let dlq = TopicName::try_from("__dlq__jobs").expect("valid");
         let (topic, offset) = f.hand_out(&dlq);
         {
@@ -1874,8 +1888,25 @@ mod tests {
             !f.d.written_so_far(Duration::from_millis(100)),
             "the dead letter is not written yet"
         );
+        // A consumer's position moved meanwhile: the checkpoint saves nothing yet.
+        let claim = f.claim("consumer:c", "jobs", Default::default());
+        lock(&claim.fed).set(b"jobs", 8);
+        let positions = f._dirs[1].path().join("consumers");
+        let checkpoint = |wait| {
+            f.consumers
+                .checkpoint(|| crate::consumers::log_done(&f.d, wait))
+                .expect("no error")
+        };
+        assert!(
+            !checkpoint(Duration::from_millis(100)),
+            "saved before the dead letter"
+        );
+        assert!(!positions.exists(), "nothing saved");
         f.d.hold_writes(false);
         assert!(f.d.written_so_far(Duration::from_secs(10)), "written now");
+        assert!(checkpoint(Duration::from_secs(10)), "saved now");
+        let (_, saved) = aqueduct_log::PositionStore::open(f._dirs[1].path()).expect("saved");
+        assert_eq!(saved["consumer:c"].next.get(&b"jobs"[..]), Some(&8));
         f.written("__dlq__jobs", offset + 1).await;
         f.d.close();
     }
