@@ -11,9 +11,12 @@
 //! - each [`Subscriber`] has its own mutex over its queues and in-flight set.
 //! - each group has a mutex over its watermarks ([`GroupShared`]).
 //!
-//! No lock is held while taking another, except `routes` → nothing, `topics` → nothing, so
-//! there is no lock order to get wrong. Publishes from different connections proceed in parallel;
-//! they meet only on the subscribers they share.
+//! Two nestings exist, always in this order: a subscriber's mutex → its group's watermarks (a
+//! delivery noted as handed out, from inside an enqueue or a drain), and `routes` → a durable
+//! group's `parked` list (a message parked, or taken by a joining member). Nothing takes
+//! `routes` or `topics` while holding a subscriber's mutex, and group picks under `routes` read
+//! only atomics; keep it so. Publishes from different connections proceed in parallel; they
+//! meet only on the subscribers they share.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -532,6 +535,16 @@ impl std::fmt::Debug for InterestCell {
 }
 
 /// The mesh interest key of a routed subscription.
+/// Count a message that leaves without being delivered (its subscription ended, no member is
+/// left): as expired if its lifetime is over (§6.6), else as dropped for `reason`.
+fn count_lost(d: &Delivery, reason: DropReason, now: Instant) {
+    if d.expires_at.is_some_and(|at| at <= now) {
+        d.topic.stats().expired(d.priority);
+    } else {
+        d.topic.stats().dropped(reason);
+    }
+}
+
 fn interest_key(sub: &Subscriber) -> crate::mesh::Key {
     match sub.group() {
         Some(g) => crate::mesh::Key::Group(crate::mesh::GroupKey {
@@ -873,7 +886,7 @@ impl Broker {
         for d in sub.detach() {
             match sub.group() {
                 Some(g) => self.hand_to_group(ctx, g, d, Some(sub.id()), now),
-                None => d.topic.stats().dropped(DropReason::Unsubscribed),
+                None => count_lost(&d, DropReason::Unsubscribed, now),
             }
         }
     }
@@ -948,7 +961,7 @@ impl Broker {
             for d in overflowed.drain(..) {
                 match sub.group() {
                     Some(shared) => self.hand_to_group(ctx, shared, d, Some(sub.id()), now),
-                    None => d.topic.stats().dropped(drop_reason),
+                    None => count_lost(&d, drop_reason, now),
                 }
             }
             return false;
@@ -971,7 +984,7 @@ impl Broker {
                     .chain(&in_flight)
                     .chain(overflowed.drain(..).as_slice())
                 {
-                    d.topic.stats().dropped(drop_reason);
+                    count_lost(d, drop_reason, now);
                 }
             }
         }
@@ -1452,7 +1465,7 @@ impl Broker {
                 for d in refused.drain(..) {
                     match sub.group() {
                         Some(g) => self.hand_to_group(ctx, g, d, Some(sub.id()), now),
-                        None => d.topic.stats().dropped(DropReason::Unsubscribed),
+                        None => count_lost(&d, DropReason::Unsubscribed, now),
                     }
                 }
             }
@@ -1523,7 +1536,7 @@ impl Broker {
                     group: shared.id().clone(),
                 };
                 if !self.hand_to_cluster(key, &d, now) {
-                    d.topic.stats().dropped(DropReason::Unsubscribed);
+                    count_lost(&d, DropReason::Unsubscribed, now);
                 }
             }
         }

@@ -30,11 +30,27 @@ impl Clone for RoundRobin {
 
 impl RoundRobin {
     /// The next member in turn for which `eligible` holds; `None` if no member is eligible.
+    ///
+    /// Each pick takes one turn and looks at every member from there: concurrent picks each
+    /// look at all of them. (Taking a turn per member looked at let two publishers' turns
+    /// interleave, so one could miss the only member with room and fall back to a full one.)
+    /// The next turn starts after the member chosen, unless another pick moved on meanwhile.
     pub fn pick<'a, T>(&self, members: &'a [T], eligible: impl Fn(&T) -> bool) -> Option<&'a T> {
         let n = members.len();
-        (0..n)
-            .map(|_| &members[self.cursor.fetch_add(1, Relaxed) % n])
-            .find(|m| eligible(m))
+        if n == 0 {
+            return None;
+        }
+        let start = self.cursor.fetch_add(1, Relaxed);
+        let k = (0..n).find(|k| eligible(&members[start.wrapping_add(*k) % n]))?;
+        if k > 0 {
+            let _ = self.cursor.compare_exchange(
+                start.wrapping_add(1),
+                start.wrapping_add(k + 1),
+                Relaxed,
+                Relaxed,
+            );
+        }
+        Some(&members[start.wrapping_add(k) % n])
     }
 }
 
@@ -226,6 +242,27 @@ mod tests {
         assert_eq!(picks, [1, 3, 1, 3]);
         assert_eq!(rr.pick(&members, |_| false), None);
         assert_eq!(rr.pick(&[] as &[i32], |_| true), None);
+    }
+
+    /// Picks made at the same time (other publishers under the routes read lock) each look at
+    /// every member: with [full, room, full], a pick whose turns interleaved with another's
+    /// missed the member with room and returned none (its caller then fell back to a full
+    /// member, whose policy dropped a message or closed it).
+    #[test]
+    fn concurrent_picks_each_look_at_every_member() {
+        let rr = RoundRobin::default();
+        let members = ["full-a", "room", "full-c"];
+        for round in 0..6 {
+            // Another publisher's pick takes its turn while this one looks at its first member.
+            let looked = std::cell::Cell::new(0);
+            let got = rr.pick(&members, |m| {
+                if looked.replace(looked.get() + 1) == 0 {
+                    rr.cursor.fetch_add(1, Relaxed);
+                }
+                *m == "room"
+            });
+            assert_eq!(got, Some(&"room"), "round {round}");
+        }
     }
 
     #[test]

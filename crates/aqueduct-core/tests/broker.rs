@@ -650,6 +650,33 @@ fn a_closing_blocking_subscriber_releases_its_publishers() {
     assert!(s.poll_room(&mut cx).is_ready());
 }
 
+/// A queued message whose lifetime is over when its subscription ends (a plain one, or a
+/// group's last member) is counted as expired, not as dropped for the unsubscribe (§6.6): it
+/// would never have been delivered. It was counted under `unsubscribed`.
+#[test]
+fn messages_past_their_lifetime_when_a_subscription_ends_are_counted_as_expired() {
+    let b = Broker::new(BrokerConfig::default());
+    let mut ctx = PublishContext::default();
+    let t0 = Instant::now();
+    let later = t0 + Duration::from_millis(200);
+    for filter in ["topic:plain", "topic:jobs:group:g"] {
+        let s = sub(&b, filter);
+        let topic = t(filter.split(':').nth(1).expect("a topic"));
+        let mut short = Publication::new(&topic, b"short");
+        short.ttl = Some(Duration::from_millis(10));
+        b.publish(&mut ctx, &short, t0);
+        b.publish(&mut ctx, &Publication::new(&topic, b"forever"), t0);
+        b.unsubscribe(&mut ctx, &s, later);
+        let stats = b.topic(&topic).expect("known").stats().snapshot();
+        assert_eq!(stats.expired(Priority::DEFAULT), 1, "{filter}");
+        assert_eq!(
+            stats.dropped(DropReason::Unsubscribed),
+            1,
+            "{filter}: only the live one"
+        );
+    }
+}
+
 #[test]
 fn ttl_priority_override_and_message_ttl() {
     let mut cfg = BrokerConfig::default();
