@@ -37,6 +37,26 @@ pub(crate) enum AddSubError {
     Limit,
 }
 
+/// Is there room in `subs` for a subscription with `stream_id`?
+fn room_for_sub(
+    subs: &mut HashMap<u32, SubEntry>,
+    stream_id: u32,
+    max: usize,
+) -> Result<(), AddSubError> {
+    if subs.get(&stream_id).is_some_and(|e| !e.sub.is_closed()) {
+        return Err(AddSubError::InUse);
+    }
+    if subs.len() >= max {
+        // Only at the limit, so that a connection's SUBSCRIBEs cost O(1) each in the common
+        // case.
+        subs.retain(|_, e| !e.sub.is_closed());
+        if subs.len() >= max {
+            return Err(AddSubError::Limit);
+        }
+    }
+    Ok(())
+}
+
 /// State shared by the streams of one connection.
 #[derive(Debug)]
 pub(crate) struct ConnState {
@@ -130,21 +150,18 @@ impl ConnState {
         make: impl FnOnce() -> SubEntry,
     ) -> Result<Arc<Subscriber>, AddSubError> {
         let mut subs = self.lock();
-        if subs.get(&stream_id).is_some_and(|e| !e.sub.is_closed()) {
-            return Err(AddSubError::InUse);
-        }
-        if subs.len() >= max {
-            // Only at the limit, so that a connection's SUBSCRIBEs cost O(1) each in the
-            // common case.
-            subs.retain(|_, e| !e.sub.is_closed());
-            if subs.len() >= max {
-                return Err(AddSubError::Limit);
-            }
-        }
+        room_for_sub(&mut subs, stream_id, max)?;
         let entry = make();
         let sub = entry.sub.clone();
         subs.insert(stream_id, entry);
         Ok(sub)
+    }
+
+    /// Would [`add_sub_with`](Self::add_sub_with) take a subscription with `stream_id` now? A
+    /// cheap early answer for a SUBSCRIBE that costs much to prepare (a new durable consumer
+    /// from `latest`); `add_sub_with` checks again.
+    pub(crate) fn room_for_sub(&self, stream_id: u32, max: usize) -> Result<(), AddSubError> {
+        room_for_sub(&mut self.lock(), stream_id, max)
     }
 
     /// Forget `sub` (only if it is still the one registered under `stream_id`). Returns whether

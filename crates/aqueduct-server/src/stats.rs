@@ -39,6 +39,9 @@ pub struct ServerStats {
     pub stream_task_panics: AtomicU64,
     /// Connections closed because a reload of `tls.crl_file` revoked their client certificate.
     pub connections_revoked: AtomicU64,
+    /// New durable consumers set up to start at `latest` (each such SUBSCRIBE walks every
+    /// topic to find where they start).
+    pub durable_latest_walks: AtomicU64,
     /// Writes a publisher made straight into an idle subscriber stream (stream/direct.rs).
     pub direct_writes: AtomicU64,
     /// Publish frames waiting now for their client's quota (`throttle`): each holds its stream.

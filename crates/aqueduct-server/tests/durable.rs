@@ -1049,6 +1049,41 @@ async fn a_refused_first_member_leaves_no_position_for_its_group() {
     receive_the_first_then_stop(b, publisher, "g/#", &opts, 1).await;
 }
 
+/// A durable SUBSCRIBE refused for its stream id (in use) or for the connection's limit is
+/// refused before the broker works out where a new `latest` consumer starts, which walks every
+/// topic: a client repeating such SUBSCRIBEs with fresh consumer ids made the broker walk every
+/// topic for each of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_subscribe_refused_for_its_stream_id_walks_no_topic() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = durable_broker(dir.path()).await;
+    let walks = || {
+        b.stats
+            .durable_latest_walks
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut s = raw.stream().await;
+    s.write(&raw_frame(0x42, 1, b"\x00\x00topic:taken")).await;
+    for n in 0..5 {
+        let spec = format!("\x00\x00topic:t/#:durable:c{n}:latest");
+        s.write(&raw_frame(0x42, 1, spec.as_bytes())).await;
+        let refused = within("the refusal", s.read_frame())
+            .await
+            .expect("a frame");
+        assert_eq!(
+            error_code(&refused),
+            aqueduct_client::ErrorCode::BAD_SUBSCRIBE
+        );
+    }
+    assert_eq!(walks(), 0, "refused before any walk");
+    s.write(&raw_frame(0x42, 2, b"\x00\x00topic:t/#:durable:c9:latest"))
+        .await;
+    until("the new consumer", || b.broker.subscriber_count() == 2).await;
+    assert_eq!(walks(), 1);
+    b.stop().await.expect("clean shutdown");
+}
+
 /// Retention forgets the topics it empties that nothing holds, so that a broker with the log
 /// does not keep every topic name it ever logged: one published to again goes on past every
 /// offset it had (the log's offset floor), also after a restart. A topic the broker holds (it

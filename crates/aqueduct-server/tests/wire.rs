@@ -435,6 +435,26 @@ async fn a_finished_stream_its_client_does_not_read_ends_its_subscriptions() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// A client that resets its sending side of a stream and keeps reading gets a reset (code 0),
+/// not a FIN (protocol.md 1.1): the replies queued there were dropped with the stream's
+/// subscriptions, and a FIN would say the stream ended cleanly. The broker's sending half was
+/// dropped, which quinn ends with a FIN.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_client_resets_is_reset_not_finished() {
+    let b = TestBroker::start().await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut s = raw.stream().await;
+    s.write(&raw_frame(0x42, 1, b"\x00\x00topic:t")).await;
+    until("the subscription", || b.broker.subscriber_count() == 1).await;
+    s.reset(7);
+    assert_eq!(s.stream_end().await, Err(0));
+    until("the subscription to end", || {
+        b.broker.subscriber_count() == 0
+    })
+    .await;
+    b.stop().await.expect("clean shutdown");
+}
+
 /// A client that finishes its delivery stream and then reads slowly, but steadily, gets
 /// everything and the broker's FIN (protocol.md 1.1: "a client that keeps reading, however
 /// slowly, gets everything"). The wait for the client restarts with each part of a write it

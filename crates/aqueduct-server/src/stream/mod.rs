@@ -254,10 +254,14 @@ impl StreamGuard {
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        end_subscriptions(&self.shared, &self.conn, &self.out, |_| true);
         // A task that ended while its writer was parked (aborted with its connection) leaves
         // the sending half here, holding the connection's state: let both go with the task.
-        drop(lock(&self.out.direct).take());
+        // Taken first: a publisher could otherwise still write deliveries straight into it
+        // (lost with the connection, uncounted) instead of leaving them queued for the ends
+        // below to count.
+        let parked = lock(&self.out.direct).take();
+        end_subscriptions(&self.shared, &self.conn, &self.out, |_| true);
+        drop(parked);
         // Revocations asked for after the writer ended: the subscriptions are ended above.
         self.out.end_revocations();
         self.shared
@@ -564,6 +568,25 @@ impl Reader<'_> {
     fn reject(&self, stream_id: u32, code: ErrorCode, label: &'static str, reason: String) {
         self.shared.stats.rejected(label);
         self.send_error(stream_id, code, reason);
+    }
+
+    /// Why a SUBSCRIBE is refused for want of room on the connection (counted, at the limit).
+    fn sub_refusal(&self, e: AddSubError, stream_id: u32, max: usize) -> String {
+        match e {
+            AddSubError::InUse => {
+                format!("stream id {stream_id} already has a subscription on this connection")
+            }
+            AddSubError::Limit => {
+                self.shared
+                    .stats
+                    .subscriptions_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                format!(
+                    "this connection already has {max} subscriptions \
+                     (transport.max_subscriptions_per_connection)"
+                )
+            }
+        }
     }
 
     fn send_error(&self, stream_id: u32, code: ErrorCode, reason: String) {
@@ -896,25 +919,36 @@ impl Reader<'_> {
                     Some((consumers, key, start)) => {
                         let group = s.spec.group.is_some();
                         // Taken before the claim, outside the consumer table's lock (it walks
-                        // every topic): only for a new consumer, which starts there.
-                        let initial = match (start, &self.shared.durable) {
-                            (aqueduct_proto::DurableStart::Latest, Some(d))
-                                if !consumers.has_position(key) =>
-                            {
+                        // every topic): only for a new consumer, which starts there, and only
+                        // once the cheap refusals are ruled out (a client must not make the
+                        // broker walk every topic with SUBSCRIBEs refused anyway).
+                        if let Err(e) = self.conn.room_for_sub(stream_id, max) {
+                            let why = self.sub_refusal(e, stream_id, max);
+                            return self.send_error(stream_id, ErrorCode::BAD_SUBSCRIBE, why);
+                        }
+                        let new = consumers.claims_new(key);
+                        let initial = match (start, &self.shared.durable, &new) {
+                            (aqueduct_proto::DurableStart::Latest, Some(d), Ok(true)) => {
+                                self.shared
+                                    .stats
+                                    .durable_latest_walks
+                                    .fetch_add(1, Ordering::Relaxed);
                                 crate::consumers::latest_positions(d, broker, &s.spec.filter)
                             }
                             _ => Default::default(),
                         };
-                        let claim = consumers.claim(
-                            key,
-                            &s.spec.filter,
-                            group,
-                            || initial,
-                            || {
-                                let opts = opts.take().unwrap_or_default();
-                                broker.subscribe_unrouted(&s.spec, opts)
-                            },
-                        );
+                        let claim = new.and_then(|_| {
+                            consumers.claim(
+                                key,
+                                &s.spec.filter,
+                                group,
+                                || initial,
+                                || {
+                                    let opts = opts.take().unwrap_or_default();
+                                    broker.subscribe_unrouted(&s.spec, opts)
+                                },
+                            )
+                        });
                         match claim {
                             Ok(claim) => Some(claim),
                             Err(e) => {
@@ -957,22 +991,11 @@ impl Reader<'_> {
                     };
                     SubEntry { sub, out }
                 });
-                let refused = match added {
-                    Ok(_) => None,
-                    Err(AddSubError::InUse) => Some(format!(
-                        "stream id {stream_id} already has a subscription on this connection"
-                    )),
-                    Err(AddSubError::Limit) => {
-                        self.shared
-                            .stats
-                            .subscriptions_refused
-                            .fetch_add(1, Ordering::Relaxed);
-                        Some(format!(
-                            "this connection already has {max} subscriptions \
-                             (transport.max_subscriptions_per_connection)"
-                        ))
-                    }
-                };
+                let refused = added
+                    .as_ref()
+                    .err()
+                    .copied()
+                    .map(|e| self.sub_refusal(e, stream_id, max));
                 if let Some(why) = refused {
                     // A durable subscription made for nothing is taken back (a refused SUBSCRIBE
                     // changes nothing: a group it was alone in ends unfed, nothing stored). If it
@@ -1525,6 +1548,11 @@ async fn write_loop<S: SendHalf + 'static>(
             // its group, its queued messages go to the others) but let what is in flight still
             // be settled by ACKs already on their way; the subscriptions end with the stream.
             detach_subscriptions(shared, out);
+            // Reset, not finished (dropping the sending half would finish it): the replies
+            // queued here were dropped, and a FIN would say the stream ended cleanly. After a
+            // STOP_SENDING the stream is reset already with the client's code, and this does
+            // nothing.
+            send.reset(0);
             return;
         }
         fill(out, shared, conn, &mut buf, batch, hint);

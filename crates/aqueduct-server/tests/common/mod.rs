@@ -303,6 +303,33 @@ impl RawStream {
         self.send.finish().expect("finish");
     }
 
+    /// Reset our sending side (RESET_STREAM) and keep reading.
+    pub fn reset(&mut self, code: u32) {
+        self.send.reset(code.into()).expect("reset");
+    }
+
+    /// Read (and drop) frames to the end of the stream: `Ok` if the broker finished it, `Err`
+    /// with the code if it reset it.
+    pub async fn stream_end(&mut self) -> Result<(), u64> {
+        within("the end of the stream", async {
+            loop {
+                self.buf.clear();
+                match self.recv.read_buf(&mut self.buf).await {
+                    Ok(0) => return Ok(()),
+                    Ok(_) => {}
+                    Err(e) => match e
+                        .get_ref()
+                        .and_then(|i| i.downcast_ref::<quinn::ReadError>())
+                    {
+                        Some(quinn::ReadError::Reset(code)) => return Err(code.into_inner()),
+                        _ => panic!("stream read failed: {e}"),
+                    },
+                }
+            }
+        })
+        .await
+    }
+
     /// Ask the broker to stop sending on this stream (STOP_SENDING) and keep writing.
     pub fn stop_reading(&mut self) {
         self.recv.stop(0u32.into()).expect("stop");
