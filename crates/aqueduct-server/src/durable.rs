@@ -503,7 +503,7 @@ struct Queue {
     /// Groups (by index) that carry no records, only an answer to send in their turn: an ERROR
     /// for a frame that came after frames whose answers the log still owed, or STORAGE_FAILED
     /// for a frame refused while the log fails.
-    answers: Vec<(usize, Frame)>,
+    answers: Vec<(usize, Frame, usize)>,
     /// Dead letters among `recs` (by index): where each came from (topic, offset).
     origins: Vec<(usize, TopicName, u64)>,
     closing: bool,
@@ -1061,7 +1061,11 @@ impl Durable {
             return;
         }
         let index = q.groups.len();
-        q.answers.push((index, frame));
+        // Counted on its stream until it is queued there (the stream's limit on unread
+        // replies).
+        let bytes = frame.to_bytes().len();
+        waiter.out.reply_in_log(bytes);
+        q.answers.push((index, frame, bytes));
         self.close_group(q, Some(waiter));
     }
 
@@ -1361,10 +1365,11 @@ impl Durable {
             let mut first = recs.start;
             for gi in groups.clone() {
                 let g = &work.groups[gi];
-                if let Some((_, answer)) = answers.next_if(|(i, _)| *i == gi) {
+                if let Some((_, answer, bytes)) = answers.next_if(|(i, ..)| *i == gi) {
                     // No records: only its answer, in its turn.
                     if let Some(w) = &g.waiter {
                         w.out.push_frame(answer);
+                        w.out.reply_out_of_log(*bytes);
                     }
                 } else {
                     self.settle(std::slice::from_ref(g), first, work, result);

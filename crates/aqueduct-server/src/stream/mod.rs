@@ -99,6 +99,10 @@ pub(crate) struct StreamOut {
     /// Publish frames of this stream whose answer (CONFIRM, or STORAGE_FAILED) the durable log
     /// still owes: the stream does not finish before they are answered.
     log_unanswered: AtomicUsize,
+    /// Bytes of replies to this stream (ERROR, INFO) waiting in the durable log's queue behind
+    /// the answers it owes: they count toward [`MAX_PENDING_CONTROL`] as the replies queued in
+    /// `control` do (the log pushes them all there at once when it answers).
+    log_reply_bytes: AtomicUsize,
     /// Where in `subs` the next write starts draining (see `fill`).
     drain_from: AtomicUsize,
     /// The stream is over: the writer must stop (peer stopped reading, connection closed).
@@ -123,6 +127,16 @@ impl StreamOut {
     /// A publish frame went to the durable log, which will answer it on this stream.
     pub(crate) fn await_log(&self) {
         self.log_unanswered.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A reply of `bytes` waits in the durable log's queue (see `log_reply_bytes`).
+    pub(crate) fn reply_in_log(&self, bytes: usize) {
+        self.log_reply_bytes.fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    /// The log queued here a reply of `bytes` that waited in its queue.
+    pub(crate) fn reply_out_of_log(&self, bytes: usize) {
+        self.log_reply_bytes.fetch_sub(bytes, Ordering::AcqRel);
     }
 
     /// The log answered one (its answer is already queued here).
@@ -157,7 +171,7 @@ impl StreamOut {
     /// unread, nor while the durable log owes too many answers (the writer, or the log's
     /// answer, wakes `flushed` when that changes).
     fn may_read(&self) -> bool {
-        self.control_len() <= MAX_PENDING_CONTROL
+        self.control_len() + self.log_reply_bytes.load(Ordering::Acquire) <= MAX_PENDING_CONTROL
             && self.log_unanswered.load(Ordering::Acquire) <= MAX_LOG_UNANSWERED
     }
 
@@ -1778,6 +1792,20 @@ mod tests {
             ready(flushed.as_mut()),
             "the answer back at the bound wakes the reader"
         );
+    }
+
+    /// Replies waiting in the durable log's queue count toward the unread replies' limit: a
+    /// client that kept the log owing it an answer could queue there ERRORs without bound
+    /// (65,536 per stream of up to ~300 bytes), all pushed to it at once when the log answered.
+    #[test]
+    fn replies_waiting_in_the_log_count_toward_the_unread_replies() {
+        let out = StreamOut::default();
+        out.reply_in_log(MAX_PENDING_CONTROL);
+        assert!(out.may_read(), "at the bound the reader goes on");
+        out.reply_in_log(1);
+        assert!(!out.may_read(), "one past the bound, it waits");
+        out.reply_out_of_log(MAX_PENDING_CONTROL + 1);
+        assert!(out.may_read());
         // Answers below the bound wake only the writer: the reader is not waiting then.
         let mut again = std::pin::pin!(out.flushed.notified());
         again.as_mut().enable();
