@@ -148,6 +148,20 @@ impl WebTransportSection {
                     "a token with an empty client id",
                 ));
             }
+            // The token arrives in the URL's query, decoded there (`+` as a space, `%xx` as a
+            // byte): one with other characters than these would never match what a page sends.
+            if let Some(c) = token
+                .chars()
+                .find(|c| !(c.is_ascii_alphanumeric() || "-._~".contains(*c)))
+            {
+                return Err(invalid(
+                    "webtransport.tokens",
+                    format!(
+                        "the token for {client:?} has {c:?}: use letters, digits and - . _ ~ \
+                         only (it travels in the URL, e.g. `openssl rand -hex 24`)"
+                    ),
+                ));
+            }
         }
         Ok(WebTransportConfig {
             enabled: self.enabled,
@@ -721,6 +735,21 @@ mod tests {
             .expect_err("refused")
             .to_string()
             .contains("webtransport.tokens"));
+        s.tokens.clear();
+        // A token a page could never send as it is (the query decodes `+` and `%xx`), or that
+        // would end the query's value (`&`, `#`): refused, saying which character.
+        for c in ['+', '%', '&', '#', ' ', '/'] {
+            s.tokens.insert(format!("0123456789abcdef{c}x"), "x".into());
+            let e = s.validate().expect_err("refused").to_string();
+            assert!(
+                e.contains("webtransport.tokens") && e.contains(&format!("{c:?}")),
+                "{e}"
+            );
+            s.tokens.clear();
+        }
+        s.tokens
+            .insert("0123456789abcdef-._~XYZ".into(), "x".into());
+        s.validate().expect("letters, digits and - . _ ~ are fine");
         s.tokens.clear();
         s.path_prefix = "wt".into();
         assert!(s
