@@ -133,6 +133,16 @@ pub struct DevCert {
 }
 
 impl DevCert {
+    /// A file at `path` with no certificate of its own yet (tests).
+    #[cfg(test)]
+    pub(crate) fn at(path: PathBuf) -> DevCert {
+        DevCert {
+            path,
+            pem: String::new(),
+            port: 0,
+        }
+    }
+
     /// The broker bound this UDP port: its section of the file is keyed by it.
     pub fn bound_to(mut self, port: u16) -> Self {
         self.port = port;

@@ -285,6 +285,9 @@ pub struct BrowserCerts {
     /// certificate (so the Rust client's default trust works over WebTransport too), and is
     /// rewritten at each renewal.
     dev_cert: std::sync::Mutex<Option<crate::tls::DevCert>>,
+    /// The file does not hold the current certificate (its write at a renewal failed): written
+    /// again at each look until it does.
+    file_stale: std::sync::atomic::AtomicBool,
 }
 
 impl BrowserCerts {
@@ -299,17 +302,44 @@ impl BrowserCerts {
             sha256 = %cert.sha256_hex(),
             "WebTransport: a new certificate for browsers (GET /webtransport/cert-hash)"
         );
-        let pem = cert.pem.clone();
         self.current.store(Some(Arc::new(cert)));
+        self.write_file()
+    }
+
+    /// Write the development certificate file with the current browser certificate (nothing
+    /// without the file). On failure the file is marked stale and written again at the next
+    /// look ([`keep_renewed`](Self::keep_renewed)): clients trusting it would otherwise fail
+    /// with an unknown issuer until the next renewal, days later.
+    fn write_file(&self) -> Result<(), String> {
+        let pem = self.current().map(|c| c.pem.clone()).unwrap_or_default();
         let dev = self
             .dev_cert
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        if let Some(dev) = dev {
-            dev.write_with(&pem).map_err(|e| e.to_string())?;
+        let Some(dev) = dev else {
+            return Ok(());
+        };
+        let written = dev.write_with(&pem).map_err(|e| e.to_string());
+        self.file_stale
+            .store(written.is_err(), std::sync::atomic::Ordering::Release);
+        written
+    }
+
+    /// One look of [`keep_renewed`](Self::keep_renewed), on a thread that may block (file I/O
+    /// under a lock other brokers share): renew if due, else write a stale file again.
+    fn look(&self, now: std::time::SystemTime) {
+        let due = self.current().is_none_or(|c| renewal_due(&c, now));
+        if due {
+            if let Err(e) = self.renew() {
+                warn!("WebTransport: renewing the browsers' certificate failed: {e}");
+            }
+        } else if self.file_stale.load(std::sync::atomic::Ordering::Acquire) {
+            match self.write_file() {
+                Ok(()) => info!("WebTransport: the development certificate file holds the browsers' certificate again"),
+                Err(e) => warn!("WebTransport: writing the browsers' certificate to the development certificate file failed again: {e}"),
+            }
         }
-        Ok(())
     }
 
     /// Write the development certificate file with the browser certificate after it; again at
@@ -323,19 +353,15 @@ impl BrowserCerts {
 
     /// Renew [`BROWSER_CERT_RENEW`] after each certificate was made (runs until dropped). The
     /// wall clock decides, looked at every [`RENEW_CHECK`]: a runtime timer does not count the
-    /// time a machine sleeps (a laptop), while the certificate's validity does. A failed renewal
-    /// is tried again at the next look.
+    /// time a machine sleeps (a laptop), while the certificate's validity does. A failed renewal,
+    /// or a failed write of the file after one, is tried again at the next look. Each look runs
+    /// on a blocking thread: it writes the file under a lock other brokers share.
     pub async fn keep_renewed(self: Arc<Self>) {
         loop {
             tokio::time::sleep(RENEW_CHECK).await;
-            let due = self
-                .current()
-                .is_none_or(|c| renewal_due(&c, std::time::SystemTime::now()));
-            if due {
-                if let Err(e) = self.renew() {
-                    warn!("WebTransport: renewing the browsers' certificate failed: {e}");
-                }
-            }
+            let me = self.clone();
+            let _ =
+                tokio::task::spawn_blocking(move || me.look(std::time::SystemTime::now())).await;
         }
     }
 }
@@ -581,6 +607,29 @@ impl crate::stream::RecvHalf for web_transport_quinn::RecvStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A renewal whose write of the development certificate file failed writes it again at the
+    /// next look, although no renewal is due then. It was left stale until the next renewal
+    /// (6 days), and clients trusting the file failed with an unknown issuer meanwhile.
+    #[test]
+    fn a_failed_write_of_the_certificate_file_is_tried_again_at_the_next_look() {
+        let dir = tempfile::tempdir().expect("dir");
+        // Its parent is a file, so it cannot be written until that is gone.
+        let blocker = dir.path().join("home");
+        std::fs::write(&blocker, "not a directory").expect("write");
+        let certs = BrowserCerts::default();
+        *certs.dev_cert.lock().expect("lock") =
+            Some(crate::tls::DevCert::at(blocker.join("dev-cert.pem")));
+        assert!(certs.renew().is_err(), "the write failed");
+        std::fs::remove_file(&blocker).expect("remove");
+        certs.look(std::time::SystemTime::now());
+        let file = std::fs::read_to_string(blocker.join("dev-cert.pem")).expect("written now");
+        let current = certs.current().expect("a certificate");
+        assert!(
+            file.contains(current.pem.trim()),
+            "it holds the current certificate"
+        );
+    }
 
     /// Renewal follows the wall clock: a certificate made 6 days ago is due whatever the
     /// runtime's timers counted (they stop while a machine sleeps), a fresh one is not.
