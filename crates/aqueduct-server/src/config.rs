@@ -379,6 +379,7 @@ pub const ENV_KEYS: &[&str] = &[
     "webtransport.enabled",
     "webtransport.listen_addr",
     "webtransport.path_prefix",
+    "webtransport.require_token",
     "tracing.otlp_endpoint",
     "tracing.otlp_ca_file",
     "tracing.otlp_cert_file",
@@ -713,6 +714,15 @@ impl Config {
                  TLS handshake; set webtransport.enabled: false to say browsers are not served, or \
                  let them in with webtransport.tokens and ACL rules instead of requiring \
                  certificates"
+                    .to_string(),
+            );
+        }
+        let wt = &self.webtransport;
+        if wt.enabled && !wt.tokens.is_empty() && !wt.require_token && !self.access.acl.enabled {
+            w.push(
+                "webtransport.tokens is set, but webtransport.require_token is false and acl.enabled \
+                 is false: a page that sends no token is admitted as anonymous and may do anything; \
+                 set webtransport.require_token: true, or enable the ACL"
                     .to_string(),
             );
         }
@@ -1736,6 +1746,24 @@ mod tests {
         assert!(c.warnings().is_empty(), "{:?}", c.warnings());
         c.webtransport.listen_addr = Some("127.0.0.1:4443".parse().expect("addr"));
         assert!(c.warnings()[0].contains("webtransport.listen_addr"));
+    }
+
+    /// Tokens without `require_token` and without the ACL protect nothing (a page that sends no
+    /// token may do anything as `anonymous`): warned about; not with either of them.
+    #[test]
+    fn tokens_that_protect_nothing_are_warned_about() {
+        let mut c = Config::default();
+        c.webtransport
+            .tokens
+            .insert("0123456789abcdef".into(), "web".into());
+        let w = c.warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("webtransport.require_token") && w[0].contains("acl.enabled"));
+        c.webtransport.require_token = true;
+        assert!(c.warnings().is_empty(), "{:?}", c.warnings());
+        c.webtransport.require_token = false;
+        c.access.acl.enabled = true;
+        assert!(c.warnings().is_empty(), "{:?}", c.warnings());
     }
 
     #[test]

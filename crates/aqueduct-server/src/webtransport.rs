@@ -66,6 +66,8 @@ pub struct WebTransportSection {
     pub allowed_origins: Vec<String>,
     /// Token → client id.
     pub tokens: HashMap<String, String>,
+    /// Refuse a session without a token (401); else it is admitted as `anonymous`.
+    pub require_token: bool,
 }
 
 impl Default for WebTransportSection {
@@ -76,6 +78,7 @@ impl Default for WebTransportSection {
             path_prefix: "/aqueduct/wt".into(),
             allowed_origins: Vec::new(),
             tokens: HashMap::new(),
+            require_token: false,
         }
     }
 }
@@ -90,6 +93,8 @@ pub struct WebTransportConfig {
     pub path_prefix: String,
     pub allowed_origins: Vec<String>,
     pub tokens: HashMap<String, String>,
+    /// A session without a token is refused (401) instead of admitted as `anonymous`.
+    pub require_token: bool,
 }
 
 impl Default for WebTransportConfig {
@@ -100,6 +105,7 @@ impl Default for WebTransportConfig {
             path_prefix: "/aqueduct/wt".into(),
             allowed_origins: Vec::new(),
             tokens: HashMap::new(),
+            require_token: false,
         }
     }
 }
@@ -169,6 +175,7 @@ impl WebTransportSection {
             path_prefix: self.path_prefix.trim_end_matches('/').to_string(),
             allowed_origins,
             tokens: self.tokens.clone(),
+            require_token: self.require_token,
         })
     }
 }
@@ -430,6 +437,10 @@ pub fn admit(
         .find(|(k, _)| k == "token")
         .map(|(_, v)| v.into_owned());
     match token {
+        None if config.require_token => Err(Refusal {
+            status: 401,
+            why: "a token is required (webtransport.require_token)".into(),
+        }),
         None => Ok(None),
         Some(t) => match config.tokens.get(&t) {
             Some(client) => Ok(Some(client.clone())),
@@ -662,6 +673,27 @@ mod tests {
         let base = "https://127.0.0.1:4242/aqueduct/wt";
         assert_eq!(admit(&cfg, &url(base), None), Ok(None));
         assert_eq!(admit(&cfg, &url(&format!("{base}/x")), None), Ok(None));
+        // With `require_token`, a session without one is refused (401); a known one passes.
+        let mut strict = cfg.clone();
+        strict.require_token = true;
+        strict
+            .tokens
+            .insert("0123456789abcdef".into(), "web".into());
+        let refused = admit(&strict, &url(base), None).expect_err("no token");
+        assert_eq!(refused.status, 401);
+        assert!(
+            refused.why.contains("webtransport.require_token"),
+            "{}",
+            refused.why
+        );
+        assert_eq!(
+            admit(
+                &strict,
+                &url(&format!("{base}?token=0123456789abcdef")),
+                None
+            ),
+            Ok(Some("web".to_string()))
+        );
         assert_eq!(
             admit(&cfg, &url("https://127.0.0.1:4242/aqueduct/wtx"), None).map_err(|r| r.status),
             Err(404)
