@@ -771,23 +771,8 @@ fn cert_makes_a_working_mutual_tls_setup() {
     }
     let file = |name: &str| certs.join(name).to_string_lossy().into_owned();
     let (server, server_key, ca) = (file("server.pem"), file("server-key.pem"), file("ca.pem"));
-    let (broker, addr, _metrics, logs) = start_broker_cmd(
-        home.path(),
-        &[
-            "--addr",
-            "127.0.0.1:0",
-            "--metrics-addr",
-            "127.0.0.1:0",
-            "--cert",
-            &server,
-            "--key",
-            &server_key,
-        ],
-        &[
-            ("AQUEDUCT_TLS_REQUIRE_CLIENT_CERT", "true"),
-            ("AQUEDUCT_TLS_CLIENT_CA_FILE", &ca),
-        ],
-    );
+    let (broker, addr, _metrics, logs) =
+        start_mtls_broker(home.path(), (&server, &server_key), &ca, &[]);
     let (alice, alice_key) = (file("alice.pem"), file("alice-key.pem"));
     // A confirmed publish as alice; the broker's certificate is verified for the address, or
     // for `server_name` when given.
@@ -826,6 +811,32 @@ fn cert_makes_a_working_mutual_tls_setup() {
         String::from_utf8_lossy(&out.stderr)
     );
     stop(broker);
+}
+
+/// A broker on 127.0.0.1 with the certificate and key `server`, requiring client certificates
+/// of the CAs in `cas`, with `more` environment.
+fn start_mtls_broker(
+    home: &std::path::Path,
+    (cert, key): (&str, &str),
+    cas: &str,
+    more: &[(&str, &str)],
+) -> (Broker, String, String, std::sync::mpsc::Receiver<String>) {
+    let mut env = vec![
+        ("AQUEDUCT_TLS_REQUIRE_CLIENT_CERT", "true"),
+        ("AQUEDUCT_TLS_CLIENT_CA_FILE", cas),
+    ];
+    env.extend_from_slice(more);
+    let args = [
+        "--addr",
+        "127.0.0.1:0",
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--cert",
+        cert,
+        "--key",
+        key,
+    ];
+    start_broker_cmd(home, &args, &env)
 }
 
 /// A CA rollover as howto-tls describes it: two CAs made by `aqueduct cert ca`, both trusted
@@ -874,23 +885,11 @@ fn a_new_ca_can_be_trusted_beside_the_old_one_with_both_revocation_lists() {
     };
     let (cas, crls) = (both("ca.pem"), both("crl.pem"));
     let (server, server_key) = (path("old", "server.pem"), path("old", "server-key.pem"));
-    let (broker, addr, _metrics, _logs) = start_broker_cmd(
+    let (broker, addr, _metrics, _logs) = start_mtls_broker(
         home.path(),
-        &[
-            "--addr",
-            "127.0.0.1:0",
-            "--metrics-addr",
-            "127.0.0.1:0",
-            "--cert",
-            &server,
-            "--key",
-            &server_key,
-        ],
-        &[
-            ("AQUEDUCT_TLS_REQUIRE_CLIENT_CERT", "true"),
-            ("AQUEDUCT_TLS_CLIENT_CA_FILE", &cas),
-            ("AQUEDUCT_TLS_CRL_FILE", &crls),
-        ],
+        (&server, &server_key),
+        &cas,
+        &[("AQUEDUCT_TLS_CRL_FILE", &crls)],
     );
     let ca = path("old", "ca.pem");
     let publish_as = |dir: &str, client: &str| {

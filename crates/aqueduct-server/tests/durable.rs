@@ -1018,6 +1018,17 @@ async fn receive_the_first_then_stop(
     close_and_stop(publisher, b).await;
 }
 
+/// The next frame on `s` is an ERROR `BAD_SUBSCRIBE`.
+async fn expect_bad_subscribe(s: &mut RawStream) {
+    let refused = within("the refusal", s.read_frame())
+        .await
+        .expect("a frame");
+    assert_eq!(
+        error_code(&refused),
+        aqueduct_client::ErrorCode::BAD_SUBSCRIBE
+    );
+}
+
 /// A refused SUBSCRIBE changes nothing (protocol.md 7.1), also when it would have been the
 /// first member of a new durable group: the group's `latest` positions, taken when the
 /// SUBSCRIBE was handled, were stored as it was taken back, and the group's real first
@@ -1038,13 +1049,7 @@ async fn a_refused_first_member_leaves_no_position_for_its_group() {
         b"\x00\x00topic:g/#:group:wg:durable:wg:latest",
     ))
     .await;
-    let refused = within("the refusal", s.read_frame())
-        .await
-        .expect("a frame");
-    assert_eq!(
-        error_code(&refused),
-        aqueduct_client::ErrorCode::BAD_SUBSCRIBE
-    );
+    expect_bad_subscribe(&mut s).await;
     let opts = group_opts("wg", DurableStart::Earliest);
     receive_the_first_then_stop(b, publisher, "g/#", &opts, 1).await;
 }
@@ -1068,13 +1073,7 @@ async fn a_durable_subscribe_refused_for_its_stream_id_walks_no_topic() {
     for n in 0..5 {
         let spec = format!("\x00\x00topic:t/#:durable:c{n}:latest");
         s.write(&raw_frame(0x42, 1, spec.as_bytes())).await;
-        let refused = within("the refusal", s.read_frame())
-            .await
-            .expect("a frame");
-        assert_eq!(
-            error_code(&refused),
-            aqueduct_client::ErrorCode::BAD_SUBSCRIBE
-        );
+        expect_bad_subscribe(&mut s).await;
     }
     assert_eq!(walks(), 0, "refused before any walk");
     s.write(&raw_frame(0x42, 2, b"\x00\x00topic:t/#:durable:c9:latest"))
