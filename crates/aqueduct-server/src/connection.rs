@@ -414,7 +414,10 @@ pub(crate) async fn handle(
         }
         if h3 {
             // Boxed: its state would otherwise size every native connection's task too.
-            return Box::pin(crate::webtransport::serve(conn, shared, state, shutdown)).await;
+            return Box::pin(crate::webtransport::serve(
+                conn, shared, state, shutdown, deadline,
+            ))
+            .await;
         }
         admit(&conn, &state, &shared).await;
     }

@@ -500,6 +500,17 @@ async fn refuse(
     conn.close(0u32.into(), b"WebTransport session refused");
 }
 
+/// Until `deadline`, or the broker's shutdown.
+async fn deadline_or_shutdown(
+    deadline: tokio::time::Instant,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    tokio::select! {
+        () = tokio::time::sleep_until(deadline) => {}
+        _ = shutdown.wait_for(|s| *s) => {}
+    }
+}
+
 /// One browser's (or native WebTransport client's) session: the HTTP/3 handshake, the checks,
 /// then each bidirectional stream to the stream task, until the session ends.
 pub(crate) async fn serve(
@@ -507,33 +518,48 @@ pub(crate) async fn serve(
     shared: Arc<crate::server::Shared>,
     state: Arc<crate::connection::ConnState>,
     shutdown: tokio::sync::watch::Receiver<bool>,
+    deadline: tokio::time::Instant,
 ) {
     let remote = crate::connection::canonical(conn.remote_address());
     conn.set_max_concurrent_uni_streams(H3_UNI_STREAMS.into());
-    let timeout = shared.config.transport.handshake_timeout;
-    let request =
-        match tokio::time::timeout(timeout, web_transport_quinn::Request::accept(conn.clone()))
-            .await
-        {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                debug!(%remote, "WebTransport handshake failed: {e}");
-                shared
-                    .stats
-                    .handshakes_failed
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                return;
-            }
-            Err(_) => {
+    // The HTTP/3 setup and the session's CONNECT count against the connection's handshake
+    // deadline (`transport.handshake_timeout`, from its first packet), as a native client's
+    // handshake does; a shutdown ends the wait too.
+    let accept = web_transport_quinn::Request::accept(conn.clone());
+    let request = tokio::select! {
+        r = accept => Ok(r),
+        () = deadline_or_shutdown(deadline, shutdown.clone()) => Err(()),
+    };
+    let request = match request {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            debug!(%remote, "WebTransport handshake failed: {e}");
+            shared
+                .stats
+                .handshakes_failed
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return;
+        }
+        Err(_) => {
+            shared
+                .stats
+                .handshakes_failed
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if *shutdown.borrow() {
+                conn.close(
+                    aqueduct_proto::ErrorCode::SHUTTING_DOWN.0.into(),
+                    b"broker shutting down",
+                );
+            } else {
                 debug!(%remote, "WebTransport handshake timed out");
-                shared
-                    .stats
-                    .handshakes_failed
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                conn.close(0u32.into(), b"WebTransport handshake timed out");
-                return;
+                conn.close(
+                    aqueduct_proto::ErrorCode::MALFORMED_FRAME.0.into(),
+                    b"handshake timed out",
+                );
             }
-        };
+            return;
+        }
+    };
     let origin = request
         .headers
         .get("origin")
@@ -547,7 +573,8 @@ pub(crate) async fn serve(
                 .stats
                 .webtransport_refused
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            refuse(conn, request, origin.is_some(), refusal, timeout).await;
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            refuse(conn, request, origin.is_some(), refusal, left).await;
             return;
         }
     };
@@ -556,15 +583,31 @@ pub(crate) async fn serve(
     if wants_ours {
         response = response.with_protocol(SUBPROTOCOL);
     }
-    let session = match tokio::time::timeout(timeout, request.respond(response)).await {
+    let respond = request.respond(response);
+    let session = tokio::select! {
+        r = respond => Ok(r),
+        () = deadline_or_shutdown(deadline, shutdown.clone()) => Err(()),
+    };
+    let session = match session {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             debug!(%remote, "WebTransport session not established: {e}");
+            shared
+                .stats
+                .handshakes_failed
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return;
         }
-        Err(_) => {
+        Err(()) => {
             debug!(%remote, "WebTransport session not established: the response was not taken in time");
-            conn.close(0u32.into(), b"WebTransport handshake timed out");
+            shared
+                .stats
+                .handshakes_failed
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            conn.close(
+                aqueduct_proto::ErrorCode::MALFORMED_FRAME.0.into(),
+                b"handshake timed out",
+            );
             return;
         }
     };

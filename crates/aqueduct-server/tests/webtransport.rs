@@ -786,3 +786,55 @@ async fn http3_connections_are_offered_datagrams() {
     conn.close(0u32.into(), b"done");
     b.stop().await.expect("stops");
 }
+
+/// An HTTP/3 connection that never sets up its WebTransport session does not hold up a
+/// shutdown: it is closed with SHUTTING_DOWN at once. Its wait for the session had a timeout of
+/// its own (`transport.handshake_timeout`, started after the TLS handshake) and did not watch the
+/// shutdown, so the broker's stop waited for it (up to its 10 s grace).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_http3_connection_does_not_hold_up_a_shutdown() {
+    let b =
+        TestBroker::start_with(|c| c.transport.handshake_timeout = Duration::from_secs(60)).await;
+    let endpoint = endpoint_offering(vec![b"h3".to_vec()]);
+    let conn = within(
+        "the handshake",
+        endpoint.connect(b.addr, "localhost").expect("connect"),
+    )
+    .await
+    .expect("handshake");
+    assert_eq!(negotiated(&conn).as_deref(), Some(&b"h3"[..]));
+    tokio::time::timeout(Duration::from_secs(5), b.stop())
+        .await
+        .expect("the broker stops at once")
+        .expect("stops");
+    match within("the close", conn.closed()).await {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(c.error_code, 501u32.into(), "{c:?}")
+        }
+        other => panic!("closed otherwise: {other}"),
+    }
+}
+
+/// An HTTP/3 connection that does not set up its session within `transport.handshake_timeout`
+/// (counted from its first packet, TLS included) is closed as a native one is: code 100,
+/// reason `handshake timed out` (protocol.md 1.1). It was closed with code 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_http3_connection_is_closed_at_the_handshake_deadline() {
+    let b = TestBroker::start_with(|c| c.transport.handshake_timeout = Duration::from_millis(500))
+        .await;
+    let endpoint = endpoint_offering(vec![b"h3".to_vec()]);
+    let conn = within(
+        "the handshake",
+        endpoint.connect(b.addr, "localhost").expect("connect"),
+    )
+    .await
+    .expect("handshake");
+    match within("the close", conn.closed()).await {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(c.error_code, 100u32.into(), "{c:?}");
+            assert_eq!(&c.reason[..], b"handshake timed out");
+        }
+        other => panic!("closed otherwise: {other}"),
+    }
+    b.stop().await.expect("stops");
+}
