@@ -725,6 +725,7 @@ async fn serve_streams(
                             streams.spawn(stream::serve(send, recv, shared.clone(), state.clone(), shutdown.clone()));
                         }
                         Ok(Accepted::WebTransport(send, recv)) => {
+                            let recv = crate::webtransport::WtRecv(recv);
                             streams.spawn(stream::serve(send, recv, shared.clone(), state.clone(), shutdown.clone()));
                         }
                         Err(e) => break e,

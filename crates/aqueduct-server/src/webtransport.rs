@@ -649,10 +649,34 @@ impl crate::stream::SendHalf for web_transport_quinn::SendStream {
     }
 }
 
-impl crate::stream::RecvHalf for web_transport_quinn::RecvStream {
+/// A WebTransport stream's receiving half as the stream task uses it: when it is let go of
+/// before the client finished it (a stream-fatal framing error, the shutdown), the broker's
+/// STOP_SENDING carries WebTransport's code 0 (protocol.md 1.1, 12). Dropped as it is, the
+/// library's half left quinn to send a raw QUIC 0, which is no WebTransport code: a client
+/// decoding it saw none.
+pub(crate) struct WtRecv(pub web_transport_quinn::RecvStream);
+
+impl Drop for WtRecv {
+    fn drop(&mut self) {
+        // Nothing is sent for a stream already finished and read, or reset.
+        let _ = self.0.stop(0);
+    }
+}
+
+impl tokio::io::AsyncRead for WtRecv {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl crate::stream::RecvHalf for WtRecv {
     async fn reset(&mut self) {
         // `Ok(None)`: finished and read, stopped, or reset with a code outside WebTransport's.
-        if let Ok(None) = self.received_reset().await {
+        if let Ok(None) = self.0.received_reset().await {
             std::future::pending::<()>().await;
         }
     }

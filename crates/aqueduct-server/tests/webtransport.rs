@@ -838,3 +838,27 @@ async fn a_silent_http3_connection_is_closed_at_the_handshake_deadline() {
     }
     b.stop().await.expect("stops");
 }
+
+/// A stream-fatal framing error on a WebTransport stream: the ERROR, then STOP_SENDING with
+/// WebTransport's code 0 (protocol.md 1.1, 12), which a WebTransport client decodes as 0. The
+/// broker let the library's receiving half go as it was, and quinn sent a raw QUIC 0, which is
+/// no WebTransport code: the client saw none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_frame_on_a_webtransport_stream_stops_it_with_code_0() {
+    let b = TestBroker::start().await;
+    let session = wt_connect(&b, "/aqueduct/wt", None)
+        .await
+        .expect("a session");
+    let mut s = WtStream::open(&session).await;
+    s.send.write_all(&[0u8; 10]).await.expect("write");
+    let Message::Error(e) = s.next().await.message else {
+        panic!("no ERROR")
+    };
+    assert_eq!(e.code, aqueduct_proto::ErrorCode::BAD_MAGIC);
+    let stopped = within("STOP_SENDING", s.send.stopped())
+        .await
+        .expect("the session lives");
+    assert_eq!(stopped, Some(0));
+    session.close(0, b"done");
+    b.stop().await.expect("stops");
+}
