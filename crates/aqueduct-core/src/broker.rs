@@ -534,7 +534,6 @@ impl std::fmt::Debug for InterestCell {
     }
 }
 
-/// The mesh interest key of a routed subscription.
 /// Count a message that leaves without being delivered (its subscription ended, no member is
 /// left): as expired if its lifetime is over (§6.6), else as dropped for `reason`.
 fn count_lost(d: &Delivery, reason: DropReason, now: Instant) {
@@ -545,6 +544,7 @@ fn count_lost(d: &Delivery, reason: DropReason, now: Instant) {
     }
 }
 
+/// The mesh interest key of a routed subscription.
 fn interest_key(sub: &Subscriber) -> crate::mesh::Key {
     match sub.group() {
         Some(g) => crate::mesh::Key::Group(crate::mesh::GroupKey {

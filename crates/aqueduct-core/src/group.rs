@@ -41,7 +41,14 @@ impl RoundRobin {
             return None;
         }
         let start = self.cursor.fetch_add(1, Relaxed);
-        let k = (0..n).find(|k| eligible(&members[start.wrapping_add(*k) % n]))?;
+        let Some(k) = (0..n).find(|k| eligible(&members[start.wrapping_add(*k) % n])) else {
+            // None eligible: the turn goes once round (n in all, as a turn per member looked
+            // at did), so that the caller's fallback pick starts where this one did. Taking one
+            // turn moved every fallback on by one more, and with every member full the same
+            // members got every message.
+            self.cursor.fetch_add(n - 1, Relaxed);
+            return None;
+        };
         if k > 0 {
             let _ = self.cursor.compare_exchange(
                 start.wrapping_add(1),
@@ -262,6 +269,24 @@ mod tests {
                 *m == "room"
             });
             assert_eq!(got, Some(&"room"), "round {round}");
+        }
+    }
+
+    /// With every member full, a group's pick finds none with room and falls back to any
+    /// member (`GroupEntry::pick`): the fallbacks still go round. A pick that found none took
+    /// one turn, so each message moved the turn on by two and, with two members, every one
+    /// went to the same member.
+    #[test]
+    fn fallback_picks_go_round_when_no_member_is_eligible() {
+        let rr = RoundRobin::default();
+        for members in [&[0, 1][..], &[0, 1, 2, 3][..]] {
+            let mut got = vec![0; members.len()];
+            for _ in 0..4 * members.len() {
+                assert_eq!(rr.pick(members, |_| false), None);
+                let m = rr.pick(members, |_| true).expect("any member");
+                got[*m] += 1;
+            }
+            assert!(got.iter().all(|&g| g == 4), "{members:?}: {got:?}");
         }
     }
 

@@ -718,6 +718,26 @@ impl Config {
             );
         }
         let wt = &self.webtransport;
+        // The token travels in the URL's query, which decodes `+` as a space and `%xx` as a
+        // byte: a page must URL-encode one with other characters (the JS client does).
+        let mut clients: Vec<&String> = wt
+            .tokens
+            .iter()
+            .filter(|(t, _)| {
+                t.chars()
+                    .any(|c| !(c.is_ascii_alphanumeric() || "-._~".contains(c)))
+            })
+            .map(|(_, client)| client)
+            .collect();
+        clients.sort();
+        for client in clients {
+            w.push(format!(
+                "webtransport.tokens: the token for {client:?} has characters other than letters, \
+                 digits and - . _ ~: a page must URL-encode it in the session URL (the JS client \
+                 does; by hand, `+` is %2B, `/` is %2F, `=` is %3D); `openssl rand -hex 24` makes \
+                 one that needs none"
+            ));
+        }
         if wt.enabled && !wt.tokens.is_empty() && !wt.require_token && !self.access.acl.enabled {
             w.push(
                 "webtransport.tokens is set, but webtransport.require_token is false and acl.enabled \
@@ -1764,6 +1784,16 @@ mod tests {
         c.webtransport.require_token = false;
         c.access.acl.enabled = true;
         assert!(c.warnings().is_empty(), "{:?}", c.warnings());
+        // A token a page must URL-encode: said, naming its client.
+        c.webtransport
+            .tokens
+            .insert("0123456789abcdef+/=".into(), "dashboard".into());
+        let w = c.warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("\"dashboard\"") && w[0].contains("URL-encode"),
+            "{w:?}"
+        );
     }
 
     #[test]

@@ -294,16 +294,17 @@ impl Consumers {
     }
 
     /// Whether `key` has a stored position (it resumes from it, whatever start it asks).
-    /// Does a claim of `key` now make a new consumer, which starts from the positions it is
-    /// given (see [`claim`](Self::claim))? `Err(TooMany)` if the claim would be refused for
-    /// that: said before the caller works out where a new one starts (for `latest`, a walk of
-    /// every topic). The claim decides again.
+    /// May a claim of `key` make a new consumer, which starts from the positions it is given
+    /// (see [`claim`](Self::claim))? Yes without a stored position — also for a live one
+    /// without, which may end before the claim (unfed, it stores nothing). `Err(TooMany)` if
+    /// the claim would be refused for being new: said before the caller works out where a new
+    /// one starts (for `latest`, a walk of every topic). The claim decides again.
     pub fn claims_new(&self, key: &str) -> Result<bool, ClaimError> {
         let t = lock(&self.table);
-        if t.stored.contains_key(key) || t.live.contains_key(key) {
+        if t.stored.contains_key(key) {
             return Ok(false);
         }
-        if t.known() >= self.limits.max {
+        if !t.live.contains_key(key) && t.known() >= self.limits.max {
             return Err(ClaimError::TooMany(self.limits.max));
         }
         Ok(true)

@@ -1057,7 +1057,8 @@ async fn a_refused_first_member_leaves_no_position_for_its_group() {
 /// A durable SUBSCRIBE refused for its stream id (in use) or for the connection's limit is
 /// refused before the broker works out where a new `latest` consumer starts, which walks every
 /// topic: a client repeating such SUBSCRIBEs with fresh consumer ids made the broker walk every
-/// topic for each of them.
+/// topic for each of them. (`aal.max_consumers` is checked before the walk too:
+/// `Consumers::claims_new`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_durable_subscribe_refused_for_its_stream_id_walks_no_topic() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -1080,6 +1081,27 @@ async fn a_durable_subscribe_refused_for_its_stream_id_walks_no_topic() {
         .await;
     until("the new consumer", || b.broker.subscriber_count() == 2).await;
     assert_eq!(walks(), 1);
+    b.stop().await.expect("clean shutdown");
+    // The connection's limit: refused before any walk too.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = TestBroker::start_with(|c| {
+        c.aal = Some(aal(dir.path(), FsyncMode::Batch));
+        c.transport.max_subscriptions_per_connection = 1;
+    })
+    .await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut s = raw.stream().await;
+    s.write(&raw_frame(0x42, 1, b"\x00\x00topic:taken")).await;
+    s.write(&raw_frame(0x42, 2, b"\x00\x00topic:t/#:durable:c:latest"))
+        .await;
+    expect_bad_subscribe(&mut s).await;
+    assert_eq!(
+        b.stats
+            .durable_latest_walks
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "refused at the limit before any walk"
+    );
     b.stop().await.expect("clean shutdown");
 }
 

@@ -107,6 +107,9 @@ pub(crate) struct StreamOut {
     drain_from: AtomicUsize,
     /// The stream is over: the writer must stop (peer stopped reading, connection closed).
     aborted: AtomicBool,
+    /// The client stopped reading the stream (STOP_SENDING), or its connection is gone: its
+    /// sending half is reset with the client's code when dropped, not with 0 by the writer.
+    stopped_by_client: AtomicBool,
     /// The stream's task has ended (its subscriptions are ended): no revocation is taken.
     pub(crate) ended: AtomicBool,
     /// The reader was stopped by shutdown before the client finished the stream.
@@ -134,9 +137,14 @@ impl StreamOut {
         self.log_reply_bytes.fetch_add(bytes, Ordering::AcqRel);
     }
 
-    /// The log queued here a reply of `bytes` that waited in its queue.
+    /// The log queued here a reply of `bytes` that waited in its queue. A reader held by it is
+    /// woken if it may read now (after STOP_SENDING the reply was dropped, and no flush will
+    /// wake it).
     pub(crate) fn reply_out_of_log(&self, bytes: usize) {
         self.log_reply_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        if self.may_read() {
+            self.flushed.notify_waiters();
+        }
     }
 
     /// The log answered one (its answer is already queued here).
@@ -1569,10 +1577,12 @@ async fn write_loop<S: SendHalf + 'static>(
             // be settled by ACKs already on their way; the subscriptions end with the stream.
             detach_subscriptions(shared, out);
             // Reset, not finished (dropping the sending half would finish it): the replies
-            // queued here were dropped, and a FIN would say the stream ended cleanly. After a
-            // STOP_SENDING the stream is reset already with the client's code, and this does
-            // nothing.
-            send.reset(0);
+            // queued here were dropped, and a FIN would say the stream ended cleanly. Not after
+            // the client's STOP_SENDING: dropping the half then resets the stream with the
+            // client's code, as QUIC asks (protocol.md 1.1).
+            if !out.stopped_by_client.load(Ordering::Acquire) {
+                send.reset(0);
+            }
             return;
         }
         fill(out, shared, conn, &mut buf, batch, hint);
@@ -1623,6 +1633,7 @@ async fn write_loop<S: SendHalf + 'static>(
             if let Some(stopped) = stopped {
                 debug!("the client stopped reading the stream: {stopped}");
                 shared.stats.streams_stopped.fetch_add(1, Ordering::Relaxed);
+                out.stopped_by_client.store(true, Ordering::Release);
                 out.abort();
             }
             continue;
@@ -1689,6 +1700,7 @@ async fn write_loop<S: SendHalf + 'static>(
             debug!("stream write ended: {e}");
             if matches!(e, WriteFailure::Stopped) {
                 shared.stats.streams_stopped.fetch_add(1, Ordering::Relaxed);
+                out.stopped_by_client.store(true, Ordering::Release);
             }
             out.abort();
             continue;
@@ -1798,11 +1810,18 @@ mod tests {
             ready(flushed.as_mut()),
             "the answer back at the bound wakes the reader"
         );
+        // Answers below the bound wake only the writer: the reader is not waiting then.
+        let mut again = std::pin::pin!(out.flushed.notified());
+        again.as_mut().enable();
+        out.log_answered();
+        assert!(!ready(again.as_mut()));
     }
 
     /// Replies waiting in the durable log's queue count toward the unread replies' limit: a
     /// client that kept the log owing it an answer could queue there ERRORs without bound
     /// (65,536 per stream of up to ~300 bytes), all pushed to it at once when the log answered.
+    /// Their leaving the log wakes a reader they held: after STOP_SENDING the replies are
+    /// dropped, and nothing else would wake it (the stream is still read, §1.1).
     #[test]
     fn replies_waiting_in_the_log_count_toward_the_unread_replies() {
         let out = StreamOut::default();
@@ -1810,13 +1829,12 @@ mod tests {
         assert!(out.may_read(), "at the bound the reader goes on");
         out.reply_in_log(1);
         assert!(!out.may_read(), "one past the bound, it waits");
+        out.abort();
+        let mut flushed = std::pin::pin!(out.flushed.notified());
+        flushed.as_mut().enable();
         out.reply_out_of_log(MAX_PENDING_CONTROL + 1);
         assert!(out.may_read());
-        // Answers below the bound wake only the writer: the reader is not waiting then.
-        let mut again = std::pin::pin!(out.flushed.notified());
-        again.as_mut().enable();
-        out.log_answered();
-        assert!(!ready(again.as_mut()));
+        assert!(ready(flushed.as_mut()), "the reader is woken");
     }
 
     /// A receiving half that is never reset and never reads.
