@@ -498,6 +498,45 @@ async fn refuse(
     conn.close(0u32.into(), b"WebTransport session refused");
 }
 
+/// One step of a session's setup (`what`), bounded by the connection's handshake deadline and
+/// the broker's shutdown. `None` if it failed or did not finish: counted as a failed handshake,
+/// the connection closed if it is still open.
+async fn setup_step<T, E: std::fmt::Display>(
+    step: impl std::future::Future<Output = Result<T, E>>,
+    what: &str,
+    (conn, shared, shutdown, deadline): (
+        &quinn::Connection,
+        &crate::server::Shared,
+        &tokio::sync::watch::Receiver<bool>,
+        tokio::time::Instant,
+    ),
+) -> Option<T> {
+    let remote = crate::connection::canonical(conn.remote_address());
+    let done = tokio::select! {
+        r = step => Some(r),
+        () = deadline_or_shutdown(deadline, shutdown.clone()) => None,
+    };
+    let failed = || {
+        shared
+            .stats
+            .handshakes_failed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    };
+    match done {
+        Some(Ok(v)) => Some(v),
+        Some(Err(e)) => {
+            debug!(%remote, "WebTransport {what} failed: {e}");
+            failed();
+            None
+        }
+        None => {
+            failed();
+            close_unestablished(conn, shutdown, remote);
+            None
+        }
+    }
+}
+
 /// Close a connection whose session was not set up by its handshake deadline, or by the
 /// broker's shutdown: code 501 then, else 100 `handshake timed out` (protocol.md 1.1).
 fn close_unestablished(
@@ -544,29 +583,14 @@ pub(crate) async fn serve(
     // The HTTP/3 setup and the session's CONNECT count against the connection's handshake
     // deadline (`transport.handshake_timeout`, from its first packet), as a native client's
     // handshake does; a shutdown ends the wait too.
-    let accept = web_transport_quinn::Request::accept(conn.clone());
-    let request = tokio::select! {
-        r = accept => Ok(r),
-        () = deadline_or_shutdown(deadline, shutdown.clone()) => Err(()),
-    };
-    let request = match request {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
-            debug!(%remote, "WebTransport handshake failed: {e}");
-            shared
-                .stats
-                .handshakes_failed
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return;
-        }
-        Err(_) => {
-            shared
-                .stats
-                .handshakes_failed
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            close_unestablished(&conn, &shutdown, remote);
-            return;
-        }
+    let Some(request) = setup_step(
+        web_transport_quinn::Request::accept(conn.clone()),
+        "handshake",
+        (&conn, &shared, &shutdown, deadline),
+    )
+    .await
+    else {
+        return;
     };
     let origin = request
         .headers
@@ -591,29 +615,14 @@ pub(crate) async fn serve(
     if wants_ours {
         response = response.with_protocol(SUBPROTOCOL);
     }
-    let respond = request.respond(response);
-    let session = tokio::select! {
-        r = respond => Ok(r),
-        () = deadline_or_shutdown(deadline, shutdown.clone()) => Err(()),
-    };
-    let session = match session {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
-            debug!(%remote, "WebTransport session not established: {e}");
-            shared
-                .stats
-                .handshakes_failed
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return;
-        }
-        Err(()) => {
-            shared
-                .stats
-                .handshakes_failed
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            close_unestablished(&conn, &shutdown, remote);
-            return;
-        }
+    let Some(session) = setup_step(
+        request.respond(response),
+        "session setup",
+        (&conn, &shared, &shutdown, deadline),
+    )
+    .await
+    else {
+        return;
     };
     shared
         .stats

@@ -495,6 +495,20 @@ fn endpoint_offering(alpn: Vec<Vec<u8>>) -> quinn::Endpoint {
     client_endpoint(crypto, None)
 }
 
+/// A QUIC connection to `b` that agreed on `h3` and sends nothing yet (and its endpoint, which
+/// must live as long).
+async fn h3_connection(b: &TestBroker) -> (quinn::Endpoint, quinn::Connection) {
+    let endpoint = endpoint_offering(vec![b"h3".to_vec()]);
+    let conn = within(
+        "the handshake",
+        endpoint.connect(b.addr, "localhost").expect("connect"),
+    )
+    .await
+    .expect("handshake");
+    assert_eq!(negotiated(&conn).as_deref(), Some(&b"h3"[..]));
+    (endpoint, conn)
+}
+
 /// The protocol a connection's handshake settled on.
 fn negotiated(conn: &quinn::Connection) -> Option<Vec<u8>> {
     conn.handshake_data()
@@ -774,14 +788,7 @@ async fn closed_says_who_ended_a_webtransport_session() {
 #[tokio::test]
 async fn http3_connections_are_offered_datagrams() {
     let b = TestBroker::start().await;
-    let endpoint = endpoint_offering(vec![b"h3".to_vec()]);
-    let conn = within(
-        "the handshake",
-        endpoint.connect(b.addr, "localhost").expect("connect"),
-    )
-    .await
-    .expect("handshake");
-    assert_eq!(negotiated(&conn).as_deref(), Some(&b"h3"[..]));
+    let (_endpoint, conn) = h3_connection(&b).await;
     assert!(conn.max_datagram_size().is_some());
     conn.close(0u32.into(), b"done");
     b.stop().await.expect("stops");
@@ -795,14 +802,7 @@ async fn http3_connections_are_offered_datagrams() {
 async fn a_silent_http3_connection_does_not_hold_up_a_shutdown() {
     let b =
         TestBroker::start_with(|c| c.transport.handshake_timeout = Duration::from_secs(60)).await;
-    let endpoint = endpoint_offering(vec![b"h3".to_vec()]);
-    let conn = within(
-        "the handshake",
-        endpoint.connect(b.addr, "localhost").expect("connect"),
-    )
-    .await
-    .expect("handshake");
-    assert_eq!(negotiated(&conn).as_deref(), Some(&b"h3"[..]));
+    let (_endpoint, conn) = h3_connection(&b).await;
     tokio::time::timeout(Duration::from_secs(5), b.stop())
         .await
         .expect("the broker stops at once")
@@ -822,13 +822,7 @@ async fn a_silent_http3_connection_does_not_hold_up_a_shutdown() {
 async fn a_silent_http3_connection_is_closed_at_the_handshake_deadline() {
     let b = TestBroker::start_with(|c| c.transport.handshake_timeout = Duration::from_millis(500))
         .await;
-    let endpoint = endpoint_offering(vec![b"h3".to_vec()]);
-    let conn = within(
-        "the handshake",
-        endpoint.connect(b.addr, "localhost").expect("connect"),
-    )
-    .await
-    .expect("handshake");
+    let (_endpoint, conn) = h3_connection(&b).await;
     match within("the close", conn.closed()).await {
         quinn::ConnectionError::ApplicationClosed(c) => {
             assert_eq!(c.error_code, 100u32.into(), "{c:?}");
