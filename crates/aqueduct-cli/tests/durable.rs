@@ -487,11 +487,22 @@ fn on_a_small_disk() -> Command {
 
 /// `aqueduct_log_write_errors_total` of the broker whose metrics are at `metrics`.
 fn log_write_errors(metrics: &str) -> f64 {
-    http_get(metrics, "/metrics")
-        .lines()
-        .find_map(|l| l.strip_prefix("aqueduct_log_write_errors_total "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .expect("the write error metric")
+    metric(metrics, "aqueduct_log_write_errors_total").expect("the write error metric")
+}
+
+/// The next message of `sub`, which must be offset `job` (`what`: what the wait is for).
+async fn the_job(
+    sub: &mut aqueduct_client::Subscription,
+    job: u64,
+    what: &str,
+) -> aqueduct_client::Message {
+    let m = tokio::time::timeout(WAIT, sub.next())
+        .await
+        .expect(what)
+        .expect("open")
+        .expect("a message");
+    assert_eq!(m.offset(), job);
+    m
 }
 
 /// A message dead-lettered while the disk refuses writes: its dead letter is lost with the
@@ -524,12 +535,7 @@ fn a_dead_letter_the_disk_refuses_leaves_its_message_to_be_delivered_again() {
             .await
             .expect("stored")
             .expect("its offset");
-        let m = tokio::time::timeout(WAIT, sub.next())
-            .await
-            .expect("the job in time")
-            .expect("open")
-            .expect("a message");
-        assert_eq!(m.offset(), job);
+        let m = the_job(&mut sub, job, "the job in time").await;
         // Fill the disk: the dead letter (as large as the job) will not fit.
         let mut full = false;
         for _ in 0..400 {
@@ -569,29 +575,11 @@ fn a_dead_letter_the_disk_refuses_leaves_its_message_to_be_delivered_again() {
             .subscribe_with("jobs", &opts)
             .await
             .expect("durable subscribe");
-        let m = tokio::time::timeout(WAIT, sub.next())
-            .await
-            .expect("the job is delivered again")
-            .expect("open")
-            .expect("a message");
-        assert_eq!(m.offset(), job);
+        let m = the_job(&mut sub, job, "the job is delivered again").await;
         m.ack().await.expect("ack");
         client.close().await.expect("close");
     });
     stop(broker);
-}
-
-/// GET a path from the metrics endpoint; the body.
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(WAIT)).expect("timeout");
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read");
-    out.split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default()
 }
 
 /// `aqueduct log dump` prints what a broker logged; `aqueduct log verify` says ok, then finds a

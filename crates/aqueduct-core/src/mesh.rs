@@ -2094,6 +2094,19 @@ mod tests {
         assert_eq!(b.peers().next().map(|(_, c)| c), Some(ConnId(1)));
     }
 
+    /// `conn`, a connection to peer `b` at `addr`, is up and past the peer's snapshot of
+    /// interest (`seq`); what it made `a` send is taken.
+    fn connected_in_sync(a: &mut Mesh, now: Instant, conn: ConnId, addr: SocketAddr, seq: u64) {
+        assert!(a.handle_connected(now, conn, node("b"), Some(addr), true));
+        let snapshot = Control::Snapshot {
+            session: 1,
+            seq,
+            interest: Interest::default(),
+        };
+        assert!(a.handle_control(conn, snapshot));
+        while a.poll_output().is_some() {}
+    }
+
     /// Node a with one peer address, its first dial made: (mesh, address, now).
     fn dialing_one_peer(cfg: MeshConfig) -> (Mesh, SocketAddr, Instant) {
         let mut a = Mesh::new(node("a"), cfg, 7, 1);
@@ -2152,14 +2165,7 @@ mod tests {
         cfg: MeshConfig,
     ) {
         let conn = ConnId(100);
-        assert!(a.handle_connected(now, conn, node("b"), Some(addr), true));
-        let snapshot = Control::Snapshot {
-            session: 1,
-            seq: 1,
-            interest: Interest::default(),
-        };
-        assert!(a.handle_control(conn, snapshot));
-        while a.poll_output().is_some() {}
+        connected_in_sync(a, now, conn, addr, 1);
         a.handle_disconnected(now, conn);
         let at = a.poll_timeout().expect("scheduled");
         assert!(at - now <= cfg.backoff_min, "{:?}", at - now);
@@ -2223,14 +2229,7 @@ mod tests {
         let mut waits = Vec::new();
         for i in 0..8 {
             let conn = ConnId(i + 1);
-            assert!(a.handle_connected(now, conn, node("b"), Some(addr), true));
-            let snapshot = Control::Snapshot {
-                session: 1,
-                seq: 0,
-                interest: Interest::default(),
-            };
-            assert!(a.handle_control(conn, snapshot));
-            while a.poll_output().is_some() {}
+            connected_in_sync(&mut a, now, conn, addr, 0);
             a.handle_broken(now, conn);
             let at = a.poll_timeout().expect("scheduled");
             waits.push(at - now);
@@ -2252,14 +2251,7 @@ mod tests {
     fn a_delta_out_of_order_is_a_protocol_error() {
         let (mut a, addr, now) = dialing_one_peer(MeshConfig::default());
         let conn = ConnId(1);
-        assert!(a.handle_connected(now, conn, node("b"), Some(addr), true));
-        let snapshot = Control::Snapshot {
-            session: 1,
-            seq: 5,
-            interest: Interest::default(),
-        };
-        assert!(a.handle_control(conn, snapshot));
-        while a.poll_output().is_some() {}
+        connected_in_sync(&mut a, now, conn, addr, 5);
         let gap = Control::Delta {
             session: 1,
             seq: 7,

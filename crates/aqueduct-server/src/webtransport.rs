@@ -855,15 +855,12 @@ mod tests {
 
     #[test]
     fn bad_settings_name_their_key() {
+        let refused = |s: &WebTransportSection| s.validate().expect_err("refused").to_string();
         let mut s = WebTransportSection {
             listen_addr: "not an address".into(),
             ..Default::default()
         };
-        assert!(s
-            .validate()
-            .expect_err("refused")
-            .to_string()
-            .contains("webtransport.listen_addr"));
+        assert!(refused(&s).contains("webtransport.listen_addr"));
         s.listen_addr = ":4443".into();
         assert_eq!(
             s.validate().expect("a port of its own").listen_addr,
@@ -882,39 +879,24 @@ mod tests {
         ] {
             s.allowed_origins = vec![bad.into()];
             assert!(
-                s.validate()
-                    .expect_err("refused")
-                    .to_string()
-                    .contains("webtransport.allowed_origins"),
+                refused(&s).contains("webtransport.allowed_origins"),
                 "{bad}"
             );
         }
         s.allowed_origins = vec!["*".into()];
         s.tokens.insert("short".into(), "x".into());
-        assert!(s
-            .validate()
-            .expect_err("refused")
-            .to_string()
-            .contains("webtransport.tokens"));
+        assert!(refused(&s).contains("webtransport.tokens"));
         s.tokens.clear();
         // A control character can be in no URL: refused. Others a page must URL-encode (the
         // JS client does): warned about (`Config::warnings`).
         s.tokens.insert("0123456789abcdef\nx".into(), "x".into());
-        assert!(s
-            .validate()
-            .expect_err("refused")
-            .to_string()
-            .contains("control character"));
+        assert!(refused(&s).contains("control character"));
         s.tokens.clear();
         s.tokens.insert("0123456789abcdef+/=".into(), "x".into());
         s.validate().expect("a base64 token is accepted");
         s.tokens.clear();
         s.path_prefix = "wt".into();
-        assert!(s
-            .validate()
-            .expect_err("refused")
-            .to_string()
-            .contains("path_prefix"));
+        assert!(refused(&s).contains("path_prefix"));
     }
 
     #[test]

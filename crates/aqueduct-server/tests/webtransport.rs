@@ -495,16 +495,25 @@ fn endpoint_offering(alpn: Vec<Vec<u8>>) -> quinn::Endpoint {
     client_endpoint(crypto, None)
 }
 
-/// A QUIC connection to `b` that agreed on `h3` and sends nothing yet (and its endpoint, which
+/// A QUIC connection to `b` offering `alpn`, that sends nothing yet (and its endpoint, which
 /// must live as long).
-async fn h3_connection(b: &TestBroker) -> (quinn::Endpoint, quinn::Connection) {
-    let endpoint = endpoint_offering(vec![b"h3".to_vec()]);
+async fn connected_offering(
+    b: &TestBroker,
+    alpn: &[&[u8]],
+) -> (quinn::Endpoint, quinn::Connection) {
+    let endpoint = endpoint_offering(alpn.iter().map(|p| p.to_vec()).collect());
     let conn = within(
         "the handshake",
         endpoint.connect(b.addr, "localhost").expect("connect"),
     )
     .await
     .expect("handshake");
+    (endpoint, conn)
+}
+
+/// A connection to `b` that agreed on `h3` (see [`connected_offering`]).
+async fn h3_connection(b: &TestBroker) -> (quinn::Endpoint, quinn::Connection) {
+    let (endpoint, conn) = connected_offering(b, &[b"h3"]).await;
     assert_eq!(negotiated(&conn).as_deref(), Some(&b"h3"[..]));
     (endpoint, conn)
 }
@@ -518,13 +527,7 @@ fn negotiated(conn: &quinn::Connection) -> Option<Vec<u8>> {
 
 /// The certificate the broker shows a connection offering `alpn`, and the protocol agreed.
 async fn shown(b: &TestBroker, alpn: &[&[u8]]) -> (Vec<u8>, Option<Vec<u8>>) {
-    let endpoint = endpoint_offering(alpn.iter().map(|p| p.to_vec()).collect());
-    let conn = within(
-        "the handshake",
-        endpoint.connect(b.addr, "localhost").expect("connect"),
-    )
-    .await
-    .expect("handshake");
+    let (_endpoint, conn) = connected_offering(b, alpn).await;
     let protocol = negotiated(&conn);
     let certs = conn
         .peer_identity()
