@@ -29,7 +29,8 @@ pub struct Moves {
 
 impl Moves {
     /// A move begins: hold the guard from before the message is taken out until it is placed.
-    pub(crate) fn begin(&self) -> Moving<'_> {
+    /// (Public so that tests elsewhere can hold a move open: a reader then never settles.)
+    pub fn begin(&self) -> Moving<'_> {
         self.begun.fetch_add(1, SeqCst);
         Moving(self)
     }

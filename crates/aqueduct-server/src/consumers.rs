@@ -117,6 +117,10 @@ struct Live {
     feeder: Feeder,
     /// What its position was made of when last saved.
     saved_as: Option<Sig>,
+    /// A position it is known not to be past: where it started (its claim's), then what a
+    /// checkpoint saved for it. What a position read that moves kept unsettled falls back
+    /// on: what came after is delivered again, as after a crash, but nothing is skipped.
+    safe: ConsumerPosition,
 }
 
 #[derive(Debug)]
@@ -190,15 +194,11 @@ impl Table {
             // subscription's end).
             match position_of(live, REWIND_PATIENCE) {
                 Some((position, _)) => self.keep(key, position),
-                // Never settled: the position stored before (lower, so nothing is skipped)
-                // stays; without one, the last read is all there is.
-                None if self.stored.contains_key(key) => {
-                    warn!(consumer = %key, "durable consumer: its messages kept moving (NACKs, redeliveries) while its position was read; kept the position stored before");
-                    self.idle_since.insert(key.to_string(), Instant::now());
-                }
+                // Never settled: the last position known not to be past any of its messages
+                // (lower, so nothing is skipped; what came after is delivered again).
                 None => {
-                    warn!(consumer = %key, "durable consumer: its messages kept moving (NACKs, redeliveries) while its position was read; kept the last read");
-                    self.keep(key, read_position(live).0);
+                    warn!(consumer = %key, "durable consumer: its messages kept moving (NACKs, redeliveries) while its position was read; kept its last saved position (what came after is delivered again)");
+                    self.keep(key, live.safe.clone());
                 }
             }
         } else if self.stored.contains_key(key) {
@@ -384,6 +384,11 @@ impl Consumers {
             table.changes += 1;
         }
         for live in table.live.values_mut() {
+            // The topic was read to its end (`retain_unread`): the position to fall back on
+            // reads it from its start once it is logged again, as the feeder's does.
+            for t in forgotten {
+                live.safe.next.remove(&**t);
+            }
             let mut fed = lock(&live.fed);
             let before = fed.next.len();
             for t in forgotten {
@@ -447,8 +452,13 @@ impl Consumers {
         }
         let sub = make();
         let stored = t.stored.get(key).cloned();
+        let start = stored.map_or_else(initial, |c| c.next);
+        let safe = ConsumerPosition {
+            filter: filter.to_string(),
+            next: start.clone(),
+        };
         let fed = Arc::new(Mutex::new(Fed {
-            next: stored.map_or_else(initial, |c| c.next),
+            next: start,
             ..Fed::default()
         }));
         let joined = Arc::new(tokio::sync::Notify::new());
@@ -463,6 +473,7 @@ impl Consumers {
                 filter: filter.to_string(),
                 feeder: Feeder::Starting,
                 saved_as: None,
+                safe,
             },
         );
         Ok(Claim {
@@ -563,13 +574,16 @@ impl Consumers {
             // may be preempted midway, which the quick reads of `settled` did not outlast).
             let floors = sub
                 .moves()
-                .read_settled_within(|| sub.unsettled_floor(), REWIND_PATIENCE)
-                .unwrap_or_else(|| {
-                    warn!(consumer = %key, "durable consumer: its messages kept moving for {REWIND_PATIENCE:?} while its client stopped reading; rewound to an unsettled read, which may skip one");
-                    sub.unsettled_floor()
-                });
+                .read_settled_within(|| sub.unsettled_floor(), REWIND_PATIENCE);
             let mut fed = lock(&live.fed);
-            fed.next = floor(&fed.next, floors);
+            fed.next = match floors {
+                Some(floors) => floor(&fed.next, floors),
+                // Back to where it is known to have been: what came after comes again.
+                None => {
+                    warn!(consumer = %key, "durable consumer: its messages kept moving for {REWIND_PATIENCE:?} while its client stopped reading; rewound to its last saved position (what came after is delivered again)");
+                    live.safe.next.clone()
+                }
+            };
             fed.version += 1;
         }
     }
@@ -586,8 +600,9 @@ impl Consumers {
 
     /// Every consumer's position now. One whose messages kept moving while it was read (see
     /// [`position_of`]) keeps its entry in `before` (the positions saved last: lower, so
-    /// nothing is skipped), or its stored one, or is left out until it can be read; the others
-    /// are saved regardless. Also counts those not read, and returns what the others' positions
+    /// nothing is skipped), or else the one it started from (a consumer never saved yet: left
+    /// out, a crash made it new, and a `latest` one then skipped what it had not settled); the
+    /// others are saved regardless. Also counts those not read, and returns what the others' positions
     /// were made of and the table's [`changes`](Table::changes) when read.
     fn snapshot(&self, before: &Positions) -> Snapshot {
         let t = lock(&self.table);
@@ -602,9 +617,8 @@ impl Consumers {
                 }
                 None => {
                     unread += 1;
-                    if let Some(kept) = before.get(key) {
-                        all.insert(key.clone(), kept.clone());
-                    }
+                    let kept = before.get(key).unwrap_or(&live.safe);
+                    all.insert(key.clone(), kept.clone());
                 }
             }
         }
@@ -714,6 +728,11 @@ impl Consumers {
                     live.saved_as = Some(sig);
                 }
             }
+            for (key, live) in t.live.iter_mut() {
+                if let Some(position) = saved.positions.get(key) {
+                    live.safe = position.clone();
+                }
+            }
             saved.changes = now.changes;
         }
         Ok(true)
@@ -766,8 +785,9 @@ fn pause_after_save(bytes: usize) -> Duration {
 }
 
 /// How long a rewind, or a consumer's end, waits for a read of its places that no move
-/// overlapped.
-const REWIND_PATIENCE: Duration = Duration::from_secs(1);
+/// overlapped (then it falls back on the consumer's last saved position). It blocks the
+/// thread, an async task's, holding the consumer table: short.
+const REWIND_PATIENCE: Duration = Duration::from_millis(20);
 
 /// How long a periodic save waits for such a read before it keeps the position saved before
 /// (it holds the consumer table meanwhile, so briefly: a move is short and never waits).
@@ -1689,6 +1709,15 @@ mod tests {
         )
     }
 
+    /// Queue the message at `offset` of `topic` for `sub` and write it (unsettled now).
+    fn hand_out(broker: &Broker, sub: &Arc<Subscriber>, topic: &TopicName, offset: u64) {
+        let p = Publication::new(topic, b"x");
+        let now = Instant::now();
+        let mut ctx = PublishContext::default();
+        assert!(broker.feed(&mut ctx, sub, topic, offset, &p, Duration::ZERO, now));
+        broker.drain(sub, &mut Vec::new(), 64 * 1024, now);
+    }
+
     /// A claim of `consumer:c` on `jobs` with explicit acknowledgements.
     fn claim_acked(consumers: &Consumers, broker: &Broker) -> Claim {
         let filter = TopicFilter::try_from("jobs").expect("valid filter");
@@ -2028,16 +2057,92 @@ mod tests {
         let mut kept = 0u64;
         while !done.load(Ordering::SeqCst) {
             let Snapshot { all, unread, .. } = consumers.snapshot(&Positions::default());
-            if let Some(position) = all.get("consumer:c") {
+            let position = all.get("consumer:c").expect("every live consumer is in");
+            let next = position.next.get(&b"jobs"[..]).copied();
+            if unread == 0 {
                 kept += 1;
-                let next = position.next.get(&b"jobs"[..]).copied();
                 assert_eq!(next, Some(0), "read {kept}: a position past the message");
             } else {
-                assert_eq!(unread, 1, "left out only when it could not be read");
+                assert_eq!(next, None, "not read: where it started (jobs from its start)");
             }
         }
         nacker.join().expect("nacker");
         assert!(kept > 0, "no position was read");
+    }
+
+    /// A consumer whose position cannot be read settled (a move that never ends here) falls
+    /// back on the last position known not to be past any of its messages: where it started
+    /// until a checkpoint saved one, then the saved one. Before, a checkpoint left a consumer
+    /// never saved out of the file (a crash made it new: a `latest` one skipped what it had not
+    /// settled), and a rewind or an end took the unsettled read, which could miss a message.
+    #[tokio::test]
+    async fn an_unsettled_position_falls_back_on_the_last_known_one() {
+        let (dir, consumers, broker, jobs) = redelivering();
+        let filter = TopicFilter::try_from("jobs").expect("valid filter");
+        let opts = SubscribeOptions {
+            ack_mode: aqueduct_proto::AckMode::Explicit,
+            ..SubscribeOptions::default()
+        };
+        // A new consumer starting at `latest`: the log's end of jobs was 10.
+        let claim = consumers
+            .claim(
+                "consumer:c",
+                &filter,
+                false,
+                || BTreeMap::from([(b"jobs".to_vec(), 10)]),
+                || broker.subscribe_unrouted(&SubscribeSpec::new(filter.clone()), opts),
+            )
+            .unwrap_or_else(|e| panic!("{e:?}"));
+        consumers.start_feeder("consumer:c", &claim.fed, std::future::pending());
+        let saved_next = || {
+            let (_, stored) = PositionStore::open(dir.path()).expect("the saved file");
+            stored.get("consumer:c").map(|p| p.next.get(&jobs.as_bytes().to_vec()).copied())
+        };
+        let in_flight = |offset| hand_out(&broker, &claim.sub, &jobs, offset);
+        // It handed out 10 and 11 (unsettled); a move never ends.
+        in_flight(10);
+        in_flight(11);
+        lock(&claim.fed).set(b"jobs", 12);
+        let moving = claim.sub.moves().begin();
+        assert!(consumers.checkpoint(|| Some(Vec::new())).expect("saved"));
+        assert_eq!(saved_next(), Some(Some(10)), "saved where it started");
+        // Settled: saved as read (10, unsettled). Then 10 and 11 are acknowledged and it
+        // hands out 12 and 13; a move never ends again.
+        drop(moving);
+        assert!(consumers.checkpoint(|| Some(Vec::new())).expect("saved"));
+        assert_eq!(saved_next(), Some(Some(10)));
+        broker.ack(&claim.sub, None, 10, None).expect("in flight");
+        broker.ack(&claim.sub, None, 11, None).expect("in flight");
+        assert!(consumers.checkpoint(|| Some(Vec::new())).expect("saved"));
+        assert_eq!(saved_next(), Some(Some(12)), "saved as read");
+        in_flight(12);
+        in_flight(13);
+        lock(&claim.fed).set(b"jobs", 14);
+        // 12 is acknowledged, so a read (unsettled, not to be trusted) says 13.
+        broker.ack(&claim.sub, None, 12, None).expect("in flight");
+        let moving = claim.sub.moves().begin();
+        consumers.end("consumer:c", &claim.sub);
+        let kept = || {
+            let kept = lock(&consumers.table).stored.get("consumer:c").cloned();
+            kept.and_then(|p| p.next.get(&b"jobs"[..]).copied())
+        };
+        assert_eq!(kept(), Some(12), "kept the saved position at its end");
+        drop(moving);
+        broker.unsubscribe(&mut PublishContext::default(), &claim.sub, Instant::now());
+        // It comes back (from 12), hands out 12 and 13, 12 is acknowledged; its client stops
+        // reading while a move never ends.
+        let claim = claim_acked(&consumers, &broker);
+        consumers.start_feeder("consumer:c", &claim.fed, std::future::pending());
+        let in_flight = |offset| hand_out(&broker, &claim.sub, &jobs, offset);
+        in_flight(12);
+        in_flight(13);
+        lock(&claim.fed).set(b"jobs", 14);
+        broker.ack(&claim.sub, None, 12, None).expect("in flight");
+        let moving = claim.sub.moves().begin();
+        consumers.rewind("consumer:c", &claim.sub);
+        let next = lock(&claim.fed).next.get(&b"jobs"[..]).copied();
+        assert_eq!(next, Some(12), "rewound to where it came back");
+        drop(moving);
     }
 
     /// A consumer whose client stops reading is rewound to its lowest queued or unsettled
