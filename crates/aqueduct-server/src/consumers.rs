@@ -2063,7 +2063,10 @@ mod tests {
                 kept += 1;
                 assert_eq!(next, Some(0), "read {kept}: a position past the message");
             } else {
-                assert_eq!(next, None, "not read: where it started (jobs from its start)");
+                assert_eq!(
+                    next, None,
+                    "not read: where it started (jobs from its start)"
+                );
             }
         }
         nacker.join().expect("nacker");
@@ -2096,7 +2099,9 @@ mod tests {
         consumers.start_feeder("consumer:c", &claim.fed, std::future::pending());
         let saved_next = || {
             let (_, stored) = PositionStore::open(dir.path()).expect("the saved file");
-            stored.get("consumer:c").map(|p| p.next.get(&jobs.as_bytes().to_vec()).copied())
+            stored
+                .get("consumer:c")
+                .map(|p| p.next.get(jobs.as_bytes()).copied())
         };
         let in_flight = |offset| hand_out(&broker, &claim.sub, &jobs, offset);
         // It handed out 10 and 11 (unsettled); a move never ends.
