@@ -440,7 +440,7 @@ pub fn admit(
             why: "a token is required (webtransport.require_token)".into(),
         }),
         None => Ok(None),
-        Some(t) => match config.tokens.get(&t) {
+        Some(t) => match known_token(&config.tokens, &t) {
             Some(client) => Ok(Some(client.clone())),
             None => Err(Refusal {
                 status: 401,
@@ -448,6 +448,28 @@ pub fn admit(
             }),
         },
     }
+}
+
+/// The client `token` names. Every known token is compared, each in time that does not depend
+/// on where it differs (a hash map's lookup compares the bytes of a stored key until the first
+/// that differs: a guesser timing many requests learns a token's bytes one by one).
+fn known_token<'a>(tokens: &'a HashMap<String, String>, token: &str) -> Option<&'a String> {
+    let mut found = None;
+    for (known, client) in tokens {
+        if same_bytes(known.as_bytes(), token.as_bytes()) {
+            found = Some(client);
+        }
+    }
+    found
+}
+
+/// `a == b`, in time that depends on their lengths only.
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let differ = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(differ) == 0
 }
 
 /// How long a refused session's connection stays open for the client to read the HTTP status.
@@ -465,13 +487,15 @@ const REFUSAL_LINGER: Duration = Duration::from_secs(2);
 /// once) or REFUSAL_LINGER ends (a closed session's connection is closed by web-transport-quinn
 /// itself, max(3 RTT, 100 ms) after its close message): closing them with the response (`Request::reject`) made a browser report
 /// a broken connection (QUIC_HTTP_CLOSED_CRITICAL_STREAM). Bounded: a client that gives the
-/// response no stream credit must not hold this task (and a connection slot) forever.
+/// response no stream credit must not hold this task (and a connection slot) forever. A
+/// shutdown ends both waits: the connection is then closed with SHUTTING_DOWN.
 async fn refuse(
     conn: quinn::Connection,
     request: web_transport_quinn::Request,
     browser: bool,
     refusal: Refusal,
     timeout: Duration,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     use web_transport_quinn::http::StatusCode;
     let response = if browser {
@@ -481,7 +505,12 @@ async fn refuse(
             .unwrap_or(StatusCode::FORBIDDEN)
             .into()
     };
-    if let Ok(Ok(session)) = tokio::time::timeout(timeout, request.respond(response)).await {
+    let mut stopping = shutdown.clone();
+    let responded = tokio::select! {
+        r = tokio::time::timeout(timeout, request.respond(response)) => r.ok().and_then(Result::ok),
+        _ = stopping.wait_for(|s| *s) => None,
+    };
+    if let Some(session) = responded {
         if browser {
             let reason = format!(
                 "WebTransport session refused ({}): {}",
@@ -492,10 +521,20 @@ async fn refuse(
                 crate::connection::close_reason(&reason),
             );
         }
-        let _ = tokio::time::timeout(REFUSAL_LINGER, conn.closed()).await;
+        tokio::select! {
+            _ = tokio::time::timeout(REFUSAL_LINGER, conn.closed()) => {}
+            _ = shutdown.wait_for(|s| *s) => {}
+        }
         drop(session);
     }
-    conn.close(0u32.into(), b"WebTransport session refused");
+    if *shutdown.borrow() {
+        conn.close(
+            aqueduct_proto::ErrorCode::SHUTTING_DOWN.0.into(),
+            b"broker shutting down",
+        );
+    } else {
+        conn.close(0u32.into(), b"WebTransport session refused");
+    }
 }
 
 /// One step of a session's setup (`what`), bounded by the connection's handshake deadline and
@@ -606,7 +645,7 @@ pub(crate) async fn serve(
                 .webtransport_refused
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            refuse(conn, request, origin.is_some(), refusal, left).await;
+            refuse(conn, request, origin.is_some(), refusal, left, shutdown).await;
             return;
         }
     };
@@ -745,6 +784,36 @@ mod tests {
 
     fn url(s: &str) -> url::Url {
         url::Url::parse(s).expect("url")
+    }
+
+    /// A token is found only when every byte matches (the comparison does not stop early).
+    #[test]
+    fn tokens_are_matched_whole() {
+        let tokens: HashMap<String, String> = [
+            ("0123456789abcdef".to_string(), "a".to_string()),
+            ("0123456789abcdeg".to_string(), "b".to_string()),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(
+            known_token(&tokens, "0123456789abcdef"),
+            Some(&"a".to_string())
+        );
+        assert_eq!(
+            known_token(&tokens, "0123456789abcdeg"),
+            Some(&"b".to_string())
+        );
+        for unknown in [
+            "0123456789abcdeh",
+            "0123456789abcde",
+            "0123456789abcdef0",
+            "",
+            "x",
+        ] {
+            assert_eq!(known_token(&tokens, unknown), None, "{unknown:?}");
+        }
+        assert!(same_bytes(b"", b""));
+        assert!(!same_bytes(b"a", b"b"));
     }
 
     #[test]

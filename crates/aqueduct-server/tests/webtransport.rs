@@ -818,6 +818,44 @@ async fn a_silent_http3_connection_does_not_hold_up_a_shutdown() {
     }
 }
 
+/// A refused session's connection that its client keeps open (to read the status) does not
+/// hold up a shutdown: it is closed with SHUTTING_DOWN at once. It lingered its 2 s whatever
+/// the shutdown, then was closed with code 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_session_kept_open_does_not_hold_up_a_shutdown() {
+    use web_transport_quinn::proto;
+    let b = TestBroker::start().await;
+    let (_endpoint, conn) = h3_connection(&b).await;
+    // The HTTP/3 setup and the CONNECT by hand: a client library drops its streams when it is
+    // refused, and the broker's side then closes the connection itself.
+    let mut settings = proto::Settings::default();
+    settings.enable_webtransport(1);
+    let mut control = conn.open_uni().await.expect("control stream");
+    settings.write(&mut control).await.expect("settings");
+    let url =
+        url::Url::parse(&format!("https://127.0.0.1:{}/elsewhere", b.addr.port())).expect("url");
+    let (mut send, mut recv) = conn.open_bi().await.expect("CONNECT stream");
+    proto::ConnectRequest::new(url)
+        .write(&mut send)
+        .await
+        .expect("CONNECT");
+    match within("the refusal", proto::ConnectResponse::read(&mut recv)).await {
+        Err(proto::ConnectError::WrongStatus(Some(s))) => assert_eq!(s.as_u16(), 404),
+        other => panic!("not refused with 404: {other:?}"),
+    }
+    tokio::time::timeout(Duration::from_secs(5), b.stop())
+        .await
+        .expect("the broker stops")
+        .expect("stops");
+    match within("the close", conn.closed()).await {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(c.error_code, 501u32.into(), "{c:?}")
+        }
+        other => panic!("closed otherwise: {other}"),
+    }
+    drop((control, send, recv));
+}
+
 /// An HTTP/3 connection that does not set up its session within `transport.handshake_timeout`
 /// (counted from its first packet, TLS included) is closed as a native one is: code 100,
 /// reason `handshake timed out` (protocol.md 1.1). It was closed with code 0.
