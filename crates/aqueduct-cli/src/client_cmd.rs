@@ -463,8 +463,9 @@ enum CertCommand {
     },
     /// Revoke certificates made by the CA in DIR: adds them to DIR/crl.pem (created if
     /// missing), a revocation list signed by the CA and valid one year. Brokers read it as
-    /// tls.crl_file, at startup and on SIGHUP (which also closes the connections of the
-    /// certificates revoked since). With no CERT, writes the list anew: an empty one to start
+    /// tls.crl_file (client certificates) or cluster.tls.crl_file (peer certificates), at
+    /// startup and on SIGHUP (which also closes the connections of the certificates revoked
+    /// since). With no CERT, writes the list anew: an empty one to start
     /// with, or the same one renewed for a year.
     Revoke {
         /// The certificate files to revoke (e.g. DIR/alice.pem).

@@ -50,6 +50,8 @@ pub struct ClusterTlsSection {
     /// This node's peer certificate ("" = `tls.cert_file`); its CN is the node's id.
     pub cert_file: String,
     pub key_file: String,
+    /// Revocation lists of the cluster CA: revoked peer certificates are no peers ("" = none).
+    pub crl_file: String,
 }
 
 /// `cluster.*`.
@@ -104,6 +106,8 @@ pub struct ClusterConfig {
     pub ca_file: Option<PathBuf>,
     pub cert_file: Option<PathBuf>,
     pub key_file: Option<PathBuf>,
+    /// `cluster.tls.crl_file`: revocation lists of the cluster CA (re-read on SIGHUP).
+    pub crl_file: Option<PathBuf>,
     pub compression: Compression,
     pub peer_queue_size: usize,
     pub max_peer_interest: usize,
@@ -228,6 +232,9 @@ impl ClusterSection {
                 )
             })?;
             exists(key_key, key)?;
+            if !self.tls.crl_file.trim().is_empty() {
+                exists("cluster.tls.crl_file", &self.tls.crl_file)?;
+            }
         }
         Ok(ClusterConfig {
             enabled: self.enabled,
@@ -235,6 +242,7 @@ impl ClusterSection {
             ca_file: path(&self.tls.ca_file),
             cert_file: path(&self.tls.cert_file),
             key_file: path(&self.tls.key_file),
+            crl_file: path(&self.tls.crl_file),
             compression,
             peer_queue_size,
             max_peer_interest,

@@ -123,6 +123,11 @@ pub enum Event {
     },
     /// The addresses to be connected to.
     Peers(Vec<SocketAddr>),
+    /// The peer certificates' revocation lists were replaced: close the connections of peers
+    /// they revoke, and say how many.
+    CheckRevoked {
+        closed: tokio::sync::oneshot::Sender<usize>,
+    },
 }
 
 /// A copy waiting in a peer's queue. A copy with a TTL remembers when it was queued and where
@@ -619,6 +624,14 @@ impl MeshHandle {
     pub fn send(&self, event: Event) {
         // The driver is gone only at shutdown.
         let _ = self.tx.send(event);
+    }
+
+    /// Close the mesh connections of peers whose certificate the revocation lists now in force
+    /// revoke (after a reload of `cluster.tls.crl_file`); how many (0 once the mesh is gone).
+    pub async fn close_revoked(&self) -> usize {
+        let (closed, count) = tokio::sync::oneshot::channel();
+        self.send(Event::CheckRevoked { closed });
+        count.await.unwrap_or(0)
     }
 
     /// This node's id.
@@ -1228,6 +1241,18 @@ impl Driver {
                 Some(Event::Peers(addrs)) => {
                     dial_warned.retain(|a| addrs.contains(a));
                     self.mesh.handle_peer_set(now, addrs);
+                }
+                Some(Event::CheckRevoked { closed }) => {
+                    let mut n = 0;
+                    for link in conns.values().filter(|l| self.tls.peer_revoked(&l.conn)) {
+                        warn!(peer = %link.node, "closing a mesh connection: the peer's certificate is revoked (cluster.tls.crl_file)");
+                        link.conn.close(
+                            aqueduct_proto::ErrorCode::NOT_AUTHORIZED.0.into(),
+                            b"peer certificate revoked",
+                        );
+                        n += 1;
+                    }
+                    let _ = closed.send(n);
                 }
             }
             while let Some(out) = self.mesh.poll_output() {

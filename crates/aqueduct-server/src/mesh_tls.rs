@@ -17,7 +17,7 @@ use std::sync::Arc;
 use aqueduct_core::mesh::NodeId;
 use rustls::client::danger::HandshakeSignatureValid;
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
-use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
 use rustls_pki_types::pem::PemObject;
@@ -25,7 +25,7 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 
 use crate::cluster::ClusterConfig;
 use crate::config::TlsConfig;
-use crate::revocation::ClientVerifier;
+use crate::revocation::{ClientVerifier, MESH_CRL_KEY};
 use crate::tls::{common_name, provider, read_certs, Identity, TlsError};
 
 /// The mesh's ALPN.
@@ -44,8 +44,8 @@ pub struct MeshTls {
     pub node: NodeId,
     key: Arc<CertifiedKey>,
     client: Arc<rustls::ClientConfig>,
-    /// Verifies peer certificates (cluster CA), mandatory.
-    peers: Arc<dyn ClientCertVerifier>,
+    /// Verifies peer certificates (`cluster.tls.ca_file`, `cluster.tls.crl_file`), mandatory.
+    peers: Arc<ClientVerifier>,
     /// Verifies client certificates (`tls.client_ca_file`, `tls.crl_file`), if configured.
     clients: Option<Arc<ClientVerifier>>,
 }
@@ -110,9 +110,13 @@ impl MeshTls {
             .with_client_auth_cert(certs, key)
             .map_err(rustls_err)?;
         client.alpn_protocols = vec![MESH_ALPN.to_vec()];
-        let peers = WebPkiClientVerifier::builder_with_provider(peer_roots, provider.clone())
-            .build()
-            .map_err(rustls_err)?;
+        let peers = Arc::new(ClientVerifier::new(
+            "cluster.tls.ca_file",
+            ca,
+            false,
+            (MESH_CRL_KEY, cluster.crl_file.as_deref()),
+            false,
+        )?);
         Ok(MeshTls {
             node,
             key: certified,
@@ -122,7 +126,22 @@ impl MeshTls {
         })
     }
 
-    /// The TLS configuration for dialing peers (verify the name [`MESH_NAME`]).
+    /// The verifier of peer certificates, whose revocation lists (`cluster.tls.crl_file`) a
+    /// reload replaces.
+    pub(crate) fn peer_certs(&self) -> &Arc<ClientVerifier> {
+        &self.peers
+    }
+
+    /// Whether the lists in force revoke the certificate of a mesh connection's peer (checked
+    /// again after a reload: the live connections of a peer revoked since are closed).
+    pub fn peer_revoked(&self, conn: &quinn::Connection) -> bool {
+        crate::tls::peer_certificates(conn).is_some_and(|chain| self.peers.is_revoked(&chain))
+    }
+
+    /// The TLS configuration for dialing peers (verify the name [`MESH_NAME`]). The dialled
+    /// peer's certificate is checked against the revocation lists too, by
+    /// [`peer_of`](Self::peer_of) once the handshake is done (a resumed session shows none to
+    /// the handshake).
     pub fn client_config(&self) -> Arc<rustls::ClientConfig> {
         self.client.clone()
     }
@@ -140,7 +159,7 @@ impl MeshTls {
             hints.extend(c.root_hint_subjects().iter().cloned());
         }
         let verifier = Arc::new(EitherCa {
-            peers: self.peers.clone(),
+            peers: self.peers.clone() as Arc<dyn ClientCertVerifier>,
             clients: self
                 .clients
                 .clone()
@@ -173,7 +192,12 @@ impl MeshTls {
         let (end, rest) = certs.split_first().ok_or("an empty certificate chain")?;
         self.peers
             .verify_client_cert(end, rest, UnixTime::now())
-            .map_err(|e| format!("the peer certificate is not from cluster.tls.ca_file: {e}"))?;
+            .map_err(|e| match e {
+                rustls::Error::InvalidCertificate(rustls::CertificateError::Revoked) => {
+                    "the peer certificate is revoked (cluster.tls.crl_file)".to_string()
+                }
+                e => format!("the peer certificate is not from cluster.tls.ca_file: {e}"),
+            })?;
         if !names_mesh(end) {
             return Err(format!(
                 "the certificate does not name {MESH_NAME}: not a peer certificate (make one with \

@@ -28,8 +28,10 @@ use rustls_pki_types::{CertificateDer, CertificateRevocationListDer, UnixTime};
 
 use crate::tls::{provider, read_certs, TlsError};
 
-/// The configuration key of the revocation lists.
+/// The configuration key of the clients' revocation lists.
 pub const CRL_KEY: &str = "tls.crl_file";
+/// The configuration key of the cluster's (peer certificates, `cluster.tls.ca_file`).
+pub const MESH_CRL_KEY: &str = "cluster.tls.crl_file";
 
 /// Verifies client certificates of one CA (see the module docs).
 #[derive(Debug)]
@@ -49,12 +51,12 @@ pub struct ClientVerifier {
 
 impl ClientVerifier {
     /// Client certificates of the CA in `ca` (read under the key `ca_key`), checked against the
-    /// lists in `crl_file` if given.
+    /// lists in `crl_file` (read under the key `crl_key`) if given.
     pub fn new(
         ca_key: &'static str,
         ca: &Path,
         optional: bool,
-        crl_file: Option<&Path>,
+        (crl_key, crl_file): (&'static str, Option<&Path>),
         allow_unknown: bool,
     ) -> Result<ClientVerifier, TlsError> {
         let cas = read_certs(ca_key, ca)?;
@@ -72,10 +74,10 @@ impl ClientVerifier {
             roots: roots.clone(),
             optional,
             allow_unknown,
-            current: RwLock::new(build(&roots, optional, allow_unknown, Vec::new())?),
+            current: RwLock::new(build(&roots, optional, allow_unknown, None)?),
         };
         if let Some(path) = crl_file {
-            let lists = Lists::read(path)?;
+            let lists = Lists::read(crl_key, path)?;
             let built = v.prepare(&lists)?;
             v.install(built);
         }
@@ -89,7 +91,7 @@ impl ClientVerifier {
     /// would revoke nothing, or refuse every client at its handshake, is refused here instead.
     pub(crate) fn prepare(&self, lists: &Lists) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
         let bad = |reason: String| TlsError::Pem {
-            key: CRL_KEY,
+            key: lists.key,
             path: lists.path.clone(),
             reason,
         };
@@ -139,7 +141,7 @@ impl ClientVerifier {
             &self.roots,
             self.optional,
             self.allow_unknown,
-            lists.crls.clone(),
+            Some((lists.key, lists.crls.clone())),
         )
     }
 
@@ -183,14 +185,16 @@ impl ClientVerifier {
     }
 }
 
+/// `lists`: the key they were read under and the lists, if any.
 fn build(
     roots: &Arc<rustls::RootCertStore>,
     optional: bool,
     allow_unknown: bool,
-    crls: Vec<CertificateRevocationListDer<'static>>,
+    lists: Option<(&'static str, Vec<CertificateRevocationListDer<'static>>)>,
 ) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
     let mut builder = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider());
-    if !crls.is_empty() {
+    let key = lists.as_ref().map_or(CRL_KEY, |(k, _)| k);
+    if let Some((_, crls)) = lists.filter(|(_, crls)| !crls.is_empty()) {
         builder = builder.with_crls(crls).only_check_end_entity_revocation();
         if allow_unknown {
             builder = builder.allow_unknown_revocation_status();
@@ -201,12 +205,14 @@ fn build(
     }
     builder
         .build()
-        .map_err(|e| TlsError::Rustls(format!("{CRL_KEY}: {e}")))
+        .map_err(|e| TlsError::Rustls(format!("{key}: {e}")))
 }
 
-/// The revocation lists of `tls.crl_file`, as read.
+/// The revocation lists of a file (`tls.crl_file`, `cluster.tls.crl_file`), as read.
 #[derive(Debug, Clone)]
 pub struct Lists {
+    /// The key the file was named by.
+    key: &'static str,
     path: PathBuf,
     crls: Vec<CertificateRevocationListDer<'static>>,
     /// How many certificates they revoke.
@@ -217,9 +223,15 @@ impl Lists {
     /// The lists in `path` (PEM `X509 CRL` blocks, or one DER list). Each is parsed here, so a
     /// damaged file is reported at startup (or by the reload) naming the key, not at a
     /// client's handshake.
-    pub fn read(path: &Path) -> Result<Lists, TlsError> {
-        let (crls, revoked) = read_crls(path)?;
+    /// The key the file is named by.
+    pub fn key(&self) -> &'static str {
+        self.key
+    }
+
+    pub fn read(key: &'static str, path: &Path) -> Result<Lists, TlsError> {
+        let (crls, revoked) = read_crls(key, path)?;
         Ok(Lists {
+            key,
             path: path.to_owned(),
             crls,
             revoked,
@@ -227,9 +239,12 @@ impl Lists {
     }
 }
 
-fn read_crls(path: &Path) -> Result<(Vec<CertificateRevocationListDer<'static>>, usize), TlsError> {
+fn read_crls(
+    key: &'static str,
+    path: &Path,
+) -> Result<(Vec<CertificateRevocationListDer<'static>>, usize), TlsError> {
     let bad = |reason: String| TlsError::Pem {
-        key: CRL_KEY,
+        key,
         path: path.to_owned(),
         reason,
     };

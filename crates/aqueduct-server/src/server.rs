@@ -289,7 +289,7 @@ impl Server {
                 "tls.client_ca_file",
                 ca,
                 !config.tls.require_client_cert,
-                config.tls.crl_file.as_deref(),
+                (crate::revocation::CRL_KEY, config.tls.crl_file.as_deref()),
                 false,
             )?)),
             None => None,
@@ -301,7 +301,7 @@ impl Server {
                 "admin.client_ca_file",
                 &a.client_ca_file,
                 false,
-                config.tls.crl_file.as_deref(),
+                (crate::revocation::CRL_KEY, config.tls.crl_file.as_deref()),
                 config.tls.client_ca_file.as_ref() != Some(&a.client_ca_file),
             )?)),
             None => None,
@@ -844,36 +844,80 @@ impl Control {
         }
     }
 
-    /// Re-read `tls.crl_file` (what SIGHUP does; the file named at startup): new handshakes are
-    /// checked against the new lists at once, and the live connections whose client
-    /// certificate they revoke are closed with NOT_AUTHORIZED. Returns how many certificates
-    /// the lists revoke and how many connections were closed; `None` without `tls.crl_file`.
-    /// On an unreadable or invalid file the lists in force stay.
+    /// Re-read `tls.crl_file` and `cluster.tls.crl_file` (what SIGHUP does; the files named at
+    /// startup): new handshakes are checked against the new lists at once, and the live
+    /// connections whose client (or peer) certificate they revoke are closed with
+    /// NOT_AUTHORIZED. Returns how many certificates the lists revoke and how many connections
+    /// were closed; `None` without either file. If either file is unreadable or invalid, the
+    /// lists in force stay, both files' (all or none).
     pub async fn reload_revocations(&self) -> Result<Option<(usize, usize)>, String> {
-        crate::admin::off_workers(&self.shared, |shared| {
-            let Some(path) = &shared.config.tls.crl_file else {
+        use crate::revocation::{Lists, CRL_KEY, MESH_CRL_KEY};
+        let reloaded = crate::admin::off_workers(&self.shared, |shared| -> Result<_, String> {
+            let mesh = shared
+                .mesh_tls
+                .as_ref()
+                .zip(shared.config.cluster.crl_file.as_ref());
+            if shared.config.tls.crl_file.is_none() && mesh.is_none() {
                 return Ok(None);
-            };
-            let lists = crate::revocation::Lists::read(path).map_err(|e| e.to_string())?;
+            }
             // Every verifier's new lists are checked before any is put in force: all or none.
-            let verifiers: Vec<&Arc<ClientVerifier>> = [&shared.client_certs, &shared.admin_certs]
-                .into_iter()
-                .flatten()
-                .collect();
+            let mut verifiers: Vec<(&Arc<ClientVerifier>, Lists)> = Vec::new();
+            if let Some(path) = &shared.config.tls.crl_file {
+                let lists = Lists::read(CRL_KEY, path).map_err(|e| e.to_string())?;
+                for v in [&shared.client_certs, &shared.admin_certs]
+                    .into_iter()
+                    .flatten()
+                {
+                    verifiers.push((v, lists.clone()));
+                }
+            }
+            if let Some((tls, path)) = mesh {
+                let lists = Lists::read(MESH_CRL_KEY, path).map_err(|e| e.to_string())?;
+                verifiers.push((tls.peer_certs(), lists));
+            }
             let prepared = verifiers
                 .iter()
-                .map(|v| v.prepare(&lists))
+                .map(|(v, lists)| v.prepare(lists))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| e.to_string())?;
-            for (v, new) in verifiers.iter().zip(prepared) {
+            for ((v, _), new) in verifiers.iter().zip(prepared) {
                 v.install(new);
+            }
+            // Each file's count once (the clients' lists serve two verifiers).
+            let mut revoked = 0;
+            let mut seen = Vec::new();
+            for (_, lists) in &verifiers {
+                if !seen.contains(&lists.key()) {
+                    seen.push(lists.key());
+                    revoked += lists.revoked;
+                }
             }
             let live = shared.live_clients();
             let closed = live.iter().filter(|c| close_if_revoked(shared, c)).count();
-            Ok(Some((lists.revoked, closed)))
+            Ok(Some((revoked, closed)))
         })
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())??;
+        let Some((revoked, mut closed)) = reloaded else {
+            return Ok(None);
+        };
+        if let (Some(mesh), Some(_)) = (&self.shared.mesh, &self.shared.config.cluster.crl_file) {
+            closed += mesh.close_revoked().await;
+        }
+        Ok(Some((revoked, closed)))
+    }
+
+    /// The keys of the revocation lists a reload re-reads (`tls.crl_file`,
+    /// `cluster.tls.crl_file`), those the broker started with.
+    pub fn crl_keys(&self) -> Vec<&'static str> {
+        let mut keys = Vec::new();
+        if self.shared.config.tls.crl_file.is_some() {
+            keys.push(crate::revocation::CRL_KEY);
+        }
+        if self.shared.mesh_tls.is_some() && self.shared.config.cluster.crl_file.is_some() {
+            keys.push(crate::revocation::MESH_CRL_KEY);
+        }
+        keys
     }
 
     /// The settings of `new` (the configuration re-read for a SIGHUP) that a reload does not

@@ -1395,34 +1395,6 @@ async fn a_0rtt_subscription_made_before_the_acl_went_on_is_checked_at_the_hands
     s.b.stop().await.expect("clean shutdown");
 }
 
-/// A revocation list signed by `ca`, revoking the certificates in `revoked`, written to `path`.
-fn write_crl(ca: &TestCa, path: &std::path::Path, revoked: &[&PathBuf], number: u64) {
-    use rustls_pki_types::pem::PemObject;
-    let revoked_certs = revoked
-        .iter()
-        .map(|cert| {
-            let der = rustls_pki_types::CertificateDer::from_pem_file(cert).expect("a cert");
-            let (_, parsed) = x509_parser::parse_x509_certificate(&der).expect("parses");
-            rcgen::RevokedCertParams {
-                serial_number: rcgen::SerialNumber::from_slice(parsed.raw_serial()),
-                revocation_time: rcgen::date_time_ymd(2020, 1, 1),
-                reason_code: None,
-                invalidity_date: None,
-            }
-        })
-        .collect();
-    let params = rcgen::CertificateRevocationListParams {
-        this_update: rcgen::date_time_ymd(2020, 1, 1),
-        next_update: rcgen::date_time_ymd(2100, 1, 1),
-        crl_number: rcgen::SerialNumber::from(number),
-        issuing_distribution_point: None,
-        revoked_certs,
-        key_identifier_method: rcgen::KeyIdMethod::Sha256,
-    };
-    let crl = params.signed_by(&ca.issuer).expect("signed");
-    std::fs::write(path, crl.pem().expect("pem")).expect("write");
-}
-
 /// `tls.crl_file`: a revoked client certificate is refused at the handshake; a reload (what
 /// SIGHUP does) makes a newly revoked one refused too and closes its live connection with
 /// NOT_AUTHORIZED, while other clients go on; a damaged file leaves the lists in force.
@@ -1435,7 +1407,7 @@ async fn revoked_client_certificates_are_refused_and_closed_on_reload() {
     let (alice, alice_key) = ca.client(dir.path(), "alice");
     let (bob, bob_key) = ca.client(dir.path(), "bob");
     let crl_file = dir.path().join("crl.pem");
-    write_crl(&ca, &crl_file, &[&mallory], 1);
+    ca.write_crl(&crl_file, &[&mallory], 1);
     let b = TestBroker::start_with(|c| {
         c.tls.require_client_cert = true;
         c.tls.client_ca_file = Some(ca_file.clone());
@@ -1472,7 +1444,7 @@ async fn revoked_client_certificates_are_refused_and_closed_on_reload() {
         .expect("alice served");
 
     // Alice is revoked now: the reload closes her connection and refuses her next one.
-    write_crl(&ca, &crl_file, &[&mallory, &alice], 2);
+    ca.write_crl(&crl_file, &[&mallory, &alice], 2);
     assert_eq!(
         b.control.reload_revocations().await.expect("reloaded"),
         Some((2, 1))
@@ -1506,7 +1478,7 @@ async fn revoked_client_certificates_are_refused_and_closed_on_reload() {
         .await
         .expect_err("a damaged file is refused");
     assert!(err.contains("tls.crl_file"), "{err}");
-    write_crl(&test_ca(), &crl_file, &[], 3);
+    test_ca().write_crl(&crl_file, &[], 3);
     let err = b
         .control
         .reload_revocations()
@@ -1612,10 +1584,10 @@ async fn a_revoked_certificate_cannot_resume_its_session() {
     let ca_file = ca.write(dir.path());
     let (alice, alice_key) = ca.client(dir.path(), "alice");
     let crl_file = dir.path().join("crl.pem");
-    write_crl(&ca, &crl_file, &[], 1);
+    ca.write_crl(&crl_file, &[], 1);
     let b = mtls_broker(&ca_file, &crl_file).await;
     let endpoint = endpoint_with_a_ticket(&b, &alice, &alice_key).await;
-    write_crl(&ca, &crl_file, &[&alice], 2);
+    ca.write_crl(&crl_file, &[&alice], 2);
     assert_eq!(
         b.control.reload_revocations().await.expect("reloaded"),
         Some((1, 0))
@@ -1655,7 +1627,7 @@ impl Brief {
         let ca = test_ca();
         let ca_file = ca.write(dir);
         let crl_file = dir.join("crl.pem");
-        write_crl(&ca, &crl_file, &[], 1);
+        ca.write_crl(&crl_file, &[], 1);
         let b = mtls_broker(&ca_file, &crl_file).await;
         // Made once the broker runs: its few seconds are the test's.
         let not_after = std::time::SystemTime::now() + Duration::from_secs(4);
@@ -1713,7 +1685,7 @@ async fn a_certificate_revoked_after_it_expired_is_closed_on_reload() {
         .await
         .expect("served");
     until_expired(&brief).await;
-    write_crl(&ca, &crl_file, &[&brief], 2);
+    ca.write_crl(&crl_file, &[&brief], 2);
     assert_eq!(
         b.control.reload_revocations().await.expect("reloaded"),
         Some((1, 1))
@@ -1765,7 +1737,7 @@ async fn a_revoked_admin_certificate_is_refused_on_a_live_connection_too() {
     let ca_file = ca.write(dir.path());
     let (ops, ops_key) = ca.client(dir.path(), "admin-ops");
     let crl_file = dir.path().join("crl.pem");
-    write_crl(&ca, &crl_file, &[], 1);
+    ca.write_crl(&crl_file, &[], 1);
     let state_file = dir.path().join("admin-state.json");
     let b = TestBroker::start_with(|c| {
         c.tls.client_ca_file = Some(ca_file.clone());
@@ -1797,7 +1769,7 @@ async fn a_revoked_admin_certificate_is_refused_on_a_live_connection_too() {
     )
     .await
     .expect("served");
-    write_crl(&ca, &crl_file, &[&ops], 2);
+    ca.write_crl(&crl_file, &[&ops], 2);
     b.control.reload_revocations().await.expect("reloaded");
     let refused = within(
         "a call",

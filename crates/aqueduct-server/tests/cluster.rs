@@ -61,6 +61,7 @@ impl ClusterCa {
             ca_file: Some(self.file.clone()),
             cert_file: Some(cert),
             key_file: Some(key),
+            crl_file: None,
             compression: Compression::None,
             peer_queue_size: 1024,
             max_peer_interest: 1 << 20,
@@ -817,6 +818,73 @@ async fn a_node_with_a_certificate_of_another_ca_is_not_a_peer() {
     }
     intruder.stop().await.expect("clean shutdown");
     stop_all(c.nodes).await;
+}
+
+/// `cluster.tls.crl_file`: a node whose peer certificate the cluster CA revoked is no peer. A
+/// reload (what SIGHUP does) that revokes a connected peer closes its connection, and neither
+/// its dials nor this node's are taken again. Peer certificates were not checked against any
+/// list: a leaked peer key needed a new CA for the whole mesh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_peer_certificate_is_no_peer() {
+    let ca = ClusterCa::new();
+    let crl = ca.dir.path().join("cluster-crl.pem");
+    ca.ca.write_crl(&crl, &[], 1);
+    let cfg0 = ClusterConfig {
+        crl_file: Some(crl.clone()),
+        ..ca.node("node-0", None)
+    };
+    let cfg1 = ca.node("node-1", None);
+    let revoked_cert = cfg1.cert_file.clone().expect("node-1's certificate");
+    let n0 = TestBroker::start_with(|c| c.cluster = cfg0).await;
+    let n1 = TestBroker::start_with(|c| c.cluster = cfg1).await;
+    n0.control.set_cluster_peers(vec![n1.addr]);
+    n1.control.set_cluster_peers(vec![n0.addr]);
+    let node1 = BTreeSet::from(["node-1".to_string()]);
+    until("node-0 to take node-1 as a peer", || peers_of(&n0) == node1).await;
+    ca.ca.write_crl(&crl, &[&revoked_cert], 2);
+    let (revoked, closed) = n0
+        .control
+        .reload_revocations()
+        .await
+        .expect("reloaded")
+        .expect("a list to reload");
+    assert_eq!(revoked, 1);
+    assert!(closed >= 1, "the peer's connection was closed");
+    until("node-0 to drop node-1", || peers_of(&n0).is_empty()).await;
+    // Both keep dialing (node-1 has no list): node-0 must never take node-1 again.
+    for _ in 0..50 {
+        assert!(peers_of(&n0).is_empty(), "a revoked peer was taken again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop_all([n0, n1]).await;
+}
+
+/// A `cluster.tls.crl_file` that would check nothing (a list of another CA of the same name)
+/// or cannot be read
+/// stops startup with an error naming the key.
+#[tokio::test]
+async fn a_cluster_revocation_list_of_another_ca_stops_startup() {
+    let ca = ClusterCa::new();
+    let crl = ca.dir.path().join("other-crl.pem");
+    test_ca().write_crl(&crl, &[], 1);
+    let missing = ca.dir.path().join("missing.pem");
+    for (file, why) in [(&crl, "not signed by that CA"), (&missing, "")] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut config = aqueduct_server::Config::for_tests(dir.path().join("dev-cert.pem"));
+        config.cluster = ClusterConfig {
+            crl_file: Some(file.clone()),
+            ..ca.node("node-0", None)
+        };
+        let e = match aqueduct_server::Server::bind(config).await {
+            Ok(_) => panic!("{}: started", file.display()),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            e.contains("cluster.tls.crl_file") && e.contains(why),
+            "{}: {e}",
+            file.display()
+        );
+    }
 }
 
 /// A client certificate of the cluster's own CA (no `aqueduct-mesh` name) is no peer either.

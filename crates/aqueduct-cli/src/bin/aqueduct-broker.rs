@@ -153,7 +153,8 @@ fn main() -> ExitCode {
 }
 
 /// SIGHUP: re-read the configuration and make its `acl` and `broker.quotas` sections the live
-/// policy, and re-read `tls.crl_file` (closing connections whose certificate it revokes). A
+/// policy, and re-read `tls.crl_file` and `cluster.tls.crl_file` (closing connections whose
+/// certificate they revoke). A
 /// configuration that does not validate changes nothing (and says why). Never returns.
 async fn reload_on_sighup(
     control: aqueduct_server::Control,
@@ -181,7 +182,7 @@ async fn reload_on_sighup(
                         error!(
                             "SIGHUP: changed settings that take a restart: {} (the running \
                              values stay in force; a reload applies acl, broker.quotas and the \
-                             contents of tls.crl_file)",
+                             contents of tls.crl_file and cluster.tls.crl_file)",
                             stale.join(", ")
                         );
                     }
@@ -204,15 +205,16 @@ async fn reload_on_sighup(
                     error!("SIGHUP: configuration not reloaded, the running policy stays: {e}")
                 }
             }
+            let files = control.crl_keys().join(" and ");
             match control.reload_revocations().await {
                 Ok(Some((revoked, closed))) => info!(
                     revoked_certificates = revoked,
                     closed_connections = closed,
-                    "SIGHUP: tls.crl_file reloaded"
+                    "SIGHUP: {files} reloaded"
                 ),
                 Ok(None) => {}
                 Err(e) => {
-                    error!("SIGHUP: tls.crl_file not reloaded, the lists in force stay: {e}")
+                    error!("SIGHUP: {files} not reloaded, the lists in force stay: {e}")
                 }
             }
         }

@@ -527,6 +527,34 @@ impl TestCa {
         self.leaf(dir, name, hosts, None, vec![ServerAuth], None)
     }
 
+    /// A revocation list signed by this CA, revoking the certificates in `revoked`, written to `path`.
+    pub fn write_crl(&self, path: &std::path::Path, revoked: &[&PathBuf], number: u64) {
+        use rustls_pki_types::pem::PemObject;
+        let revoked_certs = revoked
+            .iter()
+            .map(|cert| {
+                let der = rustls_pki_types::CertificateDer::from_pem_file(cert).expect("a cert");
+                let (_, parsed) = x509_parser::parse_x509_certificate(&der).expect("parses");
+                rcgen::RevokedCertParams {
+                    serial_number: rcgen::SerialNumber::from_slice(parsed.raw_serial()),
+                    revocation_time: rcgen::date_time_ymd(2020, 1, 1),
+                    reason_code: None,
+                    invalidity_date: None,
+                }
+            })
+            .collect();
+        let params = rcgen::CertificateRevocationListParams {
+            this_update: rcgen::date_time_ymd(2020, 1, 1),
+            next_update: rcgen::date_time_ymd(2100, 1, 1),
+            crl_number: rcgen::SerialNumber::from(number),
+            issuing_distribution_point: None,
+            revoked_certs,
+            key_identifier_method: rcgen::KeyIdMethod::Sha256,
+        };
+        let crl = params.signed_by(&self.issuer).expect("signed");
+        std::fs::write(path, crl.pem().expect("pem")).expect("write");
+    }
+
     /// Write the CA certificate to `dir/ca.pem`.
     pub fn write(&self, dir: &std::path::Path) -> PathBuf {
         let path = dir.join("ca.pem");
