@@ -1052,7 +1052,8 @@ export class Subscription {
   /**
    * Cancel the subscription: UNSUBSCRIBE, then finish the stream. Resolves once the broker has
    * finished its side too (it then has handled the UNSUBSCRIBE, §1.1); rejects with the
-   * broker's ERROR (e.g. NOT_SUBSCRIBED), or after `timeoutMs` (default 10 s) without an answer.
+   * broker's ERROR (e.g. NOT_SUBSCRIBED), or after `timeoutMs` (default 10 s) without an answer
+   * (the stream is then stopped: STOP_SENDING).
    * Messages not yet taken from the iterator are discarded.
    */
   async unsubscribe({ timeoutMs = 10000 } = {}) {
@@ -1072,9 +1073,16 @@ export class Subscription {
       });
       const end = await Promise.race([this.#streamEnd, timeout]);
       clearTimeout(timer);
+      let late = null;
+      if (end === 'timeout') {
+        // Stop reading (STOP_SENDING): the stream is let go of, not kept open for an answer
+        // that did not come, and the broker ends what it still serves on it (§1.1).
+        late = new AqueductError(null, `the broker did not finish the stream within ${timeoutMs} ms of the UNSUBSCRIBE`);
+        ch.shut(late);
+      }
       this.#client._release(this);
       if (state.error) throw state.error;
-      if (end === 'timeout') throw new AqueductError(null, `the broker did not finish the stream within ${timeoutMs} ms of the UNSUBSCRIBE`);
+      if (late) throw late;
       if (end) throw end;
     })();
     return state.done;

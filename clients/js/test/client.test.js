@@ -386,6 +386,22 @@ test('unsubscribe: UNSUBSCRIBE with the filter and stream id, FIN, resolved when
   await client.close();
 });
 
+test('unsubscribe: a broker that does not finish the stream in time gets it stopped (the stream is not kept)', async () => {
+  const { fake, client } = await setup();
+  const subscribing = client.subscribe('orders');
+  const broker = await fake.stream(0);
+  await broker.next();
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
+  const sub = await subscribing;
+  const done = sub.unsubscribe({ timeoutMs: 50 });
+  await broker.next();
+  assert.equal(await broker.next(), null, 'UNSUBSCRIBE, then FIN');
+  await assert.rejects(done, (e) => e instanceof AqueductError && /within 50 ms/.test(e.message));
+  // The client stopped reading: what the broker still writes fails.
+  await assert.rejects(broker.writer.closed);
+  await client.close();
+});
+
 test('an invalid frame from the broker fails the stream with its code; the next publish uses a new stream', async () => {
   const { fake, client } = await setup();
   const result = client.publish('a', '1', { confirm: true });
