@@ -87,8 +87,9 @@ impl ClientVerifier {
 
     /// The verifier for `lists`, once they are checked against this verifier's CAs: each list
     /// of one of them must carry its signature, and (unless certificates of uncovered issuers
-    /// pass) each of them must have a list and no list may be another issuer's — a list that
-    /// would revoke nothing, or refuse every client at its handshake, is refused here instead.
+    /// pass) each of them must have a list — a file that would revoke nothing, or refuse every
+    /// client at its handshake, is refused here instead. Lists of other CAs are left to the
+    /// verifiers of those (one file serves the clients' CA and an admin CA of its own).
     pub(crate) fn prepare(&self, lists: &Lists) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
         let bad = |reason: String| TlsError::Pem {
             key: lists.key,
@@ -117,15 +118,9 @@ impl ClientVerifier {
                     })?;
                     covered[at] = true;
                 }
-                None if self.allow_unknown => {}
-                None => {
-                    return Err(bad(format!(
-                        "list {} is of {}, which is not a CA in {}",
-                        i + 1,
-                        crl.issuer(),
-                        self.ca_key
-                    )))
-                }
+                // Another CA's (the file may serve several verifiers: the clients' CA and an
+                // admin CA of its own): not this verifier's to use.
+                None => {}
             }
         }
         if !self.allow_unknown {

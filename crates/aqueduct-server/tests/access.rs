@@ -1732,15 +1732,43 @@ async fn a_certificate_with_two_common_names_is_refused() {
 /// (PERMISSION_DENIED), not served for as long as the connection lives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_admin_certificate_is_refused_on_a_live_connection_too() {
+    a_revoked_admin_certificate_is_refused(false).await;
+}
+
+/// The same with an admin CA of its own (`admin.client_ca_file`, as admin-api.md suggests):
+/// its list goes in `tls.crl_file` beside the clients' CA's. The clients' verifier refused a
+/// list of a CA not its own, so the broker would not start with it (nor reload it), and an
+/// admin certificate of that CA could not be revoked at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_certificate_of_an_admin_ca_of_its_own_can_be_revoked() {
+    a_revoked_admin_certificate_is_refused(true).await;
+}
+
+async fn a_revoked_admin_certificate_is_refused(own_ca: bool) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let ca = test_ca();
-    let ca_file = ca.write(dir.path());
+    let clients_ca = test_ca();
+    let clients_ca_file = clients_ca.write(dir.path());
+    let admin_dir = tempfile::tempdir().expect("tempdir");
+    let admin_ca = own_ca.then(|| test_ca_named("Aqueduct admin test CA"));
+    let ca = admin_ca.as_ref().unwrap_or(&clients_ca);
+    let ca_file = ca.write(admin_dir.path());
     let (ops, ops_key) = ca.client(dir.path(), "admin-ops");
     let crl_file = dir.path().join("crl.pem");
-    ca.write_crl(&crl_file, &[], 1);
+    // One file: the admin CA's list, and the clients' CA's when that is another CA.
+    let write_lists = |revoked: &[&PathBuf], number: u64| {
+        ca.write_crl(&crl_file, revoked, number);
+        if own_ca {
+            let clients_list = dir.path().join("clients-crl.pem");
+            clients_ca.write_crl(&clients_list, &[], number);
+            let mut both = std::fs::read(&crl_file).expect("admin list");
+            both.extend(std::fs::read(&clients_list).expect("clients' list"));
+            std::fs::write(&crl_file, both).expect("write");
+        }
+    };
+    write_lists(&[], 1);
     let state_file = dir.path().join("admin-state.json");
     let b = TestBroker::start_with(|c| {
-        c.tls.client_ca_file = Some(ca_file.clone());
+        c.tls.client_ca_file = Some(clients_ca_file.clone());
         c.tls.crl_file = Some(crl_file.clone());
         c.admin = Some(AdminConfig {
             listen_addr: "127.0.0.1:0".parse().expect("addr"),
@@ -1769,7 +1797,7 @@ async fn a_revoked_admin_certificate_is_refused_on_a_live_connection_too() {
     )
     .await
     .expect("served");
-    ca.write_crl(&crl_file, &[&ops], 2);
+    write_lists(&[&ops], 2);
     b.control.reload_revocations().await.expect("reloaded");
     let refused = within(
         "a call",

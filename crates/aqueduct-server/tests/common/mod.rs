@@ -404,13 +404,16 @@ pub struct TestCa {
 }
 
 pub fn test_ca() -> TestCa {
+    test_ca_named("Aqueduct test CA")
+}
+
+/// A test CA whose certificate's Common Name is `cn`.
+pub fn test_ca_named(cn: &str) -> TestCa {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
     let key = KeyPair::generate().expect("key");
     let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
     params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params
-        .distinguished_name
-        .push(DnType::CommonName, "Aqueduct test CA");
+    params.distinguished_name.push(DnType::CommonName, cn);
     let cert = params.self_signed(&key).expect("ca");
     TestCa {
         pem: cert.pem(),
