@@ -130,6 +130,19 @@ impl Bucket {
         self.debt(tat, interval, now_ns)
     }
 
+    /// Give back `n` tokens [`take`](Self::take) took for messages that were then not
+    /// published (their frame was abandoned while it waited: the stream or connection closed).
+    /// A debt run up by frames never published would hold every publisher of the client id.
+    pub fn refund(&self, n: u64) {
+        let interval = self.interval.load(Ordering::Relaxed);
+        let cost = interval.saturating_mul(n);
+        let _ = self
+            .tat
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
+                Some(tat.saturating_sub(cost))
+            });
+    }
+
     /// Take `n` tokens if the bucket has them; otherwise take nothing and return how long until
     /// it would.
     pub fn try_take(&self, n: u64, now_ns: u64) -> Result<(), Duration> {
@@ -290,6 +303,26 @@ mod tests {
         assert_eq!(b.take(1, 0), Duration::from_millis(100));
         assert_eq!(b.wait(S / 20), Duration::from_millis(50));
         assert_eq!(b.wait(S / 10), Duration::ZERO);
+    }
+
+    /// Tokens given back are as if never taken: a debt run up for a frame that was then not
+    /// published goes away with it.
+    #[test]
+    fn a_refund_takes_back_the_debt() {
+        let b = Bucket::new(QuotaSpec {
+            rate: 10,
+            burst: 10,
+        });
+        assert_eq!(b.take(10, 0), Duration::ZERO);
+        assert_eq!(b.take(2_000, 0), Duration::from_secs(200));
+        b.refund(2_000);
+        assert_eq!(b.wait(0), Duration::ZERO);
+        // The burst the first take used stays used.
+        assert_eq!(b.take(1, 0), Duration::from_millis(100));
+        // Unlimited: nothing to give back.
+        let free = Bucket::new(QuotaSpec::UNLIMITED);
+        free.refund(5);
+        assert_eq!(free.take(1, 0), Duration::ZERO);
     }
 
     #[test]

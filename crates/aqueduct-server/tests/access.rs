@@ -615,6 +615,42 @@ async fn close_flushes_every_publisher_of_the_client() {
     s.b.stop().await.expect("clean shutdown");
 }
 
+/// A frame that waits for its quota and is never published (its connection closed) gives its
+/// tokens back. The debt it ran up stayed: one client could send a few large batches, go away,
+/// and hold every publisher of its client id (all anonymous ones, say) for as long as those
+/// batches would have taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_abandoned_while_throttled_gives_its_quota_back() {
+    let s = Setup::start(
+        "all",
+        &[],
+        QuotasSection {
+            default_publish_rate: 10,
+            default_burst_size: 10,
+            ..QuotasSection::default()
+        },
+    )
+    .await;
+    let waiting = || s.b.stats.quota_waiting.load(Ordering::Relaxed);
+    let a = s.client(Some("shared")).await;
+    // 2,000 messages at 10/s: 200 s of debt for the id.
+    let batch: Vec<(&str, bytes::Bytes)> = (0..2_000).map(|_| ("t", "x".into())).collect();
+    a.publish_batch(batch, &PublishOptions::default())
+        .await
+        .expect("sent");
+    until("the batch to wait for its quota", || waiting() == 1).await;
+    drop(a);
+    until("the wait to be given up", || waiting() == 0).await;
+    let b = s.client(Some("shared")).await;
+    within(
+        "a publish of the same client id",
+        b.publish_with("t", "y", &CONFIRM),
+    )
+    .await
+    .expect("published");
+    s.b.stop().await.expect("clean shutdown");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_throttled_client_speeds_up_when_its_quota_is_raised() {
     let s = Setup::start(

@@ -103,6 +103,9 @@ impl Reader<'_> {
                 if !bucket.take(n as u64, now).is_zero() {
                     let started = Instant::now();
                     let _waiting = Waiting::new(&self.shared.stats.quota_waiting);
+                    // Given back if the wait is cancelled (the stream or connection closes):
+                    // the frame is then never published.
+                    let owed = Owed(Some((bucket, n as u64)));
                     loop {
                         let wait = bucket.wait(self.shared.now_ns());
                         if wait.is_zero() {
@@ -110,6 +113,7 @@ impl Reader<'_> {
                         }
                         tokio::time::sleep(wait.min(QUOTA_RECHECK)).await;
                     }
+                    owed.paid();
                     bucket.record_throttled(started.elapsed());
                 }
                 true
@@ -155,6 +159,24 @@ impl Reader<'_> {
             self.acl.may_subscribe(acl, client, filter)
         } else {
             AclCache::default().may_subscribe(acl, client, filter)
+        }
+    }
+}
+
+/// The tokens a waiting frame took: given back unless it goes on to be published.
+struct Owed<'a>(Option<(&'a aqueduct_core::quota::Bucket, u64)>);
+
+impl Owed<'_> {
+    /// The frame goes on: its tokens stay taken.
+    fn paid(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Owed<'_> {
+    fn drop(&mut self) {
+        if let Some((bucket, n)) = self.0.take() {
+            bucket.refund(n);
         }
     }
 }
