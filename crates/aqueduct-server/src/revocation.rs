@@ -106,21 +106,18 @@ impl ClientVerifier {
         for (i, der) in lists.crls.iter().enumerate() {
             let (_, crl) = x509_parser::parse_x509_crl(der)
                 .map_err(|e| bad(format!("list {} is not a revocation list: {e}", i + 1)))?;
-            match cas.iter().position(|ca| ca.subject() == crl.issuer()) {
-                Some(at) => {
-                    crl.verify_signature(cas[at].public_key()).map_err(|e| {
-                        bad(format!(
-                            "list {} names {} as its issuer but is not signed by that CA's key in {} ({e})",
-                            i + 1,
-                            crl.issuer(),
-                            self.ca_key
-                        ))
-                    })?;
-                    covered[at] = true;
-                }
-                // Another CA's (the file may serve several verifiers: the clients' CA and an
-                // admin CA of its own): not this verifier's to use.
-                None => {}
+            // A list of another CA (the file may serve several verifiers: the clients' CA and
+            // an admin CA of its own) is not this verifier's to use.
+            if let Some(at) = cas.iter().position(|ca| ca.subject() == crl.issuer()) {
+                crl.verify_signature(cas[at].public_key()).map_err(|e| {
+                    bad(format!(
+                        "list {} names {} as its issuer but is not signed by that CA's key in {} ({e})",
+                        i + 1,
+                        crl.issuer(),
+                        self.ca_key
+                    ))
+                })?;
+                covered[at] = true;
             }
         }
         if !self.allow_unknown {
