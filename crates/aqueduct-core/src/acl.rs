@@ -43,7 +43,7 @@ use arc_swap::ArcSwap;
 use foldhash::fast::RandomState;
 
 use crate::matching::{
-    covers, covers_any, is_system, matches_any_bytes, matches_bytes, overlaps, overlaps_any,
+    covers, covers_any, deny_reaches, is_system, matches_any_bytes, matches_bytes, overlaps,
 };
 
 /// The client id of a connection without a client certificate.
@@ -380,7 +380,7 @@ impl ClientRules {
             spec.is_none_or(|d| *s >= d)
                 && !p.allows(Action::Subscribe)
                 && match p {
-                    Permission::None => overlaps_any(f, filter) && !covers_any(f, filter),
+                    Permission::None => deny_reaches(f, filter) && !covers_any(f, filter),
                     _ => overlaps(f, filter) && !covers(f, filter),
                 }
         })
@@ -564,6 +564,24 @@ mod tests {
 
     fn f(s: &str) -> TopicFilter {
         TopicFilter::try_from(s).expect("filter")
+    }
+
+    /// A deny of system topics alone does not refuse a filter starting with a wildcard, which
+    /// matches no system topic: subscribing to `#` or `+/x` was refused beside
+    /// `{*, "$SYS/#", none}`, since the two filters overlap when system topics are counted.
+    #[test]
+    fn a_deny_of_system_topics_leaves_wildcard_filters_alone() {
+        let p = policy("none", &[("*", "#", "all"), ("*", "$SYS/#", "none")]);
+        for ok in ["#", "+/x", "+", "a/#"] {
+            assert!(p.allows("x", Action::Subscribe, &f(ok)), "{ok}");
+        }
+        for refused in ["$SYS/#", "$SYS/up"] {
+            assert!(!p.allows("x", Action::Subscribe, &f(refused)), "{refused}");
+        }
+        // A deny reaching every topic still refuses them.
+        let p = policy("none", &[("*", "#", "all"), ("*", "a/#", "none")]);
+        assert!(!p.allows("x", Action::Subscribe, &f("#")));
+        assert!(!p.allows("x", Action::Subscribe, &f("+/b")));
     }
 
     /// While a walk holds the policy steady, changes wait for it; both kinds of change hold the

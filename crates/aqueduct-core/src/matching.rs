@@ -123,6 +123,17 @@ pub fn overlaps_any(a: &TopicFilter, b: &TopicFilter) -> bool {
     }
 }
 
+/// Is there a topic that `filter` matches (the MQTT rules above) and a deny rule's `rule`
+/// matches as [`matches_any_bytes`] does (system topics included)? A filter starting with a
+/// wildcard matches no system topic, so a deny of system topics alone (`$SYS/#`) reaches none
+/// of its topics, though [`overlaps_any`] says the two overlap.
+pub fn deny_reaches(rule: &TopicFilter, filter: &TopicFilter) -> bool {
+    if starts_with_wildcard(filter.as_bytes()) && is_system(rule.as_bytes()) {
+        return false;
+    }
+    overlaps_any(rule, filter)
+}
+
 /// True if the first level of a filter is `+` or `#`.
 fn starts_with_wildcard(filter: &[u8]) -> bool {
     matches!(filter, [b'+' | b'#'] | [b'+' | b'#', b'/', ..])

@@ -5,7 +5,7 @@
 
 use aqueduct_core::acl::{AclPolicy, AclRule, Action, Permission};
 use aqueduct_core::matching::{
-    covers, covers_any, matches, matches_any_bytes, overlaps, overlaps_any,
+    covers, covers_any, deny_reaches, matches, matches_any_bytes, overlaps,
 };
 use aqueduct_proto::{TopicFilter, TopicName};
 use proptest::prelude::*;
@@ -218,7 +218,7 @@ proptest! {
                         best.is_none_or(|b| key(r) >= b)
                             && !bits(r.permission, Action::Subscribe)
                             && match r.permission {
-                                Permission::None => overlaps_any(&r.topic, &filter),
+                                Permission::None => deny_reaches(&r.topic, &filter),
                                 _ => overlaps(&r.topic, &filter),
                             }
                             && !covers_it(r)
