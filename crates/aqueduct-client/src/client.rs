@@ -1,7 +1,6 @@
 //! The connection handle: connect, publish (single, batch, confirmed), subscribe.
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,7 +27,7 @@ pub struct Client {
 pub(crate) struct Inner {
     endpoint: quinn::Endpoint,
     pub(crate) conn: Arc<crate::link::Link>,
-    next_id: Arc<AtomicU32>,
+    pub(crate) ids: Arc<crate::ids::Ids>,
     /// The default publish stream.
     publisher: Publisher,
     /// The publish streams [`Client::publisher`] made, for [`Client::close`] to flush.
@@ -220,6 +219,12 @@ async fn dial(
 }
 
 impl Client {
+    /// The publisher the `publish*` methods use (tests).
+    #[cfg(test)]
+    pub(crate) fn default_publisher(&self) -> &Publisher {
+        &self.inner.publisher
+    }
+
     /// Connect and complete the TLS handshake. Every address the name resolves to is tried, in
     /// order, the next 250 ms after the one before (or when it fails); the first to complete
     /// its handshake is used.
@@ -298,13 +303,13 @@ impl Client {
             }
         };
         let conn = Arc::new(conn);
-        let next_id = Arc::new(AtomicU32::new(1));
+        let ids = Arc::new(crate::ids::Ids::default());
         Ok(Client {
             inner: Arc::new(Inner {
                 endpoint,
-                publisher: Publisher::new(conn.clone(), next_id.clone()),
+                publisher: Publisher::new(conn.clone(), ids.clone()),
                 conn,
-                next_id,
+                ids,
                 others: std::sync::Mutex::default(),
             }),
         })
@@ -368,7 +373,7 @@ impl Client {
     /// A new publish stream on this connection (the `publish*` methods use a default one).
     /// [`close`](Self::close) flushes it too, while it lives.
     pub fn publisher(&self) -> Publisher {
-        let publisher = Publisher::new(self.inner.conn.clone(), self.inner.next_id.clone());
+        let publisher = Publisher::new(self.inner.conn.clone(), self.inner.ids.clone());
         let mut others = self.inner.others.lock().unwrap_or_else(|e| e.into_inner());
         others.retain(|p| p.upgrade().is_some());
         others.push(publisher.downgrade());
@@ -452,10 +457,8 @@ impl Client {
             ));
         }
         // Consecutive ids: a delivery's stream id then tells its subscription by subtraction.
-        let first = self
-            .inner
-            .next_id
-            .fetch_add(subs.len() as u32, Ordering::Relaxed);
+        let held = self.inner.ids.subscriptions(subs.len() as u32);
+        let first = held.first();
         let (send, recv) = self.inner.conn.open_bi().await?;
         let mut send = crate::link::FrameSink::new(send);
         let mut bytes = bytes::BytesMut::new();
@@ -474,9 +477,11 @@ impl Client {
                     first.wrapping_add(i as u32),
                     filter,
                     send.clone(),
+                    self.inner.ids.clone(),
                 ))
             })
             .collect();
+        held.handed_over();
         let mut reader = FrameReader::new(recv);
         // One CONFIRM or ERROR per SUBSCRIBE, in order. A CONFIRM precedes its own
         // subscription's deliveries, but with several subscriptions a delivery of one confirmed
@@ -538,7 +543,7 @@ impl Client {
     ///
     /// [`ErrorCode::UNKNOWN_OPCODE`]: crate::ErrorCode::UNKNOWN_OPCODE
     pub async fn info(&self) -> Result<crate::BrokerInfo, ClientError> {
-        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = self.inner.ids.request();
         let (send, recv) = self.inner.conn.open_bi().await?;
         let mut send = crate::link::FrameSink::new(send);
         send.queue([Frame::new(id, Wire::Info(crate::BrokerInfo::request())).to_bytes()]);

@@ -23,6 +23,7 @@
 
 mod client;
 mod error;
+mod ids;
 mod link;
 mod options;
 mod publisher;

@@ -4,7 +4,7 @@
 //! opens another, so independent publishers on one connection do not queue behind each other.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,7 +43,7 @@ pub struct Publisher {
 struct Inner {
     conn: Arc<crate::link::Link>,
     /// Request ids (`stream_id` of confirmed frames), unique per connection.
-    next_id: Arc<AtomicU32>,
+    ids: Arc<crate::ids::Ids>,
     /// Opened on first use, and again after the broker ended it. A tokio mutex: writes await.
     send: tokio::sync::Mutex<Option<Stream>>,
     /// Why a replaced stream ended before the broker had read all of it (a stream-fatal ERROR,
@@ -52,6 +52,14 @@ struct Inner {
     /// The ends of finished streams that a flush was still waiting for when it was cancelled:
     /// the next flush waits for them too, so that what they say is not lost.
     unread_ends: Mutex<Vec<Done>>,
+    /// One flush at a time (see [`Publisher::flush`]).
+    flush_turn: tokio::sync::Mutex<()>,
+    /// The outcome of each flush called and not yet done, by a number of its own: a flush
+    /// covers what was published before it was called, some of which a flush called earlier
+    /// may have taken to wait for.
+    flushes: Mutex<Vec<(u64, FlushOutcome)>>,
+    /// Numbers the flushes.
+    next_flush: std::sync::atomic::AtomicU64,
     /// The tasks reading each stream's replies (a replaced stream's too, until the broker ends
     /// it). Aborted when the publisher goes: nothing can await their answers then.
     readers: Mutex<tokio::task::JoinSet<()>>,
@@ -71,6 +79,9 @@ struct Stream {
 
 /// A stream-fatal ERROR's reason, once one came.
 type Fatal = Arc<Mutex<Option<ClientError>>>;
+
+/// What a flush came to, once it is done (`None` until then).
+type FlushOutcome = tokio::sync::watch::Receiver<Option<Result<(), ClientError>>>;
 
 /// How a stream ended, from the task reading its replies.
 type Done = oneshot::Receiver<Result<(), ClientError>>;
@@ -164,14 +175,17 @@ impl Publisher {
         WeakPublisher(Arc::downgrade(&self.inner))
     }
 
-    pub(crate) fn new(conn: Arc<crate::link::Link>, next_id: Arc<AtomicU32>) -> Publisher {
+    pub(crate) fn new(conn: Arc<crate::link::Link>, ids: Arc<crate::ids::Ids>) -> Publisher {
         Publisher {
             inner: Arc::new(Inner {
                 conn,
-                next_id,
+                ids,
                 send: tokio::sync::Mutex::new(None),
                 lost: Mutex::new(None),
                 unread_ends: Mutex::new(Vec::new()),
+                flush_turn: tokio::sync::Mutex::new(()),
+                flushes: Mutex::new(Vec::new()),
+                next_flush: std::sync::atomic::AtomicU64::new(0),
                 readers: Mutex::new(tokio::task::JoinSet::new()),
             }),
         }
@@ -234,7 +248,7 @@ impl Publisher {
                 if !confirm {
                     break (stream, 0, None);
                 }
-                let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+                let id = self.inner.ids.request();
                 let (tx, rx) = oneshot::channel();
                 let inserted = match lock(&stream.pending).as_mut() {
                     Some(waiting) => {
@@ -330,7 +344,51 @@ impl Publisher {
     /// An error says that something published since the last flush was refused (an ERROR
     /// answered a publish sent without `confirm`: [`ClientError::Broker`], the first one) or
     /// may not have been read (the stream or connection failed).
+    ///
+    /// Flushes called together (one in a task of its own, and [`Client::close`], say) each
+    /// wait for everything published before they were called, and each says what went wrong
+    /// with it: a flush called while another was waiting for the broker's answer returned
+    /// `Ok` at once, as the stream it covered had been taken by the other.
+    ///
+    /// [`Client::close`]: crate::Client::close
     pub async fn flush(&self) -> Result<(), ClientError> {
+        let (done, outcome) = tokio::sync::watch::channel(None);
+        let me = self.inner.next_flush.fetch_add(1, Ordering::Relaxed);
+        let earlier: Vec<FlushOutcome> = {
+            let mut flushes = lock(&self.inner.flushes);
+            let earlier = flushes.iter().map(|(_, o)| o.clone()).collect();
+            flushes.push((me, outcome));
+            earlier
+        };
+        // Taken out when this call ends, done or cancelled (a cancelled one says nothing: what
+        // it was waiting for goes back to the next flush, `Unread`).
+        let _registered = Registered {
+            inner: &self.inner,
+            me,
+        };
+        let mine = {
+            let _turn = self.inner.flush_turn.lock().await;
+            self.flush_once().await
+        };
+        let _ = done.send(Some(mine.clone()));
+        // Then what the flushes called before this one came to (waited for without the turn:
+        // one that asks for it after this one does waits for this one).
+        let mut first_error = None;
+        for mut outcome in earlier {
+            if let Ok(o) = outcome.wait_for(Option::is_some).await {
+                if let Some(Err(e)) = &*o {
+                    first_error.get_or_insert(e.clone());
+                }
+            }
+        }
+        match (mine, first_error) {
+            (Err(e), _) | (Ok(()), Some(e)) => Err(e),
+            (Ok(()), None) => Ok(()),
+        }
+    }
+
+    /// One flush, with the turn held (see [`flush`](Self::flush)).
+    async fn flush_once(&self) -> Result<(), ClientError> {
         let (finished, lost) = {
             let mut guard = self.inner.send.lock().await;
             // An earlier stream that ended badly: reported after the current one is flushed
@@ -377,6 +435,18 @@ impl Publisher {
             }
         }
         first_error.map_or(Ok(()), Err)
+    }
+}
+
+/// A flush's entry in [`Inner::flushes`], taken out when the flush ends.
+struct Registered<'a> {
+    inner: &'a Inner,
+    me: u64,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        lock(&self.inner.flushes).retain(|(n, _)| *n != self.me);
     }
 }
 
@@ -583,6 +653,61 @@ mod tests {
             (first, second)
         };
         within(async { tokio::join!(publishes, broker) }).await.0
+    }
+
+    /// A flush called while another waits for the broker's answer waits too, and says what the
+    /// broker answered: `Client::close` after a `flush` in another task returned `Ok` at once
+    /// (the stream it covered had been taken by the other flush) while the broker was about to
+    /// refuse what was published.
+    #[tokio::test]
+    async fn a_flush_called_while_another_waits_waits_for_the_same_answer() {
+        use crate::test_broker::{read_frame, FakeBroker};
+        use aqueduct_proto::frame::Message;
+        let fake = FakeBroker::start();
+        let (client, conn) = fake.client().await;
+        client.publish("t", "a").await.expect("sent");
+        let (mut send, mut recv) = conn.accept_bi().await.expect("the publish stream");
+        let (id, _) = read_frame(&mut recv).await;
+        assert_eq!(id, 0, "sent without confirm");
+        let first = tokio::spawn({
+            let client = client.clone();
+            async move { client.flush().await }
+        });
+        // The first flush has finished the stream: it waits for the broker's end of it.
+        let mut rest = Vec::new();
+        within(recv.read_to_end(1024))
+            .await
+            .map(|b| rest.extend(b))
+            .expect("the stream's end");
+        assert!(rest.is_empty(), "nothing after the publish");
+        let publisher = client.default_publisher().clone();
+        let closing = tokio::spawn(async move { client.close().await });
+        // Both flushes called before the broker answers.
+        within(async {
+            while lock(&publisher.inner.flushes).len() < 2 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await;
+        let refusal = ErrorFrame {
+            code: ErrorCode::NOT_AUTHORIZED,
+            reason: "no".into(),
+        };
+        send.write_all(&aqueduct_proto::Frame::new(0, Message::Error(refusal)).to_bytes())
+            .await
+            .expect("write");
+        send.finish().expect("finish");
+        for (what, result) in [
+            ("flush", within(first).await.expect("joined")),
+            ("close", within(closing).await.expect("joined")),
+        ] {
+            match result {
+                Err(ClientError::Broker { code, .. }) => {
+                    assert_eq!(code, ErrorCode::NOT_AUTHORIZED, "{what}")
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+        }
     }
 
     /// A later broker's frame (an opcode this client does not know) on a publish stream is

@@ -23,6 +23,14 @@ pub(crate) struct SubHandle {
     filter: TopicFilter,
     /// Shared by every subscription made on the same stream.
     send: Arc<tokio::sync::Mutex<crate::link::FrameSink>>,
+    /// The connection's ids: this one is free again when the handle goes.
+    ids: Arc<crate::ids::Ids>,
+}
+
+impl Drop for SubHandle {
+    fn drop(&mut self) {
+        self.ids.release(self.id);
+    }
 }
 
 impl SubHandle {
@@ -30,8 +38,14 @@ impl SubHandle {
         id: u32,
         filter: TopicFilter,
         send: Arc<tokio::sync::Mutex<crate::link::FrameSink>>,
+        ids: Arc<crate::ids::Ids>,
     ) -> Self {
-        SubHandle { id, filter, send }
+        SubHandle {
+            id,
+            filter,
+            send,
+            ids,
+        }
     }
 
     async fn send(&self, message: Wire) -> Result<(), ClientError> {
