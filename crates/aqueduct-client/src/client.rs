@@ -1,6 +1,6 @@
 //! The connection handle: connect, publish (single, batch, confirmed), subscribe.
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -231,14 +231,19 @@ impl Client {
     pub async fn connect(opts: ConnectOptions) -> Result<Client, ConnectError> {
         let host = host_of(&opts.addr).to_string();
         let mut addrs: Vec<SocketAddr> = Vec::new();
-        for addr in opts
-            .addr
-            .to_socket_addrs()
+        // On a blocking thread (the system resolver blocks), within the connect timeout: a DNS
+        // server that does not answer held a runtime thread for the resolver's own timeout.
+        let resolved = tokio::time::timeout(opts.timeout, tokio::net::lookup_host(&opts.addr))
+            .await
+            .map_err(|_| ConnectError::Resolve {
+                addr: opts.addr.clone(),
+                reason: format!("no answer within {:?}", opts.timeout),
+            })?
             .map_err(|e| ConnectError::Resolve {
                 addr: opts.addr.clone(),
                 reason: e.to_string(),
-            })?
-        {
+            })?;
+        for addr in resolved {
             if !addrs.contains(&addr) {
                 addrs.push(addr);
             }

@@ -46,6 +46,10 @@ pub enum ClientError {
     Protocol(ProtoError),
     #[error("connection lost: {0}")]
     Connection(String),
+    /// The broker did not do what was waited for in time (read a publish stream, finish it);
+    /// the connection may be fine. What was published may or may not have been handled.
+    #[error("timed out: {0}")]
+    Timeout(String),
     #[error("the subscription or client is closed")]
     Closed,
 }

@@ -389,11 +389,13 @@ impl Publisher {
 
     /// One flush, with the turn held (see [`flush`](Self::flush)).
     async fn flush_once(&self) -> Result<(), ClientError> {
-        let (finished, lost) = {
+        let deadline = tokio::time::Instant::now() + FLUSH_WAIT;
+        // Bounded too: a publish the broker's flow control holds (it does not read the stream:
+        // a `block` subscriber, a throttled quota) holds the stream's lock, and the rest of a
+        // frame may still have to be written. Cancelled, what is queued stays for the next
+        // publish or flush, and so does an earlier stream's loss (taken only once finished).
+        let taken = tokio::time::timeout_at(deadline, async {
             let mut guard = self.inner.send.lock().await;
-            // An earlier stream that ended badly: reported after the current one is flushed
-            // (what went out on it must not be dropped with the connection meanwhile).
-            let lost = lock(&self.inner.lost).take();
             let finished = match guard.as_mut() {
                 None => Ok(()),
                 Some(stream) => {
@@ -407,7 +409,17 @@ impl Publisher {
                     finished
                 }
             };
+            // An earlier stream that ended badly: reported after the current one is flushed
+            // (what went out on it must not be dropped with the connection meanwhile).
+            let lost = lock(&self.inner.lost).take();
             (finished, lost)
+        })
+        .await;
+        let Ok((finished, lost)) = taken else {
+            return Err(ClientError::Timeout(format!(
+                "the broker did not take what was published within {FLUSH_WAIT:?} (it is not \
+                 reading the publish stream: a subscriber with the block policy, a quota?)"
+            )));
         };
         // The ends to wait for: this stream's, and those of streams an earlier flush was
         // cancelled while waiting for. What is not read yet when this flush is cancelled in
@@ -416,7 +428,6 @@ impl Publisher {
             ends: std::mem::take(&mut *lock(&self.inner.unread_ends)),
             inner: &self.inner,
         };
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         let mut first_error = lost.map(flush_error).or(finished.err());
         while let Some(end) = ends.ends.first_mut() {
             let result = match tokio::time::timeout_at(deadline, end).await {
@@ -425,9 +436,10 @@ impl Publisher {
                 Ok(Err(_)) => Err(ClientError::Connection(
                     "the publish stream failed before the broker had read all of it".into(),
                 )),
-                Err(_) => Err(ClientError::Connection(
-                    "the broker did not read the publish stream within 10 s".into(),
-                )),
+                Err(_) => Err(ClientError::Timeout(format!(
+                    "the broker did not finish the publish stream within {FLUSH_WAIT:?} of the \
+                     flush (what was published may or may not have been handled)"
+                ))),
             };
             ends.ends.remove(0);
             if let Err(e) = result {
@@ -449,6 +461,9 @@ impl Drop for Registered<'_> {
         lock(&self.inner.flushes).retain(|(n, _)| *n != self.me);
     }
 }
+
+/// How long a flush waits, in all.
+const FLUSH_WAIT: Duration = Duration::from_secs(10);
 
 /// Stream ends a flush waits for; those it has not read when it is dropped (cancelled) go back
 /// to the publisher, for the next flush.
@@ -708,6 +723,31 @@ mod tests {
                 other => panic!("{what}: {other:?}"),
             }
         }
+    }
+
+    /// A flush keeps to its 10 s also while a publish the broker does not read (its flow
+    /// control holds the stream) holds the stream: it waited for the stream's lock for good.
+    #[tokio::test]
+    async fn a_flush_keeps_to_its_deadline_while_a_publish_is_held() {
+        use crate::test_broker::FakeBroker;
+        let fake = FakeBroker::start();
+        let (client, conn) = fake.client().await;
+        // More than the stream's flow-control window, and the broker reads nothing.
+        let big = bytes::Bytes::from(vec![7u8; 4 << 20]);
+        let held = tokio::spawn({
+            let client = client.clone();
+            async move { client.publish("t", big).await }
+        });
+        let (_send, _recv) = within(conn.accept_bi()).await.expect("the publish stream");
+        let flushed = tokio::time::timeout(FLUSH_WAIT + Duration::from_secs(10), client.flush())
+            .await
+            .expect("the flush ends");
+        match flushed {
+            Err(ClientError::Timeout(why)) => assert!(why.contains("did not take"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(!held.is_finished(), "the publish is still held");
+        held.abort();
     }
 
     /// A later broker's frame (an opcode this client does not know) on a publish stream is
