@@ -85,8 +85,9 @@ enum Command {
         /// Priority: 0 (highest) to 3 (lowest).
         #[arg(long, short = 'p', default_value_t = 2)]
         priority: u8,
-        /// Time to live, e.g. 500ms, 10s, 5m (a bare number is seconds).
-        #[arg(long, value_parser = humantime_duration)]
+        /// Time to live, e.g. 500ms, 10s, 5m (a bare number is seconds); leave it out for no
+        /// expiry.
+        #[arg(long, value_parser = ttl_duration)]
         ttl: Option<Duration>,
         /// Wait for the broker to confirm and print the offsets.
         #[arg(long)]
@@ -507,6 +508,19 @@ fn parse_bench_overflow(s: &str) -> Result<BenchOverflow, String> {
 
 fn humantime_duration(s: &str) -> Result<Duration, String> {
     parse_duration(s)
+}
+
+/// A TTL: not 0, which reads as "no expiry" (0 on the wire) but was sent as 1 ms, so the
+/// message expired at once and `pub` still said it was published.
+fn ttl_duration(s: &str) -> Result<Duration, String> {
+    match parse_duration(s)? {
+        d if d.is_zero() => Err(
+            "a TTL of 0 would expire the message at once: leave --ttl out \
+                                 for no expiry"
+                .into(),
+        ),
+        d => Ok(d),
+    }
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -1677,5 +1691,9 @@ mod tests {
         assert!(parse_duration("18446744073709551615").is_err());
         assert!(parse_duration("5d").is_err_and(|e| e.contains("unknown unit")));
         assert!(parse_duration("soon").is_err());
+        // A TTL of 0 is refused (it read as none and expired the message at once).
+        assert!(ttl_duration("0").is_err_and(|e| e.contains("leave --ttl out")));
+        assert!(ttl_duration("0ms").is_err());
+        assert_eq!(ttl_duration("1ms"), Ok(Duration::from_millis(1)));
     }
 }
