@@ -495,7 +495,7 @@ impl Subscription {
     /// Unsubscribe and wait until the request is sent.
     pub async fn unsubscribe(mut self) -> Result<(), ClientError> {
         self.unsubscribed = true;
-        unsubscribe(self.all_handles()).await
+        unsubscribe(self.all_handles(), &self.closed_ids).await
     }
 
     /// Unsubscribe and wait (up to 10 s) until the broker has handled everything sent on the
@@ -511,7 +511,7 @@ impl Subscription {
     /// [`ClientError::Broker`], with how many there were.
     pub async fn close(mut self) -> Result<(), ClientError> {
         self.unsubscribed = true;
-        unsubscribe(self.all_handles()).await?;
+        unsubscribe(self.all_handles(), &self.closed_ids).await?;
         let mut refused: Option<(ClientError, usize)> = None;
         let drained = tokio::time::timeout(Duration::from_secs(10), async {
             loop {
@@ -530,7 +530,7 @@ impl Subscription {
         match (drained, refused) {
             (Ok(Ok(())), Some((first, n))) => Err(first_of(first, n)),
             (Ok(result), _) => result,
-            (Err(_), _) => Err(ClientError::Connection(
+            (Err(_), _) => Err(ClientError::Timeout(
                 "the broker did not finish the subscription's stream within 10 s".into(),
             )),
         }
@@ -554,9 +554,10 @@ fn first_of(first: ClientError, n: usize) -> ClientError {
     }
 }
 
-/// UNSUBSCRIBE every subscription of the stream, then finish it.
-async fn unsubscribe(handles: Vec<Arc<SubHandle>>) -> Result<(), ClientError> {
-    for handle in &handles {
+/// UNSUBSCRIBE every subscription of the stream but those the broker `closed` (it would answer
+/// NOT_SUBSCRIBED, which `close` then reported as an error), then finish it.
+async fn unsubscribe(handles: Vec<Arc<SubHandle>>, closed: &[u32]) -> Result<(), ClientError> {
+    for handle in handles.iter().filter(|h| !closed.contains(&h.id)) {
         let u = Unsubscribe {
             filter: handle.filter.clone(),
             ext: Extensions::default(),
@@ -575,9 +576,10 @@ impl Drop for Subscription {
             return;
         }
         let handles = self.all_handles();
+        let closed = std::mem::take(&mut self.closed_ids);
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let _ = unsubscribe(handles).await;
+                let _ = unsubscribe(handles, &closed).await;
             });
         }
     }
@@ -841,6 +843,71 @@ mod tests {
         }
         let expected: Vec<Vec<u8>> = (0..N).map(|i| format!("{i:0>100}").into_bytes()).collect();
         assert_eq!(bodies, expected);
+    }
+
+    /// Closing a stream of several subscriptions, one of which the broker closed already (a
+    /// slow consumer), unsubscribes only the others: the UNSUBSCRIBE for the closed one got
+    /// NOT_SUBSCRIBED, and `close` returned it as an error although nothing failed.
+    #[tokio::test]
+    async fn closing_skips_a_subscription_the_broker_closed() {
+        use crate::test_broker::{confirm, read_frame, within, FakeBroker};
+        use aqueduct_proto::frame::{ErrorFrame, Message};
+        let fake = FakeBroker::start();
+        let (client, conn) = fake.client().await;
+        let opts = crate::SubscribeOptions::default();
+        let broker = async {
+            let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
+            let mut ids = Vec::new();
+            for _ in 0..2 {
+                let (id, _) = read_frame(&mut recv).await;
+                send.write_all(&confirm(id, vec![])).await.expect("write");
+                ids.push(id);
+            }
+            (send, recv, ids)
+        };
+        let (sub, (mut send, mut recv, ids)) =
+            within(async { tokio::join!(client.subscribe_many(&["a", "b"], &opts), broker) }).await;
+        let mut sub = sub.expect("subscribed");
+        let slow = ErrorFrame {
+            code: ErrorCode::SLOW_CONSUMER,
+            reason: "slow".into(),
+        };
+        send.write_all(&aqueduct_proto::Frame::new(ids[0], Message::Error(slow)).to_bytes())
+            .await
+            .expect("write");
+        let closed = within(sub.next_message()).await.expect("an item");
+        assert_eq!(
+            closed.err().and_then(|e| e.code()),
+            Some(ErrorCode::SLOW_CONSUMER)
+        );
+        let broker = async move {
+            // What the client unsubscribes (a real broker answers NOT_SUBSCRIBED for the
+            // closed one), until its FIN.
+            let mut unsubscribed = Vec::new();
+            let mut header = [0u8; aqueduct_proto::HEADER_LEN];
+            while recv.read_exact(&mut header).await.is_ok() {
+                let id = u32::from_le_bytes(header[2..6].try_into().expect("4 bytes"));
+                let len = u32::from_le_bytes(header[6..10].try_into().expect("4 bytes"));
+                let mut data = vec![0u8; len as usize];
+                recv.read_exact(&mut data).await.expect("data");
+                unsubscribed.push(id);
+                if id == ids[0] {
+                    let no = ErrorFrame {
+                        code: ErrorCode::NOT_SUBSCRIBED,
+                        reason: "not subscribed".into(),
+                    };
+                    send.write_all(&aqueduct_proto::Frame::new(id, Message::Error(no)).to_bytes())
+                        .await
+                        .expect("write");
+                }
+            }
+            send.finish().expect("finish");
+            (unsubscribed, ids[1])
+        };
+        let (closed, (unsubscribed, open)) =
+            within(async { tokio::join!(sub.close(), broker) }).await;
+        assert_eq!(unsubscribed, vec![open], "only the open one");
+        closed.expect("closed cleanly");
     }
 
     /// A later broker's frame (an opcode this client does not know) on a subscription's stream
