@@ -376,7 +376,9 @@ impl Client {
     }
 
     /// A new publish stream on this connection (the `publish*` methods use a default one).
-    /// [`close`](Self::close) flushes it too, while it lives.
+    /// [`close`](Self::close) flushes it too, while it lives: one dropped before, without its
+    /// own [`flush`](Publisher::flush), takes the broker's later answers with it (a refusal of
+    /// a publish sent without confirm is then never reported).
     pub fn publisher(&self) -> Publisher {
         let publisher = Publisher::new(self.inner.conn.clone(), self.inner.ids.clone());
         let mut others = self.inner.others.lock().unwrap_or_else(|e| e.into_inner());

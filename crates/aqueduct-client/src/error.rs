@@ -103,7 +103,8 @@ fn tls_alert(alert: u8) -> String {
         51 => "the broker could not verify the client certificate's signature: it is not signed by a CA the broker trusts (its tls.client_ca_file)",
         49 => "access denied by the broker",
         40 => "the TLS handshake failed (no common parameters)",
-        120 => "the broker does not speak ALPN aqueduct-v1",
+        120 => "the broker does not speak the protocol offered (ALPN aqueduct-v1; or h3 for \
+                WebTransport: is webtransport.enabled on?)",
         _ => return format!("the broker ended the TLS handshake with alert {alert}"),
     };
     what.to_string()
@@ -184,7 +185,8 @@ pub(crate) fn read_error(e: &quinn::ReadError) -> ClientError {
             return ClientError::Broker {
                 code: aqueduct_proto::ErrorCode::SLOW_CONSUMER,
                 reason: "the broker reset the delivery stream: a subscription on it overflowed \
-                         its queue (policy disconnect) while the client was not reading"
+                         its queue (policy disconnect), or held a publisher past \
+                         broker.block_timeout (policy block), while the client was not reading"
                     .into(),
             };
         }
@@ -209,6 +211,11 @@ pub(crate) fn write_error(e: &quinn::WriteError) -> ClientError {
             app_code(code.into_inner())
         ),
         quinn::WriteError::ConnectionLost(c) => describe_connection_error(c),
+        // This side let go of the stream (the subscription or publisher was closed): the
+        // connection is fine.
+        quinn::WriteError::ClosedStream => {
+            return ClientError::Closed;
+        }
         other => other.to_string(),
     })
 }
