@@ -420,7 +420,9 @@ impl Client {
     /// of all of them (each [`crate::Message`] settles with its own subscription). Cheaper for
     /// the broker than a stream per filter when a client holds very many subscriptions. Returns
     /// once the broker has confirmed every one; if it refuses one, the error is returned and
-    /// none stays subscribed.
+    /// none stays subscribed. With [`SubscribeOptions::durable`], every filter's SUBSCRIBE names
+    /// the same consumer, which a broker with its durable log on refuses for all but one
+    /// (protocol.md §7.1): give a durable consumer one filter (a wildcard covers several).
     pub async fn subscribe_many(
         &self,
         filters: &[&str],
