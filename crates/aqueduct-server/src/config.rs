@@ -974,10 +974,17 @@ fn parse_env_value(key: &str, v: &str) -> figment::value::Value {
 fn describe(e: figment::Error) -> String {
     e.into_iter()
         .map(|e| {
-            let key = if e.path.is_empty() {
+            // A map whose keys are secrets (webtransport.tokens: token -> client id): the key
+            // in the path is a token, never shown.
+            let mut path = e.path.clone();
+            if path.len() > 2 && path[..2] == ["webtransport", "tokens"] {
+                path.truncate(2);
+                path.push("<a token>".into());
+            }
+            let key = if path.is_empty() {
                 String::new()
             } else {
-                format!("{}: ", e.path.join("."))
+                format!("{}: ", path.join("."))
             };
             let source = e
                 .metadata
@@ -987,7 +994,7 @@ fn describe(e: figment::Error) -> String {
                     None => format!(" (from {})", m.name),
                 })
                 .unwrap_or_default();
-            let secret = SECRET_KEYS.iter().any(|k| e.path.join(".").starts_with(k));
+            let secret = SECRET_KEYS.iter().any(|k| path.join(".").starts_with(k));
             let kind = if secret {
                 secret_kind_text(&e.kind)
             } else {

@@ -687,6 +687,16 @@ fn previous_log_keys_from_the_file_or_the_environment() {
         );
         assert!(!e.contains("123456789"), "{bad}: {e}");
     }
+    // A WebTransport token is a key of its map: an error about its entry names it
+    // `<a token>`, not the token (it was printed whole at startup and on SIGHUP).
+    for bad in [
+        "webtransport:\n  tokens: {secret-token-123456789: 42}\n",
+        "webtransport:\n  tokens: {secret-token-123456789: [a]}\n",
+    ] {
+        let e = error(Some(bad), &[], Overrides::default());
+        assert!(e.contains("webtransport.tokens"), "{bad}: {e}");
+        assert!(!e.contains("secret-token"), "{bad}: {e}");
+    }
     let section = aqueduct_server::config::AalSection {
         key: b64(1),
         previous_keys: vec![b64(2)],
