@@ -30,6 +30,7 @@ use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn};
 
 use crate::server::Shared;
+use crate::warn_every::{held_back, WarnEvery};
 
 /// Generated code and the descriptor set (for reflection).
 #[allow(missing_docs, clippy::all, missing_debug_implementations)]
@@ -42,7 +43,8 @@ pub mod proto {
 use crate::eviction::eviction_order;
 use proto::admin_service_server::{AdminService, AdminServiceServer};
 
-/// TLS handshakes in progress at once; more connections wait in the kernel's backlog.
+/// TLS handshakes in progress at once; a new connection beyond closes the oldest handshake of
+/// the address group with the most in progress.
 pub const MAX_HANDSHAKES: usize = 64;
 /// TLS handshakes in progress at once from one IP address; more from it are closed at once.
 /// A connection that never starts its handshake costs nothing but a TCP connect, and anyone
@@ -299,16 +301,12 @@ pub(crate) async fn serve(
         .http2_keepalive_timeout(Some(Duration::from_secs(10)));
     let router = match (reflection_v1, reflection_v1alpha) {
         (Ok(v1), Ok(v1alpha)) => builder
-            .add_service(AdminServiceServer::new(AdminApi {
-                shared: shared.clone(),
-            }))
+            .add_service(AdminServiceServer::new(AdminApi::new(shared.clone())))
             .add_service(v1)
             .add_service(v1alpha),
         (Err(e), _) | (_, Err(e)) => {
             warn!("admin API: server reflection is off: {e}");
-            builder.add_service(AdminServiceServer::new(AdminApi {
-                shared: shared.clone(),
-            }))
+            builder.add_service(AdminServiceServer::new(AdminApi::new(shared.clone())))
         }
     };
     let server = router.serve_with_incoming_shutdown(incoming, async move {
@@ -428,6 +426,39 @@ fn recheck_under(
 
 struct AdminApi {
     shared: Arc<Shared>,
+    /// Refused calls are warned about once a minute per caller and reason (the rest at debug
+    /// level): a caller with a certificate of the CA could send refused calls without end.
+    denied_warned: std::sync::Mutex<WarnEvery<(String, &'static str)>>,
+}
+
+impl AdminApi {
+    fn new(shared: Arc<Shared>) -> AdminApi {
+        AdminApi {
+            shared,
+            denied_warned: std::sync::Mutex::new(WarnEvery::new(Duration::from_secs(60))),
+        }
+    }
+
+    /// A call refused: counted, and warned about (see [`AdminApi::denied_warned`]).
+    fn denied(&self, cn: &str, remote: &str, rpc: &str, why: &'static str) {
+        self.shared
+            .stats
+            .admin_denied
+            .fetch_add(1, Ordering::Relaxed);
+        let now = std::time::Instant::now();
+        let due = {
+            let mut w = self.denied_warned.lock().unwrap_or_else(|e| e.into_inner());
+            w.forget_expired(now);
+            w.due((cn.to_string(), why), (), now)
+        };
+        match due {
+            Some(more) => warn!(
+                caller = %cn, %remote, rpc,
+                "admin call refused: {why}{}", held_back(more, "such refusals of this caller")
+            ),
+            None => debug!(caller = %cn, %remote, rpc, "admin call refused: {why}"),
+        }
+    }
 }
 
 impl std::fmt::Debug for AdminApi {
@@ -459,12 +490,13 @@ impl AdminApi {
             _ => false,
         };
         if revoked {
-            self.shared
-                .stats
-                .admin_denied
-                .fetch_add(1, Ordering::Relaxed);
             let cn = cn.unwrap_or_else(|| "(none)".into());
-            warn!(caller = %cn, %remote, rpc, "admin call refused: the certificate is revoked (tls.crl_file)");
+            self.denied(
+                &cn,
+                &remote,
+                rpc,
+                "the certificate is revoked (tls.crl_file)",
+            );
             return Err(Status::permission_denied(format!(
                 "certificate of {cn} is revoked (tls.crl_file)"
             )));
@@ -476,12 +508,8 @@ impl AdminApi {
             .and_then(|p| p.chain.first().and_then(crate::tls::validity))
             .is_some_and(|(_, until)| until < crate::server::unix_now());
         if expired {
-            self.shared
-                .stats
-                .admin_denied
-                .fetch_add(1, Ordering::Relaxed);
             let cn = cn.unwrap_or_else(|| "(none)".into());
-            warn!(caller = %cn, %remote, rpc, "admin call refused: the certificate has expired");
+            self.denied(&cn, &remote, rpc, "the certificate has expired");
             return Err(Status::permission_denied(format!(
                 "certificate of {cn} has expired: connect again with a valid one"
             )));
@@ -492,13 +520,9 @@ impl AdminApi {
                 Ok(cn)
             }
             (cn, pattern) => {
-                self.shared
-                    .stats
-                    .admin_denied
-                    .fetch_add(1, Ordering::Relaxed);
                 let cn = cn.unwrap_or_else(|| "(none)".into());
                 let pattern = pattern.map(|p| p.to_string()).unwrap_or_default();
-                warn!(caller = %cn, %remote, rpc, "admin call refused: CN does not match admin.allowed_cn {pattern}");
+                self.denied(&cn, &remote, rpc, "the CN does not match admin.allowed_cn");
                 Err(Status::permission_denied(format!(
                     "certificate CN {cn} does not match admin.allowed_cn ({pattern})"
                 )))
