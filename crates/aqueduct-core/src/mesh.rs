@@ -429,6 +429,10 @@ pub enum Output {
     Send { conn: ConnId, control: Control },
 }
 
+/// Hops a group copy may make (the nodes listed in it): past this, one whose member left is
+/// not sent back to a node it has been to (see [`RouteTable::route_forwarded_where`]).
+pub const MAX_VISITS: usize = 8;
+
 /// What a copy of a message forwarded to a peer is for.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Forward {
@@ -1312,7 +1316,10 @@ impl RouteTable {
     /// a new member before it rebuilds its own table, so a peer may send it that group's copies
     /// first). A group `here` denies is picked again among the nodes the copy has not been to
     /// (this one counts as visited) that `reachable` accepts (a peer the snapshot names may have
-    /// no connection any more).
+    /// no connection any more); if none has a member, among those it has been to but this one,
+    /// while it has made fewer than [`MAX_VISITS`] hops: a copy whose member here left just
+    /// before it came goes back to the sender's members instead of being dropped (the sender's
+    /// table did not know yet). Each hop is listed, so a copy cannot go back and forth for good.
     pub fn route_forwarded_where(
         &self,
         forward: &Forward,
@@ -1321,16 +1328,21 @@ impl RouteTable {
     ) -> Routing {
         let mut routing = Routing::default();
         let mut visited = forward.visited.clone();
-        if !visited.contains(&self.me) {
-            visited.push(self.me.clone());
-        }
+        visited.push(self.me.clone());
         let mut copies: BTreeMap<NodeId, Forward> = BTreeMap::new();
         for g in &forward.groups {
             if here(g) {
                 routing.local_groups.push(g.clone());
                 continue;
             }
-            match self.pick(g, |n| !visited.contains(n) && reachable(n)) {
+            let picked = self
+                .pick(g, |n| !visited.contains(n) && reachable(n))
+                .or_else(|| {
+                    (visited.len() < MAX_VISITS)
+                        .then(|| self.pick(g, |n| *n != self.me && reachable(n)))
+                        .flatten()
+                });
+            match picked {
                 Some(node) if node != self.me => {
                     copies.entry(node).or_default().groups.push(g.clone())
                 }
@@ -1875,6 +1887,41 @@ mod tests {
         assert_eq!(r.forward.len(), 1);
         assert_eq!(r.forward[0].0, node("c"), "on to c, never back to a");
         assert_eq!(r.forward[0].1.visited, vec![node("a"), node("b")]);
+    }
+
+    /// A copy whose member here left just before it came, with members left only on the node
+    /// that sent it (its table did not know yet), goes back there instead of being dropped as
+    /// unplaced; a copy that has made MAX_VISITS hops is not sent back again (no endless back
+    /// and forth while both tables are behind).
+    #[test]
+    fn a_group_copy_goes_back_to_the_sender_s_members_when_none_is_left_elsewhere() {
+        let g = group("jobs", "w");
+        let mut a = Mesh::new(node("a"), MeshConfig::default(), 1, 1);
+        connected(&mut a, 1, "b", &[(Key::Group(g.clone()), 1)]);
+        connected(&mut a, 2, "c", &[]);
+        let table = a.table();
+        let f = Forward {
+            plain: false,
+            groups: vec![g.clone()],
+            visited: vec![node("b")],
+        };
+        let r = table.route_forwarded_where(&f, |_| false, |_| true);
+        assert!(r.unplaced.is_empty(), "dropped: {:?}", r.unplaced);
+        assert_eq!(r.forward.len(), 1);
+        assert_eq!(r.forward[0].0, node("b"), "back to b's members");
+        assert_eq!(r.forward[0].1.visited, vec![node("b"), node("a")]);
+        // An unvisited node with a member still comes first.
+        connected(&mut a, 3, "d", &[(Key::Group(g.clone()), 1)]);
+        let r = a.table().route_forwarded_where(&f, |_| false, |_| true);
+        assert_eq!(r.forward[0].0, node("d"));
+        // After MAX_VISITS hops, unplaced.
+        let long = Forward {
+            visited: (0..MAX_VISITS).map(|i| node(["a", "b"][i % 2])).collect(),
+            ..f.clone()
+        };
+        let r = table.route_forwarded_where(&long, |_| false, |_| true);
+        assert!(r.forward.is_empty());
+        assert_eq!(r.unplaced, vec![g]);
     }
 
     /// A node advertising plain `#` (its durable log wants every message) gets system topics
