@@ -1401,12 +1401,20 @@ impl Driver {
         leaving.send_replace(true);
         let mut message = Vec::new();
         encode_control(&Control::Leaving, &mut message);
-        conns.retain(|_, link| match link.ctl.try_send(message.clone()) {
-            Ok(()) => true,
-            // Its control writer is gone or stuck: nothing to wait for.
-            Err(_) => {
-                link.conn.close(0u32.into(), SHUTTING_DOWN);
-                false
+        conns.retain(|_, link| {
+            // Its peer is leaving too and was let go of: its control writer finishes the
+            // stream once the peer's copies are published here, and the peer then closes the
+            // connection. Waited for like the others, not closed (which cut those copies).
+            if link.left {
+                return true;
+            }
+            match link.ctl.try_send(message.clone()) {
+                Ok(()) => true,
+                // Its control writer is gone or stuck: nothing to wait for.
+                Err(_) => {
+                    link.conn.close(0u32.into(), SHUTTING_DOWN);
+                    false
+                }
             }
         });
         let left = tokio::time::timeout(LEAVE_WAIT, async {

@@ -1695,7 +1695,7 @@ async fn a_held_connection_the_peer_retires_is_retired_at_once() {
     let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
     let endpoint = raw_peer(&ca, "node-a");
     // The connection the peer dials: its two streams, and a snapshot on the control stream.
-    let (kept, _control, _data) = raw_peer_spoke(&endpoint, &b).await;
+    let (kept, _control, _data) = raw_peer_spoke(&endpoint, "node-a", &b).await;
     // The node dials the peer: the duplicate, which the node holds.
     b.control
         .set_cluster_peers(vec![endpoint.local_addr().expect("addr")]);
@@ -1799,11 +1799,12 @@ async fn raw_connections(
     conns
 }
 
-/// A raw peer `node-a`'s connection to `b`, with a snapshot on its control stream (so the node
+/// A raw peer `node`'s connection to `b` (`endpoint` presents that node's certificate), with a snapshot on its control stream (so the node
 /// keeps it and has heard it) and its data stream opened: (connection, control stream, data
 /// stream).
 async fn raw_peer_spoke(
     endpoint: &quinn::Endpoint,
+    node: &str,
     b: &TestBroker,
 ) -> (quinn::Connection, quinn::SendStream, quinn::SendStream) {
     use aqueduct_core::mesh::{Control, Interest};
@@ -1827,10 +1828,93 @@ async fn raw_peer_spoke(
     let mut data = conn.open_uni().await.expect("data stream");
     data.write_all(&[2u8]).await.expect("write"); // DATA_STREAM
     until("the node to keep the peer's connection", || {
-        peers_of(b) == BTreeSet::from(["node-a".to_string()])
+        peers_of(b).contains(node)
     })
     .await;
     (conn, control, data)
+}
+
+/// The node's control stream on a raw peer's connection (the first unidirectional stream of
+/// kind 1 it opens there).
+async fn node_control_stream(conn: &quinn::Connection) -> quinn::RecvStream {
+    within("the node's control stream", async {
+        loop {
+            let mut recv = conn.accept_uni().await.expect("the node's streams");
+            let mut kind = [0u8];
+            recv.read_exact(&mut kind).await.expect("kind");
+            if kind[0] == 1 {
+                return recv;
+            }
+        }
+    })
+    .await
+}
+
+/// Read control messages from the node's control stream until `want` says yes to one.
+async fn until_control(
+    recv: &mut quinn::RecvStream,
+    want: impl Fn(&aqueduct_core::mesh::Control) -> bool,
+) {
+    let mut buf = Vec::new();
+    within("a control message", async {
+        loop {
+            while let Ok((control, used)) = aqueduct_core::mesh_codec::decode_control(&buf) {
+                buf.drain(..used);
+                if want(&control) {
+                    return;
+                }
+            }
+            let chunk = recv
+                .read_chunk(4096, true)
+                .await
+                .expect("read")
+                .expect("the stream goes on");
+            buf.extend_from_slice(&chunk.bytes);
+        }
+    })
+    .await
+}
+
+/// A node shutting down while a peer that already said it is leaving still has its connection
+/// open waits for that peer as for the others: the peer's copies are published and the node's
+/// control stream finished (what the leaving peer waits for), not cut. The node closed such a
+/// connection at once ("broker shutting down"), as if its control writer were stuck.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_leaving_waits_for_a_peer_that_is_leaving_too() {
+    use aqueduct_core::mesh::Control;
+    let ca = ClusterCa::new();
+    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
+    let (endpoint_a, endpoint_c) = (raw_peer(&ca, "node-a"), raw_peer(&ca, "node-c"));
+    let (conn_c, _control_c, _data_c) = raw_peer_spoke(&endpoint_c, "node-c", &b).await;
+    let (conn_a, mut control_a, mut data_a) = raw_peer_spoke(&endpoint_a, "node-a", &b).await;
+    let mut node_control_a = node_control_stream(&conn_a).await;
+    let mut node_control_c = node_control_stream(&conn_c).await;
+    let mut leaving = Vec::new();
+    aqueduct_core::mesh_codec::encode_control(&Control::Leaving, &mut leaving);
+    control_a.write_all(&leaving).await.expect("write");
+    until("the node to let node-a go", || {
+        peers_of(&b) == BTreeSet::from(["node-c".to_string()])
+    })
+    .await;
+    let stopping = tokio::spawn(b.stop());
+    // node-c hears the node leave: the node has dealt with every connection by then.
+    until_control(&mut node_control_c, |c| matches!(c, Control::Leaving)).await;
+    // node-a has written everything: the node finishes its control stream once that is
+    // published, on a connection still open.
+    data_a.finish().expect("finish");
+    let rest = within(
+        "the node's control FIN to node-a",
+        node_control_a.read_to_end(1 << 20),
+    )
+    .await
+    .expect("the node's control stream finished, the connection still open");
+    assert!(rest.is_empty() || aqueduct_core::mesh_codec::decode_control(&rest).is_ok());
+    conn_a.close(0u32.into(), b"left");
+    conn_c.close(0u32.into(), b"left");
+    within("the node's stop", stopping)
+        .await
+        .expect("joined")
+        .expect("clean shutdown");
 }
 
 fn protocol_errors(b: &TestBroker) -> u64 {
@@ -1863,7 +1947,7 @@ async fn a_peer_that_says_it_leaves_and_stays_is_closed() {
     let ca = ClusterCa::new();
     let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
     let endpoint = raw_peer(&ca, "node-a");
-    let (conn, mut control, _data) = raw_peer_spoke(&endpoint, &b).await;
+    let (conn, mut control, _data) = raw_peer_spoke(&endpoint, "node-a", &b).await;
     let mut leaving = Vec::new();
     aqueduct_core::mesh_codec::encode_control(&aqueduct_core::mesh::Control::Leaving, &mut leaving);
     control.write_all(&leaving).await.expect("write");
@@ -1894,7 +1978,7 @@ async fn a_control_stream_that_breaks_the_protocol_is_closed_and_counted() {
     let ca = ClusterCa::new();
     let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
     let endpoint = raw_peer(&ca, "node-a");
-    let (conn, mut control, _data) = raw_peer_spoke(&endpoint, &b).await;
+    let (conn, mut control, _data) = raw_peer_spoke(&endpoint, "node-a", &b).await;
     // A message of 25 bytes whose kind (0x7f) no version knows.
     let mut bad = vec![0x15, 0, 0, 0, 0x7f];
     bad.extend_from_slice(&[0u8; 20]);
