@@ -1902,13 +1902,12 @@ async fn a_node_leaving_waits_for_a_peer_that_is_leaving_too() {
     // node-a has written everything: the node finishes its control stream once that is
     // published, on a connection still open.
     data_a.finish().expect("finish");
-    let rest = within(
+    within(
         "the node's control FIN to node-a",
         node_control_a.read_to_end(1 << 20),
     )
     .await
     .expect("the node's control stream finished, the connection still open");
-    assert!(rest.is_empty() || aqueduct_core::mesh_codec::decode_control(&rest).is_ok());
     conn_a.close(0u32.into(), b"left");
     conn_c.close(0u32.into(), b"left");
     within("the node's stop", stopping)
