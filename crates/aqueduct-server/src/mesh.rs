@@ -161,7 +161,8 @@ struct QueuedTtl {
 /// lock is held only to push or to take what is queued.
 #[derive(Debug)]
 pub struct PeerQueue {
-    queue: Mutex<(VecDeque<Queued>, usize)>,
+    /// The copies, their bytes, and whether the driver discarded the queue (its peer is gone).
+    queue: Mutex<(VecDeque<Queued>, usize, bool)>,
     notify: Notify,
     capacity: usize,
     /// Copies queued, dropped (queue full), and bytes written to the peer.
@@ -211,7 +212,7 @@ const PEER_QUEUE_BYTES: usize = 64 << 20;
 impl PeerQueue {
     fn new(capacity: usize) -> PeerQueue {
         PeerQueue {
-            queue: Mutex::new((VecDeque::new(), 0)),
+            queue: Mutex::new((VecDeque::new(), 0, false)),
             notify: Notify::new(),
             capacity: capacity.max(1),
             forwarded: AtomicU64::new(0),
@@ -231,7 +232,9 @@ impl PeerQueue {
     }
 
     /// Queue `record`; `ttl`: where its TTL value is and what it says (`None`: no TTL).
-    fn push(&self, record: Bytes, ttl: Option<(usize, u32)>) {
+    /// False (nothing queued) if the queue was discarded: its peer is gone.
+    #[must_use]
+    fn push(&self, record: Bytes, ttl: Option<(usize, u32)>) -> bool {
         let ttl = ttl.map(|(at, ms)| QueuedTtl {
             at,
             ms,
@@ -239,7 +242,10 @@ impl PeerQueue {
         });
         {
             let mut guard = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-            let (q, bytes) = &mut *guard;
+            let (q, bytes, discarded) = &mut *guard;
+            if *discarded {
+                return false;
+            }
             while !q.is_empty()
                 && (q.len() >= self.capacity || *bytes + record.len() > PEER_QUEUE_BYTES)
             {
@@ -254,18 +260,23 @@ impl PeerQueue {
         self.forwarded.fetch_add(1, Ordering::Relaxed);
         // Every connection's writer waits on it; the owner takes.
         self.notify.notify_waiters();
+        true
     }
 
     /// Queue `records` (each with its TTL's place and value), in order: one lock and one wake
-    /// for all of them.
-    fn push_many(&self, records: &[(Bytes, Option<(usize, u32)>)]) {
+    /// for all of them. False (nothing queued) if the queue was discarded.
+    #[must_use]
+    fn push_many(&self, records: &[(Bytes, Option<(usize, u32)>)]) -> bool {
         if records.is_empty() {
-            return;
+            return true;
         }
         let queued = Instant::now();
         {
             let mut guard = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-            let (q, bytes) = &mut *guard;
+            let (q, bytes, discarded) = &mut *guard;
+            if *discarded {
+                return false;
+            }
             for (record, ttl) in records {
                 while !q.is_empty()
                     && (q.len() >= self.capacity || *bytes + record.len() > PEER_QUEUE_BYTES)
@@ -285,6 +296,20 @@ impl PeerQueue {
         self.forwarded
             .fetch_add(records.len() as u64, Ordering::Relaxed);
         self.notify.notify_waiters();
+        true
+    }
+
+    /// The driver lets go of this queue (its peer is gone): what it holds is dropped, and so is
+    /// anything a publisher still holding the old queue map pushes after this (`push` says so,
+    /// and the caller counts it). Returns how many were dropped here.
+    fn discard(&self) -> usize {
+        let mut guard = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let (q, bytes, discarded) = &mut *guard;
+        *discarded = true;
+        *bytes = 0;
+        let n = q.len();
+        q.clear();
+        n
     }
 
     /// Make `conn` the connection that writes the copies (and wake the writers to see it).
@@ -387,7 +412,7 @@ impl PeerQueue {
     /// its copy waited (at least 1 ms left; a copy with none left is dropped and counted).
     fn take(&self, out: &mut BytesMut, budget: usize, now: Instant) {
         let mut guard = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        let (q, bytes) = &mut *guard;
+        let (q, bytes, _) = &mut *guard;
         while let Some(f) = q.front() {
             if !out.is_empty() && out.len() + f.record.len() > budget {
                 break;
@@ -686,7 +711,8 @@ impl MeshHandle {
             out
         };
         // The same map that decided which groups go elsewhere: each of those gets its copy.
-        self.send_copies_to(&queues, p, &routing.forward);
+        let lost = self.send_copies_to(&queues, p, &routing.forward);
+        self.discarded.fetch_add(lost as u64, Ordering::Relaxed);
         out
     }
 
@@ -723,46 +749,44 @@ impl MeshHandle {
             // (its connection just ended) has them counted as discarded, as one copy does.
             let mut records = None;
             for node in table.plain_peers(topic.as_bytes()) {
-                match queues.get(node) {
-                    Some(q) => q.push_many(records.get_or_insert_with(|| plain_records(run))),
-                    None => {
-                        self.discarded
-                            .fetch_add(run.len() as u64, Ordering::Relaxed);
-                    }
+                let queued = queues.get(node).is_some_and(|q| {
+                    q.push_many(records.get_or_insert_with(|| plain_records(run)))
+                });
+                if !queued {
+                    self.discarded
+                        .fetch_add(run.len() as u64, Ordering::Relaxed);
                 }
             }
         }
     }
 
     /// Queue a copy of `p` for each of `copies`, in the peers' queues as loaded by the caller
-    /// (the map that decided where they go). A copy for a peer whose queue is gone (its
-    /// connection just ended) is counted as discarded.
+    /// (the map that decided where they go). Returns how many copies were not queued: their
+    /// peer's queue is gone (its connection just ended) or was discarded since the map was
+    /// loaded. The caller counts them (as discarded, or as its own drop).
     fn send_copies_to(
         &self,
         queues: &HashMap<NodeId, Arc<PeerQueue>>,
         p: &Publication<'_>,
         copies: &[(NodeId, Forward)],
-    ) {
+    ) -> usize {
         if copies.is_empty() {
-            return;
+            return 0;
         }
-        let missing = copies
+        let mut lost = copies
             .iter()
             .filter(|(node, _)| !queues.contains_key(node))
             .count();
-        if missing > 0 {
-            self.discarded.fetch_add(missing as u64, Ordering::Relaxed);
-        }
         // The common case: copies for the peers' plain subscribers only, all alike. One
         // record, shared by every peer's queue.
         if plain_only(copies) {
             let records = plain_records(std::slice::from_ref(p));
             for (node, _) in copies {
                 if let Some(q) = queues.get(node) {
-                    q.push_many(&records);
+                    lost += usize::from(!q.push_many(&records));
                 }
             }
-            return;
+            return lost;
         }
         let mut frame = BytesMut::new();
         encode_forwarded(p, &mut frame);
@@ -773,6 +797,7 @@ impl MeshHandle {
             let Some(q) = queues.get(node) else {
                 continue; // counted above
             };
+            let mut queued = true;
             // At most GROUPS_PER_RECORD groups a record (its routing fits its length field);
             // the first carries the plain part.
             let chunks: Vec<&[GroupKey]> = if f.groups.is_empty() {
@@ -796,9 +821,11 @@ impl MeshHandle {
                 record.extend_from_slice(&routing);
                 record.extend_from_slice(&frame);
                 let ttl = ttl.map(|(at, ms)| (2 + routing.len() + at, ms));
-                q.push(record.freeze(), ttl);
+                queued &= q.push(record.freeze(), ttl);
             }
+            lost += usize::from(!queued);
         }
+        lost
     }
 
     /// Give a consumer group's message that no member here can take any more (see
@@ -823,7 +850,10 @@ impl MeshHandle {
         p.ttl = o.ttl;
         p.trace = o.trace.as_ref();
         p.compression = o.compression.as_ref();
-        self.send_copies_to(&queues, &p, &[(node, forward)]);
+        // Its queue discarded meanwhile (the peer just went): the broker drops and counts it.
+        if self.send_copies_to(&queues, &p, &[(node, forward)]) > 0 {
+            return false;
+        }
         self.handed_over.fetch_add(1, Ordering::Relaxed);
         true
     }
@@ -1383,7 +1413,7 @@ impl Driver {
         node_queues.retain(|n, q| {
             let keep = queues.contains_key(n) || conns.values().any(|l| &l.node == n);
             if !keep {
-                discarded.fetch_add(q.depth() as u64, Ordering::Relaxed);
+                discarded.fetch_add(q.discard() as u64, Ordering::Relaxed);
             }
             keep
         });
@@ -2319,7 +2349,8 @@ async fn serve_peer(link: PeerTask) {
                     drop(room);
                     if let Some(queues) = &queues {
                         // Into the queues the re-pick chose among.
-                        mesh.send_copies_to(queues, &publication, &routing.forward);
+                        let lost = mesh.send_copies_to(queues, &publication, &routing.forward);
+                        mesh.discarded.fetch_add(lost as u64, Ordering::Relaxed);
                     }
                     // A held subscriber (block policy) holds the peer's copies too, as it
                     // holds a client's publishes: for at most `block_timeout`, then it is
@@ -2987,6 +3018,24 @@ mod tests {
         notified.poll(&mut cx).is_ready()
     }
 
+    /// A queue the driver discarded (its peer is gone) takes nothing more: a publisher that
+    /// still held the old queue map pushed into it, and those copies were neither written nor
+    /// counted (a handed-over job was reported handed over).
+    #[test]
+    fn a_discarded_queue_takes_nothing_more() {
+        let q = PeerQueue::new(16);
+        assert!(q.push(Bytes::from(record()), None));
+        assert!(q.push_many(&[(Bytes::from(record()), None)]));
+        assert_eq!(q.discard(), 2, "what it held");
+        assert!(
+            !q.push(Bytes::from(record()), None),
+            "refused: counted by the caller"
+        );
+        assert!(!q.push_many(&[(Bytes::from(record()), None)]));
+        assert_eq!(q.depth(), 0);
+        assert_eq!(q.forwarded.load(Ordering::Relaxed), 2);
+    }
+
     #[test]
     fn a_new_owner_writes_only_once_the_connection_it_replaces_lets_go() {
         let (a, b, c) = (ConnId(1), ConnId(2), ConnId(3));
@@ -3075,7 +3124,7 @@ mod tests {
         tokio::pin!(writer);
         let copies = 3;
         for _ in 0..copies {
-            q.push(Bytes::from(record()), None);
+            assert!(q.push(Bytes::from(record()), None));
         }
         leave.send_replace(true);
         assert!(
@@ -3103,7 +3152,7 @@ mod tests {
         let (owner, other) = (ConnId(1), ConnId(2));
         let q = PeerQueue::new(16);
         q.set_owner(owner);
-        q.push(Bytes::from(record()), None);
+        assert!(q.push(Bytes::from(record()), None));
         for (conn, copies) in [(other, 0), (owner, 1)] {
             let (_retire, not_retired) = watch::channel(false);
             let (_leave, leaving) = watch::channel(true);
@@ -3196,8 +3245,8 @@ mod tests {
             "the TTL is found in the frame"
         );
         let q = PeerQueue::new(16);
-        q.push(record.clone(), ttl);
-        q.push(record.clone(), ttl);
+        assert!(q.push(record.clone(), ttl));
+        assert!(q.push(record.clone(), ttl));
         let queued_at = |i: usize| q.queue.lock().expect("lock").0[i].ttl.expect("ttl").queued;
         let (t0, t1) = (queued_at(0), queued_at(1));
         // Taken 1.2 s after it was queued: 3.8 s left, the rest of the frame unchanged.
@@ -3214,7 +3263,7 @@ mod tests {
         // Without a TTL nothing is looked for or changed.
         let (plain, none) = queued(&Publication::new(&topic, b"body"));
         assert_eq!(none, None);
-        q.push(plain.clone(), none);
+        assert!(q.push(plain.clone(), none));
         let mut out = BytesMut::new();
         q.take(&mut out, usize::MAX, t0 + Duration::from_secs(3_600));
         assert_eq!(&out[..], &plain[..]);
