@@ -219,6 +219,12 @@ async fn dial(
 }
 
 impl Client {
+    /// The connection's request ids (tests).
+    #[cfg(test)]
+    pub(crate) fn ids(&self) -> &crate::ids::Ids {
+        &self.inner.ids
+    }
+
     /// The publisher the `publish*` methods use (tests).
     #[cfg(test)]
     pub(crate) fn default_publisher(&self) -> &Publisher {
@@ -228,7 +234,8 @@ impl Client {
     /// Connect and complete the TLS handshake. Every address the name resolves to is tried, in
     /// order, the next 250 ms after the one before (or when it fails); the first to complete
     /// its handshake is used.
-    pub async fn connect(opts: ConnectOptions) -> Result<Client, ConnectError> {
+    pub async fn connect(mut opts: ConnectOptions) -> Result<Client, ConnectError> {
+        let started = tokio::time::Instant::now();
         let host = host_of(&opts.addr).to_string();
         let mut addrs: Vec<SocketAddr> = Vec::new();
         // On a blocking thread (the system resolver blocks), within the connect timeout: a DNS
@@ -254,6 +261,8 @@ impl Client {
                 reason: "no address".into(),
             });
         }
+        // The handshake gets what the lookup left of the timeout.
+        opts.timeout = opts.timeout.saturating_sub(started.elapsed());
         Self::connect_to(&addrs, opts, host).await
     }
 

@@ -29,8 +29,10 @@ pub enum ConnectError {
     Timeout { addr: String },
 }
 
-/// Why an operation on a connected client failed.
+/// Why an operation on a connected client failed. More kinds may come: match with a
+/// catch-all arm.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ClientError {
     /// The broker answered with an ERROR frame.
     #[error("broker error {code}: {reason}")]

@@ -76,6 +76,15 @@ impl Ids {
             .remove(&id);
     }
 
+    /// Whether `id` is a live subscription's (tests).
+    #[cfg(test)]
+    pub(crate) fn is_held(&self, id: u32) -> bool {
+        self.subscribed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&id)
+    }
+
     /// Count from `next` (tests).
     #[cfg(test)]
     pub(crate) fn starting_at(next: u32) -> Ids {
@@ -133,14 +142,15 @@ mod tests {
         ids.next.store(3, Ordering::Relaxed);
         let two = ids.subscriptions(2);
         assert_eq!(two.first(), 5, "3..=4 holds a live one: 5..=6");
+        assert!(ids.is_held(5) && ids.is_held(6));
         drop(two);
+        assert!(
+            !ids.is_held(5) && !ids.is_held(6),
+            "not handed over: released"
+        );
         ids.release(4);
         ids.next.store(3, Ordering::Relaxed);
-        assert_eq!(
-            ids.subscriptions(1).first(),
-            3,
-            "5 and 6 were not handed over"
-        );
+        assert_eq!(ids.subscriptions(1).first(), 3);
         assert_eq!(ids.subscriptions(1).first(), 4, "released: free again");
 
         let ids = Arc::new(Ids::starting_at(u32::MAX - 1));

@@ -348,10 +348,12 @@ impl Publisher {
     /// Flushes called together (one in a task of its own, and [`Client::close`], say) each
     /// wait for everything published before they were called, and each says what went wrong
     /// with it: a flush called while another was waiting for the broker's answer returned
-    /// `Ok` at once, as the stream it covered had been taken by the other.
+    /// `Ok` at once, as the stream it covered had been taken by the other. Each keeps to its
+    /// own 10 s, waiting for the others included.
     ///
     /// [`Client::close`]: crate::Client::close
     pub async fn flush(&self) -> Result<(), ClientError> {
+        let deadline = tokio::time::Instant::now() + FLUSH_WAIT;
         let (done, outcome) = tokio::sync::watch::channel(None);
         let me = self.inner.next_flush.fetch_add(1, Ordering::Relaxed);
         let earlier: Vec<FlushOutcome> = {
@@ -366,18 +368,26 @@ impl Publisher {
             inner: &self.inner,
             me,
         };
-        let mine = {
-            let _turn = self.inner.flush_turn.lock().await;
-            self.flush_once().await
+        let turn = tokio::time::timeout_at(deadline, self.inner.flush_turn.lock()).await;
+        let (mine, passed_on) = match turn {
+            Ok(_turn) => self.flush_once(deadline).await,
+            Err(_) => (Err(stuck()), Ok(())),
         };
-        let _ = done.send(Some(mine.clone()));
+        let _ = done.send(Some(passed_on));
         // Then what the flushes called before this one came to (waited for without the turn:
-        // one that asks for it after this one does waits for this one).
+        // one that asks for it after this one does waits for this one), by the same deadline.
         let mut first_error = None;
         for mut outcome in earlier {
-            if let Ok(o) = outcome.wait_for(Option::is_some).await {
-                if let Some(Err(e)) = &*o {
-                    first_error.get_or_insert(e.clone());
+            match tokio::time::timeout_at(deadline, outcome.wait_for(Option::is_some)).await {
+                Ok(Ok(o)) => {
+                    if let Some(Err(e)) = &*o {
+                        first_error.get_or_insert(e.clone());
+                    }
+                }
+                // Cancelled: what it waited for went back to the flushes after it.
+                Ok(Err(_)) => {}
+                Err(_) => {
+                    first_error.get_or_insert(stuck());
                 }
             }
         }
@@ -387,9 +397,14 @@ impl Publisher {
         }
     }
 
-    /// One flush, with the turn held (see [`flush`](Self::flush)).
-    async fn flush_once(&self) -> Result<(), ClientError> {
-        let deadline = tokio::time::Instant::now() + FLUSH_WAIT;
+    /// One flush, with the turn held, by `deadline` (see [`flush`](Self::flush)). Returns its
+    /// outcome, and what it passes on to the flushes called while it ran: the same, except a
+    /// flush that could not take the stream in time, which took nothing (the next flush finishes
+    /// what it would have, and says how that went).
+    async fn flush_once(
+        &self,
+        deadline: tokio::time::Instant,
+    ) -> (Result<(), ClientError>, Result<(), ClientError>) {
         // Bounded too: a publish the broker's flow control holds (it does not read the stream:
         // a `block` subscriber, a throttled quota) holds the stream's lock, and the rest of a
         // frame may still have to be written. Cancelled, what is queued stays for the next
@@ -416,18 +431,18 @@ impl Publisher {
         })
         .await;
         let Ok((finished, lost)) = taken else {
-            return Err(ClientError::Timeout(format!(
-                "the broker did not take what was published within {FLUSH_WAIT:?} (it is not \
-                 reading the publish stream: a subscriber with the block policy, a quota?)"
-            )));
+            return (Err(stuck()), Ok(()));
         };
         // The ends to wait for: this stream's, and those of streams an earlier flush was
         // cancelled while waiting for. What is not read yet when this flush is cancelled in
-        // turn goes back for the next one (`Unread`'s drop).
+        // turn goes back for the next one (`Unread`'s drop), and so does an earlier stream's
+        // loss.
         let mut ends = Unread {
             ends: std::mem::take(&mut *lock(&self.inner.unread_ends)),
+            lost,
             inner: &self.inner,
         };
+        let lost = ends.lost.clone();
         let mut first_error = lost.map(flush_error).or(finished.err());
         while let Some(end) = ends.ends.first_mut() {
             let result = match tokio::time::timeout_at(deadline, end).await {
@@ -446,7 +461,10 @@ impl Publisher {
                 first_error.get_or_insert(e);
             }
         }
-        first_error.map_or(Ok(()), Err)
+        // Said by this flush: not put back.
+        ends.lost = None;
+        let outcome = first_error.map_or(Ok(()), Err);
+        (outcome.clone(), outcome)
     }
 }
 
@@ -465,10 +483,20 @@ impl Drop for Registered<'_> {
 /// How long a flush waits, in all.
 const FLUSH_WAIT: Duration = Duration::from_secs(10);
 
-/// Stream ends a flush waits for; those it has not read when it is dropped (cancelled) go back
-/// to the publisher, for the next flush.
+/// A flush that could not take the stream (another flush, or a publish the broker's flow
+/// control holds, kept it) within [`FLUSH_WAIT`].
+fn stuck() -> ClientError {
+    ClientError::Timeout(format!(
+        "the broker did not take what was published within {FLUSH_WAIT:?} (it is not reading \
+         the publish stream: a subscriber with the block policy, a quota?)"
+    ))
+}
+
+/// Stream ends a flush waits for, and an earlier stream's loss it is to report; what it has not
+/// read or said when it is dropped (cancelled) goes back to the publisher, for the next flush.
 struct Unread<'a> {
     ends: Vec<Done>,
+    lost: Option<ClientError>,
     inner: &'a Inner,
 }
 
@@ -476,6 +504,9 @@ impl Drop for Unread<'_> {
     fn drop(&mut self) {
         if !self.ends.is_empty() {
             lock(&self.inner.unread_ends).append(&mut self.ends);
+        }
+        if let Some(lost) = self.lost.take() {
+            lock(&self.inner.lost).get_or_insert(lost);
         }
     }
 }
@@ -723,6 +754,34 @@ mod tests {
                 other => panic!("{what}: {other:?}"),
             }
         }
+    }
+
+    /// A flush cancelled while it waits for the broker's end of the stream leaves what it was
+    /// to report — a refusal on an earlier stream among it — to the next flush: the refusal was
+    /// dropped with the cancelled flush, and the next flush said `Ok`.
+    #[tokio::test]
+    async fn a_cancelled_flush_leaves_an_earlier_loss_to_the_next() {
+        use crate::test_broker::{read_frame, FakeBroker};
+        let fake = FakeBroker::start();
+        let (client, conn) = fake.client().await;
+        let publisher = client.default_publisher().clone();
+        client.publish("t", "a").await.expect("sent");
+        let (mut send, mut recv) = conn.accept_bi().await.expect("the publish stream");
+        read_frame(&mut recv).await;
+        // An earlier stream ended with a refusal, not yet reported.
+        let refusal = ClientError::Broker {
+            code: ErrorCode::NOT_AUTHORIZED,
+            reason: "no".into(),
+        };
+        *lock(&publisher.inner.lost) = Some(refusal.clone());
+        let cancelled = tokio::time::timeout(Duration::from_millis(100), client.flush()).await;
+        assert!(
+            cancelled.is_err(),
+            "the broker has not finished the stream yet"
+        );
+        within(recv.read_to_end(1024)).await.expect("the FIN");
+        send.finish().expect("finish");
+        assert_eq!(within(client.flush()).await, Err(refusal));
     }
 
     /// A flush keeps to its 10 s also while a publish the broker does not read (its flow

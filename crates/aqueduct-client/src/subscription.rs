@@ -845,6 +845,28 @@ mod tests {
         assert_eq!(bodies, expected);
     }
 
+    /// A subscription's id is held while it lives and free again once it is gone (its handle
+    /// dropped), so that a SUBSCRIBE after the ids wrap never takes a live one's.
+    #[tokio::test]
+    async fn a_subscription_holds_its_id_until_it_is_gone() {
+        use crate::test_broker::{confirm_subscribe, within, FakeBroker};
+        let fake = FakeBroker::start();
+        let (client, conn) = fake.client().await;
+        let (sub, (_send, _recv, id)) =
+            within(async { tokio::join!(client.subscribe("t"), confirm_subscribe(&conn)) }).await;
+        let sub = sub.expect("subscribed");
+        let ids = client.ids();
+        assert!(ids.is_held(id), "held while it lives");
+        // Its drop sends the UNSUBSCRIBE from a task, which holds the handle until it is sent.
+        drop(sub);
+        within(async {
+            while ids.is_held(id) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await;
+    }
+
     /// Closing a stream of several subscriptions, one of which the broker closed already (a
     /// slow consumer), unsubscribes only the others: the UNSUBSCRIBE for the closed one got
     /// NOT_SUBSCRIBED, and `close` returned it as an error although nothing failed.
