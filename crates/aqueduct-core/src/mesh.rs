@@ -429,8 +429,8 @@ pub enum Output {
     Send { conn: ConnId, control: Control },
 }
 
-/// Hops a group copy may make (the nodes listed in it): past this, one whose member left is
-/// not sent back to a node it has been to (see [`RouteTable::route_forwarded_where`]).
+/// Nodes a group copy may list as it arrives and still be sent back to one of them when its
+/// member there left (see [`RouteTable::route_forwarded_where`]): so many hops at most.
 pub const MAX_VISITS: usize = 8;
 
 /// What a copy of a message forwarded to a peer is for.
@@ -1338,7 +1338,7 @@ impl RouteTable {
             let picked = self
                 .pick(g, |n| !visited.contains(n) && reachable(n))
                 .or_else(|| {
-                    (visited.len() < MAX_VISITS)
+                    (forward.visited.len() < MAX_VISITS)
                         .then(|| self.pick(g, |n| *n != self.me && reachable(n)))
                         .flatten()
                 });
@@ -1914,12 +1914,15 @@ mod tests {
         connected(&mut a, 3, "d", &[(Key::Group(g.clone()), 1)]);
         let r = a.table().route_forwarded_where(&f, |_| false, |_| true);
         assert_eq!(r.forward[0].0, node("d"));
-        // After MAX_VISITS hops, unplaced.
-        let long = Forward {
-            visited: (0..MAX_VISITS).map(|i| node(["a", "b"][i % 2])).collect(),
+        // Arriving with MAX_VISITS nodes listed, unplaced; with one fewer, sent back.
+        let listing = |n: usize| Forward {
+            visited: (0..n).map(|i| node(["b", "a"][i % 2])).collect(),
             ..f.clone()
         };
-        let r = table.route_forwarded_where(&long, |_| false, |_| true);
+        let r = table.route_forwarded_where(&listing(MAX_VISITS - 1), |_| false, |_| true);
+        assert_eq!(r.forward.len(), 1);
+        assert_eq!(r.forward[0].1.visited.len(), MAX_VISITS);
+        let r = table.route_forwarded_where(&listing(MAX_VISITS), |_| false, |_| true);
         assert!(r.forward.is_empty());
         assert_eq!(r.unplaced, vec![g]);
     }

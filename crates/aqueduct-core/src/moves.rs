@@ -30,6 +30,7 @@ pub struct Moves {
 impl Moves {
     /// A move begins: hold the guard from before the message is taken out until it is placed.
     /// (Public so that tests elsewhere can hold a move open: a reader then never settles.)
+    #[doc(hidden)]
     pub fn begin(&self) -> Moving<'_> {
         self.begun.fetch_add(1, SeqCst);
         Moving(self)

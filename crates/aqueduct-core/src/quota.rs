@@ -115,9 +115,15 @@ impl Bucket {
     /// Take `n` tokens, into debt if need be; returns how long the caller should wait before
     /// taking more (zero: none).
     pub fn take(&self, n: u64, now_ns: u64) -> Duration {
+        self.take_costing(n, now_ns).0
+    }
+
+    /// [`take`](Self::take), also returning what the tokens cost (what
+    /// [`refund`](Self::refund) gives back: the interval may change meanwhile).
+    pub fn take_costing(&self, n: u64, now_ns: u64) -> (Duration, u64) {
         let interval = self.interval.load(Ordering::Relaxed);
         if interval == 0 {
-            return Duration::ZERO;
+            return (Duration::ZERO, 0);
         }
         let cost = interval.saturating_mul(n);
         let prev = self
@@ -127,15 +133,14 @@ impl Bucket {
             })
             .unwrap_or_else(|tat| tat);
         let tat = prev.max(now_ns).saturating_add(cost);
-        self.debt(tat, interval, now_ns)
+        (self.debt(tat, interval, now_ns), cost)
     }
 
-    /// Give back `n` tokens [`take`](Self::take) took for messages that were then not
-    /// published (their frame was abandoned while it waited: the stream or connection closed).
-    /// A debt run up by frames never published would hold every publisher of the client id.
-    pub fn refund(&self, n: u64) {
-        let interval = self.interval.load(Ordering::Relaxed);
-        let cost = interval.saturating_mul(n);
+    /// Give back tokens [`take_costing`](Self::take_costing) took, by their `cost`, for
+    /// messages that were then not published (their frame was abandoned while it waited: the
+    /// stream or connection closed). A debt run up by frames never published would hold every
+    /// publisher of the client id.
+    pub fn refund(&self, cost: u64) {
         let _ = self
             .tat
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
@@ -314,14 +319,32 @@ mod tests {
             burst: 10,
         });
         assert_eq!(b.take(10, 0), Duration::ZERO);
-        assert_eq!(b.take(2_000, 0), Duration::from_secs(200));
-        b.refund(2_000);
+        let (wait, cost) = b.take_costing(2_000, 0);
+        assert_eq!(wait, Duration::from_secs(200));
+        b.refund(cost);
         assert_eq!(b.wait(0), Duration::ZERO);
         // The burst the first take used stays used.
         assert_eq!(b.take(1, 0), Duration::from_millis(100));
-        // Unlimited: nothing to give back.
+        // Lowered while a frame waits: what is given back is what it took, not more (another
+        // frame's debt stays).
+        let b = Bucket::new(QuotaSpec {
+            rate: 10,
+            burst: 10,
+        });
+        b.take(10, 0);
+        let (_, cost) = b.take_costing(2_000, 0);
+        b.take(100, 0);
+        b.set(QuotaSpec { rate: 1, burst: 10 });
+        b.refund(cost);
+        assert_eq!(
+            b.wait(0),
+            Duration::from_secs(1),
+            "1 s + the other frame's 10 s - 10 s of burst"
+        );
+        // Unlimited: nothing taken, nothing to give back.
         let free = Bucket::new(QuotaSpec::UNLIMITED);
-        free.refund(5);
+        assert_eq!(free.take_costing(5, 0), (Duration::ZERO, 0));
+        free.refund(0);
         assert_eq!(free.take(1, 0), Duration::ZERO);
     }
 

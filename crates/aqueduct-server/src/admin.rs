@@ -448,8 +448,10 @@ impl AdminApi {
         let now = std::time::Instant::now();
         let due = {
             let mut w = self.denied_warned.lock().unwrap_or_else(|e| e.into_inner());
+            let due = w.due((cn.to_string(), why), (), now);
+            // After `due`: forgotten first, a key due again lost what it held back.
             w.forget_expired(now);
-            w.due((cn.to_string(), why), (), now)
+            due
         };
         match due {
             Some(more) => warn!(

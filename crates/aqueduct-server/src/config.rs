@@ -1007,7 +1007,7 @@ fn describe(e: figment::Error) -> String {
 }
 
 /// Keys whose values are secret: an error about one never shows the value.
-const SECRET_KEYS: &[&str] = &["aal.key", "aal.previous_keys"];
+const SECRET_KEYS: &[&str] = &["aal.key", "aal.previous_keys", "webtransport.tokens"];
 
 /// A figment error kind about a secret key, with the value's kind in place of the value.
 fn secret_kind_text(kind: &figment::error::Kind) -> String {

@@ -609,7 +609,9 @@ impl Consumers {
         let mut all = t.stored.clone();
         let mut unread = 0;
         let mut sigs = Vec::with_capacity(t.live.len());
+        let mut feds = Vec::with_capacity(t.live.len());
         for (key, live) in &t.live {
+            feds.push((key.clone(), live.fed.clone()));
             match position_of(live, SAVE_PATIENCE) {
                 Some((position, sig)) => {
                     all.insert(key.clone(), position);
@@ -626,6 +628,7 @@ impl Consumers {
             all,
             unread,
             sigs,
+            feds,
             changes: t.changes,
         }
     }
@@ -722,15 +725,22 @@ impl Consumers {
         // What the saved positions were made of, for the next checkpoint to compare with —
         // unless consumers came or went meanwhile (then it reads them all again).
         let mut t = lock(&self.table);
+        // Each consumer read that is still the same subscription falls back on what was saved
+        // for it now, whatever came and went meanwhile (others' claims and ends would otherwise
+        // keep a long-lived consumer's fallback at its claim).
+        for (key, fed) in &now.feds {
+            let Some(live) = t.live.get_mut(key) else {
+                continue;
+            };
+            if let (true, Some(position)) = (Arc::ptr_eq(&live.fed, fed), saved.positions.get(key))
+            {
+                live.safe = position.clone();
+            }
+        }
         if t.changes == now.changes {
             for (key, sig) in now.sigs {
                 if let Some(live) = t.live.get_mut(&key) {
                     live.saved_as = Some(sig);
-                }
-            }
-            for (key, live) in t.live.iter_mut() {
-                if let Some(position) = saved.positions.get(key) {
-                    live.safe = position.clone();
                 }
             }
             saved.changes = now.changes;
@@ -755,6 +765,9 @@ struct Snapshot {
     unread: usize,
     /// What the others' positions were made of.
     sigs: Vec<(String, Sig)>,
+    /// Each live consumer read, by its feeder's shared state (which tells the same
+    /// subscription from one that claimed the id since).
+    feds: Vec<(String, SharedFed)>,
     changes: u64,
 }
 
@@ -2148,6 +2161,40 @@ mod tests {
         let next = lock(&claim.fed).next.get(&b"jobs"[..]).copied();
         assert_eq!(next, Some(12), "rewound to where it came back");
         drop(moving);
+    }
+
+    /// A save moves a consumer's fallback position on also when other consumers came or went
+    /// while it saved: it stayed at the consumer's claim, so a busy broker's long-lived
+    /// consumer fell back to where it started (everything since delivered again).
+    #[tokio::test]
+    async fn the_fallback_follows_each_save_while_others_come_and_go() {
+        let (_dir, consumers, broker, _jobs) = redelivering();
+        let claim = claim_acked(&consumers, &broker);
+        consumers.start_feeder("consumer:c", &claim.fed, std::future::pending());
+        lock(&claim.fed).set(b"jobs", 7);
+        let filter = TopicFilter::try_from("other").expect("valid filter");
+        let saved = consumers
+            .checkpoint(|| {
+                // Another consumer starts while the save waits for the log.
+                let other = consumers.claim("consumer:d", &filter, false, BTreeMap::new, || {
+                    broker.subscribe_unrouted(
+                        &SubscribeSpec::new(filter.clone()),
+                        SubscribeOptions::default(),
+                    )
+                });
+                assert!(other.is_ok());
+                Some(Vec::new())
+            })
+            .expect("saved");
+        assert!(saved);
+        let _moving = claim.sub.moves().begin();
+        consumers.rewind("consumer:c", &claim.sub);
+        let next = lock(&claim.fed).next.get(&b"jobs"[..]).copied();
+        assert_eq!(
+            next,
+            Some(7),
+            "fell back to the saved position, not the claim's"
+        );
     }
 
     /// A consumer whose client stops reading is rewound to its lowest queued or unsettled

@@ -797,7 +797,9 @@ impl MeshHandle {
             let Some(q) = queues.get(node) else {
                 continue; // counted above
             };
-            let mut queued = true;
+            // Not queued at all (a copy split into several records whose queue was discarded
+            // in between had its first records counted by the discard).
+            let mut queued = false;
             // At most GROUPS_PER_RECORD groups a record (its routing fits its length field);
             // the first carries the plain part.
             let chunks: Vec<&[GroupKey]> = if f.groups.is_empty() {
@@ -821,7 +823,7 @@ impl MeshHandle {
                 record.extend_from_slice(&routing);
                 record.extend_from_slice(&frame);
                 let ttl = ttl.map(|(at, ms)| (2 + routing.len() + at, ms));
-                queued &= q.push(record.freeze(), ttl);
+                queued |= q.push(record.freeze(), ttl);
             }
             lost += usize::from(!queued);
         }

@@ -692,6 +692,8 @@ fn previous_log_keys_from_the_file_or_the_environment() {
     for bad in [
         "webtransport:\n  tokens: {secret-token-123456789: 42}\n",
         "webtransport:\n  tokens: {secret-token-123456789: [a]}\n",
+        "webtransport:\n  tokens: secret-token-123456789\n",
+        "webtransport:\n  tokens: [secret-token-123456789]\n",
     ] {
         let e = error(Some(bad), &[], Overrides::default());
         assert!(e.contains("webtransport.tokens"), "{bad}: {e}");

@@ -89,23 +89,25 @@ impl Reader<'_> {
     /// tokens are taken (into debt if need be) and, while the bucket is in debt, this stream is
     /// not read and the frame waits (QUIC flow control then holds the client; nothing is lost);
     /// re-checked at least every 50 ms, so a quota raised meanwhile applies at once. Reject:
-    /// taken only if they are there, else ERROR RATE_LIMITED and the frame is dropped.
-    pub(super) async fn take_quota(&mut self, stream_id: u32, n: usize) -> bool {
+    /// taken only if they are there, else ERROR RATE_LIMITED and the frame is dropped (`None`).
+    /// The tokens taken are given back unless the caller says the frame went on
+    /// ([`Owed::paid`]): a frame abandoned while it waits (here, or later for room in the
+    /// durable log) as its stream or connection closes is never published.
+    pub(super) async fn take_quota(&mut self, stream_id: u32, n: usize) -> Option<Owed> {
         let Some(bucket) = self.conn.bucket.get() else {
-            return true;
+            return Some(Owed(None));
         };
         if bucket.unlimited() {
-            return true;
+            return Some(Owed(None));
         }
         let now = self.shared.now_ns();
         match self.shared.access.action() {
             QuotaAction::Throttle => {
-                if !bucket.take(n as u64, now).is_zero() {
+                let (wait, cost) = bucket.take_costing(n as u64, now);
+                let owed = Owed(Some((bucket.clone(), cost)));
+                if !wait.is_zero() {
                     let started = Instant::now();
                     let _waiting = Waiting::new(&self.shared.stats.quota_waiting);
-                    // Given back if the wait is cancelled (the stream or connection closes):
-                    // the frame is then never published.
-                    let owed = Owed(Some((bucket, n as u64)));
                     loop {
                         let wait = bucket.wait(self.shared.now_ns());
                         if wait.is_zero() {
@@ -113,13 +115,13 @@ impl Reader<'_> {
                         }
                         tokio::time::sleep(wait.min(QUOTA_RECHECK)).await;
                     }
-                    owed.paid();
                     bucket.record_throttled(started.elapsed());
                 }
-                true
+                Some(owed)
             }
+            // Taken only when there (no debt): nothing worth giving back.
             QuotaAction::Reject => match bucket.try_take(n as u64, now) {
-                Ok(()) => true,
+                Ok(()) => Some(Owed(None)),
                 Err(wait) => {
                     bucket.record_rejected(n as u64);
                     let spec = bucket.spec();
@@ -144,7 +146,7 @@ impl Reader<'_> {
                         spec.burst
                     );
                     self.send_error(stream_id, ErrorCode::RATE_LIMITED, reason);
-                    false
+                    None
                 }
             },
         }
@@ -163,20 +165,21 @@ impl Reader<'_> {
     }
 }
 
-/// The tokens a waiting frame took: given back unless it goes on to be published.
-struct Owed<'a>(Option<(&'a aqueduct_core::quota::Bucket, u64)>);
+/// The tokens a frame took from its client's quota (by their cost): given back unless it
+/// goes on to be published.
+pub(super) struct Owed(Option<(Arc<aqueduct_core::quota::Bucket>, u64)>);
 
-impl Owed<'_> {
+impl Owed {
     /// The frame goes on: its tokens stay taken.
-    fn paid(mut self) {
+    pub(super) fn paid(mut self) {
         self.0 = None;
     }
 }
 
-impl Drop for Owed<'_> {
+impl Drop for Owed {
     fn drop(&mut self) {
-        if let Some((bucket, n)) = self.0.take() {
-            bucket.refund(n);
+        if let Some((bucket, cost)) = self.0.take() {
+            bucket.refund(cost);
         }
     }
 }

@@ -680,14 +680,16 @@ impl Reader<'_> {
         };
         let mut room = None;
         if let Some(n) = publishes {
-            if !self.take_quota(stream_id, n).await {
+            let Some(owed) = self.take_quota(stream_id, n).await else {
                 return;
-            }
+            };
             if let Some(d) = self.shared.durable.as_deref() {
                 // Room in the log for the frame's messages, held until they are queued: the
                 // log owes at most so many offsets (its crash gap must cover them).
                 room = Some(d.wait_room(n).await);
             }
+            // The frame goes on (a refusal by the ACL below still counts, as documented).
+            owed.paid();
         }
         if let Message::Publish(p) = &frame.message {
             if !self.authorize_publish(stream_id, std::iter::once(p.topic().as_bytes())) {
