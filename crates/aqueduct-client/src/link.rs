@@ -225,6 +225,11 @@ fn session_error(e: &web_transport_quinn::SessionError) -> String {
 }
 
 fn wt_write_error(e: &web_transport_quinn::WriteError) -> ClientError {
+    // This side let go of the stream (as over QUIC, `error::write_error`): not a lost
+    // connection.
+    if matches!(e, web_transport_quinn::WriteError::ClosedStream) {
+        return ClientError::Closed;
+    }
     ClientError::Connection(match e {
         web_transport_quinn::WriteError::Stopped(code) => format!(
             "the broker stopped reading the stream with {}",
