@@ -1132,6 +1132,12 @@ impl Driver {
                 None => {}
                 // A connection the mesh does not keep (a duplicate, itself) is closed by the
                 // `Output::Close` it queues, below: both ends then end it.
+                // Checked against the revocation lists in force when the driver takes it: one
+                // verified under the lists a reload replaced before its event came here would
+                // otherwise slip past that reload's check of the live connections.
+                Some(Event::Accepted { conn, .. }) if self.tls.peer_revoked(&conn) => {
+                    close_revoked(&conn);
+                }
                 Some(Event::Accepted { conn, node }) => {
                     if too_many(&live, &conn, &node) {
                         self.handle
@@ -1157,6 +1163,12 @@ impl Driver {
                                  Common Name: every node needs its own, `aqueduct cert peer \
                                  NODE`), or this node's own address is reached through NAT"
                             ));
+                        }
+                        if self.tls.peer_revoked(&conn) {
+                            close_revoked(&conn);
+                            return Err(
+                                "the peer certificate is revoked (cluster.tls.crl_file)".into()
+                            );
                         }
                         Ok((conn, node))
                     });
@@ -1278,10 +1290,7 @@ impl Driver {
                     let mut n = 0;
                     for link in conns.values().filter(|l| self.tls.peer_revoked(&l.conn)) {
                         warn!(peer = %link.node, "closing a mesh connection: the peer's certificate is revoked (cluster.tls.crl_file)");
-                        link.conn.close(
-                            aqueduct_proto::ErrorCode::NOT_AUTHORIZED.0.into(),
-                            b"peer certificate revoked",
-                        );
+                        close_revoked(&link.conn);
                         n += 1;
                     }
                     let _ = closed.send(n);
@@ -1484,6 +1493,14 @@ impl Driver {
             );
         }
     }
+}
+
+/// Close a mesh connection whose peer's certificate is revoked.
+fn close_revoked(conn: &quinn::Connection) {
+    conn.close(
+        aqueduct_proto::ErrorCode::NOT_AUTHORIZED.0.into(),
+        b"peer certificate revoked",
+    );
 }
 
 /// The close reason of a mesh connection when its node shuts down.
