@@ -54,7 +54,10 @@ pub enum QuotaCommand {
     Get { client: String },
     /// Set a client's quota: RATE messages/s (0 = unlimited), and the burst.
     Set {
+        /// The client id (a certificate's Common Name, a WebTransport token's client, or
+        /// anonymous).
         client: String,
+        /// Messages per second it may publish (0 = unlimited).
         rate: u64,
         /// Messages it may publish at once (default: its current burst).
         #[arg(long)]
@@ -62,7 +65,10 @@ pub enum QuotaCommand {
     },
     /// Remove a client's own quota: it follows the default again.
     #[command(visible_alias = "remove")]
-    Rm { client: String },
+    Rm {
+        /// The client id.
+        client: String,
+    },
     /// Every client with its own quota, and the default.
     List,
 }
@@ -74,15 +80,21 @@ pub enum AclCommand {
     /// Add a rule: CLIENT (id or prefix*), TOPIC (filter), PERMISSION (publish, subscribe, all,
     /// none).
     Add {
+        /// The client id, or a prefix ending in * (admin-*, or * for every client).
         client: String,
+        /// A topic, or a filter with + and # (orders/+, #).
         topic: String,
+        /// What the client may do there: all (or pubsub), publish, subscribe, none (or deny).
         permission: String,
     },
     /// Remove the rule with exactly these fields.
     #[command(visible_alias = "remove")]
     Rm {
+        /// The rule's client, as listed.
         client: String,
+        /// The rule's topic or filter, as listed.
         topic: String,
+        /// The rule's permission, as listed.
         permission: String,
     },
     /// Replace every rule with those in FILE (YAML or JSON: a list of {client, topic,

@@ -109,7 +109,9 @@ enum Command {
     Sub {
         /// Topic filter, e.g. orders/+ or sensors/#.
         filter: String,
-        /// Join this consumer group (each message goes to one member).
+        /// Join this consumer group (each message goes to one member). A member acknowledges
+        /// each message after printing it (and after --work): one it has not acknowledged when
+        /// it stops goes to another member.
         #[arg(long, short = 'g')]
         group: Option<String>,
         /// Acknowledge each message after printing it (explicit-ack mode).

@@ -445,7 +445,7 @@ impl Access {
                         path = %path.display(),
                         rules = a.rules.len(),
                         client_quotas = q.clients.len(),
-                        "access policy: using the changes made through the admin API (state file)"
+                        "access policy: using the state file (the policy last set through the admin API or by a SIGHUP reload)"
                     );
                     acl = a;
                     quotas = q;

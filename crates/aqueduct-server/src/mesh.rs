@@ -1413,6 +1413,8 @@ impl Driver {
                 if known && !before.contains_key(n) {
                     *count += 1;
                     info!(peer = %n, reconnects = *count, "cluster peer reconnected");
+                } else if !known {
+                    info!(peer = %n, "cluster peer connected");
                 }
                 link.queue.reconnects.store(*count, Ordering::Relaxed);
                 link.queue.set_owner(c);

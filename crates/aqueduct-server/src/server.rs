@@ -203,7 +203,7 @@ fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket, Se
     use socket2::{Protocol, Type};
     let err = |e: std::io::Error| ServerError::Bind {
         addr,
-        reason: e.to_string(),
+        reason: bind_failure(&e, "--addr"),
     };
     let socket = bind_with_ipv4_fallback(addr, |addr| {
         let socket = new_socket(addr, Type::DGRAM, Protocol::UDP)?;
@@ -220,6 +220,19 @@ fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket, Se
         }
     }
     Ok(socket.into())
+}
+
+/// Why a bind failed, in words: a port in use says what usually holds it and how to choose
+/// another (`how`: the command-line flag, or the key).
+fn bind_failure(e: &std::io::Error, how: &str) -> String {
+    if e.kind() == std::io::ErrorKind::AddrInUse {
+        format!(
+            "{e}: another program holds the port (a broker started before and still running?); \
+             stop it, or choose another address with {how}"
+        )
+    } else {
+        e.to_string()
+    }
 }
 
 /// Bind `addr`; where it is `[::]` (every interface, as `":4242"` is read) and the host has no
@@ -363,14 +376,14 @@ impl Server {
         };
         let metrics = tcp_listener(config.metrics_addr).map_err(|e| ServerError::MetricsBind {
             addr: config.metrics_addr,
-            reason: e.to_string(),
+            reason: bind_failure(&e, "--metrics-addr"),
         })?;
         let admin = match (&config.admin, &admin_certs) {
             (Some(a), Some(verifier)) => {
                 let crypto = tls::admin_crypto(&identity, verifier.clone())?;
                 let listener = tcp_listener(a.listen_addr).map_err(|e| ServerError::AdminBind {
                     addr: a.listen_addr,
-                    reason: e.to_string(),
+                    reason: bind_failure(&e, "the key above"),
                 })?;
                 Some((listener, Arc::new(crypto)))
             }

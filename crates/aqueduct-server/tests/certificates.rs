@@ -106,7 +106,7 @@ async fn certificate_files_ca_trust_and_pinning() {
 
 /// A second broker started by mistake on a port in use fails, and leaves the running broker's
 /// development certificate alone (its clients keep connecting); a metrics port in use is
-/// reported under metrics_addr.
+/// reported under metrics_addr. Each says what usually holds the port.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_broker_on_the_same_port_keeps_the_first_ones_certificate() {
     let b = TestBroker::start().await;
@@ -120,6 +120,12 @@ async fn a_second_broker_on_the_same_port_keeps_the_first_ones_certificate() {
         }
         let err = Server::bind(second).await.expect_err("port in use");
         assert!(err.to_string().starts_with(key), "{err}");
+        // Says what usually holds the port, and how to choose another.
+        let flag = if listen { "--addr" } else { "--metrics-addr" };
+        assert!(
+            err.to_string().contains("still running?") && err.to_string().contains(flag),
+            "{err}"
+        );
         assert_eq!(std::fs::read(&b.dev_cert).expect("dev cert"), before);
         b.client()
             .await
