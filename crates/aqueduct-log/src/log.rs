@@ -389,6 +389,8 @@ impl Log {
         let mut next_id = 0;
         // The previous run ended without a clean close, whatever its last index file says.
         let mut crash_evidence = false;
+        // A segment sealed with a key came before: plaintext ones may not follow.
+        let mut sealed_before = false;
         for (i, (id, path)) in files.iter().enumerate() {
             next_id = next_id.max(id.checked_add(1).ok_or_else(|| LogError::BadFile {
                 path: path.clone(),
@@ -454,6 +456,19 @@ impl Log {
                     ),
                 });
             }
+            if seg.cipher.is_none() && sealed_before {
+                // aal.allow_plaintext is for the segments a log wrote before its key was set,
+                // all older than its first sealed one: a newer plaintext one was put there.
+                return Err(LogError::BadFile {
+                    path: path.clone(),
+                    reason: "a plaintext segment after segments sealed with a key: \
+                             aal.allow_plaintext accepts those a log wrote before its key was \
+                             set, which come before its first sealed one; anyone who can write \
+                             to the directory could have put this one there"
+                        .into(),
+                });
+            }
+            sealed_before |= seg.cipher.is_some();
             if rebuilt && !seg.damage.is_empty() {
                 // Damage found by reading through: what the damaged batches held is unknown,
                 // maybe a topic's highest offsets. Go on past them as after a crash (each topic
@@ -1350,11 +1365,24 @@ pub(crate) fn list_segments_read_only(dir: &Path) -> Result<Vec<(u64, PathBuf)>,
     for entry in std::fs::read_dir(dir).map_err(|e| LogError::io("listing", dir, e))? {
         let entry = entry.map_err(|e| LogError::io("listing", dir, e))?;
         let name = entry.file_name();
-        if let Some(id) = name
-            .to_string_lossy()
+        let name = name.to_string_lossy();
+        if let Some((stem, id)) = name
             .strip_suffix(".seg")
-            .and_then(|n| n.parse::<u64>().ok())
+            .and_then(|n| n.parse::<u64>().ok().map(|id| (n, id)))
         {
+            // A segment is read, sealed and deleted under its canonical name: one under
+            // another (`5.seg`) was opened, then not found there, and skipped as if retention
+            // had deleted it.
+            let canonical = format!("{id:020}");
+            if stem != canonical {
+                return Err(LogError::BadFile {
+                    path: entry.path(),
+                    reason: format!(
+                        "a segment file is named by its id in 20 digits: give it back its name, \
+                         {canonical}.seg"
+                    ),
+                });
+            }
             found.push((id, entry.path()));
         }
     }

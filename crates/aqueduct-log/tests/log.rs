@@ -846,15 +846,30 @@ fn a_segment_under_another_name_is_refused() -> R {
     log.append(&[entry(0, b"x")], 0)?;
     log.close()?;
     let seg = segments(tmp.path()).pop().ok_or("a segment")?;
-    let renamed = tmp.path().join("7.seg");
+    let renamed = tmp.path().join("00000000000000000007.seg");
     std::fs::rename(&seg, &renamed)?;
     let _ = std::fs::remove_file(seg.with_extension("idx"));
     let err = Log::open(tmp.path(), opts(None)).expect_err("refused");
     let text = err.to_string();
     assert!(
-        text.contains("7.seg") && text.contains("its header says it is segment 0"),
+        text.contains("00000000000000000007.seg")
+            && text.contains("its header says it is segment 0"),
         "{text}"
     );
+    // Its own id, but not in 20 digits: it was opened, then not found under its canonical
+    // name, and skipped as if retention had deleted it.
+    let short = tmp.path().join("0.seg");
+    std::fs::rename(&renamed, &short)?;
+    for open in [
+        Log::open(tmp.path(), opts(None)).map(|_| ()),
+        aqueduct_log::LogView::open(tmp.path(), &[]).map(|_| ()),
+    ] {
+        let text = open.expect_err("refused").to_string();
+        assert!(
+            text.contains("0.seg") && text.contains("00000000000000000000.seg"),
+            "{text}"
+        );
+    }
     Ok(())
 }
 
@@ -1370,6 +1385,27 @@ fn with_a_key_index_files_are_authenticated_and_plaintext_segments_refused() -> 
     assert_eq!(read_all(&log, "p", 0)?.len(), 24);
     fill(&mut log, "p", 1, 1)?;
     assert_eq!(read_all(&log, "p", 0)?.len(), 25);
+    log.close()?;
+
+    // A plaintext segment newer than the sealed ones (written by someone without the key) is
+    // refused even so: it was read as the newest, its records served as authentic.
+    let all = segments(tmp.path());
+    let first = all.first().ok_or("a segment")?;
+    let next = all.len() as u64 + 10;
+    let mut forged = std::fs::read(first)?;
+    forged[16..24].copy_from_slice(&next.to_le_bytes());
+    let crc = crc32c(&forged[..92]);
+    forged[92..96].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(tmp.path().join(format!("{next:020}.seg")), &forged)?;
+    match Log::open(tmp.path(), small(Some(key(13)), true)).map(|_| ()) {
+        Err(LogError::BadFile { reason, .. }) => {
+            assert!(
+                reason.contains("after segments sealed with a key"),
+                "{reason}"
+            )
+        }
+        other => return Err(format!("expected BadFile, got {other:?}").into()),
+    }
     Ok(())
 }
 
