@@ -24,6 +24,15 @@ async function setup(options = {}) {
   return { fake, client, errors };
 }
 
+/** Subscribe to `filter` on the client's first stream and confirm it (stream id 1). */
+async function subscribed(fake, client, filter) {
+  const subscribing = client.subscribe(filter);
+  const broker = await fake.stream(0);
+  await broker.next();
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
+  return { broker, sub: await subscribing };
+}
+
 /** Read the empty PUBLISH_BATCH with CONFIRM a flush() sends on `stream`, and answer it. */
 async function answerFlush(stream, before = async () => {}) {
   const { frame, bytes } = await stream.next();
@@ -306,11 +315,7 @@ test('a refused SUBSCRIBE rejects with the ERROR, and the client finishes that s
 
 test('SLOW_CONSUMER ends the iterator with the AqueductError after the messages that came before', async () => {
   const { fake, client } = await setup();
-  const subscribing = client.subscribe('jobs');
-  const broker = await fake.stream(0);
-  await broker.next();
-  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
-  const sub = await subscribing;
+  const { broker, sub } = await subscribed(fake, client, 'jobs');
   await broker.send({ opcode: Opcode.PUBLISH, streamId: 1, ext: { attempt: 1, priority: 2, topic: 'jobs', offset: 0n }, body: b('a') });
   await broker.send({ opcode: Opcode.ERROR, streamId: 1, code: 300, reason: 'slow consumer' });
   const seen = [];
@@ -327,11 +332,7 @@ test('SLOW_CONSUMER ends the iterator with the AqueductError after the messages 
 
 test('a delivery stream reset by the broker ends the iterator with the reset code', async () => {
   const { fake, client } = await setup();
-  const subscribing = client.subscribe('jobs');
-  const broker = await fake.stream(0);
-  await broker.next();
-  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
-  const sub = await subscribing;
+  const { broker, sub } = await subscribed(fake, client, 'jobs');
   await broker.reset(300);
   await assert.rejects(sub.next(), (e) => e instanceof AqueductError && e.code === 300);
   assert.deepEqual(await sub.next(), { value: undefined, done: true });
@@ -348,11 +349,7 @@ test('over WebTransport, one-byte reset codes are the spec codes: 30 is SLOW_CON
     [51, 501, 'SHUTTING_DOWN'],
   ]) {
     const { fake, client } = await setup();
-    const subscribing = client.subscribe('jobs');
-    const broker = await fake.stream(0);
-    await broker.next();
-    await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
-    const sub = await subscribing;
+    const { broker, sub } = await subscribed(fake, client, 'jobs');
     await broker.reset(wire);
     await assert.rejects(
       sub.next(),
@@ -365,11 +362,7 @@ test('over WebTransport, one-byte reset codes are the spec codes: 30 is SLOW_CON
 
 test('unsubscribe: UNSUBSCRIBE with the filter and stream id, FIN, resolved when the broker finishes', async () => {
   const { fake, client } = await setup();
-  const subscribing = client.subscribe('orders');
-  const broker = await fake.stream(0);
-  await broker.next();
-  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
-  const sub = await subscribing;
+  const { broker, sub } = await subscribed(fake, client, 'orders');
   const waiting = sub.next();
   const done = sub.unsubscribe();
   assert.deepEqual(await waiting, { value: undefined, done: true });
@@ -388,11 +381,7 @@ test('unsubscribe: UNSUBSCRIBE with the filter and stream id, FIN, resolved when
 
 test('unsubscribe: a broker that does not finish the stream in time gets it stopped (the stream is not kept)', async () => {
   const { fake, client } = await setup();
-  const subscribing = client.subscribe('orders');
-  const broker = await fake.stream(0);
-  await broker.next();
-  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
-  const sub = await subscribing;
+  const { broker, sub } = await subscribed(fake, client, 'orders');
   const done = sub.unsubscribe({ timeoutMs: 50 });
   await broker.next();
   assert.equal(await broker.next(), null, 'UNSUBSCRIBE, then FIN');

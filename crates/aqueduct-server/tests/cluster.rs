@@ -1712,19 +1712,9 @@ async fn a_held_connection_the_peer_retires_is_retired_at_once() {
     dup_data.write_all(&[2u8]).await.expect("write");
     dup_data.finish().expect("finish");
     // The node retires it too: it finishes its data stream on it, well before its 5 s hold.
-    let node_data = tokio::time::timeout(Duration::from_millis(2500), async {
-        loop {
-            let mut recv = dup.accept_uni().await.expect("the node's streams");
-            let mut kind = [0u8];
-            recv.read_exact(&mut kind).await.expect("kind");
-            if kind[0] == 2 {
-                break recv;
-            }
-        }
-    })
-    .await
-    .expect("the node's data stream on the duplicate");
-    let mut node_data = node_data;
+    let mut node_data = tokio::time::timeout(Duration::from_millis(2500), node_stream(&dup, 2))
+        .await
+        .expect("the node's data stream on the duplicate");
     let rest = tokio::time::timeout(Duration::from_millis(2500), node_data.read_to_end(1 << 20))
         .await
         .expect("the node finished its data stream on the duplicate before its hold ran out")
@@ -1834,20 +1824,22 @@ async fn raw_peer_spoke(
     (conn, control, data)
 }
 
-/// The node's control stream on a raw peer's connection (the first unidirectional stream of
-/// kind 1 it opens there).
-async fn node_control_stream(conn: &quinn::Connection) -> quinn::RecvStream {
-    within("the node's control stream", async {
-        loop {
-            let mut recv = conn.accept_uni().await.expect("the node's streams");
-            let mut kind = [0u8];
-            recv.read_exact(&mut kind).await.expect("kind");
-            if kind[0] == 1 {
-                return recv;
-            }
+/// The first unidirectional stream of `kind` (1 control, 2 data) the node opens on a raw
+/// peer's connection, its kind byte read.
+async fn node_stream(conn: &quinn::Connection, kind: u8) -> quinn::RecvStream {
+    loop {
+        let mut recv = conn.accept_uni().await.expect("the node's streams");
+        let mut first = [0u8];
+        recv.read_exact(&mut first).await.expect("kind");
+        if first[0] == kind {
+            return recv;
         }
-    })
-    .await
+    }
+}
+
+/// The node's control stream on a raw peer's connection.
+async fn node_control_stream(conn: &quinn::Connection) -> quinn::RecvStream {
+    within("the node's control stream", node_stream(conn, 1)).await
 }
 
 /// Read control messages from the node's control stream until `want` says yes to one.
