@@ -1401,8 +1401,48 @@ fn header_at_most(path: &Path) -> bool {
 /// it was created leaves (its header is synced before anything is written after it). A blank
 /// header with anything after it is damage, not this.
 fn short_or_blank(path: &Path) -> bool {
-    match std::fs::read(path) {
-        Ok(b) => b.len() < HEADER_LEN || b.iter().all(|&x| x == 0),
-        Err(_) => false,
+    use std::io::Read;
+    let Ok(mut file) = File::open(path) else {
+        return false;
+    };
+    match file.metadata() {
+        Ok(m) if m.len() < HEADER_LEN as u64 => return true,
+        Ok(_) => {}
+        Err(_) => return false,
+    }
+    // Read in pieces: a segment may be as large as aal.max_aal_size allows, and a real one is
+    // told at its first non-zero byte.
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        match file.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(n) if buf[..n].iter().any(|&x| x != 0) => return false,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Short, or zeros to the end (read in pieces, not whole: a segment may be large); any
+    /// non-zero byte, however far in, makes it a segment with content.
+    #[test]
+    fn short_or_blank_reads_in_pieces_to_the_end() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = |name: &str, bytes: &[u8]| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, bytes).expect("write");
+            p
+        };
+        assert!(short_or_blank(&file("short", &[1u8; 10])));
+        assert!(short_or_blank(&file("zeros", &vec![0u8; 300 << 10])));
+        let mut late = vec![0u8; 300 << 10];
+        *late.last_mut().expect("a byte") = 1;
+        assert!(!short_or_blank(&file("late", &late)));
+        assert!(!short_or_blank(&dir.path().join("missing")));
     }
 }
