@@ -9,7 +9,7 @@
 //! continues from there if published to again; evicted topics without a label keep counting
 //! under `__other__`. No series ever goes down.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
@@ -83,7 +83,12 @@ impl LabelState {
         let mut other = TopicStatsSnapshot::default();
         let mut other_seen = false;
         for (name, life, snap) in live {
-            if !self.labelled.contains_key(name) && self.labelled.len() < max {
+            // A topic named like the overflow series is counted in it: its own series would
+            // have the same labels (a duplicate Prometheus drops, and promtool refuses).
+            if !self.labelled.contains_key(name)
+                && self.labelled.len() < max
+                && name.as_str() != OTHER_TOPIC
+            {
                 self.labelled.insert(name.clone(), Labelled::default());
             }
             match self.labelled.get_mut(name) {
@@ -360,7 +365,7 @@ fn access_metrics(out: &mut Out, shared: &Shared) {
     let mut other = (0.0, 0u64, false);
     for (i, (id, bucket)) in buckets.iter().enumerate() {
         let (held, rejected) = bucket.counters();
-        if i < MAX_CLIENT_LABELS {
+        if i < MAX_CLIENT_LABELS && id != OTHER_TOPIC {
             rows.push((id.clone(), held.as_secs_f64(), rejected));
         } else {
             other = (other.0 + held.as_secs_f64(), other.1 + rejected, true);
@@ -508,21 +513,35 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "gauge",
         "Committed offset of a consumer group per topic: every message below it is settled.",
     );
+    // Bounded too: group ids are the clients' to choose, and each group could add a series
+    // per labelled topic. One series per (group id, topic): the same id on two filters is
+    // one consumer for the dashboard, at the lower (further behind) of its offsets.
+    let mut offsets: BTreeMap<(String, String), u64> = BTreeMap::new();
     let mut groups = broker.groups();
     groups.sort_by(|a, b| a.id().cmp(b.id()));
     for g in groups {
-        let mut offsets = g.committed_offsets();
-        offsets.sort();
-        for (topic, offset) in offsets {
+        for (topic, offset) in g.committed_offsets() {
             // Offsets do not add up; topics beyond the label bound are left out.
-            if state.is_labelled(&topic) {
-                out.sample(
-                    "aqueduct_consumer_offset",
-                    &[("consumer", g.id().as_str()), ("topic", topic.as_str())],
-                    offset,
-                );
+            if !state.is_labelled(&topic) {
+                continue;
+            }
+            let key = (g.id().as_str().to_owned(), topic.as_str().to_owned());
+            let full = offsets.len() >= max;
+            match offsets.get_mut(&key) {
+                Some(o) => *o = (*o).min(offset),
+                None if !full => {
+                    offsets.insert(key, offset);
+                }
+                None => {}
             }
         }
+    }
+    for ((consumer, topic), offset) in &offsets {
+        out.sample(
+            "aqueduct_consumer_offset",
+            &[("consumer", consumer), ("topic", topic)],
+            *offset,
+        );
     }
 
     out.single(
@@ -576,17 +595,20 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
             lat.cumulative[i],
         );
     }
+    // The last cumulative bucket, not the count read after the buckets: a flush between the two
+    // reads could make +Inf lower than a finite bucket.
+    let all = lat.cumulative.last().copied().unwrap_or(lat.count);
     out.sample(
         "aqueduct_delivery_latency_seconds_bucket",
         &[("le", "+Inf")],
-        lat.count,
+        all,
     );
     out.sample(
         "aqueduct_delivery_latency_seconds_sum",
         &[],
         lat.sum.as_secs_f64(),
     );
-    out.sample("aqueduct_delivery_latency_seconds_count", &[], lat.count);
+    out.sample("aqueduct_delivery_latency_seconds_count", &[], all);
 
     let st = &shared.stats;
     out.single(
@@ -940,6 +962,16 @@ mod tests {
             .iter()
             .map(|(t, s)| (t.as_str(), s.published))
             .collect()
+    }
+
+    /// A topic named `__other__` (topics may start with `__`) gets no label of its own: it is
+    /// counted in the overflow series, not beside it under the same labels.
+    #[test]
+    fn a_topic_named_other_is_counted_in_the_overflow_series() {
+        let mut s = LabelState::default();
+        let none = TopicStatsSnapshot::default();
+        let shown_now = s.series(2, &[topic("__other__", 1, 4), topic("a", 2, 5)], none);
+        assert_eq!(shown(&shown_now), [("a", 5), ("__other__", 4)]);
     }
 
     /// A labelled topic the broker frees keeps its series at its counts (they do not jump into

@@ -413,3 +413,71 @@ async fn the_dashboard_only_queries_exported_metrics_and_deploy_files_parse() {
         "broker:9090"
     );
 }
+
+/// `aqueduct_consumer_offset` is bounded like the topic labels (group ids are the clients' to
+/// choose: a client with many groups made one series per group and labelled topic, without
+/// bound), and one group id on two filters is one series, not two with the same labels.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_offsets_are_bounded_and_never_duplicated() {
+    let b = TestBroker::start_with(|c| c.metrics.max_topic_labels = 3).await;
+    let c = b.client().await;
+    let mut subs = Vec::new();
+    for (filter, group) in [
+        ("jobs", "dup"),
+        ("#", "dup"),
+        ("jobs", "g1"),
+        ("jobs", "g2"),
+        ("jobs", "g3"),
+        ("jobs", "g4"),
+    ] {
+        let opts = SubscribeOptions {
+            group: Some(group.into()),
+            ..SubscribeOptions::default()
+        };
+        subs.push(c.subscribe_with(filter, &opts).await.expect("subscribed"));
+    }
+    c.publish_with(
+        "jobs",
+        "x",
+        &PublishOptions {
+            confirm: true,
+            ..PublishOptions::default()
+        },
+    )
+    .await
+    .expect("published");
+    for s in &mut subs {
+        within("a delivery", s.next_message())
+            .await
+            .expect("open")
+            .expect("message");
+    }
+    let lines = |m: &str| -> Vec<String> {
+        m.lines()
+            .filter(|l| l.starts_with("aqueduct_consumer_offset{"))
+            .map(str::to_owned)
+            .collect()
+    };
+    let mut series = Vec::new();
+    within("the offsets to show", async {
+        loop {
+            series = lines(&get(b.metrics_addr, "/metrics").await.1);
+            if series.len() >= 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(
+        series.len(),
+        3,
+        "bounded by metrics.max_topic_labels: {series:?}"
+    );
+    let keys: BTreeSet<&str> = series
+        .iter()
+        .map(|l| l.rsplit_once(' ').map_or(l.as_str(), |(k, _)| k))
+        .collect();
+    assert_eq!(keys.len(), series.len(), "no duplicate series: {series:?}");
+    close_and_stop(c, b).await;
+}
