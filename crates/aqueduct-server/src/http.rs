@@ -87,14 +87,24 @@ fn router(endpoint: Arc<Endpoint>) -> Router {
         .with_state(endpoint)
 }
 
-async fn metrics(State(e): State<Arc<Endpoint>>) -> impl IntoResponse {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        render(&e.shared, &e.labels),
-    )
+async fn metrics(State(e): State<Arc<Endpoint>>) -> axum::response::Response {
+    // On a blocking thread: a render walks every topic and group, under a lock one scrape at a
+    // time takes; on the runtime's threads two scrapers could leave none for QUIC.
+    match tokio::task::spawn_blocking(move || render(&e.shared, &e.labels)).await {
+        Ok(body) => (
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            body,
+        )
+            .into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("rendering the metrics failed: {e}\n"),
+        )
+            .into_response(),
+    }
 }
 
 async fn readyz(State(e): State<Arc<Endpoint>>) -> impl IntoResponse {
@@ -221,9 +231,11 @@ struct Open {
     id: tokio::task::Id,
     task: tokio::task::AbortHandle,
     from: IpAddr,
+    /// When it was accepted.
+    since: tokio::time::Instant,
     /// [`WAITING`], [`ASKED`] (its request head has arrived: it is being answered) or
     /// [`EVICTED`]; the service and the evictor each move it from `WAITING` once, so a request
-    /// being answered is never cut.
+    /// being answered is cut only when its answer has taken longer than [`SLOW_ANSWER`].
     state: Arc<AtomicU8>,
 }
 
@@ -231,12 +243,52 @@ const WAITING: u8 = 0;
 const ASKED: u8 = 1;
 const EVICTED: u8 = 2;
 
-/// Close a connection that has not sent its request yet, for a new one when every slot is
-/// taken ([`crate::eviction`]: from the address group holding the most, the oldest), so that
-/// clients that open connections and send nothing cannot keep a probe waiting (it waited up to
-/// `metrics.header_timeout` behind them). One may have sent its request since it was ordered:
-/// the next is tried. Returns whether one was closed.
+/// How often a full endpoint looks again for a connection it may close for a new one.
+const FULL_RECHECK: Duration = Duration::from_millis(250);
+
+/// How long a connection may take, from its accept, before it may be closed for a new one
+/// although its request is being answered: a scraper reading its answer slowly on purpose
+/// must not keep probes waiting either (a real scrape takes milliseconds).
+const SLOW_ANSWER: Duration = Duration::from_secs(2);
+
+/// Whether `o` may be closed for a new connection: it sent no request yet, or its answer has
+/// taken longer than [`SLOW_ANSWER`].
+fn evictable(o: &Open, now: tokio::time::Instant) -> bool {
+    match o.state.load(Ordering::Acquire) {
+        WAITING => true,
+        ASKED => now.saturating_duration_since(o.since) >= SLOW_ANSWER,
+        _ => false,
+    }
+}
+
+/// Close a connection for a new one when every slot is taken: one that has not sent its
+/// request yet ([`crate::eviction`]: from the address group holding the most, the oldest), so
+/// that clients that open connections and send nothing cannot keep a probe waiting (it waited
+/// up to `metrics.header_timeout` behind them); else the oldest whose answer has taken longer
+/// than [`SLOW_ANSWER`] (a client reading slowly on purpose). One may have sent its request
+/// since it was ordered: the next is tried. Returns whether one was closed.
 fn evict_one(open: &mut Vec<Open>) -> bool {
+    if evict_waiting(open) {
+        return true;
+    }
+    let now = tokio::time::Instant::now();
+    let slow = open
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| o.state.load(Ordering::Acquire) == ASKED && evictable(o, now))
+        .min_by_key(|(_, o)| o.since)
+        .map(|(i, _)| i);
+    let Some(i) = slow else {
+        return false;
+    };
+    let evicted = open.remove(i);
+    debug!(from = %evicted.from, "metrics: closing a connection whose answer took longer than {SLOW_ANSWER:?}, for a new one");
+    evicted.task.abort();
+    true
+}
+
+/// [`evict_one`]'s first choice: a connection that sent no request.
+fn evict_waiting(open: &mut Vec<Open>) -> bool {
     let groups: Vec<IpAddr> = open.iter().map(|o| o.from).collect();
     let waiting = |i: usize| open[i].state.load(Ordering::Acquire) == WAITING;
     for i in crate::eviction::eviction_order(&groups, waiting) {
@@ -276,7 +328,9 @@ pub(crate) async fn serve(
                 open.retain(|o| o.id != id);
                 continue;
             }
-            accepted = listener.accept(), if open.len() < max || open.iter().any(|o| o.state.load(Ordering::Acquire) == WAITING) => accepted,
+            accepted = listener.accept(), if open.len() < max || open.iter().any(|o| evictable(o, tokio::time::Instant::now())) => accepted,
+            // Full: look again soon (an answer may pass SLOW_ANSWER meanwhile).
+            () = tokio::time::sleep(FULL_RECHECK), if open.len() >= max => continue,
             _ = stop.wait_for(|s| *s) => return,
         };
         let (socket, peer) = match accepted {
@@ -288,10 +342,13 @@ pub(crate) async fn serve(
                 continue;
             }
         };
-        if open.len() >= max {
-            // The accept waited for a slot, or for one whose connection had sent nothing (if
-            // all have sent their requests since, this one is served beyond the limit, once).
-            evict_one(&mut open);
+        if open.len() >= max && !evict_one(&mut open) {
+            // Every slot's connection became unevictable between the check and the accept:
+            // this one is refused, never served beyond the limit (a client could otherwise
+            // repeat that race without end).
+            debug!(%peer, "metrics: connection closed: every slot is answering a request");
+            drop(socket);
+            continue;
         }
         let state = Arc::new(AtomicU8::new(WAITING));
         let service = {
@@ -320,6 +377,7 @@ pub(crate) async fn serve(
             id: task.id(),
             task,
             from: crate::eviction::address_group(peer.ip()),
+            since: tokio::time::Instant::now(),
             state,
         });
     }
@@ -327,7 +385,43 @@ pub(crate) async fn serve(
 
 #[cfg(test)]
 mod tests {
-    use super::local_host;
+    use super::*;
+
+    /// With every slot taken, a new connection closes one that sent no request, else the
+    /// oldest whose answer has taken longer than SLOW_ANSWER (a client reading slowly on
+    /// purpose held its slot, and probes waited, for the whole write timeout); with none of
+    /// either, none, and the new connection is refused rather than served beyond the limit.
+    #[tokio::test]
+    async fn a_full_endpoint_closes_an_idle_connection_then_a_slow_answer() {
+        let mut tasks = JoinSet::new();
+        let mut conn = |state: u8, age: Duration| {
+            let task = tasks.spawn(std::future::pending::<()>());
+            Open {
+                id: task.id(),
+                task,
+                from: "10.0.0.1".parse().expect("ip"),
+                since: tokio::time::Instant::now() - age,
+                state: Arc::new(AtomicU8::new(state)),
+            }
+        };
+        let young = Duration::ZERO;
+        let mut open = vec![conn(ASKED, young), conn(ASKED, young)];
+        assert!(!evict_one(&mut open), "two answers just begun: none");
+        assert_eq!(open.len(), 2);
+        open.push(conn(WAITING, young));
+        assert!(evict_one(&mut open), "the one that sent nothing");
+        assert_eq!(open.len(), 2);
+        assert!(open
+            .iter()
+            .all(|o| o.state.load(Ordering::Acquire) == ASKED));
+        let slow = conn(ASKED, SLOW_ANSWER * 2);
+        let slower = conn(ASKED, SLOW_ANSWER * 3);
+        let oldest = slower.id;
+        open.extend([slow, slower]);
+        assert!(evict_one(&mut open), "an answer past SLOW_ANSWER");
+        assert_eq!(open.len(), 3);
+        assert!(open.iter().all(|o| o.id != oldest), "the oldest of them");
+    }
 
     #[test]
     fn a_page_on_the_brokers_machine_gets_a_literal_address_it_can_reach() {
