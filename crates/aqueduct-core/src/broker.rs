@@ -1691,11 +1691,16 @@ impl Broker {
         }
         d.attempt += 1;
         d.topic.stats().redelivered();
+        // A redelivery moves a message from in flight back to a queue: it adds nothing to hold
+        // a source back for. Holding the stream that NACKed (under block, into a full queue)
+        // kept the ACKs that come on it unread, so the queue could never drain.
+        let held_before = ctx.held.len();
         match from.group() {
             Some(g) => self.hand_to_group(ctx, g, d, Some(from.id()), now),
             None if !from.is_closed() => self.deliver(ctx, from, std::iter::once(d), now),
             None => d.topic.stats().dropped(DropReason::Unsubscribed),
         }
+        ctx.held.truncate(held_before);
     }
 
     fn dead_letter(

@@ -57,7 +57,8 @@ fn nanos(d: Duration) -> u64 {
 /// The bucket of a latency: a linear scan, which ends after a step or two for the common
 /// sub-millisecond latencies.
 fn bucket(ns: u64) -> usize {
-    let us = ns / 1_000;
+    // Rounded up: 10.5 µs is above the 10 µs bound (truncated, it was counted under it).
+    let us = ns.div_ceil(1_000);
     BOUNDS_US
         .iter()
         .position(|&b| us <= b)
@@ -147,16 +148,19 @@ mod tests {
         h.observe(Duration::from_micros(5)); // ≤ 10
         h.observe(Duration::from_micros(10)); // ≤ 10
         h.observe(Duration::from_micros(11)); // ≤ 25
+        h.observe(Duration::from_nanos(10_500)); // above 10: ≤ 25
         h.observe(Duration::from_secs(60)); // +Inf
         let s = h.snapshot();
         assert_eq!(s.cumulative.len(), BOUNDS_US.len() + 1);
-        assert_eq!(&s.cumulative[..3], &[2, 3, 3]);
-        assert_eq!(s.cumulative[BOUNDS_US.len() - 1], 3);
-        assert_eq!(*s.cumulative.last().expect("+Inf"), 4);
-        assert_eq!(s.count, 4);
+        assert_eq!(&s.cumulative[..3], &[2, 4, 4]);
+        assert_eq!(s.cumulative[BOUNDS_US.len() - 1], 4);
+        assert_eq!(*s.cumulative.last().expect("+Inf"), 5);
+        assert_eq!(s.count, 5);
         assert_eq!(
             s.sum,
-            Duration::from_micros(5 + 10 + 11) + Duration::from_secs(60)
+            Duration::from_micros(5 + 10 + 11)
+                + Duration::from_nanos(10_500)
+                + Duration::from_secs(60)
         );
     }
 }

@@ -633,6 +633,33 @@ fn a_dead_letter_into_a_full_block_queue_holds_the_nacking_source() {
     assert_eq!(dlq.queued(), 3, "queued, not dropped");
 }
 
+/// A NACK redelivering into its own full `block` queue holds nothing: the message only moves
+/// from in flight back to the queue. The NACKing stream was held, and with it the ACKs that
+/// come on it, so the queue (at its in-flight limit) could never drain until block_timeout
+/// closed the subscription.
+#[test]
+fn a_nack_into_its_own_full_block_queue_holds_nothing() {
+    let b = Broker::new(BrokerConfig {
+        queue_size: 2,
+        backpressure_policy: OverflowPolicy::Block,
+        ..Default::default()
+    });
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let s = ack_sub(&b, "topic:jobs");
+    publish(&b, &mut ctx, "jobs", "0", now);
+    assert_eq!(drain_all(&b, &s, now).len(), 1, "0 in flight");
+    for i in 1..3 {
+        publish(&b, &mut ctx, "jobs", &i.to_string(), now);
+    }
+    while ctx.take_held().is_some() {}
+    assert_eq!(s.queued(), 2, "the queue is full");
+    b.nack(&mut ctx, &s, None, 0, None, None, now)
+        .expect("in flight");
+    assert!(ctx.take_held().is_none(), "a redelivery holds no source");
+    assert_eq!(s.queued(), 3, "queued again, not dropped");
+}
+
 #[test]
 fn a_closing_blocking_subscriber_releases_its_publishers() {
     let (b, s) = block_broker();
