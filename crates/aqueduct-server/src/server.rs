@@ -582,6 +582,7 @@ impl Server {
         let ticker = Owned::spawn(ack_ticker(
             shared.broker.clone(),
             shared.durable.clone(),
+            shared.config.block_timeout,
             stop_rx.clone(),
         ));
         // Renews the browsers' certificate (aborted with the server).
@@ -1139,11 +1140,20 @@ fn log_previous_keys(segments_per_key: &[usize]) {
 async fn ack_ticker(
     broker: Arc<Broker>,
     durable: Option<Arc<Durable>>,
+    block_timeout: Option<Duration>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut ctx = PublishContext::default();
     let mut tick = tokio::time::interval(ACK_TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    // Block-policy subscriptions the timer's dead letters filled, since when. The timer holds
+    // no source it could stop reading, so one that stays full past block_timeout is closed as
+    // a slow consumer here, as a held publisher would close it: its dead letters would
+    // otherwise grow its queue without bound for as long as messages kept timing out.
+    let mut full_since: HashMap<
+        aqueduct_core::SubscriberId,
+        (Arc<aqueduct_core::Subscriber>, Instant),
+    > = HashMap::new();
     loop {
         tokio::select! {
             _ = tick.tick() => {
@@ -1152,6 +1162,30 @@ async fn ack_ticker(
                     Some(d) => d.with_order(&mut ctx, |ctx| broker.tick(ctx, Instant::now())),
                     None => broker.tick(&mut ctx, Instant::now()),
                 };
+                let now = Instant::now();
+                while let Some(sub) = ctx.take_held() {
+                    full_since.entry(sub.id()).or_insert((sub, now));
+                }
+                let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+                full_since.retain(|_, (sub, since)| {
+                    if sub.is_closed() || sub.poll_room(&mut cx).is_ready() {
+                        return false;
+                    }
+                    let Some(limit) = block_timeout else {
+                        return true;
+                    };
+                    if now.saturating_duration_since(*since) < limit {
+                        return true;
+                    }
+                    let closed = match &durable {
+                        Some(d) => d.with_order(&mut ctx, |ctx| broker.disconnect_slow(ctx, sub, now)),
+                        None => broker.disconnect_slow(&mut ctx, sub, now),
+                    };
+                    if closed {
+                        warn!(filter = %sub.filter(), "a block-policy subscription stayed full of dead letters for {limit:?}: closed it as a slow consumer");
+                    }
+                    false
+                });
                 ctx.clear_held();
             }
             _ = stop.changed() => return,

@@ -1363,3 +1363,59 @@ async fn datagrams_grow_to_the_largest_mtu_the_path_and_both_ends_allow() {
     b.stop().await.expect("clean shutdown");
     small.stop().await.expect("clean shutdown");
 }
+
+/// Dead letters the ack-wait timer makes into a block-policy subscription that does not read:
+/// once it has stayed full for `broker.block_timeout`, it is closed as a slow consumer, as a
+/// held publisher would close it. The timer holds no source it could stop reading, and forgot
+/// that the queue was full: it grew without bound for as long as messages kept timing out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_of_the_ack_timer_cannot_grow_a_stalled_block_queue_for_good() {
+    let b = TestBroker::start_with(|c| {
+        c.broker.backpressure_policy = OverflowPolicy::Block;
+        c.broker.queue_size = 4;
+        c.broker.max_retries = 0;
+        c.broker.ack_wait = Duration::from_millis(200);
+        c.block_timeout = Some(Duration::from_secs(1));
+    })
+    .await;
+    // A dead-letter reader that stops reading (a small stream window, never read).
+    let before = b.broker.subscriber_count();
+    let stalled = Raw::connect(&b, 4096).await;
+    let mut dlq = stalled.stream().await;
+    dlq.write(&raw_frame(0x42, 1, b"\x00\x00topic:__dlq__jobs"))
+        .await;
+    until("the dead-letter subscription", || {
+        b.broker.subscriber_count() == before + 1
+    })
+    .await;
+    // A worker that takes jobs and never acknowledges them: each times out into a dead letter.
+    let worker = b.client().await;
+    let mut jobs = worker
+        .subscribe_with("jobs", &explicit_ack())
+        .await
+        .expect("subscribed");
+    let publisher = b.client().await;
+    // More than the stalled writer takes into its own buffer (64 KiB) and the queue's 4.
+    let batch: Vec<(&str, Bytes)> = (0..100)
+        .map(|_| ("jobs", Bytes::from(vec![7u8; 512])))
+        .collect();
+    for _ in 0..4 {
+        publisher
+            .publish_batch(batch.clone(), &confirm())
+            .await
+            .expect("published");
+    }
+    for _ in 0..400 {
+        within("a job", jobs.next_message())
+            .await
+            .expect("open")
+            .expect("a job");
+    }
+    until("the stalled dead-letter queue to be closed", || {
+        b.broker.slow_consumers_disconnected() >= 1
+    })
+    .await;
+    stalled.forget();
+    drop(jobs);
+    close_and_stop(publisher, b).await;
+}
