@@ -1460,12 +1460,20 @@ impl Broker {
                     self.slow_consumers.fetch_add(1, Relaxed);
                 }
             }
-            // Closed between routing and enqueueing: a group gives them to another member.
+            // Closed between routing and enqueueing: a group gives them to another member;
+            // a plain subscription's are counted under why it closed (a slow consumer's under
+            // `disconnect`, as its queue's are).
             Enqueued::Refused(Refused::Closed) => {
+                let why = match sub.close_reason() {
+                    Some(CloseReason::SlowConsumer) => {
+                        DropReason::Policy(OverflowPolicy::Disconnect)
+                    }
+                    _ => DropReason::Unsubscribed,
+                };
                 for d in refused.drain(..) {
                     match sub.group() {
                         Some(g) => self.hand_to_group(ctx, g, d, Some(sub.id()), now),
-                        None => count_lost(&d, DropReason::Unsubscribed, now),
+                        None => count_lost(&d, why, now),
                     }
                 }
             }
