@@ -678,6 +678,20 @@ impl Consumers {
             })
     }
 
+    /// Each durable group's position as last saved (by group id): per topic, the next offset to
+    /// deliver, every message below it settled (for the metrics, at most [`CHECKPOINT_EVERY`]
+    /// behind while it moves).
+    pub fn saved_group_positions(&self) -> Vec<(String, BTreeMap<Vec<u8>, u64>)> {
+        lock(&self.saved)
+            .positions
+            .iter()
+            .filter_map(|(key, p)| {
+                let group = key.strip_prefix("group:")?;
+                Some((group.to_string(), p.next.clone()))
+            })
+            .collect()
+    }
+
     /// The size of the positions file written last (0 before the first).
     fn saved_file_bytes(&self) -> usize {
         lock(&self.saved).file_bytes

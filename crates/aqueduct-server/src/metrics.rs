@@ -165,6 +165,25 @@ impl Out {
     }
 }
 
+/// One group's committed offset in a topic, into `offsets` (at most `max` series): the same
+/// group id seen twice (on two filters) keeps the lower offset.
+fn note_offset(
+    offsets: &mut BTreeMap<(String, String), u64>,
+    (group, topic): (&str, &str),
+    offset: u64,
+    max: usize,
+) {
+    let key = (group.to_owned(), topic.to_owned());
+    let full = offsets.len() >= max;
+    match offsets.get_mut(&key) {
+        Some(o) => *o = (*o).min(offset),
+        None if !full => {
+            offsets.insert(key, offset);
+        }
+        None => {}
+    }
+}
+
 /// Client ids that get a label of their own in the quota metrics; the rest add up under
 /// `client="__other__"`.
 pub const MAX_CLIENT_LABELS: usize = 1000;
@@ -525,15 +544,25 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
             if !state.is_labelled(&topic) {
                 continue;
             }
-            let key = (g.id().as_str().to_owned(), topic.as_str().to_owned());
-            let full = offsets.len() >= max;
-            match offsets.get_mut(&key) {
-                Some(o) => *o = (*o).min(offset),
-                None if !full => {
-                    offsets.insert(key, offset);
-                }
-                None => {}
+            note_offset(&mut offsets, (g.id().as_str(), topic.as_str()), offset, max);
+        }
+    }
+    // Durable groups are fed by the log, not by routing: their committed offset is their
+    // position as last saved.
+    let durable = shared
+        .consumers
+        .as_ref()
+        .map(|c| c.saved_group_positions())
+        .unwrap_or_default();
+    for (group, next) in durable {
+        for (topic, offset) in next {
+            let Ok(topic) = TopicName::from_slice(&topic) else {
+                continue;
+            };
+            if !state.is_labelled(&topic) {
+                continue;
             }
+            note_offset(&mut offsets, (&group, topic.as_str()), offset, max);
         }
     }
     for ((consumer, topic), offset) in &offsets {

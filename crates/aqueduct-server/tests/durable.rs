@@ -470,6 +470,43 @@ fn group_opts(
     }
 }
 
+/// A durable group (fed by the log, not by routing) has its committed offset on the metrics
+/// endpoint too, its position as last saved: `aqueduct_consumer_offset` listed only the groups
+/// routing feeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_group_s_offset_is_on_the_metrics_endpoint() {
+    use aqueduct_client::DurableStart;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let b = durable_broker(dir.path()).await;
+    let client = b.client().await;
+    let mut sub = client
+        .subscribe_with("orders", &group_opts("billing", DurableStart::Earliest))
+        .await
+        .expect("subscribed");
+    for i in 0..3 {
+        client
+            .publish_with("orders", format!("o{i}"), &confirm())
+            .await
+            .expect("published");
+    }
+    for _ in 0..3 {
+        let m = within("a message", sub.next_message())
+            .await
+            .expect("open")
+            .expect("message");
+        m.ack().await.expect("ack");
+    }
+    let series = "aqueduct_consumer_offset{consumer=\"billing\",topic=\"orders\"}";
+    within("the durable group's offset", async {
+        while value(&get(b.metrics_addr, "/metrics").await.1, series) != Some(3.0) {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    leave(&b, sub, &client).await;
+    b.stop().await.expect("clean shutdown");
+}
+
 /// A durable group has one position: its members share the log (each message to one of them at
 /// a time), a member that leaves hands its unacknowledged messages to the others, and after
 /// every member left and the broker restarted, the group resumes from that position with what
