@@ -235,6 +235,9 @@ pub(crate) struct Consumers {
     table: Mutex<Table>,
     /// The table as last saved (nothing is written while it is unchanged).
     saved: Mutex<Saved>,
+    /// The durable groups' positions of the last save (see
+    /// [`saved_group_positions`](Self::saved_group_positions)).
+    saved_groups: Mutex<GroupPositions>,
     limits: ConsumerLimits,
 }
 
@@ -283,6 +286,7 @@ impl Consumers {
                 changes: u64::MAX,
                 file_bytes: 0,
             }),
+            saved_groups: Mutex::new(groups_of(&stored)),
             table: Mutex::new(Table {
                 stored,
                 live: HashMap::new(),
@@ -680,16 +684,10 @@ impl Consumers {
 
     /// Each durable group's position as last saved (by group id): per topic, the next offset to
     /// deliver, every message below it settled (for the metrics, at most [`CHECKPOINT_EVERY`]
-    /// behind while it moves).
-    pub fn saved_group_positions(&self) -> Vec<(String, BTreeMap<Vec<u8>, u64>)> {
-        lock(&self.saved)
-            .positions
-            .iter()
-            .filter_map(|(key, p)| {
-                let group = key.strip_prefix("group:")?;
-                Some((group.to_string(), p.next.clone()))
-            })
-            .collect()
+    /// behind while it moves). A copy of its own: `saved` is held across a checkpoint's wait
+    /// for the log and its file write, which a scrape must not wait out.
+    pub fn saved_group_positions(&self) -> GroupPositions {
+        lock(&self.saved_groups).clone()
     }
 
     /// The size of the positions file written last (0 before the first).
@@ -735,6 +733,7 @@ impl Consumers {
         if saved.positions != now.all {
             saved.file_bytes = self.store.save(&now.all)?;
             saved.positions = now.all;
+            *lock(&self.saved_groups) = groups_of(&saved.positions);
         }
         // What the saved positions were made of, for the next checkpoint to compare with —
         // unless consumers came or went meanwhile (then it reads them all again).
@@ -761,6 +760,20 @@ impl Consumers {
         }
         Ok(true)
     }
+}
+
+/// Durable groups' positions: by group id, per topic the next offset to deliver.
+pub(crate) type GroupPositions = Vec<(String, BTreeMap<Vec<u8>, u64>)>;
+
+/// The durable groups' positions among `positions`, by group id.
+fn groups_of(positions: &Positions) -> GroupPositions {
+    positions
+        .iter()
+        .filter_map(|(key, p)| {
+            let group = key.strip_prefix("group:")?;
+            Some((group.to_string(), p.next.clone()))
+        })
+        .collect()
 }
 
 /// The positions as last saved, and the table's [`changes`](Table::changes) then.

@@ -13,9 +13,10 @@
 //!   at compile time, which the page imports.
 //!
 //! It must survive slow and hostile clients: at most `metrics.max_connections` connections at
-//! once (with all taken, a new one replaces one that has sent no request yet, see
-//! [`evict_one`]; only when all are being answered do more wait in the kernel's accept
-//! queue), the request head must arrive within
+//! once (with all taken, a new one replaces one that has sent no request yet, or else one
+//! open for more than 2 s whose answer is still being written, see [`evict_one`]; only when
+//! none qualifies do more wait in the kernel's accept queue), the request head must arrive
+//! within
 //! `metrics.header_timeout` (hyper closes the connection otherwise) and fit in 8 KiB (431
 //! otherwise), and a whole exchange is bounded in time. Connection tasks live in a `JoinSet`
 //! owned by the endpoint's task, so none outlives it.
@@ -50,7 +51,14 @@ pub(crate) struct Endpoint {
     pub shared: Arc<Shared>,
     pub labels: TopicLabels,
     pub ready: AtomicBool,
+    /// Renders of `/metrics` running or waiting for a blocking thread: a render cannot be
+    /// cancelled once begun, so connections closed meanwhile (evicted, timed out) must not
+    /// leave ever more of them behind.
+    pub renders: Arc<tokio::sync::Semaphore>,
 }
+
+/// `/metrics` renders at a time (each walks every topic; they take turns on one lock anyway).
+pub(crate) const RENDERS: usize = 2;
 
 fn router(endpoint: Arc<Endpoint>) -> Router {
     Router::new()
@@ -90,7 +98,15 @@ fn router(endpoint: Arc<Endpoint>) -> Router {
 async fn metrics(State(e): State<Arc<Endpoint>>) -> axum::response::Response {
     // On a blocking thread: a render walks every topic and group, under a lock one scrape at a
     // time takes; on the runtime's threads two scrapers could leave none for QUIC.
-    match tokio::task::spawn_blocking(move || render(&e.shared, &e.labels)).await {
+    // Waited for in the connection's task (cancelled with it); held by the render itself.
+    let Ok(permit) = e.renders.clone().acquire_owned().await else {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    };
+    let rendered = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        render(&e.shared, &e.labels)
+    });
+    match rendered.await {
         Ok(body) => (
             [(
                 header::CONTENT_TYPE,

@@ -1135,7 +1135,8 @@ impl Driver {
                 // Checked against the revocation lists in force when the driver takes it: one
                 // verified under the lists a reload replaced before its event came here would
                 // otherwise slip past that reload's check of the live connections.
-                Some(Event::Accepted { conn, .. }) if self.tls.peer_revoked(&conn) => {
+                Some(Event::Accepted { conn, node }) if self.tls.peer_revoked(&conn) => {
+                    warn!(peer = %node, "refused a mesh connection: the peer's certificate is revoked (cluster.tls.crl_file)");
                     close_revoked(&conn);
                 }
                 Some(Event::Accepted { conn, node }) => {

@@ -533,22 +533,17 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         "Committed offset of a consumer group per topic: every message below it is settled.",
     );
     // Bounded too: group ids are the clients' to choose, and each group could add a series
-    // per labelled topic. One series per (group id, topic): the same id on two filters is
-    // one consumer for the dashboard, at the lower (further behind) of its offsets.
-    let mut offsets: BTreeMap<(String, String), u64> = BTreeMap::new();
-    let mut groups = broker.groups();
-    groups.sort_by(|a, b| a.id().cmp(b.id()));
-    for g in groups {
+    // per labelled topic: the first `max` (group id, topic) pairs in that order, routed and
+    // durable groups alike (so the set shown does not change from scrape to scrape). One
+    // series per pair: the same id on two filters is one consumer for the dashboard, at the
+    // lower (further behind) of its offsets. Durable groups are fed by the log, not by
+    // routing: their committed offset is their position as last saved.
+    let mut all: Vec<(String, TopicName, u64)> = Vec::new();
+    for g in broker.groups() {
         for (topic, offset) in g.committed_offsets() {
-            // Offsets do not add up; topics beyond the label bound are left out.
-            if !state.is_labelled(&topic) {
-                continue;
-            }
-            note_offset(&mut offsets, (g.id().as_str(), topic.as_str()), offset, max);
+            all.push((g.id().as_str().to_owned(), topic, offset));
         }
     }
-    // Durable groups are fed by the log, not by routing: their committed offset is their
-    // position as last saved.
     let durable = shared
         .consumers
         .as_ref()
@@ -556,13 +551,17 @@ pub(crate) fn render(shared: &Shared, labels: &TopicLabels) -> String {
         .unwrap_or_default();
     for (group, next) in durable {
         for (topic, offset) in next {
-            let Ok(topic) = TopicName::from_slice(&topic) else {
-                continue;
-            };
-            if !state.is_labelled(&topic) {
-                continue;
+            if let Ok(topic) = TopicName::from_slice(&topic) {
+                all.push((group.clone(), topic, offset));
             }
-            note_offset(&mut offsets, (&group, topic.as_str()), offset, max);
+        }
+    }
+    all.sort_by(|a, b| (&a.0, a.1.as_bytes()).cmp(&(&b.0, b.1.as_bytes())));
+    let mut offsets: BTreeMap<(String, String), u64> = BTreeMap::new();
+    for (group, topic, offset) in &all {
+        // Offsets do not add up; topics beyond the label bound are left out.
+        if state.is_labelled(topic) {
+            note_offset(&mut offsets, (group, topic.as_str()), *offset, max);
         }
     }
     for ((consumer, topic), offset) in &offsets {

@@ -39,6 +39,8 @@ pub enum ServerError {
     Bind { addr: SocketAddr, reason: String },
     #[error("metrics_addr {addr}: {reason}")]
     MetricsBind { addr: SocketAddr, reason: String },
+    #[error("webtransport.listen_addr {addr}: {reason}")]
+    WebTransportBind { addr: SocketAddr, reason: String },
     #[error("admin.listen_addr {addr}: {reason}")]
     AdminBind { addr: SocketAddr, reason: String },
     #[error("transport settings rejected: {0}")]
@@ -370,7 +372,15 @@ impl Server {
         let endpoint = bind_endpoint(config.listen_addr)?;
         // Browsers' own port, when set (the broker's port serves them too).
         let wt_endpoint = match config.webtransport.listen_addr {
-            Some(addr) if config.webtransport.enabled => Some(bind_endpoint(addr)?),
+            Some(addr) if config.webtransport.enabled => {
+                Some(bind_endpoint(addr).map_err(|e| match e {
+                    ServerError::Bind { addr, reason } => ServerError::WebTransportBind {
+                        addr,
+                        reason: reason.replace("--addr", "webtransport.listen_addr"),
+                    },
+                    other => other,
+                })?)
+            }
             // Warned about (Config::warnings).
             _ => None,
         };
@@ -615,6 +625,7 @@ impl Server {
             shared: shared.clone(),
             labels: crate::metrics::TopicLabels::default(),
             ready: std::sync::atomic::AtomicBool::new(true),
+            renders: Arc::new(tokio::sync::Semaphore::new(crate::http::RENDERS)),
         });
         info!(addr = %metrics.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics endpoint listening (GET /metrics, /healthz, /readyz)");
         // The endpoint outlives the QUIC side's shutdown, so /readyz reports it.
