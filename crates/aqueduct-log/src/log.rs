@@ -1325,11 +1325,17 @@ impl LogView {
         let mut segments = Vec::new();
         let mut torn_bytes = 0;
         let mut skipped = Vec::new();
+        let mut sealed_before = false;
         for (i, (_, path)) in files.iter().enumerate() {
             let last = i + 1 == files.len();
-            // Read-only, for inspection: plaintext segments are shown too.
+            // Read-only, for inspection: plaintext segments are shown too — but not one after
+            // a sealed one, which the broker refuses (said, as an unreadable one is).
             match segment::load(dir, path, keys, true, last) {
+                Ok((scanned, _)) if scanned.segment.cipher.is_none() && sealed_before => {
+                    skipped.push(path.clone());
+                }
                 Ok((scanned, _)) => {
+                    sealed_before |= scanned.segment.cipher.is_some();
                     torn_bytes += scanned.torn_bytes;
                     segments.push(scanned.segment);
                 }

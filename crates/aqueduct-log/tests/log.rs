@@ -1406,6 +1406,19 @@ fn with_a_key_index_files_are_authenticated_and_plaintext_segments_refused() -> 
         }
         other => return Err(format!("expected BadFile, got {other:?}").into()),
     }
+    // The tools agree: verify counts it as a failure, dump leaves it out and names it.
+    let forged_path = tmp.path().join(format!("{next:020}.seg"));
+    let report = aqueduct_log::verify(tmp.path(), &[key(13)], &mut |_, _| {})?;
+    assert!(
+        report
+            .failures
+            .iter()
+            .any(|(p, why)| *p == forged_path && why.contains("sealed")),
+        "{:?}",
+        report.failures
+    );
+    let view = aqueduct_log::LogView::open(tmp.path(), &[key(13)])?;
+    assert_eq!(view.skipped, vec![forged_path]);
     Ok(())
 }
 
