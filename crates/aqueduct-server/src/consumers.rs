@@ -1758,6 +1758,21 @@ mod tests {
         broker.drain(sub, &mut Vec::new(), 64 * 1024, now);
     }
 
+    /// `claim` hands out 12 and 13 of `jobs` (its feeder at 14), 12 is acknowledged, and a
+    /// move begins that never ends while the guard lives: a read of its position is never
+    /// settled (and, unsettled, would say 13).
+    fn twelve_settled_thirteen_not<'a>(
+        broker: &Broker,
+        claim: &'a Claim,
+        jobs: &TopicName,
+    ) -> aqueduct_core::moves::Moving<'a> {
+        hand_out(broker, &claim.sub, jobs, 12);
+        hand_out(broker, &claim.sub, jobs, 13);
+        lock(&claim.fed).set(b"jobs", 14);
+        broker.ack(&claim.sub, None, 12, None).expect("in flight");
+        claim.sub.moves().begin()
+    }
+
     /// A claim of `consumer:c` on `jobs` with explicit acknowledgements.
     fn claim_acked(consumers: &Consumers, broker: &Broker) -> Claim {
         let filter = TopicFilter::try_from("jobs").expect("valid filter");
@@ -2160,12 +2175,8 @@ mod tests {
         broker.ack(&claim.sub, None, 11, None).expect("in flight");
         assert!(consumers.checkpoint(|| Some(Vec::new())).expect("saved"));
         assert_eq!(saved_next(), Some(Some(12)), "saved as read");
-        in_flight(12);
-        in_flight(13);
-        lock(&claim.fed).set(b"jobs", 14);
         // 12 is acknowledged, so a read (unsettled, not to be trusted) says 13.
-        broker.ack(&claim.sub, None, 12, None).expect("in flight");
-        let moving = claim.sub.moves().begin();
+        let moving = twelve_settled_thirteen_not(&broker, &claim, &jobs);
         consumers.end("consumer:c", &claim.sub);
         let kept = || {
             let kept = lock(&consumers.table).stored.get("consumer:c").cloned();
@@ -2178,12 +2189,7 @@ mod tests {
         // reading while a move never ends.
         let claim = claim_acked(&consumers, &broker);
         consumers.start_feeder("consumer:c", &claim.fed, std::future::pending());
-        let in_flight = |offset| hand_out(&broker, &claim.sub, &jobs, offset);
-        in_flight(12);
-        in_flight(13);
-        lock(&claim.fed).set(b"jobs", 14);
-        broker.ack(&claim.sub, None, 12, None).expect("in flight");
-        let moving = claim.sub.moves().begin();
+        let moving = twelve_settled_thirteen_not(&broker, &claim, &jobs);
         consumers.rewind("consumer:c", &claim.sub);
         let next = lock(&claim.fed).next.get(&b"jobs"[..]).copied();
         assert_eq!(next, Some(12), "rewound to where it came back");

@@ -201,18 +201,13 @@ pub(crate) fn initial_streams(t: &TransportConfig) -> u32 {
 }
 
 /// A UDP socket with the configured buffer sizes (the kernel may clamp them to its maximum).
-fn udp_socket(addr: SocketAddr, buffer: usize) -> Result<std::net::UdpSocket, ServerError> {
+fn udp_socket(addr: SocketAddr, buffer: usize) -> std::io::Result<std::net::UdpSocket> {
     use socket2::{Protocol, Type};
-    let err = |e: std::io::Error| ServerError::Bind {
-        addr,
-        reason: bind_failure(&e, "--addr"),
-    };
     let socket = bind_with_ipv4_fallback(addr, |addr| {
         let socket = new_socket(addr, Type::DGRAM, Protocol::UDP)?;
         socket.bind(&addr.into())?;
         Ok(socket)
-    })
-    .map_err(err)?;
+    })?;
     if buffer > 0 {
         if let Err(e) = socket.set_recv_buffer_size(buffer) {
             warn!("cannot set UDP receive buffer to {buffer} bytes: {e}");
@@ -355,32 +350,32 @@ impl Server {
             &config.transport,
             config.webtransport.enabled,
         )?));
-        let bind_endpoint = |addr: SocketAddr| {
-            let socket = udp_socket(addr, config.transport.socket_buffer)?;
-            // Registered for reading only: a send does not wake the other worker thread.
-            quinn::Endpoint::new(
-                aqueduct_udp::endpoint_config(config.transport.max_mtu),
-                Some(server_config.clone()),
-                socket,
-                aqueduct_udp::runtime(),
-            )
-            .map_err(|e| ServerError::Bind {
-                addr,
-                reason: e.to_string(),
-            })
-        };
-        let endpoint = bind_endpoint(config.listen_addr)?;
+        // `failed`: the error naming the address's key; `how`: where to choose another.
+        let bind_endpoint =
+            |addr: SocketAddr, failed: fn(SocketAddr, String) -> ServerError, how: &str| {
+                let socket = udp_socket(addr, config.transport.socket_buffer)
+                    .map_err(|e| failed(addr, bind_failure(&e, how)))?;
+                // Registered for reading only: a send does not wake the other worker thread.
+                quinn::Endpoint::new(
+                    aqueduct_udp::endpoint_config(config.transport.max_mtu),
+                    Some(server_config.clone()),
+                    socket,
+                    aqueduct_udp::runtime(),
+                )
+                .map_err(|e| failed(addr, e.to_string()))
+            };
+        let endpoint = bind_endpoint(
+            config.listen_addr,
+            |addr, reason| ServerError::Bind { addr, reason },
+            "--addr",
+        )?;
         // Browsers' own port, when set (the broker's port serves them too).
         let wt_endpoint = match config.webtransport.listen_addr {
-            Some(addr) if config.webtransport.enabled => {
-                Some(bind_endpoint(addr).map_err(|e| match e {
-                    ServerError::Bind { addr, reason } => ServerError::WebTransportBind {
-                        addr,
-                        reason: reason.replace("--addr", "webtransport.listen_addr"),
-                    },
-                    other => other,
-                })?)
-            }
+            Some(addr) if config.webtransport.enabled => Some(bind_endpoint(
+                addr,
+                |addr, reason| ServerError::WebTransportBind { addr, reason },
+                "webtransport.listen_addr",
+            )?),
             // Warned about (Config::warnings).
             _ => None,
         };

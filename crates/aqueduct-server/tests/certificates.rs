@@ -111,17 +111,20 @@ async fn certificate_files_ca_trust_and_pinning() {
 async fn a_second_broker_on_the_same_port_keeps_the_first_ones_certificate() {
     let b = TestBroker::start().await;
     let before = std::fs::read(&b.dev_cert).expect("dev cert");
-    for (listen, key) in [(true, "listen_addr"), (false, "metrics_addr")] {
+    for (key, flag) in [
+        ("listen_addr", "--addr"),
+        ("metrics_addr", "--metrics-addr"),
+        ("webtransport.listen_addr", "webtransport.listen_addr"),
+    ] {
         let mut second = Config::for_tests(b.dev_cert.clone());
-        if listen {
-            second.listen_addr = b.addr;
-        } else {
-            second.metrics_addr = b.metrics_addr;
+        match key {
+            "listen_addr" => second.listen_addr = b.addr,
+            "metrics_addr" => second.metrics_addr = b.metrics_addr,
+            _ => second.webtransport.listen_addr = Some(b.addr),
         }
         let err = Server::bind(second).await.expect_err("port in use");
         assert!(err.to_string().starts_with(key), "{err}");
         // Says what usually holds the port, and how to choose another.
-        let flag = if listen { "--addr" } else { "--metrics-addr" };
         assert!(
             err.to_string().contains("still running?") && err.to_string().contains(flag),
             "{err}"
