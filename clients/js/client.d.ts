@@ -113,9 +113,11 @@ export declare class Client {
   /**
    * Wait until the broker has handled everything published so far; rejects with the first ERROR
    * that answered a publish sent without `confirm` since the last flush, or if a stream that
-   * carried such publishes ended before the broker had handled them.
+   * carried such publishes ended before the broker had handled them, or after `timeoutMs`
+   * (default 10000) without the broker's answer (what it would have reported is then the next
+   * flush's).
    */
-  flush(): Promise<void>;
+  flush(opts?: { timeoutMs?: number }): Promise<void>;
   /** Ask the broker what it allows (§4.1); a broker older than INFO rejects with UNKNOWN_OPCODE. */
   info(): Promise<BrokerInfo>;
   /**

@@ -54,6 +54,9 @@ const REFUSAL_WAIT_MS = 1000;
  */
 const CLOSE_FLUSH_MS = 10000;
 
+/** How long flush() waits by default for the broker's answer (ms), as close()'s flush. */
+const FLUSH_TIMEOUT_MS = 10000;
+
 const RECEIVE_MAX_DATA_LEN = 8 * 1024 * 1024 + MAX_EXT_LEN;
 
 export class AqueductError extends Error {
@@ -344,13 +347,33 @@ export class Client {
    * too), or if a stream that carried such publishes ended before the broker had handled them
    * (failed, or finished by the broker after a stream-fatal error). Resolves at once if this
    * client never published.
+   *
+   * Rejects after `timeoutMs` (default 10 s, as close()'s flush) without an answer, saying what
+   * was published may not all have been taken; a refusal or lost stream it would have reported
+   * is then left to the next flush.
    */
-  async flush() {
+  async flush({ timeoutMs = FLUSH_TIMEOUT_MS } = {}) {
     this.#checkOpen();
-    return this.#flushNow();
+    const abandoned = { value: false };
+    let timer;
+    const late = new Promise((_, reject) => {
+      timer = setTimeout(() => {
+        abandoned.value = true;
+        reject(new AqueductError(null, `the broker did not answer the flush within ${timeoutMs} ms: what was published may not all have been taken`));
+      }, timeoutMs);
+    });
+    try {
+      return await Promise.race([this.#flushNow(abandoned), late]);
+    } finally {
+      clearTimeout(timer);
+    }
   }
 
-  async #flushNow() {
+  /**
+   * The flush itself. Once `abandoned.value` is set (its caller gave up waiting), what went
+   * wrong before it is left to the next flush instead of being taken by its late answer.
+   */
+  async #flushNow(abandoned = { value: false }) {
     if (!this.#published) return;
     // What went wrong before the empty batch, taken when its answer is dispatched: an ERROR for
     // a frame sent after it comes after that answer (§6.4) and is the next flush's.
@@ -364,12 +387,13 @@ export class Client {
         // What went wrong before it (#send marks the frames before it covered, not those sent
         // since).
         () => {
-          earlier = this.#takeUnflushed();
+          if (!abandoned.value) earlier = this.#takeUnflushed();
         },
       );
     } catch (e) {
       failure = e;
     }
+    if (abandoned.value) return;
     if (earlier === undefined) earlier = this.#takeUnflushed();
     if (earlier) throw earlier;
     if (failure) throw failure;

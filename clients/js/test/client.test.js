@@ -868,6 +868,24 @@ test('flush(): rejects with an ERROR that answered an unconfirmed publish since 
   await client.close();
 });
 
+test('flush(): an answer that does not come in timeoutMs rejects; the refusal it would have reported is the next flush\'s', async () => {
+  const { fake, client } = await setup({ closeFlushTimeoutMs: 50 });
+  await client.publish('a', 'refused');
+  const broker = await fake.stream(0);
+  await broker.next();
+  await broker.send({ opcode: Opcode.ERROR, streamId: 0, code: ErrorCode.NOT_AUTHORIZED, reason: 'no publish rights on a' });
+  const flushed = client.flush({ timeoutMs: 30 });
+  const { frame } = await broker.next();
+  assert.equal(frame.opcode, Opcode.PUBLISH_BATCH, 'the flush went out');
+  await assert.rejects(flushed, (e) => e instanceof AqueductError && /did not answer the flush within 30 ms/.test(e.message));
+  // Its answer comes late: the refusal before it is not taken by the flush that gave up.
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
+  const next = client.flush();
+  await answerFlush(broker);
+  await assert.rejects(next, (e) => e instanceof AqueductError && e.code === ErrorCode.NOT_AUTHORIZED);
+  await client.close();
+});
+
 test('flush(): rejects if the stream that carried publishes failed, although a new one answers', async () => {
   const { fake, client } = await setup();
   await client.publish('a', 'maybe lost');
