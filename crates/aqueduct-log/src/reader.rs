@@ -10,7 +10,7 @@ use crate::crypto::SegmentCipher;
 use crate::format::{
     batch_aad, decode_records, BodyHeader, FrameCheck, Kind, BODY_HEADER, FRAME_PREFIX,
 };
-use crate::segment::{frame_at, Segment, STRIDE};
+use crate::segment::{frame_at, resync, Segment, STRIDE};
 use crate::LogError;
 
 /// One message read back.
@@ -32,6 +32,9 @@ struct Plan {
     damage: Vec<(u64, u64)>,
     /// (first batch position, end: no batch of the topic starts at or after it in this window).
     windows: VecDeque<(u64, u64)>,
+    /// One past the batch number of the last batch read here: a frame found past damage has
+    /// this one or a later one.
+    next_batch: u64,
 }
 
 /// Batches read lately, decrypted and decoded, for readers of several topics to share: a
@@ -192,6 +195,7 @@ impl Reader {
                 cipher: seg.cipher.clone(),
                 damage: seg.damage.clone(),
                 windows,
+                next_batch: 0,
             });
         }
         Reader {
@@ -311,11 +315,22 @@ fn read_batch(plan: &mut Plan, pos: u64, cache: &mut ReadCache) -> Result<Decode
         FrameCheck::Good { len } => len,
         bad => {
             let path = plan.path.clone();
-            match bad {
-                // Its length still reads: skip just this batch.
-                FrameCheck::BadCrc { len } => plan.windows[0].0 = pos.saturating_add(len as u64),
-                // The frame boundary is lost: give up this window, go on with the next.
+            // Where reading goes on: past the batch if its length still reads; otherwise at the
+            // next checked frame in this window, searched for as the segment's open does (not
+            // inside a plaintext body, which may hold anything) — or the next window.
+            let resume = match (&plan.cipher, bad) {
+                (_, FrameCheck::BadCrc { len }) => Some(pos.saturating_add(len as u64)),
+                (None, FrameCheck::Short) => None,
                 _ => {
+                    let end = plan.windows[0].1;
+                    resync(file, pos + 1, end, plan.len, plan.next_batch, buf)
+                        .ok()
+                        .flatten()
+                }
+            };
+            match resume {
+                Some(at) => plan.windows[0].0 = at,
+                None => {
                     plan.windows.pop_front();
                 }
             }
@@ -335,6 +350,7 @@ fn read_batch(plan: &mut Plan, pos: u64, cache: &mut ReadCache) -> Result<Decode
         reason: reason.into(),
     };
     let header = BodyHeader::decode(body).ok_or_else(|| damaged("short batch"))?;
+    plan.next_batch = header.batch_no.saturating_add(1);
     let payload_len = match &plan.cipher {
         Some(c) => {
             let aad = batch_aad(plan.id, &body[..BODY_HEADER]);

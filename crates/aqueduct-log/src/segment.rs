@@ -406,7 +406,7 @@ pub(crate) fn scan(
                     (None, FrameCheck::Short) => file_len,
                     _ => pos + 1,
                 };
-                match resync(file, from, file_len, next_batch, &mut buf)
+                match resync(file, from, file_len, file_len, next_batch, &mut buf)
                     .map_err(|e| LogError::io("reading segment", &path, e))?
                 {
                     Some(found) => {
@@ -520,28 +520,34 @@ pub(crate) fn frame_at(
 /// A resync reads the rest of the file in chunks of this size.
 const RESYNC_CHUNK: usize = 1 << 20;
 
-/// Find the next checked frame at or after `from` whose batch number is `next_batch` or more —
-/// at most as many more as the rest of the file could hold frames (a damaged region may swallow
-/// any number of them). A candidate must have a plausible length and batch number before its CRC
-/// is computed, so the search costs little more than reading the bytes.
+/// Find the next checked frame starting at or after `from` and before `until` whose batch
+/// number is `next_batch` or more — at most as many more as the rest of the file could hold
+/// frames (a damaged region may swallow any number of them). A candidate must have a plausible
+/// length and batch number before its CRC is computed, so the search costs little more than
+/// reading the bytes.
 /// Batch numbers failed writes may have used up between two written batches, as far as
 /// [`resync`] looks.
 const BURNED_BATCHES: u64 = 1 << 32;
 
-fn resync(
+pub(crate) fn resync(
     file: &File,
     from: u64,
+    until: u64,
     file_len: u64,
     next_batch: u64,
     buf: &mut Vec<u8>,
 ) -> std::io::Result<Option<u64>> {
-    let mut chunk = vec![0u8; RESYNC_CHUNK];
+    let until = until.min(file_len);
+    let mut chunk = vec![0u8; (file_len.saturating_sub(from)).min(RESYNC_CHUNK as u64) as usize];
     let mut base = from;
-    while base + (FRAME_PREFIX + BODY_HEADER) as u64 <= file_len {
+    while base < until && base + (FRAME_PREFIX + BODY_HEADER) as u64 <= file_len {
         let n = (file_len - base).min(RESYNC_CHUNK as u64) as usize;
         file.read_exact_at(&mut chunk[..n], base)?;
         let lookahead = FRAME_PREFIX + 8;
         for i in 0..n.saturating_sub(lookahead - 1) {
+            if base + i as u64 >= until {
+                return Ok(None);
+            }
             let w = &chunk[i..i + lookahead];
             let body_len = u32::from_le_bytes([w[0], w[1], w[2], w[3]]) as usize;
             if !(BODY_HEADER..=format::MAX_BODY).contains(&body_len) {

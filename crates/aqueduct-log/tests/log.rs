@@ -1494,6 +1494,45 @@ fn a_reader_skips_a_batch_damaged_after_indexing_and_goes_on() -> R {
     Ok(())
 }
 
+/// A batch whose length was damaged after indexing loses its frame boundary: the reader finds
+/// the next checked frame in the window, as the open's read-through does, instead of giving
+/// up the rest of the window (up to 64 KiB of messages). Not inside a plaintext frame cut
+/// short, whose rest may be anything a publisher sent.
+#[test]
+fn a_reader_finds_the_next_batch_past_a_damaged_length() -> R {
+    let cases: [(Option<u8>, u32, &[u64]); 4] = [
+        (Some(15), u32::MAX, &[0, 1, 4, 5]),
+        (Some(15), (BODY_HEADER + 100_000) as u32, &[0, 1, 4, 5]),
+        (None, u32::MAX, &[0, 1, 4, 5]),
+        (None, (BODY_HEADER + 100_000) as u32, &[0, 1]),
+    ];
+    for (k, len, want) in cases {
+        let tmp = tempfile::tempdir()?;
+        let (mut log, _) = Log::open(tmp.path(), opts(k.map(key)))?;
+        fill(&mut log, "a", 3, 2)?;
+        log.close()?;
+        let seg = segments(tmp.path())
+            .into_iter()
+            .find(|p| std::fs::metadata(p).map(|m| m.len() > 96).unwrap_or(false))
+            .ok_or("no segment")?;
+        let mut b = std::fs::read(&seg)?;
+        let starts = frame_starts(&b);
+        assert_eq!(starts.len(), 3);
+        b[starts[1]..starts[1] + 4].copy_from_slice(&len.to_le_bytes());
+        std::fs::write(&seg, &b)?;
+        let (log, rec) = Log::open(tmp.path(), opts(k.map(key)))?;
+        assert_eq!(rec.rebuilt_indexes, 0, "the index is still trusted");
+        let items: Vec<Result<Record, LogError>> = log.read(b"a", 0).collect();
+        let ok: Vec<u64> = items
+            .iter()
+            .filter_map(|r| r.as_ref().ok().map(|r| r.offset))
+            .collect();
+        assert_eq!(ok, want, "key {k:?}, length {len:#x}");
+        assert_eq!(items.iter().filter(|r| r.is_err()).count(), 1);
+    }
+    Ok(())
+}
+
 /// A second open of a directory in use (a second broker with the same aal.file_path) is
 /// refused before it reads or changes anything: it would cut the first one's batches as a torn
 /// tail and hand out the same offsets. Once the first closes, the directory opens again.
