@@ -276,25 +276,57 @@ pub fn identity(cfg: &TlsConfig) -> Result<Identity, TlsError> {
             dev_cert: None,
         });
     }
-    let names = vec![
-        "localhost".to_string(),
-        "127.0.0.1".to_string(),
-        "::1".to_string(),
-    ];
-    let generated =
-        rcgen::generate_simple_self_signed(names).map_err(|e| TlsError::Generate(e.to_string()))?;
+    let (cert, signing_key) =
+        dev_certificate("aqueduct development broker").map_err(TlsError::Generate)?;
     let dev_cert = DevCert {
         path: cfg.dev_cert_file.clone(),
-        pem: generated.cert.pem(),
+        pem: cert.pem(),
         port: 0,
     };
-    let key = PrivateKeyDer::try_from(generated.signing_key.serialize_der())
+    let key = PrivateKeyDer::try_from(signing_key.serialize_der())
         .map_err(|e| TlsError::Generate(e.to_string()))?;
     Ok(Identity {
-        certs: vec![generated.cert.der().clone()],
+        certs: vec![cert.der().clone()],
         key,
         dev_cert: Some(dev_cert),
     })
+}
+
+/// The names a development certificate is for.
+pub(crate) const DEV_NAMES: [&str; 3] = ["localhost", "127.0.0.1", "::1"];
+
+/// A new self-signed ECDSA P-256 certificate for [`DEV_NAMES`], its subject (and so its
+/// issuer) `CN=<label> <16 hex digits of its public key's SHA-256>`; `adjust` changes what
+/// else differs (the browsers' one's validity).
+///
+/// Its own name: the dev-cert file holds the certificates of several brokers, each its own
+/// issuer, and a TLS library that picks the trusted certificate by the issuer's name (OpenSSL,
+/// and clients built on it such as aioquic) takes the first one of that name. With one name for
+/// all (rcgen's default, `CN=rcgen self signed cert`), every broker but the first failed
+/// verification there with "self-signed certificate".
+pub(crate) fn dev_certificate_with(
+    label: &str,
+    adjust: impl FnOnce(&mut rcgen::CertificateParams),
+) -> Result<(rcgen::Certificate, rcgen::KeyPair), String> {
+    let key =
+        rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(|e| e.to_string())?;
+    let mut params = rcgen::CertificateParams::new(DEV_NAMES.map(String::from).to_vec())
+        .map_err(|e| e.to_string())?;
+    let digest = ring::digest::digest(&ring::digest::SHA256, key.public_key_raw());
+    let tag: String = digest.as_ref()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let mut name = rcgen::DistinguishedName::new();
+    name.push(rcgen::DnType::CommonName, format!("{label} {tag}"));
+    params.distinguished_name = name;
+    adjust(&mut params);
+    let cert = params.self_signed(&key).map_err(|e| e.to_string())?;
+    Ok((cert, key))
+}
+
+fn dev_certificate(label: &str) -> Result<(rcgen::Certificate, rcgen::KeyPair), String> {
+    dev_certificate_with(label, |_| {})
 }
 
 /// The broker's QUIC crypto configuration and, if generated, the dev certificate (not written
@@ -412,7 +444,40 @@ pub fn client_common_name(conn: &quinn::Connection) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{merge_dev_cert, DevCert};
+    use super::{dev_certificate, merge_dev_cert, DevCert};
+
+    /// The common name of a development certificate made with `label`, read from its DER (as
+    /// subject and as issuer), with how often it occurs there.
+    fn common_name(label: &str) -> (String, usize) {
+        let (cert, _) = dev_certificate(label).expect("generate");
+        let der = cert.der().to_vec();
+        let at: Vec<usize> = der
+            .windows(label.len())
+            .enumerate()
+            .filter(|(_, w)| *w == label.as_bytes())
+            .map(|(i, _)| i)
+            .collect();
+        assert!(!at.is_empty(), "the label is in the certificate");
+        let name = String::from_utf8(der[at[0]..at[0] + label.len() + 17].to_vec()).expect("utf-8");
+        (name, at.len())
+    }
+
+    /// Several brokers' certificates share the dev-cert file, and a client that finds the
+    /// trusted certificate by its issuer's name (OpenSSL) takes the first of a name: each must
+    /// have its own (they were all `CN=rcgen self signed cert`).
+    #[test]
+    fn each_development_certificate_has_a_name_of_its_own() {
+        let label = "aqueduct development broker";
+        let (a, seen) = common_name(label);
+        assert_eq!(seen, 2, "subject and issuer: {a}");
+        let (b, _) = common_name(label);
+        assert_ne!(a, b);
+        let tag = &a[label.len() + 1..];
+        assert!(
+            tag.len() == 16 && tag.bytes().all(|c| c.is_ascii_hexdigit()),
+            "{a}"
+        );
+    }
 
     const A: &str = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
     const B: &str = "-----BEGIN CERTIFICATE-----\nBBBB\n-----END CERTIFICATE-----\n";

@@ -239,20 +239,14 @@ pub struct BrowserCert {
 impl BrowserCert {
     /// A new ECDSA P-256 certificate for this machine's names, valid 13 days from now.
     pub fn generate() -> Result<BrowserCert, String> {
-        let mut params = rcgen::CertificateParams::new(vec![
-            "localhost".to_string(),
-            "127.0.0.1".to_string(),
-            "::1".to_string(),
-        ])
-        .map_err(|e| e.to_string())?;
         let now = std::time::SystemTime::now();
-        // A minute back: a browser whose clock is a little behind accepts it at once.
-        params.not_before = (now - Duration::from_secs(60)).into();
         let not_after = now + BROWSER_CERT_VALID;
-        params.not_after = not_after.into();
-        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
-            .map_err(|e| e.to_string())?;
-        let cert = params.self_signed(&key).map_err(|e| e.to_string())?;
+        let (cert, key) =
+            crate::tls::dev_certificate_with("aqueduct development broker (browsers)", |params| {
+                // A minute back: a browser whose clock is a little behind accepts it at once.
+                params.not_before = (now - Duration::from_secs(60)).into();
+                params.not_after = not_after.into();
+            })?;
         let der = cert.der().clone();
         let pem = cert.pem();
         let digest = ring::digest::digest(&ring::digest::SHA256, &der);
