@@ -173,9 +173,21 @@ struct State {
     /// Publishers held by a full queue under the block policy, woken once it has drained to
     /// [`Subscriber::resume_at`].
     held: Vec<std::task::Waker>,
+    /// Publishers that went away while this full queue held them (their stream reset, their
+    /// connection closed), since it last drained to [`Subscriber::resume_at`]: see
+    /// [`MAX_ORPHANED_HOLDS`].
+    orphaned_holds: u32,
     /// Its client stopped reading: nothing more is queued (see [`crate::Broker::detach`]).
     detached: bool,
 }
+
+/// Under the block policy a frame may fill a queue past its capacity, its publisher then held
+/// until the queue drains: the overshoot is at most one frame per publisher held. A publisher
+/// that goes away while held (a stream reset, a connection closed) leaves its overshoot behind
+/// and could come back on a new stream to add another, without end. Once this many have gone
+/// away without the queue draining to half, a frame that finds a level full closes the
+/// subscription as a slow consumer (as `disconnect` would), so its queue stays bounded.
+pub const MAX_ORPHANED_HOLDS: u32 = 16;
 
 /// A subscription.
 ///
@@ -399,8 +411,16 @@ impl Subscriber {
                 refused.extend(items);
                 return Enqueued::Refused(Refused::Closed);
             }
+            // Publishers that left while held have used up what a full `block` queue may take
+            // beyond its capacity.
+            let policy = match self.policy {
+                OverflowPolicy::Block if st.orphaned_holds >= MAX_ORPHANED_HOLDS => {
+                    OverflowPolicy::Disconnect
+                }
+                policy => policy,
+            };
             for d in items.by_ref() {
-                match st.queue.push(d.priority, d, self.capacity, self.policy) {
+                match st.queue.push(d.priority, d, self.capacity, policy) {
                     Pushed::Queued { was_empty } => wake |= was_empty,
                     Pushed::QueuedFull { was_empty } => {
                         wake |= was_empty;
@@ -505,7 +525,11 @@ impl Subscriber {
             }
         }
         self.note_lengths(&st);
-        let held = if !st.held.is_empty() && st.queue.len() <= self.resume_at() {
+        let drained = st.queue.len() <= self.resume_at();
+        if drained {
+            st.orphaned_holds = 0;
+        }
+        let held = if drained && !st.held.is_empty() {
             std::mem::take(&mut st.held)
         } else {
             Vec::new()
@@ -572,6 +596,16 @@ impl Subscriber {
             st.held.push(cx.waker().clone());
         }
         std::task::Poll::Pending
+    }
+
+    /// A publisher this subscriber's full queue held went away before the queue drained (its
+    /// stream was reset or its connection closed while it waited): counted towards
+    /// [`MAX_ORPHANED_HOLDS`]. Nothing if the queue has drained to half since.
+    pub fn note_orphaned_hold(&self) {
+        let mut st = self.lock();
+        if st.queue.len() > self.resume_at() {
+            st.orphaned_holds = st.orphaned_holds.saturating_add(1);
+        }
     }
 
     /// Ready once a publisher held by this subscriber's full queue (block policy) may go on: the

@@ -660,6 +660,50 @@ fn a_nack_into_its_own_full_block_queue_holds_nothing() {
     assert_eq!(s.queued(), 3, "queued again, not dropped");
 }
 
+/// Publishers that left while held (`note_orphaned_hold`) use up what a full `block` queue may
+/// take past its capacity: after `MAX_ORPHANED_HOLDS` of them the next frame that finds it full
+/// closes it as a slow consumer. Draining to half forgets them: a queue that keeps up now and
+/// then is never closed for publishers that left long ago.
+#[test]
+fn publishers_that_left_while_held_bound_a_block_queue() {
+    let limit = aqueduct_core::subscriber::MAX_ORPHANED_HOLDS;
+    let now = Instant::now();
+    // Drained to half between the departures and the next full publish: still held, not closed.
+    let (b, s) = block_broker();
+    let mut ctx = PublishContext::default();
+    for i in 0..5 {
+        publish(&b, &mut ctx, "t", &i.to_string(), now);
+    }
+    for _ in 0..limit {
+        s.note_orphaned_hold();
+    }
+    let mut out = BytesMut::new();
+    while s.queued() > 2 {
+        b.drain(&s, &mut out, 1, now);
+    }
+    while ctx.take_held().is_some() {}
+    for i in 0..3 {
+        publish(&b, &mut ctx, "t", &i.to_string(), now);
+    }
+    assert!(ctx.take_held().is_some(), "held again");
+    assert!(!s.is_closed());
+    assert_eq!(b.slow_consumers_disconnected(), 0);
+    // Not drained: one departure short of the limit, still held; at it, closed.
+    for _ in 0..limit - 1 {
+        s.note_orphaned_hold();
+    }
+    publish(&b, &mut ctx, "t", "x", now);
+    assert!(!s.is_closed(), "{} left, below the limit", limit - 1);
+    s.note_orphaned_hold();
+    publish(&b, &mut ctx, "t", "y", now);
+    assert!(s.is_closed(), "closed as a slow consumer");
+    assert_eq!(
+        s.close_reason(),
+        Some(aqueduct_core::CloseReason::SlowConsumer)
+    );
+    assert_eq!(b.slow_consumers_disconnected(), 1);
+}
+
 #[test]
 fn a_closing_blocking_subscriber_releases_its_publishers() {
     let (b, s) = block_broker();

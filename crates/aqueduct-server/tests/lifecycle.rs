@@ -432,6 +432,62 @@ async fn a_reset_ends_the_subscriptions_of_a_stream_held_by_a_full_block_queue()
     b.stop().await.expect("clean shutdown");
 }
 
+/// A publisher held by a full `block` queue that resets its stream and comes back on a new one
+/// puts one more frame past the queue's capacity each time. Before, nothing bounded that (the
+/// hold, and its `block_timeout`, went with the reset stream): the queue grew for as long as
+/// the publisher kept doing it. Now, once `MAX_ORPHANED_HOLDS` publishers have left while
+/// held, the subscription is closed as a slow consumer (`block_timeout` is far away here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishers_that_reset_while_held_cannot_grow_a_block_queue_without_end() {
+    let b = TestBroker::start_with(|c| {
+        c.broker.backpressure_policy = OverflowPolicy::Block;
+        c.broker.queue_size = 4;
+        c.block_timeout = Some(Duration::from_secs(600));
+    })
+    .await;
+    // A subscriber of `jobs` that reads nothing: its queue fills.
+    let stalled = Raw::connect(&b, 4096).await;
+    let mut jobs = stalled.stream().await;
+    jobs.write(&subscribe_frame(1, "topic:jobs")).await;
+    until("the subscription", || b.broker.subscriber_count() == 1).await;
+    let publisher = Raw::connect(&b, 1 << 20).await;
+    let publish = aqueduct_proto::Frame::new(
+        0,
+        Message::Publish(aqueduct_proto::Publish::new(
+            aqueduct_proto::TopicName::try_from("jobs").expect("topic"),
+            bytes::Bytes::from(vec![b'x'; 1000]),
+        )),
+    );
+    let limit = aqueduct_core::subscriber::MAX_ORPHANED_HOLDS as usize;
+    let mut rounds = 0;
+    while b.broker.subscriber_count() == 1 {
+        assert!(
+            rounds < 4 * limit,
+            "{rounds} publishers left while held and the queue still takes more"
+        );
+        let holds = b.stats.publish_holds.load(Ordering::Relaxed);
+        let mut s = publisher.stream().await;
+        // The first stream fills the queue; later ones find it full at once.
+        for _ in 0..if rounds == 0 { 40 } else { 1 } {
+            s.write_frame(&publish).await;
+        }
+        until("the stream to be held, or the subscription closed", || {
+            b.stats.publish_holds.load(Ordering::Relaxed) > holds
+                || b.broker.subscriber_count() == 0
+        })
+        .await;
+        s.send.reset(0u32.into()).expect("reset");
+        rounds += 1;
+    }
+    assert!(
+        rounds > limit,
+        "closed after {rounds} rounds, before the limit"
+    );
+    assert_eq!(b.broker.slow_consumers_disconnected(), 1);
+    stalled.conn.close(0u32.into(), b"bye");
+    b.stop().await.expect("clean shutdown");
+}
+
 /// After STOP_SENDING the broker goes on reading the stream (§1.1): the replies it can no
 /// longer send are dropped, not queued. Before, they piled up until the reader's backpressure
 /// (1 MiB of unsent replies) stopped reading the stream, and what the client sent after that

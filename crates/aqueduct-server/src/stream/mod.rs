@@ -712,7 +712,16 @@ impl Reader<'_> {
     async fn wait_for_room(&mut self) {
         let shared = self.shared;
         let stats = &shared.stats;
-        while let Some(sub) = self.ctx.take_held() {
+        // Each held subscriber stays in `holds` until its wait is over: if this future is
+        // dropped first (the stream reset, the connection closed), those left are told.
+        let mut holds = Holds::default();
+        loop {
+            while let Some(sub) = self.ctx.take_held() {
+                holds.0.push(sub);
+            }
+            let Some(sub) = holds.0.last().cloned() else {
+                break;
+            };
             let started = Instant::now();
             let mut waited = false;
             let room = std::future::poll_fn(|cx| {
@@ -749,6 +758,7 @@ impl Reader<'_> {
                     .publish_held_us
                     .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
             }
+            holds.0.pop();
         }
     }
 
@@ -1773,6 +1783,21 @@ async fn write_loop<S: SendHalf + 'static>(
     // Closing the connection abandons data the client has not acknowledged yet: wait (bounded)
     // until it has read the stream to the end.
     let _ = tokio::time::timeout(FINISH_WAIT, send.stopped()).await;
+}
+
+/// The subscribers a publishing stream is held by (block policy) and has not finished waiting
+/// for. Dropped with some left, its publisher went away while held: each is told
+/// ([`Subscriber::note_orphaned_hold`]), so publishers that keep coming back on new streams cannot
+/// grow its queue without end.
+#[derive(Default)]
+struct Holds(Vec<Arc<Subscriber>>);
+
+impl Drop for Holds {
+    fn drop(&mut self) {
+        for sub in self.0.drain(..) {
+            sub.note_orphaned_hold();
+        }
+    }
 }
 
 #[cfg(test)]
