@@ -1321,3 +1321,75 @@ async fn retention_forgets_the_topics_it_empties_and_their_offsets_go_on() {
     client.close().await.expect("close");
     b.stop().await.expect("clean shutdown");
 }
+
+/// A shutdown stops feeding durable consumers: each stream's writer sends what is queued,
+/// finishes the stream and waits for the client to read it, so a consumer whose deliveries are
+/// settled as written (no ACK_MODE explicit) has received everything its saved position counts.
+/// Before, its feeder went on during the shutdown, the writer never ran dry, and after 5 s the
+/// connection was closed under messages written but not yet read: the position saved at the
+/// end skipped them, and they never came again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_stops_feeding_so_a_consumer_without_acks_misses_nothing() {
+    use aqueduct_client::DurableStart;
+    const BACKLOG: u64 = 5000;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let b = durable_broker(dir.path()).await;
+    let client = b.client().await;
+    for start in (0..BACKLOG).step_by(500) {
+        let batch = (start..start + 500).map(|i| ("jobs", Bytes::from(format!("m{i}"))));
+        client
+            .publish_batch(batch, &confirm())
+            .await
+            .expect("batch");
+    }
+    client.close().await.expect("close");
+    // A consumer with a 4 KiB stream window that reads slower than the log could feed it.
+    let raw = Raw::connect(&b, 4096).await;
+    let mut s = raw.stream().await;
+    s.write(&raw_frame(
+        0x42,
+        1,
+        b"\x00\x00topic:jobs:durable:w:earliest",
+    ))
+    .await;
+    let offset = |f: aqueduct_proto::Frame| match f.message {
+        aqueduct_proto::frame::Message::Publish(p) => p.ext.offset.expect("an offset"),
+        other => panic!("not a delivery: {other:?}"),
+    };
+    let mut got = vec![offset(s.read_frame().await.expect("the first delivery"))];
+    let stopping = tokio::spawn(b.stop());
+    let mut pace = tokio::time::interval(std::time::Duration::from_millis(2));
+    while let Some(f) = s.read_frame().await {
+        got.push(offset(f));
+        pace.tick().await;
+    }
+    within("the shutdown", stopping)
+        .await
+        .expect("joined")
+        .expect("clean shutdown");
+    let received = got.len() as u64;
+    assert_eq!(got, (0..received).collect::<Vec<_>>(), "in order, no gap");
+    assert!(
+        received < BACKLOG,
+        "the shutdown went on feeding the consumer ({received} of {BACKLOG})"
+    );
+    raw.forget();
+
+    // After a restart it goes on exactly where it stopped receiving.
+    let b = durable_broker(dir.path()).await;
+    let client = b.client().await;
+    let opts = aqueduct_client::SubscribeOptions {
+        durable: Some(("w".to_string(), DurableStart::Earliest)),
+        ..aqueduct_client::SubscribeOptions::default()
+    };
+    let mut sub = client
+        .subscribe_with("jobs", &opts)
+        .await
+        .expect("resubscribe");
+    assert_eq!(
+        next(&mut sub).await.offset(),
+        received,
+        "nothing skipped, nothing again"
+    );
+    close_and_stop(client, b).await;
+}

@@ -405,6 +405,17 @@ fn stop_routing(shared: &Shared, out: &StreamOut) {
     }
 }
 
+/// The stream's subscriptions get nothing new: routing stops, and durable consumers' feeders
+/// (which do not route) pause. What is queued is still written.
+fn feed_nothing_more(shared: &Shared, out: &StreamOut) {
+    stop_routing(shared, out);
+    if let Some(consumers) = &shared.consumers {
+        for (sub, key) in lock(&out.durables).iter() {
+            consumers.pause(key, *sub);
+        }
+    }
+}
+
 /// Serve one stream until both directions are done. The reader and the writer run in this one
 /// task (no detached writer), so aborting the task with its connection stops both, and the
 /// guard still ends the stream's subscriptions.
@@ -441,18 +452,17 @@ pub(crate) async fn serve<S: SendHalf + 'static, R: RecvHalf>(
                 // member's messages go to the other members); plain ones get nothing new and
                 // end after the writer has sent what was queued.
                 end_subscriptions(&shared, &conn, &out, |s| s.ack_mode() == AckMode::Explicit);
-                stop_routing(&shared, &out);
-                // Durable consumers without ACKs get nothing new either: their feeders stop.
-                if let Some(consumers) = &shared.consumers {
-                    for (sub, key) in lock(&out.durables).iter() {
-                        consumers.pause(key, *sub);
-                    }
-                }
+                feed_nothing_more(&shared, &out);
                 let _ = out.finished_at.set(Instant::now());
                 out.reader_done.store(true, Ordering::Release);
                 out.notify.notify_one();
             }
             ReadEnd::Interrupted => {
+                // The shutdown: the writer sends what is queued and finishes (§1.1). Nothing
+                // new may be routed or fed meanwhile (peers' copies, redeliveries, durable
+                // consumers' feeders), or it would never run dry and the connection would be
+                // closed under deliveries written but not read.
+                feed_nothing_more(&shared, &out);
                 out.interrupted.store(true, Ordering::Release);
                 out.reader_done.store(true, Ordering::Release);
                 out.notify.notify_one();
