@@ -7,7 +7,7 @@
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -179,6 +179,16 @@ struct State {
     orphaned_holds: u32,
     /// Its client stopped reading: nothing more is queued (see [`crate::Broker::detach`]).
     detached: bool,
+}
+
+/// Subscription closes in this process, ever (see [`closes_so_far`]).
+static CLOSES: AtomicU64 = AtomicU64::new(0);
+
+/// How many times subscriptions have been closed in this process: a table of subscriptions that
+/// was full of live ones when this read `n` can only have room (closed ones to drop) once it
+/// reads more than `n`.
+pub fn closes_so_far() -> u64 {
+    CLOSES.load(Ordering::Acquire)
 }
 
 /// Under the block policy a frame may fill a queue past its capacity, its publisher then held
@@ -737,6 +747,8 @@ impl Subscriber {
                 st.closed = Some(reason);
             }
             self.closed.store(true, Ordering::Release);
+            // After the flag: whoever sees the count move sees this one closed.
+            CLOSES.fetch_add(1, Ordering::Release);
             std::mem::take(&mut st.held)
                 .into_iter()
                 .for_each(std::task::Waker::wake);

@@ -37,19 +37,43 @@ pub(crate) enum AddSubError {
     Limit,
 }
 
+/// A connection's subscriptions by stream id, and when they were last swept at the limit.
+#[derive(Debug, Default)]
+struct Subs {
+    by_id: HashMap<u32, SubEntry>,
+    /// [`aqueduct_core::subscriber::closes_so_far`] when a sweep last left `by_id` at the limit
+    /// (every entry live): until it moves, no entry can have closed, and a sweep would find
+    /// nothing to drop.
+    full_at: Option<u64>,
+}
+
+impl std::ops::Deref for Subs {
+    type Target = HashMap<u32, SubEntry>;
+    fn deref(&self) -> &Self::Target {
+        &self.by_id
+    }
+}
+
+impl std::ops::DerefMut for Subs {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.by_id
+    }
+}
+
 /// Is there room in `subs` for a subscription with `stream_id`?
-fn room_for_sub(
-    subs: &mut HashMap<u32, SubEntry>,
-    stream_id: u32,
-    max: usize,
-) -> Result<(), AddSubError> {
+fn room_for_sub(subs: &mut Subs, stream_id: u32, max: usize) -> Result<(), AddSubError> {
     if subs.get(&stream_id).is_some_and(|e| !e.sub.is_closed()) {
         return Err(AddSubError::InUse);
     }
     if subs.len() >= max {
         // Only at the limit, so that a connection's SUBSCRIBEs cost O(1) each in the common
-        // case.
-        subs.retain(|_, e| !e.sub.is_closed());
+        // case; and only if a subscription closed since the last sweep found none closed, so
+        // that SUBSCRIBEs streamed at a full table are refused in O(1) too, not a walk each.
+        let closes = aqueduct_core::subscriber::closes_so_far();
+        if subs.full_at != Some(closes) {
+            subs.retain(|_, e| !e.sub.is_closed());
+            subs.full_at = (subs.len() >= max).then_some(closes);
+        }
         if subs.len() >= max {
             return Err(AddSubError::Limit);
         }
@@ -76,7 +100,7 @@ pub(crate) struct ConnState {
     /// them that way, on any stream. Locked briefly by the streams of this connection only; a
     /// SUBSCRIBE holds it while the broker registers the subscription (lock order: this, then
     /// the broker's routing lock; nothing takes them the other way round).
-    subs: Mutex<HashMap<u32, SubEntry>>,
+    subs: Mutex<Subs>,
     confirmed: AtomicBool,
     confirmed_notify: Notify,
     /// [`ConnState::disconnect_with`]'s code and reason; the connection's task closes the
@@ -120,7 +144,7 @@ impl ConnState {
         self.close_requested.notify_one();
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<u32, SubEntry>> {
+    fn lock(&self) -> MutexGuard<'_, Subs> {
         self.subs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -861,6 +885,40 @@ mod tests {
         assert!(broker.disconnect_slow(&mut ctx, &slow, std::time::Instant::now()));
         assert!(conn.sub(3).is_none(), "an ACK's lookup forgets it");
         assert!(conn.end_with_stream(&slow));
+    }
+
+    /// At the limit, a SUBSCRIBE finds room once a subscription of the connection has closed
+    /// (the broker closed it: its entry stays until a sweep), also after a sweep that found
+    /// none closed and marked the table full.
+    #[test]
+    fn a_full_table_has_room_again_once_one_of_its_subscriptions_closed() {
+        use aqueduct_core::{Broker, BrokerConfig, PublishContext};
+        use aqueduct_proto::SubscribeSpec;
+        let broker = Broker::new(BrokerConfig::default());
+        let conn = ConnState::new(1, "127.0.0.1:5000".parse().expect("addr"));
+        let spec = SubscribeSpec::parse(&bytes::Bytes::from_static(b"topic:t")).expect("spec");
+        let subscribe = |stream_id: u32| {
+            conn.add_sub_with(stream_id, 3, || SubEntry {
+                sub: broker.subscribe(
+                    &spec,
+                    aqueduct_core::SubscribeOptions {
+                        stream_id,
+                        ..Default::default()
+                    },
+                ),
+                out: Arc::default(),
+            })
+        };
+        let subs: Vec<_> = (1..=3).map(|id| subscribe(id).expect("room")).collect();
+        for _ in 0..2 {
+            assert_eq!(subscribe(4).err(), Some(AddSubError::Limit));
+            assert!(conn.lock().full_at.is_some(), "marked full");
+        }
+        let mut ctx = PublishContext::default();
+        assert!(broker.disconnect_slow(&mut ctx, &subs[1], std::time::Instant::now()));
+        assert!(subscribe(4).is_ok(), "the closed one's place is taken");
+        assert_eq!(conn.lock().len(), 3);
+        assert_eq!(subscribe(5).err(), Some(AddSubError::Limit));
     }
 
     #[test]
