@@ -1463,34 +1463,47 @@ fn many_topics_share_few_files() -> R {
     Ok(())
 }
 
-#[test]
-fn a_reader_skips_a_batch_damaged_after_indexing_and_goes_on() -> R {
+/// Three batches of two messages of topic `a`, the middle one changed by `damage` (given the
+/// segment's bytes and the batches' positions) after the log was closed and indexed; reopened,
+/// the index still trusted: the offsets a reader of `a` gets, and how many errors.
+fn read_past_damage(
+    key_byte: Option<u8>,
+    damage: impl FnOnce(&mut [u8], &[usize]),
+) -> Result<(Vec<u64>, usize), Box<dyn std::error::Error>> {
     let tmp = tempfile::tempdir()?;
-    let (mut log, _) = Log::open(tmp.path(), opts(None))?;
+    let (mut log, _) = Log::open(tmp.path(), opts(key_byte.map(key)))?;
     fill(&mut log, "a", 3, 2)?;
     log.close()?;
-    // Damage the middle batch after the index was written: the index is still trusted.
     let seg = segments(tmp.path())
         .into_iter()
         .find(|p| std::fs::metadata(p).map(|m| m.len() > 96).unwrap_or(false))
         .ok_or("no segment")?;
     let mut b = std::fs::read(&seg)?;
     let starts = frame_starts(&b);
-    b[starts[1] + FRAME_PREFIX + BODY_HEADER + 3] ^= 0xFF;
+    assert_eq!(starts.len(), 3);
+    damage(&mut b, &starts);
     std::fs::write(&seg, &b)?;
-    let (log, rec) = Log::open(tmp.path(), opts(None))?;
-    assert_eq!(rec.rebuilt_indexes, 0);
+    let (log, rec) = Log::open(tmp.path(), opts(key_byte.map(key)))?;
+    assert_eq!(rec.rebuilt_indexes, 0, "the index is still trusted");
     let items: Vec<Result<Record, LogError>> = log.read(b"a", 0).collect();
-    let ok: Vec<u64> = items
+    let ok = items
         .iter()
         .filter_map(|r| r.as_ref().ok().map(|r| r.offset))
         .collect();
+    Ok((ok, items.iter().filter(|r| r.is_err()).count()))
+}
+
+#[test]
+fn a_reader_skips_a_batch_damaged_after_indexing_and_goes_on() -> R {
+    let (ok, errors) = read_past_damage(None, |b, starts| {
+        b[starts[1] + FRAME_PREFIX + BODY_HEADER + 3] ^= 0xFF;
+    })?;
     assert_eq!(
         ok,
         vec![0, 1, 4, 5],
         "the batches after the damage still read"
     );
-    assert_eq!(items.iter().filter(|r| r.is_err()).count(), 1);
+    assert_eq!(errors, 1);
     Ok(())
 }
 
@@ -1507,28 +1520,11 @@ fn a_reader_finds_the_next_batch_past_a_damaged_length() -> R {
         (None, (BODY_HEADER + 100_000) as u32, &[0, 1]),
     ];
     for (k, len, want) in cases {
-        let tmp = tempfile::tempdir()?;
-        let (mut log, _) = Log::open(tmp.path(), opts(k.map(key)))?;
-        fill(&mut log, "a", 3, 2)?;
-        log.close()?;
-        let seg = segments(tmp.path())
-            .into_iter()
-            .find(|p| std::fs::metadata(p).map(|m| m.len() > 96).unwrap_or(false))
-            .ok_or("no segment")?;
-        let mut b = std::fs::read(&seg)?;
-        let starts = frame_starts(&b);
-        assert_eq!(starts.len(), 3);
-        b[starts[1]..starts[1] + 4].copy_from_slice(&len.to_le_bytes());
-        std::fs::write(&seg, &b)?;
-        let (log, rec) = Log::open(tmp.path(), opts(k.map(key)))?;
-        assert_eq!(rec.rebuilt_indexes, 0, "the index is still trusted");
-        let items: Vec<Result<Record, LogError>> = log.read(b"a", 0).collect();
-        let ok: Vec<u64> = items
-            .iter()
-            .filter_map(|r| r.as_ref().ok().map(|r| r.offset))
-            .collect();
+        let (ok, errors) = read_past_damage(k, |b, starts| {
+            b[starts[1]..starts[1] + 4].copy_from_slice(&len.to_le_bytes());
+        })?;
         assert_eq!(ok, want, "key {k:?}, length {len:#x}");
-        assert_eq!(items.iter().filter(|r| r.is_err()).count(), 1);
+        assert_eq!(errors, 1);
     }
     Ok(())
 }
