@@ -28,12 +28,12 @@ pub enum AdminCommand {
     /// Connected clients: connection id, client id, address, since, subscriptions, counts.
     Clients,
     /// Disconnect a client: every connection of CLIENT, or one with --connection.
+    #[command(group(clap::ArgGroup::new("target").required(true).args(["client", "connection"])))]
     Kick {
         /// The client id (certificate CN, or `anonymous`).
-        #[arg(required_unless_present = "connection")]
         client: Option<String>,
         /// One connection, by the id `aqueduct admin clients` shows.
-        #[arg(long, conflicts_with = "client")]
+        #[arg(long)]
         connection: Option<u64>,
         /// Told to the client in the connection close.
         #[arg(long, default_value = "")]
@@ -141,7 +141,7 @@ async fn connect(target: &AdminTarget) -> Result<AdminClient> {
         if text.contains("UnknownIssuer") || text.contains("invalid peer certificate") {
             // This side refused the broker's certificate.
             anyhow!(
-                "{text} (the broker's certificate is not trusted: {}; pass --ca FILE, the CA \
+                "{text} (the broker's certificate is not trusted: {}; --ca FILE names the CA \
                  that signed it)",
                 target.opts.trust_description()
             )
@@ -410,7 +410,8 @@ fn acl_output(a: &proto::Acl) -> Output {
             if a.enabled {
                 "on"
             } else {
-                "OFF (acl.enabled: false)"
+                "OFF (acl.enabled: false: everything is allowed; the rules and default below \
+                 apply once it is on)"
             },
             a.default_permission,
             a.rules.len(),

@@ -128,8 +128,12 @@ pub fn verify(dir: &LogDir, keys: &LogKeys) -> Result<()> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    let unreadable = match report.failures.len() {
+        0 => String::new(),
+        n => format!(" ({n} of them unreadable, below)"),
+    };
     println!(
-        "{}: {} segment(s), {} batch(es), {} topic(s), {} bytes",
+        "{}: {} segment(s){unreadable}, {} batch(es), {} topic(s), {} bytes",
         dir.display(),
         report.segments,
         report.batches,
@@ -146,9 +150,8 @@ pub fn verify(dir: &LogDir, keys: &LogKeys) -> Result<()> {
     for (path, pos, len) in &report.damage {
         println!("damaged: {} bytes {pos}..{}", path.display(), pos + len);
     }
-    for (_, why) in &report.failures {
-        // The reason names the file.
-        println!("failed: {why}");
+    for line in failure_lines(&report.failures) {
+        println!("{line}");
     }
     if report.deleted_meanwhile > 0 {
         println!(
@@ -167,6 +170,24 @@ pub fn verify(dir: &LogDir, keys: &LogKeys) -> Result<()> {
             report.failures.len()
         )
     }
+}
+
+/// `verify`'s lines for segments it could not read. Each reason names the file first; one
+/// explained already (every segment under a wrong key, say) is not explained again.
+fn failure_lines(failures: &[(std::path::PathBuf, String)]) -> Vec<String> {
+    let mut said: Option<&str> = None;
+    let mut lines = Vec::with_capacity(failures.len());
+    for (path, why) in failures {
+        let prefix = format!("{}: ", path.display());
+        let reason = why.strip_prefix(prefix.as_str());
+        if reason.is_some() && reason == said {
+            lines.push(format!("failed: {}: the same as above", path.display()));
+        } else {
+            lines.push(format!("failed: {why}"));
+            said = reason;
+        }
+    }
+    lines
 }
 
 /// A progress bar for work over `total` bytes, on a terminal and for logs large enough to be
@@ -345,6 +366,32 @@ mod tests {
     use super::*;
     use aqueduct_proto::{Priority, TopicName};
     use aqueduct_server::durable::StoredDeadLetter;
+
+    /// Every segment under a wrong key failed with one long explanation, printed once per
+    /// segment: it is printed once, and a different reason in full again.
+    #[test]
+    fn a_reason_repeated_for_several_segments_is_explained_once() {
+        let failure = |name: &str, why: &str| {
+            let path = std::path::PathBuf::from(format!("aal/{name}.seg"));
+            let text = format!("{}: {why}", path.display());
+            (path, text)
+        };
+        let lines = failure_lines(&[
+            failure("1", "sealed with none of the keys"),
+            failure("2", "sealed with none of the keys"),
+            failure("3", "a damaged header"),
+            failure("4", "a damaged header"),
+        ]);
+        assert_eq!(
+            lines,
+            [
+                "failed: aal/1.seg: sealed with none of the keys",
+                "failed: aal/2.seg: the same as above",
+                "failed: aal/3.seg: a damaged header",
+                "failed: aal/4.seg: the same as above",
+            ]
+        );
+    }
 
     #[test]
     fn a_dead_letter_is_dumped_with_its_origin() {

@@ -445,6 +445,28 @@ fn pub_and_sub_against_a_real_broker_then_sigterm() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no way to verify the broker"));
 
+    // A CA given to a local broker that shows its development certificate: the error says to
+    // leave --ca out (it said to pass the --ca that was passed).
+    let certs = home.path().join("certs");
+    let certs = certs.to_str().expect("utf-8");
+    let made = run_client(home.path(), &["cert", "ca", "--out", certs]);
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let ca = format!("{certs}/ca.pem");
+    let out = run_client(
+        home.path(),
+        &["--addr", &addr, "--ca", &ca, "pub", "t", "x"],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("development certificate") && err.contains("leave out --ca"),
+        "{err}"
+    );
+
     // Graceful shutdown on SIGTERM, exit status 0.
     stop(broker);
 }
@@ -752,6 +774,12 @@ fn commands_without_a_broker_refuse_connection_options() {
         err.contains("cannot read development certificate") && err.contains("$AQUEDUCT_HOME"),
         "{err}"
     );
+    // `admin kick` takes a client id or --connection: without either, the usage says both (it
+    // named only <CLIENT>, which --help shows as optional).
+    let o = run_client(home.path(), &["admin", "kick"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("<CLIENT|--connection <CONNECTION>>"), "{err}");
 }
 
 /// `aqueduct cert` makes a CA, a broker certificate and a client certificate that work together

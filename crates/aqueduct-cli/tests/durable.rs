@@ -725,6 +725,12 @@ fn log_verify_and_dump_work_offline() {
         out.contains("sealed with none of the 1 key(s) given") && out.contains("--key-file"),
         "{out}"
     );
+    // The summary does not read as an empty log (explained once however many segments: a
+    // unit test of log_cmd.rs).
+    assert!(
+        out.contains("1 segment(s) (1 of them unreadable, below)"),
+        "{out}"
+    );
     assert_eq!(snapshot(&dir), before, "verify and dump change nothing");
     // Flip a byte inside the first batch of the segment holding the messages.
     let seg = last_segment(&dir);

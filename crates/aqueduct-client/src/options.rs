@@ -33,7 +33,12 @@ impl Trust {
     /// What is trusted, for error messages.
     pub fn describe(&self) -> String {
         match self {
-            Trust::CaFile(p) => format!("CA file {}", p.display()),
+            Trust::CaFile(p) => format!(
+                "CA file {} (a broker without tls.cert_file shows its generated development \
+                 certificate, which no CA signs: for a local one, leave out --ca, \
+                 ConnectOptions::ca_file, to trust its dev-cert file)",
+                p.display()
+            ),
             Trust::CaPem(_) => "the CA certificates given in memory".into(),
             Trust::Fingerprint(_) => "a pinned certificate fingerprint".into(),
             Trust::Auto(p) => format!(

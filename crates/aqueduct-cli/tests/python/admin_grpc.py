@@ -4,6 +4,13 @@ grpcio-tools from the repository's .proto (nothing shared with the Rust code).
 
 Usage: admin_grpc.py PROTO_ROOT ADMIN_ADDR CERT_DIR TRUSTED_CERT
 
+CERT_DIR holds client certificates signed by the broker's admin CA, each as NAME.pem and
+NAME-key.pem (`aqueduct cert client --out CERT_DIR NAME`, CERT_DIR holding the CA made by
+`aqueduct cert ca --out CERT_DIR`): `admin-py` (its CN
+matching admin.allowed_cn) and `svc-py` (a CN that does not). TRUSTED_CERT is what the broker's
+certificate is checked against (its dev-cert file, or the CA that signed its tls.cert_file).
+crates/aqueduct-cli/tests/admin.rs makes them and runs this script.
+
 Calls every RPC of aqueduct.admin.v1.AdminService with an admin certificate, checks
 PERMISSION_DENIED for a certificate whose CN is not admin-*, checks that a client without a
 certificate cannot get in, and lists the services through server reflection (v1alpha, which
