@@ -1000,7 +1000,11 @@ export class Subscription {
 
   _streamEnded(err) {
     this.#client._release(this);
-    this._end(err);
+    // Finished by the broker while live (not unsubscribed, not given up here, no ERROR before):
+    // that is its shutdown, which writes what is queued and then finishes such streams (§1.1).
+    // Ended quietly, the loop would read as an unsubscribe; and the session's close (501)
+    // comes later, once the subscription has ended.
+    this._end(err ?? new AqueductError(ErrorCode.SHUTTING_DOWN, 'the broker finished the subscription\'s stream: it is shutting down (§1.1)', { streamId: this.id }));
     this.#resolveStreamEnd(err);
   }
 

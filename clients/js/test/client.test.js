@@ -330,6 +330,36 @@ test('SLOW_CONSUMER ends the iterator with the AqueductError after the messages 
   await client.close();
 });
 
+test('a delivery stream the broker finishes while the subscription lives (its shutdown) ends the iterator with SHUTTING_DOWN', async () => {
+  // It ended quietly, as an unsubscribe does, and the session's close (501) came too late to say
+  // why.
+  const { fake, client } = await setup();
+  const { broker, sub } = await subscribed(fake, client, 'jobs');
+  await broker.send({ opcode: Opcode.PUBLISH, streamId: 1, ext: { attempt: 1, priority: 2, topic: 'jobs', offset: 0n }, body: b('a') });
+  await broker.finish();
+  const seen = [];
+  await assert.rejects(
+    (async () => {
+      for await (const m of sub) seen.push(m.text);
+    })(),
+    (e) => e instanceof AqueductError && e.code === ErrorCode.SHUTTING_DOWN && e.streamId === 1,
+  );
+  assert.deepEqual(seen, ['a'], 'after the messages that came before');
+  assert.equal(sub.ended, true);
+  await client.close();
+});
+
+test('an unsubscribe the broker answers by finishing the stream ends the iterator normally', async () => {
+  const { fake, client } = await setup();
+  const { broker, sub } = await subscribed(fake, client, 'jobs');
+  const done = sub.unsubscribe();
+  assert.equal((await broker.next()).frame.opcode, Opcode.UNSUBSCRIBE);
+  await broker.finish();
+  await done;
+  assert.deepEqual(await sub.next(), { value: undefined, done: true });
+  await client.close();
+});
+
 test('a delivery stream reset by the broker ends the iterator with the reset code', async () => {
   const { fake, client } = await setup();
   const { broker, sub } = await subscribed(fake, client, 'jobs');
