@@ -250,6 +250,9 @@ pub(crate) enum ClaimError {
     OtherFilter(String),
     /// A new consumer id, and the broker keeps as many as `aal.max_consumers` allows.
     TooMany(usize),
+    /// The claim would make a new consumer, and its caller has not worked out where that one
+    /// starts ([`Consumers::claim_with`]'s `initial` gave nothing): work it out, and claim again.
+    Unwalked,
 }
 
 /// What a durable SUBSCRIBE joined.
@@ -298,17 +301,19 @@ impl Consumers {
     }
 
     /// Whether `key` has a stored position (it resumes from it, whatever start it asks).
-    /// May a claim of `key` make a new consumer, which starts from the positions it is given
-    /// (see [`claim`](Self::claim))? Yes without a stored position — also for a live one
-    /// without, which may end before the claim (unfed, it stores nothing). `Err(TooMany)` if
-    /// the claim would be refused for being new: said before the caller works out where a new
-    /// one starts (for `latest`, a walk of every topic). The claim decides again.
+    /// Would a claim of `key` now make a new consumer, which starts from the positions it is
+    /// given (see [`claim_with`](Self::claim_with))? Not with a stored position, nor while one
+    /// is live (the claim then joins its group or is refused; if it ends first, the claim says
+    /// [`ClaimError::Unwalked`]). `Err(TooMany)` if the claim would be refused for being new:
+    /// said before the caller works out where a new one starts (for `latest`, a walk of every
+    /// topic), so that SUBSCRIBEs refused anyway never make the broker walk. The claim decides
+    /// again.
     pub fn claims_new(&self, key: &str) -> Result<bool, ClaimError> {
         let t = lock(&self.table);
-        if t.stored.contains_key(key) {
+        if t.stored.contains_key(key) || t.live.contains_key(key) {
             return Ok(false);
         }
-        if !t.live.contains_key(key) && t.known() >= self.limits.max {
+        if t.known() >= self.limits.max {
             return Err(ClaimError::TooMany(self.limits.max));
         }
         Ok(true)
@@ -422,12 +427,27 @@ impl Consumers {
     /// lock, so that joining a group and the group's end never interleave. Returns it with the
     /// feeder's positions: the stored ones, if any, else those `initial` gives (a new consumer
     /// starting at `latest`: see [`latest_positions`]).
+    #[cfg(test)]
     pub fn claim(
         &self,
         key: &str,
         filter: &TopicFilter,
         group: bool,
         initial: impl FnOnce() -> BTreeMap<Vec<u8>, u64>,
+        make: impl FnOnce() -> Arc<Subscriber>,
+    ) -> Result<Claim, ClaimError> {
+        self.claim_with(key, filter, group, || Some(initial()), make)
+    }
+
+    /// [`claim`](Self::claim), `initial` giving `None` where the caller has not worked out
+    /// where a new consumer starts: a claim that would make one then makes nothing and says
+    /// [`ClaimError::Unwalked`].
+    pub fn claim_with(
+        &self,
+        key: &str,
+        filter: &TopicFilter,
+        group: bool,
+        initial: impl FnOnce() -> Option<BTreeMap<Vec<u8>, u64>>,
         make: impl FnOnce() -> Arc<Subscriber>,
     ) -> Result<Claim, ClaimError> {
         let mut t = lock(&self.table);
@@ -454,9 +474,11 @@ impl Consumers {
                 first: false,
             });
         }
+        let start = match t.stored.get(key) {
+            Some(c) => c.next.clone(),
+            None => initial().ok_or(ClaimError::Unwalked)?,
+        };
         let sub = make();
-        let stored = t.stored.get(key).cloned();
-        let start = stored.map_or_else(initial, |c| c.next);
         let safe = ConsumerPosition {
             filter: filter.to_string(),
             next: start.clone(),
@@ -1785,6 +1807,52 @@ mod tests {
                 broker.subscribe_unrouted(&SubscribeSpec::new(filter.clone()), opts)
             })
             .unwrap_or_else(|e| panic!("{e:?}"))
+    }
+
+    /// A live consumer's key claims nothing new (a SUBSCRIBE for it joins or is refused: no
+    /// walk for it); a claim that would make a new consumer without its start worked out makes
+    /// nothing and says so, for the caller to work it out and claim again (the live one ended
+    /// in between); with the start, it makes it.
+    #[test]
+    fn a_claim_without_its_start_makes_no_new_consumer() {
+        let (_dir, consumers, broker, _) = redelivering();
+        let filter = TopicFilter::try_from("jobs").expect("valid filter");
+        assert!(matches!(consumers.claims_new("consumer:c"), Ok(true)));
+        let live = claim_acked(&consumers, &broker);
+        assert!(
+            matches!(consumers.claims_new("consumer:c"), Ok(false)),
+            "live"
+        );
+        consumers.end("consumer:c", &live.sub);
+        let mut made = false;
+        let unwalked = consumers.claim_with(
+            "consumer:new",
+            &filter,
+            false,
+            || None,
+            || {
+                made = true;
+                broker.subscribe_unrouted(&SubscribeSpec::new(filter.clone()), Default::default())
+            },
+        );
+        assert!(
+            matches!(unwalked, Err(ClaimError::Unwalked)),
+            "{unwalked:?}"
+        );
+        assert!(!made, "nothing made");
+        assert!(
+            matches!(consumers.claims_new("consumer:new"), Ok(true)),
+            "still new"
+        );
+        let walked = consumers.claim_with(
+            "consumer:new",
+            &filter,
+            false,
+            || Some(BTreeMap::from([(b"jobs".to_vec(), 7)])),
+            || broker.subscribe_unrouted(&SubscribeSpec::new(filter.clone()), Default::default()),
+        );
+        let walked = walked.unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(lock(&walked.fed).next.get(b"jobs".as_slice()), Some(&7));
     }
 
     /// The log may forget an emptied topic only where every consumer has read it to the end:

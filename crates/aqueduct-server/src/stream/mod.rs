@@ -970,29 +970,50 @@ impl Reader<'_> {
                             let why = self.sub_refusal(e, stream_id, max);
                             return self.send_error(stream_id, ErrorCode::BAD_SUBSCRIBE, why);
                         }
-                        let new = consumers.claims_new(key);
-                        let initial = match (start, &self.shared.durable, &new) {
-                            (aqueduct_proto::DurableStart::Latest, Some(d), Ok(true)) => {
-                                self.shared
-                                    .stats
-                                    .durable_latest_walks
-                                    .fetch_add(1, Ordering::Relaxed);
-                                crate::consumers::latest_positions(d, broker, &s.spec.filter)
-                            }
-                            _ => Default::default(),
+                        // Where a new consumer starts: for `latest`, the walk; for the other
+                        // starts, nothing to work out (the feeder starts each topic there).
+                        let latest = match (start, &self.shared.durable) {
+                            (aqueduct_proto::DurableStart::Latest, Some(d)) => Some(d),
+                            _ => None,
                         };
-                        let claim = new.and_then(|_| {
-                            consumers.claim(
-                                key,
-                                &s.spec.filter,
-                                group,
-                                || initial,
-                                || {
-                                    let opts = opts.take().unwrap_or_default();
-                                    broker.subscribe_unrouted(&s.spec, opts)
-                                },
-                            )
-                        });
+                        let mut initial = latest.is_none().then(Default::default);
+                        let mut tries = 0;
+                        let claim = loop {
+                            tries += 1;
+                            let new = consumers.claims_new(key);
+                            // Walked only when the claim would make a new consumer (not for
+                            // one that joins a live group or is refused as in use), or when a
+                            // live one ended meanwhile; the third time whatever it says.
+                            if let (Some(d), None, Ok(is_new)) = (latest, &initial, &new) {
+                                if *is_new || tries >= 3 {
+                                    self.shared
+                                        .stats
+                                        .durable_latest_walks
+                                        .fetch_add(1, Ordering::Relaxed);
+                                    initial = Some(crate::consumers::latest_positions(
+                                        d,
+                                        broker,
+                                        &s.spec.filter,
+                                    ));
+                                }
+                            }
+                            let claimed = new.and_then(|_| {
+                                consumers.claim_with(
+                                    key,
+                                    &s.spec.filter,
+                                    group,
+                                    || initial.take(),
+                                    || {
+                                        let opts = opts.take().unwrap_or_default();
+                                        broker.subscribe_unrouted(&s.spec, opts)
+                                    },
+                                )
+                            });
+                            match claimed {
+                                Err(ClaimError::Unwalked) => continue,
+                                other => break other,
+                            }
+                        };
                         match claim {
                             Ok(claim) => Some(claim),
                             Err(e) => {
@@ -1013,6 +1034,10 @@ impl Reader<'_> {
                                          groups (aal.max_consumers); one without a \
                                          subscription for aal.consumer_retention is forgotten"
                                     ),
+                                    // Not after a walk, which every third try makes.
+                                    ClaimError::Unwalked => {
+                                        format!("durable consumer {id}: its claim did not settle")
+                                    }
                                 };
                                 return self.send_error(stream_id, ErrorCode::BAD_SUBSCRIBE, why);
                             }
