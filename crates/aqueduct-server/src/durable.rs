@@ -905,14 +905,22 @@ impl Durable {
     /// Room for `n` messages if there is some now.
     fn try_room(&self, n: usize) -> Option<Room<'_>> {
         let q = lock(&self.queue);
-        let owed = self.owed.load(Ordering::SeqCst);
-        let fits = owed == 0
-            || (owed + n <= MAX_OWED && q.data.len() < MAX_QUEUED_BYTES)
-            || self.is_closed();
-        fits.then(|| {
+        self.fits(&q, n).then(|| {
             self.owed.fetch_add(n, Ordering::SeqCst);
             Room { durable: self, n }
         })
+    }
+
+    fn fits(&self, q: &Queue, n: usize) -> bool {
+        let owed = self.owed.load(Ordering::SeqCst);
+        owed == 0 || (owed + n <= MAX_OWED && q.data.len() < MAX_QUEUED_BYTES) || self.is_closed()
+    }
+
+    /// The log owes as much as it may ([`MAX_OWED`], [`MAX_QUEUED_BYTES`]): not even one more
+    /// message would get room. The broker's ack-wait timer makes no dead letters (nor
+    /// redeliveries) then: they wait for its next tick with room.
+    pub fn is_full(&self) -> bool {
+        !self.fits(&lock(&self.queue), 1)
     }
 
     /// Count `n` records just pushed (under the queue lock).

@@ -854,6 +854,13 @@ impl Control {
         }
     }
 
+    /// A testing aid: the durable log owes all it may (no room for one more message). False
+    /// without the log.
+    #[doc(hidden)]
+    pub fn log_is_full(&self) -> bool {
+        self.shared.durable.as_ref().is_some_and(|d| d.is_full())
+    }
+
     /// A testing aid: the durable log's writer applies retention now (it does every 10 s):
     /// deletes what the limits say and forgets the topics that emptied and nothing holds. No
     /// effect without the log.
@@ -1163,6 +1170,11 @@ async fn ack_ticker(
     loop {
         tokio::select! {
             _ = tick.tick() => {
+                // Its dead letters would grow the log's queue past its bounds: they wait for a
+                // tick when the log has room (the deliveries stay in flight meanwhile).
+                if durable.as_ref().is_some_and(|d| d.is_full()) {
+                    continue;
+                }
                 // Dead letters of messages that ran out of retries go to the log in order.
                 let _ = match &durable {
                     Some(d) => d.with_order(&mut ctx, |ctx| broker.tick(ctx, Instant::now())),

@@ -700,6 +700,12 @@ impl Reader<'_> {
             }
             // The frame goes on (a refusal by the ACL below still counts, as documented).
             owed.paid();
+        } else if let (Message::Nack(_), Some(d)) = (&frame.message, self.shared.durable.as_deref())
+        {
+            // A NACK may make a dead letter, which the log must store: like a publish it waits
+            // while the log owes all it may, so that NACKs (many subscriptions' of one message
+            // each) cannot grow the log's queue past its bounds.
+            room = Some(d.wait_room(1).await);
         }
         if let Message::Publish(p) = &frame.message {
             if !self.authorize_publish(stream_id, std::iter::once(p.topic().as_bytes())) {
