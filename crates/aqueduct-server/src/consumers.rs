@@ -625,12 +625,14 @@ impl Consumers {
     }
 
     /// Every consumer's position now. One whose messages kept moving while it was read (see
-    /// [`position_of`]) keeps its entry in `before` (the positions saved last: lower, so
-    /// nothing is skipped), or else the one it started from (a consumer never saved yet: left
-    /// out, a crash made it new, and a `latest` one then skipped what it had not settled); the
+    /// [`position_of`]) keeps its [`Live::safe`] position: what was last saved for this very
+    /// subscription, or the one it started from (a consumer never saved yet: left out, a crash
+    /// made it new, and a `latest` one then skipped what it had not settled) — not the key's
+    /// last saved entry, which may be an earlier consumer's of the same id (forgotten by
+    /// retention since, its forgetting not saved yet); the
     /// others are saved regardless. Also counts those not read, and returns what the others' positions
     /// were made of and the table's [`changes`](Table::changes) when read.
-    fn snapshot(&self, before: &Positions) -> Snapshot {
+    fn snapshot(&self) -> Snapshot {
         let t = lock(&self.table);
         let mut all = t.stored.clone();
         let mut unread = 0;
@@ -645,8 +647,7 @@ impl Consumers {
                 }
                 None => {
                     unread += 1;
-                    let kept = before.get(key).unwrap_or(&live.safe);
-                    all.insert(key.clone(), kept.clone());
+                    all.insert(key.clone(), live.safe.clone());
                 }
             }
         }
@@ -732,7 +733,7 @@ impl Consumers {
         if self.unchanged(&saved) {
             return Ok(false);
         }
-        let mut now = self.snapshot(&saved.positions);
+        let mut now = self.snapshot();
         if now.unread > 0 {
             debug!(consumers = now.unread, "durable consumers: messages kept moving while their positions were read; their saved positions stay until the next checkpoint");
         }
@@ -2179,7 +2180,7 @@ mod tests {
         };
         let mut kept = 0u64;
         while !done.load(Ordering::SeqCst) {
-            let Snapshot { all, unread, .. } = consumers.snapshot(&Positions::default());
+            let Snapshot { all, unread, .. } = consumers.snapshot();
             let position = all.get("consumer:c").expect("every live consumer is in");
             let next = position.next.get(&b"jobs"[..]).copied();
             if unread == 0 {
