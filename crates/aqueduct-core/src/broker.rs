@@ -282,6 +282,9 @@ pub struct SubscribeOptions {
     /// At most this many unsettled deliveries at a time (a "prefetch"); the broker's
     /// `max_in_flight` if lower.
     pub max_in_flight: Option<usize>,
+    /// Counted up when the subscription closes (its connection's: see
+    /// [`Subscriber::closes`](crate::Subscriber)).
+    pub closes: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
 
 impl std::fmt::Debug for SubscribeOptions {
@@ -305,6 +308,7 @@ impl Default for SubscribeOptions {
             waker: None,
             seed_form: false,
             max_in_flight: None,
+            closes: None,
         }
     }
 }
@@ -734,6 +738,7 @@ impl Broker {
             seed_form: opts.seed_form,
             max_in_flight: opts.max_in_flight.map(|n| n.max(1)),
             unrouted,
+            closes: opts.closes,
         }))
     }
 
@@ -1659,7 +1664,18 @@ impl Broker {
         sub: &Arc<Subscriber>,
         now: Instant,
     ) -> usize {
-        let (overdue, _moving) = sub.take_overdue(now);
+        let mut unbounded = usize::MAX;
+        self.expire_in_flight_within(ctx, sub, now, &mut unbounded)
+    }
+
+    fn expire_in_flight_within(
+        &self,
+        ctx: &mut PublishContext,
+        sub: &Arc<Subscriber>,
+        now: Instant,
+        dead_letters: &mut usize,
+    ) -> usize {
+        let (overdue, _moving) = sub.take_overdue(now, self.config.max_retries, dead_letters);
         let n = overdue.len();
         for d in overdue {
             self.retry(ctx, sub, d, "ack timeout", now);
@@ -1669,9 +1685,22 @@ impl Broker {
 
     /// [`expire_in_flight`](Self::expire_in_flight) for every subscription.
     pub fn tick(&self, ctx: &mut PublishContext, now: Instant) -> usize {
+        self.tick_within(ctx, now, usize::MAX)
+    }
+
+    /// [`tick`](Self::tick), making at most `dead_letters` dead letters (a durable log with
+    /// room for only so many more): overdue deliveries that would be dead-lettered beyond it
+    /// stay in flight, overdue, for a later tick; redeliveries are made whatever it says.
+    pub fn tick_within(
+        &self,
+        ctx: &mut PublishContext,
+        now: Instant,
+        dead_letters: usize,
+    ) -> usize {
+        let mut budget = dead_letters;
         self.subscribers()
             .iter()
-            .map(|s| self.expire_in_flight(ctx, s, now))
+            .map(|s| self.expire_in_flight_within(ctx, s, now, &mut budget))
             .sum()
     }
 

@@ -181,22 +181,14 @@ struct State {
     detached: bool,
 }
 
-/// Subscription closes in this process, ever (see [`closes_so_far`]).
-static CLOSES: AtomicU64 = AtomicU64::new(0);
-
-/// How many times subscriptions have been closed in this process: a table of subscriptions that
-/// was full of live ones when this read `n` can only have room (closed ones to drop) once it
-/// reads more than `n`.
-pub fn closes_so_far() -> u64 {
-    CLOSES.load(Ordering::Acquire)
-}
-
 /// Under the block policy a frame may fill a queue past its capacity, its publisher then held
 /// until the queue drains: the overshoot is at most one frame per publisher held. A publisher
-/// that goes away while held (a stream reset, a connection closed) leaves its overshoot behind
-/// and could come back on a new stream to add another, without end. Once this many have gone
-/// away without the queue draining to half, a frame that finds a level full closes the
-/// subscription as a slow consumer (as `disconnect` would), so its queue stays bounded.
+/// that goes away while held (a stream reset, a connection closed — also one that just got its
+/// CONFIRM and is done) leaves its overshoot behind and could come back on a new stream to add
+/// another, without end. Once this many have gone away without the queue draining to half, a
+/// frame that finds a level at twice its capacity closes the subscription as a slow consumer
+/// (as `disconnect` would), so its queue stays bounded; below that it is held as before, so a
+/// few one-shot publishers to a briefly full queue close nothing.
 pub const MAX_ORPHANED_HOLDS: u32 = 16;
 
 /// A subscription.
@@ -220,6 +212,9 @@ pub struct Subscriber {
     /// The subscription's own bound on unsettled deliveries (below the broker's).
     max_in_flight: Option<usize>,
     unrouted: bool,
+    /// Counted up when it closes: its connection's count of closed subscriptions, which tells
+    /// a full table of them when a sweep for closed ones can find any.
+    closes: Option<Arc<AtomicU64>>,
     closed: AtomicBool,
     /// Its interest is told to the cluster mesh (from when it is made until it stops being
     /// routed: detached, draining, or removed), so it is withdrawn exactly once.
@@ -263,6 +258,7 @@ pub(crate) struct SubscriberInit {
     pub max_in_flight: Option<usize>,
     /// Fed from the durable log, not by routing (see `Broker::subscribe_unrouted`).
     pub unrouted: bool,
+    pub closes: Option<Arc<AtomicU64>>,
 }
 
 impl Subscriber {
@@ -288,6 +284,7 @@ impl Subscriber {
             seed_form: init.seed_form,
             max_in_flight: init.max_in_flight,
             unrouted: init.unrouted,
+            closes: init.closes,
             closed: AtomicBool::new(false),
             advertised: AtomicBool::new(false),
             queued_len: AtomicUsize::new(0),
@@ -421,16 +418,18 @@ impl Subscriber {
                 refused.extend(items);
                 return Enqueued::Refused(Refused::Closed);
             }
-            // Publishers that left while held have used up what a full `block` queue may take
-            // beyond its capacity.
-            let policy = match self.policy {
-                OverflowPolicy::Block if st.orphaned_holds >= MAX_ORPHANED_HOLDS => {
-                    OverflowPolicy::Disconnect
-                }
-                policy => policy,
-            };
+            // Publishers that left while held (enough of them) no longer hold it to its bound:
+            // beyond twice its capacity a level takes nothing more (see MAX_ORPHANED_HOLDS).
+            let hard = (self.policy == OverflowPolicy::Block
+                && st.orphaned_holds >= MAX_ORPHANED_HOLDS)
+                .then(|| self.capacity.saturating_mul(2));
             for d in items.by_ref() {
-                match st.queue.push(d.priority, d, self.capacity, policy) {
+                if hard.is_some_and(|hard| st.queue.level_len(d.priority) >= hard) {
+                    refused.push(d);
+                    outcome = Enqueued::Refused(Refused::Overflow);
+                    break;
+                }
+                match st.queue.push(d.priority, d, self.capacity, self.policy) {
                     Pushed::Queued { was_empty } => wake |= was_empty,
                     Pushed::QueuedFull { was_empty } => {
                         wake |= was_empty;
@@ -684,7 +683,16 @@ impl Subscriber {
     /// queued (a redelivery into a non-empty queue would not wake it), and whoever waits to
     /// give this subscriber more. When it takes any, a move of them has begun (see
     /// [`moves`](Self::moves)): it ends when the returned guard is dropped, after they are placed.
-    pub(crate) fn take_overdue(&self, now: Instant) -> (Vec<Delivery>, Option<Moving<'_>>) {
+    ///
+    /// `dead_letters`: how many more of them may be ones that will be dead-lettered (past
+    /// `max_retries` attempts, within their lifetime); counted down. Those beyond it stay in
+    /// flight, overdue, for a later call.
+    pub(crate) fn take_overdue(
+        &self,
+        now: Instant,
+        max_retries: u32,
+        dead_letters: &mut usize,
+    ) -> (Vec<Delivery>, Option<Moving<'_>>) {
         let (mut out, wake, held, moving) = {
             let mut st = self.lock();
             if st.in_flight.is_empty() {
@@ -694,6 +702,17 @@ impl Subscriber {
                 .in_flight
                 .iter()
                 .filter(|(_, f)| f.deadline <= now)
+                .filter(|(_, f)| {
+                    let d = &f.delivery;
+                    let dead_letter =
+                        d.attempt > max_retries && d.expires_at.is_none_or(|at| at > now);
+                    if !dead_letter {
+                        return true;
+                    }
+                    let room = *dead_letters > 0;
+                    *dead_letters = dead_letters.saturating_sub(1);
+                    room
+                })
                 .map(|(k, _)| k.clone())
                 .collect();
             if overdue.is_empty() {
@@ -748,7 +767,9 @@ impl Subscriber {
             }
             self.closed.store(true, Ordering::Release);
             // After the flag: whoever sees the count move sees this one closed.
-            CLOSES.fetch_add(1, Ordering::Release);
+            if let Some(closes) = &self.closes {
+                closes.fetch_add(1, Ordering::Release);
+            }
             std::mem::take(&mut st.held)
                 .into_iter()
                 .for_each(std::task::Waker::wake);

@@ -688,14 +688,23 @@ fn publishers_that_left_while_held_bound_a_block_queue() {
     assert!(ctx.take_held().is_some(), "held again");
     assert!(!s.is_closed());
     assert_eq!(b.slow_consumers_disconnected(), 0);
-    // Not drained: one departure short of the limit, still held; at it, closed.
+    // Not drained: one departure short of the limit, held on up to twice the capacity (8).
     for _ in 0..limit - 1 {
         s.note_orphaned_hold();
     }
-    publish(&b, &mut ctx, "t", "x", now);
+    for i in 0..2 {
+        publish(&b, &mut ctx, "t", &format!("x{i}"), now);
+    }
+    assert_eq!(s.queued(), 7);
     assert!(!s.is_closed(), "{} left, below the limit", limit - 1);
+    // At the limit: still held below twice the capacity (a few one-shot publishers that got
+    // their CONFIRM and left close nothing)...
     s.note_orphaned_hold();
     publish(&b, &mut ctx, "t", "y", now);
+    assert_eq!(s.queued(), 8);
+    assert!(!s.is_closed(), "at the limit, below twice the capacity");
+    // ...and closed at it.
+    publish(&b, &mut ctx, "t", "z", now);
     assert!(s.is_closed(), "closed as a slow consumer");
     assert_eq!(
         s.close_reason(),
@@ -1002,6 +1011,46 @@ fn an_expired_message_is_neither_redelivered_nor_dead_lettered() {
         .expect("in flight");
     assert_eq!(s.queued() + s.in_flight(), 0, "not queued again");
     assert_eq!(expired_dead_redelivered(&b), (1, 0, 0));
+}
+
+/// `tick_within` makes at most so many dead letters (the durable log's room): the timed-out
+/// deliveries past it stay in flight for a later tick; redeliveries are made whatever it says.
+#[test]
+fn a_tick_makes_no_more_dead_letters_than_it_is_given_room_for() {
+    let b = Broker::new(BrokerConfig {
+        max_retries: 1,
+        ..Default::default()
+    });
+    let mut ctx = PublishContext::default();
+    let t0 = Instant::now();
+    let subs: Vec<_> = (0..3).map(|_| ack_sub(&b, "topic:jobs")).collect();
+    publish(&b, &mut ctx, "jobs", "m", t0);
+    for s in &subs {
+        assert_eq!(drain_all(&b, s, t0).len(), 1);
+    }
+    // First timeout: redeliveries (attempt 2), with no room for dead letters at all.
+    let t1 = t0 + b.config().ack_wait;
+    assert_eq!(b.tick_within(&mut ctx, t1, 0), 3, "redelivered regardless");
+    for s in &subs {
+        assert_eq!(drain_all(&b, s, t1).len(), 1);
+    }
+    // Second timeout: dead letters, room for two of the three.
+    let t2 = t1 + b.config().ack_wait;
+    let dead = |b: &Broker| {
+        b.topic(&t("jobs"))
+            .expect("known")
+            .stats()
+            .snapshot()
+            .dead_lettered
+    };
+    assert_eq!(b.tick_within(&mut ctx, t2, 2), 2);
+    assert_eq!(dead(&b), 2);
+    let waiting: usize = subs.iter().map(|s| s.in_flight()).sum();
+    assert_eq!(waiting, 1, "the third stays in flight, overdue");
+    assert_eq!(b.tick_within(&mut ctx, t2, 0), 0, "still no room");
+    assert_eq!(b.tick_within(&mut ctx, t2, 1), 1, "room for it now");
+    assert_eq!(dead(&b), 3);
+    assert_eq!(subs.iter().map(|s| s.in_flight()).sum::<usize>(), 0);
 }
 
 #[test]

@@ -41,9 +41,9 @@ pub(crate) enum AddSubError {
 #[derive(Debug, Default)]
 struct Subs {
     by_id: HashMap<u32, SubEntry>,
-    /// [`aqueduct_core::subscriber::closes_so_far`] when a sweep last left `by_id` at the limit
-    /// (every entry live): until it moves, no entry can have closed, and a sweep would find
-    /// nothing to drop.
+    /// The connection's count of closed subscriptions ([`ConnState::sub_closes`]) when a sweep
+    /// last left `by_id` at the limit (every entry live): until it moves, no entry can have
+    /// closed, and a sweep would find nothing to drop.
     full_at: Option<u64>,
 }
 
@@ -61,15 +61,21 @@ impl std::ops::DerefMut for Subs {
 }
 
 /// Is there room in `subs` for a subscription with `stream_id`?
-fn room_for_sub(subs: &mut Subs, stream_id: u32, max: usize) -> Result<(), AddSubError> {
+/// `closes`: the connection's count of closed subscriptions now.
+fn room_for_sub(
+    subs: &mut Subs,
+    closes: u64,
+    stream_id: u32,
+    max: usize,
+) -> Result<(), AddSubError> {
     if subs.get(&stream_id).is_some_and(|e| !e.sub.is_closed()) {
         return Err(AddSubError::InUse);
     }
     if subs.len() >= max {
         // Only at the limit, so that a connection's SUBSCRIBEs cost O(1) each in the common
-        // case; and only if a subscription closed since the last sweep found none closed, so
-        // that SUBSCRIBEs streamed at a full table are refused in O(1) too, not a walk each.
-        let closes = aqueduct_core::subscriber::closes_so_far();
+        // case; and only if one of its subscriptions closed since the last sweep found none
+        // closed, so that SUBSCRIBEs streamed at a full table are refused in O(1) too, not a
+        // walk each (other connections' subscriptions coming and going do not count).
         if subs.full_at != Some(closes) {
             subs.retain(|_, e| !e.sub.is_closed());
             subs.full_at = (subs.len() >= max).then_some(closes);
@@ -101,6 +107,8 @@ pub(crate) struct ConnState {
     /// SUBSCRIBE holds it while the broker registers the subscription (lock order: this, then
     /// the broker's routing lock; nothing takes them the other way round).
     subs: Mutex<Subs>,
+    /// Counted up by each of the connection's subscriptions as it closes (see [`Subs`]).
+    sub_closes: Arc<AtomicU64>,
     confirmed: AtomicBool,
     confirmed_notify: Notify,
     /// [`ConnState::disconnect_with`]'s code and reason; the connection's task closes the
@@ -122,6 +130,7 @@ impl ConnState {
             bucket: OnceLock::new(),
             conn: OnceLock::new(),
             subs: Mutex::default(),
+            sub_closes: Arc::default(),
             confirmed: AtomicBool::new(false),
             confirmed_notify: Notify::new(),
             close_reason: Mutex::new(None),
@@ -174,18 +183,25 @@ impl ConnState {
         make: impl FnOnce() -> SubEntry,
     ) -> Result<Arc<Subscriber>, AddSubError> {
         let mut subs = self.lock();
-        room_for_sub(&mut subs, stream_id, max)?;
+        let closes = self.sub_closes.load(Ordering::Acquire);
+        room_for_sub(&mut subs, closes, stream_id, max)?;
         let entry = make();
         let sub = entry.sub.clone();
         subs.insert(stream_id, entry);
         Ok(sub)
     }
 
+    /// What the connection's subscriptions count up as they close (their `closes` option).
+    pub(crate) fn sub_closes(&self) -> Arc<AtomicU64> {
+        self.sub_closes.clone()
+    }
+
     /// Would [`add_sub_with`](Self::add_sub_with) take a subscription with `stream_id` now? A
     /// cheap early answer for a SUBSCRIBE that costs much to prepare (a new durable consumer
     /// from `latest`); `add_sub_with` checks again.
     pub(crate) fn room_for_sub(&self, stream_id: u32, max: usize) -> Result<(), AddSubError> {
-        room_for_sub(&mut self.lock(), stream_id, max)
+        let closes = self.sub_closes.load(Ordering::Acquire);
+        room_for_sub(&mut self.lock(), closes, stream_id, max)
     }
 
     /// Forget `sub` (only if it is still the one registered under `stream_id`). Returns whether
@@ -897,12 +913,14 @@ mod tests {
         let broker = Broker::new(BrokerConfig::default());
         let conn = ConnState::new(1, "127.0.0.1:5000".parse().expect("addr"));
         let spec = SubscribeSpec::parse(&bytes::Bytes::from_static(b"topic:t")).expect("spec");
+        let closes = conn.sub_closes();
         let subscribe = |stream_id: u32| {
             conn.add_sub_with(stream_id, 3, || SubEntry {
                 sub: broker.subscribe(
                     &spec,
                     aqueduct_core::SubscribeOptions {
                         stream_id,
+                        closes: Some(closes.clone()),
                         ..Default::default()
                     },
                 ),

@@ -1170,14 +1170,14 @@ async fn ack_ticker(
     loop {
         tokio::select! {
             _ = tick.tick() => {
-                // Its dead letters would grow the log's queue past its bounds: they wait for a
-                // tick when the log has room (the deliveries stay in flight meanwhile).
-                if durable.as_ref().is_some_and(|d| d.is_full()) {
-                    continue;
-                }
-                // Dead letters of messages that ran out of retries go to the log in order.
+                // Dead letters of messages that ran out of retries go to the log in order, as
+                // many as it has room for: the others stay in flight for a later tick, so that
+                // many subscriptions timing out at once cannot grow its queue past its bounds.
+                // Redeliveries need no room and are always made.
                 let _ = match &durable {
-                    Some(d) => d.with_order(&mut ctx, |ctx| broker.tick(ctx, Instant::now())),
+                    Some(d) => d.with_order(&mut ctx, |ctx| {
+                        broker.tick_within(ctx, Instant::now(), d.dead_letter_room())
+                    }),
                     None => broker.tick(&mut ctx, Instant::now()),
                 };
                 let now = Instant::now();

@@ -733,7 +733,10 @@ impl Reader<'_> {
         let mut holds = Holds::default();
         loop {
             while let Some(sub) = self.ctx.take_held() {
-                holds.0.push(sub);
+                // Once each: one departure is one.
+                if !holds.0.iter().any(|h| Arc::ptr_eq(h, &sub)) {
+                    holds.0.push(sub);
+                }
             }
             let Some(sub) = holds.0.last().cloned() else {
                 break;
@@ -961,6 +964,7 @@ impl Reader<'_> {
                     waker: Some(Box::new(move || direct::wake(&waker_out))),
                     seed_form: !has_extensions,
                     max_in_flight: s.ext.max_in_flight.map(|n| n as usize),
+                    closes: Some(self.conn.sub_closes()),
                 };
                 // A durable one is made under the consumer table's lock (joining a group never
                 // interleaves with its end), then registered on the connection.
