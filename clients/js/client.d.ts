@@ -114,8 +114,9 @@ export declare class Client {
    * Wait until the broker has handled everything published so far; rejects with the first ERROR
    * that answered a publish sent without `confirm` since the last flush, or if a stream that
    * carried such publishes ended before the broker had handled them, or after `timeoutMs`
-   * (default 10000) without the broker's answer (what it would have reported is then the next
-   * flush's).
+   * (default 10000; `Infinity`: no limit) without the broker's answer (what it would have
+   * reported is then the next flush's). A broker that throttles the client (publish quota) or
+   * waits for a slow disk answers later.
    */
   flush(opts?: { timeoutMs?: number }): Promise<void>;
   /** Ask the broker what it allows (§4.1); a broker older than INFO rejects with UNKNOWN_OPCODE. */

@@ -350,10 +350,12 @@ export class Client {
    *
    * Rejects after `timeoutMs` (default 10 s, as close()'s flush) without an answer, saying what
    * was published may not all have been taken; a refusal or lost stream it would have reported
-   * is then left to the next flush.
+   * is then left to the next flush. A broker that throttles this client (a publish quota, §11)
+   * or waits for a slow disk answers later: pass more, or `Infinity` to wait as long as it takes.
    */
   async flush({ timeoutMs = FLUSH_TIMEOUT_MS } = {}) {
     this.#checkOpen();
+    if (!Number.isFinite(timeoutMs)) return this.#flushNow();
     const abandoned = { value: false };
     let timer;
     const late = new Promise((_, reject) => {

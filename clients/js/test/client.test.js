@@ -916,6 +916,20 @@ test('flush(): an answer that does not come in timeoutMs rejects; the refusal it
   await client.close();
 });
 
+test('flush({ timeoutMs: Infinity }) waits as long as the broker takes (no timer that would fire at once)', async () => {
+  // Node turns a delay it cannot hold (Infinity, above 2^31 - 1) into 1 ms.
+  const { fake, client } = await setup();
+  await client.publish('a', 'slow');
+  const flushed = client.flush({ timeoutMs: Infinity });
+  const broker = await fake.stream(0);
+  await broker.next();
+  const { frame } = await broker.next();
+  assert.equal(await settled(flushed), false, 'still waiting');
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
+  await flushed;
+  await client.close();
+});
+
 test('flush(): rejects if the stream that carried publishes failed, although a new one answers', async () => {
   const { fake, client } = await setup();
   await client.publish('a', 'maybe lost');

@@ -70,6 +70,7 @@ pub const CACHE_BYTES: usize = 1 << 20;
 struct Decoded {
     segment: u64,
     pos: u64,
+    batch_no: u64,
     frame_len: u64,
     timestamp_ms: u64,
     payload: Vec<u8>,
@@ -258,6 +259,8 @@ impl Reader {
         };
         let d = &mut cache.batches[at];
         plan.windows[0].0 = pos + d.frame_len;
+        // Read by another reader first (a shared cache): its number counts here too.
+        plan.next_batch = plan.next_batch.max(d.batch_no.saturating_add(1));
         let mut take = |d: &Decoded, i: usize| {
             let (_, offset, data) = &d.records[i];
             if *offset >= self.next {
@@ -350,7 +353,6 @@ fn read_batch(plan: &mut Plan, pos: u64, cache: &mut ReadCache) -> Result<Decode
         reason: reason.into(),
     };
     let header = BodyHeader::decode(body).ok_or_else(|| damaged("short batch"))?;
-    plan.next_batch = header.batch_no.saturating_add(1);
     let payload_len = match &plan.cipher {
         Some(c) => {
             let aad = batch_aad(plan.id, &body[..BODY_HEADER]);
@@ -362,6 +364,8 @@ fn read_batch(plan: &mut Plan, pos: u64, cache: &mut ReadCache) -> Result<Decode
         }
         None => body.len() - BODY_HEADER,
     };
+    // Its number is the key's word now (or, without one, the CRC's).
+    plan.next_batch = header.batch_no.saturating_add(1);
     // Ranges of the whole frame's buffer, which the cache keeps as it is.
     let frame = &buf[..];
     let start = FRAME_PREFIX + BODY_HEADER;
@@ -378,6 +382,7 @@ fn read_batch(plan: &mut Plan, pos: u64, cache: &mut ReadCache) -> Result<Decode
     Ok(Decoded {
         segment: plan.id,
         pos,
+        batch_no: header.batch_no,
         frame_len: len as u64,
         timestamp_ms: header.timestamp_ms,
         payload: std::mem::take(&mut cache.buf),
