@@ -57,6 +57,9 @@ const CLOSE_FLUSH_MS = 10000;
 /** How long flush() waits by default for the broker's answer (ms), as close()'s flush. */
 const FLUSH_TIMEOUT_MS = 10000;
 
+/** The longest delay a timer holds (2^31 - 1 ms); longer ones fire at once. */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
 const RECEIVE_MAX_DATA_LEN = 8 * 1024 * 1024 + MAX_EXT_LEN;
 
 export class AqueductError extends Error {
@@ -355,7 +358,11 @@ export class Client {
    */
   async flush({ timeoutMs = FLUSH_TIMEOUT_MS } = {}) {
     this.#checkOpen();
-    if (!Number.isFinite(timeoutMs)) return this.#flushNow();
+    if (typeof timeoutMs !== 'number' || Number.isNaN(timeoutMs) || timeoutMs < 0) {
+      throw new TypeError(`timeoutMs must be a number of milliseconds (or Infinity), got ${timeoutMs}`);
+    }
+    // Node fires a timer it cannot hold (above 2^31 - 1 ms, ~24.8 days) at once: no timer then.
+    if (timeoutMs > MAX_TIMER_MS) return this.#flushNow();
     const abandoned = { value: false };
     let timer;
     const late = new Promise((_, reject) => {

@@ -927,6 +927,9 @@ test('flush({ timeoutMs: Infinity }) waits as long as the broker takes (no timer
   assert.equal(await settled(flushed), false, 'still waiting');
   await broker.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
   await flushed;
+  for (const bad of [NaN, -1, '5000']) {
+    await assert.rejects(client.flush({ timeoutMs: bad }), TypeError, String(bad));
+  }
   await client.close();
 });
 

@@ -1664,18 +1664,7 @@ impl Broker {
         sub: &Arc<Subscriber>,
         now: Instant,
     ) -> usize {
-        let mut unbounded = usize::MAX;
-        self.expire_in_flight_within(ctx, sub, now, &mut unbounded)
-    }
-
-    fn expire_in_flight_within(
-        &self,
-        ctx: &mut PublishContext,
-        sub: &Arc<Subscriber>,
-        now: Instant,
-        dead_letters: &mut usize,
-    ) -> usize {
-        let (overdue, _moving) = sub.take_overdue(now, self.config.max_retries, dead_letters);
+        let (overdue, _moving) = sub.take_overdue(now);
         let n = overdue.len();
         for d in overdue {
             self.retry(ctx, sub, d, "ack timeout", now);
@@ -1685,22 +1674,9 @@ impl Broker {
 
     /// [`expire_in_flight`](Self::expire_in_flight) for every subscription.
     pub fn tick(&self, ctx: &mut PublishContext, now: Instant) -> usize {
-        self.tick_within(ctx, now, usize::MAX)
-    }
-
-    /// [`tick`](Self::tick), making at most `dead_letters` dead letters (a durable log with
-    /// room for only so many more): overdue deliveries that would be dead-lettered beyond it
-    /// stay in flight, overdue, for a later tick; redeliveries are made whatever it says.
-    pub fn tick_within(
-        &self,
-        ctx: &mut PublishContext,
-        now: Instant,
-        dead_letters: usize,
-    ) -> usize {
-        let mut budget = dead_letters;
         self.subscribers()
             .iter()
-            .map(|s| self.expire_in_flight_within(ctx, s, now, &mut budget))
+            .map(|s| self.expire_in_flight(ctx, s, now))
             .sum()
     }
 

@@ -683,16 +683,7 @@ impl Subscriber {
     /// queued (a redelivery into a non-empty queue would not wake it), and whoever waits to
     /// give this subscriber more. When it takes any, a move of them has begun (see
     /// [`moves`](Self::moves)): it ends when the returned guard is dropped, after they are placed.
-    ///
-    /// `dead_letters`: how many more of them may be ones that will be dead-lettered (past
-    /// `max_retries` attempts, within their lifetime); counted down. Those beyond it stay in
-    /// flight, overdue, for a later call.
-    pub(crate) fn take_overdue(
-        &self,
-        now: Instant,
-        max_retries: u32,
-        dead_letters: &mut usize,
-    ) -> (Vec<Delivery>, Option<Moving<'_>>) {
+    pub(crate) fn take_overdue(&self, now: Instant) -> (Vec<Delivery>, Option<Moving<'_>>) {
         let (mut out, wake, held, moving) = {
             let mut st = self.lock();
             if st.in_flight.is_empty() {
@@ -702,17 +693,6 @@ impl Subscriber {
                 .in_flight
                 .iter()
                 .filter(|(_, f)| f.deadline <= now)
-                .filter(|(_, f)| {
-                    let d = &f.delivery;
-                    let dead_letter =
-                        d.attempt > max_retries && d.expires_at.is_none_or(|at| at > now);
-                    if !dead_letter {
-                        return true;
-                    }
-                    let room = *dead_letters > 0;
-                    *dead_letters = dead_letters.saturating_sub(1);
-                    room
-                })
                 .map(|(k, _)| k.clone())
                 .collect();
             if overdue.is_empty() {

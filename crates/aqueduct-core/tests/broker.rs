@@ -1013,46 +1013,6 @@ fn an_expired_message_is_neither_redelivered_nor_dead_lettered() {
     assert_eq!(expired_dead_redelivered(&b), (1, 0, 0));
 }
 
-/// `tick_within` makes at most so many dead letters (the durable log's room): the timed-out
-/// deliveries past it stay in flight for a later tick; redeliveries are made whatever it says.
-#[test]
-fn a_tick_makes_no_more_dead_letters_than_it_is_given_room_for() {
-    let b = Broker::new(BrokerConfig {
-        max_retries: 1,
-        ..Default::default()
-    });
-    let mut ctx = PublishContext::default();
-    let t0 = Instant::now();
-    let subs: Vec<_> = (0..3).map(|_| ack_sub(&b, "topic:jobs")).collect();
-    publish(&b, &mut ctx, "jobs", "m", t0);
-    for s in &subs {
-        assert_eq!(drain_all(&b, s, t0).len(), 1);
-    }
-    // First timeout: redeliveries (attempt 2), with no room for dead letters at all.
-    let t1 = t0 + b.config().ack_wait;
-    assert_eq!(b.tick_within(&mut ctx, t1, 0), 3, "redelivered regardless");
-    for s in &subs {
-        assert_eq!(drain_all(&b, s, t1).len(), 1);
-    }
-    // Second timeout: dead letters, room for two of the three.
-    let t2 = t1 + b.config().ack_wait;
-    let dead = |b: &Broker| {
-        b.topic(&t("jobs"))
-            .expect("known")
-            .stats()
-            .snapshot()
-            .dead_lettered
-    };
-    assert_eq!(b.tick_within(&mut ctx, t2, 2), 2);
-    assert_eq!(dead(&b), 2);
-    let waiting: usize = subs.iter().map(|s| s.in_flight()).sum();
-    assert_eq!(waiting, 1, "the third stays in flight, overdue");
-    assert_eq!(b.tick_within(&mut ctx, t2, 0), 0, "still no room");
-    assert_eq!(b.tick_within(&mut ctx, t2, 1), 1, "room for it now");
-    assert_eq!(dead(&b), 3);
-    assert_eq!(subs.iter().map(|s| s.in_flight()).sum::<usize>(), 0);
-}
-
 #[test]
 fn dead_letters_are_not_dead_lettered_again() {
     let b = Broker::new(BrokerConfig {

@@ -933,6 +933,18 @@ mod tests {
             assert!(conn.lock().full_at.is_some(), "marked full");
         }
         let mut ctx = PublishContext::default();
+        // Another connection's subscription closing says nothing about this table.
+        let other = ConnState::new(2, "127.0.0.1:5001".parse().expect("addr"));
+        let elsewhere = broker.subscribe(
+            &spec,
+            aqueduct_core::SubscribeOptions {
+                closes: Some(other.sub_closes()),
+                ..Default::default()
+            },
+        );
+        broker.unsubscribe(&mut ctx, &elsewhere, std::time::Instant::now());
+        assert_eq!(other.sub_closes().load(Ordering::Relaxed), 1);
+        assert_eq!(closes.load(Ordering::Relaxed), 0, "not this connection's");
         assert!(broker.disconnect_slow(&mut ctx, &subs[1], std::time::Instant::now()));
         assert!(subscribe(4).is_ok(), "the closed one's place is taken");
         assert_eq!(conn.lock().len(), 3);

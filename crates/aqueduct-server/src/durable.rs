@@ -922,23 +922,6 @@ impl Durable {
         !self.fits(&lock(&self.queue), 1)
     }
 
-    /// How many more messages the log may owe now: the dead letters the broker's ack-wait timer
-    /// may make in one tick (the others wait for a later one). Unbounded once closed: what is
-    /// made then is reported as lost ([`queue_dead_letters`](Self::queue_dead_letters)).
-    pub fn dead_letter_room(&self) -> usize {
-        let q = lock(&self.queue);
-        let owed = self.owed.load(Ordering::SeqCst);
-        if self.is_closed() {
-            usize::MAX
-        } else if owed == 0 {
-            MAX_OWED
-        } else if q.data.len() >= MAX_QUEUED_BYTES {
-            0
-        } else {
-            MAX_OWED.saturating_sub(owed)
-        }
-    }
-
     /// Count `n` records just pushed (under the queue lock).
     fn owe(&self, n: usize) {
         self.owed.fetch_add(n, Ordering::SeqCst);

@@ -1170,14 +1170,11 @@ async fn ack_ticker(
     loop {
         tokio::select! {
             _ = tick.tick() => {
-                // Dead letters of messages that ran out of retries go to the log in order, as
-                // many as it has room for: the others stay in flight for a later tick, so that
-                // many subscriptions timing out at once cannot grow its queue past its bounds.
-                // Redeliveries need no room and are always made.
+                // Dead letters of messages that ran out of retries go to the log in order. They
+                // are not held back by the log's bound (there is no source to stop reading):
+                // at most the subscriptions' unsettled messages (max_in_flight each).
                 let _ = match &durable {
-                    Some(d) => d.with_order(&mut ctx, |ctx| {
-                        broker.tick_within(ctx, Instant::now(), d.dead_letter_room())
-                    }),
+                    Some(d) => d.with_order(&mut ctx, |ctx| broker.tick(ctx, Instant::now())),
                     None => broker.tick(&mut ctx, Instant::now()),
                 };
                 let now = Instant::now();
