@@ -930,6 +930,13 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 max_in_flight: *max_in_flight,
             };
             let mut sub = client.subscribe_with(filter, &opts).await?;
+            // One listener for the whole loop, polled first: a Ctrl-C that arrives while a
+            // message is being handled (or --work sleeps) is not lost; the current message is
+            // finished, then the connection closes. Made before it says it is subscribed, so a
+            // signal sent once that is said is never the default one (that ends the process
+            // without closing the connection).
+            let signal = crate::shutdown_signal();
+            tokio::pin!(signal);
             crate::say!(
                 "subscribed to {filter}{}{}",
                 group
@@ -952,11 +959,6 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             let mut received = 0u64;
             // Printed, whether or not handled since (settled, or counted without --ack).
             let mut printed = 0u64;
-            // One listener for the whole loop, polled first: a Ctrl-C that arrives while a
-            // message is being handled (or --work sleeps) is not lost; the current message is
-            // finished, then the connection closes.
-            let signal = crate::shutdown_signal();
-            tokio::pin!(signal);
             // Set when the broker ended the subscription before --count (or at all without
             // it): the command fails, saying why, rather than exit as if it were done.
             let mut ended = None;
@@ -1031,6 +1033,12 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                         .into()
                 };
                 crate::say!("{signal}: closed the connection after {received} message(s){last}");
+                // Stopped short of the --count asked for: not a success (`timeout 5 aqueduct sub
+                // t --count 1 && …` must not go on as if the message had come).
+                if let Some(c) = count.filter(|&c| received < c) {
+                    settled?;
+                    bail!("{signal} before {c} message(s) arrived: {received} did");
+                }
             }
             return Ok(settled?);
         }

@@ -984,6 +984,29 @@ fn a_signal_during_work_stops_the_subscriber() {
         ),
         "{err}"
     );
+    // Stopped before --count messages came: it still closes cleanly, but does not exit 0
+    // (`timeout 5 aqueduct sub t --count 1 && …` went on as if the message had come).
+    let mut waiting = spawn_client(
+        home.path(),
+        &["--addr", &addr, "sub", "none", "--count", "1"],
+    );
+    // Once it says it is subscribed, a signal is its own to handle.
+    let mut said = String::new();
+    let mut stderr = BufReader::new(waiting.stderr.take().expect("stderr"));
+    stderr.read_line(&mut said).expect("a line");
+    assert!(said.contains("subscribed to none"), "{said}");
+    let _ = Command::new("kill")
+        .args(["-TERM", &waiting.id().to_string()])
+        .status();
+    let out = output_within(waiting, "the subscriber waiting for --count after SIGTERM");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut err).expect("the rest of stderr");
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("SIGTERM: closed the connection after 0 message(s)")
+            && err.contains("SIGTERM before 1 message(s) arrived: 0 did"),
+        "{err}"
+    );
     // `aqueduct-bench` is `aqueduct bench`, and its help says how to run it.
     let out = Command::new(BENCH).arg("--help").output().expect("runs");
     let help = String::from_utf8_lossy(&out.stdout);

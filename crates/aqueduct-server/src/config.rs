@@ -422,6 +422,19 @@ const ENV_OTHER: &[&str] = &[
     "AQUEDUCT_ADMIN_ADDR",
 ];
 
+/// What Kubernetes puts in every pod of a namespace that has a Service named `aqueduct` (its
+/// "service links", on unless `enableServiceLinks: false`): `AQUEDUCT_SERVICE_HOST`,
+/// `AQUEDUCT_SERVICE_PORT[_<name>]`, `AQUEDUCT_PORT`, `AQUEDUCT_PORT_4242_UDP[_PROTO|_PORT|_ADDR]`.
+/// Not config keys, and not typos: left alone (they stopped the broker, so a pod of the seed's
+/// manifests crash-looped).
+fn is_service_link(name: &str) -> bool {
+    name.starts_with("AQUEDUCT_SERVICE_")
+        || name == "AQUEDUCT_PORT"
+        || name
+            .strip_prefix("AQUEDUCT_PORT_")
+            .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_digit()))
+}
+
 /// The environment variable for a config key: `broker.queue_size` → `AQUEDUCT_BROKER_QUEUE_SIZE`.
 pub fn env_name(key: &str) -> String {
     format!("AQUEDUCT_{}", key.replace('.', "_").to_uppercase())
@@ -780,7 +793,7 @@ fn raw_figment(sources: &Sources) -> Result<Figment, ConfigError> {
         if !path.is_file() {
             return Err(ConfigError::FileNotFound { path: path.clone() });
         }
-        fig = fig.merge(serde_saphyr::figment::Yaml::file_exact(path));
+        fig = fig.merge(NoNulls(serde_saphyr::figment::Yaml::file_exact(path)));
     }
     // Environment: only names that map to a key; anything else starting with AQUEDUCT_ is a typo.
     let mut env_pairs = Vec::new();
@@ -792,6 +805,9 @@ fn raw_figment(sources: &Sources) -> Result<Figment, ConfigError> {
             continue;
         }
         let Some(key) = env_key(name) else {
+            if is_service_link(name) {
+                continue;
+            }
             return Err(ConfigError::UnknownEnv { name: name.clone() });
         };
         // Two variables for one key (the seed's name and the mechanical one): which won
@@ -832,6 +848,40 @@ fn raw_figment(sources: &Sources) -> Result<Figment, ConfigError> {
 
 /// One value for one key, with the name of where it came from (an environment variable or a
 /// flag), so that an error about it can say so.
+/// A provider whose empty values (YAML `key:` with nothing after it, `~`, `null`, a section
+/// holding only comments) are left out, so the key keeps its default — as the seed's Go YAML
+/// reader took them, where they were the empty value: `rules:` with every rule commented out,
+/// `cert_file:` left blank. They failed as "invalid type: found unit".
+struct NoNulls<P>(P);
+
+impl<P: figment::Provider> figment::Provider for NoNulls<P> {
+    fn metadata(&self) -> figment::Metadata {
+        self.0.metadata()
+    }
+
+    fn data(
+        &self,
+    ) -> Result<figment::value::Map<figment::Profile, figment::value::Dict>, figment::Error> {
+        let mut data = self.0.data()?;
+        for dict in data.values_mut() {
+            strip_empty(dict);
+        }
+        Ok(data)
+    }
+}
+
+/// Remove the empty values of `dict`, in nested dictionaries too; a dictionary left empty stays
+/// (an empty section is a section with nothing set).
+fn strip_empty(dict: &mut figment::value::Dict) {
+    use figment::value::Value;
+    dict.retain(|_, v| !matches!(v, Value::Empty(..)));
+    for v in dict.values_mut() {
+        if let Value::Dict(_, inner) = v {
+            strip_empty(inner);
+        }
+    }
+}
+
 struct Named {
     name: String,
     inner: Serialized<figment::value::Value>,
@@ -952,6 +1002,14 @@ fn parse_env_value(key: &str, v: &str) -> figment::value::Value {
     if TEXT_KEYS.contains(&key) {
         return Value::from(v.to_string());
     }
+    // A flag: the spellings Go's strconv.ParseBool takes (the seed's), `1` and `0` included.
+    if is_flag(key) {
+        match v {
+            "1" | "t" | "T" | "true" | "TRUE" | "True" => return Value::from(true),
+            "0" | "f" | "F" | "false" | "FALSE" | "False" => return Value::from(false),
+            _ => {}
+        }
+    }
     if let Ok(b) = v.parse::<bool>() {
         return Value::from(b);
     }
@@ -968,6 +1026,13 @@ fn parse_env_value(key: &str, v: &str) -> figment::value::Value {
         }
     }
     Value::from(v.to_string())
+}
+
+/// Whether `key` is a true/false setting (its default is).
+fn is_flag(key: &str) -> bool {
+    Figment::from(Serialized::defaults(RawConfig::default()))
+        .find_value(key)
+        .is_ok_and(|v| matches!(v, figment::value::Value::Bool(..)))
 }
 
 /// figment errors name the key and the source; keep all of them, one per line.

@@ -478,6 +478,79 @@ fn the_seed_config_loads_verbatim() {
     );
 }
 
+/// Empty values load as the key's default, as the seed's Go YAML reader took them: a list with
+/// every item commented out, a value left blank, a section holding only comments. They failed
+/// with "invalid type: found unit".
+#[test]
+fn empty_values_in_the_file_are_the_defaults() {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = file(
+        &dir,
+        "acl:\n  enabled: false\n  rules:\n  #  - client: a\n  #    topic: b\n\
+         tls:\n  cert_file:\n  key_file: ~\n\
+         broker:\n  # nothing set yet\n\
+         cluster:\n",
+    );
+    let c = load(Some(path), vec![], Overrides::default()).expect("loads");
+    assert_eq!(c.broker.queue_size, 1024);
+    assert!(c.tls.cert_file.is_none() && c.tls.key_file.is_none());
+}
+
+/// Kubernetes gives every pod of a namespace with a Service named `aqueduct` variables of its
+/// own under AQUEDUCT_ (service links): they are not config keys, and the broker starts; a typo
+/// still stops it.
+#[test]
+fn kubernetes_service_links_are_not_config_errors() {
+    let links = env(&[
+        ("AQUEDUCT_SERVICE_HOST", "10.0.0.1"),
+        ("AQUEDUCT_SERVICE_PORT", "4242"),
+        ("AQUEDUCT_SERVICE_PORT_QUIC", "4242"),
+        ("AQUEDUCT_PORT", "udp://10.0.0.1:4242"),
+        ("AQUEDUCT_PORT_4242_UDP", "udp://10.0.0.1:4242"),
+        ("AQUEDUCT_PORT_4242_UDP_PROTO", "udp"),
+        ("AQUEDUCT_PORT_4242_UDP_PORT", "4242"),
+        ("AQUEDUCT_PORT_4242_UDP_ADDR", "10.0.0.1"),
+    ]);
+    let c = load(None, links, Overrides::default()).expect("starts");
+    assert_eq!(c.listen_addr.port(), 4242);
+    let e = error(None, &[("AQUEDUCT_PORTS", "4242")], Overrides::default());
+    assert!(e.contains("AQUEDUCT_PORTS"), "{e}");
+}
+
+/// A true/false setting from the environment takes what Go's strconv.ParseBool (the seed's)
+/// takes; a number setting still takes 1 and 0 as numbers.
+#[test]
+fn environment_flags_take_the_seed_s_spellings() {
+    for (v, want) in [("1", true), ("t", true), ("TRUE", true), ("True", true)] {
+        let c = load(
+            None,
+            env(&[("AQUEDUCT_AAL_ENABLED", v)]),
+            Overrides::default(),
+        );
+        // The log on needs its key: the error names aal.key, so the flag was read as true.
+        match c {
+            Ok(c) => assert_eq!(c.aal.is_some(), want, "{v}"),
+            Err(e) => assert!(e.to_string().contains("aal.key"), "{v}: {e}"),
+        }
+    }
+    for v in ["0", "f", "FALSE", "False"] {
+        let c = load(
+            None,
+            env(&[("AQUEDUCT_AAL_ENABLED", v)]),
+            Overrides::default(),
+        )
+        .expect(v);
+        assert!(c.aal.is_none(), "{v}");
+    }
+    let c = load(
+        None,
+        env(&[("AQUEDUCT_BROKER_MAX_RETRIES", "1")]),
+        Overrides::default(),
+    )
+    .expect("a number");
+    assert_eq!(c.broker.max_retries, 1);
+}
+
 /// Every row of the seed's environment table (variable, key, example value) sets that key; the
 /// broker then starts, or refuses with a message that names the key (a file that does not
 /// exist, a feature of a later version switched on).
