@@ -267,8 +267,8 @@ enum Command {
     /// reports publish and delivery rates, MB/s, losses, duplicates and one-way latency
     /// percentiles. Exits non-zero, saying why, if any message was lost or duplicated.
     Bench {
-        /// Messages to publish (ignored with --duration).
-        #[arg(long, default_value_t = 1_000_000)]
+        /// Messages to publish, at most 1,000,000,000 (ignored with --duration).
+        #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000_000))]
         messages: u64,
         /// Publish for this long instead (e.g. 10s); with --rate, exactly rate × duration
         /// messages.
@@ -299,8 +299,9 @@ enum Command {
         /// Messages per PUBLISH_BATCH frame (1 = single PUBLISH frames).
         #[arg(long, default_value_t = 100)]
         batch: usize,
-        /// Total publish rate in msg/s, open loop (0 = as fast as possible). Use for latency.
-        #[arg(long, default_value_t = 0.0)]
+        /// Total publish rate in msg/s, open loop (0 = as fast as possible; else from 0.01 to
+        /// 1,000,000,000). Use for latency.
+        #[arg(long, default_value_t = 0.0, value_parser = bench_rate)]
         rate: f64,
         /// Priority mix as PRIORITY:WEIGHT pairs, e.g. 0:1,2:9 (default: all priority 2).
         #[arg(long, default_value = "")]
@@ -506,6 +507,21 @@ fn parse_bench_overflow(s: &str) -> Result<BenchOverflow, String> {
         return Ok(BenchOverflow(None));
     }
     s.parse().map(|p| BenchOverflow(Some(p)))
+}
+
+/// `--rate`: 0 (closed loop), or a finite rate the open loop can pace (its interval between
+/// batches must be a duration: a rate near 0 or infinite is not).
+fn bench_rate(s: &str) -> Result<f64, String> {
+    let rate: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of messages per second"))?;
+    if rate == 0.0 || (rate.is_finite() && (0.01..=1e9).contains(&rate)) {
+        Ok(rate)
+    } else {
+        Err(format!(
+            "{s} msg/s: give 0 (as fast as possible) or a rate from 0.01 to 1000000000"
+        ))
+    }
 }
 
 fn humantime_duration(s: &str) -> Result<Duration, String> {

@@ -774,6 +774,25 @@ fn commands_without_a_broker_refuse_connection_options() {
         err.contains("cannot read development certificate") && err.contains("$AQUEDUCT_HOME"),
         "{err}"
     );
+    // Bench inputs it cannot run are refused before connecting: a message count whose
+    // bookkeeping it could not allocate (it aborted), a rate whose pacing interval is no
+    // duration (it panicked) or that never ends.
+    for (args, said) in [
+        (
+            vec!["bench", "--messages", "18446744073709551615"],
+            "1..=1000000000",
+        ),
+        (vec!["bench", "--rate", "1e-300"], "a rate from 0.01"),
+        (
+            vec!["bench", "--rate", "inf", "--duration", "1s"],
+            "a rate from 0.01",
+        ),
+    ] {
+        let o = run_client(home.path(), &args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(said), "{args:?}: {err}");
+    }
     // `admin kick` takes a client id or --connection: without either, the usage says both (it
     // named only <CLIENT>, which --help shows as optional).
     let o = run_client(home.path(), &["admin", "kick"]);
