@@ -534,11 +534,9 @@ impl Subscriber {
             }
         }
         self.note_lengths(&st);
-        let drained = st.queue.len() <= self.resume_at();
-        if drained {
+        // Drained to half: held publishers go on, and those that left while held are forgotten.
+        let held = if st.queue.len() <= self.resume_at() {
             st.orphaned_holds = 0;
-        }
-        let held = if drained && !st.held.is_empty() {
             std::mem::take(&mut st.held)
         } else {
             Vec::new()

@@ -986,44 +986,37 @@ impl Reader<'_> {
                             (aqueduct_proto::DurableStart::Latest, Some(d)) => Some(d),
                             _ => None,
                         };
-                        let mut initial = latest.is_none().then(Default::default);
-                        let mut tries = 0;
-                        let claim = loop {
-                            tries += 1;
-                            let new = consumers.claims_new(key);
-                            // Walked only when the claim would make a new consumer (not for
-                            // one that joins a live group or is refused as in use), or when a
-                            // live one ended meanwhile; the third time whatever it says.
-                            if let (Some(d), None, Ok(is_new)) = (latest, &initial, &new) {
-                                if *is_new || tries >= 3 {
-                                    self.shared
-                                        .stats
-                                        .durable_latest_walks
-                                        .fetch_add(1, Ordering::Relaxed);
-                                    initial = Some(crate::consumers::latest_positions(
-                                        d,
-                                        broker,
-                                        &s.spec.filter,
-                                    ));
-                                }
-                            }
-                            let claimed = new.and_then(|_| {
-                                consumers.claim_with(
-                                    key,
-                                    &s.spec.filter,
-                                    group,
-                                    || initial.take(),
-                                    || {
-                                        let opts = opts.take().unwrap_or_default();
-                                        broker.subscribe_unrouted(&s.spec, opts)
-                                    },
-                                )
-                            });
-                            match claimed {
-                                Err(ClaimError::Unwalked) => continue,
-                                other => break other,
-                            }
+                        let walk = || {
+                            latest.map(|d| {
+                                self.shared
+                                    .stats
+                                    .durable_latest_walks
+                                    .fetch_add(1, Ordering::Relaxed);
+                                crate::consumers::latest_positions(d, broker, &s.spec.filter)
+                            })
                         };
+                        let mut make = || {
+                            let opts = opts.take().unwrap_or_default();
+                            broker.subscribe_unrouted(&s.spec, opts)
+                        };
+                        let filter = &s.spec.filter;
+                        let claim = consumers.claims_new(key).and_then(|new| {
+                            // Walked only when the claim would make a new consumer: not for one
+                            // that joins a live group or is refused as in use.
+                            let initial =
+                                (new || latest.is_none()).then(|| walk().unwrap_or_default());
+                            match consumers.claim_with(key, filter, group, || initial, &mut make) {
+                                // The live one ended between the look and the claim: now new.
+                                Err(ClaimError::Unwalked) => consumers.claim_with(
+                                    key,
+                                    filter,
+                                    group,
+                                    || Some(walk().unwrap_or_default()),
+                                    &mut make,
+                                ),
+                                other => other,
+                            }
+                        });
                         match claim {
                             Ok(claim) => Some(claim),
                             Err(e) => {
@@ -1044,7 +1037,7 @@ impl Reader<'_> {
                                          groups (aal.max_consumers); one without a \
                                          subscription for aal.consumer_retention is forgotten"
                                     ),
-                                    // Not after a walk, which every third try makes.
+                                    // Never: the second claim has its start.
                                     ClaimError::Unwalked => {
                                         format!("durable consumer {id}: its claim did not settle")
                                     }
