@@ -389,8 +389,7 @@ impl Log {
         let mut next_id = 0;
         // The previous run ended without a clean close, whatever its last index file says.
         let mut crash_evidence = false;
-        // A segment sealed with a key came before: plaintext ones may not follow.
-        let mut sealed_before = false;
+        let mut seal_order = segment::SealOrder::default();
         for (i, (id, path)) in files.iter().enumerate() {
             next_id = next_id.max(id.checked_add(1).ok_or_else(|| LogError::BadFile {
                 path: path.clone(),
@@ -456,19 +455,7 @@ impl Log {
                     ),
                 });
             }
-            if seg.cipher.is_none() && sealed_before {
-                // aal.allow_plaintext is for the segments a log wrote before its key was set,
-                // all older than its first sealed one: a newer plaintext one was put there.
-                return Err(LogError::BadFile {
-                    path: path.clone(),
-                    reason: "a plaintext segment after segments sealed with a key: \
-                             aal.allow_plaintext accepts those a log wrote before its key was \
-                             set, which come before its first sealed one; anyone who can write \
-                             to the directory could have put this one there"
-                        .into(),
-                });
-            }
-            sealed_before |= seg.cipher.is_some();
+            seal_order.next(path, seg.cipher.is_some())?;
             if rebuilt && !seg.damage.is_empty() {
                 // Damage found by reading through: what the damaged batches held is unknown,
                 // maybe a topic's highest offsets. Go on past them as after a crash (each topic
@@ -1325,17 +1312,20 @@ impl LogView {
         let mut segments = Vec::new();
         let mut torn_bytes = 0;
         let mut skipped = Vec::new();
-        let mut sealed_before = false;
+        let mut seal_order = segment::SealOrder::default();
         for (i, (_, path)) in files.iter().enumerate() {
             let last = i + 1 == files.len();
             // Read-only, for inspection: plaintext segments are shown too — but not one after
             // a sealed one, which the broker refuses (said, as an unreadable one is).
             match segment::load(dir, path, keys, true, last) {
-                Ok((scanned, _)) if scanned.segment.cipher.is_none() && sealed_before => {
+                Ok((scanned, _))
+                    if seal_order
+                        .next(path, scanned.segment.cipher.is_some())
+                        .is_err() =>
+                {
                     skipped.push(path.clone());
                 }
                 Ok((scanned, _)) => {
-                    sealed_before |= scanned.segment.cipher.is_some();
                     torn_bytes += scanned.torn_bytes;
                     segments.push(scanned.segment);
                 }

@@ -19,6 +19,35 @@ use crate::LogError;
 /// batches per entry, and a dense topic costs one 16-byte entry per this many bytes.
 pub(crate) const STRIDE: u64 = 64 * 1024;
 
+/// The order of a log's segments as sealed or plaintext: `aal.allow_plaintext` is for the
+/// segments a log wrote before its key was set, all older than its first sealed one, so a
+/// plaintext segment after a sealed one was put there (by anyone who can write to the
+/// directory). Fed the segments oldest first.
+#[derive(Debug, Default)]
+pub(crate) struct SealOrder {
+    sealed_before: bool,
+}
+
+impl SealOrder {
+    /// The next segment, at `path`, sealed with a key or not: an error if it is plaintext
+    /// after a sealed one.
+    pub(crate) fn next(&mut self, path: &Path, sealed: bool) -> Result<(), LogError> {
+        if !sealed && self.sealed_before {
+            return Err(LogError::BadFile {
+                path: path.to_path_buf(),
+                reason: "a plaintext segment after segments sealed with a key: \
+                         aal.allow_plaintext accepts those a log wrote before its key was set, \
+                         which come before its first sealed one; anyone who can write to the \
+                         directory could have put this one there, and the broker refuses to \
+                         start with it"
+                    .into(),
+            });
+        }
+        self.sealed_before |= sealed;
+        Ok(())
+    }
+}
+
 pub(crate) fn segment_path(dir: &Path, id: u64) -> PathBuf {
     dir.join(format!("{id:020}.seg"))
 }

@@ -55,9 +55,8 @@ pub fn verify(
     };
     let mut done = 0;
     let mut topics = std::collections::HashSet::new();
-    // A segment sealed with a key came before: a plaintext one after it is a failure, as the
-    // broker refuses it at open (see `Log::open`).
-    let mut sealed_before = false;
+    // A plaintext segment after a sealed one is a failure: the broker refuses it at open.
+    let mut seal_order = crate::segment::SealOrder::default();
     for (i, &(id, len)) in ids.iter().enumerate() {
         let path = segment_path(dir, id);
         // Gone since the listing: retention (the oldest segments) on a running broker.
@@ -72,15 +71,7 @@ pub fn verify(
             .and_then(|file| {
                 // Reporting, not trusting: plaintext segments are read too.
                 let (header, cipher) = open_header(&path, &file, keys, true)?;
-                if cipher.is_none() && sealed_before {
-                    return Err(LogError::BadFile {
-                        path: path.clone(),
-                        reason: "a plaintext segment after segments sealed with a key: the \
-                                 broker refuses to start with it"
-                            .into(),
-                    });
-                }
-                sealed_before |= cipher.is_some();
+                seal_order.next(&path, cipher.is_some())?;
                 let counts = &mut report.previous_key_segments;
                 if let Some(n) = cipher.as_deref().and_then(|c| c.previous_key(counts)) {
                     *n += 1;
