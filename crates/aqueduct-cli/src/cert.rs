@@ -98,12 +98,7 @@ pub fn make_ca(dir: &Path, common_name: Option<&str>) -> Result<Vec<PathBuf>> {
 /// two CAs of one name apart and refuses their lists (`tls.crl_file`); every CA made with the
 /// default name "Aqueduct CA" made a rollover (the new CA trusted beside the old one) fail so.
 fn default_ca_name(key: &KeyPair) -> String {
-    let digest = ring::digest::digest(&ring::digest::SHA256, key.public_key_raw());
-    let hex: String = digest.as_ref()[..4]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    format!("Aqueduct CA {hex}")
+    format!("Aqueduct CA {}", aqueduct_server::tls::key_tag(key, 4))
 }
 
 fn ca_params(common_name: &str) -> Result<CertificateParams> {

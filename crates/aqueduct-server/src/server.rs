@@ -388,7 +388,7 @@ impl Server {
                 let crypto = tls::admin_crypto(&identity, verifier.clone())?;
                 let listener = tcp_listener(a.listen_addr).map_err(|e| ServerError::AdminBind {
                     addr: a.listen_addr,
-                    reason: bind_failure(&e, "the key above"),
+                    reason: bind_failure(&e, "admin.listen_addr"),
                 })?;
                 Some((listener, Arc::new(crypto)))
             }

@@ -312,17 +312,26 @@ pub(crate) fn dev_certificate_with(
         rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(|e| e.to_string())?;
     let mut params = rcgen::CertificateParams::new(DEV_NAMES.map(String::from).to_vec())
         .map_err(|e| e.to_string())?;
-    let digest = ring::digest::digest(&ring::digest::SHA256, key.public_key_raw());
-    let tag: String = digest.as_ref()[..8]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
     let mut name = rcgen::DistinguishedName::new();
-    name.push(rcgen::DnType::CommonName, format!("{label} {tag}"));
+    name.push(
+        rcgen::DnType::CommonName,
+        format!("{label} {}", key_tag(&key, 8)),
+    );
     params.distinguished_name = name;
     adjust(&mut params);
     let cert = params.self_signed(&key).map_err(|e| e.to_string())?;
     Ok((cert, key))
+}
+
+/// The first `bytes` bytes of the SHA-256 of `key`'s public key, in hex: a tag that gives each
+/// key's certificate a name of its own (a development certificate's; a CA's, `aqueduct cert
+/// ca`).
+pub fn key_tag(key: &rcgen::KeyPair, bytes: usize) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, key.public_key_raw());
+    digest.as_ref()[..bytes.min(32)]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 fn dev_certificate(label: &str) -> Result<(rcgen::Certificate, rcgen::KeyPair), String> {
