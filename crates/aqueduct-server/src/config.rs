@@ -788,7 +788,8 @@ pub fn layered(sources: &Sources) -> Result<Figment, ConfigError> {
 }
 
 fn raw_figment(sources: &Sources) -> Result<Figment, ConfigError> {
-    let mut fig = Figment::from(Serialized::defaults(RawConfig::default()));
+    let defaults = Figment::from(Serialized::defaults(RawConfig::default()));
+    let mut fig = defaults.clone();
     if let Some(path) = &sources.file {
         if !path.is_file() {
             return Err(ConfigError::FileNotFound { path: path.clone() });
@@ -821,7 +822,12 @@ fn raw_figment(sources: &Sources) -> Result<Figment, ConfigError> {
         env_pairs.push((key, name.clone(), value.clone()));
     }
     for (key, name, value) in env_pairs {
-        let value = parse_env_value(key, &value);
+        // A true/false setting (its default is one) takes the seed's spellings.
+        let flag = matches!(
+            defaults.find_value(key),
+            Ok(figment::value::Value::Bool(..))
+        );
+        let value = parse_env_value(key, &value, flag);
         fig = fig.merge(Named::new(
             format!("environment variable {name}"),
             key,
@@ -994,7 +1000,7 @@ const TEXT_KEYS: &[&str] = &[
 
 /// Environment values are text; give figment the type the key expects, so `true` and `1024`
 /// work for flags and sizes while `0` stays a duration.
-fn parse_env_value(key: &str, v: &str) -> figment::value::Value {
+fn parse_env_value(key: &str, v: &str, flag: bool) -> figment::value::Value {
     use figment::value::Value;
     if LIST_KEYS.contains(&key) {
         return Value::from(split_list(v));
@@ -1003,7 +1009,7 @@ fn parse_env_value(key: &str, v: &str) -> figment::value::Value {
         return Value::from(v.to_string());
     }
     // A flag: the spellings Go's strconv.ParseBool takes (the seed's), `1` and `0` included.
-    if is_flag(key) {
+    if flag {
         match v {
             "1" | "t" | "T" | "true" | "TRUE" | "True" => return Value::from(true),
             "0" | "f" | "F" | "false" | "FALSE" | "False" => return Value::from(false),
@@ -1026,13 +1032,6 @@ fn parse_env_value(key: &str, v: &str) -> figment::value::Value {
         }
     }
     Value::from(v.to_string())
-}
-
-/// Whether `key` is a true/false setting (its default is).
-fn is_flag(key: &str) -> bool {
-    Figment::from(Serialized::defaults(RawConfig::default()))
-        .find_value(key)
-        .is_ok_and(|v| matches!(v, figment::value::Value::Bool(..)))
 }
 
 /// figment errors name the key and the source; keep all of them, one per line.
