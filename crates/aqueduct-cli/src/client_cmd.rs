@@ -14,7 +14,7 @@ use aqueduct_client::{
 };
 use bytes::Bytes;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 
 /// Publish and subscribe to an Aqueduct broker.
 ///
@@ -77,7 +77,8 @@ enum Command {
         /// Topic, e.g. orders/eu.
         topic: String,
         /// Message body. Without it, each line of standard input is one message, published as
-        /// it is read (`tail -f app.log | aqueduct pub logs`).
+        /// it is read (`tail -f app.log | aqueduct pub logs`); Ctrl-C or SIGTERM then ends it
+        /// cleanly: the lines read so far are published, the connection is closed.
         message: Option<String>,
         /// Publish the message this many times.
         #[arg(long, short = 'n', default_value_t = 1)]
@@ -487,19 +488,27 @@ struct BenchOverflow(Option<OverflowPolicy>);
 
 /// `aqueduct log`'s directory: the one given, else where the broker puts its log on its
 /// defaults (AQUEDUCT_AAL_FILE_PATH, else $AQUEDUCT_HOME/aal, else ~/.aqueduct/aal).
-fn log_dir(given: &Option<PathBuf>) -> crate::log_cmd::LogDir {
-    let path = given.clone().unwrap_or_else(|| {
-        // Variables that are not UTF-8 are left out (an AQUEDUCT_* one stops the broker).
-        let env: Vec<(String, String)> = std::env::vars_os()
-            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
-            .collect();
-        let file_path = std::env::var("AQUEDUCT_AAL_FILE_PATH").unwrap_or_default();
-        aqueduct_server::config::aal_dir(&file_path, &env)
-    });
-    crate::log_cmd::LogDir {
+fn log_dir(given: &Option<PathBuf>) -> Result<crate::log_cmd::LogDir> {
+    let path = match given {
+        Some(dir) => dir.clone(),
+        None => {
+            // Variables that are not UTF-8 are left out (an AQUEDUCT_* one stops the broker).
+            let env: Vec<(String, String)> = std::env::vars_os()
+                .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+                .collect();
+            let file_path = std::env::var("AQUEDUCT_AAL_FILE_PATH").unwrap_or_default();
+            aqueduct_server::config::aal_dir(&file_path, &env).ok_or_else(|| {
+                anyhow!(
+                    "no log directory: pass --dir (AQUEDUCT_AAL_FILE_PATH {})",
+                    aqueduct_server::config::NO_AAL_DIR
+                )
+            })?
+        }
+    };
+    Ok(crate::log_cmd::LogDir {
         path,
         given: given.is_some(),
-    }
+    })
 }
 
 fn parse_bench_overflow(s: &str) -> Result<BenchOverflow, String> {
@@ -529,7 +538,8 @@ fn humantime_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// A TTL: not 0, which reads as "no expiry" (0 on the wire) but was sent as 1 ms, so the
-/// message expired at once and `pub` still said it was published.
+/// message expired at once and `pub` still said it was published; and no longer than the
+/// protocol's TTL field holds (u32 milliseconds), which the client would shorten to that.
 fn ttl_duration(s: &str) -> Result<Duration, String> {
     match parse_duration(s)? {
         d if d.is_zero() => Err(
@@ -537,6 +547,11 @@ fn ttl_duration(s: &str) -> Result<Duration, String> {
                                  for no expiry"
                 .into(),
         ),
+        d if d > Duration::from_millis(u64::from(u32::MAX)) => Err(format!(
+            "the longest TTL a message can carry is {} ms (about 49.7 days): leave --ttl out \
+             for no expiry",
+            u32::MAX
+        )),
         d => Ok(d),
     }
 }
@@ -719,15 +734,15 @@ async fn run(cli: Cli, also: &mut Option<String>) -> Result<()> {
     }
     if let Command::Log { what } = &cli.command {
         return match what {
-            LogCommand::Verify { dir, keys } => crate::log_cmd::verify(&log_dir(dir), keys),
-            LogCommand::Rekey { dir, keys } => crate::log_cmd::rekey(&log_dir(dir), keys),
+            LogCommand::Verify { dir, keys } => crate::log_cmd::verify(&log_dir(dir)?, keys),
+            LogCommand::Rekey { dir, keys } => crate::log_cmd::rekey(&log_dir(dir)?, keys),
             LogCommand::Dump {
                 dir,
                 topic,
                 from,
                 count,
                 keys,
-            } => crate::log_cmd::dump(&log_dir(dir), topic.as_deref(), *from, *count, keys),
+            } => crate::log_cmd::dump(&log_dir(dir)?, topic.as_deref(), *from, *count, keys),
         };
     }
     if let Command::TraceSink {
@@ -882,10 +897,24 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 sent: 0,
                 name: String::new(),
             };
+            // Ctrl-C/SIGTERM stops publishing between two messages; what was read is flushed
+            // and the connection closed, as at the end of the input, and the summary says how
+            // many went. Without it, `tail -f app.log | aqueduct pub logs` stopped with Ctrl-C
+            // ended without closing, and the last lines it had read could be lost.
+            let signal = crate::shutdown_signal();
+            tokio::pin!(signal);
+            let mut interrupted = None;
+            // How many messages it was asked for, if that is known (not while streaming lines).
+            let mut asked = None;
             match message {
                 Some(m) => {
                     let body = Bytes::from(m.clone());
+                    asked = Some(*count);
                     for _ in 0..*count {
+                        if let Some(s) = (&mut signal).now_or_never() {
+                            interrupted = Some(s);
+                            break;
+                        }
                         out.publish(body.clone()).await?;
                     }
                 }
@@ -894,16 +923,31 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 None => {
                     let mut lines = Vec::new();
                     let mut input = tokio::io::BufReader::new(tokio::io::stdin());
-                    while let Some(line) = read_line(&mut input).await? {
+                    loop {
+                        // A line cut short by the signal (no line end read yet) is not sent.
+                        let line = tokio::select! {
+                            biased;
+                            s = &mut signal => {
+                                interrupted = Some(s);
+                                break;
+                            }
+                            line = read_line(&mut input) => line?,
+                        };
+                        let Some(line) = line else { break };
                         if *count == 1 {
                             out.publish(line).await?;
                         } else {
                             lines.push(line);
                         }
                     }
-                    if *count > 1 {
-                        for _ in 0..*count {
+                    if *count > 1 && interrupted.is_none() {
+                        asked = Some(count.saturating_mul(lines.len() as u64));
+                        'repeat: for _ in 0..*count {
                             for line in &lines {
+                                if let Some(s) = (&mut signal).now_or_never() {
+                                    interrupted = Some(s);
+                                    break 'repeat;
+                                }
                                 out.publish(line.clone()).await?;
                             }
                         }
@@ -923,6 +967,14 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                     ))?;
                 } else {
                     crate::print_line(&format!("published {sent} message(s) to {topic}"))?;
+                }
+            }
+            if let Some(signal) = interrupted {
+                crate::say!("{signal}: stopped publishing and closed the connection");
+                // Stopped short of what it was asked to send: not a success. Streaming lines
+                // until interrupted is the usual way to end `tail -f … | aqueduct pub`.
+                if let Some(asked) = asked.filter(|&a| sent < a) {
+                    bail!("{signal} before {asked} message(s) were published: {sent} were");
                 }
             }
         }
@@ -1571,10 +1623,16 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
         crate::say!("aqueduct: {e:#}");
         return ExitCode::from(2);
     }
-    crate::init_logging(
-        tracing_subscriber::EnvFilter::try_from_env("AQUEDUCT_LOG")
-            .unwrap_or_else(|_| "warn".into()),
-    );
+    // AQUEDUCT_LOG is the broker's too: one it cannot read is said, not dropped unsaid; the
+    // command still runs, logging warnings.
+    let filter = match std::env::var("AQUEDUCT_LOG") {
+        Ok(spec) => crate::log_filter(&spec).unwrap_or_else(|e| {
+            crate::say!("aqueduct: AQUEDUCT_LOG {spec:?} ignored: {e}");
+            "warn".into()
+        }),
+        Err(_) => "warn".into(),
+    };
+    crate::init_logging(filter);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -1587,7 +1645,12 @@ pub fn main_with(args: Vec<OsString>) -> ExitCode {
     };
     let without_cert = cli.cert.is_none();
     let mut also = None;
-    match runtime.block_on(run(cli, &mut also)) {
+    let result = runtime.block_on(run(cli, &mut also));
+    // Without waiting for blocking threads: `pub` stopped by a signal leaves one blocked
+    // reading standard input (from a terminal or `tail -f`), which dropping the runtime would
+    // wait for until the next line. Everything the command does is done by now.
+    runtime.shutdown_background();
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let e = format!("{e:#}");
@@ -1721,5 +1784,11 @@ mod tests {
         assert!(ttl_duration("0").is_err_and(|e| e.contains("leave --ttl out")));
         assert!(ttl_duration("0ms").is_err());
         assert_eq!(ttl_duration("1ms"), Ok(Duration::from_millis(1)));
+        assert_eq!(
+            ttl_duration("4294967295ms"),
+            Ok(Duration::from_millis(u64::from(u32::MAX)))
+        );
+        assert!(ttl_duration("4294967296ms").is_err_and(|e| e.contains("49.7 days")));
+        assert!(ttl_duration("2000h").is_err_and(|e| e.contains("leave --ttl out")));
     }
 }

@@ -168,6 +168,32 @@ macro_rules! say {
     }};
 }
 
+/// The log filter `--log`/`AQUEDUCT_LOG` names (`info`, `debug`, `aqueduct_server=debug`, …), or
+/// why it is refused. tracing's own parser takes a word it does not know as a target to log
+/// everything of, and nothing else: `debgu` would silence the whole log. A word within two
+/// letters of a level's name is therefore refused as a misspelt level.
+pub fn log_filter(spec: &str) -> Result<tracing_subscriber::EnvFilter, String> {
+    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+    for directive in spec.split(',').map(str::trim) {
+        let bare = !directive.contains(['=', '[', ':']);
+        let word = directive.to_ascii_lowercase();
+        if bare && !word.is_empty() && !LEVELS.contains(&word.as_str()) {
+            if let Some(level) = LEVELS
+                .iter()
+                .find(|l| strsim::levenshtein(l, &word) <= 2 && word.len() >= 3)
+            {
+                return Err(format!(
+                    "{directive:?} is not a level (off, error, warn, info, debug, trace); \
+                     did you mean {level:?}?"
+                ));
+            }
+        }
+    }
+    tracing_subscriber::EnvFilter::try_new(spec).map_err(|e| {
+        format!("{e} (a filter is a level such as \"info\", or TARGET=LEVEL pairs separated by commas, such as \"info,aqueduct_server=debug\")")
+    })
+}
+
 /// Log to standard error, coloured only on a terminal (a log file or a pipe gets plain text).
 /// A standard error that cannot be written to (closed, a pipe whose reader left) loses the log
 /// lines but never stops the process: tracing-subscriber would otherwise report the failed write
@@ -203,6 +229,24 @@ mod tests {
         metrics_addr: Option<String>,
         #[arg(short = 'n')]
         count: Option<i64>,
+    }
+
+    #[test]
+    fn log_filters_that_would_silence_the_log_are_refused() {
+        for good in [
+            "info",
+            "DEBUG",
+            "warn,aqueduct_server=debug",
+            "aqueduct_server",
+            "quinn",
+        ] {
+            assert!(log_filter(good).is_ok(), "{good}");
+        }
+        let typo = log_filter("debgu").expect_err("a misspelt level");
+        assert!(typo.contains("did you mean \"debug\""), "{typo}");
+        assert!(log_filter("info,wran").is_err_and(|e| e.contains("\"warn\"")));
+        let bad = log_filter("aqueduct_server=loud").expect_err("not a level");
+        assert!(bad.contains("TARGET=LEVEL"), "{bad}");
     }
 
     fn rewrite(args: &[&str]) -> Vec<String> {

@@ -1460,3 +1460,184 @@ fn sub_refuses_flags_that_mean_nothing() {
     assert!(!out.status.success());
     assert!(err.contains("--max-in-flight goes with --ack"), "{err}");
 }
+
+/// Without AQUEDUCT_HOME and HOME (a systemd service without `User=`): the development
+/// certificate goes to this user's private directory in the temporary directory, which local
+/// clients trust only while it is private; the durable log needs a directory named, and is
+/// never put in the temporary directory (a reboot may empty it).
+#[cfg(unix)]
+#[test]
+fn without_a_home_the_dev_cert_is_private_and_the_log_needs_a_directory() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().expect("dir");
+    let homeless = |program: &str| {
+        let mut cmd = Command::new(program);
+        cmd.env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("TMPDIR", tmp.path());
+        cmd
+    };
+    let mut cmd = homeless(BROKER);
+    cmd.args(["--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"]);
+    let (broker, addr, _metrics, _logs) = start_listening(cmd);
+    let private: Vec<_> = std::fs::read_dir(tmp.path())
+        .expect("listed")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    assert_eq!(private.len(), 1, "{private:?}");
+    let dir = &private[0];
+    assert!(
+        dir.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("aqueduct-")),
+        "{dir:?}"
+    );
+    assert!(dir.join("dev-cert.pem").is_file());
+    let mode = std::fs::metadata(dir).expect("meta").permissions().mode();
+    assert_eq!(mode & 0o777, 0o700, "{dir:?}");
+    // A client without a home trusts it there.
+    let publish = || {
+        homeless(CLIENT)
+            .args(["--addr", &addr, "pub", "t", "x"])
+            .output()
+            .expect("runs")
+    };
+    assert_ok(&publish());
+    // Opened to others (anyone could have put a certificate there): not trusted.
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let out = publish();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("not trusted") && err.contains("mode 777"),
+        "{err}"
+    );
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    stop(broker);
+
+    // The durable log on its defaults has nowhere safe to go: startup stops, naming the key.
+    let out = homeless(BROKER)
+        .args([
+            "--addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--aal",
+        ])
+        .env("AQUEDUCT_AAL_ALLOW_PLAINTEXT", "true")
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("aal.file_path") && err.contains("neither AQUEDUCT_HOME nor HOME"),
+        "{err}"
+    );
+    // `aqueduct log` says to pass --dir.
+    let out = homeless(CLIENT)
+        .args(["log", "verify"])
+        .output()
+        .expect("runs");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("pass --dir"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A log filter the broker cannot use stops it, naming --log: it fell back on "info" unsaid,
+/// and a misspelt level was taken as a target, which left the log empty.
+#[test]
+fn a_log_filter_that_cannot_work_stops_the_broker() {
+    for (filter, says) in [
+        ("debgu", "did you mean \"debug\""),
+        ("aqueduct_server=loud", "TARGET=LEVEL"),
+    ] {
+        let out = Command::new(BROKER)
+            .args(["--addr", "127.0.0.1:0", "--log", filter])
+            .output()
+            .expect("runs");
+        assert_eq!(out.status.code(), Some(2), "{filter}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--log") && err.contains(says),
+            "{filter}: {err}"
+        );
+    }
+}
+
+/// Ctrl-C/SIGTERM ends `aqueduct pub` reading standard input cleanly: the lines read are
+/// published, the connection closed, and it says how many went (it was killed by the signal).
+/// A `pub -n N` stopped short of N exits 1.
+#[test]
+fn a_signal_ends_pub_cleanly_and_says_what_was_published() {
+    use std::io::Write;
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, logs) = start_broker(home.path());
+    let sub = spawn_client(
+        home.path(),
+        &["--addr", &addr, "sub", "lines", "--count", "2"],
+    );
+    wait_for_log(&logs, "subscribed");
+    let mut publisher = Command::new(CLIENT)
+        .args(["--addr", &addr, "pub", "lines"])
+        .env("AQUEDUCT_HOME", home.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("pub starts");
+    let mut stdin = publisher.stdin.take().expect("stdin");
+    stdin.write_all(b"one\ntwo\n").expect("written");
+    stdin.flush().expect("flushed");
+    // Both arrived: the publisher is connected, reading, and has its handler.
+    let out = output_within(sub, "the subscriber of two lines");
+    assert_ok(&out);
+    let _ = Command::new("kill")
+        .args(["-TERM", &publisher.id().to_string()])
+        .status();
+    let out = output_within(publisher, "pub after SIGTERM");
+    drop(stdin);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("published 2 message(s) to lines"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(err.contains("SIGTERM: stopped publishing"), "{err}");
+
+    // Asked for more than it sent: not a success.
+    let sub = spawn_client(
+        home.path(),
+        &["--addr", &addr, "sub", "many", "--count", "1"],
+    );
+    wait_for_log(&logs, "subscribed");
+    let publisher = spawn_client(
+        home.path(),
+        &["--addr", &addr, "pub", "many", "x", "-n", "1000000000"],
+    );
+    assert_ok(&output_within(sub, "the subscriber of one message"));
+    let _ = Command::new("kill")
+        .args(["-TERM", &publisher.id().to_string()])
+        .status();
+    let out = output_within(publisher, "pub -n after SIGTERM");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("SIGTERM before 1000000000 message(s) were published"),
+        "{err}"
+    );
+    stop(broker);
+}
+
+/// An empty AQUEDUCT_CONFIG means no file, as the seed read it: it was refused as "a value is
+/// required for '--config'", a flag the user had not given.
+#[test]
+fn an_empty_aqueduct_config_means_no_file() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, _addr, _metrics, _logs) =
+        start_broker_with(home.path(), &[("AQUEDUCT_CONFIG", "")]);
+    stop(broker);
+}

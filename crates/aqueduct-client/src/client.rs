@@ -39,7 +39,9 @@ pub(crate) struct Inner {
 pub struct PublishOptions {
     /// 0 (highest) ..= 3 (lowest); default 2.
     pub priority: Option<Priority>,
-    /// Drop the message if not delivered within this time (whole milliseconds, rounded up).
+    /// Drop the message if not delivered within this time (whole milliseconds, rounded up; at
+    /// most `u32::MAX` ms, about 49.7 days, the longest the protocol carries: a longer TTL is
+    /// sent as that).
     pub ttl: Option<Duration>,
     /// Wait for the broker to assign offsets (returned) or refuse (error).
     pub confirm: bool,

@@ -4,14 +4,16 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// The default location of the development certificate a local broker writes (and that the CLI
-/// trusts for localhost): `$AQUEDUCT_HOME/dev-cert.pem`, else `$HOME/.aqueduct/dev-cert.pem`.
+/// trusts for localhost): `$AQUEDUCT_HOME/dev-cert.pem`, else `$HOME/.aqueduct/dev-cert.pem`,
+/// else, with neither set, `<temp>/aqueduct-<uid>/dev-cert.pem`, trusted only while that
+/// directory is this user's own and private.
 pub fn default_dev_cert_file() -> PathBuf {
     if let Some(home) = std::env::var_os("AQUEDUCT_HOME").filter(|h| !h.is_empty()) {
         return Path::new(&home).join("dev-cert.pem");
     }
     match std::env::var_os("HOME").filter(|h| !h.is_empty()) {
         Some(home) => Path::new(&home).join(".aqueduct").join("dev-cert.pem"),
-        None => std::env::temp_dir().join("aqueduct-dev-cert.pem"),
+        None => aqueduct_udp::private_dir::path().join("dev-cert.pem"),
     }
 }
 

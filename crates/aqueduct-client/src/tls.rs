@@ -153,6 +153,20 @@ pub(crate) fn client_crypto(
                     host: host.to_string(),
                 });
             }
+            // In the temporary directory, only this user's private directory is trusted:
+            // anyone could have made it first, and put a certificate of their own there.
+            if let Some(dir) = dev_cert
+                .parent()
+                .filter(|d| *d == aqueduct_udp::private_dir::path())
+            {
+                if let Err(e) = aqueduct_udp::private_dir::check(dir) {
+                    return Err(pem_err(
+                        "development certificate",
+                        &dev_cert.display().to_string(),
+                        format!("not trusted: {e} (set AQUEDUCT_HOME, or pass --ca or --pin)"),
+                    ));
+                }
+            }
             let pem = std::fs::read(dev_cert).map_err(|e| {
                 pem_err(
                     "development certificate",

@@ -1154,7 +1154,14 @@ pub(crate) fn parse_addr(key: &'static str, s: &str) -> Result<SocketAddr, Confi
         s.to_string()
     };
     full.to_socket_addrs()
-        .map_err(|e| invalid(key, format!("{s:?} is not a host:port address ({e})")))?
+        .map_err(|e| {
+            // A bare port ("4242", as in `-addr 4242`) is the likeliest slip.
+            let hint = match s.trim().parse::<u16>() {
+                Ok(port) => format!("; for port {port} on every interface write \":{port}\""),
+                Err(_) => String::new(),
+            };
+            invalid(key, format!("{s:?} is not a host:port address ({e}){hint}"))
+        })?
         .next()
         .ok_or_else(|| invalid(key, format!("{s:?} resolves to no address")))
 }
@@ -1316,11 +1323,13 @@ pub fn aqueduct_home(env: &[(String, String)]) -> Option<PathBuf> {
         .map(|home| Path::new(&home).join(".aqueduct"))
 }
 
-/// Where the development certificate goes when not configured.
+/// Where the development certificate goes when not configured: in the Aqueduct home, else in
+/// this user's private directory in the temporary directory (`<temp>/aqueduct-<uid>`, made when
+/// the certificate is written), never under a fixed name there that another user could claim.
 pub fn default_dev_cert_file(env: &[(String, String)]) -> PathBuf {
     aqueduct_home(env)
-        .map(|h| h.join("dev-cert.pem"))
-        .unwrap_or_else(|| std::env::temp_dir().join("aqueduct-dev-cert.pem"))
+        .unwrap_or_else(aqueduct_udp::private_dir::path)
+        .join("dev-cert.pem")
 }
 
 impl RawConfig {
@@ -1510,8 +1519,26 @@ impl RawConfig {
                 "must be greater than zero",
             ));
         }
+        let listen_addr = parse_addr("listen_addr", &self.listen_addr)?;
+        let webtransport = self.webtransport.validate()?;
+        if let Some(wt) = webtransport.listen_addr.filter(|_| webtransport.enabled) {
+            // Both are UDP: the second bind would fail as if another program held the port.
+            let overlap = wt.ip() == listen_addr.ip()
+                || wt.ip().is_unspecified()
+                || listen_addr.ip().is_unspecified();
+            if wt.port() == listen_addr.port() && wt.port() != 0 && overlap {
+                return Err(invalid(
+                    "webtransport.listen_addr",
+                    format!(
+                        "{wt} is listen_addr's own port ({listen_addr}): browsers already reach \
+                         the broker there; leave webtransport.listen_addr empty, or give it a \
+                         port of its own"
+                    ),
+                ));
+            }
+        }
         Ok(Config {
-            listen_addr: parse_addr("listen_addr", &self.listen_addr)?,
+            listen_addr,
             metrics_addr: parse_addr("metrics_addr", &self.metrics_addr)?,
             tls,
             broker,
@@ -1537,7 +1564,7 @@ impl RawConfig {
                 .then(|| self.admin.state_file_path(env))
                 .flatten(),
             cluster,
-            webtransport: self.webtransport.validate()?,
+            webtransport,
             tracing: self.tracing.validate()?,
         })
     }
@@ -1595,7 +1622,8 @@ impl AalSection {
                  unencrypted",
             ));
         }
-        let dir = aal_dir(&self.file_path, env);
+        let dir =
+            aal_dir(&self.file_path, env).ok_or_else(|| invalid("aal.file_path", NO_AAL_DIR))?;
         if dir.is_file() {
             return Err(invalid(
                 "aal.file_path",
@@ -1690,17 +1718,16 @@ pub fn decode_master_key(s: &str) -> Result<Option<aqueduct_log::MasterKey>, Str
 }
 
 /// The log's directory for an `aal.file_path` value: the value, or when it is blank
-/// `$AQUEDUCT_HOME/aal`, else `$HOME/.aqueduct/aal`.
-pub fn aal_dir(file_path: &str, env: &[(String, String)]) -> PathBuf {
-    opt_path(file_path).unwrap_or_else(|| default_aal_dir(env))
+/// `$AQUEDUCT_HOME/aal`, else `$HOME/.aqueduct/aal`. `None` when it is blank and there is no
+/// home: the log is never put in the temporary directory, which a reboot or a cleaner may empty.
+pub fn aal_dir(file_path: &str, env: &[(String, String)]) -> Option<PathBuf> {
+    opt_path(file_path).or_else(|| aqueduct_home(env).map(|h| h.join("aal")))
 }
 
-/// Where the log goes when `aal.file_path` is empty.
-fn default_aal_dir(env: &[(String, String)]) -> PathBuf {
-    aqueduct_home(env)
-        .map(|h| h.join("aal"))
-        .unwrap_or_else(|| std::env::temp_dir().join("aqueduct-aal"))
-}
+/// Why [`aal_dir`] found no directory.
+pub const NO_AAL_DIR: &str = "is empty, and neither AQUEDUCT_HOME nor HOME is set (a systemd \
+     service without User= has neither), so there is no default directory for the log: name \
+     one. It is not put in the temporary directory, which may be emptied at a reboot";
 
 #[cfg(test)]
 mod tests {
@@ -1728,6 +1755,56 @@ mod tests {
         });
         new.transport.idle_timeout = Duration::from_secs(3);
         assert_eq!(old.needs_restart(&new), vec!["transport", "admin"]);
+    }
+
+    /// WebTransport on the broker's own UDP port is refused as such (it failed at bind as if
+    /// another program held the port); a bare port is answered with the ":PORT" form.
+    #[test]
+    fn webtransport_on_the_brokers_own_port_and_a_bare_port_are_explained() {
+        let load = |env: &[(&str, &str)]| {
+            Config::load(&Sources {
+                file: None,
+                env: env
+                    .iter()
+                    .map(|(n, v)| (n.to_string(), v.to_string()))
+                    .collect(),
+                overrides: Overrides::default(),
+            })
+        };
+        for (listen, wt) in [
+            ("127.0.0.1:14999", "127.0.0.1:14999"),
+            (":14999", "127.0.0.1:14999"),
+            ("127.0.0.1:14999", "0.0.0.0:14999"),
+        ] {
+            let e = load(&[
+                ("AQUEDUCT_LISTEN_ADDR", listen),
+                ("AQUEDUCT_WEBTRANSPORT_LISTEN_ADDR", wt),
+            ])
+            .expect_err("one port for both")
+            .to_string();
+            assert!(
+                e.starts_with("webtransport.listen_addr:") && e.contains("own port"),
+                "{e}"
+            );
+        }
+        for (listen, wt) in [
+            ("127.0.0.1:0", "127.0.0.1:0"),
+            ("127.0.0.1:14999", "127.0.0.1:15000"),
+            ("127.0.0.1:14999", "127.0.0.2:14999"),
+        ] {
+            assert!(
+                load(&[
+                    ("AQUEDUCT_LISTEN_ADDR", listen),
+                    ("AQUEDUCT_WEBTRANSPORT_LISTEN_ADDR", wt),
+                ])
+                .is_ok(),
+                "{listen} and {wt}"
+            );
+        }
+        let e = load(&[("AQUEDUCT_LISTEN_ADDR", "4242")])
+            .expect_err("a bare port")
+            .to_string();
+        assert!(e.contains("write \":4242\""), "{e}");
     }
 
     /// The seed's name for a key and its mechanical one, both set: refused, naming both (which

@@ -162,7 +162,14 @@ impl DevCert {
             reason: e.to_string(),
         };
         if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(err)?;
+            // Without a home, this user's own directory in the temporary directory: made
+            // private, and refused if someone else made it first.
+            let private = aqueduct_udp::private_dir::path();
+            match dir == private {
+                true => aqueduct_udp::private_dir::ensure(dir),
+                false => std::fs::create_dir_all(dir),
+            }
+            .map_err(err)?;
         }
         // Read, merge and replace under a lock of the brokers sharing the file (a sibling
         // file: the certificate file itself is replaced by a rename), so that two brokers

@@ -47,10 +47,16 @@
 //! networks) a packet holds four times the messages, and per-packet work (encryption, headers,
 //! acknowledgements, system calls) falls with it; elsewhere the probes are lost and the path
 //! stays at what it carries (docs/architecture.md, "Larger datagrams").
+//!
+//! # A private directory when there is no home
+//!
+//! [`private_dir`]: where both ends keep the development certificate when neither
+//! `AQUEDUCT_HOME` nor `HOME` is set, a directory of this user's own in the temporary directory.
 
 use std::sync::Arc;
 
 mod idle;
+pub mod private_dir;
 #[cfg(unix)]
 mod unix;
 

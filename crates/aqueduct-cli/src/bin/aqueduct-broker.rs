@@ -26,8 +26,17 @@ use tracing::{error, info, warn};
 struct Args {
     /// YAML configuration file.
     /// The seed's single-dash forms work too: -config, -addr, -metrics-addr.
-    #[arg(long, short = 'c', env = "AQUEDUCT_CONFIG", value_name = "FILE")]
-    config: Option<PathBuf>,
+    /// An empty AQUEDUCT_CONFIG means none.
+    // As the seed read it: clap refused an empty one as "a value is required for '--config'",
+    // a flag that was not given.
+    #[arg(
+        long,
+        short = 'c',
+        env = "AQUEDUCT_CONFIG",
+        value_name = "FILE",
+        value_parser = clap::builder::OsStringValueParser::new()
+    )]
+    config: Option<std::ffi::OsString>,
     /// Address to listen on (UDP), e.g. ":4242" (every interface, IPv6 and IPv4: the
     /// default), "0.0.0.0:4242" (IPv4 only) or "127.0.0.1:4242" (key: listen_addr).
     #[arg(long, value_name = "HOST:PORT")]
@@ -61,10 +70,18 @@ fn main() -> ExitCode {
         std::env::args_os().collect(),
         &Args::command(),
     ));
-    aqueduct_cli::init_logging(
-        tracing_subscriber::EnvFilter::try_new(&args.log)
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-    );
+    // A filter that cannot be read stops the broker: it used to fall back on "info" unsaid, and
+    // a misspelt level ("debgu") was taken as a target, which left the log empty.
+    match aqueduct_cli::log_filter(&args.log) {
+        Ok(filter) => aqueduct_cli::init_logging(filter),
+        Err(e) => {
+            eprintln!(
+                "aqueduct-broker: configuration error: --log (AQUEDUCT_LOG) {:?}: {e}",
+                args.log
+            );
+            return ExitCode::from(2);
+        }
+    }
     let overrides = Overrides {
         listen_addr: args.addr.clone(),
         metrics_addr: args.metrics_addr.clone(),
@@ -72,7 +89,12 @@ fn main() -> ExitCode {
         key_file: args.key.clone(),
         aal: args.aal,
     };
-    let sources = match Sources::from_process(args.config.clone(), overrides) {
+    let config_file = args
+        .config
+        .clone()
+        .filter(|c| !c.is_empty())
+        .map(PathBuf::from);
+    let sources = match Sources::from_process(config_file, overrides) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("aqueduct-broker: configuration error: {e}");

@@ -76,10 +76,16 @@ pub fn start_broker_process(
     home: &std::path::Path,
     env: &[(&str, &str)],
 ) -> (Broker, String, String, mpsc::Receiver<String>) {
+    cmd.envs(env.iter().copied()).env("AQUEDUCT_HOME", home);
+    start_listening(cmd)
+}
+
+/// Start `cmd` (a broker command with its environment set) with `--log info`; returns it, its
+/// address and metrics address (read from its log), and its further log lines.
+#[allow(clippy::zombie_processes)]
+pub fn start_listening(mut cmd: Command) -> (Broker, String, String, mpsc::Receiver<String>) {
     let mut child = cmd
         .args(["--log", "info"])
-        .envs(env.iter().copied())
-        .env("AQUEDUCT_HOME", home)
         .env("NO_COLOR", "1")
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
