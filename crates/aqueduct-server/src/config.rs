@@ -591,14 +591,31 @@ pub struct Config {
 }
 
 impl Config {
+    /// The revocation-list files a SIGHUP re-reads, by key: `tls.crl_file` and
+    /// `cluster.tls.crl_file`, as named at startup (`None`: not given).
+    pub fn crl_files(&self) -> [(&'static str, Option<&Path>); 2] {
+        [
+            (crate::revocation::CRL_KEY, self.tls.crl_file.as_deref()),
+            (
+                crate::revocation::MESH_CRL_KEY,
+                self.cluster.crl_file.as_deref(),
+            ),
+        ]
+    }
+
     /// The settings of `new` (the configuration re-read for a SIGHUP) that differ from this
     /// one's and that a reload does not apply: each takes a restart. A reload applies `acl` and
-    /// `broker.quotas`, and re-reads the file `tls.crl_file` named at startup (a new path for
-    /// it is the one `tls` setting this leaves out: the reload says so on its own).
+    /// `broker.quotas`, and re-reads the files `tls.crl_file` and `cluster.tls.crl_file` named at
+    /// startup (a new path for either is left out here: the reload names it on its own, see
+    /// [`Config::crl_files`]).
     pub fn needs_restart(&self, new: &Config) -> Vec<&'static str> {
         let tls = |c: &Config| TlsConfig {
             crl_file: None,
             ..c.tls.clone()
+        };
+        let cluster = |c: &Config| crate::cluster::ClusterConfig {
+            crl_file: None,
+            ..c.cluster.clone()
         };
         let checks: [(&'static str, bool); 16] = [
             ("listen_addr", self.listen_addr != new.listen_addr),
@@ -617,7 +634,7 @@ impl Config {
                 "admin",
                 self.admin != new.admin || self.admin_state_when_off != new.admin_state_when_off,
             ),
-            ("cluster", self.cluster != new.cluster),
+            ("cluster", cluster(self) != cluster(new)),
             ("webtransport", self.webtransport != new.webtransport),
             ("tracing", self.tracing != new.tracing),
         ];
@@ -1743,6 +1760,14 @@ mod tests {
         assert!(old.needs_restart(&new).is_empty());
         new.access.acl.default = aqueduct_core::acl::Permission::None;
         new.tls.crl_file = Some("/etc/aqueduct/crl.pem".into());
+        new.cluster.crl_file = Some("/etc/aqueduct/crl.pem".into());
+        assert_eq!(
+            new.crl_files(),
+            [
+                ("tls.crl_file", Some(Path::new("/etc/aqueduct/crl.pem"))),
+                ("cluster.tls.crl_file", Some(Path::new("/etc/aqueduct/crl.pem")))
+            ]
+        );
         assert!(
             old.needs_restart(&new).is_empty(),
             "applied by the reload, or told apart"

@@ -1110,6 +1110,7 @@ impl Driver {
                         queue: queue.clone(),
                         retire: retire_tx,
                         left: false,
+                        spoke: false,
                     },
                 );
                 tasks.spawn(serve_peer(PeerTask {
@@ -1251,6 +1252,7 @@ impl Driver {
                     self.mesh.handle_disconnected(now, conn);
                 }
                 Some(Event::Control { conn, control, .. }) => {
+                    first_word(&mut conns, conn, &mut reconnects);
                     self.mesh.handle_control(conn, control);
                 }
                 Some(Event::Broken { conn, why }) => {
@@ -1377,13 +1379,13 @@ impl Driver {
                 continue;
             }
             unpublished = 0;
-            self.publish_routes(&conns, &mut reconnects, &mut node_queues);
+            self.publish_routes(&conns, &mut node_queues);
         }
         // What was handled since the last rebuild counts for the leave (a duplicate retired
         // just before: the kept connection must own its peer's queue, or no connection
         // writes what is queued).
         if unpublished > 0 {
-            self.publish_routes(&conns, &mut reconnects, &mut node_queues);
+            self.publish_routes(&conns, &mut node_queues);
         }
         self.leave(&mut conns, &leaving_tx).await;
         for link in conns.values() {
@@ -1399,25 +1401,14 @@ impl Driver {
     fn publish_routes(
         &mut self,
         conns: &HashMap<ConnId, Link>,
-        reconnects: &mut HashMap<NodeId, u64>,
         node_queues: &mut HashMap<NodeId, Arc<PeerQueue>>,
     ) {
         self.table.store(Arc::new(self.mesh.table()));
-        let before = self.queues.load();
         let queues: HashMap<NodeId, Arc<PeerQueue>> = self
             .mesh
             .peers()
             .filter_map(|(n, c)| {
                 let link = conns.get(&c)?;
-                let known = reconnects.contains_key(n);
-                let count = reconnects.entry(n.clone()).or_insert(0);
-                if known && !before.contains_key(n) {
-                    *count += 1;
-                    info!(peer = %n, reconnects = *count, "cluster peer reconnected");
-                } else if !known {
-                    info!(peer = %n, "cluster peer connected");
-                }
-                link.queue.reconnects.store(*count, Ordering::Relaxed);
                 link.queue.set_owner(c);
                 Some((n.clone(), link.queue.clone()))
             })
@@ -1544,6 +1535,9 @@ struct Link {
     retire: watch::Sender<bool>,
     /// The peer said it is leaving (a watch closes the connection if it stays open).
     left: bool,
+    /// The peer sent a control message on it: it took the connection (a peer that refuses
+    /// this node's certificate closes it right after the handshake, without a word).
+    spoke: bool,
 }
 
 impl Link {
@@ -1596,6 +1590,41 @@ struct DoneReading<'a>(&'a PeerQueue, ConnId);
 impl Drop for DoneReading<'_> {
     fn drop(&mut self) {
         self.0.done_reading(self.1);
+    }
+}
+
+/// The peer's first control message on `conn` (its snapshot, which opens every connection):
+/// the peer took the connection. Said as "cluster peer connected", or "reconnected" (and
+/// counted) if it was connected before, unless another connection to it already spoke (a
+/// duplicate). Not said at the handshake: a peer that refuses this node's certificate (revoked,
+/// not a peer certificate) closes the connection right after it, and this node logged it as
+/// reconnected at every redial.
+fn first_word(
+    conns: &mut HashMap<ConnId, Link>,
+    conn: ConnId,
+    reconnects: &mut HashMap<NodeId, u64>,
+) {
+    let Some(link) = conns.get_mut(&conn).filter(|l| !l.spoke) else {
+        return;
+    };
+    link.spoke = true;
+    let (node, queue) = (link.node.clone(), link.queue.clone());
+    if conns
+        .iter()
+        .any(|(c, l)| *c != conn && l.node == node && l.spoke)
+    {
+        return;
+    }
+    match reconnects.get_mut(&node) {
+        Some(count) => {
+            *count += 1;
+            queue.reconnects.store(*count, Ordering::Relaxed);
+            info!(peer = %node, reconnects = *count, "cluster peer reconnected");
+        }
+        None => {
+            reconnects.insert(node.clone(), 0);
+            info!(peer = %node, "cluster peer connected");
+        }
     }
 }
 

@@ -953,11 +953,12 @@ impl Control {
         self.shared.config.needs_restart(new)
     }
 
-    /// The `tls.crl_file` the broker started with: the file [`reload_revocations`] re-reads.
+    /// The `tls.crl_file` and `cluster.tls.crl_file` the broker started with, by key: the files
+    /// [`reload_revocations`] re-reads.
     ///
     /// [`reload_revocations`]: Self::reload_revocations
-    pub fn crl_file(&self) -> Option<&std::path::Path> {
-        self.shared.config.tls.crl_file.as_deref()
+    pub fn crl_files(&self) -> [(&'static str, Option<&std::path::Path>); 2] {
+        self.shared.config.crl_files()
     }
 
     /// The live ACL policy.

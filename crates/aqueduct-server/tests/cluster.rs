@@ -840,7 +840,21 @@ async fn a_revoked_peer_certificate_is_no_peer() {
     n0.control.set_cluster_peers(vec![n1.addr]);
     n1.control.set_cluster_peers(vec![n0.addr]);
     let node1 = BTreeSet::from(["node-1".to_string()]);
-    until("node-0 to take node-1 as a peer", || peers_of(&n0) == node1).await;
+    // How often node-1 has seen node-0 come back (its count while connected).
+    let reconnects = || {
+        n1.control
+            .mesh()
+            .expect("cluster on")
+            .peer_counters()
+            .into_iter()
+            .find(|p| p.node.as_str() == "node-0")
+            .map(|p| p.reconnects)
+    };
+    until("node-0 to take node-1 as a peer", || {
+        peers_of(&n0) == node1 && reconnects().is_some()
+    })
+    .await;
+    let before = reconnects().expect("connected");
     ca.ca.write_crl(&crl, &[&revoked_cert], 2);
     let (revoked, closed) = n0
         .control
@@ -852,10 +866,27 @@ async fn a_revoked_peer_certificate_is_no_peer() {
     assert!(closed >= 1, "the peer's connection was closed");
     until("node-0 to drop node-1", || peers_of(&n0).is_empty()).await;
     // Both keep dialing (node-1 has no list): node-0 must never take node-1 again.
-    for _ in 0..50 {
+    for _ in 0..100 {
         assert!(peers_of(&n0).is_empty(), "a revoked peer was taken again");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Taken back (a list without it), node-0 comes back to node-1 once. The connections node-0
+    // closed right after each handshake meanwhile were no reconnects: node-1 counted (and
+    // logged, "cluster peer reconnected") every one of them, as it counted a connection up at
+    // its handshake, not once the peer spoke on it.
+    ca.ca.write_crl(&crl, &[], 3);
+    let (revoked, _) = n0
+        .control
+        .reload_revocations()
+        .await
+        .expect("reloaded")
+        .expect("a list to reload");
+    assert_eq!(revoked, 0);
+    until("the two to be peers again", || {
+        peers_of(&n0) == node1 && reconnects().is_some()
+    })
+    .await;
+    assert_eq!(reconnects(), Some(before + 1), "refused connections counted");
     stop_all([n0, n1]).await;
 }
 

@@ -187,17 +187,21 @@ async fn reload_on_sighup(
         while hup.recv().await.is_some() {
             match Config::load(&sources) {
                 Ok(config) => {
-                    if config.tls.crl_file.as_deref() != control.crl_file() {
-                        let named = |p: Option<&std::path::Path>| {
-                            p.map_or("none".to_string(), |p| p.display().to_string())
-                        };
-                        error!(
-                            "SIGHUP: tls.crl_file changed ({} -> {}): a new path, or adding or \
-                             removing the file, takes a restart; the lists of the file the \
-                             broker started with stay in force",
-                            named(control.crl_file()),
-                            named(config.tls.crl_file.as_deref())
-                        );
+                    let named = |p: Option<&std::path::Path>| {
+                        p.map_or("none".to_string(), |p| p.display().to_string())
+                    };
+                    for ((key, running), (_, read)) in
+                        control.crl_files().into_iter().zip(config.crl_files())
+                    {
+                        if running != read {
+                            error!(
+                                "SIGHUP: {key} changed ({} -> {}): a new path, or adding or \
+                                 removing the file, takes a restart; the lists of the file the \
+                                 broker started with stay in force",
+                                named(running),
+                                named(read)
+                            );
+                        }
                     }
                     let stale = control.needs_restart(&config);
                     if !stale.is_empty() {
