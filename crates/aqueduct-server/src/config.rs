@@ -1765,7 +1765,10 @@ mod tests {
             new.crl_files(),
             [
                 ("tls.crl_file", Some(Path::new("/etc/aqueduct/crl.pem"))),
-                ("cluster.tls.crl_file", Some(Path::new("/etc/aqueduct/crl.pem")))
+                (
+                    "cluster.tls.crl_file",
+                    Some(Path::new("/etc/aqueduct/crl.pem"))
+                )
             ]
         );
         assert!(

@@ -330,6 +330,7 @@ pub(crate) async fn handle(
     shared: Arc<Shared>,
     shutdown: watch::Receiver<bool>,
     webtransport_only: bool,
+    over_limit: Option<tokio::sync::OwnedSemaphorePermit>,
 ) {
     let conn_id = shared.next_conn_id.fetch_add(1, Ordering::Relaxed);
     let _live = LiveGuard(shared.clone(), conn_id);
@@ -359,6 +360,16 @@ pub(crate) async fn handle(
         Ok(Err(e)) => return failed(e.to_string()),
         Err(_) => return failed("timed out".into()),
     };
+    // Let through beyond transport.max_connections for coming from a peer's address: only a
+    // peer's connection may go on (it stops counting as a connection once the mesh has it).
+    if over_limit.is_some() && alpn.as_deref() != Some(crate::mesh_tls::MESH_ALPN) {
+        shared
+            .stats
+            .connections_refused
+            .fetch_add(1, Ordering::Relaxed);
+        warn!(%remote, "connection refused: transport.max_connections reached");
+        return;
+    }
     // A browser's (with WebTransport on).
     let h3 =
         shared.config.webtransport.enabled && alpn.as_deref() == Some(crate::webtransport::H3_ALPN);

@@ -643,9 +643,58 @@ pub struct MeshHandle {
     /// The broker, to ask whether a group picked here still has a member here (weak: the
     /// broker's listeners hold this handle).
     broker: std::sync::Weak<Broker>,
+    /// The addresses peers' connections come from ([`MeshHandle::is_peer_addr`]).
+    peer_addrs: Arc<std::sync::Mutex<PeerAddrs>>,
+}
+
+/// Where peers' connections come from (a node dials from its own listening socket): the
+/// addresses this node dials (`cluster.peers`, discovery), and those of the peers whose
+/// connections it accepted lately (a peer may have this node as a target without this node
+/// having it as one).
+#[derive(Debug, Default)]
+struct PeerAddrs {
+    targets: std::collections::HashSet<SocketAddr>,
+    /// The latest [`ACCEPTED_ADDRS`], oldest first.
+    accepted: std::collections::VecDeque<SocketAddr>,
+}
+
+/// How many addresses of peers whose connections were accepted are remembered.
+const ACCEPTED_ADDRS: usize = 256;
+
+impl PeerAddrs {
+    fn contains(&self, addr: SocketAddr) -> bool {
+        self.targets.contains(&addr) || self.accepted.contains(&addr)
+    }
+
+    fn accepted(&mut self, addr: SocketAddr) {
+        if !self.accepted.contains(&addr) {
+            if self.accepted.len() >= ACCEPTED_ADDRS {
+                self.accepted.pop_front();
+            }
+            self.accepted.push_back(addr);
+        }
+    }
 }
 
 impl MeshHandle {
+    /// Whether a connection from `addr` is likely a peer's: the address of a peer this node
+    /// dials, or of one whose connection it accepted lately. The broker lets such connections
+    /// through its handshake when it is at `transport.max_connections`, which counts clients
+    /// (a node full of clients refused its peers, and two such nodes stayed apart); whether it
+    /// is a peer's is checked once its handshake is done, as for any other.
+    pub fn is_peer_addr(&self, addr: SocketAddr) -> bool {
+        let addr = crate::connection::canonical(addr);
+        self.peer_addrs
+            .lock()
+            .is_ok_and(|addrs| addrs.contains(addr))
+    }
+
+    fn note_peer_addrs(&self, note: impl FnOnce(&mut PeerAddrs)) {
+        if let Ok(mut addrs) = self.peer_addrs.lock() {
+            note(&mut addrs);
+        }
+    }
+
     pub fn send(&self, event: Event) {
         // The driver is gone only at shutdown.
         let _ = self.tx.send(event);
@@ -983,6 +1032,7 @@ pub(crate) fn new(
         refused_by_peer: Arc::new(AtomicU64::new(0)),
         protocol_errors: Arc::new(AtomicU64::new(0)),
         broker: Arc::downgrade(&broker),
+        peer_addrs: Arc::default(),
     };
     let out = (
         Driver {
@@ -1148,6 +1198,8 @@ impl Driver {
                         let what = format!("cluster peer {node} opened more than {MAX_CONNECTIONS_PER_PEER} mesh connections at once: closing the new one");
                         log_refusal(&mut refusals_warned, &node, Refusal::Connections, now, what);
                     } else {
+                        let from = crate::connection::canonical(conn.remote_address());
+                        self.handle.note_peer_addrs(|a| a.accepted(from));
                         let id = adopt(conn, &node, &mut conns, &mut tasks);
                         live.insert(id, node.clone());
                         self.mesh.handle_connected(now, id, node, None, false);
@@ -1286,6 +1338,12 @@ impl Driver {
                 Some(Event::PeerRetired { conn }) => self.mesh.handle_peer_retired(conn),
                 Some(Event::Local { key, delta }) => self.mesh.handle_local(key, delta),
                 Some(Event::Peers(addrs)) => {
+                    self.handle.note_peer_addrs(|a| {
+                        a.targets = addrs
+                            .iter()
+                            .map(|&a| crate::connection::canonical(a))
+                            .collect();
+                    });
                     dial_warned.retain(|a| addrs.contains(a));
                     self.mesh.handle_peer_set(now, addrs);
                 }
@@ -2916,6 +2974,7 @@ mod tests {
             refused_by_peer: Arc::default(),
             protocol_errors: Arc::default(),
             broker: std::sync::Weak::new(),
+            peer_addrs: Arc::default(),
         };
         (handle, queues)
     }

@@ -59,6 +59,11 @@ impl From<aqueduct_log::LogError> for ServerError {
     }
 }
 
+/// How many handshakes of connections from peers' addresses may run at once beyond
+/// `transport.max_connections` (a peer keeps at most 8 connections to a node; a few peers
+/// reconnecting at once after a blip).
+pub(crate) const PEER_HANDSHAKES: usize = 32;
+
 /// What every connection task shares.
 #[derive(Debug)]
 pub(crate) struct Shared {
@@ -76,6 +81,9 @@ pub(crate) struct Shared {
     /// when the ACL changes. Locked on connect, disconnect and admin calls only.
     pub clients: Mutex<HashMap<u64, Arc<ConnState>>>,
     pub next_conn_id: AtomicU64,
+    /// Handshakes of peers' connections let through while the broker is at
+    /// `transport.max_connections` (at most [`PEER_HANDSHAKES`] at once).
+    pub peer_handshakes: Arc<tokio::sync::Semaphore>,
     /// Origin of the quota clock.
     pub epoch: Instant,
     /// The QUIC address actually bound.
@@ -498,6 +506,7 @@ impl Server {
                 access: Arc::new(access),
                 clients: Mutex::new(HashMap::new()),
                 next_conn_id: AtomicU64::new(1),
+                peer_handshakes: Arc::new(tokio::sync::Semaphore::new(PEER_HANDSHAKES)),
                 epoch: Instant::now(),
                 local_addr,
                 mesh,
@@ -673,7 +682,20 @@ impl Server {
                 Some(_) = connections.join_next(), if !connections.is_empty() => continue,
             };
             let live = shared.connections.fetch_add(1, Ordering::AcqRel);
+            let mut over_limit = None;
             if live >= shared.config.transport.max_connections {
+                // A peer's connection (known by its address until its handshake says) is let
+                // through, a few at a time: the limit is the clients'. Refused, a node full
+                // of clients stayed apart from its peers.
+                let peer = shared
+                    .mesh
+                    .as_ref()
+                    .is_some_and(|m| m.is_peer_addr(incoming.remote_address()));
+                over_limit = peer
+                    .then(|| shared.peer_handshakes.clone().try_acquire_owned().ok())
+                    .flatten();
+            }
+            if live >= shared.config.transport.max_connections && over_limit.is_none() {
                 shared.connections.fetch_sub(1, Ordering::AcqRel);
                 shared
                     .stats
@@ -688,6 +710,7 @@ impl Server {
                 shared.clone(),
                 stop_rx.clone(),
                 webtransport_only,
+                over_limit,
             ));
         }
         info!(

@@ -886,7 +886,11 @@ async fn a_revoked_peer_certificate_is_no_peer() {
         peers_of(&n0) == node1 && reconnects().is_some()
     })
     .await;
-    assert_eq!(reconnects(), Some(before + 1), "refused connections counted");
+    assert_eq!(
+        reconnects(),
+        Some(before + 1),
+        "refused connections counted"
+    );
     stop_all([n0, n1]).await;
 }
 
@@ -916,6 +920,37 @@ async fn a_cluster_revocation_list_of_another_ca_stops_startup() {
             file.display()
         );
     }
+}
+
+/// `transport.max_connections` counts clients: two nodes each at the limit still take each
+/// other's mesh connections (from a peer's address, a few handshakes at a time), while a
+/// further client is refused as before. Each refused the other's: a loaded cluster, once its
+/// links dropped, stayed apart until clients left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_full_of_clients_still_take_their_peers() {
+    let ca = ClusterCa::new();
+    let full = |name: &str| {
+        let cluster = ca.node(name, None);
+        TestBroker::start_with(move |c| {
+            c.cluster = cluster;
+            c.transport.max_connections = 1;
+        })
+    };
+    let (a, b) = (full("node-a").await, full("node-b").await);
+    let (client_a, client_b) = (a.client().await, b.client().await);
+    // Each is at its limit: another client is refused.
+    let refused = aqueduct_client::Client::connect(a.options()).await;
+    assert!(refused.is_err(), "a second client was let in");
+    a.control.set_cluster_peers(vec![b.addr]);
+    b.control.set_cluster_peers(vec![a.addr]);
+    until("the full nodes to take each other as peers", || {
+        peers_of(&a) == BTreeSet::from(["node-b".to_string()])
+            && peers_of(&b) == BTreeSet::from(["node-a".to_string()])
+    })
+    .await;
+    client_a.close().await.expect("closed");
+    client_b.close().await.expect("closed");
+    stop_all([a, b]).await;
 }
 
 /// A client certificate of the cluster's own CA (no `aqueduct-mesh` name) is no peer either.
