@@ -209,6 +209,15 @@ impl ClusterSection {
                 other => other,
             })?;
             let own = !self.tls.cert_file.trim().is_empty();
+            if !own && !self.tls.key_file.trim().is_empty() {
+                // It would be ignored for tls.key_file, with tls.cert_file's certificate.
+                return Err(invalid(
+                    "cluster.tls.key_file",
+                    "is set but cluster.tls.cert_file is not: give both (this node's peer \
+                     certificate and its key), or neither to use tls.cert_file and tls.key_file",
+                ));
+            }
+            // The keys named are those read: cluster.tls.*, or tls.* in their place.
             let (cert_key, cert, key_key, key) = if own {
                 (
                     "cluster.tls.cert_file",
@@ -220,7 +229,7 @@ impl ClusterSection {
                 (
                     "cluster.tls.cert_file",
                     &tls.cert_file,
-                    "cluster.tls.key_file",
+                    "tls.key_file",
                     &tls.key_file,
                 )
             };
@@ -301,6 +310,34 @@ mod tests {
             ..d()
         };
         assert_eq!(key(on), "cluster.tls.ca_file");
+        // The key named is the one read: without cluster.tls.cert_file, tls.key_file (it
+        // named cluster.tls.key_file); and a cluster.tls.key_file alone is refused (it was
+        // ignored for tls.key_file).
+        let dir = std::env::temp_dir();
+        let file = std::env::current_exe().expect("a file that exists");
+        let file = file.to_str().expect("utf-8");
+        let with_tls = |cluster: ClusterSection, tls: &crate::config::TlsSection| match cluster
+            .validate(tls)
+        {
+            Err(ConfigError::Invalid { key, .. }) => key,
+            other => panic!("{other:?}"),
+        };
+        let enabled = |key_file: &str| {
+            let mut s = ClusterSection {
+                enabled: true,
+                ..d()
+            };
+            s.tls.ca_file = file.into();
+            s.tls.key_file = key_file.into();
+            s
+        };
+        let tls = crate::config::TlsSection {
+            cert_file: file.into(),
+            key_file: dir.join("no-such-key.pem").display().to_string(),
+            ..Default::default()
+        };
+        assert_eq!(with_tls(enabled(""), &tls), "tls.key_file");
+        assert_eq!(with_tls(enabled(file), &tls), "cluster.tls.key_file");
     }
 
     #[test]

@@ -1450,6 +1450,17 @@ impl Driver {
             link.conn.close(0u32.into(), SHUTTING_DOWN);
         }
         tasks.shutdown().await;
+        // What is still queued was never written: copies queued after their connection's
+        // writer finished for the leave (a peer's group copy that arrived while this node was
+        // leaving, its group's last member here gone, and was handed to a third node), or that
+        // a peer that did not confirm the leave never took. Counted, not dropped unsaid.
+        let unsent = discard_all(&node_queues, &self.handle.discarded);
+        if unsent > 0 {
+            warn!(
+                copies = unsent,
+                "cluster mesh stopped with copies for peers not sent (aqueduct_mesh_discarded_total)"
+            );
+        }
         info!("cluster mesh stopped");
     }
 
@@ -1651,6 +1662,13 @@ impl Drop for DoneReading<'_> {
     }
 }
 
+/// Discard every queue's copies, counting them in `discarded`; how many there were.
+fn discard_all(queues: &HashMap<NodeId, Arc<PeerQueue>>, discarded: &AtomicU64) -> u64 {
+    let n: u64 = queues.values().map(|q| q.discard() as u64).sum();
+    discarded.fetch_add(n, Ordering::Relaxed);
+    n
+}
+
 /// The peer's first control message on `conn` (its snapshot, which opens every connection):
 /// the peer took the connection. Said as "cluster peer connected", or "reconnected" (and
 /// counted) if it was connected before, unless another connection to it already spoke (a
@@ -1680,11 +1698,19 @@ fn first_word(
             info!(peer = %node, reconnects = *count, "cluster peer reconnected");
         }
         None => {
+            // Bounded: past REMEMBERED_PEERS node ids (ids churning with autoscaled pods), only
+            // those of connected peers are kept.
+            if reconnects.len() >= REMEMBERED_PEERS {
+                reconnects.retain(|n, _| conns.values().any(|l| &l.node == n));
+            }
             reconnects.insert(node.clone(), 0);
             info!(peer = %node, "cluster peer connected");
         }
     }
 }
+
+/// How many peers' reconnect counts are kept beyond the connected ones'.
+const REMEMBERED_PEERS: usize = 4096;
 
 /// Dial `addr` as a mesh peer: the peer certificate must name `aqueduct-mesh` and chain to the
 /// cluster CA; its CN is the peer's node id.
@@ -2625,6 +2651,21 @@ fn log_refusal(
 
 #[cfg(test)]
 mod tests {
+
+    /// What is still queued for peers when the mesh stops is counted as discarded, and what
+    /// comes after is refused (counted by whoever pushed it): copies re-routed while the node
+    /// was leaving sat in queues whose writers had finished, and went unsaid.
+    #[test]
+    fn copies_left_in_queues_when_the_mesh_stops_are_counted() {
+        let q = Arc::new(PeerQueue::new(16));
+        assert!(q.push(Bytes::from_static(b"one"), None));
+        assert!(q.push(Bytes::from_static(b"two"), None));
+        let queues = HashMap::from([(NodeId::try_from("c").expect("id"), q.clone())]);
+        let discarded = AtomicU64::new(3);
+        assert_eq!(discard_all(&queues, &discarded), 2);
+        assert_eq!(discarded.load(Ordering::Relaxed), 5);
+        assert!(!q.push(Bytes::from_static(b"late"), None));
+    }
 
     /// A link this node dials asks the peer for fewer ACKs as the broker's own connections do
     /// (`transport.ack_eliciting_threshold`, `transport.ack_delay`), and nothing at threshold 1;
