@@ -1516,10 +1516,13 @@ impl RawConfig {
                 "required when tls.require_client_cert is true",
             ));
         }
-        if tls.crl_file.is_some() && tls.client_ca_file.is_none() {
+        // The admin API's own CA (admin.client_ca_file) is the other one the lists can serve.
+        let admin_ca = self.admin.enabled && !self.admin.client_ca_file.trim().is_empty();
+        if tls.crl_file.is_some() && tls.client_ca_file.is_none() && !admin_ca {
             return Err(invalid(
                 "tls.crl_file",
-                "needs tls.client_ca_file: the lists revoke client certificates of that CA",
+                "needs tls.client_ca_file (or, for the admin API alone, admin.client_ca_file): \
+                 the lists revoke client certificates of those CAs",
             ));
         }
         let batch_size = range("broker.batch_size", b.batch_size, 1, 16 << 20)? as usize;

@@ -120,14 +120,21 @@ impl ClientVerifier {
                 covered[at] = true;
             }
         }
-        if !self.allow_unknown {
-            if let Some(at) = covered.iter().position(|c| !c) {
+        if let Some(at) = covered.iter().position(|c| !c) {
+            if !self.allow_unknown {
                 return Err(bad(format!(
                     "no revocation list of {}, a CA in {}: its client certificates could not be checked (each would be refused)",
                     cas[at].subject(),
                     self.ca_key
                 )));
             }
+            tracing::warn!(
+                "{} has no revocation list of {}, a CA in {}: its certificates are not checked \
+                 for revocation (add that CA's list to the file to check them)",
+                lists.key,
+                cas[at].subject(),
+                self.ca_key
+            );
         }
         build(
             &self.roots,
@@ -135,6 +142,13 @@ impl ClientVerifier {
             self.allow_unknown,
             Some((lists.key, lists.crls.clone())),
         )
+    }
+
+    /// Whether `issuer` is one of this verifier's CAs.
+    fn has_ca(&self, issuer: &x509_parser::x509::X509Name<'_>) -> bool {
+        self.cas.iter().any(|der| {
+            x509_parser::parse_x509_certificate(der).is_ok_and(|(_, ca)| ca.subject() == issuer)
+        })
     }
 
     /// Put a verifier made by [`prepare`](Self::prepare) in force.
@@ -198,6 +212,35 @@ fn build(
     builder
         .build()
         .map_err(|e| TlsError::Rustls(format!("{key}: {e}")))
+}
+
+/// Every list in `lists` is of a CA of one of `verifiers` (those that use the file): a list of
+/// another CA would revoke nothing, and is refused as [`ClientVerifier::prepare`] refuses a list
+/// that cannot be read.
+pub(crate) fn all_claimed(
+    lists: &Lists,
+    verifiers: &[Option<&ClientVerifier>],
+) -> Result<(), TlsError> {
+    for (i, der) in lists.crls.iter().enumerate() {
+        let Ok((_, crl)) = x509_parser::parse_x509_crl(der) else {
+            continue; // prepare says what is wrong with it
+        };
+        if !verifiers.iter().flatten().any(|v| v.has_ca(crl.issuer())) {
+            let cas: Vec<&str> = verifiers.iter().flatten().map(|v| v.ca_key).collect();
+            return Err(TlsError::Pem {
+                key: lists.key,
+                path: lists.path.clone(),
+                reason: format!(
+                    "list {} is of {}, a CA in none of {}: it would revoke nothing (a list of \
+                     an old CA?)",
+                    i + 1,
+                    crl.issuer(),
+                    cas.join(" and ")
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The revocation lists of a file (`tls.crl_file`, `cluster.tls.crl_file`), as read.

@@ -312,18 +312,24 @@ impl Server {
             )?)),
             None => None,
         };
-        // The admin API's: the same lists; a certificate of an admin CA they do not cover
-        // passes (the lists are the clients' CA's unless they include the admin CA's).
+        // The admin API's: the same lists. With a clients' CA of another name, a certificate
+        // of an admin CA they do not cover passes (the lists may be the clients' CA's alone;
+        // a warning says so); with none, the lists are the admin CA's, and must cover it.
         let admin_certs = match &config.admin {
             Some(a) => Some(Arc::new(ClientVerifier::new(
                 "admin.client_ca_file",
                 &a.client_ca_file,
                 false,
                 (crate::revocation::CRL_KEY, config.tls.crl_file.as_deref()),
-                config.tls.client_ca_file.as_ref() != Some(&a.client_ca_file),
+                config
+                    .tls
+                    .client_ca_file
+                    .as_ref()
+                    .is_some_and(|c| c != &a.client_ca_file),
             )?)),
             None => None,
         };
+
         let mesh_tls = match config.cluster.enabled {
             true => Some(Arc::new(crate::mesh_tls::MeshTls::load(
                 &config.cluster,
@@ -332,6 +338,20 @@ impl Server {
             )?)),
             false => None,
         };
+        // Every list in tls.crl_file must be of one of those CAs (or the cluster's, when one
+        // file serves both keys): one of another would revoke nothing (an old admin CA's, say),
+        // unsaid.
+        if let Some(path) = &config.tls.crl_file {
+            let lists = crate::revocation::Lists::read(crate::revocation::CRL_KEY, path)?;
+            crate::revocation::all_claimed(
+                &lists,
+                &[
+                    client_certs.as_deref(),
+                    admin_certs.as_deref(),
+                    mesh_tls.as_deref().map(|m| m.peer_certs().as_ref()),
+                ],
+            )?;
+        }
         // Browsers get a short-lived certificate of their own while the broker's is generated.
         let browser_certs = match config.webtransport.enabled && identity.is_generated() {
             true => {
@@ -914,6 +934,15 @@ impl Control {
             let mut verifiers: Vec<(&Arc<ClientVerifier>, Lists)> = Vec::new();
             if let Some(path) = &shared.config.tls.crl_file {
                 let lists = Lists::read(CRL_KEY, path).map_err(|e| e.to_string())?;
+                crate::revocation::all_claimed(
+                    &lists,
+                    &[
+                        shared.client_certs.as_deref(),
+                        shared.admin_certs.as_deref(),
+                        shared.mesh_tls.as_deref().map(|m| m.peer_certs().as_ref()),
+                    ],
+                )
+                .map_err(|e| e.to_string())?;
                 for v in [&shared.client_certs, &shared.admin_certs]
                     .into_iter()
                     .flatten()

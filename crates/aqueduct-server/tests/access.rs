@@ -1768,7 +1768,7 @@ async fn a_certificate_with_two_common_names_is_refused() {
 /// (PERMISSION_DENIED), not served for as long as the connection lives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_admin_certificate_is_refused_on_a_live_connection_too() {
-    a_revoked_admin_certificate_is_refused(false).await;
+    a_revoked_admin_certificate_is_refused(false, true).await;
 }
 
 /// The same with an admin CA of its own (`admin.client_ca_file`, as admin-api.md suggests):
@@ -1777,10 +1777,62 @@ async fn a_revoked_admin_certificate_is_refused_on_a_live_connection_too() {
 /// admin certificate of that CA could not be revoked at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admin_certificate_of_an_admin_ca_of_its_own_can_be_revoked() {
-    a_revoked_admin_certificate_is_refused(true).await;
+    a_revoked_admin_certificate_is_refused(true, true).await;
 }
 
-async fn a_revoked_admin_certificate_is_refused(own_ca: bool) {
+/// An admin CA with no clients' CA at all (clients anonymous): its list in `tls.crl_file` is
+/// taken (the configuration refused the file without `tls.client_ca_file`), and must cover it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_ca_alone_can_have_its_certificates_revoked() {
+    a_revoked_admin_certificate_is_refused(true, false).await;
+}
+
+/// A list in `tls.crl_file` of a CA that neither the clients' nor the admin API's CA file
+/// holds (an old admin CA's) would revoke nothing: it stops startup and is refused by a
+/// reload, naming the list. It was taken without a word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revocation_list_of_no_ca_in_use_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let clients_ca = test_ca();
+    let clients_ca_file = clients_ca.write(dir.path());
+    let old_ca = test_ca_named("Aqueduct old admin CA");
+    let ours = dir.path().join("clients-crl.pem");
+    clients_ca.write_crl(&ours, &[], 1);
+    let theirs = dir.path().join("old-crl.pem");
+    old_ca.write_crl(&theirs, &[], 1);
+    let both = dir.path().join("crl.pem");
+    let mut text = std::fs::read(&ours).expect("ours");
+    text.extend(std::fs::read(&theirs).expect("theirs"));
+    std::fs::write(&both, &text).expect("write");
+    let config = |crl: &PathBuf| {
+        let mut c = aqueduct_server::Config::for_tests(dir.path().join("dev-cert.pem"));
+        c.tls.client_ca_file = Some(clients_ca_file.clone());
+        c.tls.crl_file = Some(crl.clone());
+        c
+    };
+    let e = match aqueduct_server::Server::bind(config(&both)).await {
+        Ok(_) => panic!("started with a list of no CA in use"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("tls.crl_file") && e.contains("list 2") && e.contains("a CA in none of"),
+        "{e}"
+    );
+    // Started with its own list; a reload that brings the other is refused whole.
+    let live = dir.path().join("live-crl.pem");
+    std::fs::copy(&ours, &live).expect("copy");
+    let b = TestBroker::start_with(|c| *c = config(&live)).await;
+    std::fs::write(&live, &text).expect("write");
+    let e = b
+        .control
+        .reload_revocations()
+        .await
+        .expect_err("a list of no CA in use");
+    assert!(e.contains("a CA in none of"), "{e}");
+    b.stop().await.expect("clean shutdown");
+}
+
+async fn a_revoked_admin_certificate_is_refused(own_ca: bool, with_clients_ca: bool) {
     let dir = tempfile::tempdir().expect("tempdir");
     let clients_ca = test_ca();
     let clients_ca_file = clients_ca.write(dir.path());
@@ -1793,7 +1845,7 @@ async fn a_revoked_admin_certificate_is_refused(own_ca: bool) {
     // One file: the admin CA's list, and the clients' CA's when that is another CA.
     let write_lists = |revoked: &[&PathBuf], number: u64| {
         ca.write_crl(&crl_file, revoked, number);
-        if own_ca {
+        if own_ca && with_clients_ca {
             let clients_list = dir.path().join("clients-crl.pem");
             clients_ca.write_crl(&clients_list, &[], number);
             let mut both = std::fs::read(&crl_file).expect("admin list");
@@ -1804,7 +1856,7 @@ async fn a_revoked_admin_certificate_is_refused(own_ca: bool) {
     write_lists(&[], 1);
     let state_file = dir.path().join("admin-state.json");
     let b = TestBroker::start_with(|c| {
-        c.tls.client_ca_file = Some(clients_ca_file.clone());
+        c.tls.client_ca_file = with_clients_ca.then(|| clients_ca_file.clone());
         c.tls.crl_file = Some(crl_file.clone());
         c.admin = Some(AdminConfig {
             listen_addr: "127.0.0.1:0".parse().expect("addr"),

@@ -31,6 +31,27 @@ fn load(
     })
 }
 
+/// `tls.crl_file` with the admin API's own CA and no clients' CA: taken (it was refused as
+/// needing `tls.client_ca_file`, so an admin certificate could not be revoked).
+#[test]
+fn a_revocation_list_for_the_admin_ca_alone_is_taken() {
+    let dir = tempfile::tempdir().expect("dir");
+    let file = dir.path().join("a.pem");
+    std::fs::write(&file, "x").expect("write");
+    let f = file.display();
+    let yaml = dir.path().join("config.yaml");
+    std::fs::write(
+        &yaml,
+        format!(
+            "tls:\n  crl_file: {f}\nadmin:\n  enabled: true\n  client_ca_file: {f}\n  \
+             state_file: {f}.state\n"
+        ),
+    )
+    .expect("write");
+    let c = load(Some(yaml), vec![], Overrides::default()).expect("taken");
+    assert_eq!(c.tls.crl_file.as_deref(), Some(file.as_path()));
+}
+
 #[test]
 fn defaults_without_any_source() {
     let c = load(None, vec![], Overrides::default()).expect("defaults");
@@ -336,7 +357,7 @@ fn errors_name_the_key_and_the_problem() {
         (
             Some("tls:\n  crl_file: /etc/hostname\n"),
             &[],
-            "tls.crl_file: needs tls.client_ca_file",
+            "tls.crl_file: needs tls.client_ca_file (or, for the admin API alone, admin.client_ca_file)",
         ),
         (
             None,
