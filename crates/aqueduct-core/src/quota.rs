@@ -43,6 +43,9 @@ pub struct Bucket {
     burst: AtomicU64,
     /// When the bucket will be full again (GCRA's theoretical arrival time), in ns.
     tat: AtomicU64,
+    /// The latest clock reading a take brought: [`set`](Self::set), which has no clock,
+    /// measures the time owed from it.
+    seen: AtomicU64,
     /// Time publishers spent held back (throttle), ns; messages refused (reject).
     throttled_ns: AtomicU64,
     rejected: AtomicU64,
@@ -55,6 +58,7 @@ impl Bucket {
             rate: AtomicU64::new(spec.rate),
             burst: AtomicU64::new(spec.burst.max(1)),
             tat: AtomicU64::new(0),
+            seen: AtomicU64::new(0),
             throttled_ns: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
         }
@@ -80,9 +84,12 @@ impl Bucket {
     }
 
     /// Change the rate and burst, at once for every holder. A raised quota (rate and burst
-    /// both at least as high, one of them higher; or unlimited) forgives the debt run up under the old one, so it
-    /// is felt immediately. A lowered one keeps it: the time a throttled client owes stays
-    /// owed, or its held publishers would all go at once, with a fresh burst on top.
+    /// both at least as high, one of them higher; or unlimited) forgives the debt run up under
+    /// the old one, so it is felt immediately. A higher rate with a smaller burst keeps the
+    /// messages owed, paid at the new rate (the time owed at the old rate held a client
+    /// whose rate went from 10/s to 100,000/s for the 100 s its 1,000 messages had cost). A
+    /// lower rate keeps the time owed: the client's held publishers would otherwise all go at
+    /// once, with a fresh burst on top.
     pub fn set(&self, spec: QuotaSpec) {
         let old = self.spec();
         let burst = spec.burst.max(1);
@@ -91,11 +98,22 @@ impl Bucket {
                 && spec.rate >= old.rate
                 && burst >= old.burst
                 && (spec.rate > old.rate || burst > old.burst));
-        self.interval.store(spec.interval_ns(), Ordering::Relaxed);
+        let faster = old.rate != 0 && spec.rate > old.rate;
+        let (old_interval, new_interval) = (old.interval_ns(), spec.interval_ns());
+        self.interval.store(new_interval, Ordering::Relaxed);
         self.rate.store(spec.rate, Ordering::Relaxed);
         self.burst.store(spec.burst.max(1), Ordering::Relaxed);
         if raised {
             self.tat.store(0, Ordering::Relaxed);
+        } else if faster && old_interval > 0 {
+            let seen = self.seen.load(Ordering::Relaxed);
+            let _ = self
+                .tat
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
+                    let owed = u128::from(tat.saturating_sub(seen));
+                    let rescaled = owed * u128::from(new_interval) / u128::from(old_interval);
+                    Some(seen.saturating_add(rescaled as u64).min(tat))
+                });
         }
     }
 
@@ -125,6 +143,7 @@ impl Bucket {
         if interval == 0 {
             return (Duration::ZERO, 0);
         }
+        self.seen.store(now_ns, Ordering::Relaxed);
         let cost = interval.saturating_mul(n);
         let prev = self
             .tat
@@ -155,6 +174,7 @@ impl Bucket {
         if interval == 0 {
             return Ok(());
         }
+        self.seen.store(now_ns, Ordering::Relaxed);
         let cost = interval.saturating_mul(n);
         let allowance = interval.saturating_mul(self.burst.load(Ordering::Relaxed));
         self.tat
@@ -427,6 +447,31 @@ mod tests {
                 .collect::<Vec<_>>(),
             ["fast"]
         );
+    }
+
+    /// A faster rate with a smaller burst: the messages owed are paid at the new rate, not the
+    /// time they cost at the old one (10/s to 100,000/s held a client 100 s for 1,000 messages).
+    #[test]
+    fn a_faster_rate_with_a_smaller_burst_owes_messages_not_time() {
+        let b = Bucket::new(QuotaSpec {
+            rate: 10,
+            burst: 1000,
+        });
+        let now = 5_000_000_000;
+        b.take(1000, now);
+        b.take(10, now);
+        assert!(
+            b.wait(now) >= Duration::from_millis(900),
+            "{:?}",
+            b.wait(now)
+        );
+        b.set(QuotaSpec {
+            rate: 100_000,
+            burst: 1,
+        });
+        let owed = b.wait(now);
+        assert!(owed <= Duration::from_millis(11), "{owed:?}");
+        assert!(owed >= Duration::from_millis(9), "still owed: {owed:?}");
     }
 
     /// Lowering a throttled client's quota forgave its debt: every publisher it held went at

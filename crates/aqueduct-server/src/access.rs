@@ -13,7 +13,9 @@
 //! API, and rewrites the state file to match (so does a start at which the config file won, so
 //! that reverting the config file later does not bring old API changes back). `acl.enabled` and
 //! `broker.quotas.action` always come from the config file, and are not in the fingerprint:
-//! turning access control on checks the rules staged through the API while it was off.
+//! turning access control on at a restart checks the rules staged through the API while it was
+//! off (a SIGHUP that turns it on makes the file's rules live, replacing them, as it replaces
+//! every API change).
 
 use std::collections::BTreeMap;
 use std::io::Write;

@@ -252,25 +252,52 @@ pub struct Lists {
     crls: Vec<CertificateRevocationListDer<'static>>,
     /// How many certificates they revoke.
     pub revoked: usize,
+    /// The lists past their `nextUpdate` (still used: an expired list is not enforced, see
+    /// docs/architecture.md), described for a warning.
+    pub expired: Vec<String>,
 }
 
 impl Lists {
-    /// The lists in `path` (PEM `X509 CRL` blocks, or one DER list). Each is parsed here, so a
-    /// damaged file is reported at startup (or by the reload) naming the key, not at a
-    /// client's handshake.
     /// The key the file is named by.
     pub fn key(&self) -> &'static str {
         self.key
     }
 
+    /// The lists in `path` (PEM `X509 CRL` blocks, or one DER list). Each is parsed here, so a
+    /// damaged file is reported at startup (or by the reload) naming the key, not at a
+    /// client's handshake.
     pub fn read(key: &'static str, path: &Path) -> Result<Lists, TlsError> {
         let (crls, revoked) = read_crls(key, path)?;
+        let now = x509_parser::time::ASN1Time::now();
+        let expired = crls
+            .iter()
+            .enumerate()
+            .filter_map(|(i, der)| {
+                let (_, crl) = x509_parser::parse_x509_crl(der).ok()?;
+                let due = crl.next_update().filter(|due| *due < now)?;
+                Some(format!("list {} of {} (due {})", i + 1, crl.issuer(), due))
+            })
+            .collect();
         Ok(Lists {
             key,
             path: path.to_owned(),
             crls,
             revoked,
+            expired,
         })
+    }
+
+    /// Say which lists are past their `nextUpdate` (at startup and at each reload): they are
+    /// still used, but a CA that stopped publishing new ones goes unnoticed otherwise.
+    pub fn warn_expired(&self) {
+        if !self.expired.is_empty() {
+            tracing::warn!(
+                "{}: {} past its next update; still used, but renew it (`aqueduct cert revoke \
+                 --out DIR` re-signs this CA's list)",
+                self.key,
+                self.expired.join(", ")
+            );
+        }
     }
 }
 
@@ -350,5 +377,49 @@ impl ClientCertVerifier for ClientVerifier {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.current().supported_verify_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A list past its `nextUpdate` is still read (and used), and named for a warning: an
+    /// expired list went unnoticed.
+    #[test]
+    fn lists_past_their_next_update_are_named() {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::CrlSign,
+            rcgen::KeyUsagePurpose::KeyCertSign,
+        ];
+        let issuer = rcgen::Issuer::new(params, key);
+        let crl = |next_update| {
+            rcgen::CertificateRevocationListParams {
+                this_update: rcgen::date_time_ymd(2020, 1, 1),
+                next_update,
+                crl_number: rcgen::SerialNumber::from(1u64),
+                issuing_distribution_point: None,
+                revoked_certs: Vec::new(),
+                key_identifier_method: rcgen::KeyIdMethod::Sha256,
+            }
+            .signed_by(&issuer)
+            .expect("signed")
+            .pem()
+            .expect("pem")
+        };
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("crl.pem");
+        let text = crl(rcgen::date_time_ymd(2100, 1, 1)) + &crl(rcgen::date_time_ymd(2021, 1, 1));
+        std::fs::write(&path, text).expect("write");
+        let lists = Lists::read(CRL_KEY, &path).expect("read");
+        assert_eq!(lists.expired.len(), 1, "{:?}", lists.expired);
+        assert!(
+            lists.expired[0].starts_with("list 2 of "),
+            "{:?}",
+            lists.expired
+        );
     }
 }

@@ -341,8 +341,12 @@ impl Server {
         // Every list in tls.crl_file must be of one of those CAs (or the cluster's, when one
         // file serves both keys): one of another would revoke nothing (an old admin CA's, say),
         // unsaid.
+        if let (Some(path), true) = (&config.cluster.crl_file, mesh_tls.is_some()) {
+            crate::revocation::Lists::read(crate::revocation::MESH_CRL_KEY, path)?.warn_expired();
+        }
         if let Some(path) = &config.tls.crl_file {
             let lists = crate::revocation::Lists::read(crate::revocation::CRL_KEY, path)?;
+            lists.warn_expired();
             crate::revocation::all_claimed(
                 &lists,
                 &[
@@ -934,6 +938,7 @@ impl Control {
             let mut verifiers: Vec<(&Arc<ClientVerifier>, Lists)> = Vec::new();
             if let Some(path) = &shared.config.tls.crl_file {
                 let lists = Lists::read(CRL_KEY, path).map_err(|e| e.to_string())?;
+                lists.warn_expired();
                 crate::revocation::all_claimed(
                     &lists,
                     &[
@@ -952,6 +957,7 @@ impl Control {
             }
             if let Some((tls, path)) = mesh {
                 let lists = Lists::read(MESH_CRL_KEY, path).map_err(|e| e.to_string())?;
+                lists.warn_expired();
                 verifiers.push((tls.peer_certs(), lists));
             }
             let prepared = verifiers
