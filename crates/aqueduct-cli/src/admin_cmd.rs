@@ -437,27 +437,40 @@ fn read_rules(file: &Path) -> Result<(Vec<proto::AclRule>, Option<String>)> {
         permission: String,
     }
     #[derive(serde::Deserialize)]
-    #[serde(untagged)]
-    enum Doc {
-        List(Vec<Rule>),
-        Section {
-            #[serde(default, alias = "default_permission")]
-            default: Option<String>,
-            rules: Vec<Rule>,
-            #[serde(default)]
-            #[allow(dead_code)]
-            enabled: Option<bool>,
-        },
+    #[serde(deny_unknown_fields)]
+    struct Section {
+        #[serde(default, alias = "default_permission")]
+        default: Option<String>,
+        rules: Vec<Rule>,
+        #[serde(default)]
+        #[allow(dead_code)]
+        enabled: Option<bool>,
     }
-    let doc: Doc = serde_saphyr::from_str(&text).map_err(|e| {
-        anyhow!(
-            "{}: not a list of rules ({{client, topic, permission}}) nor a mapping with `rules:`: {e}",
-            file.display()
-        )
-    })?;
-    let (rules, default) = match doc {
-        Doc::List(r) => (r, None),
-        Doc::Section { default, rules, .. } => (rules, default),
+    // The shape is told by the first line that says anything, so that an error is that shape's
+    // own, naming the field and line (tried both ways, a misspelt `permision` was reported as
+    // "did not match any variant").
+    let list = text
+        .lines()
+        .map(str::trim_start)
+        .find(|l| !l.is_empty() && !l.starts_with('#') && *l != "---")
+        .is_some_and(|l| l.starts_with('-') || l.starts_with('['));
+    let (rules, default) = if list {
+        let rules: Vec<Rule> = serde_saphyr::from_str(&text).map_err(|e| {
+            anyhow!(
+                "{}: a list of rules, each {{client, topic, permission}}: {e}",
+                file.display()
+            )
+        })?;
+        (rules, None)
+    } else {
+        let s: Section = serde_saphyr::from_str(&text).map_err(|e| {
+            anyhow!(
+                "{}: a mapping with `rules:` (a list of {{client, topic, permission}}) and \
+                 perhaps `default:`, or a list of rules: {e}",
+                file.display()
+            )
+        })?;
+        (s.rules, s.default)
     };
     Ok((
         rules
@@ -799,5 +812,20 @@ mod tests {
         assert_eq!(default.as_deref(), Some("subscribe"));
         std::fs::write(&section, "nope: 1\n").expect("write");
         assert!(read_rules(&section).is_err());
+        // A misspelt field is named, in either shape.
+        std::fs::write(
+            &list,
+            "# rules\n- client: a\n  topic: x\n  permision: publish\n",
+        )
+        .expect("write");
+        let e = format!("{:#}", read_rules(&list).expect_err("misspelt"));
+        assert!(e.contains("permision"), "{e}");
+        std::fs::write(
+            &section,
+            "rules:\n  - {client: b, topic: t, permision: all}\n",
+        )
+        .expect("write");
+        let e = format!("{:#}", read_rules(&section).expect_err("misspelt"));
+        assert!(e.contains("permision"), "{e}");
     }
 }

@@ -239,7 +239,14 @@ struct QuotasInner {
     buckets: HashMap<String, Arc<Bucket>>,
     /// Client ids in the order their buckets were made (metric labels stay stable).
     order: Vec<String>,
+    /// The number of buckets at which the idle ones are let go of next.
+    prune_at: usize,
 }
+
+/// Buckets kept before those no connection holds, and that owe nothing, are let go of (client
+/// ids come and go: certificates issued per pod). One that owes is kept, or a client could
+/// shed its debt by reconnecting.
+const KEPT_BUCKETS: usize = 10_000;
 
 impl QuotasInner {
     /// Give every bucket the spec `policy` assigns it (debt kept where nothing changed).
@@ -260,6 +267,7 @@ impl Quotas {
                 policy,
                 buckets: HashMap::new(),
                 order: Vec::new(),
+                prune_at: KEPT_BUCKETS,
             }),
         }
     }
@@ -273,6 +281,16 @@ impl Quotas {
         let mut inner = self.lock();
         if let Some(b) = inner.buckets.get(client) {
             return b.clone();
+        }
+        if inner.buckets.len() >= inner.prune_at {
+            inner.buckets.retain(|_, b| {
+                Arc::strong_count(b) > 1
+                    || b.tat.load(Ordering::Acquire) > b.seen.load(Ordering::Relaxed)
+            });
+            let QuotasInner { buckets, order, .. } = &mut *inner;
+            order.retain(|id| buckets.contains_key(id));
+            // Amortized: the next sweep waits until as many again were made.
+            inner.prune_at = KEPT_BUCKETS.max(2 * inner.buckets.len());
         }
         let bucket = Arc::new(Bucket::new(inner.policy.spec_for(client)));
         inner.buckets.insert(client.to_string(), bucket.clone());
@@ -447,6 +465,29 @@ mod tests {
                 .collect::<Vec<_>>(),
             ["fast"]
         );
+    }
+
+    /// The buckets of clients gone (no connection holds them) that owe nothing are let go of
+    /// once there are many: they were kept for every client id ever seen. Held ones, and ones
+    /// that owe, stay.
+    #[test]
+    fn idle_buckets_of_clients_gone_are_let_go_of() {
+        let q = Quotas::new(QuotaPolicy {
+            default: QuotaSpec { rate: 10, burst: 1 },
+            clients: HashMap::new(),
+        });
+        let held = q.bucket("held");
+        let owing = q.bucket("owing");
+        owing.take(100, 0);
+        drop(owing);
+        for i in 0..KEPT_BUCKETS + 10 {
+            drop(q.bucket(&format!("pod-{i}")));
+        }
+        let ids: Vec<String> = q.buckets().into_iter().map(|(id, _)| id).collect();
+        assert!(ids.len() < KEPT_BUCKETS, "{}", ids.len());
+        assert!(ids.contains(&"held".to_string()));
+        assert!(ids.contains(&"owing".to_string()), "its debt stays");
+        assert!(Arc::ptr_eq(&q.bucket("held"), &held));
     }
 
     /// A faster rate with a smaller burst: the messages owed are paid at the new rate, not the

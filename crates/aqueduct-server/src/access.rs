@@ -215,6 +215,15 @@ pub fn validate(acl: &AclSection, quotas: &QuotasSection) -> Result<AccessConfig
         if id.trim().is_empty() {
             return Err(invalid("broker.quotas.clients", "a client id is empty"));
         }
+        if id.contains('*') {
+            return Err(invalid(
+                "broker.quotas.clients",
+                format!(
+                    "{id:?}: a quota names one client id exactly; `*` patterns are for acl \
+                     rules (set default_publish_rate, or each client's)"
+                ),
+            ));
+        }
         let burst = q.burst_size.unwrap_or(quotas.default_burst_size);
         if burst == 0 {
             return Err(invalid(

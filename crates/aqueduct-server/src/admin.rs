@@ -653,6 +653,13 @@ impl AdminService for AdminApi {
         let caller = self.authorize(&req, "SetClientQuota")?;
         let r = req.into_inner();
         let id = client_id(&r.client_id)?.to_string();
+        if id.contains('*') {
+            // It would apply to a client of exactly that id, that is to nobody.
+            return Err(Status::invalid_argument(format!(
+                "{id:?}: a quota names one client id exactly; `*` patterns are for ACL rules \
+                 (set the default quota, or each client's)"
+            )));
+        }
         if r.burst == Some(0) {
             return Err(Status::invalid_argument("burst must be at least 1"));
         }

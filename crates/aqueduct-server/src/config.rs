@@ -1642,6 +1642,14 @@ impl AalSection {
                  unencrypted",
             ));
         }
+        if key.is_none() && !previous_keys.is_empty() {
+            return Err(invalid(
+                "aal.previous_keys",
+                "are given but aal.key is empty: previous keys read the segments sealed before \
+                 a key change, and new segments are sealed with aal.key; set aal.key to the new \
+                 key",
+            ));
+        }
         let dir =
             aal_dir(&self.file_path, env).ok_or_else(|| invalid("aal.file_path", NO_AAL_DIR))?;
         if dir.is_file() {
@@ -1653,14 +1661,6 @@ impl AalSection {
                      point aal.file_path at a new directory",
                     dir.display()
                 ),
-            ));
-        }
-        if key.is_none() && !previous_keys.is_empty() {
-            return Err(invalid(
-                "aal.previous_keys",
-                "are given but aal.key is empty: previous keys read the segments sealed before \
-                 a key change, and new segments are sealed with aal.key; set aal.key to the new \
-                 key",
             ));
         }
         Ok(Some(AalConfig {

@@ -529,6 +529,17 @@ async fn reject_mode_answers_rate_limited_and_overrides_apply_at_once() {
     );
     // An override through the API applies to the live connection at once.
     let mut admin = s.admin(Some("admin-ops")).await.expect("admin");
+    // A pattern names no client: refused (it was stored, and applied to nobody).
+    let refused = admin
+        .set_client_quota(proto::SetClientQuotaRequest {
+            client_id: "sv*".into(),
+            rate: 1_000_000,
+            burst: Some(1000),
+        })
+        .await
+        .expect_err("a pattern");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    assert!(refused.message().contains("exactly"), "{refused:?}");
     let q = admin
         .set_client_quota(proto::SetClientQuotaRequest {
             client_id: "svc".into(),

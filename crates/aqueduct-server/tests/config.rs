@@ -355,6 +355,11 @@ fn errors_name_the_key_and_the_problem() {
             "tls.client_ca_file: required when tls.require_client_cert is true",
         ),
         (
+            Some("broker:\n  quotas:\n    clients:\n      \"svc-*\":\n        publish_rate: 5\n"),
+            &[],
+            "broker.quotas.clients: \"svc-*\": a quota names one client id exactly",
+        ),
+        (
             Some("tls:\n  crl_file: /etc/hostname\n"),
             &[],
             "tls.crl_file: needs tls.client_ca_file (or, for the admin API alone, admin.client_ca_file)",
