@@ -101,6 +101,7 @@ pub enum AclCommand {
     /// permission}, or the config file's acl section with `rules:` and `default:`, or what
     /// `admin --json acl list` prints; `-` reads standard input).
     Replace {
+        /// The rules file (YAML or JSON), or `-` for standard input.
         file: PathBuf,
         /// Also set the default permission.
         #[arg(long)]

@@ -156,7 +156,7 @@ enum Command {
     /// Make certificates for mutual TLS: a CA, a broker certificate, client certificates
     /// (X.509 v3, ECDSA P-256; the CA valid ten years, what it signs one year). Needs no broker.
     #[command(
-        after_help = "Examples:\n  aqueduct cert ca --out certs\n  aqueduct cert server --out certs --name localhost --name 127.0.0.1 --name ::1\n  aqueduct cert client alice --out certs\n  aqueduct cert revoke certs/alice.pem --out certs\n  aqueduct cert peer aqueduct-0 --out certs --name aqueduct-0.aqueduct-headless.default.svc.cluster.local"
+        after_help = "Examples:\n  aqueduct cert ca --out certs\n  aqueduct cert server --out certs --name localhost --name 127.0.0.1 --name ::1\n  aqueduct cert client alice --out certs\n  aqueduct cert revoke certs/alice.pem --out certs\n  aqueduct cert peer aqueduct-0 --out certs --name aqueduct-0.aqueduct-headless.aqueduct.svc.cluster.local"
     )]
     Cert {
         #[command(subcommand)]

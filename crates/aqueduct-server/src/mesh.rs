@@ -1735,6 +1735,11 @@ fn explain_dial_failure(addr: SocketAddr, why: &str) -> String {
          certificate must come from the same CA (`aqueduct cert ca` once, then `aqueduct cert \
          peer NODE` for each node)"
             .to_string()
+    } else if why.contains("extended key usage") {
+        "the certificate there is not a peer certificate (a client or server certificate in \
+         cluster.tls.cert_file, there or, if this address is this node's own, here): make each \
+         node's with `aqueduct cert peer NODE`"
+            .to_string()
     } else if why.contains("NotValidForName") {
         format!(
             "the peer's certificate does not name {MESH_NAME}: it is not a peer certificate \
@@ -2764,6 +2769,13 @@ mod tests {
         );
         let why = explain_dial_failure(addr, "invalid peer certificate: BadSignature");
         assert!(why.contains("same CA"), "{why}");
+        // A client certificate where a peer certificate belongs (rustls's words for it).
+        let why = explain_dial_failure(
+            addr,
+            "error 43: invalid peer certificate: certificate does not allow extended key usage \
+             for server authentication, allows client authentication",
+        );
+        assert!(why.contains("aqueduct cert peer NODE"), "{why}");
         assert_eq!(
             explain_dial_failure(addr, "something else"),
             "something else"
