@@ -452,8 +452,12 @@ fn read_rules(file: &Path) -> Result<(Vec<proto::AclRule>, Option<String>)> {
     // "did not match any variant").
     let list = text
         .lines()
-        .map(str::trim_start)
-        .find(|l| !l.is_empty() && !l.starts_with('#') && *l != "---")
+        .map(|l| {
+            // A document marker is no content: what follows it on its line may be.
+            let l = l.trim();
+            l.strip_prefix("---").map_or(l, str::trim_start)
+        })
+        .find(|l| !l.is_empty() && !l.starts_with('#'))
         .is_some_and(|l| l.starts_with('-') || l.starts_with('['));
     let (rules, default) = if list {
         let rules: Vec<Rule> = serde_saphyr::from_str(&text).map_err(|e| {
@@ -823,7 +827,7 @@ mod tests {
         assert!(e.contains("permision"), "{e}");
         std::fs::write(
             &section,
-            "rules:\n  - {client: b, topic: t, permision: all}\n",
+            "--- # the rules\nrules:\n  - {client: b, topic: t, permision: all}\n",
         )
         .expect("write");
         let e = format!("{:#}", read_rules(&section).expect_err("misspelt"));

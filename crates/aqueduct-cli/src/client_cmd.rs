@@ -14,7 +14,7 @@ use aqueduct_client::{
 };
 use bytes::Bytes;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
-use futures_util::{FutureExt, StreamExt};
+use futures_util::StreamExt;
 
 /// Publish and subscribe to an Aqueduct broker.
 ///
@@ -859,6 +859,59 @@ async fn why_the_subscription_ended(client: &Client) -> String {
     }
 }
 
+/// `aqueduct pub`'s messages: MESSAGE `count` times, or each line of standard input as it is
+/// read (with `count` above 1, the lines read first, then sent `count` times), until `stop`
+/// says which signal stopped it. Returns how many it was asked for, when that is known, and
+/// the signal, if one stopped it.
+async fn publish_input(
+    out: &mut Outgoing<'_>,
+    message: &Option<String>,
+    count: u64,
+    mut stop: tokio::sync::watch::Receiver<Option<&'static str>>,
+) -> Result<(Option<u64>, Option<&'static str>)> {
+    let stopped = |stop: &tokio::sync::watch::Receiver<Option<&'static str>>| *stop.borrow();
+    let Some(m) = message else {
+        let mut lines = Vec::new();
+        let mut input = tokio::io::BufReader::new(tokio::io::stdin());
+        loop {
+            // A line cut short by the signal (no line end read yet) is not sent.
+            let line = tokio::select! {
+                biased;
+                signal = stop.wait_for(Option::is_some) => {
+                    return Ok((None, signal.ok().and_then(|s| *s)));
+                }
+                line = read_line(&mut input) => line?,
+            };
+            let Some(line) = line else { break };
+            if count == 1 {
+                out.publish(line).await?;
+            } else {
+                lines.push(line);
+            }
+        }
+        let asked = count.saturating_mul(lines.len() as u64);
+        if count > 1 {
+            for _ in 0..count {
+                for line in &lines {
+                    if let Some(s) = stopped(&stop) {
+                        return Ok((Some(asked), Some(s)));
+                    }
+                    out.publish(line.clone()).await?;
+                }
+            }
+        }
+        return Ok((Some(asked).filter(|_| count > 1), None));
+    };
+    let body = Bytes::from(m.clone());
+    for _ in 0..count {
+        if let Some(s) = stopped(&stop) {
+            return Ok((Some(count), Some(s)));
+        }
+        out.publish(body.clone()).await?;
+    }
+    Ok((Some(count), None))
+}
+
 /// The commands that need a connection to the broker.
 async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
     match &cli.command {
@@ -900,65 +953,34 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             // Ctrl-C/SIGTERM stops publishing between two messages; what was read is flushed
             // and the connection closed, as at the end of the input, and the summary says how
             // many went. Without it, `tail -f app.log | aqueduct pub logs` stopped with Ctrl-C
-            // ended without closing, and the last lines it had read could be lost.
-            let signal = crate::shutdown_signal();
-            tokio::pin!(signal);
-            let mut interrupted = None;
-            // How many messages it was asked for, if that is known (not while streaming lines).
-            let mut asked = None;
-            match message {
-                Some(m) => {
-                    let body = Bytes::from(m.clone());
-                    asked = Some(*count);
-                    for _ in 0..*count {
-                        if let Some(s) = (&mut signal).now_or_never() {
-                            interrupted = Some(s);
-                            break;
-                        }
-                        out.publish(body.clone()).await?;
-                    }
+            // ended without closing, and the last lines it had read could be lost. A second one
+            // while it still waits (a publish held by the broker's quota, the flush) ends the
+            // process at once, as an unhandled one would.
+            let (stopped, stop) = tokio::sync::watch::channel(None);
+            let watcher = async move {
+                let first = crate::shutdown_signal().await;
+                let _ = stopped.send(Some(first));
+                crate::shutdown_signal().await
+            };
+            let publishing = async {
+                let (asked, interrupted) = publish_input(&mut out, message, *count, stop).await?;
+                let sent = out.sent;
+                // Nothing counts as published until the broker has read it: a refused
+                // handshake or a broker that stopped reading is an error here, not a success.
+                client.flush().await?;
+                client.close().await?;
+                anyhow::Ok((sent, asked, interrupted))
+            };
+            let (sent, asked, interrupted) = tokio::select! {
+                r = publishing => r?,
+                again = watcher => {
+                    crate::say!(
+                        "aqueduct: {again} again: exiting without waiting for the broker (what \
+                         was not yet flushed may be lost)"
+                    );
+                    std::process::exit(130)
                 }
-                // One message per line of standard input, each published as it is read (`tail
-                // -f app.log | aqueduct pub logs`); with --count, the lines are read first.
-                None => {
-                    let mut lines = Vec::new();
-                    let mut input = tokio::io::BufReader::new(tokio::io::stdin());
-                    loop {
-                        // A line cut short by the signal (no line end read yet) is not sent.
-                        let line = tokio::select! {
-                            biased;
-                            s = &mut signal => {
-                                interrupted = Some(s);
-                                break;
-                            }
-                            line = read_line(&mut input) => line?,
-                        };
-                        let Some(line) = line else { break };
-                        if *count == 1 {
-                            out.publish(line).await?;
-                        } else {
-                            lines.push(line);
-                        }
-                    }
-                    if *count > 1 && interrupted.is_none() {
-                        asked = Some(count.saturating_mul(lines.len() as u64));
-                        'repeat: for _ in 0..*count {
-                            for line in &lines {
-                                if let Some(s) = (&mut signal).now_or_never() {
-                                    interrupted = Some(s);
-                                    break 'repeat;
-                                }
-                                out.publish(line.clone()).await?;
-                            }
-                        }
-                    }
-                }
-            }
-            let sent = out.sent;
-            // Nothing counts as published until the broker has read it: a refused handshake
-            // or a broker that stopped reading is an error here, not a success.
-            client.flush().await?;
-            client.close().await?;
+            };
             if !*confirm {
                 if *topics > 1 {
                     crate::print_line(&format!(

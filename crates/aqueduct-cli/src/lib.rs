@@ -177,14 +177,17 @@ pub fn log_filter(spec: &str) -> Result<tracing_subscriber::EnvFilter, String> {
     for directive in spec.split(',').map(str::trim) {
         let bare = !directive.contains(['=', '[', ':']);
         let word = directive.to_ascii_lowercase();
-        if bare && !word.is_empty() && !LEVELS.contains(&word.as_str()) {
-            if let Some(level) = LEVELS
+        if bare && word.len() >= 3 && !LEVELS.contains(&word.as_str()) {
+            // The nearest level, one edit (a swap of two letters counting as one) away.
+            let nearest = LEVELS
                 .iter()
-                .find(|l| strsim::levenshtein(l, &word) <= 2 && word.len() >= 3)
-            {
+                .map(|l| (strsim::damerau_levenshtein(l, &word), l))
+                .min();
+            if let Some((1, level)) = nearest {
                 return Err(format!(
                     "{directive:?} is not a level (off, error, warn, info, debug, trace); \
-                     did you mean {level:?}?"
+                     did you mean {level:?}? (to log everything of a target of that name, \
+                     write {directive}=trace)"
                 ));
             }
         }
@@ -244,7 +247,19 @@ mod tests {
         }
         let typo = log_filter("debgu").expect_err("a misspelt level");
         assert!(typo.contains("did you mean \"debug\""), "{typo}");
+        assert!(typo.contains("debgu=trace"), "{typo}");
         assert!(log_filter("info,wran").is_err_and(|e| e.contains("\"warn\"")));
+        assert!(
+            log_filter("inf").is_err_and(|e| e.contains("\"info\"")),
+            "the nearest"
+        );
+        // Two edits away: a target (crates named so exist).
+        for target in ["init", "wasm", "quinn", "rustls"] {
+            assert!(log_filter(target).is_ok(), "{target}");
+        }
+        // One edit away from a level, and a target's name too: the error says how to name it.
+        assert!(log_filter("into").is_err_and(|e| e.contains("write into=trace")));
+        assert!(log_filter("into=trace").is_ok());
         let bad = log_filter("aqueduct_server=loud").expect_err("not a level");
         assert!(bad.contains("TARGET=LEVEL"), "{bad}");
     }

@@ -43,9 +43,6 @@ pub struct Bucket {
     burst: AtomicU64,
     /// When the bucket will be full again (GCRA's theoretical arrival time), in ns.
     tat: AtomicU64,
-    /// The latest clock reading a take brought: [`set`](Self::set), which has no clock,
-    /// measures the time owed from it.
-    seen: AtomicU64,
     /// Time publishers spent held back (throttle), ns; messages refused (reject).
     throttled_ns: AtomicU64,
     rejected: AtomicU64,
@@ -58,7 +55,6 @@ impl Bucket {
             rate: AtomicU64::new(spec.rate),
             burst: AtomicU64::new(spec.burst.max(1)),
             tat: AtomicU64::new(0),
-            seen: AtomicU64::new(0),
             throttled_ns: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
         }
@@ -90,7 +86,8 @@ impl Bucket {
     /// whose rate went from 10/s to 100,000/s for the 100 s its 1,000 messages had cost). A
     /// lower rate keeps the time owed: the client's held publishers would otherwise all go at
     /// once, with a fresh burst on top.
-    pub fn set(&self, spec: QuotaSpec) {
+    /// `now_ns` is the clock the takes use.
+    pub fn set(&self, spec: QuotaSpec, now_ns: u64) {
         let old = self.spec();
         let burst = spec.burst.max(1);
         let raised = spec.rate == 0
@@ -106,13 +103,12 @@ impl Bucket {
         if raised {
             self.tat.store(0, Ordering::Relaxed);
         } else if faster && old_interval > 0 {
-            let seen = self.seen.load(Ordering::Relaxed);
             let _ = self
                 .tat
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
-                    let owed = u128::from(tat.saturating_sub(seen));
+                    let owed = u128::from(tat.saturating_sub(now_ns));
                     let rescaled = owed * u128::from(new_interval) / u128::from(old_interval);
-                    Some(seen.saturating_add(rescaled as u64).min(tat))
+                    Some(now_ns.saturating_add(rescaled as u64).min(tat))
                 });
         }
     }
@@ -143,7 +139,6 @@ impl Bucket {
         if interval == 0 {
             return (Duration::ZERO, 0);
         }
-        self.seen.store(now_ns, Ordering::Relaxed);
         let cost = interval.saturating_mul(n);
         let prev = self
             .tat
@@ -174,7 +169,6 @@ impl Bucket {
         if interval == 0 {
             return Ok(());
         }
-        self.seen.store(now_ns, Ordering::Relaxed);
         let cost = interval.saturating_mul(n);
         let allowance = interval.saturating_mul(self.burst.load(Ordering::Relaxed));
         self.tat
@@ -225,12 +219,20 @@ impl QuotaPolicy {
 }
 
 /// Every client's bucket and the policy they follow. Buckets are shared by all connections of
-/// one client id and kept for the life of the broker (client ids come from certificates, a set
-/// the operator controls), so their counters stay monotonic. Locked only on connect and on a
-/// policy change, never per message.
-#[derive(Debug, Default)]
+/// one client id. Past 10,000 buckets, those no connection holds that owe nothing are let go of
+/// (client ids can churn: certificates issued per pod); their counters start again from zero if
+/// the client comes back. Locked only on connect and on a policy change, never per message.
+#[derive(Debug)]
 pub struct Quotas {
     inner: Mutex<QuotasInner>,
+    /// The origin of the quota clock ([`Quotas::now_ns`]).
+    epoch: std::time::Instant,
+}
+
+impl Default for Quotas {
+    fn default() -> Quotas {
+        Quotas::new(QuotaPolicy::default())
+    }
 }
 
 #[derive(Debug, Default)]
@@ -250,11 +252,11 @@ const KEPT_BUCKETS: usize = 10_000;
 
 impl QuotasInner {
     /// Give every bucket the spec `policy` assigns it (debt kept where nothing changed).
-    fn apply(&mut self) {
+    fn apply(&mut self, now_ns: u64) {
         for (client, bucket) in &self.buckets {
             let spec = self.policy.spec_for(client);
             if bucket.spec() != spec {
-                bucket.set(spec);
+                bucket.set(spec, now_ns);
             }
         }
     }
@@ -269,7 +271,14 @@ impl Quotas {
                 order: Vec::new(),
                 prune_at: KEPT_BUCKETS,
             }),
+            epoch: std::time::Instant::now(),
         }
+    }
+
+    /// The quota clock: nanoseconds since these quotas were made. Takes and policy changes
+    /// read the same clock.
+    pub fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, QuotasInner> {
@@ -283,10 +292,12 @@ impl Quotas {
             return b.clone();
         }
         if inner.buckets.len() >= inner.prune_at {
-            inner.buckets.retain(|_, b| {
-                Arc::strong_count(b) > 1
-                    || b.tat.load(Ordering::Acquire) > b.seen.load(Ordering::Relaxed)
-            });
+            // Full again (GCRA: no time ahead of now), and held by nobody else: a new bucket
+            // for that client would be the same.
+            let now = self.now_ns();
+            inner
+                .buckets
+                .retain(|_, b| Arc::strong_count(b) > 1 || b.tat.load(Ordering::Acquire) > now);
             let QuotasInner { buckets, order, .. } = &mut *inner;
             order.retain(|id| buckets.contains_key(id));
             // Amortized: the next sweep waits until as many again were made.
@@ -307,7 +318,7 @@ impl Quotas {
     pub fn replace(&self, policy: QuotaPolicy) {
         let mut inner = self.lock();
         inner.policy = policy;
-        inner.apply();
+        inner.apply(self.now_ns());
     }
 
     /// Change the policy with `f` and apply it, all under the lock: concurrent updates are
@@ -315,7 +326,7 @@ impl Quotas {
     pub fn update<T>(&self, f: impl FnOnce(&mut QuotaPolicy) -> T) -> T {
         let mut inner = self.lock();
         let out = f(&mut inner.policy);
-        inner.apply();
+        inner.apply(self.now_ns());
         out
     }
 
@@ -372,7 +383,7 @@ mod tests {
         b.take(10, 0);
         let (_, cost) = b.take_costing(2_000, 0);
         b.take(100, 0);
-        b.set(QuotaSpec { rate: 1, burst: 10 });
+        b.set(QuotaSpec { rate: 1, burst: 10 }, 0);
         b.refund(cost);
         assert_eq!(
             b.wait(0),
@@ -478,8 +489,22 @@ mod tests {
         });
         let held = q.bucket("held");
         let owing = q.bucket("owing");
-        owing.take(100, 0);
+        owing.take(100, q.now_ns());
         drop(owing);
+        // One that published and has refilled since (at 10^9/s, a nanosecond later) owes
+        // nothing: let go of like the unused ones.
+        q.update(|p| {
+            p.clients.insert(
+                "refilled".into(),
+                QuotaSpec {
+                    rate: 1_000_000_000,
+                    burst: 1,
+                },
+            )
+        });
+        let refilled = q.bucket("refilled");
+        refilled.take(1, q.now_ns());
+        drop(refilled);
         for i in 0..KEPT_BUCKETS + 10 {
             drop(q.bucket(&format!("pod-{i}")));
         }
@@ -487,6 +512,7 @@ mod tests {
         assert!(ids.len() < KEPT_BUCKETS, "{}", ids.len());
         assert!(ids.contains(&"held".to_string()));
         assert!(ids.contains(&"owing".to_string()), "its debt stays");
+        assert!(!ids.contains(&"refilled".to_string()), "{ids:?}");
         assert!(Arc::ptr_eq(&q.bucket("held"), &held));
     }
 
@@ -506,13 +532,37 @@ mod tests {
             "{:?}",
             b.wait(now)
         );
-        b.set(QuotaSpec {
-            rate: 100_000,
-            burst: 1,
-        });
+        b.set(
+            QuotaSpec {
+                rate: 100_000,
+                burst: 1,
+            },
+            now,
+        );
         let owed = b.wait(now);
         assert!(owed <= Duration::from_millis(11), "{owed:?}");
         assert!(owed >= Duration::from_millis(9), "still owed: {owed:?}");
+        // Changed while the client waits, long after its last take: what is owed then counts,
+        // not what was owed at the take (10/s, burst 1,000, 2,000 taken; 90 s later 20/s,
+        // burst 500: 1,100 messages still owed, 55 s at the new rate, less 25 s of burst).
+        let b = Bucket::new(QuotaSpec {
+            rate: 10,
+            burst: 1000,
+        });
+        b.take(2000, now);
+        let later = now + 90_000_000_000;
+        b.set(
+            QuotaSpec {
+                rate: 20,
+                burst: 500,
+            },
+            later,
+        );
+        let owed = b.wait(later);
+        assert!(
+            owed >= Duration::from_millis(29_900) && owed <= Duration::from_millis(30_100),
+            "{owed:?}"
+        );
     }
 
     /// Lowering a throttled client's quota forgave its debt: every publisher it held went at
@@ -523,7 +573,7 @@ mod tests {
         b.take(100, 0);
         let debt = b.wait(0);
         assert!(debt >= Duration::from_secs(9), "{debt:?}");
-        b.set(QuotaSpec { rate: 5, burst: 1 });
+        b.set(QuotaSpec { rate: 5, burst: 1 }, 0);
         // Still owed (less the new burst's allowance, one token at the new rate).
         let owed = b.wait(0);
         assert_eq!(
@@ -531,17 +581,20 @@ mod tests {
             debt - Duration::from_millis(100),
             "lowered: still owed"
         );
-        b.set(QuotaSpec { rate: 5, burst: 0 });
+        b.set(QuotaSpec { rate: 5, burst: 0 }, 0);
         assert_eq!(b.wait(0), owed, "unchanged (a burst of 0 is 1)");
-        b.set(QuotaSpec {
-            rate: 100,
-            burst: 1,
-        });
+        b.set(
+            QuotaSpec {
+                rate: 100,
+                burst: 1,
+            },
+            0,
+        );
         assert_eq!(b.wait(0), Duration::ZERO, "raised: forgiven");
         b.take(100, 0);
-        b.set(QuotaSpec::UNLIMITED);
+        b.set(QuotaSpec::UNLIMITED, 0);
         assert_eq!(b.wait(0), Duration::ZERO);
-        b.set(QuotaSpec { rate: 10, burst: 1 });
+        b.set(QuotaSpec { rate: 10, burst: 1 }, 0);
         assert_eq!(
             b.wait(0),
             Duration::ZERO,

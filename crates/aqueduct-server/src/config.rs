@@ -1543,9 +1543,13 @@ impl RawConfig {
         let webtransport = self.webtransport.validate()?;
         if let Some(wt) = webtransport.listen_addr.filter(|_| webtransport.enabled) {
             // Both are UDP: the second bind would fail as if another program held the port.
-            let overlap = wt.ip() == listen_addr.ip()
-                || wt.ip().is_unspecified()
-                || listen_addr.ip().is_unspecified();
+            // An unspecified IPv6 address is bound dual stack (it takes IPv4 too); an
+            // unspecified IPv4 address only IPv4.
+            let covers = |x: SocketAddr, y: SocketAddr| {
+                x.ip().is_unspecified() && (x.is_ipv6() || y.is_ipv4())
+            };
+            let overlap =
+                wt.ip() == listen_addr.ip() || covers(wt, listen_addr) || covers(listen_addr, wt);
             if wt.port() == listen_addr.port() && wt.port() != 0 && overlap {
                 return Err(invalid(
                     "webtransport.listen_addr",
@@ -1822,6 +1826,7 @@ mod tests {
             ("127.0.0.1:0", "127.0.0.1:0"),
             ("127.0.0.1:14999", "127.0.0.1:15000"),
             ("127.0.0.1:14999", "127.0.0.2:14999"),
+            ("0.0.0.0:14999", "[::1]:14999"),
         ] {
             assert!(
                 load(&[

@@ -686,13 +686,12 @@ impl MeshHandle {
         let addr = crate::connection::canonical(addr);
         self.peer_addrs
             .lock()
-            .is_ok_and(|addrs| addrs.contains(addr))
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(addr)
     }
 
     fn note_peer_addrs(&self, note: impl FnOnce(&mut PeerAddrs)) {
-        if let Ok(mut addrs) = self.peer_addrs.lock() {
-            note(&mut addrs);
-        }
+        note(&mut self.peer_addrs.lock().unwrap_or_else(|e| e.into_inner()));
     }
 
     pub fn send(&self, event: Event) {

@@ -84,7 +84,12 @@ impl MeshTls {
             };
         let certs = read_certs(cert_key, cert_path)?;
         let key = PrivateKeyDer::from_pem_file(key_path).map_err(|e| TlsError::Pem {
-            key: "cluster.tls.key_file",
+            // The key read: the cluster's own, or the broker's in its place.
+            key: if cert_key == "tls.cert_file" {
+                "tls.key_file"
+            } else {
+                "cluster.tls.key_file"
+            },
             path: key_path.clone(),
             reason: e.to_string(),
         })?;

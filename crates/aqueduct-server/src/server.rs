@@ -84,7 +84,7 @@ pub(crate) struct Shared {
     /// Handshakes of peers' connections let through while the broker is at
     /// `transport.max_connections` (at most [`PEER_HANDSHAKES`] at once).
     pub peer_handshakes: Arc<tokio::sync::Semaphore>,
-    /// Origin of the quota clock.
+    /// When the broker started (its uptime).
     pub epoch: Instant,
     /// The QUIC address actually bound.
     pub local_addr: SocketAddr,
@@ -107,9 +107,9 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// Nanoseconds since the broker started (the quota buckets' clock).
+    /// The quota buckets' clock: the one their policy changes read too.
     pub fn now_ns(&self) -> u64 {
-        self.epoch.elapsed().as_nanos() as u64
+        self.access.quotas.now_ns()
     }
 
     pub fn live_clients(&self) -> Vec<Arc<ConnState>> {
@@ -338,9 +338,9 @@ impl Server {
             )?)),
             false => None,
         };
-        // Every list in tls.crl_file must be of one of those CAs (or the cluster's, when one
-        // file serves both keys): one of another would revoke nothing (an old admin CA's, say),
-        // unsaid.
+        // Every list in tls.crl_file must be of one of those CAs (or the cluster's, when the
+        // same file is cluster.tls.crl_file too): one of another would revoke nothing (an old
+        // admin CA's, say), unsaid.
         if let (Some(path), true) = (&config.cluster.crl_file, mesh_tls.is_some()) {
             crate::revocation::Lists::read(crate::revocation::MESH_CRL_KEY, path)?.warn_expired();
         }
@@ -352,7 +352,10 @@ impl Server {
                 &[
                     client_certs.as_deref(),
                     admin_certs.as_deref(),
-                    mesh_tls.as_deref().map(|m| m.peer_certs().as_ref()),
+                    mesh_tls
+                        .as_deref()
+                        .filter(|_| config.cluster.crl_file.as_ref() == Some(path))
+                        .map(|m| m.peer_certs().as_ref()),
                 ],
             )?;
         }
@@ -715,6 +718,13 @@ impl Server {
                     .mesh
                     .as_ref()
                     .is_some_and(|m| m.is_peer_addr(incoming.remote_address()));
+                if peer && !incoming.remote_address_validated() {
+                    // A source address anyone can write: proved first (a Retry round trip),
+                    // so that spoofed packets cannot hold the peers' handshake permits.
+                    let _ = incoming.retry();
+                    shared.connections.fetch_sub(1, Ordering::AcqRel);
+                    continue;
+                }
                 over_limit = peer
                     .then(|| shared.peer_handshakes.clone().try_acquire_owned().ok())
                     .flatten();
@@ -944,7 +954,11 @@ impl Control {
                     &[
                         shared.client_certs.as_deref(),
                         shared.admin_certs.as_deref(),
-                        shared.mesh_tls.as_deref().map(|m| m.peer_certs().as_ref()),
+                        shared
+                            .mesh_tls
+                            .as_deref()
+                            .filter(|_| shared.config.cluster.crl_file.as_ref() == Some(path))
+                            .map(|m| m.peer_certs().as_ref()),
                     ],
                 )
                 .map_err(|e| e.to_string())?;

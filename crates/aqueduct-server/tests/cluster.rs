@@ -882,8 +882,9 @@ async fn a_revoked_peer_certificate_is_no_peer() {
         .expect("reloaded")
         .expect("a list to reload");
     assert_eq!(revoked, 0);
+    // Counted once node-0 has spoken on the new connection (its snapshot): wait for that.
     until("the two to be peers again", || {
-        peers_of(&n0) == node1 && reconnects().is_some()
+        peers_of(&n0) == node1 && reconnects().is_some_and(|n| n > before)
     })
     .await;
     assert_eq!(
