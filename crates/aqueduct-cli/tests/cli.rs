@@ -1389,15 +1389,7 @@ fn pub_publishes_each_line_of_its_input_as_it_comes() {
         &["--addr", &addr, "sub", "lines", "--count", "2"],
     );
     wait_for_log(&logs, "subscribed");
-    let mut publisher = Command::new(CLIENT)
-        .args(["--addr", &addr, "pub", "lines"])
-        .env("AQUEDUCT_HOME", home.path())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("aqueduct starts");
-    let mut input = publisher.stdin.take().expect("stdin");
+    let (publisher, mut input) = spawn_stdin_publisher(home.path(), &addr, "lines");
     input.write_all(b"line-a\n").expect("write");
     input.flush().expect("flush");
     // The first line arrives while the input is still open.
@@ -1580,15 +1572,7 @@ fn a_signal_ends_pub_cleanly_and_says_what_was_published() {
         &["--addr", &addr, "sub", "lines", "--count", "2"],
     );
     wait_for_log(&logs, "subscribed");
-    let mut publisher = Command::new(CLIENT)
-        .args(["--addr", &addr, "pub", "lines"])
-        .env("AQUEDUCT_HOME", home.path())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("pub starts");
-    let mut stdin = publisher.stdin.take().expect("stdin");
+    let (publisher, mut stdin) = spawn_stdin_publisher(home.path(), &addr, "lines");
     stdin.write_all(b"one\ntwo\n").expect("written");
     stdin.flush().expect("flushed");
     // Both arrived: the publisher is connected, reading, and has its handler.

@@ -1757,6 +1757,18 @@ pub const NO_AAL_DIR: &str = "is empty, and neither AQUEDUCT_HOME nor HOME is se
 mod tests {
     use super::*;
 
+    /// Sources of these environment variables alone.
+    fn env_only(env: &[(&str, &str)]) -> Sources {
+        Sources {
+            file: None,
+            env: env
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect(),
+            overrides: Overrides::default(),
+        }
+    }
+
     /// A SIGHUP applies `acl`, `broker.quotas` and the contents of `tls.crl_file`; every other
     /// change is named as taking a restart (an edit of `admin.allowed_cn` was ignored without
     /// a word).
@@ -1796,16 +1808,7 @@ mod tests {
     /// another program held the port); a bare port is answered with the ":PORT" form.
     #[test]
     fn webtransport_on_the_brokers_own_port_and_a_bare_port_are_explained() {
-        let load = |env: &[(&str, &str)]| {
-            Config::load(&Sources {
-                file: None,
-                env: env
-                    .iter()
-                    .map(|(n, v)| (n.to_string(), v.to_string()))
-                    .collect(),
-                overrides: Overrides::default(),
-            })
-        };
+        let load = |env: &[(&str, &str)]| Config::load(&env_only(env));
         for (listen, wt) in [
             ("127.0.0.1:14999", "127.0.0.1:14999"),
             (":14999", "127.0.0.1:14999"),
@@ -1857,15 +1860,7 @@ mod tests {
                 ("AQUEDUCT_AAL_MAX_SIZE", "1"),
             ],
         ] {
-            let sources = Sources {
-                file: None,
-                env: env
-                    .iter()
-                    .map(|(n, v)| (n.to_string(), v.to_string()))
-                    .collect(),
-                overrides: Overrides::default(),
-            };
-            let e = Config::load(&sources)
+            let e = Config::load(&env_only(&env))
                 .expect_err("two names for one key")
                 .to_string();
             assert!(e.starts_with("aal.max_aal_size:"), "{e}");

@@ -229,6 +229,25 @@ pub fn spawn_client(home: &std::path::Path, args: &[&str]) -> Child {
         .expect("aqueduct starts")
 }
 
+/// Start `aqueduct pub TOPIC` reading standard input (its output piped); returns it and its
+/// standard input, to write lines to.
+pub fn spawn_stdin_publisher(
+    home: &std::path::Path,
+    addr: &str,
+    topic: &str,
+) -> (Child, std::process::ChildStdin) {
+    let mut publisher = Command::new(CLIENT)
+        .args(["--addr", addr, "pub", topic])
+        .env("AQUEDUCT_HOME", home)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("aqueduct pub starts");
+    let input = publisher.stdin.take().expect("stdin");
+    (publisher, input)
+}
+
 /// Fail with the command's standard error unless it succeeded.
 pub fn assert_ok(out: &std::process::Output) {
     assert!(
