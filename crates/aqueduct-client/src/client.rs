@@ -263,9 +263,11 @@ impl Client {
                 reason: "no address".into(),
             });
         }
-        // The handshake gets what the lookup left of the timeout.
+        // The handshake gets what the lookup left of the timeout; opening a stream later, the
+        // whole of it.
+        let open_wait = opts.timeout;
         opts.timeout = opts.timeout.saturating_sub(started.elapsed());
-        Self::connect_to(&addrs, opts, host).await
+        Self::connect_to(&addrs, opts, host, open_wait).await
     }
 
     /// Connect to the first of `addrs` that completes a handshake; `host` names the broker
@@ -274,6 +276,7 @@ impl Client {
         addrs: &[SocketAddr],
         opts: ConnectOptions,
         host: String,
+        open_wait: Duration,
     ) -> Result<Client, ConnectError> {
         let mut crypto = crate::tls::client_crypto(&opts.trust, &host, opts.client_cert.as_ref())?;
         if let crate::link::Transport::WebTransport { .. } = &opts.transport {
@@ -287,7 +290,7 @@ impl Client {
         let server_name = opts.server_name.clone().unwrap_or(host);
         let (endpoint, conn) = dial_first(addrs, &config, &server_name, &opts).await?;
         let conn = match &opts.transport {
-            crate::link::Transport::Quic => crate::link::Link::Quic(conn),
+            crate::link::Transport::Quic => crate::link::Kind::Quic(conn),
             crate::link::Transport::WebTransport { path } => {
                 let path = if path.starts_with('/') {
                     path.clone()
@@ -315,10 +318,10 @@ impl Client {
                     addr: opts.addr.clone(),
                     reason: format!("the WebTransport session was not accepted: {e}"),
                 })?;
-                crate::link::Link::WebTransport(Box::new(session))
+                crate::link::Kind::WebTransport(Box::new(session))
             }
         };
-        let conn = Arc::new(conn);
+        let conn = Arc::new(crate::link::Link::new(conn, open_wait));
         let ids = Arc::new(crate::ids::Ids::default());
         Ok(Client {
             inner: Arc::new(Inner {
@@ -355,6 +358,13 @@ impl Client {
     }
 
     /// Publish `body` to `topic` (priority 2, no TTL, no confirmation).
+    ///
+    /// `Ok` means the frame was handed to the connection, not that the broker took it: a
+    /// refusal (an ACL, a body over the broker's frame limit) is reported by the next `flush`
+    /// or `close`, and frames sent after a refused one on the same stream may not be read. For
+    /// an answer per message, use [`PublishOptions::confirm`]. Call `flush` or `close` before
+    /// the client is dropped: dropping it closes the connection at once, and what was not sent
+    /// yet is lost.
     pub async fn publish(
         &self,
         topic_name: &str,
@@ -670,12 +680,45 @@ mod tests {
         let silent_addr = silent.local_addr().expect("its address");
         let mut opts = broker.options();
         opts.timeout = std::time::Duration::from_secs(5);
-        let client =
-            super::Client::connect_to(&[silent_addr, broker_addr], opts, "localhost".into())
-                .await
-                .expect("connects through the second address");
+        let client = super::Client::connect_to(
+            &[silent_addr, broker_addr],
+            opts,
+            "localhost".into(),
+            std::time::Duration::from_secs(5),
+        )
+        .await
+        .expect("connects through the second address");
         assert_eq!(client.remote_address(), broker_addr);
         client.close().await.expect("closed");
+        broker.stop().await;
+    }
+
+    /// After `close`, what is asked of the client fails as closed, not as a connection lost
+    /// (`Connection("closed")`), which read as a network failure.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn after_close_everything_is_closed_not_lost() {
+        let broker = crate::test_broker::TestBroker::start().await;
+        let client = super::Client::connect(broker.options())
+            .await
+            .expect("connects");
+        let mut sub = client.subscribe("t").await.expect("subscribed");
+        client.close().await.expect("closed");
+        let published = client.publish("t", "x").await;
+        assert!(
+            matches!(published, Err(crate::ClientError::Closed)),
+            "{published:?}"
+        );
+        let subscribed = client.subscribe("u").await;
+        assert!(
+            matches!(subscribed, Err(crate::ClientError::Closed)),
+            "{:?}",
+            subscribed.err()
+        );
+        use futures_util::StreamExt;
+        match sub.next().await {
+            None | Some(Err(crate::ClientError::Closed)) => {}
+            other => panic!("{other:?}"),
+        }
         broker.stop().await;
     }
 

@@ -182,6 +182,10 @@ fn stream_code(code: u64) -> u64 {
 /// closing a slow consumer whose writes were blocked: the same as the ERROR it sends otherwise
 /// (protocol.md §7.3), so it carries that code.
 pub(crate) fn read_error(e: &quinn::ReadError) -> ClientError {
+    // This side closed the connection (`Client::close`): closed, not lost.
+    if let quinn::ReadError::ConnectionLost(quinn::ConnectionError::LocallyClosed) = e {
+        return ClientError::Closed;
+    }
     if let quinn::ReadError::Reset(code) = e {
         if stream_code(code.into_inner()) == u64::from(aqueduct_proto::ErrorCode::SLOW_CONSUMER.0) {
             return ClientError::Broker {
@@ -207,6 +211,9 @@ pub(crate) fn read_error(e: &quinn::ReadError) -> ClientError {
 
 /// A stream write failure as a client error.
 pub(crate) fn write_error(e: &quinn::WriteError) -> ClientError {
+    if let quinn::WriteError::ConnectionLost(quinn::ConnectionError::LocallyClosed) = e {
+        return ClientError::Closed;
+    }
     ClientError::Connection(match e {
         quinn::WriteError::Stopped(code) => format!(
             "the broker stopped reading the stream with {}",
@@ -235,5 +242,8 @@ pub(crate) fn io_read_error(e: &std::io::Error) -> ClientError {
 
 /// Failure to open a stream.
 pub(crate) fn connection_error(e: &quinn::ConnectionError) -> ClientError {
-    ClientError::Connection(describe_connection_error(e))
+    match e {
+        quinn::ConnectionError::LocallyClosed => ClientError::Closed,
+        e => ClientError::Connection(describe_connection_error(e)),
+    }
 }

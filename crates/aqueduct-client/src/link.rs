@@ -24,32 +24,61 @@ pub enum Transport {
 }
 
 #[derive(Debug)]
-pub(crate) enum Link {
+pub(crate) enum Kind {
     Quic(quinn::Connection),
     WebTransport(Box<web_transport_quinn::Session>),
 }
 
+/// The connection (or WebTransport session) to the broker.
+#[derive(Debug)]
+pub(crate) struct Link {
+    kind: Kind,
+    /// How long opening a stream may wait (the connect timeout).
+    open_wait: std::time::Duration,
+}
+
 impl Link {
+    pub(crate) fn new(kind: Kind, open_wait: std::time::Duration) -> Link {
+        Link { kind, open_wait }
+    }
+
+    /// A new bidirectional stream. The broker allows a number of them at once per connection
+    /// (`transport.max_streams_per_connection`); past it, opening one waits until another
+    /// ends, and this waits at most the connect timeout for that, then says why: a
+    /// `subscribe` past the limit hung for ever.
     pub(crate) async fn open_bi(&self) -> Result<(SendHalf, RecvHalf), ClientError> {
-        match self {
-            Link::Quic(c) => c
-                .open_bi()
-                .await
-                .map(|(s, r)| (SendHalf::Quic(s), RecvHalf::Quic(r)))
-                .map_err(|e| crate::error::connection_error(&e)),
-            Link::WebTransport(s) => s
-                .open_bi()
-                .await
-                .map(|(s, r)| (SendHalf::WebTransport(s), RecvHalf::WebTransport(r)))
-                .map_err(|e| ClientError::Connection(session_error(&e))),
-        }
+        let opened = async {
+            match &self.kind {
+                Kind::Quic(c) => c
+                    .open_bi()
+                    .await
+                    .map(|(s, r)| (SendHalf::Quic(s), RecvHalf::Quic(r)))
+                    .map_err(|e| crate::error::connection_error(&e)),
+                Kind::WebTransport(s) => s
+                    .open_bi()
+                    .await
+                    .map(|(s, r)| (SendHalf::WebTransport(s), RecvHalf::WebTransport(r)))
+                    .map_err(|e| ClientError::Connection(session_error(&e))),
+            }
+        };
+        tokio::time::timeout(self.open_wait, opened)
+            .await
+            .map_err(|_| {
+                ClientError::Timeout(format!(
+                    "no stream could be opened within {:?}: every stream the broker allows \
+                     this connection is in use (transport.max_streams_per_connection, 256 by \
+                     default; each subscription and publisher holds one): close some, or put \
+                     several subscriptions on one stream with subscribe_many",
+                    self.open_wait
+                ))
+            })?
     }
 
     /// The QUIC connection under it.
     pub(crate) fn quic(&self) -> &quinn::Connection {
-        match self {
-            Link::Quic(c) => c,
-            Link::WebTransport(s) => s,
+        match &self.kind {
+            Kind::Quic(c) => c,
+            Kind::WebTransport(s) => s,
         }
     }
 
@@ -63,12 +92,12 @@ impl Link {
     /// a capsule from the broker makes this side close QUIC, and this side's close waits for
     /// the broker to close it.
     pub(crate) async fn closed(&self) -> ClientError {
-        match self {
-            Link::Quic(c) => match c.closed().await {
+        match &self.kind {
+            Kind::Quic(c) => match c.closed().await {
                 quinn::ConnectionError::LocallyClosed => ClientError::Closed,
                 e => crate::error::connection_error(&e),
             },
-            Link::WebTransport(s) => match s.closed().await {
+            Kind::WebTransport(s) => match s.closed().await {
                 web_transport_quinn::SessionError::ConnectionError(
                     quinn::ConnectionError::LocallyClosed,
                 ) => ClientError::Closed,
@@ -78,9 +107,9 @@ impl Link {
     }
 
     pub(crate) fn close(&self, reason: &[u8]) {
-        match self {
-            Link::Quic(c) => c.close(0u32.into(), reason),
-            Link::WebTransport(s) => s.close(0, reason),
+        match &self.kind {
+            Kind::Quic(c) => c.close(0u32.into(), reason),
+            Kind::WebTransport(s) => s.close(0, reason),
         }
     }
 }
@@ -153,11 +182,14 @@ impl FrameSink {
             .extend(chunks.into_iter().filter(|c| !c.is_empty()));
     }
 
-    /// Queue `chunks` and write everything queued.
+    /// Write what earlier, cancelled calls left queued, then queue `chunks` and write them. A
+    /// call cancelled in the first wait has queued nothing: cancelled calls cannot pile up
+    /// frames (each to be sent later) while the stream does not move.
     pub(crate) async fn send(
         &mut self,
         chunks: impl IntoIterator<Item = Bytes>,
     ) -> Result<(), ClientError> {
+        self.write_queued().await?;
         self.queue(chunks);
         self.write_queued().await
     }

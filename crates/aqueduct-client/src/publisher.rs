@@ -115,6 +115,19 @@ const MAX_BATCH_RESERVE: usize = 1 << 20;
 
 /// The PUBLISH_BATCH frame of `messages` (not async: nothing of the iterator is held across a
 /// wait).
+/// A CONFIRM that names `got` offsets for `sent` messages.
+fn wrong_offsets(got: usize, sent: usize) -> ClientError {
+    ClientError::Protocol(aqueduct_proto::ProtoError::BadPayload {
+        opcode: "CONFIRM",
+        problem: if sent == 1 {
+            "a confirmed publish's CONFIRM must name exactly one offset"
+        } else {
+            "a confirmed batch's CONFIRM must name one offset per message"
+        },
+        len: got * 8,
+    })
+}
+
 fn build_batch<'a>(
     messages: impl Iterator<Item = (&'a str, Bytes)>,
     opts: &PublishOptions,
@@ -192,6 +205,13 @@ impl Publisher {
     }
 
     /// Publish `body` to `topic` (priority 2, no TTL, no confirmation).
+    ///
+    /// `Ok` means the frame was handed to the connection, not that the broker took it: a
+    /// refusal (an ACL, a body over the broker's frame limit) is reported by the next `flush`
+    /// or `close`, and frames sent after a refused one on the same stream may not be read. For
+    /// an answer per message, use [`PublishOptions::confirm`]. Call `flush` or `close` before
+    /// the client is dropped: dropping it closes the connection at once, and what was not sent
+    /// yet is lost.
     pub async fn publish(
         &self,
         topic_name: &str,
@@ -215,7 +235,13 @@ impl Publisher {
         p.ext.confirm = opts.confirm;
         p.ext.trace = opts.trace;
         let offsets = self.send(Wire::Publish(p), opts.confirm).await?;
-        Ok(offsets.and_then(|o| o.first().copied()))
+        match offsets.as_deref() {
+            None => Ok(None),
+            Some(&[offset]) => Ok(Some(offset)),
+            // A CONFIRM for one message names one offset (protocol.md §6.4): anything else is
+            // not a confirmation of it (it returned Ok(None), as if none had been asked for).
+            Some(other) => Err(wrong_offsets(other.len(), 1)),
+        }
     }
 
     /// Publish several messages in one PUBLISH_BATCH frame (all or nothing). With `confirm`,
@@ -226,7 +252,13 @@ impl Publisher {
         opts: &PublishOptions,
     ) -> Result<Option<Vec<u64>>, ClientError> {
         let batch = build_batch(messages.into_iter(), opts)?;
-        self.send(Wire::PublishBatch(batch), opts.confirm).await
+        let messages = batch.len();
+        match self.send(Wire::PublishBatch(batch), opts.confirm).await? {
+            Some(offsets) if offsets.len() != messages => {
+                Err(wrong_offsets(offsets.len(), messages))
+            }
+            confirmed => Ok(confirmed),
+        }
     }
 
     async fn send(&self, message: Wire, confirm: bool) -> Result<Option<Vec<u64>>, ClientError> {
@@ -241,6 +273,20 @@ impl Publisher {
                 if guard.is_none() {
                     *guard = Some(self.open().await?);
                     fresh = true;
+                }
+                let Some(stream) = guard.as_mut() else {
+                    return Err(ClientError::Closed);
+                };
+                // What an earlier call left queued when it was cancelled goes out first. This
+                // wait is cancel-safe and comes before this call queues anything: cancelled
+                // calls (a publish under a timeout while the broker does not read) cannot pile
+                // their frames up, each to be sent later.
+                if let Err(e) = stream.send.write_queued().await {
+                    // The stream broke: the next flush says what may not have been read, and
+                    // this message goes on a new one.
+                    lock(&self.inner.lost).get_or_insert(e);
+                    *guard = None;
+                    continue;
                 }
                 let Some(stream) = guard.as_mut() else {
                     return Err(ClientError::Closed);
@@ -831,6 +877,32 @@ mod tests {
         let (first, second) = two_confirmed(&client, broker).await;
         assert_eq!(first.expect("confirmed"), Some(7));
         assert_eq!(second.expect("confirmed"), Some(8));
+    }
+
+    /// A CONFIRM naming no offset, or two, for one message is not its confirmation: it
+    /// returned `Ok(None)` (or the first offset) as if all were well.
+    #[tokio::test]
+    async fn a_confirm_without_one_offset_per_message_is_an_error() {
+        use crate::test_broker::{confirm, read_frame, FakeBroker};
+        let fake = FakeBroker::start();
+        let (client, conn) = fake.client().await;
+        let broker = async {
+            let (mut send, mut recv) = conn.accept_bi().await.expect("the publish stream");
+            for offsets in [vec![], vec![1, 2]] {
+                let (id, _) = read_frame(&mut recv).await;
+                send.write_all(&confirm(id, offsets)).await.expect("write");
+            }
+            (send, recv)
+        };
+        let (first, second) = two_confirmed(&client, broker).await;
+        for answer in [first, second] {
+            match answer {
+                Err(ClientError::Protocol(e)) => {
+                    assert!(e.to_string().contains("exactly one offset"), "{e}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
     }
 
     /// An answer that does not decode (a CONFIRM whose data is not whole offsets) fails the

@@ -511,20 +511,27 @@ impl Subscription {
     /// [`ClientError::Broker`], with how many there were.
     pub async fn close(mut self) -> Result<(), ClientError> {
         self.unsubscribed = true;
-        unsubscribe(self.all_handles(), &self.closed_ids).await?;
+        let (handles, closed) = (self.all_handles(), self.closed_ids.clone());
         let mut refused: Option<(ClientError, usize)> = None;
+        // One deadline for all of it, and the stream read while the UNSUBSCRIBEs are written:
+        // a broker that stops reading the stream until its replies are read (or never reads
+        // it again) held the writes, outside the deadline, for ever.
         let drained = tokio::time::timeout(Duration::from_secs(10), async {
-            loop {
-                match self.next_message().await {
-                    None => return Ok(()),
-                    Some(Err(e)) if e.code().is_none() => return Err(e),
-                    Some(Err(e)) => match &mut refused {
-                        Some((_, n)) => *n += 1,
-                        None => refused = Some((e, 1)),
-                    },
-                    Some(Ok(_)) => {}
+            let sending = unsubscribe(handles, &closed);
+            let draining = async {
+                loop {
+                    match self.next_message().await {
+                        None => return Ok(()),
+                        Some(Err(e)) if e.code().is_none() => return Err(e),
+                        Some(Err(e)) => match &mut refused {
+                            Some((_, n)) => *n += 1,
+                            None => refused = Some((e, 1)),
+                        },
+                        Some(Ok(_)) => {}
+                    }
                 }
-            }
+            };
+            tokio::try_join!(sending, draining).map(|_| ())
         })
         .await;
         match (drained, refused) {

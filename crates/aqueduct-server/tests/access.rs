@@ -709,6 +709,70 @@ async fn a_throttled_client_speeds_up_when_its_quota_is_raised() {
     s.b.stop().await.expect("clean shutdown");
 }
 
+/// Publishes cancelled while the broker does not read their stream (a throttled client, each
+/// call under a timeout) do not pile up: a cancelled call queued its whole frame, and every one
+/// was sent once the stream moved again, so an application that retries on a timeout published
+/// each message as many times as it had retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishes_cancelled_while_throttled_are_not_all_sent_later() {
+    let s = Setup::start(
+        "all",
+        &[],
+        QuotasSection {
+            default_publish_rate: 1,
+            default_burst_size: 1,
+            ..QuotasSection::default()
+        },
+    )
+    .await;
+    let reader = s.client(Some("reader")).await;
+    let mut sub = reader.subscribe("big").await.expect("subscribed");
+    let c = s.client(Some("slow")).await;
+    let body = bytes::Bytes::from(vec![b'x'; 60_000]);
+    let (mut done, mut cancelled) = (0, 0);
+    for _ in 0..100 {
+        match tokio::time::timeout(Duration::from_millis(10), c.publish("big", body.clone())).await
+        {
+            Ok(r) => {
+                r.expect("published");
+                done += 1;
+            }
+            Err(_) => cancelled += 1,
+        }
+    }
+    assert!(
+        cancelled >= 20,
+        "the stream never stopped moving: {done} done"
+    );
+    let mut admin = s.admin(Some("admin-ops")).await.expect("admin");
+    admin
+        .set_client_quota(proto::SetClientQuotaRequest {
+            client_id: "slow".into(),
+            rate: 0,
+            burst: None,
+        })
+        .await
+        .expect("unlimited");
+    c.publish("big", "end").await.expect("published");
+    c.flush().await.expect("flushed");
+    let mut received = 0;
+    loop {
+        let m = next(&mut sub).await;
+        if m.body().as_ref() == b"end" {
+            break;
+        }
+        received += 1;
+    }
+    // What returned Ok, and at most the one cancelled call whose frame had started to go out.
+    assert!(
+        received <= done + 1,
+        "{received} delivered for {done} published and {cancelled} cancelled"
+    );
+    c.close().await.expect("closed");
+    reader.close().await.expect("closed");
+    s.b.stop().await.expect("clean shutdown");
+}
+
 /// The ACL replaced 100 times while a publisher runs at full speed: nothing is lost for the
 /// client that stays allowed, and after each replacement returns, the toggled permission is
 /// exactly what the new rules say.

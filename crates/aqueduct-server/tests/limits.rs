@@ -94,3 +94,41 @@ async fn a_client_cannot_send_datagrams_for_the_broker_to_hold() {
     raw.conn.close(0u32.into(), b"done");
     b.stop().await.expect("stops");
 }
+
+/// Past the broker's streams per connection, a subscribe says so within the connect timeout:
+/// opening its stream waited for ever (the broker answers a stream over its limit with no
+/// error: the stream just cannot be opened until another ends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscribe_past_the_stream_limit_says_so() {
+    let b = TestBroker::start_with(|c| c.transport.max_streams_per_connection = 4).await;
+    let c = within(
+        "connect",
+        Client::connect(b.options().timeout(std::time::Duration::from_secs(1))),
+    )
+    .await
+    .expect("connects");
+    let mut held = Vec::new();
+    let refused = within("the subscriptions", async {
+        for i in 0..10 {
+            match c.subscribe(&format!("t/{i}")).await {
+                Ok(sub) => held.push(sub),
+                Err(e) => return e,
+            }
+        }
+        panic!("10 subscriptions on a connection allowed 4 streams");
+    })
+    .await;
+    assert!(held.len() <= 4, "{}", held.len());
+    assert!(
+        refused.to_string().contains("max_streams_per_connection"),
+        "{refused}"
+    );
+    // One closed frees its stream: the next subscribe goes through.
+    if let Some(sub) = held.pop() {
+        sub.close().await.expect("closed");
+    }
+    let again = within("a subscribe", c.subscribe("t/again")).await;
+    assert!(again.is_ok(), "{again:?}");
+    c.close().await.expect("closed");
+    b.stop().await.expect("clean shutdown");
+}
