@@ -84,6 +84,20 @@ fn filter_part(payload: &Bytes) -> Result<(TopicFilter, usize), ProtoError> {
 }
 
 impl SubscribeSpec {
+    /// A copy whose names own their bytes. A parsed spec's names borrow the buffer its frame
+    /// was read into (which may hold much more); one kept for as long as a subscription lives
+    /// would pin that buffer all that time.
+    pub fn detached(&self) -> SubscribeSpec {
+        SubscribeSpec {
+            filter: self.filter.detached(),
+            group: self.group.as_ref().map(GroupId::detached),
+            durable: self.durable.as_ref().map(|d| Durable {
+                consumer: d.consumer.detached(),
+                start: d.start,
+            }),
+        }
+    }
+
     /// A spec for a plain subscription.
     pub fn new(filter: TopicFilter) -> Self {
         SubscribeSpec {
