@@ -84,9 +84,17 @@ pub fn covers_any(outer: &TopicFilter, inner: &TopicFilter) -> bool {
     let (o, i) = (outer.as_bytes(), inner.as_bytes());
     let mut o = o.split(|&b| b == b'/');
     let mut i = i.split(|&b| b == b'/');
+    let mut first = true;
     loop {
-        match (o.next(), i.next()) {
+        let level = (o.next(), i.next());
+        let at_first = std::mem::replace(&mut first, false);
+        match level {
             (Some(b"#"), _) => return true,
+            // `+/#` matches every topic, as `#` does: a topic has at least one level, and `#`
+            // matches its parent. Deeper down, `#` matches the parent level `+` needs.
+            (Some(b"+"), Some(b"#")) if at_first => {
+                return o.next() == Some(b"#") && o.next().is_none();
+            }
             (None, None) => return true,
             // `inner` matches longer topics than `outer` does, or shorter ones (`inner` ended:
             // `outer` needs more levels, none of which is `#`).
@@ -219,6 +227,12 @@ mod tests {
             ("+/x", "__dlq__a/x", false),
             ("$SYS/#", "$SYS/+", true),
             ("__dlq__a", "__dlq__a", true),
+            // `+/#` matches every topic `#` does (it said it did not: an ACL rule `+/#` refused
+            // a `#` subscription); deeper, `#` matches the parent level `+` needs.
+            ("+/#", "#", true),
+            ("+/#", "+/#", true),
+            ("+/+/#", "#", false),
+            ("a/+/#", "a/#", false),
         ];
         for (outer, inner, want) in cases {
             assert_eq!(covers(&f(outer), &f(inner)), want, "{outer} covers {inner}");
