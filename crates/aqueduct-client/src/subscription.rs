@@ -169,6 +169,8 @@ impl Message {
     }
 
     /// Reject this delivery: the broker redelivers it, or dead-letters it after its retries.
+    /// `reason` goes to the dead letter's REASON; the protocol carries at most 255 bytes of it,
+    /// and a longer one is cut to that (at a character boundary).
     pub async fn nack(&self, reason: Option<&str>) -> Result<(), ClientError> {
         self.settler().nack(reason).await
     }

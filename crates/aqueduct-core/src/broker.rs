@@ -1730,7 +1730,21 @@ impl Broker {
             None if !from.is_closed() => self.deliver(ctx, from, std::iter::once(d), now),
             None => d.topic.stats().dropped(DropReason::Unsubscribed),
         }
-        ctx.held.truncate(held_before);
+        // Only the redelivery's own targets are let go of: a dead letter it caused (a
+        // `disconnect` member it overflowed, whose last attempts are dead-lettered) into a full
+        // `block` queue holds the source as any dead letter does (§7.3).
+        let target = |held: &Arc<Subscriber>| match from.group() {
+            Some(g) => held.group().is_some_and(|hg| Arc::ptr_eq(hg, g)),
+            None => held.id() == from.id(),
+        };
+        let mut at = held_before;
+        while at < ctx.held.len() {
+            if target(&ctx.held[at]) {
+                ctx.held.remove(at);
+            } else {
+                at += 1;
+            }
+        }
     }
 
     fn dead_letter(

@@ -2121,3 +2121,71 @@ fn a_group_position_read_never_misses_a_message_handed_to_another_member() {
     redelivered_message_stays_in_read_positions(2, false, 30_000);
     redelivered_message_stays_in_read_positions(2, true, 30_000);
 }
+
+/// A NACK's redelivery that overflows a `disconnect` member closes it, and a delivery it had in
+/// flight on its last attempt becomes a dead letter; into a full `block` dead-letter queue that
+/// holds the NACKing source (§7.3). The redelivery's own holds are dropped (it only moves a
+/// message), and that cut dropped the dead letter's hold with them.
+#[test]
+fn a_dead_letter_made_by_a_nacks_redelivery_still_holds_the_source() {
+    let b = Broker::new(BrokerConfig {
+        queue_size: 1,
+        max_retries: 1,
+        ..Default::default()
+    });
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let member = |policy| {
+        sub_with(
+            &b,
+            "topic:jobs:group:g",
+            SubscribeOptions {
+                ack_mode: AckMode::Explicit,
+                overflow: Some(policy),
+                ..Default::default()
+            },
+        )
+    };
+    let dlq = sub_with(
+        &b,
+        "topic:__dlq__jobs",
+        SubscribeOptions {
+            overflow: Some(OverflowPolicy::Block),
+            ..Default::default()
+        },
+    );
+    publish(&b, &mut ctx, "__dlq__jobs", "filler", now);
+    assert_eq!(dlq.queued(), 1, "the dead-letter queue is full");
+    // `a` alone: job 0 delivered, NACKed, delivered again: in flight on its last attempt.
+    let a = member(OverflowPolicy::Disconnect);
+    publish(&b, &mut ctx, "jobs", "0", now);
+    assert_eq!(drain_all(&b, &a, now).len(), 1);
+    b.nack(&mut ctx, &a, None, 0, None, None, now)
+        .expect("in flight");
+    assert_eq!(drain_all(&b, &a, now)[0].attempt, 2);
+    // `a`'s queue full; `b2` joins with job 2 in flight and its queue full too.
+    publish(&b, &mut ctx, "jobs", "1", now);
+    assert_eq!(a.queued(), 1);
+    let b2 = member(OverflowPolicy::Block);
+    publish(&b, &mut ctx, "jobs", "2", now);
+    assert_eq!(drain_all(&b, &b2, now).len(), 1);
+    publish(&b, &mut ctx, "jobs", "3", now);
+    while ctx.take_held().is_some() {}
+    assert_eq!((a.queued(), b2.queued()), (1, 1), "both full");
+    // `b2` NACKs job 2: every member is full, and its redelivery goes to one of them.
+    b.nack(&mut ctx, &b2, None, 2, None, None, now)
+        .expect("in flight");
+    if a.is_closed() {
+        let held: Vec<_> = std::iter::from_fn(|| ctx.take_held()).collect();
+        assert!(
+            held.iter().any(|h| Arc::ptr_eq(h, &dlq)),
+            "job 0's dead letter went into the full block queue without holding the NACK"
+        );
+        assert_eq!(dlq.queued(), 2, "queued, not dropped");
+    } else {
+        panic!(
+            "the redelivery went to b2 (held nothing to test): {}",
+            b2.queued()
+        );
+    }
+}
