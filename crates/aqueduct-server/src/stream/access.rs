@@ -52,7 +52,7 @@ pub(super) fn revoke(shared: &Shared, conn: &ConnState, out: &StreamOut, sub: &A
         CloseReason::Revoked,
         Instant::now(),
     );
-    ctx.orphan_held();
+    ctx.clear_held();
     out.notify.notify_one();
 }
 

@@ -320,9 +320,7 @@ fn end_subscriptions(
         let key = lock(&out.durables).remove(&sub.id());
         unsubscribe(shared, &mut ctx, &sub, key.as_deref(), now);
     }
-    // Nothing holds this stream any more: members its end handed messages to past their
-    // bound count it as a publisher that left (so they stay bounded).
-    ctx.orphan_held();
+    ctx.clear_held();
 }
 
 /// Run a broker call that may publish dead letters (a NACK, a subscription ending, a slow
@@ -396,7 +394,7 @@ fn detach_subscriptions(shared: &Shared, out: &StreamOut) {
         stop_feeding(shared, out, sub);
         logged(shared, &mut ctx, |ctx| shared.broker.detach(ctx, sub, now));
     }
-    ctx.orphan_held();
+    ctx.clear_held();
 }
 
 /// Route nothing more to the subscriptions delivered on this stream; what is queued for them
