@@ -167,7 +167,9 @@ impl ConnectOptions {
         self.timeout
     }
 
-    /// Give up connecting after this long (default 10 s).
+    /// Give up connecting after this long (default 10 s). Opening a stream later (a
+    /// `subscribe`, a publisher's first publish) waits at most this long too, for the broker
+    /// to allow one more (`transport.max_streams_per_connection`).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self

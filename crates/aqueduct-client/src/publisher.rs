@@ -113,8 +113,6 @@ impl Stream {
 /// The most a batch's buffer makes room for before its messages are written.
 const MAX_BATCH_RESERVE: usize = 1 << 20;
 
-/// The PUBLISH_BATCH frame of `messages` (not async: nothing of the iterator is held across a
-/// wait).
 /// A CONFIRM that names `got` offsets for `sent` messages.
 fn wrong_offsets(got: usize, sent: usize) -> ClientError {
     ClientError::Protocol(aqueduct_proto::ProtoError::BadPayload {
@@ -128,6 +126,8 @@ fn wrong_offsets(got: usize, sent: usize) -> ClientError {
     })
 }
 
+/// The PUBLISH_BATCH frame of `messages` (not async: nothing of the iterator is held across a
+/// wait).
 fn build_batch<'a>(
     messages: impl Iterator<Item = (&'a str, Bytes)>,
     opts: &PublishOptions,
@@ -282,10 +282,13 @@ impl Publisher {
                 // calls (a publish under a timeout while the broker does not read) cannot pile
                 // their frames up, each to be sent later.
                 if let Err(e) = stream.send.write_queued().await {
-                    // The stream broke: the next flush says what may not have been read, and
-                    // this message goes on a new one.
-                    lock(&self.inner.lost).get_or_insert(e);
-                    *guard = None;
+                    // The stream broke under what earlier calls left: this message goes on a
+                    // new one, and the next flush says what may not have been read, in the
+                    // broker's words if its replies already said why (not waited for here,
+                    // under the lock every publish takes).
+                    let broken = guard.take();
+                    let why = broken.as_ref().and_then(|b| lock(&b.fatal).clone());
+                    lock(&self.inner.lost).get_or_insert(why.unwrap_or(e));
                     continue;
                 }
                 let Some(stream) = guard.as_mut() else {
@@ -902,6 +905,24 @@ mod tests {
                 }
                 other => panic!("{other:?}"),
             }
+        }
+        // A batch of two confirmed with one offset (on a stream of its own: the fake broker
+        // let go of the first one).
+        let broker = async {
+            let (mut send, mut recv) = conn.accept_bi().await.expect("the publish stream");
+            let (id, _) = read_frame(&mut recv).await;
+            send.write_all(&confirm(id, vec![5])).await.expect("write");
+            (send, recv)
+        };
+        let publisher = client.publisher();
+        let batch =
+            publisher.publish_batch([("t", Bytes::from("a")), ("t", Bytes::from("b"))], &CONFIRM);
+        let (answer, _) = within(async { tokio::join!(batch, broker) }).await;
+        match answer {
+            Err(ClientError::Protocol(e)) => {
+                assert!(e.to_string().contains("one offset per message"), "{e}")
+            }
+            other => panic!("{other:?}"),
         }
     }
 

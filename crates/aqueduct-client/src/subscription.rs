@@ -537,8 +537,10 @@ impl Subscription {
         })
         .await;
         match (drained, refused) {
-            (Ok(Ok(())), Some((first, n))) => Err(first_of(first, n)),
-            (Ok(result), _) => result,
+            // The broker's refusal says more than the stream's end it may have caused (a
+            // write stopped after a slow-consumer reset, say).
+            (Ok(_), Some((first, n))) => Err(first_of(first, n)),
+            (Ok(result), None) => result,
             (Err(_), _) => Err(ClientError::Timeout(
                 "the broker did not finish the subscription's stream within 10 s".into(),
             )),
