@@ -869,47 +869,43 @@ async fn publish_input(
     count: u64,
     mut stop: tokio::sync::watch::Receiver<Option<&'static str>>,
 ) -> Result<(Option<u64>, Option<&'static str>)> {
-    let stopped = |stop: &tokio::sync::watch::Receiver<Option<&'static str>>| *stop.borrow();
-    let Some(m) = message else {
-        let mut lines = Vec::new();
-        let mut input = tokio::io::BufReader::new(tokio::io::stdin());
-        loop {
-            // A line cut short by the signal (no line end read yet) is not sent.
-            let line = tokio::select! {
-                biased;
-                signal = stop.wait_for(Option::is_some) => {
-                    return Ok((None, signal.ok().and_then(|s| *s)));
-                }
-                line = read_line(&mut input) => line?,
-            };
-            let Some(line) = line else { break };
-            if count == 1 {
-                out.publish(line).await?;
-            } else {
-                lines.push(line);
-            }
-        }
-        let asked = count.saturating_mul(lines.len() as u64);
-        if count > 1 {
-            for _ in 0..count {
-                for line in &lines {
-                    if let Some(s) = stopped(&stop) {
-                        return Ok((Some(asked), Some(s)));
+    let bodies = match message {
+        Some(m) => vec![Bytes::from(m.clone())],
+        None => {
+            let mut lines = Vec::new();
+            let mut input = tokio::io::BufReader::new(tokio::io::stdin());
+            loop {
+                // A line cut short by the signal (no line end read yet) is not sent.
+                let line = tokio::select! {
+                    biased;
+                    signal = stop.wait_for(Option::is_some) => {
+                        return Ok((None, signal.ok().and_then(|s| *s)));
                     }
-                    out.publish(line.clone()).await?;
+                    line = read_line(&mut input) => line?,
+                };
+                let Some(line) = line else { break };
+                if count == 1 {
+                    out.publish(line).await?;
+                } else {
+                    lines.push(line);
                 }
             }
+            if count == 1 {
+                return Ok((None, None));
+            }
+            lines
         }
-        return Ok((Some(asked).filter(|_| count > 1), None));
     };
-    let body = Bytes::from(m.clone());
+    let asked = count.saturating_mul(bodies.len() as u64);
     for _ in 0..count {
-        if let Some(s) = stopped(&stop) {
-            return Ok((Some(count), Some(s)));
+        for body in &bodies {
+            if let Some(signal) = *stop.borrow() {
+                return Ok((Some(asked), Some(signal)));
+            }
+            out.publish(body.clone()).await?;
         }
-        out.publish(body.clone()).await?;
     }
-    Ok((Some(count), None))
+    Ok((Some(asked), None))
 }
 
 /// The commands that need a connection to the broker.

@@ -170,24 +170,24 @@ macro_rules! say {
 
 /// The log filter `--log`/`AQUEDUCT_LOG` names (`info`, `debug`, `aqueduct_server=debug`, …), or
 /// why it is refused. tracing's own parser takes a word it does not know as a target to log
-/// everything of, and nothing else: `debgu` would silence the whole log. A word within two
-/// letters of a level's name is therefore refused as a misspelt level.
+/// everything of, and nothing else: `debgu` would silence the whole log. A bare word one edit
+/// from a level's name (a swap of two letters counting as one) is therefore refused as a
+/// misspelt level; `WORD=trace` names a target of that name.
 pub fn log_filter(spec: &str) -> Result<tracing_subscriber::EnvFilter, String> {
     const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
     for directive in spec.split(',').map(str::trim) {
         let bare = !directive.contains(['=', '[', ':']);
         let word = directive.to_ascii_lowercase();
         if bare && word.len() >= 3 && !LEVELS.contains(&word.as_str()) {
-            // The nearest level, one edit (a swap of two letters counting as one) away.
             let nearest = LEVELS
                 .iter()
                 .map(|l| (strsim::damerau_levenshtein(l, &word), l))
                 .min();
             if let Some((1, level)) = nearest {
                 return Err(format!(
-                    "{directive:?} is not a level (off, error, warn, info, debug, trace); \
-                     did you mean {level:?}? (to log everything of a target of that name, \
-                     write {directive}=trace)"
+                    "{directive:?} is not a level ({}); did you mean {level:?}? (to log \
+                     everything of a target of that name, write {directive}=trace)",
+                    LEVELS.join(", ")
                 ));
             }
         }

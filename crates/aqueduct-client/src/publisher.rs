@@ -113,17 +113,26 @@ impl Stream {
 /// The most a batch's buffer makes room for before its messages are written.
 const MAX_BATCH_RESERVE: usize = 1 << 20;
 
-/// A CONFIRM that names `got` offsets for `sent` messages.
-fn wrong_offsets(got: usize, sent: usize) -> ClientError {
-    ClientError::Protocol(aqueduct_proto::ProtoError::BadPayload {
-        opcode: "CONFIRM",
-        problem: if sent == 1 {
-            "a confirmed publish's CONFIRM must name exactly one offset"
-        } else {
-            "a confirmed batch's CONFIRM must name one offset per message"
-        },
-        len: got * 8,
-    })
+/// A CONFIRM's offsets for `sent` messages: one per message (protocol.md §6.4), or it is not
+/// their confirmation (a single publish returned `Ok(None)`, or the first of several offsets).
+fn one_per_message(
+    offsets: Option<Vec<u64>>,
+    sent: usize,
+) -> Result<Option<Vec<u64>>, ClientError> {
+    match offsets {
+        Some(o) if o.len() != sent => Err(ClientError::Protocol(
+            aqueduct_proto::ProtoError::BadPayload {
+                opcode: "CONFIRM",
+                problem: if sent == 1 {
+                    "a confirmed publish's CONFIRM must name exactly one offset"
+                } else {
+                    "a confirmed batch's CONFIRM must name one offset per message"
+                },
+                len: o.len() * 8,
+            },
+        )),
+        offsets => Ok(offsets),
+    }
 }
 
 /// The PUBLISH_BATCH frame of `messages` (not async: nothing of the iterator is held across a
@@ -235,13 +244,7 @@ impl Publisher {
         p.ext.confirm = opts.confirm;
         p.ext.trace = opts.trace;
         let offsets = self.send(Wire::Publish(p), opts.confirm).await?;
-        match offsets.as_deref() {
-            None => Ok(None),
-            Some(&[offset]) => Ok(Some(offset)),
-            // A CONFIRM for one message names one offset (protocol.md §6.4): anything else is
-            // not a confirmation of it (it returned Ok(None), as if none had been asked for).
-            Some(other) => Err(wrong_offsets(other.len(), 1)),
-        }
+        Ok(one_per_message(offsets, 1)?.and_then(|o| o.first().copied()))
     }
 
     /// Publish several messages in one PUBLISH_BATCH frame (all or nothing). With `confirm`,
@@ -253,12 +256,10 @@ impl Publisher {
     ) -> Result<Option<Vec<u64>>, ClientError> {
         let batch = build_batch(messages.into_iter(), opts)?;
         let messages = batch.len();
-        match self.send(Wire::PublishBatch(batch), opts.confirm).await? {
-            Some(offsets) if offsets.len() != messages => {
-                Err(wrong_offsets(offsets.len(), messages))
-            }
-            confirmed => Ok(confirmed),
-        }
+        one_per_message(
+            self.send(Wire::PublishBatch(batch), opts.confirm).await?,
+            messages,
+        )
     }
 
     async fn send(&self, message: Wire, confirm: bool) -> Result<Option<Vec<u64>>, ClientError> {

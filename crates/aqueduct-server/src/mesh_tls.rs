@@ -70,11 +70,12 @@ impl MeshTls {
         let ca = cluster.ca_file.as_deref().ok_or_else(|| {
             TlsError::Rustls("cluster.tls.ca_file is required for the mesh".into())
         })?;
-        let (cert_key, cert_path, key_path) =
+        // The keys named in errors are those read: the cluster's own, or the broker's.
+        let ((cert_key, cert_path), (key_key, key_path)) =
             match (&cluster.cert_file, &cluster.key_file) {
-                (Some(c), Some(k)) => ("cluster.tls.cert_file", c, k),
+                (Some(c), Some(k)) => (("cluster.tls.cert_file", c), ("cluster.tls.key_file", k)),
                 _ => match (&tls.cert_file, &tls.key_file) {
-                    (Some(c), Some(k)) => ("tls.cert_file", c, k),
+                    (Some(c), Some(k)) => (("tls.cert_file", c), ("tls.key_file", k)),
                     _ => return Err(TlsError::Rustls(
                         "the mesh needs a peer certificate: cluster.tls.cert_file and key_file \
                          (made by `aqueduct cert peer`)"
@@ -84,12 +85,7 @@ impl MeshTls {
             };
         let certs = read_certs(cert_key, cert_path)?;
         let key = PrivateKeyDer::from_pem_file(key_path).map_err(|e| TlsError::Pem {
-            // The key read: the cluster's own, or the broker's in its place.
-            key: if cert_key == "tls.cert_file" {
-                "tls.key_file"
-            } else {
-                "cluster.tls.key_file"
-            },
+            key: key_key,
             path: key_path.clone(),
             reason: e.to_string(),
         })?;

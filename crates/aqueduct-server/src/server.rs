@@ -59,6 +59,26 @@ impl From<aqueduct_log::LogError> for ServerError {
     }
 }
 
+/// `tls.crl_file`'s lists (at `path`) as read now, checked against the verifiers that use the
+/// file (the clients' and the admin API's, and the cluster's when it is `cluster.tls.crl_file`
+/// too): a list of a CA none of them holds would revoke nothing, and is refused; lists past
+/// their next update are warned about.
+fn read_tls_lists(
+    path: &std::path::Path,
+    config: &Config,
+    verifiers: [Option<&ClientVerifier>; 2],
+    mesh: Option<&crate::mesh_tls::MeshTls>,
+) -> Result<crate::revocation::Lists, crate::tls::TlsError> {
+    let lists = crate::revocation::Lists::read(crate::revocation::CRL_KEY, path)?;
+    lists.warn_expired();
+    let peers = mesh
+        .filter(|_| config.cluster.crl_file.as_deref() == Some(path))
+        .map(|m| m.peer_certs().as_ref());
+    let [client, admin] = verifiers;
+    crate::revocation::all_claimed(&lists, &[client, admin, peers])?;
+    Ok(lists)
+}
+
 /// How many handshakes of connections from peers' addresses may run at once beyond
 /// `transport.max_connections` (a peer keeps at most 8 connections to a node; a few peers
 /// reconnecting at once after a blip).
@@ -345,18 +365,11 @@ impl Server {
             crate::revocation::Lists::read(crate::revocation::MESH_CRL_KEY, path)?.warn_expired();
         }
         if let Some(path) = &config.tls.crl_file {
-            let lists = crate::revocation::Lists::read(crate::revocation::CRL_KEY, path)?;
-            lists.warn_expired();
-            crate::revocation::all_claimed(
-                &lists,
-                &[
-                    client_certs.as_deref(),
-                    admin_certs.as_deref(),
-                    mesh_tls
-                        .as_deref()
-                        .filter(|_| config.cluster.crl_file.as_ref() == Some(path))
-                        .map(|m| m.peer_certs().as_ref()),
-                ],
+            read_tls_lists(
+                path,
+                &config,
+                [client_certs.as_deref(), admin_certs.as_deref()],
+                mesh_tls.as_deref(),
             )?;
         }
         // Browsers get a short-lived certificate of their own while the broker's is generated.
@@ -709,11 +722,12 @@ impl Server {
                 Some(_) = connections.join_next(), if !connections.is_empty() => continue,
             };
             let live = shared.connections.fetch_add(1, Ordering::AcqRel);
-            let mut over_limit = None;
-            if live >= shared.config.transport.max_connections {
-                // A peer's connection (known by its address until its handshake says) is let
-                // through, a few at a time: the limit is the clients'. Refused, a node full
-                // of clients stayed apart from its peers.
+            // Beyond the limit, only a peer's connection (known by its address until its
+            // handshake says) is let through, a few at a time: the limit is the clients'.
+            // Refused, a node full of clients stayed apart from its peers.
+            let over_limit = if live < shared.config.transport.max_connections {
+                None
+            } else {
                 let peer = shared
                     .mesh
                     .as_ref()
@@ -725,20 +739,21 @@ impl Server {
                     shared.connections.fetch_sub(1, Ordering::AcqRel);
                     continue;
                 }
-                over_limit = peer
+                let permit = peer
                     .then(|| shared.peer_handshakes.clone().try_acquire_owned().ok())
                     .flatten();
-            }
-            if live >= shared.config.transport.max_connections && over_limit.is_none() {
-                shared.connections.fetch_sub(1, Ordering::AcqRel);
-                shared
-                    .stats
-                    .connections_refused
-                    .fetch_add(1, Ordering::Relaxed);
-                warn!(remote = %crate::connection::canonical(incoming.remote_address()), live, "connection refused: transport.max_connections reached");
-                incoming.refuse();
-                continue;
-            }
+                if permit.is_none() {
+                    shared.connections.fetch_sub(1, Ordering::AcqRel);
+                    shared
+                        .stats
+                        .connections_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    warn!(remote = %crate::connection::canonical(incoming.remote_address()), live, "connection refused: transport.max_connections reached");
+                    incoming.refuse();
+                    continue;
+                }
+                permit
+            };
             connections.spawn(crate::connection::handle(
                 incoming,
                 shared.clone(),
@@ -935,7 +950,7 @@ impl Control {
     /// were closed; `None` without either file. If either file is unreadable or invalid, the
     /// lists in force stay, both files' (all or none).
     pub async fn reload_revocations(&self) -> Result<Option<(usize, usize)>, String> {
-        use crate::revocation::{Lists, CRL_KEY, MESH_CRL_KEY};
+        use crate::revocation::{Lists, MESH_CRL_KEY};
         let reloaded = crate::admin::off_workers(&self.shared, |shared| -> Result<_, String> {
             let mesh = shared
                 .mesh_tls
@@ -947,19 +962,14 @@ impl Control {
             // Every verifier's new lists are checked before any is put in force: all or none.
             let mut verifiers: Vec<(&Arc<ClientVerifier>, Lists)> = Vec::new();
             if let Some(path) = &shared.config.tls.crl_file {
-                let lists = Lists::read(CRL_KEY, path).map_err(|e| e.to_string())?;
-                lists.warn_expired();
-                crate::revocation::all_claimed(
-                    &lists,
-                    &[
+                let lists = read_tls_lists(
+                    path,
+                    &shared.config,
+                    [
                         shared.client_certs.as_deref(),
                         shared.admin_certs.as_deref(),
-                        shared
-                            .mesh_tls
-                            .as_deref()
-                            .filter(|_| shared.config.cluster.crl_file.as_ref() == Some(path))
-                            .map(|m| m.peer_certs().as_ref()),
                     ],
+                    shared.mesh_tls.as_deref(),
                 )
                 .map_err(|e| e.to_string())?;
                 for v in [&shared.client_certs, &shared.admin_certs]

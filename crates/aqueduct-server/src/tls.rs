@@ -164,10 +164,10 @@ impl DevCert {
         if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
             // Without a home, this user's own directory in the temporary directory: made
             // private, and refused if someone else made it first.
-            let private = aqueduct_udp::private_dir::path();
-            match dir == private {
-                true => aqueduct_udp::private_dir::ensure(dir),
-                false => std::fs::create_dir_all(dir),
+            if dir == aqueduct_udp::private_dir::path() {
+                aqueduct_udp::private_dir::ensure(dir)
+            } else {
+                std::fs::create_dir_all(dir)
             }
             .map_err(err)?;
         }
