@@ -47,6 +47,16 @@ impl Setup {
         Self::start_with(default, acl, quotas, |_| {}).await
     }
 
+    /// Everything allowed, every client throttled to 1 message a second (burst 1).
+    async fn throttled() -> Setup {
+        let one_a_second = QuotasSection {
+            default_publish_rate: 1,
+            default_burst_size: 1,
+            ..QuotasSection::default()
+        };
+        Self::start("all", &[], one_a_second).await
+    }
+
     async fn start_with(
         default: &str,
         acl: &[(&str, &str, &str)],
@@ -664,16 +674,7 @@ async fn a_frame_abandoned_while_throttled_gives_its_quota_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_throttled_client_speeds_up_when_its_quota_is_raised() {
-    let s = Setup::start(
-        "all",
-        &[],
-        QuotasSection {
-            default_publish_rate: 1,
-            default_burst_size: 1,
-            ..QuotasSection::default()
-        },
-    )
-    .await;
+    let s = Setup::throttled().await;
     let c = s.client(Some("slow")).await;
     // 200 messages at 1/s would take minutes; the raise below lets them through at once.
     let sending = tokio::spawn(flood(c, "t", 200));
@@ -715,16 +716,7 @@ async fn a_throttled_client_speeds_up_when_its_quota_is_raised() {
 /// each message as many times as it had retried.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publishes_cancelled_while_throttled_are_not_all_sent_later() {
-    let s = Setup::start(
-        "all",
-        &[],
-        QuotasSection {
-            default_publish_rate: 1,
-            default_burst_size: 1,
-            ..QuotasSection::default()
-        },
-    )
-    .await;
+    let s = Setup::throttled().await;
     let reader = s.client(Some("reader")).await;
     let mut sub = reader.subscribe("big").await.expect("subscribed");
     let c = s.client(Some("slow")).await;
