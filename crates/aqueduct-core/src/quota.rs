@@ -33,6 +33,13 @@ impl QuotaSpec {
     }
 }
 
+/// Tokens [`Bucket::take_costing`] took: how many, and the time they cost then (ns).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Taken {
+    n: u64,
+    cost: u64,
+}
+
 /// One client's bucket.
 #[derive(Debug)]
 pub struct Bucket {
@@ -132,12 +139,12 @@ impl Bucket {
         self.take_costing(n, now_ns).0
     }
 
-    /// [`take`](Self::take), also returning what the tokens cost (what
-    /// [`refund`](Self::refund) gives back: the interval may change meanwhile).
-    pub fn take_costing(&self, n: u64, now_ns: u64) -> (Duration, u64) {
+    /// [`take`](Self::take), also returning what was taken (what [`refund`](Self::refund)
+    /// gives back: the interval may change meanwhile).
+    pub fn take_costing(&self, n: u64, now_ns: u64) -> (Duration, Taken) {
         let interval = self.interval.load(Ordering::Relaxed);
         if interval == 0 {
-            return (Duration::ZERO, 0);
+            return (Duration::ZERO, Taken::default());
         }
         let cost = interval.saturating_mul(n);
         let prev = self
@@ -147,14 +154,24 @@ impl Bucket {
             })
             .unwrap_or_else(|tat| tat);
         let tat = prev.max(now_ns).saturating_add(cost);
-        (self.debt(tat, interval, now_ns), cost)
+        (self.debt(tat, interval, now_ns), Taken { n, cost })
     }
 
-    /// Give back tokens [`take_costing`](Self::take_costing) took, by their `cost`, for
-    /// messages that were then not published (their frame was abandoned while it waited: the
-    /// stream or connection closed). A debt run up by frames never published would hold every
-    /// publisher of the client id.
-    pub fn refund(&self, cost: u64) {
+    /// Give back tokens [`take_costing`](Self::take_costing) took, for messages that were then
+    /// not published (their frame was abandoned while it waited: the stream or connection
+    /// closed). A debt run up by frames never published would hold every publisher of the
+    /// client id.
+    ///
+    /// What goes back is the time the tokens cost when taken, or their cost at today's rate if
+    /// that is less: a rate raised meanwhile rescaled what is owed to the new rate
+    /// ([`set`](Self::set)), and giving back the old, larger cost would forgive other frames'
+    /// debt too. A rate lowered meanwhile kept the time owed, which is what goes back.
+    pub fn refund(&self, taken: Taken) {
+        let now_cost = self
+            .interval
+            .load(Ordering::Relaxed)
+            .saturating_mul(taken.n);
+        let cost = taken.cost.min(now_cost);
         let _ = self
             .tat
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
@@ -392,8 +409,9 @@ mod tests {
         );
         // Unlimited: nothing taken, nothing to give back.
         let free = Bucket::new(QuotaSpec::UNLIMITED);
-        assert_eq!(free.take_costing(5, 0), (Duration::ZERO, 0));
-        free.refund(0);
+        let (wait, taken) = free.take_costing(5, 0);
+        assert_eq!(wait, Duration::ZERO);
+        free.refund(taken);
         assert_eq!(free.take(1, 0), Duration::ZERO);
     }
 
@@ -518,6 +536,36 @@ mod tests {
 
     /// A faster rate with a smaller burst: the messages owed are paid at the new rate, not the
     /// time they cost at the old one (10/s to 100,000/s held a client 100 s for 1,000 messages).
+    /// Raised to a faster rate (with a smaller burst, so the debt is rescaled, not forgiven)
+    /// while a frame waits: giving back the time its tokens cost at the old rate forgave the
+    /// other frames' debt as well.
+    #[test]
+    fn a_refund_after_a_faster_rate_gives_back_only_its_own_messages() {
+        let b = Bucket::new(QuotaSpec { rate: 10, burst: 2 });
+        b.take(2, 0);
+        // Two frames wait: 100 messages (10 s at 10/s), then another 100.
+        let (_, waiting) = b.take_costing(100, 0);
+        b.take(100, 0);
+        b.set(
+            QuotaSpec {
+                rate: 100,
+                burst: 1,
+            },
+            0,
+        );
+        // 200 messages owed at 100/s.
+        let owed = b.wait(0);
+        assert!(owed >= Duration::from_millis(1_990), "{owed:?}");
+        // The first frame is abandoned: the other's 100 messages are still owed (1 s, and
+        // the burst's 2 taken first).
+        b.refund(waiting);
+        let owed = b.wait(0);
+        assert!(
+            owed >= Duration::from_millis(1_000) && owed <= Duration::from_millis(1_030),
+            "{owed:?}"
+        );
+    }
+
     #[test]
     fn a_faster_rate_with_a_smaller_burst_owes_messages_not_time() {
         let b = Bucket::new(QuotaSpec {

@@ -103,8 +103,8 @@ impl Reader<'_> {
         let now = self.shared.now_ns();
         match self.shared.access.action() {
             QuotaAction::Throttle => {
-                let (wait, cost) = bucket.take_costing(n as u64, now);
-                let owed = Owed(Some((bucket.clone(), cost)));
+                let (wait, taken) = bucket.take_costing(n as u64, now);
+                let owed = Owed(Some((bucket.clone(), taken)));
                 if !wait.is_zero() {
                     let started = Instant::now();
                     let _waiting = Waiting::new(&self.shared.stats.quota_waiting);
@@ -167,7 +167,12 @@ impl Reader<'_> {
 
 /// The tokens a frame took from its client's quota (by their cost): given back unless it
 /// goes on to be published.
-pub(super) struct Owed(Option<(Arc<aqueduct_core::quota::Bucket>, u64)>);
+pub(super) struct Owed(
+    Option<(
+        Arc<aqueduct_core::quota::Bucket>,
+        aqueduct_core::quota::Taken,
+    )>,
+);
 
 impl Owed {
     /// The frame goes on: its tokens stay taken.
@@ -178,8 +183,8 @@ impl Owed {
 
 impl Drop for Owed {
     fn drop(&mut self) {
-        if let Some((bucket, cost)) = self.0.take() {
-            bucket.refund(cost);
+        if let Some((bucket, taken)) = self.0.take() {
+            bucket.refund(taken);
         }
     }
 }
