@@ -58,17 +58,26 @@ impl Link {
                     .open_bi()
                     .await
                     .map(|(s, r)| (SendHalf::WebTransport(s), RecvHalf::WebTransport(r)))
-                    .map_err(|e| ClientError::Connection(session_error(&e))),
+                    .map_err(|e| wt_session_error(&e)),
             }
         };
         tokio::time::timeout(self.open_wait, opened)
             .await
             .map_err(|_| {
+                // Over WebTransport, opening a stream also writes its header, which waits for
+                // the connection's flow control too.
+                let or_flow = match self.kind {
+                    Kind::Quic(_) => "",
+                    Kind::WebTransport(_) => {
+                        "; or the broker is not reading this connection's streams (their \
+                         data fills the connection's flow-control window)"
+                    }
+                };
                 ClientError::Timeout(format!(
                     "no stream could be opened within {:?}: every stream the broker allows \
                      this connection is in use (transport.max_streams_per_connection, 256 by \
                      default; each subscription and publisher holds one): close some, or put \
-                     several subscriptions on one stream with subscribe_many",
+                     several subscriptions on one stream with subscribe_many{or_flow}",
                     self.open_wait
                 ))
             })?
@@ -97,12 +106,7 @@ impl Link {
                 quinn::ConnectionError::LocallyClosed => ClientError::Closed,
                 e => crate::error::connection_error(&e),
             },
-            Kind::WebTransport(s) => match s.closed().await {
-                web_transport_quinn::SessionError::ConnectionError(
-                    quinn::ConnectionError::LocallyClosed,
-                ) => ClientError::Closed,
-                e => ClientError::Connection(session_error(&e)),
-            },
+            Kind::WebTransport(s) => wt_session_error(&s.closed().await),
         }
     }
 
@@ -247,6 +251,17 @@ impl tokio::io::AsyncRead for RecvHalf {
     }
 }
 
+/// A session's end as a client error: [`ClientError::Closed`] if this side closed it (as over
+/// QUIC, `error::connection_error`), else what ended it.
+fn wt_session_error(e: &web_transport_quinn::SessionError) -> ClientError {
+    match e {
+        web_transport_quinn::SessionError::ConnectionError(
+            quinn::ConnectionError::LocallyClosed,
+        ) => ClientError::Closed,
+        e => ClientError::Connection(session_error(e)),
+    }
+}
+
 fn session_error(e: &web_transport_quinn::SessionError) -> String {
     match e {
         web_transport_quinn::SessionError::ConnectionError(c) => {
@@ -267,7 +282,7 @@ fn wt_write_error(e: &web_transport_quinn::WriteError) -> ClientError {
             "the broker stopped reading the stream with {}",
             crate::error::app_code(u64::from(*code))
         ),
-        web_transport_quinn::WriteError::SessionError(s) => session_error(s),
+        web_transport_quinn::WriteError::SessionError(s) => return wt_session_error(s),
         other => other.to_string(),
     })
 }

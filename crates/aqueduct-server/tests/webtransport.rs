@@ -786,6 +786,46 @@ async fn closed_says_who_ended_a_webtransport_session() {
         .expect("clean shutdown");
 }
 
+/// After `close`, what is asked of a WebTransport client fails as closed, as over QUIC: opening
+/// a stream and writing said "connection lost" (the session's record of its own close).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_close_a_webtransport_client_is_closed_not_lost() {
+    let b = TestBroker::start().await;
+    let client = within(
+        "a client",
+        aqueduct_client::Client::connect(b.options().transport(
+            aqueduct_client::Transport::WebTransport {
+                path: "/aqueduct/wt".into(),
+            },
+        )),
+    )
+    .await
+    .expect("connects over WebTransport");
+    // A publisher whose stream is open when the client closes.
+    let publisher = client.publisher();
+    within("a first publish", publisher.publish("t", "x"))
+        .await
+        .expect("published");
+    client.close().await.expect("close");
+    let published = within("a publish after close", client.publish("t", "x")).await;
+    assert!(
+        matches!(published, Err(aqueduct_client::ClientError::Closed)),
+        "{published:?}"
+    );
+    let subscribed = within("a subscribe after close", client.subscribe("u")).await;
+    assert!(
+        matches!(subscribed, Err(aqueduct_client::ClientError::Closed)),
+        "{:?}",
+        subscribed.err()
+    );
+    let written = within("a publish on an open stream", publisher.publish("t", "x")).await;
+    assert!(
+        matches!(written, Err(aqueduct_client::ClientError::Closed)),
+        "{written:?}"
+    );
+    b.stop().await.expect("clean shutdown");
+}
+
 /// With WebTransport on, the broker offers QUIC datagrams (HTTP/3 must: RFC 9297, and a
 /// browser closes a connection announcing H3_DATAGRAM without them), into a small buffer.
 #[tokio::test]
