@@ -278,6 +278,9 @@ impl Client {
         host: String,
         open_wait: Duration,
     ) -> Result<Client, ConnectError> {
+        // The handshake and a WebTransport session's setup share the timeout: the session was
+        // given all of it again once the handshake was done.
+        let deadline = tokio::time::Instant::now() + opts.timeout;
         let mut crypto = crate::tls::client_crypto(&opts.trust, &host, opts.client_cert.as_ref())?;
         if let crate::link::Transport::WebTransport { .. } = &opts.transport {
             crypto.alpn_protocols = vec![web_transport_quinn::ALPN.as_bytes().to_vec()];
@@ -306,8 +309,8 @@ impl Client {
                     })?;
                 let mut request = web_transport_quinn::proto::ConnectRequest::new(url);
                 request.protocols.push("aqueduct-v1".into());
-                let session = tokio::time::timeout(
-                    opts.timeout,
+                let session = tokio::time::timeout_at(
+                    deadline,
                     web_transport_quinn::Session::connect(conn, request),
                 )
                 .await
@@ -691,6 +694,41 @@ mod tests {
         assert_eq!(client.remote_address(), broker_addr);
         client.close().await.expect("closed");
         broker.stop().await;
+    }
+
+    /// A WebTransport connect gives up at its timeout, the QUIC handshake and the session's
+    /// setup together: the setup was given the whole timeout again after the handshake. Here
+    /// the server takes 1.5 s to accept the handshake and then never answers the session's
+    /// request; with a 2.5 s timeout the connect took 4 s.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_webtransport_connect_keeps_to_one_timeout() {
+        let fake = crate::test_broker::FakeBroker::start_with_alpn(web_transport_quinn::ALPN);
+        let endpoint = fake.endpoint();
+        let server = tokio::spawn(async move {
+            let incoming = endpoint.accept().await.expect("a connection");
+            // A slow server, not a wait for a condition: the handshake is answered late.
+            tokio::time::sleep(std::time::Duration::from_millis(1_500)).await;
+            let conn = incoming.await.expect("handshake");
+            // Holds the connection, answering nothing, until the client gives up.
+            conn.closed().await
+        });
+        let mut opts = fake.options().transport(crate::Transport::WebTransport {
+            path: "/aqueduct/wt".into(),
+        });
+        opts.timeout = std::time::Duration::from_millis(2_500);
+        let started = std::time::Instant::now();
+        let connected = crate::test_broker::within(super::Client::connect(opts)).await;
+        let took = started.elapsed();
+        assert!(
+            matches!(connected, Err(crate::ConnectError::Timeout { .. })),
+            "{:?}",
+            connected.err()
+        );
+        assert!(
+            took < std::time::Duration::from_millis(3_600),
+            "took {took:?}"
+        );
+        server.abort();
     }
 
     /// After `close`, what is asked of the client fails as closed, not as a connection lost

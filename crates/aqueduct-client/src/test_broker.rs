@@ -77,6 +77,11 @@ pub(crate) struct FakeBroker {
 
 impl FakeBroker {
     pub(crate) fn start() -> FakeBroker {
+        Self::start_with_alpn("aqueduct-v1")
+    }
+
+    /// One that speaks `alpn` instead (e.g. HTTP/3's, to stand for a WebTransport server).
+    pub(crate) fn start_with_alpn(alpn: &str) -> FakeBroker {
         let dir = tempfile::tempdir().expect("temp dir");
         let cert = dir.path().join("fake-cert.pem");
         let key = rcgen::generate_simple_self_signed(vec!["127.0.0.1".into()]).expect("cert");
@@ -89,7 +94,7 @@ impl FakeBroker {
             .with_no_client_auth()
             .with_single_cert(vec![der], secret)
             .expect("server cert");
-        tls.alpn_protocols = vec![b"aqueduct-v1".to_vec()];
+        tls.alpn_protocols = vec![alpn.as_bytes().to_vec()];
         let config = quinn::ServerConfig::with_crypto(std::sync::Arc::new(
             quinn::crypto::rustls::QuicServerConfig::try_from(tls).expect("quic"),
         ));
@@ -106,6 +111,11 @@ impl FakeBroker {
     pub(crate) fn options(&self) -> crate::ConnectOptions {
         let addr = self.endpoint.local_addr().expect("addr");
         crate::ConnectOptions::new(addr.to_string()).dev_cert_file(&self.cert)
+    }
+
+    /// Its endpoint, to accept connections in a test's own way.
+    pub(crate) fn endpoint(&self) -> quinn::Endpoint {
+        self.endpoint.clone()
     }
 
     /// The next connection, handshake done.
