@@ -856,6 +856,37 @@ mod tests {
         assert_eq!(bodies, expected);
     }
 
+    /// `close` keeps to its 10 s deadline when the broker stops reading the stream: writing the
+    /// UNSUBSCRIBEs, which flow control then holds, was outside it, and `close` hung.
+    #[tokio::test]
+    async fn close_keeps_to_its_deadline_when_the_broker_stops_reading() {
+        use crate::test_broker::{confirm, read_frame, FakeBroker};
+        const N: usize = 100;
+        // ~4 KB of UNSUBSCRIBEs against 512 bytes the stream may run ahead.
+        let fake = FakeBroker::start_with_stream_window(512);
+        let (client, conn) = fake.client().await;
+        let filters: Vec<String> = (0..N)
+            .map(|i| format!("a/long/enough/filter/{i:04}"))
+            .collect();
+        let filters: Vec<&str> = filters.iter().map(String::as_str).collect();
+        let broker = async {
+            let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
+            for _ in 0..N {
+                let (id, _) = read_frame(&mut recv).await;
+                send.write_all(&confirm(id, vec![])).await.expect("write");
+            }
+            // Reads nothing more.
+            (send, recv)
+        };
+        let opts = crate::SubscribeOptions::default();
+        let (sub, _stream) = tokio::join!(client.subscribe_many(&filters, &opts), broker);
+        let sub = sub.expect("subscribed");
+        let closed = tokio::time::timeout(Duration::from_secs(30), sub.close())
+            .await
+            .expect("close kept to its deadline");
+        assert!(matches!(closed, Err(ClientError::Timeout(_))), "{closed:?}");
+    }
+
     /// A subscription's id is held while it lives and free again once it is gone (its handle
     /// dropped), so that a SUBSCRIBE after the ids wrap never takes a live one's.
     #[tokio::test]

@@ -82,6 +82,18 @@ impl FakeBroker {
 
     /// One that speaks `alpn` instead (e.g. HTTP/3's, to stand for a WebTransport server).
     pub(crate) fn start_with_alpn(alpn: &str) -> FakeBroker {
+        Self::build(alpn, quinn::TransportConfig::default())
+    }
+
+    /// One that lets a client send at most `window` bytes on a stream beyond what it has read
+    /// (a broker that stops reading a stream then holds the client's writes on it).
+    pub(crate) fn start_with_stream_window(window: u32) -> FakeBroker {
+        let mut transport = quinn::TransportConfig::default();
+        transport.stream_receive_window(window.into());
+        Self::build("aqueduct-v1", transport)
+    }
+
+    fn build(alpn: &str, transport: quinn::TransportConfig) -> FakeBroker {
         let dir = tempfile::tempdir().expect("temp dir");
         let cert = dir.path().join("fake-cert.pem");
         let key = rcgen::generate_simple_self_signed(vec!["127.0.0.1".into()]).expect("cert");
@@ -95,9 +107,10 @@ impl FakeBroker {
             .with_single_cert(vec![der], secret)
             .expect("server cert");
         tls.alpn_protocols = vec![alpn.as_bytes().to_vec()];
-        let config = quinn::ServerConfig::with_crypto(std::sync::Arc::new(
+        let mut config = quinn::ServerConfig::with_crypto(std::sync::Arc::new(
             quinn::crypto::rustls::QuicServerConfig::try_from(tls).expect("quic"),
         ));
+        config.transport_config(std::sync::Arc::new(transport));
         let endpoint = quinn::Endpoint::server(config, "127.0.0.1:0".parse().expect("addr"))
             .expect("endpoint");
         FakeBroker {
