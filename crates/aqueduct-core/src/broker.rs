@@ -259,8 +259,8 @@ impl PublishContext {
         self.held.pop()
     }
 
-    /// Forget held subscribers: for a caller that is not a client stream (the broker's own
-    /// ack-wait timer) and so has nothing to hold back.
+    /// Forget held subscribers: for a caller that has nothing to hold back (and leaves them
+    /// unwatched: see [`Broker::watch_full`]).
     pub fn clear_held(&mut self) {
         self.held.clear();
     }
@@ -474,6 +474,8 @@ pub struct Broker {
     orphans: OrphanCell,
     /// Publishes dead letters across the cluster.
     dead_letter_router: DeadLetterCell,
+    /// Block-policy subscriptions left full by work with no source to hold back.
+    full: crate::full_watch::FullWatch,
 }
 
 /// A message of a routed consumer group that has no live member on this node any more (its
@@ -636,6 +638,29 @@ impl Broker {
     /// false).
     pub fn set_dead_letter_router(&self, router: DeadLetterRouter) -> bool {
         self.dead_letter_router.0.set(router).is_ok()
+    }
+
+    /// For a caller with no source to hold back (a stream or connection ending, the ack-wait
+    /// timer): watch the block-policy subscriptions that work through `ctx` left full, instead
+    /// of holding anything for them (see [`overdue_full`](Self::overdue_full)). A redelivery
+    /// (which holds no source) has its own watched already.
+    pub fn watch_full(&self, ctx: &mut PublishContext, now: Instant) {
+        self.full.watch(ctx.held.drain(..), now);
+    }
+
+    /// The watched block-policy subscriptions (see [`watch_full`](Self::watch_full) and the
+    /// module [`full_watch`](crate::full_watch)) that have not drained to half within `limit`
+    /// since work filled them: taken out, for the caller to close as slow consumers
+    /// ([`disconnect_slow`](Self::disconnect_slow)), as a publisher held that long would. Those
+    /// that drained or closed are forgotten. Without a limit, none are overdue.
+    pub fn overdue_full(&self, now: Instant, limit: Option<Duration>) -> Vec<Arc<Subscriber>> {
+        self.full.overdue(now, limit)
+    }
+
+    /// How many block-policy subscriptions are watched as full (see
+    /// [`watch_full`](Self::watch_full)).
+    pub fn watched_full(&self) -> usize {
+        self.full.len()
     }
 
     /// Tell the interest listener that `sub` is routed (+1) or no longer is (-1), once each way:
@@ -1712,7 +1737,8 @@ impl Broker {
         d.topic.stats().redelivered();
         // A redelivery moves a message from in flight back to a queue: it adds nothing to hold
         // a source back for. Holding the stream that NACKed (under block, into a full queue)
-        // kept the ACKs that come on it unread, so the queue could never drain.
+        // kept the ACKs that come on it unread, so the queue could never drain. The targets it
+        // filled are watched instead (see `watch_full`).
         let held_before = ctx.held.len();
         match from.group() {
             Some(g) => self.hand_to_group(ctx, g, d, Some(from.id()), now),
@@ -1729,7 +1755,8 @@ impl Broker {
         let mut at = held_before;
         while at < ctx.held.len() {
             if target(&ctx.held[at]) {
-                ctx.held.remove(at);
+                let sub = ctx.held.remove(at);
+                self.full.watch(std::iter::once(sub), now);
             } else {
                 at += 1;
             }

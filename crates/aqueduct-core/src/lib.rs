@@ -24,6 +24,7 @@ pub mod acl;
 pub mod broker;
 pub mod config;
 pub mod discovery;
+pub mod full_watch;
 pub mod group;
 pub mod index;
 pub mod latency;

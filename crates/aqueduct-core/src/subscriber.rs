@@ -179,6 +179,9 @@ struct State {
     orphaned_holds: u32,
     /// Its client stopped reading: nothing more is queued (see [`crate::Broker::detach`]).
     detached: bool,
+    /// Times a drain took the queue from above half its capacity to half or below (when held
+    /// publishers go on): see [`Subscriber::halvings`].
+    halvings: u64,
 }
 
 /// Under the block policy a frame may fill a queue past its capacity, its publisher then held
@@ -478,6 +481,7 @@ impl Subscriber {
         let mut local = LocalLatency::default();
         let mut published: Option<(Instant, u32)> = None;
         let mut st = self.lock();
+        let above_half = st.queue.len() > self.resume_at();
         let explicit = self.ack_mode == AckMode::Explicit;
         while done.bytes < max_bytes || done.frames == 0 {
             if explicit && st.in_flight.len() >= max_in_flight {
@@ -536,6 +540,9 @@ impl Subscriber {
         self.note_lengths(&st);
         // Drained to half: held publishers go on, and those that left while held are forgotten.
         let held = if st.queue.len() <= self.resume_at() {
+            if above_half {
+                st.halvings = st.halvings.wrapping_add(1);
+            }
             st.orphaned_holds = 0;
             std::mem::take(&mut st.held)
         } else {
@@ -603,6 +610,13 @@ impl Subscriber {
             st.held.push(cx.waker().clone());
         }
         std::task::Poll::Pending
+    }
+
+    /// How many times its queue has drained from above half its capacity to half or below, so
+    /// far (wrapping): a watcher that samples the queue now and then sees by a change that it
+    /// drained in between, as a held publisher would have been let go then.
+    pub fn halvings(&self) -> u64 {
+        self.lock().halvings
     }
 
     /// A publisher this subscriber's full queue held went away before the queue drained (its

@@ -657,7 +657,120 @@ fn a_nack_into_its_own_full_block_queue_holds_nothing() {
     b.nack(&mut ctx, &s, None, 0, None, None, now)
         .expect("in flight");
     assert!(ctx.take_held().is_none(), "a redelivery holds no source");
+    assert_eq!(b.watched_full(), 1, "but it is watched");
     assert_eq!(s.queued(), 3, "queued again, not dropped");
+    let later = now + Duration::from_secs(5);
+    let overdue = b.overdue_full(later, Some(Duration::from_secs(5)));
+    assert!(overdue.len() == 1 && Arc::ptr_eq(&overdue[0], &s));
+}
+
+/// A `block` group member that members leaving without settling fill past its bound is
+/// watched: for what they had queued (their stream, ending, has nothing to hold back: the
+/// caller hands the holds over), and for what they had in flight (a redelivery). Nothing
+/// watched it, so members that join, take messages and leave grew a full member's queue
+/// without end; the server now closes one that stays full past `broker.block_timeout`, as a
+/// held publisher would. One that drains to half is forgotten.
+#[test]
+fn a_member_leaving_into_a_full_block_member_is_watched() {
+    let b = Broker::new(BrokerConfig {
+        queue_size: 2,
+        backpressure_policy: OverflowPolicy::Block,
+        ..Default::default()
+    });
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let limit = Some(Duration::from_secs(30));
+    let member = || {
+        sub_with(
+            &b,
+            "topic:jobs:group:g",
+            SubscribeOptions {
+                ack_mode: AckMode::Explicit,
+                ..Default::default()
+            },
+        )
+    };
+    // `full` takes nothing: its queue fills.
+    let full = member();
+    publish(&b, &mut ctx, "jobs", "0", now);
+    publish(&b, &mut ctx, "jobs", "1", now);
+    ctx.clear_held();
+    assert_eq!(full.queued(), 2, "full");
+    // A member joins and takes the next message (in flight), then leaves; in the second round
+    // it also has one queued, which is handed over first and held for.
+    let mut expected = 2;
+    for round in 0..2 {
+        let churn = member();
+        publish(&b, &mut ctx, "jobs", "a", now);
+        assert_eq!(drain_all(&b, &churn, now).len(), 1, "round {round}: taken");
+        expected += 1;
+        if round > 0 {
+            publish(&b, &mut ctx, "jobs", "b", now);
+            assert_eq!(
+                churn.queued(),
+                1,
+                "round {round}: queued for the member with room"
+            );
+            expected += 1;
+        }
+        ctx.clear_held();
+        b.unsubscribe(&mut ctx, &churn, now);
+        if round == 0 {
+            assert!(ctx.take_held().is_none(), "a redelivery holds nothing");
+        } else {
+            let held = ctx.take_held().expect("the hand-over of what was queued");
+            assert!(Arc::ptr_eq(&held, &full));
+            b.watch_full(&mut ctx, now);
+        }
+        assert_eq!(b.watched_full(), 1, "round {round}: watched");
+        assert_eq!(full.queued(), expected, "round {round}: nothing lost");
+    }
+    assert!(
+        b.overdue_full(now + Duration::from_secs(29), limit)
+            .is_empty(),
+        "not yet"
+    );
+    assert!(
+        b.overdue_full(now + Duration::from_secs(99), None)
+            .is_empty(),
+        "no limit"
+    );
+    let overdue = b.overdue_full(now + Duration::from_secs(30), limit);
+    assert!(overdue.len() == 1 && Arc::ptr_eq(&overdue[0], &full));
+    assert_eq!(b.watched_full(), 0, "taken out");
+    // Watched again, then drained to half and filled again before anyone looks (a busy
+    // member that a publisher keeps full): forgotten, as a held publisher would have been let
+    // go when it drained.
+    let watch_again = |ctx: &mut PublishContext| {
+        let churn = member();
+        publish(&b, ctx, "jobs", "c", now);
+        b.unsubscribe(ctx, &churn, now);
+        b.watch_full(ctx, now);
+        assert_eq!(b.watched_full(), 1);
+    };
+    watch_again(&mut ctx);
+    let queued = full.queued();
+    let mut out = BytesMut::new();
+    while full.queued() > 1 {
+        let d = b.drain(&full, &mut out, 1, now);
+        assert!(d.frames > 0, "in flight without limit");
+    }
+    for i in 0..queued {
+        publish(&b, &mut ctx, "jobs", &format!("again {i}"), now);
+    }
+    ctx.clear_held();
+    assert!(full.queued() > 1, "above half again");
+    assert!(b
+        .overdue_full(now + Duration::from_secs(99), limit)
+        .is_empty());
+    assert_eq!(b.watched_full(), 0, "drained in between: forgotten");
+    // Drained to half for good.
+    watch_again(&mut ctx);
+    drain_all(&b, &full, now);
+    assert!(b
+        .overdue_full(now + Duration::from_secs(99), limit)
+        .is_empty());
+    assert_eq!(b.watched_full(), 0, "drained: forgotten");
 }
 
 /// Publishers that left while held (`note_orphaned_hold`) use up what a full `block` queue may

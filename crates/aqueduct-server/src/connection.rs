@@ -835,6 +835,8 @@ async fn serve_streams(
             shared.broker.unsubscribe(ctx, &entry.sub, now)
         });
     }
+    // Nothing to hold back for what its group members handed on: watched instead.
+    shared.broker.watch_full(&mut ctx, now);
     let st = session.quic().stats();
     if state.is_confirmed() {
         info!(client = %state.describe(), "disconnected: {reason}");

@@ -1242,14 +1242,6 @@ async fn ack_ticker(
     let mut ctx = PublishContext::default();
     let mut tick = tokio::time::interval(ACK_TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    // Block-policy subscriptions the timer's dead letters filled, since when. The timer holds
-    // no source it could stop reading, so one that stays full past block_timeout is closed as
-    // a slow consumer here, as a held publisher would close it: its dead letters would
-    // otherwise grow its queue without bound for as long as messages kept timing out.
-    let mut full_since: HashMap<
-        aqueduct_core::SubscriberId,
-        (Arc<aqueduct_core::Subscriber>, Instant),
-    > = HashMap::new();
     loop {
         tokio::select! {
             _ = tick.tick() => {
@@ -1260,31 +1252,29 @@ async fn ack_ticker(
                     Some(d) => d.with_order(&mut ctx, |ctx| broker.tick(ctx, Instant::now())),
                     None => broker.tick(&mut ctx, Instant::now()),
                 };
+                // The timer holds no source it could stop reading: block-policy subscriptions
+                // its dead letters filled are watched, as are those that redeliveries and
+                // departing group members' messages filled (`Broker::watch_full`). One that
+                // stays full past block_timeout is closed as a slow consumer here, as a held
+                // publisher would close it: its queue would otherwise grow without bound for
+                // as long as such messages kept coming.
                 let now = Instant::now();
-                while let Some(sub) = ctx.take_held() {
-                    full_since.entry(sub.id()).or_insert((sub, now));
-                }
-                let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-                full_since.retain(|_, (sub, since)| {
-                    if sub.is_closed() || sub.poll_room(&mut cx).is_ready() {
-                        return false;
-                    }
-                    let Some(limit) = block_timeout else {
-                        return true;
-                    };
-                    if now.saturating_duration_since(*since) < limit {
-                        return true;
-                    }
+                broker.watch_full(&mut ctx, now);
+                for sub in broker.overdue_full(now, block_timeout) {
                     let closed = match &durable {
-                        Some(d) => d.with_order(&mut ctx, |ctx| broker.disconnect_slow(ctx, sub, now)),
-                        None => broker.disconnect_slow(&mut ctx, sub, now),
+                        Some(d) => d.with_order(&mut ctx, |ctx| broker.disconnect_slow(ctx, &sub, now)),
+                        None => broker.disconnect_slow(&mut ctx, &sub, now),
                     };
                     if closed {
-                        warn!(filter = %sub.filter(), "a block-policy subscription stayed full of dead letters for {limit:?}: closed it as a slow consumer");
+                        warn!(
+                            filter = %sub.filter(),
+                            "a block-policy subscription stayed full for {:?} of messages no publisher could be held back for (redeliveries, dead letters of the ack-wait timer, a departing group member's messages): closed it as a slow consumer",
+                            block_timeout.unwrap_or_default()
+                        );
                     }
-                    false
-                });
-                ctx.clear_held();
+                }
+                // What closing them handed on (a group member's queue) is watched too.
+                broker.watch_full(&mut ctx, now);
             }
             _ = stop.changed() => return,
         }

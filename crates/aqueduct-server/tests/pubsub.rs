@@ -1364,6 +1364,68 @@ async fn datagrams_grow_to_the_largest_mtu_the_path_and_both_ends_allow() {
     small.stop().await.expect("clean shutdown");
 }
 
+/// A `block` group member that does not read, filled past its bound by members that take
+/// messages and leave without settling them: once it has stayed full for
+/// `broker.block_timeout`, it is closed as a slow consumer, as a held publisher would close it.
+/// What a departing member hands over holds no publisher, and nothing watched the queue: members
+/// coming and going grew it without end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn departing_group_members_cannot_grow_a_stalled_block_member_for_good() {
+    let b = TestBroker::start_with(|c| {
+        c.broker.backpressure_policy = OverflowPolicy::Block;
+        c.broker.queue_size = 4;
+        c.block_timeout = Some(Duration::from_secs(1));
+    })
+    .await;
+    let member = SubscribeOptions {
+        group: Some("g".into()),
+        max_in_flight: Some(1),
+        ..explicit_ack()
+    };
+    // The stalled member: one job in flight, never acknowledged, and 4 queued behind it.
+    let stalled = b.client().await;
+    let mut stuck = stalled
+        .subscribe_with("jobs", &member)
+        .await
+        .expect("subscribed");
+    let publisher = b.client().await;
+    for i in 0..5 {
+        publisher
+            .publish_with("jobs", format!("job {i}"), &confirm())
+            .await
+            .expect("published");
+    }
+    within("the stalled member's one job", stuck.next_message())
+        .await
+        .expect("open")
+        .expect("a job");
+    // A member joins, takes the next job and leaves without settling it: its job goes back to
+    // the group, whose only other member is full.
+    let leaving = b.client().await;
+    let mut taken = leaving
+        .subscribe_with("jobs", &member)
+        .await
+        .expect("subscribed");
+    publisher
+        .publish_with("jobs", "job 5", &confirm())
+        .await
+        .expect("published");
+    let job = within("the new member's job", taken.next_message())
+        .await
+        .expect("open")
+        .expect("a job");
+    assert_eq!(&job.body()[..], b"job 5");
+    drop(taken);
+    leaving.close().await.expect("left");
+    until("the stalled member to be closed", || {
+        b.broker.slow_consumers_disconnected() >= 1
+    })
+    .await;
+    drop(stuck);
+    stalled.close().await.expect("closed");
+    close_and_stop(publisher, b).await;
+}
+
 /// Dead letters the ack-wait timer makes into a block-policy subscription that does not read:
 /// once it has stayed full for `broker.block_timeout`, it is closed as a slow consumer, as a
 /// held publisher would close it. The timer holds no source it could stop reading, and forgot

@@ -52,7 +52,7 @@ pub(super) fn revoke(shared: &Shared, conn: &ConnState, out: &StreamOut, sub: &A
         CloseReason::Revoked,
         Instant::now(),
     );
-    ctx.clear_held();
+    shared.broker.watch_full(&mut ctx, Instant::now());
     out.notify.notify_one();
 }
 

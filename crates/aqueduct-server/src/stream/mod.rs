@@ -320,7 +320,8 @@ fn end_subscriptions(
         let key = lock(&out.durables).remove(&sub.id());
         unsubscribe(shared, &mut ctx, &sub, key.as_deref(), now);
     }
-    ctx.clear_held();
+    // The stream is ending: nothing to hold back for what its members handed on.
+    shared.broker.watch_full(&mut ctx, now);
 }
 
 /// Run a broker call that may publish dead letters (a NACK, a subscription ending, a slow
@@ -394,7 +395,8 @@ fn detach_subscriptions(shared: &Shared, out: &StreamOut) {
         stop_feeding(shared, out, sub);
         logged(shared, &mut ctx, |ctx| shared.broker.detach(ctx, sub, now));
     }
-    ctx.clear_held();
+    // Nothing here to hold back for what the members handed on: watched instead.
+    shared.broker.watch_full(&mut ctx, now);
 }
 
 /// Route nothing more to the subscriptions delivered on this stream; what is queued for them
@@ -1525,11 +1527,11 @@ fn fill_queued(
 }
 
 /// The ERROR `SLOW_CONSUMER` reason: why this subscription was closed, by its policy (a `block`
-/// subscription is closed only for holding its publishers past `broker.block_timeout`).
+/// subscription for staying full past `broker.block_timeout`, holding a publisher or not).
 fn slow_consumer_reason(sub: &Subscriber, block_timeout: Option<Duration>) -> String {
     match sub.policy() {
         OverflowPolicy::Block => format!(
-            "subscription to {} closed: it held its publishers longer than broker.block_timeout ({}) (policy block)",
+            "subscription to {} closed: its queue stayed full longer than broker.block_timeout ({}) (policy block)",
             sub.filter(),
             humantime::format_duration(block_timeout.unwrap_or_default())
         ),
