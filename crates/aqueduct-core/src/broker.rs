@@ -649,10 +649,12 @@ impl Broker {
     }
 
     /// The watched block-policy subscriptions (see [`watch_full`](Self::watch_full) and the
-    /// module [`full_watch`](crate::full_watch)) that have not drained to half within `limit`
-    /// since work filled them: taken out, for the caller to close as slow consumers
-    /// ([`disconnect_slow`](Self::disconnect_slow)), as a publisher held that long would. Those
-    /// that drained or closed are forgotten. Without a limit, none are overdue.
+    /// module [`full_watch`](crate::full_watch)) that, for `limit`, have neither drained to half
+    /// nor taken half their capacity off their queue: taken out, for the caller to close as slow
+    /// consumers ([`disconnect_slow`](Self::disconnect_slow)), as a publisher held that long
+    /// would. Those that drained to half or closed are forgotten. Without a limit, none are
+    /// overdue. A caller that watches must call this now and then: the watch holds its
+    /// subscriptions until then.
     pub fn overdue_full(&self, now: Instant, limit: Option<Duration>) -> Vec<Arc<Subscriber>> {
         self.full.overdue(now, limit)
     }
@@ -946,7 +948,8 @@ impl Broker {
     }
 
     /// Close a subscription as a slow consumer, as the disconnect policy does on overflow: for a
-    /// `block` subscription that has held its publishers too long. Its queued messages are
+    /// `block` subscription that has stayed full too long (holding its publishers, or see
+    /// [`overdue_full`](Self::overdue_full)). Its queued messages are
     /// dropped and counted under `disconnect` (a group member's go to the other members).
     /// An unrouted (durable) subscription is never closed this way: its queue's producer waits
     /// for room, and closing it would lose its place in the log. Returns whether it was closed.

@@ -10,13 +10,19 @@
 //! settling them filled a stalled member past its bound for as long as they came and went.
 //!
 //! Such subscriptions are watched here from the moment that work fills them (see
-//! [`Broker::watch_full`](crate::Broker::watch_full)); the server takes those that have not
-//! drained to half once in the `broker.block_timeout` since
+//! [`Broker::watch_full`](crate::Broker::watch_full)). The server takes those that, within
+//! `broker.block_timeout`, neither drained to half nor took half their capacity off the queue
+//! — what a held publisher asks of a subscription in that time —
 //! ([`Broker::overdue_full`](crate::Broker::overdue_full)) and closes them as slow consumers,
-//! as a held publisher's wait would. One that drains is forgotten until work fills it again.
-//! Draining is told by [`Subscriber::halvings`], not by the queue's length when the server
-//! looks: a busy member that a held publisher refills each time it drains is above half at
-//! most looks, and is healthy.
+//! as a held publisher's wait would. Each time one has taken that much, its time starts again;
+//! one that drains to half is forgotten until work fills it again. So a stalled or slower
+//! subscription is closed, and a draining one never is, however far above its capacity
+//! hand-overs took it (a member that a held publisher keeps refilling as it drains, a survivor
+//! given a departing member's queue and unsettled messages). Progress is told by
+//! [`Subscriber::drain_progress`]'s counters, not by the queue's length when the server looks.
+//!
+//! An unrouted (durable) subscription is watched but never closed
+//! ([`Broker::disconnect_slow`](crate::Broker::disconnect_slow)).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -24,56 +30,82 @@ use std::time::{Duration, Instant};
 
 use foldhash::fast::RandomState;
 
-use crate::subscriber::{Subscriber, SubscriberId};
+use crate::subscriber::{DrainProgress, Subscriber, SubscriberId};
 
-/// Each watched subscription, when work filled it, and its halvings then.
-type Watched = HashMap<SubscriberId, (Arc<Subscriber>, Instant, u64), RandomState>;
+/// A watched subscription: since when it has made no progress, and its counters then.
+#[derive(Debug)]
+struct Entry {
+    sub: Arc<Subscriber>,
+    since: Instant,
+    at: DrainProgress,
+}
+
+type Watched = HashMap<SubscriberId, Entry, RandomState>;
 
 /// See the module documentation. Touched only when such work fills a queue, and by the
 /// server's periodic look.
 #[derive(Debug, Default)]
 pub(crate) struct FullWatch {
-    full_since: Mutex<Watched>,
+    watched: Mutex<Watched>,
 }
 
 impl FullWatch {
     fn lock(&self) -> MutexGuard<'_, Watched> {
-        self.full_since
+        self.watched
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Watch `subs` from `now` (those watched already keep their time).
+    /// Watch `subs` from `now`. One watched already keeps its time, unless it drained to half
+    /// since (this is a new fill).
     pub(crate) fn watch(&self, subs: impl IntoIterator<Item = Arc<Subscriber>>, now: Instant) {
         let mut subs = subs.into_iter().peekable();
         if subs.peek().is_none() {
             return;
         }
         // Each subscription's lock is taken outside the watch's.
-        let subs: Vec<(Arc<Subscriber>, u64)> = subs
+        let subs: Vec<(Arc<Subscriber>, DrainProgress)> = subs
             .map(|sub| {
-                let halvings = sub.halvings();
-                (sub, halvings)
+                let at = sub.drain_progress();
+                (sub, at)
             })
             .collect();
         let mut watched = self.lock();
-        for (sub, halvings) in subs {
-            watched.entry(sub.id()).or_insert((sub, now, halvings));
+        // Closed since, or drained to half already: nothing to watch.
+        for (sub, at) in subs.into_iter().filter(|(_, at)| !at.at_half) {
+            let entry = watched.entry(sub.id()).or_insert(Entry {
+                sub: sub.clone(),
+                since: now,
+                at,
+            });
+            if entry.at.halvings != at.halvings {
+                *entry = Entry {
+                    sub,
+                    since: now,
+                    at,
+                };
+            }
         }
     }
 
-    /// Forget the subscriptions that drained to half since they were watched, or closed; take
-    /// out and return those that have not for `limit` or longer (none without a limit).
+    /// Forget the subscriptions that drained to half since they were watched, or closed; start
+    /// the time again for those that took half their capacity off the queue since it started;
+    /// take out and return those that did neither for `limit` or longer (none without a limit).
     pub(crate) fn overdue(&self, now: Instant, limit: Option<Duration>) -> Vec<Arc<Subscriber>> {
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         let mut overdue = Vec::new();
-        self.lock().retain(|_, (sub, since, halvings)| {
-            if sub.is_closed() || sub.poll_room(&mut cx).is_ready() || sub.halvings() != *halvings {
+        self.lock().retain(|_, e| {
+            let p = e.sub.drain_progress();
+            if p.at_half || p.halvings != e.at.halvings {
                 return false;
             }
+            if p.taken.wrapping_sub(e.at.taken) >= p.half.max(1) {
+                e.since = now;
+                e.at = p;
+                return true;
+            }
             match limit {
-                Some(limit) if now.saturating_duration_since(*since) >= limit => {
-                    overdue.push(sub.clone());
+                Some(limit) if now.saturating_duration_since(e.since) >= limit => {
+                    overdue.push(e.sub.clone());
                     false
                 }
                 _ => true,

@@ -46,6 +46,6 @@ pub use config::BrokerConfig;
 pub use group::{GroupShared, RoundRobin};
 pub use latency::{LatencyHistogram, LatencySnapshot};
 pub use subscriber::{
-    CloseReason, Delivery, Drained, SettleError, Subscriber, SubscriberId, Waker,
+    CloseReason, Delivery, DrainProgress, Drained, SettleError, Subscriber, SubscriberId, Waker,
 };
 pub use topic::{DropReason, TopicState, TopicStats, TopicStatsSnapshot};

@@ -180,8 +180,10 @@ struct State {
     /// Its client stopped reading: nothing more is queued (see [`crate::Broker::detach`]).
     detached: bool,
     /// Times a drain took the queue from above half its capacity to half or below (when held
-    /// publishers go on): see [`Subscriber::halvings`].
+    /// publishers go on), and messages drains took off it (both wrapping): see
+    /// [`Subscriber::drain_progress`].
     halvings: u64,
+    taken: u64,
 }
 
 /// Under the block policy a frame may fill a queue past its capacity, its publisher then held
@@ -193,6 +195,22 @@ struct State {
 /// (as `disconnect` would), so its queue stays bounded; below that it is held as before, so a
 /// few one-shot publishers to a briefly full queue close nothing.
 pub const MAX_ORPHANED_HOLDS: u32 = 16;
+
+/// How a subscription's queue has been draining ([`Subscriber::drain_progress`]); the counters
+/// wrap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DrainProgress {
+    /// Times a drain took the queue from above half its capacity to half or below: when
+    /// publishers its full queue held go on.
+    pub halvings: u64,
+    /// Messages drains took off the queue (written, or dropped as expired).
+    pub taken: u64,
+    /// The queue is at half its capacity or below now (or the subscription is closed or
+    /// detached): a held publisher would go on.
+    pub at_half: bool,
+    /// Half its capacity: what a held publisher waits for it to drain to.
+    pub half: u64,
+}
 
 /// A subscription.
 ///
@@ -538,6 +556,7 @@ impl Subscriber {
             }
         }
         self.note_lengths(&st);
+        st.taken = st.taken.wrapping_add((done.frames + done.expired) as u64);
         // Drained to half: held publishers go on, and those that left while held are forgotten.
         let held = if st.queue.len() <= self.resume_at() {
             if above_half {
@@ -612,11 +631,16 @@ impl Subscriber {
         std::task::Poll::Pending
     }
 
-    /// How many times its queue has drained from above half its capacity to half or below, so
-    /// far (wrapping): a watcher that samples the queue now and then sees by a change that it
-    /// drained in between, as a held publisher would have been let go then.
-    pub fn halvings(&self) -> u64 {
-        self.lock().halvings
+    /// How its queue has been draining so far, for a watcher that looks now and then (see
+    /// [`DrainProgress`]).
+    pub fn drain_progress(&self) -> DrainProgress {
+        let st = self.lock();
+        DrainProgress {
+            halvings: st.halvings,
+            taken: st.taken,
+            at_half: st.closed.is_some() || st.detached || st.queue.len() <= self.resume_at(),
+            half: self.resume_at() as u64,
+        }
     }
 
     /// A publisher this subscriber's full queue held went away before the queue drained (its

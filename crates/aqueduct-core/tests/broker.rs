@@ -748,22 +748,32 @@ fn a_member_leaving_into_a_full_block_member_is_watched() {
         b.watch_full(ctx, now);
         assert_eq!(b.watched_full(), 1);
     };
+    // Drained to half, then refilled by a publisher (held, let go as it drained).
+    let drained_to_half = |ctx: &mut PublishContext| {
+        let queued = full.queued();
+        let mut out = BytesMut::new();
+        while full.queued() > 1 {
+            assert!(b.drain(&full, &mut out, 1, now).frames > 0);
+        }
+        for i in 0..queued {
+            publish(&b, ctx, "jobs", &format!("again {i}"), now);
+        }
+        ctx.clear_held();
+        assert!(full.queued() > 1, "above half again");
+    };
     watch_again(&mut ctx);
-    let queued = full.queued();
-    let mut out = BytesMut::new();
-    while full.queued() > 1 {
-        let d = b.drain(&full, &mut out, 1, now);
-        assert!(d.frames > 0, "in flight without limit");
-    }
-    for i in 0..queued {
-        publish(&b, &mut ctx, "jobs", &format!("again {i}"), now);
-    }
-    ctx.clear_held();
-    assert!(full.queued() > 1, "above half again");
+    drained_to_half(&mut ctx);
     assert!(b
         .overdue_full(now + Duration::from_secs(99), limit)
         .is_empty());
     assert_eq!(b.watched_full(), 0, "drained in between: forgotten");
+    // The same, but a hand-over fills it again before the look: that fill is watched (it was
+    // taken for the first one, and forgotten with it).
+    watch_again(&mut ctx);
+    drained_to_half(&mut ctx);
+    watch_again(&mut ctx);
+    let overdue = b.overdue_full(now + Duration::from_secs(30), limit);
+    assert!(overdue.len() == 1 && Arc::ptr_eq(&overdue[0], &full));
     // Drained to half for good.
     watch_again(&mut ctx);
     drain_all(&b, &full, now);
@@ -771,6 +781,68 @@ fn a_member_leaving_into_a_full_block_member_is_watched() {
         .overdue_full(now + Duration::from_secs(99), limit)
         .is_empty());
     assert_eq!(b.watched_full(), 0, "drained: forgotten");
+}
+
+/// A member that hand-overs took far above its capacity but that keeps draining half its
+/// capacity per `block_timeout` (what a held publisher asks of it) is never overdue, though it
+/// stays above half for long: its time starts again each time. One that stops draining is.
+/// (Judged by crossing half alone, a survivor given departing members' messages had to drain
+/// all of them within the timeout, and was closed while draining steadily.)
+#[test]
+fn a_member_draining_steadily_far_above_its_bound_is_not_overdue() {
+    let b = Broker::new(BrokerConfig {
+        queue_size: 4,
+        backpressure_policy: OverflowPolicy::Block,
+        ..Default::default()
+    });
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    let limit = Some(Duration::from_secs(30));
+    let member = || {
+        sub_with(
+            &b,
+            "topic:jobs:group:g",
+            SubscribeOptions {
+                ack_mode: AckMode::Explicit,
+                ..Default::default()
+            },
+        )
+    };
+    let slow = member();
+    let leaving: Vec<_> = (0..3).map(|_| member()).collect();
+    for i in 0..16 {
+        publish(&b, &mut ctx, "jobs", &i.to_string(), now);
+    }
+    ctx.clear_held();
+    for m in &leaving {
+        b.unsubscribe(&mut ctx, m, now);
+    }
+    b.watch_full(&mut ctx, now);
+    assert_eq!(slow.queued(), 16, "four times its capacity");
+    assert_eq!(b.watched_full(), 1);
+    // Two messages (half its capacity) every 20 s: never overdue, though above half throughout.
+    let mut out = BytesMut::new();
+    let mut at = now;
+    for _ in 0..5 {
+        at += Duration::from_secs(20);
+        for _ in 0..2 {
+            assert_eq!(b.drain(&slow, &mut out, 1, at).frames, 1);
+        }
+        assert!(
+            b.overdue_full(at, limit).is_empty(),
+            "{} queued",
+            slow.queued()
+        );
+        assert_eq!(b.watched_full(), 1, "still watched");
+    }
+    assert_eq!(slow.queued(), 6, "above half");
+    // One message in the next 30 s: not enough.
+    assert_eq!(b.drain(&slow, &mut out, 1, at).frames, 1);
+    assert!(b
+        .overdue_full(at + Duration::from_secs(29), limit)
+        .is_empty());
+    let overdue = b.overdue_full(at + Duration::from_secs(30), limit);
+    assert!(overdue.len() == 1 && Arc::ptr_eq(&overdue[0], &slow));
 }
 
 /// Publishers that left while held (`note_orphaned_hold`) use up what a full `block` queue may

@@ -1364,46 +1364,69 @@ async fn datagrams_grow_to_the_largest_mtu_the_path_and_both_ends_allow() {
     small.stop().await.expect("clean shutdown");
 }
 
-/// A `block` group member that does not read, filled past its bound by members that take
-/// messages and leave without settling them: once it has stayed full for
-/// `broker.block_timeout`, it is closed as a slow consumer, as a held publisher would close it.
-/// What a departing member hands over holds no publisher, and nothing watched the queue: members
-/// coming and going grew it without end.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn departing_group_members_cannot_grow_a_stalled_block_member_for_good() {
+/// A broker whose `block` queues hold 4 messages and whose `block_timeout` is 1 s, with a
+/// member of group `g` on `jobs` that takes one job, never settles it, and has 4 more queued
+/// behind it: full, and holding no publisher. Returns the broker, the member's client and
+/// subscription, and a publisher.
+async fn stalled_block_member() -> (
+    TestBroker,
+    aqueduct_client::Client,
+    aqueduct_client::Subscription,
+    aqueduct_client::Client,
+) {
     let b = TestBroker::start_with(|c| {
         c.broker.backpressure_policy = OverflowPolicy::Block;
         c.broker.queue_size = 4;
         c.block_timeout = Some(Duration::from_secs(1));
     })
     .await;
-    let member = SubscribeOptions {
-        group: Some("g".into()),
-        max_in_flight: Some(1),
-        ..explicit_ack()
-    };
-    // The stalled member: one job in flight, never acknowledged, and 4 queued behind it.
     let stalled = b.client().await;
     let mut stuck = stalled
-        .subscribe_with("jobs", &member)
+        .subscribe_with("jobs", &group_member())
         .await
         .expect("subscribed");
     let publisher = b.client().await;
-    for i in 0..5 {
+    publisher
+        .publish_with("jobs", "job 0", &confirm())
+        .await
+        .expect("published");
+    within("the stalled member's one job", stuck.next_message())
+        .await
+        .expect("open")
+        .expect("a job");
+    // Its writer is at its in-flight limit: these stay queued, the last one filling the queue
+    // without holding the publisher (it found room).
+    for i in 1..5 {
         publisher
             .publish_with("jobs", format!("job {i}"), &confirm())
             .await
             .expect("published");
     }
-    within("the stalled member's one job", stuck.next_message())
-        .await
-        .expect("open")
-        .expect("a job");
+    (b, stalled, stuck, publisher)
+}
+
+/// A member of group `g`, settling explicitly, one unsettled job at a time.
+fn group_member() -> SubscribeOptions {
+    SubscribeOptions {
+        group: Some("g".into()),
+        max_in_flight: Some(1),
+        ..explicit_ack()
+    }
+}
+
+/// A `block` group member that does not read, filled past its bound by a member that takes a
+/// job and leaves without settling it: once it has stayed full for `broker.block_timeout`, it
+/// is closed as a slow consumer, as a held publisher would close it. What a departing member
+/// hands over holds no publisher, and nothing watched the queue: members coming and going grew
+/// it without end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn departing_group_members_cannot_grow_a_stalled_block_member_for_good() {
+    let (b, stalled, stuck, publisher) = stalled_block_member().await;
     // A member joins, takes the next job and leaves without settling it: its job goes back to
-    // the group, whose only other member is full.
+    // the group, whose only other member is full (a redelivery).
     let leaving = b.client().await;
     let mut taken = leaving
-        .subscribe_with("jobs", &member)
+        .subscribe_with("jobs", &group_member())
         .await
         .expect("subscribed");
     publisher
@@ -1417,6 +1440,50 @@ async fn departing_group_members_cannot_grow_a_stalled_block_member_for_good() {
     assert_eq!(&job.body()[..], b"job 5");
     drop(taken);
     leaving.close().await.expect("left");
+    until("the stalled member to be closed", || {
+        b.broker.slow_consumers_disconnected() >= 1
+    })
+    .await;
+    drop(stuck);
+    stalled.close().await.expect("closed");
+    close_and_stop(publisher, b).await;
+}
+
+/// The same with jobs still queued for the departing member (its client stopped reading):
+/// those are handed over as its connection ends, which holds nothing back, and the connection's
+/// end hands the full member to the watch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_departing_members_queued_jobs_cannot_grow_a_stalled_block_member_for_good() {
+    let (b, stalled, stuck, publisher) = stalled_block_member().await;
+    // A member whose client reads nothing: 4 KiB on the stream, then its jobs queue.
+    let before = b.broker.subscriber_count();
+    let leaving = Raw::connect(&b, 4096).await;
+    let mut stream = leaving.stream().await;
+    stream
+        .write(&raw_frame(0x42, 77, b"\x00\x00topic:jobs:group:g"))
+        .await;
+    until("the departing member", || {
+        b.broker.subscriber_count() == before + 1
+    })
+    .await;
+    let member = b
+        .broker
+        .subscribers()
+        .into_iter()
+        .find(|s| s.stream_id() == 77)
+        .expect("the departing member");
+    let body = Bytes::from(vec![7u8; 512]);
+    let mut sent = 0;
+    while member.queued() == 0 {
+        assert!(sent < 64, "nothing queued after {sent} jobs");
+        publisher
+            .publish_with("jobs", body.clone(), &confirm())
+            .await
+            .expect("published");
+        sent += 1;
+    }
+    assert_eq!(b.broker.slow_consumers_disconnected(), 0);
+    leaving.conn.close(0u32.into(), b"gone");
     until("the stalled member to be closed", || {
         b.broker.slow_consumers_disconnected() >= 1
     })
