@@ -664,6 +664,27 @@ fn a_nack_into_its_own_full_block_queue_holds_nothing() {
     assert!(overdue.len() == 1 && Arc::ptr_eq(&overdue[0], &s));
 }
 
+/// A broker whose queues hold `queue_size` messages under the block policy.
+fn block_broker_of(queue_size: usize) -> Broker {
+    Broker::new(BrokerConfig {
+        queue_size,
+        backpressure_policy: OverflowPolicy::Block,
+        ..Default::default()
+    })
+}
+
+/// A member of group `g` on `jobs`, settling explicitly.
+fn group_member(b: &Broker) -> Arc<Subscriber> {
+    sub_with(
+        b,
+        "topic:jobs:group:g",
+        SubscribeOptions {
+            ack_mode: AckMode::Explicit,
+            ..Default::default()
+        },
+    )
+}
+
 /// A `block` group member that members leaving without settling fill past its bound is
 /// watched: for what they had queued (their stream, ending, has nothing to hold back: the
 /// caller hands the holds over), and for what they had in flight (a redelivery). Nothing
@@ -672,24 +693,11 @@ fn a_nack_into_its_own_full_block_queue_holds_nothing() {
 /// held publisher would. One that drains to half is forgotten.
 #[test]
 fn a_member_leaving_into_a_full_block_member_is_watched() {
-    let b = Broker::new(BrokerConfig {
-        queue_size: 2,
-        backpressure_policy: OverflowPolicy::Block,
-        ..Default::default()
-    });
+    let b = block_broker_of(2);
     let mut ctx = PublishContext::default();
     let now = Instant::now();
     let limit = Some(Duration::from_secs(30));
-    let member = || {
-        sub_with(
-            &b,
-            "topic:jobs:group:g",
-            SubscribeOptions {
-                ack_mode: AckMode::Explicit,
-                ..Default::default()
-            },
-        )
-    };
+    let member = || group_member(&b);
     // `full` takes nothing: its queue fills.
     let full = member();
     publish(&b, &mut ctx, "jobs", "0", now);
@@ -790,24 +798,11 @@ fn a_member_leaving_into_a_full_block_member_is_watched() {
 /// all of them within the timeout, and was closed while draining steadily.)
 #[test]
 fn a_member_draining_steadily_far_above_its_bound_is_not_overdue() {
-    let b = Broker::new(BrokerConfig {
-        queue_size: 4,
-        backpressure_policy: OverflowPolicy::Block,
-        ..Default::default()
-    });
+    let b = block_broker_of(4);
     let mut ctx = PublishContext::default();
     let now = Instant::now();
     let limit = Some(Duration::from_secs(30));
-    let member = || {
-        sub_with(
-            &b,
-            "topic:jobs:group:g",
-            SubscribeOptions {
-                ack_mode: AckMode::Explicit,
-                ..Default::default()
-            },
-        )
-    };
+    let member = || group_member(&b);
     let slow = member();
     let leaving: Vec<_> = (0..3).map(|_| member()).collect();
     for i in 0..16 {

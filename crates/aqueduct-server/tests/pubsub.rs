@@ -1405,6 +1405,22 @@ async fn stalled_block_member() -> (
     (b, stalled, stuck, publisher)
 }
 
+/// Wait until [`stalled_block_member`]'s member is closed as a slow consumer, then end.
+async fn closed_as_slow(
+    b: TestBroker,
+    stalled: aqueduct_client::Client,
+    stuck: aqueduct_client::Subscription,
+    publisher: aqueduct_client::Client,
+) {
+    until("the stalled member to be closed", || {
+        b.broker.slow_consumers_disconnected() >= 1
+    })
+    .await;
+    drop(stuck);
+    stalled.close().await.expect("closed");
+    close_and_stop(publisher, b).await;
+}
+
 /// A member of group `g`, settling explicitly, one unsettled job at a time.
 fn group_member() -> SubscribeOptions {
     SubscribeOptions {
@@ -1440,13 +1456,7 @@ async fn departing_group_members_cannot_grow_a_stalled_block_member_for_good() {
     assert_eq!(&job.body()[..], b"job 5");
     drop(taken);
     leaving.close().await.expect("left");
-    until("the stalled member to be closed", || {
-        b.broker.slow_consumers_disconnected() >= 1
-    })
-    .await;
-    drop(stuck);
-    stalled.close().await.expect("closed");
-    close_and_stop(publisher, b).await;
+    closed_as_slow(b, stalled, stuck, publisher).await;
 }
 
 /// The same with jobs still queued for the departing member (its client stopped reading):
@@ -1484,13 +1494,7 @@ async fn a_departing_members_queued_jobs_cannot_grow_a_stalled_block_member_for_
     }
     assert_eq!(b.broker.slow_consumers_disconnected(), 0);
     leaving.conn.close(0u32.into(), b"gone");
-    until("the stalled member to be closed", || {
-        b.broker.slow_consumers_disconnected() >= 1
-    })
-    .await;
-    drop(stuck);
-    stalled.close().await.expect("closed");
-    close_and_stop(publisher, b).await;
+    closed_as_slow(b, stalled, stuck, publisher).await;
 }
 
 /// Dead letters the ack-wait timer makes into a block-policy subscription that does not read:
