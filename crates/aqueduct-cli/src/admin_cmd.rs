@@ -692,7 +692,10 @@ fn counters_json(c: &proto::PeerCounters) -> Value {
 fn cluster(r: &proto::ClusterInfo) -> Output {
     if !r.cluster_enabled {
         return Output {
-            json: json!({ "cluster_enabled": false, "node_id": r.node_id, "peers": [] }),
+            json: json!({
+                "cluster_enabled": false, "node_id": r.node_id,
+                "refused_blocks": r.refused_blocks, "peers": [],
+            }),
             text: "cluster off (cluster.enabled: false)".into(),
         };
     }

@@ -217,6 +217,8 @@ fn admin_commands_manage_a_running_broker() {
     let c = admin_json(h, &b, &["cluster"]);
     assert_eq!(c["cluster_enabled"], false, "{c}");
     assert_eq!(c["peers"].as_array().map(Vec::len), Some(0), "{c}");
+    // Every field of the response, zeros included, as the other commands' JSON.
+    assert_eq!(c["refused_blocks"], 0, "{c}");
 
     // ACL: add, remove, replace from a file.
     let acl = admin_json(

@@ -9,7 +9,10 @@ NAME-key.pem (`aqueduct cert client --out CERT_DIR NAME`, CERT_DIR holding the C
 `aqueduct cert ca --out CERT_DIR`): `admin-py` (its CN
 matching admin.allowed_cn) and `svc-py` (a CN that does not). TRUSTED_CERT is what the broker's
 certificate is checked against (its dev-cert file, or the CA that signed its tls.cert_file).
-crates/aqueduct-cli/tests/admin.rs makes them and runs this script.
+The broker must run with access control on and nothing allowed by default (`acl.enabled: true`,
+`acl.default: none`, its default): the script changes and reads rules and checks what it is
+refused.
+crates/aqueduct-cli/tests/admin_python.rs makes them, starts such a broker and runs this script.
 
 Calls every RPC of aqueduct.admin.v1.AdminService with an admin certificate, checks
 PERMISSION_DENIED for a certificate whose CN is not admin-*, checks that a client without a
