@@ -60,6 +60,22 @@ const FLUSH_TIMEOUT_MS = 10000;
 /** The longest delay a timer holds (2^31 - 1 ms); longer ones fire at once. */
 const MAX_TIMER_MS = 2 ** 31 - 1;
 
+/** `ms`, a caller's timeout named `what`: a number of milliseconds, `Infinity` for none. */
+function checkTimeout(ms, what) {
+  if (typeof ms !== 'number' || Number.isNaN(ms) || ms < 0) {
+    throw new TypeError(`${what} must be a number of milliseconds (or Infinity), got ${ms}`);
+  }
+  return ms;
+}
+
+/**
+ * `setTimeout(fn, ms)`, or no timer (undefined, which clearTimeout takes) above what timers hold:
+ * Node and browsers fire a timer of more than 2^31 - 1 ms (~24.8 days; `Infinity` too) at once.
+ */
+function timerFor(fn, ms) {
+  return ms > MAX_TIMER_MS ? undefined : setTimeout(fn, ms);
+}
+
 const RECEIVE_MAX_DATA_LEN = 8 * 1024 * 1024 + MAX_EXT_LEN;
 
 export class AqueductError extends Error {
@@ -161,8 +177,8 @@ export function certificateHashes(hashes) {
  * `client.close()`. `closed` — a promise that settles when the connection ends.
  *
  * Limits: `maxDataLen` — the largest `data_len` accepted from the broker (default 8 MiB + 1024,
- * for the largest `transport.max_buf_size` a broker takes; the buffer grows only as bytes come,
- * §6.5, §10); `maxSendDataLen` — the largest `data_len` sent (default 65536, the broker's default
+ * for the largest `transport.max_buf_size` a broker takes; a frame's whole room is taken once its
+ * header is in, so a frame at most this large is copied once as it arrives, §6.5, §10); `maxSendDataLen` — the largest `data_len` sent (default 65536, the broker's default
  * `transport.max_buf_size`: a larger frame gets FRAME_TOO_LARGE, which ends the stream, so the
  * client refuses it before sending). `streamOpenTimeoutMs` — how long opening a stream may wait
  * (default 10 s; each subscription takes one, and the broker allows
@@ -260,8 +276,8 @@ export class Client {
       maxDataLen: options.maxDataLen ?? RECEIVE_MAX_DATA_LEN,
       maxSendDataLen: options.maxSendDataLen ?? BROKER_DEFAULT_MAX_BUF_SIZE,
       onError: shielded(options.onError ?? ((err) => console.warn('aqueduct:', err.message))),
-      streamOpenTimeoutMs: options.streamOpenTimeoutMs ?? STREAM_OPEN_TIMEOUT_MS,
-      closeFlushTimeoutMs: options.closeFlushTimeoutMs ?? CLOSE_FLUSH_MS,
+      streamOpenTimeoutMs: checkTimeout(options.streamOpenTimeoutMs ?? STREAM_OPEN_TIMEOUT_MS, 'streamOpenTimeoutMs'),
+      closeFlushTimeoutMs: checkTimeout(options.closeFlushTimeoutMs ?? CLOSE_FLUSH_MS, 'closeFlushTimeoutMs'),
     };
     if (options.closed && typeof options.closed.then === 'function') {
       options.closed.then(
@@ -358,10 +374,7 @@ export class Client {
    */
   async flush({ timeoutMs = FLUSH_TIMEOUT_MS } = {}) {
     this.#checkOpen();
-    if (typeof timeoutMs !== 'number' || Number.isNaN(timeoutMs) || timeoutMs < 0) {
-      throw new TypeError(`timeoutMs must be a number of milliseconds (or Infinity), got ${timeoutMs}`);
-    }
-    // Node fires a timer it cannot hold (above 2^31 - 1 ms, ~24.8 days) at once: no timer then.
+    checkTimeout(timeoutMs, 'timeoutMs');
     if (timeoutMs > MAX_TIMER_MS) return this.#flushNow();
     const abandoned = { value: false };
     let timer;
@@ -575,7 +588,7 @@ export class Client {
     const ms = this.#options.closeFlushTimeoutMs;
     let timer;
     const late = new Promise((_, reject) => {
-      timer = setTimeout(
+      timer = timerFor(
         () => reject(new AqueductError(null, `the broker did not answer the flush within ${ms} ms: what was published may not all have been taken`)),
         ms,
       );
@@ -700,7 +713,7 @@ export class Client {
     const late = {};
     let timer;
     const waited = new Promise((resolve) => {
-      timer = setTimeout(() => resolve(late), ms);
+      timer = timerFor(() => resolve(late), ms);
     });
     // The client ending meanwhile (close(), a lost connection) ends the wait too.
     const ended = {};
@@ -838,9 +851,14 @@ class Channel {
               // One bad frame: skipped (§10 step 4), the stream goes on. A request it answered
               // fails with it, rather than waiting for an answer that will not come.
               const err = new AqueductError(e.code, `the broker sent an invalid frame: ${e.message}`, { cause: e });
-              // An unknown opcode is no answer (a newer broker's frame): only reported.
+              // An unknown opcode is no answer (a newer broker's frame): only reported, and a
+              // request waiting on its stream id goes on waiting for its own answer.
+              if (e.code === ErrorCode.UNKNOWN_OPCODE) {
+                this.report(err);
+                continue;
+              }
               const unanswered = e.streamId === undefined || !this.answer(e.streamId, 'reject', err);
-              if (unanswered && e.code !== ErrorCode.UNKNOWN_OPCODE && this.onUnreadable) this.onUnreadable(err);
+              if (unanswered && this.onUnreadable) this.onUnreadable(err);
               else if (unanswered) this.report(err);
               continue;
             }
@@ -1094,6 +1112,7 @@ export class Subscription {
    * Messages not yet taken from the iterator are discarded.
    */
   async unsubscribe({ timeoutMs = 10000 } = {}) {
+    checkTimeout(timeoutMs, 'timeoutMs');
     if (this.#unsubscribing) return this.#unsubscribing.done;
     const state = { error: null, done: null };
     this.#unsubscribing = state;
@@ -1106,7 +1125,7 @@ export class Subscription {
       ch.finish();
       let timer;
       const timeout = new Promise((resolve) => {
-        timer = setTimeout(() => resolve('timeout'), timeoutMs);
+        timer = timerFor(() => resolve('timeout'), timeoutMs);
       });
       const end = await Promise.race([this.#streamEnd, timeout]);
       clearTimeout(timer);

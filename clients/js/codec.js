@@ -434,6 +434,11 @@ export function encodeExtensions(ext = {}) {
     view(b).setBigUint64(0, v, true);
     return b;
   };
+  // A byte-wide value: refused outside 0..=255 (a Uint8Array would keep its low byte unsaid).
+  const u8 = (what, v) => {
+    if (!Number.isInteger(v) || v < 0 || v > 0xff) throw new RangeError(`${what} must be a u8 (0..=255), got ${v}`);
+    return v;
+  };
   if (ext.attempt !== undefined) entry(ExtType.ATTEMPT, le32(u32('attempt', ext.attempt, { min: 1 })));
   if (ext.trace !== undefined) {
     const { traceId, spanId, flags = 0 } = ext.trace;
@@ -443,12 +448,12 @@ export function encodeExtensions(ext = {}) {
     const v = new Uint8Array(25);
     v.set(t, 0);
     v.set(s, 16);
-    v[24] = flags;
+    v[24] = u8('trace flags', flags);
     entry(ExtType.TRACE, v);
   }
   if (ext.compression !== undefined) {
     const v = new Uint8Array(5);
-    v[0] = ext.compression.algorithm;
+    v[0] = u8('compression algorithm', ext.compression.algorithm);
     view(v).setUint32(1, u32('uncompressed length', ext.compression.uncompressedLength), true);
     entry(ExtType.COMPRESSION, v);
   }
@@ -480,7 +485,7 @@ export function encodeExtensions(ext = {}) {
       if (type >= ExtType.TRACE && type <= ExtType.MAX_IN_FLIGHT) {
         throw new RangeError(`extension 0x${hex2(type)} is a known type; set its field instead`);
       }
-      entry(type, toBytes(value));
+      entry(u8('extension type', type), toBytes(value));
     }
   }
   const block = concat(parts);
@@ -900,6 +905,12 @@ function decodeBatch(payload, base) {
       });
     };
     const rest = payload.subarray(at);
+    // Refused by its command byte before it is decoded: a sub-frame that is itself a batch
+    // would be decoded, nested ones within it, before being refused, and a batch nested a few
+    // thousand deep exhausted the stack.
+    if (rest.length >= 2 && rest[0] === MAGIC && (rest[1] & OPCODE_MASK) !== Opcode.PUBLISH) {
+      fail('sub-frames must be PUBLISH frames');
+    }
     let r;
     try {
       r = tryDecodeFrame(rest, { maxDataLen: U32_MAX, peer: 'client', base: base + at, subFrame: true });

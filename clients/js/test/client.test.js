@@ -826,6 +826,20 @@ test('a frame the client does not expect is reported, the stream goes on', async
   await client.close();
 });
 
+test('a frame of an unknown opcode with a waiting request\'s stream id answers nothing: the request gets its own CONFIRM', async () => {
+  const { fake, client, errors } = await setup();
+  const result = client.publish('a', '1', { confirm: true });
+  const broker = await fake.stream(0);
+  const { frame } = await broker.next();
+  const id = frame.streamId;
+  // A newer broker's frame (reserved opcode 0x0a) on the publish's own stream id.
+  await broker.send(Uint8Array.of(0x1f, 0x0a, id & 0xff, (id >> 8) & 0xff, (id >> 16) & 0xff, id >>> 24, 0, 0, 0, 0));
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: id, offsets: [7n] });
+  assert.equal(await result, 7n);
+  assert.deepEqual(errors.map((e) => e.code), [ErrorCode.UNKNOWN_OPCODE]);
+  await client.close();
+});
+
 test('info(): an INFO request on the wire, resolved with the answer; an old broker\'s UNKNOWN_OPCODE rejects', async () => {
   const { fake, client } = await setup();
   const asked = client.info();
@@ -931,6 +945,52 @@ test('flush({ timeoutMs: Infinity }) waits as long as the broker takes (no timer
     await assert.rejects(client.flush({ timeoutMs: bad }), TypeError, String(bad));
   }
   await client.close();
+});
+
+test('Infinity for streamOpenTimeoutMs, closeFlushTimeoutMs and unsubscribe\'s timeoutMs waits as long as it takes (no timer that fires at once); what is not a number of ms is refused', async () => {
+  const fake = fakeTransport();
+  let release;
+  const held = new Promise((resolve) => {
+    release = resolve;
+  });
+  let opens = 0;
+  const client = await connect('x', {
+    // The first open waits a while (another stream must end first).
+    openStream: async () => {
+      opens += 1;
+      if (opens === 1) await held;
+      return fake.openStream();
+    },
+    close: () => {},
+    onError: () => {},
+    streamOpenTimeoutMs: Infinity,
+    closeFlushTimeoutMs: Infinity,
+  });
+  const subscribing = client.subscribe('orders');
+  assert.equal(await settled(subscribing), false, 'still opening');
+  release();
+  const broker = await fake.stream(0);
+  await broker.next();
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
+  const sub = await subscribing;
+  const unsubscribing = sub.unsubscribe({ timeoutMs: Infinity });
+  await broker.next();
+  assert.equal(await broker.next(), null, 'UNSUBSCRIBE, then FIN');
+  assert.equal(await settled(unsubscribing), false, 'waits for the broker to finish');
+  await broker.finish();
+  await unsubscribing;
+  await client.publish('a', 'slow');
+  const closing = client.close();
+  const pub = await fake.stream(1);
+  await pub.next();
+  const { frame } = await pub.next();
+  assert.equal(await settled(closing), false, 'waits for the flush\'s answer');
+  await pub.send({ opcode: Opcode.CONFIRM, streamId: frame.streamId, offsets: [] });
+  await closing;
+  for (const bad of [NaN, -1, '5000']) {
+    await assert.rejects(connect('x', { openStream: fake.openStream, close: () => {}, streamOpenTimeoutMs: bad }), TypeError, String(bad));
+    await assert.rejects(connect('x', { openStream: fake.openStream, close: () => {}, closeFlushTimeoutMs: bad }), TypeError, String(bad));
+  }
 });
 
 test('flush(): rejects if the stream that carried publishes failed, although a new one answers', async () => {

@@ -204,6 +204,19 @@ test('unknown extension types are skipped (and kept), an empty block means no ex
   assert.deepEqual(encodeFrame(decoded), sub);
 });
 
+test('byte-wide extension values outside 0..=255 are refused, not cut to their low byte', () => {
+  const pub = (ext) => () => encodeFrame({ opcode: Opcode.PUBLISH, ext: { topic: 'a', ...ext }, body: b('x') });
+  const trace = { traceId: new Uint8Array(16).fill(1), spanId: new Uint8Array(8).fill(2) };
+  assert.throws(pub({ trace: { ...trace, flags: 256 } }), /trace flags must be a u8/);
+  assert.throws(pub({ compression: { algorithm: 257, uncompressedLength: 1 } }), /compression algorithm must be a u8/);
+  assert.throws(pub({ compression: { algorithm: 'zstd', uncompressedLength: 1 } }), /compression algorithm must be a u8/);
+  assert.throws(pub({ unknown: [{ type: 0x110, value: new Uint8Array(0) }] }), /extension type must be a u8/);
+  // In range, as before.
+  const f = decodeFrame(pub({ trace: { ...trace, flags: 1 }, unknown: [{ type: 0x7f, value: Uint8Array.of(9) }] })());
+  assert.equal(f.ext.trace.flags, 1);
+  assert.deepEqual(f.ext.unknown, [{ type: 0x7f, value: Uint8Array.of(9) }]);
+});
+
 test('payloads of the wrong shape: BAD_PAYLOAD, after the extension block is checked', () => {
   rejects(() => decodeFrame(raw(0x06, 1, new Uint8Array(7))), ErrorCode.BAD_PAYLOAD, { offset: 10, match: /8-byte/ });
   rejects(() => decodeFrame(raw(0x05, 1, new Uint8Array(9))), ErrorCode.BAD_PAYLOAD);
@@ -307,6 +320,11 @@ test('PUBLISH_BATCH: an invalid sub-frame is BAD_BATCH naming the sub-frame', ()
   rejects(() => decodeFrame(raw(0x04, 9, raw(0x01, 0, b('a:b')))), ErrorCode.BAD_BATCH, { match: /INVALID_TOPIC/ });
   // The batch's own extension block is checked first.
   rejects(() => decodeFrame(raw(0x44, 9, u16(1), [0x08], badSecond)), ErrorCode.BAD_EXTENSION);
+  // Batches nested 3,000 deep (about 30 KB): refused by the first sub-frame's command byte, not
+  // decoded level by level (which exhausted the stack with a RangeError).
+  let nested = sub('a', '1');
+  for (let i = 0; i < 3000; i++) nested = raw(0x04, 9, nested);
+  rejects(() => decodeFrame(nested, { peer: 'client' }), ErrorCode.BAD_BATCH, { match: /sub-frame 0 at byte 10: sub-frames must be PUBLISH frames$/ });
 });
 
 // Every frame shape, as one stream.
