@@ -835,7 +835,12 @@ class Channel {
     let failure = null;
     try {
       for (;;) {
-        if (this.room) await this.room();
+        // Waiting for the application to take what is buffered, the stream's reset (a slow
+        // consumer closed with code 300, §7.3) is still seen: the reader's `closed` rejects at
+        // once on a reset (what was received stays buffered here), and the read below reports
+        // it, which ends the stream's sending side too. It was seen only once the application
+        // had made room.
+        if (this.room) await Promise.race([this.room(), this.reader.closed.catch(() => {})]);
         const { value, done } = await this.reader.read();
         if (done) {
           this.decoder.finish();

@@ -369,6 +369,41 @@ test('a delivery stream reset by the broker ends the iterator with the reset cod
   await client.close();
 });
 
+test('a reset while the subscription\'s buffer is full is seen at once: the subscription ends (its stream stopped both ways), its messages still come first', async () => {
+  const { fake, client } = await setup();
+  const subscribing = client.subscribe('jobs', { buffer: 2 });
+  const broker = await fake.stream(0);
+  await broker.next();
+  await broker.send({ opcode: Opcode.CONFIRM, streamId: 1, offsets: [] });
+  const sub = await subscribing;
+  for (let i = 0; i < 3; i++) {
+    await broker.send({ opcode: Opcode.PUBLISH, streamId: 1, ext: { topic: 'jobs', offset: BigInt(i) }, body: b(`job ${i}`) });
+  }
+  await broker.reset(300);
+  // Nothing taken by the application: the reset is seen anyway (the client was waiting for
+  // room before reading on, and saw it only once the application made some).
+  for (let i = 0; i < 100 && !sub.ended; i++) await new Promise((resolve) => setTimeout(resolve, 5));
+  assert.equal(sub.ended, true, 'ended without the application taking anything');
+  const stopped = await Promise.race([
+    broker.writer.closed.then(() => 'finished', () => 'reset'),
+    new Promise((resolve) => setTimeout(() => resolve('still open'), 5000)),
+  ]);
+  assert.equal(stopped, 'reset', 'the client ended its sending side');
+  const got = [];
+  for (;;) {
+    try {
+      const { value, done } = await sub.next();
+      if (done) break;
+      got.push(value.text);
+    } catch (e) {
+      assert.ok(e instanceof AqueductError && e.code === 300, String(e));
+      break;
+    }
+  }
+  assert.ok(got.length >= 2 && got.every((t, i) => t === `job ${i}`), JSON.stringify(got));
+  await client.close();
+});
+
 test('over WebTransport, one-byte reset codes are the spec codes: 30 is SLOW_CONSUMER (300), 51 is SHUTTING_DOWN (501)', async () => {
   assert.equal(streamResetCode(30), ErrorCode.SLOW_CONSUMER);
   assert.equal(streamResetCode(51), ErrorCode.SHUTTING_DOWN);
