@@ -52,9 +52,9 @@ export interface ConnectOptions {
   maxSendDataLen?: number;
   /** ERRORs no call waits for; default `console.warn`. */
   onError?: (err: AqueductError) => void;
-  /** How long opening a stream may wait (ms) before the call fails; default 10000. */
+  /** How long opening a stream may wait (ms) before the call fails; default 10000; `Infinity`: no limit. */
   streamOpenTimeoutMs?: number;
-  /** How long `close()` waits for the broker to answer the flush of what was published without `confirm` (ms); default 10000. */
+  /** How long `close()` waits for the broker to answer the flush of what was published without `confirm` (ms); default 10000; `Infinity`: no limit. */
   closeFlushTimeoutMs?: number;
 }
 
@@ -146,6 +146,7 @@ export declare class Subscription implements AsyncIterableIterator<Message> {
   next(): Promise<IteratorResult<Message, undefined>>;
   return(): Promise<IteratorResult<Message, undefined>>;
   [Symbol.asyncIterator](): Subscription;
+  /** Resolves once the broker has finished the stream; after `timeoutMs` (default 10000; `Infinity`: no limit) the client stops reading it and the call rejects. */
   unsubscribe(options?: { timeoutMs?: number }): Promise<void>;
 }
 
