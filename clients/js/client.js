@@ -780,6 +780,17 @@ class Channel {
     this.onUnreadable = onUnreadable;
     this.onEnd = onEnd;
     this.room = room;
+    // The reader's end (a reset rejects `closed` at once) ends a wait for room: one handler for
+    // the stream's life (one per wait, on a promise pending until the stream ends, piled up).
+    this.readerEnded = false;
+    this.wakeRoom = null;
+    if (room) {
+      const ended = () => {
+        this.readerEnded = true;
+        this.wakeRoom?.();
+      };
+      this.reader.closed.then(ended, ended);
+    }
     this.pending = new Map(); // stream id -> { resolve, reject, expect, onAnswer }, in the order sent
     this.sent = 0; // frames sent here without confirm
     this.covered = 0; // of them, those sent before a request (a flush, a confirmed publish) that was answered
@@ -840,7 +851,14 @@ class Channel {
         // once on a reset (what was received stays buffered here), and the read below reports
         // it, which ends the stream's sending side too. It was seen only once the application
         // had made room.
-        if (this.room) await Promise.race([this.room(), this.reader.closed.catch(() => {})]);
+        const room = this.room && !this.readerEnded ? this.room() : undefined;
+        if (room) {
+          await new Promise((resolve) => {
+            this.wakeRoom = resolve;
+            room.then(resolve);
+          });
+          this.wakeRoom = null;
+        }
         const { value, done } = await this.reader.read();
         if (done) {
           this.decoder.finish();
