@@ -726,9 +726,10 @@ fn a_member_leaving_into_a_full_block_member_is_watched() {
         if round == 0 {
             assert!(ctx.take_held().is_none(), "a redelivery holds nothing");
         } else {
+            // Held for the caller, which has no source to hold and hands it to the watch
+            // (`watch_full`, tested on its own below: here the member is watched already).
             let held = ctx.take_held().expect("the hand-over of what was queued");
             assert!(Arc::ptr_eq(&held, &full));
-            b.watch_full(&mut ctx, now);
         }
         assert_eq!(b.watched_full(), 1, "round {round}: watched");
         assert_eq!(full.queued(), expected, "round {round}: nothing lost");
@@ -749,12 +750,20 @@ fn a_member_leaving_into_a_full_block_member_is_watched() {
     // Watched again, then drained to half and filled again before anyone looks (a busy
     // member that a publisher keeps full): forgotten, as a held publisher would have been let
     // go when it drained.
-    let watch_again = |ctx: &mut PublishContext| {
+    // Only `watch_full` watches it here: the departing member had nothing in flight.
+    // `before`: how many are watched before (an entry of an earlier fill may still be there).
+    let watch_again = |ctx: &mut PublishContext, before: usize| {
         let churn = member();
         publish(&b, ctx, "jobs", "c", now);
         b.unsubscribe(ctx, &churn, now);
+        assert_eq!(
+            b.watched_full(),
+            before,
+            "held, not watched by the hand-over"
+        );
         b.watch_full(ctx, now);
         assert_eq!(b.watched_full(), 1);
+        assert!(ctx.take_held().is_none(), "handed to the watch");
     };
     // Drained to half, then refilled by a publisher (held, let go as it drained).
     let drained_to_half = |ctx: &mut PublishContext| {
@@ -769,7 +778,7 @@ fn a_member_leaving_into_a_full_block_member_is_watched() {
         ctx.clear_held();
         assert!(full.queued() > 1, "above half again");
     };
-    watch_again(&mut ctx);
+    watch_again(&mut ctx, 0);
     drained_to_half(&mut ctx);
     assert!(b
         .overdue_full(now + Duration::from_secs(99), limit)
@@ -777,13 +786,13 @@ fn a_member_leaving_into_a_full_block_member_is_watched() {
     assert_eq!(b.watched_full(), 0, "drained in between: forgotten");
     // The same, but a hand-over fills it again before the look: that fill is watched (it was
     // taken for the first one, and forgotten with it).
-    watch_again(&mut ctx);
+    watch_again(&mut ctx, 0);
     drained_to_half(&mut ctx);
-    watch_again(&mut ctx);
+    watch_again(&mut ctx, 1);
     let overdue = b.overdue_full(now + Duration::from_secs(30), limit);
     assert!(overdue.len() == 1 && Arc::ptr_eq(&overdue[0], &full));
     // Drained to half for good.
-    watch_again(&mut ctx);
+    watch_again(&mut ctx, 0);
     drain_all(&b, &full, now);
     assert!(b
         .overdue_full(now + Duration::from_secs(99), limit)
