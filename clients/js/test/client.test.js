@@ -24,6 +24,29 @@ async function setup(options = {}) {
   return { fake, client, errors };
 }
 
+/**
+ * A client whose first stream open waits until `release()` (the broker's stream limit reached);
+ * later ones open at once.
+ */
+async function firstOpenHeld(options) {
+  const fake = fakeTransport();
+  let release;
+  const held = new Promise((resolve) => {
+    release = resolve;
+  });
+  let opens = 0;
+  const client = await connect('x', {
+    openStream: async () => {
+      opens += 1;
+      if (opens === 1) await held;
+      return fake.openStream();
+    },
+    close: () => {},
+    ...options,
+  });
+  return { fake, client, release };
+}
+
 /** Subscribe to `filter` on the client's first stream and confirm it (stream id 1). */
 async function subscribed(fake, client, filter) {
   const subscribing = client.subscribe(filter);
@@ -812,22 +835,7 @@ test('a connection the broker closes: later calls fail with its code and reason,
 });
 
 test('a stream the broker gives no room for: subscribe fails after streamOpenTimeoutMs, and the stream opened later is closed', async () => {
-  const fake = fakeTransport();
-  let release;
-  const held = new Promise((resolve) => {
-    release = resolve;
-  });
-  let opens = 0;
-  const client = await connect('x', {
-    // The first open waits (the broker's stream limit reached); later ones open at once.
-    openStream: async () => {
-      opens += 1;
-      if (opens === 1) await held;
-      return fake.openStream();
-    },
-    close: () => {},
-    streamOpenTimeoutMs: 30,
-  });
+  const { fake, client, release } = await firstOpenHeld({ streamOpenTimeoutMs: 30 });
   await assert.rejects(
     client.subscribe('a/#'),
     (e) => e instanceof AqueductError && /could not open a stream within 30 ms/.test(e.message) && /max_streams_per_connection/.test(e.message),
@@ -983,20 +991,7 @@ test('flush({ timeoutMs: Infinity }) waits as long as the broker takes (no timer
 });
 
 test('Infinity for streamOpenTimeoutMs, closeFlushTimeoutMs and unsubscribe\'s timeoutMs waits as long as it takes (no timer that fires at once); what is not a number of ms is refused', async () => {
-  const fake = fakeTransport();
-  let release;
-  const held = new Promise((resolve) => {
-    release = resolve;
-  });
-  let opens = 0;
-  const client = await connect('x', {
-    // The first open waits a while (another stream must end first).
-    openStream: async () => {
-      opens += 1;
-      if (opens === 1) await held;
-      return fake.openStream();
-    },
-    close: () => {},
+  const { fake, client, release } = await firstOpenHeld({
     onError: () => {},
     streamOpenTimeoutMs: Infinity,
     closeFlushTimeoutMs: Infinity,
