@@ -704,7 +704,9 @@ mod tests {
     async fn a_webtransport_connect_keeps_to_one_timeout() {
         let fake = crate::test_broker::FakeBroker::start_with_alpn(web_transport_quinn::ALPN);
         let endpoint = fake.endpoint();
-        let server = tokio::spawn(async move {
+        // Ends with the test (dropped: aborted), whatever the test's outcome.
+        let mut server = tokio::task::JoinSet::new();
+        server.spawn(async move {
             let incoming = endpoint.accept().await.expect("a connection");
             // A slow server, not a wait for a condition: the handshake is answered late.
             tokio::time::sleep(std::time::Duration::from_millis(1_500)).await;
@@ -728,7 +730,7 @@ mod tests {
             took < std::time::Duration::from_millis(3_600),
             "took {took:?}"
         );
-        server.abort();
+        server.shutdown().await;
     }
 
     /// After `close`, what is asked of the client fails as closed, not as a connection lost
