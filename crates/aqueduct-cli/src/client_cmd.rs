@@ -865,12 +865,12 @@ async fn why_the_subscription_ended(client: &Client) -> String {
 /// the signal, if one stopped it.
 async fn publish_input(
     out: &mut Outgoing<'_>,
-    message: &Option<String>,
+    message: Option<&str>,
     count: u64,
     mut stop: tokio::sync::watch::Receiver<Option<&'static str>>,
 ) -> Result<(Option<u64>, Option<&'static str>)> {
     let bodies = match message {
-        Some(m) => vec![Bytes::from(m.clone())],
+        Some(m) => vec![Bytes::copy_from_slice(m.as_bytes())],
         None => {
             let mut lines = Vec::new();
             let mut input = tokio::io::BufReader::new(tokio::io::stdin());
@@ -959,7 +959,8 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 crate::shutdown_signal().await
             };
             let publishing = async {
-                let (asked, interrupted) = publish_input(&mut out, message, *count, stop).await?;
+                let (asked, interrupted) =
+                    publish_input(&mut out, message.as_deref(), *count, stop).await?;
                 let sent = out.sent;
                 // Nothing counts as published until the broker has read it: a refused
                 // handshake or a broker that stopped reading is an error here, not a success.

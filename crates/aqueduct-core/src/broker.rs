@@ -1755,14 +1755,11 @@ impl Broker {
             Some(g) => held.group().is_some_and(|hg| Arc::ptr_eq(hg, g)),
             None => held.id() == from.id(),
         };
-        let mut at = held_before;
-        while at < ctx.held.len() {
-            if target(&ctx.held[at]) {
-                let sub = ctx.held.remove(at);
-                self.full.watch(std::iter::once(sub), now);
-            } else {
-                at += 1;
-            }
+        if ctx.held.len() > held_before {
+            let (watched, held): (Vec<_>, Vec<_>) =
+                ctx.held.drain(held_before..).partition(|h| target(h));
+            ctx.held.extend(held);
+            self.full.watch(watched, now);
         }
     }
 

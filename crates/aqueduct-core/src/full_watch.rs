@@ -3,22 +3,24 @@
 //! Under `block`, a frame that fills a subscription's queue holds its publisher's stream until
 //! the queue drains to half; the server closes the subscription as a slow consumer if that
 //! takes longer than `broker.block_timeout`. Some work fills a queue with no source to hold:
-//! a group member's messages handed to the others as it leaves (its stream or connection is
-//! ending; an UNSUBSCRIBE frame's hand-over holds its stream like a publish), a redelivery (a NACK or an ack-wait timeout: it only moves a message back, and
-//! holding the NACKing stream kept its ACKs unread), and the ack-wait timer's dead letters.
-//! Nothing bounded such a queue: members that join a group, take messages and leave without
-//! settling them filled a stalled member past its bound for as long as they came and went.
+//! a group member's messages handed to the others as its stream or connection ends (an
+//! UNSUBSCRIBE frame's hand-over holds its stream, as a publish does), a redelivery (a NACK or
+//! an ack-wait timeout: it only moves a message back, and holding the NACKing stream kept its
+//! ACKs unread), and the dead letters the broker makes by itself. Nothing bounded such a queue:
+//! members that join a group, take messages and leave without settling them filled a stalled
+//! member past its bound for as long as they came and went.
 //!
 //! Such subscriptions are watched here from the moment that work fills them (see
 //! [`Broker::watch_full`](crate::Broker::watch_full)). The server takes those that, within
 //! `broker.block_timeout`, neither drained to half nor took half their capacity off the queue
-//! ([`Broker::overdue_full`](crate::Broker::overdue_full)) and closes them as slow consumers,
-//! as a held publisher's wait would (which is stricter: it ends only at half). Each time one has taken that much, its time starts again;
-//! one that drains to half is forgotten until work fills it again. So a stalled or slower
-//! subscription is closed, and a draining one never is, however far above its capacity
-//! hand-overs took it (a member that a held publisher keeps refilling as it drains, a survivor
-//! given a departing member's queue and unsettled messages). Progress is told by
-//! [`Subscriber::drain_progress`]'s counters, not by the queue's length when the server looks.
+//! ([`Broker::overdue_full`](crate::Broker::overdue_full)) and closes them as slow consumers.
+//! Each time one has taken that much, its time starts again; one that drains to half is
+//! forgotten until work fills it again. That is more lenient than a held publisher's wait,
+//! which ends only at half: a stalled or slower subscription is closed, and a draining one
+//! never is, however far above its capacity hand-overs took it (a survivor given a departing
+//! member's queue and unsettled messages). Progress is read from
+//! [`Subscriber::drain_progress`]'s counters, not from the queue's length when the server
+//! looks: a member that a held publisher refills as it drains is above half at most looks.
 //!
 //! An unrouted (durable) subscription is watched but never closed
 //! ([`Broker::disconnect_slow`](crate::Broker::disconnect_slow)).

@@ -82,19 +82,16 @@ pub fn covers(outer: &TopicFilter, inner: &TopicFilter) -> bool {
 /// [`covers`] without the rule for system topics (see [`matches_any_bytes`]).
 pub fn covers_any(outer: &TopicFilter, inner: &TopicFilter) -> bool {
     let (o, i) = (outer.as_bytes(), inner.as_bytes());
+    // `+/#` matches every topic, as `#` does: a topic has at least one level, and `#` matches
+    // its parent. Deeper down, `#` matches the parent level `+` needs (below, it does not).
+    if o == b"+/#" && i == b"#" {
+        return true;
+    }
     let mut o = o.split(|&b| b == b'/');
     let mut i = i.split(|&b| b == b'/');
-    let mut first = true;
     loop {
-        let level = (o.next(), i.next());
-        let at_first = std::mem::replace(&mut first, false);
-        match level {
+        match (o.next(), i.next()) {
             (Some(b"#"), _) => return true,
-            // `+/#` matches every topic, as `#` does: a topic has at least one level, and `#`
-            // matches its parent. Deeper down, `#` matches the parent level `+` needs.
-            (Some(b"+"), Some(b"#")) if at_first => {
-                return o.next() == Some(b"#") && o.next().is_none();
-            }
             (None, None) => return true,
             // `inner` matches longer topics than `outer` does, or shorter ones (`inner` ended:
             // `outer` needs more levels, none of which is `#`).
