@@ -672,6 +672,21 @@ async fn a_frame_abandoned_while_throttled_gives_its_quota_back() {
     s.b.stop().await.expect("clean shutdown");
 }
 
+/// Lift `client`'s quota through the admin API (unlimited).
+async fn unthrottle(
+    admin: &mut proto::admin_service_client::AdminServiceClient<tonic::transport::Channel>,
+    client: &str,
+) {
+    admin
+        .set_client_quota(proto::SetClientQuotaRequest {
+            client_id: client.into(),
+            rate: 0,
+            burst: None,
+        })
+        .await
+        .expect("unlimited");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_throttled_client_speeds_up_when_its_quota_is_raised() {
     let s = Setup::throttled().await;
@@ -696,14 +711,7 @@ async fn a_throttled_client_speeds_up_when_its_quota_is_raised() {
         }
     })
     .await;
-    admin
-        .set_client_quota(proto::SetClientQuotaRequest {
-            client_id: "slow".into(),
-            rate: 0,
-            burst: None,
-        })
-        .await
-        .expect("unlimited");
+    unthrottle(&mut admin, "slow").await;
     within("the publisher to finish", sending)
         .await
         .expect("joined");
@@ -737,14 +745,7 @@ async fn publishes_cancelled_while_throttled_are_not_all_sent_later() {
         "the stream never stopped moving: {done} done"
     );
     let mut admin = s.admin(Some("admin-ops")).await.expect("admin");
-    admin
-        .set_client_quota(proto::SetClientQuotaRequest {
-            client_id: "slow".into(),
-            rate: 0,
-            burst: None,
-        })
-        .await
-        .expect("unlimited");
+    unthrottle(&mut admin, "slow").await;
     c.publish("big", "end").await.expect("published");
     c.flush().await.expect("flushed");
     let mut received = 0;
