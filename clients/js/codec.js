@@ -153,6 +153,8 @@ export class FrameError extends Error {
 const utf8 = new TextEncoder();
 // ignoreBOM: a leading U+FEFF is part of the text (a topic, a reason), as in the Rust codec.
 const strictUtf8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true });
+// An ERROR's reason: bad bytes become U+FFFD, so the code is never lost (protocol.md 9).
+const lenientUtf8 = new TextDecoder('utf-8', { ignoreBOM: true });
 
 /** Bytes of `value`: a Uint8Array (as is), an ArrayBuffer or typed array view, or a string (UTF-8). */
 export function toBytes(value) {
@@ -820,10 +822,8 @@ function decodeComplete(buf, command, streamId, dataLen, peer, base, subFrame) {
         }
       } else {
         if (payload.length < 2) badPayload('payload must start with a 2-byte code');
-        const reason = decodeUtf8(payload.subarray(2));
-        if (reason === null) badPayload('reason must be UTF-8');
         frame.code = view(payload).getUint16(0, true);
-        frame.reason = reason;
+        frame.reason = lenientUtf8.decode(payload.subarray(2));
       }
       break;
     }

@@ -223,7 +223,10 @@ test('payloads of the wrong shape: BAD_PAYLOAD, after the extension block is che
   // A CONFIRM's data is never refused (protocol.md 7.1): not whole u64s, it lists no offset.
   assert.deepEqual(decodeFrame(raw(0x07, 1, new Uint8Array(9))).offsets, []);
   rejects(() => decodeFrame(raw(0x08, 1, [200])), ErrorCode.BAD_PAYLOAD, { match: /2-byte code/ });
-  rejects(() => decodeFrame(raw(0x08, 1, [200, 0, 0xc3])), ErrorCode.BAD_PAYLOAD, { match: /UTF-8/ });
+  // A reason that is not UTF-8 keeps its code (protocol.md 9): the bad bytes become U+FFFD.
+  const bad = decodeFrame(raw(0x08, 1, [200, 0, 0xc3, 0x78]));
+  assert.equal(bad.code, ErrorCode.INVALID_TOPIC);
+  assert.equal(bad.reason, '\ufffdx');
   // CONFIRM and ERROR carry no (known) extension.
   rejects(() => decodeFrame(raw(0x47, 1, u16(2), [0x08, 0])), ErrorCode.BAD_PAYLOAD, { match: /no extensions/ });
   // §10.1: the extension block is reported before the payload.

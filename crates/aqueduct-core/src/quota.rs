@@ -33,12 +33,21 @@ impl QuotaSpec {
     }
 }
 
-/// Tokens [`Bucket::take_costing`] took: how many, and the time they cost then (ns).
+/// Tokens [`Bucket::take_costing`] took: how many, the time they cost then (ns), and the
+/// bucket's rescale word then ([`Bucket::refund`] scales the cost by the rescales since).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Taken {
     n: u64,
     cost: u64,
+    scale: u64,
 }
+
+/// The rescale word: the era (how many times a raised quota forgave the debt, wrapping) in the
+/// high 16 bits, and in the low 48 the product of the factors by which faster rates rescaled the
+/// time owed within the era, in units of 2^-47.
+const SCALE_BITS: u32 = 48;
+const SCALE_ONE: u64 = 1 << 47;
+const SCALE_MASK: u64 = (1 << SCALE_BITS) - 1;
 
 /// One client's bucket.
 #[derive(Debug)]
@@ -50,6 +59,8 @@ pub struct Bucket {
     burst: AtomicU64,
     /// When the bucket will be full again (GCRA's theoretical arrival time), in ns.
     tat: AtomicU64,
+    /// How the time owed was rescaled since the bucket was made (see [`Taken`]).
+    scale: AtomicU64,
     /// Time publishers spent held back (throttle), ns; messages refused (reject).
     throttled_ns: AtomicU64,
     rejected: AtomicU64,
@@ -62,6 +73,7 @@ impl Bucket {
             rate: AtomicU64::new(spec.rate),
             burst: AtomicU64::new(spec.burst.max(1)),
             tat: AtomicU64::new(0),
+            scale: AtomicU64::new(SCALE_ONE),
             throttled_ns: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
         }
@@ -109,6 +121,12 @@ impl Bucket {
         self.burst.store(spec.burst.max(1), Ordering::Relaxed);
         if raised {
             self.tat.store(0, Ordering::Relaxed);
+            let _ = self
+                .scale
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |word| {
+                    let era = (word >> SCALE_BITS).wrapping_add(1) << SCALE_BITS;
+                    Some(era | SCALE_ONE)
+                });
         } else if faster && old_interval > 0 {
             let _ = self
                 .tat
@@ -116,6 +134,13 @@ impl Bucket {
                     let owed = u128::from(tat.saturating_sub(now_ns));
                     let rescaled = owed * u128::from(new_interval) / u128::from(old_interval);
                     Some(now_ns.saturating_add(rescaled as u64).min(tat))
+                });
+            let _ = self
+                .scale
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |word| {
+                    let factor = u128::from(word & SCALE_MASK) * u128::from(new_interval)
+                        / u128::from(old_interval);
+                    Some(word & !SCALE_MASK | factor as u64)
                 });
         }
     }
@@ -147,6 +172,7 @@ impl Bucket {
             return (Duration::ZERO, Taken::default());
         }
         let cost = interval.saturating_mul(n);
+        let scale = self.scale.load(Ordering::Acquire);
         let prev = self
             .tat
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
@@ -154,7 +180,7 @@ impl Bucket {
             })
             .unwrap_or_else(|tat| tat);
         let tat = prev.max(now_ns).saturating_add(cost);
-        (self.debt(tat, interval, now_ns), Taken { n, cost })
+        (self.debt(tat, interval, now_ns), Taken { n, cost, scale })
     }
 
     /// Give back tokens [`take_costing`](Self::take_costing) took, for messages that were then
@@ -162,16 +188,19 @@ impl Bucket {
     /// closed). A debt run up by frames never published would hold every publisher of the
     /// client id.
     ///
-    /// What goes back is the time the tokens cost when taken, or their cost at today's rate if
-    /// that is less: a rate raised meanwhile rescaled what is owed to the new rate
-    /// ([`set`](Self::set)), and giving back the old, larger cost would forgive other frames'
-    /// debt too. A rate lowered meanwhile kept the time owed, which is what goes back.
+    /// What goes back is the time the tokens cost when taken, rescaled as the time owed was
+    /// since ([`set`](Self::set)): a faster rate rescaled what is owed, and giving back the
+    /// old, larger cost would forgive other frames' debt too; a slower rate kept the time owed,
+    /// which is what goes back. After a raised quota forgave the debt, nothing goes back (the
+    /// tokens are no longer owed; giving them back would forgive frames taken since).
     pub fn refund(&self, taken: Taken) {
-        let now_cost = self
-            .interval
-            .load(Ordering::Relaxed)
-            .saturating_mul(taken.n);
-        let cost = taken.cost.min(now_cost);
+        let now = self.scale.load(Ordering::Acquire);
+        let then = taken.scale & SCALE_MASK;
+        if taken.n == 0 || now >> SCALE_BITS != taken.scale >> SCALE_BITS || then == 0 {
+            return;
+        }
+        let cost = u128::from(taken.cost) * u128::from(now & SCALE_MASK) / u128::from(then);
+        let cost = cost as u64;
         let _ = self
             .tat
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
@@ -564,6 +593,49 @@ mod tests {
             owed >= Duration::from_millis(1_000) && owed <= Duration::from_millis(1_030),
             "{owed:?}"
         );
+    }
+
+    /// Lowered, then raised part of the way back (a smaller burst, so rescaled, not forgiven)
+    /// while a frame waits: what goes back is that frame's share of the rescaled debt. Giving
+    /// back the smaller of its old cost and its messages at today's rate (10 s) forgave the
+    /// other frame's debt as well.
+    #[test]
+    fn a_refund_after_a_lower_then_faster_rate_gives_back_only_its_share() {
+        let b = Bucket::new(QuotaSpec {
+            rate: 10,
+            burst: 10,
+        });
+        b.take(10, 0);
+        // Two frames wait: 100 messages (10 s at 10/s), then another 100.
+        let (_, waiting) = b.take_costing(100, 0);
+        b.take(100, 0);
+        // 1/s keeps the 21 s owed; 5/s rescales them to 4.2 s, the first frame's 10 s to 2 s.
+        b.set(QuotaSpec { rate: 1, burst: 10 }, 0);
+        b.set(QuotaSpec { rate: 5, burst: 5 }, 0);
+        b.refund(waiting);
+        // 2.2 s owed, less 1 s of burst.
+        let owed = b.wait(0);
+        assert!(
+            owed >= Duration::from_millis(1_190) && owed <= Duration::from_millis(1_210),
+            "{owed:?}"
+        );
+    }
+
+    /// A raised quota forgives the debt; a frame taken before it and abandoned after gives
+    /// back nothing, or it would forgive the frames taken since.
+    #[test]
+    fn a_refund_after_a_raised_quota_gives_back_nothing() {
+        let b = Bucket::new(QuotaSpec { rate: 10, burst: 1 });
+        b.take(1, 0);
+        let (_, waiting) = b.take_costing(100, 0);
+        b.set(QuotaSpec { rate: 20, burst: 1 }, 0);
+        assert_eq!(b.wait(0), Duration::ZERO, "forgiven");
+        b.take(1, 0);
+        b.take(40, 0);
+        let owed = b.wait(0);
+        assert_eq!(owed, Duration::from_secs(2));
+        b.refund(waiting);
+        assert_eq!(b.wait(0), owed, "the frames taken since still owe");
     }
 
     #[test]

@@ -981,14 +981,11 @@ impl Message {
                         len: payload.len(),
                     });
                 };
-                let reason = std::str::from_utf8(reason).map_err(|_| ProtoError::BadPayload {
-                    opcode: "ERROR",
-                    problem: "reason must be UTF-8",
-                    len: payload.len(),
-                })?;
+                // The code is what a receiver acts on (§9): a reason that is not UTF-8 is
+                // shown with its bad bytes replaced, not a reason to lose the code.
                 Message::Error(ErrorFrame {
                     code: ErrorCode(u16::from_le_bytes(*code)),
-                    reason: reason.to_owned(),
+                    reason: String::from_utf8_lossy(reason).into_owned(),
                 })
             }
             // A request's extensions are accepted and ignored (as on any frame they mean
@@ -1201,6 +1198,37 @@ mod tests {
             panic!("not an INFO")
         };
         assert_eq!(back.broker, Some("x".repeat(254)));
+    }
+
+    /// An ERROR whose reason is not UTF-8 keeps its code (what a receiver acts on, §9): the
+    /// bad bytes are replaced. Refusing the frame lost the code (the client saw BAD_PAYLOAD).
+    #[test]
+    fn an_error_with_a_reason_not_utf8_keeps_its_code() {
+        // code 200 (INVALID_TOPIC), reason 0xFF 'x'
+        let bytes = Bytes::from_static(&[0x1F, 0x08, 3, 0, 0, 0, 4, 0, 0, 0, 200, 0, 0xFF, b'x']);
+        let (frame, used) = decode_frame(&bytes, &Limits::default()).expect("decodes");
+        assert_eq!(used, bytes.len());
+        assert_eq!(
+            frame,
+            Frame::new(
+                3,
+                Message::Error(ErrorFrame {
+                    code: ErrorCode::INVALID_TOPIC,
+                    reason: "\u{FFFD}x".into(),
+                })
+            )
+        );
+        // Fewer than the code's 2 bytes is still refused.
+        assert!(matches!(
+            decode_frame(
+                &Bytes::from_static(&[0x1F, 0x08, 3, 0, 0, 0, 1, 0, 0, 0, 200]),
+                &Limits::default()
+            ),
+            Err(DecodeError::Invalid(ProtoError::BadPayload {
+                opcode: "ERROR",
+                ..
+            }))
+        ));
     }
 
     fn topic(s: &str) -> TopicName {

@@ -1107,8 +1107,9 @@ impl Driver {
         // Turns true when this node shuts down: every connection leaves (see `leave`).
         let (leaving_tx, leaving) = watch::channel(false);
         // Per peer ever connected: how often it came back after being disconnected (a
-        // duplicate connection replaced while connected is no reconnect).
-        let mut reconnects: HashMap<NodeId, u64> = HashMap::new();
+        // duplicate connection replaced while connected is no reconnect), and the run of
+        // connections (`Link::run`) it last spoke on.
+        let mut reconnects: HashMap<NodeId, Spoken> = HashMap::new();
         // Peer addresses that failed to dial, by the reason warned about.
         let mut dial_warned: WarnEvery<SocketAddr, String> = WarnEvery::new(DIAL_WARN_EVERY);
         let mut refusals_warned = WarnEvery::new(DIAL_WARN_EVERY);
@@ -1150,6 +1151,10 @@ impl Driver {
                     .entry(node.clone())
                     .or_insert_with(|| Arc::new(PeerQueue::new(self.queue_size)))
                     .clone();
+                let run = Run::new(
+                    id,
+                    conns.values().filter(|l| &l.node == node).map(|l| l.run),
+                );
                 conns.insert(
                     id,
                     Link {
@@ -1159,7 +1164,7 @@ impl Driver {
                         queue: queue.clone(),
                         retire: retire_tx,
                         left: false,
-                        spoke: false,
+                        run,
                     },
                 );
                 tasks.spawn(serve_peer(PeerTask {
@@ -1603,9 +1608,39 @@ struct Link {
     retire: watch::Sender<bool>,
     /// The peer said it is leaving (a watch closes the connection if it stays open).
     left: bool,
+    /// Whether the peer spoke on it, and the run of connections it belongs to.
+    run: Run,
+}
+
+/// Connections to one node belong to one run while the peer stays connected through them: a
+/// duplicate, or the connection that replaced the one in use. A connection set up while one to
+/// its node that the peer spoke on is open joins that one's run; one set up before the peer's
+/// first word on another is joined to that one's run then (both nodes dial: both connections
+/// speak, and the one not kept may close before the kept one's first word). Otherwise it starts
+/// a run of its own (its id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Run {
+    id: u64,
     /// The peer sent a control message on it: it took the connection (a peer that refuses
     /// this node's certificate closes it right after the handshake, without a word).
     spoke: bool,
+}
+
+impl Run {
+    /// The run of a new connection `conn`, given those of the connections to its node still
+    /// open.
+    fn new(conn: ConnId, open: impl IntoIterator<Item = Run>) -> Run {
+        let id = open.into_iter().find(|r| r.spoke).map_or(conn.0, |r| r.id);
+        Run { id, spoke: false }
+    }
+
+    /// The peer spoke first on another connection to the node, of run `id`: this one, open and
+    /// not spoken on yet, is its duplicate.
+    fn join(&mut self, id: u64) {
+        if !self.spoke {
+            self.id = id;
+        }
+    }
 }
 
 impl Link {
@@ -1668,33 +1703,50 @@ fn discard_all(queues: &HashMap<NodeId, Arc<PeerQueue>>, discarded: &AtomicU64) 
     n
 }
 
+/// A peer's reconnects, and the run of connections (`Link::run`) it last spoke on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Spoken {
+    count: u64,
+    run: u64,
+}
+
+impl Spoken {
+    /// The peer spoke first on a connection of `run`: its reconnects so far if that is a new
+    /// run, `None` if it spoke on this run before (a duplicate connection).
+    fn heard(&mut self, run: u64) -> Option<u64> {
+        (self.run != run).then(|| {
+            self.run = run;
+            self.count += 1;
+            self.count
+        })
+    }
+}
+
 /// The peer's first control message on `conn` (its snapshot, which opens every connection):
 /// the peer took the connection. Said as "cluster peer connected", or "reconnected" (and
-/// counted) if it was connected before, unless another connection to it already spoke (a
-/// duplicate). Not said at the handshake: a peer that refuses this node's certificate (revoked,
-/// not a peer certificate) closes the connection right after it, and this node logged it as
-/// reconnected at every redial.
+/// counted) if it was connected before, unless it already spoke on a connection of the same run
+/// ([`Run`]: a duplicate, possibly closed by now). Not said at the handshake: a peer that
+/// refuses this node's certificate (revoked, not a peer certificate) closes the connection
+/// right after it, and this node logged it as reconnected at every redial.
 fn first_word(
     conns: &mut HashMap<ConnId, Link>,
     conn: ConnId,
-    reconnects: &mut HashMap<NodeId, u64>,
+    reconnects: &mut HashMap<NodeId, Spoken>,
 ) {
-    let Some(link) = conns.get_mut(&conn).filter(|l| !l.spoke) else {
+    let Some(link) = conns.get_mut(&conn).filter(|l| !l.run.spoke) else {
         return;
     };
-    link.spoke = true;
-    let (node, queue) = (link.node.clone(), link.queue.clone());
-    if conns
-        .iter()
-        .any(|(c, l)| *c != conn && l.node == node && l.spoke)
-    {
-        return;
+    link.run.spoke = true;
+    let (node, queue, run) = (link.node.clone(), link.queue.clone(), link.run.id);
+    for other in conns.values_mut().filter(|l| l.node == node) {
+        other.run.join(run);
     }
     match reconnects.get_mut(&node) {
-        Some(count) => {
-            *count += 1;
-            queue.reconnects.store(*count, Ordering::Relaxed);
-            info!(peer = %node, reconnects = *count, "cluster peer reconnected");
+        Some(seen) => {
+            if let Some(count) = seen.heard(run) {
+                queue.reconnects.store(count, Ordering::Relaxed);
+                info!(peer = %node, reconnects = count, "cluster peer reconnected");
+            }
         }
         None => {
             // Bounded: past REMEMBERED_PEERS node ids (ids churning with autoscaled pods), only
@@ -1702,7 +1754,7 @@ fn first_word(
             if reconnects.len() >= REMEMBERED_PEERS {
                 reconnects.retain(|n, _| conns.values().any(|l| &l.node == n));
             }
-            reconnects.insert(node.clone(), 0);
+            reconnects.insert(node.clone(), Spoken { count: 0, run });
             info!(peer = %node, "cluster peer connected");
         }
     }
@@ -2655,6 +2707,43 @@ fn log_refusal(
 
 #[cfg(test)]
 mod tests {
+
+    /// Both nodes dial, both connections speak, and the one not kept may close before the kept
+    /// one's first word: that word is no reconnect (it was counted as one, so a peer that was
+    /// connected throughout showed a reconnect, and the revoked-peer test failed now and then).
+    /// A connection made while none to the node is open is one.
+    #[test]
+    fn a_duplicate_that_speaks_after_its_twin_closed_is_no_reconnect() {
+        // a and b are set up at once, neither spoken on: separate runs for now.
+        let mut a = Run::new(ConnId(5), []);
+        let mut b = Run::new(ConnId(6), [a]);
+        assert_ne!(a.id, b.id);
+        // The peer speaks on a (connected): b, still open, joins a's run.
+        a.spoke = true;
+        let mut seen = Spoken {
+            count: 0,
+            run: a.id,
+        };
+        b.join(a.id);
+        // a closes; the peer speaks on b: a duplicate, no reconnect.
+        b.spoke = true;
+        assert_eq!(seen.heard(b.id), None, "b is a's duplicate");
+        // c is set up while b (spoken on) is open: the same run, no reconnect either.
+        let mut c = Run::new(ConnId(7), [b]);
+        c.spoke = true;
+        assert_eq!(seen.heard(c.id), None, "c replaced b");
+        // c closes; d is set up with only an unspoken connection open (one the peer then
+        // refuses): a run of its own, and its first word a reconnect.
+        let refused = Run::new(ConnId(8), []);
+        let d = Run::new(ConnId(9), [refused]);
+        assert_eq!(seen.heard(d.id), Some(1));
+        assert_eq!(seen.heard(d.id), None);
+        // A spoken connection keeps its run when another speaks on another run.
+        let mut spoken = d;
+        spoken.spoke = true;
+        spoken.join(42);
+        assert_eq!(spoken.id, d.id);
+    }
 
     /// What is still queued for peers when the mesh stops is counted as discarded, and what
     /// comes after is refused (counted by whoever pushed it): copies re-routed while the node

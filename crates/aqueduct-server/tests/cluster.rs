@@ -850,9 +850,16 @@ async fn a_revoked_peer_certificate_is_no_peer() {
             .find(|p| p.node.as_str() == "node-0")
             .map(|p| p.reconnects)
     };
-    until("node-0 to take node-1 as a peer", || {
-        peers_of(&n0) == node1 && reconnects().is_some()
-    })
+    // node-1 counts node-0 as connected at node-0's first word on a connection (its interest
+    // snapshot), not at the handshake: wait for node-0's interest to reach node-1. Waiting for
+    // node-1's counters only (made at the handshake) let the revocation below close the first
+    // connection before node-0 spoke on it, so the one after it was no reconnect.
+    let client = n0.client().await;
+    let _sub = client.subscribe("probe").await.expect("subscribe");
+    until(
+        "node-0 to take node-1 as a peer, and node-1 to hear from node-0",
+        || peers_of(&n0) == node1 && wants(&n1, "node-0", "probe"),
+    )
     .await;
     let before = reconnects().expect("connected");
     ca.ca.write_crl(&crl, &[&revoked_cert], 2);

@@ -87,6 +87,41 @@ async fn legacy_frames_as_the_seed_reference_client_sends_them() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// protocol.md 7.2 and 7.5: a seed-style SUBSCRIBE (never confirmed) and an UNSUBSCRIBE (never
+/// confirmed either) are known to be handled once an INFO sent after them on the same stream is
+/// answered: the broker handles a stream's frames in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_info_answer_after_a_seed_subscribe_or_an_unsubscribe_says_it_was_handled() {
+    let b = TestBroker::start().await;
+    let raw = Raw::connect(&b, 1 << 20).await;
+    let mut a = raw.stream().await;
+    let mut request = raw_frame(0x02, 7, b"topic:orders");
+    request.extend(raw_frame(0x09, 7, b""));
+    a.write(&request).await;
+    let info = a.read_frame().await.expect("the INFO answer");
+    assert!(matches!(info.message, Message::Info(_)), "{info:?}");
+    assert_eq!(
+        b.broker.subscriber_count(),
+        1,
+        "active when the answer is read"
+    );
+    let mut pubs = raw.stream().await;
+    pubs.write(&raw_frame(0x01, 9, b"orders")).await;
+    let delivery = a.read_frame().await.expect("a delivery");
+    assert_eq!(delivery.to_bytes(), raw_frame(0x01, 7, b"orders"));
+    let mut request = raw_frame(0x03, 7, b"topic:orders");
+    request.extend(raw_frame(0x09, 7, b""));
+    a.write(&request).await;
+    let info = a.read_frame().await.expect("the INFO answer");
+    assert!(matches!(info.message, Message::Info(_)), "{info:?}");
+    assert_eq!(
+        b.broker.subscriber_count(),
+        0,
+        "ended when the answer is read"
+    );
+    b.stop().await.expect("clean shutdown");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_input_gets_an_error_and_the_connection_keeps_serving() {
     let b = TestBroker::start().await;

@@ -34,13 +34,16 @@ pub fn ensure(dir: &Path) -> io::Result<()> {
     check(dir)
 }
 
+/// What every refusal of [`check`] ends with: the way out that does not touch the directory.
+const HINT: &str = "; or set AQUEDUCT_HOME to a directory of this user's own";
+
 /// That `dir` is this user's own: a directory, not a link to one, owned by this user, that
 /// no other user can open or write to.
 pub fn check(dir: &Path) -> io::Result<()> {
     let meta = std::fs::symlink_metadata(dir)?;
     if !meta.is_dir() {
         return Err(io::Error::other(format!(
-            "{} is not a directory (a link or a file someone else made?)",
+            "{} is not a directory (a link or a file someone else made?){HINT}",
             dir.display()
         )));
     }
@@ -50,7 +53,7 @@ pub fn check(dir: &Path) -> io::Result<()> {
         if meta.uid() != uid() {
             return Err(io::Error::other(format!(
                 "{} belongs to another user (uid {}, this is {}): it is not this user's own \
-                 directory",
+                 directory{HINT}",
                 dir.display(),
                 meta.uid(),
                 uid()
@@ -58,7 +61,7 @@ pub fn check(dir: &Path) -> io::Result<()> {
         }
         if meta.mode() & 0o077 != 0 {
             return Err(io::Error::other(format!(
-                "{} can be opened by other users (mode {:o}): make it 0700, or remove it",
+                "{} can be opened by other users (mode {:o}): make it 0700, or remove it{HINT}",
                 dir.display(),
                 meta.mode() & 0o777
             )));
@@ -95,11 +98,13 @@ mod tests {
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).expect("chmod");
         let e = ensure(&open).expect_err("others can write to it");
         assert!(e.to_string().contains("mode 777"), "{e}");
+        assert!(e.to_string().contains("set AQUEDUCT_HOME"), "{e}");
         // A link to a private directory: refused (the link itself could be anyone's).
         let link = base.join("link");
         std::os::unix::fs::symlink(&dir, &link).expect("link");
         let e = check(&link).expect_err("a link");
         assert!(e.to_string().contains("not a directory"), "{e}");
+        assert!(e.to_string().contains("set AQUEDUCT_HOME"), "{e}");
         // Missing: check says so, and does not make it.
         assert!(check(&base.join("none")).is_err());
         assert!(path().starts_with(std::env::temp_dir()));
