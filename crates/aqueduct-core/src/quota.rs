@@ -43,11 +43,20 @@ pub struct Taken {
 }
 
 /// The rescale word: the era (how many times a raised quota forgave the debt, wrapping) in the
-/// high 16 bits, and in the low 48 the product of the factors by which faster rates rescaled the
-/// time owed within the era, in units of 2^-47.
+/// high 16 bits; in the low 48, by how much faster rates shrank the time owed within the era, as
+/// a base-2 logarithm in units of 2^-20 (a rate ten times faster adds log2(10) × 2^20). A
+/// logarithm, not the product of the factors: rates toggled between faster-with-a-smaller-burst
+/// and slower (a day/night schedule) shrink the product tenfold a day, and a fixed-point product
+/// lost its precision and then reached 0, after which no refund gave anything back.
 const SCALE_BITS: u32 = 48;
-const SCALE_ONE: u64 = 1 << 47;
 const SCALE_MASK: u64 = (1 << SCALE_BITS) - 1;
+/// The logarithm's units per halving.
+const SCALE_FRAC: f64 = (1u64 << 20) as f64;
+
+/// The next era's rescale word (nothing shrunk yet).
+fn next_era(word: u64) -> u64 {
+    (word >> SCALE_BITS).wrapping_add(1) << SCALE_BITS
+}
 
 /// One client's bucket.
 #[derive(Debug)]
@@ -73,7 +82,7 @@ impl Bucket {
             rate: AtomicU64::new(spec.rate),
             burst: AtomicU64::new(spec.burst.max(1)),
             tat: AtomicU64::new(0),
-            scale: AtomicU64::new(SCALE_ONE),
+            scale: AtomicU64::new(0),
             throttled_ns: AtomicU64::new(0),
             rejected: AtomicU64::new(0),
         }
@@ -124,8 +133,7 @@ impl Bucket {
             let _ = self
                 .scale
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |word| {
-                    let era = (word >> SCALE_BITS).wrapping_add(1) << SCALE_BITS;
-                    Some(era | SCALE_ONE)
+                    Some(next_era(word))
                 });
         } else if faster && old_interval > 0 {
             let _ = self
@@ -138,9 +146,14 @@ impl Bucket {
             let _ = self
                 .scale
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |word| {
-                    let factor = u128::from(word & SCALE_MASK) * u128::from(new_interval)
-                        / u128::from(old_interval);
-                    Some(word & !SCALE_MASK | factor as u64)
+                    // Rounded up: a refund then gives back a hair less, never more.
+                    let halvings = (old_interval as f64 / new_interval.max(1) as f64).log2();
+                    let shrunk = (word & SCALE_MASK) + (halvings * SCALE_FRAC).ceil() as u64;
+                    Some(if shrunk > SCALE_MASK {
+                        next_era(word)
+                    } else {
+                        word & !SCALE_MASK | shrunk
+                    })
                 });
         }
     }
@@ -193,14 +206,17 @@ impl Bucket {
     /// old, larger cost would forgive other frames' debt too; a slower rate kept the time owed,
     /// which is what goes back. After a raised quota forgave the debt, nothing goes back (the
     /// tokens are no longer owed; giving them back would forgive frames taken since).
+    /// A take or refund at the very moment the rate changes may use the rescale word from
+    /// before the change: a take then gives back less later, a refund gives back its unscaled
+    /// cost (at most that frame's own tokens at the old rate).
     pub fn refund(&self, taken: Taken) {
         let now = self.scale.load(Ordering::Acquire);
-        let then = taken.scale & SCALE_MASK;
-        if taken.n == 0 || now >> SCALE_BITS != taken.scale >> SCALE_BITS || then == 0 {
+        if taken.n == 0 || now >> SCALE_BITS != taken.scale >> SCALE_BITS {
             return;
         }
-        let cost = u128::from(taken.cost) * u128::from(now & SCALE_MASK) / u128::from(then);
-        let cost = cost as u64;
+        let shrunk = (now & SCALE_MASK).saturating_sub(taken.scale & SCALE_MASK);
+        // At most the cost taken (the factor is at most 1), so the cast cannot overflow.
+        let cost = (taken.cost as f64 * (-(shrunk as f64) / SCALE_FRAC).exp2()) as u64;
         let _ = self
             .tat
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |tat| {
@@ -617,6 +633,47 @@ mod tests {
         let owed = b.wait(0);
         assert!(
             owed >= Duration::from_millis(1_190) && owed <= Duration::from_millis(1_210),
+            "{owed:?}"
+        );
+    }
+
+    /// Rates toggled between faster-with-a-smaller-burst and slower (a day/night schedule)
+    /// shrink the time owed tenfold a day: refunds go on working however often (a fixed-point
+    /// product of the factors reached 0 after 15 toggles, and no refund gave anything back from
+    /// then on).
+    #[test]
+    fn refunds_keep_working_after_many_rate_changes() {
+        let day = QuotaSpec {
+            rate: 100,
+            burst: 10,
+        };
+        let night = QuotaSpec {
+            rate: 10,
+            burst: 100,
+        };
+        let b = Bucket::new(night);
+        for _ in 0..1_000 {
+            b.set(day, 0);
+            b.set(night, 0);
+        }
+        b.set(day, 0);
+        b.take(10, 0);
+        let (wait, waiting) = b.take_costing(100, 0);
+        assert_eq!(wait, Duration::from_secs(1));
+        b.refund(waiting);
+        assert_eq!(b.wait(0), Duration::ZERO, "given back");
+        // Across a change: the frame's tokens rescaled with the rest (100 at 10/s, then 100/s).
+        b.set(night, 0);
+        b.take(100, 0);
+        let (_, waiting) = b.take_costing(100, 0);
+        b.take(100, 0);
+        b.set(day, 0);
+        // 300 messages owed at 100/s (3.01 s, with the burst's 10 before them) less 10 of
+        // burst; the frame's 100 go back: 1.91 s.
+        b.refund(waiting);
+        let owed = b.wait(0);
+        assert!(
+            owed >= Duration::from_millis(1_905) && owed <= Duration::from_millis(1_915),
             "{owed:?}"
         );
     }

@@ -1151,9 +1151,14 @@ impl Driver {
                     .entry(node.clone())
                     .or_insert_with(|| Arc::new(PeerQueue::new(self.queue_size)))
                     .clone();
+                // A connection whose peer said it is leaving lends no run: the peer's next
+                // connection, after its restart, is a reconnect.
                 let run = Run::new(
                     id,
-                    conns.values().filter(|l| &l.node == node).map(|l| l.run),
+                    conns
+                        .values()
+                        .filter(|l| &l.node == node && !l.left)
+                        .map(|l| l.run),
                 );
                 conns.insert(
                     id,
@@ -1385,6 +1390,14 @@ impl Driver {
                             } else {
                                 if reason == aqueduct_core::mesh::RESTARTED {
                                     info!(peer = %link.node, "cluster peer restarted: its new connection replaces the old one");
+                                    // Its new connection spoke while this one was still open
+                                    // (so in its run): the restart is the reconnect.
+                                    if let Some(count) =
+                                        reconnects.get_mut(&link.node).map(Spoken::restarted)
+                                    {
+                                        link.queue.reconnects.store(count, Ordering::Relaxed);
+                                        info!(peer = %link.node, reconnects = count, "cluster peer reconnected");
+                                    }
                                 } else if reason == aqueduct_core::mesh::INTEREST_LIMIT {
                                     let max = self.mesh.max_peer_interest();
                                     let what = format!("cluster peer {} sent more interest (topic filters and consumer groups) than cluster.max_peer_interest ({max}) allows: closing its connection, and dialing it again with a growing wait; raise the limit if its subscriptions are legitimate", link.node);
@@ -1716,9 +1729,15 @@ impl Spoken {
     fn heard(&mut self, run: u64) -> Option<u64> {
         (self.run != run).then(|| {
             self.run = run;
-            self.count += 1;
-            self.count
+            self.restarted()
         })
+    }
+
+    /// The peer restarted, and its new connection, set up while the old one was still open,
+    /// shares the old one's run: a reconnect all the same. Its reconnects so far.
+    fn restarted(&mut self) -> u64 {
+        self.count += 1;
+        self.count
     }
 }
 
@@ -1738,7 +1757,7 @@ fn first_word(
     };
     link.run.spoke = true;
     let (node, queue, run) = (link.node.clone(), link.queue.clone(), link.run.id);
-    for other in conns.values_mut().filter(|l| l.node == node) {
+    for other in conns.values_mut().filter(|l| l.node == node && !l.left) {
         other.run.join(run);
     }
     match reconnects.get_mut(&node) {
@@ -2738,6 +2757,14 @@ mod tests {
         let d = Run::new(ConnId(9), [refused]);
         assert_eq!(seen.heard(d.id), Some(1));
         assert_eq!(seen.heard(d.id), None);
+        // A restarted peer's new connection, set up while the old one lingered (so in its
+        // run): counted when the old one is closed as the peer's previous incarnation.
+        assert_eq!(seen.restarted(), 2);
+        assert_eq!(
+            seen.heard(d.id),
+            None,
+            "the new connection's run stays the same"
+        );
         // A spoken connection keeps its run when another speaks on another run.
         let mut spoken = d;
         spoken.spoke = true;
