@@ -312,11 +312,21 @@ fn dump_to_stdout(
             writeln!(out, "{}", String::from_utf8_lossy(&t).escape_debug())?;
         }
         out.flush()?;
+        note_deleted(view.deleted_meanwhile);
         return skipped_is_failure(&view);
     };
     let records = view.read(topic.as_bytes(), from);
+    let mut deleted = view.deleted_meanwhile;
     for r in records.take(limit.map_or(usize::MAX, |l| l.min(usize::MAX as u64) as usize)) {
-        let r = r?;
+        let r = match r {
+            Ok(r) => r,
+            // Gone since the view was opened: the reader goes on with the next segment.
+            Err(e) if e.is_not_found() => {
+                deleted += 1;
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         match StoredMessage::decode(&r.data) {
             Some(m) => writeln!(out, "{}", dump_line(r.offset, r.timestamp_ms, &m))?,
             None => writeln!(
@@ -327,7 +337,18 @@ fn dump_to_stdout(
         }
     }
     out.flush()?;
+    note_deleted(deleted);
     skipped_is_failure(&view)
+}
+
+/// Said on standard error, not a failure: segments the broker's retention deleted while the
+/// dump ran (as `verify` says them).
+fn note_deleted(n: usize) {
+    if n > 0 {
+        eprintln!(
+            "aqueduct: {n} older segment(s) were deleted while this ran (the broker's retention): their messages are not shown"
+        );
+    }
 }
 
 /// A dump that left unreadable segments out is no success (exit code 1).

@@ -90,6 +90,11 @@ pub enum LogError {
 }
 
 impl LogError {
+    /// An I/O error saying a file was not there (a segment retention deleted meanwhile).
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, LogError::Io { cause, .. } if cause.kind() == std::io::ErrorKind::NotFound)
+    }
+
     pub(crate) fn io(
         action: &'static str,
         path: impl Into<PathBuf>,

@@ -318,22 +318,39 @@ pub struct Log {
 /// (0700 on Unix), as the messages in a log without a key are plain text. An existing one is
 /// left as it is.
 fn create_private_dir(dir: &Path) -> Result<(), LogError> {
-    if dir.is_dir() {
-        return Ok(());
+    create_private_dir_syncing(dir, sync_dir)
+}
+
+/// [`create_private_dir`], with `sync` syncing a directory. Each missing level is made on its
+/// own and its parent synced after it: a new directory's entry is durable once its parent is
+/// synced, and syncing only the last level's parent could lose, in a power cut, a first run's
+/// whole log directory (`~/.aqueduct` new, then `~/.aqueduct/aal`: `$HOME` was never synced).
+fn create_private_dir_syncing(
+    dir: &Path,
+    mut sync: impl FnMut(&Path) -> Result<(), LogError>,
+) -> Result<(), LogError> {
+    let mut missing = Vec::new();
+    let mut level = Some(dir);
+    while let Some(d) = level.filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
+        missing.push(d);
+        level = d.parent();
     }
     let mut builder = std::fs::DirBuilder::new();
-    builder.recursive(true);
     #[cfg(unix)]
     std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
-    builder
-        .create(dir)
-        .map_err(|e| LogError::io("creating", dir, e))?;
-    // A new directory's entry is durable once its parent is synced: without it a power cut
-    // could lose the whole log directory of a first run.
-    match dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        Some(parent) => sync_dir(parent),
-        None => sync_dir(Path::new(".")),
+    for d in missing.into_iter().rev() {
+        match builder.create(d) {
+            Ok(()) => {}
+            // Made meanwhile (another process): it is there, and its maker syncs it.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && d.is_dir() => continue,
+            Err(e) => return Err(LogError::io("creating", d, e)),
+        }
+        match d.parent().filter(|p| !p.as_os_str().is_empty()) {
+            Some(parent) => sync(parent)?,
+            None => sync(Path::new("."))?,
+        }
     }
+    Ok(())
 }
 
 /// The lock file's name in the log directory.
@@ -389,6 +406,9 @@ impl Log {
         let mut next_id = 0;
         // The previous run ended without a clean close, whatever its last index file says.
         let mut crash_evidence = false;
+        // Segments whose index is written only once the new active segment holds the crash
+        // evidence they gave (see below).
+        let mut index_later = Vec::new();
         let mut seal_order = segment::SealOrder::default();
         for (i, (id, path)) in files.iter().enumerate() {
             next_id = next_id.max(id.checked_add(1).ok_or_else(|| LogError::BadFile {
@@ -476,7 +496,15 @@ impl Log {
                 rec.rebuilt_indexes += 1;
                 // Sealed normally only if it was not the last segment of the run that crashed.
                 seg.clean = !last;
-                seg.write_index(&dir)?;
+                if seg.damage.is_empty() {
+                    seg.write_index(&dir)?;
+                } else {
+                    // Its damage is crash evidence only while it has no index: written now, a
+                    // start that died before the new active segment (whose header counts the
+                    // crash) was made would leave the next start without that evidence, and
+                    // offsets the damaged batches held could be handed out again.
+                    index_later.push(segments.len());
+                }
             }
             rec.degraded_topics.extend(scanned.degraded);
             segments.push(seg);
@@ -501,6 +529,14 @@ impl Log {
             }
         };
         rec.clean = clean;
+        #[cfg(test)]
+        if tests::FAIL_BEFORE_ACTIVE.with(std::cell::Cell::get) {
+            return Err(LogError::io(
+                "creating the active segment",
+                &dir,
+                std::io::Error::other("injected by a test"),
+            ));
+        }
         let (active_seg, active) = Segment::create(
             &dir,
             next_id,
@@ -511,6 +547,12 @@ impl Log {
         )?;
         segments.push(active_seg);
         sync_dir(&dir)?;
+        if !index_later.is_empty() {
+            for &i in &index_later {
+                segments[i].write_index(&dir)?;
+            }
+            sync_dir(&dir)?;
+        }
         let mut log = Log {
             dir,
             opts,
@@ -1239,7 +1281,9 @@ impl Log {
         mut seg: Segment,
     ) -> Result<(), LogError> {
         let later: Vec<Segment> = self.segments.get_mut().drain(i + 1..).collect();
-        for old in later {
+        // Newest first: a crash or an error part-way leaves a prefix of the log, never one
+        // with a hole in it.
+        for old in later.iter().rev() {
             remove_if_present(&old.path)?;
             let _ = std::fs::remove_file(index_path(&self.dir, old.id));
         }
@@ -1253,7 +1297,9 @@ impl Log {
         // Not a clean close: a crash before the new active segment exists counts as one.
         seg.clean = false;
         seg.write_index(&self.dir)?;
-        let next_id = seg.id + 1;
+        // Past every id the log had: a reader's cache and plans know segments by id and path,
+        // and must not take the new segment for one of those deleted.
+        let next_id = later.last().map_or(seg.id, |s| s.id) + 1;
         self.segments.get_mut()[i] = seg;
         let (active_seg, active) = Segment::create(
             &self.dir,
@@ -1302,6 +1348,9 @@ pub struct LogView {
     /// broker refuses to start on such a segment. (A newest one that holds no more than a
     /// header, or only zeros, may be being created right now, and is left out without a word.)
     pub skipped: Vec<PathBuf>,
+    /// Segments listed, then gone before they were read: the broker's retention deleted them
+    /// meanwhile (not damage).
+    pub deleted_meanwhile: usize,
 }
 
 impl LogView {
@@ -1312,6 +1361,7 @@ impl LogView {
         let mut segments = Vec::new();
         let mut torn_bytes = 0;
         let mut skipped = Vec::new();
+        let mut deleted_meanwhile = 0;
         let mut seal_order = segment::SealOrder::default();
         for (i, (_, path)) in files.iter().enumerate() {
             let last = i + 1 == files.len();
@@ -1334,6 +1384,8 @@ impl LogView {
                 // out and said.
                 Err(LogError::BadFile { .. }) if last && header_at_most(path) => {}
                 Err(LogError::BadFile { .. }) => skipped.push(path.clone()),
+                // Listed, then gone: the broker's retention deleted it meanwhile.
+                Err(e) if e.is_not_found() => deleted_meanwhile += 1,
                 Err(e) => return Err(e),
             }
         }
@@ -1341,6 +1393,7 @@ impl LogView {
             segments,
             torn_bytes,
             skipped,
+            deleted_meanwhile,
         })
     }
 
@@ -1424,6 +1477,54 @@ fn short_or_blank(path: &Path) -> bool {
 mod tests {
     use super::*;
 
+    thread_local! {
+        /// Makes [`Log::open`] fail just before it creates the new active segment (a start
+        /// that dies there).
+        pub(super) static FAIL_BEFORE_ACTIVE: std::cell::Cell<bool> =
+            const { std::cell::Cell::new(false) };
+    }
+
+    /// Damage found by reading through a sealed segment (its index gone) is crash evidence:
+    /// the new active segment's header counts the crash. A start that died before that
+    /// segment was made had already written the damaged segment's index, so the next start
+    /// found no evidence and went on at the highest offset it could read: offset 1, which the
+    /// damaged batch held, named a second message.
+    #[test]
+    fn crash_evidence_from_damage_survives_a_start_that_dies() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let opts = || LogOptions::default();
+        let (mut log, _) = Log::open(tmp.path(), opts()).expect("open");
+        let entry = |offset, data: &'static [u8]| Entry {
+            topic: b"t",
+            offset,
+            data,
+        };
+        log.append(&[entry(0, b"first")], 0).expect("append");
+        log.append(&[entry(1, b"second")], 0).expect("append");
+        log.close().expect("close");
+        // A second clean run: the first segment is no longer the newest.
+        let (log, _) = Log::open(tmp.path(), opts()).expect("open");
+        log.close().expect("close");
+        let seg = segment_path(tmp.path(), 0);
+        let mut b = std::fs::read(&seg).expect("read");
+        let last = b.len() - 3;
+        b[last] ^= 0xFF; // inside the last frame: offset 1's batch
+        std::fs::write(&seg, &b).expect("write");
+        std::fs::remove_file(index_path(tmp.path(), 0)).expect("remove the index");
+        FAIL_BEFORE_ACTIVE.with(|f| f.set(true));
+        let died = Log::open(tmp.path(), opts()).map(|_| ());
+        FAIL_BEFORE_ACTIVE.with(|f| f.set(false));
+        assert!(died.is_err());
+        let (log, rec) = Log::open(tmp.path(), opts()).expect("open");
+        assert!(!rec.clean, "counted as a crash");
+        let gap = opts().crash_offset_gap;
+        assert!(
+            log.next_offset(b"t") > gap,
+            "t goes on past the gap, not at {}",
+            log.next_offset(b"t")
+        );
+    }
+
     /// Short, or zeros to the end (read in pieces, not whole: a segment may be large); any
     /// non-zero byte, however far in, makes it a segment with content.
     #[test]
@@ -1440,5 +1541,39 @@ mod tests {
         *late.last_mut().expect("a byte") = 1;
         assert!(!short_or_blank(&file("late", &late)));
         assert!(!short_or_blank(&dir.path().join("missing")));
+    }
+
+    /// Every level made is made private and its parent synced: on a first run `~/.aqueduct`
+    /// and `~/.aqueduct/aal` are both new, and only `~/.aqueduct` was synced, so a power cut
+    /// could lose the whole directory with every message confirmed into it.
+    #[test]
+    fn each_new_directory_level_is_synced_into_its_parent() {
+        let base = tempfile::tempdir().expect("tempdir");
+        let dir = base.path().join("home/.aqueduct/aal");
+        std::fs::create_dir(base.path().join("home")).expect("home");
+        let mut synced = Vec::new();
+        create_private_dir_syncing(&dir, |d| {
+            synced.push(d.to_path_buf());
+            Ok(())
+        })
+        .expect("made");
+        assert_eq!(
+            synced,
+            [base.path().join("home"), base.path().join("home/.aqueduct")]
+        );
+        #[cfg(unix)]
+        for d in [base.path().join("home/.aqueduct"), dir.clone()] {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&d).expect("made").permissions().mode();
+            assert_eq!(mode & 0o777, 0o700, "{}", d.display());
+        }
+        // Already there: nothing made, nothing synced.
+        synced.clear();
+        create_private_dir_syncing(&dir, |d| {
+            synced.push(d.to_path_buf());
+            Ok(())
+        })
+        .expect("there");
+        assert!(synced.is_empty());
     }
 }

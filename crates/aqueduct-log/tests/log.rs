@@ -1075,6 +1075,31 @@ fn retention_forgets_emptied_topics_behind_an_offset_floor() -> R {
     Ok(())
 }
 
+/// `truncate_after` into an older segment: the new active segment's id is past every segment
+/// the log had (it took the id of the first segment deleted, which a reader's cache and plans
+/// could take it for).
+#[test]
+fn truncating_into_an_older_segment_uses_a_new_id() -> R {
+    let tmp = tempfile::tempdir()?;
+    let (mut log, _) = Log::open(tmp.path(), rotated(key(16), vec![]))?;
+    let cut = log.append(&[entry(0, b"a")], 1)?;
+    log.commit()?;
+    fill(&mut log, "t", 12, 3)?;
+    let before = segments(tmp.path());
+    assert!(before.len() >= 3, "{before:?}");
+    let last_id = segment_id(before.last().expect("segments"));
+    log.truncate_after(cut)?;
+    let after = segments(tmp.path());
+    assert_eq!(after.len(), 2, "{after:?}");
+    assert_eq!(after[0], before[0]);
+    assert_eq!(segment_id(&after[1]), last_id + 1);
+    assert_eq!(offsets(&read_all(&log, "t", 0)?), vec![0]);
+    log.close()?;
+    let (log, _) = Log::open(tmp.path(), rotated(key(16), vec![]))?;
+    assert_eq!(offsets(&read_all(&log, "t", 0)?), vec![0]);
+    Ok(())
+}
+
 #[test]
 fn truncate_after_and_purge_before() -> R {
     let tmp = tempfile::tempdir()?;
@@ -1833,5 +1858,45 @@ fn a_view_names_an_unreadable_newest_segment_with_batches() -> R {
     std::fs::write(&newest, &b[..16])?;
     let view = aqueduct_log::LogView::open(tmp.path(), &[key(3)])?;
     assert!(view.skipped.is_empty(), "{:?}", view.skipped);
+    Ok(())
+}
+
+/// `aqueduct log dump` beside a live broker: a segment its retention deletes after the view
+/// listed it, or after the view opened, is counted as deleted meanwhile, and the rest is read.
+/// The view failed to open (the segment's NotFound), or its reader's error ended the dump.
+#[test]
+fn a_view_goes_on_past_segments_deleted_meanwhile() -> R {
+    let tmp = tempfile::tempdir()?;
+    {
+        let (mut log, _) = Log::open(tmp.path(), rotated(key(15), vec![]))?;
+        fill(&mut log, "t", 12, 3)?;
+    }
+    let segs = segments(tmp.path());
+    assert!(segs.len() >= 3, "{segs:?}");
+    // Deleted after the view opened: its reader says so, and goes on with the next segment.
+    let view = aqueduct_log::LogView::open(tmp.path(), &[key(15)])?;
+    assert_eq!(view.deleted_meanwhile, 0);
+    std::fs::remove_file(&segs[0])?;
+    let (mut gone, mut read) = (0, Vec::new());
+    for r in view.read(b"t", 0) {
+        match r {
+            Ok(r) => read.push(r.offset),
+            Err(e) if e.is_not_found() => gone += 1,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    assert_eq!(gone, 1);
+    assert_eq!(read.last(), Some(&35), "{read:?}");
+    assert!(!read.contains(&0), "{read:?}");
+    // Listed, then gone before it was read (a dangling link stands for that moment).
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::symlink(tmp.path().join("gone"), &segs[0])?;
+        let view = aqueduct_log::LogView::open(tmp.path(), &[key(15)])?;
+        assert_eq!(view.deleted_meanwhile, 1);
+        assert!(view.skipped.is_empty());
+        let last = view.read(b"t", 0).filter_map(Result::ok).last();
+        assert_eq!(last.map(|r| r.offset), Some(35));
+    }
     Ok(())
 }
