@@ -95,11 +95,15 @@ async fn an_info_answer_after_a_seed_subscribe_or_an_unsubscribe_says_it_was_han
     let b = TestBroker::start().await;
     let raw = Raw::connect(&b, 1 << 20).await;
     let mut a = raw.stream().await;
-    let mut request = raw_frame(0x02, 7, b"topic:orders");
-    request.extend(raw_frame(0x09, 7, b""));
-    a.write(&request).await;
-    let info = a.read_frame().await.expect("the INFO answer");
-    assert!(matches!(info.message, Message::Info(_)), "{info:?}");
+    // `command` with `topic:orders` on stream 7, then an INFO request; its answer read.
+    async fn then_info(a: &mut RawStream, command: u8) {
+        let mut request = raw_frame(command, 7, b"topic:orders");
+        request.extend(raw_frame(0x09, 7, b""));
+        a.write(&request).await;
+        let info = a.read_frame().await.expect("the INFO answer");
+        assert!(matches!(info.message, Message::Info(_)), "{info:?}");
+    }
+    then_info(&mut a, 0x02).await;
     assert_eq!(
         b.broker.subscriber_count(),
         1,
@@ -109,11 +113,7 @@ async fn an_info_answer_after_a_seed_subscribe_or_an_unsubscribe_says_it_was_han
     pubs.write(&raw_frame(0x01, 9, b"orders")).await;
     let delivery = a.read_frame().await.expect("a delivery");
     assert_eq!(delivery.to_bytes(), raw_frame(0x01, 7, b"orders"));
-    let mut request = raw_frame(0x03, 7, b"topic:orders");
-    request.extend(raw_frame(0x09, 7, b""));
-    a.write(&request).await;
-    let info = a.read_frame().await.expect("the INFO answer");
-    assert!(matches!(info.message, Message::Info(_)), "{info:?}");
+    then_info(&mut a, 0x03).await;
     assert_eq!(
         b.broker.subscriber_count(),
         0,
