@@ -347,20 +347,31 @@ pub(crate) fn valid_index(
     header: &SegmentHeader,
     cipher: Option<&SegmentCipher>,
     file_len: u64,
-) -> Option<IndexFile> {
-    let bytes = std::fs::read(index_path(dir, header.id)).ok()?;
+) -> Result<Option<IndexFile>, LogError> {
+    // Missing: read through. Unreadable for another reason (too many open files, EIO) is an
+    // error, not a missing index: reading the newest segment through would call its clean
+    // close a crash, and every topic's offsets would jump by the crash gap.
+    let path = index_path(dir, header.id);
+    let bytes = match std::fs::read(&path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(LogError::io("reading the index", path, e)),
+    };
     // With a key, an index must carry a valid MAC; one that does not is read through instead
     // (the batches themselves are authenticated).
     let body = match cipher {
-        Some(c) => bytes
+        Some(c) => match bytes
             .split_last_chunk::<{ crate::crypto::INDEX_MAC_LEN }>()
             .filter(|(body, mac)| c.verify_index_mac(body, &mac[..]))
-            .map(|(body, _)| body)?,
+        {
+            Some((body, _)) => body,
+            None => return Ok(None),
+        },
         None => &bytes[..],
     };
-    IndexFile::decode(body)
+    Ok(IndexFile::decode(body)
         .ok()
-        .filter(|idx| idx.segment_id == header.id && idx.covered_len == file_len)
+        .filter(|idx| idx.segment_id == header.id && idx.covered_len == file_len))
 }
 
 pub(crate) fn load(
@@ -376,7 +387,7 @@ pub(crate) fn load(
         .metadata()
         .map_err(|e| LogError::io("reading the size of segment", path, e))?
         .len();
-    if let Some(idx) = valid_index(dir, &header, cipher.as_deref(), file_len) {
+    if let Some(idx) = valid_index(dir, &header, cipher.as_deref(), file_len)? {
         let segment = Segment::from_index(dir, &header, cipher, idx);
         return Ok((
             Scanned {

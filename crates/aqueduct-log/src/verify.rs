@@ -80,7 +80,7 @@ pub fn verify(
                 // unless an index covers it (a clean close): the broker then trusts the index,
                 // cuts nothing, and that batch is damage.
                 let last = i + 1 == ids.len()
-                    && crate::segment::valid_index(dir, &header, cipher.as_deref(), len).is_none();
+                    && crate::segment::valid_index(dir, &header, cipher.as_deref(), len)?.is_none();
                 scan(dir, &file, len, &header, cipher, last, &mut |pos| {
                     progress(done + pos, total)
                 })

@@ -1900,3 +1900,31 @@ fn a_view_goes_on_past_segments_deleted_meanwhile() -> R {
     }
     Ok(())
 }
+
+/// An index that is there but cannot be read (EIO, too many open files; here a directory in
+/// its place) stops the start with an error naming it. It was taken as missing: the newest
+/// segment was read through, its clean close called a crash, and every topic's offsets
+/// jumped by the crash gap.
+#[test]
+fn an_unreadable_index_is_an_error_not_a_crash() -> R {
+    let tmp = tempfile::tempdir()?;
+    let (mut log, _) = Log::open(tmp.path(), opts(Some(key(17))))?;
+    log.append(&[entry(0, b"a")], 0)?;
+    log.close()?;
+    let newest = segments(tmp.path()).pop().ok_or("a segment")?;
+    let idx = newest.with_extension("idx");
+    let saved = std::fs::read(&idx)?;
+    std::fs::remove_file(&idx)?;
+    std::fs::create_dir(&idx)?;
+    match Log::open(tmp.path(), opts(Some(key(17)))).map(|_| ()) {
+        Err(e) => assert!(e.to_string().contains("reading the index"), "{e}"),
+        Ok(()) => return Err("opened past an unreadable index".into()),
+    }
+    // Readable again: a clean start, nothing skipped.
+    std::fs::remove_dir(&idx)?;
+    std::fs::write(&idx, saved)?;
+    let (log, rec) = Log::open(tmp.path(), opts(Some(key(17))))?;
+    assert!(rec.clean, "{rec:?}");
+    assert_eq!(log.next_offset(b"t"), 1, "{rec:?}");
+    Ok(())
+}
