@@ -77,6 +77,59 @@ pub struct AdminPeer {
     /// The certificates it presented (end entity first): each call checks them against the
     /// revocation lists in force, which a reload may have changed since the handshake.
     pub chain: Arc<[rustls_pki_types::CertificateDer<'static>]>,
+    /// Told when its certificate is found revoked or expired: the connection then ends
+    /// [`DENIED_LIFETIME`] later, as one whose CN does not match.
+    ended: Arc<tokio::sync::Notify>,
+}
+
+/// The admin connections open, with their certificates: a reload that revokes one ends its
+/// connections. A revoked administrator (a leaked key) held its connections, and so up to
+/// [`MAX_CONNECTIONS`] slots, for as long as it kept them open: the other administrators could
+/// not connect until a restart.
+#[derive(Debug, Default)]
+pub struct AdminConns {
+    open: std::sync::Mutex<HashMap<u64, AdminPeer>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl AdminConns {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, AdminPeer>> {
+        self.open.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Tell every open connection whose certificate `revoked` says is revoked to end; how many.
+    pub(crate) fn end_revoked(
+        &self,
+        revoked: impl Fn(&[rustls_pki_types::CertificateDer<'static>]) -> bool,
+    ) -> usize {
+        let open = self.lock();
+        open.values()
+            .filter(|p| revoked(&p.chain))
+            .map(|p| p.ended.notify_one())
+            .count()
+    }
+
+    /// How many admin connections are open.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A connection's place in [`AdminConns`], given up when it ends.
+struct Registered {
+    conns: Arc<Shared>,
+    id: u64,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.conns.admin_conns.lock().remove(&self.id);
+    }
 }
 
 /// A TLS connection with its peer's identity, for tonic.
@@ -91,6 +144,11 @@ struct TlsConn {
         tokio::sync::OwnedSemaphorePermit,
         Pin<Box<tokio::time::Sleep>>,
     )>,
+    /// Told when its certificate is found revoked or expired ([`AdminPeer::ended`]); then the
+    /// end of its last [`DENIED_LIFETIME`].
+    ended: Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
+    ending: Option<Pin<Box<tokio::time::Sleep>>>,
+    _registered: Registered,
 }
 
 impl Connected for TlsConn {
@@ -112,6 +170,18 @@ impl AsyncRead for TlsConn {
                 return Poll::Ready(Err(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     "closed: the caller's CN does not match admin.allowed_cn",
+                )));
+            }
+        }
+        use std::future::Future;
+        if this.ending.is_none() && this.ended.as_mut().poll(cx).is_ready() {
+            this.ending = Some(Box::pin(tokio::time::sleep(DENIED_LIFETIME)));
+        }
+        if let Some(end) = &mut this.ending {
+            if end.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "closed: the caller's certificate is revoked or has expired",
                 )));
             }
         }
@@ -193,6 +263,7 @@ pub(crate) async fn serve(
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let denied_slots = Arc::new(tokio::sync::Semaphore::new(MAX_DENIED_CONNECTIONS));
     let allowed = shared.config.admin.as_ref().map(|a| a.allowed_cn.clone());
+    let registry = shared.clone();
     let accept = async move {
         let mut handshakes = JoinSet::new();
         let mut in_progress = InProgress::default();
@@ -221,7 +292,7 @@ pub(crate) async fn serve(
                     }
                     let (acceptor, tx, stats) = (acceptor.clone(), tx.clone(), stats.clone());
                     let (denied_slots, allowed) = (denied_slots.clone(), allowed.clone());
-                    let slots = slots.clone();
+                    let (slots, shared) = (slots.clone(), registry.clone());
                     let task = handshakes.spawn(async move {
                         match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                             Ok(Ok(io)) => {
@@ -256,13 +327,25 @@ pub(crate) async fn serve(
                                     let end = Box::pin(tokio::time::sleep(DENIED_LIFETIME));
                                     Some((permit, end))
                                 };
-                                let peer = AdminPeer { cn, remote, chain };
+                                let ended = Arc::new(tokio::sync::Notify::new());
+                                let peer = AdminPeer {
+                                    cn,
+                                    remote,
+                                    chain,
+                                    ended: ended.clone(),
+                                };
+                                let id = shared.admin_conns.next.fetch_add(1, Ordering::Relaxed);
+                                shared.admin_conns.lock().insert(id, peer.clone());
+                                let registered = Registered { conns: shared, id };
                                 let _ = tx
                                     .send(TlsConn {
                                         io,
                                         peer,
                                         _slot: slot,
                                         denied,
+                                        ended: Box::pin(async move { ended.notified().await }),
+                                        ending: None,
+                                        _registered: registered,
                                     })
                                     .await;
                             }
@@ -491,6 +574,18 @@ impl AdminApi {
             (Some(p), Some(v)) => v.is_revoked(&p.chain),
             _ => false,
         };
+        // Expired since the handshake, on a connection gRPC keeps open (short-lived admin
+        // certificates are what howto-security advises).
+        let expired = peer
+            .as_ref()
+            .and_then(|p| p.chain.first().and_then(crate::tls::validity))
+            .is_some_and(|(_, until)| until < crate::server::unix_now());
+        if revoked || expired {
+            // Its connection ends: it would keep a slot other administrators need.
+            if let Some(p) = &peer {
+                p.ended.notify_one();
+            }
+        }
         if revoked {
             let cn = cn.unwrap_or_else(|| "(none)".into());
             self.denied(
@@ -503,12 +598,6 @@ impl AdminApi {
                 "certificate of {cn} is revoked (tls.crl_file)"
             )));
         }
-        // Expired since the handshake, on a connection gRPC keeps open (short-lived admin
-        // certificates are what howto-security advises).
-        let expired = peer
-            .as_ref()
-            .and_then(|p| p.chain.first().and_then(crate::tls::validity))
-            .is_some_and(|(_, until)| until < crate::server::unix_now());
         if expired {
             let cn = cn.unwrap_or_else(|| "(none)".into());
             self.denied(&cn, &remote, rpc, "the certificate has expired");

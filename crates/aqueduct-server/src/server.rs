@@ -117,6 +117,8 @@ pub(crate) struct Shared {
     pub client_certs: Option<Arc<ClientVerifier>>,
     /// Verifies the admin API's client certificates, when it is enabled.
     pub admin_certs: Option<Arc<ClientVerifier>>,
+    /// The admin API's open connections.
+    pub admin_conns: crate::admin::AdminConns,
     /// The certificate browsers get (WebTransport with a generated certificate).
     pub browser_certs: Option<Arc<crate::webtransport::BrowserCerts>>,
     /// Trace export, when `tracing.otlp_endpoint` is set.
@@ -553,6 +555,7 @@ impl Server {
                 mesh_tls,
                 client_certs,
                 admin_certs,
+                admin_conns: Default::default(),
                 browser_certs,
                 endpoint: endpoint_handle,
                 tracer,
@@ -946,8 +949,9 @@ impl Control {
     /// Re-read `tls.crl_file` and `cluster.tls.crl_file` (what SIGHUP does; the files named at
     /// startup): new handshakes are checked against the new lists at once, and the live
     /// connections whose client (or peer) certificate they revoke are closed with
-    /// NOT_AUTHORIZED. Returns how many certificates the lists revoke and how many connections
-    /// were closed; `None` without either file. If either file is unreadable or invalid, the
+    /// NOT_AUTHORIZED (the admin API's [`crate::admin::DENIED_LIFETIME`] later, their calls
+    /// meanwhile refused with the reason). Returns how many certificates the lists revoke and
+    /// how many connections were (or are being) closed; `None` without either file. If either file is unreadable or invalid, the
     /// lists in force stay, both files' (all or none).
     pub async fn reload_revocations(&self) -> Result<Option<(usize, usize)>, String> {
         use crate::revocation::{Lists, MESH_CRL_KEY};
@@ -1002,7 +1006,11 @@ impl Control {
                 }
             }
             let live = shared.live_clients();
-            let closed = live.iter().filter(|c| close_if_revoked(shared, c)).count();
+            let mut closed = live.iter().filter(|c| close_if_revoked(shared, c)).count();
+            // The admin API's too, DENIED_LIFETIME later (calls meanwhile are told why).
+            if let Some(v) = &shared.admin_certs {
+                closed += shared.admin_conns.end_revoked(|chain| v.is_revoked(chain));
+            }
             Ok(Some((revoked, closed)))
         })
         .await

@@ -1953,6 +1953,18 @@ async fn a_revoked_admin_certificate_is_refused(own_ca: bool, with_clients_ca: b
     )
     .await
     .expect("served");
+    // Every admin slot taken by admin-ops.
+    let mut held = Vec::new();
+    for _ in 1..aqueduct_server::admin::MAX_CONNECTIONS {
+        let mut more = connect().await.expect("admin-ops connects");
+        within(
+            "a call",
+            more.get_broker_info(proto::GetBrokerInfoRequest {}),
+        )
+        .await
+        .expect("served");
+        held.push(more);
+    }
     write_lists(&[&ops], 2);
     b.control.reload_revocations().await.expect("reloaded");
     let refused = within(
@@ -1963,6 +1975,37 @@ async fn a_revoked_admin_certificate_is_refused(own_ca: bool, with_clients_ca: b
     .expect_err("a revoked certificate's call");
     assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
     assert!(refused.message().contains("revoked"), "{refused:?}");
+    // The revoked administrator's connections end DENIED_LIFETIME after the reload, all of
+    // them, called on or not: they held every slot, and other administrators could not connect
+    // until a restart. (The refused call above ends its own connection: two are needed.)
+    let served = |cn: &'static str| {
+        let (cert, key) = ca.client(dir.path(), cn);
+        let opts = ConnectOptions::new(addr.to_string())
+            .dev_cert_file(&b.dev_cert)
+            .client_cert(cert, key);
+        let tls = opts.tls_config(b"h2").expect("tls config");
+        let name = opts.verified_name();
+        within("another administrator to be served", async move {
+            loop {
+                let timeout = Duration::from_secs(5);
+                if let Ok(mut a) =
+                    aqueduct_server::admin::connect(addr.to_string(), tls.clone(), &name, timeout)
+                        .await
+                {
+                    if a.get_broker_info(proto::GetBrokerInfoRequest {})
+                        .await
+                        .is_ok()
+                    {
+                        return a;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    };
+    let _two = served("admin-two").await;
+    let _three = served("admin-three").await;
+    drop(held);
     let again = match connect().await {
         Err(e) => e.to_string(),
         Ok(mut a) => within("a call", a.get_broker_info(proto::GetBrokerInfoRequest {}))
