@@ -1621,6 +1621,17 @@ async fn write_loop<S: SendHalf + 'static>(
     let mut buf = BytesMut::new();
     let mut hint = 0;
     let mut last_write: Option<Instant> = None;
+    // A stream of a 0-RTT connection writes nothing (no delivery, no answer) before the
+    // handshake is confirmed: its early SUBSCRIBEs are checked against the ACL in force then
+    // (`identify`), and a reload that turned the ACL on meanwhile did not see the connection.
+    // Their deliveries went out in the meantime, for as long as the client held back its
+    // handshake (up to `transport.handshake_timeout`).
+    if !conn.is_confirmed() {
+        tokio::select! {
+            () = conn.wait_confirmed() => {}
+            _ = shutdown.wait_for(|s| *s) => {}
+        }
+    }
     'writes: loop {
         if out.aborted.load(Ordering::Acquire) {
             // The client stopped reading (STOP_SENDING) or the stream is gone: nothing more can
