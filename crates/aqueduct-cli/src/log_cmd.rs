@@ -315,18 +315,18 @@ fn dump_to_stdout(
         note_deleted(view.deleted_meanwhile);
         return skipped_is_failure(&view);
     };
-    let records = view.read(topic.as_bytes(), from);
     let mut deleted = view.deleted_meanwhile;
+    // Gone since the view was opened (retention): counted, and the reader goes on with the
+    // next segment; `--limit` counts messages only.
+    let records = view.read(topic.as_bytes(), from).filter(|r| match r {
+        Err(e) if e.is_not_found() => {
+            deleted += 1;
+            false
+        }
+        _ => true,
+    });
     for r in records.take(limit.map_or(usize::MAX, |l| l.min(usize::MAX as u64) as usize)) {
-        let r = match r {
-            Ok(r) => r,
-            // Gone since the view was opened: the reader goes on with the next segment.
-            Err(e) if e.is_not_found() => {
-                deleted += 1;
-                continue;
-            }
-            Err(e) => return Err(e.into()),
-        };
+        let r = r?;
         match StoredMessage::decode(&r.data) {
             Some(m) => writeln!(out, "{}", dump_line(r.offset, r.timestamp_ms, &m))?,
             None => writeln!(

@@ -1284,8 +1284,10 @@ impl Log {
         // Newest first: a crash or an error part-way leaves a prefix of the log, never one
         // with a hole in it.
         for old in later.iter().rev() {
-            remove_if_present(&old.path)?;
+            // The index first: one left without its segment could be taken for the next
+            // segment of that id.
             let _ = std::fs::remove_file(index_path(&self.dir, old.id));
+            remove_if_present(&old.path)?;
         }
         let f = OpenOptions::new()
             .write(true)

@@ -80,6 +80,19 @@ pub struct AdminPeer {
     /// Told when its certificate is found revoked or expired: the connection then ends
     /// [`DENIED_LIFETIME`] later, as one whose CN does not match.
     ended: Arc<tokio::sync::Notify>,
+    /// Whether it was told (counted once).
+    ending: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl AdminPeer {
+    /// End the connection [`DENIED_LIFETIME`] from now; false if it was told before.
+    fn end(&self) -> bool {
+        let first = !self.ending.swap(true, Ordering::AcqRel);
+        if first {
+            self.ended.notify_one();
+        }
+        first
+    }
 }
 
 /// The admin connections open, with their certificates: a reload that revokes one ends its
@@ -97,15 +110,15 @@ impl AdminConns {
         self.open.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Tell every open connection whose certificate `revoked` says is revoked to end; how many.
+    /// Tell every open connection whose certificate `revoked` says is revoked to end; how many
+    /// were not told before.
     pub(crate) fn end_revoked(
         &self,
         revoked: impl Fn(&[rustls_pki_types::CertificateDer<'static>]) -> bool,
     ) -> usize {
         let open = self.lock();
         open.values()
-            .filter(|p| revoked(&p.chain))
-            .map(|p| p.ended.notify_one())
+            .filter(|p| revoked(&p.chain) && p.end())
             .count()
     }
 
@@ -148,6 +161,9 @@ struct TlsConn {
     /// end of its last [`DENIED_LIFETIME`].
     ended: Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
     ending: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// [`DENIED_LIFETIME`] after its certificate expires: an idle connection of a short-lived
+    /// certificate (what howto-security advises against a leaked key) ends too.
+    expires: Option<Pin<Box<tokio::time::Sleep>>>,
     _registered: Registered,
 }
 
@@ -176,6 +192,16 @@ impl AsyncRead for TlsConn {
         use std::future::Future;
         if this.ending.is_none() && this.ended.as_mut().poll(cx).is_ready() {
             this.ending = Some(Box::pin(tokio::time::sleep(DENIED_LIFETIME)));
+        }
+        let expired = this
+            .expires
+            .as_mut()
+            .is_some_and(|end| end.as_mut().poll(cx).is_ready());
+        if expired {
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "closed: the caller's certificate has expired",
+            )));
         }
         if let Some(end) = &mut this.ending {
             if end.as_mut().poll(cx).is_ready() {
@@ -328,14 +354,33 @@ pub(crate) async fn serve(
                                     Some((permit, end))
                                 };
                                 let ended = Arc::new(tokio::sync::Notify::new());
+                                let expires = chain
+                                    .first()
+                                    .and_then(crate::tls::validity)
+                                    .map(|(_, until)| {
+                                        let left = until.saturating_sub(crate::server::unix_now());
+                                        let left = Duration::from_secs(left.max(0) as u64)
+                                            .min(crate::config::MAX_DURATION);
+                                        Box::pin(tokio::time::sleep(left + DENIED_LIFETIME))
+                                    });
                                 let peer = AdminPeer {
                                     cn,
                                     remote,
                                     chain,
                                     ended: ended.clone(),
+                                    ending: Arc::default(),
                                 };
                                 let id = shared.admin_conns.next.fetch_add(1, Ordering::Relaxed);
                                 shared.admin_conns.lock().insert(id, peer.clone());
+                                // Revoked by a reload after its handshake's check and before
+                                // it was listed: that reload did not see it.
+                                if shared
+                                    .admin_certs
+                                    .as_ref()
+                                    .is_some_and(|v| v.is_revoked(&peer.chain))
+                                {
+                                    peer.end();
+                                }
                                 let registered = Registered { conns: shared, id };
                                 let _ = tx
                                     .send(TlsConn {
@@ -345,6 +390,7 @@ pub(crate) async fn serve(
                                         denied,
                                         ended: Box::pin(async move { ended.notified().await }),
                                         ending: None,
+                                        expires,
                                         _registered: registered,
                                     })
                                     .await;
@@ -583,7 +629,7 @@ impl AdminApi {
         if revoked || expired {
             // Its connection ends: it would keep a slot other administrators need.
             if let Some(p) = &peer {
-                p.ended.notify_one();
+                p.end();
             }
         }
         if revoked {

@@ -1079,6 +1079,11 @@ impl Control {
         n
     }
 
+    /// The admin API's connections open now.
+    pub fn admin_connections(&self) -> usize {
+        self.shared.admin_conns.len()
+    }
+
     /// QUIC connections open on the broker's endpoint now (clients and cluster peers).
     pub fn open_connections(&self) -> usize {
         self.shared.endpoint.open_connections()

@@ -1198,14 +1198,24 @@ async fn an_admin_certificate_that_expires_on_an_open_connection_is_refused() {
     let (cert, key) = s.ca.client_until(s.dir.path(), "admin-brief", not_after);
     let mut admin = within(
         "an admin connection",
+        s.admin_with(Some((cert.clone(), key.clone()))),
+    )
+    .await
+    .expect("connects");
+    // A second connection that never calls again: it ends once the certificate has expired
+    // (an attacker with a leaked short-lived key held the slots it opened before expiry).
+    let mut idle = within(
+        "an admin connection",
         s.admin_with(Some((cert.clone(), key))),
     )
     .await
     .expect("connects");
-    admin
-        .get_broker_info(proto::GetBrokerInfoRequest {})
-        .await
-        .expect("answered while the certificate is valid");
+    for a in [&mut admin, &mut idle] {
+        a.get_broker_info(proto::GetBrokerInfoRequest {})
+            .await
+            .expect("answered while the certificate is valid");
+    }
+    assert_eq!(s.b.control.admin_connections(), 2);
     until_expired(&cert).await;
     let e = admin
         .get_broker_info(proto::GetBrokerInfoRequest {})
@@ -1213,6 +1223,11 @@ async fn an_admin_certificate_that_expires_on_an_open_connection_is_refused() {
         .expect_err("refused once it has expired");
     assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
     assert!(e.message().contains("expired"), "{e}");
+    until("both connections to end", || {
+        s.b.control.admin_connections() == 0
+    })
+    .await;
+    drop(idle);
     s.b.stop().await.expect("clean shutdown");
 }
 
@@ -1411,6 +1426,17 @@ async fn an_admin_change_whose_call_is_dropped_is_saved_all_the_same() {
 /// published meanwhile went out for as long as the client held back its handshake.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_0rtt_subscription_made_before_the_acl_went_on_is_checked_at_the_handshake() {
+    a_0rtt_subscription_held_back(false).await;
+}
+
+/// As above, with the broker stopping while the client holds its handshake back: nothing queued
+/// for the unchecked subscription goes out in the shutdown's last flush either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_0rtt_subscription_gets_nothing_from_a_broker_stopping_before_the_check() {
+    a_0rtt_subscription_held_back(true).await;
+}
+
+async fn a_0rtt_subscription_held_back(then_stop: bool) {
     let acl = |enabled| {
         access::validate(
             &AclSection {
@@ -1468,8 +1494,16 @@ async fn a_0rtt_subscription_made_before_the_acl_went_on_is_checked_at_the_hands
     for _ in 0..relay.held() {
         relay.release_one().await;
     }
-    until("the 0-RTT subscription", || {
+    // Both handled (the UNSUBSCRIBE's ERROR queued, not yet written): so that ERROR comes
+    // before the revocation's below.
+    let not_subscribed = ErrorCode::NOT_SUBSCRIBED.0;
+    until("the 0-RTT SUBSCRIBE and UNSUBSCRIBE handled", || {
         s.b.broker.subscriber_count() == 1
+            && s.b
+                .stats
+                .errors_sent()
+                .get(&not_subscribed)
+                .is_some_and(|n| *n >= 1)
     })
     .await;
     assert_eq!(
@@ -1490,6 +1524,20 @@ async fn a_0rtt_subscription_made_before_the_acl_went_on_is_checked_at_the_hands
         Instant::now(),
     );
     assert_eq!(routed.routed, 1, "queued for the 0-RTT subscription");
+    if then_stop {
+        let read_all = async {
+            let mut frames = Vec::new();
+            while let Some(f) = stream.read_frame().await {
+                frames.push(f);
+            }
+            frames
+        };
+        let (stopped, frames) =
+            within("the stop", async { tokio::join!(s.b.stop(), read_all) }).await;
+        stopped.expect("clean shutdown");
+        assert!(frames.is_empty(), "written before the check: {frames:?}");
+        return;
+    }
     relay.open().await;
     let answer = stream.read_frame().await.expect("the UNSUBSCRIBE's answer");
     assert_eq!(error_code(&answer), ErrorCode::NOT_SUBSCRIBED, "{answer:?}");

@@ -1631,6 +1631,13 @@ async fn write_loop<S: SendHalf + 'static>(
             () = conn.wait_confirmed() => {}
             _ = shutdown.wait_for(|s| *s) => {}
         }
+        // The broker is stopping before the handshake (and its check) completed: nothing
+        // queued here goes out, not even in the shutdown's last flush.
+        if !conn.is_confirmed() {
+            detach_subscriptions(shared, out);
+            send.reset(0);
+            return;
+        }
     }
     'writes: loop {
         if out.aborted.load(Ordering::Acquire) {
