@@ -33,11 +33,11 @@ impl QuotaSpec {
     }
 }
 
-/// Tokens [`Bucket::take_costing`] took: how many, the time they cost then (ns), and the
-/// bucket's rescale word then ([`Bucket::refund`] scales the cost by the rescales since).
+/// Tokens [`Bucket::take_costing`] took: the time they cost then (ns; 0: none, an unlimited
+/// bucket), and the bucket's rescale word then ([`Bucket::refund`] scales the cost by the
+/// rescales since).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Taken {
-    n: u64,
     cost: u64,
     scale: u64,
 }
@@ -193,7 +193,7 @@ impl Bucket {
             })
             .unwrap_or_else(|tat| tat);
         let tat = prev.max(now_ns).saturating_add(cost);
-        (self.debt(tat, interval, now_ns), Taken { n, cost, scale })
+        (self.debt(tat, interval, now_ns), Taken { cost, scale })
     }
 
     /// Give back tokens [`take_costing`](Self::take_costing) took, for messages that were then
@@ -211,7 +211,7 @@ impl Bucket {
     /// cost (at most that frame's own tokens at the old rate).
     pub fn refund(&self, taken: Taken) {
         let now = self.scale.load(Ordering::Acquire);
-        if taken.n == 0 || now >> SCALE_BITS != taken.scale >> SCALE_BITS {
+        if taken.cost == 0 || now >> SCALE_BITS != taken.scale >> SCALE_BITS {
             return;
         }
         let shrunk = (now & SCALE_MASK).saturating_sub(taken.scale & SCALE_MASK);

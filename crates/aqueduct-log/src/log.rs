@@ -406,8 +406,11 @@ impl Log {
         let mut next_id = 0;
         // The previous run ended without a clean close, whatever its last index file says.
         let mut crash_evidence = false;
-        // Segments whose index is written only once the new active segment holds the crash
-        // evidence they gave (see below).
+        // Rebuilt indexes, written only once the new active segment exists: damage found by
+        // reading a segment through is crash evidence only while it has no index, and the new
+        // segment's header is what counts the crash. An index written before it, by a start
+        // that then died, left the next start without that evidence, and offsets the damaged
+        // batches held could be handed out again.
         let mut index_later = Vec::new();
         let mut seal_order = segment::SealOrder::default();
         for (i, (id, path)) in files.iter().enumerate() {
@@ -496,20 +499,12 @@ impl Log {
                 rec.rebuilt_indexes += 1;
                 // Sealed normally only if it was not the last segment of the run that crashed.
                 seg.clean = !last;
-                if seg.damage.is_empty() {
-                    seg.write_index(&dir)?;
-                } else {
-                    // Its damage is crash evidence only while it has no index: written now, a
-                    // start that died before the new active segment (whose header counts the
-                    // crash) was made would leave the next start without that evidence, and
-                    // offsets the damaged batches held could be handed out again.
-                    index_later.push(segments.len());
-                }
+                index_later.push(segments.len());
             }
             rec.degraded_topics.extend(scanned.degraded);
             segments.push(seg);
         }
-        if rec.rebuilt_indexes > 0 || rec.removed_empty_segments > 0 || rec.truncated_bytes > 0 {
+        if rec.removed_empty_segments > 0 || rec.truncated_bytes > 0 {
             sync_dir(&dir)?;
         }
         let (generation, unclean_now, clean) = match segments.last() {
