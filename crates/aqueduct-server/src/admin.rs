@@ -77,8 +77,8 @@ pub struct AdminPeer {
     /// The certificates it presented (end entity first): each call checks them against the
     /// revocation lists in force, which a reload may have changed since the handshake.
     pub chain: Arc<[rustls_pki_types::CertificateDer<'static>]>,
-    /// Told when its certificate is found revoked or expired: the connection then ends
-    /// [`DENIED_LIFETIME`] later, as one whose CN does not match.
+    /// Told when the connection must end (its CN does not match, its certificate is found
+    /// revoked or expired): it then ends [`DENIED_LIFETIME`] later.
     ended: Arc<tokio::sync::Notify>,
     /// Whether it was told (counted once).
     ending: Arc<std::sync::atomic::AtomicBool>,
@@ -153,17 +153,14 @@ struct TlsConn {
     _slot: tokio::sync::OwnedSemaphorePermit,
     /// A caller `admin.allowed_cn` refuses: one of `MAX_DENIED_CONNECTIONS`, and the end of its
     /// `DENIED_LIFETIME`.
-    denied: Option<(
-        tokio::sync::OwnedSemaphorePermit,
-        Pin<Box<tokio::time::Sleep>>,
-    )>,
-    /// Told when its certificate is found revoked or expired ([`AdminPeer::ended`]); then the
-    /// end of its last [`DENIED_LIFETIME`].
-    ended: Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
-    ending: Option<Pin<Box<tokio::time::Sleep>>>,
-    /// [`DENIED_LIFETIME`] after its certificate expires: an idle connection of a short-lived
-    /// certificate (what howto-security advises against a leaked key) ends too.
-    expires: Option<Pin<Box<tokio::time::Sleep>>>,
+    _denied: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// Told when it must end ([`AdminPeer::end`]: its CN does not match, its certificate is
+    /// revoked or expired); taken once it told.
+    ended: Option<Pin<Box<dyn std::future::Future<Output = ()> + Send>>>,
+    /// When it ends: [`DENIED_LIFETIME`] after it was told, or after its certificate expires
+    /// (an idle connection of a short-lived certificate, what howto-security advises against a
+    /// leaked key, ends too), whichever comes first.
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     _registered: Registered,
 }
 
@@ -180,36 +177,31 @@ impl AsyncRead for TlsConn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
+        use std::future::Future;
         let this = self.get_mut();
-        if let Some((_, end)) = &mut this.denied {
-            if std::future::Future::poll(end.as_mut(), cx).is_ready() {
-                return Poll::Ready(Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "closed: the caller's CN does not match admin.allowed_cn",
-                )));
+        if this
+            .ended
+            .as_mut()
+            .is_some_and(|e| e.as_mut().poll(cx).is_ready())
+        {
+            this.ended = None;
+            let at = tokio::time::Instant::now() + DENIED_LIFETIME;
+            match &mut this.deadline {
+                Some(d) if d.deadline() <= at => {}
+                Some(d) => d.as_mut().reset(at),
+                None => this.deadline = Some(Box::pin(tokio::time::sleep_until(at))),
             }
         }
-        use std::future::Future;
-        if this.ending.is_none() && this.ended.as_mut().poll(cx).is_ready() {
-            this.ending = Some(Box::pin(tokio::time::sleep(DENIED_LIFETIME)));
-        }
-        let expired = this
-            .expires
+        if this
+            .deadline
             .as_mut()
-            .is_some_and(|end| end.as_mut().poll(cx).is_ready());
-        if expired {
+            .is_some_and(|d| d.as_mut().poll(cx).is_ready())
+        {
             return Poll::Ready(Err(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
-                "closed: the caller's certificate has expired",
+                "closed: the caller may not use the admin API (its CN does not match \
+                 admin.allowed_cn, or its certificate is revoked or has expired)",
             )));
-        }
-        if let Some(end) = &mut this.ending {
-            if end.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "closed: the caller's certificate is revoked or has expired",
-                )));
-            }
         }
         Pin::new(&mut this.io).poll_read(cx, buf)
     }
@@ -350,11 +342,10 @@ pub(crate) async fn serve(
                                         );
                                         return;
                                     };
-                                    let end = Box::pin(tokio::time::sleep(DENIED_LIFETIME));
-                                    Some((permit, end))
+                                    Some(permit)
                                 };
                                 let ended = Arc::new(tokio::sync::Notify::new());
-                                let expires = chain
+                                let deadline = chain
                                     .first()
                                     .and_then(crate::tls::validity)
                                     .map(|(_, until)| {
@@ -372,12 +363,14 @@ pub(crate) async fn serve(
                                 };
                                 let id = shared.admin_conns.next.fetch_add(1, Ordering::Relaxed);
                                 shared.admin_conns.lock().insert(id, peer.clone());
-                                // Revoked by a reload after its handshake's check and before
-                                // it was listed: that reload did not see it.
-                                if shared
-                                    .admin_certs
-                                    .as_ref()
-                                    .is_some_and(|v| v.is_revoked(&peer.chain))
+                                // Its CN does not match; or revoked by a reload after its
+                                // handshake's check and before it was listed (that reload did
+                                // not see it).
+                                if denied.is_some()
+                                    || shared
+                                        .admin_certs
+                                        .as_ref()
+                                        .is_some_and(|v| v.is_revoked(&peer.chain))
                                 {
                                     peer.end();
                                 }
@@ -387,10 +380,9 @@ pub(crate) async fn serve(
                                         io,
                                         peer,
                                         _slot: slot,
-                                        denied,
-                                        ended: Box::pin(async move { ended.notified().await }),
-                                        ending: None,
-                                        expires,
+                                        _denied: denied,
+                                        ended: Some(Box::pin(async move { ended.notified().await })),
+                                        deadline,
                                         _registered: registered,
                                     })
                                     .await;
