@@ -12,7 +12,7 @@ use crate::format::{
     batch_aad, encode_record, finish_frame, record_len, start_frame, BodyHeader, Kind, BODY_HEADER,
     FRAME_PREFIX, HEADER_LEN, MAX_BODY,
 };
-use crate::reader::Reader;
+use crate::reader::{EntryCache, Reader};
 use crate::segment::{self, index_path, segment_path, sync_dir, Segment};
 use crate::LogError;
 
@@ -203,25 +203,37 @@ struct TopicState {
 }
 
 /// What readers need of the log's segments, shared with the log's owner: readers on other
-/// threads take a snapshot of one topic's entry points under the read lock (see
-/// [`LogIndex::read`]); the owner takes the write lock to note each appended batch. Cheap to
-/// clone.
+/// threads take a snapshot of one topic's plan under the read lock (see [`LogIndex::read`]);
+/// the owner takes the write lock to note each appended batch. Sealed segments' entry points
+/// are read from their index files, through a cache the clones share. Cheap to clone.
 #[derive(Debug, Clone, Default)]
-pub struct LogIndex(Arc<RwLock<Vec<Segment>>>);
+pub struct LogIndex {
+    segments: Arc<RwLock<Vec<Segment>>>,
+    entries: Arc<EntryCache>,
+}
 
 impl LogIndex {
+    fn new(segments: Vec<Segment>) -> LogIndex {
+        LogIndex {
+            segments: Arc::new(RwLock::new(segments)),
+            entries: Arc::default(),
+        }
+    }
+
     fn get(&self) -> RwLockReadGuard<'_, Vec<Segment>> {
-        self.0.read().unwrap_or_else(PoisonError::into_inner)
+        self.segments.read().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn get_mut(&self) -> RwLockWriteGuard<'_, Vec<Segment>> {
-        self.0.write().unwrap_or_else(PoisonError::into_inner)
+        self.segments
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Read `topic` from offset `from` on: what the log holds now (a reader made later sees
     /// more).
     pub fn read(&self, topic: &[u8], from: u64) -> Reader {
-        Reader::new(&self.get(), topic, from)
+        Reader::new(&self.get(), &self.entries, topic, from)
     }
 
     /// Every topic with messages in the log, sorted.
@@ -230,21 +242,9 @@ impl LogIndex {
     }
 
     /// Where a reader of `topic` from `from` reads first (segment id, byte position), as
-    /// [`Reader::position`] says, without making the reader.
+    /// [`Reader::position`] says. May read a sealed segment's index file.
     pub fn position(&self, topic: &[u8], from: u64) -> Option<(u64, u64)> {
-        self.get().iter().find_map(|seg| {
-            let span = seg.topics.get(topic)?;
-            match span.data {
-                Some((_, last)) if last >= from => {}
-                _ => return None,
-            }
-            let start = span
-                .entries
-                .iter()
-                .rposition(|&(offset, _)| offset <= from)
-                .unwrap_or(0);
-            span.entries.get(start).map(|&(_, pos)| (seg.id, pos))
-        })
+        self.read(topic, from).position()
     }
 
     /// The highest offset of a message of `topic` still in the log.
@@ -272,7 +272,7 @@ fn topics_of(segments: &[Segment]) -> Vec<Vec<u8>> {
             s.topics
                 .iter()
                 .filter(|(_, span)| span.data.is_some())
-                .map(|(k, _)| k.to_vec())
+                .map(|(name, _)| name.to_vec())
         })
         .collect();
     t.sort();
@@ -545,13 +545,14 @@ impl Log {
         if !index_later.is_empty() {
             for &i in &index_later {
                 segments[i].write_index(&dir)?;
+                segments[i].seal();
             }
             sync_dir(&dir)?;
         }
         let mut log = Log {
             dir,
             opts,
-            segments: LogIndex(Arc::new(RwLock::new(segments))),
+            segments: LogIndex::new(segments),
             active,
             topics: HashMap::new(),
             unclean_now,
@@ -582,7 +583,7 @@ impl Log {
         self.topics.clear();
         let segments = self.segments.get();
         for seg in segments.iter() {
-            for (name, span) in &seg.topics {
+            for (name, span) in seg.topics.iter() {
                 let state = TopicState {
                     high: span.high,
                     high_segment: seg.id,
@@ -593,7 +594,7 @@ impl Log {
                     Some(t) if t.high > span.high => {}
                     Some(t) => *t = state,
                     None => {
-                        self.topics.insert(name.clone(), state);
+                        self.topics.insert(name.into(), state);
                     }
                 }
             }
@@ -977,7 +978,7 @@ impl Log {
                 seg.id + 1,
                 seg.generation,
                 seg.unclean_before,
-                seg.index_file(),
+                seg.index_file()?,
                 seg.cipher.clone(),
             )
         };
@@ -998,7 +999,14 @@ impl Log {
             let _ = std::fs::remove_file(segment_path(&dir, next_id));
             return Err(e);
         }
-        self.segments.get_mut().push(seg);
+        {
+            let mut segments = self.segments.get_mut();
+            // Its index is on disk: its entry points need not stay in memory.
+            if let Some(sealed) = segments.last_mut() {
+                sealed.seal();
+            }
+            segments.push(seg);
+        }
         self.active = file;
         Ok(())
     }
@@ -1068,9 +1076,17 @@ impl Log {
         let segments = self.segments.get();
         for seg in &segments[..segments.len().saturating_sub(1)] {
             let over_bytes = self.opts.retention_bytes.is_some_and(|max| total > max);
-            let too_old = self.opts.retention_age.is_some_and(|age| {
-                seg.batches == 0 || seg.max_ts.saturating_add(age.as_millis() as u64) < now_ms
-            });
+            // A segment with no readable batch (empty, or every batch damaged) is as old as
+            // its header says it is: deleted at once, damage was gone before anyone could
+            // look at it.
+            let newest = match seg.batches {
+                0 => seg.created_ms,
+                _ => seg.max_ts,
+            };
+            let too_old = self
+                .opts
+                .retention_age
+                .is_some_and(|age| newest.saturating_add(age.as_millis() as u64) < now_ms);
             if !(over_bytes || too_old) {
                 break;
             }
@@ -1294,6 +1310,7 @@ impl Log {
         // Not a clean close: a crash before the new active segment exists counts as one.
         seg.clean = false;
         seg.write_index(&self.dir)?;
+        seg.seal();
         // Past every id the log had: a reader's cache and plans know segments by id and path,
         // and must not take the new segment for one of those deleted.
         let next_id = later.last().map_or(seg.id, |s| s.id) + 1;
@@ -1339,6 +1356,7 @@ fn remove_if_present(path: &Path) -> Result<(), LogError> {
 #[derive(Debug)]
 pub struct LogView {
     segments: Vec<Segment>,
+    entries: Arc<EntryCache>,
     /// Bytes of torn writes at the end of the last segment (left in place).
     pub torn_bytes: u64,
     /// Segments that could not be read (a bad header), left out of what the view reads: a
@@ -1388,6 +1406,7 @@ impl LogView {
         }
         Ok(LogView {
             segments,
+            entries: Arc::default(),
             torn_bytes,
             skipped,
             deleted_meanwhile,
@@ -1396,7 +1415,7 @@ impl LogView {
 
     /// Read `topic` from offset `from` on.
     pub fn read(&self, topic: &[u8], from: u64) -> Reader {
-        Reader::new(&self.segments, topic, from)
+        Reader::new(&self.segments, &self.entries, topic, from)
     }
 
     /// Every topic with messages in the log, sorted.
@@ -1473,6 +1492,7 @@ fn short_or_blank(path: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::segment::Topics;
 
     thread_local! {
         /// Makes [`Log::open`] fail just before it creates the new active segment (a start
@@ -1572,5 +1592,131 @@ mod tests {
         })
         .expect("there");
         assert!(synced.is_empty());
+    }
+
+    /// A sealed segment keeps no entry points in memory (a dense topic has one per 64 KB,
+    /// which grew with the log's size for the process's life): a reader reads them from the
+    /// segment's index file when it gets there, seeks with them as before, and reads the whole
+    /// segment when the index cannot be read. With and without a key (whose index carries a
+    /// MAC), after rotation and after a reopen.
+    #[test]
+    fn sealed_segments_keep_their_entry_points_on_disk_only() {
+        for key in [None, MasterKey::from_bytes(&[7; 32])] {
+            let tmp = tempfile::tempdir().expect("tempdir");
+            let opts = || LogOptions {
+                key: key.clone(),
+                max_segment_bytes: 1 << 20,
+                ..LogOptions::default()
+            };
+            let (mut log, _) = Log::open(tmp.path(), opts()).expect("open");
+            let big = vec![0xA5; 20 << 10];
+            for o in 0..300u64 {
+                let mut entries = vec![Entry {
+                    topic: b"dense",
+                    offset: o,
+                    data: &big,
+                }];
+                if o % 10 == 0 {
+                    entries.push(Entry {
+                        topic: b"sparse",
+                        offset: o / 10,
+                        data: b"s",
+                    });
+                }
+                log.append(&entries, 1_000 + o).expect("append");
+            }
+            log.commit().expect("commit");
+            let expect = |topic: &[u8], from: u64| -> Vec<u64> {
+                match topic {
+                    b"dense" => (from..300).collect(),
+                    _ => (from..30).collect(),
+                }
+            };
+            let offsets =
+                |reader: Reader| -> Vec<u64> { reader.map(|r| r.expect("read").offset).collect() };
+            let check = |log: &Log, what: &str| {
+                let segments = log.segments.get();
+                assert!(segments.len() >= 5, "{what}: {} segments", segments.len());
+                for seg in &segments[..segments.len() - 1] {
+                    let Topics::Sealed(_) = &seg.topics else {
+                        panic!("{what}: segment {} is live", seg.id);
+                    };
+                    // Two topics' names and offsets, against the dozen and more entry points
+                    // its index file holds for the dense one.
+                    assert!(
+                        seg.topics.heap_bytes() < 128,
+                        "{what}: {}",
+                        seg.topics.heap_bytes()
+                    );
+                    let idx =
+                        segment::valid_index(tmp.path(), seg.id, seg.cipher.as_deref(), seg.len)
+                            .expect("index read")
+                            .expect("a valid index");
+                    let dense = idx
+                        .topics
+                        .iter()
+                        .find(|(n, _)| n == b"dense")
+                        .expect("dense");
+                    assert!(dense.1.entries.len() >= 12, "{what}: {:?}", dense.1.entries);
+                }
+                // From the middle of a sealed segment: the reader starts at the entry point
+                // the index file gives, not at the segment's start.
+                let third = &segments[2];
+                let third_id = third.id;
+                let idx =
+                    segment::valid_index(tmp.path(), third.id, third.cipher.as_deref(), third.len)
+                        .expect("index read")
+                        .expect("a valid index");
+                let entries = &idx
+                    .topics
+                    .iter()
+                    .find(|(n, _)| n == b"dense")
+                    .expect("dense")
+                    .1
+                    .entries;
+                let (from, pos) = entries[entries.len() / 2];
+                drop(segments);
+                let mut reader = log.read(b"dense", from + 1);
+                assert_eq!(reader.position(), Some((third_id, pos)), "{what}");
+                assert!(log.segments.entries.segments() >= 1, "{what}");
+                assert_eq!(offsets(reader), expect(b"dense", from + 1), "{what}");
+                for (topic, from) in [(&b"dense"[..], 0), (b"sparse", 0), (b"sparse", 17)] {
+                    assert_eq!(
+                        offsets(log.read(topic, from)),
+                        expect(topic, from),
+                        "{what}"
+                    );
+                }
+                // Without the index files' help (a cache that cannot read them): each sealed
+                // segment is read whole, and nothing is missed.
+                let saved: Vec<(PathBuf, Vec<u8>)> = log.segments.get()[..3]
+                    .iter()
+                    .map(|s| {
+                        let path = index_path(tmp.path(), s.id);
+                        let bytes = std::fs::read(&path).expect("index");
+                        std::fs::write(&path, b"damaged").expect("damage");
+                        (path, bytes)
+                    })
+                    .collect();
+                let blind: Arc<EntryCache> = Arc::default();
+                let mut reader = Reader::new(&log.segments.get(), &blind, b"dense", from + 1);
+                assert_eq!(
+                    reader.position(),
+                    Some((third_id, crate::format::HEADER_LEN as u64)),
+                    "{what}"
+                );
+                assert_eq!(blind.segments(), 0);
+                assert_eq!(offsets(reader), expect(b"dense", from + 1), "{what}");
+                let reader = Reader::new(&log.segments.get(), &blind, b"sparse", 3);
+                assert_eq!(offsets(reader), expect(b"sparse", 3), "{what}");
+                for (path, bytes) in saved {
+                    std::fs::write(path, bytes).expect("restore");
+                }
+            };
+            check(&log, "after rotation");
+            log.close().expect("close");
+            let (log, _) = Log::open(tmp.path(), opts()).expect("reopen");
+            check(&log, "after a reopen");
+        }
     }
 }

@@ -4,13 +4,14 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::crypto::SegmentCipher;
+use crate::format::HEADER_LEN;
 use crate::format::{
     batch_aad, decode_records, BodyHeader, FrameCheck, Kind, BODY_HEADER, FRAME_PREFIX,
 };
-use crate::segment::{frame_at, resync, Segment, STRIDE};
+use crate::segment::{frame_at, resync, valid_index, Segment, Topics, STRIDE};
 use crate::LogError;
 
 /// One message read back.
@@ -32,9 +33,112 @@ struct Plan {
     damage: Vec<(u64, u64)>,
     /// (first batch position, end: no batch of the topic starts at or after it in this window).
     windows: VecDeque<(u64, u64)>,
+    /// A sealed segment's windows are made from its index file when the reader gets to it.
+    sealed: bool,
     /// One past the batch number of the last batch read here: a frame found past damage has
     /// this one or a later one.
     next_batch: u64,
+}
+
+/// Sealed segments' entry points, read from their index files when a reader gets to the
+/// segment (a sealed segment keeps none in memory, see [`Topics`]). The last
+/// [`ENTRY_SEGMENTS`] segments read are kept, for a log's readers to share: readers of many
+/// topics catching up through the same segments read each index once.
+#[derive(Debug, Default)]
+pub(crate) struct EntryCache(Mutex<VecDeque<Arc<SegmentEntries>>>);
+
+/// Sealed segments whose entry points an [`EntryCache`] keeps.
+const ENTRY_SEGMENTS: usize = 8;
+
+/// A topic's entry points in a segment: (first offset of the topic in a batch, the batch's
+/// position).
+type EntryPoints = Vec<(u64, u64)>;
+
+/// One sealed segment's entry points, by topic (sorted by name).
+#[derive(Debug)]
+struct SegmentEntries {
+    id: u64,
+    len: u64,
+    topics: Vec<(Vec<u8>, EntryPoints)>,
+}
+
+impl EntryCache {
+    /// The windows of `plan`'s sealed segment where batches of `topic` from offset `from` on
+    /// start. When its index file cannot be read, or no longer describes the segment (gone
+    /// with it, or replaced), the whole segment is one window: slower, never less.
+    fn windows(&self, plan: &Plan, topic: &[u8], from: u64) -> VecDeque<(u64, u64)> {
+        let whole = || VecDeque::from([(HEADER_LEN as u64, plan.len)]);
+        let Some(seg) = self.get(plan) else {
+            return whole();
+        };
+        match seg.topics.binary_search_by(|(name, _)| name[..].cmp(topic)) {
+            Ok(i) => windows_of(&seg.topics[i].1, from, plan.len),
+            Err(_) => whole(),
+        }
+    }
+
+    fn get(&self, plan: &Plan) -> Option<Arc<SegmentEntries>> {
+        let kept = |cache: &VecDeque<Arc<SegmentEntries>>| {
+            cache
+                .iter()
+                .find(|s| s.id == plan.id && s.len == plan.len)
+                .cloned()
+        };
+        if let Some(seg) = kept(&self.lock()) {
+            return Some(seg);
+        }
+        // Read without the lock: other readers go on meanwhile (two may read the same index).
+        let dir = plan.path.parent()?;
+        let idx = valid_index(dir, plan.id, plan.cipher.as_deref(), plan.len).ok()??;
+        let mut topics: Vec<(Vec<u8>, EntryPoints)> = idx
+            .topics
+            .into_iter()
+            .map(|(name, span)| (name, span.entries))
+            .collect();
+        topics.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        let seg = Arc::new(SegmentEntries {
+            id: plan.id,
+            len: plan.len,
+            topics,
+        });
+        let mut cache = self.lock();
+        if let Some(seg) = kept(&cache) {
+            return Some(seg);
+        }
+        if cache.len() >= ENTRY_SEGMENTS {
+            cache.pop_front();
+        }
+        cache.push_back(seg.clone());
+        Some(seg)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Arc<SegmentEntries>>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn segments(&self) -> usize {
+        self.lock().len()
+    }
+}
+
+/// The windows to read, from the entry points of a topic in a segment of `len` bytes, for
+/// offsets from `from` on: each entry's batch position, up to the next entry or [`STRIDE`]
+/// after it.
+fn windows_of(entries: &[(u64, u64)], from: u64, len: u64) -> VecDeque<(u64, u64)> {
+    let start = entries
+        .iter()
+        .rposition(|&(offset, _)| offset <= from)
+        .unwrap_or(0);
+    let entries = &entries[start..];
+    entries
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, pos))| {
+            let next = entries.get(i + 1).map_or(len, |&(_, p)| p);
+            (pos, next.min(pos.saturating_add(STRIDE)).min(len))
+        })
+        .collect()
 }
 
 /// Batches read lately, decrypted and decoded, for readers of several topics to share: a
@@ -160,35 +264,34 @@ pub struct Reader {
     next: u64,
     plans: VecDeque<Plan>,
     ready: VecDeque<Record>,
+    /// Where sealed segments' entry points are read.
+    entries: Arc<EntryCache>,
     /// For reading on its own (as an iterator).
     own: ReadCache,
 }
 
 impl Reader {
-    pub(crate) fn new(segments: &[Segment], topic: &[u8], from: u64) -> Reader {
+    /// Plans for the segments that hold `topic` at `from` or later; a sealed segment's windows
+    /// are left for when the reader gets to it (no file is read here, under the index's lock).
+    pub(crate) fn new(
+        segments: &[Segment],
+        entries: &Arc<EntryCache>,
+        topic: &[u8],
+        from: u64,
+    ) -> Reader {
         let mut plans = VecDeque::new();
         for seg in segments {
-            let Some(span) = seg.topics.get(topic) else {
-                continue;
-            };
-            match span.data {
+            match seg.topics.get(topic).and_then(|span| span.data) {
                 Some((_, last)) if last >= from => {}
                 _ => continue,
             }
-            let start = span
-                .entries
-                .iter()
-                .rposition(|&(offset, _)| offset <= from)
-                .unwrap_or(0);
-            let entries = &span.entries[start..];
-            let windows = entries
-                .iter()
-                .enumerate()
-                .map(|(i, &(_, pos))| {
-                    let next = entries.get(i + 1).map_or(seg.len, |&(_, p)| p);
-                    (pos, next.min(pos.saturating_add(STRIDE)).min(seg.len))
-                })
-                .collect();
+            let (windows, sealed) = match &seg.topics {
+                Topics::Live(live) => match live.get(topic) {
+                    Some(span) => (windows_of(&span.entries, from, seg.len), false),
+                    None => continue,
+                },
+                Topics::Sealed(_) => (VecDeque::new(), true),
+            };
             plans.push_back(Plan {
                 path: seg.path.clone(),
                 id: seg.id,
@@ -196,6 +299,7 @@ impl Reader {
                 cipher: seg.cipher.clone(),
                 damage: seg.damage.clone(),
                 windows,
+                sealed,
                 next_batch: 0,
             });
         }
@@ -204,17 +308,35 @@ impl Reader {
             next: from,
             plans,
             ready: VecDeque::new(),
+            entries: entries.clone(),
             // On its own, a reader reads each batch once: it needs none but the last.
             own: ReadCache::keeping(1),
         }
     }
 
+    /// Make the windows of the sealed segment of `plan`, from the reader's next offset on.
+    fn unseal(&mut self, plan: usize) {
+        let Some(p) = self.plans.get(plan).filter(|p| p.sealed) else {
+            return;
+        };
+        let windows = self.entries.windows(p, &self.topic, self.next);
+        if let Some(p) = self.plans.get_mut(plan) {
+            p.windows = windows;
+            p.sealed = false;
+        }
+    }
+
     /// Where in the log it reads first: (segment id, byte position), `None` if it has nothing
     /// to read. Readers of several topics sharing a [`ReadCache`] read best in this order.
-    pub fn position(&self) -> Option<(u64, u64)> {
-        self.plans
-            .iter()
-            .find_map(|p| p.windows.front().map(|&(pos, _)| (p.id, pos)))
+    /// May read a sealed segment's index file.
+    pub fn position(&mut self) -> Option<(u64, u64)> {
+        for i in 0..self.plans.len() {
+            self.unseal(i);
+            if let Some(&(pos, _)) = self.plans[i].windows.front() {
+                return Some((self.plans[i].id, pos));
+            }
+        }
+        None
     }
 
     /// The next message, reading through `cache` (shared with other readers).
@@ -234,6 +356,7 @@ impl Reader {
     /// Read the next batch of the current window into `ready`. Returns false when the reader
     /// has nothing left to read.
     fn advance(&mut self, cache: &mut ReadCache) -> Result<bool, LogError> {
+        self.unseal(0);
         let Some(plan) = self.plans.front_mut() else {
             return Ok(false);
         };

@@ -17,7 +17,6 @@ use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use crate::crypto::{MasterKey, SegmentCipher};
 use crate::format::{self, batch_aad, BodyHeader, FrameCheck, SegmentHeader, BODY_HEADER};
@@ -152,6 +151,12 @@ fn rekey_segment(
     })?;
     let mut new_header = header;
     let new_cipher = segment::seal_header(&mut new_header, current, path)?;
+    // Its index as it is, to carry a MAC under the new key (a sealed segment's entry points
+    // are not kept in memory). Read before anything changes; none if it was read through.
+    let index = match read_through {
+        true => None,
+        false => segment::valid_index(dir, old.id, Some(&old_cipher), old.len)?,
+    };
 
     let tmp = path.with_extension("seg.tmp");
     let written = write_resealed(
@@ -177,19 +182,18 @@ fn rekey_segment(
     std::fs::rename(&tmp, path)
         .map_err(|e| LogError::io("renaming the re-sealed segment", path, e))?;
     sync_dir(dir)?;
-    let mut resealed = old;
-    resealed.cipher = Some(Arc::new(new_cipher));
-    if read_through {
-        // Its index was missing or stale (lost, or a rekey cut short between the segment's
-        // rename and its index's): the next open reads it through, as it would have.
-        let idx = index_path(dir, resealed.id);
-        match std::fs::remove_file(&idx) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(LogError::io("removing the stale index", &idx, e)),
+    match index {
+        Some(index) => segment::write_index_file(dir, old.id, &index, Some(&new_cipher))?,
+        None => {
+            // Its index was missing or stale (lost, or a rekey cut short between the segment's
+            // rename and its index's): the next open reads it through, as it would have.
+            let idx = index_path(dir, old.id);
+            match std::fs::remove_file(&idx) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(LogError::io("removing the stale index", &idx, e)),
+            }
         }
-    } else {
-        resealed.write_index(dir)?;
     }
     Ok(Ok(()))
 }

@@ -98,8 +98,10 @@ pub(crate) struct Segment {
     pub batches: u64,
     pub min_ts: u64,
     pub max_ts: u64,
+    /// When it was created (its header's word): the age of a segment with no readable batch.
+    pub created_ms: u64,
     pub cipher: Option<Arc<SegmentCipher>>,
-    pub topics: HashMap<Box<[u8]>, TopicSpan>,
+    pub topics: Topics,
     pub damage: Vec<(u64, u64)>,
     /// Sealed normally (by rotation or a clean close), as its index file says.
     pub clean: bool,
@@ -116,8 +118,9 @@ impl Segment {
             batches: 0,
             min_ts: u64::MAX,
             max_ts: 0,
+            created_ms: header.created_ms,
             cipher,
-            topics: HashMap::new(),
+            topics: Topics::Live(HashMap::new()),
             damage: Vec::new(),
             clean: false,
         }
@@ -167,11 +170,16 @@ impl Segment {
         Ok((Segment::empty(dir, &header, cipher), file))
     }
 
-    /// Note one record at batch position `pos`, keeping the sparse entries.
+    /// Note one record at batch position `pos`, keeping the sparse entries. Only the active
+    /// segment is noted, and it is live.
     pub fn note(&mut self, kind: Kind, topic: &[u8], offset: u64, pos: u64) {
-        let span = match self.topics.get_mut(topic) {
+        let Topics::Live(topics) = &mut self.topics else {
+            debug_assert!(false, "a sealed segment is never appended to");
+            return;
+        };
+        let span = match topics.get_mut(topic) {
             Some(s) => s,
-            None => self.topics.entry(topic.into()).or_default(),
+            None => topics.entry(topic.into()).or_default(),
         };
         span.high = span.high.max(offset);
         if kind == Kind::Mark {
@@ -197,14 +205,19 @@ impl Segment {
         self.len = end;
     }
 
-    pub fn index_file(&self) -> IndexFile {
-        let mut topics: Vec<(Vec<u8>, TopicSpan)> = self
-            .topics
-            .iter()
-            .map(|(k, v)| (k.to_vec(), v.clone()))
-            .collect();
+    /// What its index file says. Only a live segment's is made here: a sealed one's entry
+    /// points are in its index file already, and no longer in memory.
+    pub fn index_file(&self) -> Result<IndexFile, LogError> {
+        let Topics::Live(live) = &self.topics else {
+            return Err(LogError::InvalidAppend(format!(
+                "segment {} is sealed: its index is the file it was sealed with",
+                self.id
+            )));
+        };
+        let mut topics: Vec<(Vec<u8>, TopicSpan)> =
+            live.iter().map(|(k, v)| (k.to_vec(), v.clone())).collect();
         topics.sort_by(|a, b| a.0.cmp(&b.0));
-        IndexFile {
+        Ok(IndexFile {
             segment_id: self.id,
             covered_len: self.len,
             generation: self.generation,
@@ -214,13 +227,23 @@ impl Segment {
             clean: self.clean,
             damage: self.damage.clone(),
             topics,
+        })
+    }
+
+    /// Drop the entry points from memory, keeping each topic's offsets: once its index file is
+    /// written, readers read them from there (see [`Topics`]).
+    pub fn seal(&mut self) {
+        if let Topics::Live(live) = &self.topics {
+            self.topics = Topics::Sealed(SealedTopics::new(
+                live.iter().map(|(name, span)| (&**name, Span::of(span))),
+            ));
         }
     }
 
     /// Write the index file atomically (temporary file, fsync, rename; the caller syncs the
     /// directory).
     pub fn write_index(&self, dir: &Path) -> Result<(), LogError> {
-        write_index_file(dir, self.id, &self.index_file(), self.cipher.as_deref())
+        write_index_file(dir, self.id, &self.index_file()?, self.cipher.as_deref())
     }
 
     /// Take the index file's word for the segment's content.
@@ -237,12 +260,132 @@ impl Segment {
         s.max_ts = idx.max_ts;
         s.clean = idx.clean;
         s.damage = idx.damage;
-        s.topics = idx
-            .topics
-            .into_iter()
-            .map(|(k, v)| (k.into_boxed_slice(), v))
-            .collect();
+        s.topics = Topics::Sealed(SealedTopics::new(
+            idx.topics
+                .iter()
+                .map(|(name, span)| (&name[..], Span::of(span))),
+        ));
         s
+    }
+}
+
+/// A segment's topics.
+///
+/// The active segment's are live: every topic's span with its sparse entry points, noted as
+/// batches are appended. A sealed segment (rotated, or loaded from its index file) keeps only
+/// each topic's offsets, 40 bytes and its name; its entry points stay in its index file, and a
+/// reader reads them from there when it gets to the segment (through the log's
+/// [`EntryCache`](crate::reader::EntryCache)). Memory then no longer grows with the log's size
+/// times its busy topics' entries (a dense topic has one per [`STRIDE`]: 25 KB per 100 MB
+/// segment).
+#[derive(Debug)]
+pub(crate) enum Topics {
+    Live(HashMap<Box<[u8]>, TopicSpan>),
+    Sealed(SealedTopics),
+}
+
+/// A topic's offsets in a segment, without its entry points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Span {
+    /// First and last data offsets (none if it holds only marks).
+    pub data: Option<(u64, u64)>,
+    /// Highest offset, marks included.
+    pub high: u64,
+}
+
+impl Span {
+    fn of(span: &TopicSpan) -> Span {
+        Span {
+            data: span.data,
+            high: span.high,
+        }
+    }
+}
+
+impl Topics {
+    pub fn get(&self, topic: &[u8]) -> Option<Span> {
+        match self {
+            Topics::Live(live) => live.get(topic).map(Span::of),
+            Topics::Sealed(sealed) => sealed.get(topic),
+        }
+    }
+
+    /// Every topic and its span, in no particular order.
+    pub fn iter(&self) -> Box<dyn Iterator<Item = (&[u8], Span)> + '_> {
+        match self {
+            Topics::Live(live) => {
+                Box::new(live.iter().map(|(name, span)| (&**name, Span::of(span))))
+            }
+            Topics::Sealed(sealed) => Box::new(sealed.iter()),
+        }
+    }
+
+    /// Bytes of memory its tables hold (not counting the map's own overhead).
+    #[cfg(test)]
+    pub fn heap_bytes(&self) -> usize {
+        match self {
+            Topics::Live(live) => live
+                .iter()
+                .map(|(name, span)| {
+                    name.len()
+                        + std::mem::size_of::<TopicSpan>()
+                        + span.entries.capacity() * std::mem::size_of::<(u64, u64)>()
+                })
+                .sum(),
+            Topics::Sealed(sealed) => sealed.names.len() + std::mem::size_of_val(&*sealed.spans),
+        }
+    }
+}
+
+/// A sealed segment's topics: their names end to end, sorted, and each one's span.
+#[derive(Debug, Default)]
+pub(crate) struct SealedTopics {
+    names: Box<[u8]>,
+    /// In name order: where each name ends in `names`, and its span.
+    spans: Box<[(usize, Span)]>,
+}
+
+impl SealedTopics {
+    fn new<'a>(topics: impl Iterator<Item = (&'a [u8], Span)>) -> SealedTopics {
+        let mut sorted: Vec<(&[u8], Span)> = topics.collect();
+        sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let mut names = Vec::with_capacity(sorted.iter().map(|(name, _)| name.len()).sum());
+        let spans = sorted
+            .into_iter()
+            .map(|(name, span)| {
+                names.extend_from_slice(name);
+                (names.len(), span)
+            })
+            .collect();
+        SealedTopics {
+            names: names.into_boxed_slice(),
+            spans,
+        }
+    }
+
+    fn name(&self, i: usize) -> &[u8] {
+        let start = match i.checked_sub(1) {
+            Some(before) => self.spans[before].0,
+            None => 0,
+        };
+        &self.names[start..self.spans[i].0]
+    }
+
+    fn get(&self, topic: &[u8]) -> Option<Span> {
+        let (mut lo, mut hi) = (0, self.spans.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match self.name(mid).cmp(topic) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => return Some(self.spans[mid].1),
+            }
+        }
+        None
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&[u8], Span)> {
+        (0..self.spans.len()).map(|i| (self.name(i), self.spans[i].1))
     }
 }
 
@@ -344,14 +487,14 @@ pub(crate) fn open_header(
 /// segment's `file_len` bytes: an open then reads only it, and trusts every batch it lists.
 pub(crate) fn valid_index(
     dir: &Path,
-    header: &SegmentHeader,
+    id: u64,
     cipher: Option<&SegmentCipher>,
     file_len: u64,
 ) -> Result<Option<IndexFile>, LogError> {
     // Missing: read through. Unreadable for another reason (too many open files, EIO) is an
     // error, not a missing index: reading the newest segment through would call its clean
     // close a crash, and every topic's offsets would jump by the crash gap.
-    let path = index_path(dir, header.id);
+    let path = index_path(dir, id);
     let bytes = match std::fs::read(&path) {
         Ok(bytes) => bytes,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -371,7 +514,7 @@ pub(crate) fn valid_index(
     };
     Ok(IndexFile::decode(body)
         .ok()
-        .filter(|idx| idx.segment_id == header.id && idx.covered_len == file_len))
+        .filter(|idx| idx.segment_id == id && idx.covered_len == file_len))
 }
 
 pub(crate) fn load(
@@ -387,7 +530,7 @@ pub(crate) fn load(
         .metadata()
         .map_err(|e| LogError::io("reading the size of segment", path, e))?
         .len();
-    if let Some(idx) = valid_index(dir, &header, cipher.as_deref(), file_len)? {
+    if let Some(idx) = valid_index(dir, header.id, cipher.as_deref(), file_len)? {
         let segment = Segment::from_index(dir, &header, cipher, idx);
         return Ok((
             Scanned {

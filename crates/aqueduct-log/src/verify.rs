@@ -80,7 +80,8 @@ pub fn verify(
                 // unless an index covers it (a clean close): the broker then trusts the index,
                 // cuts nothing, and that batch is damage.
                 let last = i + 1 == ids.len()
-                    && crate::segment::valid_index(dir, &header, cipher.as_deref(), len)?.is_none();
+                    && crate::segment::valid_index(dir, header.id, cipher.as_deref(), len)?
+                        .is_none();
                 scan(dir, &file, len, &header, cipher, last, &mut |pos| {
                     progress(done + pos, total)
                 })
@@ -96,8 +97,10 @@ pub fn verify(
                     .extend(seg.damage.iter().map(|&(p, l)| (path.clone(), p, l)));
                 topics.extend(
                     seg.topics
-                        .into_keys()
-                        .filter(|t| &**t != crate::log::FLOOR_TOPIC),
+                        .iter()
+                        .map(|(name, _)| name)
+                        .filter(|&t| t != crate::log::FLOOR_TOPIC)
+                        .map(Box::<[u8]>::from),
                 );
             }
             Err(e) => report.failures.push((path, e.to_string())),

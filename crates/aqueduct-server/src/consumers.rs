@@ -1195,14 +1195,24 @@ pub(crate) async fn feed(
                 None => from,
             };
             unanchored.remove(&topic);
-            let at = durable.index.position(&topic, from);
-            reads.push((at, topic, from, bound));
+            reads.push((topic, from, bound));
         }
         // In the order of the log, a few topics per read, through one cache of the batches read
         // last: topics whose messages share batches (a client publishing to many topics at
         // once) are read together, each batch read and decrypted once, not once per topic.
-        // Last first: taken from the end.
-        reads.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
+        // Last first: taken from the end. Where each starts may take reading a sealed
+        // segment's index file: not on this thread.
+        let index = durable.index.clone();
+        let mut reads = tokio::task::spawn_blocking(move || {
+            let mut reads: Vec<_> = reads
+                .into_iter()
+                .map(|(topic, from, bound)| (index.position(&topic, from), topic, from, bound))
+                .collect();
+            reads.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
+            reads
+        })
+        .await
+        .unwrap_or_default();
         let mut cache = aqueduct_log::ReadCache::default();
         while !reads.is_empty() {
             let chunk = reads.split_off(reads.len().saturating_sub(READ_TOPICS));
