@@ -247,6 +247,21 @@ impl LogIndex {
         self.read(topic, from).position()
     }
 
+    /// The segment a reader of `topic` from `from` reads first, reading no file: to order
+    /// calls to [`position`](Self::position) so that topics starting in the same segment are
+    /// looked up together, from one read of its index file.
+    pub fn first_segment(&self, topic: &[u8], from: u64) -> Option<u64> {
+        self.get()
+            .iter()
+            .find(|s| {
+                s.topics
+                    .get(topic)
+                    .and_then(|span| span.data)
+                    .is_some_and(|(_, last)| last >= from)
+            })
+            .map(|s| s.id)
+    }
+
     /// The highest offset of a message of `topic` still in the log.
     pub fn last_offset(&self, topic: &[u8]) -> Option<u64> {
         self.get()
@@ -1077,8 +1092,8 @@ impl Log {
         for seg in &segments[..segments.len().saturating_sub(1)] {
             let over_bytes = self.opts.retention_bytes.is_some_and(|max| total > max);
             // A segment with no readable batch (empty, or every batch damaged) is as old as
-            // its header says it is: deleted at once, damage was gone before anyone could
-            // look at it.
+            // its header says: taken for older than any age, a damaged one was deleted at the
+            // next pass, before anyone could look at it.
             let newest = match seg.batches {
                 0 => seg.created_ms,
                 _ => seg.max_ts,
@@ -1678,7 +1693,12 @@ mod tests {
                 drop(segments);
                 let mut reader = log.read(b"dense", from + 1);
                 assert_eq!(reader.position(), Some((third_id, pos)), "{what}");
-                assert!(log.segments.entries.segments() >= 1, "{what}");
+                assert_eq!(
+                    log.index().first_segment(b"dense", from + 1),
+                    Some(third_id),
+                    "{what}"
+                );
+                assert!(log.segments.entries.segments().1 >= 1, "{what}");
                 assert_eq!(offsets(reader), expect(b"dense", from + 1), "{what}");
                 for (topic, from) in [(&b"dense"[..], 0), (b"sparse", 0), (b"sparse", 17)] {
                     assert_eq!(
@@ -1705,7 +1725,7 @@ mod tests {
                     Some((third_id, crate::format::HEADER_LEN as u64)),
                     "{what}"
                 );
-                assert_eq!(blind.segments(), 0);
+                assert_eq!(blind.segments(), (1, 0), "{what}: remembered as unreadable");
                 assert_eq!(offsets(reader), expect(b"dense", from + 1), "{what}");
                 let reader = Reader::new(&log.segments.get(), &blind, b"sparse", 3);
                 assert_eq!(offsets(reader), expect(b"sparse", 3), "{what}");
@@ -1717,6 +1737,53 @@ mod tests {
             log.close().expect("close");
             let (log, _) = Log::open(tmp.path(), opts()).expect("reopen");
             check(&log, "after a reopen");
+            log.close().expect("close");
+
+            // Damage in a sealed segment, found by reading it through at open: readers skip
+            // it, with the index's entry points and without them.
+            let id = 1;
+            let idx = {
+                let (log, _) = Log::open(tmp.path(), opts()).expect("open");
+                let idx = {
+                    let seg = &log.segments.get()[id as usize];
+                    segment::valid_index(tmp.path(), id, seg.cipher.as_deref(), seg.len)
+                        .expect("index read")
+                        .expect("a valid index")
+                };
+                log.close().expect("close");
+                idx
+            };
+            let entries = &idx
+                .topics
+                .iter()
+                .find(|(n, _)| n == b"dense")
+                .expect("dense")
+                .1
+                .entries;
+            let (lost, pos) = entries[entries.len() / 2];
+            let path = segment_path(tmp.path(), id);
+            let mut b = std::fs::read(&path).expect("segment");
+            b[pos as usize + 100] ^= 0xFF;
+            std::fs::write(&path, &b).expect("damage");
+            std::fs::remove_file(index_path(tmp.path(), id)).expect("remove the index");
+            let (log, rec) = Log::open(tmp.path(), opts()).expect("open");
+            assert_eq!(rec.damaged_batches, 1);
+            let dense: Vec<u64> = (0..300).filter(|o| *o != lost).collect();
+            let sparse: Vec<u64> = (0..30)
+                .filter(|o| lost % 10 != 0 || *o != lost / 10)
+                .collect();
+            assert_eq!(offsets(log.read(b"dense", 0)), dense);
+            assert_eq!(offsets(log.read(b"sparse", 0)), sparse);
+            std::fs::write(index_path(tmp.path(), id), b"damaged").expect("damage the index");
+            let blind: Arc<EntryCache> = Arc::default();
+            assert_eq!(
+                offsets(Reader::new(&log.segments.get(), &blind, b"dense", 0)),
+                dense
+            );
+            assert_eq!(
+                offsets(Reader::new(&log.segments.get(), &blind, b"sparse", 0)),
+                sparse
+            );
         }
     }
 }

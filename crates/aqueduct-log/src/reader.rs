@@ -54,30 +54,36 @@ const ENTRY_SEGMENTS: usize = 8;
 /// position).
 type EntryPoints = Vec<(u64, u64)>;
 
-/// One sealed segment's entry points, by topic (sorted by name).
+/// One sealed segment's entry points, by topic (sorted by name); `None` when its index file
+/// could not be read or no longer describes it (remembered too: each reader would otherwise
+/// try it again).
 #[derive(Debug)]
 struct SegmentEntries {
     id: u64,
     len: u64,
-    topics: Vec<(Vec<u8>, EntryPoints)>,
+    topics: Option<Vec<(Vec<u8>, EntryPoints)>>,
 }
 
 impl EntryCache {
     /// The windows of `plan`'s sealed segment where batches of `topic` from offset `from` on
     /// start. When its index file cannot be read, or no longer describes the segment (gone
-    /// with it, or replaced), the whole segment is one window: slower, never less.
+    /// with it, or replaced), or has no entry point for the topic, the whole segment is one
+    /// window: slower, never less.
     fn windows(&self, plan: &Plan, topic: &[u8], from: u64) -> VecDeque<(u64, u64)> {
-        let whole = || VecDeque::from([(HEADER_LEN as u64, plan.len)]);
-        let Some(seg) = self.get(plan) else {
-            return whole();
-        };
-        match seg.topics.binary_search_by(|(name, _)| name[..].cmp(topic)) {
-            Ok(i) => windows_of(&seg.topics[i].1, from, plan.len),
-            Err(_) => whole(),
+        let seg = self.get(plan);
+        let entries = seg.topics.as_ref().and_then(|topics| {
+            let i = topics
+                .binary_search_by(|(name, _)| name[..].cmp(topic))
+                .ok()?;
+            Some(&topics[i].1).filter(|entries| !entries.is_empty())
+        });
+        match entries {
+            Some(entries) => windows_of(entries, from, plan.len),
+            None => VecDeque::from([(HEADER_LEN as u64, plan.len)]),
         }
     }
 
-    fn get(&self, plan: &Plan) -> Option<Arc<SegmentEntries>> {
+    fn get(&self, plan: &Plan) -> Arc<SegmentEntries> {
         let kept = |cache: &VecDeque<Arc<SegmentEntries>>| {
             cache
                 .iter()
@@ -85,17 +91,23 @@ impl EntryCache {
                 .cloned()
         };
         if let Some(seg) = kept(&self.lock()) {
-            return Some(seg);
+            return seg;
         }
         // Read without the lock: other readers go on meanwhile (two may read the same index).
-        let dir = plan.path.parent()?;
-        let idx = valid_index(dir, plan.id, plan.cipher.as_deref(), plan.len).ok()??;
-        let mut topics: Vec<(Vec<u8>, EntryPoints)> = idx
-            .topics
-            .into_iter()
-            .map(|(name, span)| (name, span.entries))
-            .collect();
-        topics.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        let idx = plan.path.parent().and_then(|dir| {
+            valid_index(dir, plan.id, plan.cipher.as_deref(), plan.len)
+                .ok()
+                .flatten()
+        });
+        let topics = idx.map(|idx| {
+            let mut topics: Vec<(Vec<u8>, EntryPoints)> = idx
+                .topics
+                .into_iter()
+                .map(|(name, span)| (name, span.entries))
+                .collect();
+            topics.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+            topics
+        });
         let seg = Arc::new(SegmentEntries {
             id: plan.id,
             len: plan.len,
@@ -103,22 +115,25 @@ impl EntryCache {
         });
         let mut cache = self.lock();
         if let Some(seg) = kept(&cache) {
-            return Some(seg);
+            return seg;
         }
         if cache.len() >= ENTRY_SEGMENTS {
             cache.pop_front();
         }
         cache.push_back(seg.clone());
-        Some(seg)
+        seg
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Arc<SegmentEntries>>> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Segments kept, and how many of them with entry points.
     #[cfg(test)]
-    pub(crate) fn segments(&self) -> usize {
-        self.lock().len()
+    pub(crate) fn segments(&self) -> (usize, usize) {
+        let cache = self.lock();
+        let read = cache.iter().filter(|s| s.topics.is_some()).count();
+        (cache.len(), read)
     }
 }
 

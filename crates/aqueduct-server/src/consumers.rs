@@ -1201,12 +1201,18 @@ pub(crate) async fn feed(
         // last: topics whose messages share batches (a client publishing to many topics at
         // once) are read together, each batch read and decrypted once, not once per topic.
         // Last first: taken from the end. Where each starts may take reading a sealed
-        // segment's index file: not on this thread.
+        // segment's index file: not on this thread, and segment by segment, so that each
+        // index is read once (the log keeps only the last few).
         let index = durable.index.clone();
         let mut reads = tokio::task::spawn_blocking(move || {
             let mut reads: Vec<_> = reads
                 .into_iter()
-                .map(|(topic, from, bound)| (index.position(&topic, from), topic, from, bound))
+                .map(|(topic, from, bound)| (index.first_segment(&topic, from), topic, from, bound))
+                .collect();
+            reads.sort_unstable_by_key(|r| r.0);
+            let mut reads: Vec<_> = reads
+                .into_iter()
+                .map(|(_, topic, from, bound)| (index.position(&topic, from), topic, from, bound))
                 .collect();
             reads.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
             reads
