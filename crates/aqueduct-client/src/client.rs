@@ -81,6 +81,8 @@ pub struct QuicStats {
     pub datagrams_sent: u64,
     /// UDP datagrams received.
     pub datagrams_received: u64,
+    /// Bytes of UDP payload received.
+    pub bytes_received: u64,
     /// Packets this end declared lost.
     pub packets_lost: u64,
     /// ACK frames sent.
@@ -100,8 +102,12 @@ pub struct QuicStats {
 
 fn transport(opts: &ConnectOptions) -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
+    // Each stream's window bounds what the broker may send it unread. The connection's own
+    // window is left unbounded (quinn's default): a bounded one is shared by every stream, so a
+    // few subscriptions the application stops reading (4 of them, at 32 MiB) stopped all the
+    // others, and the publish stream's CONFIRMs too.
     t.stream_receive_window((8u32 << 20).into());
-    t.receive_window((32u32 << 20).into());
+    t.receive_window(quinn::VarInt::MAX);
     t.send_window(32 << 20);
     // This client's own datagrams stay at 1452 (no discovery): with it on, a close sent while
     // a probe was outstanding sometimes never reached the broker (the CLI's closes in
@@ -350,6 +356,7 @@ impl Client {
             congestion_window: s.path.cwnd,
             datagrams_sent: s.udp_tx.datagrams,
             datagrams_received: s.udp_rx.datagrams,
+            bytes_received: s.udp_rx.bytes,
             packets_lost: s.path.lost_packets,
             acks_sent: s.frame_tx.acks,
             acks_received: s.frame_rx.acks,
@@ -366,8 +373,9 @@ impl Client {
     /// refusal (an ACL, a body over the broker's frame limit) is reported by the next `flush`
     /// or `close`, and frames sent after a refused one on the same stream may not be read. For
     /// an answer per message, use [`PublishOptions::confirm`]. Call `flush` or `close` before
-    /// the client is dropped: dropping it closes the connection at once, and what was not sent
-    /// yet is lost.
+    /// the client is dropped: dropping it (with the last subscription, message or settler it
+    /// gave, which hold the connection too) closes the connection at once, and what was not
+    /// sent yet is lost.
     pub async fn publish(
         &self,
         topic_name: &str,

@@ -17,7 +17,8 @@
 //! [`Client`] is a cheap `Clone` handle over one QUIC connection (or, with
 //! [`ConnectOptions::transport`], one WebTransport session, as browsers connect). Publishes share one stream;
 //! each subscription has its own stream and is a [`futures_core::Stream`] of [`Message`]s.
-//! Dropping a [`Subscription`] unsubscribes. Broker refusals are [`ClientError::Broker`] with
+//! Dropping a [`Subscription`] inside a Tokio runtime unsubscribes (outside one, its stream is
+//! only finished). Broker refusals are [`ClientError::Broker`] with
 //! the ERROR code and reason. The client does not reconnect by itself: [`Client::closed`] says
 //! when and why the connection ended.
 

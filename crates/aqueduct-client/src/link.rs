@@ -238,6 +238,20 @@ pub(crate) enum RecvHalf {
     WebTransport(web_transport_quinn::RecvStream),
 }
 
+impl RecvHalf {
+    /// Stop reading (STOP_SENDING with `code`); nothing if the stream already ended.
+    pub(crate) fn stop(&mut self, code: u16) {
+        match self {
+            RecvHalf::Quic(r) => {
+                let _ = r.stop(code.into());
+            }
+            RecvHalf::WebTransport(r) => {
+                let _ = r.stop(code.into());
+            }
+        }
+    }
+}
+
 impl tokio::io::AsyncRead for RecvHalf {
     fn poll_read(
         self: Pin<&mut Self>,

@@ -219,8 +219,9 @@ impl Publisher {
     /// refusal (an ACL, a body over the broker's frame limit) is reported by the next `flush`
     /// or `close`, and frames sent after a refused one on the same stream may not be read. For
     /// an answer per message, use [`PublishOptions::confirm`]. Call `flush` or `close` before
-    /// the client is dropped: dropping it closes the connection at once, and what was not sent
-    /// yet is lost.
+    /// the client is dropped: dropping it (with the last subscription, message or settler it
+    /// gave, which hold the connection too) closes the connection at once, and what was not
+    /// sent yet is lost.
     pub async fn publish(
         &self,
         topic_name: &str,

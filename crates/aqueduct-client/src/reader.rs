@@ -63,7 +63,14 @@ impl FrameReader {
                     }
                 },
                 Err(DecodeError::Incomplete { .. }) => return Ok(None),
-                Err(DecodeError::Invalid(e)) => return Err(ClientError::Protocol(e)),
+                Err(DecodeError::Invalid(e)) => {
+                    // The frame boundary is lost: nothing more of the stream can be read.
+                    // STOP_SENDING (with the error's code) tells the broker to stop writing it,
+                    // as protocol.md §13 asks; left open, it filled the stream's window.
+                    self.recv.stop(e.code().0);
+                    self.buf = BytesMut::new();
+                    return Err(ClientError::Protocol(e));
+                }
             }
         }
     }
@@ -122,8 +129,8 @@ impl FrameReader {
     }
 
     /// The next frame on a stream of SUBSCRIBEs, as [`Self::next`] except that any CONFIRM is
-    /// a confirmation (protocol.md §7.1: "whatever its data"): one whose data is not whole
-    /// u64s comes back listing none, which says nothing about where it is served from.
+    /// a confirmation (protocol.md §7.1: "whatever its data"): one that does not decode comes
+    /// back listing none, which says nothing about where it is served from.
     pub(crate) async fn next_subscribe_answer(&mut self) -> Result<Option<Frame>, ClientError> {
         match self.next_frame(true).await? {
             Some(Ok(frame)) => Ok(Some(frame)),
@@ -138,15 +145,16 @@ impl FrameReader {
     ) -> Result<Option<Result<Frame, BadFrame>>, ClientError> {
         loop {
             if let Some((header, data)) = self.try_next_raw()? {
-                if any_confirm && header.opcode == Opcode::Confirm && !data.len().is_multiple_of(8)
-                {
-                    let confirm = Confirm {
-                        offsets: Vec::new(),
-                    };
-                    return Ok(Some(Ok(Frame::new(
-                        header.stream_id,
-                        Message::Confirm(confirm),
-                    ))));
+                if any_confirm && header.opcode == Opcode::Confirm {
+                    // Whatever its data: one that does not decode (not whole u64s, an
+                    // extension block this client cannot read) lists none.
+                    let frame = Frame::decode(&header, data).unwrap_or_else(|_| {
+                        let confirm = Confirm {
+                            offsets: Vec::new(),
+                        };
+                        Frame::new(header.stream_id, Message::Confirm(confirm))
+                    });
+                    return Ok(Some(Ok(frame)));
                 }
                 return Ok(Some(Frame::decode(&header, data).map_err(|e| BadFrame {
                     stream_id: header.stream_id,

@@ -373,7 +373,8 @@ impl Subscription {
     /// permission was revoked, §11) with its stream id; the stream's other subscriptions, if
     /// any, go on until they are closed too. Once all are, the subscription ends.
     fn note_closed(&mut self, stream_id: u32, e: &ClientError) {
-        if closes_subscription(e) && !self.closed_ids.contains(&stream_id) {
+        let ours = self.handle.id == stream_id || self.more.iter().any(|h| h.id == stream_id);
+        if ours && closes_subscription(e) && !self.closed_ids.contains(&stream_id) {
             self.closed_ids.push(stream_id);
             self.ended = self.closed_ids.len() > self.more.len();
         }
@@ -494,10 +495,24 @@ impl Subscription {
         Poll::Ready((n > 0).then_some(Ok(n)))
     }
 
-    /// Unsubscribe and wait until the request is sent.
+    /// Unsubscribe and wait (up to 10 s) until the request is sent. If it is not sent by then,
+    /// or the future is dropped first, dropping the subscription sends it.
     pub async fn unsubscribe(mut self) -> Result<(), ClientError> {
-        self.unsubscribed = true;
-        unsubscribe(self.all_handles(), &self.closed_ids).await
+        let sent = tokio::time::timeout(
+            Duration::from_secs(10),
+            unsubscribe(self.all_handles(), &self.closed_ids),
+        )
+        .await;
+        match sent {
+            Ok(result) => {
+                // Sent, or the stream is gone: nothing for the drop to do.
+                self.unsubscribed = true;
+                result
+            }
+            Err(_) => Err(ClientError::Timeout(
+                "the broker did not take the UNSUBSCRIBE within 10 s".into(),
+            )),
+        }
     }
 
     /// Unsubscribe and wait (up to 10 s) until the broker has handled everything sent on the
@@ -512,9 +527,11 @@ impl Subscription {
     /// closed as a slow consumer) is reported once the stream is finished: the first one, as
     /// [`ClientError::Broker`], with how many there were.
     pub async fn close(mut self) -> Result<(), ClientError> {
-        self.unsubscribed = true;
         let (handles, closed) = (self.all_handles(), self.closed_ids.clone());
         let mut refused: Option<(ClientError, usize)> = None;
+        // The first error that is not the broker's (a delivery that did not decode, the
+        // connection's end): reported once the stream is done with, not in its place.
+        let mut failed: Option<ClientError> = None;
         // One deadline for all of it, and the stream read while the UNSUBSCRIBEs are written:
         // a broker that stops reading the stream until its replies are read (or never reads
         // it again) held the writes, outside the deadline, for ever.
@@ -523,8 +540,10 @@ impl Subscription {
             let draining = async {
                 loop {
                     match self.next_message().await {
-                        None => return Ok(()),
-                        Some(Err(e)) if e.code().is_none() => return Err(e),
+                        None => return Ok::<(), ClientError>(()),
+                        Some(Err(e)) if e.code().is_none() => {
+                            failed.get_or_insert(e);
+                        }
                         Some(Err(e)) => match &mut refused {
                             Some((_, n)) => *n += 1,
                             None => refused = Some((e, 1)),
@@ -536,12 +555,18 @@ impl Subscription {
             tokio::try_join!(sending, draining).map(|_| ())
         })
         .await;
-        match (drained, refused) {
+        if drained.is_ok() {
+            // Done with, whatever the outcome: nothing for the drop to do. Cut short (by the
+            // deadline, or this future dropped), the drop still unsubscribes.
+            self.unsubscribed = true;
+        }
+        match (drained, refused, failed) {
             // The broker's refusal says more than the stream's end it may have caused (a
             // write stopped after a slow-consumer reset, say).
-            (Ok(_), Some((first, n))) => Err(first_of(first, n)),
-            (Ok(result), None) => result,
-            (Err(_), _) => Err(ClientError::Timeout(
+            (Ok(_), Some((first, n)), _) => Err(first_of(first, n)),
+            (Ok(Err(e)), None, _) | (Ok(Ok(())), None, Some(e)) => Err(e),
+            (Ok(Ok(())), None, None) => Ok(()),
+            (Err(_), ..) => Err(ClientError::Timeout(
                 "the broker did not finish the subscription's stream within 10 s".into(),
             )),
         }
@@ -856,6 +881,208 @@ mod tests {
         assert_eq!(bodies, expected);
     }
 
+    /// A delivery stream whose frame boundary is lost (bad magic) ends the subscription, and
+    /// the client stops reading the stream (STOP_SENDING with BAD_MAGIC, protocol.md §13): it
+    /// only set the subscription ended, so the broker went on filling the stream's window.
+    #[tokio::test]
+    async fn a_lost_frame_boundary_stops_the_stream() {
+        use crate::test_broker::{confirm_subscribe, delivery, within, FakeBroker};
+        use futures_util::StreamExt;
+        let fake = FakeBroker::start();
+        let (client, conn) = fake.client().await;
+        let (sub, (mut send, _recv, id)) =
+            within(async { tokio::join!(client.subscribe("t"), confirm_subscribe(&conn)) }).await;
+        let mut sub = sub.expect("subscribed");
+        send.write_all(&delivery(id, b"first"))
+            .await
+            .expect("write");
+        let mut bad = delivery(id, b"second").to_vec();
+        bad[0] = 0x20;
+        send.write_all(&bad).await.expect("write");
+        let first = within(sub.next()).await.expect("a message").expect("ok");
+        assert_eq!(first.body(), &b"first"[..]);
+        let lost = within(sub.next()).await.expect("the error");
+        assert!(matches!(lost, Err(ClientError::Protocol(_))), "{lost:?}");
+        let stopped = within(send.stopped()).await;
+        assert_eq!(
+            stopped.expect("stopped, not closed"),
+            Some(quinn::VarInt::from(aqueduct_proto::ErrorCode::BAD_MAGIC.0))
+        );
+        assert!(within(sub.next()).await.is_none(), "ended");
+    }
+
+    /// A delivery that does not decode does not cut `close` short: it still unsubscribes
+    /// everything, finishes the stream and waits for the broker's end, then reports the bad
+    /// frame. It returned at the bad frame, dropping the UNSUBSCRIBEs flow control still held,
+    /// and the stream was never finished (the drop took the subscription for unsubscribed).
+    #[tokio::test]
+    async fn close_goes_on_past_a_delivery_that_does_not_decode() {
+        use crate::test_broker::{confirm, read_frame, FakeBroker};
+        const N: usize = 100;
+        // ~4 KB of UNSUBSCRIBEs against 512 bytes the stream may run ahead.
+        let fake = FakeBroker::start_with_stream_window(512);
+        let (client, conn) = fake.client().await;
+        let filters: Vec<String> = (0..N)
+            .map(|i| format!("a/long/enough/filter/{i:04}"))
+            .collect();
+        let filters: Vec<&str> = filters.iter().map(String::as_str).collect();
+        let broker = async {
+            let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
+            let mut ids = Vec::new();
+            for _ in 0..N {
+                let (id, _) = read_frame(&mut recv).await;
+                send.write_all(&confirm(id, vec![])).await.expect("write");
+                ids.push(id);
+            }
+            (send, recv, ids)
+        };
+        let opts = crate::SubscribeOptions::default();
+        let (sub, (mut send, mut recv, ids)) =
+            tokio::join!(client.subscribe_many(&filters, &opts), broker);
+        let sub = sub.expect("subscribed");
+        // A PUBLISH whose data is too short for its topic: a whole frame that does not decode.
+        let mut bad = vec![0x1F, 0x01];
+        bad.extend_from_slice(&ids[0].to_le_bytes());
+        bad.extend_from_slice(&2u32.to_le_bytes());
+        bad.extend_from_slice(&[0xFF, 0xFF]);
+        send.write_all(&bad).await.expect("write");
+        let broker = async move {
+            let mut unsubscribed = 0;
+            let mut header = [0u8; aqueduct_proto::HEADER_LEN];
+            while recv.read_exact(&mut header).await.is_ok() {
+                let len = u32::from_le_bytes(header[6..10].try_into().expect("4 bytes"));
+                let mut data = vec![0u8; len as usize];
+                recv.read_exact(&mut data).await.expect("data");
+                unsubscribed += 1;
+            }
+            send.finish().expect("finish");
+            unsubscribed
+        };
+        let (closed, unsubscribed) = tokio::time::timeout(Duration::from_secs(20), async {
+            tokio::join!(sub.close(), broker)
+        })
+        .await
+        .expect("the stream was finished");
+        assert_eq!(unsubscribed, N);
+        assert!(
+            matches!(closed, Err(ClientError::Protocol(_))),
+            "{closed:?}"
+        );
+    }
+
+    /// A `close` cut short (its future dropped while flow control held the UNSUBSCRIBEs)
+    /// leaves the drop to unsubscribe and finish the stream. It took the subscription for
+    /// unsubscribed from its start: the stream ended inside a half-written UNSUBSCRIBE, or
+    /// (a message or settler still holding it) was never finished, and the broker kept the
+    /// subscriptions it had not unsubscribed.
+    #[tokio::test]
+    async fn a_close_cut_short_still_finishes_the_stream() {
+        use crate::test_broker::{confirm, read_frame, FakeBroker};
+        const N: usize = 100;
+        let fake = FakeBroker::start_with_stream_window(512);
+        let (client, conn) = fake.client().await;
+        let filters: Vec<String> = (0..N)
+            .map(|i| format!("a/long/enough/filter/{i:04}"))
+            .collect();
+        let filters: Vec<&str> = filters.iter().map(String::as_str).collect();
+        let broker = async {
+            let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
+            for _ in 0..N {
+                let (id, _) = read_frame(&mut recv).await;
+                send.write_all(&confirm(id, vec![])).await.expect("write");
+            }
+            (send, recv)
+        };
+        let opts = crate::SubscribeOptions::default();
+        let (sub, (_send, mut recv)) = tokio::join!(client.subscribe_many(&filters, &opts), broker);
+        let sub = sub.expect("subscribed");
+        // Polled once (it writes what the window takes), then dropped.
+        let cut = tokio::time::timeout(Duration::ZERO, sub.close()).await;
+        assert!(cut.is_err(), "not done in one poll");
+        let finished = tokio::time::timeout(Duration::from_secs(20), async {
+            let mut header = [0u8; aqueduct_proto::HEADER_LEN];
+            while recv.read_exact(&mut header).await.is_ok() {
+                let len = u32::from_le_bytes(header[6..10].try_into().expect("4 bytes"));
+                let mut data = vec![0u8; len as usize];
+                recv.read_exact(&mut data)
+                    .await
+                    .expect("whole frames until the FIN");
+            }
+        })
+        .await;
+        assert!(finished.is_ok(), "the stream was never finished");
+    }
+
+    /// A CONFIRM is a SUBSCRIBE's confirmation whatever its data (protocol.md §7.1), also one
+    /// with an extension block this client cannot read: the SUBSCRIBE failed.
+    #[tokio::test]
+    async fn any_confirm_confirms_a_subscribe() {
+        use crate::test_broker::{read_frame, within, FakeBroker};
+        let fake = FakeBroker::start();
+        let (client, conn) = fake.client().await;
+        let broker = async {
+            let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
+            let (id, _) = read_frame(&mut recv).await;
+            // CONFIRM with an extension block: an ATTEMPT of 12 bytes (it has 4).
+            let mut f = vec![0x1F, 0x07 | 0x40];
+            f.extend_from_slice(&id.to_le_bytes());
+            f.extend_from_slice(&16u32.to_le_bytes());
+            f.extend_from_slice(&14u16.to_le_bytes());
+            f.extend_from_slice(&[0x07, 12]);
+            f.extend_from_slice(&[0; 12]);
+            send.write_all(&f).await.expect("write");
+            (send, recv)
+        };
+        let (sub, _stream) = within(async { tokio::join!(client.subscribe("t"), broker) }).await;
+        sub.expect("subscribed");
+    }
+
+    /// An ERROR that closes a subscription ends the stream only with the id of one of its
+    /// subscriptions: one with another id (no broker sends it) ended a `subscribe_many`
+    /// stream whose subscriptions were all live.
+    #[tokio::test]
+    async fn an_error_for_another_id_does_not_end_the_stream() {
+        use crate::test_broker::{confirm, delivery, read_frame, within, FakeBroker};
+        use aqueduct_proto::frame::{ErrorFrame, Message};
+        let fake = FakeBroker::start();
+        let (client, conn) = fake.client().await;
+        let opts = crate::SubscribeOptions::default();
+        let broker = async {
+            let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
+            let mut ids = Vec::new();
+            for _ in 0..2 {
+                let (id, _) = read_frame(&mut recv).await;
+                send.write_all(&confirm(id, vec![])).await.expect("write");
+                ids.push(id);
+            }
+            (send, recv, ids)
+        };
+        let (sub, (mut send, _recv, ids)) =
+            within(async { tokio::join!(client.subscribe_many(&["a", "b"], &opts), broker) }).await;
+        let mut sub = sub.expect("subscribed");
+        for stray in [ids[1].wrapping_add(1000), ids[1].wrapping_add(1001)] {
+            let slow = ErrorFrame {
+                code: ErrorCode::SLOW_CONSUMER,
+                reason: "slow".into(),
+            };
+            send.write_all(&aqueduct_proto::Frame::new(stray, Message::Error(slow)).to_bytes())
+                .await
+                .expect("write");
+        }
+        send.write_all(&delivery(ids[1], b"live"))
+            .await
+            .expect("write");
+        for _ in 0..2 {
+            let e = within(sub.next_message()).await.expect("an item");
+            assert_eq!(
+                e.err().and_then(|e| e.code()),
+                Some(ErrorCode::SLOW_CONSUMER)
+            );
+        }
+        let live = within(sub.next_message()).await.expect("not ended");
+        assert_eq!(live.expect("a message").body(), &b"live"[..]);
+    }
+
     /// `close` keeps to its 10 s deadline when the broker stops reading the stream: writing the
     /// UNSUBSCRIBEs, which flow control then holds, was outside it, and `close` hung.
     #[tokio::test]
@@ -885,6 +1112,37 @@ mod tests {
             .await
             .expect("close kept to its deadline");
         assert!(matches!(closed, Err(ClientError::Timeout(_))), "{closed:?}");
+    }
+
+    /// `unsubscribe` keeps to a 10 s deadline when the broker stops reading the stream: it
+    /// waited for flow control to take the UNSUBSCRIBEs for ever.
+    #[tokio::test]
+    async fn unsubscribe_keeps_to_its_deadline_when_the_broker_stops_reading() {
+        use crate::test_broker::{confirm, read_frame, FakeBroker};
+        const N: usize = 100;
+        // ~4 KB of UNSUBSCRIBEs against 512 bytes the stream may run ahead.
+        let fake = FakeBroker::start_with_stream_window(512);
+        let (client, conn) = fake.client().await;
+        let filters: Vec<String> = (0..N)
+            .map(|i| format!("a/long/enough/filter/{i:04}"))
+            .collect();
+        let filters: Vec<&str> = filters.iter().map(String::as_str).collect();
+        let broker = async {
+            let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
+            for _ in 0..N {
+                let (id, _) = read_frame(&mut recv).await;
+                send.write_all(&confirm(id, vec![])).await.expect("write");
+            }
+            // Reads nothing more.
+            (send, recv)
+        };
+        let opts = crate::SubscribeOptions::default();
+        let (sub, _stream) = tokio::join!(client.subscribe_many(&filters, &opts), broker);
+        let sub = sub.expect("subscribed");
+        let sent = tokio::time::timeout(Duration::from_secs(30), sub.unsubscribe())
+            .await
+            .expect("unsubscribe kept to its deadline");
+        assert!(matches!(sent, Err(ClientError::Timeout(_))), "{sent:?}");
     }
 
     /// A subscription's id is held while it lives and free again once it is gone (its handle

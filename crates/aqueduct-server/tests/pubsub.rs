@@ -1552,3 +1552,52 @@ async fn dead_letters_of_the_ack_timer_cannot_grow_a_stalled_block_queue_for_goo
     drop(jobs);
     close_and_stop(publisher, b).await;
 }
+
+/// Subscriptions the application does not read hold back only themselves. The client's
+/// connection window was 32 MiB against 8 MiB per stream, so four unread subscriptions on a
+/// busy topic stopped every other stream of the connection: deliveries and CONFIRMs.
+#[tokio::test]
+async fn unread_subscriptions_do_not_stop_the_connections_other_streams() {
+    let b = TestBroker::start().await;
+    let client = b.client().await;
+    let mut unread = Vec::new();
+    for _ in 0..5 {
+        unread.push(
+            within("subscribe", client.subscribe("big"))
+                .await
+                .expect("subscribe"),
+        );
+    }
+    let mut read = within("subscribe", client.subscribe("small"))
+        .await
+        .expect("subscribe");
+    let publisher = b.client().await;
+    let body = Bytes::from(vec![0x42; 60 << 10]);
+    // 12 MB for each subscription: more than its stream's 8 MiB window.
+    for _ in 0..200 {
+        within("publish", publisher.publish("big", body.clone()))
+            .await
+            .expect("publish");
+    }
+    within("flush", publisher.flush()).await.expect("flush");
+    // Five full windows: past the 32 MiB that stopped the connection.
+    until("the unread subscriptions' windows to fill", || {
+        client.quic_stats().bytes_received >= 36 << 20
+    })
+    .await;
+    within("publish", publisher.publish("small", "still here"))
+        .await
+        .expect("publish");
+    within("flush", publisher.flush()).await.expect("flush");
+    assert_eq!(next(&mut read).await.body(), &b"still here"[..]);
+    // Its own publish stream's answers get through too.
+    within(
+        "a confirmed publish",
+        client.publish_with("small", "mine", &confirm()),
+    )
+    .await
+    .expect("confirmed");
+    assert_eq!(next(&mut read).await.body(), &b"mine"[..]);
+    drop(unread);
+    close_and_stop(client, b).await;
+}
