@@ -679,8 +679,12 @@ impl crate::stream::SendHalf for web_transport_quinn::SendStream {
             })
     }
 
-    async fn stopped(&mut self) -> String {
-        format!("{:?}", web_transport_quinn::SendStream::stopped(self).await)
+    async fn stopped(&mut self) -> Option<String> {
+        match web_transport_quinn::SendStream::stopped(self).await {
+            Ok(Some(code)) => Some(format!("STOP_SENDING with code {code}")),
+            // The session or the stream ended otherwise: not the client stopping a stream.
+            _ => None,
+        }
     }
 
     fn reset(&mut self, code: u32) {

@@ -118,6 +118,11 @@ async fn stream_tasks_and_subscriptions_end_with_the_connection() {
         }
         until("every stream task to end", || live() == 0).await;
         assert_eq!(b.broker.subscriber_count(), 0);
+        // A connection closed is not the client stopping its streams (STOP_SENDING). (The
+        // vanishing client's dropped streams do send STOP_SENDING.)
+        if !vanish {
+            assert_eq!(b.stats.streams_stopped.load(Ordering::Relaxed), 0);
+        }
     }
     b.stop().await.expect("clean shutdown");
 }

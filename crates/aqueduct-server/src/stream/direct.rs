@@ -324,7 +324,7 @@ mod tests {
             chunk.clear();
             std::future::ready(Ok(()))
         }
-        fn stopped(&mut self) -> impl Future<Output = String> + Send {
+        fn stopped(&mut self) -> impl Future<Output = Option<String>> + Send {
             std::future::pending()
         }
         fn reset(&mut self, _: u32) {}

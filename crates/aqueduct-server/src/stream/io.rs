@@ -36,8 +36,10 @@ pub(crate) trait SendHalf: Send {
         &mut self,
         chunk: &mut Bytes,
     ) -> impl Future<Output = Result<(), WriteFailure>> + Send;
-    /// Resolves when the client stopped reading or the stream ended; says how.
-    fn stopped(&mut self) -> impl Future<Output = String> + Send;
+    /// Resolves when the client stopped reading (`Some`: its STOP_SENDING, described) or the
+    /// stream or its connection ended otherwise (`None`: a lost connection is not the client
+    /// stopping a stream).
+    fn stopped(&mut self) -> impl Future<Output = Option<String>> + Send;
     /// Abandon the stream with an application error code.
     fn reset(&mut self, code: u32);
     /// End the stream cleanly (FIN) after what was written.
@@ -45,8 +47,8 @@ pub(crate) trait SendHalf: Send {
     /// What [`Self::stopped`] waits for, as a future that does not borrow the stream, if this
     /// kind of stream has one. A stream that has one can be parked for direct writes while its
     /// writer is idle (see `direct.rs`); one that has none (WebTransport) never is.
-    fn stopped_owned(&self) -> Option<impl Future<Output = String> + Send + 'static> {
-        None::<std::future::Pending<String>>
+    fn stopped_owned(&self) -> Option<impl Future<Output = Option<String>> + Send + 'static> {
+        None::<std::future::Pending<Option<String>>>
     }
     /// Write as much of `chunk` as the stream takes now, without waiting: `Ok(true)` if all of
     /// it went, `Ok(false)` if flow control held some back (what is left stays in `chunk`).
@@ -64,6 +66,14 @@ pub(crate) trait RecvHalf: tokio::io::AsyncRead + Unpin + Send {
     fn reset(&mut self) -> impl Future<Output = ()> + Send;
 }
 
+/// A QUIC stream's STOP_SENDING, described; `None` if it ended otherwise (the connection lost).
+fn stop_code(stopped: Result<Option<quinn::VarInt>, quinn::StoppedError>) -> Option<String> {
+    match stopped {
+        Ok(Some(code)) => Some(format!("STOP_SENDING with code {code}")),
+        _ => None,
+    }
+}
+
 impl SendHalf for quinn::SendStream {
     async fn write_some(&mut self, chunk: &mut Bytes) -> Result<(), WriteFailure> {
         // `write_chunks` advances a partly written chunk in place, and is cancel safe.
@@ -76,8 +86,8 @@ impl SendHalf for quinn::SendStream {
             })
     }
 
-    async fn stopped(&mut self) -> String {
-        format!("{:?}", quinn::SendStream::stopped(self).await)
+    async fn stopped(&mut self) -> Option<String> {
+        stop_code(quinn::SendStream::stopped(self).await)
     }
 
     fn reset(&mut self, code: u32) {
@@ -88,9 +98,9 @@ impl SendHalf for quinn::SendStream {
         let _ = quinn::SendStream::finish(self);
     }
 
-    fn stopped_owned(&self) -> Option<impl Future<Output = String> + Send + 'static> {
+    fn stopped_owned(&self) -> Option<impl Future<Output = Option<String>> + Send + 'static> {
         let stopped = quinn::SendStream::stopped(self);
-        Some(async move { format!("{:?}", stopped.await) })
+        Some(async move { stop_code(stopped.await) })
     }
 
     fn write_now(&mut self, chunk: &mut Bytes) -> Result<bool, WriteFailure> {
@@ -118,5 +128,28 @@ impl RecvHalf for quinn::RecvStream {
         if let Ok(None) = self.received_reset().await {
             std::future::pending::<()>().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only the client's STOP_SENDING is the client stopping a stream: a lost connection also
+    /// completes quinn's `stopped`, and was counted in `aqueduct_streams_stopped_total` (and
+    /// logged as the client stopping its reads) for every idle stream of the connection.
+    #[test]
+    fn only_a_stop_sending_is_a_stop() {
+        let code = quinn::VarInt::from(7u32);
+        assert_eq!(
+            stop_code(Ok(Some(code))).as_deref(),
+            Some("STOP_SENDING with code 7")
+        );
+        let lost = quinn::ConnectionError::TimedOut;
+        assert_eq!(
+            stop_code(Err(quinn::StoppedError::ConnectionLost(lost))),
+            None
+        );
+        assert_eq!(stop_code(Ok(None)), None);
     }
 }

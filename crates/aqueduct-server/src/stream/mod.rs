@@ -1605,6 +1605,30 @@ fn has_subs(out: &StreamOut) -> bool {
 /// crosses the budget, so that frame must fit too (most deliveries are much smaller).
 const DRAIN_SLACK: usize = 4096;
 
+/// Wait until the connection's handshake is confirmed, the broker stops, or the stream is
+/// aborted (reset by the client, or its connection gone). Returns whether it is confirmed.
+async fn wait_confirmed(
+    conn: &ConnState,
+    out: &StreamOut,
+    shutdown: &mut watch::Receiver<bool>,
+) -> bool {
+    let aborted = async {
+        loop {
+            let notified = out.notify.notified();
+            if out.aborted.load(Ordering::Acquire) {
+                return;
+            }
+            notified.await;
+        }
+    };
+    tokio::select! {
+        () = conn.wait_confirmed() => {}
+        _ = shutdown.wait_for(|s| *s) => {}
+        () = aborted => {}
+    }
+    conn.is_confirmed()
+}
+
 async fn write_loop<S: SendHalf + 'static>(
     send: S,
     out: &StreamOut,
@@ -1627,13 +1651,11 @@ async fn write_loop<S: SendHalf + 'static>(
     // Their deliveries went out in the meantime, for as long as the client held back its
     // handshake (up to `transport.handshake_timeout`).
     if !conn.is_confirmed() {
-        tokio::select! {
-            () = conn.wait_confirmed() => {}
-            _ = shutdown.wait_for(|s| *s) => {}
-        }
-        // The broker is stopping before the handshake (and its check) completed: nothing
-        // queued here goes out, not even in the shutdown's last flush.
-        if !conn.is_confirmed() {
+        // The broker is stopping, or the stream is gone (the client reset it), before the
+        // handshake (and its check) completed: nothing queued here goes out, not even in the
+        // shutdown's last flush, and the subscriptions end with the task now, not when the
+        // handshake ends (they stayed routed meanwhile: a `block` one held publishers).
+        if !wait_confirmed(conn, out, &mut shutdown).await {
             detach_subscriptions(shared, out);
             send.reset(0);
             return;
@@ -1697,14 +1719,20 @@ async fn write_loop<S: SendHalf + 'static>(
                 None => tokio::select! {
                     _ = out.notify.notified() => None,
                     _ = shutdown.changed() => None,
-                    stopped = send.stopped() => Some(format!("{stopped:?}")),
+                    stopped = send.stopped() => Some(stopped),
                 },
             };
-            if let Some(stopped) = stopped {
-                debug!("the client stopped reading the stream: {stopped}");
-                shared.stats.streams_stopped.fetch_add(1, Ordering::Relaxed);
-                out.stopped_by_client.store(true, Ordering::Release);
-                out.abort();
+            match stopped {
+                Some(Some(stopped)) => {
+                    debug!("the client stopped reading the stream: {stopped}");
+                    shared.stats.streams_stopped.fetch_add(1, Ordering::Relaxed);
+                    out.stopped_by_client.store(true, Ordering::Release);
+                    out.abort();
+                }
+                // The connection is gone (it ends every stream): not counted as the client
+                // stopping one, which inflated the count at every lost connection.
+                Some(None) => out.abort(),
+                None => {}
             }
             continue;
         }
@@ -1920,6 +1948,31 @@ mod tests {
         out.reply_out_of_log(MAX_PENDING_CONTROL + 1);
         assert!(out.may_read());
         assert!(ready(flushed.as_mut()), "the reader is woken");
+    }
+
+    /// A stream of a connection whose handshake is not confirmed stops waiting for it once
+    /// the stream is aborted (the client reset it): it waited for the handshake or the
+    /// shutdown only, so its subscriptions stayed routed until the handshake ended (up to
+    /// `transport.handshake_timeout`).
+    #[test]
+    fn an_unconfirmed_streams_wait_ends_when_the_stream_is_aborted() {
+        let conn = crate::connection::ConnState::new(1, "127.0.0.1:1".parse().expect("addr"));
+        let out = StreamOut::default();
+        let (_stop, mut shutdown) = watch::channel(false);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut wait = std::pin::pin!(wait_confirmed(&conn, &out, &mut shutdown));
+        assert!(wait.as_mut().poll(&mut cx).is_pending(), "it waits");
+        out.notify.notify_one();
+        assert!(
+            wait.as_mut().poll(&mut cx).is_pending(),
+            "work alone does not end it"
+        );
+        out.abort();
+        assert_eq!(
+            wait.as_mut().poll(&mut cx),
+            std::task::Poll::Ready(false),
+            "aborted, not confirmed"
+        );
     }
 
     /// A receiving half that is never reset and never reads.
