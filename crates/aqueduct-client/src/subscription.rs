@@ -232,7 +232,8 @@ impl Settler {
 /// Messages are read from the subscription's QUIC stream and decoded when the application asks
 /// for them, in the application's own task: no reader task, no channel in between. While the
 /// application does not ask, nothing is read, QUIC flow control holds the broker, and the
-/// subscription's backpressure policy applies there.
+/// subscription's backpressure policy applies there. Each subscription's stream holds up to
+/// 8 MiB unread, and only itself back: the other streams of the connection go on.
 pub struct Subscription {
     reader: FrameReader,
     /// The first (usually the only) subscription delivered on this stream.
