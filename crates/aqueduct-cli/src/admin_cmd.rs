@@ -99,7 +99,9 @@ pub enum AclCommand {
     },
     /// Replace every rule with those in FILE (YAML or JSON: a list of {client, topic,
     /// permission}, or the config file's acl section with `rules:` and `default:`, or what
-    /// `admin --json acl list` prints; `-` reads standard input).
+    /// `admin --json acl list` prints; `-` reads standard input). An `enabled:` in the file is
+    /// read and not used: whether the ACL is on is the broker's config (acl.enabled), which
+    /// the admin API does not change.
     Replace {
         /// The rules file (YAML or JSON), or `-` for standard input.
         file: PathBuf,

@@ -85,6 +85,8 @@ const PROBE_EVERY: Duration = Duration::from_millis(20);
 pub struct SubscriberReport {
     pub received: u64,
     pub duplicates: u64,
+    /// Messages on the topic that were not this run's (someone else publishing to it).
+    pub foreign: u64,
     pub msgs_per_s: f64,
     pub secs: f64,
 }
@@ -163,7 +165,19 @@ pub fn parse_priority_mix(s: &str) -> Result<Vec<(Priority, u32)>, String> {
                 .map_err(|_| format!("{w:?}: weight must be a whole number"))?;
             Ok((p, w))
         })
-        .collect()
+        .collect::<Result<Vec<_>, String>>()
+        .and_then(|mix| {
+            // Weights that sum to 0 chose no priority, and a sum past u32 wrapped: either way
+            // every message went at priority 2, the mix silently ignored.
+            let total = mix
+                .iter()
+                .try_fold(0u32, |sum, (_, w)| sum.checked_add(*w))
+                .ok_or_else(|| format!("{s:?}: the weights add up to more than {}", u32::MAX))?;
+            if total == 0 && !mix.is_empty() {
+                return Err(format!("{s:?}: the weights add up to 0"));
+            }
+            Ok(mix)
+        })
 }
 
 /// Nanoseconds since `epoch`: the send timestamp in a payload.
@@ -181,14 +195,21 @@ fn payload(buf: &mut BytesMut, sent_ns: u64, index: u64, size: usize) -> Bytes {
 fn write_payload(buf: &mut BytesMut, sent_ns: u64, index: u64, size: usize) {
     buf.put_u64_le(sent_ns);
     buf.put_u64_le(index);
-    buf.put_bytes(0xA5, size - HEADER);
+    buf.put_bytes(FILLER, size - HEADER);
 }
+
+/// What fills a bench payload after its header.
+const FILLER: u8 = 0xA5;
 
 /// Tracks what one subscriber received.
 struct Recorder {
     seen: Vec<u64>,
     received: u64,
     duplicates: u64,
+    /// Messages on the topic that are not this run's (not a bench payload of its size, or an
+    /// index far past any sent): not counted, not timed.
+    foreign: u64,
+    payload_size: usize,
     latency: Histogram<u64>,
     /// Latencies not yet in `latency`: (value, how many). A batch's messages carry one send
     /// stamp and arrive together, so most have the latency of the one before.
@@ -201,11 +222,13 @@ struct Recorder {
 }
 
 impl Recorder {
-    fn new(capacity: u64, warmup: u64, trace: bool) -> Recorder {
+    fn new(capacity: u64, payload_size: usize, warmup: u64, trace: bool) -> Recorder {
         Recorder {
             seen: vec![0; capacity.div_ceil(64) as usize],
             received: 0,
             duplicates: 0,
+            foreign: 0,
+            payload_size,
             latency: new_histogram(),
             run: (0, 0),
             last: Instant::now(),
@@ -217,13 +240,30 @@ impl Recorder {
         }
     }
 
-    /// Record one message received at `now`, `now_ns` after the run's epoch.
-    fn record(&mut self, (now, now_ns): (Instant, u64), body: &[u8]) {
+    /// Record one message received at `now`, `now_ns` after the run's epoch. Returns whether
+    /// it was one of the run's: anyone may publish to the bench's topic meanwhile, and a
+    /// foreign message's bytes 8..16 read as an index made the seen-set grow to it (an
+    /// allocation of exabytes, and an abort) and counted toward the messages received.
+    fn record(&mut self, (now, now_ns): (Instant, u64), body: &[u8]) -> bool {
+        let (Some(ts), Some(index)) = (read_u64(body, 0), read_u64(body, 8)) else {
+            self.foreign += 1;
+            return false;
+        };
+        let filler = &body[HEADER.min(body.len())..];
+        let (word, bit) = ((index / 64) as usize, index % 64);
+        // Indices grow by steps: the seen-set (sized for the run, or in duration mode for a
+        // first part of it) is never outgrown by more than a margin at once.
+        let plausible = word < self.seen.len().saturating_mul(2).saturating_add(1 << 14);
+        if body.len() != self.payload_size
+            || filler.first().is_some_and(|b| *b != FILLER)
+            || filler.last().is_some_and(|b| *b != FILLER)
+            || !plausible
+        {
+            self.foreign += 1;
+            return false;
+        }
         self.last = now;
         self.received += 1;
-        let (Some(ts), Some(index)) = (read_u64(body, 0), read_u64(body, 8)) else {
-            return;
-        };
         if index >= self.warmup {
             let latency = now_ns.saturating_sub(ts).max(1);
             if let Some(t) = &mut self.trace {
@@ -235,7 +275,6 @@ impl Recorder {
             }
             self.run.1 += 1;
         }
-        let (word, bit) = ((index / 64) as usize, index % 64);
         if word >= self.seen.len() {
             self.seen.resize(word + 1, 0);
         }
@@ -243,6 +282,7 @@ impl Recorder {
             self.duplicates += 1;
         }
         self.seen[word] |= 1 << bit;
+        true
     }
 
     /// Move the pending latencies into the histogram.
@@ -414,6 +454,7 @@ where
         reports.push(SubscriberReport {
             received: rec.received,
             duplicates: rec.duplicates,
+            foreign: rec.foreign,
             msgs_per_s: rec.received as f64 / secs,
             secs,
         });
@@ -437,7 +478,7 @@ where
         )
     } else {
         (
-            sent * cfg.subscribers as u64 - (total_received - dups_within),
+            (sent * cfg.subscribers as u64).saturating_sub(total_received - dups_within),
             dups_within,
         )
     };
@@ -673,7 +714,7 @@ async fn subscriber(
         probed,
         go,
     } = shared;
-    let mut rec = Recorder::new(capacity, cfg.warmup, cfg.latency_trace);
+    let mut rec = Recorder::new(capacity, cfg.payload_size, cfg.warmup, cfg.latency_trace);
     let mut seen_probe = false;
     let (mut count, mut stamp, mut to_ack) = (0u64, None, Vec::new());
     let idle = tokio::time::sleep(cfg.idle);
@@ -706,8 +747,9 @@ async fn subscriber(
                         probed.fetch_add(1, Ordering::AcqRel);
                     }
                 } else if let Some(now) = stamp {
-                    rec.record(now, msg.body());
-                    count += 1;
+                    if rec.record(now, msg.body()) {
+                        count += 1;
+                    }
                 }
                 if cfg.group {
                     to_ack.push(msg.settler());
@@ -781,6 +823,15 @@ impl BenchReport {
                 r.duplicates
             );
         }
+        let foreign: u64 = self.subscribers.iter().map(|r| r.foreign).sum();
+        if foreign > 0 {
+            let _ = writeln!(
+                s,
+                "ignored   {foreign} message(s) on {} that were not this run's (someone else \
+                 publishes to it: choose another --topic)",
+                c.topic
+            );
+        }
         let _ = writeln!(
             s,
             "delivered {:>12.0} msg/s aggregate  {:>8.1} MB/s",
@@ -834,7 +885,7 @@ impl BenchReport {
             "lost_total": self.lost,
             "duplicates_total": self.duplicates,
             "subscribers": self.subscribers.iter().map(|r| serde_json::json!({
-                "received": r.received, "duplicates": r.duplicates, "msgs_per_s": r.msgs_per_s, "secs": r.secs,
+                "received": r.received, "duplicates": r.duplicates, "foreign": r.foreign, "msgs_per_s": r.msgs_per_s, "secs": r.secs,
             })).collect::<Vec<_>>(),
             "latency": {
                 "p50_us": self.percentile_us(0.5),
@@ -949,6 +1000,9 @@ mod tests {
         assert_eq!(ps, [0, 2, 2, 2, 0, 2, 2, 2]);
         assert!(parse_priority_mix("4:1").is_err());
         assert!(parse_priority_mix("0").is_err());
+        assert!(parse_priority_mix("0:0,1:0").is_err(), "no weight at all");
+        assert!(parse_priority_mix("0:4294967295,1:1").is_err(), "past u32");
+        assert_eq!(parse_priority_mix(""), Ok(Vec::new()));
         assert_eq!(priority_of(3, &[]), None);
     }
 
@@ -956,7 +1010,7 @@ mod tests {
     fn recorder_counts_duplicates_and_latency() {
         let epoch = Instant::now();
         let mut buf = BytesMut::new();
-        let mut rec = Recorder::new(10, 0, false);
+        let mut rec = Recorder::new(10, 32, 0, false);
         let at = |ns: u64| (epoch + Duration::from_nanos(ns), ns);
         let a = payload(&mut buf, 1_000, 3, 32);
         rec.record(at(6_000), &a);
@@ -979,7 +1033,7 @@ mod tests {
     fn the_warm_up_is_received_but_not_timed() {
         let epoch = Instant::now();
         let mut buf = BytesMut::new();
-        let mut rec = Recorder::new(10, 5, true);
+        let mut rec = Recorder::new(10, 32, 5, true);
         let at = |ns: u64| (epoch + Duration::from_nanos(ns), ns);
         for (index, late) in [(0, 900_000), (4, 700_000), (5, 3_000), (9, 4_000)] {
             rec.record(at(1_000 + late), &payload(&mut buf, 1_000, index, 32));
@@ -993,5 +1047,34 @@ mod tests {
             rec.latency.max() < 10_000,
             "the warm-up's 700 µs are not in it"
         );
+    }
+
+    /// Messages on the bench's topic that are not the run's are neither counted nor timed: a
+    /// foreign one of 16 bytes or more was read as an index, grew the seen-set to it (an abort
+    /// on an allocation of exabytes) and counted as received, which could hide a lost message.
+    #[test]
+    fn foreign_messages_are_not_the_runs() {
+        let epoch = Instant::now();
+        let mut buf = BytesMut::new();
+        let mut rec = Recorder::new(10, 32, 0, false);
+        let at = |ns: u64| (epoch + Duration::from_nanos(ns), ns);
+        let mut huge = payload(&mut buf, 1_000, 0, 32).to_vec();
+        huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        let mut unfilled = payload(&mut buf, 1_000, 2, 32).to_vec();
+        unfilled[31] = b'x';
+        for foreign in [
+            &b"xxxxxxxxxxxxxxxxxxxxxxxx"[..],
+            b"short",
+            &huge,
+            &unfilled,
+            &payload(&mut buf, 1_000, 1, 33),
+        ] {
+            assert!(!rec.record(at(2_000), foreign), "{foreign:?}");
+        }
+        assert!(rec.record(at(2_000), &payload(&mut buf, 1_000, 1, 32)));
+        assert_eq!((rec.received, rec.foreign), (1, 5));
+        assert!(rec.seen.len() <= 1, "{}", rec.seen.len());
+        rec.flush();
+        assert_eq!(rec.latency.len(), 1);
     }
 }

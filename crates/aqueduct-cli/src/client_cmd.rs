@@ -81,7 +81,7 @@ enum Command {
         /// cleanly: the lines read so far are published, the connection is closed.
         message: Option<String>,
         /// Publish the message this many times.
-        #[arg(long, short = 'n', default_value_t = 1)]
+        #[arg(long, short = 'n', default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
         count: u64,
         /// Priority: 0 (highest) to 3 (lowest).
         #[arg(long, short = 'p', default_value_t = 2)]
@@ -170,7 +170,7 @@ enum Command {
     )]
     BenchDurable {
         /// Messages to publish, or to read back.
-        #[arg(long, default_value_t = 1_000_000)]
+        #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
         messages: u64,
         /// Bytes per message.
         #[arg(long, default_value_t = 128)]
@@ -273,19 +273,19 @@ enum Command {
         messages: u64,
         /// Publish for this long instead (e.g. 10s); with --rate, exactly rate × duration
         /// messages.
-        #[arg(long, value_parser = humantime_duration)]
+        #[arg(long, value_parser = positive_duration)]
         duration: Option<Duration>,
         /// Payload bytes per message (at least 16: timestamp and sequence number).
         #[arg(long, default_value_t = 128)]
         payload_size: usize,
         /// Publisher connections.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, value_parser = positive)]
         publishers: usize,
         /// Publish streams per publisher connection.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, value_parser = positive)]
         streams: usize,
         /// Subscriber connections.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, value_parser = positive)]
         subscribers: usize,
         /// Subscribers form one consumer group (each message goes to one, which acks it).
         #[arg(long)]
@@ -298,20 +298,20 @@ enum Command {
         #[arg(long, default_value = "block", value_parser = parse_bench_overflow)]
         overflow: BenchOverflow,
         /// Messages per PUBLISH_BATCH frame (1 = single PUBLISH frames).
-        #[arg(long, default_value_t = 100)]
+        #[arg(long, default_value_t = 100, value_parser = positive)]
         batch: usize,
         /// Total publish rate in msg/s, open loop (0 = as fast as possible; else from 0.01 to
         /// 1,000,000,000). Use for latency.
         #[arg(long, default_value_t = 0.0, value_parser = bench_rate)]
         rate: f64,
         /// Priority mix as PRIORITY:WEIGHT pairs, e.g. 0:1,2:9 (default: all priority 2).
-        #[arg(long, default_value = "")]
-        priority_mix: String,
+        #[arg(long, default_value = "", value_parser = priority_mix_arg)]
+        priority_mix: PriorityMix,
         /// Topic (default: bench/<process id>).
         #[arg(long)]
         topic: Option<String>,
         /// Stop waiting for deliveries after this long without progress.
-        #[arg(long, default_value = "5s", value_parser = humantime_duration)]
+        #[arg(long, default_value = "5s", value_parser = positive_duration)]
         idle: Duration,
         /// The broker's metrics endpoint, to explain losses (default: 127.0.0.1:9090 for a local broker).
         #[arg(long)]
@@ -359,10 +359,10 @@ enum DurableBenchMode {
     /// Publish with CONFIRM from one connection, keeping several batches awaiting their CONFIRM.
     Publish {
         /// Messages per PUBLISH_BATCH frame.
-        #[arg(long, default_value_t = 100)]
+        #[arg(long, default_value_t = 100, value_parser = positive)]
         batch: usize,
         /// Batches awaiting their CONFIRM at a time.
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, default_value_t = 8, value_parser = positive)]
         window: usize,
     },
     /// Read the topic back as a new durable consumer, from earliest.
@@ -486,6 +486,14 @@ enum CertCommand {
 #[derive(Debug, Clone, Copy)]
 struct BenchOverflow(Option<OverflowPolicy>);
 
+/// The bench's `--priority-mix`, checked as the command line is read (before connecting).
+#[derive(Debug, Clone)]
+struct PriorityMix(Vec<(Priority, u32)>);
+
+fn priority_mix_arg(s: &str) -> Result<PriorityMix, String> {
+    bench::parse_priority_mix(s).map(PriorityMix)
+}
+
 /// `aqueduct log`'s directory: the one given, else where the broker puts its log on its
 /// defaults (AQUEDUCT_AAL_FILE_PATH, else $AQUEDUCT_HOME/aal, else ~/.aqueduct/aal).
 fn log_dir(given: &Option<PathBuf>) -> Result<crate::log_cmd::LogDir> {
@@ -499,7 +507,7 @@ fn log_dir(given: &Option<PathBuf>) -> Result<crate::log_cmd::LogDir> {
             let file_path = std::env::var("AQUEDUCT_AAL_FILE_PATH").unwrap_or_default();
             aqueduct_server::config::aal_dir(&file_path, &env).ok_or_else(|| {
                 anyhow!(
-                    "no log directory: pass --dir (AQUEDUCT_AAL_FILE_PATH {})",
+                    "no log directory: give it as the command's DIR argument (AQUEDUCT_AAL_FILE_PATH {})",
                     aqueduct_server::config::NO_AAL_DIR
                 )
             })?
@@ -535,6 +543,24 @@ fn bench_rate(s: &str) -> Result<f64, String> {
 
 fn humantime_duration(s: &str) -> Result<Duration, String> {
     parse_duration(s)
+}
+
+/// A duration above 0: `--duration 0` reported an empty run as a success, and `--idle 0` every
+/// message as lost.
+fn positive_duration(s: &str) -> Result<Duration, String> {
+    match parse_duration(s)? {
+        d if d.is_zero() => Err("must be more than 0".into()),
+        d => Ok(d),
+    }
+}
+
+/// A count of at least 1: 0 was quietly taken as 1.
+fn positive(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{s:?} is not a whole number")),
+    }
 }
 
 /// A TTL: not 0, which reads as "no expiry" (0 on the wire) but was sent as 1 ms, so the
@@ -879,7 +905,13 @@ async fn publish_input(
                 let line = tokio::select! {
                     biased;
                     signal = stop.wait_for(Option::is_some) => {
-                        return Ok((None, signal.ok().and_then(|s| *s)));
+                        let signal = signal.ok().and_then(|s| *s);
+                        // Streaming lines (count 1), a signal is the usual end. With a count,
+                        // nothing was sent yet: stopped short of at least `count` messages,
+                        // not a success.
+                        let asked = (count > 1)
+                            .then(|| count.saturating_mul(lines.len().max(1) as u64));
+                        return Ok((asked, signal));
                     }
                     line = read_line(&mut input) => line?,
                 };
@@ -1255,18 +1287,17 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
         } => {
             use std::io::IsTerminal;
             let cfg = BenchConfig {
-                publishers: (*publishers).max(1),
-                streams: (*streams).max(1),
-                subscribers: (*subscribers).max(1),
+                publishers: *publishers,
+                streams: *streams,
+                subscribers: *subscribers,
                 group: *group,
                 overflow: overflow.0,
                 messages: *messages,
                 duration: *duration,
                 payload_size: *payload_size,
-                batch: (*batch).max(1),
+                batch: *batch,
                 rate: *rate,
-                priority_mix: bench::parse_priority_mix(priority_mix)
-                    .map_err(|e| anyhow!("--priority-mix: {e}"))?,
+                priority_mix: priority_mix.0.clone(),
                 idle: *idle,
                 topic: topic
                     .clone()

@@ -58,6 +58,14 @@ impl LogKeys {
     }
 }
 
+/// `println!` that does not panic when standard output is closed (`aqueduct log verify | head`):
+/// a closed pipe ends the output quietly, another write error is the command's.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        crate::print_line(&format!($($arg)*))?
+    };
+}
+
 fn read_key_file(path: &Path) -> Result<String> {
     std::fs::read_to_string(path)
         .with_context(|| format!("reading the key file {}", path.display()))
@@ -132,7 +140,7 @@ pub fn verify(dir: &LogDir, keys: &LogKeys) -> Result<()> {
         0 => String::new(),
         n => format!(" ({n} of them unreadable, below)"),
     };
-    println!(
+    out!(
         "{}: {} segment(s){unreadable}, {} batch(es), {} topic(s), {} bytes",
         dir.display(),
         report.segments,
@@ -141,27 +149,27 @@ pub fn verify(dir: &LogDir, keys: &LogKeys) -> Result<()> {
         report.bytes
     );
     if report.torn_tail > 0 {
-        println!(
+        out!(
             "torn tail: {} byte(s) at the end of the last segment (a crash cut a write short; \
              the broker cuts them at its next start)",
             report.torn_tail
         );
     }
     for (path, pos, len) in &report.damage {
-        println!("damaged: {} bytes {pos}..{}", path.display(), pos + len);
+        out!("damaged: {} bytes {pos}..{}", path.display(), pos + len);
     }
     for line in failure_lines(&report.failures) {
-        println!("{line}");
+        out!("{line}");
     }
     if report.deleted_meanwhile > 0 {
-        println!(
+        out!(
             "{} older segment(s) were deleted while this ran (the broker's retention): not checked",
             report.deleted_meanwhile
         );
     }
-    print_previous_keys(&report.previous_key_segments);
+    print_previous_keys(&report.previous_key_segments)?;
     if report.is_ok() {
-        println!("ok");
+        out!("ok");
         Ok(())
     } else {
         bail!(
@@ -207,14 +215,15 @@ fn progress_bar(total: u64) -> Option<indicatif::ProgressBar> {
 }
 
 /// Per previous key given, how many segments it seals.
-fn print_previous_keys(segments_per_key: &[usize]) {
+fn print_previous_keys(segments_per_key: &[usize]) -> Result<()> {
     for (i, segments) in segments_per_key.iter().enumerate() {
         let which = format!("previous key {} of {}", i + 1, segments_per_key.len());
         match segments {
-            0 => println!("{which}: seals no segment (no longer needed)"),
-            n => println!("{which}: seals {n} segment(s)"),
-        }
+            0 => out!("{which}: seals no segment (no longer needed)"),
+            n => out!("{which}: seals {n} segment(s)"),
+        };
     }
+    Ok(())
 }
 
 /// Re-seal the segments sealed with a previous key under the current one (the log must not be
@@ -245,16 +254,16 @@ pub fn rekey(dir: &LogDir, keys: &LogKeys) -> Result<()> {
     if let Some(Some(b)) = bar {
         b.finish_and_clear();
     }
-    println!(
+    out!(
         "{}: re-sealed {} segment(s), {} bytes, under the current key",
         dir.display(),
         report.rekeyed,
         report.bytes
     );
     for (path, why) in &report.skipped {
-        println!("left under its previous key: {}: {why}", path.display());
+        out!("left under its previous key: {}: {why}", path.display());
     }
-    print_previous_keys(&report.previous_key_segments);
+    print_previous_keys(&report.previous_key_segments)?;
     if report.skipped.is_empty() {
         Ok(())
     } else {

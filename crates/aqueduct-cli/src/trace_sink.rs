@@ -120,7 +120,9 @@ pub async fn run(o: &SinkOptions) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", o.listen))?;
     let addr = listener.local_addr()?;
-    println!("listening {addr} (OTLP/gRPC: tracing.otlp_endpoint: http://{addr})");
+    crate::print_line(&format!(
+        "listening {addr} (OTLP/gRPC: tracing.otlp_endpoint: http://{addr})"
+    ))?;
     let sink = Sink(Arc::new(Counts {
         print: o.print,
         enough: o.spans,
@@ -146,13 +148,13 @@ pub async fn run(o: &SinkOptions) -> anyhow::Result<()> {
         .context("serving OTLP")?;
     let c = &sink.0;
     let traces = c.traces.lock().unwrap_or_else(|e| e.into_inner()).len();
-    println!(
-        "{}",
-        serde_json::json!({
+    crate::print_line(
+        &serde_json::json!({
             "requests": c.requests.load(Ordering::Relaxed),
             "spans": c.spans.load(Ordering::Relaxed),
             "traces": traces,
         })
-    );
+        .to_string(),
+    )?;
     Ok(())
 }

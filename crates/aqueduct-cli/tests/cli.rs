@@ -142,6 +142,40 @@ fn each_commands_help_lists_the_connection_options_it_uses() {
     }
 }
 
+/// Counts and durations that would make a run meaningless are refused before anything
+/// connects, naming the flag: 0 publishers, streams, subscribers or batch were quietly taken
+/// as 1, `--duration 0` reported an empty run as a success, `--idle 0` every message as lost,
+/// weights adding to 0 (or past u32) published everything at priority 2, and `pub -n 0` said
+/// it published 0 messages.
+#[test]
+fn meaningless_counts_are_refused_naming_the_flag() {
+    let home = tempfile::tempdir().expect("temp dir");
+    for (args, flag) in [
+        (&["bench", "--publishers", "0"][..], "--publishers"),
+        (&["bench", "--streams", "0"], "--streams"),
+        (&["bench", "--subscribers", "0"], "--subscribers"),
+        (&["bench", "--batch", "0"], "--batch"),
+        (&["bench", "--duration", "0s"], "--duration"),
+        (&["bench", "--idle", "0"], "--idle"),
+        (
+            &["bench-durable", "--messages", "0", "publish"],
+            "--messages",
+        ),
+        (&["bench-durable", "publish", "--window", "0"], "--window"),
+        (&["pub", "t", "x", "-n", "0"], "--count"),
+        (&["bench", "--priority-mix", "0:0"], "add up to 0"),
+        (
+            &["bench", "--priority-mix", "0:4294967295,1:1"],
+            "add up to more than",
+        ),
+    ] {
+        let o = run_client(home.path(), args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
+}
+
 #[test]
 fn configuration_errors_stop_startup_naming_the_key() {
     let dir = tempfile::tempdir().expect("dir");
@@ -1525,17 +1559,42 @@ fn without_a_home_the_dev_cert_is_private_and_the_log_needs_a_directory() {
         err.contains("aal.file_path") && err.contains("neither AQUEDUCT_HOME nor HOME"),
         "{err}"
     );
-    // `aqueduct log` says to pass --dir.
+    // `aqueduct log` says to give the directory (an argument: there is no --dir).
     let out = homeless(CLIENT)
         .args(["log", "verify"])
         .output()
         .expect("runs");
     assert!(!out.status.success());
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("pass --dir"),
+        String::from_utf8_lossy(&out.stderr).contains("give it as the command's DIR argument"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// `aqueduct log verify` whose standard output cannot be written (here /dev/full: a full disk)
+/// fails with the write's error. It panicked ("failed printing to stdout"), as it did on a
+/// closed pipe (`aqueduct log verify | head -1`).
+#[test]
+fn log_verify_with_an_unwritable_output_fails_without_a_panic() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (log, _) =
+        aqueduct_log::Log::open(dir.path(), aqueduct_log::LogOptions::default()).expect("open");
+    log.close().expect("close");
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .expect("/dev/full");
+    let out = Command::new(CLIENT)
+        .args(["log", "verify"])
+        .arg(dir.path())
+        .stdout(full)
+        .output()
+        .expect("runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.contains("No space left"), "{err}");
 }
 
 /// A log filter the broker cannot use stops it, naming --log: it fell back on "info" unsaid,

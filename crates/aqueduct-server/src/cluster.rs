@@ -129,17 +129,17 @@ impl ClusterSection {
                 ));
             }
         }
+        // Checked whatever `compression` says, so a bad value shows before it is used.
+        let level = range("cluster.compression_level", self.compression_level, 1, 19)? as i32;
+        let threshold = range(
+            "cluster.compression_threshold",
+            self.compression_threshold,
+            0,
+            16 << 20,
+        )? as usize;
         let compression = match self.compression.trim() {
             "none" => Compression::None,
-            "zstd" | "" => Compression::Zstd {
-                level: range("cluster.compression_level", self.compression_level, 1, 19)? as i32,
-                threshold: range(
-                    "cluster.compression_threshold",
-                    self.compression_threshold,
-                    0,
-                    16 << 20,
-                )? as usize,
-            },
+            "zstd" | "" => Compression::Zstd { level, threshold },
             other => {
                 return Err(invalid(
                     "cluster.compression",
@@ -288,6 +288,16 @@ mod tests {
             ..d()
         };
         assert_eq!(key(level), "cluster.compression_level");
+        let unused_level = ClusterSection {
+            compression: "none".into(),
+            compression_level: 99,
+            ..d()
+        };
+        assert_eq!(
+            key(unused_level),
+            "cluster.compression_level",
+            "checked although unused"
+        );
         for bad in [0, (1 << 26) + 1] {
             let interest = ClusterSection {
                 max_peer_interest: bad,

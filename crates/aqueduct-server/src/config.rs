@@ -1454,7 +1454,8 @@ impl RawConfig {
                 format!(
                     "{:?} is not below transport.idle_timeout ({:?}): idle but healthy clients \
                      would be dropped; make the keep-alive shorter (e.g. a third of the idle \
-                     timeout) or set it to \"0\" only together with idle_timeout \"0\"",
+                     timeout), or \"0\" for none (idle clients then stay only if they send \
+                     keep-alives of their own)",
                     transport.keep_alive_interval, transport.idle_timeout
                 ),
             ));
@@ -1600,12 +1601,14 @@ impl AalSection {
     fn validate(&self, env: &[(String, String)]) -> Result<Option<AalConfig>, ConfigError> {
         let key = parse_aal_key(&self.key)?;
         let previous_keys = parse_previous_keys(&self.previous_keys)?;
+        // Parsed whatever `fsync` says, as every key here is (a bad value was accepted until
+        // `fsync: interval` was set).
+        let every = parse_duration("aal.fsync_interval", &self.fsync_interval)?;
         let fsync = match self.fsync.trim() {
             "always" => aqueduct_log::FsyncMode::Always,
             "batch" => aqueduct_log::FsyncMode::Batch,
             "never" => aqueduct_log::FsyncMode::Never,
             "interval" => {
-                let every = parse_duration("aal.fsync_interval", &self.fsync_interval)?;
                 if every.is_zero() {
                     return Err(invalid(
                         "aal.fsync_interval",

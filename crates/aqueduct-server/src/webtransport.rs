@@ -501,7 +501,16 @@ async fn refuse(
     };
     let mut stopping = shutdown.clone();
     let responded = tokio::select! {
-        r = tokio::time::timeout(timeout, request.respond(response)) => r.ok().and_then(Result::ok),
+        r = tokio::time::timeout(timeout, request.respond(response)) => match r {
+            Ok(r) => r.ok(),
+            // Not taken in time (the client gives the response no room): closed as any setup
+            // that does not finish in time is (§1.1: 100, "handshake timed out").
+            Err(_) => {
+                let remote = crate::connection::canonical(conn.remote_address());
+                close_unestablished(&conn, &shutdown, remote);
+                return;
+            }
+        },
         _ = stopping.wait_for(|s| *s) => None,
     };
     if let Some(session) = responded {
@@ -560,6 +569,13 @@ async fn setup_step<T, E: std::fmt::Display>(
         Some(Err(e)) => {
             debug!(%remote, "WebTransport {what} failed: {e}");
             failed();
+            // With the reason: left to the connection's last handle, the close carried code 0
+            // and none.
+            let reason = format!("WebTransport {what} failed: {e}");
+            conn.close(
+                aqueduct_proto::ErrorCode::MALFORMED_FRAME.0.into(),
+                crate::connection::close_reason(&reason),
+            );
             None
         }
         None => {

@@ -319,6 +319,12 @@ fn errors_name_the_key_and_the_problem() {
             &[],
             "aal.fsync_interval: must be greater than zero",
         ),
+        // Checked although `fsync` is not `interval` (it was accepted until it was).
+        (
+            Some("aal:\n  fsync: batch\n  fsync_interval: bogus\n"),
+            &[],
+            "aal.fsync_interval: \"bogus\" is not a duration",
+        ),
         (
             None,
             &[("AQUEDUCT_AAL_RETENTION_AGE", "7x")],
