@@ -569,7 +569,13 @@ impl Client {
                         other.message.opcode()
                     )))
                 }
-                None => return Err(ClientError::Closed),
+                // The broker finished the stream before confirming (it is shutting down, say):
+                // not this side's close.
+                None => {
+                    return Err(ClientError::Connection(
+                        "the broker ended the stream before confirming the subscription".into(),
+                    ))
+                }
             }
         }
         Subscription::start(handles, reader, early, durable_log).ok_or(ClientError::Closed)
@@ -612,7 +618,9 @@ impl Client {
                 "expected INFO, got {}",
                 other.message.opcode().name()
             ))),
-            None => Err(ClientError::Closed),
+            None => Err(ClientError::Connection(
+                "the broker ended the stream without answering INFO".into(),
+            )),
         }
     }
 
@@ -678,6 +686,35 @@ fn durable_said(data: &[u64]) -> Option<bool> {
 #[cfg(test)]
 mod tests {
     use super::durable_said;
+
+    /// A SUBSCRIBE or INFO whose stream the broker finishes unanswered (as one shutting down
+    /// does) is the broker's doing: it was reported as `Closed`, which says this side closed.
+    #[tokio::test]
+    async fn a_stream_the_broker_ends_unanswered_is_not_a_local_close() {
+        use crate::test_broker::{read_frame, within, FakeBroker};
+        use crate::ClientError;
+        let fake = FakeBroker::start();
+        let (client, conn) = fake.client().await;
+        let unanswered = || async {
+            let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
+            let _ = read_frame(&mut recv).await;
+            send.finish().expect("finish");
+            (send, recv)
+        };
+        let (subscribed, _s) =
+            within(async { tokio::join!(client.subscribe("t"), unanswered()) }).await;
+        let err = subscribed.expect_err("refused");
+        assert!(
+            matches!(&err, ClientError::Connection(why) if why.contains("before confirming")),
+            "{err:?}"
+        );
+        let (info, _s) = within(async { tokio::join!(client.info(), unanswered()) }).await;
+        let err = info.expect_err("unanswered");
+        assert!(
+            matches!(&err, ClientError::Connection(why) if why.contains("without answering")),
+            "{err:?}"
+        );
+    }
 
     /// Every address a name resolves to is tried at once: one where nothing answers (a UDP
     /// socket that never replies, as an address the broker does not listen on) does not keep
