@@ -29,6 +29,9 @@ use aqueduct_log::Log;
 const ACK_TICK: Duration = Duration::from_millis(100);
 /// How long shutdown waits for connections to flush and close.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// How long the shutdown waits, after aborting the connections left at [`SHUTDOWN_GRACE`], for
+/// their stream tasks to end.
+const STREAMS_END_WAIT: Duration = Duration::from_secs(2);
 
 /// Why the server could not start or run.
 #[derive(Debug, thiserror::Error)]
@@ -126,6 +129,8 @@ pub(crate) struct Shared {
     /// The UDP address browsers are told to connect to (`webtransport.listen_addr` as bound,
     /// else the broker's own).
     pub webtransport_addr: SocketAddr,
+    /// Told each time a stream task has ended (`ServerStats::live_streams` went down).
+    pub stream_ended: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -560,6 +565,7 @@ impl Server {
                 endpoint: endpoint_handle,
                 tracer,
                 webtransport_addr,
+                stream_ended: tokio::sync::Notify::new(),
             }),
             dev_cert,
         })
@@ -784,6 +790,28 @@ impl Server {
             // Ended here, before the log closes: a connection's cleanup (a group member leaving)
             // can make dead letters, whose offsets only a log still open records.
             connections.shutdown().await;
+            // An aborted connection drops its stream tasks without waiting for them: they end
+            // (and end their subscriptions) on their own workers, and must have before the
+            // log closes. Bounded: a stream task's end takes no I/O.
+            let shared = &shared;
+            let ended = tokio::time::timeout(STREAMS_END_WAIT, async {
+                loop {
+                    let ended = shared.stream_ended.notified();
+                    tokio::pin!(ended);
+                    ended.as_mut().enable();
+                    if shared.stats.live_streams.load(Ordering::Acquire) == 0 {
+                        return;
+                    }
+                    ended.await;
+                }
+            })
+            .await;
+            if ended.is_err() {
+                warn!(
+                    streams = shared.stats.live_streams.load(Ordering::Acquire),
+                    "stream tasks of aborted connections did not end within {STREAMS_END_WAIT:?}"
+                );
+            }
         }
         // Stopped, not just told to: it makes dead letters (expired ack waits) under the log's
         // order, which must come before the log closes, and hands them to the mesh.

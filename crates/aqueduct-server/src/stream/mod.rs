@@ -289,7 +289,8 @@ impl Drop for StreamGuard {
         self.shared
             .stats
             .live_streams
-            .fetch_sub(1, Ordering::Relaxed);
+            .fetch_sub(1, Ordering::Release);
+        self.shared.stream_ended.notify_waiters();
     }
 }
 
