@@ -75,6 +75,9 @@ pub struct BenchConfig {
     /// Keep every timed message's send stamp and latency ([`BenchReport::trace`]), to see when
     /// the slow ones happened (`aqueduct bench --latency-trace FILE`).
     pub latency_trace: bool,
+    /// Set to end publishing early (Ctrl-C): the run then waits for what was sent, as at its
+    /// planned end, and reports it.
+    pub stop: Arc<AtomicBool>,
 }
 
 /// Time between probes.
@@ -629,6 +632,9 @@ fn tight_timer_slack() {
 /// `--duration` and `--rate`, the rate times the duration (those the open loop schedules within
 /// the duration, sent even if the publisher runs late); with `--duration` alone, as many as fit.
 fn next_batch(cfg: &BenchConfig, plan: &mut Plan, started: Instant) -> Option<Vec<u64>> {
+    if cfg.stop.load(Ordering::Acquire) {
+        return None;
+    }
     let mut batch = Vec::with_capacity(cfg.batch);
     while batch.len() < cfg.batch.max(1) {
         let done = match cfg.duration {

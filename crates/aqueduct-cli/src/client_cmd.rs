@@ -1309,6 +1309,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 trace: *trace,
                 warmup: *warmup,
                 latency_trace: latency_trace.is_some(),
+                stop: Default::default(),
             };
             let planned = match (duration, *rate > 0.0) {
                 (Some(d), true) => Some((rate * d.as_secs_f64()).round() as u64),
@@ -1329,12 +1330,34 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 }
                 None => opts.clone(),
             };
-            let report = bench::run_split(
+            // Ctrl-C/SIGTERM ends publishing; the run waits for what was sent, reports it and
+            // closes its connections, then fails (the planned run was not made). A second one
+            // exits at once. It died with the signal, without a word or a close.
+            let stop = cfg.stop.clone();
+            let (stopped_by, signalled) = tokio::sync::watch::channel(None);
+            let watcher = async move {
+                let first = crate::shutdown_signal().await;
+                stop.store(true, std::sync::atomic::Ordering::Release);
+                let _ = stopped_by.send(Some(first));
+                crate::say!(
+                    "aqueduct: {first}: the bench stops publishing and reports what was sent \
+                     ({first} again to exit at once)"
+                );
+                crate::shutdown_signal().await
+            };
+            let running = bench::run_split(
                 cfg.clone(),
                 || Client::connect(opts.clone()),
                 || Client::connect(sub_opts.clone()),
-            )
-            .await?;
+            );
+            let report = tokio::select! {
+                report = running => report?,
+                again = watcher => {
+                    crate::say!("aqueduct: {again} again: exiting without a report");
+                    std::process::exit(130)
+                }
+            };
+            let interrupted = *signalled.borrow();
             if *json {
                 crate::print_line(&report.json().to_string())?;
             } else {
@@ -1354,6 +1377,13 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                     "not a successful run: {} lost, {} duplicated; {why}",
                     report.lost,
                     report.duplicates
+                );
+            }
+            if let Some(signal) = interrupted {
+                bail!(
+                    "{signal}: the bench was stopped early; the figures above cover the {} \
+                     message(s) sent",
+                    report.sent
                 );
             }
             if *warmup > 0 && report.latency.is_empty() {

@@ -1618,6 +1618,47 @@ fn a_log_filter_that_cannot_work_stops_the_broker() {
     }
 }
 
+/// Ctrl-C/SIGTERM ends `aqueduct bench` early with a report of what was sent, its connections
+/// closed, and a failure (the planned run was not made). It died with the signal, saying
+/// nothing and closing nothing.
+#[test]
+fn a_signal_ends_bench_with_a_report_of_what_was_sent() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, logs) = start_broker(home.path());
+    let bench = spawn_client(
+        home.path(),
+        &[
+            "--addr",
+            &addr,
+            "bench",
+            "--duration",
+            "60s",
+            "--rate",
+            "1000",
+            "--topic",
+            "signalled",
+        ],
+    );
+    // Its subscriber is there: it is connected, and its signal handler is in place.
+    wait_for_log(&logs, "subscribed");
+    let _ = Command::new("kill")
+        .args(["-TERM", &bench.id().to_string()])
+        .status();
+    let out = output_within(bench, "bench after SIGTERM");
+    let err = String::from_utf8_lossy(&out.stderr);
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        report.contains("published") && report.contains("latency"),
+        "{report}"
+    );
+    assert!(
+        err.contains("SIGTERM: the bench was stopped early"),
+        "{err}"
+    );
+    stop(broker);
+}
+
 /// Ctrl-C/SIGTERM ends `aqueduct pub` reading standard input cleanly: the lines read are
 /// published, the connection closed, and it says how many went (it was killed by the signal).
 /// A `pub -n N` stopped short of N exits 1.
