@@ -912,25 +912,29 @@ mod tests {
         assert!(within(sub.next()).await.is_none(), "ended");
     }
 
-    /// A delivery that does not decode does not cut `close` short: it still unsubscribes
-    /// everything, finishes the stream and waits for the broker's end, then reports the bad
-    /// frame. It returned at the bad frame, dropping the UNSUBSCRIBEs flow control still held,
-    /// and the stream was never finished (the drop took the subscription for unsubscribed).
-    #[tokio::test]
-    async fn close_goes_on_past_a_delivery_that_does_not_decode() {
-        use crate::test_broker::{confirm, read_frame, FakeBroker};
-        const N: usize = 100;
-        // ~4 KB of UNSUBSCRIBEs against 512 bytes the stream may run ahead.
-        let fake = FakeBroker::start_with_stream_window(512);
+    /// Subscriptions on one stream, for a stream window that holds few of their UNSUBSCRIBEs.
+    const MANY: usize = 100;
+
+    /// [`MANY`] subscriptions on one stream to `fake` (started with a 512-byte stream window:
+    /// ~4 KB of UNSUBSCRIBEs against it), confirmed. Returns the client, the subscription, and
+    /// the broker's side of the stream with the subscriptions' ids.
+    async fn many_on_a_small_window(
+        fake: &crate::test_broker::FakeBroker,
+    ) -> (
+        crate::Client,
+        Subscription,
+        (quinn::SendStream, quinn::RecvStream, Vec<u32>),
+    ) {
+        use crate::test_broker::{confirm, read_frame};
         let (client, conn) = fake.client().await;
-        let filters: Vec<String> = (0..N)
+        let filters: Vec<String> = (0..MANY)
             .map(|i| format!("a/long/enough/filter/{i:04}"))
             .collect();
         let filters: Vec<&str> = filters.iter().map(String::as_str).collect();
         let broker = async {
             let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
             let mut ids = Vec::new();
-            for _ in 0..N {
+            for _ in 0..MANY {
                 let (id, _) = read_frame(&mut recv).await;
                 send.write_all(&confirm(id, vec![])).await.expect("write");
                 ids.push(id);
@@ -938,9 +942,18 @@ mod tests {
             (send, recv, ids)
         };
         let opts = crate::SubscribeOptions::default();
-        let (sub, (mut send, mut recv, ids)) =
-            tokio::join!(client.subscribe_many(&filters, &opts), broker);
-        let sub = sub.expect("subscribed");
+        let (sub, stream) = tokio::join!(client.subscribe_many(&filters, &opts), broker);
+        (client, sub.expect("subscribed"), stream)
+    }
+
+    /// A delivery that does not decode does not cut `close` short: it still unsubscribes
+    /// everything, finishes the stream and waits for the broker's end, then reports the bad
+    /// frame. It returned at the bad frame, dropping the UNSUBSCRIBEs flow control still held,
+    /// and the stream was never finished (the drop took the subscription for unsubscribed).
+    #[tokio::test]
+    async fn close_goes_on_past_a_delivery_that_does_not_decode() {
+        let fake = crate::test_broker::FakeBroker::start_with_stream_window(512);
+        let (_client, sub, (mut send, mut recv, ids)) = many_on_a_small_window(&fake).await;
         // A PUBLISH whose data is too short for its topic: a whole frame that does not decode.
         let mut bad = vec![0x1F, 0x01];
         bad.extend_from_slice(&ids[0].to_le_bytes());
@@ -964,7 +977,7 @@ mod tests {
         })
         .await
         .expect("the stream was finished");
-        assert_eq!(unsubscribed, N);
+        assert_eq!(unsubscribed, MANY);
         assert!(
             matches!(closed, Err(ClientError::Protocol(_))),
             "{closed:?}"
@@ -978,25 +991,8 @@ mod tests {
     /// subscriptions it had not unsubscribed.
     #[tokio::test]
     async fn a_close_cut_short_still_finishes_the_stream() {
-        use crate::test_broker::{confirm, read_frame, FakeBroker};
-        const N: usize = 100;
-        let fake = FakeBroker::start_with_stream_window(512);
-        let (client, conn) = fake.client().await;
-        let filters: Vec<String> = (0..N)
-            .map(|i| format!("a/long/enough/filter/{i:04}"))
-            .collect();
-        let filters: Vec<&str> = filters.iter().map(String::as_str).collect();
-        let broker = async {
-            let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
-            for _ in 0..N {
-                let (id, _) = read_frame(&mut recv).await;
-                send.write_all(&confirm(id, vec![])).await.expect("write");
-            }
-            (send, recv)
-        };
-        let opts = crate::SubscribeOptions::default();
-        let (sub, (_send, mut recv)) = tokio::join!(client.subscribe_many(&filters, &opts), broker);
-        let sub = sub.expect("subscribed");
+        let fake = crate::test_broker::FakeBroker::start_with_stream_window(512);
+        let (_client, sub, (_send, mut recv, _)) = many_on_a_small_window(&fake).await;
         // Polled once (it writes what the window takes), then dropped.
         let cut = tokio::time::timeout(Duration::ZERO, sub.close()).await;
         assert!(cut.is_err(), "not done in one poll");
@@ -1088,27 +1084,9 @@ mod tests {
     /// UNSUBSCRIBEs, which flow control then holds, was outside it, and `close` hung.
     #[tokio::test]
     async fn close_keeps_to_its_deadline_when_the_broker_stops_reading() {
-        use crate::test_broker::{confirm, read_frame, FakeBroker};
-        const N: usize = 100;
-        // ~4 KB of UNSUBSCRIBEs against 512 bytes the stream may run ahead.
-        let fake = FakeBroker::start_with_stream_window(512);
-        let (client, conn) = fake.client().await;
-        let filters: Vec<String> = (0..N)
-            .map(|i| format!("a/long/enough/filter/{i:04}"))
-            .collect();
-        let filters: Vec<&str> = filters.iter().map(String::as_str).collect();
-        let broker = async {
-            let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
-            for _ in 0..N {
-                let (id, _) = read_frame(&mut recv).await;
-                send.write_all(&confirm(id, vec![])).await.expect("write");
-            }
-            // Reads nothing more.
-            (send, recv)
-        };
-        let opts = crate::SubscribeOptions::default();
-        let (sub, _stream) = tokio::join!(client.subscribe_many(&filters, &opts), broker);
-        let sub = sub.expect("subscribed");
+        let fake = crate::test_broker::FakeBroker::start_with_stream_window(512);
+        // The broker reads nothing more.
+        let (_client, sub, _stream) = many_on_a_small_window(&fake).await;
         let closed = tokio::time::timeout(Duration::from_secs(30), sub.close())
             .await
             .expect("close kept to its deadline");
@@ -1119,27 +1097,9 @@ mod tests {
     /// waited for flow control to take the UNSUBSCRIBEs for ever.
     #[tokio::test]
     async fn unsubscribe_keeps_to_its_deadline_when_the_broker_stops_reading() {
-        use crate::test_broker::{confirm, read_frame, FakeBroker};
-        const N: usize = 100;
-        // ~4 KB of UNSUBSCRIBEs against 512 bytes the stream may run ahead.
-        let fake = FakeBroker::start_with_stream_window(512);
-        let (client, conn) = fake.client().await;
-        let filters: Vec<String> = (0..N)
-            .map(|i| format!("a/long/enough/filter/{i:04}"))
-            .collect();
-        let filters: Vec<&str> = filters.iter().map(String::as_str).collect();
-        let broker = async {
-            let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
-            for _ in 0..N {
-                let (id, _) = read_frame(&mut recv).await;
-                send.write_all(&confirm(id, vec![])).await.expect("write");
-            }
-            // Reads nothing more.
-            (send, recv)
-        };
-        let opts = crate::SubscribeOptions::default();
-        let (sub, _stream) = tokio::join!(client.subscribe_many(&filters, &opts), broker);
-        let sub = sub.expect("subscribed");
+        let fake = crate::test_broker::FakeBroker::start_with_stream_window(512);
+        // The broker reads nothing more.
+        let (_client, sub, _stream) = many_on_a_small_window(&fake).await;
         let sent = tokio::time::timeout(Duration::from_secs(30), sub.unsubscribe())
             .await
             .expect("unsubscribe kept to its deadline");

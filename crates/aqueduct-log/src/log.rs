@@ -1609,6 +1609,16 @@ mod tests {
         assert!(synced.is_empty());
     }
 
+    /// The middle entry point of topic `dense` in an index.
+    fn middle_entry(idx: &crate::format::IndexFile) -> (u64, u64) {
+        let (_, span) = idx
+            .topics
+            .iter()
+            .find(|(n, _)| n == b"dense")
+            .expect("dense");
+        span.entries[span.entries.len() / 2]
+    }
+
     /// A sealed segment keeps no entry points in memory (a dense topic has one per 64 KB,
     /// which grew with the log's size for the process's life): a reader reads them from the
     /// segment's index file when it gets there, seeks with them as before, and reads the whole
@@ -1682,14 +1692,7 @@ mod tests {
                     segment::valid_index(tmp.path(), third.id, third.cipher.as_deref(), third.len)
                         .expect("index read")
                         .expect("a valid index");
-                let entries = &idx
-                    .topics
-                    .iter()
-                    .find(|(n, _)| n == b"dense")
-                    .expect("dense")
-                    .1
-                    .entries;
-                let (from, pos) = entries[entries.len() / 2];
+                let (from, pos) = middle_entry(&idx);
                 drop(segments);
                 let mut reader = log.read(b"dense", from + 1);
                 assert_eq!(reader.position(), Some((third_id, pos)), "{what}");
@@ -1753,14 +1756,7 @@ mod tests {
                 log.close().expect("close");
                 idx
             };
-            let entries = &idx
-                .topics
-                .iter()
-                .find(|(n, _)| n == b"dense")
-                .expect("dense")
-                .1
-                .entries;
-            let (lost, pos) = entries[entries.len() / 2];
+            let (lost, pos) = middle_entry(&idx);
             let path = segment_path(tmp.path(), id);
             let mut b = std::fs::read(&path).expect("segment");
             b[pos as usize + 100] ^= 0xFF;
