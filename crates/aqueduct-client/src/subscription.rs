@@ -916,25 +916,39 @@ mod tests {
     const MANY: usize = 100;
 
     /// [`MANY`] subscriptions on one stream to `fake` (started with a 512-byte stream window:
-    /// ~4 KB of UNSUBSCRIBEs against it), confirmed. Returns the client, the subscription, and
-    /// the broker's side of the stream with the subscriptions' ids.
+    /// ~4 KB of UNSUBSCRIBEs against it), confirmed, as [`confirmed_on_one_stream`] returns
+    /// them.
     async fn many_on_a_small_window(
         fake: &crate::test_broker::FakeBroker,
     ) -> (
-        crate::Client,
+        (crate::Client, quinn::Connection),
         Subscription,
         (quinn::SendStream, quinn::RecvStream, Vec<u32>),
     ) {
-        use crate::test_broker::{confirm, read_frame};
-        let (client, conn) = fake.client().await;
         let filters: Vec<String> = (0..MANY)
             .map(|i| format!("a/long/enough/filter/{i:04}"))
             .collect();
         let filters: Vec<&str> = filters.iter().map(String::as_str).collect();
+        confirmed_on_one_stream(fake, &filters).await
+    }
+
+    /// A subscription to each of `filters` on one stream to `fake`, each confirmed. Returns the
+    /// client and the broker's side of its connection (the test holds both: the connection ends
+    /// with the last), the subscription, and the broker's side of the stream with their ids.
+    async fn confirmed_on_one_stream(
+        fake: &crate::test_broker::FakeBroker,
+        filters: &[&str],
+    ) -> (
+        (crate::Client, quinn::Connection),
+        Subscription,
+        (quinn::SendStream, quinn::RecvStream, Vec<u32>),
+    ) {
+        use crate::test_broker::{confirm, read_frame, within};
+        let (client, conn) = fake.client().await;
         let broker = async {
             let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
             let mut ids = Vec::new();
-            for _ in 0..MANY {
+            for _ in filters {
                 let (id, _) = read_frame(&mut recv).await;
                 send.write_all(&confirm(id, vec![])).await.expect("write");
                 ids.push(id);
@@ -942,8 +956,9 @@ mod tests {
             (send, recv, ids)
         };
         let opts = crate::SubscribeOptions::default();
-        let (sub, stream) = tokio::join!(client.subscribe_many(&filters, &opts), broker);
-        (client, sub.expect("subscribed"), stream)
+        let (sub, stream) =
+            within(async { tokio::join!(client.subscribe_many(filters, &opts), broker) }).await;
+        ((client, conn), sub.expect("subscribed"), stream)
     }
 
     /// A delivery that does not decode does not cut `close` short: it still unsubscribes
@@ -953,7 +968,7 @@ mod tests {
     #[tokio::test]
     async fn close_goes_on_past_a_delivery_that_does_not_decode() {
         let fake = crate::test_broker::FakeBroker::start_with_stream_window(512);
-        let (_client, sub, (mut send, mut recv, ids)) = many_on_a_small_window(&fake).await;
+        let (_connection, sub, (mut send, mut recv, ids)) = many_on_a_small_window(&fake).await;
         // A PUBLISH whose data is too short for its topic: a whole frame that does not decode.
         let mut bad = vec![0x1F, 0x01];
         bad.extend_from_slice(&ids[0].to_le_bytes());
@@ -992,7 +1007,7 @@ mod tests {
     #[tokio::test]
     async fn a_close_cut_short_still_finishes_the_stream() {
         let fake = crate::test_broker::FakeBroker::start_with_stream_window(512);
-        let (_client, sub, (_send, mut recv, _)) = many_on_a_small_window(&fake).await;
+        let (_connection, sub, (_send, mut recv, _)) = many_on_a_small_window(&fake).await;
         // Polled once (it writes what the window takes), then dropped.
         let cut = tokio::time::timeout(Duration::ZERO, sub.close()).await;
         assert!(cut.is_err(), "not done in one poll");
@@ -1039,24 +1054,11 @@ mod tests {
     /// stream whose subscriptions were all live.
     #[tokio::test]
     async fn an_error_for_another_id_does_not_end_the_stream() {
-        use crate::test_broker::{confirm, delivery, read_frame, within, FakeBroker};
+        use crate::test_broker::{delivery, within, FakeBroker};
         use aqueduct_proto::frame::{ErrorFrame, Message};
         let fake = FakeBroker::start();
-        let (client, conn) = fake.client().await;
-        let opts = crate::SubscribeOptions::default();
-        let broker = async {
-            let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
-            let mut ids = Vec::new();
-            for _ in 0..2 {
-                let (id, _) = read_frame(&mut recv).await;
-                send.write_all(&confirm(id, vec![])).await.expect("write");
-                ids.push(id);
-            }
-            (send, recv, ids)
-        };
-        let (sub, (mut send, _recv, ids)) =
-            within(async { tokio::join!(client.subscribe_many(&["a", "b"], &opts), broker) }).await;
-        let mut sub = sub.expect("subscribed");
+        let (_connection, mut sub, (mut send, _recv, ids)) =
+            confirmed_on_one_stream(&fake, &["a", "b"]).await;
         for stray in [ids[1].wrapping_add(1000), ids[1].wrapping_add(1001)] {
             let slow = ErrorFrame {
                 code: ErrorCode::SLOW_CONSUMER,
@@ -1086,7 +1088,7 @@ mod tests {
     async fn close_keeps_to_its_deadline_when_the_broker_stops_reading() {
         let fake = crate::test_broker::FakeBroker::start_with_stream_window(512);
         // The broker reads nothing more.
-        let (_client, sub, _stream) = many_on_a_small_window(&fake).await;
+        let (_connection, sub, _stream) = many_on_a_small_window(&fake).await;
         let closed = tokio::time::timeout(Duration::from_secs(30), sub.close())
             .await
             .expect("close kept to its deadline");
@@ -1099,7 +1101,7 @@ mod tests {
     async fn unsubscribe_keeps_to_its_deadline_when_the_broker_stops_reading() {
         let fake = crate::test_broker::FakeBroker::start_with_stream_window(512);
         // The broker reads nothing more.
-        let (_client, sub, _stream) = many_on_a_small_window(&fake).await;
+        let (_connection, sub, _stream) = many_on_a_small_window(&fake).await;
         let sent = tokio::time::timeout(Duration::from_secs(30), sub.unsubscribe())
             .await
             .expect("unsubscribe kept to its deadline");
@@ -1133,24 +1135,11 @@ mod tests {
     /// NOT_SUBSCRIBED, and `close` returned it as an error although nothing failed.
     #[tokio::test]
     async fn closing_skips_a_subscription_the_broker_closed() {
-        use crate::test_broker::{confirm, read_frame, within, FakeBroker};
+        use crate::test_broker::{within, FakeBroker};
         use aqueduct_proto::frame::{ErrorFrame, Message};
         let fake = FakeBroker::start();
-        let (client, conn) = fake.client().await;
-        let opts = crate::SubscribeOptions::default();
-        let broker = async {
-            let (mut send, mut recv) = conn.accept_bi().await.expect("the stream");
-            let mut ids = Vec::new();
-            for _ in 0..2 {
-                let (id, _) = read_frame(&mut recv).await;
-                send.write_all(&confirm(id, vec![])).await.expect("write");
-                ids.push(id);
-            }
-            (send, recv, ids)
-        };
-        let (sub, (mut send, mut recv, ids)) =
-            within(async { tokio::join!(client.subscribe_many(&["a", "b"], &opts), broker) }).await;
-        let mut sub = sub.expect("subscribed");
+        let (_connection, mut sub, (mut send, mut recv, ids)) =
+            confirmed_on_one_stream(&fake, &["a", "b"]).await;
         let slow = ErrorFrame {
             code: ErrorCode::SLOW_CONSUMER,
             reason: "slow".into(),
