@@ -357,6 +357,7 @@ where
     // Subscribers that have seen a probe; whether the measured run has started.
     let probed = Arc::new(AtomicU64::new(0));
     let go = Arc::new(AtomicBool::new(false));
+    let reached = Arc::new(tokio::sync::Notify::new());
     let capacity = if cfg.duration.is_some() {
         1 << 20
     } else {
@@ -386,6 +387,7 @@ where
                 delivered: delivered.clone(),
                 probed: probed.clone(),
                 go: go.clone(),
+                reached: reached.clone(),
             },
         )));
     }
@@ -439,6 +441,8 @@ where
     let publish_secs = started.elapsed().as_secs_f64();
     let sent = sent.load(Ordering::Acquire);
     target.store(sent, Ordering::Release);
+    // Subscribers that have it all already stop now, not at their idle timeout.
+    reached.notify_waiters();
     if let Some(p) = &progress {
         p.set_length(sent * if cfg.group { 1 } else { cfg.subscribers as u64 });
         p.set_message("waiting for deliveries");
@@ -705,6 +709,9 @@ struct Shared {
     probed: Arc<AtomicU64>,
     /// The measured run has started.
     go: Arc<AtomicBool>,
+    /// Told when the target is known or, in a group, reached: a subscriber waiting for
+    /// deliveries looks again.
+    reached: Arc<tokio::sync::Notify>,
 }
 
 async fn subscriber(
@@ -719,6 +726,7 @@ async fn subscriber(
         delivered,
         probed,
         go,
+        reached,
     } = shared;
     let mut rec = Recorder::new(capacity, cfg.payload_size, cfg.warmup, cfg.latency_trace);
     let mut seen_probe = false;
@@ -726,6 +734,10 @@ async fn subscriber(
     let idle = tokio::time::sleep(cfg.idle);
     tokio::pin!(idle);
     loop {
+        // Registered before the look below: a target stored after it wakes this wait.
+        let look_again = reached.notified();
+        tokio::pin!(look_again);
+        look_again.as_mut().enable();
         // In a group the subscribers share the target; otherwise each must see all of it.
         let goal = target.load(Ordering::Acquire);
         let have = if cfg.group {
@@ -766,12 +778,18 @@ async fn subscriber(
                     let _ = msg.ack().await;
                 }
                 let ended = !matches!(batch, Some(Ok(_)));
-                delivered.fetch_add(std::mem::take(&mut count), Ordering::AcqRel);
+                let taken = std::mem::take(&mut count);
+                let all = delivered.fetch_add(taken, Ordering::AcqRel) + taken;
+                if cfg.group && taken > 0 && all >= target.load(Ordering::Acquire) {
+                    // The group's last: the other members stop waiting too.
+                    reached.notify_waiters();
+                }
                 if ended {
                     break;
                 }
                 idle.as_mut().reset(tokio::time::Instant::now() + cfg.idle);
             }
+            () = &mut look_again => {}
             _ = &mut idle => {
                 // Idle: give up only once publishing has started, the count is known, and
                 // nothing arrives any more.
