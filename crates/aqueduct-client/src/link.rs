@@ -144,6 +144,18 @@ impl SendHalf {
         }
     }
 
+    /// Abandon the sending side (RESET_STREAM with `code`); nothing if it already ended.
+    fn reset(&mut self, code: u16) {
+        match self {
+            SendHalf::Quic(s) => {
+                let _ = s.reset(code.into());
+            }
+            SendHalf::WebTransport(s) => {
+                let _ = s.reset(code.into());
+            }
+        }
+    }
+
     /// Finish the sending side (FIN).
     fn finish(&mut self) -> Result<(), ClientError> {
         let done = match self {
@@ -213,6 +225,13 @@ impl FrameSink {
     pub(crate) async fn finish(&mut self) -> Result<(), ClientError> {
         self.write_queued().await?;
         self.half.finish()
+    }
+
+    /// Abandon the stream (RESET_STREAM with `code`), dropping what is still queued: the
+    /// peer reads no part of a frame as a whole one.
+    pub(crate) fn reset(&mut self, code: u16) {
+        self.unsent.clear();
+        self.half.reset(code);
     }
 }
 

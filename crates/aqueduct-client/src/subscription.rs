@@ -25,6 +25,9 @@ pub(crate) struct SubHandle {
     send: Arc<tokio::sync::Mutex<crate::link::FrameSink>>,
     /// The connection's ids: this one is free again when the handle goes.
     ids: Arc<crate::ids::Ids>,
+    /// Its UNSUBSCRIBE was written: a later attempt (the drop's, after a `close` cut short)
+    /// does not send it again (the broker would answer NOT_SUBSCRIBED, unread).
+    unsubscribed: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for SubHandle {
@@ -45,6 +48,7 @@ impl SubHandle {
             filter,
             send,
             ids,
+            unsubscribed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -500,7 +504,7 @@ impl Subscription {
     /// or the future is dropped first, dropping the subscription sends it.
     pub async fn unsubscribe(mut self) -> Result<(), ClientError> {
         let sent = tokio::time::timeout(
-            Duration::from_secs(10),
+            UNSUBSCRIBE_WAIT,
             unsubscribe(self.all_handles(), &self.closed_ids),
         )
         .await;
@@ -536,7 +540,7 @@ impl Subscription {
         // One deadline for all of it, and the stream read while the UNSUBSCRIBEs are written:
         // a broker that stops reading the stream until its replies are read (or never reads
         // it again) held the writes, outside the deadline, for ever.
-        let drained = tokio::time::timeout(Duration::from_secs(10), async {
+        let drained = tokio::time::timeout(UNSUBSCRIBE_WAIT, async {
             let sending = unsubscribe(handles, &closed);
             let draining = async {
                 loop {
@@ -580,6 +584,10 @@ impl Subscription {
     }
 }
 
+/// How long `unsubscribe`, `close` and a dropped subscription wait for the broker to take the
+/// UNSUBSCRIBEs (and, for `close`, to finish the stream).
+const UNSUBSCRIBE_WAIT: Duration = Duration::from_secs(10);
+
 /// The first of `n` ERRORs the broker sent while a subscription closed, saying how many.
 fn first_of(first: ClientError, n: usize) -> ClientError {
     match first {
@@ -594,12 +602,22 @@ fn first_of(first: ClientError, n: usize) -> ClientError {
 /// UNSUBSCRIBE every subscription of the stream but those the broker `closed` (it would answer
 /// NOT_SUBSCRIBED, which `close` then reported as an error), then finish it.
 async fn unsubscribe(handles: Vec<Arc<SubHandle>>, closed: &[u32]) -> Result<(), ClientError> {
+    use std::sync::atomic::Ordering;
     for handle in handles.iter().filter(|h| !closed.contains(&h.id)) {
+        if handle.unsubscribed.load(Ordering::Acquire) {
+            continue;
+        }
         let u = Unsubscribe {
             filter: handle.filter.clone(),
             ext: Extensions::default(),
         };
-        handle.send(Wire::Unsubscribe(u)).await?;
+        let frame = Frame::new(handle.id, Wire::Unsubscribe(u)).to_bytes();
+        let mut sink = handle.send.lock().await;
+        sink.write_queued().await?;
+        sink.queue([frame]);
+        // Queued: whichever write comes next sends it (this one, or a later attempt's).
+        handle.unsubscribed.store(true, Ordering::Release);
+        sink.write_queued().await?;
     }
     if let Some(h) = handles.first() {
         let _ = h.send.lock().await.finish().await;
@@ -615,8 +633,18 @@ impl Drop for Subscription {
         let handles = self.all_handles();
         let closed = std::mem::take(&mut self.closed_ids);
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            // Bounded, as `close` is: a broker that does not read the stream any more held this
+            // task, and with it the connection, for good. Past the deadline the stream is
+            // reset, which ends its subscriptions as surely (protocol.md §7.4).
             rt.spawn(async move {
-                let _ = unsubscribe(handles, &closed).await;
+                let sent =
+                    tokio::time::timeout(UNSUBSCRIBE_WAIT, unsubscribe(handles.clone(), &closed))
+                        .await;
+                if sent.is_err() {
+                    if let Some(h) = handles.first() {
+                        h.send.lock().await.reset(0);
+                    }
+                }
             });
         }
     }
@@ -1012,6 +1040,7 @@ mod tests {
         let cut = tokio::time::timeout(Duration::ZERO, sub.close()).await;
         assert!(cut.is_err(), "not done in one poll");
         let finished = tokio::time::timeout(Duration::from_secs(20), async {
+            let mut frames = 0;
             let mut header = [0u8; aqueduct_proto::HEADER_LEN];
             while recv.read_exact(&mut header).await.is_ok() {
                 let len = u32::from_le_bytes(header[6..10].try_into().expect("4 bytes"));
@@ -1019,10 +1048,31 @@ mod tests {
                 recv.read_exact(&mut data)
                     .await
                     .expect("whole frames until the FIN");
+                frames += 1;
             }
+            frames
         })
         .await;
-        assert!(finished.is_ok(), "the stream was never finished");
+        // One UNSUBSCRIBE each: those `close` wrote are not sent again.
+        assert_eq!(finished, Ok(MANY), "the stream was never finished");
+    }
+
+    /// A dropped subscription whose UNSUBSCRIBEs the broker never takes (it stopped reading
+    /// the stream) resets the stream after the same 10 s `close` waits. Its task waited for
+    /// flow control for good, holding the stream and the connection.
+    #[tokio::test]
+    async fn a_dropped_subscriptions_unsubscribe_keeps_to_a_deadline() {
+        let fake = crate::test_broker::FakeBroker::start_with_stream_window(512);
+        let (_connection, sub, (_send, mut recv, _)) = many_on_a_small_window(&fake).await;
+        drop(sub);
+        // Waits for a reset without reading (reading would let the UNSUBSCRIBEs through).
+        let reset = tokio::time::timeout(Duration::from_secs(30), recv.received_reset())
+            .await
+            .expect("reset within the deadline");
+        assert_eq!(
+            reset.expect("the stream, not the connection"),
+            Some(0u32.into())
+        );
     }
 
     /// A CONFIRM is a SUBSCRIBE's confirmation whatever its data (protocol.md §7.1), also one

@@ -1732,6 +1732,22 @@ mod tests {
                 assert_eq!(offsets(reader), expect(b"dense", from + 1), "{what}");
                 let reader = Reader::new(&log.segments.get(), &blind, b"sparse", 3);
                 assert_eq!(offsets(reader), expect(b"sparse", 3), "{what}");
+                // One that cannot be read at all (here a directory in its place: an I/O error,
+                // as running out of file descriptors is) is not remembered: it may be readable
+                // for the next reader.
+                let third_index = index_path(tmp.path(), third_id);
+                std::fs::remove_file(&third_index).expect("remove");
+                std::fs::create_dir(&third_index).expect("a directory in its place");
+                let unread: Arc<EntryCache> = Arc::default();
+                let mut reader = Reader::new(&log.segments.get(), &unread, b"dense", from + 1);
+                assert_eq!(
+                    reader.position(),
+                    Some((third_id, crate::format::HEADER_LEN as u64)),
+                    "{what}"
+                );
+                assert_eq!(unread.segments(), (0, 0), "{what}: not remembered");
+                assert_eq!(offsets(reader), expect(b"dense", from + 1), "{what}");
+                std::fs::remove_dir(&third_index).expect("remove the directory");
                 for (path, bytes) in saved {
                     std::fs::write(path, bytes).expect("restore");
                 }

@@ -94,11 +94,22 @@ impl EntryCache {
             return seg;
         }
         // Read without the lock: other readers go on meanwhile (two may read the same index).
-        let idx = plan.path.parent().and_then(|dir| {
-            valid_index(dir, plan.id, plan.cipher.as_deref(), plan.len)
-                .ok()
-                .flatten()
-        });
+        let read = plan
+            .path
+            .parent()
+            .map(|dir| valid_index(dir, plan.id, plan.cipher.as_deref(), plan.len));
+        let idx = match read {
+            Some(Ok(idx)) => idx,
+            // Not read (out of file descriptors, an I/O error): maybe not so for the next
+            // reader, so not remembered. This one reads the segment whole.
+            _ => {
+                return Arc::new(SegmentEntries {
+                    id: plan.id,
+                    len: plan.len,
+                    topics: None,
+                })
+            }
+        };
         let topics = idx.map(|idx| {
             let mut topics: Vec<(Vec<u8>, EntryPoints)> = idx
                 .topics

@@ -155,7 +155,12 @@ fn rekey_segment(
     // are not kept in memory). Read before anything changes; none if it was read through.
     let index = match read_through {
         true => None,
-        false => segment::valid_index(dir, old.id, Some(&old_cipher), old.len)?,
+        false => match segment::valid_index(dir, old.id, Some(&old_cipher), old.len) {
+            Ok(index) => index,
+            // Read a moment ago by `load`: left as it is, with the reason, not the whole rekey
+            // stopped.
+            Err(e) => return Ok(Err(format!("its index cannot be read: {e}"))),
+        },
     };
 
     let tmp = path.with_extension("seg.tmp");

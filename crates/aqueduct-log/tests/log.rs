@@ -1794,7 +1794,13 @@ fn readers_sharing_a_cache_read_what_each_reads_alone() -> R {
             .collect();
         for (at, i, _) in &readers {
             let t = topics[*i].as_bytes();
-            assert_eq!(log.index().position(t, from), *at, "{i} from {from}");
+            // The segment a reader starts in, as the offsets kept in memory say (the byte
+            // position may come from an index file).
+            assert_eq!(
+                at.map(|(segment, _)| segment),
+                log.index().first_segment(t, from),
+                "{i} from {from}"
+            );
         }
         readers.sort_by_key(|(at, ..)| *at);
         let mut cache = aqueduct_log::ReadCache::default();

@@ -1204,21 +1204,29 @@ pub(crate) async fn feed(
         // segment's index file: not on this thread, and segment by segment, so that each
         // index is read once (the log keeps only the last few).
         let index = durable.index.clone();
-        let mut reads = tokio::task::spawn_blocking(move || {
-            let mut reads: Vec<_> = reads
-                .into_iter()
-                .map(|(topic, from, bound)| (index.first_segment(&topic, from), topic, from, bound))
-                .collect();
-            reads.sort_unstable_by_key(|r| r.0);
-            let mut reads: Vec<_> = reads
-                .into_iter()
-                .map(|(_, topic, from, bound)| (index.position(&topic, from), topic, from, bound))
-                .collect();
-            reads.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
-            reads
-        })
-        .await
-        .unwrap_or_default();
+        let mut reads = if reads.is_empty() {
+            Vec::new()
+        } else {
+            tokio::task::spawn_blocking(move || {
+                let mut reads: Vec<_> = reads
+                    .into_iter()
+                    .map(|(topic, from, bound)| {
+                        (index.first_segment(&topic, from), topic, from, bound)
+                    })
+                    .collect();
+                reads.sort_unstable_by_key(|r| r.0);
+                let mut reads: Vec<_> = reads
+                    .into_iter()
+                    .map(|(_, topic, from, bound)| {
+                        (index.position(&topic, from), topic, from, bound)
+                    })
+                    .collect();
+                reads.sort_unstable_by_key(|r| std::cmp::Reverse(r.0));
+                reads
+            })
+            .await
+            .unwrap_or_default()
+        };
         let mut cache = aqueduct_log::ReadCache::default();
         while !reads.is_empty() {
             let chunk = reads.split_off(reads.len().saturating_sub(READ_TOPICS));
