@@ -892,6 +892,35 @@ async fn a_refused_session_kept_open_does_not_hold_up_a_shutdown() {
     drop((control, send, recv));
 }
 
+/// An HTTP/3 connection whose setup fails (its SETTINGS do not enable WebTransport) is closed
+/// at once with code 100 and a reason saying why (protocol.md 1.1). It was left to its last
+/// handle, which closed it with code 0 and no reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_http3_setup_is_closed_with_its_reason() {
+    use web_transport_quinn::proto;
+    let b =
+        TestBroker::start_with(|c| c.transport.handshake_timeout = Duration::from_secs(60)).await;
+    let (_endpoint, conn) = h3_connection(&b).await;
+    let mut control = conn.open_uni().await.expect("control stream");
+    proto::Settings::default()
+        .write(&mut control)
+        .await
+        .expect("settings without WebTransport");
+    match within("the close", conn.closed()).await {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(c.error_code, 100u32.into(), "{c:?}");
+            let reason = String::from_utf8_lossy(&c.reason);
+            assert!(
+                reason.starts_with("WebTransport handshake failed: "),
+                "{reason}"
+            );
+        }
+        other => panic!("closed otherwise: {other}"),
+    }
+    drop(control);
+    b.stop().await.expect("stops");
+}
+
 /// An HTTP/3 connection that does not set up its session within `transport.handshake_timeout`
 /// (counted from its first packet, TLS included) is closed as a native one is: code 100,
 /// reason `handshake timed out` (protocol.md 1.1). It was closed with code 0.
