@@ -227,6 +227,11 @@ impl FrameSink {
         self.half.finish()
     }
 
+    /// Finish the sending side now if nothing is queued (no wait); whether it did.
+    pub(crate) fn finish_now(&mut self) -> bool {
+        self.unsent.is_empty() && self.half.finish().is_ok()
+    }
+
     /// Abandon the stream (RESET_STREAM with `code`), dropping what is still queued: the
     /// peer reads no part of a frame as a whole one.
     pub(crate) fn reset(&mut self, code: u16) {

@@ -334,6 +334,7 @@ impl Subscription {
         }
         loop {
             if self.ended {
+                self.end_sending();
                 return Poll::Ready(None);
             }
             match self.reader.try_next_raw() {
@@ -497,7 +498,26 @@ impl Subscription {
                 }
             }
         }
+        if n == 0 && self.ended {
+            self.end_sending();
+        }
         Poll::Ready((n > 0).then_some(Ok(n)))
+    }
+
+    /// The stream is over (the broker closed its subscriptions, reset or finished it, or its
+    /// frame boundary was lost): end this side too, as protocol.md §13 asks. Until then the
+    /// broker kept the stream's subscriptions registered, detached, for as long as the
+    /// application held the ended subscription. Not while a `close` or `unsubscribe` holds the
+    /// stream: it ends it itself.
+    fn end_sending(&mut self) {
+        if self.unsubscribed {
+            return;
+        }
+        if let Ok(mut sink) = self.handle.send.try_lock() {
+            if sink.finish_now() {
+                self.unsubscribed = true;
+            }
+        }
     }
 
     /// Unsubscribe and wait (up to 10 s) until the request is sent. If it is not sent by then,
@@ -1097,6 +1117,36 @@ mod tests {
         };
         let (sub, _stream) = within(async { tokio::join!(client.subscribe("t"), broker) }).await;
         sub.expect("subscribed");
+    }
+
+    /// A subscription the broker closed (here as a slow consumer) ends its sending side once the
+    /// application has seen the end, although the application still holds it (protocol.md
+    /// §13): the broker kept its subscriptions registered, detached, until the drop.
+    #[tokio::test]
+    async fn a_subscription_the_broker_closed_ends_its_side() {
+        use crate::test_broker::{confirm_subscribe, within, FakeBroker};
+        use aqueduct_proto::frame::{ErrorFrame, Message};
+        let fake = FakeBroker::start();
+        let (client, conn) = fake.client().await;
+        let (sub, (mut send, mut recv, id)) =
+            within(async { tokio::join!(client.subscribe("t"), confirm_subscribe(&conn)) }).await;
+        let mut sub = sub.expect("subscribed");
+        let slow = ErrorFrame {
+            code: ErrorCode::SLOW_CONSUMER,
+            reason: "slow".into(),
+        };
+        send.write_all(&aqueduct_proto::Frame::new(id, Message::Error(slow)).to_bytes())
+            .await
+            .expect("write");
+        let closed = within(sub.next_message()).await.expect("the ERROR");
+        assert_eq!(
+            closed.err().and_then(|e| e.code()),
+            Some(ErrorCode::SLOW_CONSUMER)
+        );
+        assert!(within(sub.next_message()).await.is_none(), "ended");
+        let rest = within(recv.read_to_end(1 << 20)).await;
+        assert_eq!(rest.expect("finished, not reset"), Vec::<u8>::new());
+        drop(sub);
     }
 
     /// An ERROR that closes a subscription ends the stream only with the id of one of its
