@@ -122,6 +122,23 @@ impl WebTransportSection {
                 format!("{:?} must start with '/'", self.path_prefix),
             ));
         }
+        // A request's path arrives percent-encoded: a prefix holding what encoding changes (a
+        // space, non-ASCII text, `%`) or ends a path (`?`, `#`) matched no request, and every
+        // session got 404 with nothing said at startup.
+        if let Some(c) = self
+            .path_prefix
+            .chars()
+            .find(|c| !c.is_ascii_graphic() || matches!(c, '%' | '?' | '#'))
+        {
+            return Err(invalid(
+                "webtransport.path_prefix",
+                format!(
+                    "{:?} has {c:?}, which no request's path can match: use letters, digits \
+                     and / - . _ ~",
+                    self.path_prefix
+                ),
+            ));
+        }
         let mut allowed_origins = Vec::with_capacity(self.allowed_origins.len());
         for o in &self.allowed_origins {
             let normal = if o == "*" {
@@ -980,6 +997,13 @@ mod tests {
         s.tokens.clear();
         s.path_prefix = "wt".into();
         assert!(refused(&s).contains("path_prefix"));
+        // What a request's percent-encoded path cannot hold as written.
+        for bad in ["/my wt", "/caf\u{e9}", "/a%20b", "/wt?x", "/wt#x"] {
+            s.path_prefix = bad.into();
+            assert!(refused(&s).contains("no request's path can match"), "{bad}");
+        }
+        s.path_prefix = "/api/v1.2/wt-x_y~z".into();
+        s.validate().expect("letters, digits and / - . _ ~");
     }
 
     #[test]

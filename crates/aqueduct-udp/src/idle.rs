@@ -259,7 +259,11 @@ pub(crate) mod sockets {
         if fds.is_empty() {
             return false;
         }
-        let count = libc::nfds_t::try_from(fds.len()).unwrap_or(libc::nfds_t::MAX);
+        // More than `poll` can take cannot happen (the sockets of one process); were it to,
+        // nothing is reported readable rather than a count larger than the array.
+        let Ok(count) = libc::nfds_t::try_from(fds.len()) else {
+            return false;
+        };
         // SAFETY: `fds` is a live, exclusively borrowed array of `count` initialised `pollfd`s,
         // which `poll` only reads and writes within; a timeout of 0 returns at once. A
         // descriptor closed meanwhile is reported in `revents` (POLLNVAL), not a memory error.
