@@ -1259,8 +1259,21 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                 held.len(),
                 subscriptions
             );
+            // Ctrl-C/SIGTERM ends the hold early; either way the connections are closed (they
+            // were left to the broker's idle timeout). Listening before "ready" is said.
+            let stop = crate::shutdown_signal();
             crate::print_line("ready")?;
-            tokio::time::sleep(*seconds).await;
+            tokio::select! {
+                () = tokio::time::sleep(*seconds) => {}
+                signal = stop => {
+                    crate::say!("{signal}: closing the held connections");
+                }
+            }
+            futures_util::future::join_all(held.into_iter().map(|(c, subs)| async move {
+                drop(subs);
+                let _ = c.close().await;
+            }))
+            .await;
         }
         Command::Bench {
             messages,

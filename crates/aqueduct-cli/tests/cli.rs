@@ -1618,6 +1618,45 @@ fn a_log_filter_that_cannot_work_stops_the_broker() {
     }
 }
 
+/// Ctrl-C/SIGTERM ends `aqueduct hold` early, and its connections are closed (the broker says
+/// so at once): it died with the signal, and the broker kept them until its idle timeout.
+#[test]
+fn a_signal_ends_hold_closing_its_connections() {
+    use std::io::BufRead;
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, logs) = start_broker(home.path());
+    let mut hold = spawn_client(
+        home.path(),
+        &[
+            "--addr",
+            &addr,
+            "hold",
+            "--connections",
+            "2",
+            "--seconds",
+            "600s",
+        ],
+    );
+    let mut out = std::io::BufReader::new(hold.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("a line");
+    assert_eq!(line.trim(), "ready");
+    let _ = Command::new("kill")
+        .args(["-TERM", &hold.id().to_string()])
+        .status();
+    let done = output_within(hold, "hold after SIGTERM");
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert_eq!(done.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("SIGTERM: closing the held connections"),
+        "{err}"
+    );
+    for _ in 0..2 {
+        wait_for_log(&logs, "disconnected");
+    }
+    stop(broker);
+}
+
 /// Ctrl-C/SIGTERM ends `aqueduct bench` early with a report of what was sent, its connections
 /// closed, and a failure (the planned run was not made). It died with the signal, saying
 /// nothing and closing nothing.
