@@ -254,6 +254,8 @@ pub struct Subscription {
     /// The stream ended (or failed): nothing more comes.
     ended: bool,
     unsubscribed: bool,
+    /// A `close` is under way: it ends the sending side itself, after its UNSUBSCRIBEs.
+    closing: bool,
     /// See [`Subscription::durable_log`].
     durable_log: Option<bool>,
 }
@@ -287,6 +289,7 @@ impl Subscription {
             last_topic: None,
             ended: false,
             unsubscribed: false,
+            closing: false,
             durable_log,
         };
         // Ended only once these are read (`poll_item` takes them first).
@@ -510,7 +513,7 @@ impl Subscription {
     /// application held the ended subscription. Not while a `close` or `unsubscribe` holds the
     /// stream: it ends it itself.
     fn end_sending(&mut self) {
-        if self.unsubscribed {
+        if self.unsubscribed || self.closing {
             return;
         }
         if let Ok(mut sink) = self.handle.send.try_lock() {
@@ -552,6 +555,7 @@ impl Subscription {
     /// closed as a slow consumer) is reported once the stream is finished: the first one, as
     /// [`ClientError::Broker`], with how many there were.
     pub async fn close(mut self) -> Result<(), ClientError> {
+        self.closing = true;
         let (handles, closed) = (self.all_handles(), self.closed_ids.clone());
         let mut refused: Option<(ClientError, usize)> = None;
         // The first error that is not the broker's (a delivery that did not decode, the
