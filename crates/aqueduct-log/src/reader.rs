@@ -55,8 +55,8 @@ const ENTRY_SEGMENTS: usize = 8;
 type EntryPoints = Vec<(u64, u64)>;
 
 /// One sealed segment's entry points, by topic (sorted by name); `None` when its index file
-/// could not be read or no longer describes it (remembered too: each reader would otherwise
-/// try it again).
+/// is missing, damaged or no longer describes the segment (remembered too: each reader would
+/// otherwise try it again; one that failed to read for an I/O error is not kept).
 #[derive(Debug)]
 struct SegmentEntries {
     id: u64,
