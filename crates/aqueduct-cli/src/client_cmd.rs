@@ -1186,15 +1186,21 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             };
             let progress = (!*json && std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .then(|| indicatif::ProgressBar::new(*messages));
-            let report = crate::durable_bench::run(
+            // Ctrl-C/SIGTERM ends it; the connection is closed on the way out (it died with
+            // the signal, leaving the connection to the broker's idle timeout).
+            let stop = crate::shutdown_signal();
+            let running = crate::durable_bench::run(
                 client.clone(),
                 mode,
                 topic,
                 *messages,
                 *payload_size,
                 progress,
-            )
-            .await?;
+            );
+            let report = tokio::select! {
+                report = running => report?,
+                signal = stop => bail!("{signal}: the durable bench was stopped before its end"),
+            };
             if *json {
                 crate::print_line(&report.json().to_string())?;
             } else {

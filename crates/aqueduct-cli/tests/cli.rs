@@ -1657,6 +1657,44 @@ fn a_signal_ends_hold_closing_its_connections() {
     stop(broker);
 }
 
+/// Ctrl-C/SIGTERM ends `aqueduct bench-durable` with a failure, and its connection is closed
+/// (the broker says so at once): it died with the signal, and the broker kept the connection
+/// until its idle timeout.
+#[test]
+fn a_signal_ends_bench_durable_closing_its_connection() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, metrics, logs) = start_broker_with(home.path(), &[]);
+    let bench = spawn_client(
+        home.path(),
+        &[
+            "--addr",
+            &addr,
+            "bench-durable",
+            "--messages",
+            "1000000000",
+            "publish",
+        ],
+    );
+    // Publishing: connected, and listening for signals (before it started).
+    let deadline = std::time::Instant::now() + WAIT;
+    while metric(&metrics, "aqueduct_messages_published_total").unwrap_or(0.0) < 1.0 {
+        assert!(std::time::Instant::now() < deadline, "nothing published");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &bench.id().to_string()])
+        .status();
+    let out = output_within(bench, "bench-durable after SIGTERM");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("SIGTERM: the durable bench was stopped before its end"),
+        "{err}"
+    );
+    wait_for_log(&logs, "disconnected");
+    stop(broker);
+}
+
 /// Ctrl-C/SIGTERM ends `aqueduct bench` early with a report of what was sent, its connections
 /// closed, and a failure (the planned run was not made). It died with the signal, saying
 /// nothing and closing nothing.
