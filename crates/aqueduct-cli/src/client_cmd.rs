@@ -266,7 +266,8 @@ enum Command {
     },
     /// Load test (the seed's aqueduct-bench): publishers → subscribers on a fresh topic;
     /// reports publish and delivery rates, MB/s, losses, duplicates and one-way latency
-    /// percentiles. Exits non-zero, saying why, if any message was lost or duplicated.
+    /// percentiles. Exits non-zero, saying why, if any message was lost or duplicated. Ctrl-C
+    /// stops publishing and reports what was sent (a second one exits at once).
     Bench {
         /// Messages to publish, at most 1,000,000,000 (ignored with --duration).
         #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000_000))]
