@@ -280,13 +280,13 @@ enum Command {
         #[arg(long, default_value_t = 128)]
         payload_size: usize,
         /// Publisher connections.
-        #[arg(long, default_value_t = 1, value_parser = positive)]
+        #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         publishers: usize,
         /// Publish streams per publisher connection.
-        #[arg(long, default_value_t = 1, value_parser = positive)]
+        #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         streams: usize,
         /// Subscriber connections.
-        #[arg(long, default_value_t = 1, value_parser = positive)]
+        #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         subscribers: usize,
         /// Subscribers form one consumer group (each message goes to one, which acks it).
         #[arg(long)]
@@ -299,7 +299,7 @@ enum Command {
         #[arg(long, default_value = "block", value_parser = parse_bench_overflow)]
         overflow: BenchOverflow,
         /// Messages per PUBLISH_BATCH frame (1 = single PUBLISH frames).
-        #[arg(long, default_value_t = 100, value_parser = positive)]
+        #[arg(long, default_value_t = 100, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         batch: usize,
         /// Total publish rate in msg/s, open loop (0 = as fast as possible; else from 0.01 to
         /// 1,000,000,000). Use for latency.
@@ -360,10 +360,10 @@ enum DurableBenchMode {
     /// Publish with CONFIRM from one connection, keeping several batches awaiting their CONFIRM.
     Publish {
         /// Messages per PUBLISH_BATCH frame.
-        #[arg(long, default_value_t = 100, value_parser = positive)]
+        #[arg(long, default_value_t = 100, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         batch: usize,
         /// Batches awaiting their CONFIRM at a time.
-        #[arg(long, default_value_t = 8, value_parser = positive)]
+        #[arg(long, default_value_t = 8, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
         window: usize,
     },
     /// Read the topic back as a new durable consumer, from earliest.
@@ -552,15 +552,6 @@ fn positive_duration(s: &str) -> Result<Duration, String> {
     match parse_duration(s)? {
         d if d.is_zero() => Err("must be more than 0".into()),
         d => Ok(d),
-    }
-}
-
-/// A count of at least 1: 0 was quietly taken as 1.
-fn positive(s: &str) -> Result<usize, String> {
-    match s.trim().parse::<usize>() {
-        Ok(0) => Err("must be at least 1".into()),
-        Ok(n) => Ok(n),
-        Err(_) => Err(format!("{s:?} is not a whole number")),
     }
 }
 

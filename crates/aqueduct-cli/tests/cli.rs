@@ -1048,10 +1048,7 @@ fn a_signal_during_work_stops_the_subscriber() {
     let mut stderr = BufReader::new(waiting.stderr.take().expect("stderr"));
     stderr.read_line(&mut said).expect("a line");
     assert!(said.contains("subscribed to none"), "{said}");
-    let _ = Command::new("kill")
-        .args(["-TERM", &waiting.id().to_string()])
-        .status();
-    let out = output_within(waiting, "the subscriber waiting for --count after SIGTERM");
+    let out = sigterm(waiting, "the subscriber waiting for --count after SIGTERM");
     let mut err = String::new();
     std::io::Read::read_to_string(&mut stderr, &mut err).expect("the rest of stderr");
     assert_eq!(out.status.code(), Some(1), "{err}");
@@ -1622,7 +1619,6 @@ fn a_log_filter_that_cannot_work_stops_the_broker() {
 /// so at once): it died with the signal, and the broker kept them until its idle timeout.
 #[test]
 fn a_signal_ends_hold_closing_its_connections() {
-    use std::io::BufRead;
     let home = tempfile::tempdir().expect("dir");
     let (broker, addr, logs) = start_broker(home.path());
     let mut hold = spawn_client(
@@ -1641,10 +1637,7 @@ fn a_signal_ends_hold_closing_its_connections() {
     let mut line = String::new();
     out.read_line(&mut line).expect("a line");
     assert_eq!(line.trim(), "ready");
-    let _ = Command::new("kill")
-        .args(["-TERM", &hold.id().to_string()])
-        .status();
-    let done = output_within(hold, "hold after SIGTERM");
+    let done = sigterm(hold, "hold after SIGTERM");
     let err = String::from_utf8_lossy(&done.stderr);
     assert_eq!(done.status.code(), Some(0), "{err}");
     assert!(
@@ -1681,10 +1674,7 @@ fn a_signal_ends_bench_durable_closing_its_connection() {
         assert!(std::time::Instant::now() < deadline, "nothing published");
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
-    let _ = Command::new("kill")
-        .args(["-TERM", &bench.id().to_string()])
-        .status();
-    let out = output_within(bench, "bench-durable after SIGTERM");
+    let out = sigterm(bench, "bench-durable after SIGTERM");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
@@ -1718,10 +1708,7 @@ fn a_signal_ends_bench_with_a_report_of_what_was_sent() {
     );
     // Its subscriber is there: it is connected, and its signal handler is in place.
     wait_for_log(&logs, "subscribed");
-    let _ = Command::new("kill")
-        .args(["-TERM", &bench.id().to_string()])
-        .status();
-    let out = output_within(bench, "bench after SIGTERM");
+    let out = sigterm(bench, "bench after SIGTERM");
     let err = String::from_utf8_lossy(&out.stderr);
     let report = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{err}");
@@ -1755,10 +1742,7 @@ fn a_signal_ends_pub_cleanly_and_says_what_was_published() {
     // Both arrived: the publisher is connected, reading, and has its handler.
     let out = output_within(sub, "the subscriber of two lines");
     assert_ok(&out);
-    let _ = Command::new("kill")
-        .args(["-TERM", &publisher.id().to_string()])
-        .status();
-    let out = output_within(publisher, "pub after SIGTERM");
+    let out = sigterm(publisher, "pub after SIGTERM");
     drop(stdin);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{err}");
@@ -1780,10 +1764,7 @@ fn a_signal_ends_pub_cleanly_and_says_what_was_published() {
         &["--addr", &addr, "pub", "many", "x", "-n", "1000000000"],
     );
     assert_ok(&output_within(sub, "the subscriber of one message"));
-    let _ = Command::new("kill")
-        .args(["-TERM", &publisher.id().to_string()])
-        .status();
-    let out = output_within(publisher, "pub -n after SIGTERM");
+    let out = sigterm(publisher, "pub -n after SIGTERM");
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(

@@ -1721,15 +1721,20 @@ mod tests {
                         (path, bytes)
                     })
                     .collect();
+                // From the middle of the third segment, through `cache`: read from the
+                // segment's start, nothing missed; `kept` is what the cache then holds.
+                let read_whole = |cache: &Arc<EntryCache>, kept: (usize, usize), why: &str| {
+                    let mut reader = Reader::new(&log.segments.get(), cache, b"dense", from + 1);
+                    assert_eq!(
+                        reader.position(),
+                        Some((third_id, crate::format::HEADER_LEN as u64)),
+                        "{what}"
+                    );
+                    assert_eq!(cache.segments(), kept, "{what}: {why}");
+                    assert_eq!(offsets(reader), expect(b"dense", from + 1), "{what}");
+                };
                 let blind: Arc<EntryCache> = Arc::default();
-                let mut reader = Reader::new(&log.segments.get(), &blind, b"dense", from + 1);
-                assert_eq!(
-                    reader.position(),
-                    Some((third_id, crate::format::HEADER_LEN as u64)),
-                    "{what}"
-                );
-                assert_eq!(blind.segments(), (1, 0), "{what}: remembered as unreadable");
-                assert_eq!(offsets(reader), expect(b"dense", from + 1), "{what}");
+                read_whole(&blind, (1, 0), "remembered as unreadable");
                 let reader = Reader::new(&log.segments.get(), &blind, b"sparse", 3);
                 assert_eq!(offsets(reader), expect(b"sparse", 3), "{what}");
                 // One that cannot be read at all (here a directory in its place: an I/O error,
@@ -1738,15 +1743,7 @@ mod tests {
                 let third_index = index_path(tmp.path(), third_id);
                 std::fs::remove_file(&third_index).expect("remove");
                 std::fs::create_dir(&third_index).expect("a directory in its place");
-                let unread: Arc<EntryCache> = Arc::default();
-                let mut reader = Reader::new(&log.segments.get(), &unread, b"dense", from + 1);
-                assert_eq!(
-                    reader.position(),
-                    Some((third_id, crate::format::HEADER_LEN as u64)),
-                    "{what}"
-                );
-                assert_eq!(unread.segments(), (0, 0), "{what}: not remembered");
-                assert_eq!(offsets(reader), expect(b"dense", from + 1), "{what}");
+                read_whole(&Arc::default(), (0, 0), "not remembered");
                 std::fs::remove_dir(&third_index).expect("remove the directory");
                 for (path, bytes) in saved {
                     std::fs::write(path, bytes).expect("restore");

@@ -177,12 +177,17 @@ pub fn stop(broker: Broker) {
     assert!(exit.success(), "exit status {exit:?}");
 }
 
+/// SIGTERM `child` and wait (at most `WAIT`) for its output.
+pub fn sigterm(child: Child, what: &str) -> std::process::Output {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    output_within(child, what)
+}
+
 /// SIGTERM an `aqueduct sub`: it must exit 0 at once, saying it closed its connection.
 pub fn sigterm_closes_cleanly(sub: Child, what: &str) -> String {
-    let _ = Command::new("kill")
-        .args(["-TERM", &sub.id().to_string()])
-        .status();
-    let out = output_within(sub, what);
+    let out = sigterm(sub, what);
     assert_ok(&out);
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(err.contains("SIGTERM: closed the connection"), "{err}");
