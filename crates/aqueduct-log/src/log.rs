@@ -244,22 +244,25 @@ impl LogIndex {
     /// Where a reader of `topic` from `from` reads first (segment id, byte position), as
     /// [`Reader::position`] says. May read a sealed segment's index file.
     pub fn position(&self, topic: &[u8], from: u64) -> Option<(u64, u64)> {
-        self.read(topic, from).position()
+        // The first segment's plan only (a reader plans every segment holding the topic);
+        // the file, if any, is read after the lock is let go.
+        let mut first = {
+            let segments = self.get();
+            let i = first_of(&segments, topic, from)?;
+            Reader::new(&segments[i..=i], &self.entries, topic, from)
+        };
+        // A segment whose windows came out empty has nothing to read: the whole plan then.
+        first
+            .position()
+            .or_else(|| self.read(topic, from).position())
     }
 
     /// The segment a reader of `topic` from `from` reads first, reading no file: to order
     /// calls to [`position`](Self::position) so that topics starting in the same segment are
     /// looked up together, from one read of its index file.
     pub fn first_segment(&self, topic: &[u8], from: u64) -> Option<u64> {
-        self.get()
-            .iter()
-            .find(|s| {
-                s.topics
-                    .get(topic)
-                    .and_then(|span| span.data)
-                    .is_some_and(|(_, last)| last >= from)
-            })
-            .map(|s| s.id)
+        let segments = self.get();
+        first_of(&segments, topic, from).map(|i| segments[i].id)
     }
 
     /// The highest offset of a message of `topic` still in the log.
@@ -278,6 +281,16 @@ impl LogIndex {
             .find_map(|s| s.topics.get(topic).and_then(|span| span.data))
             .map(|(first, _)| first)
     }
+}
+
+/// The index of the first of `segments` holding a message of `topic` at `from` or later.
+fn first_of(segments: &[Segment], topic: &[u8], from: u64) -> Option<usize> {
+    segments.iter().position(|s| {
+        s.topics
+            .get(topic)
+            .and_then(|span| span.data)
+            .is_some_and(|(_, last)| last >= from)
+    })
 }
 
 fn topics_of(segments: &[Segment]) -> Vec<Vec<u8>> {

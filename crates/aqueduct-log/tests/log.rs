@@ -1801,6 +1801,8 @@ fn readers_sharing_a_cache_read_what_each_reads_alone() -> R {
                 log.index().first_segment(t, from),
                 "{i} from {from}"
             );
+            // The index's answer plans the first segment only.
+            assert_eq!(log.index().position(t, from), *at, "{i} from {from}");
         }
         readers.sort_by_key(|(at, ..)| *at);
         let mut cache = aqueduct_log::ReadCache::default();
