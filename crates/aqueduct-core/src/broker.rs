@@ -542,7 +542,7 @@ impl std::fmt::Debug for InterestCell {
 
 /// Count a message that leaves without being delivered (its subscription ended, no member is
 /// left): as expired if its lifetime is over (§6.6), else as dropped for `reason`.
-fn count_lost(d: &Delivery, reason: DropReason, now: Instant) {
+pub(crate) fn count_lost(d: &Delivery, reason: DropReason, now: Instant) {
     if d.expires_at.is_some_and(|at| at <= now) {
         d.topic.stats().expired(d.priority);
     } else {
@@ -893,7 +893,7 @@ impl Broker {
         let mut d = self.delivery(&mut ctx.arena, &state, offset, p, now);
         d.expires_at = lifetime.map(|l| now + (l - age));
         let mut refused = std::mem::take(&mut ctx.refused);
-        let outcome = sub.enqueue_many(std::iter::once(d), &mut refused);
+        let outcome = sub.enqueue_many(std::iter::once(d), &mut refused, now);
         refused.clear();
         ctx.refused = refused;
         !matches!(outcome, Enqueued::Refused(_))
@@ -1483,9 +1483,9 @@ impl Broker {
         let outcome = match sub.group() {
             Some(g) => {
                 let noted = items.inspect(|d| g.note_delivered(d.topic.name(), d.offset));
-                sub.enqueue_many(noted, &mut refused)
+                sub.enqueue_many(noted, &mut refused, now)
             }
-            None => sub.enqueue_many(items, &mut refused),
+            None => sub.enqueue_many(items, &mut refused, now),
         };
         match outcome {
             Enqueued::Queued => {}

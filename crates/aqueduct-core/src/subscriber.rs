@@ -165,14 +165,29 @@ struct InFlight {
     deadline: Instant,
 }
 
+impl State {
+    /// Wake held publishers and takers alike (the subscriber is closed or detached).
+    fn wake_all_waiters(&mut self) {
+        std::mem::take(&mut self.held)
+            .into_iter()
+            .chain(std::mem::take(&mut self.takers))
+            .for_each(std::task::Waker::wake);
+    }
+}
+
 #[derive(Default)]
 struct State {
     queue: PriorityQueues<Delivery>,
     in_flight: HashMap<(TopicName, u64), InFlight, RandomState>,
     closed: Option<CloseReason>,
-    /// Publishers held by a full queue under the block policy, woken once it has drained to
-    /// [`Subscriber::resume_at`].
+    /// Publishers held by a full queue under the block policy ([`Subscriber::poll_room`]),
+    /// woken once it has drained to [`Subscriber::resume_at`], or it is closed or detached.
     held: Vec<std::task::Waker>,
+    /// Whoever waits to give it more ([`Subscriber::poll_can_take`]: a durable group's
+    /// feeder), woken as held publishers are and also when a settlement or an ack timeout makes
+    /// room under `max_in_flight`. Apart from `held`: a settlement leaves the queue as long as
+    /// it was, so waking held publishers for it only made each look and wait again.
+    takers: Vec<std::task::Waker>,
     /// Publishers that went away while this full queue held them (their stream reset, their
     /// connection closed), since it last drained to [`Subscriber::resume_at`]: see
     /// [`MAX_ORPHANED_HOLDS`].
@@ -422,13 +437,14 @@ impl Subscriber {
     }
 
     /// Queue `items` under one lock, applying the overflow policy; messages it evicts or rejects
-    /// are counted as dropped here. Items that cannot be queued at all go to `refused`, and the
+    /// are counted as dropped here (as expired if past their TTL at `now`). Items that cannot be queued at all go to `refused`, and the
     /// return value says why: the subscriber was already closed, or a queue overflowed under the
     /// disconnect policy (the caller then closes it).
     pub(crate) fn enqueue_many(
         &self,
         items: impl Iterator<Item = Delivery>,
         refused: &mut Vec<Delivery>,
+        now: Instant,
     ) -> Enqueued {
         let mut items = items;
         let mut outcome = Enqueued::Queued;
@@ -457,7 +473,8 @@ impl Subscriber {
                         outcome = Enqueued::Full;
                     }
                     Pushed::Evicted(lost) | Pushed::Rejected(lost) => {
-                        lost.topic.stats().dropped(DropReason::Policy(self.policy));
+                        // One past its TTL is counted as expired, as everywhere else (§6.6).
+                        crate::broker::count_lost(&lost, DropReason::Policy(self.policy), now);
                         if let Some(g) = &self.group {
                             g.note_settled(lost.topic.name(), lost.offset);
                         }
@@ -563,7 +580,9 @@ impl Subscriber {
                 st.halvings = st.halvings.wrapping_add(1);
             }
             st.orphaned_holds = 0;
-            std::mem::take(&mut st.held)
+            let mut held = std::mem::take(&mut st.held);
+            held.append(&mut st.takers);
+            held
         } else {
             Vec::new()
         };
@@ -625,8 +644,8 @@ impl Subscriber {
         if st.queue.len() < queued_below.min(self.capacity) && in_flight_room {
             return std::task::Poll::Ready(());
         }
-        if !st.held.iter().any(|w| w.will_wake(cx.waker())) {
-            st.held.push(cx.waker().clone());
+        if !st.takers.iter().any(|w| w.will_wake(cx.waker())) {
+            st.takers.push(cx.waker().clone());
         }
         std::task::Poll::Pending
     }
@@ -702,8 +721,9 @@ impl Subscriber {
             };
             self.note_lengths(&st);
             // Room under max_in_flight: whoever waits to give this subscriber more (a durable
-            // group's feeder) may go on.
-            let held = std::mem::take(&mut st.held);
+            // group's feeder) may go on. Held publishers wait for the queue, which this leaves
+            // as it was.
+            let held = std::mem::take(&mut st.takers);
             (delivery, (!st.queue.is_empty(), held))
         };
         let (wake, held) = wake;
@@ -744,7 +764,7 @@ impl Subscriber {
             (
                 out,
                 !st.queue.is_empty(),
-                std::mem::take(&mut st.held),
+                std::mem::take(&mut st.takers),
                 moving,
             )
         };
@@ -768,9 +788,7 @@ impl Subscriber {
         st.detached = true;
         let queued = st.queue.take_all();
         self.note_lengths(&st);
-        std::mem::take(&mut st.held)
-            .into_iter()
-            .for_each(std::task::Waker::wake);
+        st.wake_all_waiters();
         queued
     }
 
@@ -786,9 +804,7 @@ impl Subscriber {
             if let Some(closes) = &self.closes {
                 closes.fetch_add(1, Ordering::Release);
             }
-            std::mem::take(&mut st.held)
-                .into_iter()
-                .for_each(std::task::Waker::wake);
+            st.wake_all_waiters();
             let queued = st.queue.take_all();
             let mut in_flight: Vec<Delivery> =
                 st.in_flight.drain().map(|(_, f)| f.delivery).collect();

@@ -552,6 +552,71 @@ fn can_take_agrees_with_has_room_when_the_queue_is_smaller_than_the_look_ahead()
     assert!(s.has_room(max_in_flight));
 }
 
+/// A settlement (or an ack timeout) makes room under `max_in_flight`, not in the queue: it wakes
+/// whoever waits to give the subscriber more (`poll_can_take`), not the publishers its full
+/// queue holds (`poll_room`). It woke every held publisher, each of which looked, found the
+/// queue as full as before and waited again: with many held publishers, that many useless
+/// wake-ups per ACK.
+#[test]
+fn a_settlement_wakes_takers_not_the_publishers_a_full_queue_holds() {
+    let b = Broker::new(BrokerConfig {
+        queue_size: 4,
+        backpressure_policy: OverflowPolicy::Block,
+        ..Default::default()
+    });
+    let s = sub_with(
+        &b,
+        "topic:t",
+        SubscribeOptions {
+            ack_mode: AckMode::Explicit,
+            ..Default::default()
+        },
+    );
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    for i in 0..5 {
+        publish(&b, &mut ctx, "t", &i.to_string(), now);
+    }
+    let (held, held_waker) = room_waker();
+    assert!(s
+        .poll_room(&mut std::task::Context::from_waker(&held_waker))
+        .is_pending());
+    let mut out = BytesMut::new();
+    b.drain(&s, &mut out, 1, now);
+    b.drain(&s, &mut out, 1, now);
+    assert_eq!(s.queued(), 3, "above half: still held");
+    // A feeder waiting for room under an in-flight limit of 5 (2 in flight, 3 queued).
+    let (taker, taker_waker) = room_waker();
+    let mut taker_cx = std::task::Context::from_waker(&taker_waker);
+    assert!(s.poll_can_take(&mut taker_cx, 5, 16).is_pending());
+    b.ack(&s, None, 0, None).expect("in flight");
+    assert_eq!(
+        taker.0.load(Ordering::SeqCst),
+        1,
+        "room under max_in_flight"
+    );
+    assert_eq!(
+        held.0.load(Ordering::SeqCst),
+        0,
+        "the queue is as full as it was"
+    );
+    let overdue = b.tick(&mut ctx, now + Duration::from_secs(3600));
+    assert_eq!(overdue, 1, "the other delivery timed out");
+    assert_eq!(s.queued(), 4, "and is queued again");
+    assert_eq!(
+        held.0.load(Ordering::SeqCst),
+        0,
+        "an ack timeout does not either"
+    );
+    // Drained to half: both go on.
+    assert!(s.poll_can_take(&mut taker_cx, 5, 16).is_pending());
+    while s.queued() > 2 {
+        b.drain(&s, &mut out, 1, now);
+    }
+    assert_eq!(held.0.load(Ordering::SeqCst), 1, "woken at half");
+    assert_eq!(taker.0.load(Ordering::SeqCst), 2);
+}
+
 #[test]
 fn block_loses_nothing_and_holds_the_publisher_until_half_drained() {
     let (b, s) = block_broker();
@@ -943,6 +1008,38 @@ fn messages_past_their_lifetime_when_a_subscription_ends_are_counted_as_expired(
             1,
             "{filter}: only the live one"
         );
+    }
+}
+
+/// A message past its TTL that a full queue evicts (drop_oldest) is counted as expired, as
+/// everywhere else (§6.6): it was counted as dropped by the policy. A live one is still a drop
+/// (drop_newest refuses the newcomer, never past its TTL when it arrives).
+#[test]
+fn a_message_past_its_ttl_that_the_policy_evicts_is_counted_as_expired() {
+    for (policy, want) in [
+        (OverflowPolicy::DropOldest, (1, 0)),
+        (OverflowPolicy::DropNewest, (0, 1)),
+    ] {
+        let b = Broker::new(BrokerConfig {
+            queue_size: 1,
+            backpressure_policy: policy,
+            ..Default::default()
+        });
+        let _s = sub(&b, "topic:t");
+        let mut ctx = PublishContext::default();
+        let t0 = Instant::now();
+        let topic = t("t");
+        let mut short = Publication::new(&topic, b"short");
+        short.ttl = Some(Duration::from_millis(10));
+        b.publish(&mut ctx, &short, t0);
+        let later = t0 + Duration::from_millis(50);
+        b.publish(&mut ctx, &Publication::new(&topic, b"live"), later);
+        let stats = b.topic(&topic).expect("known").stats().snapshot();
+        let got = (
+            stats.expired(Priority::DEFAULT),
+            stats.dropped(DropReason::Policy(policy)),
+        );
+        assert_eq!(got, want, "{policy:?}: (expired, dropped)");
     }
 }
 
