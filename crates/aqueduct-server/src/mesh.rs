@@ -1331,7 +1331,12 @@ impl Driver {
                     self.mesh.handle_disconnected(now, conn);
                 }
                 Some(Event::RefusedByPeer { conn, why }) => {
-                    self.handle.refused_by_peer.fetch_add(1, Ordering::Relaxed);
+                    // Only a refusal of this node's interest: the metric says so, and an
+                    // operator reading it would raise `cluster.max_peer_interest` for nothing
+                    // on a peer's protocol-error close.
+                    if why == PeerRefusal::OurInterest {
+                        self.handle.refused_by_peer.fetch_add(1, Ordering::Relaxed);
+                    }
                     if let Some(link) = conns.get(&conn) {
                         let (kind, what) = match why {
                             PeerRefusal::OurInterest => {
@@ -2469,7 +2474,10 @@ async fn serve_peer(link: PeerTask) {
                 };
                 let copies = match records(payload) {
                     Ok(c) => c,
-                    Err(why) => return End::Broken(why),
+                    Err(why) => {
+                        mesh.refused_blocks.fetch_add(1, Ordering::Relaxed);
+                        return End::Broken(why);
+                    }
                 };
                 counters
                     .received

@@ -2059,6 +2059,53 @@ async fn a_control_stream_that_breaks_the_protocol_is_closed_and_counted() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// A data stream whose block holds a malformed record (routing longer than the record) has its
+/// connection closed as a protocol error and is counted in `refused_blocks`
+/// (`aqueduct_mesh_blocks_refused_total`, "a malformed block"): only a block that did not open
+/// was counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_with_a_malformed_record_is_refused_and_counted() {
+    let ca = ClusterCa::new();
+    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
+    let endpoint = raw_peer(&ca, "node-a");
+    let (conn, _control, mut data) = raw_peer_spoke(&endpoint, "node-a", &b).await;
+    // A plain block (kind 1) of 2 bytes: one record whose routing claims 65,535 bytes.
+    data.write_all(&[1, 2, 0, 0, 0, 0xff, 0xff])
+        .await
+        .expect("write");
+    let why = closed_by_node(&conn, Duration::from_secs(5)).await;
+    assert_eq!(why, aqueduct_core::mesh::PROTOCOL_ERROR);
+    let mesh = b.control.mesh().expect("cluster on");
+    assert_eq!(
+        mesh.refused_blocks
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    assert_eq!(protocol_errors(&b), 1);
+    b.stop().await.expect("clean shutdown");
+}
+
+/// A peer that closes this node's connection for a protocol error is not counted as refusing
+/// this node's interest (`aqueduct_mesh_interest_refused_by_peer_total` says "went beyond that
+/// peer's `cluster.max_peer_interest`"): every such close was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_closing_for_a_protocol_error_is_not_an_interest_refusal() {
+    let ca = ClusterCa::new();
+    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
+    let endpoint = raw_peer(&ca, "node-a");
+    let (conn, _control, _data) = raw_peer_spoke(&endpoint, "node-a", &b).await;
+    conn.close(0u32.into(), aqueduct_core::mesh::PROTOCOL_ERROR.as_bytes());
+    // The node hears of the refusal before it forgets the connection (one channel, in order).
+    until("the node to forget the peer", || peers_of(&b).is_empty()).await;
+    let mesh = b.control.mesh().expect("cluster on");
+    assert_eq!(
+        mesh.refused_by_peer
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    b.stop().await.expect("clean shutdown");
+}
+
 /// The cap of 8 connections per peer counts this node's dials too: with 8 of the peer's open,
 /// a connection the node dials to it is closed at once, with the reason, counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
