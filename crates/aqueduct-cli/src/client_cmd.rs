@@ -574,32 +574,61 @@ fn ttl_duration(s: &str) -> Result<Duration, String> {
     }
 }
 
+/// A duration as the options take it: a number (whole, or with a fractional part as in `1.5s`)
+/// and a unit (`us`, `ms`, `s`, `m` or `h`; a bare number is seconds).
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration like 500ms or 10s"))?;
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let not_a_duration = || format!("{s:?} is not a duration like 500ms, 1.5s or 10s");
     let too_long = || format!("{s:?} is too long (at most 100 years)");
-    let d = match unit {
-        "ms" => Ok(Duration::from_millis(n)),
+    let nanos_per_unit: u64 = match unit {
+        "us" => 1_000,
+        "ms" => 1_000_000,
         // A bare number is seconds.
-        "s" | "" => Ok(Duration::from_secs(n)),
-        "m" => n
-            .checked_mul(60)
-            .map(Duration::from_secs)
-            .ok_or_else(too_long),
-        "h" => n
-            .checked_mul(3600)
-            .map(Duration::from_secs)
-            .ok_or_else(too_long),
-        _ => Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
-    }?;
+        "s" | "" => 1_000_000_000,
+        "m" => 60_000_000_000,
+        "h" => 3_600_000_000_000,
+        _ if num.is_empty() => return Err(not_a_duration()),
+        _ => {
+            return Err(format!(
+                "{s:?}: unknown unit {unit:?} (use us, ms, s, m or h)"
+            ))
+        }
+    };
+    let (whole, frac) = num.split_once('.').unwrap_or((num, ""));
+    if whole.is_empty() && frac.is_empty()
+        || !frac.bytes().all(|b| b.is_ascii_digit())
+        || !whole.bytes().all(|b| b.is_ascii_digit())
+    {
+        return Err(not_a_duration());
+    }
+    // Whole units exactly, in u128 nanoseconds (no overflow for any u64 count).
+    let whole: u128 = if whole.is_empty() {
+        0
+    } else {
+        whole.parse().map_err(|_| too_long())?
+    };
+    let mut nanos = whole * u128::from(nanos_per_unit);
+    // The fraction to the nanosecond; digits below it are dropped.
+    let mut scale = u128::from(nanos_per_unit);
+    for digit in frac.bytes() {
+        scale /= 10;
+        if scale == 0 {
+            break;
+        }
+        nanos += u128::from(digit - b'0') * scale;
+    }
     // A deadline `now + d` must not overflow the clock.
-    if d > aqueduct_server::config::MAX_DURATION {
+    if nanos > aqueduct_server::config::MAX_DURATION.as_nanos() {
         return Err(too_long());
     }
-    Ok(d)
+    let secs = u64::try_from(nanos / 1_000_000_000).map_err(|_| too_long())?;
+    // Below 1e9: fits.
+    let sub = (nanos % 1_000_000_000) as u32;
+    Ok(Duration::new(secs, sub))
 }
 
 fn parse_pin(hex: &str) -> Result<[u8; 32]> {
@@ -1870,6 +1899,16 @@ mod tests {
         assert!(parse_duration("18446744073709551615ms").is_err());
         assert!(parse_duration("18446744073709551615").is_err());
         assert!(parse_duration("5d").is_err_and(|e| e.contains("unknown unit")));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("0.25"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration(".5m"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("2.5ms"), Ok(Duration::from_micros(2500)));
+        assert_eq!(parse_duration("250us"), Ok(Duration::from_micros(250)));
+        assert_eq!(parse_duration("1.0000000001s"), Ok(Duration::from_secs(1)));
+        assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
+        for bad in [".", "1.2.3s", "1.s.", "ms", "", "-1s", "1e3s", "1,5s"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?} was taken");
+        }
         assert!(parse_duration("soon").is_err());
         // A TTL of 0 is refused (it read as none and expired the message at once).
         assert!(ttl_duration("0").is_err_and(|e| e.contains("leave --ttl out")));
