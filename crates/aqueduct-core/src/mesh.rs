@@ -741,6 +741,16 @@ impl Mesh {
             });
             return false;
         }
+        if addr.is_some_and(|a| outbound && !self.targets.contains_key(&a)) {
+            // Dialed before its address left the set (DNS dropped it while the handshake ran):
+            // closed as the set's change closes a connected one. Kept, it was a peer for as long
+            // as the connection lasted, and never dialed again once it ended.
+            self.out.push_back(Output::Close {
+                conn,
+                reason: "no longer a peer",
+            });
+            return false;
+        }
         // What the peer is known to want carries over to the connection that replaces the one
         // in use, until the new session's snapshot arrives: routing to it never pauses.
         let carried = self
@@ -2128,6 +2138,24 @@ mod tests {
         drain(&mut a);
         a.handle_peer_set(due, []);
         assert_eq!(drain(&mut a).1, vec![(ConnId(3), "no longer a peer")]);
+    }
+
+    /// A dial under way when its address leaves the set: the connection it makes is closed,
+    /// as a connected peer's is when its address leaves. It was kept (a peer for as long as it
+    /// lasted, although the set no longer named it).
+    #[test]
+    fn a_dial_that_completes_after_its_address_left_the_set_is_closed() {
+        let (mut a, addr, now) = dialing_one_peer(MeshConfig::default());
+        a.handle_peer_set(now, []);
+        assert!(!a.handle_connected(now, ConnId(1), node("b"), Some(addr), true));
+        assert_eq!(drain(&mut a).1, vec![(ConnId(1), "no longer a peer")]);
+        assert_eq!(a.peers().count(), 0);
+        assert_eq!(a.poll_timeout(), None, "and not dialed again");
+        // Back in the set: dialed, and kept.
+        a.handle_peer_set(now, [addr]);
+        assert_eq!(a.poll_output(), Some(Output::Dial(addr)));
+        assert!(a.handle_connected(now, ConnId(2), node("b"), Some(addr), true));
+        assert_eq!(a.peers().collect::<Vec<_>>(), vec![(&node("b"), ConnId(2))]);
     }
 
     #[test]
