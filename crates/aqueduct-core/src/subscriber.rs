@@ -199,6 +199,13 @@ struct State {
     /// [`Subscriber::drain_progress`].
     halvings: u64,
     taken: u64,
+    /// No delivery in flight has an ack-wait deadline before this (a lower bound: a settlement
+    /// leaves it as it was). The ack ticker looks through `in_flight` only once it has passed,
+    /// not every tick: a client holding many unsettled deliveries made every tick scan them all.
+    next_deadline: Option<Instant>,
+    /// Times [`Subscriber::take_overdue`] looked through `in_flight` (see
+    /// [`Subscriber::overdue_scans`]).
+    overdue_scans: u64,
 }
 
 /// Under the block policy a frame may fill a queue past its capacity, its publisher then held
@@ -563,11 +570,13 @@ impl Subscriber {
                 }
             } else {
                 let key = (d.topic.name().clone(), d.offset);
+                let deadline = now + ack_wait;
+                st.next_deadline = Some(st.next_deadline.map_or(deadline, |n| n.min(deadline)));
                 st.in_flight.insert(
                     key,
                     InFlight {
                         delivery: d,
-                        deadline: now + ack_wait,
+                        deadline,
                     },
                 );
             }
@@ -734,6 +743,12 @@ impl Subscriber {
         Ok(delivery)
     }
 
+    /// How many times [`take_overdue`](Self::take_overdue) has looked through the deliveries in
+    /// flight (wrapping): only when the earliest deadline may have passed, not at every tick.
+    pub fn overdue_scans(&self) -> u64 {
+        self.lock().overdue_scans
+    }
+
     /// Take the in-flight deliveries whose ack-wait deadline has passed. That makes room under
     /// `max_in_flight` as a settlement does, and wakes the same: the writer if something is
     /// queued (a redelivery into a non-empty queue would not wake it), and whoever waits to
@@ -742,15 +757,20 @@ impl Subscriber {
     pub(crate) fn take_overdue(&self, now: Instant) -> (Vec<Delivery>, Option<Moving<'_>>) {
         let (mut out, wake, held, moving) = {
             let mut st = self.lock();
-            if st.in_flight.is_empty() {
+            if st.in_flight.is_empty() || st.next_deadline.is_some_and(|n| now < n) {
                 return (Vec::new(), None);
             }
-            let overdue: Vec<(TopicName, u64)> = st
-                .in_flight
-                .iter()
-                .filter(|(_, f)| f.deadline <= now)
-                .map(|(k, _)| k.clone())
-                .collect();
+            st.overdue_scans = st.overdue_scans.wrapping_add(1);
+            let mut overdue: Vec<(TopicName, u64)> = Vec::new();
+            let mut next: Option<Instant> = None;
+            for (k, f) in &st.in_flight {
+                if f.deadline <= now {
+                    overdue.push(k.clone());
+                } else {
+                    next = Some(next.map_or(f.deadline, |n| n.min(f.deadline)));
+                }
+            }
+            st.next_deadline = next;
             if overdue.is_empty() {
                 return (Vec::new(), None);
             }

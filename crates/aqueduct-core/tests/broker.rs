@@ -617,6 +617,50 @@ fn a_settlement_wakes_takers_not_the_publishers_a_full_queue_holds() {
     assert_eq!(taker.0.load(Ordering::SeqCst), 2);
 }
 
+/// The ack ticker looks through a subscription's deliveries in flight only once the earliest
+/// ack-wait deadline may have passed: it scanned them all at every tick (10 a second), so a
+/// client holding many unsettled deliveries cost the broker that much work per tick.
+#[test]
+fn the_ack_ticker_looks_through_deliveries_in_flight_only_when_one_may_be_due() {
+    let b = Broker::new(BrokerConfig::default());
+    let s = sub_with(
+        &b,
+        "topic:t",
+        SubscribeOptions {
+            ack_mode: AckMode::Explicit,
+            ..Default::default()
+        },
+    );
+    let mut ctx = PublishContext::default();
+    let now = Instant::now();
+    for i in 0..100 {
+        publish(&b, &mut ctx, "t", &i.to_string(), now);
+    }
+    let mut out = BytesMut::new();
+    while b.drain(&s, &mut out, 64 * 1024, now).frames > 0 {}
+    assert_eq!(s.in_flight(), 100);
+    let ack_wait = b.config().ack_wait;
+    for tick in 1..=10 {
+        assert_eq!(b.tick(&mut ctx, now + ack_wait / 20 * tick), 0);
+    }
+    assert_eq!(s.overdue_scans(), 0, "nothing could be due");
+    // Settled ones leave the bound as it was: one look, when it passes.
+    for offset in 0..50 {
+        b.ack(&s, None, offset, None).expect("in flight");
+    }
+    let due = now + ack_wait;
+    assert_eq!(b.tick(&mut ctx, due), 50, "the unsettled half timed out");
+    assert_eq!(s.overdue_scans(), 1);
+    // Redelivered with new deadlines: not looked at again before them.
+    let later = due + Duration::from_millis(1);
+    while b.drain(&s, &mut out, 64 * 1024, later).frames > 0 {}
+    assert_eq!(s.in_flight(), 50);
+    assert_eq!(b.tick(&mut ctx, later + ack_wait / 2), 0);
+    assert_eq!(s.overdue_scans(), 1);
+    assert_eq!(b.tick(&mut ctx, later + ack_wait), 50);
+    assert_eq!(s.overdue_scans(), 2);
+}
+
 #[test]
 fn block_loses_nothing_and_holds_the_publisher_until_half_drained() {
     let (b, s) = block_broker();
