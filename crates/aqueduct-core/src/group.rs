@@ -5,7 +5,7 @@
 //! increment and no extra lock. What is here is touched only by deliveries to the group and by
 //! settlements, under this group's own mutex.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{Mutex, PoisonError};
 
@@ -67,13 +67,59 @@ struct Watermark {
     /// One past the highest offset handed out.
     next: u64,
     /// Offsets handed out and not settled (acked, dead-lettered, expired or dropped).
-    outstanding: BTreeSet<u64>,
+    outstanding: Outstanding,
 }
 
 impl Watermark {
     /// The highest offset below which every message handed to the group is settled.
     fn committed(&self) -> u64 {
-        self.outstanding.first().copied().unwrap_or(self.next)
+        self.outstanding.first().unwrap_or(self.next)
+    }
+}
+
+/// A set of offsets, kept as a sorted ring: offsets are handed out mostly in increasing order
+/// (appended) and settled mostly oldest first (taken from the front), so in steady state it
+/// allocates nothing, where a `BTreeSet` allocated a node about every 5–10 messages. An offset
+/// settled out of order costs a binary search and a shift of the shorter side.
+#[derive(Debug, Default)]
+struct Outstanding(VecDeque<u64>);
+
+impl Outstanding {
+    /// Capacity kept however few remain (beyond it, a ring a quarter full is halved).
+    const KEEP: usize = 1024;
+
+    fn insert(&mut self, offset: u64) {
+        match self.0.back() {
+            None => self.0.push_back(offset),
+            Some(&last) if offset > last => self.0.push_back(offset),
+            Some(_) => {
+                if let Err(at) = self.0.binary_search(&offset) {
+                    self.0.insert(at, offset);
+                }
+            }
+        }
+    }
+
+    fn remove(&mut self, offset: u64) {
+        if self.0.front() == Some(&offset) {
+            self.0.pop_front();
+        } else if let Ok(at) = self.0.binary_search(&offset) {
+            self.0.remove(at);
+        } else {
+            return;
+        }
+        let cap = self.0.capacity();
+        if cap > Self::KEEP && self.0.len() < cap / 4 {
+            self.0.shrink_to(cap / 2);
+        }
+    }
+
+    fn first(&self) -> Option<u64> {
+        self.0.front().copied()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 
@@ -167,7 +213,7 @@ impl GroupShared {
             Some(mark) => mark,
             None => marks.entry(topic.clone()).or_insert(Watermark {
                 next: offset,
-                outstanding: BTreeSet::new(),
+                outstanding: Outstanding::default(),
             }),
         };
         mark.outstanding.insert(offset);
@@ -180,7 +226,7 @@ impl GroupShared {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         if let Some(mark) = marks.get_mut(topic.as_bytes()) {
-            mark.outstanding.remove(&offset);
+            mark.outstanding.remove(offset);
         }
     }
 
@@ -232,6 +278,53 @@ impl GroupShared {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `Outstanding` answers as a `BTreeSet` does, whatever the order of inserts and removes
+    /// (repeated, absent, out of order), and gives back room once mostly empty.
+    #[test]
+    fn outstanding_is_a_set() {
+        let mut model = std::collections::BTreeSet::new();
+        let mut set = Outstanding::default();
+        let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = 0u64;
+        for _ in 0..200_000 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let op = rng % 100;
+            if op < 45 {
+                // Mostly increasing, sometimes behind or repeated.
+                let offset = if op < 40 {
+                    next += 1 + rng % 3;
+                    next
+                } else {
+                    next.saturating_sub(rng % 64)
+                };
+                model.insert(offset);
+                set.insert(offset);
+            } else {
+                // Mostly the oldest, sometimes any (present or not).
+                let offset = match model.first() {
+                    Some(&first) if op < 85 => first,
+                    _ => next.saturating_sub(rng % 256),
+                };
+                model.remove(&offset);
+                set.remove(offset);
+            }
+            assert_eq!(set.first(), model.first().copied());
+            assert_eq!(set.is_empty(), model.is_empty());
+        }
+        assert!(set.0.iter().copied().eq(model.iter().copied()));
+        let mut big = Outstanding::default();
+        (0..100_000).for_each(|o| big.insert(o));
+        (0..99_990).for_each(|o| big.remove(o));
+        assert!(
+            big.0.capacity() < 4 * Outstanding::KEEP,
+            "{}",
+            big.0.capacity()
+        );
+        assert_eq!(big.first(), Some(99_990));
+    }
 
     #[test]
     fn round_robin_is_even_and_skips_ineligible() {

@@ -132,6 +132,61 @@ fn steady_state_publish_enqueue_drain_allocates_nothing() {
     );
 }
 
+/// A consumer group of two explicit-ACK members, settled 100 messages behind: publish, drain,
+/// ACK in steady state allocate nothing either. The group's record of what it has out (for its
+/// committed offset) allocated about once per 5–10 messages.
+#[test]
+fn steady_state_group_with_explicit_acks_allocates_nothing() {
+    let broker = Broker::new(BrokerConfig::default());
+    let spec =
+        SubscribeSpec::parse(&bytes::Bytes::from_static(b"topic:jobs:group:g")).expect("valid");
+    let members: Vec<_> = (0..2)
+        .map(|i| {
+            broker.subscribe(
+                &spec,
+                SubscribeOptions {
+                    stream_id: i,
+                    ack_mode: aqueduct_proto::AckMode::Explicit,
+                    ..Default::default()
+                },
+            )
+        })
+        .collect();
+    let topic = TopicName::try_from("jobs").expect("valid");
+    let body = [7u8; 128];
+    let mut ctx = PublishContext::default();
+    let mut out = BytesMut::with_capacity(64 * 1024);
+    let now = Instant::now();
+    let mut next = 0u64;
+    let mut settled = 0u64;
+    let mut step = |ctx: &mut PublishContext, out: &mut BytesMut| {
+        broker.publish(ctx, &Publication::new(&topic, &body), now);
+        next += 1;
+        for m in &members {
+            broker.drain(m, out, 64 * 1024, now);
+            out.clear();
+        }
+        while next - settled > 100 {
+            let acked = members
+                .iter()
+                .any(|m| broker.ack(m, None, settled, None).is_ok());
+            assert!(acked, "offset {settled} in flight on a member");
+            settled += 1;
+        }
+    };
+    for _ in 0..10_000 {
+        step(&mut ctx, &mut out);
+    }
+    let ((), allocations) = count(|| {
+        for _ in 0..100_000 {
+            step(&mut ctx, &mut out);
+        }
+    });
+    let group = members[0].group().expect("a member");
+    assert_eq!(group.committed_offset(&topic), Some(settled));
+    assert_eq!(allocations, 0, "allocations for 100k messages to a group");
+}
+
 /// The publish path's access checks (a cached ACL decision among 10,000 rules, a quota take)
 /// allocate nothing once the topic has been seen.
 #[test]
