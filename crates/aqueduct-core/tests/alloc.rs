@@ -1,6 +1,7 @@
 //! The steady-state hot path allocates nothing: publish → enqueue → drain for an exact-topic
-//! subscriber (and for a fan-out to 100 subscribers), counted with a counting global allocator
-//! over 100k messages after a warm-up.
+//! subscriber (and for a fan-out to 100 subscribers, and publish → enqueue → drain → ACK for an
+//! explicit-ACK consumer group), counted with a counting global allocator over 100k messages
+//! after a warm-up.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
