@@ -29,6 +29,7 @@ export declare const InfoKey: Readonly<{
   MAX_DELIVERY_DATA_LEN: 0x03;
   MAX_SUBSCRIPTIONS: 0x04;
   BROKER: 0x05;
+  DURABLE: 0x06;
 }>;
 /** What an INFO answer says (§4.1); a request has none of it. Each field only when sent. */
 export interface BrokerInfo {
@@ -42,6 +43,8 @@ export interface BrokerInfo {
   maxSubscriptions?: number;
   /** The broker's name and version, for people. */
   broker?: string;
+  /** Whether the broker's durable log is on: whether a CONFIRM means stored (§6.4). */
+  durable?: boolean;
 }
 export type OpcodeValue = (typeof Opcode)[keyof typeof Opcode];
 export declare function opcodeName(opcode: number): keyof typeof Opcode | undefined;

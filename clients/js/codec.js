@@ -50,6 +50,7 @@ export const InfoKey = Object.freeze({
   MAX_DELIVERY_DATA_LEN: 0x03,
   MAX_SUBSCRIPTIONS: 0x04,
   BROKER: 0x05,
+  DURABLE: 0x06,
 });
 const OPCODE_NAMES = Object.freeze(
   Object.fromEntries(Object.entries(Opcode).map(([name, value]) => [value, name])),
@@ -841,7 +842,7 @@ function decodeInfo(payload, badPayload) {
       if (len !== 4) badPayload('a u32 entry must be 4 bytes');
       return view(value).getUint32(0, true);
     };
-    if (key >= InfoKey.PROTOCOL && key <= InfoKey.BROKER) {
+    if (key >= InfoKey.PROTOCOL && key <= InfoKey.DURABLE) {
       if (seen.has(key)) badPayload('a key appears twice');
       seen.add(key);
     }
@@ -866,6 +867,10 @@ function decodeInfo(payload, badPayload) {
         info.broker = broker;
         break;
       }
+      case InfoKey.DURABLE:
+        if (len !== 1 || value[0] > 1) badPayload('DURABLE must be 1 byte, 0 or 1');
+        info.durable = value[0] === 1;
+        break;
       default: // a key of a later version
     }
   }
@@ -891,6 +896,7 @@ function encodeInfo(info) {
   if (info.maxDeliveryDataLen !== undefined) u32Entry(InfoKey.MAX_DELIVERY_DATA_LEN, info.maxDeliveryDataLen);
   if (info.maxSubscriptions !== undefined) u32Entry(InfoKey.MAX_SUBSCRIPTIONS, info.maxSubscriptions);
   if (info.broker !== undefined && info.broker !== '') entry(InfoKey.BROKER, cutReason(info.broker));
+  if (info.durable !== undefined) entry(InfoKey.DURABLE, Uint8Array.of(info.durable ? 1 : 0));
   return concat(parts);
 }
 

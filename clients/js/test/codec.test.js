@@ -255,6 +255,11 @@ test('payloads of the wrong shape: BAD_PAYLOAD, after the extension block is che
 
 test('INFO entries (§4.1): unknown keys skipped, a known key once and with its length, entries whole', () => {
   assert.deepEqual(decodeFrame(raw(0x09, 3, [])).info, {});
+  for (const durable of [false, true]) {
+    const frame = encodeFrame({ opcode: Opcode.INFO, streamId: 3, info: { durable } });
+    assert.deepEqual([...frame.subarray(10)], [0x06, 1, durable ? 1 : 0]);
+    assert.deepEqual(decodeFrame(frame).info, { durable });
+  }
   // A request's extension block is accepted and ignored.
   assert.deepEqual(decodeFrame(raw(0x49, 3, u16(0)), { peer: 'client' }).info, {});
   assert.deepEqual(decodeFrame(raw(0x09, 3, [0x01, 1, 1, 0x7f, 3, 9, 9, 9, 0x04, 4, 0x10, 0x27, 0, 0])).info, {
@@ -267,6 +272,9 @@ test('INFO entries (§4.1): unknown keys skipped, a known key once and with its 
     [[0x01, 2, 1, 1], /PROTOCOL must be 1 byte/],
     [[0x05, 0], /BROKER must not be empty/],
     [[0x05, 1, 0xff], /BROKER must be UTF-8/],
+    [[0x06, 1, 2], /DURABLE must be 1 byte, 0 or 1/],
+    [[0x06, 0], /DURABLE must be 1 byte, 0 or 1/],
+    [[0x06, 1, 1, 0x06, 1, 0], /a key appears twice/],
     [[0x7f, 5, 1], /cut short/],
     [[0x01], /cut short/],
   ]) {

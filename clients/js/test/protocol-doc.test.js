@@ -171,6 +171,7 @@ const EXPECTED = {
         maxDeliveryDataLen: 66560,
         maxSubscriptions: 10000,
         broker: 'aqueduct-broker 0.1.0',
+        durable: false,
       },
     },
   ],

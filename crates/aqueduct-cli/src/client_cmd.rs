@@ -734,6 +734,14 @@ fn info_text(info: &aqueduct_client::BrokerInfo) -> String {
             "subscriptions     {} per connection (transport.max_subscriptions_per_connection)",
             said(info.max_subscriptions.map(|v| v.to_string()))
         ),
+        format!(
+            "durable log       {}",
+            said(info.durable.map(|on| if on {
+                "on (aal.enabled: a CONFIRM means stored)".to_string()
+            } else {
+                "off (aal.enabled: false: a CONFIRM means routed, kept in memory only)".to_string()
+            }))
+        ),
     ]
     .join("\n")
 }
@@ -1205,6 +1213,15 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                     consumer: consumer.clone(),
                 },
             };
+            // Without the log a confirmed publish measures routing only, and a replay has
+            // nothing to read: said at once rather than reported as the log's figure. (A broker
+            // before INFO, or before its DURABLE entry, is taken at its word.)
+            if client.info().await.ok().and_then(|i| i.durable) == Some(false) {
+                bail!(
+                    "the broker at {} has no durable log (aal.enabled is false), and                      bench-durable measures the log: start the broker with                      AQUEDUCT_AAL_ENABLED=true (see docs/howto-log.md)",
+                    client.remote_address()
+                );
+            }
             let progress = (!*json && std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .then(|| indicatif::ProgressBar::new(*messages));
             // Ctrl-C/SIGTERM ends it; the connection is closed on the way out (it died with
@@ -1250,6 +1267,7 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
                     "max_data_len": info.max_data_len,
                     "max_delivery_data_len": info.max_delivery_data_len,
                     "max_subscriptions": info.max_subscriptions,
+                    "durable": info.durable,
                 })
                 .to_string()
             } else {

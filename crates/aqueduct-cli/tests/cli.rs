@@ -1200,7 +1200,7 @@ fn info_prints_the_broker_s_limits() {
     assert_ok(&out);
     let text = String::from_utf8_lossy(&out.stdout);
     let lines: Vec<&str> = text.lines().collect();
-    assert_eq!(lines.len(), 5, "{text}");
+    assert_eq!(lines.len(), 6, "{text}");
     assert!(
         lines[0].starts_with("broker            aqueduct-broker "),
         "{text}"
@@ -1218,6 +1218,7 @@ fn info_prints_the_broker_s_limits() {
         lines[4].starts_with("subscriptions     7 per connection "),
         "{text}"
     );
+    assert!(lines[5].starts_with("durable log       off "), "{text}");
     let out = run_client(home.path(), &["--addr", &addr, "info", "--json"]);
     assert_ok(&out);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
@@ -1225,6 +1226,7 @@ fn info_prints_the_broker_s_limits() {
     assert_eq!(v["max_delivery_data_len"], 5120);
     assert_eq!(v["max_subscriptions"], 7);
     assert_eq!(v["protocol"], 1);
+    assert_eq!(v["durable"], false);
     assert!(
         v["broker"]
             .as_str()
@@ -1650,13 +1652,48 @@ fn a_signal_ends_hold_closing_its_connections() {
     stop(broker);
 }
 
+/// `aqueduct bench-durable` against a broker without the durable log says so and fails at once:
+/// its confirmed publishes measured routing only, reported as the log's figure.
+#[test]
+fn bench_durable_refuses_a_broker_without_the_log() {
+    let home = tempfile::tempdir().expect("dir");
+    let (broker, addr, metrics, _logs) = start_broker_with(home.path(), &[]);
+    for mode in [&["publish"][..], &["replay", "--consumer", "r1"]] {
+        let mut args = vec!["--addr", &addr, "bench-durable", "--messages", "1000"];
+        args.extend_from_slice(mode);
+        let out = run_client(home.path(), &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{mode:?}: {err}");
+        assert!(
+            err.contains("has no durable log (aal.enabled is false)")
+                && err.contains("AQUEDUCT_AAL_ENABLED=true"),
+            "{mode:?}: {err}"
+        );
+    }
+    assert_eq!(
+        metric(&metrics, "aqueduct_messages_published_total").unwrap_or(0.0),
+        0.0,
+        "nothing was published"
+    );
+    stop(broker);
+}
+
 /// Ctrl-C/SIGTERM ends `aqueduct bench-durable` with a failure, and its connection is closed
 /// (the broker says so at once): it died with the signal, and the broker kept the connection
 /// until its idle timeout.
 #[test]
 fn a_signal_ends_bench_durable_closing_its_connection() {
     let home = tempfile::tempdir().expect("dir");
-    let (broker, addr, metrics, logs) = start_broker_with(home.path(), &[]);
+    let (broker, addr, metrics, logs) = start_broker_with(
+        home.path(),
+        &[
+            ("AQUEDUCT_AAL_ENABLED", "true"),
+            (
+                "AQUEDUCT_AAL_KEY",
+                "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=",
+            ),
+        ],
+    );
     let bench = spawn_client(
         home.path(),
         &[

@@ -584,8 +584,8 @@ impl Client {
     /// Ask the broker what it allows (protocol.md §4.1): the largest frame it accepts from this
     /// client (`max_data_len`: a larger publish or batch would end its stream with
     /// FRAME_TOO_LARGE), what a client must be ready to receive, how many subscriptions a
-    /// connection may hold, and
-    /// its name and version. On a stream of its own, closed after the answer. A broker older
+    /// connection may hold, its name and version, and whether its durable log is on (whether a
+    /// CONFIRM means stored, `durable`). On a stream of its own, closed after the answer. A broker older
     /// than INFO answers [`ClientError::Broker`] with [`ErrorCode::UNKNOWN_OPCODE`].
     ///
     /// [`ErrorCode::UNKNOWN_OPCODE`]: crate::ErrorCode::UNKNOWN_OPCODE

@@ -200,6 +200,9 @@ pub struct Info {
     /// Key 0x05, 1..=255 bytes of UTF-8: the broker's name and version. An empty name is not
     /// sent (the entry must not be empty), so it decodes as `None`.
     pub broker: Option<String>,
+    /// Key 0x06, 1 byte (0 or 1): whether the broker's durable log is on (`aal.enabled`), i.e.
+    /// whether a CONFIRM means the message is stored (protocol.md §7.2) or only routed.
+    pub durable: Option<bool>,
 }
 
 /// INFO entry keys (protocol.md §4.1).
@@ -209,6 +212,7 @@ pub mod info_key {
     pub const MAX_DELIVERY_DATA_LEN: u8 = 0x03;
     pub const MAX_SUBSCRIPTIONS: u8 = 0x04;
     pub const BROKER: u8 = 0x05;
+    pub const DURABLE: u8 = 0x06;
 }
 
 impl Info {
@@ -236,6 +240,9 @@ impl Info {
         if let Some(b) = self.broker.as_deref().filter(|b| !b.is_empty()) {
             let end = crate::ext::reason_len(b);
             out.push((info_key::BROKER, b.as_bytes()[..end].to_vec()));
+        }
+        if let Some(on) = self.durable {
+            out.push((info_key::DURABLE, vec![u8::from(on)]));
         }
         out
     }
@@ -306,6 +313,14 @@ impl Info {
                         return Err(bad("BROKER must not be empty"));
                     }
                     info.broker = Some(b.to_owned());
+                }
+                info_key::DURABLE => {
+                    once(key)?;
+                    match value {
+                        [0] => info.durable = Some(false),
+                        [1] => info.durable = Some(true),
+                        _ => return Err(bad("DURABLE must be 1 byte, 0 or 1")),
+                    }
                 }
                 // A key of a later version.
                 _ => {}
@@ -1154,6 +1169,15 @@ mod tests {
     #[test]
     fn info_entries_are_checked_and_unknown_keys_skipped() {
         assert_eq!(Info::decode(&[]), Ok(Info::request()));
+        for on in [false, true] {
+            let info = Info {
+                durable: Some(on),
+                ..Info::default()
+            };
+            let bytes = Frame::new(1, Message::Info(info.clone())).to_bytes();
+            assert_eq!(&bytes[10..], [0x06, 1, u8::from(on)]);
+            assert_eq!(Info::decode(&bytes[10..]), Ok(info));
+        }
         let answer = Info::decode(&[0x01, 1, 1, 0x7F, 3, 9, 9, 9, 0x04, 4, 0x10, 0x27, 0, 0])
             .expect("an unknown key in the middle");
         assert_eq!(
@@ -1170,6 +1194,9 @@ mod tests {
             (&[0x01, 2, 1, 1][..], "PROTOCOL must be 1 byte"),
             (&[0x05, 0][..], "BROKER must not be empty"),
             (&[0x05, 1, 0xFF][..], "BROKER must be UTF-8"),
+            (&[0x06, 1, 2][..], "DURABLE must be 1 byte, 0 or 1"),
+            (&[0x06, 0][..], "DURABLE must be 1 byte, 0 or 1"),
+            (&[0x06, 1, 1, 0x06, 1, 1][..], "a key appears twice"),
             (&[0x7F, 5, 1][..], "an entry is cut short"),
             (&[0x01][..], "an entry is cut short"),
         ] {

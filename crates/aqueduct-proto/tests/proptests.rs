@@ -164,15 +164,24 @@ fn message() -> impl Strategy<Value = Message> {
             prop::option::of(any::<u32>()),
             prop::option::of(any::<u32>()),
             prop::option::of("[ -~é]{1,60}"),
+            prop::option::of(any::<bool>()),
         )
             .prop_map(
-                |(protocol, max_data_len, max_delivery_data_len, max_subscriptions, broker)| {
+                |(
+                    protocol,
+                    max_data_len,
+                    max_delivery_data_len,
+                    max_subscriptions,
+                    broker,
+                    durable,
+                )| {
                     Message::Info(Info {
                         protocol,
                         max_data_len,
                         max_delivery_data_len,
                         max_subscriptions,
                         broker,
+                        durable,
                     })
                 }
             ),

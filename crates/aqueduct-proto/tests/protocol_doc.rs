@@ -247,6 +247,7 @@ fn examples() -> Vec<(&'static str, Bytes)> {
                 max_delivery_data_len: Some(66560),
                 max_subscriptions: Some(10_000),
                 broker: Some("aqueduct-broker 0.1.0".into()),
+                durable: Some(false),
             }),
         ),
     ));
@@ -368,6 +369,7 @@ fn doc_examples_mean_what_the_doc_says() {
         (Some(65536), Some(65536 + 1024), Some(10_000))
     );
     assert_eq!(i.broker.as_deref(), Some("aqueduct-broker 0.1.0"));
+    assert_eq!(i.durable, Some(false));
     // Seed-style deliveries: the body is the whole payload; no topic, offset or attempt.
     for name in ["delivery-seed", "delivery-seed-priority"] {
         let Message::Publish(p) = get(name).message else {

@@ -20,6 +20,8 @@ async fn confirmed_publishes_are_logged_and_offsets_go_on_after_a_restart() {
         let dir = tempfile::tempdir().expect("temp dir");
         let b = TestBroker::start_with(|c| c.aal = Some(aal(dir.path(), fsync))).await;
         let client = b.client().await;
+        // INFO says the log is on (protocol.md §4.1, DURABLE).
+        assert_eq!(client.info().await.expect("info").durable, Some(true));
         let mut live = client.subscribe("orders").await.expect("subscribe");
         for i in 0..10u64 {
             let opts = PublishOptions {

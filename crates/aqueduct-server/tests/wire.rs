@@ -771,6 +771,7 @@ async fn info_answers_with_the_configured_limits_and_the_stream_goes_on() {
         assert_eq!(info.max_subscriptions, Some(7));
         let broker = info.broker.expect("the broker's name");
         assert!(broker.starts_with("aqueduct-broker "), "{broker}");
+        assert_eq!(info.durable, Some(false), "no log");
     }
     let frame = s.read_frame().await.expect("the ERROR");
     assert_eq!(frame.stream_id, 4);

@@ -1245,6 +1245,7 @@ impl Reader<'_> {
                         u32::try_from(t.max_subscriptions_per_connection).unwrap_or(u32::MAX),
                     ),
                     broker: Some(concat!("aqueduct-broker ", env!("CARGO_PKG_VERSION")).into()),
+                    durable: Some(self.shared.durable.is_some()),
                 };
                 self.send_reply(Frame::new(stream_id, Message::Info(info)));
             }
