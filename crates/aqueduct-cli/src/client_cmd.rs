@@ -605,13 +605,14 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     {
         return Err(not_a_duration());
     }
-    // Whole units exactly, in u128 nanoseconds (no overflow for any u64 count).
-    let whole: u128 = if whole.is_empty() {
+    // Whole units exactly, in u128 nanoseconds: a u64 count times at most 3.6e12 cannot
+    // overflow (a u128 count could).
+    let whole: u64 = if whole.is_empty() {
         0
     } else {
         whole.parse().map_err(|_| too_long())?
     };
-    let mut nanos = whole * u128::from(nanos_per_unit);
+    let mut nanos = u128::from(whole) * u128::from(nanos_per_unit);
     // The fraction to the nanosecond; digits below it are dropped.
     let mut scale = u128::from(nanos_per_unit);
     for digit in frac.bytes() {
@@ -1218,7 +1219,9 @@ async fn run_connected(cli: &Cli, client: &Client) -> Result<()> {
             // before INFO, or before its DURABLE entry, is taken at its word.)
             if client.info().await.ok().and_then(|i| i.durable) == Some(false) {
                 bail!(
-                    "the broker at {} has no durable log (aal.enabled is false), and                      bench-durable measures the log: start the broker with                      AQUEDUCT_AAL_ENABLED=true (see docs/howto-log.md)",
+                    "the broker at {} has no durable log (aal.enabled is false), and \
+                     bench-durable measures the log: start the broker with \
+                     AQUEDUCT_AAL_ENABLED=true (see docs/howto-log.md)",
                     client.remote_address()
                 );
             }
@@ -1915,6 +1918,9 @@ mod tests {
         // Not multiplied, but still past any clock's range as a deadline.
         assert!(parse_duration("18446744073709551615s").is_err_and(|e| e.contains("too long")));
         assert!(parse_duration("18446744073709551615ms").is_err());
+        // 2^115 + 1 hours overflowed u128 nanoseconds (a panic, or a wrap to 1 h in release).
+        assert!(parse_duration("41538374868278621028243970633760769h")
+            .is_err_and(|e| e.contains("too long")));
         assert!(parse_duration("18446744073709551615").is_err());
         assert!(parse_duration("5d").is_err_and(|e| e.contains("unknown unit")));
         assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));

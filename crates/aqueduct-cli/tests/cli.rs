@@ -1665,8 +1665,10 @@ fn bench_durable_refuses_a_broker_without_the_log() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{mode:?}: {err}");
         assert!(
-            err.contains("has no durable log (aal.enabled is false)")
-                && err.contains("AQUEDUCT_AAL_ENABLED=true"),
+            err.contains(
+                "has no durable log (aal.enabled is false), and bench-durable measures the \
+                 log: start the broker with AQUEDUCT_AAL_ENABLED=true (see docs/howto-log.md)"
+            ),
             "{mode:?}: {err}"
         );
     }
