@@ -654,6 +654,22 @@ impl Mesh {
             .copied()
             .collect();
         for addr in gone {
+            // A connection it dialed there and holds (a second one, while the first worked):
+            // closed too, or the peer's snapshot on it would make it the peer again (as a
+            // restart) although the set no longer names it.
+            let held: Vec<ConnId> = self
+                .held
+                .iter()
+                .filter(|(_, h)| h.outbound && h.addr == Some(addr))
+                .map(|(c, _)| *c)
+                .collect();
+            for conn in held {
+                self.held.remove(&conn);
+                self.out.push_back(Output::Close {
+                    conn,
+                    reason: "no longer a peer",
+                });
+            }
             if let Some(node) = self.targets.remove(&addr).and_then(|t| t.node) {
                 // Another address still wanted reaches the same node: it stays a peer, on the
                 // connection it has (nothing else would dial it: that address counts as
@@ -2156,6 +2172,34 @@ mod tests {
         assert_eq!(a.poll_output(), Some(Output::Dial(addr)));
         assert!(a.handle_connected(now, ConnId(2), node("b"), Some(addr), true));
         assert_eq!(a.peers().collect::<Vec<_>>(), vec![(&node("b"), ConnId(2))]);
+    }
+
+    /// A second connection dialed to a peer whose first one works is held; when the peer's
+    /// address then leaves the set, the held one is closed with the first. It stayed held, and
+    /// the peer's snapshot on it made it the peer again (as a restart), for good.
+    #[test]
+    fn a_held_connection_is_closed_when_its_address_leaves_the_set() {
+        let (mut a, addr, now) = dialing_one_peer(MeshConfig::default());
+        connected_in_sync(&mut a, now, ConnId(1), addr, 0);
+        assert!(!a.handle_connected(now, ConnId(2), node("b"), Some(addr), true));
+        assert_eq!(drain(&mut a).1, vec![], "held, not closed");
+        a.handle_peer_set(now, []);
+        let mut closed = drain(&mut a).1;
+        closed.sort();
+        assert_eq!(
+            closed,
+            vec![
+                (ConnId(1), "no longer a peer"),
+                (ConnId(2), "no longer a peer")
+            ]
+        );
+        let snapshot = Control::Snapshot {
+            session: 2 << RUN_SHIFT,
+            seq: 0,
+            interest: Interest::default(),
+        };
+        a.handle_control(ConnId(2), snapshot);
+        assert_eq!(a.peers().count(), 0, "not a peer again");
     }
 
     #[test]
