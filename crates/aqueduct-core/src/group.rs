@@ -80,46 +80,73 @@ impl Watermark {
 /// A set of offsets, kept as a sorted ring: offsets are handed out mostly in increasing order
 /// (appended) and settled mostly oldest first (taken from the front), so in steady state it
 /// allocates nothing, where a `BTreeSet` allocated a node about every 5–10 messages. An offset
-/// settled out of order costs a binary search and a shift of the shorter side.
+/// settled out of order is only marked (a binary search), and marked ones leave when they reach
+/// the front, or all at once when they are half the ring: a member that stalls holding the
+/// oldest offsets costs the others' settlements no shifting, and the ring stays within about
+/// twice what is outstanding.
 #[derive(Debug, Default)]
-struct Outstanding(VecDeque<u64>);
+struct Outstanding {
+    /// Offsets in increasing order, each with whether it has been settled since.
+    ring: VecDeque<(u64, bool)>,
+    /// How many in `ring` are marked settled.
+    settled: usize,
+}
 
 impl Outstanding {
     /// Capacity kept however few remain (beyond it, a ring a quarter full is halved).
     const KEEP: usize = 1024;
 
     fn insert(&mut self, offset: u64) {
-        match self.0.back() {
-            None => self.0.push_back(offset),
-            Some(&last) if offset > last => self.0.push_back(offset),
-            Some(_) => {
-                if let Err(at) = self.0.binary_search(&offset) {
-                    self.0.insert(at, offset);
+        match self.ring.back() {
+            Some(&(last, _)) if offset <= last => {
+                match self.ring.binary_search_by_key(&offset, |&(o, _)| o) {
+                    // Out again (handed to the group again after it was settled).
+                    Ok(at) => {
+                        if std::mem::replace(&mut self.ring[at].1, false) {
+                            self.settled -= 1;
+                        }
+                    }
+                    Err(at) => self.ring.insert(at, (offset, false)),
                 }
             }
+            _ => self.ring.push_back((offset, false)),
         }
     }
 
     fn remove(&mut self, offset: u64) {
-        if self.0.front() == Some(&offset) {
-            self.0.pop_front();
-        } else if let Ok(at) = self.0.binary_search(&offset) {
-            self.0.remove(at);
-        } else {
-            return;
+        match self.ring.front() {
+            Some(&(first, _)) if first == offset => {
+                self.ring.pop_front();
+            }
+            _ => match self.ring.binary_search_by_key(&offset, |&(o, _)| o) {
+                Ok(at) if !self.ring[at].1 => {
+                    self.ring[at].1 = true;
+                    self.settled += 1;
+                }
+                _ => return,
+            },
         }
-        let cap = self.0.capacity();
-        if cap > Self::KEEP && self.0.len() < cap / 4 {
-            self.0.shrink_to(cap / 2);
+        while self.ring.front().is_some_and(|&(_, settled)| settled) {
+            self.ring.pop_front();
+            self.settled -= 1;
+        }
+        if self.settled > 64 && self.settled * 2 > self.ring.len() {
+            self.ring.retain(|&(_, settled)| !settled);
+            self.settled = 0;
+        }
+        let cap = self.ring.capacity();
+        if cap > Self::KEEP && self.ring.len() < cap / 4 {
+            self.ring.shrink_to(cap / 2);
         }
     }
 
+    /// The lowest offset out (never a settled one: those leave the front at once).
     fn first(&self) -> Option<u64> {
-        self.0.front().copied()
+        self.ring.front().map(|&(o, _)| o)
     }
 
     fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.ring.is_empty()
     }
 }
 
@@ -314,16 +341,30 @@ mod tests {
             assert_eq!(set.first(), model.first().copied());
             assert_eq!(set.is_empty(), model.is_empty());
         }
-        assert!(set.0.iter().copied().eq(model.iter().copied()));
+        let left = set.ring.iter().filter(|&&(_, settled)| !settled);
+        assert!(left.map(|&(o, _)| o).eq(model.iter().copied()));
+        assert_eq!(
+            set.settled,
+            set.ring.iter().filter(|&&(_, settled)| settled).count()
+        );
         let mut big = Outstanding::default();
         (0..100_000).for_each(|o| big.insert(o));
         (0..99_990).for_each(|o| big.remove(o));
         assert!(
-            big.0.capacity() < 4 * Outstanding::KEEP,
+            big.ring.capacity() < 4 * Outstanding::KEEP,
             "{}",
-            big.0.capacity()
+            big.ring.capacity()
         );
         assert_eq!(big.first(), Some(99_990));
+        // The oldest held while everything after it is settled: the ring keeps about twice
+        // what is out, at most.
+        let mut pinned = Outstanding::default();
+        (0..100_000).for_each(|o| pinned.insert(o));
+        (1..100_000).for_each(|o| pinned.remove(o));
+        assert!(pinned.ring.len() <= 130, "{}", pinned.ring.len());
+        assert_eq!(pinned.first(), Some(0));
+        pinned.remove(0);
+        assert!(pinned.is_empty());
     }
 
     #[test]
