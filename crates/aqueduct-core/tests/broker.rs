@@ -600,21 +600,24 @@ fn a_settlement_wakes_takers_not_the_publishers_a_full_queue_holds() {
         0,
         "the queue is as full as it was"
     );
+    // Waiting again (under a limit of 4 now: 1 in flight, 3 queued).
+    assert!(s.poll_can_take(&mut taker_cx, 4, 16).is_pending());
     let overdue = b.tick(&mut ctx, now + Duration::from_secs(3600));
     assert_eq!(overdue, 1, "the other delivery timed out");
     assert_eq!(s.queued(), 4, "and is queued again");
     assert_eq!(
-        held.0.load(Ordering::SeqCst),
-        0,
-        "an ack timeout does not either"
+        taker.0.load(Ordering::SeqCst),
+        2,
+        "an ack timeout wakes takers"
     );
+    assert_eq!(held.0.load(Ordering::SeqCst), 0, "but not held publishers");
     // Drained to half: both go on.
-    assert!(s.poll_can_take(&mut taker_cx, 5, 16).is_pending());
+    assert!(s.poll_can_take(&mut taker_cx, 4, 16).is_pending());
     while s.queued() > 2 {
         b.drain(&s, &mut out, 1, now);
     }
     assert_eq!(held.0.load(Ordering::SeqCst), 1, "woken at half");
-    assert_eq!(taker.0.load(Ordering::SeqCst), 2);
+    assert_eq!(taker.0.load(Ordering::SeqCst), 3);
 }
 
 /// The ack ticker looks through a subscription's deliveries in flight only once the earliest
