@@ -201,7 +201,7 @@ pub struct Info {
     /// sent (the entry must not be empty), so it decodes as `None`.
     pub broker: Option<String>,
     /// Key 0x06, 1 byte (0 or 1): whether the broker's durable log is on (`aal.enabled`), i.e.
-    /// whether a CONFIRM means the message is stored (protocol.md §7.2) or only routed.
+    /// whether a CONFIRM means the message is stored (protocol.md §6.4) or only routed.
     pub durable: Option<bool>,
 }
 

@@ -250,6 +250,11 @@ mod tests {
                 "unknown option (expected \"group\" or \"durable\")",
             ),
             ("topic:a:group:g:group:h", "\"group\" given twice"),
+            // A separator after the last option: an option with an empty name (§10.1).
+            (
+                "topic:a:group:g:",
+                "unknown option (expected \"group\" or \"durable\")",
+            ),
             ("topic:a:durable:c", "option is missing its value"),
             (
                 "topic:a:durable:c:x1",
