@@ -2047,10 +2047,16 @@ async fn wait_held(
     durable: Option<&Durable>,
     block_timeout: Option<Duration>,
 ) {
+    // One `block_timeout` for the whole hold, from its start (see the stream's
+    // `wait_for_room`).
+    let mut deadline = None;
     while let Some(sub) = ctx.take_held() {
         let room = std::future::poll_fn(|cx| sub.poll_room(cx));
         let timed_out = match block_timeout {
-            Some(limit) => tokio::time::timeout(limit, room).await.is_err(),
+            Some(limit) => {
+                let at = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + limit);
+                tokio::time::timeout_at(at, room).await.is_err()
+            }
             None => {
                 room.await;
                 false

@@ -829,6 +829,51 @@ async fn a_block_timeout_close_says_why() {
     b.stop().await.expect("clean shutdown");
 }
 
+/// A publisher held by many stuck `block` subscriptions at once is held for one
+/// `broker.block_timeout` in all, after which every one still full is closed: their timeouts
+/// ran one after another, so N stuck subscriptions (one client may hold thousands) held it N
+/// times as long (here 8 s instead of 1 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_stuck_block_subscriptions_hold_a_publisher_for_one_block_timeout() {
+    const STUCK: usize = 8;
+    let b = TestBroker::start_with(|c| {
+        c.broker.queue_size = 4;
+        c.block_timeout = Some(Duration::from_secs(1));
+    })
+    .await;
+    let subscriber = b.client().await;
+    let opts = SubscribeOptions {
+        max_in_flight: Some(1),
+        overflow: Some(OverflowPolicy::Block),
+        ..explicit_ack()
+    };
+    let mut subs = Vec::new();
+    for _ in 0..STUCK {
+        subs.push(
+            subscriber
+                .subscribe_with("held", &opts)
+                .await
+                .expect("subscribe"),
+        );
+    }
+    let publisher = b.client().await;
+    for i in 0..16 {
+        publisher
+            .publish("held", format!("m{i}"))
+            .await
+            .expect("publish");
+    }
+    // Within one block_timeout and a wide margin for a loaded machine; eight of them in turn
+    // would take 8 s.
+    tokio::time::timeout(Duration::from_secs(5), publisher.flush())
+        .await
+        .expect("the publisher let go of within about one block_timeout")
+        .expect("flushed");
+    assert_eq!(b.broker.slow_consumers_disconnected(), STUCK as u64);
+    drop(subs);
+    close_and_stop(publisher, b).await;
+}
+
 /// A slow consumer closed while the broker's write to it was blocked gets its delivery stream
 /// reset with code 300: the subscription ends with an error that carries SLOW_CONSUMER, as the
 /// ERROR frame would (protocol.md 7.3). Before, it was a connection error without a code.

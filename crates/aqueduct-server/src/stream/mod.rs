@@ -734,6 +734,10 @@ impl Reader<'_> {
         // Each held subscriber stays in `holds` until its wait is over: if this future is
         // dropped first (the stream reset, the connection closed), those left are told.
         let mut holds = Holds::default();
+        // One `block_timeout` for the whole hold, from its start: each subscription still full
+        // then has held the publisher that long. Timed one after another, N stuck subscriptions
+        // (one client may make thousands) held it N times as long.
+        let mut deadline = None;
         loop {
             while let Some(sub) = self.ctx.take_held() {
                 // Once each: one departure is one.
@@ -756,7 +760,10 @@ impl Reader<'_> {
                 room
             });
             let timed_out = match shared.config.block_timeout {
-                Some(limit) => tokio::time::timeout(limit, room).await.is_err(),
+                Some(limit) => {
+                    let at = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + limit);
+                    tokio::time::timeout_at(at, room).await.is_err()
+                }
                 None => {
                     room.await;
                     false
