@@ -610,18 +610,20 @@ impl Mesh {
                 self.out.push_back(Output::Dial(*addr));
             }
         }
-        let expired: Vec<ConnId> = self
+        self.close_held(|h| h.until <= now, DUPLICATE);
+    }
+
+    /// Close the held connections `pick` picks, for `reason`.
+    fn close_held(&mut self, pick: impl Fn(&Held) -> bool, reason: &'static str) {
+        let picked: Vec<ConnId> = self
             .held
             .iter()
-            .filter(|(_, h)| h.until <= now)
+            .filter(|(_, h)| pick(h))
             .map(|(c, _)| *c)
             .collect();
-        for conn in expired {
+        for conn in picked {
             self.held.remove(&conn);
-            self.out.push_back(Output::Close {
-                conn,
-                reason: DUPLICATE,
-            });
+            self.out.push_back(Output::Close { conn, reason });
         }
     }
 
@@ -657,19 +659,7 @@ impl Mesh {
             // A connection it dialed there and holds (a second one, while the first worked):
             // closed too, or the peer's snapshot on it would make it the peer again (as a
             // restart) although the set no longer names it.
-            let held: Vec<ConnId> = self
-                .held
-                .iter()
-                .filter(|(_, h)| h.outbound && h.addr == Some(addr))
-                .map(|(c, _)| *c)
-                .collect();
-            for conn in held {
-                self.held.remove(&conn);
-                self.out.push_back(Output::Close {
-                    conn,
-                    reason: "no longer a peer",
-                });
-            }
+            self.close_held(|h| h.outbound && h.addr == Some(addr), "no longer a peer");
             if let Some(node) = self.targets.remove(&addr).and_then(|t| t.node) {
                 // Another address still wanted reaches the same node: it stays a peer, on the
                 // connection it has (nothing else would dial it: that address counts as

@@ -38,6 +38,18 @@ fn sub_with(b: &Broker, s: &str, opts: SubscribeOptions) -> Arc<Subscriber> {
     b.subscribe(&spec(s), opts)
 }
 
+/// A subscription settled explicitly (ACK/NACK).
+fn explicit_sub(b: &Broker, s: &str) -> Arc<Subscriber> {
+    sub_with(
+        b,
+        s,
+        SubscribeOptions {
+            ack_mode: AckMode::Explicit,
+            ..Default::default()
+        },
+    )
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Got {
     topic: String,
@@ -564,14 +576,7 @@ fn a_settlement_wakes_takers_not_the_publishers_a_full_queue_holds() {
         backpressure_policy: OverflowPolicy::Block,
         ..Default::default()
     });
-    let s = sub_with(
-        &b,
-        "topic:t",
-        SubscribeOptions {
-            ack_mode: AckMode::Explicit,
-            ..Default::default()
-        },
-    );
+    let s = explicit_sub(&b, "topic:t");
     let mut ctx = PublishContext::default();
     let now = Instant::now();
     for i in 0..5 {
@@ -626,14 +631,7 @@ fn a_settlement_wakes_takers_not_the_publishers_a_full_queue_holds() {
 #[test]
 fn the_ack_ticker_looks_through_deliveries_in_flight_only_when_one_may_be_due() {
     let b = Broker::new(BrokerConfig::default());
-    let s = sub_with(
-        &b,
-        "topic:t",
-        SubscribeOptions {
-            ack_mode: AckMode::Explicit,
-            ..Default::default()
-        },
-    );
+    let s = explicit_sub(&b, "topic:t");
     let mut ctx = PublishContext::default();
     let now = Instant::now();
     for i in 0..100 {

@@ -777,6 +777,16 @@ async fn close_after_an_earlier_stream_failed_still_flushes_the_current_one() {
     close_and_stop(watcher, b).await;
 }
 
+/// A `block` subscription with one unsettled delivery at a time: never settled, its queue fills
+/// behind the first while its stream itself has room.
+fn stuck_block() -> SubscribeOptions {
+    SubscribeOptions {
+        max_in_flight: Some(1),
+        overflow: Some(OverflowPolicy::Block),
+        ..explicit_ack()
+    }
+}
+
 /// A `block` subscription that holds its publisher past `broker.block_timeout` is closed with
 /// ERROR SLOW_CONSUMER whose reason says so (protocol.md 7.3); it said "its queue overflowed
 /// (policy disconnect)", a policy the subscription did not have.
@@ -790,11 +800,7 @@ async fn a_block_timeout_close_says_why() {
     let subscriber = b.client().await;
     // One unsettled delivery at a time and none settled: the queue fills behind the first,
     // while the stream itself has room (so the broker sends an ERROR, not a reset).
-    let opts = SubscribeOptions {
-        max_in_flight: Some(1),
-        overflow: Some(OverflowPolicy::Block),
-        ..explicit_ack()
-    };
+    let opts = stuck_block();
     let mut sub = subscriber
         .subscribe_with("held", &opts)
         .await
@@ -842,11 +848,7 @@ async fn many_stuck_block_subscriptions_hold_a_publisher_for_one_block_timeout()
     })
     .await;
     let subscriber = b.client().await;
-    let opts = SubscribeOptions {
-        max_in_flight: Some(1),
-        overflow: Some(OverflowPolicy::Block),
-        ..explicit_ack()
-    };
+    let opts = stuck_block();
     let mut subs = Vec::new();
     for _ in 0..STUCK {
         subs.push(
