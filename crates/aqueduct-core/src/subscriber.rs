@@ -165,16 +165,6 @@ struct InFlight {
     deadline: Instant,
 }
 
-impl State {
-    /// Wake held publishers and takers alike (the subscriber is closed or detached).
-    fn wake_all_waiters(&mut self) {
-        std::mem::take(&mut self.held)
-            .into_iter()
-            .chain(std::mem::take(&mut self.takers))
-            .for_each(std::task::Waker::wake);
-    }
-}
-
 #[derive(Default)]
 struct State {
     queue: PriorityQueues<Delivery>,
@@ -206,6 +196,16 @@ struct State {
     /// Times [`Subscriber::take_overdue`] looked through `in_flight` (see
     /// [`Subscriber::overdue_scans`]).
     overdue_scans: u64,
+}
+
+impl State {
+    /// Wake held publishers and takers alike (the subscriber is closed or detached).
+    fn wake_all_waiters(&mut self) {
+        std::mem::take(&mut self.held)
+            .into_iter()
+            .chain(std::mem::take(&mut self.takers))
+            .for_each(std::task::Waker::wake);
+    }
 }
 
 /// Under the block policy a frame may fill a queue past its capacity, its publisher then held
@@ -444,9 +444,10 @@ impl Subscriber {
     }
 
     /// Queue `items` under one lock, applying the overflow policy; messages it evicts or rejects
-    /// are counted as dropped here (as expired if past their TTL at `now`). Items that cannot be queued at all go to `refused`, and the
-    /// return value says why: the subscriber was already closed, or a queue overflowed under the
-    /// disconnect policy (the caller then closes it).
+    /// are counted as dropped here (as expired if past their TTL at `now`). Items that cannot
+    /// be queued at all go to `refused`, and the return value says why: the subscriber was
+    /// already closed, or a queue overflowed under the disconnect policy (the caller then
+    /// closes it).
     pub(crate) fn enqueue_many(
         &self,
         items: impl Iterator<Item = Delivery>,
