@@ -1242,6 +1242,48 @@ async fn a_stuck_block_subscriber_holds_a_peer_s_copies_for_block_timeout_only()
     stop_all(nodes).await;
 }
 
+/// Eight stuck block-policy subscribers on node 1 hold node 0's copies for one `block_timeout`
+/// in all, then every one of them is closed: their timeouts ran one after another, so the
+/// copies waited eight times as long (8 s here) before the reading subscriber got them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_stuck_block_subscribers_hold_a_peer_s_copies_for_one_block_timeout() {
+    const STUCK: usize = 8;
+    let Cluster { nodes, _dir } = unjoined(2, block_on_node_1(32, Duration::from_secs(1))).await;
+    let addrs: Vec<SocketAddr> = nodes.iter().map(|b| b.addr).collect();
+    for b in &nodes {
+        b.control.set_cluster_peers(addrs.clone());
+    }
+    let mut stalled = Vec::new();
+    for _ in 0..STUCK {
+        stalled.push(stalled_subscriber(&nodes[1], "bp").await);
+    }
+    let (_reader, mut normal) = subscribed_on_node_1(&nodes, "bp").await;
+    let publisher = nodes[0].client().await;
+    const N: u64 = 600;
+    let body = "x".repeat(200);
+    for _ in 0..N {
+        publisher
+            .publish("bp", body.clone())
+            .await
+            .expect("publish");
+    }
+    publisher.flush().await.expect("flush");
+    // Within one block_timeout and a wide margin for a loaded machine.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        for i in 0..N {
+            assert_eq!(next(&mut normal).await.offset(), i, "every copy, in order");
+        }
+    })
+    .await
+    .expect("every copy within about one block_timeout");
+    until("every stalled subscriber closed as a slow consumer", || {
+        nodes[1].broker.slow_consumers_disconnected() == STUCK as u64
+    })
+    .await;
+    drop(stalled);
+    stop_all(nodes).await;
+}
+
 /// Node 1's subscribers hold publishers (block policy) when `queue_size` messages wait, for at
 /// most `timeout`.
 fn block_on_node_1(
