@@ -1,6 +1,6 @@
 //! Core benchmarks: wildcard match, group pick, route lookup vs subscription count, batch
 //! publish → enqueue → drain throughput, fan-out cost per delivery, and which cluster peers
-//! want a topic vs how many filters a peer has.
+//! want a topic vs how many filters a peer has, and a publish held by N full `block` queues.
 //! Figures and the exact command are in docs/benchmarks.md.
 
 use std::hint::black_box;
@@ -142,6 +142,52 @@ fn fan_out(c: &mut Criterion) {
                 out.clear();
             })
         });
+    }
+    g.finish();
+}
+
+/// A publish into N `block` subscriptions whose queues are full: the publishing context records
+/// each as holding the publisher once. (It looked for each among those already recorded: N²/2
+/// comparisons per publish.) Each round publishes one message, takes the holds, and drains one
+/// message from each queue, so the queues stay full.
+fn held_by_full_block_queues(c: &mut Criterion) {
+    let mut g = c.benchmark_group("held_by_full_block_queues");
+    for n in [100usize, 2000] {
+        let broker = Broker::new(BrokerConfig {
+            queue_size: 1,
+            backpressure_policy: aqueduct_proto::OverflowPolicy::Block,
+            ..Default::default()
+        });
+        let topic = TopicName::try_from("jobs").expect("valid");
+        let subs: Vec<_> = (0..n)
+            .map(|_| {
+                broker.subscribe(
+                    &SubscribeSpec::new(TopicFilter::from(topic.clone())),
+                    SubscribeOptions::default(),
+                )
+            })
+            .collect();
+        let body = [0xABu8; 128];
+        let mut ctx = PublishContext::default();
+        let mut out = BytesMut::with_capacity(64 * 1024);
+        let now = Instant::now();
+        broker.publish(&mut ctx, &Publication::new(&topic, &body), now);
+        ctx.clear_held();
+        let mut round = || {
+            broker.publish(&mut ctx, &Publication::new(&topic, black_box(&body)), now);
+            let mut held = 0;
+            while ctx.take_held().is_some() {
+                held += 1;
+            }
+            for s in &subs {
+                broker.drain(s, &mut out, 1, now);
+            }
+            out.clear();
+            held
+        };
+        assert_eq!(round(), n, "every queue full, each held once");
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_function(BenchmarkId::new("subscribers", n), |b| b.iter(&mut round));
     }
     g.finish();
 }
@@ -351,6 +397,7 @@ criterion_group!(
     route_lookup,
     batch_publish_drain,
     fan_out,
+    held_by_full_block_queues,
     metrics_cost
 );
 criterion_main!(benches);

@@ -741,11 +741,11 @@ impl Reader<'_> {
         loop {
             while let Some(sub) = self.ctx.take_held() {
                 // Once each: one departure is one.
-                if !holds.0.iter().any(|h| Arc::ptr_eq(h, &sub)) {
-                    holds.0.push(sub);
+                if holds.ids.insert(sub.id()) {
+                    holds.subs.push(sub);
                 }
             }
-            let Some(sub) = holds.0.last().cloned() else {
+            let Some(sub) = holds.subs.last().cloned() else {
                 break;
             };
             let started = Instant::now();
@@ -787,7 +787,9 @@ impl Reader<'_> {
                     .publish_held_us
                     .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
             }
-            holds.0.pop();
+            if let Some(done) = holds.subs.pop() {
+                holds.ids.remove(&done.id());
+            }
         }
     }
 
@@ -1885,11 +1887,15 @@ async fn write_loop<S: SendHalf + 'static>(
 /// ([`Subscriber::note_orphaned_hold`]), so publishers that keep coming back on new streams cannot
 /// grow its queue without end.
 #[derive(Default)]
-struct Holds(Vec<Arc<Subscriber>>);
+struct Holds {
+    subs: Vec<Arc<Subscriber>>,
+    /// Their ids: each is in `subs` once, found in constant time.
+    ids: std::collections::HashSet<aqueduct_core::SubscriberId>,
+}
 
 impl Drop for Holds {
     fn drop(&mut self) {
-        for sub in self.0.drain(..) {
+        for sub in self.subs.drain(..) {
             sub.note_orphaned_hold();
         }
     }
