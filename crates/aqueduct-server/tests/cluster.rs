@@ -1807,11 +1807,15 @@ fn raw_peer(ca: &ClusterCa, node: &str) -> quinn::Endpoint {
 /// ends warn that copies might be lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_connection_the_peer_retires_is_retired_at_once() {
-    let ca = ClusterCa::new();
-    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
-    let endpoint = raw_peer(&ca, "node-a");
     // The connection the peer dials: its two streams, and a snapshot on the control stream.
-    let (kept, _control, _data) = raw_peer_spoke(&endpoint, "node-a", &b).await;
+    let Spoken {
+        _ca,
+        b,
+        endpoint,
+        conn: kept,
+        control: _control,
+        data: _data,
+    } = node_b_spoken_to_by_a().await;
     // The node dials the peer: the duplicate, which the node holds.
     b.control
         .set_cluster_peers(vec![endpoint.local_addr().expect("addr")]);
@@ -1945,6 +1949,32 @@ async fn raw_peer_spoke(
     (conn, control, data)
 }
 
+/// Node "node-b", and a raw peer "node-a" that dialed it and spoke (see [`raw_peer_spoke`]).
+struct Spoken {
+    /// Its certificates' directory, kept for the node's life.
+    _ca: ClusterCa,
+    b: TestBroker,
+    endpoint: quinn::Endpoint,
+    conn: quinn::Connection,
+    control: quinn::SendStream,
+    data: quinn::SendStream,
+}
+
+async fn node_b_spoken_to_by_a() -> Spoken {
+    let ca = ClusterCa::new();
+    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
+    let endpoint = raw_peer(&ca, "node-a");
+    let (conn, control, data) = raw_peer_spoke(&endpoint, "node-a", &b).await;
+    Spoken {
+        _ca: ca,
+        b,
+        endpoint,
+        conn,
+        control,
+        data,
+    }
+}
+
 /// The first unidirectional stream of `kind` (1 control, 2 data) the node opens on a raw
 /// peer's connection, its kind byte read.
 async fn node_stream(conn: &quinn::Connection, kind: u8) -> quinn::RecvStream {
@@ -2056,10 +2086,14 @@ async fn closed_by_node(conn: &quinn::Connection, wait: Duration) -> String {
 /// time on a new connection) made it keep ever more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_says_it_leaves_and_stays_is_closed() {
-    let ca = ClusterCa::new();
-    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
-    let endpoint = raw_peer(&ca, "node-a");
-    let (conn, mut control, _data) = raw_peer_spoke(&endpoint, "node-a", &b).await;
+    let Spoken {
+        _ca,
+        b,
+        endpoint: _endpoint,
+        conn,
+        mut control,
+        data: _data,
+    } = node_b_spoken_to_by_a().await;
     let mut leaving = Vec::new();
     aqueduct_core::mesh_codec::encode_control(&aqueduct_core::mesh::Control::Leaving, &mut leaving);
     control.write_all(&leaving).await.expect("write");
@@ -2087,10 +2121,14 @@ async fn a_peer_that_says_it_leaves_and_stays_is_closed() {
 /// counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_control_stream_that_breaks_the_protocol_is_closed_and_counted() {
-    let ca = ClusterCa::new();
-    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
-    let endpoint = raw_peer(&ca, "node-a");
-    let (conn, mut control, _data) = raw_peer_spoke(&endpoint, "node-a", &b).await;
+    let Spoken {
+        _ca,
+        b,
+        endpoint: _endpoint,
+        conn,
+        mut control,
+        data: _data,
+    } = node_b_spoken_to_by_a().await;
     // A message of 25 bytes whose kind (0x7f) no version knows.
     let mut bad = vec![0x15, 0, 0, 0, 0x7f];
     bad.extend_from_slice(&[0u8; 20]);
@@ -2107,10 +2145,14 @@ async fn a_control_stream_that_breaks_the_protocol_is_closed_and_counted() {
 /// was counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_with_a_malformed_record_is_refused_and_counted() {
-    let ca = ClusterCa::new();
-    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
-    let endpoint = raw_peer(&ca, "node-a");
-    let (conn, _control, mut data) = raw_peer_spoke(&endpoint, "node-a", &b).await;
+    let Spoken {
+        _ca,
+        b,
+        endpoint: _endpoint,
+        conn,
+        control: _control,
+        mut data,
+    } = node_b_spoken_to_by_a().await;
     // A plain block (kind 1) of 2 bytes: one record whose routing claims 65,535 bytes.
     data.write_all(&[1, 2, 0, 0, 0, 0xff, 0xff])
         .await
@@ -2132,10 +2174,14 @@ async fn a_block_with_a_malformed_record_is_refused_and_counted() {
 /// peer's `cluster.max_peer_interest`"): every such close was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_closing_for_a_protocol_error_is_not_an_interest_refusal() {
-    let ca = ClusterCa::new();
-    let b = TestBroker::start_with(|c| c.cluster = ca.node("node-b", None)).await;
-    let endpoint = raw_peer(&ca, "node-a");
-    let (conn, _control, _data) = raw_peer_spoke(&endpoint, "node-a", &b).await;
+    let Spoken {
+        _ca,
+        b,
+        endpoint: _endpoint,
+        conn,
+        control: _control,
+        data: _data,
+    } = node_b_spoken_to_by_a().await;
     conn.close(0u32.into(), aqueduct_core::mesh::PROTOCOL_ERROR.as_bytes());
     // The node hears of the refusal before it forgets the connection (one channel, in order).
     until("the node to forget the peer", || peers_of(&b).is_empty()).await;
