@@ -115,19 +115,28 @@ fn batch_publish_drain(c: &mut Criterion) {
     g.finish();
 }
 
+/// `n` plain subscriptions to exactly `topic`.
+fn subscribed(
+    broker: &Broker,
+    topic: &TopicName,
+    n: usize,
+) -> Vec<std::sync::Arc<aqueduct_core::Subscriber>> {
+    (0..n)
+        .map(|_| {
+            broker.subscribe(
+                &SubscribeSpec::new(TopicFilter::from(topic.clone())),
+                SubscribeOptions::default(),
+            )
+        })
+        .collect()
+}
+
 fn fan_out(c: &mut Criterion) {
     let mut g = c.benchmark_group("fan_out_128B");
     for n in [1usize, 10, 100] {
         let broker = Broker::new(BrokerConfig::default());
         let topic = TopicName::try_from("news/world").expect("valid");
-        let subs: Vec<_> = (0..n)
-            .map(|_| {
-                broker.subscribe(
-                    &SubscribeSpec::new(TopicFilter::from(topic.clone())),
-                    SubscribeOptions::default(),
-                )
-            })
-            .collect();
+        let subs = subscribed(&broker, &topic, n);
         let body = [0xABu8; 128];
         let mut ctx = PublishContext::default();
         let mut out = BytesMut::with_capacity(64 * 1024);
@@ -159,14 +168,7 @@ fn held_by_full_block_queues(c: &mut Criterion) {
             ..Default::default()
         });
         let topic = TopicName::try_from("jobs").expect("valid");
-        let subs: Vec<_> = (0..n)
-            .map(|_| {
-                broker.subscribe(
-                    &SubscribeSpec::new(TopicFilter::from(topic.clone())),
-                    SubscribeOptions::default(),
-                )
-            })
-            .collect();
+        let subs = subscribed(&broker, &topic, n);
         let body = [0xABu8; 128];
         let mut ctx = PublishContext::default();
         let mut out = BytesMut::with_capacity(64 * 1024);
