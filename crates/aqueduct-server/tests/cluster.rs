@@ -2086,23 +2086,16 @@ async fn closed_by_node(conn: &quinn::Connection, wait: Duration) -> String {
 /// time on a new connection) made it keep ever more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_says_it_leaves_and_stays_is_closed() {
-    let Spoken {
-        _ca,
-        b,
-        endpoint: _endpoint,
-        conn,
-        mut control,
-        data: _data,
-    } = node_b_spoken_to_by_a().await;
+    let mut p = node_b_spoken_to_by_a().await;
     let mut leaving = Vec::new();
     aqueduct_core::mesh_codec::encode_control(&aqueduct_core::mesh::Control::Leaving, &mut leaving);
-    control.write_all(&leaving).await.expect("write");
+    p.control.write_all(&leaving).await.expect("write");
     until("the node to forget the leaving peer", || {
-        peers_of(&b).is_empty()
+        peers_of(&p.b).is_empty()
     })
     .await;
     let started = std::time::Instant::now();
-    let why = closed_by_node(&conn, Duration::from_secs(20)).await;
+    let why = closed_by_node(&p.conn, Duration::from_secs(20)).await;
     assert_eq!(
         why,
         "the peer said it was leaving but kept the connection open"
@@ -2112,8 +2105,8 @@ async fn a_peer_that_says_it_leaves_and_stays_is_closed() {
         "not before the leave's own wait: {:?}",
         started.elapsed()
     );
-    assert_eq!(protocol_errors(&b), 1);
-    b.stop().await.expect("clean shutdown");
+    assert_eq!(protocol_errors(&p.b), 1);
+    p.b.stop().await.expect("clean shutdown");
 }
 
 /// A control stream that breaks the mesh protocol (here a message of an unknown kind) has its
@@ -2121,22 +2114,15 @@ async fn a_peer_that_says_it_leaves_and_stays_is_closed() {
 /// counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_control_stream_that_breaks_the_protocol_is_closed_and_counted() {
-    let Spoken {
-        _ca,
-        b,
-        endpoint: _endpoint,
-        conn,
-        mut control,
-        data: _data,
-    } = node_b_spoken_to_by_a().await;
+    let mut p = node_b_spoken_to_by_a().await;
     // A message of 25 bytes whose kind (0x7f) no version knows.
     let mut bad = vec![0x15, 0, 0, 0, 0x7f];
     bad.extend_from_slice(&[0u8; 20]);
-    control.write_all(&bad).await.expect("write");
-    let why = closed_by_node(&conn, Duration::from_secs(5)).await;
+    p.control.write_all(&bad).await.expect("write");
+    let why = closed_by_node(&p.conn, Duration::from_secs(5)).await;
     assert_eq!(why, aqueduct_core::mesh::PROTOCOL_ERROR);
-    assert_eq!(protocol_errors(&b), 1);
-    b.stop().await.expect("clean shutdown");
+    assert_eq!(protocol_errors(&p.b), 1);
+    p.b.stop().await.expect("clean shutdown");
 }
 
 /// A data stream whose block holds a malformed record (routing longer than the record) has its
@@ -2145,28 +2131,22 @@ async fn a_control_stream_that_breaks_the_protocol_is_closed_and_counted() {
 /// was counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_with_a_malformed_record_is_refused_and_counted() {
-    let Spoken {
-        _ca,
-        b,
-        endpoint: _endpoint,
-        conn,
-        control: _control,
-        mut data,
-    } = node_b_spoken_to_by_a().await;
+    let mut p = node_b_spoken_to_by_a().await;
     // A plain block (kind 1) of 2 bytes: one record whose routing claims 65,535 bytes.
-    data.write_all(&[1, 2, 0, 0, 0, 0xff, 0xff])
+    p.data
+        .write_all(&[1, 2, 0, 0, 0, 0xff, 0xff])
         .await
         .expect("write");
-    let why = closed_by_node(&conn, Duration::from_secs(5)).await;
+    let why = closed_by_node(&p.conn, Duration::from_secs(5)).await;
     assert_eq!(why, aqueduct_core::mesh::PROTOCOL_ERROR);
-    let mesh = b.control.mesh().expect("cluster on");
+    let mesh = p.b.control.mesh().expect("cluster on");
     assert_eq!(
         mesh.refused_blocks
             .load(std::sync::atomic::Ordering::Relaxed),
         1
     );
-    assert_eq!(protocol_errors(&b), 1);
-    b.stop().await.expect("clean shutdown");
+    assert_eq!(protocol_errors(&p.b), 1);
+    p.b.stop().await.expect("clean shutdown");
 }
 
 /// A peer that closes this node's connection for a protocol error is not counted as refusing
@@ -2174,24 +2154,18 @@ async fn a_block_with_a_malformed_record_is_refused_and_counted() {
 /// peer's `cluster.max_peer_interest`"): every such close was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_closing_for_a_protocol_error_is_not_an_interest_refusal() {
-    let Spoken {
-        _ca,
-        b,
-        endpoint: _endpoint,
-        conn,
-        control: _control,
-        data: _data,
-    } = node_b_spoken_to_by_a().await;
-    conn.close(0u32.into(), aqueduct_core::mesh::PROTOCOL_ERROR.as_bytes());
+    let p = node_b_spoken_to_by_a().await;
+    p.conn
+        .close(0u32.into(), aqueduct_core::mesh::PROTOCOL_ERROR.as_bytes());
     // The node hears of the refusal before it forgets the connection (one channel, in order).
-    until("the node to forget the peer", || peers_of(&b).is_empty()).await;
-    let mesh = b.control.mesh().expect("cluster on");
+    until("the node to forget the peer", || peers_of(&p.b).is_empty()).await;
+    let mesh = p.b.control.mesh().expect("cluster on");
     assert_eq!(
         mesh.refused_by_peer
             .load(std::sync::atomic::Ordering::Relaxed),
         0
     );
-    b.stop().await.expect("clean shutdown");
+    p.b.stop().await.expect("clean shutdown");
 }
 
 /// The cap of 8 connections per peer counts this node's dials too: with 8 of the peer's open,
