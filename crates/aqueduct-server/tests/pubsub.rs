@@ -777,6 +777,16 @@ async fn close_after_an_earlier_stream_failed_still_flushes_the_current_one() {
     close_and_stop(watcher, b).await;
 }
 
+/// A broker whose queues hold 4 messages and whose `block` subscriptions may hold a publisher
+/// for `timeout`.
+async fn block_timeout_broker(timeout: Duration) -> TestBroker {
+    TestBroker::start_with(|c| {
+        c.broker.queue_size = 4;
+        c.block_timeout = Some(timeout);
+    })
+    .await
+}
+
 /// A `block` subscription with one unsettled delivery at a time: never settled, its queue fills
 /// behind the first while its stream itself has room.
 fn stuck_block() -> SubscribeOptions {
@@ -792,11 +802,7 @@ fn stuck_block() -> SubscribeOptions {
 /// (policy disconnect)", a policy the subscription did not have.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_timeout_close_says_why() {
-    let b = TestBroker::start_with(|c| {
-        c.broker.queue_size = 4;
-        c.block_timeout = Some(Duration::from_millis(300));
-    })
-    .await;
+    let b = block_timeout_broker(Duration::from_millis(300)).await;
     let subscriber = b.client().await;
     // One unsettled delivery at a time and none settled: the queue fills behind the first,
     // while the stream itself has room (so the broker sends an ERROR, not a reset).
@@ -842,11 +848,7 @@ async fn a_block_timeout_close_says_why() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_stuck_block_subscriptions_hold_a_publisher_for_one_block_timeout() {
     const STUCK: usize = 8;
-    let b = TestBroker::start_with(|c| {
-        c.broker.queue_size = 4;
-        c.block_timeout = Some(Duration::from_secs(1));
-    })
-    .await;
+    let b = block_timeout_broker(Duration::from_secs(1)).await;
     let subscriber = b.client().await;
     let opts = stuck_block();
     let mut subs = Vec::new();
