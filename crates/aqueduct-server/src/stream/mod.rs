@@ -1889,8 +1889,10 @@ async fn write_loop<S: SendHalf + 'static>(
 #[derive(Default)]
 struct Holds {
     subs: Vec<Arc<Subscriber>>,
-    /// Their ids: each is in `subs` once, found in constant time.
-    ids: std::collections::HashSet<aqueduct_core::SubscriberId>,
+    /// Their ids: each is in `subs` once, found in constant time. A fixed hasher: the ids are
+    /// the broker's own (no flooding to fear), and a `Holds` is made for every frame, so its
+    /// set must cost nothing to create (std's `RandomState` touches a thread-local).
+    ids: std::collections::HashSet<aqueduct_core::SubscriberId, foldhash::fast::FixedState>,
 }
 
 impl Drop for Holds {
