@@ -575,7 +575,9 @@ fn ttl_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// A duration as the options take it: a number (whole, or with a fractional part as in `1.5s`)
-/// and a unit (`us`, `ms`, `s`, `m` or `h`; a bare number is seconds).
+/// and a unit (`us`, `ms`, `s`, `m` or `h`; a bare number is seconds). Not the configuration's
+/// parser (`aqueduct_server::config`, humantime), which takes neither a bare number nor a
+/// fraction; both share its upper bound, `MAX_DURATION`.
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s
